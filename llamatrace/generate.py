@@ -1,0 +1,98 @@
+"""Prefill + decode loop. It knows token ids only: no text, no printing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .errors import OptionError, PromptError
+from .sampling import Sampler, SamplingParams
+from .trace import Recorder
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one generation (seconds; rates in tokens/s)."""
+
+    prompt_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    stop_reason: str | None = None          # "eos", "max_tokens" or "context"
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    last_logits: np.ndarray | None = None   # float32 [vocab_size] after the last forward call
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def default_ctx_size(model, n_prompt: int, max_tokens: int) -> int:
+    """KV-cache capacity: ``min(context length, prompt + max_tokens)`` — never a full 128k by default."""
+    return min(model.config.max_seq_len, n_prompt + max_tokens)
+
+
+def check_prompt_fits(model, n_prompt: int, ctx_size: int) -> None:
+    """Raise :class:`PromptError` (before any compute) when the prompt cannot fit."""
+    if n_prompt == 0:
+        raise PromptError("the prompt is empty: give some text (or --prompt-file FILE)")
+    limit = min(ctx_size, model.config.max_seq_len)
+    if n_prompt > limit:
+        raise PromptError(f"the prompt has {n_prompt} tokens but the context holds {limit} "
+                          f"(model context length {model.config.max_seq_len}, --ctx-size {ctx_size}); "
+                          f"shorten the prompt or raise --ctx-size")
+
+
+def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
+             ctx_size: int | None = None, recorder: Recorder | None = None,
+             stats: GenerationStats | None = None, stop_ids: frozenset[int] | None = None) -> Iterator[int]:
+    """Yield generated token ids one by one.
+
+    The prompt is run as one ``[seq_len, dim]`` prefill at ``start_pos`` 0, then one token per
+    decode step. Stops at an end-of-generation id (not yielded), after ``max_tokens``, or when the
+    KV cache (``ctx_size`` positions) is full; ``stats.stop_reason`` says which.
+
+    Raises:
+        OptionError: ``max_tokens`` <= 0 or a bad ``ctx_size``.
+        PromptError: empty prompt or one longer than the context.
+    """
+    if max_tokens <= 0:
+        raise OptionError(f"--max-tokens must be a positive integer, got {max_tokens}")
+    stats = stats if stats is not None else GenerationStats()
+    sampler = Sampler(sampling or SamplingParams())
+    stop_ids = model.tokenizer.stop_ids if stop_ids is None else stop_ids
+    n_prompt = len(prompt_ids)
+    ctx_size = ctx_size or default_ctx_size(model, n_prompt, max_tokens)
+    check_prompt_fits(model, n_prompt, ctx_size)
+    cache = model.new_cache(ctx_size)
+    stats.prompt_tokens = n_prompt
+
+    t0 = time.perf_counter()
+    logits = model.forward(np.asarray(prompt_ids), 0, cache, recorder=recorder)[-1]
+    stats.prefill_s = time.perf_counter() - t0
+    stats.last_logits = logits
+    while True:
+        token = sampler(logits)
+        if token in stop_ids:
+            stats.stop_reason = "eos"
+            return
+        stats.generated.append(token)
+        yield token
+        if len(stats.generated) >= max_tokens:
+            stats.stop_reason = "max_tokens"
+            return
+        if cache.space_left() == 0:
+            stats.stop_reason = "context"
+            return
+        t0 = time.perf_counter()
+        logits = model.forward(np.asarray([token]), cache.pos, cache, recorder=recorder)[-1]
+        stats.decode_s += time.perf_counter() - t0
+        stats.decode_steps += 1
+        stats.last_logits = logits

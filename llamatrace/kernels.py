@@ -1,0 +1,197 @@
+"""Small fp32 kernels of the forward pass: RMSNorm, RoPE, softmax, SiLU.
+
+Each Numba kernel ``foo`` has a plain NumPy twin ``foo_ref`` with the same contract; the tests
+check one against the other. Shapes follow the forward pass: ``[seq_len, dim]`` activations,
+``[seq_len, n_heads, head_dim]`` per-head tensors, ``[n_heads, seq_len, kv_len]`` scores.
+The big weight matmuls live in :mod:`llamatrace.quant`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+# No fastmath here: its nnan/ninf flags would break the -inf of the causal mask.
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm — Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"; Meta model.py RMSNorm:
+#   y = x / sqrt(mean(x²) + eps) * weight
+# ---------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def rmsnorm(x, weight, eps):
+    """RMSNorm each row of ``x``.
+
+    Args:
+        x: float32 ``[seq_len, dim]``.
+        weight: float32 ``[dim]`` (the GGUF ``*_norm.weight``).
+        eps: epsilon added to the mean square (``norm_eps``).
+
+    Returns:
+        float32 ``[seq_len, dim]``; the mean square is accumulated in float64.
+    """
+    seq_len, dim = x.shape
+    out = np.empty((seq_len, dim), dtype=np.float32)
+    for i in range(seq_len):
+        ss = 0.0
+        for j in range(dim):
+            v = np.float64(x[i, j])
+            ss += v * v
+        scale = np.float32(1.0 / math.sqrt(ss / dim + eps))
+        for j in range(dim):
+            out[i, j] = (x[i, j] * scale) * weight[j]
+    return out
+
+
+def rmsnorm_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """NumPy twin of :func:`rmsnorm`."""
+    ms = np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True)
+    scale = (1.0 / np.sqrt(ms + eps)).astype(np.float32)
+    return ((x * scale) * weight).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding — Su et al. 2021 "RoFormer"; Meta model.py precompute_freqs_cis /
+# apply_rotary_emb. GGUF's llama layout rotates ADJACENT pairs (x[2i], x[2i+1]) — the converter
+# permuted Q/K rows for it; HF's rotate_half (split halves) is a different layout.
+# ---------------------------------------------------------------------------------------------
+
+def rope_frequencies(rope_dim: int, theta: float, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """Inverse frequencies ``theta ** (-2i / rope_dim)`` for i in ``[0, rope_dim/2)``, float64.
+
+    ``freq_factors`` (GGUF ``rope_freqs.weight``, Llama 3.1's long-context scaling) divide them.
+    """
+    freqs = 1.0 / (theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
+    if freq_factors is not None:
+        freqs = freqs / freq_factors.astype(np.float64)
+    return freqs
+
+
+def precompute_freqs_cis(inv_freq: np.ndarray, start_pos: int, seq_len: int) -> np.ndarray:
+    """``freqs_cis[p, i] = exp(1j * (start_pos + p) * inv_freq[i])``.
+
+    Returns complex64 ``[seq_len, rope_dim/2]`` (the chapter's freqsCis ``{22, 64}``).
+    """
+    t = np.arange(start_pos, start_pos + seq_len, dtype=np.float64)
+    angles = np.outer(t, inv_freq)
+    return np.exp(1j * angles).astype(np.complex64)
+
+
+@njit(cache=True)
+def rope(x, cos, sin):
+    """Rotate adjacent pairs of every head: ``(a, b) -> (a·cos - b·sin, a·sin + b·cos)``.
+
+    Args:
+        x: float32 ``[seq_len, n_heads, head_dim]``.
+        cos, sin: float32 ``[seq_len, rope_dim/2]`` (real/imag parts of ``freqs_cis``);
+            dims past ``rope_dim`` are left unrotated.
+
+    Returns:
+        float32 ``[seq_len, n_heads, head_dim]`` (a new array).
+    """
+    seq_len, n_heads, head_dim = x.shape
+    half = cos.shape[1]
+    out = x.copy()
+    for s in range(seq_len):
+        for h in range(n_heads):
+            for i in range(half):
+                a = x[s, h, 2 * i]
+                b = x[s, h, 2 * i + 1]
+                c = cos[s, i]
+                si = sin[s, i]
+                out[s, h, 2 * i] = a * c - b * si
+                out[s, h, 2 * i + 1] = a * si + b * c
+    return out
+
+
+def rope_ref(x: np.ndarray, freqs_cis: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`rope`, written as Meta's ``apply_rotary_emb`` (view pairs as complex)."""
+    seq_len, n_heads, head_dim = x.shape
+    rot = 2 * freqs_cis.shape[1]
+    out = x.copy()
+    pairs = x[..., :rot].astype(np.float32).reshape(seq_len, n_heads, rot // 2, 2)
+    xc = pairs[..., 0] + 1j * pairs[..., 1]
+    yc = xc * freqs_cis[:, None, :]
+    out[..., :rot] = np.stack([yc.real, yc.imag], axis=-1).reshape(seq_len, n_heads, rot)
+    return out.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal mask and softmax
+# ---------------------------------------------------------------------------------------------
+
+def causal_mask(seq_len: int, start_pos: int) -> np.ndarray:
+    """Additive causal mask, float32 ``[seq_len, start_pos + seq_len]``.
+
+    Query row ``i`` sits at absolute position ``start_pos + i`` and may attend to every cached
+    key at positions ``0 .. start_pos + i``: entries past that are ``-inf``, the rest 0 (Meta's
+    ``torch.hstack([zeros(seq_len, start_pos), triu(full(-inf), diagonal=1)])``).
+    """
+    kv_len = start_pos + seq_len
+    rows = np.arange(seq_len)[:, None] + start_pos
+    cols = np.arange(kv_len)[None, :]
+    return np.where(cols > rows, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
+
+
+@njit(cache=True)
+def softmax(x):
+    """Softmax over the last axis of float32 ``[..., n]`` (3-D ``[n_heads, seq_len, kv_len]``).
+
+    Computed in fp32 with the row max subtracted; a row that is entirely ``-inf`` (fully masked)
+    gives zeros instead of NaN.
+    """
+    a, b, n = x.shape
+    out = np.empty_like(x)
+    for i in range(a):
+        for j in range(b):
+            m = -np.inf
+            for k in range(n):
+                if x[i, j, k] > m:
+                    m = x[i, j, k]
+            if m == -np.inf:
+                for k in range(n):
+                    out[i, j, k] = 0.0
+                continue
+            total = np.float32(0.0)
+            for k in range(n):
+                e = np.exp(x[i, j, k] - m)
+                out[i, j, k] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for k in range(n):
+                out[i, j, k] *= inv
+    return out
+
+
+def softmax_ref(x: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`softmax` (fully masked rows give zeros)."""
+    m = np.max(x, axis=-1, keepdims=True)
+    finite = np.isfinite(m)
+    e = np.exp(x - np.where(finite, m, 0.0)).astype(np.float32)
+    e = np.where(finite, e, 0.0)
+    s = np.sum(e, axis=-1, keepdims=True)
+    return np.where(s > 0, e / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU — Shazeer 2020, "GLU Variants Improve Transformer": FFN(x) = w2(silu(w1 x) * w3 x)
+# ---------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def silu(x):
+    """``x * sigmoid(x)`` elementwise on float32 ``[seq_len, hidden_dim]``."""
+    out = np.empty_like(x)
+    flat_in = x.reshape(-1)
+    flat_out = out.reshape(-1)
+    for i in range(flat_in.size):
+        v = flat_in[i]
+        flat_out[i] = v / (np.float32(1.0) + np.exp(-v))
+    return out
+
+
+def silu_ref(x: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`silu`."""
+    return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)

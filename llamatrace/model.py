@@ -1,0 +1,350 @@
+"""The Llama forward pass — one commented layer loop, in the chapter's order.
+
+References: Meta's ``llama/model.py`` (names: ``wq``, ``freqs_cis``, ``repeat_kv``...),
+llama-nuts-and-bolts ch. 15–16 (the stages and their ``[DEBUG]`` lines), llama.cpp's graph
+(stage ids). Weights stay quantized (:mod:`llamatrace.quant`); activations are float32.
+Every stage reports its output through ``emit`` (a no-op unless a :class:`Recorder` listens).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import gguf
+import numpy as np
+
+from . import kernels, quant
+from .cache import KVCache
+from .config import ModelConfig
+from .errors import ModelFormatError, OptionError
+from .gguf_io import GGUFFile, check_tensor_types, open_gguf
+from .tokenizer import Tokenizer
+from .trace import Emit, Recorder, null_emit
+
+
+@dataclass
+class LayerWeights:
+    """One transformer block (GGUF ``blk.N.*``), matrices as ``[out_features, in_features]``.
+
+    ``wqkv`` / ``w13`` stack the rows of wq|wk|wv and w1|w3 when their types match, so one
+    parallel kernel call serves all three (or two) projections; otherwise they are ``None``.
+    """
+
+    attention_norm: np.ndarray        # float32 [dim]
+    wq: quant.Weight | None           # [n_heads*head_dim, dim]
+    wk: quant.Weight | None           # [n_kv_heads*head_dim, dim]
+    wv: quant.Weight | None           # [n_kv_heads*head_dim, dim]
+    wqkv: quant.Weight | None         # [(n_heads + 2*n_kv_heads)*head_dim, dim]
+    wo: quant.Weight                  # [dim, n_heads*head_dim]
+    ffn_norm: np.ndarray              # float32 [dim]
+    w1: quant.Weight | None           # gate [hidden_dim, dim]
+    w3: quant.Weight | None           # up   [hidden_dim, dim]
+    w13: quant.Weight | None          # [2*hidden_dim, dim]
+    w2: quant.Weight                  # down [dim, hidden_dim]
+
+
+@dataclass
+class Weights:
+    tok_embeddings: quant.Weight      # [vocab_size, dim]
+    layers: list[LayerWeights]
+    norm: np.ndarray                  # float32 [dim]
+    output: quant.Weight              # [vocab_size, dim]; the same object as tok_embeddings when tied
+    tied_output: bool
+
+    @property
+    def nbytes(self) -> int:
+        mats = {id(w): w.nbytes for lw in self.layers
+                for w in (lw.wq, lw.wk, lw.wv, lw.wqkv, lw.wo, lw.w1, lw.w3, lw.w13, lw.w2) if w is not None}
+        mats[id(self.tok_embeddings)] = self.tok_embeddings.nbytes
+        mats[id(self.output)] = self.output.nbytes
+        norms = sum(lw.attention_norm.nbytes + lw.ffn_norm.nbytes for lw in self.layers) + self.norm.nbytes
+        return sum(mats.values()) + norms
+
+
+class Llama:
+    """A loaded model: config, packed weights, tokenizer, and the forward pass.
+
+    Build it with :meth:`Llama.load`. Not thread-safe (one forward at a time).
+    """
+
+    def __init__(self, gguf_file: GGUFFile, config: ModelConfig, weights: Weights,
+                 tokenizer: Tokenizer, inv_freq: np.ndarray, load_s: float) -> None:
+        self.file = gguf_file
+        self.path = gguf_file.path
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.inv_freq = inv_freq                 # float64 [rope_dim/2]
+        self.load_s = load_s
+        self._recorder: Recorder | None = None
+        self.weight_shapes = {name: gguf_file.matrix_shape(name) for name in gguf_file.tensors}
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Llama":
+        """Open, validate and pack a llama-architecture GGUF model.
+
+        Raises:
+            ModelNotFoundError, ModelFormatError: the file is missing or malformed.
+            UnsupportedModelError: architecture, vocabulary or a tensor type llamatrace can't run.
+        """
+        t0 = time.perf_counter()
+        f = open_gguf(path)
+        name = Path(path).name
+        if "token_embd.weight" not in f.tensors:
+            f.tensor("token_embd.weight")                      # raises the missing-tensor error
+        vocab_size = f.matrix_shape("token_embd.weight")[0]
+        config = ModelConfig.from_metadata(f.metadata, vocab_size=vocab_size, source=name)
+        tokenizer = Tokenizer.from_reader(f.reader, path=str(path))
+        check_tensor_types(f, quant.SUPPORTED_TYPES)
+        weights = _load_weights(f, config)
+        freq_factors = None
+        if "rope_freqs.weight" in f.tensors:                   # Llama 3.1 long-context RoPE scaling
+            freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
+        inv_freq = kernels.rope_frequencies(config.rope_dim, config.rope_theta, freq_factors)
+        return cls(f, config, weights, tokenizer, inv_freq, time.perf_counter() - t0)
+
+    def new_cache(self, max_seq: int) -> KVCache:
+        """A KV cache for ``max_seq`` positions (float32, ``2 * n_layers * max_seq * kv_dim * 4`` bytes)."""
+        if not 0 < max_seq <= self.config.max_seq_len:
+            raise OptionError(f"--ctx-size {max_seq} is out of range: it must be between 1 and the model's "
+                              f"context length {self.config.max_seq_len}")
+        c = self.config
+        return KVCache(c.n_layers, max_seq, c.n_kv_heads, c.head_dim)
+
+    @contextmanager
+    def trace(self, layers=None, stages=None, **options) -> Iterator[Recorder]:
+        """Record every forward call made inside the ``with`` block.
+
+        ``with model.trace(layers=[0], stages=["kq*"], stats=True) as rec: model.generate(...)``;
+        ``rec.events`` then holds the events. Options are those of :class:`Recorder`.
+        """
+        recorder = Recorder(layers=layers, stages=stages, **options)
+        previous, self._recorder = self._recorder, recorder
+        try:
+            yield recorder
+        finally:
+            self._recorder = previous
+
+    def generate(self, prompt_ids, **kwargs):
+        """Shorthand for :func:`llamatrace.generate.generate` on this model."""
+        from .generate import generate
+        return generate(self, prompt_ids, **kwargs)
+
+    def shape_vars(self, start_pos: int, seq_len: int, max_seq: int) -> dict[str, int]:
+        c = self.config
+        return dict(seq_len=seq_len, kv_len=start_pos + seq_len, dim=c.dim, n_heads=c.n_heads,
+                    n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, hidden_dim=c.hidden_dim,
+                    vocab_size=c.vocab_size, rope_half=c.rope_dim // 2, q_dim=c.n_heads * c.head_dim,
+                    kv_dim=c.n_kv_heads * c.head_dim, n_rep=c.n_rep, max_seq=max_seq)
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, tokens, start_pos: int, cache: KVCache, recorder: Recorder | None = None,
+                all_logits: bool = False) -> np.ndarray:
+        """Run ``seq_len`` tokens at positions ``[start_pos, start_pos + seq_len)``.
+
+        Args:
+            tokens: int ``[seq_len]`` token ids.
+            start_pos: position of the first token; the cache must hold positions ``[0, start_pos)``.
+            cache: the KV cache; this call writes positions ``[start_pos, start_pos + seq_len)``
+                and advances ``cache.pos``.
+            recorder: receives one event per stage (defaults to the ``with model.trace()`` one).
+            all_logits: return logits for every position, not only the last. Always on when tracing
+                (the chapter's ``output {22, 128256}``).
+
+        Returns:
+            float32 ``[seq_len or 1, vocab_size]`` logits.
+
+        Raises:
+            OptionError: the tokens do not fit in the cache or an id is out of range.
+        """
+        c, w = self.config, self.weights
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        seq_len = int(tokens.shape[0])
+        end_pos = start_pos + seq_len
+        if seq_len == 0 or end_pos > cache.max_seq or start_pos != cache.pos:
+            raise OptionError(f"cannot run {seq_len} tokens at start_pos {start_pos}: the KV cache holds "
+                              f"{cache.pos} of {cache.max_seq} positions")
+        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+            raise OptionError(f"token id out of range [0, {c.vocab_size})")
+        recorder = recorder if recorder is not None else self._recorder
+        emit: Emit = null_emit
+        if recorder is not None:
+            emit = recorder.begin(start_pos, seq_len, self.shape_vars(start_pos, seq_len, cache.max_seq),
+                                  self.weight_shapes)
+            all_logits = True
+        n_heads, n_kv_heads, head_dim, n_rep = c.n_heads, c.n_kv_heads, c.head_dim, c.n_rep
+
+        # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64
+        freqs_cis = kernels.precompute_freqs_cis(self.inv_freq, start_pos, seq_len)
+        cos = np.ascontiguousarray(freqs_cis.real)
+        sin = np.ascontiguousarray(freqs_cis.imag)
+        emit("freqs_cis", None, freqs_cis)
+        # causal mask [seq_len, kv_len]; one query row sees every cached key and needs none
+        mask = kernels.causal_mask(seq_len, start_pos) if seq_len > 1 else None
+        if mask is not None:
+            emit("kq_mask", None, mask)
+        # token embedding: x [seq_len, dim]
+        x = quant.get_rows(w.tok_embeddings, tokens)
+        emit("inp_embd", None, x)
+
+        for layer, lw in enumerate(w.layers):
+            # attention pre-norm
+            xn = kernels.rmsnorm(x, lw.attention_norm, c.norm_eps)
+            emit("attn_norm", layer, xn)
+            # q/k/v projections: xq [seq_len, n_heads*head_dim], xk/xv [seq_len, n_kv_heads*head_dim]
+            xq, xk, xv = self._qkv(xn, lw)
+            emit("Qcur", layer, xq)
+            emit("Kcur", layer, xk)
+            emit("Vcur", layer, xv)
+            # split into heads: [seq_len, n_(kv_)heads, head_dim]
+            xq = xq.reshape(seq_len, n_heads, head_dim)
+            xk = xk.reshape(seq_len, n_kv_heads, head_dim)
+            xv = xv.reshape(seq_len, n_kv_heads, head_dim)
+            emit("Qcur_heads", layer, xq)
+            emit("Kcur_heads", layer, xk)
+            emit("Vcur_heads", layer, xv)
+            # rotary embedding of queries and keys (values are not rotated)
+            xq = kernels.rope(xq, cos, sin)
+            xk = kernels.rope(xk, cos, sin)
+            emit("Qcur_rope", layer, xq)
+            emit("Kcur_rope", layer, xk)
+            # KV cache: write this chunk at [start_pos:end_pos], read back everything [0:end_pos]
+            cache.k[layer, start_pos:end_pos] = xk
+            cache.v[layer, start_pos:end_pos] = xv
+            emit("cache_k", layer, cache.k[layer, start_pos:end_pos])
+            emit("cache_v", layer, cache.v[layer, start_pos:end_pos])
+            keys = cache.k[layer, :end_pos]                      # [kv_len, n_kv_heads, head_dim]
+            values = cache.v[layer, :end_pos]
+            emit("keys", layer, keys)
+            emit("values", layer, values)
+            # grouped-query attention: each KV head serves n_rep query heads
+            if n_rep > 1:
+                keys = np.repeat(keys, n_rep, axis=1)            # [kv_len, n_heads, head_dim]
+                values = np.repeat(values, n_rep, axis=1)
+                emit("keys_rep", layer, keys)
+                emit("values_rep", layer, values)
+            # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
+            kq = np.matmul(xq.transpose(1, 0, 2), keys.transpose(1, 2, 0))
+            emit("kq", layer, kq)
+            scores = kq * np.float32(1.0 / math.sqrt(head_dim))
+            emit("kq_scaled", layer, scores)
+            if mask is not None:
+                scores = scores + mask                           # broadcast over heads
+                emit("kq_masked", layer, scores)
+            scores = kernels.softmax(scores)
+            emit("kq_soft_max", layer, scores)
+            # weighted values per head [n_heads, seq_len, head_dim], then heads merged [seq_len, q_dim]
+            kqv = np.matmul(scores, values.transpose(1, 0, 2))
+            emit("kqv", layer, kqv)
+            kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
+            emit("kqv_out", layer, kqv_out)
+            attn_out = quant.matmul(kqv_out, lw.wo)
+            emit("attn_out", layer, attn_out)
+            # residual connection around attention
+            h = x + attn_out
+            emit("ffn_inp", layer, h)
+            # feed-forward pre-norm, then SwiGLU: w2(silu(w1·x) * w3·x)
+            hn = kernels.rmsnorm(h, lw.ffn_norm, c.norm_eps)
+            emit("ffn_norm", layer, hn)
+            gate, up = self._gate_up(hn, lw)
+            emit("ffn_gate", layer, gate)
+            gate = kernels.silu(gate)
+            emit("ffn_silu", layer, gate)
+            emit("ffn_up", layer, up)
+            swiglu = gate * up
+            emit("ffn_swiglu", layer, swiglu)
+            ffn_out = quant.matmul(swiglu, lw.w2)
+            emit("ffn_out", layer, ffn_out)
+            # residual connection around the FFN: the block's output
+            x = h + ffn_out
+            emit("l_out", layer, x)
+
+        # final norm and output projection to vocabulary logits
+        if not all_logits:
+            x = x[-1:]
+        x = kernels.rmsnorm(np.ascontiguousarray(x), w.norm, c.norm_eps)
+        emit("result_norm", None, x)
+        logits = quant.matmul(x, w.output)
+        emit("result_output", None, logits)
+        cache.advance(seq_len)
+        return logits
+
+    # q/k/v and gate/up projections share one kernel call when their rows were stacked at load
+    def _qkv(self, xn: np.ndarray, lw: LayerWeights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if lw.wqkv is None:
+            return quant.matmul(xn, lw.wq), quant.matmul(xn, lw.wk), quant.matmul(xn, lw.wv)
+        q_dim = self.config.n_heads * self.config.head_dim
+        kv_dim = self.config.n_kv_heads * self.config.head_dim
+        qkv = quant.matmul(xn, lw.wqkv)
+        return (np.ascontiguousarray(qkv[:, :q_dim]), np.ascontiguousarray(qkv[:, q_dim:q_dim + kv_dim]),
+                np.ascontiguousarray(qkv[:, q_dim + kv_dim:]))
+
+    def _gate_up(self, hn: np.ndarray, lw: LayerWeights) -> tuple[np.ndarray, np.ndarray]:
+        if lw.w13 is None:
+            return quant.matmul(hn, lw.w1), quant.matmul(hn, lw.w3)
+        hidden = self.config.hidden_dim
+        gu = quant.matmul(hn, lw.w13)
+        return np.ascontiguousarray(gu[:, :hidden]), np.ascontiguousarray(gu[:, hidden:])
+
+
+# ----------------------------------------------------------------------------------------------
+def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
+    """Pack every tensor once, checking each shape against the config."""
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+
+    def raw(name: str, shape: tuple[int, ...]):
+        t = f.tensor(name)
+        got = f.matrix_shape(name)
+        if got != shape:
+            raise ModelFormatError(f"{f.path.name}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
+                                   f"from the model config; the file is inconsistent")
+        return t
+
+    def matrix(name: str, n_out: int, n_in: int) -> quant.Weight:
+        t = raw(name, (n_out, n_in))
+        return quant.pack(name, t.tensor_type, t.data, n_out, n_in)
+
+    def vector(name: str, n: int) -> np.ndarray:
+        t = raw(name, (n,))
+        return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(n)
+
+    def stacked(names: list[tuple[str, int]], n_in: int):
+        parts = []
+        for name, n_out in names:
+            t = raw(name, (n_out, n_in))
+            parts.append((t.tensor_type, t.data, n_out, n_in))
+        if len({p[0] for p in parts}) != 1:
+            return None
+        return quant.pack_concat("+".join(n for n, _ in names), parts)
+
+    layers = []
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        wqkv = stacked([(p + "attn_q.weight", q_dim), (p + "attn_k.weight", kv_dim), (p + "attn_v.weight", kv_dim)], c.dim)
+        w13 = stacked([(p + "ffn_gate.weight", c.hidden_dim), (p + "ffn_up.weight", c.hidden_dim)], c.dim)
+        layers.append(LayerWeights(
+            attention_norm=vector(p + "attn_norm.weight", c.dim),
+            wq=None if wqkv else matrix(p + "attn_q.weight", q_dim, c.dim),
+            wk=None if wqkv else matrix(p + "attn_k.weight", kv_dim, c.dim),
+            wv=None if wqkv else matrix(p + "attn_v.weight", kv_dim, c.dim),
+            wqkv=wqkv,
+            wo=matrix(p + "attn_output.weight", c.dim, q_dim),
+            ffn_norm=vector(p + "ffn_norm.weight", c.dim),
+            w1=None if w13 else matrix(p + "ffn_gate.weight", c.hidden_dim, c.dim),
+            w3=None if w13 else matrix(p + "ffn_up.weight", c.hidden_dim, c.dim),
+            w13=w13,
+            w2=matrix(p + "ffn_down.weight", c.dim, c.hidden_dim),
+        ))
+    tok = matrix("token_embd.weight", c.vocab_size, c.dim)
+    tied = "output.weight" not in f.tensors
+    output = tok if tied else matrix("output.weight", c.vocab_size, c.dim)
+    return Weights(tok_embeddings=tok, layers=layers, norm=vector("output_norm.weight", c.dim),
+                   output=output, tied_output=tied)
+

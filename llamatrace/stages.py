@@ -1,0 +1,270 @@
+"""The stage catalogue: the single source of truth for every traced stage.
+
+The forward pass (:mod:`llamatrace.model`) emits one event per stage id below, in this order;
+the tracer, the renderers, the diagrams and the docs all read this table.
+
+Columns, per :class:`Stage`:
+
+* ``id`` — llama.cpp's graph name (``llama-eval-callback`` prints the same), or our own where
+  llama.cpp fuses/reuses a name (``Qcur_rope``, ``kq_scaled``... marked ★ in the docs).
+* ``chapter`` — the tensor's variable name in *llama-nuts-and-bolts* ch. 15–16 (``normalizedX``).
+* ``section`` / ``book_stage`` — the chapter section and the book's "STAGE N" diagram.
+* ``tl_hook`` — the TransformerLens hook that sees the same tensor, for readers who know it.
+* ``shape`` — how the output shape is formed, a formula over :data:`SHAPE_VARS`.
+* ``inputs`` — (chapter name, shape formula) of what the stage consumes; weights are in ``weights``
+  as (chapter name, GGUF tensor suffix) and print ``[out_features in_features]`` as the chapter does.
+* ``when`` — ``always``; ``masked`` (only when a causal mask exists: more than one query row);
+  ``gqa`` (only when ``n_kv_heads < n_heads``).
+* ``lines`` — the log-line templates of the default renderer, in the chapter's wording
+  (``[DEBUG]`` lines of the book). ``{name}`` is an input's shape, ``{out}`` the output's,
+  ``{[formula]}`` any shape formula; also ``{layer1}``, ``{n_layers}``, ``{start_pos}``,
+  ``{end_pos}``, ``{n_rep}``, ``{mask}`` and ``{w_<name>}`` for weight shapes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+# Shape variables a formula may use. kv_len = start_pos + seq_len (keys held in the cache).
+SHAPE_VARS = ("seq_len", "kv_len", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
+              "vocab_size", "rope_half", "q_dim", "kv_dim", "n_rep", "max_seq")
+
+GROUPS = ("input", "attention", "ffn", "output")
+
+
+@dataclass(frozen=True)
+class Stage:
+    id: str
+    level: str                 # "model" or "layer"
+    op: str                    # the operation, as drawn on diagrams
+    chapter: str               # the chapter's tensor name
+    section: str               # chapter section (e.g. "15.3.5")
+    book_stage: int            # the book's STAGE diagram number
+    llama_cpp: str | None      # llama.cpp graph name (None: not a node there)
+    tl_hook: str | None        # TransformerLens hook name
+    group: str                 # timing roll-up: input / attention / ffn / output
+    shape: str                 # output shape formula
+    description: str
+    inputs: tuple[tuple[str, str], ...] = ()
+    weights: tuple[tuple[str, str], ...] = ()
+    when: str = "always"
+    lines: tuple[str, ...] = ()
+
+
+_RESID = "[seq_len, dim]"
+
+STAGES: tuple[Stage, ...] = (
+    # ---- model level, before the blocks ----------------------------------------------------
+    Stage("freqs_cis", "model", "RoPE table", "freqsCis", "10", 5, None, None, "input",
+          "[seq_len, rope_half]",
+          "Rotary frequencies e^(i·pos·θ_j) for this chunk's positions (complex64).",
+          lines=("Calling precomputeFreqsCis for positions [{start_pos}:{end_pos}] -> tensor freqsCis shape({out})",)),
+    Stage("kq_mask", "model", "Causal mask", "mask", "14.3", 5, "KQ_mask", None, "input",
+          "[seq_len, kv_len]",
+          "Additive causal mask: -inf where a query would see a later position (prefill only).",
+          when="masked",
+          lines=("Creating causal mask for sequenceLength {seq_len} and startPos {start_pos} -> tensor mask shape({out})",)),
+    Stage("inp_embd", "model", "Embedding", "inputTensor", "14.2", 4, "inp_embd", "hook_embed", "input",
+          _RESID, "Token embedding rows looked up from token_embd (dequantized).",
+          inputs=(("tokens", "[seq_len]"),), weights=(("tok_embd", "token_embd.weight"),),
+          lines=("Calling Embedding for tokens shape({tokens}) and LlamaTransformer.tok_embd weights shape({w_tok_embd}) -> tensor inputTensor shape({out})",)),
+    # ---- one transformer block ---------------------------------------------------------------
+    Stage("attn_norm", "layer", "RMSNorm", "normalizedX", "15.1", 6, "attn_norm", "ln1.hook_normalized", "attention",
+          _RESID, "Pre-attention RMSNorm of the block input.",
+          inputs=(("x", _RESID),), weights=(("attn_norm", "attn_norm.weight"),),
+          lines=("Calling LlamaTransformerBlock.Forward for layer: {layer1} / {n_layers}, startPos: {start_pos} -> tensor currentTensor",
+                 "LlamaTransformerBlock.Forward started for x: shape({x}), startPos: {start_pos}, freqsCis: shape({[seq_len, rope_half]}), mask: shape({mask})",
+                 "Calling RMSNorm for tensor x shape({x}) and LlamaTransformerBlock.attn_norm weights shape({w_attn_norm}) -> tensor normalizedX",
+                 "Calling LlamaAttention.Forward for tensor normalizedX shape({out}) and startPos: {start_pos}, freqsCis: shape({[seq_len, rope_half]}), mask: shape({mask}) -> tensor h")),
+    Stage("Qcur", "layer", "MatMul", "xq", "15.3.3", 8, "Qcur", "attn.hook_q", "attention",
+          "[seq_len, q_dim]", "Query projection x·wqᵀ.",
+          inputs=(("x", _RESID),), weights=(("attn_wq", "attn_q.weight"),),
+          lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaAttention.attn_wq weights shape({w_attn_wq}) -> tensor xq",)),
+    Stage("Kcur", "layer", "MatMul", "xk", "15.3.3", 8, "Kcur", "attn.hook_k", "attention",
+          "[seq_len, kv_dim]", "Key projection x·wkᵀ.",
+          inputs=(("x", _RESID),), weights=(("attn_wk", "attn_k.weight"),),
+          lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaAttention.attn_wk weights shape({w_attn_wk}) -> tensor xk",)),
+    Stage("Vcur", "layer", "MatMul", "xv", "15.3.3", 8, "Vcur", "attn.hook_v", "attention",
+          "[seq_len, kv_dim]", "Value projection x·wvᵀ.",
+          inputs=(("x", _RESID),), weights=(("attn_wv", "attn_v.weight"),),
+          lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaAttention.attn_wv weights shape({w_attn_wv}) -> tensor xv",
+                 "Parallel results, xq: shape({[seq_len, q_dim]}), xk: shape({[seq_len, kv_dim]}), xv: shape({out})")),
+    Stage("Qcur_heads", "layer", "Reshape", "xq", "15.3.4", 9, None, None, "attention",
+          "[seq_len, n_heads, head_dim]", "Queries split into heads (a view).",
+          inputs=(("xq", "[seq_len, q_dim]"),),
+          lines=("Calling ml.Reshape for xq shape({xq}) -> tensor xq shape({out})",)),
+    Stage("Kcur_heads", "layer", "Reshape", "xk", "15.3.4", 9, None, None, "attention",
+          "[seq_len, n_kv_heads, head_dim]", "Keys split into KV heads (a view).",
+          inputs=(("xk", "[seq_len, kv_dim]"),),
+          lines=("Calling ml.Reshape for xk shape({xk}) -> tensor xk shape({out})",)),
+    Stage("Vcur_heads", "layer", "Reshape", "xv", "15.3.4", 9, None, None, "attention",
+          "[seq_len, n_kv_heads, head_dim]", "Values split into KV heads (a view).",
+          inputs=(("xv", "[seq_len, kv_dim]"),),
+          lines=("Calling ml.Reshape for xv shape({xv}) -> tensor xv shape({out})",
+                 "Reshaping results, xq: shape({[seq_len, n_heads, head_dim]}), xk: shape({[seq_len, n_kv_heads, head_dim]}), xv: shape({out})")),
+    Stage("Qcur_rope", "layer", "RoPE", "xq", "15.3.5", 10, "Qcur", "attn.hook_rot_q", "attention",
+          "[seq_len, n_heads, head_dim]", "Rotary embedding of the queries (adjacent pairs).",
+          inputs=(("xq", "[seq_len, n_heads, head_dim]"), ("freqsCis", "[seq_len, rope_half]")),
+          lines=("Calling applyRotaryEmbeddings for xq shape({xq}) and freqsCis shape({freqsCis}) -> tensor xq",)),
+    Stage("Kcur_rope", "layer", "RoPE", "xk", "15.3.5", 10, "Kcur", "attn.hook_rot_k", "attention",
+          "[seq_len, n_kv_heads, head_dim]", "Rotary embedding of the keys (adjacent pairs).",
+          inputs=(("xk", "[seq_len, n_kv_heads, head_dim]"), ("freqsCis", "[seq_len, rope_half]")),
+          lines=("Calling applyRotaryEmbeddings for xk shape({xk}) and freqsCis shape({freqsCis}) -> tensor xk",
+                 "applyRotaryEmbeddings results, xq: shape({[seq_len, n_heads, head_dim]}), xk: shape({out})")),
+    Stage("cache_k", "layer", "SetSlice", "CacheK", "15.3.6", 11, None, None, "attention",
+          "[seq_len, n_kv_heads, head_dim]", "Keys written into the KV cache at [start_pos:start_pos+seq_len].",
+          inputs=(("xk", "[seq_len, n_kv_heads, head_dim]"), ("CacheK", "[max_seq, n_kv_heads, head_dim]")),
+          lines=("Calling CacheK[{layer}].SetSlice for [{start_pos}:{end_pos}] of CacheK shape({CacheK}) with xk shape({xk})",)),
+    Stage("cache_v", "layer", "SetSlice", "CacheV", "15.3.6", 11, None, None, "attention",
+          "[seq_len, n_kv_heads, head_dim]", "Values written into the KV cache at [start_pos:start_pos+seq_len].",
+          inputs=(("xv", "[seq_len, n_kv_heads, head_dim]"), ("CacheV", "[max_seq, n_kv_heads, head_dim]")),
+          lines=("Calling CacheV[{layer}].SetSlice for [{start_pos}:{end_pos}] of CacheV shape({CacheV}) with xv shape({xv})",)),
+    Stage("keys", "layer", "Slice", "keys", "15.3.7", 11, None, None, "attention",
+          "[kv_len, n_kv_heads, head_dim]", "All cached keys so far, [0:start_pos+seq_len].",
+          inputs=(("CacheK", "[max_seq, n_kv_heads, head_dim]"),),
+          lines=("Calling CacheK[{layer}].Slice for [0:{end_pos}] -> tensor keys shape({out})",)),
+    Stage("values", "layer", "Slice", "values", "15.3.7", 11, None, None, "attention",
+          "[kv_len, n_kv_heads, head_dim]", "All cached values so far, [0:start_pos+seq_len].",
+          inputs=(("CacheV", "[max_seq, n_kv_heads, head_dim]"),),
+          lines=("Calling CacheV[{layer}].Slice for [0:{end_pos}] -> tensor values shape({out})",)),
+    Stage("keys_rep", "layer", "RepeatKV", "keys", "15.3.8", 11, None, None, "attention",
+          "[kv_len, n_heads, head_dim]", "Each KV head repeated n_rep times for grouped-query attention.",
+          inputs=(("keys", "[kv_len, n_kv_heads, head_dim]"),), when="gqa",
+          lines=("Calling attentionRepeatKV for keys shape({keys}) and nRep {n_rep} -> tensor keys shape({out})",)),
+    Stage("values_rep", "layer", "RepeatKV", "values", "15.3.8", 11, None, None, "attention",
+          "[kv_len, n_heads, head_dim]", "Each KV head repeated n_rep times for grouped-query attention.",
+          inputs=(("values", "[kv_len, n_kv_heads, head_dim]"),), when="gqa",
+          lines=("Calling attentionRepeatKV for values shape({values}) and nRep {n_rep} -> tensor values shape({out})",)),
+    Stage("kq", "layer", "MatMul", "xqMatMulKeys", "15.3.9", 13, "kq", None, "attention",
+          "[n_heads, seq_len, kv_len]", "Attention scores q·kᵀ per head (after the chapter's transposes).",
+          inputs=(("xq", "[n_heads, seq_len, head_dim]"), ("keys", "[n_heads, head_dim, kv_len]")),
+          lines=("Multiple transposing results, xq: shape({xq}), keys: shape({keys}), values: shape({[n_heads, kv_len, head_dim]})",
+                 "Calling ml.MatMul for xq shape({xq}) and keys shape({keys}) -> tensor xqMatMulKeys")),
+    Stage("kq_scaled", "layer", "Scale", "scores", "15.3.9", 13, None, None, "attention",
+          "[n_heads, seq_len, kv_len]", "Scores divided by √head_dim.",
+          inputs=(("xqMatMulKeys", "[n_heads, seq_len, kv_len]"),),
+          lines=("Calling ml.DivToScalar for xqMatMulKeys shape({xqMatMulKeys}) and scalar -> tensor scores",)),
+    Stage("kq_masked", "layer", "Add", "scores", "15.3.9", 13, None, "attn.hook_attn_scores", "attention",
+          "[n_heads, seq_len, kv_len]", "Scores plus the causal mask (prefill only).",
+          inputs=(("scores", "[n_heads, seq_len, kv_len]"), ("mask", "[seq_len, kv_len]")), when="masked",
+          lines=("Calling ml.Add to calculate scores shape({scores}) + mask shape({mask}) -> tensor scores",)),
+    Stage("kq_soft_max", "layer", "Softmax", "scores", "15.3.9", 13, "kq_soft_max", "attn.hook_pattern", "attention",
+          "[n_heads, seq_len, kv_len]", "Softmax over the keys axis, in fp32.",
+          inputs=(("scores", "[n_heads, seq_len, kv_len]"),),
+          lines=("Calling ml.Softmax for scores shape({scores}) and dim 2 -> tensor scores",)),
+    Stage("kqv", "layer", "MatMul", "output", "15.3.10", 14, "kqv", "attn.hook_z", "attention",
+          "[n_heads, seq_len, head_dim]", "Attention-weighted sum of the values, per head.",
+          inputs=(("scores", "[n_heads, seq_len, kv_len]"), ("values", "[n_heads, kv_len, head_dim]")),
+          lines=("Calling ml.MatMul for scores shape({scores}) and values shape({values}) -> tensor output",)),
+    Stage("kqv_out", "layer", "Merge heads", "output", "15.3.10", 14, "kqv_out", None, "attention",
+          "[seq_len, q_dim]", "Heads transposed back and concatenated.",
+          inputs=(("output", "[n_heads, seq_len, head_dim]"),),
+          lines=("Calling ml.Transpose and ml.Reshape for output shape({output}) -> tensor output shape({out})",)),
+    Stage("attn_out", "layer", "MatMul", "output", "15.3.10", 14, "attn_out", "hook_attn_out", "attention",
+          _RESID, "Attention output projection output·woᵀ.",
+          inputs=(("output", "[seq_len, q_dim]"),), weights=(("attn_wo", "attn_output.weight"),),
+          lines=("Calling ml.LinearTransformation for output shape({output}) and LlamaAttention.attn_wo weights shape({w_attn_wo}) -> tensor output",
+                 "Returning tensor output: shape({out})")),
+    Stage("ffn_inp", "layer", "Add", "h", "15.4", 15, "ffn_inp", "hook_resid_mid", "attention",
+          _RESID, "Residual: block input plus attention output.",
+          inputs=(("x", _RESID), ("h", _RESID)),
+          lines=("Calling ml.Add to calculate x shape({x}) + h shape({h}) -> tensor h",)),
+    Stage("ffn_norm", "layer", "RMSNorm", "normalizedH", "15.5", 16, "ffn_norm", "ln2.hook_normalized", "ffn",
+          _RESID, "Pre-FFN RMSNorm.",
+          inputs=(("h", _RESID),), weights=(("ffn_norm", "ffn_norm.weight"),),
+          lines=("Calling RMSNorm for tensor h shape({h}) and LlamaTransformerBlock.ffn_norm weights shape({w_ffn_norm}) -> tensor normalizedH",
+                 "Calling LlamaFeedForward.Forward for tensor normalizedH shape({out}) -> tensor ffnOutput")),
+    Stage("ffn_gate", "layer", "MatMul", "h", "15.6", 17, "ffn_gate", "mlp.hook_pre", "ffn",
+          "[seq_len, hidden_dim]", "Gate projection x·w1ᵀ.",
+          inputs=(("x", _RESID),), weights=(("ffn_gate", "ffn_gate.weight"),),
+          lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaFeedForward.ffn_gate weights shape({w_ffn_gate}) -> tensor h",)),
+    Stage("ffn_silu", "layer", "SiLU", "h", "15.6", 17, None, None, "ffn",
+          "[seq_len, hidden_dim]", "SiLU (swish) of the gate: h·sigmoid(h).",
+          inputs=(("h", "[seq_len, hidden_dim]"),),
+          lines=("Calling ml.Silu for h shape({h}) -> tensor h",)),
+    Stage("ffn_up", "layer", "MatMul", "ffnUpX", "15.6", 17, "ffn_up", None, "ffn",
+          "[seq_len, hidden_dim]", "Up projection x·w3ᵀ.",
+          inputs=(("x", _RESID),), weights=(("ffn_up", "ffn_up.weight"),),
+          lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaFeedForward.ffn_up weights shape({w_ffn_up}) -> tensor ffnUpX",)),
+    Stage("ffn_swiglu", "layer", "Multiply", "ffnUpX", "15.6", 17, "ffn_swiglu", "mlp.hook_post", "ffn",
+          "[seq_len, hidden_dim]", "SwiGLU: silu(gate) ⊙ up.",
+          inputs=(("h", "[seq_len, hidden_dim]"), ("ffnUpX", "[seq_len, hidden_dim]")),
+          lines=("Calling ml.MultiplyElementwise for h shape({h}) and ffnUpX weights shape({ffnUpX}) -> tensor ffnUpX",)),
+    Stage("ffn_out", "layer", "MatMul", "ffnOutput", "15.6", 17, "ffn_out", "hook_mlp_out", "ffn",
+          _RESID, "Down projection h·w2ᵀ.",
+          inputs=(("h", "[seq_len, hidden_dim]"),), weights=(("ffn_down", "ffn_down.weight"),),
+          lines=("Calling ml.LinearTransformation for h shape({h}) and LlamaFeedForward.ffn_down weights shape({w_ffn_down}) -> tensor output",
+                 "Returning tensor output: shape({out})")),
+    Stage("l_out", "layer", "Add", "output", "15.7", 18, "l_out", "hook_resid_post", "ffn",
+          _RESID, "Residual: h plus FFN output — the block's output.",
+          inputs=(("h", _RESID), ("ffnOutput", _RESID)),
+          lines=("Calling ml.Add to calculate h shape({h}) + ffnOutput shape({ffnOutput}) -> tensor output",
+                 "Returning tensor output: shape({out})")),
+    # ---- model level, after the blocks --------------------------------------------------------
+    Stage("result_norm", "model", "RMSNorm", "currentTensor", "16.1", 19, "result_norm", "ln_final.hook_normalized", "output",
+          _RESID, "Final RMSNorm of the last block's output.",
+          inputs=(("currentTensor", _RESID),), weights=(("output_norm", "output_norm.weight"),),
+          lines=("Calling RMSNorm for currentTensor shape({currentTensor}) (result of all transformer blocks) and LlamaTransformer.output_norm weights shape({w_output_norm}) -> tensor currentTensor",)),
+    Stage("result_output", "model", "MatMul", "output", "16.2", 19, "result_output", "unembed.hook_out", "output",
+          "[seq_len, vocab_size]", "Output projection to vocabulary logits (all positions when traced).",
+          inputs=(("currentTensor", _RESID),), weights=(("output", "output.weight"),),
+          lines=("Calling ml.LinearTransformation for currentTensor (normalized result of all transformer blocks) shape({currentTensor}) and LlamaTransformer.output weights shape({w_output}) -> tensor output",
+                 "Returning tensor output: shape({out})")),
+)
+
+STAGE_BY_ID: dict[str, Stage] = {s.id: s for s in STAGES}
+STAGE_IDS: tuple[str, ...] = tuple(s.id for s in STAGES)
+LAYER_STAGE_IDS: tuple[str, ...] = tuple(s.id for s in STAGES if s.level == "layer")
+
+
+def stage_applies(stage: Stage, seq_len: int, n_rep: int) -> bool:
+    """Whether ``stage`` is emitted for a chunk of ``seq_len`` queries with ``n_rep`` query heads per KV head."""
+    if stage.when == "masked":
+        return seq_len > 1
+    if stage.when == "gqa":
+        return n_rep > 1
+    return True
+
+
+_TERM = re.compile(r"^[a-z_]+(\*[a-z_]+)*$")
+
+
+def eval_shape(formula: str, dims: Mapping[str, int]) -> tuple[int, ...]:
+    """Evaluate a shape formula such as ``"[seq_len, n_heads, head_dim]"`` or ``"[n_heads*head_dim]"``.
+
+    Raises:
+        KeyError: an unknown variable (a catalogue bug).
+    """
+    body = formula.strip()[1:-1].strip()
+    if not body:
+        return ()
+    out = []
+    for term in body.split(","):
+        term = term.strip()
+        if not _TERM.match(term):
+            raise ValueError(f"bad shape term {term!r} in {formula!r}")
+        value = 1
+        for name in term.split("*"):
+            value *= int(dims[name])
+        out.append(value)
+    return tuple(out)
+
+
+def select_stages(patterns: Iterable[str] | None) -> frozenset[str]:
+    """Stage ids matching any of ``patterns`` (ids or shell globs such as ``kq*``).
+
+    Raises:
+        ValueError: a pattern matches no stage (the message lists the valid ids).
+    """
+    if patterns is None:
+        return frozenset(STAGE_IDS)
+    chosen: set[str] = set()
+    for pattern in patterns:
+        hits = [sid for sid in STAGE_IDS if fnmatch.fnmatchcase(sid, pattern)]
+        if not hits:
+            raise ValueError(f"unknown stage {pattern!r}; valid stages: {', '.join(STAGE_IDS)}")
+        chosen.update(hits)
+    return frozenset(chosen)

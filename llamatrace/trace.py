@@ -1,0 +1,218 @@
+"""Trace events and the scoped recorder the forward pass reports to.
+
+The forward pass calls ``emit(stage_id, layer, array)`` once per stage. Without a recorder,
+``emit`` is :func:`null_emit` (a no-op): tracing costs one Python call per stage when off, and
+the math never changes (TransformerLens' identity-hook idea). A :class:`Recorder` is scoped —
+pass it to ``forward``/``generate`` or use ``with model.trace(...) as rec`` — never global state.
+Filters (layers, stages) are applied before any copy or statistic is made.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Protocol
+
+import numpy as np
+
+from .errors import NumericalError
+from .stages import STAGE_BY_ID, eval_shape, select_stages
+
+Emit = Callable[[str, "int | None", np.ndarray], None]
+
+
+def null_emit(stage: str, layer: int | None, array: np.ndarray) -> None:
+    """The emit function used when nothing is traced."""
+
+
+@dataclass
+class TraceEvent:
+    """One stage of one forward call.
+
+    ``shape`` is the array's real NumPy order; ``inputs`` maps the chapter's input tensor names
+    (and ``<name> weights``) to their shapes; ``elapsed_us`` is wall time since the previous
+    stage ended (the stage's compute; pure views take ~0). ``array`` is a private copy, kept
+    only when the recorder was asked to keep arrays.
+    """
+
+    step: int
+    start_pos: int
+    seq_len: int
+    layer: int | None
+    stage: str
+    op: str
+    inputs: dict[str, list[int]]
+    shape: list[int]
+    dtype: str
+    elapsed_us: float
+    stats: dict[str, Any] | None = None
+    values: dict[str, list] | None = None
+    array: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> str:
+        """``step{S}.layer{L}.{stage}`` or ``step{S}.{stage}`` at model level (the ``.npz`` key)."""
+        if self.layer is None:
+            return f"step{self.step}.{self.stage}"
+        return f"step{self.step}.layer{self.layer}.{self.stage}"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": "event", "step": self.step, "start_pos": self.start_pos, "layer": self.layer,
+            "stage": self.stage, "op": self.op, "inputs": self.inputs, "shape": self.shape,
+            "dtype": self.dtype, "elapsed_us": round(self.elapsed_us, 3),
+        }
+        if self.stats is not None:
+            out["stats"] = self.stats
+        if self.values is not None:
+            out["values"] = self.values
+        return out
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN/Inf: non-finite numbers become ``None`` (the nan/inf counts say why)."""
+    return value if math.isfinite(value) else None
+
+
+def tensor_stats(array: np.ndarray) -> dict[str, Any]:
+    """sum, mean, rms, min, max, abs_max over finite values (float64), and nan/inf counts.
+
+    Complex arrays (``freqs_cis``) are summarised by their magnitude.
+    """
+    a = np.abs(array) if np.iscomplexobj(array) else array
+    a = np.asarray(a, dtype=np.float64).ravel()
+    finite = np.isfinite(a)
+    n_nan = int(np.isnan(a).sum())
+    n_inf = int((~finite).sum()) - n_nan
+    v = a if n_nan + n_inf == 0 else a[finite]
+    if v.size == 0:
+        nums = dict.fromkeys(("sum", "mean", "rms", "min", "max", "abs_max"))
+    else:
+        nums = {
+            "sum": float(v.sum()), "mean": float(v.mean()), "rms": float(np.sqrt(np.mean(v * v))),
+            "min": float(v.min()), "max": float(v.max()), "abs_max": float(np.abs(v).max()),
+        }
+        nums = {k: finite_or_none(x) for k, x in nums.items()}
+    return {**nums, "nan": n_nan, "inf": n_inf}
+
+
+def head_tail(array: np.ndarray, k: int) -> dict[str, list]:
+    """The first and last ``k`` values of the flattened array (non-finite → None)."""
+    flat = np.asarray(array).ravel()
+    if np.iscomplexobj(flat):
+        conv = lambda z: [finite_or_none(float(z.real)), finite_or_none(float(z.imag))]  # noqa: E731
+    else:
+        conv = lambda z: finite_or_none(float(z))  # noqa: E731
+    return {"head": [conv(z) for z in flat[:k]], "tail": [conv(z) for z in flat[-k:]] if k else []}
+
+
+class EventSink(Protocol):
+    def __call__(self, event: TraceEvent) -> None: ...
+
+
+class Recorder:
+    """Collects trace events from forward calls, filtered by layer and stage.
+
+    Args:
+        layers: layer indices to trace (``None`` = all); model-level stages are always eligible.
+        stages: stage ids or globs (``None`` = all).
+        stats: compute :func:`tensor_stats` per event.
+        values: keep the first/last ``values`` numbers of each tensor.
+        keep_arrays: keep a copy of each traced tensor (for ``.npz`` output or Python users).
+        keep_events: keep events in :attr:`events` (turn off when streaming huge traces).
+        check_finite: raise :class:`NumericalError` at the first stage (traced or not) whose
+            output holds NaN/Inf.
+        sinks: callables receiving each event as it is recorded (JSONL writer, live log).
+
+    Raises:
+        ValueError: an unknown stage pattern.
+    """
+
+    def __init__(self, layers: Iterable[int] | None = None, stages: Iterable[str] | None = None, *,
+                 stats: bool = False, values: int = 0, keep_arrays: bool = False,
+                 keep_events: bool = True, check_finite: bool = False,
+                 sinks: Iterable[EventSink] = ()) -> None:
+        self.layers = None if layers is None else frozenset(int(x) for x in layers)
+        self.stage_ids = select_stages(None if stages is None else list(stages))
+        self.stats = stats
+        self.values = int(values)
+        self.keep_arrays = keep_arrays
+        self.keep_events = keep_events
+        self.check_finite = check_finite
+        self.sinks = list(sinks)
+        self.events: list[TraceEvent] = []
+        self.step = -1
+        self._dims: dict[str, int] = {}
+        self._weight_shapes: Mapping[str, tuple[int, ...]] = {}
+
+    def wants(self, layer: int | None, stage: str) -> bool:
+        if stage not in self.stage_ids:
+            return False
+        return layer is None or self.layers is None or layer in self.layers
+
+    def begin(self, start_pos: int, seq_len: int, dims: Mapping[str, int],
+              weight_shapes: Mapping[str, tuple[int, ...]]) -> Emit:
+        """Start one forward call (one ``step``) and return its ``emit`` function.
+
+        ``dims`` holds the shape variables of :data:`llamatrace.stages.SHAPE_VARS`;
+        ``weight_shapes`` maps GGUF tensor names to ``[out_features, in_features]`` / ``[n]``.
+        """
+        self.step += 1
+        step = self.step
+        self._dims = dict(dims)
+        self._weight_shapes = weight_shapes
+        clock = time.perf_counter
+        last = clock()
+
+        def emit(stage_id: str, layer: int | None, array: np.ndarray) -> None:
+            nonlocal last
+            now = clock()
+            if self.check_finite and not np.isfinite(array).all():
+                where = "model level" if layer is None else f"layer {layer}"
+                raise NumericalError(
+                    f"non-finite values (NaN/Inf) in stage {stage_id!r} at {where}, step {step} "
+                    f"(start_pos {start_pos}): inspect it with --stage {stage_id} --stats")
+            if self.wants(layer, stage_id):
+                self._record(step, start_pos, seq_len, layer, stage_id, array, (now - last) * 1e6)
+            last = clock()
+
+        return emit
+
+    def input_shapes(self, stage_id: str, layer: int | None) -> dict[str, list[int]]:
+        """The event's ``inputs``: chapter input names → shapes, weights as ``"<name> weights"``."""
+        stage = STAGE_BY_ID[stage_id]
+        out = {name: list(eval_shape(formula, self._dims)) for name, formula in stage.inputs}
+        for name, suffix in stage.weights:
+            gguf_name = suffix if layer is None else f"blk.{layer}.{suffix}"
+            shape = self._weight_shapes.get(gguf_name)
+            if shape is None and suffix == "output.weight":      # tied output projection
+                shape = self._weight_shapes.get("token_embd.weight")
+            if shape is not None:
+                out[f"{name} weights"] = list(shape)
+        return out
+
+    def _record(self, step: int, start_pos: int, seq_len: int, layer: int | None, stage_id: str,
+                array: np.ndarray, elapsed_us: float) -> None:
+        stage = STAGE_BY_ID[stage_id]
+        event = TraceEvent(
+            step=step, start_pos=start_pos, seq_len=seq_len, layer=layer, stage=stage_id, op=stage.op,
+            inputs=self.input_shapes(stage_id, layer), shape=list(array.shape), dtype=str(array.dtype),
+            elapsed_us=elapsed_us,
+            stats=tensor_stats(array) if self.stats else None,
+            values=head_tail(array, self.values) if self.values else None,
+            array=np.array(array, copy=True) if self.keep_arrays else None,
+        )
+        if self.keep_events:
+            self.events.append(event)
+        for sink in self.sinks:
+            sink(event)
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """Shape variables of the latest step."""
+        return dict(self._dims)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Kept tensors keyed like the ``.npz`` file (``step0.layer0.attn_norm``)."""
+        return {e.key: e.array for e in self.events if e.array is not None}
