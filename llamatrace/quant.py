@@ -1,0 +1,585 @@
+"""Weight storage and matmul kernels that compute directly on GGUF quantized blocks.
+
+A :class:`Weight` is one ``[n_out, n_in]`` matrix (torch/Meta ``out_features x in_features``
+order) repacked once at load time into *row tiles*: ``TR`` consecutive output rows are
+interleaved so that the innermost loop of every kernel runs over ``TR`` rows and compiles to
+512-bit vector instructions (``vfmadd…ps %zmm``). There is no float32 copy of the model: the
+quantized bytes stay as they are in the file, only the float16 scales become float32 (Numba
+has no float16).
+
+GGUF block layouts (per 32 weights of one row, as in gguf-py ``quants.py``)::
+
+    Q4_0  18 bytes  | d f16 | qs[16] |                 w[j] = d * (lo(qs[j]) - 8)
+    Q4_1  20 bytes  | d f16 | m f16 | qs[16] |         w[j] = d * lo(qs[j]) + m
+    Q8_0  34 bytes  | d f16 | q int8[32] |             w[j] = d * q[j]
+    (Q4_x: qs[j] holds element j in its low nibble and element j + 16 in its high nibble,
+     so w[j + 16] uses hi(qs[j]) = qs[j] >> 4.)
+
+Packed layout (T = ceil(n_out / TR) tiles, B = n_in / 32 blocks; padded rows are zero)::
+
+    Q4_0, Q4_1  qs uint8   [T, B, 16, TR]   qs[t, b, j, r] = byte j of block b of row t*TR + r
+                d  float32 [T, B, TR]       m float32 [T, B, TR] (Q4_1 only)
+    Q8_0        qs int8    [T, B, 32, TR]   d float32 [T, B, TR]
+    F32         qs float32 [T, n_in, TR]
+    F16, BF16   qs uint16  [T, n_in, TR]    raw bits, widened through a 65,536-entry table
+
+Resident bytes against the file: Q4_1 24/20 = 1.2x, Q4_0 20/18 = 1.11x, Q8_0 36/34 = 1.06x,
+float types 1.0x (plus row padding to a multiple of ``TR``).
+
+Arithmetic is float32 activations times dequantized weights with float32 accumulation
+(about 1e-7 relative to ``x @ gguf.quants.dequantize(raw).T``); activations are never
+quantized. Each Numba kernel has a plain NumPy twin (``*_np``) that tests compare it with.
+
+Threads: one ``prange`` region per :func:`matmul` call. With Numba's default ``workqueue``
+layer waking the threads costs ~54 us per region; with the ``tbb`` layer (``pip install tbb``;
+Numba picks it first when it is importable) ~2 us. Both work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numba
+import numpy as np
+from numba import njit, prange
+
+from llamatrace.errors import OptionError, UnsupportedModelError
+
+_T = gguf.GGMLQuantizationType
+
+SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
+    {_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1}
+)
+
+TR = 32
+"""Rows per tile: the vector width of the inner loops (2 zmm registers of float32)."""
+
+QK = 32
+"""Weights per quantization block (Q4_0, Q4_1, Q8_0)."""
+
+GEMV_MAX_SEQ = 4
+"""Up to this many rows of ``x`` use the GEMV kernels (weights decoded in registers, once per
+row); more rows use the tiled kernels (each tile dequantized once, reused by every row)."""
+
+_QUANTIZED = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0})
+_BLOCK_BYTES = {_T.Q4_0: 18, _T.Q4_1: 20, _T.Q8_0: 34}
+
+# LLVM flags for the kernels. Not fastmath=True: that adds nnan/ninf, which lets LLVM delete
+# NaN/Inf handling the tracer relies on. Not 'reassoc' either: the kernels write their sums as
+# explicit trees so several FMA chains run in parallel; 'reassoc' lets LLVM fold such a tree
+# back into one serial chain (latency-bound).
+_FASTMATH = {"contract", "arcp", "afn", "nsz"}  # a set: Numba rejects frozenset
+_JIT = dict(cache=True, fastmath=_FASTMATH)
+_JIT_PARALLEL = dict(parallel=True, **_JIT)
+_JIT_INLINE = dict(inline="always", **_JIT)
+
+# float16 / bfloat16 bit patterns -> float32, indexed by the raw uint16.
+_F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+_BF16_TABLE = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+_EMPTY_SCALES = np.zeros((0, 0, TR), dtype=np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Weight:
+    """One ``[n_out, n_in]`` matrix in row-tile layout (see the module docstring).
+
+    ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m``
+    the float32 block scales and minimums (empty where the type has none). ``row_splits``
+    gives the row counts of the matrices fused by :func:`pack_concat` (``(n_out,)`` otherwise),
+    so a caller can ``np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)``.
+    """
+
+    name: str
+    ggml_type: gguf.GGMLQuantizationType
+    n_out: int
+    n_in: int
+    qs: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
+    row_splits: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the packed arrays."""
+        return int(self.qs.nbytes + self.d.nbytes + self.m.nbytes)
+
+    @property
+    def n_tiles(self) -> int:
+        return int(self.qs.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"Weight({self.name!r}, {self.ggml_type.name}, n_out={self.n_out}, "
+                f"n_in={self.n_in}, nbytes={self.nbytes})")
+
+
+# --------------------------------------------------------------------------------------------
+# packing
+
+
+def _unsupported(name: str, ggml_type) -> UnsupportedModelError:
+    type_name = getattr(ggml_type, "name", str(ggml_type))
+    supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+    return UnsupportedModelError(
+        f"tensor {name!r} has type {type_name}, which llamatrace cannot compute with "
+        f"(supported: {supported})"
+    )
+
+
+def _tile_rows(a: np.ndarray, n_out: int) -> np.ndarray:
+    """[n_out, ...] -> [T, TR, ...], zero rows appended up to a multiple of TR."""
+    n_tiles = -(-n_out // TR)
+    pad = n_tiles * TR - n_out
+    if pad:
+        a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], dtype=a.dtype)])
+    return a.reshape((n_tiles, TR) + a.shape[1:])
+
+
+def _f16_scales(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """float16 field at byte ``offset`` of each block [n_out, B, block_bytes] -> float32 [n_out, B]."""
+    return np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> Weight:
+    """Repack one GGUF tensor into row tiles.
+
+    ``raw`` is ``gguf.GGUFReader`` tensor ``.data``: uint8 ``[n_out, row_bytes]`` for the
+    quantized types and BF16, float32 / float16 ``[n_out, n_in]`` for F32 / F16 (any array of
+    the right size and dtype is accepted). Raises :class:`UnsupportedModelError` for a type not
+    in :data:`SUPPORTED_TYPES`, and ``ValueError`` if ``n_in`` is not a multiple of the block
+    size or ``raw`` has the wrong size.
+    """
+    try:
+        ggml_type = _T(ggml_type)
+    except ValueError:
+        raise _unsupported(name, ggml_type) from None
+    if ggml_type not in SUPPORTED_TYPES:
+        raise _unsupported(name, ggml_type)
+    n_out, n_in = int(n_out), int(n_in)
+    if n_out < 1 or n_in < 1:
+        raise ValueError(f"tensor {name!r}: empty shape [{n_out}, {n_in}]")
+    raw = np.asarray(raw)
+
+    if ggml_type in _QUANTIZED:
+        if n_in % QK:
+            raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {QK}")
+        n_blocks, block_bytes = n_in // QK, _BLOCK_BYTES[ggml_type]
+        if raw.nbytes != n_out * n_blocks * block_bytes:
+            raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
+                             f"{n_out * n_blocks * block_bytes} bytes, got {raw.nbytes}")
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
+        d = _f16_scales(blocks, 0)                                   # [n_out, B]
+        if ggml_type == _T.Q8_0:
+            qs, m = blocks[:, :, 2:].view(np.int8), None             # [n_out, B, 32]
+        elif ggml_type == _T.Q4_1:
+            qs, m = blocks[:, :, 4:], _f16_scales(blocks, 2)         # [n_out, B, 16]
+        else:
+            qs, m = blocks[:, :, 2:], None                           # [n_out, B, 16]
+        # [n_out, B, nq] -> [T, TR, B, nq] -> [T, B, nq, TR]; scales [T, TR, B] -> [T, B, TR]
+        qs_t = np.ascontiguousarray(_tile_rows(qs, n_out).transpose(0, 2, 3, 1))
+        d_t = np.ascontiguousarray(_tile_rows(d, n_out).transpose(0, 2, 1))
+        m_t = _EMPTY_SCALES if m is None else np.ascontiguousarray(_tile_rows(m, n_out).transpose(0, 2, 1))
+    else:
+        if raw.nbytes != n_out * n_in * (4 if ggml_type == _T.F32 else 2):
+            raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): "
+                             f"got {raw.nbytes} bytes")
+        flat = np.ascontiguousarray(raw).view(np.float32 if ggml_type == _T.F32 else np.uint16)
+        # [n_out, n_in] -> [T, TR, n_in] -> [T, n_in, TR]
+        qs_t = np.ascontiguousarray(_tile_rows(flat.reshape(n_out, n_in), n_out).transpose(0, 2, 1))
+        d_t = m_t = _EMPTY_SCALES
+    return Weight(name, ggml_type, n_out, n_in, qs_t, d_t, m_t, (n_out,))
+
+
+def pack_concat(name: str, parts: list[tuple]) -> Weight:
+    """Stack the rows of several ``(ggml_type, raw, n_out, n_in)`` matrices into one Weight.
+
+    Used to fuse wq/wk/wv and w1/w3 so that one parallel region computes them all; split the
+    result with ``row_splits``. Raises ``ValueError`` if the parts differ in type or ``n_in``
+    or a part has the wrong size (the caller then packs them separately), and what
+    :func:`pack` raises.
+    """
+    if not parts:
+        raise ValueError(f"pack_concat({name!r}): no parts")
+    ggml_type, n_in = parts[0][0], int(parts[0][3])
+    for typ, raw, n_out, part_n_in in parts:
+        if typ != ggml_type or int(part_n_in) != n_in:
+            raise ValueError(f"pack_concat({name!r}): parts differ in type or n_in "
+                             f"({getattr(typ, 'name', typ)} [{n_out}, {part_n_in}] vs "
+                             f"{getattr(ggml_type, 'name', ggml_type)} [.., {n_in}]); pack them separately")
+        if np.asarray(raw).size == 0 or np.asarray(raw).nbytes % int(n_out):
+            raise ValueError(f"pack_concat({name!r}): a part [{n_out}, {n_in}] has "
+                             f"{np.asarray(raw).nbytes} bytes")
+    splits = tuple(int(p[2]) for p in parts)
+    rows = [np.ascontiguousarray(raw).view(np.uint8).reshape(int(n_out), -1) for _, raw, n_out, _ in parts]
+    row_bytes = {r.shape[1] for r in rows}
+    if len(row_bytes) != 1:
+        raise ValueError(f"pack_concat({name!r}): parts have different row sizes {sorted(row_bytes)}")
+    w = pack(name, ggml_type, np.concatenate(rows, axis=0), sum(splits), n_in)
+    return Weight(w.name, w.ggml_type, w.n_out, w.n_in, w.qs, w.d, w.m, splits)
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy reference twins
+
+
+def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
+    """Dequantize the given rows (int array [n]) -> float32 [n, n_in], plain NumPy.
+
+    Follows gguf-py's arithmetic (d * q, d * q + m, d * (q - 8)) so results are bit-for-bit
+    equal to ``gguf.quants.dequantize``.
+    """
+    t, r = rows // TR, rows % TR
+    n = len(rows)
+    typ = w.ggml_type
+    if typ in _QUANTIZED:
+        q = w.qs[t, :, :, r]                                     # [n, B, nq]
+        d = w.d[t, :, r][:, :, None]                             # [n, B, 1]
+        if typ == _T.Q8_0:
+            return (d * q.astype(np.float32)).reshape(n, w.n_in)
+        q32 = np.concatenate([q & 0x0F, q >> 4], axis=2)          # [n, B, 32]: lo nibbles, then hi
+        if typ == _T.Q4_1:
+            return (d * q32.astype(np.float32) + w.m[t, :, r][:, :, None]).reshape(n, w.n_in)
+        return (d * (q32.astype(np.int8) - np.int8(8)).astype(np.float32)).reshape(n, w.n_in)
+    v = w.qs[t, :, r]                                            # [n, n_in]
+    if typ == _T.F32:
+        return v.copy()
+    return (_F16_TABLE if typ == _T.F16 else _BF16_TABLE)[v]
+
+
+def dequantize(w: Weight) -> np.ndarray:
+    """float32 ``[n_out, n_in]``, plain NumPy; bit-for-bit ``gguf.quants.dequantize`` of the file's data."""
+    return _dequant_rows_np(w, np.arange(w.n_out))
+
+
+def get_rows(w: Weight, ids: np.ndarray) -> np.ndarray:
+    """Embedding lookup: float32 ``[len(ids), n_in]``, the dequantized rows ``ids`` of ``w``.
+
+    Raises ``IndexError`` if an id is outside ``[0, n_out)``.
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= w.n_out):
+        raise IndexError(f"{w.name}: row ids must be in [0, {w.n_out}), got {ids.min()}..{ids.max()}")
+    return _dequant_rows_np(w, ids)
+
+
+def matmul_ref(x: np.ndarray, w: Weight) -> np.ndarray:
+    """Plain NumPy twin of :func:`matmul`: ``x @ dequantize(w).T`` (float32)."""
+    return (np.asarray(x, dtype=np.float32) @ dequantize(w).T).astype(np.float32)
+
+
+def _gemv_q4_np(x: np.ndarray, qs, d, m, has_m: bool) -> np.ndarray:
+    """NumPy twin of :func:`_gemv_q4`, same algebra: per block d*(x.q) + m*sum(x) (or -8*d*sum(x)).
+
+    x float32 [S, B*32]; returns float32 [S, T*TR] (padded rows included).
+    """
+    n_seq, n_blocks = x.shape[0], qs.shape[1]
+    xb = x.reshape(n_seq, n_blocks, 32).astype(np.float64)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.float64)   # [T, B, 32, TR]
+    dots = np.einsum("sbj,tbjr->stbr", xb, q)                            # [S, T, B, TR]
+    xsum = xb.sum(axis=2)[:, None, :, None]                              # [S, 1, B, 1]
+    mm = m if has_m else -8.0 * d
+    y = (d * dots + mm * xsum).sum(axis=2)                               # [S, T, TR]
+    return y.reshape(n_seq, -1).astype(np.float32)
+
+
+def _gemv_q8_np(x: np.ndarray, qs, d) -> np.ndarray:
+    """NumPy twin of :func:`_gemv_q8`: per block d*(x.q). Returns float32 [S, T*TR]."""
+    n_seq, n_blocks = x.shape[0], qs.shape[1]
+    xb = x.reshape(n_seq, n_blocks, 32).astype(np.float64)
+    y = (d * np.einsum("sbj,tbjr->stbr", xb, qs.astype(np.float64))).sum(axis=2)
+    return y.reshape(n_seq, -1).astype(np.float32)
+
+
+def _dequant_tile_np(w: Weight, t: int) -> np.ndarray:
+    """NumPy twin of the Numba tile dequantizers: float32 [n_in, TR], rows t*TR.. as columns."""
+    return _dequant_rows_np(w, np.arange(t * TR, (t + 1) * TR)).T.copy()
+
+
+# --------------------------------------------------------------------------------------------
+# Numba kernels
+#
+# Loop indices in hot loops start at 0 (range(n)) so LLVM knows they are non-negative; a
+# signed index of unknown sign makes Numba emit wraparound selects and LLVM falls back to
+# byte gathers. Sums over a block are written as trees of 4-term chains to keep 8 FMA chains
+# in flight instead of one 32-long dependency chain.
+
+
+@njit(**_JIT_INLINE)
+def _q4_pair(q, xl, xc):
+    """x[j]*lo + x[j+16]*hi for one byte q = lo | hi << 4, given xc = x[j+16] - 16*x[j].
+
+    Since lo = q - 16*hi, this is xl*q + xc*hi: the nibbles are split in float arithmetic
+    (cvt, mul, floor) which vectorises on 16 lanes; Numba's integer ops widen to int64.
+    """
+    qf = np.float32(q)
+    return xl * qf + xc * np.floor(qf * np.float32(0.0625))
+
+
+@njit(**_JIT_INLINE)
+def _q4_dot4(q, r, xl, xc, j):
+    return ((_q4_pair(q[j, r], xl[j], xc[j]) + _q4_pair(q[j + 1, r], xl[j + 1], xc[j + 1]))
+            + (_q4_pair(q[j + 2, r], xl[j + 2], xc[j + 2]) + _q4_pair(q[j + 3, r], xl[j + 3], xc[j + 3])))
+
+
+@njit(**_JIT_INLINE)
+def _q4_block_dot(q, r, xl, xc):
+    """sum_j x[j] * nibble_j for column r of one block q [16, TR] (xl, xc [16])."""
+    return ((_q4_dot4(q, r, xl, xc, 0) + _q4_dot4(q, r, xl, xc, 4))
+            + (_q4_dot4(q, r, xl, xc, 8) + _q4_dot4(q, r, xl, xc, 12)))
+
+
+@njit(**_JIT_INLINE)
+def _i8_dot4(q, r, x, j):
+    return ((x[j] * np.float32(q[j, r]) + x[j + 1] * np.float32(q[j + 1, r]))
+            + (x[j + 2] * np.float32(q[j + 2, r]) + x[j + 3] * np.float32(q[j + 3, r])))
+
+
+@njit(**_JIT_INLINE)
+def _i8_block_dot(q, r, x):
+    """sum_j x[j] * q[j, r] for one Q8_0 block q int8 [32, TR], x [32]."""
+    return ((((_i8_dot4(q, r, x, 0) + _i8_dot4(q, r, x, 4)) + (_i8_dot4(q, r, x, 8) + _i8_dot4(q, r, x, 12)))
+             + ((_i8_dot4(q, r, x, 16) + _i8_dot4(q, r, x, 20)) + (_i8_dot4(q, r, x, 24) + _i8_dot4(q, r, x, 28)))))
+
+
+@njit(**_JIT_INLINE)
+def _store_tile(acc, out, s, t):
+    """out[s, t*TR + r] = acc[r] for the rows that exist (the last tile may be padded)."""
+    n_out = out.shape[1]
+    base = t * TR
+    n = min(TR, n_out - base)
+    for r in range(n):
+        out[s, base + r] = acc[r]
+
+
+@njit(**_JIT_PARALLEL)
+def _gemv_q4(x, qs, d, m, has_m, out):
+    """Q4_0 / Q4_1 GEMV for a few rows: out[s] = x[s] @ W.T.
+
+    x float32 [S, B*32]; qs uint8 [T, B, 16, TR]; d, m float32 [T, B, TR] (m unused for
+    Q4_0, then value = d*(q-8)); out float32 [S, n_out], n_out <= T*TR. One parallel region
+    over tiles; each tile's bytes are decoded in registers once per row of x.
+    """
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    # per row and block: xl = x[j], xc = x[j+16] - 16 x[j], xsum = sum of the 32 values
+    xl = np.empty((n_seq, n_blocks, 16), np.float32)
+    xc = np.empty((n_seq, n_blocks, 16), np.float32)
+    xsum = np.zeros((n_seq, n_blocks), np.float32)
+    for s in range(n_seq):
+        for b in range(n_blocks):
+            for j in range(16):
+                lo = x[s, b * 32 + j]
+                hi = x[s, b * 32 + 16 + j]
+                xl[s, b, j] = lo
+                xc[s, b, j] = hi - np.float32(16.0) * lo
+                xsum[s, b] += lo + hi
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                q = qs[t, b]
+                db = d[t, b]
+                xlb = xl[s, b]
+                xcb = xc[s, b]
+                xsb = xsum[s, b]
+                if has_m:
+                    mb = m[t, b]
+                    for r in range(TR):
+                        acc[r] += db[r] * _q4_block_dot(q, r, xlb, xcb) + mb[r] * xsb
+                else:
+                    for r in range(TR):
+                        acc[r] += db[r] * (_q4_block_dot(q, r, xlb, xcb) - np.float32(8.0) * xsb)
+            _store_tile(acc, out, s, t)
+
+
+@njit(**_JIT_PARALLEL)
+def _gemv_q8(x, qs, d, out):
+    """Q8_0 GEMV for a few rows. x float32 [S, B*32]; qs int8 [T, B, 32, TR]; d float32
+    [T, B, TR]; out float32 [S, n_out]."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                q = qs[t, b]
+                db = d[t, b]
+                xb = x[s, b * 32:b * 32 + 32]
+                for r in range(TR):
+                    acc[r] += db[r] * _i8_block_dot(q, r, xb)
+            _store_tile(acc, out, s, t)
+
+
+@njit(**_JIT_INLINE)
+def _tile_matmul(x, wt, out, t):
+    """out[s, t*TR + r] = sum_k x[s, k] * wt[k, r] for every row s; wt float32 [n_in, TR]."""
+    n_seq, n_in = x.shape
+    n_full = n_in - n_in % 8
+    acc = np.empty(TR, np.float32)
+    for s in range(n_seq):
+        acc[:] = 0.0
+        xs = x[s]
+        for k in range(0, n_full, 8):
+            w = wt[k:k + 8]
+            xk = xs[k:k + 8]
+            for r in range(TR):
+                acc[r] += (((xk[0] * w[0, r] + xk[1] * w[1, r]) + (xk[2] * w[2, r] + xk[3] * w[3, r]))
+                           + ((xk[4] * w[4, r] + xk[5] * w[5, r]) + (xk[6] * w[6, r] + xk[7] * w[7, r])))
+        for k in range(n_full, n_in):
+            xv = xs[k]
+            for r in range(TR):
+                acc[r] += xv * wt[k, r]
+        _store_tile(acc, out, s, t)
+
+
+@njit(**_JIT_INLINE)
+def _dequant_tile_q4(qs, d, m, has_m, t, wt):
+    """Tile t of Q4_0 / Q4_1 -> wt float32 [B*32, TR] (same arithmetic as gguf-py)."""
+    n_blocks = qs.shape[1]
+    for b in range(n_blocks):
+        q = qs[t, b]
+        db = d[t, b]
+        for j in range(16):
+            lo_row = wt[b * 32 + j]
+            hi_row = wt[b * 32 + 16 + j]
+            if has_m:
+                mb = m[t, b]
+                for r in range(TR):
+                    qf = np.float32(q[j, r])
+                    hi = np.floor(qf * np.float32(0.0625))
+                    lo_row[r] = db[r] * (qf - np.float32(16.0) * hi) + mb[r]
+                    hi_row[r] = db[r] * hi + mb[r]
+            else:
+                for r in range(TR):
+                    qf = np.float32(q[j, r])
+                    hi = np.floor(qf * np.float32(0.0625))
+                    lo_row[r] = db[r] * (qf - np.float32(16.0) * hi - np.float32(8.0))
+                    hi_row[r] = db[r] * (hi - np.float32(8.0))
+
+
+@njit(**_JIT_INLINE)
+def _dequant_tile_q8(qs, d, t, wt):
+    """Tile t of Q8_0 -> wt float32 [B*32, TR]."""
+    n_blocks = qs.shape[1]
+    for b in range(n_blocks):
+        q = qs[t, b]
+        db = d[t, b]
+        for j in range(32):
+            row = wt[b * 32 + j]
+            for r in range(TR):
+                row[r] = db[r] * np.float32(q[j, r])
+
+
+@njit(**_JIT_INLINE)
+def _dequant_tile_u16(qs, table, t, wt):
+    """Tile t of F16 / BF16 bits [T, n_in, TR] -> wt float32 [n_in, TR] through ``table``."""
+    n_in = qs.shape[1]
+    for k in range(n_in):
+        for r in range(TR):
+            wt[k, r] = table[qs[t, k, r]]
+
+
+@njit(**_JIT_PARALLEL)
+def _tiled_q4(x, qs, d, m, has_m, out):
+    """Q4_0 / Q4_1 matmul for many rows: each tile is dequantized once into a float32
+    [n_in, TR] scratch, then reused by every row of x. Shapes as in :func:`_gemv_q4`."""
+    n_tiles, n_in = qs.shape[0], x.shape[1]
+    for t in prange(n_tiles):
+        wt = np.empty((n_in, TR), np.float32)
+        _dequant_tile_q4(qs, d, m, has_m, t, wt)
+        _tile_matmul(x, wt, out, t)
+
+
+@njit(**_JIT_PARALLEL)
+def _tiled_q8(x, qs, d, out):
+    """Q8_0 matmul for many rows (tile dequantized once, reused by every row)."""
+    n_tiles, n_in = qs.shape[0], x.shape[1]
+    for t in prange(n_tiles):
+        wt = np.empty((n_in, TR), np.float32)
+        _dequant_tile_q8(qs, d, t, wt)
+        _tile_matmul(x, wt, out, t)
+
+
+@njit(**_JIT_PARALLEL)
+def _tiled_u16(x, qs, table, out):
+    """F16 / BF16 matmul: qs uint16 [T, n_in, TR], table float32 [65536]."""
+    n_tiles, n_in = qs.shape[0], x.shape[1]
+    for t in prange(n_tiles):
+        wt = np.empty((n_in, TR), np.float32)
+        _dequant_tile_u16(qs, table, t, wt)
+        _tile_matmul(x, wt, out, t)
+
+
+@njit(**_JIT_PARALLEL)
+def _tiled_f32(x, qs, out):
+    """F32 matmul: qs float32 [T, n_in, TR] is already a stack of tiles."""
+    for t in prange(qs.shape[0]):
+        _tile_matmul(x, qs[t], out, t)
+
+
+@njit(**_JIT)
+def _dequant_tile(qs, d, m, kind, t):
+    """Numba tile dequantizer as one entry point for tests: kind 0 Q4_0, 1 Q4_1, 2 Q8_0.
+    Returns float32 [n_in, TR]."""
+    if kind == 2:
+        wt = np.empty((qs.shape[1] * 32, TR), np.float32)
+        _dequant_tile_q8(qs, d, t, wt)
+    else:
+        wt = np.empty((qs.shape[1] * 32, TR), np.float32)
+        _dequant_tile_q4(qs, d, m, kind == 1, t, wt)
+    return wt
+
+
+# --------------------------------------------------------------------------------------------
+# public entry points
+
+
+def matmul(x: np.ndarray, w: Weight, out: np.ndarray | None = None) -> np.ndarray:
+    """``y = x @ W.T`` with W dequantized on the fly; float32 accumulation.
+
+    x: float32 ``[seq_len, n_in]`` (a 1-D ``[n_in]`` is treated as one row and gives a 1-D
+    result); converted to C-contiguous float32 if it is not. out: optional float32 C-contiguous
+    ``[seq_len, n_out]`` to write into. Returns float32 ``[seq_len, n_out]``.
+    Raises ``ValueError`` on a shape mismatch.
+    """
+    x = np.asarray(x)
+    squeeze = x.ndim == 1
+    x2 = np.ascontiguousarray(x.reshape(1, -1) if squeeze else x, dtype=np.float32)
+    if x2.ndim != 2 or x2.shape[1] != w.n_in:
+        raise ValueError(f"matmul {w.name}: x has shape {x.shape}, expected [seq_len, {w.n_in}]")
+    n_seq = x2.shape[0]
+    if out is None:
+        out = np.empty((n_seq, w.n_out), dtype=np.float32)
+    elif (out.shape != (n_seq, w.n_out) or out.dtype != np.float32 or not out.flags.c_contiguous):
+        raise ValueError(f"matmul {w.name}: out must be C-contiguous float32 [{n_seq}, {w.n_out}], "
+                         f"got {out.dtype} {out.shape}")
+    if n_seq:
+        _dispatch(x2, w, out)
+    return out[0] if squeeze else out
+
+
+def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
+    typ = w.ggml_type
+    gemv = x.shape[0] <= GEMV_MAX_SEQ
+    if typ == _T.Q4_1 or typ == _T.Q4_0:
+        has_m = typ == _T.Q4_1
+        (_gemv_q4 if gemv else _tiled_q4)(x, w.qs, w.d, w.m, has_m, out)
+    elif typ == _T.Q8_0:
+        (_gemv_q8 if gemv else _tiled_q8)(x, w.qs, w.d, out)
+    elif typ == _T.F32:
+        _tiled_f32(x, w.qs, out)
+    else:
+        _tiled_u16(x, w.qs, _F16_TABLE if typ == _T.F16 else _BF16_TABLE, out)
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` threads in the parallel kernels (``numba.set_num_threads``).
+
+    Raises :class:`OptionError` unless ``1 <= n <= numba.config.NUMBA_NUM_THREADS``.
+    """
+    limit = numba.config.NUMBA_NUM_THREADS
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= limit:
+        raise OptionError(f"threads must be an integer from 1 to {limit} (this machine), got {n!r}")
+    numba.set_num_threads(int(n))
