@@ -60,7 +60,7 @@ def _check_size(value: Any) -> Any:
 
 def _check_format_string(fmt: Any) -> None:
     if isinstance(fmt, str) and _WIDE_FORMAT.search(fmt):
-        raise SecurityError(f"format widths above {_MAX_FORMAT_WIDTH} are not allowed in chat templates")
+        raise SecurityError(f"a format width above the chat template limit of {_MAX_FORMAT_WIDTH}")
 
 
 def _estimate_call(func: Any, args: tuple, kwargs: dict) -> None:
@@ -90,7 +90,8 @@ def _guard_filter(name: str, func: Callable) -> Callable:
     """Wrap a built-in filter with the same size estimates (filters bypass the sandbox's ``call``)."""
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        values = [a for a in args if not isinstance(a, (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment))]
+        passed = (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment)  # pass_context & co
+        values = [a for a in args if not isinstance(a, passed)]
         value, rest = (values[0], values[1:]) if values else (None, [])
         if name == "join" and isinstance(value, (list, tuple)):
             sep = rest[0] if rest and isinstance(rest[0], str) else kwargs.get("d", "")
@@ -198,7 +199,9 @@ def _raise_exception(message: Any) -> None:
     raise jinja2.exceptions.TemplateError(str(message))
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # HF's version: no HTML escaping, and the json.dumps options exposed
     if isinstance(indent, int) and indent > 100:
         raise SecurityError("tojson indent above 100 is not allowed in chat templates")

@@ -89,15 +89,15 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = str.maketrans({c: chr(b) for b, c in bytes_to_unicode().items()})
+_NOT_BYTE_LEVEL = re.compile("[^" + re.escape("".join(bytes_to_unicode().values())) + "]")
 
 
 def _token_text_to_bytes(text: str) -> bytes | None:
     """'Ġthe' → b' the'; None if the text is not GPT-2 byte-level (then it is a literal string)."""
-    try:
-        return bytes(_UNICODE_TO_BYTE[c] for c in text)
-    except KeyError:
+    if _NOT_BYTE_LEVEL.search(text):
         return None
+    return text.translate(_UNICODE_TO_BYTE).encode("latin-1")
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=None):
@@ -307,7 +307,9 @@ class Tokenizer:
         from llamatrace.chat import render_chat
 
         if self.chat_template is None:
-            raise PromptError("the model has no chat template (tokenizer.chat_template); use --raw to send the prompt as is")
+            raise PromptError(
+                "the model has no chat template (tokenizer.chat_template); use --raw to send the prompt as is"
+            )
         token_text = lambda i: self._id_bytes[i].decode("utf-8", "replace") if i is not None else ""  # noqa: E731
         parts = render_chat(
             self.chat_template, messages, add_generation_prompt=add_generation_prompt,
