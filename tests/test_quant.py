@@ -1,0 +1,187 @@
+"""Tests for llamatrace.quant: packing, dequantization, matmul kernels and their NumPy twins.
+
+Every supported type goes through a real GGUF round trip: random weights are quantized with
+``gguf.quants.quantize``, written with ``gguf.GGUFWriter`` to a temporary file, read back
+with ``gguf.GGUFReader`` and packed; ``gguf.quants.dequantize`` is the reference.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from llamatrace import quant
+from llamatrace.errors import OptionError, UnsupportedModelError
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]
+
+# n_out = 70 is not a multiple of the tile (32 rows); quantized n_in spans 3 blocks;
+# float n_in = 99 exercises the kernels' tail loop (not a multiple of 8).
+N_OUT = 70
+N_IN = {T.F32: 99, T.F16: 99, T.BF16: 99, T.Q8_0: 96, T.Q4_0: 96, T.Q4_1: 96}
+
+
+def _write_gguf(path, tensors: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]) -> None:
+    """Write a minimal GGUF holding ``tensors`` ({name: (quantized array, type)})."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (data, qtype) in tensors.items():
+        if qtype in (T.F32, T.F16):
+            writer.add_tensor(name, data)
+        else:  # byte arrays: tell the writer the real type
+            writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tensors(tmp_path_factory) -> dict:
+    """{type: ReaderTensor} read back from one tiny GGUF holding one weight per type."""
+    rng = np.random.default_rng(1234)
+    written = {}
+    for qtype in TYPES:
+        w = rng.standard_normal((N_OUT, N_IN[qtype])).astype(np.float32)
+        w[0, :8] += 5.0  # a block with a large range, so scales differ between blocks
+        written[f"w_{qtype.name}"] = (gguf.quants.quantize(w, qtype), qtype)
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    _write_gguf(path, written)
+    reader = gguf.GGUFReader(str(path))
+    return {t.tensor_type: t for t in reader.tensors}
+
+
+def _pack(t) -> quant.Weight:
+    # ReaderTensor.shape is ggml order (ne[0] = n_in first); .data is NumPy order [n_out, ...]
+    n_in, n_out = int(t.shape[0]), int(t.shape[1])
+    return quant.pack(t.name, t.tensor_type, t.data, n_out, n_in)
+
+
+def _reference(t) -> np.ndarray:
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(N_OUT, -1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_dequantize_is_bit_exact_with_gguf(tensors, qtype):
+    w = _pack(tensors[qtype])
+    assert (w.n_out, w.n_in, w.ggml_type) == (N_OUT, N_IN[qtype], qtype)
+    got = quant.dequantize(w)
+    assert got.dtype == np.float32 and got.shape == (N_OUT, N_IN[qtype])
+    np.testing.assert_array_equal(got, _reference(tensors[qtype]))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_resident_bytes_within_budget(tensors, qtype):
+    t = tensors[qtype]
+    w = _pack(t)
+    # row padding to the tile size costs at most TR-1 rows; the budget applies to real models
+    padded_rows = w.n_tiles * quant.TR
+    assert w.nbytes <= 1.3 * t.data.nbytes * padded_rows / N_OUT
+
+
+@pytest.mark.parametrize("seq_len", [1, 3, 17])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_matmul_matches_float64_reference(tensors, qtype, seq_len):
+    w = _pack(tensors[qtype])
+    x = np.random.default_rng(seq_len).standard_normal((seq_len, w.n_in)).astype(np.float32)
+    y = quant.matmul(x, w)
+    assert y.dtype == np.float32 and y.shape == (seq_len, N_OUT)
+    expected = x.astype(np.float64) @ _reference(tensors[qtype]).astype(np.float64).T
+    np.testing.assert_allclose(y, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+    np.testing.assert_allclose(quant.matmul_ref(x, w), expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+
+
+def test_matmul_writes_into_out_and_accepts_one_row(tensors):
+    w = _pack(tensors[T.Q4_1])
+    x = np.random.default_rng(0).standard_normal((2, w.n_in)).astype(np.float32)
+    out = np.full((2, N_OUT), np.nan, dtype=np.float32)
+    assert quant.matmul(x, w, out=out) is out
+    ref = quant.matmul_ref(x, w)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+    np.testing.assert_allclose(quant.matmul(x[0], w), out[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="expected"):
+        quant.matmul(x[:, :-1], w)
+
+
+def test_matmul_propagates_nan(tensors):
+    # the kernels use a fastmath subset without nnan, so a NaN activation is not optimised away
+    w = _pack(tensors[T.Q4_1])
+    x = np.zeros((1, w.n_in), dtype=np.float32)
+    x[0, 5] = np.nan
+    assert np.isnan(quant.matmul(x, w)).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_get_rows_returns_dequantized_rows(tensors, qtype):
+    w = _pack(tensors[qtype])
+    ids = np.array([0, 69, 31, 32, 5, 5])
+    got = quant.get_rows(w, ids)
+    np.testing.assert_array_equal(got, _reference(tensors[qtype])[ids])
+    with pytest.raises(IndexError):
+        quant.get_rows(w, np.array([N_OUT]))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda q: q.name)
+def test_gemv_kernel_equals_numpy_twin(tensors, qtype):
+    w = _pack(tensors[qtype])
+    x = np.random.default_rng(7).standard_normal((3, w.n_in)).astype(np.float32)
+    out = np.empty((3, w.n_tiles * quant.TR), dtype=np.float32)  # padded rows included
+    if qtype == T.Q8_0:
+        quant._gemv_q8(x, w.qs, w.d, out)
+        twin = quant._gemv_q8_np(x, w.qs, w.d)
+    else:
+        has_m = qtype == T.Q4_1
+        quant._gemv_q4(x, w.qs, w.d, w.m, has_m, out)
+        twin = quant._gemv_q4_np(x, w.qs, w.d, w.m, has_m)
+    np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda q: q.name)
+def test_tile_dequantizer_equals_numpy_twin(tensors, qtype):
+    w = _pack(tensors[qtype])
+    kind = {T.Q4_0: 0, T.Q4_1: 1, T.Q8_0: 2}[qtype]
+    m = w.m if qtype == T.Q4_1 else w.d  # any float32 [T, B, TR]; unused unless Q4_1
+    for t in range(w.n_tiles):
+        np.testing.assert_array_equal(quant._dequant_tile(w.qs, w.d, m, kind, t), quant._dequant_tile_np(w, t))
+
+
+def test_pack_concat_fuses_rows(tensors):
+    rng = np.random.default_rng(5)
+    parts_f32 = [rng.standard_normal((n, 64)).astype(np.float32) for n in (40, 24, 24)]
+    parts = [(T.Q4_1, gguf.quants.quantize(p, T.Q4_1), p.shape[0], 64) for p in parts_f32]
+    fused = quant.pack_concat("qkv", parts)
+    assert fused.n_out == 88 and fused.row_splits == (40, 24, 24)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    y = quant.matmul(x, fused)
+    separate = [quant.matmul(x, quant.pack(f"p{i}", *p)) for i, p in enumerate(parts)]
+    np.testing.assert_array_equal(np.split(y, np.cumsum(fused.row_splits)[:-1], axis=1)[1], separate[1])
+    np.testing.assert_array_equal(y, np.concatenate(separate, axis=1))
+    mixed = parts[:1] + [(T.Q8_0, gguf.quants.quantize(parts_f32[1], T.Q8_0), 24, 64)]
+    with pytest.raises(ValueError, match="differ"):
+        quant.pack_concat("qkv", mixed)
+
+
+def test_unsupported_type_raises_one_line_error():
+    raw = np.zeros((4, 144), dtype=np.uint8)
+    with pytest.raises(UnsupportedModelError) as info:
+        quant.pack("blk.0.attn_q.weight", T.Q4_K, raw, 4, 256)
+    message = str(info.value)
+    assert "blk.0.attn_q.weight" in message and "Q4_K" in message and "Q4_1" in message
+    assert "\n" not in message
+
+
+def test_n_in_must_be_a_multiple_of_the_block_size():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.pack("w", T.Q8_0, np.zeros((2, 34), dtype=np.uint8), 2, 33)
+
+
+def test_set_threads_validates():
+    import numba
+
+    quant.set_threads(1)
+    assert numba.get_num_threads() == 1
+    quant.set_threads(numba.config.NUMBA_NUM_THREADS)
+    for bad in (0, -1, numba.config.NUMBA_NUM_THREADS + 1, 1.5, True):
+        with pytest.raises(OptionError):
+            quant.set_threads(bad)
