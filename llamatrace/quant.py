@@ -267,8 +267,8 @@ def matmul_ref(x: np.ndarray, w: Weight) -> np.ndarray:
     return (np.asarray(x, dtype=np.float32) @ dequantize(w).T).astype(np.float32)
 
 
-def _gemv_q4_np(x: np.ndarray, qs, d, m, has_m: bool) -> np.ndarray:
-    """NumPy twin of :func:`_gemv_q4`, same algebra: per block d*(x.q) + m*sum(x) (or -8*d*sum(x)).
+def _gemv_q4_np(x: np.ndarray, qs, d, m, m_scale) -> np.ndarray:
+    """NumPy twin of :func:`_gemv_q4`, same algebra: per block d*(x.q) + m_scale*m*sum(x).
 
     x float32 [S, B*32]; returns float32 [S, T*TR] (padded rows included).
     """
@@ -277,8 +277,7 @@ def _gemv_q4_np(x: np.ndarray, qs, d, m, has_m: bool) -> np.ndarray:
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.float64)   # [T, B, 32, TR]
     dots = np.einsum("sbj,tbjr->stbr", xb, q)                            # [S, T, B, TR]
     xsum = xb.sum(axis=2)[:, None, :, None]                              # [S, 1, B, 1]
-    mm = m if has_m else -8.0 * d
-    y = (d * dots + mm * xsum).sum(axis=2)                               # [S, T, TR]
+    y = (d * dots + float(m_scale) * m * xsum).sum(axis=2)                               # [S, T, TR]
     return y.reshape(n_seq, -1).astype(np.float32)
 
 
@@ -352,12 +351,13 @@ def _store_tile(acc, out, s, t):
 
 
 @njit(**_JIT_PARALLEL)
-def _gemv_q4(x, qs, d, m, has_m, out):
+def _gemv_q4(x, qs, d, m, m_scale, out):
     """Q4_0 / Q4_1 GEMV for a few rows: out[s] = x[s] @ W.T.
 
-    x float32 [S, B*32]; qs uint8 [T, B, 16, TR]; d, m float32 [T, B, TR] (m unused for
-    Q4_0, then value = d*(q-8)); out float32 [S, n_out], n_out <= T*TR. One parallel region
-    over tiles; each tile's bytes are decoded in registers once per row of x.
+    x float32 [S, B*32]; qs uint8 [T, B, 16, TR]; d, m float32 [T, B, TR]; a weight is
+    d*q + m_scale*m: Q4_1 passes (m, 1.0), Q4_0 passes (d, -8.0) for d*(q-8). out float32
+    [S, n_out], n_out <= T*TR. One parallel region over tiles; each tile's bytes are decoded
+    in registers once per row of x.
     """
     n_seq = x.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
@@ -373,6 +373,7 @@ def _gemv_q4(x, qs, d, m, has_m, out):
                 xl[s, b, j] = lo
                 xc[s, b, j] = hi - np.float32(16.0) * lo
                 xsum[s, b] += lo + hi
+            xsum[s, b] *= m_scale
     for t in prange(n_tiles):
         acc = np.empty(TR, np.float32)
         for s in range(n_seq):
@@ -383,13 +384,9 @@ def _gemv_q4(x, qs, d, m, has_m, out):
                 xlb = xl[s, b]
                 xcb = xc[s, b]
                 xsb = xsum[s, b]
-                if has_m:
-                    mb = m[t, b]
-                    for r in range(TR):
-                        acc[r] += db[r] * _q4_block_dot(q, r, xlb, xcb) + mb[r] * xsb
-                else:
-                    for r in range(TR):
-                        acc[r] += db[r] * (_q4_block_dot(q, r, xlb, xcb) - np.float32(8.0) * xsb)
+                mb = m[t, b]
+                for r in range(TR):
+                    acc[r] += db[r] * _q4_block_dot(q, r, xlb, xcb) + mb[r] * xsb
             _store_tile(acc, out, s, t)
 
 
@@ -435,28 +432,26 @@ def _tile_matmul(x, wt, out, t):
 
 
 @njit(**_JIT_INLINE)
-def _dequant_tile_q4(qs, d, m, has_m, t, wt):
-    """Tile t of Q4_0 / Q4_1 -> wt float32 [B*32, TR] (same arithmetic as gguf-py)."""
+def _dequant_tile_q4(qs, d, m, m_scale, t, wt):
+    """Tile t of Q4_0 / Q4_1 -> wt float32 [B*32, TR], weight d*q + m_scale*m.
+
+    Bit-exact with gguf-py: d*q and m_scale*m are exact in float32 (11-bit scales times
+    4-bit integers), so the one rounding of their sum matches d*q + m and d*(q - 8).
+    """
     n_blocks = qs.shape[1]
     for b in range(n_blocks):
         q = qs[t, b]
         db = d[t, b]
+        mb = m[t, b]
         for j in range(16):
             lo_row = wt[b * 32 + j]
             hi_row = wt[b * 32 + 16 + j]
-            if has_m:
-                mb = m[t, b]
-                for r in range(TR):
-                    qf = np.float32(q[j, r])
-                    hi = np.floor(qf * np.float32(0.0625))
-                    lo_row[r] = db[r] * (qf - np.float32(16.0) * hi) + mb[r]
-                    hi_row[r] = db[r] * hi + mb[r]
-            else:
-                for r in range(TR):
-                    qf = np.float32(q[j, r])
-                    hi = np.floor(qf * np.float32(0.0625))
-                    lo_row[r] = db[r] * (qf - np.float32(16.0) * hi - np.float32(8.0))
-                    hi_row[r] = db[r] * (hi - np.float32(8.0))
+            for r in range(TR):
+                qf = np.float32(q[j, r])
+                hi = np.floor(qf * np.float32(0.0625))
+                mr = m_scale * mb[r]
+                lo_row[r] = db[r] * (qf - np.float32(16.0) * hi) + mr
+                hi_row[r] = db[r] * hi + mr
 
 
 @njit(**_JIT_INLINE)
@@ -482,13 +477,13 @@ def _dequant_tile_u16(qs, table, t, wt):
 
 
 @njit(**_JIT_PARALLEL)
-def _tiled_q4(x, qs, d, m, has_m, out):
+def _tiled_q4(x, qs, d, m, m_scale, out):
     """Q4_0 / Q4_1 matmul for many rows: each tile is dequantized once into a float32
     [n_in, TR] scratch, then reused by every row of x. Shapes as in :func:`_gemv_q4`."""
     n_tiles, n_in = qs.shape[0], x.shape[1]
     for t in prange(n_tiles):
         wt = np.empty((n_in, TR), np.float32)
-        _dequant_tile_q4(qs, d, m, has_m, t, wt)
+        _dequant_tile_q4(qs, d, m, m_scale, t, wt)
         _tile_matmul(x, wt, out, t)
 
 
@@ -528,7 +523,10 @@ def _dequant_tile(qs, d, m, kind, t):
         _dequant_tile_q8(qs, d, t, wt)
     else:
         wt = np.empty((qs.shape[1] * 32, TR), np.float32)
-        _dequant_tile_q4(qs, d, m, kind == 1, t, wt)
+        if kind == 1:
+            _dequant_tile_q4(qs, d, m, np.float32(1.0), t, wt)
+        else:
+            _dequant_tile_q4(qs, d, d, np.float32(-8.0), t, wt)
     return wt
 
 
@@ -560,12 +558,19 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray | None = None) -> np.ndarra
     return out[0] if squeeze else out
 
 
+def _q4_offsets(w: Weight) -> tuple[np.ndarray, np.float32]:
+    """(m, m_scale) with weight = d*q + m_scale*m: Q4_1 (m, 1), Q4_0 (d, -8) = d*(q - 8)."""
+    if w.ggml_type == _T.Q4_1:
+        return w.m, np.float32(1.0)
+    return w.d, np.float32(-8.0)
+
+
 def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
     typ = w.ggml_type
     gemv = x.shape[0] <= GEMV_MAX_SEQ
     if typ == _T.Q4_1 or typ == _T.Q4_0:
-        has_m = typ == _T.Q4_1
-        (_gemv_q4 if gemv else _tiled_q4)(x, w.qs, w.d, w.m, has_m, out)
+        m, m_scale = _q4_offsets(w)
+        (_gemv_q4 if gemv else _tiled_q4)(x, w.qs, w.d, m, m_scale, out)
     elif typ == _T.Q8_0:
         (_gemv_q8 if gemv else _tiled_q8)(x, w.qs, w.d, out)
     elif typ == _T.F32:

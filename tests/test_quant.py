@@ -131,9 +131,9 @@ def test_gemv_kernel_equals_numpy_twin(tensors, qtype):
         quant._gemv_q8(x, w.qs, w.d, out)
         twin = quant._gemv_q8_np(x, w.qs, w.d)
     else:
-        has_m = qtype == T.Q4_1
-        quant._gemv_q4(x, w.qs, w.d, w.m, has_m, out)
-        twin = quant._gemv_q4_np(x, w.qs, w.d, w.m, has_m)
+        m, m_scale = quant._q4_offsets(w)
+        quant._gemv_q4(x, w.qs, w.d, m, m_scale, out)
+        twin = quant._gemv_q4_np(x, w.qs, w.d, m, m_scale)
     np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
 
 
