@@ -15,8 +15,12 @@ import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
+
+try:  # typer >= 0.2x vendors click; its usage errors derive from TyperException
+    from typer import TyperException as _UsageError
+except ImportError:  # pragma: no cover - older typer re-exports click's
+    from click import ClickException as _UsageError
 from rich.console import Console
 
 from . import __version__
@@ -327,16 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     except LlamatraceError as exc:
         _report(exc, str(exc), exc.exit_code)
         return exc.exit_code
-    except click.exceptions.Exit as exc:
-        return exc.exit_code
-    except click.exceptions.Abort:
+    except typer.Exit as exc:
+        return int(getattr(exc, "exit_code", 0) or 0)
+    except typer.Abort:
         err.print("interrupted")
         return EXIT_INTERRUPTED
-    except click.ClickException as exc:          # usage errors: bad option, missing argument...
-        ctx = getattr(exc, "ctx", None)
-        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        from rich.markup import escape
-        err.print(f"[red]error:[/] {escape(exc.format_message() + hint)}", soft_wrap=True)
+    except _UsageError as exc:                   # bad option, missing argument, no command...
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        if message:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            from rich.markup import escape
+            err.print(f"[red]error:[/] {escape(message + hint)}", soft_wrap=True)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up llamatrace on a fresh machine: Graphviz's `dot` (for SVG/PNG/PDF diagrams) and the
+# Python package. `--test` also installs what the test suite needs.
+#   bash scripts/setup.sh          # runtime
+#   bash scripts/setup.sh --test   # runtime + tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v dot >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    sudo_cmd=""
+    [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo_cmd="sudo"
+    echo "setup: installing Graphviz (dot) with apt-get" >&2
+    { $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq graphviz >/dev/null; } \
+      || echo "setup: could not install graphviz; diagrams can still be written as .dot" >&2
+  elif command -v brew >/dev/null 2>&1; then
+    brew install graphviz || echo "setup: could not install graphviz; diagrams can still be written as .dot" >&2
+  else
+    echo "setup: Graphviz 'dot' not found; install it for SVG/PNG/PDF diagrams (.dot output works without it)" >&2
+  fi
+fi
+
+extra=""
+[ "${1:-}" = "--test" ] && extra="[test]"
+python3 -m pip install --disable-pip-version-check -q -e ".${extra}"

@@ -1,0 +1,136 @@
+"""`llamatrace generate`, `info`, `pull` through the CLI entry point (exit codes, stdout/stderr split)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gguf_factory import T, write_tiny_llama
+from llamatrace.cli import main
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, out, err, *needles):
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err
+
+
+@pytest.mark.model
+def test_generate_answers_the_capital_of_france(capsys, smollm2_path):
+    code, out, err = run(capsys, "generate", "--model", str(smollm2_path), "What is the capital of France?")
+    assert code == 0
+    assert "Paris" in out
+    assert "prompt tokens" in err and "decode" in err and "tok/s" in err
+    assert "prompt tokens" not in out          # the summary stays off stdout
+
+
+@pytest.mark.model
+def test_generate_json_is_one_object_with_the_documented_fields(capsys, smollm2_path):
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "8", "--model", str(smollm2_path),
+                         "The capital of France is")
+    assert code == 0
+    result = json.loads(out)
+    assert set(result) == {"model", "prompt", "prompt_ids", "ids", "text", "stop_reason", "timings"}
+    assert result["prompt_ids"] == [504, 3575, 282, 4649, 314]           # HF's ids (tests/golden)
+    assert result["ids"][:2] == [7042, 30]                               # " Paris."
+    assert result["text"].startswith(" Paris.")
+    assert result["stop_reason"] == "max_tokens" and len(result["ids"]) == 8
+    assert set(result["timings"]) == {"load_s", "prefill_tokens_per_s", "decode_tokens_per_s"}
+
+
+def test_generate_on_tiny_model_stops_at_max_tokens(capsys, tiny_model_path):
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "5", "-m", str(tiny_model_path), "the cat")
+    assert code == 0
+    result = json.loads(out)
+    assert len(result["ids"]) == 5 and result["stop_reason"] == "max_tokens"
+
+
+def test_sampling_is_reproducible_with_a_seed(capsys, tiny_model_path):
+    args = ("generate", "--json", "--raw", "-n", "12", "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95",
+            "-m", str(tiny_model_path), "the cat")
+    a = json.loads(run(capsys, *args, "--seed", "7")[1])["ids"]
+    b = json.loads(run(capsys, *args, "--seed", "7")[1])["ids"]
+    assert a == b
+
+
+def test_context_limit_stops_cleanly(capsys, tiny_model_path):
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "50", "--ctx-size", "6",
+                         "-m", str(tiny_model_path), "the cat")
+    assert code == 0
+    result = json.loads(out)
+    assert result["stop_reason"] == "context"
+    assert len(result["prompt_ids"]) + len(result["ids"]) == 6 + 1   # the last token needs no cache slot
+    assert "context limit" in err
+
+
+def test_prompt_file_from_stdin_and_dash_prompts(capsys, monkeypatch, tiny_model_path):
+    import io
+    import sys
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"the cat \xff\xfe")))
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "2", "-m", str(tiny_model_path), "-f", "-")
+    assert code == 0 and json.loads(out)["prompt"].startswith("the cat")
+    assert "not valid UTF-8" in err
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "2", "-m", str(tiny_model_path), "--", "-5 cats")
+    assert code == 0 and json.loads(out)["prompt"] == "-5 cats"
+
+
+def test_chat_template_is_applied_unless_raw(capsys, tiny_model_path):
+    chat = json.loads(run(capsys, "generate", "--json", "-n", "1", "-m", str(tiny_model_path), "hi")[1])
+    raw = json.loads(run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", str(tiny_model_path), "hi")[1])
+    assert raw["prompt_ids"] == [107, 108]            # 'h', 'i' byte tokens (ids = byte + 3)
+    assert chat["prompt_ids"][0] == 1                 # <|im_start|>
+    assert len(chat["prompt_ids"]) > len(raw["prompt_ids"])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("generate", ""), "prompt is empty"),
+    (("generate", "--max-tokens", "0", "hi"), "--max-tokens"),
+    (("generate", "--temperature", "-1", "hi"), "--temperature"),
+    (("generate", "--top-p", "0", "hi"), "--top-p"),
+    (("generate", "--ctx-size", "0", "hi"), "--ctx-size"),
+    (("generate", "--bogus", "hi"), "--bogus"),
+    (("generate", "-m", "/nonexistent/model.gguf", "hi"), "does not exist"),
+])
+def test_bad_options_give_one_line_and_exit_2(capsys, args, needle):
+    code, out, err = run(capsys, *args)
+    assert_one_line_error(code, out, err, needle)
+
+
+def test_not_a_gguf_file(capsys, tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_text("<html>not a model</html>")
+    assert_one_line_error(*run(capsys, "generate", "-m", str(bad), "hi"), "model.gguf")
+
+
+def test_unsupported_tensor_type_is_named(capsys, tmp_path):
+    path = tmp_path / "q5.gguf"
+    write_tiny_llama(path, qtype=T.Q5_0, embd_type=T.Q8_0)
+    assert_one_line_error(*run(capsys, "generate", "-m", str(path), "hi"), "Q5_0", "blk.0")
+
+
+def test_prompt_longer_than_context_is_refused_before_compute(capsys, tiny_model_path):
+    code, out, err = run(capsys, "generate", "-m", str(tiny_model_path), "--raw", "x" * 200)
+    assert_one_line_error(code, out, err, "200 tokens", "64")
+
+
+def test_info_lists_tensors(capsys, tiny_model_path):
+    code, out, err = run(capsys, "info", "-m", str(tiny_model_path))
+    assert code == 0
+    assert "blk.0.attn_q.weight" in out and "Q8_0" in out and "llama.embedding_length" in out
+
+
+def test_help_shows_examples(capsys):
+    for cmd in ([], ["generate"], ["info"], ["pull"]):
+        code = main([*cmd, "--help"])
+        out = capsys.readouterr().out
+        assert code == 0 and "llamatrace" in out and "Example" in out
