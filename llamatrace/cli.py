@@ -323,6 +323,10 @@ def pull(
     out.print(str(do_pull(force=force, log=lambda msg: err.print(msg))))
 
 
+from .cli_trace import trace as _trace_cmd  # noqa: E402 — needs the shared options above
+app.command(name="trace")(_trace_cmd)
+
+
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: runs the app and maps errors to one line + exit code."""

@@ -19,6 +19,8 @@ Columns, per :class:`Stage`:
   (``[DEBUG]`` lines of the book). ``{name}`` is an input's shape, ``{out}`` the output's,
   ``{[formula]}`` any shape formula; also ``{layer1}``, ``{n_layers}``, ``{start_pos}``,
   ``{end_pos}``, ``{n_rep}``, ``{mask}`` and ``{w_<name>}`` for weight shapes.
+* ``skip_lines`` — printed instead when ``when`` rules the stage out (a decode step's
+  "Skipping addition scores + mask"), in the same template language.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Stage:
     weights: tuple[tuple[str, str], ...] = ()
     when: str = "always"
     lines: tuple[str, ...] = ()
+    skip_lines: tuple[str, ...] = ()
 
 
 _RESID = "[seq_len, dim]"
@@ -150,7 +153,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("kq_masked", "layer", "Add", "scores", "15.3.9", 13, None, "attn.hook_attn_scores", "attention",
           "[n_heads, seq_len, kv_len]", "Scores plus the causal mask (prefill only).",
           inputs=(("scores", "[n_heads, seq_len, kv_len]"), ("mask", "[seq_len, kv_len]")), when="masked",
-          lines=("Calling ml.Add to calculate scores shape({scores}) + mask shape({mask}) -> tensor scores",)),
+          lines=("Calling ml.Add to calculate scores shape({scores}) + mask shape({mask}) -> tensor scores",),
+          skip_lines=("Skipping addition scores + mask",)),
     Stage("kq_soft_max", "layer", "Softmax", "scores", "15.3.9", 13, "kq_soft_max", "attn.hook_pattern", "attention",
           "[n_heads, seq_len, kv_len]", "Softmax over the keys axis, in fp32.",
           inputs=(("scores", "[n_heads, seq_len, kv_len]"),),

@@ -5,6 +5,20 @@ The forward pass calls ``emit(stage_id, layer, array)`` once per stage. Without 
 the math never changes (TransformerLens' identity-hook idea). A :class:`Recorder` is scoped —
 pass it to ``forward``/``generate`` or use ``with model.trace(...) as rec`` — never global state.
 Filters (layers, stages) are applied before any copy or statistic is made.
+
+Python use (``generate`` is lazy: consume it inside the ``with`` block)::
+
+    from llamatrace import Llama
+    model = Llama.load("SmolLM2-135M-Instruct.Q4_1.gguf")
+    ids = model.tokenizer.encode("The capital of France is")
+    with model.trace(layers=[0], stages=["kq*"], stats=True, keep_arrays=True) as rec:
+        tokens = list(model.generate(ids, max_tokens=2))     # prefill (step 0) + one decode step
+    for e in rec.events:                                     # TraceEvent, in emission order
+        print(e.step, e.layer, e.stage, e.shape, e.stats["rms"])
+    scores = rec.arrays()["step0.layer0.kq_soft_max"]        # float32 [n_heads, seq_len, kv_len]
+
+:mod:`llamatrace.render` turns the same events into the chapters' log lines, tables, JSON
+lines and ``.npz`` files (what ``llamatrace trace`` prints).
 """
 
 from __future__ import annotations
@@ -124,6 +138,8 @@ class Recorder:
         check_finite: raise :class:`NumericalError` at the first stage (traced or not) whose
             output holds NaN/Inf.
         sinks: callables receiving each event as it is recorded (JSONL writer, live log).
+        time_all: accumulate every stage's time in :attr:`stage_times`, traced or filtered out
+            (the ``--timings`` roll-up covers the whole forward pass, not only what is shown).
 
     Raises:
         ValueError: an unknown stage pattern.
@@ -132,7 +148,7 @@ class Recorder:
     def __init__(self, layers: Iterable[int] | None = None, stages: Iterable[str] | None = None, *,
                  stats: bool = False, values: int = 0, keep_arrays: bool = False,
                  keep_events: bool = True, check_finite: bool = False,
-                 sinks: Iterable[EventSink] = ()) -> None:
+                 sinks: Iterable[EventSink] = (), time_all: bool = False) -> None:
         self.layers = None if layers is None else frozenset(int(x) for x in layers)
         self.stage_ids = select_stages(None if stages is None else list(stages))
         self.stats = stats
@@ -142,6 +158,9 @@ class Recorder:
         self.check_finite = check_finite
         self.sinks = list(sinks)
         self.events: list[TraceEvent] = []
+        self.time_all = time_all
+        # (phase, stage id) → [total µs, calls]; phase "prefill" (start_pos 0) or "decode"
+        self.stage_times: dict[tuple[str, str], list[float]] = {}
         self.step = -1
         self._dims: dict[str, int] = {}
         self._weight_shapes: Mapping[str, tuple[int, ...]] = {}
@@ -164,10 +183,16 @@ class Recorder:
         self._weight_shapes = weight_shapes
         clock = time.perf_counter
         last = clock()
+        times = self.stage_times if self.time_all else None
+        phase = "prefill" if start_pos == 0 else "decode"
 
         def emit(stage_id: str, layer: int | None, array: np.ndarray) -> None:
             nonlocal last
             now = clock()
+            if times is not None:
+                acc = times.setdefault((phase, stage_id), [0.0, 0])
+                acc[0] += (now - last) * 1e6
+                acc[1] += 1
             if self.check_finite and not np.isfinite(array).all():
                 where = "model level" if layer is None else f"layer {layer}"
                 raise NumericalError(

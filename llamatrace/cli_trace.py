@@ -1,0 +1,257 @@
+"""``llamatrace trace``: run the prompt (and N decode steps) with a recorder and render every stage.
+
+The command is thin: it checks options and output paths before loading anything, builds one
+:class:`~llamatrace.trace.Recorder` whose sinks are the views of :mod:`llamatrace.render`, runs
+the ordinary :func:`~llamatrace.generate.generate` loop, and prints the top-k next tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.text import Text
+
+from .cli import (EXIT_INTERRUPTED, ModelOpt, PromptFileOpt, RawOpt, SystemOpt, ThreadsOpt, err, load_model,
+                  numba_cache_is_cold, out, prompt_ids_for, read_prompt)
+from .errors import OptionError, OutputError
+from .stages import STAGE_IDS, select_stages
+
+SAMPLE_PROMPT = Path(__file__).resolve().parent.parent / "samples" / "prompt.txt"
+# used when the package is installed without the repository's samples/ folder
+FALLBACK_PROMPT = "The capital of France is"
+
+
+class Format(str, Enum):
+    log = "log"
+    table = "table"
+
+
+def default_prompt() -> str:
+    """The sample prompt in ``samples/prompt.txt`` (trailing newline dropped: it would be a token)."""
+    try:
+        return SAMPLE_PROMPT.read_text(encoding="utf-8").strip() or FALLBACK_PROMPT
+    except OSError:
+        return FALLBACK_PROMPT
+
+
+_LAYER_ITEM = re.compile(r"^(-?\d+)$|^(\d+)-(\d+)$")
+
+
+def parse_layers(spec: str, n_layers: int | None = None) -> list[int] | None:
+    """``--layer`` → sorted layer indices, ``None`` for all.
+
+    Accepts ``all``, ``N``, ``N-M`` (inclusive), ``-1`` (the last; ``-2`` the one before) and comma
+    lists of these. With ``n_layers`` ``None`` only the syntax is checked.
+
+    Raises:
+        OptionError: bad syntax, or a layer outside ``0..n_layers-1`` (the message gives the range).
+    """
+    text = spec.strip().lower()
+    if text == "all":
+        return None
+    chosen: set[int] = set()
+    for item in (p.strip() for p in text.split(",")):
+        m = _LAYER_ITEM.match(item)
+        if not m:
+            raise OptionError(f"--layer {spec!r}: expected N, N-M, -1, a comma list of these, or 'all'")
+        if m.group(1) is not None:
+            lo = hi = int(m.group(1))
+        else:
+            lo, hi = int(m.group(2)), int(m.group(3))
+            if lo > hi:
+                raise OptionError(f"--layer {spec!r}: range {item} is backwards (write {hi}-{lo})")
+        if n_layers is None:
+            continue
+        if lo < 0:
+            lo = hi = n_layers + lo
+        if lo < 0 or hi >= n_layers:
+            raise OptionError(f"--layer {spec!r} is out of range: this model has {n_layers} layers, "
+                              f"valid are 0-{n_layers - 1} (or -1 for the last, or all)")
+        chosen.update(range(lo, hi + 1))
+    return sorted(chosen) if n_layers is not None else []
+
+
+def parse_stages(patterns: list[str] | None) -> list[str] | None:
+    """``--stage`` values (repeatable, comma lists, globs) → patterns, checked against the catalogue.
+
+    Raises:
+        OptionError: a pattern matching no stage (the message lists the valid ids).
+    """
+    if not patterns:
+        return None
+    flat = [p.strip() for value in patterns for p in value.split(",") if p.strip()]
+    try:
+        select_stages(flat)
+    except ValueError as exc:
+        raise OptionError(f"--stage: {exc}") from None
+    return flat
+
+
+def trace(
+    prompt: Annotated[Optional[str], typer.Argument(
+        help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)] = None,
+    model: ModelOpt = None,
+    raw: RawOpt = False,
+    system: SystemOpt = None,
+    prompt_file: PromptFileOpt = None,
+    tokens: Annotated[int, typer.Option("--tokens", "-n", help="Also trace N decode steps (greedy).")] = 0,
+    layer: Annotated[str, typer.Option("--layer", "-l", help="Layers to trace: N, N-M, comma lists, -1 (last) "
+                                                            "or all.")] = "all",
+    stage: Annotated[Optional[list[str]], typer.Option(
+        "--stage", "-s", help=f"Stage ids or globs (kq*), repeatable or comma-separated. Ids: {', '.join(STAGE_IDS)}.",
+        show_default=False)] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="log: the chapters' log lines; table: a table per step.")]
+        = Format.log,
+    dump_shapes: Annotated[bool, typer.Option(
+        "--dump-shapes", help="Print only the log lines (shapes, no stats, times or colours) to stdout; "
+        "the tokens and top-k go to stderr.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="Statistics per stage (sum, mean, rms, min, max, "
+                                                        "abs_max, nan, inf; float64).")] = False,
+    values: Annotated[int, typer.Option("--values", help="Show the first and last K values of each tensor.",
+                                        metavar="K")] = 0,
+    jsonl: Annotated[Optional[Path], typer.Option("--jsonl", help="Stream events as JSON lines to FILE.",
+                                                  metavar="FILE", show_default=False)] = None,
+    npz: Annotated[Optional[Path], typer.Option("--npz", help="Save every traced tensor to FILE (.npz, keys "
+                                                "step{S}.layer{L}.{stage}).", metavar="FILE", show_default=False)] = None,
+    log_file: Annotated[Optional[Path], typer.Option("--log-file", help="Write the book's debug.log: "
+                                                     "[DEBUG] <time> <line>.", metavar="FILE", show_default=False)] = None,
+    timings: Annotated[bool, typer.Option("--timings", help="Time per stage group (input, attention, ffn, output), "
+                                                            "prefill vs decode, and the slowest stages.")] = False,
+    check_finite: Annotated[bool, typer.Option("--check-finite", help="Stop with an error at the first stage "
+                                                                      "holding NaN or Inf.")] = False,
+    top_k: Annotated[int, typer.Option("--top-k", help="How many next-token probabilities to show.")] = 5,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Trace the forward pass stage by stage, in the words of the book's debug.log.
+
+    Prints the prompt's tokens, then one or more log lines per stage as the forward pass runs
+    (prefill, then --tokens decode steps), then the top-k next-token probabilities. The chat
+    template is applied unless --raw, as in `generate`.
+
+    Examples:
+
+      llamatrace trace --layer 0 --dump-shapes
+
+      llamatrace trace --raw "The capital of France is" --layer -1 --stage "kq*" --stats
+
+      llamatrace trace --tokens 3 --layer 0 --format table --timings
+
+      llamatrace trace --jsonl trace.jsonl --npz trace.npz --log-file debug.log
+    """
+    from .render import check_output_path
+
+    # ---- everything that can be checked without the model, so bad input fails fast ----
+    if tokens < 0:
+        raise OptionError(f"--tokens must be >= 0, got {tokens}")
+    if values < 0:
+        raise OptionError(f"--values must be >= 0, got {values}")
+    if top_k < 1:
+        raise OptionError(f"--top-k must be >= 1, got {top_k}")
+    if dump_shapes and fmt is Format.table:
+        raise OptionError("--dump-shapes prints log lines: drop --format table")
+    parse_layers(layer)
+    stage_patterns = parse_stages(stage)
+    outputs = {opt: p for opt, p in (("--jsonl", jsonl), ("--npz", npz), ("--log-file", log_file)) if p is not None}
+    for opt, p in outputs.items():
+        check_output_path(p, opt)
+    resolved = {}
+    for opt, p in outputs.items():
+        other = resolved.setdefault(p.resolve(), opt)
+        if other != opt:
+            raise OptionError(f"{other} and {opt} name the same file {str(p)!r}")
+    text_in = read_prompt(prompt, prompt_file, default=default_prompt())
+
+    t0 = time.perf_counter()
+    m = load_model(model, threads)
+    load_s = time.perf_counter() - t0
+    layers = parse_layers(layer, m.config.n_layers)
+    ids = prompt_ids_for(m, text_in, raw, system)
+    _run(m, text_in, ids, load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
+         dump_shapes=dump_shapes, stats=stats, values=values, jsonl=jsonl, npz=npz, log_file=log_file,
+         timings=timings, check_finite=check_finite, top_k=top_k)
+
+
+def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers, stages, fmt: Format,
+         dump_shapes: bool, stats: bool, values: int, jsonl: Path | None, npz: Path | None,
+         log_file: Path | None, timings: bool, check_finite: bool, top_k: int) -> None:
+    from .generate import GenerationStats, check_prompt_fits, default_ctx_size, generate
+    from .render import (DebugLog, JsonlWriter, LineFormatter, LogView, TableView, timing_rollup, timings_view,
+                         tokens_table, top_k_probs, top_k_table, write_npz_atomic)
+    from .trace import Recorder
+
+    max_tokens = tokens + 1            # the last token is chosen from the last traced step's logits
+    ctx = default_ctx_size(m, len(ids), max_tokens)
+    check_prompt_fits(m, len(ids), ctx)
+    # stdout carries the data; with --dump-shapes it carries only the lines, the rest goes to stderr
+    side = err if dump_shapes else out
+    side.print(tokens_table(m.tokenizer, ids))
+
+    formatter = LineFormatter.for_model(m, ctx, select_stages(stages))
+    run_stats = GenerationStats()
+    generated: list[int] = []
+    with contextlib.ExitStack() as stack:
+        sinks = []
+        if dump_shapes:
+            sinks.append(LogView(out, formatter, plain=True))
+        elif fmt is Format.table:
+            table_view = TableView(out)
+            sinks.append(table_view)
+            stack.callback(table_view.flush)
+        else:
+            sinks.append(LogView(out, formatter))
+        writer = None
+        if jsonl is not None:
+            writer = JsonlWriter(stack.enter_context(_open_text(jsonl, "--jsonl")))
+            writer.header(model=str(m.path), prompt=text_in, prompt_ids=ids,
+                          pieces=[m.tokenizer.piece(i) for i in ids], config=m.config.to_dict())
+            sinks.append(writer)
+        if log_file is not None:
+            sinks.append(DebugLog(stack.enter_context(_open_text(log_file, "--log-file")), formatter))
+        recorder = Recorder(layers=layers, stages=stages, stats=stats, values=values, keep_arrays=npz is not None,
+                            keep_events=npz is not None, check_finite=check_finite, sinks=sinks, time_all=True)
+        if numba_cache_is_cold():
+            err.print("[dim]first run: compiling kernels (10-60 s), cached afterwards[/]")
+        try:
+            for token in generate(m, ids, max_tokens=max_tokens, ctx_size=ctx, recorder=recorder, stats=run_stats):
+                generated.append(token)
+        except KeyboardInterrupt:
+            err.print("interrupted: every JSONL line written so far is complete; no .npz was written")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+        top = top_k_probs(run_stats.last_logits, m.tokenizer, top_k)
+        timing = {"load_s": round(load_s, 3), "prefill_s": round(run_stats.prefill_s, 4),
+                  "decode_s": round(run_stats.decode_s, 4), "decode_steps": run_stats.decode_steps,
+                  "prefill_tokens_per_s": round(run_stats.prefill_tokens_per_s, 2),
+                  "decode_tokens_per_s": round(run_stats.decode_tokens_per_s, 2),
+                  "stages_us": timing_rollup(recorder.stage_times)}
+        if writer is not None:
+            writer.footer(ids=generated, top_k=top, timings=timing)
+    if npz is not None:
+        write_npz_atomic(npz, recorder.arrays())
+
+    steps = 1 + run_stats.decode_steps
+    if run_stats.decode_steps < tokens:
+        err.print(f"[yellow]note:[/] stopped after {run_stats.decode_steps} decode steps: "
+                  f"{'end of text' if run_stats.stop_reason == 'eos' else run_stats.stop_reason}")
+    if tokens:
+        traced = generated[:run_stats.decode_steps]
+        side.print(Text(f"decode steps fed: {' '.join(repr(m.tokenizer.piece(i)) for i in traced)}"))
+    side.print(top_k_table(top, f"Next-token probabilities after step {steps - 1} (top {len(top)})"))
+    if timings:
+        side.print(timings_view(recorder.stage_times, run_stats.decode_steps))
+    err.print(f"[dim]{len(ids)} prompt tokens, {run_stats.decode_steps} decode steps · prefill "
+              f"{run_stats.prefill_s * 1000:.0f} ms · decode {run_stats.decode_s * 1000:.0f} ms · "
+              f"load {load_s:.1f} s[/]")
+
+
+def _open_text(path: Path, option: str):
+    try:
+        return open(path, "w", encoding="utf-8", newline="\n")
+    except OSError as exc:
+        raise OutputError(f"{option} {str(path)!r}: cannot write it ({exc.strerror or exc})") from None

@@ -1,0 +1,388 @@
+"""Views of trace events: the chapters' log lines, rich tables, JSON lines, ``.npz``, timings.
+
+Every view reads :class:`~llamatrace.trace.TraceEvent` objects and the stage catalogue
+(:mod:`llamatrace.stages`); the wording of the log lines lives only in ``Stage.lines``. The
+views are :class:`~llamatrace.trace.Recorder` sinks, so they render live as the forward pass
+runs — ``llamatrace trace`` is a thin wrapper around them::
+
+    from llamatrace import Llama
+    from llamatrace.render import LineFormatter, LogView
+    from rich.console import Console
+
+    model = Llama.load("SmolLM2-135M-Instruct.Q4_1.gguf")
+    ids = model.tokenizer.encode("The capital of France is")
+    view = LogView(Console(), LineFormatter.for_model(model, max_seq=len(ids) + 2))
+    with model.trace(layers=[0], stages=["kq*"], sinks=[view]) as rec:
+        list(model.generate(ids, max_tokens=2))              # generate is lazy: consume it here
+
+Shapes print the chapter's way, ``[5 576]``; weights print ``[out_features in_features]``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence, TextIO
+
+import numpy as np
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from .errors import OutputError
+from .stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
+from .trace import TraceEvent, finite_or_none
+
+SCHEMA = "llamatrace.trace/1"
+STAT_KEYS = ("sum", "mean", "rms", "min", "max", "abs_max")
+
+_FIELD = re.compile(r"\{(\[[^\]]*\]|\w+)\}")
+_SHAPE_RE = r"\[[\d ]*\]"
+_STAGE_INDEX = {s.id: i for i, s in enumerate(STAGES)}
+
+
+def fmt_shape(shape: Iterable[int]) -> str:
+    """``(5, 576)`` → ``[5 576]``, the Go-slice notation of the book's debug.log."""
+    return "[" + " ".join(str(int(n)) for n in shape) + "]"
+
+
+def phase_of(event: TraceEvent) -> str:
+    """``prefill`` for the prompt's forward call (start_pos 0), ``decode`` for the steps after it."""
+    return "prefill" if event.start_pos == 0 else "decode"
+
+
+# ---- the chapters' log lines ------------------------------------------------------------------
+class LineFormatter:
+    """Fills ``Stage.lines`` templates from one event: ``Calling RMSNorm for tensor x shape([5 576]) ...``.
+
+    Args:
+        shape_vars: ``(start_pos, seq_len) → {shape variable: int}`` (``Llama.shape_vars`` bound to
+            the cache size), so ``{[formula]}`` fields evaluate for each event's chunk.
+        n_layers: for the ``layer: 1 / 30`` wording (the chapter counts layers from 1).
+        selected: stage ids being traced; a ruled-out stage prints its ``skip_lines`` only when
+            it was asked for.
+    """
+
+    def __init__(self, shape_vars: Callable[[int, int], Mapping[str, int]], n_layers: int,
+                 selected: Iterable[str] | None = None) -> None:
+        self.shape_vars = shape_vars
+        self.n_layers = n_layers
+        self.selected = frozenset(STAGE_BY_ID if selected is None else selected)
+
+    @classmethod
+    def for_model(cls, model, max_seq: int, selected: Iterable[str] | None = None) -> "LineFormatter":
+        return cls(lambda start_pos, seq_len: model.shape_vars(start_pos, seq_len, max_seq),
+                   model.config.n_layers, selected)
+
+    def lines(self, event: TraceEvent) -> list[str]:
+        """The event's log lines, preceded by those of stages ruled out just before it."""
+        dims = self.shape_vars(event.start_pos, event.seq_len)
+        out = [self._fill(t, event, dims) for t in self._skipped_before(event, dims)]
+        out += [self._fill(t, event, dims) for t in STAGE_BY_ID[event.stage].lines]
+        return out
+
+    def _skipped_before(self, event: TraceEvent, dims: Mapping[str, int]) -> list[str]:
+        # walk back over the catalogue stages this chunk does not run (kq_masked when seq_len is 1)
+        templates: list[str] = []
+        i = _STAGE_INDEX[event.stage] - 1
+        while i >= 0 and not stage_applies(STAGES[i], dims["seq_len"], dims["n_rep"]):
+            if STAGES[i].id in self.selected:
+                templates[:0] = STAGES[i].skip_lines
+            i -= 1
+        return templates
+
+    def _fill(self, template: str, event: TraceEvent, dims: Mapping[str, int]) -> str:
+        end_pos = event.start_pos + event.seq_len
+        scalars = {"layer": event.layer, "layer1": None if event.layer is None else event.layer + 1,
+                   "n_layers": self.n_layers, "start_pos": event.start_pos, "end_pos": end_pos,
+                   "seq_len": event.seq_len, "n_rep": dims["n_rep"]}
+
+        def field(m: re.Match) -> str:
+            name = m.group(1)
+            if name.startswith("["):
+                return fmt_shape(eval_shape(name, dims))
+            if name == "out":
+                return fmt_shape(event.shape)
+            if name in event.inputs:
+                return fmt_shape(event.inputs[name])
+            if name.startswith("w_"):
+                shape = event.inputs.get(f"{name[2:]} weights")
+                return "[?]" if shape is None else fmt_shape(shape)
+            if name == "mask":               # the mask a block receives: none for one query row
+                return fmt_shape((event.seq_len, end_pos) if event.seq_len > 1 else ())
+            if name in scalars:
+                return str(scalars[name])
+            raise KeyError(f"stage {event.stage!r}: unknown field {{{name}}} in log-line template {template!r}")
+
+        return _FIELD.sub(field, template)
+
+
+def fmt_stats(stats: Mapping[str, Any], compact: bool = False) -> str:
+    """``sum … mean … rms … min … max … abs_max … nan 0 inf 0`` (``—`` = no finite value).
+
+    ``compact`` (table cells): rms, mean, min, max to 4 digits; nan/inf only when present.
+    """
+    keys, digits = (("rms", "mean", "min", "max"), ".4g") if compact else (STAT_KEYS, ".6g")
+    parts = [f"{k} {'—' if stats.get(k) is None else format(stats[k], digits)}" for k in keys]
+    counts = [f"{k} {stats.get(k, 0)}" for k in ("nan", "inf") if stats.get(k) or not compact]
+    return ("  " if not compact else " ").join(parts + counts)
+
+
+def fmt_values(values: Mapping[str, list]) -> str:
+    def one(v):
+        return "—" if v is None else (f"{v[0]:.4g}{v[1]:+.4g}j" if isinstance(v, list) else f"{v:.4g}")
+    return f"head [{', '.join(map(one, values['head']))}] … tail [{', '.join(map(one, values['tail']))}]"
+
+
+def fmt_us(us: float) -> str:
+    return f"{us:.0f} µs" if us < 10_000 else f"{us / 1000:.1f} ms"
+
+
+class LogView:
+    """Sink printing each event as the chapter's log lines, live.
+
+    ``plain=True`` is ``--dump-shapes``: exactly the template lines (shapes only, no step rules,
+    stats, times or colours) — deterministic, so it serves as a golden file.
+    """
+
+    def __init__(self, console: Console, formatter: LineFormatter, *, plain: bool = False) -> None:
+        self.console = console
+        self.formatter = formatter
+        self.plain = plain
+        self._step = None
+
+    def __call__(self, event: TraceEvent) -> None:
+        lines = self.formatter.lines(event)
+        if self.plain:
+            for line in lines:
+                self.console.print(line, markup=False, emoji=False, highlight=False)
+            return
+        if event.step != self._step:
+            self._step = event.step
+            n = event.seq_len
+            self.console.rule(f"[bold]step {event.step}[/] · {phase_of(event)} · start_pos {event.start_pos} · "
+                              f"{n} token{'s' if n != 1 else ''}", style="dim")
+        for line in lines:
+            text = Text(line)
+            text.highlight_regex(_SHAPE_RE, "cyan")
+            self.console.print(text)
+        where = "" if event.layer is None else f"L{event.layer} "
+        note = Text(f"    ↳ {where}{event.stage} {event.dtype} · {fmt_us(event.elapsed_us)}", style="dim")
+        self.console.print(note)
+        if event.stats is not None:
+            self.console.print(Text("      " + fmt_stats(event.stats), style="dim green"))
+        if event.values is not None:
+            self.console.print(Text("      " + fmt_values(event.values), style="dim green"))
+
+
+class TableView:
+    """Sink collecting events into one rich table per step (layer, stage, op, shape, dtype, stats, time)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._events: list[TraceEvent] = []
+
+    def __call__(self, event: TraceEvent) -> None:
+        if self._events and event.step != self._events[-1].step:
+            self.flush()
+        self._events.append(event)
+
+    def flush(self) -> None:
+        if not self._events:
+            return
+        first = self._events[0]
+        table = Table(title=f"step {first.step} · {phase_of(first)} · start_pos {first.start_pos} · "
+                            f"seq_len {first.seq_len}", title_justify="left")
+        for name, justify in (("layer", "right"), ("stage", "left"), ("op", "left"), ("shape", "left"),
+                              ("dtype", "left"), ("stats", "left"), ("time", "right")):
+            table.add_column(name, justify=justify, no_wrap=name != "stats")
+        for e in self._events:
+            stats = "" if e.stats is None else fmt_stats(e.stats, compact=True)
+            if e.values is not None:
+                stats = (stats + "\n" if stats else "") + fmt_values(e.values)
+            table.add_row("—" if e.layer is None else str(e.layer), e.stage, e.op, fmt_shape(e.shape),
+                          e.dtype, stats, fmt_us(e.elapsed_us))
+        self.console.print(table)
+        self._events = []
+
+
+class DebugLog:
+    """Sink writing the book's ``debug.log``: ``[DEBUG] <time> <line>``, flushed per event."""
+
+    def __init__(self, file: TextIO, formatter: LineFormatter) -> None:
+        self.file = file
+        self.formatter = formatter
+
+    def __call__(self, event: TraceEvent) -> None:
+        stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+        self.file.write("".join(f"[DEBUG] {stamp} {line}\n" for line in self.formatter.lines(event)))
+        self.file.flush()
+
+
+# ---- JSON lines and .npz -------------------------------------------------------------------
+def _dumps(obj: Any) -> str:
+    # allow_nan=False: a NaN that slipped past finite_or_none is a bug, not invalid JSON in a file
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+
+
+class JsonlWriter:
+    """Sink streaming the ``llamatrace.trace/1`` schema: a header, one line per event, a footer.
+
+    Each line is written whole and flushed, so after an error or Ctrl-C every line in the file is
+    valid JSON (only the footer may be missing).
+    """
+
+    def __init__(self, file: TextIO) -> None:
+        self.file = file
+
+    def _line(self, obj: Mapping[str, Any]) -> None:
+        self.file.write(_dumps(obj) + "\n")
+        self.file.flush()
+
+    def header(self, *, model: str, prompt: str, prompt_ids: Sequence[int], pieces: Sequence[str],
+               config: Mapping[str, Any]) -> None:
+        self._line({"type": "header", "schema": SCHEMA, "model": model, "prompt": prompt,
+                    "prompt_ids": list(prompt_ids), "pieces": list(pieces), "config": dict(config)})
+
+    def __call__(self, event: TraceEvent) -> None:
+        self._line(event.to_json())
+
+    def footer(self, *, ids: Sequence[int], top_k: Sequence[tuple[int, str, float]],
+               timings: Mapping[str, Any]) -> None:
+        self._line({"type": "footer", "ids": list(ids),
+                    "top_k": [[int(i), p, finite_or_none(float(q))] for i, p, q in top_k],
+                    "timings": dict(timings)})
+
+
+def check_output_path(path: Path, option: str) -> None:
+    """Fail early, before any model is loaded, if ``path`` cannot be written. Creates nothing.
+
+    Raises:
+        OutputError: ``path`` is a directory, its parent is missing or not a directory, or either
+            is not writable.
+    """
+    shown = f"{option} {str(path)!r}"
+    if path.is_dir():
+        raise OutputError(f"{shown} is a directory: give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise OutputError(f"{shown}: the directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise OutputError(f"{shown}: {str(parent)!r} is not a directory")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputError(f"{shown}: the file is not writable")
+    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{shown}: the directory {str(parent)!r} is not writable")
+
+
+def write_npz_atomic(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write ``arrays`` (keys ``step0.layer0.attn_norm``) to ``path``, all or nothing.
+
+    A temporary file in the same directory is renamed over ``path`` only when complete, so an
+    error or Ctrl-C never leaves a partial ``.npz``.
+
+    Raises:
+        OutputError: the file cannot be written (disk full, permissions).
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)          # a file object: numpy appends no ".npz" to the name
+        os.replace(tmp, path)
+    except OSError as exc:
+        _unlink(tmp)
+        raise OutputError(f"--npz {str(path)!r}: cannot write it ({exc.strerror or exc})") from None
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# ---- tokens, top-k, timings -----------------------------------------------------------------
+def tokens_table(tokenizer, ids: Sequence[int], title: str = "Prompt tokens") -> Table:
+    """The prompt's tokenization, position · id · piece (the book's chapter 12)."""
+    table = Table(title=f"{title} ({len(ids)})", title_justify="left")
+    table.add_column("pos", justify="right")
+    table.add_column("id", justify="right")
+    table.add_column("piece")
+    for pos, i in enumerate(ids):
+        table.add_row(str(pos), str(i), Text(repr(tokenizer.piece(i)), style="yellow"))
+    return table
+
+
+def top_k_probs(logits: np.ndarray, tokenizer, k: int) -> list[tuple[int, str, float]]:
+    """The ``k`` most likely next tokens from float32 ``[vocab_size]`` logits: (id, piece, probability)."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    k = min(k, p.size)
+    top = np.argpartition(-p, k - 1)[:k]
+    top = top[np.argsort(-p[top], kind="stable")]
+    return [(int(i), tokenizer.piece(int(i)), float(p[i])) for i in top]
+
+
+def top_k_table(top: Sequence[tuple[int, str, float]], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("#", "right"), ("id", "right"), ("piece", "left"), ("prob", "right"), ("", "left")):
+        table.add_column(name, justify=justify)
+    for rank, (i, piece, prob) in enumerate(top, 1):
+        table.add_row(str(rank), str(i), Text(repr(piece), style="yellow"), f"{prob:.4f}",
+                      Text("█" * round(prob * 30), style="green"))
+    return table
+
+
+def timing_rollup(stage_times: Mapping[tuple[str, str], Sequence[float]]) -> dict[str, dict[str, float]]:
+    """``{phase: {group: µs}}`` from ``Recorder.stage_times`` (groups from ``Stage.group``)."""
+    out: dict[str, dict[str, float]] = {}
+    for (phase, stage_id), (us, _calls) in stage_times.items():
+        groups = out.setdefault(phase, dict.fromkeys(GROUPS, 0.0))
+        groups[STAGE_BY_ID[stage_id].group] += us
+    return {phase: {g: round(us, 1) for g, us in groups.items()} for phase, groups in out.items()}
+
+
+def timings_view(stage_times: Mapping[tuple[str, str], Sequence[float]], decode_steps: int, top: int = 10) -> Group:
+    """Two tables: time per stage group, prefill vs decode; and the slowest stages.
+
+    A stage's time is the wall time since the previous stage ended, so a fused kernel is billed
+    to the first stage it produces (the q|k|v matmul to ``Qcur``, gate|up to ``ffn_gate``).
+    """
+    rollup = timing_rollup(stage_times)
+    phases = [p for p in ("prefill", "decode") if p in rollup]
+    groups = Table(title="Time by stage group", title_justify="left",
+                   caption="a run's first calls include Numba loading its compiled kernels", caption_justify="left")
+    groups.add_column("group")
+    for p in phases:
+        groups.add_column(f"{p} ms", justify="right")
+        groups.add_column("%", justify="right")
+    if "decode" in rollup and decode_steps:
+        groups.add_column("ms / decode step", justify="right")
+    totals = {p: sum(rollup[p].values()) or 1.0 for p in phases}
+    for g in (*GROUPS, "total"):
+        row = [g if g != "total" else "[bold]total[/]"]
+        for p in phases:
+            us = totals[p] if g == "total" else rollup[p][g]
+            row += [f"{us / 1000:.2f}", f"{100 * us / totals[p]:.0f}"]
+        if "decode" in rollup and decode_steps:
+            us = totals["decode"] if g == "total" else rollup["decode"][g]
+            row.append(f"{us / 1000 / decode_steps:.2f}")
+        groups.add_row(*row)
+    slow = Table(title=f"Slowest stages (top {top})", title_justify="left")
+    for name, justify in (("phase", "left"), ("stage", "left"), ("group", "left"), ("calls", "right"),
+                          ("ms", "right"), ("% of phase", "right")):
+        slow.add_column(name, justify=justify)
+    ranked = sorted(stage_times.items(), key=lambda kv: -kv[1][0])[:top]
+    for (phase, stage_id), (us, calls) in ranked:
+        slow.add_row(phase, stage_id, STAGE_BY_ID[stage_id].group, str(int(calls)), f"{us / 1000:.2f}",
+                     f"{100 * us / totals[phase]:.0f}")
+    return Group(groups, slow)
