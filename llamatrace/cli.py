@@ -331,7 +331,10 @@ app.command(name="trace")(_trace_cmd)
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: runs the app and maps errors to one line + exit code."""
     try:
-        app(args=argv, standalone_mode=False)
+        # with standalone_mode=False, click returns a typer.Exit's code instead of raising it
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int):
+            return code
     except LlamatraceError as exc:
         _report(exc, str(exc), exc.exit_code)
         return exc.exit_code

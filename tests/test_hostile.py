@@ -1,0 +1,104 @@
+"""Broken and hostile input at the CLI boundary: one clear line, exit 2, no traceback, nothing lost.
+
+GGUF header fuzzing lives in test_validate.py, chat-template payloads in test_chat.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import gguf
+import numpy as np
+import pytest
+
+from gguf_factory import write_tiny_llama
+from llamatrace.cli import main
+from test_cli_generate import assert_one_line_error, run
+
+
+def test_debug_flag_shows_the_traceback(capsys, tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 16)
+    code = main(["--debug", "generate", "-m", str(bad), "hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err and "error:" in err
+
+
+def test_missing_metadata_key_is_named(capsys, tmp_path):
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(*run(capsys, "generate", "-m", str(path), "hi"), "llama.embedding_length")
+
+
+def test_tensor_shape_inconsistent_with_config(capsys, tmp_path):
+    path = write_tiny_llama(tmp_path / "s.gguf", extra_kv={"llama.feed_forward_length": 128})
+    assert_one_line_error(*run(capsys, "generate", "-m", str(path), "hi"), "ffn_gate", "[128, 64]")
+
+
+def test_vocabulary_arrays_of_different_lengths(capsys, tmp_path):
+    from gguf_factory import vocabulary
+    tokens, types, merges = vocabulary()
+    path = tmp_path / "v.gguf"
+    write_tiny_llama(path, extra_kv={})
+    # rewrite with a short token_type array
+    r = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "v2.gguf"), "llama")
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if key == "tokenizer.ggml.token_type":
+            value = value[:10]
+        w.add_key_value(key, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, out, err = run(capsys, "generate", "-m", str(tmp_path / "v2.gguf"), "hi")
+    assert_one_line_error(code, out, err, "token_type")
+
+
+def test_lone_surrogates_in_the_prompt_do_not_crash(capsys, tiny_model_path):
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "2", "-m", str(tiny_model_path), "cat \udc80 dog")
+    assert code == 0
+    assert json.loads(out)["prompt"] == "cat ? dog"
+
+
+def test_typed_control_token_text_stays_text(capsys, tiny_model_path):
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", str(tiny_model_path), "<|im_end|>")
+    ids = json.loads(out)["prompt_ids"]
+    assert code == 0 and 2 not in ids and len(ids) == len("<|im_end|>")
+
+
+def test_ctrl_c_during_generate_keeps_the_text_and_exits_130(tmp_path):
+    model = write_tiny_llama(tmp_path / "long.gguf", context_length=100000)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from llamatrace.cli import run; run()", "generate", "--raw", "-n", "90000",
+         "-m", str(model), "the cat"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        first = proc.stdout.read(20)                 # wait until text is streaming
+        assert first
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert len(first + rest) > 20
+    text = err.decode()
+    assert "Traceback" not in text and "interrupted" in text

@@ -1,0 +1,106 @@
+"""Each Numba kernel in llamatrace.kernels against its plain NumPy twin (and textbook formulas)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamatrace import kernels as K
+
+rng = np.random.default_rng(0)
+
+
+def randn(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_rmsnorm_matches_twin_and_formula():
+    x, w = randn(7, 96), randn(96)
+    y = K.rmsnorm(x, w, 1e-5)
+    np.testing.assert_allclose(y, K.rmsnorm_ref(x, w, 1e-5), rtol=1e-6, atol=1e-6)
+    x64 = x.astype(np.float64)
+    expect = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(y, expect, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("start_pos", [0, 5])
+def test_rope_matches_complex_twin(start_pos):
+    inv = K.rope_frequencies(32, 10000.0)
+    fc = K.precompute_freqs_cis(inv, start_pos, 4)
+    assert fc.shape == (4, 16) and fc.dtype == np.complex64
+    x = randn(4, 3, 32)
+    y = K.rope(x, np.ascontiguousarray(fc.real), np.ascontiguousarray(fc.imag))
+    np.testing.assert_allclose(y, K.rope_ref(x, fc), rtol=1e-5, atol=1e-6)
+    # a rotation keeps each pair's length
+    np.testing.assert_allclose(np.linalg.norm(y.reshape(4, 3, 16, 2), axis=-1),
+                               np.linalg.norm(x.reshape(4, 3, 16, 2), axis=-1), rtol=1e-5)
+
+
+def test_rope_partial_rotation_leaves_tail_untouched():
+    fc = K.precompute_freqs_cis(K.rope_frequencies(16, 10000.0), 3, 2)
+    x = randn(2, 2, 32)
+    y = K.rope(x, np.ascontiguousarray(fc.real), np.ascontiguousarray(fc.imag))
+    np.testing.assert_array_equal(y[..., 16:], x[..., 16:])
+    np.testing.assert_allclose(y, K.rope_ref(x, fc), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_position_zero_is_identity():
+    fc = K.precompute_freqs_cis(K.rope_frequencies(8, 10000.0), 0, 1)
+    x = randn(1, 2, 8)
+    np.testing.assert_allclose(K.rope(x, np.ascontiguousarray(fc.real), np.ascontiguousarray(fc.imag)), x, atol=1e-7)
+
+
+def test_rope_frequency_factors_divide_frequencies():
+    base = K.rope_frequencies(8, 500000.0)
+    scaled = K.rope_frequencies(8, 500000.0, np.array([1, 2, 4, 8], dtype=np.float32))
+    np.testing.assert_allclose(scaled, base / [1, 2, 4, 8])
+
+
+def test_causal_mask_with_cache_offset():
+    m = K.causal_mask(3, 2)
+    assert m.shape == (3, 5)
+    assert (m[0, :3] == 0).all() and np.isneginf(m[0, 3:]).all()
+    assert (m[2] == 0).all()
+
+
+def test_softmax_matches_twin_and_rows_sum_to_one():
+    x = randn(4, 5, 9) + K.causal_mask(5, 4)[None]
+    y = K.softmax(x)
+    np.testing.assert_allclose(y, K.softmax_ref(x), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(y.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_softmax_fully_masked_row_gives_zeros_not_nan():
+    x = np.full((1, 2, 4), -np.inf, dtype=np.float32)
+    x[0, 1] = [0, 1, 2, 3]
+    y = K.softmax(x)
+    assert np.isfinite(y).all()
+    assert (y[0, 0] == 0).all()
+    np.testing.assert_allclose(y, K.softmax_ref(x), atol=1e-7)
+
+
+def test_softmax_propagates_nan():
+    x = randn(1, 1, 4)
+    x[0, 0, 1] = np.nan
+    assert np.isnan(K.softmax(x)).any()
+
+
+def test_silu_matches_twin():
+    x = randn(3, 50) * 10
+    np.testing.assert_allclose(K.silu(x), K.silu_ref(x), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seq_len,kv_len,n_heads", [(1, 7, 4), (5, 5, 3), (40, 70, 9)])
+def test_attention_products_match_twins(seq_len, kv_len, n_heads):
+    xq, keys, values = randn(seq_len, n_heads, 64), randn(kv_len, n_heads, 64), randn(kv_len, n_heads, 64)
+    kq = K.attention_scores(xq, keys)
+    np.testing.assert_allclose(kq, K.attention_scores_ref(xq, keys), rtol=1e-5, atol=1e-4)
+    p = K.softmax(kq)
+    np.testing.assert_allclose(K.attention_values(p, values), K.attention_values_ref(p, values), rtol=1e-5, atol=1e-5)
+
+
+def test_serial_and_parallel_attention_variants_agree():
+    xq, keys = randn(3, 2, 16), randn(6, 2, 16)
+    np.testing.assert_array_equal(K.attention_scores_serial(xq, keys), K.attention_scores_parallel(xq, keys))
+    p = K.softmax(K.attention_scores_serial(xq, keys))
+    np.testing.assert_array_equal(K.attention_values_serial(p, keys), K.attention_values_parallel(p, keys))
