@@ -58,8 +58,12 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
                      hidden_dim: int = 96, context_length: int = 64, tied: bool = True, seed: int = 0,
                      arch: str = "llama", tokenizer_model: str = "gpt2", pre: str = "smollm",
                      chat_template: str | None = CHATML, rope_theta: float = 10000.0,
-                     skip_tensors: tuple[str, ...] = (), extra_kv: dict | None = None) -> Path:
-    """Write a random llama GGUF and return its path. Matrices use ``qtype`` (norms are F32)."""
+                     skip_tensors: tuple[str, ...] = (), extra_kv: dict | None = None,
+                     rope_freqs: np.ndarray | None = None, add_bos: bool = False) -> Path:
+    """Write a random llama GGUF and return its path. Matrices use ``qtype`` (norms are F32).
+
+    ``rope_freqs`` adds Llama 3.1's ``rope_freqs.weight`` (per-frequency divisors, [head_dim/2]).
+    """
     rng = np.random.default_rng(seed)
     tokens, types, merges = vocabulary()
     vocab = len(tokens)
@@ -83,7 +87,7 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
     w.add_token_merges(merges)
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for key, value in (extra_kv or {}).items():
@@ -106,6 +110,8 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
             p + "ffn_up.weight": (mat(hidden_dim, dim, dim ** -0.5), qtype),
             p + "ffn_down.weight": (mat(dim, hidden_dim, hidden_dim ** -0.5), qtype),
         })
+    if rope_freqs is not None:
+        tensors["rope_freqs.weight"] = (np.asarray(rope_freqs, dtype=np.float64), T.F32)
     tensors["output_norm.weight"] = (1.0 + 0.1 * rng.normal(size=dim), T.F32)
     if not tied:
         tensors["output.weight"] = (mat(vocab, dim, dim ** -0.5), qtype)

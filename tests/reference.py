@@ -37,6 +37,8 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
     freqs = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
+    if "rope_freqs.weight" in W:                                        # Llama 3.1 scaling factors
+        freqs = freqs / W["rope_freqs.weight"]
     freqs_cis = np.exp(1j * np.outer(np.arange(seq), freqs))          # [seq, hd/2]
 
     def rope(x):                                                       # [seq, heads, hd]

@@ -87,3 +87,19 @@ def test_missing_tensor_is_named(tmp_path):
 def test_resident_weights_stay_close_to_file_size(tiny_model_path, tiny_model):
     tensor_bytes = sum(int(t.n_bytes) for t in tiny_model.file.tensors.values())
     assert tiny_model.weights.nbytes <= 1.3 * tensor_bytes
+
+
+def test_llama3_style_model_with_rope_freqs_and_bos(tmp_path):
+    factors = np.linspace(1.0, 8.0, 8)
+    path = write_tiny_llama(tmp_path / "l3.gguf", pre="llama-bpe", rope_theta=500000.0, rope_freqs=factors,
+                            add_bos=True, n_heads=4, n_kv_heads=1)
+    model = Llama.load(path)
+    ids = model.tokenizer.encode("the cat")
+    assert ids[0] == model.tokenizer.bos_id
+    logits = model.forward(np.array(TOKENS), 0, model.new_cache(16), all_logits=True)
+    ref = reference_logits(path, TOKENS)
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
+    # the factors really change the result (the test would not notice a model that ignored them)
+    plain = write_tiny_llama(tmp_path / "plain.gguf", pre="llama-bpe", rope_theta=500000.0, add_bos=True,
+                             n_heads=4, n_kv_heads=1)
+    assert np.abs(reference_logits(plain, TOKENS) - ref).max() > 1e-3

@@ -1,0 +1,383 @@
+"""Step tracing: event order and shapes, HF-matching statistics, the trace command and its outputs.
+
+Tiny-GGUF tests run in milliseconds; tests that take the ``smollm2`` fixtures use the real default
+model (SmolLM2-135M-Instruct Q4_1) and the HF golden reference in ``tests/golden``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gguf_factory import write_tiny_llama
+from llamatrace import kernels
+from llamatrace.cli import main
+from llamatrace.cli_trace import parse_layers
+from llamatrace.errors import OptionError, OutputError
+from llamatrace.render import LineFormatter, check_output_path, write_npz_atomic
+from llamatrace.stages import LAYER_STAGE_IDS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
+from llamatrace.trace import Recorder
+
+GOLDEN = Path(__file__).parent / "golden"
+# dims chosen so that every shape variable has a different value
+TINY_DIMS = dict(n_layers=2, dim=96, n_heads=6, n_kv_heads=2, hidden_dim=160)
+
+
+@pytest.fixture(scope="module")
+def gqa_path(tmp_path_factory) -> Path:
+    """Tiny GQA model: dim 96, 6 heads of 16, 2 KV heads (n_rep 3), ffn 160, vocab 269, rope_half 8."""
+    return write_tiny_llama(tmp_path_factory.mktemp("trace") / "gqa.gguf", **TINY_DIMS)
+
+
+@pytest.fixture(scope="module")
+def gqa(gqa_path):
+    from llamatrace.model import Llama
+    return Llama.load(gqa_path)
+
+
+def traced_shapes(model, ids: list[int], decode_token: int | None, **options) -> tuple[list, Recorder]:
+    """Prefill ``ids`` at start_pos 0 (+ one decode step) with a recorder: [(step, layer, stage, shape)]."""
+    cache = model.new_cache(len(ids) + 1)
+    rec = Recorder(**options)
+    model.forward(np.asarray(ids), 0, cache, recorder=rec)
+    if decode_token is not None:
+        model.forward(np.asarray([decode_token]), len(ids), cache, recorder=rec)
+    return [(e.step, e.layer, e.stage, tuple(e.shape)) for e in rec.events], rec
+
+
+def catalogue_shapes(model, step: int, start_pos: int, seq_len: int, max_seq: int) -> list:
+    """What the catalogue's formulas and ``when`` rules say one forward call emits."""
+    dims = model.shape_vars(start_pos, seq_len, max_seq)
+    out = []
+    stages = [s for s in STAGES if stage_applies(s, seq_len, dims["n_rep"])]
+    for s in (s for s in stages if s.level == "model" and s.group == "input"):
+        out.append((step, None, s.id, eval_shape(s.shape, dims)))
+    for layer in range(model.config.n_layers):
+        out += [(step, layer, s.id, eval_shape(s.shape, dims)) for s in stages if s.level == "layer"]
+    for s in (s for s in stages if s.level == "model" and s.group == "output"):
+        out.append((step, None, s.id, eval_shape(s.shape, dims)))
+    return out
+
+
+# ---- event order and shapes ------------------------------------------------------------------
+def test_prefill_and_decode_emit_catalogue_stages_in_order(gqa):
+    got, _ = traced_shapes(gqa, [5, 6, 7, 8, 9], 10)
+    expected = catalogue_shapes(gqa, 0, 0, 5, 6) + catalogue_shapes(gqa, 1, 5, 1, 6)
+    assert got == expected
+    # spot checks of the formulas themselves, written out
+    shapes = {(s, l, st): sh for s, l, st, sh in got}
+    assert shapes[(0, None, "freqs_cis")] == (5, 8)
+    assert shapes[(0, 1, "Kcur")] == (5, 32)
+    assert shapes[(0, 1, "keys_rep")] == (5, 6, 16)
+    assert shapes[(0, 0, "kq_masked")] == (6, 5, 5)
+    assert shapes[(0, 0, "ffn_silu")] == (5, 160)
+    assert shapes[(0, None, "result_output")] == (5, 269)
+    assert shapes[(1, 0, "keys")] == (6, 2, 16)
+    assert shapes[(1, 0, "kq_soft_max")] == (6, 1, 6)
+
+
+def test_decode_step_has_no_mask_stages(gqa):
+    got, _ = traced_shapes(gqa, [5, 6, 7], 10)
+    decode = {stage for step, _, stage, _ in got if step == 1}
+    assert "kq_mask" not in decode and "kq_masked" not in decode
+    assert {"kq_mask", "kq_masked"} <= {stage for step, _, stage, _ in got if step == 0}
+
+
+def test_no_repeat_kv_stages_when_kv_heads_equal_heads(tmp_path):
+    from llamatrace.model import Llama
+    m = Llama.load(write_tiny_llama(tmp_path / "mha.gguf", n_layers=1, dim=64, n_heads=4, n_kv_heads=4))
+    got, _ = traced_shapes(m, [5, 6, 7], 10)
+    stages = [stage for _, _, stage, _ in got]
+    assert "keys_rep" not in stages and "values_rep" not in stages
+    assert [x for x in got if x[2] == "kq"] == [(0, 0, "kq", (4, 3, 3)), (1, 0, "kq", (4, 1, 4))]
+
+
+def _issue_layer(n: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
+    """One traced layer of the default model, as issue 3 lists it (n queries, kv cached positions)."""
+    rows = [("attn_norm", (n, 576)), ("Qcur", (n, 576)), ("Kcur", (n, 192)), ("Vcur", (n, 192)),
+            ("Qcur_heads", (n, 9, 64)), ("Kcur_heads", (n, 3, 64)), ("Vcur_heads", (n, 3, 64)),
+            ("Qcur_rope", (n, 9, 64)), ("Kcur_rope", (n, 3, 64)), ("cache_k", (n, 3, 64)), ("cache_v", (n, 3, 64)),
+            ("keys", (kv, 3, 64)), ("values", (kv, 3, 64)), ("keys_rep", (kv, 9, 64)), ("values_rep", (kv, 9, 64)),
+            ("kq", (9, n, kv)), ("kq_scaled", (9, n, kv)), ("kq_masked", (9, n, kv)), ("kq_soft_max", (9, n, kv)),
+            ("kqv", (9, n, 64)), ("kqv_out", (n, 576)), ("attn_out", (n, 576)), ("ffn_inp", (n, 576)),
+            ("ffn_norm", (n, 576)), ("ffn_gate", (n, 1536)), ("ffn_silu", (n, 1536)), ("ffn_up", (n, 1536)),
+            ("ffn_swiglu", (n, 1536)), ("ffn_out", (n, 576)), ("l_out", (n, 576))]
+    return [r for r in rows if n > 1 or r[0] != "kq_masked"]
+
+
+def test_default_model_shapes_match_issue(smollm2):
+    assert smollm2.config.n_layers == 30
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    assert len(ids) == 5
+    got, rec = traced_shapes(smollm2, ids, 7042)
+    expected = [(0, None, "freqs_cis", (5, 32)), (0, None, "kq_mask", (5, 5)), (0, None, "inp_embd", (5, 576))]
+    expected += [(0, layer, s, sh) for layer in range(30) for s, sh in _issue_layer(5, 5)]
+    expected += [(0, None, "result_norm", (5, 576)), (0, None, "result_output", (5, 49152))]
+    expected += [(1, None, "freqs_cis", (1, 32)), (1, None, "inp_embd", (1, 576))]
+    expected += [(1, layer, s, sh) for layer in range(30) for s, sh in _issue_layer(1, 6)]
+    expected += [(1, None, "result_norm", (1, 576)), (1, None, "result_output", (1, 49152))]
+    assert got == expected
+    assert {e.dtype for e in rec.events if e.stage == "freqs_cis"} == {"complex64"}
+    assert {e.dtype for e in rec.events if e.stage != "freqs_cis"} == {"float32"}
+
+
+# ---- agreement with the HF golden reference -----------------------------------------------------
+HF_RMS_STAGES = ("attn_norm", "Qcur", "Kcur", "Vcur", "kqv_out", "attn_out", "ffn_inp", "ffn_norm",
+                 "ffn_swiglu", "ffn_out", "l_out")
+
+
+def test_layer0_stats_match_hf_golden(smollm2):
+    golden = json.loads((GOLDEN / "smollm2_golden.json").read_text())
+    ids = golden["prompts"]["ascii"]["prompt_ids"]
+    ref = golden["stage_stats"]["ascii"]["layers"]["0"]
+    rec = Recorder(layers=[0], stats=True)
+    smollm2.forward(np.asarray(ids), 0, smollm2.new_cache(len(ids)), recorder=rec)
+    ours = {e.stage: e for e in rec.events if e.layer == 0}
+    for stage in HF_RMS_STAGES:
+        assert list(ours[stage].shape) == list(ref[stage]["shape"]), stage
+        assert ours[stage].stats["rms"] == pytest.approx(ref[stage]["rms"], rel=1e-3), stage
+
+
+def test_every_softmax_row_sums_to_one(smollm2):
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    _, rec = traced_shapes(smollm2, ids, 7042, stages=["kq_soft_max"], keep_arrays=True)
+    assert len(rec.events) == 2 * 30
+    for e in rec.events:
+        np.testing.assert_allclose(e.array.astype(np.float64).sum(axis=-1), 1.0, atol=1e-5, err_msg=e.key)
+
+
+# ---- tracing changes nothing ---------------------------------------------------------------
+def test_tracing_does_not_change_generated_tokens_tiny(gqa):
+    ids = gqa.tokenizer.encode("the cat")
+    plain = list(gqa.generate(ids, max_tokens=8, stop_ids=frozenset()))
+    with gqa.trace(stats=True, values=2, keep_arrays=True) as rec:
+        traced = list(gqa.generate(ids, max_tokens=8, stop_ids=frozenset()))
+    assert traced == plain and len(plain) == 8
+    assert rec.step == 7                                    # prefill + 7 decode steps were traced
+
+
+def test_tracing_does_not_change_generated_tokens_default_model(smollm2):
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    plain = list(smollm2.generate(ids, max_tokens=6))
+    with smollm2.trace(layers=[0], stages=["kq*"], stats=True):
+        traced = list(smollm2.generate(ids, max_tokens=6))
+    assert traced == plain
+    assert plain[0] == 7042                                 # " Paris", as HF
+
+
+# ---- log lines -------------------------------------------------------------------------------
+def test_dump_shapes_matches_golden(smollm2_path, capsys):
+    code = main(["trace", "--model", str(smollm2_path), "--raw", "--layer", "0", "--tokens", "1", "--dump-shapes"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out == (GOLDEN / "smollm2_dump_shapes.txt").read_text(encoding="utf-8")
+
+
+def test_every_template_renders_one_line_per_template(gqa, gqa_path, capsys):
+    assert main(["trace", "--model", str(gqa_path), "--raw", "--tokens", "1", "--dump-shapes", "the cat"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ids = gqa.tokenizer.encode("the cat")
+    _, rec = traced_shapes(gqa, ids, 10)
+    n = len(ids)
+    # one line per template, plus one "Skipping addition scores + mask" per layer of the decode step
+    assert len(lines) == sum(len(STAGE_BY_ID[e.stage].lines) for e in rec.events) + TINY_DIMS["n_layers"]
+    assert lines.count("Skipping addition scores + mask") == TINY_DIMS["n_layers"]
+    assert not any("{" in line or "}" in line or "?" in line for line in lines)
+    assert (f"Calling LlamaAttention.Forward for tensor normalizedX shape([{n} 96]) and startPos: 0, "
+            f"freqsCis: shape([{n} 8]), mask: shape([{n} {n}]) -> tensor h") in lines
+    assert "Calling ml.LinearTransformation for x shape([1 96]) and LlamaAttention.attn_wk weights " \
+           "shape([32 96]) -> tensor xk" in lines
+    assert f"Calling ml.MatMul for xq shape([6 1 16]) and keys shape([6 16 {n + 1}]) -> tensor xqMatMulKeys" in lines
+
+
+def test_skip_line_only_when_masked_stage_selected(gqa):
+    formatter = LineFormatter.for_model(gqa, 8, selected={"kq_soft_max"})
+    _, rec = traced_shapes(gqa, [5, 6, 7], 10, layers=[0], stages=["kq_soft_max"])
+    assert all("Skipping" not in line for e in rec.events for line in formatter.lines(e))
+    formatter = LineFormatter.for_model(gqa, 8, selected={"kq_soft_max", "kq_masked"})
+    decode = [e for e in rec.events if e.step == 1]
+    assert formatter.lines(decode[0])[0] == "Skipping addition scores + mask"
+
+
+# ---- the trace command ------------------------------------------------------------------------
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
+    jl, nz, log = tmp_path / "t.jsonl", tmp_path / "t.npz", tmp_path / "debug.log"
+    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--raw", "--tokens", "2", "--stats", "--values", "3",
+                            "--layer", "0,-1", "--jsonl", str(jl), "--npz", str(nz), "--log-file", str(log),
+                            "--top-k", "4", "the cat"], capsys)
+    assert code == 0, err
+    lines = [json.loads(line) for line in jl.read_text(encoding="utf-8").splitlines()]  # every line is JSON
+    header, events, footer = lines[0], lines[1:-1], lines[-1]
+    assert header["type"] == "header" and header["schema"] == "llamatrace.trace/1"
+    assert header["config"]["dim"] == 96 and len(header["pieces"]) == len(header["prompt_ids"])
+    assert header["prompt"] == "the cat"
+    assert {e["type"] for e in events} == {"event"}
+    assert footer["type"] == "footer" and len(footer["top_k"]) == 4 and len(footer["ids"]) == 3
+    assert sum(p for _, _, p in footer["top_k"]) <= 1.0 + 1e-9
+    assert footer["timings"]["decode_steps"] == 2
+    assert {"prefill", "decode"} == set(footer["timings"]["stages_us"])
+    for e in events:
+        assert set(e) >= {"step", "start_pos", "layer", "stage", "op", "inputs", "shape", "dtype", "elapsed_us",
+                          "stats", "values"}
+        assert set(e["stats"]) == {"sum", "mean", "rms", "min", "max", "abs_max", "nan", "inf"}
+    masked = next(e for e in events if e["stage"] == "kq_masked")
+    assert masked["stats"]["inf"] > 0                       # -inf of the mask: counted, written as null
+    with np.load(nz) as arrays:
+        keys = [("step%d.%s" % (e["step"], e["stage"]) if e["layer"] is None else
+                 "step%d.layer%d.%s" % (e["step"], e["layer"], e["stage"])) for e in events]
+        assert sorted(arrays.files) == sorted(keys)
+        for e, key in zip(events, keys):
+            assert list(arrays[key].shape) == e["shape"] and str(arrays[key].dtype) == e["dtype"]
+        assert {e["layer"] for e in events} == {None, 0, 1}
+        # the same trace through the Python API keeps the same arrays
+        from llamatrace.model import Llama
+        m = Llama.load(gqa_path)
+        with m.trace(layers=[0, 1], keep_arrays=True) as rec:
+            list(m.generate(header["prompt_ids"], max_tokens=3, stop_ids=frozenset()))
+        kept = rec.arrays()
+        for key in arrays.files:
+            np.testing.assert_array_equal(arrays[key], kept[key], err_msg=key)
+    debug = log.read_text(encoding="utf-8").splitlines()
+    assert debug and all(line.startswith("[DEBUG] ") for line in debug)
+    assert any(line.endswith("Skipping addition scores + mask") for line in debug)
+
+
+def test_npz_write_is_atomic(tmp_path, monkeypatch):
+    arrays = {"step0.layer0.kq": np.arange(6, dtype=np.float32).reshape(1, 2, 3),
+              "step0.freqs_cis": np.ones((2, 4), dtype=np.complex64)}
+    path = tmp_path / "a.npz"
+    write_npz_atomic(path, arrays)
+    with np.load(path) as got:
+        for key, value in arrays.items():
+            np.testing.assert_array_equal(got[key], value)
+    target = tmp_path / "b.npz"
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_npz_atomic(target, arrays)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npz"]
+
+
+def test_table_format_stats_and_timings(gqa_path, capsys):
+    code, out, err = run_cli(["trace", "--model", str(gqa_path), "--raw", "--format", "table", "--stats",
+                              "--timings", "--tokens", "1", "--layer", "1", "--stage", "kq*", "the cat"], capsys)
+    assert code == 0, err
+    for text in ("Prompt tokens", "kq_soft_max", "step 1 · decode", "Time by stage group", "attention",
+                 "Slowest stages", "Next-token probabilities"):
+        assert text in out, text
+
+
+def test_default_log_output_starts_with_tokens_and_ends_with_top_k(gqa_path, capsys):
+    code, out, err = run_cli(["trace", "--model", str(gqa_path), "--layer", "0", "--stage", "attn_norm",
+                              "--stats"], capsys)
+    assert code == 0, err
+    assert out.lstrip().startswith("Prompt tokens")
+    assert "Calling RMSNorm for tensor x shape(" in out and "rms " in out
+    lines = out.splitlines()
+    last_stage = max(i for i, line in enumerate(lines) if line.startswith("Calling "))
+    assert next(i for i, line in enumerate(lines) if "Next-token probabilities" in line) > last_stage
+
+
+def test_check_finite_names_stage_layer_and_step(gqa_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(kernels, "silu", lambda x: np.full_like(x, np.nan))
+    jl = tmp_path / "t.jsonl"
+    code, out, err = run_cli(["trace", "--model", str(gqa_path), "--raw", "--check-finite", "--jsonl", str(jl),
+                              "--npz", str(tmp_path / "t.npz"), "the cat"], capsys)
+    assert code == 2
+    assert "ffn_silu" in err and "layer 0" in err and "step 0" in err and "Traceback" not in err
+    assert not (tmp_path / "t.npz").exists()
+    assert all(json.loads(line) for line in jl.read_text().splitlines())
+
+
+def test_check_finite_accepts_the_masks_minus_inf(gqa):
+    _, rec = traced_shapes(gqa, [5, 6, 7], 10, check_finite=True, stages=["kq_mask", "kq_masked"], stats=True)
+    assert rec.events[0].stats["inf"] == 3                  # the 3x3 mask's upper triangle
+
+
+def test_ctrl_c_exits_130_with_complete_jsonl_lines(gqa_path, tmp_path, capsys, monkeypatch):
+    from llamatrace import render
+    calls = {"n": 0}
+    original = render.LogView.__call__
+
+    def interrupt_on_tenth(self, event):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        original(self, event)
+
+    monkeypatch.setattr(render.LogView, "__call__", interrupt_on_tenth)
+    jl, nz = tmp_path / "t.jsonl", tmp_path / "t.npz"
+    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--jsonl", str(jl), "--npz", str(nz)], capsys)
+    assert code == 130
+    lines = jl.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["type"] for line in lines] == ["header"] + ["event"] * 9
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, words", [
+    (["--layer", "5"], ["--layer", "0-1"]),
+    (["--layer", "-3"], ["out of range", "0-1"]),
+    (["--layer", "1-x"], ["--layer", "N-M"]),
+    (["--stage", "kq*,nope"], ["nope", "attn_norm", "kq_soft_max"]),
+    (["--tokens", "-1"], ["--tokens"]),
+    (["--dump-shapes", "--format", "table"], ["--dump-shapes"]),
+])
+def test_bad_options_fail_with_one_line(gqa_path, tmp_path, capsys, args, words):
+    jl = tmp_path / "t.jsonl"
+    code, out, err = run_cli(["trace", "--model", str(gqa_path), "--jsonl", str(jl), *args], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    for word in words:
+        assert word in err, (word, err)
+    assert not jl.exists()
+
+
+@pytest.mark.parametrize("option", ["--jsonl", "--npz", "--log-file"])
+@pytest.mark.parametrize("where", ["directory", "missing_dir", "under_a_file"])
+def test_unwritable_output_fails_before_loading(tmp_path, capsys, option, where):
+    (tmp_path / "file.txt").write_text("x")
+    target = {"directory": tmp_path, "missing_dir": tmp_path / "nope" / "t.out",
+              "under_a_file": tmp_path / "file.txt" / "t.out"}[where]
+    # a model path that does not exist: the output check must fail first
+    code, out, err = run_cli(["trace", "--model", str(tmp_path / "absent.gguf"), option, str(target)], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and option in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+def test_check_output_path_accepts_new_file(tmp_path):
+    check_output_path(tmp_path / "new.jsonl", "--jsonl")
+    with pytest.raises(OutputError, match="is a directory"):
+        check_output_path(tmp_path, "--jsonl")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("all", None), ("0", [0]), ("-1", [29]), ("-2", [28]), ("3-5", [3, 4, 5]), ("0, 2-3 ,-1", [0, 2, 3, 29]),
+    ("ALL", None), ("29", [29]),
+])
+def test_parse_layers(spec, expected):
+    assert parse_layers(spec, 30) == expected
+
+
+@pytest.mark.parametrize("spec", ["30", "-31", "5-2", "x", "1-", "", "0-30"])
+def test_parse_layers_rejects(spec):
+    with pytest.raises(OptionError, match="--layer"):
+        parse_layers(spec, 30)
+
+
+def test_layer_stage_ids_cover_issue_list():
+    assert [s for s, _ in _issue_layer(5, 5)] == list(LAYER_STAGE_IDS)
