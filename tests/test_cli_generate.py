@@ -134,3 +134,23 @@ def test_help_shows_examples(capsys):
         code = main([*cmd, "--help"])
         out = capsys.readouterr().out
         assert code == 0 and "llamatrace" in out and "Example" in out
+
+
+def test_numba_cache_moves_to_user_cache_when_package_dir_is_read_only(monkeypatch):
+    import os
+
+    import llamatrace
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setattr(llamatrace._os, "access", lambda path, mode: False)
+    llamatrace._numba_cache_dir()
+    assert os.environ["NUMBA_CACHE_DIR"].endswith(os.path.join("llamatrace", "numba"))
+
+
+def test_numba_cache_stays_put_when_package_dir_is_writable(monkeypatch):
+    import os
+
+    import llamatrace
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setattr(llamatrace._os, "access", lambda path, mode: True)
+    llamatrace._numba_cache_dir()
+    assert "NUMBA_CACHE_DIR" not in os.environ
