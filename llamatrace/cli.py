@@ -325,6 +325,8 @@ def pull(
 
 from .cli_trace import trace as _trace_cmd  # noqa: E402 — needs the shared options above
 app.command(name="trace")(_trace_cmd)
+from .cli_diagram import diagram as _diagram_cmd  # noqa: E402 — needs the shared options above
+app.command(name="diagram")(_diagram_cmd)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,93 @@
+"""``llamatrace diagram``: draw the forward pass of a real run as a flow diagram (SVG/PNG/PDF/DOT).
+
+Registered on the app in :mod:`llamatrace.cli`; the drawing itself is :mod:`llamatrace.diagram`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .cli import (ModelOpt, PromptFileOpt, RawOpt, SystemOpt, ThreadsOpt, err, load_model, prompt_ids_for,
+                  read_prompt)
+from .errors import OptionError
+
+DEFAULT_PROMPT = "The capital of France is"
+
+
+def diagram(
+    prompt: Annotated[Optional[str], typer.Argument(
+        help=f"The prompt text (or use --prompt-file). Default: \"{DEFAULT_PROMPT}\".", show_default=False)] = None,
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Output file; the format comes from the extension: .svg, .png, .pdf "
+        "(need Graphviz's `dot`) or .dot (DOT source).", show_default=False)] = Path("flow.svg"),
+    view: Annotated[str, typer.Option(
+        "--view", help="model: embedding → block × n_layers → logits → token; block: one block in detail.")] = "model",
+    highlight: Annotated[Optional[str], typer.Option(
+        "--highlight", help="The book's STAGE view: a STAGE number 1-19 or a stage id (e.g. Qcur_rope), drawn "
+        "as \"you are here\" with its inputs and outputs emphasised.", show_default=False)] = None,
+    layer: Annotated[int, typer.Option("--layer", "-l", help="Which layer's block to draw.")] = 0,
+    step: Annotated[int, typer.Option(
+        "--step", help="Which forward call: 0 = prefill of the prompt, n = decode step n (greedy).")] = 0,
+    stats: Annotated[bool, typer.Option("--stats", help="Add each tensor's mean, rms, min and max.")] = False,
+    timings: Annotated[bool, typer.Option(
+        "--timings", help="Colour op nodes by time spent (the output then differs run to run).")] = False,
+    model: ModelOpt = None,
+    raw: RawOpt = False,
+    system: SystemOpt = None,
+    prompt_file: PromptFileOpt = None,
+    ctx_size: Annotated[Optional[int], typer.Option(
+        "--ctx-size", "-c", help="KV cache capacity drawn on the cache node (default: prompt + 256 tokens, at "
+        "most the model's context length).", show_default=False)] = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Draw a flow diagram of one forward pass of a real run, every shape from the trace.
+
+    The model view draws tokens → embedding → one transformer block (× n_layers) → final RMSNorm →
+    logits → the sampled token; the block view draws one block with its attention and FFN
+    sub-layers, the KV cache and grouped-query attention. Weights appear with their GGUF names,
+    quant types and shapes. Same model and prompt give the same DOT (unless --timings).
+
+    Examples:
+
+      llamatrace diagram -o flow.svg
+
+      llamatrace diagram --view block -o block.png
+
+      llamatrace diagram --highlight 10 -o stage10.svg
+
+      llamatrace diagram "Why is the sky blue?" --view block --layer 5 --step 3 --stats -o step3.pdf
+    """
+    from . import diagram as dg
+
+    # everything that can be checked without the model, before loading it
+    fmt = dg.output_format(output)
+    dg.check_output_path(output)
+    if view not in dg.VIEWS:
+        raise OptionError(f"--view {view!r}: choose one of {', '.join(dg.VIEWS)}")
+    mark = dg.resolve_highlight(highlight) if highlight is not None else None
+    if mark is not None and mark.model_only and view != "model":
+        raise OptionError(f"--highlight {highlight}: {mark.label} is drawn in the model view; drop --view block")
+    if layer < 0:
+        raise OptionError(f"--layer must be 0 or more, got {layer}")
+    if step < 0:
+        raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
+    if ctx_size is not None and ctx_size <= 0:
+        raise OptionError(f"--ctx-size must be a positive integer, got {ctx_size}")
+    dg.check_graphviz(fmt)
+    text = read_prompt(prompt, prompt_file, default=DEFAULT_PROMPT)
+
+    m = load_model(model, threads)
+    ids = prompt_ids_for(m, text, raw, system)
+    chat = not raw and bool(m.tokenizer.chat_template)
+    with err.status(f"Tracing {'prefill' if step == 0 else f'decode step {step}'} "
+                    f"({len(ids)} prompt tokens, layer {layer}) …"):
+        events, run = dg.trace_step(m, text, ids, chat=chat, layer=layer, step=step, stats=stats,
+                                    ctx_size=ctx_size)
+    graph = dg.build_diagram(events, run, view=view, highlight=mark, stats=stats, timings=timings)
+    data = dg.render(graph, fmt)
+    dg.write_atomic(output, data)
+    err.print(f"[dim]wrote {output} ({fmt}, {view} view, layer {layer}, step {step}"
+              f"{', ' + mark.label if mark else ''})[/]")

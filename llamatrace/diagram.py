@@ -1,0 +1,759 @@
+"""Flow diagrams of a real traced run: trace events + the stage catalogue → ``graphviz.Digraph``.
+
+The book (*llama-nuts-and-bolts*, ch. 14–16 and 20) draws the forward pass as "STAGE 1" …
+"STAGE 19" diagrams. Here the same pictures are drawn from one step of an actual run, so every
+shape on them is the shape the model really produced.
+
+Where things come from:
+
+* nodes — one per :data:`llamatrace.stages.STAGES` entry that ran (op, chapter tensor name, shape,
+  dtype from the event); weights are nodes of their own (GGUF name, quant type, shape);
+* edges — an input of a stage is wired to the latest earlier stage whose chapter name it uses.
+  The chapter reuses function-local names (inside ``LlamaAttention.Forward`` ``x`` *is*
+  ``normalizedX``; in the FFN ``h`` names three tensors), so :data:`_WIRING` names those producers
+  by stage id. An input shaped ``[max_seq, …]`` is the KV cache.
+* layout — clusters for the attention and FFN sub-layers, the residual stream as a straight spine
+  the sub-layers branch off and rejoin.
+
+``--view model`` wraps the block in the model-level stages (tokens → embedding → block × n_layers
+→ final norm → logits → sampled token); ``--view block`` draws only the block and its inputs.
+Without ``stats`` / ``timings`` the DOT source is a pure function of the run's shapes: the same
+model and prompt give byte-identical DOT (the golden test relies on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import graphviz
+
+from .config import ModelConfig
+from .errors import OptionError, OutputError
+from .stages import STAGE_BY_ID, STAGES, Stage
+from .trace import TraceEvent
+
+FORMATS = ("svg", "png", "pdf", "dot")
+VIEWS = ("model", "block")
+
+# The book's STAGE diagrams (ch. 20), by number. Catalogue stages carry their number in
+# ``Stage.book_stage``; 1-3, 7 and 12 draw something other than one stage (see resolve_highlight).
+BOOK_STAGES = {
+    1: "Tokenization",
+    2: "Creating tokens tensor",
+    3: "Looping through sequence length",
+    4: "Creating inputTensor",
+    5: "Forward Pass Through Each Transformer Block",
+    6: "Forward Pass Through Attention Pre-normalization",
+    7: "Forward Pass Through Attention Module",
+    8: "Attention Module: Calculating xq, xk, and xv",
+    9: "Attention Module: Do reshapings",
+    10: "Attention Module: Apply Rotary Embeddings",
+    11: "Attention Module: Update KV cache",
+    12: "Attention Module: Do transposes",
+    13: "Attention Module: Calculate scores",
+    14: "Attention Module: Calculate output",
+    15: "Add attention module output and current tensor",
+    16: "Forward Pass Through Feed-Forward Pre-normalization",
+    17: "Forward Pass Through Feed-Forward Module",
+    18: "Add Feed-Forward module output and current tensor",
+    19: "Forward Pass Through Output of The Transformer",
+}
+
+# Producers the chapter's names cannot tell: (stage id, input name) → producing stage id.
+_WIRING = {
+    ("Qcur", "x"): "attn_norm", ("Kcur", "x"): "attn_norm", ("Vcur", "x"): "attn_norm",
+    ("ffn_inp", "h"): "attn_out",
+    ("ffn_gate", "x"): "ffn_norm", ("ffn_up", "x"): "ffn_norm",
+    ("ffn_out", "h"): "ffn_swiglu",
+    ("l_out", "h"): "ffn_inp",
+}
+# The residual adds sit on the residual stream, outside the sub-layer clusters.
+_RESIDUAL_ADDS = ("ffn_inp", "l_out")
+# Parallel stages drawn side by side, left to right (a layout hint only).
+_ROWS = (("Qcur", "Kcur", "Vcur"), ("Qcur_heads", "Kcur_heads", "Vcur_heads"), ("Qcur_rope", "Kcur_rope"),
+         ("cache_k", "cache_v"), ("keys", "values"), ("keys_rep", "values_rep"), ("ffn_gate", "ffn_up"))
+# Pseudo nodes (not stages): the block input, tokens, the KV cache, the sampled token.
+BLOCK_IN, TOKENS, KV_CACHE, SAMPLED, LEGEND = "block_input", "tokens", "kv_cache", "sampled", "legend"
+
+# Colours: fill per sub-layer group, weights, cache, highlight, residual stream.
+_FILL = {"input": "#eeeeee", "attention": "#dbe9f6", "ffn": "#dcefdc", "output": "#e8e0f0"}
+_WEIGHT_FILL, _WEIGHT_EDGE = "#fff4c2", "#b8860b"
+_CACHE_FILL = "#fde0c5"
+_RESID_COLOR = "#2e7d32"
+_HI_FILL, _HI_COLOR, _NEAR_COLOR = "#ffd2d2", "#d62728", "#ff7f0e"
+_FONT = "Helvetica,Arial,sans-serif"
+
+
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunInfo:
+    """What the picture says about the run beyond its events.
+
+    ``weights`` maps GGUF tensor names to ``(quant type, shape [out_features, in_features])``.
+    ``input_ids`` are the ids fed at this step (the prompt at step 0, one sampled id later);
+    ``sampled`` is ``(id, text)`` of the token chosen from this step's logits.
+    """
+
+    model_name: str
+    config: ModelConfig
+    weights: Mapping[str, tuple[str, tuple[int, ...]]]
+    prompt: str
+    chat: bool
+    step: int
+    layer: int
+    max_seq: int
+    input_ids: tuple[int, ...]
+    input_text: str = ""
+    sampled: tuple[int, str] | None = None
+    stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Highlight:
+    """A book STAGE view: the stages drawn as "you are here" and what else to emphasise."""
+
+    label: str                                   # "STAGE 8: Attention Module: Calculating xq, xk, and xv"
+    stage_ids: frozenset[str] = frozenset()
+    pseudo: frozenset[str] = frozenset()         # TOKENS / SAMPLED
+    cluster: str | None = None                   # "attention" (STAGE 7) / "block" (STAGE 5)
+    transposes: bool = False                     # STAGE 12: the edges that are transposed views
+    model_only: bool = False                     # drawn only in --view model
+
+    def nodes(self) -> frozenset[str]:
+        return self.stage_ids | self.pseudo
+
+
+def resolve_highlight(value: str) -> Highlight:
+    """``--highlight``: a book STAGE number (1-19) or a stage id.
+
+    Raises:
+        OptionError: neither (the message lists what is valid).
+    """
+    text = value.strip()
+    if text.isdigit():
+        number = int(text)
+        if number not in BOOK_STAGES:
+            raise OptionError(f"--highlight {value}: the book's STAGE numbers run 1-19; "
+                              f"or give a stage id ({', '.join(STAGE_BY_ID)})")
+        label = f"STAGE {number}: {BOOK_STAGES[number]}"
+        ids = frozenset(s.id for s in STAGES if s.book_stage == number)
+        if number in (1, 2):
+            return Highlight(label, pseudo=frozenset({TOKENS}), model_only=True)
+        if number == 3:
+            return Highlight(label, pseudo=frozenset({TOKENS, SAMPLED}), model_only=True)
+        if number == 5:
+            return Highlight(label, stage_ids=ids, cluster="block")
+        if number == 7:      # the whole LlamaAttention.Forward call: chapter section 15.3
+            module = frozenset(s.id for s in STAGES if s.section.startswith("15.3"))
+            return Highlight(label, stage_ids=module, cluster="attention")
+        if number == 12:     # pure views: no stage, the transposed inputs of kq and kqv
+            return Highlight(label, transposes=True)
+        model_only = all(STAGE_BY_ID[i].level == "model" and i not in _BLOCK_INPUT_STAGES for i in ids)
+        return Highlight(label, stage_ids=ids, model_only=model_only)
+    if text in STAGE_BY_ID:
+        stage = STAGE_BY_ID[text]
+        return Highlight(f"{stage.id} ({stage.op}, STAGE {stage.book_stage})", stage_ids=frozenset({text}),
+                         model_only=stage.level == "model" and text not in _BLOCK_INPUT_STAGES)
+    raise OptionError(f"--highlight {value!r}: give a book STAGE number 1-19 or a stage id "
+                      f"({', '.join(STAGE_BY_ID)})")
+
+
+def _block_input_stages() -> frozenset[str]:
+    """Model-level stages a block consumes besides x (drawn as its inputs in --view block)."""
+    layer_inputs = {name for s in STAGES if s.level == "layer" for name, _ in s.inputs}
+    return frozenset(s.id for s in STAGES if s.level == "model" and s.group == "input"
+                     and s.chapter in layer_inputs)
+
+
+_BLOCK_INPUT_STAGES = _block_input_stages()      # freqs_cis, kq_mask
+
+
+# ----------------------------------------------------------------------------------------------
+def output_format(path: Path) -> str:
+    """The diagram format named by ``path``'s extension.
+
+    Raises:
+        OptionError: no or an unknown extension (the message lists the formats).
+    """
+    ext = path.suffix.lower().lstrip(".")
+    if ext not in FORMATS:
+        shown = f"'.{ext}'" if ext else "no extension"
+        raise OptionError(f"-o {str(path)!r}: {shown} is not a diagram format; "
+                          f"use one of {', '.join('.' + f for f in FORMATS)}")
+    return ext
+
+
+def check_output_path(path: Path) -> None:
+    """Fail before any compute when ``path`` cannot be written.
+
+    Raises:
+        OutputError: a directory, a missing parent directory, or an unwritable one.
+    """
+    if path.is_dir():
+        raise OutputError(f"-o {str(path)!r} is a directory; give a file name such as {str(path / 'flow.svg')!r}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"-o {str(path)!r}: the directory {str(parent)!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"-o {str(path)!r}: the directory {str(parent)!r} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputError(f"-o {str(path)!r}: the file exists and is not writable")
+
+
+class GraphvizMissingError(OutputError):
+    """Graphviz's ``dot`` program is needed for SVG/PNG/PDF output and was not found."""
+
+    def __init__(self, fmt: str) -> None:
+        super().__init__(
+            f"Graphviz's `dot` program is needed for .{fmt} output and was not found on PATH: install it "
+            f"(`apt-get install graphviz`, `brew install graphviz`, or `bash scripts/setup.sh`), "
+            f"or write DOT source instead with `-o flow.dot`")
+
+
+def check_graphviz(fmt: str) -> None:
+    """Raise :class:`GraphvizMissingError` when ``fmt`` needs ``dot`` and it is not on PATH."""
+    if fmt != "dot" and shutil.which("dot") is None:
+        raise GraphvizMissingError(fmt)
+
+
+def render(graph: graphviz.Digraph, fmt: str) -> bytes:
+    """The diagram as bytes: DOT source (no Graphviz needed) or ``dot``'s SVG/PNG/PDF output.
+
+    Raises:
+        GraphvizMissingError: ``dot`` is not installed.
+        OutputError: ``dot`` failed.
+    """
+    if fmt == "dot":
+        return graph.source.encode("utf-8")
+    try:
+        return graph.pipe(format=fmt)
+    except graphviz.ExecutableNotFound:
+        raise GraphvizMissingError(fmt) from None
+    except graphviz.CalledProcessError as exc:
+        detail = (exc.stderr or b"").decode("utf-8", "replace").strip().splitlines()
+        raise OutputError(f"Graphviz `dot` failed to render .{fmt}: {detail[-1] if detail else exc}") from None
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
+
+    An error or Ctrl-C leaves no partial file (and the old ``path``, if any, untouched).
+
+    Raises:
+        OutputError: the file cannot be written (disk full, permissions).
+    """
+    parent = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)            # mkstemp makes 0600; give the usual file mode
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise OutputError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+        raise
+
+
+# ----------------------------------------------------------------------------------------------
+def _shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _short(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _fmt_num(x: float | None) -> str:
+    if x is None:
+        return "–"
+    if x == 0:
+        return "0"
+    if abs(x) >= 1e4 or abs(x) < 1e-3:
+        return f"{x:.2e}"
+    return f"{x:.4g}"
+
+
+def _fmt_time(us: float) -> str:
+    return f"{us / 1000:.2f} ms" if us >= 1000 else f"{us:.0f} µs"
+
+
+@dataclass
+class _Flow:
+    """Resolved wiring of the drawn stages: edges (producer, consumer, tensor name, note)."""
+
+    drawn: list[Stage]
+    events: dict[str, TraceEvent]
+    edges: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+
+def _wire(drawn: list[Stage], events: dict[str, TraceEvent], view: str) -> _Flow:
+    """Connect each drawn stage's inputs to their producers (see the module docstring)."""
+    flow = _Flow(drawn, events)
+    seen: list[Stage] = []
+    for stage in drawn:
+        ev = events[stage.id]
+        for name, formula in stage.inputs:
+            note = ""
+            if formula.startswith("[max_seq"):                # the KV cache, written or read
+                span = f"[{ev.start_pos}:{ev.start_pos + ev.seq_len}]" if stage.op == "SetSlice" \
+                    else f"[0:{ev.start_pos + ev.seq_len}]"
+                if stage.op == "SetSlice":
+                    flow.edges.append((stage.id, KV_CACHE, f"{name}{span}", "cache"))
+                else:
+                    flow.edges.append((KV_CACHE, stage.id, f"{name}{span}", "cache"))
+                continue
+            producer = _WIRING.get((stage.id, name))
+            if producer is None or producer not in events:
+                producer = next((p.id for p in reversed(seen) if p.chapter == name), None)
+            if producer is None:
+                if stage.level == "layer":
+                    producer = BLOCK_IN                       # the block's input x
+                elif stage.id == "inp_embd":
+                    producer = TOKENS if view == "model" else None
+                else:
+                    producer = "l_out" if "l_out" in events else None   # after the last block
+            if producer is None:
+                continue
+            produced = events[producer].shape if producer in events else None
+            wanted = ev.inputs.get(name)
+            if produced is not None and wanted is not None and list(wanted) != list(produced) \
+                    and sorted(wanted) == sorted(produced):
+                note = "transposed"
+            kind = "resid" if stage.id in _RESIDUAL_ADDS and producer in (BLOCK_IN, "ffn_inp") else note
+            label = name if note != "transposed" else f"{name} transposed\n{_shape(wanted)}"
+            flow.edges.append((producer, stage.id, label, kind))
+        seen.append(stage)
+    return flow
+
+
+class _Builder:
+    """Draws one step of a run (see :func:`build_diagram`)."""
+
+    def __init__(self, events: Iterable[TraceEvent], run: RunInfo, view: str, highlight: Highlight | None,
+                 stats: bool, timings: bool) -> None:
+        self.run, self.view, self.hl = run, view, highlight
+        self.stats, self.timings = stats, timings
+        self.events: dict[str, TraceEvent] = {}
+        for ev in events:
+            if ev.step == run.step and ev.layer in (None, run.layer):
+                self.events.setdefault(ev.stage, ev)
+        if not any(STAGE_BY_ID[s].level == "layer" for s in self.events):
+            raise OptionError(f"no traced events for layer {run.layer} at step {run.step}")
+        self.drawn = [s for s in STAGES if s.id in self.events and self._in_view(s)]
+        self.flow = _wire(self.drawn, self.events, view)
+        self.lanes = self._lanes()
+        self.hot = highlight.nodes() if highlight else frozenset()
+        self.near = self._neighbours()
+        times = [self.events[s.id].elapsed_us for s in self.drawn]
+        self.t_max = max(times) if times else 0.0
+        self.t_total = sum(times)
+
+    def _lanes(self) -> dict[str, str]:
+        """Vertical lanes (Graphviz ``group``): a stage continues its first input's lane when that
+        producer feeds nothing else, so chains like xq → heads → RoPE → q·kᵀ draw straight."""
+        consumers: dict[str, int] = {}
+        first_input: dict[str, str] = {}
+        for a, b, _, kind in self.flow.edges:
+            if kind != "cache":
+                consumers[a] = consumers.get(a, 0) + 1
+            first_input.setdefault(b, a if kind != "cache" else "")
+        lanes: dict[str, str] = {}
+        for stage in self.drawn:
+            producer = first_input.get(stage.id, "")
+            lanes[stage.id] = lanes[producer] if producer in lanes and consumers.get(producer) == 1 else stage.id
+        return lanes
+
+    def _in_view(self, stage: Stage) -> bool:
+        return self.view == "model" or stage.level == "layer" or stage.id in _BLOCK_INPUT_STAGES
+
+    def _neighbours(self) -> frozenset[str]:
+        near = set()
+        for a, b, _, kind in self.flow.edges:
+            if a in self.hot or (self.hl and self.hl.transposes and kind == "transposed"):
+                near.add(b)
+            if b in self.hot or (self.hl and self.hl.transposes and kind == "transposed"):
+                near.add(a)
+        return frozenset(near - self.hot)
+
+    # -- labels --------------------------------------------------------------------------------
+    def _op_node(self, g: graphviz.Digraph, stage: Stage, **extra: str) -> None:
+        ev = self.events[stage.id]
+        lines = [f'<B>{_e(stage.op)}</B>  <FONT POINT-SIZE="9" COLOR="#555555">{_e(stage.id)}</FONT>',
+                 f"<I>{_e(stage.chapter)}</I>",
+                 f"{_e(_shape(ev.shape))} {_e(ev.dtype)}"]
+        if stage.op == "SetSlice":
+            lines.append(f'<FONT POINT-SIZE="9">writes rows [{ev.start_pos}:{ev.start_pos + ev.seq_len}]</FONT>')
+        elif stage.op == "Slice":
+            lines.append(f'<FONT POINT-SIZE="9">reads rows [0:{ev.start_pos + ev.seq_len}]</FONT>')
+        elif stage.op == "RepeatKV":
+            c = self.run.config
+            lines.append(f'<FONT POINT-SIZE="9">each of {c.n_kv_heads} KV heads ×{c.n_rep}</FONT>')
+        if self.stats and ev.stats:
+            s = ev.stats
+            lines.append(f'<FONT POINT-SIZE="9">mean {_fmt_num(s["mean"])} · rms {_fmt_num(s["rms"])}</FONT>')
+            lines.append(f'<FONT POINT-SIZE="9">[{_fmt_num(s["min"])}, {_fmt_num(s["max"])}]'
+                         + (f' nan {s["nan"]} inf {s["inf"]}' if s["nan"] or s["inf"] else "") + "</FONT>")
+        attrs = {"fillcolor": _FILL[stage.group]}
+        if stage.level == "layer" and stage.id not in _RESIDUAL_ADDS:
+            attrs["group"] = self.lanes[stage.id]
+        if self.timings:
+            share = ev.elapsed_us / self.t_total if self.t_total else 0.0
+            lines.append(f'<FONT POINT-SIZE="9">{_fmt_time(ev.elapsed_us)} ({share:.0%})</FONT>')
+            attrs["fillcolor"] = self._heat(ev.elapsed_us)
+        self._node(g, stage.id, lines, attrs, shape="box", style="rounded,filled", **extra)
+        for name, suffix in stage.weights:
+            self._weight_node(g, stage, name, suffix)
+
+    def _heat(self, us: float) -> str:
+        """White → dark orange on a square-root scale of time spent (``/oranges9`` colour scheme)."""
+        if self.t_max <= 0:
+            return "/oranges9/1"
+        return f"/oranges9/{1 + round(7 * math.sqrt(max(us, 0.0) / self.t_max))}"
+
+    def _node(self, g: graphviz.Digraph, name: str, lines: list[str], attrs: dict[str, str], **kw: str) -> None:
+        if name in self.hot:
+            lines = [f'<FONT COLOR="{_HI_COLOR}"><B>▶ you are here</B></FONT>'] + lines
+            attrs = {**attrs, "fillcolor": _HI_FILL, "color": _HI_COLOR, "penwidth": "3"}
+        elif name in self.near:
+            attrs = {**attrs, "color": _NEAR_COLOR, "penwidth": "2.5"}
+        g.node(name, "<" + "<BR/>".join(lines) + ">", **kw, **attrs)
+
+    def _weight_node(self, g: graphviz.Digraph, stage: Stage, name: str, suffix: str) -> str:
+        layer = self.run.layer if stage.level == "layer" else None
+        gguf_name = suffix if layer is None else f"blk.{layer}.{suffix}"
+        node = _weight_id(stage, name)
+        note = ""
+        if gguf_name not in self.run.weights and suffix == "output.weight":
+            gguf_name, note = "token_embd.weight", " (tied)"
+        qtype, shape = self.run.weights.get(gguf_name, ("?", ()))
+        lines = [f"<B>{_e(gguf_name)}</B>{_e(note)}",
+                 f'{_e(qtype)} {_e(_shape(shape))}  <FONT POINT-SIZE="9" COLOR="#555555">{_e(name)}</FONT>']
+        g.node(node, "<" + "<BR/>".join(lines) + ">", shape="note", style="filled", fillcolor=_WEIGHT_FILL,
+               color=_WEIGHT_EDGE, fontsize="10")
+        return node
+
+    # -- the graph -----------------------------------------------------------------------------
+    def build(self) -> graphviz.Digraph:
+        run, c = self.run, self.run.config
+        g = graphviz.Digraph("llamatrace", graph_attr={
+            "rankdir": "TB", "newrank": "true", "nodesep": "0.3", "ranksep": "0.32", "fontname": _FONT,
+            "fontsize": "13", "labelloc": "t", "labeljust": "l", "label": self._title(), "pad": "0.3",
+            "compound": "true"})
+        g.attr("node", fontname=_FONT, fontsize="11", margin="0.12,0.05", penwidth="1.2")
+        g.attr("edge", fontname=_FONT, fontsize="9", color="#444444", arrowsize="0.7")
+
+        model_before = [s for s in self.drawn if s.level == "model" and s.group == "input"]
+        model_after = [s for s in self.drawn if s.level == "model" and s.group == "output"]
+        if self.view == "model":
+            self._tokens_node(g)
+        for s in model_before:
+            self._op_node(g, s)
+        with g.subgraph(name="cluster_block") as blk:
+            hot = self.hl is not None and self.hl.cluster == "block"
+            blk.attr(label=self._block_label(), style="rounded", color=_HI_COLOR if hot else "#777777",
+                     penwidth="3" if hot else "1.5", fontsize="13", margin="14")
+            self._block(blk)
+        for s in model_after:
+            self._op_node(g, s)
+        if self.view == "model" and "result_output" in self.events:
+            self._sampled_node(g)
+        self._weight_edges(g)
+        self._edges(g)
+        self._legend(g)
+        return g
+
+    def _title(self) -> str:
+        run, c = self.run, self.run.config
+        where = "prefill" if run.step == 0 else f"decode step {run.step}"
+        ev = next(iter(self.events.values()))
+        prompt = _short(run.prompt, 60)
+        lines = [f"<B>{_e(run.model_name)}</B> — {_e(where)}: start_pos {ev.start_pos}, seq_len {ev.seq_len} · "
+                 f"prompt “{_e(prompt)}” ({len(run.input_ids) if run.step == 0 else '…'} tokens"
+                 f"{', chat template' if run.chat else ', raw'})",
+                 f"dim {c.dim} · {c.n_layers} layers · {c.n_heads} query heads, {c.n_kv_heads} KV heads "
+                 f"(n_rep {c.n_rep}) · head_dim {c.head_dim} · hidden_dim {c.hidden_dim} · "
+                 f"vocab {c.vocab_size} · KV cache {run.max_seq} positions"]
+        if self.hl is not None:
+            lines.insert(0, f'<FONT COLOR="{_HI_COLOR}" POINT-SIZE="15"><B>{_e(self.hl.label)}</B></FONT>')
+        return "<" + "<BR ALIGN=\"LEFT\"/>".join(lines) + "<BR ALIGN=\"LEFT\"/>>"
+
+    def _block_label(self) -> str:
+        c, layer = self.run.config, self.run.layer
+        if self.view == "model":
+            return f"<<B>Transformer block × {c.n_layers}</B>  (layer {layer} drawn; every block has these shapes)>"
+        return f"<<B>Transformer block, layer {layer}</B> of {c.n_layers}>"
+
+    def _tokens_node(self, g: graphviz.Digraph) -> None:
+        run = self.run
+        ids = run.input_ids
+        if run.step == 0:
+            shown = ", ".join(str(i) for i in ids[:8]) + (", …" if len(ids) > 8 else "")
+            lines = ["<B>tokens</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">tokenizer</FONT>",
+                     f"“{_e(_short(run.prompt, 40))}”",
+                     f"{len(ids)} ids [{_e(shown)}]", f"{_e(_shape([len(ids)]))} int64"]
+        else:
+            lines = ["<B>tokens</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">sampled at step "
+                     f"{run.step - 1}</FONT>", f"id {ids[0]} “{_e(_short(run.input_text, 20))}”",
+                     "[1] int64"]
+        self._node(g, TOKENS, lines, {"fillcolor": _FILL["input"]}, shape="box", style="filled")
+
+    def _sampled_node(self, g: graphviz.Digraph) -> None:
+        run = self.run
+        if run.sampled is None:
+            return
+        tid, text = run.sampled
+        stop = " (end of turn)" if tid in run.stop_ids else ""
+        lines = ["<B>next token</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">greedy argmax</FONT>",
+                 f"id {tid} “{_e(_short(text, 24))}”{_e(stop)}",
+                 f'<FONT POINT-SIZE="9">fed back as step {run.step + 1}\'s input</FONT>']
+        self._node(g, SAMPLED, lines, {"fillcolor": _FILL["output"]}, shape="box", style="filled")
+
+    def _block(self, blk: graphviz.Digraph) -> None:
+        run, c = self.run, self.run.config
+        first = next(s for s in self.drawn if s.level == "layer")
+        x_shape = self.events[first.id].inputs.get("x", self.events[first.id].shape)
+        src = "inputTensor (embedding)" if run.layer == 0 else f"output of layer {run.layer - 1}"
+        layer_stages = [s for s in self.drawn if s.level == "layer"]
+        # the residual stream: a column of its own, so its edges run straight past the sub-layers
+        with blk.subgraph(name="cluster_residual") as spine:
+            spine.attr(style="invis", label="", margin="4")
+            self._node(spine, BLOCK_IN, [f"<B>x</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">{_e(src)}</FONT>",
+                                         f"{_e(_shape(x_shape))} float32"],
+                       {"fillcolor": "white", "color": _RESID_COLOR, "penwidth": "2"}, shape="box",
+                       style="rounded,filled", group="resid", ordering="out")
+            for s in layer_stages:
+                if s.id in _RESIDUAL_ADDS:
+                    self._op_node(spine, s, group="resid", ordering="out")
+        for group, title in (("attention", self._attention_title()), ("ffn", "Feed-forward sub-layer (SwiGLU)")):
+            members = [s for s in layer_stages if s.group == group and s.id not in _RESIDUAL_ADDS]
+            hot = self.hl is not None and self.hl.cluster == group
+            with blk.subgraph(name=f"cluster_{group}") as sub:
+                sub.attr(label=title, style="rounded,dashed" if not hot else "rounded", fontsize="12",
+                         color=_HI_COLOR if hot else "#999999", penwidth="3" if hot else "1", margin="10")
+                for s in members:
+                    self._op_node(sub, s)
+                if group == "attention" and any(s.op in ("SetSlice", "Slice") for s in members):
+                    self._cache_node(sub)
+                self._rows(sub, {s.id for s in members})
+            self._beside_spine(blk, members)
+
+    def _beside_spine(self, g: graphviz.Digraph, members: list[Stage]) -> None:
+        """Put a sub-layer right of the residual stream: its first node shares a rank with, and
+        sits right of, the spine node that feeds it."""
+        if not members:
+            return
+        first = members[0]
+        feed = next((a for a, b, _, _ in self.flow.edges if b == first.id), None)
+        head = _weight_id(first, first.weights[0][0]) if first.weights else first.id
+        if feed in (BLOCK_IN, *_RESIDUAL_ADDS):
+            with g.subgraph() as same:
+                same.attr(rank="same")
+                same.edge(feed, head, style="invis", minlen="3")
+
+    def _rows(self, g: graphviz.Digraph, members: set[str]) -> None:
+        """Parallel stages on one rank, in :data:`_ROWS` order."""
+        for row in _ROWS:
+            ids = [i for i in row if i in members]
+            if len(ids) > 1:
+                with g.subgraph() as same:
+                    same.attr(rank="same")
+                    for a, b in zip(ids, ids[1:]):
+                        same.edge(a, b, style="invis")
+
+    def _attention_title(self) -> str:
+        c = self.run.config
+        if c.n_rep > 1:
+            gqa = (f"grouped-query attention: {c.n_heads} query heads share {c.n_kv_heads} KV heads, "
+                   f"n_rep = {c.n_rep} query heads per KV head")
+        else:
+            gqa = f"multi-head attention: {c.n_heads} heads, each with its own K/V head (n_rep = 1)"
+        return f"<<B>Attention sub-layer</B><BR/><FONT POINT-SIZE=\"10\">{_e(gqa)}</FONT>>"
+
+    def _cache_node(self, g: graphviz.Digraph) -> None:
+        c, run = self.run.config, self.run
+        ev = self.events.get("cache_k") or self.events.get("keys")
+        end = ev.start_pos + ev.seq_len
+        lines = [f"<B>KV cache</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">CacheK[{run.layer}], CacheV[{run.layer}]</FONT>",
+                 f"capacity [max_seq, n_kv_heads, head_dim]",
+                 f"= {_e(_shape([run.max_seq, c.n_kv_heads, c.head_dim]))} float32 each",
+                 f"this step writes [{ev.start_pos}:{end}], reads [0:{end}]"]
+        self._node(g, KV_CACHE, lines, {"fillcolor": _CACHE_FILL}, shape="cylinder", style="filled")
+
+    def _weight_edges(self, g: graphviz.Digraph) -> None:
+        for stage in self.drawn:
+            for name, _ in stage.weights:
+                hot = stage.id in self.hot
+                g.edge(_weight_id(stage, name), stage.id, color=_HI_COLOR if hot else _WEIGHT_EDGE,
+                       style="dashed", penwidth="2" if hot else "1.2")
+
+    def _edges(self, g: graphviz.Digraph) -> None:
+        # residual edges first: with ordering=out on the spine they stay left of the sub-layers
+        edges = sorted(self.flow.edges, key=lambda e: e[3] != "resid")
+        for a, b, label, kind in edges:
+            attrs: dict[str, str] = {"label": label}
+            if kind == "resid":
+                attrs.update(color=_RESID_COLOR, penwidth="3.5", fontcolor=_RESID_COLOR,
+                             label=f"{label} (residual)")
+            elif kind == "cache":
+                attrs.update(color="#c0601a", penwidth="1.8")
+            hot = (a in self.hot or b in self.hot) or (self.hl is not None and self.hl.transposes
+                                                       and kind == "transposed")
+            if hot:
+                attrs.update(color=_HI_COLOR, penwidth="3", fontcolor=_HI_COLOR)
+            g.edge(a, b, **attrs)
+        if self.view == "model":
+            c = self.run.config
+            if "inp_embd" in self.events:
+                g.edge("inp_embd", BLOCK_IN, label="inputTensor", penwidth="2.5", color=_RESID_COLOR)
+            if c.n_layers > 1 and "l_out" in self.events:
+                g.edge("l_out", BLOCK_IN, label=f"x of the next layer (× {c.n_layers})", style="dashed",
+                       color=_RESID_COLOR, fontcolor=_RESID_COLOR, constraint="false", tailport="e",
+                       headport="e")
+            if SAMPLED in self._pseudo_drawn():
+                hot = SAMPLED in self.hot
+                g.edge("result_output", SAMPLED, label="logits of the last row",
+                       **({"color": _HI_COLOR, "penwidth": "3"} if hot else {}))
+
+    def _pseudo_drawn(self) -> set[str]:
+        drawn = {BLOCK_IN}
+        if self.view == "model":
+            drawn.add(TOKENS)
+            if self.run.sampled is not None and "result_output" in self.events:
+                drawn.add(SAMPLED)
+        if "cache_k" in self.events or "keys" in self.events:
+            drawn.add(KV_CACHE)
+        return drawn
+
+    def _legend(self, g: graphviz.Digraph) -> None:
+        def row(swatch: str, text: str) -> str:
+            return f'<TR><TD BGCOLOR="{swatch}" WIDTH="22"> </TD><TD ALIGN="LEFT">{text}</TD></TR>'
+
+        def line(color: str, text: str, style: str = "━━━") -> str:
+            return f'<TR><TD><FONT COLOR="{color}">{style}</FONT></TD><TD ALIGN="LEFT">{text}</TD></TR>'
+
+        rows = ['<TR><TD COLSPAN="2"><B>Legend</B></TD></TR>',
+                row(_FILL["attention"], "<B>op</B> stage id / <I>chapter tensor</I> / shape dtype (attention)"),
+                row(_FILL["ffn"], "op in the feed-forward sub-layer"),
+                row(_FILL["input"], "model-level input stages (computed once per step)"),
+                row(_FILL["output"], "model-level output stages"),
+                row(_WEIGHT_FILL, "<B>weight</B>: GGUF name, quant type, [out, in]"),
+                row(_CACHE_FILL, "<B>KV cache</B>: capacity and the rows this step touches"),
+                line(_RESID_COLOR, "residual stream (bypasses each sub-layer)"),
+                line("#444444", "tensor, labelled with the chapter's name", "───"),
+                line(_WEIGHT_EDGE, "weight into its op", "╌╌╌")]
+        if self.hl is not None:
+            rows.append(row(_HI_FILL, f'<FONT COLOR="{_HI_COLOR}">▶ you are here</FONT>; '
+                                      f'<FONT COLOR="{_NEAR_COLOR}">orange</FONT>: its inputs/outputs'))
+        if self.timings:
+            rows.append(row("/oranges9/6", f"fill: time spent (√ scale, darkest {_fmt_time(self.t_max)}); "
+                                           "stages since the previous one"))
+        if self.stats:
+            rows.append(row("white", "stats: mean · rms, [min, max] of the whole tensor"))
+        label = ('<<TABLE BORDER="1" COLOR="#999999" CELLBORDER="0" CELLSPACING="2" CELLPADDING="2">'
+                 + "".join(rows) + "</TABLE>>")
+        g.node(LEGEND, label, shape="plaintext", fontsize="10")
+        anchor = TOKENS if self.view == "model" else BLOCK_IN
+        g.edge(anchor, LEGEND, style="invis")
+
+
+def _weight_id(stage: Stage, name: str) -> str:
+    return f"w_{stage.id}_{name}"
+
+
+def build_diagram(events: Iterable[TraceEvent], run: RunInfo, *, view: str = "model",
+                  highlight: Highlight | None = None, stats: bool = False,
+                  timings: bool = False) -> graphviz.Digraph:
+    """Draw ``run.step`` / ``run.layer`` of a traced run as a Graphviz digraph.
+
+    Args:
+        events: trace events (others steps and layers are ignored), with stats for ``stats``.
+        run: model, prompt and cache facts the events do not carry.
+        view: ``"model"`` (embedding → block × n_layers → logits) or ``"block"`` (one block).
+        highlight: a book STAGE view from :func:`resolve_highlight`.
+        stats: print each tensor's mean/rms/min/max (the events must carry stats).
+        timings: colour op nodes by time spent (makes the output run-dependent).
+
+    Raises:
+        OptionError: an unknown view, nothing traced for the layer/step, or a highlight that
+            the view or step does not draw.
+    """
+    if view not in VIEWS:
+        raise OptionError(f"--view {view!r}: choose one of {', '.join(VIEWS)}")
+    builder = _Builder(events, run, view, highlight, stats, timings)
+    if highlight is not None:
+        check_highlight_drawn(highlight, builder, view, run)
+    return builder.build()
+
+
+def check_highlight_drawn(highlight: Highlight, builder: _Builder, view: str, run: RunInfo) -> None:
+    if highlight.model_only and view != "model":
+        raise OptionError(f"--highlight {highlight.label} is drawn in the model view; drop --view block")
+    if highlight.transposes or highlight.pseudo:
+        return
+    drawn = {s.id for s in builder.drawn}
+    if not highlight.stage_ids & drawn:
+        why = "a single query row needs no causal mask" if run.step > 0 else "the model has n_rep = 1 (no GQA)"
+        raise OptionError(f"--highlight {highlight.label}: not run at step {run.step} ({why})")
+
+
+# ----------------------------------------------------------------------------------------------
+def trace_step(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, layer: int = 0, step: int = 0,
+               stats: bool = False, ctx_size: int | None = None) -> tuple[list[TraceEvent], RunInfo]:
+    """Run the prompt (step 0) and ``step`` greedy decode steps, tracing ``layer``.
+
+    Returns the events of ``step`` and the :class:`RunInfo` a diagram needs. End-of-turn tokens
+    do not stop the run early, so any ``step`` that fits in the cache can be drawn.
+
+    Raises:
+        OptionError: ``layer``/``step`` out of range or a cache too small for ``step``.
+        PromptError: an empty prompt or one longer than the context.
+    """
+    from .generate import check_prompt_fits, default_ctx_size, generate
+    from .gguf_io import tensor_type_name
+
+    c = model.config
+    if not 0 <= layer < c.n_layers:
+        raise OptionError(f"--layer {layer}: the model has layers 0-{c.n_layers - 1}")
+    if step < 0:
+        raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
+    n_prompt = len(prompt_ids)
+    ctx = ctx_size or default_ctx_size(model, n_prompt, max(256, step + 1))
+    check_prompt_fits(model, n_prompt, ctx)
+    if n_prompt + step > ctx:
+        raise OptionError(f"--step {step} needs {n_prompt + step} cache positions ({n_prompt} prompt tokens "
+                          f"+ {step} decode steps) but the KV cache holds {ctx}; raise --ctx-size")
+    with model.trace(layers=[layer], stats=stats) as rec:
+        tokens = list(generate(model, list(prompt_ids), max_tokens=step + 1, ctx_size=ctx,
+                               stop_ids=frozenset()))
+    events = [e for e in rec.events if e.step == step]
+    tok = model.tokenizer
+    fed = tuple(prompt_ids) if step == 0 else (tokens[step - 1],)
+    weights = {name: (tensor_type_name(t), tuple(model.weight_shapes[name]))
+               for name, t in model.file.tensors.items()}
+    sampled = (tokens[step], tok.decode([tokens[step]])) if len(tokens) > step else None
+    run = RunInfo(model_name=Path(model.path).name, config=c, weights=weights, prompt=prompt, chat=chat,
+                  step=step, layer=layer, max_seq=ctx, input_ids=fed,
+                  input_text=tok.decode(list(fed)) if step else "", sampled=sampled,
+                  stop_ids=frozenset(tok.stop_ids))
+    return events, run
