@@ -341,7 +341,7 @@ def _wire(drawn: list[Stage], events: dict[str, TraceEvent], view: str) -> _Flow
                     and sorted(wanted) == sorted(produced):
                 note = "transposed"
             kind = "resid" if stage.id in _RESIDUAL_ADDS and producer in (BLOCK_IN, "ffn_inp") else note
-            label = name if note != "transposed" else f"{name} transposed\n{_shape(wanted)}"
+            label = name if note != "transposed" else f"{name} transposed\\n{_shape(wanted)}"
             flow.edges.append((producer, stage.id, label, kind))
         seen.append(stage)
     return flow
@@ -415,7 +415,9 @@ class _Builder:
             lines.append(f'<FONT POINT-SIZE="9">[{_fmt_num(s["min"])}, {_fmt_num(s["max"])}]'
                          + (f' nan {s["nan"]} inf {s["inf"]}' if s["nan"] or s["inf"] else "") + "</FONT>")
         attrs = {"fillcolor": _FILL[stage.group]}
-        if stage.level == "layer" and stage.id not in _RESIDUAL_ADDS:
+        if stage.id in _RESIDUAL_ADDS:
+            attrs.update(fillcolor="white", color=_RESID_COLOR, penwidth="2")
+        elif stage.level == "layer":
             attrs["group"] = self.lanes[stage.id]
         if self.timings:
             share = ev.elapsed_us / self.t_total if self.t_total else 0.0
@@ -426,10 +428,10 @@ class _Builder:
             self._weight_node(g, stage, name, suffix)
 
     def _heat(self, us: float) -> str:
-        """White → dark orange on a square-root scale of time spent (``/oranges9`` colour scheme)."""
+        """White → orange on a square-root scale of time spent (``/oranges9`` colour scheme)."""
         if self.t_max <= 0:
             return "/oranges9/1"
-        return f"/oranges9/{1 + round(7 * math.sqrt(max(us, 0.0) / self.t_max))}"
+        return f"/oranges9/{1 + round(5 * math.sqrt(max(us, 0.0) / self.t_max))}"     # ≤ 6: text stays legible
 
     def _node(self, g: graphviz.Digraph, name: str, lines: list[str], attrs: dict[str, str], **kw: str) -> None:
         if name in self.hot:
