@@ -425,7 +425,12 @@ class _Builder:
             attrs["fillcolor"] = self._heat(ev.elapsed_us)
         self._node(g, stage.id, lines, attrs, shape="box", style="rounded,filled", **extra)
         for name, suffix in stage.weights:
-            self._weight_node(g, stage, name, suffix)
+            node = self._weight_node(g, stage, name, suffix)
+            if stage.level == "model":          # outside the block there is room beside the op
+                with g.subgraph() as same:
+                    same.attr(rank="same")
+                    same.node(node)
+                    same.node(stage.id)
 
     def _heat(self, us: float) -> str:
         """White → orange on a square-root scale of time spent (``/oranges9`` colour scheme)."""
