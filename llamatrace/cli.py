@@ -205,11 +205,13 @@ def generate(
     stats = GenerationStats()
     stream = StreamDecoder(m.tokenizer)
     pieces: list[str] = []
+    if numba_cache_is_cold():
+        with err.status("Compiling kernels (first run only; cached afterwards) …"):
+            m.warmup()
     tokens = run_generate(m, ids, max_tokens=max_tokens, sampling=sampling, ctx_size=ctx, stats=stats)
-    note = " (first run: compiling kernels, cached afterwards)" if numba_cache_is_cold() else ""
     interrupted = False
     try:
-        with err.status(f"Prefill: {len(ids)} prompt tokens{note} …"):
+        with err.status(f"Prefill: {len(ids)} prompt tokens …"):
             first = next(tokens, None)
         if first is not None:
             for token in _chain(first, tokens):

@@ -137,6 +137,27 @@ class Llama:
         from .generate import generate
         return generate(self, prompt_ids, **kwargs)
 
+    def warmup(self) -> float:
+        """Run a 5-token prefill and one decode step on a scratch cache so every kernel is
+        compiled (first run) or loaded from Numba's cache; returns the seconds it took.
+
+        Nothing is recorded, even inside ``with model.trace()``.
+        """
+        t0 = time.perf_counter()
+        previous, self._recorder = self._recorder, None
+        try:
+            cache = self.new_cache(min(6, self.config.max_seq_len))
+            n = min(5, cache.max_seq - 1) or 1
+            self.forward(np.zeros(n, dtype=np.int64), 0, cache)
+            if cache.space_left():
+                self.forward(np.zeros(1, dtype=np.int64), cache.pos, cache)
+            # long prompts switch the attention products to their parallel variants
+            q = np.zeros((2, 1, self.config.head_dim), dtype=np.float32)
+            kernels.attention_values_parallel(kernels.attention_scores_parallel(q, q), q)
+        finally:
+            self._recorder = previous
+        return time.perf_counter() - t0
+
     def shape_vars(self, start_pos: int, seq_len: int, max_seq: int) -> dict[str, int]:
         c = self.config
         return dict(seq_len=seq_len, kv_len=start_pos + seq_len, dim=c.dim, n_heads=c.n_heads,
