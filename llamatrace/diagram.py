@@ -77,7 +77,7 @@ _WIRING = {
 }
 # The residual adds sit on the residual stream, outside the sub-layer clusters.
 _RESIDUAL_ADDS = ("ffn_inp", "l_out")
-# Parallel stages drawn side by side, left to right (a layout hint only).
+# Parallel stages drawn side by side on one rank (a layout hint only).
 _ROWS = (("Qcur", "Kcur", "Vcur"), ("Qcur_heads", "Kcur_heads", "Vcur_heads"), ("Qcur_rope", "Kcur_rope"),
          ("cache_k", "cache_v"), ("keys", "values"), ("keys_rep", "values_rep"), ("ffn_gate", "ffn_up"))
 # Pseudo nodes (not stages): the block input, tokens, the KV cache, the sampled token.
@@ -111,6 +111,7 @@ class RunInfo:
     layer: int
     max_seq: int
     input_ids: tuple[int, ...]
+    n_prompt: int = 0
     input_text: str = ""
     sampled: tuple[int, str] | None = None
     stop_ids: frozenset[int] = frozenset()
@@ -462,7 +463,6 @@ class _Builder:
 
     # -- the graph -----------------------------------------------------------------------------
     def build(self) -> graphviz.Digraph:
-        run, c = self.run, self.run.config
         g = graphviz.Digraph("llamatrace", graph_attr={
             "rankdir": "TB", "newrank": "true", "nodesep": "0.3", "ranksep": "0.32", "fontname": _FONT,
             "fontsize": "13", "labelloc": "t", "labeljust": "l", "label": self._title(), "pad": "0.3",
@@ -496,7 +496,7 @@ class _Builder:
         ev = next(iter(self.events.values()))
         prompt = _short(run.prompt, 60)
         lines = [f"<B>{_e(run.model_name)}</B> — {_e(where)}: start_pos {ev.start_pos}, seq_len {ev.seq_len} · "
-                 f"prompt “{_e(prompt)}” ({len(run.input_ids) if run.step == 0 else '…'} tokens"
+                 f"prompt “{_e(prompt)}” ({run.n_prompt or len(run.input_ids)} tokens"
                  f"{', chat template' if run.chat else ', raw'})",
                  f"dim {c.dim} · {c.n_layers} layers · {c.n_heads} query heads, {c.n_kv_heads} KV heads "
                  f"(n_rep {c.n_rep}) · head_dim {c.head_dim} · hidden_dim {c.hidden_dim} · "
@@ -537,7 +537,7 @@ class _Builder:
         self._node(g, SAMPLED, lines, {"fillcolor": _FILL["output"]}, shape="box", style="filled")
 
     def _block(self, blk: graphviz.Digraph) -> None:
-        run, c = self.run, self.run.config
+        run = self.run
         first = next(s for s in self.drawn if s.level == "layer")
         x_shape = self.events[first.id].inputs.get("x", self.events[first.id].shape)
         src = "inputTensor (embedding)" if run.layer == 0 else f"output of layer {run.layer - 1}"
@@ -709,11 +709,11 @@ def build_diagram(events: Iterable[TraceEvent], run: RunInfo, *, view: str = "mo
         raise OptionError(f"--view {view!r}: choose one of {', '.join(VIEWS)}")
     builder = _Builder(events, run, view, highlight, stats, timings)
     if highlight is not None:
-        check_highlight_drawn(highlight, builder, view, run)
+        _check_highlight_drawn(highlight, builder, view, run)
     return builder.build()
 
 
-def check_highlight_drawn(highlight: Highlight, builder: _Builder, view: str, run: RunInfo) -> None:
+def _check_highlight_drawn(highlight: Highlight, builder: _Builder, view: str, run: RunInfo) -> None:
     if highlight.model_only and view != "model":
         raise OptionError(f"--highlight {highlight.label} is drawn in the model view; drop --view block")
     if highlight.transposes or highlight.pseudo:
@@ -760,7 +760,7 @@ def trace_step(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, lay
                for name, t in model.file.tensors.items()}
     sampled = (tokens[step], tok.decode([tokens[step]])) if len(tokens) > step else None
     run = RunInfo(model_name=Path(model.path).name, config=c, weights=weights, prompt=prompt, chat=chat,
-                  step=step, layer=layer, max_seq=ctx, input_ids=fed,
+                  step=step, layer=layer, max_seq=ctx, input_ids=fed, n_prompt=n_prompt,
                   input_text=tok.decode(list(fed)) if step else "", sampled=sampled,
                   stop_ids=frozenset(tok.stop_ids))
     return events, run
