@@ -119,8 +119,8 @@ def trace(
                                                   metavar="FILE", show_default=False)] = None,
     npz: Annotated[Optional[Path], typer.Option("--npz", help="Save every traced tensor to FILE (.npz, keys "
                                                 "step{S}.layer{L}.{stage}).", metavar="FILE", show_default=False)] = None,
-    log_file: Annotated[Optional[Path], typer.Option("--log-file", help="Write the book's debug.log: "
-                                                     "[DEBUG] <time> <line>.", metavar="FILE", show_default=False)] = None,
+    log_file: Annotated[Optional[Path], typer.Option("--log-file", help="Write the book's debug.log to FILE, "
+                                                     "one '[DEBUG] TIME LINE' per log line.", metavar="FILE", show_default=False)] = None,
     timings: Annotated[bool, typer.Option("--timings", help="Time per stage group (input, attention, ffn, output), "
                                                             "prefill vs decode, and the slowest stages.")] = False,
     check_finite: Annotated[bool, typer.Option("--check-finite", help="Stop with an error at the first stage "

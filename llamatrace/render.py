@@ -157,26 +157,24 @@ class LogView:
 
     def __call__(self, event: TraceEvent) -> None:
         lines = self.formatter.lines(event)
-        if self.plain:
-            for line in lines:
-                self.console.print(line, markup=False, emoji=False, highlight=False)
+        # one console.print per event: rich's per-call cost, not the text, dominates a long trace
+        if self.plain:              # exact text, nothing for rich to style or wrap
+            self.console.file.write("".join(line + "\n" for line in lines))
             return
         if event.step != self._step:
             self._step = event.step
             n = event.seq_len
             self.console.rule(f"[bold]step {event.step}[/] · {phase_of(event)} · start_pos {event.start_pos} · "
                               f"{n} token{'s' if n != 1 else ''}", style="dim")
-        for line in lines:
-            text = Text(line)
-            text.highlight_regex(_SHAPE_RE, "cyan")
-            self.console.print(text)
+        text = Text("\n".join(lines))
+        text.highlight_regex(_SHAPE_RE, "cyan")
         where = "" if event.layer is None else f"L{event.layer} "
-        note = Text(f"    ↳ {where}{event.stage} {event.dtype} · {fmt_us(event.elapsed_us)}", style="dim")
-        self.console.print(note)
+        text.append(f"\n    ↳ {where}{event.stage} {event.dtype} · {fmt_us(event.elapsed_us)}", style="dim")
         if event.stats is not None:
-            self.console.print(Text("      " + fmt_stats(event.stats), style="dim green"))
+            text.append("\n      " + fmt_stats(event.stats), style="dim green")
         if event.values is not None:
-            self.console.print(Text("      " + fmt_values(event.values), style="dim green"))
+            text.append("\n      " + fmt_values(event.values), style="dim green")
+        self.console.print(text)
 
 
 class TableView:
