@@ -90,4 +90,4 @@ def diagram(
     data = dg.render(graph, fmt)
     dg.write_atomic(output, data)
     err.print(f"[dim]wrote {output} ({fmt}, {view} view, layer {layer}, step {step}"
-              f"{', ' + mark.label if mark else ''})[/]")
+              f"{', ' + mark.label if mark else ''})[/]", soft_wrap=True)
