@@ -78,6 +78,20 @@ ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", help="CPU threads for the kernels (default: all cores).", show_default=False)]
 
 
+SAMPLE_PROMPT = Path(__file__).resolve().parent.parent / "samples" / "prompt.txt"
+# used when the package is installed without the repository's samples/ folder
+FALLBACK_PROMPT = "The capital of France is"
+
+
+def default_prompt() -> str:
+    """The sample prompt of ``trace`` and ``diagram``: ``samples/prompt.txt`` (trailing newline
+    dropped: it would be a token)."""
+    try:
+        return SAMPLE_PROMPT.read_text(encoding="utf-8").strip() or FALLBACK_PROMPT
+    except OSError:
+        return FALLBACK_PROMPT
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:
     """The prompt text from the argument, ``--prompt-file`` (``-`` = stdin) or ``default``.
 
@@ -316,7 +330,8 @@ def pull(
 
       LLAMATRACE_CACHE_DIR=/data/models llamatrace pull
     """
-    from .fetch import installed_default_model, pull as do_pull
+    from .fetch import installed_default_model
+    from .fetch import pull as do_pull
 
     existing = installed_default_model()
     if existing is not None and not force:
@@ -326,8 +341,10 @@ def pull(
 
 
 from .cli_trace import trace as _trace_cmd  # noqa: E402 — needs the shared options above
+
 app.command(name="trace")(_trace_cmd)
 from .cli_diagram import diagram as _diagram_cmd  # noqa: E402 — needs the shared options above
+
 app.command(name="diagram")(_diagram_cmd)
 
 

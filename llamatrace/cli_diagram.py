@@ -10,16 +10,24 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import (ModelOpt, PromptFileOpt, RawOpt, SystemOpt, ThreadsOpt, err, load_model, prompt_ids_for,
-                  read_prompt)
+from .cli import (
+    ModelOpt,
+    PromptFileOpt,
+    RawOpt,
+    SystemOpt,
+    ThreadsOpt,
+    default_prompt,
+    err,
+    load_model,
+    prompt_ids_for,
+    read_prompt,
+)
 from .errors import OptionError
-
-DEFAULT_PROMPT = "The capital of France is"
 
 
 def diagram(
     prompt: Annotated[Optional[str], typer.Argument(
-        help=f"The prompt text (or use --prompt-file). Default: \"{DEFAULT_PROMPT}\".", show_default=False)] = None,
+        help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)] = None,
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Output file; the format comes from the extension: .svg, .png, .pdf "
         "(need Graphviz's `dot`) or .dot (DOT source).", show_default=False)] = Path("flow.svg"),
@@ -77,7 +85,7 @@ def diagram(
     if ctx_size is not None and ctx_size <= 0:
         raise OptionError(f"--ctx-size must be a positive integer, got {ctx_size}")
     dg.check_graphviz(fmt)
-    text = read_prompt(prompt, prompt_file, default=DEFAULT_PROMPT)
+    text = read_prompt(prompt, prompt_file, default=default_prompt())
 
     m = load_model(model, threads)
     ids = prompt_ids_for(m, text, raw, system)

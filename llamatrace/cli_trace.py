@@ -17,27 +17,28 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from .cli import (EXIT_INTERRUPTED, ModelOpt, PromptFileOpt, RawOpt, SystemOpt, ThreadsOpt, err, load_model,
-                  numba_cache_is_cold, out, prompt_ids_for, read_prompt)
+from .cli import (
+    EXIT_INTERRUPTED,
+    ModelOpt,
+    PromptFileOpt,
+    RawOpt,
+    SystemOpt,
+    ThreadsOpt,
+    default_prompt,
+    err,
+    load_model,
+    numba_cache_is_cold,
+    out,
+    prompt_ids_for,
+    read_prompt,
+)
 from .errors import OptionError, OutputError
 from .stages import STAGE_IDS, select_stages
-
-SAMPLE_PROMPT = Path(__file__).resolve().parent.parent / "samples" / "prompt.txt"
-# used when the package is installed without the repository's samples/ folder
-FALLBACK_PROMPT = "The capital of France is"
 
 
 class Format(str, Enum):
     log = "log"
     table = "table"
-
-
-def default_prompt() -> str:
-    """The sample prompt in ``samples/prompt.txt`` (trailing newline dropped: it would be a token)."""
-    try:
-        return SAMPLE_PROMPT.read_text(encoding="utf-8").strip() or FALLBACK_PROMPT
-    except OSError:
-        return FALLBACK_PROMPT
 
 
 _LAYER_ITEM = re.compile(r"^(-?\d+)$|^(\d+)-(\d+)$")
@@ -181,8 +182,19 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
          dump_shapes: bool, stats: bool, values: int, jsonl: Path | None, npz: Path | None,
          log_file: Path | None, timings: bool, check_finite: bool, top_k: int) -> None:
     from .generate import GenerationStats, check_prompt_fits, default_ctx_size, generate
-    from .render import (DebugLog, JsonlWriter, LineFormatter, LogView, TableView, timing_rollup, timings_view,
-                         tokens_table, top_k_probs, top_k_table, write_npz_atomic)
+    from .render import (
+        DebugLog,
+        JsonlWriter,
+        LineFormatter,
+        LogView,
+        TableView,
+        timing_rollup,
+        timings_view,
+        tokens_table,
+        top_k_probs,
+        top_k_table,
+        write_npz_atomic,
+    )
     from .trace import Recorder
 
     max_tokens = tokens + 1            # the last token is chosen from the last traced step's logits

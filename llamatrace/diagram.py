@@ -602,7 +602,7 @@ class _Builder:
         ev = self.events.get("cache_k") or self.events.get("keys")
         end = ev.start_pos + ev.seq_len
         lines = [f"<B>KV cache</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">CacheK[{run.layer}], CacheV[{run.layer}]</FONT>",
-                 f"capacity [max_seq, n_kv_heads, head_dim]",
+                 "capacity [max_seq, n_kv_heads, head_dim]",
                  f"= {_e(_shape([run.max_seq, c.n_kv_heads, c.head_dim]))} float32 each",
                  f"this step writes [{ev.start_pos}:{end}], reads [0:{end}]"]
         self._node(g, KV_CACHE, lines, {"fillcolor": _CACHE_FILL}, shape="cylinder", style="filled")

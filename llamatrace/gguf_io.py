@@ -15,7 +15,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from .errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from .errors import ModelFormatError, UnsupportedModelError
 from .validate import validate_gguf
 
 # GGUF tensor name (per block: "blk.{i}." prefix) → Meta reference model.py attribute.

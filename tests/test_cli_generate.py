@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from gguf_factory import T, write_tiny_llama
+
 from llamatrace.cli import main
 
 

@@ -14,11 +14,10 @@ import time
 
 import gguf
 import numpy as np
-import pytest
-
 from gguf_factory import write_tiny_llama
-from llamatrace.cli import main
 from test_cli_generate import assert_one_line_error, run
+
+from llamatrace.cli import main
 
 
 def test_debug_flag_shows_the_traceback(capsys, tmp_path):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gguf_factory import T, write_tiny_llama
+from reference import reference_logits
+
 from llamatrace.errors import ModelFormatError, OptionError, UnsupportedModelError
 from llamatrace.model import Llama
-from reference import reference_logits
 
 TOKENS = [5, 40, 77, 260, 3, 150, 268, 99]
 

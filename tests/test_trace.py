@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from gguf_factory import write_tiny_llama
+
 from llamatrace import kernels
 from llamatrace.cli import main
 from llamatrace.cli_trace import parse_layers
