@@ -138,7 +138,13 @@ def load_model(model_path: Path | None, threads: int | None):
     path = resolve_model(model_path, log=lambda msg: err.print(msg))
     with err.status(f"Loading {path.name} …"):
         from .model import Llama
-        return Llama.load(path)
+        model = Llama.load(path)
+    # compile (first run) or load every kernel now, so stage timings and tok/s measure compute
+    message = ("Compiling kernels (first run only; cached afterwards) …" if numba_cache_is_cold()
+               else "Loading kernels …")
+    with err.status(message):
+        model.warmup()
+    return model
 
 
 def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[int]:
@@ -219,9 +225,6 @@ def generate(
     stats = GenerationStats()
     stream = StreamDecoder(m.tokenizer)
     pieces: list[str] = []
-    if numba_cache_is_cold():
-        with err.status("Compiling kernels (first run only; cached afterwards) …"):
-            m.warmup()
     tokens = run_generate(m, ids, max_tokens=max_tokens, sampling=sampling, ctx_size=ctx, stats=stats)
     interrupted = False
     try:

@@ -27,7 +27,6 @@ from .cli import (
     default_prompt,
     err,
     load_model,
-    numba_cache_is_cold,
     out,
     prompt_ids_for,
     read_prompt,
@@ -227,8 +226,6 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
             sinks.append(DebugLog(stack.enter_context(_open_text(log_file, "--log-file")), formatter))
         recorder = Recorder(layers=layers, stages=stages, stats=stats, values=values, keep_arrays=npz is not None,
                             keep_events=npz is not None, check_finite=check_finite, sinks=sinks, time_all=True)
-        if numba_cache_is_cold():
-            err.print("[dim]first run: compiling kernels (10-60 s), cached afterwards[/]")
         try:
             for token in generate(m, ids, max_tokens=max_tokens, ctx_size=ctx, recorder=recorder, stats=run_stats):
                 generated.append(token)
