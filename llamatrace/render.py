@@ -177,6 +177,19 @@ class LogView:
         self.console.print(text)
 
 
+TABLE_STATS = ("rms", "mean", "min", "max")
+
+
+def _stat_cell(stats: Mapping[str, Any] | None, key: str) -> str:
+    if stats is None:
+        return ""
+    value = stats.get(key)
+    cell = "—" if value is None else format(value, ".4g")
+    if key == "max" and (stats.get("nan") or stats.get("inf")):
+        cell += f" ({stats.get('nan', 0)} nan, {stats.get('inf', 0)} inf)"
+    return cell
+
+
 class TableView:
     """Sink collecting events into one rich table per step (layer, stage, op, shape, dtype, stats, time)."""
 
@@ -195,16 +208,29 @@ class TableView:
         first = self._events[0]
         table = Table(title=f"step {first.step} · {phase_of(first)} · start_pos {first.start_pos} · "
                             f"seq_len {first.seq_len}", title_justify="left")
-        for name, justify in (("layer", "right"), ("stage", "left"), ("op", "left"), ("shape", "left"),
-                              ("dtype", "left"), ("stats", "left"), ("time", "right")):
-            table.add_column(name, justify=justify, no_wrap=name != "stats")
+        columns = [("layer", "right"), ("stage", "left"), ("op", "left"), ("shape", "left"), ("dtype", "left")]
+        with_stats = any(e.stats is not None for e in self._events)
+        with_values = any(e.values is not None for e in self._events)
+        if with_stats:      # one narrow column per statistic, so the table stays readable at 80 columns
+            columns += [(k, "right") for k in TABLE_STATS]
+        if with_values:
+            columns.append(("values", "left"))
+        columns.append(("time", "right"))
+        for name, justify in columns:
+            table.add_column(name, justify=justify, no_wrap=name != "values")
         for e in self._events:
-            stats = "" if e.stats is None else fmt_stats(e.stats, compact=True)
-            if e.values is not None:
-                stats = (stats + "\n" if stats else "") + fmt_values(e.values)
-            table.add_row("—" if e.layer is None else str(e.layer), e.stage, e.op, fmt_shape(e.shape),
-                          e.dtype, stats, fmt_us(e.elapsed_us))
-        self.console.print(table)
+            row = ["—" if e.layer is None else str(e.layer), e.stage, e.op, fmt_shape(e.shape), e.dtype]
+            if with_stats:
+                row += [_stat_cell(e.stats, k) for k in TABLE_STATS]
+            if with_values:
+                row.append("" if e.values is None else fmt_values(e.values))
+            row.append(fmt_us(e.elapsed_us))
+            table.add_row(*row)
+        # piped to a file, a table is data: don't squeeze it into the 80 columns rich assumes
+        console = self.console
+        if not console.is_terminal:
+            console = Console(file=console.file, width=200, highlight=False, color_system=None)
+        console.print(table)
         self._events = []
 
 
