@@ -384,7 +384,8 @@ def timings_view(stage_times: Mapping[tuple[str, str], Sequence[float]], decode_
     rollup = timing_rollup(stage_times)
     phases = [p for p in ("prefill", "decode") if p in rollup]
     groups = Table(title="Time by stage group", title_justify="left",
-                   caption="a run's first calls include Numba loading its compiled kernels", caption_justify="left")
+                   caption="fused kernels count under their first stage: q/k/v under Qcur, gate/up under ffn_gate",
+                   caption_justify="left")
     groups.add_column("group")
     for p in phases:
         groups.add_column(f"{p} ms", justify="right")
