@@ -7,6 +7,7 @@ usage, 130 interrupted.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -354,6 +355,26 @@ app.command(name="diagram")(_diagram_cmd)
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: runs the app and maps errors to one line + exit code."""
+    code = _run(argv)
+    try:                                         # output lost to a full disk must not pass silently
+        sys.stdout.flush()
+    except OSError as exc:
+        _silence_stdout()
+        if not isinstance(exc, BrokenPipeError):
+            err.print(f"[red]error:[/] cannot write to standard output ({exc.strerror or exc})")
+            return code or EXIT_BAD_INPUT
+    return code
+
+
+def _silence_stdout() -> None:
+    # after a failed write, the interpreter's own flush at exit would print a second warning
+    try:
+        sys.stdout = open(os.devnull, "w")
+    except OSError:
+        pass
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         # with standalone_mode=False, click returns a typer.Exit's code instead of raising it
         code = app(args=argv, standalone_mode=False)
@@ -379,12 +400,18 @@ def main(argv: list[str] | None = None) -> int:
         err.print("interrupted")
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        # stdout closed early (`| head`): not an error; silence the interpreter's flush warning
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
+        # stdout closed early (`| head`): not an error
+        _silence_stdout()
         return EXIT_OK
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG):
+            _report(exc, f"internal error: {type(exc).__name__}: {exc} — please report it with --debug output",
+                    EXIT_INTERNAL)
+            return EXIT_INTERNAL
+        _silence_stdout()                        # a full disk behind stdout: the only unguarded output
+        _report(exc, f"cannot write the output ({exc.strerror}); free some space or redirect elsewhere",
+                EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
     except Exception as exc:  # noqa: BLE001 — the one place unexpected errors are reported
         _report(exc, f"internal error: {type(exc).__name__}: {exc} — please report it with --debug output",
                 EXIT_INTERNAL)

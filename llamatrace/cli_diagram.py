@@ -23,6 +23,7 @@ from .cli import (
     read_prompt,
 )
 from .errors import OptionError
+from .outputs import check_output_path, write_atomic
 
 
 def diagram(
@@ -72,7 +73,7 @@ def diagram(
 
     # everything that can be checked without the model, before loading it
     fmt = dg.output_format(output)
-    dg.check_output_path(output)
+    check_output_path(output, "-o")
     if view not in dg.VIEWS:
         raise OptionError(f"--view {view!r}: choose one of {', '.join(dg.VIEWS)}")
     mark = dg.resolve_highlight(highlight) if highlight is not None else None
@@ -96,6 +97,6 @@ def diagram(
                                     ctx_size=ctx_size)
     graph = dg.build_diagram(events, run, view=view, highlight=mark, stats=stats, timings=timings)
     data = dg.render(graph, fmt)
-    dg.write_atomic(output, data)
+    write_atomic(output, lambda f: f.write(data), "-o")
     err.print(f"[dim]wrote {output} ({fmt}, {view} view, layer {layer}, step {step}"
               f"{', ' + mark.label if mark else ''})[/]", soft_wrap=True)

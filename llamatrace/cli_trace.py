@@ -31,7 +31,7 @@ from .cli import (
     prompt_ids_for,
     read_prompt,
 )
-from .errors import OptionError, OutputError
+from .errors import OptionError
 from .stages import STAGE_IDS, select_stages
 
 
@@ -144,7 +144,7 @@ def trace(
 
       llamatrace trace --jsonl trace.jsonl --npz trace.npz --log-file debug.log
     """
-    from .render import check_output_path
+    from .outputs import check_output_path
 
     # ---- everything that can be checked without the model, so bad input fails fast ----
     if tokens < 0:
@@ -159,7 +159,7 @@ def trace(
     stage_patterns = parse_stages(stage)
     outputs = {opt: p for opt, p in (("--jsonl", jsonl), ("--npz", npz), ("--log-file", log_file)) if p is not None}
     for opt, p in outputs.items():
-        check_output_path(p, opt)
+        check_output_path(p, opt, whole_file=opt == "--npz")
     resolved = {}
     for opt, p in outputs.items():
         other = resolved.setdefault(p.resolve(), opt)
@@ -181,6 +181,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
          dump_shapes: bool, stats: bool, values: int, jsonl: Path | None, npz: Path | None,
          log_file: Path | None, timings: bool, check_finite: bool, top_k: int) -> None:
     from .generate import GenerationStats, check_prompt_fits, default_ctx_size, generate
+    from .outputs import open_stream
     from .render import (
         DebugLog,
         JsonlWriter,
@@ -218,12 +219,12 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
             sinks.append(LogView(out, formatter))
         writer = None
         if jsonl is not None:
-            writer = JsonlWriter(stack.enter_context(_open_text(jsonl, "--jsonl")))
+            writer = JsonlWriter(stack.enter_context(open_stream(jsonl, "--jsonl")))
             writer.header(model=str(m.path), prompt=text_in, prompt_ids=ids,
                           pieces=[m.tokenizer.piece(i) for i in ids], config=m.config.to_dict())
             sinks.append(writer)
         if log_file is not None:
-            sinks.append(DebugLog(stack.enter_context(_open_text(log_file, "--log-file")), formatter))
+            sinks.append(DebugLog(stack.enter_context(open_stream(log_file, "--log-file")), formatter))
         recorder = Recorder(layers=layers, stages=stages, stats=stats, values=values, keep_arrays=npz is not None,
                             keep_events=npz is not None, check_finite=check_finite, sinks=sinks, time_all=True)
         try:
@@ -257,10 +258,3 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
     err.print(f"[dim]{len(ids)} prompt tokens, {run_stats.decode_steps} decode steps · prefill "
               f"{run_stats.prefill_s * 1000:.0f} ms · decode {run_stats.decode_s * 1000:.0f} ms · "
               f"load {load_s:.1f} s[/]")
-
-
-def _open_text(path: Path, option: str):
-    try:
-        return open(path, "w", encoding="utf-8", newline="\n")
-    except OSError as exc:
-        raise OutputError(f"{option} {str(path)!r}: cannot write it ({exc.strerror or exc})") from None

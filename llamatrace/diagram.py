@@ -23,12 +23,9 @@ model and prompt give byte-identical DOT (the golden test relies on it).
 
 from __future__ import annotations
 
-import contextlib
 import html
 import math
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -192,23 +189,6 @@ def output_format(path: Path) -> str:
     return ext
 
 
-def check_output_path(path: Path) -> None:
-    """Fail before any compute when ``path`` cannot be written.
-
-    Raises:
-        OutputError: a directory, a missing parent directory, or an unwritable one.
-    """
-    if path.is_dir():
-        raise OutputError(f"-o {str(path)!r} is a directory; give a file name such as {str(path / 'flow.svg')!r}")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"-o {str(path)!r}: the directory {str(parent)!r} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"-o {str(path)!r}: the directory {str(parent)!r} is not writable")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise OutputError(f"-o {str(path)!r}: the file exists and is not writable")
-
-
 class GraphvizMissingError(OutputError):
     """Graphviz's ``dot`` program is needed for SVG/PNG/PDF output and was not found."""
 
@@ -241,34 +221,6 @@ def render(graph: graphviz.Digraph, fmt: str) -> bytes:
     except graphviz.CalledProcessError as exc:
         detail = (exc.stderr or b"").decode("utf-8", "replace").strip().splitlines()
         raise OutputError(f"Graphviz `dot` failed to render .{fmt}: {detail[-1] if detail else exc}") from None
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``.
-
-    An error or Ctrl-C leaves no partial file (and the old ``path``, if any, untouched).
-
-    Raises:
-        OutputError: the file cannot be written (disk full, permissions).
-    """
-    parent = path.parent if str(path.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    except OSError as exc:
-        raise OutputError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)            # mkstemp makes 0600; give the usual file mode
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise OutputError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-        raise
 
 
 # ----------------------------------------------------------------------------------------------

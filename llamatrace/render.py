@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence, TextIO
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .errors import OutputError
+from .outputs import OutputStream, write_atomic
 from .stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
 from .trace import TraceEvent, finite_or_none
 
@@ -237,14 +235,14 @@ class TableView:
 class DebugLog:
     """Sink writing the book's ``debug.log``: ``[DEBUG] <time> <line>``, flushed per event."""
 
-    def __init__(self, file: TextIO, formatter: LineFormatter) -> None:
-        self.file = file
+    def __init__(self, stream: OutputStream, formatter: LineFormatter) -> None:
+        self.stream = stream
         self.formatter = formatter
 
     def __call__(self, event: TraceEvent) -> None:
         stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
-        self.file.write("".join(f"[DEBUG] {stamp} {line}\n" for line in self.formatter.lines(event)))
-        self.file.flush()
+        for line in self.formatter.lines(event):
+            self.stream.write_line(f"[DEBUG] {stamp} {line}")
 
 
 # ---- JSON lines and .npz -------------------------------------------------------------------
@@ -260,12 +258,11 @@ class JsonlWriter:
     valid JSON (only the footer may be missing).
     """
 
-    def __init__(self, file: TextIO) -> None:
-        self.file = file
+    def __init__(self, stream: OutputStream) -> None:
+        self.stream = stream
 
     def _line(self, obj: Mapping[str, Any]) -> None:
-        self.file.write(_dumps(obj) + "\n")
-        self.file.flush()
+        self.stream.write_line(_dumps(obj))
 
     def header(self, *, model: str, prompt: str, prompt_ids: Sequence[int], pieces: Sequence[str],
                config: Mapping[str, Any]) -> None:
@@ -282,58 +279,16 @@ class JsonlWriter:
                     "timings": dict(timings)})
 
 
-def check_output_path(path: Path, option: str) -> None:
-    """Fail early, before any model is loaded, if ``path`` cannot be written. Creates nothing.
-
-    Raises:
-        OutputError: ``path`` is a directory, its parent is missing or not a directory, or either
-            is not writable.
-    """
-    shown = f"{option} {str(path)!r}"
-    if path.is_dir():
-        raise OutputError(f"{shown} is a directory: give a file name")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
-        raise OutputError(f"{shown}: the directory {str(parent)!r} does not exist")
-    if not parent.is_dir():
-        raise OutputError(f"{shown}: {str(parent)!r} is not a directory")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise OutputError(f"{shown}: the file is not writable")
-    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"{shown}: the directory {str(parent)!r} is not writable")
-
-
 def write_npz_atomic(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
     """Write ``arrays`` (keys ``step0.layer0.attn_norm``) to ``path``, all or nothing.
-
-    A temporary file in the same directory is renamed over ``path`` only when complete, so an
-    error or Ctrl-C never leaves a partial ``.npz``.
 
     Raises:
         OutputError: the file cannot be written (disk full, permissions).
     """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)          # a file object: numpy appends no ".npz" to the name
-        os.replace(tmp, path)
-    except OSError as exc:
-        _unlink(tmp)
-        raise OutputError(f"--npz {str(path)!r}: cannot write it ({exc.strerror or exc})") from None
-    except BaseException:
-        _unlink(tmp)
-        raise
+    # a file object: numpy appends no ".npz" to the name
+    write_atomic(Path(path), lambda f: np.savez(f, **arrays), "--npz")
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-# ---- tokens, top-k, timings -----------------------------------------------------------------
 def tokens_table(tokenizer, ids: Sequence[int], title: str = "Prompt tokens") -> Table:
     """The prompt's tokenization, position · id · piece (the book's chapter 12)."""
     table = Table(title=f"{title} ({len(ids)})", title_justify="left")

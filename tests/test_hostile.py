@@ -14,6 +14,7 @@ import time
 
 import gguf
 import numpy as np
+import pytest
 from gguf_factory import write_tiny_llama
 from test_cli_generate import assert_one_line_error, run
 
@@ -101,3 +102,49 @@ def test_ctrl_c_during_generate_keeps_the_text_and_exits_130(tmp_path):
     assert len(first + rest) > 20
     text = err.decode()
     assert "Traceback" not in text and "interrupted" in text
+
+
+# ---- full disk and odd output targets --------------------------------------------------------
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+
+
+@needs_dev_full
+@pytest.mark.parametrize("option", ["--jsonl", "--log-file"])
+def test_trace_stream_to_a_full_disk_is_a_clean_error(capsys, tiny_model_path, option):
+    code, out, err = run(capsys, "trace", "--raw", "-m", str(tiny_model_path), option, "/dev/full", "the cat")
+    assert_one_line_error(code, out, err, option, "No space left")
+
+
+@needs_dev_full
+def test_npz_onto_a_device_is_refused_and_the_device_kept(capsys, tiny_model_path):
+    code, out, err = run(capsys, "trace", "--raw", "-m", str(tiny_model_path), "--npz", "/dev/full", "the cat")
+    assert_one_line_error(code, out, err, "--npz", "not a regular file")
+    import stat
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+
+
+@needs_dev_full
+def test_stdout_on_a_full_disk_is_a_clean_error(tiny_model_path):
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "llamatrace", "generate", "--raw", "-n", "3",
+                               "-m", str(tiny_model_path), "the cat"], stdout=full, stderr=subprocess.PIPE, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "No space left" in err and "Traceback" not in err
+
+
+def test_atomic_write_on_a_full_disk_leaves_nothing(tmp_path):
+    import errno
+
+    from llamatrace.errors import OutputError
+    from llamatrace.outputs import write_atomic
+
+    target = tmp_path / "flow.svg"
+    target.write_text("old")
+
+    def full(f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OutputError, match="No space left"):
+        write_atomic(target, full, "-o")
+    assert [p.name for p in tmp_path.iterdir()] == ["flow.svg"] and target.read_text() == "old"

@@ -17,8 +17,15 @@ from llamatrace import kernels
 from llamatrace.cli import main
 from llamatrace.cli_trace import parse_layers
 from llamatrace.errors import OptionError, OutputError
-from llamatrace.render import LineFormatter, check_output_path, write_npz_atomic
-from llamatrace.stages import LAYER_STAGE_IDS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
+from llamatrace.outputs import check_output_path
+from llamatrace.render import LineFormatter, write_npz_atomic
+from llamatrace.stages import (
+    LAYER_STAGE_IDS,
+    STAGE_BY_ID,
+    STAGES,
+    eval_shape,
+    stage_applies,
+)
 from llamatrace.trace import Recorder
 
 GOLDEN = Path(__file__).parent / "golden"
