@@ -176,8 +176,8 @@ class Llama:
             cache: the KV cache; this call writes positions ``[start_pos, start_pos + seq_len)``
                 and advances ``cache.pos``.
             recorder: receives one event per stage (defaults to the ``with model.trace()`` one).
-            all_logits: return logits for every position, not only the last. Always on when tracing
-                (the chapter's ``output {22, 128256}``).
+            all_logits: return logits for every position, not only the last. On whenever the
+                recorder records ``result_output`` (the chapter's ``output {22, 128256}``).
 
         Returns:
             float32 ``[seq_len or 1, vocab_size]`` logits.
@@ -199,7 +199,8 @@ class Llama:
         if recorder is not None:
             emit = recorder.begin(start_pos, seq_len, self.shape_vars(start_pos, seq_len, cache.max_seq),
                                   self.weight_shapes)
-            all_logits = True
+            # the chapter's output {seq_len, vocab}: every row, when that stage is being recorded
+            all_logits = all_logits or recorder.wants(None, "result_output")
         n_heads, n_kv_heads, head_dim, n_rep = c.n_heads, c.n_kv_heads, c.head_dim, c.n_rep
 
         # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64
