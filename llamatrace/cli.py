@@ -308,6 +308,20 @@ def info(
     if not all_metadata and "tokenizer.chat_template" in meta:
         cfg.add_row("tokenizer.chat_template", f"({len(str(meta['tokenizer.chat_template']))} chars; --all shows it)")
     out.print(cfg)
+    if "token_embd.weight" in f.tensors:
+        from .config import ModelConfig
+        try:
+            c = ModelConfig.from_metadata(meta, vocab_size=f.matrix_shape("token_embd.weight")[0], source=path.name)
+        except LlamatraceError as exc:
+            err.print(f"[yellow]note:[/] llamatrace cannot run this model: {exc}")
+        else:
+            derived = Table(title="As llamatrace reads it (Meta's ModelArgs names)", show_header=False, box=None)
+            for key, value in c.to_dict().items():
+                derived.add_row(key, str(value))
+            derived.add_row("n_rep", f"{c.n_rep} query heads per KV head" + (" (GQA)" if c.n_rep > 1 else ""))
+            derived.add_row("output", "tied to token_embd.weight" if "output.weight" not in f.tensors
+                            else "output.weight")
+            out.print(derived)
     table = Table(title=f"Tensors ({len(f.tensors)})")
     table.add_column("name")
     table.add_column("type")
