@@ -199,22 +199,30 @@ def silu_ref(x: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # Attention products. Plain loops instead of np.matmul: BLAS threads spinning beside Numba's
-# thread pool slowed everything ~10× on 2 cores, and head_dim-long dot products vectorise well.
+# thread pool slowed everything ~10x on 2 cores. Keys/values may hold fewer (KV) heads than the
+# queries: query head h reads KV head h // n_rep, which is what repeat_kv's copy would hold
+# (Ainslie et al. 2023, "GQA"), without making the copy.
+# 'reassoc' lets LLVM vectorise the head_dim-long sums; no nnan/ninf, so NaN still propagates.
 # ---------------------------------------------------------------------------------------------
+_ATTN = dict(cache=True, fastmath={"reassoc", "contract"})
 
-@njit(cache=True)
+
+@njit(**_ATTN)
 def _scores_rows(xq, keys, out, h):
-    seq_len, _, head_dim = xq.shape
+    seq_len, n_heads, head_dim = xq.shape
     kv_len = keys.shape[0]
+    g = h // (n_heads // keys.shape[1])
     for s in range(seq_len):
+        q = xq[s, h]
         for t in range(kv_len):
+            k = keys[t, g]
             acc = np.float32(0.0)
             for d in range(head_dim):
-                acc += xq[s, h, d] * keys[t, h, d]
+                acc += q[d] * k[d]
             out[h, s, t] = acc
 
 
-@njit(cache=True)
+@njit(**_ATTN)
 def attention_scores_serial(xq, keys):
     n_heads = xq.shape[1]
     out = np.empty((n_heads, xq.shape[0], keys.shape[0]), dtype=np.float32)
@@ -223,7 +231,7 @@ def attention_scores_serial(xq, keys):
     return out
 
 
-@njit(cache=True, parallel=True)
+@njit(parallel=True, **_ATTN)
 def attention_scores_parallel(xq, keys):
     n_heads = xq.shape[1]
     out = np.empty((n_heads, xq.shape[0], keys.shape[0]), dtype=np.float32)
@@ -232,41 +240,61 @@ def attention_scores_parallel(xq, keys):
     return out
 
 
+def _check_groups(n_heads: int, kv_heads: int) -> None:
+    if kv_heads == 0 or n_heads % kv_heads:
+        raise ValueError(f"{n_heads} query heads cannot share {kv_heads} KV heads")
+
+
 def attention_scores(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """``kq[h, s, t] = Σ_d xq[s, h, d] · keys[t, h, d]`` — the chapter's ``xq @ keysᵀ`` per head.
+    """``kq[h, s, t] = Σ_d xq[s, h, d] · keys[t, h // n_rep, d]`` — the chapter's ``xq @ keysᵀ``.
 
     Args:
         xq: float32 ``[seq_len, n_heads, head_dim]`` (rotated queries).
-        keys: float32 ``[kv_len, n_heads, head_dim]`` (cached keys, KV heads already repeated).
+        keys: float32 ``[kv_len, n_kv_heads, head_dim]``; ``n_kv_heads`` divides ``n_heads``
+            (``n_rep = n_heads // n_kv_heads``; 1 when the KV heads are already repeated).
 
     Returns:
         float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation.
+
+    Raises:
+        ValueError: ``n_kv_heads`` does not divide ``n_heads``.
     """
+    _check_groups(xq.shape[1], keys.shape[1])
     work = xq.shape[0] * keys.shape[0] * xq.shape[1] * xq.shape[2]
     fn = attention_scores_parallel if work > _PARALLEL_WORK else attention_scores_serial
     return fn(np.ascontiguousarray(xq), np.ascontiguousarray(keys))
 
 
+def repeat_kv(x: np.ndarray, n_rep: int) -> np.ndarray:
+    """Meta's ``repeat_kv``: ``[kv_len, n_kv_heads, head_dim]`` → ``[kv_len, n_kv_heads*n_rep, head_dim]``,
+    each KV head repeated ``n_rep`` times in a row (query head h gets KV head h // n_rep)."""
+    return np.repeat(x, n_rep, axis=1)
+
+
 def attention_scores_ref(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """NumPy twin of :func:`attention_scores`."""
+    """NumPy twin of :func:`attention_scores` (repeats the KV heads explicitly)."""
+    keys = repeat_kv(keys, xq.shape[1] // keys.shape[1])
     return np.einsum("shd,thd->hst", xq, keys).astype(np.float32)
 
 
-@njit(cache=True)
+@njit(**_ATTN)
 def _values_rows(scores, values, out, h):
     seq_len, kv_len = scores.shape[1], scores.shape[2]
     head_dim = values.shape[2]
+    g = h // (scores.shape[0] // values.shape[1])
     for s in range(seq_len):
+        o = out[h, s]
         for d in range(head_dim):
-            out[h, s, d] = 0.0
+            o[d] = 0.0
         for t in range(kv_len):
             p = scores[h, s, t]
             if p != 0.0:
+                v = values[t, g]
                 for d in range(head_dim):
-                    out[h, s, d] += p * values[t, h, d]
+                    o[d] += p * v[d]
 
 
-@njit(cache=True)
+@njit(**_ATTN)
 def attention_values_serial(scores, values):
     n_heads = scores.shape[0]
     out = np.empty((n_heads, scores.shape[1], values.shape[2]), dtype=np.float32)
@@ -275,7 +303,7 @@ def attention_values_serial(scores, values):
     return out
 
 
-@njit(cache=True, parallel=True)
+@njit(parallel=True, **_ATTN)
 def attention_values_parallel(scores, values):
     n_heads = scores.shape[0]
     out = np.empty((n_heads, scores.shape[1], values.shape[2]), dtype=np.float32)
@@ -285,24 +313,29 @@ def attention_values_parallel(scores, values):
 
 
 def attention_values(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``kqv[h, s, d] = Σ_t scores[h, s, t] · values[t, h, d]`` — the chapter's ``scores @ values``.
+    """``kqv[h, s, d] = Σ_t scores[h, s, t] · values[t, h // n_rep, d]`` — the chapter's ``scores @ values``.
 
     Args:
         scores: float32 ``[n_heads, seq_len, kv_len]`` (softmax output).
-        values: float32 ``[kv_len, n_heads, head_dim]``.
+        values: float32 ``[kv_len, n_kv_heads, head_dim]``; ``n_kv_heads`` divides ``n_heads``.
 
     Returns:
         float32 ``[n_heads, seq_len, head_dim]``.
+
+    Raises:
+        ValueError: ``n_kv_heads`` does not divide ``n_heads``.
     """
+    _check_groups(scores.shape[0], values.shape[1])
     work = scores.shape[0] * scores.shape[1] * scores.shape[2] * values.shape[2]
     fn = attention_values_parallel if work > _PARALLEL_WORK else attention_values_serial
     return fn(np.ascontiguousarray(scores), np.ascontiguousarray(values))
 
 
 def attention_values_ref(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """NumPy twin of :func:`attention_values`."""
+    """NumPy twin of :func:`attention_values` (repeats the KV heads explicitly)."""
+    values = repeat_kv(values, scores.shape[0] // values.shape[1])
     return np.einsum("hst,thd->hsd", scores, values).astype(np.float32)
 
 
-# Below this many multiply-adds a parallel region's thread wake-up (~50 µs) costs more than it saves.
+# Below this many multiply-adds a parallel region's thread wake-up costs more than it saves.
 _PARALLEL_WORK = 1 << 18

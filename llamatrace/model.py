@@ -246,12 +246,12 @@ class Llama:
             values = cache.v[layer, :end_pos]
             emit("keys", layer, keys)
             emit("values", layer, values)
-            # grouped-query attention: each KV head serves n_rep query heads
+            # grouped-query attention: each KV head serves n_rep query heads (Meta's repeat_kv).
+            # The attention kernels read KV head h // n_rep in place, so the repeated copy is
+            # only made when a trace asks for it — the same numbers, without the copy.
             if n_rep > 1:
-                keys = np.repeat(keys, n_rep, axis=1)            # [kv_len, n_heads, head_dim]
-                values = np.repeat(values, n_rep, axis=1)
-                emit("keys_rep", layer, keys)
-                emit("values_rep", layer, values)
+                emit("keys_rep", layer, lambda keys=keys: kernels.repeat_kv(keys, n_rep))
+                emit("values_rep", layer, lambda values=values: kernels.repeat_kv(values, n_rep))
             # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
             kq = kernels.attention_scores(xq, keys)
             emit("kq", layer, kq)

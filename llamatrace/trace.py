@@ -4,7 +4,9 @@ The forward pass calls ``emit(stage_id, layer, array)`` once per stage. Without 
 ``emit`` is :func:`null_emit` (a no-op): tracing costs one Python call per stage when off, and
 the math never changes (TransformerLens' identity-hook idea). A :class:`Recorder` is scoped —
 pass it to ``forward``/``generate`` or use ``with model.trace(...) as rec`` — never global state.
-Filters (layers, stages) are applied before any copy or statistic is made.
+Filters (layers, stages) are applied before any copy or statistic is made. ``array`` may also be
+a zero-argument function returning the tensor, for a tensor the math itself never needs (the
+repeated KV heads): it is only called when the stage is recorded or checked.
 
 Python use (``generate`` is lazy: consume it inside the ``with`` block)::
 
@@ -33,10 +35,10 @@ import numpy as np
 from .errors import NumericalError
 from .stages import STAGE_BY_ID, eval_shape, select_stages
 
-Emit = Callable[[str, "int | None", np.ndarray], None]
+Emit = Callable[[str, "int | None", "np.ndarray | Callable[[], np.ndarray]"], None]
 
 
-def null_emit(stage: str, layer: int | None, array: np.ndarray) -> None:
+def null_emit(stage: str, layer: int | None, array) -> None:
     """The emit function used when nothing is traced."""
 
 
@@ -213,12 +215,15 @@ class Recorder:
                 acc = times.setdefault((phase, stage_id), [0.0, 0])
                 acc[0] += (now - last) * 1e6
                 acc[1] += 1
+            wanted = self.wants(layer, stage_id)
+            if callable(array) and (wanted or self.check_finite):
+                array = array()           # a tensor the math never needs (keys_rep): made for the trace only
             if self.check_finite and not _finite(stage_id, array):
                 where = "model level" if layer is None else f"layer {layer}"
                 raise NumericalError(
                     f"non-finite values (NaN/Inf) in stage {stage_id!r} at {where}, step {step} "
                     f"(start_pos {start_pos}): inspect it with --stage {stage_id} --stats")
-            if self.wants(layer, stage_id):
+            if wanted:
                 self._record(step, start_pos, seq_len, layer, stage_id, array, (now - last) * 1e6)
                 last = clock()            # recording's own cost is not billed to the next stage
             else:

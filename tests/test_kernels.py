@@ -90,9 +90,11 @@ def test_silu_matches_twin():
     np.testing.assert_allclose(K.silu(x), K.silu_ref(x), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("seq_len,kv_len,n_heads", [(1, 7, 4), (5, 5, 3), (40, 70, 9)])
-def test_attention_products_match_twins(seq_len, kv_len, n_heads):
-    xq, keys, values = randn(seq_len, n_heads, 64), randn(kv_len, n_heads, 64), randn(kv_len, n_heads, 64)
+@pytest.mark.parametrize("seq_len,kv_len,n_heads,n_kv_heads", [(1, 7, 4, 4), (5, 5, 3, 1), (40, 70, 9, 3),
+                                                              (1, 600, 9, 3)])
+def test_attention_products_match_twins(seq_len, kv_len, n_heads, n_kv_heads):
+    xq = randn(seq_len, n_heads, 64)
+    keys, values = randn(kv_len, n_kv_heads, 64), randn(kv_len, n_kv_heads, 64)
     kq = K.attention_scores(xq, keys)
     np.testing.assert_allclose(kq, K.attention_scores_ref(xq, keys), rtol=1e-5, atol=1e-4)
     p = K.softmax(kq)
@@ -104,3 +106,19 @@ def test_serial_and_parallel_attention_variants_agree():
     np.testing.assert_array_equal(K.attention_scores_serial(xq, keys), K.attention_scores_parallel(xq, keys))
     p = K.softmax(K.attention_scores_serial(xq, keys))
     np.testing.assert_array_equal(K.attention_values_serial(p, keys), K.attention_values_parallel(p, keys))
+
+
+def test_grouped_kv_heads_equal_explicitly_repeated_heads():
+    xq, keys, values = randn(6, 8, 32), randn(9, 2, 32), randn(9, 2, 32)
+    kq = K.attention_scores(xq, keys)
+    np.testing.assert_allclose(kq, K.attention_scores(xq, K.repeat_kv(keys, 4)), rtol=1e-6, atol=1e-6)
+    p = K.softmax(kq)
+    np.testing.assert_allclose(K.attention_values(p, values), K.attention_values(p, K.repeat_kv(values, 4)),
+                               rtol=1e-6, atol=1e-6)
+    # query head 5 uses KV head 5 // 4 = 1 (Meta's repeat_kv order)
+    np.testing.assert_allclose(kq[5], xq[:, 5] @ keys[:, 1].T, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_heads_must_divide_query_heads():
+    with pytest.raises(ValueError, match="cannot share"):
+        K.attention_scores(randn(1, 9, 8), randn(3, 2, 8))
