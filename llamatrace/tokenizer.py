@@ -261,7 +261,7 @@ class Tokenizer:
         where = f" in {path}" if path else ""
         model = _field(reader, "tokenizer.ggml.model")
         if model is None:
-            raise ModelFormatError(f"no tokenizer.ggml.model{where}: the file carries no tokenizer")
+            raise ModelFormatError(f"no tokenizer.ggml.model{where}: the file carries no tokenizer; use a GGUF converted with its vocabulary (llama.cpp convert_hf_to_gguf.py)")
         if model == "llama":
             raise UnsupportedModelError(
                 f"tokenizer.ggml.model = 'llama'{where}: SentencePiece vocabularies (Llama 2) are not supported yet; "
@@ -311,10 +311,16 @@ class Tokenizer:
                 "the model has no chat template (tokenizer.chat_template); use --raw to send the prompt as is"
             )
         token_text = lambda i: self._id_bytes[i].decode("utf-8", "replace") if i is not None else ""  # noqa: E731
-        parts = render_chat(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-            bos_token=token_text(self.bos_id), eos_token=token_text(self.eos_id),
-        )  # fmt: skip
+        try:
+            parts = render_chat(
+                self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                bos_token=token_text(self.bos_id), eos_token=token_text(self.eos_id),
+            )  # fmt: skip
+        except PromptError as exc:
+            if "--raw" in str(exc):
+                raise
+            raise PromptError(f"{exc} (in the model's tokenizer.chat_template); "
+                              f"use --raw to send the prompt without it") from None
         ids: list[int] = []
         pending = ""  # ordinary text not yet encoded, possibly spanning template and user parts
         for text, is_user in parts:
