@@ -130,7 +130,7 @@ def test_info_lists_tensors(capsys, tiny_model_path):
 
 
 def test_help_shows_examples(capsys):
-    for cmd in ([], ["generate"], ["info"], ["pull"]):
+    for cmd in ([], ["generate"], ["trace"], ["diagram"], ["info"], ["pull"]):
         code = main([*cmd, "--help"])
         out = capsys.readouterr().out
         assert code == 0 and "llamatrace" in out and "Example" in out
