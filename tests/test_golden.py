@@ -61,3 +61,29 @@ def test_greedy_continuation_matches_hf(smollm2, name):
         if entry["greedy_margins"][step] < 1e-3:
             break
         assert got[step] == token, f"step {step}: got {got[step]}, HF {token} (margin {entry['greedy_margins'][step]})"
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_stage_statistics_match_hf_for_first_and_last_layer(smollm2, name):
+    """Every stage HF's forward hooks see, layers 0 and 29 and model level, for every prompt."""
+    from llamatrace.trace import Recorder
+
+    ref = GOLD["stage_stats"][name]
+    ids = GOLD["prompts"][name]["prompt_ids"]
+    rec = Recorder(layers=[0, 29], stats=True)
+    smollm2.forward(np.array(ids), 0, smollm2.new_cache(len(ids)), recorder=rec)
+    ours = {(e.layer, e.stage): e for e in rec.events}
+    wanted = [(None, stage, s) for stage, s in ref["model"].items()]
+    wanted += [(int(layer), stage, s) for layer, stages in ref["layers"].items() for stage, s in stages.items()]
+    assert len(wanted) >= 2 * 13 + 3
+    for layer, stage, want in wanted:
+        got = ours[(layer, stage)]
+        where = f"{name} layer {layer} {stage}"
+        assert got.shape == want["shape"], where
+        s = got.stats
+        assert s["rms"] == pytest.approx(want["rms"], rel=1e-3), where
+        scale = want["abs_max"]
+        for key in ("min", "max", "abs_max"):
+            assert abs(s[key] - want[key]) <= 2e-3 * scale, f"{where} {key}: {s[key]} vs {want[key]}"
+        n = float(np.prod(want["shape"]))
+        assert abs(s["sum"] - want["sum"]) <= 1e-4 * want["rms"] * n, f"{where} sum: {s['sum']} vs {want['sum']}"
