@@ -34,6 +34,15 @@ GGUF_TO_META = {
     "ffn_up.weight": "w3",
 }
 
+META_TO_GGUF = {meta: name for name, meta in GGUF_TO_META.items()}
+
+
+def gguf_name(meta: str, layer: int | None = None) -> str:
+    """The GGUF tensor name of Meta's weight ``meta`` (``gguf_name("wq", 0) == "blk.0.attn_q.weight"``)."""
+    name = META_TO_GGUF[meta]
+    return name if layer is None else f"blk.{layer}.{name}"
+
+
 # Large arrays we never decode into Python lists here (the tokenizer reads them itself).
 _BULK_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
               "tokenizer.ggml.scores")

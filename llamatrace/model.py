@@ -23,7 +23,7 @@ from . import kernels, quant
 from .cache import KVCache
 from .config import ModelConfig
 from .errors import ModelFormatError, OptionError
-from .gguf_io import GGUFFile, check_tensor_types, open_gguf
+from .gguf_io import GGUFFile, check_tensor_types, gguf_name, open_gguf
 from .tokenizer import Tokenizer
 from .trace import Emit, Recorder, null_emit
 
@@ -318,55 +318,57 @@ class Llama:
 
 # ----------------------------------------------------------------------------------------------
 def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
-    """Pack every tensor once, checking each shape against the config."""
+    """Pack every tensor once (by Meta name, through :data:`~llamatrace.gguf_io.GGUF_TO_META`),
+    checking each shape against the config."""
     q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {"tok_embeddings": (c.vocab_size, c.dim), "output": (c.vocab_size, c.dim), "norm": (c.dim,),
+              "attention_norm": (c.dim,), "ffn_norm": (c.dim,),
+              "wq": (q_dim, c.dim), "wk": (kv_dim, c.dim), "wv": (kv_dim, c.dim), "wo": (c.dim, q_dim),
+              "w1": (c.hidden_dim, c.dim), "w3": (c.hidden_dim, c.dim), "w2": (c.dim, c.hidden_dim)}
 
-    def raw(name: str, shape: tuple[int, ...]):
+    def raw(meta: str, layer: int | None):
+        name = gguf_name(meta, layer)
         t = f.tensor(name)
-        got = f.matrix_shape(name)
-        if got != shape:
-            raise ModelFormatError(f"{f.path.name}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
+        got, want = f.matrix_shape(name), shapes[meta]
+        if got != want:
+            raise ModelFormatError(f"{f.path.name}: tensor {name!r} has shape {list(got)}, expected {list(want)} "
                                    f"from the model config; the file is inconsistent")
-        return t
+        return name, t
 
-    def matrix(name: str, n_out: int, n_in: int) -> quant.Weight:
-        t = raw(name, (n_out, n_in))
-        return quant.pack(name, t.tensor_type, t.data, n_out, n_in)
+    def matrix(meta: str, layer: int | None = None) -> quant.Weight:
+        name, t = raw(meta, layer)
+        return quant.pack(name, t.tensor_type, t.data, *shapes[meta])
 
-    def vector(name: str, n: int) -> np.ndarray:
-        t = raw(name, (n,))
-        return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(n)
+    def vector(meta: str, layer: int | None = None) -> np.ndarray:
+        _, t = raw(meta, layer)
+        return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(c.dim)
 
-    def stacked(names: list[tuple[str, int]], n_in: int):
-        parts = []
-        for name, n_out in names:
-            t = raw(name, (n_out, n_in))
-            parts.append((t.tensor_type, t.data, n_out, n_in))
-        if len({p[0] for p in parts}) != 1:
+    def stacked(metas: tuple[str, ...], layer: int) -> quant.Weight | None:
+        """Rows of several matrices in one Weight, or None when their types differ."""
+        named = [raw(meta, layer) for meta in metas]
+        if len({t.tensor_type for _, t in named}) != 1:
             return None
-        return quant.pack_concat("+".join(n for n, _ in names), parts)
+        return quant.pack_concat("+".join(name for name, _ in named),
+                                 [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)])
 
     layers = []
     for i in range(c.n_layers):
-        p = f"blk.{i}."
-        wqkv = stacked([(p + "attn_q.weight", q_dim), (p + "attn_k.weight", kv_dim), (p + "attn_v.weight", kv_dim)], c.dim)
-        w13 = stacked([(p + "ffn_gate.weight", c.hidden_dim), (p + "ffn_up.weight", c.hidden_dim)], c.dim)
+        wqkv = stacked(("wq", "wk", "wv"), i)
+        w13 = stacked(("w1", "w3"), i)
         layers.append(LayerWeights(
-            attention_norm=vector(p + "attn_norm.weight", c.dim),
-            wq=None if wqkv else matrix(p + "attn_q.weight", q_dim, c.dim),
-            wk=None if wqkv else matrix(p + "attn_k.weight", kv_dim, c.dim),
-            wv=None if wqkv else matrix(p + "attn_v.weight", kv_dim, c.dim),
+            attention_norm=vector("attention_norm", i),
+            wq=None if wqkv else matrix("wq", i),
+            wk=None if wqkv else matrix("wk", i),
+            wv=None if wqkv else matrix("wv", i),
             wqkv=wqkv,
-            wo=matrix(p + "attn_output.weight", c.dim, q_dim),
-            ffn_norm=vector(p + "ffn_norm.weight", c.dim),
-            w1=None if w13 else matrix(p + "ffn_gate.weight", c.hidden_dim, c.dim),
-            w3=None if w13 else matrix(p + "ffn_up.weight", c.hidden_dim, c.dim),
+            wo=matrix("wo", i),
+            ffn_norm=vector("ffn_norm", i),
+            w1=None if w13 else matrix("w1", i),
+            w3=None if w13 else matrix("w3", i),
             w13=w13,
-            w2=matrix(p + "ffn_down.weight", c.dim, c.hidden_dim),
+            w2=matrix("w2", i),
         ))
-    tok = matrix("token_embd.weight", c.vocab_size, c.dim)
-    tied = "output.weight" not in f.tensors
-    output = tok if tied else matrix("output.weight", c.vocab_size, c.dim)
-    return Weights(tok_embeddings=tok, layers=layers, norm=vector("output_norm.weight", c.dim),
-                   output=output, tied_output=tied)
-
+    tok = matrix("tok_embeddings")
+    tied = gguf_name("output") not in f.tensors          # no output.weight: tied to the embedding
+    output = tok if tied else matrix("output")
+    return Weights(tok_embeddings=tok, layers=layers, norm=vector("norm"), output=output, tied_output=tied)
