@@ -97,9 +97,7 @@ class Llama:
         t0 = time.perf_counter()
         f = open_gguf(path)
         name = Path(path).name
-        if "token_embd.weight" not in f.tensors:
-            f.tensor("token_embd.weight")                      # raises the missing-tensor error
-        vocab_size = f.matrix_shape("token_embd.weight")[0]
+        vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
         config = ModelConfig.from_metadata(f.metadata, vocab_size=vocab_size, source=name)
         tokenizer = Tokenizer.from_reader(f.reader, path=str(path))
         check_tensor_types(f, quant.SUPPORTED_TYPES)
