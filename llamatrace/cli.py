@@ -8,6 +8,7 @@ usage, 130 interrupted.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import sys
@@ -203,7 +204,7 @@ def generate(
 
       llamatrace generate --json -- "-5 degrees is cold?"
     """
-    from .generate import GenerationStats, check_prompt_fits, default_ctx_size
+    from .generate import GenerationStats
     from .generate import generate as run_generate
     from .sampling import SamplingParams
     from .tokenizer import StreamDecoder
@@ -218,21 +219,18 @@ def generate(
     m = load_model(model, threads)
     load_s = time.perf_counter() - t0
     ids = prompt_ids_for(m, text_in, raw, system)
-    ctx = ctx_size or default_ctx_size(m, len(ids), max_tokens)
-    if ctx > m.config.max_seq_len:
-        raise OptionError(f"--ctx-size {ctx} exceeds the model's context length {m.config.max_seq_len}")
-    check_prompt_fits(m, len(ids), ctx)
 
     stats = GenerationStats()
     stream = StreamDecoder(m.tokenizer)
     pieces: list[str] = []
-    tokens = run_generate(m, ids, max_tokens=max_tokens, sampling=sampling, ctx_size=ctx, stats=stats)
+    # the prompt and context checks run inside generate, before any compute, at the first next()
+    tokens = run_generate(m, ids, max_tokens=max_tokens, sampling=sampling, ctx_size=ctx_size, stats=stats)
     interrupted = False
     try:
         with err.status(f"Prefill: {len(ids)} prompt tokens …"):
             first = next(tokens, None)
         if first is not None:
-            for token in _chain(first, tokens):
+            for token in itertools.chain([first], tokens):
                 piece = stream.push(token)
                 pieces.append(piece)
                 if not json_out and piece:
@@ -255,19 +253,15 @@ def generate(
         out.print(tail, end="", markup=False)
         out.print()
     reason = "interrupted" if interrupted else {"eos": "end of text", "max_tokens": f"--max-tokens {max_tokens}",
-                                                "context": f"context full ({ctx} tokens)"}.get(stats.stop_reason or "", "")
+                                                "context": f"context full ({stats.ctx_size} tokens)"}.get(stats.stop_reason or "", "")
     err.print(f"[dim]{len(ids)} prompt tokens, {len(stats.generated)} generated · prefill "
               f"{stats.prefill_tokens_per_s:.1f} tok/s · decode {stats.decode_tokens_per_s:.1f} tok/s · "
               f"load {load_s:.1f} s · stopped: {reason}[/]")
     if stats.stop_reason == "context" and not interrupted:
-        err.print(f"[yellow]note:[/] stopped at the context limit ({ctx} tokens); raise --ctx-size to go further")
+        err.print(f"[yellow]note:[/] stopped at the context limit ({stats.ctx_size} tokens); "
+                  f"raise --ctx-size to go further")
     if interrupted:
         raise typer.Exit(EXIT_INTERRUPTED)
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 @app.command()

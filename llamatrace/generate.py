@@ -20,6 +20,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     stop_reason: str | None = None          # "eos", "max_tokens" or "context"
+    ctx_size: int = 0                       # KV-cache capacity used, in tokens
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
@@ -72,7 +73,7 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
     ctx_size = ctx_size or default_ctx_size(model, n_prompt, max_tokens)
     check_prompt_fits(model, n_prompt, ctx_size)
     cache = model.new_cache(ctx_size)
-    stats.prompt_tokens = n_prompt
+    stats.prompt_tokens, stats.ctx_size = n_prompt, ctx_size
 
     t0 = time.perf_counter()
     logits = model.forward(np.asarray(prompt_ids), 0, cache, recorder=recorder)[-1]

@@ -119,15 +119,10 @@ class LineFormatter:
         return _FIELD.sub(field, template)
 
 
-def fmt_stats(stats: Mapping[str, Any], compact: bool = False) -> str:
-    """``sum … mean … rms … min … max … abs_max … nan 0 inf 0`` (``—`` = no finite value).
-
-    ``compact`` (table cells): rms, mean, min, max to 4 digits; nan/inf only when present.
-    """
-    keys, digits = (("rms", "mean", "min", "max"), ".4g") if compact else (STAT_KEYS, ".6g")
-    parts = [f"{k} {'—' if stats.get(k) is None else format(stats[k], digits)}" for k in keys]
-    counts = [f"{k} {stats.get(k, 0)}" for k in ("nan", "inf") if stats.get(k) or not compact]
-    return ("  " if not compact else " ").join(parts + counts)
+def fmt_stats(stats: Mapping[str, Any]) -> str:
+    """``sum … mean … rms … min … max … abs_max … nan 0 inf 0`` (``—`` = no finite value)."""
+    parts = [f"{k} {'—' if stats.get(k) is None else format(stats[k], '.6g')}" for k in STAT_KEYS]
+    return "  ".join(parts + [f"{k} {stats.get(k, 0)}" for k in ("nan", "inf")])
 
 
 def fmt_values(values: Mapping[str, list]) -> str:
