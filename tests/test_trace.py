@@ -15,7 +15,7 @@ from gguf_factory import write_tiny_llama
 
 from llamatrace import kernels
 from llamatrace.cli import main
-from llamatrace.cli_trace import parse_layers
+from llamatrace.cli.options import parse_layers
 from llamatrace.errors import OptionError, OutputError
 from llamatrace.outputs import check_output_path
 from llamatrace.render import LineFormatter, write_npz_atomic

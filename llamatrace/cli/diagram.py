@@ -1,6 +1,6 @@
 """``llamatrace diagram``: draw the forward pass of a real run as a flow diagram (SVG/PNG/PDF/DOT).
 
-Registered on the app in :mod:`llamatrace.cli`; the drawing itself is :mod:`llamatrace.diagram`.
+The drawing itself is :mod:`llamatrace.diagram`.
 """
 
 from __future__ import annotations
@@ -10,22 +10,23 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import (
+from ..errors import OptionError
+from ..outputs import check_output_path, write_atomic
+from .app import app, err
+from .options import (
     ModelOpt,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
     default_prompt,
-    err,
     load_model,
     prompt_ids_for,
     read_prompt,
 )
-from .errors import OptionError
-from .outputs import check_output_path, write_atomic
 
 
+@app.command()
 def diagram(
     prompt: Annotated[Optional[str], typer.Argument(
         help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)] = None,
@@ -69,7 +70,7 @@ def diagram(
 
       llamatrace diagram "Why is the sky blue?" --view block --layer 5 --step 3 --stats -o step3.pdf
     """
-    from . import diagram as dg
+    from .. import diagram as dg
 
     # everything that can be checked without the model, before loading it
     fmt = dg.output_format(output)

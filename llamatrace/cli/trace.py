@@ -8,7 +8,6 @@ the ordinary :func:`~llamatrace.generate.generate` loop, and prints the top-k ne
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from enum import Enum
 from pathlib import Path
@@ -17,22 +16,22 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from .cli import (
-    EXIT_INTERRUPTED,
+from ..errors import OptionError
+from ..stages import STAGE_IDS, select_stages
+from .app import EXIT_INTERRUPTED, app, err, out
+from .options import (
     ModelOpt,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
     default_prompt,
-    err,
     load_model,
-    out,
+    parse_layers,
+    parse_stages,
     prompt_ids_for,
     read_prompt,
 )
-from .errors import OptionError
-from .stages import STAGE_IDS, select_stages
 
 
 class Format(str, Enum):
@@ -40,59 +39,7 @@ class Format(str, Enum):
     table = "table"
 
 
-_LAYER_ITEM = re.compile(r"^(-?\d+)$|^(\d+)-(\d+)$")
-
-
-def parse_layers(spec: str, n_layers: int | None = None) -> list[int] | None:
-    """``--layer`` → sorted layer indices, ``None`` for all.
-
-    Accepts ``all``, ``N``, ``N-M`` (inclusive), ``-1`` (the last; ``-2`` the one before) and comma
-    lists of these. With ``n_layers`` ``None`` only the syntax is checked.
-
-    Raises:
-        OptionError: bad syntax, or a layer outside ``0..n_layers-1`` (the message gives the range).
-    """
-    text = spec.strip().lower()
-    if text == "all":
-        return None
-    chosen: set[int] = set()
-    for item in (p.strip() for p in text.split(",")):
-        m = _LAYER_ITEM.match(item)
-        if not m:
-            raise OptionError(f"--layer {spec!r}: expected N, N-M, -1, a comma list of these, or 'all'")
-        if m.group(1) is not None:
-            lo = hi = int(m.group(1))
-        else:
-            lo, hi = int(m.group(2)), int(m.group(3))
-            if lo > hi:
-                raise OptionError(f"--layer {spec!r}: range {item} is backwards (write {hi}-{lo})")
-        if n_layers is None:
-            continue
-        if lo < 0:
-            lo = hi = n_layers + lo
-        if lo < 0 or hi >= n_layers:
-            raise OptionError(f"--layer {spec!r} is out of range: this model has {n_layers} layers, "
-                              f"valid are 0-{n_layers - 1} (or -1 for the last, or all)")
-        chosen.update(range(lo, hi + 1))
-    return sorted(chosen) if n_layers is not None else []
-
-
-def parse_stages(patterns: list[str] | None) -> list[str] | None:
-    """``--stage`` values (repeatable, comma lists, globs) → patterns, checked against the catalogue.
-
-    Raises:
-        OptionError: a pattern matching no stage (the message lists the valid ids).
-    """
-    if not patterns:
-        return None
-    flat = [p.strip() for value in patterns for p in value.split(",") if p.strip()]
-    try:
-        select_stages(flat)
-    except ValueError as exc:
-        raise OptionError(f"--stage: {exc}") from None
-    return flat
-
-
+@app.command()
 def trace(
     prompt: Annotated[Optional[str], typer.Argument(
         help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)] = None,
@@ -144,7 +91,7 @@ def trace(
 
       llamatrace trace --jsonl trace.jsonl --npz trace.npz --log-file debug.log
     """
-    from .outputs import check_output_path
+    from ..outputs import check_output_path
 
     # ---- everything that can be checked without the model, so bad input fails fast ----
     if tokens < 0:
@@ -180,9 +127,14 @@ def trace(
 def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers, stages, fmt: Format,
          dump_shapes: bool, stats: bool, values: int, jsonl: Path | None, npz: Path | None,
          log_file: Path | None, timings: bool, check_finite: bool, top_k: int) -> None:
-    from .generate import GenerationStats, check_prompt_fits, default_ctx_size, generate
-    from .outputs import open_stream
-    from .render import (
+    from ..generate import (
+        GenerationStats,
+        check_prompt_fits,
+        default_ctx_size,
+        generate,
+    )
+    from ..outputs import open_stream
+    from ..render import (
         DebugLog,
         JsonlWriter,
         LineFormatter,
@@ -195,7 +147,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
         top_k_table,
         write_npz_atomic,
     )
-    from .trace import Recorder
+    from ..trace import Recorder
 
     max_tokens = tokens + 1            # the last token is chosen from the last traced step's logits
     ctx = default_ctx_size(m, len(ids), max_tokens)

@@ -1,0 +1,17 @@
+"""The ``llamatrace`` command line: thin commands that parse options, call the library, print.
+
+``app.py`` holds the typer app and maps errors to exit codes; ``options.py`` the options and
+helpers every command shares; each command is a module of its own that registers on the app.
+Importing this package registers them all, in the order ``--help`` lists them.
+"""
+
+from .app import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, app, main, run
+
+# the import order is the order `llamatrace --help` lists the commands
+from . import generate  # noqa: E402,F401,I001  (isort: skip)
+from . import trace  # noqa: E402,F401,I001  (isort: skip)
+from . import diagram  # noqa: E402,F401,I001  (isort: skip)
+from . import info  # noqa: E402,F401,I001  (isort: skip)
+from . import pull  # noqa: E402,F401,I001  (isort: skip)
+
+__all__ = ["app", "main", "run", "EXIT_OK", "EXIT_INTERNAL", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]

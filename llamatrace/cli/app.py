@@ -1,0 +1,142 @@
+"""The typer app, its consoles and the one place errors become exit codes.
+
+Commands live in their own modules of this package and register themselves on :data:`app`;
+shared options and helpers are in :mod:`llamatrace.cli.options`. Data goes to stdout (generated text, JSON, trace lines); progress, summaries and errors go to a
+stderr console, so output stays pipeable. Exit codes: 0 ok, 1 internal error, 2 bad input or
+usage, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import traceback
+from typing import Annotated
+
+import typer
+
+try:  # typer >= 0.2x vendors click; its usage errors derive from TyperException
+    from typer import TyperException as _UsageError
+except ImportError:  # pragma: no cover - older typer re-exports click's
+    from click import ClickException as _UsageError
+from rich.console import Console
+
+from .. import __version__
+from ..errors import LlamatraceError
+
+err = Console(stderr=True, highlight=False)
+out = Console(highlight=False, soft_wrap=True)
+
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+app = typer.Typer(
+    name="llamatrace",
+    help="Run a Llama-architecture GGUF model on the CPU and watch every stage of its forward pass.\n\n"
+         "Examples:\n\n"
+         "  llamatrace generate \"What is the capital of France?\"\n\n"
+         "  llamatrace trace --layer 0 --dump-shapes\n\n"
+         "  llamatrace info --model Llama-3.2-1B-Instruct-Q8_0.gguf\n\n"
+         "Without --model, the default model (SmolLM2-135M-Instruct Q4_1) is used and fetched once "
+         "into the user cache (`llamatrace pull`).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_state = {"debug": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"llamatrace {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks (for bug reports).")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    _state["debug"] = debug or bool(os.environ.get("LLAMATRACE_DEBUG"))
+
+
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point: runs the app and maps errors to one line + exit code."""
+    code = _run(argv)
+    try:                                         # output lost to a full disk must not pass silently
+        sys.stdout.flush()
+    except OSError as exc:
+        _silence_stdout()
+        if not isinstance(exc, BrokenPipeError):
+            err.print(f"[red]error:[/] cannot write to standard output ({exc.strerror or exc})")
+            return code or EXIT_BAD_INPUT
+    return code
+
+
+def _silence_stdout() -> None:
+    # after a failed write, the interpreter's own flush at exit would print a second warning
+    try:
+        sys.stdout = open(os.devnull, "w")
+    except OSError:
+        pass
+
+
+def _run(argv: list[str] | None) -> int:
+    try:
+        # with standalone_mode=False, click returns a typer.Exit's code instead of raising it
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int):
+            return code
+    except LlamatraceError as exc:
+        _report(exc, str(exc), exc.exit_code)
+        return exc.exit_code
+    except typer.Exit as exc:
+        return int(getattr(exc, "exit_code", 0) or 0)
+    except typer.Abort:
+        err.print("interrupted")
+        return EXIT_INTERRUPTED
+    except _UsageError as exc:                   # bad option, missing argument, no command...
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        if message:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            from rich.markup import escape
+            err.print(f"[red]error:[/] {escape(message + hint)}", soft_wrap=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # stdout closed early (`| head`): not an error
+        _silence_stdout()
+        return EXIT_OK
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG):
+            _report(exc, f"internal error: {type(exc).__name__}: {exc} — please report it with --debug output",
+                    EXIT_INTERNAL)
+            return EXIT_INTERNAL
+        _silence_stdout()                        # a full disk behind stdout: the only unguarded output
+        _report(exc, f"cannot write the output ({exc.strerror}); free some space or redirect elsewhere",
+                EXIT_BAD_INPUT)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # noqa: BLE001 — the one place unexpected errors are reported
+        _report(exc, f"internal error: {type(exc).__name__}: {exc} — please report it with --debug output",
+                EXIT_INTERNAL)
+        return EXIT_INTERNAL
+    return EXIT_OK
+
+
+def _report(exc: BaseException, line: str, code: int) -> None:
+    if _state["debug"]:
+        traceback.print_exception(exc, file=sys.stderr)
+    from rich.markup import escape
+    err.print(f"[red]error:[/] {escape(line)}", soft_wrap=True)
+
+
+def run() -> None:
+    sys.exit(main())

