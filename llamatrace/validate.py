@@ -12,6 +12,12 @@ Every problem is reported as one :class:`~llamatrace.errors.ModelFormatError` li
 the file, says what is wrong with the offending numbers and says how to fix it.  The work done
 is bounded by the size of the header: every loop iteration consumes at least 8 bytes of the
 file, and arrays of fixed-size elements are skipped by arithmetic, not read.
+
+Bytes alone do not bound what comes *after* validation: ``GGUFReader`` builds Python objects per
+key, per tensor and per string of a string array (~16 us each), so an 8 MB header of a million
+empty strings passes a byte check in 0.16 s and then costs the reader 16.5 s.  The header is
+therefore also limited in *items* (:data:`MAX_HEADER_ITEMS`), with room for Llama 3's
+128,256-token vocabulary and its ~280k merges (~410k strings).
 """
 
 from __future__ import annotations
@@ -38,11 +44,14 @@ GGML_MAX_NAME = 64  # tensor names must be shorter than this (gguf.cpp: length >
 INT64_MAX = (1 << 63) - 1
 
 # Sanity caps, far above anything a real model uses, far below anything that could hurt.
-MAX_TENSORS = 1 << 20
-MAX_KV = 1 << 20
+MAX_TENSORS = 1 << 16
+MAX_KV = 1 << 14
 MAX_KEY_LEN = 1 << 16
 MAX_STRING_LEN = 1 << 28
 MAX_ARRAY_LEN = 1 << 26
+MAX_HEADER_ITEMS = 1 << 19
+"""Keys + tensors + strings inside string arrays: the objects a reader builds from the header.
+524,288 admits Llama 3 (128,256 tokens + 280,147 merges) and bounds GGUFReader to seconds."""
 
 # GGUF value types (gguf_type in gguf.h); byte sizes of the fixed-size ones.
 T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL = range(8)
@@ -93,6 +102,7 @@ class GGUFSummary:
     alignment: int
     data_offset: int  # file offset of the (aligned) tensor data section
     file_size: int
+    header_items: int  # keys + tensors + strings in string arrays (bounded by MAX_HEADER_ITEMS)
 
 
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFSummary:
@@ -145,6 +155,7 @@ class _Parser:
         self.shown = shown
         self.buf = bytearray()
         self.pos = 0
+        self.items = 0  # objects a reader will build from the header; see MAX_HEADER_ITEMS
 
     # ---- errors -----------------------------------------------------------------------------
 
@@ -204,6 +215,16 @@ class _Parser:
         except UnicodeDecodeError:
             raise self.fail(f"{what} at byte {pos - 8} is not valid UTF-8 ({_short(raw)})", FIX_CORRUPT) from None
 
+    def count_items(self, n: int, what: str) -> None:
+        """Add ``n`` header items; fail once the header holds more than :data:`MAX_HEADER_ITEMS`."""
+        self.items += n
+        if self.items > MAX_HEADER_ITEMS:
+            raise self.fail(
+                f"the header holds over {MAX_HEADER_ITEMS} keys, tensors and strings (at {what}), "
+                "far more than any real model's",
+                FIX_CORRUPT,
+            )
+
     # ---- structure ----------------------------------------------------------------------------
 
     def parse(self) -> GGUFSummary:
@@ -234,6 +255,7 @@ class _Parser:
                 f"{n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES} bytes but only {left} bytes follow"
             )
 
+        self.count_items(n_kv + n_tensors, "key/value pairs and tensors")
         alignment = self._parse_kvs(n_kv)
         tensors = self._parse_tensor_infos(n_tensors)
         data_offset = -(-self.pos // alignment) * alignment
@@ -245,6 +267,7 @@ class _Parser:
             alignment=alignment,
             data_offset=data_offset,
             file_size=size,
+            header_items=self.items,
         )
 
     def _check_version(self, version: int) -> None:
@@ -337,6 +360,7 @@ class _Parser:
         if etype != T_STRING:
             self.pos += n * elem
             return
+        self.count_items(n, f"strings (array {shown} has {n})")
         # Walk the strings; each iteration consumes >= 8 bytes, so this is bounded by the file size.
         size = self.size
         unpack = _U64.unpack_from

