@@ -9,6 +9,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from gguf_factory import T, write_tiny_llama  # noqa: E402
 
+MODEL_FIXTURES = frozenset({"smollm2", "smollm2_path"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that uses the default model carries the ``model`` marker, so that
+    ``pytest -m "not model"`` never fetches it (no need to remember the decorator)."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> Path:
