@@ -1,8 +1,8 @@
 """`llamatrace diagram`: DOT/SVG/PNG/PDF from a traced run of a tiny GGUF, through ``main([...])``.
 
-The golden DOT (tests/golden/tiny_block.dot) pins the block view byte for byte; regenerate it with
-``LLAMATRACE_UPDATE_GOLDEN=1 python -m pytest tests/test_diagram.py -k golden`` (see
-tests/golden/README.md).
+A snapshot of our own DOT (tests/snapshots/tiny_block.dot) pins the block view byte for byte;
+after a deliberate change rewrite it with ``LLAMATRACE_UPDATE_SNAPSHOTS=1 python -m pytest
+tests/test_diagram.py -k snapshot`` (see tests/snapshot.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from snapshot import assert_matches_snapshot
 
 from llamatrace import diagram as dg
 from llamatrace.cli import main
 from llamatrace.stages import STAGES, stage_applies
 
-GOLDEN = Path(__file__).parent / "golden" / "tiny_block.dot"
 PROMPT = "The capital of France is"
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed")
 
@@ -42,15 +42,13 @@ def node_block(dot: str, node: str) -> str:
     return m.group(1)
 
 
-# --- determinism and the golden file ----------------------------------------------------------
-def test_block_dot_is_deterministic_and_matches_golden(tiny_model_path, tmp_path):
+# --- determinism and the snapshot ----------------------------------------------------------
+def test_block_dot_is_deterministic_and_matches_snapshot(tiny_model_path, tmp_path):
     a, b = tmp_path / "a.dot", tmp_path / "b.dot"
     assert run(tiny_model_path, "--view", "block", "-o", str(a)) == 0
     assert run(tiny_model_path, "--view", "block", "-o", str(b)) == 0
     assert a.read_bytes() == b.read_bytes()
-    if os.environ.get("LLAMATRACE_UPDATE_GOLDEN"):
-        GOLDEN.write_bytes(a.read_bytes())
-    assert a.read_text(encoding="utf-8") == GOLDEN.read_text(encoding="utf-8")
+    assert_matches_snapshot(a.read_text(encoding="utf-8"), "tiny_block.dot")
 
 
 def test_dot_output_carries_no_addresses_paths_or_timings(tiny_model_path, tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf_factory import write_tiny_llama
+from snapshot import assert_matches_snapshot
 
 from llamatrace import kernels
 from llamatrace.cli import main
@@ -176,11 +177,11 @@ def test_tracing_does_not_change_generated_tokens_default_model(smollm2):
 
 
 # ---- log lines -------------------------------------------------------------------------------
-def test_dump_shapes_matches_golden(smollm2_path, capsys):
+def test_dump_shapes_matches_snapshot(smollm2_path, capsys):
     code = main(["trace", "--model", str(smollm2_path), "--raw", "--layer", "0", "--tokens", "1", "--dump-shapes"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert captured.out == (GOLDEN / "smollm2_dump_shapes.txt").read_text(encoding="utf-8")
+    assert_matches_snapshot(captured.out, "smollm2_dump_shapes.txt")
 
 
 def test_every_template_renders_one_line_per_template(gqa, gqa_path, capsys):
