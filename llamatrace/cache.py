@@ -23,12 +23,6 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def reset(self) -> None:
-        self.pos = 0
-
-    def get_pos(self) -> int:
-        return self.pos
-
     def advance(self, n: int) -> None:
         self.pos += n
 

@@ -34,6 +34,8 @@ import graphviz
 
 from .config import ModelConfig
 from .errors import OptionError, OutputError
+from .gguf_io import weight_tensor_name
+from .render import fmt_us
 from .stages import STAGE_BY_ID, STAGES, Stage
 from .trace import TraceEvent
 
@@ -247,10 +249,6 @@ def _fmt_num(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-def _fmt_time(us: float) -> str:
-    return f"{us / 1000:.2f} ms" if us >= 1000 else f"{us:.0f} µs"
-
-
 @dataclass
 class _Flow:
     """Resolved wiring of the drawn stages: edges (producer, consumer, tensor name, note)."""
@@ -374,7 +372,7 @@ class _Builder:
             attrs["group"] = self.lanes[stage.id]
         if self.timings:
             share = ev.elapsed_us / self.t_total if self.t_total else 0.0
-            lines.append(f'<FONT POINT-SIZE="9">{_fmt_time(ev.elapsed_us)} ({share:.0%})</FONT>')
+            lines.append(f'<FONT POINT-SIZE="9">{fmt_us(ev.elapsed_us)} ({share:.0%})</FONT>')
             attrs["fillcolor"] = self._heat(ev.elapsed_us)
         self._node(g, stage.id, lines, attrs, shape="box", style="rounded,filled", **extra)
         for name, suffix in stage.weights:
@@ -401,11 +399,9 @@ class _Builder:
 
     def _weight_node(self, g: graphviz.Digraph, stage: Stage, name: str, suffix: str) -> str:
         layer = self.run.layer if stage.level == "layer" else None
-        gguf_name = suffix if layer is None else f"blk.{layer}.{suffix}"
+        gguf_name, tied = weight_tensor_name(suffix, layer, self.run.weights)
         node = _weight_id(stage, name)
-        note = ""
-        if gguf_name not in self.run.weights and suffix == "output.weight":
-            gguf_name, note = "token_embd.weight", " (tied)"
+        note = " (tied)" if tied else ""
         qtype, shape = self.run.weights.get(gguf_name, ("?", ()))
         lines = [f"<B>{_e(gguf_name)}</B>{_e(note)}",
                  f'{_e(qtype)} {_e(_shape(shape))}  <FONT POINT-SIZE="9" COLOR="#555555">{_e(name)}</FONT>']
@@ -625,7 +621,7 @@ class _Builder:
             rows.append(row(_HI_FILL, f'<FONT COLOR="{_HI_COLOR}">▶ you are here</FONT>; '
                                       f'<FONT COLOR="{_NEAR_COLOR}">orange</FONT>: its inputs/outputs'))
         if self.timings:
-            rows.append(row("/oranges9/6", f"fill: time spent (√ scale, darkest {_fmt_time(self.t_max)}); "
+            rows.append(row("/oranges9/6", f"fill: time spent (√ scale, darkest {fmt_us(self.t_max)}); "
                                            "stages since the previous one"))
         if self.stats:
             rows.append(row("white", "stats: mean · rms, [min, max] of the whole tensor"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Container
 
 import gguf
 import numpy as np
@@ -41,6 +41,18 @@ def gguf_name(meta: str, layer: int | None = None) -> str:
     """The GGUF tensor name of Meta's weight ``meta`` (``gguf_name("wq", 0) == "blk.0.attn_q.weight"``)."""
     name = META_TO_GGUF[meta]
     return name if layer is None else f"blk.{layer}.{name}"
+
+
+def weight_tensor_name(suffix: str, layer: int | None, names: Container[str]) -> tuple[str, bool]:
+    """The GGUF tensor behind a stage weight (``"attn_q.weight"`` of ``layer`` → ``blk.0.attn_q.weight``).
+
+    Returns ``(name, tied)``: without an ``output.weight`` in ``names`` the output projection is
+    the token embedding (``token_embd.weight``, tied = True), as llama.cpp reads such files.
+    """
+    name = suffix if layer is None else f"blk.{layer}.{suffix}"
+    if suffix == "output.weight" and name not in names:
+        return "token_embd.weight", True
+    return name, False
 
 
 # Large arrays we never decode into Python lists here (the tokenizer reads them itself).

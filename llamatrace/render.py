@@ -132,6 +132,7 @@ def fmt_values(values: Mapping[str, list]) -> str:
 
 
 def fmt_us(us: float) -> str:
+    """A duration in microseconds as text: ``"480 µs"`` below 10 ms, else ``"12.5 ms"``."""
     return f"{us:.0f} µs" if us < 10_000 else f"{us / 1000:.1f} ms"
 
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 import numpy as np
 
 from .errors import NumericalError
+from .gguf_io import weight_tensor_name
 from .stages import STAGE_BY_ID, eval_shape, select_stages
 
 Emit = Callable[[str, "int | None", "np.ndarray | Callable[[], np.ndarray]"], None]
@@ -239,10 +240,7 @@ class Recorder:
             shapes = self._input_cache[stage_id] = [(n, eval_shape(f, self._dims)) for n, f in stage.inputs]
         out = {name: list(shape) for name, shape in shapes}
         for name, suffix in stage.weights:
-            gguf_name = suffix if layer is None else f"blk.{layer}.{suffix}"
-            shape = self._weight_shapes.get(gguf_name)
-            if shape is None and suffix == "output.weight":      # tied output projection
-                shape = self._weight_shapes.get("token_embd.weight")
+            shape = self._weight_shapes.get(weight_tensor_name(suffix, layer, self._weight_shapes)[0])
             if shape is not None:
                 out[f"{name} weights"] = list(shape)
         return out

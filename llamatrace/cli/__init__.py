@@ -5,7 +5,15 @@ helpers every command shares; each command is a module of its own that registers
 Importing this package registers them all, in the order ``--help`` lists them.
 """
 
-from .app import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, app, main, run
+from .app import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    app,
+    main,
+    run,
+)
 
 # the import order is the order `llamatrace --help` lists the commands
 from . import generate  # noqa: E402,F401,I001  (isort: skip)
