@@ -40,3 +40,7 @@ class OutputError(LlamatraceError):
 
 class NumericalError(LlamatraceError):
     """A traced stage produced NaN or Inf (raised by ``--check-finite``)."""
+
+
+class HookError(LlamatraceError):
+    """A hook (``model.hooks``) returned an array of another shape or dtype than it was given."""
