@@ -19,6 +19,9 @@ from .app import (
 from . import generate  # noqa: E402,F401,I001  (isort: skip)
 from . import trace  # noqa: E402,F401,I001  (isort: skip)
 from . import diagram  # noqa: E402,F401,I001  (isort: skip)
+from . import attention  # noqa: E402,F401,I001  (isort: skip)
+from . import lens  # noqa: E402,F401,I001  (isort: skip)
+from . import stages  # noqa: E402,F401,I001  (isort: skip)
 from . import info  # noqa: E402,F401,I001  (isort: skip)
 from . import pull  # noqa: E402,F401,I001  (isort: skip)
 

@@ -20,13 +20,16 @@ from ..errors import OptionError
 from ..stages import STAGE_IDS, select_stages
 from .app import EXIT_INTERRUPTED, app, err, out
 from .options import (
+    AblateOpt,
     ModelOpt,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
+    ablated,
     default_prompt,
     load_model,
+    parse_ablations,
     parse_layers,
     parse_stages,
     prompt_ids_for,
@@ -73,6 +76,7 @@ def trace(
     check_finite: Annotated[bool, typer.Option("--check-finite", help="Stop with an error at the first stage "
                                                                       "holding NaN or Inf.")] = False,
     top_k: Annotated[int, typer.Option("--top-k", help="How many next-token probabilities to show.")] = 5,
+    ablate: AblateOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Trace the forward pass stage by stage, in the words of the book's debug.log.
@@ -90,6 +94,8 @@ def trace(
       llamatrace trace --tokens 3 --layer 0 --format table --timings
 
       llamatrace trace --jsonl trace.jsonl --npz trace.npz --log-file debug.log
+
+      llamatrace trace --raw "The capital of France is" --ablate attn_out@3 --layer 3 --stage "attn_out,ffn_inp" --stats
     """
     from ..outputs import check_output_path
 
@@ -103,6 +109,7 @@ def trace(
     if dump_shapes and fmt is Format.table:
         raise OptionError("--dump-shapes prints log lines: drop --format table")
     parse_layers(layer)
+    parse_ablations(ablate)
     stage_patterns = parse_stages(stage)
     outputs = {opt: p for opt, p in (("--jsonl", jsonl), ("--npz", npz), ("--log-file", log_file)) if p is not None}
     for opt, p in outputs.items():
@@ -118,10 +125,12 @@ def trace(
     m = load_model(model, threads)
     load_s = time.perf_counter() - t0
     layers = parse_layers(layer, m.config.n_layers)
+    ablations = parse_ablations(ablate, m.config)
     ids = prompt_ids_for(m, text_in, raw, system)
-    _run(m, text_in, ids, load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
-         dump_shapes=dump_shapes, stats=stats, values=values, jsonl=jsonl, npz=npz, log_file=log_file,
-         timings=timings, check_finite=check_finite, top_k=top_k)
+    with ablated(m, ablations):
+        _run(m, text_in, ids, load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
+             dump_shapes=dump_shapes, stats=stats, values=values, jsonl=jsonl, npz=npz, log_file=log_file,
+             timings=timings, check_finite=check_finite, top_k=top_k)
 
 
 def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers, stages, fmt: Format,
