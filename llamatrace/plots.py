@@ -118,8 +118,7 @@ def attention_figure(maps: AttentionMaps, pieces: list[str], heads: list[int], t
     label_pad = 1.0 if n_q > 1 else 0.4
     fig, axes = plt.subplots(n_rows, n_cols, squeeze=False, layout="constrained",
                              figsize=(n_cols * (panel_w + label_pad) + 1.2, n_rows * (panel_h + 0.6) + 1.2))
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad(MASKED_COLOUR)
+    cmap = plt.get_cmap("viridis").with_extremes(bad=MASKED_COLOUR)
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
     key_labels = [token_label(p) for p in pieces]
     query_labels = [token_label(pieces[q]) for q in maps.query_pos]

@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import OptionError
-from .app import app, err, out
+from .app import app, err
 from .options import (
     AblateOpt,
     ModelOpt,
@@ -28,6 +28,7 @@ from .options import (
     parse_ablations,
     prompt_ids_for,
     read_prompt,
+    wide_out,
 )
 
 
@@ -99,12 +100,7 @@ def lens(
                "ablate": [a.text for a in ablations], "rows": [r.to_json() for r in result.rows]}
         sys.stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
         return
-    # a terminal gets its own width; a pipe or file gets the whole table, not an 80-column squeeze
-    console = out
-    if not out.is_terminal:
-        from rich.console import Console
-        console = Console(highlight=False, width=max(out.width, 132))
-    console.print(_table(result, pieces, final))
+    wide_out(132).print(_table(result, pieces, final))
 
 
 def _show(piece: str, width: int = 8) -> str:

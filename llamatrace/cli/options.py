@@ -167,6 +167,17 @@ def parse_stages(patterns: list[str] | None) -> list[str] | None:
     return flat
 
 
+def wide_out(min_width: int):
+    """The stdout console for a wide table: the terminal's own width on a terminal; in a pipe
+    or file at least ``min_width`` columns, so the table is not squeezed to 80."""
+    from rich.console import Console
+
+    from .app import out
+    if out.is_terminal:
+        return out
+    return Console(highlight=False, width=max(out.width, min_width))
+
+
 # ---- --ablate (zero-ablation through llamatrace.hooks) ----------------------------------------
 AblateOpt = Annotated[Optional[list[str]], typer.Option(
     "--ablate", metavar="STAGE@LAYER[:HEAD]", show_default=False,

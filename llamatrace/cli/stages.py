@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from .app import app, out
-from .options import ModelOpt
+from .app import app
+from .options import ModelOpt, wide_out
 
 
 def _concrete(formula: str, dims: dict[str, int]) -> str:
@@ -97,4 +97,4 @@ def stages(
             shape += f"\n[dim]({r['when']} only)[/]"
         table.add_row(r["id"], f"{r['chapter']}\nSTAGE {r['book_stage']}", lc, tl,
                       "yes" if r["replaceable"] else "[dim]no[/]", shape)
-    out.print(table)
+    wide_out(160).print(table)
