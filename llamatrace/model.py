@@ -99,7 +99,7 @@ class Llama:
         name = Path(path).name
         vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
         config = ModelConfig.from_metadata(f.metadata, vocab_size=vocab_size, source=name)
-        tokenizer = Tokenizer.from_reader(f.reader, path=str(path))
+        tokenizer = Tokenizer.from_reader(f, path=str(path))
         check_tensor_types(f, quant.SUPPORTED_TYPES)
         weights = _load_weights(f, config)
         freq_factors = None

@@ -145,7 +145,7 @@ def _f16_scales(blocks: np.ndarray, offset: int) -> np.ndarray:
 def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> Weight:
     """Repack one GGUF tensor into row tiles.
 
-    ``raw`` is ``gguf.GGUFReader`` tensor ``.data``: uint8 ``[n_out, row_bytes]`` for the
+    ``raw`` is a GGUF tensor's ``.data`` (gguf_io.Tensor or gguf-py ReaderTensor): uint8 ``[n_out, row_bytes]`` for the
     quantized types and BF16, float32 / float16 ``[n_out, n_in]`` for F32 / F16 (any array of
     the right size and dtype is accepted). Raises :class:`UnsupportedModelError` for a type not
     in :data:`SUPPORTED_TYPES`, and ``ValueError`` if ``n_in`` is not a multiple of the block
