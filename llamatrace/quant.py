@@ -445,24 +445,45 @@ def _gemv_q8(x, qs, d, out):
 
 @njit(**_JIT_INLINE)
 def _tile_matmul(x, wt, out, t):
-    """out[s, t*TR + r] = sum_k x[s, k] * wt[k, r] for every row s; wt float32 [n_in, TR]."""
+    """out[s, t*TR + r] = sum_k x[s, k] * wt[k, r] for every row s; wt float32 [n_in, TR].
+
+    Rows of x go four at a time: each weight vector loaded from the tile feeds four FMA
+    chains (register blocking), so the loop is bound by FMAs, not by loads.
+    """
     n_seq, n_in = x.shape
-    n_full = n_in - n_in % 8
-    acc = np.empty(TR, np.float32)
-    for s in range(n_seq):
-        acc[:] = 0.0
+    n_quad = n_seq - n_seq % 4
+    a0 = np.empty(TR, np.float32)
+    a1 = np.empty(TR, np.float32)
+    a2 = np.empty(TR, np.float32)
+    a3 = np.empty(TR, np.float32)
+    for s in range(0, n_quad, 4):
+        a0[:] = 0.0
+        a1[:] = 0.0
+        a2[:] = 0.0
+        a3[:] = 0.0
+        x0, x1, x2, x3 = x[s], x[s + 1], x[s + 2], x[s + 3]
+        for k in range(n_in):
+            w = wt[k]
+            v0, v1, v2, v3 = x0[k], x1[k], x2[k], x3[k]
+            for r in range(TR):
+                wr = w[r]
+                a0[r] += v0 * wr
+                a1[r] += v1 * wr
+                a2[r] += v2 * wr
+                a3[r] += v3 * wr
+        _store_tile(a0, out, s, t)
+        _store_tile(a1, out, s + 1, t)
+        _store_tile(a2, out, s + 2, t)
+        _store_tile(a3, out, s + 3, t)
+    for s in range(n_quad, n_seq):
+        a0[:] = 0.0
         xs = x[s]
-        for k in range(0, n_full, 8):
-            w = wt[k:k + 8]
-            xk = xs[k:k + 8]
+        for k in range(n_in):
+            w = wt[k]
+            v = xs[k]
             for r in range(TR):
-                acc[r] += (((xk[0] * w[0, r] + xk[1] * w[1, r]) + (xk[2] * w[2, r] + xk[3] * w[3, r]))
-                           + ((xk[4] * w[4, r] + xk[5] * w[5, r]) + (xk[6] * w[6, r] + xk[7] * w[7, r])))
-        for k in range(n_full, n_in):
-            xv = xs[k]
-            for r in range(TR):
-                acc[r] += xv * wt[k, r]
-        _store_tile(acc, out, s, t)
+                a0[r] += v * w[r]
+        _store_tile(a0, out, s, t)
 
 
 @njit(**_JIT_INLINE)
