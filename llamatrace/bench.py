@@ -117,14 +117,14 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
         raise OptionError("--prompt-tokens, --decode-tokens and --repeats must be at least 1")
     engines = ["llamatrace", *[a for a in against if a != "llamatrace"]]
     check_engines(engines)
-    threads = threads or os.cpu_count() or 1
+    peer_threads = threads or os.cpu_count() or 1      # ours: None = AutoThreads, as by default
     n_ctx = prompt_tokens + decode_tokens + 8
     path = str(Path(model_path).resolve())
     workers = {}
     try:
         for name in engines:
             progress(f"loading {name}")
-            workers[name] = _Worker(name, path, threads, n_ctx)
+            workers[name] = _Worker(name, path, threads if name == "llamatrace" else peer_threads, n_ctx)
         results = {name: w.result for name, w in workers.items()}
         ids = prompt_ids(workers["llamatrace"].result_vocab, prompt_tokens)
         for name, w in workers.items():                  # warm-up: caches, lazy allocations
@@ -141,7 +141,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     finally:
         for w in workers.values():
             w.close()
-    return BenchReport(model=path, file_bytes=os.path.getsize(path), cpu=cpu_model(), threads=threads,
+    return BenchReport(model=path, file_bytes=os.path.getsize(path), cpu=cpu_model(), threads=peer_threads,
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
                        results=[results[name] for name in engines])
 
@@ -153,7 +153,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
 class _Worker:
     """An engine loaded in a child process, driven through a pipe."""
 
-    def __init__(self, engine: str, path: str, threads: int, n_ctx: int) -> None:
+    def __init__(self, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.engine = engine
         self.conn, child = ctx.Pipe()
@@ -193,7 +193,7 @@ class _Worker:
             self.proc.kill()
 
 
-def _child(conn, engine: str, path: str, threads: int, n_ctx: int) -> None:
+def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
     if engine != "llamatrace":      # peers' own progress bars and logs would garble ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
@@ -219,28 +219,35 @@ def _child(conn, engine: str, path: str, threads: int, n_ctx: int) -> None:
 
 
 class _Llamatrace:
-    def __init__(self, path: str, threads: int, n_ctx: int) -> None:
+    def __init__(self, path: str, threads: int | None, n_ctx: int) -> None:
         from . import __version__, quant
         from .model import Llama
-        quant.set_threads(threads)
+        if threads:
+            quant.set_threads(threads)
         self.model = Llama.load(path)
         self.model.warmup()
         self.n_ctx = n_ctx
         self.version = f"llamatrace {__version__}"
+        self.threads = threads
         self.vocab_size = self.model.config.vocab_size
 
     def threading(self) -> str:
         import numba
-        return f"numba {numba.threading_layer()}"
+        count = self.threads or f"auto {min(c for c in numba_candidates())}–{numba.config.NUMBA_NUM_THREADS}"
+        return f"numba {numba.threading_layer()}, {count} threads"
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
-        cache = self.model.new_cache(self.n_ctx)
-        t0 = time.perf_counter()
-        token = int(np.argmax(self.model.forward(np.asarray(ids), 0, cache)[-1]))
-        t1 = time.perf_counter()
-        for _ in range(n_decode):
-            token = int(np.argmax(self.model.forward(np.asarray([token]), cache.pos, cache)[-1]))
-        return t1 - t0, time.perf_counter() - t1
+        from .generate import GenerationStats, generate
+        stats = GenerationStats()   # greedy, no stop tokens: exactly n_decode steps, as users run it
+        for _ in generate(self.model, ids, max_tokens=n_decode + 1, ctx_size=self.n_ctx, stats=stats,
+                          stop_ids=frozenset()):
+            pass
+        return stats.prefill_s, stats.decode_s * n_decode / max(stats.decode_steps, 1)
+
+
+def numba_candidates() -> list[int]:
+    from .quant import AUTO_THREADS
+    return AUTO_THREADS.candidates
 
 
 class _LlamaCpp:

@@ -656,12 +656,61 @@ def _repack_blocks(blocks, row0, d_off, m_off, q_off, f16_table, qs_t, d_t, m_t)
                     qs_t[tile, b, j, rr] = blocks[r, b, q_off + j]
 
 
+_fixed_threads: int | None = None
+
+
 def set_threads(n: int) -> None:
-    """Use ``n`` threads in the parallel kernels (``numba.set_num_threads``).
+    """Use ``n`` threads in the parallel kernels (``numba.set_num_threads``), from now on:
+    :class:`AutoThreads` no longer chooses.
 
     Raises :class:`OptionError` unless ``1 <= n <= numba.config.NUMBA_NUM_THREADS``.
     """
+    global _fixed_threads
     limit = numba.config.NUMBA_NUM_THREADS
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= limit:
         raise OptionError(f"threads must be an integer from 1 to {limit} (this machine), got {n!r}")
     numba.set_num_threads(int(n))
+    _fixed_threads = int(n)
+
+
+class AutoThreads:
+    """Chooses the thread count of each forward call by measuring, unless :func:`set_threads` fixed it.
+
+    With every core free, all of them are fastest. When another process keeps a core busy, a
+    parallel region waits for its slowest thread, which then shares a core (a scheduler time
+    slice is ~3 ms, a region ~40 µs), and one thread beats two. So each kind of call (prefill,
+    decode) keeps a moving average of seconds per token for each candidate count (all cores,
+    one fewer, one), uses the fastest, and retries another every ``explore`` calls.
+    """
+
+    def __init__(self, explore: int = 16) -> None:
+        limit = numba.config.NUMBA_NUM_THREADS
+        self.candidates = sorted({limit, max(1, limit - 1), 1}, reverse=True)
+        self.explore = explore
+        self._avg: dict[tuple[str, int], float] = {}
+        self._calls: dict[str, int] = {}
+
+    def pick(self, kind: str) -> int:
+        """The thread count for the next call of ``kind`` (and sets it); the fixed one if any."""
+        if _fixed_threads is not None:
+            return _fixed_threads
+        calls = self._calls.get(kind, 0)
+        self._calls[kind] = calls + 1
+        untried = [n for n in self.candidates if (kind, n) not in self._avg]
+        if untried:
+            n = untried[0]
+        else:
+            best = min(self.candidates, key=lambda c: self._avg[kind, c])
+            others = [c for c in self.candidates if c != best]
+            n = others[(calls // self.explore) % len(others)] if others and calls % self.explore == 0 else best
+        numba.set_num_threads(n)
+        return n
+
+    def record(self, kind: str, n: int, seconds_per_token: float) -> None:
+        key = (kind, n)
+        old = self._avg.get(key)
+        self._avg[key] = seconds_per_token if old is None else 0.7 * old + 0.3 * seconds_per_token
+
+
+AUTO_THREADS = AutoThreads()
+"""The process's policy (Numba's threads are a process-wide resource); :func:`generate` uses it."""

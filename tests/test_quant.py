@@ -205,3 +205,39 @@ def test_repack_kernel_equals_numpy_twin(qtype):
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.view(np.uint32) if g.dtype == np.float32 else g,
                                       w.view(np.uint32) if w.dtype == np.float32 else w)
+
+
+def test_auto_threads_follows_the_faster_count_and_keeps_checking(monkeypatch):
+    import numba
+    monkeypatch.setattr(quant, "_fixed_threads", None)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: None)
+    auto = quant.AutoThreads(explore=8)
+    assert auto.candidates == [2, 1]
+    seconds = {2: 1.0, 1: 2.0}                  # all cores free: two threads are faster
+    picks = []
+    for _ in range(40):
+        n = auto.pick("decode")
+        picks.append(n)
+        auto.record("decode", n, seconds[n])
+    assert picks[:2] == [2, 1] and picks[2:].count(2) > 30 and 1 in picks[2:]   # exploits, still explores
+    seconds = {2: 3.0, 1: 2.0}                  # another process takes a core: one thread wins
+    picks = []
+    for _ in range(40):
+        n = auto.pick("decode")
+        picks.append(n)
+        auto.record("decode", n, seconds[n])
+    assert picks[-20:].count(1) >= 18
+    assert auto.pick("prefill") == 2            # each kind of call learns on its own
+
+
+def test_fixed_threads_are_not_overridden(monkeypatch):
+    import numba
+    monkeypatch.setattr(quant, "_fixed_threads", None)
+    quant.set_threads(1)
+    try:
+        auto = quant.AutoThreads()
+        assert {auto.pick("decode") for _ in range(20)} == {1}
+    finally:
+        monkeypatch.setattr(quant, "_fixed_threads", None)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)

@@ -47,8 +47,8 @@ def bench(
         out.print_json(json.dumps(report.to_dict()))
         return
     ours = report.results[0]
-    out.print(f"{path.name} ({report.file_bytes / 1e9:.2f} GB) · {report.cpu} · {report.threads} threads "
-              f"({ours.threading}) · prefill {report.prompt_tokens} tokens, decode {report.decode_tokens} steps · "
+    out.print(f"{path.name} ({report.file_bytes / 1e9:.2f} GB) · {report.cpu} · llamatrace: {ours.threading}; "
+              f"peers: {report.threads} threads · prefill {report.prompt_tokens} tokens, decode {report.decode_tokens} steps · "
               f"median of {report.repeats} (min–max)", soft_wrap=True)
     base = next((r for r in report.results if r.engine == "llama.cpp"), None)
     table = Table()
