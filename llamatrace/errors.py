@@ -44,3 +44,7 @@ class NumericalError(LlamatraceError):
 
 class HookError(LlamatraceError):
     """A hook (``model.hooks``) returned an array of another shape or dtype than it was given."""
+
+
+class PeerError(LlamatraceError):
+    """Another engine (llama.cpp, HF transformers) is not installed or failed."""

@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import gguf
 import numpy as np
@@ -90,8 +90,11 @@ class Llama:
 
     # ------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Llama":
+    def load(cls, path: str | os.PathLike[str],
+             progress: Callable[[int, int], None] | None = None) -> "Llama":
         """Open, validate and pack a llama-architecture GGUF model.
+
+        ``progress(done, total)`` is called as tensors are packed (bytes of the file's tensor data).
 
         Raises:
             ModelNotFoundError, ModelFormatError: the file is missing or malformed.
@@ -102,9 +105,9 @@ class Llama:
         name = Path(path).name
         vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
         config = ModelConfig.from_metadata(f.metadata, vocab_size=vocab_size, source=name)
-        tokenizer = Tokenizer.from_reader(f.reader, path=str(path))
+        tokenizer = Tokenizer.from_reader(f, path=str(path))
         check_tensor_types(f, quant.SUPPORTED_TYPES)
-        weights = _load_weights(f, config)
+        weights = _load_weights(f, config, progress or (lambda done, total: None))
         freq_factors = None
         if "rope_freqs.weight" in f.tensors:                   # Llama 3.1 long-context RoPE scaling
             freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
@@ -368,9 +371,19 @@ def _split_rows(y: np.ndarray, w: quant.Weight) -> list[np.ndarray]:
 
 
 # ----------------------------------------------------------------------------------------------
-def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
+def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], None]) -> Weights:
     """Pack every tensor once (by Meta name, through :data:`~llamatrace.gguf_io.GGUF_TO_META`),
-    checking each shape against the config."""
+    checking each shape against the config; ``progress(done_bytes, total_bytes)`` after each."""
+    total = sum(t.n_bytes for t in f.tensors.values())
+    done = 0
+
+    def packed(*tensors) -> None:
+        nonlocal done
+        for t in tensors:
+            f.release(t)
+            done += t.n_bytes
+        progress(done, total)
+
     q_dim, kv_dim = c.q_dim, c.kv_dim
     shapes = {"tok_embeddings": (c.vocab_size, c.dim), "output": (c.vocab_size, c.dim), "norm": (c.dim,),
               "attention_norm": (c.dim,), "ffn_norm": (c.dim,),
@@ -388,7 +401,9 @@ def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
 
     def matrix(meta: str, layer: int | None = None) -> quant.Weight:
         name, t = raw(meta, layer)
-        return quant.pack(name, t.tensor_type, t.data, *shapes[meta])
+        w = quant.pack(name, t.tensor_type, t.data, *shapes[meta])
+        packed(t)
+        return w
 
     def vector(meta: str, layer: int | None = None) -> np.ndarray:
         _, t = raw(meta, layer)
@@ -399,8 +414,10 @@ def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
         named = [raw(meta, layer) for meta in metas]
         if len({t.tensor_type for _, t in named}) != 1:
             return None
-        return quant.pack_concat("+".join(name for name, _ in named),
-                                 [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)])
+        w = quant.pack_concat("+".join(name for name, _ in named),
+                              [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)])
+        packed(*(t for _, t in named))
+        return w
 
     layers = []
     for i in range(c.n_layers):
