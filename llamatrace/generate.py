@@ -44,11 +44,13 @@ def check_prompt_fits(model, n_prompt: int, ctx_size: int) -> None:
     """Raise :class:`PromptError` (before any compute) when the prompt cannot fit."""
     if n_prompt == 0:
         raise PromptError("the prompt is empty: give some text (or --prompt-file FILE)")
-    limit = min(ctx_size, model.config.max_seq_len)
-    if n_prompt > limit:
-        raise PromptError(f"the prompt has {n_prompt} tokens but the context holds {limit} "
-                          f"(model context length {model.config.max_seq_len}, --ctx-size {ctx_size}); "
-                          f"shorten the prompt or raise --ctx-size")
+    max_seq = model.config.max_seq_len
+    if n_prompt > min(ctx_size, max_seq):
+        if ctx_size >= max_seq:          # nothing to raise: the model's own limit
+            raise PromptError(f"the prompt has {n_prompt} tokens but the model's context length is {max_seq}; "
+                              f"shorten the prompt")
+        raise PromptError(f"the prompt has {n_prompt} tokens but the context holds {ctx_size} (--ctx-size); "
+                          f"raise --ctx-size (at most the model's {max_seq}) or shorten the prompt")
 
 
 def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,

@@ -32,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .outputs import OutputStream, write_atomic
+from .sampling import softmax64
 from .stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
 from .trace import TraceEvent, finite_or_none
 

