@@ -26,7 +26,30 @@ def _numba_cache_dir() -> None:
         _os.environ["NUMBA_CACHE_DIR"] = _os.path.join(cache_root(), "numba")
 
 
+def _preload_tbb() -> None:
+    # pip puts the `tbb` package's libtbb.so.12 in <venv>/lib, which the dynamic loader does not
+    # search, so Numba silently falls back to OpenMP/workqueue (slow under load). Loading it
+    # globally first lets Numba's TBB layer find it.
+    import ctypes
+    import sys
+    try:
+        ctypes.CDLL("libtbb.so.12", mode=ctypes.RTLD_GLOBAL)
+        return
+    except OSError:
+        pass
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        path = _os.path.join(prefix, "lib", "libtbb.so.12")
+        if _os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            return
+
+
 _numba_cache_dir()
+if _os.name == "posix":
+    _preload_tbb()
 
 
 def __getattr__(name: str):

@@ -40,3 +40,7 @@ class OutputError(LlamatraceError):
 
 class NumericalError(LlamatraceError):
     """A traced stage produced NaN or Inf (raised by ``--check-finite``)."""
+
+
+class PeerError(LlamatraceError):
+    """Another engine (llama.cpp, HF transformers) is not installed or failed."""

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
+from . import quant
 from .errors import OptionError, PromptError
 from .sampling import Sampler, SamplingParams
 from .trace import Recorder
@@ -86,9 +87,11 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
     cache = model.new_cache(ctx_size)
     stats.prompt_tokens, stats.ctx_size = n_prompt, ctx_size
 
+    threads = quant.AUTO_THREADS.pick("prefill")
     t0 = time.perf_counter()
     logits = model.forward(np.asarray(prompt_ids), 0, cache, recorder=recorder)[-1]
     stats.prefill_s = time.perf_counter() - t0
+    quant.AUTO_THREADS.record("prefill", threads, stats.prefill_s / n_prompt)
     stats.last_logits = logits
     while True:
         token = sampler(logits)
@@ -103,8 +106,11 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
         if cache.space_left() == 0:
             stats.stop_reason = "context"
             return
+        threads = quant.AUTO_THREADS.pick("decode")
         t0 = time.perf_counter()
         logits = model.forward(np.asarray([token]), cache.pos, cache, recorder=recorder)[-1]
-        stats.decode_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        quant.AUTO_THREADS.record("decode", threads, dt)
+        stats.decode_s += dt
         stats.decode_steps += 1
         stats.last_logits = logits

@@ -112,7 +112,7 @@ class Llama:
         name = Path(path).name
         vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
         config = ModelConfig.from_metadata(f.metadata, vocab_size=vocab_size, source=name)
-        tokenizer = Tokenizer.from_reader(f.reader, path=str(path))
+        tokenizer = Tokenizer.from_reader(f, path=str(path))
         check_tensor_types(f, quant.SUPPORTED_TYPES)
         weights = _load_weights(f, config)
         freq_factors = None
@@ -352,7 +352,9 @@ def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
 
     def matrix(meta: str, layer: int | None = None) -> quant.Weight:
         name, t = raw(meta, layer)
-        return quant.pack(name, t.tensor_type, t.data, *shapes[meta])
+        w = quant.pack(name, t.tensor_type, t.data, *shapes[meta])
+        f.release(t)
+        return w
 
     def vector(meta: str, layer: int | None = None) -> np.ndarray:
         _, t = raw(meta, layer)
@@ -363,8 +365,11 @@ def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
         named = [raw(meta, layer) for meta in metas]
         if len({t.tensor_type for _, t in named}) != 1:
             return None
-        return quant.pack_concat("+".join(name for name, _ in named),
-                                 [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)])
+        w = quant.pack_concat("+".join(name for name, _ in named),
+                              [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)])
+        for _, t in named:
+            f.release(t)
+        return w
 
     layers = []
     for i in range(c.n_layers):

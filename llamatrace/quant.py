@@ -137,15 +137,54 @@ def _tile_rows(a: np.ndarray, n_out: int) -> np.ndarray:
     return a.reshape((n_tiles, TR) + a.shape[1:])
 
 
-def _f16_scales(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """float16 field at byte ``offset`` of each block [n_out, B, block_bytes] -> float32 [n_out, B]."""
-    return np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0].astype(np.float32)
+# Byte offsets inside a block: (d, m or -1, first quant byte, quant bytes)
+_BLOCK_FIELDS = {_T.Q4_0: (0, -1, 2, 16), _T.Q4_1: (0, 2, 4, 16), _T.Q8_0: (0, -1, 2, 32)}
+
+
+def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int):
+    """Row tiles (qs, d, m) of the stacked rows of ``parts`` = [(raw, n_out)], written in place:
+    no concatenated or transposed temporary, so a load holds the file's pages and the packed
+    copy, nothing more. Raises ``ValueError`` on a size mismatch."""
+    if n_in % QK:
+        raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {QK}")
+    n_blocks, block_bytes = n_in // QK, _BLOCK_BYTES[ggml_type]
+    d_off, m_off, q_off, nq = _BLOCK_FIELDS[ggml_type]
+    n_rows = sum(int(n) for _, n in parts)
+    n_tiles = -(-n_rows // TR)
+    qs_t = np.zeros((n_tiles, n_blocks, nq, TR), dtype=np.uint8)
+    d_t = np.empty((n_tiles, n_blocks, TR), dtype=np.float32)
+    m_t = _EMPTY_SCALES if m_off < 0 else np.empty((n_tiles, n_blocks, TR), dtype=np.float32)
+    row0 = 0
+    for raw, n_out in parts:
+        raw = np.asarray(raw)
+        if raw.nbytes != n_out * n_blocks * block_bytes:
+            raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
+                             f"{n_out * n_blocks * block_bytes} bytes, got {raw.nbytes}")
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
+        _repack_blocks(blocks, row0, d_off, m_off, q_off, _F16_TABLE, qs_t, d_t, m_t)
+        row0 += n_out
+    if row0 % TR:                       # padded rows: zero scales (their quants are zero already)
+        d_t[-1, :, row0 % TR:] = 0
+        if m_off >= 0:
+            m_t[-1, :, row0 % TR:] = 0
+    return (qs_t.view(np.int8) if ggml_type == _T.Q8_0 else qs_t), d_t, m_t
+
+
+def _repack_blocks_np(blocks, row0, d_off, m_off, q_off, f16_table, qs_t, d_t, m_t) -> None:
+    """NumPy twin of :func:`_repack_blocks` (same arguments, same result)."""
+    nq = qs_t.shape[2]
+    for r in range(blocks.shape[0]):
+        t, rr = divmod(row0 + r, TR)
+        d_t[t, :, rr] = f16_table[blocks[r, :, d_off:d_off + 2].copy().view(np.uint16)[:, 0]]
+        if m_off >= 0:
+            m_t[t, :, rr] = f16_table[blocks[r, :, m_off:m_off + 2].copy().view(np.uint16)[:, 0]]
+        qs_t[t, :, :, rr] = blocks[r, :, q_off:q_off + nq]
 
 
 def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> Weight:
     """Repack one GGUF tensor into row tiles.
 
-    ``raw`` is ``gguf.GGUFReader`` tensor ``.data``: uint8 ``[n_out, row_bytes]`` for the
+    ``raw`` is a GGUF tensor's ``.data`` (gguf_io.Tensor or gguf-py ReaderTensor): uint8 ``[n_out, row_bytes]`` for the
     quantized types and BF16, float32 / float16 ``[n_out, n_in]`` for F32 / F16 (any array of
     the right size and dtype is accepted). Raises :class:`UnsupportedModelError` for a type not
     in :data:`SUPPORTED_TYPES`, and ``ValueError`` if ``n_in`` is not a multiple of the block
@@ -163,24 +202,7 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> Weight
     raw = np.asarray(raw)
 
     if ggml_type in _QUANTIZED:
-        if n_in % QK:
-            raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {QK}")
-        n_blocks, block_bytes = n_in // QK, _BLOCK_BYTES[ggml_type]
-        if raw.nbytes != n_out * n_blocks * block_bytes:
-            raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
-                             f"{n_out * n_blocks * block_bytes} bytes, got {raw.nbytes}")
-        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
-        d = _f16_scales(blocks, 0)                                   # [n_out, B]
-        if ggml_type == _T.Q8_0:
-            qs, m = blocks[:, :, 2:].view(np.int8), None             # [n_out, B, 32]
-        elif ggml_type == _T.Q4_1:
-            qs, m = blocks[:, :, 4:], _f16_scales(blocks, 2)         # [n_out, B, 16]
-        else:
-            qs, m = blocks[:, :, 2:], None                           # [n_out, B, 16]
-        # [n_out, B, nq] -> [T, TR, B, nq] -> [T, B, nq, TR]; scales [T, TR, B] -> [T, B, TR]
-        qs_t = np.ascontiguousarray(_tile_rows(qs, n_out).transpose(0, 2, 3, 1))
-        d_t = np.ascontiguousarray(_tile_rows(d, n_out).transpose(0, 2, 1))
-        m_t = _EMPTY_SCALES if m is None else np.ascontiguousarray(_tile_rows(m, n_out).transpose(0, 2, 1))
+        qs_t, d_t, m_t = _pack_quantized(name, ggml_type, [(raw, n_out)], n_in)
     else:
         if raw.nbytes != n_out * n_in * (4 if ggml_type == _T.F32 else 2):
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): "
@@ -212,6 +234,9 @@ def pack_concat(name: str, parts: list[tuple]) -> Weight:
             raise ValueError(f"pack_concat({name!r}): a part [{n_out}, {n_in}] has "
                              f"{np.asarray(raw).nbytes} bytes")
     splits = tuple(int(p[2]) for p in parts)
+    if _T(ggml_type) in _QUANTIZED:
+        qs_t, d_t, m_t = _pack_quantized(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in)
+        return Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits)
     rows = [np.ascontiguousarray(raw).view(np.uint8).reshape(int(n_out), -1) for _, raw, n_out, _ in parts]
     row_bytes = {r.shape[1] for r in rows}
     if len(row_bytes) != 1:
@@ -420,24 +445,45 @@ def _gemv_q8(x, qs, d, out):
 
 @njit(**_JIT_INLINE)
 def _tile_matmul(x, wt, out, t):
-    """out[s, t*TR + r] = sum_k x[s, k] * wt[k, r] for every row s; wt float32 [n_in, TR]."""
+    """out[s, t*TR + r] = sum_k x[s, k] * wt[k, r] for every row s; wt float32 [n_in, TR].
+
+    Rows of x go four at a time: each weight vector loaded from the tile feeds four FMA
+    chains (register blocking), so the loop is bound by FMAs, not by loads.
+    """
     n_seq, n_in = x.shape
-    n_full = n_in - n_in % 8
-    acc = np.empty(TR, np.float32)
-    for s in range(n_seq):
-        acc[:] = 0.0
+    n_quad = n_seq - n_seq % 4
+    a0 = np.empty(TR, np.float32)
+    a1 = np.empty(TR, np.float32)
+    a2 = np.empty(TR, np.float32)
+    a3 = np.empty(TR, np.float32)
+    for s in range(0, n_quad, 4):
+        a0[:] = 0.0
+        a1[:] = 0.0
+        a2[:] = 0.0
+        a3[:] = 0.0
+        x0, x1, x2, x3 = x[s], x[s + 1], x[s + 2], x[s + 3]
+        for k in range(n_in):
+            w = wt[k]
+            v0, v1, v2, v3 = x0[k], x1[k], x2[k], x3[k]
+            for r in range(TR):
+                wr = w[r]
+                a0[r] += v0 * wr
+                a1[r] += v1 * wr
+                a2[r] += v2 * wr
+                a3[r] += v3 * wr
+        _store_tile(a0, out, s, t)
+        _store_tile(a1, out, s + 1, t)
+        _store_tile(a2, out, s + 2, t)
+        _store_tile(a3, out, s + 3, t)
+    for s in range(n_quad, n_seq):
+        a0[:] = 0.0
         xs = x[s]
-        for k in range(0, n_full, 8):
-            w = wt[k:k + 8]
-            xk = xs[k:k + 8]
+        for k in range(n_in):
+            w = wt[k]
+            v = xs[k]
             for r in range(TR):
-                acc[r] += (((xk[0] * w[0, r] + xk[1] * w[1, r]) + (xk[2] * w[2, r] + xk[3] * w[3, r]))
-                           + ((xk[4] * w[4, r] + xk[5] * w[5, r]) + (xk[6] * w[6, r] + xk[7] * w[7, r])))
-        for k in range(n_full, n_in):
-            xv = xs[k]
-            for r in range(TR):
-                acc[r] += xv * wt[k, r]
-        _store_tile(acc, out, s, t)
+                a0[r] += v * w[r]
+        _store_tile(a0, out, s, t)
 
 
 @njit(**_JIT_INLINE)
@@ -588,12 +634,83 @@ def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
         _tiled_u16(x, w.qs, _F16_TABLE if typ == _T.F16 else _BF16_TABLE, out)
 
 
+@njit(**_JIT_PARALLEL)
+def _repack_blocks(blocks, row0, d_off, m_off, q_off, f16_table, qs_t, d_t, m_t):
+    """Scatter GGUF blocks uint8 [n_rows, B, block_bytes] into rows row0.. of the tiles
+    qs_t uint8 [T, B, nq, TR], d_t / m_t float32 [T, B, TR] (fp16 widened by the table)."""
+    n_rows, n_blocks = blocks.shape[0], blocks.shape[1]
+    nq = qs_t.shape[2]
+    t_first = row0 // TR
+    t_last = (row0 + n_rows - 1) // TR
+    for t in prange(t_last - t_first + 1):
+        tile = t_first + t
+        r_lo = max(tile * TR, row0) - row0
+        r_hi = min((tile + 1) * TR, row0 + n_rows) - row0
+        for b in range(n_blocks):
+            for r in range(r_lo, r_hi):
+                rr = (row0 + r) % TR
+                d_t[tile, b, rr] = f16_table[blocks[r, b, d_off] | (np.uint16(blocks[r, b, d_off + 1]) << 8)]
+                if m_off >= 0:
+                    m_t[tile, b, rr] = f16_table[blocks[r, b, m_off] | (np.uint16(blocks[r, b, m_off + 1]) << 8)]
+                for j in range(nq):
+                    qs_t[tile, b, j, rr] = blocks[r, b, q_off + j]
+
+
+_fixed_threads: int | None = None
+
+
 def set_threads(n: int) -> None:
-    """Use ``n`` threads in the parallel kernels (``numba.set_num_threads``).
+    """Use ``n`` threads in the parallel kernels (``numba.set_num_threads``), from now on:
+    :class:`AutoThreads` no longer chooses.
 
     Raises :class:`OptionError` unless ``1 <= n <= numba.config.NUMBA_NUM_THREADS``.
     """
+    global _fixed_threads
     limit = numba.config.NUMBA_NUM_THREADS
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= limit:
         raise OptionError(f"threads must be an integer from 1 to {limit} (this machine), got {n!r}")
     numba.set_num_threads(int(n))
+    _fixed_threads = int(n)
+
+
+class AutoThreads:
+    """Chooses the thread count of each forward call by measuring, unless :func:`set_threads` fixed it.
+
+    With every core free, all of them are fastest. When another process keeps a core busy, a
+    parallel region waits for its slowest thread, which then shares a core (a scheduler time
+    slice is ~3 ms, a region ~40 µs), and one thread beats two. So each kind of call (prefill,
+    decode) keeps a moving average of seconds per token for each candidate count (all cores,
+    one fewer, one), uses the fastest, and retries another every ``explore`` calls.
+    """
+
+    def __init__(self, explore: int = 16) -> None:
+        limit = numba.config.NUMBA_NUM_THREADS
+        self.candidates = sorted({limit, max(1, limit - 1), 1}, reverse=True)
+        self.explore = explore
+        self._avg: dict[tuple[str, int], float] = {}
+        self._calls: dict[str, int] = {}
+
+    def pick(self, kind: str) -> int:
+        """The thread count for the next call of ``kind`` (and sets it); the fixed one if any."""
+        if _fixed_threads is not None:
+            return _fixed_threads
+        calls = self._calls.get(kind, 0)
+        self._calls[kind] = calls + 1
+        untried = [n for n in self.candidates if (kind, n) not in self._avg]
+        if untried:
+            n = untried[0]
+        else:
+            best = min(self.candidates, key=lambda c: self._avg[kind, c])
+            others = [c for c in self.candidates if c != best]
+            n = others[(calls // self.explore) % len(others)] if others and calls % self.explore == 0 else best
+        numba.set_num_threads(n)
+        return n
+
+    def record(self, kind: str, n: int, seconds_per_token: float) -> None:
+        key = (kind, n)
+        old = self._avg.get(key)
+        self._avg[key] = seconds_per_token if old is None else 0.7 * old + 0.3 * seconds_per_token
+
+
+AUTO_THREADS = AutoThreads()
+"""The process's policy (Numba's threads are a process-wide resource); :func:`generate` uses it."""

@@ -37,7 +37,7 @@ import tiktoken
 from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    import gguf
+    from llamatrace.gguf_io import GGUFFile
 
 # token types of tokenizer.ggml.token_type (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -100,9 +100,8 @@ def _token_text_to_bytes(text: str) -> bytes | None:
     return text.translate(_UNICODE_TO_BYTE).encode("latin-1")
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(f: GGUFFile, key: str, default=None):
+    return f.field(key, default)
 
 
 class Tokenizer:
@@ -256,7 +255,7 @@ class Tokenizer:
         return PRE_ALIASES[pre]
 
     @classmethod
-    def from_reader(cls, reader: gguf.GGUFReader, path: str = "") -> Tokenizer:
+    def from_reader(cls, reader: GGUFFile, path: str = "") -> Tokenizer:
         """Build the tokenizer from the ``tokenizer.*`` metadata of an open GGUF file."""
         where = f" in {path}" if path else ""
         model = _field(reader, "tokenizer.ggml.model")

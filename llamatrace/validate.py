@@ -26,7 +26,7 @@ import os
 import re
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -103,6 +103,11 @@ class GGUFSummary:
     data_offset: int  # file offset of the (aligned) tensor data section
     file_size: int
     header_items: int  # keys + tensors + strings in string arrays (bounded by MAX_HEADER_ITEMS)
+    # Where things are, for a reader that trusts nothing else (llamatrace.gguf_io): key → (value
+    # type, file offset of the value); per tensor (name, ggml dims fastest-first, ggml type, offset
+    # relative to data_offset), in header order.
+    kv_offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    tensor_infos: tuple[tuple[str, tuple[int, ...], int, int], ...] = field(default=(), repr=False)
 
 
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFSummary:
@@ -156,6 +161,8 @@ class _Parser:
         self.buf = bytearray()
         self.pos = 0
         self.items = 0  # objects a reader will build from the header; see MAX_HEADER_ITEMS
+        self.kv_offsets: dict[str, tuple[int, int]] = {}
+        self.tensor_infos: list[tuple[str, tuple[int, ...], int, int]] = []
 
     # ---- errors -----------------------------------------------------------------------------
 
@@ -268,6 +275,8 @@ class _Parser:
             data_offset=data_offset,
             file_size=size,
             header_items=self.items,
+            kv_offsets=self.kv_offsets,
+            tensor_infos=tuple(self.tensor_infos),
         )
 
     def _check_version(self, version: int) -> None:
@@ -305,6 +314,7 @@ class _Parser:
                 raise self.fail(f"key #{i} {shown} at byte {start} uses a name reserved by the GGUF reader", FIX_CORRUPT)
             keys.add(key)
             vtype = self.u32(f"value type of key {shown}")
+            self.kv_offsets[key] = (vtype, self.pos)
             if key == ALIGNMENT_KEY and vtype != T_UINT32:
                 raise self.fail(
                     f"key {shown} has type {_type_name(vtype)}, but it must be a single uint32", FIX_CORRUPT
@@ -445,6 +455,7 @@ class _Parser:
                 )
             offset = self.u64(f"data offset of tensor {shown}")
             tensors.append((shown, offset, n_elems // block * type_size))
+            self.tensor_infos.append((name, dims, ttype, offset))
         return tensors
 
     def _check_tensor_data(self, tensors: list[tuple[str, int, int]], alignment: int, data_offset: int) -> None:

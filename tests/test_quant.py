@@ -185,3 +185,59 @@ def test_set_threads_validates():
     for bad in (0, -1, numba.config.NUMBA_NUM_THREADS + 1, 1.5, True):
         with pytest.raises(OptionError):
             quant.set_threads(bad)
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+                                   gguf.GGMLQuantizationType.Q8_0])
+def test_repack_kernel_equals_numpy_twin(qtype):
+    # rows 0..40 then 41..99 of one packed matrix: parts that start and end inside a tile
+    rng = np.random.default_rng(7)
+    d_off, m_off, q_off, nq = quant._BLOCK_FIELDS[qtype]
+    n_blocks, block_bytes = 3, quant._BLOCK_BYTES[qtype]
+    blocks = rng.integers(0, 256, size=(100, n_blocks, block_bytes), dtype=np.uint8)
+    shape = (-(-100 // quant.TR), n_blocks)
+    got = (np.zeros(shape + (nq, quant.TR), np.uint8), np.zeros(shape + (quant.TR,), np.float32),
+           np.zeros(shape + (quant.TR,), np.float32))
+    want = tuple(a.copy() for a in got)
+    for lo, hi in ((0, 41), (41, 100)):
+        quant._repack_blocks(blocks[lo:hi], lo, d_off, m_off, q_off, quant._F16_TABLE, *got)
+        quant._repack_blocks_np(blocks[lo:hi], lo, d_off, m_off, q_off, quant._F16_TABLE, *want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.view(np.uint32) if g.dtype == np.float32 else g,
+                                      w.view(np.uint32) if w.dtype == np.float32 else w)
+
+
+def test_auto_threads_follows_the_faster_count_and_keeps_checking(monkeypatch):
+    import numba
+    monkeypatch.setattr(quant, "_fixed_threads", None)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: None)
+    auto = quant.AutoThreads(explore=8)
+    assert auto.candidates == [2, 1]
+    seconds = {2: 1.0, 1: 2.0}                  # all cores free: two threads are faster
+    picks = []
+    for _ in range(40):
+        n = auto.pick("decode")
+        picks.append(n)
+        auto.record("decode", n, seconds[n])
+    assert picks[:2] == [2, 1] and picks[2:].count(2) > 30 and 1 in picks[2:]   # exploits, still explores
+    seconds = {2: 3.0, 1: 2.0}                  # another process takes a core: one thread wins
+    picks = []
+    for _ in range(40):
+        n = auto.pick("decode")
+        picks.append(n)
+        auto.record("decode", n, seconds[n])
+    assert picks[-20:].count(1) >= 18
+    assert auto.pick("prefill") == 2            # each kind of call learns on its own
+
+
+def test_fixed_threads_are_not_overridden(monkeypatch):
+    import numba
+    monkeypatch.setattr(quant, "_fixed_threads", None)
+    quant.set_threads(1)
+    try:
+        auto = quant.AutoThreads()
+        assert {auto.pick("decode") for _ in range(20)} == {1}
+    finally:
+        monkeypatch.setattr(quant, "_fixed_threads", None)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)

@@ -12,6 +12,7 @@ import gguf
 import pytest
 
 from llamatrace.chat import render_chat
+from llamatrace.gguf_io import open_gguf
 from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
 from llamatrace.tokenizer import StreamDecoder, Tokenizer, bytes_to_unicode
 
@@ -91,7 +92,7 @@ def write_vocab(
 
 
 def load(path: Path) -> Tokenizer:
-    return Tokenizer.from_reader(gguf.GGUFReader(str(path)), str(path))
+    return Tokenizer.from_reader(open_gguf(path), str(path))
 
 
 @pytest.fixture
@@ -266,7 +267,7 @@ SMOL_MISSING = bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2
 def smol() -> Tokenizer:
     if not MODEL.is_file():
         pytest.skip(f"model file {MODEL} not present (set LLAMATRACE_MODEL)")
-    return Tokenizer.from_reader(gguf.GGUFReader(str(MODEL)), str(MODEL))
+    return Tokenizer.from_reader(open_gguf(MODEL), str(MODEL))
 
 
 @pytest.mark.model

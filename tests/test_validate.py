@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llamatrace.errors import ModelFormatError, ModelNotFoundError
+from gguf_factory import write_tiny_llama
+from llamatrace.gguf_io import open_gguf
 from llamatrace.validate import GGUFSummary, validate_gguf
 
 HANG_GUARD_S = 30.0  # not a speed check: only turns an endless loop into a failure
@@ -501,6 +503,36 @@ def _apply(data: bytes, fields: list[tuple[int, int]], mutation) -> bytes:
 _stats = {"examples": 0, "passed": 0}
 
 
+def assert_same_as_gguf_reader(f, reader: gguf.GGUFReader) -> None:
+    """llamatrace.gguf_io's file equals gguf-py's reading of it: every key, every tensor."""
+    fields = {k: v for k, v in reader.fields.items() if not k.startswith("GGUF.")}
+    assert set(f._kv_offsets) == set(fields)
+    for key, field in fields.items():
+        try:
+            expected = field.contents()
+        except UnicodeDecodeError:  # gguf-py gives up on invalid UTF-8; we show U+FFFD instead
+            assert "\ufffd" in str(f.field(key)), key
+            continue
+        assert f.field(key) == expected, key
+    assert list(f.tensors) == [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        ours = f.tensors[t.name]
+        assert ours.tensor_type == t.tensor_type and ours.shape.tolist() == t.shape.tolist()
+        assert (ours.n_elements, ours.n_bytes) == (t.n_elements, t.n_bytes)
+        assert ours.data.dtype == t.data.dtype and ours.data.shape == t.data.shape
+        np.testing.assert_array_equal(ours.data, t.data)
+
+
+def test_own_reader_matches_gguf_reader_on_the_default_model(smollm2_path):
+    assert_same_as_gguf_reader(open_gguf(smollm2_path), gguf.GGUFReader(str(smollm2_path)))
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_own_reader_matches_gguf_reader_on_every_type(tmp_path, qtype):
+    path = write_tiny_llama(tmp_path / "t.gguf", qtype=qtype, rope_freqs=np.ones(8))
+    assert_same_as_gguf_reader(open_gguf(path), gguf.GGUFReader(str(path)))
+
+
 def test_mutated_headers(valid, scratch):
     path, data = valid
     fields = _int_fields(path)
@@ -531,6 +563,8 @@ def test_mutated_headers(valid, scratch):
         assert len(reader.fields) - 3 == summary.n_kv
         for t in reader.tensors:
             assert t.data_offset + t.n_bytes <= summary.file_size
+        # and our own reader, built on the validator's offsets, reads what gguf-py reads
+        assert_same_as_gguf_reader(open_gguf(scratch), reader)
 
     run()
     assert _stats["examples"] >= 600

@@ -20,6 +20,7 @@ from . import generate  # noqa: E402,F401,I001  (isort: skip)
 from . import trace  # noqa: E402,F401,I001  (isort: skip)
 from . import diagram  # noqa: E402,F401,I001  (isort: skip)
 from . import info  # noqa: E402,F401,I001  (isort: skip)
+from . import bench  # noqa: E402,F401,I001  (isort: skip)
 from . import pull  # noqa: E402,F401,I001  (isort: skip)
 
 __all__ = ["app", "main", "run", "EXIT_OK", "EXIT_INTERNAL", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]

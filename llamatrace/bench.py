@@ -1,0 +1,306 @@
+"""Speed and memory of the forward pass, against peers, on the same GGUF and the same token ids.
+
+Each engine runs in a process of its own (so its peak RSS is its own), loaded once; the timed
+runs are interleaved — llamatrace, then each peer, then llamatrace again — so a noisy shared
+machine slows them alike and the ratios of one run are fair. Every run is a prefill of the
+same ``prompt_tokens`` ids followed by ``decode_tokens`` greedy decode steps.
+
+Peers (optional, never dependencies): ``llama.cpp`` through llama-cpp-python (the extra
+``llamatrace[llamacpp]``), with ``logits_all=False`` so its prefill computes one row of logits
+as ours does; ``hf``: HF transformers in fp32 on the same GGUF (torch, transformers, accelerate).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import platform
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import OptionError, PeerError
+
+ENGINES = ("llamatrace", "llama.cpp", "hf")
+_NEEDS = {"llama.cpp": ("llama_cpp",), "hf": ("torch", "transformers", "accelerate")}
+_INSTALL = {
+    "llama.cpp": "pip install 'llamatrace[llamacpp]' (on CPUs with AMX build it with "
+                 "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
+                 "-DGGML_AMX_BF16=OFF\"; see the README)",
+    "hf": "pip install torch==2.13.0 transformers accelerate (CPU build of torch)",
+}
+
+
+@dataclass
+class EngineResult:
+    """One engine's figures. Rates in tokens per second, one entry per timed repeat."""
+
+    engine: str
+    version: str
+    load_s: float
+    prefill_tok_s: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
+    peak_rss_bytes: int = 0
+    threading: str = ""
+
+    @property
+    def prefill(self) -> float:
+        return statistics.median(self.prefill_tok_s)
+
+    @property
+    def decode(self) -> float:
+        return statistics.median(self.decode_tok_s)
+
+
+@dataclass
+class BenchReport:
+    model: str
+    file_bytes: int
+    cpu: str
+    threads: int
+    prompt_tokens: int
+    decode_tokens: int
+    repeats: int
+    results: list[EngineResult]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for r, row in zip(self.results, d["results"]):
+            row["prefill_median"], row["decode_median"] = r.prefill, r.decode
+        return d
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def check_engines(engines: list[str]) -> None:
+    """Raise :class:`OptionError` for an unknown engine, :class:`PeerError` for one not installed."""
+    for name in engines:
+        if name not in ENGINES:
+            raise OptionError(f"--against {name!r}: unknown engine; choose from {', '.join(ENGINES[1:])}")
+        missing = [m for m in _NEEDS.get(name, ()) if importlib.util.find_spec(m) is None]
+        if missing:
+            raise PeerError(f"--against {name}: {', '.join(missing)} is not installed in this Python; {_INSTALL[name]}")
+
+
+def prompt_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
+    """``n`` reproducible token ids away from the special tokens at either end of the vocabulary."""
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(min(100, vocab_size // 4), vocab_size - min(300, vocab_size // 4), size=n)]
+
+
+def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), prompt_tokens: int = 128,
+              decode_tokens: int = 64, repeats: int = 5, threads: int | None = None,
+              progress: Callable[[str], None] = lambda msg: None) -> BenchReport:
+    """Load every engine in its own process, then time ``repeats`` interleaved runs of each.
+
+    Raises:
+        OptionError: a count below 1 or an unknown engine.
+        PeerError: a peer is not installed, or its process failed (its last words are quoted).
+    """
+    if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
+        raise OptionError("--prompt-tokens, --decode-tokens and --repeats must be at least 1")
+    engines = ["llamatrace", *[a for a in against if a != "llamatrace"]]
+    check_engines(engines)
+    peer_threads = threads or os.cpu_count() or 1      # ours: None = AutoThreads, as by default
+    n_ctx = prompt_tokens + decode_tokens + 8
+    path = str(Path(model_path).resolve())
+    workers = {}
+    try:
+        for name in engines:
+            progress(f"loading {name}")
+            workers[name] = _Worker(name, path, threads if name == "llamatrace" else peer_threads, n_ctx)
+        results = {name: w.result for name, w in workers.items()}
+        ids = prompt_ids(workers["llamatrace"].result_vocab, prompt_tokens)
+        for name, w in workers.items():                  # warm-up: caches, lazy allocations
+            progress(f"warming up {name}")
+            w.run(ids[:8], 2)
+        for rep in range(repeats):
+            for name, w in workers.items():
+                progress(f"run {rep + 1}/{repeats}: {name}")
+                prefill_s, decode_s = w.run(ids, decode_tokens)
+                results[name].prefill_tok_s.append(prompt_tokens / prefill_s)
+                results[name].decode_tok_s.append(decode_tokens / decode_s)
+        for name, w in workers.items():
+            results[name].peak_rss_bytes = w.peak_rss()
+    finally:
+        for w in workers.values():
+            w.close()
+    return BenchReport(model=path, file_bytes=os.path.getsize(path), cpu=cpu_model(), threads=peer_threads,
+                       prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
+                       results=[results[name] for name in engines])
+
+
+# ---------------------------------------------------------------------------------------------
+# one process per engine
+
+
+class _Worker:
+    """An engine loaded in a child process, driven through a pipe."""
+
+    def __init__(self, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.engine = engine
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child, engine, path, threads, n_ctx), daemon=True)
+        self.proc.start()
+        child.close()
+        load_s, version, threading, vocab = self._recv()
+        self.result = EngineResult(engine, version, load_s, threading=threading)
+        self.result_vocab = vocab
+
+    def _recv(self):
+        try:
+            reply = self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(5)
+            raise PeerError(f"the {self.engine} process died (exit code {self.proc.exitcode}); "
+                            f"run it alone to see why") from None
+        if isinstance(reply, BaseException):
+            raise PeerError(f"{self.engine}: {type(reply).__name__}: {reply}")
+        return reply
+
+    def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
+        self.conn.send(("run", ids, n_decode))
+        return self._recv()
+
+    def peak_rss(self) -> int:
+        self.conn.send(("rss",))
+        return self._recv()
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("quit",))
+        except (OSError, ValueError):
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
+    if engine != "llamatrace":      # peers' own progress bars and logs would garble ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    try:
+        t0 = time.perf_counter()
+        eng = _ENGINES[engine](path, threads, n_ctx)
+        conn.send((time.perf_counter() - t0, eng.version, eng.threading(), eng.vocab_size))
+    except BaseException as exc:  # noqa: BLE001 — reported to the parent as one line
+        conn.send(exc)
+        return
+    while True:
+        msg = conn.recv()
+        try:
+            if msg[0] == "run":
+                conn.send(eng.run(msg[1], msg[2]))
+            elif msg[0] == "rss":
+                conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            else:
+                return
+        except Exception as exc:  # noqa: BLE001
+            conn.send(exc)
+
+
+class _Llamatrace:
+    def __init__(self, path: str, threads: int | None, n_ctx: int) -> None:
+        from . import __version__, quant
+        from .model import Llama
+        if threads:
+            quant.set_threads(threads)
+        self.model = Llama.load(path)
+        self.model.warmup()
+        self.n_ctx = n_ctx
+        self.version = f"llamatrace {__version__}"
+        self.threads = threads
+        self.vocab_size = self.model.config.vocab_size
+
+    def threading(self) -> str:
+        import numba
+        count = self.threads or f"auto {min(c for c in numba_candidates())}–{numba.config.NUMBA_NUM_THREADS}"
+        return f"numba {numba.threading_layer()}, {count} threads"
+
+    def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
+        from .generate import GenerationStats, generate
+        stats = GenerationStats()   # greedy, no stop tokens: exactly n_decode steps, as users run it
+        for _ in generate(self.model, ids, max_tokens=n_decode + 1, ctx_size=self.n_ctx, stats=stats,
+                          stop_ids=frozenset()):
+            pass
+        return stats.prefill_s, stats.decode_s * n_decode / max(stats.decode_steps, 1)
+
+
+def numba_candidates() -> list[int]:
+    from .quant import AUTO_THREADS
+    return AUTO_THREADS.candidates
+
+
+class _LlamaCpp:
+    def __init__(self, path: str, threads: int, n_ctx: int) -> None:
+        import llama_cpp
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, logits_all=False, verbose=False)
+        self.version = f"llama-cpp-python {llama_cpp.__version__}"
+        self.vocab_size = self.llm.n_vocab()
+
+    def threading(self) -> str:
+        return "ggml threads"
+
+    def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t1 = time.perf_counter()
+        for _ in range(n_decode):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return t1 - t0, time.perf_counter() - t1
+
+
+class _HF:
+    def __init__(self, path: str, threads: int, n_ctx: int) -> None:
+        import torch
+        import transformers
+        torch.set_num_threads(threads)
+        p = Path(path)
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(p.parent), gguf_file=p.name, torch_dtype=torch.float32).eval()
+        self.version = f"transformers {transformers.__version__} (torch {torch.__version__}, fp32)"
+        self.vocab_size = int(self.model.config.vocab_size)
+
+    def threading(self) -> str:
+        return f"torch {self.torch.get_num_threads()} threads"
+
+    def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
+        torch = self.torch
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(torch.tensor([ids]), use_cache=True)
+            token = out.logits[0, -1].argmax().view(1, 1)
+            t1 = time.perf_counter()
+            past = out.past_key_values
+            for _ in range(n_decode):
+                out = self.model(token, past_key_values=past, use_cache=True)
+                past, token = out.past_key_values, out.logits[0, -1].argmax().view(1, 1)
+            return t1 - t0, time.perf_counter() - t1
+
+
+_ENGINES = {"llamatrace": _Llamatrace, "llama.cpp": _LlamaCpp, "hf": _HF}

@@ -1,0 +1,49 @@
+"""`llamatrace bench`: its report, its options and its errors (no timings are asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from test_cli_generate import assert_one_line_error, run
+
+from llamatrace import bench
+
+
+def test_bench_json_reports_every_figure(capsys, tiny_model_path):
+    code, out, err = run(capsys, "bench", "--model", str(tiny_model_path), "--prompt-tokens", "5",
+                         "--decode-tokens", "3", "--repeats", "2", "--threads", "1", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["prompt_tokens"], report["decode_tokens"], report["repeats"], report["threads"]) == (5, 3, 2, 1)
+    assert report["file_bytes"] == tiny_model_path.stat().st_size
+    (ours,) = report["results"]
+    assert ours["engine"] == "llamatrace" and ours["threading"].startswith("numba ") and "1 threads" in ours["threading"]
+    assert len(ours["prefill_tok_s"]) == len(ours["decode_tok_s"]) == 2
+    assert all(v > 0 for v in ours["prefill_tok_s"] + ours["decode_tok_s"])
+    assert ours["load_s"] > 0 and ours["peak_rss_bytes"] > 10 * 2**20   # a child process with numpy loaded
+
+
+def test_bench_table(capsys, tiny_model_path):
+    code, out, err = run(capsys, "bench", "--model", str(tiny_model_path), "--prompt-tokens", "4",
+                         "--decode-tokens", "2", "--repeats", "1")
+    assert code == 0, err
+    assert "prefill tok/s" in out and "decode tok/s" in out and "peak RSS" in out and "llamatrace" in out
+
+
+def test_bench_refuses_unknown_engines_and_bad_counts(capsys, tiny_model_path):
+    assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--against", "vllm"), "vllm", "llama.cpp")
+    assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--repeats", "0"), "--repeats")
+
+
+def test_bench_says_how_to_install_a_missing_peer(capsys, tiny_model_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--against", "llama.cpp"),
+                          "llama_cpp is not installed", "llamatrace[llamacpp]")
+
+
+def test_prompt_ids_avoid_the_special_tokens_and_repeat():
+    ids = bench.prompt_ids(49152, 128)
+    assert ids == bench.prompt_ids(49152, 128) and len(ids) == 128
+    assert min(ids) >= 100 and max(ids) < 49152 - 300
