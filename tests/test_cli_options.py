@@ -179,8 +179,8 @@ def test_debug_works_after_the_subcommand(capsys, tmp_path):
     assert code == 2 and "Traceback" in err and "error:" in err
     code, out, err = run(capsys, "generate", "-m", str(bad), "hi")
     assert code == 2 and "Traceback" not in err                 # not left on by the previous run
-    code, out, err = run(capsys, "generate", "--json", "--", "--debug")   # after --, it is the prompt
-    assert "Traceback" not in err
+    code, out, err = run(capsys, "generate", "-m", str(bad), "--", "--debug")   # after --, it is the prompt
+    assert code == 2 and "Traceback" not in err
 
 
 def test_summary_line_is_one_line_on_a_narrow_non_terminal(tiny_model_path, tmp_path):
