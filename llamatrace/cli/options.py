@@ -100,7 +100,8 @@ def load_model(model_path: Path | None, threads: int | None):
 
     from ..model import Llama
     columns = (TextColumn("Loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
+    # off when stderr is no terminal: there a transient bar would leave an empty line
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(path.name, total=None)
         model = Llama.load(path, progress=lambda done, total: bar.update(task, completed=done, total=total))
     # compile (first run) or load every kernel now, so stage timings and tok/s measure compute
