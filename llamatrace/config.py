@@ -66,6 +66,16 @@ class ModelConfig:
         """How many query heads share one key/value head (1 = plain multi-head attention)."""
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries, ``n_heads * head_dim`` (rows of wq)."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys and values, ``n_kv_heads * head_dim`` (rows of wk and wv)."""
+        return self.n_kv_heads * self.head_dim
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

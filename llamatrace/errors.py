@@ -42,5 +42,9 @@ class NumericalError(LlamatraceError):
     """A traced stage produced NaN or Inf (raised by ``--check-finite``)."""
 
 
+class HookError(LlamatraceError):
+    """A hook (``model.hooks``) returned an array of another shape or dtype than it was given."""
+
+
 class PeerError(LlamatraceError):
     """Another engine (llama.cpp, HF transformers) is not installed or failed."""

@@ -3,7 +3,8 @@
 References: Meta's ``llama/model.py`` (names: ``wq``, ``freqs_cis``, ``repeat_kv``...),
 llama-nuts-and-bolts ch. 15–16 (the stages and their ``[DEBUG]`` lines), llama.cpp's graph
 (stage ids). Weights stay quantized (:mod:`llamatrace.quant`); activations are float32.
-Every stage reports its output through ``emit`` (a no-op unless a :class:`Recorder` listens).
+Every stage reports its output through ``x = emit(stage, layer, x)``: the identity unless a
+:class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.hooks`) replace it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import gguf
 import numpy as np
@@ -25,6 +26,7 @@ from .cache import KVCache
 from .config import ModelConfig
 from .errors import ModelFormatError, OptionError
 from .gguf_io import GGUFFile, check_tensor_types, gguf_name, open_gguf
+from .hooks import HookFn, Hooks
 from .tokenizer import Tokenizer
 from .trace import Emit, Recorder, null_emit
 
@@ -86,6 +88,7 @@ class Llama:
         self.inv_freq = inv_freq                 # float64 [rope_dim/2]
         self.load_s = load_s
         self._recorder: Recorder | None = None
+        self._hooks: list[Hooks] = []            # active `with model.hooks()` blocks, outermost first
         self.weight_shapes = {name: gguf_file.matrix_shape(name) for name in gguf_file.tensors}
 
     # ------------------------------------------------------------------------------------------
@@ -145,6 +148,25 @@ class Llama:
         finally:
             self._recorder = previous
 
+    @contextmanager
+    def hooks(self, fns: Mapping[str, HookFn], layers: Iterable[int] | None = None) -> Iterator[Hooks]:
+        """Replace stage outputs in every forward call made inside the ``with`` block.
+
+        ``fns`` maps stage ids to ``fn(array, event) -> replacement or None``; see
+        :class:`llamatrace.hooks.Hooks`. ``layers`` limits layer stages to those layers (``None`` =
+        all); model-level stages are hooked regardless. Blocks nest: the outer block's hooks run first.
+
+        Raises:
+            OptionError: an unknown stage, a stage that is not replaceable (a view or lazy copy),
+                or a layer out of range.
+        """
+        hooks = Hooks(fns, layers, self.config.n_layers)
+        self._hooks.append(hooks)
+        try:
+            yield hooks
+        finally:
+            self._hooks.remove(hooks)
+
     def generate(self, prompt_ids, **kwargs):
         """Shorthand for :func:`llamatrace.generate.generate` on this model: yields token ids.
 
@@ -158,10 +180,11 @@ class Llama:
         """Run a 5-token prefill and one decode step on a scratch cache so every kernel is
         compiled (first run) or loaded from Numba's cache; returns the seconds it took.
 
-        Nothing is recorded, even inside ``with model.trace()``.
+        Nothing is recorded or hooked, even inside ``with model.trace()`` / ``model.hooks()``.
         """
         t0 = time.perf_counter()
         previous, self._recorder = self._recorder, None
+        previous_hooks, self._hooks = self._hooks, []
         try:
             cache = self.new_cache(min(6, self.config.max_seq_len))
             n = min(5, cache.max_seq - 1) or 1
@@ -173,14 +196,15 @@ class Llama:
             kernels.attention_values_parallel(kernels.attention_scores_parallel(q, q), q)
         finally:
             self._recorder = previous
+            self._hooks = previous_hooks
         return time.perf_counter() - t0
 
     def shape_vars(self, start_pos: int, seq_len: int, max_seq: int) -> dict[str, int]:
         c = self.config
         return dict(seq_len=seq_len, kv_len=start_pos + seq_len, dim=c.dim, n_heads=c.n_heads,
                     n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, hidden_dim=c.hidden_dim,
-                    vocab_size=c.vocab_size, rope_half=c.rope_dim // 2, q_dim=c.n_heads * c.head_dim,
-                    kv_dim=c.n_kv_heads * c.head_dim, n_rep=c.n_rep, max_seq=max_seq)
+                    vocab_size=c.vocab_size, rope_half=c.rope_dim // 2, q_dim=c.q_dim,
+                    kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=max_seq)
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens, start_pos: int, cache: KVCache, recorder: Recorder | None = None,
@@ -194,7 +218,8 @@ class Llama:
                 and advances ``cache.pos``.
             recorder: receives one event per stage (defaults to the ``with model.trace()`` one).
             all_logits: return logits for every position, not only the last. On whenever the
-                recorder records ``result_output`` (the chapter's ``output {22, 128256}``).
+                recorder records ``result_output`` (the chapter's ``output {22, 128256}``); the
+                last row is the same, bit for bit, either way.
 
         Returns:
             float32 ``[seq_len or 1, vocab_size]`` logits.
@@ -218,6 +243,8 @@ class Llama:
                                   self.weight_shapes)
             # the chapter's output {seq_len, vocab}: every row, when that stage is being recorded
             all_logits = all_logits or recorder.wants(None, "result_output")
+        for hooks in reversed(self._hooks):      # wrapped inside out: the outermost block runs first
+            emit = hooks.begin(emit, start_pos, seq_len)
         n_heads, n_kv_heads, head_dim, n_rep = c.n_heads, c.n_kv_heads, c.head_dim, c.n_rep
 
         # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64
@@ -231,17 +258,17 @@ class Llama:
             emit("kq_mask", None, mask)
         # token embedding: x [seq_len, dim]
         x = quant.get_rows(w.tok_embeddings, tokens)
-        emit("inp_embd", None, x)
+        x = emit("inp_embd", None, x)
 
         for layer, lw in enumerate(w.layers):
             # attention pre-norm
             xn = kernels.rmsnorm(x, lw.attention_norm, c.norm_eps)
-            emit("attn_norm", layer, xn)
+            xn = emit("attn_norm", layer, xn)
             # q/k/v projections: xq [seq_len, n_heads*head_dim], xk/xv [seq_len, n_kv_heads*head_dim]
             xq, xk, xv = self._qkv(xn, lw)
-            emit("Qcur", layer, xq)
-            emit("Kcur", layer, xk)
-            emit("Vcur", layer, xv)
+            xq = emit("Qcur", layer, xq)
+            xk = emit("Kcur", layer, xk)
+            xv = emit("Vcur", layer, xv)
             # split into heads: [seq_len, n_(kv_)heads, head_dim]
             xq = xq.reshape(seq_len, n_heads, head_dim)
             xk = xk.reshape(seq_len, n_kv_heads, head_dim)
@@ -252,8 +279,8 @@ class Llama:
             # rotary embedding of queries and keys (values are not rotated)
             xq = kernels.rope(xq, cos, sin)
             xk = kernels.rope(xk, cos, sin)
-            emit("Qcur_rope", layer, xq)
-            emit("Kcur_rope", layer, xk)
+            xq = emit("Qcur_rope", layer, xq)
+            xk = emit("Kcur_rope", layer, xk)
             # KV cache: write this chunk at [start_pos:end_pos], read back everything [0:end_pos]
             cache.k[layer, start_pos:end_pos] = xk
             cache.v[layer, start_pos:end_pos] = xv
@@ -271,66 +298,92 @@ class Llama:
                 emit("values_rep", layer, lambda values=values: kernels.repeat_kv(values, n_rep))
             # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
             kq = kernels.attention_scores(xq, keys)
-            emit("kq", layer, kq)
+            kq = emit("kq", layer, kq)
             scores = kq * np.float32(1.0 / math.sqrt(head_dim))
-            emit("kq_scaled", layer, scores)
+            scores = emit("kq_scaled", layer, scores)
             if mask is not None:
                 scores = scores + mask                           # broadcast over heads
-                emit("kq_masked", layer, scores)
+                scores = emit("kq_masked", layer, scores)
             scores = kernels.softmax(scores)
-            emit("kq_soft_max", layer, scores)
+            scores = emit("kq_soft_max", layer, scores)
             # weighted values per head [n_heads, seq_len, head_dim], then heads merged [seq_len, q_dim]
             kqv = kernels.attention_values(scores, values)
-            emit("kqv", layer, kqv)
+            kqv = emit("kqv", layer, kqv)
             kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
-            emit("kqv_out", layer, kqv_out)
+            kqv_out = emit("kqv_out", layer, kqv_out)
             attn_out = quant.matmul(kqv_out, lw.wo)
-            emit("attn_out", layer, attn_out)
+            attn_out = emit("attn_out", layer, attn_out)
             # residual connection around attention
             h = x + attn_out
-            emit("ffn_inp", layer, h)
+            h = emit("ffn_inp", layer, h)
             # feed-forward pre-norm, then SwiGLU: w2(silu(w1·x) * w3·x)
             hn = kernels.rmsnorm(h, lw.ffn_norm, c.norm_eps)
-            emit("ffn_norm", layer, hn)
+            hn = emit("ffn_norm", layer, hn)
             gate, up = self._gate_up(hn, lw)
-            emit("ffn_gate", layer, gate)
+            gate = emit("ffn_gate", layer, gate)
             gate = kernels.silu(gate)
-            emit("ffn_silu", layer, gate)
-            emit("ffn_up", layer, up)
+            gate = emit("ffn_silu", layer, gate)
+            up = emit("ffn_up", layer, up)
             swiglu = gate * up
-            emit("ffn_swiglu", layer, swiglu)
+            swiglu = emit("ffn_swiglu", layer, swiglu)
             ffn_out = quant.matmul(swiglu, lw.w2)
-            emit("ffn_out", layer, ffn_out)
+            ffn_out = emit("ffn_out", layer, ffn_out)
             # residual connection around the FFN: the block's output
             x = h + ffn_out
-            emit("l_out", layer, x)
+            x = emit("l_out", layer, x)
 
         # final norm and output projection to vocabulary logits
         if not all_logits:
             x = x[-1:]
-        x = kernels.rmsnorm(np.ascontiguousarray(x), w.norm, c.norm_eps)
-        emit("result_norm", None, x)
-        logits = quant.matmul(x, w.output)
-        emit("result_output", None, logits)
+        x = emit("result_norm", None, kernels.rmsnorm(np.ascontiguousarray(x), w.norm, c.norm_eps))
+        logits = emit("result_output", None, self._project(x))
         cache.advance(seq_len)
+        return logits
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """The final RMSNorm and output projection of residual rows, as the forward pass applies them.
+
+        Args:
+            h: float32 ``[n, dim]`` residual-stream rows (``inp_embd`` or any layer's ``l_out``).
+
+        Returns:
+            float32 ``[n, vocab_size]``. Rows are independent; the last row is computed exactly as
+            :meth:`forward` computes its logits, so the last layer's last row equals them bit for bit.
+
+        Raises:
+            ValueError: ``h`` is not ``[n, dim]``.
+        """
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        if h.ndim != 2 or h.shape[0] == 0 or h.shape[1] != self.config.dim:
+            raise ValueError(f"logits: h has shape {list(h.shape)}, expected [n, {self.config.dim}]")
+        return self._project(kernels.rmsnorm(h, self.weights.norm, self.config.norm_eps))
+
+    def _project(self, xn: np.ndarray) -> np.ndarray:
+        # The last row goes through the kernel alone, as in an unrecorded run that projects only
+        # it: recording every row (result_output) must not change the logits generation uses.
+        logits = np.empty((xn.shape[0], self.config.vocab_size), dtype=np.float32)
+        if xn.shape[0] > 1:
+            quant.matmul(xn[:-1], self.weights.output, out=logits[:-1])
+        quant.matmul(xn[-1:], self.weights.output, out=logits[-1:])
         return logits
 
     # q/k/v and gate/up projections share one kernel call when their rows were stacked at load
     def _qkv(self, xn: np.ndarray, lw: LayerWeights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if lw.wqkv is None:
             return quant.matmul(xn, lw.wq), quant.matmul(xn, lw.wk), quant.matmul(xn, lw.wv)
-        q_dim = self.config.n_heads * self.config.head_dim
-        kv_dim = self.config.n_kv_heads * self.config.head_dim
-        qkv = quant.matmul(xn, lw.wqkv)
-        return (np.ascontiguousarray(qkv[:, :q_dim]), np.ascontiguousarray(qkv[:, q_dim:q_dim + kv_dim]),
-                np.ascontiguousarray(qkv[:, q_dim + kv_dim:]))
+        xq, xk, xv = _split_rows(quant.matmul(xn, lw.wqkv), lw.wqkv)
+        return xq, xk, xv
 
     def _gate_up(self, hn: np.ndarray, lw: LayerWeights) -> tuple[np.ndarray, np.ndarray]:
         if lw.w13 is None:
             return quant.matmul(hn, lw.w1), quant.matmul(hn, lw.w3)
-        hidden = self.config.hidden_dim
-        gu = quant.matmul(hn, lw.w13)
-        return np.ascontiguousarray(gu[:, :hidden]), np.ascontiguousarray(gu[:, hidden:])
+        gate, up = _split_rows(quant.matmul(hn, lw.w13), lw.w13)
+        return gate, up
+
+
+def _split_rows(y: np.ndarray, w: quant.Weight) -> list[np.ndarray]:
+    """The outputs of the matrices stacked in ``w`` (:func:`quant.pack_concat`), each contiguous."""
+    return [np.ascontiguousarray(part) for part in np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,7 +400,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             done += t.n_bytes
         progress(done, total)
 
-    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    q_dim, kv_dim = c.q_dim, c.kv_dim
     shapes = {"tok_embeddings": (c.vocab_size, c.dim), "output": (c.vocab_size, c.dim), "norm": (c.dim,),
               "attention_norm": (c.dim,), "ffn_norm": (c.dim,),
               "wq": (q_dim, c.dim), "wk": (kv_dim, c.dim), "wv": (kv_dim, c.dim), "wo": (c.dim, q_dim),

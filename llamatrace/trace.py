@@ -1,10 +1,13 @@
 """Trace events and the scoped recorder the forward pass reports to.
 
-The forward pass calls ``emit(stage_id, layer, array)`` once per stage. Without a recorder,
-``emit`` is :func:`null_emit` (a no-op): tracing costs one Python call per stage when off, and
-the math never changes (TransformerLens' identity-hook idea). A :class:`Recorder` is scoped —
-pass it to ``forward``/``generate`` or use ``with model.trace(...) as rec`` — never global state.
-Filters (layers, stages) are applied before any copy or statistic is made. ``array`` may also be
+The forward pass calls ``x = emit(stage_id, layer, x)`` once per stage and goes on with what
+``emit`` returns. Without a recorder or hooks, ``emit`` is :func:`null_emit` (returns ``array``):
+tracing costs one Python call per stage when off. A recorder returns the array it was given, so
+the math never changes — recording runs the same kernels on the same arrays, bit for bit;
+only hooks (:mod:`llamatrace.hooks`) replace arrays (TransformerLens' identity-hook idea).
+A :class:`Recorder` is scoped — pass it to ``forward``/``generate`` or use
+``with model.trace(...) as rec`` — never global state. Filters (layers, stages) are applied
+before any copy or statistic is made. ``array`` may also be
 a zero-argument function returning the tensor, for a tensor the math itself never needs (the
 repeated KV heads): it is only called when the stage is recorded or checked.
 
@@ -36,11 +39,12 @@ from .errors import NumericalError
 from .gguf_io import weight_tensor_name
 from .stages import STAGE_BY_ID, eval_shape, select_stages
 
-Emit = Callable[[str, "int | None", "np.ndarray | Callable[[], np.ndarray]"], None]
+Emit = Callable[[str, "int | None", "np.ndarray | Callable[[], np.ndarray]"], Any]
 
 
-def null_emit(stage: str, layer: int | None, array) -> None:
-    """The emit function used when nothing is traced."""
+def null_emit(stage: str, layer: int | None, array):
+    """The emit function used when nothing is traced or hooked: returns ``array`` unchanged."""
+    return array
 
 
 @dataclass
@@ -209,7 +213,7 @@ class Recorder:
         times = self.stage_times if self.time_all else None
         phase = "prefill" if start_pos == 0 else "decode"
 
-        def emit(stage_id: str, layer: int | None, array: np.ndarray) -> None:
+        def emit(stage_id: str, layer: int | None, array: np.ndarray):
             nonlocal last
             now = clock()
             if times is not None:
@@ -229,6 +233,7 @@ class Recorder:
                 last = clock()            # recording's own cost is not billed to the next stage
             else:
                 last = now
+            return array
 
         return emit
 
@@ -260,11 +265,6 @@ class Recorder:
             self.events.append(event)
         for sink in self.sinks:
             sink(event)
-
-    @property
-    def dims(self) -> dict[str, int]:
-        """Shape variables of the latest step."""
-        return dict(self._dims)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Kept tensors keyed like the ``.npz`` file (``step0.layer0.attn_norm``)."""

@@ -14,3 +14,7 @@ for ext in svg png; do
   llamatrace diagram "${prompt[@]}" --view block -o "samples/diagram_block.$ext"                     # one block in detail
   llamatrace diagram "${prompt[@]}" --view block --highlight 10 -o "samples/diagram_stage10.$ext"    # the book's STAGE 10
 done
+
+# the pictures of README's "Looking inside" (matplotlib)
+llamatrace attention --raw "The capital of France is" --layer 5 -o samples/attention.png
+llamatrace lens --raw "The capital of France is" -o samples/lens.png > /dev/null

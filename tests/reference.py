@@ -21,8 +21,33 @@ def load_dequantized(path) -> tuple[dict, dict[str, np.ndarray]]:
     return meta, weights
 
 
-def reference_logits(path, tokens: list[int]) -> np.ndarray:
-    """float64 ``[seq_len, vocab_size]`` logits of the whole sequence (no cache)."""
+ABLATABLE = ("inp_embd", "kq_soft_max", "kqv", "attn_out", "ffn_swiglu", "ffn_out", "l_out")
+
+
+def reference_logits(path, tokens: list[int], ablate=()) -> np.ndarray:
+    """float64 ``[seq_len, vocab_size]`` logits of the whole sequence (no cache).
+
+    ``ablate``: ``(stage, layer, head)`` triples zeroed where computed (layer ``None`` for
+    ``inp_embd``; head ``None`` = the whole tensor, else that query head of ``kq_soft_max`` /
+    ``kqv``); stages in :data:`ABLATABLE`, named as llamatrace's catalogue names them.
+    """
+    zero = {}
+    for stage, layer, head in ablate:
+        if stage not in ABLATABLE:
+            raise KeyError(f"the reference cannot ablate {stage!r}")
+        zero.setdefault((stage, layer), []).append(head)
+
+    def ablated(stage, layer, a, head_axis=None):
+        for head in zero.get((stage, layer), ()):
+            a = a.copy()
+            if head is None:
+                a[...] = 0
+            else:
+                index = [slice(None)] * a.ndim
+                index[head_axis] = head
+                a[tuple(index)] = 0
+        return a
+
     meta, W = load_dequantized(path)
     dim = int(meta["llama.embedding_length"])
     n_heads = int(meta["llama.attention.head_count"])
@@ -47,7 +72,7 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
         return np.stack([xc.real, xc.imag], axis=-1).reshape(x.shape)
 
     mask = np.triu(np.full((seq, seq), -np.inf), k=1)
-    x = W["token_embd.weight"][tokens]
+    x = ablated("inp_embd", None, W["token_embd.weight"][tokens])
     for i in range(n_layers):
         p = f"blk.{i}."
         xn = rmsnorm(x, W[p + "attn_norm.weight"])
@@ -59,11 +84,12 @@ def reference_logits(path, tokens: list[int]) -> np.ndarray:
         scores = np.einsum("shd,thd->hst", q, k) / np.sqrt(hd) + mask
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         scores /= scores.sum(-1, keepdims=True)
-        out = np.einsum("hst,thd->shd", scores, v).reshape(seq, dim)
-        h = x + out @ W[p + "attn_output.weight"].T
+        scores = ablated("kq_soft_max", i, scores, head_axis=0)
+        out = ablated("kqv", i, np.einsum("hst,thd->shd", scores, v), head_axis=1).reshape(seq, dim)
+        h = x + ablated("attn_out", i, out @ W[p + "attn_output.weight"].T)
         hn = rmsnorm(h, W[p + "ffn_norm.weight"])
         g = hn @ W[p + "ffn_gate.weight"].T
-        ffn = (g / (1 + np.exp(-g)) * (hn @ W[p + "ffn_up.weight"].T)) @ W[p + "ffn_down.weight"].T
-        x = h + ffn
+        swiglu = ablated("ffn_swiglu", i, g / (1 + np.exp(-g)) * (hn @ W[p + "ffn_up.weight"].T))
+        x = ablated("l_out", i, h + ablated("ffn_out", i, swiglu @ W[p + "ffn_down.weight"].T))
     out_w = W.get("output.weight", W["token_embd.weight"])
     return rmsnorm(x, W["output_norm.weight"]) @ out_w.T

@@ -14,13 +14,16 @@ from ..errors import OptionError
 from .app import app, err, exit_interrupted, out
 from .options import (
     CtxSizeOpt,
+    AblateOpt,
     ModelOpt,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
     check_ctx_size,
+    ablated,
     load_model,
+    parse_ablations,
     prompt_ids_for,
     read_prompt,
 )
@@ -45,6 +48,7 @@ def generate(
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (text, ids, timings) instead "
                                                          "of streaming text.")] = False,
+    ablate: AblateOpt = None,
 ) -> None:
     """Generate text from a prompt, streamed to the terminal.
 
@@ -60,6 +64,8 @@ def generate(
       echo "Explain RoPE briefly" | llamatrace generate -f -
 
       llamatrace generate --json -- "-5 degrees is cold?"
+
+      llamatrace generate --raw "The capital of France is" -n 8 --ablate ffn_out@-1
     """
     from ..generate import GenerationStats
     from ..generate import generate as run_generate
@@ -73,11 +79,13 @@ def generate(
     if sampling.unused_options():
         err.print(f"[yellow]note:[/] {', '.join(sampling.unused_options())} ignored: --temperature 0 "
                   f"(the default) is greedy; give --temperature > 0 to sample")
+    parse_ablations(ablate)
     text_in = read_prompt(prompt, prompt_file)
     t0 = time.perf_counter()
     m = load_model(model, threads)
     load_s = time.perf_counter() - t0
     ids = prompt_ids_for(m, text_in, raw, system)
+    ablations = parse_ablations(ablate, m.config)
 
     stats = GenerationStats()
     stream = StreamDecoder(m.tokenizer)
@@ -85,17 +93,18 @@ def generate(
     # the prompt and context checks run inside generate, before any compute, at the first next()
     tokens = run_generate(m, ids, max_tokens=max_tokens, sampling=sampling, ctx_size=ctx_size, stats=stats)
     interrupted = False
-    try:
-        with err.status(f"Prefill: {len(ids)} prompt tokens …"):
-            first = next(tokens, None)
-        if first is not None:
-            for token in itertools.chain([first], tokens):
-                piece = stream.push(token)
-                pieces.append(piece)
-                if not json_out and piece:
-                    out.print(piece, end="", markup=False)
-    except KeyboardInterrupt:
-        interrupted = True
+    with ablated(m, ablations):
+        try:
+            with err.status(f"Prefill: {len(ids)} prompt tokens …"):
+                first = next(tokens, None)
+            if first is not None:
+                for token in itertools.chain([first], tokens):
+                    piece = stream.push(token)
+                    pieces.append(piece)
+                    if not json_out and piece:
+                        out.print(piece, end="", markup=False)
+        except KeyboardInterrupt:
+            interrupted = True
     tail = stream.flush()
     pieces.append(tail)
     if json_out:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -182,3 +184,97 @@ def parse_stages(patterns: list[str] | None) -> list[str] | None:
     except ValueError as exc:
         raise OptionError(f"--stage: {exc}") from None
     return flat
+
+
+def wide_out(min_width: int):
+    """The stdout console for a wide table: the terminal's own width on a terminal; in a pipe
+    or file at least ``min_width`` columns, so the table is not squeezed to 80."""
+    from rich.console import Console
+
+    from .app import out
+    if out.is_terminal:
+        return out
+    return Console(highlight=False, width=max(out.width, min_width))
+
+
+# ---- --ablate (zero-ablation through llamatrace.hooks) ----------------------------------------
+AblateOpt = Annotated[Optional[list[str]], typer.Option(
+    "--ablate", metavar="STAGE@LAYER[:HEAD]", show_default=False,
+    help="Zero a stage's output where it is computed, so every later stage sees zeros (repeatable): "
+    "STAGE@LAYER (0-based, -1 = last, all), STAGE@LAYER:HEAD for one head (a query head, or a KV head in "
+    "[.., n_kv_heads, ..] stages), STAGE alone at model level (inp_embd). `llamatrace stages` lists "
+    "the replaceable stages.")]
+
+_ABLATE = re.compile(r"^([A-Za-z_]+)(?:@(-?\d+|all))?(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """One ``--ablate`` value: the stage, its layers (``None`` = all or model level), an optional head."""
+
+    text: str
+    stage: str
+    layers: list[int] | None
+    head: int | None
+
+
+def parse_ablations(values: list[str] | None, config=None) -> list[Ablation]:
+    """``--ablate`` values → :class:`Ablation` list; with ``config`` (a ModelConfig) layers and
+    heads are checked against the model and negative layers resolved, without it only the syntax
+    and the stage.
+
+    Raises:
+        OptionError: bad syntax, an unknown or non-replaceable stage, a layer on a model-level
+            stage or none on a layer stage, a head on a stage without heads, a layer or head
+            out of range.
+    """
+    from ..hooks import check_replaceable, head_axis
+
+    out = []
+    for text in values or ():
+        m = _ABLATE.match(text.strip())
+        if not m:
+            raise OptionError(f"--ablate {text!r}: expected STAGE@LAYER, STAGE@LAYER:HEAD or STAGE "
+                              f"(e.g. attn_out@3, kqv@0:2, inp_embd)")
+        stage_id, layer_text, head_text = m.group(1), m.group(2), m.group(3)
+        stage = check_replaceable(stage_id, f"--ablate {text!r}")
+        if stage.level == "model" and layer_text is not None:
+            raise OptionError(f"--ablate {text!r}: {stage_id} is a model-level stage; write it without @LAYER")
+        if stage.level == "layer" and layer_text is None:
+            raise OptionError(f"--ablate {text!r}: {stage_id} is computed in every layer; say which: "
+                              f"{stage_id}@LAYER (0-based, -1 = last, or all)")
+        head = None if head_text is None else int(head_text)
+        axis = head_axis(stage)
+        if head is not None and axis is None:
+            raise OptionError(f"--ablate {text!r}: {stage_id} {stage.shape} has no heads axis; drop :{head}")
+        layers = None
+        if layer_text not in (None, "all"):
+            layers = [int(layer_text)]
+        if config is not None:
+            n = config.n_layers
+            if layers is not None:
+                layer = layers[0] + n if layers[0] < 0 else layers[0]
+                if not 0 <= layer < n:
+                    raise OptionError(f"--ablate {text!r}: layer {layers[0]} is out of range; this model has "
+                                      f"{n} layers, valid are 0-{n - 1} (or -1 for the last, or all)")
+                layers = [layer]
+            if head is not None:
+                count = getattr(config, axis[1])
+                if head >= count:
+                    raise OptionError(f"--ablate {text!r}: head {head} is out of range; {stage_id} has {count} "
+                                      f"{'query' if axis[1] == 'n_heads' else 'KV'} heads (0-{count - 1})")
+        out.append(Ablation(text=text, stage=stage_id, layers=layers, head=head))
+    return out
+
+
+@contextlib.contextmanager
+def ablated(model, ablations: list[Ablation]):
+    """Run the ``with`` block with the zero-ablations hooked into ``model`` (nothing when empty)."""
+    from ..hooks import zero_ablation
+
+    with contextlib.ExitStack() as stack:
+        for a in ablations:
+            stack.enter_context(model.hooks({a.stage: zero_ablation(a.stage, a.head)}, layers=a.layers))
+        if ablations:
+            err.print(f"[yellow]ablating:[/] {', '.join(a.text for a in ablations)} (zeroed where computed)")
+        yield

@@ -22,14 +22,17 @@ from .app import app, err, exit_interrupted, out
 from .options import (
     LAYER_HELP,
     CtxSizeOpt,
+    AblateOpt,
     ModelOpt,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
     check_ctx_size,
+    ablated,
     default_prompt,
     load_model,
+    parse_ablations,
     parse_layers,
     parse_stages,
     prompt_ids_for,
@@ -76,6 +79,7 @@ def trace(
                                                                       "holding NaN or Inf.")] = False,
     top: Annotated[int, typer.Option("--top", help="How many next-token probabilities to show.", metavar="N")] = 5,
     ctx_size: CtxSizeOpt = None,
+    ablate: AblateOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Trace the forward pass stage by stage, in the words of the book's debug.log.
@@ -93,6 +97,8 @@ def trace(
       llamatrace trace --tokens 3 --layer 0 --format table --timings
 
       llamatrace trace --jsonl trace.jsonl --npz trace.npz --log-file debug.log
+
+      llamatrace trace --raw "The capital of France is" --ablate attn_out@3 --layer 3 --stage "attn_out,ffn_inp" --stats
     """
     from ..outputs import check_output_path
 
@@ -110,6 +116,7 @@ def trace(
         dropped = " and ".join(opt for opt, on in (("--stats", stats), ("--values", values)) if on)
         raise OptionError(f"--dump-shapes prints shapes only: drop {dropped}, or drop --dump-shapes to see them")
     parse_layers(layer)
+    parse_ablations(ablate)
     stage_patterns = parse_stages(stage)
     outputs = {opt: p for opt, p in (("--jsonl", jsonl), ("--npz", npz), ("--log-file", log_file)) if p is not None}
     for opt, p in outputs.items():
@@ -125,10 +132,12 @@ def trace(
     m = load_model(model, threads)
     load_s = time.perf_counter() - t0
     layers = parse_layers(layer, m.config.n_layers)
+    ablations = parse_ablations(ablate, m.config)
     ids = prompt_ids_for(m, text_in, raw, system)
-    _run(m, text_in, ids, load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
-         dump_shapes=dump_shapes, stats=stats, values=values, jsonl=jsonl, npz=npz, log_file=log_file,
-         timings=timings, check_finite=check_finite, top=top, ctx_size=ctx_size)
+    with ablated(m, ablations):
+        _run(m, text_in, ids, load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
+             dump_shapes=dump_shapes, stats=stats, values=values, jsonl=jsonl, npz=npz, log_file=log_file,
+             timings=timings, check_finite=check_finite, top=top, ctx_size=ctx_size)
 
 
 def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers, stages, fmt: Format,

@@ -1,0 +1,100 @@
+"""``llamatrace stages``: the stage catalogue (:mod:`llamatrace.stages`) as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from .app import app
+from .options import ModelOpt, wide_out
+
+
+def _concrete(formula: str, dims: dict[str, int]) -> str:
+    """A shape formula with the model's sizes filled in; seq_len, kv_len and max_seq stay symbolic."""
+    def term(match: re.Match) -> str:
+        names = match.group(0).split("*")
+        if all(n in dims for n in names):
+            value = 1
+            for n in names:
+                value *= dims[n]
+            return str(value)
+        return match.group(0)
+    return re.sub(r"[a-z_]+(\*[a-z_]+)*", term, formula)
+
+
+@app.command()
+def stages(
+    model: ModelOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects instead of the table.")]
+        = False,
+) -> None:
+    """List every traced stage: id, the book's name and STAGE, llama.cpp's and TransformerLens's
+    names (and how they differ), whether a hook can replace it, and its shape.
+
+    With --model, or when the default model is already downloaded (never fetched for this),
+    the shapes show the model's sizes; seq_len, kv_len and max_seq depend on the run.
+
+    Examples:
+
+      llamatrace stages
+
+      llamatrace stages --json
+
+      llamatrace stages --model Llama-3.2-1B-Instruct-Q8_0.gguf
+    """
+    from ..config import ModelConfig
+    from ..errors import ModelNotFoundError
+    from ..fetch import resolve_model
+    from ..gguf_io import gguf_name, open_gguf
+    from ..stages import STAGES
+
+    dims: dict[str, int] = {}
+    path = None
+    try:
+        path = resolve_model(model, fetch=False)
+    except ModelNotFoundError:
+        if model is not None:
+            raise
+    if path is not None:
+        f = open_gguf(path)
+        c = ModelConfig.from_metadata(f.metadata, vocab_size=f.matrix_shape(gguf_name("tok_embeddings"))[0],
+                                      source=path.name)
+        dims = dict(dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                    hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, rope_half=c.rope_dim // 2,
+                    q_dim=c.q_dim, kv_dim=c.kv_dim, n_rep=c.n_rep)
+    rows = [{
+        "id": s.id, "level": s.level, "op": s.op, "chapter": s.chapter, "section": s.section,
+        "book_stage": s.book_stage, "llama_cpp": s.llama_cpp, "llama_cpp_note": s.llama_cpp_note,
+        "tl_hook": s.tl_hook, "tl_differs": s.tl_differs, "replaceable": s.replaceable, "when": s.when,
+        "shape": s.shape, **({"model_shape": _concrete(s.shape, dims)} if dims else {}),
+        "description": s.description,
+    } for s in STAGES]
+    if json_out:
+        sys.stdout.write(json.dumps(rows, ensure_ascii=False, indent=1) + "\n")
+        return
+
+    from rich.table import Table
+
+    title = "Stage catalogue" + (f" · shapes of {path.name}" if dims else "")
+    table = Table(title=title, title_justify="left", show_lines=True)
+    for name, kw in (("id", {"no_wrap": True}), ("book", {"no_wrap": True}), ("llama.cpp", {}),
+                     ("TransformerLens", {}), ("hook", {"no_wrap": True}), ("shape", {})):
+        table.add_column(name, **kw)
+    for r in rows:
+        lc = r["llama_cpp"] or "—"
+        if r["llama_cpp_note"]:
+            lc += f"\n[dim]{escape(r['llama_cpp_note'])}[/]"
+        tl = r["tl_hook"] or "—"
+        if r["tl_differs"]:
+            tl += f"\n[dim]{escape(r['tl_differs'])}[/]"
+        shape = escape(r["shape"]) + (f"\n{escape(r['model_shape'])}" if dims else "")
+        if r["when"] != "always":
+            shape += f"\n[dim]({r['when']} only)[/]"
+        table.add_row(r["id"], f"{r['chapter']}\nSTAGE {r['book_stage']}", lc, tl,
+                      "yes" if r["replaceable"] else "[dim]no[/]", shape)
+    wide_out(160).print(table)

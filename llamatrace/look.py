@@ -1,0 +1,136 @@
+"""Looking inside a run: attention matrices and the logit lens, as plain data.
+
+Both run the ordinary forward pass with a :class:`~llamatrace.trace.Recorder` (hooks of an
+enclosing ``with model.hooks()`` block apply as usual) and return NumPy arrays and small
+records; :mod:`llamatrace.plots` draws them and the CLI prints them.
+
+* :func:`attention` — ``kq_soft_max`` of one layer at one step: the prefill's
+  ``[n_heads, seq_len, seq_len]`` (step 0) or decode step S's one query row against the whole
+  cache ``[n_heads, 1, kv_len]``. Masked cells (keys after the query) are flagged, not hidden
+  in small probabilities.
+* :func:`logit_lens` — ``inp_embd`` and every layer's ``l_out`` through the final RMSNorm and
+  the output projection (:meth:`~llamatrace.model.Llama.logits`, the forward pass's own code:
+  the last layer's last row equals the model's logits bit for bit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import OptionError
+from .sampling import softmax64
+from .trace import Recorder
+
+
+@dataclass
+class AttentionMaps:
+    """Attention probabilities of one layer at one step.
+
+    ``probs`` float32 ``[n_heads, n_queries, kv_len]`` (``kq_soft_max``); ``masked`` bool
+    ``[n_queries, kv_len]``, True where the causal mask hid the key (its probability is 0);
+    ``query_pos`` / ``ids`` the positions of the query rows and the tokens of all ``kv_len``
+    keys. Query head ``h`` reads KV head ``h // n_rep``.
+    """
+
+    layer: int
+    step: int
+    probs: np.ndarray
+    masked: np.ndarray
+    query_pos: list[int]
+    ids: list[int]
+    n_kv_heads: int
+    n_rep: int
+
+
+def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> AttentionMaps:
+    """Run the prompt (and ``step`` greedy decode steps) and return ``layer``'s attention at ``step``.
+
+    Raises:
+        OptionError: ``layer`` out of range, ``step`` < 0, the run does not fit the context, or
+            it reached the end of text before ``step``.
+    """
+    from .generate import generate
+
+    c = model.config
+    if not 0 <= layer < c.n_layers:
+        raise OptionError(f"--layer {layer} is out of range: this model has {c.n_layers} layers (0-{c.n_layers - 1})")
+    if step < 0:
+        raise OptionError(f"--step must be >= 0, got {step}")
+    rec = Recorder(layers=[layer], stages=["kq_soft_max"], keep_arrays=True)
+    tokens = list(generate(model, prompt_ids, max_tokens=step + 1, recorder=rec))
+    events = [e for e in rec.events if e.step == step]
+    if not events:
+        raise OptionError(f"--step {step}: the model ended its text after {len(tokens)} tokens, "
+                          f"at step {rec.step}; choose a smaller --step")
+    event = events[0]
+    ids = (list(prompt_ids) + tokens)[:event.start_pos + event.seq_len]
+    query_pos = list(range(event.start_pos, event.start_pos + event.seq_len))
+    masked = np.arange(len(ids))[None, :] > np.asarray(query_pos)[:, None]
+    return AttentionMaps(layer=layer, step=step, probs=event.array, masked=masked, query_pos=query_pos,
+                         ids=ids, n_kv_heads=c.n_kv_heads, n_rep=c.n_rep)
+
+
+@dataclass
+class LensRow:
+    """One cell of the lens: after ``layer`` (``"embd"`` = the embeddings) at position ``pos``."""
+
+    layer: int | str
+    pos: int
+    top_id: int
+    top_piece: str
+    top_prob: float
+    final_rank: int          # 0 = the model's final prediction is this cell's top-1
+    final_prob: float
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "pos": self.pos, "top_id": self.top_id, "top_piece": self.top_piece,
+                "top_prob": self.top_prob, "final_rank": self.final_rank, "final_prob": self.final_prob}
+
+
+@dataclass
+class Lens:
+    """The logit lens of one prompt: ``rows`` layer-major (embd, 0 … n_layers−1), positions
+    ascending within a layer; ``final_id`` the model's greedy next token and ``logits`` its
+    float32 ``[vocab_size]`` logits; ``lens_logits`` float32 ``[n_layers + 1, K, vocab_size]``."""
+
+    prompt_ids: list[int]
+    positions: list[int]
+    final_id: int
+    logits: np.ndarray
+    lens_logits: np.ndarray
+    rows: list[LensRow]
+
+
+def logit_lens(model, prompt_ids: list[int], positions: int = 6) -> Lens:
+    """Project the residual stream after the embeddings and after every layer to the vocabulary.
+
+    ``positions``: the last K positions of the prompt (at most its length).
+
+    Raises:
+        OptionError: ``positions`` < 1, or the prompt does not fit the model's context.
+    """
+    if positions < 1:
+        raise OptionError(f"--positions must be >= 1, got {positions}")
+    c, tok = model.config, model.tokenizer
+    n = len(prompt_ids)
+    if not 0 < n <= c.max_seq_len:
+        raise OptionError(f"the prompt has {n} tokens; the model's context holds 1-{c.max_seq_len}")
+    rec = Recorder(stages=["inp_embd", "l_out"], keep_arrays=True)
+    logits = model.forward(np.asarray(prompt_ids), 0, model.new_cache(n), recorder=rec)[-1]
+    arrays = rec.arrays()
+    k = min(positions, n)
+    residuals = [arrays["step0.inp_embd"]] + [arrays[f"step0.layer{i}.l_out"] for i in range(c.n_layers)]
+    lens_logits = np.stack([model.logits(h[n - k:]) for h in residuals])
+    final_id = int(np.argmax(logits))
+    rows = []
+    for li, per_layer in enumerate(lens_logits):
+        for j, row in enumerate(per_layer):
+            probs = softmax64(row)
+            top = int(np.argmax(probs))
+            rows.append(LensRow(layer="embd" if li == 0 else li - 1, pos=n - k + j, top_id=top,
+                                top_piece=tok.piece(top), top_prob=float(probs[top]),
+                                final_rank=int((probs > probs[final_id]).sum()), final_prob=float(probs[final_id])))
+    return Lens(prompt_ids=list(prompt_ids), positions=list(range(n - k, n)), final_id=final_id,
+                logits=logits, lens_logits=lens_logits, rows=rows)

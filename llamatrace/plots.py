@@ -1,0 +1,197 @@
+"""Pictures of :mod:`llamatrace.look`'s data with matplotlib: attention heatmaps, the logit lens.
+
+matplotlib is imported here only, by the ``attention`` and ``lens`` commands, so other commands
+do not pay for it. Files are written atomically (:func:`llamatrace.outputs.write_atomic`); the
+format follows the extension (``.png``, ``.svg``, ``.pdf``).
+
+Token labels are the pieces as the font can show them: characters the font lacks, control
+characters and newlines are written escaped (``\\n``, ``\\u4e2d``) rather than drawn as
+boxes; a leading space shows as ``␣``; long pieces are cut with ``…``; and on long prompts only
+every n-th label is drawn, so labels never overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .errors import OptionError
+from .look import AttentionMaps, Lens
+from .outputs import write_atomic
+
+FORMATS = ("png", "svg", "pdf")
+MASKED_COLOUR = "#c8c8c8"     # grey: no probability at all, distinct from the colormap's dark low end
+MAX_LABELS = 40               # most tick labels drawn along one axis
+
+
+def check_format(path: Path, option: str = "-o") -> str:
+    """The image format named by ``path``'s extension.
+
+    Raises:
+        OptionError: no extension or one matplotlib is not asked to write here.
+    """
+    ext = path.suffix.lower().lstrip(".")
+    if ext not in FORMATS:
+        raise OptionError(f"{option} {str(path)!r}: the extension must be one of "
+                          f"{', '.join('.' + f for f in FORMATS)} (it picks the image format)")
+    return ext
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")                      # files only, never a window
+    import matplotlib.pyplot as plt
+    return plt
+
+
+_CHARMAP: set[int] | None = None
+
+
+def _font_chars() -> set[int]:
+    """Code points the default font (DejaVu Sans, shipped with matplotlib) can draw."""
+    global _CHARMAP
+    if _CHARMAP is None:
+        from matplotlib import font_manager
+        from matplotlib.ft2font import FT2Font
+        font = FT2Font(font_manager.findfont(font_manager.FontProperties()))
+        _CHARMAP = set(font.get_charmap())
+    return _CHARMAP
+
+
+def token_label(piece: str, width: int = 10) -> str:
+    """A piece as a label the font can draw: escapes for what it cannot, ``␣`` for a leading
+    space, ``…`` past ``width`` characters, ``$`` escaped (matplotlib's math mode)."""
+    chars = _font_chars()
+    out = []
+    for ch in piece:
+        if ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif not ch.isprintable() or ord(ch) not in chars:
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
+        else:
+            out.append(ch)
+    text = "".join(out)
+    if text.startswith(" "):
+        text = "␣" + text[1:]
+    if len(text) > width:
+        text = text[:width - 1] + "…"
+    return text.replace("$", r"\$") or "∅"
+
+
+def _ticks(n: int, limit: int = MAX_LABELS) -> list[int]:
+    """Every k-th index of ``n`` so that at most ``limit`` labels are drawn (the last one kept)."""
+    step = max(1, math.ceil(n / limit))
+    ticks = list(range(0, n, step))
+    if ticks[-1] != n - 1 and n - 1 - ticks[-1] >= step / 2:
+        ticks.append(n - 1)
+    return ticks
+
+
+def _save(fig, path: Path, option: str) -> None:
+    fmt = check_format(path, option)
+    plt = _pyplot()
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=150, bbox_inches="tight"), option)
+    finally:
+        plt.close(fig)
+
+
+def attention_figure(maps: AttentionMaps, pieces: list[str], heads: list[int], title: str):
+    """One heatmap panel per query head in ``heads``; with several heads, one row per KV head
+    group (the ``n_rep`` query heads that share it). Returns the matplotlib figure."""
+    plt = _pyplot()
+    from matplotlib.colors import PowerNorm
+
+    n_q, kv_len = maps.masked.shape
+    if len(heads) > 1 and maps.n_rep > 1:
+        n_rows, n_cols = math.ceil(len(heads) / maps.n_rep), maps.n_rep
+    else:
+        n_cols = math.ceil(math.sqrt(len(heads)))
+        n_rows = math.ceil(len(heads) / n_cols)
+    cell = min(0.32, max(0.09, 7.0 / max(kv_len, 1)))
+    panel_w = max(2.6, kv_len * cell)
+    panel_h = max(0.9, n_q * cell) if n_q > 1 else 0.35
+    label_pad = 1.0 if n_q > 1 else 0.4
+    fig, axes = plt.subplots(n_rows, n_cols, squeeze=False, layout="constrained",
+                             figsize=(n_cols * (panel_w + label_pad) + 1.2, n_rows * (panel_h + 0.6) + 1.2))
+    cmap = plt.get_cmap("viridis").with_extremes(bad=MASKED_COLOUR)
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
+    key_labels = [token_label(p) for p in pieces]
+    query_labels = [token_label(pieces[q]) for q in maps.query_pos]
+    fontsize = 7 if kv_len <= 24 else 6
+    image = None
+    for ax in axes.ravel()[len(heads):]:
+        ax.set_visible(False)
+    for i, (ax, head) in enumerate(zip(axes.ravel(), heads)):
+        data = np.ma.masked_array(maps.probs[head], mask=maps.masked)
+        image = ax.imshow(data, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+        ax.set_title(f"head {head} (KV head {head // maps.n_rep})", fontsize=8)
+        row, col = divmod(i, n_cols)
+        xt = _ticks(kv_len)
+        ax.set_xticks(xt)
+        last_row = row == n_rows - 1 or i + n_cols >= len(heads)
+        ax.set_xticklabels([key_labels[j] for j in xt] if last_row else [], rotation=90, fontsize=fontsize)
+        yt = _ticks(n_q, limit=MAX_LABELS if n_q * cell >= 0.9 else 1)
+        ax.set_yticks(yt)
+        ax.set_yticklabels([query_labels[j] for j in yt] if col == 0 else [], fontsize=fontsize)
+        ax.tick_params(length=2, pad=1)
+    fig.suptitle(title, fontsize=10)
+    bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.02)
+    bar.set_label("probability (√ scale); grey = masked (a later key)", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    fig.supxlabel("keys", fontsize=8)
+    fig.supylabel("queries", fontsize=8)
+    return fig
+
+
+def save_attention(maps: AttentionMaps, pieces: list[str], heads: list[int], title: str, path: Path,
+                   option: str = "-o") -> None:
+    """Draw :func:`attention_figure` and write it atomically to ``path`` (format by extension).
+
+    Raises:
+        OptionError: a bad extension. OutputError: the file cannot be written.
+    """
+    _save(attention_figure(maps, pieces, heads, title), path, option)
+
+
+def lens_figure(lens: Lens, pieces: list[str], title: str):
+    """Layers down (embeddings first), positions across; cell colour = the top-1 probability,
+    cell text = the top-1 piece. Returns the matplotlib figure."""
+    plt = _pyplot()
+    k = len(lens.positions)
+    n_rows = len(lens.rows) // k
+    probs = np.array([r.top_prob for r in lens.rows]).reshape(n_rows, k)
+    fig, ax = plt.subplots(figsize=(1.3 + 1.05 * k, 0.8 + 0.24 * n_rows), layout="constrained")
+    image = ax.imshow(probs, cmap="magma", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+    for idx, r in enumerate(lens.rows):
+        i, j = divmod(idx, k)
+        text = token_label(r.top_piece, width=9)
+        colour = "black" if r.top_prob > 0.55 else "white"
+        weight = "bold" if r.top_id == lens.final_id else "normal"
+        ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color=colour, fontweight=weight)
+    ax.set_xticks(range(k))
+    ax.set_xticklabels([f"{p}: {token_label(pieces[p])}" for p in lens.positions], fontsize=7, rotation=30,
+                       ha="right")
+    ax.set_yticks(range(n_rows))
+    ax.set_yticklabels(["embd"] + [str(i) for i in range(n_rows - 1)], fontsize=6.5)
+    ax.set_ylabel("after layer")
+    ax.set_xlabel("position: input token")
+    ax.tick_params(length=2, pad=1)
+    ax.set_title(title, fontsize=9)
+    bar = fig.colorbar(image, ax=ax, shrink=0.6, pad=0.02)
+    bar.set_label("top-1 probability (bold: the model's final prediction)", fontsize=7)
+    bar.ax.tick_params(labelsize=7)
+    return fig
+
+
+def save_lens(lens: Lens, pieces: list[str], title: str, path: Path, option: str = "-o") -> None:
+    """Draw :func:`lens_figure` and write it atomically to ``path`` (format by extension).
+
+    Raises:
+        OptionError: a bad extension. OutputError: the file cannot be written.
+    """
+    _save(lens_figure(lens, pieces, title), path, option)

@@ -1,0 +1,172 @@
+"""Looking inside: the logit lens, attention maps and pictures, the `attention`, `lens` and
+`stages` commands and `--ablate` (bad options give one `error:` line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llamatrace.cli import main
+from llamatrace.look import attention, logit_lens
+
+TOKENS = [5, 40, 77, 260, 3, 150, 268, 99]
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    for needle in needles:
+        assert needle in err, err
+
+
+# ---- the lens ---------------------------------------------------------------------------------
+def test_lens_last_layer_row_is_the_models_own_logits(tiny_model):
+    lens = logit_lens(tiny_model, TOKENS, positions=3)
+    own = tiny_model.forward(np.array(TOKENS), 0, tiny_model.new_cache(16))[-1]
+    assert lens.lens_logits.shape == (tiny_model.config.n_layers + 1, 3, tiny_model.config.vocab_size)
+    assert np.array_equal(lens.lens_logits[-1, -1], own)
+    assert lens.positions == [5, 6, 7]
+    last = lens.rows[-1]
+    assert (last.layer, last.pos, last.top_id, last.final_rank) == (tiny_model.config.n_layers - 1, 7,
+                                                                    lens.final_id, 0)
+
+
+def test_lens_of_the_default_model_knows_paris_only_at_the_end(smollm2):
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    lens = logit_lens(smollm2, ids, positions=2)
+    own = smollm2.forward(np.array(ids), 0, smollm2.new_cache(len(ids)))[-1]
+    assert np.array_equal(lens.lens_logits[-1, -1], own)
+    assert smollm2.tokenizer.piece(lens.final_id) == " Paris"
+    last_pos = [r for r in lens.rows if r.pos == len(ids) - 1]
+    assert [r.layer for r in last_pos] == ["embd", *range(smollm2.config.n_layers)]
+    assert last_pos[0].final_rank > 100 and last_pos[-1].final_rank == 0
+
+
+def test_lens_json_has_the_documented_fields(capsys, tiny_model_path):
+    code, out, err = run(capsys, "lens", "--model", str(tiny_model_path), "--raw", "--positions", "2", "--json",
+                         "hello there")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert set(doc) >= {"model", "prompt_ids", "final_id", "rows"}
+    assert {tuple(sorted(r)) for r in doc["rows"]} == {
+        ("final_prob", "final_rank", "layer", "pos", "top_id", "top_piece", "top_prob")}
+    assert [r["layer"] for r in doc["rows"][::2]] == ["embd", 0, 1]
+    assert doc["rows"][-1]["top_id"] == doc["final_id"]
+
+
+# ---- attention ----------------------------------------------------------------------------------
+def test_attention_rows_sum_to_one_over_unmasked_keys(tiny_model):
+    maps = attention(tiny_model, TOKENS, layer=1)
+    n = len(TOKENS)
+    assert maps.probs.shape == (tiny_model.config.n_heads, n, n)
+    assert np.array_equal(maps.masked, np.triu(np.ones((n, n), dtype=bool), k=1))
+    assert np.all(maps.probs[:, maps.masked] == 0)
+    np.testing.assert_allclose(np.where(maps.masked, 0, maps.probs).sum(-1), 1, rtol=1e-5)
+
+
+def test_attention_at_a_decode_step_is_one_row_against_the_whole_cache(tiny_model):
+    maps = attention(tiny_model, TOKENS, layer=0, step=2)
+    assert maps.query_pos == [len(TOKENS) + 1]
+    assert maps.probs.shape == (tiny_model.config.n_heads, 1, len(TOKENS) + 2)
+    assert not maps.masked.any()
+    np.testing.assert_allclose(maps.probs.sum(-1), 1, rtol=1e-5)
+
+
+def test_attention_json_marks_masked_cells_null_and_the_picture_is_written(capsys, tmp_path, tiny_model_path):
+    png = tmp_path / "attn.png"
+    code, out, err = run(capsys, "attention", "--model", str(tiny_model_path), "--raw", "--layer", "-1",
+                         "--json", "-o", str(png), "hello there")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["layer"] == 1 and len(doc["heads"]) == 4 and doc["heads"][3]["kv_head"] == 1
+    probs = doc["heads"][0]["probs"]
+    assert probs[0][1] is None and probs[1][0] is not None
+    for row in probs:
+        assert sum(p for p in row if p is not None) == pytest.approx(1, rel=1e-5)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_token_labels_escape_what_the_font_cannot_draw():
+    from llamatrace.plots import token_label
+
+    assert token_label(" the") == "␣the"
+    assert token_label("a\nb") == "a\\nb"
+    assert token_label("\x00") == "\\u0000"
+    assert token_label("中") == "\\u4e2d"            # DejaVu Sans has no CJK: escaped, not a box
+    assert token_label("$x$") == r"\$x\$"
+    assert token_label("abcdefghijklmnop", width=6) == "abcde…"
+
+
+# ---- ablation through the CLI -----------------------------------------------------------------------
+def test_generate_with_an_ablation_differs_and_without_it_does_not(capsys, tiny_model_path):
+    base = ["generate", "--model", str(tiny_model_path), "--raw", "--json", "-n", "6", "hello there"]
+    outs = []
+    for extra in ([], ["--ablate", "l_out@all"], []):
+        code, out, err = run(capsys, *base, *extra)
+        assert code == 0, err
+        outs.append(json.loads(out)["ids"])
+    assert outs[0] == outs[2] != outs[1]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["attention", "--layer", "7"], "out of range"),
+    (["attention", "--layer", "0", "--head", "4"], "--head 4 is out of range"),
+    (["attention", "--layer", "0-1"], "one layer"),
+    (["attention", "-o", "x.txt"], ".png, .svg, .pdf"),
+    (["lens", "--ablate", "keys@0"], "stage 'keys' is not an array of its own"),
+    (["lens", "--ablate", "Qcur_heads@0"], "cannot be replaced"),
+    (["lens", "--ablate", "nope@0"], "unknown stage 'nope'"),
+    (["lens", "--ablate", "attn_out@9"], "layer 9 is out of range"),
+    (["lens", "--ablate", "attn_out@0:1"], "no heads axis"),
+    (["lens", "--ablate", "kqv@0:4"], "head 4 is out of range"),
+    (["lens", "--ablate", "Kcur_rope@0:2"], "head 2 is out of range; Kcur_rope has 2 KV heads"),
+    (["lens", "--ablate", "attn_out"], "say which"),
+    (["trace", "--ablate", "inp_embd@0"], "model-level"),
+    (["generate", "--ablate", "attn_out@"], "expected STAGE@LAYER"),
+    (["lens", "--positions", "0"], "--positions must be >= 1"),
+])
+def test_bad_options_give_one_error_line(capsys, tmp_path, tiny_model_path, args, needle):
+    code, out, err = run(capsys, *args, "--model", str(tiny_model_path), "--raw", "hello")
+    assert_one_line_error(code, err, needle)
+
+
+# ---- the catalogue as a command ---------------------------------------------------------------------
+def test_stages_json_lists_names_hooks_and_replaceability(capsys, tiny_model_path):
+    code, out, err = run(capsys, "stages", "--json", "--model", str(tiny_model_path))
+    assert code == 0, err
+    rows = {r["id"]: r for r in json.loads(out)}
+    assert rows["kq_mask"]["llama_cpp"] == "attn_inp_kq_mask"
+    assert rows["ffn_up"]["tl_hook"] == "mlp.hook_pre_linear"
+    assert rows["result_output"]["tl_hook"] is None
+    assert "before × attn_norm.weight" in rows["attn_norm"]["tl_differs"]
+    assert rows["keys"]["replaceable"] is False and rows["attn_out"]["replaceable"] is True
+    assert rows["Qcur_heads"]["model_shape"] == "[seq_len, 4, 16]"
+
+
+def test_stages_table_without_a_model_shows_formulas(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("llamatrace.fetch.resolve_model", _no_model)
+    code, out, err = run(capsys, "stages")
+    assert code == 0, err
+    assert "attn_inp_kq_mask" in out and "hook_pattern" in out and "n_kv_heads" in out
+
+
+def _no_model(model, **kwargs):
+    from llamatrace.errors import ModelNotFoundError
+    raise ModelNotFoundError("not downloaded")
+
+
+def test_help_of_the_look_commands_shows_examples(capsys):
+    for cmd in ("attention", "lens", "stages"):
+        code = main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert code == 0 and "Example" in out and f"llamatrace {cmd}" in out
