@@ -84,6 +84,13 @@ def info(
         table.add_row(name, tensor_type_name(t), str(list(f.matrix_shape(name))), f"{int(t.n_bytes):,}")
     table.add_row("[bold]total[/]", "", "", f"[bold]{total:,}[/]")
     out.print(table)
+    import numba
+
+    from ..bench import cpu_model
+    from ..quant import threading_layer
+    out.print(f"Runtime: {cpu_model()}, {numba.config.NUMBA_NUM_THREADS} threads, Numba threading layer "
+              f"{threading_layer()!r} (tbb or omp: a few µs per parallel region; workqueue: ~50–100 µs)",
+              soft_wrap=True)
 
 
 def _short(value, limit: int = 120) -> str:
