@@ -22,8 +22,8 @@ def _numba_cache_dir() -> None:
     if _os.environ.get("NUMBA_CACHE_DIR"):
         return
     if not _os.access(_os.path.dirname(__file__), _os.W_OK):
-        from platformdirs import user_cache_dir
-        _os.environ["NUMBA_CACHE_DIR"] = _os.path.join(user_cache_dir("llamatrace"), "numba")
+        from .fetch import cache_root
+        _os.environ["NUMBA_CACHE_DIR"] = _os.path.join(cache_root(), "numba")
 
 
 def _preload_tbb() -> None:

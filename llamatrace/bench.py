@@ -233,8 +233,10 @@ class _Llamatrace:
 
     def threading(self) -> str:
         import numba
-        count = self.threads or f"auto {min(c for c in numba_candidates())}–{numba.config.NUMBA_NUM_THREADS}"
-        return f"numba {numba.threading_layer()}, {count} threads"
+
+        from .quant import AUTO_THREADS, threading_layer
+        count = self.threads or f"auto {min(AUTO_THREADS.candidates)}–{numba.config.NUMBA_NUM_THREADS}"
+        return f"numba {threading_layer()}, {count} threads"
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
         from .generate import GenerationStats, generate
@@ -243,11 +245,6 @@ class _Llamatrace:
                           stop_ids=frozenset()):
             pass
         return stats.prefill_s, stats.decode_s * n_decode / max(stats.decode_steps, 1)
-
-
-def numba_candidates() -> list[int]:
-    from .quant import AUTO_THREADS
-    return AUTO_THREADS.candidates
 
 
 class _LlamaCpp:

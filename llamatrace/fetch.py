@@ -37,12 +37,19 @@ ENV_MODEL = "LLAMATRACE_MODEL"
 ENV_CACHE = "LLAMATRACE_CACHE_DIR"
 
 
-def cache_dir() -> Path:
-    """Where fetched models live: ``$LLAMATRACE_CACHE_DIR`` or the platform user cache dir."""
+def cache_root() -> Path:
+    """llamatrace's cache folder: ``$LLAMATRACE_CACHE_DIR``, else the platform user cache dir
+    (``~/.cache/llamatrace`` on Linux). Models go in its ``models/`` subfolder."""
     if os.environ.get(ENV_CACHE):
         return Path(os.environ[ENV_CACHE]).expanduser()
     from platformdirs import user_cache_dir
-    return Path(user_cache_dir("llamatrace")) / "models"
+    return Path(user_cache_dir("llamatrace"))
+
+
+def cache_dir() -> Path:
+    """Where fetched models live: ``cache_root() / "models"`` (the same layout with or without
+    ``$LLAMATRACE_CACHE_DIR``)."""
+    return cache_root() / "models"
 
 
 def installed_default_model() -> Path | None:
@@ -76,12 +83,13 @@ def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
     Raises:
         ModelNotFoundError: a given path does not exist, or the default model cannot be fetched.
     """
-    for given, origin in ((model, "--model"), (os.environ.get(ENV_MODEL) or None, ENV_MODEL)):
+    for given, origin, default_hint in ((model, "--model", "omit --model"),
+                                        (os.environ.get(ENV_MODEL) or None, ENV_MODEL, f"unset {ENV_MODEL}")):
         if given:
             path = Path(given).expanduser()
             if not path.exists():
                 raise ModelNotFoundError(f"{origin}: model file {str(path)!r} does not exist; "
-                                         f"give the path of a .gguf file (or omit it to use the default model)")
+                                         f"give the path of a .gguf file (or {default_hint} to use the default model)")
             if path.is_dir():
                 raise ModelNotFoundError(f"{origin}: {str(path)!r} is a directory; give the path of a .gguf file")
             return path
@@ -89,8 +97,9 @@ def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
     if found is not None:
         return found
     if not fetch:
-        raise ModelNotFoundError("the default model is not downloaded yet; run `llamatrace pull` "
-                                 "or pass --model PATH")
+        raise ModelNotFoundError(f"the default model {DEFAULT_MODEL.filename} is not in {str(cache_dir())!r} yet "
+                                 f"and fetching is off; run `llamatrace pull` (or Llama.load() with fetch=True), "
+                                 f"or give the path of a .gguf file")
     return pull(log=log)
 
 

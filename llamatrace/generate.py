@@ -45,15 +45,18 @@ def check_prompt_fits(model, n_prompt: int, ctx_size: int) -> None:
     """Raise :class:`PromptError` (before any compute) when the prompt cannot fit."""
     if n_prompt == 0:
         raise PromptError("the prompt is empty: give some text (or --prompt-file FILE)")
-    limit = min(ctx_size, model.config.max_seq_len)
-    if n_prompt > limit:
-        raise PromptError(f"the prompt has {n_prompt} tokens but the context holds {limit} "
-                          f"(model context length {model.config.max_seq_len}, --ctx-size {ctx_size}); "
-                          f"shorten the prompt or raise --ctx-size")
+    max_seq = model.config.max_seq_len
+    if n_prompt > min(ctx_size, max_seq):
+        if ctx_size >= max_seq:          # nothing to raise: the model's own limit
+            raise PromptError(f"the prompt has {n_prompt} tokens but the model's context length is {max_seq}; "
+                              f"shorten the prompt")
+        raise PromptError(f"the prompt has {n_prompt} tokens but the context holds {ctx_size} (--ctx-size); "
+                          f"raise --ctx-size (at most the model's {max_seq}) or shorten the prompt")
 
 
 def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: SamplingParams | None = None,
-             ctx_size: int | None = None, recorder: Recorder | None = None,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, ctx_size: int | None = None, recorder: Recorder | None = None,
              stats: GenerationStats | None = None, stop_ids: frozenset[int] | None = None) -> Iterator[int]:
     """Yield generated token ids one by one.
 
@@ -61,14 +64,22 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
     decode step. Stops at an end-of-generation id (not yielded), after ``max_tokens``, or when the
     KV cache (``ctx_size`` positions) is full; ``stats.stop_reason`` says which.
 
+    Sampling (see :class:`~llamatrace.sampling.SamplingParams`) is greedy by default; give either
+    ``sampling`` or the keywords ``temperature``, ``top_k``, ``top_p``, ``seed``.
+
     Raises:
-        OptionError: ``max_tokens`` <= 0 or a bad ``ctx_size``.
+        OptionError: ``max_tokens`` <= 0, a bad ``ctx_size`` or sampling value, or both
+            ``sampling`` and sampling keywords.
         PromptError: empty prompt or one longer than the context.
     """
     if max_tokens <= 0:
         raise OptionError(f"--max-tokens must be a positive integer, got {max_tokens}")
+    given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                               ("seed", seed)) if v is not None}
+    if sampling is not None and given:
+        raise OptionError(f"give either sampling=SamplingParams(...) or {', '.join(given)}=..., not both")
     stats = stats if stats is not None else GenerationStats()
-    sampler = Sampler(sampling or SamplingParams())
+    sampler = Sampler(sampling or SamplingParams(**given))
     stop_ids = model.tokenizer.stop_ids if stop_ids is None else stop_ids
     n_prompt = len(prompt_ids)
     ctx_size = ctx_size or default_ctx_size(model, n_prompt, max_tokens)

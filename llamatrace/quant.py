@@ -656,6 +656,19 @@ def _repack_blocks(blocks, row0, d_off, m_off, q_off, f16_table, qs_t, d_t, m_t)
                     qs_t[tile, b, j, rr] = blocks[r, b, q_off + j]
 
 
+@njit(**_JIT_PARALLEL)
+def _touch_threads(a):
+    for i in prange(a.shape[0]):
+        a[i] = i
+
+
+def threading_layer() -> str:
+    """Numba's threading layer in use (``tbb``, ``omp`` or ``workqueue``): runs one tiny parallel
+    kernel first, since Numba picks the layer at the first parallel call."""
+    _touch_threads(np.zeros(4, dtype=np.int64))
+    return numba.threading_layer()
+
+
 _fixed_threads: int | None = None
 
 

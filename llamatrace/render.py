@@ -32,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .outputs import OutputStream, write_atomic
+from .sampling import softmax64
 from .stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
 from .trace import TraceEvent, finite_or_none
 
@@ -298,9 +299,7 @@ def tokens_table(tokenizer, ids: Sequence[int], title: str = "Prompt tokens") ->
 
 def top_k_probs(logits: np.ndarray, tokenizer, k: int) -> list[tuple[int, str, float]]:
     """The ``k`` most likely next tokens from float32 ``[vocab_size]`` logits: (id, piece, probability)."""
-    z = logits.astype(np.float64)
-    p = np.exp(z - z.max())
-    p /= p.sum()
+    p = softmax64(logits)
     k = min(k, p.size)
     top = np.argpartition(-p, k - 1)[:k]
     top = top[np.argsort(-p[top], kind="stable")]

@@ -127,10 +127,12 @@ def test_info_lists_tensors(capsys, tiny_model_path):
     code, out, err = run(capsys, "info", "-m", str(tiny_model_path))
     assert code == 0
     assert "blk.0.attn_q.weight" in out and "Q8_0" in out and "llama.embedding_length" in out
+    import numba
+    assert f"threading layer {numba.threading_layer()!r}" in " ".join(out.split())
 
 
 def test_help_shows_examples(capsys):
-    for cmd in ([], ["generate"], ["trace"], ["diagram"], ["info"], ["pull"]):
+    for cmd in ([], ["generate"], ["trace"], ["diagram"], ["info"], ["pull"], ["bench"]):
         code = main([*cmd, "--help"])
         out = capsys.readouterr().out
         assert code == 0 and "llamatrace" in out and "Example" in out

@@ -221,7 +221,7 @@ def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
     jl, nz, log = tmp_path / "t.jsonl", tmp_path / "t.npz", tmp_path / "debug.log"
     code, _, err = run_cli(["trace", "--model", str(gqa_path), "--raw", "--tokens", "2", "--stats", "--values", "3",
                             "--layer", "0,-1", "--jsonl", str(jl), "--npz", str(nz), "--log-file", str(log),
-                            "--top-k", "4", "the cat"], capsys)
+                            "--top", "4", "the cat"], capsys)
     assert code == 0, err
     lines = [json.loads(line) for line in jl.read_text(encoding="utf-8").splitlines()]  # every line is JSON
     header, events, footer = lines[0], lines[1:-1], lines[-1]

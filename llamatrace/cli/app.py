@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 import traceback
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -25,7 +26,8 @@ from rich.console import Console
 from .. import __version__
 from ..errors import LlamatraceError
 
-err = Console(stderr=True, highlight=False)
+# soft_wrap: summary and error lines stay whole lines when stderr is a file or pipe (80 columns)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -46,7 +48,14 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-_state = {"debug": False}
+_state = {"debug": False, "interrupt_reported": False}
+
+
+def exit_interrupted() -> NoReturn:
+    """Leave with exit code 130 after the command has said what it kept; any other exit with 130
+    (Ctrl-C while loading: typer turns it into ``Exit(130)``) gets an ``interrupted`` line."""
+    _state["interrupt_reported"] = True
+    raise typer.Exit(EXIT_INTERRUPTED)
 
 
 def _version(value: bool) -> None:
@@ -57,11 +66,22 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks (for bug reports).")] = False,
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+    debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show full tracebacks (for bug reports); "
+                                        "also accepted after the command.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    _state["debug"] = debug or bool(os.environ.get("LLAMATRACE_DEBUG"))
+    _state["debug"] = _state["debug"] or debug or bool(os.environ.get("LLAMATRACE_DEBUG"))
+
+
+def _take_debug_flag(argv: list[str]) -> list[str]:
+    """``--debug`` anywhere before a ``--`` turns tracebacks on; it is removed, so every command
+    accepts it without declaring it (``llamatrace generate --debug …``)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    if "--debug" not in argv[:end]:
+        return argv
+    _state["debug"] = True
+    return [a for a in argv[:end] if a != "--debug"] + argv[end:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,24 +107,37 @@ def _silence_stdout() -> None:
 
 
 def _run(argv: list[str] | None) -> int:
+    _state["debug"] = _state["interrupt_reported"] = False
+    argv = _take_debug_flag(list(sys.argv[1:] if argv is None else argv))
     try:
         # with standalone_mode=False, click returns a typer.Exit's code instead of raising it
         code = app(args=argv, standalone_mode=False)
         if isinstance(code, int):
+            if code == EXIT_INTERRUPTED and not _state["interrupt_reported"]:
+                err.print("interrupted")
             return code
     except LlamatraceError as exc:
         _report(exc, str(exc), exc.exit_code)
         return exc.exit_code
     except typer.Exit as exc:
-        return int(getattr(exc, "exit_code", 0) or 0)
+        code = int(getattr(exc, "exit_code", 0) or 0)
+        if code == EXIT_INTERRUPTED and not _state["interrupt_reported"]:
+            err.print("interrupted")
+        return code
     except typer.Abort:
         err.print("interrupted")
         return EXIT_INTERRUPTED
     except _UsageError as exc:                   # bad option, missing argument, no command...
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        # typer >= 0.2x validates choices with pydantic, whose messages start "Value error, "
+        message = message.replace("Value error, ", "")
         if message:
             ctx = getattr(exc, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            name = getattr(exc, "option_name", None) or ""
+            if type(exc).__name__ == "NoSuchOption" and re.fullmatch(r"-[^-a-zA-Z].*", name):
+                hint = (" (a prompt that starts with '-' goes after '--': "
+                        f"`{ctx.command_path if ctx is not None else 'llamatrace'} -- \"-5 °C?\"`)")
             from rich.markup import escape
             err.print(f"[red]error:[/] {escape(message + hint)}", soft_wrap=True)
         return EXIT_BAD_INPUT

@@ -41,9 +41,9 @@ def diagram(
     layer: Annotated[int, typer.Option("--layer", "-l", help="Which layer's block to draw.")] = 0,
     step: Annotated[int, typer.Option(
         "--step", help="Which forward call: 0 = prefill of the prompt, n = decode step n (greedy).")] = 0,
-    stats: Annotated[bool, typer.Option("--stats", help="Add each tensor's mean, rms, min and max.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", metavar="", help="Add each tensor's mean, rms, min and max.")] = False,
     timings: Annotated[bool, typer.Option(
-        "--timings", help="Colour op nodes by time spent (the output then differs run to run).")] = False,
+        "--timings", metavar="", help="Colour op nodes by time spent (the output then differs run to run).")] = False,
     model: ModelOpt = None,
     raw: RawOpt = False,
     system: SystemOpt = None,

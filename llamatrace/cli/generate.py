@@ -11,14 +11,16 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import OptionError
-from .app import EXIT_INTERRUPTED, app, err, out
+from .app import app, err, exit_interrupted, out
 from .options import (
+    CtxSizeOpt,
     AblateOpt,
     ModelOpt,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
+    check_ctx_size,
     ablated,
     load_model,
     parse_ablations,
@@ -34,17 +36,17 @@ def generate(
     model: ModelOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy; higher = more random.")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0 = off).")] = 0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1.0 = off).")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0 = off); "
+                                       "applied after --temperature, before --top-p.")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the likeliest tokens whose "
+                                         "mass reaches P, of those left by --top-k (1.0 = off).")] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.", show_default=False)] = None,
     raw: RawOpt = False,
     system: SystemOpt = None,
     prompt_file: PromptFileOpt = None,
-    ctx_size: Annotated[Optional[int], typer.Option(
-        "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + max tokens, "
-        "at most the model's context length).", show_default=False)] = None,
+    ctx_size: CtxSizeOpt = None,
     threads: ThreadsOpt = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object (text, ids, timings) instead "
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (text, ids, timings) instead "
                                                          "of streaming text.")] = False,
     ablate: AblateOpt = None,
 ) -> None:
@@ -72,9 +74,11 @@ def generate(
 
     if max_tokens <= 0:
         raise OptionError(f"--max-tokens must be a positive integer, got {max_tokens}")
-    if ctx_size is not None and ctx_size <= 0:
-        raise OptionError(f"--ctx-size must be a positive integer, got {ctx_size}")
+    check_ctx_size(ctx_size)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if sampling.unused_options():
+        err.print(f"[yellow]note:[/] {', '.join(sampling.unused_options())} ignored: --temperature 0 "
+                  f"(the default) is greedy; give --temperature > 0 to sample")
     parse_ablations(ablate)
     text_in = read_prompt(prompt, prompt_file)
     t0 = time.perf_counter()
@@ -125,4 +129,4 @@ def generate(
         err.print(f"[yellow]note:[/] stopped at the context limit ({stats.ctx_size} tokens); "
                   f"raise --ctx-size to go further")
     if interrupted:
-        raise typer.Exit(EXIT_INTERRUPTED)
+        exit_interrupted()

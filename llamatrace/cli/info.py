@@ -14,7 +14,7 @@ from .options import ModelOpt
 @app.command()
 def info(
     model: ModelOpt = None,
-    all_metadata: Annotated[bool, typer.Option("--all", help="Also list every metadata key.")] = False,
+    all_metadata: Annotated[bool, typer.Option("--all", metavar="", help="Also list every metadata key.")] = False,
 ) -> None:
     """Show a model's config, metadata and tensors (name, type, shape, bytes).
 
@@ -24,7 +24,9 @@ def info(
 
       llamatrace info --model Llama-3.2-1B-Instruct-Q8_0.gguf --all
     """
+    from rich.rule import Rule
     from rich.table import Table
+    from rich.text import Text
 
     from ..fetch import resolve_model
     from ..gguf_io import open_gguf, tensor_type_name
@@ -33,22 +35,30 @@ def info(
     f = open_gguf(path)
     meta = f.metadata
     out.print(f"[bold]{path}[/]  ({f.file_size / 1e6:.1f} MB, GGUF v{meta.get('GGUF.version')})")
-    cfg = Table(title="Model", show_header=False, box=None)
+    rows: dict[str, str] = {}                    # key → shown value; each key once, in file order
     for key in ("general.name", "general.architecture", "general.file_type"):
         if key in meta:
-            cfg.add_row(key, str(meta[key]))
+            rows[key] = str(meta[key])
     arch = meta.get("general.architecture", "")
+    template = meta.get("tokenizer.chat_template")
     for key, value in meta.items():
         if key.startswith(f"{arch}.") or (all_metadata and not key.startswith("GGUF.")):
-            text = str(value)
-            cfg.add_row(key, text if len(text) < 120 else text[:117] + "…")
+            rows.setdefault(key, _short(value))
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
                 "tokenizer.ggml.eos_token_id"):
-        if key in meta and not all_metadata:
-            cfg.add_row(key, str(meta[key]))
-    if not all_metadata and "tokenizer.chat_template" in meta:
-        cfg.add_row("tokenizer.chat_template", f"({len(str(meta['tokenizer.chat_template']))} chars; --all shows it)")
+        if key in meta:
+            rows.setdefault(key, str(meta[key]))
+    if template is not None:
+        rows["tokenizer.chat_template"] = (f"({len(str(template))} chars, shown in full below)" if all_metadata
+                                           else f"({len(str(template))} chars; --all shows it)")
+    cfg = Table(title="Model", show_header=False, box=None)
+    for key, text in rows.items():
+        cfg.add_row(key, Text(text))
     out.print(cfg)
+    if all_metadata and template is not None:
+        out.print(Rule("tokenizer.chat_template", align="left"))
+        out.print(str(template), markup=False, highlight=False)
+        out.print(Rule())
     if "token_embd.weight" in f.tensors:
         from ..config import ModelConfig
         try:
@@ -74,3 +84,19 @@ def info(
         table.add_row(name, tensor_type_name(t), str(list(f.matrix_shape(name))), f"{int(t.n_bytes):,}")
     table.add_row("[bold]total[/]", "", "", f"[bold]{total:,}[/]")
     out.print(table)
+    import numba
+
+    from ..bench import cpu_model
+    from ..quant import threading_layer
+    out.print(f"Runtime: {cpu_model()}, {numba.config.NUMBA_NUM_THREADS} threads, Numba threading layer "
+              f"{threading_layer()!r} (tbb or omp: a few µs per parallel region; workqueue: ~50–100 µs)",
+              soft_wrap=True)
+
+
+def _short(value, limit: int = 120) -> str:
+    """A metadata value on one table row: long lists and texts cut, saying how long they are."""
+    text = str(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value):,} items" if isinstance(value, (list, tuple)) else f"{len(text):,} chars"
+    return f"{text[:limit - 1]}… ({size})"

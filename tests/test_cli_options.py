@@ -1,0 +1,251 @@
+"""Options and messages that must agree across commands (issue 8), the default-model loading
+of the Python API, and ``python -m llamatrace`` outside an installed environment."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from llamatrace import fetch
+from llamatrace.cli import main
+from llamatrace.errors import ModelNotFoundError, PromptError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+# ---- Llama.load() without a path -----------------------------------------------------------------
+def test_load_without_path_and_fetch_off_says_how_to_fix(monkeypatch, tmp_path):
+    from llamatrace.model import Llama
+    monkeypatch.delenv(fetch.ENV_MODEL, raising=False)
+    monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path))
+    monkeypatch.setattr(fetch, "installed_default_model", lambda: None)
+    with pytest.raises(ModelNotFoundError) as info:
+        Llama.load(fetch=False)
+    message = str(info.value)
+    assert "llamatrace pull" in message and "fetch=True" in message and str(tmp_path / "models") in message
+    assert list(tmp_path.iterdir()) == []                       # nothing fetched, nothing created
+
+
+def test_load_without_path_uses_llamatrace_model(monkeypatch, tiny_model_path):
+    from llamatrace.model import Llama
+    monkeypatch.setenv(fetch.ENV_MODEL, str(tiny_model_path))
+    assert Llama.load(fetch=False).path == tiny_model_path
+
+
+def test_load_without_path_warns_before_fetching(monkeypatch, tmp_path, tiny_model_path, caplog):
+    from llamatrace.model import Llama
+    monkeypatch.delenv(fetch.ENV_MODEL, raising=False)
+    monkeypatch.setattr(fetch, "installed_default_model", lambda: None)
+    monkeypatch.setattr(fetch, "cached_default_model", lambda: None)
+
+    def fake_pull(*, force=False, log):
+        log("Fetching the default model …")
+        return tiny_model_path
+    monkeypatch.setattr(fetch, "pull", fake_pull)
+    with caplog.at_level("WARNING", logger="llamatrace"):
+        assert Llama.load().path == tiny_model_path
+    assert "Fetching the default model" in caplog.text
+
+
+def test_env_model_error_says_unset_it(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv(fetch.ENV_MODEL, str(tmp_path / "gone.gguf"))
+    code, out, err = run(capsys, "generate", "hi")
+    assert code == 2 and "unset LLAMATRACE_MODEL" in one_error_line(err)
+
+
+def test_cache_dir_has_the_same_layout_with_and_without_the_variable(monkeypatch, tmp_path):
+    monkeypatch.delenv(fetch.ENV_CACHE, raising=False)
+    assert fetch.cache_dir().name == "models" and fetch.cache_dir().parent == fetch.cache_root()
+    monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path))
+    assert fetch.cache_dir() == tmp_path / "models"
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+def test_trailing_newlines_of_a_prompt_file_or_stdin_are_dropped(capsys, monkeypatch, tiny_model_path, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_bytes(b"the cat\r\n\n")
+    code, out, _ = run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", str(tiny_model_path), "-f", str(prompt))
+    assert code == 0 and json.loads(out)["prompt"] == "the cat"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"  the cat\n")))
+    code, out, _ = run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", str(tiny_model_path), "-f", "-")
+    assert code == 0 and json.loads(out)["prompt"] == "  the cat"       # only line breaks go
+
+
+def test_prompt_starting_with_a_dash_gets_the_double_dash_hint(capsys):
+    code, out, err = run(capsys, "generate", "-5 °C?")
+    assert code == 2 and "after '--'" in one_error_line(err)
+
+
+def test_prompt_too_long_for_the_model_does_not_suggest_raising_ctx_size(tiny_model):
+    from llamatrace.generate import check_prompt_fits
+    n_max = tiny_model.config.max_seq_len
+    with pytest.raises(PromptError) as info:
+        check_prompt_fits(tiny_model, n_max + 1, n_max)
+    assert "--ctx-size" not in str(info.value) and f"context length is {n_max}" in str(info.value)
+    with pytest.raises(PromptError, match="raise --ctx-size"):
+        check_prompt_fits(tiny_model, 10, 8)
+
+
+def test_trace_takes_ctx_size(capsys, tiny_model_path):
+    code, out, err = run(capsys, "trace", "-m", str(tiny_model_path), "--raw", "--ctx-size", "2",
+                         "--stage", "attn_norm", "the cat")
+    assert code == 2 and "--ctx-size" in one_error_line(err)
+    code, out, err = run(capsys, "trace", "-m", str(tiny_model_path), "--raw", "--ctx-size", "8", "--tokens", "2",
+                         "--stage", "cache_k", "--layer", "0", "the cat")
+    assert code == 0, err
+    assert "CacheK shape([8 " in out                          # the cache holds --ctx-size positions
+
+
+# ---- sampling options at temperature 0 --------------------------------------------------------------
+def test_sampling_options_at_temperature_zero_get_one_note(capsys, tiny_model_path):
+    code, out, err = run(capsys, "generate", "--raw", "-n", "2", "--top-k", "5", "--seed", "1",
+                         "-m", str(tiny_model_path), "the cat")
+    assert code == 0
+    notes = [ln for ln in err.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "--top-k, --seed ignored" in notes[0]
+    code, out, err = run(capsys, "generate", "--raw", "-n", "2", "-m", str(tiny_model_path), "the cat")
+    assert "note:" not in err
+
+
+# ---- trace options ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, words", [
+    (["--stats"], ["--stats"]),
+    (["--values", "2"], ["--values"]),
+    (["--stats", "--values", "2"], ["--stats and --values"]),
+])
+def test_dump_shapes_refuses_stats_and_values(capsys, tiny_model_path, extra, words):
+    code, out, err = run(capsys, "trace", "-m", str(tiny_model_path), "--dump-shapes", *extra)
+    line = one_error_line(err)
+    assert code == 2 and all(w in line for w in words)
+
+
+def test_trace_top_sets_how_many_probabilities_show(capsys, tiny_model_path):
+    code, out, err = run(capsys, "trace", "-m", str(tiny_model_path), "--raw", "--stage", "attn_norm",
+                         "--top", "3", "the cat")
+    assert code == 0 and "(top 3)" in out
+    code, out, err = run(capsys, "trace", "-m", str(tiny_model_path), "--top-k", "3")
+    assert code == 2 and "--top-k" in one_error_line(err)
+
+
+def test_layer_numbering_is_explained_once_in_log_and_help(capsys, tiny_model_path):
+    code, out, err = run(capsys, "trace", "-m", str(tiny_model_path), "--raw", "--layer", "1",
+                         "--stage", "attn_norm", "the cat")
+    assert code == 0
+    assert out.count("numbered from 0") == 1 and "layer: 2 / 2" in out
+    main(["trace", "--help"])
+    assert "numbered from 0" in " ".join(capsys.readouterr().out.split())
+
+
+def test_choice_errors_have_no_pydantic_prefix(capsys):
+    code, out, err = run(capsys, "trace", "--format", "csv")
+    line = one_error_line(err)
+    assert code == 2 and "Value error" not in line and "'csv'" in line
+
+
+# ---- help, --debug, wrapping -------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["generate", "trace", "diagram", "info", "pull"])
+def test_help_shows_flags_without_a_value_type(capsys, command):
+    assert main([command, "--help"]) == 0
+    # typer >= 0.2x labels its own --help flag <bool> too; ours must not be
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "--help" not in ln]
+    assert not [ln for ln in lines if "<bool>" in ln]
+
+
+def test_debug_works_after_the_subcommand(capsys, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 4)
+    code, out, err = run(capsys, "generate", "--debug", "-m", str(bad), "hi")
+    assert code == 2 and "Traceback" in err and "error:" in err
+    code, out, err = run(capsys, "generate", "-m", str(bad), "hi")
+    assert code == 2 and "Traceback" not in err                 # not left on by the previous run
+    code, out, err = run(capsys, "generate", "-m", str(bad), "--", "--debug")   # after --, it is the prompt
+    assert code == 2 and "Traceback" not in err
+
+
+def test_summary_line_is_one_line_on_a_narrow_non_terminal(tiny_model_path, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "llamatrace", "generate", "--raw", "-n", "3", "-m",
+                             str(tiny_model_path), "the cat"], capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    summary = [ln for ln in result.stderr.splitlines() if "prompt tokens" in ln]
+    assert len(summary) == 1 and len(summary[0]) > 80 and summary[0].rstrip().endswith("--max-tokens 3")
+
+
+# ---- Ctrl-C, python -m ------------------------------------------------------------------------------
+def test_ctrl_c_while_loading_says_interrupted(capsys, monkeypatch, tiny_model_path):
+    from llamatrace.cli import generate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(generate, "load_model", interrupted)
+    code, out, err = run(capsys, "generate", "-m", str(tiny_model_path), "hi")
+    assert code == 130 and err.strip() == "interrupted"
+
+
+def test_ctrl_c_signal_during_loading_exits_130_saying_interrupted(tiny_model_path, tmp_path):
+    # a real SIGINT while the command is loading (held there by a stand-in load_model)
+    code = textwrap.dedent(f"""
+        import sys, time
+        from llamatrace.cli import generate, main
+        def slow_load(*args):
+            print("loading", file=sys.stderr, flush=True)
+            time.sleep(60)
+        generate.load_model = slow_load
+        sys.exit(main(["generate", "-m", {str(tiny_model_path)!r}, "hi"]))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stderr.readline().strip() == "loading"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "interrupted", err
+
+
+def test_python_m_in_a_folder_holding_a_checkout_gives_one_line(tmp_path):
+    # Python resolves `llamatrace` to ./llamatrace (a namespace package: a clone's root has no
+    # __init__.py) while llamatrace.__main__ comes from the installed package
+    (tmp_path / "llamatrace").mkdir()
+    code = textwrap.dedent(f"""
+        import importlib.util, sys, types
+        sys.path.insert(0, {str(tmp_path)!r})
+        import llamatrace
+        assert getattr(llamatrace, "__file__", None) is None
+        spec = importlib.util.spec_from_file_location("llamatrace.__main__", {str(REPO / "llamatrace" / "__main__.py")!r})
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error:") and "checkout" in result.stderr
+
+
+# ---- info --all ---------------------------------------------------------------------------------------
+def test_info_all_shows_each_key_once_and_the_whole_chat_template(capsys, tiny_model_path):
+    from llamatrace.gguf_io import open_gguf
+    template = str(open_gguf(tiny_model_path).metadata["tokenizer.chat_template"])
+    code, out, err = run(capsys, "info", "--all", "-m", str(tiny_model_path))
+    assert code == 0
+    keys = [ln.split()[0] for ln in out.splitlines() if ln.startswith(" general.")]
+    assert keys and len(keys) == len(set(keys))
+    assert template in out

@@ -1,0 +1,229 @@
+"""Every code block of README.md is run, or excluded here by name with the reason.
+
+- ```` ```python ```` blocks run as written, in a fresh interpreter in an empty folder, with the
+  default model resolved as the README says (``Llama.load()``).
+- ```` ```console ```` blocks: each ``$ command`` runs in bash (``llamatrace`` is this checkout's
+  ``python -m llamatrace``), stdout and stderr together, and its output must equal the lines
+  shown under it once both are normalised (:func:`normalise`: timings, speeds, model paths and
+  table padding). A line holding only ``…`` stands for any number of lines.
+- Any other block must be listed in :data:`EXCLUDED` (its first line → why it is not run);
+  a new block that is neither fails :func:`test_every_block_is_run_or_excluded`.
+
+After a deliberate change of output, ``LLAMATRACE_UPDATE_README=1 python3 -m pytest
+tests/test_readme.py`` rewrites the outputs shown under each command in README.md (commands
+whose output holds a ``…`` elision are left to edit by hand) and fails once, so that the new
+text is reviewed (``git diff README.md``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+# first line of a block (stripped) → why the block is not run by this test
+EXCLUDED: dict[str, str] = {
+    "# 1. install and run the main job on the default model (SmolLM2-135M-Instruct, fetched once, ~98 MB)":
+        "set-up: installs packages with pip and apt-get, then runs the whole test suite (CI runs it: .ci/run)",
+    'bash scripts/setup.sh --test && python3 -m pytest        # what CI runs (.ci/run)':
+        "the test command itself, and benchmarks (timed, minutes long; run by hand)",
+    "llamatrace/":
+        "a listing of the package's modules, not a command",
+}
+RUN_LANGS = ("python", "console")
+TIMEOUT_S = 600
+
+
+@dataclass
+class Block:
+    line: int                  # 1-based line of the opening fence
+    lang: str
+    text: str
+
+    @property
+    def first_line(self) -> str:
+        return next((ln.strip() for ln in self.text.splitlines() if ln.strip()), "")
+
+    @property
+    def name(self) -> str:
+        return f"README.md:{self.line}:{self.lang or 'plain'}"
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The fenced code blocks of a Markdown text, in order."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, start = m.group(2), i
+        i += 1
+        body = []
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i])
+            i += 1
+        blocks.append(Block(start + 1, m.group(3).lower(), "\n".join(body)))
+        i += 1
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
+
+
+def unclassified(blocks: list[Block]) -> list[Block]:
+    """Blocks that are neither run (python, console) nor listed in :data:`EXCLUDED`."""
+    return [b for b in blocks if b.lang not in RUN_LANGS and b.first_line not in EXCLUDED]
+
+
+def test_a_new_block_that_is_neither_run_nor_excluded_is_caught():
+    text = "# t\n\n```bash\npip install something\n```\n\n```console\n$ llamatrace info\n```\n"
+    blocks = readme_blocks(text)
+    assert [(b.line, b.lang, b.first_line) for b in blocks] == [(3, "bash", "pip install something"),
+                                                                (7, "console", "$ llamatrace info")]
+    assert unclassified(blocks) == blocks[:1]
+
+
+def test_normalised_comparison_ignores_timings_paths_and_padding_but_not_numbers():
+    shown = ["a │  12 µs │ 1.093", "…", "7 tok/s · load 1.3 s", '{"model": "/x/y/m.gguf", "load_s": 1.3}']
+    actual = "a │ 1.2 ms │ 1.093\nextra\nmore\n80.5 tok/s · load 0.9 s\n{\"model\": \"/h/m.gguf\", \"load_s\": 2}\n"
+    assert matches(normalise("\n".join(shown)), normalise(actual))
+    assert not matches(normalise("\n".join(shown)), normalise(actual.replace("1.093", "1.094")))
+    assert not matches(normalise("a\n…\nb"), normalise("a\nc"))
+
+
+def test_every_block_is_run_or_excluded():
+    orphans = unclassified(BLOCKS)
+    assert not orphans, "\n".join(
+        f"{b.name} (```{b.lang}, first line {b.first_line!r}) is neither run (```python or ```console) nor "
+        f"excluded: make it one of those, or add its first line to EXCLUDED in tests/test_readme.py "
+        f"with the reason" for b in orphans)
+    stale = set(EXCLUDED) - {b.first_line for b in BLOCKS}
+    assert not stale, f"EXCLUDED names blocks no longer in README.md: {sorted(stale)}"
+    assert not [b for b in BLOCKS if b.lang in RUN_LANGS and b.first_line in EXCLUDED], \
+        "a python/console block is listed in EXCLUDED: a block that can run must run"
+
+
+# ---- normalising output ------------------------------------------------------------------------------
+_RATE = re.compile(r"\b\d+(?:\.\d+)? ?tok/s")
+_TIME = re.compile(r"\b\d+(?:\.\d+)? ?(?:ms|µs|s)\b")
+_JSON_TIMING = re.compile(r'("(?:load_s|prefill_s|decode_s|\w+_tokens_per_s)": )-?[\d.]+(?:e-?\d+)?')
+_MODEL_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][^\s\"'\\/]+)+[\\/]([^\s\"'\\/]+\.gguf)")
+_BOX_RUN = re.compile(r"([━─═┈])\1+")
+
+
+def normalise(text: str) -> list[str]:
+    """Lines with what varies between runs and machines replaced: speeds (``<rate>``), times
+    (``<time>``, whatever the unit), JSON timings (``<t>``),
+    model paths (``…/name.gguf``), runs of spaces and of table rule characters (column widths
+    follow the widest timing)."""
+    out = []
+    for line in text.splitlines():
+        line = _JSON_TIMING.sub(r"\1<t>", line)
+        line = _RATE.sub("<rate>", line)
+        line = _TIME.sub("<time>", line)
+        line = _MODEL_PATH.sub(r"…/\1", line)
+        line = _BOX_RUN.sub(r"\1", line)
+        line = re.sub(r"\s+", " ", line).strip()
+        out.append(line)
+    while out and not out[-1]:
+        out.pop()
+    return out
+
+
+def matches(expected: list[str], actual: list[str]) -> bool:
+    """Line-by-line equality where an expected ``…`` line matches any run of lines (even none)."""
+    if not expected:
+        return not actual
+    if expected[0] == "…":
+        return any(matches(expected[1:], actual[i:]) for i in range(len(actual) + 1))
+    return bool(actual) and expected[0] == actual[0] and matches(expected[1:], actual[1:])
+
+
+# ---- running -------------------------------------------------------------------------------------------
+@dataclass
+class Command:
+    line: int                  # 1-based README line of the `$ ` prompt
+    command: str
+    expected: list[str]        # the lines shown under it, as written
+
+
+def console_commands(block: Block) -> list[Command]:
+    commands: list[Command] = []
+    for offset, raw in enumerate(block.text.splitlines(), start=1):
+        if raw.startswith("$ "):
+            commands.append(Command(block.line + offset, raw[2:].strip(), []))
+        elif commands:
+            commands[-1].expected.append(raw)
+        elif raw.strip():
+            raise AssertionError(f"{block.name}: output before the first `$ ` command: {raw!r}")
+    for c in commands:
+        while c.expected and not c.expected[-1].strip():
+            c.expected.pop()
+    return commands
+
+
+@pytest.fixture(scope="module")
+def readme_env(smollm2_path):
+    """The environment a README reader has: the default model (resolved, so never fetched twice)
+    and this checkout's package; a wide terminal, as the README's tables were shown in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMATRACE_", "PYTEST_"))}
+    env.update({"PYTHONPATH": str(REPO), "LLAMATRACE_MODEL": str(smollm2_path), "COLUMNS": "160",
+                "PYTHONIOENCODING": "utf-8", "NO_COLOR": "1", "TERM": "dumb"})
+    return env
+
+
+def run_shell(command: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    script = f'llamatrace() {{ "{sys.executable}" -m llamatrace "$@"; }}\n{command}\n'
+    return subprocess.run(["bash", "-c", script], env=env, cwd=cwd, capture_output=False, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+CONSOLE = [b for b in BLOCKS if b.lang == "console"]
+PYTHON = [b for b in BLOCKS if b.lang == "python"]
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[b.name for b in PYTHON])
+def test_python_block_runs_as_written(block, readme_env, tmp_path):
+    result = subprocess.run([sys.executable, "-c", block.text], env=readme_env, cwd=tmp_path, capture_output=True,
+                            text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, f"{block.name} failed:\n{result.stdout}\n{result.stderr}"
+
+
+@pytest.mark.parametrize("block", CONSOLE, ids=[b.name for b in CONSOLE])
+def test_console_block_output_is_what_the_readme_shows(block, readme_env, tmp_path):
+    commands = console_commands(block)
+    assert commands, f"{block.name} has no `$ ` command"
+    failures, updates = [], {}
+    for c in commands:
+        result = run_shell(c.command, readme_env, tmp_path)
+        expected, actual = normalise("\n".join(c.expected)), normalise(result.stdout)
+        if matches(expected, actual):
+            continue
+        if os.environ.get("LLAMATRACE_UPDATE_README") and "…" not in expected:
+            updates[c.line] = (len(c.expected), result.stdout.rstrip("\n").splitlines())
+            continue
+        diff = "\n".join(difflib.unified_diff(expected, actual, "README (normalised)", "actual (normalised)",
+                                              lineterm=""))
+        failures.append(f"README.md:{c.line}: `{c.command}` (exit {result.returncode}) printed other lines:\n{diff}")
+    if updates:
+        _rewrite_outputs(updates)
+        pytest.fail(f"README.md outputs of lines {sorted(updates)} rewritten: review `git diff README.md`, rerun")
+    assert not failures, "\n\n".join(failures)
+
+
+def _rewrite_outputs(updates: dict[int, tuple[int, list[str]]]) -> None:
+    lines = README.read_text(encoding="utf-8").split("\n")
+    for line_no in sorted(updates, reverse=True):          # bottom-up: earlier line numbers stay valid
+        n_old, new = updates[line_no]
+        lines[line_no:line_no + n_old] = [ln.rstrip() for ln in new]
+    README.write_text("\n".join(lines), encoding="utf-8")
