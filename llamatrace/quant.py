@@ -24,7 +24,8 @@ Packed layout (T = ceil(n_out / TR) tiles, B = n_in / 32 blocks; padded rows are
     F16, BF16   qs uint16  [T, n_in, TR]    raw bits, widened through a 65,536-entry table
 
 Resident bytes against the file: Q4_1 24/20 = 1.2x, Q4_0 20/18 = 1.11x, Q8_0 36/34 = 1.06x,
-float types 1.0x (plus row padding to a multiple of ``TR``).
+float types 1.0x (plus row padding to a multiple of ``TR``). The K-quants and Q5_0/Q5_1 live
+in :mod:`llamatrace.kquants` (same tiles, <= 1.06x for the K-quants).
 
 Arithmetic is float32 activations times dequantized weights with float32 accumulation
 (about 1e-7 relative to ``x @ gguf.quants.dequantize(raw).T``); activations are never
@@ -46,12 +47,13 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from llamatrace import kquants
 from llamatrace.errors import OptionError, UnsupportedModelError
 
 _T = gguf.GGMLQuantizationType
 
 SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
-    {_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1}
+    {_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, *kquants.KQUANT_TYPES}
 )
 
 TR = 32
@@ -170,6 +172,38 @@ def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n
     return (qs_t.view(np.int8) if ggml_type == _T.Q8_0 else qs_t), d_t, m_t
 
 
+def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int):
+    """Row tiles (qs, d, m) of a K-quant / Q5 matrix (layout in :mod:`llamatrace.kquants`),
+    converted a few hundred rows at a time so a load holds no full-size temporary.
+    Raises ``ValueError`` on a size mismatch."""
+    qkb = kquants.BLOCK_WEIGHTS[ggml_type]
+    if n_in % qkb:
+        raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {qkb}")
+    n_blocks, block_bytes = n_in // qkb, kquants.FILE_BYTES[ggml_type]
+    n_rows = sum(int(n) for _, n in parts)
+    n_tiles = -(-n_rows // TR)
+    qs_t = np.zeros((n_tiles, n_blocks, kquants.PACKED_BYTES[ggml_type], TR), dtype=np.uint8)
+    d_t = np.zeros((n_tiles, n_blocks, TR), dtype=np.float32)
+    has_min = ggml_type in kquants.HAS_MIN
+    m_t = np.zeros((n_tiles, n_blocks, TR), dtype=np.float32) if has_min else _EMPTY_SCALES
+    row0 = 0
+    for raw, n_out in parts:
+        raw = np.asarray(raw)
+        if raw.nbytes != n_out * n_blocks * block_bytes:
+            raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
+                             f"{n_out * n_blocks * block_bytes} bytes, got {raw.nbytes}")
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
+        for c0 in range(0, n_out, 256):
+            packed, d, m = kquants.repack_blocks(ggml_type, blocks[c0:c0 + 256])
+            rows = row0 + c0 + np.arange(packed.shape[0])
+            qs_t[rows // TR, :, :, rows % TR] = packed
+            d_t[rows // TR, :, rows % TR] = d
+            if has_min:
+                m_t[rows // TR, :, rows % TR] = m
+        row0 += n_out
+    return qs_t, d_t, m_t
+
+
 def _repack_blocks_np(blocks, row0, d_off, m_off, q_off, f16_table, qs_t, d_t, m_t) -> None:
     """NumPy twin of :func:`_repack_blocks` (same arguments, same result)."""
     nq = qs_t.shape[2]
@@ -203,6 +237,8 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> Weight
 
     if ggml_type in _QUANTIZED:
         qs_t, d_t, m_t = _pack_quantized(name, ggml_type, [(raw, n_out)], n_in)
+    elif ggml_type in kquants.KIND:
+        qs_t, d_t, m_t = _pack_kquant(name, ggml_type, [(raw, n_out)], n_in)
     else:
         if raw.nbytes != n_out * n_in * (4 if ggml_type == _T.F32 else 2):
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): "
@@ -234,8 +270,9 @@ def pack_concat(name: str, parts: list[tuple]) -> Weight:
             raise ValueError(f"pack_concat({name!r}): a part [{n_out}, {n_in}] has "
                              f"{np.asarray(raw).nbytes} bytes")
     splits = tuple(int(p[2]) for p in parts)
-    if _T(ggml_type) in _QUANTIZED:
-        qs_t, d_t, m_t = _pack_quantized(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in)
+    if _T(ggml_type) in _QUANTIZED or _T(ggml_type) in kquants.KIND:
+        packer = _pack_quantized if _T(ggml_type) in _QUANTIZED else _pack_kquant
+        qs_t, d_t, m_t = packer(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in)
         return Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits)
     rows = [np.ascontiguousarray(raw).view(np.uint8).reshape(int(n_out), -1) for _, raw, n_out, _ in parts]
     row_bytes = {r.shape[1] for r in rows}
@@ -258,6 +295,8 @@ def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     t, r = rows // TR, rows % TR
     n = len(rows)
     typ = w.ggml_type
+    if typ in kquants.KIND:
+        return kquants.dequant_rows_np(typ, w.qs, w.d, w.m, rows)
     if typ in _QUANTIZED:
         q = w.qs[t, :, :, r]                                     # [n, B, nq]
         d = w.d[t, :, r][:, :, None]                             # [n, B, 1]
@@ -623,7 +662,10 @@ def _q4_offsets(w: Weight) -> tuple[np.ndarray, np.float32]:
 def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
     typ = w.ggml_type
     gemv = x.shape[0] <= GEMV_MAX_SEQ
-    if typ == _T.Q4_1 or typ == _T.Q4_0:
+    if typ in kquants.KIND:
+        m = w.m if typ in kquants.HAS_MIN else w.d
+        (kquants.gemv if gemv else kquants.tiled)(kquants.KIND[typ], x, w.qs, w.d, m, out)
+    elif typ == _T.Q4_1 or typ == _T.Q4_0:
         m, m_scale = _q4_offsets(w)
         (_gemv_q4 if gemv else _tiled_q4)(x, w.qs, w.d, m, m_scale, out)
     elif typ == _T.Q8_0:

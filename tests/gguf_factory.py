@@ -43,6 +43,41 @@ def vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, [f"{a} {b}" for a, b in MERGES]
 
 
+# Byte offsets of the fp16 scale fields (d, then dmin / m) inside a block, for the types that
+# gguf-py cannot quantize (K-quants) or that tests fill with raw random blocks.
+FP16_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+               T.Q5_0: (0,), T.Q5_1: (0, 2)}
+SPECIAL_F16 = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x83FF, 0x0400, 0x7BFF, 0xFBFF, 0x3C00],
+                       dtype=np.uint16)
+# |weight| / d of a random block, roughly: (sub-block scale) x (quant), so d = std / this
+_TYPICAL = {T.Q2_K: 10.0, T.Q3_K: 40.0, T.Q4_K: 230.0, T.Q5_K: 470.0, T.Q6_K: 1000.0,
+            T.Q5_0: 8.0, T.Q5_1: 16.0}
+
+
+def random_blocks(qtype: T, n_rows: int, n_blocks: int, seed: int = 0, std: float | None = None) -> np.ndarray:
+    """uint8 ``[n_rows, n_blocks * block_bytes]``: valid random blocks of ``qtype``.
+
+    Quant and scale bytes are uniform random (so every scale pattern occurs given enough
+    blocks). The fp16 ``d``/``dmin`` are any finite value, with 0, -0, subnormals and +-65504
+    over-represented, unless ``std`` is given: then they are drawn so weights have roughly that
+    magnitude (for forward-pass tests). Types without known fp16 fields get random bytes.
+    """
+    rng = np.random.default_rng(seed)
+    block_size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n_rows, n_blocks, nbytes), dtype=np.uint8)
+    for off in FP16_FIELDS.get(qtype, ()):
+        if std is not None:
+            f16 = (std / _TYPICAL[qtype] * rng.uniform(0.5, 1.5, size=(n_rows, n_blocks))).astype(np.float16)
+            f16 = f16.view(np.uint16)
+        else:
+            f16 = rng.integers(0, 65536, size=(n_rows, n_blocks), dtype=np.uint16)
+            f16 = np.where((f16 & 0x7C00) == 0x7C00, f16 & 0x83FF, f16)      # inf/nan -> finite
+            pick = rng.random((n_rows, n_blocks)) < 0.3
+            f16 = np.where(pick, rng.choice(SPECIAL_F16, size=(n_rows, n_blocks)), f16).astype(np.uint16)
+        blocks[:, :, off:off + 2] = f16.view(np.uint8).reshape(n_rows, n_blocks, 2)
+    return blocks.reshape(n_rows, -1)
+
+
 def _store(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: T) -> None:
     data = data.astype(np.float32)
     if qtype == T.F32:
@@ -50,7 +85,15 @@ def _store(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: T) -> No
     elif qtype == T.F16:
         writer.add_tensor(name, data.astype(np.float16))
     else:
-        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        try:
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            return
+        except NotImplementedError:  # K-quants and others: random blocks of about the same magnitude
+            pass
+        block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+        seed = int(np.frombuffer(name.encode(), np.uint8).sum()) + int(qtype)
+        raw = random_blocks(qtype, data.shape[0], data.shape[1] // block_size, seed, std=float(data.std()))
+        writer.add_tensor(name, raw, raw_dtype=qtype)
 
 
 def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None = None,
@@ -59,10 +102,13 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
                      arch: str = "llama", tokenizer_model: str = "gpt2", pre: str = "smollm",
                      chat_template: str | None = CHATML, rope_theta: float = 10000.0,
                      skip_tensors: tuple[str, ...] = (), extra_kv: dict | None = None,
-                     rope_freqs: np.ndarray | None = None, add_bos: bool = False) -> Path:
-    """Write a random llama GGUF and return its path. Matrices use ``qtype`` (norms are F32).
+                     rope_freqs: np.ndarray | None = None, add_bos: bool = False,
+                     extra_types: dict[str, T] | None = None) -> Path:
+    """Write a random llama GGUF and return its path. Matrices use ``qtype`` (norms are F32);
+    K-quant matrices are random blocks (gguf-py cannot quantize them) and need ``dim`` and
+    ``hidden_dim`` multiples of 256.
 
-    ``rope_freqs`` adds Llama 3.1's ``rope_freqs.weight`` (per-frequency divisors, [head_dim/2]).
+    ``extra_types`` overrides the type of single tensors by name. ``rope_freqs`` adds Llama 3.1's ``rope_freqs.weight`` (per-frequency divisors, [head_dim/2]).
     """
     rng = np.random.default_rng(seed)
     tokens, types, merges = vocabulary()
@@ -117,7 +163,7 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
         tensors["output.weight"] = (mat(vocab, dim, dim ** -0.5), qtype)
     for name, (data, t) in tensors.items():
         if name not in skip_tensors:
-            _store(w, name, data, t)
+            _store(w, name, data, (extra_types or {}).get(name, t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -113,9 +113,9 @@ def test_not_a_gguf_file(capsys, tmp_path):
 
 
 def test_unsupported_tensor_type_is_named(capsys, tmp_path):
-    path = tmp_path / "q5.gguf"
-    write_tiny_llama(path, qtype=T.Q5_0, embd_type=T.Q8_0)
-    assert_one_line_error(*run(capsys, "generate", "-m", str(path), "hi"), "Q5_0", "blk.0")
+    path = tmp_path / "iq4.gguf"
+    write_tiny_llama(path, qtype=T.IQ4_NL, embd_type=T.Q8_0)
+    assert_one_line_error(*run(capsys, "generate", "-m", str(path), "hi"), "IQ4_NL", "blk.0")
 
 
 def test_prompt_longer_than_context_is_refused_before_compute(capsys, tiny_model_path):

@@ -163,11 +163,11 @@ def test_pack_concat_fuses_rows(tensors):
 
 
 def test_unsupported_type_raises_one_line_error():
-    raw = np.zeros((4, 144), dtype=np.uint8)
+    raw = np.zeros((4, 8 * 18), dtype=np.uint8)
     with pytest.raises(UnsupportedModelError) as info:
-        quant.pack("blk.0.attn_q.weight", T.Q4_K, raw, 4, 256)
+        quant.pack("blk.0.attn_q.weight", T.IQ4_NL, raw, 4, 256)
     message = str(info.value)
-    assert "blk.0.attn_q.weight" in message and "Q4_K" in message and "Q4_1" in message
+    assert "blk.0.attn_q.weight" in message and "IQ4_NL" in message and "Q4_K" in message
     assert "\n" not in message
 
 

@@ -1,0 +1,401 @@
+"""K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and Q5_0 / Q5_1: repacking and matmul kernels.
+
+:mod:`llamatrace.quant` dispatches here. Weights use the same row tiles as the other types
+(``qs uint8 [T, B, P, TR]``, ``d`` / ``m`` float32 ``[T, B, TR]``, ``TR`` rows interleaved
+so the inner loops run over rows), where ``B`` counts blocks of ``QKB`` weights (256 for the
+K-quants, 32 for Q5_x) and ``P`` bytes per block hold the file's quant bytes plus the
+sub-block scales unpacked to one byte each; the fp16 super-block scales become float32.
+
+GGUF blocks (ggml's ``block_*`` structs, as gguf-py ``quants.py`` reads them) and the packed
+``P`` bytes per row and block::
+
+    type  file bytes                                   packed bytes (qs)              d     m
+    Q2_K   84  scales[16] qs[64] d dmin                 scales[16] qs[64]       = 80   d     dmin
+    Q3_K  110  hmask[32] qs[64] scales[12] d            hmask[32] qs[64] sc[16] = 112  d     -
+    Q4_K  144  d dmin scales[12] qs[128]                sc[8] mn[8] qs[128]     = 144  d     dmin
+    Q5_K  176  d dmin scales[12] qh[32] qs[128]         sc[8] mn[8] qh[32] qs[128] = 176 d  dmin
+    Q6_K  210  ql[128] qh[64] scales int8[16] d         ql[128] qh[64] sc[16]   = 208  d     -
+    Q5_0   22  d qh[4] qs[16]                           qh[4] qs[16]            = 20   d     -
+    Q5_1   24  d m qh[4] qs[16]                         qh[4] qs[16]            = 20   d     m
+
+(``sc``/``mn``: the 6-bit scales and mins of Q3_K/Q4_K/Q5_K unpacked to bytes; Q6_K's int8
+scales are kept as their bytes.) Resident bytes against the file, per block: Q2_K 88/84,
+Q3_K 116/110, Q4_K 152/144, Q5_K 184/176, Q6_K 212/210 (all <= 1.06x), Q5_0 24/22 = 1.09x,
+Q5_1 28/24 = 1.17x -- within issue 8's cap, where float32 scales per 16 weights would not be.
+
+Weights, with ``q`` the integer quant of each element (gguf-py's arithmetic, float32)::
+
+    Q2_K  (d*sc) * q - (dmin*mn)     sc = scales & 15, mn = scales >> 4, q in 0..3
+    Q3_K  (d*(sc - 32)) * q          q in -4..3
+    Q4_K  (d*sc) * q - (dmin*mn)     q in 0..15
+    Q5_K  (d*sc) * q - (dmin*mn)     q in 0..31
+    Q6_K  (d*sc) * q                 sc int8, q in -32..31
+    Q5_0  d * q                      q in -16..15
+    Q5_1  d * q + m                  q in 0..31
+
+Every product of a scale and an integer above is exact in float32 except Q6_K's ``(d*sc)*q``,
+which the kernels round exactly as gguf-py does, so :func:`dequant_tile` and
+:func:`dequant_rows_np` equal ``gguf.quants.dequantize`` bit for bit. The matmul kernels
+accumulate ``x * w`` in float32. Each Numba kernel has a NumPy twin (``*_np``).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+from numba import njit, prange
+
+_T = gguf.GGMLQuantizationType
+
+TR = 32
+"""Rows per tile (the same as :data:`llamatrace.quant.TR`)."""
+
+KQUANT_TYPES = (_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.Q5_0, _T.Q5_1)
+
+KIND = {t: i for i, t in enumerate(KQUANT_TYPES)}
+"""Kernel selector passed to the Numba kernels (an int: the kernels branch outside hot loops)."""
+
+BLOCK_WEIGHTS = {t: (32 if t in (_T.Q5_0, _T.Q5_1) else 256) for t in KQUANT_TYPES}
+FILE_BYTES = {_T.Q2_K: 84, _T.Q3_K: 110, _T.Q4_K: 144, _T.Q5_K: 176, _T.Q6_K: 210,
+              _T.Q5_0: 22, _T.Q5_1: 24}
+PACKED_BYTES = {_T.Q2_K: 80, _T.Q3_K: 112, _T.Q4_K: 144, _T.Q5_K: 176, _T.Q6_K: 208,
+                _T.Q5_0: 20, _T.Q5_1: 20}
+HAS_MIN = frozenset({_T.Q2_K, _T.Q4_K, _T.Q5_K, _T.Q5_1})
+
+_F16 = np.float16
+
+
+# --------------------------------------------------------------------------------------------
+# repacking (NumPy, at load time)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """uint8 [..., 2] little-endian fp16 -> float32 [...]."""
+    return np.ascontiguousarray(b).view(_F16)[..., 0].astype(np.float32)
+
+
+def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K 12 packed bytes [..., 12] -> (sc, mn) uint8 [..., 8] (ggml get_scale_min_k4)."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _scales_q3(s: np.ndarray) -> np.ndarray:
+    """Q3_K 12 packed bytes [..., 12] -> 16 unsigned 6-bit scales uint8 [..., 16]."""
+    i = np.arange(16)
+    low = (s[..., i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 15
+    high = (s[..., 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3
+    return (low | (high << 4)).astype(np.uint8)
+
+
+def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGUF blocks uint8 ``[n, B, FILE_BYTES]`` -> (packed uint8 ``[n, B, PACKED_BYTES]``,
+    d float32 ``[n, B]``, m float32 ``[n, B]`` or None), per the table in the module docstring."""
+    t = _T(ggml_type)
+    if t == _T.Q2_K:
+        return blocks[..., 0:80], _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])
+    if t == _T.Q3_K:
+        packed = np.concatenate([blocks[..., 0:96], _scales_q3(blocks[..., 96:108])], axis=-1)
+        return packed, _f16(blocks[..., 108:110]), None
+    if t in (_T.Q4_K, _T.Q5_K):
+        sc, mn = _scale_min_k4(blocks[..., 4:16])
+        packed = np.concatenate([sc, mn, blocks[..., 16:]], axis=-1)
+        return packed, _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    if t == _T.Q6_K:
+        return blocks[..., 0:208], _f16(blocks[..., 208:210]), None
+    if t == _T.Q5_0:
+        return blocks[..., 2:22], _f16(blocks[..., 0:2]), None
+    if t == _T.Q5_1:
+        return blocks[..., 4:24], _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    raise ValueError(f"not a K-quant / Q5 type: {t!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy twins
+
+
+def dequant_rows_np(ggml_type, qs: np.ndarray, d: np.ndarray, m: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Dequantize rows (int [n]) of packed tiles -> float32 ``[n, B*QKB]``; NumPy twin of
+    :func:`dequant_tile` (bit-for-bit ``gguf.quants.dequantize``)."""
+    t_ = _T(ggml_type)
+    t, r = rows // TR, rows % TR
+    p = qs[t, :, :, r]                                    # [n, B, P] uint8
+    db = d[t, :, r]                                       # [n, B]
+    mb = m[t, :, r] if t_ in HAS_MIN else None
+    n, nb = p.shape[0], p.shape[1]
+    f32 = np.float32
+
+    if t_ in (_T.Q5_0, _T.Q5_1):
+        qh = p[..., 0:4].astype(np.uint32)
+        bits = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)
+        h = ((bits[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        lo = np.concatenate([p[..., 4:20] & 15, p[..., 4:20] >> 4], axis=-1)
+        q = (lo | (h << 4)).astype(f32)
+        if t_ == _T.Q5_0:
+            w = db[..., None] * (q - f32(16))
+        else:
+            w = db[..., None] * q + mb[..., None]
+        return w.reshape(n, nb * 32)
+    e = np.arange(256)
+    half, c, l = e // 128, (e % 128) // 32, e % 32       # element = 128*half + 32*c + l
+    if t_ == _T.Q2_K:
+        sc = p[..., e // 16]
+        q = ((p[..., 16 + 32 * half + l] >> (2 * c).astype(np.uint8)) & 3).astype(f32)
+        w = (db[..., None] * (sc & 15).astype(f32)) * q - mb[..., None] * (sc >> 4).astype(f32)
+    elif t_ == _T.Q3_K:
+        low = (p[..., 32 + 32 * half + l] >> (2 * c).astype(np.uint8)) & 3
+        hbit = (p[..., l] >> (4 * half + c).astype(np.uint8)) & 1
+        q = low.astype(f32) - f32(4) * (1 - hbit).astype(f32)
+        dl = db[..., None] * (p[..., 96 + e // 16].astype(f32) - f32(32))
+        w = dl * q
+    elif t_ in (_T.Q4_K, _T.Q5_K):
+        j, sub = e // 64, e // 32                         # chunk of 64, sub-block of 32
+        qoff = 16 if t_ == _T.Q4_K else 48
+        q = (p[..., qoff + 32 * j + e % 32] >> (4 * (sub % 2)).astype(np.uint8)) & 15
+        if t_ == _T.Q5_K:
+            q = q | (((p[..., 16 + e % 32] >> sub.astype(np.uint8)) & 1) << 4)
+        dsc = db[..., None] * p[..., sub].astype(f32)
+        dmn = mb[..., None] * p[..., 8 + sub].astype(f32)
+        w = dsc * q.astype(f32) - dmn
+    elif t_ == _T.Q6_K:
+        s, g = c // 2, c % 2
+        ql = (p[..., 64 * half + 32 * g + l] >> (4 * s).astype(np.uint8)) & 15
+        qh = (p[..., 128 + 32 * half + l] >> (2 * c).astype(np.uint8)) & 3
+        q = (ql | (qh << 4)).astype(f32) - f32(32)
+        sc = p[..., 192 + e // 16].view(np.int8).astype(f32)
+        w = (db[..., None] * sc) * q
+    else:
+        raise ValueError(f"not a K-quant / Q5 type: {t_!r}")
+    return w.astype(f32).reshape(n, nb * 256)
+
+
+def matmul_np(x: np.ndarray, ggml_type, qs, d, m, n_out: int) -> np.ndarray:
+    """NumPy twin of :func:`gemv` / :func:`tiled`: ``x @ W.T`` float32 ``[S, n_out]``."""
+    w = dequant_rows_np(ggml_type, qs, d, m, np.arange(n_out))
+    return (np.asarray(x, np.float32).astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Numba kernels
+#
+# _deq_block writes one block of one tile as float32 wt[QKB, TR] (element k, row r). Bit
+# fields are extracted with integer shifts on the TR lanes; the scale products are formed
+# per lane first, then multiplied by the integer quant (gguf-py's order of rounding).
+
+_FASTMATH = {"contract", "arcp", "afn", "nsz"}
+_JIT = dict(cache=True, fastmath=_FASTMATH)
+_JIT_PARALLEL = dict(parallel=True, **_JIT)
+_JIT_INLINE = dict(inline="always", **_JIT)
+
+
+@njit(**_JIT_INLINE)
+def _deq_q5(kind, q, db, mb, wt):
+    """Q5_0 (kind 5) / Q5_1 (kind 6) block q uint8 [20, TR] -> wt [32, TR]."""
+    for j in range(16):
+        sh = np.uint32(j % 8)
+        for r in range(TR):
+            byte = q[4 + j, r]
+            h0 = (q[j // 8, r] >> sh) & 1
+            h1 = (q[2 + j // 8, r] >> sh) & 1
+            q0 = np.float32((byte & 15) | (h0 << 4))
+            q1 = np.float32((byte >> 4) | (h1 << 4))
+            if kind == 5:
+                wt[j, r] = db[r] * (q0 - np.float32(16.0))
+                wt[16 + j, r] = db[r] * (q1 - np.float32(16.0))
+            else:
+                wt[j, r] = db[r] * q0 + mb[r]
+                wt[16 + j, r] = db[r] * q1 + mb[r]
+
+
+@njit(**_JIT_INLINE)
+def _deq_q2k(q, db, mb, wt, ds, dm):
+    for sub in range(16):
+        for r in range(TR):
+            s = q[sub, r]
+            ds[r] = db[r] * np.float32(s & 15)
+            dm[r] = mb[r] * np.float32(s >> 4)
+        half, c, l0 = sub // 8, (sub % 8) // 2, (sub % 2) * 16
+        sh = 2 * c
+        for l in range(16):
+            e = sub * 16 + l
+            for r in range(TR):
+                wt[e, r] = ds[r] * np.float32((q[16 + 32 * half + l0 + l, r] >> sh) & 3) - dm[r]
+
+
+@njit(**_JIT_INLINE)
+def _deq_q3k(q, db, wt, ds):
+    for sub in range(16):
+        for r in range(TR):
+            ds[r] = db[r] * (np.float32(q[96 + sub, r]) - np.float32(32.0))
+        half, c, l0 = sub // 8, (sub % 8) // 2, (sub % 2) * 16
+        sh = 2 * c
+        hsh = 4 * half + c
+        for l in range(16):
+            e = sub * 16 + l
+            for r in range(TR):
+                low = np.float32((q[32 + 32 * half + l0 + l, r] >> sh) & 3)
+                hb = np.float32((q[l0 + l, r] >> hsh) & 1)
+                wt[e, r] = ds[r] * (low + np.float32(4.0) * hb - np.float32(4.0))
+
+
+@njit(**_JIT_INLINE)
+def _deq_q45k(five, q, db, mb, wt, ds, dm):
+    qoff = 48 if five else 16
+    for sub in range(8):
+        for r in range(TR):
+            ds[r] = db[r] * np.float32(q[sub, r])
+            dm[r] = mb[r] * np.float32(q[8 + sub, r])
+        j = sub // 2
+        sh = 4 * (sub % 2)
+        for l in range(32):
+            e = sub * 32 + l
+            for r in range(TR):
+                v = (q[qoff + 32 * j + l, r] >> sh) & 15
+                if five:
+                    v |= ((q[16 + l, r] >> sub) & 1) << 4
+                wt[e, r] = ds[r] * np.float32(v) - dm[r]
+
+
+@njit(**_JIT_INLINE)
+def _deq_q6k(q, db, wt, ds):
+    for sub in range(16):
+        for r in range(TR):
+            s = np.float32(q[192 + sub, r])
+            if s >= np.float32(128.0):
+                s -= np.float32(256.0)
+            ds[r] = db[r] * s
+        e0 = sub * 16
+        half, c, l0 = e0 // 128, (e0 % 128) // 32, e0 % 32
+        s4, g = 4 * (c // 2), c % 2
+        sh = 2 * c
+        for l in range(16):
+            for r in range(TR):
+                lo = (q[64 * half + 32 * g + l0 + l, r] >> s4) & 15
+                hi = (q[128 + 32 * half + l0 + l, r] >> sh) & 3
+                wt[e0 + l, r] = ds[r] * (np.float32(lo | (hi << 4)) - np.float32(32.0))
+
+
+@njit(**_JIT_INLINE)
+def _deq_block(kind, qs, d, m, t, b, wt, ds, dm):
+    """Block b of tile t -> wt float32 [QKB, TR]; ds, dm float32 [TR] scratch."""
+    q = qs[t, b]
+    db = d[t, b]
+    mb = m[t, b]
+    if kind == 0:
+        _deq_q2k(q, db, mb, wt, ds, dm)
+    elif kind == 1:
+        _deq_q3k(q, db, wt, ds)
+    elif kind == 2:
+        _deq_q45k(False, q, db, mb, wt, ds, dm)
+    elif kind == 3:
+        _deq_q45k(True, q, db, mb, wt, ds, dm)
+    elif kind == 4:
+        _deq_q6k(q, db, wt, ds)
+    else:
+        _deq_q5(kind, q, db, mb, wt)
+
+
+@njit(**_JIT)
+def dequant_tile(kind, qs, d, m, t):
+    """Tile t -> float32 ``[B*QKB, TR]`` (column r = row t*TR + r); twin: :func:`dequant_rows_np`."""
+    n_blocks = qs.shape[1]
+    qkb = 32 if kind >= 5 else 256
+    wt = np.empty((n_blocks * qkb, TR), np.float32)
+    ds = np.empty(TR, np.float32)
+    dm = np.empty(TR, np.float32)
+    for b in range(n_blocks):
+        _deq_block(kind, qs, d, m, t, b, wt[b * qkb:(b + 1) * qkb], ds, dm)
+    return wt
+
+
+@njit(**_JIT_PARALLEL)
+def gemv(kind, x, qs, d, m, out):
+    """A few rows: out[s] = x[s] @ W.T. x float32 [S, B*QKB]; qs uint8 [T, B, P, TR]; d, m
+    float32 [T, B, TR]; out float32 [S, n_out]. One parallel region over tiles; each block is
+    dequantized once into an L1-sized scratch and used by every row of x."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    n_out = out.shape[1]
+    qkb = 32 if kind >= 5 else 256
+    for t in prange(n_tiles):
+        wt = np.empty((qkb, TR), np.float32)
+        ds = np.empty(TR, np.float32)
+        dm = np.empty(TR, np.float32)
+        acc = np.zeros((n_seq, TR), np.float32)
+        for b in range(n_blocks):
+            _deq_block(kind, qs, d, m, t, b, wt, ds, dm)
+            for s in range(n_seq):
+                xb = x[s, b * qkb:(b + 1) * qkb]
+                a = acc[s]
+                for k in range(qkb):
+                    v = xb[k]
+                    w = wt[k]
+                    for r in range(TR):
+                        a[r] += v * w[r]
+        base = t * TR
+        n = min(TR, n_out - base)
+        for s in range(n_seq):
+            for r in range(n):
+                out[s, base + r] = acc[s, r]
+
+
+@njit(**_JIT_INLINE)
+def _tile_matmul(x, wt, out, t):
+    """out[s, t*TR + r] = sum_k x[s, k] * wt[k, r]; rows of x four at a time (register blocking)."""
+    n_seq, n_in = x.shape
+    n_out = out.shape[1]
+    base = t * TR
+    n = min(TR, n_out - base)
+    n_quad = n_seq - n_seq % 4
+    a0 = np.empty(TR, np.float32)
+    a1 = np.empty(TR, np.float32)
+    a2 = np.empty(TR, np.float32)
+    a3 = np.empty(TR, np.float32)
+    for s in range(0, n_quad, 4):
+        a0[:] = 0.0
+        a1[:] = 0.0
+        a2[:] = 0.0
+        a3[:] = 0.0
+        x0, x1, x2, x3 = x[s], x[s + 1], x[s + 2], x[s + 3]
+        for k in range(n_in):
+            w = wt[k]
+            v0, v1, v2, v3 = x0[k], x1[k], x2[k], x3[k]
+            for r in range(TR):
+                wr = w[r]
+                a0[r] += v0 * wr
+                a1[r] += v1 * wr
+                a2[r] += v2 * wr
+                a3[r] += v3 * wr
+        for r in range(n):
+            out[s, base + r] = a0[r]
+            out[s + 1, base + r] = a1[r]
+            out[s + 2, base + r] = a2[r]
+            out[s + 3, base + r] = a3[r]
+    for s in range(n_quad, n_seq):
+        a0[:] = 0.0
+        xs = x[s]
+        for k in range(n_in):
+            w = wt[k]
+            v = xs[k]
+            for r in range(TR):
+                a0[r] += v * w[r]
+        for r in range(n):
+            out[s, base + r] = a0[r]
+
+
+@njit(**_JIT_PARALLEL)
+def tiled(kind, x, qs, d, m, out):
+    """Many rows: each tile dequantized once into float32 [n_in, TR], reused by every row of x.
+    Shapes as in :func:`gemv`."""
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    n_in = x.shape[1]
+    qkb = 32 if kind >= 5 else 256
+    for t in prange(n_tiles):
+        wt = np.empty((n_in, TR), np.float32)
+        ds = np.empty(TR, np.float32)
+        dm = np.empty(TR, np.float32)
+        for b in range(n_blocks):
+            _deq_block(kind, qs, d, m, t, b, wt[b * qkb:(b + 1) * qkb], ds, dm)
+        _tile_matmul(x, wt, out, t)
