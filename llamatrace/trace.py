@@ -42,6 +42,14 @@ from .stages import STAGE_BY_ID, eval_shape, select_stages
 Emit = Callable[[str, "int | None", "np.ndarray | Callable[[], np.ndarray]"], Any]
 
 
+def stage_key(step: int, layer: int | None, stage: str) -> str:
+    """``step{S}.layer{L}.{stage}``, or ``step{S}.{stage}`` at model level: the ``.npz`` key
+    of ``trace --npz`` and the pairing key of ``llamatrace compare``."""
+    if layer is None:
+        return f"step{step}.{stage}"
+    return f"step{step}.layer{layer}.{stage}"
+
+
 def null_emit(stage: str, layer: int | None, array):
     """The emit function used when nothing is traced or hooked: returns ``array`` unchanged."""
     return array
@@ -73,10 +81,8 @@ class TraceEvent:
 
     @property
     def key(self) -> str:
-        """``step{S}.layer{L}.{stage}`` or ``step{S}.{stage}`` at model level (the ``.npz`` key)."""
-        if self.layer is None:
-            return f"step{self.step}.{self.stage}"
-        return f"step{self.step}.layer{self.layer}.{self.stage}"
+        """``step{S}.layer{L}.{stage}`` or ``step{S}.{stage}`` at model level (:func:`stage_key`)."""
+        return stage_key(self.step, self.layer, self.stage)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -1,0 +1,335 @@
+"""Stage-by-stage agreement between two recordings of a forward pass.
+
+Both sides are dicts of arrays keyed like ``llamatrace trace --npz`` (:func:`~llamatrace.trace.stage_key`:
+``step0.layer0.Qcur``, ``step0.result_norm``), already in the same layout. :func:`compare_arrays`
+pairs the keys, measures each pair and finds the first divergence in forward order;
+:func:`llamacpp_stage_arrays` turns tensors read from llama.cpp's graph into that layout, and
+:func:`compare_with_llamacpp` runs both engines on the same token ids.
+
+Metrics per pair (float64): relative RMS error ``‖ours − ref‖ / ‖ref‖``, max abs error, cosine
+similarity. Non-finite values (the mask's -inf) must sit at the same places and be equal there;
+the metrics cover the finite ones.
+
+Default thresholds (on the relative RMS error), calibrated on the default model against
+llama.cpp, whose matmuls multiply 8-bit-quantized activations (~1e-2 relative drift per matmul,
+compounding through the layers): exact stages (``inp_embd``, ``kq_mask``, ``freqs_cis``) 1e-3;
+query/key stages (``Qcur*``, ``Kcur*``, ``kq``) 0.15 — largest healthy error seen 0.072;
+every other stage 0.25 — largest healthy error seen 0.124. Real bugs land well above: a
+split-half RoPE gives 0.42-0.51 at layer 0's ``Qcur_rope``, a skipped RMSNorm 0.87-0.90.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from .stages import STAGE_IDS, STAGES
+from .trace import stage_key
+
+EXACT_STAGES = frozenset({"inp_embd", "kq_mask", "freqs_cis"})
+QK_STAGES = frozenset({"Qcur", "Kcur", "Qcur_heads", "Kcur_heads", "Qcur_rope", "Kcur_rope", "kq"})
+THRESHOLDS = {"exact": 1e-3, "qk": 0.15, "other": 0.25}
+
+_KEY = re.compile(r"^step(\d+)\.(?:layer(\d+)\.)?([^.]+)$")
+_FIRST_LAYER_STAGE = min(i for i, s in enumerate(STAGES) if s.level == "layer")
+_ORDER = {sid: i for i, sid in enumerate(STAGE_IDS)}
+
+
+def stage_kind(stage: str) -> str:
+    """``exact``, ``qk`` or ``other``: which default threshold applies to ``stage``."""
+    return "exact" if stage in EXACT_STAGES else "qk" if stage in QK_STAGES else "other"
+
+
+def parse_key(key: str) -> tuple[int, int | None, str]:
+    """``step0.layer3.Qcur`` → ``(0, 3, "Qcur")``; ``step1.result_norm`` → ``(1, None, "result_norm")``.
+
+    Raises:
+        ValueError: a key of another form.
+    """
+    m = _KEY.match(key)
+    if not m:
+        raise ValueError(f"{key!r} is not a stage key (step<S>.layer<L>.<stage> or step<S>.<stage>)")
+    return int(m.group(1)), None if m.group(2) is None else int(m.group(2)), m.group(3)
+
+
+def forward_order(key: str) -> tuple:
+    """Sort key: step, then model inputs, layers in order, model outputs; unknown stages last."""
+    step, layer, stage = parse_key(key)
+    idx = _ORDER.get(stage, len(_ORDER))
+    if layer is None:
+        part = 0 if idx < _FIRST_LAYER_STAGE else 2
+        return step, part, 0, idx, stage
+    return step, 1, layer, idx, stage
+
+
+def metrics(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, float]:
+    """(relative RMS error, max abs error, cosine) of two arrays of one shape, in float64.
+
+    Non-finite values must match exactly (else all three are inf, inf, nan); complex arrays are
+    compared as (real, imag) pairs.
+    """
+    a, b = (np.asarray(x) for x in (ours, ref))
+    if np.iscomplexobj(a) or np.iscomplexobj(b):
+        a, b = (np.stack([x.real, x.imag]) for x in (a.astype(np.complex128), b.astype(np.complex128)))
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if not np.array_equal(fa, fb) or not np.array_equal(a[~fa], b[~fb], equal_nan=True):
+        return math.inf, math.inf, math.nan
+    a, b = a[fa], b[fb]
+    d = a - b
+    nd, nb, na = float(np.linalg.norm(d)), float(np.linalg.norm(b)), float(np.linalg.norm(a))
+    rel = nd / nb if nb > 0 else (0.0 if nd == 0 else math.inf)
+    max_abs = float(np.abs(d).max()) if d.size else 0.0
+    cos = float(a @ b) / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+    return rel, max_abs, cos
+
+
+@dataclass
+class Row:
+    """One (step, layer, stage): shapes, errors, the threshold and a status.
+
+    ``status``: ``ok``, ``diverged`` (error above threshold), ``shape mismatch`` (a divergence
+    too), ``only ours`` or ``only reference`` (no error figures).
+    """
+
+    step: int
+    layer: int | None
+    stage: str
+    shape: list[int] | None
+    ref_shape: list[int] | None
+    rel_rms_err: float | None
+    max_abs_err: float | None
+    cosine: float | None
+    threshold: float | None
+    status: str
+
+    @property
+    def diverged(self) -> bool:
+        return self.status in ("diverged", "shape mismatch")
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for k in ("rel_rms_err", "max_abs_err", "cosine"):
+            if d[k] is not None and not math.isfinite(d[k]):
+                d[k] = None
+        return d
+
+
+@dataclass
+class Comparison:
+    """All rows in forward order and the first divergent one (``None``: within thresholds)."""
+
+    rows: list[Row]
+    first_divergence: Row | None
+    thresholds: dict[str, float]
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {**self.extra, "thresholds": self.thresholds, "rows": [r.to_json() for r in self.rows],
+                "first_divergence": None if self.first_divergence is None else self.first_divergence.to_json()}
+
+
+def thresholds_for(threshold: float | None) -> dict[str, float]:
+    """The per-kind thresholds, or ``threshold`` for every kind."""
+    return dict(THRESHOLDS) if threshold is None else dict.fromkeys(THRESHOLDS, float(threshold))
+
+
+def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray], *,
+                   threshold: float | None = None, layers: Iterable[int] | None = None,
+                   stages: Iterable[str] | None = None) -> Comparison:
+    """Pair ``ours`` and ``ref`` by key and measure every pair.
+
+    Args:
+        ours, ref: arrays keyed by :func:`~llamatrace.trace.stage_key`.
+        threshold: one relative RMS threshold for every stage (default: :data:`THRESHOLDS` per kind).
+        layers: keep only these layers (model-level stages are always kept); ``None`` = all.
+        stages: keep only stages matching these ids/globs; ``None`` = all.
+
+    Raises:
+        ValueError: a key that is not a stage key.
+    """
+    limits = thresholds_for(threshold)
+    keep_layers = None if layers is None else frozenset(layers)
+    patterns = None if stages is None else list(stages)
+    rows = []
+    for key in sorted(set(ours) | set(ref), key=forward_order):
+        step, layer, stage = parse_key(key)
+        if keep_layers is not None and layer is not None and layer not in keep_layers:
+            continue
+        if patterns is not None and not any(fnmatch.fnmatchcase(stage, p) for p in patterns):
+            continue
+        a, b = ours.get(key), ref.get(key)
+        limit = limits[stage_kind(stage)]
+        shape = None if a is None else list(np.shape(a))
+        ref_shape = None if b is None else list(np.shape(b))
+        if a is None or b is None:
+            rows.append(Row(step, layer, stage, shape, ref_shape, None, None, None, None,
+                            "only ours" if b is None else "only reference"))
+        elif shape != ref_shape:
+            rows.append(Row(step, layer, stage, shape, ref_shape, None, None, None, limit, "shape mismatch"))
+        else:
+            rel, max_abs, cos = metrics(a, b)
+            rows.append(Row(step, layer, stage, shape, ref_shape, rel, max_abs, cos, limit,
+                            "ok" if rel <= limit else "diverged"))
+    first = next((r for r in rows if r.diverged), None)
+    return Comparison(rows, first, limits)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's graph tensors → our stages
+
+# llama.cpp name (without "-<layer>") and op → our stage ids; ggml "Qcur-N" labels the matmul,
+# the reshape (a view, never read) and the RoPE output
+_LLAMACPP_STAGES = {
+    ("Qcur", "MUL_MAT"): ("Qcur", "Qcur_heads"), ("Qcur", "ROPE"): ("Qcur_rope",),
+    ("Kcur", "MUL_MAT"): ("Kcur", "Kcur_heads"), ("Kcur", "ROPE"): ("Kcur_rope",),
+    ("Vcur", "MUL_MAT"): ("Vcur", "Vcur_heads"),
+    ("ffn_out", "MUL_MAT"): ("ffn_out",),
+}
+_SAME_NAME = frozenset(s.llama_cpp for s in STAGES if s.llama_cpp) - {"Qcur", "Kcur", "Vcur", "ffn_out"}
+_MODEL_NAMES = {"embd": "inp_embd", "inp_embd": "inp_embd", "attn_inp_kq_mask": "kq_mask",
+                "result_norm": "result_norm", "result_output": "result_output"}
+_LAYER_NAME = re.compile(r"^(.+)-(\d+)$")
+
+
+def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len: int) -> dict[str, np.ndarray]:
+    """Tensors read from one llama.cpp forward call → our keys and NumPy layouts.
+
+    ``captured`` holds objects with ``name``, ``op`` and a 4-D ``array`` in ggml's dims reversed
+    (:class:`llamatrace.peers.llamacpp.Captured`). Layout fixes: rows flattened to
+    ``[seq_len, features]``; ``kq``/``kq_soft_max`` trimmed from the padded KV cells to
+    ``kv_len = start_pos + seq_len``; the mask trimmed to ``[seq_len, kv_len]`` (prefill only,
+    as ours); ``*_heads`` are the matmul split by the RoPE output's head_dim. A second tensor of
+    the same name and op (``norm``-like duplicates) keeps the first.
+    """
+    kv_len = start_pos + seq_len
+    items = list(captured)
+    head_dim: dict[int, int] = {}
+    for c in items:
+        m = _LAYER_NAME.match(c.name)
+        if m and c.op == "ROPE":
+            head_dim.setdefault(int(m.group(2)), c.array.shape[-1])
+    out: dict[str, np.ndarray] = {}
+
+    def put(layer: int | None, stage: str, array: np.ndarray) -> None:
+        out.setdefault(stage_key(step, layer, stage), array)
+
+    for c in items:
+        a = c.array
+        if c.name in _MODEL_NAMES:
+            stage = _MODEL_NAMES[c.name]
+            if stage == "kq_mask":
+                if seq_len > 1:
+                    put(None, stage, a.reshape(-1, a.shape[-2], a.shape[-1])[0, :seq_len, :kv_len])
+            else:
+                put(None, stage, a.reshape(-1, a.shape[-1]))
+            continue
+        m = _LAYER_NAME.match(c.name)
+        if not m:
+            continue
+        base, layer = m.group(1), int(m.group(2))
+        if (base, c.op) in _LLAMACPP_STAGES:
+            for stage in _LLAMACPP_STAGES[(base, c.op)]:
+                if stage.endswith("_heads"):
+                    if layer in head_dim:
+                        put(layer, stage, a.reshape(seq_len, -1, head_dim[layer]))
+                elif stage.endswith("_rope"):
+                    put(layer, stage, a.reshape(seq_len, -1, a.shape[-1]))
+                else:
+                    put(layer, stage, a.reshape(-1, a.shape[-1]))
+        elif base in ("kq", "kq_soft_max"):
+            put(layer, base, a.reshape(-1, a.shape[-2], a.shape[-1])[..., :kv_len])
+        elif base == "kqv":
+            put(layer, base, a.reshape(-1, a.shape[-2], a.shape[-1]))
+        elif base in _SAME_NAME:
+            put(layer, base, a.reshape(-1, a.shape[-1]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# running both engines
+
+
+def run_ours(model, ids: list[int], tokens: int = 0, *, ctx_size: int | None = None
+             ) -> tuple[dict[str, np.ndarray], list[int], list[np.ndarray]]:
+    """Our prefill of ``ids`` and ``tokens`` greedy decode steps, every stage kept.
+
+    Returns (arrays keyed by :func:`~llamatrace.trace.stage_key`, the ``tokens`` ids fed to the
+    decode steps, each step's last-row logits float32 ``[vocab_size]``).
+
+    Raises:
+        PromptError: the prompt does not fit the context.
+    """
+    from .generate import generate
+    from .trace import Recorder
+    recorder = Recorder(keep_arrays=True)
+    generated = list(generate(model, ids, max_tokens=tokens + 1, ctx_size=ctx_size, recorder=recorder,
+                              stop_ids=frozenset()))
+    arrays = recorder.arrays()
+    n_steps = recorder.step + 1
+    last = [arrays[stage_key(s, None, "result_output")][-1] for s in range(n_steps)]
+    return arrays, generated[:n_steps - 1], last
+
+
+def run_llamacpp(path, ids: list[int], fed: list[int], *, threads: int | None = None
+                 ) -> tuple[list[list], dict[str, np.ndarray], dict]:
+    """llama.cpp's prefill of ``ids`` then one decode step per id of ``fed``, every named tensor read.
+
+    Returns (the captured tensors of each step, the same as our keys and layouts, the settings).
+
+    Raises:
+        PeerError: llama-cpp-python is missing or llama.cpp failed.
+    """
+    import os
+
+    from .bench import check_engines
+    from .errors import PeerError
+    check_engines(["llama.cpp"])
+    from .peers.llamacpp import LlamaCpp
+    try:
+        engine = LlamaCpp(str(path), len(ids) + len(fed) + 8, threads or os.cpu_count() or 1, capture=True)
+    except RuntimeError as exc:
+        raise PeerError(f"llama.cpp: {exc}") from None
+    steps, arrays = [], {}
+    try:
+        start = 0
+        for step, chunk in enumerate([list(ids)] + [[t] for t in fed]):
+            try:
+                engine.eval(chunk)
+            except RuntimeError as exc:
+                raise PeerError(f"llama.cpp: {exc}") from None
+            steps.append(engine.captured)
+            arrays.update(llamacpp_stage_arrays(engine.captured, step, start, len(chunk)))
+            start += len(chunk)
+        settings = {"engine": engine.version, **engine.settings}
+    finally:
+        engine.close()
+    return steps, arrays, settings
+
+
+def compare_with_llamacpp(model, ids: list[int], tokens: int = 0, *, threshold: float | None = None,
+                          layers: Iterable[int] | None = None, stages: Iterable[str] | None = None,
+                          threads: int | None = None) -> Comparison:
+    """Run ``model`` and llama.cpp (same GGUF, same ids; decode steps fed our greedy tokens) and
+    compare every stage. ``extra`` holds ``reference``, ``model``, ``prompt_ids``, ``settings``
+    and ``argmax`` (per step: our next token and llama.cpp's).
+
+    Raises:
+        PeerError: llama-cpp-python is missing or llama.cpp failed.
+    """
+    ours, fed, our_last = run_ours(model, ids, tokens)
+    _, ref, settings = run_llamacpp(model.path, ids, fed, threads=threads)
+    result = compare_arrays(ours, ref, threshold=threshold, layers=layers, stages=stages)
+    argmax = []
+    for step, row in enumerate(our_last):
+        key = stage_key(step, None, "result_output")
+        ref_id = int(np.argmax(ref[key][-1])) if key in ref else None
+        argmax.append({"step": step, "ours": int(np.argmax(row)), "reference": ref_id})
+    result.extra = {"reference": "llama.cpp", "model": str(model.path), "prompt_ids": list(ids),
+                    "settings": settings, "argmax": argmax}
+    return result

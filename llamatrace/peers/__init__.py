@@ -1,0 +1,1 @@
+"""Adapters to other inference engines (optional extras, imported only when asked for)."""
