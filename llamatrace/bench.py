@@ -6,8 +6,8 @@ machine slows them alike and the ratios of one run are fair. Every run is a pref
 same ``prompt_tokens`` ids followed by ``decode_tokens`` greedy decode steps.
 
 Peers (optional, never dependencies): ``llama.cpp`` through llama-cpp-python (the extra
-``llamatrace[llamacpp]``), with ``logits_all=False`` so its prefill computes one row of logits
-as ours does; ``hf``: HF transformers in fp32 on the same GGUF (torch, transformers, accelerate).
+``llamatrace[llamacpp]``; :mod:`llamatrace.peers.llamacpp` in last-token mode, so its prefill
+computes one row of logits as ours does); ``hf``: HF transformers in fp32 on the same GGUF (torch, transformers, accelerate).
 """
 
 from __future__ import annotations
@@ -249,25 +249,22 @@ class _Llamatrace:
 
 class _LlamaCpp:
     def __init__(self, path: str, threads: int, n_ctx: int) -> None:
-        import llama_cpp
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                                   n_threads_batch=threads, logits_all=False, verbose=False)
-        self.version = f"llama-cpp-python {llama_cpp.__version__}"
-        self.vocab_size = self.llm.n_vocab()
+        from .peers.llamacpp import LlamaCpp
+        self.engine = LlamaCpp(path, n_ctx, threads)      # last-token mode, as logits_all=False
+        self.version = self.engine.version
+        self.vocab_size = self.engine.vocab_size
 
     def threading(self) -> str:
         return "ggml threads"
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
-        llm = self.llm
-        llm.reset()
+        eng = self.engine
+        eng.reset()
         t0 = time.perf_counter()
-        llm.eval(ids)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(eng.eval(ids)))
         t1 = time.perf_counter()
         for _ in range(n_decode):
-            llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = int(np.argmax(eng.eval([token])))
         return t1 - t0, time.perf_counter() - t1
 
 

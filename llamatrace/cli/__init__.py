@@ -23,6 +23,7 @@ from . import attention  # noqa: E402,F401,I001  (isort: skip)
 from . import lens  # noqa: E402,F401,I001  (isort: skip)
 from . import stages  # noqa: E402,F401,I001  (isort: skip)
 from . import info  # noqa: E402,F401,I001  (isort: skip)
+from . import compare  # noqa: E402,F401,I001  (isort: skip)
 from . import bench  # noqa: E402,F401,I001  (isort: skip)
 from . import pull  # noqa: E402,F401,I001  (isort: skip)
 

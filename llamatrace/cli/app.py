@@ -3,7 +3,7 @@
 Commands live in their own modules of this package and register themselves on :data:`app`;
 shared options and helpers are in :mod:`llamatrace.cli.options`. Data goes to stdout (generated text, JSON, trace lines); progress, summaries and errors go to a
 stderr console, so output stays pipeable. Exit codes: 0 ok, 1 internal error, 2 bad input or
-usage, 130 interrupted.
+usage, 3 a divergence found by ``compare``, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 out = Console(highlight=False, soft_wrap=True)
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_DIVERGED = 3          # `llamatrace compare`: a stage exceeds its threshold
 
 app = typer.Typer(
     name="llamatrace",

@@ -1,0 +1,213 @@
+"""``llamatrace compare``: where two implementations of the forward pass first disagree.
+
+Two forms: ``compare [PROMPT] --against llama.cpp`` runs our forward pass and llama.cpp's on the
+same GGUF and token ids; ``compare OURS.npz REF.npz`` compares two recordings with ``trace --npz``
+keys. Both print one table (or ``--json``) and exit 0 within thresholds, 3 at a divergence.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import OptionError
+from .app import EXIT_DIVERGED, app, err, out
+from .options import (
+    LAYER_HELP,
+    ModelOpt,
+    PromptFileOpt,
+    RawOpt,
+    SystemOpt,
+    ThreadsOpt,
+    default_prompt,
+    load_model,
+    parse_layers,
+    parse_stages,
+    prompt_ids_for,
+    read_prompt,
+    wide_out,
+)
+
+AGAINST = ("llama.cpp",)
+
+
+@app.command()
+def compare(
+    args: Annotated[Optional[list[str]], typer.Argument(
+        help="The prompt text (default: the short sample), or two .npz recordings: OURS.npz REF.npz.",
+        show_default=False, metavar="[PROMPT | OURS.npz REF.npz]")] = None,
+    against: Annotated[str, typer.Option("--against", help="The reference engine: llama.cpp "
+                                         "(llama-cpp-python, the extra llamatrace[llamacpp]).")] = "llama.cpp",
+    model: ModelOpt = None,
+    raw: RawOpt = False,
+    system: SystemOpt = None,
+    prompt_file: PromptFileOpt = None,
+    tokens: Annotated[int, typer.Option("--tokens", "-n", help="Also compare N decode steps; both engines "
+                                        "are fed our greedy tokens.")] = 0,
+    layer: Annotated[str, typer.Option("--layer", "-l", help=LAYER_HELP)] = "all",
+    stage: Annotated[Optional[list[str]], typer.Option(
+        "--stage", "-s", help="Stage ids or globs (kq*), repeatable or comma-separated.", show_default=False)] = None,
+    sort: Annotated[str, typer.Option("--sort", help="Row order: 'forward' (the forward pass) or 'worst' "
+                                      "(largest relative error first).")] = "forward",
+    threshold: Annotated[Optional[float], typer.Option(
+        "--threshold", help="One relative RMS error threshold for every stage (default: per stage kind, "
+        "see above).", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Compare every stage of our forward pass with a reference, and find the first divergence.
+
+    Per (step, layer, stage): both shapes, the relative RMS error ‖ours − ref‖ / ‖ref‖, the max
+    abs error and the cosine similarity. The first divergence is the earliest stage in forward
+    order whose error exceeds its threshold. Exit 0 within thresholds, 3 at a divergence.
+
+    llama.cpp runs with outputs for every token, flash attention off and an f32 KV cache, so
+    every stage has all its rows. Its matmuls multiply 8-bit-quantized activations: a healthy
+    model drifts by ~1e-2 relative per matmul. Default thresholds, calibrated on the default
+    model: 1e-3 for exact stages (inp_embd, kq_mask, freqs_cis); 0.15 for Qcur*, Kcur* and kq
+    (largest healthy error seen 0.07); 0.25 elsewhere (largest seen 0.12). A split-half RoPE
+    gives ~0.45 at layer 0's Qcur_rope, a skipped RMSNorm ~0.9.
+
+    With two .npz files (keys step{S}.layer{L}.{stage}, as `trace --npz` writes), compares
+    the recordings instead: missing keys and mismatched shapes are rows of their own.
+
+    Examples:
+
+      llamatrace compare --raw "The capital of France is" --against llama.cpp
+
+      llamatrace compare --raw "The capital of France is" --tokens 2 --sort worst --json
+
+      llamatrace compare ours.npz theirs.npz --layer 0-3 --stage "Qcur*,Kcur*"
+    """
+    from ..compare import compare_arrays, compare_with_llamacpp
+
+    args = list(args or [])
+    if tokens < 0:
+        raise OptionError(f"--tokens must be >= 0, got {tokens}")
+    if sort not in ("forward", "worst"):
+        raise OptionError(f"--sort {sort!r}: choose 'forward' or 'worst'")
+    if threshold is not None and not (threshold > 0 and math.isfinite(threshold)):
+        raise OptionError(f"--threshold must be a positive number, got {threshold}")
+    parse_layers(layer)
+    patterns = _stage_patterns(stage)
+    if len(args) == 2 and all(a.lower().endswith(".npz") for a in args):
+        ours, ref = (_load_npz(Path(a)) for a in args)
+        result = compare_arrays(ours, ref, threshold=threshold, layers=_npz_layers(layer, ours, ref),
+                                stages=patterns)
+        result.extra = {"reference": args[1], "ours": args[0]}
+    else:
+        if len(args) > 1:
+            raise OptionError(f"compare takes one prompt or two .npz files, got {len(args)} arguments "
+                              "(quote a prompt with spaces)")
+        if against not in AGAINST:
+            raise OptionError(f"--against {against!r}: unknown engine; choose from {', '.join(AGAINST)}")
+        patterns = parse_stages(stage)     # our stage ids here; a user's .npz may have others
+        from ..bench import check_engines
+        check_engines([against])           # one error line, before the model loads
+        text_in = read_prompt(args[0] if args else None, prompt_file, default=default_prompt())
+        m = load_model(model, threads)
+        ids = prompt_ids_for(m, text_in, raw, system)
+        with err.status(f"running llamatrace and {against} …"):
+            result = compare_with_llamacpp(m, ids, tokens, threshold=threshold, layers=parse_layers(layer, m.config.n_layers),
+                                           stages=patterns, threads=threads)
+    if as_json:
+        out.print_json(json.dumps(result.to_json()))
+    else:
+        _print_table(result, sort)
+    if result.first_divergence is not None:
+        raise typer.Exit(EXIT_DIVERGED)
+
+
+def _stage_patterns(values: list[str] | None) -> list[str] | None:
+    if not values:
+        return None
+    return [p.strip() for v in values for p in v.split(",") if p.strip()]
+
+
+def _load_npz(path: Path) -> dict:
+    import zipfile
+
+    import numpy as np
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except FileNotFoundError:
+        raise OptionError(f"{path}: no such file (make one with `llamatrace trace --npz {path.name}`)") from None
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise OptionError(f"{path}: not a readable .npz file ({exc})") from None
+
+
+def _npz_layers(spec: str, *recordings: dict) -> list[int] | None:
+    from ..compare import parse_key
+    layers = set()
+    for rec in recordings:
+        for key in rec:
+            try:
+                layer = parse_key(key)[1]
+            except ValueError as exc:
+                raise OptionError(f"{exc}; every key must look like step0.layer0.Qcur") from None
+            if layer is not None:
+                layers.add(layer)
+    return parse_layers(spec, max(layers) + 1) if layers else None
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _print_table(result, sort: str) -> None:
+    from rich.table import Table
+
+    from ..trace import stage_key
+
+    def key_of(r):
+        return stage_key(r.step, r.layer, r.stage)
+
+    paired = [r for r in result.rows if r.status not in ("only ours", "only reference")]
+    if sort == "worst":
+        paired.sort(key=lambda r: -(math.inf if r.rel_rms_err is None else r.rel_rms_err))
+    title = f"{result.extra.get('ours', 'llamatrace')} vs {result.extra.get('reference', 'reference')}"
+    table = Table(title=title, title_justify="left")
+    for col in ("step", "layer", "stage", "shape", "ref shape", "rel rms err", "max abs err", "cosine", "status"):
+        table.add_column(col, justify="left" if col in ("stage", "shape", "ref shape", "status") else "right",
+                         no_wrap=True)
+    first = result.first_divergence
+    for r in paired:
+        style = "bold red" if r is first else "red" if r.diverged else None
+        table.add_row(str(r.step), "–" if r.layer is None else str(r.layer), r.stage,
+                      "×".join(map(str, r.shape or [])), "×".join(map(str, r.ref_shape or [])),
+                      _fmt(r.rel_rms_err, ".2e"), _fmt(r.max_abs_err, ".2e"), _fmt(r.cosine, ".6f"),
+                      r.status + (" ← first" if r is first else ""), style=style)
+    wide_out(112).print(table)
+    for status, side in (("only ours", "only in ours"), ("only reference", "only in the reference")):
+        rows = [r for r in result.rows if r.status == status]
+        if len(rows) <= 6:          # a few missing keys (an npz dump): name each
+            names = [key_of(r) for r in rows]
+        else:                       # a whole kind of stage the other side lacks
+            names = sorted({r.stage for r in rows}, key=_stage_rank)
+        if names:
+            out.print(f"{side} (not compared): {', '.join(names)}")
+    for a in result.extra.get("argmax", []):
+        if a["reference"] is not None and a["ours"] != a["reference"]:
+            out.print(f"step {a['step']}: llama.cpp's argmax would be token {a['reference']}, ours is {a['ours']}")
+    settings = result.extra.get("settings")
+    if settings:
+        out.print("reference settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    limits = ", ".join(f"{k} {v:g}" for k, v in result.thresholds.items())
+    if first is None:
+        out.print(f"no divergence: every paired stage is within its threshold ({limits})")
+    else:
+        where = "model level" if first.layer is None else f"layer {first.layer}"
+        what = ("shapes differ" if first.status == "shape mismatch"
+                else f"rel rms err {first.rel_rms_err:.3g} > {first.threshold:g}")
+        out.print(f"[bold red]first divergence:[/] step {first.step}, {where}, {first.stage} ({what})")
+
+
+def _stage_rank(stage: str) -> tuple:
+    from ..stages import STAGE_IDS
+    return (STAGE_IDS.index(stage) if stage in STAGE_IDS else len(STAGE_IDS), stage)
+
