@@ -72,6 +72,15 @@ _WANTED = re.compile(r"^(?:[A-Za-z_]+-\d+|inp_embd|embd|result_norm|result_outpu
 _MASK_NAME = "attn_inp_kq_mask"
 
 
+_QUIET_LOG = []      # the ctypes log callback must outlive every context (llama.cpp keeps the pointer)
+
+
+def _silence_logs(L) -> None:
+    if not _QUIET_LOG:
+        _QUIET_LOG.append(L.llama_log_callback(lambda level, text, user: None))
+        L.llama_log_set(_QUIET_LOG[0], None)
+
+
 class LlamaCpp:
     """A GGUF loaded in llama.cpp, fed token ids.
 
@@ -91,8 +100,7 @@ class LlamaCpp:
         self._L = L
         self.capture = capture
         self.version = f"llama-cpp-python {L.__version__}"
-        self._quiet = L.llama_log_callback(lambda level, text, user: None)
-        L.llama_log_set(self._quiet, None)
+        _silence_logs(L)
         L.llama_backend_init()
         mparams = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(str(path).encode(), mparams)

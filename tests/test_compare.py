@@ -1,0 +1,195 @@
+"""`llamatrace compare`: pairing and layouts against committed llama.cpp dumps, metrics, the
+first divergence, the npz mode and its errors; a live run when llama-cpp-python is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from test_cli_generate import assert_one_line_error, run
+
+from llamatrace import compare as cmp
+from llamatrace.stages import STAGES
+
+GOLDEN = Path(__file__).parent / "golden"
+DUMPS = ("france", "once")
+# every stage llama.cpp has a tensor for (kq_mask: prefill only)
+PAIRED = {s.id for s in STAGES if s.llama_cpp is not None}
+
+
+def load_dump(name: str):
+    """(meta, {step: [captured tensors in graph order]}) from tests/golden/llamacpp_<name>.npz."""
+    with np.load(GOLDEN / f"llamacpp_{name}.npz") as data:
+        meta = json.loads(str(data["meta"]))
+        steps: dict[int, list] = {}
+        for key in sorted(k for k in data.files if k != "meta"):
+            step, index, rest = key.split(".", 2)
+            tensor_name, op = rest.rsplit(".", 1)
+            steps.setdefault(int(step[4:]), []).append(
+                SimpleNamespace(name=tensor_name, op=op, array=data[key].astype(np.float32)))
+    return meta, steps
+
+
+def dump_as_stages(name: str):
+    meta, steps = load_dump(name)
+    ids = meta["prompt_ids"]
+    ref = {}
+    for step, captured in steps.items():
+        seq_len = len(ids) if step == 0 else 1
+        ref.update(cmp.llamacpp_stage_arrays(captured, step, meta["start_pos"][step], seq_len))
+    return meta, ref
+
+
+@pytest.fixture(scope="module")
+def ours_for_dumps(smollm2):
+    out = {}
+    for name in DUMPS:
+        meta, _ = load_dump(name)
+        arrays, fed, _ = cmp.run_ours(smollm2, meta["prompt_ids"], tokens=1)
+        out[name] = (arrays, fed)
+    return out
+
+
+def test_dump_keeps_llamacpp_layouts():
+    # the raw tensors hold what the layout fixes undo: padded KV cells, 4-D ggml order, one name thrice
+    meta, steps = load_dump("france")
+    n = len(meta["prompt_ids"])
+    by = {(c.name, c.op): c.array.shape for c in steps[0]}
+    assert by[("kq_soft_max-0", "SOFT_MAX")][:3] == (1, 9, n) and by[("kq_soft_max-0", "SOFT_MAX")][3] > n + 1
+    assert by[("Qcur-0", "MUL_MAT")] == (1, 1, n, 576) and by[("Qcur-0", "ROPE")] == (1, n, 9, 64)
+    assert by[("result_output", "MUL_MAT")] == (1, 1, n, 49152)      # every row: outputs for all tokens
+    assert meta["settings"]["flash_attn"] is False and meta["settings"]["type_k"] == "f32"
+
+
+@pytest.mark.parametrize("name", DUMPS)
+def test_pairing_and_layouts_against_llamacpp_dump(name, smollm2, ours_for_dumps):
+    meta, ref = dump_as_stages(name)
+    assert smollm2.tokenizer.encode(meta["prompt"]) == meta["prompt_ids"]
+    ours, fed = ours_for_dumps[name]
+    assert fed == meta["fed"]             # our greedy token is llama.cpp's
+    result = cmp.compare_arrays(ours, ref, layers=[0, 29])
+    paired = {(r.step, r.layer, r.stage) for r in result.rows if r.status in ("ok", "diverged")}
+    for step in (0, 1):
+        for layer in (0, 29):
+            missing = {s.id for s in STAGES if s.level == "layer" and s.id in PAIRED} - \
+                {st for (sp, ly, st) in paired if (sp, ly) == (step, layer)}
+            assert not missing, (step, layer, missing)
+        model_level = {"inp_embd", "result_norm", "result_output"} | ({"kq_mask"} if step == 0 else set())
+        assert model_level <= {st for (sp, ly, st) in paired if sp == step and ly is None}
+    assert not [r for r in result.rows if r.status == "only reference"]
+    assert not [r for r in result.rows if r.status == "shape mismatch"]
+    assert result.first_divergence is None, result.first_divergence
+    rows = {(r.step, r.layer, r.stage): r for r in result.rows}
+    assert rows[(0, None, "inp_embd")].rel_rms_err < 1e-3              # the same dequantized rows
+    assert rows[(0, None, "kq_mask")].rel_rms_err == 0
+    # 8-bit activations in llama.cpp's matmuls: honest drift, but not zero
+    assert 1e-3 < rows[(0, 0, "Qcur")].rel_rms_err < 0.15
+    assert rows[(1, 29, "kq_soft_max")].shape == [9, 1, len(meta["prompt_ids"]) + 1]
+
+
+def test_a_wrong_rope_layout_is_the_first_divergence(ours_for_dumps):
+    # split-half RoPE (HF's layout on GGUF's interleaved weights) instead of adjacent pairs
+    meta, ref = dump_as_stages("france")
+    ours = dict(ours_for_dumps["france"][0])
+    for key in [k for k in ours if k.endswith("Qcur_rope") or k.endswith("Kcur_rope")]:
+        x = ours[key]
+        ours[key] = np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    first = cmp.compare_arrays(ours, ref, layers=[0, 29]).first_divergence
+    assert (first.step, first.layer, first.stage) == (0, 0, "Qcur_rope")
+    assert first.rel_rms_err > 0.3
+
+
+def test_injected_fault_is_exactly_the_first_divergence(ours_for_dumps):
+    ours = ours_for_dumps["france"][0]
+    ref = {k: v.copy() for k, v in ours.items()}
+    key = "step0.layer3.Kcur_rope"
+    rng = np.random.default_rng(0)
+    ref[key] = ref[key] + 0.3 * ref[key].std() * rng.standard_normal(ref[key].shape).astype(np.float32)
+    result = cmp.compare_arrays(ours, ref)
+    first = result.first_divergence
+    assert (first.step, first.layer, first.stage) == (0, 3, "Kcur_rope")
+    assert sum(r.diverged for r in result.rows) == 1
+
+
+def test_metrics():
+    a = np.array([1.0, 2.0, -np.inf], dtype=np.float32)
+    assert cmp.metrics(a, a) == (0.0, 0.0, pytest.approx(1.0))
+    rel, max_abs, cos = cmp.metrics(np.array([3.0, 4.0]), np.array([3.0, 0.0]))
+    assert rel == pytest.approx(4 / 3) and max_abs == 4 and cos == pytest.approx(0.6)
+    assert cmp.metrics(np.array([0.0, -np.inf]), np.array([-np.inf, 0.0]))[0] == float("inf")
+    z = np.exp(1j * np.arange(4, dtype=np.float32)).astype(np.complex64)
+    assert cmp.metrics(z, z)[0] == 0
+
+
+def test_forward_order_and_thresholds():
+    keys = ["step1.inp_embd", "step0.result_output", "step0.layer1.Qcur", "step0.layer0.l_out",
+            "step0.inp_embd", "step0.layer0.Qcur", "step0.layer0.my_stage"]
+    assert sorted(keys, key=cmp.forward_order) == [
+        "step0.inp_embd", "step0.layer0.Qcur", "step0.layer0.l_out", "step0.layer0.my_stage",
+        "step0.layer1.Qcur", "step0.result_output", "step1.inp_embd"]
+    assert [cmp.stage_kind(s) for s in ("kq_mask", "Kcur_rope", "kq", "kq_soft_max")] == ["exact", "qk", "qk", "other"]
+    assert cmp.thresholds_for(0.5) == {"exact": 0.5, "qk": 0.5, "other": 0.5}
+
+
+def _npz_pair(tmp_path, ours, ref):
+    np.savez(tmp_path / "ours.npz", **ours)
+    np.savez(tmp_path / "ref.npz", **ref)
+    return str(tmp_path / "ours.npz"), str(tmp_path / "ref.npz")
+
+
+def test_npz_mode_reports_missing_keys_and_shapes_as_rows(capsys, tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    ours = {"step0.inp_embd": x, "step0.layer0.Qcur": x, "step0.layer0.ffn_up": x, "step0.layer1.l_out": x}
+    ref = {"step0.inp_embd": x, "step0.layer0.Qcur": x * 1.01, "step0.layer0.ffn_up": x[:, :4],
+           "step0.result_norm": x}
+    code, out, err = run(capsys, "compare", *_npz_pair(tmp_path, ours, ref), "--json")
+    assert code == 3, err
+    report = json.loads(out)
+    rows = {(r["layer"], r["stage"]): r for r in report["rows"]}
+    assert rows[(0, "Qcur")]["rel_rms_err"] == pytest.approx(0.01 / 1.01, rel=1e-4)
+    assert rows[(0, "ffn_up")]["status"] == "shape mismatch" and rows[(0, "ffn_up")]["ref_shape"] == [3, 4]
+    assert rows[(1, "l_out")]["status"] == "only ours" and rows[(None, "result_norm")]["status"] == "only reference"
+    assert report["first_divergence"]["stage"] == "ffn_up"
+    code, out, err = run(capsys, "compare", *_npz_pair(tmp_path, ours, ref), "--stage", "Qcur,inp_embd")
+    assert code == 0 and "no divergence" in out and "ours.npz vs" in out
+    code, out, err = run(capsys, "compare", *_npz_pair(tmp_path, ours, ref), "--stage", "Qcur", "--threshold", "1e-3")
+    assert code == 3 and "first divergence: step 0, layer 0, Qcur" in out
+
+
+def test_npz_mode_errors(capsys, tmp_path):
+    assert_one_line_error(*run(capsys, "compare", str(tmp_path / "a.npz"), str(tmp_path / "b.npz")), "a.npz",
+                          "no such file")
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    np.savez(tmp_path / "ok.npz", x=np.zeros(2))
+    assert_one_line_error(*run(capsys, "compare", str(tmp_path / "bad.npz"), str(tmp_path / "ok.npz")), "bad.npz")
+    assert_one_line_error(*run(capsys, "compare", str(tmp_path / "ok.npz"), str(tmp_path / "ok.npz")),
+                          "'x' is not a stage key")
+    assert_one_line_error(*run(capsys, "compare", "a", "b", "c"), "one prompt or two .npz files")
+    assert_one_line_error(*run(capsys, "compare", "hi", "--threshold", "-1"), "--threshold")
+    assert_one_line_error(*run(capsys, "compare", "hi", "--sort", "best"), "--sort")
+    assert_one_line_error(*run(capsys, "compare", "hi", "--against", "vllm"), "vllm", "llama.cpp")
+
+
+def test_says_how_to_install_llamacpp(capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    assert_one_line_error(*run(capsys, "compare", "hi", "--against", "llama.cpp"),
+                          "llama_cpp is not installed", "llamatrace[llamacpp]")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_live_against_llamacpp(capsys, smollm2_path):
+    code, out, err = run(capsys, "compare", "--model", str(smollm2_path), "--raw", "The capital of France is",
+                         "--tokens", "1", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["first_divergence"] is None and report["settings"]["flash_attn"] is False
+    paired = {(r["step"], r["layer"], r["stage"]) for r in report["rows"] if r["status"] == "ok"}
+    layer_stages = {s.id for s in STAGES if s.level == "layer" and s.id in PAIRED}
+    assert all((step, layer, st) in paired for step in (0, 1) for layer in range(30) for st in layer_stages)
+    assert all(a["ours"] == a["reference"] for a in report["argmax"])
