@@ -12,10 +12,11 @@ the metrics cover the finite ones.
 
 Default thresholds (on the relative RMS error), calibrated on the default model against
 llama.cpp, whose matmuls multiply 8-bit-quantized activations (~1e-2 relative drift per matmul,
-compounding through the layers): exact stages (``inp_embd``, ``kq_mask``, ``freqs_cis``) 1e-3;
-query/key stages (``Qcur*``, ``Kcur*``, ``kq``) 0.15 — largest healthy error seen 0.072;
-every other stage 0.25 — largest healthy error seen 0.124. Real bugs land well above: a
-split-half RoPE gives 0.42-0.51 at layer 0's ``Qcur_rope``, a skipped RMSNorm 0.87-0.90.
+compounding through the layers): exact stages (``inp_embd``, ``kq_mask``, ``freqs_cis``) 1e-3
+(measured: 0); query/key stages (``Qcur*``, ``Kcur*``, ``kq``) 0.15 (largest healthy error
+seen 0.054-0.072); every other stage 0.25 (largest seen 0.125). Real bugs land well above: a
+split-half RoPE gives 0.42-0.82 at layer 0's ``Qcur_rope``, an RMSNorm without its 1/rms
+0.88-0.90 at layer 0's ``attn_norm``.
 """
 
 from __future__ import annotations

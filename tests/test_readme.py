@@ -38,6 +38,9 @@ EXCLUDED: dict[str, str] = {
         "the test command itself, and benchmarks (timed, minutes long; run by hand)",
     "llamatrace/":
         "a listing of the package's modules, not a command",
+    '$ llamatrace compare --raw "The capital of France is" --layer 0,29 --stage "Qcur_rope,kq_soft_max,l_out,result_output"':
+        "needs llama-cpp-python (the optional extra llamatrace[llamacpp]), never a CI dependency; "
+        "test_compare.py's live test runs the same comparison where it is installed",
 }
 RUN_LANGS = ("python", "console")
 TIMEOUT_S = 600
