@@ -13,6 +13,7 @@ import pytest
 from test_cli_generate import assert_one_line_error, run
 
 from llamatrace import compare as cmp
+from llamatrace.trace import stage_key
 from llamatrace.stages import STAGES
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -101,6 +102,19 @@ def test_a_wrong_rope_layout_is_the_first_divergence(ours_for_dumps):
     first = cmp.compare_arrays(ours, ref, layers=[0, 29]).first_divergence
     assert (first.step, first.layer, first.stage) == (0, 0, "Qcur_rope")
     assert first.rel_rms_err > 0.3
+
+
+def _perturb(array, event):
+    noise = np.random.default_rng(event.step).standard_normal(array.shape).astype(array.dtype)
+    return array + 0.5 * float(array.std()) * noise
+
+
+def test_a_hooked_fault_is_the_first_divergence_against_llamacpp_dump(smollm2):
+    meta, ref = dump_as_stages("france")
+    with smollm2.hooks({"Kcur_rope": _perturb}, layers=[29]):
+        ours, _, _ = cmp.run_ours(smollm2, meta["prompt_ids"], tokens=1)
+    first = cmp.compare_arrays(ours, ref, layers=[0, 29]).first_divergence
+    assert (first.step, first.layer, first.stage) == (0, 29, "Kcur_rope")
 
 
 def test_injected_fault_is_exactly_the_first_divergence(ours_for_dumps):
@@ -193,3 +207,14 @@ def test_live_against_llamacpp(capsys, smollm2_path):
     layer_stages = {s.id for s in STAGES if s.level == "layer" and s.id in PAIRED}
     assert all((step, layer, st) in paired for step in (0, 1) for layer in range(30) for st in layer_stages)
     assert all(a["ours"] == a["reference"] for a in report["argmax"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_live_hooked_fault_is_the_first_divergence(smollm2):
+    ids = smollm2.tokenizer.encode("The capital of France is")
+    with smollm2.hooks({"Kcur_rope": _perturb}, layers=[3]):
+        result = cmp.compare_with_llamacpp(smollm2, ids, 1)
+    first = result.first_divergence
+    assert (first.step, first.layer, first.stage) == (0, 3, "Kcur_rope")
+    assert all(r.status == "ok" for r in result.rows if cmp.forward_order(stage_key(r.step, r.layer, r.stage))
+               < cmp.forward_order("step0.layer3.Kcur_rope") and r.rel_rms_err is not None)
