@@ -22,7 +22,8 @@ import numpy as np
 
 _GGML_MAX_DIMS = 4
 _GGML_TYPE_F32 = 0
-_VIEW_OPS = frozenset({"VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "CPY", "SET_ROWS", "GET_ROWS_BACK"})
+# views and writes into the KV cache share a name with the tensor they come from: not stages of their own
+_VIEW_OPS = frozenset({"VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "CPY", "SET_ROWS"})
 
 
 class _TensorHead(ctypes.Structure):
