@@ -71,6 +71,7 @@ def compare(
     model: 1e-3 for exact stages (inp_embd, kq_mask, freqs_cis; measured 0); 0.15 for Qcur*,
     Kcur* and kq (largest healthy error seen 0.07); 0.25 elsewhere (largest seen 0.125). A
     split-half RoPE gives 0.42-0.82 at layer 0's Qcur_rope, an RMSNorm without 1/rms ~0.9.
+    2-bit models drift more (Q2_K: 0.17 at a deep layer's kq): raise --threshold there.
 
     With two .npz files (keys step{S}.layer{L}.{stage}, as `trace --npz` writes), compares
     the recordings instead: missing keys and mismatched shapes are rows of their own.
