@@ -3,8 +3,9 @@
 Both sides are dicts of arrays keyed like ``llamatrace trace --npz`` (:func:`~llamatrace.trace.stage_key`:
 ``step0.layer0.Qcur``, ``step0.result_norm``), already in the same layout. :func:`compare_arrays`
 pairs the keys, measures each pair and finds the first divergence in forward order;
-:func:`llamacpp_stage_arrays` turns tensors read from llama.cpp's graph into that layout, and
-:func:`compare_with_llamacpp` runs both engines on the same token ids.
+:func:`llamacpp_stage_arrays` turns tensors read from llama.cpp's graph into that layout
+(:mod:`llamatrace.peers.hf` does the same for HF transformers), and :func:`compare_with` runs
+both engines on the same token ids.
 
 Metrics per pair (float64): relative RMS error ``‖ours − ref‖ / ‖ref‖``, max abs error, cosine
 similarity. Non-finite values (the mask's -inf) must sit at the same places and be equal there;
@@ -313,24 +314,56 @@ def run_llamacpp(path, ids: list[int], fed: list[int], *, threads: int | None = 
     return steps, arrays, settings
 
 
-def compare_with_llamacpp(model, ids: list[int], tokens: int = 0, *, threshold: float | None = None,
-                          layers: Iterable[int] | None = None, stages: Iterable[str] | None = None,
-                          threads: int | None = None) -> Comparison:
-    """Run ``model`` and llama.cpp (same GGUF, same ids; decode steps fed our greedy tokens) and
-    compare every stage. ``extra`` holds ``reference``, ``model``, ``prompt_ids``, ``settings``
-    and ``argmax`` (per step: our next token and llama.cpp's).
+def run_hf(path, ids: list[int], fed: list[int], *, threads: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """HF transformers' (fp32) prefill of ``ids`` then one decode step per id of ``fed``.
+
+    Returns (its module outputs as our keys and layouts, the settings).
 
     Raises:
-        PeerError: llama-cpp-python is missing or llama.cpp failed.
+        PeerError: torch/transformers are missing or the model cannot be loaded.
+    """
+    from .bench import check_engines
+    from .errors import PeerError
+    check_engines(["hf"])
+    from .peers.hf import HFModel, hf_stage_arrays
+    try:
+        engine = HFModel(str(path), threads)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise PeerError(f"hf: {type(exc).__name__}: {exc}") from None
+    arrays = {}
+    for step, chunk in enumerate([list(ids)] + [[t] for t in fed]):
+        engine.eval(chunk)
+        arrays.update(hf_stage_arrays(engine.captured, step, engine.head_dim))
+    return arrays, engine.settings
+
+
+def compare_with(model, ids: list[int], tokens: int = 0, *, against: str = "llama.cpp",
+                 threshold: float | None = None, layers: Iterable[int] | None = None,
+                 stages: Iterable[str] | None = None, threads: int | None = None) -> Comparison:
+    """Run ``model`` and ``against`` (``llama.cpp`` or ``hf``) on the same GGUF and ids (decode
+    steps fed our greedy tokens) and compare every stage. ``extra`` holds ``reference``,
+    ``model``, ``prompt_ids``, ``settings`` and ``argmax`` (per step: our next token and the
+    reference's).
+
+    Raises:
+        PeerError: the reference engine is missing or failed.
     """
     ours, fed, our_last = run_ours(model, ids, tokens)
-    _, ref, settings = run_llamacpp(model.path, ids, fed, threads=threads)
+    if against == "hf":
+        ref, settings = run_hf(model.path, ids, fed, threads=threads)
+    else:
+        _, ref, settings = run_llamacpp(model.path, ids, fed, threads=threads)
     result = compare_arrays(ours, ref, threshold=threshold, layers=layers, stages=stages)
     argmax = []
     for step, row in enumerate(our_last):
         key = stage_key(step, None, "result_output")
         ref_id = int(np.argmax(ref[key][-1])) if key in ref else None
         argmax.append({"step": step, "ours": int(np.argmax(row)), "reference": ref_id})
-    result.extra = {"reference": "llama.cpp", "model": str(model.path), "prompt_ids": list(ids),
+    result.extra = {"reference": against, "model": str(model.path), "prompt_ids": list(ids),
                     "settings": settings, "argmax": argmax}
     return result
+
+
+def compare_with_llamacpp(model, ids: list[int], tokens: int = 0, **options) -> Comparison:
+    """:func:`compare_with` against llama.cpp."""
+    return compare_with(model, ids, tokens, against="llama.cpp", **options)

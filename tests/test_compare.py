@@ -186,7 +186,7 @@ def test_npz_mode_errors(capsys, tmp_path):
     assert_one_line_error(*run(capsys, "compare", "a", "b", "c"), "one prompt or two .npz files")
     assert_one_line_error(*run(capsys, "compare", "hi", "--threshold", "-1"), "--threshold")
     assert_one_line_error(*run(capsys, "compare", "hi", "--sort", "best"), "--sort")
-    assert_one_line_error(*run(capsys, "compare", "hi", "--against", "vllm"), "vllm", "llama.cpp")
+    assert_one_line_error(*run(capsys, "compare", "hi", "--against", "vllm"), "vllm", "llama.cpp, hf")
 
 
 def test_says_how_to_install_llamacpp(capsys, monkeypatch):
@@ -218,3 +218,16 @@ def test_live_hooked_fault_is_the_first_divergence(smollm2):
     assert (first.step, first.layer, first.stage) == (0, 3, "Kcur_rope")
     assert all(r.status == "ok" for r in result.rows if cmp.forward_order(stage_key(r.step, r.layer, r.stage))
                < cmp.forward_order("step0.layer3.Kcur_rope") and r.rel_rms_err is not None)
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "accelerate")),
+                    reason="torch, transformers or accelerate is not installed")
+def test_live_against_hf(capsys, smollm2_path):
+    # fp32 both sides: agreement far tighter than llama.cpp's, at every stage HF has a module for
+    code, out, err = run(capsys, "compare", "--model", str(smollm2_path), "--raw", "The capital of France is",
+                         "--tokens", "1", "--against", "hf", "--threshold", "1e-4", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    paired = {r["stage"] for r in report["rows"] if r["status"] == "ok"}
+    assert {"Qcur_heads", "Kcur", "kq_soft_max", "ffn_swiglu", "l_out", "result_output"} <= paired
+    assert report["first_divergence"] is None

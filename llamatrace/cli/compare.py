@@ -32,7 +32,7 @@ from .options import (
     wide_out,
 )
 
-AGAINST = ("llama.cpp",)
+AGAINST = ("llama.cpp", "hf")
 
 
 @app.command()
@@ -41,7 +41,8 @@ def compare(
         help="The prompt text (default: the short sample), or two .npz recordings: OURS.npz REF.npz.",
         show_default=False, metavar="[PROMPT | OURS.npz REF.npz]")] = None,
     against: Annotated[str, typer.Option("--against", help="The reference engine: llama.cpp "
-                                         "(llama-cpp-python, the extra llamatrace[llamacpp]).")] = "llama.cpp",
+                                         "(llama-cpp-python, the extra llamatrace[llamacpp]) or hf (HF "
+                                         "transformers in fp32: torch, transformers, accelerate).")] = "llama.cpp",
     model: ModelOpt = None,
     raw: RawOpt = False,
     system: SystemOpt = None,
@@ -72,6 +73,8 @@ def compare(
     Kcur* and kq (largest healthy error seen 0.07); 0.25 elsewhere (largest seen 0.125). A
     split-half RoPE gives 0.42-0.82 at layer 0's Qcur_rope, an RMSNorm without 1/rms ~0.9.
     2-bit models drift more (Q2_K: 0.17 at a deep layer's kq): raise --threshold there.
+    HF transformers (--against hf, fp32, eager attention) agrees with ours to ~5e-6 at every
+    stage it exposes (no RoPE, kq or kqv modules there).
 
     With two .npz files (keys step{S}.layer{L}.{stage}, as `trace --npz` writes), compares
     the recordings instead: missing keys and mismatched shapes are rows of their own.
@@ -82,9 +85,11 @@ def compare(
 
       llamatrace compare --raw "The capital of France is" --tokens 2 --sort worst --json
 
+      llamatrace compare --raw "The capital of France is" --against hf --threshold 1e-4
+
       llamatrace compare ours.npz theirs.npz --layer 0-3 --stage "Qcur*,Kcur*"
     """
-    from ..compare import compare_arrays, compare_with_llamacpp
+    from ..compare import compare_arrays, compare_with
 
     args = list(args or [])
     if tokens < 0:
@@ -113,8 +118,8 @@ def compare(
         m = load_model(model, threads)
         ids = prompt_ids_for(m, text_in, raw, system)
         with err.status(f"running llamatrace and {against} …"):
-            result = compare_with_llamacpp(m, ids, tokens, threshold=threshold, layers=parse_layers(layer, m.config.n_layers),
-                                           stages=patterns, threads=threads)
+            result = compare_with(m, ids, tokens, against=against, threshold=threshold,
+                                  layers=parse_layers(layer, m.config.n_layers), stages=patterns, threads=threads)
     if as_json:
         out.print_json(json.dumps(result.to_json()))
     else:
@@ -193,7 +198,8 @@ def _print_table(result, sort: str) -> None:
             out.print(f"{side} (not compared): {', '.join(names)}")
     for a in result.extra.get("argmax", []):
         if a["reference"] is not None and a["ours"] != a["reference"]:
-            out.print(f"step {a['step']}: llama.cpp's argmax would be token {a['reference']}, ours is {a['ours']}")
+            out.print(f"step {a['step']}: {result.extra['reference']}'s argmax would be token {a['reference']}, "
+                      f"ours is {a['ours']}")
     settings = result.extra.get("settings")
     if settings:
         out.print("reference settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
