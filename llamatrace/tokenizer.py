@@ -374,10 +374,11 @@ class Tokenizer:
         return PRE_ALIASES[pre]
 
     def describe(self) -> str:
-        """One line for ``llamatrace info``: 'SentencePiece, 32000 tokens' or 'BPE (pre-tokenizer smollm), …'."""
+        """One line for ``llamatrace info``: 'SentencePiece, 32000 tokens, space prefix' or
+        'byte-level BPE (pre-tokenizer smollm), 49152 tokens'."""
         if self.kind == "spm":
-            return f"SentencePiece (llama.cpp SPM), {self.n_vocab} tokens, space prefix {'on' if self.add_space_prefix else 'off'}"
-        return f"byte-level BPE, pre-tokenizer {self.pre}, {self.n_vocab} tokens"
+            return f"SentencePiece, {self.n_vocab} tokens{', space prefix' if self.add_space_prefix else ''}"
+        return f"byte-level BPE (pre-tokenizer {self.pre}), {self.n_vocab} tokens"
 
     @classmethod
     def from_reader(cls, reader: GGUFFile, path: str = "") -> Tokenizer:
