@@ -173,7 +173,7 @@ VOCAB_TEST_SHA256 = {
     "ggml-vocab-deepseek-coder.gguf": "91cb1379f2e33af1c4866b194622b7a0e12e8f0c9dba7ba2f10d55978730bec1",
     "ggml-vocab-deepseek-coder.gguf.out": "c2cea4584b0487e67fbd81f491bb44f89238722062126120d2c412edb3dbd853",
 }
-for _name in ("llama-spm", "llama-bpe", "deepseek-llm", "deepseek-coder"):  # the 46 test strings, shared
+for _name in ("llama-spm", "llama-bpe", "deepseek-llm", "deepseek-coder"):  # one .inp, shared by all
     VOCAB_TEST_SHA256[f"ggml-vocab-{_name}.gguf.inp"] = "be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0"
 
 

@@ -571,7 +571,8 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return (
-            f"Tokenizer(n_vocab={self.n_vocab}, kind={self.kind!r}, pre={self.pre!r}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
+            f"Tokenizer(n_vocab={self.n_vocab}, kind={self.kind!r}, pre={self.pre!r}, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id}, "
             f"add_bos={self.add_bos}, stop_ids={sorted(self.stop_ids)})"
         )
 
