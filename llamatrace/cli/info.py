@@ -86,7 +86,8 @@ def info(
     all_bytes = sum(b for _, b in mix.values()) or 1
     for name, (n, b) in sorted(mix.items(), key=lambda kv: -kv[1][1]):
         types.add_row(name, str(n), f"{b:,} ({100 * b / all_bytes:.0f}%)")
-    out.print(types)
+    if mix:  # a vocabulary-only file has no tensors
+        out.print(types)
     table = Table(title=f"Tensors ({len(f.tensors)})")
     table.add_column("name")
     table.add_column("type")
