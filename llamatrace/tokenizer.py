@@ -7,6 +7,8 @@ The GGUF file carries the whole tokenizer as metadata:
     tokenizer.ggml.token_type   [n_vocab] i32   1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
     tokenizer.ggml.merges       [n_merges] str  'Ġ t', 'h e', ... in priority order (first = merged first)
     tokenizer.ggml.pre          str             which pre-tokenizer regex splits text into words
+    tokenizer.ggml.scores       [n_vocab] f32   SentencePiece only: merge priority (higher = merged first)
+    tokenizer.ggml.add_space_prefix  bool       SentencePiece only: ' ' before the text (true when absent)
     tokenizer.chat_template     str             Jinja template that turns messages into a prompt (chat.py)
 
 We turn it into a :class:`tiktoken.Encoding`, the same thin-wrapper design as Meta's Llama 3 tokenizer.
@@ -25,7 +27,9 @@ highest score, leftmost first; characters no token is made of fall back to ``<0x
 That is tiktoken's rule with rank = score order, except that tiktoken's atoms are bytes: a character
 of 2–4 UTF-8 bytes must exist before any scored merge. So the ranks begin with every partial and
 whole character the vocabulary uses (lower than any scored token), and ranks map back to ids, or to
-byte tokens for characters that are not tokens themselves (``_spm_ranks``).
+byte tokens for characters that are not tokens themselves (``_spm_ranks``). Equal scores are
+ordered by id, where llama.cpp takes the leftmost pair; Llama 2's only ties are its runs of '▁'
+(score -1e9), where both orders give the same tokens on llama.cpp's test strings.
 
 Traps written down where they bite: a vocabulary may lack single bytes (SmolLM2 lacks 21), on which
 tiktoken panics; Hugging Face silently drops such bytes and so do we (with one warning).
@@ -40,7 +44,7 @@ from collections.abc import Iterable, Sequence
 from numbers import Integral
 from typing import TYPE_CHECKING
 
-import regex  # tiktoken's own dependency; used only on the rare missing-byte path
+import regex  # tiktoken's own dependency: DeepSeek's regex sequences, the rare missing-byte path
 import tiktoken
 
 from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
