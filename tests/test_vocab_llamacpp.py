@@ -83,6 +83,8 @@ def test_vocabulary_kinds(vocab) -> None:
     assert "SentencePiece" in spm.describe()
     assert [vocab(n).pre for n in VOCABS[1:]] == ["llama3", "deepseek-llm", "deepseek-coder"]
     assert "deepseek-coder" in vocab("deepseek-coder").describe()
+    coder = vocab("deepseek-coder")  # DeepSeek Coder Instruct ends its turns with <|EOT|>, not EOS
+    assert {coder.piece(i) for i in coder.stop_ids} == {"<｜end▁of▁sentence｜>", "<|EOT|>"}
 
 
 def test_spm_byte_fallback_and_stream_decoding(vocab) -> None:
