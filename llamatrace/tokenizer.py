@@ -1,4 +1,5 @@
-"""Text ↔ token ids for GGUF models with a byte-level BPE vocabulary (``tokenizer.ggml.model = "gpt2"``).
+"""Text ↔ token ids for GGUF models: byte-level BPE (``tokenizer.ggml.model = "gpt2"``) and
+SentencePiece (``"llama"``: Llama 1/2, Mistral, TinyLlama, CodeLlama).
 
 The GGUF file carries the whole tokenizer as metadata:
 
@@ -6,6 +7,8 @@ The GGUF file carries the whole tokenizer as metadata:
     tokenizer.ggml.token_type   [n_vocab] i32   1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
     tokenizer.ggml.merges       [n_merges] str  'Ġ t', 'h e', ... in priority order (first = merged first)
     tokenizer.ggml.pre          str             which pre-tokenizer regex splits text into words
+    tokenizer.ggml.scores       [n_vocab] f32   SentencePiece only: merge priority (higher = merged first)
+    tokenizer.ggml.add_space_prefix  bool       SentencePiece only: ' ' before the text (true when absent)
     tokenizer.chat_template     str             Jinja template that turns messages into a prompt (chat.py)
 
 We turn it into a :class:`tiktoken.Encoding`, the same thin-wrapper design as Meta's Llama 3 tokenizer.
@@ -17,6 +20,16 @@ Two facts make that a faithful copy of Hugging Face's BPE:
   and mapped back to ids after encoding.
 * tiktoken keeps only the text its split regex matches, so every pattern below ends with a
   catch-all ``|\\s+`` and covers every character.
+
+SentencePiece (llama.cpp's ``llm_tokenizer_spm``) merges, over the *characters* of the whole text
+(spaces escaped to '▁', one '▁' prefixed), the adjacent pair whose concatenation is the token with the
+highest score, leftmost first; characters no token is made of fall back to ``<0xNN>`` byte tokens.
+That is tiktoken's rule with rank = score order, except that tiktoken's atoms are bytes: a character
+of 2–4 UTF-8 bytes must exist before any scored merge. So the ranks begin with every partial and
+whole character the vocabulary uses (lower than any scored token), and ranks map back to ids, or to
+byte tokens for characters that are not tokens themselves (``_spm_ranks``). Equal scores are
+ordered by id, where llama.cpp takes the leftmost pair; Llama 2's only ties are its runs of '▁'
+(score -1e9), where both orders give the same tokens on llama.cpp's test strings.
 
 Traps written down where they bite: a vocabulary may lack single bytes (SmolLM2 lacks 21), on which
 tiktoken panics; Hugging Face silently drops such bytes and so do we (with one warning).
@@ -31,7 +44,7 @@ from collections.abc import Iterable, Sequence
 from numbers import Integral
 from typing import TYPE_CHECKING
 
-import regex  # tiktoken's own dependency; used only on the rare missing-byte path
+import regex  # tiktoken's own dependency: DeepSeek's regex sequences, the rare missing-byte path
 import tiktoken
 
 from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
@@ -63,18 +76,38 @@ SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\
 
 PRE_PATTERNS: dict[str, str] = {"gpt2": GPT2_PATTERN, "llama3": LLAMA3_PATTERN, "smollm": SMOLLM_PATTERN}
 
+# DeepSeek LLM / Coder: several regexes applied in sequence (llama.cpp llama-vocab.cpp; HF's Sequence of
+# Split(isolated)): each splits every piece of the previous one into matches and the text between them.
+# One tiktoken pattern cannot say that, so these split with `regex` and tiktoken encodes each piece.
+# Copied from llama.cpp by a script; \uXXXX marks characters that Unicode normalization would change.
+DEEPSEEK_LLM_SEQUENCE = (
+    "[\r\n]",
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    "\\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    "\\s+\\Z",  # llama.cpp's `\s+$`: the end of the piece ($ would also match before a final \n)
+    "[一-龥ࠀ-一가-퟿]+",
+    "\\p{N}+",
+)
+DEEPSEEK_CODER_SEQUENCE = ("[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[一-龥ࠀ-一가-퟿]+", "\\p{N}")
+PRE_SEQUENCES: dict[str, tuple[str, ...]] = {"deepseek-llm": DEEPSEEK_LLM_SEQUENCE,
+                                             "deepseek-coder": DEEPSEEK_CODER_SEQUENCE}
+WHOLE_TEXT_PATTERN = r"[\s\S]+"  # one piece: SentencePiece, and each piece of a regex sequence
+
 # tokenizer.ggml.pre value → pattern, following llama.cpp's llama-vocab.cpp groups of identical regexes
 PRE_ALIASES: dict[str, str] = {
     "gpt2": "gpt2", "gpt-2": "gpt2", "phi-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2",
     "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "falcon3": "llama3",
     "dbrx": "llama3", "smaug-bpe": "llama3",
     "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "codeshell": "smollm",
+    "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
 }  # fmt: skip
 
 # Names of control tokens that end a turn or the text, in the vocabularies we know.
 STOP_TOKEN_NAMES = frozenset(
-    {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>"}
+    {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>",
+     "<｜end▁of▁sentence｜>", "<|EOT|>"}
 )
+SPM_SPACE = "\u2581"  # '▁', SentencePiece's space marker
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -104,17 +137,127 @@ def _field(f: GGUFFile, key: str, default=None):
     return f.field(key, default)
 
 
+def _bpe_token_bytes(tokens: Sequence[str], types: Sequence[int]) -> tuple[list[bytes], list[bool]]:
+    """id → bytes: byte-level text for normal tokens, literal UTF-8 for control/user-defined/literal ones."""
+    id_bytes: list[bytes] = []
+    is_text: list[bool] = []  # shown as-is by piece()
+    for text, ttype in zip(tokens, types):
+        raw = _token_text_to_bytes(text) if ttype in (TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_BYTE) else None
+        is_text.append(raw is None)
+        id_bytes.append(raw if raw is not None else text.encode("utf-8"))
+    return id_bytes, is_text
+
+
+def _bpe_ranks(types: Sequence[int], merges: Sequence[str], id_bytes: list[bytes], is_text: list[bool],
+               where: str) -> tuple[dict[bytes, int], list[int] | None]:
+    """tiktoken ranks of a byte-level BPE vocabulary, and rank → id (None when ids already are ranks)."""
+    merge_index: dict[bytes, int] = {}  # the merge that first creates each byte string: its priority
+    for i, merge in enumerate(merges):
+        left, sep, right = merge.partition(" ")
+        lb, rb = _token_text_to_bytes(left), _token_text_to_bytes(right)
+        if not sep or lb is None or rb is None:
+            raise ModelFormatError(f"tokenizer.ggml.merges[{i}] = {merge!r} is not 'left right'{where}")
+        merge_index.setdefault(lb + rb, i)
+
+    # BPE tokens: normal single bytes (the alphabet) and normal tokens that some merge creates.
+    # A normal multi-byte token no merge creates can never come out of BPE; it is left out.
+    singles: dict[bytes, int] = {}
+    merged: list[tuple[int, int, bytes]] = []  # (merge index, id, bytes)
+    for i, (ttype, raw) in enumerate(zip(types, id_bytes)):
+        if ttype != TOKEN_NORMAL or is_text[i]:
+            continue
+        if len(raw) == 1:
+            singles.setdefault(raw, i)
+        elif raw in merge_index:
+            merged.append((merge_index[raw], i, raw))
+    merged.sort()
+    first_id: dict[bytes, int] = {}
+    for _, i, raw in merged:  # two ids with the same bytes: the one the first merge names wins
+        first_id.setdefault(raw, i)
+    merged = [m for m in merged if first_id[m[2]] == m[1]]
+
+    merged_ids = [i for _, i, _ in merged]
+    if all(a < b for a, b in zip(merged_ids, merged_ids[1:])):  # ids grow in merge order: ids are ranks
+        return {raw: i for raw, i in singles.items()} | {raw: i for _, i, raw in merged}, None
+    order = [*sorted(singles.items(), key=lambda kv: kv[1]), *((raw, i) for _, i, raw in merged)]
+    return {raw: r for r, (raw, _) in enumerate(order)}, [i for _, i in order]
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _spm_token_bytes(tokens: Sequence[str], types: Sequence[int]) -> list[bytes]:
+    """id → bytes for SentencePiece: '▁' is a space, ``<0xNN>`` byte tokens are that byte, control,
+    unknown and user-defined tokens their literal text (as llama.cpp's token_to_piece with special)."""
+    id_bytes: list[bytes] = []
+    for text, ttype in zip(tokens, types):
+        m = _BYTE_TOKEN.fullmatch(text) if ttype == TOKEN_BYTE else None
+        if m:
+            id_bytes.append(bytes([int(m.group(1), 16)]))
+        elif ttype in (TOKEN_NORMAL, TOKEN_UNUSED):
+            id_bytes.append(text.replace(SPM_SPACE, " ").encode("utf-8"))
+        else:
+            id_bytes.append(text.encode("utf-8"))
+    return id_bytes
+
+
+def _spm_ranks(tokens: Sequence[str], types: Sequence[int], scores: Sequence[float],
+               id_bytes: list[bytes]) -> tuple[dict[bytes, int], list[list[int]]]:
+    """tiktoken ranks reproducing llama.cpp's SPM merges, and rank → ids.
+
+    Ranks, lowest first: the 256 single bytes; every partial and whole multi-byte character that
+    normal tokens are made of (so characters, SPM's atoms, form before any scored merge); then normal
+    tokens of two or more characters by descending score (ties: lower id first). A rank that is not
+    a token (a character outside the vocabulary, or a partial one left over) maps to its bytes'
+    ``<0xNN>`` tokens, or to ``<unk>`` when the vocabulary has no byte tokens.
+    """
+    byte_ids: dict[int, int] = {}
+    unk = next((i for i, t in enumerate(types) if t == TOKEN_UNKNOWN), None)
+    for i, (text, ttype) in enumerate(zip(tokens, types)):
+        m = _BYTE_TOKEN.fullmatch(text) if ttype == TOKEN_BYTE else None
+        if m:
+            byte_ids.setdefault(int(m.group(1), 16), i)
+    normal: dict[bytes, int] = {}
+    for i, (text, ttype) in enumerate(zip(tokens, types)):
+        if ttype == TOKEN_NORMAL and text:
+            normal.setdefault(text.encode("utf-8"), i)  # '▁' kept: text is escaped before encoding
+
+    def fallback(raw: bytes) -> list[int]:
+        if all(b in byte_ids for b in raw):
+            return [byte_ids[b] for b in raw]
+        return [unk] if unk is not None else []
+
+    atoms: dict[bytes, None] = {bytes([b]): None for b in range(256)}
+    for raw in normal:
+        for ch in raw.decode("utf-8"):
+            cb = ch.encode("utf-8")
+            for k in range(2, len(cb) + 1):
+                atoms.setdefault(cb[:k])
+    ranks: dict[bytes, int] = {}
+    rank_to_ids: list[list[int]] = []
+    for raw in atoms:
+        ranks[raw] = len(rank_to_ids)
+        rank_to_ids.append([normal[raw]] if raw in normal else fallback(raw))
+    scored = sorted((-float(scores[i]), i, raw) for raw, i in normal.items() if raw not in ranks)
+    for _, i, raw in scored:
+        ranks[raw] = len(rank_to_ids)
+        rank_to_ids.append([i])
+    return ranks, rank_to_ids
+
+
 class Tokenizer:
-    """Byte-level BPE tokenizer read from GGUF metadata, encoding with a :class:`tiktoken.Encoding`.
+    """A GGUF vocabulary (byte-level BPE or SentencePiece), encoding with a :class:`tiktoken.Encoding`.
 
     ``encode`` treats its text as user text: "<|im_end|>" typed by a user stays plain text (several
     ids). Only the chat template's own text (``encode_chat``) can produce control tokens.
     """
 
     n_vocab: int
+    kind: str  # "bpe" or "spm"
     bos_id: int | None
     eos_id: int | None
     add_bos: bool
+    add_space_prefix: bool  # SentencePiece: a space before the text (and after a control token)
     stop_ids: frozenset[int]
     chat_template: str | None
 
@@ -125,6 +268,9 @@ class Tokenizer:
         merges: Sequence[str],
         pre: str | None,
         *,
+        kind: str = "bpe",
+        scores: Sequence[float] | None = None,
+        add_space_prefix: bool | None = None,
         bos_id: int | None = None,
         eos_id: int | None = None,
         eot_id: int | None = None,
@@ -133,110 +279,87 @@ class Tokenizer:
         chat_template: str | None = None,
         path: str = "",
     ) -> None:
-        where = f" in {path}" if path else ""
+        self._where = where = f" in {path}" if path else ""
+        self.kind = kind
         self.n_vocab = n = len(tokens)
-        if n == 0:
-            raise ModelFormatError(f"tokenizer.ggml.tokens is empty{where}")
-        types = list(token_types) if token_types is not None else [TOKEN_NORMAL] * n
-        if len(types) != n:
-            raise ModelFormatError(
-                f"tokenizer.ggml.token_type has {len(types)} entries but there are {n} tokens{where}"
-            )
-
-        def valid(i: int | None, key: str) -> int | None:
-            if i is None:
-                return None
-            if not 0 <= i < n:
-                warnings.warn(f"{key} = {i} is outside the vocabulary of {n} tokens{where}; ignored", stacklevel=3)
-                return None
-            return int(i)
-
-        self.bos_id = valid(bos_id, "tokenizer.ggml.bos_token_id")
-        self.eos_id = valid(eos_id, "tokenizer.ggml.eos_token_id")
+        types = self._check_types(tokens, token_types)
+        self.bos_id = self._valid_id(bos_id, "tokenizer.ggml.bos_token_id")
+        self.eos_id = self._valid_id(eos_id, "tokenizer.ggml.eos_token_id")
         self.chat_template = chat_template or None
-        self.pre = self._pre_name(pre, where)
+        self.pre = "sentencepiece" if kind == "spm" else self._pre_name(pre, where)
+        self.add_space_prefix = kind == "spm" and add_space_prefix is not False  # llama.cpp: true when absent
 
-        # token id → bytes: byte-level text for normal tokens, literal UTF-8 for control/user-defined
-        self._id_bytes: list[bytes] = []
-        self._is_text_token: list[bool] = []  # control / user-defined / literal: shown as-is by piece()
-        for text, ttype in zip(tokens, types):
-            raw = _token_text_to_bytes(text) if ttype in (TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_BYTE) else None
-            self._is_text_token.append(raw is None)
-            self._id_bytes.append(raw if raw is not None else text.encode("utf-8"))
-
-        # the merge that first creates each byte string; its index is the merge priority
-        merge_index: dict[bytes, int] = {}
-        for i, merge in enumerate(merges):
-            left, sep, right = merge.partition(" ")
-            lb, rb = _token_text_to_bytes(left), _token_text_to_bytes(right)
-            if not sep or lb is None or rb is None:
-                raise ModelFormatError(f"tokenizer.ggml.merges[{i}] = {merge!r} is not 'left right'{where}")
-            merge_index.setdefault(lb + rb, i)
-
-        # BPE tokens: normal single bytes (the alphabet) and normal tokens that some merge creates.
-        # A normal multi-byte token no merge creates can never come out of BPE; it is left out.
-        singles: dict[bytes, int] = {}
-        merged: list[tuple[int, int, bytes]] = []  # (merge index, id, bytes)
-        for i, (ttype, raw) in enumerate(zip(types, self._id_bytes)):
-            if ttype != TOKEN_NORMAL or self._is_text_token[i]:
-                continue
-            if len(raw) == 1:
-                singles.setdefault(raw, i)
-            elif raw in merge_index:
-                merged.append((merge_index[raw], i, raw))
-        merged.sort()
-        first_id: dict[bytes, int] = {}
-        for _, i, raw in merged:  # two ids with the same bytes: the one the first merge names wins
-            first_id.setdefault(raw, i)
-        merged = [m for m in merged if first_id[m[2]] == m[1]]
-
-        # ranks: use the ids themselves when they already grow in merge order, else renumber
-        merged_ids = [i for _, i, _ in merged]
-        self._ids_are_ranks = all(a < b for a, b in zip(merged_ids, merged_ids[1:]))
-        if self._ids_are_ranks:
-            ranks = {raw: i for raw, i in singles.items()} | {raw: i for _, i, raw in merged}
-            rank_to_id = None
+        if kind == "spm":
+            self._id_bytes = _spm_token_bytes(tokens, types)
+            if scores is None or len(scores) != n:
+                raise ModelFormatError(f"tokenizer.ggml.scores must give one score per token{where}")
+            ranks, self._rank_to_ids = _spm_ranks(tokens, types, scores, self._id_bytes)
+            self._rank_to_id = None
         else:
-            order = [*sorted(singles.items(), key=lambda kv: kv[1]), *((raw, i) for _, i, raw in merged)]
-            ranks = {raw: r for r, (raw, _) in enumerate(order)}
-            rank_to_id = [i for _, i in order]
-        self._rank_to_id = rank_to_id
+            self._id_bytes, is_text = _bpe_token_bytes(tokens, types)
+            ranks, self._rank_to_id = _bpe_ranks(types, merges, self._id_bytes, is_text, where)
+            self._rank_to_ids = None
+        self._ids_are_ranks = self._rank_to_id is None and self._rank_to_ids is None
+        self._make_encoding(tokens, types, ranks)
 
-        # control and user-defined tokens are tiktoken special tokens (their literal text)
+        # bytes with no single-byte token: Hugging Face drops them, tiktoken would panic
+        self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
+        self._warned_missing = False
+
+        if add_bos is None:  # llama.cpp's default when the file does not say
+            add_bos = kind == "spm" or self.pre == "llama3"
+        self.add_bos = bool(add_bos) and self.bos_id is not None
+
+        stops = {self._valid_id(eot_id, "tokenizer.ggml.eot_token_id"),
+                 self._valid_id(eom_id, "tokenizer.ggml.eom_token_id"), self.eos_id}
+        stops.update(i for i in self._special_ids.values() if tokens[i] in STOP_TOKEN_NAMES)
+        self.stop_ids = frozenset(i for i in stops if i is not None)
+
+    def _check_types(self, tokens: Sequence[str], token_types: Sequence[int] | None) -> list[int]:
+        if self.n_vocab == 0:
+            raise ModelFormatError(f"tokenizer.ggml.tokens is empty{self._where}")
+        types = list(token_types) if token_types is not None else [TOKEN_NORMAL] * self.n_vocab
+        if len(types) != self.n_vocab:
+            raise ModelFormatError(f"tokenizer.ggml.token_type has {len(types)} entries but there are "
+                                   f"{self.n_vocab} tokens{self._where}")
+        return types
+
+    def _valid_id(self, i: int | None, key: str) -> int | None:
+        if i is None:
+            return None
+        if not 0 <= i < self.n_vocab:
+            warnings.warn(f"{key} = {i} is outside the vocabulary of {self.n_vocab} tokens{self._where}; ignored",
+                          stacklevel=4)
+            return None
+        return int(i)
+
+    def _make_encoding(self, tokens: Sequence[str], types: list[int], ranks: dict[bytes, int]) -> None:
+        """The tiktoken Encoding, with control and user-defined tokens as its special tokens."""
         special_ids = [i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
         specials: dict[str, int] = {}
         for i in special_ids:
             text = tokens[i]
             if text and text.encode("utf-8") not in ranks:
                 specials.setdefault(text, i)
-        if rank_to_id is not None:  # special ranks follow the BPE ranks and map back to their ids
-            base = len(rank_to_id)
-            rank_to_id.extend(specials.values())
+        base = len(ranks)  # special ranks follow the others and map back to their ids
+        if self._rank_to_id is not None:
+            self._rank_to_id.extend(specials.values())
             specials = {text: base + k for k, text in enumerate(specials)}
-        self.encoding = tiktoken.Encoding(
-            name=f"gguf-{self.pre}-{n}", pat_str=PRE_PATTERNS[self.pre], mergeable_ranks=ranks,
-            special_tokens=specials,
-        )  # fmt: skip
-        self._split_re = regex.compile(PRE_PATTERNS[self.pre])
+        elif self._rank_to_ids is not None:
+            self._rank_to_ids.extend([i] for i in specials.values())
+            specials = {text: base + k for k, text in enumerate(specials)}
+        self._sequence = [regex.compile(p) for p in PRE_SEQUENCES.get(self.pre, ())]
+        whole = self.kind == "spm" or bool(self._sequence)
+        pattern = WHOLE_TEXT_PATTERN if whole else PRE_PATTERNS[self.pre]
+        self.encoding = tiktoken.Encoding(name=f"gguf-{self.pre}-{self.n_vocab}", pat_str=pattern,
+                                          mergeable_ranks=ranks, special_tokens=specials)
+        self._split_re = regex.compile(pattern)
 
         # special-token text → id; template text may produce all of them, user text only user-defined ones
         self._special_ids = {tokens[i]: i for i in reversed(special_ids) if tokens[i]}
         user_defined = [tokens[i] for i in special_ids if types[i] == TOKEN_USER_DEFINED and tokens[i]]
         self._template_special_re = _alternation(self._special_ids)
         self._user_special_re = _alternation(user_defined)
-
-        # bytes with no single-byte token: Hugging Face drops them, tiktoken would panic
-        self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
-        self._warned_missing = False
-
-        if add_bos is None:  # llama.cpp's default when the file does not say: on for Llama 3 vocabularies
-            add_bos = self.pre == "llama3"
-        self.add_bos = bool(add_bos) and self.bos_id is not None
-
-        stops = {valid(eot_id, "tokenizer.ggml.eot_token_id"), valid(eom_id, "tokenizer.ggml.eom_token_id")}
-        stops.add(self.eos_id)
-        stops.update(i for i in special_ids if tokens[i] in STOP_TOKEN_NAMES)
-        self.stop_ids = frozenset(i for i in stops if i is not None)
 
     @staticmethod
     def _pre_name(pre: str | None, where: str) -> str:
@@ -254,6 +377,13 @@ class Tokenizer:
             )
         return PRE_ALIASES[pre]
 
+    def describe(self) -> str:
+        """One line for ``llamatrace info``: 'SentencePiece, 32000 tokens, space prefix' or
+        'byte-level BPE (pre-tokenizer smollm), 49152 tokens'."""
+        if self.kind == "spm":
+            return f"SentencePiece, {self.n_vocab} tokens{', space prefix' if self.add_space_prefix else ''}"
+        return f"byte-level BPE (pre-tokenizer {self.pre}), {self.n_vocab} tokens"
+
     @classmethod
     def from_reader(cls, reader: GGUFFile, path: str = "") -> Tokenizer:
         """Build the tokenizer from the ``tokenizer.*`` metadata of an open GGUF file."""
@@ -261,14 +391,10 @@ class Tokenizer:
         model = _field(reader, "tokenizer.ggml.model")
         if model is None:
             raise ModelFormatError(f"no tokenizer.ggml.model{where}: the file carries no tokenizer; use a GGUF converted with its vocabulary (llama.cpp convert_hf_to_gguf.py)")
-        if model == "llama":
+        if model not in ("gpt2", "llama"):
             raise UnsupportedModelError(
-                f"tokenizer.ggml.model = 'llama'{where}: SentencePiece vocabularies (Llama 2) are not supported yet; "
-                "use a model with a byte-level BPE ('gpt2') vocabulary such as SmolLM2 or Llama 3"
-            )
-        if model != "gpt2":
-            raise UnsupportedModelError(
-                f"tokenizer.ggml.model = {model!r}{where} is not supported; only byte-level BPE ('gpt2') is"
+                f"tokenizer.ggml.model = {model!r}{where} is not supported; byte-level BPE ('gpt2') and "
+                "SentencePiece ('llama') are"
             )
         tokens = _field(reader, "tokenizer.ggml.tokens")
         if not tokens:
@@ -278,6 +404,9 @@ class Tokenizer:
             _field(reader, "tokenizer.ggml.token_type"),
             _field(reader, "tokenizer.ggml.merges", []),
             _field(reader, "tokenizer.ggml.pre"),
+            kind="spm" if model == "llama" else "bpe",
+            scores=_field(reader, "tokenizer.ggml.scores"),
+            add_space_prefix=_field(reader, "tokenizer.ggml.add_space_prefix"),
             bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
             eot_id=_field(reader, "tokenizer.ggml.eot_token_id"),
@@ -292,8 +421,13 @@ class Tokenizer:
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
         """User text → ids. Control-token text ("<|im_end|>") stays plain text; ``bos`` defaults to ``add_bos``."""
         ids = [self.bos_id] if (self.add_bos if bos is None else bos) and self.bos_id is not None else []
+        after_special = True  # SentencePiece prefixes a space to text at the start or after a control token
         for segment in self._segments(text, self._user_special_re):
-            ids.extend(segment if isinstance(segment, list) else self._encode_ordinary(segment))
+            if isinstance(segment, list):
+                ids.extend(segment)
+            else:
+                ids.extend(self._encode_ordinary(segment, after_special))
+            after_special = isinstance(segment, list)
         return ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -325,11 +459,11 @@ class Tokenizer:
         for text, is_user in parts:
             for segment in self._segments(text, self._user_special_re if is_user else self._template_special_re):
                 if isinstance(segment, list):
-                    ids.extend(self._encode_ordinary(pending) + segment)
+                    ids.extend(self._encode_ordinary(pending, True) + segment)
                     pending = ""
                 else:
                     pending += segment
-        ids.extend(self._encode_ordinary(pending))
+        ids.extend(self._encode_ordinary(pending, True))
         return ids
 
     def _segments(self, text: str, special_re: re.Pattern | None) -> Iterable[str | list[int]]:
@@ -346,7 +480,9 @@ class Tokenizer:
         if start < len(text):
             yield text[start:]
 
-    def _encode_ordinary(self, text: str) -> list[int]:
+    def _encode_ordinary(self, text: str, after_special: bool) -> list[int]:
+        """Text without special tokens → ids. ``after_special``: the text starts the input or follows
+        a control token (SentencePiece then prefixes a space when ``add_space_prefix``)."""
         if not text:
             return []
         try:
@@ -354,8 +490,14 @@ class Tokenizer:
         except UnicodeEncodeError:  # lone surrogates: replaced by U+FFFD, as tiktoken does
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
             raw = text.encode("utf-8")
+        if self.kind == "spm":
+            text = (" " if after_special and self.add_space_prefix else "") + text
+            ranks = self.encoding.encode_ordinary(text.replace(" ", SPM_SPACE))
+            return [i for r in ranks for i in self._rank_to_ids[r]]
         if self.missing_bytes and len(raw.translate(None, self.missing_bytes)) != len(raw):
             ranks = self._encode_dropping_missing(text)
+        elif self._sequence:
+            ranks = [r for word in self._words(text) for r in self.encoding.encode_ordinary(word)]
         else:
             try:
                 ranks = self.encoding.encode_ordinary(text)
@@ -367,6 +509,27 @@ class Tokenizer:
             return ranks
         return [self._rank_to_id[r] for r in ranks]
 
+    def _words(self, text: str) -> list[str]:
+        """The pre-tokenizer's pieces: one regex, or a sequence where each regex splits every piece
+        into its matches and the text between them (llama.cpp's unicode_regex_split)."""
+        if not self._sequence:
+            return self._split_re.findall(text)
+        pieces = [text]
+        for pattern in self._sequence:
+            split: list[str] = []
+            for piece in pieces:
+                start = 0
+                for m in pattern.finditer(piece):
+                    if m.start() > start:
+                        split.append(piece[start : m.start()])
+                    if m.end() > m.start():
+                        split.append(m.group())
+                    start = m.end()
+                if start < len(piece):
+                    split.append(piece[start:])
+            pieces = split
+        return pieces
+
     def _encode_dropping_missing(self, text: str) -> list[int]:
         """Split like tiktoken, then BPE each word without the bytes the vocabulary lacks (as HF does)."""
         if not self._warned_missing:
@@ -377,7 +540,7 @@ class Tokenizer:
                 stacklevel=4,
             )
         ranks: list[int] = []
-        for word in self._split_re.findall(text):
+        for word in self._words(text):
             raw = word.encode("utf-8").translate(None, self.missing_bytes)
             if raw:
                 ranks.extend(self.encoding._encode_single_piece(raw))
@@ -395,8 +558,14 @@ class Tokenizer:
             raise ValueError(f"token id {bad!r} is outside the vocabulary of {self.n_vocab} tokens") from None
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Ids → text; bytes that are not valid UTF-8 become U+FFFD."""
-        return self.decode_bytes(list(ids)).decode("utf-8", errors="replace")
+        """Ids → text; bytes that are not valid UTF-8 become U+FFFD.
+
+        With a SentencePiece space prefix, one leading space of the first token is dropped, as
+        llama.cpp's detokenize does (a leading BOS keeps it: "<s> Hello")."""
+        raw = self.decode_bytes(list(ids))
+        if self.add_space_prefix and raw.startswith(b" "):
+            raw = raw[1:]
+        return raw.decode("utf-8", errors="replace")
 
     def piece(self, id: int) -> str:
         """One token as display text: 'Ġthe' → ' the', control tokens as-is, a partial UTF-8 char as '\\xf0'."""
@@ -404,13 +573,10 @@ class Tokenizer:
             raise ValueError(f"token id {id!r} is outside the vocabulary of {self.n_vocab} tokens")
         return self._id_bytes[id].decode("utf-8", errors="backslashreplace")
 
-    def is_control(self, id: int) -> bool:
-        """True for control and user-defined tokens (their text is a name, not content)."""
-        return self._is_text_token[id]
-
     def __repr__(self) -> str:
         return (
-            f"Tokenizer(n_vocab={self.n_vocab}, pre={self.pre!r}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
+            f"Tokenizer(n_vocab={self.n_vocab}, kind={self.kind!r}, pre={self.pre!r}, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id}, "
             f"add_bos={self.add_bos}, stop_ids={sorted(self.stop_ids)})"
         )
 

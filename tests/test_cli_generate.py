@@ -131,6 +131,21 @@ def test_info_lists_tensors(capsys, tiny_model_path):
     assert f"threading layer {numba.threading_layer()!r}" in " ".join(out.split())
 
 
+def test_info_shows_tokenizer_kind_and_tensor_type_mix(capsys, tiny_model_path):
+    import gguf
+    code, out, err = run(capsys, "info", "-m", str(tiny_model_path))
+    assert code == 0
+    assert "byte-level BPE (pre-tokenizer smollm)" in " ".join(out.split())
+    mix: dict[str, list[int]] = {}  # from gguf-py's reader, not ours
+    for t in gguf.GGUFReader(tiny_model_path).tensors:
+        entry = mix.setdefault(t.tensor_type.name, [0, 0])
+        entry[0] += 1
+        entry[1] += int(t.n_bytes)
+    section = out.split("Tensor types", 1)[1].split("Tensors (", 1)[0]
+    for name, (n, nbytes) in mix.items():
+        assert any(name in line and f" {n} " in line and f"{nbytes:,}" in line for line in section.splitlines())
+
+
 def test_help_shows_examples(capsys):
     for cmd in ([], ["generate"], ["trace"], ["diagram"], ["info"], ["pull"], ["bench"]):
         code = main([*cmd, "--help"])

@@ -72,9 +72,15 @@ def test_non_llama_architecture_is_unsupported(tmp_path):
         Llama.load(path)
 
 
-def test_sentencepiece_vocabulary_is_unsupported(tmp_path):
-    path = write_tiny_llama(tmp_path / "sp.gguf", tokenizer_model="llama")
-    with pytest.raises(UnsupportedModelError, match="SentencePiece"):
+def test_sentencepiece_vocabulary_without_scores_is_a_format_error(tmp_path):
+    path = write_tiny_llama(tmp_path / "sp.gguf", tokenizer_model="llama")  # SPM merges need the scores
+    with pytest.raises(ModelFormatError, match="tokenizer.ggml.scores"):
+        Llama.load(path)
+
+
+def test_other_tokenizer_models_are_unsupported(tmp_path):
+    path = write_tiny_llama(tmp_path / "wp.gguf", tokenizer_model="bert")
+    with pytest.raises(UnsupportedModelError, match="'bert'"):
         Llama.load(path)
 
 

@@ -51,6 +51,12 @@ def info(
     if template is not None:
         rows["tokenizer.chat_template"] = (f"({len(str(template))} chars, shown in full below)" if all_metadata
                                            else f"({len(str(template))} chars; --all shows it)")
+    rows["tokenizer"] = _tokenizer_kind(f, path.name)
+    mix: dict[str, list[int]] = {}             # type → [tensor count, bytes], the file's tensor-type mix
+    for t in f.tensors.values():
+        entry = mix.setdefault(tensor_type_name(t), [0, 0])
+        entry[0] += 1
+        entry[1] += int(t.n_bytes)
     cfg = Table(title="Model", show_header=False, box=None)
     for key, text in rows.items():
         cfg.add_row(key, Text(text))
@@ -73,6 +79,15 @@ def info(
             derived.add_row("output", "tied to token_embd.weight" if "output.weight" not in f.tensors
                             else "output.weight")
             out.print(derived)
+    types = Table(title="Tensor types")
+    types.add_column("type")
+    types.add_column("tensors", justify="right")
+    types.add_column("bytes", justify="right")
+    all_bytes = sum(b for _, b in mix.values()) or 1
+    for name, (n, b) in sorted(mix.items(), key=lambda kv: -kv[1][1]):
+        types.add_row(name, str(n), f"{b:,} ({100 * b / all_bytes:.0f}%)")
+    if mix:  # a vocabulary-only file has no tensors
+        out.print(types)
     table = Table(title=f"Tensors ({len(f.tensors)})")
     table.add_column("name")
     table.add_column("type")
@@ -91,6 +106,18 @@ def info(
     out.print(f"Runtime: {cpu_model()}, {numba.config.NUMBA_NUM_THREADS} threads, Numba threading layer "
               f"{threading_layer()!r} (tbb or omp: a few µs per parallel region; workqueue: ~50–100 µs)",
               soft_wrap=True)
+
+
+def _tokenizer_kind(f, source: str) -> str:
+    """'SentencePiece (llama.cpp SPM), 32000 tokens, …' or why llamatrace cannot read the vocabulary."""
+    from ..tokenizer import Tokenizer
+    try:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return Tokenizer.from_reader(f, source).describe()
+    except LlamatraceError as exc:
+        return f"not supported: {exc}"
 
 
 def _short(value, limit: int = 120) -> str:
