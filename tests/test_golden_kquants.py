@@ -3,13 +3,16 @@
 The six files are made by ``scripts/requantize_kquants.py`` (llama.cpp's quantizer, in a
 separate venv) into the user cache; golden files by ``tests/golden/make_golden.py --variant``
 (HF transformers, fp32, same file). Model files are never committed and CI has no llama.cpp:
-a test whose file is not in the cache is skipped with the command that makes it.
+when a file is not in the user cache, ``tests/kquant_files.py`` rebuilds it from the default
+model with ggml's reference quantizers (compiled from the llama-cpp-python sdist with gcc),
+byte for byte: the sha256 must be the one the goldens were made from.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -33,16 +36,19 @@ def _sha256(path: Path) -> str:
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
-def variant(request):
+def variant(request, smollm2_path):
     """(golden dict, logits npz, loaded model) of one requantized file."""
+    from kquant_files import rebuild
     from llamatrace.model import Llama
 
     name = request.param
     gold = json.loads((GOLDEN / f"smollm2_{name}_golden.json").read_text(encoding="utf-8"))
     path = cache_dir() / f"SmolLM2-135M-Instruct.{name}.gguf"
     if not path.is_file():
-        pytest.skip(f"{path.name} not in the cache: make it with "
-                    f"`python scripts/requantize_kquants.py` in a venv with llama-cpp-python")
+        if shutil.which("gcc") is None:
+            pytest.skip(f"{path.name} is not in the cache and rebuilding it needs gcc")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rebuild(name, smollm2_path, path)
     assert _sha256(path) == gold["model_sha256"], f"{path} is not the file the goldens were made from"
     return gold, np.load(GOLDEN / f"smollm2_{name}_logits.npz"), Llama.load(path)
 
