@@ -399,3 +399,95 @@ def tiled(kind, x, qs, d, m, out):
         for b in range(n_blocks):
             _deq_block(kind, qs, d, m, t, b, wt[b * qkb:(b + 1) * qkb], ds, dm)
         _tile_matmul(x, wt, out, t)
+
+
+# --------------------------------------------------------------------------------------------
+# Q5_0 / Q5_1 GEMV without a scratch: per block, x.q5 = x.(low nibbles) + 16 * x.(high bits).
+# The nibbles are split in float arithmetic as in quant._gemv_q4: with xc = x[j+16] - 16 x[j],
+# x[j]*lo + x[j+16]*hi = x[j]*q + xc*hi. The high bits of a byte v are peeled off as
+# bit_k = f_k - 2 f_(k+1), f_k = floor(v / 2^k): floors and FMAs on TR float lanes, no integer
+# ops (Numba would widen them to int64), and exact bits, so no cancellation error.
+
+
+@njit(**_JIT_INLINE)
+def _q5_block_dot(q, r, xl, xc, xh):
+    """x . q5 for column r of one packed block q uint8 [20, TR] (qh[4] then qs[16])."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    for j in range(0, 16, 2):
+        v0 = np.float32(q[4 + j, r])
+        v1 = np.float32(q[5 + j, r])
+        a0 += xl[j] * v0 + xc[j] * np.floor(v0 * np.float32(0.0625))
+        a1 += xl[j + 1] * v1 + xc[j + 1] * np.floor(v1 * np.float32(0.0625))
+    h0 = np.float32(0.0)
+    h1 = np.float32(0.0)
+    for i in range(0, 4, 2):
+        v0 = np.float32(q[i, r])
+        v1 = np.float32(q[i + 1, r])
+        f0 = v0
+        f1 = v1
+        s = np.float32(1.0)
+        for k in range(8):   # bit k = f_k - 2 f_(k+1), f_k = floor(v / 2^k): exact, independent
+            s *= np.float32(0.5)
+            g0 = np.floor(v0 * s)
+            g1 = np.floor(v1 * s)
+            h0 += xh[8 * i + k] * (f0 - np.float32(2.0) * g0)
+            h1 += xh[8 * i + 8 + k] * (f1 - np.float32(2.0) * g1)
+            f0 = g0
+            f1 = g1
+    return (a0 + a1) + np.float32(16.0) * (h0 + h1)
+
+
+@njit(**_JIT_PARALLEL)
+def gemv_q5(x, qs, d, m, m_scale, out):
+    """Q5_0 / Q5_1 GEMV for a few rows: weight d*q + m_scale*m (Q5_1: (m, 1); Q5_0: (d, -16)).
+    Shapes as in :func:`gemv`; twin :func:`gemv_q5_np`."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    n_out = out.shape[1]
+    xl = np.empty((n_seq, n_blocks, 16), np.float32)
+    xc = np.empty((n_seq, n_blocks, 16), np.float32)
+    xsum = np.zeros((n_seq, n_blocks), np.float32)
+    for s in range(n_seq):
+        for b in range(n_blocks):
+            for j in range(16):
+                lo = x[s, b * 32 + j]
+                hi = x[s, b * 32 + 16 + j]
+                xl[s, b, j] = lo
+                xc[s, b, j] = hi - np.float32(16.0) * lo
+                xsum[s, b] += lo + hi
+            xsum[s, b] *= m_scale
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        base = t * TR
+        n = min(TR, n_out - base)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                q = qs[t, b]
+                db = d[t, b]
+                mb = m[t, b]
+                xlb = xl[s, b]
+                xcb = xc[s, b]
+                xhb = x[s, b * 32:b * 32 + 32]
+                xsb = xsum[s, b]
+                for r in range(TR):
+                    acc[r] += db[r] * _q5_block_dot(q, r, xlb, xcb, xhb) + mb[r] * xsb
+            for r in range(n):
+                out[s, base + r] = acc[r]
+
+
+def gemv_q5_np(x: np.ndarray, qs, d, m, m_scale) -> np.ndarray:
+    """NumPy twin of :func:`gemv_q5`, same algebra: per block d*(x.q) + m_scale*m*sum(x).
+    Returns float32 [S, T*TR] (padded rows included)."""
+    n_seq, n_blocks = x.shape[0], qs.shape[1]
+    xb = x.reshape(n_seq, n_blocks, 32).astype(np.float64)
+    qh = qs[:, :, 0:4].astype(np.uint32)                                   # [T, B, 4, TR]
+    bits = qh[:, :, 0] | (qh[:, :, 1] << 8) | (qh[:, :, 2] << 16) | (qh[:, :, 3] << 24)
+    h = (bits[:, :, None, :] >> np.arange(32, dtype=np.uint32)[None, None, :, None]) & 1
+    lo = np.concatenate([qs[:, :, 4:20] & 15, qs[:, :, 4:20] >> 4], axis=2)
+    q = (lo | (h << 4)).astype(np.float64)                                 # [T, B, 32, TR]
+    dots = np.einsum("sbj,tbjr->stbr", xb, q)
+    xsum = xb.sum(axis=2)[:, None, :, None]
+    y = (d * dots + float(m_scale) * m * xsum).sum(axis=2)
+    return y.reshape(n_seq, -1).astype(np.float32)
