@@ -410,32 +410,34 @@ def tiled(kind, x, qs, d, m, out):
 
 
 @njit(**_JIT_INLINE)
+def _q5_nibbles8(q, r, xl, xc, j0):
+    """sum over bytes j0..j0+7 of qs of x[j]*lo + x[j+16]*hi = xl*v + xc*hi (8 iterations:
+    fully unrolled, so the caller's loop over r vectorises)."""
+    a = np.float32(0.0)
+    for i in range(8):
+        v = np.float32(q[4 + j0 + i, r])
+        a += xl[j0 + i] * v + xc[j0 + i] * np.floor(v * np.float32(0.0625))
+    return a
+
+
+@njit(**_JIT_INLINE)
+def _q5_bits8(q, r, xh, i):
+    """sum_k x[8i+k] * bit k of qh byte i: bit k = f_k - 2 f_(k+1), f_(k+1) = floor(f_k / 2), exact."""
+    f = np.float32(q[i, r])
+    a = np.float32(0.0)
+    for k in range(8):
+        g = np.floor(f * np.float32(0.5))
+        a += xh[8 * i + k] * (f - np.float32(2.0) * g)
+        f = g
+    return a
+
+
+@njit(**_JIT_INLINE)
 def _q5_block_dot(q, r, xl, xc, xh):
     """x . q5 for column r of one packed block q uint8 [20, TR] (qh[4] then qs[16])."""
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    for j in range(0, 16, 2):
-        v0 = np.float32(q[4 + j, r])
-        v1 = np.float32(q[5 + j, r])
-        a0 += xl[j] * v0 + xc[j] * np.floor(v0 * np.float32(0.0625))
-        a1 += xl[j + 1] * v1 + xc[j + 1] * np.floor(v1 * np.float32(0.0625))
-    h0 = np.float32(0.0)
-    h1 = np.float32(0.0)
-    for i in range(0, 4, 2):
-        v0 = np.float32(q[i, r])
-        v1 = np.float32(q[i + 1, r])
-        f0 = v0
-        f1 = v1
-        s = np.float32(1.0)
-        for k in range(8):   # bit k = f_k - 2 f_(k+1), f_k = floor(v / 2^k): exact, independent
-            s *= np.float32(0.5)
-            g0 = np.floor(v0 * s)
-            g1 = np.floor(v1 * s)
-            h0 += xh[8 * i + k] * (f0 - np.float32(2.0) * g0)
-            h1 += xh[8 * i + 8 + k] * (f1 - np.float32(2.0) * g1)
-            f0 = g0
-            f1 = g1
-    return (a0 + a1) + np.float32(16.0) * (h0 + h1)
+    lo = _q5_nibbles8(q, r, xl, xc, 0) + _q5_nibbles8(q, r, xl, xc, 8)
+    hb = (_q5_bits8(q, r, xh, 0) + _q5_bits8(q, r, xh, 1)) + (_q5_bits8(q, r, xh, 2) + _q5_bits8(q, r, xh, 3))
+    return lo + np.float32(16.0) * hb
 
 
 @njit(**_JIT_PARALLEL)
@@ -491,3 +493,69 @@ def gemv_q5_np(x: np.ndarray, qs, d, m, m_scale) -> np.ndarray:
     xsum = xb.sum(axis=2)[:, None, :, None]
     y = (d * dots + float(m_scale) * m * xsum).sum(axis=2)
     return y.reshape(n_seq, -1).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Q4_K GEMV without a scratch: chunk j of a super-block is 32 bytes whose low nibbles are
+# sub-block 2j and high nibbles sub-block 2j+1, so per chunk two dot products
+# (x_lo . lo, x_hi . hi) are scaled by their own d*sc, and the mins enter as dmin*mn*sum(x).
+
+
+@njit(**_JIT_INLINE)
+def _q4k_chain8(q, r, off, xlo, xhi, l0):
+    """(x_lo . lo, x_hi . hi) over bytes l0..l0+7 of q[off:, r] (8 iterations: fully unrolled,
+    so the caller's loop over r vectorises); nibbles split in float arithmetic, exactly."""
+    a = np.float32(0.0)
+    c = np.float32(0.0)
+    for i in range(8):
+        v = np.float32(q[off + l0 + i, r])
+        h = np.floor(v * np.float32(0.0625))
+        a += xlo[l0 + i] * (v - np.float32(16.0) * h)
+        c += xhi[l0 + i] * h
+    return a, c
+
+
+@njit(**_JIT_INLINE)
+def _q4k_chunk_dots(q, r, off, xlo, xhi):
+    """(x_lo . lo, x_hi . hi) for the 32 bytes q[off:off+32, r]: four independent chains."""
+    a0, c0 = _q4k_chain8(q, r, off, xlo, xhi, 0)
+    a1, c1 = _q4k_chain8(q, r, off, xlo, xhi, 8)
+    a2, c2 = _q4k_chain8(q, r, off, xlo, xhi, 16)
+    a3, c3 = _q4k_chain8(q, r, off, xlo, xhi, 24)
+    return (a0 + a1) + (a2 + a3), (c0 + c1) + (c2 + c3)
+
+
+@njit(**_JIT_PARALLEL)
+def gemv_q4k(x, qs, d, m, out):
+    """Q4_K GEMV for a few rows; shapes as in :func:`gemv` (m = dmin). Twin :func:`matmul_np`."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    n_out = out.shape[1]
+    xsum = np.zeros((n_seq, n_blocks, 8), np.float32)
+    for s in range(n_seq):
+        for b in range(n_blocks):
+            for sub in range(8):
+                for l in range(32):
+                    xsum[s, b, sub] += x[s, b * 256 + sub * 32 + l]
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        base = t * TR
+        n = min(TR, n_out - base)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                q = qs[t, b]
+                db = d[t, b]
+                mb = m[t, b]
+                xs = xsum[s, b]
+                for j in range(4):
+                    xlo = x[s, b * 256 + 64 * j:b * 256 + 64 * j + 32]
+                    xhi = x[s, b * 256 + 64 * j + 32:b * 256 + 64 * j + 64]
+                    for r in range(TR):
+                        lo, hi = _q4k_chunk_dots(q, r, 16 + 32 * j, xlo, xhi)
+                        acc[r] += (db[r] * np.float32(q[2 * j, r])) * lo \
+                            + (db[r] * np.float32(q[2 * j + 1, r])) * hi \
+                            - (mb[r] * np.float32(q[8 + 2 * j, r])) * xs[2 * j] \
+                            - (mb[r] * np.float32(q[9 + 2 * j, r])) * xs[2 * j + 1]
+            for r in range(n):
+                out[s, base + r] = acc[r]
