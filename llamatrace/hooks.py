@@ -129,7 +129,8 @@ def zero_ablation(stage_id: str, head: int | None = None) -> HookFn:
     heads axis: a query head for ``[.., n_heads, ..]`` stages, a KV head for ``[.., n_kv_heads, ..]``).
 
     Raises:
-        OptionError: the stage is not replaceable, or ``head`` is given for a stage without a heads axis.
+        OptionError: the stage is not replaceable, or ``head`` is given for a stage without a heads
+            axis; when the hook runs, ``head`` out of range.
     """
     stage = check_replaceable(stage_id, "--ablate")
     if head is None:
@@ -142,6 +143,9 @@ def zero_ablation(stage_id: str, head: int | None = None) -> HookFn:
     axis = found[0]
 
     def zero_head(array: np.ndarray, event: HookEvent) -> np.ndarray:
+        if head >= array.shape[axis]:
+            raise OptionError(f"--ablate {stage_id}:{head}: head out of range; {stage_id} has "
+                              f"{array.shape[axis]} heads (0-{array.shape[axis] - 1})")
         out = array.copy()
         index = [slice(None)] * array.ndim
         index[axis] = head

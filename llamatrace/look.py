@@ -48,8 +48,8 @@ def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> Attent
     """Run the prompt (and ``step`` greedy decode steps) and return ``layer``'s attention at ``step``.
 
     Raises:
-        OptionError: ``layer`` out of range, ``step`` < 0, the run does not fit the context, or
-            it reached the end of text before ``step``.
+        OptionError: ``layer`` out of range, ``step`` < 0, or the run stopped (end of text, the
+            context limit) before ``step``. PromptError: the prompt does not fit the context.
     """
     from .generate import generate
 
@@ -62,8 +62,8 @@ def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> Attent
     tokens = list(generate(model, prompt_ids, max_tokens=step + 1, recorder=rec))
     events = [e for e in rec.events if e.step == step]
     if not events:
-        raise OptionError(f"--step {step}: the model ended its text after {len(tokens)} tokens, "
-                          f"at step {rec.step}; choose a smaller --step")
+        raise OptionError(f"--step {step}: the run stopped at step {rec.step} (end of text or the context "
+                          f"limit) after {len(tokens)} generated tokens; choose a smaller --step")
     event = events[0]
     ids = (list(prompt_ids) + tokens)[:event.start_pos + event.seq_len]
     query_pos = list(range(event.start_pos, event.start_pos + event.seq_len))

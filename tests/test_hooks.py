@@ -118,6 +118,9 @@ def test_bad_hooks_are_refused(tiny_model):
             pass
     with pytest.raises(OptionError, match="has no heads axis"):
         zero_ablation("attn_out", 0)
+    with tiny_model.hooks({"kqv": zero_ablation("kqv", tiny_model.config.n_heads)}):
+        with pytest.raises(OptionError, match="head out of range"):
+            tiny_model.forward(np.array(TOKENS), 0, tiny_model.new_cache(16))
     with tiny_model.hooks({"l_out": lambda a, e: a[:, :3]}):
         with pytest.raises(HookError, match=r"returned float32 \[8, 3\]; it must return float32 \[8, 64\]"):
             tiny_model.forward(np.array(TOKENS), 0, tiny_model.new_cache(16))
