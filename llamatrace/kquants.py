@@ -399,3 +399,163 @@ def tiled(kind, x, qs, d, m, out):
         for b in range(n_blocks):
             _deq_block(kind, qs, d, m, t, b, wt[b * qkb:(b + 1) * qkb], ds, dm)
         _tile_matmul(x, wt, out, t)
+
+
+# --------------------------------------------------------------------------------------------
+# Q5_0 / Q5_1 GEMV without a scratch: per block, x.q5 = x.(low nibbles) + 16 * x.(high bits).
+# The nibbles are split in float arithmetic as in quant._gemv_q4: with xc = x[j+16] - 16 x[j],
+# x[j]*lo + x[j+16]*hi = x[j]*q + xc*hi. The high bits of a byte v are peeled off as
+# bit_k = f_k - 2 f_(k+1), f_k = floor(v / 2^k): floors and FMAs on TR float lanes, no integer
+# ops (Numba would widen them to int64), and exact bits, so no cancellation error.
+
+
+@njit(**_JIT_INLINE)
+def _q5_nibbles8(q, r, xl, xc, j0):
+    """sum over bytes j0..j0+7 of qs of x[j]*lo + x[j+16]*hi = xl*v + xc*hi (8 iterations:
+    fully unrolled, so the caller's loop over r vectorises)."""
+    a = np.float32(0.0)
+    for i in range(8):
+        v = np.float32(q[4 + j0 + i, r])
+        a += xl[j0 + i] * v + xc[j0 + i] * np.floor(v * np.float32(0.0625))
+    return a
+
+
+@njit(**_JIT_INLINE)
+def _q5_bits8(q, r, xh, i):
+    """sum_k x[8i+k] * bit k of qh byte i: bit k = f_k - 2 f_(k+1), f_(k+1) = floor(f_k / 2), exact."""
+    f = np.float32(q[i, r])
+    a = np.float32(0.0)
+    for k in range(8):
+        g = np.floor(f * np.float32(0.5))
+        a += xh[8 * i + k] * (f - np.float32(2.0) * g)
+        f = g
+    return a
+
+
+@njit(**_JIT_INLINE)
+def _q5_block_dot(q, r, xl, xc, xh):
+    """x . q5 for column r of one packed block q uint8 [20, TR] (qh[4] then qs[16])."""
+    lo = _q5_nibbles8(q, r, xl, xc, 0) + _q5_nibbles8(q, r, xl, xc, 8)
+    hb = (_q5_bits8(q, r, xh, 0) + _q5_bits8(q, r, xh, 1)) + (_q5_bits8(q, r, xh, 2) + _q5_bits8(q, r, xh, 3))
+    return lo + np.float32(16.0) * hb
+
+
+@njit(**_JIT_PARALLEL)
+def gemv_q5(x, qs, d, m, m_scale, out):
+    """Q5_0 / Q5_1 GEMV for a few rows: weight d*q + m_scale*m (Q5_1: (m, 1); Q5_0: (d, -16)).
+    Shapes as in :func:`gemv`; twin :func:`gemv_q5_np`."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    n_out = out.shape[1]
+    xl = np.empty((n_seq, n_blocks, 16), np.float32)
+    xc = np.empty((n_seq, n_blocks, 16), np.float32)
+    xsum = np.zeros((n_seq, n_blocks), np.float32)
+    for s in range(n_seq):
+        for b in range(n_blocks):
+            for j in range(16):
+                lo = x[s, b * 32 + j]
+                hi = x[s, b * 32 + 16 + j]
+                xl[s, b, j] = lo
+                xc[s, b, j] = hi - np.float32(16.0) * lo
+                xsum[s, b] += lo + hi
+            xsum[s, b] *= m_scale
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        base = t * TR
+        n = min(TR, n_out - base)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                q = qs[t, b]
+                db = d[t, b]
+                mb = m[t, b]
+                xlb = xl[s, b]
+                xcb = xc[s, b]
+                xhb = x[s, b * 32:b * 32 + 32]
+                xsb = xsum[s, b]
+                for r in range(TR):
+                    acc[r] += db[r] * _q5_block_dot(q, r, xlb, xcb, xhb) + mb[r] * xsb
+            for r in range(n):
+                out[s, base + r] = acc[r]
+
+
+def gemv_q5_np(x: np.ndarray, qs, d, m, m_scale) -> np.ndarray:
+    """NumPy twin of :func:`gemv_q5`, same algebra: per block d*(x.q) + m_scale*m*sum(x).
+    Returns float32 [S, T*TR] (padded rows included)."""
+    n_seq, n_blocks = x.shape[0], qs.shape[1]
+    xb = x.reshape(n_seq, n_blocks, 32).astype(np.float64)
+    qh = qs[:, :, 0:4].astype(np.uint32)                                   # [T, B, 4, TR]
+    bits = qh[:, :, 0] | (qh[:, :, 1] << 8) | (qh[:, :, 2] << 16) | (qh[:, :, 3] << 24)
+    h = (bits[:, :, None, :] >> np.arange(32, dtype=np.uint32)[None, None, :, None]) & 1
+    lo = np.concatenate([qs[:, :, 4:20] & 15, qs[:, :, 4:20] >> 4], axis=2)
+    q = (lo | (h << 4)).astype(np.float64)                                 # [T, B, 32, TR]
+    dots = np.einsum("sbj,tbjr->stbr", xb, q)
+    xsum = xb.sum(axis=2)[:, None, :, None]
+    y = (d * dots + float(m_scale) * m * xsum).sum(axis=2)
+    return y.reshape(n_seq, -1).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Q4_K GEMV without a scratch: chunk j of a super-block is 32 bytes whose low nibbles are
+# sub-block 2j and high nibbles sub-block 2j+1, so per chunk two dot products
+# (x_lo . lo, x_hi . hi) are scaled by their own d*sc, and the mins enter as dmin*mn*sum(x).
+
+
+@njit(**_JIT_INLINE)
+def _q4k_chain8(q, r, off, xlo, xhi, l0):
+    """(x_lo . lo, x_hi . hi) over bytes l0..l0+7 of q[off:, r] (8 iterations: fully unrolled,
+    so the caller's loop over r vectorises); nibbles split in float arithmetic, exactly."""
+    a = np.float32(0.0)
+    c = np.float32(0.0)
+    for i in range(8):
+        v = np.float32(q[off + l0 + i, r])
+        h = np.floor(v * np.float32(0.0625))
+        a += xlo[l0 + i] * (v - np.float32(16.0) * h)
+        c += xhi[l0 + i] * h
+    return a, c
+
+
+@njit(**_JIT_INLINE)
+def _q4k_chunk_dots(q, r, off, xlo, xhi):
+    """(x_lo . lo, x_hi . hi) for the 32 bytes q[off:off+32, r]: four independent chains."""
+    a0, c0 = _q4k_chain8(q, r, off, xlo, xhi, 0)
+    a1, c1 = _q4k_chain8(q, r, off, xlo, xhi, 8)
+    a2, c2 = _q4k_chain8(q, r, off, xlo, xhi, 16)
+    a3, c3 = _q4k_chain8(q, r, off, xlo, xhi, 24)
+    return (a0 + a1) + (a2 + a3), (c0 + c1) + (c2 + c3)
+
+
+@njit(**_JIT_PARALLEL)
+def gemv_q4k(x, qs, d, m, out):
+    """Q4_K GEMV for a few rows; shapes as in :func:`gemv` (m = dmin). Twin :func:`matmul_np`."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    n_out = out.shape[1]
+    xsum = np.zeros((n_seq, n_blocks, 8), np.float32)
+    for s in range(n_seq):
+        for b in range(n_blocks):
+            for sub in range(8):
+                for l in range(32):
+                    xsum[s, b, sub] += x[s, b * 256 + sub * 32 + l]
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        base = t * TR
+        n = min(TR, n_out - base)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                q = qs[t, b]
+                db = d[t, b]
+                mb = m[t, b]
+                xs = xsum[s, b]
+                for j in range(4):
+                    xlo = x[s, b * 256 + 64 * j:b * 256 + 64 * j + 32]
+                    xhi = x[s, b * 256 + 64 * j + 32:b * 256 + 64 * j + 64]
+                    for r in range(TR):
+                        lo, hi = _q4k_chunk_dots(q, r, 16 + 32 * j, xlo, xhi)
+                        acc[r] += (db[r] * np.float32(q[2 * j, r])) * lo \
+                            + (db[r] * np.float32(q[2 * j + 1, r])) * hi \
+                            - (mb[r] * np.float32(q[8 + 2 * j, r])) * xs[2 * j] \
+                            - (mb[r] * np.float32(q[9 + 2 * j, r])) * xs[2 * j + 1]
+            for r in range(n):
+                out[s, base + r] = acc[r]

@@ -662,7 +662,12 @@ def _q4_offsets(w: Weight) -> tuple[np.ndarray, np.float32]:
 def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
     typ = w.ggml_type
     gemv = x.shape[0] <= GEMV_MAX_SEQ
-    if typ in kquants.KIND:
+    if gemv and (typ == _T.Q5_0 or typ == _T.Q5_1):
+        m, m_scale = (w.m, np.float32(1.0)) if typ == _T.Q5_1 else (w.d, np.float32(-16.0))
+        kquants.gemv_q5(x, w.qs, w.d, m, m_scale, out)
+    elif gemv and typ == _T.Q4_K:
+        kquants.gemv_q4k(x, w.qs, w.d, w.m, out)
+    elif typ in kquants.KIND:
         m = w.m if typ in kquants.HAS_MIN else w.d
         (kquants.gemv if gemv else kquants.tiled)(kquants.KIND[typ], x, w.qs, w.d, m, out)
     elif typ == _T.Q4_1 or typ == _T.Q4_0:

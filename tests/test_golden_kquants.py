@@ -1,0 +1,77 @@
+"""The default model requantized by llama.cpp (K-quant mixes, Q5_0/Q5_1) against HF goldens.
+
+The six files are made by ``scripts/requantize_kquants.py`` (llama.cpp's quantizer, in a
+separate venv) into the user cache; golden files by ``tests/golden/make_golden.py --variant``
+(HF transformers, fp32, same file). Model files are never committed and CI has no llama.cpp:
+when a file is not in the user cache, ``tests/kquant_files.py`` rebuilds it from the default
+model with ggml's reference quantizers (compiled from the llama-cpp-python sdist with gcc),
+byte for byte: the sha256 must be the one the goldens were made from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamatrace.fetch import cache_dir
+from llamatrace.generate import generate
+
+GOLDEN = Path(__file__).parent / "golden"
+VARIANTS = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K-pure", "Q3_K-pure"]
+
+pytestmark = pytest.mark.model
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request, smollm2_path):
+    """(golden dict, logits npz, loaded model) of one requantized file."""
+    from kquant_files import rebuild
+    from llamatrace.model import Llama
+
+    name = request.param
+    gold = json.loads((GOLDEN / f"smollm2_{name}_golden.json").read_text(encoding="utf-8"))
+    path = cache_dir() / f"SmolLM2-135M-Instruct.{name}.gguf"
+    if not path.is_file():
+        if shutil.which("gcc") is None:
+            pytest.skip(f"{path.name} is not in the cache and rebuilding it needs gcc")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rebuild(name, smollm2_path, path)
+    assert _sha256(path) == gold["model_sha256"], f"{path} is not the file the goldens were made from"
+    return gold, np.load(GOLDEN / f"smollm2_{name}_logits.npz"), Llama.load(path)
+
+
+def _prompt_ids(model, entry) -> list[int]:
+    if entry["kind"] == "chat":
+        return model.tokenizer.encode_chat(entry["messages"], add_generation_prompt=True)
+    return model.tokenizer.encode(entry["text"])
+
+
+def test_ids_logits_and_greedy_match_hf(variant):
+    gold, logits_npz, model = variant
+    assert len(gold["prompts"]) >= 3
+    for name, entry in sorted(gold["prompts"].items()):
+        ids = entry["prompt_ids"]
+        assert _prompt_ids(model, entry) == ids, name
+        logits = model.forward(np.array(ids), 0, model.new_cache(len(ids)))[-1]
+        ref = logits_npz[name]
+        err = np.abs(logits - ref).max()
+        assert err <= 1e-3 * np.abs(ref).max(), f"{name}: max |diff| {err:.3g} vs max |logit| {np.abs(ref).max():.3g}"
+        got = list(generate(model, ids, max_tokens=32, stop_ids=frozenset()))
+        # compare up to the first near-tie (top-1/top-2 margin below 1e-3)
+        for step, token in enumerate(entry["greedy_ids"]):
+            if entry["greedy_margins"][step] < 1e-3:
+                break
+            assert got[step] == token, f"{name} step {step}: got {got[step]}, HF {token}"
