@@ -209,3 +209,21 @@ def test_attention_rows_sum_to_one(page):
             assert len(ps) == (5 if step == "0" else 6)
             assert sum(ps) == pytest.approx(1.0, abs=5e-3)      # float16 values
             assert min(ps) >= 0
+
+
+def test_layer_selector_relabels_the_view_and_weight_nodes_open_their_stage(page):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    select(page, "step", "0")
+    select(page, "view", "block")
+    select(page, "layer", "7")
+    text = page.find_element(By.ID, "diagram").text
+    assert "blk.7.attn_k.weight" in text and "CacheK[7]" in text and "blk.0." not in text
+    click_node(page, "w_Kcur_attn_wk")
+    panel = page.find_element(By.ID, "panel").text
+    assert page.find_element(By.ID, "p-id").text.startswith("Kcur") and "blk.7.attn_k.weight" in panel
+    assert "layer 7" in panel and "values are kept for layer 0" in panel
+    page.find_element(By.TAG_NAME, "body").send_keys(Keys.ARROW_DOWN)       # keyboard: the next stage
+    assert page.find_element(By.ID, "p-id").text.startswith("Vcur")
+    select(page, "layer", "0")
+    select(page, "view", "model")

@@ -52,11 +52,15 @@
   }
 
   // ---- diagram ----------------------------------------------------------------------------------
+  function weightNode(title) {            // "w_<stage id>_<weight name>" (diagram._weight_id) → [id, name]
+    const s = D.stages.filter((x) => title.startsWith(`w_${x.id}_`)).sort((a, b) => b.id.length - a.id.length)[0];
+    return s ? [s.id, title.slice(s.id.length + 3)] : null;
+  }
   function nodeStage(g) {
     const t = g.querySelector("title").textContent;
     if (STAGE[t]) return t;
-    const m = /^w_(.+)_[^_]+$/.exec(t);
-    if (m && STAGE[m[1]]) return m[1];
+    const w = weightNode(t);
+    if (w) return w[0];
     return {kv_cache: "cache_k", tokens: "inp_embd", sampled: "result_output"}[t] || null;
   }
   function showView() {
@@ -64,6 +68,7 @@
     const box = $("diagram");
     const src = document.querySelector(`#views .svg[data-key="${key}"]`);
     box.innerHTML = src.innerHTML;
+    relabel(box);
     for (const g of box.querySelectorAll("g.node")) {
       const id = nodeStage(g);
       if (!id) continue;
@@ -75,6 +80,23 @@
       `reads [0:${kv.start_pos + kv.seq_len}] of ${D.max_seq}` : "";
     drawTokens();
     markSelected();
+  }
+  // The views are drawn for one layer (every layer has the same shapes): name the chosen one instead.
+  function relabel(box) {
+    const L = state.layer, W = D.weights[L] || {};
+    if (L === D.drawn_layer) return;
+    const src = L === 0 ? "inputTensor (embedding)" : `output of layer ${L - 1}`;
+    for (const t of box.querySelectorAll("text")) {
+      t.textContent = t.textContent.replace(/\bblk\.\d+\./g, `blk.${L}.`).replace(/\b(Cache[KV])\[\d+\]/g, `$1[${L}]`)
+        .replace(/\blayer \d+/g, `layer ${L}`).replace(/inputTensor \(embedding\)|output of layer \d+/, src);
+    }
+    for (const g of box.querySelectorAll("g.node")) {         // weight nodes: the layer's quant type
+      const m = weightNode(g.querySelector("title").textContent);
+      const w = m && (W[m[0]] || []).find((x) => x.name === m[1]);
+      if (!w) continue;
+      for (const t of g.querySelectorAll("text"))
+        t.textContent = t.textContent.replace(/^\S+ (\[[\d, ]*\])/, `${w.type} $1`);
+    }
   }
   function markSelected() {
     for (const g of $("diagram").querySelectorAll("g.node"))
