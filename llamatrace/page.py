@@ -102,7 +102,7 @@ def _weights(run: dg.RunInfo) -> dict[str, dict[str, list[dict[str, Any]]]]:
 
 def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, value_layers: Sequence[int],
                tokens: int = 1, highlight: dg.Highlight | None = None, ctx_size: int | None = None,
-               command: Sequence[str] | None = None) -> bytes:
+               command: Sequence[str] | None = None, view: str = "model", step: int = 0) -> bytes:
     """Run the prompt and ``tokens`` greedy decode steps, tracing every layer; return the HTML page.
 
     Args:
@@ -110,6 +110,7 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
         tokens: decode steps after the prefill (the page's step selector: 0 … ``tokens``).
         highlight: a book STAGE view the page opens on.
         command: the command line shown in the page (default ``sys.argv``).
+        view, step: what the page opens on.
 
     Raises:
         OptionError: a layer out of range or a cache too small for the steps.
@@ -133,18 +134,18 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
                         stop_ids=frozenset()))
     svgs: dict[str, str] = {}
     runs = []
-    for step in range(tokens + 1):
-        run = dg.run_info(model, prompt, prompt_ids, out, chat=chat, layer=first, step=step, ctx=ctx)
+    for s in range(tokens + 1):
+        run = dg.run_info(model, prompt, prompt_ids, out, chat=chat, layer=first, step=s, ctx=ctx)
         runs.append(run)
-        events = [e for e in rec.events if e.step == step]
-        for view in dg.VIEWS:
-            hl = highlight if highlight is not None and (view == "model" or not highlight.model_only) else None
+        events = [e for e in rec.events if e.step == s]
+        for v in dg.VIEWS:
+            hl = highlight if highlight is not None and (v == "model" or not highlight.model_only) else None
             try:
-                graph = dg.build_diagram(events, run, view=view, highlight=hl)
+                graph = dg.build_diagram(events, run, view=v, highlight=hl)
             except dg.OptionError:            # the highlighted stage does not run at this step
-                graph = dg.build_diagram(events, run, view=view)
+                graph = dg.build_diagram(events, run, view=v)
             svg = dg.render(graph, "svg").decode("utf-8")
-            svgs[f"{view}:{step}"] = svg[svg.index("<svg"):]
+            svgs[f"{v}:{s}"] = svg[svg.index("<svg"):]
     tok = model.tokenizer
     data = {
         "version": __version__, "model": runs[0].model_name,
@@ -154,7 +155,8 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
                    "head_dim": c.head_dim, "hidden_dim": c.hidden_dim, "vocab_size": c.vocab_size},
         "tokens": [{"id": int(i), "piece": tok.decode([int(i)])} for i in prompt_ids],
         "generated": [{"id": int(i), "piece": tok.decode([int(i)])} for i in out],
-        "value_layers": sorted(value_layers), "drawn_layer": first, "steps": tokens + 1,
+        "value_layers": sorted(value_layers), "drawn_layer": first, "steps": tokens + 1, "start_view": view,
+        "start_step": min(step, tokens),
         "highlight": sorted(highlight.stage_ids) if highlight else [],
         "highlight_label": highlight.label if highlight else "",
         "stages": _stage_table(), "weights": _weights(runs[0]), "events": collect.events, "top": collect.top,

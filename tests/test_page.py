@@ -93,6 +93,16 @@ def test_layer_takes_traces_syntax(tiny_model_path, tmp_path, capsys, spec, ok):
         assert "--layer" in error_line(capsys)
 
 
+def test_tokens_is_for_html_and_step_view_choose_where_the_page_opens(tiny_model_path, tmp_path, capsys):
+    assert main(["diagram", "--model", str(tiny_model_path), "--tokens", "2", "-o", str(tmp_path / "f.svg")]) == 2
+    assert "--step" in error_line(capsys)
+    out = tmp_path / "run.html"
+    assert main(["diagram", "--model", str(tiny_model_path), "--raw", PROMPT, "--step", "2", "--view", "block",
+                 "-o", str(out)]) == 0
+    data = page_data(out)
+    assert (data["steps"], data["start_step"], data["start_view"]) == (3, 2, "block")
+
+
 def test_help_shows_the_default_output_and_html():
     from typer.testing import CliRunner
     from llamatrace.cli import app

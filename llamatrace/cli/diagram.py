@@ -47,8 +47,9 @@ def diagram(
     step: Annotated[int, typer.Option(
         "--step", help="Which forward call: 0 = prefill of the prompt, n = decode step n (greedy).")] = 0,
     stats: Annotated[bool, typer.Option("--stats", metavar="", help="Add each tensor's mean, rms, min and max.")] = False,
-    tokens: Annotated[int, typer.Option(
-        "--tokens", "-n", help=".html only: greedy decode steps after the prefill, for the page's step selector.")] = 1,
+    tokens: Annotated[Optional[int], typer.Option(
+        "--tokens", "-n", help=".html only: greedy decode steps after the prefill, for the page's step selector "
+        "(default 1).", show_default=False)] = None,
     timings: Annotated[bool, typer.Option(
         "--timings", metavar="", help="Colour op nodes by time spent (the output then differs run to run).")] = False,
     model: ModelOpt = None,
@@ -99,8 +100,13 @@ def diagram(
     if fmt != "html" and ("," in layer or layer.strip().lower() == "all" or "-" in layer.strip()[1:]):
         raise OptionError(f"--layer {layer!r}: an .{fmt} diagram draws one layer; give N or -1 "
                           f"(several layers are for -o run.html)")
-    if tokens < 0:
+    if fmt != "html" and tokens is not None:
+        raise OptionError(f"--tokens is for the .html page; an .{fmt} diagram draws one step: use --step")
+    if fmt == "html" and timings:
+        raise OptionError("--timings colours an .svg/.png/.pdf/.dot diagram; the .html page does not show times")
+    if tokens is not None and tokens < 0:
         raise OptionError(f"--tokens must be 0 or more, got {tokens}")
+    tokens = max(1 if tokens is None else tokens, step)         # --step picks the step the page opens on
     if step < 0:
         raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
     if ctx_size is not None and ctx_size <= 0:
@@ -118,10 +124,10 @@ def diagram(
 
         with err.status(f"Tracing the prefill and {tokens} decode step{'s' * (tokens != 1)} "
                         f"({len(ids)} prompt tokens, every layer) …"):
-            page = build_page(m, text, ids, chat=chat, value_layers=layers, tokens=max(tokens, step),
-                              highlight=mark, ctx_size=ctx_size)
+            page = build_page(m, text, ids, chat=chat, value_layers=layers, tokens=tokens, highlight=mark,
+                              ctx_size=ctx_size, view=view, step=step)
         write_atomic(output, lambda f: f.write(page), "-o")
-        err.print(f"[dim]wrote {output} ({len(page) / 1e6:.1f} MB, steps 0-{max(tokens, step)}, values of "
+        err.print(f"[dim]wrote {output} ({len(page) / 1e6:.1f} MB, steps 0-{tokens}, values of "
                   f"layer{'s' * (len(layers) > 1)} {layer})[/]", soft_wrap=True)
         return
     layer_n = layers[0]

@@ -7,7 +7,7 @@
   const STAGE = Object.fromEntries(D.stages.map((s) => [s.id, s]));
   const EV = {};
   for (const e of D.events) EV[`${e.step}|${e.layer === null ? "m" : e.layer}|${e.stage}`] = e;
-  const state = {view: "model", layer: D.drawn_layer, step: 0, stage: null, head: 0};
+  const state = {view: D.start_view, layer: D.drawn_layer, step: D.start_step, stage: null, head: 0};
   const event = (id) => {
     const s = STAGE[id];
     return s ? EV[`${state.step}|${s.level === "model" ? "m" : state.layer}|${id}`] : undefined;
@@ -43,6 +43,8 @@
     $("step").add(new Option(label, s));
   }
   $("layer").value = state.layer;
+  $("step").value = state.step;
+  $("view").value = state.view;
 
   function drawTokens() {
     const fed = state.step === 0 ? [0, D.n_prompt] : [D.n_prompt + state.step - 1, D.n_prompt + state.step];
