@@ -45,7 +45,8 @@ def diagram(
         "--layer", "-l", help="Which layer's block to draw, 0-based (N, -1 = the last). For .html: the layers whose "
         "values go in the page (N, N-M, N,M, -1, all; statistics cover every layer).")] = "0",
     step: Annotated[int, typer.Option(
-        "--step", help="Which forward call: 0 = prefill of the prompt, n = decode step n (greedy).")] = 0,
+        "--step", help="Which forward call: 0 = prefill of the prompt, n = decode step n (greedy); "
+        "for .html the step the page opens on.")] = 0,
     stats: Annotated[bool, typer.Option("--stats", metavar="", help="Add each tensor's mean, rms, min and max.")] = False,
     tokens: Annotated[Optional[int], typer.Option(
         "--tokens", "-n", help=".html only: greedy decode steps after the prefill, for the page's step selector "
@@ -61,7 +62,8 @@ def diagram(
         "most the model's context length).", show_default=False)] = None,
     threads: ThreadsOpt = None,
 ) -> None:
-    """Draw a flow diagram of one forward pass of a real run, every shape from the trace.
+    """Draw a flow diagram of one forward pass of a real run, every shape from the trace (or, with
+    -o run.html, an interactive page of the whole run).
 
     The model view draws tokens → embedding → one transformer block (× n_layers) → final RMSNorm →
     logits → the sampled token; the block view draws one block with its attention and FFN
