@@ -237,3 +237,29 @@ def test_layer_selector_relabels_the_view_and_weight_nodes_open_their_stage(page
     assert page.find_element(By.ID, "p-id").text.startswith("Vcur")
     select(page, "layer", "0")
     select(page, "view", "model")
+
+
+def test_save_button_writes_a_npy_file_numpy_reads(page, tmp_path):
+    import io
+    from selenium.webdriver.common.by import By
+    select(page, "step", "0")
+    select(page, "layer", "0")
+    click_node(page, "Qcur")
+    # capture the Blob the button hands to the browser instead of downloading it
+    page.execute_script("""
+        window._saved = null;
+        const make = URL.createObjectURL;
+        URL.createObjectURL = (blob) => { window._saved = blob; return make(blob); };
+        HTMLAnchorElement.prototype.click = function () { window._name = this.download; };""")
+    page.find_element(By.ID, "save").click()
+    b64 = page.execute_async_script("""
+        const done = arguments[0], r = new FileReader();
+        r.onload = () => done(r.result.split(",")[1]);
+        r.readAsDataURL(window._saved);""")
+    array = np.load(io.BytesIO(base64.b64decode(b64)))
+    assert page.execute_script("return window._name") == "step0.layer0.Qcur.npy"
+    assert array.dtype == np.float16 and array.shape == (5, 576)
+    data = page.execute_script("return window.llamatrace.data.events.find("
+                               "e => e.step === 0 && e.layer === 0 && e.stage === 'Qcur')")
+    rms = float(data["stats"]["rms"])
+    assert np.sqrt(np.mean(array.astype(np.float64) ** 2)) == pytest.approx(rms, rel=1e-3)
