@@ -205,6 +205,8 @@
   const refresh = () => { showView(); if (state.stage) select(state.stage); };
   $("view").addEventListener("change", (e) => { state.view = e.target.value; refresh(); });
   $("layer").addEventListener("change", (e) => { state.layer = +e.target.value; refresh(); });
+  $("fit").addEventListener("change", (e) => $("diagram").classList.toggle("fit", e.target.checked));
+  $("diagram").classList.add("fit");
   $("step").addEventListener("change", (e) => { state.step = +e.target.value; refresh(); });
   document.addEventListener("keydown", (e) => {
     if (e.target.tagName === "SELECT" || !["ArrowDown", "ArrowUp", "j", "k"].includes(e.key)) return;
