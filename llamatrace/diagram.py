@@ -39,7 +39,7 @@ from .render import fmt_us
 from .stages import STAGE_BY_ID, STAGES, Stage
 from .trace import TraceEvent
 
-FORMATS = ("svg", "png", "pdf", "dot")
+FORMATS = ("svg", "png", "pdf", "dot", "html")
 VIEWS = ("model", "block")
 
 # The book's STAGE diagrams (ch. 20), by number. Catalogue stages carry their number in
@@ -183,11 +183,18 @@ def output_format(path: Path) -> str:
     Raises:
         OptionError: no or an unknown extension (the message lists the formats).
     """
+    formats = ", ".join("." + f for f in FORMATS)
+    if str(path) == "-":
+        raise OptionError(f"-o -: a diagram is written to a file, not to standard output; "
+                          f"give a file name ending in one of {formats} (e.g. -o flow.svg)")
+    if path.is_dir():
+        raise OptionError(f"-o {str(path)!r} is a directory: give a file name in it, "
+                          f"e.g. -o {str(path / 'flow.svg')!r}")
     ext = path.suffix.lower().lstrip(".")
     if ext not in FORMATS:
         shown = f"'.{ext}'" if ext else "no extension"
         raise OptionError(f"-o {str(path)!r}: {shown} is not a diagram format; "
-                          f"use one of {', '.join('.' + f for f in FORMATS)}")
+                          f"use one of {formats}")
     return ext
 
 
@@ -685,7 +692,6 @@ def trace_step(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, lay
         PromptError: an empty prompt or one longer than the context.
     """
     from .generate import check_prompt_fits, default_ctx_size, generate
-    from .gguf_io import tensor_type_name
 
     c = model.config
     if not 0 <= layer < c.n_layers:
@@ -702,13 +708,21 @@ def trace_step(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, lay
         tokens = list(generate(model, list(prompt_ids), max_tokens=step + 1, ctx_size=ctx,
                                stop_ids=frozenset()))
     events = [e for e in rec.events if e.step == step]
+    return events, run_info(model, prompt, prompt_ids, tokens, chat=chat, layer=layer, step=step, ctx=ctx)
+
+
+def run_info(model, prompt: str, prompt_ids: Sequence[int], tokens: Sequence[int], *, chat: bool, layer: int,
+             step: int, ctx: int) -> RunInfo:
+    """The :class:`RunInfo` of ``step`` of a greedy run that generated ``tokens`` (ids, one per step)."""
+    from .gguf_io import tensor_type_name
+
     tok = model.tokenizer
+    n_prompt = len(prompt_ids)
     fed = tuple(prompt_ids) if step == 0 else (tokens[step - 1],)
     weights = {name: (tensor_type_name(t), tuple(model.weight_shapes[name]))
                for name, t in model.file.tensors.items()}
     sampled = (tokens[step], tok.decode([tokens[step]])) if len(tokens) > step else None
-    run = RunInfo(model_name=Path(model.path).name, config=c, weights=weights, prompt=prompt, chat=chat,
-                  step=step, layer=layer, max_seq=ctx, input_ids=fed, n_prompt=n_prompt,
-                  input_text=tok.decode(list(fed)) if step else "", sampled=sampled,
-                  stop_ids=frozenset(tok.stop_ids))
-    return events, run
+    return RunInfo(model_name=Path(model.path).name, config=model.config, weights=weights, prompt=prompt,
+                   chat=chat, step=step, layer=layer, max_seq=ctx, input_ids=fed, n_prompt=n_prompt,
+                   input_text=tok.decode(list(fed)) if step else "", sampled=sampled,
+                   stop_ids=frozenset(tok.stop_ids))

@@ -18,3 +18,6 @@ done
 # the pictures of README's "Looking inside" (matplotlib)
 llamatrace attention --raw "The capital of France is" --layer 5 -o samples/attention.png
 llamatrace lens --raw "The capital of France is" -o samples/lens.png > /dev/null
+
+# the screenshot of the interactive page (needs chromium, chromium-driver and selenium: setup.sh --test)
+python3 scripts/page_screenshot.py

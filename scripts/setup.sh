@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up llamatrace on a fresh machine: Graphviz's `dot` (for SVG/PNG/PDF diagrams) and the
-# Python package. `--test` also installs what the test suite needs.
+# Python package. `--test` also installs what the test suite needs (with apt: Debian's chromium and
+# chromium-driver for the browser tests of `diagram -o run.html`).
 #   bash scripts/setup.sh          # runtime
 #   bash scripts/setup.sh --test   # runtime + tests
 set -euo pipefail
@@ -21,5 +22,14 @@ if ! command -v dot >/dev/null 2>&1; then
 fi
 
 extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+if [ "${1:-}" = "--test" ]; then
+  extra="[test]"
+  if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    sudo_cmd=""
+    [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo_cmd="sudo"
+    echo "setup: installing chromium and chromium-driver with apt-get (browser tests of the .html page)" >&2
+    { $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+      || echo "setup: could not install chromium; the browser tests will skip" >&2
+  fi
+fi
 python3 -m pip install --disable-pip-version-check -q -e ".${extra}"

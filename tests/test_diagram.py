@@ -182,7 +182,7 @@ def test_bad_output_paths_fail_before_compute(tmp_path, capsys, target):
 
 def test_layer_out_of_range_and_bad_view(tiny_model_path, tmp_path, capsys):
     assert run(tiny_model_path, "--layer", "2", "-o", str(tmp_path / "f.dot")) == 2
-    assert "layers 0-1" in error_line(capsys)
+    assert "valid are 0-1" in error_line(capsys)
     assert run(tiny_model_path, "--view", "side", "-o", str(tmp_path / "f.dot")) == 2
     assert "model, block" in error_line(capsys)
     assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,7 @@
-"""``llamatrace diagram``: draw the forward pass of a real run as a flow diagram (SVG/PNG/PDF/DOT).
+"""``llamatrace diagram``: draw the forward pass of a real run as a flow diagram (SVG/PNG/PDF/DOT),
+or write an interactive page of the run (``.html``).
 
-The drawing itself is :mod:`llamatrace.diagram`.
+The drawing itself is :mod:`llamatrace.diagram`; the page is :mod:`llamatrace.page`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .options import (
     ThreadsOpt,
     default_prompt,
     load_model,
+    parse_layers,
     prompt_ids_for,
     read_prompt,
 )
@@ -31,17 +33,24 @@ def diagram(
     prompt: Annotated[Optional[str], typer.Argument(
         help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)] = None,
     output: Annotated[Path, typer.Option(
-        "--output", "-o", help="Output file; the format comes from the extension: .svg, .png, .pdf "
-        "(need Graphviz's `dot`) or .dot (DOT source).", show_default=False)] = Path("flow.svg"),
+        "--output", "-o", help="Output file (default: ./flow.svg); the format comes from the extension: .svg, .png, .pdf "
+        "(need Graphviz's `dot`), .dot (DOT source), or .html (an interactive page of the run, needs `dot`).",
+        show_default=False)] = Path("flow.svg"),
     view: Annotated[str, typer.Option(
         "--view", help="model: embedding → block × n_layers → logits → token; block: one block in detail.")] = "model",
     highlight: Annotated[Optional[str], typer.Option(
         "--highlight", help="The book's STAGE view: a STAGE number 1-19 or a stage id (e.g. Qcur_rope), drawn "
         "as \"you are here\" with its inputs and outputs emphasised.", show_default=False)] = None,
-    layer: Annotated[int, typer.Option("--layer", "-l", help="Which layer's block to draw.")] = 0,
+    layer: Annotated[str, typer.Option(
+        "--layer", "-l", help="Which layer's block to draw, 0-based (N, -1 = the last). For .html: the layers whose "
+        "values go in the page (N, N-M, N,M, -1, all; statistics cover every layer).")] = "0",
     step: Annotated[int, typer.Option(
-        "--step", help="Which forward call: 0 = prefill of the prompt, n = decode step n (greedy).")] = 0,
+        "--step", help="Which forward call: 0 = prefill of the prompt, n = decode step n (greedy); "
+        "for .html the step the page opens on.")] = 0,
     stats: Annotated[bool, typer.Option("--stats", metavar="", help="Add each tensor's mean, rms, min and max.")] = False,
+    tokens: Annotated[Optional[int], typer.Option(
+        "--tokens", "-n", help=".html only: greedy decode steps after the prefill, for the page's step selector "
+        "(default 1).", show_default=False)] = None,
     timings: Annotated[bool, typer.Option(
         "--timings", metavar="", help="Colour op nodes by time spent (the output then differs run to run).")] = False,
     model: ModelOpt = None,
@@ -53,7 +62,8 @@ def diagram(
         "most the model's context length).", show_default=False)] = None,
     threads: ThreadsOpt = None,
 ) -> None:
-    """Draw a flow diagram of one forward pass of a real run, every shape from the trace.
+    """Draw a flow diagram of one forward pass of a real run, every shape from the trace (or, with
+    -o run.html, an interactive page of the whole run).
 
     The model view draws tokens → embedding → one transformer block (× n_layers) → final RMSNorm →
     logits → the sampled token; the block view draws one block with its attention and FFN
@@ -69,6 +79,14 @@ def diagram(
       llamatrace diagram --highlight 10 -o stage10.svg
 
       llamatrace diagram "Why is the sky blue?" --view block --layer 5 --step 3 --stats -o step3.pdf
+
+      llamatrace diagram -o run.html                       # interactive page: click a stage for its tensor
+
+      llamatrace diagram --raw "The capital of France is" --layer 0,-1 --tokens 3 --highlight 13 -o run.html
+
+    The .html page is one self-contained file (no network): the model and block views for every
+    step, a side panel per stage (shape, statistics, histogram, values, weights, attention heatmap,
+    top next tokens) and the prompt's tokens.
     """
     from .. import diagram as dg
 
@@ -80,8 +98,17 @@ def diagram(
     mark = dg.resolve_highlight(highlight) if highlight is not None else None
     if mark is not None and mark.model_only and view != "model":
         raise OptionError(f"--highlight {highlight}: {mark.label} is drawn in the model view; drop --view block")
-    if layer < 0:
-        raise OptionError(f"--layer must be 0 or more, got {layer}")
+    parse_layers(layer)                       # syntax now; the range once the model is loaded
+    if fmt != "html" and ("," in layer or layer.strip().lower() == "all" or "-" in layer.strip()[1:]):
+        raise OptionError(f"--layer {layer!r}: an .{fmt} diagram draws one layer; give N or -1 "
+                          f"(several layers are for -o run.html)")
+    if fmt != "html" and tokens is not None:
+        raise OptionError(f"--tokens is for the .html page; an .{fmt} diagram draws one step: use --step")
+    if fmt == "html" and timings:
+        raise OptionError("--timings colours an .svg/.png/.pdf/.dot diagram; the .html page does not show times")
+    if tokens is not None and tokens < 0:
+        raise OptionError(f"--tokens must be 0 or more, got {tokens}")
+    tokens = max(1 if tokens is None else tokens, step)         # --step picks the step the page opens on
     if step < 0:
         raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
     if ctx_size is not None and ctx_size <= 0:
@@ -92,12 +119,26 @@ def diagram(
     m = load_model(model, threads)
     ids = prompt_ids_for(m, text, raw, system)
     chat = not raw and bool(m.tokenizer.chat_template)
+    layers = parse_layers(layer, m.config.n_layers)
+    layers = list(range(m.config.n_layers)) if layers is None else layers
+    if fmt == "html":
+        from ..page import build_page
+
+        with err.status(f"Tracing the prefill and {tokens} decode step{'s' * (tokens != 1)} "
+                        f"({len(ids)} prompt tokens, every layer) …"):
+            page = build_page(m, text, ids, chat=chat, value_layers=layers, tokens=tokens, highlight=mark,
+                              ctx_size=ctx_size, view=view, step=step)
+        write_atomic(output, lambda f: f.write(page), "-o")
+        err.print(f"[dim]wrote {output} ({len(page) / 1e6:.1f} MB, steps 0-{tokens}, values of "
+                  f"layer{'s' * (len(layers) > 1)} {layer})[/]", soft_wrap=True)
+        return
+    layer_n = layers[0]
     with err.status(f"Tracing {'prefill' if step == 0 else f'decode step {step}'} "
-                    f"({len(ids)} prompt tokens, layer {layer}) …"):
-        events, run = dg.trace_step(m, text, ids, chat=chat, layer=layer, step=step, stats=stats,
+                    f"({len(ids)} prompt tokens, layer {layer_n}) …"):
+        events, run = dg.trace_step(m, text, ids, chat=chat, layer=layer_n, step=step, stats=stats,
                                     ctx_size=ctx_size)
     graph = dg.build_diagram(events, run, view=view, highlight=mark, stats=stats, timings=timings)
     data = dg.render(graph, fmt)
     write_atomic(output, lambda f: f.write(data), "-o")
-    err.print(f"[dim]wrote {output} ({fmt}, {view} view, layer {layer}, step {step}"
+    err.print(f"[dim]wrote {output} ({fmt}, {view} view, layer {layer_n}, step {step}"
               f"{', ' + mark.label if mark else ''})[/]", soft_wrap=True)
