@@ -486,11 +486,14 @@ def _gemv_q8(x, qs, d, out):
 def _tile_matmul(x, wt, out, t):
     """out[s, t*TR + r] = sum_k x[s, k] * wt[k, r] for every row s; wt float32 [n_in, TR].
 
-    Rows of x go four at a time: each weight vector loaded from the tile feeds four FMA
-    chains (register blocking), so the loop is bound by FMAs, not by loads.
+    Rows of x go four at a time and k four at a time: each weight vector loaded from the tile
+    feeds four FMA chains (register blocking), and each accumulator is loaded and stored once
+    per four k (Numba's arrays live in memory, not registers), so the loop is bound by FMAs.
+    The sums run in k order, as a plain loop's would.
     """
     n_seq, n_in = x.shape
     n_quad = n_seq - n_seq % 4
+    k_quad = n_in - n_in % 4
     a0 = np.empty(TR, np.float32)
     a1 = np.empty(TR, np.float32)
     a2 = np.empty(TR, np.float32)
@@ -501,15 +504,25 @@ def _tile_matmul(x, wt, out, t):
         a2[:] = 0.0
         a3[:] = 0.0
         x0, x1, x2, x3 = x[s], x[s + 1], x[s + 2], x[s + 3]
-        for k in range(n_in):
-            w = wt[k]
-            v0, v1, v2, v3 = x0[k], x1[k], x2[k], x3[k]
+        for k in range(0, k_quad, 4):
+            w0, w1, w2, w3 = wt[k], wt[k + 1], wt[k + 2], wt[k + 3]
+            p0, p1, p2, p3 = x0[k], x0[k + 1], x0[k + 2], x0[k + 3]
+            q0, q1, q2, q3 = x1[k], x1[k + 1], x1[k + 2], x1[k + 3]
+            u0, u1, u2, u3 = x2[k], x2[k + 1], x2[k + 2], x2[k + 3]
+            v0, v1, v2, v3 = x3[k], x3[k + 1], x3[k + 2], x3[k + 3]
             for r in range(TR):
-                wr = w[r]
-                a0[r] += v0 * wr
-                a1[r] += v1 * wr
-                a2[r] += v2 * wr
-                a3[r] += v3 * wr
+                c0, c1, c2, c3 = w0[r], w1[r], w2[r], w3[r]
+                a0[r] = a0[r] + p0 * c0 + p1 * c1 + p2 * c2 + p3 * c3
+                a1[r] = a1[r] + q0 * c0 + q1 * c1 + q2 * c2 + q3 * c3
+                a2[r] = a2[r] + u0 * c0 + u1 * c1 + u2 * c2 + u3 * c3
+                a3[r] = a3[r] + v0 * c0 + v1 * c1 + v2 * c2 + v3 * c3
+        for k in range(k_quad, n_in):
+            w = wt[k]
+            for r in range(TR):
+                a0[r] += x0[k] * w[r]
+                a1[r] += x1[k] * w[r]
+                a2[r] += x2[k] * w[r]
+                a3[r] += x3[k] * w[r]
         _store_tile(a0, out, s, t)
         _store_tile(a1, out, s + 1, t)
         _store_tile(a2, out, s + 2, t)
@@ -517,11 +530,15 @@ def _tile_matmul(x, wt, out, t):
     for s in range(n_quad, n_seq):
         a0[:] = 0.0
         xs = x[s]
-        for k in range(n_in):
-            w = wt[k]
-            v = xs[k]
+        for k in range(0, k_quad, 4):
+            w0, w1, w2, w3 = wt[k], wt[k + 1], wt[k + 2], wt[k + 3]
+            p0, p1, p2, p3 = xs[k], xs[k + 1], xs[k + 2], xs[k + 3]
             for r in range(TR):
-                a0[r] += v * w[r]
+                a0[r] = a0[r] + p0 * w0[r] + p1 * w1[r] + p2 * w2[r] + p3 * w3[r]
+        for k in range(k_quad, n_in):
+            w = wt[k]
+            for r in range(TR):
+                a0[r] += xs[k] * w[r]
         _store_tile(a0, out, s, t)
 
 
