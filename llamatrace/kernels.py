@@ -136,34 +136,56 @@ def causal_mask(seq_len: int, start_pos: int) -> np.ndarray:
     return np.where(cols > rows, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
 
 
+@njit(cache=True, inline="always")
+def _softmax_rows(x, out, i):
+    for j in range(x.shape[1]):
+        n = x.shape[2]
+        m = -np.inf
+        for k in range(n):
+            if x[i, j, k] > m:
+                m = x[i, j, k]
+        if m == -np.inf:
+            for k in range(n):
+                out[i, j, k] = 0.0
+            continue
+        total = np.float32(0.0)
+        for k in range(n):
+            e = np.exp(x[i, j, k] - m)
+            out[i, j, k] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for k in range(n):
+            out[i, j, k] *= inv
+
+
 @njit(cache=True)
-def softmax(x):
-    """Softmax over the last axis of float32 ``[..., n]`` (3-D ``[n_heads, seq_len, kv_len]``).
+def softmax_serial(x):
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        _softmax_rows(x, out, i)
+    return out
+
+
+@njit(parallel=True, cache=True)
+def softmax_parallel(x):
+    out = np.empty_like(x)
+    for i in prange(x.shape[0]):
+        _softmax_rows(x, out, i)
+    return out
+
+
+_PARALLEL_ELEMENTS = 1 << 14
+"""Softmax and SiLU run in parallel above this many elements (an exponential each)."""
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis of float32 ``[n_heads, seq_len, kv_len]``.
 
     Computed in fp32 with the row max subtracted; a row that is entirely ``-inf`` (fully masked)
-    gives zeros instead of NaN.
+    gives zeros instead of NaN. Heads run in parallel when there is enough work.
     """
-    a, b, n = x.shape
-    out = np.empty_like(x)
-    for i in range(a):
-        for j in range(b):
-            m = -np.inf
-            for k in range(n):
-                if x[i, j, k] > m:
-                    m = x[i, j, k]
-            if m == -np.inf:
-                for k in range(n):
-                    out[i, j, k] = 0.0
-                continue
-            total = np.float32(0.0)
-            for k in range(n):
-                e = np.exp(x[i, j, k] - m)
-                out[i, j, k] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for k in range(n):
-                out[i, j, k] *= inv
-    return out
+    fn = softmax_parallel if x.size > _PARALLEL_ELEMENTS else softmax_serial
+    return fn(np.ascontiguousarray(x))
 
 
 def softmax_ref(x: np.ndarray) -> np.ndarray:
@@ -180,16 +202,34 @@ def softmax_ref(x: np.ndarray) -> np.ndarray:
 # SiLU — Shazeer 2020, "GLU Variants Improve Transformer": FFN(x) = w2(silu(w1 x) * w3 x)
 # ---------------------------------------------------------------------------------------------
 
+@njit(cache=True, inline="always")
+def _silu_row(x, out, i):
+    for j in range(x.shape[1]):
+        v = x[i, j]
+        out[i, j] = v / (np.float32(1.0) + np.exp(-v))
+
+
 @njit(cache=True)
-def silu(x):
-    """``x * sigmoid(x)`` elementwise on float32 ``[seq_len, hidden_dim]``."""
+def silu_serial(x):
     out = np.empty_like(x)
-    flat_in = x.reshape(-1)
-    flat_out = out.reshape(-1)
-    for i in range(flat_in.size):
-        v = flat_in[i]
-        flat_out[i] = v / (np.float32(1.0) + np.exp(-v))
+    for i in range(x.shape[0]):
+        _silu_row(x, out, i)
     return out
+
+
+@njit(parallel=True, cache=True)
+def silu_parallel(x):
+    out = np.empty_like(x)
+    for i in prange(x.shape[0]):
+        _silu_row(x, out, i)
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """``x * sigmoid(x)`` elementwise on float32 ``[seq_len, hidden_dim]`` (rows in parallel
+    when there is enough work)."""
+    fn = silu_parallel if x.shape[0] > 1 and x.size > _PARALLEL_ELEMENTS else silu_serial
+    return fn(np.ascontiguousarray(x))
 
 
 def silu_ref(x: np.ndarray) -> np.ndarray:

@@ -63,8 +63,9 @@ def test_causal_mask_with_cache_offset():
     assert (m[2] == 0).all()
 
 
-def test_softmax_matches_twin_and_rows_sum_to_one():
-    x = randn(4, 5, 9) + K.causal_mask(5, 4)[None]
+@pytest.mark.parametrize("n_heads, seq_len", [(4, 5), (9, 128)])   # serial, parallel
+def test_softmax_matches_twin_and_rows_sum_to_one(n_heads, seq_len):
+    x = randn(n_heads, seq_len, seq_len + 4) + K.causal_mask(seq_len, 4)[None]
     y = K.softmax(x)
     np.testing.assert_allclose(y, K.softmax_ref(x), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(y.sum(-1), 1.0, rtol=1e-6)
@@ -85,8 +86,9 @@ def test_softmax_propagates_nan():
     assert np.isnan(K.softmax(x)).any()
 
 
-def test_silu_matches_twin():
-    x = randn(3, 50) * 10
+@pytest.mark.parametrize("shape", [(3, 50), (128, 1536)])          # serial, parallel
+def test_silu_matches_twin(shape):
+    x = randn(*shape) * 10
     np.testing.assert_allclose(K.silu(x), K.silu_ref(x), rtol=1e-6, atol=1e-7)
 
 
