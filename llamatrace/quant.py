@@ -488,28 +488,30 @@ def _gemv_q8(x, qs, d, out):
             _store_tile(acc, out, s, t)
 
 
-@njit(**_JIT_INLINE)
-def _tile_matmul(x, wt, out, t):
-    """out[s, t*TR + r] = sum_k x[s, k] * wt[k, r] for every row s; wt float32 [n_in, TR].
+CHUNK_BLOCKS = 8
+"""The tiled kernels dequantize a tile 8 blocks (256 inputs) at a time: a float32 [256, TR]
+chunk is 32 KiB and stays in L1/L2 while every row of x uses it (a whole 8B tile, up to
+14336 x TR floats, did not)."""
 
-    Rows of x go four at a time and k four at a time: each weight vector loaded from the tile
+
+@njit(**_JIT_INLINE)
+def _chunk_matmul(x, wt, k0, acc):
+    """acc[s, r] += sum_k x[s, k0 + k] * wt[k, r] for every row s; wt float32 [kc, TR], acc
+    float32 [n_seq, TR].
+
+    Rows of x go four at a time and k four at a time: each weight vector loaded from the chunk
     feeds four FMA chains (register blocking), and each accumulator is loaded and stored once
     per four k (Numba's arrays live in memory, not registers), so the loop is bound by FMAs.
     The sums run in k order, as a plain loop's would.
     """
-    n_seq, n_in = x.shape
+    n_seq = x.shape[0]
+    kc = wt.shape[0]
     n_quad = n_seq - n_seq % 4
-    k_quad = n_in - n_in % 4
-    a0 = np.empty(TR, np.float32)
-    a1 = np.empty(TR, np.float32)
-    a2 = np.empty(TR, np.float32)
-    a3 = np.empty(TR, np.float32)
+    k_quad = kc - kc % 4
     for s in range(0, n_quad, 4):
-        a0[:] = 0.0
-        a1[:] = 0.0
-        a2[:] = 0.0
-        a3[:] = 0.0
-        x0, x1, x2, x3 = x[s], x[s + 1], x[s + 2], x[s + 3]
+        a0, a1, a2, a3 = acc[s], acc[s + 1], acc[s + 2], acc[s + 3]
+        x0, x1 = x[s, k0:k0 + kc], x[s + 1, k0:k0 + kc]
+        x2, x3 = x[s + 2, k0:k0 + kc], x[s + 3, k0:k0 + kc]
         for k in range(0, k_quad, 4):
             w0, w1, w2, w3 = wt[k], wt[k + 1], wt[k + 2], wt[k + 3]
             p0, p1, p2, p3 = x0[k], x0[k + 1], x0[k + 2], x0[k + 3]
@@ -522,47 +524,48 @@ def _tile_matmul(x, wt, out, t):
                 a1[r] = a1[r] + q0 * c0 + q1 * c1 + q2 * c2 + q3 * c3
                 a2[r] = a2[r] + u0 * c0 + u1 * c1 + u2 * c2 + u3 * c3
                 a3[r] = a3[r] + v0 * c0 + v1 * c1 + v2 * c2 + v3 * c3
-        for k in range(k_quad, n_in):
+        for k in range(k_quad, kc):
             w = wt[k]
             for r in range(TR):
                 a0[r] += x0[k] * w[r]
                 a1[r] += x1[k] * w[r]
                 a2[r] += x2[k] * w[r]
                 a3[r] += x3[k] * w[r]
-        _store_tile(a0, out, s, t)
-        _store_tile(a1, out, s + 1, t)
-        _store_tile(a2, out, s + 2, t)
-        _store_tile(a3, out, s + 3, t)
     for s in range(n_quad, n_seq):
-        a0[:] = 0.0
-        xs = x[s]
+        a0 = acc[s]
+        xs = x[s, k0:k0 + kc]
         for k in range(0, k_quad, 4):
             w0, w1, w2, w3 = wt[k], wt[k + 1], wt[k + 2], wt[k + 3]
             p0, p1, p2, p3 = xs[k], xs[k + 1], xs[k + 2], xs[k + 3]
             for r in range(TR):
                 a0[r] = a0[r] + p0 * w0[r] + p1 * w1[r] + p2 * w2[r] + p3 * w3[r]
-        for k in range(k_quad, n_in):
+        for k in range(k_quad, kc):
             w = wt[k]
             for r in range(TR):
                 a0[r] += xs[k] * w[r]
-        _store_tile(a0, out, s, t)
 
 
 @njit(**_JIT_INLINE)
-def _dequant_tile_q4(qs, d, m, m_scale, t, wt):
-    """Tile t of Q4_0 / Q4_1 -> wt float32 [B*32, TR], weight d*q + m_scale*m.
+def _store_rows(acc, out, t):
+    for s in range(acc.shape[0]):
+        _store_tile(acc[s], out, s, t)
+
+
+@njit(**_JIT_INLINE)
+def _dequant_blocks_q4(qs, d, m, m_scale, t, b0, n, wt):
+    """Blocks b0 .. b0+n-1 of tile t of Q4_0 / Q4_1 -> wt float32 [n*32, TR], weight
+    d*q + m_scale*m.
 
     Bit-exact with gguf-py: d*q and m_scale*m are exact in float32 (11-bit scales times
     4-bit integers), so the one rounding of their sum matches d*q + m and d*(q - 8).
     """
-    n_blocks = qs.shape[1]
-    for b in range(n_blocks):
-        q = qs[t, b]
-        db = d[t, b]
-        mb = m[t, b]
+    for i in range(n):
+        q = qs[t, b0 + i]
+        db = d[t, b0 + i]
+        mb = m[t, b0 + i]
         for j in range(16):
-            lo_row = wt[b * 32 + j]
-            hi_row = wt[b * 32 + 16 + j]
+            lo_row = wt[i * 32 + j]
+            hi_row = wt[i * 32 + 16 + j]
             for r in range(TR):
                 qf = np.float32(q[j, r])
                 hi = np.floor(qf * np.float32(0.0625))
@@ -572,78 +575,91 @@ def _dequant_tile_q4(qs, d, m, m_scale, t, wt):
 
 
 @njit(**_JIT_INLINE)
-def _dequant_tile_q8(qs, d, t, wt):
-    """Tile t of Q8_0 -> wt float32 [B*32, TR]."""
-    n_blocks = qs.shape[1]
-    for b in range(n_blocks):
-        q = qs[t, b]
-        db = d[t, b]
+def _dequant_blocks_q8(qs, d, t, b0, n, wt):
+    """Blocks b0 .. b0+n-1 of tile t of Q8_0 -> wt float32 [n*32, TR]."""
+    for i in range(n):
+        q = qs[t, b0 + i]
+        db = d[t, b0 + i]
         for j in range(32):
-            row = wt[b * 32 + j]
+            row = wt[i * 32 + j]
             for r in range(TR):
                 row[r] = db[r] * np.float32(q[j, r])
 
 
 @njit(**_JIT_INLINE)
-def _dequant_tile_u16(qs, table, t, wt):
-    """Tile t of F16 / BF16 bits [T, n_in, TR] -> wt float32 [n_in, TR] through ``table``."""
-    n_in = qs.shape[1]
-    for k in range(n_in):
+def _dequant_rows_u16(qs, table, t, k0, n, wt):
+    """Inputs k0 .. k0+n-1 of tile t of F16 / BF16 bits [T, n_in, TR] -> wt float32 [n, TR]
+    through ``table``."""
+    for k in range(n):
         for r in range(TR):
-            wt[k, r] = table[qs[t, k, r]]
+            wt[k, r] = table[qs[t, k0 + k, r]]
 
 
 @njit(**_JIT_PARALLEL)
 def _tiled_q4(x, qs, d, m, m_scale, out):
-    """Q4_0 / Q4_1 matmul for many rows: each tile is dequantized once into a float32
-    [n_in, TR] scratch, then reused by every row of x. Shapes as in :func:`_gemv_q4`."""
-    n_tiles, n_in = qs.shape[0], x.shape[1]
+    """Q4_0 / Q4_1 matmul for many rows: each tile is dequantized a chunk at a time into a
+    float32 scratch, which every row of x then uses. Shapes as in :func:`_gemv_q4`."""
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     for t in prange(n_tiles):
-        wt = np.empty((n_in, TR), np.float32)
-        _dequant_tile_q4(qs, d, m, m_scale, t, wt)
-        _tile_matmul(x, wt, out, t)
+        wt = np.empty((CHUNK_BLOCKS * QK, TR), np.float32)
+        acc = np.zeros((x.shape[0], TR), np.float32)
+        for b0 in range(0, n_blocks, CHUNK_BLOCKS):
+            n = min(CHUNK_BLOCKS, n_blocks - b0)
+            _dequant_blocks_q4(qs, d, m, m_scale, t, b0, n, wt)
+            _chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
+        _store_rows(acc, out, t)
 
 
 @njit(**_JIT_PARALLEL)
 def _tiled_q8(x, qs, d, out):
-    """Q8_0 matmul for many rows (tile dequantized once, reused by every row)."""
-    n_tiles, n_in = qs.shape[0], x.shape[1]
+    """Q8_0 matmul for many rows (as :func:`_tiled_q4`)."""
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     for t in prange(n_tiles):
-        wt = np.empty((n_in, TR), np.float32)
-        _dequant_tile_q8(qs, d, t, wt)
-        _tile_matmul(x, wt, out, t)
+        wt = np.empty((CHUNK_BLOCKS * QK, TR), np.float32)
+        acc = np.zeros((x.shape[0], TR), np.float32)
+        for b0 in range(0, n_blocks, CHUNK_BLOCKS):
+            n = min(CHUNK_BLOCKS, n_blocks - b0)
+            _dequant_blocks_q8(qs, d, t, b0, n, wt)
+            _chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
+        _store_rows(acc, out, t)
 
 
 @njit(**_JIT_PARALLEL)
 def _tiled_u16(x, qs, table, out):
     """F16 / BF16 matmul: qs uint16 [T, n_in, TR], table float32 [65536]."""
     n_tiles, n_in = qs.shape[0], x.shape[1]
+    kc = CHUNK_BLOCKS * QK
     for t in prange(n_tiles):
-        wt = np.empty((n_in, TR), np.float32)
-        _dequant_tile_u16(qs, table, t, wt)
-        _tile_matmul(x, wt, out, t)
+        wt = np.empty((kc, TR), np.float32)
+        acc = np.zeros((x.shape[0], TR), np.float32)
+        for k0 in range(0, n_in, kc):
+            n = min(kc, n_in - k0)
+            _dequant_rows_u16(qs, table, t, k0, n, wt)
+            _chunk_matmul(x, wt[:n], k0, acc)
+        _store_rows(acc, out, t)
 
 
 @njit(**_JIT_PARALLEL)
 def _tiled_f32(x, qs, out):
     """F32 matmul: qs float32 [T, n_in, TR] is already a stack of tiles."""
     for t in prange(qs.shape[0]):
-        _tile_matmul(x, qs[t], out, t)
+        acc = np.zeros((x.shape[0], TR), np.float32)
+        _chunk_matmul(x, qs[t], 0, acc)
+        _store_rows(acc, out, t)
 
 
 @njit(**_JIT)
 def _dequant_tile(qs, d, m, kind, t):
     """Numba tile dequantizer as one entry point for tests: kind 0 Q4_0, 1 Q4_1, 2 Q8_0.
     Returns float32 [n_in, TR]."""
+    n_blocks = qs.shape[1]
+    wt = np.empty((n_blocks * 32, TR), np.float32)
     if kind == 2:
-        wt = np.empty((qs.shape[1] * 32, TR), np.float32)
-        _dequant_tile_q8(qs, d, t, wt)
+        _dequant_blocks_q8(qs, d, t, 0, n_blocks, wt)
+    elif kind == 1:
+        _dequant_blocks_q4(qs, d, m, np.float32(1.0), t, 0, n_blocks, wt)
     else:
-        wt = np.empty((qs.shape[1] * 32, TR), np.float32)
-        if kind == 1:
-            _dequant_tile_q4(qs, d, m, np.float32(1.0), t, wt)
-        else:
-            _dequant_tile_q4(qs, d, d, np.float32(-8.0), t, wt)
+        _dequant_blocks_q4(qs, d, d, np.float32(-8.0), t, 0, n_blocks, wt)
     return wt
 
 
