@@ -87,11 +87,10 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
     cache = model.new_cache(ctx_size)
     stats.prompt_tokens, stats.ctx_size = n_prompt, ctx_size
 
-    threads = quant.AUTO_THREADS.pick("prefill")
+    quant.AUTO_THREADS.best("decode")      # one long call: not one to spend on a slower count
     t0 = time.perf_counter()
     logits = model.forward(np.asarray(prompt_ids), 0, cache, recorder=recorder)[-1]
     stats.prefill_s = time.perf_counter() - t0
-    quant.AUTO_THREADS.record("prefill", threads, stats.prefill_s / n_prompt)
     stats.last_logits = logits
     while True:
         token = sampler(logits)

@@ -777,9 +777,10 @@ class AutoThreads:
 
     With every core free, all of them are fastest. When another process keeps a core busy, a
     parallel region waits for its slowest thread, which then shares a core (a scheduler time
-    slice is ~3 ms, a region ~40 µs), and one thread beats two. So each kind of call (prefill,
-    decode) keeps a moving average of seconds per token for each candidate count (all cores,
-    one fewer, one), uses the fastest, and retries another every ``explore`` calls.
+    slice is ~3 ms, a region ~40 µs), and one thread beats two. So each kind of call (decode)
+    keeps a moving average of seconds per token for each candidate count (all cores, one fewer,
+    one), uses the fastest, and retries another every ``explore`` calls. A prefill is one long
+    call, too costly to spend on a slower count: it takes decode's fastest (:meth:`best`).
     """
 
     def __init__(self, explore: int = 16) -> None:
@@ -802,6 +803,16 @@ class AutoThreads:
             best = min(self.candidates, key=lambda c: self._avg[kind, c])
             others = [c for c in self.candidates if c != best]
             n = others[(calls // self.explore) % len(others)] if others and calls % self.explore == 0 else best
+        numba.set_num_threads(n)
+        return n
+
+    def best(self, kind: str) -> int:
+        """The fastest count measured so far for ``kind`` (all cores before any measurement; the
+        fixed one if any), set without exploring."""
+        if _fixed_threads is not None:
+            return _fixed_threads
+        known = [c for c in self.candidates if (kind, c) in self._avg]
+        n = min(known, key=lambda c: self._avg[kind, c]) if known else self.candidates[0]
         numba.set_num_threads(n)
         return n
 

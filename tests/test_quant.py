@@ -228,7 +228,9 @@ def test_auto_threads_follows_the_faster_count_and_keeps_checking(monkeypatch):
         picks.append(n)
         auto.record("decode", n, seconds[n])
     assert picks[-20:].count(1) >= 18
-    assert auto.pick("prefill") == 2            # each kind of call learns on its own
+    assert auto.best("decode") == 1             # what a prefill uses, without exploring
+    assert quant.AutoThreads().best("decode") == 2  # nothing measured yet: all cores
+    assert auto.pick("other") == 2              # each kind of call learns on its own
 
 
 def test_fixed_threads_are_not_overridden(monkeypatch):
