@@ -45,9 +45,11 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
+from llamatrace import tiles
+
 _T = gguf.GGMLQuantizationType
 
-TR = 32
+TR = tiles.TR
 """Rows per tile (the same as :data:`llamatrace.quant.TR`)."""
 
 KQUANT_TYPES = (_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.Q5_0, _T.Q5_1)
@@ -315,90 +317,37 @@ def gemv(kind, x, qs, d, m, out):
     """A few rows: out[s] = x[s] @ W.T. x float32 [S, B*QKB]; qs uint8 [T, B, P, TR]; d, m
     float32 [T, B, TR]; out float32 [S, n_out]. One parallel region over tiles; each block is
     dequantized once into an L1-sized scratch and used by every row of x."""
-    n_seq = x.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    n_out = out.shape[1]
     qkb = 32 if kind >= 5 else 256
     for t in prange(n_tiles):
         wt = np.empty((qkb, TR), np.float32)
         ds = np.empty(TR, np.float32)
         dm = np.empty(TR, np.float32)
-        acc = np.zeros((n_seq, TR), np.float32)
+        acc = np.zeros((x.shape[0], TR), np.float32)
         for b in range(n_blocks):
             _deq_block(kind, qs, d, m, t, b, wt, ds, dm)
-            for s in range(n_seq):
-                xb = x[s, b * qkb:(b + 1) * qkb]
-                a = acc[s]
-                for k in range(qkb):
-                    v = xb[k]
-                    w = wt[k]
-                    for r in range(TR):
-                        a[r] += v * w[r]
-        base = t * TR
-        n = min(TR, n_out - base)
-        for s in range(n_seq):
-            for r in range(n):
-                out[s, base + r] = acc[s, r]
-
-
-@njit(**_JIT_INLINE)
-def _tile_matmul(x, wt, out, t):
-    """out[s, t*TR + r] = sum_k x[s, k] * wt[k, r]; rows of x four at a time (register blocking)."""
-    n_seq, n_in = x.shape
-    n_out = out.shape[1]
-    base = t * TR
-    n = min(TR, n_out - base)
-    n_quad = n_seq - n_seq % 4
-    a0 = np.empty(TR, np.float32)
-    a1 = np.empty(TR, np.float32)
-    a2 = np.empty(TR, np.float32)
-    a3 = np.empty(TR, np.float32)
-    for s in range(0, n_quad, 4):
-        a0[:] = 0.0
-        a1[:] = 0.0
-        a2[:] = 0.0
-        a3[:] = 0.0
-        x0, x1, x2, x3 = x[s], x[s + 1], x[s + 2], x[s + 3]
-        for k in range(n_in):
-            w = wt[k]
-            v0, v1, v2, v3 = x0[k], x1[k], x2[k], x3[k]
-            for r in range(TR):
-                wr = w[r]
-                a0[r] += v0 * wr
-                a1[r] += v1 * wr
-                a2[r] += v2 * wr
-                a3[r] += v3 * wr
-        for r in range(n):
-            out[s, base + r] = a0[r]
-            out[s + 1, base + r] = a1[r]
-            out[s + 2, base + r] = a2[r]
-            out[s + 3, base + r] = a3[r]
-    for s in range(n_quad, n_seq):
-        a0[:] = 0.0
-        xs = x[s]
-        for k in range(n_in):
-            w = wt[k]
-            v = xs[k]
-            for r in range(TR):
-                a0[r] += v * w[r]
-        for r in range(n):
-            out[s, base + r] = a0[r]
+            tiles.chunk_matmul(x, wt, b * qkb, acc)
+        tiles.store_rows(acc, out, t)
 
 
 @njit(**_JIT_PARALLEL)
 def tiled(kind, x, qs, d, m, out):
-    """Many rows: each tile dequantized once into float32 [n_in, TR], reused by every row of x.
-    Shapes as in :func:`gemv`."""
+    """Many rows: each tile is dequantized a chunk (256 inputs) at a time into a float32
+    scratch, which every row of x then uses. Shapes as in :func:`gemv`."""
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    n_in = x.shape[1]
     qkb = 32 if kind >= 5 else 256
+    per_chunk = tiles.CHUNK // qkb
     for t in prange(n_tiles):
-        wt = np.empty((n_in, TR), np.float32)
+        wt = np.empty((tiles.CHUNK, TR), np.float32)
         ds = np.empty(TR, np.float32)
         dm = np.empty(TR, np.float32)
-        for b in range(n_blocks):
-            _deq_block(kind, qs, d, m, t, b, wt[b * qkb:(b + 1) * qkb], ds, dm)
-        _tile_matmul(x, wt, out, t)
+        acc = np.zeros((x.shape[0], TR), np.float32)
+        for b0 in range(0, n_blocks, per_chunk):
+            n = min(per_chunk, n_blocks - b0)
+            for i in range(n):
+                _deq_block(kind, qs, d, m, t, b0 + i, wt[i * qkb:(i + 1) * qkb], ds, dm)
+            tiles.chunk_matmul(x, wt[:n * qkb], b0 * qkb, acc)
+        tiles.store_rows(acc, out, t)
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from llamatrace import kquants
+from llamatrace import kquants, tiles
 from llamatrace.errors import OptionError, UnsupportedModelError
 
 _T = gguf.GGMLQuantizationType
@@ -56,7 +56,7 @@ SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
     {_T.F32, _T.F16, _T.BF16, _T.Q8_0, _T.Q4_0, _T.Q4_1, *kquants.KQUANT_TYPES}
 )
 
-TR = 32
+TR = tiles.TR
 """Rows per tile: the vector width of the inner loops (2 zmm registers of float32)."""
 
 QK = 32
@@ -416,16 +416,6 @@ def _i8_block_dot(q, r, x):
             + (_i8_chain8(q, r, x, 16) + _i8_chain8(q, r, x, 24)))
 
 
-@njit(**_JIT_INLINE)
-def _store_tile(acc, out, s, t):
-    """out[s, t*TR + r] = acc[r] for the rows that exist (the last tile may be padded)."""
-    n_out = out.shape[1]
-    base = t * TR
-    n = min(TR, n_out - base)
-    for r in range(n):
-        out[s, base + r] = acc[r]
-
-
 @njit(**_JIT_PARALLEL)
 def _gemv_q4(x, qs, d, m, m_scale, out):
     """Q4_0 / Q4_1 GEMV for a few rows: out[s] = x[s] @ W.T.
@@ -466,7 +456,7 @@ def _gemv_q4(x, qs, d, m, m_scale, out):
                     half[r] = _q4_half_dot(q, r, xlb, xcb, 0)
                 for r in range(TR):
                     acc[r] += db[r] * (half[r] + _q4_half_dot(q, r, xlb, xcb, 8)) + mb[r] * xsb
-            _store_tile(acc, out, s, t)
+            tiles.store_tile(acc, out, s, t)
 
 
 @njit(**_JIT_PARALLEL)
@@ -485,70 +475,7 @@ def _gemv_q8(x, qs, d, out):
                 xb = x[s, b * 32:b * 32 + 32]
                 for r in range(TR):
                     acc[r] += db[r] * _i8_block_dot(q, r, xb)
-            _store_tile(acc, out, s, t)
-
-
-CHUNK_BLOCKS = 8
-"""The tiled kernels dequantize a tile 8 blocks (256 inputs) at a time: a float32 [256, TR]
-chunk is 32 KiB and stays in L1/L2 while every row of x uses it (a whole 8B tile, up to
-14336 x TR floats, did not)."""
-
-
-@njit(**_JIT_INLINE)
-def _chunk_matmul(x, wt, k0, acc):
-    """acc[s, r] += sum_k x[s, k0 + k] * wt[k, r] for every row s; wt float32 [kc, TR], acc
-    float32 [n_seq, TR].
-
-    Rows of x go four at a time and k four at a time: each weight vector loaded from the chunk
-    feeds four FMA chains (register blocking), and each accumulator is loaded and stored once
-    per four k (Numba's arrays live in memory, not registers), so the loop is bound by FMAs.
-    The sums run in k order, as a plain loop's would.
-    """
-    n_seq = x.shape[0]
-    kc = wt.shape[0]
-    n_quad = n_seq - n_seq % 4
-    k_quad = kc - kc % 4
-    for s in range(0, n_quad, 4):
-        a0, a1, a2, a3 = acc[s], acc[s + 1], acc[s + 2], acc[s + 3]
-        x0, x1 = x[s, k0:k0 + kc], x[s + 1, k0:k0 + kc]
-        x2, x3 = x[s + 2, k0:k0 + kc], x[s + 3, k0:k0 + kc]
-        for k in range(0, k_quad, 4):
-            w0, w1, w2, w3 = wt[k], wt[k + 1], wt[k + 2], wt[k + 3]
-            p0, p1, p2, p3 = x0[k], x0[k + 1], x0[k + 2], x0[k + 3]
-            q0, q1, q2, q3 = x1[k], x1[k + 1], x1[k + 2], x1[k + 3]
-            u0, u1, u2, u3 = x2[k], x2[k + 1], x2[k + 2], x2[k + 3]
-            v0, v1, v2, v3 = x3[k], x3[k + 1], x3[k + 2], x3[k + 3]
-            for r in range(TR):
-                c0, c1, c2, c3 = w0[r], w1[r], w2[r], w3[r]
-                a0[r] = a0[r] + p0 * c0 + p1 * c1 + p2 * c2 + p3 * c3
-                a1[r] = a1[r] + q0 * c0 + q1 * c1 + q2 * c2 + q3 * c3
-                a2[r] = a2[r] + u0 * c0 + u1 * c1 + u2 * c2 + u3 * c3
-                a3[r] = a3[r] + v0 * c0 + v1 * c1 + v2 * c2 + v3 * c3
-        for k in range(k_quad, kc):
-            w = wt[k]
-            for r in range(TR):
-                a0[r] += x0[k] * w[r]
-                a1[r] += x1[k] * w[r]
-                a2[r] += x2[k] * w[r]
-                a3[r] += x3[k] * w[r]
-    for s in range(n_quad, n_seq):
-        a0 = acc[s]
-        xs = x[s, k0:k0 + kc]
-        for k in range(0, k_quad, 4):
-            w0, w1, w2, w3 = wt[k], wt[k + 1], wt[k + 2], wt[k + 3]
-            p0, p1, p2, p3 = xs[k], xs[k + 1], xs[k + 2], xs[k + 3]
-            for r in range(TR):
-                a0[r] = a0[r] + p0 * w0[r] + p1 * w1[r] + p2 * w2[r] + p3 * w3[r]
-        for k in range(k_quad, kc):
-            w = wt[k]
-            for r in range(TR):
-                a0[r] += xs[k] * w[r]
-
-
-@njit(**_JIT_INLINE)
-def _store_rows(acc, out, t):
-    for s in range(acc.shape[0]):
-        _store_tile(acc[s], out, s, t)
+            tiles.store_tile(acc, out, s, t)
 
 
 @njit(**_JIT_INLINE)
@@ -601,13 +528,13 @@ def _tiled_q4(x, qs, d, m, m_scale, out):
     float32 scratch, which every row of x then uses. Shapes as in :func:`_gemv_q4`."""
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     for t in prange(n_tiles):
-        wt = np.empty((CHUNK_BLOCKS * QK, TR), np.float32)
+        wt = np.empty((tiles.CHUNK, TR), np.float32)
         acc = np.zeros((x.shape[0], TR), np.float32)
-        for b0 in range(0, n_blocks, CHUNK_BLOCKS):
-            n = min(CHUNK_BLOCKS, n_blocks - b0)
+        for b0 in range(0, n_blocks, tiles.CHUNK // QK):
+            n = min(tiles.CHUNK // QK, n_blocks - b0)
             _dequant_blocks_q4(qs, d, m, m_scale, t, b0, n, wt)
-            _chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
-        _store_rows(acc, out, t)
+            tiles.chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
+        tiles.store_rows(acc, out, t)
 
 
 @njit(**_JIT_PARALLEL)
@@ -615,28 +542,28 @@ def _tiled_q8(x, qs, d, out):
     """Q8_0 matmul for many rows (as :func:`_tiled_q4`)."""
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     for t in prange(n_tiles):
-        wt = np.empty((CHUNK_BLOCKS * QK, TR), np.float32)
+        wt = np.empty((tiles.CHUNK, TR), np.float32)
         acc = np.zeros((x.shape[0], TR), np.float32)
-        for b0 in range(0, n_blocks, CHUNK_BLOCKS):
-            n = min(CHUNK_BLOCKS, n_blocks - b0)
+        for b0 in range(0, n_blocks, tiles.CHUNK // QK):
+            n = min(tiles.CHUNK // QK, n_blocks - b0)
             _dequant_blocks_q8(qs, d, t, b0, n, wt)
-            _chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
-        _store_rows(acc, out, t)
+            tiles.chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
+        tiles.store_rows(acc, out, t)
 
 
 @njit(**_JIT_PARALLEL)
 def _tiled_u16(x, qs, table, out):
     """F16 / BF16 matmul: qs uint16 [T, n_in, TR], table float32 [65536]."""
     n_tiles, n_in = qs.shape[0], x.shape[1]
-    kc = CHUNK_BLOCKS * QK
+    kc = tiles.CHUNK
     for t in prange(n_tiles):
         wt = np.empty((kc, TR), np.float32)
         acc = np.zeros((x.shape[0], TR), np.float32)
         for k0 in range(0, n_in, kc):
             n = min(kc, n_in - k0)
             _dequant_rows_u16(qs, table, t, k0, n, wt)
-            _chunk_matmul(x, wt[:n], k0, acc)
-        _store_rows(acc, out, t)
+            tiles.chunk_matmul(x, wt[:n], k0, acc)
+        tiles.store_rows(acc, out, t)
 
 
 @njit(**_JIT_PARALLEL)
@@ -644,8 +571,8 @@ def _tiled_f32(x, qs, out):
     """F32 matmul: qs float32 [T, n_in, TR] is already a stack of tiles."""
     for t in prange(qs.shape[0]):
         acc = np.zeros((x.shape[0], TR), np.float32)
-        _chunk_matmul(x, qs[t], 0, acc)
-        _store_rows(acc, out, t)
+        tiles.chunk_matmul(x, qs[t], 0, acc)
+        tiles.store_rows(acc, out, t)
 
 
 @njit(**_JIT)
