@@ -381,14 +381,6 @@ def _q5_bits8(q, r, xh, i):
     return a
 
 
-@njit(**_JIT_INLINE)
-def _q5_block_dot(q, r, xl, xc, xh):
-    """x . q5 for column r of one packed block q uint8 [20, TR] (qh[4] then qs[16])."""
-    lo = _q5_nibbles8(q, r, xl, xc, 0) + _q5_nibbles8(q, r, xl, xc, 8)
-    hb = (_q5_bits8(q, r, xh, 0) + _q5_bits8(q, r, xh, 1)) + (_q5_bits8(q, r, xh, 2) + _q5_bits8(q, r, xh, 3))
-    return lo + np.float32(16.0) * hb
-
-
 @njit(**_JIT_PARALLEL)
 def gemv_q5(x, qs, d, m, m_scale, out):
     """Q5_0 / Q5_1 GEMV for a few rows: weight d*q + m_scale*m (Q5_1: (m, 1); Q5_0: (d, -16)).
@@ -410,6 +402,8 @@ def gemv_q5(x, qs, d, m, m_scale, out):
             xsum[s, b] *= m_scale
     for t in prange(n_tiles):
         acc = np.empty(TR, np.float32)
+        part = np.empty(TR, np.float32)
+        hb = np.empty(TR, np.float32)
         base = t * TR
         n = min(TR, n_out - base)
         for s in range(n_seq):
@@ -422,8 +416,17 @@ def gemv_q5(x, qs, d, m, m_scale, out):
                 xcb = xc[s, b]
                 xhb = x[s, b * 32:b * 32 + 32]
                 xsb = xsum[s, b]
+                # x . q5 = lo + 16 * hb in four passes over the TR rows, each with at most 16
+                # broadcast activations live (one pass over the whole block spilled them)
                 for r in range(TR):
-                    acc[r] += db[r] * _q5_block_dot(q, r, xlb, xcb, xhb) + mb[r] * xsb
+                    part[r] = _q5_nibbles8(q, r, xlb, xcb, 0)
+                for r in range(TR):
+                    part[r] += _q5_nibbles8(q, r, xlb, xcb, 8)
+                for r in range(TR):
+                    hb[r] = _q5_bits8(q, r, xhb, 0) + _q5_bits8(q, r, xhb, 1)
+                for r in range(TR):
+                    hb_r = hb[r] + (_q5_bits8(q, r, xhb, 2) + _q5_bits8(q, r, xhb, 3))
+                    acc[r] += db[r] * (part[r] + np.float32(16.0) * hb_r) + mb[r] * xsb
             for r in range(n):
                 out[s, base + r] = acc[r]
 
