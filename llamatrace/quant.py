@@ -706,16 +706,26 @@ class AutoThreads:
     parallel region waits for its slowest thread, which then shares a core (a scheduler time
     slice is ~3 ms, a region ~40 µs), and one thread beats two. So each kind of call (decode)
     keeps a moving average of seconds per token for each candidate count (all cores, one fewer,
-    one), uses the fastest, and retries another every ``explore`` calls. A prefill is one long
-    call, too costly to spend on a slower count: it takes decode's fastest (:meth:`best`).
+    one) and uses the fastest. It retries another count after ``explore`` calls, then after
+    twice as many each time the fastest stays the same (up to ``max_interval``; a retry of a
+    slower count costs one slow token), and again after ``explore`` once the fastest changes.
+    A prefill is one long call, too costly to spend on a slower count: it takes decode's
+    fastest (:meth:`best`).
     """
 
-    def __init__(self, explore: int = 16) -> None:
+    def __init__(self, explore: int = 16, max_interval: int = 256) -> None:
         limit = numba.config.NUMBA_NUM_THREADS
         self.candidates = sorted({limit, max(1, limit - 1), 1}, reverse=True)
         self.explore = explore
+        self.max_interval = max_interval
         self._avg: dict[tuple[str, int], float] = {}
         self._calls: dict[str, int] = {}
+        self._interval: dict[str, int] = {}
+        self._next: dict[str, int] = {}
+        self._retries: dict[str, int] = {}
+
+    def _fastest(self, kind: str) -> int:
+        return min(self.candidates, key=lambda c: self._avg[kind, c])
 
     def pick(self, kind: str) -> int:
         """The thread count for the next call of ``kind`` (and sets it); the fixed one if any."""
@@ -727,9 +737,15 @@ class AutoThreads:
         if untried:
             n = untried[0]
         else:
-            best = min(self.candidates, key=lambda c: self._avg[kind, c])
-            others = [c for c in self.candidates if c != best]
-            n = others[(calls // self.explore) % len(others)] if others and calls % self.explore == 0 else best
+            n = self._fastest(kind)
+            interval = self._interval.setdefault(kind, self.explore)
+            if len(self.candidates) > 1 and calls >= self._next.setdefault(kind, calls + interval):
+                others = [c for c in self.candidates if c != n]
+                retries = self._retries.get(kind, 0)
+                n = others[retries % len(others)]
+                self._retries[kind] = retries + 1
+                self._interval[kind] = min(2 * interval, self.max_interval)
+                self._next[kind] = calls + self._interval[kind]
         numba.set_num_threads(n)
         return n
 
@@ -744,9 +760,16 @@ class AutoThreads:
         return n
 
     def record(self, kind: str, n: int, seconds_per_token: float) -> None:
+        """Add one measurement of ``n`` threads for ``kind``; a new fastest count restarts the
+        retries at every ``explore`` calls."""
         key = (kind, n)
         old = self._avg.get(key)
+        tried = all((kind, c) in self._avg for c in self.candidates)
+        before = self._fastest(kind) if tried else None
         self._avg[key] = seconds_per_token if old is None else 0.7 * old + 0.3 * seconds_per_token
+        if tried and self._fastest(kind) != before:
+            self._interval[kind] = self.explore
+            self._next[kind] = self._calls.get(kind, 0) + self.explore
 
 
 AUTO_THREADS = AutoThreads()

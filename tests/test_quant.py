@@ -229,6 +229,16 @@ def test_auto_threads_follows_the_faster_count_and_keeps_checking(monkeypatch):
         auto.record("decode", n, seconds[n])
     assert picks[-20:].count(1) >= 18
     assert auto.best("decode") == 1             # what a prefill uses, without exploring
+    seconds = {2: 1.0, 1: 2.0}                  # the core is free again: retries find it
+    picks = []
+    for _ in range(300):
+        n = auto.pick("decode")
+        picks.append(n)
+        auto.record("decode", n, seconds[n])
+    assert picks[-100:].count(2) >= 98
+    retries = [i for i, n in enumerate(picks) if n == 1 and i > 0 and picks[i - 1] == 2]
+    gaps = np.diff(retries)[1:]                 # the first spans the switch back to two threads
+    assert len(gaps) >= 3 and (np.diff(gaps) > 0).all() and gaps[-1] >= 4 * gaps[0]   # retries back off
     assert quant.AutoThreads().best("decode") == 2  # nothing measured yet: all cores
     assert auto.pick("other") == 2              # each kind of call learns on its own
 
