@@ -467,16 +467,6 @@ def _q4k_chain8(q, r, off, xlo, xhi, l0):
     return a, c
 
 
-@njit(**_JIT_INLINE)
-def _q4k_chunk_dots(q, r, off, xlo, xhi):
-    """(x_lo . lo, x_hi . hi) for the 32 bytes q[off:off+32, r]: four independent chains."""
-    a0, c0 = _q4k_chain8(q, r, off, xlo, xhi, 0)
-    a1, c1 = _q4k_chain8(q, r, off, xlo, xhi, 8)
-    a2, c2 = _q4k_chain8(q, r, off, xlo, xhi, 16)
-    a3, c3 = _q4k_chain8(q, r, off, xlo, xhi, 24)
-    return (a0 + a1) + (a2 + a3), (c0 + c1) + (c2 + c3)
-
-
 @njit(**_JIT_PARALLEL)
 def gemv_q4k(x, qs, d, m, out):
     """Q4_K GEMV for a few rows; shapes as in :func:`gemv` (m = dmin). Twin :func:`matmul_np`."""
@@ -491,6 +481,10 @@ def gemv_q4k(x, qs, d, m, out):
                     xsum[s, b, sub] += x[s, b * 256 + sub * 32 + l]
     for t in prange(n_tiles):
         acc = np.empty(TR, np.float32)
+        lo01 = np.empty(TR, np.float32)
+        hi01 = np.empty(TR, np.float32)
+        lo2 = np.empty(TR, np.float32)
+        hi2 = np.empty(TR, np.float32)
         base = t * TR
         n = min(TR, n_out - base)
         for s in range(n_seq):
@@ -503,8 +497,21 @@ def gemv_q4k(x, qs, d, m, out):
                 for j in range(4):
                     xlo = x[s, b * 256 + 64 * j:b * 256 + 64 * j + 32]
                     xhi = x[s, b * 256 + 64 * j + 32:b * 256 + 64 * j + 64]
+                    off = 16 + 32 * j
+                    # four passes over the TR rows, 16 broadcast activations live in each
+                    # (one pass over all 32 bytes spilled them); sums (a0 + a1) + (a2 + a3)
                     for r in range(TR):
-                        lo, hi = _q4k_chunk_dots(q, r, 16 + 32 * j, xlo, xhi)
+                        lo01[r], hi01[r] = _q4k_chain8(q, r, off, xlo, xhi, 0)
+                    for r in range(TR):
+                        a1, c1 = _q4k_chain8(q, r, off, xlo, xhi, 8)
+                        lo01[r] += a1
+                        hi01[r] += c1
+                    for r in range(TR):
+                        lo2[r], hi2[r] = _q4k_chain8(q, r, off, xlo, xhi, 16)
+                    for r in range(TR):
+                        a3, c3 = _q4k_chain8(q, r, off, xlo, xhi, 24)
+                        lo = lo01[r] + (lo2[r] + a3)
+                        hi = hi01[r] + (hi2[r] + c3)
                         acc[r] += (db[r] * np.float32(q[2 * j, r])) * lo \
                             + (db[r] * np.float32(q[2 * j + 1, r])) * hi \
                             - (mb[r] * np.float32(q[8 + 2 * j, r])) * xs[2 * j] \

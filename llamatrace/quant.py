@@ -410,10 +410,10 @@ def _i8_chain8(q, r, x, j):
 
 
 @njit(**_JIT_INLINE)
-def _i8_block_dot(q, r, x):
-    """sum_j x[j] * q[j, r] for one Q8_0 block q int8 [32, TR], x [32]: four 8-FMA chains."""
-    return ((_i8_chain8(q, r, x, 0) + _i8_chain8(q, r, x, 8))
-            + (_i8_chain8(q, r, x, 16) + _i8_chain8(q, r, x, 24)))
+def _i8_half_dot(q, r, x, j):
+    """sum over j..j+15 of x[j] * q[j, r] for one Q8_0 block q int8 [32, TR]: two 8-FMA chains
+    (a block in two halves, as in :func:`_q4_half_dot`)."""
+    return _i8_chain8(q, r, x, j) + _i8_chain8(q, r, x, j + 8)
 
 
 @njit(**_JIT_PARALLEL)
@@ -467,6 +467,7 @@ def _gemv_q8(x, qs, d, out):
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     for t in prange(n_tiles):
         acc = np.empty(TR, np.float32)
+        half = np.empty(TR, np.float32)
         for s in range(n_seq):
             acc[:] = 0.0
             for b in range(n_blocks):
@@ -474,7 +475,9 @@ def _gemv_q8(x, qs, d, out):
                 db = d[t, b]
                 xb = x[s, b * 32:b * 32 + 32]
                 for r in range(TR):
-                    acc[r] += db[r] * _i8_block_dot(q, r, xb)
+                    half[r] = _i8_half_dot(q, r, xb, 0)
+                for r in range(TR):
+                    acc[r] += db[r] * (half[r] + _i8_half_dot(q, r, xb, 16))
             tiles.store_tile(acc, out, s, t)
 
 
