@@ -518,3 +518,95 @@ def gemv_q4k(x, qs, d, m, out):
                             - (mb[r] * np.float32(q[9 + 2 * j, r])) * xs[2 * j + 1]
             for r in range(n):
                 out[s, base + r] = acc[r]
+
+
+# --------------------------------------------------------------------------------------------
+# Q6_K GEMV without a scratch. In each half (128 weights) of a super-block, element
+# 128h + 32c + l takes its low 4 bits from a nibble of ql (byte 64h + l for c = 0, 2, byte
+# 64h + 32 + l for c = 1, 3; the high nibble for c >= 2) and its 2 high bits from bits 2c, 2c+1
+# of qh byte 32h + l; q6 - 32 times the int8 scale of its 16 weights, times d. Per half and
+# group of 16 l (four scales), S_c = sum_l x_c[l] * q6_c[l] is gathered over the TR rows in eight
+# passes of two l, then the scales and the -32 enter once.
+
+
+@njit(**_JIT_INLINE)
+def _q6k_l2(q, r, h, l0, x0, x1, x2, x3):
+    """(S_0, S_1, S_2, S_3) over l0 and l0 + 1 of half h, column r; bits split in float
+    arithmetic. (Four l at a time spilled registers and ran at half the speed.)"""
+    s0 = np.float32(0.0)
+    s1 = np.float32(0.0)
+    s2 = np.float32(0.0)
+    s3 = np.float32(0.0)
+    for i in range(2):
+        l = l0 + i
+        a = np.float32(q[64 * h + l, r])
+        b = np.float32(q[64 * h + 32 + l, r])
+        v = np.float32(q[128 + 32 * h + l, r])
+        ha = np.floor(a * np.float32(0.0625))
+        hb = np.floor(b * np.float32(0.0625))
+        f1 = np.floor(v * np.float32(0.25))
+        f2 = np.floor(v * np.float32(0.0625))
+        f3 = np.floor(v * np.float32(0.015625))
+        s0 += x0[l] * ((a - np.float32(16.0) * ha) + np.float32(16.0) * (v - np.float32(4.0) * f1))
+        s1 += x1[l] * ((b - np.float32(16.0) * hb) + np.float32(16.0) * (f1 - np.float32(4.0) * f2))
+        s2 += x2[l] * (ha + np.float32(16.0) * (f2 - np.float32(4.0) * f3))
+        s3 += x3[l] * (hb + np.float32(16.0) * f3)
+    return s0, s1, s2, s3
+
+
+@njit(**_JIT_INLINE)
+def _int8(v):
+    """A uint8 byte read as int8, in float arithmetic."""
+    f = np.float32(v)
+    return f - np.float32(256.0) * np.floor(f * np.float32(1.0 / 128.0))
+
+
+@njit(**_JIT_PARALLEL)
+def gemv_q6k(x, qs, d, out):
+    """Q6_K GEMV for a few rows; shapes as in :func:`gemv`. Twin :func:`matmul_np`."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    xsum = np.zeros((n_seq, n_blocks, 16), np.float32)      # per 16 weights (one scale each)
+    for s in range(n_seq):
+        for b in range(n_blocks):
+            for g in range(16):
+                for i in range(16):
+                    xsum[s, b, g] += x[s, b * 256 + 16 * g + i]
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        p0 = np.empty(TR, np.float32)
+        p1 = np.empty(TR, np.float32)
+        p2 = np.empty(TR, np.float32)
+        p3 = np.empty(TR, np.float32)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                q = qs[t, b]
+                db = d[t, b]
+                xs = xsum[s, b]
+                for h in range(2):
+                    base = b * 256 + 128 * h
+                    x0 = x[s, base:base + 32]
+                    x1 = x[s, base + 32:base + 64]
+                    x2 = x[s, base + 64:base + 96]
+                    x3 = x[s, base + 96:base + 128]
+                    for grp in range(2):
+                        l0 = 16 * grp
+                        for r in range(TR):
+                            p0[r], p1[r], p2[r], p3[r] = _q6k_l2(q, r, h, l0, x0, x1, x2, x3)
+                        for j in range(1, 7):
+                            for r in range(TR):
+                                a0, a1, a2, a3 = _q6k_l2(q, r, h, l0 + 2 * j, x0, x1, x2, x3)
+                                p0[r] += a0
+                                p1[r] += a1
+                                p2[r] += a2
+                                p3[r] += a3
+                        g = 8 * h + grp                        # scale index of c = 0; c adds 2c
+                        for r in range(TR):
+                            a0, a1, a2, a3 = _q6k_l2(q, r, h, l0 + 14, x0, x1, x2, x3)
+                            y = _int8(q[192 + g, r]) * (p0[r] + a0 - np.float32(32.0) * xs[g]) \
+                                + _int8(q[194 + g, r]) * (p1[r] + a1 - np.float32(32.0) * xs[g + 2]) \
+                                + _int8(q[196 + g, r]) * (p2[r] + a2 - np.float32(32.0) * xs[g + 4]) \
+                                + _int8(q[198 + g, r]) * (p3[r] + a3 - np.float32(32.0) * xs[g + 6])
+                            acc[r] += db[r] * y
+            tiles.store_tile(acc, out, s, t)
