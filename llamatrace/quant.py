@@ -32,10 +32,11 @@ Arithmetic is float32 activations times dequantized weights with float32 accumul
 quantized. Each Numba kernel has a plain NumPy twin (``*_np``) that tests compare it with.
 
 Threads: one ``prange`` region per :func:`matmul` call, so callers fuse matrices
-(:func:`pack_concat`). Numba picks its threading layer in the order tbb, omp, workqueue. Here
-``tbb`` (``pip install tbb``) and ``omp`` (libgomp) both wake threads in a few us and the
-30-layer decode sweep runs at ~6-8 ms/token; ``workqueue`` costs 54-100 us per region and
-turns that into ~40 ms/token. All three give the same results.
+(:func:`pack_concat`). llamatrace asks Numba for its threading layers in the order omp, tbb,
+workqueue: a region costs ~4-5 us with ``omp`` (libgomp), ~9 us with ``tbb`` (``pip install
+tbb``) and 54-100 us with ``workqueue``, which turns a ~6 ms decode step of SmolLM2 into
+~40 ms. All three give the same results. OpenMP's spinning threads slow down badly when another
+process keeps a core busy; :class:`AutoThreads` then drops to one thread.
 """
 
 from __future__ import annotations
@@ -440,9 +441,10 @@ def _gemv_q4(x, qs, d, m, m_scale, out):
                 xc[s, b, j] = hi - np.float32(16.0) * lo
                 xsum[s, b] += lo + hi
             xsum[s, b] *= m_scale
+    scratch = np.empty((n_tiles, 2, TR), np.float32)   # one allocation, not two per tile
     for t in prange(n_tiles):
-        acc = np.empty(TR, np.float32)
-        half = np.empty(TR, np.float32)
+        acc = scratch[t, 0]
+        half = scratch[t, 1]
         for s in range(n_seq):
             acc[:] = 0.0
             for b in range(n_blocks):
