@@ -325,6 +325,7 @@ def gemv(kind, x, qs, d, m, out):
         dm = np.empty(TR, np.float32)
         acc = np.zeros((x.shape[0], TR), np.float32)
         for b in range(n_blocks):
+            tiles.prefetch_next_block(qs, t, b)
             _deq_block(kind, qs, d, m, t, b, wt, ds, dm)
             tiles.chunk_matmul(x, wt, b * qkb, acc)
         tiles.store_rows(acc, out, t)
@@ -490,6 +491,7 @@ def gemv_q4k(x, qs, d, m, out):
         for s in range(n_seq):
             acc[:] = 0.0
             for b in range(n_blocks):
+                tiles.prefetch_next_block(qs, t, b)
                 q = qs[t, b]
                 db = d[t, b]
                 mb = m[t, b]
@@ -581,6 +583,7 @@ def gemv_q6k(x, qs, d, out):
         for s in range(n_seq):
             acc[:] = 0.0
             for b in range(n_blocks):
+                tiles.prefetch_next_block(qs, t, b)
                 q = qs[t, b]
                 db = d[t, b]
                 xs = xsum[s, b]
