@@ -38,17 +38,19 @@ def _prefetch(typingctx, arr, idx):
 
 
 @njit(**_JIT_INLINE)
-def prefetch_next_block(qs, t, b):
-    """Start loading the block after block b of tile t of ``qs`` [T, B, P, TR] (C order: block
-    b + 1, or the next tile's first), while block b is computed.
+def prefetch_next_block(qs, t, b, part=0, n_parts=1):
+    """Start loading part ``part`` of ``n_parts`` of the block after block b of tile t of ``qs``
+    [T, B, P, TR] (C order: block b + 1, or the next tile's first), while block b is computed.
 
-    The GEMV kernels need it: the hardware prefetcher alone left a K-quant GEMV waiting on DRAM
-    (Q4_K [4096, 4096], 2 threads: 15 GB/s streamed vs 32 from L3; with it 32 and 32).
+    The GEMV kernels of the K-quants need it: the hardware prefetcher alone left them waiting on
+    DRAM (Q4_K [4096, 4096], 2 threads: 15 GB/s streamed vs 32 from L3; with it 32 and 32).
+    Large blocks are fetched in parts spread over the block's work, not in one burst.
     """
     n = qs.shape[2] * qs.shape[3]
     nxt = (t * qs.shape[1] + b + 1) * n
     if nxt < qs.size:
-        for i in range(0, n, 64):
+        step = n // n_parts
+        for i in range(part * step, (part + 1) * step if part + 1 < n_parts else n, 64):
             _prefetch(qs, nxt + i)
 
 
