@@ -521,6 +521,88 @@ def gemv_q4k(x, qs, d, m, out):
 
 
 # --------------------------------------------------------------------------------------------
+# Q5_K GEMV without a scratch: as Q4_K, with the fifth bit of element l of sub-block k in bit k
+# of qh[l], taken on 8-bit integers (_quant_f32). The chunk index j is a literal at each call of
+# _q5k_chunk, so the shifts are constants (a shift by a loop variable did not vectorise).
+
+
+@njit(**_JIT_INLINE)
+def _q5k_chain4(q, r, j, xlo, xhi, l0):
+    """(x_lo . q5_lo, x_hi . q5_hi) over bytes l0..l0+3 of chunk j, column r."""
+    a = np.float32(0.0)
+    c = np.float32(0.0)
+    for i in range(4):
+        l = l0 + i
+        v = q[48 + 32 * j + l, r]
+        h = q[16 + l, r]
+        a += xlo[l] * _quant_f32(v, 0, 15, h, 2 * j, 1)
+        c += xhi[l] * _quant_f32(v, 4, 15, h, 2 * j + 1, 1)
+    return a, c
+
+
+@njit(**_JIT_INLINE)
+def _q5k_chunk(q, db, mb, xs, x, s, b, j, acc, lo01, hi01, lo2, hi2):
+    """acc += chunk j's contribution (sub-blocks 2j, 2j+1) over the TR rows, in four passes."""
+    xlo = x[s, b * 256 + 64 * j:b * 256 + 64 * j + 32]
+    xhi = x[s, b * 256 + 64 * j + 32:b * 256 + 64 * j + 64]
+    for r in range(TR):
+        lo01[r], hi01[r] = _q5k_chain4(q, r, j, xlo, xhi, 0)
+    for k in range(1, 4):
+        for r in range(TR):
+            a1, c1 = _q5k_chain4(q, r, j, xlo, xhi, 4 * k)
+            lo01[r] += a1
+            hi01[r] += c1
+    for r in range(TR):
+        lo2[r], hi2[r] = _q5k_chain4(q, r, j, xlo, xhi, 16)
+    for k in range(5, 7):
+        for r in range(TR):
+            a1, c1 = _q5k_chain4(q, r, j, xlo, xhi, 4 * k)
+            lo2[r] += a1
+            hi2[r] += c1
+    for r in range(TR):
+        a3, c3 = _q5k_chain4(q, r, j, xlo, xhi, 28)
+        lo = lo01[r] + (lo2[r] + a3)
+        hi = hi01[r] + (hi2[r] + c3)
+        acc[r] += (db[r] * np.float32(q[2 * j, r])) * lo \
+            + (db[r] * np.float32(q[2 * j + 1, r])) * hi \
+            - (mb[r] * np.float32(q[8 + 2 * j, r])) * xs[2 * j] \
+            - (mb[r] * np.float32(q[9 + 2 * j, r])) * xs[2 * j + 1]
+
+
+@njit(**_JIT_PARALLEL)
+def gemv_q5k(x, qs, d, m, out):
+    """Q5_K GEMV for a few rows; shapes as in :func:`gemv` (m = dmin). Twin :func:`matmul_np`."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    xsum = np.zeros((n_seq, n_blocks, 8), np.float32)
+    for s in range(n_seq):
+        for b in range(n_blocks):
+            for sub in range(8):
+                for l in range(32):
+                    xsum[s, b, sub] += x[s, b * 256 + sub * 32 + l]
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        lo01 = np.empty(TR, np.float32)
+        hi01 = np.empty(TR, np.float32)
+        lo2 = np.empty(TR, np.float32)
+        hi2 = np.empty(TR, np.float32)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                q = qs[t, b]
+                db = d[t, b]
+                mb = m[t, b]
+                xs = xsum[s, b]
+                tiles.prefetch_next_block(qs, t, b, 0, 2)
+                _q5k_chunk(q, db, mb, xs, x, s, b, 0, acc, lo01, hi01, lo2, hi2)
+                _q5k_chunk(q, db, mb, xs, x, s, b, 1, acc, lo01, hi01, lo2, hi2)
+                tiles.prefetch_next_block(qs, t, b, 1, 2)
+                _q5k_chunk(q, db, mb, xs, x, s, b, 2, acc, lo01, hi01, lo2, hi2)
+                _q5k_chunk(q, db, mb, xs, x, s, b, 3, acc, lo01, hi01, lo2, hi2)
+            tiles.store_tile(acc, out, s, t)
+
+
+# --------------------------------------------------------------------------------------------
 # Q6_K GEMV without a scratch. In each half (128 weights) of a super-block, element
 # 128h + 32c + l takes its low 4 bits from a nibble of ql (byte 64h + l for c = 0, 2, byte
 # 64h + 32 + l for c = 1, 3; the high nibble for c >= 2) and its 2 high bits from bits 2c, 2c+1

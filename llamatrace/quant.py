@@ -638,6 +638,8 @@ def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
         kquants.gemv_q5(x, w.qs, w.d, m, m_scale, out)
     elif gemv and typ == _T.Q4_K:
         kquants.gemv_q4k(x, w.qs, w.d, w.m, out)
+    elif gemv and typ == _T.Q5_K:
+        kquants.gemv_q5k(x, w.qs, w.d, w.m, out)
     elif gemv and typ == _T.Q6_K:
         kquants.gemv_q6k(x, w.qs, w.d, out)
     elif typ in kquants.KIND:
