@@ -542,7 +542,7 @@ def _q5k_chain4(q, r, j, xlo, xhi, l0):
 
 @njit(**_JIT_INLINE)
 def _q5k_chunk(q, db, mb, xs, x, s, b, j, acc, lo01, hi01, lo2, hi2):
-    """acc += chunk j's contribution (sub-blocks 2j, 2j+1) over the TR rows, in four passes."""
+    """acc += chunk j's contribution (sub-blocks 2j, 2j+1) over the TR rows, in eight passes."""
     xlo = x[s, b * 256 + 64 * j:b * 256 + 64 * j + 32]
     xhi = x[s, b * 256 + 64 * j + 32:b * 256 + 64 * j + 64]
     for r in range(TR):
