@@ -57,8 +57,11 @@ def bench(
     if base is not None:
         table.add_column("÷ llama.cpp", justify="right")
 
+    def num(v: float, digits: int) -> str:      # significant digits, never an exponent
+        return f"{v:.{digits}g}" if v < 10 ** digits else f"{v:.0f}"
+
     def rate(median: float, runs: list[float]) -> str:
-        return f"{median:.4g} ({min(runs):.3g}–{max(runs):.3g})"
+        return f"{num(median, 4)} ({num(min(runs), 3)}–{num(max(runs), 3)})"
 
     for r in report.results:
         row = [r.engine, f"{r.load_s:.1f}", rate(r.prefill, r.prefill_tok_s), rate(r.decode, r.decode_tok_s),
