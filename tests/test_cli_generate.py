@@ -160,7 +160,8 @@ def test_numba_cache_moves_to_user_cache_when_package_dir_is_read_only(monkeypat
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setattr(llamatrace._os, "access", lambda path, mode: False)
     llamatrace._numba_cache_dir()
-    assert os.environ["NUMBA_CACHE_DIR"].endswith(os.path.join("llamatrace", "numba"))
+    from llamatrace.fetch import cache_root
+    assert os.environ["NUMBA_CACHE_DIR"] == str(cache_root() / "numba")
 
 
 def test_numba_cache_stays_put_when_package_dir_is_writable(monkeypatch):

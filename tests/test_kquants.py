@@ -93,7 +93,7 @@ def test_get_rows_matches_gguf(case):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("n_seq", [1, 3, 9])
+@pytest.mark.parametrize("n_seq", [1, 2, 3, 4, 5, 9])   # GEMV up to GEMV_MAX_SEQ = 4, then tiles
 def test_matmul_matches_reference(qtype, n_seq):
     """GEMV (n_seq <= 4) and tiled kernels vs float64 x @ gguf-dequantized W, and vs the NumPy twin."""
     n_in = _n_in(qtype)

@@ -253,3 +253,31 @@ def test_fixed_threads_are_not_overridden(monkeypatch):
     finally:
         monkeypatch.setattr(quant, "_fixed_threads", None)
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_openmp_comes_first_even_when_numba_was_imported_first():
+    """A caller that imported Numba before llamatrace still gets OpenMP (when it exists)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_THREADING_LAYER")}
+    code = (
+        "import numba\n"
+        "from llamatrace import kernels\n"
+        "import numpy as np\n"
+        "print(' '.join(numba.config.THREADING_LAYER_PRIORITY))\n"
+        "try:\n"
+        "    import numba.np.ufunc.omppool\n"
+        "    has_omp = True\n"
+        "except ImportError:\n"
+        "    has_omp = False\n"
+        "kernels.softmax_parallel(np.ones((4, 2, 8), np.float32))\n"
+        "print(has_omp, numba.threading_layer())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split("\n")
+    assert out[0] == "omp tbb workqueue"
+    has_omp, layer = out[1].split()
+    if has_omp == "True":
+        assert layer == "omp"

