@@ -362,21 +362,21 @@ def tiled(kind, x, qs, d, m, out):
 
 
 @intrinsic
-def _quant_f32(typingctx, lo, lo_shift, lo_mask, hi, hi_shift, hi_mask):
-    """``float32(((lo >> lo_shift) & lo_mask) | (((hi >> hi_shift) & hi_mask) << 4))`` for uint8
-    ``lo``/``hi``, computed on 8-bit integers (shifts and masks are small constants)."""
+def _quant_f32(typingctx, lo, lo_shift, lo_mask, hi, hi_shift, hi_mask, hi_pos):
+    """``float32(((lo >> lo_shift) & lo_mask) | (((hi >> hi_shift) & hi_mask) << hi_pos))`` for
+    uint8 ``lo``/``hi``, computed on 8-bit integers (shifts and masks are small constants)."""
     if not (isinstance(lo, types.Integer) and lo.bitwidth == 8 and isinstance(hi, types.Integer)
             and hi.bitwidth == 8):
         return None
 
     def codegen(context, builder, signature, args):
         i8 = ir.IntType(8)
-        lo_v, lo_s, lo_m, hi_v, hi_s, hi_m = args
+        lo_v, lo_s, lo_m, hi_v, hi_s, hi_m, hi_p = args
         low = builder.and_(builder.lshr(lo_v, builder.trunc(lo_s, i8)), builder.trunc(lo_m, i8))
         high = builder.and_(builder.lshr(hi_v, builder.trunc(hi_s, i8)), builder.trunc(hi_m, i8))
-        return builder.uitofp(builder.or_(low, builder.shl(high, ir.Constant(i8, 4))), ir.FloatType())
+        return builder.uitofp(builder.or_(low, builder.shl(high, builder.trunc(hi_p, i8))), ir.FloatType())
 
-    return types.float32(lo, lo_shift, lo_mask, hi, hi_shift, hi_mask), codegen
+    return types.float32(lo, lo_shift, lo_mask, hi, hi_shift, hi_mask, hi_pos), codegen
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,8 +393,8 @@ def _q5_chain4(q, r, xb, j0):
     for i in range(4):
         j = j0 + i
         v = q[4 + j, r]
-        a += xb[j] * _quant_f32(v, 0, 15, q[j >> 3, r], j & 7, 1) \
-            + xb[j + 16] * _quant_f32(v, 4, 15, q[2 + (j >> 3), r], j & 7, 1)
+        a += xb[j] * _quant_f32(v, 0, 15, q[j >> 3, r], j & 7, 1, 4) \
+            + xb[j + 16] * _quant_f32(v, 4, 15, q[2 + (j >> 3), r], j & 7, 1, 4)
     return a
 
 
@@ -535,8 +535,8 @@ def _q5k_chain4(q, r, j, xlo, xhi, l0):
         l = l0 + i
         v = q[48 + 32 * j + l, r]
         h = q[16 + l, r]
-        a += xlo[l] * _quant_f32(v, 0, 15, h, 2 * j, 1)
-        c += xhi[l] * _quant_f32(v, 4, 15, h, 2 * j + 1, 1)
+        a += xlo[l] * _quant_f32(v, 0, 15, h, 2 * j, 1, 4)
+        c += xhi[l] * _quant_f32(v, 4, 15, h, 2 * j + 1, 1, 4)
     return a, c
 
 
@@ -624,10 +624,10 @@ def _q6k_l2(q, r, h, l0, x0, x1, x2, x3):
         a = q[64 * h + l, r]
         b = q[64 * h + 32 + l, r]
         v = q[128 + 32 * h + l, r]
-        s0 += x0[l] * _quant_f32(a, 0, 15, v, 0, 3)
-        s1 += x1[l] * _quant_f32(b, 0, 15, v, 2, 3)
-        s2 += x2[l] * _quant_f32(a, 4, 15, v, 4, 3)
-        s3 += x3[l] * _quant_f32(b, 4, 15, v, 6, 3)
+        s0 += x0[l] * _quant_f32(a, 0, 15, v, 0, 3, 4)
+        s1 += x1[l] * _quant_f32(b, 0, 15, v, 2, 3, 4)
+        s2 += x2[l] * _quant_f32(a, 4, 15, v, 4, 3, 4)
+        s3 += x3[l] * _quant_f32(b, 4, 15, v, 6, 3, 4)
     return s0, s1, s2, s3
 
 
@@ -638,17 +638,24 @@ def _int8(v):
     return f - np.float32(256.0) * np.floor(f * np.float32(1.0 / 128.0))
 
 
+@njit(**_JIT)
+def _xsum16(x, n_blocks):
+    """Sums of x over each 16 weights of a super-block (one scale each): float32 [S, B, 16]."""
+    xsum = np.zeros((x.shape[0], n_blocks, 16), np.float32)
+    for s in range(x.shape[0]):
+        for b in range(n_blocks):
+            for g in range(16):
+                for i in range(16):
+                    xsum[s, b, g] += x[s, b * 256 + 16 * g + i]
+    return xsum
+
+
 @njit(**_JIT_PARALLEL)
 def gemv_q6k(x, qs, d, out):
     """Q6_K GEMV for a few rows; shapes as in :func:`gemv`. Twin :func:`matmul_np`."""
     n_seq = x.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    xsum = np.zeros((n_seq, n_blocks, 16), np.float32)      # per 16 weights (one scale each)
-    for s in range(n_seq):
-        for b in range(n_blocks):
-            for g in range(16):
-                for i in range(16):
-                    xsum[s, b, g] += x[s, b * 256 + 16 * g + i]
+    xsum = _xsum16(x, n_blocks)
     for t in prange(n_tiles):
         acc = np.empty(TR, np.float32)
         p0 = np.empty(TR, np.float32)
@@ -687,4 +694,120 @@ def gemv_q6k(x, qs, d, out):
                                 + _int8(q[196 + g, r]) * (p2[r] + a2 - np.float32(32.0) * xs[g + 4]) \
                                 + _int8(q[198 + g, r]) * (p3[r] + a3 - np.float32(32.0) * xs[g + 6])
                             acc[r] += db[r] * y
+            tiles.store_tile(acc, out, s, t)
+
+
+# --------------------------------------------------------------------------------------------
+# Q2_K / Q3_K GEMV without a scratch. Their halves are laid out as Q6_K's: element 128h + 32c + l
+# takes 2 bits at shift 2c of byte l of the half's 32 quant bytes (Q3_K: plus bit 4h + c of
+# hmask byte l, worth 4); its scale is that of the 16 weights 8h + 2c + l // 16. Per half and
+# group of 16 l, S_c = sum_l x_c[l] * q_c[l] over the TR rows in eight passes of two l; then
+# Q2_K adds d*sc*S_c - dmin*mn*sum(x), Q3_K d*(sc - 32)*(S_c - 4*sum(x)). ``three`` and ``h``
+# are literals at each call, so the branches fold away and the shifts are constants.
+
+
+@njit(**_JIT_INLINE)
+def _q23k_l2(three, q, r, h, l0, x0, x1, x2, x3):
+    """(S_0, S_1, S_2, S_3) over l0 and l0 + 1 of half h, column r."""
+    s0 = np.float32(0.0)
+    s1 = np.float32(0.0)
+    s2 = np.float32(0.0)
+    s3 = np.float32(0.0)
+    for i in range(2):
+        l = l0 + i
+        if three:
+            v = q[32 + 32 * h + l, r]
+            hm = q[l, r]
+            s0 += x0[l] * _quant_f32(v, 0, 3, hm, 4 * h, 1, 2)
+            s1 += x1[l] * _quant_f32(v, 2, 3, hm, 4 * h + 1, 1, 2)
+            s2 += x2[l] * _quant_f32(v, 4, 3, hm, 4 * h + 2, 1, 2)
+            s3 += x3[l] * _quant_f32(v, 6, 3, hm, 4 * h + 3, 1, 2)
+        else:
+            v = q[16 + 32 * h + l, r]
+            s0 += x0[l] * _quant_f32(v, 0, 3, v, 0, 0, 2)
+            s1 += x1[l] * _quant_f32(v, 2, 3, v, 0, 0, 2)
+            s2 += x2[l] * _quant_f32(v, 4, 3, v, 0, 0, 2)
+            s3 += x3[l] * _quant_f32(v, 6, 3, v, 0, 0, 2)
+    return s0, s1, s2, s3
+
+
+@njit(**_JIT_INLINE)
+def _nibble(v, shift):
+    """float32((v >> shift) & 15) of a uint8, on 8-bit integers."""
+    return _quant_f32(v, shift, 15, v, 0, 0, 4)
+
+
+@njit(**_JIT_INLINE)
+def _q23k_half(three, qs, t, b, h, d, m, xs, x, s, acc, p0, p1, p2, p3):
+    """acc += half h of super-block b of tile t, over the TR rows."""
+    q = qs[t, b]
+    db = d[t, b]
+    mb = m[t, b]
+    base = b * 256 + 128 * h
+    x0 = x[s, base:base + 32]
+    x1 = x[s, base + 32:base + 64]
+    x2 = x[s, base + 64:base + 96]
+    x3 = x[s, base + 96:base + 128]
+    for grp in range(2):
+        l0 = 16 * grp
+        tiles.prefetch_next_block(qs, t, b, 2 * h + grp, 4)
+        for r in range(TR):
+            p0[r], p1[r], p2[r], p3[r] = _q23k_l2(three, q, r, h, l0, x0, x1, x2, x3)
+        for j in range(1, 7):
+            for r in range(TR):
+                a0, a1, a2, a3 = _q23k_l2(three, q, r, h, l0 + 2 * j, x0, x1, x2, x3)
+                p0[r] += a0
+                p1[r] += a1
+                p2[r] += a2
+                p3[r] += a3
+        g = 8 * h + grp                                 # the 16 weights of c = 0; c adds 2c
+        for r in range(TR):
+            a0, a1, a2, a3 = _q23k_l2(three, q, r, h, l0 + 14, x0, x1, x2, x3)
+            if three:
+                c32 = np.float32(32.0)
+                c4 = np.float32(4.0)
+                y = (np.float32(q[96 + g, r]) - c32) * (p0[r] + a0 - c4 * xs[g]) \
+                    + (np.float32(q[98 + g, r]) - c32) * (p1[r] + a1 - c4 * xs[g + 2]) \
+                    + (np.float32(q[100 + g, r]) - c32) * (p2[r] + a2 - c4 * xs[g + 4]) \
+                    + (np.float32(q[102 + g, r]) - c32) * (p3[r] + a3 - c4 * xs[g + 6])
+                acc[r] += db[r] * y
+            else:
+                y = _nibble(q[g, r], 0) * (p0[r] + a0) + _nibble(q[g + 2, r], 0) * (p1[r] + a1) \
+                    + _nibble(q[g + 4, r], 0) * (p2[r] + a2) + _nibble(q[g + 6, r], 0) * (p3[r] + a3)
+                z = _nibble(q[g, r], 4) * xs[g] + _nibble(q[g + 2, r], 4) * xs[g + 2] \
+                    + _nibble(q[g + 4, r], 4) * xs[g + 4] + _nibble(q[g + 6, r], 4) * xs[g + 6]
+                acc[r] += db[r] * y - mb[r] * z
+
+
+@njit(**_JIT_PARALLEL)
+def gemv_q2k(x, qs, d, m, out):
+    """Q2_K GEMV for a few rows; shapes as in :func:`gemv` (m = dmin). Twin :func:`matmul_np`."""
+    n_seq, n_tiles, n_blocks = x.shape[0], qs.shape[0], qs.shape[1]
+    xsum = _xsum16(x, n_blocks)
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        p = np.empty((4, TR), np.float32)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                xs = xsum[s, b]
+                _q23k_half(False, qs, t, b, 0, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
+                _q23k_half(False, qs, t, b, 1, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
+            tiles.store_tile(acc, out, s, t)
+
+
+@njit(**_JIT_PARALLEL)
+def gemv_q3k(x, qs, d, out):
+    """Q3_K GEMV for a few rows; shapes as in :func:`gemv`. Twin :func:`matmul_np`."""
+    n_seq, n_tiles, n_blocks = x.shape[0], qs.shape[0], qs.shape[1]
+    xsum = _xsum16(x, n_blocks)
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        p = np.empty((4, TR), np.float32)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                xs = xsum[s, b]
+                _q23k_half(True, qs, t, b, 0, d, d, xs, x, s, acc, p[0], p[1], p[2], p[3])
+                _q23k_half(True, qs, t, b, 1, d, d, xs, x, s, acc, p[0], p[1], p[2], p[3])
             tiles.store_tile(acc, out, s, t)

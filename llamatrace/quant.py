@@ -642,6 +642,10 @@ def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
         kquants.gemv_q5k(x, w.qs, w.d, w.m, out)
     elif gemv and typ == _T.Q6_K:
         kquants.gemv_q6k(x, w.qs, w.d, out)
+    elif gemv and typ == _T.Q2_K:
+        kquants.gemv_q2k(x, w.qs, w.d, w.m, out)
+    elif gemv and typ == _T.Q3_K:
+        kquants.gemv_q3k(x, w.qs, w.d, out)
     elif typ in kquants.KIND:
         m = w.m if typ in kquants.HAS_MIN else w.d
         (kquants.gemv if gemv else kquants.tiled)(kquants.KIND[typ], x, w.qs, w.d, m, out)

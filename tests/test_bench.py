@@ -47,3 +47,11 @@ def test_prompt_ids_avoid_the_special_tokens_and_repeat():
     ids = bench.prompt_ids(49152, 128)
     assert ids == bench.prompt_ids(49152, 128) and len(ids) == 128
     assert min(ids) >= 100 and max(ids) < 49152 - 300
+
+
+def test_a_peer_killed_by_a_signal_is_named_and_sigill_says_rebuild():
+    import signal
+    ill = bench._death("llama.cpp", -signal.SIGILL)
+    assert "SIGILL" in ill and "GGML_NATIVE=ON" in ill and "\n" not in ill
+    assert "killed by SIGKILL" in bench._death("llama.cpp", -signal.SIGKILL)
+    assert "exit code 1" in bench._death("hf", 1)
