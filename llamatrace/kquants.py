@@ -779,35 +779,31 @@ def _q23k_half(three, qs, t, b, h, d, m, xs, x, s, acc, p0, p1, p2, p3):
                 acc[r] += db[r] * y - mb[r] * z
 
 
+@njit(**_JIT_INLINE)
+def _q23k_tile(three, x, qs, d, m, xsum, t, out):
+    """out[:, rows of tile t] for Q2_K (three False) or Q3_K (True)."""
+    acc = np.empty(TR, np.float32)
+    p = np.empty((4, TR), np.float32)
+    for s in range(x.shape[0]):
+        acc[:] = 0.0
+        for b in range(qs.shape[1]):
+            xs = xsum[s, b]
+            _q23k_half(three, qs, t, b, 0, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
+            _q23k_half(three, qs, t, b, 1, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
+        tiles.store_tile(acc, out, s, t)
+
+
 @njit(**_JIT_PARALLEL)
 def gemv_q2k(x, qs, d, m, out):
     """Q2_K GEMV for a few rows; shapes as in :func:`gemv` (m = dmin). Twin :func:`matmul_np`."""
-    n_seq, n_tiles, n_blocks = x.shape[0], qs.shape[0], qs.shape[1]
-    xsum = _xsum16(x, n_blocks)
-    for t in prange(n_tiles):
-        acc = np.empty(TR, np.float32)
-        p = np.empty((4, TR), np.float32)
-        for s in range(n_seq):
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                xs = xsum[s, b]
-                _q23k_half(False, qs, t, b, 0, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
-                _q23k_half(False, qs, t, b, 1, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
-            tiles.store_tile(acc, out, s, t)
+    xsum = _xsum16(x, qs.shape[1])
+    for t in prange(qs.shape[0]):
+        _q23k_tile(False, x, qs, d, m, xsum, t, out)
 
 
 @njit(**_JIT_PARALLEL)
 def gemv_q3k(x, qs, d, out):
     """Q3_K GEMV for a few rows; shapes as in :func:`gemv`. Twin :func:`matmul_np`."""
-    n_seq, n_tiles, n_blocks = x.shape[0], qs.shape[0], qs.shape[1]
-    xsum = _xsum16(x, n_blocks)
-    for t in prange(n_tiles):
-        acc = np.empty(TR, np.float32)
-        p = np.empty((4, TR), np.float32)
-        for s in range(n_seq):
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                xs = xsum[s, b]
-                _q23k_half(True, qs, t, b, 0, d, d, xs, x, s, acc, p[0], p[1], p[2], p[3])
-                _q23k_half(True, qs, t, b, 1, d, d, xs, x, s, acc, p[0], p[1], p[2], p[3])
-            tiles.store_tile(acc, out, s, t)
+    xsum = _xsum16(x, qs.shape[1])
+    for t in prange(qs.shape[0]):
+        _q23k_tile(True, x, qs, d, d, xsum, t, out)
