@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import platform
 import resource
-import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import OptionError, PeerError
+from .peers import exit_reason
 
 ENGINES = ("llamatrace", "llama.cpp", "hf")
 _NEEDS = {"llama.cpp": ("llama_cpp",), "hf": ("torch", "transformers", "accelerate")}
@@ -151,21 +151,6 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
 # one process per engine
 
 
-def _death(engine: str, exitcode: int | None) -> str:
-    """One line on why an engine's process ended; a negative exit code is the signal that killed it."""
-    if exitcode is not None and exitcode < 0:
-        try:
-            how = f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            how = f"killed by signal {-exitcode}"
-        if -exitcode == signal.SIGILL:
-            return (f"the {engine} process was {how}: it was built for CPU instructions this machine "
-                    f"lacks; rebuild it here (for llama-cpp-python: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" "
-                    f"pip install --force-reinstall --no-cache-dir llama-cpp-python; with AMX see the README)")
-        return f"the {engine} process was {how}; run it alone to see why"
-    return f"the {engine} process died (exit code {exitcode}); run it alone to see why"
-
-
 class _Worker:
     """An engine loaded in a child process, driven through a pipe."""
 
@@ -185,7 +170,7 @@ class _Worker:
             reply = self.conn.recv()
         except (EOFError, OSError):
             self.proc.join(5)
-            raise PeerError(_death(self.engine, self.proc.exitcode)) from None
+            raise PeerError(exit_reason(self.engine, self.proc.exitcode)) from None
         if isinstance(reply, BaseException):
             raise PeerError(f"{self.engine}: {type(reply).__name__}: {reply}")
         return reply

@@ -292,7 +292,8 @@ def run_llamacpp(path, ids: list[int], fed: list[int], *, threads: int | None = 
     from .bench import check_engines
     from .errors import PeerError
     check_engines(["llama.cpp"])
-    from .peers.llamacpp import LlamaCpp
+    from .peers.llamacpp import LlamaCpp, check_runs_here
+    check_runs_here(str(path), threads or os.cpu_count() or 1)
     try:
         engine = LlamaCpp(str(path), len(ids) + len(fed) + 8, threads or os.cpu_count() or 1, capture=True)
     except RuntimeError as exc:

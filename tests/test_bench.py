@@ -8,6 +8,7 @@ import json
 from test_cli_generate import assert_one_line_error, run
 
 from llamatrace import bench
+from llamatrace.peers import exit_reason
 
 
 def test_bench_json_reports_every_figure(capsys, tiny_model_path):
@@ -51,7 +52,20 @@ def test_prompt_ids_avoid_the_special_tokens_and_repeat():
 
 def test_a_peer_killed_by_a_signal_is_named_and_sigill_says_rebuild():
     import signal
-    ill = bench._death("llama.cpp", -signal.SIGILL)
+    ill = exit_reason("llama.cpp", -signal.SIGILL)
     assert "SIGILL" in ill and "GGML_NATIVE=ON" in ill and "\n" not in ill
-    assert "killed by SIGKILL" in bench._death("llama.cpp", -signal.SIGKILL)
-    assert "exit code 1" in bench._death("hf", 1)
+    assert "killed by SIGKILL" in exit_reason("llama.cpp", -signal.SIGKILL)
+    assert "exit code 1" in exit_reason("hf", 1)
+
+
+def test_compare_probes_llamacpp_in_a_child_so_sigill_is_one_line(monkeypatch, tiny_model_path):
+    """A llama.cpp built for instructions this CPU lacks must not kill our process."""
+    import pytest
+
+    from llamatrace.errors import PeerError
+    from llamatrace.peers import llamacpp
+    monkeypatch.setattr(llamacpp, "_PROBE", "import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    with pytest.raises(PeerError, match="SIGILL.*GGML_NATIVE=ON"):
+        llamacpp.check_runs_here(str(tiny_model_path), 1)
+    monkeypatch.setattr(llamacpp, "_PROBE", "import sys\nsys.exit(1)\n")
+    llamacpp.check_runs_here(str(tiny_model_path), 1)     # other failures: reported by the real run

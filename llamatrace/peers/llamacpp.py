@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +49,28 @@ class Captured:
     name: str
     op: str
     array: np.ndarray
+
+
+# one token through llama.cpp on the file, in a child process (see check_runs_here)
+_PROBE = ("import sys\n"
+          "from llamatrace.peers.llamacpp import LlamaCpp\n"
+          "LlamaCpp(sys.argv[1], 8, int(sys.argv[2])).eval([0])\n")
+
+
+def check_runs_here(path: str, threads: int) -> None:
+    """Evaluate one token with llama.cpp on ``path`` in a child process first: a build for CPU
+    instructions this machine lacks dies there of SIGILL instead of killing our process.
+
+    Raises:
+        PeerError: the child was killed by a signal (the message names it; on SIGILL, says to
+            rebuild). Other failures are left to the in-process run, which reports them.
+    """
+    from ..errors import PeerError
+    from . import exit_reason
+    child = subprocess.run([sys.executable, "-c", _PROBE, path, str(threads)],
+                           capture_output=True, text=True)
+    if child.returncode < 0:
+        raise PeerError(exit_reason("llama.cpp", child.returncode))
 
 
 def _ggml_base():
