@@ -24,6 +24,7 @@ import numba
 import numpy as np
 
 from llamatrace import fetch, quant
+from llamatrace.errors import ModelNotFoundError
 
 T = gguf.GGMLQuantizationType
 N_LAYERS = 30
@@ -51,7 +52,7 @@ def _load(path: str | None):
     def add(name, n_out, n_in, typ):
         block = {T.Q4_1: 20, T.Q8_0: 34}[typ]
         raw = rng.integers(0, 256, (n_out, n_in // 32 * block), dtype=np.uint8)
-        raw.reshape(n_out, -1, block)[:, :, :4] = np.float16(0.01).view(np.uint8)[None, None, [0, 1, 0, 1]]
+        raw.reshape(n_out, -1, block)[:, :, :4] = np.array([0.01], np.float16).view(np.uint8)[None, None, [0, 1, 0, 1]]
         fake[name] = (typ, raw, n_out, n_in)
 
     for i in range(N_LAYERS):
@@ -90,8 +91,11 @@ def main() -> None:
     args = ap.parse_args()
 
     quant.set_threads(args.threads)
-    if args.model is None:
-        args.model = str(fetch.cached_default_model() or "") or None
+    if args.model is None:                       # the default model, if it is here already
+        try:
+            args.model = str(fetch.resolve_model(None, fetch=False))
+        except ModelNotFoundError:
+            pass
     tensors, real = _load(args.model)
     print(f"weights: {'model ' + args.model if real else 'random stand-ins'}; threads "
           f"{numba.get_num_threads()}, layer {numba.threading_layer() if _warm() else '?'}, TR={quant.TR}")

@@ -603,31 +603,52 @@ def gemv_q5k(x, qs, d, m, out):
 
 
 # --------------------------------------------------------------------------------------------
-# Q6_K GEMV without a scratch. In each half (128 weights) of a super-block, element
-# 128h + 32c + l takes its low 4 bits from a nibble of ql (byte 64h + l for c = 0, 2, byte
-# 64h + 32 + l for c = 1, 3; the high nibble for c >= 2) and its 2 high bits from bits 2c, 2c+1
-# of qh byte 32h + l; q6 - 32 times the int8 scale of its 16 weights, times d. Per half and
-# group of 16 l (four scales), S_c = sum_l x_c[l] * q6_c[l] is gathered over the TR rows in eight
-# passes of two l, then the scales and the -32 enter once.
+# Q2_K, Q3_K and Q6_K GEMV without a scratch: one scale per 16 weights, and the same layout of
+# each half (128 weights) of a super-block. Element 128h + 32c + l (c = 0..3, l = 0..31) takes
+#   Q2_K: 2 bits at shift 2c of byte 16 + 32h + l                   q in 0..3
+#   Q3_K: 2 bits at shift 2c of byte 32 + 32h + l, plus bit 4h + c of hmask byte l worth 4,
+#         minus 4                                                   q in -4..3
+#   Q6_K: 4 bits from a nibble of ql (byte 64h + l for c = 0, 2, byte 64h + 32 + l for c = 1, 3;
+#         the high nibble for c >= 2), 2 bits at shift 2c of qh byte 128 + 32h + l, minus 32
+# and the scale of its 16 weights 8h + 2c + l // 16. Per half and group of 16 l, the four sums
+# S_c = sum_l x_c[l] * q_c[l] (before the offsets) are gathered over the TR rows in eight passes
+# of two l (four l at a time did not vectorise), then scales, mins and offsets enter once:
+#   Q2_K  d*sc*S_c - dmin*mn*sum(x)    Q3_K  d*(sc - 32)*(S_c - 4 sum(x))
+#   Q6_K  d*sc*(S_c - 32 sum(x))
+# ``kind`` (KIND: 0, 1, 4) and ``h`` are literals at each call, so the branches fold away and
+# every shift is a constant.
 
 
 @njit(**_JIT_INLINE)
-def _q6k_l2(q, r, h, l0, x0, x1, x2, x3):
-    """(S_0, S_1, S_2, S_3) over l0 and l0 + 1 of half h, column r (bits on 8-bit integers;
-    four l at a time did not vectorise)."""
+def _k16_l2(kind, q, r, h, l0, x0, x1, x2, x3):
+    """(S_0, S_1, S_2, S_3) over l0 and l0 + 1 of half h, column r."""
     s0 = np.float32(0.0)
     s1 = np.float32(0.0)
     s2 = np.float32(0.0)
     s3 = np.float32(0.0)
     for i in range(2):
         l = l0 + i
-        a = q[64 * h + l, r]
-        b = q[64 * h + 32 + l, r]
-        v = q[128 + 32 * h + l, r]
-        s0 += x0[l] * _quant_f32(a, 0, 15, v, 0, 3, 4)
-        s1 += x1[l] * _quant_f32(b, 0, 15, v, 2, 3, 4)
-        s2 += x2[l] * _quant_f32(a, 4, 15, v, 4, 3, 4)
-        s3 += x3[l] * _quant_f32(b, 4, 15, v, 6, 3, 4)
+        if kind == 0:
+            v = q[16 + 32 * h + l, r]
+            s0 += x0[l] * _quant_f32(v, 0, 3, v, 0, 0, 2)
+            s1 += x1[l] * _quant_f32(v, 2, 3, v, 0, 0, 2)
+            s2 += x2[l] * _quant_f32(v, 4, 3, v, 0, 0, 2)
+            s3 += x3[l] * _quant_f32(v, 6, 3, v, 0, 0, 2)
+        elif kind == 1:
+            v = q[32 + 32 * h + l, r]
+            hm = q[l, r]
+            s0 += x0[l] * _quant_f32(v, 0, 3, hm, 4 * h, 1, 2)
+            s1 += x1[l] * _quant_f32(v, 2, 3, hm, 4 * h + 1, 1, 2)
+            s2 += x2[l] * _quant_f32(v, 4, 3, hm, 4 * h + 2, 1, 2)
+            s3 += x3[l] * _quant_f32(v, 6, 3, hm, 4 * h + 3, 1, 2)
+        else:
+            a = q[64 * h + l, r]
+            b = q[64 * h + 32 + l, r]
+            v = q[128 + 32 * h + l, r]
+            s0 += x0[l] * _quant_f32(a, 0, 15, v, 0, 3, 4)
+            s1 += x1[l] * _quant_f32(b, 0, 15, v, 2, 3, 4)
+            s2 += x2[l] * _quant_f32(a, 4, 15, v, 4, 3, 4)
+            s3 += x3[l] * _quant_f32(b, 4, 15, v, 6, 3, 4)
     return s0, s1, s2, s3
 
 
@@ -636,6 +657,63 @@ def _int8(v):
     """A uint8 byte read as int8, in float arithmetic."""
     f = np.float32(v)
     return f - np.float32(256.0) * np.floor(f * np.float32(1.0 / 128.0))
+
+
+@njit(**_JIT_INLINE)
+def _nibble(v, shift):
+    """float32((v >> shift) & 15) of a uint8, on 8-bit integers."""
+    return _quant_f32(v, shift, 15, v, 0, 0, 4)
+
+
+@njit(**_JIT_INLINE)
+def _k16_scale(kind, q, i, r):
+    """The scale of the 16 weights i, as a float (Q2_K: its low nibble; Q3_K: minus 32)."""
+    if kind == 0:
+        return _nibble(q[i, r], 0)
+    if kind == 1:
+        return np.float32(q[96 + i, r]) - np.float32(32.0)
+    return _int8(q[192 + i, r])
+
+
+@njit(**_JIT_INLINE)
+def _k16_half(kind, qs, t, b, h, d, m, xs, x, s, acc, p0, p1, p2, p3):
+    """acc += half h of super-block b of tile t, over the TR rows."""
+    q = qs[t, b]
+    db = d[t, b]
+    mb = m[t, b]
+    base = b * 256 + 128 * h
+    x0 = x[s, base:base + 32]
+    x1 = x[s, base + 32:base + 64]
+    x2 = x[s, base + 64:base + 96]
+    x3 = x[s, base + 96:base + 128]
+    off = np.float32(4.0 if kind == 1 else 32.0)        # Q3_K's and Q6_K's offsets
+    for grp in range(2):
+        l0 = 16 * grp
+        tiles.prefetch_next_block(qs, t, b, 2 * h + grp, 4)
+        for r in range(TR):
+            p0[r], p1[r], p2[r], p3[r] = _k16_l2(kind, q, r, h, l0, x0, x1, x2, x3)
+        for j in range(1, 7):
+            for r in range(TR):
+                a0, a1, a2, a3 = _k16_l2(kind, q, r, h, l0 + 2 * j, x0, x1, x2, x3)
+                p0[r] += a0
+                p1[r] += a1
+                p2[r] += a2
+                p3[r] += a3
+        g = 8 * h + grp                                 # the 16 weights of c = 0; c adds 2c
+        for r in range(TR):
+            a0, a1, a2, a3 = _k16_l2(kind, q, r, h, l0 + 14, x0, x1, x2, x3)
+            if kind == 0:
+                y = _k16_scale(kind, q, g, r) * (p0[r] + a0) + _k16_scale(kind, q, g + 2, r) * (p1[r] + a1) \
+                    + _k16_scale(kind, q, g + 4, r) * (p2[r] + a2) + _k16_scale(kind, q, g + 6, r) * (p3[r] + a3)
+                z = _nibble(q[g, r], 4) * xs[g] + _nibble(q[g + 2, r], 4) * xs[g + 2] \
+                    + _nibble(q[g + 4, r], 4) * xs[g + 4] + _nibble(q[g + 6, r], 4) * xs[g + 6]
+                acc[r] += db[r] * y - mb[r] * z
+            else:
+                y = _k16_scale(kind, q, g, r) * (p0[r] + a0 - off * xs[g]) \
+                    + _k16_scale(kind, q, g + 2, r) * (p1[r] + a1 - off * xs[g + 2]) \
+                    + _k16_scale(kind, q, g + 4, r) * (p2[r] + a2 - off * xs[g + 4]) \
+                    + _k16_scale(kind, q, g + 6, r) * (p3[r] + a3 - off * xs[g + 6])
+                acc[r] += db[r] * y
 
 
 @njit(**_JIT)
@@ -650,146 +728,17 @@ def _xsum16(x, n_blocks):
     return xsum
 
 
-@njit(**_JIT_PARALLEL)
-def gemv_q6k(x, qs, d, out):
-    """Q6_K GEMV for a few rows; shapes as in :func:`gemv`. Twin :func:`matmul_np`."""
-    n_seq = x.shape[0]
-    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    xsum = _xsum16(x, n_blocks)
-    for t in prange(n_tiles):
-        acc = np.empty(TR, np.float32)
-        p0 = np.empty(TR, np.float32)
-        p1 = np.empty(TR, np.float32)
-        p2 = np.empty(TR, np.float32)
-        p3 = np.empty(TR, np.float32)
-        for s in range(n_seq):
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                q = qs[t, b]
-                db = d[t, b]
-                xs = xsum[s, b]
-                for h in range(2):
-                    base = b * 256 + 128 * h
-                    x0 = x[s, base:base + 32]
-                    x1 = x[s, base + 32:base + 64]
-                    x2 = x[s, base + 64:base + 96]
-                    x3 = x[s, base + 96:base + 128]
-                    for grp in range(2):
-                        l0 = 16 * grp
-                        tiles.prefetch_next_block(qs, t, b, 2 * h + grp, 4)
-                        for r in range(TR):
-                            p0[r], p1[r], p2[r], p3[r] = _q6k_l2(q, r, h, l0, x0, x1, x2, x3)
-                        for j in range(1, 7):
-                            for r in range(TR):
-                                a0, a1, a2, a3 = _q6k_l2(q, r, h, l0 + 2 * j, x0, x1, x2, x3)
-                                p0[r] += a0
-                                p1[r] += a1
-                                p2[r] += a2
-                                p3[r] += a3
-                        g = 8 * h + grp                        # scale index of c = 0; c adds 2c
-                        for r in range(TR):
-                            a0, a1, a2, a3 = _q6k_l2(q, r, h, l0 + 14, x0, x1, x2, x3)
-                            y = _int8(q[192 + g, r]) * (p0[r] + a0 - np.float32(32.0) * xs[g]) \
-                                + _int8(q[194 + g, r]) * (p1[r] + a1 - np.float32(32.0) * xs[g + 2]) \
-                                + _int8(q[196 + g, r]) * (p2[r] + a2 - np.float32(32.0) * xs[g + 4]) \
-                                + _int8(q[198 + g, r]) * (p3[r] + a3 - np.float32(32.0) * xs[g + 6])
-                            acc[r] += db[r] * y
-            tiles.store_tile(acc, out, s, t)
-
-
-# --------------------------------------------------------------------------------------------
-# Q2_K / Q3_K GEMV without a scratch. Their halves are laid out as Q6_K's: element 128h + 32c + l
-# takes 2 bits at shift 2c of byte l of the half's 32 quant bytes (Q3_K: plus bit 4h + c of
-# hmask byte l, worth 4); its scale is that of the 16 weights 8h + 2c + l // 16. Per half and
-# group of 16 l, S_c = sum_l x_c[l] * q_c[l] over the TR rows in eight passes of two l; then
-# Q2_K adds d*sc*S_c - dmin*mn*sum(x), Q3_K d*(sc - 32)*(S_c - 4*sum(x)). ``three`` and ``h``
-# are literals at each call, so the branches fold away and the shifts are constants.
-
-
 @njit(**_JIT_INLINE)
-def _q23k_l2(three, q, r, h, l0, x0, x1, x2, x3):
-    """(S_0, S_1, S_2, S_3) over l0 and l0 + 1 of half h, column r."""
-    s0 = np.float32(0.0)
-    s1 = np.float32(0.0)
-    s2 = np.float32(0.0)
-    s3 = np.float32(0.0)
-    for i in range(2):
-        l = l0 + i
-        if three:
-            v = q[32 + 32 * h + l, r]
-            hm = q[l, r]
-            s0 += x0[l] * _quant_f32(v, 0, 3, hm, 4 * h, 1, 2)
-            s1 += x1[l] * _quant_f32(v, 2, 3, hm, 4 * h + 1, 1, 2)
-            s2 += x2[l] * _quant_f32(v, 4, 3, hm, 4 * h + 2, 1, 2)
-            s3 += x3[l] * _quant_f32(v, 6, 3, hm, 4 * h + 3, 1, 2)
-        else:
-            v = q[16 + 32 * h + l, r]
-            s0 += x0[l] * _quant_f32(v, 0, 3, v, 0, 0, 2)
-            s1 += x1[l] * _quant_f32(v, 2, 3, v, 0, 0, 2)
-            s2 += x2[l] * _quant_f32(v, 4, 3, v, 0, 0, 2)
-            s3 += x3[l] * _quant_f32(v, 6, 3, v, 0, 0, 2)
-    return s0, s1, s2, s3
-
-
-@njit(**_JIT_INLINE)
-def _nibble(v, shift):
-    """float32((v >> shift) & 15) of a uint8, on 8-bit integers."""
-    return _quant_f32(v, shift, 15, v, 0, 0, 4)
-
-
-@njit(**_JIT_INLINE)
-def _q23k_half(three, qs, t, b, h, d, m, xs, x, s, acc, p0, p1, p2, p3):
-    """acc += half h of super-block b of tile t, over the TR rows."""
-    q = qs[t, b]
-    db = d[t, b]
-    mb = m[t, b]
-    base = b * 256 + 128 * h
-    x0 = x[s, base:base + 32]
-    x1 = x[s, base + 32:base + 64]
-    x2 = x[s, base + 64:base + 96]
-    x3 = x[s, base + 96:base + 128]
-    for grp in range(2):
-        l0 = 16 * grp
-        tiles.prefetch_next_block(qs, t, b, 2 * h + grp, 4)
-        for r in range(TR):
-            p0[r], p1[r], p2[r], p3[r] = _q23k_l2(three, q, r, h, l0, x0, x1, x2, x3)
-        for j in range(1, 7):
-            for r in range(TR):
-                a0, a1, a2, a3 = _q23k_l2(three, q, r, h, l0 + 2 * j, x0, x1, x2, x3)
-                p0[r] += a0
-                p1[r] += a1
-                p2[r] += a2
-                p3[r] += a3
-        g = 8 * h + grp                                 # the 16 weights of c = 0; c adds 2c
-        for r in range(TR):
-            a0, a1, a2, a3 = _q23k_l2(three, q, r, h, l0 + 14, x0, x1, x2, x3)
-            if three:
-                c32 = np.float32(32.0)
-                c4 = np.float32(4.0)
-                y = (np.float32(q[96 + g, r]) - c32) * (p0[r] + a0 - c4 * xs[g]) \
-                    + (np.float32(q[98 + g, r]) - c32) * (p1[r] + a1 - c4 * xs[g + 2]) \
-                    + (np.float32(q[100 + g, r]) - c32) * (p2[r] + a2 - c4 * xs[g + 4]) \
-                    + (np.float32(q[102 + g, r]) - c32) * (p3[r] + a3 - c4 * xs[g + 6])
-                acc[r] += db[r] * y
-            else:
-                y = _nibble(q[g, r], 0) * (p0[r] + a0) + _nibble(q[g + 2, r], 0) * (p1[r] + a1) \
-                    + _nibble(q[g + 4, r], 0) * (p2[r] + a2) + _nibble(q[g + 6, r], 0) * (p3[r] + a3)
-                z = _nibble(q[g, r], 4) * xs[g] + _nibble(q[g + 2, r], 4) * xs[g + 2] \
-                    + _nibble(q[g + 4, r], 4) * xs[g + 4] + _nibble(q[g + 6, r], 4) * xs[g + 6]
-                acc[r] += db[r] * y - mb[r] * z
-
-
-@njit(**_JIT_INLINE)
-def _q23k_tile(three, x, qs, d, m, xsum, t, out):
-    """out[:, rows of tile t] for Q2_K (three False) or Q3_K (True)."""
+def _k16_tile(kind, x, qs, d, m, xsum, t, out):
+    """out[:, rows of tile t]; ``m`` is only read by Q2_K."""
     acc = np.empty(TR, np.float32)
     p = np.empty((4, TR), np.float32)
     for s in range(x.shape[0]):
         acc[:] = 0.0
         for b in range(qs.shape[1]):
             xs = xsum[s, b]
-            _q23k_half(three, qs, t, b, 0, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
-            _q23k_half(three, qs, t, b, 1, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
+            _k16_half(kind, qs, t, b, 0, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
+            _k16_half(kind, qs, t, b, 1, d, m, xs, x, s, acc, p[0], p[1], p[2], p[3])
         tiles.store_tile(acc, out, s, t)
 
 
@@ -798,7 +747,7 @@ def gemv_q2k(x, qs, d, m, out):
     """Q2_K GEMV for a few rows; shapes as in :func:`gemv` (m = dmin). Twin :func:`matmul_np`."""
     xsum = _xsum16(x, qs.shape[1])
     for t in prange(qs.shape[0]):
-        _q23k_tile(False, x, qs, d, m, xsum, t, out)
+        _k16_tile(0, x, qs, d, m, xsum, t, out)
 
 
 @njit(**_JIT_PARALLEL)
@@ -806,4 +755,12 @@ def gemv_q3k(x, qs, d, out):
     """Q3_K GEMV for a few rows; shapes as in :func:`gemv`. Twin :func:`matmul_np`."""
     xsum = _xsum16(x, qs.shape[1])
     for t in prange(qs.shape[0]):
-        _q23k_tile(True, x, qs, d, d, xsum, t, out)
+        _k16_tile(1, x, qs, d, d, xsum, t, out)
+
+
+@njit(**_JIT_PARALLEL)
+def gemv_q6k(x, qs, d, out):
+    """Q6_K GEMV for a few rows; shapes as in :func:`gemv`. Twin :func:`matmul_np`."""
+    xsum = _xsum16(x, qs.shape[1])
+    for t in prange(qs.shape[0]):
+        _k16_tile(4, x, qs, d, d, xsum, t, out)
