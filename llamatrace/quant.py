@@ -48,7 +48,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from llamatrace import kquants, tiles
+from llamatrace import act8, kquants, tiles
 from llamatrace.errors import OptionError, UnsupportedModelError
 
 _T = gguf.GGMLQuantizationType
@@ -90,7 +90,8 @@ class Weight:
     """One ``[n_out, n_in]`` matrix in row-tile layout (see the module docstring).
 
     ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m``
-    the float32 block scales and minimums (empty where the type has none). ``row_splits``
+    the float32 block scales and minimums (empty where the type has none). ``act8``: packed for
+    8-bit activations (:mod:`llamatrace.act8`'s layout and kernels). ``row_splits``
     gives the row counts of the matrices fused by :func:`pack_concat` (``(n_out,)`` otherwise),
     so a caller can ``np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)``.
     """
@@ -103,6 +104,7 @@ class Weight:
     d: np.ndarray
     m: np.ndarray
     row_splits: tuple[int, ...]
+    act8: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -216,15 +218,36 @@ def _repack_blocks_np(blocks, row0, d_off, m_off, q_off, f16_table, qs_t, d_t, m
         qs_t[t, :, :, rr] = blocks[r, :, q_off:q_off + nq]
 
 
-def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> Weight:
+def check_activations(activations: str) -> str:
+    """``activations`` if it is a mode this machine runs (:data:`llamatrace.act8.MODES`), else
+    :class:`OptionError`."""
+    if activations not in act8.MODES:
+        raise OptionError(f"activations must be one of {', '.join(act8.MODES)}, got {activations!r}")
+    if activations == "q8" and not act8.available():
+        raise OptionError("activations q8 needs a CPU with AVX2, which this one lacks; use f32")
+    return activations
+
+
+def _for_activations(w: Weight, activations: str) -> Weight:
+    """w in :mod:`llamatrace.act8`'s layout when ``activations`` is ``q8`` and its type has an
+    8-bit kernel; otherwise w."""
+    if activations != "q8" or w.ggml_type not in act8.TYPES:
+        return w
+    return Weight(w.name, w.ggml_type, w.n_out, w.n_in, act8.repack(w.qs), w.d, w.m, w.row_splits, True)
+
+
+def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activations: str = "f32") -> Weight:
     """Repack one GGUF tensor into row tiles.
 
     ``raw`` is a GGUF tensor's ``.data`` (gguf_io.Tensor or gguf-py ReaderTensor): uint8 ``[n_out, row_bytes]`` for the
     quantized types and BF16, float32 / float16 ``[n_out, n_in]`` for F32 / F16 (any array of
-    the right size and dtype is accepted). Raises :class:`UnsupportedModelError` for a type not
-    in :data:`SUPPORTED_TYPES`, and ``ValueError`` if ``n_in`` is not a multiple of the block
-    size or ``raw`` has the wrong size.
+    the right size and dtype is accepted). ``activations`` ``"q8"`` packs Q4_0 / Q4_1 / Q8_0
+    for :mod:`llamatrace.act8`'s 8-bit-activation kernels (other types are unaffected).
+    Raises :class:`UnsupportedModelError` for a type not in :data:`SUPPORTED_TYPES`,
+    ``ValueError`` if ``n_in`` is not a multiple of the block size or ``raw`` has the wrong
+    size, and :class:`OptionError` for an unknown ``activations``.
     """
+    check_activations(activations)
     try:
         ggml_type = _T(ggml_type)
     except ValueError:
@@ -248,17 +271,18 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> Weight
         # [n_out, n_in] -> [T, TR, n_in] -> [T, n_in, TR]
         qs_t = np.ascontiguousarray(_tile_rows(flat.reshape(n_out, n_in), n_out).transpose(0, 2, 1))
         d_t = m_t = _EMPTY_SCALES
-    return Weight(name, ggml_type, n_out, n_in, qs_t, d_t, m_t, (n_out,))
+    return _for_activations(Weight(name, ggml_type, n_out, n_in, qs_t, d_t, m_t, (n_out,)), activations)
 
 
-def pack_concat(name: str, parts: list[tuple]) -> Weight:
+def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32") -> Weight:
     """Stack the rows of several ``(ggml_type, raw, n_out, n_in)`` matrices into one Weight.
 
     Used to fuse wq/wk/wv and w1/w3 so that one parallel region computes them all; split the
     result with ``row_splits``. Raises ``ValueError`` if the parts differ in type or ``n_in``
     or a part has the wrong size (the caller then packs them separately), and what
-    :func:`pack` raises.
+    :func:`pack` raises. ``activations`` as in :func:`pack`.
     """
+    check_activations(activations)
     if not parts:
         raise ValueError(f"pack_concat({name!r}): no parts")
     ggml_type, n_in = parts[0][0], int(parts[0][3])
@@ -274,13 +298,14 @@ def pack_concat(name: str, parts: list[tuple]) -> Weight:
     if _T(ggml_type) in _QUANTIZED or _T(ggml_type) in kquants.KIND:
         packer = _pack_quantized if _T(ggml_type) in _QUANTIZED else _pack_kquant
         qs_t, d_t, m_t = packer(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in)
-        return Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits)
+        return _for_activations(Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits),
+                                activations)
     rows = [np.ascontiguousarray(raw).view(np.uint8).reshape(int(n_out), -1) for _, raw, n_out, _ in parts]
     row_bytes = {r.shape[1] for r in rows}
     if len(row_bytes) != 1:
         raise ValueError(f"pack_concat({name!r}): parts have different row sizes {sorted(row_bytes)}")
-    w = pack(name, ggml_type, np.concatenate(rows, axis=0), sum(splits), n_in)
-    return Weight(w.name, w.ggml_type, w.n_out, w.n_in, w.qs, w.d, w.m, splits)
+    w = pack(name, ggml_type, np.concatenate(rows, axis=0), sum(splits), n_in, activations=activations)
+    return Weight(w.name, w.ggml_type, w.n_out, w.n_in, w.qs, w.d, w.m, splits, w.act8)
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,7 +324,7 @@ def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     if typ in kquants.KIND:
         return kquants.dequant_rows_np(typ, w.qs, w.d, w.m, rows)
     if typ in _QUANTIZED:
-        q = w.qs[t, :, :, r]                                     # [n, B, nq]
+        q = act8.unpack_rows(w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, nq]
         d = w.d[t, :, r][:, :, None]                             # [n, B, 1]
         if typ == _T.Q8_0:
             return (d * q.astype(np.float32)).reshape(n, w.n_in)
@@ -600,7 +625,9 @@ def _dequant_tile(qs, d, m, kind, t):
 
 
 def matmul(x: np.ndarray, w: Weight, out: np.ndarray | None = None) -> np.ndarray:
-    """``y = x @ W.T`` with W dequantized on the fly; float32 accumulation.
+    """``y = x @ W.T`` with W dequantized on the fly; float32 accumulation. A weight packed with
+    ``activations="q8"`` (``w.act8``) quantizes x to 8 bits per block of 32 first
+    (:func:`llamatrace.act8.matmul`).
 
     x: float32 ``[seq_len, n_in]`` (a 1-D ``[n_in]`` is treated as one row and gives a 1-D
     result); converted to C-contiguous float32 if it is not. out: optional float32 C-contiguous
@@ -632,6 +659,9 @@ def _q4_offsets(w: Weight) -> tuple[np.ndarray, np.float32]:
 
 def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
     typ = w.ggml_type
+    if w.act8:
+        act8.matmul(x, typ, w.qs, w.d, w.m, out)
+        return
     gemv = x.shape[0] <= GEMV_MAX_SEQ
     if gemv and (typ == _T.Q5_0 or typ == _T.Q5_1):
         m, m_scale = (w.m, np.float32(1.0)) if typ == _T.Q5_1 else (w.d, np.float32(-16.0))

@@ -262,9 +262,10 @@ class JsonlWriter:
         self.stream.write_line(_dumps(obj))
 
     def header(self, *, model: str, prompt: str, prompt_ids: Sequence[int], pieces: Sequence[str],
-               config: Mapping[str, Any]) -> None:
+               config: Mapping[str, Any], activations: str = "f32") -> None:
         self._line({"type": "header", "schema": SCHEMA, "model": model, "prompt": prompt,
-                    "prompt_ids": list(prompt_ids), "pieces": list(pieces), "config": dict(config)})
+                    "prompt_ids": list(prompt_ids), "pieces": list(pieces), "config": dict(config),
+                    "activations": activations})
 
     def __call__(self, event: TraceEvent) -> None:
         self._line(event.to_json())

@@ -21,6 +21,7 @@ from .options import (
     RawOpt,
     SystemOpt,
     ThreadsOpt,
+    ActivationsOpt,
     ablated,
     default_prompt,
     load_model,
@@ -53,6 +54,7 @@ def attention(
     system: SystemOpt = None,
     prompt_file: PromptFileOpt = None,
     threads: ThreadsOpt = None,
+    activations: ActivationsOpt = "f32",
 ) -> None:
     """Draw one layer's attention: which keys each query token attends to, per head.
 
@@ -88,7 +90,7 @@ def attention(
         check_output_path(output, "-o")
     text_in = read_prompt(prompt, prompt_file, default=default_prompt())
 
-    m = load_model(model, threads)
+    m = load_model(model, threads, activations)
     c = m.config
     layers = parse_layers(layer, c.n_layers)
     if layers is None or len(layers) != 1:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from .app import app, err, out
-from .options import ModelOpt, ThreadsOpt
+from .options import ModelOpt, ThreadsOpt, check_activations
 
 
 @app.command()
@@ -21,6 +21,9 @@ def bench(
     decode_tokens: Annotated[int, typer.Option("--decode-tokens", help="Greedy decode steps after it.")] = 64,
     repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per engine (the median is shown).")] = 5,
     threads: ThreadsOpt = None,
+    activations: Annotated[Optional[list[str]], typer.Option(
+        "--activations", help="llamatrace's activations: f32 (the default, float32) or q8 (8-bit, as "
+        "llama.cpp). Repeatable: each mode runs as an engine of its own.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
 ) -> None:
     """Time load, prefill and decode, and measure peak memory (each engine in its own process,
@@ -32,6 +35,8 @@ def bench(
 
       llamatrace bench --against llama.cpp --prompt-tokens 22 --repeats 3
 
+      llamatrace bench --activations f32 --activations q8 --against llama.cpp
+
       llamatrace bench --model Llama-3.1-8B-Q4_0.gguf --against llama.cpp --decode-tokens 16 --json
     """
     from rich.table import Table
@@ -39,10 +44,13 @@ def bench(
     from ..bench import run_bench
     from ..fetch import resolve_model
 
+    for mode in activations or ():
+        check_activations(mode)
     path = resolve_model(model, log=lambda msg: err.print(msg))
     with err.status("") as status:
         report = run_bench(path, against=against or [], prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
-                           repeats=repeats, threads=threads, progress=lambda msg: status.update(msg))
+                           repeats=repeats, threads=threads, activations=activations or ["f32"],
+                           progress=lambda msg: status.update(msg))
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return

@@ -23,6 +23,7 @@ from .options import (
     RawOpt,
     SystemOpt,
     ThreadsOpt,
+    ActivationsOpt,
     default_prompt,
     load_model,
     parse_layers,
@@ -59,6 +60,7 @@ def compare(
         "see above).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
     threads: ThreadsOpt = None,
+    activations: ActivationsOpt = "f32",
 ) -> None:
     """Compare every stage of our forward pass with a reference, and find the first divergence.
 
@@ -115,7 +117,7 @@ def compare(
         from ..bench import check_engines
         check_engines([against])           # one error line, before the model loads
         text_in = read_prompt(args[0] if args else None, prompt_file, default=default_prompt())
-        m = load_model(model, threads)
+        m = load_model(model, threads, activations)
         ids = prompt_ids_for(m, text_in, raw, system)
         with err.status(f"running llamatrace and {against} …"):
             result = compare_with(m, ids, tokens, against=against, threshold=threshold,

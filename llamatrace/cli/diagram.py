@@ -20,6 +20,7 @@ from .options import (
     RawOpt,
     SystemOpt,
     ThreadsOpt,
+    ActivationsOpt,
     default_prompt,
     load_model,
     parse_layers,
@@ -61,6 +62,7 @@ def diagram(
         "--ctx-size", "-c", help="KV cache capacity drawn on the cache node (default: prompt + 256 tokens, at "
         "most the model's context length).", show_default=False)] = None,
     threads: ThreadsOpt = None,
+    activations: ActivationsOpt = "f32",
 ) -> None:
     """Draw a flow diagram of one forward pass of a real run, every shape from the trace (or, with
     -o run.html, an interactive page of the whole run).
@@ -116,7 +118,7 @@ def diagram(
     dg.check_graphviz(fmt)
     text = read_prompt(prompt, prompt_file, default=default_prompt())
 
-    m = load_model(model, threads)
+    m = load_model(model, threads, activations)
     ids = prompt_ids_for(m, text, raw, system)
     chat = not raw and bool(m.tokenizer.chat_template)
     layers = parse_layers(layer, m.config.n_layers)

@@ -20,6 +20,7 @@ from .options import (
     RawOpt,
     SystemOpt,
     ThreadsOpt,
+    ActivationsOpt,
     check_ctx_size,
     ablated,
     load_model,
@@ -46,6 +47,7 @@ def generate(
     prompt_file: PromptFileOpt = None,
     ctx_size: CtxSizeOpt = None,
     threads: ThreadsOpt = None,
+    activations: ActivationsOpt = "f32",
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (text, ids, timings) instead "
                                                          "of streaming text.")] = False,
     ablate: AblateOpt = None,
@@ -82,7 +84,7 @@ def generate(
     parse_ablations(ablate)
     text_in = read_prompt(prompt, prompt_file)
     t0 = time.perf_counter()
-    m = load_model(model, threads)
+    m = load_model(model, threads, activations)
     load_s = time.perf_counter() - t0
     ids = prompt_ids_for(m, text_in, raw, system)
     ablations = parse_ablations(ablate, m.config)
@@ -109,7 +111,7 @@ def generate(
     pieces.append(tail)
     if json_out:
         result = {
-            "model": str(m.path), "prompt": text_in, "prompt_ids": ids, "ids": stats.generated,
+            "model": str(m.path), "activations": m.activations, "prompt": text_in, "prompt_ids": ids, "ids": stats.generated,
             "text": "".join(pieces), "stop_reason": "interrupted" if interrupted else stats.stop_reason,
             "timings": {"load_s": round(load_s, 3),
                         "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 2),

@@ -22,6 +22,7 @@ from .options import (
     RawOpt,
     SystemOpt,
     ThreadsOpt,
+    ActivationsOpt,
     ablated,
     default_prompt,
     load_model,
@@ -46,6 +47,7 @@ def lens(
     system: SystemOpt = None,
     prompt_file: PromptFileOpt = None,
     threads: ThreadsOpt = None,
+    activations: ActivationsOpt = "f32",
 ) -> None:
     """The logit lens: the residual stream after the embeddings and after every layer, read
     through the final RMSNorm and the output projection.
@@ -76,7 +78,7 @@ def lens(
         check_output_path(output, "-o")
     text_in = read_prompt(prompt, prompt_file, default=default_prompt())
 
-    m = load_model(model, threads)
+    m = load_model(model, threads, activations)
     ablations = parse_ablations(ablate, m.config)
     ids = prompt_ids_for(m, text_in, raw, system)
 

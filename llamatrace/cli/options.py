@@ -24,6 +24,9 @@ PromptFileOpt = Annotated[Optional[Path], typer.Option(
     "--prompt-file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False)]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", help="CPU threads for the kernels (default: all cores).", show_default=False)]
+ActivationsOpt = Annotated[str, typer.Option(
+    "--activations", help="Activations of the Q4_0/Q4_1/Q8_0 matmuls: f32 (float32, HF's arithmetic: "
+    "the reference) or q8 (8 bits per block of 32, llama.cpp's arithmetic: faster, ~1e-2 off).")]
 CtxSizeOpt = Annotated[Optional[int], typer.Option(
     "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + tokens to generate, "
     "at most the model's context length).", show_default=False)]
@@ -87,10 +90,20 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
     return prompt
 
 
-def load_model(model_path: Path | None, threads: int | None):
+def check_activations(activations: str) -> None:
+    """Raises :class:`OptionError` for an ``--activations`` value this machine cannot run."""
+    from .. import quant
+    try:
+        quant.check_activations(activations)
+    except OptionError as exc:
+        raise OptionError(f"--activations {activations}: {exc}") from None
+
+
+def load_model(model_path: Path | None, threads: int | None, activations: str = "f32"):
     """Resolve, load (with a status line) and return the model."""
     from ..fetch import resolve_model
 
+    check_activations(activations)
     if threads is not None:
         from .. import quant
         try:
@@ -105,7 +118,8 @@ def load_model(model_path: Path | None, threads: int | None):
     # off when stderr is no terminal: there a transient bar would leave an empty line
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(path.name, total=None)
-        model = Llama.load(path, progress=lambda done, total: bar.update(task, completed=done, total=total))
+        model = Llama.load(path, progress=lambda done, total: bar.update(task, completed=done, total=total),
+                           activations=activations)
     # compile (first run) or load every kernel now, so stage timings and tok/s measure compute
     message = ("Compiling kernels (first run only; cached afterwards) …" if numba_cache_is_cold()
                else "Loading kernels …")

@@ -28,6 +28,7 @@ from .options import (
     RawOpt,
     SystemOpt,
     ThreadsOpt,
+    ActivationsOpt,
     check_ctx_size,
     ablated,
     default_prompt,
@@ -81,6 +82,7 @@ def trace(
     ctx_size: CtxSizeOpt = None,
     ablate: AblateOpt = None,
     threads: ThreadsOpt = None,
+    activations: ActivationsOpt = "f32",
 ) -> None:
     """Trace the forward pass stage by stage, in the words of the book's debug.log.
 
@@ -129,7 +131,7 @@ def trace(
     text_in = read_prompt(prompt, prompt_file, default=default_prompt())
 
     t0 = time.perf_counter()
-    m = load_model(model, threads)
+    m = load_model(model, threads, activations)
     load_s = time.perf_counter() - t0
     layers = parse_layers(layer, m.config.n_layers)
     ablations = parse_ablations(ablate, m.config)
@@ -192,7 +194,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
         if jsonl is not None:
             writer = JsonlWriter(stack.enter_context(open_stream(jsonl, "--jsonl")))
             writer.header(model=str(m.path), prompt=text_in, prompt_ids=ids,
-                          pieces=[m.tokenizer.piece(i) for i in ids], config=m.config.to_dict())
+                          pieces=[m.tokenizer.piece(i) for i in ids], config=m.config.to_dict(), activations=m.activations)
             sinks.append(writer)
         if log_file is not None:
             sinks.append(DebugLog(stack.enter_context(open_stream(log_file, "--log-file")), formatter))
