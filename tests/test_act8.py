@@ -1,0 +1,179 @@
+"""The optional 8-bit-activation mode (llamatrace.act8): activation quantization against gguf-py's
+Q8_0, matmuls against float64 sums over gguf-py's dequantized weights and activations, the Numba
+kernels against their NumPy twins, integer overflow bounds, and llama.cpp's own matmul outputs
+(the committed graph dump) as the independent reference for the mode as a whole."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from test_cli_generate import assert_one_line_error, run
+from test_compare import load_dump
+
+from llamatrace import act8, quant
+from llamatrace.errors import OptionError
+
+T = gguf.GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+
+
+def _rows(rng, n_seq, n):
+    x = rng.standard_normal((n_seq, n)).astype(np.float32)
+    x[0, :32] = 0.0                      # an all-zero block: scale 0, quants 0
+    x[-1, 32:40] *= 1000.0               # one block with a large range
+    return x
+
+
+def test_activation_quantization_is_gguf_q8_0():
+    x = _rows(np.random.default_rng(0), 5, 4096)
+    xq, xd, xs = act8.quantize(x)
+    ref = gguf.quants.quantize(x, T.Q8_0).reshape(5, -1, 34)       # fp16 d, then int8 qs[32]
+    np.testing.assert_array_equal(xq, ref[:, :, 2:].copy().view(np.int8).reshape(5, -1))
+    np.testing.assert_array_equal(xd.astype(np.float16), ref[:, :, :2].copy().view(np.float16)[..., 0])
+    assert xd[0, 0] == 0 and not xq[0, :32].any()
+    np.testing.assert_array_equal(xs, xd * xq.reshape(5, -1, 32).sum(axis=2).astype(np.float32))
+    for got, want in zip((xq, xd, xs), act8.quantize_np(x)):
+        np.testing.assert_array_equal(got, want)
+
+
+def _weight(qtype, n_out, n_in, seed=3):
+    w = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32)
+    w[1, :32] += 4.0
+    raw = gguf.quants.quantize(w, qtype)
+    return raw, quant.pack("w", qtype, raw, n_out, n_in, activations="q8")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("n_seq", [1, 2, 5, 9])
+def test_matmul_equals_gguf_dequantized_float64_sums(qtype, n_seq):
+    raw, w = _weight(qtype, 70, 160)                  # a padded tile, 5 blocks
+    assert w.act8 and w.ggml_type == qtype
+    x = _rows(np.random.default_rng(n_seq), n_seq, 160)
+    ref_x = gguf.quants.dequantize(gguf.quants.quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
+    # gguf stores the activation scale as fp16, we keep it float32: use ours with gguf's quants
+    xq, xd, _ = act8.quantize(x)
+    ours_x = (xq.reshape(n_seq, -1, 32) * xd[..., None].astype(np.float64)).reshape(n_seq, -1)
+    assert np.abs(ours_x - ref_x).max() <= 1e-3 * np.abs(ref_x).max()
+    want = ours_x @ gguf.quants.dequantize(raw, qtype).astype(np.float64).T
+    got = quant.matmul(x, w)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    # and the float32 path differs by about the activations' rounding, no more
+    f32 = quant.matmul(x, quant.pack("w", qtype, raw, 70, 160))
+    assert np.abs(got - f32).max() < 3e-2 * np.abs(f32).max()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_kernels_equal_numpy_twins(qtype):
+    _, w = _weight(qtype, 70, 256)
+    x = _rows(np.random.default_rng(9), 3, 256)
+    xq, xd, xs = act8.quantize(x)
+    out = np.empty((3, w.n_tiles * quant.TR), np.float32)
+    if qtype == T.Q8_0:
+        act8._matmul_q8(xq, xd, w.qs, w.d, out)
+        twin = act8.matmul_q8_np(xq, xd, w.qs, w.d)
+    else:
+        m, m_scale = (w.m, 1.0) if qtype == T.Q4_1 else (w.d, -8.0)
+        act8._matmul_q4(xq, xd, xs, w.qs, w.d, m, np.float32(m_scale), out)
+        twin = act8.matmul_q4_np(xq, xd, xs, w.qs, w.d, m, m_scale)
+    np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_extreme_quants_do_not_overflow(qtype):
+    # every weight at its largest magnitude, every activation at +-127: the int16 / int32 bounds
+    n_out, n_in = 32, 64
+    blocks = np.zeros((n_out, n_in // 32, {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34}[qtype]), np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if qtype == T.Q8_0:
+        blocks[:, :, 2:] = np.int8(-128).view(np.uint8)
+        blocks[::2, :, 2:] = 127
+    else:
+        blocks[:, :, -16:] = 0xFF
+        blocks[::2, :, -16:] = 0x00                  # Q4_0: q - 8 = -8; Q4_1: 0
+    raw = blocks.reshape(n_out, -1)
+    w = quant.pack("w", qtype, raw, n_out, n_in, activations="q8")
+    x = np.full((2, n_in), 127.0, np.float32)
+    x[1] = -127.0
+    want = x.astype(np.float64) @ gguf.quants.dequantize(raw, qtype).astype(np.float64).T
+    np.testing.assert_array_equal(quant.matmul(x, w), want.astype(np.float32))
+
+
+def test_layout_round_trip_and_embedding_rows():
+    for qtype in TYPES:
+        raw, w = _weight(qtype, 70, 96)
+        np.testing.assert_array_equal(quant.dequantize(w), gguf.quants.dequantize(raw, qtype))
+        np.testing.assert_array_equal(quant.get_rows(w, np.array([69, 0, 33])),
+                                      gguf.quants.dequantize(raw, qtype)[[69, 0, 33]])
+
+
+def test_pack_concat_keeps_the_mode_and_the_rows():
+    rng = np.random.default_rng(2)
+    parts = [(T.Q4_1, gguf.quants.quantize(rng.standard_normal((n, 64)).astype(np.float32), T.Q4_1), n, 64)
+             for n in (40, 24)]
+    fused = quant.pack_concat("qkv", parts, activations="q8")
+    assert fused.act8 and fused.row_splits == (40, 24)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    separate = [quant.matmul(x, quant.pack("p", T.Q4_1, raw, n, 64, activations="q8")) for _, raw, n, _ in parts]
+    np.testing.assert_array_equal(quant.matmul(x, fused), np.concatenate(separate, axis=1))
+
+
+def test_nan_reaches_the_output_and_other_types_are_unchanged():
+    _, w = _weight(T.Q4_0, 32, 64)
+    x = np.ones((1, 64), np.float32)
+    x[0, 3] = np.nan
+    assert np.isnan(quant.matmul(x, w)).all()
+    f16 = quant.pack("h", T.F16, np.ones((32, 64), np.float16), 32, 64, activations="q8")
+    assert not f16.act8
+
+
+def test_unknown_mode_and_missing_avx2_are_option_errors(monkeypatch):
+    with pytest.raises(OptionError, match="f32, q8"):
+        quant.check_activations("int8")
+    monkeypatch.setattr(act8, "available", lambda: False)
+    with pytest.raises(OptionError, match="AVX2"):
+        quant.check_activations("q8")
+    assert quant.check_activations("f32") == "f32"
+
+
+def test_cli_rejects_an_unknown_mode_in_one_line(capsys):
+    assert_one_line_error(*run(capsys, "generate", "--activations", "int4", "hi"), "--activations int4")
+
+
+def test_tiny_model_generates_with_q8_and_says_so(capsys, tiny_model_path):
+    import json
+    code, out, _ = run(capsys, "generate", "-m", str(tiny_model_path), "--raw", "hi", "-n", "4",
+                       "--activations", "q8", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["activations"] == "q8" and len(result["ids"]) >= 1
+
+
+def _rel(a, b):
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
+
+def test_q8_reproduces_llamacpp_matmuls(smollm2_path):
+    """Fed llama.cpp's own inputs (the committed graph dump, fp16), q8 gives llama.cpp's matmul
+    outputs far more closely than float32 activations do: the same arithmetic."""
+    from llamatrace.model import Llama, _split_rows
+    models = {a: Llama.load(smollm2_path, activations=a) for a in ("f32", "q8")}
+    _, steps = load_dump("france")
+    for step, captured in steps.items():
+        by = {(c.name, c.op): c.array for c in captured}
+        for layer in (0, 29):
+            xn = np.ascontiguousarray(by[(f"ffn_norm-{layer}", "MUL")].reshape(-1, 576))
+            sw = np.ascontiguousarray(by[(f"ffn_swiglu-{layer}", "SWIGLU")].reshape(-1, 1536))
+            err = {}
+            for mode, m in models.items():
+                lw = m.weights.layers[layer]
+                gate, up = _split_rows(quant.matmul(xn, lw.w13), lw.w13)
+                down = quant.matmul(sw, lw.w2)
+                err[mode] = [_rel(y, by[(f"{name}-{layer}", "MUL_MAT")].reshape(y.shape))
+                             for y, name in ((gate, "ffn_gate"), (up, "ffn_up"), (down, "ffn_out"))]
+            for e8, e32 in zip(err["q8"], err["f32"]):
+                assert e8 < 4e-3 and e8 < e32 / 3, (step, layer, err)
+        xn = np.ascontiguousarray(by[("result_norm", "MUL")].reshape(-1, 576)[-1:])
+        ref = by[("result_output", "MUL_MAT")].reshape(-1, models["q8"].config.vocab_size)[-1:]
+        e32, e8 = (_rel(quant.matmul(xn, models[mode].weights.output), ref) for mode in ("f32", "q8"))
+        assert e8 < 3e-3 and e8 < e32 / 5, (step, e8, e32)
