@@ -40,7 +40,8 @@ def test_generate_json_is_one_object_with_the_documented_fields(capsys, smollm2_
                          "The capital of France is")
     assert code == 0
     result = json.loads(out)
-    assert set(result) == {"model", "prompt", "prompt_ids", "ids", "text", "stop_reason", "timings"}
+    assert set(result) == {"model", "activations", "prompt", "prompt_ids", "ids", "text", "stop_reason", "timings"}
+    assert result["activations"] == "f32"
     assert result["prompt_ids"] == [504, 3575, 282, 4649, 314]           # HF's ids (tests/golden)
     assert result["ids"][:2] == [7042, 30]                               # " Paris."
     assert result["text"].startswith(" Paris.")
