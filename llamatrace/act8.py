@@ -1,4 +1,4 @@
-"""8-bit activations: the optional ``--activations q8`` mode for Q4_0, Q4_1 and Q8_0 weights.
+"""8-bit activations: the optional ``--activations q8`` mode for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights.
 
 llamatrace's default arithmetic is float32 activations times dequantized weights (matching HF
 transformers fp32 to ~1e-5). llama.cpp instead quantizes each activation row to 8 bits and
@@ -12,16 +12,22 @@ module does the same, beside the float32 path and never instead of it:
 2. Per block and weight row, the integer dot product ``isum = sum_j q[j] * xq[j]`` is exact in
    int32, and ``y += (d * xd) * isum + m_scale * m * (xd * sum_j xq[j])`` in float32, with
    the weight ``d * q + m_scale * m`` as in :mod:`llamatrace.quant` (Q4_0: ``q`` in 0..15,
-   ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset).
+   ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset). Q4_K's
+   sub-blocks are 32 weights too: ``y += (d * sc * xd) * isum - (dmin * mn) * (xd * sum xq)``
+   per sub-block (:mod:`llamatrace.kquants`). Q6_K has a scale per 16 weights and ``q`` in
+   -32..31, summed as ``q + 32`` in 0..63: ``y += (d * sc * xd) * (isum - 32 * sum xq)`` per 16.
 
 The error is that of rounding x to 8 bits, about 1e-2 relative per matmul, as in llama.cpp
 (``llamatrace compare`` shows it stage by stage); the integer part adds none.
 
 Layout. A dot product of bytes needs the bytes of one row side by side, so weights in this
-mode are repacked from the float32 path's ``qs[t, b, j, r]`` into groups of four bytes per
-row, ``qs[t, b, g, r, i] = byte 4g + i`` of row ``t*TR + r`` (Q4: ``uint8 [T, B, 4, TR, 4]``,
-where byte ``4g + i`` holds weight ``4g + i`` in its low nibble and ``16 + 4g + i`` in its high
-nibble; Q8_0: ``int8 [T, B, 8, TR, 4]``). The same bytes as the float32 layout, reordered.
+mode keep the float32 path's arrays (``qs [T, B, P, TR]``, :mod:`llamatrace.quant`,
+:mod:`llamatrace.kquants`) with each block's quant bytes reordered in place from ``[P, TR]``
+(byte j of row r at ``j*TR + r``) into groups of four bytes per row, ``[P/4, TR, 4]`` (byte
+``4g + i`` of row r at ``(g*TR + r)*4 + i``). Q4_0/Q4_1 byte ``j`` holds weight ``j`` in its low
+nibble and ``16 + j`` in its high nibble; Q4_K keeps its 16 scale bytes per row first and then
+has four 32-byte chunks, low nibbles sub-block ``2c``, high nibbles ``2c + 1``; Q6_K regroups its
+``ql[128] qh[64]`` and keeps its 16 int8 scales last. The same bytes, the same memory, reordered.
 
 Kernels. x86 ``pmaddubsw`` multiplies 32 unsigned bytes by 32 signed bytes and adds adjacent
 pairs to int16, ``pmaddwd`` adds pairs of int16 to int32: with four bytes of a row per 32-bit
@@ -30,7 +36,8 @@ types integer arithmetic as int64, so the block dot products are written in LLVM
 (:func:`_isum_q4`, :func:`_isum_q8`) with the AVX2 intrinsics; this mode needs AVX2
 (:func:`available`). Overflow bounds: a Q4 pair is at most 2 * 15 * 127 = 3810 and the 8 pairs
 of a block summed in int16 at most 30480 < 32767; a Q8_0 pair uses ``|q|`` (<= 128) times
-``sign(q) * xq`` (<= 127), at most 32512, and goes to int32 at once.
+``sign(q) * xq`` (<= 127), at most 32512, and a Q6_K pair at most 2 * 63 * 127 = 16002: both go
+to int32 at once.
 
 Each Numba kernel has a NumPy twin (``*_np``) that tests compare it with.
 """
@@ -51,17 +58,19 @@ _T = gguf.GGMLQuantizationType
 TR = tiles.TR
 QK = 32
 
-TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0})
+TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K, _T.Q6_K})
 """Weight types with an 8-bit-activation kernel; other types keep float32 activations."""
 
 MODES = ("f32", "q8")
 """Values of ``activations``: float32 (the default, the reference) or 8-bit."""
 
-_GROUPS = {_T.Q4_0: 4, _T.Q4_1: 4, _T.Q8_0: 8}
+_Q4K_HEAD = 16       # Q4_K: scale bytes sc[8] mn[8] per row before the 128 quant bytes
+_Q6K_SCALES = 192    # Q6_K: ql[128] qh[64], then int8 scales[16]
 
 _FASTMATH = {"contract", "arcp", "afn", "nsz"}
 _JIT = dict(cache=True, fastmath=_FASTMATH)
 _JIT_PARALLEL = dict(parallel=True, **_JIT)
+_JIT_INLINE = dict(inline="always", **_JIT)
 
 
 def available() -> bool:
@@ -73,16 +82,36 @@ def available() -> bool:
 # layout
 
 
-def repack(qs: np.ndarray) -> np.ndarray:
-    """Float32-path tiles ``[T, B, nq, TR]`` -> this module's ``[T, B, nq/4, TR, 4]`` (a copy)."""
-    n_tiles, n_blocks, nq, tr = qs.shape
-    return np.ascontiguousarray(qs.reshape(n_tiles, n_blocks, nq // 4, 4, tr).transpose(0, 1, 2, 4, 3))
+def _regroup(qs: np.ndarray, ggml_type, to_groups: bool, tiles_per_step: int = 64) -> np.ndarray:
+    """Reorder every block's quant bytes of ``qs [T, B, P, TR]`` in place, ``tiles_per_step`` tiles
+    at a time (the only temporary): ``[P, TR]`` -> ``[P/4, TR, 4]`` or back."""
+    n_tiles, n_blocks, n_bytes, tr = qs.shape
+    head = _Q4K_HEAD if _T(ggml_type) == _T.Q4_K else 0
+    end = _Q6K_SCALES if _T(ggml_type) == _T.Q6_K else n_bytes
+    groups = (end - head) // 4
+    src = (groups, 4, tr) if to_groups else (groups, tr, 4)
+    for t0 in range(0, n_tiles, tiles_per_step):
+        part = qs[t0:t0 + tiles_per_step, :, head:end]
+        part[...] = part.reshape(part.shape[:2] + src).transpose(0, 1, 2, 4, 3).reshape(part.shape)
+    return qs
 
 
-def unpack_rows(qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """Bytes of rows ``t*TR + r`` in file order: ``[n, B, nq]`` from ``qs [T, B, nq/4, TR, 4]``."""
-    q = qs[t, :, :, r, :]                                   # [n, B, nq/4, 4]
-    return q.reshape(q.shape[0], q.shape[1], -1)
+def repack(qs: np.ndarray, ggml_type) -> np.ndarray:
+    """The float32 path's tiles -> this module's layout, in place (see the module docstring)."""
+    return _regroup(qs, ggml_type, True)
+
+
+def file_order(qs: np.ndarray, ggml_type) -> np.ndarray:
+    """A copy of ``qs`` (this module's layout) in the float32 path's layout."""
+    return _regroup(qs.copy(), ggml_type, False)
+
+
+def file_order_rows(ggml_type, qs: np.ndarray, d: np.ndarray, m: np.ndarray, rows: np.ndarray):
+    """``(qs, d, m, rows)`` for just the tiles holding ``rows``, in the float32 path's layout,
+    with ``rows`` renumbered to match: what its NumPy dequantizers take."""
+    used, inverse = np.unique(rows // TR, return_inverse=True)
+    return (file_order(qs[used], ggml_type), d[used], m[used] if m.size else m,
+            inverse.reshape(-1) * TR + rows % TR)
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,8 +185,17 @@ def _ir_types():
     return i32, i64, ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
 
 
-def _block_ir(builder, args, sig, context, groups: int, nibbles: bool) -> None:
-    """Emit: isum[r] = sum over a block of q[r, j] * xq[j] for the TR rows of one tile block."""
+def _block_ir(builder, args, sig, context, kind: str) -> None:
+    """Emit: isum[r] = sum over a block of q[r, j] * xq[j] for the TR rows of one tile block.
+
+    kind ``q4``: 4 groups, low nibbles times x[4g..], high nibbles times x[16 + 4g..], one sum;
+    ``q4k``: 8 groups, high nibbles times x[32 + 4g..], two sums (isum[0:TR] low, [TR:2TR] high);
+    ``q8``: 8 groups of signed bytes; ``q6k0`` / ``q6k1``: half 0 / 1 (128 weights) of a Q6_K
+    block, 8 sums of 16 weights (isum[j*TR + r], j = 2c + l // 16 for weight 32c + l of the half)
+    of the unsigned ``q + 32``."""
+    if kind.startswith("q6k"):
+        _q6k_half_ir(builder, args, sig, context, int(kind[3]))
+        return
     i32, i64, v32i8, v16i16, v8i32 = _ir_types()
     qa = context.make_array(sig.args[0])(context, builder, args[0]).data
     xa = context.make_array(sig.args[2])(context, builder, args[2]).data
@@ -180,37 +218,94 @@ def _block_ir(builder, args, sig, context, groups: int, nibbles: bool) -> None:
         return builder.bitcast(vec, v32i8)
 
     ones = ir.Constant(v16i16, [1] * 16)
-    if nibbles:
-        xlo = [broadcast(4 * g) for g in range(groups)]
-        xhi = [broadcast(16 + 4 * g) for g in range(groups)]
+    groups = 4 if kind == "q4" else 8
+    xlo = [broadcast(4 * g) for g in range(groups)]
+    if kind != "q8":
+        xhi = [broadcast((16 if kind == "q4" else 32) + 4 * g) for g in range(groups)]
         mask, four = ir.Constant(v32i8, [15] * 32), ir.Constant(v32i8, [4] * 32)
     else:
-        xg = [broadcast(4 * g) for g in range(groups)]
         sign = module.declare_intrinsic("llvm.x86.avx2.psign.b", (), ir.FunctionType(v32i8, [v32i8, v32i8]))
+
+    def add(acc, part):
+        return part if acc is None else builder.add(acc, part)
+
     for rg in range(TR // 8):                 # 8 rows per 256-bit register
-        acc = None
+        acc = acc_hi = None
         for g in range(groups):
             v = builder.load(at(qp, g * TR * 4 + rg * 32, v32i8), align=1)
-            if nibbles:   # int16 sums cannot overflow within a block (module docstring)
-                part = builder.add(builder.call(maddubs, [builder.and_(v, mask), xlo[g]]),
-                                   builder.call(maddubs, [builder.lshr(v, four), xhi[g]]))
-                acc = part if acc is None else builder.add(acc, part)
-            else:         # |q| * (sign(q) * x): unsigned times signed, to int32 at once
-                part = builder.call(maddwd, [builder.call(maddubs, [builder.call(sign, [v, v]),
-                                                                    builder.call(sign, [xg[g], v])]), ones])
-                acc = part if acc is None else builder.add(acc, part)
-        if nibbles:
+            if kind == "q8":   # |q| * (sign(q) * x): unsigned times signed, to int32 at once
+                acc = add(acc, builder.call(maddwd, [builder.call(maddubs, [builder.call(sign, [v, v]),
+                                                                            builder.call(sign, [xlo[g], v])]), ones]))
+                continue
+            # int16 sums cannot overflow within a block (module docstring)
+            lo = builder.call(maddubs, [builder.and_(v, mask), xlo[g]])
+            hi = builder.call(maddubs, [builder.lshr(v, four), xhi[g]])
+            if kind == "q4":
+                acc = add(acc, builder.add(lo, hi))
+            else:
+                acc, acc_hi = add(acc, lo), add(acc_hi, hi)
+        if kind != "q8":
             acc = builder.call(maddwd, [acc, ones])
         builder.store(acc, at(sa, rg * 8, v8i32), align=4)
+        if kind == "q4k":
+            builder.store(builder.call(maddwd, [acc_hi, ones]), at(sa, TR + rg * 8, v8i32), align=4)
 
 
-def _isum_intrinsic(groups: int, nibbles: bool, doc: str):
+def _q6k_half_ir(builder, args, sig, context, h: int) -> None:
+    """The ``q6k`` cases of :func:`_block_ir`: ``qbase`` is the block's first byte, ``xbase`` the
+    half's first activation. Group k (4 bytes of weights l = 4k..4k+3 in each 32) of the half's
+    ql[0:32], ql[32:64] and qh[0:32] is group 16h + k, 16h + 8 + k and 32 + 8h + k of the block;
+    weight 32c + l is ql (low nibble for c < 2, high for c >= 2) | qh bits 2c, 2c+1 << 4."""
+    i32, i64, v32i8, v16i16, v8i32 = _ir_types()
+    qa = context.make_array(sig.args[0])(context, builder, args[0]).data
+    xa = context.make_array(sig.args[2])(context, builder, args[2]).data
+    sa = context.make_array(sig.args[4])(context, builder, args[4]).data
+    module = builder.module
+    maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
+                                       ir.FunctionType(v16i16, [v32i8, v32i8]))
+    maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
+                                      ir.FunctionType(v8i32, [v16i16, v16i16]))
+    qp = builder.gep(qa, [args[1]])
+    xp = builder.gep(xa, [args[3]])
+
+    def at(ptr, offset, vtype):
+        return builder.bitcast(builder.gep(ptr, [ir.Constant(i64, offset)]), vtype.as_pointer())
+
+    def broadcast(offset):
+        v = builder.load(at(xp, offset, i32), align=1)
+        vec = builder.insert_element(ir.Constant(v8i32, None), v, ir.Constant(i32, 0))
+        vec = builder.shuffle_vector(vec, ir.Constant(v8i32, None), ir.Constant(v8i32, [0] * 8))
+        return builder.bitcast(vec, v32i8)
+
+    def const(v):
+        return ir.Constant(v32i8, [v] * 32)
+
+    ones = ir.Constant(v16i16, [1] * 16)
+    for rg in range(TR // 8):
+        acc = [None] * 8
+        for k in range(8):
+            ql0 = builder.load(at(qp, (16 * h + k) * TR * 4 + rg * 32, v32i8), align=1)
+            ql1 = builder.load(at(qp, (16 * h + 8 + k) * TR * 4 + rg * 32, v32i8), align=1)
+            qh = builder.load(at(qp, (32 + 8 * h + k) * TR * 4 + rg * 32, v32i8), align=1)
+            q6 = (builder.or_(builder.and_(ql0, const(15)), builder.shl(builder.and_(qh, const(3)), const(4))),
+                  builder.or_(builder.and_(ql1, const(15)), builder.shl(builder.and_(qh, const(12)), const(2))),
+                  builder.or_(builder.lshr(ql0, const(4)), builder.and_(qh, const(48))),
+                  builder.or_(builder.lshr(ql1, const(4)), builder.and_(builder.lshr(qh, const(2)), const(48))))
+            for c in range(4):
+                part = builder.call(maddwd, [builder.call(maddubs, [q6[c], broadcast(32 * c + 4 * k)]), ones])
+                j = 2 * c + k // 4
+                acc[j] = part if acc[j] is None else builder.add(acc[j], part)
+        for j in range(8):
+            builder.store(acc[j], at(sa, j * TR + rg * 8, v8i32), align=4)
+
+
+def _isum_intrinsic(kind: str, doc: str):
     def typer(typingctx, qs, qbase, xq, xbase, isum):
         if not all(isinstance(a, types.Array) for a in (qs, xq, isum)):
             return None
 
         def codegen(context, builder, signature, args):
-            _block_ir(builder, args, signature, context, groups, nibbles)
+            _block_ir(builder, args, signature, context, kind)
             return context.get_dummy_value()
 
         return types.void(qs, qbase, xq, xbase, isum), codegen
@@ -219,9 +314,14 @@ def _isum_intrinsic(groups: int, nibbles: bool, doc: str):
     return intrinsic(typer)
 
 
-_isum_q4 = _isum_intrinsic(4, True, """isum int32[TR] = block dot products of a Q4 tile block at
+_isum_q4 = _isum_intrinsic("q4", """isum int32[TR] = block dot products of a Q4 tile block at
 flat byte ``qbase`` of ``qs`` with the 32 int8 activations at ``xbase`` of ``xq`` (C-contiguous).""")
-_isum_q8 = _isum_intrinsic(8, False, """As :func:`_isum_q4` for a Q8_0 tile block.""")
+_isum_q8 = _isum_intrinsic("q8", """As :func:`_isum_q4` for a Q8_0 tile block.""")
+_isum_q6k0 = _isum_intrinsic("q6k0", """isum int32[8*TR]: half 0 of the Q6_K tile block at ``qbase``
+with the 128 activations at ``xbase``, per 16 weights.""")
+_isum_q6k1 = _isum_intrinsic("q6k1", """As :func:`_isum_q6k0` for half 1.""")
+_isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: one 32-byte chunk of Q4_K quants at ``qbase``
+(two sub-blocks) with the 64 activations at ``xbase``: low-nibble sums, then high-nibble sums.""")
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,13 +331,14 @@ _isum_q8 = _isum_intrinsic(8, False, """As :func:`_isum_q4` for a Q8_0 tile bloc
 @njit(**_JIT_PARALLEL)
 def _matmul_q4(xq, xd, xs, qs, d, m, m_scale, out):
     """out[s] = x[s] @ W.T for Q4_0 / Q4_1 (weight d*q + m_scale*m). xq int8 [S, B*32], xd, xs
-    float32 [S, B]; qs uint8 [T, B, 4, TR, 4]; d, m float32 [T, B, TR]; out float32 [S, n_out].
+    float32 [S, B]; qs uint8 [T, B, 16, TR] (this module's layout); d, m float32 [T, B, TR];
+    out float32 [S, n_out].
 
     One parallel region over tiles; each block is loaded once and used by every row of x
     while it is in L1 (so prefill and decode share the kernel)."""
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    block = qs.shape[2] * TR * 4
+    block = qs.shape[2] * TR
     for t in prange(n_tiles):
         isum = np.empty(TR, np.int32)
         acc = np.zeros((n_seq, TR), np.float32)
@@ -256,10 +357,10 @@ def _matmul_q4(xq, xd, xs, qs, d, m, m_scale, out):
 
 @njit(**_JIT_PARALLEL)
 def _matmul_q8(xq, xd, qs, d, out):
-    """As :func:`_matmul_q4` for Q8_0: qs int8 [T, B, 8, TR, 4], weight d*q."""
+    """As :func:`_matmul_q4` for Q8_0: qs int8 [T, B, 32, TR] (this module's layout), weight d*q."""
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    block = qs.shape[2] * TR * 4
+    block = qs.shape[2] * TR
     for t in prange(n_tiles):
         isum = np.empty(TR, np.int32)
         acc = np.zeros((n_seq, TR), np.float32)
@@ -274,6 +375,75 @@ def _matmul_q8(xq, xd, qs, d, out):
         tiles.store_rows(acc, out, t)
 
 
+@njit(**_JIT_PARALLEL)
+def _matmul_q4k(xq, xd, xs, qs, d, m, out):
+    """As :func:`_matmul_q4` for Q4_K: qs uint8 [T, B, 144, TR] (this module's layout), d and
+    m (dmin) float32 [T, B, TR]; xd, xs per 32 activations [S, B*8]."""
+    n_seq = xq.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    block = qs.shape[2] * TR
+    for t in prange(n_tiles):
+        isum = np.empty(2 * TR, np.int32)
+        acc = np.zeros((n_seq, TR), np.float32)
+        for b in range(n_blocks):
+            db = d[t, b]
+            mb = m[t, b]
+            sc = qs[t, b]
+            base = (t * n_blocks + b) * block + _Q4K_HEAD * TR
+            for s in range(n_seq):
+                a = acc[s]
+                for c in range(4):           # 64 weights: sub-blocks 2c (low nibbles), 2c + 1
+                    j = 2 * c
+                    _isum_q4k(qs, base + c * 32 * TR, xq, s * n_blocks * 256 + b * 256 + 64 * c, isum)
+                    k = b * 8 + j
+                    dx0, dx1 = xd[s, k], xd[s, k + 1]
+                    xs0, xs1 = xs[s, k], xs[s, k + 1]
+                    for r in range(TR):
+                        a[r] += db[r] * (np.float32(sc[j, r]) * dx0 * np.float32(isum[r])
+                                         + np.float32(sc[j + 1, r]) * dx1 * np.float32(isum[TR + r])) \
+                            - mb[r] * (np.float32(sc[8 + j, r]) * xs0 + np.float32(sc[9 + j, r]) * xs1)
+        tiles.store_rows(acc, out, t)
+
+
+@njit(**_JIT_INLINE)
+def _int8(v):
+    """A uint8 byte read as int8, as float32."""
+    f = np.float32(v)
+    return f - np.float32(256.0) * np.float32(v >= 128)
+
+
+@njit(**_JIT_PARALLEL)
+def _matmul_q6k(xq, xd, xsum16, qs, d, out):
+    """As :func:`_matmul_q4` for Q6_K: qs uint8 [T, B, 208, TR] (this module's layout), d
+    float32 [T, B, TR]; xsum16 int32 [S, B*16]: sums of xq per 16."""
+    n_seq = xq.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    block = qs.shape[2] * TR
+    for t in prange(n_tiles):
+        isum = np.empty(8 * TR, np.int32)
+        acc = np.zeros((n_seq, TR), np.float32)
+        for b in range(n_blocks):
+            db = d[t, b]
+            sc = qs[t, b]
+            base = (t * n_blocks + b) * block
+            for s in range(n_seq):
+                a = acc[s]
+                for h in range(2):
+                    x0 = s * n_blocks * 256 + b * 256 + 128 * h
+                    if h == 0:
+                        _isum_q6k0(qs, base, xq, x0, isum)
+                    else:
+                        _isum_q6k1(qs, base, xq, x0, isum)
+                    for j in range(8):       # weights 16j .. 16j+15 of the half
+                        g = b * 16 + 8 * h + j
+                        dx = xd[s, g // 2]
+                        off = np.float32(32 * xsum16[s, g])     # exact: |isum| < 2**24
+                        for r in range(TR):
+                            a[r] += (db[r] * _int8(sc[_Q6K_SCALES + 8 * h + j, r]) * dx) \
+                                * (np.float32(isum[j * TR + r]) - off)
+        tiles.store_rows(acc, out, t)
+
+
 def _isums_np(xq: np.ndarray, q: np.ndarray) -> np.ndarray:
     """int64 [S, T, B, TR]: exact block dot products of xq int8 [S, B*32] with q [T, B, 32, TR]."""
     n_seq = xq.shape[0]
@@ -281,15 +451,9 @@ def _isums_np(xq: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.einsum("sbj,tbjr->stbr", xq.reshape(n_seq, n_blocks, QK).astype(np.int64), q.astype(np.int64))
 
 
-def _file_order(qs: np.ndarray) -> np.ndarray:
-    """[T, B, nq/4, TR, 4] -> [T, B, nq, TR] (the float32 path's layout)."""
-    n_tiles, n_blocks, groups, tr, _ = qs.shape
-    return qs.transpose(0, 1, 2, 4, 3).reshape(n_tiles, n_blocks, groups * 4, tr)
-
-
 def matmul_q4_np(xq, xd, xs, qs, d, m, m_scale) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q4` (float64 sums). Returns float32 [S, T*TR]."""
-    q = _file_order(qs)
+    q = file_order(qs, _T.Q4_0)
     q32 = np.concatenate([q & 0x0F, q >> 4], axis=2)                        # [T, B, 32, TR]
     isum = _isums_np(xq, q32).astype(np.float64)
     y = (d[None] * xd[:, None, :, None] * isum
@@ -299,8 +463,41 @@ def matmul_q4_np(xq, xd, xs, qs, d, m, m_scale) -> np.ndarray:
 
 def matmul_q8_np(xq, xd, qs, d) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q8` (float64 sums). Returns float32 [S, T*TR]."""
-    isum = _isums_np(xq, _file_order(qs)).astype(np.float64)
+    isum = _isums_np(xq, file_order(qs, _T.Q8_0)).astype(np.float64)
     y = (d[None] * xd[:, None, :, None] * isum).sum(axis=2)
+    return y.reshape(xq.shape[0], -1).astype(np.float32)
+
+
+def matmul_q4k_np(xq, xd, xs, qs, d, m) -> np.ndarray:
+    """NumPy twin of :func:`_matmul_q4k` (float64 sums). Returns float32 [S, T*TR]."""
+    p = file_order(qs, _T.Q4_K)                                             # [T, B, 144, TR]
+    n_tiles, n_blocks = p.shape[0], p.shape[1]
+    e = np.arange(256)
+    q = (p[:, :, _Q4K_HEAD + 32 * (e // 64) + e % 32] >> (4 * ((e // 32) % 2))[None, None, :, None]) & 15
+    isum = _isums_np(xq, q.reshape(n_tiles, n_blocks * 8, 32, TR)).astype(np.float64)   # [S, T, B*8, TR]
+    sc = p[:, :, :8].reshape(n_tiles, n_blocks * 8, TR).astype(np.float64)
+    mn = p[:, :, 8:16].reshape(n_tiles, n_blocks * 8, TR).astype(np.float64)
+    dd, mm = np.repeat(d, 8, axis=1), np.repeat(m, 8, axis=1)               # [T, B*8, TR]
+    y = (dd * sc * xd[:, None, :, None] * isum - mm * mn * xs[:, None, :, None].astype(np.float64)).sum(axis=2)
+    return y.reshape(xq.shape[0], -1).astype(np.float32)
+
+
+def matmul_q6k_np(xq, xd, qs, d) -> np.ndarray:
+    """NumPy twin of :func:`_matmul_q6k` (float64 sums, the file's signed quants). Returns float32
+    [S, T*TR]."""
+    p = file_order(qs, _T.Q6_K)                                             # [T, B, 208, TR]
+    n_tiles, n_blocks = p.shape[0], p.shape[1]
+    e = np.arange(256)
+    half, c, l = e // 128, (e % 128) // 32, e % 32
+    ql = (p[:, :, 64 * half + 32 * (c % 2) + l] >> (4 * (c // 2))[:, None]) & 15   # [T, B, 256, TR]
+    qh = (p[:, :, 128 + 32 * half + l] >> (2 * c)[:, None]) & 3
+    q = (ql | (qh << 4)).astype(np.int64) - 32                              # [T, B, 256, TR]
+    xq16 = xq.reshape(xq.shape[0], n_blocks * 16, 16).astype(np.int64)
+    isum = np.einsum("sgj,tgjr->stgr", xq16, q.reshape(n_tiles, n_blocks * 16, 16, TR)).astype(np.float64)
+    sc = p[:, :, _Q6K_SCALES:].view(np.int8).reshape(n_tiles, n_blocks * 16, TR).astype(np.float64)
+    dd = np.repeat(d, 16, axis=1)                                           # [T, B*16, TR]
+    xd16 = np.repeat(xd, 2, axis=1)                                         # [S, B*16]
+    y = (dd * sc * xd16[:, None, :, None] * isum).sum(axis=2)
     return y.reshape(xq.shape[0], -1).astype(np.float32)
 
 
@@ -313,6 +510,11 @@ def matmul(x: np.ndarray, ggml_type, qs, d, m, out: np.ndarray) -> None:
     xq, xd, xs = quantize(x)
     if ggml_type == _T.Q8_0:
         _matmul_q8(xq, xd, qs, d, out)
+    elif ggml_type == _T.Q4_K:
+        _matmul_q4k(xq, xd, xs, qs, d, m, out)
+    elif ggml_type == _T.Q6_K:
+        xsum16 = xq.reshape(xq.shape[0], -1, 16).sum(axis=2, dtype=np.int32)
+        _matmul_q6k(xq, xd, xsum16, qs, d, out)
     elif ggml_type == _T.Q4_1:
         _matmul_q4(xq, xd, xs, qs, d, m, np.float32(1.0), out)
     else:

@@ -233,7 +233,7 @@ def _for_activations(w: Weight, activations: str) -> Weight:
     8-bit kernel; otherwise w."""
     if activations != "q8" or w.ggml_type not in act8.TYPES:
         return w
-    return Weight(w.name, w.ggml_type, w.n_out, w.n_in, act8.repack(w.qs), w.d, w.m, w.row_splits, True)
+    return Weight(w.name, w.ggml_type, w.n_out, w.n_in, act8.repack(w.qs, w.ggml_type), w.d, w.m, w.row_splits, True)
 
 
 def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activations: str = "f32") -> Weight:
@@ -318,19 +318,22 @@ def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     Follows gguf-py's arithmetic (d * q, d * q + m, d * (q - 8)) so results are bit-for-bit
     equal to ``gguf.quants.dequantize``.
     """
+    typ = w.ggml_type
+    qs, d_t, m_t = w.qs, w.d, w.m
+    if w.act8:
+        qs, d_t, m_t, rows = act8.file_order_rows(typ, qs, d_t, m_t, rows)
     t, r = rows // TR, rows % TR
     n = len(rows)
-    typ = w.ggml_type
     if typ in kquants.KIND:
-        return kquants.dequant_rows_np(typ, w.qs, w.d, w.m, rows)
+        return kquants.dequant_rows_np(typ, qs, d_t, m_t, rows)
     if typ in _QUANTIZED:
-        q = act8.unpack_rows(w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, nq]
-        d = w.d[t, :, r][:, :, None]                             # [n, B, 1]
+        q = qs[t, :, :, r]                                       # [n, B, nq]
+        d = d_t[t, :, r][:, :, None]                             # [n, B, 1]
         if typ == _T.Q8_0:
             return (d * q.astype(np.float32)).reshape(n, w.n_in)
         q32 = np.concatenate([q & 0x0F, q >> 4], axis=2)          # [n, B, 32]: lo nibbles, then hi
         if typ == _T.Q4_1:
-            return (d * q32.astype(np.float32) + w.m[t, :, r][:, :, None]).reshape(n, w.n_in)
+            return (d * q32.astype(np.float32) + m_t[t, :, r][:, :, None]).reshape(n, w.n_in)
         return (d * (q32.astype(np.int8) - np.int8(8)).astype(np.float32)).reshape(n, w.n_in)
     v = w.qs[t, :, r]                                            # [n, n_in]
     if typ == _T.F32:

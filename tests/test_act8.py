@@ -8,6 +8,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from gguf_factory import random_blocks
 from test_cli_generate import assert_one_line_error, run
 from test_compare import load_dump
 
@@ -15,7 +16,8 @@ from llamatrace import act8, quant
 from llamatrace.errors import OptionError
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
+KQUANTS = (T.Q4_K, T.Q6_K)
 
 
 def _rows(rng, n_seq, n):
@@ -37,39 +39,56 @@ def test_activation_quantization_is_gguf_q8_0():
         np.testing.assert_array_equal(got, want)
 
 
+def _n_in(qtype, blocks=5):
+    return blocks * (256 if qtype in KQUANTS else 32)
+
+
 def _weight(qtype, n_out, n_in, seed=3):
-    w = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32)
-    w[1, :32] += 4.0
-    raw = gguf.quants.quantize(w, qtype)
+    """(raw GGUF rows, Weight packed for q8): gguf-py quantizes the legacy types; the K-quants
+    (which gguf-py cannot quantize) get random valid blocks, every scale/min pattern included."""
+    if qtype in KQUANTS:
+        raw = random_blocks(qtype, n_out, n_in // 256, seed=seed, std=0.05)
+    else:
+        w = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32)
+        w[1, :32] += 4.0
+        raw = gguf.quants.quantize(w, qtype)
     return raw, quant.pack("w", qtype, raw, n_out, n_in, activations="q8")
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("n_seq", [1, 2, 5, 9])
 def test_matmul_equals_gguf_dequantized_float64_sums(qtype, n_seq):
-    raw, w = _weight(qtype, 70, 160)                  # a padded tile, 5 blocks
+    n_in = _n_in(qtype)
+    raw, w = _weight(qtype, 70, n_in)                 # a padded tile, 5 blocks
     assert w.act8 and w.ggml_type == qtype
-    x = _rows(np.random.default_rng(n_seq), n_seq, 160)
+    x = _rows(np.random.default_rng(n_seq), n_seq, n_in)
     ref_x = gguf.quants.dequantize(gguf.quants.quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
     # gguf stores the activation scale as fp16, we keep it float32: use ours with gguf's quants
     xq, xd, _ = act8.quantize(x)
     ours_x = (xq.reshape(n_seq, -1, 32) * xd[..., None].astype(np.float64)).reshape(n_seq, -1)
     assert np.abs(ours_x - ref_x).max() <= 1e-3 * np.abs(ref_x).max()
-    want = ours_x @ gguf.quants.dequantize(raw, qtype).astype(np.float64).T
+    W = gguf.quants.dequantize(raw, qtype).astype(np.float64)
+    want = ours_x @ W.T
     got = quant.matmul(x, w)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    assert np.all(np.abs(got - want) <= 1e-6 * (np.abs(ours_x) @ np.abs(W).T) + 1e-30)
     # and the float32 path differs by about the activations' rounding, no more
-    f32 = quant.matmul(x, quant.pack("w", qtype, raw, 70, 160))
+    f32 = quant.matmul(x, quant.pack("w", qtype, raw, 70, n_in))
     assert np.abs(got - f32).max() < 3e-2 * np.abs(f32).max()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_kernels_equal_numpy_twins(qtype):
-    _, w = _weight(qtype, 70, 256)
-    x = _rows(np.random.default_rng(9), 3, 256)
+    _, w = _weight(qtype, 70, _n_in(qtype, 8))
+    x = _rows(np.random.default_rng(9), 3, w.n_in)
     xq, xd, xs = act8.quantize(x)
     out = np.empty((3, w.n_tiles * quant.TR), np.float32)
-    if qtype == T.Q8_0:
+    if qtype == T.Q4_K:
+        act8._matmul_q4k(xq, xd, xs, w.qs, w.d, w.m, out)
+        twin = act8.matmul_q4k_np(xq, xd, xs, w.qs, w.d, w.m)
+    elif qtype == T.Q6_K:
+        act8._matmul_q6k(xq, xd, xq.reshape(3, -1, 16).sum(axis=2, dtype=np.int32), w.qs, w.d, out)
+        twin = act8.matmul_q6k_np(xq, xd, w.qs, w.d)
+    elif qtype == T.Q8_0:
         act8._matmul_q8(xq, xd, w.qs, w.d, out)
         twin = act8.matmul_q8_np(xq, xd, w.qs, w.d)
     else:
@@ -82,10 +101,23 @@ def test_kernels_equal_numpy_twins(qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_extreme_quants_do_not_overflow(qtype):
     # every weight at its largest magnitude, every activation at +-127: the int16 / int32 bounds
-    n_out, n_in = 32, 64
-    blocks = np.zeros((n_out, n_in // 32, {T.Q4_0: 18, T.Q4_1: 20, T.Q8_0: 34}[qtype]), np.uint8)
-    blocks[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
-    if qtype == T.Q8_0:
+    n_out, n_in = 32, _n_in(qtype, 2)
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = np.zeros((n_out, n_in // gguf.GGML_QUANT_SIZES[qtype][0], block_bytes), np.uint8)
+    one = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if qtype == T.Q6_K:                              # q = 31 or -32, scales 127 or -128, d 1 (last)
+        blocks[:, :, :192] = 0xFF
+        blocks[::2, :, :192] = 0x00
+        blocks[:, :, 192:208] = 0x7F
+        blocks[1::4, :, 192:208] = 0x80
+        blocks[:, :, 208:] = one
+    else:
+        blocks[:, :, :2] = one
+    if qtype == T.Q4_K:                              # d 1, dmin 0, every 6-bit scale and min 63
+        blocks[:, :, 4:16] = 0xFF
+        blocks[:, :, 16:] = 0xFF
+        blocks[::2, :, 16:] = 0x00
+    elif qtype == T.Q8_0:
         blocks[:, :, 2:] = np.int8(-128).view(np.uint8)
         blocks[::2, :, 2:] = 127
     else:
@@ -96,12 +128,12 @@ def test_extreme_quants_do_not_overflow(qtype):
     x = np.full((2, n_in), 127.0, np.float32)
     x[1] = -127.0
     want = x.astype(np.float64) @ gguf.quants.dequantize(raw, qtype).astype(np.float64).T
-    np.testing.assert_array_equal(quant.matmul(x, w), want.astype(np.float32))
+    np.testing.assert_allclose(quant.matmul(x, w), want, rtol=1e-6, atol=0)
 
 
 def test_layout_round_trip_and_embedding_rows():
     for qtype in TYPES:
-        raw, w = _weight(qtype, 70, 96)
+        raw, w = _weight(qtype, 70, _n_in(qtype, 3))
         np.testing.assert_array_equal(quant.dequantize(w), gguf.quants.dequantize(raw, qtype))
         np.testing.assert_array_equal(quant.get_rows(w, np.array([69, 0, 33])),
                                       gguf.quants.dequantize(raw, qtype)[[69, 0, 33]])
