@@ -346,6 +346,8 @@ def _matmul_q4(xq, xd, xs, qs, d, m, m_scale, out):
             db = d[t, b]
             mb = m[t, b]
             for s in range(n_seq):
+                if s == 0:
+                    tiles.prefetch_next_block(qs, t, b)
                 _isum_q4(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK, isum)
                 dx = xd[s, b]
                 ms = m_scale * xs[s, b]
@@ -367,6 +369,8 @@ def _matmul_q8(xq, xd, qs, d, out):
         for b in range(n_blocks):
             db = d[t, b]
             for s in range(n_seq):
+                if s == 0:
+                    tiles.prefetch_next_block(qs, t, b)
                 _isum_q8(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK, isum)
                 dx = xd[s, b]
                 a = acc[s]
@@ -393,6 +397,8 @@ def _matmul_q4k(xq, xd, xs, qs, d, m, out):
             for s in range(n_seq):
                 a = acc[s]
                 for c in range(4):           # 64 weights: sub-blocks 2c (low nibbles), 2c + 1
+                    if s == 0:
+                        tiles.prefetch_next_block(qs, t, b, c, 4)
                     j = 2 * c
                     _isum_q4k(qs, base + c * 32 * TR, xq, s * n_blocks * 256 + b * 256 + 64 * c, isum)
                     k = b * 8 + j
@@ -429,6 +435,8 @@ def _matmul_q6k(xq, xd, xsum16, qs, d, out):
             for s in range(n_seq):
                 a = acc[s]
                 for h in range(2):
+                    if s == 0:
+                        tiles.prefetch_next_block(qs, t, b, h, 2)
                     x0 = s * n_blocks * 256 + b * 256 + 128 * h
                     if h == 0:
                         _isum_q6k0(qs, base, xq, x0, isum)
