@@ -160,6 +160,16 @@ def _quantize(x, xq, xd, xs):
             xs[s, b] = d * np.float32(total)
 
 
+@njit(cache=True)   # called, not inlined, from the kernels: its flags (no 'arcp') stay its own
+def _quantized(x):
+    n_seq, n = x.shape
+    xq = np.empty((n_seq, n), np.int8)
+    xd = np.empty((n_seq, n // QK), np.float32)
+    xs = np.empty((n_seq, n // QK), np.float32)
+    _quantize(x, xq, xd, xs)
+    return xq, xd, xs
+
+
 def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize activation rows to 8 bits per block of 32 (gguf-py's / ggml's Q8_0 rounding).
 
@@ -168,12 +178,7 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ``[n_seq, n/32]`` (``xd * sum(xq)`` per block, for the weights' offsets). A block holding
     NaN gets a NaN scale, so NaN reaches the output as in the float32 path.
     """
-    n_seq, n = x.shape
-    xq = np.empty((n_seq, n), np.int8)
-    xd = np.empty((n_seq, n // QK), np.float32)
-    xs = np.empty((n_seq, n // QK), np.float32)
-    _quantize(x, xq, xd, xs)
-    return xq, xd, xs
+    return _quantized(x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,13 +334,14 @@ _isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: one 32-byte chunk of Q4_
 
 
 @njit(**_JIT_PARALLEL)
-def _matmul_q4(xq, xd, xs, qs, d, m, m_scale, out):
-    """out[s] = x[s] @ W.T for Q4_0 / Q4_1 (weight d*q + m_scale*m). xq int8 [S, B*32], xd, xs
-    float32 [S, B]; qs uint8 [T, B, 16, TR] (this module's layout); d, m float32 [T, B, TR];
-    out float32 [S, n_out].
+def _matmul_q4(x, qs, d, m, m_scale, out):
+    """out[s] = x[s] @ W.T for Q4_0 / Q4_1 (weight d*q + m_scale*m), x quantized first
+    (:func:`quantize`, in the same call: no second dispatch per matmul). x float32 [S, B*32];
+    qs uint8 [T, B, 16, TR] (this module's layout); d, m float32 [T, B, TR]; out float32 [S, n_out].
 
     One parallel region over tiles; each block is loaded once and used by every row of x
     while it is in L1 (so prefill and decode share the kernel)."""
+    xq, xd, xs = _quantized(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -358,8 +364,9 @@ def _matmul_q4(xq, xd, xs, qs, d, m, m_scale, out):
 
 
 @njit(**_JIT_PARALLEL)
-def _matmul_q8(xq, xd, qs, d, out):
+def _matmul_q8(x, qs, d, out):
     """As :func:`_matmul_q4` for Q8_0: qs int8 [T, B, 32, TR] (this module's layout), weight d*q."""
+    xq, xd, _ = _quantized(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -380,9 +387,10 @@ def _matmul_q8(xq, xd, qs, d, out):
 
 
 @njit(**_JIT_PARALLEL)
-def _matmul_q4k(xq, xd, xs, qs, d, m, out):
+def _matmul_q4k(x, qs, d, m, out):
     """As :func:`_matmul_q4` for Q4_K: qs uint8 [T, B, 144, TR] (this module's layout), d and
-    m (dmin) float32 [T, B, TR]; xd, xs per 32 activations [S, B*8]."""
+    m (dmin) float32 [T, B, TR]."""
+    xq, xd, xs = _quantized(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -419,11 +427,17 @@ def _int8(v):
 
 
 @njit(**_JIT_PARALLEL)
-def _matmul_q6k(xq, xd, xsum16, qs, d, out):
+def _matmul_q6k(x, qs, d, out):
     """As :func:`_matmul_q4` for Q6_K: qs uint8 [T, B, 208, TR] (this module's layout), d
-    float32 [T, B, TR]; xsum16 int32 [S, B*16]: sums of xq per 16."""
+    float32 [T, B, TR]."""
+    xq, xd, _ = _quantized(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    xsum16 = np.zeros((n_seq, n_blocks * 16), np.int32)     # sums of xq per 16, for q + 32
+    for s in range(n_seq):
+        for g in range(n_blocks * 16):
+            for j in range(16):
+                xsum16[s, g] += xq[s, 16 * g + j]
     block = qs.shape[2] * TR
     for t in prange(n_tiles):
         isum = np.empty(8 * TR, np.int32)
@@ -459,8 +473,9 @@ def _isums_np(xq: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.einsum("sbj,tbjr->stbr", xq.reshape(n_seq, n_blocks, QK).astype(np.int64), q.astype(np.int64))
 
 
-def matmul_q4_np(xq, xd, xs, qs, d, m, m_scale) -> np.ndarray:
+def matmul_q4_np(x, qs, d, m, m_scale) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q4` (float64 sums). Returns float32 [S, T*TR]."""
+    xq, xd, xs = quantize_np(x)
     q = file_order(qs, _T.Q4_0)
     q32 = np.concatenate([q & 0x0F, q >> 4], axis=2)                        # [T, B, 32, TR]
     isum = _isums_np(xq, q32).astype(np.float64)
@@ -469,15 +484,17 @@ def matmul_q4_np(xq, xd, xs, qs, d, m, m_scale) -> np.ndarray:
     return y.reshape(xq.shape[0], -1).astype(np.float32)
 
 
-def matmul_q8_np(xq, xd, qs, d) -> np.ndarray:
+def matmul_q8_np(x, qs, d) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q8` (float64 sums). Returns float32 [S, T*TR]."""
+    xq, xd, _ = quantize_np(x)
     isum = _isums_np(xq, file_order(qs, _T.Q8_0)).astype(np.float64)
     y = (d[None] * xd[:, None, :, None] * isum).sum(axis=2)
     return y.reshape(xq.shape[0], -1).astype(np.float32)
 
 
-def matmul_q4k_np(xq, xd, xs, qs, d, m) -> np.ndarray:
+def matmul_q4k_np(x, qs, d, m) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q4k` (float64 sums). Returns float32 [S, T*TR]."""
+    xq, xd, xs = quantize_np(x)
     p = file_order(qs, _T.Q4_K)                                             # [T, B, 144, TR]
     n_tiles, n_blocks = p.shape[0], p.shape[1]
     e = np.arange(256)
@@ -490,9 +507,10 @@ def matmul_q4k_np(xq, xd, xs, qs, d, m) -> np.ndarray:
     return y.reshape(xq.shape[0], -1).astype(np.float32)
 
 
-def matmul_q6k_np(xq, xd, qs, d) -> np.ndarray:
+def matmul_q6k_np(x, qs, d) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q6k` (float64 sums, the file's signed quants). Returns float32
     [S, T*TR]."""
+    xq, xd, _ = quantize_np(x)
     p = file_order(qs, _T.Q6_K)                                             # [T, B, 208, TR]
     n_tiles, n_blocks = p.shape[0], p.shape[1]
     e = np.arange(256)
@@ -515,15 +533,13 @@ def matmul(x: np.ndarray, ggml_type, qs, d, m, out: np.ndarray) -> None:
     x float32 C-contiguous ``[S, n_in]``; ``qs``/``d``/``m`` a weight of type ``ggml_type`` in
     this module's layout; out float32 ``[S, n_out]``.
     """
-    xq, xd, xs = quantize(x)
     if ggml_type == _T.Q8_0:
-        _matmul_q8(xq, xd, qs, d, out)
+        _matmul_q8(x, qs, d, out)
     elif ggml_type == _T.Q4_K:
-        _matmul_q4k(xq, xd, xs, qs, d, m, out)
+        _matmul_q4k(x, qs, d, m, out)
     elif ggml_type == _T.Q6_K:
-        xsum16 = xq.reshape(xq.shape[0], -1, 16).sum(axis=2, dtype=np.int32)
-        _matmul_q6k(xq, xd, xsum16, qs, d, out)
+        _matmul_q6k(x, qs, d, out)
     elif ggml_type == _T.Q4_1:
-        _matmul_q4(xq, xd, xs, qs, d, m, np.float32(1.0), out)
+        _matmul_q4(x, qs, d, m, np.float32(1.0), out)
     else:
-        _matmul_q4(xq, xd, xs, qs, d, d, np.float32(-8.0), out)
+        _matmul_q4(x, qs, d, d, np.float32(-8.0), out)

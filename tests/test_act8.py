@@ -80,21 +80,20 @@ def test_matmul_equals_gguf_dequantized_float64_sums(qtype, n_seq):
 def test_kernels_equal_numpy_twins(qtype):
     _, w = _weight(qtype, 70, _n_in(qtype, 8))
     x = _rows(np.random.default_rng(9), 3, w.n_in)
-    xq, xd, xs = act8.quantize(x)
     out = np.empty((3, w.n_tiles * quant.TR), np.float32)
     if qtype == T.Q4_K:
-        act8._matmul_q4k(xq, xd, xs, w.qs, w.d, w.m, out)
-        twin = act8.matmul_q4k_np(xq, xd, xs, w.qs, w.d, w.m)
+        act8._matmul_q4k(x, w.qs, w.d, w.m, out)
+        twin = act8.matmul_q4k_np(x, w.qs, w.d, w.m)
     elif qtype == T.Q6_K:
-        act8._matmul_q6k(xq, xd, xq.reshape(3, -1, 16).sum(axis=2, dtype=np.int32), w.qs, w.d, out)
-        twin = act8.matmul_q6k_np(xq, xd, w.qs, w.d)
+        act8._matmul_q6k(x, w.qs, w.d, out)
+        twin = act8.matmul_q6k_np(x, w.qs, w.d)
     elif qtype == T.Q8_0:
-        act8._matmul_q8(xq, xd, w.qs, w.d, out)
-        twin = act8.matmul_q8_np(xq, xd, w.qs, w.d)
+        act8._matmul_q8(x, w.qs, w.d, out)
+        twin = act8.matmul_q8_np(x, w.qs, w.d)
     else:
         m, m_scale = (w.m, 1.0) if qtype == T.Q4_1 else (w.d, -8.0)
-        act8._matmul_q4(xq, xd, xs, w.qs, w.d, m, np.float32(m_scale), out)
-        twin = act8.matmul_q4_np(xq, xd, xs, w.qs, w.d, m, m_scale)
+        act8._matmul_q4(x, w.qs, w.d, m, np.float32(m_scale), out)
+        twin = act8.matmul_q4_np(x, w.qs, w.d, m, m_scale)
     np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
 
 
