@@ -36,8 +36,8 @@ types integer arithmetic as int64, so the block dot products are written in LLVM
 (:func:`_isum_q4`, :func:`_isum_q8`) with the AVX2 intrinsics; this mode needs AVX2
 (:func:`available`). Overflow bounds: a Q4 pair is at most 2 * 15 * 127 = 3810 and the 8 pairs
 of a block summed in int16 at most 30480 < 32767; a Q8_0 pair uses ``|q|`` (<= 128) times
-``sign(q) * xq`` (<= 127), at most 32512, and a Q6_K pair at most 2 * 63 * 127 = 16002: both go
-to int32 at once.
+``sign(q) * xq`` (<= 127), at most 32512, and goes to int32 at once; a Q6_K pair is at most
+2 * 63 * 127 = 16002, so two pairs (32004) are added in int16 before int32.
 
 Each Numba kernel has a NumPy twin (``*_np``) that tests compare it with.
 """
@@ -133,7 +133,7 @@ def quantize_np(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return xq.reshape(n_seq, n), xd, xs
 
 
-@njit(cache=True)  # no fastmath: 'arcp' would turn amax / 127 into amax * (1/127), not gguf's rounding
+@njit(cache=True)
 def _quantize(x, xq, xd, xs):
     n_seq, n_blocks = xd.shape
     for s in range(n_seq):
@@ -143,7 +143,10 @@ def _quantize(x, xq, xd, xs):
                 a = abs(x[s, b * QK + j])
                 if a > amax or a != a:            # a NaN stays: the block's scale is NaN
                     amax = a
-            d = amax / np.float32(127.0)
+            # gguf's float32 amax / 127, correctly rounded even if a caller's 'arcp' flag reaches
+            # this code: in float64 a reciprocal's error (2**-53) is far below the distance of
+            # any float32 quotient by 127 from a float32 rounding boundary (~2**-32)
+            d = np.float32(np.float64(amax) / 127.0)
             inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
             total = 0
             for j in range(QK):
@@ -160,7 +163,7 @@ def _quantize(x, xq, xd, xs):
             xs[s, b] = d * np.float32(total)
 
 
-@njit(cache=True)   # called, not inlined, from the kernels: its flags (no 'arcp') stay its own
+@njit(cache=True)
 def _quantized(x):
     n_seq, n = x.shape
     xq = np.empty((n_seq, n), np.int8)
@@ -288,6 +291,7 @@ def _q6k_half_ir(builder, args, sig, context, h: int) -> None:
     ones = ir.Constant(v16i16, [1] * 16)
     for rg in range(TR // 8):
         acc = [None] * 8
+        pending = [None] * 4                  # int16 sums of group k - 1, per c
         for k in range(8):
             ql0 = builder.load(at(qp, (16 * h + k) * TR * 4 + rg * 32, v32i8), align=1)
             ql1 = builder.load(at(qp, (16 * h + 8 + k) * TR * 4 + rg * 32, v32i8), align=1)
@@ -297,7 +301,11 @@ def _q6k_half_ir(builder, args, sig, context, h: int) -> None:
                   builder.or_(builder.lshr(ql0, const(4)), builder.and_(qh, const(48))),
                   builder.or_(builder.lshr(ql1, const(4)), builder.and_(builder.lshr(qh, const(2)), const(48))))
             for c in range(4):
-                part = builder.call(maddwd, [builder.call(maddubs, [q6[c], broadcast(32 * c + 4 * k)]), ones])
+                p16 = builder.call(maddubs, [q6[c], broadcast(32 * c + 4 * k)])
+                if k % 2 == 0:                # groups k, k + 1 share a scale: add them in int16
+                    pending[c] = p16
+                    continue
+                part = builder.call(maddwd, [builder.add(pending[c], p16), ones])
                 j = 2 * c + k // 4
                 acc[j] = part if acc[j] is None else builder.add(acc[j], part)
         for j in range(8):
