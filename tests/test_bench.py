@@ -32,6 +32,19 @@ def test_bench_table(capsys, tiny_model_path):
     assert "prefill tok/s" in out and "decode tok/s" in out and "peak RSS" in out and "llamatrace" in out
 
 
+def test_bench_runs_each_activations_mode_as_an_engine(capsys, tiny_model_path):
+    code, out, err = run(capsys, "bench", "--model", str(tiny_model_path), "--prompt-tokens", "4",
+                         "--decode-tokens", "2", "--repeats", "1", "--threads", "1",
+                         "--activations", "f32", "--activations", "q8", "--json")
+    assert code == 0, err
+    f32, q8 = json.loads(out)["results"]
+    assert (f32["engine"], q8["engine"]) == ("llamatrace", "llamatrace q8")
+    assert "f32 activations" in f32["version"] and "q8 activations" in q8["version"]
+    assert len(q8["decode_tok_s"]) == 1 and q8["decode_tok_s"][0] > 0
+    assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--activations", "int4"),
+                          "--activations int4", "f32, q8")
+
+
 def test_bench_refuses_unknown_engines_and_bad_counts(capsys, tiny_model_path):
     assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--against", "vllm"), "vllm", "llama.cpp")
     assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--repeats", "0"), "--repeats")

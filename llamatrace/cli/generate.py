@@ -67,6 +67,8 @@ def generate(
 
       llamatrace generate --json -- "-5 degrees is cold?"
 
+      llamatrace generate --activations q8 "Name three rivers"
+
       llamatrace generate --raw "The capital of France is" -n 8 --ablate ffn_out@-1
     """
     from ..generate import GenerationStats
