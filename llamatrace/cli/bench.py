@@ -22,7 +22,7 @@ def bench(
     repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per engine (the median is shown).")] = 5,
     threads: ThreadsOpt = None,
     activations: Annotated[Optional[list[str]], typer.Option(
-        "--activations", help="llamatrace's activations: f32 (the default, float32) or q8 (8-bit, as "
+        "--activations", metavar="f32|q8", help="llamatrace's activations: f32 (the default, float32) or q8 (8-bit, as "
         "llama.cpp). Repeatable: each mode runs as an engine of its own.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
 ) -> None:

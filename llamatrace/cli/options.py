@@ -25,8 +25,9 @@ PromptFileOpt = Annotated[Optional[Path], typer.Option(
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", help="CPU threads for the kernels (default: all cores).", show_default=False)]
 ActivationsOpt = Annotated[str, typer.Option(
-    "--activations", help="Activations of the Q4_0/Q4_1/Q8_0 matmuls: f32 (float32, HF's arithmetic: "
-    "the reference) or q8 (8 bits per block of 32, llama.cpp's arithmetic: faster, ~1e-2 off).")]
+    "--activations", metavar="f32|q8", help="Activations of the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matmuls: f32 "
+    "(float32, HF's arithmetic: the reference) or q8 (8 bits per block of 32, llama.cpp's arithmetic: "
+    "faster, ~1e-2 off; needs AVX2).")]
 CtxSizeOpt = Annotated[Optional[int], typer.Option(
     "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + tokens to generate, "
     "at most the model's context length).", show_default=False)]
