@@ -204,6 +204,12 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
     if kind.startswith("q6k"):
         _q6k_half_ir(builder, args, sig, context, int(kind[3]))
         return
+    if kind == "unpack_q6k":
+        _q6k_unpack_ir(builder, args, sig, context)
+        return
+    if kind == "u8_16":
+        _u8_16_ir(builder, args, sig, context)
+        return
     i32, i64, v32i8, v16i16, v8i32 = _ir_types()
     qa = context.make_array(sig.args[0])(context, builder, args[0]).data
     xa = context.make_array(sig.args[2])(context, builder, args[2]).data
@@ -259,6 +265,78 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
             builder.store(builder.call(maddwd, [acc_hi, ones]), at(sa, TR + rg * 8, v8i32), align=4)
 
 
+def _q6k_unpack_ir(builder, args, sig, context) -> None:
+    """``unpack_q6k``: the block's 256 quants as unsigned ``q + 32`` bytes in weight order, groups
+    of four per row: scratch[(G*TR + r)*4 + i] = weight 4G + i of row r (``args``: qs, qbase,
+    scratch, unused, unused)."""
+    i32, i64, v32i8, v16i16, v8i32 = _ir_types()
+    qa = context.make_array(sig.args[0])(context, builder, args[0]).data
+    ua = context.make_array(sig.args[2])(context, builder, args[2]).data
+    qp = builder.gep(qa, [args[1]])
+
+    def at(ptr, offset):
+        return builder.bitcast(builder.gep(ptr, [ir.Constant(i64, offset)]), v32i8.as_pointer())
+
+    def const(v):
+        return ir.Constant(v32i8, [v] * 32)
+
+    for h in range(2):
+        for k in range(8):
+            for rg in range(TR // 8):
+                ql0 = builder.load(at(qp, (16 * h + k) * TR * 4 + rg * 32), align=1)
+                ql1 = builder.load(at(qp, (16 * h + 8 + k) * TR * 4 + rg * 32), align=1)
+                qh = builder.load(at(qp, (32 + 8 * h + k) * TR * 4 + rg * 32), align=1)
+                q6 = _q6k_assemble(builder, ql0, ql1, qh, const)
+                for c in range(4):      # weights 128h + 32c + 4k .. + 3: group 32h + 8c + k
+                    g = 32 * h + 8 * c + k
+                    builder.store(q6[c], at(ua, (g * TR + rg * 8) * 4), align=1)
+
+
+def _u8_16_ir(builder, args, sig, context) -> None:
+    """``u8_16``: isum[j*TR + r] = sum over weights 16j..16j+15 of scratch (see
+    :func:`_q6k_unpack_ir`) times the 256 activations at ``xbase`` (``args``: scratch, 0, xq,
+    xbase, isum)."""
+    i32, i64, v32i8, v16i16, v8i32 = _ir_types()
+    ua = context.make_array(sig.args[0])(context, builder, args[0]).data
+    xa = context.make_array(sig.args[2])(context, builder, args[2]).data
+    sa = context.make_array(sig.args[4])(context, builder, args[4]).data
+    module = builder.module
+    maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
+                                       ir.FunctionType(v16i16, [v32i8, v32i8]))
+    maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
+                                      ir.FunctionType(v8i32, [v16i16, v16i16]))
+    xp = builder.gep(xa, [args[3]])
+
+    def at(ptr, offset, vtype):
+        return builder.bitcast(builder.gep(ptr, [ir.Constant(i64, offset)]), vtype.as_pointer())
+
+    def broadcast(offset):
+        v = builder.load(at(xp, offset, i32), align=1)
+        vec = builder.insert_element(ir.Constant(v8i32, None), v, ir.Constant(i32, 0))
+        vec = builder.shuffle_vector(vec, ir.Constant(v8i32, None), ir.Constant(v8i32, [0] * 8))
+        return builder.bitcast(vec, v32i8)
+
+    ones = ir.Constant(v16i16, [1] * 16)
+    for j in range(16):
+        xg = [broadcast(4 * (4 * j + i)) for i in range(4)]
+        for rg in range(TR // 8):
+            acc = None
+            for pair in range(2):       # two groups in int16 (<= 32004), then int32
+                p16 = [builder.call(maddubs, [builder.load(at(ua, ((4 * j + 2 * pair + i) * TR + rg * 8) * 4, v32i8),
+                                                           align=1), xg[2 * pair + i]]) for i in range(2)]
+                part = builder.call(maddwd, [builder.add(p16[0], p16[1]), ones])
+                acc = part if acc is None else builder.add(acc, part)
+            builder.store(acc, at(sa, j * TR + rg * 8, v8i32), align=4)
+
+
+def _q6k_assemble(builder, ql0, ql1, qh, const):
+    """The four 6-bit quants (``q + 32``, 0..63) held by one group of ql[0:32], ql[32:64], qh bytes."""
+    return (builder.or_(builder.and_(ql0, const(15)), builder.shl(builder.and_(qh, const(3)), const(4))),
+            builder.or_(builder.and_(ql1, const(15)), builder.shl(builder.and_(qh, const(12)), const(2))),
+            builder.or_(builder.lshr(ql0, const(4)), builder.and_(qh, const(48))),
+            builder.or_(builder.lshr(ql1, const(4)), builder.and_(builder.lshr(qh, const(2)), const(48))))
+
+
 def _q6k_half_ir(builder, args, sig, context, h: int) -> None:
     """The ``q6k`` cases of :func:`_block_ir`: ``qbase`` is the block's first byte, ``xbase`` the
     half's first activation. Group k (4 bytes of weights l = 4k..4k+3 in each 32) of the half's
@@ -296,10 +374,7 @@ def _q6k_half_ir(builder, args, sig, context, h: int) -> None:
             ql0 = builder.load(at(qp, (16 * h + k) * TR * 4 + rg * 32, v32i8), align=1)
             ql1 = builder.load(at(qp, (16 * h + 8 + k) * TR * 4 + rg * 32, v32i8), align=1)
             qh = builder.load(at(qp, (32 + 8 * h + k) * TR * 4 + rg * 32, v32i8), align=1)
-            q6 = (builder.or_(builder.and_(ql0, const(15)), builder.shl(builder.and_(qh, const(3)), const(4))),
-                  builder.or_(builder.and_(ql1, const(15)), builder.shl(builder.and_(qh, const(12)), const(2))),
-                  builder.or_(builder.lshr(ql0, const(4)), builder.and_(qh, const(48))),
-                  builder.or_(builder.lshr(ql1, const(4)), builder.and_(builder.lshr(qh, const(2)), const(48))))
+            q6 = _q6k_assemble(builder, ql0, ql1, qh, const)
             for c in range(4):
                 p16 = builder.call(maddubs, [q6[c], broadcast(32 * c + 4 * k)])
                 if k % 2 == 0:                # groups k, k + 1 share a scale: add them in int16
@@ -333,6 +408,10 @@ _isum_q8 = _isum_intrinsic("q8", """As :func:`_isum_q4` for a Q8_0 tile block.""
 _isum_q6k0 = _isum_intrinsic("q6k0", """isum int32[8*TR]: half 0 of the Q6_K tile block at ``qbase``
 with the 128 activations at ``xbase``, per 16 weights.""")
 _isum_q6k1 = _isum_intrinsic("q6k1", """As :func:`_isum_q6k0` for half 1.""")
+_unpack_q6k = _isum_intrinsic("unpack_q6k", """Writes the Q6_K tile block at ``qbase`` as unsigned bytes
+in weight order into the third argument, uint8 [64*TR*4] (the fourth and fifth are unused).""")
+_isum_u8_16 = _isum_intrinsic("u8_16", """isum int32[16*TR]: an unpacked block (:func:`_unpack_q6k`) times
+the 256 activations at ``xbase``, per 16 weights.""")
 _isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: one 32-byte chunk of Q4_K quants at ``qbase``
 (two sub-blocks) with the 64 activations at ``xbase``: low-nibble sums, then high-nibble sums.""")
 
@@ -448,12 +527,27 @@ def _matmul_q6k(x, qs, d, out):
                 xsum16[s, g] += xq[s, 16 * g + j]
     block = qs.shape[2] * TR
     for t in prange(n_tiles):
-        isum = np.empty(8 * TR, np.int32)
+        isum = np.empty(16 * TR, np.int32)
+        unpacked = np.empty(64 * TR * 4, np.uint8)
         acc = np.zeros((n_seq, TR), np.float32)
         for b in range(n_blocks):
             db = d[t, b]
             sc = qs[t, b]
             base = (t * n_blocks + b) * block
+            if n_seq > 1:                    # unpack the block once, reuse it for every row
+                tiles.prefetch_next_block(qs, t, b)
+                _unpack_q6k(qs, base, unpacked, 0, isum)
+                for s in range(n_seq):
+                    _isum_u8_16(unpacked, 0, xq, s * n_blocks * 256 + b * 256, isum)
+                    a = acc[s]
+                    for j in range(16):
+                        g = b * 16 + j
+                        dx = xd[s, g // 2]
+                        off = np.float32(32 * xsum16[s, g])
+                        for r in range(TR):
+                            a[r] += (db[r] * _int8(sc[_Q6K_SCALES + j, r]) * dx) \
+                                * (np.float32(isum[j * TR + r]) - off)
+                continue
             for s in range(n_seq):
                 a = acc[s]
                 for h in range(2):

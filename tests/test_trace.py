@@ -227,7 +227,7 @@ def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
     header, events, footer = lines[0], lines[1:-1], lines[-1]
     assert header["type"] == "header" and header["schema"] == "llamatrace.trace/1"
     assert header["config"]["dim"] == 96 and len(header["pieces"]) == len(header["prompt_ids"])
-    assert header["prompt"] == "the cat"
+    assert header["prompt"] == "the cat" and header["activations"] == "f32"
     assert {e["type"] for e in events} == {"event"}
     assert footer["type"] == "footer" and len(footer["top_k"]) == 4 and len(footer["ids"]) == 3
     assert sum(p for _, _, p in footer["top_k"]) <= 1.0 + 1e-9
