@@ -82,12 +82,18 @@ def available() -> bool:
 # layout
 
 
+def _region(ggml_type, n_bytes: int) -> tuple[int, int]:
+    """The bytes [head, end) of a block row that are regrouped (scales stay where they are)."""
+    head = _Q4K_HEAD if _T(ggml_type) == _T.Q4_K else 0
+    return head, (_Q6K_SCALES if _T(ggml_type) == _T.Q6_K else n_bytes)
+
+
 def _regroup(qs: np.ndarray, ggml_type, to_groups: bool, tiles_per_step: int = 64) -> np.ndarray:
     """Reorder every block's quant bytes of ``qs [T, B, P, TR]`` in place, ``tiles_per_step`` tiles
-    at a time (the only temporary): ``[P, TR]`` -> ``[P/4, TR, 4]`` or back."""
+    at a time (the only temporary): ``[P, TR]`` -> ``[P/4, TR, 4]`` or back. NumPy twin of
+    :func:`_to_groups` (``to_groups`` True)."""
     n_tiles, n_blocks, n_bytes, tr = qs.shape
-    head = _Q4K_HEAD if _T(ggml_type) == _T.Q4_K else 0
-    end = _Q6K_SCALES if _T(ggml_type) == _T.Q6_K else n_bytes
+    head, end = _region(ggml_type, n_bytes)
     groups = (end - head) // 4
     src = (groups, 4, tr) if to_groups else (groups, tr, 4)
     for t0 in range(0, n_tiles, tiles_per_step):
@@ -96,9 +102,30 @@ def _regroup(qs: np.ndarray, ggml_type, to_groups: bool, tiles_per_step: int = 6
     return qs
 
 
+@njit(**_JIT_PARALLEL)
+def _to_groups(qs, head, end):
+    """In place, per block of ``qs`` uint8 [T, B, P, TR]: bytes [head, end) of each row from
+    ``[j, r]`` to ``[j // 4, r, j % 4]``; one block-sized temporary per thread."""
+    n_tiles, n_blocks, n_bytes = qs.shape[0], qs.shape[1], qs.shape[2]
+    for t in prange(n_tiles):
+        tmp = np.empty((end - head, TR), np.uint8)
+        for b in range(n_blocks):
+            blk = qs[t, b]
+            flat = blk.reshape(n_bytes * TR)
+            for j in range(end - head):
+                for r in range(TR):
+                    tmp[j, r] = blk[head + j, r]
+            for j in range(end - head):
+                base = head * TR + (j >> 2) * TR * 4 + (j & 3)
+                for r in range(TR):
+                    flat[base + 4 * r] = tmp[j, r]
+
+
 def repack(qs: np.ndarray, ggml_type) -> np.ndarray:
     """The float32 path's tiles -> this module's layout, in place (see the module docstring)."""
-    return _regroup(qs, ggml_type, True)
+    head, end = _region(ggml_type, qs.shape[2])
+    _to_groups(qs.view(np.uint8), head, end)
+    return qs
 
 
 def file_order(qs: np.ndarray, ggml_type) -> np.ndarray:

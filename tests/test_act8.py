@@ -138,6 +138,13 @@ def test_layout_round_trip_and_embedding_rows():
                                       gguf.quants.dequantize(raw, qtype)[[69, 0, 33]])
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_regroup_kernel_equals_numpy_twin(qtype):
+    raw, _ = _weight(qtype, 70, _n_in(qtype, 2))
+    qs = quant.pack("w", qtype, raw, 70, _n_in(qtype, 2)).qs
+    np.testing.assert_array_equal(act8.repack(qs.copy(), qtype), act8._regroup(qs.copy(), qtype, True))
+
+
 def test_pack_concat_keeps_the_mode_and_the_rows():
     rng = np.random.default_rng(2)
     parts = [(T.Q4_1, gguf.quants.quantize(rng.standard_normal((n, 64)).astype(np.float32), T.Q4_1), n, 64)
