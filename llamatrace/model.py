@@ -106,7 +106,7 @@ class Llama:
         downloads. ``progress(done, total)`` is called as tensors are packed (bytes of the file's
         tensor data). ``activations``: ``"f32"`` (the default: float32 activations times
         dequantized weights, HF's arithmetic) or ``"q8"`` (activations quantized to 8 bits per
-        block of 32 before the Q4_0 / Q4_1 / Q8_0 matmuls, llama.cpp's arithmetic and faster;
+        block of 32 before the Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matmuls, llama.cpp's arithmetic, faster;
         see :mod:`llamatrace.act8`).
 
         Raises:

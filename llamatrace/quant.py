@@ -241,8 +241,8 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
 
     ``raw`` is a GGUF tensor's ``.data`` (gguf_io.Tensor or gguf-py ReaderTensor): uint8 ``[n_out, row_bytes]`` for the
     quantized types and BF16, float32 / float16 ``[n_out, n_in]`` for F32 / F16 (any array of
-    the right size and dtype is accepted). ``activations`` ``"q8"`` packs Q4_0 / Q4_1 / Q8_0
-    for :mod:`llamatrace.act8`'s 8-bit-activation kernels (other types are unaffected).
+    the right size and dtype is accepted). ``activations`` ``"q8"`` packs the types in
+    :data:`llamatrace.act8.TYPES` for its 8-bit-activation kernels (other types are unaffected).
     Raises :class:`UnsupportedModelError` for a type not in :data:`SUPPORTED_TYPES`,
     ``ValueError`` if ``n_in`` is not a multiple of the block size or ``raw`` has the wrong
     size, and :class:`OptionError` for an unknown ``activations``.
