@@ -215,9 +215,55 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 # block dot products in LLVM IR
 
 
-def _ir_types():
-    i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-    return i32, i64, ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+_V32I8, _V16I16, _V8I32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
+
+
+class _Emit:
+    """What every block intrinsic's IR needs. The intrinsics take ``(a, a_offset, b, b_offset,
+    isum)``: ``p`` and ``q`` point at ``a`` and ``b`` at their offsets, ``out`` at ``isum``."""
+
+    def __init__(self, builder, args, sig, context) -> None:
+        data = [context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 2, 4)]
+        self.builder = builder
+        self.p = builder.gep(data[0], [args[1]])
+        self.q = builder.gep(data[1], [args[3]])
+        self.out = data[2]
+        module = builder.module
+        self.maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
+                                                ir.FunctionType(_V16I16, [_V32I8, _V32I8]))
+        self.maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
+                                               ir.FunctionType(_V8I32, [_V16I16, _V16I16]))
+        self.sign = module.declare_intrinsic("llvm.x86.avx2.psign.b", (),
+                                             ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
+        self.ones = ir.Constant(_V16I16, [1] * 16)
+
+    def at(self, ptr, offset, vtype=_V32I8):
+        return self.builder.bitcast(self.builder.gep(ptr, [ir.Constant(_I64, offset)]), vtype.as_pointer())
+
+    def load(self, ptr, offset):
+        """32 bytes at ``ptr + offset``."""
+        return self.builder.load(self.at(ptr, offset), align=1)
+
+    def broadcast(self, offset):
+        """The 4 bytes at ``q + offset`` repeated in every 32-bit lane."""
+        b = self.builder
+        v = b.load(self.at(self.q, offset, _I32), align=1)
+        vec = b.insert_element(ir.Constant(_V8I32, None), v, ir.Constant(_I32, 0))
+        vec = b.shuffle_vector(vec, ir.Constant(_V8I32, None), ir.Constant(_V8I32, [0] * 8))
+        return b.bitcast(vec, _V32I8)
+
+    def dot(self, u8, s8):
+        """int32 lanes: sums of 4 products of unsigned ``u8`` and signed ``s8`` bytes."""
+        return self.builder.call(self.maddwd, [self.builder.call(self.maddubs, [u8, s8]), self.ones])
+
+    def store(self, vec, index):
+        """8 int32 lanes into ``isum[index:index + 8]``."""
+        self.builder.store(vec, self.at(self.out, index, _V8I32), align=4)
+
+    @staticmethod
+    def const(v):
+        return ir.Constant(_V32I8, [v] * 32)
 
 
 def _block_ir(builder, args, sig, context, kind: str) -> None:
@@ -227,45 +273,22 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
     ``q4k``: 8 groups, high nibbles times x[32 + 4g..], two sums (isum[0:TR] low, [TR:2TR] high);
     ``q8``: 8 groups of signed bytes; ``q6k0`` / ``q6k1``: half 0 / 1 (128 weights) of a Q6_K
     block, 8 sums of 16 weights (isum[j*TR + r], j = 2c + l // 16 for weight 32c + l of the half)
-    of the unsigned ``q + 32``."""
+    of the unsigned ``q + 32``; ``unpack_q6k`` and ``u8_16``: the two steps of Q6_K's prefill."""
+    e = _Emit(builder, args, sig, context)
     if kind.startswith("q6k"):
-        _q6k_half_ir(builder, args, sig, context, int(kind[3]))
+        _q6k_half_ir(e, int(kind[3]))
         return
     if kind == "unpack_q6k":
-        _q6k_unpack_ir(builder, args, sig, context)
+        _q6k_unpack_ir(e)
         return
     if kind == "u8_16":
-        _u8_16_ir(builder, args, sig, context)
+        _u8_16_ir(e)
         return
-    i32, i64, v32i8, v16i16, v8i32 = _ir_types()
-    qa = context.make_array(sig.args[0])(context, builder, args[0]).data
-    xa = context.make_array(sig.args[2])(context, builder, args[2]).data
-    sa = context.make_array(sig.args[4])(context, builder, args[4]).data
-    module = builder.module
-    maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
-                                       ir.FunctionType(v16i16, [v32i8, v32i8]))
-    maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                      ir.FunctionType(v8i32, [v16i16, v16i16]))
-    qp = builder.gep(qa, [args[1]])
-    xp = builder.gep(xa, [args[3]])
-
-    def at(ptr, offset, vtype):
-        return builder.bitcast(builder.gep(ptr, [ir.Constant(i64, offset)]), vtype.as_pointer())
-
-    def broadcast(offset):          # 4 activation bytes repeated in every 32-bit lane
-        v = builder.load(at(xp, offset, i32), align=1)
-        vec = builder.insert_element(ir.Constant(v8i32, None), v, ir.Constant(i32, 0))
-        vec = builder.shuffle_vector(vec, ir.Constant(v8i32, None), ir.Constant(v8i32, [0] * 8))
-        return builder.bitcast(vec, v32i8)
-
-    ones = ir.Constant(v16i16, [1] * 16)
     groups = 4 if kind == "q4" else 8
-    xlo = [broadcast(4 * g) for g in range(groups)]
+    xlo = [e.broadcast(4 * g) for g in range(groups)]
     if kind != "q8":
-        xhi = [broadcast((16 if kind == "q4" else 32) + 4 * g) for g in range(groups)]
-        mask, four = ir.Constant(v32i8, [15] * 32), ir.Constant(v32i8, [4] * 32)
-    else:
-        sign = module.declare_intrinsic("llvm.x86.avx2.psign.b", (), ir.FunctionType(v32i8, [v32i8, v32i8]))
+        xhi = [e.broadcast((16 if kind == "q4" else 32) + 4 * g) for g in range(groups)]
+        mask, four = e.const(15), e.const(4)
 
     def add(acc, part):
         return part if acc is None else builder.add(acc, part)
@@ -273,145 +296,90 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
     for rg in range(TR // 8):                 # 8 rows per 256-bit register
         acc = acc_hi = None
         for g in range(groups):
-            v = builder.load(at(qp, g * TR * 4 + rg * 32, v32i8), align=1)
+            v = e.load(e.p, g * TR * 4 + rg * 32)
             if kind == "q8":   # |q| * (sign(q) * x): unsigned times signed, to int32 at once
-                acc = add(acc, builder.call(maddwd, [builder.call(maddubs, [builder.call(sign, [v, v]),
-                                                                            builder.call(sign, [xlo[g], v])]), ones]))
+                acc = add(acc, e.dot(builder.call(e.sign, [v, v]), builder.call(e.sign, [xlo[g], v])))
                 continue
             # int16 sums cannot overflow within a block (module docstring)
-            lo = builder.call(maddubs, [builder.and_(v, mask), xlo[g]])
-            hi = builder.call(maddubs, [builder.lshr(v, four), xhi[g]])
+            lo = builder.call(e.maddubs, [builder.and_(v, mask), xlo[g]])
+            hi = builder.call(e.maddubs, [builder.lshr(v, four), xhi[g]])
             if kind == "q4":
                 acc = add(acc, builder.add(lo, hi))
             else:
                 acc, acc_hi = add(acc, lo), add(acc_hi, hi)
         if kind != "q8":
-            acc = builder.call(maddwd, [acc, ones])
-        builder.store(acc, at(sa, rg * 8, v8i32), align=4)
+            acc = builder.call(e.maddwd, [acc, e.ones])
+        e.store(acc, rg * 8)
         if kind == "q4k":
-            builder.store(builder.call(maddwd, [acc_hi, ones]), at(sa, TR + rg * 8, v8i32), align=4)
+            e.store(builder.call(e.maddwd, [acc_hi, e.ones]), TR + rg * 8)
 
 
-def _q6k_unpack_ir(builder, args, sig, context) -> None:
-    """``unpack_q6k``: the block's 256 quants as unsigned ``q + 32`` bytes in weight order, groups
-    of four per row: scratch[(G*TR + r)*4 + i] = weight 4G + i of row r (``args``: qs, qbase,
-    scratch, unused, unused)."""
-    i32, i64, v32i8, v16i16, v8i32 = _ir_types()
-    qa = context.make_array(sig.args[0])(context, builder, args[0]).data
-    ua = context.make_array(sig.args[2])(context, builder, args[2]).data
-    qp = builder.gep(qa, [args[1]])
-
-    def at(ptr, offset):
-        return builder.bitcast(builder.gep(ptr, [ir.Constant(i64, offset)]), v32i8.as_pointer())
-
-    def const(v):
-        return ir.Constant(v32i8, [v] * 32)
-
-    for h in range(2):
-        for k in range(8):
-            for rg in range(TR // 8):
-                ql0 = builder.load(at(qp, (16 * h + k) * TR * 4 + rg * 32), align=1)
-                ql1 = builder.load(at(qp, (16 * h + 8 + k) * TR * 4 + rg * 32), align=1)
-                qh = builder.load(at(qp, (32 + 8 * h + k) * TR * 4 + rg * 32), align=1)
-                q6 = _q6k_assemble(builder, ql0, ql1, qh, const)
-                for c in range(4):      # weights 128h + 32c + 4k .. + 3: group 32h + 8c + k
-                    g = 32 * h + 8 * c + k
-                    builder.store(q6[c], at(ua, (g * TR + rg * 8) * 4), align=1)
-
-
-def _u8_16_ir(builder, args, sig, context) -> None:
-    """``u8_16``: isum[j*TR + r] = sum over weights 16j..16j+15 of scratch (see
-    :func:`_q6k_unpack_ir`) times the 256 activations at ``xbase`` (``args``: scratch, 0, xq,
-    xbase, isum)."""
-    i32, i64, v32i8, v16i16, v8i32 = _ir_types()
-    ua = context.make_array(sig.args[0])(context, builder, args[0]).data
-    xa = context.make_array(sig.args[2])(context, builder, args[2]).data
-    sa = context.make_array(sig.args[4])(context, builder, args[4]).data
-    module = builder.module
-    maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
-                                       ir.FunctionType(v16i16, [v32i8, v32i8]))
-    maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                      ir.FunctionType(v8i32, [v16i16, v16i16]))
-    xp = builder.gep(xa, [args[3]])
-
-    def at(ptr, offset, vtype):
-        return builder.bitcast(builder.gep(ptr, [ir.Constant(i64, offset)]), vtype.as_pointer())
-
-    def broadcast(offset):
-        v = builder.load(at(xp, offset, i32), align=1)
-        vec = builder.insert_element(ir.Constant(v8i32, None), v, ir.Constant(i32, 0))
-        vec = builder.shuffle_vector(vec, ir.Constant(v8i32, None), ir.Constant(v8i32, [0] * 8))
-        return builder.bitcast(vec, v32i8)
-
-    ones = ir.Constant(v16i16, [1] * 16)
-    for j in range(16):
-        xg = [broadcast(4 * (4 * j + i)) for i in range(4)]
-        for rg in range(TR // 8):
-            acc = None
-            for pair in range(2):       # two groups in int16 (<= 32004), then int32
-                p16 = [builder.call(maddubs, [builder.load(at(ua, ((4 * j + 2 * pair + i) * TR + rg * 8) * 4, v32i8),
-                                                           align=1), xg[2 * pair + i]]) for i in range(2)]
-                part = builder.call(maddwd, [builder.add(p16[0], p16[1]), ones])
-                acc = part if acc is None else builder.add(acc, part)
-            builder.store(acc, at(sa, j * TR + rg * 8, v8i32), align=4)
-
-
-def _q6k_assemble(builder, ql0, ql1, qh, const):
+def _q6k_assemble(e: _Emit, ql0, ql1, qh):
     """The four 6-bit quants (``q + 32``, 0..63) held by one group of ql[0:32], ql[32:64], qh bytes."""
-    return (builder.or_(builder.and_(ql0, const(15)), builder.shl(builder.and_(qh, const(3)), const(4))),
-            builder.or_(builder.and_(ql1, const(15)), builder.shl(builder.and_(qh, const(12)), const(2))),
-            builder.or_(builder.lshr(ql0, const(4)), builder.and_(qh, const(48))),
-            builder.or_(builder.lshr(ql1, const(4)), builder.and_(builder.lshr(qh, const(2)), const(48))))
+    b, c = e.builder, e.const
+    return (b.or_(b.and_(ql0, c(15)), b.shl(b.and_(qh, c(3)), c(4))),
+            b.or_(b.and_(ql1, c(15)), b.shl(b.and_(qh, c(12)), c(2))),
+            b.or_(b.lshr(ql0, c(4)), b.and_(qh, c(48))),
+            b.or_(b.lshr(ql1, c(4)), b.and_(b.lshr(qh, c(2)), c(48))))
 
 
-def _q6k_half_ir(builder, args, sig, context, h: int) -> None:
-    """The ``q6k`` cases of :func:`_block_ir`: ``qbase`` is the block's first byte, ``xbase`` the
-    half's first activation. Group k (4 bytes of weights l = 4k..4k+3 in each 32) of the half's
-    ql[0:32], ql[32:64] and qh[0:32] is group 16h + k, 16h + 8 + k and 32 + 8h + k of the block;
-    weight 32c + l is ql (low nibble for c < 2, high for c >= 2) | qh bits 2c, 2c+1 << 4."""
-    i32, i64, v32i8, v16i16, v8i32 = _ir_types()
-    qa = context.make_array(sig.args[0])(context, builder, args[0]).data
-    xa = context.make_array(sig.args[2])(context, builder, args[2]).data
-    sa = context.make_array(sig.args[4])(context, builder, args[4]).data
-    module = builder.module
-    maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
-                                       ir.FunctionType(v16i16, [v32i8, v32i8]))
-    maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                      ir.FunctionType(v8i32, [v16i16, v16i16]))
-    qp = builder.gep(qa, [args[1]])
-    xp = builder.gep(xa, [args[3]])
+def _q6k_groups(e: _Emit, h: int, k: int, rg: int):
+    """The quants of group k of half h for rows 8rg..8rg+7: group k (4 bytes of weights
+    l = 4k..4k+3 in each 32) of the half's ql[0:32], ql[32:64] and qh[0:32] is group 16h + k,
+    16h + 8 + k and 32 + 8h + k of the block; weight 32c + l of the half is ql (low nibble for
+    c < 2, high for c >= 2) | qh bits 2c, 2c+1 << 4."""
+    return _q6k_assemble(e, e.load(e.p, (16 * h + k) * TR * 4 + rg * 32),
+                         e.load(e.p, (16 * h + 8 + k) * TR * 4 + rg * 32),
+                         e.load(e.p, (32 + 8 * h + k) * TR * 4 + rg * 32))
 
-    def at(ptr, offset, vtype):
-        return builder.bitcast(builder.gep(ptr, [ir.Constant(i64, offset)]), vtype.as_pointer())
 
-    def broadcast(offset):
-        v = builder.load(at(xp, offset, i32), align=1)
-        vec = builder.insert_element(ir.Constant(v8i32, None), v, ir.Constant(i32, 0))
-        vec = builder.shuffle_vector(vec, ir.Constant(v8i32, None), ir.Constant(v8i32, [0] * 8))
-        return builder.bitcast(vec, v32i8)
-
-    def const(v):
-        return ir.Constant(v32i8, [v] * 32)
-
-    ones = ir.Constant(v16i16, [1] * 16)
+def _q6k_half_ir(e: _Emit, h: int) -> None:
+    """The ``q6k`` cases of :func:`_block_ir`: ``p`` is the block's first byte, ``q`` the half's
+    first activation."""
+    b = e.builder
     for rg in range(TR // 8):
         acc = [None] * 8
         pending = [None] * 4                  # int16 sums of group k - 1, per c
         for k in range(8):
-            ql0 = builder.load(at(qp, (16 * h + k) * TR * 4 + rg * 32, v32i8), align=1)
-            ql1 = builder.load(at(qp, (16 * h + 8 + k) * TR * 4 + rg * 32, v32i8), align=1)
-            qh = builder.load(at(qp, (32 + 8 * h + k) * TR * 4 + rg * 32, v32i8), align=1)
-            q6 = _q6k_assemble(builder, ql0, ql1, qh, const)
+            q6 = _q6k_groups(e, h, k, rg)
             for c in range(4):
-                p16 = builder.call(maddubs, [q6[c], broadcast(32 * c + 4 * k)])
+                p16 = b.call(e.maddubs, [q6[c], e.broadcast(32 * c + 4 * k)])
                 if k % 2 == 0:                # groups k, k + 1 share a scale: add them in int16
                     pending[c] = p16
                     continue
-                part = builder.call(maddwd, [builder.add(pending[c], p16), ones])
+                part = b.call(e.maddwd, [b.add(pending[c], p16), e.ones])
                 j = 2 * c + k // 4
-                acc[j] = part if acc[j] is None else builder.add(acc[j], part)
+                acc[j] = part if acc[j] is None else b.add(acc[j], part)
         for j in range(8):
-            builder.store(acc[j], at(sa, j * TR + rg * 8, v8i32), align=4)
+            e.store(acc[j], j * TR + rg * 8)
+
+
+def _q6k_unpack_ir(e: _Emit) -> None:
+    """``unpack_q6k``: the block at ``p`` as unsigned ``q + 32`` bytes in weight order, groups of
+    four per row, written at ``q``: [(G*TR + r)*4 + i] = weight 4G + i of row r."""
+    for h in range(2):
+        for k in range(8):
+            for rg in range(TR // 8):
+                q6 = _q6k_groups(e, h, k, rg)
+                for c in range(4):      # weights 128h + 32c + 4k .. + 3: group 32h + 8c + k
+                    g = 32 * h + 8 * c + k
+                    e.builder.store(q6[c], e.at(e.q, (g * TR + rg * 8) * 4), align=1)
+
+
+def _u8_16_ir(e: _Emit) -> None:
+    """``u8_16``: isum[j*TR + r] = sum over weights 16j..16j+15 of the unpacked block at ``p``
+    (:func:`_q6k_unpack_ir`) times the 256 activations at ``q``."""
+    b = e.builder
+    for j in range(16):
+        xg = [e.broadcast(4 * (4 * j + i)) for i in range(4)]
+        for rg in range(TR // 8):
+            acc = None
+            for pair in range(2):       # two groups in int16 (<= 32004), then int32
+                p16 = [b.call(e.maddubs, [e.load(e.p, ((4 * j + 2 * pair + i) * TR + rg * 8) * 4),
+                                          xg[2 * pair + i]]) for i in range(2)]
+                part = b.call(e.maddwd, [b.add(p16[0], p16[1]), e.ones])
+                acc = part if acc is None else b.add(acc, part)
+            e.store(acc, j * TR + rg * 8)
 
 
 def _isum_intrinsic(kind: str, doc: str):
