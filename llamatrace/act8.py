@@ -416,10 +416,11 @@ _isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: one 32-byte chunk of Q4_
 
 
 @njit(**_JIT_PARALLEL)
-def _matmul_q4(x, qs, d, m, m_scale, out):
-    """out[s] = x[s] @ W.T for Q4_0 / Q4_1 (weight d*q + m_scale*m), x quantized first
+def _matmul_q4(x, qs, d, m, m_scale, signed, out):
+    """out[s] = x[s] @ W.T for Q4_0 / Q4_1 / Q8_0 (weight d*q + m_scale*m), x quantized first
     (:func:`quantize`, in the same call: no second dispatch per matmul). x float32 [S, B*32];
-    qs uint8 [T, B, 16, TR] (this module's layout); d, m float32 [T, B, TR]; out float32 [S, n_out].
+    qs [T, B, P, TR] in this module's layout: uint8 nibbles (P = 16), or int8 (P = 32) when
+    ``signed`` (Q8_0, with m_scale 0); d, m float32 [T, B, TR]; out float32 [S, n_out].
 
     One parallel region over tiles; each block is loaded once and used by every row of x
     while it is in L1 (so prefill and decode share the kernel)."""
@@ -436,35 +437,15 @@ def _matmul_q4(x, qs, d, m, m_scale, out):
             for s in range(n_seq):
                 if s == 0:
                     tiles.prefetch_next_block(qs, t, b)
-                _isum_q4(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK, isum)
+                if signed:
+                    _isum_q8(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK, isum)
+                else:
+                    _isum_q4(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK, isum)
                 dx = xd[s, b]
                 ms = m_scale * xs[s, b]
                 a = acc[s]
                 for r in range(TR):
                     a[r] += (db[r] * dx) * np.float32(isum[r]) + mb[r] * ms
-        tiles.store_rows(acc, out, t)
-
-
-@njit(**_JIT_PARALLEL)
-def _matmul_q8(x, qs, d, out):
-    """As :func:`_matmul_q4` for Q8_0: qs int8 [T, B, 32, TR] (this module's layout), weight d*q."""
-    xq, xd, _ = _quantized(x)
-    n_seq = xq.shape[0]
-    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    block = qs.shape[2] * TR
-    for t in prange(n_tiles):
-        isum = np.empty(TR, np.int32)
-        acc = np.zeros((n_seq, TR), np.float32)
-        for b in range(n_blocks):
-            db = d[t, b]
-            for s in range(n_seq):
-                if s == 0:
-                    tiles.prefetch_next_block(qs, t, b)
-                _isum_q8(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK, isum)
-                dx = xd[s, b]
-                a = acc[s]
-                for r in range(TR):
-                    a[r] += (db[r] * dx) * np.float32(isum[r])
         tiles.store_rows(acc, out, t)
 
 
@@ -582,7 +563,7 @@ def matmul_q4_np(x, qs, d, m, m_scale) -> np.ndarray:
 
 
 def matmul_q8_np(x, qs, d) -> np.ndarray:
-    """NumPy twin of :func:`_matmul_q8` (float64 sums). Returns float32 [S, T*TR]."""
+    """NumPy twin of :func:`_matmul_q4` for Q8_0 (float64 sums). Returns float32 [S, T*TR]."""
     xq, xd, _ = quantize_np(x)
     isum = _isums_np(xq, file_order(qs, _T.Q8_0)).astype(np.float64)
     y = (d[None] * xd[:, None, :, None] * isum).sum(axis=2)
@@ -631,12 +612,12 @@ def matmul(x: np.ndarray, ggml_type, qs, d, m, out: np.ndarray) -> None:
     this module's layout; out float32 ``[S, n_out]``.
     """
     if ggml_type == _T.Q8_0:
-        _matmul_q8(x, qs, d, out)
+        _matmul_q4(x, qs, d, d, np.float32(0.0), True, out)
     elif ggml_type == _T.Q4_K:
         _matmul_q4k(x, qs, d, m, out)
     elif ggml_type == _T.Q6_K:
         _matmul_q6k(x, qs, d, out)
     elif ggml_type == _T.Q4_1:
-        _matmul_q4(x, qs, d, m, np.float32(1.0), out)
+        _matmul_q4(x, qs, d, m, np.float32(1.0), False, out)
     else:
-        _matmul_q4(x, qs, d, d, np.float32(-8.0), out)
+        _matmul_q4(x, qs, d, d, np.float32(-8.0), False, out)

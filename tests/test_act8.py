@@ -88,11 +88,11 @@ def test_kernels_equal_numpy_twins(qtype):
         act8._matmul_q6k(x, w.qs, w.d, out)
         twin = act8.matmul_q6k_np(x, w.qs, w.d)
     elif qtype == T.Q8_0:
-        act8._matmul_q8(x, w.qs, w.d, out)
+        act8._matmul_q4(x, w.qs, w.d, w.d, np.float32(0.0), True, out)
         twin = act8.matmul_q8_np(x, w.qs, w.d)
     else:
         m, m_scale = (w.m, 1.0) if qtype == T.Q4_1 else (w.d, -8.0)
-        act8._matmul_q4(x, w.qs, w.d, m, np.float32(m_scale), out)
+        act8._matmul_q4(x, w.qs, w.d, m, np.float32(m_scale), False, out)
         twin = act8.matmul_q4_np(x, w.qs, w.d, m, m_scale)
     np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
 
