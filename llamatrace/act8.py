@@ -2,8 +2,9 @@
 
 llamatrace's default arithmetic is float32 activations times dequantized weights (matching HF
 transformers fp32 to ~1e-5). llama.cpp instead quantizes each activation row to 8 bits and
-multiplies integers (ggml-cpu ``quantize_row_q8_0`` and ``ggml_vec_dot_q4_0_q8_0``); this
-module does the same, beside the float32 path and never instead of it:
+multiplies integers (ggml-cpu ``quantize_row_q8_0`` and ``ggml_vec_dot_q4_0_q8_0``; for
+K-quants ``quantize_row_q8_K`` and ``ggml_vec_dot_q6_K_q8_K``); this module does the same,
+beside the float32 path and never instead of it:
 
 1. Each block of 32 activations becomes ``xd * xq`` with ``xd = max|x| / 127`` (float32) and
    ``xq = round(x / xd)`` int8 in -127..127, rounded half away from zero: gguf-py's
@@ -12,10 +13,13 @@ module does the same, beside the float32 path and never instead of it:
 2. Per block and weight row, the integer dot product ``isum = sum_j q[j] * xq[j]`` is exact in
    int32, and ``y += (d * xd) * isum + m_scale * m * (xd * sum_j xq[j])`` in float32, with
    the weight ``d * q + m_scale * m`` as in :mod:`llamatrace.quant` (Q4_0: ``q`` in 0..15,
-   ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset). Q4_K's
-   sub-blocks are 32 weights too: ``y += (d * sc * xd) * isum - (dmin * mn) * (xd * sum xq)``
-   per sub-block (:mod:`llamatrace.kquants`). Q6_K has a scale per 16 weights and ``q`` in
-   -32..31, summed as ``q + 32`` in 0..63: ``y += (d * sc * xd) * (isum - 32 * sum xq)`` per 16.
+   ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset).
+3. K-quant weights take ggml's Q8_K activations instead (:func:`quantize_k`): one scale per
+   256, so a block's sub-block scales are applied in integers and its float work is one line
+   per row. Q4_K (:mod:`llamatrace.kquants`): ``y += xd * (d * sum_j sc_j * isum_j - dmin *
+   sum_j mn_j * sum xq_j)`` over its 8 sub-blocks of 32. Q6_K has a scale per 16 weights and
+   ``q`` in -32..31, summed as ``q + 32`` in 0..63: ``y += d * xd * sum_j sc_j * (isum_j - 32 *
+   sum xq_j)`` over its 16 groups of 16.
 
 The error is that of rounding x to 8 bits, about 1e-2 relative per matmul, as in llama.cpp
 (``llamatrace compare`` shows it stage by stage); the integer part adds none.
@@ -37,7 +41,11 @@ types integer arithmetic as int64, so the block dot products are written in LLVM
 (:func:`available`). Overflow bounds: a Q4 pair is at most 2 * 15 * 127 = 3810 and the 8 pairs
 of a block summed in int16 at most 30480 < 32767; a Q8_0 pair uses ``|q|`` (<= 128) times
 ``sign(q) * xq`` (<= 127), at most 32512, and goes to int32 at once; a Q6_K pair is at most
-2 * 63 * 127 = 16002, so two pairs (32004) are added in int16 before int32.
+2 * 63 * 127 = 16002, so two pairs (32004) are added in int16 before int32. With Q8_K the
+scaled int32 sums of a block stay far below 2**31: Q4_K at most 8 * 63 * 32 * 15 * 127, Q6_K
+16 * 128 * 16 * 32 * 127. The K-quant intrinsics prefetch the next block's cache lines spread
+over their work (Q6_K decode [4096, 14336], 2 threads: 4.5 ms with one prefetch burst per
+block from Numba, 2.6 ms spread in the IR).
 
 Each Numba kernel has a NumPy twin (``*_np``) that tests compare it with.
 """
@@ -57,6 +65,7 @@ _T = gguf.GGMLQuantizationType
 
 TR = tiles.TR
 QK = 32
+QK_K = 256
 
 TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K, _T.Q6_K})
 """Weight types with an 8-bit-activation kernel; other types keep float32 activations."""
@@ -66,6 +75,7 @@ MODES = ("f32", "q8")
 
 _Q4K_HEAD = 16       # Q4_K: scale bytes sc[8] mn[8] per row before the 128 quant bytes
 _Q6K_SCALES = 192    # Q6_K: ql[128] qh[64], then int8 scales[16]
+_QK_K_BYTES = QK_K * TR  # a Q6_K block unpacked to one byte per weight, before its scales
 
 _FASTMATH = {"contract", "arcp", "afn", "nsz"}
 _JIT = dict(cache=True, fastmath=_FASTMATH)
@@ -211,24 +221,102 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _quantized(x)
 
 
+def quantize_k_np(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy twin of :func:`quantize_k`: ggml's ``quantize_row_q8_K_ref``, written out."""
+    n_seq, n = x.shape
+    xb = x.reshape(n_seq, n // QK_K, QK_K).astype(np.float32)
+    first = np.abs(xb).argmax(axis=2)[..., None]                         # the first largest |x|
+    mx = np.take_along_axis(xb, first, axis=2).astype(np.float64)
+    bad = ~np.isfinite(xb).all(axis=2, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.where(mx == 0, 0, -127.0 / mx).astype(np.float32)
+        v = np.rint((iscale.astype(np.float64) * xb).astype(np.float32))
+        v = np.where(bad | (mx == 0), 0, np.minimum(v, 127))
+        xd = np.where(mx == 0, 0, 1.0 / iscale.astype(np.float64)).astype(np.float32)[..., 0]
+    xd[bad[..., 0]] = np.nan
+    xq = v.astype(np.int8)
+    xsum = xq.reshape(n_seq, n // 16, 16).sum(axis=2, dtype=np.int32)
+    return xq.reshape(n_seq, n), xd, xsum
+
+
+@njit(cache=True)
+def _quantize_k(x, xq, xd, xsum):
+    n_seq, n_blocks = xd.shape
+    for s in range(n_seq):
+        for b in range(n_blocks):
+            amax = np.float32(0.0)
+            mx = np.float32(0.0)
+            finite = True
+            for j in range(QK_K):
+                v = x[s, b * QK_K + j]
+                a = abs(v)
+                if a > amax:
+                    amax, mx = a, v
+                if not np.isfinite(v):
+                    finite = False
+            # float32 quotients and products, correctly rounded through float64 whatever flags a
+            # caller's code carries (as in _quantize); rint rounds half to even, as ggml's
+            # nearest_int does
+            iscale = np.float32(-127.0 / np.float64(mx)) if amax != 0 and finite else np.float32(0.0)
+            for j in range(QK_K):
+                q = np.rint(np.float32(np.float64(iscale) * np.float64(x[s, b * QK_K + j])))
+                xq[s, b * QK_K + j] = np.int8(min(q, np.float32(127.0))) if finite else np.int8(0)
+            if not finite:
+                xd[s, b] = np.nan
+            else:
+                xd[s, b] = np.float32(1.0 / np.float64(iscale)) if amax != 0 else np.float32(0.0)
+            for g in range(16):
+                total = 0
+                for j in range(16):
+                    total += xq[s, b * QK_K + 16 * g + j]
+                xsum[s, b * 16 + g] = total
+
+
+@njit(cache=True)
+def _quantized_k(x):
+    n_seq, n = x.shape
+    xq = np.empty((n_seq, n), np.int8)
+    xd = np.empty((n_seq, n // QK_K), np.float32)
+    xsum = np.empty((n_seq, n // 16), np.int32)
+    _quantize_k(x, xq, xd, xsum)
+    return xq, xd, xsum
+
+
+def quantize_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize activation rows to 8 bits per block of 256, for K-quant weights: ggml's Q8_K
+    (``quantize_row_q8_K_ref`` in ggml-quants.c), which llama.cpp multiplies Q2_K..Q6_K with.
+
+    The first element of largest ``|x|`` in a block becomes -127: ``xq = rint(x * (-127 / max))``,
+    ``xd = max / -127``. x: float32 ``[n_seq, n]``, ``n`` a multiple of 256. Returns ``xq`` int8
+    ``[n_seq, n]``, ``xd`` float32 ``[n_seq, n/256]`` (``x ~ xd * xq``) and ``xsum`` int32
+    ``[n_seq, n/16]`` (``sum(xq)`` per 16, ggml's ``bsums``). A block holding NaN or inf gets a
+    NaN scale and zero quants, so NaN reaches the output.
+    """
+    return _quantized_k(x)
+
+
 # --------------------------------------------------------------------------------------------
 # block dot products in LLVM IR
 
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _V32I8, _V16I16, _V8I32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
+_V8I8 = ir.VectorType(ir.IntType(8), 8)
 
 
 class _Emit:
     """What every block intrinsic's IR needs. The intrinsics take ``(a, a_offset, b, b_offset,
-    isum)``: ``p`` and ``q`` point at ``a`` and ``b`` at their offsets, ``out`` at ``isum``."""
+    isum)`` or, for K-quants, ``(a, a_offset, b, b_offset, xsum, xsum_offset, isum)``: ``p``,
+    ``q`` and ``sums`` point at ``a``, ``b`` and ``xsum`` at their offsets, ``out`` at ``isum``."""
 
     def __init__(self, builder, args, sig, context) -> None:
-        data = [context.make_array(sig.args[i])(context, builder, args[i]).data for i in (0, 2, 4)]
+        arrays = [i for i, a in enumerate(sig.args) if isinstance(a, types.Array)]
+        data = [context.make_array(sig.args[i])(context, builder, args[i]).data for i in arrays]
         self.builder = builder
         self.p = builder.gep(data[0], [args[1]])
         self.q = builder.gep(data[1], [args[3]])
-        self.out = data[2]
+        self.sums = builder.gep(data[2], [args[5]]) if len(data) == 4 else None
+        self.out = data[-1]
         module = builder.module
         self.maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
                                                 ir.FunctionType(_V16I16, [_V32I8, _V32I8]))
@@ -237,6 +325,9 @@ class _Emit:
         self.sign = module.declare_intrinsic("llvm.x86.avx2.psign.b", (),
                                              ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
         self.ones = ir.Constant(_V16I16, [1] * 16)
+        i8p = ir.IntType(8).as_pointer()
+        self.prefetch = module.declare_intrinsic("llvm.prefetch", [i8p],
+                                                 ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]))
 
     def at(self, ptr, offset, vtype=_V32I8):
         return self.builder.bitcast(self.builder.gep(ptr, [ir.Constant(_I64, offset)]), vtype.as_pointer())
@@ -261,22 +352,50 @@ class _Emit:
         """8 int32 lanes into ``isum[index:index + 8]``."""
         self.builder.store(vec, self.at(self.out, index, _V8I32), align=4)
 
+    def rows8(self, offset, signed):
+        """The 8 bytes at ``p + offset`` (one per row: a scale or min) as int32 lanes."""
+        b = self.builder
+        v = b.load(self.at(self.p, offset, _V8I8), align=1)
+        return b.sext(v, _V8I32) if signed else b.zext(v, _V8I32)
+
+    def prefetch_next(self, step, n_steps, block_bytes):
+        """Prefetch part ``step`` of ``n_steps`` of the next block (``p + block_bytes``: the
+        next block of the tile or the next tile's first; past the array's end a prefetch does
+        nothing), spreading a block's cache lines over the work on this one."""
+        b = self.builder
+        lines = -(-block_bytes // 64)
+        for line in range(step * lines // n_steps, (step + 1) * lines // n_steps):
+            ptr = b.gep(self.p, [ir.Constant(_I64, block_bytes + 64 * line)])
+            b.call(self.prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+    def xsum(self, index):
+        """``xsum[index]`` (int32 at ``sums``) in every lane."""
+        b = self.builder
+        v = b.load(b.gep(self.sums, [ir.Constant(_I64, index)]), align=4)
+        vec = b.insert_element(ir.Constant(_V8I32, None), v, ir.Constant(_I32, 0))
+        return b.shuffle_vector(vec, ir.Constant(_V8I32, None), ir.Constant(_V8I32, [0] * 8))
+
     @staticmethod
     def const(v):
         return ir.Constant(_V32I8, [v] * 32)
 
 
 def _block_ir(builder, args, sig, context, kind: str) -> None:
-    """Emit: isum[r] = sum over a block of q[r, j] * xq[j] for the TR rows of one tile block.
+    """Emit the block dot products of one tile block: ``isum[r]`` for its TR rows.
 
-    kind ``q4``: 4 groups, low nibbles times x[4g..], high nibbles times x[16 + 4g..], one sum;
-    ``q4k``: 8 groups, high nibbles times x[32 + 4g..], two sums (isum[0:TR] low, [TR:2TR] high);
-    ``q8``: 8 groups of signed bytes; ``q6k0`` / ``q6k1``: half 0 / 1 (128 weights) of a Q6_K
-    block, 8 sums of 16 weights (isum[j*TR + r], j = 2c + l // 16 for weight 32c + l of the half)
-    of the unsigned ``q + 32``; ``unpack_q6k`` and ``u8_16``: the two steps of Q6_K's prefill."""
+    kind ``q4``: Q4_0/Q4_1, 4 groups, low nibbles times x[4g..], high nibbles times x[16 + 4g..];
+    ``q8``: Q8_0, 8 groups of signed bytes; ``q4k``: a whole Q4_K block against Q8_K
+    activations, ``sum_j sc_j * isum_j`` over its 8 sub-blocks into isum[0:TR] and
+    ``sum_j mn_j * xsum32_j`` into isum[TR:2TR]; ``q6k``: a whole Q6_K block,
+    ``sum_j sc_j * (isum_j - 32 * xsum_j)`` over its 16 groups of 16 (``q + 32`` is unsigned, the
+    offset comes from the activations' sums); ``unpack_q6k`` and ``u8_16``: Q6_K's prefill, the
+    block unpacked once into weight-order bytes, then the same sums per activation row."""
     e = _Emit(builder, args, sig, context)
-    if kind.startswith("q6k"):
-        _q6k_half_ir(e, int(kind[3]))
+    if kind == "q4k":
+        _q4k_ir(e)
+        return
+    if kind == "q6k":
+        _q6k_ir(e)
         return
     if kind == "unpack_q6k":
         _q6k_unpack_ir(e)
@@ -286,112 +405,132 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
         return
     groups = 4 if kind == "q4" else 8
     xlo = [e.broadcast(4 * g) for g in range(groups)]
-    if kind != "q8":
-        xhi = [e.broadcast((16 if kind == "q4" else 32) + 4 * g) for g in range(groups)]
+    if kind == "q4":
+        xhi = [e.broadcast(16 + 4 * g) for g in range(groups)]
         mask, four = e.const(15), e.const(4)
-
-    def add(acc, part):
-        return part if acc is None else builder.add(acc, part)
-
     for rg in range(TR // 8):                 # 8 rows per 256-bit register
-        acc = acc_hi = None
+        acc = None
         for g in range(groups):
             v = e.load(e.p, g * TR * 4 + rg * 32)
             if kind == "q8":   # |q| * (sign(q) * x): unsigned times signed, to int32 at once
-                acc = add(acc, e.dot(builder.call(e.sign, [v, v]), builder.call(e.sign, [xlo[g], v])))
-                continue
-            # int16 sums cannot overflow within a block (module docstring)
-            lo = builder.call(e.maddubs, [builder.and_(v, mask), xlo[g]])
-            hi = builder.call(e.maddubs, [builder.lshr(v, four), xhi[g]])
-            if kind == "q4":
-                acc = add(acc, builder.add(lo, hi))
-            else:
-                acc, acc_hi = add(acc, lo), add(acc_hi, hi)
-        if kind != "q8":
+                part = e.dot(builder.call(e.sign, [v, v]), builder.call(e.sign, [xlo[g], v]))
+            else:              # int16 sums cannot overflow within a block (module docstring)
+                part = builder.add(builder.call(e.maddubs, [builder.and_(v, mask), xlo[g]]),
+                                   builder.call(e.maddubs, [builder.lshr(v, four), xhi[g]]))
+            acc = part if acc is None else builder.add(acc, part)
+        if kind == "q4":
             acc = builder.call(e.maddwd, [acc, e.ones])
         e.store(acc, rg * 8)
-        if kind == "q4k":
-            e.store(builder.call(e.maddwd, [acc_hi, e.ones]), TR + rg * 8)
 
 
-def _q6k_assemble(e: _Emit, ql0, ql1, qh):
-    """The four 6-bit quants (``q + 32``, 0..63) held by one group of ql[0:32], ql[32:64], qh bytes."""
-    b, c = e.builder, e.const
-    return (b.or_(b.and_(ql0, c(15)), b.shl(b.and_(qh, c(3)), c(4))),
-            b.or_(b.and_(ql1, c(15)), b.shl(b.and_(qh, c(12)), c(2))),
-            b.or_(b.lshr(ql0, c(4)), b.and_(qh, c(48))),
-            b.or_(b.lshr(ql1, c(4)), b.and_(b.lshr(qh, c(2)), c(48))))
+def _add(b, acc, part):
+    return part if acc is None else b.add(acc, part)
 
 
-def _q6k_groups(e: _Emit, h: int, k: int, rg: int):
-    """The quants of group k of half h for rows 8rg..8rg+7: group k (4 bytes of weights
-    l = 4k..4k+3 in each 32) of the half's ql[0:32], ql[32:64] and qh[0:32] is group 16h + k,
-    16h + 8 + k and 32 + 8h + k of the block; weight 32c + l of the half is ql (low nibble for
-    c < 2, high for c >= 2) | qh bits 2c, 2c+1 << 4."""
-    return _q6k_assemble(e, e.load(e.p, (16 * h + k) * TR * 4 + rg * 32),
-                         e.load(e.p, (16 * h + 8 + k) * TR * 4 + rg * 32),
-                         e.load(e.p, (32 + 8 * h + k) * TR * 4 + rg * 32))
+def _q4k_ir(e: _Emit) -> None:
+    """The ``q4k`` case of :func:`_block_ir`: ``p`` is the block (sc[8] mn[8] bytes per row, then
+    four chunks of 32 quant bytes per row), ``q`` its 256 activations, ``sums`` their 16 sums."""
+    b = e.builder
+    mask, four = e.const(15), e.const(4)
+    for rg in range(TR // 8):
+        acc = macc = None
+        for c in range(4):                    # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
+            lo = hi = None
+            for g in range(8):                # int16: 8 pairs of at most 2 * 15 * 127, no overflow
+                v = e.load(e.p, (_Q4K_HEAD + 32 * c + 4 * g) * TR + rg * 32)
+                lo = _add(b, lo, b.call(e.maddubs, [b.and_(v, mask), e.broadcast(64 * c + 4 * g)]))
+                hi = _add(b, hi, b.call(e.maddubs, [b.lshr(v, four), e.broadcast(64 * c + 32 + 4 * g)]))
+            e.prefetch_next(4 * rg + c, 4 * (TR // 8), (_Q4K_HEAD + 128) * TR)
+            for j, p16 in ((2 * c, lo), (2 * c + 1, hi)):
+                part = b.call(e.maddwd, [p16, e.ones])
+                acc = _add(b, acc, b.mul(part, e.rows8(j * TR + rg * 8, signed=False)))
+                xs32 = b.add(e.xsum(2 * j), e.xsum(2 * j + 1))
+                macc = _add(b, macc, b.mul(xs32, e.rows8((8 + j) * TR + rg * 8, signed=False)))
+        e.store(acc, rg * 8)
+        e.store(macc, TR + rg * 8)
 
 
-def _q6k_half_ir(e: _Emit, h: int) -> None:
-    """The ``q6k`` cases of :func:`_block_ir`: ``p`` is the block's first byte, ``q`` the half's
-    first activation."""
+def _q6k_group(e: _Emit, h: int, c: int, k: int, rg: int):
+    """The 6-bit quants (``q + 32``, 0..63) of weights 32c + 4k .. + 3 of half h, rows
+    8rg..8rg+7: group k (4 bytes of weights l = 4k..4k+3 in each 32) of the half's ql[0:32],
+    ql[32:64] and qh[0:32] is group 16h + k, 16h + 8 + k and 32 + 8h + k of the block; weight
+    32c + l of the half is ql (low nibble for c < 2, high for c >= 2) | qh bits 2c, 2c+1 << 4.
+    Only the two groups one ``c`` needs are loaded: assembling all four ``c`` at once keeps too
+    many registers live and spills."""
+    b, v = e.builder, e.const
+    ql = e.load(e.p, (16 * h + 8 * (c % 2) + k) * TR * 4 + rg * 32)
+    qh = e.load(e.p, (32 + 8 * h + k) * TR * 4 + rg * 32)
+    low = b.and_(ql, v(15)) if c < 2 else b.lshr(ql, v(4))
+    high = {0: lambda: b.shl(b.and_(qh, v(3)), v(4)), 1: lambda: b.shl(b.and_(qh, v(12)), v(2)),
+            2: lambda: b.and_(qh, v(48)), 3: lambda: b.and_(b.lshr(qh, v(2)), v(48))}[c]()
+    return b.or_(low, high)
+
+
+def _q6k_scaled(e: _Emit, acc, j: int, rg: int, p16_pairs, scales_at: int):
+    """``acc + sc_j * (isum_j - 32 * xsum_j)`` for rows 8rg..8rg+7, isum_j from two pairs of
+    int16 sums (each pair at most 2 * 2 * 63 * 127 = 32004, added in int16 before int32), the
+    int8 scales at ``p + scales_at`` ([16, TR])."""
+    b = e.builder
+    isum = None
+    for p16 in p16_pairs:
+        isum = _add(b, isum, b.call(e.maddwd, [b.add(*p16), e.ones]))
+    centred = b.sub(isum, b.shl(e.xsum(j), ir.Constant(_V8I32, [5] * 8)))
+    return _add(b, acc, b.mul(centred, e.rows8(scales_at + j * TR + rg * 8, signed=True)))
+
+
+def _q6k_ir(e: _Emit) -> None:
+    """The ``q6k`` case of :func:`_block_ir`: ``p`` is the block, ``q`` its 256 activations."""
     b = e.builder
     for rg in range(TR // 8):
-        acc = [None] * 8
-        pending = [None] * 4                  # int16 sums of group k - 1, per c
-        for k in range(8):
-            q6 = _q6k_groups(e, h, k, rg)
-            for c in range(4):
-                p16 = b.call(e.maddubs, [q6[c], e.broadcast(32 * c + 4 * k)])
-                if k % 2 == 0:                # groups k, k + 1 share a scale: add them in int16
-                    pending[c] = p16
-                    continue
-                part = b.call(e.maddwd, [b.add(pending[c], p16), e.ones])
-                j = 2 * c + k // 4
-                acc[j] = part if acc[j] is None else b.add(acc[j], part)
-        for j in range(8):
-            e.store(acc[j], j * TR + rg * 8)
+        acc = None
+        for j in range(16):                   # weights 16j..: half h, c = (j % 8) // 2, k = 4 (j % 2) + ..
+            h, c, k0 = j // 8, (j % 8) // 2, 4 * (j % 2)
+            pairs = [[b.call(e.maddubs, [_q6k_group(e, h, c, k, rg), e.broadcast(128 * h + 32 * c + 4 * k)])
+                      for k in (kk, kk + 1)] for kk in (k0, k0 + 2)]
+            acc = _q6k_scaled(e, acc, j, rg, pairs, _Q6K_SCALES * TR)
+            e.prefetch_next(16 * rg + j, 16 * (TR // 8), (_Q6K_SCALES + 16) * TR)
+        e.store(acc, rg * 8)
 
 
 def _q6k_unpack_ir(e: _Emit) -> None:
     """``unpack_q6k``: the block at ``p`` as unsigned ``q + 32`` bytes in weight order, groups of
-    four per row, written at ``q``: [(G*TR + r)*4 + i] = weight 4G + i of row r."""
+    four per row, written at ``q``: [(G*TR + r)*4 + i] = weight 4G + i of row r; then its 16
+    scales per row ([16, TR] int8) at ``q + 256*TR``."""
     for h in range(2):
         for k in range(8):
             for rg in range(TR // 8):
-                q6 = _q6k_groups(e, h, k, rg)
                 for c in range(4):      # weights 128h + 32c + 4k .. + 3: group 32h + 8c + k
                     g = 32 * h + 8 * c + k
-                    e.builder.store(q6[c], e.at(e.q, (g * TR + rg * 8) * 4), align=1)
+                    e.builder.store(_q6k_group(e, h, c, k, rg), e.at(e.q, (g * TR + rg * 8) * 4), align=1)
+    for i in range(0, 16 * TR, 32):
+        e.builder.store(e.load(e.p, _Q6K_SCALES * TR + i), e.at(e.q, _QK_K_BYTES + i), align=1)
 
 
 def _u8_16_ir(e: _Emit) -> None:
-    """``u8_16``: isum[j*TR + r] = sum over weights 16j..16j+15 of the unpacked block at ``p``
-    (:func:`_q6k_unpack_ir`) times the 256 activations at ``q``."""
+    """``u8_16``: as ``q6k`` for a block unpacked by :func:`_q6k_unpack_ir` at ``p``."""
     b = e.builder
-    for j in range(16):
-        xg = [e.broadcast(4 * (4 * j + i)) for i in range(4)]
-        for rg in range(TR // 8):
-            acc = None
-            for pair in range(2):       # two groups in int16 (<= 32004), then int32
-                p16 = [b.call(e.maddubs, [e.load(e.p, ((4 * j + 2 * pair + i) * TR + rg * 8) * 4),
-                                          xg[2 * pair + i]]) for i in range(2)]
-                part = b.call(e.maddwd, [b.add(p16[0], p16[1]), e.ones])
-                acc = part if acc is None else b.add(acc, part)
-            e.store(acc, j * TR + rg * 8)
+    for rg in range(TR // 8):
+        acc = None
+        for j in range(16):
+            pairs = [[b.call(e.maddubs, [e.load(e.p, ((4 * j + i) * TR + rg * 8) * 4), e.broadcast(4 * (4 * j + i))])
+                      for i in (ii, ii + 1)] for ii in (0, 2)]
+            acc = _q6k_scaled(e, acc, j, rg, pairs, _QK_K_BYTES)
+        e.store(acc, rg * 8)
 
 
-def _isum_intrinsic(kind: str, doc: str):
-    def typer(typingctx, qs, qbase, xq, xbase, isum):
-        if not all(isinstance(a, types.Array) for a in (qs, xq, isum)):
-            return None
+def _isum_intrinsic(kind: str, doc: str, with_sums: bool = False):
+    def codegen(context, builder, signature, args):
+        _block_ir(builder, args, signature, context, kind)
+        return context.get_dummy_value()
 
-        def codegen(context, builder, signature, args):
-            _block_ir(builder, args, signature, context, kind)
-            return context.get_dummy_value()
-
-        return types.void(qs, qbase, xq, xbase, isum), codegen
+    if with_sums:
+        def typer(typingctx, qs, qbase, xq, xbase, xsum, sbase, isum):
+            if all(isinstance(a, types.Array) for a in (qs, xq, xsum, isum)):
+                return types.void(qs, qbase, xq, xbase, xsum, sbase, isum), codegen
+    else:
+        def typer(typingctx, qs, qbase, xq, xbase, isum):
+            if all(isinstance(a, types.Array) for a in (qs, xq, isum)):
+                return types.void(qs, qbase, xq, xbase, isum), codegen
 
     typer.__doc__ = doc
     return intrinsic(typer)
@@ -400,15 +539,17 @@ def _isum_intrinsic(kind: str, doc: str):
 _isum_q4 = _isum_intrinsic("q4", """isum int32[TR] = block dot products of a Q4 tile block at
 flat byte ``qbase`` of ``qs`` with the 32 int8 activations at ``xbase`` of ``xq`` (C-contiguous).""")
 _isum_q8 = _isum_intrinsic("q8", """As :func:`_isum_q4` for a Q8_0 tile block.""")
-_isum_q6k0 = _isum_intrinsic("q6k0", """isum int32[8*TR]: half 0 of the Q6_K tile block at ``qbase``
-with the 128 activations at ``xbase``, per 16 weights.""")
-_isum_q6k1 = _isum_intrinsic("q6k1", """As :func:`_isum_q6k0` for half 1.""")
+_isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: the Q4_K tile block at ``qbase`` with the 256
+Q8_K activations at ``xbase`` and their 16 sums at ``sbase`` of ``xsum``: scaled sums, then mins
+times sums (:func:`_q4k_ir`).""", with_sums=True)
+_isum_q6k = _isum_intrinsic("q6k", """isum int32[TR]: the Q6_K tile block at ``qbase`` with the 256
+Q8_K activations at ``xbase`` and their 16 sums at ``sbase`` of ``xsum``, scaled (:func:`_q6k_ir`).""",
+                            with_sums=True)
 _unpack_q6k = _isum_intrinsic("unpack_q6k", """Writes the Q6_K tile block at ``qbase`` as unsigned bytes
-in weight order into the third argument, uint8 [64*TR*4] (the fourth and fifth are unused).""")
-_isum_u8_16 = _isum_intrinsic("u8_16", """isum int32[16*TR]: an unpacked block (:func:`_unpack_q6k`) times
-the 256 activations at ``xbase``, per 16 weights.""")
-_isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: one 32-byte chunk of Q4_K quants at ``qbase``
-(two sub-blocks) with the 64 activations at ``xbase``: low-nibble sums, then high-nibble sums.""")
+in weight order, then its scales, into the third argument, uint8 [(256 + 16) * TR] (the fourth and
+fifth are unused).""")
+_isum_u8_16 = _isum_intrinsic("u8_16", """As :func:`_isum_q6k` for a block unpacked by
+:func:`_unpack_q6k`.""", with_sums=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,9 +592,10 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
 
 @njit(**_JIT_PARALLEL)
 def _matmul_q4k(x, qs, d, m, out):
-    """As :func:`_matmul_q4` for Q4_K: qs uint8 [T, B, 144, TR] (this module's layout), d and
-    m (dmin) float32 [T, B, TR]."""
-    xq, xd, xs = _quantized(x)
+    """As :func:`_matmul_q4` for Q4_K with Q8_K activations (:func:`quantize_k`): qs uint8
+    [T, B, 144, TR] (this module's layout), d and m (dmin) float32 [T, B, TR]. The sub-block
+    scales and mins are applied in integers, a block's float work is one line per row."""
+    xq, xd, xsum = _quantized_k(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -463,84 +605,44 @@ def _matmul_q4k(x, qs, d, m, out):
         for b in range(n_blocks):
             db = d[t, b]
             mb = m[t, b]
-            sc = qs[t, b]
-            base = (t * n_blocks + b) * block + _Q4K_HEAD * TR
             for s in range(n_seq):
+                _isum_q4k(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK_K, xsum,
+                          (s * n_blocks + b) * 16, isum)
+                dx = xd[s, b]
                 a = acc[s]
-                for c in range(4):           # 64 weights: sub-blocks 2c (low nibbles), 2c + 1
-                    if s == 0:
-                        tiles.prefetch_next_block(qs, t, b, c, 4)
-                    j = 2 * c
-                    _isum_q4k(qs, base + c * 32 * TR, xq, s * n_blocks * 256 + b * 256 + 64 * c, isum)
-                    k = b * 8 + j
-                    dx0, dx1 = xd[s, k], xd[s, k + 1]
-                    xs0, xs1 = xs[s, k], xs[s, k + 1]
-                    for r in range(TR):
-                        a[r] += db[r] * (np.float32(sc[j, r]) * dx0 * np.float32(isum[r])
-                                         + np.float32(sc[j + 1, r]) * dx1 * np.float32(isum[TR + r])) \
-                            - mb[r] * (np.float32(sc[8 + j, r]) * xs0 + np.float32(sc[9 + j, r]) * xs1)
+                for r in range(TR):
+                    a[r] += dx * (db[r] * np.float32(isum[r]) - mb[r] * np.float32(isum[TR + r]))
         tiles.store_rows(acc, out, t)
-
-
-@njit(**_JIT_INLINE)
-def _int8(v):
-    """A uint8 byte read as int8, as float32."""
-    f = np.float32(v)
-    return f - np.float32(256.0) * np.float32(v >= 128)
 
 
 @njit(**_JIT_PARALLEL)
 def _matmul_q6k(x, qs, d, out):
-    """As :func:`_matmul_q4` for Q6_K: qs uint8 [T, B, 208, TR] (this module's layout), d
-    float32 [T, B, TR]."""
-    xq, xd, _ = _quantized(x)
+    """As :func:`_matmul_q4` for Q6_K with Q8_K activations (:func:`quantize_k`): qs uint8
+    [T, B, 208, TR] (this module's layout), d float32 [T, B, TR]. The 16 scales of a block are
+    applied in integers; with several rows of x each block is unpacked once and reused."""
+    xq, xd, xsum = _quantized_k(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    xsum16 = np.zeros((n_seq, n_blocks * 16), np.int32)     # sums of xq per 16, for q + 32
-    for s in range(n_seq):
-        for g in range(n_blocks * 16):
-            for j in range(16):
-                xsum16[s, g] += xq[s, 16 * g + j]
     block = qs.shape[2] * TR
     for t in prange(n_tiles):
-        isum = np.empty(16 * TR, np.int32)
-        unpacked = np.empty(64 * TR * 4, np.uint8)
+        isum = np.empty(TR, np.int32)
+        unpacked = np.empty(_QK_K_BYTES + 16 * TR, np.uint8)
         acc = np.zeros((n_seq, TR), np.float32)
         for b in range(n_blocks):
             db = d[t, b]
-            sc = qs[t, b]
             base = (t * n_blocks + b) * block
-            if n_seq > 1:                    # unpack the block once, reuse it for every row
+            if n_seq > 1:
                 tiles.prefetch_next_block(qs, t, b)
                 _unpack_q6k(qs, base, unpacked, 0, isum)
-                for s in range(n_seq):
-                    _isum_u8_16(unpacked, 0, xq, s * n_blocks * 256 + b * 256, isum)
-                    a = acc[s]
-                    for j in range(16):
-                        g = b * 16 + j
-                        dx = xd[s, g // 2]
-                        off = np.float32(32 * xsum16[s, g])
-                        for r in range(TR):
-                            a[r] += (db[r] * _int8(sc[_Q6K_SCALES + j, r]) * dx) \
-                                * (np.float32(isum[j * TR + r]) - off)
-                continue
             for s in range(n_seq):
+                if n_seq > 1:
+                    _isum_u8_16(unpacked, 0, xq, (s * n_blocks + b) * QK_K, xsum, (s * n_blocks + b) * 16, isum)
+                else:
+                    _isum_q6k(qs, base, xq, (s * n_blocks + b) * QK_K, xsum, (s * n_blocks + b) * 16, isum)
+                dx = xd[s, b]
                 a = acc[s]
-                for h in range(2):
-                    if s == 0:
-                        tiles.prefetch_next_block(qs, t, b, h, 2)
-                    x0 = s * n_blocks * 256 + b * 256 + 128 * h
-                    if h == 0:
-                        _isum_q6k0(qs, base, xq, x0, isum)
-                    else:
-                        _isum_q6k1(qs, base, xq, x0, isum)
-                    for j in range(8):       # weights 16j .. 16j+15 of the half
-                        g = b * 16 + 8 * h + j
-                        dx = xd[s, g // 2]
-                        off = np.float32(32 * xsum16[s, g])     # exact: |isum| < 2**24
-                        for r in range(TR):
-                            a[r] += (db[r] * _int8(sc[_Q6K_SCALES + 8 * h + j, r]) * dx) \
-                                * (np.float32(isum[j * TR + r]) - off)
+                for r in range(TR):
+                    a[r] += (db[r] * dx) * np.float32(isum[r])
         tiles.store_rows(acc, out, t)
 
 
@@ -570,25 +672,36 @@ def matmul_q8_np(x, qs, d) -> np.ndarray:
     return y.reshape(xq.shape[0], -1).astype(np.float32)
 
 
+def _kquant_np(x, q, sc, dd):
+    """float64 ``sum_g dd * sc * xd * isum_g`` for K-quant quants ``q`` int64 [T, B*G, 256/G, TR]
+    with scales ``sc`` and ``dd`` [T, B*G, TR], x quantized to Q8_K: [S, T*TR]."""
+    xq, xd, _ = quantize_k_np(x)
+    n_seq, (n_tiles, n_groups, size) = xq.shape[0], q.shape[:3]
+    xg = xq.reshape(n_seq, n_groups, size).astype(np.int64)
+    isum = np.einsum("sgj,tgjr->stgr", xg, q).astype(np.float64)
+    xdg = np.repeat(xd, QK_K // size, axis=1).astype(np.float64)            # [S, B*G]
+    y = (dd * sc * xdg[:, None, :, None] * isum).sum(axis=2)
+    return y.reshape(n_seq, -1)
+
+
 def matmul_q4k_np(x, qs, d, m) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q4k` (float64 sums). Returns float32 [S, T*TR]."""
-    xq, xd, xs = quantize_np(x)
     p = file_order(qs, _T.Q4_K)                                             # [T, B, 144, TR]
     n_tiles, n_blocks = p.shape[0], p.shape[1]
     e = np.arange(256)
     q = (p[:, :, _Q4K_HEAD + 32 * (e // 64) + e % 32] >> (4 * ((e // 32) % 2))[None, None, :, None]) & 15
-    isum = _isums_np(xq, q.reshape(n_tiles, n_blocks * 8, 32, TR)).astype(np.float64)   # [S, T, B*8, TR]
+    q = q.reshape(n_tiles, n_blocks * 8, 32, TR).astype(np.int64)
     sc = p[:, :, :8].reshape(n_tiles, n_blocks * 8, TR).astype(np.float64)
     mn = p[:, :, 8:16].reshape(n_tiles, n_blocks * 8, TR).astype(np.float64)
     dd, mm = np.repeat(d, 8, axis=1), np.repeat(m, 8, axis=1)               # [T, B*8, TR]
-    y = (dd * sc * xd[:, None, :, None] * isum - mm * mn * xs[:, None, :, None].astype(np.float64)).sum(axis=2)
-    return y.reshape(xq.shape[0], -1).astype(np.float32)
+    ones = np.ones_like(q)
+    y = _kquant_np(x, q, sc, dd) - _kquant_np(x, ones, mn, mm)
+    return y.astype(np.float32)
 
 
 def matmul_q6k_np(x, qs, d) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q6k` (float64 sums, the file's signed quants). Returns float32
     [S, T*TR]."""
-    xq, xd, _ = quantize_np(x)
     p = file_order(qs, _T.Q6_K)                                             # [T, B, 208, TR]
     n_tiles, n_blocks = p.shape[0], p.shape[1]
     e = np.arange(256)
@@ -596,13 +709,9 @@ def matmul_q6k_np(x, qs, d) -> np.ndarray:
     ql = (p[:, :, 64 * half + 32 * (c % 2) + l] >> (4 * (c // 2))[:, None]) & 15   # [T, B, 256, TR]
     qh = (p[:, :, 128 + 32 * half + l] >> (2 * c)[:, None]) & 3
     q = (ql | (qh << 4)).astype(np.int64) - 32                              # [T, B, 256, TR]
-    xq16 = xq.reshape(xq.shape[0], n_blocks * 16, 16).astype(np.int64)
-    isum = np.einsum("sgj,tgjr->stgr", xq16, q.reshape(n_tiles, n_blocks * 16, 16, TR)).astype(np.float64)
     sc = p[:, :, _Q6K_SCALES:].view(np.int8).reshape(n_tiles, n_blocks * 16, TR).astype(np.float64)
     dd = np.repeat(d, 16, axis=1)                                           # [T, B*16, TR]
-    xd16 = np.repeat(xd, 2, axis=1)                                         # [S, B*16]
-    y = (dd * sc * xd16[:, None, :, None] * isum).sum(axis=2)
-    return y.reshape(xq.shape[0], -1).astype(np.float32)
+    return _kquant_np(x, q.reshape(n_tiles, n_blocks * 16, 16, TR), sc, dd).astype(np.float32)
 
 
 def matmul(x: np.ndarray, ggml_type, qs, d, m, out: np.ndarray) -> None:

@@ -1,13 +1,17 @@
 """The optional 8-bit-activation mode (llamatrace.act8): activation quantization against gguf-py's
-Q8_0, matmuls against float64 sums over gguf-py's dequantized weights and activations, the Numba
+Q8_0 and ggml's own Q8_K (ggml-quants.c from the llama-cpp-python sdist, compiled by
+``kquant_files``), matmuls against float64 sums over gguf-py's dequantized weights and activations, the Numba
 kernels against their NumPy twins, integer overflow bounds, and llama.cpp's own matmul outputs
 (the committed graph dump) as the independent reference for the mode as a whole."""
 
 from __future__ import annotations
 
+import ctypes
+
 import gguf
 import numpy as np
 import pytest
+from kquant_files import ggml_quants_library
 from gguf_factory import random_blocks
 from test_cli_generate import assert_one_line_error, run
 from test_compare import load_dump
@@ -39,6 +43,48 @@ def test_activation_quantization_is_gguf_q8_0():
         np.testing.assert_array_equal(got, want)
 
 
+def ggml_q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's ``quantize_row_q8_K_ref``: (qs int8 [S, n], d float32 [S, n/256], bsums [S, n/16])."""
+    fn = ggml_quants_library().quantize_row_q8_K_ref
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    n_seq, n = x.shape
+    x = np.ascontiguousarray(x, np.float32)
+    blocks = np.zeros((n_seq * n // 256, 4 + 256 + 32), np.uint8)      # float d, qs[256], int16 bsums[16]
+    fn(x.ctypes.data, blocks.ctypes.data, x.size)
+    return (blocks[:, 4:260].copy().view(np.int8).reshape(n_seq, n),
+            blocks[:, :4].copy().view(np.float32).reshape(n_seq, -1),
+            blocks[:, 260:].copy().view(np.int16).reshape(n_seq, -1))
+
+
+def test_kquant_activation_quantization_is_ggml_q8_k():
+    x = _rows(np.random.default_rng(1), 5, 2048)
+    x[1, 256:512] = 0.0
+    x[2, 700] = -x[2, 512:768].__abs__().max() * 3      # a negative extreme: its quant is -127
+    want = ggml_q8_k(x)
+    for got in (act8.quantize_k(x), act8.quantize_k_np(x)):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    assert act8.quantize_k(x)[0][2, 700] == -127 and act8.quantize_k(x)[1][2, 2] > 0
+    x[3, 5] = np.nan
+    x[4, 300] = np.inf
+    for xq, xd, _ in (act8.quantize_k(x), act8.quantize_k_np(x)):
+        assert np.isnan(xd[3, 0]) and np.isnan(xd[4, 1]) and not xq[3, :256].any()
+        np.testing.assert_array_equal(xd[:3], want[1][:3])
+
+
+def _dequantized_activations(qtype, x):
+    """float64 activations as this mode multiplies them: Q8_0 per 32 (checked against gguf-py, whose
+    scale is fp16 where ours is float32), Q8_K per 256 (equal to ggml's)."""
+    if qtype in KQUANTS:
+        xq, xd, _ = ggml_q8_k(x)
+        return (xq.reshape(len(x), -1, 256) * xd[..., None].astype(np.float64)).reshape(len(x), -1)
+    ref_x = gguf.quants.dequantize(gguf.quants.quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
+    xq, xd, _ = act8.quantize(x)
+    ours_x = (xq.reshape(len(x), -1, 32) * xd[..., None].astype(np.float64)).reshape(len(x), -1)
+    assert np.abs(ours_x - ref_x).max() <= 1e-3 * np.abs(ref_x).max()
+    return ours_x
+
+
 def _n_in(qtype, blocks=5):
     return blocks * (256 if qtype in KQUANTS else 32)
 
@@ -62,11 +108,7 @@ def test_matmul_equals_gguf_dequantized_float64_sums(qtype, n_seq):
     raw, w = _weight(qtype, 70, n_in)                 # a padded tile, 5 blocks
     assert w.act8 and w.ggml_type == qtype
     x = _rows(np.random.default_rng(n_seq), n_seq, n_in)
-    ref_x = gguf.quants.dequantize(gguf.quants.quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
-    # gguf stores the activation scale as fp16, we keep it float32: use ours with gguf's quants
-    xq, xd, _ = act8.quantize(x)
-    ours_x = (xq.reshape(n_seq, -1, 32) * xd[..., None].astype(np.float64)).reshape(n_seq, -1)
-    assert np.abs(ours_x - ref_x).max() <= 1e-3 * np.abs(ref_x).max()
+    ours_x = _dequantized_activations(qtype, x)
     W = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     want = ours_x @ W.T
     got = quant.matmul(x, w)
