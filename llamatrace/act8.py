@@ -14,12 +14,15 @@ beside the float32 path and never instead of it:
    int32, and ``y += (d * xd) * isum + m_scale * m * (xd * sum_j xq[j])`` in float32, with
    the weight ``d * q + m_scale * m`` as in :mod:`llamatrace.quant` (Q4_0: ``q`` in 0..15,
    ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset).
-3. K-quant weights take ggml's Q8_K activations instead (:func:`quantize_k`): one scale per
-   256, so a block's sub-block scales are applied in integers and its float work is one line
-   per row. Q4_K (:mod:`llamatrace.kquants`): ``y += xd * (d * sum_j sc_j * isum_j - dmin *
-   sum_j mn_j * sum xq_j)`` over its 8 sub-blocks of 32. Q6_K has a scale per 16 weights and
-   ``q`` in -32..31, summed as ``q + 32`` in 0..63: ``y += d * xd * sum_j sc_j * (isum_j - 32 *
-   sum xq_j)`` over its 16 groups of 16.
+   Q4_K's sub-blocks are 32 weights too: ``y += (d * sc * xd) * isum - (dmin * mn) * (xd *
+   sum xq)`` per sub-block (:mod:`llamatrace.kquants`).
+3. Q6_K weights take ggml's Q8_K activations instead (:func:`quantize_k`), as llama.cpp's
+   ``ggml_vec_dot_q6_K_q8_K`` does: one scale per 256, so the block's 16 int8 scales (one per
+   16 weights) are applied in integers and its float work is one line per row. ``q`` in -32..31
+   is summed as ``q + 32`` in 0..63: ``y += d * xd * sum_j sc_j * (isum_j - 32 * sum xq_j)``
+   over the 16 groups of 16. (Q4_K the same way, integer scales and mins per block, measured
+   0.94-1.08x the per-32 path in decode and 0.83-0.88x in prefill, so it keeps the per-32 path,
+   which also rounds activations more finely.)
 
 The error is that of rounding x to 8 bits, about 1e-2 relative per matmul, as in llama.cpp
 (``llamatrace compare`` shows it stage by stage); the integer part adds none.
@@ -41,11 +44,10 @@ types integer arithmetic as int64, so the block dot products are written in LLVM
 (:func:`available`). Overflow bounds: a Q4 pair is at most 2 * 15 * 127 = 3810 and the 8 pairs
 of a block summed in int16 at most 30480 < 32767; a Q8_0 pair uses ``|q|`` (<= 128) times
 ``sign(q) * xq`` (<= 127), at most 32512, and goes to int32 at once; a Q6_K pair is at most
-2 * 63 * 127 = 16002, so two pairs (32004) are added in int16 before int32. With Q8_K the
-scaled int32 sums of a block stay far below 2**31: Q4_K at most 8 * 63 * 32 * 15 * 127, Q6_K
-16 * 128 * 16 * 32 * 127. The K-quant intrinsics prefetch the next block's cache lines spread
-over their work (Q6_K decode [4096, 14336], 2 threads: 4.5 ms with one prefetch burst per
-block from Numba, 2.6 ms spread in the IR).
+2 * 63 * 127 = 16002, so two pairs (32004) are added in int16 before int32, and a block's
+scaled int32 sum is at most 16 * 128 * 16 * 32 * 127 < 2**31. Q6_K's decode intrinsic
+prefetches the next block's cache lines spread over its work (with the integer scales: Q6_K
+[4096, 14336], 2 threads, 4.4-4.8 ms -> 2.6-2.8 ms, alternated in one process).
 
 Each Numba kernel has a NumPy twin (``*_np``) that tests compare it with.
 """
@@ -306,8 +308,9 @@ _V8I8 = ir.VectorType(ir.IntType(8), 8)
 
 class _Emit:
     """What every block intrinsic's IR needs. The intrinsics take ``(a, a_offset, b, b_offset,
-    isum)`` or, for K-quants, ``(a, a_offset, b, b_offset, xsum, xsum_offset, isum)``: ``p``,
-    ``q`` and ``sums`` point at ``a``, ``b`` and ``xsum`` at their offsets, ``out`` at ``isum``."""
+    isum)`` or, for K-quants, ``(a, a_offset, b, b_offset, xsum, xsum_offset, isum, prefetch)``:
+    ``p``, ``q`` and ``sums`` point at ``a``, ``b`` and ``xsum`` at their offsets, ``out`` at
+    ``isum``; ``prefetch`` (nonzero: the first activation row) turns :meth:`prefetch_next` on."""
 
     def __init__(self, builder, args, sig, context) -> None:
         arrays = [i for i, a in enumerate(sig.args) if isinstance(a, types.Array)]
@@ -316,6 +319,7 @@ class _Emit:
         self.p = builder.gep(data[0], [args[1]])
         self.q = builder.gep(data[1], [args[3]])
         self.sums = builder.gep(data[2], [args[5]]) if len(data) == 4 else None
+        self.prefetch_on = args[7] if len(args) == 8 else None
         self.out = data[-1]
         module = builder.module
         self.maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
@@ -364,9 +368,11 @@ class _Emit:
         nothing), spreading a block's cache lines over the work on this one."""
         b = self.builder
         lines = -(-block_bytes // 64)
-        for line in range(step * lines // n_steps, (step + 1) * lines // n_steps):
-            ptr = b.gep(self.p, [ir.Constant(_I64, block_bytes + 64 * line)])
-            b.call(self.prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        on = b.icmp_signed("!=", self.prefetch_on, ir.Constant(self.prefetch_on.type, 0))
+        with b.if_then(on, likely=True):
+            for line in range(step * lines // n_steps, (step + 1) * lines // n_steps):
+                ptr = b.gep(self.p, [ir.Constant(_I64, block_bytes + 64 * line)])
+                b.call(self.prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
     def xsum(self, index):
         """``xsum[index]`` (int32 at ``sums``) in every lane."""
@@ -384,16 +390,13 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
     """Emit the block dot products of one tile block: ``isum[r]`` for its TR rows.
 
     kind ``q4``: Q4_0/Q4_1, 4 groups, low nibbles times x[4g..], high nibbles times x[16 + 4g..];
-    ``q8``: Q8_0, 8 groups of signed bytes; ``q4k``: a whole Q4_K block against Q8_K
-    activations, ``sum_j sc_j * isum_j`` over its 8 sub-blocks into isum[0:TR] and
-    ``sum_j mn_j * xsum32_j`` into isum[TR:2TR]; ``q6k``: a whole Q6_K block,
-    ``sum_j sc_j * (isum_j - 32 * xsum_j)`` over its 16 groups of 16 (``q + 32`` is unsigned, the
-    offset comes from the activations' sums); ``unpack_q6k`` and ``u8_16``: Q6_K's prefill, the
-    block unpacked once into weight-order bytes, then the same sums per activation row."""
+    ``q8``: Q8_0, 8 groups of signed bytes; ``q4k``: 8 groups of one 32-byte Q4_K chunk, high
+    nibbles times x[32 + 4g..], two sums (isum[0:TR] low, [TR:2TR] high); ``q6k``: a whole Q6_K
+    block against Q8_K activations, ``sum_j sc_j * (isum_j - 32 * xsum_j)`` over its 16 groups
+    of 16 (``q + 32`` is unsigned, the offset comes from the activations' sums); ``unpack_q6k``
+    and ``u8_16``: Q6_K's prefill, the block unpacked once into weight-order bytes, then the same
+    sums per activation row."""
     e = _Emit(builder, args, sig, context)
-    if kind == "q4k":
-        _q4k_ir(e)
-        return
     if kind == "q6k":
         _q6k_ir(e)
         return
@@ -405,49 +408,32 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
         return
     groups = 4 if kind == "q4" else 8
     xlo = [e.broadcast(4 * g) for g in range(groups)]
-    if kind == "q4":
-        xhi = [e.broadcast(16 + 4 * g) for g in range(groups)]
+    if kind != "q8":
+        xhi = [e.broadcast((16 if kind == "q4" else 32) + 4 * g) for g in range(groups)]
         mask, four = e.const(15), e.const(4)
     for rg in range(TR // 8):                 # 8 rows per 256-bit register
-        acc = None
+        acc = acc_hi = None
         for g in range(groups):
             v = e.load(e.p, g * TR * 4 + rg * 32)
             if kind == "q8":   # |q| * (sign(q) * x): unsigned times signed, to int32 at once
-                part = e.dot(builder.call(e.sign, [v, v]), builder.call(e.sign, [xlo[g], v]))
-            else:              # int16 sums cannot overflow within a block (module docstring)
-                part = builder.add(builder.call(e.maddubs, [builder.and_(v, mask), xlo[g]]),
-                                   builder.call(e.maddubs, [builder.lshr(v, four), xhi[g]]))
-            acc = part if acc is None else builder.add(acc, part)
-        if kind == "q4":
+                acc = _add(builder, acc, e.dot(builder.call(e.sign, [v, v]), builder.call(e.sign, [xlo[g], v])))
+                continue
+            # int16 sums cannot overflow within a block (module docstring)
+            lo = builder.call(e.maddubs, [builder.and_(v, mask), xlo[g]])
+            hi = builder.call(e.maddubs, [builder.lshr(v, four), xhi[g]])
+            if kind == "q4":
+                acc = _add(builder, acc, builder.add(lo, hi))
+            else:
+                acc, acc_hi = _add(builder, acc, lo), _add(builder, acc_hi, hi)
+        if kind != "q8":
             acc = builder.call(e.maddwd, [acc, e.ones])
         e.store(acc, rg * 8)
+        if kind == "q4k":
+            e.store(builder.call(e.maddwd, [acc_hi, e.ones]), TR + rg * 8)
 
 
 def _add(b, acc, part):
     return part if acc is None else b.add(acc, part)
-
-
-def _q4k_ir(e: _Emit) -> None:
-    """The ``q4k`` case of :func:`_block_ir`: ``p`` is the block (sc[8] mn[8] bytes per row, then
-    four chunks of 32 quant bytes per row), ``q`` its 256 activations, ``sums`` their 16 sums."""
-    b = e.builder
-    mask, four = e.const(15), e.const(4)
-    for rg in range(TR // 8):
-        acc = macc = None
-        for c in range(4):                    # chunk c: sub-blocks 2c (low nibbles), 2c + 1 (high)
-            lo = hi = None
-            for g in range(8):                # int16: 8 pairs of at most 2 * 15 * 127, no overflow
-                v = e.load(e.p, (_Q4K_HEAD + 32 * c + 4 * g) * TR + rg * 32)
-                lo = _add(b, lo, b.call(e.maddubs, [b.and_(v, mask), e.broadcast(64 * c + 4 * g)]))
-                hi = _add(b, hi, b.call(e.maddubs, [b.lshr(v, four), e.broadcast(64 * c + 32 + 4 * g)]))
-            e.prefetch_next(4 * rg + c, 4 * (TR // 8), (_Q4K_HEAD + 128) * TR)
-            for j, p16 in ((2 * c, lo), (2 * c + 1, hi)):
-                part = b.call(e.maddwd, [p16, e.ones])
-                acc = _add(b, acc, b.mul(part, e.rows8(j * TR + rg * 8, signed=False)))
-                xs32 = b.add(e.xsum(2 * j), e.xsum(2 * j + 1))
-                macc = _add(b, macc, b.mul(xs32, e.rows8((8 + j) * TR + rg * 8, signed=False)))
-        e.store(acc, rg * 8)
-        e.store(macc, TR + rg * 8)
 
 
 def _q6k_group(e: _Emit, h: int, c: int, k: int, rg: int):
@@ -524,9 +510,9 @@ def _isum_intrinsic(kind: str, doc: str, with_sums: bool = False):
         return context.get_dummy_value()
 
     if with_sums:
-        def typer(typingctx, qs, qbase, xq, xbase, xsum, sbase, isum):
+        def typer(typingctx, qs, qbase, xq, xbase, xsum, sbase, isum, prefetch):
             if all(isinstance(a, types.Array) for a in (qs, xq, xsum, isum)):
-                return types.void(qs, qbase, xq, xbase, xsum, sbase, isum), codegen
+                return types.void(qs, qbase, xq, xbase, xsum, sbase, isum, prefetch), codegen
     else:
         def typer(typingctx, qs, qbase, xq, xbase, isum):
             if all(isinstance(a, types.Array) for a in (qs, xq, isum)):
@@ -539,9 +525,8 @@ def _isum_intrinsic(kind: str, doc: str, with_sums: bool = False):
 _isum_q4 = _isum_intrinsic("q4", """isum int32[TR] = block dot products of a Q4 tile block at
 flat byte ``qbase`` of ``qs`` with the 32 int8 activations at ``xbase`` of ``xq`` (C-contiguous).""")
 _isum_q8 = _isum_intrinsic("q8", """As :func:`_isum_q4` for a Q8_0 tile block.""")
-_isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: the Q4_K tile block at ``qbase`` with the 256
-Q8_K activations at ``xbase`` and their 16 sums at ``sbase`` of ``xsum``: scaled sums, then mins
-times sums (:func:`_q4k_ir`).""", with_sums=True)
+_isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: one 32-byte chunk of Q4_K quants at ``qbase``
+(two sub-blocks) with the 64 activations at ``xbase``: low-nibble sums, then high-nibble sums.""")
 _isum_q6k = _isum_intrinsic("q6k", """isum int32[TR]: the Q6_K tile block at ``qbase`` with the 256
 Q8_K activations at ``xbase`` and their 16 sums at ``sbase`` of ``xsum``, scaled (:func:`_q6k_ir`).""",
                             with_sums=True)
@@ -592,10 +577,9 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
 
 @njit(**_JIT_PARALLEL)
 def _matmul_q4k(x, qs, d, m, out):
-    """As :func:`_matmul_q4` for Q4_K with Q8_K activations (:func:`quantize_k`): qs uint8
-    [T, B, 144, TR] (this module's layout), d and m (dmin) float32 [T, B, TR]. The sub-block
-    scales and mins are applied in integers, a block's float work is one line per row."""
-    xq, xd, xsum = _quantized_k(x)
+    """As :func:`_matmul_q4` for Q4_K: qs uint8 [T, B, 144, TR] (this module's layout), d and
+    m (dmin) float32 [T, B, TR]."""
+    xq, xd, xs = _quantized(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -605,13 +589,22 @@ def _matmul_q4k(x, qs, d, m, out):
         for b in range(n_blocks):
             db = d[t, b]
             mb = m[t, b]
+            sc = qs[t, b]
+            base = (t * n_blocks + b) * block + _Q4K_HEAD * TR
             for s in range(n_seq):
-                _isum_q4k(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK_K, xsum,
-                          (s * n_blocks + b) * 16, isum)
-                dx = xd[s, b]
                 a = acc[s]
-                for r in range(TR):
-                    a[r] += dx * (db[r] * np.float32(isum[r]) - mb[r] * np.float32(isum[TR + r]))
+                for c in range(4):           # 64 weights: sub-blocks 2c (low nibbles), 2c + 1
+                    if s == 0:
+                        tiles.prefetch_next_block(qs, t, b, c, 4)
+                    j = 2 * c
+                    _isum_q4k(qs, base + c * 32 * TR, xq, s * n_blocks * 256 + b * 256 + 64 * c, isum)
+                    k = b * 8 + j
+                    dx0, dx1 = xd[s, k], xd[s, k + 1]
+                    xs0, xs1 = xs[s, k], xs[s, k + 1]
+                    for r in range(TR):
+                        a[r] += db[r] * (np.float32(sc[j, r]) * dx0 * np.float32(isum[r])
+                                         + np.float32(sc[j + 1, r]) * dx1 * np.float32(isum[TR + r])) \
+                            - mb[r] * (np.float32(sc[8 + j, r]) * xs0 + np.float32(sc[9 + j, r]) * xs1)
         tiles.store_rows(acc, out, t)
 
 
@@ -636,9 +629,9 @@ def _matmul_q6k(x, qs, d, out):
                 _unpack_q6k(qs, base, unpacked, 0, isum)
             for s in range(n_seq):
                 if n_seq > 1:
-                    _isum_u8_16(unpacked, 0, xq, (s * n_blocks + b) * QK_K, xsum, (s * n_blocks + b) * 16, isum)
+                    _isum_u8_16(unpacked, 0, xq, (s * n_blocks + b) * QK_K, xsum, (s * n_blocks + b) * 16, isum, False)
                 else:
-                    _isum_q6k(qs, base, xq, (s * n_blocks + b) * QK_K, xsum, (s * n_blocks + b) * 16, isum)
+                    _isum_q6k(qs, base, xq, (s * n_blocks + b) * QK_K, xsum, (s * n_blocks + b) * 16, isum, True)
                 dx = xd[s, b]
                 a = acc[s]
                 for r in range(TR):
@@ -672,31 +665,19 @@ def matmul_q8_np(x, qs, d) -> np.ndarray:
     return y.reshape(xq.shape[0], -1).astype(np.float32)
 
 
-def _kquant_np(x, q, sc, dd):
-    """float64 ``sum_g dd * sc * xd * isum_g`` for K-quant quants ``q`` int64 [T, B*G, 256/G, TR]
-    with scales ``sc`` and ``dd`` [T, B*G, TR], x quantized to Q8_K: [S, T*TR]."""
-    xq, xd, _ = quantize_k_np(x)
-    n_seq, (n_tiles, n_groups, size) = xq.shape[0], q.shape[:3]
-    xg = xq.reshape(n_seq, n_groups, size).astype(np.int64)
-    isum = np.einsum("sgj,tgjr->stgr", xg, q).astype(np.float64)
-    xdg = np.repeat(xd, QK_K // size, axis=1).astype(np.float64)            # [S, B*G]
-    y = (dd * sc * xdg[:, None, :, None] * isum).sum(axis=2)
-    return y.reshape(n_seq, -1)
-
-
 def matmul_q4k_np(x, qs, d, m) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q4k` (float64 sums). Returns float32 [S, T*TR]."""
+    xq, xd, xs = quantize_np(x)
     p = file_order(qs, _T.Q4_K)                                             # [T, B, 144, TR]
     n_tiles, n_blocks = p.shape[0], p.shape[1]
     e = np.arange(256)
     q = (p[:, :, _Q4K_HEAD + 32 * (e // 64) + e % 32] >> (4 * ((e // 32) % 2))[None, None, :, None]) & 15
-    q = q.reshape(n_tiles, n_blocks * 8, 32, TR).astype(np.int64)
+    isum = _isums_np(xq, q.reshape(n_tiles, n_blocks * 8, 32, TR)).astype(np.float64)   # [S, T, B*8, TR]
     sc = p[:, :, :8].reshape(n_tiles, n_blocks * 8, TR).astype(np.float64)
     mn = p[:, :, 8:16].reshape(n_tiles, n_blocks * 8, TR).astype(np.float64)
     dd, mm = np.repeat(d, 8, axis=1), np.repeat(m, 8, axis=1)               # [T, B*8, TR]
-    ones = np.ones_like(q)
-    y = _kquant_np(x, q, sc, dd) - _kquant_np(x, ones, mn, mm)
-    return y.astype(np.float32)
+    y = (dd * sc * xd[:, None, :, None] * isum - mm * mn * xs[:, None, :, None].astype(np.float64)).sum(axis=2)
+    return y.reshape(xq.shape[0], -1).astype(np.float32)
 
 
 def matmul_q6k_np(x, qs, d) -> np.ndarray:
@@ -711,7 +692,13 @@ def matmul_q6k_np(x, qs, d) -> np.ndarray:
     q = (ql | (qh << 4)).astype(np.int64) - 32                              # [T, B, 256, TR]
     sc = p[:, :, _Q6K_SCALES:].view(np.int8).reshape(n_tiles, n_blocks * 16, TR).astype(np.float64)
     dd = np.repeat(d, 16, axis=1)                                           # [T, B*16, TR]
-    return _kquant_np(x, q.reshape(n_tiles, n_blocks * 16, 16, TR), sc, dd).astype(np.float32)
+    xq, xd, _ = quantize_k_np(x)                                            # Q8_K: one scale per 256
+    n_seq = xq.shape[0]
+    xg = xq.reshape(n_seq, n_blocks * 16, 16).astype(np.int64)
+    isum = np.einsum("sgj,tgjr->stgr", xg, q.reshape(n_tiles, n_blocks * 16, 16, TR)).astype(np.float64)
+    xd16 = np.repeat(xd, 16, axis=1).astype(np.float64)                     # [S, B*16]
+    y = (dd * sc * xd16[:, None, :, None] * isum).sum(axis=2)
+    return y.reshape(n_seq, -1).astype(np.float32)
 
 
 def matmul(x: np.ndarray, ggml_type, qs, d, m, out: np.ndarray) -> None:

@@ -74,8 +74,8 @@ def test_kquant_activation_quantization_is_ggml_q8_k():
 
 def _dequantized_activations(qtype, x):
     """float64 activations as this mode multiplies them: Q8_0 per 32 (checked against gguf-py, whose
-    scale is fp16 where ours is float32), Q8_K per 256 (equal to ggml's)."""
-    if qtype in KQUANTS:
+    scale is fp16 where ours is float32), or for Q6_K Q8_K per 256 (equal to ggml's)."""
+    if qtype == T.Q6_K:
         xq, xd, _ = ggml_q8_k(x)
         return (xq.reshape(len(x), -1, 256) * xd[..., None].astype(np.float64)).reshape(len(x), -1)
     ref_x = gguf.quants.dequantize(gguf.quants.quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
