@@ -308,7 +308,7 @@ _V8I8 = ir.VectorType(ir.IntType(8), 8)
 
 class _Emit:
     """What every block intrinsic's IR needs. The intrinsics take ``(a, a_offset, b, b_offset,
-    isum)`` or, for K-quants, ``(a, a_offset, b, b_offset, xsum, xsum_offset, isum, prefetch)``:
+    isum)`` or, for Q6_K, ``(a, a_offset, b, b_offset, xsum, xsum_offset, isum, prefetch)``:
     ``p``, ``q`` and ``sums`` point at ``a``, ``b`` and ``xsum`` at their offsets, ``out`` at
     ``isum``; ``prefetch`` (nonzero: the first activation row) turns :meth:`prefetch_next` on."""
 
@@ -356,11 +356,10 @@ class _Emit:
         """8 int32 lanes into ``isum[index:index + 8]``."""
         self.builder.store(vec, self.at(self.out, index, _V8I32), align=4)
 
-    def rows8(self, offset, signed):
-        """The 8 bytes at ``p + offset`` (one per row: a scale or min) as int32 lanes."""
-        b = self.builder
-        v = b.load(self.at(self.p, offset, _V8I8), align=1)
-        return b.sext(v, _V8I32) if signed else b.zext(v, _V8I32)
+    def rows8(self, offset):
+        """The 8 int8 at ``p + offset`` (one per row: a scale) as int32 lanes."""
+        v = self.builder.load(self.at(self.p, offset, _V8I8), align=1)
+        return self.builder.sext(v, _V8I32)
 
     def prefetch_next(self, step, n_steps, block_bytes):
         """Prefetch part ``step`` of ``n_steps`` of the next block (``p + block_bytes``: the
@@ -461,7 +460,7 @@ def _q6k_scaled(e: _Emit, acc, j: int, rg: int, p16_pairs, scales_at: int):
     for p16 in p16_pairs:
         isum = _add(b, isum, b.call(e.maddwd, [b.add(*p16), e.ones]))
     centred = b.sub(isum, b.shl(e.xsum(j), ir.Constant(_V8I32, [5] * 8)))
-    return _add(b, acc, b.mul(centred, e.rows8(scales_at + j * TR + rg * 8, signed=True)))
+    return _add(b, acc, b.mul(centred, e.rows8(scales_at + j * TR + rg * 8)))
 
 
 def _q6k_ir(e: _Emit) -> None:
