@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 from llamatrace import kernels as K
 
@@ -78,6 +79,34 @@ def test_softmax_fully_masked_row_gives_zeros_not_nan():
     assert np.isfinite(y).all()
     assert (y[0, 0] == 0).all()
     np.testing.assert_allclose(y, K.softmax_ref(x), atol=1e-7)
+
+
+@njit
+def _exp_each(x):
+    out = np.empty_like(x)
+    for i in range(x.shape[0]):
+        out[i] = K.exp_f32(x[i])
+    return out
+
+
+def test_exp_f32_is_within_one_ulp_of_float64_exp():
+    x = np.concatenate([np.linspace(-87.3, 88.7, 400_001, dtype=np.float32),
+                        rng.uniform(-20, 0, 100_000).astype(np.float32),      # softmax's range
+                        np.float32([0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5])])
+    y = _exp_each(x)
+    ref = np.exp(x.astype(np.float64))
+    normal = ref >= np.finfo(np.float32).tiny
+    ulp = np.spacing(ref[normal].astype(np.float32)).astype(np.float64)
+    assert (np.abs(y[normal] - ref[normal]) / ulp).max() <= 1.0
+    assert _exp_each(np.float32([0.0]))[0] == 1.0
+
+
+def test_exp_f32_limits_and_nan():
+    x = np.float32([-np.inf, -1000.0, -87.4, 88.8, 1000.0, np.inf, np.nan])
+    y = _exp_each(x)
+    np.testing.assert_array_equal(y[:3], 0.0)                 # exp below float32's normals: 0
+    np.testing.assert_array_equal(y[3:6], np.inf)
+    assert np.isnan(y[6])
 
 
 def test_softmax_propagates_nan():
