@@ -618,7 +618,7 @@ def _matmul_q6k(x, qs, d, out):
     block = qs.shape[2] * TR
     for t in prange(n_tiles):
         isum = np.empty(TR, np.int32)
-        unpacked = np.empty(_QK_K_BYTES + 16 * TR, np.uint8)
+        unpacked = np.empty(_QK_K_BYTES + 16 * TR if n_seq > 1 else 0, np.uint8)   # prefill only
         acc = np.zeros((n_seq, TR), np.float32)
         for b in range(n_blocks):
             db = d[t, b]
