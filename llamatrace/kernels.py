@@ -298,36 +298,41 @@ _ATTN = dict(cache=True, fastmath={"reassoc", "contract"})
 
 
 @njit(**_ATTN)
-def _scores_rows(xq, keys, out, h):
+def _scores_keys(xq, keys, out, t0, t1):
+    """out[h, s, t] for keys t0 <= t < t1, every query head and row. Keys go in memory order,
+    each row [n_kv_heads, head_dim] read once for all heads: one stream through the cache.
+    (Head by head, the stride left decode waiting on DRAM: 35 -> 24 us at kv 200 in SmolLM2.)"""
     seq_len, n_heads, head_dim = xq.shape
-    kv_len = keys.shape[0]
-    g = h // (n_heads // keys.shape[1])
+    n_rep = n_heads // keys.shape[1]
     for s in range(seq_len):
-        q = xq[s, h]
-        for t in range(kv_len):
-            k = keys[t, g]
-            acc = np.float32(0.0)
-            for d in range(head_dim):
-                acc += q[d] * k[d]
-            out[h, s, t] = acc
+        for t in range(t0, t1):
+            for h in range(n_heads):
+                k = keys[t, h // n_rep]
+                q = xq[s, h]
+                acc = np.float32(0.0)
+                for d in range(head_dim):
+                    acc += q[d] * k[d]
+                out[h, s, t] = acc
 
 
 @njit(**_ATTN)
 def attention_scores_serial(xq, keys):
-    n_heads = xq.shape[1]
-    out = np.empty((n_heads, xq.shape[0], keys.shape[0]), dtype=np.float32)
-    for h in range(n_heads):
-        _scores_rows(xq, keys, out, h)
+    out = np.empty((xq.shape[1], xq.shape[0], keys.shape[0]), dtype=np.float32)
+    _scores_keys(xq, keys, out, 0, keys.shape[0])
     return out
 
 
 @njit(parallel=True, **_ATTN)
 def attention_scores_parallel(xq, keys):
-    n_heads = xq.shape[1]
-    out = np.empty((n_heads, xq.shape[0], keys.shape[0]), dtype=np.float32)
-    for h in prange(n_heads):
-        _scores_rows(xq, keys, out, h)
+    kv_len = keys.shape[0]
+    out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
+    for c in prange((kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK):     # threads split the keys
+        _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK))
     return out
+
+
+_KEY_CHUNK = 32
+"""Keys per parallel work item of the scores: they stay in L1/L2 while every query row uses them."""
 
 
 def _check_groups(n_heads: int, kv_heads: int) -> None:
@@ -368,35 +373,63 @@ def attention_scores_ref(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 
 @njit(**_ATTN)
-def _values_rows(scores, values, out, h):
-    seq_len, kv_len = scores.shape[1], scores.shape[2]
-    head_dim = values.shape[2]
-    g = h // (scores.shape[0] // values.shape[1])
-    acc = np.empty(head_dim, dtype=np.float32)     # a private accumulator stays in registers (3x faster)
-    for s in range(seq_len):
-        acc[:] = 0.0
-        for t in range(kv_len):
+def _values_keys(scores, values, acc, s, h0, t0, t1):
+    """acc[i] = Σ_t scores[h0 + i, s, t] · values[t, (h0 + i) // n_rep] over keys t0 <= t < t1,
+    in memory order (as :func:`_scores_keys`); acc float32 [n, head_dim]."""
+    n_rep = scores.shape[0] // values.shape[1]
+    acc[:] = 0.0
+    for t in range(t0, t1):
+        for i in range(acc.shape[0]):
+            h = h0 + i
+            v = values[t, h // n_rep]
             p = scores[h, s, t]
-            for d in range(head_dim):
-                acc[d] += p * values[t, g, d]
-        out[h, s] = acc
+            a = acc[i]
+            for d in range(acc.shape[1]):
+                a[d] += p * v[d]
+
+
+@njit(**_ATTN)
+def _values_heads(scores, values, out, h0, h1):
+    """out[h0:h1]: per query row, chunks of _KEY_CHUNK keys summed, then the chunks in order.
+    Every variant below adds in this order, so they agree bit for bit."""
+    n_heads, seq_len, kv_len = scores.shape
+    part = np.empty((h1 - h0, values.shape[2]), dtype=np.float32)   # private: no shared cache lines
+    row = np.empty((h1 - h0, values.shape[2]), dtype=np.float32)
+    for s in range(seq_len):
+        row[:] = 0.0
+        for t0 in range(0, kv_len, _KEY_CHUNK):
+            _values_keys(scores, values, part, s, h0, t0, min(kv_len, t0 + _KEY_CHUNK))
+            row += part
+        out[h0:h1, s] = row
 
 
 @njit(**_ATTN)
 def attention_values_serial(scores, values):
     n_heads = scores.shape[0]
     out = np.empty((n_heads, scores.shape[1], values.shape[2]), dtype=np.float32)
-    for h in range(n_heads):
-        _values_rows(scores, values, out, h)
+    _values_heads(scores, values, out, 0, n_heads)
     return out
 
 
 @njit(parallel=True, **_ATTN)
 def attention_values_parallel(scores, values):
-    n_heads = scores.shape[0]
-    out = np.empty((n_heads, scores.shape[1], values.shape[2]), dtype=np.float32)
-    for h in prange(n_heads):
-        _values_rows(scores, values, out, h)
+    n_heads, seq_len, kv_len = scores.shape
+    head_dim = values.shape[2]
+    out = np.empty((n_heads, seq_len, head_dim), dtype=np.float32)
+    if seq_len > 1:                       # prefill: threads split the heads
+        for h in prange(n_heads):
+            _values_heads(scores, values, out, h, h + 1)
+        return out
+    n_chunks = (kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK
+    parts = np.empty((n_chunks, n_heads, head_dim), dtype=np.float32)
+    for c in prange(n_chunks):            # decode: threads split the keys, as in the scores
+        _values_keys(scores, values, parts[c], 0, 0, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK))
+    for h in range(n_heads):              # loops, not array expressions: those would each
+        for d in range(head_dim):         # become one more parallel region here
+            out[h, 0, d] = 0.0
+        for c in range(n_chunks):
+            for d in range(head_dim):
+                out[h, 0, d] += parts[c, h, d]
     return out
 
 

@@ -132,8 +132,11 @@ def test_attention_products_match_twins(seq_len, kv_len, n_heads, n_kv_heads):
     np.testing.assert_allclose(K.attention_values(p, values), K.attention_values_ref(p, values), rtol=1e-5, atol=1e-5)
 
 
-def test_serial_and_parallel_attention_variants_agree():
-    xq, keys = randn(3, 2, 16), randn(6, 2, 16)
+@pytest.mark.parametrize("seq_len,kv_len", [(3, 6), (4, 70), (1, 100)])     # prefill, decode: several key chunks
+def test_serial_and_parallel_attention_variants_agree(seq_len, kv_len):
+    """The parallel kernels split the keys (scores, decode values) or the heads (prefill values)
+    and add in the serial kernels' order, so they agree bit for bit."""
+    xq, keys = randn(seq_len, 6, 16), randn(kv_len, 2, 16)
     np.testing.assert_array_equal(K.attention_scores_serial(xq, keys), K.attention_scores_parallel(xq, keys))
     p = K.softmax(K.attention_scores_serial(xq, keys))
     np.testing.assert_array_equal(K.attention_values_serial(p, keys), K.attention_values_parallel(p, keys))
