@@ -404,6 +404,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     checking each shape against the config; ``progress(done_bytes, total_bytes)`` after each."""
     total = sum(t.n_bytes for t in f.tensors.values())
     done = 0
+    arena = quant.Arena()
 
     def packed(*tensors) -> None:
         nonlocal done
@@ -429,7 +430,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
 
     def matrix(meta: str, layer: int | None = None, acts: str = activations) -> quant.Weight:
         name, t = raw(meta, layer)
-        w = quant.pack(name, t.tensor_type, t.data, *shapes[meta], activations=acts)
+        w = quant.pack(name, t.tensor_type, t.data, *shapes[meta], activations=acts, arena=arena)
         packed(t)
         return w
 
@@ -444,7 +445,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             return None
         w = quant.pack_concat("+".join(name for name, _ in named),
                               [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)],
-                              activations=activations)
+                              activations=activations, arena=arena)
         packed(*(t for _, t in named))
         return w
 
