@@ -123,11 +123,14 @@ def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray
 def dequant_rows_np(ggml_type, qs: np.ndarray, d: np.ndarray, m: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Dequantize rows (int [n]) of packed tiles -> float32 ``[n, B*QKB]``; NumPy twin of
     :func:`dequant_tile` (bit-for-bit ``gguf.quants.dequantize``)."""
-    t_ = _T(ggml_type)
     t, r = rows // TR, rows % TR
-    p = qs[t, :, :, r]                                    # [n, B, P] uint8
-    db = d[t, :, r]                                       # [n, B]
-    mb = m[t, :, r] if t_ in HAS_MIN else None
+    return dequant_bytes_np(ggml_type, qs[t, :, :, r], d[t, :, r], m[t, :, r] if _T(ggml_type) in HAS_MIN else None)
+
+
+def dequant_bytes_np(ggml_type, p: np.ndarray, db: np.ndarray, mb: np.ndarray | None) -> np.ndarray:
+    """Rows of packed blocks -> float32 ``[n, B*QKB]``: p uint8 ``[n, B, P]`` (this module's block
+    layout), db / mb float32 ``[n, B]`` (mb None for types without a minimum)."""
+    t_ = _T(ggml_type)
     n, nb = p.shape[0], p.shape[1]
     f32 = np.float32
 

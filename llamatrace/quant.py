@@ -359,14 +359,13 @@ def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     """
     typ = w.ggml_type
     qs, d_t, m_t = w.qs, w.d, w.m
-    if w.act8:
-        qs, d_t, m_t, rows = act8.file_order_rows(typ, qs, d_t, m_t, rows)
     t, r = rows // TR, rows % TR
     n = len(rows)
+    if typ in kquants.KIND or typ in _QUANTIZED:
+        q = act8.file_order_rows(typ, qs, t, r) if w.act8 else qs[t, :, :, r]   # [n, B, P]
     if typ in kquants.KIND:
-        return kquants.dequant_rows_np(typ, qs, d_t, m_t, rows)
+        return kquants.dequant_bytes_np(typ, q, d_t[t, :, r], m_t[t, :, r] if m_t.size else None)
     if typ in _QUANTIZED:
-        q = qs[t, :, :, r]                                       # [n, B, nq]
         d = d_t[t, :, r][:, :, None]                             # [n, B, 1]
         if typ == _T.Q8_0:
             return (d * q.astype(np.float32)).reshape(n, w.n_in)
