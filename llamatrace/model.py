@@ -253,6 +253,7 @@ class Llama:
         for hooks in reversed(self._hooks):      # wrapped inside out: the outermost block runs first
             emit = hooks.begin(emit, start_pos, seq_len)
         n_heads, n_kv_heads, head_dim, n_rep = c.n_heads, c.n_kv_heads, c.head_dim, c.n_rep
+        scale = np.float32(1.0 / math.sqrt(head_dim))
 
         # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64
         freqs_cis = kernels.precompute_freqs_cis(self.inv_freq, start_pos, seq_len)
@@ -306,7 +307,7 @@ class Llama:
             # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
             kq = kernels.attention_scores(xq, keys)
             kq = emit("kq", layer, kq)
-            scores = kq * np.float32(1.0 / math.sqrt(head_dim))
+            scores = kq * scale
             scores = emit("kq_scaled", layer, scores)
             if mask is not None:
                 scores = scores + mask                           # broadcast over heads
