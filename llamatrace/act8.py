@@ -709,15 +709,23 @@ def matmul(x: np.ndarray, ggml_type, qs, d, m, out: np.ndarray) -> None:
     """``out = x @ W.T`` with x quantized to 8 bits per block (:func:`quantize`).
 
     x float32 C-contiguous ``[S, n_in]``; ``qs``/``d``/``m`` a weight of type ``ggml_type`` in
-    this module's layout; out float32 ``[S, n_out]``.
+    this module's layout (``ggml_type`` a ``GGMLQuantizationType`` in :data:`TYPES`); out float32
+    ``[S, n_out]``. Raises ``ValueError`` for another type.
     """
-    if ggml_type == _T.Q8_0:
-        _matmul_q4(x, qs, d, d, np.float32(0.0), True, out)
-    elif ggml_type == _T.Q4_K:
+    # Decode makes ~120 of these calls a token: `is` on the enum and ready-made float32
+    # constants save ~1.3 us a call over `==` and np.float32(...).
+    if ggml_type is _T.Q4_1:
+        _matmul_q4(x, qs, d, m, _ONE, False, out)
+    elif ggml_type is _T.Q4_0:
+        _matmul_q4(x, qs, d, d, _MINUS_8, False, out)
+    elif ggml_type is _T.Q8_0:
+        _matmul_q4(x, qs, d, d, _ZERO, True, out)
+    elif ggml_type is _T.Q4_K:
         _matmul_q4k(x, qs, d, m, out)
-    elif ggml_type == _T.Q6_K:
+    elif ggml_type is _T.Q6_K:
         _matmul_q6k(x, qs, d, out)
-    elif ggml_type == _T.Q4_1:
-        _matmul_q4(x, qs, d, m, np.float32(1.0), False, out)
     else:
-        _matmul_q4(x, qs, d, d, np.float32(-8.0), False, out)
+        raise ValueError(f"no 8-bit-activation kernel for {ggml_type!r}")
+
+
+_ONE, _ZERO, _MINUS_8 = np.float32(1.0), np.float32(0.0), np.float32(-8.0)
