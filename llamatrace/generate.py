@@ -106,10 +106,10 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
             stats.stop_reason = "context"
             return
         threads = quant.AUTO_THREADS.pick("decode")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         logits = model.forward(np.asarray([token]), cache.pos, cache, recorder=recorder)[-1]
         dt = time.perf_counter() - t0
-        quant.AUTO_THREADS.record("decode", threads, dt)
+        quant.AUTO_THREADS.record("decode", threads, dt, time.process_time() - cpu0)
         stats.decode_s += dt
         stats.decode_steps += 1
         stats.last_logits = logits

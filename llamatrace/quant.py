@@ -795,6 +795,11 @@ class AutoThreads:
     slower count costs one slow token), and again after ``explore`` once the fastest changes.
     A prefill is one long call, too costly to spend on a slower count: it takes decode's
     fastest (:meth:`best`).
+
+    Fewer threads can only win when another process takes cores, so while all cores are the
+    fastest and this process gets their CPU time (``cpu_seconds_per_token`` at least
+    ``threads - 0.3`` times the wall time, averaged) it does not explore: each exploration
+    costs a slow token (at 8B, ~0.5 s), and a short generation pays it several times.
     """
 
     def __init__(self, explore: int = 16, max_interval: int = 256) -> None:
@@ -807,6 +812,13 @@ class AutoThreads:
         self._interval: dict[str, int] = {}
         self._next: dict[str, int] = {}
         self._retries: dict[str, int] = {}
+        self._share: dict[str, float] = {}     # CPU seconds per wall second with all cores
+
+    def _cores_busy_elsewhere(self, kind: str) -> bool:
+        """True unless calls with all cores got (on average) nearly all of their CPU time;
+        also True when that was never measured."""
+        top = self.candidates[0]
+        return self._share.get(kind, 0.0) < top - 0.3
 
     def _fastest(self, kind: str) -> int:
         return min(self.candidates, key=lambda c: self._avg[kind, c])
@@ -818,7 +830,12 @@ class AutoThreads:
         calls = self._calls.get(kind, 0)
         self._calls[kind] = calls + 1
         untried = [n for n in self.candidates if (kind, n) not in self._avg]
-        if untried:
+        top = self.candidates[0]
+        measured = [c for c in self.candidates if (kind, c) in self._avg]
+        if (measured and not self._cores_busy_elsewhere(kind)
+                and min(measured, key=lambda c: self._avg[kind, c]) == top):
+            n = top                           # the cores are ours and all of them are fastest
+        elif untried:
             n = untried[0]
         else:
             n = self._fastest(kind)
@@ -843,9 +860,15 @@ class AutoThreads:
         numba.set_num_threads(n)
         return n
 
-    def record(self, kind: str, n: int, seconds_per_token: float) -> None:
-        """Add one measurement of ``n`` threads for ``kind``; a new fastest count restarts the
+    def record(self, kind: str, n: int, seconds_per_token: float,
+               cpu_seconds_per_token: float | None = None) -> None:
+        """Add one measurement of ``n`` threads for ``kind`` (wall seconds and, when known, the
+        process's CPU seconds, ``time.process_time``); a new fastest count restarts the
         retries at every ``explore`` calls."""
+        if cpu_seconds_per_token is not None and n == self.candidates[0] and seconds_per_token > 0:
+            share = cpu_seconds_per_token / seconds_per_token
+            old_share = self._share.get(kind)
+            self._share[kind] = share if old_share is None else 0.7 * old_share + 0.3 * share
         key = (kind, n)
         old = self._avg.get(key)
         tried = all((kind, c) in self._avg for c in self.candidates)

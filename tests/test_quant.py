@@ -243,6 +243,31 @@ def test_auto_threads_follows_the_faster_count_and_keeps_checking(monkeypatch):
     assert auto.pick("other") == 2              # each kind of call learns on its own
 
 
+def test_auto_threads_explores_only_when_other_processes_take_cpu(monkeypatch):
+    import numba
+    monkeypatch.setattr(quant, "_fixed_threads", None)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: None)
+    auto = quant.AutoThreads(explore=8)
+
+    def run(calls, seconds, share):
+        picks = []
+        for _ in range(calls):
+            n = auto.pick("decode")
+            picks.append(n)
+            auto.record("decode", n, seconds[n], seconds[n] * (share if n == 2 else 1.0))
+        return picks
+
+    # all cores ours (CPU time 1.9x wall time): two threads throughout, no slow token spent on one
+    assert run(200, {2: 1.0, 1: 2.0}, 1.9) == [2] * 200
+    # another process takes a core: two threads get 1.3 cores, so one is tried, and wins
+    picks = run(60, {2: 3.0, 1: 2.0}, 1.3)
+    assert 1 in picks[:5] and picks[-20:].count(1) >= 18
+    # the core is free again: the retries of two threads find it, then exploring stops
+    picks = run(400, {2: 1.0, 1: 2.0}, 1.9)
+    assert picks[-200:] == [2] * 200
+
+
 def test_fixed_threads_are_not_overridden(monkeypatch):
     import numba
     monkeypatch.setattr(quant, "_fixed_threads", None)
