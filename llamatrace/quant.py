@@ -145,15 +145,18 @@ class Arena:
         dtype = np.dtype(dtype)
         n_bytes = int(np.prod(shape)) * dtype.itemsize
         if n_bytes > self.chunk_bytes // 2:
-            return np.empty(shape, dtype=dtype)
-        start = self._used + (-(self._chunk.ctypes.data + self._used) % 64)
-        if start + n_bytes > self._chunk.size:
-            self._chunk = np.empty(self.chunk_bytes, dtype=np.uint8)
-            start = -self._chunk.ctypes.data % 64
-        self._used = start + n_bytes
-        return self._chunk[start:start + n_bytes].view(dtype).reshape(shape)
+            chunk, start = np.empty(n_bytes + 64, dtype=np.uint8), 0
+        else:
+            chunk, start = self._chunk, self._used
+            if start + 63 + n_bytes > chunk.size:
+                chunk = self._chunk = np.empty(self.chunk_bytes, dtype=np.uint8)
+                start = 0
+            self._used = start + (-(chunk.ctypes.data + start) % 64) + n_bytes
+        start += -(chunk.ctypes.data + start) % 64
+        return chunk[start:start + n_bytes].view(dtype).reshape(shape)
 
     def zeros(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """As :meth:`empty`, filled with zeros."""
         a = self.empty(shape, dtype)
         a[...] = 0
         return a
