@@ -129,7 +129,7 @@ class Arena:
     chunks large enough (``chunk_bytes``) that NumPy asks the kernel to back them with
     transparent huge pages (it does from 4 MiB). On their own, the small per-layer arrays sit
     on 4 KiB pages, and a decode step that streams them all walks the page tables every 4 KiB
-    (SmolLM2 q8, the 120 layer matmuls of a token: 5.48 -> 5.11 ms, paired median).
+    (SmolLM2 q8, the 120 layer matmuls of a token alone: 5.20 -> 4.96 ms, paired median).
 
     Arrays over half a chunk get an allocation of their own (so ``Arena(0)`` is plain NumPy).
     Views into a chunk keep it alive.
