@@ -392,7 +392,7 @@ def _values_keys(scores, values, acc, s, h0, t0, t1):
 def _values_heads(scores, values, out, h0, h1):
     """out[h0:h1]: per query row, chunks of _KEY_CHUNK keys summed, then the chunks in order.
     Every variant below adds in this order, so they agree bit for bit."""
-    n_heads, seq_len, kv_len = scores.shape
+    _, seq_len, kv_len = scores.shape
     part = np.empty((h1 - h0, values.shape[2]), dtype=np.float32)   # private: no shared cache lines
     row = np.empty((h1 - h0, values.shape[2]), dtype=np.float32)
     for s in range(seq_len):

@@ -155,11 +155,15 @@ class Arena:
         start += -(chunk.ctypes.data + start) % 64
         return chunk[start:start + n_bytes].view(dtype).reshape(shape)
 
-    def zeros(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        """As :meth:`empty`, filled with zeros."""
-        a = self.empty(shape, dtype)
-        a[...] = 0
-        return a
+
+
+def _zero_padding(n_rows: int, qs_t: np.ndarray, d_t: np.ndarray, m_t: np.ndarray) -> None:
+    """Zero the rows of the last tile past ``n_rows`` (the packers write every other byte)."""
+    if n_rows % TR:
+        qs_t[-1, ..., n_rows % TR:] = 0
+        d_t[-1, :, n_rows % TR:] = 0
+        if m_t.size:
+            m_t[-1, :, n_rows % TR:] = 0
 
 
 def _unsupported(name: str, ggml_type) -> UnsupportedModelError:
@@ -194,7 +198,7 @@ def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n
     d_off, m_off, q_off, nq = _BLOCK_FIELDS[ggml_type]
     n_rows = sum(int(n) for _, n in parts)
     n_tiles = -(-n_rows // TR)
-    qs_t = arena.zeros((n_tiles, n_blocks, nq, TR), np.uint8)
+    qs_t = arena.empty((n_tiles, n_blocks, nq, TR), np.uint8)
     d_t = arena.empty((n_tiles, n_blocks, TR), np.float32)
     m_t = _EMPTY_SCALES if m_off < 0 else arena.empty((n_tiles, n_blocks, TR), np.float32)
     row0 = 0
@@ -206,10 +210,7 @@ def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n
         blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
         _repack_blocks(blocks, row0, d_off, m_off, q_off, _F16_TABLE, qs_t, d_t, m_t)
         row0 += n_out
-    if row0 % TR:                       # padded rows: zero scales (their quants are zero already)
-        d_t[-1, :, row0 % TR:] = 0
-        if m_off >= 0:
-            m_t[-1, :, row0 % TR:] = 0
+    _zero_padding(row0, qs_t, d_t, m_t)
     return (qs_t.view(np.int8) if ggml_type == _T.Q8_0 else qs_t), d_t, m_t
 
 
@@ -223,10 +224,10 @@ def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in
     n_blocks, block_bytes = n_in // qkb, kquants.FILE_BYTES[ggml_type]
     n_rows = sum(int(n) for _, n in parts)
     n_tiles = -(-n_rows // TR)
-    qs_t = arena.zeros((n_tiles, n_blocks, kquants.PACKED_BYTES[ggml_type], TR), np.uint8)
-    d_t = arena.zeros((n_tiles, n_blocks, TR), np.float32)
+    qs_t = arena.empty((n_tiles, n_blocks, kquants.PACKED_BYTES[ggml_type], TR), np.uint8)
+    d_t = arena.empty((n_tiles, n_blocks, TR), np.float32)
     has_min = ggml_type in kquants.HAS_MIN
-    m_t = arena.zeros((n_tiles, n_blocks, TR), np.float32) if has_min else _EMPTY_SCALES
+    m_t = arena.empty((n_tiles, n_blocks, TR), np.float32) if has_min else _EMPTY_SCALES
     row0 = 0
     for raw, n_out in parts:
         raw = np.asarray(raw)
@@ -242,6 +243,7 @@ def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in
             if has_min:
                 m_t[rows // TR, :, rows % TR] = m
         row0 += n_out
+    _zero_padding(row0, qs_t, d_t, m_t)
     return qs_t, d_t, m_t
 
 
@@ -324,6 +326,7 @@ def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32", aren
     :func:`pack` raises. ``activations`` and ``arena`` as in :func:`pack`.
     """
     check_activations(activations)
+    arena = arena if arena is not None else Arena(0)
     if not parts:
         raise ValueError(f"pack_concat({name!r}): no parts")
     ggml_type, n_in = parts[0][0], int(parts[0][3])
@@ -338,8 +341,7 @@ def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32", aren
     splits = tuple(int(p[2]) for p in parts)
     if _T(ggml_type) in _QUANTIZED or _T(ggml_type) in kquants.KIND:
         packer = _pack_quantized if _T(ggml_type) in _QUANTIZED else _pack_kquant
-        qs_t, d_t, m_t = packer(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in,
-                                arena if arena is not None else Arena(0))
+        qs_t, d_t, m_t = packer(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in, arena)
         return _for_activations(Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits),
                                 activations)
     rows = [np.ascontiguousarray(raw).view(np.uint8).reshape(int(n_out), -1) for _, raw, n_out, _ in parts]

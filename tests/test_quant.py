@@ -245,8 +245,8 @@ def test_auto_threads_follows_the_faster_count_and_keeps_checking(monkeypatch):
 
 def test_arena_arrays_are_aligned_disjoint_and_outlive_their_chunk():
     arena = quant.Arena(chunk_bytes=1 << 16)
-    arrays = [arena.zeros((3, 5, 7), np.float32), arena.empty((100,), np.uint8), arena.zeros((2, 4), np.int8),
-              arena.zeros((40_000,), np.uint8)]               # over half a chunk: its own allocation
+    arrays = [arena.empty((3, 5, 7), np.float32), arena.empty((100,), np.uint8), arena.empty((2, 4), np.int8),
+              arena.empty((40_000,), np.uint8)]               # over half a chunk: its own allocation
     for i, a in enumerate(arrays):
         a[...] = i + 1
     del arena                                                  # views keep their chunk alive
@@ -254,13 +254,17 @@ def test_arena_arrays_are_aligned_disjoint_and_outlive_their_chunk():
         assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous
         assert (a == i + 1).all()                              # nothing overlapped another array
     assert arrays[0].base is arrays[1].base is arrays[2].base is not arrays[3].base
+    dirty = quant.Arena(chunk_bytes=1 << 20)
+    dirty.empty((0,), np.uint8)
+    dirty._chunk[:] = 0xFF                                     # memory a packer must not rely on
     packed = quant.pack("w", gguf.GGMLQuantizationType.Q4_1, gguf.quants.quantize(
         np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1),
-        40, 64, arena=quant.Arena())
+        40, 64, arena=dirty)
     plain = quant.pack("w", gguf.GGMLQuantizationType.Q4_1, gguf.quants.quantize(
         np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1), 40, 64)
     for a, b in ((packed.qs, plain.qs), (packed.d, plain.d), (packed.m, plain.m)):
-        np.testing.assert_array_equal(a, b)                    # padded rows zeroed as np.zeros had them
+        np.testing.assert_array_equal(a, b)
+    assert not packed.qs[-1, ..., 40 % quant.TR:].any() and not packed.d[-1, :, 40 % quant.TR:].any()  # padding zeroed
 
 
 def test_auto_threads_explores_only_when_other_processes_take_cpu(monkeypatch):
