@@ -94,49 +94,29 @@ def available() -> bool:
 # layout
 
 
-def _region(ggml_type, n_bytes: int) -> tuple[int, int]:
-    """The bytes [head, end) of a block row that are regrouped (scales stay where they are)."""
-    head = _Q4K_HEAD if _T(ggml_type) == _T.Q4_K else 0
-    return head, (_Q6K_SCALES if _T(ggml_type) == _T.Q6_K else n_bytes)
+_GROUPED = {_T.Q4_0: (0, 16), _T.Q4_1: (0, 16), _T.Q8_0: (0, 32), _T.Q4_K: (_Q4K_HEAD, 144),
+            _T.Q6_K: (0, _Q6K_SCALES)}
+
+
+def grouped_bytes(ggml_type) -> tuple[int, int]:
+    """The packed bytes ``[head, end)`` of a block row held in groups of four (the scales
+    around them stay in the float32 path's order). :mod:`llamatrace.quant` writes them so at
+    load (:func:`llamatrace.tiles.byte_offset`); a separate pass over the packed bytes cost 2 s
+    of an 8B Q4_K_M load."""
+    return _GROUPED[_T(ggml_type)]
 
 
 def _regroup(qs: np.ndarray, ggml_type, to_groups: bool, tiles_per_step: int = 64) -> np.ndarray:
     """Reorder every block's quant bytes of ``qs [T, B, P, TR]`` in place, ``tiles_per_step`` tiles
-    at a time (the only temporary): ``[P, TR]`` -> ``[P/4, TR, 4]`` or back. NumPy twin of
-    :func:`_to_groups` (``to_groups`` True)."""
+    at a time (the only temporary): ``[P, TR]`` -> ``[P/4, TR, 4]`` or back (``to_groups``
+    True: what :mod:`llamatrace.quant` writes at load in this mode)."""
     n_tiles, n_blocks, n_bytes, tr = qs.shape
-    head, end = _region(ggml_type, n_bytes)
+    head, end = grouped_bytes(ggml_type)
     groups = (end - head) // 4
     src = (groups, 4, tr) if to_groups else (groups, tr, 4)
     for t0 in range(0, n_tiles, tiles_per_step):
         part = qs[t0:t0 + tiles_per_step, :, head:end]
         part[...] = part.reshape(part.shape[:2] + src).transpose(0, 1, 2, 4, 3).reshape(part.shape)
-    return qs
-
-
-@njit(**_JIT_PARALLEL)
-def _to_groups(qs, head, end):
-    """In place, per block of ``qs`` uint8 [T, B, P, TR]: bytes [head, end) of each row from
-    ``[j, r]`` to ``[j // 4, r, j % 4]``; one block-sized temporary per thread."""
-    n_tiles, n_blocks, n_bytes = qs.shape[0], qs.shape[1], qs.shape[2]
-    for t in prange(n_tiles):
-        tmp = np.empty((end - head, TR), np.uint8)
-        for b in range(n_blocks):
-            blk = qs[t, b]
-            flat = blk.reshape(n_bytes * TR)
-            for j in range(end - head):
-                for r in range(TR):
-                    tmp[j, r] = blk[head + j, r]
-            for j in range(end - head):
-                base = head * TR + (j >> 2) * TR * 4 + (j & 3)
-                for r in range(TR):
-                    flat[base + 4 * r] = tmp[j, r]
-
-
-def repack(qs: np.ndarray, ggml_type) -> np.ndarray:
-    """The float32 path's tiles -> this module's layout, in place (see the module docstring)."""
-    head, end = _region(ggml_type, qs.shape[2])
-    _to_groups(qs.view(np.uint8), head, end)
     return qs
 
 
@@ -150,7 +130,7 @@ def file_order_rows(ggml_type, qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> 
     ``[n, B, P]``, what ``qs[t, :, :, r]`` gives there. Gathers only those rows (an embedding
     lookup per decode step: 112 -> 22 us for SmolLM2's token_embd, regrouping whole tiles)."""
     n_tiles, n_blocks, n_bytes, tr = qs.shape
-    head, end = _region(ggml_type, n_bytes)
+    head, end = grouped_bytes(ggml_type)
     rows = qs[t, :, :, r]                                     # right outside [head, end)
     grouped = qs.reshape(n_tiles, n_blocks, n_bytes * tr)[:, :, head * tr:end * tr]
     grouped = grouped.reshape(n_tiles, n_blocks, (end - head) // 4, tr, 4)   # [j // 4, r, j % 4]

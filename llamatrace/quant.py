@@ -157,13 +157,14 @@ class Arena:
 
 
 
-def _zero_padding(n_rows: int, qs_t: np.ndarray, d_t: np.ndarray, m_t: np.ndarray) -> None:
-    """Zero the rows of the last tile past ``n_rows`` (the packers write every other byte)."""
+def _zero_last_tile(n_rows: int, qs_t: np.ndarray, d_t: np.ndarray, m_t: np.ndarray) -> None:
+    """Zero the last tile when ``n_rows`` leaves padding rows in it; the packers then write
+    every byte of the real rows (wherever the layout puts them), so the padding stays zero."""
     if n_rows % TR:
-        qs_t[-1, ..., n_rows % TR:] = 0
-        d_t[-1, :, n_rows % TR:] = 0
+        qs_t[-1] = 0
+        d_t[-1] = 0
         if m_t.size:
-            m_t[-1, :, n_rows % TR:] = 0
+            m_t[-1] = 0
 
 
 def _unsupported(name: str, ggml_type) -> UnsupportedModelError:
@@ -188,10 +189,12 @@ def _tile_rows(a: np.ndarray, n_out: int) -> np.ndarray:
 _BLOCK_FIELDS = {_T.Q4_0: (0, -1, 2, 16), _T.Q4_1: (0, 2, 4, 16), _T.Q8_0: (0, -1, 2, 32)}
 
 
-def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena):
+def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
+                    group: tuple[int, int]):
     """Row tiles (qs, d, m) of the stacked rows of ``parts`` = [(raw, n_out)], written in place:
     no concatenated or transposed temporary, so a load holds the file's pages and the packed
-    copy, nothing more. Raises ``ValueError`` on a size mismatch."""
+    copy, nothing more; quant bytes ``group`` in 8-bit activations' order (:func:`_group`).
+    Raises ``ValueError`` on a size mismatch."""
     if n_in % QK:
         raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {QK}")
     n_blocks, block_bytes = n_in // QK, _BLOCK_BYTES[ggml_type]
@@ -201,6 +204,7 @@ def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n
     qs_t = arena.empty((n_tiles, n_blocks, nq, TR), np.uint8)
     d_t = arena.empty((n_tiles, n_blocks, TR), np.float32)
     m_t = _EMPTY_SCALES if m_off < 0 else arena.empty((n_tiles, n_blocks, TR), np.float32)
+    _zero_last_tile(n_rows, qs_t, d_t, m_t)
     row0 = 0
     for raw, n_out in parts:
         raw = np.asarray(raw)
@@ -208,16 +212,15 @@ def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
                              f"{n_out * n_blocks * block_bytes} bytes, got {raw.nbytes}")
         blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
-        _repack_blocks(blocks, row0, d_off, m_off, q_off, _F16_TABLE, qs_t, d_t, m_t)
+        _repack_blocks(blocks, row0, d_off, m_off, q_off, *group, _F16_TABLE, qs_t, d_t, m_t)
         row0 += n_out
-    _zero_padding(row0, qs_t, d_t, m_t)
     return (qs_t.view(np.int8) if ggml_type == _T.Q8_0 else qs_t), d_t, m_t
 
 
-def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena):
+def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
+                 group: tuple[int, int]):
     """Row tiles (qs, d, m) of a K-quant / Q5 matrix (layout in :mod:`llamatrace.kquants`),
-    converted a few hundred rows at a time so a load holds no full-size temporary.
-    Raises ``ValueError`` on a size mismatch."""
+    written in place as :func:`_pack_quantized` does. Raises ``ValueError`` on a size mismatch."""
     qkb = kquants.BLOCK_WEIGHTS[ggml_type]
     if n_in % qkb:
         raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {qkb}")
@@ -228,6 +231,7 @@ def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in
     d_t = arena.empty((n_tiles, n_blocks, TR), np.float32)
     has_min = ggml_type in kquants.HAS_MIN
     m_t = arena.empty((n_tiles, n_blocks, TR), np.float32) if has_min else _EMPTY_SCALES
+    _zero_last_tile(n_rows, qs_t, d_t, m_t)
     row0 = 0
     for raw, n_out in parts:
         raw = np.asarray(raw)
@@ -235,27 +239,22 @@ def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
                              f"{n_out * n_blocks * block_bytes} bytes, got {raw.nbytes}")
         blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
-        for c0 in range(0, n_out, 256):
-            packed, d, m = kquants.repack_blocks(ggml_type, blocks[c0:c0 + 256])
-            rows = row0 + c0 + np.arange(packed.shape[0])
-            qs_t[rows // TR, :, :, rows % TR] = packed
-            d_t[rows // TR, :, rows % TR] = d
-            if has_min:
-                m_t[rows // TR, :, rows % TR] = m
+        kquants.repack_tiles(ggml_type, blocks, row0, _F16_TABLE, qs_t, d_t, m_t, group)
         row0 += n_out
-    _zero_padding(row0, qs_t, d_t, m_t)
     return qs_t, d_t, m_t
 
 
-def _repack_blocks_np(blocks, row0, d_off, m_off, q_off, f16_table, qs_t, d_t, m_t) -> None:
+def _repack_blocks_np(blocks, row0, d_off, m_off, q_off, head, end, f16_table, qs_t, d_t, m_t) -> None:
     """NumPy twin of :func:`_repack_blocks` (same arguments, same result)."""
-    nq = qs_t.shape[2]
+    n_tiles, n_blocks, nq = qs_t.shape[:3]
+    flat = qs_t.reshape(n_tiles, n_blocks, nq * TR)
+    base, stride = tiles.byte_offsets_np(nq, head, end)
     for r in range(blocks.shape[0]):
         t, rr = divmod(row0 + r, TR)
         d_t[t, :, rr] = f16_table[blocks[r, :, d_off:d_off + 2].copy().view(np.uint16)[:, 0]]
         if m_off >= 0:
             m_t[t, :, rr] = f16_table[blocks[r, :, m_off:m_off + 2].copy().view(np.uint16)[:, 0]]
-        qs_t[t, :, :, rr] = blocks[r, :, q_off:q_off + nq]
+        flat[t][:, base + rr * stride] = blocks[r, :, q_off:q_off + nq]
 
 
 def check_activations(activations: str) -> str:
@@ -268,12 +267,12 @@ def check_activations(activations: str) -> str:
     return activations
 
 
-def _for_activations(w: Weight, activations: str) -> Weight:
-    """w in :mod:`llamatrace.act8`'s layout when ``activations`` is ``q8`` and its type has an
-    8-bit kernel; otherwise w."""
-    if activations != "q8" or w.ggml_type not in act8.TYPES:
-        return w
-    return Weight(w.name, w.ggml_type, w.n_out, w.n_in, act8.repack(w.qs, w.ggml_type), w.d, w.m, w.row_splits, True)
+def _group(ggml_type, activations: str) -> tuple[int, int]:
+    """The packed bytes ``(head, end)`` of a block row that :mod:`llamatrace.act8`'s kernels
+    read in groups of four (``(0, 0)``: none, the float32 path's layout)."""
+    if activations != "q8" or ggml_type not in act8.TYPES:
+        return (0, 0)
+    return act8.grouped_bytes(ggml_type)
 
 
 def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activations: str = "f32",
@@ -302,10 +301,11 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
         raise ValueError(f"tensor {name!r}: empty shape [{n_out}, {n_in}]")
     raw = np.asarray(raw)
 
+    group = _group(ggml_type, activations)
     if ggml_type in _QUANTIZED:
-        qs_t, d_t, m_t = _pack_quantized(name, ggml_type, [(raw, n_out)], n_in, arena)
+        qs_t, d_t, m_t = _pack_quantized(name, ggml_type, [(raw, n_out)], n_in, arena, group)
     elif ggml_type in kquants.KIND:
-        qs_t, d_t, m_t = _pack_kquant(name, ggml_type, [(raw, n_out)], n_in, arena)
+        qs_t, d_t, m_t = _pack_kquant(name, ggml_type, [(raw, n_out)], n_in, arena, group)
     else:
         if raw.nbytes != n_out * n_in * (4 if ggml_type == _T.F32 else 2):
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): "
@@ -314,7 +314,7 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
         # [n_out, n_in] -> [T, TR, n_in] -> [T, n_in, TR]
         qs_t = np.ascontiguousarray(_tile_rows(flat.reshape(n_out, n_in), n_out).transpose(0, 2, 1))
         d_t = m_t = _EMPTY_SCALES
-    return _for_activations(Weight(name, ggml_type, n_out, n_in, qs_t, d_t, m_t, (n_out,)), activations)
+    return Weight(name, ggml_type, n_out, n_in, qs_t, d_t, m_t, (n_out,), group != (0, 0))
 
 
 def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32", arena: Arena | None = None) -> Weight:
@@ -341,9 +341,10 @@ def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32", aren
     splits = tuple(int(p[2]) for p in parts)
     if _T(ggml_type) in _QUANTIZED or _T(ggml_type) in kquants.KIND:
         packer = _pack_quantized if _T(ggml_type) in _QUANTIZED else _pack_kquant
-        qs_t, d_t, m_t = packer(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in, arena)
-        return _for_activations(Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits),
-                                activations)
+        group = _group(_T(ggml_type), activations)
+        qs_t, d_t, m_t = packer(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in, arena,
+                                group)
+        return Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits, group != (0, 0))
     rows = [np.ascontiguousarray(raw).view(np.uint8).reshape(int(n_out), -1) for _, raw, n_out, _ in parts]
     row_bytes = {r.shape[1] for r in rows}
     if len(row_bytes) != 1:
@@ -737,11 +738,13 @@ def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
 
 
 @njit(**_JIT_PARALLEL)
-def _repack_blocks(blocks, row0, d_off, m_off, q_off, f16_table, qs_t, d_t, m_t):
+def _repack_blocks(blocks, row0, d_off, m_off, q_off, head, end, f16_table, qs_t, d_t, m_t):
     """Scatter GGUF blocks uint8 [n_rows, B, block_bytes] into rows row0.. of the tiles
-    qs_t uint8 [T, B, nq, TR], d_t / m_t float32 [T, B, TR] (fp16 widened by the table)."""
-    n_rows, n_blocks = blocks.shape[0], blocks.shape[1]
+    qs_t uint8 [T, B, nq, TR] (quant bytes [head, end) grouped: :func:`tiles.byte_offset`),
+    d_t / m_t float32 [T, B, TR] (fp16 widened by the table)."""
+    n_rows, n_blocks, block_bytes = blocks.shape
     nq = qs_t.shape[2]
+    flat = blocks.reshape(-1)
     t_first = row0 // TR
     t_last = (row0 + n_rows - 1) // TR
     for t in prange(t_last - t_first + 1):
@@ -749,13 +752,14 @@ def _repack_blocks(blocks, row0, d_off, m_off, q_off, f16_table, qs_t, d_t, m_t)
         r_lo = max(tile * TR, row0) - row0
         r_hi = min((tile + 1) * TR, row0 + n_rows) - row0
         for b in range(n_blocks):
+            out = qs_t[tile, b].reshape(-1)
             for r in range(r_lo, r_hi):
-                rr = (row0 + r) % TR
+                rr = row0 + r - tile * TR
                 d_t[tile, b, rr] = f16_table[blocks[r, b, d_off] | (np.uint16(blocks[r, b, d_off + 1]) << 8)]
                 if m_off >= 0:
                     m_t[tile, b, rr] = f16_table[blocks[r, b, m_off] | (np.uint16(blocks[r, b, m_off + 1]) << 8)]
-                for j in range(nq):
-                    qs_t[tile, b, j, rr] = blocks[r, b, q_off + j]
+            tiles.copy_rows(flat, (r_lo * n_blocks + b) * block_bytes + q_off, n_blocks * block_bytes,
+                            r_hi - r_lo, out, row0 + r_lo - tile * TR, 0, nq, head, end)
 
 
 @njit(**_JIT_PARALLEL)

@@ -181,10 +181,15 @@ def test_layout_round_trip_and_embedding_rows():
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_regroup_kernel_equals_numpy_twin(qtype):
-    raw, _ = _weight(qtype, 70, _n_in(qtype, 2))
-    qs = quant.pack("w", qtype, raw, 70, _n_in(qtype, 2)).qs
-    np.testing.assert_array_equal(act8.repack(qs.copy(), qtype), act8._regroup(qs.copy(), qtype, True))
+def test_packed_for_q8_is_the_float32_layout_regrouped(qtype):
+    # two parts starting and ending inside a tile; the q8 packing writes the groups directly
+    n_in = _n_in(qtype, 2)
+    parts = [(qtype, _weight(qtype, n, n_in, seed=n)[0], n, n_in) for n in (41, 29)]
+    f32, q8 = (quant.pack_concat("w", parts, activations=a) for a in ("f32", "q8"))
+    assert q8.act8 and not f32.act8
+    np.testing.assert_array_equal(q8.qs, act8._regroup(f32.qs.copy(), qtype, True))
+    np.testing.assert_array_equal(act8.file_order(q8.qs, qtype), f32.qs)
+    assert not np.array_equal(q8.qs, f32.qs)
 
 
 def test_pack_concat_keeps_the_mode_and_the_rows():

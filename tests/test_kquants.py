@@ -85,6 +85,26 @@ def test_numba_tile_dequantize_bit_exact(case):
         np.testing.assert_array_equal(got.view(np.uint32), ref[t * quant.TR:t * quant.TR + rows].view(np.uint32))
 
 
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8"])
+def test_repack_kernel_equals_numpy_twin(case, q8):
+    # rows 0..40 then 41..69 of one packed matrix: parts that start and end inside a tile;
+    # q8: the bytes the 8-bit kernels read grouped (Q4_K and Q6_K have such kernels)
+    qtype, raw, _ = case
+    group = quant._group(qtype, "q8" if q8 else "f32")
+    n_blocks = _n_in(qtype) // kquants.BLOCK_WEIGHTS[qtype]
+    blocks = raw.reshape(N_OUT, n_blocks, kquants.FILE_BYTES[qtype])
+    shape = (-(-N_OUT // quant.TR), n_blocks)
+    got = (np.zeros(shape + (kquants.PACKED_BYTES[qtype], quant.TR), np.uint8),
+           np.zeros(shape + (quant.TR,), np.float32), np.zeros(shape + (quant.TR,), np.float32))
+    want = tuple(a.copy() for a in got)
+    for lo, hi in ((0, 41), (41, N_OUT)):
+        kquants.repack_tiles(qtype, blocks[lo:hi], lo, quant._F16_TABLE, *got, group)
+        kquants.repack_tiles_np(qtype, blocks[lo:hi], lo, *want, group)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    assert got[0].any() and got[1].any()
+
+
 def test_get_rows_matches_gguf(case):
     qtype, raw, w = case
     ids = np.array([69, 0, 33, 33, 31])

@@ -189,9 +189,12 @@ def test_set_threads_validates():
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
                                    gguf.GGMLQuantizationType.Q8_0])
-def test_repack_kernel_equals_numpy_twin(qtype):
-    # rows 0..40 then 41..99 of one packed matrix: parts that start and end inside a tile
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8"])
+def test_repack_kernel_equals_numpy_twin(qtype, q8):
+    # rows 0..40 then 41..99 of one packed matrix: parts that start and end inside a tile;
+    # q8: the bytes grouped as the 8-bit kernels read them
     rng = np.random.default_rng(7)
+    group = quant._group(qtype, "q8" if q8 else "f32")
     d_off, m_off, q_off, nq = quant._BLOCK_FIELDS[qtype]
     n_blocks, block_bytes = 3, quant._BLOCK_BYTES[qtype]
     blocks = rng.integers(0, 256, size=(100, n_blocks, block_bytes), dtype=np.uint8)
@@ -200,8 +203,8 @@ def test_repack_kernel_equals_numpy_twin(qtype):
            np.zeros(shape + (quant.TR,), np.float32))
     want = tuple(a.copy() for a in got)
     for lo, hi in ((0, 41), (41, 100)):
-        quant._repack_blocks(blocks[lo:hi], lo, d_off, m_off, q_off, quant._F16_TABLE, *got)
-        quant._repack_blocks_np(blocks[lo:hi], lo, d_off, m_off, q_off, quant._F16_TABLE, *want)
+        quant._repack_blocks(blocks[lo:hi], lo, d_off, m_off, q_off, *group, quant._F16_TABLE, *got)
+        quant._repack_blocks_np(blocks[lo:hi], lo, d_off, m_off, q_off, *group, quant._F16_TABLE, *want)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.view(np.uint32) if g.dtype == np.float32 else g,
                                       w.view(np.uint32) if w.dtype == np.float32 else w)
