@@ -124,6 +124,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 _UNICODE_TO_BYTE = str.maketrans({c: chr(b) for b, c in bytes_to_unicode().items()})
 _NOT_BYTE_LEVEL = re.compile("[^" + re.escape("".join(bytes_to_unicode().values())) + "]")
+_NOT_MERGE_LIST = re.compile("[^" + re.escape("".join(bytes_to_unicode().values()) + " \n") + "]")
 
 
 def _token_text_to_bytes(text: str) -> bytes | None:
@@ -148,16 +149,40 @@ def _bpe_token_bytes(tokens: Sequence[str], types: Sequence[int]) -> tuple[list[
     return id_bytes, is_text
 
 
-def _bpe_ranks(types: Sequence[int], merges: Sequence[str], id_bytes: list[bytes], is_text: list[bool],
-               where: str) -> tuple[dict[bytes, int], list[int] | None]:
-    """tiktoken ranks of a byte-level BPE vocabulary, and rank → id (None when ids already are ranks)."""
-    merge_index: dict[bytes, int] = {}  # the merge that first creates each byte string: its priority
-    for i, merge in enumerate(merges):
+def _merged_bytes(merges: Sequence[str], where: str) -> list[bytes]:
+    """The bytes each merge 'left right' (byte-level text) creates: left + right.
+
+    Translated in one piece (one character is one byte, so the merges' positions carry over):
+    Llama 3's 280,000 merges take 0.15 s, one at a time 0.6 s. Raises ModelFormatError naming
+    the first merge that is not two byte-level strings around one space."""
+    text = "\n".join(merges)
+    if text.count(" ") == len(merges) and text.count("\n") == len(merges) - 1 and not _NOT_MERGE_LIST.search(text):
+        data = text.translate(_UNICODE_TO_BYTE).encode("latin-1")
+        out, pos = [], 0
+        for merge in merges:
+            k = merge.find(" ")
+            if k < 0:
+                break
+            out.append(data[pos:pos + k] + data[pos + k + 1:pos + len(merge)])
+            pos += len(merge) + 1
+        else:
+            return out
+    out = []
+    for i, merge in enumerate(merges):    # something is wrong: find it
         left, sep, right = merge.partition(" ")
         lb, rb = _token_text_to_bytes(left), _token_text_to_bytes(right)
         if not sep or lb is None or rb is None:
             raise ModelFormatError(f"tokenizer.ggml.merges[{i}] = {merge!r} is not 'left right'{where}")
-        merge_index.setdefault(lb + rb, i)
+        out.append(lb + rb)
+    return out
+
+
+def _bpe_ranks(types: Sequence[int], merges: Sequence[str], id_bytes: list[bytes], is_text: list[bool],
+               where: str) -> tuple[dict[bytes, int], list[int] | None]:
+    """tiktoken ranks of a byte-level BPE vocabulary, and rank → id (None when ids already are ranks)."""
+    merge_index: dict[bytes, int] = {}  # the merge that first creates each byte string: its priority
+    for i, raw in enumerate(_merged_bytes(merges, where)):
+        merge_index.setdefault(raw, i)
 
     # BPE tokens: normal single bytes (the alphabet) and normal tokens that some merge creates.
     # A normal multi-byte token no merge creates can never come out of BPE; it is left out.

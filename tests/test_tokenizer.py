@@ -242,6 +242,18 @@ def test_sentencepiece_vocabulary_needs_scores(tmp_path: Path) -> None:
         load(write_vocab(tmp_path / "spm.gguf", model="llama"))
 
 
+@pytest.mark.parametrize("bad, index", [("ab", 2), ("a b c", 2), ("a\nb c", 2), ("a  b", 2), ("a\tb", 2),
+                                        ("Ġ ", None)])
+def test_a_merge_that_is_not_left_space_right_is_named(tmp_path: Path, bad: str, index: int | None) -> None:
+    # the merges are translated in one piece; a bad one anywhere must still be found and named
+    path = write_vocab(tmp_path / "m.gguf", merges=[*MERGES[:2], bad, *MERGES[2:]])
+    if index is None:     # "Ġ " is a space and an empty right side: accepted, as before
+        assert len(load(path).encode(" the", bos=False)) == 1
+        return
+    with pytest.raises(ModelFormatError, match=rf"tokenizer.ggml.merges\[{index}\] = .* is not 'left right'"):
+        load(path)
+
+
 def test_file_without_tokenizer_is_a_format_error(tmp_path: Path) -> None:
     w = gguf.GGUFWriter(str(tmp_path / "none.gguf"), arch="llama")
     w.write_header_to_file()
