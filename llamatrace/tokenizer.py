@@ -44,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from numbers import Integral
 from typing import TYPE_CHECKING
 
+import numpy as np
 import regex  # tiktoken's own dependency: DeepSeek's regex sequences, the rare missing-byte path
 import tiktoken
 
@@ -124,7 +125,8 @@ def bytes_to_unicode() -> dict[int, str]:
 
 _UNICODE_TO_BYTE = str.maketrans({c: chr(b) for b, c in bytes_to_unicode().items()})
 _NOT_BYTE_LEVEL = re.compile("[^" + re.escape("".join(bytes_to_unicode().values())) + "]")
-_NOT_MERGE_LIST = re.compile("[^" + re.escape("".join(bytes_to_unicode().values()) + " \n") + "]")
+_BYTE_OF_CHAR = np.full(max(map(ord, bytes_to_unicode().values())) + 1, 256, np.uint16)  # 256: not byte-level
+_BYTE_OF_CHAR[[ord(c) for c in bytes_to_unicode().values()]] = list(bytes_to_unicode())
 
 
 def _token_text_to_bytes(text: str) -> bytes | None:
@@ -152,21 +154,19 @@ def _bpe_token_bytes(tokens: Sequence[str], types: Sequence[int]) -> tuple[list[
 def _merged_bytes(merges: Sequence[str], where: str) -> list[bytes]:
     """The bytes each merge 'left right' (byte-level text) creates: left + right.
 
-    Translated in one piece (one character is one byte, so the merges' positions carry over):
-    Llama 3's 280,000 merges take 0.15 s, one at a time 0.6 s. Raises ModelFormatError naming
-    the first merge that is not two byte-level strings around one space."""
+    All merges are mapped to bytes at once, through a table indexed by code point (one
+    character is one byte, so their lengths carry over): Llama 3's 280,000 merges take 0.14 s,
+    one at a time 0.5 s. Raises ModelFormatError naming the first merge that is not two
+    byte-level strings around one space."""
     text = "\n".join(merges)
-    if text.count(" ") == len(merges) and text.count("\n") == len(merges) - 1 and not _NOT_MERGE_LIST.search(text):
-        data = text.translate(_UNICODE_TO_BYTE).encode("latin-1")
-        out, pos = [], 0
-        for merge in merges:
-            k = merge.find(" ")
-            if k < 0:
-                break
-            out.append(data[pos:pos + k] + data[pos + k + 1:pos + len(merge)])
-            pos += len(merge) + 1
-        else:
-            return out
+    if text.count(" ") == len(merges) and text.count("\n") == len(merges) - 1:
+        parts = text.replace(" ", "").split("\n")
+        codes = np.frombuffer("".join(parts).encode("utf-32-le"), np.uint32)
+        raw = _BYTE_OF_CHAR[np.minimum(codes, len(_BYTE_OF_CHAR) - 1)]
+        if not (codes >= len(_BYTE_OF_CHAR)).any() and not (raw == 256).any():
+            data = raw.astype(np.uint8).tobytes()
+            ends = np.cumsum([len(p) for p in parts]).tolist()
+            return [data[a:b] for a, b in zip([0, *ends[:-1]], ends)]
     out = []
     for i, merge in enumerate(merges):    # something is wrong: find it
         left, sep, right = merge.partition(" ")
