@@ -358,6 +358,15 @@ class _Emit:
                 ptr = b.gep(self.p, [ir.Constant(_I64, block_bytes + 64 * line)])
                 b.call(self.prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
+    def barrier(self):
+        """An empty asm statement that clobbers memory, so LLVM moves no load across it. Between
+        the 16 groups of a Q6_K block it stops the scheduler hoisting later groups' loads ahead,
+        which kept more values live than AVX2's 16 registers (~400 stack spills and reloads a
+        block): Q6_K [4096, 14336] decode went 2.95-3.56 -> 2.12-2.27 ms (paired, one process,
+        same output bit for bit), 32 prompt rows 0-6 % faster."""
+        fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", side_effect=True)
+        self.builder.call(fn, [])
+
     def xsum(self, index):
         """``xsum[index]`` (int32 at ``sums``) in every lane."""
         b = self.builder
@@ -459,6 +468,7 @@ def _q6k_ir(e: _Emit) -> None:
                       for k in (kk, kk + 1)] for kk in (k0, k0 + 2)]
             acc = _q6k_scaled(e, acc, j, rg, pairs, _Q6K_SCALES * TR)
             e.prefetch_next(16 * rg + j, 16 * (TR // 8), (_Q6K_SCALES + 16) * TR)
+            e.barrier()
         e.store(acc, rg * 8)
 
 
@@ -485,6 +495,7 @@ def _u8_16_ir(e: _Emit) -> None:
             pairs = [[b.call(e.maddubs, [e.load(e.p, ((4 * j + i) * TR + rg * 8) * 4), e.broadcast(4 * (4 * j + i))])
                       for i in (ii, ii + 1)] for ii in (0, 2)]
             acc = _q6k_scaled(e, acc, j, rg, pairs, _QK_K_BYTES)
+            e.barrier()
         e.store(acc, rg * 8)
 
 
