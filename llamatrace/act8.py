@@ -29,12 +29,13 @@ The error is that of rounding x to 8 bits, about 1e-2 relative per matmul, as in
 
 Layout. A dot product of bytes needs the bytes of one row side by side, so weights in this
 mode keep the float32 path's arrays (``qs [T, B, P, TR]``, :mod:`llamatrace.quant`,
-:mod:`llamatrace.kquants`) with each block's quant bytes reordered in place from ``[P, TR]``
-(byte j of row r at ``j*TR + r``) into groups of four bytes per row, ``[P/4, TR, 4]`` (byte
+:mod:`llamatrace.kquants`) with each block's quant bytes (:func:`grouped_bytes`) not in
+``[P, TR]`` order (byte j of row r at ``j*TR + r``) but in groups of four bytes per row,
+``[P/4, TR, 4]``, as the packers write them at load (byte
 ``4g + i`` of row r at ``(g*TR + r)*4 + i``). Q4_0/Q4_1 byte ``j`` holds weight ``j`` in its low
 nibble and ``16 + j`` in its high nibble; Q4_K keeps its 16 scale bytes per row first and then
 has four 32-byte chunks, low nibbles sub-block ``2c``, high nibbles ``2c + 1``; Q6_K regroups its
-``ql[128] qh[64]`` and keeps its 16 int8 scales last. The same bytes, the same memory, reordered.
+``ql[128] qh[64]`` and keeps its 16 int8 scales last. The same bytes, the same memory, in another order.
 
 Kernels. x86 ``pmaddubsw`` multiplies 32 unsigned bytes by 32 signed bytes and adds adjacent
 pairs to int16, ``pmaddwd`` adds pairs of int16 to int32: with four bytes of a row per 32-bit
