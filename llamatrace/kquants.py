@@ -96,7 +96,8 @@ def _scales_q3(s: np.ndarray) -> np.ndarray:
 
 def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks uint8 ``[n, B, FILE_BYTES]`` -> (packed uint8 ``[n, B, PACKED_BYTES]``,
-    d float32 ``[n, B]``, m float32 ``[n, B]`` or None), per the table in the module docstring."""
+    d float32 ``[n, B]``, m float32 ``[n, B]`` or None), per the table in the module docstring;
+    also :mod:`llamatrace.quant`'s Q4_0, Q4_1 and Q8_0 (packed: their quant bytes)."""
     t = _T(ggml_type)
     if t == _T.Q2_K:
         return blocks[..., 0:80], _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])
@@ -113,7 +114,11 @@ def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray
         return blocks[..., 2:22], _f16(blocks[..., 0:2]), None
     if t == _T.Q5_1:
         return blocks[..., 4:24], _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-    raise ValueError(f"not a K-quant / Q5 type: {t!r}")
+    if t in (_T.Q4_0, _T.Q8_0):           # llamatrace.quant's types: the quants as they are
+        return blocks[..., 2:], _f16(blocks[..., 0:2]), None
+    if t == _T.Q4_1:
+        return blocks[..., 4:], _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    raise ValueError(f"not a K-quant / Q5 / Q4_0 / Q4_1 / Q8_0 type: {t!r}")
 
 
 def repack_tiles_np(ggml_type, blocks: np.ndarray, row0: int, qs_t: np.ndarray, d_t: np.ndarray,
@@ -134,23 +139,26 @@ def repack_tiles_np(ggml_type, blocks: np.ndarray, row0: int, qs_t: np.ndarray, 
 
 
 # Per type, for repack_tiles: the quant bytes copied as they are (source offset, packed offset,
-# length) and the fp16 d / m offsets in the file block (-1: none).
+# length) and the fp16 d / m offsets in the file block (-1: none). Q4_0, Q4_1 and Q8_0 are
+# llamatrace.quant's; their packer uses the same kernel.
 _COPY = {_T.Q2_K: (0, 0, 80, 80, 82), _T.Q3_K: (0, 0, 96, 108, -1), _T.Q4_K: (16, 16, 128, 0, 2),
          _T.Q5_K: (16, 16, 160, 0, 2), _T.Q6_K: (0, 0, 208, 208, -1), _T.Q5_0: (2, 0, 20, 0, -1),
-         _T.Q5_1: (4, 0, 20, 0, 2)}
+         _T.Q5_1: (4, 0, 20, 0, 2), _T.Q4_0: (2, 0, 16, 0, -1), _T.Q4_1: (4, 0, 16, 0, 2),
+         _T.Q8_0: (2, 0, 32, 0, -1)}
 
 
 def repack_tiles(ggml_type, blocks: np.ndarray, row0: int, f16_table: np.ndarray, qs_t: np.ndarray,
                  d_t: np.ndarray, m_t: np.ndarray, group: tuple[int, int] = (0, 0)) -> None:
     """GGUF blocks uint8 ``[n, B, FILE_BYTES]`` -> rows ``row0..row0+n`` of the tiles ``qs_t``
     uint8 ``[T, B, PACKED_BYTES, TR]``, ``d_t`` / ``m_t`` float32 ``[T, B, TR]`` (``m_t`` unused
-    for types without a minimum), per the table in the module docstring; packed bytes
+    for types without a minimum), per the table in the module docstring (Q4_0, Q4_1, Q8_0: per
+    :mod:`llamatrace.quant`'s, ``qs_t`` ``[T, B, 16 or 32, TR]``); packed bytes
     ``group = (head, end)`` in :mod:`llamatrace.act8`'s grouped order (:func:`tiles.byte_offset`).
     ``f16_table``: float32 [65536], fp16 bit pattern -> value. In parallel over tiles; rows of
     other tiles untouched. The NumPy scatter it replaced took ~7 s of an 8B Q4_K_M load; this
     moves 1.5-2.3 GB/s of file bytes on two threads, once the memory is mapped."""
     t = _T(ggml_type)
-    _repack_tiles(KIND[t], *_COPY[t], *group, blocks, row0, f16_table, qs_t, d_t, m_t)
+    _repack_tiles(KIND.get(t, -1), *_COPY[t], *group, blocks, row0, f16_table, qs_t, d_t, m_t)
 
 
 # --------------------------------------------------------------------------------------------

@@ -185,8 +185,7 @@ def _tile_rows(a: np.ndarray, n_out: int) -> np.ndarray:
     return a.reshape((n_tiles, TR) + a.shape[1:])
 
 
-# Byte offsets inside a block: (d, m or -1, first quant byte, quant bytes)
-_BLOCK_FIELDS = {_T.Q4_0: (0, -1, 2, 16), _T.Q4_1: (0, 2, 4, 16), _T.Q8_0: (0, -1, 2, 32)}
+_QUANT_BYTES = {_T.Q4_0: 16, _T.Q4_1: 16, _T.Q8_0: 32}   # per block: the quants after d (and m)
 
 
 def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
@@ -198,12 +197,11 @@ def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n
     if n_in % QK:
         raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {QK}")
     n_blocks, block_bytes = n_in // QK, _BLOCK_BYTES[ggml_type]
-    d_off, m_off, q_off, nq = _BLOCK_FIELDS[ggml_type]
     n_rows = sum(int(n) for _, n in parts)
     n_tiles = -(-n_rows // TR)
-    qs_t = arena.empty((n_tiles, n_blocks, nq, TR), np.uint8)
+    qs_t = arena.empty((n_tiles, n_blocks, _QUANT_BYTES[ggml_type], TR), np.uint8)
     d_t = arena.empty((n_tiles, n_blocks, TR), np.float32)
-    m_t = _EMPTY_SCALES if m_off < 0 else arena.empty((n_tiles, n_blocks, TR), np.float32)
+    m_t = arena.empty((n_tiles, n_blocks, TR), np.float32) if ggml_type == _T.Q4_1 else _EMPTY_SCALES
     _zero_last_tile(n_rows, qs_t, d_t, m_t)
     row0 = 0
     for raw, n_out in parts:
@@ -212,7 +210,7 @@ def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
                              f"{n_out * n_blocks * block_bytes} bytes, got {raw.nbytes}")
         blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
-        _repack_blocks(blocks, row0, d_off, m_off, q_off, *group, _F16_TABLE, qs_t, d_t, m_t)
+        kquants.repack_tiles(ggml_type, blocks, row0, _F16_TABLE, qs_t, d_t, m_t, group)
         row0 += n_out
     return (qs_t.view(np.int8) if ggml_type == _T.Q8_0 else qs_t), d_t, m_t
 
@@ -242,19 +240,6 @@ def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in
         kquants.repack_tiles(ggml_type, blocks, row0, _F16_TABLE, qs_t, d_t, m_t, group)
         row0 += n_out
     return qs_t, d_t, m_t
-
-
-def _repack_blocks_np(blocks, row0, d_off, m_off, q_off, head, end, f16_table, qs_t, d_t, m_t) -> None:
-    """NumPy twin of :func:`_repack_blocks` (same arguments, same result)."""
-    n_tiles, n_blocks, nq = qs_t.shape[:3]
-    flat = qs_t.reshape(n_tiles, n_blocks, nq * TR)
-    base, stride = tiles.byte_offsets_np(nq, head, end)
-    for r in range(blocks.shape[0]):
-        t, rr = divmod(row0 + r, TR)
-        d_t[t, :, rr] = f16_table[blocks[r, :, d_off:d_off + 2].copy().view(np.uint16)[:, 0]]
-        if m_off >= 0:
-            m_t[t, :, rr] = f16_table[blocks[r, :, m_off:m_off + 2].copy().view(np.uint16)[:, 0]]
-        flat[t][:, base + rr * stride] = blocks[r, :, q_off:q_off + nq]
 
 
 def check_activations(activations: str) -> str:
@@ -735,31 +720,6 @@ def _dispatch(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
         _tiled_f32(x, w.qs, out)
     else:
         _tiled_u16(x, w.qs, _F16_TABLE if typ == _T.F16 else _BF16_TABLE, out)
-
-
-@njit(**_JIT_PARALLEL)
-def _repack_blocks(blocks, row0, d_off, m_off, q_off, head, end, f16_table, qs_t, d_t, m_t):
-    """Scatter GGUF blocks uint8 [n_rows, B, block_bytes] into rows row0.. of the tiles
-    qs_t uint8 [T, B, nq, TR] (quant bytes [head, end) grouped: :func:`tiles.byte_offset`),
-    d_t / m_t float32 [T, B, TR] (fp16 widened by the table)."""
-    n_rows, n_blocks, block_bytes = blocks.shape
-    nq = qs_t.shape[2]
-    flat = blocks.reshape(-1)
-    t_first = row0 // TR
-    t_last = (row0 + n_rows - 1) // TR
-    for t in prange(t_last - t_first + 1):
-        tile = t_first + t
-        r_lo = max(tile * TR, row0) - row0
-        r_hi = min((tile + 1) * TR, row0 + n_rows) - row0
-        for b in range(n_blocks):
-            out = qs_t[tile, b].reshape(-1)
-            for r in range(r_lo, r_hi):
-                rr = row0 + r - tile * TR
-                d_t[tile, b, rr] = f16_table[blocks[r, b, d_off] | (np.uint16(blocks[r, b, d_off + 1]) << 8)]
-                if m_off >= 0:
-                    m_t[tile, b, rr] = f16_table[blocks[r, b, m_off] | (np.uint16(blocks[r, b, m_off + 1]) << 8)]
-            tiles.copy_rows(flat, (r_lo * n_blocks + b) * block_bytes + q_off, n_blocks * block_bytes,
-                            r_hi - r_lo, out, row0 + r_lo - tile * TR, 0, nq, head, end)
 
 
 @njit(**_JIT_PARALLEL)

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from llamatrace import quant
+from llamatrace import kquants, quant
 from llamatrace.errors import OptionError, UnsupportedModelError
 
 T = gguf.GGMLQuantizationType
@@ -195,7 +195,7 @@ def test_repack_kernel_equals_numpy_twin(qtype, q8):
     # q8: the bytes grouped as the 8-bit kernels read them
     rng = np.random.default_rng(7)
     group = quant._group(qtype, "q8" if q8 else "f32")
-    d_off, m_off, q_off, nq = quant._BLOCK_FIELDS[qtype]
+    nq = quant._QUANT_BYTES[qtype]
     n_blocks, block_bytes = 3, quant._BLOCK_BYTES[qtype]
     blocks = rng.integers(0, 256, size=(100, n_blocks, block_bytes), dtype=np.uint8)
     shape = (-(-100 // quant.TR), n_blocks)
@@ -203,8 +203,8 @@ def test_repack_kernel_equals_numpy_twin(qtype, q8):
            np.zeros(shape + (quant.TR,), np.float32))
     want = tuple(a.copy() for a in got)
     for lo, hi in ((0, 41), (41, 100)):
-        quant._repack_blocks(blocks[lo:hi], lo, d_off, m_off, q_off, *group, quant._F16_TABLE, *got)
-        quant._repack_blocks_np(blocks[lo:hi], lo, d_off, m_off, q_off, *group, quant._F16_TABLE, *want)
+        kquants.repack_tiles(qtype, blocks[lo:hi], lo, quant._F16_TABLE, *got, group)
+        kquants.repack_tiles_np(qtype, blocks[lo:hi], lo, *want, group)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.view(np.uint32) if g.dtype == np.float32 else g,
                                       w.view(np.uint32) if w.dtype == np.float32 else w)
