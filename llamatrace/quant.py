@@ -188,46 +188,29 @@ def _tile_rows(a: np.ndarray, n_out: int) -> np.ndarray:
 _QUANT_BYTES = {_T.Q4_0: 16, _T.Q4_1: 16, _T.Q8_0: 32}   # per block: the quants after d (and m)
 
 
-def _pack_quantized(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
-                    group: tuple[int, int]):
-    """Row tiles (qs, d, m) of the stacked rows of ``parts`` = [(raw, n_out)], written in place:
-    no concatenated or transposed temporary, so a load holds the file's pages and the packed
-    copy, nothing more; quant bytes ``group`` in 8-bit activations' order (:func:`_group`).
-    Raises ``ValueError`` on a size mismatch."""
-    if n_in % QK:
-        raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {QK}")
-    n_blocks, block_bytes = n_in // QK, _BLOCK_BYTES[ggml_type]
-    n_rows = sum(int(n) for _, n in parts)
-    n_tiles = -(-n_rows // TR)
-    qs_t = arena.empty((n_tiles, n_blocks, _QUANT_BYTES[ggml_type], TR), np.uint8)
-    d_t = arena.empty((n_tiles, n_blocks, TR), np.float32)
-    m_t = arena.empty((n_tiles, n_blocks, TR), np.float32) if ggml_type == _T.Q4_1 else _EMPTY_SCALES
-    _zero_last_tile(n_rows, qs_t, d_t, m_t)
-    row0 = 0
-    for raw, n_out in parts:
-        raw = np.asarray(raw)
-        if raw.nbytes != n_out * n_blocks * block_bytes:
-            raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
-                             f"{n_out * n_blocks * block_bytes} bytes, got {raw.nbytes}")
-        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
-        kquants.repack_tiles(ggml_type, blocks, row0, _F16_TABLE, qs_t, d_t, m_t, group)
-        row0 += n_out
-    return (qs_t.view(np.int8) if ggml_type == _T.Q8_0 else qs_t), d_t, m_t
+def _block_sizes(ggml_type) -> tuple[int, int, int, bool]:
+    """(weights, file bytes, packed quant bytes) per block and whether it has a minimum."""
+    if ggml_type in _QUANTIZED:
+        return QK, _BLOCK_BYTES[ggml_type], _QUANT_BYTES[ggml_type], ggml_type == _T.Q4_1
+    return (kquants.BLOCK_WEIGHTS[ggml_type], kquants.FILE_BYTES[ggml_type], kquants.PACKED_BYTES[ggml_type],
+            ggml_type in kquants.HAS_MIN)
 
 
-def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
+def _pack_blocks(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
                  group: tuple[int, int]):
-    """Row tiles (qs, d, m) of a K-quant / Q5 matrix (layout in :mod:`llamatrace.kquants`),
-    written in place as :func:`_pack_quantized` does. Raises ``ValueError`` on a size mismatch."""
-    qkb = kquants.BLOCK_WEIGHTS[ggml_type]
+    """Row tiles (qs, d, m) of the stacked rows of ``parts`` = [(raw, n_out)] of a block type
+    (Q4_0/Q4_1/Q8_0 as in this module's docstring, the others as in :mod:`llamatrace.kquants`),
+    written in place by :func:`kquants.repack_tiles`: no concatenated or transposed temporary,
+    so a load holds the file's pages and the packed copy, nothing more; quant bytes ``group`` in
+    8-bit activations' order (:func:`_group`). Raises ``ValueError`` on a size mismatch."""
+    qkb, block_bytes, packed_bytes, has_min = _block_sizes(ggml_type)
     if n_in % qkb:
         raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {qkb}")
-    n_blocks, block_bytes = n_in // qkb, kquants.FILE_BYTES[ggml_type]
+    n_blocks = n_in // qkb
     n_rows = sum(int(n) for _, n in parts)
     n_tiles = -(-n_rows // TR)
-    qs_t = arena.empty((n_tiles, n_blocks, kquants.PACKED_BYTES[ggml_type], TR), np.uint8)
+    qs_t = arena.empty((n_tiles, n_blocks, packed_bytes, TR), np.uint8)
     d_t = arena.empty((n_tiles, n_blocks, TR), np.float32)
-    has_min = ggml_type in kquants.HAS_MIN
     m_t = arena.empty((n_tiles, n_blocks, TR), np.float32) if has_min else _EMPTY_SCALES
     _zero_last_tile(n_rows, qs_t, d_t, m_t)
     row0 = 0
@@ -239,7 +222,7 @@ def _pack_kquant(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in
         blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
         kquants.repack_tiles(ggml_type, blocks, row0, _F16_TABLE, qs_t, d_t, m_t, group)
         row0 += n_out
-    return qs_t, d_t, m_t
+    return (qs_t.view(np.int8) if ggml_type == _T.Q8_0 else qs_t), d_t, m_t
 
 
 def check_activations(activations: str) -> str:
@@ -287,10 +270,8 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
     raw = np.asarray(raw)
 
     group = _group(ggml_type, activations)
-    if ggml_type in _QUANTIZED:
-        qs_t, d_t, m_t = _pack_quantized(name, ggml_type, [(raw, n_out)], n_in, arena, group)
-    elif ggml_type in kquants.KIND:
-        qs_t, d_t, m_t = _pack_kquant(name, ggml_type, [(raw, n_out)], n_in, arena, group)
+    if ggml_type in _QUANTIZED or ggml_type in kquants.KIND:
+        qs_t, d_t, m_t = _pack_blocks(name, ggml_type, [(raw, n_out)], n_in, arena, group)
     else:
         if raw.nbytes != n_out * n_in * (4 if ggml_type == _T.F32 else 2):
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): "
@@ -325,10 +306,9 @@ def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32", aren
                              f"{np.asarray(raw).nbytes} bytes")
     splits = tuple(int(p[2]) for p in parts)
     if _T(ggml_type) in _QUANTIZED or _T(ggml_type) in kquants.KIND:
-        packer = _pack_quantized if _T(ggml_type) in _QUANTIZED else _pack_kquant
         group = _group(_T(ggml_type), activations)
-        qs_t, d_t, m_t = packer(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in, arena,
-                                group)
+        qs_t, d_t, m_t = _pack_blocks(name, _T(ggml_type), [(raw, n_out) for _, raw, n_out, _ in parts], n_in,
+                                      arena, group)
         return Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits, group != (0, 0))
     rows = [np.ascontiguousarray(raw).view(np.uint8).reshape(int(n_out), -1) for _, raw, n_out, _ in parts]
     row_bytes = {r.shape[1] for r in rows}
