@@ -124,12 +124,17 @@ def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray
 def repack_tiles_np(ggml_type, blocks: np.ndarray, row0: int, qs_t: np.ndarray, d_t: np.ndarray,
                     m_t: np.ndarray, group: tuple[int, int] = (0, 0)) -> None:
     """NumPy twin of :func:`repack_tiles`: :func:`repack_blocks` on a few hundred rows at a
-    time, scattered into rows ``row0..`` of the tiles."""
+    time, scattered into rows ``row0..`` of the tiles; uint16 ``d_t`` / ``m_t`` get the fp16
+    bits as they are."""
     n_tiles, n_blocks, n_bytes = qs_t.shape[:3]
     flat = qs_t.reshape(n_tiles, n_blocks, n_bytes * TR)
     base, stride = tiles.byte_offsets_np(n_bytes, *group)
+    d_off, m_off = _COPY[_T(ggml_type)][3:]
     for c0 in range(0, blocks.shape[0], 256):
         packed, d, m = repack_blocks(ggml_type, blocks[c0:c0 + 256])
+        if d_t.dtype == np.uint16:
+            d, m = (np.ascontiguousarray(blocks[c0:c0 + 256, :, off:off + 2]).view(np.uint16)[..., 0]
+                    if off >= 0 else None for off in (d_off, m_off))
         rows = row0 + c0 + np.arange(packed.shape[0])
         at = base + (rows % TR)[:, None, None] * stride                     # [n, 1, P]
         flat[(rows // TR)[:, None, None], np.arange(n_blocks)[:, None], at] = packed
@@ -150,11 +155,12 @@ _COPY = {_T.Q2_K: (0, 0, 80, 80, 82), _T.Q3_K: (0, 0, 96, 108, -1), _T.Q4_K: (16
 def repack_tiles(ggml_type, blocks: np.ndarray, row0: int, f16_table: np.ndarray, qs_t: np.ndarray,
                  d_t: np.ndarray, m_t: np.ndarray, group: tuple[int, int] = (0, 0)) -> None:
     """GGUF blocks uint8 ``[n, B, FILE_BYTES]`` -> rows ``row0..row0+n`` of the tiles ``qs_t``
-    uint8 ``[T, B, PACKED_BYTES, TR]``, ``d_t`` / ``m_t`` float32 ``[T, B, TR]`` (``m_t`` unused
+    uint8 ``[T, B, PACKED_BYTES, TR]``, ``d_t`` / ``m_t`` ``[T, B, TR]`` (``m_t`` unused
     for types without a minimum), per the table in the module docstring (Q4_0, Q4_1, Q8_0: per
     :mod:`llamatrace.quant`'s, ``qs_t`` ``[T, B, 16 or 32, TR]``); packed bytes
     ``group = (head, end)`` in :mod:`llamatrace.act8`'s grouped order (:func:`tiles.byte_offset`).
-    ``f16_table``: float32 [65536], fp16 bit pattern -> value. In parallel over tiles; rows of
+    ``f16_table`` [65536] maps an fp16 bit pattern to what ``d_t`` / ``m_t`` hold: float32
+    values, or uint16 (the identity) for the bits as they are. In parallel over tiles; rows of
     other tiles untouched. The NumPy scatter it replaced took ~7 s of an 8B Q4_K_M load; this
     moves 1.5-2.3 GB/s of file bytes on two threads, once the memory is mapped."""
     t = _T(ggml_type)

@@ -5,7 +5,7 @@ order) repacked once at load time into *row tiles*: ``TR`` consecutive output ro
 interleaved so that the innermost loop of every kernel runs over ``TR`` rows and compiles to
 512-bit vector instructions (``vfmadd…ps %zmm``). There is no float32 copy of the model: the
 quantized bytes stay as they are in the file, only the float16 scales become float32 (Numba
-has no float16).
+has no float16; the ``q8`` mode's kernels keep them as fp16 bits, :mod:`llamatrace.act8`).
 
 GGUF block layouts (per 32 weights of one row, as in gguf-py ``quants.py``)::
 
@@ -23,7 +23,8 @@ Packed layout (T = ceil(n_out / TR) tiles, B = n_in / 32 blocks; padded rows are
     F32         qs float32 [T, n_in, TR]
     F16, BF16   qs uint16  [T, n_in, TR]    raw bits, widened through a 65,536-entry table
 
-Resident bytes against the file: Q4_1 24/20 = 1.2x, Q4_0 20/18 = 1.11x, Q8_0 36/34 = 1.06x,
+Resident bytes against the file: Q4_1 24/20 = 1.2x, Q4_0 20/18 = 1.11x, Q8_0 36/34 = 1.06x
+(1.0x for all three in the ``q8`` mode),
 float types 1.0x (plus row padding to a multiple of ``TR``). The K-quants and Q5_0/Q5_1 live
 in :mod:`llamatrace.kquants` (same tiles, <= 1.06x for the K-quants).
 
@@ -82,6 +83,7 @@ _JIT_INLINE = dict(inline="always", **_JIT)
 # float16 / bfloat16 bit patterns -> float32, indexed by the raw uint16.
 _F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 _BF16_TABLE = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+_F16_BITS = np.arange(65536, dtype=np.uint32).astype(np.uint16)   # the bits kept as they are
 _EMPTY_SCALES = np.zeros((0, 0, TR), dtype=np.float32)
 
 
@@ -91,7 +93,8 @@ class Weight:
 
     ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m``
     the float32 block scales and minimums (empty where the type has none). ``act8``: packed for
-    8-bit activations (:mod:`llamatrace.act8`'s layout and kernels). ``row_splits``
+    8-bit activations (:mod:`llamatrace.act8`'s layout and kernels; ``d`` and ``m`` are then the
+    file's fp16 bits, uint16). ``row_splits``
     gives the row counts of the matrices fused by :func:`pack_concat` (``(n_out,)`` otherwise),
     so a caller can ``np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)``.
     """
@@ -209,9 +212,12 @@ def _pack_blocks(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in
     n_blocks = n_in // qkb
     n_rows = sum(int(n) for _, n in parts)
     n_tiles = -(-n_rows // TR)
+    # 8-bit activations' kernels widen fp16 scales as they read them (act8._f16): decode
+    # streams 18 bytes per Q4_0 block instead of 20, as the file has them.
+    scale_type, table = (np.uint16, _F16_BITS) if group != (0, 0) else (np.float32, _F16_TABLE)
     qs_t = arena.empty((n_tiles, n_blocks, packed_bytes, TR), np.uint8)
-    d_t = arena.empty((n_tiles, n_blocks, TR), np.float32)
-    m_t = arena.empty((n_tiles, n_blocks, TR), np.float32) if has_min else _EMPTY_SCALES
+    d_t = arena.empty((n_tiles, n_blocks, TR), scale_type)
+    m_t = arena.empty((n_tiles, n_blocks, TR), scale_type) if has_min else _EMPTY_SCALES
     _zero_last_tile(n_rows, qs_t, d_t, m_t)
     row0 = 0
     for raw, n_out in parts:
@@ -220,7 +226,7 @@ def _pack_blocks(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
                              f"{n_out * n_blocks * block_bytes} bytes, got {raw.nbytes}")
         blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, block_bytes)
-        kquants.repack_tiles(ggml_type, blocks, row0, _F16_TABLE, qs_t, d_t, m_t, group)
+        kquants.repack_tiles(ggml_type, blocks, row0, table, qs_t, d_t, m_t, group)
         row0 += n_out
     return (qs_t.view(np.int8) if ggml_type == _T.Q8_0 else qs_t), d_t, m_t
 
@@ -329,20 +335,22 @@ def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     equal to ``gguf.quants.dequantize``.
     """
     typ = w.ggml_type
-    qs, d_t, m_t = w.qs, w.d, w.m
     t, r = rows // TR, rows % TR
     n = len(rows)
     if typ in kquants.KIND or typ in _QUANTIZED:
-        q = act8.file_order_rows(typ, qs, t, r) if w.act8 else qs[t, :, :, r]   # [n, B, P]
+        q = act8.file_order_rows(typ, w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, P]
+        db, mb = w.d[t, :, r], (w.m[t, :, r] if w.m.size else None)                 # [n, B]
+        if w.act8:                                               # fp16 bits
+            db, mb = _F16_TABLE[db], (_F16_TABLE[mb] if mb is not None else None)
     if typ in kquants.KIND:
-        return kquants.dequant_bytes_np(typ, q, d_t[t, :, r], m_t[t, :, r] if m_t.size else None)
+        return kquants.dequant_bytes_np(typ, q, db, mb)
     if typ in _QUANTIZED:
-        d = d_t[t, :, r][:, :, None]                             # [n, B, 1]
+        d = db[:, :, None]                                       # [n, B, 1]
         if typ == _T.Q8_0:
             return (d * q.astype(np.float32)).reshape(n, w.n_in)
         q32 = np.concatenate([q & 0x0F, q >> 4], axis=2)          # [n, B, 32]: lo nibbles, then hi
         if typ == _T.Q4_1:
-            return (d * q32.astype(np.float32) + m_t[t, :, r][:, :, None]).reshape(n, w.n_in)
+            return (d * q32.astype(np.float32) + mb[:, :, None]).reshape(n, w.n_in)
         return (d * (q32.astype(np.int8) - np.int8(8)).astype(np.float32)).reshape(n, w.n_in)
     v = w.qs[t, :, r]                                            # [n, n_in]
     if typ == _T.F32:

@@ -94,11 +94,12 @@ def test_repack_kernel_equals_numpy_twin(case, q8):
     n_blocks = _n_in(qtype) // kquants.BLOCK_WEIGHTS[qtype]
     blocks = raw.reshape(N_OUT, n_blocks, kquants.FILE_BYTES[qtype])
     shape = (-(-N_OUT // quant.TR), n_blocks)
+    scales, table = (np.uint16, quant._F16_BITS) if q8 else (np.float32, quant._F16_TABLE)   # as the packer
     got = (np.zeros(shape + (kquants.PACKED_BYTES[qtype], quant.TR), np.uint8),
-           np.zeros(shape + (quant.TR,), np.float32), np.zeros(shape + (quant.TR,), np.float32))
+           np.zeros(shape + (quant.TR,), scales), np.zeros(shape + (quant.TR,), scales))
     want = tuple(a.copy() for a in got)
     for lo, hi in ((0, 41), (41, N_OUT)):
-        kquants.repack_tiles(qtype, blocks[lo:hi], lo, quant._F16_TABLE, *got, group)
+        kquants.repack_tiles(qtype, blocks[lo:hi], lo, table, *got, group)
         kquants.repack_tiles_np(qtype, blocks[lo:hi], lo, *want, group)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))

@@ -199,11 +199,12 @@ def test_repack_kernel_equals_numpy_twin(qtype, q8):
     n_blocks, block_bytes = 3, quant._BLOCK_BYTES[qtype]
     blocks = rng.integers(0, 256, size=(100, n_blocks, block_bytes), dtype=np.uint8)
     shape = (-(-100 // quant.TR), n_blocks)
-    got = (np.zeros(shape + (nq, quant.TR), np.uint8), np.zeros(shape + (quant.TR,), np.float32),
-           np.zeros(shape + (quant.TR,), np.float32))
+    scales, table = (np.uint16, quant._F16_BITS) if q8 else (np.float32, quant._F16_TABLE)   # as the packer
+    got = (np.zeros(shape + (nq, quant.TR), np.uint8), np.zeros(shape + (quant.TR,), scales),
+           np.zeros(shape + (quant.TR,), scales))
     want = tuple(a.copy() for a in got)
     for lo, hi in ((0, 41), (41, 100)):
-        kquants.repack_tiles(qtype, blocks[lo:hi], lo, quant._F16_TABLE, *got, group)
+        kquants.repack_tiles(qtype, blocks[lo:hi], lo, table, *got, group)
         kquants.repack_tiles_np(qtype, blocks[lo:hi], lo, *want, group)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.view(np.uint32) if g.dtype == np.float32 else g,
