@@ -42,6 +42,7 @@ process keeps a core busy; :class:`AutoThreads` then drops to one thread.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import gguf
@@ -129,13 +130,10 @@ class Weight:
 
 class Arena:
     """Bump allocator for packed weights: a model's arrays side by side, in load order, in
-    chunks large enough (``chunk_bytes``) that NumPy asks the kernel to back them with
-    transparent huge pages (it does from 4 MiB). On their own, the small per-layer arrays sit
-    on 4 KiB pages, and a decode step that streams them all walks the page tables every 4 KiB
-    (SmolLM2 q8, the 120 layer matmuls of a token alone: 5.20 -> 4.96 ms, paired median).
-
-    Arrays over half a chunk get an allocation of their own (so ``Arena(0)`` is plain NumPy).
-    Views into a chunk keep it alive.
+    chunks of ``chunk_bytes`` of fresh anonymous memory (:func:`_pages`), so hundreds of small
+    per-layer arrays cost a handful of mappings and sit next to each other as a decode step
+    streams them. Arrays over half a chunk get a mapping of their own. Views into a chunk keep
+    it alive.
     """
 
     def __init__(self, chunk_bytes: int = 64 << 20) -> None:
@@ -148,16 +146,27 @@ class Arena:
         dtype = np.dtype(dtype)
         n_bytes = int(np.prod(shape)) * dtype.itemsize
         if n_bytes > self.chunk_bytes // 2:
-            chunk, start = np.empty(n_bytes + 64, dtype=np.uint8), 0
+            chunk, start = _pages(n_bytes + 64), 0
         else:
             chunk, start = self._chunk, self._used
             if start + 63 + n_bytes > chunk.size:
-                chunk = self._chunk = np.empty(self.chunk_bytes, dtype=np.uint8)
+                chunk = self._chunk = _pages(self.chunk_bytes)
                 start = 0
             self._used = start + (-(chunk.ctypes.data + start) % 64) + n_bytes
         start += -(chunk.ctypes.data + start) % 64
         return chunk[start:start + n_bytes].view(dtype).reshape(shape)
 
+
+
+def _pages(n_bytes: int) -> np.ndarray:
+    """uint8 ``[n_bytes]`` of fresh private anonymous memory on the kernel's 4 KiB pages.
+
+    NumPy asks for transparent huge pages from 4 MiB (``madvise``), and where the kernel
+    compacts memory to find 2 MiB at fault time (``defrag`` = ``madvise``, as in this project's
+    VMs) the first touch of those pages cost ~4 s per GiB against ~0.7 for small pages: the
+    8B-shaped Q4_K_M file loaded in 15-16 s instead of 8-12 (separate processes, alternated).
+    Decode did not notice (paired, one process: 0.99-1.01 at 8B and on SmolLM2)."""
+    return np.frombuffer(mmap.mmap(-1, max(n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
 
 
 def _zero_last_tile(n_rows: int, qs_t: np.ndarray, d_t: np.ndarray, m_t: np.ndarray) -> None:
