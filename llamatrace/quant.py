@@ -350,7 +350,7 @@ def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
         q = act8.file_order_rows(typ, w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, P]
         db, mb = w.d[t, :, r], (w.m[t, :, r] if w.m.size else None)                 # [n, B]
         if w.act8:                                               # fp16 bits
-            db, mb = _F16_TABLE[db], (_F16_TABLE[mb] if mb is not None else None)
+            db, mb = act8.f16_np(db), (act8.f16_np(mb) if mb is not None else None)
     if typ in kquants.KIND:
         return kquants.dequant_bytes_np(typ, q, db, mb)
     if typ in _QUANTIZED:
