@@ -157,7 +157,6 @@ class Arena:
         return chunk[start:start + n_bytes].view(dtype).reshape(shape)
 
 
-
 def _pages(n_bytes: int) -> np.ndarray:
     """uint8 ``[n_bytes]`` of fresh private anonymous memory on the kernel's 4 KiB pages.
 
@@ -166,7 +165,8 @@ def _pages(n_bytes: int) -> np.ndarray:
     VMs) the first touch of those pages cost ~4 s per GiB against ~0.7 for small pages: the
     8B-shaped Q4_K_M file loaded in 15-16 s instead of 8-12 (separate processes, alternated).
     Decode did not notice (paired, one process: 0.99-1.01 at 8B and on SmolLM2)."""
-    return np.frombuffer(mmap.mmap(-1, max(n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    pages = mmap.mmap(-1, max(n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(pages, dtype=np.uint8)
 
 
 def _zero_last_tile(n_rows: int, qs_t: np.ndarray, d_t: np.ndarray, m_t: np.ndarray) -> None:
