@@ -23,7 +23,8 @@ import gguf
 import numba
 import numpy as np
 
-from llamatrace import fetch, quant
+from llamatrace.gguf import fetch
+from llamatrace.kernels import quant
 from llamatrace.errors import ModelNotFoundError
 
 T = gguf.GGMLQuantizationType

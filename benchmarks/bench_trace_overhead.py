@@ -14,9 +14,9 @@ import argparse
 import statistics
 import time
 
-from llamatrace import quant
-from llamatrace.fetch import resolve_model
-from llamatrace.model import Llama
+from llamatrace.kernels import quant
+from llamatrace.gguf.fetch import resolve_model
+from llamatrace.model.llama import Llama
 
 PROMPT = "The capital of France is"
 # name → Recorder options (None = no recorder at all)

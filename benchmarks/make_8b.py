@@ -140,7 +140,7 @@ def write(out: Path, vocab_path: Path, mix: str, n_layers: int, seed: int) -> No
 
 
 def default_vocab() -> Path:
-    from llamatrace import fetch
+    from llamatrace.gguf import fetch
     return fetch.vocab_test_file("llama-bpe")
 
 

@@ -103,7 +103,7 @@ def trace_command(path: Path) -> list[str]:
 
 
 def default_vocab() -> Path:
-    from llamatrace import fetch
+    from llamatrace.gguf import fetch
     return fetch.vocab_test_file("llama-spm")
 
 

@@ -22,7 +22,7 @@ def _numba_cache_dir() -> None:
     if _os.environ.get("NUMBA_CACHE_DIR"):
         return
     if not _os.access(_os.path.dirname(__file__), _os.W_OK):
-        from .fetch import cache_root
+        from llamatrace.gguf.fetch import cache_root
         _os.environ["NUMBA_CACHE_DIR"] = _os.path.join(cache_root(), "numba")
 
 
@@ -69,6 +69,6 @@ if _os.name == "posix":
 
 def __getattr__(name: str):
     if name == "Llama":
-        from .model import Llama
+        from llamatrace.model.llama import Llama
         return Llama
     raise AttributeError(name)

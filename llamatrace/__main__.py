@@ -17,7 +17,7 @@ def _main() -> None:
         _fail(f"`python -m llamatrace` found the folder {where!r} (a llamatrace checkout?) before the "
               f"installed package; run it from another folder, or use the `llamatrace` command")
     try:
-        from .cli import run
+        from llamatrace.cli import run
     except ModuleNotFoundError as exc:
         if (exc.name or "").startswith("llamatrace"):
             raise

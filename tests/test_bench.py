@@ -7,7 +7,7 @@ import json
 
 from test_cli_generate import assert_one_line_error, run
 
-from llamatrace import bench
+from llamatrace.analysis import bench
 from llamatrace.peers import exit_reason
 
 

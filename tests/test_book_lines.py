@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from llamatrace.render import _FIELD, fmt_shape
-from llamatrace.stages import STAGES, eval_shape
+from llamatrace.views.render import _FIELD, fmt_shape
+from llamatrace.tracing.stages import STAGES, eval_shape
 
 BOOK = Path(__file__).parent / "book" / "book_debug_lines.txt"
 

@@ -9,7 +9,7 @@ import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from llamatrace.chat import render_chat
+from llamatrace.text.chat import render_chat
 from llamatrace.errors import PromptError
 
 SMOLLM2 = (

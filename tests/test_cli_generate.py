@@ -161,7 +161,7 @@ def test_numba_cache_moves_to_user_cache_when_package_dir_is_read_only(monkeypat
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setattr(llamatrace._os, "access", lambda path, mode: False)
     llamatrace._numba_cache_dir()
-    from llamatrace.fetch import cache_root
+    from llamatrace.gguf.fetch import cache_root
     assert os.environ["NUMBA_CACHE_DIR"] == str(cache_root() / "numba")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llamatrace import fetch
+from llamatrace.gguf import fetch
 from llamatrace.cli import main
 from llamatrace.errors import ModelNotFoundError, PromptError
 
@@ -36,7 +36,7 @@ def one_error_line(err: str) -> str:
 
 # ---- Llama.load() without a path -----------------------------------------------------------------
 def test_load_without_path_and_fetch_off_says_how_to_fix(monkeypatch, tmp_path):
-    from llamatrace.model import Llama
+    from llamatrace.model.llama import Llama
     monkeypatch.delenv(fetch.ENV_MODEL, raising=False)
     monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path))
     monkeypatch.setattr(fetch, "installed_default_model", lambda: None)
@@ -48,13 +48,13 @@ def test_load_without_path_and_fetch_off_says_how_to_fix(monkeypatch, tmp_path):
 
 
 def test_load_without_path_uses_llamatrace_model(monkeypatch, tiny_model_path):
-    from llamatrace.model import Llama
+    from llamatrace.model.llama import Llama
     monkeypatch.setenv(fetch.ENV_MODEL, str(tiny_model_path))
     assert Llama.load(fetch=False).path == tiny_model_path
 
 
 def test_load_without_path_warns_before_fetching(monkeypatch, tmp_path, tiny_model_path, caplog):
-    from llamatrace.model import Llama
+    from llamatrace.model.llama import Llama
     monkeypatch.delenv(fetch.ENV_MODEL, raising=False)
     monkeypatch.setattr(fetch, "installed_default_model", lambda: None)
     monkeypatch.setattr(fetch, "cached_default_model", lambda: None)
@@ -98,7 +98,7 @@ def test_prompt_starting_with_a_dash_gets_the_double_dash_hint(capsys):
 
 
 def test_prompt_too_long_for_the_model_does_not_suggest_raising_ctx_size(tiny_model):
-    from llamatrace.generate import check_prompt_fits
+    from llamatrace.model.generate import check_prompt_fits
     n_max = tiny_model.config.max_seq_len
     with pytest.raises(PromptError) as info:
         check_prompt_fits(tiny_model, n_max + 1, n_max)
@@ -242,7 +242,7 @@ def test_python_m_in_a_folder_holding_a_checkout_gives_one_line(tmp_path):
 
 # ---- info --all ---------------------------------------------------------------------------------------
 def test_info_all_shows_each_key_once_and_the_whole_chat_template(capsys, tiny_model_path):
-    from llamatrace.gguf_io import open_gguf
+    from llamatrace.gguf.reader import open_gguf
     template = str(open_gguf(tiny_model_path).metadata["tokenizer.chat_template"])
     code, out, err = run(capsys, "info", "--all", "-m", str(tiny_model_path))
     assert code == 0

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from test_cli_generate import assert_one_line_error, run
 
-from llamatrace import compare as cmp
-from llamatrace.trace import stage_key
-from llamatrace.stages import STAGES
+from llamatrace.analysis import compare as cmp
+from llamatrace.tracing.recorder import stage_key
+from llamatrace.tracing.stages import STAGES
 
 GOLDEN = Path(__file__).parent / "golden"
 DUMPS = ("france", "once")

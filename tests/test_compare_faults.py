@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from test_compare import dump_as_stages
 
-from llamatrace import compare as cmp
+from llamatrace.analysis import compare as cmp
 
 
 def _first(model, hooks_in_order, layers_for=None):

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from snapshot import assert_matches_snapshot
 
-from llamatrace import diagram as dg
+from llamatrace.views import diagram as dg
 from llamatrace.cli import main
-from llamatrace.stages import STAGES, stage_applies
+from llamatrace.tracing.stages import STAGES, stage_applies
 
 PROMPT = "The capital of France is"
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed")

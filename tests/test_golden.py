@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamatrace.generate import generate
+from llamatrace.model.generate import generate
 
 GOLDEN = Path(__file__).parent / "golden"
 GOLD = json.loads((GOLDEN / "smollm2_golden.json").read_text(encoding="utf-8"))
@@ -29,7 +29,7 @@ def prompt_ids(model, name: str) -> list[int]:
 
 
 def test_golden_file_is_for_the_default_model(smollm2_path):
-    from llamatrace.fetch import DEFAULT_MODEL
+    from llamatrace.gguf.fetch import DEFAULT_MODEL
     assert GOLD["model_sha256"] == DEFAULT_MODEL.sha256
     assert smollm2_path.stat().st_size == DEFAULT_MODEL.size
 
@@ -66,7 +66,7 @@ def test_greedy_continuation_matches_hf(smollm2, name):
 @pytest.mark.parametrize("name", PROMPTS)
 def test_stage_statistics_match_hf_for_first_and_last_layer(smollm2, name):
     """Every stage HF's forward hooks see, layers 0 and 29 and model level, for every prompt."""
-    from llamatrace.trace import Recorder
+    from llamatrace.tracing.recorder import Recorder
 
     ref = GOLD["stage_stats"][name]
     ids = GOLD["prompts"][name]["prompt_ids"]

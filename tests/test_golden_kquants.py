@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamatrace.fetch import cache_dir
-from llamatrace.generate import generate
+from llamatrace.gguf.fetch import cache_dir
+from llamatrace.model.generate import generate
 
 GOLDEN = Path(__file__).parent / "golden"
 VARIANTS = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K-pure", "Q3_K-pure"]
@@ -39,7 +39,7 @@ def _sha256(path: Path) -> str:
 def variant(request, smollm2_path):
     """(golden dict, logits npz, loaded model) of one requantized file."""
     from kquant_files import rebuild
-    from llamatrace.model import Llama
+    from llamatrace.model.llama import Llama
 
     name = request.param
     gold = json.loads((GOLDEN / f"smollm2_{name}_golden.json").read_text(encoding="utf-8"))
@@ -83,8 +83,8 @@ def test_q8_activations_answer_as_hf_does(variant):
     distance from HF. Measured rel. RMS, worst prompt per file, q8 / llama.cpp 0.3.36: Q4_K_M
     0.081 / 0.062, Q5_K_M 0.055 / 0.039, Q6_K 0.068 / 0.072, Q3_K_M 0.081 / 0.246, Q2_K-pure
     0.148 / 0.170, Q3_K-pure 0.077 / 0.096."""
-    from llamatrace import act8
-    from llamatrace.model import Llama
+    from llamatrace.kernels import act8
+    from llamatrace.model.llama import Llama
 
     gold, logits_npz, model = variant
     q8 = Llama.load(model.path, activations="q8")

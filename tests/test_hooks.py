@@ -8,8 +8,8 @@ import pytest
 from reference import reference_logits
 
 from llamatrace.errors import HookError, OptionError
-from llamatrace.hooks import REPLACEABLE_IDS, zero_ablation
-from llamatrace.stages import STAGES
+from llamatrace.tracing.hooks import REPLACEABLE_IDS, zero_ablation
+from llamatrace.tracing.stages import STAGES
 
 TOKENS = [5, 40, 77, 260, 3, 150, 268, 99]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from llamatrace import fetch
-from llamatrace.gguf_io import open_gguf
-from llamatrace.tokenizer import Tokenizer
+from llamatrace.gguf import fetch
+from llamatrace.gguf.reader import open_gguf
+from llamatrace.text.tokenizer import Tokenizer
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "make_llama2_shaped.py"
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llamatrace.cli import main
-from llamatrace.look import attention, logit_lens
+from llamatrace.analysis.look import attention, logit_lens
 
 TOKENS = [5, 40, 77, 260, 3, 150, 268, 99]
 
@@ -97,7 +97,7 @@ def test_attention_json_marks_masked_cells_null_and_the_picture_is_written(capsy
 
 
 def test_token_labels_escape_what_the_font_cannot_draw():
-    from llamatrace.plots import token_label
+    from llamatrace.views.plots import token_label
 
     assert token_label(" the") == "␣the"
     assert token_label("a\nb") == "a\\nb"
@@ -155,7 +155,7 @@ def test_stages_json_lists_names_hooks_and_replaceability(capsys, tiny_model_pat
 
 
 def test_stages_table_without_a_model_shows_formulas(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr("llamatrace.fetch.resolve_model", _no_model)
+    monkeypatch.setattr("llamatrace.gguf.fetch.resolve_model", _no_model)
     code, out, err = run(capsys, "stages")
     assert code == 0, err
     assert "attn_inp_kq_mask" in out and "hook_pattern" in out and "n_kv_heads" in out

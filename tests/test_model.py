@@ -9,7 +9,7 @@ from gguf_factory import T, write_tiny_llama
 from reference import reference_logits
 
 from llamatrace.errors import ModelFormatError, OptionError, UnsupportedModelError
-from llamatrace.model import Llama
+from llamatrace.model.llama import Llama
 
 TOKENS = [5, 40, 77, 260, 3, 150, 268, 99]
 
@@ -112,7 +112,7 @@ def test_llama3_style_model_with_rope_freqs_and_bos(tmp_path):
 
 
 def test_load_reports_progress_by_bytes(tiny_model_path):
-    from llamatrace.gguf_io import open_gguf
+    from llamatrace.gguf.reader import open_gguf
     calls = []
     Llama.load(tiny_model_path, progress=lambda done, total: calls.append((done, total)))
     total = sum(t.n_bytes for t in open_gguf(tiny_model_path).tensors.values())

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from llamatrace.cli import main
-from llamatrace.generate import generate
+from llamatrace.model.generate import generate
 
 PROMPT = "The capital of France is"
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` is not installed")

@@ -1,4 +1,4 @@
-"""Tests for llamatrace.quant: packing, dequantization, matmul kernels and their NumPy twins.
+"""Tests for llamatrace.kernels.quant: packing, dequantization, matmul kernels and their NumPy twins.
 
 Every supported type goes through a real GGUF round trip: random weights are quantized with
 ``gguf.quants.quantize``, written with ``gguf.GGUFWriter`` to a temporary file, read back
@@ -11,7 +11,8 @@ import gguf
 import numpy as np
 import pytest
 
-from llamatrace import kquants, quant
+from llamatrace.kernels import k_quants as kquants
+from llamatrace.kernels import quant
 from llamatrace.errors import OptionError, UnsupportedModelError
 
 T = gguf.GGMLQuantizationType

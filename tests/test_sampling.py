@@ -2,7 +2,7 @@
 
 Every expected distribution is computed in this file from its definition (softmax of
 ``logits / T``, then HF's top-k, then top-p over the renormalised top-k), not with
-``llamatrace.sampling``'s helpers. Draws use fixed seeds, so each test is deterministic; the
+``llamatrace.model.sampling``'s helpers. Draws use fixed seeds, so each test is deterministic; the
 chi-square bounds are generous (df + 6·sqrt(2·df), far in the tail) so that they hold for any
 seed, while a wrong distribution (argmax, a missing renormalisation, filters in another order)
 lands far beyond them.
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from llamatrace.errors import OptionError
-from llamatrace.sampling import Sampler, SamplingParams
+from llamatrace.model.sampling import Sampler, SamplingParams
 
 N_DRAWS = 20_000
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from llamatrace.chat import render_chat
-from llamatrace.gguf_io import open_gguf
+from llamatrace.text.chat import render_chat
+from llamatrace.gguf.reader import open_gguf
 from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
-from llamatrace.tokenizer import StreamDecoder, Tokenizer, bytes_to_unicode
+from llamatrace.text.tokenizer import StreamDecoder, Tokenizer, bytes_to_unicode
 
 B2U = bytes_to_unicode()
 CONTROLS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

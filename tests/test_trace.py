@@ -14,20 +14,20 @@ import pytest
 from gguf_factory import write_tiny_llama
 from snapshot import assert_matches_snapshot
 
-from llamatrace import kernels
+from llamatrace.kernels import fp32 as kernels
 from llamatrace.cli import main
 from llamatrace.cli.options import parse_layers
 from llamatrace.errors import OptionError, OutputError
 from llamatrace.outputs import check_output_path
-from llamatrace.render import LineFormatter, write_npz_atomic
-from llamatrace.stages import (
+from llamatrace.views.render import LineFormatter, write_npz_atomic
+from llamatrace.tracing.stages import (
     LAYER_STAGE_IDS,
     STAGE_BY_ID,
     STAGES,
     eval_shape,
     stage_applies,
 )
-from llamatrace.trace import Recorder
+from llamatrace.tracing.recorder import Recorder
 
 GOLDEN = Path(__file__).parent / "golden"
 # dims chosen so that every shape variable has a different value
@@ -42,7 +42,7 @@ def gqa_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gqa(gqa_path):
-    from llamatrace.model import Llama
+    from llamatrace.model.llama import Llama
     return Llama.load(gqa_path)
 
 
@@ -95,7 +95,7 @@ def test_decode_step_has_no_mask_stages(gqa):
 
 
 def test_no_repeat_kv_stages_when_kv_heads_equal_heads(tmp_path):
-    from llamatrace.model import Llama
+    from llamatrace.model.llama import Llama
     m = Llama.load(write_tiny_llama(tmp_path / "mha.gguf", n_layers=1, dim=64, n_heads=4, n_kv_heads=4))
     got, _ = traced_shapes(m, [5, 6, 7], 10)
     stages = [stage for _, _, stage, _ in got]
@@ -225,7 +225,7 @@ def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
     assert code == 0, err
     lines = [json.loads(line) for line in jl.read_text(encoding="utf-8").splitlines()]  # every line is JSON
     header, events, footer = lines[0], lines[1:-1], lines[-1]
-    assert header["type"] == "header" and header["schema"] == "llamatrace.trace/1"
+    assert header["type"] == "header" and header["schema"] == "llamatrace.tracing.recorder/1"
     assert header["config"]["dim"] == 96 and len(header["pieces"]) == len(header["prompt_ids"])
     assert header["prompt"] == "the cat" and header["activations"] == "f32"
     assert {e["type"] for e in events} == {"event"}
@@ -247,7 +247,7 @@ def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
             assert list(arrays[key].shape) == e["shape"] and str(arrays[key].dtype) == e["dtype"]
         assert {e["layer"] for e in events} == {None, 0, 1}
         # the same trace through the Python API keeps the same arrays
-        from llamatrace.model import Llama
+        from llamatrace.model.llama import Llama
         m = Llama.load(gqa_path)
         with m.trace(layers=[0, 1], keep_arrays=True) as rec:
             list(m.generate(header["prompt_ids"], max_tokens=3, stop_ids=frozenset()))
@@ -315,7 +315,7 @@ def test_check_finite_accepts_the_masks_minus_inf(gqa):
 
 
 def test_ctrl_c_exits_130_with_complete_jsonl_lines(gqa_path, tmp_path, capsys, monkeypatch):
-    from llamatrace import render
+    from llamatrace.views import render
     calls = {"n": 0}
     original = render.LogView.__call__
 

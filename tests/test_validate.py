@@ -1,4 +1,4 @@
-"""Tests for llamatrace.validate: a valid file, a truncation sweep, one crafted header per rule,
+"""Tests for llamatrace.gguf.validate: a valid file, a truncation sweep, one crafted header per rule,
 and a property test that mutates a valid header and cross-checks gguf-py's GGUFReader."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from llamatrace.errors import ModelFormatError, ModelNotFoundError
 from gguf_factory import write_tiny_llama
-from llamatrace.gguf_io import open_gguf
-from llamatrace.validate import GGUFSummary, validate_gguf
+from llamatrace.gguf.reader import open_gguf
+from llamatrace.gguf.validate import GGUFSummary, validate_gguf
 
 HANG_GUARD_S = 30.0  # not a speed check: only turns an endless loop into a failure
 
@@ -125,7 +125,7 @@ def test_real_model_header_items(smollm2_path):
 
 def test_header_items_are_bounded_but_admit_llama3(tmp_path):
     """Bytes alone do not bound a reader's work: a million empty strings is an 8 MB header."""
-    from llamatrace.validate import MAX_HEADER_ITEMS
+    from llamatrace.gguf.validate import MAX_HEADER_ITEMS
 
     def strings_kv(name: str, n: int) -> bytes:
         return kv(name, V.ARRAY, struct.pack("<IQ", V.STRING, n) + struct.pack("<Q", 0) * n)
@@ -504,7 +504,7 @@ _stats = {"examples": 0, "passed": 0}
 
 
 def assert_same_as_gguf_reader(f, reader: gguf.GGUFReader) -> None:
-    """llamatrace.gguf_io's file equals gguf-py's reading of it: every key, every tensor."""
+    """llamatrace.gguf.reader's file equals gguf-py's reading of it: every key, every tensor."""
     fields = {k: v for k, v in reader.fields.items() if not k.startswith("GGUF.")}
     assert set(f._kv_offsets) == set(fields)
     for key, field in fields.items():

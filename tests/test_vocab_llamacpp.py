@@ -1,6 +1,6 @@
 """llama.cpp's tokenizer test vectors: models/ggml-vocab-{name}.gguf with its .inp (46 strings separated
 by "\\n__ggml_vocab_test__\\n") and .out (the expected ids, one line per string, without BOS), taken
-from the llama-cpp-python sdist that llamatrace.fetch downloads once into the user cache.
+from the llama-cpp-python sdist that llamatrace.gguf.fetch downloads once into the user cache.
 
 llama-spm is SentencePiece (Llama 1/2, Mistral…); llama-bpe is Llama 3's byte-level BPE;
 deepseek-llm and deepseek-coder are byte-level BPE with sequences of pre-tokenizer regexes.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from llamatrace import fetch
-from llamatrace.gguf_io import open_gguf
-from llamatrace.tokenizer import StreamDecoder, Tokenizer
+from llamatrace.gguf import fetch
+from llamatrace.gguf.reader import open_gguf
+from llamatrace.text.tokenizer import StreamDecoder, Tokenizer
 
 VOCABS = ("llama-spm", "llama-bpe", "deepseek-llm", "deepseek-coder")
 SEPARATOR = "\n__ggml_vocab_test__\n"

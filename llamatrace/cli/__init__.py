@@ -5,7 +5,7 @@ helpers every command shares; each command is a module of its own that registers
 Importing this package registers them all, in the order ``--help`` lists them.
 """
 
-from .app import (
+from llamatrace.cli.app import (
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
@@ -16,15 +16,15 @@ from .app import (
 )
 
 # the import order is the order `llamatrace --help` lists the commands
-from . import generate  # noqa: E402,F401,I001  (isort: skip)
-from . import trace  # noqa: E402,F401,I001  (isort: skip)
-from . import diagram  # noqa: E402,F401,I001  (isort: skip)
-from . import attention  # noqa: E402,F401,I001  (isort: skip)
-from . import lens  # noqa: E402,F401,I001  (isort: skip)
-from . import stages  # noqa: E402,F401,I001  (isort: skip)
-from . import info  # noqa: E402,F401,I001  (isort: skip)
-from . import compare  # noqa: E402,F401,I001  (isort: skip)
-from . import bench  # noqa: E402,F401,I001  (isort: skip)
-from . import pull  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import generate  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import trace  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import diagram  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import attention  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import lens  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import stages  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import info  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import compare  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import bench  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import pull  # noqa: E402,F401,I001  (isort: skip)
 
 __all__ = ["app", "main", "run", "EXIT_OK", "EXIT_INTERNAL", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]

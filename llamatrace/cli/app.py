@@ -23,8 +23,8 @@ except ImportError:  # pragma: no cover - older typer re-exports click's
     from click import ClickException as _UsageError
 from rich.console import Console
 
-from .. import __version__
-from ..errors import LlamatraceError
+from llamatrace import __version__
+from llamatrace.errors import LlamatraceError
 
 # soft_wrap: summary and error lines stay whole lines when stderr is a file or pipe (80 columns)
 err = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -1,6 +1,6 @@
 """``llamatrace attention``: heatmaps of one layer's attention probabilities (``kq_soft_max``).
 
-The data is :func:`llamatrace.look.attention`; the picture :mod:`llamatrace.plots`.
+The data is :func:`llamatrace.analysis.look.attention`; the picture :mod:`llamatrace.views.plots`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import OptionError
-from .app import app, err
-from .options import (
+from llamatrace.errors import OptionError
+from llamatrace.cli.app import app, err
+from llamatrace.cli.options import (
     AblateOpt,
     ModelOpt,
     PromptFileOpt,
@@ -73,8 +73,8 @@ def attention(
 
       llamatrace attention --raw "The capital of France is" --layer 5 --ablate kqv@2:1 -o ablated.png
     """
-    from ..outputs import check_output_path
-    from ..plots import check_format
+    from llamatrace.outputs import check_output_path
+    from llamatrace.views.plots import check_format
 
     # everything that can be checked without the model, before loading it
     if step < 0:
@@ -100,7 +100,7 @@ def attention(
     ablations = parse_ablations(ablate, c)
     ids = prompt_ids_for(m, text_in, raw, system)
 
-    from ..look import attention as run_attention
+    from llamatrace.analysis.look import attention as run_attention
 
     with ablated(m, ablations):
         maps = run_attention(m, ids, layers[0], step)
@@ -108,7 +108,7 @@ def attention(
     pieces = [tok.piece(i) for i in maps.ids]
     heads = list(range(c.n_heads)) if head is None else [head]
     if output is not None:
-        from ..plots import save_attention
+        from llamatrace.views.plots import save_attention
 
         what = "prefill" if step == 0 else f"decode step {step}"
         title = f"{m.path.name} · layer {layers[0]} · {what} · kq_soft_max"

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .app import app, err, out
-from .options import ModelOpt, ThreadsOpt, check_activations
+from llamatrace.cli.app import app, err, out
+from llamatrace.cli.options import ModelOpt, ThreadsOpt, check_activations
 
 
 @app.command()
@@ -41,8 +41,8 @@ def bench(
     """
     from rich.table import Table
 
-    from ..bench import run_bench
-    from ..fetch import resolve_model
+    from llamatrace.analysis.bench import run_bench
+    from llamatrace.gguf.fetch import resolve_model
 
     for mode in activations or ():
         check_activations(mode)

@@ -14,9 +14,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import OptionError
-from .app import EXIT_DIVERGED, app, err, out
-from .options import (
+from llamatrace.errors import OptionError
+from llamatrace.cli.app import EXIT_DIVERGED, app, err, out
+from llamatrace.cli.options import (
     LAYER_HELP,
     ModelOpt,
     PromptFileOpt,
@@ -91,7 +91,7 @@ def compare(
 
       llamatrace compare ours.npz theirs.npz --layer 0-3 --stage "Qcur*,Kcur*"
     """
-    from ..compare import compare_arrays, compare_with
+    from llamatrace.analysis.compare import compare_arrays, compare_with
 
     args = list(args or [])
     if tokens < 0:
@@ -114,7 +114,7 @@ def compare(
         if against not in AGAINST:
             raise OptionError(f"--against {against!r}: unknown engine; choose from {', '.join(AGAINST)}")
         patterns = parse_stages(stage)     # our stage ids here; a user's .npz may have others
-        from ..bench import check_engines
+        from llamatrace.analysis.bench import check_engines
         check_engines([against])           # one error line, before the model loads
         text_in = read_prompt(args[0] if args else None, prompt_file, default=default_prompt())
         m = load_model(model, threads, activations)
@@ -150,7 +150,7 @@ def _load_npz(path: Path) -> dict:
 
 
 def _npz_layers(spec: str, *recordings: dict) -> list[int] | None:
-    from ..compare import parse_key
+    from llamatrace.analysis.compare import parse_key
     layers = set()
     for rec in recordings:
         for key in rec:
@@ -170,7 +170,7 @@ def _fmt(x: float | None, spec: str) -> str:
 def _print_table(result, sort: str) -> None:
     from rich.table import Table
 
-    from ..trace import stage_key
+    from llamatrace.tracing.recorder import stage_key
 
     def key_of(r):
         return stage_key(r.step, r.layer, r.stage)
@@ -216,6 +216,6 @@ def _print_table(result, sort: str) -> None:
 
 
 def _stage_rank(stage: str) -> tuple:
-    from ..stages import STAGE_IDS
+    from llamatrace.tracing.stages import STAGE_IDS
     return (STAGE_IDS.index(stage) if stage in STAGE_IDS else len(STAGE_IDS), stage)
 

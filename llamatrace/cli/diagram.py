@@ -1,7 +1,7 @@
 """``llamatrace diagram``: draw the forward pass of a real run as a flow diagram (SVG/PNG/PDF/DOT),
 or write an interactive page of the run (``.html``).
 
-The drawing itself is :mod:`llamatrace.diagram`; the page is :mod:`llamatrace.page`.
+The drawing itself is :mod:`llamatrace.views.diagram`; the page is :mod:`llamatrace.views.page`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import OptionError
-from ..outputs import check_output_path, write_atomic
-from .app import app, err
-from .options import (
+from llamatrace.errors import OptionError
+from llamatrace.outputs import check_output_path, write_atomic
+from llamatrace.cli.app import app, err
+from llamatrace.cli.options import (
     ModelOpt,
     PromptFileOpt,
     RawOpt,
@@ -90,7 +90,7 @@ def diagram(
     step, a side panel per stage (shape, statistics, histogram, values, weights, attention heatmap,
     top next tokens) and the prompt's tokens.
     """
-    from .. import diagram as dg
+    from llamatrace.views import diagram as dg
 
     # everything that can be checked without the model, before loading it
     fmt = dg.output_format(output)
@@ -124,7 +124,7 @@ def diagram(
     layers = parse_layers(layer, m.config.n_layers)
     layers = list(range(m.config.n_layers)) if layers is None else layers
     if fmt == "html":
-        from ..page import build_page
+        from llamatrace.views.page import build_page
 
         with err.status(f"Tracing the prefill and {tokens} decode step{'s' * (tokens != 1)} "
                         f"({len(ids)} prompt tokens, every layer) …"):

@@ -10,9 +10,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import OptionError
-from .app import app, err, exit_interrupted, out
-from .options import (
+from llamatrace.errors import OptionError
+from llamatrace.cli.app import app, err, exit_interrupted, out
+from llamatrace.cli.options import (
     CtxSizeOpt,
     AblateOpt,
     ModelOpt,
@@ -71,10 +71,10 @@ def generate(
 
       llamatrace generate --raw "The capital of France is" -n 8 --ablate ffn_out@-1
     """
-    from ..generate import GenerationStats
-    from ..generate import generate as run_generate
-    from ..sampling import SamplingParams
-    from ..tokenizer import StreamDecoder
+    from llamatrace.model.generate import GenerationStats
+    from llamatrace.model.generate import generate as run_generate
+    from llamatrace.model.sampling import SamplingParams
+    from llamatrace.text.tokenizer import StreamDecoder
 
     if max_tokens <= 0:
         raise OptionError(f"--max-tokens must be a positive integer, got {max_tokens}")

@@ -6,9 +6,9 @@ from typing import Annotated
 
 import typer
 
-from ..errors import LlamatraceError
-from .app import app, err, out
-from .options import ModelOpt
+from llamatrace.errors import LlamatraceError
+from llamatrace.cli.app import app, err, out
+from llamatrace.cli.options import ModelOpt
 
 
 @app.command()
@@ -28,8 +28,8 @@ def info(
     from rich.table import Table
     from rich.text import Text
 
-    from ..fetch import resolve_model
-    from ..gguf_io import open_gguf, tensor_type_name
+    from llamatrace.gguf.fetch import resolve_model
+    from llamatrace.gguf.reader import open_gguf, tensor_type_name
 
     path = resolve_model(model, log=lambda msg: err.print(msg))
     f = open_gguf(path)
@@ -66,7 +66,7 @@ def info(
         out.print(str(template), markup=False, highlight=False)
         out.print(Rule())
     if "token_embd.weight" in f.tensors:
-        from ..config import ModelConfig
+        from llamatrace.model.config import ModelConfig
         try:
             c = ModelConfig.from_metadata(meta, vocab_size=f.matrix_shape("token_embd.weight")[0], source=path.name)
         except LlamatraceError as exc:
@@ -101,8 +101,8 @@ def info(
     out.print(table)
     import numba
 
-    from ..bench import cpu_model
-    from ..quant import threading_layer
+    from llamatrace.analysis.bench import cpu_model
+    from llamatrace.kernels.quant import threading_layer
     out.print(f"Runtime: {cpu_model()}, {numba.config.NUMBA_NUM_THREADS} threads, Numba threading layer "
               f"{threading_layer()!r} (tbb or omp: a few µs per parallel region; workqueue: ~50–100 µs)",
               soft_wrap=True)
@@ -110,7 +110,7 @@ def info(
 
 def _tokenizer_kind(f, source: str) -> str:
     """'SentencePiece (llama.cpp SPM), 32000 tokens, …' or why llamatrace cannot read the vocabulary."""
-    from ..tokenizer import Tokenizer
+    from llamatrace.text.tokenizer import Tokenizer
     try:
         import warnings
         with warnings.catch_warnings():

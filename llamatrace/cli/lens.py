@@ -1,6 +1,6 @@
 """``llamatrace lens``: the logit lens — what the model would predict after each layer.
 
-The data is :func:`llamatrace.look.logit_lens`; the picture :mod:`llamatrace.plots`.
+The data is :func:`llamatrace.analysis.look.logit_lens`; the picture :mod:`llamatrace.views.plots`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from ..errors import OptionError
-from .app import app, err
-from .options import (
+from llamatrace.errors import OptionError
+from llamatrace.cli.app import app, err
+from llamatrace.cli.options import (
     AblateOpt,
     ModelOpt,
     PromptFileOpt,
@@ -71,8 +71,8 @@ def lens(
         raise OptionError(f"--positions must be >= 1, got {positions}")
     parse_ablations(ablate)
     if output is not None:
-        from ..outputs import check_output_path
-        from ..plots import check_format
+        from llamatrace.outputs import check_output_path
+        from llamatrace.views.plots import check_format
 
         check_format(output)
         check_output_path(output, "-o")
@@ -82,7 +82,7 @@ def lens(
     ablations = parse_ablations(ablate, m.config)
     ids = prompt_ids_for(m, text_in, raw, system)
 
-    from ..look import logit_lens
+    from llamatrace.analysis.look import logit_lens
 
     with ablated(m, ablations):
         result = logit_lens(m, ids, positions)
@@ -90,7 +90,7 @@ def lens(
     pieces = [tok.piece(i) for i in ids]
     final = tok.piece(result.final_id)
     if output is not None:
-        from ..plots import save_lens
+        from llamatrace.views.plots import save_lens
 
         title = f"{m.path.name} · logit lens · final prediction {final!r}"
         if ablations:

@@ -11,9 +11,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import LlamatraceError, OptionError, PromptError
-from ..stages import select_stages
-from .app import err
+from llamatrace.errors import LlamatraceError, OptionError, PromptError
+from llamatrace.tracing.stages import select_stages
+from llamatrace.cli.app import err
 
 ModelOpt = Annotated[Optional[Path], typer.Option(
     "--model", "-m", help="GGUF model file. Default: $LLAMATRACE_MODEL, else SmolLM2-135M-Instruct "
@@ -93,7 +93,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
 
 def check_activations(activations: str) -> None:
     """Raises :class:`OptionError` for an ``--activations`` value this machine cannot run."""
-    from .. import quant
+    from llamatrace.kernels import quant
     try:
         quant.check_activations(activations)
     except OptionError as exc:
@@ -102,11 +102,11 @@ def check_activations(activations: str) -> None:
 
 def load_model(model_path: Path | None, threads: int | None, activations: str = "f32"):
     """Resolve, load (with a status line) and return the model."""
-    from ..fetch import resolve_model
+    from llamatrace.gguf.fetch import resolve_model
 
     check_activations(activations)
     if threads is not None:
-        from .. import quant
+        from llamatrace.kernels import quant
         try:
             quant.set_threads(threads)
         except (ValueError, LlamatraceError) as exc:
@@ -114,7 +114,7 @@ def load_model(model_path: Path | None, threads: int | None, activations: str = 
     path = resolve_model(model_path, log=lambda msg: err.print(msg))
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from ..model import Llama
+    from llamatrace.model.llama import Llama
     columns = (TextColumn("Loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
     # off when stderr is no terminal: there a transient bar would leave an empty line
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
@@ -144,7 +144,7 @@ def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[in
 def numba_cache_is_cold() -> bool:
     """True when no compiled kernels are cached yet (the first run compiles for ~10-60 s)."""
     import numba
-    root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(__file__).parents[1] / "__pycache__"
+    root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(__file__).parents[1] / "kernels" / "__pycache__"
     return not any(root.rglob("*.nbi")) if root.exists() else True
 
 
@@ -206,13 +206,13 @@ def wide_out(min_width: int):
     or file at least ``min_width`` columns, so the table is not squeezed to 80."""
     from rich.console import Console
 
-    from .app import out
+    from llamatrace.cli.app import out
     if out.is_terminal:
         return out
     return Console(highlight=False, width=max(out.width, min_width))
 
 
-# ---- --ablate (zero-ablation through llamatrace.hooks) ----------------------------------------
+# ---- --ablate (zero-ablation through llamatrace.tracing.hooks) ----------------------------------------
 AblateOpt = Annotated[Optional[list[str]], typer.Option(
     "--ablate", metavar="STAGE@LAYER[:HEAD]", show_default=False,
     help="Zero a stage's output where it is computed, so every later stage sees zeros (repeatable): "
@@ -243,7 +243,7 @@ def parse_ablations(values: list[str] | None, config=None) -> list[Ablation]:
             stage or none on a layer stage, a head on a stage without heads, a layer or head
             out of range.
     """
-    from ..hooks import check_replaceable, head_axis
+    from llamatrace.tracing.hooks import check_replaceable, head_axis
 
     out = []
     for text in values or ():
@@ -285,7 +285,7 @@ def parse_ablations(values: list[str] | None, config=None) -> list[Ablation]:
 @contextlib.contextmanager
 def ablated(model, ablations: list[Ablation]):
     """Run the ``with`` block with the zero-ablations hooked into ``model`` (nothing when empty)."""
-    from ..hooks import zero_ablation
+    from llamatrace.tracing.hooks import zero_ablation
 
     with contextlib.ExitStack() as stack:
         for a in ablations:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from .app import app, err, out
+from llamatrace.cli.app import app, err, out
 
 
 @app.command()
@@ -25,8 +25,8 @@ def pull(
 
       LLAMATRACE_CACHE_DIR=/data/llamatrace llamatrace pull     # → /data/llamatrace/models/
     """
-    from ..fetch import installed_default_model
-    from ..fetch import pull as do_pull
+    from llamatrace.gguf.fetch import installed_default_model
+    from llamatrace.gguf.fetch import pull as do_pull
 
     existing = installed_default_model()
     if existing is not None and not force:

@@ -1,4 +1,4 @@
-"""``llamatrace stages``: the stage catalogue (:mod:`llamatrace.stages`) as a table or JSON."""
+"""``llamatrace stages``: the stage catalogue (:mod:`llamatrace.tracing.stages`) as a table or JSON."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from .app import app
-from .options import ModelOpt, wide_out
+from llamatrace.cli.app import app
+from llamatrace.cli.options import ModelOpt, wide_out
 
 
 def _concrete(formula: str, dims: dict[str, int]) -> str:
@@ -47,11 +47,11 @@ def stages(
 
       llamatrace stages --model Llama-3.2-1B-Instruct-Q8_0.gguf
     """
-    from ..config import ModelConfig
-    from ..errors import ModelNotFoundError
-    from ..fetch import resolve_model
-    from ..gguf_io import gguf_name, open_gguf
-    from ..stages import STAGES
+    from llamatrace.model.config import ModelConfig
+    from llamatrace.errors import ModelNotFoundError
+    from llamatrace.gguf.fetch import resolve_model
+    from llamatrace.gguf.reader import gguf_name, open_gguf
+    from llamatrace.tracing.stages import STAGES
 
     dims: dict[str, int] = {}
     path = None

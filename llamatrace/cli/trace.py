@@ -1,8 +1,8 @@
 """``llamatrace trace``: run the prompt (and N decode steps) with a recorder and render every stage.
 
 The command is thin: it checks options and output paths before loading anything, builds one
-:class:`~llamatrace.trace.Recorder` whose sinks are the views of :mod:`llamatrace.render`, runs
-the ordinary :func:`~llamatrace.generate.generate` loop, and prints the top-N next tokens.
+:class:`~llamatrace.tracing.recorder.Recorder` whose sinks are the views of :mod:`llamatrace.views.render`, runs
+the ordinary :func:`~llamatrace.model.generate.generate` loop, and prints the top-N next tokens.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Annotated, Optional
 import typer
 from rich.text import Text
 
-from ..errors import OptionError
-from ..stages import STAGE_IDS, select_stages
-from .app import app, err, exit_interrupted, out
-from .options import (
+from llamatrace.errors import OptionError
+from llamatrace.tracing.stages import STAGE_IDS, select_stages
+from llamatrace.cli.app import app, err, exit_interrupted, out
+from llamatrace.cli.options import (
     LAYER_HELP,
     CtxSizeOpt,
     AblateOpt,
@@ -102,7 +102,7 @@ def trace(
 
       llamatrace trace --raw "The capital of France is" --ablate attn_out@3 --layer 3 --stage "attn_out,ffn_inp" --stats
     """
-    from ..outputs import check_output_path
+    from llamatrace.outputs import check_output_path
 
     # ---- everything that can be checked without the model, so bad input fails fast ----
     if tokens < 0:
@@ -145,14 +145,14 @@ def trace(
 def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers, stages, fmt: Format,
          dump_shapes: bool, stats: bool, values: int, jsonl: Path | None, npz: Path | None,
          log_file: Path | None, timings: bool, check_finite: bool, top: int, ctx_size: int | None) -> None:
-    from ..generate import (
+    from llamatrace.model.generate import (
         GenerationStats,
         check_prompt_fits,
         default_ctx_size,
         generate,
     )
-    from ..outputs import open_stream
-    from ..render import (
+    from llamatrace.outputs import open_stream
+    from llamatrace.views.render import (
         DebugLog,
         JsonlWriter,
         LineFormatter,
@@ -165,7 +165,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
         top_k_table,
         write_npz_atomic,
     )
-    from ..trace import Recorder
+    from llamatrace.tracing.recorder import Recorder
 
     max_tokens = tokens + 1            # the last token is chosen from the last traced step's logits
     ctx = ctx_size or default_ctx_size(m, len(ids), max_tokens)
@@ -214,7 +214,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
                   "decode_tokens_per_s": round(run_stats.decode_tokens_per_s, 2),
                   "stages_us": timing_rollup(recorder.stage_times)}
         if writer is not None:
-            writer.footer(ids=generated, top_k=top_tokens, timings=timing)   # key kept: schema llamatrace.trace/1
+            writer.footer(ids=generated, top_k=top_tokens, timings=timing)   # key kept: schema llamatrace.tracing.recorder/1
     if npz is not None:
         write_npz_atomic(npz, recorder.arrays())
 

@@ -84,7 +84,7 @@ class HFModel:
 def hf_stage_arrays(captured: dict, step: int, head_dim: int) -> dict[str, np.ndarray]:
     """HF module outputs of one forward call → our keys and layouts: query/key features back
     from HF's split-half order to GGUF's interleaved pairs, ``*_heads`` split by ``head_dim``."""
-    from ..trace import stage_key
+    from llamatrace.tracing.recorder import stage_key
     out = {}
     for (layer, stage), a in captured.items():
         if stage in ("Qcur", "Kcur"):

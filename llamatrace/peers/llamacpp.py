@@ -65,8 +65,8 @@ def check_runs_here(path: str, threads: int) -> None:
         PeerError: the child was killed by a signal (the message names it; on SIGILL, says to
             rebuild). Other failures are left to the in-process run, which reports them.
     """
-    from ..errors import PeerError
-    from . import exit_reason
+    from llamatrace.errors import PeerError
+    from llamatrace.peers import exit_reason
     child = subprocess.run([sys.executable, "-c", _PROBE, path, str(threads)],
                            capture_output=True, text=True)
     if child.returncode < 0:

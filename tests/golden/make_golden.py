@@ -49,7 +49,7 @@ VARIANT_SHA256 = {
 }
 # Variants record these prompts only (keeps each logits file ~0.5 MB).
 VARIANT_PROMPTS = ("ascii", "code", "chat")
-# Where `llamatrace` caches the default model (llamatrace.fetch.cache_dir; this script runs in a
+# Where `llamatrace` caches the default model (llamatrace.gguf.fetch.cache_dir; this script runs in a
 # separate venv that need not have llamatrace installed).
 DEFAULT_MODEL_CANDIDATES = [
     Path(os.environ.get("LLAMATRACE_CACHE_DIR") or Path.home() / ".cache" / "llamatrace") / "models" / MODEL_FILE,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import OptionError
+from llamatrace.errors import OptionError
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """Views of trace events: the chapters' log lines, rich tables, JSON lines, ``.npz``, timings.
 
-Every view reads :class:`~llamatrace.trace.TraceEvent` objects and the stage catalogue
-(:mod:`llamatrace.stages`); the wording of the log lines lives only in ``Stage.lines``. The
-views are :class:`~llamatrace.trace.Recorder` sinks, so they render live as the forward pass
+Every view reads :class:`~llamatrace.tracing.recorder.TraceEvent` objects and the stage catalogue
+(:mod:`llamatrace.tracing.stages`); the wording of the log lines lives only in ``Stage.lines``. The
+views are :class:`~llamatrace.tracing.recorder.Recorder` sinks, so they render live as the forward pass
 runs — ``llamatrace trace`` is a thin wrapper around them::
 
     from llamatrace import Llama
-    from llamatrace.render import LineFormatter, LogView
+    from llamatrace.views.render import LineFormatter, LogView
     from rich.console import Console
 
     model = Llama.load("SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -31,12 +31,12 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .outputs import OutputStream, write_atomic
-from .sampling import softmax64
-from .stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
-from .trace import TraceEvent, finite_or_none
+from llamatrace.outputs import OutputStream, write_atomic
+from llamatrace.model.sampling import softmax64
+from llamatrace.tracing.stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
+from llamatrace.tracing.recorder import TraceEvent, finite_or_none
 
-SCHEMA = "llamatrace.trace/1"
+SCHEMA = "llamatrace.tracing.recorder/1"
 STAT_KEYS = ("sum", "mean", "rms", "min", "max", "abs_max")
 
 _FIELD = re.compile(r"\{(\[[^\]]*\]|\w+)\}")
@@ -249,7 +249,7 @@ def _dumps(obj: Any) -> str:
 
 
 class JsonlWriter:
-    """Sink streaming the ``llamatrace.trace/1`` schema: a header, one line per event, a footer.
+    """Sink streaming the ``llamatrace.tracing.recorder/1`` schema: a header, one line per event, a footer.
 
     Each line is written whole and flushed, so after an error or Ctrl-C every line in the file is
     valid JSON (only the footer may be missing).

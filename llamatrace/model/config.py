@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from .errors import ModelFormatError, UnsupportedModelError
+from llamatrace.errors import ModelFormatError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 

@@ -1,6 +1,6 @@
 """K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and Q5_0 / Q5_1: repacking and matmul kernels.
 
-:mod:`llamatrace.quant` dispatches here. Weights use the same row tiles as the other types
+:mod:`llamatrace.kernels.quant` dispatches here. Weights use the same row tiles as the other types
 (``qs uint8 [T, B, P, TR]``, ``d`` / ``m`` float32 ``[T, B, TR]``, ``TR`` rows interleaved
 so the inner loops run over rows), where ``B`` counts blocks of ``QKB`` weights (256 for the
 K-quants, 32 for Q5_x) and ``P`` bytes per block hold the file's quant bytes plus the
@@ -47,12 +47,12 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace import tiles
+from llamatrace.kernels import tiles
 
 _T = gguf.GGMLQuantizationType
 
 TR = tiles.TR
-"""Rows per tile (the same as :data:`llamatrace.quant.TR`)."""
+"""Rows per tile (the same as :data:`llamatrace.kernels.quant.TR`)."""
 
 KQUANT_TYPES = (_T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K, _T.Q5_0, _T.Q5_1)
 
@@ -97,7 +97,7 @@ def _scales_q3(s: np.ndarray) -> np.ndarray:
 def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks uint8 ``[n, B, FILE_BYTES]`` -> (packed uint8 ``[n, B, PACKED_BYTES]``,
     d float32 ``[n, B]``, m float32 ``[n, B]`` or None), per the table in the module docstring;
-    also :mod:`llamatrace.quant`'s Q4_0, Q4_1 and Q8_0 (packed: their quant bytes)."""
+    also :mod:`llamatrace.kernels.quant`'s Q4_0, Q4_1 and Q8_0 (packed: their quant bytes)."""
     t = _T(ggml_type)
     if t == _T.Q2_K:
         return blocks[..., 0:80], _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])
@@ -114,7 +114,7 @@ def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray
         return blocks[..., 2:22], _f16(blocks[..., 0:2]), None
     if t == _T.Q5_1:
         return blocks[..., 4:24], _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-    if t in (_T.Q4_0, _T.Q8_0):           # llamatrace.quant's types: the quants as they are
+    if t in (_T.Q4_0, _T.Q8_0):           # llamatrace.kernels.quant's types: the quants as they are
         return blocks[..., 2:], _f16(blocks[..., 0:2]), None
     if t == _T.Q4_1:
         return blocks[..., 4:], _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
@@ -145,7 +145,7 @@ def repack_tiles_np(ggml_type, blocks: np.ndarray, row0: int, qs_t: np.ndarray, 
 
 # Per type, for repack_tiles: the quant bytes copied as they are (source offset, packed offset,
 # length) and the fp16 d / m offsets in the file block (-1: none). Q4_0, Q4_1 and Q8_0 are
-# llamatrace.quant's; their packer uses the same kernel.
+# llamatrace.kernels.quant's; their packer uses the same kernel.
 _COPY = {_T.Q2_K: (0, 0, 80, 80, 82), _T.Q3_K: (0, 0, 96, 108, -1), _T.Q4_K: (16, 16, 128, 0, 2),
          _T.Q5_K: (16, 16, 160, 0, 2), _T.Q6_K: (0, 0, 208, 208, -1), _T.Q5_0: (2, 0, 20, 0, -1),
          _T.Q5_1: (4, 0, 20, 0, 2), _T.Q4_0: (2, 0, 16, 0, -1), _T.Q4_1: (4, 0, 16, 0, 2),
@@ -157,8 +157,8 @@ def repack_tiles(ggml_type, blocks: np.ndarray, row0: int, f16_table: np.ndarray
     """GGUF blocks uint8 ``[n, B, FILE_BYTES]`` -> rows ``row0..row0+n`` of the tiles ``qs_t``
     uint8 ``[T, B, PACKED_BYTES, TR]``, ``d_t`` / ``m_t`` ``[T, B, TR]`` (``m_t`` unused
     for types without a minimum), per the table in the module docstring (Q4_0, Q4_1, Q8_0: per
-    :mod:`llamatrace.quant`'s, ``qs_t`` ``[T, B, 16 or 32, TR]``); packed bytes
-    ``group = (head, end)`` in :mod:`llamatrace.act8`'s grouped order (:func:`tiles.byte_offset`).
+    :mod:`llamatrace.kernels.quant`'s, ``qs_t`` ``[T, B, 16 or 32, TR]``); packed bytes
+    ``group = (head, end)`` in :mod:`llamatrace.kernels.act8`'s grouped order (:func:`tiles.byte_offset`).
     ``f16_table`` [65536] maps an fp16 bit pattern to what ``d_t`` / ``m_t`` hold: float32
     values, or uint16 (the identity) for the bits as they are. In parallel over tiles; rows of
     other tiles untouched. The NumPy scatter it replaced took ~7 s of an 8B Q4_K_M load; this

@@ -1,6 +1,6 @@
 """Open a GGUF file: validated header, metadata, memory-mapped tensors, and the GGUF → Meta name map.
 
-The header is decoded at the offsets :mod:`llamatrace.validate` checked, not by gguf-py's
+The header is decoded at the offsets :mod:`llamatrace.gguf.validate` checked, not by gguf-py's
 ``GGUFReader`` (which builds a Python object per string: seconds for Llama 3's vocabulary).
 Like ``ReaderTensor``, :attr:`Tensor.shape` is in ggml order (``ne[0]`` = fastest = in_features
 first) while :attr:`Tensor.data` is in NumPy order (``[out_features, row_bytes]`` for quantized
@@ -19,8 +19,8 @@ from typing import Any, Container
 import gguf
 import numpy as np
 
-from .errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from .validate import validate_gguf
+from llamatrace.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from llamatrace.gguf.validate import validate_gguf
 
 # GGUF tensor name (per block: "blk.{i}." prefix) → Meta reference model.py attribute.
 GGUF_TO_META = {
@@ -185,7 +185,7 @@ def _decode(buf: mmap.mmap, vtype: int, pos: int) -> Any:
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Validate and open a GGUF file: metadata decoded, tensors mapped, nothing copied.
 
-    The header is read with the offsets :func:`llamatrace.validate.validate_gguf` checked (it
+    The header is read with the offsets :func:`llamatrace.gguf.validate.validate_gguf` checked (it
     walks Llama 3's 128k-token header in ~0.1 s, where gguf-py's ``GGUFReader`` takes ~4–7 s).
 
     Raises:

@@ -103,7 +103,7 @@ class GGUFSummary:
     data_offset: int  # file offset of the (aligned) tensor data section
     file_size: int
     header_items: int  # keys + tensors + strings in string arrays (bounded by MAX_HEADER_ITEMS)
-    # Where things are, for a reader that trusts nothing else (llamatrace.gguf_io): key → (value
+    # Where things are, for a reader that trusts nothing else (llamatrace.gguf.reader): key → (value
     # type, file offset of the value); per tensor (name, ggml dims fastest-first, ggml type, offset
     # relative to data_offset), in header order.
     kv_offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)

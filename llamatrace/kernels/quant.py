@@ -5,7 +5,7 @@ order) repacked once at load time into *row tiles*: ``TR`` consecutive output ro
 interleaved so that the innermost loop of every kernel runs over ``TR`` rows and compiles to
 512-bit vector instructions (``vfmadd…ps %zmm``). There is no float32 copy of the model: the
 quantized bytes stay as they are in the file, only the float16 scales become float32 (Numba
-has no float16; the ``q8`` mode's kernels keep them as fp16 bits, :mod:`llamatrace.act8`).
+has no float16; the ``q8`` mode's kernels keep them as fp16 bits, :mod:`llamatrace.kernels.act8`).
 
 GGUF block layouts (per 32 weights of one row, as in gguf-py ``quants.py``)::
 
@@ -26,7 +26,7 @@ Packed layout (T = ceil(n_out / TR) tiles, B = n_in / 32 blocks; padded rows are
 Resident bytes against the file: Q4_1 24/20 = 1.2x, Q4_0 20/18 = 1.11x, Q8_0 36/34 = 1.06x
 (1.0x for all three in the ``q8`` mode),
 float types 1.0x (plus row padding to a multiple of ``TR``). The K-quants and Q5_0/Q5_1 live
-in :mod:`llamatrace.kquants` (same tiles, <= 1.06x for the K-quants).
+in :mod:`llamatrace.kernels.k_quants` (same tiles, <= 1.06x for the K-quants).
 
 Arithmetic is float32 activations times dequantized weights with float32 accumulation
 (about 1e-7 relative to ``x @ gguf.quants.dequantize(raw).T``); activations are never
@@ -50,7 +50,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from llamatrace import act8, kquants, tiles
+from llamatrace.kernels import act8
+from llamatrace.kernels import k_quants as kquants
+from llamatrace.kernels import tiles
 from llamatrace.errors import OptionError, UnsupportedModelError
 
 _T = gguf.GGMLQuantizationType
@@ -94,7 +96,7 @@ class Weight:
 
     ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m``
     the float32 block scales and minimums (empty where the type has none). ``act8``: packed for
-    8-bit activations (:mod:`llamatrace.act8`'s layout and kernels; ``d`` and ``m`` are then the
+    8-bit activations (:mod:`llamatrace.kernels.act8`'s layout and kernels; ``d`` and ``m`` are then the
     file's fp16 bits, uint16). ``row_splits``
     gives the row counts of the matrices fused by :func:`pack_concat` (``(n_out,)`` otherwise),
     so a caller can ``np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)``.
@@ -211,7 +213,7 @@ def _block_sizes(ggml_type) -> tuple[int, int, int, bool]:
 def _pack_blocks(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
                  group: tuple[int, int]):
     """Row tiles (qs, d, m) of the stacked rows of ``parts`` = [(raw, n_out)] of a block type
-    (Q4_0/Q4_1/Q8_0 as in this module's docstring, the others as in :mod:`llamatrace.kquants`),
+    (Q4_0/Q4_1/Q8_0 as in this module's docstring, the others as in :mod:`llamatrace.kernels.k_quants`),
     written in place by :func:`kquants.repack_tiles`: no concatenated or transposed temporary,
     so a load holds the file's pages and the packed copy, nothing more; quant bytes ``group`` in
     8-bit activations' order (:func:`_group`). Raises ``ValueError`` on a size mismatch."""
@@ -241,7 +243,7 @@ def _pack_blocks(name: str, ggml_type, parts: list[tuple[np.ndarray, int]], n_in
 
 
 def check_activations(activations: str) -> str:
-    """``activations`` if it is a mode this machine runs (:data:`llamatrace.act8.MODES`), else
+    """``activations`` if it is a mode this machine runs (:data:`llamatrace.kernels.act8.MODES`), else
     :class:`OptionError`."""
     if activations not in act8.MODES:
         raise OptionError(f"activations must be one of {', '.join(act8.MODES)}, got {activations!r}")
@@ -251,7 +253,7 @@ def check_activations(activations: str) -> str:
 
 
 def _group(ggml_type, activations: str) -> tuple[int, int]:
-    """The packed bytes ``(head, end)`` of a block row that :mod:`llamatrace.act8`'s kernels
+    """The packed bytes ``(head, end)`` of a block row that :mod:`llamatrace.kernels.act8`'s kernels
     read in groups of four (``(0, 0)``: none, the float32 path's layout)."""
     if activations != "q8" or ggml_type not in act8.TYPES:
         return (0, 0)
@@ -265,7 +267,7 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
     ``raw`` is a GGUF tensor's ``.data`` (gguf_io.Tensor or gguf-py ReaderTensor): uint8 ``[n_out, row_bytes]`` for the
     quantized types and BF16, float32 / float16 ``[n_out, n_in]`` for F32 / F16 (any array of
     the right size and dtype is accepted). ``activations`` ``"q8"`` packs the types in
-    :data:`llamatrace.act8.TYPES` for its 8-bit-activation kernels (other types are unaffected).
+    :data:`llamatrace.kernels.act8.TYPES` for its 8-bit-activation kernels (other types are unaffected).
     Raises :class:`UnsupportedModelError` for a type not in :data:`SUPPORTED_TYPES`,
     ``ValueError`` if ``n_in`` is not a multiple of the block size or ``raw`` has the wrong
     size, and :class:`OptionError` for an unknown ``activations``. The quantized types' arrays
@@ -656,7 +658,7 @@ def _dequant_tile(qs, d, m, kind, t):
 def matmul(x: np.ndarray, w: Weight, out: np.ndarray | None = None) -> np.ndarray:
     """``y = x @ W.T`` with W dequantized on the fly; float32 accumulation. A weight packed with
     ``activations="q8"`` (``w.act8``) quantizes x to 8 bits per block of 32 first
-    (:func:`llamatrace.act8.matmul`).
+    (:func:`llamatrace.kernels.act8.matmul`).
 
     x: float32 ``[seq_len, n_in]`` (a 1-D ``[n_in]`` is treated as one row and gives a 1-D
     result); converted to C-contiguous float32 if it is not. out: optional float32 C-contiguous

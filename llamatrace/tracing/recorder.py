@@ -4,7 +4,7 @@ The forward pass calls ``x = emit(stage_id, layer, x)`` once per stage and goes 
 ``emit`` returns. Without a recorder or hooks, ``emit`` is :func:`null_emit` (returns ``array``):
 tracing costs one Python call per stage when off. A recorder returns the array it was given, so
 the math never changes — recording runs the same kernels on the same arrays, bit for bit;
-only hooks (:mod:`llamatrace.hooks`) replace arrays (TransformerLens' identity-hook idea).
+only hooks (:mod:`llamatrace.tracing.hooks`) replace arrays (TransformerLens' identity-hook idea).
 A :class:`Recorder` is scoped — pass it to ``forward``/``generate`` or use
 ``with model.trace(...) as rec`` — never global state. Filters (layers, stages) are applied
 before any copy or statistic is made. ``array`` may also be
@@ -22,7 +22,7 @@ Python use (``generate`` is lazy: consume it inside the ``with`` block)::
         print(e.step, e.layer, e.stage, e.shape, e.stats["rms"])
     scores = rec.arrays()["step0.layer0.kq_soft_max"]        # float32 [n_heads, seq_len, kv_len]
 
-:mod:`llamatrace.render` turns the same events into the chapters' log lines, tables, JSON
+:mod:`llamatrace.views.render` turns the same events into the chapters' log lines, tables, JSON
 lines and ``.npz`` files (what ``llamatrace trace`` prints).
 """
 
@@ -35,9 +35,9 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import numpy as np
 
-from .errors import NumericalError
-from .gguf_io import weight_tensor_name
-from .stages import STAGE_BY_ID, eval_shape, select_stages
+from llamatrace.errors import NumericalError
+from llamatrace.gguf.reader import weight_tensor_name
+from llamatrace.tracing.stages import STAGE_BY_ID, eval_shape, select_stages
 
 Emit = Callable[[str, "int | None", "np.ndarray | Callable[[], np.ndarray]"], Any]
 
@@ -206,7 +206,7 @@ class Recorder:
               weight_shapes: Mapping[str, tuple[int, ...]]) -> Emit:
         """Start one forward call (one ``step``) and return its ``emit`` function.
 
-        ``dims`` holds the shape variables of :data:`llamatrace.stages.SHAPE_VARS`;
+        ``dims`` holds the shape variables of :data:`llamatrace.tracing.stages.SHAPE_VARS`;
         ``weight_shapes`` maps GGUF tensor names to ``[out_features, in_features]`` / ``[n]``.
         """
         self.step += 1

@@ -15,7 +15,7 @@ Columns, per :class:`Stage`:
   several tensors, an op fused away, flash attention).
 * ``tl_hook`` / ``tl_differs`` — the TransformerLens hook (under ``blocks.{L}.`` for layer stages)
   that sees the same tensor, and how ours differs from it (layout, the norm weight, ...).
-* ``replaceable`` — a real array of its own that a hook (:mod:`llamatrace.hooks`) may replace;
+* ``replaceable`` — a real array of its own that a hook (:mod:`llamatrace.tracing.hooks`) may replace;
   ``False`` for views and lazy copies (the KV cache slices, the ``*_heads`` reshapes, the
   repeated KV heads) and the model's inputs ``freqs_cis`` / ``kq_mask``.
 * ``shape`` — how the output shape is formed, a formula over :data:`SHAPE_VARS`.

@@ -12,10 +12,10 @@ beside the float32 path and never instead of it:
    being rounded to float16.
 2. Per block and weight row, the integer dot product ``isum = sum_j q[j] * xq[j]`` is exact in
    int32, and ``y += (d * xd) * isum + m_scale * m * (xd * sum_j xq[j])`` in float32, with
-   the weight ``d * q + m_scale * m`` as in :mod:`llamatrace.quant` (Q4_0: ``q`` in 0..15,
+   the weight ``d * q + m_scale * m`` as in :mod:`llamatrace.kernels.quant` (Q4_0: ``q`` in 0..15,
    ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset).
    Q4_K's sub-blocks are 32 weights too: ``y += (d * sc * xd) * isum - (dmin * mn) * (xd *
-   sum xq)`` per sub-block (:mod:`llamatrace.kquants`).
+   sum xq)`` per sub-block (:mod:`llamatrace.kernels.k_quants`).
 3. Q6_K weights take ggml's Q8_K activations instead (:func:`quantize_k`), as llama.cpp's
    ``ggml_vec_dot_q6_K_q8_K`` does: one scale per 256, so the block's 16 int8 scales (one per
    16 weights) are applied in integers and its float work is one line per row. ``q`` in -32..31
@@ -28,8 +28,8 @@ The error is that of rounding x to 8 bits, about 1e-2 relative per matmul, as in
 (``llamatrace compare`` shows it stage by stage); the integer part adds none.
 
 Layout. A dot product of bytes needs the bytes of one row side by side, so weights in this
-mode keep the float32 path's arrays (``qs [T, B, P, TR]``, :mod:`llamatrace.quant`,
-:mod:`llamatrace.kquants`) with each block's quant bytes (:func:`grouped_bytes`) not in
+mode keep the float32 path's arrays (``qs [T, B, P, TR]``, :mod:`llamatrace.kernels.quant`,
+:mod:`llamatrace.kernels.k_quants`) with each block's quant bytes (:func:`grouped_bytes`) not in
 ``[P, TR]`` order (byte j of row r at ``j*TR + r``) but in groups of four bytes per row,
 ``[P/4, TR, 4]``, as the packers write them at load (byte
 ``4g + i`` of row r at ``(g*TR + r)*4 + i``). Q4_0/Q4_1 byte ``j`` holds weight ``j`` in its low
@@ -66,7 +66,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace import tiles
+from llamatrace.kernels import tiles
 
 _T = gguf.GGMLQuantizationType
 
@@ -105,8 +105,8 @@ _GROUPED = {_T.Q4_0: (0, 16), _T.Q4_1: (0, 16), _T.Q8_0: (0, 32), _T.Q4_K: (_Q4K
 
 def grouped_bytes(ggml_type) -> tuple[int, int]:
     """The packed bytes ``[head, end)`` of a block row held in groups of four (the scales
-    around them stay in the float32 path's order). :mod:`llamatrace.quant` writes them so at
-    load (:func:`llamatrace.tiles.byte_offset`); a separate pass over the packed bytes cost 2 s
+    around them stay in the float32 path's order). :mod:`llamatrace.kernels.quant` writes them so at
+    load (:func:`llamatrace.kernels.tiles.byte_offset`); a separate pass over the packed bytes cost 2 s
     of an 8B Q4_K_M load."""
     return _GROUPED[_T(ggml_type)]
 
@@ -114,7 +114,7 @@ def grouped_bytes(ggml_type) -> tuple[int, int]:
 def _regroup(qs: np.ndarray, ggml_type, to_groups: bool, tiles_per_step: int = 64) -> np.ndarray:
     """Reorder every block's quant bytes of ``qs [T, B, P, TR]`` in place, ``tiles_per_step`` tiles
     at a time (the only temporary): ``[P, TR]`` -> ``[P/4, TR, 4]`` or back (``to_groups``
-    True: what :mod:`llamatrace.quant` writes at load in this mode)."""
+    True: what :mod:`llamatrace.kernels.quant` writes at load in this mode)."""
     n_tiles, n_blocks, n_bytes, tr = qs.shape
     head, end = grouped_bytes(ggml_type)
     groups = (end - head) // 4

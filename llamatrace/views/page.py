@@ -1,8 +1,8 @@
 """``diagram -o run.html``: one self-contained interactive page of a traced run.
 
 The page holds Graphviz's SVG of the model and block views for every step (drawn by
-:mod:`llamatrace.diagram` from the trace events), the run's data as inline JSON and plain JS/CSS
-(``page_assets/``); no network. The data are the same :class:`~llamatrace.trace.TraceEvent`
+:mod:`llamatrace.views.diagram` from the trace events), the run's data as inline JSON and plain JS/CSS
+(``page_assets/``); no network. The data are the same :class:`~llamatrace.tracing.recorder.TraceEvent`
 records ``trace`` prints and the stage catalogue; the JS only displays them.
 
 Per event: statistics (formatted as ``trace --stats`` prints them) and a histogram for every
@@ -21,13 +21,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import __version__
-from . import diagram as dg
-from .gguf_io import weight_tensor_name
-from .render import STAT_KEYS
-from .sampling import softmax64
-from .stages import STAGES
-from .trace import Recorder, TraceEvent
+from llamatrace import __version__
+from llamatrace.views import diagram as dg
+from llamatrace.gguf.reader import weight_tensor_name
+from llamatrace.views.render import STAT_KEYS
+from llamatrace.model.sampling import softmax64
+from llamatrace.tracing.stages import STAGES
+from llamatrace.tracing.recorder import Recorder, TraceEvent
 
 MAX_VALUES = 65536        # float16 values kept per tensor (the page's size bound)
 HIST_BINS = 40
@@ -117,7 +117,7 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
         PromptError: an empty prompt or one longer than the context.
         GraphvizMissingError / OutputError: ``dot`` missing or failing.
     """
-    from .generate import check_prompt_fits, default_ctx_size, generate
+    from llamatrace.model.generate import check_prompt_fits, default_ctx_size, generate
 
     c = model.config
     n_prompt = len(prompt_ids)
@@ -166,7 +166,7 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
 
 
 def _asset(name: str) -> str:
-    return resources.files("llamatrace").joinpath("page_assets", name).read_text(encoding="utf-8")
+    return resources.files("llamatrace.views").joinpath("page_assets", name).read_text(encoding="utf-8")
 
 
 def _html(data: dict[str, Any], svgs: dict[str, str]) -> str:

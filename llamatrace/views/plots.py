@@ -1,4 +1,4 @@
-"""Pictures of :mod:`llamatrace.look`'s data with matplotlib: attention heatmaps, the logit lens.
+"""Pictures of :mod:`llamatrace.analysis.look`'s data with matplotlib: attention heatmaps, the logit lens.
 
 matplotlib is imported here only, by the ``attention`` and ``lens`` commands, so other commands
 do not pay for it. Files are written atomically (:func:`llamatrace.outputs.write_atomic`); the
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import OptionError
-from .look import AttentionMaps, Lens
-from .outputs import write_atomic
+from llamatrace.errors import OptionError
+from llamatrace.analysis.look import AttentionMaps, Lens
+from llamatrace.outputs import write_atomic
 
 FORMATS = ("png", "svg", "pdf")
 MASKED_COLOUR = "#c8c8c8"     # grey: no probability at all, distinct from the colormap's dark low end

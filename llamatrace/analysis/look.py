@@ -1,8 +1,8 @@
 """Looking inside a run: attention matrices and the logit lens, as plain data.
 
-Both run the ordinary forward pass with a :class:`~llamatrace.trace.Recorder` (hooks of an
+Both run the ordinary forward pass with a :class:`~llamatrace.tracing.recorder.Recorder` (hooks of an
 enclosing ``with model.hooks()`` block apply as usual) and return NumPy arrays and small
-records; :mod:`llamatrace.plots` draws them and the CLI prints them.
+records; :mod:`llamatrace.views.plots` draws them and the CLI prints them.
 
 * :func:`attention` — ``kq_soft_max`` of one layer at one step: the prefill's
   ``[n_heads, seq_len, seq_len]`` (step 0) or decode step S's one query row against the whole
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import OptionError
-from .sampling import softmax64
-from .trace import Recorder
+from llamatrace.errors import OptionError
+from llamatrace.model.sampling import softmax64
+from llamatrace.tracing.recorder import Recorder
 
 
 @dataclass
@@ -51,7 +51,7 @@ def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> Attent
         OptionError: ``layer`` out of range, ``step`` < 0, or the run stopped (end of text, the
             context limit) before ``step``. PromptError: the prompt does not fit the context.
     """
-    from .generate import generate
+    from llamatrace.model.generate import generate
 
     c = model.config
     if not 0 <= layer < c.n_layers:

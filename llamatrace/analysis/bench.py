@@ -25,8 +25,8 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import OptionError, PeerError
-from .peers import exit_reason
+from llamatrace.errors import OptionError, PeerError
+from llamatrace.peers import exit_reason
 
 ENGINES = ("llamatrace", "llama.cpp", "hf")
 _NEEDS = {"llama.cpp": ("llama_cpp",), "hf": ("torch", "transformers", "accelerate")}
@@ -118,7 +118,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
         OptionError: a count below 1, an unknown engine or activations mode.
         PeerError: a peer is not installed, or its process failed (its last words are quoted).
     """
-    from .quant import check_activations
+    from llamatrace.kernels.quant import check_activations
 
     if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
         raise OptionError("--prompt-tokens, --decode-tokens and --repeats must be at least 1")
@@ -236,8 +236,9 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
 
 class _Llamatrace:
     def __init__(self, path: str, threads: int | None, n_ctx: int, activations: str = "f32") -> None:
-        from . import __version__, quant
-        from .model import Llama
+        from llamatrace import __version__
+        from llamatrace.kernels import quant
+        from llamatrace.model.llama import Llama
         if threads:
             quant.set_threads(threads)
         self.model = Llama.load(path, activations=activations)
@@ -250,12 +251,12 @@ class _Llamatrace:
     def threading(self) -> str:
         import numba
 
-        from .quant import AUTO_THREADS, threading_layer
+        from llamatrace.kernels.quant import AUTO_THREADS, threading_layer
         count = self.threads or f"auto {min(AUTO_THREADS.candidates)}–{numba.config.NUMBA_NUM_THREADS}"
         return f"numba {threading_layer()}, {count} threads"
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
-        from .generate import GenerationStats, generate
+        from llamatrace.model.generate import GenerationStats, generate
         stats = GenerationStats()   # greedy, no stop tokens: exactly n_decode steps, as users run it
         for _ in generate(self.model, ids, max_tokens=n_decode + 1, ctx_size=self.n_ctx, stats=stats,
                           stop_ids=frozenset()):
@@ -265,7 +266,7 @@ class _Llamatrace:
 
 class _LlamaCpp:
     def __init__(self, path: str, threads: int, n_ctx: int) -> None:
-        from .peers.llamacpp import LlamaCpp
+        from llamatrace.peers.llamacpp import LlamaCpp
         self.engine = LlamaCpp(path, n_ctx, threads)      # last-token mode, as logits_all=False
         self.version = self.engine.version
         self.vocab_size = self.engine.vocab_size

@@ -51,7 +51,7 @@ import tiktoken
 from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    from llamatrace.gguf_io import GGUFFile
+    from llamatrace.gguf.reader import GGUFFile
 
 # token types of tokenizer.ggml.token_type (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -462,7 +462,7 @@ class Tokenizer:
         runs on either side of a content boundary are split by the regex as one string, exactly as
         Hugging Face tokenizes the rendered prompt (``apply_chat_template``).
         """
-        from llamatrace.chat import render_chat
+        from llamatrace.text.chat import render_chat
 
         if self.chat_template is None:
             raise PromptError(

@@ -8,10 +8,10 @@ from typing import Iterator
 
 import numpy as np
 
-from . import quant
-from .errors import OptionError, PromptError
-from .sampling import Sampler, SamplingParams
-from .trace import Recorder
+from llamatrace.kernels import quant
+from llamatrace.errors import OptionError, PromptError
+from llamatrace.model.sampling import Sampler, SamplingParams
+from llamatrace.tracing.recorder import Recorder
 
 
 @dataclass
@@ -64,7 +64,7 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
     decode step. Stops at an end-of-generation id (not yielded), after ``max_tokens``, or when the
     KV cache (``ctx_size`` positions) is full; ``stats.stop_reason`` says which.
 
-    Sampling (see :class:`~llamatrace.sampling.SamplingParams`) is greedy by default; give either
+    Sampling (see :class:`~llamatrace.model.sampling.SamplingParams`) is greedy by default; give either
     ``sampling`` or the keywords ``temperature``, ``top_k``, ``top_p``, ``seed``.
 
     Raises:

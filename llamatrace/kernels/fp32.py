@@ -3,7 +3,7 @@
 Each Numba kernel ``foo`` has a plain NumPy twin ``foo_ref`` with the same contract; the tests
 check one against the other. Shapes follow the forward pass: ``[seq_len, dim]`` activations,
 ``[seq_len, n_heads, head_dim]`` per-head tensors, ``[n_heads, seq_len, kv_len]`` scores.
-The big weight matmuls live in :mod:`llamatrace.quant`.
+The big weight matmuls live in :mod:`llamatrace.kernels.quant`.
 """
 
 from __future__ import annotations

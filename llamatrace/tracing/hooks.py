@@ -25,9 +25,9 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from .errors import HookError, OptionError
-from .stages import STAGE_BY_ID, STAGES, Stage
-from .trace import Emit
+from llamatrace.errors import HookError, OptionError
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, Stage
+from llamatrace.tracing.recorder import Emit
 
 REPLACEABLE_IDS: tuple[str, ...] = tuple(s.id for s in STAGES if s.replaceable)
 

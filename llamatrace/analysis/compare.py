@@ -1,6 +1,6 @@
 """Stage-by-stage agreement between two recordings of a forward pass.
 
-Both sides are dicts of arrays keyed like ``llamatrace trace --npz`` (:func:`~llamatrace.trace.stage_key`:
+Both sides are dicts of arrays keyed like ``llamatrace trace --npz`` (:func:`~llamatrace.tracing.recorder.stage_key`:
 ``step0.layer0.Qcur``, ``step0.result_norm``), already in the same layout. :func:`compare_arrays`
 pairs the keys, measures each pair and finds the first divergence in forward order;
 :func:`llamacpp_stage_arrays` turns tensors read from llama.cpp's graph into that layout
@@ -30,8 +30,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from .stages import STAGE_IDS, STAGES
-from .trace import stage_key
+from llamatrace.tracing.stages import STAGE_IDS, STAGES
+from llamatrace.tracing.recorder import stage_key
 
 EXACT_STAGES = frozenset({"inp_embd", "kq_mask", "freqs_cis"})
 QK_STAGES = frozenset({"Qcur", "Kcur", "Qcur_heads", "Kcur_heads", "Qcur_rope", "Kcur_rope", "kq"})
@@ -147,7 +147,7 @@ def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]
     """Pair ``ours`` and ``ref`` by key and measure every pair.
 
     Args:
-        ours, ref: arrays keyed by :func:`~llamatrace.trace.stage_key`.
+        ours, ref: arrays keyed by :func:`~llamatrace.tracing.recorder.stage_key`.
         threshold: one relative RMS threshold for every stage (default: :data:`THRESHOLDS` per kind).
         layers: keep only these layers (model-level stages are always kept); ``None`` = all.
         stages: keep only stages matching these ids/globs; ``None`` = all.
@@ -261,14 +261,14 @@ def run_ours(model, ids: list[int], tokens: int = 0, *, ctx_size: int | None = N
              ) -> tuple[dict[str, np.ndarray], list[int], list[np.ndarray]]:
     """Our prefill of ``ids`` and ``tokens`` greedy decode steps, every stage kept.
 
-    Returns (arrays keyed by :func:`~llamatrace.trace.stage_key`, the ``tokens`` ids fed to the
+    Returns (arrays keyed by :func:`~llamatrace.tracing.recorder.stage_key`, the ``tokens`` ids fed to the
     decode steps, each step's last-row logits float32 ``[vocab_size]``).
 
     Raises:
         PromptError: the prompt does not fit the context.
     """
-    from .generate import generate
-    from .trace import Recorder
+    from llamatrace.model.generate import generate
+    from llamatrace.tracing.recorder import Recorder
     recorder = Recorder(keep_arrays=True)
     generated = list(generate(model, ids, max_tokens=tokens + 1, ctx_size=ctx_size, recorder=recorder,
                               stop_ids=frozenset()))
@@ -289,10 +289,10 @@ def run_llamacpp(path, ids: list[int], fed: list[int], *, threads: int | None = 
     """
     import os
 
-    from .bench import check_engines
-    from .errors import PeerError
+    from llamatrace.analysis.bench import check_engines
+    from llamatrace.errors import PeerError
     check_engines(["llama.cpp"])
-    from .peers.llamacpp import LlamaCpp, check_runs_here
+    from llamatrace.peers.llamacpp import LlamaCpp, check_runs_here
     check_runs_here(str(path), threads or os.cpu_count() or 1)
     try:
         engine = LlamaCpp(str(path), len(ids) + len(fed) + 8, threads or os.cpu_count() or 1, capture=True)
@@ -323,10 +323,10 @@ def run_hf(path, ids: list[int], fed: list[int], *, threads: int | None = None) 
     Raises:
         PeerError: torch/transformers are missing or the model cannot be loaded.
     """
-    from .bench import check_engines
-    from .errors import PeerError
+    from llamatrace.analysis.bench import check_engines
+    from llamatrace.errors import PeerError
     check_engines(["hf"])
-    from .peers.hf import HFModel, hf_stage_arrays
+    from llamatrace.peers.hf import HFModel, hf_stage_arrays
     try:
         engine = HFModel(str(path), threads)
     except (OSError, ValueError, RuntimeError) as exc:

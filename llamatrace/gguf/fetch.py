@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import ModelNotFoundError
+from llamatrace.errors import ModelNotFoundError
 
 
 @dataclass(frozen=True)

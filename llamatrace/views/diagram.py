@@ -6,7 +6,7 @@ shape on them is the shape the model really produced.
 
 Where things come from:
 
-* nodes — one per :data:`llamatrace.stages.STAGES` entry that ran (op, chapter tensor name, shape,
+* nodes — one per :data:`llamatrace.tracing.stages.STAGES` entry that ran (op, chapter tensor name, shape,
   dtype from the event); weights are nodes of their own (GGUF name, quant type, shape);
 * edges — an input of a stage is wired to the latest earlier stage whose chapter name it uses.
   The chapter reuses function-local names (inside ``LlamaAttention.Forward`` ``x`` *is*
@@ -32,12 +32,12 @@ from typing import Iterable, Mapping, Sequence
 
 import graphviz
 
-from .config import ModelConfig
-from .errors import OptionError, OutputError
-from .gguf_io import weight_tensor_name
-from .render import fmt_us
-from .stages import STAGE_BY_ID, STAGES, Stage
-from .trace import TraceEvent
+from llamatrace.model.config import ModelConfig
+from llamatrace.errors import OptionError, OutputError
+from llamatrace.gguf.reader import weight_tensor_name
+from llamatrace.views.render import fmt_us
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, Stage
+from llamatrace.tracing.recorder import TraceEvent
 
 FORMATS = ("svg", "png", "pdf", "dot", "html")
 VIEWS = ("model", "block")
@@ -691,7 +691,7 @@ def trace_step(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, lay
         OptionError: ``layer``/``step`` out of range or a cache too small for ``step``.
         PromptError: an empty prompt or one longer than the context.
     """
-    from .generate import check_prompt_fits, default_ctx_size, generate
+    from llamatrace.model.generate import check_prompt_fits, default_ctx_size, generate
 
     c = model.config
     if not 0 <= layer < c.n_layers:
@@ -714,7 +714,7 @@ def trace_step(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, lay
 def run_info(model, prompt: str, prompt_ids: Sequence[int], tokens: Sequence[int], *, chat: bool, layer: int,
              step: int, ctx: int) -> RunInfo:
     """The :class:`RunInfo` of ``step`` of a greedy run that generated ``tokens`` (ids, one per step)."""
-    from .gguf_io import tensor_type_name
+    from llamatrace.gguf.reader import tensor_type_name
 
     tok = model.tokenizer
     n_prompt = len(prompt_ids)
