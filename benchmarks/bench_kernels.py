@@ -24,7 +24,8 @@ import numba
 import numpy as np
 
 from llamatrace.gguf import fetch
-from llamatrace.kernels import quant
+from llamatrace.kernels import packing, threads
+from llamatrace.kernels.registry import matmul
 from llamatrace.errors import ModelNotFoundError
 
 T = gguf.GGMLQuantizationType
@@ -68,8 +69,8 @@ def _load(path: str | None):
 def _weights(tensors, names, layer):
     parts = [tensors[f"blk.{layer}.{n}.weight"] for n in names]
     if len(parts) == 1:
-        return quant.pack(f"blk.{layer}.{names[0]}", *parts[0])
-    return quant.pack_concat(f"blk.{layer}.{'+'.join(names)}", parts)
+        return packing.pack(f"blk.{layer}.{names[0]}", *parts[0])
+    return packing.pack_concat(f"blk.{layer}.{'+'.join(names)}", parts)
 
 
 def _time(fn, repeat: int) -> float:
@@ -91,7 +92,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=200)
     args = ap.parse_args()
 
-    quant.set_threads(args.threads)
+    threads.set_threads(args.threads)
     if args.model is None:                       # the default model, if it is here already
         try:
             args.model = str(fetch.resolve_model(None, fetch=False))
@@ -99,7 +100,7 @@ def main() -> None:
             pass
     tensors, real = _load(args.model)
     print(f"weights: {'model ' + args.model if real else 'random stand-ins'}; threads "
-          f"{numba.get_num_threads()}, layer {numba.threading_layer() if _warm() else '?'}, TR={quant.TR}")
+          f"{numba.get_num_threads()}, layer {numba.threading_layer() if _warm() else '?'}, TR={packing.TR}")
     rng = np.random.default_rng(1)
 
     print(f"{'shape':<14} {'n_out x n_in':>12} {'S':>3} {'hot us':>9} {'hot GB/s':>9} "
@@ -110,19 +111,19 @@ def main() -> None:
         for seq in (1, 64):
             x = rng.standard_normal((seq, n_in)).astype(np.float32)
             out = np.empty((seq, layers[0].n_out), np.float32)
-            hot = _time(lambda: quant.matmul(x, layers[0], out), args.repeat)
+            hot = _time(lambda: matmul(x, layers[0], out), args.repeat)
             reps = max(2, args.repeat // N_LAYERS) if seq == 1 else 2
-            stream = _time(lambda: [quant.matmul(x, w, out) for w in layers], reps) / N_LAYERS
+            stream = _time(lambda: [matmul(x, w, out) for w in layers], reps) / N_LAYERS
             flops = 2.0 * seq * layers[0].n_out * n_in
             print(f"{label:<14} {layers[0].n_out:>5} x {n_in:<5} {seq:>3} {hot * 1e6:>9.1f} "
                   f"{nbytes / hot / 1e9:>9.1f} {stream * 1e6:>10.1f} {nbytes / stream / 1e9:>11.1f} "
                   f"{flops / stream / 1e9:>8.1f}")
 
-    head = quant.pack("token_embd", *tensors["token_embd.weight"])
+    head = packing.pack("token_embd", *tensors["token_embd.weight"])
     for seq in (1, 64):
         x = rng.standard_normal((seq, head.n_in)).astype(np.float32)
         out = np.empty((seq, head.n_out), np.float32)
-        dt = _time(lambda: quant.matmul(x, head, out), max(3, args.repeat // 20))
+        dt = _time(lambda: matmul(x, head, out), max(3, args.repeat // 20))
         print(f"{'output Q8_0':<14} {head.n_out:>5} x {head.n_in:<5} {seq:>3} {dt * 1e6:>9.1f} "
               f"{head.nbytes / dt / 1e9:>9.1f} {'':>10} {'':>11} {2.0 * seq * head.n_out * head.n_in / dt / 1e9:>8.1f}")
 
@@ -136,11 +137,11 @@ def main() -> None:
 
     def token():
         for qkv, wo, gu, down in layers:
-            quant.matmul(x576, qkv)
-            quant.matmul(x576, wo)
-            quant.matmul(x576, gu)
-            quant.matmul(x1536, down)
-        quant.matmul(x576, head)
+            matmul(x576, qkv)
+            matmul(x576, wo)
+            matmul(x576, gu)
+            matmul(x1536, down)
+        matmul(x576, head)
 
     dt = _time(token, max(5, args.repeat // 10))
     print(f"\ndecode sweep (30 layers x 4 fused matmuls + head): {dt * 1e3:.2f} ms/token, "
@@ -150,8 +151,8 @@ def main() -> None:
 
 def _warm() -> bool:
     """Run one tiny parallel kernel so numba.threading_layer() is defined."""
-    w = quant.pack("warm", T.F32, np.zeros((1, 8), np.float32), 1, 8)
-    quant.matmul(np.zeros((1, 8), np.float32), w)
+    w = packing.pack("warm", T.F32, np.zeros((1, 8), np.float32), 1, 8)
+    matmul(np.zeros((1, 8), np.float32), w)
     return True
 
 

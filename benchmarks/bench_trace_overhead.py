@@ -14,7 +14,9 @@ import argparse
 import statistics
 import time
 
-from llamatrace.kernels import quant
+import numba
+
+from llamatrace.kernels import threads
 from llamatrace.gguf.fetch import resolve_model
 from llamatrace.model.llama import Llama
 
@@ -46,7 +48,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
     if args.threads:
-        quant.set_threads(args.threads)
+        threads.set_threads(args.threads)
     model = Llama.load(resolve_model(args.model))
     model.warmup()
     ids = model.tokenizer.encode(PROMPT)
@@ -61,7 +63,7 @@ def main() -> None:
             times[name].append(seconds)
     base = statistics.median(times["off"])
     print(f"{model.path.name}, {len(ids)} prompt tokens + {args.tokens} generated, "
-          f"median of {args.repeats}, threads {quant.numba.get_num_threads()}")
+          f"median of {args.repeats}, threads {numba.get_num_threads()}")
     print(f"{'recorder':<38} {'median s':>9} {'vs off':>7}")
     for name, ts in times.items():
         med = statistics.median(ts)

@@ -17,7 +17,8 @@ from test_cli_generate import assert_one_line_error, run
 from test_compare import load_dump
 
 from llamatrace.kernels import act8
-from llamatrace.kernels import quant
+from llamatrace.kernels import packing
+from llamatrace.kernels.registry import matmul
 from llamatrace.errors import OptionError
 
 T = gguf.GGMLQuantizationType
@@ -99,7 +100,7 @@ def _weight(qtype, n_out, n_in, seed=3):
         w = np.random.default_rng(seed).standard_normal((n_out, n_in)).astype(np.float32)
         w[1, :32] += 4.0
         raw = gguf.quants.quantize(w, qtype)
-    return raw, quant.pack("w", qtype, raw, n_out, n_in, activations="q8")
+    return raw, packing.pack("w", qtype, raw, n_out, n_in, activations="q8")
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -112,10 +113,10 @@ def test_matmul_equals_gguf_dequantized_float64_sums(qtype, n_seq):
     ours_x = _dequantized_activations(qtype, x)
     W = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     want = ours_x @ W.T
-    got = quant.matmul(x, w)
+    got = matmul(x, w)
     assert np.all(np.abs(got - want) <= 1e-6 * (np.abs(ours_x) @ np.abs(W).T) + 1e-30)
     # and the float32 path differs by about the activations' rounding, no more
-    f32 = quant.matmul(x, quant.pack("w", qtype, raw, 70, n_in))
+    f32 = matmul(x, packing.pack("w", qtype, raw, 70, n_in))
     assert np.abs(got - f32).max() < 3e-2 * np.abs(f32).max()
 
 
@@ -123,7 +124,7 @@ def test_matmul_equals_gguf_dequantized_float64_sums(qtype, n_seq):
 def test_kernels_equal_numpy_twins(qtype):
     _, w = _weight(qtype, 70, _n_in(qtype, 8))
     x = _rows(np.random.default_rng(9), 3, w.n_in)
-    out = np.empty((3, w.n_tiles * quant.TR), np.float32)
+    out = np.empty((3, w.n_tiles * packing.TR), np.float32)
     if qtype == T.Q4_K:
         act8._matmul_q4k(x, w.qs, w.d, w.m, out)
         twin = act8.matmul_q4k_np(x, w.qs, w.d, w.m)
@@ -166,18 +167,18 @@ def test_extreme_quants_do_not_overflow(qtype):
         blocks[:, :, -16:] = 0xFF
         blocks[::2, :, -16:] = 0x00                  # Q4_0: q - 8 = -8; Q4_1: 0
     raw = blocks.reshape(n_out, -1)
-    w = quant.pack("w", qtype, raw, n_out, n_in, activations="q8")
+    w = packing.pack("w", qtype, raw, n_out, n_in, activations="q8")
     x = np.full((2, n_in), 127.0, np.float32)
     x[1] = -127.0
     want = x.astype(np.float64) @ gguf.quants.dequantize(raw, qtype).astype(np.float64).T
-    np.testing.assert_allclose(quant.matmul(x, w), want, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(matmul(x, w), want, rtol=1e-6, atol=0)
 
 
 def test_layout_round_trip_and_embedding_rows():
     for qtype in TYPES:
         raw, w = _weight(qtype, 70, _n_in(qtype, 3))
-        np.testing.assert_array_equal(quant.dequantize(w), gguf.quants.dequantize(raw, qtype))
-        np.testing.assert_array_equal(quant.get_rows(w, np.array([69, 0, 33])),
+        np.testing.assert_array_equal(packing.dequantize(w), gguf.quants.dequantize(raw, qtype))
+        np.testing.assert_array_equal(packing.get_rows(w, np.array([69, 0, 33])),
                                       gguf.quants.dequantize(raw, qtype)[[69, 0, 33]])
 
 
@@ -186,7 +187,7 @@ def test_packed_for_q8_is_the_float32_layout_regrouped(qtype):
     # two parts starting and ending inside a tile; the q8 packing writes the groups directly
     n_in = _n_in(qtype, 2)
     parts = [(qtype, _weight(qtype, n, n_in, seed=n)[0], n, n_in) for n in (41, 29)]
-    f32, q8 = (quant.pack_concat("w", parts, activations=a) for a in ("f32", "q8"))
+    f32, q8 = (packing.pack_concat("w", parts, activations=a) for a in ("f32", "q8"))
     assert q8.act8 and not f32.act8
     np.testing.assert_array_equal(q8.qs, act8._regroup(f32.qs.copy(), qtype, True))
     np.testing.assert_array_equal(act8.file_order(q8.qs, qtype), f32.qs)
@@ -202,29 +203,29 @@ def test_pack_concat_keeps_the_mode_and_the_rows():
     rng = np.random.default_rng(2)
     parts = [(T.Q4_1, gguf.quants.quantize(rng.standard_normal((n, 64)).astype(np.float32), T.Q4_1), n, 64)
              for n in (40, 24)]
-    fused = quant.pack_concat("qkv", parts, activations="q8")
+    fused = packing.pack_concat("qkv", parts, activations="q8")
     assert fused.act8 and fused.row_splits == (40, 24)
     x = rng.standard_normal((2, 64)).astype(np.float32)
-    separate = [quant.matmul(x, quant.pack("p", T.Q4_1, raw, n, 64, activations="q8")) for _, raw, n, _ in parts]
-    np.testing.assert_array_equal(quant.matmul(x, fused), np.concatenate(separate, axis=1))
+    separate = [matmul(x, packing.pack("p", T.Q4_1, raw, n, 64, activations="q8")) for _, raw, n, _ in parts]
+    np.testing.assert_array_equal(matmul(x, fused), np.concatenate(separate, axis=1))
 
 
 def test_nan_reaches_the_output_and_other_types_are_unchanged():
     _, w = _weight(T.Q4_0, 32, 64)
     x = np.ones((1, 64), np.float32)
     x[0, 3] = np.nan
-    assert np.isnan(quant.matmul(x, w)).all()
-    f16 = quant.pack("h", T.F16, np.ones((32, 64), np.float16), 32, 64, activations="q8")
+    assert np.isnan(matmul(x, w)).all()
+    f16 = packing.pack("h", T.F16, np.ones((32, 64), np.float16), 32, 64, activations="q8")
     assert not f16.act8
 
 
 def test_unknown_mode_and_missing_avx2_are_option_errors(monkeypatch):
     with pytest.raises(OptionError, match="f32, q8"):
-        quant.check_activations("int8")
+        packing.check_activations("int8")
     monkeypatch.setattr(act8, "available", lambda: False)
     with pytest.raises(OptionError, match="AVX2"):
-        quant.check_activations("q8")
-    assert quant.check_activations("f32") == "f32"
+        packing.check_activations("q8")
+    assert packing.check_activations("f32") == "f32"
 
 
 def test_cli_rejects_an_unknown_mode_in_one_line(capsys):
@@ -282,13 +283,13 @@ def test_q8_reproduces_llamacpp_matmuls(smollm2_path):
             err = {}
             for mode, m in models.items():
                 lw = m.weights.layers[layer]
-                gate, up = _split_rows(quant.matmul(xn, lw.w13), lw.w13)
-                down = quant.matmul(sw, lw.w2)
+                gate, up = _split_rows(matmul(xn, lw.w13), lw.w13)
+                down = matmul(sw, lw.w2)
                 err[mode] = [_rel(y, by[(f"{name}-{layer}", "MUL_MAT")].reshape(y.shape))
                              for y, name in ((gate, "ffn_gate"), (up, "ffn_up"), (down, "ffn_out"))]
             for e8, e32 in zip(err["q8"], err["f32"]):
                 assert e8 < 4e-3 and e8 < e32 / 3, (step, layer, err)
         xn = np.ascontiguousarray(by[("result_norm", "MUL")].reshape(-1, 576)[-1:])
         ref = by[("result_output", "MUL_MAT")].reshape(-1, models["q8"].config.vocab_size)[-1:]
-        e32, e8 = (_rel(quant.matmul(xn, models[mode].weights.output), ref) for mode in ("f32", "q8"))
+        e32, e8 = (_rel(matmul(xn, models[mode].weights.output), ref) for mode in ("f32", "q8"))
         assert e8 < 3e-3 and e8 < e32 / 5, (step, e8, e32)

@@ -1,4 +1,5 @@
-"""Tests for llamatrace.kernels.quant: packing, dequantization, matmul kernels and their NumPy twins.
+"""Packing (llamatrace.kernels.packing), the Q4_0/Q4_1/Q8_0/F32/F16/BF16 kernels (q4, q8, floats)
+through the registry's matmul, their NumPy twins, and the thread policy (threads).
 
 Every supported type goes through a real GGUF round trip: random weights are quantized with
 ``gguf.quants.quantize``, written with ``gguf.GGUFWriter`` to a temporary file, read back
@@ -11,8 +12,8 @@ import gguf
 import numpy as np
 import pytest
 
-from llamatrace.kernels import k_quants as kquants
-from llamatrace.kernels import quant
+from llamatrace.kernels import jit, packing, q4, q8, threads
+from llamatrace.kernels.registry import FORMATS, matmul
 from llamatrace.errors import OptionError, UnsupportedModelError
 
 T = gguf.GGMLQuantizationType
@@ -53,10 +54,10 @@ def tensors(tmp_path_factory) -> dict:
     return {t.tensor_type: t for t in reader.tensors}
 
 
-def _pack(t) -> quant.Weight:
+def _pack(t) -> packing.Weight:
     # ReaderTensor.shape is ggml order (ne[0] = n_in first); .data is NumPy order [n_out, ...]
     n_in, n_out = int(t.shape[0]), int(t.shape[1])
-    return quant.pack(t.name, t.tensor_type, t.data, n_out, n_in)
+    return packing.pack(t.name, t.tensor_type, t.data, n_out, n_in)
 
 
 def _reference(t) -> np.ndarray:
@@ -67,7 +68,7 @@ def _reference(t) -> np.ndarray:
 def test_dequantize_is_bit_exact_with_gguf(tensors, qtype):
     w = _pack(tensors[qtype])
     assert (w.n_out, w.n_in, w.ggml_type) == (N_OUT, N_IN[qtype], qtype)
-    got = quant.dequantize(w)
+    got = packing.dequantize(w)
     assert got.dtype == np.float32 and got.shape == (N_OUT, N_IN[qtype])
     np.testing.assert_array_equal(got, _reference(tensors[qtype]))
 
@@ -77,7 +78,7 @@ def test_resident_bytes_within_budget(tensors, qtype):
     t = tensors[qtype]
     w = _pack(t)
     # row padding to the tile size costs at most TR-1 rows; the budget applies to real models
-    padded_rows = w.n_tiles * quant.TR
+    padded_rows = w.n_tiles * packing.TR
     assert w.nbytes <= 1.3 * t.data.nbytes * padded_rows / N_OUT
 
 
@@ -86,23 +87,23 @@ def test_resident_bytes_within_budget(tensors, qtype):
 def test_matmul_matches_float64_reference(tensors, qtype, seq_len):
     w = _pack(tensors[qtype])
     x = np.random.default_rng(seq_len).standard_normal((seq_len, w.n_in)).astype(np.float32)
-    y = quant.matmul(x, w)
+    y = matmul(x, w)
     assert y.dtype == np.float32 and y.shape == (seq_len, N_OUT)
     expected = x.astype(np.float64) @ _reference(tensors[qtype]).astype(np.float64).T
     np.testing.assert_allclose(y, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
-    np.testing.assert_allclose(quant.matmul_ref(x, w), expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+    np.testing.assert_allclose(packing.matmul_ref(x, w), expected, rtol=0, atol=2e-6 * np.abs(expected).max())
 
 
 def test_matmul_writes_into_out_and_accepts_one_row(tensors):
     w = _pack(tensors[T.Q4_1])
     x = np.random.default_rng(0).standard_normal((2, w.n_in)).astype(np.float32)
     out = np.full((2, N_OUT), np.nan, dtype=np.float32)
-    assert quant.matmul(x, w, out=out) is out
-    ref = quant.matmul_ref(x, w)
+    assert matmul(x, w, out=out) is out
+    ref = packing.matmul_ref(x, w)
     np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(ref).max())
-    np.testing.assert_allclose(quant.matmul(x[0], w), out[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(matmul(x[0], w), out[0], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="expected"):
-        quant.matmul(x[:, :-1], w)
+        matmul(x[:, :-1], w)
 
 
 def test_matmul_propagates_nan(tensors):
@@ -110,63 +111,63 @@ def test_matmul_propagates_nan(tensors):
     w = _pack(tensors[T.Q4_1])
     x = np.zeros((1, w.n_in), dtype=np.float32)
     x[0, 5] = np.nan
-    assert np.isnan(quant.matmul(x, w)).all()
+    assert np.isnan(matmul(x, w)).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_get_rows_returns_dequantized_rows(tensors, qtype):
     w = _pack(tensors[qtype])
     ids = np.array([0, 69, 31, 32, 5, 5])
-    got = quant.get_rows(w, ids)
+    got = packing.get_rows(w, ids)
     np.testing.assert_array_equal(got, _reference(tensors[qtype])[ids])
     with pytest.raises(IndexError):
-        quant.get_rows(w, np.array([N_OUT]))
+        packing.get_rows(w, np.array([N_OUT]))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda q: q.name)
 def test_gemv_kernel_equals_numpy_twin(tensors, qtype):
     w = _pack(tensors[qtype])
     x = np.random.default_rng(7).standard_normal((3, w.n_in)).astype(np.float32)
-    out = np.empty((3, w.n_tiles * quant.TR), dtype=np.float32)  # padded rows included
+    out = np.empty((3, w.n_tiles * packing.TR), dtype=np.float32)  # padded rows included
     if qtype == T.Q8_0:
-        quant._gemv_q8(x, w.qs, w.d, out)
-        twin = quant._gemv_q8_np(x, w.qs, w.d)
+        q8._gemv_q8(x, w.qs, w.d, out)
+        twin = q8.gemv_q8_np(x, w.qs, w.d)
     else:
-        m, m_scale = quant._q4_offsets(w)
-        quant._gemv_q4(x, w.qs, w.d, m, m_scale, out)
-        twin = quant._gemv_q4_np(x, w.qs, w.d, m, m_scale)
+        m, m_scale = (w.m, np.float32(1.0)) if qtype == T.Q4_1 else (w.d, np.float32(-8.0))
+        q4._gemv_q4(x, w.qs, w.d, m, m_scale, out)
+        twin = q4.gemv_q4_np(x, w.qs, w.d, m, m_scale)
     np.testing.assert_allclose(out, twin, rtol=0, atol=2e-6 * np.abs(twin).max())
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda q: q.name)
 def test_tile_dequantizer_equals_numpy_twin(tensors, qtype):
     w = _pack(tensors[qtype])
-    kind = {T.Q4_0: 0, T.Q4_1: 1, T.Q8_0: 2}[qtype]
-    m = w.m if qtype == T.Q4_1 else w.d  # any float32 [T, B, TR]; unused unless Q4_1
+    m, m_scale = (w.m, np.float32(1.0)) if qtype == T.Q4_1 else (w.d, np.float32(-8.0))
     for t in range(w.n_tiles):
-        np.testing.assert_array_equal(quant._dequant_tile(w.qs, w.d, m, kind, t), quant._dequant_tile_np(w, t))
+        tile = q8.dequant_tile(w.qs, w.d, t) if qtype == T.Q8_0 else q4.dequant_tile(w.qs, w.d, m, m_scale, t)
+        np.testing.assert_array_equal(tile, packing.dequant_tile_np(w, t))
 
 
 def test_pack_concat_fuses_rows(tensors):
     rng = np.random.default_rng(5)
     parts_f32 = [rng.standard_normal((n, 64)).astype(np.float32) for n in (40, 24, 24)]
     parts = [(T.Q4_1, gguf.quants.quantize(p, T.Q4_1), p.shape[0], 64) for p in parts_f32]
-    fused = quant.pack_concat("qkv", parts)
+    fused = packing.pack_concat("qkv", parts)
     assert fused.n_out == 88 and fused.row_splits == (40, 24, 24)
     x = rng.standard_normal((2, 64)).astype(np.float32)
-    y = quant.matmul(x, fused)
-    separate = [quant.matmul(x, quant.pack(f"p{i}", *p)) for i, p in enumerate(parts)]
+    y = matmul(x, fused)
+    separate = [matmul(x, packing.pack(f"p{i}", *p)) for i, p in enumerate(parts)]
     np.testing.assert_array_equal(np.split(y, np.cumsum(fused.row_splits)[:-1], axis=1)[1], separate[1])
     np.testing.assert_array_equal(y, np.concatenate(separate, axis=1))
     mixed = parts[:1] + [(T.Q8_0, gguf.quants.quantize(parts_f32[1], T.Q8_0), 24, 64)]
     with pytest.raises(ValueError, match="differ"):
-        quant.pack_concat("qkv", mixed)
+        packing.pack_concat("qkv", mixed)
 
 
 def test_unsupported_type_raises_one_line_error():
     raw = np.zeros((4, 8 * 18), dtype=np.uint8)
     with pytest.raises(UnsupportedModelError) as info:
-        quant.pack("blk.0.attn_q.weight", T.IQ4_NL, raw, 4, 256)
+        packing.pack("blk.0.attn_q.weight", T.IQ4_NL, raw, 4, 256)
     message = str(info.value)
     assert "blk.0.attn_q.weight" in message and "IQ4_NL" in message and "Q4_K" in message
     assert "\n" not in message
@@ -174,18 +175,18 @@ def test_unsupported_type_raises_one_line_error():
 
 def test_n_in_must_be_a_multiple_of_the_block_size():
     with pytest.raises(ValueError, match="multiple of 32"):
-        quant.pack("w", T.Q8_0, np.zeros((2, 34), dtype=np.uint8), 2, 33)
+        packing.pack("w", T.Q8_0, np.zeros((2, 34), dtype=np.uint8), 2, 33)
 
 
 def test_set_threads_validates():
     import numba
 
-    quant.set_threads(1)
+    threads.set_threads(1)
     assert numba.get_num_threads() == 1
-    quant.set_threads(numba.config.NUMBA_NUM_THREADS)
+    threads.set_threads(numba.config.NUMBA_NUM_THREADS)
     for bad in (0, -1, numba.config.NUMBA_NUM_THREADS + 1, 1.5, True):
         with pytest.raises(OptionError):
-            quant.set_threads(bad)
+            threads.set_threads(bad)
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
@@ -195,18 +196,18 @@ def test_repack_kernel_equals_numpy_twin(qtype, q8):
     # rows 0..40 then 41..99 of one packed matrix: parts that start and end inside a tile;
     # q8: the bytes grouped as the 8-bit kernels read them
     rng = np.random.default_rng(7)
-    group = quant._group(qtype, "q8" if q8 else "f32")
-    nq = quant._QUANT_BYTES[qtype]
-    n_blocks, block_bytes = 3, quant._BLOCK_BYTES[qtype]
+    group = packing._group(qtype, "q8" if q8 else "f32")
+    nq = FORMATS[qtype].packed_bytes
+    n_blocks, block_bytes = 3, FORMATS[qtype].file_bytes
     blocks = rng.integers(0, 256, size=(100, n_blocks, block_bytes), dtype=np.uint8)
-    shape = (-(-100 // quant.TR), n_blocks)
-    scales, table = (np.uint16, quant._F16_BITS) if q8 else (np.float32, quant._F16_TABLE)   # as the packer
-    got = (np.zeros(shape + (nq, quant.TR), np.uint8), np.zeros(shape + (quant.TR,), scales),
-           np.zeros(shape + (quant.TR,), scales))
+    shape = (-(-100 // packing.TR), n_blocks)
+    scales, table = (np.uint16, jit.F16_BITS) if q8 else (np.float32, jit.F16_TABLE)   # as the packer
+    got = (np.zeros(shape + (nq, packing.TR), np.uint8), np.zeros(shape + (packing.TR,), scales),
+           np.zeros(shape + (packing.TR,), scales))
     want = tuple(a.copy() for a in got)
     for lo, hi in ((0, 41), (41, 100)):
-        kquants.repack_tiles(qtype, blocks[lo:hi], lo, table, *got, group)
-        kquants.repack_tiles_np(qtype, blocks[lo:hi], lo, *want, group)
+        packing.repack_tiles(qtype, blocks[lo:hi], lo, table, *got, group)
+        packing.repack_tiles_np(qtype, blocks[lo:hi], lo, *want, group)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.view(np.uint32) if g.dtype == np.float32 else g,
                                       w.view(np.uint32) if w.dtype == np.float32 else w)
@@ -214,10 +215,10 @@ def test_repack_kernel_equals_numpy_twin(qtype, q8):
 
 def test_auto_threads_follows_the_faster_count_and_keeps_checking(monkeypatch):
     import numba
-    monkeypatch.setattr(quant, "_fixed_threads", None)
+    monkeypatch.setattr(threads, "_fixed_threads", None)
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)
     monkeypatch.setattr(numba, "set_num_threads", lambda n: None)
-    auto = quant.AutoThreads(explore=8)
+    auto = threads.AutoThreads(explore=8)
     assert auto.candidates == [2, 1]
     seconds = {2: 1.0, 1: 2.0}                  # all cores free: two threads are faster
     picks = []
@@ -244,12 +245,12 @@ def test_auto_threads_follows_the_faster_count_and_keeps_checking(monkeypatch):
     retries = [i for i, n in enumerate(picks) if n == 1 and i > 0 and picks[i - 1] == 2]
     gaps = np.diff(retries)[1:]                 # the first spans the switch back to two threads
     assert len(gaps) >= 3 and (np.diff(gaps) > 0).all() and gaps[-1] >= 4 * gaps[0]   # retries back off
-    assert quant.AutoThreads().best("decode") == 2  # nothing measured yet: all cores
+    assert threads.AutoThreads().best("decode") == 2  # nothing measured yet: all cores
     assert auto.pick("other") == 2              # each kind of call learns on its own
 
 
 def test_arena_arrays_are_aligned_disjoint_and_outlive_their_chunk():
-    arena = quant.Arena(chunk_bytes=1 << 16)
+    arena = packing.Arena(chunk_bytes=1 << 16)
     arrays = [arena.empty((3, 5, 7), np.float32), arena.empty((100,), np.uint8), arena.empty((2, 4), np.int8),
               arena.empty((40_000,), np.uint8)]               # over half a chunk: its own allocation
     for i, a in enumerate(arrays):
@@ -259,25 +260,25 @@ def test_arena_arrays_are_aligned_disjoint_and_outlive_their_chunk():
         assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous
         assert (a == i + 1).all()                              # nothing overlapped another array
     assert arrays[0].base is arrays[1].base is arrays[2].base is not arrays[3].base
-    dirty = quant.Arena(chunk_bytes=1 << 20)
+    dirty = packing.Arena(chunk_bytes=1 << 20)
     dirty.empty((0,), np.uint8)
     dirty._chunk[:] = 0xFF                                     # memory a packer must not rely on
-    packed = quant.pack("w", gguf.GGMLQuantizationType.Q4_1, gguf.quants.quantize(
+    packed = packing.pack("w", gguf.GGMLQuantizationType.Q4_1, gguf.quants.quantize(
         np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1),
         40, 64, arena=dirty)
-    plain = quant.pack("w", gguf.GGMLQuantizationType.Q4_1, gguf.quants.quantize(
+    plain = packing.pack("w", gguf.GGMLQuantizationType.Q4_1, gguf.quants.quantize(
         np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_1), 40, 64)
     for a, b in ((packed.qs, plain.qs), (packed.d, plain.d), (packed.m, plain.m)):
         np.testing.assert_array_equal(a, b)
-    assert not packed.qs[-1, ..., 40 % quant.TR:].any() and not packed.d[-1, :, 40 % quant.TR:].any()  # padding zeroed
+    assert not packed.qs[-1, ..., 40 % packing.TR:].any() and not packed.d[-1, :, 40 % packing.TR:].any()  # padding zeroed
 
 
 def test_auto_threads_explores_only_when_other_processes_take_cpu(monkeypatch):
     import numba
-    monkeypatch.setattr(quant, "_fixed_threads", None)
+    monkeypatch.setattr(threads, "_fixed_threads", None)
     monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)
     monkeypatch.setattr(numba, "set_num_threads", lambda n: None)
-    auto = quant.AutoThreads(explore=8)
+    auto = threads.AutoThreads(explore=8)
 
     def run(calls, seconds, share):
         picks = []
@@ -299,13 +300,13 @@ def test_auto_threads_explores_only_when_other_processes_take_cpu(monkeypatch):
 
 def test_fixed_threads_are_not_overridden(monkeypatch):
     import numba
-    monkeypatch.setattr(quant, "_fixed_threads", None)
-    quant.set_threads(1)
+    monkeypatch.setattr(threads, "_fixed_threads", None)
+    threads.set_threads(1)
     try:
-        auto = quant.AutoThreads()
+        auto = threads.AutoThreads()
         assert {auto.pick("decode") for _ in range(20)} == {1}
     finally:
-        monkeypatch.setattr(quant, "_fixed_threads", None)
+        monkeypatch.setattr(threads, "_fixed_threads", None)
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
 
@@ -318,7 +319,7 @@ def test_openmp_comes_first_even_when_numba_was_imported_first():
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_THREADING_LAYER")}
     code = (
         "import numba\n"
-        "from llamatrace import kernels\n"
+        "from llamatrace.kernels import fp32 as kernels\n"
         "import numpy as np\n"
         "print(' '.join(numba.config.THREADING_LAYER_PRIORITY))\n"
         "try:\n"

@@ -118,7 +118,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
         OptionError: a count below 1, an unknown engine or activations mode.
         PeerError: a peer is not installed, or its process failed (its last words are quoted).
     """
-    from llamatrace.kernels.quant import check_activations
+    from llamatrace.kernels.packing import check_activations
 
     if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
         raise OptionError("--prompt-tokens, --decode-tokens and --repeats must be at least 1")
@@ -237,10 +237,10 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
 class _Llamatrace:
     def __init__(self, path: str, threads: int | None, n_ctx: int, activations: str = "f32") -> None:
         from llamatrace import __version__
-        from llamatrace.kernels import quant
+        from llamatrace.kernels.threads import set_threads
         from llamatrace.model.llama import Llama
         if threads:
-            quant.set_threads(threads)
+            set_threads(threads)
         self.model = Llama.load(path, activations=activations)
         self.model.warmup()
         self.n_ctx = n_ctx
@@ -251,7 +251,7 @@ class _Llamatrace:
     def threading(self) -> str:
         import numba
 
-        from llamatrace.kernels.quant import AUTO_THREADS, threading_layer
+        from llamatrace.kernels.threads import AUTO_THREADS, threading_layer
         count = self.threads or f"auto {min(AUTO_THREADS.candidates)}–{numba.config.NUMBA_NUM_THREADS}"
         return f"numba {threading_layer()}, {count} threads"
 

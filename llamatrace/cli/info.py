@@ -79,13 +79,15 @@ def info(
             derived.add_row("output", "tied to token_embd.weight" if "output.weight" not in f.tensors
                             else "output.weight")
             out.print(derived)
+    from llamatrace.kernels.registry import summary
     types = Table(title="Tensor types")
     types.add_column("type")
     types.add_column("tensors", justify="right")
     types.add_column("bytes", justify="right")
+    types.add_column("matmul kernels (decode / prefill)")
     all_bytes = sum(b for _, b in mix.values()) or 1
     for name, (n, b) in sorted(mix.items(), key=lambda kv: -kv[1][1]):
-        types.add_row(name, str(n), f"{b:,} ({100 * b / all_bytes:.0f}%)")
+        types.add_row(name, str(n), f"{b:,} ({100 * b / all_bytes:.0f}%)", summary(name))
     if mix:  # a vocabulary-only file has no tensors
         out.print(types)
     table = Table(title=f"Tensors ({len(f.tensors)})")
@@ -102,7 +104,7 @@ def info(
     import numba
 
     from llamatrace.analysis.bench import cpu_model
-    from llamatrace.kernels.quant import threading_layer
+    from llamatrace.kernels.threads import threading_layer
     out.print(f"Runtime: {cpu_model()}, {numba.config.NUMBA_NUM_THREADS} threads, Numba threading layer "
               f"{threading_layer()!r} (tbb or omp: a few µs per parallel region; workqueue: ~50–100 µs)",
               soft_wrap=True)

@@ -93,9 +93,9 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
 
 def check_activations(activations: str) -> None:
     """Raises :class:`OptionError` for an ``--activations`` value this machine cannot run."""
-    from llamatrace.kernels import quant
+    from llamatrace.kernels import packing
     try:
-        quant.check_activations(activations)
+        packing.check_activations(activations)
     except OptionError as exc:
         raise OptionError(f"--activations {activations}: {exc}") from None
 
@@ -106,9 +106,9 @@ def load_model(model_path: Path | None, threads: int | None, activations: str = 
 
     check_activations(activations)
     if threads is not None:
-        from llamatrace.kernels import quant
+        from llamatrace.kernels import threads as kernel_threads
         try:
-            quant.set_threads(threads)
+            kernel_threads.set_threads(threads)
         except (ValueError, LlamatraceError) as exc:
             raise OptionError(f"--threads {threads}: {exc}") from None
     path = resolve_model(model_path, log=lambda msg: err.print(msg))

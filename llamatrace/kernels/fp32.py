@@ -3,7 +3,7 @@
 Each Numba kernel ``foo`` has a plain NumPy twin ``foo_ref`` with the same contract; the tests
 check one against the other. Shapes follow the forward pass: ``[seq_len, dim]`` activations,
 ``[seq_len, n_heads, head_dim]`` per-head tensors, ``[n_heads, seq_len, kv_len]`` scores.
-The big weight matmuls live in :mod:`llamatrace.kernels.quant`.
+The big weight matmuls are :func:`llamatrace.kernels.registry.matmul`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-# No fastmath here: its nnan/ninf flags would break the -inf of the causal mask.
+from llamatrace.kernels.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
+
+# No fastmath here (jit.JIT_EXACT): its nnan/ninf flags would break the -inf of the causal mask.
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +73,7 @@ def exp_f32(typingctx, x):
 #   y = x / sqrt(mean(x²) + eps) * weight
 # ---------------------------------------------------------------------------------------------
 
-@njit(cache=True)
+@njit(**JIT_EXACT)
 def rmsnorm(x, weight, eps):
     """RMSNorm each row of ``x``.
 
@@ -130,7 +132,7 @@ def precompute_freqs_cis(inv_freq: np.ndarray, start_pos: int, seq_len: int) -> 
     return np.exp(1j * angles).astype(np.complex64)
 
 
-@njit(cache=True)
+@njit(**JIT_EXACT)
 def rope(x, cos, sin):
     """Rotate adjacent pairs of every head: ``(a, b) -> (a·cos - b·sin, a·sin + b·cos)``.
 
@@ -186,7 +188,7 @@ def causal_mask(seq_len: int, start_pos: int) -> np.ndarray:
     return np.where(cols > rows, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
 
 
-@njit(cache=True, inline="always")
+@njit(inline="always", **JIT_EXACT)
 def _softmax_rows(x, out, i):
     for j in range(x.shape[1]):
         n = x.shape[2]
@@ -208,7 +210,7 @@ def _softmax_rows(x, out, i):
             out[i, j, k] *= inv
 
 
-@njit(cache=True)
+@njit(**JIT_EXACT)
 def softmax_serial(x):
     out = np.empty_like(x)
     for i in range(x.shape[0]):
@@ -216,7 +218,7 @@ def softmax_serial(x):
     return out
 
 
-@njit(parallel=True, cache=True)
+@njit(**JIT_EXACT_PARALLEL)
 def softmax_parallel(x):
     out = np.empty_like(x)
     for i in prange(x.shape[0]):
@@ -252,14 +254,14 @@ def softmax_ref(x: np.ndarray) -> np.ndarray:
 # SiLU — Shazeer 2020, "GLU Variants Improve Transformer": FFN(x) = w2(silu(w1 x) * w3 x)
 # ---------------------------------------------------------------------------------------------
 
-@njit(cache=True, error_model="numpy", inline="always")   # numpy's x/0: no branch, so it vectorises
+@njit(error_model="numpy", inline="always", **JIT_EXACT)   # numpy's x/0: no branch, so it vectorises
 def _silu_row(x, out, i):
     for j in range(x.shape[1]):
         v = x[i, j]
         out[i, j] = v / (np.float32(1.0) + exp_f32(-v))
 
 
-@njit(cache=True, error_model="numpy")
+@njit(error_model="numpy", **JIT_EXACT)
 def silu_serial(x):
     out = np.empty_like(x)
     for i in range(x.shape[0]):
@@ -267,7 +269,7 @@ def silu_serial(x):
     return out
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(error_model="numpy", **JIT_EXACT_PARALLEL)
 def silu_parallel(x):
     out = np.empty_like(x)
     for i in prange(x.shape[0]):
@@ -292,12 +294,9 @@ def silu_ref(x: np.ndarray) -> np.ndarray:
 # thread pool slowed everything ~10x on 2 cores. Keys/values may hold fewer (KV) heads than the
 # queries: query head h reads KV head h // n_rep, which is what repeat_kv's copy would hold
 # (Ainslie et al. 2023, "GQA"), without making the copy.
-# 'reassoc' lets LLVM vectorise the head_dim-long sums; no nnan/ninf, so NaN still propagates.
+# Flags: jit.JIT_ATTN ('reassoc' for the head_dim-long sums; NaN still propagates).
 # ---------------------------------------------------------------------------------------------
-_ATTN = dict(cache=True, fastmath={"reassoc", "contract"})
-
-
-@njit(**_ATTN)
+@njit(**JIT_ATTN)
 def _scores_keys(xq, keys, out, t0, t1):
     """out[h, s, t] for keys t0 <= t < t1, every query head and row. Keys go in memory order,
     each row [n_kv_heads, head_dim] read once for all heads: one stream through the cache.
@@ -315,14 +314,14 @@ def _scores_keys(xq, keys, out, t0, t1):
                 out[h, s, t] = acc
 
 
-@njit(**_ATTN)
+@njit(**JIT_ATTN)
 def attention_scores_serial(xq, keys):
     out = np.empty((xq.shape[1], xq.shape[0], keys.shape[0]), dtype=np.float32)
     _scores_keys(xq, keys, out, 0, keys.shape[0])
     return out
 
 
-@njit(parallel=True, **_ATTN)
+@njit(parallel=True, **JIT_ATTN)
 def attention_scores_parallel(xq, keys):
     kv_len = keys.shape[0]
     out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
@@ -372,7 +371,7 @@ def attention_scores_ref(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return np.einsum("shd,thd->hst", xq, keys).astype(np.float32)
 
 
-@njit(**_ATTN)
+@njit(**JIT_ATTN)
 def _values_keys(scores, values, acc, s, h0, t0, t1):
     """acc[i] = Σ_t scores[h0 + i, s, t] · values[t, (h0 + i) // n_rep] over keys t0 <= t < t1,
     in memory order (as :func:`_scores_keys`); acc float32 [n, head_dim]."""
@@ -388,7 +387,7 @@ def _values_keys(scores, values, acc, s, h0, t0, t1):
                 a[d] += p * v[d]
 
 
-@njit(**_ATTN)
+@njit(**JIT_ATTN)
 def _values_heads(scores, values, out, h0, h1):
     """out[h0:h1]: per query row, chunks of _KEY_CHUNK keys summed, then the chunks in order.
     Every variant below adds in this order, so they agree bit for bit."""
@@ -403,7 +402,7 @@ def _values_heads(scores, values, out, h0, h1):
         out[h0:h1, s] = row
 
 
-@njit(**_ATTN)
+@njit(**JIT_ATTN)
 def attention_values_serial(scores, values):
     n_heads = scores.shape[0]
     out = np.empty((n_heads, scores.shape[1], values.shape[2]), dtype=np.float32)
@@ -411,7 +410,7 @@ def attention_values_serial(scores, values):
     return out
 
 
-@njit(parallel=True, **_ATTN)
+@njit(parallel=True, **JIT_ATTN)
 def attention_values_parallel(scores, values):
     n_heads, seq_len, kv_len = scores.shape
     head_dim = values.shape[2]

@@ -2,7 +2,9 @@
 
 References: Meta's ``llama/model.py`` (names: ``wq``, ``freqs_cis``, ``repeat_kv``...),
 llama-nuts-and-bolts ch. 15–16 (the stages and their ``[DEBUG]`` lines), llama.cpp's graph
-(stage ids). Weights stay quantized (:mod:`llamatrace.kernels.quant`); activations are float32.
+(stage ids). Weights stay quantized (:mod:`llamatrace.kernels.packing`) and each ``matmul`` runs the
+kernel registered for the weight's type (:mod:`llamatrace.kernels.registry`); activations are float32
+(or 8-bit inside the ``q8`` mode's matmuls).
 Every stage reports its output through ``x = emit(stage, layer, x)``: the identity unless a
 :class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.tracing.hooks`) replace it.
 """
@@ -22,7 +24,8 @@ import gguf
 import numpy as np
 
 from llamatrace.kernels import fp32 as kernels
-from llamatrace.kernels import quant
+from llamatrace.kernels import packing
+from llamatrace.kernels.registry import matmul
 from llamatrace.model.cache import KVCache
 from llamatrace.model.config import ModelConfig
 from llamatrace.errors import ModelFormatError, OptionError
@@ -43,24 +46,24 @@ class LayerWeights:
     """
 
     attention_norm: np.ndarray        # float32 [dim]
-    wq: quant.Weight | None           # [n_heads*head_dim, dim]
-    wk: quant.Weight | None           # [n_kv_heads*head_dim, dim]
-    wv: quant.Weight | None           # [n_kv_heads*head_dim, dim]
-    wqkv: quant.Weight | None         # [(n_heads + 2*n_kv_heads)*head_dim, dim]
-    wo: quant.Weight                  # [dim, n_heads*head_dim]
+    wq: packing.Weight | None           # [n_heads*head_dim, dim]
+    wk: packing.Weight | None           # [n_kv_heads*head_dim, dim]
+    wv: packing.Weight | None           # [n_kv_heads*head_dim, dim]
+    wqkv: packing.Weight | None         # [(n_heads + 2*n_kv_heads)*head_dim, dim]
+    wo: packing.Weight                  # [dim, n_heads*head_dim]
     ffn_norm: np.ndarray              # float32 [dim]
-    w1: quant.Weight | None           # gate [hidden_dim, dim]
-    w3: quant.Weight | None           # up   [hidden_dim, dim]
-    w13: quant.Weight | None          # [2*hidden_dim, dim]
-    w2: quant.Weight                  # down [dim, hidden_dim]
+    w1: packing.Weight | None           # gate [hidden_dim, dim]
+    w3: packing.Weight | None           # up   [hidden_dim, dim]
+    w13: packing.Weight | None          # [2*hidden_dim, dim]
+    w2: packing.Weight                  # down [dim, hidden_dim]
 
 
 @dataclass
 class Weights:
-    tok_embeddings: quant.Weight      # [vocab_size, dim]
+    tok_embeddings: packing.Weight      # [vocab_size, dim]
     layers: list[LayerWeights]
     norm: np.ndarray                  # float32 [dim]
-    output: quant.Weight              # [vocab_size, dim]; the same object as tok_embeddings when tied
+    output: packing.Weight              # [vocab_size, dim]; the same object as tok_embeddings when tied
     tied_output: bool
 
     @property
@@ -116,7 +119,7 @@ class Llama:
             UnsupportedModelError: architecture, vocabulary or a tensor type llamatrace can't run.
             OptionError: an unknown ``activations``, or ``"q8"`` on a CPU without AVX2.
         """
-        quant.check_activations(activations)
+        packing.check_activations(activations)
         if path is None:
             from llamatrace.gguf.fetch import resolve_model
             path = resolve_model(None, fetch=fetch, log=_log.warning)
@@ -126,7 +129,7 @@ class Llama:
         vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
         config = ModelConfig.from_metadata(f.metadata, vocab_size=vocab_size, source=name)
         tokenizer = Tokenizer.from_reader(f, path=str(path))
-        check_tensor_types(f, quant.SUPPORTED_TYPES)
+        check_tensor_types(f, packing.SUPPORTED_TYPES)
         weights = _load_weights(f, config, progress or (lambda done, total: None), activations)
         freq_factors = None
         if "rope_freqs.weight" in f.tensors:                   # Llama 3.1 long-context RoPE scaling
@@ -266,7 +269,7 @@ class Llama:
         if mask is not None:
             emit("kq_mask", None, mask)
         # token embedding: x [seq_len, dim]
-        x = quant.get_rows(w.tok_embeddings, tokens)
+        x = packing.get_rows(w.tok_embeddings, tokens)
         x = emit("inp_embd", None, x)
 
         for layer, lw in enumerate(w.layers):
@@ -320,7 +323,7 @@ class Llama:
             kqv = emit("kqv", layer, kqv)
             kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
             kqv_out = emit("kqv_out", layer, kqv_out)
-            attn_out = quant.matmul(kqv_out, lw.wo)
+            attn_out = matmul(kqv_out, lw.wo)
             attn_out = emit("attn_out", layer, attn_out)
             # residual connection around attention
             h = x + attn_out
@@ -335,7 +338,7 @@ class Llama:
             up = emit("ffn_up", layer, up)
             swiglu = gate * up
             swiglu = emit("ffn_swiglu", layer, swiglu)
-            ffn_out = quant.matmul(swiglu, lw.w2)
+            ffn_out = matmul(swiglu, lw.w2)
             ffn_out = emit("ffn_out", layer, ffn_out)
             # residual connection around the FFN: the block's output
             x = h + ffn_out
@@ -372,26 +375,26 @@ class Llama:
         # it: recording every row (result_output) must not change the logits generation uses.
         logits = np.empty((xn.shape[0], self.config.vocab_size), dtype=np.float32)
         if xn.shape[0] > 1:
-            quant.matmul(xn[:-1], self.weights.output, out=logits[:-1])
-        quant.matmul(xn[-1:], self.weights.output, out=logits[-1:])
+            matmul(xn[:-1], self.weights.output, out=logits[:-1])
+        matmul(xn[-1:], self.weights.output, out=logits[-1:])
         return logits
 
     # q/k/v and gate/up projections share one kernel call when their rows were stacked at load
     def _qkv(self, xn: np.ndarray, lw: LayerWeights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if lw.wqkv is None:
-            return quant.matmul(xn, lw.wq), quant.matmul(xn, lw.wk), quant.matmul(xn, lw.wv)
-        xq, xk, xv = _split_rows(quant.matmul(xn, lw.wqkv), lw.wqkv)
+            return matmul(xn, lw.wq), matmul(xn, lw.wk), matmul(xn, lw.wv)
+        xq, xk, xv = _split_rows(matmul(xn, lw.wqkv), lw.wqkv)
         return xq, xk, xv
 
     def _gate_up(self, hn: np.ndarray, lw: LayerWeights) -> tuple[np.ndarray, np.ndarray]:
         if lw.w13 is None:
-            return quant.matmul(hn, lw.w1), quant.matmul(hn, lw.w3)
-        gate, up = _split_rows(quant.matmul(hn, lw.w13), lw.w13)
+            return matmul(hn, lw.w1), matmul(hn, lw.w3)
+        gate, up = _split_rows(matmul(hn, lw.w13), lw.w13)
         return gate, up
 
 
-def _split_rows(y: np.ndarray, w: quant.Weight) -> list[np.ndarray]:
-    """The outputs of the matrices stacked in ``w`` (:func:`quant.pack_concat`), each contiguous."""
+def _split_rows(y: np.ndarray, w: packing.Weight) -> list[np.ndarray]:
+    """The outputs of the matrices stacked in ``w`` (:func:`packing.pack_concat`), each contiguous."""
     parts, start = [], 0
     for n in w.row_splits:        # plain slices: np.split cost ~5 µs a call, twice per layer
         parts.append(np.ascontiguousarray(y[:, start:start + n]))
@@ -406,7 +409,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     checking each shape against the config; ``progress(done_bytes, total_bytes)`` after each."""
     total = sum(t.n_bytes for t in f.tensors.values())
     done = 0
-    arena = quant.Arena()
+    arena = packing.Arena()
 
     def packed(*tensors) -> None:
         nonlocal done
@@ -430,9 +433,9 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
                                    f"from the model config; the file is inconsistent")
         return name, t
 
-    def matrix(meta: str, layer: int | None = None, acts: str = activations) -> quant.Weight:
+    def matrix(meta: str, layer: int | None = None, acts: str = activations) -> packing.Weight:
         name, t = raw(meta, layer)
-        w = quant.pack(name, t.tensor_type, t.data, *shapes[meta], activations=acts, arena=arena)
+        w = packing.pack(name, t.tensor_type, t.data, *shapes[meta], activations=acts, arena=arena)
         packed(t)
         return w
 
@@ -440,12 +443,12 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
         _, t = raw(meta, layer)
         return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(c.dim)
 
-    def stacked(metas: tuple[str, ...], layer: int) -> quant.Weight | None:
+    def stacked(metas: tuple[str, ...], layer: int) -> packing.Weight | None:
         """Rows of several matrices in one Weight, or None when their types differ."""
         named = [raw(meta, layer) for meta in metas]
         if len({t.tensor_type for _, t in named}) != 1:
             return None
-        w = quant.pack_concat("+".join(name for name, _ in named),
+        w = packing.pack_concat("+".join(name for name, _ in named),
                               [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)],
                               activations=activations, arena=arena)
         packed(*(t for _, t in named))

@@ -1,0 +1,98 @@
+"""F32, F16 and BF16 weights: packing into row tiles and the matmul kernels.
+
+Packed layout (T = ceil(n_out / TR) tiles; padded rows are zero)::
+
+    F32         qs float32 [T, n_in, TR]
+    F16, BF16   qs uint16  [T, n_in, TR]    raw bits, widened through a 65,536-entry table
+                                            (:data:`llamatrace.kernels.jit.F16_TABLE`, ``BF16_TABLE``)
+
+Resident bytes: 1.0x the file (plus row padding to a multiple of ``TR``). Each tile is widened
+to float32 a chunk at a time and multiplied in float32 (:func:`llamatrace.kernels.tiles.chunk_matmul`),
+for any number of rows of x: decode and prefill share the kernel. NumPy twin: :func:`dequant_np`.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+from numba import njit, prange
+
+from llamatrace.kernels import tiles
+from llamatrace.kernels.jit import BF16_TABLE, F16_TABLE, JIT_INLINE, JIT_PARALLEL
+from llamatrace.kernels.registry import kernel
+
+_T = gguf.GGMLQuantizationType
+TR = tiles.TR
+
+ITEM_BYTES = {_T.F32: 4, _T.F16: 2, _T.BF16: 2}
+"""Bytes per weight in the file."""
+_TABLES = {_T.F16: F16_TABLE, _T.BF16: BF16_TABLE}
+
+
+def tile_floats(ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """``raw`` float32 / float16 ``[n_out, n_in]`` (or BF16's uint8 ``[n_out, 2*n_in]``: any
+    array of ``n_out * n_in * ITEM_BYTES`` bytes) -> ``qs`` ``[T, n_in, TR]`` (float32 for F32,
+    the uint16 bits otherwise)."""
+    flat = np.ascontiguousarray(raw).view(np.float32 if ggml_type == _T.F32 else np.uint16)
+    n_tiles = -(-n_out // TR)
+    rows = flat.reshape(n_out, n_in)
+    if n_tiles * TR > n_out:
+        rows = np.concatenate([rows, np.zeros((n_tiles * TR - n_out, n_in), dtype=rows.dtype)])
+    # [n_out, n_in] -> [T, TR, n_in] -> [T, n_in, TR]
+    return np.ascontiguousarray(rows.reshape(n_tiles, TR, n_in).transpose(0, 2, 1))
+
+
+def dequant_np(ggml_type, v: np.ndarray) -> np.ndarray:
+    """Rows of a packed float weight, ``v`` ``[n, n_in]`` (``qs[t, :, r]``) -> float32 ``[n, n_in]``;
+    NumPy twin of the kernels' widening."""
+    if ggml_type == _T.F32:
+        return v.copy()
+    return _TABLES[_T(ggml_type)][v]
+
+
+@njit(**JIT_INLINE)
+def _dequant_rows_u16(qs, table, t, k0, n, wt):
+    """Inputs k0 .. k0+n-1 of tile t of F16 / BF16 bits [T, n_in, TR] -> wt float32 [n, TR]
+    through ``table``."""
+    for k in range(n):
+        for r in range(TR):
+            wt[k, r] = table[qs[t, k0 + k, r]]
+
+
+@njit(**JIT_PARALLEL)
+def _tiled_u16(x, qs, table, out):
+    """F16 / BF16 matmul: qs uint16 [T, n_in, TR], table float32 [65536]."""
+    n_tiles, n_in = qs.shape[0], x.shape[1]
+    kc = tiles.CHUNK
+    for t in prange(n_tiles):
+        wt = np.empty((kc, TR), np.float32)
+        acc = np.zeros((x.shape[0], TR), np.float32)
+        for k0 in range(0, n_in, kc):
+            n = min(kc, n_in - k0)
+            _dequant_rows_u16(qs, table, t, k0, n, wt)
+            tiles.chunk_matmul(x, wt[:n], k0, acc)
+        tiles.store_rows(acc, out, t)
+
+
+@njit(**JIT_PARALLEL)
+def _tiled_f32(x, qs, out):
+    """F32 matmul: qs float32 [T, n_in, TR] is already a stack of tiles."""
+    for t in prange(qs.shape[0]):
+        acc = np.zeros((x.shape[0], TR), np.float32)
+        tiles.chunk_matmul(x, qs[t], 0, acc)
+        tiles.store_rows(acc, out, t)
+
+
+@kernel(_T.F32, "f32", ("decode", "prefill"))
+def tiled_f32(x, w, out):
+    _tiled_f32(x, w.qs, out)
+
+
+@kernel(_T.F16, "f32", ("decode", "prefill"))
+def tiled_f16(x, w, out):
+    _tiled_u16(x, w.qs, F16_TABLE, out)
+
+
+@kernel(_T.BF16, "f32", ("decode", "prefill"))
+def tiled_bf16(x, w, out):
+    _tiled_u16(x, w.qs, BF16_TABLE, out)

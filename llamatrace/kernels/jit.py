@@ -1,0 +1,65 @@
+"""Numba compile flags and fp16/bf16 decoding: the one place every kernel module takes them from.
+
+Flag sets (pass as ``@njit(**JIT_PARALLEL)``):
+
+- :data:`JIT`, :data:`JIT_PARALLEL`, :data:`JIT_INLINE`: the weight-matmul kernels. Their
+  fastmath subset :data:`FASTMATH` is ``contract`` (FMAs), ``arcp``, ``afn``, ``nsz``. Not
+  ``fastmath=True``: that adds ``nnan``/``ninf``, which let LLVM delete the NaN/Inf handling the
+  tracer relies on. Not ``reassoc`` either: the kernels write their sums as explicit trees so
+  several FMA chains run in parallel, and ``reassoc`` lets LLVM fold such a tree back into one
+  serial chain (latency-bound).
+- :data:`JIT_EXACT`, :data:`JIT_EXACT_PARALLEL`: no fastmath at all, for the float32 kernels of
+  the forward pass (the causal mask's -inf must survive) and the activation quantizers (their
+  roundings must be gguf's whatever the caller's flags).
+- :data:`JIT_ATTN`: attention's products; ``reassoc`` lets LLVM vectorise the head_dim-long
+  sums, and without ``nnan``/``ninf`` NaN still propagates.
+
+fp16 / bf16 bits to float32: :data:`F16_TABLE` / :data:`BF16_TABLE` (65,536 entries, indexed by
+the raw uint16; the float32 path's packers and the F16/BF16 kernels), :func:`f16` (LLVM's
+``fpext half``, F16C's ``vcvtph2ps``, inside kernels that keep the file's fp16 bits) and its
+NumPy twin :func:`f16_np`; :func:`f16_bytes_np` reads little-endian fp16 from a file's bytes.
+All give the same float32 for every bit pattern (fp16 -> fp32 is exact).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+FASTMATH = {"contract", "arcp", "afn", "nsz"}  # a set: Numba rejects frozenset
+JIT = dict(cache=True, fastmath=FASTMATH)
+JIT_PARALLEL = dict(parallel=True, **JIT)
+JIT_INLINE = dict(inline="always", **JIT)
+
+JIT_EXACT = dict(cache=True)
+JIT_EXACT_PARALLEL = dict(parallel=True, **JIT_EXACT)
+JIT_ATTN = dict(cache=True, fastmath={"reassoc", "contract"})
+
+F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+"""float32 [65536]: the value of each fp16 bit pattern."""
+BF16_TABLE = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+"""float32 [65536]: the value of each bf16 bit pattern."""
+F16_BITS = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+"""uint16 [65536]: the identity, for packers that keep the fp16 bits as they are."""
+
+
+@intrinsic
+def f16(typingctx, bits):
+    """float32 value of the fp16 bit pattern ``bits`` (uint16): LLVM's ``fpext half``, which is
+    F16C's ``vcvtph2ps`` on AVX2 CPUs and vectorizes in the kernels' row loops."""
+    if bits == types.uint16:
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(bits), codegen
+
+
+def f16_np(bits: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`f16`: float32 values of an array of fp16 bit patterns (uint16)."""
+    return np.asarray(bits).view(np.float16).astype(np.float32)
+
+
+def f16_bytes_np(b: np.ndarray) -> np.ndarray:
+    """uint8 ``[..., 2]`` little-endian fp16 (a scale inside a GGUF block) -> float32 ``[...]``."""
+    return f16_np(np.ascontiguousarray(b).view(np.uint16)[..., 0])

@@ -1,0 +1,435 @@
+"""Packing GGUF tensors into row tiles: :class:`Weight`, :class:`Arena`, :func:`pack`, and the
+NumPy reference (:func:`dequantize`, :func:`get_rows`, :func:`matmul_ref`).
+
+A :class:`Weight` is one ``[n_out, n_in]`` matrix (torch/Meta ``out_features x in_features``
+order) repacked once at load time into *row tiles*: ``TR`` consecutive output rows are
+interleaved so that the innermost loop of every kernel runs over ``TR`` rows and compiles to
+512-bit vector instructions (``vfmadd…ps %zmm``). There is no float32 copy of the model: the
+quantized bytes stay as they are in the file, only the fp16 scales become float32 (Numba has
+no float16), or stay fp16 bits for the ``q8`` activation mode's kernels
+(:mod:`llamatrace.kernels.act8`, which also reorders the quant bytes it reads in groups of four).
+
+Block types (T = ceil(n_out / TR) tiles, B = n_in / weights-per-block blocks; padded rows are
+zero)::
+
+    qs uint8 (int8 for Q8_0) [T, B, P, TR]   qs[t, b, p, r] = packed byte p of block b of row t*TR + r
+    d  float32 [T, B, TR]                    m float32 [T, B, TR] (types with a minimum only)
+
+Each block type's kernel module declares its :class:`~llamatrace.kernels.registry.BlockFormat`
+(sizes, where ``d``, ``m`` and the quant bytes sit in a file block, ``P``, its NumPy
+dequantizer); the one repacker here (:func:`repack_tiles`) copies by it. The byte layouts are
+drawn in :mod:`llamatrace.kernels.q4`, :mod:`~llamatrace.kernels.q5`,
+:mod:`~llamatrace.kernels.q8`, :mod:`~llamatrace.kernels.k_quants`; F32/F16/BF16 are tiled by
+:mod:`llamatrace.kernels.floats`. Which kernel then multiplies a Weight is the registry's
+business (:func:`llamatrace.kernels.registry.matmul`).
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+from numba import njit, prange
+
+from llamatrace.errors import OptionError, UnsupportedModelError
+from llamatrace.kernels import act8, floats, tiles
+from llamatrace.kernels.jit import F16_BITS, F16_TABLE, JIT_INLINE, JIT_PARALLEL, f16_bytes_np, f16_np
+from llamatrace.kernels.registry import FORMATS, MODES, SCALES_K4, SCALES_Q3_K, BlockFormat, served
+
+_T = gguf.GGMLQuantizationType
+
+SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(t for t, mode, _ in served() if mode == "f32")
+"""The types with float32-activation kernels registered (:mod:`llamatrace.kernels` imports every
+kernel module before this one)."""
+
+TR = tiles.TR
+"""Rows per tile: the vector width of the inner loops (2 zmm registers of float32)."""
+
+_EMPTY_SCALES = np.zeros((0, 0, TR), dtype=np.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Weight:
+    """One ``[n_out, n_in]`` matrix in row-tile layout (see the module docstring).
+
+    ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m``
+    the float32 block scales and minimums (empty where the type has none). ``act8``: packed for
+    8-bit activations (:mod:`llamatrace.kernels.act8`'s layout and kernels; ``d`` and ``m`` are then the
+    file's fp16 bits, uint16). ``row_splits``
+    gives the row counts of the matrices fused by :func:`pack_concat` (``(n_out,)`` otherwise),
+    so a caller can ``np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)``.
+    """
+
+    name: str
+    ggml_type: gguf.GGMLQuantizationType
+    n_out: int
+    n_in: int
+    qs: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
+    row_splits: tuple[int, ...]
+    act8: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the packed arrays."""
+        return int(self.qs.nbytes + self.d.nbytes + self.m.nbytes)
+
+    @property
+    def n_tiles(self) -> int:
+        return int(self.qs.shape[0])
+
+    def __repr__(self) -> str:
+        return (f"Weight({self.name!r}, {self.ggml_type.name}, n_out={self.n_out}, "
+                f"n_in={self.n_in}, nbytes={self.nbytes})")
+
+
+# --------------------------------------------------------------------------------------------
+# packing
+
+
+class Arena:
+    """Bump allocator for packed weights: a model's arrays side by side, in load order, in
+    chunks of ``chunk_bytes`` of fresh anonymous memory (:func:`_pages`), so hundreds of small
+    per-layer arrays cost a handful of mappings and sit next to each other as a decode step
+    streams them. Arrays over half a chunk get a mapping of their own. Views into a chunk keep
+    it alive.
+    """
+
+    def __init__(self, chunk_bytes: int = 64 << 20) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._chunk = np.empty(0, dtype=np.uint8)
+        self._used = 0
+
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """An uninitialised C-contiguous array, 64-byte aligned (a cache line)."""
+        dtype = np.dtype(dtype)
+        n_bytes = int(np.prod(shape)) * dtype.itemsize
+        if n_bytes > self.chunk_bytes // 2:
+            chunk, start = _pages(n_bytes + 64), 0
+        else:
+            chunk, start = self._chunk, self._used
+            if start + 63 + n_bytes > chunk.size:
+                chunk = self._chunk = _pages(self.chunk_bytes)
+                start = 0
+            self._used = start + (-(chunk.ctypes.data + start) % 64) + n_bytes
+        start += -(chunk.ctypes.data + start) % 64
+        return chunk[start:start + n_bytes].view(dtype).reshape(shape)
+
+
+def _pages(n_bytes: int) -> np.ndarray:
+    """uint8 ``[n_bytes]`` of fresh private anonymous memory on the kernel's 4 KiB pages.
+
+    NumPy asks for transparent huge pages from 4 MiB (``madvise``), and where the kernel
+    compacts memory to find 2 MiB at fault time (``defrag`` = ``madvise``, as in this project's
+    VMs) the first touch of those pages cost ~4 s per GiB against ~0.7 for small pages: the
+    8B-shaped Q4_K_M file loaded in 15-16 s instead of 8-12 (separate processes, alternated).
+    Decode did not notice (paired, one process: 0.99-1.01 at 8B and on SmolLM2)."""
+    pages = mmap.mmap(-1, max(n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(pages, dtype=np.uint8)
+
+
+def _zero_last_tile(n_rows: int, qs_t: np.ndarray, d_t: np.ndarray, m_t: np.ndarray) -> None:
+    """Zero the last tile when ``n_rows`` leaves padding rows in it; the packers then write
+    every byte of the real rows (wherever the layout puts them), so the padding stays zero."""
+    if n_rows % TR:
+        qs_t[-1] = 0
+        d_t[-1] = 0
+        if m_t.size:
+            m_t[-1] = 0
+
+
+def _unsupported(name: str, ggml_type) -> UnsupportedModelError:
+    type_name = getattr(ggml_type, "name", str(ggml_type))
+    supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+    return UnsupportedModelError(
+        f"tensor {name!r} has type {type_name}, which llamatrace cannot compute with "
+        f"(supported: {supported})"
+    )
+
+
+def _pack_blocks(name: str, fmt: BlockFormat, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
+                 group: tuple[int, int]):
+    """Row tiles (qs, d, m) of the stacked rows of ``parts`` = [(raw, n_out)] of a block type,
+    written in place by :func:`repack_tiles`: no concatenated or transposed temporary, so a load
+    holds the file's pages and the packed copy, nothing more; quant bytes ``group`` in 8-bit
+    activations' order (:func:`_group`). Raises ``ValueError`` on a size mismatch."""
+    ggml_type = fmt.ggml_type
+    if n_in % fmt.weights:
+        raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {fmt.weights}")
+    n_blocks = n_in // fmt.weights
+    n_rows = sum(int(n) for _, n in parts)
+    n_tiles = -(-n_rows // TR)
+    # 8-bit activations' kernels widen fp16 scales as they read them (jit.f16): decode
+    # streams 18 bytes per Q4_0 block instead of 20, as the file has them.
+    scale_type, table = (np.uint16, F16_BITS) if group != (0, 0) else (np.float32, F16_TABLE)
+    qs_t = arena.empty((n_tiles, n_blocks, fmt.packed_bytes, TR), np.uint8)
+    d_t = arena.empty((n_tiles, n_blocks, TR), scale_type)
+    m_t = arena.empty((n_tiles, n_blocks, TR), scale_type) if fmt.has_min else _EMPTY_SCALES
+    _zero_last_tile(n_rows, qs_t, d_t, m_t)
+    row0 = 0
+    for raw, n_out in parts:
+        raw = np.asarray(raw)
+        if raw.nbytes != n_out * n_blocks * fmt.file_bytes:
+            raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): expected "
+                             f"{n_out * n_blocks * fmt.file_bytes} bytes, got {raw.nbytes}")
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, fmt.file_bytes)
+        repack_tiles(ggml_type, blocks, row0, table, qs_t, d_t, m_t, group)
+        row0 += n_out
+    return (qs_t.view(np.int8) if fmt.signed else qs_t), d_t, m_t
+
+
+def check_activations(activations: str) -> str:
+    """``activations`` if it is a mode this machine runs (:data:`llamatrace.kernels.registry.MODES`), else
+    :class:`OptionError`."""
+    if activations not in MODES:
+        raise OptionError(f"activations must be one of {', '.join(MODES)}, got {activations!r}")
+    if activations == "q8" and not act8.available():
+        raise OptionError("activations q8 needs a CPU with AVX2, which this one lacks; use f32")
+    return activations
+
+
+def _group(ggml_type, activations: str) -> tuple[int, int]:
+    """The packed bytes ``(head, end)`` of a block row that :mod:`llamatrace.kernels.act8`'s kernels
+    read in groups of four (``(0, 0)``: none, the float32 path's layout)."""
+    if activations != "q8" or ggml_type not in act8.TYPES:
+        return (0, 0)
+    return act8.grouped_bytes(ggml_type)
+
+
+def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activations: str = "f32",
+         arena: Arena | None = None) -> Weight:
+    """Repack one GGUF tensor into row tiles.
+
+    ``raw`` is a GGUF tensor's ``.data`` (:class:`llamatrace.gguf.reader.Tensor` or gguf-py
+    ReaderTensor): uint8 ``[n_out, row_bytes]`` for the block types and BF16, float32 / float16
+    ``[n_out, n_in]`` for F32 / F16 (any array of the right size and dtype is accepted).
+    ``activations`` ``"q8"`` packs the types in :data:`llamatrace.kernels.act8.TYPES` for its
+    8-bit-activation kernels (other types are unaffected).
+    Raises :class:`UnsupportedModelError` for a type not in :data:`SUPPORTED_TYPES`,
+    ``ValueError`` if ``n_in`` is not a multiple of the block size or ``raw`` has the wrong
+    size, and :class:`OptionError` for an unknown ``activations``. The block types' arrays
+    come from ``arena`` when given (a model's loader passes one for all its weights).
+    """
+    check_activations(activations)
+    arena = arena if arena is not None else Arena(0)
+    try:
+        ggml_type = _T(ggml_type)
+    except ValueError:
+        raise _unsupported(name, ggml_type) from None
+    if ggml_type not in SUPPORTED_TYPES:
+        raise _unsupported(name, ggml_type)
+    n_out, n_in = int(n_out), int(n_in)
+    if n_out < 1 or n_in < 1:
+        raise ValueError(f"tensor {name!r}: empty shape [{n_out}, {n_in}]")
+    raw = np.asarray(raw)
+
+    group = _group(ggml_type, activations)
+    if ggml_type in FORMATS:
+        qs_t, d_t, m_t = _pack_blocks(name, FORMATS[ggml_type], [(raw, n_out)], n_in, arena, group)
+    else:
+        if raw.nbytes != n_out * n_in * floats.ITEM_BYTES[ggml_type]:
+            raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): "
+                             f"got {raw.nbytes} bytes")
+        qs_t = floats.tile_floats(ggml_type, raw, n_out, n_in)
+        d_t = m_t = _EMPTY_SCALES
+    return Weight(name, ggml_type, n_out, n_in, qs_t, d_t, m_t, (n_out,), group != (0, 0))
+
+
+def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32", arena: Arena | None = None) -> Weight:
+    """Stack the rows of several ``(ggml_type, raw, n_out, n_in)`` matrices into one Weight.
+
+    Used to fuse wq/wk/wv and w1/w3 so that one parallel region computes them all; split the
+    result with ``row_splits``. Raises ``ValueError`` if the parts differ in type or ``n_in``
+    or a part has the wrong size (the caller then packs them separately), and what
+    :func:`pack` raises. ``activations`` and ``arena`` as in :func:`pack`.
+    """
+    check_activations(activations)
+    arena = arena if arena is not None else Arena(0)
+    if not parts:
+        raise ValueError(f"pack_concat({name!r}): no parts")
+    ggml_type, n_in = parts[0][0], int(parts[0][3])
+    for typ, raw, n_out, part_n_in in parts:
+        if typ != ggml_type or int(part_n_in) != n_in:
+            raise ValueError(f"pack_concat({name!r}): parts differ in type or n_in "
+                             f"({getattr(typ, 'name', typ)} [{n_out}, {part_n_in}] vs "
+                             f"{getattr(ggml_type, 'name', ggml_type)} [.., {n_in}]); pack them separately")
+        if np.asarray(raw).size == 0 or np.asarray(raw).nbytes % int(n_out):
+            raise ValueError(f"pack_concat({name!r}): a part [{n_out}, {n_in}] has "
+                             f"{np.asarray(raw).nbytes} bytes")
+    splits = tuple(int(p[2]) for p in parts)
+    if _T(ggml_type) in FORMATS:
+        group = _group(_T(ggml_type), activations)
+        qs_t, d_t, m_t = _pack_blocks(name, FORMATS[_T(ggml_type)], [(raw, n_out) for _, raw, n_out, _ in parts],
+                                      n_in, arena, group)
+        return Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits, group != (0, 0))
+    rows = [np.ascontiguousarray(raw).view(np.uint8).reshape(int(n_out), -1) for _, raw, n_out, _ in parts]
+    row_bytes = {r.shape[1] for r in rows}
+    if len(row_bytes) != 1:
+        raise ValueError(f"pack_concat({name!r}): parts have different row sizes {sorted(row_bytes)}")
+    w = pack(name, ggml_type, np.concatenate(rows, axis=0), sum(splits), n_in, activations=activations, arena=arena)
+    return Weight(w.name, w.ggml_type, w.n_out, w.n_in, w.qs, w.d, w.m, splits, w.act8)
+
+
+# --------------------------------------------------------------------------------------------
+# repacking GGUF blocks (at load time)
+
+def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K 12 packed bytes [..., 12] -> (sc, mn) uint8 [..., 8] (ggml get_scale_min_k4)."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _scales_q3(s: np.ndarray) -> np.ndarray:
+    """Q3_K 12 packed bytes [..., 12] -> 16 unsigned 6-bit scales uint8 [..., 16]."""
+    i = np.arange(16)
+    low = (s[..., i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 15
+    high = (s[..., 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3
+    return (low | (high << 4)).astype(np.uint8)
+
+
+def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGUF blocks uint8 ``[n, B, file_bytes]`` -> (packed uint8 ``[n, B, packed_bytes]``,
+    d float32 ``[n, B]``, m float32 ``[n, B]`` or None), per the type's :class:`BlockFormat`:
+    the copied quant bytes, and Q3_K's / Q4_K's / Q5_K's 6-bit scales unpacked to bytes
+    (Q3_K: 16 scales at 96; Q4_K, Q5_K: 8 scales then 8 mins at 0)."""
+    fmt = FORMATS[_T(ggml_type)]
+    src, dst, n = fmt.copy
+    packed = np.empty(blocks.shape[:-1] + (fmt.packed_bytes,), np.uint8)
+    packed[..., dst:dst + n] = blocks[..., src:src + n]
+    if fmt.scales == SCALES_Q3_K:
+        packed[..., 96:112] = _scales_q3(blocks[..., 96:108])
+    elif fmt.scales == SCALES_K4:
+        packed[..., 0:8], packed[..., 8:16] = _scale_min_k4(blocks[..., 4:16])
+    d = f16_bytes_np(blocks[..., fmt.d_off:fmt.d_off + 2])
+    m = f16_bytes_np(blocks[..., fmt.m_off:fmt.m_off + 2]) if fmt.has_min else None
+    return packed, d, m
+
+
+def repack_tiles_np(ggml_type, blocks: np.ndarray, row0: int, qs_t: np.ndarray, d_t: np.ndarray,
+                    m_t: np.ndarray, group: tuple[int, int] = (0, 0)) -> None:
+    """NumPy twin of :func:`repack_tiles`: :func:`repack_blocks` on a few hundred rows at a
+    time, scattered into rows ``row0..`` of the tiles; uint16 ``d_t`` / ``m_t`` get the fp16
+    bits as they are."""
+    n_tiles, n_blocks, n_bytes = qs_t.shape[:3]
+    flat = qs_t.reshape(n_tiles, n_blocks, n_bytes * TR)
+    base, stride = tiles.byte_offsets_np(n_bytes, *group)
+    fmt = FORMATS[_T(ggml_type)]
+    d_off, m_off = fmt.d_off, fmt.m_off
+    for c0 in range(0, blocks.shape[0], 256):
+        packed, d, m = repack_blocks(ggml_type, blocks[c0:c0 + 256])
+        if d_t.dtype == np.uint16:
+            d, m = (np.ascontiguousarray(blocks[c0:c0 + 256, :, off:off + 2]).view(np.uint16)[..., 0]
+                    if off >= 0 else None for off in (d_off, m_off))
+        rows = row0 + c0 + np.arange(packed.shape[0])
+        at = base + (rows % TR)[:, None, None] * stride                     # [n, 1, P]
+        flat[(rows // TR)[:, None, None], np.arange(n_blocks)[:, None], at] = packed
+        d_t[rows // TR, :, rows % TR] = d
+        if m is not None:
+            m_t[rows // TR, :, rows % TR] = m
+
+
+def repack_tiles(ggml_type, blocks: np.ndarray, row0: int, f16_table: np.ndarray, qs_t: np.ndarray,
+                 d_t: np.ndarray, m_t: np.ndarray, group: tuple[int, int] = (0, 0)) -> None:
+    """GGUF blocks uint8 ``[n, B, file_bytes]`` -> rows ``row0..row0+n`` of the tiles ``qs_t``
+    uint8 ``[T, B, packed_bytes, TR]``, ``d_t`` / ``m_t`` ``[T, B, TR]`` (``m_t`` unused
+    for types without a minimum), per the type's :class:`BlockFormat`; packed bytes
+    ``group = (head, end)`` in :mod:`llamatrace.kernels.act8`'s grouped order (:func:`tiles.byte_offset`).
+    ``f16_table`` [65536] maps an fp16 bit pattern to what ``d_t`` / ``m_t`` hold: float32
+    values, or uint16 (the identity) for the bits as they are. In parallel over tiles; rows of
+    other tiles untouched. The NumPy scatter it replaced took ~7 s of an 8B Q4_K_M load; this
+    moves 1.5-2.3 GB/s of file bytes on two threads, once the memory is mapped."""
+    fmt = FORMATS[_T(ggml_type)]
+    _repack_tiles(fmt.scales, *fmt.copy, fmt.d_off, fmt.m_off, *group, blocks, row0, f16_table, qs_t, d_t, m_t)
+
+
+@njit(**JIT_INLINE)
+def _put(out, p, r, head, end, v):
+    """Byte p of row r of a packed block (``out`` its flat [P * TR] bytes) = v."""
+    base, stride = tiles.byte_offset(p, head, end)
+    out[base + r * stride] = v
+
+
+@njit(**JIT_PARALLEL)
+def _repack_tiles(scales, src, dst, n_copy, d_off, m_off, head, end, blocks, row0, f16_table, qs_t, d_t, m_t):
+    """:func:`repack_tiles` with the type's :class:`BlockFormat` and ``group`` spelled out."""
+    n_rows, n_blocks, block_bytes = blocks.shape
+    flat = blocks.reshape(-1)
+    t_first = row0 // TR
+    for t in prange((row0 + n_rows - 1) // TR - t_first + 1):
+        tile = t_first + t
+        r_lo = max(tile * TR, row0) - row0
+        r_hi = min((tile + 1) * TR, row0 + n_rows) - row0
+        for b in range(n_blocks):
+            out = qs_t[tile, b].reshape(-1)
+            for r in range(r_lo, r_hi):
+                rr = row0 + r - tile * TR
+                blk = blocks[r, b]
+                d_t[tile, b, rr] = f16_table[blk[d_off] | (np.uint16(blk[d_off + 1]) << 8)]
+                if m_off >= 0:
+                    m_t[tile, b, rr] = f16_table[blk[m_off] | (np.uint16(blk[m_off + 1]) << 8)]
+                if scales == SCALES_Q3_K:                  # 12 bytes of 6-bit scales -> 16 bytes
+                    for i in range(16):
+                        low = (blk[96 + i % 8] >> (4 * (i // 8))) & 15
+                        high = (blk[104 + i % 4] >> (2 * (i // 4))) & 3
+                        _put(out, 96 + i, rr, head, end, low | (high << 4))
+                elif scales == SCALES_K4:   # ggml's get_scale_min_k4: 8 scales, 8 mins
+                    for i in range(4):
+                        lo, mid, hi = blk[4 + i], blk[8 + i], blk[12 + i]
+                        _put(out, i, rr, head, end, lo & 63)
+                        _put(out, 4 + i, rr, head, end, (hi & 15) | ((lo >> 6) << 4))
+                        _put(out, 8 + i, rr, head, end, mid & 63)
+                        _put(out, 12 + i, rr, head, end, (hi >> 4) | ((mid >> 6) << 4))
+            tiles.copy_rows(flat, (r_lo * n_blocks + b) * block_bytes + src, n_blocks * block_bytes,
+                            r_hi - r_lo, out, row0 + r_lo - tile * TR, dst, n_copy, head, end)
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy reference
+
+
+def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
+    """Dequantize the given rows (int array [n]) -> float32 [n, n_in], plain NumPy, by the
+    type's :attr:`BlockFormat.dequant_np` (gguf-py's arithmetic, so results are bit-for-bit
+    equal to ``gguf.quants.dequantize``) or :func:`llamatrace.kernels.floats.dequant_np`."""
+    typ = w.ggml_type
+    t, r = rows // TR, rows % TR
+    fmt = FORMATS.get(typ)
+    if fmt is None:
+        return floats.dequant_np(typ, w.qs[t, :, r])                  # [n, n_in]
+    q = act8.file_order_rows(typ, w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, P]
+    db, mb = w.d[t, :, r], (w.m[t, :, r] if w.m.size else None)                 # [n, B]
+    if w.act8:                                                   # fp16 bits
+        db, mb = f16_np(db), (f16_np(mb) if mb is not None else None)
+    return fmt.dequant_np(q, db, mb)
+
+
+def dequantize(w: Weight) -> np.ndarray:
+    """float32 ``[n_out, n_in]``, plain NumPy; bit-for-bit ``gguf.quants.dequantize`` of the file's data."""
+    return _dequant_rows_np(w, np.arange(w.n_out))
+
+
+def get_rows(w: Weight, ids: np.ndarray) -> np.ndarray:
+    """Embedding lookup: float32 ``[len(ids), n_in]``, the dequantized rows ``ids`` of ``w``.
+
+    Raises ``IndexError`` if an id is outside ``[0, n_out)``.
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= w.n_out):
+        raise IndexError(f"{w.name}: row ids must be in [0, {w.n_out}), got {ids.min()}..{ids.max()}")
+    return _dequant_rows_np(w, ids)
+
+
+def dequant_tile_np(w: Weight, t: int) -> np.ndarray:
+    """NumPy twin of the kernel modules' ``dequant_tile``: float32 [n_in, TR], rows t*TR.. as columns."""
+    return _dequant_rows_np(w, np.arange(t * TR, (t + 1) * TR)).T.copy()
+
+
+def matmul_ref(x: np.ndarray, w: Weight) -> np.ndarray:
+    """Plain NumPy twin of :func:`llamatrace.kernels.registry.matmul`: ``x @ dequantize(w).T``
+    summed in float64, float32 ``[S, n_out]``."""
+    return (np.asarray(x, dtype=np.float64) @ dequantize(w).T.astype(np.float64)).astype(np.float32)

@@ -1,0 +1,136 @@
+"""Q8_0 weights: block format, GEMV (decode) and tiled (prefill) kernels, NumPy twins.
+
+GGUF block (per 32 weights of one row, as in gguf-py ``quants.py``)::
+
+    Q8_0  34 bytes  | d f16 | q int8[32] |             w[j] = d * q[j]
+
+Packed (:mod:`llamatrace.kernels.packing`; T = ceil(n_out / TR) tiles, B = n_in / 32 blocks,
+padded rows zero)::
+
+    qs int8 [T, B, 32, TR]    d float32 [T, B, TR]
+
+Resident bytes against the file: 36/34 = 1.06x (1.0x in the ``q8`` mode, whose kernel is
+:mod:`llamatrace.kernels.act8`'s). Float32 activations times the dequantized weights, float32
+accumulation, as :mod:`llamatrace.kernels.q4` (whose notes on the loops apply here too).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+from numba import njit, prange
+
+from llamatrace.kernels import tiles
+from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
+from llamatrace.kernels.registry import BlockFormat, block_format, kernel
+
+_T = gguf.GGMLQuantizationType
+TR = tiles.TR
+QK = 32
+"""Weights per block."""
+
+
+def dequant_np(p: np.ndarray, db: np.ndarray, mb: None) -> np.ndarray:
+    """Q8_0 packed quants int8 [n, B, 32], d float32 [n, B] -> float32 [n, B*32]: gguf-py's
+    ``d * q``, bit for bit."""
+    return (db[:, :, None] * p.astype(np.float32)).reshape(p.shape[0], -1)
+
+
+block_format(BlockFormat(_T.Q8_0, weights=QK, file_bytes=34, packed_bytes=32, copy=(2, 0, 32),
+                         d_off=0, m_off=-1, dequant_np=dequant_np, signed=True))
+
+
+def gemv_q8_np(x: np.ndarray, qs, d) -> np.ndarray:
+    """NumPy twin of :func:`_gemv_q8`: per block d*(x.q). Returns float32 [S, T*TR]."""
+    n_seq, n_blocks = x.shape[0], qs.shape[1]
+    xb = x.reshape(n_seq, n_blocks, 32).astype(np.float64)
+    y = (d * np.einsum("sbj,tbjr->stbr", xb, qs.astype(np.float64))).sum(axis=2)
+    return y.reshape(n_seq, -1).astype(np.float32)
+
+
+
+@njit(**JIT_INLINE)
+def _i8_chain8(q, r, x, j):
+    acc = np.float32(0.0)
+    for i in range(8):  # constant trip count: fully unrolled by LLVM
+        acc += x[j + i] * np.float32(q[j + i, r])
+    return acc
+
+
+@njit(**JIT_INLINE)
+def _i8_half_dot(q, r, x, j):
+    """sum over j..j+15 of x[j] * q[j, r] for one Q8_0 block q int8 [32, TR]: two 8-FMA chains
+    (a block in two halves, as in :func:`llamatrace.kernels.q4._q4_half_dot`)."""
+    return _i8_chain8(q, r, x, j) + _i8_chain8(q, r, x, j + 8)
+
+
+
+@njit(**JIT_PARALLEL)
+def _gemv_q8(x, qs, d, out):
+    """Q8_0 GEMV for a few rows. x float32 [S, B*32]; qs int8 [T, B, 32, TR]; d float32
+    [T, B, TR]; out float32 [S, n_out]."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    for t in prange(n_tiles):
+        acc = np.empty(TR, np.float32)
+        half = np.empty(TR, np.float32)
+        for s in range(n_seq):
+            acc[:] = 0.0
+            for b in range(n_blocks):
+                q = qs[t, b]
+                db = d[t, b]
+                xb = x[s, b * 32:b * 32 + 32]
+                for r in range(TR):
+                    half[r] = _i8_half_dot(q, r, xb, 0)
+                for r in range(TR):
+                    acc[r] += db[r] * (half[r] + _i8_half_dot(q, r, xb, 16))
+            tiles.store_tile(acc, out, s, t)
+
+
+
+@njit(**JIT_INLINE)
+def _dequant_blocks_q8(qs, d, t, b0, n, wt):
+    """Blocks b0 .. b0+n-1 of tile t of Q8_0 -> wt float32 [n*32, TR]."""
+    for i in range(n):
+        q = qs[t, b0 + i]
+        db = d[t, b0 + i]
+        for j in range(32):
+            row = wt[i * 32 + j]
+            for r in range(TR):
+                row[r] = db[r] * np.float32(q[j, r])
+
+
+
+@njit(**JIT_PARALLEL)
+def _tiled_q8(x, qs, d, out):
+    """Q8_0 matmul for many rows (as :func:`llamatrace.kernels.q4._tiled_q4`)."""
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    for t in prange(n_tiles):
+        wt = np.empty((tiles.CHUNK, TR), np.float32)
+        acc = np.zeros((x.shape[0], TR), np.float32)
+        for b0 in range(0, n_blocks, tiles.CHUNK // QK):
+            n = min(tiles.CHUNK // QK, n_blocks - b0)
+            _dequant_blocks_q8(qs, d, t, b0, n, wt)
+            tiles.chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
+        tiles.store_rows(acc, out, t)
+
+
+
+@njit(**JIT)
+def dequant_tile(qs, d, t):
+    """Tile t -> float32 [B*32, TR] by the prefill kernel's dequantizer; twin:
+    :func:`llamatrace.kernels.packing.dequant_tile_np`."""
+    n_blocks = qs.shape[1]
+    wt = np.empty((n_blocks * 32, TR), np.float32)
+    _dequant_blocks_q8(qs, d, t, 0, n_blocks, wt)
+    return wt
+
+
+@kernel(_T.Q8_0, "f32", "decode")
+def gemv_q8_0(x, w, out):
+    _gemv_q8(x, w.qs, w.d, out)
+
+
+@kernel(_T.Q8_0, "f32", "prefill")
+def tiled_q8_0(x, w, out):
+    _tiled_q8(x, w.qs, w.d, out)

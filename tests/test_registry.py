@@ -1,0 +1,103 @@
+"""The kernel registry (llamatrace.kernels.registry): what is registered, that each registered kernel
+computes what its NumPy reference does, the errors for what is not, and ``llamatrace info``'s column."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf_factory import random_blocks, write_tiny_llama
+
+from llamatrace.cli import main
+from llamatrace.errors import UnsupportedModelError
+from llamatrace.kernels import act8, packing, registry
+from llamatrace.kernels.registry import GEMV_MAX_SEQ, PHASES, matmul
+
+T = gguf.GGMLQuantizationType
+FLOATS = (T.F32, T.F16, T.BF16)
+BLOCKS = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
+# what the old if-chain (quant._dispatch) served: every type with float32 activations in both
+# phases, and the 8-bit-activation types with one kernel for both
+SERVED = ({(t, "f32", p) for t in FLOATS + BLOCKS for p in PHASES}
+          | {(t, "q8", p) for t in Q8_TYPES for p in PHASES})
+N_OUT = 70                                   # not a multiple of the 32-row tile
+
+
+def _weight(qtype, mode: str):
+    """(raw file bytes or floats, packed Weight) of a random [70, n_in] matrix of ``qtype``."""
+    rng = np.random.default_rng(int(qtype))
+    if qtype in FLOATS + (T.Q4_0, T.Q4_1, T.Q8_0):           # types gguf-py can quantize
+        n_in = 96
+        w = rng.standard_normal((N_OUT, n_in)).astype(np.float32)
+        raw = w if qtype == T.F32 else gguf.quants.quantize(w, qtype)
+    else:
+        n_in = 2 * registry.FORMATS[qtype].weights
+        raw = random_blocks(qtype, N_OUT, 2, seed=int(qtype), std=0.05)
+    return raw, packing.pack("w", qtype, raw, N_OUT, n_in, activations=mode)
+
+
+def test_every_combination_the_old_dispatch_served_is_registered():
+    assert set(registry.served()) == SERVED
+    assert set(act8.TYPES) == set(Q8_TYPES)
+
+
+@pytest.mark.parametrize("key", sorted(SERVED, key=lambda k: (k[0].name, k[1], k[2])),
+                         ids=lambda k: "-".join((k[0].name, k[1], k[2])))
+def test_registered_kernel_matches_its_reference(key):
+    qtype, mode, phase = key
+    raw, w = _weight(qtype, mode)
+    assert w.act8 == (mode == "q8")
+    n_seq = 1 if phase == "decode" else GEMV_MAX_SEQ + 1
+    x = np.random.default_rng(5).standard_normal((n_seq, w.n_in)).astype(np.float32)
+    kern = registry.lookup(qtype, mode, phase)
+    assert registry.describe(w)[phase] == kern.name
+    out = np.empty((n_seq, N_OUT), np.float32)
+    kern.run(x, w, out)
+    np.testing.assert_array_equal(matmul(x, w), out)          # matmul runs this kernel for this phase
+    if mode == "f32":                                          # gguf-py's weights, float64 sums
+        W = gguf.quants.dequantize(raw, qtype).astype(np.float64).reshape(N_OUT, -1)
+        ref = x.astype(np.float64) @ W.T
+        scale = np.abs(x).astype(np.float64) @ np.abs(W).T
+        assert np.all(np.abs(out - ref) <= 1e-6 * scale + 1e-30)
+    else:                                                      # act8's NumPy twins of the same kernels
+        twin = {T.Q4_0: lambda: act8.matmul_q4_np(x, w.qs, w.d, w.d, -8.0),
+                T.Q4_1: lambda: act8.matmul_q4_np(x, w.qs, w.d, w.m, 1.0),
+                T.Q8_0: lambda: act8.matmul_q8_np(x, w.qs, w.d),
+                T.Q4_K: lambda: act8.matmul_q4k_np(x, w.qs, w.d, w.m),
+                T.Q6_K: lambda: act8.matmul_q6k_np(x, w.qs, w.d)}[qtype]()[:, :N_OUT]
+        np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
+
+
+def test_unregistered_combination_is_a_clear_error():
+    with pytest.raises(UnsupportedModelError, match="no kernel computes with IQ4_NL weights in activation mode 'q8'"):
+        registry.lookup(T.IQ4_NL, "q8", "decode")
+    with pytest.raises(UnsupportedModelError, match="Q5_0 weights in activation mode 'q8' for prefill"):
+        registry.lookup(T.Q5_0, "q8", "prefill")
+    _, w = _weight(T.Q4_0, "f32")
+    odd = packing.Weight("odd", T.IQ4_NL, w.n_out, w.n_in, w.qs, w.d, w.m, w.row_splits)
+    with pytest.raises(UnsupportedModelError, match="IQ4_NL"):
+        matmul(np.zeros((1, w.n_in), np.float32), odd)
+    with pytest.raises(UnsupportedModelError):
+        registry.describe(odd)
+
+
+def test_kernel_declarations_are_checked():
+    with pytest.raises(ValueError, match="already served by q4.gemv_q4_0"):
+        registry.kernel(T.Q4_0, "f32", "decode")(lambda x, w, out: None)
+    with pytest.raises(ValueError, match="mode"):
+        registry.kernel(T.Q4_0, "int4", "decode")
+    with pytest.raises(ValueError, match="declared twice"):
+        registry.block_format(registry.FORMATS[T.Q8_0])
+    assert set(registry.served()) == SERVED                  # nothing half-registered
+
+
+def test_info_names_the_kernels_of_each_tensor_type(tmp_path, capsys):
+    path = write_tiny_llama(tmp_path / "tiny.gguf", qtype=T.Q4_1)
+    assert main(["info", "-m", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "matmul kernels" in out
+    for name in ("q4.gemv_q4_1", "q4.tiled_q4_1", "act8.matmul_q4_1", "floats.tiled_f32"):   # rich may wrap the cell
+        assert name in out
+    assert registry.summary("Q4_1") == "q4.gemv_q4_1 / q4.tiled_q4_1, q8: act8.matmul_q4_1"
+    assert registry.summary("IQ4_NL") == "-"
