@@ -25,7 +25,7 @@ this file's import line below: in the module, declare the type's
 (block sizes, where the fp16 ``d`` / ``m`` and the quant bytes sit, its NumPy dequantizer), and
 decorate thin adapters around its Numba kernels with ``@kernel(type, "f32", "decode")`` and
 ``@kernel(type, "f32", "prefill")`` (and ``"q8"`` if it has an 8-bit-activation kernel, which
-also needs an entry in :data:`llamatrace.kernels.act8.TYPES`' byte-group table). ``packing``,
+also needs its row of ``act8``'s byte-group table, :data:`llamatrace.kernels.act8.TYPES`). ``packing``,
 ``registry``, the model and ``llamatrace info`` need no change: IQ4_NL (``d`` + 16 bytes of
 nibbles indexing a 16-value table) and Q8_1 (``d``, ``s`` + 32 int8) are copied by the existing
 repacker. Only a type whose sub-block scales must be unpacked at load in a new way (like

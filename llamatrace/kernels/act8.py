@@ -76,9 +76,6 @@ TR = tiles.TR
 QK = 32
 QK_K = 256
 
-TYPES = frozenset({_T.Q4_0, _T.Q4_1, _T.Q8_0, _T.Q4_K, _T.Q6_K})
-"""Weight types with an 8-bit-activation kernel; other types keep float32 activations."""
-
 _Q4K_HEAD = 16       # Q4_K: scale bytes sc[8] mn[8] per row before the 128 quant bytes
 
 
@@ -93,6 +90,8 @@ def available() -> bool:
 
 _GROUPED = {_T.Q4_0: (0, 16), _T.Q4_1: (0, 16), _T.Q8_0: (0, 32), _T.Q4_K: (_Q4K_HEAD, 144),
             _T.Q6_K: (0, Q6K_SCALES)}
+TYPES = frozenset(_GROUPED)
+"""Weight types with an 8-bit-activation kernel; other types keep float32 activations."""
 
 
 def grouped_bytes(ggml_type) -> tuple[int, int]:
