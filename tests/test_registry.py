@@ -101,3 +101,34 @@ def test_info_names_the_kernels_of_each_tensor_type(tmp_path, capsys):
         assert name in out
     assert registry.summary("Q4_1") == "q4.gemv_q4_1 / q4.tiled_q4_1, q8: act8.matmul_q4_1"
     assert registry.summary("IQ4_NL") == "-"
+
+
+def test_a_new_block_type_needs_only_its_format_and_kernels(monkeypatch):
+    """IQ4_NL declared the way a kernel module would (a BlockFormat and @kernel adapters) packs with
+    the existing repacker and multiplies through matmul; packing itself is not touched."""
+    kvalues = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)
+
+    def dequant_np(p, db, mb):                 # d * kvalues[nibble]: low nibbles, then high
+        q = np.concatenate([p & 15, p >> 4], axis=-1)
+        return (db[..., None] * kvalues[q]).reshape(p.shape[0], -1)
+
+    monkeypatch.setattr(registry, "FORMATS", dict(registry.FORMATS))
+    monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
+    monkeypatch.setattr(packing, "FORMATS", registry.FORMATS)
+    monkeypatch.setattr(packing, "SUPPORTED_TYPES", packing.SUPPORTED_TYPES | {T.IQ4_NL})
+    registry.block_format(registry.BlockFormat(T.IQ4_NL, weights=32, file_bytes=18, packed_bytes=16,
+                                               copy=(2, 0, 16), d_off=0, m_off=-1, dequant_np=dequant_np))
+
+    @registry.kernel(T.IQ4_NL, "f32", ("decode", "prefill"))
+    def matmul_iq4_nl(x, w, out):
+        out[:] = packing.matmul_ref(x, w)
+
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (N_OUT, 2 * 18), dtype=np.uint8)
+    raw.reshape(N_OUT, 2, 18)[:, :, :2] = np.array([0.01], np.float16).view(np.uint8)   # finite scales
+    w = packing.pack("w", T.IQ4_NL, raw, N_OUT, 64)
+    ref = gguf.quants.dequantize(raw, T.IQ4_NL).astype(np.float32)
+    np.testing.assert_array_equal(packing.dequantize(w), ref)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_allclose(matmul(x, w), x @ ref.T, rtol=1e-5, atol=1e-5)
+    assert registry.describe(w) == {"decode": "test_registry.matmul_iq4_nl", "prefill": "test_registry.matmul_iq4_nl"}
