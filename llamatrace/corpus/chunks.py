@@ -1,0 +1,101 @@
+"""A text cut into chunks of ``n_ctx`` tokens, as ``llama-perplexity`` cuts it.
+
+llama.cpp ``tools/perplexity/perplexity.cpp`` (``perplexity()``): the whole text is tokenized
+once, with BOS first where the vocabulary adds one; ``n_chunk = n_tokens // n_ctx`` (at most
+``--chunks``); chunk ``i`` is ``tokens[i*n_ctx : (i+1)*n_ctx]`` with its first slot replaced by
+BOS where the vocabulary adds one; at least ``2 * n_ctx`` tokens are needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from llamatrace.errors import OptionError, PromptError
+
+
+def read_corpus(path: Path) -> str:
+    """The UTF-8 text of ``path``.
+
+    Raises:
+        OptionError: the file is missing or unreadable.
+        PromptError: it is empty (or only whitespace), or binary (a NUL byte, or not UTF-8).
+    """
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise OptionError(f"-f {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
+    if b"\x00" in data:
+        raise PromptError(f"-f {str(path)!r} is a binary file (it contains NUL bytes): give a text file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"-f {str(path)!r} is not UTF-8 text (invalid byte at offset {exc.start}): "
+                          f"give a UTF-8 text file") from None
+    if not text.strip():
+        raise PromptError(f"-f {str(path)!r} is empty: give a text of at least two chunks")
+    return text
+
+
+@dataclass
+class Chunks:
+    """Token ids of a corpus and how they are cut.
+
+    Attributes:
+        tokens: int32 ``[n_tokens]``, the whole text (BOS first where the vocabulary adds one).
+        n_ctx: tokens per chunk (``--ctx-size``).
+        n_chunk: chunks evaluated.
+        bos_id: put in each chunk's first slot, or ``None`` when the vocabulary adds no BOS.
+    """
+
+    tokens: np.ndarray
+    n_ctx: int
+    n_chunk: int
+    bos_id: int | None
+
+    @property
+    def first(self) -> int:
+        """First scored position: logits ``first … n_ctx-2`` predict tokens ``first+1 … n_ctx-1``."""
+        return self.n_ctx // 2
+
+    @property
+    def n_scored(self) -> int:
+        """Scored tokens per chunk."""
+        return self.n_ctx - 1 - self.first
+
+    def chunk(self, i: int) -> np.ndarray:
+        """int32 ``[n_ctx]`` ids fed for chunk ``i`` (BOS in the first slot if the vocabulary adds one)."""
+        ids = self.tokens[i * self.n_ctx:(i + 1) * self.n_ctx].copy()
+        if self.bos_id is not None:
+            ids[0] = self.bos_id
+        return ids
+
+    def targets(self, i: int) -> np.ndarray:
+        """int64 ``[n_scored]``: the tokens predicted by the scored positions of chunk ``i``."""
+        start = i * self.n_ctx
+        return self.tokens[start + self.first + 1:start + self.n_ctx].astype(np.int64)
+
+
+def make_chunks(tokenizer, text: str, n_ctx: int, max_chunks: int | None, max_seq_len: int) -> Chunks:
+    """Tokenize ``text`` and cut it into chunks of ``n_ctx`` tokens.
+
+    Raises:
+        OptionError: ``n_ctx`` below 4 or over the model's context ``max_seq_len``, or
+            ``max_chunks`` below 1.
+        PromptError: fewer than ``2 * n_ctx`` tokens.
+    """
+    if not 4 <= n_ctx <= max_seq_len:
+        raise OptionError(f"--ctx-size {n_ctx} is out of range: it must be between 4 and the model's "
+                          f"context length {max_seq_len}")
+    if max_chunks is not None and max_chunks < 1:
+        raise OptionError(f"--chunks must be a positive integer, got {max_chunks}")
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
+    if len(ids) < 2 * n_ctx:
+        raise PromptError(f"the text tokenizes to {len(ids)} tokens: perplexity with --ctx-size {n_ctx} "
+                          f"needs at least {2 * n_ctx} (two chunks); give a longer text or a smaller --ctx-size")
+    n_chunk = len(ids) // n_ctx
+    if max_chunks is not None:
+        n_chunk = min(n_chunk, max_chunks)
+    return Chunks(ids, n_ctx, n_chunk, tokenizer.bos_id if tokenizer.add_bos else None)

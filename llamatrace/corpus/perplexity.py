@@ -1,0 +1,156 @@
+"""Perplexity and KL divergence over a corpus, as ``llama-perplexity`` computes them.
+
+One chunk (:func:`score_chunk`): a fresh KV cache, one prefill of the chunk's ``n_ctx`` tokens
+with the logits of every position, then the per-token arithmetic of
+:mod:`llamatrace.corpus.metrics` on the scored half. Three runs use it:
+
+* :func:`perplexity`: NLL per token → PPL ± error;
+* :func:`save_base`: the base model's compressed log-probabilities → a base file
+  (:mod:`llamatrace.corpus.basefile`), as ``--kl-divergence-base`` does;
+* :func:`kl_divergence`: a model against a base file → :class:`~llamatrace.corpus.metrics.KLDStats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import numpy as np
+
+from llamatrace.corpus import basefile
+from llamatrace.corpus.chunks import Chunks, make_chunks
+from llamatrace.corpus.metrics import KLDStats, PerplexityStats, TokenKLD, compress_log_probs, token_kld, token_nll
+from llamatrace.corpus.runner import ModelSpec, run_chunks
+from llamatrace.errors import OptionError
+
+OnChunk = Callable[[int, float], None]     # on_chunk(chunk index, running PPL)
+
+
+@dataclass
+class ChunkJob:
+    """One chunk's input: int32 ``[n_ctx]`` ids, int64 ``[n_scored]`` targets, the first scored
+    position, and what to compute: ``"nll"``, ``"base"`` (base rows) or ``"kld"`` (``base_rows`` given)."""
+
+    ids: np.ndarray
+    targets: np.ndarray
+    first: int
+    mode: str = "nll"
+    base_rows: np.ndarray | None = None
+
+
+def chunk_logits(model, ids: np.ndarray, first: int) -> np.ndarray:
+    """float32 ``[n_ctx - 1 - first, n_vocab]``: logits of positions ``first … n_ctx-2`` of one
+    prefill of ``ids`` from position 0 (a fresh cache, as llama.cpp clears its KV cache per chunk)."""
+    cache = model.new_cache(len(ids))
+    return model.forward(ids, 0, cache, all_logits=True)[first:len(ids) - 1]
+
+
+def score_chunk(model, job: ChunkJob):
+    """The runner's work for one chunk: float64 NLL ``[n_scored]``, base rows, or a :class:`TokenKLD`."""
+    logits = chunk_logits(model, job.ids, job.first)
+    if job.mode == "base":
+        return token_nll(logits, job.targets), compress_log_probs(logits)
+    if job.mode == "kld":
+        return token_kld(logits, job.base_rows, job.targets)
+    return token_nll(logits, job.targets)
+
+
+def _job(chunks: Chunks, i: int, mode: str = "nll", base: basefile.BaseFile | None = None) -> ChunkJob:
+    return ChunkJob(chunks.chunk(i), chunks.targets(i), chunks.first, mode,
+                    base.rows(i) if base is not None else None)
+
+
+def perplexity(spec: ModelSpec, chunks: Chunks, workers: int = 1, model=None,
+               on_chunk: OnChunk | None = None) -> PerplexityStats:
+    """PPL ± error over ``chunks.n_chunk`` chunks (``llama-perplexity`` without options).
+
+    Raises:
+        LlamatraceError: from the model or a worker (see :func:`llamatrace.corpus.runner.run_chunks`).
+    """
+    stats = PerplexityStats()
+
+    def collect(i: int, nll: np.ndarray) -> None:
+        running = stats.add(nll)
+        if on_chunk:
+            on_chunk(i, running)
+
+    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i), score_chunk, collect, workers, model)
+    return stats
+
+
+def save_base(spec: ModelSpec, chunks: Chunks, n_vocab: int, f: BinaryIO, workers: int = 1, model=None,
+              on_chunk: OnChunk | None = None) -> PerplexityStats:
+    """Run the base model and write its base file to ``f`` (header, then each chunk's rows in
+    order); returns the base's PPL (from exact log-probabilities, before compression)."""
+    stats = PerplexityStats()
+    basefile.write_header(f, chunks, n_vocab)
+
+    def collect(i: int, result) -> None:
+        nll, rows = result
+        basefile.write_rows(f, rows)
+        running = stats.add(nll)
+        if on_chunk:
+            on_chunk(i, running)
+
+    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i, "base"), score_chunk, collect, workers, model)
+    return stats
+
+
+def check_base(base: basefile.BaseFile, chunks: Chunks, n_vocab: int) -> None:
+    """Refuse a base file that was not made from the same tokens and vocabulary.
+
+    Raises:
+        OptionError: another vocabulary size, context size, fewer chunks or other token ids.
+    """
+    where = f"--base {str(base.path)!r}"
+    if base.n_vocab != n_vocab:
+        raise OptionError(f"{where}: the base model's vocabulary has {base.n_vocab} tokens, the model's "
+                          f"{n_vocab}: KL divergence needs two models with the same vocabulary")
+    if base.n_ctx != chunks.n_ctx:
+        raise OptionError(f"{where} was made with --ctx-size {base.n_ctx}; use the same (not {chunks.n_ctx})")
+    if base.n_chunk < chunks.n_chunk:
+        raise OptionError(f"{where} holds {base.n_chunk} chunks; use --chunks {base.n_chunk} or fewer")
+    n = chunks.n_chunk * chunks.n_ctx
+    if not np.array_equal(np.asarray(base.tokens[:n]), chunks.tokens[:n]):
+        raise OptionError(f"{where}: its token ids differ from this text's: it was made from another text, "
+                          f"or the two models' vocabularies differ")
+
+
+def kl_divergence(spec: ModelSpec, chunks: Chunks, base: basefile.BaseFile, workers: int = 1, model=None,
+                  on_chunk: OnChunk | None = None) -> KLDStats:
+    """``llama-perplexity --kl-divergence`` statistics of the model against ``base``.
+
+    Raises:
+        OptionError: ``base`` does not match (:func:`check_base`).
+    """
+    n_vocab = model.config.vocab_size if model is not None else base.n_vocab
+    check_base(base, chunks, n_vocab)
+    parts: list[TokenKLD] = []
+    stats = PerplexityStats()
+
+    def collect(i: int, part: TokenKLD) -> None:
+        parts.append(part)
+        running = stats.add(part.nll)
+        if on_chunk:
+            on_chunk(i, running)
+
+    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i, "kld", base), score_chunk, collect, workers, model)
+    return KLDStats.from_tokens(parts)
+
+
+def base_chunks(base_path: Path, text: str, n_ctx: int, max_chunks: int | None) -> tuple[Chunks, int]:
+    """The chunks of ``text`` under the base GGUF's own tokenizer, and its vocabulary size, read
+    without loading its weights (to refuse two vocabularies before any compute).
+
+    Raises:
+        ModelNotFoundError, ModelFormatError, UnsupportedModelError: the base file cannot be used.
+    """
+    from llamatrace.gguf.reader import gguf_name, open_gguf
+    from llamatrace.model.config import ModelConfig
+    from llamatrace.text.tokenizer import Tokenizer
+    f = open_gguf(base_path)
+    n_vocab = f.matrix_shape(gguf_name("tok_embeddings"))[0]
+    config = ModelConfig.from_metadata(f.metadata, vocab_size=n_vocab, source=Path(base_path).name)
+    tokenizer = Tokenizer.from_reader(f, path=str(base_path))
+    return make_chunks(tokenizer, text, n_ctx, max_chunks, config.max_seq_len), n_vocab
