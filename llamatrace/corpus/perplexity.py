@@ -97,6 +97,17 @@ def save_base(spec: ModelSpec, chunks: Chunks, n_vocab: int, f: BinaryIO, worker
     return stats
 
 
+def check_same_tokens(chunks: Chunks, n_vocab: int, other: Chunks, other_vocab: int, where: str) -> None:
+    """Refuse a base model whose vocabulary or token ids for this text differ.
+
+    Raises:
+        OptionError: another vocabulary size or other token ids.
+    """
+    if other_vocab != n_vocab or not np.array_equal(other.tokens, chunks.tokens):
+        raise OptionError(f"{where}: the base model's vocabulary differs from the model's ({other_vocab} vs "
+                          f"{n_vocab} tokens, or other ids for this text): KL divergence needs the same vocabulary")
+
+
 def check_base(base: basefile.BaseFile, chunks: Chunks, n_vocab: int) -> None:
     """Refuse a base file that was not made from the same tokens and vocabulary.
 
@@ -139,18 +150,20 @@ def kl_divergence(spec: ModelSpec, chunks: Chunks, base: basefile.BaseFile, work
     return KLDStats.from_tokens(parts)
 
 
-def base_chunks(base_path: Path, text: str, n_ctx: int, max_chunks: int | None) -> tuple[Chunks, int]:
-    """The chunks of ``text`` under the base GGUF's own tokenizer, and its vocabulary size, read
-    without loading its weights (to refuse two vocabularies before any compute).
+def read_chunks(model_path: Path, text: str, n_ctx: int, max_chunks: int | None) -> tuple[Chunks, int]:
+    """The chunks of ``text`` under a GGUF's own tokenizer, and its vocabulary size, read without
+    packing its weights (a parent of worker processes needs no model; two vocabularies are
+    refused before any compute).
 
     Raises:
-        ModelNotFoundError, ModelFormatError, UnsupportedModelError: the base file cannot be used.
+        ModelNotFoundError, ModelFormatError, UnsupportedModelError: the file cannot be used.
+        OptionError, PromptError: as :func:`llamatrace.corpus.chunks.make_chunks`.
     """
     from llamatrace.gguf.reader import gguf_name, open_gguf
     from llamatrace.model.config import ModelConfig
     from llamatrace.text.tokenizer import Tokenizer
-    f = open_gguf(base_path)
+    f = open_gguf(model_path)
     n_vocab = f.matrix_shape(gguf_name("tok_embeddings"))[0]
-    config = ModelConfig.from_metadata(f.metadata, vocab_size=n_vocab, source=Path(base_path).name)
-    tokenizer = Tokenizer.from_reader(f, path=str(base_path))
+    config = ModelConfig.from_metadata(f.metadata, vocab_size=n_vocab, source=Path(model_path).name)
+    tokenizer = Tokenizer.from_reader(f, path=str(model_path))
     return make_chunks(tokenizer, text, n_ctx, max_chunks, config.max_seq_len), n_vocab

@@ -1,0 +1,179 @@
+"""``llamatrace perplexity``: PPL (and KL divergence against a base model) over a text, as
+``llama-perplexity`` computes them; the work is in :mod:`llamatrace.corpus`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llamatrace.cli.app import app, err, exit_interrupted, out
+from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model
+from llamatrace.errors import OptionError
+
+
+@app.command()
+def perplexity(
+    text_file: Annotated[Path, typer.Option("--file", "-f", help="The text (UTF-8) to score.",
+                                            show_default=False)],
+    model: ModelOpt = None,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per chunk; the second half "
+                                          "of each chunk is scored.")] = 512,
+    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Score at most N chunks (default: all).",
+                                                  show_default=False)] = None,
+    activations: ActivationsOpt = "f32",
+    base: Annotated[Optional[Path], typer.Option("--base", help="KL divergence against a base model: a GGUF "
+                    "with the same vocabulary, or a base file (--save-base, or llama.cpp's "
+                    "--kl-divergence-base).", show_default=False)] = None,
+    save_base: Annotated[Optional[Path], typer.Option("--save-base", help="Keep the base GGUF's log-probabilities "
+                         "in FILE (llama.cpp's --kl-divergence-base format), for later --base FILE runs.",
+                         show_default=False)] = None,
+    workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
+                                         "model once; the numbers do not depend on it.")] = 1,
+    threads: ThreadsOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object instead of the "
+                                           "llama-perplexity log.")] = False,
+) -> None:
+    """Perplexity of a model over a text, computed as llama.cpp's llama-perplexity does.
+
+    The text is tokenized once and cut into chunks of --ctx-size tokens; each chunk runs from
+    an empty cache and the logits of its second half are scored against the next token.
+    Running values [1]…,[2]… and the final estimate go to stdout, a progress bar to stderr.
+
+    Examples:
+
+      llamatrace perplexity -f corpus.txt --ctx-size 256
+
+      llamatrace perplexity -f corpus.txt -m Q4_K_M.gguf --base Q8_0.gguf --save-base q8.base
+
+      llamatrace perplexity -f corpus.txt -m Q3_K_M.gguf --base q8.base --json --workers 2
+    """
+    from llamatrace.corpus import basefile
+    from llamatrace.corpus import perplexity as corpus
+    from llamatrace.corpus.chunks import make_chunks, read_corpus
+    from llamatrace.corpus.runner import ModelSpec, threads_per_worker
+    from llamatrace.gguf.fetch import resolve_model
+    from llamatrace.outputs import check_output_path, write_atomic
+
+    if workers < 1:
+        raise OptionError(f"--workers must be a positive integer, got {workers}")
+    check_activations(activations)
+    if save_base is not None:
+        if base is None or basefile.is_base_file(base):
+            raise OptionError("--save-base needs --base BASE.gguf (the model whose log-probabilities are kept)")
+        check_output_path(save_base, "--save-base")
+    text = read_corpus(text_file)
+    path = resolve_model(model, log=lambda msg: err.print(msg))
+    spec = ModelSpec(str(path), activations, threads_per_worker(workers, threads) if workers > 1 else threads)
+    if workers == 1:            # the model runs here: load it once, with the usual status line
+        m = load_model(path, threads, activations)
+        ids = make_chunks(m.tokenizer, text, ctx_size, chunks, m.config.max_seq_len)
+        n_vocab = m.config.vocab_size
+    else:
+        m = None
+        ids, n_vocab = corpus.read_chunks(path, text, ctx_size, chunks)
+    base_file = base_stats = None
+    running: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="llamatrace-base-") as scratch:
+            if base is not None and basefile.is_base_file(base):
+                base_file = basefile.BaseFile(base)
+            elif base is not None:
+                base_path = resolve_model(base)
+                other, other_vocab = corpus.read_chunks(base_path, text, ctx_size, chunks)
+                corpus.check_same_tokens(ids, n_vocab, other, other_vocab, f"--base {str(base)!r}")
+                target = save_base if save_base is not None else Path(scratch) / "base.logits"
+                base_spec = ModelSpec(str(base_path), activations, spec.threads)
+                kept = []
+                with _Bar(ids.n_chunk, f"base {Path(base_path).name}") as bar:
+                    write_atomic(target, lambda f: kept.append(corpus.save_base(
+                        base_spec, ids, n_vocab, f, workers, on_chunk=bar.update)), "--save-base")
+                base_stats = kept[0]
+                base_file = basefile.BaseFile(target)
+
+            def shown(i: int, ppl: float) -> None:
+                running.append(ppl)
+                if not json_out:
+                    out.print(f"[{i + 1}]{ppl:.4f},", end="", markup=False)
+                    sys.stdout.flush()
+                bar.update(i, ppl)
+
+            with _Bar(ids.n_chunk, Path(path).name) as bar:
+                if base_file is None:
+                    result = corpus.perplexity(spec, ids, workers, m, on_chunk=shown)
+                else:
+                    result = corpus.kl_divergence(spec, ids, base_file, workers, m, on_chunk=shown)
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/]: nothing written")
+        exit_interrupted()
+    seconds = time.perf_counter() - t0
+    n_eval = ids.n_chunk * ids.n_ctx
+    summary = {"model": str(path), "ctx_size": ids.n_ctx, "n_chunks": ids.n_chunk,
+               "n_scored": ids.n_chunk * ids.n_scored, "activations": activations, "workers": workers,
+               "threads": spec.threads, "seconds": round(seconds, 3), "tokens_per_s": round(n_eval / seconds, 1)}
+    if base is None:
+        summary.update(ppl=result.ppl, ppl_error=result.ppl_error)
+    else:
+        summary.update({"base": str(base), **{k: v for k, v in vars(result).items() if k != "count"}})
+        if base_stats is not None:
+            summary["ppl_base_exact"] = base_stats.ppl
+    if json_out:
+        sys.stdout.write(json.dumps(summary) + "\n")
+    else:
+        out.print()
+        if base is None:
+            out.print(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.ppl_error:.5f}", markup=False)
+        else:
+            _print_kld(result)
+    err.print(f"[dim]{ids.n_chunk} chunks of {ids.n_ctx} tokens in {seconds:.1f} s: {n_eval / seconds:.0f} "
+              f"tokens/s ({workers} worker{'s' if workers > 1 else ''}, {activations})[/]")
+
+
+def _print_kld(r) -> None:
+    """The statistics blocks of ``llama-perplexity --kl-divergence``."""
+    lines = [
+        "====== Perplexity statistics ======",
+        f"Mean PPL(Q)                   : {r.ppl:10.6f} ± {r.ppl_error:10.6f}",
+        f"Mean PPL(base)                : {r.ppl_base:10.6f} ± {r.ppl_base_error:10.6f}",
+        f"Mean ln(PPL(Q)/PPL(base))     : {r.ln_ppl_ratio:10.6f} ± {r.ln_ppl_ratio_error:10.6f}",
+        "",
+        "====== KL divergence statistics ======",
+        f"Mean    KLD: {r.mean_kld:10.6f} ± {r.mean_kld_error:10.6f}",
+        f"Maximum KLD: {r.max_kld:10.6f}",
+        f"99.9%   KLD: {r.p999_kld:10.6f}",
+        f"99.0%   KLD: {r.p99_kld:10.6f}",
+        f"Median  KLD: {r.median_kld:10.6f}",
+        "",
+        "====== Token probability statistics ======",
+        f"RMS Δp    : {100 * r.rms_dp:6.3f} ± {100 * r.rms_dp_error:5.3f} %",
+        f"Same top p: {100 * r.same_top_p:6.3f} ± {100 * r.same_top_p_error:5.3f} %",
+    ]
+    for line in lines:
+        out.print(line, markup=False)
+
+
+class _Bar:
+    """A rich progress bar on stderr: chunks done, the running PPL, the time left."""
+
+    def __init__(self, total: int, name: str) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("PPL {task.fields[ppl]}"), TimeRemainingColumn(),
+                                 console=err, transient=True, disable=not err.is_terminal)
+        self.task = self.progress.add_task(name, total=total, ppl="…")
+
+    def update(self, i: int, ppl: float) -> None:
+        self.progress.update(self.task, completed=i + 1, ppl=f"{ppl:.4f}")
+
+    def __enter__(self) -> "_Bar":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
