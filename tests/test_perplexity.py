@@ -1,0 +1,113 @@
+"""`llamatrace perplexity` against HF transformers (f32) and llama.cpp (q8) golden values.
+
+The goldens (tests/golden/perplexity_hf.json, perplexity_llamacpp.json) were made by
+tests/golden/make_perplexity_golden.py (HF fp32, golden venv) and make_perplexity_llamacpp.py
+(llama-cpp-python, logits_all) over tests/golden/corpus.txt at ctx 256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from llamatrace.cli import main
+from llamatrace.gguf.fetch import cache_dir
+
+GOLDEN = Path(__file__).parent / "golden"
+CORPUS = GOLDEN / "corpus.txt"
+DEFAULT = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KQUANT = "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+
+pytestmark = pytest.mark.model
+
+
+def golden(name: str) -> dict:
+    gold = json.loads((GOLDEN / name).read_text(encoding="utf-8"))
+    assert gold["corpus_sha256"] == hashlib.sha256(CORPUS.read_text(encoding="utf-8").encode()).hexdigest()
+    return gold
+
+
+@pytest.fixture(scope="module")
+def kquant_path(smollm2_path) -> Path:
+    """The default model requantized to Q4_K_M by llama.cpp (rebuilt byte for byte if not cached)."""
+    from kquant_files import rebuild
+    path = cache_dir() / KQUANT
+    if not path.is_file():
+        if shutil.which("gcc") is None:
+            pytest.skip(f"{KQUANT} is not in the cache and rebuilding it needs gcc")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rebuild("Q4_K_M", smollm2_path, path)
+    return path
+
+
+def run_json(capsys, *args) -> dict:
+    code = main(["perplexity", "--json", "-f", str(CORPUS), "-c", "256", *map(str, args)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def test_tokens_are_those_of_hf_and_llama_cpp(smollm2):
+    ids = smollm2.tokenizer.encode(CORPUS.read_text(encoding="utf-8"))
+    assert ids == golden("perplexity_hf.json")["models"][DEFAULT]["ids"]
+    assert ids == golden("perplexity_llamacpp.json")["models"][DEFAULT]["ids"]
+
+
+def test_f32_perplexity_of_the_whole_corpus_matches_hf(capsys, smollm2_path):
+    gold = golden("perplexity_hf.json")["models"][DEFAULT]
+    got = run_json(capsys, "--model", smollm2_path, "--activations", "f32")
+    assert (got["n_chunks"], got["n_scored"], got["ctx_size"]) == (gold["n_chunks"], gold["n_scored"], 256)
+    assert got["activations"] == "f32" and got["model"].endswith(DEFAULT)
+    assert rel(got["ppl"], gold["ppl"]) <= 5e-4
+    assert rel(got["ppl_error"], gold["ppl_error"]) <= 5e-3
+
+
+def test_f32_running_values_of_a_kquant_file_match_hf(capsys, kquant_path):
+    gold = golden("perplexity_hf.json")["models"][KQUANT]
+    code = main(["perplexity", "-f", str(CORPUS), "-c", "256", "--chunks", "4", "--model", str(kquant_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    running = [float(part.split("]")[1]) for part in out.splitlines()[0].rstrip(",").split(",")]
+    assert len(running) == 4
+    for got, want in zip(running, gold["running"][:4]):
+        assert rel(got, want) <= 5e-4
+    assert out.splitlines()[1].startswith("Final estimate: PPL = ")
+
+
+def test_q8_perplexity_of_the_whole_corpus_matches_llama_cpp(capsys, smollm2_path):
+    gold = golden("perplexity_llamacpp.json")["models"][DEFAULT]
+    got = run_json(capsys, "--model", smollm2_path, "--activations", "q8")
+    assert got["n_chunks"] == gold["n_chunks"]
+    assert rel(got["ppl"], gold["ppl"]) <= 5e-3
+
+
+def test_q8_running_values_of_a_kquant_file_match_llama_cpp(capsys, kquant_path):
+    gold = golden("perplexity_llamacpp.json")["models"][KQUANT]
+    got = run_json(capsys, "--model", kquant_path, "--activations", "q8", "--chunks", "4")
+    assert rel(got["ppl"], gold["running"][3]) <= 5e-3
+
+
+def test_kl_divergence_matches_llama_cpp_statistics(capsys, smollm2_path, kquant_path, tmp_path):
+    gold = golden("perplexity_llamacpp.json")["kld"]
+    assert (gold["base"], gold["model"]) == (DEFAULT, KQUANT)
+    saved = tmp_path / "q4_1.base"
+    got = run_json(capsys, "--model", kquant_path, "--base", smollm2_path, "--save-base", saved,
+                   "--activations", "q8")
+    assert rel(got["mean_kld"], gold["mean_kld"]) <= 0.10
+    assert abs(got["same_top_p"] - gold["same_top_p"]) <= 0.01
+    assert rel(got["ppl"], gold["ppl"]) <= 5e-3 and rel(got["ppl_base"], gold["ppl_base"]) <= 5e-3
+    for key in ("median_kld", "p99_kld", "max_kld", "rms_dp", "ln_ppl_ratio"):
+        assert key in got
+    assert 0 < got["median_kld"] < got["p99_kld"] <= got["max_kld"]
+    # the kept base file serves a later run and gives the same statistics
+    again = run_json(capsys, "--model", kquant_path, "--base", saved, "--activations", "q8")
+    for key in ("ppl", "ppl_base", "mean_kld", "median_kld", "max_kld", "same_top_p", "rms_dp"):
+        assert again[key] == got[key], key
