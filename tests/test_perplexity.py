@@ -107,7 +107,61 @@ def test_kl_divergence_matches_llama_cpp_statistics(capsys, smollm2_path, kquant
     for key in ("median_kld", "p99_kld", "max_kld", "rms_dp", "ln_ppl_ratio"):
         assert key in got
     assert 0 < got["median_kld"] < got["p99_kld"] <= got["max_kld"]
-    # the kept base file serves a later run and gives the same statistics
-    again = run_json(capsys, "--model", kquant_path, "--base", saved, "--activations", "q8")
+    assert saved.read_bytes()[:8] == b"_logits_"
+
+
+def test_a_saved_base_file_gives_what_the_base_model_gives(capsys, smollm2_path, kquant_path, tmp_path):
+    saved = tmp_path / "q4_1.base"
+    direct = run_json(capsys, "--model", kquant_path, "--base", smollm2_path, "--save-base", saved, "--chunks", "2")
+    again = run_json(capsys, "--model", kquant_path, "--base", saved, "--chunks", "2")
     for key in ("ppl", "ppl_base", "mean_kld", "median_kld", "max_kld", "same_top_p", "rms_dp"):
-        assert again[key] == got[key], key
+        assert again[key] == direct[key], key
+
+
+def test_two_workers_print_every_digit_one_worker_prints(capsys, smollm2_path):
+    args = ["perplexity", "-f", str(CORPUS), "-c", "256", "--chunks", "3", "--model", str(smollm2_path)]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main([*args, "--workers", "2"]) == 0
+    two = capsys.readouterr().out
+    assert one == two and one.count("[") == 3
+    timings = {"seconds", "tokens_per_s", "workers", "threads"}
+    a = run_json(capsys, "--model", smollm2_path, "--chunks", "3")
+    b = run_json(capsys, "--model", smollm2_path, "--chunks", "3", "--workers", "2")
+    assert {k: v for k, v in a.items() if k not in timings} == {k: v for k, v in b.items() if k not in timings}
+
+
+def assert_one_error_line(capsys, args, *needles):
+    code = main(["perplexity", *map(str, args)])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    lines = [ln for ln in captured.err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), captured.err
+    assert captured.out == "" and "Traceback" not in captured.err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_text_files_are_one_error_line(capsys, tmp_path, tiny_model_path):
+    model = ["--model", tiny_model_path, "-c", "32"]
+    assert_one_error_line(capsys, ["-f", tmp_path / "missing.txt", *model], "cannot read")
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert_one_error_line(capsys, ["-f", tmp_path / "empty.txt", *model], "empty")
+    (tmp_path / "blob.bin").write_bytes(b"GGUF\x00\x01\x02" * 100)
+    assert_one_error_line(capsys, ["-f", tmp_path / "blob.bin", *model], "binary")
+    (tmp_path / "short.txt").write_text("Only a few words here.")
+    assert_one_error_line(capsys, ["-f", tmp_path / "short.txt", *model], "at least 64")
+
+
+def test_bad_settings_are_one_error_line(capsys, tmp_path, tiny_model_path, smollm2_path):
+    assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "-c", "128"], "context length 64")
+    assert_one_error_line(capsys, ["-f", CORPUS, "--model", smollm2_path, "--base", tiny_model_path, "-c", "32"],
+                          "vocabulary")
+    assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "--workers", "0"], "--workers")
+    saved = tmp_path / "nowhere" / "x.base"
+    assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "--base", tiny_model_path,
+                                   "--save-base", saved], "does not exist")
+    (tmp_path / "junk.base").write_bytes(b"_logits_" + b"\x01" * 30)
+    assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "-c", "32", "--base",
+                                   tmp_path / "junk.base"], "truncated")
+    assert not list(tmp_path.glob("**/.*.tmp"))
