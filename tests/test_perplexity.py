@@ -131,6 +131,15 @@ def test_two_workers_print_every_digit_one_worker_prints(capsys, smollm2_path):
     assert {k: v for k, v in a.items() if k not in timings} == {k: v for k, v in b.items() if k not in timings}
 
 
+def test_ray_prints_every_digit_one_worker_prints(capsys, tiny_model_path):
+    args = ["--model", tiny_model_path, "-c", "32", "--chunks", "5"]
+    timings = {"seconds", "tokens_per_s", "workers", "threads", "ray"}
+    a = run_json(capsys, *args)
+    b = run_json(capsys, *args, "--ray", "local", "--workers", "2")
+    assert b["ray"] == "local"
+    assert {k: v for k, v in a.items() if k not in timings} == {k: v for k, v in b.items() if k not in timings}
+
+
 def assert_one_error_line(capsys, args, *needles):
     code = main(["perplexity", *map(str, args)])
     captured = capsys.readouterr()
@@ -161,6 +170,8 @@ def test_bad_settings_are_one_error_line(capsys, tmp_path, tiny_model_path, smol
     saved = tmp_path / "nowhere" / "x.base"
     assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "--base", tiny_model_path,
                                    "--save-base", saved], "does not exist")
+    assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "-c", "32", "--ray", "127.0.0.1:1"],
+                          "cannot reach")
     (tmp_path / "junk.base").write_bytes(b"_logits_" + b"\x01" * 30)
     assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "-c", "32", "--base",
                                    tmp_path / "junk.base"], "truncated")

@@ -35,6 +35,9 @@ def perplexity(
                          show_default=False)] = None,
     workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
                                          "model once; the numbers do not depend on it.")] = 1,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run the chunks as --workers Ray "
+                   "actors on the cluster at ADDRESS (host:port, ray://…), or 'local' to start one here. Needs "
+                   "the extra llamatrace[ray].", show_default=False)] = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object instead of the "
                                            "llama-perplexity log.")] = False,
@@ -52,6 +55,8 @@ def perplexity(
       llamatrace perplexity -f corpus.txt -m Q4_K_M.gguf --base Q8_0.gguf --save-base q8.base
 
       llamatrace perplexity -f corpus.txt -m Q3_K_M.gguf --base q8.base --json --workers 2
+
+      llamatrace perplexity -f wiki.test.raw -m 8B-Q4_K_M.gguf --ray head-node:6379 --workers 8
     """
     from llamatrace.corpus import basefile
     from llamatrace.corpus import perplexity as corpus
@@ -69,8 +74,8 @@ def perplexity(
         check_output_path(save_base, "--save-base")
     text = read_corpus(text_file)
     path = resolve_model(model, log=lambda msg: err.print(msg))
-    spec = ModelSpec(str(path), activations, threads_per_worker(workers, threads) if workers > 1 else threads)
-    if workers == 1:            # the model runs here: load it once, with the usual status line
+    spec = ModelSpec(str(path), activations, threads_per_worker(workers, threads) if workers > 1 or ray else threads)
+    if workers == 1 and ray is None:            # the model runs here: load it once, with the usual status line
         m = load_model(path, threads, activations)
         ids = make_chunks(m.tokenizer, text, ctx_size, chunks, m.config.max_seq_len)
         n_vocab = m.config.vocab_size
@@ -93,7 +98,7 @@ def perplexity(
                 kept = []
                 with _Bar(ids.n_chunk, f"base {Path(base_path).name}") as bar:
                     write_atomic(target, lambda f: kept.append(corpus.save_base(
-                        base_spec, ids, n_vocab, f, workers, on_chunk=bar.update)), "--save-base")
+                        base_spec, ids, n_vocab, f, workers, on_chunk=bar.update, ray=ray)), "--save-base")
                 base_stats = kept[0]
                 base_file = basefile.BaseFile(target)
 
@@ -106,9 +111,9 @@ def perplexity(
 
             with _Bar(ids.n_chunk, Path(path).name) as bar:
                 if base_file is None:
-                    result = corpus.perplexity(spec, ids, workers, m, on_chunk=shown)
+                    result = corpus.perplexity(spec, ids, workers, m, on_chunk=shown, ray=ray)
                 else:
-                    result = corpus.kl_divergence(spec, ids, base_file, workers, m, on_chunk=shown)
+                    result = corpus.kl_divergence(spec, ids, base_file, workers, m, on_chunk=shown, ray=ray)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]: nothing written")
         exit_interrupted()
@@ -116,7 +121,7 @@ def perplexity(
     n_eval = ids.n_chunk * ids.n_ctx
     summary = {"model": str(path), "ctx_size": ids.n_ctx, "n_chunks": ids.n_chunk,
                "n_scored": ids.n_chunk * ids.n_scored, "activations": activations, "workers": workers,
-               "threads": spec.threads, "seconds": round(seconds, 3), "tokens_per_s": round(n_eval / seconds, 1)}
+               "threads": spec.threads, "ray": ray, "seconds": round(seconds, 3), "tokens_per_s": round(n_eval / seconds, 1)}
     if base is None:
         summary.update(ppl=result.ppl, ppl_error=result.ppl_error)
     else:

@@ -62,8 +62,10 @@ def _job(chunks: Chunks, i: int, mode: str = "nll", base: basefile.BaseFile | No
 
 
 def perplexity(spec: ModelSpec, chunks: Chunks, workers: int = 1, model=None,
-               on_chunk: OnChunk | None = None) -> PerplexityStats:
+               on_chunk: OnChunk | None = None, ray: str | None = None) -> PerplexityStats:
     """PPL ± error over ``chunks.n_chunk`` chunks (``llama-perplexity`` without options).
+
+    ``workers``, ``model``, ``ray``: where the chunks run (:func:`llamatrace.corpus.runner.run_chunks`).
 
     Raises:
         LlamatraceError: from the model or a worker (see :func:`llamatrace.corpus.runner.run_chunks`).
@@ -75,12 +77,12 @@ def perplexity(spec: ModelSpec, chunks: Chunks, workers: int = 1, model=None,
         if on_chunk:
             on_chunk(i, running)
 
-    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i), score_chunk, collect, workers, model)
+    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i), score_chunk, collect, workers, model, ray)
     return stats
 
 
 def save_base(spec: ModelSpec, chunks: Chunks, n_vocab: int, f: BinaryIO, workers: int = 1, model=None,
-              on_chunk: OnChunk | None = None) -> PerplexityStats:
+              on_chunk: OnChunk | None = None, ray: str | None = None) -> PerplexityStats:
     """Run the base model and write its base file to ``f`` (header, then each chunk's rows in
     order); returns the base's PPL (from exact log-probabilities, before compression)."""
     stats = PerplexityStats()
@@ -93,7 +95,7 @@ def save_base(spec: ModelSpec, chunks: Chunks, n_vocab: int, f: BinaryIO, worker
         if on_chunk:
             on_chunk(i, running)
 
-    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i, "base"), score_chunk, collect, workers, model)
+    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i, "base"), score_chunk, collect, workers, model, ray)
     return stats
 
 
@@ -129,7 +131,7 @@ def check_base(base: basefile.BaseFile, chunks: Chunks, n_vocab: int) -> None:
 
 
 def kl_divergence(spec: ModelSpec, chunks: Chunks, base: basefile.BaseFile, workers: int = 1, model=None,
-                  on_chunk: OnChunk | None = None) -> KLDStats:
+                  on_chunk: OnChunk | None = None, ray: str | None = None) -> KLDStats:
     """``llama-perplexity --kl-divergence`` statistics of the model against ``base``.
 
     Raises:
@@ -146,7 +148,7 @@ def kl_divergence(spec: ModelSpec, chunks: Chunks, base: basefile.BaseFile, work
         if on_chunk:
             on_chunk(i, running)
 
-    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i, "kld", base), score_chunk, collect, workers, model)
+    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i, "kld", base), score_chunk, collect, workers, model, ray)
     return KLDStats.from_tokens(parts)
 
 

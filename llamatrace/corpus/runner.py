@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from llamatrace.errors import LlamatraceError, PeerError
+from llamatrace.errors import LlamatraceError, OptionError, PeerError
 
 MAX_TRIES = 3
 
@@ -47,7 +47,8 @@ def threads_per_worker(workers: int, threads: int | None) -> int:
 
 
 def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work: Work,
-               on_result: Callable[[int, Any], None], workers: int = 1, model=None) -> None:
+               on_result: Callable[[int, Any], None], workers: int = 1, model=None,
+               ray: str | None = None) -> None:
     """Run ``work(model, payload(i))`` for ``i`` in ``0 … n_chunks-1``; ``on_result(i, result)`` in order.
 
     Args:
@@ -55,15 +56,21 @@ def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], wo
         payload: the input of chunk ``i`` (picklable); built only when the chunk is handed out.
         work: a module-level function (worker processes import it by name).
         workers: 1 runs in this process (with ``model`` if given, else ``spec.load()``);
-            more start that many worker processes.
+            more start that many worker processes (or, with ``use_ray``, Ray actors).
+        ray: run on the Ray cluster at this address (``"local"``: start a local one), see
+            :mod:`llamatrace.corpus.ray_runner`; ``None``: no Ray.
 
     Raises:
         LlamatraceError: raised by ``work`` or by a worker's model load (re-raised here).
-        PeerError: a chunk's worker died :data:`MAX_TRIES` times.
+        PeerError: a chunk's worker died :data:`MAX_TRIES` times; the Ray cluster is unreachable.
+        OptionError: ``workers`` below 1; ``ray`` without Ray installed.
     """
     if workers < 1:
-        from llamatrace.errors import OptionError
         raise OptionError(f"--workers must be a positive integer, got {workers}")
+    if ray is not None:
+        from llamatrace.corpus.ray_runner import run_ray
+        run_ray(spec, n_chunks, payload, work, on_result, workers, None if ray in ("", "local") else ray)
+        return
     if workers == 1:
         model = model if model is not None else spec.load()
         for i in range(n_chunks):
