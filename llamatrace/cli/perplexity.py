@@ -83,7 +83,6 @@ def perplexity(
         m = None
         ids, n_vocab = corpus.read_chunks(path, text, ctx_size, chunks)
     base_file = base_stats = None
-    running: list[float] = []
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="llamatrace-base-") as scratch:
@@ -103,7 +102,6 @@ def perplexity(
                 base_file = basefile.BaseFile(target)
 
             def shown(i: int, ppl: float) -> None:
-                running.append(ppl)
                 if not json_out:
                     out.print(f"[{i + 1}]{ppl:.4f},", end="", markup=False)
                     sys.stdout.flush()
