@@ -106,3 +106,22 @@ def test_base_file_has_llama_cpp_layout_and_reads_back(tmp_path):
     f = basefile.BaseFile(path)
     assert (f.n_ctx, f.n_vocab, f.n_chunk) == (8, 11, 2)
     np.testing.assert_array_equal(f.rows(1), rows[1])
+
+
+def test_chunks_put_bos_first_where_the_vocabulary_adds_one(tmp_path):
+    from gguf_factory import write_tiny_llama
+
+    from llamatrace.corpus.chunks import make_chunks
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.text.tokenizer import Tokenizer
+    path = write_tiny_llama(tmp_path / "bos.gguf", add_bos=True)
+    tok = Tokenizer.from_reader(open_gguf(path), path=str(path))
+    text = "the cat sat on the mat and looked at the dog " * 20
+    chunks = make_chunks(tok, text, 16, None, 64)
+    plain = tok.encode(text, bos=False)
+    assert chunks.tokens[0] == tok.bos_id and chunks.tokens[1:].tolist() == plain      # BOS once, first
+    assert chunks.n_chunk == (len(plain) + 1) // 16
+    for i in range(chunks.n_chunk):
+        ids = chunks.chunk(i)
+        assert ids[0] == tok.bos_id and ids[1:].tolist() == chunks.tokens[i * 16 + 1:(i + 1) * 16].tolist()
+        assert chunks.targets(i).tolist() == chunks.tokens[i * 16 + 9:(i + 1) * 16].tolist()   # first = 8

@@ -63,7 +63,7 @@ def perplexity(
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.corpus.runner import ModelSpec, threads_per_worker
     from llamatrace.gguf.fetch import resolve_model
-    from llamatrace.outputs import check_output_path, write_atomic
+    from llamatrace.outputs import check_output_path
 
     if workers < 1:
         raise OptionError(f"--workers must be a positive integer, got {workers}")
@@ -89,16 +89,10 @@ def perplexity(
             if base is not None and basefile.is_base_file(base):
                 base_file = basefile.BaseFile(base)
             elif base is not None:
-                base_path = resolve_model(base)
-                other, other_vocab = corpus.read_chunks(base_path, text, ctx_size, chunks)
-                corpus.check_same_tokens(ids, n_vocab, other, other_vocab, f"--base {str(base)!r}")
+                base_spec = ModelSpec(str(resolve_model(base)), activations, spec.threads)
                 target = save_base if save_base is not None else Path(scratch) / "base.logits"
-                base_spec = ModelSpec(str(base_path), activations, spec.threads)
-                kept = []
-                with _Bar(ids.n_chunk, f"base {Path(base_path).name}") as bar:
-                    write_atomic(target, lambda f: kept.append(corpus.save_base(
-                        base_spec, ids, n_vocab, f, workers, on_chunk=bar.update, ray=ray)), "--save-base")
-                base_stats = kept[0]
+                with _Bar(ids.n_chunk, f"base {Path(base_spec.path).name}") as bar:
+                    base_stats = corpus.run_base(base_spec, text, ids, n_vocab, target, workers, bar.update, ray)
                 base_file = basefile.BaseFile(target)
 
             def shown(i: int, ppl: float) -> None:

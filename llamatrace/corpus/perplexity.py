@@ -110,6 +110,24 @@ def check_same_tokens(chunks: Chunks, n_vocab: int, other: Chunks, other_vocab: 
                           f"{n_vocab} tokens, or other ids for this text): KL divergence needs the same vocabulary")
 
 
+def run_base(base_spec: ModelSpec, text: str, chunks: Chunks, n_vocab: int, target: Path, workers: int = 1,
+             on_chunk: OnChunk | None = None, ray: str | None = None) -> PerplexityStats:
+    """Check that the base GGUF tokenizes ``text`` as the model does, run it over ``chunks`` and
+    write its base file to ``target`` atomically (:func:`llamatrace.outputs.write_atomic`).
+
+    Raises:
+        OptionError: another vocabulary (:func:`check_same_tokens`).
+        OutputError: ``target`` cannot be written (reported as ``--save-base``).
+    """
+    from llamatrace.outputs import write_atomic
+    other, other_vocab = read_chunks(Path(base_spec.path), text, chunks.n_ctx, chunks.n_chunk)
+    check_same_tokens(chunks, n_vocab, other, other_vocab, f"--base {base_spec.path!r}")
+    kept: list[PerplexityStats] = []
+    write_atomic(target, lambda f: kept.append(save_base(base_spec, chunks, n_vocab, f, workers, None, on_chunk, ray)),
+                 "--save-base")
+    return kept[0]
+
+
 def check_base(base: basefile.BaseFile, chunks: Chunks, n_vocab: int) -> None:
     """Refuse a base file that was not made from the same tokens and vocabulary.
 
