@@ -33,6 +33,12 @@ def perplexity(
     save_base: Annotated[Optional[Path], typer.Option("--save-base", help="Keep the base GGUF's log-probabilities "
                          "in FILE (llama.cpp's --kl-divergence-base format), for later --base FILE runs.",
                          show_default=False)] = None,
+    stages: Annotated[bool, typer.Option("--stages", metavar="", help="With --base BASE.gguf: where the "
+                      "error enters: every stage of every layer of both models compared on the scored tokens "
+                      "(median and 95 % of the relative difference), worst first.")] = False,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="With --stages: a heat map (layers × "
+                      "stages) and the residual difference by layer (.png, .svg or .pdf).",
+                      show_default=False)] = None,
     workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
                                          "model once; the numbers do not depend on it.")] = 1,
     ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run the chunks as --workers Ray "
@@ -56,12 +62,15 @@ def perplexity(
 
       llamatrace perplexity -f corpus.txt -m Q3_K_M.gguf --base q8.base --json --workers 2
 
+      llamatrace perplexity -f corpus.txt -m Q4_K_M.gguf --base Q8_0.gguf --stages -o where.png
+
       llamatrace perplexity -f wiki.test.raw -m 8B-Q4_K_M.gguf --ray head-node:6379 --workers 8
     """
     from llamatrace.corpus import basefile
     from llamatrace.corpus import perplexity as corpus
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.corpus.runner import ModelSpec, threads_per_worker
+    from llamatrace.corpus.stages import PairSpec
     from llamatrace.gguf.fetch import resolve_model
     from llamatrace.outputs import check_output_path
 
@@ -72,22 +81,34 @@ def perplexity(
         if base is None or basefile.is_base_file(base):
             raise OptionError("--save-base needs --base BASE.gguf (the model whose log-probabilities are kept)")
         check_output_path(save_base, "--save-base")
+    if stages and (base is None or basefile.is_base_file(base) or save_base is not None):
+        raise OptionError("--stages needs --base BASE.gguf (both models run on every chunk) and no --save-base")
+    if output is not None:
+        if not stages:
+            raise OptionError("-o draws the --stages attribution: add --stages")
+        from llamatrace.views.plots import check_format
+        check_format(output)
+        check_output_path(output, "-o")
     text = read_corpus(text_file)
     path = resolve_model(model, log=lambda msg: err.print(msg))
     spec = ModelSpec(str(path), activations, threads_per_worker(workers, threads) if workers > 1 or ray else threads)
-    if workers == 1 and ray is None:            # the model runs here: load it once, with the usual status line
+    if workers == 1 and ray is None and not stages:     # the model runs here: load it once, with the usual status line
         m = load_model(path, threads, activations)
         ids = make_chunks(m.tokenizer, text, ctx_size, chunks, m.config.max_seq_len)
         n_vocab = m.config.vocab_size
     else:
         m = None
         ids, n_vocab = corpus.read_chunks(path, text, ctx_size, chunks)
-    base_file = base_stats = None
+    base_file = base_stats = attribution = None
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="llamatrace-base-") as scratch:
             if base is not None and basefile.is_base_file(base):
                 base_file = basefile.BaseFile(base)
+            elif stages:
+                base_spec = ModelSpec(str(resolve_model(base)), activations, spec.threads)
+                other, other_vocab = corpus.read_chunks(Path(base_spec.path), text, ctx_size, chunks)
+                corpus.check_same_tokens(ids, n_vocab, other, other_vocab, f"--base {str(base)!r}")
             elif base is not None:
                 base_spec = ModelSpec(str(resolve_model(base)), activations, spec.threads)
                 target = save_base if save_base is not None else Path(scratch) / "base.logits"
@@ -102,7 +123,10 @@ def perplexity(
                 bar.update(i, ppl)
 
             with _Bar(ids.n_chunk, Path(path).name) as bar:
-                if base_file is None:
+                if stages:
+                    result, attribution = corpus.kl_divergence_stages(PairSpec(base_spec, spec), ids, workers,
+                                                                      shown, ray)
+                elif base_file is None:
                     result = corpus.perplexity(spec, ids, workers, m, on_chunk=shown, ray=ray)
                 else:
                     result = corpus.kl_divergence(spec, ids, base_file, workers, m, on_chunk=shown, ray=ray)
@@ -120,6 +144,8 @@ def perplexity(
         summary.update({"base": str(base), **{k: v for k, v in vars(result).items() if k != "count"}})
         if base_stats is not None:
             summary["ppl_base_exact"] = base_stats.ppl
+        if attribution is not None:
+            summary["attribution"] = attribution.as_json()
     if json_out:
         sys.stdout.write(json.dumps(summary) + "\n")
     else:
@@ -128,6 +154,11 @@ def perplexity(
             out.print(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.ppl_error:.5f}", markup=False)
         else:
             _print_kld(result)
+        if attribution is not None:
+            _print_stages(attribution)
+    if attribution is not None and output is not None:
+        from llamatrace.corpus.plot import plot_stage_errors
+        plot_stage_errors(attribution, output, f"{Path(path).name} against {Path(str(base)).name}")
     err.print(f"[dim]{ids.n_chunk} chunks of {ids.n_ctx} tokens in {seconds:.1f} s: {n_eval / seconds:.0f} "
               f"tokens/s ({workers} worker{'s' if workers > 1 else ''}, {activations})[/]")
 
@@ -153,6 +184,20 @@ def _print_kld(r) -> None:
     ]
     for line in lines:
         out.print(line, markup=False)
+
+
+def _print_stages(a) -> None:
+    """The attribution: the worst stages, then the residual stream layer by layer."""
+    out.print()
+    out.print(f"====== Where the error enters: ‖Q − base‖ / ‖base‖ over {a.count} tokens, worst first ======",
+              markup=False)
+    out.print(f"{'layer':>5}  {'stage':<12} {'median':>9} {'95%':>9}", markup=False)
+    for layer, stage, median, p95 in a.worst():
+        out.print(f"{layer:>5}  {stage:<12} {median:9.5f} {p95:9.5f}", markup=False)
+    out.print()
+    out.print(f"{'layer':>5}  {'l_out':>9} {'added':>9}   (residual stream, medians)", markup=False)
+    for layer, (resid, added) in enumerate(zip(a.l_out, a.added)):
+        out.print(f"{layer:>5}  {resid:9.5f} {added:+9.5f}", markup=False)
 
 
 class _Bar:

@@ -170,6 +170,30 @@ def kl_divergence(spec: ModelSpec, chunks: Chunks, base: basefile.BaseFile, work
     return KLDStats.from_tokens(parts)
 
 
+def kl_divergence_stages(spec, chunks: Chunks, workers: int = 1, on_chunk: OnChunk | None = None,
+                         ray: str | None = None):
+    """KLD statistics and the stage attribution (:mod:`llamatrace.corpus.stages`) of
+    ``spec.model`` against ``spec.base`` (a :class:`~llamatrace.corpus.stages.PairSpec`), both run
+    on every chunk. Returns ``(KLDStats, StageErrors)``."""
+    from llamatrace.corpus.stages import StageErrors, score_pair
+    parts: list[TokenKLD] = []
+    errors: list[np.ndarray] = []
+    embd: list[np.ndarray] = []
+    stats = PerplexityStats()
+
+    def collect(i: int, result) -> None:
+        part, err, e0 = result
+        parts.append(part)
+        errors.append(err)
+        embd.append(e0)
+        running = stats.add(part.nll)
+        if on_chunk:
+            on_chunk(i, running)
+
+    run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i), score_pair, collect, workers, None, ray)
+    return KLDStats.from_tokens(parts), StageErrors.from_chunks(errors, embd)
+
+
 def read_chunks(model_path: Path, text: str, n_ctx: int, max_chunks: int | None) -> tuple[Chunks, int]:
     """The chunks of ``text`` under a GGUF's own tokenizer, and its vocabulary size, read without
     packing its weights (a parent of worker processes needs no model; two vocabularies are

@@ -1,0 +1,47 @@
+"""The ``perplexity --stages`` picture: a heat map (layers × stages) of the median relative
+difference, and the residual stream's difference by layer. matplotlib is imported here only;
+the file is written atomically, its format picked by the extension (``.png``, ``.svg``, ``.pdf``)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+from llamatrace.corpus.stages import StageErrors
+from llamatrace.outputs import write_atomic
+from llamatrace.views.plots import _pyplot, check_format
+
+
+def plot_stage_errors(errors: StageErrors, path: Path, title: str, option: str = "-o") -> None:
+    """Draw ``errors`` into ``path``.
+
+    Raises:
+        OptionError: an extension matplotlib is not asked to write.
+        OutputError: the file cannot be written.
+    """
+    fmt = check_format(path, option)
+    plt = _pyplot()
+    n_layers = errors.median.shape[0]
+    fig, (heat, line) = plt.subplots(1, 2, figsize=(14, 0.22 * n_layers + 3),
+                                     gridspec_kw={"width_ratios": [3, 2]})
+    image = heat.imshow(errors.median, aspect="auto", cmap="magma", interpolation="nearest")
+    heat.set_xticks(range(len(errors.stages)), errors.stages, rotation=60, ha="right", fontsize=8)
+    heat.set_yticks(range(n_layers), [str(i) for i in range(n_layers)], fontsize=7)
+    heat.set_ylabel("layer")
+    heat.set_title("median ‖quant − base‖ / ‖base‖ per stage")
+    fig.colorbar(image, ax=heat, fraction=0.04)
+    layers = np.arange(n_layers)
+    line.plot(layers, errors.l_out, marker="o", ms=3, label="l_out (accumulated)")
+    line.bar(layers, errors.added, color="tab:orange", alpha=0.6, label="added by the layer")
+    line.axhline(0, color="grey", lw=0.5)
+    line.set_xlabel("layer")
+    line.set_title("residual stream: relative difference")
+    line.legend(fontsize=8)
+    fig.suptitle(f"{title} — {errors.count} scored tokens")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=110)
+    plt.close(fig)
+    write_atomic(path, lambda f: f.write(buffer.getvalue()), option)

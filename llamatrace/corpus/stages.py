@@ -1,0 +1,118 @@
+"""Where the quantization error enters: every stage of two models compared on the same tokens.
+
+For each scored token (the positions :mod:`llamatrace.corpus.metrics` scores), each layer and
+each per-token stage of the catalogue (:data:`TOKEN_STAGES`: the replaceable layer stages whose
+output is ``[seq_len, …]``), the relative difference ``‖quant − base‖ / ‖base‖`` of the two
+models' outputs, both run on the same ids (each with its own inputs: the error is the
+accumulated one). Over a run: its median and 95th percentile per (layer, stage), and what each
+layer adds to the residual stream's difference — the median over tokens of ``l_out`` of layer
+``L`` minus that of ``L − 1`` (layer 0: minus ``inp_embd``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llamatrace.corpus.metrics import TokenKLD, compress_log_probs, token_kld
+from llamatrace.tracing.stages import STAGES
+
+TOKEN_STAGES: tuple[str, ...] = tuple(s.id for s in STAGES
+                                      if s.level == "layer" and s.replaceable and s.shape.startswith("[seq_len,"))
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Two models a worker loads once: the base and the model compared with it (ModelSpec each)."""
+
+    base: object
+    model: object
+
+    def load(self):
+        return self.base.load(), self.model.load()
+
+
+def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One prefill of ``ids``, keeping the scored rows ``first … n_ctx-2`` of every token stage.
+
+    Returns:
+        acts: object ``[n_layers, len(TOKEN_STAGES)]`` of float32 ``[n_scored, width]`` arrays;
+        embd: float32 ``[n_scored, dim]`` (``inp_embd``);
+        logits: float32 ``[n_scored, n_vocab]``.
+    """
+    n = len(ids)
+    acts = np.empty((model.config.n_layers, len(TOKEN_STAGES)), dtype=object)
+    column = {sid: k for k, sid in enumerate(TOKEN_STAGES)}
+    embd = []
+
+    def keep(a, event):
+        rows = np.array(a.reshape(n, -1)[first:n - 1], dtype=np.float32)
+        if event.layer is None:
+            embd.append(rows)
+        else:
+            acts[event.layer, column[event.stage]] = rows
+
+    with model.hooks({sid: keep for sid in (*TOKEN_STAGES, "inp_embd")}):
+        logits = model.forward(ids, 0, model.new_cache(n), all_logits=True)[first:n - 1]
+    return acts, embd[0], logits
+
+
+def relative_error(quant: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """float32 ``[n]``: ``‖quant − base‖ / ‖base‖`` per row of two ``[n, width]`` arrays."""
+    num = np.linalg.norm(quant.astype(np.float64) - base, axis=1)
+    den = np.linalg.norm(base.astype(np.float64), axis=1)
+    return (num / np.where(den > 0, den, 1.0)).astype(np.float32)
+
+
+def score_pair(models, job) -> tuple[TokenKLD, np.ndarray, np.ndarray]:
+    """The runner's work for one chunk with ``--stages``: the KLD parts (base rows compressed as
+    a base file would hold them), float32 ``[n_layers, n_stages, n_scored]`` relative errors and
+    float32 ``[n_scored]`` of ``inp_embd``."""
+    base, model = models
+    acts_b, embd_b, logits_b = capture(base, job.ids, job.first)
+    acts_q, embd_q, logits_q = capture(model, job.ids, job.first)
+    errors = np.array([[relative_error(acts_q[i, k], acts_b[i, k]) for k in range(len(TOKEN_STAGES))]
+                       for i in range(acts_b.shape[0])], dtype=np.float32)
+    part = token_kld(logits_q, compress_log_probs(logits_b), job.targets)
+    return part, errors, relative_error(embd_q, embd_b)
+
+
+@dataclass
+class StageErrors:
+    """The attribution of a run.
+
+    Attributes:
+        stages: the stage ids of the columns (:data:`TOKEN_STAGES`).
+        median, p95: float ``[n_layers, n_stages]`` over every scored token.
+        l_out: float ``[n_layers]``, median relative difference of the residual stream after each layer.
+        added: float ``[n_layers]``, median over tokens of what each layer adds to it.
+        count: scored tokens.
+    """
+
+    stages: tuple[str, ...]
+    median: np.ndarray
+    p95: np.ndarray
+    l_out: np.ndarray
+    added: np.ndarray
+    count: int
+
+    @classmethod
+    def from_chunks(cls, errors: list[np.ndarray], embd: list[np.ndarray]) -> "StageErrors":
+        e = np.concatenate(errors, axis=2)                 # [n_layers, n_stages, n_tokens]
+        x0 = np.concatenate(embd)                          # [n_tokens]
+        resid = e[:, TOKEN_STAGES.index("l_out"), :]
+        before = np.vstack([x0[None, :], resid[:-1]])
+        return cls(TOKEN_STAGES, np.median(e, axis=2), np.percentile(e, 95, axis=2), np.median(resid, axis=1),
+                   np.median(resid - before, axis=1), int(e.shape[2]))
+
+    def worst(self, n: int = 15) -> list[tuple[int, str, float, float]]:
+        """The ``n`` (layer, stage, median, p95) with the largest median, worst first."""
+        order = np.argsort(-self.median, axis=None)[:n]
+        return [(int(i), self.stages[int(k)], float(self.median[i, k]), float(self.p95[i, k]))
+                for i, k in zip(*np.unravel_index(order, self.median.shape))]
+
+    def as_json(self) -> dict:
+        return {"stages": list(self.stages), "median": self.median.round(6).tolist(),
+                "p95": self.p95.round(6).tolist(), "l_out_median": self.l_out.round(6).tolist(),
+                "l_out_added": self.added.round(6).tolist(), "count": self.count}
