@@ -176,3 +176,15 @@ def test_bad_settings_are_one_error_line(capsys, tmp_path, tiny_model_path, smol
     assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "-c", "32", "--base",
                                    tmp_path / "junk.base"], "truncated")
     assert not list(tmp_path.glob("**/.*.tmp"))
+
+
+def test_stages_on_the_default_model_against_its_q4_k_m(capsys, smollm2_path, kquant_path, tmp_path):
+    picture = tmp_path / "where.svg"
+    got = run_json(capsys, "--model", kquant_path, "--base", smollm2_path, "--stages", "-o", picture,
+                   "--chunks", "2", "--activations", "q8")
+    a = got["attribution"]
+    assert len(a["median"]) == 30 and len(a["median"][0]) == len(a["stages"]) == 16
+    assert a["count"] == 2 * 127
+    # the residual difference grows through the network: the last layer's exceeds the first's
+    assert a["l_out_median"][-1] > 2 * a["l_out_median"][0] > 0
+    assert picture.read_text(encoding="utf-8").lstrip().startswith("<?xml")

@@ -1,0 +1,100 @@
+"""`perplexity --stages`: the per-stage relative differences of two models on the same tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf_factory import T, write_tiny_llama
+
+from llamatrace.cli import main
+from llamatrace.corpus.chunks import make_chunks, read_corpus
+from llamatrace.corpus.runner import ModelSpec
+from llamatrace.corpus.stages import TOKEN_STAGES, PairSpec, capture, relative_error, score_pair
+from llamatrace.corpus.perplexity import ChunkJob, kl_divergence_stages
+
+CORPUS = Path(__file__).parent / "golden" / "corpus.txt"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """The same random weights as Q8_0 (the base) and as Q4_0: one vocabulary, two quantizations."""
+    root = tmp_path_factory.mktemp("pair")
+    return (write_tiny_llama(root / "base-q8_0.gguf", qtype=T.Q8_0, seed=3),
+            write_tiny_llama(root / "quant-q4_0.gguf", qtype=T.Q4_0, seed=3))
+
+
+def test_relative_error_is_the_norm_ratio_per_row():
+    rng = np.random.default_rng(0)
+    base, quant = rng.standard_normal((5, 7)), rng.standard_normal((5, 7))
+    want = [np.sqrt(((q - b) ** 2).sum() / (b ** 2).sum()) for q, b in zip(quant, base)]
+    np.testing.assert_allclose(relative_error(quant.astype(np.float32), base.astype(np.float32)), want, rtol=1e-5)
+
+
+def test_capture_keeps_the_scored_rows_of_what_a_trace_records(tiny_pair):
+    from llamatrace.model.llama import Llama
+    model = Llama.load(tiny_pair[0])
+    ids = np.arange(16) + 5
+    acts, embd, logits = capture(model, ids, 8)
+    with model.trace(stages=["l_out", "ffn_gate"], layers=[1], keep_arrays=True) as rec:
+        full = model.forward(ids, 0, model.new_cache(16), all_logits=True)
+    arrays = rec.arrays()
+    np.testing.assert_array_equal(acts[1, TOKEN_STAGES.index("l_out")], arrays["step0.layer1.l_out"][8:15])
+    np.testing.assert_array_equal(acts[1, TOKEN_STAGES.index("ffn_gate")], arrays["step0.layer1.ffn_gate"][8:15])
+    np.testing.assert_array_equal(logits, full[8:15])
+    assert embd.shape == (7, model.config.dim)
+
+
+def test_a_model_against_itself_differs_nowhere(tiny_pair):
+    from llamatrace.model.llama import Llama
+    model = Llama.load(tiny_pair[0])
+    ids = np.arange(16, dtype=np.int32) + 5
+    job = ChunkJob(ids, ids[9:16].astype(np.int64), 8)
+    part, errors, embd = score_pair((model, model), job)
+    assert errors.shape == (2, len(TOKEN_STAGES), 7) and not errors.any() and not embd.any()
+    assert np.all(np.abs(part.kld) < 5e-5) and part.same_top.all()
+
+
+def test_stage_attribution_runs_the_same_with_two_workers(tiny_pair):
+    base, quant = tiny_pair
+    spec = PairSpec(ModelSpec(str(base)), ModelSpec(str(quant)))
+    from llamatrace.model.llama import Llama
+    chunks = make_chunks(Llama.load(quant).tokenizer, read_corpus(CORPUS), 32, 4, 64)
+    k1, s1 = kl_divergence_stages(spec, chunks, 1)
+    k2, s2 = kl_divergence_stages(spec, chunks, 2)
+    assert k1 == k2
+    np.testing.assert_array_equal(s1.median, s2.median)
+    assert s1.count == 4 * 15 and s1.median.shape == (2, len(TOKEN_STAGES))
+    assert np.all(s1.p95 >= s1.median) and s1.median.min() > 0
+    np.testing.assert_allclose(s1.l_out, s1.median[:, TOKEN_STAGES.index("l_out")])
+
+
+def test_stages_cli_prints_the_table_and_draws_the_plot(capsys, tiny_pair, tmp_path):
+    base, quant = tiny_pair
+    picture = tmp_path / "where.png"
+    args = ["perplexity", "-f", str(CORPUS), "-c", "32", "--chunks", "3", "--model", str(quant),
+            "--base", str(base), "--stages"]
+    assert main([*args, "-o", str(picture)]) == 0
+    out = capsys.readouterr().out
+    assert "Where the error enters" in out and "Mean    KLD" in out
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([*args, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    a = got["attribution"]
+    assert a["stages"] == list(TOKEN_STAGES) and len(a["median"]) == 2 and len(a["l_out_added"]) == 2
+    assert a["count"] == 3 * 15 and got["mean_kld"] > 0
+
+
+def test_stages_options_are_checked_before_any_compute(capsys, tiny_pair, tmp_path):
+    base, quant = tiny_pair
+    for extra, needle in ((["--stages"], "--stages needs --base"),
+                          (["--base", str(base), "-o", str(tmp_path / "x.png")], "add --stages"),
+                          (["--base", str(base), "--stages", "-o", str(tmp_path / "x.txt")], "extension")):
+        code = main(["perplexity", "-f", str(CORPUS), "-c", "32", "--model", str(quant), *extra])
+        captured = capsys.readouterr()
+        assert code == 2 and captured.out == ""
+        lines = [ln for ln in captured.err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], captured.err
+    assert not list(tmp_path.iterdir())
