@@ -98,3 +98,12 @@ def test_stages_options_are_checked_before_any_compute(capsys, tiny_pair, tmp_pa
         lines = [ln for ln in captured.err.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], captured.err
     assert not list(tmp_path.iterdir())
+
+
+def test_stages_refuse_two_architectures(capsys, tiny_pair, tmp_path):
+    deeper = write_tiny_llama(tmp_path / "deeper.gguf", qtype=T.Q8_0, n_layers=3)
+    code = main(["perplexity", "-f", str(CORPUS), "-c", "32", "--model", str(deeper), "--base", str(tiny_pair[0]),
+                 "--stages"])
+    captured = capsys.readouterr()
+    lines = [ln for ln in captured.err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and "n_layers 2 vs 3" in lines[0], captured.err

@@ -70,7 +70,7 @@ def perplexity(
     from llamatrace.corpus import perplexity as corpus
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.corpus.runner import ModelSpec, threads_per_worker
-    from llamatrace.corpus.stages import PairSpec
+    from llamatrace.corpus.stages import PairSpec, check_same_shape
     from llamatrace.gguf.fetch import resolve_model
     from llamatrace.outputs import check_output_path
 
@@ -109,6 +109,7 @@ def perplexity(
                 base_spec = ModelSpec(str(resolve_model(base)), activations, spec.threads)
                 other, other_vocab = corpus.read_chunks(Path(base_spec.path), text, ctx_size, chunks)
                 corpus.check_same_tokens(ids, n_vocab, other, other_vocab, f"--base {str(base)!r}")
+                check_same_shape(base_spec.path, path)
             elif base is not None:
                 base_spec = ModelSpec(str(resolve_model(base)), activations, spec.threads)
                 target = save_base if save_base is not None else Path(scratch) / "base.logits"

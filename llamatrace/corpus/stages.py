@@ -33,6 +33,31 @@ class PairSpec:
         return self.base.load(), self.model.load()
 
 
+def check_same_shape(base_path, model_path) -> None:
+    """Refuse to compare the stages of two models of different shapes (read from the headers).
+
+    Raises:
+        OptionError: another number of layers, width, heads or FFN width.
+        ModelNotFoundError, ModelFormatError, UnsupportedModelError: a file cannot be used.
+    """
+    from pathlib import Path
+
+    from llamatrace.errors import OptionError
+    from llamatrace.gguf.reader import gguf_name, open_gguf
+    from llamatrace.model.config import ModelConfig
+
+    def shape(path):
+        f = open_gguf(path)
+        c = ModelConfig.from_metadata(f.metadata, vocab_size=f.matrix_shape(gguf_name("tok_embeddings"))[0],
+                                      source=Path(path).name)
+        return {k: getattr(c, k) for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim")}
+
+    base, model = shape(base_path), shape(model_path)
+    if base != model:
+        diff = ", ".join(f"{k} {base[k]} vs {model[k]}" for k in base if base[k] != model[k])
+        raise OptionError(f"--stages compares two models of one architecture; the base and the model differ ({diff})")
+
+
 def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One prefill of ``ids``, keeping the scored rows ``first … n_ctx-2`` of every token stage.
 
