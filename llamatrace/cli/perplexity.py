@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
-import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -66,102 +65,61 @@ def perplexity(
 
       llamatrace perplexity -f wiki.test.raw -m 8B-Q4_K_M.gguf --ray head-node:6379 --workers 8
     """
-    from llamatrace.corpus import basefile
-    from llamatrace.corpus import perplexity as corpus
-    from llamatrace.corpus.chunks import make_chunks, read_corpus
+    from llamatrace.corpus.chunks import read_corpus
+    from llamatrace.corpus.run import CorpusRun, execute
     from llamatrace.corpus.runner import ModelSpec, threads_per_worker
-    from llamatrace.corpus.stages import PairSpec, check_same_shape
     from llamatrace.gguf.fetch import resolve_model
     from llamatrace.outputs import check_output_path
 
-    if workers < 1:
-        raise OptionError(f"--workers must be a positive integer, got {workers}")
     check_activations(activations)
+    in_process = workers == 1 and ray is None and not stages      # else workers or actors load it
+    run = CorpusRun(ModelSpec("", activations, threads if in_process else threads_per_worker(workers, threads)),
+                    "", ctx_size, chunks, base, save_base, stages, workers, ray)
+    run.check()
     if save_base is not None:
-        if base is None or basefile.is_base_file(base):
-            raise OptionError("--save-base needs --base BASE.gguf (the model whose log-probabilities are kept)")
         check_output_path(save_base, "--save-base")
-    if stages and (base is None or basefile.is_base_file(base) or save_base is not None):
-        raise OptionError("--stages needs --base BASE.gguf (both models run on every chunk) and no --save-base")
     if output is not None:
         if not stages:
             raise OptionError("-o draws the --stages attribution: add --stages")
         from llamatrace.views.plots import check_format
         check_format(output)
         check_output_path(output, "-o")
-    text = read_corpus(text_file)
+    run.text = read_corpus(text_file)
     path = resolve_model(model, log=lambda msg: err.print(msg))
-    spec = ModelSpec(str(path), activations, threads_per_worker(workers, threads) if workers > 1 or ray else threads)
-    if workers == 1 and ray is None and not stages:     # the model runs here: load it once, with the usual status line
-        m = load_model(path, threads, activations)
-        ids = make_chunks(m.tokenizer, text, ctx_size, chunks, m.config.max_seq_len)
-        n_vocab = m.config.vocab_size
-    else:
-        m = None
-        ids, n_vocab = corpus.read_chunks(path, text, ctx_size, chunks)
-    base_file = base_stats = attribution = None
-    t0 = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory(prefix="llamatrace-base-") as scratch:
-            if base is not None and basefile.is_base_file(base):
-                base_file = basefile.BaseFile(base)
-            elif stages:
-                base_spec = ModelSpec(str(resolve_model(base)), activations, spec.threads)
-                other, other_vocab = corpus.read_chunks(Path(base_spec.path), text, ctx_size, chunks)
-                corpus.check_same_tokens(ids, n_vocab, other, other_vocab, f"--base {str(base)!r}")
-                check_same_shape(base_spec.path, path)
-            elif base is not None:
-                base_spec = ModelSpec(str(resolve_model(base)), activations, spec.threads)
-                target = save_base if save_base is not None else Path(scratch) / "base.logits"
-                with _Bar(ids.n_chunk, f"base {Path(base_spec.path).name}") as bar:
-                    base_stats = corpus.run_base(base_spec, text, ids, n_vocab, target, workers, bar.update, ray)
-                base_file = basefile.BaseFile(target)
+    run.model = ModelSpec(str(path), activations, run.model.threads)
+    m = load_model(path, threads, activations) if in_process else None
 
-            def shown(i: int, ppl: float) -> None:
-                if not json_out:
+    @contextmanager
+    def progress(name: str, total: int, main: bool):
+        with _Bar(total, name) as bar:
+            def on_chunk(i: int, ppl: float) -> None:
+                if main and not json_out:       # llama.cpp's running values, as they come
                     out.print(f"[{i + 1}]{ppl:.4f},", end="", markup=False)
                     sys.stdout.flush()
                 bar.update(i, ppl)
+            yield on_chunk
 
-            with _Bar(ids.n_chunk, Path(path).name) as bar:
-                if stages:
-                    result, attribution = corpus.kl_divergence_stages(PairSpec(base_spec, spec), ids, workers,
-                                                                      shown, ray)
-                elif base_file is None:
-                    result = corpus.perplexity(spec, ids, workers, m, on_chunk=shown, ray=ray)
-                else:
-                    result = corpus.kl_divergence(spec, ids, base_file, workers, m, on_chunk=shown, ray=ray)
+    try:
+        result = execute(run, m, progress)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]: nothing written")
         exit_interrupted()
-    seconds = time.perf_counter() - t0
-    n_eval = ids.n_chunk * ids.n_ctx
-    summary = {"model": str(path), "ctx_size": ids.n_ctx, "n_chunks": ids.n_chunk,
-               "n_scored": ids.n_chunk * ids.n_scored, "activations": activations, "workers": workers,
-               "threads": spec.threads, "ray": ray, "seconds": round(seconds, 3), "tokens_per_s": round(n_eval / seconds, 1)}
-    if base is None:
-        summary.update(ppl=result.ppl, ppl_error=result.ppl_error)
-    else:
-        summary.update({"base": str(base), **{k: v for k, v in vars(result).items() if k != "count"}})
-        if base_stats is not None:
-            summary["ppl_base_exact"] = base_stats.ppl
-        if attribution is not None:
-            summary["attribution"] = attribution.as_json()
     if json_out:
-        sys.stdout.write(json.dumps(summary) + "\n")
+        sys.stdout.write(json.dumps(result.as_json(run)) + "\n")
     else:
         out.print()
         if base is None:
-            out.print(f"Final estimate: PPL = {result.ppl:.4f} +/- {result.ppl_error:.5f}", markup=False)
+            out.print(f"Final estimate: PPL = {result.scores.ppl:.4f} +/- {result.scores.ppl_error:.5f}", markup=False)
         else:
-            _print_kld(result)
-        if attribution is not None:
-            _print_stages(attribution)
-    if attribution is not None and output is not None:
+            _print_kld(result.scores)
+        if result.attribution is not None:
+            _print_stages(result.attribution)
+    if result.attribution is not None and output is not None:
         from llamatrace.corpus.plot import plot_stage_errors
-        plot_stage_errors(attribution, output, f"{Path(path).name} against {Path(str(base)).name}")
-    err.print(f"[dim]{ids.n_chunk} chunks of {ids.n_ctx} tokens in {seconds:.1f} s: {n_eval / seconds:.0f} "
-              f"tokens/s ({workers} worker{'s' if workers > 1 else ''}, {activations})[/]")
+        plot_stage_errors(result.attribution, output, f"{path.name} against {Path(str(base)).name}")
+    c = result.chunks
+    err.print(f"[dim]{c.n_chunk} chunks of {c.n_ctx} tokens in {result.seconds:.1f} s: {result.tokens_per_s:.0f} "
+              f"tokens/s ({workers} worker{'s' if workers > 1 else ''}{' on Ray' if ray else ''}, {activations})[/]")
 
 
 def _print_kld(r) -> None:

@@ -7,7 +7,10 @@ with the logits of every position, then the per-token arithmetic of
 * :func:`perplexity`: NLL per token → PPL ± error;
 * :func:`save_base`: the base model's compressed log-probabilities → a base file
   (:mod:`llamatrace.corpus.basefile`), as ``--kl-divergence-base`` does;
-* :func:`kl_divergence`: a model against a base file → :class:`~llamatrace.corpus.metrics.KLDStats`.
+* :func:`kl_divergence`: a model against a base file → :class:`~llamatrace.corpus.metrics.KLDStats`;
+* :func:`kl_divergence_stages`: both models on every chunk, with the stage attribution.
+
+:mod:`llamatrace.corpus.run` chooses among them for one ``llamatrace perplexity`` run.
 """
 
 from __future__ import annotations

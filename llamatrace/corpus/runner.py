@@ -43,7 +43,7 @@ class ModelSpec:
 
 def threads_per_worker(workers: int, threads: int | None) -> int:
     """Kernel threads of each worker: ``threads`` if given, else the cores split evenly."""
-    return threads if threads is not None else max(1, (os.cpu_count() or 1) // workers)
+    return threads if threads is not None else max(1, (os.cpu_count() or 1) // max(workers, 1))
 
 
 def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work: Work,
