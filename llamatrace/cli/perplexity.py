@@ -72,9 +72,11 @@ def perplexity(
     from llamatrace.outputs import check_output_path
 
     check_activations(activations)
+    text = read_corpus(text_file)
+    path = resolve_model(model, log=lambda msg: err.print(msg))
     in_process = workers == 1 and ray is None and not stages      # else workers or actors load it
-    run = CorpusRun(ModelSpec("", activations, threads if in_process else threads_per_worker(workers, threads)),
-                    "", ctx_size, chunks, base, save_base, stages, workers, ray)
+    spec = ModelSpec(str(path), activations, threads if in_process else threads_per_worker(workers, threads))
+    run = CorpusRun(spec, text, ctx_size, chunks, base, save_base, stages, workers, ray)
     run.check()
     if save_base is not None:
         check_output_path(save_base, "--save-base")
@@ -84,9 +86,6 @@ def perplexity(
         from llamatrace.views.plots import check_format
         check_format(output)
         check_output_path(output, "-o")
-    run.text = read_corpus(text_file)
-    path = resolve_model(model, log=lambda msg: err.print(msg))
-    run.model = ModelSpec(str(path), activations, run.model.threads)
     m = load_model(path, threads, activations) if in_process else None
 
     @contextmanager
