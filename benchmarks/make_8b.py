@@ -140,8 +140,10 @@ def write(out: Path, vocab_path: Path, mix: str, n_layers: int, seed: int) -> No
 
 
 def default_vocab() -> Path:
-    from llamatrace.gguf import fetch
-    return fetch.vocab_test_file("llama-bpe")
+    """llama.cpp's test vocabulary, fetched with the tests' fixture (tests/llamacpp_sdist.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from llamacpp_sdist import vocab_test_file
+    return vocab_test_file("llama-bpe")
 
 
 def main(argv: list[str] | None = None) -> int:

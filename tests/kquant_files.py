@@ -20,7 +20,6 @@ The result is checked against the sha256 llama.cpp's file had (in the golden JSO
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import subprocess
 import sys
@@ -29,11 +28,12 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from llamacpp_sdist import sdist_path
+
+from llamatrace.gguf.fetch import cache_root
 
 T = gguf.GGMLQuantizationType
 GOLDEN = Path(__file__).parent / "golden"
-SDIST = "llama_cpp_python-0.3.36.tar.gz"
-SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 GGML = "llama_cpp_python-0.3.36/vendor/llama.cpp/ggml"
 # llama_ftype written to general.file_type
 FILE_TYPE = {"Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "Q3_K_M": 12, "Q2_K-pure": 10, "Q3_K-pure": 12}
@@ -56,26 +56,6 @@ void ggml_abort(const char * file, int line, const char * fmt, ...) {
     vfprintf(stderr, fmt, a); va_end(a); abort();
 }
 """
-
-
-def cache_root() -> Path:
-    from llamatrace.gguf.fetch import cache_root as root
-    return root()
-
-
-def sdist_path() -> Path:
-    """The sdist in the user cache, fetched from PyPI with pip if absent; sha256-checked."""
-    folder = cache_root() / "sdist"
-    path = folder / SDIST
-    if not path.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "-d", str(folder), "llama-cpp-python==0.3.36"],
-                       check=True, capture_output=True)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != SDIST_SHA256:
-        raise RuntimeError(f"{path}: sha256 {digest}, expected {SDIST_SHA256}")
-    return path
 
 
 def ggml_quants_library() -> ctypes.CDLL:

@@ -10,7 +10,6 @@ byte for byte: the sha256 must be the one the goldens were made from.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -18,21 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamatrace.gguf.fetch import cache_dir
+from llamatrace.gguf.fetch import cache_dir, sha256_file
 from llamatrace.model.generate import generate
 
 GOLDEN = Path(__file__).parent / "golden"
 VARIANTS = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K-pure", "Q3_K-pure"]
 
 pytestmark = pytest.mark.model
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -49,7 +40,7 @@ def variant(request, smollm2_path):
             pytest.skip(f"{path.name} is not in the cache and rebuilding it needs gcc")
         path.parent.mkdir(parents=True, exist_ok=True)
         rebuild(name, smollm2_path, path)
-    assert _sha256(path) == gold["model_sha256"], f"{path} is not the file the goldens were made from"
+    assert sha256_file(path) == gold["model_sha256"], f"{path} is not the file the goldens were made from"
     return gold, np.load(GOLDEN / f"smollm2_{name}_logits.npz"), Llama.load(path)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llamatrace.gguf import fetch
+from llamacpp_sdist import vocab_test_file
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.text.tokenizer import Tokenizer
 
@@ -32,7 +32,7 @@ def load_script():
 def llama2_trace(tmp_path_factory) -> str:
     make = load_script()
     path = tmp_path_factory.mktemp("llama2") / "llama2-shaped-2-layers.gguf"
-    make.write(path, fetch.vocab_test_file("llama-spm"), n_layers=2)
+    make.write(path, vocab_test_file("llama-spm"), n_layers=2)
     try:
         result = subprocess.run(make.trace_command(path), capture_output=True, text=True,
                                 env={**os.environ, "COLUMNS": "200"})
@@ -43,7 +43,7 @@ def llama2_trace(tmp_path_factory) -> str:
 
 
 def test_prompt_is_32_llama2_tokens() -> None:
-    path = fetch.vocab_test_file("llama-spm")
+    path = vocab_test_file("llama-spm")
     tok = Tokenizer.from_reader(open_gguf(path), str(path))
     ids = tok.encode(load_script().PROMPT_32)
     assert len(ids) == 32 and ids[0] == tok.bos_id

@@ -569,3 +569,27 @@ def test_mutated_headers(valid, scratch):
     run()
     assert _stats["examples"] >= 600
     assert _stats["passed"] >= 20  # the GGUFReader cross-check really ran
+
+
+def test_open_gguf_knows_the_format_version_and_info_prints_it(tiny_model_path, capsys):
+    from llamatrace.cli import main
+    from llamatrace.gguf.reader import open_gguf
+
+    assert open_gguf(tiny_model_path).version == 3
+    assert main(["info", "-m", str(tiny_model_path)]) == 0
+    out = capsys.readouterr().out
+    assert "GGUF v3)" in out and "vNone" not in out
+
+
+def test_one_description_of_value_types_serves_validator_and_reader():
+    import struct
+
+    from gguf import GGUFValueType
+
+    from llamatrace.gguf import header
+    assert {header.FIXED[int(t)].name for t in GGUFValueType if int(t) in header.FIXED} == {
+        t.name.lower() for t in GGUFValueType if t not in (GGUFValueType.STRING, GGUFValueType.ARRAY)}
+    for vtype, vt in header.FIXED.items():
+        assert vt.size == struct.calcsize(vt.fmt) == vt.dtype.itemsize
+    assert header.type_name(int(GGUFValueType.STRING)) == "string"
+    assert header.type_name(99) == "unknown (99)"

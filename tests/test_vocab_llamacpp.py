@@ -1,6 +1,6 @@
 """llama.cpp's tokenizer test vectors: models/ggml-vocab-{name}.gguf with its .inp (46 strings separated
 by "\\n__ggml_vocab_test__\\n") and .out (the expected ids, one line per string, without BOS), taken
-from the llama-cpp-python sdist that llamatrace.gguf.fetch downloads once into the user cache.
+from the llama-cpp-python sdist that tests/llamacpp_sdist.py downloads once into the user cache.
 
 llama-spm is SentencePiece (Llama 1/2, Mistral…); llama-bpe is Llama 3's byte-level BPE;
 deepseek-llm and deepseek-coder are byte-level BPE with sequences of pre-tokenizer regexes.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from llamatrace.gguf import fetch
+from llamacpp_sdist import vocab_test_file
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.text.tokenizer import StreamDecoder, Tokenizer
 
@@ -47,15 +47,15 @@ def vocab():
     """name → Tokenizer, each GGUF read once per test run (GGUFReader takes seconds on the larger ones)."""
     def get(name: str) -> Tokenizer:
         if name not in _loaded:
-            path = fetch.vocab_test_file(name)
+            path = vocab_test_file(name)
             _loaded[name] = Tokenizer.from_reader(open_gguf(path), str(path))
         return _loaded[name]
     return get
 
 
 def cases(name: str) -> list[tuple[str, list[int]]]:
-    texts = fetch.vocab_test_file(name, ".inp").read_text(encoding="utf-8").split(SEPARATOR)
-    lines = fetch.vocab_test_file(name, ".out").read_text(encoding="utf-8").split("\n")
+    texts = vocab_test_file(name, ".inp").read_text(encoding="utf-8").split(SEPARATOR)
+    lines = vocab_test_file(name, ".out").read_text(encoding="utf-8").split("\n")
     assert len(texts) == 46 + 1 and len(lines) == 46 + 1 and texts[-1] == lines[-1] == ""  # trailing ""
     return [(t, [int(x) for x in line.split()]) for t, line in zip(texts[:46], lines[:46])]
 
@@ -107,7 +107,7 @@ def test_spm_leading_space_and_bos(vocab) -> None:
     assert tok.decode(tok.encode(" Hello", bos=False)) == " Hello"
     ids = tok.encode("Hello")
     assert ids[0] == tok.bos_id and tok.decode(ids) == "<s> Hello"  # BOS shown as text keeps the space
-    f = open_gguf(fetch.vocab_test_file("llama-spm"))
+    f = open_gguf(vocab_test_file("llama-spm"))
     no_prefix = Tokenizer(f.field("tokenizer.ggml.tokens"), f.field("tokenizer.ggml.token_type"), [], "default",
                           kind="spm", scores=f.field("tokenizer.ggml.scores"), add_space_prefix=False,
                           bos_id=1, eos_id=2)

@@ -34,7 +34,7 @@ def info(
     path = resolve_model(model, log=lambda msg: err.print(msg))
     f = open_gguf(path)
     meta = f.metadata
-    out.print(f"[bold]{path}[/]  ({f.file_size / 1e6:.1f} MB, GGUF v{meta.get('GGUF.version')})")
+    out.print(f"[bold]{path}[/]  ({f.file_size / 1e6:.1f} MB, GGUF v{f.version})")
     rows: dict[str, str] = {}                    # key → shown value; each key once, in file order
     for key in ("general.name", "general.architecture", "general.file_type"):
         if key in meta:

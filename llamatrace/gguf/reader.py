@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 
 from llamatrace.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from llamatrace.gguf.header import ARRAY, FIXED, STRING
 from llamatrace.gguf.validate import validate_gguf
 
 # GGUF tensor name (per block: "blk.{i}." prefix) → Meta reference model.py attribute.
@@ -63,12 +64,6 @@ def weight_tensor_name(suffix: str, layer: int | None, names: Container[str]) ->
 _BULK_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
               "tokenizer.ggml.scores")
 
-# GGUF value type → struct format (scalars) and NumPy dtype (arrays); 8 = string, 9 = array.
-_STRING, _ARRAY = 8, 9
-_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-               10: "<Q", 11: "<q", 12: "<d"}
-_ARRAY_DTYPE = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
-                10: "<u8", 11: "<i8", 12: "<f8"}
 _U64 = struct.Struct("<Q")
 
 # Element types of tensor data as gguf-py exposes it; other types are raw bytes [rows, row_bytes].
@@ -104,12 +99,14 @@ class GGUFFile:
             arrays (see :data:`_BULK_KEYS`; read them with :meth:`field`).
         tensors: GGUF tensor name → :class:`Tensor`, in file order.
         file_size: bytes.
+        version: the GGUF format version (2 or 3).
     """
 
     path: Path
     metadata: dict[str, Any]
     tensors: dict[str, Tensor]
     file_size: int
+    version: int
     _map: mmap.mmap
     _kv_offsets: dict[str, tuple[int, int]]
 
@@ -167,14 +164,14 @@ def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
 
 def _decode(buf: mmap.mmap, vtype: int, pos: int) -> Any:
     """The value of type ``vtype`` at ``pos`` (offsets already checked by validate_gguf)."""
-    if vtype == _STRING:
+    if vtype == STRING:
         return _string(buf, pos)[0]
-    if vtype != _ARRAY:
-        return struct.unpack_from(_SCALAR_FMT[vtype], buf, pos)[0]
+    if vtype != ARRAY:
+        return struct.unpack_from(FIXED[vtype].fmt, buf, pos)[0]
     etype, n = struct.unpack_from("<IQ", buf, pos)
     pos += 12
-    if etype != _STRING:
-        return np.frombuffer(buf, dtype=_ARRAY_DTYPE[etype], count=n, offset=pos).tolist()
+    if etype != STRING:
+        return np.frombuffer(buf, dtype=FIXED[etype].dtype, count=n, offset=pos).tolist()
     out = []
     for _ in range(n):
         value, pos = _string(buf, pos)
@@ -217,7 +214,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
             data = np.frombuffer(buf, dtype, n_elements, start).reshape(np_dims)
         tensors[name] = Tensor(name, qtype, np.asarray(dims, dtype=np.uint64), n_elements, n_bytes, data)
     return GGUFFile(path=p, metadata=metadata, tensors=tensors, file_size=summary.file_size,
-                    _map=buf, _kv_offsets=summary.kv_offsets)
+                    version=summary.version, _map=buf, _kv_offsets=summary.kv_offsets)
 
 
 def tensor_type_name(t: Any) -> str:
@@ -231,4 +228,4 @@ def check_tensor_types(f: GGUFFile, supported: frozenset) -> None:
             names = ", ".join(sorted(gguf.GGMLQuantizationType(x).name for x in supported))
             raise UnsupportedModelError(
                 f"{f.path.name}: tensor {name!r} has type {tensor_type_name(t)}, which llamatrace does not "
-                f"support yet (supported: {names}); use a GGUF quantized as Q8_0, Q4_0 or Q4_1")
+                f"support yet (supported: {names}); convert the model to one of these types (llama.cpp's llama-quantize)")

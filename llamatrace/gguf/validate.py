@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llamatrace.errors import ModelFormatError, ModelNotFoundError
+from llamatrace.gguf.header import ARRAY, FIXED, STRING, UINT32, type_name
 
 __all__ = ["GGUFSummary", "validate_gguf"]
 
@@ -52,20 +53,6 @@ MAX_ARRAY_LEN = 1 << 26
 MAX_HEADER_ITEMS = 1 << 19
 """Keys + tensors + strings inside string arrays: the objects a reader builds from the header.
 524,288 admits Llama 3 (128,256 tokens + 280,147 merges) and bounds GGUFReader to seconds."""
-
-# GGUF value types (gguf_type in gguf.h); byte sizes of the fixed-size ones.
-T_UINT8, T_INT8, T_UINT16, T_INT16, T_UINT32, T_INT32, T_FLOAT32, T_BOOL = range(8)
-T_STRING, T_ARRAY, T_UINT64, T_INT64, T_FLOAT64 = range(8, 13)
-_FIXED_SIZE = {
-    T_UINT8: 1, T_INT8: 1, T_UINT16: 2, T_INT16: 2, T_UINT32: 4, T_INT32: 4,
-    T_FLOAT32: 4, T_BOOL: 1, T_UINT64: 8, T_INT64: 8, T_FLOAT64: 8,
-}
-_TYPE_NAME = {
-    T_UINT8: "uint8", T_INT8: "int8", T_UINT16: "uint16", T_INT16: "int16",
-    T_UINT32: "uint32", T_INT32: "int32", T_FLOAT32: "float32", T_BOOL: "bool",
-    T_STRING: "string", T_ARRAY: "array", T_UINT64: "uint64", T_INT64: "int64",
-    T_FLOAT64: "float64",
-}
 
 # Smallest possible encodings, used to bound the counts before looping over them.
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, (empty key), value type, 1-byte value
@@ -315,17 +302,17 @@ class _Parser:
             keys.add(key)
             vtype = self.u32(f"value type of key {shown}")
             self.kv_offsets[key] = (vtype, self.pos)
-            if key == ALIGNMENT_KEY and vtype != T_UINT32:
+            if key == ALIGNMENT_KEY and vtype != UINT32:
                 raise self.fail(
-                    f"key {shown} has type {_type_name(vtype)}, but it must be a single uint32", FIX_CORRUPT
+                    f"key {shown} has type {type_name(vtype)}, but it must be a single uint32", FIX_CORRUPT
                 )
-            if vtype == T_ARRAY:
+            if vtype == ARRAY:
                 self._skip_array(shown)
-            elif vtype == T_STRING:
+            elif vtype == STRING:
                 self._skip_string(f"string value of key {shown}")
-            elif vtype in _FIXED_SIZE:
-                nbytes = _FIXED_SIZE[vtype]
-                pos = self.need(nbytes, f"{_TYPE_NAME[vtype]} value of key {shown}")
+            elif vtype in FIXED:
+                nbytes = FIXED[vtype].size
+                pos = self.need(nbytes, f"{FIXED[vtype].name} value of key {shown}")
                 self.pos = pos + nbytes
                 if key == ALIGNMENT_KEY:
                     alignment = _U32.unpack_from(self.buf, pos)[0]
@@ -350,24 +337,24 @@ class _Parser:
     def _skip_array(self, shown: str) -> None:
         start = self.pos
         etype = self.u32(f"element type of array {shown}")
-        if etype == T_ARRAY:
+        if etype == ARRAY:
             raise self.fail(f"key {shown} at byte {start} is an array of arrays, which GGUF does not allow", FIX_CORRUPT)
-        if etype != T_STRING and etype not in _FIXED_SIZE:
+        if etype != STRING and etype not in FIXED:
             raise self.fail(
                 f"array {shown} at byte {start} has unknown element type {etype} (valid types are 0..12)",
                 FIX_CORRUPT,
             )
         n = self.u64(f"length of array {shown}")
         left = self.size - self.pos
-        elem = _FIXED_SIZE.get(etype, 8)  # a string element needs at least its 8-byte length
+        elem = FIXED[etype].size if etype in FIXED else 8  # a string element needs at least its 8-byte length
         if n * elem > left:
             raise self.fail(
-                f"array {shown} at byte {start} claims {n} {_TYPE_NAME[etype]} elements "
+                f"array {shown} at byte {start} claims {n} {type_name(etype)} elements "
                 f"(at least {n * elem} bytes) but only {left} bytes are left in the file"
             )
         if n > MAX_ARRAY_LEN:
             raise self.fail(f"array {shown} at byte {start} has {n} elements (limit {MAX_ARRAY_LEN})", FIX_CORRUPT)
-        if etype != T_STRING:
+        if etype != STRING:
             self.pos += n * elem
             return
         self.count_items(n, f"strings (array {shown} has {n})")
@@ -548,9 +535,6 @@ def _quote(name: str, limit: int = 80) -> str:
     text = name if len(name) <= limit else name[:limit] + "..."
     return repr(text)
 
-
-def _type_name(vtype: int) -> str:
-    return _TYPE_NAME.get(vtype, f"unknown ({vtype})")
 
 
 def _show_path(path: str | os.PathLike[str]) -> str:

@@ -1,0 +1,86 @@
+"""llama.cpp's test data from the llama-cpp-python 0.3.36 source distribution (PyPI).
+
+The sdist carries llama.cpp's tokenizer test vectors (``models/ggml-vocab-*.gguf`` with their
+``.inp`` / ``.out`` files) and ggml's reference quantizers (``tests/kquant_files.py`` compiles
+them). It is downloaded once with ``pip download`` into the user cache (``LLAMATRACE_CACHE_DIR``
+moves it) and every file is sha256-checked. Used by the tests and ``benchmarks/make_*.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from llamatrace.gguf.fetch import cache_root, sha256_file
+
+LLAMA_CPP_SDIST = ("llama-cpp-python", "0.3.36", "llama_cpp_python-0.3.36.tar.gz",
+                   "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
+VOCAB_TEST_SHA256 = {
+    "ggml-vocab-llama-spm.gguf": "16c3724582d59aa8bf84711894e833f916ee46a31d80e21312759c48bf8d0e69",
+    "ggml-vocab-llama-spm.gguf.out": "ad6905c925c49c022974fe67e030382e8a4f56eb4489a0b9481dcedb1ec73b29",
+    "ggml-vocab-llama-bpe.gguf": "97272e430d53bc7688f52d5e0ad8ea8f163ede9f1bbd1694feaa504797d5d96e",
+    "ggml-vocab-llama-bpe.gguf.out": "118abf2034a197fc5c9dec5204dfdeee7004c7c70952ae577f66b99e212fab9b",
+    "ggml-vocab-deepseek-llm.gguf": "867f77537b54565f0d81d508c04edc41aa1d4ffc1a92745f225b4c1b02755f76",
+    "ggml-vocab-deepseek-llm.gguf.out": "87cfc1a8a9a7ef25d04d28c26a67b6a620af7be938c9bd0feeb4d319b9302832",
+    "ggml-vocab-deepseek-coder.gguf": "91cb1379f2e33af1c4866b194622b7a0e12e8f0c9dba7ba2f10d55978730bec1",
+    "ggml-vocab-deepseek-coder.gguf.out": "c2cea4584b0487e67fbd81f491bb44f89238722062126120d2c412edb3dbd853",
+}
+for _name in ("llama-spm", "llama-bpe", "deepseek-llm", "deepseek-coder"):  # one .inp, shared by all
+    VOCAB_TEST_SHA256[f"ggml-vocab-{_name}.gguf.inp"] = "be0a11f7071f0c67d3053a2d377d8f35f0dbcb77ff11a60300fb57d36b477cf0"
+
+
+def sdist_path() -> Path:
+    """The llama-cpp-python sdist in ``cache_root() / "sdist"``, downloaded once with
+    ``pip download --no-deps --no-binary :all:`` and sha256-checked.
+
+    Raises:
+        RuntimeError: pip failed (no network?) or the checksum does not match.
+    """
+    package, version, filename, sha256 = LLAMA_CPP_SDIST
+    folder = cache_root() / "sdist"
+    path = folder / filename
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", "-d", str(folder), f"{package}=={version}"]
+        result = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr, stdin=subprocess.DEVNULL)
+        if result.returncode != 0 or not path.is_file():
+            raise RuntimeError(f"pip could not download the {package}=={version} sdist "
+                                     f"(exit {result.returncode}); check the network")
+    if sha256_file(path) != sha256:
+        raise RuntimeError(f"checksum mismatch for {path}; delete it and run again")
+    return path
+
+
+def vocab_test_file(name: str, suffix: str = "") -> Path:
+    """``ggml-vocab-{name}.gguf{suffix}`` (suffix ``""``, ``".inp"`` or ``".out"``) from llama.cpp's
+    models/ folder in the llama-cpp-python sdist, extracted once into ``cache_root() / "vocab-0.3.36"``
+    (all three files of ``name`` at once) and sha256-checked.
+
+    Raises:
+        ValueError: ``name`` is not one of the vocabularies listed in ``VOCAB_TEST_SHA256``.
+        RuntimeError: the sdist cannot be fetched, or a checksum does not match.
+    """
+    wanted = {f"ggml-vocab-{name}.gguf{s}" for s in ("", ".inp", ".out")}
+    if not wanted <= VOCAB_TEST_SHA256.keys():
+        raise ValueError(f"no test vocabulary {name!r}; known: "
+                         f"{sorted({k[11:].split('.gguf')[0] for k in VOCAB_TEST_SHA256})}")
+    folder = cache_root() / f"vocab-{LLAMA_CPP_SDIST[1]}"
+    if not all((folder / f).is_file() for f in wanted):
+        folder.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdist_path()) as tar:
+            for member in tar.getmembers():
+                base = member.name.rsplit("/", 1)[-1]
+                if base in wanted and "/vendor/llama.cpp/models/" in member.name and member.isfile():
+                    src = tar.extractfile(member)
+                    assert src is not None
+                    part = folder / (base + ".part")
+                    part.write_bytes(src.read())
+                    if sha256_file(part) != VOCAB_TEST_SHA256[base]:
+                        part.unlink()
+                        raise RuntimeError(f"checksum mismatch for {base} in {tar.name}")
+                    os.replace(part, folder / base)
+    return folder / f"ggml-vocab-{name}.gguf{suffix}"
