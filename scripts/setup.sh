@@ -23,7 +23,7 @@ fi
 
 extra=""
 if [ "${1:-}" = "--test" ]; then
-  extra="[test]"
+  extra="[test,ray]"   # ray: the --ray tests start a local cluster
   if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     sudo_cmd=""
     [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo_cmd="sudo"
