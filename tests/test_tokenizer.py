@@ -13,7 +13,8 @@ import pytest
 from llamatrace.text.chat import render_chat
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
-from llamatrace.text.tokenizer import StreamDecoder, Tokenizer, bytes_to_unicode
+from llamatrace.text.tokenizer import StreamDecoder, Tokenizer
+from llamatrace.text.vocab import bytes_to_unicode
 
 B2U = bytes_to_unicode()
 CONTROLS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
