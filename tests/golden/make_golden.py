@@ -17,7 +17,6 @@ Usage (from the repo root):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -34,6 +33,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import pre_tokenizers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this checkout's llamatrace
+from llamatrace.gguf.fetch import sha256_file  # noqa: E402  (needs no numba)
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -114,13 +116,6 @@ def find_model(arg: str | None) -> Path:
         "or pass --model PATH"
     )
 
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def stats(t: torch.Tensor) -> dict:
@@ -256,7 +251,7 @@ def main() -> None:
         stem, want_sha = f"smollm2_{args.variant}", VARIANT_SHA256[args.variant]
         PROMPTS = {k: v for k, v in PROMPTS.items() if k in VARIANT_PROMPTS}
     model_path = find_model(args.model).resolve()
-    digest = sha256(model_path)
+    digest = sha256_file(model_path)
     if digest != want_sha:
         sys.exit(f"sha256 mismatch for {model_path}: {digest} != {want_sha}")
     out_dir = Path(args.out)

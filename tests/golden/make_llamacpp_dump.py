@@ -14,7 +14,6 @@ Writes ``tests/golden/llamacpp_<name>.npz``: keys ``step{S}.{index:03d}.{name}.{
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from llamatrace.gguf.fetch import sha256_file  # noqa: E402
 from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
 
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -33,7 +33,7 @@ KEEP = re.compile(r"^(?:.+-(?:0|29)|embd|inp_embd|attn_inp_kq_mask|result_norm|r
 
 
 def main(path: str) -> None:
-    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    digest = sha256_file(Path(path))
     if digest != SHA256:
         sys.exit(f"{path}: sha256 {digest}, expected {SHA256} (SmolLM2-135M-Instruct.Q4_1.gguf)")
     import llama_cpp

@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,22 +31,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import pre_tokenizers  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # this checkout's llamatrace
+from llamatrace.gguf.fetch import sha256_file  # noqa: E402  (needs no numba)
+
 HERE = Path(__file__).resolve().parent
 N_CTX = 256
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def perplexity(model, ids: list[int], n_ctx: int) -> dict:
@@ -99,7 +94,7 @@ def main() -> None:
                                                      dtype=torch.float32, attn_implementation="eager")
         model.eval()
         entry = perplexity(model, ids, N_CTX)
-        entry.update(file=path.name, sha256=sha256(path), n_tokens=len(ids), ids=ids)
+        entry.update(file=path.name, sha256=sha256_file(path), n_tokens=len(ids), ids=ids)
         print(f"{path.name}: PPL = {entry['ppl']:.4f} +/- {entry['ppl_error']:.5f} "
               f"({entry['n_chunks']} chunks, {entry['seconds']:.1f} s)")
         result["models"][path.name] = entry
