@@ -49,7 +49,7 @@ def sdist_path() -> Path:
         result = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not path.is_file():
             raise RuntimeError(f"pip could not download the {package}=={version} sdist "
-                                     f"(exit {result.returncode}); check the network")
+                               f"(exit {result.returncode}); check the network")
     if sha256_file(path) != sha256:
         raise RuntimeError(f"checksum mismatch for {path}; delete it and run again")
     return path

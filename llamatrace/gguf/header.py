@@ -28,6 +28,7 @@ class ValueType:
 STRING = int(GGUFValueType.STRING)
 ARRAY = int(GGUFValueType.ARRAY)
 UINT32 = int(GGUFValueType.UINT32)
+VALUE_TYPES = f"{int(min(GGUFValueType))}..{int(max(GGUFValueType))}"  # "0..12", for error messages
 
 _FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",

@@ -23,7 +23,6 @@ therefore also limited in *items* (:data:`MAX_HEADER_ITEMS`), with room for Llam
 from __future__ import annotations
 
 import os
-import re
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -31,7 +30,8 @@ from dataclasses import dataclass, field
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llamatrace.errors import ModelFormatError, ModelNotFoundError
-from llamatrace.gguf.header import ARRAY, FIXED, STRING, UINT32, type_name
+from llamatrace.gguf.foreign import describe_foreign, show_bytes
+from llamatrace.gguf.header import ARRAY, FIXED, STRING, UINT32, VALUE_TYPES, type_name
 
 __all__ = ["GGUFSummary", "validate_gguf"]
 
@@ -72,7 +72,6 @@ FIX_CORRUPT = (
     "the file is corrupt or was written by a broken tool; re-download it or re-convert the model "
     "with llama.cpp's convert_hf_to_gguf.py"
 )
-FIX_NOT_GGUF = "pass a .gguf model file (e.g. download one from Hugging Face)"
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -207,7 +206,7 @@ class _Parser:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise self.fail(f"{what} at byte {pos - 8} is not valid UTF-8 ({_short(raw)})", FIX_CORRUPT) from None
+            raise self.fail(f"{what} at byte {pos - 8} is not valid UTF-8 ({show_bytes(raw)})", FIX_CORRUPT) from None
 
     def count_items(self, n: int, what: str) -> None:
         """Add ``n`` header items; fail once the header holds more than :data:`MAX_HEADER_ITEMS`."""
@@ -231,7 +230,7 @@ class _Parser:
         if size < 4 and GGUF_MAGIC.startswith(head):
             raise self.fail(f"the file is only {size} bytes, shorter than the {_HEADER.size}-byte GGUF header")
         if head[:4] != GGUF_MAGIC:
-            raise self.fail(*_describe_foreign(head))
+            raise self.fail(*describe_foreign(head))
         if size < _HEADER.size:
             raise self.fail(f"the file is only {size} bytes, shorter than the {_HEADER.size}-byte GGUF header")
         _, version, n_tensors, n_kv = _HEADER.unpack_from(self.buf, 0)
@@ -320,7 +319,7 @@ class _Parser:
                         raise self.fail(f"key {shown} is {alignment}, which is not a power of two", FIX_CORRUPT)
             else:
                 raise self.fail(
-                    f"key {shown} at byte {start} has unknown value type {vtype} (valid types are 0..12)",
+                    f"key {shown} at byte {start} has unknown value type {vtype} (valid types are {VALUE_TYPES})",
                     FIX_CORRUPT,
                 )
         return alignment
@@ -341,7 +340,7 @@ class _Parser:
             raise self.fail(f"key {shown} at byte {start} is an array of arrays, which GGUF does not allow", FIX_CORRUPT)
         if etype != STRING and etype not in FIXED:
             raise self.fail(
-                f"array {shown} at byte {start} has unknown element type {etype} (valid types are 0..12)",
+                f"array {shown} at byte {start} has unknown element type {etype} (valid types are {VALUE_TYPES})",
                 FIX_CORRUPT,
             )
         n = self.u64(f"length of array {shown}")
@@ -433,10 +432,10 @@ class _Parser:
                     f"tensor {shown} has unknown ggml type {ttype}",
                     "the file is corrupt or needs a newer gguf package (pip install -U gguf); re-download it",
                 )
-            type_name, block, type_size = info
+            ggml_name, block, type_size = info
             if dims[0] % block:
                 raise self.fail(
-                    f"tensor {shown} of type {type_name} has {dims[0]} elements per row, "
+                    f"tensor {shown} of type {ggml_name} has {dims[0]} elements per row, "
                     f"not a multiple of the block size {block}",
                     FIX_CORRUPT,
                 )
@@ -479,62 +478,9 @@ class _Parser:
 # --------------------------------------------------------------------------------------------
 
 
-def _describe_foreign(head: bytes) -> tuple[str, str]:
-    """Explain what a file without the GGUF magic looks like, and what to do about it."""
-    magic = _short(head[:4])
-    stripped = head.lstrip().lower()
-    if head.startswith(b"version https://git-lfs"):
-        return (
-            "this is a Git LFS pointer file, not the model itself",
-            "run `git lfs pull` in the repository or download the .gguf file directly",
-        )
-    if stripped.startswith((b"<!doctype html", b"<html", b"<head", b"<?xml")):
-        return (
-            f"starts with {magic} instead of 'GGUF': this is an HTML/XML page (a failed or login-gated download?)",
-            "download the raw .gguf file (on Hugging Face use the 'resolve' link, not the 'blob' page)",
-        )
-    if len(head) >= 9 and head[8:9] == b"{" and _U64.unpack_from(head, 0)[0] < (1 << 32):
-        return (
-            f"starts with {magic} instead of 'GGUF': this looks like a safetensors file",
-            "convert it with llama.cpp's convert_hf_to_gguf.py or download a .gguf build of the model",
-        )
-    if head.startswith(b"PK\x03\x04"):
-        return (
-            f"starts with {magic} instead of 'GGUF': this is a zip archive (a PyTorch checkpoint?)",
-            "convert the model with llama.cpp's convert_hf_to_gguf.py or download a .gguf build",
-        )
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        return (
-            f"starts with {magic} instead of 'GGUF': this is a Python pickle (a PyTorch checkpoint?)",
-            "convert the model with llama.cpp's convert_hf_to_gguf.py or download a .gguf build",
-        )
-    if head[:4] in (b"lmgg", b"fmgg", b"tjgg", b"ggml", b"ggmf", b"ggjt"):
-        return (
-            f"starts with {magic}: this is a pre-GGUF GGML/GGJT model",
-            "convert it with llama.cpp's convert_llama_ggml_to_gguf.py or download a .gguf build",
-        )
-    if head[:4] == b"FUGG":
-        return (
-            f"starts with {magic}: the GGUF magic is byte-swapped (a big-endian or broken writer)",
-            "download the little-endian .gguf file",
-        )
-    if stripped.startswith(b"{") or re.match(rb"\[\s*[\[{\"\d\]-]", stripped):
-        return (
-            f"starts with {magic} instead of 'GGUF': this is a JSON file (a config or tokenizer?), not the model",
-            FIX_NOT_GGUF,
-        )
-    return (f"starts with {magic} instead of the GGUF magic 'GGUF': this is not a GGUF file", FIX_NOT_GGUF)
-
-
-def _short(raw: bytes, limit: int = 40) -> str:
-    text = repr(raw[:limit])[1:]  # b'...' -> '...'
-    return text + ("..." if len(raw) > limit else "")
-
-
 def _quote(name: str, limit: int = 80) -> str:
     text = name if len(name) <= limit else name[:limit] + "..."
     return repr(text)
-
 
 
 def _show_path(path: str | os.PathLike[str]) -> str:

@@ -1,1 +1,2 @@
-"""Text and token ids: the GGUF's tokenizer (``tokenizer``) and its chat template (``chat``)."""
+"""Text and token ids: the GGUF vocabulary as tiktoken ranks (``vocab``), the tokenizer built on
+them (``tokenizer``) and the model's chat template (``chat``)."""
