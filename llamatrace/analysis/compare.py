@@ -11,18 +11,30 @@ Metrics per pair (float64): relative RMS error ``‖ours − ref‖ / ‖ref‖`
 similarity. Non-finite values (the mask's -inf) must sit at the same places and be equal there;
 the metrics cover the finite ones.
 
-Default thresholds (on the relative RMS error), calibrated on the default model against
-llama.cpp, whose matmuls multiply 8-bit-quantized activations (~1e-2 relative drift per matmul,
-compounding through the layers): exact stages (``inp_embd``, ``kq_mask``, ``freqs_cis``) 1e-3
-(measured: 0); query/key stages (``Qcur*``, ``Kcur*``, ``kq``) 0.15 (largest healthy error
-seen 0.054-0.072); every other stage 0.25 (largest seen 0.125). Real bugs land well above: a
-split-half RoPE gives 0.42-0.82 at layer 0's ``Qcur_rope``, an RMSNorm without its 1/rms
-0.88-0.90 at layer 0's ``attn_norm``.
+Thresholds (on the relative RMS error) follow from what is compared (:data:`PROFILES`; the
+report names the profile used), because a stage is judged by the error it may *add*:
+
+* ``llama.cpp`` — our forward pass against llama.cpp's, whose matmuls multiply 8-bit-quantized
+  activations (~1e-2 relative drift per matmul, compounding through the layers), calibrated on
+  the default model: exact stages (``inp_embd``, ``kq_mask``, ``freqs_cis``) 1e-3 (measured: 0);
+  query/key stages (``Qcur*``, ``Kcur*``, ``kq``) 0.15 (largest healthy error seen
+  0.054-0.072); every other stage 0.25 (largest seen 0.125). Real bugs land well above: a
+  split-half RoPE gives 0.42-0.82 at layer 0's ``Qcur_rope``, an RMSNorm without its 1/rms
+  0.88-0.90 at layer 0's ``attn_norm``. A subtler bug (a stage off by 5 %) hides under them.
+* ``hf`` — ours in f32 against HF transformers fp32: the same arithmetic up to summation order
+  (~1e-5 relative), so 1e-3 everywhere.
+* ``same-f32`` / ``same-q8`` — two recordings of llamatrace in one activation mode (``trace
+  --npz`` twice, say before and after a change): the kernels are deterministic (each output row
+  is summed by one thread in a fixed order), so a healthy pair agrees to the last bit on one
+  machine and to float32 rounding across CPUs; 1e-4 (f32) and 1e-3 (q8, where a rounding
+  difference can move an 8-bit quantization step) catch a stage that is 5 % off.
+* ``q8-vs-f32`` — the two activation modes of llamatrace: llama.cpp's thresholds.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -36,6 +48,20 @@ from llamatrace.tracing.recorder import stage_key
 EXACT_STAGES = frozenset({"inp_embd", "kq_mask", "freqs_cis"})
 QK_STAGES = frozenset({"Qcur", "Kcur", "Qcur_heads", "Kcur_heads", "Qcur_rope", "Kcur_rope", "kq"})
 THRESHOLDS = {"exact": 1e-3, "qk": 0.15, "other": 0.25}
+"""The ``llama.cpp`` profile's thresholds (the default when nothing says what is compared)."""
+
+PROFILES: dict[str, dict[str, float]] = {
+    "llama.cpp": THRESHOLDS,
+    "hf": {"exact": 1e-3, "qk": 1e-3, "other": 1e-3},
+    "same-f32": {"exact": 1e-4, "qk": 1e-4, "other": 1e-4},
+    "same-q8": {"exact": 1e-3, "qk": 1e-3, "other": 1e-3},
+    "q8-vs-f32": THRESHOLDS,
+}
+"""Per-kind thresholds by what is compared (see the module docstring)."""
+
+META_KEY = "__llamatrace__"
+"""The key of a recording's description in a ``trace --npz`` file: a JSON string
+``{"engine": "llamatrace", "version": ..., "activations": "f32"|"q8", "model": ...}``."""
 
 _KEY = re.compile(r"^step(\d+)\.(?:layer(\d+)\.)?([^.]+)$")
 _FIRST_LAYER_STAGE = min(i for i, s in enumerate(STAGES) if s.level == "layer")
@@ -136,30 +162,59 @@ class Comparison:
                 "first_divergence": None if self.first_divergence is None else self.first_divergence.to_json()}
 
 
-def thresholds_for(threshold: float | None) -> dict[str, float]:
-    """The per-kind thresholds, or ``threshold`` for every kind."""
-    return dict(THRESHOLDS) if threshold is None else dict.fromkeys(THRESHOLDS, float(threshold))
+def thresholds_for(threshold: float | None, profile: str = "llama.cpp") -> dict[str, float]:
+    """The per-kind thresholds of ``profile`` (:data:`PROFILES`), or ``threshold`` for every kind."""
+    if threshold is not None:
+        return dict.fromkeys(THRESHOLDS, float(threshold))
+    return dict(PROFILES[profile])
+
+
+def recording_meta(arrays: Mapping[str, np.ndarray]) -> dict | None:
+    """The description a ``trace --npz`` file carries under :data:`META_KEY`, or ``None`` (an older
+    or foreign recording)."""
+    if META_KEY not in arrays:
+        return None
+    try:
+        meta = json.loads(str(np.asarray(arrays[META_KEY])))
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def profile_for(ours: dict | None, ref: dict | None) -> str:
+    """The :data:`PROFILES` key for two recordings described by :func:`recording_meta`: two of
+    llamatrace in one activation mode are ``same-<mode>``, in two modes ``q8-vs-f32``; anything
+    else (an undescribed recording, another engine) ``llama.cpp``, the loosest."""
+    if not ours or not ref or ours.get("engine") != "llamatrace" or ref.get("engine") != "llamatrace":
+        return "llama.cpp"
+    modes = {ours.get("activations"), ref.get("activations")}
+    if modes == {"f32"}:
+        return "same-f32"
+    if modes == {"q8"}:
+        return "same-q8"
+    return "q8-vs-f32"
 
 
 def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray], *,
                    threshold: float | None = None, layers: Iterable[int] | None = None,
-                   stages: Iterable[str] | None = None) -> Comparison:
-    """Pair ``ours`` and ``ref`` by key and measure every pair.
+                   stages: Iterable[str] | None = None, profile: str = "llama.cpp") -> Comparison:
+    """Pair ``ours`` and ``ref`` by key and measure every pair (a :data:`META_KEY` entry is not a stage).
 
     Args:
         ours, ref: arrays keyed by :func:`~llamatrace.tracing.recorder.stage_key`.
-        threshold: one relative RMS threshold for every stage (default: :data:`THRESHOLDS` per kind).
+        threshold: one relative RMS threshold for every stage (default: ``profile``'s per kind).
+        profile: what is compared, a key of :data:`PROFILES`; ``extra["profile"]`` of the result.
         layers: keep only these layers (model-level stages are always kept); ``None`` = all.
         stages: keep only stages matching these ids/globs; ``None`` = all.
 
     Raises:
         ValueError: a key that is not a stage key.
     """
-    limits = thresholds_for(threshold)
+    limits = thresholds_for(threshold, profile)
     keep_layers = None if layers is None else frozenset(layers)
     patterns = None if stages is None else list(stages)
     rows = []
-    for key in sorted(set(ours) | set(ref), key=forward_order):
+    for key in sorted((set(ours) | set(ref)) - {META_KEY}, key=forward_order):
         step, layer, stage = parse_key(key)
         if keep_layers is not None and layer is not None and layer not in keep_layers:
             continue
@@ -179,7 +234,7 @@ def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]
             rows.append(Row(step, layer, stage, shape, ref_shape, rel, max_abs, cos, limit,
                             "ok" if rel <= limit else "diverged"))
     first = next((r for r in rows if r.diverged), None)
-    return Comparison(rows, first, limits)
+    return Comparison(rows, first, limits, {"profile": "custom" if threshold is not None else profile})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,13 +409,14 @@ def compare_with(model, ids: list[int], tokens: int = 0, *, against: str = "llam
         ref, settings = run_hf(model.path, ids, fed, threads=threads)
     else:
         _, ref, settings = run_llamacpp(model.path, ids, fed, threads=threads)
-    result = compare_arrays(ours, ref, threshold=threshold, layers=layers, stages=stages)
+    result = compare_arrays(ours, ref, threshold=threshold, layers=layers, stages=stages,
+                            profile="hf" if against == "hf" else "llama.cpp")
     argmax = []
     for step, row in enumerate(our_last):
         key = stage_key(step, None, "result_output")
         ref_id = int(np.argmax(ref[key][-1])) if key in ref else None
         argmax.append({"step": step, "ours": int(np.argmax(row)), "reference": ref_id})
-    result.extra = {"reference": against, "model": str(model.path), "prompt_ids": list(ids),
+    result.extra = {**result.extra, "reference": against, "model": str(model.path), "prompt_ids": list(ids),
                     "settings": settings, "argmax": argmax}
     return result
 
