@@ -16,12 +16,14 @@ Q2_K / Q3_K -> IQ4_NL).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
 
 import llama_cpp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's llamatrace
+from llamatrace.gguf.fetch import sha256_file  # noqa: E402  (needs no numba)
 
 # name: (llama_ftype, pure)
 FILES = {
@@ -65,7 +67,7 @@ def main() -> None:
         counts: dict[str, int] = {}
         for t in gguf.GGUFReader(str(dst)).tensors:
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
-        print(dst.name, hashlib.sha256(dst.read_bytes()).hexdigest(), counts)
+        print(dst.name, sha256_file(dst), counts)
 
 
 if __name__ == "__main__":

@@ -365,3 +365,10 @@ def test_smollm2_matches_hf_golden_ids(smol: Tokenizer) -> None:
             assert smol.encode(prompt["text"]) == prompt["prompt_ids"], name
     for case in golden.get("tokenizer_cases", []):
         assert smol.encode(case["text"]) == case["ids"], case["text"]
+
+
+def test_public_names_import_from_the_tokenizer_module() -> None:
+    from llamatrace.text import tokenizer
+    assert set(tokenizer.__all__) == {"Tokenizer", "StreamDecoder", "bytes_to_unicode"}
+    assert tokenizer.bytes_to_unicode() == B2U
+    assert B2U[ord(" ")] == "Ġ" and B2U[ord("\n")] == "Ċ" and sorted(B2U) == list(range(256))

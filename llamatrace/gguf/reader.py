@@ -218,6 +218,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
 
 
 def tensor_type_name(t: Any) -> str:
+    """The ggml type name of tensor ``t`` (anything with a ``tensor_type``): ``"Q4_K"``, ``"F32"`` …"""
     return gguf.GGMLQuantizationType(t.tensor_type).name
 
 

@@ -37,6 +37,7 @@ from llamatrace.text.vocab import (
     TOKEN_NORMAL,
     TOKEN_USER_DEFINED,
     bpe_ranks,
+    bytes_to_unicode,
     bpe_token_bytes,
     spm_ranks,
     spm_token_bytes,
@@ -44,6 +45,8 @@ from llamatrace.text.vocab import (
 
 if TYPE_CHECKING:
     from llamatrace.gguf.reader import GGUFFile
+
+__all__ = ["StreamDecoder", "Tokenizer", "bytes_to_unicode"]  # bytes_to_unicode lives in text.vocab
 
 
 # Pre-tokenizer split patterns, in tiktoken's (fancy-regex) syntax.
