@@ -64,7 +64,7 @@ def _token_text_to_bytes(text: str) -> bytes | None:
 def bpe_token_bytes(tokens: Sequence[str], types: Sequence[int]) -> tuple[list[bytes], list[bool]]:
     """id → bytes: byte-level text for normal tokens, literal UTF-8 for control/user-defined/literal ones."""
     id_bytes: list[bytes] = []
-    is_text: list[bool] = []  # shown as-is by piece()
+    is_text: list[bool] = []  # not byte-level: Tokenizer.piece shows the text as it is
     for text, ttype in zip(tokens, types):
         raw = _token_text_to_bytes(text) if ttype in (TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_BYTE) else None
         is_text.append(raw is None)
@@ -100,7 +100,14 @@ def _merged_bytes(merges: Sequence[str], where: str) -> list[bytes]:
 
 def bpe_ranks(types: Sequence[int], merges: Sequence[str], id_bytes: list[bytes], is_text: list[bool],
                where: str) -> tuple[dict[bytes, int], list[int] | None]:
-    """tiktoken ranks of a byte-level BPE vocabulary, and rank → id (None when ids already are ranks)."""
+    """tiktoken ranks of a byte-level BPE vocabulary, and rank → id (None when ids already are ranks).
+
+    ``id_bytes`` and ``is_text`` come from :func:`bpe_token_bytes`; ``where`` (" in FILE" or "")
+    ends error messages.
+
+    Raises:
+        ModelFormatError: a merge is not two byte-level strings around one space.
+    """
     merge_index: dict[bytes, int] = {}  # the merge that first creates each byte string: its priority
     for i, raw in enumerate(_merged_bytes(merges, where)):
         merge_index.setdefault(raw, i)
