@@ -321,7 +321,8 @@ def test_nested_array(tmp_path):
 
 
 def test_unknown_value_types(tmp_path):
-    check(tmp_path, build(BASE_KVS + [kv("k", 13, b"\0" * 8)], BASE_TENSORS), "unknown value type 13")
+    check(tmp_path, build(BASE_KVS + [kv("k", 13, b"\0" * 8)], BASE_TENSORS),
+          "unknown value type 13 (valid types are 0..12)")
     check(tmp_path, build(BASE_KVS + [kv("k", 2**31, b"\0" * 8)], BASE_TENSORS), f"unknown value type {2**31}")
     bad = kv("k", V.ARRAY, struct.pack("<IQ", 99, 0))
     check(tmp_path, build(BASE_KVS + [bad], BASE_TENSORS), "unknown element type 99")
