@@ -59,6 +59,13 @@ PROFILES: dict[str, dict[str, float]] = {
 }
 """Per-kind thresholds by what is compared (see the module docstring)."""
 
+LOCAL_THRESHOLDS = {"ours": 1e-3, "f32": 0.05, "q8": 0.01}
+"""Limits on a stage's local error (:mod:`llamatrace.analysis.local_error`). ``ours``: our own
+recording recomputed by the same kernels, which healthy gives 0 exactly (1e-3 leaves room for
+another CPU). ``f32`` / ``q8``: the reference's recording recomputed by our kernels in that
+activation mode; measured on the default model against llama.cpp (2 steps, layers 0 and 29):
+at most 0.024 with f32 kernels (``Vcur``: llama.cpp's 8-bit activations), 0.0029 with q8."""
+
 META_KEY = "__llamatrace__"
 """The key of a recording's description in a ``trace --npz`` file: a JSON string
 ``{"engine": "llamatrace", "version": ..., "activations": "f32"|"q8", "model": ...}``."""
@@ -121,8 +128,11 @@ def metrics(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, float]:
 class Row:
     """One (step, layer, stage): shapes, errors, the threshold and a status.
 
-    ``status``: ``ok``, ``diverged`` (error above threshold), ``shape mismatch`` (a divergence
-    too), ``only ours`` or ``only reference`` (no error figures).
+    ``status``: ``ok``, ``diverged`` (error above threshold), ``added error`` (the stage's own
+    error, recomputed from one recording's inputs, above :data:`LOCAL_THRESHOLDS`: see
+    :mod:`llamatrace.analysis.local_error`), ``shape mismatch`` (a divergence too), ``only ours``
+    or ``only reference`` (no error figures). ``local_err`` / ``ref_local_err``: that local error
+    in our recording and in the reference's (``None`` where not recomputed).
     """
 
     step: int
@@ -135,14 +145,16 @@ class Row:
     cosine: float | None
     threshold: float | None
     status: str
+    local_err: float | None = None
+    ref_local_err: float | None = None
 
     @property
     def diverged(self) -> bool:
-        return self.status in ("diverged", "shape mismatch")
+        return self.status in ("diverged", "added error", "shape mismatch")
 
     def to_json(self) -> dict:
         d = asdict(self)
-        for k in ("rel_rms_err", "max_abs_err", "cosine"):
+        for k in ("rel_rms_err", "max_abs_err", "cosine", "local_err", "ref_local_err"):
             if d[k] is not None and not math.isfinite(d[k]):
                 d[k] = None
         return d
@@ -197,13 +209,18 @@ def profile_for(ours: dict | None, ref: dict | None) -> str:
 
 def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray], *,
                    threshold: float | None = None, layers: Iterable[int] | None = None,
-                   stages: Iterable[str] | None = None, profile: str = "llama.cpp") -> Comparison:
+                   stages: Iterable[str] | None = None, profile: str = "llama.cpp",
+                   model=None) -> Comparison:
     """Pair ``ours`` and ``ref`` by key and measure every pair (a :data:`META_KEY` entry is not a stage).
 
     Args:
         ours, ref: arrays keyed by :func:`~llamatrace.tracing.recorder.stage_key`.
         threshold: one relative RMS threshold for every stage (default: ``profile``'s per kind).
         profile: what is compared, a key of :data:`PROFILES`; ``extra["profile"]`` of the result.
+        model: the :class:`~llamatrace.model.Llama` both recordings ran (``None``: no local errors).
+            Given, every stage :mod:`~llamatrace.analysis.local_error` can recompute is also
+            judged by the error it adds, in our recording and in the reference's
+            (:data:`LOCAL_THRESHOLDS`), so a stage 5 % off is found under accumulated drift.
         layers: keep only these layers (model-level stages are always kept); ``None`` = all.
         stages: keep only stages matching these ids/globs; ``None`` = all.
 
@@ -211,6 +228,11 @@ def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]
         ValueError: a key that is not a stage key.
     """
     limits = thresholds_for(threshold, profile)
+    local_ours, local_ref = {}, {}
+    if model is not None:
+        from llamatrace.analysis.local_error import local_errors
+        local_ours, local_ref = local_errors(model, ours), local_errors(model, ref)
+    ref_local_limit = LOCAL_THRESHOLDS[model.activations] if model is not None else math.inf
     keep_layers = None if layers is None else frozenset(layers)
     patterns = None if stages is None else list(stages)
     rows = []
@@ -231,10 +253,14 @@ def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]
             rows.append(Row(step, layer, stage, shape, ref_shape, None, None, None, limit, "shape mismatch"))
         else:
             rel, max_abs, cos = metrics(a, b)
-            rows.append(Row(step, layer, stage, shape, ref_shape, rel, max_abs, cos, limit,
-                            "ok" if rel <= limit else "diverged"))
+            own, theirs = local_ours.get(key), local_ref.get(key)
+            added = ((own is not None and not own <= LOCAL_THRESHOLDS["ours"])
+                     or (theirs is not None and not theirs <= ref_local_limit))
+            status = "diverged" if not rel <= limit else "added error" if added else "ok"
+            rows.append(Row(step, layer, stage, shape, ref_shape, rel, max_abs, cos, limit, status, own, theirs))
     first = next((r for r in rows if r.diverged), None)
-    return Comparison(rows, first, limits, {"profile": "custom" if threshold is not None else profile})
+    extra = {"profile": "custom" if threshold is not None else profile, "local_errors": model is not None}
+    return Comparison(rows, first, limits, extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,7 +436,7 @@ def compare_with(model, ids: list[int], tokens: int = 0, *, against: str = "llam
     else:
         _, ref, settings = run_llamacpp(model.path, ids, fed, threads=threads)
     result = compare_arrays(ours, ref, threshold=threshold, layers=layers, stages=stages,
-                            profile="hf" if against == "hf" else "llama.cpp")
+                            profile="hf" if against == "hf" else "llama.cpp", model=model)
     argmax = []
     for step, row in enumerate(our_last):
         key = stage_key(step, None, "result_output")

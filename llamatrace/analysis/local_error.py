@@ -1,0 +1,154 @@
+"""The error a stage adds: recompute it from a recording's own inputs and compare.
+
+A comparison of two recordings measures accumulated error: after layer 10, every stage inherits
+the drift of the ten layers before it, and a stage that is 5 % off hides under it. With the model
+at hand, each stage can instead be recomputed by our kernels from the inputs *the recording
+itself* holds (``attn_norm`` from the previous layer's ``l_out``, ``Qcur`` from ``attn_norm`` and
+``wq``, ``kq_soft_max`` from ``kq``, ...) and compared with the output the recording holds: its
+*local* error, what the stage added. Done on the reference's recording it asks "do our kernels
+compute what the reference computed from the same inputs?" (how the ``q8`` kernels were checked
+against llama.cpp's); done on ours, "did our forward pass apply its kernels as written?".
+
+Stages recomputed (:data:`LOCAL_STAGES`): the norms, the q/k/v, output and FFN projections, RoPE,
+scores → softmax, the heads merge, SiLU, SwiGLU, both residual adds, ``result_norm`` and
+``result_output``. Stages that need the whole KV cache (``kq``, ``kqv``) are not: a recording
+holds only this step's keys. A stage is skipped where the recording lacks one of its inputs
+(llama.cpp's graph has no ``ffn_silu``; a trace limited to some layers has no ``l_out`` before
+them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import numpy as np
+
+from llamatrace.kernels import fp32
+from llamatrace.kernels.registry import matmul
+from llamatrace.tracing.recorder import stage_key
+
+_Get = Callable[[str, "int | None"], np.ndarray]
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    """‖a − b‖ / ‖b‖ over the finite entries (float64); inf where the non-finite ones differ."""
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if not np.array_equal(fa, fb):
+        return math.inf
+    a, b = a[fa], b[fb]
+    nb, nd = float(np.linalg.norm(b)), float(np.linalg.norm(a - b))
+    return nd / nb if nb > 0 else (0.0 if nd == 0 else math.inf)
+
+
+def _layer_input(get: _Get, layer: int) -> np.ndarray:
+    return get("inp_embd", None) if layer == 0 else get("l_out", layer - 1)
+
+
+def _split(y: np.ndarray, fused, index: int) -> np.ndarray:
+    """Output ``index`` of the matrices stacked in ``fused`` (``row_splits``)."""
+    start = sum(fused.row_splits[:index])
+    return y[:, start:start + fused.row_splits[index]]
+
+
+def _projection(weight: str, fused: str, index: int, source: str):
+    """``source`` times one of the layer's matrices (``wq`` … ``w3``), fused rows split off."""
+    def run(model, get: _Get, layer: int, pos: int) -> np.ndarray:
+        lw = model.weights.layers[layer]
+        x = np.ascontiguousarray(get(source, layer), dtype=np.float32)
+        w = getattr(lw, weight)
+        if w is not None:
+            return matmul(x, w)
+        return _split(matmul(x, getattr(lw, fused)), getattr(lw, fused), index)
+    return run
+
+
+def _rope(source: str, n_heads: str):
+    def run(model, get: _Get, layer: int, pos: int) -> np.ndarray:
+        c = model.config
+        x = get(source, layer)
+        x = np.ascontiguousarray(x.reshape(x.shape[0], getattr(c, n_heads), c.head_dim), dtype=np.float32)
+        freqs = fp32.precompute_freqs_cis(model.inv_freq, pos, x.shape[0])
+        return fp32.rope(x, np.ascontiguousarray(freqs.real), np.ascontiguousarray(freqs.imag))
+    return run
+
+
+def _soft_max(model, get: _Get, layer: int, pos: int) -> np.ndarray:
+    kq = np.asarray(get("kq", layer), dtype=np.float32)           # [n_heads, seq_len, kv_len]
+    scores = kq * np.float32(1.0 / math.sqrt(model.config.head_dim))
+    if kq.shape[1] > 1:
+        scores = scores + fp32.causal_mask(kq.shape[1], pos)
+    return fp32.softmax(np.ascontiguousarray(scores))
+
+
+def _merge_heads(kqv: np.ndarray) -> np.ndarray:
+    """[n_heads, seq_len, head_dim] → [seq_len, n_heads * head_dim]."""
+    return kqv.transpose(1, 0, 2).reshape(kqv.shape[1], -1)
+
+
+LOCAL_STAGES: dict[str, Callable] = {
+    "attn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(_layer_input(get, L)),
+                                                     m.weights.layers[L].attention_norm, m.config.norm_eps),
+    "Qcur": _projection("wq", "wqkv", 0, "attn_norm"),
+    "Kcur": _projection("wk", "wqkv", 1, "attn_norm"),
+    "Vcur": _projection("wv", "wqkv", 2, "attn_norm"),
+    "Qcur_rope": _rope("Qcur", "n_heads"),
+    "Kcur_rope": _rope("Kcur", "n_kv_heads"),
+    "kq_soft_max": _soft_max,
+    "kqv_out": lambda m, get, L, pos: _merge_heads(get("kqv", L)),
+    "attn_out": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("kqv_out", L), dtype=np.float32),
+                                              m.weights.layers[L].wo),
+    "ffn_inp": lambda m, get, L, pos: _layer_input(get, L) + get("attn_out", L),
+    "ffn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(get("ffn_inp", L)),
+                                                    m.weights.layers[L].ffn_norm, m.config.norm_eps),
+    "ffn_gate": _projection("w1", "w13", 0, "ffn_norm"),
+    "ffn_up": _projection("w3", "w13", 1, "ffn_norm"),
+    "ffn_silu": lambda m, get, L, pos: fp32.silu(np.ascontiguousarray(get("ffn_gate", L), dtype=np.float32)),
+    "ffn_swiglu": lambda m, get, L, pos: get("ffn_silu", L) * get("ffn_up", L),
+    "ffn_out": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("ffn_swiglu", L), dtype=np.float32),
+                                             m.weights.layers[L].w2),
+    "l_out": lambda m, get, L, pos: get("ffn_inp", L) + get("ffn_out", L),
+}
+"""Layer stage id → ``fn(model, get, layer, start_pos)`` recomputing it from recorded inputs."""
+
+
+def _steps(arrays: Mapping[str, np.ndarray]) -> list[tuple[int, int]]:
+    """(step, start_pos) of every step, from the rows of each step's ``inp_embd``."""
+    steps, pos, step = [], 0, 0
+    while stage_key(step, None, "inp_embd") in arrays:
+        steps.append((step, pos))
+        pos += int(np.shape(arrays[stage_key(step, None, "inp_embd")])[0])
+        step += 1
+    return steps
+
+
+def local_errors(model, arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Stage key → the relative RMS error of the recorded output against :data:`LOCAL_STAGES`'s
+    recomputation from the recorded inputs (float64; only stages whose inputs are recorded).
+
+    Args:
+        model: the :class:`~llamatrace.model.Llama` the recording is of (its weights and activation
+            mode do the recomputing).
+        arrays: a recording keyed by :func:`~llamatrace.tracing.recorder.stage_key`, in our layouts
+            (``trace --npz``, :func:`llamatrace.analysis.compare.llamacpp_stage_arrays`).
+    """
+    out: dict[str, float] = {}
+    for step, pos in _steps(arrays):
+        def get(stage: str, layer: int | None, step=step) -> np.ndarray:
+            return np.asarray(arrays[stage_key(step, layer, stage)])
+
+        for layer in range(model.config.n_layers):
+            for stage, fn in LOCAL_STAGES.items():
+                key = stage_key(step, layer, stage)
+                if key not in arrays:
+                    continue
+                try:
+                    expected = fn(model, get, layer, pos)
+                except KeyError:
+                    continue                     # an input is not in the recording
+                recorded = np.asarray(arrays[key])
+                if np.shape(expected) != recorded.shape:
+                    expected = np.reshape(expected, recorded.shape)
+                out[key] = _rel(recorded, expected)
+    return out
