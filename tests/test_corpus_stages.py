@@ -53,7 +53,10 @@ def test_a_model_against_itself_differs_nowhere(tiny_pair):
     ids = np.arange(16, dtype=np.int32) + 5
     job = ChunkJob(ids, ids[9:16].astype(np.int64), 8)
     part, errors, embd = score_pair((model, model), job)
-    assert errors.shape == (2, len(TOKEN_STAGES), 7) and not errors.any() and not embd.any()
+    assert errors.shape == (2, 2, len(TOKEN_STAGES), 7) and not errors[0].any() and not embd.any()
+    local = errors[1]                      # the model recomputing its own stages: 0, or NaN where not recomputed
+    assert np.isnan(local).any() and not np.nan_to_num(local).any()
+    assert not np.isnan(local[:, TOKEN_STAGES.index("ffn_up")]).any()
     assert np.all(np.abs(part.kld) < 5e-5) and part.same_top.all()
 
 
@@ -107,3 +110,28 @@ def test_stages_refuse_two_architectures(capsys, tiny_pair, tmp_path):
     captured = capsys.readouterr()
     lines = [ln for ln in captured.err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1 and "n_layers 2 vs 3" in lines[0], captured.err
+
+
+def test_local_error_is_what_the_quantized_weights_add_at_each_stage(tiny_pair):
+    # the quantized model recomputing the base's stages from the base's own inputs: the
+    # projections differ (their weights are quantized), the norms' and adds' arithmetic does not
+    from llamatrace.analysis.local_error import LOCAL_STAGES
+    from llamatrace.kernels.registry import matmul
+    from llamatrace.model.llama import Llama
+    base, quant = Llama.load(tiny_pair[0]), Llama.load(tiny_pair[1])
+    ids = np.arange(16, dtype=np.int32) + 5
+    job = ChunkJob(ids, ids[9:16].astype(np.int64), 8)
+    _, errors, _ = score_pair((base, quant), job)
+    local = errors[1]
+    col = {s: TOKEN_STAGES.index(s) for s in ("ffn_up", "attn_out", "ffn_inp", "l_out")}
+    assert (local[:, col["ffn_up"]] > 1e-4).all() and (local[:, col["attn_out"]] > 1e-4).all()
+    assert local[:, col["ffn_inp"]].max() < 1e-6 and local[:, col["l_out"]].max() < 1e-6
+    # against plain NumPy: ffn_up of layer 1, the quantized w3 on the base's own ffn_norm rows
+    acts, _, _ = capture(base, ids, 8)
+    x = acts[1, TOKEN_STAGES.index("ffn_norm")]
+    w3 = quant.weights.layers[1].w3
+    want = matmul(x, w3) if w3 is not None else matmul(x, quant.weights.layers[1].w13)[:, -quant.config.hidden_dim:]
+    got = acts[1, col["ffn_up"]]
+    rel = np.linalg.norm(want - got, axis=1) / np.linalg.norm(got, axis=1)
+    np.testing.assert_allclose(local[1, col["ffn_up"]], rel, rtol=1e-4)
+    assert "ffn_up" in LOCAL_STAGES

@@ -187,4 +187,9 @@ def test_stages_on_the_default_model_against_its_q4_k_m(capsys, smollm2_path, kq
     assert a["count"] == 2 * 127
     # the residual difference grows through the network: the last layer's exceeds the first's
     assert a["l_out_median"][-1] > 2 * a["l_out_median"][0] > 0
+    # where it enters: the projections' own quantized weights add error, a residual add none
+    local = {s: [row[k] for row in a["local_median"]] for k, s in enumerate(a["stages"])}
+    assert min(local["ffn_down" if "ffn_down" in local else "ffn_out"]) > 1e-3
+    assert min(local["Qcur"]) > 1e-3 and max(local["ffn_inp"]) < 1e-6
+    assert all(v is None for v in local["kqv_out"])            # needs the KV cache: not recomputed
     assert picture.read_text(encoding="utf-8").lstrip().startswith("<?xml")

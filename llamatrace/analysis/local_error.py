@@ -31,6 +31,14 @@ from llamatrace.tracing.recorder import stage_key
 _Get = Callable[[str, "int | None"], np.ndarray]
 
 
+def _rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """float64 ``[n]``: ``‖a − b‖ / ‖b‖`` per row (first axis) of two arrays of one shape."""
+    a = np.asarray(a, np.float64).reshape(len(a), -1)
+    b = np.asarray(b, np.float64).reshape(len(b), -1)
+    den = np.linalg.norm(b, axis=1)
+    return np.linalg.norm(a - b, axis=1) / np.where(den > 0, den, 1.0)
+
+
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     """‖a − b‖ / ‖b‖ over the finite entries (float64); inf where the non-finite ones differ."""
     a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
@@ -113,9 +121,9 @@ LOCAL_STAGES: dict[str, Callable] = {
 """Layer stage id → ``fn(model, get, layer, start_pos)`` recomputing it from recorded inputs."""
 
 
-def _steps(arrays: Mapping[str, np.ndarray]) -> list[tuple[int, int]]:
+def _steps(arrays: Mapping[str, np.ndarray], start_pos: int) -> list[tuple[int, int]]:
     """(step, start_pos) of every step, from the rows of each step's ``inp_embd``."""
-    steps, pos, step = [], 0, 0
+    steps, pos, step = [], start_pos, 0
     while stage_key(step, None, "inp_embd") in arrays:
         steps.append((step, pos))
         pos += int(np.shape(arrays[stage_key(step, None, "inp_embd")])[0])
@@ -123,18 +131,23 @@ def _steps(arrays: Mapping[str, np.ndarray]) -> list[tuple[int, int]]:
     return steps
 
 
-def local_errors(model, arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """Stage key → the relative RMS error of the recorded output against :data:`LOCAL_STAGES`'s
-    recomputation from the recorded inputs (float64; only stages whose inputs are recorded).
+def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
+                 per_row: bool = False) -> dict[str, float | np.ndarray]:
+    """Stage key → ``‖recomputed − recorded‖ / ‖recorded‖``: the recorded output against
+    :data:`LOCAL_STAGES`'s recomputation from the recorded inputs (float64; only stages whose
+    inputs are recorded).
 
     Args:
-        model: the :class:`~llamatrace.model.Llama` the recording is of (its weights and activation
-            mode do the recomputing).
+        model: the :class:`~llamatrace.model.Llama` that recomputes (its weights and activation
+            mode): the recording's own model, or another one (a quantized model recomputing its
+            base's stages measures the error its weights add, :mod:`llamatrace.corpus.stages`).
         arrays: a recording keyed by :func:`~llamatrace.tracing.recorder.stage_key`, in our layouts
             (``trace --npz``, :func:`llamatrace.analysis.compare.llamacpp_stage_arrays`).
+        start_pos: the position of step 0's first row (rows of a longer prompt, say).
+        per_row: give float64 ``[seq_len]`` errors, one per row (token), instead of one number.
     """
-    out: dict[str, float] = {}
-    for step, pos in _steps(arrays):
+    out: dict[str, float | np.ndarray] = {}
+    for step, pos in _steps(arrays, start_pos):
         def get(stage: str, layer: int | None, step=step) -> np.ndarray:
             return np.asarray(arrays[stage_key(step, layer, stage)])
 
@@ -150,5 +163,5 @@ def local_errors(model, arrays: Mapping[str, np.ndarray]) -> dict[str, float]:
                 recorded = np.asarray(arrays[key])
                 if np.shape(expected) != recorded.shape:
                     expected = np.reshape(expected, recorded.shape)
-                out[key] = _rel(recorded, expected)
+                out[key] = _rel_rows(expected, recorded) if per_row else _rel(expected, recorded)
     return out

@@ -145,9 +145,16 @@ def _print_kld(r) -> None:
 
 
 def _print_stages(a) -> None:
-    """The attribution: the worst stages, then the residual stream layer by layer."""
+    """The attribution: the stages whose own weights add the most error, the worst accumulated
+    differences, then the residual stream layer by layer."""
     out.print()
-    out.print(f"====== Where the error enters: ‖Q − base‖ / ‖base‖ over {a.count} tokens, worst first ======",
+    out.print(f"====== Where the error enters: each stage from the base's own inputs, ‖Q − base‖ / ‖base‖ "
+              f"over {a.count} tokens, worst first ======", markup=False)
+    out.print(f"{'layer':>5}  {'stage':<12} {'median':>9} {'95%':>9}", markup=False)
+    for layer, stage, median, p95 in a.worst(local=True):
+        out.print(f"{layer:>5}  {stage:<12} {median:9.5f} {p95:9.5f}", markup=False)
+    out.print()
+    out.print("====== Accumulated: ‖Q − base‖ / ‖base‖ with each model's own inputs, worst first ======",
               markup=False)
     out.print(f"{'layer':>5}  {'stage':<12} {'median':>9} {'95%':>9}", markup=False)
     for layer, stage, median, p95 in a.worst():

@@ -1,5 +1,5 @@
-"""The ``perplexity --stages`` picture: a heat map (layers × stages) of the median relative
-difference, and the residual stream's difference by layer. matplotlib is imported here only;
+"""The ``perplexity --stages`` picture: heat maps (layers × stages) of the median relative
+difference each stage adds (local) and has accumulated, and the residual stream's difference by layer. matplotlib is imported here only;
 the file is written atomically, its format picked by the extension (``.png``, ``.svg``, ``.pdf``)."""
 
 from __future__ import annotations
@@ -24,14 +24,16 @@ def plot_stage_errors(errors: StageErrors, path: Path, title: str, option: str =
     fmt = check_format(path, option)
     plt = _pyplot()
     n_layers = errors.median.shape[0]
-    fig, (heat, line) = plt.subplots(1, 2, figsize=(14, 0.22 * n_layers + 3),
-                                     gridspec_kw={"width_ratios": [3, 2]})
-    image = heat.imshow(errors.median, aspect="auto", cmap="magma", interpolation="nearest")
-    heat.set_xticks(range(len(errors.stages)), errors.stages, rotation=60, ha="right", fontsize=8)
-    heat.set_yticks(range(n_layers), [str(i) for i in range(n_layers)], fontsize=7)
-    heat.set_ylabel("layer")
-    heat.set_title("median ‖quant − base‖ / ‖base‖ per stage")
-    fig.colorbar(image, ax=heat, fraction=0.04)
+    fig, (local, heat, line) = plt.subplots(1, 3, figsize=(20, 0.22 * n_layers + 3),
+                                            gridspec_kw={"width_ratios": [3, 3, 2]})
+    for ax, values, label in ((local, errors.local_median, "where it enters: each stage from the base's inputs"),
+                              (heat, errors.median, "accumulated: each model's own inputs")):
+        image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="magma", interpolation="nearest")
+        ax.set_xticks(range(len(errors.stages)), errors.stages, rotation=60, ha="right", fontsize=8)
+        ax.set_yticks(range(n_layers), [str(i) for i in range(n_layers)], fontsize=7)
+        ax.set_ylabel("layer")
+        ax.set_title(f"median ‖quant − base‖ / ‖base‖\n{label}", fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.04)
     layers = np.arange(n_layers)
     line.plot(layers, errors.l_out, marker="o", ms=3, label="l_out (accumulated)")
     line.bar(layers, errors.added, color="tab:orange", alpha=0.6, label="added by the layer")
