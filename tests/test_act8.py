@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from kquant_files import ggml_quants_library
 from gguf_factory import random_blocks
-from test_cli_generate import assert_one_line_error, run
+from cli_helpers import assert_one_line_error, run
 from test_compare import load_dump
 
 from llamatrace.kernels import act8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from test_cli_generate import assert_one_line_error, run
+from cli_helpers import assert_one_line_error, run
 
 from llamatrace.analysis import bench
 from llamatrace.peers import exit_reason
@@ -82,3 +82,9 @@ def test_compare_probes_llamacpp_in_a_child_so_sigill_is_one_line(monkeypatch, t
         llamacpp.check_runs_here(str(tiny_model_path), 1)
     monkeypatch.setattr(llamacpp, "_PROBE", "import sys\nsys.exit(1)\n")
     llamacpp.check_runs_here(str(tiny_model_path), 1)     # other failures: reported by the real run
+
+
+def test_a_prompt_longer_than_the_context_names_the_bench_options_not_ctx_size(capsys, tiny_model_path):
+    code, out, err = run(capsys, "bench", "-m", tiny_model_path, "--prompt-tokens", "100000")
+    assert_one_line_error(code, out, err, "--prompt-tokens 100000", "context length")
+    assert "--ctx-size" not in err and "Error:" not in err

@@ -7,22 +7,9 @@ import json
 import pytest
 from gguf_factory import T, write_tiny_llama
 
+from cli_helpers import assert_one_line_error, run
+
 from llamatrace.cli import main
-
-
-def run(capsys, *args):
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_one_line_error(code, out, err, *needles):
-    assert code == 2
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    assert "Traceback" not in err
-    for needle in needles:
-        assert needle in err
 
 
 @pytest.mark.model

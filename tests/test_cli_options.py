@@ -10,28 +10,17 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from llamatrace.gguf import fetch
+from cli_helpers import one_error_line, run
+
 from llamatrace.cli import main
 from llamatrace.errors import ModelNotFoundError, PromptError
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def run(capsys, *args):
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def one_error_line(err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err
-    return lines[0]
 
 
 # ---- Llama.load() without a path -----------------------------------------------------------------

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_cli_generate import assert_one_line_error, run
+from cli_helpers import assert_one_line_error, run
 
 from llamatrace.analysis import compare as cmp
 from llamatrace.tracing.recorder import stage_key

@@ -17,6 +17,8 @@ import pytest
 from snapshot import assert_matches_snapshot
 
 from llamatrace.views import diagram as dg
+from cli_helpers import error_line
+
 from llamatrace.cli import main
 from llamatrace.tracing.stages import STAGES, stage_applies
 
@@ -26,13 +28,6 @@ needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `do
 
 def run(model_path: Path, *args: str) -> int:
     return main(["diagram", "--model", str(model_path), "--raw", PROMPT, *args])
-
-
-def error_line(capsys) -> str:
-    """The single stderr line of a failed command."""
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def node_block(dot: str, node: str) -> str:

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf_factory import write_tiny_llama
-from test_cli_generate import assert_one_line_error, run
+from cli_helpers import assert_one_line_error, run
 
 from llamatrace.cli import main
 

@@ -8,24 +8,12 @@ import json
 import numpy as np
 import pytest
 
+from cli_helpers import assert_one_line_error, run
+
 from llamatrace.cli import main
 from llamatrace.analysis.look import attention, logit_lens
 
 TOKENS = [5, 40, 77, 260, 3, 150, 268, 99]
-
-
-def run(capsys, *args):
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_one_line_error(code, err, *needles):
-    assert code == 2
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    for needle in needles:
-        assert needle in err, err
 
 
 # ---- the lens ---------------------------------------------------------------------------------
@@ -138,7 +126,7 @@ def test_generate_with_an_ablation_differs_and_without_it_does_not(capsys, tiny_
 ])
 def test_bad_options_give_one_error_line(capsys, tmp_path, tiny_model_path, args, needle):
     code, out, err = run(capsys, *args, "--model", str(tiny_model_path), "--raw", "hello")
-    assert_one_line_error(code, err, needle)
+    assert_one_line_error(code, out, err, needle)
 
 
 # ---- the catalogue as a command ---------------------------------------------------------------------

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_helpers import error_line
+
 from llamatrace.cli import main
 from llamatrace.model.generate import generate
 
@@ -33,12 +35,6 @@ def page_data(path: Path) -> dict:
     m = re.search(r'<script id="run-data" type="application/json">(.*?)</script>', text, flags=re.S)
     assert m, "no run data in the page"
     return json.loads(m.group(1))
-
-
-def error_line(capsys) -> str:
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 # --- the page's content (tiny model) --------------------------------------------------------------

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_one_line_error, run
 
 from llamatrace.cli import main
 from llamatrace.gguf.fetch import cache_dir
@@ -141,14 +142,9 @@ def test_ray_prints_every_digit_one_worker_prints(capsys, tiny_model_path):
 
 
 def assert_one_error_line(capsys, args, *needles):
-    code = main(["perplexity", *map(str, args)])
-    captured = capsys.readouterr()
-    assert code == 2, captured
-    lines = [ln for ln in captured.err.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), captured.err
-    assert captured.out == "" and "Traceback" not in captured.err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    code, out, err = run(capsys, "perplexity", *args)
+    assert_one_line_error(code, out, err, *needles)
+    assert out == ""                                # nothing half-printed
 
 
 def test_bad_text_files_are_one_error_line(capsys, tmp_path, tiny_model_path):

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from llamatrace.errors import OptionError, PeerError
+from llamatrace.errors import LlamatraceError, OptionError, PeerError
 from llamatrace.peers import exit_reason
 
 ENGINES = ("llamatrace", "llama.cpp", "hf")
@@ -128,6 +128,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     peer_threads = threads or os.cpu_count() or 1      # ours: None = AutoThreads, as by default
     n_ctx = prompt_tokens + decode_tokens + 8
     path = str(Path(model_path).resolve())
+    _check_fits(path, prompt_tokens, decode_tokens, n_ctx)
     workers = {}
     try:
         for name in engines:
@@ -159,6 +160,20 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
 # one process per engine
 
 
+def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -> None:
+    """Raise :class:`OptionError` naming ``--prompt-tokens`` / ``--decode-tokens`` when a run
+    (plus 8 spare cells) does not fit the model's context, before any engine loads."""
+    from llamatrace.gguf.reader import gguf_name, open_gguf
+    from llamatrace.model.config import ModelConfig
+    f = open_gguf(path)
+    limit = ModelConfig.from_metadata(f.metadata, vocab_size=f.matrix_shape(gguf_name("tok_embeddings"))[0],
+                                      source=Path(path).name).max_seq_len
+    if n_ctx > limit:
+        raise OptionError(f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} need "
+                          f"{n_ctx} positions (8 spare), more than the model's context length {limit}; "
+                          f"use at most {max(1, limit - decode_tokens - 8)} prompt tokens")
+
+
 def _ours(activations: str) -> str:
     """The engine name of llamatrace in an activations mode."""
     return "llamatrace" if activations == "f32" else f"llamatrace {activations}"
@@ -184,6 +199,8 @@ class _Worker:
         except (EOFError, OSError):
             self.proc.join(5)
             raise PeerError(exit_reason(self.engine, self.proc.exitcode)) from None
+        if isinstance(reply, LlamatraceError):
+            raise reply                          # our own error, already one line that says how to fix it
         if isinstance(reply, BaseException):
             raise PeerError(f"{self.engine}: {type(reply).__name__}: {reply}")
         return reply
