@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from gguf_factory import T, write_tiny_llama
-
 from cli_helpers import assert_one_line_error, run
+from gguf_factory import T, write_tiny_llama
 
 from llamatrace.cli import main
 
@@ -160,3 +163,18 @@ def test_numba_cache_stays_put_when_package_dir_is_writable(monkeypatch):
     monkeypatch.setattr(llamatrace._os, "access", lambda path, mode: True)
     llamatrace._numba_cache_dir()
     assert "NUMBA_CACHE_DIR" not in os.environ
+
+
+@pytest.mark.parametrize("command", ["generate", "trace", "stages"])
+def test_a_reader_that_stops_early_ends_the_command_quietly(smollm2_path, command):
+    # `llamatrace … | head -c 20`: rich exits 1 on a broken pipe; Unix tools end quietly
+    args = {"generate": ["generate", "--raw", "-n", "200", "-m", str(smollm2_path), "Once upon a time"],
+            "trace": ["trace", "--raw", "-m", str(smollm2_path), "Hello"], "stages": ["stages"]}[command]
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, "-m", "llamatrace", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": repo})
+    assert len(proc.stdout.read(20)) == 20
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "Broken pipe" not in err and "error" not in err

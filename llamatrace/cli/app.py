@@ -26,9 +26,22 @@ from rich.console import Console
 from llamatrace import __version__
 from llamatrace.errors import LlamatraceError
 
+
+
+class StdoutConsole(Console):
+    """The data console. rich answers a closed pipe (``llamatrace generate … | head``) with
+    ``SystemExit(1)``; Unix tools end quietly there, so it raises ``BrokenPipeError``, which
+    :func:`main` turns into exit 0 (stdout already pointed at /dev/null)."""
+
+    def on_broken_pipe(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise BrokenPipeError("stdout closed")
+
+
 # soft_wrap: summary and error lines stay whole lines when stderr is a file or pipe (80 columns)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-out = Console(highlight=False, soft_wrap=True)
+out = StdoutConsole(highlight=False, soft_wrap=True)
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_DIVERGED = 3          # `llamatrace compare`: a stage exceeds its threshold

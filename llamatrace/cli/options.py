@@ -204,12 +204,10 @@ def parse_stages(patterns: list[str] | None) -> list[str] | None:
 def wide_out(min_width: int):
     """The stdout console for a wide table: the terminal's own width on a terminal; in a pipe
     or file at least ``min_width`` columns, so the table is not squeezed to 80."""
-    from rich.console import Console
-
-    from llamatrace.cli.app import out
+    from llamatrace.cli.app import StdoutConsole, out
     if out.is_terminal:
         return out
-    return Console(highlight=False, width=max(out.width, min_width))
+    return StdoutConsole(highlight=False, width=max(out.width, min_width))
 
 
 # ---- --ablate (zero-ablation through llamatrace.tracing.hooks) ----------------------------------------
