@@ -178,3 +178,14 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(smollm2_path, comman
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 0, err
     assert "Traceback" not in err and "Broken pipe" not in err and "error" not in err
+
+
+def test_prompt_bytes_without_a_token_are_one_warning_line_naming_them(capsys, smollm2_path, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"abc \x04\x06 def")           # SmolLM2 has no token for 0x04 or 0x06
+    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", smollm2_path, "--prompt-file", prompt)
+    assert code == 0
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert warnings == ["warning: the text contains bytes the vocabulary has no token for (0x04, 0x06); "
+                        "they are dropped"]
+    assert "UserWarning" not in err and ".py:" not in err

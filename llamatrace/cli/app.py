@@ -12,6 +12,7 @@ import errno
 import os
 import re
 import sys
+import warnings
 import traceback
 from typing import Annotated, NoReturn
 
@@ -120,9 +121,24 @@ def _silence_stdout() -> None:
         pass
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library warning (a vocabulary that drops bytes, a header value ignored) as one
+    ``warning:`` line, the run going on; with --debug, where it came from too."""
+    from rich.markup import escape
+    where = f" ({filename}:{lineno})" if _state["debug"] else ""
+    err.print(f"[yellow]warning:[/] {escape(str(message))}{escape(where)}", soft_wrap=True)
+
+
 def _run(argv: list[str] | None) -> int:
     _state["debug"] = _state["interrupt_reported"] = False
     argv = _take_debug_flag(list(sys.argv[1:] if argv is None else argv))
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = _show_warning
+        return _run_app(argv)
+
+
+def _run_app(argv: list[str]) -> int:
     try:
         # with standalone_mode=False, click returns a typer.Exit's code instead of raising it
         code = app(args=argv, standalone_mode=False)

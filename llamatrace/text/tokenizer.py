@@ -396,9 +396,10 @@ class Tokenizer:
         """Split like tiktoken, then BPE each word without the bytes the vocabulary lacks (as HF does)."""
         if not self._warned_missing:
             self._warned_missing = True
+            found = sorted(set(text.encode("utf-8")) & set(self.missing_bytes))
             warnings.warn(
                 f"the text contains bytes the vocabulary has no token for "
-                f"({', '.join(f'0x{b:02x}' for b in self.missing_bytes)}); they are dropped",
+                f"({', '.join(f'0x{b:02x}' for b in found)}); they are dropped",
                 stacklevel=4,
             )
         ranks: list[int] = []
