@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
@@ -122,10 +123,19 @@ def load_model(model_path: Path | None, threads: int | None, activations: str = 
         model = Llama.load(path, progress=lambda done, total: bar.update(task, completed=done, total=total),
                            activations=activations)
     # compile (first run) or load every kernel now, so stage timings and tok/s measure compute
-    message = ("Compiling kernels (first run only; cached afterwards) …" if numba_cache_is_cold()
+    message = ("Compiling kernels (first run only, ~30 s; cached afterwards) …" if numba_cache_is_cold()
                else "Loading kernels …")
-    with err.status(message):
+    if err.is_terminal:
+        with err.status(message):
+            model.warmup()
+        return model
+    # no spinner in a log or a pipe: one plain line once it takes more than a second
+    timer = threading.Timer(1.0, lambda: err.print(message, markup=False))
+    timer.start()
+    try:
         model.warmup()
+    finally:
+        timer.cancel()
     return model
 
 
