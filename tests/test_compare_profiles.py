@@ -72,3 +72,35 @@ def test_the_profile_follows_from_the_recordings_description():
     # the description is not a stage
     a = {"step0.inp_embd": np.ones((2, 3), np.float32), **arrays}
     assert [r.stage for r in cmp.compare_arrays(a, a, profile="same-q8").rows] == ["inp_embd"]
+
+
+def test_cli_two_trace_recordings_one_with_a_stage_5_percent_off(capsys, smollm2_path, tmp_path, monkeypatch):
+    # the new user's experiment: trace --npz twice, the second run with attn_out of layer 9 scaled by 5 %
+    from cli_helpers import run
+
+    from llamatrace.cli import main
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    assert main(["trace", "--raw", "-m", str(smollm2_path), "--npz", str(a), "--stats", "Hello there"]) == 0
+    real = Llama.forward
+
+    def faulty(self, *args, **kwargs):
+        with self.hooks({"attn_out": lambda arr, e: arr * np.float32(1.05)}, layers=[9]):
+            return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Llama, "forward", faulty)
+    assert main(["trace", "--raw", "-m", str(smollm2_path), "--npz", str(b), "--stats", "Hello there"]) == 0
+    monkeypatch.setattr(Llama, "forward", real)
+    capsys.readouterr()
+    code, out, err = run(capsys, "compare", str(b), str(a), "--json")
+    assert code == 3
+    got = json.loads(out)
+    assert got["profile"] == "same-f32"
+    first = got["first_divergence"]
+    assert (first["step"], first["layer"], first["stage"]) == (0, 9, "attn_out")
+    code, out, err = run(capsys, "compare", str(b), str(a))
+    assert code == 3 and "thresholds of same-f32" in out and "layer 9, attn_out" in out
+    # with the model at hand the stage's own added error is measured too: 5 % in ours, none in the other
+    code, out, err = run(capsys, "compare", str(b), str(a), "-m", str(smollm2_path), "--json")
+    first = json.loads(out)["first_divergence"]
+    assert code == 3 and (first["layer"], first["stage"]) == (9, "attn_out")
+    assert 0.04 < first["local_err"] < 0.06 and first["ref_local_err"] == 0.0

@@ -225,7 +225,7 @@ def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
     assert code == 0, err
     lines = [json.loads(line) for line in jl.read_text(encoding="utf-8").splitlines()]  # every line is JSON
     header, events, footer = lines[0], lines[1:-1], lines[-1]
-    assert header["type"] == "header" and header["schema"] == "llamatrace.tracing.recorder/1"
+    assert header["type"] == "header" and header["schema"] == "llamatrace.trace/1"
     assert header["config"]["dim"] == 96 and len(header["pieces"]) == len(header["prompt_ids"])
     assert header["prompt"] == "the cat" and header["activations"] == "f32"
     assert {e["type"] for e in events} == {"event"}
@@ -242,7 +242,9 @@ def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
     with np.load(nz) as arrays:
         keys = [("step%d.%s" % (e["step"], e["stage"]) if e["layer"] is None else
                  "step%d.layer%d.%s" % (e["step"], e["layer"], e["stage"])) for e in events]
-        assert sorted(arrays.files) == sorted(keys)
+        assert sorted(arrays.files) == sorted(keys + ["__llamatrace__"])   # + what the recording is
+        meta = json.loads(str(arrays["__llamatrace__"]))
+        assert meta["engine"] == "llamatrace" and meta["activations"] == "f32"
         for e, key in zip(events, keys):
             assert list(arrays[key].shape) == e["shape"] and str(arrays[key].dtype) == e["dtype"]
         assert {e["layer"] for e in events} == {None, 0, 1}
@@ -252,7 +254,7 @@ def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
         with m.trace(layers=[0, 1], keep_arrays=True) as rec:
             list(m.generate(header["prompt_ids"], max_tokens=3, stop_ids=frozenset()))
         kept = rec.arrays()
-        for key in arrays.files:
+        for key in keys:
             np.testing.assert_array_equal(arrays[key], kept[key], err_msg=key)
     debug = log.read_text(encoding="utf-8").splitlines()
     assert debug and all(line.startswith("[DEBUG] ") for line in debug)

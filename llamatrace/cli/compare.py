@@ -48,7 +48,7 @@ def compare(
     raw: RawOpt = False,
     system: SystemOpt = None,
     prompt_file: PromptFileOpt = None,
-    tokens: Annotated[int, typer.Option("--tokens", "-n", help="Also compare N decode steps; both engines "
+    tokens: Annotated[int, typer.Option("--tokens", help="Also compare N decode steps; both engines "
                                         "are fed our greedy tokens.")] = 0,
     layer: Annotated[str, typer.Option("--layer", "-l", help=LAYER_HELP)] = "all",
     stage: Annotated[Optional[list[str]], typer.Option(
@@ -103,10 +103,17 @@ def compare(
     parse_layers(layer)
     patterns = _stage_patterns(stage)
     if len(args) == 2 and all(a.lower().endswith(".npz") for a in args):
+        from llamatrace.analysis.compare import profile_for, recording_meta
         ours, ref = (_load_npz(Path(a)) for a in args)
+        meta_ours, meta_ref = recording_meta(ours), recording_meta(ref)
+        # with --model, judge each stage by the error it adds too (recomputed from each side's inputs)
+        m = None
+        if model is not None:
+            mode = (meta_ours or {}).get("activations", activations)
+            m = load_model(model, threads, mode if mode in ("f32", "q8") else activations)
         result = compare_arrays(ours, ref, threshold=threshold, layers=_npz_layers(layer, ours, ref),
-                                stages=patterns)
-        result.extra = {"reference": args[1], "ours": args[0]}
+                                stages=patterns, profile=profile_for(meta_ours, meta_ref), model=m)
+        result.extra = {**result.extra, "reference": args[1], "ours": args[0]}
     else:
         if len(args) > 1:
             raise OptionError(f"compare takes one prompt or two .npz files, got {len(args)} arguments "
@@ -150,10 +157,12 @@ def _load_npz(path: Path) -> dict:
 
 
 def _npz_layers(spec: str, *recordings: dict) -> list[int] | None:
-    from llamatrace.analysis.compare import parse_key
+    from llamatrace.analysis.compare import META_KEY, parse_key
     layers = set()
     for rec in recordings:
         for key in rec:
+            if key == META_KEY:
+                continue
             try:
                 layer = parse_key(key)[1]
             except ValueError as exc:
@@ -206,12 +215,19 @@ def _print_table(result, sort: str) -> None:
     if settings:
         out.print("reference settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     limits = ", ".join(f"{k} {v:g}" for k, v in result.thresholds.items())
+    profile = result.extra.get("profile", "custom")
+    local = "; each stage's added error checked too" if result.extra.get("local_errors") else ""
     if first is None:
-        out.print(f"no divergence: every paired stage is within its threshold ({limits})")
+        out.print(f"no divergence: every paired stage is within its threshold ({profile}: {limits}{local})")
     else:
         where = "model level" if first.layer is None else f"layer {first.layer}"
-        what = ("shapes differ" if first.status == "shape mismatch"
-                else f"rel rms err {first.rel_rms_err:.3g} > {first.threshold:g}")
+        if first.status == "shape mismatch":
+            what = "shapes differ"
+        elif first.status == "added error":
+            added = max(x for x in (first.local_err, first.ref_local_err) if x is not None)
+            what = f"adds rel err {added:.3g} of its own, recomputed from the recorded inputs"
+        else:
+            what = f"rel rms err {first.rel_rms_err:.3g} > {first.threshold:g}, thresholds of {profile}"
         out.print(f"[bold red]first divergence:[/] step {first.step}, {where}, {first.stage} ({what})")
 
 

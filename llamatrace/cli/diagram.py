@@ -50,7 +50,7 @@ def diagram(
         "for .html the step the page opens on.")] = 0,
     stats: Annotated[bool, typer.Option("--stats", metavar="", help="Add each tensor's mean, rms, min and max.")] = False,
     tokens: Annotated[Optional[int], typer.Option(
-        "--tokens", "-n", help=".html only: greedy decode steps after the prefill, for the page's step selector "
+        "--tokens", help=".html only: greedy decode steps after the prefill, for the page's step selector "
         "(default 1).", show_default=False)] = None,
     timings: Annotated[bool, typer.Option(
         "--timings", metavar="", help="Colour op nodes by time spent (the output then differs run to run).")] = False,

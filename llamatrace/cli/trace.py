@@ -8,14 +8,18 @@ the ordinary :func:`~llamatrace.model.generate.generate` loop, and prints the to
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
+import numpy as np
 import typer
 from rich.text import Text
 
+from llamatrace import __version__
+from llamatrace.analysis.compare import META_KEY
 from llamatrace.errors import OptionError
 from llamatrace.tracing.stages import STAGE_IDS, select_stages
 from llamatrace.cli.app import app, err, exit_interrupted, out
@@ -54,7 +58,7 @@ def trace(
     raw: RawOpt = False,
     system: SystemOpt = None,
     prompt_file: PromptFileOpt = None,
-    tokens: Annotated[int, typer.Option("--tokens", "-n", help="Also trace N decode steps (greedy).")] = 0,
+    tokens: Annotated[int, typer.Option("--tokens", help="Also trace N decode steps (greedy).")] = 0,
     layer: Annotated[str, typer.Option("--layer", "-l", help=LAYER_HELP)] = "all",
     stage: Annotated[Optional[list[str]], typer.Option(
         "--stage", "-s", help=f"Stage ids or globs (kq*), repeatable or comma-separated. Ids: {', '.join(STAGE_IDS)}.",
@@ -142,6 +146,10 @@ def trace(
              timings=timings, check_finite=check_finite, top=top, ctx_size=ctx_size)
 
 
+LONG_TRACE_STEPS = 64
+"""More decode steps than this: the trace is long, and a warning line says how long before it starts."""
+
+
 def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers, stages, fmt: Format,
          dump_shapes: bool, stats: bool, values: int, jsonl: Path | None, npz: Path | None,
          log_file: Path | None, timings: bool, check_finite: bool, top: int, ctx_size: int | None) -> None:
@@ -169,6 +177,12 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
 
     max_tokens = tokens + 1            # the last token is chosen from the last traced step's logits
     ctx = ctx_size or default_ctx_size(m, len(ids), max_tokens)
+    if tokens > LONG_TRACE_STEPS:
+        n_layers = m.config.n_layers if layers is None else len(layers)
+        per_step = n_layers * len(select_stages(stages))
+        err.print(f"[yellow]warning:[/] tracing {tokens} decode steps prints about {tokens * per_step:,} "
+                  f"stage events ({per_step} a step); narrow it with --layer / --stage, or fewer --tokens",
+                  soft_wrap=True)
     check_prompt_fits(m, len(ids), ctx)
     # stdout carries the data; with --dump-shapes it carries only the lines, the rest goes to stderr
     side = err if dump_shapes else out
@@ -214,9 +228,10 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
                   "decode_tokens_per_s": round(run_stats.decode_tokens_per_s, 2),
                   "stages_us": timing_rollup(recorder.stage_times)}
         if writer is not None:
-            writer.footer(ids=generated, top_k=top_tokens, timings=timing)   # key kept: schema llamatrace.tracing.recorder/1
+            writer.footer(ids=generated, top_k=top_tokens, timings=timing)   # key kept: schema llamatrace.trace/1
     if npz is not None:
-        write_npz_atomic(npz, recorder.arrays())
+        write_npz_atomic(npz, {**recorder.arrays(), META_KEY: np.array(json.dumps(
+            {"engine": "llamatrace", "version": __version__, "activations": m.activations, "model": str(m.path)}))})
 
     steps = 1 + run_stats.decode_steps
     if run_stats.decode_steps < tokens:

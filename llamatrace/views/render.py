@@ -36,7 +36,7 @@ from llamatrace.model.sampling import softmax64
 from llamatrace.tracing.stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
 from llamatrace.tracing.recorder import TraceEvent, finite_or_none
 
-SCHEMA = "llamatrace.tracing.recorder/1"
+SCHEMA = "llamatrace.trace/1"
 STAT_KEYS = ("sum", "mean", "rms", "min", "max", "abs_max")
 
 _FIELD = re.compile(r"\{(\[[^\]]*\]|\w+)\}")
@@ -249,7 +249,7 @@ def _dumps(obj: Any) -> str:
 
 
 class JsonlWriter:
-    """Sink streaming the ``llamatrace.tracing.recorder/1`` schema: a header, one line per event, a footer.
+    """Sink streaming the ``llamatrace.trace/1`` schema: a header, one line per event, a footer.
 
     Each line is written whole and flushed, so after an error or Ctrl-C every line in the file is
     valid JSON (only the footer may be missing).
