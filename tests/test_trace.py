@@ -391,3 +391,13 @@ def test_parse_layers_rejects(spec):
 
 def test_layer_stage_ids_cover_issue_list():
     assert [s for s, _ in _issue_layer(5, 5)] == list(LAYER_STAGE_IDS)
+
+
+def test_a_long_trace_says_how_long_before_it_starts(capsys, tiny_model_path):
+    from cli_helpers import run
+    code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--tokens", "65", "--layer", "0",
+                         "--stage", "attn_norm", "hello")
+    assert code == 0
+    assert "warning: tracing 65 decode steps prints about 65 stage events (1 a step)" in err
+    code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--tokens", "3", "hello")
+    assert code == 0 and "warning" not in err
