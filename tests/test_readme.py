@@ -1,4 +1,4 @@
-"""Every code block of README.md is run, or excluded here by name with the reason.
+"""Every code block of README.md and of docs/*.md is run, or excluded here by name with the reason.
 
 - ```` ```python ```` blocks run as written, in a fresh interpreter in an empty folder, with the
   default model resolved as the README says (``Llama.load()``).
@@ -10,9 +10,9 @@
   a new block that is neither fails :func:`test_every_block_is_run_or_excluded`.
 
 After a deliberate change of output, ``LLAMATRACE_UPDATE_README=1 python3 -m pytest
-tests/test_readme.py`` rewrites the outputs shown under each command in README.md (commands
-whose output holds a ``…`` elision are left to edit by hand) and fails once, so that the new
-text is reviewed (``git diff README.md``).
+tests/test_readme.py`` rewrites the outputs shown under each command in README.md and docs/
+(commands whose output holds a ``…`` elision are left to edit by hand) and fails once, so that
+the new text is reviewed (``git diff README.md docs``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 
 # first line of a block (stripped) → why the block is not run by this test
 EXCLUDED: dict[str, str] = {
@@ -36,13 +37,23 @@ EXCLUDED: dict[str, str] = {
         "set-up: installs packages with pip and apt-get, then runs the whole test suite (CI runs it: .ci/run)",
     'bash scripts/setup.sh --test && python3 -m pytest        # what CI runs (.ci/run)':
         "the test command itself, and benchmarks (timed, minutes long; run by hand)",
-    "llamatrace/":
-        "a listing of the package's modules, not a command",
     '$ llamatrace compare --raw "The capital of France is" --layer 0,29 --stage "Qcur_rope,kq_soft_max,l_out,result_output"':
         "needs llama-cpp-python (the optional extra llamatrace[llamacpp]), never a CI dependency; "
         "test_compare.py's live test runs the same comparison where it is installed",
 }
-RUN_LANGS = ("python", "console")
+EXCLUDED.update({
+    "llamatrace perplexity -f corpus.txt [--model M] [--ctx-size 512] [--chunks N] [--activations f32|q8]":
+        "the command's synopsis, not a command",
+    "[1]26.6568,[2]28.1797,[3]27.9899,…": "an excerpt of perplexity's output; tests/test_perplexity.py checks it",
+    "====== Perplexity statistics ======": "an excerpt of perplexity --base output; tests/test_perplexity.py checks it",
+    'char[8]  "_logits_"': "a file layout, not a command",
+    "llamatrace perplexity -f corpus.txt -m Q4_K_M.gguf --base Q4_1.gguf --stages -o where.png":
+        "needs a Q4_K_M requantization; test_perplexity.py runs --stages on one",
+    "# on the head node": "commands for a real multi-machine Ray cluster",
+    "llamatrace bench --activations f32 --activations q8 --against llama.cpp [--model M]    # SmolLM2: 128 + 64 tokens, 5 runs":
+        "benchmarks: minutes long, need llama-cpp-python, run by hand (tests/test_bench.py runs bench itself)",
+})
+RUN_LANGS = ("python", "console", "sh")
 TIMEOUT_S = 600
 
 
@@ -51,6 +62,7 @@ class Block:
     line: int                  # 1-based line of the opening fence
     lang: str
     text: str
+    path: Path = README
 
     @property
     def first_line(self) -> str:
@@ -58,10 +70,10 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"README.md:{self.line}:{self.lang or 'plain'}"
+        return f"{self.path.relative_to(REPO)}:{self.line}:{self.lang or 'plain'}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, path: Path = README) -> list[Block]:
     """The fenced code blocks of a Markdown text, in order."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
@@ -75,12 +87,12 @@ def readme_blocks(text: str) -> list[Block]:
         while i < len(lines) and not lines[i].strip().startswith(fence):
             body.append(lines[i])
             i += 1
-        blocks.append(Block(start + 1, m.group(3).lower(), "\n".join(body)))
+        blocks.append(Block(start + 1, m.group(3).lower(), "\n".join(body), path))
         i += 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [b for doc in DOCS for b in readme_blocks(doc.read_text(encoding="utf-8"), doc)]
 
 
 def unclassified(blocks: list[Block]) -> list[Block]:
@@ -111,7 +123,7 @@ def test_every_block_is_run_or_excluded():
         f"excluded: make it one of those, or add its first line to EXCLUDED in tests/test_readme.py "
         f"with the reason" for b in orphans)
     stale = set(EXCLUDED) - {b.first_line for b in BLOCKS}
-    assert not stale, f"EXCLUDED names blocks no longer in README.md: {sorted(stale)}"
+    assert not stale, f"EXCLUDED names blocks no longer in README.md or docs/: {sorted(stale)}"
     assert not [b for b in BLOCKS if b.lang in RUN_LANGS and b.first_line in EXCLUDED], \
         "a python/console block is listed in EXCLUDED: a block that can run must run"
 
@@ -179,7 +191,8 @@ def console_commands(block: Block) -> list[Command]:
 def readme_env(smollm2_path):
     """The environment a README reader has: the default model (resolved, so never fetched twice)
     and this checkout's package; a wide terminal, as the README's tables were shown in."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMATRACE_", "PYTEST_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("LLAMATRACE_", "PYTEST_")) or k == "LLAMATRACE_CACHE_DIR"}
     env.update({"PYTHONPATH": str(REPO), "LLAMATRACE_MODEL": str(smollm2_path), "COLUMNS": "160",
                 "PYTHONIOENCODING": "utf-8", "NO_COLOR": "1", "TERM": "dumb"})
     return env
@@ -192,6 +205,7 @@ def run_shell(command: str, env: dict, cwd: Path) -> subprocess.CompletedProcess
 
 
 CONSOLE = [b for b in BLOCKS if b.lang == "console"]
+SH = [b for b in BLOCKS if b.lang == "sh"]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 
 
@@ -217,16 +231,30 @@ def test_console_block_output_is_what_the_readme_shows(block, readme_env, tmp_pa
             continue
         diff = "\n".join(difflib.unified_diff(expected, actual, "README (normalised)", "actual (normalised)",
                                               lineterm=""))
-        failures.append(f"README.md:{c.line}: `{c.command}` (exit {result.returncode}) printed other lines:\n{diff}")
+        failures.append(f"{block.path.name}:{c.line}: `{c.command}` (exit {result.returncode}) printed other "
+                        f"lines:\n{diff}")
     if updates:
-        _rewrite_outputs(updates)
-        pytest.fail(f"README.md outputs of lines {sorted(updates)} rewritten: review `git diff README.md`, rerun")
+        _rewrite_outputs(block.path, updates)
+        pytest.fail(f"{block.path.name} outputs of lines {sorted(updates)} rewritten: review `git diff`, rerun")
     assert not failures, "\n\n".join(failures)
 
 
-def _rewrite_outputs(updates: dict[int, tuple[int, list[str]]]) -> None:
-    lines = README.read_text(encoding="utf-8").split("\n")
+def _rewrite_outputs(path: Path, updates: dict[int, tuple[int, list[str]]]) -> None:
+    lines = path.read_text(encoding="utf-8").split("\n")
     for line_no in sorted(updates, reverse=True):          # bottom-up: earlier line numbers stay valid
         n_old, new = updates[line_no]
         lines[line_no:line_no + n_old] = [ln.rstrip() for ln in new]
-    README.write_text("\n".join(lines), encoding="utf-8")
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+@pytest.mark.parametrize("block", SH, ids=[b.name for b in SH])
+def test_sh_block_commands_all_succeed(block, readme_env, tmp_path):
+    """```sh blocks (examples without their output): every line exits 0, in an empty folder
+    holding a ``corpus.txt`` (the test corpus) for the examples that read one."""
+    (tmp_path / "corpus.txt").write_text((REPO / "tests" / "golden" / "corpus.txt").read_text(encoding="utf-8"),
+                                         encoding="utf-8")
+    lines = [ln for ln in block.text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    assert lines, f"{block.name} has no command"
+    for line in lines:
+        result = run_shell(line, readme_env, tmp_path)
+        assert result.returncode == 0, f"{block.name}: `{line}` exited {result.returncode}:\n{result.stdout[-3000:]}"
