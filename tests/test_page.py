@@ -259,3 +259,41 @@ def test_save_button_writes_a_npy_file_numpy_reads(page, tmp_path):
                                "e => e.step === 0 && e.layer === 0 && e.stage === 'Qcur')")
     rms = float(data["stats"]["rms"])
     assert np.sqrt(np.mean(array.astype(np.float64) ** 2)) == pytest.approx(rms, rel=1e-3)
+
+
+@needs_dot
+def test_user_text_cannot_inject_html_or_script(tmp_path, tiny_model_path):
+    # the prompt lands in the title, the token strip and the inline JSON: all must stay text
+    from html.parser import HTMLParser
+    evil = '</script><script>alert(1)</script><b>x</b> & \' "'
+    page = tmp_path / "run.html"
+    assert main(["diagram", "--model", str(tiny_model_path), "--raw", "-o", str(page), evil]) == 0
+    text = page.read_text(encoding="utf-8")
+
+    class Tags(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tags, self.scripts, self.title, self._in = [], [], "", None
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.append(tag)
+            self._in = tag
+            if tag == "script":
+                self.scripts.append("")
+
+        def handle_endtag(self, tag):
+            self._in = None
+
+        def handle_data(self, data):
+            if self._in == "script":
+                self.scripts[-1] += data
+            elif self._in == "title":
+                self.title += data
+
+    parsed = Tags()
+    parsed.feed(text)
+    assert len(parsed.scripts) == 2 and "b" not in parsed.tags          # no element made of the prompt
+    assert "alert(1)" not in parsed.scripts[1]                           # our JS only
+    data = json.loads(parsed.scripts[0])                                 # the run's data, whole
+    assert data["prompt"] == evil
+    assert parsed.title.endswith(evil) and "&lt;/script&gt;" in text.split("<body>")[0]   # escaped, shown as text

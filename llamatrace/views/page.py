@@ -12,8 +12,6 @@ layer; the first :data:`MAX_VALUES` values as float16 only for the layers asked 
 from __future__ import annotations
 
 import base64
-import html
-import json
 import shlex
 import sys
 from importlib import resources
@@ -170,13 +168,11 @@ def _asset(name: str) -> str:
 
 
 def _html(data: dict[str, Any], svgs: dict[str, str]) -> str:
-    # "</" inside a <script> would end it early
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
-    views = "".join(f'<div class="svg" data-key="{html.escape(k)}" hidden>{v}</div>' for k, v in svgs.items())
-    title = html.escape(f"llamatrace — {data['model']}: {data['prompt'][:60]}")
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">'
-            f'<style>{_asset("page.css")}</style></head><body>'
-            f'{_asset("page.html")}<div id="views" hidden>{views}</div>'
-            f'<script id="run-data" type="application/json">{payload}</script>'
-            f'<script>{_asset("page.js")}</script></body></html>\n')
+    """The page: ``page_assets/page.html`` rendered by jinja2 with autoescape, so user text
+    (prompt, token pieces, model name) is escaped and ``data`` is JSON safe inside a <script>."""
+    import jinja2
+    env = jinja2.Environment(loader=jinja2.PackageLoader("llamatrace.views", "page_assets"),
+                             autoescape=True, keep_trailing_newline=True)
+    # |tojson escapes < > & ' for a <script>; NaN would not be JSON (allow_nan=False raises)
+    env.policies["json.dumps_kwargs"] = {"ensure_ascii": False, "separators": (",", ":"), "allow_nan": False}
+    return env.get_template("page.html").render(data=data, svgs=svgs, css=_asset("page.css"), js=_asset("page.js"))
