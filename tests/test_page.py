@@ -296,4 +296,4 @@ def test_user_text_cannot_inject_html_or_script(tmp_path, tiny_model_path):
     assert "alert(1)" not in parsed.scripts[1]                           # our JS only
     data = json.loads(parsed.scripts[0])                                 # the run's data, whole
     assert data["prompt"] == evil
-    assert parsed.title.endswith(evil) and "&lt;/script&gt;" in text.split("<body>")[0]   # escaped, shown as text
+    assert parsed.title.startswith(f"llamatrace — {data['model']}: {evil}") and "&lt;/script&gt;" in text.split("<body>")[0]   # escaped, shown as text
