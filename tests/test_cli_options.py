@@ -238,3 +238,14 @@ def test_info_all_shows_each_key_once_and_the_whole_chat_template(capsys, tiny_m
     keys = [ln.split()[0] for ln in out.splitlines() if ln.startswith(" general.")]
     assert keys and len(keys) == len(set(keys))
     assert template in out
+
+
+def test_negative_layers_are_documented_as_they_work(capsys, tiny_model_path, tmp_path):
+    # --layer -2 is the one before the last: help says so, and the trace records that layer
+    code, out, err = run(capsys, "trace", "--help")
+    assert code == 0 and "-2 the one before" in " ".join(out.replace("│", " ").split())
+    lines = tmp_path / "t.jsonl"
+    code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--layer", "-2", "--stage", "l_out",
+                         "--jsonl", lines, "hi")
+    events = [json.loads(ln) for ln in lines.read_text(encoding="utf-8").splitlines()]
+    assert code == 0 and {e["layer"] for e in events if e["type"] == "event"} == {0}   # of 2 layers

@@ -29,6 +29,11 @@ from llamatrace.errors import LlamatraceError
 
 
 
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``"1 query"``, ``"2 queries"``: ``n`` and ``word``, or ``many`` (default ``word + "s"``) when n != 1."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
 class StdoutConsole(Console):
     """The data console. rich answers a closed pipe (``llamatrace generate … | head``) with
     ``SystemExit(1)``; Unix tools end quietly there, so it raises ``BrokenPipeError``, which

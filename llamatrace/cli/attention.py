@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.errors import OptionError
-from llamatrace.cli.app import app, err
+from llamatrace.cli.app import app, err, plural
 from llamatrace.cli.options import (
     AblateOpt,
     ModelOpt,
@@ -36,7 +36,7 @@ from llamatrace.cli.options import (
 def attention(
     prompt: Annotated[Optional[str], typer.Argument(
         help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)] = None,
-    layer: Annotated[str, typer.Option("--layer", "-l", help="The layer to show (0-based; -1 = the last).")] = "0",
+    layer: Annotated[str, typer.Option("--layer", "-l", help="The layer to show (0-based; negative from the end: -1 the last, -2 the one before).")] = "0",
     head: Annotated[Optional[int], typer.Option(
         "--head", help="One query head (default: a grid of all heads, one row per KV head group).",
         show_default=False)] = None,
@@ -115,8 +115,8 @@ def attention(
         if ablations:
             title += " · ablated " + ", ".join(a.text for a in ablations)
         save_attention(maps, pieces, heads, title, output)
-        err.print(f"wrote {output} ({len(heads)} head{'s' * (len(heads) > 1)}, {len(maps.query_pos)} queries × "
-                  f"{len(maps.ids)} keys)")
+        err.print(f"wrote {output} ({plural(len(heads), 'head')}, {plural(len(maps.query_pos), 'query', 'queries')} × "
+                  f"{plural(len(maps.ids), 'key')})")
     if json_out:
         result = {
             "model": str(m.path), "prompt_ids": maps.ids[:len(ids)], "ids": maps.ids, "pieces": pieces,

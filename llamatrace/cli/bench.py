@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, out
+from llamatrace.cli.app import app, err, out, plural
 from llamatrace.cli.options import ModelOpt, ThreadsOpt, check_activations
 
 
@@ -56,7 +56,8 @@ def bench(
         return
     ours = report.results[0]
     out.print(f"{path.name} ({report.file_bytes / 1e9:.2f} GB) · {report.cpu} · llamatrace: {ours.threading}; "
-              f"peers: {report.threads} threads · prefill {report.prompt_tokens} tokens, decode {report.decode_tokens} steps · "
+              f"peers: {plural(report.threads, 'thread')} · prefill {plural(report.prompt_tokens, 'token')}, "
+              f"decode {plural(report.decode_tokens, 'step')} · "
               f"median of {report.repeats} (min–max)", soft_wrap=True)
     base = next((r for r in report.results if r.engine == "llama.cpp"), None)
     table = Table()

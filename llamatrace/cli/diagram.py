@@ -43,7 +43,7 @@ def diagram(
         "--highlight", help="The book's STAGE view: a STAGE number 1-19 or a stage id (e.g. Qcur_rope), drawn "
         "as \"you are here\" with its inputs and outputs emphasised.", show_default=False)] = None,
     layer: Annotated[str, typer.Option(
-        "--layer", "-l", help="Which layer's block to draw, 0-based (N, -1 = the last). For .html: the layers whose "
+        "--layer", "-l", help="Which layer's block to draw, 0-based (N; negative from the end: -1 the last). For .html: the layers whose "
         "values go in the page (N, N-M, N,M, -1, all; statistics cover every layer).")] = "0",
     step: Annotated[int, typer.Option(
         "--step", help="Which forward call: 0 = prefill of the prompt, n = decode step n (greedy); "

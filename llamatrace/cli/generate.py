@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.errors import OptionError
-from llamatrace.cli.app import app, err, exit_interrupted, out
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural
 from llamatrace.cli.options import (
     CtxSizeOpt,
     AblateOpt,
@@ -126,7 +126,7 @@ def generate(
         out.print()
     reason = "interrupted" if interrupted else {"eos": "end of text", "max_tokens": f"--max-tokens {max_tokens}",
                                                 "context": f"context full ({stats.ctx_size} tokens)"}.get(stats.stop_reason or "", "")
-    err.print(f"[dim]{len(ids)} prompt tokens, {len(stats.generated)} generated · prefill "
+    err.print(f"[dim]{plural(len(ids), 'prompt token')}, {len(stats.generated)} generated · prefill "
               f"{stats.prefill_tokens_per_s:.1f} tok/s · decode {stats.decode_tokens_per_s:.1f} tok/s · "
               f"load {load_s:.1f} s · stopped: {reason}[/]")
     if stats.stop_reason == "context" and not interrupted:

@@ -33,7 +33,7 @@ CtxSizeOpt = Annotated[Optional[int], typer.Option(
     "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + tokens to generate, "
     "at most the model's context length).", show_default=False)]
 LAYER_HELP = ("Layers, numbered from 0 (the book's log lines say 'layer: 1 / 30' for layer 0): "
-              "N, N-M, comma lists, -1 (last) or all.")
+              "N, N-M, comma lists, all, or negative from the end (-1 the last, -2 the one before).")
 
 
 def check_ctx_size(ctx_size: int | None) -> None:

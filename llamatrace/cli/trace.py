@@ -22,7 +22,7 @@ from llamatrace import __version__
 from llamatrace.analysis.compare import META_KEY
 from llamatrace.errors import OptionError
 from llamatrace.tracing.stages import STAGE_IDS, select_stages
-from llamatrace.cli.app import app, err, exit_interrupted, out
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural
 from llamatrace.cli.options import (
     LAYER_HELP,
     CtxSizeOpt,
@@ -235,7 +235,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
 
     steps = 1 + run_stats.decode_steps
     if run_stats.decode_steps < tokens:
-        err.print(f"[yellow]note:[/] stopped after {run_stats.decode_steps} decode steps: "
+        err.print(f"[yellow]note:[/] stopped after {plural(run_stats.decode_steps, 'decode step')}: "
                   f"{'end of text' if run_stats.stop_reason == 'eos' else run_stats.stop_reason}")
     if tokens:
         traced = generated[:run_stats.decode_steps]
@@ -243,6 +243,6 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
     side.print(top_k_table(top_tokens, f"Next-token probabilities after step {steps - 1} (top {len(top_tokens)})"))
     if timings:
         side.print(timings_view(recorder.stage_times, run_stats.decode_steps))
-    err.print(f"[dim]{len(ids)} prompt tokens, {run_stats.decode_steps} decode steps · prefill "
+    err.print(f"[dim]{plural(len(ids), 'prompt token')}, {plural(run_stats.decode_steps, 'decode step')} · prefill "
               f"{run_stats.prefill_s * 1000:.0f} ms · decode {run_stats.decode_s * 1000:.0f} ms · "
               f"load {load_s:.1f} s[/]")
