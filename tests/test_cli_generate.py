@@ -203,3 +203,6 @@ def test_a_slow_kernel_warmup_says_so_when_stderr_is_not_a_terminal(capsys, tiny
     code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", tiny_model_path, "hi")
     assert code == 0
     assert "Compiling kernels (first run only" in err
+    monkeypatch.setattr(options, "numba_cache_is_cold", lambda: False)      # cached, but still slow
+    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", tiny_model_path, "hi")
+    assert code == 0 and "Loading kernels" in err and "Compiling" not in err

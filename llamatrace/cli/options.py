@@ -106,6 +106,7 @@ def load_model(model_path: Path | None, threads: int | None, activations: str = 
     from llamatrace.gguf.fetch import resolve_model
 
     check_activations(activations)
+    cold = numba_cache_is_cold()          # before the load: packing compiles kernels of its own
     if threads is not None:
         from llamatrace.kernels import threads as kernel_threads
         try:
@@ -116,6 +117,10 @@ def load_model(model_path: Path | None, threads: int | None, activations: str = 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from llamatrace.model.llama import Llama
+    message = ("Compiling kernels (first run only, ~30 s; cached afterwards) …" if cold
+               else "Loading kernels …")
+    if cold and not err.is_terminal:          # no spinner in a log or a pipe: a plain line, now
+        err.print(message, markup=False)       # (the load compiles kernels too)
     columns = (TextColumn("Loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
     # off when stderr is no terminal: there a transient bar would leave an empty line
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
@@ -123,13 +128,14 @@ def load_model(model_path: Path | None, threads: int | None, activations: str = 
         model = Llama.load(path, progress=lambda done, total: bar.update(task, completed=done, total=total),
                            activations=activations)
     # compile (first run) or load every kernel now, so stage timings and tok/s measure compute
-    message = ("Compiling kernels (first run only, ~30 s; cached afterwards) …" if numba_cache_is_cold()
-               else "Loading kernels …")
     if err.is_terminal:
         with err.status(message):
             model.warmup()
         return model
-    # no spinner in a log or a pipe: one plain line once it takes more than a second
+    if cold:
+        model.warmup()
+        return model
+    # a warm cache that still takes more than a second (a changed kernel recompiles): say so
     timer = threading.Timer(1.0, lambda: err.print(message, markup=False))
     timer.start()
     try:
