@@ -231,11 +231,11 @@ def test_console_block_output_is_what_the_readme_shows(block, readme_env, tmp_pa
             continue
         diff = "\n".join(difflib.unified_diff(expected, actual, "README (normalised)", "actual (normalised)",
                                               lineterm=""))
-        failures.append(f"{block.path.name}:{c.line}: `{c.command}` (exit {result.returncode}) printed other "
+        failures.append(f"{block.path.relative_to(REPO)}:{c.line}: `{c.command}` (exit {result.returncode}) printed other "
                         f"lines:\n{diff}")
     if updates:
         _rewrite_outputs(block.path, updates)
-        pytest.fail(f"{block.path.name} outputs of lines {sorted(updates)} rewritten: review `git diff`, rerun")
+        pytest.fail(f"{block.path.relative_to(REPO)} outputs of lines {sorted(updates)} rewritten: review `git diff`, rerun")
     assert not failures, "\n\n".join(failures)
 
 
@@ -250,9 +250,11 @@ def _rewrite_outputs(path: Path, updates: dict[int, tuple[int, list[str]]]) -> N
 @pytest.mark.parametrize("block", SH, ids=[b.name for b in SH])
 def test_sh_block_commands_all_succeed(block, readme_env, tmp_path):
     """```sh blocks (examples without their output): every line exits 0, in an empty folder
-    holding a ``corpus.txt`` (the test corpus) for the examples that read one."""
-    (tmp_path / "corpus.txt").write_text((REPO / "tests" / "golden" / "corpus.txt").read_text(encoding="utf-8"),
-                                         encoding="utf-8")
+    holding a copy of ``tests/golden/corpus.txt`` at that path (the README's examples run from the
+    checkout), so that the files they write land in ``tmp_path``."""
+    corpus = tmp_path / "tests" / "golden" / "corpus.txt"
+    corpus.parent.mkdir(parents=True)
+    corpus.write_text((REPO / "tests" / "golden" / "corpus.txt").read_text(encoding="utf-8"), encoding="utf-8")
     lines = [ln for ln in block.text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert lines, f"{block.name} has no command"
     for line in lines:
