@@ -178,6 +178,57 @@ class Llama:
         finally:
             self._hooks.remove(hooks)
 
+    def run_with_cache(self, tokens, names_filter=None, stop_at_layer: int | None = None,
+                       return_type: str | None = "logits", padding_side: str = "right"):
+        """TransformerLens's ``run_with_cache``: ``(logits, cache)``, the cache keyed by TL hook names.
+
+        Args:
+            tokens: a string, a list of strings, a token list, a list of token lists (padded to
+                the longest on ``padding_side``) or an int array ``[batch, pos]``.
+            names_filter: ``None`` (every served name), a name, a list of names, or
+                ``fn(name) -> bool``. Names are TL's (``blocks.8.hook_resid_post``) or stage ids
+                (``l_out@8``); see :mod:`llamatrace.model.tl` for where ours differ and what is refused.
+            stop_at_layer: run blocks ``0 … stop_at_layer-1`` only and return the residual
+                stream ``[batch, pos, d_model]`` there instead of logits.
+            return_type: ``"logits"`` or ``None`` (no logits: faster).
+
+        Returns:
+            float32 logits ``[batch, pos, vocab_size]`` (or the residual, or ``None``) and an
+            :class:`~llamatrace.model.tl.ActivationCache`: float32 arrays in TL's shapes, batch first.
+
+        Raises:
+            OptionError: an unknown or refused name, a layer the model lacks, a bad input.
+        """
+        from llamatrace.model import tl
+        if return_type not in ("logits", None):
+            raise OptionError(f"return_type must be 'logits' or None, got {return_type!r}")
+        served = tl.select(names_filter, self.config.n_layers)
+        return tl.run(self, tokens, served, stop_at_layer=stop_at_layer, padding_side=padding_side,
+                      return_logits=return_type == "logits")
+
+    def run_with_hooks(self, tokens, fwd_hooks=(), stop_at_layer: int | None = None,
+                       return_type: str | None = "logits", padding_side: str = "right"):
+        """TransformerLens's ``run_with_hooks``: logits ``[batch, pos, vocab_size]`` of a run in
+        which each ``(name or fn(name) -> bool, hook_fn)`` of ``fwd_hooks`` is applied.
+
+        ``hook_fn(activation, hook)`` gets the activation in TL's layout (a batch of one: each
+        sequence runs on its own, ``hook.batch_index`` says which) and returns a replacement of
+        the same shape or ``None``; the run goes on with the replacement, as in TL. Other
+        arguments are those of :meth:`run_with_cache`.
+
+        Raises:
+            OptionError: as :meth:`run_with_cache`, or a hook that is not callable.
+            HookError: a hook returned an array of another shape.
+        """
+        from llamatrace.model import tl
+        if return_type not in ("logits", None):
+            raise OptionError(f"return_type must be 'logits' or None, got {return_type!r}")
+        hooks = [(served, fn) for name, fn in fwd_hooks
+                 for served in tl.select(name, self.config.n_layers)]
+        first, _ = tl.run(self, tokens, [], fwd_hooks=hooks, stop_at_layer=stop_at_layer,
+                          padding_side=padding_side, return_logits=return_type == "logits")
+        return first
+
     def generate(self, prompt_ids, **kwargs):
         """Shorthand for :func:`llamatrace.model.generate.generate` on this model: yields token ids.
 

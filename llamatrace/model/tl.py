@@ -1,0 +1,489 @@
+"""TransformerLens conventions on a llamatrace model: ``run_with_cache`` and ``run_with_hooks``.
+
+TransformerLens (TL) names activations by hook points (``blocks.8.hook_resid_post``) and gives
+them a batch axis first (``[batch, pos, d_model]``, ``[batch, head, query_pos, key_pos]``,
+``[batch, pos, head, d_head]``). This module serves those names from the stages the forward pass
+emits (:mod:`llamatrace.tracing.stages`), converted to TL's layout and — where TL's hook is a
+different quantity than our stage — to TL's quantity:
+
+* ``attn.hook_q`` / ``hook_k`` / ``hook_rot_q`` / ``hook_rot_k``: GGUF stores the Q and K rows of
+  each head permuted for interleaved-pair RoPE (llama.cpp's ``convert_hf_to_gguf.py``); TL uses
+  HF's split-halves layout. We hand out ``concat(x[..., 0::2], x[..., 1::2])`` per head, HF's
+  order (q·k products are the same either way).
+* ``ln*.hook_normalized`` is ``x / rms(x)`` *before* the norm weight (TL's ``RMSNorm``), and
+  ``ln*.hook_scale`` is ``rms(x) = sqrt(mean(x²) + eps)`` ``[batch, pos, 1]``: computed from the
+  residual stream, not our ``attn_norm`` (which is after the weight).
+* ``blocks.{L}.hook_resid_pre`` is the residual entering block L: ``hook_embed`` for L = 0, else
+  ``blocks.{L-1}.hook_resid_post`` (the same array, as in TL).
+
+TL names we could only fake are refused with the reason (:data:`REFUSED`). Our own stage ids
+(``l_out@8``, ``inp_embd``) are served too, in our layout with a batch axis in front.
+
+Checked against TransformerLens 4.3 itself (``tests/golden/make_tl_golden.py``, ``TransformerBridge``
+in compatibility mode without weight processing): every served name agrees to ~1e-5 relative in
+``f32`` mode (``tests/test_tl.py``).
+
+Batches: ``tokens`` may be a string, a list of strings, a token list, a list of token lists of
+different lengths, or an int array ``[batch, pos]``. Each sequence runs on its own (no padding
+reaches the model: positions start at 0 for every sequence, as TL's left-padding offsets do);
+results are padded to the longest on ``padding_side`` (``"right"``, TL's default, or
+``"left"``) with 0 (``-inf`` in ``hook_attn_scores``), and ``cache.attention_mask`` marks the
+real positions. Hooks are called once per sequence with a batch of one (``hook.batch_index``
+says which); a hook that needs the whole batch at once cannot be served this way.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from llamatrace.errors import HookError, OptionError
+from llamatrace.tracing.stages import STAGE_BY_ID
+
+# ---- the names served ------------------------------------------------------------------------
+# TL name under ``blocks.{L}.`` -> the stage that carries it and how it is converted.
+LAYER_HOOKS: dict[str, tuple[str, str]] = {
+    "hook_resid_pre": ("resid_pre", "same"),        # inp_embd or l_out@L-1 (see _RESID_PRE)
+    "ln1.hook_scale": ("attn_norm", "scale"),
+    "ln1.hook_normalized": ("attn_norm", "normalized"),
+    "attn.hook_q": ("Qcur", "q_heads"),
+    "attn.hook_k": ("Kcur", "kv_heads"),
+    "attn.hook_v": ("Vcur", "v_heads"),
+    "attn.hook_rot_q": ("Qcur_rope", "halves"),
+    "attn.hook_rot_k": ("Kcur_rope", "halves"),
+    "attn.hook_attn_scores": ("kq_masked", "same"),   # kq_scaled in a one-token run (no mask)
+    "attn.hook_pattern": ("kq_soft_max", "same"),
+    "attn.hook_z": ("kqv", "swap01"),
+    "hook_attn_out": ("attn_out", "same"),
+    "hook_resid_mid": ("ffn_inp", "same"),
+    "ln2.hook_scale": ("ffn_norm", "scale"),
+    "ln2.hook_normalized": ("ffn_norm", "normalized"),
+    "mlp.hook_pre": ("ffn_gate", "same"),
+    "mlp.hook_pre_linear": ("ffn_up", "same"),
+    "mlp.hook_post": ("ffn_swiglu", "same"),
+    "hook_mlp_out": ("ffn_out", "same"),
+    "hook_resid_post": ("l_out", "same"),
+}
+MODEL_HOOKS: dict[str, tuple[str, str]] = {
+    "hook_embed": ("inp_embd", "same"),
+    "ln_final.hook_scale": ("result_norm", "scale"),
+    "ln_final.hook_normalized": ("result_norm", "normalized"),
+}
+# TL names with no honest counterpart here, and why.
+REFUSED: dict[str, str] = {
+    "hook_pos_embed": "Llama has no positional embedding (RoPE rotates q and k: attn.hook_rot_q/hook_rot_k)",
+    "attn.hook_result": "per-head outputs before the sum (TL's use_attn_result) are not computed; "
+                        "use attn.hook_z and the GGUF's attn_output weight",
+    "hook_attn_in": "TL's split-input hooks (use_attn_in) are not served; use hook_resid_pre",
+    "hook_q_input": "TL's split-input hooks (use_split_qkv_input) are not served; use hook_resid_pre",
+    "hook_k_input": "TL's split-input hooks (use_split_qkv_input) are not served; use hook_resid_pre",
+    "hook_v_input": "TL's split-input hooks (use_split_qkv_input) are not served; use hook_resid_pre",
+    "hook_mlp_in": "TL's use_hook_mlp_in is not served; use hook_resid_mid",
+    "hook_unembed": "the logits are what run_with_cache returns",
+}
+# TL's short names (``cache["resid_post", 3]``, utils.get_act_name) -> full name under blocks.{L}.
+SHORT_NAMES: dict[str, str] = {
+    "resid_pre": "hook_resid_pre", "resid_mid": "hook_resid_mid", "resid_post": "hook_resid_post",
+    "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out", "q": "attn.hook_q", "k": "attn.hook_k",
+    "v": "attn.hook_v", "rot_q": "attn.hook_rot_q", "rot_k": "attn.hook_rot_k", "z": "attn.hook_z",
+    "attn_scores": "attn.hook_attn_scores", "pattern": "attn.hook_pattern", "pre": "mlp.hook_pre",
+    "pre_linear": "mlp.hook_pre_linear", "post": "mlp.hook_post",
+}
+_BLOCK = re.compile(r"^blocks\.(-?\d+)\.(.+)$")
+_STAGE_AT = re.compile(r"^([A-Za-z_]+)@(-?\d+)$")
+
+
+@dataclass(frozen=True)
+class Served:
+    """One name a run serves: ``name`` (a TL name or a stage id), the ``stage`` and ``layer``
+    (``None``: model level) whose emitted array carries it, and the conversion ``kind``."""
+
+    name: str
+    stage: str
+    layer: int | None
+    kind: str
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the activation is one fixed-size vector per position (``[batch, pos, ...]``),
+        what an activation dataset stores; attention scores and patterns are not."""
+        if self.kind == "stage":
+            return STAGE_BY_ID[self.stage].shape.startswith("[seq_len")
+        return self.stage not in ("kq_masked", "kq_soft_max")
+
+
+def served_names(n_layers: int) -> list[str]:
+    """Every TL name served for a model of ``n_layers`` blocks, in forward order."""
+    names = ["hook_embed"]
+    for layer in range(n_layers):
+        names += [f"blocks.{layer}.{h}" for h in LAYER_HOOKS]
+    return names + ["ln_final.hook_scale", "ln_final.hook_normalized"]
+
+
+def resolve(name: str, n_layers: int) -> Served:
+    """What carries ``name``: a TL hook name (``blocks.8.hook_resid_post``), a TL short name with a
+    layer (``("resid_post", 8)``), or a stage id (``l_out@8``, ``inp_embd``).
+
+    Raises:
+        OptionError: an unknown name (with close matches), a TL name that is refused (with why),
+            a stage that cannot be hooked, or a layer this model does not have.
+    """
+    if isinstance(name, tuple):
+        short, layer = name
+        if short not in SHORT_NAMES:
+            raise OptionError(f"unknown short hook name {short!r}; known: {', '.join(SHORT_NAMES)}")
+        name = f"blocks.{layer}.{SHORT_NAMES[short]}"
+    if name in MODEL_HOOKS:
+        stage, kind = MODEL_HOOKS[name]
+        return Served(name, stage, None, kind)
+    if name in REFUSED:
+        raise OptionError(f"hook {name!r} is not served: {REFUSED[name]}")
+    m = _BLOCK.match(name)
+    if m:
+        layer, rest = int(m.group(1)), m.group(2)
+        if rest in REFUSED:
+            raise OptionError(f"hook {name!r} is not served: {REFUSED[rest]}")
+        if rest in LAYER_HOOKS:
+            _check_layer(name, layer, n_layers)
+            stage, kind = LAYER_HOOKS[rest]
+            if stage == "resid_pre":   # the residual entering the block: the one before's output
+                return Served(name, "inp_embd", None, kind) if layer == 0 else Served(name, "l_out", layer - 1, kind)
+            return Served(name, stage, layer, kind)
+    m = _STAGE_AT.match(name)
+    stage_id, layer = (m.group(1), int(m.group(2))) if m else (name, None)
+    stage = STAGE_BY_ID.get(stage_id)
+    if stage is not None:
+        if not stage.replaceable:
+            raise OptionError(f"stage {stage_id!r} is a view or lazy copy, not an array of its own; "
+                              f"pick a replaceable stage (llamatrace stages)")
+        if stage.level == "layer" and layer is None:
+            raise OptionError(f"stage {stage_id!r} is per layer: write {stage_id}@LAYER (e.g. {stage_id}@0)")
+        if stage.level == "model" and layer is not None:
+            raise OptionError(f"stage {stage_id!r} is model level: write it without @{layer}")
+        if layer is not None:
+            _check_layer(name, layer, n_layers)
+        return Served(name, stage_id, layer, "stage")
+    known = served_names(n_layers) + [f"{s}@0" for s in STAGE_BY_ID]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else \
+        "; TL names look like blocks.0.hook_resid_post, stage ids like l_out@0"
+    raise OptionError(f"unknown hook {name!r}{hint}")
+
+
+def _check_layer(name: str, layer: int, n_layers: int) -> None:
+    if not 0 <= layer < n_layers:
+        raise OptionError(f"hook {name!r}: this model has {n_layers} layers (0-{n_layers - 1})")
+
+
+def select(names_filter, n_layers: int) -> list[Served]:
+    """The served names a ``names_filter`` picks: ``None`` (all TL names), a name, a list of
+    names, or a predicate ``fn(name) -> bool`` over the TL names (TL's convention).
+
+    Raises:
+        OptionError: as :func:`resolve`, or a filter that picks nothing.
+    """
+    if names_filter is None:
+        names: Iterable = served_names(n_layers)
+    elif callable(names_filter):
+        names = [n for n in served_names(n_layers) if names_filter(n)]
+    elif isinstance(names_filter, (str, tuple)):
+        names = [names_filter]
+    else:
+        names = list(names_filter)
+    out, seen = [], set()
+    for name in names:
+        served = resolve(name, n_layers)
+        if served.name not in seen:
+            seen.add(served.name)
+            out.append(served)
+    if not out:
+        raise OptionError("names_filter picks no hook")
+    return out
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+def _halves(x: np.ndarray) -> np.ndarray:
+    """GGUF's interleaved RoPE pairs -> HF's halves, along the last axis (head_dim)."""
+    return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def _interleave(x: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_halves`."""
+    half = x.shape[-1] // 2
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = x[..., :half], x[..., half:]
+    return out
+
+
+def _rms(x: np.ndarray, eps: float) -> np.ndarray:
+    """TL's RMSNorm scale ``sqrt(mean(x²) + eps)``, float32 ``[seq_len, 1]``."""
+    return np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps).astype(np.float32)
+
+
+class _Converter:
+    """Our stage array <-> TL's array (batch axis added) for one model."""
+
+    def __init__(self, model) -> None:
+        c = model.config
+        self.n_heads, self.n_kv_heads, self.head_dim, self.eps = c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps
+
+    def to_tl(self, kind: str, a: np.ndarray, resid: np.ndarray | None) -> np.ndarray:
+        seq = a.shape[0]
+        if kind in ("same", "stage"):
+            out = a
+        elif kind == "q_heads":
+            out = _halves(a.reshape(seq, self.n_heads, self.head_dim))
+        elif kind == "kv_heads":
+            out = _halves(a.reshape(seq, self.n_kv_heads, self.head_dim))
+        elif kind == "v_heads":
+            out = a.reshape(seq, self.n_kv_heads, self.head_dim)
+        elif kind == "halves":
+            out = _halves(a)
+        elif kind == "swap01":
+            out = a.transpose(1, 0, 2)
+        elif kind == "scale":
+            out = _rms(resid, self.eps)
+        elif kind == "normalized":
+            out = resid / _rms(resid, self.eps)
+        else:
+            raise AssertionError(kind)
+        return np.array(out, dtype=np.float32)[None]     # a copy: later stages must not change it
+
+    def from_tl(self, kind: str, r: np.ndarray, a: np.ndarray, resid: np.ndarray | None,
+                weight: np.ndarray | None) -> np.ndarray:
+        """The stage array that TL's replacement ``r`` (batch of one) stands for."""
+        r = r[0]
+        if kind in ("same", "stage", "v_heads"):
+            out = r.reshape(a.shape)
+        elif kind in ("q_heads", "kv_heads", "halves"):
+            out = _interleave(r).reshape(a.shape)
+        elif kind == "swap01":
+            out = r.transpose(1, 0, 2)
+        elif kind == "scale":          # the norm recomputed with the given scale
+            out = resid / r * weight
+        elif kind == "normalized":
+            out = r * weight
+        else:
+            raise AssertionError(kind)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+
+# ---- running ----------------------------------------------------------------------------------
+@dataclass
+class HookPoint:
+    """What a ``run_with_hooks`` function is told about the hook it runs at (TL passes its
+    ``HookPoint``): ``name``, ``layer()`` (``None`` at model level) and ``batch_index``, the
+    sequence of the batch this call is for (each sequence is a batch of one here)."""
+
+    name: str
+    _layer: int | None
+    batch_index: int
+
+    def layer(self) -> int | None:
+        return self._layer
+
+
+class ActivationCache(dict):
+    """``run_with_cache``'s cache: name -> float32 array, TL's shape with the batch axis first.
+
+    ``cache["blocks.3.hook_resid_post"]``, ``cache["resid_post", 3]`` (TL's short names) and
+    ``cache["l_out@3"]`` all work. ``attention_mask`` int ``[batch, pos]`` (1 = a real token),
+    ``tokens`` int ``[batch, pos]`` (padding 0) and ``padding_side`` describe the padding.
+    """
+
+    def __init__(self, data: Mapping[str, np.ndarray], tokens: np.ndarray, attention_mask: np.ndarray,
+                 padding_side: str) -> None:
+        super().__init__(data)
+        self.tokens, self.attention_mask, self.padding_side = tokens, attention_mask, padding_side
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple) and len(key) == 2 and key[0] in SHORT_NAMES:
+            key = f"blocks.{key[1]}.{SHORT_NAMES[key[0]]}"
+        return super().__getitem__(key)
+
+
+class _Stop(Exception):
+    """Raised inside the forward pass once the last block ``stop_at_layer`` needs has run."""
+
+    def __init__(self, resid: np.ndarray) -> None:
+        super().__init__()
+        self.resid = resid
+
+
+FwdHook = Callable[[np.ndarray, HookPoint], "np.ndarray | None"]
+
+
+def to_batch(model, tokens) -> list[np.ndarray]:
+    """Token sequences of a TL-style input: a string (tokenized, BOS first where the model adds
+    one), a list of strings, a token list, a list of token lists, or an int array ``[batch, pos]``.
+
+    Raises:
+        OptionError: an empty input or sequence, or ids that are not integers.
+    """
+    if isinstance(tokens, str):
+        tokens = [tokens]
+    if isinstance(tokens, np.ndarray) and tokens.ndim == 1:
+        tokens = [tokens]
+    seqs = list(tokens) if not isinstance(tokens, np.ndarray) else list(tokens)
+    if seqs and not isinstance(seqs[0], (str, list, tuple, np.ndarray)):
+        seqs = [seqs]                                   # one flat list of ids
+    out = []
+    for s in seqs:
+        ids = model.tokenizer.encode(s) if isinstance(s, str) else s
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0:
+            raise OptionError(f"each sequence must be a non-empty list of token ids, got shape {list(arr.shape)}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise OptionError(f"token ids must be integers, got {arr.dtype}")
+        out.append(arr.astype(np.int64))
+    if not out:
+        raise OptionError("no sequences given")
+    return out
+
+
+def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Served, FwdHook]] = (),
+        keep: bool = True, stop_at_layer: int | None = None, padding_side: str = "right",
+        return_logits: bool = True, on_sequence: Callable[[int, np.ndarray, dict], None] | None = None):
+    """Run each sequence of ``tokens``; cache the ``served`` names and apply ``fwd_hooks``.
+
+    Args:
+        served: names to record (``keep``) or hand to ``on_sequence``.
+        fwd_hooks: ``(served name, fn(activation, hook))`` in order; ``fn`` returns a replacement
+            of the same shape (TL's layout, batch of one) or ``None``.
+        stop_at_layer: run blocks ``0 … stop_at_layer-1`` only; the first result is then the
+            residual stream there ``[batch, pos, d_model]`` instead of logits (TL's meaning).
+        return_logits: ``False`` skips the all-position logits (``None`` is returned).
+        on_sequence: ``fn(index, ids, {name: array [1, len, ...]})`` after each sequence — what
+            ``collect`` streams — instead of (or besides) keeping them.
+
+    Returns:
+        ``(logits or residual or None, ActivationCache)``.
+
+    Raises:
+        OptionError: a bad input, padding side or ``stop_at_layer``; a sequence longer than the
+            model's context.
+        HookError: a hook returned an array of another shape.
+    """
+    if padding_side not in ("right", "left"):
+        raise OptionError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    n_layers = model.config.n_layers
+    if stop_at_layer is not None and not 0 < stop_at_layer <= n_layers:
+        raise OptionError(f"stop_at_layer must be between 1 and {n_layers}, got {stop_at_layer}")
+    seqs = to_batch(model, tokens)
+    conv = _Converter(model)
+    wanted = list(served) + [s for s, _ in fwd_hooks]
+    if stop_at_layer is not None:
+        late = [s.name for s in wanted if (s.layer if s.layer is not None else
+                                           (-1 if s.stage == "inp_embd" else n_layers)) >= stop_at_layer]
+        if late:
+            raise OptionError(f"{', '.join(late[:3])} come after stop_at_layer={stop_at_layer}")
+    by_stage: dict[tuple[str, int | None], list] = {}
+    for s in served:
+        by_stage.setdefault((s.stage, s.layer), []).append(("keep", s, None))
+    for s, fn in fwd_hooks:
+        if not callable(fn):
+            raise OptionError(f"the hook for {s.name!r} is not callable: give fn(activation, hook)")
+        by_stage.setdefault((s.stage, s.layer), []).append(("hook", s, fn))
+    norm_weight = {"attn_norm": lambda L: model.weights.layers[L].attention_norm,
+                   "ffn_norm": lambda L: model.weights.layers[L].ffn_norm,
+                   "result_norm": lambda L: model.weights.norm}
+    all_logits = return_logits or any(s.stage in ("result_norm", "result_output") for s in wanted)
+    stages = {stage for stage, _ in by_stage} | {"inp_embd", "l_out", "ffn_inp"}
+    if "kq_masked" in stages:
+        stages.add("kq_scaled")           # a one-token sequence has no mask: its scores are kq_scaled
+    results, firsts = [], []
+    for b, ids in enumerate(seqs):
+        per_seq: dict[str, np.ndarray] = {}
+        state: dict[str, np.ndarray] = {}
+
+        def at(stage_id: str):
+            def fn(array, event):
+                entries = list(by_stage.get((stage_id, event.layer), ()))
+                if stage_id == "kq_scaled" and event.seq_len == 1:
+                    entries += by_stage.get(("kq_masked", event.layer), ())
+                resid = state.get("resid")
+                for what, s, user_fn in entries:
+                    act = conv.to_tl(s.kind, array, resid)
+                    if what == "keep":
+                        per_seq[s.name] = act
+                        continue
+                    new = user_fn(act, HookPoint(s.name, s.layer, b))
+                    if new is None:
+                        continue
+                    new = np.asarray(new, dtype=np.float32)
+                    if new.shape != act.shape:
+                        raise HookError(f"the hook on {s.name!r} returned shape {list(new.shape)}; it must "
+                                        f"return {list(act.shape)} like its input, or None to keep it")
+                    weight = norm_weight[stage_id](event.layer) if s.kind in ("scale", "normalized") else None
+                    array = conv.from_tl(s.kind, new, array, resid, weight)
+                if stage_id in ("inp_embd", "l_out", "ffn_inp"):
+                    state["resid"] = array          # what the next norm normalizes (TL's ln input)
+                if stop_at_layer is not None and stage_id == "l_out" and event.layer == stop_at_layer - 1:
+                    raise _Stop(array)
+                return array
+            return fn
+
+        cache = model.new_cache(len(ids))
+        try:
+            with model.hooks({st: at(st) for st in stages}):
+                first = model.forward(ids, 0, cache, all_logits=all_logits)
+        except _Stop as stop:
+            first = stop.resid
+        if on_sequence is not None:
+            on_sequence(b, ids, per_seq)
+        if keep:
+            results.append(per_seq)
+            firsts.append(first if (return_logits or stop_at_layer is not None) else None)
+    if not keep:
+        return None, None
+    return _pad(seqs, results, firsts, {s.name: s for s in served}, padding_side)
+
+
+def _pad(seqs, results, firsts, served: Mapping[str, Served], padding_side: str):
+    """Stack per-sequence ``[1, len, ...]`` arrays into ``[batch, max_len, ...]``."""
+    lengths = [len(s) for s in seqs]
+    n, width = len(seqs), max(lengths)
+    mask = np.zeros((n, width), dtype=np.int64)
+    tokens = np.zeros((n, width), dtype=np.int64)
+    for b, s in enumerate(seqs):
+        sl = slice(width - len(s), width) if padding_side == "left" else slice(0, len(s))
+        mask[b, sl], tokens[b, sl] = 1, s
+
+    def stack(arrays: list[np.ndarray], pos_axes: tuple[int, ...], fill: float) -> np.ndarray:
+        if len({a.shape for a in arrays}) == 1:
+            return np.concatenate(arrays)
+        shape = list(arrays[0].shape)
+        for ax in pos_axes:
+            shape[ax] = width
+        out = np.full([n] + shape[1:], fill, dtype=np.float32)
+        for b, a in enumerate(arrays):
+            idx: list[Any] = [b] + [slice(None)] * (a.ndim - 1)
+            for ax in pos_axes:
+                length = a.shape[ax]
+                idx[ax] = slice(width - length, width) if padding_side == "left" else slice(0, length)
+            out[tuple(idx)] = a[0]
+        return out
+
+    cache = {}
+    for name, s in served.items():
+        pos_axes, fill = _positions(s)
+        cache[name] = stack([r[name] for r in results], pos_axes, fill)
+    first = None
+    if firsts[0] is not None:
+        first = stack([np.asarray(f, dtype=np.float32)[None] for f in firsts], (1,), 0.0)
+    return first, ActivationCache(cache, tokens, mask, padding_side)
+
+
+def _positions(s: Served) -> tuple[tuple[int, ...], float]:
+    """The position axes of a served array (batch axis included) and its padding value."""
+    if s.kind == "stage":
+        terms = [t.strip() for t in STAGE_BY_ID[s.stage].shape.strip()[1:-1].split(",")]
+        axes = tuple(i + 1 for i, t in enumerate(terms) if t in ("seq_len", "kv_len"))
+        return axes, (-np.inf if s.stage == "kq_masked" else 0.0)
+    if s.stage in ("kq_masked", "kq_soft_max"):
+        return (2, 3), (-np.inf if s.stage == "kq_masked" else 0.0)
+    return (1,), 0.0

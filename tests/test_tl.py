@@ -1,0 +1,190 @@
+"""TransformerLens conventions (``run_with_cache`` / ``run_with_hooks``) against TransformerLens itself.
+
+Golden files: ``tests/golden/make_tl_golden.py`` (TransformerLens 4.3 ``TransformerBridge`` in
+compatibility mode, no weight processing, on the same GGUF de-quantized by HF transformers).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llamatrace.errors import HookError, OptionError
+from llamatrace.gguf.fetch import cache_dir, sha256_file
+from llamatrace.model import tl
+
+GOLDEN = Path(__file__).parent / "golden"
+TOLERANCE = 1e-4          # max |ours - TL| / max |TL| per name; measured worst: 5e-6 (f32, Q4_1)
+Q4_K_M_SHA256 = "dc0f3a02e821146247a0af6895adf9872124f368682cb110cb9ed09ff2a9f9f1"
+
+pytestmark = pytest.mark.model
+
+
+def _golden(tag: str) -> dict[str, dict[str, np.ndarray]]:
+    data = np.load(GOLDEN / f"tl_{tag}.npz")
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for key in data.files:
+        prompt, name = key.split("/", 1)
+        out.setdefault(prompt, {})[name] = data[key]
+    return out
+
+
+def _rel(ours: np.ndarray, ref: np.ndarray) -> float:
+    finite = np.isfinite(ref)
+    assert np.array_equal(np.isfinite(ours), finite), "masked (-inf) entries differ"
+    return float(np.abs(ours[finite] - ref[finite]).max() / np.abs(ref[finite]).max())
+
+
+def _check_against_golden(model, golden) -> None:
+    for prompt, ref in golden.items():
+        names = [n for n in ref if n not in ("tokens", "logits")]
+        logits, cache = model.run_with_cache(ref["tokens"], names_filter=names)
+        assert _rel(logits[:, -1:], ref["logits"]) < TOLERANCE
+        for name in names:
+            assert cache[name].shape == ref[name].shape, name
+            assert cache[name].dtype == np.float32
+            assert _rel(cache[name], ref[name]) < TOLERANCE, (prompt, name, _rel(cache[name], ref[name]))
+
+
+def test_every_served_name_is_in_the_golden_file():
+    golden = _golden("smollm2")["france"]
+    layer_names = {n.split(".", 2)[2] for n in golden if n.startswith("blocks.")}
+    assert layer_names == set(tl.LAYER_HOOKS)
+    assert set(tl.MODEL_HOOKS) <= set(golden)
+
+
+def test_run_with_cache_matches_transformer_lens(smollm2):
+    _check_against_golden(smollm2, _golden("smollm2"))
+
+
+def test_run_with_cache_matches_transformer_lens_on_a_k_quant_file(smollm2_path):
+    from kquant_files import rebuild
+    from llamatrace.model.llama import Llama
+
+    path = cache_dir() / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    if not path.is_file():
+        if shutil.which("gcc") is None:
+            pytest.skip("the Q4_K_M file is not in the cache and rebuilding it needs gcc")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rebuild("Q4_K_M", smollm2_path, path)
+    assert sha256_file(path) == Q4_K_M_SHA256
+    _check_against_golden(Llama.load(path), _golden("smollm2_Q4_K_M"))
+
+
+def test_text_input_and_short_names(smollm2):
+    ref = _golden("smollm2")["france"]
+    logits, cache = smollm2.run_with_cache("The capital of France is", names_filter=lambda n: "resid_post" in n)
+    assert np.array_equal(cache.tokens[0], ref["tokens"])
+    assert len(cache) == smollm2.config.n_layers
+    assert cache["resid_post", 15] is cache["blocks.15.hook_resid_post"]
+    assert logits.shape == (1, len(ref["tokens"]), smollm2.config.vocab_size)
+
+
+def test_a_batch_is_padded_as_transformer_lens_pads_it(smollm2):
+    golden = _golden("smollm2")
+    france, hi = golden["france"]["tokens"], golden["hi"]["tokens"]
+    assert len(hi) < len(france)
+    names = ["blocks.0.hook_resid_post", "blocks.0.attn.hook_attn_scores", "blocks.0.attn.hook_pattern"]
+    for side in ("right", "left"):
+        logits, cache = smollm2.run_with_cache([list(france), list(hi)], names_filter=names, padding_side=side)
+        n, k = len(france), len(hi)
+        real = slice(0, k) if side == "right" else slice(n - k, n)
+        pad = slice(k, n) if side == "right" else slice(0, n - k)
+        assert cache.attention_mask.tolist() == [[1] * n, [1 if i in range(n)[real] else 0 for i in range(n)]]
+        assert _rel(cache["blocks.0.hook_resid_post"][1:, real], golden["hi"]["blocks.0.hook_resid_post"]) < TOLERANCE
+        assert _rel(cache["blocks.0.hook_resid_post"][:1], golden["france"]["blocks.0.hook_resid_post"]) < TOLERANCE
+        assert not cache["blocks.0.hook_resid_post"][1, pad].any()
+        scores = cache["blocks.0.attn.hook_attn_scores"]
+        assert _rel(scores[1:, :, real, real], golden["hi"]["blocks.0.attn.hook_attn_scores"]) < TOLERANCE
+        assert np.isneginf(scores[1, :, pad]).all() and np.isneginf(scores[1, :, :, pad]).all()
+        assert not cache["blocks.0.attn.hook_pattern"][1, :, :, pad].any()
+        assert _rel(logits[1:, real][:, -1:], golden["hi"]["logits"]) < TOLERANCE
+
+
+def test_a_one_token_sequence_serves_unmasked_scores(smollm2):
+    _, cache = smollm2.run_with_cache([[504]], names_filter=["blocks.0.attn.hook_attn_scores",
+                                                             "blocks.0.attn.hook_pattern"])
+    assert cache["blocks.0.attn.hook_attn_scores"].shape == (1, smollm2.config.n_heads, 1, 1)
+    assert np.allclose(cache["blocks.0.attn.hook_pattern"], 1.0)
+
+
+def test_stop_at_layer_returns_the_residual_there(smollm2):
+    ids = _golden("smollm2")["france"]["tokens"]
+    resid, cache = smollm2.run_with_cache(ids, names_filter=["blocks.2.hook_resid_post"], stop_at_layer=3)
+    assert np.array_equal(resid, cache["blocks.2.hook_resid_post"])
+    with pytest.raises(OptionError, match="after stop_at_layer"):
+        smollm2.run_with_cache(ids, names_filter=["blocks.5.hook_resid_post"], stop_at_layer=3)
+
+
+def test_hooks_that_return_nothing_or_their_input_change_nothing(smollm2):
+    ids = _golden("smollm2")["france"]["tokens"]
+    base, _ = smollm2.run_with_cache(ids, names_filter="hook_embed")
+    seen = []
+    every = [(name, lambda a, hook: seen.append(hook.name)) for name in tl.served_names(2)]
+    assert np.array_equal(smollm2.run_with_hooks(ids, fwd_hooks=every), base)
+    assert len(seen) == len(every)
+    # a replacement equal to the input goes back through every layout conversion exactly
+    same = [(lambda n: n.startswith("blocks.1.") and "scale" not in n, lambda a, hook: a.copy())]
+    assert np.allclose(smollm2.run_with_hooks(ids, fwd_hooks=same), base, rtol=0, atol=1e-4)
+
+
+def test_a_tl_hook_equals_the_same_intervention_on_our_stage(smollm2):
+    """Zeroing head 3's attention output through TL's hook_z [batch, pos, head, d_head] gives
+    the logits of zeroing it on our kqv stage [n_heads, seq_len, head_dim], bit for bit."""
+    ids = _golden("smollm2")["france"]["tokens"]
+
+    def zero_tl(z, hook):
+        z[:, :, 3] = 0
+        return z
+
+    def zero_ours(kqv, event):
+        kqv[3] = 0
+        return kqv
+
+    ours_tl = smollm2.run_with_hooks(ids, fwd_hooks=[("blocks.4.attn.hook_z", zero_tl)])
+    with smollm2.hooks({"kqv": zero_ours}, layers=[4]):
+        expected, _ = smollm2.run_with_cache(ids, names_filter="hook_embed")
+    base, _ = smollm2.run_with_cache(ids, names_filter="hook_embed")
+    assert np.array_equal(ours_tl, expected)
+    assert not np.array_equal(ours_tl, base)
+
+
+def test_patching_the_normalized_stream_uses_tl_s_definition(smollm2):
+    """ln1.hook_normalized is x/rms(x) before the weight: doubling it doubles attn_norm."""
+    ids = _golden("smollm2")["france"]["tokens"]
+    got = {}
+    with smollm2.trace(stages=["attn_norm"], layers=[2], keep_arrays=True) as rec:
+        smollm2.run_with_hooks(ids, fwd_hooks=[("blocks.2.ln1.hook_normalized", lambda a, h: 2 * a)])
+    got["hooked"] = rec.arrays()["step0.layer2.attn_norm"]
+    with smollm2.trace(stages=["attn_norm"], layers=[2], keep_arrays=True) as rec:
+        smollm2.run_with_hooks(ids)
+    assert np.allclose(got["hooked"], 2 * rec.arrays()["step0.layer2.attn_norm"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("blocks.0.hook_resid_psot", "did you mean blocks.0.hook_resid_post"),
+    ("blocks.99.hook_resid_post", "has 30 layers"),
+    ("hook_pos_embed", "no positional embedding"),
+    ("blocks.3.attn.hook_result", "not served"),
+    ("keys@0", "view or lazy copy"),
+    ("l_out", "per layer"),
+])
+def test_bad_names_get_one_clear_message(smollm2, name, message):
+    with pytest.raises(OptionError, match=message):
+        smollm2.run_with_cache([1, 2], names_filter=[name])
+
+
+def test_stage_ids_are_served_in_our_layout(smollm2):
+    ids = _golden("smollm2")["france"]["tokens"]
+    _, cache = smollm2.run_with_cache(ids, names_filter=["l_out@3", "blocks.3.hook_resid_post", "kqv@3",
+                                                         "blocks.3.attn.hook_z"])
+    assert np.array_equal(cache["l_out@3"], cache["blocks.3.hook_resid_post"])
+    assert np.array_equal(cache["kqv@3"].transpose(0, 2, 1, 3), cache["blocks.3.attn.hook_z"])
+
+
+def test_a_hook_returning_the_wrong_shape_is_an_error(smollm2):
+    with pytest.raises(HookError, match="blocks.0.hook_resid_post"):
+        smollm2.run_with_hooks([1, 2, 3], fwd_hooks=[("blocks.0.hook_resid_post", lambda a, h: a[:, :1])])
