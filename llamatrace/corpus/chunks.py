@@ -16,6 +16,22 @@ import numpy as np
 from llamatrace.errors import OptionError, PromptError
 
 
+def read_header(model_path: Path):
+    """``(tokenizer, config)`` of a GGUF, read without packing its weights (a parent of worker
+    processes needs no model).
+
+    Raises:
+        ModelNotFoundError, ModelFormatError, UnsupportedModelError: the file cannot be used.
+    """
+    from llamatrace.gguf.reader import gguf_name, open_gguf
+    from llamatrace.model.config import ModelConfig
+    from llamatrace.text.tokenizer import Tokenizer
+    f = open_gguf(model_path)
+    n_vocab = f.matrix_shape(gguf_name("tok_embeddings"))[0]
+    config = ModelConfig.from_metadata(f.metadata, vocab_size=n_vocab, source=Path(model_path).name)
+    return Tokenizer.from_reader(f, path=str(model_path)), config
+
+
 def read_corpus(path: Path) -> str:
     """The UTF-8 text of ``path``.
 

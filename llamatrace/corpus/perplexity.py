@@ -206,11 +206,6 @@ def read_chunks(model_path: Path, text: str, n_ctx: int, max_chunks: int | None)
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: the file cannot be used.
         OptionError, PromptError: as :func:`llamatrace.corpus.chunks.make_chunks`.
     """
-    from llamatrace.gguf.reader import gguf_name, open_gguf
-    from llamatrace.model.config import ModelConfig
-    from llamatrace.text.tokenizer import Tokenizer
-    f = open_gguf(model_path)
-    n_vocab = f.matrix_shape(gguf_name("tok_embeddings"))[0]
-    config = ModelConfig.from_metadata(f.metadata, vocab_size=n_vocab, source=Path(model_path).name)
-    tokenizer = Tokenizer.from_reader(f, path=str(model_path))
-    return make_chunks(tokenizer, text, n_ctx, max_chunks, config.max_seq_len), n_vocab
+    from llamatrace.corpus.chunks import read_header
+    tokenizer, config = read_header(model_path)
+    return make_chunks(tokenizer, text, n_ctx, max_chunks, config.max_seq_len), config.vocab_size

@@ -1,0 +1,146 @@
+"""``llamatrace collect``: an activation dataset (Parquet shards + manifest) from a text corpus;
+the work is in :mod:`llamatrace.corpus.collect`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from llamatrace.cli.app import app, err, exit_interrupted, plural
+from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model
+from llamatrace.errors import OptionError
+
+
+@app.command()
+def collect(
+    text_file: Annotated[Path, typer.Option("--file", "-f", help="The corpus (UTF-8): one document per line, "
+                                            "or JSON lines with --jsonl.", show_default=False)],
+    hook: Annotated[List[str], typer.Option("--hook", help="An activation to store, one vector per token: a "
+                    "TransformerLens name (blocks.8.hook_resid_post) or a stage id (l_out@8). Repeat for more.",
+                    show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the shards and manifest.json; "
+                      "rerunning the same command there continues after the last complete shard.",
+                      show_default=False)],
+    model: ModelOpt = None,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per sequence (BOS first where "
+                                          "the model adds one, as SAELens packs them).")] = 128,
+    dtype: Annotated[str, typer.Option("--dtype", metavar="float32|float16",
+                                       help="Type of the stored activations.")] = "float32",
+    jsonl: Annotated[bool, typer.Option("--jsonl", metavar="", help="The corpus is JSON lines; the text "
+                                        "is in --text-field.")] = False,
+    text_field: Annotated[str, typer.Option("--text-field", help="The text's field with --jsonl.")] = "text",
+    shard_mb: Annotated[float, typer.Option("--shard-mb", help="Approximate size of one shard, in MB.")] = 256.0,
+    activations: ActivationsOpt = "f32",
+    workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
+                                         "model once; the shards do not depend on it.")] = 1,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Make the shards in --workers "
+                   "Ray actors on the cluster at ADDRESS (host:port, ray://…), or 'local' to start one here; "
+                   "-o must be a path every node writes to. Needs the extra llamatrace[ray].",
+                   show_default=False)] = None,
+    threads: ThreadsOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print a JSON summary on stdout at "
+                                           "the end.")] = False,
+) -> None:
+    """Store activations of a corpus as a dataset: Parquet shards, one row per token.
+
+    Each row holds sequence, position, token and one fixed-size float column per --hook;
+    manifest.json records the model (and its sha256), hooks, dtype, tokenization and every
+    complete shard; the shards are in OUTPUT/data. They load as they are with
+    datasets.load_dataset("parquet", data_dir="OUTPUT/data"), pyarrow.dataset or polars
+    (docs/collect.md, which also converts them to SAELens's cached activations).
+
+    Examples:
+
+      llamatrace collect -f corpus.txt --hook blocks.8.hook_resid_post -o acts/
+
+      llamatrace collect -f corpus.txt --hook blocks.8.hook_resid_post --hook blocks.16.hook_resid_post \\
+          --ctx-size 128 --dtype float16 -o acts/ --workers 2
+
+      llamatrace collect -f docs.jsonl --jsonl --hook l_out@3 -o acts/ --ray head-node:6379 --workers 8
+    """
+    from llamatrace.corpus.chunks import read_header
+    from llamatrace.corpus.collect import DTYPES, Collection, execute, prepare, resolve_hooks
+    from llamatrace.corpus.runner import ModelSpec, threads_per_worker
+    from llamatrace.corpus.sequences import Packing
+    from llamatrace.gguf.fetch import resolve_model, sha256_file
+
+    check_activations(activations)
+    if dtype not in DTYPES:
+        raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if ctx_size < 2:
+        raise OptionError(f"--ctx-size must be at least 2, got {ctx_size}")
+    if shard_mb <= 0:
+        raise OptionError(f"--shard-mb must be positive, got {shard_mb}")
+    if workers < 1:
+        raise OptionError(f"--workers must be a positive integer, got {workers}")
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise OptionError("collect writes Parquet with pyarrow: pip install pyarrow") from None
+    path = resolve_model(model, log=lambda msg: err.print(msg))
+    tokenizer, config = read_header(path)
+    if ctx_size > config.max_seq_len:
+        raise OptionError(f"--ctx-size {ctx_size} is over the model's context length {config.max_seq_len}")
+    hooks = resolve_hooks(hook, config)
+    here = workers == 1 and ray is None
+    spec = ModelSpec(str(path), activations, threads if here else threads_per_worker(workers, threads))
+    c = Collection(spec, sha256_file(path), text_file, hooks, Packing.for_tokenizer(tokenizer, ctx_size, jsonl, text_field),
+                   dtype, shard_mb, output, workers, ray)
+    t0 = time.perf_counter()
+    tokens = prepare(c)
+    total = c.n_sequences * ctx_size
+    done_before = sum(s["rows"] for s in c.shards)
+    m = load_model(path, threads, activations) if here and len(c.shards) < c.n_shards else None
+    with _Bar(total, done_before) as bar:
+        try:
+            execute(c, tokens, m, bar.advance)
+        except KeyboardInterrupt:
+            bar.stop()
+            err.print(f"[yellow]interrupted[/]: {len(c.shards)} of {plural(c.n_shards, 'shard')} complete in "
+                      f"{output}; run the same command again to continue")
+            exit_interrupted()
+    seconds = time.perf_counter() - t0
+    made = total - done_before
+    size = sum((output / "data" / s["file"]).stat().st_size for s in c.shards)
+    summary = {"output": str(output), "n_tokens": total, "n_sequences": c.n_sequences, "n_shards": c.n_shards,
+               "hooks": [h.name for h in hooks], "dtype": dtype, "bytes": size, "tokens_made": made,
+               "seconds": round(seconds, 3), "tokens_per_s": round(made / seconds, 1) if made else None,
+               "workers": workers, "ray": ray}
+    if json_out:
+        sys.stdout.write(json.dumps(summary) + "\n")
+    rate = f": {made / seconds:.0f} tokens/s" if made else " (already complete)"
+    err.print(f"[dim]{plural(total, 'token')} × {plural(len(hooks), 'hook')} in {plural(c.n_shards, 'shard')} "
+              f"({size / 1e6:.1f} MB) in {output}, {seconds:.1f} s{rate}[/]")
+
+
+class _Bar:
+    """A rich progress bar on stderr: tokens done, tokens/s, the time left."""
+
+    def __init__(self, total: int, done: int) -> None:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                                   TimeRemainingColumn)
+        self.progress = Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                                 TaskProgressColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
+                                 console=err, transient=True, disable=not err.is_terminal)
+        self.task = self.progress.add_task("collect", total=total, completed=done, rate="")
+        self.t0, self.made = time.perf_counter(), 0
+
+    def advance(self, n: int) -> None:
+        self.made += n
+        rate = self.made / max(time.perf_counter() - self.t0, 1e-9)
+        self.progress.update(self.task, advance=n, rate=f"{rate:.0f} tok/s")
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+    def __enter__(self) -> "_Bar":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()

@@ -1,0 +1,401 @@
+"""``llamatrace collect``: activations of a corpus written to Parquet shards, with a manifest.
+
+Layout of the output directory::
+
+    manifest.json                 settings, hooks, tokenization, each complete shard (rows, sha256)
+    data/shard-00000.parquet      one row per token: sequence (int64), position (int32), token (int32),
+    data/shard-00001.parquet      and one fixed-size list<float16|float32> column per hook
+    ...
+
+The shards are in ``data/`` so that the readers that take a directory read only Parquet files:
+``datasets.load_dataset("parquet", data_dir="acts/data")``, ``pyarrow.dataset.dataset("acts/data")``.
+
+Every shard holds whole sequences (``sequences_per_shard`` of them, ~``shard_mb`` MB), so a shard
+is a unit of work: the chunk runner (:mod:`llamatrace.corpus.runner`) hands shards to workers,
+which load the model once and write each shard to a temporary name, then rename it into place;
+the manifest lists a shard only once it is complete. Rerunning the same command keeps the
+shards the manifest lists and makes the rest; the bytes do not depend on how many workers made
+them, or on interruptions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from llamatrace import __version__
+from llamatrace.corpus.runner import ModelSpec, run_chunks
+from llamatrace.corpus.sequences import Packing, sequences
+from llamatrace.errors import OptionError, OutputError
+
+FORMAT = "llamatrace.activations/1"
+MANIFEST = "manifest.json"
+DATA = "data"
+DTYPES = ("float32", "float16")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.parquet"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One collected activation: the name asked for, the stage@layer that carries it, its shape per token."""
+
+    name: str
+    stage: str
+    layer: int | None
+    shape: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        return math.prod(self.shape)
+
+
+def resolve_hooks(names: list[str], config) -> list[Hook]:
+    """TL names or stage ids -> :class:`Hook` (one vector per token each), in the order given.
+
+    Raises:
+        OptionError: an unknown or refused name (close matches listed), a layer the model does
+            not have, a name given twice, or one that is not a vector per token (attention).
+    """
+    from llamatrace.model import tl
+    from llamatrace.tracing.stages import STAGE_BY_ID, eval_shape
+    if not names:
+        raise OptionError("give at least one --hook (e.g. --hook blocks.0.hook_resid_post)")
+    hooks, seen = [], set()
+    c = config
+    dims = dict(seq_len=1, kv_len=1, dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, rope_half=c.rope_dim // 2, q_dim=c.q_dim,
+                kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=1)
+    for name in names:
+        served = tl.resolve(name, c.n_layers)
+        if not served.per_token:
+            raise OptionError(f"--hook {name}: attention scores and patterns are not one vector per token; "
+                              f"collect residual, MLP or head activations (or use model.run_with_cache)")
+        if served.name in seen:
+            raise OptionError(f"--hook {name} is given twice")
+        seen.add(served.name)
+        if served.kind == "stage":
+            shape = eval_shape(STAGE_BY_ID[served.stage].shape, dims)[1:]
+        else:
+            shape = _tl_shape(served, c)
+        hooks.append(Hook(served.name, served.stage, served.layer, tuple(int(x) for x in shape)))
+    return hooks
+
+
+def _tl_shape(served, c) -> tuple[int, ...]:
+    """Per-token shape of a TL name: ``[d_model]``, ``[d_mlp]``, ``[head, d_head]`` or ``[1]``."""
+    kind, stage = served.kind, served.stage
+    if kind == "scale":
+        return (1,)
+    if kind in ("q_heads", "swap01") or stage == "Qcur_rope":
+        return (c.n_heads, c.head_dim)
+    if kind in ("kv_heads", "v_heads") or stage == "Kcur_rope":
+        return (c.n_kv_heads, c.head_dim)
+    if stage in ("ffn_gate", "ffn_up", "ffn_swiglu"):
+        return (c.hidden_dim,)
+    return (c.dim,)
+
+
+def stop_layer(hooks: list[Hook], n_layers: int) -> int | None:
+    """The ``stop_at_layer`` that runs no more blocks than the hooks need (``None``: the whole model)."""
+    last = -1
+    for h in hooks:
+        if h.layer is None:
+            if h.stage != "inp_embd":
+                return None                            # ln_final, result_norm...: after every block
+        else:
+            last = max(last, h.layer)
+    return last + 1 if last >= 0 else 1
+
+
+@dataclass
+class Collection:
+    """Settings of one collect run; :meth:`manifest` is what ``manifest.json`` says of them."""
+
+    model: ModelSpec
+    model_sha256: str
+    corpus: Path
+    hooks: list[Hook]
+    packing: Packing
+    dtype: str = "float32"
+    shard_mb: float = 256.0
+    out: Path = Path("acts")
+    workers: int = 1
+    ray: str | None = None
+    d_model: int = 0
+    n_layers: int = 0
+    corpus_sha256: str = ""
+    n_sequences: int = 0
+    shards: list[dict] = field(default_factory=list)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 16 + sum(h.width for h in self.hooks) * np.dtype(self.dtype).itemsize
+
+    @property
+    def sequences_per_shard(self) -> int:
+        return max(1, int(self.shard_mb * 1e6 // (self.bytes_per_token * self.packing.ctx_size)))
+
+    @property
+    def n_shards(self) -> int:
+        return -(-self.n_sequences // self.sequences_per_shard)
+
+    def settings(self) -> dict:
+        """Everything that decides the bytes of the shards."""
+        return {
+            "format": FORMAT,
+            "llamatrace_version": __version__,
+            "model": {"file": Path(self.model.path).name, "sha256": self.model_sha256,
+                      "activations": self.model.activations},
+            "corpus": {"file": self.corpus.name, "sha256": self.corpus_sha256},
+            "tokenization": self.packing.as_json(),
+            "hooks": [{"name": h.name, "column": h.name, "stage": h.stage, "layer": h.layer,
+                       "shape": list(h.shape)} for h in self.hooks],
+            "dtype": self.dtype,
+            "d_model": self.d_model,
+            "ctx_size": self.packing.ctx_size,
+            "sequences_per_shard": self.sequences_per_shard,
+            "n_sequences": self.n_sequences,
+            "n_tokens": self.n_sequences * self.packing.ctx_size,
+        }
+
+    def manifest(self) -> dict:
+        complete = len(self.shards) == self.n_shards
+        return {**self.settings(), "n_shards": self.n_shards, "complete": complete, "shards": self.shards}
+
+
+# ---- the work of one shard (in a worker process, a Ray actor, or here) ------------------------
+@dataclass
+class ShardJob:
+    index: int
+    first_sequence: int
+    tokens: np.ndarray              # int32 [n_seq, ctx_size]
+    hooks: list[Hook]
+    dtype: str
+    out: str
+    stop_at_layer: int | None
+    on_sequence: Callable[[int], None] | None = None     # progress, in this process only
+
+
+def write_shard(model, job: ShardJob) -> dict:
+    """Run ``job``'s sequences, write ``shard-NNNNN.parquet`` (temporary name, then renamed).
+
+    Returns:
+        ``{"file", "rows", "sha256"}`` of the shard.
+
+    Raises:
+        OutputError: the shard cannot be written.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from llamatrace.model import tl
+    n_seq, ctx = job.tokens.shape
+    rows = n_seq * ctx
+    columns = {h.name: np.empty((rows, h.width), dtype=job.dtype) for h in job.hooks}
+    served = [tl.resolve(h.name, model.config.n_layers) for h in job.hooks]
+
+    def keep(b: int, ids, arrays: dict) -> None:
+        for h in job.hooks:
+            columns[h.name][b * ctx:(b + 1) * ctx] = arrays[h.name].reshape(ctx, h.width)
+        if job.on_sequence is not None:
+            job.on_sequence(ctx)
+
+    tl.run(model, list(job.tokens), served, keep=False, stop_at_layer=job.stop_at_layer,
+           return_logits=False, on_sequence=keep)
+    table = {
+        "sequence": pa.array(np.repeat(np.arange(job.first_sequence, job.first_sequence + n_seq, dtype=np.int64), ctx)),
+        "position": pa.array(np.tile(np.arange(ctx, dtype=np.int32), n_seq)),
+        "token": pa.array(job.tokens.reshape(-1).astype(np.int32)),
+    }
+    for h in job.hooks:
+        table[h.name] = pa.FixedSizeListArray.from_arrays(pa.array(columns[h.name].reshape(-1)), h.width)
+    out = Path(job.out)
+    final = out / DATA / shard_name(job.index)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(pa.table(table), f, compression="snappy", row_group_size=64 * ctx)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, final)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OutputError(f"-o {str(out)!r}: cannot write {final.name} ({exc.strerror or exc}); "
+                          f"free some space and rerun: complete shards are kept") from None
+    return {"file": final.name, "rows": rows, "sha256": _sha256(final)}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def prepare(c: Collection) -> np.ndarray:
+    """Tokenize the corpus into a temporary token file (memory stays bounded), check the output
+    directory against a manifest already there, and return the sequences (a read-only
+    memory map ``[n_sequences, ctx_size]``, int32).
+
+    Raises:
+        OptionError, PromptError: the corpus cannot be read or is too short for one sequence.
+        OutputError: ``out`` is not a directory we may write, holds files that are not a
+            collection, a collection with other settings, or a damaged shard.
+    """
+    from llamatrace.corpus.chunks import read_header
+    from llamatrace.gguf.fetch import sha256_file
+    check_out_dir(c.out)
+    tokenizer, config = read_header(Path(c.model.path))
+    c.d_model, c.n_layers = config.dim, config.n_layers
+    c.corpus_sha256 = sha256_file(c.corpus)
+    fd, tmp = tempfile.mkstemp(prefix=".tokens.", suffix=".tmp", dir=c.out / DATA)
+    n = 0
+    with os.fdopen(fd, "wb") as f:
+        for seq in sequences(c.corpus, tokenizer, c.packing):
+            f.write(seq.tobytes())
+            n += 1
+    if n == 0:
+        Path(tmp).unlink()
+        from llamatrace.errors import PromptError
+        raise PromptError(f"-f {str(c.corpus)!r} has fewer tokens than one sequence of --ctx-size "
+                          f"{c.packing.ctx_size}: give a longer text or a smaller --ctx-size")
+    c.n_sequences = n
+    tokens = np.memmap(tmp, dtype=np.int32, mode="r", shape=(n, c.packing.ctx_size))
+    os.unlink(tmp)                 # the map keeps the data; nothing is left behind on a crash
+    c.shards = resume(c)
+    return tokens
+
+
+def check_out_dir(out: Path) -> None:
+    """Create ``out`` and ``out/data`` if needed; refuse a file, an unwritable directory, or one
+    holding anything but a collection (a manifest and shards).
+
+    Raises:
+        OutputError: as above (nothing is created then).
+    """
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"-o {str(out)!r} is a file: give a directory")
+    if out.is_dir():
+        data = out / DATA
+        foreign = [p.name for p in out.iterdir() if p.name not in (MANIFEST, DATA)]
+        if data.exists():
+            if not data.is_dir():
+                foreign.append(DATA)
+            else:
+                foreign += [f"{DATA}/{p.name}" for p in data.iterdir()
+                            if not (_is_shard_name(p.name) or p.name.endswith(".tmp"))]
+        if foreign or (data.exists() and not (out / MANIFEST).is_file()):
+            shown = ", ".join(sorted(foreign)[:3]) or "shards without a manifest"
+            raise OutputError(f"-o {str(out)!r} is not empty and not a collection ({shown}): give a new or "
+                              f"empty directory")
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise OutputError(f"-o {str(out)!r}: the directory is not writable")
+    try:
+        (out / DATA).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"-o {str(out)!r}: cannot create it ({exc.strerror or exc})") from None
+    for tmp in (out / DATA).glob(".*.tmp"):       # a shard a killed run left half-written
+        tmp.unlink(missing_ok=True)
+
+
+def _is_shard_name(name: str) -> bool:
+    return name.startswith("shard-") and name.endswith(".parquet") and name[6:11].isdigit()
+
+
+def resume(c: Collection) -> list[dict]:
+    """The complete shards a previous run of the same settings left in ``c.out`` (checked:
+    size and Parquet footer); shards it did not list are deleted, to be made again.
+
+    Raises:
+        OutputError: the manifest there is for other settings, or a listed shard is damaged.
+    """
+    import pyarrow.parquet as pq
+    path = c.out / MANIFEST
+    if not path.is_file():
+        return []
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise OutputError(f"{path}: not a readable manifest ({exc}); give a new -o directory") from None
+    new = c.settings()
+    for key, value in new.items():
+        if old.get(key) != value:
+            raise OutputError(f"-o {str(c.out)!r} holds a collection with other settings ({key}: "
+                              f"{json.dumps(old.get(key))[:80]}, now {json.dumps(value)[:80]}); give a new "
+                              f"-o directory or delete that one")
+    kept = []
+    for entry in old.get("shards", []):
+        shard = c.out / DATA / entry["file"]
+        try:
+            rows = pq.read_metadata(shard).num_rows
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise OutputError(f"{shard} is damaged ({type(exc).__name__}: {str(exc)[:80]}); delete it and "
+                              f"rerun to make it again") from None
+        if rows != entry["rows"]:
+            raise OutputError(f"{shard} has {rows} rows, the manifest says {entry['rows']}; delete it "
+                              f"and rerun to make it again")
+        kept.append(entry)
+    listed = {e["file"] for e in kept}
+    for p in (c.out / DATA).iterdir():
+        if _is_shard_name(p.name) and p.name not in listed:
+            p.unlink()                  # written after the manifest's last update: made again
+    return kept
+
+
+def write_manifest(c: Collection) -> None:
+    data = (json.dumps(c.manifest(), indent=2) + "\n").encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=c.out)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, c.out / MANIFEST)
+
+
+def execute(c: Collection, tokens: np.ndarray, model=None, on_tokens: Callable[[int], None] | None = None,
+            work: Callable = write_shard) -> None:
+    """Make the shards :func:`prepare` did not find complete; the manifest is rewritten after each.
+
+    Args:
+        model: the loaded model when the shards are made here (one worker, no Ray).
+        on_tokens: progress, ``fn(n_tokens_done_since_last_call)``.
+        work: makes one shard, :func:`write_shard` (a module-level function: workers import it).
+
+    Raises:
+        LlamatraceError: a shard could not be made (a worker's error, a worker dying
+            :data:`~llamatrace.corpus.runner.MAX_TRIES` times, an unreachable Ray cluster).
+    """
+    spq = c.sequences_per_shard
+    todo = list(range(len(c.shards), c.n_shards))
+    stop = stop_layer(c.hooks, c.n_layers)
+    here = c.workers == 1 and c.ray is None
+    write_manifest(c)
+
+    def payload(i: int) -> ShardJob:
+        index = todo[i]
+        first = index * spq
+        return ShardJob(index, first, np.array(tokens[first:first + spq]), c.hooks, c.dtype, str(c.out),
+                        stop, on_tokens if here else None)
+
+    def done(i: int, entry: dict) -> None:
+        c.shards.append(entry)
+        write_manifest(c)
+        if not here and on_tokens is not None:
+            on_tokens(entry["rows"])
+
+    run_chunks(c.model, len(todo), payload, work, done, c.workers, model, c.ray)
