@@ -29,7 +29,8 @@ reaches the model: positions start at 0 for every sequence, as TL's left-padding
 results are padded to the longest on ``padding_side`` (``"right"``, TL's default, or
 ``"left"``) with 0 (``-inf`` in ``hook_attn_scores``), and ``cache.attention_mask`` marks the
 real positions. Hooks are called once per sequence with a batch of one (``hook.batch_index``
-says which); a hook that needs the whole batch at once cannot be served this way.
+says which); a hook that needs the whole batch at once cannot be served this way. As in TL, a
+hook may return a replacement or change the activation in place and return ``None``.
 """
 
 from __future__ import annotations
@@ -411,9 +412,12 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
                     if what == "keep":
                         per_seq[s.name] = act
                         continue
+                    before = act.copy()
                     new = user_fn(act, HookPoint(s.name, s.layer, b))
-                    if new is None:
-                        continue
+                    if new is None:                 # TL's hooks may change the activation in place
+                        if np.array_equal(act, before):
+                            continue
+                        new = act
                     new = np.asarray(new, dtype=np.float32)
                     if new.shape != act.shape:
                         raise HookError(f"the hook on {s.name!r} returned shape {list(new.shape)}; it must "
