@@ -183,11 +183,11 @@ def test_summary_line_is_one_line_on_a_narrow_non_terminal(tiny_model_path, tmp_
 
 # ---- Ctrl-C, python -m ------------------------------------------------------------------------------
 def test_ctrl_c_while_loading_says_interrupted(capsys, monkeypatch, tiny_model_path):
-    from llamatrace.cli import generate
+    from llamatrace.cli import options
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(generate, "load_model", interrupted)
+    monkeypatch.setattr(options, "load_model", interrupted)
     code, out, err = run(capsys, "generate", "-m", str(tiny_model_path), "hi")
     assert code == 130 and err.strip() == "interrupted"
 
@@ -196,11 +196,11 @@ def test_ctrl_c_signal_during_loading_exits_130_saying_interrupted(tiny_model_pa
     # a real SIGINT while the command is loading (held there by a stand-in load_model)
     code = textwrap.dedent(f"""
         import sys, time
-        from llamatrace.cli import generate, main
+        from llamatrace.cli import main, options
         def slow_load(*args):
             print("loading", file=sys.stderr, flush=True)
             time.sleep(60)
-        generate.load_model = slow_load
+        options.load_model = slow_load
         sys.exit(main(["generate", "-m", {str(tiny_model_path)!r}, "hi"]))
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -16,19 +16,16 @@ from llamatrace.errors import OptionError
 from llamatrace.cli.app import app, err, plural
 from llamatrace.cli.options import (
     AblateOpt,
+    ActivationsOpt,
+    check_run_options,
+    default_prompt,
     ModelOpt,
+    parse_layers,
+    prepare_run,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
-    ActivationsOpt,
-    ablated,
-    default_prompt,
-    load_model,
-    parse_ablations,
-    parse_layers,
-    prompt_ids_for,
-    read_prompt,
 )
 
 
@@ -82,27 +79,25 @@ def attention(
     if head is not None and head < 0:
         raise OptionError(f"--head must be >= 0, got {head}")
     parse_layers(layer)
-    parse_ablations(ablate)
+    check_run_options(ablate=ablate)
     if output is None and not json_out:
         output = Path("attention.png")
     if output is not None:
         check_format(output)
         check_output_path(output, "-o")
-    text_in = read_prompt(prompt, prompt_file, default=default_prompt())
-
-    m = load_model(model, threads, activations)
+    r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
+                    ablate=ablate, default=default_prompt())
+    m, ids, ablations = r.model, r.ids, r.ablations
     c = m.config
     layers = parse_layers(layer, c.n_layers)
     if layers is None or len(layers) != 1:
         raise OptionError(f"--layer {layer!r}: attention shows one layer; give N (0-{c.n_layers - 1}) or -1")
     if head is not None and head >= c.n_heads:
         raise OptionError(f"--head {head} is out of range: this model has {c.n_heads} query heads (0-{c.n_heads - 1})")
-    ablations = parse_ablations(ablate, c)
-    ids = prompt_ids_for(m, text_in, raw, system)
 
     from llamatrace.analysis.look import attention as run_attention
 
-    with ablated(m, ablations):
+    with r.ablated():
         maps = run_attention(m, ids, layers[0], step)
     tok = m.tokenizer
     pieces = [tok.piece(i) for i in maps.ids]

@@ -17,19 +17,18 @@ import typer
 from llamatrace.errors import OptionError
 from llamatrace.cli.app import EXIT_DIVERGED, app, err, out
 from llamatrace.cli.options import (
+    ActivationsOpt,
+    default_prompt,
     LAYER_HELP,
+    load_model,
     ModelOpt,
+    parse_layers,
+    parse_stages,
+    prepare_run,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
-    ActivationsOpt,
-    default_prompt,
-    load_model,
-    parse_layers,
-    parse_stages,
-    prompt_ids_for,
-    read_prompt,
     wide_out,
 )
 
@@ -126,9 +125,9 @@ def compare(
         patterns = parse_stages(stage)     # our stage ids here; a user's .npz may have others
         from llamatrace.analysis.bench import check_engines
         check_engines([against])           # one error line, before the model loads
-        text_in = read_prompt(args[0] if args else None, prompt_file, default=default_prompt())
-        m = load_model(model, threads, activations)
-        ids = prompt_ids_for(m, text_in, raw, system)
+        r = prepare_run(args[0] if args else None, prompt_file, model, threads=threads, activations=activations,
+                        raw=raw, system=system, default=default_prompt())
+        m, ids = r.model, r.ids
         with err.status(f"running llamatrace and {against} …"):
             result = compare_with(m, ids, tokens, against=against, threshold=threshold,
                                   layers=parse_layers(layer, m.config.n_layers), stages=patterns, threads=threads)

@@ -15,17 +15,16 @@ from llamatrace.errors import OptionError
 from llamatrace.outputs import check_output_path, write_atomic
 from llamatrace.cli.app import app, err
 from llamatrace.cli.options import (
+    ActivationsOpt,
+    check_run_options,
+    default_prompt,
     ModelOpt,
+    parse_layers,
+    prepare_run,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
-    ActivationsOpt,
-    default_prompt,
-    load_model,
-    parse_layers,
-    prompt_ids_for,
-    read_prompt,
 )
 
 
@@ -113,14 +112,11 @@ def diagram(
     tokens = max(1 if tokens is None else tokens, step)         # --step picks the step the page opens on
     if step < 0:
         raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
-    if ctx_size is not None and ctx_size <= 0:
-        raise OptionError(f"--ctx-size must be a positive integer, got {ctx_size}")
+    check_run_options(ctx_size)
     dg.check_graphviz(fmt)
-    text = read_prompt(prompt, prompt_file, default=default_prompt())
-
-    m = load_model(model, threads, activations)
-    ids = prompt_ids_for(m, text, raw, system)
-    chat = not raw and bool(m.tokenizer.chat_template)
+    r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
+                    default=default_prompt())
+    m, text, ids, chat = r.model, r.text, r.ids, r.chat
     layers = parse_layers(layer, m.config.n_layers)
     layers = list(range(m.config.n_layers)) if layers is None else layers
     if fmt == "html":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import sys
-import time
 from typing import Annotated, Optional
 
 import typer
@@ -13,20 +12,16 @@ import typer
 from llamatrace.errors import OptionError
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural
 from llamatrace.cli.options import (
-    CtxSizeOpt,
     AblateOpt,
+    ActivationsOpt,
+    check_run_options,
+    CtxSizeOpt,
     ModelOpt,
+    prepare_run,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
-    ActivationsOpt,
-    check_ctx_size,
-    ablated,
-    load_model,
-    parse_ablations,
-    prompt_ids_for,
-    read_prompt,
 )
 
 
@@ -78,18 +73,14 @@ def generate(
 
     if max_tokens <= 0:
         raise OptionError(f"--max-tokens must be a positive integer, got {max_tokens}")
-    check_ctx_size(ctx_size)
+    check_run_options(ctx_size, ablate)
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if sampling.unused_options():
         err.print(f"[yellow]note:[/] {', '.join(sampling.unused_options())} ignored: --temperature 0 "
                   f"(the default) is greedy; give --temperature > 0 to sample")
-    parse_ablations(ablate)
-    text_in = read_prompt(prompt, prompt_file)
-    t0 = time.perf_counter()
-    m = load_model(model, threads, activations)
-    load_s = time.perf_counter() - t0
-    ids = prompt_ids_for(m, text_in, raw, system)
-    ablations = parse_ablations(ablate, m.config)
+    r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
+                    ablate=ablate)
+    m, text_in, ids, load_s = r.model, r.text, r.ids, r.load_s
 
     stats = GenerationStats()
     stream = StreamDecoder(m.tokenizer)
@@ -97,7 +88,7 @@ def generate(
     # the prompt and context checks run inside generate, before any compute, at the first next()
     tokens = run_generate(m, ids, max_tokens=max_tokens, sampling=sampling, ctx_size=ctx_size, stats=stats)
     interrupted = False
-    with ablated(m, ablations):
+    with r.ablated():
         try:
             with err.status(f"Prefill: {len(ids)} prompt tokens …"):
                 first = next(tokens, None)

@@ -17,18 +17,15 @@ from llamatrace.errors import OptionError
 from llamatrace.cli.app import app, err
 from llamatrace.cli.options import (
     AblateOpt,
+    ActivationsOpt,
+    check_run_options,
+    default_prompt,
     ModelOpt,
+    prepare_run,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
-    ActivationsOpt,
-    ablated,
-    default_prompt,
-    load_model,
-    parse_ablations,
-    prompt_ids_for,
-    read_prompt,
     wide_out,
 )
 
@@ -69,22 +66,20 @@ def lens(
     """
     if positions < 1:
         raise OptionError(f"--positions must be >= 1, got {positions}")
-    parse_ablations(ablate)
+    check_run_options(ablate=ablate)
     if output is not None:
         from llamatrace.outputs import check_output_path
         from llamatrace.views.plots import check_format
 
         check_format(output)
         check_output_path(output, "-o")
-    text_in = read_prompt(prompt, prompt_file, default=default_prompt())
-
-    m = load_model(model, threads, activations)
-    ablations = parse_ablations(ablate, m.config)
-    ids = prompt_ids_for(m, text_in, raw, system)
+    r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
+                    ablate=ablate, default=default_prompt())
+    m, ids, ablations = r.model, r.ids, r.ablations
 
     from llamatrace.analysis.look import logit_lens
 
-    with ablated(m, ablations):
+    with r.ablated():
         result = logit_lens(m, ids, positions)
     tok = m.tokenizer
     pieces = [tok.piece(i) for i in ids]

@@ -307,3 +307,62 @@ def ablated(model, ablations: list[Ablation]):
         if ablations:
             err.print(f"[yellow]ablating:[/] {', '.join(a.text for a in ablations)} (zeroed where computed)")
         yield
+
+
+# ---- one run: options -> prompt, model, ids, ablations ------------------------------------------
+@dataclass
+class Run:
+    """What every command that runs the model starts from (:func:`prepare_run`).
+
+    Attributes:
+        model: the loaded :class:`~llamatrace.model.llama.Llama`.
+        text: the prompt text; ``ids`` its token ids (chat template applied unless ``--raw``).
+        ablations: the ``--ablate`` values, checked against the model; ``ablated()`` hooks them in.
+        load_s: seconds the load (and kernel warm-up) took.
+    """
+
+    model: object
+    text: str
+    ids: list[int]
+    ablations: list[Ablation]
+    load_s: float
+    raw: bool
+
+    @property
+    def chat(self) -> bool:
+        """Whether the chat template was applied."""
+        return not self.raw and bool(self.model.tokenizer.chat_template)
+
+    def ablated(self):
+        """The ``with`` block in which the ablations are hooked in (nothing without ``--ablate``)."""
+        return ablated(self.model, self.ablations)
+
+
+def check_run_options(ctx_size: int | None = None, ablate: list[str] | None = None) -> None:
+    """The checks of the shared run options that need no model: one error line before any load.
+
+    Raises:
+        OptionError: a ``--ctx-size`` below 1, an ``--ablate`` value that cannot be right.
+    """
+    check_ctx_size(ctx_size)
+    parse_ablations(ablate)
+
+
+def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None, *, threads: int | None,
+                activations: str, raw: bool, system: str | None, ablate: list[str] | None = None,
+                default: str | None = None) -> Run:
+    """Options to a ready run: read the prompt (``default`` when none is given), load the model
+    (with its status line), check ``--ablate`` against it, and tokenize the prompt.
+
+    Raises:
+        OptionError, PromptError: as :func:`read_prompt`, :func:`parse_ablations`; the model's
+            load errors (:meth:`~llamatrace.model.llama.Llama.load`).
+    """
+    import time
+
+    text = read_prompt(prompt, prompt_file, default=default)
+    t0 = time.perf_counter()
+    m = load_model(model, threads, activations)
+    load_s = time.perf_counter() - t0
+    ablations = parse_ablations(ablate, m.config)
+    return Run(m, text, prompt_ids_for(m, text, raw, system), ablations, load_s, raw)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -24,24 +23,20 @@ from llamatrace.errors import OptionError
 from llamatrace.tracing.stages import STAGE_IDS, select_stages
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural
 from llamatrace.cli.options import (
-    LAYER_HELP,
-    CtxSizeOpt,
     AblateOpt,
+    ActivationsOpt,
+    check_run_options,
+    CtxSizeOpt,
+    default_prompt,
+    LAYER_HELP,
     ModelOpt,
+    parse_layers,
+    parse_stages,
+    prepare_run,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
-    ActivationsOpt,
-    check_ctx_size,
-    ablated,
-    default_prompt,
-    load_model,
-    parse_ablations,
-    parse_layers,
-    parse_stages,
-    prompt_ids_for,
-    read_prompt,
 )
 
 
@@ -115,14 +110,13 @@ def trace(
         raise OptionError(f"--values must be >= 0, got {values}")
     if top < 1:
         raise OptionError(f"--top must be >= 1, got {top}")
-    check_ctx_size(ctx_size)
+    check_run_options(ctx_size, ablate)
     if dump_shapes and fmt is Format.table:
         raise OptionError("--dump-shapes prints log lines: drop --format table")
     if dump_shapes and (stats or values):
         dropped = " and ".join(opt for opt, on in (("--stats", stats), ("--values", values)) if on)
         raise OptionError(f"--dump-shapes prints shapes only: drop {dropped}, or drop --dump-shapes to see them")
     parse_layers(layer)
-    parse_ablations(ablate)
     stage_patterns = parse_stages(stage)
     outputs = {opt: p for opt, p in (("--jsonl", jsonl), ("--npz", npz), ("--log-file", log_file)) if p is not None}
     for opt, p in outputs.items():
@@ -132,16 +126,11 @@ def trace(
         other = resolved.setdefault(p.resolve(), opt)
         if other != opt:
             raise OptionError(f"{other} and {opt} name the same file {str(p)!r}")
-    text_in = read_prompt(prompt, prompt_file, default=default_prompt())
-
-    t0 = time.perf_counter()
-    m = load_model(model, threads, activations)
-    load_s = time.perf_counter() - t0
-    layers = parse_layers(layer, m.config.n_layers)
-    ablations = parse_ablations(ablate, m.config)
-    ids = prompt_ids_for(m, text_in, raw, system)
-    with ablated(m, ablations):
-        _run(m, text_in, ids, load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
+    r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
+                    ablate=ablate, default=default_prompt())
+    layers = parse_layers(layer, r.model.config.n_layers)
+    with r.ablated():
+        _run(r.model, r.text, r.ids, r.load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
              dump_shapes=dump_shapes, stats=stats, values=values, jsonl=jsonl, npz=npz, log_file=log_file,
              timings=timings, check_finite=check_finite, top=top, ctx_size=ctx_size)
 
