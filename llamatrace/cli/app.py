@@ -52,8 +52,30 @@ out = StdoutConsole(highlight=False, soft_wrap=True)
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_DIVERGED = 3          # `llamatrace compare`: a stage exceeds its threshold
 
+class _Group(typer.core.TyperGroup):
+    """The app's command group: in ``--help``, a flag (``--raw``, ``--json``, ``-h/--help`` itself)
+    shows no value type — typer labels every flag ``<bool>``, though a flag takes no value."""
+
+    def get_command(self, ctx, name: str):
+        command = super().get_command(ctx, name)
+        if command is not None:
+            _no_flag_metavar(command, ctx)
+        return command
+
+    def format_help(self, ctx, formatter) -> None:
+        _no_flag_metavar(self, ctx)
+        super().format_help(ctx, formatter)
+
+
+def _no_flag_metavar(command, ctx) -> None:
+    for param in [*command.params, command.get_help_option(ctx)]:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+
+
 app = typer.Typer(
     name="llamatrace",
+    cls=_Group,
     help="Run a Llama-architecture GGUF model on the CPU and watch every stage of its forward pass.\n\n"
          "Examples:\n\n"
          "  llamatrace generate \"What is the capital of France?\"\n\n"

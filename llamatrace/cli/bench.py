@@ -15,7 +15,7 @@ from llamatrace.cli.options import ModelOpt, ThreadsOpt, check_activations
 def bench(
     model: ModelOpt = None,
     against: Annotated[Optional[list[str]], typer.Option(
-        "--against", help="Also time a peer on the same file and ids: 'llama.cpp' (llama-cpp-python) "
+        "--against", metavar="llama.cpp|hf", help="Also time a peer on the same file and ids: 'llama.cpp' (llama-cpp-python) "
         "or 'hf' (HF transformers, fp32). Repeatable.", show_default=False)] = None,
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Tokens in the prefill.")] = 128,
     decode_tokens: Annotated[int, typer.Option("--decode-tokens", help="Greedy decode steps after it.")] = 64,

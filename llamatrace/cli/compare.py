@@ -40,7 +40,7 @@ def compare(
     args: Annotated[Optional[list[str]], typer.Argument(
         help="The prompt text (default: the short sample), or two .npz recordings: OURS.npz REF.npz.",
         show_default=False, metavar="[PROMPT | OURS.npz REF.npz]")] = None,
-    against: Annotated[str, typer.Option("--against", help="The reference engine: llama.cpp "
+    against: Annotated[str, typer.Option("--against", metavar="llama.cpp|hf", help="The reference engine: llama.cpp "
                                          "(llama-cpp-python, the extra llamatrace[llamacpp]) or hf (HF "
                                          "transformers in fp32: torch, transformers, accelerate).")] = "llama.cpp",
     model: ModelOpt = None,
@@ -52,7 +52,7 @@ def compare(
     layer: Annotated[str, typer.Option("--layer", "-l", help=LAYER_HELP)] = "all",
     stage: Annotated[Optional[list[str]], typer.Option(
         "--stage", "-s", help="Stage ids or globs (kq*), repeatable or comma-separated.", show_default=False)] = None,
-    sort: Annotated[str, typer.Option("--sort", help="Row order: 'forward' (the forward pass) or 'worst' "
+    sort: Annotated[str, typer.Option("--sort", metavar="forward|worst", help="Row order: 'forward' (the forward pass) or 'worst' "
                                       "(largest relative error first).")] = "forward",
     threshold: Annotated[Optional[float], typer.Option(
         "--threshold", help="One relative RMS error threshold for every stage (default: per stage kind, "

@@ -37,7 +37,7 @@ def diagram(
         "(need Graphviz's `dot`), .dot (DOT source), or .html (an interactive page of the run, needs `dot`).",
         show_default=False)] = Path("flow.svg"),
     view: Annotated[str, typer.Option(
-        "--view", help="model: embedding → block × n_layers → logits → token; block: one block in detail.")] = "model",
+        "--view", metavar="model|block", help="model: embedding → block × n_layers → logits → token; block: one block in detail.")] = "model",
     highlight: Annotated[Optional[str], typer.Option(
         "--highlight", help="The book's STAGE view: a STAGE number 1-19 or a stage id (e.g. Qcur_rope), drawn "
         "as \"you are here\" with its inputs and outputs emphasised.", show_default=False)] = None,

@@ -1,0 +1,72 @@
+"""``--help`` of every command: flags show no value type, fixed choices are listed, and an option
+shared by several commands reads the same in each."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cli_helpers import run
+from llamatrace.cli import app
+from llamatrace.cli.compare import AGAINST
+from llamatrace.views.diagram import VIEWS
+
+COMMANDS = sorted(c.name or c.callback.__name__ for c in app.registered_commands)
+# (option, command) whose help may differ from the shared one, and why
+OWN_HELP = {
+    ("--ctx-size", "perplexity"): "the chunk length, as llama-perplexity's -c",
+    ("--ctx-size", "collect"): "the sequence length, as SAELens's context_size",
+    ("--ctx-size", "diagram"): "the same capacity, with the default the diagram draws (prompt + 256)",
+    ("--activations", "bench"): "repeatable: each mode runs as an engine of its own",
+}
+
+
+def _help(capsys, *args) -> str:
+    code, out, err = run(capsys, *args, "--help")
+    assert code == 0, err
+    return out
+
+
+def _rows(text: str) -> dict[str, str]:
+    """``--option`` -> its metavar and whole help text (wrapped lines joined, spaces collapsed)."""
+    rows, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^│\s+(--[\w-]+)(?:\s+-\w)?\s+(.*?)\s*│$", line)
+        if m:
+            current = m.group(1)
+            rows[current] = m.group(2)
+        elif current and (c := re.match(r"^│\s+(.*?)\s*│$", line)):
+            rows[current] += " " + c.group(1)
+        else:
+            current = None
+    return {k: " ".join(v.split()) for k, v in rows.items()}
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_no_flag_shows_a_value_type(capsys, command):
+    text = _help(capsys, *([command] if command else []))
+    assert "<bool>" not in text
+    assert re.search(r"--help\s+-h\s+Show this message", text)
+
+
+def test_fixed_choices_are_in_the_metavar(capsys):
+    assert _rows(_help(capsys, "diagram"))["--view"].startswith("|".join(VIEWS) + " ")
+    compare = _rows(_help(capsys, "compare"))
+    assert compare["--against"].startswith("|".join(AGAINST) + " ")
+    assert compare["--sort"].startswith("forward|worst ")
+    assert _rows(_help(capsys, "bench"))["--against"].startswith("|".join(AGAINST) + " ")
+
+
+@pytest.mark.parametrize("option", ["--model", "--threads", "--activations", "--prompt-file", "--raw",
+                                    "--system", "--ctx-size", "--ablate"])
+def test_a_shared_option_reads_the_same_everywhere(capsys, option):
+    seen = {}
+    for command in COMMANDS:
+        if (option, command) in OWN_HELP:
+            continue
+        row = _rows(_help(capsys, command)).get(option)
+        if row is not None:
+            seen[command] = row
+    assert len(seen) >= 2, seen
+    assert len(set(seen.values())) == 1, seen
