@@ -15,6 +15,10 @@ Columns, per :class:`Stage`:
   several tensors, an op fused away, flash attention).
 * ``tl_hook`` / ``tl_differs`` — the TransformerLens hook (under ``blocks.{L}.`` for layer stages)
   that sees the same tensor, and how ours differs from it (layout, the norm weight, ...).
+* ``sources`` / ``residual`` — what the diagrams need to wire a stage: the producer of an input
+  whose chapter name is a function-local one (inside ``LlamaAttention.Forward`` ``x`` *is*
+  ``normalizedX``; in the FFN ``h`` names three tensors), by stage id; and whether the stage is a
+  residual add on the residual stream.
 * ``replaceable`` — a real array of its own that a hook (:mod:`llamatrace.tracing.hooks`) may replace;
   ``False`` for views and lazy copies (the KV cache slices, the ``*_heads`` reshapes, the
   repeated KV heads) and the model's inputs ``freqs_cis`` / ``kq_mask``.
@@ -66,6 +70,8 @@ class Stage:
     llama_cpp_note: str = ""   # where llama.cpp's graph differs ("" = the same tensor)
     tl_differs: str = ""       # where our tensor differs from the TransformerLens hook
     replaceable: bool = True   # a real array a hook may replace (not a view or lazy copy)
+    sources: tuple[tuple[str, str], ...] = ()   # (input, producing stage id) the chapter's name can't tell
+    residual: bool = False     # a residual add: the stream in, the stream out (drawn on the spine)
 
 
 _RESID = "[seq_len, dim]"
@@ -104,20 +110,23 @@ STAGES: tuple[Stage, ...] = (
           inputs=(("x", _RESID),), weights=(("attn_wq", "attn_q.weight"),),
           lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaAttention.attn_wq weights shape({w_attn_wq}) -> tensor xq",),
           llama_cpp_note="1st of three tensors named Qcur-N: the matmul (then the reshape, then RoPE)",
-          tl_differs="TL has no flat hook: attn.hook_q is this split into heads (Qcur_heads)"),
+          tl_differs="TL has no flat hook: attn.hook_q is this split into heads (Qcur_heads)",
+          sources=(("x", "attn_norm"),)),
     Stage("Kcur", "layer", "MatMul", "xk", "15.3.3", 8, "Kcur", None, "attention",
           "[seq_len, kv_dim]", "Key projection x·wkᵀ.",
           inputs=(("x", _RESID),), weights=(("attn_wk", "attn_k.weight"),),
           lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaAttention.attn_wk weights shape({w_attn_wk}) -> tensor xk",),
           llama_cpp_note="1st of three tensors named Kcur-N: the matmul (then the reshape, then RoPE)",
-          tl_differs="TL has no flat hook: attn.hook_k is this split into heads (Kcur_heads)"),
+          tl_differs="TL has no flat hook: attn.hook_k is this split into heads (Kcur_heads)",
+          sources=(("x", "attn_norm"),)),
     Stage("Vcur", "layer", "MatMul", "xv", "15.3.3", 8, "Vcur", None, "attention",
           "[seq_len, kv_dim]", "Value projection x·wvᵀ.",
           inputs=(("x", _RESID),), weights=(("attn_wv", "attn_v.weight"),),
           lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaAttention.attn_wv weights shape({w_attn_wv}) -> tensor xv",
                  "Parallel results, xq: shape({[seq_len, q_dim]}), xk: shape({[seq_len, kv_dim]}), xv: shape({out})"),
           llama_cpp_note="1st of two tensors named Vcur-N: the matmul (then the reshape)",
-          tl_differs="TL has no flat hook: attn.hook_v is this split into heads (Vcur_heads)"),
+          tl_differs="TL has no flat hook: attn.hook_v is this split into heads (Vcur_heads)",
+          sources=(("x", "attn_norm"),)),
     Stage("Qcur_heads", "layer", "Reshape", "xq", "15.3.4", 9, "Qcur", "attn.hook_q", "attention",
           "[seq_len, n_heads, head_dim]", "Queries split into heads (a view).",
           inputs=(("xq", "[seq_len, q_dim]"),),
@@ -238,7 +247,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("ffn_inp", "layer", "Add", "h", "15.4", 15, "ffn_inp", "hook_resid_mid", "attention",
           _RESID, "Residual: block input plus attention output.",
           inputs=(("x", _RESID), ("h", _RESID)),
-          lines=("Calling ml.Add to calculate x shape({x}) + h shape({h}) -> tensor h",)),
+          lines=("Calling ml.Add to calculate x shape({x}) + h shape({h}) -> tensor h",),
+          sources=(("h", "attn_out"),), residual=True),
     Stage("ffn_norm", "layer", "RMSNorm", "normalizedH", "15.5", 16, "ffn_norm", "ln2.hook_normalized", "ffn",
           _RESID, "Pre-FFN RMSNorm.",
           inputs=(("h", _RESID),), weights=(("ffn_norm", "ffn_norm.weight"),),
@@ -249,7 +259,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("ffn_gate", "layer", "MatMul", "h", "15.6", 17, "ffn_gate", "mlp.hook_pre", "ffn",
           "[seq_len, hidden_dim]", "Gate projection x·w1ᵀ.",
           inputs=(("x", _RESID),), weights=(("ffn_gate", "ffn_gate.weight"),),
-          lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaFeedForward.ffn_gate weights shape({w_ffn_gate}) -> tensor h",)),
+          lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaFeedForward.ffn_gate weights shape({w_ffn_gate}) -> tensor h",),
+          sources=(("x", "ffn_norm"),)),
     Stage("ffn_silu", "layer", "SiLU", "h", "15.6", 17, None, None, "ffn",
           "[seq_len, hidden_dim]", "SiLU (swish) of the gate: h·sigmoid(h).",
           inputs=(("h", "[seq_len, hidden_dim]"),),
@@ -258,7 +269,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("ffn_up", "layer", "MatMul", "ffnUpX", "15.6", 17, "ffn_up", "mlp.hook_pre_linear", "ffn",
           "[seq_len, hidden_dim]", "Up projection x·w3ᵀ.",
           inputs=(("x", _RESID),), weights=(("ffn_up", "ffn_up.weight"),),
-          lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaFeedForward.ffn_up weights shape({w_ffn_up}) -> tensor ffnUpX",)),
+          lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaFeedForward.ffn_up weights shape({w_ffn_up}) -> tensor ffnUpX",),
+          sources=(("x", "ffn_norm"),)),
     Stage("ffn_swiglu", "layer", "Multiply", "ffnUpX", "15.6", 17, "ffn_swiglu", "mlp.hook_post", "ffn",
           "[seq_len, hidden_dim]", "SwiGLU: silu(gate) ⊙ up.",
           inputs=(("h", "[seq_len, hidden_dim]"), ("ffnUpX", "[seq_len, hidden_dim]")),
@@ -269,14 +281,16 @@ STAGES: tuple[Stage, ...] = (
           lines=("Calling ml.LinearTransformation for h shape({h}) and LlamaFeedForward.ffn_down weights shape({w_ffn_down}) -> tensor output",
                  "Returning tensor output: shape({out})"),
           llama_cpp_note=("the down projection (ffn_down only exists with a bias); the residual sum is "
-                          "named ffn_out too")),
+                          "named ffn_out too"),
+          sources=(("h", "ffn_swiglu"),)),
     Stage("l_out", "layer", "Add", "output", "15.7", 18, "l_out", "hook_resid_post", "ffn",
           _RESID, "Residual: h plus FFN output — the block's output.",
           inputs=(("h", _RESID), ("ffnOutput", _RESID)),
           lines=("Calling ml.Add to calculate h shape({h}) + ffnOutput shape({ffnOutput}) -> tensor output",
                  "Returning tensor output: shape({out})"),
           llama_cpp_note=("named ffn_out first (the residual add), l_out after build_cvec (the same values "
-                          "without a control vector)")),
+                          "without a control vector)"),
+          sources=(("h", "ffn_inp"),), residual=True),
     # ---- model level, after the blocks --------------------------------------------------------
     Stage("result_norm", "model", "RMSNorm", "currentTensor", "16.1", 19, "result_norm", "ln_final.hook_normalized", "output",
           _RESID, "Final RMSNorm of the last block's output.",

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from llamatrace import __version__
+from llamatrace.errors import OptionError
 from llamatrace.views import diagram as dg
 from llamatrace.gguf.reader import weight_tensor_name
 from llamatrace.views.render import STAT_KEYS
@@ -122,7 +123,7 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
     ctx = ctx_size or default_ctx_size(model, n_prompt, max(256, tokens + 1))
     check_prompt_fits(model, n_prompt, ctx)
     if n_prompt + tokens > ctx:
-        raise dg.OptionError(f"--tokens {tokens} needs {n_prompt + tokens} cache positions but the KV cache "
+        raise OptionError(f"--tokens {tokens} needs {n_prompt + tokens} cache positions but the KV cache "
                              f"holds {ctx}; raise --ctx-size")
     first = sorted(value_layers)[0]
     collect = _Collector(frozenset(value_layers), model.tokenizer)
@@ -140,7 +141,7 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
             hl = highlight if highlight is not None and (v == "model" or not highlight.model_only) else None
             try:
                 graph = dg.build_diagram(events, run, view=v, highlight=hl)
-            except dg.OptionError:            # the highlighted stage does not run at this step
+            except OptionError:            # the highlighted stage does not run at this step
                 graph = dg.build_diagram(events, run, view=v)
             svg = dg.render(graph, "svg").decode("utf-8")
             svgs[f"{v}:{s}"] = svg[svg.index("<svg"):]

@@ -1,86 +1,28 @@
-"""Flow diagrams of a real traced run: trace events + the stage catalogue → ``graphviz.Digraph``.
-
-The book (*llama-nuts-and-bolts*, ch. 14–16 and 20) draws the forward pass as "STAGE 1" …
-"STAGE 19" diagrams. Here the same pictures are drawn from one step of an actual run, so every
-shape on them is the shape the model really produced.
-
-Where things come from:
-
-* nodes — one per :data:`llamatrace.tracing.stages.STAGES` entry that ran (op, chapter tensor name, shape,
-  dtype from the event); weights are nodes of their own (GGUF name, quant type, shape);
-* edges — an input of a stage is wired to the latest earlier stage whose chapter name it uses.
-  The chapter reuses function-local names (inside ``LlamaAttention.Forward`` ``x`` *is*
-  ``normalizedX``; in the FFN ``h`` names three tensors), so :data:`_WIRING` names those producers
-  by stage id. An input shaped ``[max_seq, …]`` is the KV cache.
-* layout — clusters for the attention and FFN sub-layers, the residual stream as a straight spine
-  the sub-layers branch off and rejoin.
-
-``--view model`` wraps the block in the model-level stages (tokens → embedding → block × n_layers
-→ final norm → logits → sampled token); ``--view block`` draws only the block and its inputs.
-Without ``stats`` / ``timings`` the DOT source is a pure function of the run's shapes: the same
-model and prompt give byte-identical DOT (the golden test relies on it).
-"""
+"""Drawing one step of a run as a ``graphviz.Digraph``: nodes, clusters, the residual spine,
+weights, the legend (:func:`build_diagram`)."""
 
 from __future__ import annotations
 
 import html
 import math
-import shutil
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable
 
 import graphviz
 
-from llamatrace.model.config import ModelConfig
-from llamatrace.errors import OptionError, OutputError
+from llamatrace.errors import OptionError
 from llamatrace.gguf.reader import weight_tensor_name
-from llamatrace.views.render import fmt_us
-from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, Stage
 from llamatrace.tracing.recorder import TraceEvent
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, Stage
+from llamatrace.views.diagram.flow import RunInfo, shape_text, wire
+from llamatrace.views.diagram.highlight import (BLOCK_IN, BLOCK_INPUT_STAGES, KV_CACHE, LEGEND, SAMPLED, TOKENS,
+                                                Highlight)
+from llamatrace.views.render import fmt_us
 
-FORMATS = ("svg", "png", "pdf", "dot", "html")
 VIEWS = ("model", "block")
-
-# The book's STAGE diagrams (ch. 20), by number. Catalogue stages carry their number in
-# ``Stage.book_stage``; 1-3, 7 and 12 draw something other than one stage (see resolve_highlight).
-BOOK_STAGES = {
-    1: "Tokenization",
-    2: "Creating tokens tensor",
-    3: "Looping through sequence length",
-    4: "Creating inputTensor",
-    5: "Forward Pass Through Each Transformer Block",
-    6: "Forward Pass Through Attention Pre-normalization",
-    7: "Forward Pass Through Attention Module",
-    8: "Attention Module: Calculating xq, xk, and xv",
-    9: "Attention Module: Do reshapings",
-    10: "Attention Module: Apply Rotary Embeddings",
-    11: "Attention Module: Update KV cache",
-    12: "Attention Module: Do transposes",
-    13: "Attention Module: Calculate scores",
-    14: "Attention Module: Calculate output",
-    15: "Add attention module output and current tensor",
-    16: "Forward Pass Through Feed-Forward Pre-normalization",
-    17: "Forward Pass Through Feed-Forward Module",
-    18: "Add Feed-Forward module output and current tensor",
-    19: "Forward Pass Through Output of The Transformer",
-}
-
-# Producers the chapter's names cannot tell: (stage id, input name) → producing stage id.
-_WIRING = {
-    ("Qcur", "x"): "attn_norm", ("Kcur", "x"): "attn_norm", ("Vcur", "x"): "attn_norm",
-    ("ffn_inp", "h"): "attn_out",
-    ("ffn_gate", "x"): "ffn_norm", ("ffn_up", "x"): "ffn_norm",
-    ("ffn_out", "h"): "ffn_swiglu",
-    ("l_out", "h"): "ffn_inp",
-}
-# The residual adds sit on the residual stream, outside the sub-layer clusters.
-_RESIDUAL_ADDS = ("ffn_inp", "l_out")
+RESIDUAL_ADDS = tuple(s.id for s in STAGES if s.residual)       # ffn_inp, l_out: on the spine
 # Parallel stages drawn side by side on one rank (a layout hint only).
 _ROWS = (("Qcur", "Kcur", "Vcur"), ("Qcur_heads", "Kcur_heads", "Vcur_heads"), ("Qcur_rope", "Kcur_rope"),
          ("cache_k", "cache_v"), ("keys", "values"), ("keys_rep", "values_rep"), ("ffn_gate", "ffn_up"))
-# Pseudo nodes (not stages): the block input, tokens, the KV cache, the sampled token.
-BLOCK_IN, TOKENS, KV_CACHE, SAMPLED, LEGEND = "block_input", "tokens", "kv_cache", "sampled", "legend"
 
 # Colours: fill per sub-layer group, weights, cache, highlight, residual stream.
 _FILL = {"input": "#eeeeee", "attention": "#dbe9f6", "ffn": "#dcefdc", "output": "#e8e0f0"}
@@ -89,152 +31,6 @@ _CACHE_FILL = "#fde0c5"
 _RESID_COLOR = "#2e7d32"
 _HI_FILL, _HI_COLOR, _NEAR_COLOR = "#ffd2d2", "#d62728", "#ff7f0e"
 _FONT = "Helvetica,Arial,sans-serif"
-
-
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RunInfo:
-    """What the picture says about the run beyond its events.
-
-    ``weights`` maps GGUF tensor names to ``(quant type, shape [out_features, in_features])``.
-    ``input_ids`` are the ids fed at this step (the prompt at step 0, one sampled id later);
-    ``sampled`` is ``(id, text)`` of the token chosen from this step's logits.
-    """
-
-    model_name: str
-    config: ModelConfig
-    weights: Mapping[str, tuple[str, tuple[int, ...]]]
-    prompt: str
-    chat: bool
-    step: int
-    layer: int
-    max_seq: int
-    input_ids: tuple[int, ...]
-    n_prompt: int = 0
-    input_text: str = ""
-    sampled: tuple[int, str] | None = None
-    stop_ids: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True)
-class Highlight:
-    """A book STAGE view: the stages drawn as "you are here" and what else to emphasise."""
-
-    label: str                                   # "STAGE 8: Attention Module: Calculating xq, xk, and xv"
-    stage_ids: frozenset[str] = frozenset()
-    pseudo: frozenset[str] = frozenset()         # TOKENS / SAMPLED
-    cluster: str | None = None                   # "attention" (STAGE 7) / "block" (STAGE 5)
-    transposes: bool = False                     # STAGE 12: the edges that are transposed views
-    model_only: bool = False                     # drawn only in --view model
-
-    def nodes(self) -> frozenset[str]:
-        return self.stage_ids | self.pseudo
-
-
-def resolve_highlight(value: str) -> Highlight:
-    """``--highlight``: a book STAGE number (1-19) or a stage id.
-
-    Raises:
-        OptionError: neither (the message lists what is valid).
-    """
-    text = value.strip()
-    if text.isdigit():
-        number = int(text)
-        if number not in BOOK_STAGES:
-            raise OptionError(f"--highlight {value}: the book's STAGE numbers run 1-19; "
-                              f"or give a stage id ({', '.join(STAGE_BY_ID)})")
-        label = f"STAGE {number}: {BOOK_STAGES[number]}"
-        ids = frozenset(s.id for s in STAGES if s.book_stage == number)
-        if number in (1, 2):
-            return Highlight(label, pseudo=frozenset({TOKENS}), model_only=True)
-        if number == 3:
-            return Highlight(label, pseudo=frozenset({TOKENS, SAMPLED}), model_only=True)
-        if number == 5:
-            return Highlight(label, stage_ids=ids, cluster="block")
-        if number == 7:      # the whole LlamaAttention.Forward call: chapter section 15.3
-            module = frozenset(s.id for s in STAGES if s.section.startswith("15.3"))
-            return Highlight(label, stage_ids=module, cluster="attention")
-        if number == 12:     # pure views: no stage, the transposed inputs of kq and kqv
-            return Highlight(label, transposes=True)
-        model_only = all(STAGE_BY_ID[i].level == "model" and i not in _BLOCK_INPUT_STAGES for i in ids)
-        return Highlight(label, stage_ids=ids, model_only=model_only)
-    if text in STAGE_BY_ID:
-        stage = STAGE_BY_ID[text]
-        return Highlight(f"{stage.id} ({stage.op}, STAGE {stage.book_stage})", stage_ids=frozenset({text}),
-                         model_only=stage.level == "model" and text not in _BLOCK_INPUT_STAGES)
-    raise OptionError(f"--highlight {value!r}: give a book STAGE number 1-19 or a stage id "
-                      f"({', '.join(STAGE_BY_ID)})")
-
-
-def _block_input_stages() -> frozenset[str]:
-    """Model-level stages a block consumes besides x (drawn as its inputs in --view block)."""
-    layer_inputs = {name for s in STAGES if s.level == "layer" for name, _ in s.inputs}
-    return frozenset(s.id for s in STAGES if s.level == "model" and s.group == "input"
-                     and s.chapter in layer_inputs)
-
-
-_BLOCK_INPUT_STAGES = _block_input_stages()      # freqs_cis, kq_mask
-
-
-# ----------------------------------------------------------------------------------------------
-def output_format(path: Path) -> str:
-    """The diagram format named by ``path``'s extension.
-
-    Raises:
-        OptionError: no or an unknown extension (the message lists the formats).
-    """
-    formats = ", ".join("." + f for f in FORMATS)
-    if str(path) == "-":
-        raise OptionError(f"-o -: a diagram is written to a file, not to standard output; "
-                          f"give a file name ending in one of {formats} (e.g. -o flow.svg)")
-    if path.is_dir():
-        raise OptionError(f"-o {str(path)!r} is a directory: give a file name in it, "
-                          f"e.g. -o {str(path / 'flow.svg')!r}")
-    ext = path.suffix.lower().lstrip(".")
-    if ext not in FORMATS:
-        shown = f"'.{ext}'" if ext else "no extension"
-        raise OptionError(f"-o {str(path)!r}: {shown} is not a diagram format; "
-                          f"use one of {formats}")
-    return ext
-
-
-class GraphvizMissingError(OutputError):
-    """Graphviz's ``dot`` program is needed for SVG/PNG/PDF output and was not found."""
-
-    def __init__(self, fmt: str) -> None:
-        super().__init__(
-            f"Graphviz's `dot` program is needed for .{fmt} output and was not found on PATH: install it "
-            f"(`apt-get install graphviz`, `brew install graphviz`, or `bash scripts/setup.sh`), "
-            f"or write DOT source instead with `-o flow.dot`")
-
-
-def check_graphviz(fmt: str) -> None:
-    """Raise :class:`GraphvizMissingError` when ``fmt`` needs ``dot`` and it is not on PATH."""
-    if fmt != "dot" and shutil.which("dot") is None:
-        raise GraphvizMissingError(fmt)
-
-
-def render(graph: graphviz.Digraph, fmt: str) -> bytes:
-    """The diagram as bytes: DOT source (no Graphviz needed) or ``dot``'s SVG/PNG/PDF output.
-
-    Raises:
-        GraphvizMissingError: ``dot`` is not installed.
-        OutputError: ``dot`` failed.
-    """
-    if fmt == "dot":
-        return graph.source.encode("utf-8")
-    try:
-        return graph.pipe(format=fmt)
-    except graphviz.ExecutableNotFound:
-        raise GraphvizMissingError(fmt) from None
-    except graphviz.CalledProcessError as exc:
-        detail = (exc.stderr or b"").decode("utf-8", "replace").strip().splitlines()
-        raise OutputError(f"Graphviz `dot` failed to render .{fmt}: {detail[-1] if detail else exc}") from None
-
-
-# ----------------------------------------------------------------------------------------------
-def _shape(shape: Sequence[int]) -> str:
-    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
 def _e(text: object) -> str:
@@ -256,55 +52,6 @@ def _fmt_num(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-@dataclass
-class _Flow:
-    """Resolved wiring of the drawn stages: edges (producer, consumer, tensor name, note)."""
-
-    drawn: list[Stage]
-    events: dict[str, TraceEvent]
-    edges: list[tuple[str, str, str, str]] = field(default_factory=list)
-
-
-def _wire(drawn: list[Stage], events: dict[str, TraceEvent], view: str) -> _Flow:
-    """Connect each drawn stage's inputs to their producers (see the module docstring)."""
-    flow = _Flow(drawn, events)
-    seen: list[Stage] = []
-    for stage in drawn:
-        ev = events[stage.id]
-        for name, formula in stage.inputs:
-            note = ""
-            if formula.startswith("[max_seq"):                # the KV cache, written or read
-                span = f"[{ev.start_pos}:{ev.start_pos + ev.seq_len}]" if stage.op == "SetSlice" \
-                    else f"[0:{ev.start_pos + ev.seq_len}]"
-                if stage.op == "SetSlice":
-                    flow.edges.append((stage.id, KV_CACHE, f"{name}{span}", "cache"))
-                else:
-                    flow.edges.append((KV_CACHE, stage.id, f"{name}{span}", "cache"))
-                continue
-            producer = _WIRING.get((stage.id, name))
-            if producer is None or producer not in events:
-                producer = next((p.id for p in reversed(seen) if p.chapter == name), None)
-            if producer is None:
-                if stage.level == "layer":
-                    producer = BLOCK_IN                       # the block's input x
-                elif stage.id == "inp_embd":
-                    producer = TOKENS if view == "model" else None
-                else:
-                    producer = "l_out" if "l_out" in events else None   # after the last block
-            if producer is None:
-                continue
-            produced = events[producer].shape if producer in events else None
-            wanted = ev.inputs.get(name)
-            if produced is not None and wanted is not None and list(wanted) != list(produced) \
-                    and sorted(wanted) == sorted(produced):
-                note = "transposed"
-            kind = "resid" if stage.id in _RESIDUAL_ADDS and producer in (BLOCK_IN, "ffn_inp") else note
-            label = name if note != "transposed" else f"{name} transposed\\n{_shape(wanted)}"
-            flow.edges.append((producer, stage.id, label, kind))
-        seen.append(stage)
-    return flow
-
-
 class _Builder:
     """Draws one step of a run (see :func:`build_diagram`)."""
 
@@ -319,7 +66,7 @@ class _Builder:
         if not any(STAGE_BY_ID[s].level == "layer" for s in self.events):
             raise OptionError(f"no traced events for layer {run.layer} at step {run.step}")
         self.drawn = [s for s in STAGES if s.id in self.events and self._in_view(s)]
-        self.flow = _wire(self.drawn, self.events, view)
+        self.flow = wire(self.drawn, self.events, view)
         self.lanes = self._lanes()
         self.hot = highlight.nodes() if highlight else frozenset()
         self.near = self._neighbours()
@@ -343,7 +90,7 @@ class _Builder:
         return lanes
 
     def _in_view(self, stage: Stage) -> bool:
-        return self.view == "model" or stage.level == "layer" or stage.id in _BLOCK_INPUT_STAGES
+        return self.view == "model" or stage.level == "layer" or stage.id in BLOCK_INPUT_STAGES
 
     def _neighbours(self) -> frozenset[str]:
         near = set()
@@ -359,7 +106,7 @@ class _Builder:
         ev = self.events[stage.id]
         lines = [f'<B>{_e(stage.op)}</B>  <FONT POINT-SIZE="9" COLOR="#555555">{_e(stage.id)}</FONT>',
                  f"<I>{_e(stage.chapter)}</I>",
-                 f"{_e(_shape(ev.shape))} {_e(ev.dtype)}"]
+                 f"{_e(shape_text(ev.shape))} {_e(ev.dtype)}"]
         if stage.op == "SetSlice":
             lines.append(f'<FONT POINT-SIZE="9">writes rows [{ev.start_pos}:{ev.start_pos + ev.seq_len}]</FONT>')
         elif stage.op == "Slice":
@@ -373,7 +120,7 @@ class _Builder:
             lines.append(f'<FONT POINT-SIZE="9">[{_fmt_num(s["min"])}, {_fmt_num(s["max"])}]'
                          + (f' nan {s["nan"]} inf {s["inf"]}' if s["nan"] or s["inf"] else "") + "</FONT>")
         attrs = {"fillcolor": _FILL[stage.group]}
-        if stage.id in _RESIDUAL_ADDS:
+        if stage.residual:
             attrs.update(fillcolor="white", color=_RESID_COLOR, penwidth="2")
         elif stage.level == "layer":
             attrs["group"] = self.lanes[stage.id]
@@ -411,7 +158,7 @@ class _Builder:
         note = " (tied)" if tied else ""
         qtype, shape = self.run.weights.get(gguf_name, ("?", ()))
         lines = [f"<B>{_e(gguf_name)}</B>{_e(note)}",
-                 f'{_e(qtype)} {_e(_shape(shape))}  <FONT POINT-SIZE="9" COLOR="#555555">{_e(name)}</FONT>']
+                 f'{_e(qtype)} {_e(shape_text(shape))}  <FONT POINT-SIZE="9" COLOR="#555555">{_e(name)}</FONT>']
         g.node(node, "<" + "<BR/>".join(lines) + ">", shape="note", style="filled", fillcolor=_WEIGHT_FILL,
                color=_WEIGHT_EDGE, fontsize="10")
         return node
@@ -473,7 +220,7 @@ class _Builder:
             shown = ", ".join(str(i) for i in ids[:8]) + (", …" if len(ids) > 8 else "")
             lines = ["<B>tokens</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">tokenizer</FONT>",
                      f"“{_e(_short(run.prompt, 40))}”",
-                     f"{len(ids)} ids [{_e(shown)}]", f"{_e(_shape([len(ids)]))} int64"]
+                     f"{len(ids)} ids [{_e(shown)}]", f"{_e(shape_text([len(ids)]))} int64"]
         else:
             lines = ["<B>tokens</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">sampled at step "
                      f"{run.step - 1}</FONT>", f"id {ids[0]} “{_e(_short(run.input_text, 20))}”",
@@ -501,14 +248,14 @@ class _Builder:
         with blk.subgraph(name="cluster_residual") as spine:
             spine.attr(style="invis", label="", margin="4")
             self._node(spine, BLOCK_IN, [f"<B>x</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">{_e(src)}</FONT>",
-                                         f"{_e(_shape(x_shape))} float32"],
+                                         f"{_e(shape_text(x_shape))} float32"],
                        {"fillcolor": "white", "color": _RESID_COLOR, "penwidth": "2"}, shape="box",
                        style="rounded,filled", group="resid", ordering="out")
             for s in layer_stages:
-                if s.id in _RESIDUAL_ADDS:
+                if s.residual:
                     self._op_node(spine, s, group="resid", ordering="out")
         for group, title in (("attention", self._attention_title()), ("ffn", "Feed-forward sub-layer (SwiGLU)")):
-            members = [s for s in layer_stages if s.group == group and s.id not in _RESIDUAL_ADDS]
+            members = [s for s in layer_stages if s.group == group and not s.residual]
             hot = self.hl is not None and self.hl.cluster == group
             with blk.subgraph(name=f"cluster_{group}") as sub:
                 sub.attr(label=title, style="rounded,dashed" if not hot else "rounded", fontsize="12",
@@ -528,7 +275,7 @@ class _Builder:
         first = members[0]
         feed = next((a for a, b, _, _ in self.flow.edges if b == first.id), None)
         head = _weight_id(first, first.weights[0][0]) if first.weights else first.id
-        if feed in (BLOCK_IN, *_RESIDUAL_ADDS):
+        if feed in (BLOCK_IN, *RESIDUAL_ADDS):
             with g.subgraph() as same:
                 same.attr(rank="same")
                 same.edge(feed, head, style="invis", minlen="3")
@@ -558,7 +305,7 @@ class _Builder:
         end = ev.start_pos + ev.seq_len
         lines = [f"<B>KV cache</B>  <FONT POINT-SIZE=\"9\" COLOR=\"#555555\">CacheK[{run.layer}], CacheV[{run.layer}]</FONT>",
                  "capacity [max_seq, n_kv_heads, head_dim]",
-                 f"= {_e(_shape([run.max_seq, c.n_kv_heads, c.head_dim]))} float32 each",
+                 f"= {_e(shape_text([run.max_seq, c.n_kv_heads, c.head_dim]))} float32 each",
                  f"this step writes [{ev.start_pos}:{end}], reads [0:{end}]"]
         self._node(g, KV_CACHE, lines, {"fillcolor": _CACHE_FILL}, shape="cylinder", style="filled")
 
@@ -677,52 +424,3 @@ def _check_highlight_drawn(highlight: Highlight, builder: _Builder, view: str, r
     if not highlight.stage_ids & drawn:
         why = "a single query row needs no causal mask" if run.step > 0 else "the model has n_rep = 1 (no GQA)"
         raise OptionError(f"--highlight {highlight.label}: not run at step {run.step} ({why})")
-
-
-# ----------------------------------------------------------------------------------------------
-def trace_step(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, layer: int = 0, step: int = 0,
-               stats: bool = False, ctx_size: int | None = None) -> tuple[list[TraceEvent], RunInfo]:
-    """Run the prompt (step 0) and ``step`` greedy decode steps, tracing ``layer``.
-
-    Returns the events of ``step`` and the :class:`RunInfo` a diagram needs. End-of-turn tokens
-    do not stop the run early, so any ``step`` that fits in the cache can be drawn.
-
-    Raises:
-        OptionError: ``layer``/``step`` out of range or a cache too small for ``step``.
-        PromptError: an empty prompt or one longer than the context.
-    """
-    from llamatrace.model.generate import check_prompt_fits, default_ctx_size, generate
-
-    c = model.config
-    if not 0 <= layer < c.n_layers:
-        raise OptionError(f"--layer {layer}: the model has layers 0-{c.n_layers - 1}")
-    if step < 0:
-        raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
-    n_prompt = len(prompt_ids)
-    ctx = ctx_size or default_ctx_size(model, n_prompt, max(256, step + 1))
-    check_prompt_fits(model, n_prompt, ctx)
-    if n_prompt + step > ctx:
-        raise OptionError(f"--step {step} needs {n_prompt + step} cache positions ({n_prompt} prompt tokens "
-                          f"+ {step} decode steps) but the KV cache holds {ctx}; raise --ctx-size")
-    with model.trace(layers=[layer], stats=stats) as rec:
-        tokens = list(generate(model, list(prompt_ids), max_tokens=step + 1, ctx_size=ctx,
-                               stop_ids=frozenset()))
-    events = [e for e in rec.events if e.step == step]
-    return events, run_info(model, prompt, prompt_ids, tokens, chat=chat, layer=layer, step=step, ctx=ctx)
-
-
-def run_info(model, prompt: str, prompt_ids: Sequence[int], tokens: Sequence[int], *, chat: bool, layer: int,
-             step: int, ctx: int) -> RunInfo:
-    """The :class:`RunInfo` of ``step`` of a greedy run that generated ``tokens`` (ids, one per step)."""
-    from llamatrace.gguf.reader import tensor_type_name
-
-    tok = model.tokenizer
-    n_prompt = len(prompt_ids)
-    fed = tuple(prompt_ids) if step == 0 else (tokens[step - 1],)
-    weights = {name: (tensor_type_name(t), tuple(model.weight_shapes[name]))
-               for name, t in model.file.tensors.items()}
-    sampled = (tokens[step], tok.decode([tokens[step]])) if len(tokens) > step else None
-    return RunInfo(model_name=Path(model.path).name, config=model.config, weights=weights, prompt=prompt,
-                   chat=chat, step=step, layer=layer, max_seq=ctx, input_ids=fed, n_prompt=n_prompt,
-                   input_text=tok.decode(list(fed)) if step else "", sampled=sampled,
-                   stop_ids=frozenset(tok.stop_ids))
