@@ -116,15 +116,11 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
         PromptError: an empty prompt or one longer than the context.
         GraphvizMissingError / OutputError: ``dot`` missing or failing.
     """
-    from llamatrace.model.generate import check_prompt_fits, default_ctx_size, generate
+    from llamatrace.model.generate import generate
+    from llamatrace.views.diagram.flow import cache_for_steps
 
     c = model.config
-    n_prompt = len(prompt_ids)
-    ctx = ctx_size or default_ctx_size(model, n_prompt, max(256, tokens + 1))
-    check_prompt_fits(model, n_prompt, ctx)
-    if n_prompt + tokens > ctx:
-        raise OptionError(f"--tokens {tokens} needs {n_prompt + tokens} cache positions but the KV cache "
-                             f"holds {ctx}; raise --ctx-size")
+    ctx = cache_for_steps(model, len(prompt_ids), tokens, ctx_size, "--tokens")
     first = sorted(value_layers)[0]
     collect = _Collector(frozenset(value_layers), model.tokenizer)
     # every layer; the collector drops each array once summarised, the events stay for the views
@@ -149,7 +145,7 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
     data = {
         "version": __version__, "model": runs[0].model_name,
         "command": shlex.join(command if command is not None else ["llamatrace", *sys.argv[1:]]),
-        "prompt": prompt, "chat": chat, "n_prompt": n_prompt, "max_seq": ctx,
+        "prompt": prompt, "chat": chat, "n_prompt": len(prompt_ids), "max_seq": ctx,
         "config": {"dim": c.dim, "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                    "head_dim": c.head_dim, "hidden_dim": c.hidden_dim, "vocab_size": c.vocab_size},
         "tokens": [{"id": int(i), "piece": tok.decode([int(i)])} for i in prompt_ids],

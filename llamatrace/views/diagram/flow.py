@@ -98,6 +98,24 @@ def wire(drawn: list[Stage], events: dict[str, TraceEvent], view: str) -> Flow:
 
 
 
+def cache_for_steps(model, n_prompt: int, steps: int, ctx_size: int | None, option: str) -> int:
+    """The KV cache capacity for a prompt of ``n_prompt`` tokens and ``steps`` decode steps:
+    ``ctx_size``, or by default room for 256 steps (at most the model's context).
+
+    Raises:
+        PromptError: the prompt is longer than the context.
+        OptionError: ``ctx_size`` cannot hold the steps (the message names ``option``).
+    """
+    from llamatrace.model.generate import check_prompt_fits, default_ctx_size
+
+    ctx = ctx_size or default_ctx_size(model, n_prompt, max(256, steps + 1))
+    check_prompt_fits(model, n_prompt, ctx)
+    if n_prompt + steps > ctx:
+        raise OptionError(f"{option} {steps} needs {n_prompt + steps} cache positions ({n_prompt} prompt tokens "
+                          f"+ {steps} decode steps) but the KV cache holds {ctx}; raise --ctx-size")
+    return ctx
+
+
 def trace_step(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, layer: int = 0, step: int = 0,
                stats: bool = False, ctx_size: int | None = None) -> tuple[list[TraceEvent], RunInfo]:
     """Run the prompt (step 0) and ``step`` greedy decode steps, tracing ``layer``.
@@ -109,19 +127,14 @@ def trace_step(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, lay
         OptionError: ``layer``/``step`` out of range or a cache too small for ``step``.
         PromptError: an empty prompt or one longer than the context.
     """
-    from llamatrace.model.generate import check_prompt_fits, default_ctx_size, generate
+    from llamatrace.model.generate import generate
 
     c = model.config
     if not 0 <= layer < c.n_layers:
         raise OptionError(f"--layer {layer}: the model has layers 0-{c.n_layers - 1}")
     if step < 0:
         raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
-    n_prompt = len(prompt_ids)
-    ctx = ctx_size or default_ctx_size(model, n_prompt, max(256, step + 1))
-    check_prompt_fits(model, n_prompt, ctx)
-    if n_prompt + step > ctx:
-        raise OptionError(f"--step {step} needs {n_prompt + step} cache positions ({n_prompt} prompt tokens "
-                          f"+ {step} decode steps) but the KV cache holds {ctx}; raise --ctx-size")
+    ctx = cache_for_steps(model, len(prompt_ids), step, ctx_size, "--step")
     with model.trace(layers=[layer], stats=stats) as rec:
         tokens = list(generate(model, list(prompt_ids), max_tokens=step + 1, ctx_size=ctx,
                                stop_ids=frozenset()))
