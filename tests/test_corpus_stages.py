@@ -12,7 +12,8 @@ from gguf_factory import T, write_tiny_llama
 from llamatrace.cli import main
 from llamatrace.corpus.chunks import make_chunks, read_corpus
 from llamatrace.corpus.runner import ModelSpec
-from llamatrace.corpus.stages import TOKEN_STAGES, PairSpec, capture, relative_error, score_pair
+from llamatrace.analysis.difference import relative_error_rows
+from llamatrace.corpus.stages import TOKEN_STAGES, PairSpec, capture, score_pair
 from llamatrace.corpus.perplexity import ChunkJob, kl_divergence_stages
 
 CORPUS = Path(__file__).parent / "golden" / "corpus.txt"
@@ -30,7 +31,7 @@ def test_relative_error_is_the_norm_ratio_per_row():
     rng = np.random.default_rng(0)
     base, quant = rng.standard_normal((5, 7)), rng.standard_normal((5, 7))
     want = [np.sqrt(((q - b) ** 2).sum() / (b ** 2).sum()) for q, b in zip(quant, base)]
-    np.testing.assert_allclose(relative_error(quant.astype(np.float32), base.astype(np.float32)), want, rtol=1e-5)
+    np.testing.assert_allclose(relative_error_rows(quant.astype(np.float32), base.astype(np.float32)), want, rtol=1e-5)
 
 
 def test_capture_keeps_the_scored_rows_of_what_a_trace_records(tiny_pair):

@@ -163,11 +163,9 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
 def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -> None:
     """Raise :class:`OptionError` naming ``--prompt-tokens`` / ``--decode-tokens`` when a run
     (plus 8 spare cells) does not fit the model's context, before any engine loads."""
-    from llamatrace.gguf.reader import gguf_name, open_gguf
+    from llamatrace.gguf.reader import open_gguf
     from llamatrace.model.config import ModelConfig
-    f = open_gguf(path)
-    limit = ModelConfig.from_metadata(f.metadata, vocab_size=f.matrix_shape(gguf_name("tok_embeddings"))[0],
-                                      source=Path(path).name).max_seq_len
+    limit = ModelConfig.from_gguf(open_gguf(path)).max_seq_len
     if n_ctx > limit:
         raise OptionError(f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} need "
                           f"{n_ctx} positions (8 spare), more than the model's context length {limit}; "

@@ -42,6 +42,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from llamatrace.analysis.difference import metrics
 from llamatrace.tracing.stages import STAGE_IDS, STAGES
 from llamatrace.tracing.recorder import stage_key
 
@@ -100,28 +101,6 @@ def forward_order(key: str) -> tuple:
         part = 0 if idx < _FIRST_LAYER_STAGE else 2
         return step, part, 0, idx, stage
     return step, 1, layer, idx, stage
-
-
-def metrics(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, float]:
-    """(relative RMS error, max abs error, cosine) of two arrays of one shape, in float64.
-
-    Non-finite values must match exactly (else all three are inf, inf, nan); complex arrays are
-    compared as (real, imag) pairs.
-    """
-    a, b = (np.asarray(x) for x in (ours, ref))
-    if np.iscomplexobj(a) or np.iscomplexobj(b):
-        a, b = (np.stack([x.real, x.imag]) for x in (a.astype(np.complex128), b.astype(np.complex128)))
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    fa, fb = np.isfinite(a), np.isfinite(b)
-    if not np.array_equal(fa, fb) or not np.array_equal(a[~fa], b[~fb], equal_nan=True):
-        return math.inf, math.inf, math.nan
-    a, b = a[fa], b[fb]
-    d = a - b
-    nd, nb, na = float(np.linalg.norm(d)), float(np.linalg.norm(b)), float(np.linalg.norm(a))
-    rel = nd / nb if nb > 0 else (0.0 if nd == 0 else math.inf)
-    max_abs = float(np.abs(d).max()) if d.size else 0.0
-    cos = float(a @ b) / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
-    return rel, max_abs, cos
 
 
 @dataclass

@@ -24,30 +24,12 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from llamatrace.analysis.difference import metrics, relative_error_rows
 from llamatrace.kernels import fp32
 from llamatrace.kernels.registry import matmul
 from llamatrace.tracing.recorder import stage_key
 
 _Get = Callable[[str, "int | None"], np.ndarray]
-
-
-def _rel_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """float64 ``[n]``: ``‖a − b‖ / ‖b‖`` per row (first axis) of two arrays of one shape."""
-    a = np.asarray(a, np.float64).reshape(len(a), -1)
-    b = np.asarray(b, np.float64).reshape(len(b), -1)
-    den = np.linalg.norm(b, axis=1)
-    return np.linalg.norm(a - b, axis=1) / np.where(den > 0, den, 1.0)
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    """‖a − b‖ / ‖b‖ over the finite entries (float64); inf where the non-finite ones differ."""
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    fa, fb = np.isfinite(a), np.isfinite(b)
-    if not np.array_equal(fa, fb):
-        return math.inf
-    a, b = a[fa], b[fb]
-    nb, nd = float(np.linalg.norm(b)), float(np.linalg.norm(a - b))
-    return nd / nb if nb > 0 else (0.0 if nd == 0 else math.inf)
 
 
 def _layer_input(get: _Get, layer: int) -> np.ndarray:
@@ -163,5 +145,5 @@ def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
                 recorded = np.asarray(arrays[key])
                 if np.shape(expected) != recorded.shape:
                     expected = np.reshape(expected, recorded.shape)
-                out[key] = _rel_rows(expected, recorded) if per_row else _rel(expected, recorded)
+                out[key] = relative_error_rows(expected, recorded) if per_row else metrics(expected, recorded)[0]
     return out

@@ -50,7 +50,7 @@ def stages(
     from llamatrace.model.config import ModelConfig
     from llamatrace.errors import ModelNotFoundError
     from llamatrace.gguf.fetch import resolve_model
-    from llamatrace.gguf.reader import gguf_name, open_gguf
+    from llamatrace.gguf.reader import open_gguf
     from llamatrace.tracing.stages import STAGES
 
     dims: dict[str, int] = {}
@@ -62,8 +62,7 @@ def stages(
             raise
     if path is not None:
         f = open_gguf(path)
-        c = ModelConfig.from_metadata(f.metadata, vocab_size=f.matrix_shape(gguf_name("tok_embeddings"))[0],
-                                      source=path.name)
+        c = ModelConfig.from_gguf(f)
         dims = dict(dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                     hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, rope_half=c.rope_dim // 2,
                     q_dim=c.q_dim, kv_dim=c.kv_dim, n_rep=c.n_rep)

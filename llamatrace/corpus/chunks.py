@@ -23,13 +23,11 @@ def read_header(model_path: Path):
     Raises:
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: the file cannot be used.
     """
-    from llamatrace.gguf.reader import gguf_name, open_gguf
+    from llamatrace.gguf.reader import open_gguf
     from llamatrace.model.config import ModelConfig
     from llamatrace.text.tokenizer import Tokenizer
     f = open_gguf(model_path)
-    n_vocab = f.matrix_shape(gguf_name("tok_embeddings"))[0]
-    config = ModelConfig.from_metadata(f.metadata, vocab_size=n_vocab, source=Path(model_path).name)
-    return Tokenizer.from_reader(f, path=str(model_path)), config
+    return Tokenizer.from_reader(f, path=str(model_path)), ModelConfig.from_gguf(f)
 
 
 def read_corpus(path: Path) -> str:

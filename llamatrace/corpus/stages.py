@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llamatrace.analysis.difference import relative_error_rows
 from llamatrace.corpus.metrics import TokenKLD, compress_log_probs, token_kld
 from llamatrace.tracing.stages import STAGES
 
@@ -47,16 +48,12 @@ def check_same_shape(base_path, model_path) -> None:
         OptionError: another number of layers, width, heads or FFN width.
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: a file cannot be used.
     """
-    from pathlib import Path
-
     from llamatrace.errors import OptionError
-    from llamatrace.gguf.reader import gguf_name, open_gguf
+    from llamatrace.gguf.reader import open_gguf
     from llamatrace.model.config import ModelConfig
 
     def shape(path):
-        f = open_gguf(path)
-        c = ModelConfig.from_metadata(f.metadata, vocab_size=f.matrix_shape(gguf_name("tok_embeddings"))[0],
-                                      source=Path(path).name)
+        c = ModelConfig.from_gguf(open_gguf(path))
         return {k: getattr(c, k) for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim")}
 
     base, model = shape(base_path), shape(model_path)
@@ -90,13 +87,6 @@ def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray,
     return acts, embd[0], logits
 
 
-def relative_error(quant: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """float32 ``[n]``: ``‖quant − base‖ / ‖base‖`` per row of two ``[n, width]`` arrays."""
-    num = np.linalg.norm(quant.astype(np.float64) - base, axis=1)
-    den = np.linalg.norm(base.astype(np.float64), axis=1)
-    return (num / np.where(den > 0, den, 1.0)).astype(np.float32)
-
-
 def local_error_rows(model, acts_b: np.ndarray, embd_b: np.ndarray, first: int) -> np.ndarray:
     """float32 ``[n_layers, n_stages, n_scored]``: each stage of the base's captured rows
     recomputed by ``model`` from the base's own inputs, against the base's output (NaN where the
@@ -124,11 +114,11 @@ def score_pair(models, job) -> tuple[TokenKLD, np.ndarray, np.ndarray]:
     base, model = models
     acts_b, embd_b, logits_b = capture(base, job.ids, job.first)
     acts_q, embd_q, logits_q = capture(model, job.ids, job.first)
-    accumulated = np.array([[relative_error(acts_q[i, k], acts_b[i, k]) for k in range(len(TOKEN_STAGES))]
+    accumulated = np.array([[relative_error_rows(acts_q[i, k], acts_b[i, k]) for k in range(len(TOKEN_STAGES))]
                             for i in range(acts_b.shape[0])], dtype=np.float32)
     errors = np.stack([accumulated, local_error_rows(model, acts_b, embd_b, job.first)])
     part = token_kld(logits_q, compress_log_probs(logits_b), job.targets)
-    return part, errors, relative_error(embd_q, embd_b)
+    return part, errors, relative_error_rows(embd_q, embd_b).astype(np.float32)
 
 
 @dataclass

@@ -80,6 +80,21 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
+    def from_gguf(cls, f) -> "ModelConfig":
+        """The config of an open GGUF file (:class:`~llamatrace.gguf.reader.GGUFFile`): its metadata,
+        and the vocabulary size from the rows of ``token_embd.weight``.
+
+        Raises:
+            ModelFormatError: no ``token_embd.weight``; as :meth:`from_metadata`.
+            UnsupportedModelError: as :meth:`from_metadata`.
+        """
+        from pathlib import Path
+
+        from llamatrace.gguf.reader import gguf_name
+        vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
+        return cls.from_metadata(f.metadata, vocab_size=vocab_size, source=Path(f.path).name)
+
+    @classmethod
     def from_metadata(cls, meta: Mapping[str, Any], vocab_size: int, source: str = "model") -> "ModelConfig":
         """Build the config from GGUF metadata ``{key: value}``.
 

@@ -17,7 +17,6 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
 import gguf
@@ -125,9 +124,7 @@ class Llama:
             path = resolve_model(None, fetch=fetch, log=_log.warning)
         t0 = time.perf_counter()
         f = open_gguf(path)
-        name = Path(path).name
-        vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
-        config = ModelConfig.from_metadata(f.metadata, vocab_size=vocab_size, source=name)
+        config = ModelConfig.from_gguf(f)
         tokenizer = Tokenizer.from_reader(f, path=str(path))
         check_tensor_types(f, packing.SUPPORTED_TYPES)
         weights = _load_weights(f, config, progress or (lambda done, total: None), activations)
