@@ -8,10 +8,20 @@ int16 to int32; with four bytes of a row per 32-bit lane, one register holds 8 r
 row's four products end up in its own lane. The byte layout they read and the overflow bounds
 are in :mod:`llamatrace.kernels.act8`'s docstring; the NumPy twins of the kernels that call them
 are there too.
+
+On CPUs with AVX-512 VNNI (and VL) or AVX-VNNI, ``vpdpbusd`` does what ``pmaddubsw`` +
+``pmaddwd`` + ``paddd`` do, in one instruction and without the int16 step: four unsigned-by-signed
+byte products added to an int32 lane. The sums are exact either way (no int16 sum here can
+overflow), so both paths give the same int32 sums, bit for bit; which one a kernel uses is
+decided when it is compiled (Numba's cache is per CPU). ``LLAMATRACE_VNNI=0`` turns it off (for
+A/B timings, with a fresh ``NUMBA_CACHE_DIR``).
 """
 
 from __future__ import annotations
 
+import os
+
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -27,6 +37,19 @@ QK_K_BYTES = QK_K * TR  # a Q6_K block unpacked to one byte per weight, before i
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _V32I8, _V16I16, _V8I32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
 _V8I8 = ir.VectorType(ir.IntType(8), 8)
+
+
+def has_vnni() -> bool:
+    """Whether the CPU Numba compiles for has ``vpdpbusd`` on 256-bit registers (AVX-512 VNNI + VL,
+    or AVX-VNNI), unless ``LLAMATRACE_VNNI=0``."""
+    if os.environ.get("LLAMATRACE_VNNI", "1") == "0":
+        return False
+    from numba.core import config
+    if config.CPU_FEATURES:               # Numba compiles for these features, not the host's
+        features = {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
+    else:
+        features = {name for name, on in llvm_binding.get_host_cpu_features().items() if on}
+    return {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features
 
 
 class _Emit:
@@ -52,6 +75,10 @@ class _Emit:
         self.sign = module.declare_intrinsic("llvm.x86.avx2.psign.b", (),
                                              ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
         self.ones = ir.Constant(_V16I16, [1] * 16)
+        self.vnni = has_vnni()
+        if self.vnni:
+            self.dpbusd = module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", (),
+                                                   ir.FunctionType(_V8I32, [_V8I32, _V8I32, _V8I32]))
         i8p = ir.IntType(8).as_pointer()
         self.prefetch = module.declare_intrinsic("llvm.prefetch", [i8p],
                                                  ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]))
@@ -74,6 +101,13 @@ class _Emit:
     def dot(self, u8, s8):
         """int32 lanes: sums of 4 products of unsigned ``u8`` and signed ``s8`` bytes."""
         return self.builder.call(self.maddwd, [self.builder.call(self.maddubs, [u8, s8]), self.ones])
+
+    def dp(self, acc, u8, s8):
+        """VNNI: ``acc`` (int32 lanes, ``None`` = 0) plus the sums of 4 products of unsigned ``u8``
+        and signed ``s8`` bytes per lane, one ``vpdpbusd``."""
+        b = self.builder
+        acc = ir.Constant(_V8I32, [0] * 8) if acc is None else acc
+        return b.call(self.dpbusd, [acc, b.bitcast(u8, _V8I32), b.bitcast(s8, _V8I32)])
 
     def store(self, vec, index):
         """8 int32 lanes into ``isum[index:index + 8]``."""
@@ -147,7 +181,15 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
         for g in range(groups):
             v = e.load(e.p, g * TR * 4 + rg * 32)
             if kind == "q8":   # |q| * (sign(q) * x): unsigned times signed, to int32 at once
-                acc = _add(builder, acc, e.dot(builder.call(e.sign, [v, v]), builder.call(e.sign, [xlo[g], v])))
+                u8, s8 = builder.call(e.sign, [v, v]), builder.call(e.sign, [xlo[g], v])
+                acc = e.dp(acc, u8, s8) if e.vnni else _add(builder, acc, e.dot(u8, s8))
+                continue
+            if e.vnni:
+                acc = e.dp(acc, builder.and_(v, mask), xlo[g])
+                if kind == "q4":
+                    acc = e.dp(acc, builder.lshr(v, four), xhi[g])
+                else:
+                    acc_hi = e.dp(acc_hi, builder.lshr(v, four), xhi[g])
                 continue
             # int16 sums cannot overflow within a block (module docstring)
             lo = builder.call(e.maddubs, [builder.and_(v, mask), xlo[g]])
@@ -156,11 +198,12 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
                 acc = _add(builder, acc, builder.add(lo, hi))
             else:
                 acc, acc_hi = _add(builder, acc, lo), _add(builder, acc_hi, hi)
-        if kind != "q8":
+        if kind != "q8" and not e.vnni:
             acc = builder.call(e.maddwd, [acc, e.ones])
+            acc_hi = builder.call(e.maddwd, [acc_hi, e.ones]) if kind == "q4k" else None
         e.store(acc, rg * 8)
         if kind == "q4k":
-            e.store(builder.call(e.maddwd, [acc_hi, e.ones]), TR + rg * 8)
+            e.store(acc_hi, TR + rg * 8)
 
 
 def _add(b, acc, part):
@@ -183,26 +226,30 @@ def _q6k_group(e: _Emit, h: int, c: int, k: int, rg: int):
     return b.or_(low, high)
 
 
-def _q6k_scaled(e: _Emit, acc, j: int, rg: int, p16_pairs, scales_at: int):
-    """``acc + sc_j * (isum_j - 32 * xsum_j)`` for rows 8rg..8rg+7, isum_j from two pairs of
-    int16 sums (each pair at most 2 * 2 * 63 * 127 = 32004, added in int16 before int32), the
-    int8 scales at ``p + scales_at`` ([16, TR])."""
+def _q6k_scaled(e: _Emit, acc, j: int, rg: int, operands, scales_at: int):
+    """``acc + sc_j * (isum_j - 32 * xsum_j)`` for rows 8rg..8rg+7, isum_j over two pairs of
+    ``(u8, s8)`` operands (each pair's int16 sums at most 2 * 2 * 63 * 127 = 32004, added in int16
+    before int32; with VNNI straight to int32), the int8 scales at ``p + scales_at`` ([16, TR])."""
     b = e.builder
     isum = None
-    for p16 in p16_pairs:
-        isum = _add(b, isum, b.call(e.maddwd, [b.add(*p16), e.ones]))
+    for pair in operands:
+        if e.vnni:
+            for u8, s8 in pair:
+                isum = e.dp(isum, u8, s8)
+        else:
+            p16 = [b.call(e.maddubs, [u8, s8]) for u8, s8 in pair]
+            isum = _add(b, isum, b.call(e.maddwd, [b.add(*p16), e.ones]))
     centred = b.sub(isum, b.shl(e.xsum(j), ir.Constant(_V8I32, [5] * 8)))
     return _add(b, acc, b.mul(centred, e.rows8(scales_at + j * TR + rg * 8)))
 
 
 def _q6k_ir(e: _Emit) -> None:
     """The ``q6k`` case of :func:`_block_ir`: ``p`` is the block, ``q`` its 256 activations."""
-    b = e.builder
     for rg in range(TR // 8):
         acc = None
         for j in range(16):                   # weights 16j..: half h, c = (j % 8) // 2, k = 4 (j % 2) + ..
             h, c, k0 = j // 8, (j % 8) // 2, 4 * (j % 2)
-            pairs = [[b.call(e.maddubs, [_q6k_group(e, h, c, k, rg), e.broadcast(128 * h + 32 * c + 4 * k)])
+            pairs = [[(_q6k_group(e, h, c, k, rg), e.broadcast(128 * h + 32 * c + 4 * k))
                       for k in (kk, kk + 1)] for kk in (k0, k0 + 2)]
             acc = _q6k_scaled(e, acc, j, rg, pairs, Q6K_SCALES * TR)
             e.prefetch_next(16 * rg + j, 16 * (TR // 8), (Q6K_SCALES + 16) * TR)
@@ -226,11 +273,10 @@ def _q6k_unpack_ir(e: _Emit) -> None:
 
 def _u8_16_ir(e: _Emit) -> None:
     """``u8_16``: as ``q6k`` for a block unpacked by :func:`_q6k_unpack_ir` at ``p``."""
-    b = e.builder
     for rg in range(TR // 8):
         acc = None
         for j in range(16):
-            pairs = [[b.call(e.maddubs, [e.load(e.p, ((4 * j + i) * TR + rg * 8) * 4), e.broadcast(4 * (4 * j + i))])
+            pairs = [[(e.load(e.p, ((4 * j + i) * TR + rg * 8) * 4), e.broadcast(4 * (4 * j + i)))
                       for i in (ii, ii + 1)] for ii in (0, 2)]
             acc = _q6k_scaled(e, acc, j, rg, pairs, QK_K_BYTES)
             e.barrier()
