@@ -132,3 +132,12 @@ def test_a_new_block_type_needs_only_its_format_and_kernels(monkeypatch):
     x = rng.standard_normal((3, 64)).astype(np.float32)
     np.testing.assert_allclose(matmul(x, w), x @ ref.T, rtol=1e-5, atol=1e-5)
     assert registry.describe(w) == {"decode": "test_registry.matmul_iq4_nl", "prefill": "test_registry.matmul_iq4_nl"}
+
+
+def test_precompile_runs_every_kernel_of_a_type_and_refuses_unknown_types():
+    from llamatrace.kernels.precompile import compile_kernels
+    lines = []
+    seconds = compile_kernels(["Q4_0", "Q4_K"], log=lines.append)
+    assert seconds >= 0 and [ln.split(":")[0] for ln in lines] == ["Q4_0", "Q4_K"]
+    with pytest.raises(ValueError, match="Q9_9"):
+        compile_kernels(["Q9_9"])

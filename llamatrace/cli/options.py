@@ -158,10 +158,11 @@ def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[in
 
 
 def numba_cache_is_cold() -> bool:
-    """True when no compiled kernels are cached yet (the first run compiles for ~10-60 s)."""
+    """True when the forward pass's kernels (``kernels/fp32.py``) are not cached yet: the first run
+    compiles for ~10-60 s (``python -m llamatrace.kernels.precompile`` caches only the matmuls)."""
     import numba
     root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(__file__).parents[1] / "kernels" / "__pycache__"
-    return not any(root.rglob("*.nbi")) if root.exists() else True
+    return not any(root.rglob("fp32.*.nbi")) if root.exists() else True
 
 
 _LAYER_ITEM = re.compile(r"^(-?\d+)$|^(\d+)-(\d+)$")

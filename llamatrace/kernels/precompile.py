@@ -1,0 +1,66 @@
+"""Compile the matmul kernels ahead of the first run (``scripts/setup.sh`` calls this).
+
+Numba compiles a kernel the first time it runs and caches the machine code (per CPU), so a
+first ``generate`` on a new machine, or on a file with another quant type, spends seconds
+compiling. ``python -m llamatrace.kernels.precompile [TYPE ...]`` runs every registered kernel of
+the given GGML types (default: :data:`COMMON`) once, decode and prefill, in both activation
+modes, on a small random matrix, so that later runs load them from the cache.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import gguf
+import numpy as np
+
+from llamatrace.kernels import act8, packing
+from llamatrace.kernels.registry import GEMV_MAX_SEQ, MODES, matmul, served
+
+# the types of the llama GGUF files people download (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 mixes)
+COMMON = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "F32")
+
+
+def compile_kernels(type_names=COMMON, log=print) -> float:
+    """Run each kernel registered for ``type_names`` once per mode and phase; returns the seconds.
+
+    Raises:
+        ValueError: an unknown type name.
+    """
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    registered = {t for t, _, _ in served()}
+    for name in type_names:
+        ggml_type = getattr(gguf.GGMLQuantizationType, name, None)
+        if ggml_type is None:
+            raise ValueError(f"unknown GGML type {name!r}")
+        if ggml_type not in registered:
+            continue
+        block, size = gguf.GGML_QUANT_SIZES[ggml_type]
+        n_in, n_out = 256, 64
+        if ggml_type == gguf.GGMLQuantizationType.F32:
+            raw = rng.standard_normal((n_out, n_in)).astype(np.float32)
+        elif ggml_type == gguf.GGMLQuantizationType.F16:
+            raw = rng.standard_normal((n_out, n_in)).astype(np.float16)
+        else:
+            raw = rng.integers(0, 256, (n_out, n_in // block * size), dtype=np.uint8)
+        t1 = time.perf_counter()
+        for mode in MODES:
+            if mode == "q8" and not act8.available():
+                continue
+            w = packing.pack(name, ggml_type, raw, n_out, n_in, activations=mode)
+            for rows in (1, GEMV_MAX_SEQ + 1):
+                matmul(np.ones((rows, n_in), dtype=np.float32), w)
+        log(f"{name}: {time.perf_counter() - t1:.1f} s")
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str]) -> int:
+    seconds = compile_kernels(argv or COMMON, log=lambda line: print(f"  {line}", file=sys.stderr))
+    print(f"kernels compiled in {seconds:.0f} s (cached for later runs)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
