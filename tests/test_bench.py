@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
 from cli_helpers import assert_one_line_error, run
 
 from llamatrace.analysis import bench
@@ -19,10 +20,15 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     assert (report["prompt_tokens"], report["decode_tokens"], report["repeats"], report["threads"]) == (5, 3, 2, 1)
     assert report["file_bytes"] == tiny_model_path.stat().st_size
     (ours,) = report["results"]
-    assert ours["engine"] == "llamatrace" and ours["threading"].startswith("numba ") and "1 threads" in ours["threading"]
+    assert ours["engine"] == "llamatrace f32" and ours["threading"].startswith("numba ") and "1 threads" in ours["threading"]
     assert len(ours["prefill_tok_s"]) == len(ours["decode_tok_s"]) == 2
     assert all(v > 0 for v in ours["prefill_tok_s"] + ours["decode_tok_s"])
     assert ours["load_s"] > 0 and ours["peak_rss_bytes"] > 10 * 2**20   # a child process with numpy loaded
+    assert report["machine"]["threads"] == 1 and report["machine"]["read_gb_s"] > 0
+    assert report["cost"]["macs"] > 0 and report["cost"]["weight_bytes"] < report["file_bytes"]
+    roof = ours["roofline"]
+    assert roof["decode_gb_s"] == pytest.approx(report["cost"]["weight_bytes"] * ours["decode_median"] / 1e9)
+    assert roof["decode_of_read_bw"] == pytest.approx(roof["decode_gb_s"] / report["machine"]["read_gb_s"])
 
 
 def test_bench_table(capsys, tiny_model_path):
@@ -30,6 +36,7 @@ def test_bench_table(capsys, tiny_model_path):
                          "--decode-tokens", "2", "--repeats", "1")
     assert code == 0, err
     assert "prefill tok/s" in out and "decode tok/s" in out and "peak RSS" in out and "llamatrace" in out
+    assert "limits on" in out and "GB/s of weights" in out and "of the read bandwidth" in out
 
 
 def test_bench_runs_each_activations_mode_as_an_engine(capsys, tiny_model_path):
@@ -38,7 +45,7 @@ def test_bench_runs_each_activations_mode_as_an_engine(capsys, tiny_model_path):
                          "--activations", "f32", "--activations", "q8", "--json")
     assert code == 0, err
     f32, q8 = json.loads(out)["results"]
-    assert (f32["engine"], q8["engine"]) == ("llamatrace", "llamatrace q8")
+    assert (f32["engine"], q8["engine"]) == ("llamatrace f32", "llamatrace q8")
     assert "f32 activations" in f32["version"] and "q8 activations" in q8["version"]
     assert len(q8["decode_tok_s"]) == 1 and q8["decode_tok_s"][0] > 0
     assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--activations", "int4"),

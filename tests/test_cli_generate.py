@@ -13,6 +13,9 @@ from cli_helpers import assert_one_line_error, run
 from gguf_factory import T, write_tiny_llama
 
 from llamatrace.cli import main
+from llamatrace.cli.options import default_activations
+from llamatrace.gguf.reader import open_gguf
+from llamatrace.kernels import act8
 
 
 @pytest.mark.model
@@ -21,6 +24,7 @@ def test_generate_answers_the_capital_of_france(capsys, smollm2_path):
     assert code == 0
     assert "Paris" in out
     assert "prompt tokens" in err and "decode" in err and "tok/s" in err
+    assert "f32 activations" in err            # the summary says which mode ran: f32 under 1 B parameters
     assert "prompt tokens" not in out          # the summary stays off stdout
 
 
@@ -37,6 +41,23 @@ def test_generate_json_is_one_object_with_the_documented_fields(capsys, smollm2_
     assert result["text"].startswith(" Paris.")
     assert result["stop_reason"] == "max_tokens" and len(result["ids"]) == 8
     assert set(result["timings"]) == {"load_s", "prefill_tokens_per_s", "decode_tokens_per_s"}
+
+
+@pytest.mark.skipif(not act8.available(), reason="q8 needs AVX2")
+def test_generate_defaults_to_q8_from_a_billion_parameters(capsys, tiny_model_path, monkeypatch):
+    from llamatrace.cli import options
+    assert default_activations(tiny_model_path) == "f32"
+    n_params = sum(t.n_elements for t in open_gguf(tiny_model_path).tensors.values())
+    monkeypatch.setattr(options, "Q8_DEFAULT_PARAMS", n_params)      # as if the tiny model were 1 B
+    assert default_activations(tiny_model_path) == "q8"
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "2", "-m", str(tiny_model_path), "the cat")
+    assert code == 0, err
+    assert json.loads(out)["activations"] == "q8"
+    code, out, err = run(capsys, "generate", "--raw", "-n", "2", "-m", str(tiny_model_path), "the cat")
+    assert code == 0 and "q8 activations" in err
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "2", "--activations", "f32", "-m",
+                         str(tiny_model_path), "the cat")
+    assert code == 0 and json.loads(out)["activations"] == "f32"      # given, it wins
 
 
 def test_generate_on_tiny_model_stops_at_max_tokens(capsys, tiny_model_path):

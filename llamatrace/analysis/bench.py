@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, token_cost
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
 from llamatrace.peers import exit_reason
 
@@ -69,11 +70,19 @@ class BenchReport:
     decode_tokens: int
     repeats: int
     results: list[EngineResult]
+    machine: Machine
+    cost: TokenCost
+
+    def roofline(self, r: EngineResult) -> dict[str, float]:
+        """Engine ``r``'s median prefill and decode against the machine's limits
+        (:func:`llamatrace.analysis.roofline.fractions`)."""
+        return fractions(self.cost, self.machine, r.prefill, r.decode)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for r, row in zip(self.results, d["results"]):
             row["prefill_median"], row["decode_median"] = r.prefill, r.decode
+            row["roofline"] = self.roofline(r)
         return d
 
 
@@ -111,8 +120,8 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
               progress: Callable[[str], None] = lambda msg: None) -> BenchReport:
     """Load every engine in its own process, then time ``repeats`` interleaved runs of each.
 
-    ``activations``: llamatrace's modes to time, each as an engine of its own (``llamatrace``
-    for ``f32``, ``llamatrace q8`` for ``q8``).
+    ``activations``: llamatrace's modes to time, each as an engine of its own (``llamatrace f32``,
+    ``llamatrace q8``).
 
     Raises:
         OptionError: a count below 1, an unknown engine or activations mode.
@@ -128,7 +137,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     peer_threads = threads or os.cpu_count() or 1      # ours: None = AutoThreads, as by default
     n_ctx = prompt_tokens + decode_tokens + 8
     path = str(Path(model_path).resolve())
-    _check_fits(path, prompt_tokens, decode_tokens, n_ctx)
+    cost = _check_fits(path, prompt_tokens, decode_tokens, n_ctx)
     workers = {}
     try:
         for name in engines:
@@ -136,6 +145,9 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
             ours = name.startswith("llamatrace")
             workers[name] = _Worker(name, path, threads if ours else peer_threads, n_ctx)
         results = {name: w.result for name, w in workers.items()}
+        # after the engines' processes exist: a child inherits its parent's peak RSS at fork
+        progress("measuring the machine's read bandwidth and int8 multiply-add peak")
+        machine = measure_machine(peer_threads)
         ids = prompt_ids(workers[engines[0]].result_vocab, prompt_tokens)
         for name, w in workers.items():                  # warm-up: caches, lazy allocations
             progress(f"warming up {name}")
@@ -153,28 +165,31 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
             w.close()
     return BenchReport(model=path, file_bytes=os.path.getsize(path), cpu=cpu_model(), threads=peer_threads,
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
-                       results=[results[name] for name in engines])
+                       results=[results[name] for name in engines], machine=machine, cost=cost)
 
 
 # ---------------------------------------------------------------------------------------------
 # one process per engine
 
 
-def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -> None:
+def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -> TokenCost:
     """Raise :class:`OptionError` naming ``--prompt-tokens`` / ``--decode-tokens`` when a run
-    (plus 8 spare cells) does not fit the model's context, before any engine loads."""
+    (plus 8 spare cells) does not fit the model's context, before any engine loads; else return
+    what a token costs in the file's weights."""
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.model.config import ModelConfig
-    limit = ModelConfig.from_gguf(open_gguf(path)).max_seq_len
+    gguf_file = open_gguf(path)
+    limit = ModelConfig.from_gguf(gguf_file).max_seq_len
     if n_ctx > limit:
         raise OptionError(f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} need "
                           f"{n_ctx} positions (8 spare), more than the model's context length {limit}; "
                           f"use at most {max(1, limit - decode_tokens - 8)} prompt tokens")
+    return token_cost(gguf_file)
 
 
 def _ours(activations: str) -> str:
     """The engine name of llamatrace in an activations mode."""
-    return "llamatrace" if activations == "f32" else f"llamatrace {activations}"
+    return f"llamatrace {activations}"
 
 
 class _Worker:

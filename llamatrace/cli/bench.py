@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.cli.app import app, err, out, plural
-from llamatrace.cli.options import ModelOpt, ThreadsOpt, check_activations
+from llamatrace.cli.options import ModelOpt, ThreadsOpt, check_activations, default_activations
 
 
 @app.command()
@@ -22,12 +22,16 @@ def bench(
     repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per engine (the median is shown).")] = 5,
     threads: ThreadsOpt = None,
     activations: Annotated[Optional[list[str]], typer.Option(
-        "--activations", metavar="f32|q8", help="llamatrace's activations: f32 (the default, float32) or q8 (8-bit, as "
-        "llama.cpp). Repeatable: each mode runs as an engine of its own.", show_default=False)] = None,
+        "--activations", metavar="f32|q8", help="llamatrace's activations: f32 (float32, HF's arithmetic) or q8 "
+        "(8-bit, llama.cpp's). Repeatable: each mode runs as an engine of its own. Default: generate's "
+        "(q8 for models of 1 B parameters or more on CPUs with AVX2, else f32).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
 ) -> None:
     """Time load, prefill and decode, and measure peak memory (each engine in its own process,
     runs interleaved so a noisy machine slows every engine alike).
+
+    It also measures the machine's two limits (read bandwidth; the int8 multiply-add peak of the
+    instruction 8-bit kernels use) and shows how far each engine's prefill and decode get.
 
     Examples:
 
@@ -49,7 +53,7 @@ def bench(
     path = resolve_model(model, log=lambda msg: err.print(msg))
     with err.status("") as status:
         report = run_bench(path, against=against or [], prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
-                           repeats=repeats, threads=threads, activations=activations or ["f32"],
+                           repeats=repeats, threads=threads, activations=activations or [default_activations(path)],
                            progress=lambda msg: status.update(msg))
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
@@ -59,6 +63,10 @@ def bench(
               f"peers: {plural(report.threads, 'thread')} · prefill {plural(report.prompt_tokens, 'token')}, "
               f"decode {plural(report.decode_tokens, 'step')} · "
               f"median of {report.repeats} (min–max)", soft_wrap=True)
+    m, cost = report.machine, report.cost
+    peak = f"int8 multiply-adds {m.int8_gmac_s:.0f} G/s ({m.isa})" if m.int8_gmac_s else "no int8 peak (no AVX2)"
+    out.print(f"limits on {plural(m.threads, 'thread')}: reads {m.read_gb_s:.1f} GB/s, {peak} · a token: "
+              f"{cost.weight_bytes / 1e9:.3g} GB of weights, {cost.macs / 1e9:.3g} G multiply-adds", soft_wrap=True)
     base = next((r for r in report.results if r.engine == "llama.cpp"), None)
     table = Table()
     for col in ("engine", "load s", "prefill tok/s", "decode tok/s", "peak RSS GB"):
@@ -79,5 +87,11 @@ def bench(
             row.append(f"{r.prefill / base.prefill:.2f} / {r.decode / base.decode:.2f}")
         table.add_row(*row)
     out.print(table)
+    for r in report.results:
+        roof = report.roofline(r)
+        of_peak = f" ({roof['prefill_of_int8_peak']:.0%} of the int8 peak)" if m.int8_gmac_s else ""
+        out.print(f"{r.engine}: prefill {roof['prefill_gmac_s']:.3g} G multiply-adds/s{of_peak}, decode "
+                  f"{roof['decode_gb_s']:.3g} GB/s of weights ({roof['decode_of_read_bw']:.0%} of the read bandwidth)",
+                  soft_wrap=True)
     if base is not None:
         out.print("÷ llama.cpp: prefill / decode tok/s as a ratio of llama.cpp's in the same run")

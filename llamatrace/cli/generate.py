@@ -13,13 +13,13 @@ from llamatrace.errors import OptionError
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural
 from llamatrace.cli.options import (
     AblateOpt,
-    ActivationsOpt,
     check_run_options,
     CtxSizeOpt,
     ModelOpt,
     prepare_run,
     PromptFileOpt,
     RawOpt,
+    RunActivationsOpt,
     SystemOpt,
     ThreadsOpt,
 )
@@ -42,7 +42,7 @@ def generate(
     prompt_file: PromptFileOpt = None,
     ctx_size: CtxSizeOpt = None,
     threads: ThreadsOpt = None,
-    activations: ActivationsOpt = "f32",
+    activations: RunActivationsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (text, ids, timings) instead "
                                                          "of streaming text.")] = False,
     ablate: AblateOpt = None,
@@ -50,7 +50,9 @@ def generate(
     """Generate text from a prompt, streamed to the terminal.
 
     The model's chat template is applied unless --raw. A summary line (tokens, prefill and
-    decode speed) goes to stderr, so stdout carries only the text.
+    decode speed, the activations mode) goes to stderr, so stdout carries only the text.
+    Models of 1 B parameters or more run q8 activations by default (llama.cpp's arithmetic, on
+    CPUs with AVX2), smaller ones f32 (HF's, the arithmetic of trace and compare).
 
     Examples:
 
@@ -119,7 +121,7 @@ def generate(
                                                 "context": f"context full ({stats.ctx_size} tokens)"}.get(stats.stop_reason or "", "")
     err.print(f"[dim]{plural(len(ids), 'prompt token')}, {len(stats.generated)} generated · prefill "
               f"{stats.prefill_tokens_per_s:.1f} tok/s · decode {stats.decode_tokens_per_s:.1f} tok/s · "
-              f"load {load_s:.1f} s · stopped: {reason}[/]")
+              f"load {load_s:.1f} s · {m.activations} activations · stopped: {reason}[/]")
     if stats.stop_reason == "context" and not interrupted:
         err.print(f"[yellow]note:[/] stopped at the context limit ({stats.ctx_size} tokens); "
                   f"raise --ctx-size to go further")

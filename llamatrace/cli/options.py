@@ -29,6 +29,11 @@ ActivationsOpt = Annotated[str, typer.Option(
     "--activations", metavar="f32|q8", help="Activations of the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matmuls: f32 "
     "(float32, HF's arithmetic: the reference) or q8 (8 bits per block of 32, llama.cpp's arithmetic: "
     "faster, ~1e-2 off; needs AVX2).")]
+RunActivationsOpt = Annotated[Optional[str], typer.Option(
+    "--activations", metavar="f32|q8", help="Activations of the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matmuls: f32 "
+    "(float32, HF's arithmetic) or q8 (8 bits per block of 32, llama.cpp's arithmetic, ~1e-2 off HF). "
+    "Default here: q8 for models of 1 B parameters or more (where f32 is ~2x slower than llama.cpp) "
+    "on CPUs with AVX2, else f32.", show_default=False)]
 CtxSizeOpt = Annotated[Optional[int], typer.Option(
     "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + tokens to generate, "
     "at most the model's context length).", show_default=False)]
@@ -92,6 +97,32 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
     return prompt
 
 
+Q8_DEFAULT_PARAMS = 1_000_000_000
+"""From this many parameters ``generate`` and ``bench`` default to ``q8``."""
+
+
+def default_activations(path: Path) -> str:
+    """The activations mode of ``generate`` and ``bench`` when none is given: ``"q8"`` (llama.cpp's
+    arithmetic) for models of :data:`Q8_DEFAULT_PARAMS` parameters or more on CPUs with AVX2, else
+    ``"f32"`` (HF's, the mode of every command that traces, compares or looks inside).
+
+    At 8B ``f32`` prefill runs at ~0.5-0.7x llama.cpp's and ``q8`` at ~1x (docs/performance.md);
+    below 1B ``f32`` is already at llama.cpp's pace, and 8-bit rounding flips near-tied greedy
+    choices of a small model often enough to be seen (SmolLM2-135M answers the README's question
+    about France with "L'Étoile, la ..." in ``q8``, as llama.cpp does, "Paris" in ``f32``; its
+    perplexity differs by 0.07 %).
+
+    Raises:
+        the errors of :func:`llamatrace.gguf.reader.open_gguf` for a file that is no valid GGUF.
+    """
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.kernels import act8
+    if not act8.available():
+        return "f32"
+    n_params = sum(t.n_elements for t in open_gguf(path).tensors.values())
+    return "q8" if n_params >= Q8_DEFAULT_PARAMS else "f32"
+
+
 def check_activations(activations: str) -> None:
     """Raises :class:`OptionError` for an ``--activations`` value this machine cannot run."""
     from llamatrace.kernels import packing
@@ -101,11 +132,13 @@ def check_activations(activations: str) -> None:
         raise OptionError(f"--activations {activations}: {exc}") from None
 
 
-def load_model(model_path: Path | None, threads: int | None, activations: str = "f32"):
-    """Resolve, load (with a status line) and return the model."""
+def load_model(model_path: Path | None, threads: int | None, activations: str | None = "f32"):
+    """Resolve, load (with a status line) and return the model; ``activations`` None: the
+    model's :func:`default_activations`."""
     from llamatrace.gguf.fetch import resolve_model
 
-    check_activations(activations)
+    if activations is not None:
+        check_activations(activations)
     cold = numba_cache_is_cold()          # before the load: packing compiles kernels of its own
     if threads is not None:
         from llamatrace.kernels import threads as kernel_threads
@@ -114,6 +147,7 @@ def load_model(model_path: Path | None, threads: int | None, activations: str = 
         except (ValueError, LlamatraceError) as exc:
             raise OptionError(f"--threads {threads}: {exc}") from None
     path = resolve_model(model_path, log=lambda msg: err.print(msg))
+    activations = activations or default_activations(path)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from llamatrace.model.llama import Llama
@@ -350,7 +384,7 @@ def check_run_options(ctx_size: int | None = None, ablate: list[str] | None = No
 
 
 def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None, *, threads: int | None,
-                activations: str, raw: bool, system: str | None, ablate: list[str] | None = None,
+                activations: str | None, raw: bool, system: str | None, ablate: list[str] | None = None,
                 default: str | None = None) -> Run:
     """Options to a ready run: read the prompt (``default`` when none is given), load the model
     (with its status line), check ``--ablate`` against it, and tokenize the prompt.
