@@ -168,10 +168,40 @@ def test_extreme_quants_do_not_overflow(qtype):
         blocks[::2, :, -16:] = 0x00                  # Q4_0: q - 8 = -8; Q4_1: 0
     raw = blocks.reshape(n_out, -1)
     w = packing.pack("w", qtype, raw, n_out, n_in, activations="q8")
-    x = np.full((2, n_in), 127.0, np.float32)
-    x[1] = -127.0
+    x = np.full((6, n_in), 127.0, np.float32)      # 6 rows: the prefill kernels too (4 + 2 rows)
+    x[1::2] = -127.0
     want = x.astype(np.float64) @ gguf.quants.dequantize(raw, qtype).astype(np.float64).T
+    np.testing.assert_allclose(matmul(x[:2], w), want[:2], rtol=1e-6, atol=0)
     np.testing.assert_allclose(matmul(x, w), want, rtol=1e-6, atol=0)
+
+
+PREFILL = {T.Q4_0: (act8._prefill_q4, act8._matmul_q4), T.Q4_1: (act8._prefill_q4, act8._matmul_q4),
+           T.Q4_K: (act8._prefill_q4k, act8._matmul_q4k)}
+
+
+@pytest.mark.parametrize("qtype", PREFILL, ids=lambda q: q.name)
+@pytest.mark.parametrize("n_seq", [1, 4, 5, 8, 11])
+def test_prefill_microkernels_equal_the_per_row_kernels_and_twins(qtype, n_seq):
+    # 70 rows: a padded last tile; groups of NS rows and the rows left over
+    _, w = _weight(qtype, 70, _n_in(qtype, 5))
+    x = _rows(np.random.default_rng(n_seq), n_seq, w.n_in)
+    prefill, per_row = PREFILL[qtype]
+    got = np.full((n_seq, 70), np.nan, np.float32)
+    want = np.empty((n_seq, 70), np.float32)
+    if qtype == T.Q4_K:
+        prefill(x, w.qs, w.d, w.m, got)
+        per_row(x, w.qs, w.d, w.m, want)
+        twin = act8.matmul_q4k_np(x, w.qs, w.d, w.m)
+        # the same float32 operations, contracted into FMAs in other places
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    else:
+        m, m_scale = (w.m, np.float32(1.0)) if qtype == T.Q4_1 else (w.d, np.float32(-8.0))
+        prefill(x, w.qs, w.d, m, m_scale, got)
+        per_row(x, w.qs, w.d, m, m_scale, False, want)
+        twin = act8.matmul_q4_np(x, w.qs, w.d, m, m_scale)
+        np.testing.assert_array_equal(got, want)          # bit for bit
+    twin = twin[:, :70]                                   # the twins give whole tiles
+    np.testing.assert_allclose(got, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
 
 
 def test_layout_round_trip_and_embedding_rows():

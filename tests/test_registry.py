@@ -99,7 +99,7 @@ def test_info_names_the_kernels_of_each_tensor_type(tmp_path, capsys):
     assert "matmul kernels" in out
     for name in ("q4.gemv_q4_1", "q4.tiled_q4_1", "act8.matmul_q4_1", "floats.tiled_f32"):   # rich may wrap the cell
         assert name in out
-    assert registry.summary("Q4_1") == "q4.gemv_q4_1 / q4.tiled_q4_1, q8: act8.matmul_q4_1"
+    assert registry.summary("Q4_1") == "q4.gemv_q4_1 / q4.tiled_q4_1, q8: act8.matmul_q4_1 / act8.prefill_q4_1"
     assert registry.summary("IQ4_NL") == "-"
 
 

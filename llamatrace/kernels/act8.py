@@ -66,6 +66,7 @@ from numba import njit, prange
 
 from llamatrace.kernels import tiles
 from llamatrace.kernels.act8_ir import (Q6K_SCALES, QK_K_BYTES, isum_q4, isum_q4k, isum_q6k, isum_q8, isum_u8_16,
+                                        prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4k, prefill_q4k_1row,
                                         unpack_q6k)
 from llamatrace.kernels.jit import JIT_EXACT, JIT_PARALLEL, f16, f16_np
 from llamatrace.kernels.registry import kernel
@@ -316,6 +317,65 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
         tiles.store_rows(acc, out, t)
 
 
+LANES = prefill_lanes()
+NS = 4          # activation rows per microkernel call: their accumulators stay in registers
+
+
+@njit(**JIT_PARALLEL)
+def _prefill_q4(x, qs, d, m, m_scale, out):
+    """As :func:`_matmul_q4` for Q4_0 / Q4_1, for many rows of x: each call of the microkernel
+    (:func:`llamatrace.kernels.act8_ir.prefill_q4`) runs :data:`NS` rows of x against
+    :data:`LANES` rows of a tile over every block, its sums in registers, each block's nibbles
+    unpacked once for the NS rows; the same float32 operations in the same order as
+    :func:`_matmul_q4`."""
+    xq, xd, xs = _quantized(x)
+    n_seq = xq.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    block = qs.shape[2] * TR
+    full = n_seq - n_seq % NS
+    for t in prange(n_tiles):
+        res = np.empty((NS, TR), np.float32)
+        flat = res.reshape(NS * TR)
+        q_at = t * n_blocks * block
+        dm_at = t * n_blocks * TR
+        for s0 in range(0, full, NS):
+            for r in range(0, TR, LANES):
+                prefill_q4(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+            for i in range(NS):
+                tiles.store_tile(res[i], out, s0 + i, t)
+        for s in range(full, n_seq):
+            for r in range(0, TR, LANES):
+                prefill_q4_1row(qs, q_at, xq, xd, xs, s, d, m, dm_at, n_blocks, m_scale, flat, r)
+            tiles.store_tile(res[0], out, s, t)
+
+
+@njit(**JIT_PARALLEL)
+def _prefill_q4k(x, qs, d, m, out):
+    """As :func:`_matmul_q4k` for many rows of x, with :func:`_prefill_q4`'s microkernel scheme
+    (:func:`llamatrace.kernels.act8_ir.prefill_q4k`): the same float32 operations, contracted
+    into FMAs where they can be (within 1e-6 of :func:`_matmul_q4k`)."""
+    xq, xd, xs = _quantized(x)
+    n_seq = xq.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    block = qs.shape[2] * TR
+    full = n_seq - n_seq % NS
+    unused = np.float32(0.0)
+    for t in prange(n_tiles):
+        res = np.empty((NS, TR), np.float32)
+        flat = res.reshape(NS * TR)
+        q_at = t * n_blocks * block
+        dm_at = t * n_blocks * TR
+        for s0 in range(0, full, NS):
+            for r in range(0, TR, LANES):
+                prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, unused, flat, r)
+            for i in range(NS):
+                tiles.store_tile(res[i], out, s0 + i, t)
+        for s in range(full, n_seq):
+            for r in range(0, TR, LANES):
+                prefill_q4k_1row(qs, q_at, xq, xd, xs, s, d, m, dm_at, n_blocks, unused, flat, r)
+            tiles.store_tile(res[0], out, s, t)
+
+
 @njit(**JIT_PARALLEL)
 def _matmul_q4k(x, qs, d, m, out):
     """As :func:`_matmul_q4` for Q4_K: qs uint8 [T, B, 144, TR] (this module's layout), d and
@@ -450,14 +510,24 @@ _ONE, _ZERO, _MINUS_8 = np.float32(1.0), np.float32(0.0), np.float32(-8.0)
 _BOTH = ("decode", "prefill")   # one kernel each: a block is loaded once and used by every row of x
 
 
-@kernel(_T.Q4_0, "q8", _BOTH)
+@kernel(_T.Q4_0, "q8", "decode")
 def matmul_q4_0(x, w, out):
     _matmul_q4(x, w.qs, w.d, w.d, _MINUS_8, False, out)
 
 
-@kernel(_T.Q4_1, "q8", _BOTH)
+@kernel(_T.Q4_0, "q8", "prefill")
+def prefill_q4_0(x, w, out):
+    _prefill_q4(x, w.qs, w.d, w.d, _MINUS_8, out)
+
+
+@kernel(_T.Q4_1, "q8", "decode")
 def matmul_q4_1(x, w, out):
     _matmul_q4(x, w.qs, w.d, w.m, _ONE, False, out)
+
+
+@kernel(_T.Q4_1, "q8", "prefill")
+def prefill_q4_1(x, w, out):
+    _prefill_q4(x, w.qs, w.d, w.m, _ONE, out)
 
 
 @kernel(_T.Q8_0, "q8", _BOTH)
@@ -465,9 +535,14 @@ def matmul_q8_0(x, w, out):
     _matmul_q4(x, w.qs, w.d, w.d, _ZERO, True, out)
 
 
-@kernel(_T.Q4_K, "q8", _BOTH)
+@kernel(_T.Q4_K, "q8", "decode")
 def matmul_q4_k(x, w, out):
     _matmul_q4k(x, w.qs, w.d, w.m, out)
+
+
+@kernel(_T.Q4_K, "q8", "prefill")
+def prefill_q4_k(x, w, out):
+    _prefill_q4k(x, w.qs, w.d, w.m, out)
 
 
 @kernel(_T.Q6_K, "q8", _BOTH)

@@ -314,3 +314,239 @@ in weight order, then its scales, into the third argument, uint8 [(256 + 16) * T
 fifth are unused).""")
 isum_u8_16 = _isum_intrinsic("u8_16", """As :func:`isum_q6k` for a block unpacked by
 :func:`unpack_q6k`.""", with_sums=True)
+
+
+# --------------------------------------------------------------------------------------------
+# prefill: a register-blocked microkernel for Q4_0 / Q4_1
+
+
+def prefill_lanes() -> int:
+    """Rows of a weight tile one register holds in :func:`prefill_q4`: 16 (zmm) on CPUs with
+    AVX-512 VNNI, else 8 (ymm)."""
+    if not has_vnni():
+        return 8
+    from numba.core import config
+    if config.CPU_FEATURES:
+        features = {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
+    else:
+        features = {name for name, on in llvm_binding.get_host_cpu_features().items() if on}
+    return 16 if {"avx512f", "avx512vnni", "avx512bw"} <= features else 8
+
+
+class _Tile:
+    """What the prefill microkernels' IR needs: ``lanes`` rows of a tile per vector, the
+    activation rows' loop over every block with ``ns`` float accumulators as phi nodes."""
+
+    def __init__(self, builder, lanes: int) -> None:
+        b = self.b = builder
+        self.lanes = lanes
+        self.f32 = ir.FloatType()
+        self.vi8 = ir.VectorType(ir.IntType(8), 4 * lanes)
+        self.vi32, self.vf = ir.VectorType(_I32, lanes), ir.VectorType(self.f32, lanes)
+        module = b.module
+        self.vnni = has_vnni()
+        if self.vnni:
+            self.dpbusd = module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", (),
+                                                   ir.FunctionType(self.vi32, [self.vi32] * 3))
+        else:
+            self.maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
+                                                    ir.FunctionType(_V16I16, [_V32I8, _V32I8]))
+            self.maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
+                                                   ir.FunctionType(_V8I32, [_V16I16, _V16I16]))
+        self.fma_fn = module.declare_intrinsic(f"llvm.fma.v{lanes}f32", (), ir.FunctionType(self.vf, [self.vf] * 3))
+
+    def i64(self, v):
+        return self.b.sext(v, _I64) if v.type.width < 64 else v
+
+    @staticmethod
+    def c64(v):
+        return ir.Constant(_I64, v)
+
+    def splat(self, scalar, vtype):
+        b, n = self.b, vtype.count
+        v = b.insert_element(ir.Constant(vtype, None), scalar, ir.Constant(_I32, 0))
+        return b.shuffle_vector(v, ir.Constant(vtype, None), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+    def ptr(self, p, offset, etype):
+        return self.b.bitcast(self.b.gep(p, [offset]), etype.as_pointer())
+
+    def load(self, p, offset, etype, align=1):
+        return self.b.load(self.ptr(p, offset, etype), align=align)
+
+    def bytes4(self, xq, offset):
+        """The 4 bytes at ``xq + offset`` in every 32-bit lane."""
+        return self.b.bitcast(self.splat(self.load(xq, offset, _I32), self.vi32), self.vi8)
+
+    def halves(self, p, offset):
+        """``lanes`` fp16 at ``p + offset`` widened to float32 (F16C)."""
+        return self.b.fpext(self.load(p, offset, ir.VectorType(ir.HalfType(), self.lanes), 2), self.vf)
+
+    def byte_floats(self, p, offset):
+        """``lanes`` unsigned bytes at ``p + offset`` as float32."""
+        return self.b.uitofp(self.load(p, offset, ir.VectorType(ir.IntType(8), self.lanes)), self.vf)
+
+    def isum(self, pairs):
+        """int32 lanes: the sum over ``pairs`` of (unsigned weight bytes, activation bytes) of
+        4-byte dot products (VNNI: a chain of ``vpdpbusd``; AVX2: int16 sums, which cannot overflow
+        within a Q4 block or a Q4_K sub-block, then to int32)."""
+        b = self.b
+        if self.vnni:
+            acc = ir.Constant(self.vi32, [0] * self.lanes)
+            for u8, s8 in pairs:
+                acc = b.call(self.dpbusd, [acc, b.bitcast(u8, self.vi32), b.bitcast(s8, self.vi32)])
+            return acc
+        s16 = None
+        for u8, s8 in pairs:
+            part = b.call(self.maddubs, [u8, s8])
+            s16 = part if s16 is None else b.add(s16, part)
+        return b.call(self.maddwd, [s16, ir.Constant(_V16I16, [1] * 16)])
+
+    def fma(self, a, x, y):
+        return self.b.call(self.fma_fn, [a, x, y])
+
+    def block_loop(self, n_blocks, ns, body):
+        """``for blk in range(n_blocks)``: ``accs = body(blk, accs)`` for ``ns`` float vectors
+        starting at zero; returns their final values."""
+        b, zero = self.b, ir.Constant(self.vf, [0.0] * self.lanes)
+        entry = b.basic_block
+        loop = b.append_basic_block("blocks")
+        done = b.append_basic_block("done")
+        b.cbranch(b.icmp_signed(">", n_blocks, self.c64(0)), loop, done)
+        b.position_at_end(loop)
+        blk = b.phi(_I64)
+        accs = [b.phi(self.vf) for _ in range(ns)]
+        new = body(blk, accs)
+        nxt = b.add(blk, self.c64(1))
+        blk.add_incoming(self.c64(0), entry)
+        blk.add_incoming(nxt, b.basic_block)
+        for acc, n in zip(accs, new):
+            acc.add_incoming(zero, entry)
+            acc.add_incoming(n, b.basic_block)
+        last = b.basic_block
+        b.cbranch(b.icmp_signed("<", nxt, n_blocks), loop, done)
+        b.position_at_end(done)
+        outs = [b.phi(self.vf) for _ in range(ns)]
+        for out, n in zip(outs, new):
+            out.add_incoming(zero, entry)
+            out.add_incoming(n, last)
+        return outs
+
+
+def _prefill_q4_ir(k: _Tile, args, ns: int):
+    """:func:`prefill_q4`'s body: ``args`` as its signature, arrays as data pointers."""
+    (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, _, r_at) = args
+    b, c64 = k.b, k.c64
+    q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
+    q_at, dm_at = b.add(q_at, b.mul(r_at, c64(4))), b.add(dm_at, r_at)     # the rows' first bytes, scales
+    n_in = b.mul(n_blocks, c64(32))
+    mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
+
+    def body(blk, accs):
+        qb = b.add(q_at, b.mul(blk, c64(16 * TR)))
+        lo, hi = [], []
+        for g in range(4):              # bytes 4g..4g+3 of each row: weights 4g.. and 16 + 4g..
+            v = k.load(qs, b.add(qb, c64(g * TR * 4)), k.vi8)
+            lo.append(b.and_(v, mask))
+            hi.append(b.lshr(v, four))
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        dvec, mvec = k.halves(d, dm), k.halves(m, dm)
+        new = []
+        for i, acc in enumerate(accs):
+            row = b.add(s0, c64(i))
+            xrow = b.add(b.mul(row, n_in), b.mul(blk, c64(32)))
+            isum = k.isum([(lo[g], k.bytes4(xq, b.add(xrow, c64(4 * g)))) for g in range(4)]
+                          + [(hi[g], k.bytes4(xq, b.add(xrow, c64(16 + 4 * g)))) for g in range(4)])
+            at = b.add(b.mul(row, n_blocks), blk)
+            dx = b.load(b.gep(xd, [at]), align=4)
+            ms = b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4))
+            # (d * dx) * isum + m * ms, then + acc: _matmul_q4's float32 operations, in its order
+            term = k.fma(b.fmul(dvec, k.splat(dx, k.vf)), b.sitofp(isum, k.vf), b.fmul(mvec, k.splat(ms, k.vf)))
+            new.append(b.fadd(acc, term))
+        return new
+
+    return k.block_loop(n_blocks, ns, body)
+
+
+def _prefill_q4k_ir(k: _Tile, args, ns: int):
+    """:func:`prefill_q4k`'s body. A Q4_K block row: 16 scale bytes (sc[8], mn[8]; byte j of row r
+    at ``j*TR + r``), then four 32-byte chunks in groups of four (low nibbles: sub-block 2c, high:
+    2c + 1)."""
+    (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, _, _, r_at) = args
+    b, c64 = k.b, k.c64
+    q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
+    dm_at = b.add(dm_at, r_at)
+    n_in = b.mul(n_blocks, c64(256))
+    n_sub = b.mul(n_blocks, c64(8))
+    mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
+
+    def body(blk, accs):
+        qb = b.add(b.add(q_at, b.mul(blk, c64(144 * TR))), r_at)      # the rows' scale bytes
+        qg = b.add(qb, b.mul(r_at, c64(3)))                                # their grouped bytes: + 4 r_at
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        dvec, mvec = k.halves(d, dm), k.halves(m, dm)
+        for c in range(4):
+            j = 2 * c
+            sc0, sc1 = k.byte_floats(qs, b.add(qb, c64(j * TR))), k.byte_floats(qs, b.add(qb, c64((j + 1) * TR)))
+            mn0, mn1 = k.byte_floats(qs, b.add(qb, c64((8 + j) * TR))), k.byte_floats(qs, b.add(qb, c64((9 + j) * TR)))
+            chunk = b.add(qg, c64(16 * TR + c * 32 * TR))
+            lo, hi = [], []
+            for g in range(8):
+                v = k.load(qs, b.add(chunk, c64(g * TR * 4)), k.vi8)
+                lo.append(b.and_(v, mask))
+                hi.append(b.lshr(v, four))
+            new = []
+            for i, acc in enumerate(accs):
+                row = b.add(s0, c64(i))
+                xrow = b.add(b.mul(row, n_in), b.add(b.mul(blk, c64(256)), c64(64 * c)))
+                isum_lo = k.isum([(lo[g], k.bytes4(xq, b.add(xrow, c64(4 * g)))) for g in range(8)])
+                isum_hi = k.isum([(hi[g], k.bytes4(xq, b.add(xrow, c64(32 + 4 * g)))) for g in range(8)])
+                at = b.add(b.add(b.mul(row, n_sub), b.mul(blk, c64(8))), c64(j))
+                at1 = b.add(at, c64(1))
+                dx0, dx1 = (k.splat(b.load(b.gep(xd, [a]), align=4), k.vf) for a in (at, at1))
+                xs0, xs1 = (k.splat(b.load(b.gep(xs, [a]), align=4), k.vf) for a in (at, at1))
+                # d * (sc_j dx_j isum_j + sc_j+1 dx_j+1 isum_j+1) - dmin * (mn_j xs_j + mn_j+1 xs_j+1)
+                pos = k.fma(b.fmul(sc1, dx1), b.sitofp(isum_hi, k.vf), b.fmul(b.fmul(sc0, dx0), b.sitofp(isum_lo, k.vf)))
+                neg = k.fma(mn1, xs1, b.fmul(mn0, xs0))
+                new.append(b.fadd(acc, b.fsub(b.fmul(dvec, pos), b.fmul(mvec, neg))))
+            accs = new
+        return accs
+
+    return k.block_loop(n_blocks, ns, body)
+
+
+def _prefill_intrinsic(kind: str, ns: int, doc: str):
+    emit = {"q4": _prefill_q4_ir, "q4k": _prefill_q4k_ir}[kind]
+
+    def typer(typingctx, qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, r_at):
+        if not all(isinstance(a, types.Array) for a in (qs, xq, xd, xs, d, m, res)):
+            return None
+        sig = types.void(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, r_at)
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 2, 3, 4, 6, 7, 11):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            if flat[10].type != ir.FloatType():
+                flat[10] = builder.fptrunc(flat[10], ir.FloatType())
+            k = _Tile(builder, prefill_lanes())
+            outs = emit(k, flat, ns)
+            r_at = k.i64(flat[12])
+            for i, out in enumerate(outs):
+                builder.store(out, k.ptr(flat[11], builder.add(r_at, k.c64(i * TR)), k.vf), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+_PREFILL_DOC = """Prefill microkernel for {ns} activation row(s): ``res[i*TR + r_at + l]`` (float32) = the
+sum over every block of one tile's rows ``r_at + l``, ``l < prefill_lanes()`` (the tile's block 0
+at byte ``q_at`` of ``qs``, its scales at ``dm_at`` of ``d`` and ``m``) times activation rows
+``s0 + i`` of ``xq``, ``xd``, ``xs``; the sums stay in registers over every block and each block's
+nibbles are unpacked once for all the rows. {what}"""
+prefill_q4 = _prefill_intrinsic("q4", 4, _PREFILL_DOC.format(ns=4, what="Q4_0 / Q4_1: ``(d * xd) * isum + m * (m_scale * xs)``."))
+prefill_q4_1row = _prefill_intrinsic("q4", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4`."))
+prefill_q4k = _prefill_intrinsic("q4k", 4, _PREFILL_DOC.format(ns=4, what="Q4_K, per sub-block pair: ``d * (sc dx isum + ...) - dmin * (mn xs + ...)`` (``m_scale`` unused)."))
+prefill_q4k_1row = _prefill_intrinsic("q4k", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4k`."))
