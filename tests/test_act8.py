@@ -180,9 +180,9 @@ PREFILL = {T.Q4_0: (act8._prefill_q4, act8._matmul_q4), T.Q4_1: (act8._prefill_q
 
 
 @pytest.mark.parametrize("qtype", PREFILL, ids=lambda q: q.name)
-@pytest.mark.parametrize("n_seq", [1, 4, 5, 8, 11])
+@pytest.mark.parametrize("n_seq", [1, 4, 5, 8, 11, 13])
 def test_prefill_microkernels_equal_the_per_row_kernels_and_twins(qtype, n_seq):
-    # 70 rows: a padded last tile; groups of NS rows and the rows left over
+    # 70 rows: a padded last tile; 13 = 8 + 4 + 1 rows: each microkernel size (8 on AVX-512 only)
     _, w = _weight(qtype, 70, _n_in(qtype, 5))
     x = _rows(np.random.default_rng(n_seq), n_seq, w.n_in)
     prefill, per_row = PREFILL[qtype]

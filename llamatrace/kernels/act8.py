@@ -66,7 +66,8 @@ from numba import njit, prange
 
 from llamatrace.kernels import tiles
 from llamatrace.kernels.act8_ir import (Q6K_SCALES, QK_K_BYTES, isum_q4, isum_q4k, isum_q6k, isum_q8, isum_u8_16,
-                                        prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4k, prefill_q4k_1row,
+                                        PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
+                                        prefill_q4k_1row,
                                         unpack_q6k)
 from llamatrace.kernels.jit import JIT_EXACT, JIT_PARALLEL, f16, f16_np
 from llamatrace.kernels.registry import kernel
@@ -317,63 +318,67 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
         tiles.store_rows(acc, out, t)
 
 
-LANES = prefill_lanes()
-NS = 4          # activation rows per microkernel call: their accumulators stay in registers
+LANES = prefill_lanes()                                  # weight rows per microkernel call
+NS_Q4, NS_Q4K = PREFILL_ROWS["q4"], PREFILL_ROWS["q4k"]  # activation rows per call
 
 
 @njit(**JIT_PARALLEL)
 def _prefill_q4(x, qs, d, m, m_scale, out):
     """As :func:`_matmul_q4` for Q4_0 / Q4_1, for many rows of x: each call of the microkernel
-    (:func:`llamatrace.kernels.act8_ir.prefill_q4`) runs :data:`NS` rows of x against
-    :data:`LANES` rows of a tile over every block, its sums in registers, each block's nibbles
-    unpacked once for the NS rows; the same float32 operations in the same order as
-    :func:`_matmul_q4`."""
+    (:func:`llamatrace.kernels.act8_ir.prefill_q4`) runs :data:`NS_Q4` rows of x (then 4, then
+    one at a time for the rows left) against :data:`LANES` rows of a tile over every block, its
+    sums in registers, each block's nibbles unpacked once for all those rows; the same float32
+    operations in the same order as :func:`_matmul_q4`, so the same bits."""
     xq, xd, xs = _quantized(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
-    full = n_seq - n_seq % NS
     for t in prange(n_tiles):
-        res = np.empty((NS, TR), np.float32)
-        flat = res.reshape(NS * TR)
+        res = np.empty((NS_Q4, TR), np.float32)
+        flat = res.reshape(NS_Q4 * TR)
         q_at = t * n_blocks * block
         dm_at = t * n_blocks * TR
-        for s0 in range(0, full, NS):
+        s0 = 0
+        while s0 < n_seq:
+            ns = NS_Q4 if s0 + NS_Q4 <= n_seq else 4 if s0 + 4 <= n_seq else 1
             for r in range(0, TR, LANES):
-                prefill_q4(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
-            for i in range(NS):
+                if ns == NS_Q4:
+                    prefill_q4(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                elif ns == 4:
+                    prefill_q4_4rows(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                else:
+                    prefill_q4_1row(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+            for i in range(ns):
                 tiles.store_tile(res[i], out, s0 + i, t)
-        for s in range(full, n_seq):
-            for r in range(0, TR, LANES):
-                prefill_q4_1row(qs, q_at, xq, xd, xs, s, d, m, dm_at, n_blocks, m_scale, flat, r)
-            tiles.store_tile(res[0], out, s, t)
+            s0 += ns
 
 
 @njit(**JIT_PARALLEL)
 def _prefill_q4k(x, qs, d, m, out):
     """As :func:`_matmul_q4k` for many rows of x, with :func:`_prefill_q4`'s microkernel scheme
-    (:func:`llamatrace.kernels.act8_ir.prefill_q4k`): the same float32 operations, contracted
-    into FMAs where they can be (within 1e-6 of :func:`_matmul_q4k`)."""
+    (:func:`llamatrace.kernels.act8_ir.prefill_q4k`, :data:`NS_Q4K` rows of x a call): the same
+    float32 operations, contracted into FMAs where they can be (within 1e-6 of :func:`_matmul_q4k`)."""
     xq, xd, xs = _quantized(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
-    full = n_seq - n_seq % NS
     unused = np.float32(0.0)
     for t in prange(n_tiles):
-        res = np.empty((NS, TR), np.float32)
-        flat = res.reshape(NS * TR)
+        res = np.empty((NS_Q4K, TR), np.float32)
+        flat = res.reshape(NS_Q4K * TR)
         q_at = t * n_blocks * block
         dm_at = t * n_blocks * TR
-        for s0 in range(0, full, NS):
+        s0 = 0
+        while s0 < n_seq:
+            ns = NS_Q4K if s0 + NS_Q4K <= n_seq else 1
             for r in range(0, TR, LANES):
-                prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, unused, flat, r)
-            for i in range(NS):
+                if ns == NS_Q4K:
+                    prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, unused, flat, r)
+                else:
+                    prefill_q4k_1row(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, unused, flat, r)
+            for i in range(ns):
                 tiles.store_tile(res[i], out, s0 + i, t)
-        for s in range(full, n_seq):
-            for r in range(0, TR, LANES):
-                prefill_q4k_1row(qs, q_at, xq, xd, xs, s, d, m, dm_at, n_blocks, unused, flat, r)
-            tiles.store_tile(res[0], out, s, t)
+            s0 += ns
 
 
 @njit(**JIT_PARALLEL)

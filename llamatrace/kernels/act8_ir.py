@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import os
 
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
+from llamatrace.kernels.jit import target_features
 
 TR = tiles.TR
 QK_K = 256
@@ -44,11 +44,7 @@ def has_vnni() -> bool:
     or AVX-VNNI), unless ``LLAMATRACE_VNNI=0``."""
     if os.environ.get("LLAMATRACE_VNNI", "1") == "0":
         return False
-    from numba.core import config
-    if config.CPU_FEATURES:               # Numba compiles for these features, not the host's
-        features = {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
-    else:
-        features = {name for name, on in llvm_binding.get_host_cpu_features().items() if on}
+    features = target_features()
     return {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features
 
 
@@ -321,16 +317,9 @@ isum_u8_16 = _isum_intrinsic("u8_16", """As :func:`isum_q6k` for a block unpacke
 
 
 def prefill_lanes() -> int:
-    """Rows of a weight tile one register holds in :func:`prefill_q4`: 16 (zmm) on CPUs with
-    AVX-512 VNNI, else 8 (ymm)."""
-    if not has_vnni():
-        return 8
-    from numba.core import config
-    if config.CPU_FEATURES:
-        features = {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
-    else:
-        features = {name for name, on in llvm_binding.get_host_cpu_features().items() if on}
-    return 16 if {"avx512f", "avx512vnni", "avx512bw"} <= features else 8
+    """Rows of a weight tile one register holds in the prefill microkernels: 16 (zmm) on CPUs
+    with AVX-512 VNNI, else 8 (ymm)."""
+    return 16 if has_vnni() and {"avx512f", "avx512vnni", "avx512bw"} <= target_features() else 8
 
 
 class _Tile:
@@ -454,8 +443,9 @@ def _prefill_q4_ir(k: _Tile, args, ns: int):
         for i, acc in enumerate(accs):
             row = b.add(s0, c64(i))
             xrow = b.add(b.mul(row, n_in), b.mul(blk, c64(32)))
-            isum = k.isum([(lo[g], k.bytes4(xq, b.add(xrow, c64(4 * g)))) for g in range(4)]
-                          + [(hi[g], k.bytes4(xq, b.add(xrow, c64(16 + 4 * g)))) for g in range(4)])
+            # two chains of 4 (the low and the high nibbles), not one of 8: vpdpbusd's latency
+            isum = b.add(k.isum([(lo[g], k.bytes4(xq, b.add(xrow, c64(4 * g)))) for g in range(4)]),
+                         k.isum([(hi[g], k.bytes4(xq, b.add(xrow, c64(16 + 4 * g)))) for g in range(4)]))
             at = b.add(b.mul(row, n_blocks), blk)
             dx = b.load(b.gep(xd, [at]), align=4)
             ms = b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4))
@@ -546,7 +536,15 @@ sum over every block of one tile's rows ``r_at + l``, ``l < prefill_lanes()`` (t
 at byte ``q_at`` of ``qs``, its scales at ``dm_at`` of ``d`` and ``m``) times activation rows
 ``s0 + i`` of ``xq``, ``xd``, ``xs``; the sums stay in registers over every block and each block's
 nibbles are unpacked once for all the rows. {what}"""
-prefill_q4 = _prefill_intrinsic("q4", 4, _PREFILL_DOC.format(ns=4, what="Q4_0 / Q4_1: ``(d * xd) * isum + m * (m_scale * xs)``."))
+PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q4k": 4}
+"""Activation rows per call of the prefill microkernels: as many as the registers hold with the
+block's unpacked weights (Q4 [14336, 4096] x 128 rows, zmm: 8 rows 326-335 G multiply-adds/s
+against 4 rows' 308-320; Q4_K, whose block chunk keeps 16 registers of nibbles: 4 rows 308, 8
+rows 286)."""
+prefill_q4 = _prefill_intrinsic("q4", PREFILL_ROWS["q4"], _PREFILL_DOC.format(
+    ns=PREFILL_ROWS["q4"], what="Q4_0 / Q4_1: ``(d * xd) * isum + m * (m_scale * xs)``."))
+prefill_q4_4rows = _prefill_intrinsic("q4", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q4`."))
 prefill_q4_1row = _prefill_intrinsic("q4", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4`."))
-prefill_q4k = _prefill_intrinsic("q4k", 4, _PREFILL_DOC.format(ns=4, what="Q4_K, per sub-block pair: ``d * (sc dx isum + ...) - dmin * (mn xs + ...)`` (``m_scale`` unused)."))
+prefill_q4k = _prefill_intrinsic("q4k", 4, _PREFILL_DOC.format(
+    ns=4, what="Q4_K, per sub-block pair: ``d * (sc dx isum + ...) - dmin * (mn xs + ...)`` (``m_scale`` unused)."))
 prefill_q4k_1row = _prefill_intrinsic("q4k", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4k`."))

@@ -24,6 +24,7 @@ All give the same float32 for every bit pattern (fp16 -> fp32 is exact).
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -36,6 +37,16 @@ JIT_INLINE = dict(inline="always", **JIT)
 JIT_EXACT = dict(cache=True)
 JIT_EXACT_PARALLEL = dict(parallel=True, **JIT_EXACT)
 JIT_ATTN = dict(cache=True, fastmath={"reassoc", "contract"})
+
+def target_features() -> set[str]:
+    """The CPU features Numba compiles for: ``NUMBA_CPU_FEATURES`` when set (then not the host's),
+    else the host CPU's (LLVM's names: ``avx2``, ``avx512vnni``, ``avxvnni`` ...). Kernels that
+    pick instructions by feature ask here, so a cross-target build picks the target's."""
+    from numba.core import config
+    if config.CPU_FEATURES:
+        return {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
+    return {name for name, on in llvm_binding.get_host_cpu_features().items() if on}
+
 
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 """float32 [65536]: the value of each fp16 bit pattern."""

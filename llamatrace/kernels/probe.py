@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.jit import JIT_EXACT_PARALLEL
+from llamatrace.kernels.jit import JIT_EXACT_PARALLEL, target_features
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 llvm_binding.initialize_native_asmparser()    # Numba sets up no assembler for inline asm text
@@ -30,7 +30,7 @@ two a cycle), few enough for AVX2's 16 registers."""
 def dot_isa() -> str:
     """The multiply-add :func:`dot_peak` runs on this CPU: ``"vpdpbusd zmm"``, ``"vpdpbusd ymm"``
     or ``"vpmaddubsw ymm"`` (``""``: no AVX2, no probe)."""
-    f = {name for name, on in llvm_binding.get_host_cpu_features().items() if on}
+    f = target_features()
     if {"avx512vnni", "avx512f"} <= f:
         return "vpdpbusd zmm"
     if "avxvnni" in f or {"avx512vnni", "avx512vl"} <= f:
