@@ -176,7 +176,7 @@ def test_extreme_quants_do_not_overflow(qtype):
 
 
 PREFILL = {T.Q4_0: (act8._prefill_q4, act8._matmul_q4), T.Q4_1: (act8._prefill_q4, act8._matmul_q4),
-           T.Q4_K: (act8._prefill_q4k, act8._matmul_q4k)}
+           T.Q4_K: (act8._prefill_q4k, act8._matmul_q4k), T.Q6_K: (act8._prefill_q6k, act8._matmul_q6k)}
 
 
 @pytest.mark.parametrize("qtype", PREFILL, ids=lambda q: q.name)
@@ -188,7 +188,12 @@ def test_prefill_microkernels_equal_the_per_row_kernels_and_twins(qtype, n_seq):
     prefill, per_row = PREFILL[qtype]
     got = np.full((n_seq, 70), np.nan, np.float32)
     want = np.empty((n_seq, 70), np.float32)
-    if qtype == T.Q4_K:
+    if qtype == T.Q6_K:
+        prefill(x, w.qs, w.d, got, 2)
+        per_row(x, w.qs, w.d, want)
+        twin = act8.matmul_q6k_np(x, w.qs, w.d)
+        np.testing.assert_array_equal(got, want)          # bit for bit
+    elif qtype == T.Q4_K:
         prefill(x, w.qs, w.d, w.m, got)
         per_row(x, w.qs, w.d, w.m, want)
         twin = act8.matmul_q4k_np(x, w.qs, w.d, w.m)

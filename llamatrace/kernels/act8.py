@@ -60,14 +60,15 @@ Each Numba kernel has a NumPy twin (``*_np``) that tests compare it with.
 from __future__ import annotations
 
 import gguf
+import numba
 import numpy as np
 from llvmlite import binding as llvm_binding
 from numba import njit, prange
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.act8_ir import (Q6K_SCALES, QK_K_BYTES, isum_q4, isum_q4k, isum_q6k, isum_q8, isum_u8_16,
+from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, isum_q4, isum_q4k, isum_q6k, isum_q8, isum_u8_16,
                                         PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
-                                        prefill_q4k_1row,
+                                        prefill_q4k_1row, prefill_q6k, prefill_q6k_1row,
                                         unpack_q6k)
 from llamatrace.kernels.jit import JIT_EXACT, JIT_PARALLEL, f16, f16_np
 from llamatrace.kernels.registry import kernel
@@ -319,7 +320,7 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
 
 
 LANES = prefill_lanes()                                  # weight rows per microkernel call
-NS_Q4, NS_Q4K = PREFILL_ROWS["q4"], PREFILL_ROWS["q4k"]  # activation rows per call
+NS_Q4, NS_Q4K, NS_Q6K = PREFILL_ROWS["q4"], PREFILL_ROWS["q4k"], PREFILL_ROWS["q6k"]  # activation rows a call
 
 
 @njit(**JIT_PARALLEL)
@@ -379,6 +380,42 @@ def _prefill_q4k(x, qs, d, m, out):
             for i in range(ns):
                 tiles.store_tile(res[i], out, s0 + i, t)
             s0 += ns
+
+
+@njit(**JIT_PARALLEL)
+def _prefill_q6k(x, qs, d, out, n_chunks):
+    """As :func:`_matmul_q6k` for many rows of x: a tile's blocks are unpacked once
+    (:func:`llamatrace.kernels.act8_ir.unpack_q6k`, into a buffer per thread) and the microkernel
+    (:func:`llamatrace.kernels.act8_ir.prefill_q6k`) runs :data:`NS_Q6K` rows of x at a time over them with
+    the sums in registers; the same integer sums and float32 operations as :func:`_matmul_q6k`.
+    ``n_chunks``: runs of tiles, one buffer each (the thread count: a buffer per tile would be
+    mapped and unmapped each time, ~0.5 MB at n_in 14336)."""
+    xq, xd, xsum = _quantized_k(x)
+    n_seq = xq.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    block = qs.shape[2] * TR
+    n_chunks = max(1, min(n_chunks, n_tiles))
+    for c in prange(n_chunks):
+        unpacked = np.empty(n_blocks * Q6K_UNPACKED, np.uint8)
+        unused_isum = np.empty(TR, np.int32)
+        res = np.empty((NS_Q6K, TR), np.float32)
+        flat = res.reshape(NS_Q6K * TR)
+        for t in range(c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks):
+            for b in range(n_blocks):
+                tiles.prefetch_next_block(qs, t, b)
+                unpack_q6k(qs, (t * n_blocks + b) * block, unpacked, b * Q6K_UNPACKED, unused_isum)
+            dm_at = t * n_blocks * TR
+            s0 = 0
+            while s0 < n_seq:
+                ns = NS_Q6K if s0 + NS_Q6K <= n_seq else 1
+                for r in range(0, TR, LANES):
+                    if ns == NS_Q6K:
+                        prefill_q6k(unpacked, 0, xq, xd, xsum, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
+                    else:
+                        prefill_q6k_1row(unpacked, 0, xq, xd, xsum, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
+                for i in range(ns):
+                    tiles.store_tile(res[i], out, s0 + i, t)
+                s0 += ns
 
 
 @njit(**JIT_PARALLEL)
@@ -550,6 +587,11 @@ def prefill_q4_k(x, w, out):
     _prefill_q4k(x, w.qs, w.d, w.m, out)
 
 
-@kernel(_T.Q6_K, "q8", _BOTH)
+@kernel(_T.Q6_K, "q8", "decode")
 def matmul_q6_k(x, w, out):
     _matmul_q6k(x, w.qs, w.d, out)
+
+
+@kernel(_T.Q6_K, "q8", "prefill")
+def prefill_q6_k(x, w, out):
+    _prefill_q6k(x, w.qs, w.d, out, numba.get_num_threads())

@@ -504,8 +504,50 @@ def _prefill_q4k_ir(k: _Tile, args, ns: int):
     return k.block_loop(n_blocks, ns, body)
 
 
+Q6K_UNPACKED = QK_K_BYTES + 16 * TR
+"""Bytes of one Q6_K tile block unpacked by :func:`unpack_q6k`: weights, then int8 scales [16, TR]."""
+
+
+def _prefill_q6k_ir(k: _Tile, args, ns: int):
+    """:func:`prefill_q6k`'s body: ``qs`` holds the tile's blocks unpacked by :func:`unpack_q6k`
+    (:data:`Q6K_UNPACKED` bytes each from ``q_at``), ``xs`` the Q8_K sums of 16 (int32 ``[S,
+    n/16]``); per block ``isum = sum_j sc_j * (isum_j - 32 xsum_j)`` in int32 as :func:`_q6k_ir`,
+    then ``acc += (d * xd) * isum`` in float32 as :func:`llamatrace.kernels.act8._matmul_q6k`."""
+    (qs, q_at, xq, xd, xsum, s0, d, _, dm_at, n_blocks, _, _, r_at) = args
+    b, c64, lanes = k.b, k.c64, k.lanes
+    q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
+    dm_at = b.add(dm_at, r_at)
+    n_in = b.mul(n_blocks, c64(QK_K))
+    five = ir.Constant(k.vi32, [5] * lanes)
+
+    def body(blk, accs):
+        ub = b.add(q_at, b.mul(blk, c64(Q6K_UNPACKED)))
+        qg = b.add(ub, b.mul(r_at, c64(4)))                         # the rows' weight groups
+        scales = b.add(b.add(ub, c64(QK_K_BYTES)), r_at)            # their int8 scales
+        dvec = k.halves(d, b.add(dm_at, b.mul(blk, c64(TR))))
+        isums = [None] * ns
+        xrows = [b.add(b.mul(b.add(s0, c64(i)), n_in), b.mul(blk, c64(QK_K))) for i in range(ns)]
+        for j in range(16):             # weights 16j..16j+15: groups 4j..4j+3
+            w = [k.load(qs, b.add(qg, c64((4 * j + i) * TR * 4)), k.vi8) for i in range(4)]
+            sc = b.sext(k.load(qs, b.add(scales, c64(j * TR)), ir.VectorType(ir.IntType(8), lanes)), k.vi32)
+            for i in range(ns):
+                part = k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)])
+                at = b.add(b.mul(b.add(s0, c64(i)), b.mul(n_blocks, c64(16))), b.add(b.mul(blk, c64(16)), c64(j)))
+                xs = k.splat(b.load(b.gep(xsum, [at]), align=4), k.vi32)
+                scaled = b.mul(b.sub(part, b.shl(xs, five)), sc)
+                isums[i] = scaled if isums[i] is None else b.add(isums[i], scaled)
+        new = []
+        for i, acc in enumerate(accs):
+            at = b.add(b.mul(b.add(s0, c64(i)), n_blocks), blk)
+            dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
+            new.append(b.fadd(acc, b.fmul(b.fmul(dvec, dx), b.sitofp(isums[i], k.vf))))
+        return new
+
+    return k.block_loop(n_blocks, ns, body)
+
+
 def _prefill_intrinsic(kind: str, ns: int, doc: str):
-    emit = {"q4": _prefill_q4_ir, "q4k": _prefill_q4k_ir}[kind]
+    emit = {"q4": _prefill_q4_ir, "q4k": _prefill_q4k_ir, "q6k": _prefill_q6k_ir}[kind]
 
     def typer(typingctx, qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, r_at):
         if not all(isinstance(a, types.Array) for a in (qs, xq, xd, xs, d, m, res)):
@@ -536,7 +578,7 @@ sum over every block of one tile's rows ``r_at + l``, ``l < prefill_lanes()`` (t
 at byte ``q_at`` of ``qs``, its scales at ``dm_at`` of ``d`` and ``m``) times activation rows
 ``s0 + i`` of ``xq``, ``xd``, ``xs``; the sums stay in registers over every block and each block's
 nibbles are unpacked once for all the rows. {what}"""
-PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q4k": 4}
+PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q4k": 4, "q6k": 4}
 """Activation rows per call of the prefill microkernels: as many as the registers hold with the
 block's unpacked weights (Q4 [14336, 4096] x 128 rows, zmm: 8 rows 326-335 G multiply-adds/s
 against 4 rows' 308-320; Q4_K, whose block chunk keeps 16 registers of nibbles: 4 rows 308, 8
@@ -548,3 +590,6 @@ prefill_q4_1row = _prefill_intrinsic("q4", 1, _PREFILL_DOC.format(ns=1, what="As
 prefill_q4k = _prefill_intrinsic("q4k", 4, _PREFILL_DOC.format(
     ns=4, what="Q4_K, per sub-block pair: ``d * (sc dx isum + ...) - dmin * (mn xs + ...)`` (``m_scale`` unused)."))
 prefill_q4k_1row = _prefill_intrinsic("q4k", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4k`."))
+prefill_q6k = _prefill_intrinsic("q6k", 4, _PREFILL_DOC.format(
+    ns=4, what="Q6_K on blocks unpacked by :func:`unpack_q6k` (``xs``: the Q8_K sums of 16, int32; ``m``, ``m_scale`` unused)."))
+prefill_q6k_1row = _prefill_intrinsic("q6k", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q6k`."))
