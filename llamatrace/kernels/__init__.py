@@ -5,7 +5,7 @@ matmuls work on GGUF's blocks repacked into row tiles (``tiles``, ``packing``); 
 quant family declares its block format and its kernels in the ``registry``, and
 ``registry.matmul`` looks up the kernel for a weight's (GGML type, activation mode, phase)::
 
-    jit        Numba flag sets, fp16/bf16 decoding (every kernel module takes them from here)
+    jit        Numba flag sets, fp16/bf16 decoding, target CPU features (every kernel module takes them from here)
     tiles      row tiles: float32 tile arithmetic, prefetch and 8-bit bit helpers
     registry   BlockFormat and @kernel declarations, lookup, describe, matmul
     packing    Weight, Arena, pack / pack_concat, the one repacker; dequantize, get_rows (NumPy)
@@ -15,6 +15,7 @@ quant family declares its block format and its kernels in the ``registry``, and
     act8       8-bit activations (``--activations q8``) for Q4_0, Q4_1, Q8_0, Q4_K, Q6_K;
     act8_ir      its block dot products in LLVM IR
     threads    threading layer, set_threads, AutoThreads
+    probe      the machine's limits for bench: read bandwidth, int8 multiply-add peak
 
 Activations are float32 by default; ``q8`` quantizes them to 8 bits per block, as llama.cpp
 does (:mod:`llamatrace.kernels.act8`).
