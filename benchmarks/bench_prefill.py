@@ -42,13 +42,13 @@ def kernels(qtype, w):
     """(per-row kernel, microkernel), each ``f(x, out)``."""
     if qtype == T.Q4_K:
         return (lambda x, o: act8._matmul_q4k(x, w.qs, w.d, w.m, o),
-                lambda x, o: act8._prefill_q4k(x, w.qs, w.d, w.m, o))
+                lambda x, o: act8._prefill(x, w.qs, w.d, w.m, np.float32(0.0), act8.PREFILL_Q4K, o))
     if qtype == T.Q6_K:
         return (lambda x, o: act8._matmul_q6k(x, w.qs, w.d, o),
                 lambda x, o: act8._prefill_q6k(x, w.qs, w.d, o, numba.get_num_threads()))
     m, m_scale = (w.m, np.float32(1.0)) if qtype == T.Q4_1 else (w.d, np.float32(-8.0))
     return (lambda x, o: act8._matmul_q4(x, w.qs, w.d, m, m_scale, False, o),
-            lambda x, o: act8._prefill_q4(x, w.qs, w.d, m, m_scale, o))
+            lambda x, o: act8._prefill(x, w.qs, w.d, m, m_scale, act8.PREFILL_Q4, o))
 
 
 def best_of(f, x, out, repeat: int) -> float:

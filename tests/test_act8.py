@@ -175,8 +175,8 @@ def test_extreme_quants_do_not_overflow(qtype):
     np.testing.assert_allclose(matmul(x, w), want, rtol=1e-6, atol=0)
 
 
-PREFILL = {T.Q4_0: (act8._prefill_q4, act8._matmul_q4), T.Q4_1: (act8._prefill_q4, act8._matmul_q4),
-           T.Q4_K: (act8._prefill_q4k, act8._matmul_q4k), T.Q6_K: (act8._prefill_q6k, act8._matmul_q6k)}
+PREFILL = {T.Q4_0: (act8._prefill, act8._matmul_q4), T.Q4_1: (act8._prefill, act8._matmul_q4),
+           T.Q4_K: (act8._prefill, act8._matmul_q4k), T.Q6_K: (act8._prefill_q6k, act8._matmul_q6k)}
 
 
 @pytest.mark.parametrize("qtype", PREFILL, ids=lambda q: q.name)
@@ -194,14 +194,14 @@ def test_prefill_microkernels_equal_the_per_row_kernels_and_twins(qtype, n_seq):
         twin = act8.matmul_q6k_np(x, w.qs, w.d)
         np.testing.assert_array_equal(got, want)          # bit for bit
     elif qtype == T.Q4_K:
-        prefill(x, w.qs, w.d, w.m, got)
+        prefill(x, w.qs, w.d, w.m, np.float32(0.0), act8.PREFILL_Q4K, got)
         per_row(x, w.qs, w.d, w.m, want)
         twin = act8.matmul_q4k_np(x, w.qs, w.d, w.m)
         # the same float32 operations, contracted into FMAs in other places
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
     else:
         m, m_scale = (w.m, np.float32(1.0)) if qtype == T.Q4_1 else (w.d, np.float32(-8.0))
-        prefill(x, w.qs, w.d, m, m_scale, got)
+        prefill(x, w.qs, w.d, m, m_scale, act8.PREFILL_Q4, got)
         per_row(x, w.qs, w.d, m, m_scale, False, want)
         twin = act8.matmul_q4_np(x, w.qs, w.d, m, m_scale)
         np.testing.assert_array_equal(got, want)          # bit for bit

@@ -187,11 +187,15 @@ def _quantize(x, xq, xd, xs):
 
 
 @njit(**JIT_EXACT)
+def _q8_buffers(n_seq, n):
+    """Empty ``xq`` int8 [n_seq, n], ``xd`` and ``xs`` float32 [n_seq, n/32]."""
+    return (np.empty((n_seq, n), np.int8), np.empty((n_seq, n // QK), np.float32),
+            np.empty((n_seq, n // QK), np.float32))
+
+
+@njit(**JIT_EXACT)
 def _quantized(x):
-    n_seq, n = x.shape
-    xq = np.empty((n_seq, n), np.int8)
-    xd = np.empty((n_seq, n // QK), np.float32)
-    xs = np.empty((n_seq, n // QK), np.float32)
+    xq, xd, xs = _q8_buffers(x.shape[0], x.shape[1])
     _quantize(x, xq, xd, xs)
     return xq, xd, xs
 
@@ -200,11 +204,8 @@ def _quantized(x):
 def _quantized_rows(x):
     """:func:`_quantized` with the rows shared among the threads, for the prefill kernels (128
     rows of 14336 took 4.5 ms on one thread, ~7 % of an 8B prefill)."""
-    n_seq, n = x.shape
-    xq = np.empty((n_seq, n), np.int8)
-    xd = np.empty((n_seq, n // QK), np.float32)
-    xs = np.empty((n_seq, n // QK), np.float32)
-    for s in prange(n_seq):
+    xq, xd, xs = _q8_buffers(x.shape[0], x.shape[1])
+    for s in prange(x.shape[0]):
         _quantize(x[s:s + 1], xq[s:s + 1], xd[s:s + 1], xs[s:s + 1])
     return xq, xd, xs
 
@@ -272,11 +273,15 @@ def _quantize_k(x, xq, xd, xsum):
 
 
 @njit(**JIT_EXACT)
+def _k_buffers(n_seq, n):
+    """Empty ``xq`` int8 [n_seq, n], ``xd`` float32 [n_seq, n/256], ``xsum`` int32 [n_seq, n/16]."""
+    return (np.empty((n_seq, n), np.int8), np.empty((n_seq, n // QK_K), np.float32),
+            np.empty((n_seq, n // 16), np.int32))
+
+
+@njit(**JIT_EXACT)
 def _quantized_k(x):
-    n_seq, n = x.shape
-    xq = np.empty((n_seq, n), np.int8)
-    xd = np.empty((n_seq, n // QK_K), np.float32)
-    xsum = np.empty((n_seq, n // 16), np.int32)
+    xq, xd, xsum = _k_buffers(x.shape[0], x.shape[1])
     _quantize_k(x, xq, xd, xsum)
     return xq, xd, xsum
 
@@ -284,11 +289,8 @@ def _quantized_k(x):
 @njit(**JIT_EXACT_PARALLEL)
 def _quantized_k_rows(x):
     """:func:`_quantized_k` with the rows shared among the threads (as :func:`_quantized_rows`)."""
-    n_seq, n = x.shape
-    xq = np.empty((n_seq, n), np.int8)
-    xd = np.empty((n_seq, n // QK_K), np.float32)
-    xsum = np.empty((n_seq, n // 16), np.int32)
-    for s in prange(n_seq):
+    xq, xd, xsum = _k_buffers(x.shape[0], x.shape[1])
+    for s in prange(x.shape[0]):
         _quantize_k(x[s:s + 1], xq[s:s + 1], xd[s:s + 1], xsum[s:s + 1])
     return xq, xd, xsum
 
@@ -348,60 +350,44 @@ LANES = prefill_lanes()                                  # weight rows per micro
 NS_Q4, NS_Q4K, NS_Q6K = PREFILL_ROWS["q4"], PREFILL_ROWS["q4k"], PREFILL_ROWS["q6k"]  # activation rows a call
 
 
+PREFILL_Q4, PREFILL_Q4K = 0, 1       # _prefill's kinds
+
+
 @njit(**JIT_PARALLEL)
-def _prefill_q4(x, qs, d, m, m_scale, out):
-    """As :func:`_matmul_q4` for Q4_0 / Q4_1, for many rows of x: each call of the microkernel
-    (:func:`llamatrace.kernels.act8_ir.prefill_q4`) runs :data:`NS_Q4` rows of x (then 4, then
-    one at a time for the rows left) against :data:`LANES` rows of a tile over every block, its
-    sums in registers, each block's nibbles unpacked once for all those rows; the same float32
-    operations in the same order as :func:`_matmul_q4`, so the same bits."""
+def _prefill(x, qs, d, m, m_scale, kind, out):
+    """As :func:`_matmul_q4` (``kind`` :data:`PREFILL_Q4`: Q4_0 / Q4_1) or :func:`_matmul_q4k`
+    (:data:`PREFILL_Q4K`, ``m_scale`` unused) for many rows of x. Each call of a microkernel
+    (:func:`llamatrace.kernels.act8_ir.prefill_q4`, :func:`~llamatrace.kernels.act8_ir.prefill_q4k`)
+    runs :data:`NS_Q4` / :data:`NS_Q4K` rows of x (then 4, then one at a time for the rows left)
+    against :data:`LANES` rows of a tile over every block, its sums in registers, each block's
+    nibbles unpacked once for all those rows. Q4: the same float32 operations in the same order as
+    :func:`_matmul_q4`, so the same bits; Q4_K: contracted into FMAs where they can be (within
+    1e-6 of :func:`_matmul_q4k`)."""
     xq, xd, xs = _quantized_rows(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
+    most = NS_Q4 if kind == PREFILL_Q4 else NS_Q4K
     for t in prange(n_tiles):
-        res = np.empty((NS_Q4, TR), np.float32)
-        flat = res.reshape(NS_Q4 * TR)
+        res = np.empty((most, TR), np.float32)
+        flat = res.reshape(most * TR)
         q_at = t * n_blocks * block
         dm_at = t * n_blocks * TR
         s0 = 0
         while s0 < n_seq:
-            ns = NS_Q4 if s0 + NS_Q4 <= n_seq else 4 if s0 + 4 <= n_seq else 1
+            ns = most if s0 + most <= n_seq else 4 if s0 + 4 <= n_seq else 1
             for r in range(0, TR, LANES):
-                if ns == NS_Q4:
+                if kind == PREFILL_Q4K:
+                    if ns == NS_Q4K:
+                        prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                    else:
+                        prefill_q4k_1row(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                elif ns == NS_Q4:
                     prefill_q4(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                 elif ns == 4:
                     prefill_q4_4rows(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                 else:
                     prefill_q4_1row(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
-            for i in range(ns):
-                tiles.store_tile(res[i], out, s0 + i, t)
-            s0 += ns
-
-
-@njit(**JIT_PARALLEL)
-def _prefill_q4k(x, qs, d, m, out):
-    """As :func:`_matmul_q4k` for many rows of x, with :func:`_prefill_q4`'s microkernel scheme
-    (:func:`llamatrace.kernels.act8_ir.prefill_q4k`, :data:`NS_Q4K` rows of x a call): the same
-    float32 operations, contracted into FMAs where they can be (within 1e-6 of :func:`_matmul_q4k`)."""
-    xq, xd, xs = _quantized_rows(x)
-    n_seq = xq.shape[0]
-    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    block = qs.shape[2] * TR
-    unused = np.float32(0.0)
-    for t in prange(n_tiles):
-        res = np.empty((NS_Q4K, TR), np.float32)
-        flat = res.reshape(NS_Q4K * TR)
-        q_at = t * n_blocks * block
-        dm_at = t * n_blocks * TR
-        s0 = 0
-        while s0 < n_seq:
-            ns = NS_Q4K if s0 + NS_Q4K <= n_seq else 1
-            for r in range(0, TR, LANES):
-                if ns == NS_Q4K:
-                    prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, unused, flat, r)
-                else:
-                    prefill_q4k_1row(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, unused, flat, r)
             for i in range(ns):
                 tiles.store_tile(res[i], out, s0 + i, t)
             s0 += ns
@@ -584,7 +570,7 @@ def matmul_q4_0(x, w, out):
 
 @kernel(_T.Q4_0, "q8", "prefill")
 def prefill_q4_0(x, w, out):
-    _prefill_q4(x, w.qs, w.d, w.d, _MINUS_8, out)
+    _prefill(x, w.qs, w.d, w.d, _MINUS_8, PREFILL_Q4, out)
 
 
 @kernel(_T.Q4_1, "q8", "decode")
@@ -594,7 +580,7 @@ def matmul_q4_1(x, w, out):
 
 @kernel(_T.Q4_1, "q8", "prefill")
 def prefill_q4_1(x, w, out):
-    _prefill_q4(x, w.qs, w.d, w.m, _ONE, out)
+    _prefill(x, w.qs, w.d, w.m, _ONE, PREFILL_Q4, out)
 
 
 @kernel(_T.Q8_0, "q8", _BOTH)
@@ -609,7 +595,7 @@ def matmul_q4_k(x, w, out):
 
 @kernel(_T.Q4_K, "q8", "prefill")
 def prefill_q4_k(x, w, out):
-    _prefill_q4k(x, w.qs, w.d, w.m, out)
+    _prefill(x, w.qs, w.d, w.m, _ZERO, PREFILL_Q4K, out)
 
 
 @kernel(_T.Q6_K, "q8", "decode")
