@@ -2,7 +2,7 @@
 
     python benchmarks/bench_prefill.py [--rows 128] [--repeat 5]
 
-For Q4_0, Q4_1, Q4_K ([14336, 4096], as ffn_gate/ffn_up) and Q6_K ([4096, 14336], as ffn_down):
+For Q4_0, Q4_1, Q8_0, Q4_K ([14336, 4096], as ffn_gate/ffn_up) and Q6_K ([4096, 14336], as ffn_down):
 milliseconds per call (best of --repeat), int8 multiply-adds per second, and whether the two
 kernels' outputs are the same bits (else their largest difference relative to the largest output).
 Weights are random blocks with small fp16 scales. The machine may be shared: compare numbers
@@ -21,7 +21,8 @@ import numpy as np
 from llamatrace.kernels import act8, packing
 
 T = gguf.GGMLQuantizationType
-SHAPES = {T.Q4_0: (14336, 4096), T.Q4_1: (14336, 4096), T.Q4_K: (14336, 4096), T.Q6_K: (4096, 14336)}
+SHAPES = {T.Q4_0: (14336, 4096), T.Q4_1: (14336, 4096), T.Q8_0: (14336, 4096), T.Q4_K: (14336, 4096),
+          T.Q6_K: (4096, 14336)}
 _F16 = {v: np.frombuffer(np.float16(v).tobytes(), np.uint8) for v in (0.01, 0.002, -0.05)}
 
 
@@ -46,6 +47,9 @@ def kernels(qtype, w):
     if qtype == T.Q6_K:
         return (lambda x, o: act8._matmul_q6k(x, w.qs, w.d, o),
                 lambda x, o: act8._prefill_q6k(x, w.qs, w.d, o, numba.get_num_threads()))
+    if qtype == T.Q8_0:
+        return (lambda x, o: act8._matmul_q4(x, w.qs, w.d, w.d, np.float32(0.0), True, o),
+                lambda x, o: act8._prefill(x, w.qs, w.d, w.d, np.float32(0.0), act8.PREFILL_Q8, o))
     m, m_scale = (w.m, np.float32(1.0)) if qtype == T.Q4_1 else (w.d, np.float32(-8.0))
     return (lambda x, o: act8._matmul_q4(x, w.qs, w.d, m, m_scale, False, o),
             lambda x, o: act8._prefill(x, w.qs, w.d, m, m_scale, act8.PREFILL_Q4, o))

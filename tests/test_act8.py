@@ -176,6 +176,7 @@ def test_extreme_quants_do_not_overflow(qtype):
 
 
 PREFILL = {T.Q4_0: (act8._prefill, act8._matmul_q4), T.Q4_1: (act8._prefill, act8._matmul_q4),
+           T.Q8_0: (act8._prefill, act8._matmul_q4),
            T.Q4_K: (act8._prefill, act8._matmul_q4k), T.Q6_K: (act8._prefill_q6k, act8._matmul_q6k)}
 
 
@@ -198,6 +199,12 @@ def test_prefill_microkernels_equal_the_per_row_kernels_and_twins(qtype, n_seq):
         per_row(x, w.qs, w.d, w.m, want)
         twin = act8.matmul_q4k_np(x, w.qs, w.d, w.m)
         # the same float32 operations, contracted into FMAs in other places
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    elif qtype == T.Q8_0:
+        prefill(x, w.qs, w.d, w.d, np.float32(0.0), act8.PREFILL_Q8, got)
+        per_row(x, w.qs, w.d, w.d, np.float32(0.0), True, want)
+        twin = act8.matmul_q8_np(x, w.qs, w.d)
+        # the same integer sums; the per-row kernel's float32 rounds once more (its m * 0 term)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
     else:
         m, m_scale = (w.m, np.float32(1.0)) if qtype == T.Q4_1 else (w.d, np.float32(-8.0))

@@ -68,6 +68,7 @@ from numba import njit, prange
 from llamatrace.kernels import tiles
 from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, isum_q4, isum_q4k, isum_q6k, isum_q8, isum_u8_16,
                                         PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
+                                        prefill_q8, prefill_q8_1row, prefill_q8_4rows,
                                         prefill_q4k_1row, prefill_q6k, prefill_q6k_1row,
                                         unpack_q6k)
 from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_PARALLEL, f16, f16_np
@@ -347,27 +348,36 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
 
 
 LANES = prefill_lanes()                                  # weight rows per microkernel call
-NS_Q4, NS_Q4K, NS_Q6K = PREFILL_ROWS["q4"], PREFILL_ROWS["q4k"], PREFILL_ROWS["q6k"]  # activation rows a call
+NS_Q4, NS_Q8, NS_Q4K, NS_Q6K = (PREFILL_ROWS[k] for k in ("q4", "q8", "q4k", "q6k"))   # activation rows a call
 
 
-PREFILL_Q4, PREFILL_Q4K = 0, 1       # _prefill's kinds
+PREFILL_Q4, PREFILL_Q8, PREFILL_Q4K = 0, 1, 2       # _prefill's kinds
 
 
 @njit(**JIT_PARALLEL)
 def _prefill(x, qs, d, m, m_scale, kind, out):
-    """As :func:`_matmul_q4` (``kind`` :data:`PREFILL_Q4`: Q4_0 / Q4_1) or :func:`_matmul_q4k`
-    (:data:`PREFILL_Q4K`, ``m_scale`` unused) for many rows of x. Each call of a microkernel
+    """As :func:`_matmul_q4` (``kind`` :data:`PREFILL_Q4`: Q4_0 / Q4_1; :data:`PREFILL_Q8`:
+    Q8_0, ``m_scale`` unused) or :func:`_matmul_q4k` (:data:`PREFILL_Q4K`, ``m_scale`` unused)
+    for many rows of x. Each call of a microkernel
     (:func:`llamatrace.kernels.act8_ir.prefill_q4`, :func:`~llamatrace.kernels.act8_ir.prefill_q4k`)
     runs :data:`NS_Q4` / :data:`NS_Q4K` rows of x (then 4, then one at a time for the rows left)
     against :data:`LANES` rows of a tile over every block, its sums in registers, each block's
     nibbles unpacked once for all those rows. Q4: the same float32 operations in the same order as
-    :func:`_matmul_q4`, so the same bits; Q4_K: contracted into FMAs where they can be (within
+    :func:`_matmul_q4`, so the same bits; Q8_0: the same int32 sums (``(q + 128) * x`` less
+    ``128 * sum(x)``) and float32 operations without the zero offset term, within 1e-6; Q4_K: contracted into FMAs where they can be (within
     1e-6 of :func:`_matmul_q4k`)."""
     xq, xd, xs = _quantized_rows(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
-    most = NS_Q4 if kind == PREFILL_Q4 else NS_Q4K
+    most = NS_Q4 if kind == PREFILL_Q4 else NS_Q8 if kind == PREFILL_Q8 else NS_Q4K
+    xsi = np.zeros((n_seq if kind == PREFILL_Q8 else 0, n_blocks), np.int32)     # Q8_0: sums of xq
+    for s in prange(xsi.shape[0]):
+        for b in range(n_blocks):
+            total = 0
+            for j in range(QK):
+                total += xq[s, b * QK + j]
+            xsi[s, b] = total
     for t in prange(n_tiles):
         res = np.empty((most, TR), np.float32)
         flat = res.reshape(most * TR)
@@ -377,7 +387,14 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
         while s0 < n_seq:
             ns = most if s0 + most <= n_seq else 4 if s0 + 4 <= n_seq else 1
             for r in range(0, TR, LANES):
-                if kind == PREFILL_Q4K:
+                if kind == PREFILL_Q8:
+                    if ns == NS_Q8:
+                        prefill_q8(qs, q_at, xq, xd, xsi, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                    elif ns == 4:
+                        prefill_q8_4rows(qs, q_at, xq, xd, xsi, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                    else:
+                        prefill_q8_1row(qs, q_at, xq, xd, xsi, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                elif kind == PREFILL_Q4K:
                     if ns == NS_Q4K:
                         prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                     else:
@@ -560,7 +577,6 @@ def matmul_q6k_np(x, qs, d) -> np.ndarray:
 
 
 _ONE, _ZERO, _MINUS_8 = np.float32(1.0), np.float32(0.0), np.float32(-8.0)
-_BOTH = ("decode", "prefill")   # one kernel each: a block is loaded once and used by every row of x
 
 
 @kernel(_T.Q4_0, "q8", "decode")
@@ -583,9 +599,14 @@ def prefill_q4_1(x, w, out):
     _prefill(x, w.qs, w.d, w.m, _ONE, PREFILL_Q4, out)
 
 
-@kernel(_T.Q8_0, "q8", _BOTH)
+@kernel(_T.Q8_0, "q8", "decode")
 def matmul_q8_0(x, w, out):
     _matmul_q4(x, w.qs, w.d, w.d, _ZERO, True, out)
+
+
+@kernel(_T.Q8_0, "q8", "prefill")
+def prefill_q8_0(x, w, out):
+    _prefill(x, w.qs, w.d, w.d, _ZERO, PREFILL_Q8, out)
 
 
 @kernel(_T.Q4_K, "q8", "decode")

@@ -342,6 +342,8 @@ class _Tile:
                                                     ir.FunctionType(_V16I16, [_V32I8, _V32I8]))
             self.maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
                                                    ir.FunctionType(_V8I32, [_V16I16, _V16I16]))
+            self.sign = module.declare_intrinsic("llvm.x86.avx2.psign.b", (),
+                                                 ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
         self.fma_fn = module.declare_intrinsic(f"llvm.fma.v{lanes}f32", (), ir.FunctionType(self.vf, [self.vf] * 3))
 
     def i64(self, v):
@@ -374,21 +376,26 @@ class _Tile:
         """``lanes`` unsigned bytes at ``p + offset`` as float32."""
         return self.b.uitofp(self.load(p, offset, ir.VectorType(ir.IntType(8), self.lanes)), self.vf)
 
-    def isum(self, pairs):
+    def isum(self, pairs, wide: bool = False):
         """int32 lanes: the sum over ``pairs`` of (unsigned weight bytes, activation bytes) of
         4-byte dot products (VNNI: a chain of ``vpdpbusd``; AVX2: int16 sums, which cannot overflow
-        within a Q4 block or a Q4_K sub-block, then to int32)."""
+        within a Q4 block or a Q4_K sub-block, then to int32; ``wide``: each pair to int32 at once,
+        for Q8_0's pairs of up to 2 * 128 * 127)."""
         b = self.b
         if self.vnni:
             acc = ir.Constant(self.vi32, [0] * self.lanes)
             for u8, s8 in pairs:
                 acc = b.call(self.dpbusd, [acc, b.bitcast(u8, self.vi32), b.bitcast(s8, self.vi32)])
             return acc
-        s16 = None
+        ones, s16, s32 = ir.Constant(_V16I16, [1] * 16), None, None
         for u8, s8 in pairs:
             part = b.call(self.maddubs, [u8, s8])
-            s16 = part if s16 is None else b.add(s16, part)
-        return b.call(self.maddwd, [s16, ir.Constant(_V16I16, [1] * 16)])
+            if wide:
+                part = b.call(self.maddwd, [part, ones])
+                s32 = part if s32 is None else b.add(s32, part)
+            else:
+                s16 = part if s16 is None else b.add(s16, part)
+        return s32 if wide else b.call(self.maddwd, [s16, ones])
 
     def fma(self, a, x, y):
         return self.b.call(self.fma_fn, [a, x, y])
@@ -421,37 +428,47 @@ class _Tile:
         return outs
 
 
-def _prefill_q4_ir(k: _Tile, args, ns: int):
-    """:func:`prefill_q4`'s body: ``args`` as its signature, arrays as data pointers."""
+def _prefill_q4_ir(k: _Tile, args, ns: int, signed: bool = False):
+    """:func:`prefill_q4`'s body (``signed``: :func:`prefill_q8`'s): ``args`` as its signature,
+    arrays as data pointers."""
     (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, _, r_at) = args
     b, c64 = k.b, k.c64
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
     q_at, dm_at = b.add(q_at, b.mul(r_at, c64(4))), b.add(dm_at, r_at)     # the rows' first bytes, scales
     n_in = b.mul(n_blocks, c64(32))
     mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
+    flip, seven = ir.Constant(k.vi8, [0x80] * (4 * k.lanes)), ir.Constant(k.vi32, [7] * k.lanes)
 
     def body(blk, accs):
-        qb = b.add(q_at, b.mul(blk, c64(16 * TR)))
-        lo, hi = [], []
-        for g in range(4):              # bytes 4g..4g+3 of each row: weights 4g.. and 16 + 4g..
-            v = k.load(qs, b.add(qb, c64(g * TR * 4)), k.vi8)
-            lo.append(b.and_(v, mask))
-            hi.append(b.lshr(v, four))
+        qb = b.add(q_at, b.mul(blk, c64((32 if signed else 16) * TR)))
+        if signed:      # Q8_0, VNNI: q + 128 is unsigned; the 128 * sum(x) it adds comes off below
+            v = [k.load(qs, b.add(qb, c64(g * TR * 4)), k.vi8) for g in range(8)]
+            halves = [[(b.xor(v[g], flip) if k.vnni else v[g], 4 * g) for g in h] for h in (range(4), range(4, 8))]
+        else:           # bytes 4g..4g+3 of each row: weights 4g.. (low nibbles) and 16 + 4g.. (high)
+            v = [k.load(qs, b.add(qb, c64(g * TR * 4)), k.vi8) for g in range(4)]
+            halves = [[(b.and_(v[g], mask), 4 * g) for g in range(4)],
+                      [(b.lshr(v[g], four), 16 + 4 * g) for g in range(4)]]
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         dvec, mvec = k.halves(d, dm), k.halves(m, dm)
         new = []
         for i, acc in enumerate(accs):
             row = b.add(s0, c64(i))
             xrow = b.add(b.mul(row, n_in), b.mul(blk, c64(32)))
-            # two chains of 4 (the low and the high nibbles), not one of 8: vpdpbusd's latency
-            isum = b.add(k.isum([(lo[g], k.bytes4(xq, b.add(xrow, c64(4 * g)))) for g in range(4)]),
-                         k.isum([(hi[g], k.bytes4(xq, b.add(xrow, c64(16 + 4 * g)))) for g in range(4)]))
             at = b.add(b.mul(row, n_blocks), blk)
-            dx = b.load(b.gep(xd, [at]), align=4)
+            pairs = [[(u8, k.bytes4(xq, b.add(xrow, c64(x_at)))) for u8, x_at in h] for h in halves]
+            if signed and not k.vnni:   # AVX2: |q| * (sign(q) x), as _block_ir (q + 128 would saturate int16)
+                pairs = [[(b.call(k.sign, [q, q]), b.call(k.sign, [x, q])) for q, x in h] for h in pairs]
+            # two chains of 4, not one of 8: vpdpbusd's latency
+            isum = b.add(*(k.isum(h, wide=signed) for h in pairs))
+            dfx = b.fmul(dvec, k.splat(b.load(b.gep(xd, [at]), align=4), k.vf))
+            if signed:  # no offset term (m_scale 0 in _matmul_q4); VNNI: xs holds the blocks' sums of x
+                if k.vnni:
+                    isum = b.sub(isum, b.shl(k.splat(b.load(b.gep(xs, [at]), align=4), k.vi32), seven))
+                new.append(b.fadd(acc, b.fmul(dfx, b.sitofp(isum, k.vf))))
+                continue
             ms = b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4))
             # (d * dx) * isum + m * ms, then + acc: _matmul_q4's float32 operations, in its order
-            term = k.fma(b.fmul(dvec, k.splat(dx, k.vf)), b.sitofp(isum, k.vf), b.fmul(mvec, k.splat(ms, k.vf)))
-            new.append(b.fadd(acc, term))
+            new.append(b.fadd(acc, k.fma(dfx, b.sitofp(isum, k.vf), b.fmul(mvec, k.splat(ms, k.vf)))))
         return new
 
     return k.block_loop(n_blocks, ns, body)
@@ -547,7 +564,8 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
 
 
 def _prefill_intrinsic(kind: str, ns: int, doc: str):
-    emit = {"q4": _prefill_q4_ir, "q4k": _prefill_q4k_ir, "q6k": _prefill_q6k_ir}[kind]
+    emit = {"q4": _prefill_q4_ir, "q8": lambda *a: _prefill_q4_ir(*a, signed=True), "q4k": _prefill_q4k_ir,
+            "q6k": _prefill_q6k_ir}[kind]
 
     def typer(typingctx, qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, r_at):
         if not all(isinstance(a, types.Array) for a in (qs, xq, xd, xs, d, m, res)):
@@ -578,7 +596,7 @@ sum over every block of one tile's rows ``r_at + l``, ``l < prefill_lanes()`` (t
 at byte ``q_at`` of ``qs``, its scales at ``dm_at`` of ``d`` and ``m``) times activation rows
 ``s0 + i`` of ``xq``, ``xd``, ``xs``; the sums stay in registers over every block and each block's
 nibbles are unpacked once for all the rows. {what}"""
-PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q4k": 4, "q6k": 4}
+PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q8": 8 if prefill_lanes() == 16 else 4, "q4k": 4, "q6k": 4}
 """Activation rows per call of the prefill microkernels: as many as the registers hold with the
 block's unpacked weights (Q4 [14336, 4096] x 128 rows, zmm: 8 rows 326-335 G multiply-adds/s
 against 4 rows' 308-320; Q4_K, whose block chunk keeps 16 registers of nibbles: 4 rows 308, 8
@@ -587,6 +605,10 @@ prefill_q4 = _prefill_intrinsic("q4", PREFILL_ROWS["q4"], _PREFILL_DOC.format(
     ns=PREFILL_ROWS["q4"], what="Q4_0 / Q4_1: ``(d * xd) * isum + m * (m_scale * xs)``."))
 prefill_q4_4rows = _prefill_intrinsic("q4", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q4`."))
 prefill_q4_1row = _prefill_intrinsic("q4", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4`."))
+prefill_q8 = _prefill_intrinsic("q8", PREFILL_ROWS["q8"], _PREFILL_DOC.format(
+    ns=PREFILL_ROWS["q8"], what="Q8_0: ``(d * xd) * (isum(q + 128) - 128 * sum x)``, ``xs`` the blocks' int32 sums of ``xq``."))
+prefill_q8_4rows = _prefill_intrinsic("q8", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q8`."))
+prefill_q8_1row = _prefill_intrinsic("q8", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q8`."))
 prefill_q4k = _prefill_intrinsic("q4k", 4, _PREFILL_DOC.format(
     ns=4, what="Q4_K, per sub-block pair: ``d * (sc dx isum + ...) - dmin * (mn xs + ...)`` (``m_scale`` unused)."))
 prefill_q4k_1row = _prefill_intrinsic("q4k", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4k`."))
