@@ -106,7 +106,7 @@ def default_activations(path: Path) -> str:
     arithmetic) for models of :data:`Q8_DEFAULT_PARAMS` parameters or more on CPUs with AVX2, else
     ``"f32"`` (HF's, the mode of every command that traces, compares or looks inside).
 
-    At 8B ``f32`` prefill runs at ~0.5-0.7x llama.cpp's and ``q8`` at ~1x (docs/performance.md);
+    At 8B ``f32`` prefill runs at ~0.5-0.7x llama.cpp's and ``q8`` at 1.2-1.9x (docs/performance.md);
     below 1B ``f32`` is already at llama.cpp's pace, and 8-bit rounding flips near-tied greedy
     choices of a small model often enough to be seen (SmolLM2-135M answers the README's question
     about France with "L'Étoile, la ..." in ``q8``, as llama.cpp does, "Paris" in ``f32``; its
