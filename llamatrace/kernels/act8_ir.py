@@ -15,6 +15,13 @@ byte products added to an int32 lane. The sums are exact either way (no int16 su
 overflow), so both paths give the same int32 sums, bit for bit; which one a kernel uses is
 decided when it is compiled (Numba's cache is per CPU). ``LLAMATRACE_VNNI=0`` turns it off (for
 A/B timings, with a fresh ``NUMBA_CACHE_DIR``).
+
+The prefill microkernels (:func:`prefill_q4`, :func:`prefill_q8`, :func:`prefill_q4k`,
+:func:`prefill_q6k`) go further: a whole loop over a tile's blocks in IR, several activation rows
+against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 in a ymm), the
+float32 sums kept in registers (phi nodes) from the first block to the last. Numba caches the
+kernels that call these by the calling module's source: after a change here, clear
+``llamatrace/kernels/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
 """
 
 from __future__ import annotations
@@ -313,7 +320,9 @@ isum_u8_16 = _isum_intrinsic("u8_16", """As :func:`isum_q6k` for a block unpacke
 
 
 # --------------------------------------------------------------------------------------------
-# prefill: a register-blocked microkernel for Q4_0 / Q4_1
+# prefill: register-blocked microkernels (Q4_0/Q4_1, Q8_0, Q4_K, Q6_K), after llamafile's tinyBLAS:
+# a call runs a few activation rows against one register of weight rows over every block of a
+# tile, the float32 sums in registers from the first block to the last (act8's _prefill drives them)
 
 
 def prefill_lanes() -> int:
