@@ -55,6 +55,13 @@ def has_vnni() -> bool:
     return {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features
 
 
+def _avx2_intrinsics(module):
+    """``pmaddubsw``, ``pmaddwd`` and ``psignb`` on 256-bit vectors, declared in ``module``."""
+    return (module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (), ir.FunctionType(_V16I16, [_V32I8, _V32I8])),
+            module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (), ir.FunctionType(_V8I32, [_V16I16, _V16I16])),
+            module.declare_intrinsic("llvm.x86.avx2.psign.b", (), ir.FunctionType(_V32I8, [_V32I8, _V32I8])))
+
+
 class _Emit:
     """What every block intrinsic's IR needs. The intrinsics take ``(a, a_offset, b, b_offset,
     isum)`` or, for Q6_K, ``(a, a_offset, b, b_offset, xsum, xsum_offset, isum, prefetch)``:
@@ -71,12 +78,7 @@ class _Emit:
         self.prefetch_on = args[7] if len(args) == 8 else None
         self.out = data[-1]
         module = builder.module
-        self.maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
-                                                ir.FunctionType(_V16I16, [_V32I8, _V32I8]))
-        self.maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                               ir.FunctionType(_V8I32, [_V16I16, _V16I16]))
-        self.sign = module.declare_intrinsic("llvm.x86.avx2.psign.b", (),
-                                             ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
+        self.maddubs, self.maddwd, self.sign = _avx2_intrinsics(module)
         self.ones = ir.Constant(_V16I16, [1] * 16)
         self.vnni = has_vnni()
         if self.vnni:
@@ -347,12 +349,7 @@ class _Tile:
             self.dpbusd = module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", (),
                                                    ir.FunctionType(self.vi32, [self.vi32] * 3))
         else:
-            self.maddubs = module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", (),
-                                                    ir.FunctionType(_V16I16, [_V32I8, _V32I8]))
-            self.maddwd = module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", (),
-                                                   ir.FunctionType(_V8I32, [_V16I16, _V16I16]))
-            self.sign = module.declare_intrinsic("llvm.x86.avx2.psign.b", (),
-                                                 ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
+            self.maddubs, self.maddwd, self.sign = _avx2_intrinsics(module)
         self.fma_fn = module.declare_intrinsic(f"llvm.fma.v{lanes}f32", (), ir.FunctionType(self.vf, [self.vf] * 3))
 
     def i64(self, v):
