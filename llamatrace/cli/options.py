@@ -32,7 +32,7 @@ ActivationsOpt = Annotated[str, typer.Option(
 RunActivationsOpt = Annotated[Optional[str], typer.Option(
     "--activations", metavar="f32|q8", help="Activations of the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matmuls: f32 "
     "(float32, HF's arithmetic) or q8 (8 bits per block of 32, llama.cpp's arithmetic, ~1e-2 off HF). "
-    "Default here: q8 for models of 1 B parameters or more (where f32 is ~2x slower than llama.cpp) "
+    "Default here: q8 for models of 1 B parameters or more (where f32 is 1.5-2x slower than llama.cpp) "
     "on CPUs with AVX2, else f32.", show_default=False)]
 CtxSizeOpt = Annotated[Optional[int], typer.Option(
     "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + tokens to generate, "

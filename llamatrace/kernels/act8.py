@@ -321,7 +321,7 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
     ``signed`` (Q8_0, with m_scale 0); d, m fp16 bits uint16 [T, B, TR]; out float32 [S, n_out].
 
     One parallel region over tiles; each block is loaded once and used by every row of x
-    while it is in L1 (so prefill and decode share the kernel)."""
+    while it is in L1. Decode runs it; prefill runs :func:`_prefill`, which keeps the sums in registers."""
     xq, xd, xs = _quantized(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
@@ -358,14 +358,14 @@ PREFILL_Q4, PREFILL_Q8, PREFILL_Q4K = 0, 1, 2       # _prefill's kinds
 def _prefill(x, qs, d, m, m_scale, kind, out):
     """As :func:`_matmul_q4` (``kind`` :data:`PREFILL_Q4`: Q4_0 / Q4_1; :data:`PREFILL_Q8`:
     Q8_0, ``m_scale`` unused) or :func:`_matmul_q4k` (:data:`PREFILL_Q4K`, ``m_scale`` unused)
-    for many rows of x. Each call of a microkernel
-    (:func:`llamatrace.kernels.act8_ir.prefill_q4`, :func:`~llamatrace.kernels.act8_ir.prefill_q4k`)
-    runs :data:`NS_Q4` / :data:`NS_Q4K` rows of x (then 4, then one at a time for the rows left)
-    against :data:`LANES` rows of a tile over every block, its sums in registers, each block's
-    nibbles unpacked once for all those rows. Q4: the same float32 operations in the same order as
-    :func:`_matmul_q4`, so the same bits; Q8_0: the same int32 sums (``(q + 128) * x`` less
-    ``128 * sum(x)``) and float32 operations without the zero offset term, within 1e-6; Q4_K: contracted into FMAs where they can be (within
-    1e-6 of :func:`_matmul_q4k`)."""
+    for many rows of x. Each call of a microkernel (:mod:`llamatrace.kernels.act8_ir`'s
+    ``prefill_q4``, ``prefill_q8``, ``prefill_q4k``) runs :data:`NS_Q4` / :data:`NS_Q8` /
+    :data:`NS_Q4K` rows of x (then 4, then one at a time for the rows left) against :data:`LANES`
+    rows of a tile over every block, its sums in registers, each block's weights unpacked once for
+    all those rows. Q4: the same float32 operations in the same order as :func:`_matmul_q4`, so
+    the same bits; Q8_0: the same int32 sums, the float32 ones without the zero offset term
+    (within 1e-6); Q4_K: contracted into FMAs where they can be (within 1e-6 of :func:`_matmul_q4k`).
+    x float32 [S, B*32] (Q4_K: [S, B*256]); out float32 [S, n_out]."""
     xq, xd, xs = _quantized_rows(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
