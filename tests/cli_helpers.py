@@ -13,7 +13,8 @@ def run(capsys, *args) -> tuple[int, str, str]:
 
 
 def one_error_line(err: str) -> str:
-    """The one ``error:`` line of a failed command's stderr (and no traceback)."""
+    """The one ``error:`` line of a failed command's stderr (and no traceback): nothing else, as
+    the suite runs with ``LLAMATRACE_QUIET=1`` (tests/conftest.py), which turns status lines off."""
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in err, err
     return lines[0]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -9,6 +10,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from gguf_factory import T, write_tiny_llama  # noqa: E402
+
+# Status lines (loading, compiling, fetching, progress) appear or not depending on the terminal
+# and on timing: a warm-up slower than a second says so. Tests compare stderr exactly, so the
+# whole suite runs without them: in this process and in every subprocess, which inherit it. The
+# tests of the status lines themselves unset it (monkeypatch.delenv).
+os.environ["LLAMATRACE_QUIET"] = "1"
 
 # A shell starts background jobs (`pytest &`, nohup) with SIGINT ignored, and children inherit
 # the ignore: the Ctrl-C tests' subprocesses would never see their SIGINT. A handler (unlike

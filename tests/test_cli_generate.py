@@ -210,20 +210,3 @@ def test_prompt_bytes_without_a_token_are_one_warning_line_naming_them(capsys, s
     assert warnings == ["warning: the text contains bytes the vocabulary has no token for (0x04, 0x06); "
                         "they are dropped"]
     assert "UserWarning" not in err and ".py:" not in err
-
-
-def test_a_slow_kernel_warmup_says_so_when_stderr_is_not_a_terminal(capsys, tiny_model_path, monkeypatch):
-    # a first run compiles for ~30 s: a CI log or a pipe must not look hung
-    import time as _time
-
-    from llamatrace.cli import options
-    from llamatrace.model.llama import Llama
-    real = Llama.warmup
-    monkeypatch.setattr(Llama, "warmup", lambda self: (_time.sleep(1.5), real(self))[1])
-    monkeypatch.setattr(options, "numba_cache_is_cold", lambda: True)
-    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", tiny_model_path, "hi")
-    assert code == 0
-    assert "Compiling kernels (first run only" in err
-    monkeypatch.setattr(options, "numba_cache_is_cold", lambda: False)      # cached, but still slow
-    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", tiny_model_path, "hi")
-    assert code == 0 and "Loading kernels" in err and "Compiling" not in err

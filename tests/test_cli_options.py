@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,99 @@ def test_summary_line_is_one_line_on_a_narrow_non_terminal(tiny_model_path, tmp_
     assert result.returncode == 0, result.stderr
     summary = [ln for ln in result.stderr.splitlines() if "prompt tokens" in ln]
     assert len(summary) == 1 and len(summary[0]) > 80 and summary[0].rstrip().endswith("--max-tokens 3")
+
+
+# ---- status lines, --quiet ----------------------------------------------------------------------------
+# Whether a status line appears depends on timing (a warm-up slower than SLOW_WARMUP_S says so), so
+# these tests never wait for a duration: the warm-up is held until the status line has been given.
+HANG_GUARD_S = 300        # not a speed check: only turns a lost status line into a failure, not a hang
+WARM_LINE, COLD_LINE = "Loading kernels …", "Compiling kernels (first run only"
+
+
+@pytest.fixture
+def slow_warmup(monkeypatch):
+    """Status lines on (the suite runs with LLAMATRACE_QUIET=1), the kernel cache warm, and a
+    warm-up that ends only after the slow-warm-up status was given (printed or, when quiet,
+    not): "slow" by an event, whatever the machine's load."""
+    from llamatrace.cli import options
+    from llamatrace.model.llama import Llama
+    monkeypatch.delenv("LLAMATRACE_QUIET", raising=False)
+    monkeypatch.setattr(options, "numba_cache_is_cold", lambda: False)
+    monkeypatch.setattr(options, "SLOW_WARMUP_S", 0.0)
+    given, real_status, real_warmup = threading.Event(), options.status, Llama.warmup
+
+    def status(message):
+        real_status(message)
+        given.set()
+
+    def warmup(self):
+        assert given.wait(HANG_GUARD_S), "the slow-warm-up status was never given"
+        return real_warmup(self)
+    monkeypatch.setattr(options, "status", status)
+    monkeypatch.setattr(Llama, "warmup", warmup)
+    return monkeypatch
+
+
+def test_a_slow_warmup_is_a_status_line_and_quiet_turns_it_off(capsys, slow_warmup, tiny_model_path):
+    generate = ["generate", "--raw", "-n", "1", "-m", tiny_model_path, "hi"]
+    code, out, err = run(capsys, *generate)
+    assert code == 0 and err.splitlines()[0] == WARM_LINE and COLD_LINE not in err
+    for quiet in (["-q"], ["--quiet"]):
+        for args in ([*quiet, *generate], [*generate[:-1], *quiet, "hi"]):    # before or after the command
+            code, out, err = run(capsys, *args)
+            assert code == 0 and "kernels" not in err and len(err.splitlines()) == 1, err    # the summary alone
+    for value, shown in (("1", False), ("yes", False), ("0", True), ("", True)):
+        slow_warmup.setenv("LLAMATRACE_QUIET", value)
+        code, out, err = run(capsys, *generate)
+        assert code == 0 and (WARM_LINE in err) == shown, (value, err)
+
+
+def test_a_slow_warmup_before_an_error_leaves_one_error_line_when_quiet(capsys, slow_warmup, tiny_model_path):
+    # issue 37: the status line of a slow warm-up came before the error line the tests compare
+    bad = ["generate", "--raw", "-m", tiny_model_path, "--ablate", "attn_out@9", "hi"]   # checked after the load
+    code, out, err = run(capsys, *bad)
+    assert code == 2 and err.splitlines()[0] == WARM_LINE and err.splitlines()[-1].startswith("error:")
+    slow_warmup.setenv("LLAMATRACE_QUIET", "1")
+    code, out, err = run(capsys, *bad)
+    assert code == 2 and "layer 9 is out of range" in one_error_line(err)
+
+
+def test_a_first_run_says_it_compiles_unless_quiet(capsys, monkeypatch, tiny_model_path):
+    # a first run compiles for ~30 s: a CI log or a pipe must not look hung
+    from llamatrace.cli import options
+    monkeypatch.delenv("LLAMATRACE_QUIET", raising=False)
+    monkeypatch.setattr(options, "numba_cache_is_cold", lambda: True)
+    monkeypatch.setattr(options, "SLOW_WARMUP_S", 1e9)    # only the cold cache may cause the line
+    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", tiny_model_path, "hi")
+    assert code == 0 and err.startswith(COLD_LINE) and WARM_LINE not in err
+    code, out, err = run(capsys, "generate", "-q", "--raw", "-n", "1", "-m", tiny_model_path, "hi")
+    assert code == 0 and "kernels" not in err and len(err.splitlines()) == 1
+    # after `--`, -q is the prompt and status lines stay on
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", tiny_model_path, "--", "-q")
+    assert code == 0 and json.loads(out)["prompt"] == "-q" and err.startswith(COLD_LINE)
+
+
+def test_a_fast_warmup_prints_no_status_line(capsys, monkeypatch, tiny_model_path):
+    from llamatrace.cli import options
+    monkeypatch.delenv("LLAMATRACE_QUIET", raising=False)
+    monkeypatch.setattr(options, "numba_cache_is_cold", lambda: False)
+    monkeypatch.setattr(options, "SLOW_WARMUP_S", 1e9)    # "fast" by construction, not by the clock
+    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", tiny_model_path, "hi")
+    assert code == 0 and "kernels" not in err and len(err.splitlines()) == 1
+
+
+def test_quiet_draws_no_spinner_or_bar_on_a_terminal(capsys, monkeypatch, tiny_model_path):
+    from llamatrace.cli.app import err
+    monkeypatch.setattr(err, "_force_terminal", True)
+    code, out, err = run(capsys, "generate", "-q", "--raw", "-n", "1", "-m", tiny_model_path, "hi")
+    assert code == 0 and len(err.splitlines()) == 1 and "prompt token" in err, repr(err)
+    assert "\x1b" not in err                                    # no cursor or colour codes either
+
+
+def test_root_help_documents_quiet(capsys):
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--quiet" in text and "-q" in text and "LLAMATRACE_QUIET" in text
 
 
 # ---- Ctrl-C, python -m ------------------------------------------------------------------------------

@@ -191,11 +191,13 @@ def console_commands(block: Block) -> list[Command]:
 @pytest.fixture(scope="module")
 def readme_env(smollm2_path):
     """The environment a README reader has: the default model (resolved, so never fetched twice)
-    and this checkout's package; a wide terminal, as the README's tables were shown in."""
+    and this checkout's package; a wide terminal, as the README's tables were shown in; no status
+    lines (``LLAMATRACE_QUIET``: whether one appears depends on timing)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("LLAMATRACE_", "PYTEST_")) or k == "LLAMATRACE_CACHE_DIR"}
     env.update({"PYTHONPATH": str(REPO), "LLAMATRACE_MODEL": str(smollm2_path), "COLUMNS": "160",
-                "PYTHONIOENCODING": "utf-8", "NO_COLOR": "1", "TERM": "dumb"})
+                "PYTHONIOENCODING": "utf-8", "NO_COLOR": "1", "TERM": "dumb",
+                "LLAMATRACE_QUIET": "1"})
     return env
 
 

@@ -1,13 +1,16 @@
 """The typer app, its consoles and the one place errors become exit codes.
 
 Commands live in their own modules of this package and register themselves on :data:`app`;
-shared options and helpers are in :mod:`llamatrace.cli.options`. Data goes to stdout (generated text, JSON, trace lines); progress, summaries and errors go to a
-stderr console, so output stays pipeable. Exit codes: 0 ok, 1 internal error, 2 bad input or
-usage, 3 a divergence found by ``compare``, 130 interrupted.
+shared options and helpers are in :mod:`llamatrace.cli.options`. Data goes to stdout (generated text, JSON, trace lines); status lines, summaries and errors go to a
+stderr console, so output stays pipeable. Status lines (progress) are printed only through
+:func:`status`, :func:`status_spinner` and :func:`status_bar`, which ``--quiet`` turns off.
+Exit codes: 0 ok, 1 internal error, 2 bad input or usage, 3 a divergence found by ``compare``,
+130 interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -90,7 +93,56 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-_state = {"debug": False, "interrupt_reported": False}
+_state = {"debug": False, "quiet": False, "interrupt_reported": False}
+ENV_DEBUG, ENV_QUIET = "LLAMATRACE_DEBUG", "LLAMATRACE_QUIET"
+# taken anywhere before a `--`, so every command accepts them without declaring them
+GLOBAL_FLAGS = {"--debug": "debug", "--quiet": "quiet", "-q": "quiet"}
+
+
+def _env_flag(name: str) -> bool:
+    """An on/off environment variable: on when set to anything but empty or ``0``."""
+    return os.environ.get(name, "").strip() not in ("", "0")
+
+
+# ---- status lines ----------------------------------------------------------------------------
+# A status line tells a person watching what is happening now: fetching, loading, compiling, a
+# spinner, a progress bar. Whether one appears depends on the terminal and on timing (a warm-up
+# slower than a second says so), so no script or test may expect one or its absence; --quiet
+# (-q) or LLAMATRACE_QUIET=1 turns every one off. Errors, warnings, notes and the end-of-run
+# summary are not status lines: they are printed on `err` directly and always appear.
+def quiet() -> bool:
+    """Whether status lines are off for this command (``--quiet``/``-q`` or ``$LLAMATRACE_QUIET``)."""
+    return _state["quiet"]
+
+
+def status(message: str) -> None:
+    """Print ``message`` (plain text: no markup) on stderr as one status line, unless quiet."""
+    if not _state["quiet"]:
+        err.print(message, markup=False)
+
+
+class _NoSpinner:
+    def update(self, message: str) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def status_spinner(message: str):
+    """A spinner with ``message`` while the ``with`` block runs, on a terminal unless quiet (in a
+    log or a pipe nothing: a spinner is drawn over and over). Yields an object whose
+    ``update(message)`` changes the text."""
+    if _state["quiet"] or not err.is_terminal:
+        yield _NoSpinner()
+        return
+    with err.status(message) as spinner:
+        yield spinner
+
+
+def status_bar(*columns):
+    """A transient rich ``Progress`` with ``columns`` on stderr, drawn on a terminal unless quiet
+    (in a log or a pipe it would leave empty lines); use it as a ``with`` block."""
+    from rich.progress import Progress
+    return Progress(*columns, console=err, transient=True, disable=_state["quiet"] or not err.is_terminal)
 
 
 def exit_interrupted() -> NoReturn:
@@ -109,21 +161,27 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show full tracebacks (for bug reports); "
-                                        "also accepted after the command.")] = False,
+                                        "also accepted after the command, or $LLAMATRACE_DEBUG=1.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", metavar="", help="No status lines on stderr (fetching, "
+                                        "loading, compiling, progress bars): only errors, warnings, notes and "
+                                        "the summary; also accepted after the command, or $LLAMATRACE_QUIET=1.")] = False,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, metavar="",
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    _state["debug"] = _state["debug"] or debug or bool(os.environ.get("LLAMATRACE_DEBUG"))
+    # declared for --help only: _take_global_flags takes --debug and --quiet out of argv before
+    # typer parses it, and --version acts in its callback
+    del debug, quiet, version
 
 
-def _take_debug_flag(argv: list[str]) -> list[str]:
-    """``--debug`` anywhere before a ``--`` turns tracebacks on; it is removed, so every command
-    accepts it without declaring it (``llamatrace generate --debug …``)."""
+def _take_global_flags(argv: list[str]) -> list[str]:
+    """``--debug`` (tracebacks) and ``--quiet``/``-q`` (no status lines) anywhere before a ``--``
+    set :data:`_state` and are removed, so every command accepts them without declaring them
+    (``llamatrace generate -q …``); after ``--`` they are the prompt's."""
     end = argv.index("--") if "--" in argv else len(argv)
-    if "--debug" not in argv[:end]:
-        return argv
-    _state["debug"] = True
-    return [a for a in argv[:end] if a != "--debug"] + argv[end:]
+    for flag, key in GLOBAL_FLAGS.items():
+        if flag in argv[:end]:
+            _state[key] = True
+    return [a for a in argv[:end] if a not in GLOBAL_FLAGS] + argv[end:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,8 +215,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def _run(argv: list[str] | None) -> int:
-    _state["debug"] = _state["interrupt_reported"] = False
-    argv = _take_debug_flag(list(sys.argv[1:] if argv is None else argv))
+    _state.update(debug=_env_flag(ENV_DEBUG), quiet=_env_flag(ENV_QUIET), interrupt_reported=False)
+    argv = _take_global_flags(list(sys.argv[1:] if argv is None else argv))
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         warnings.showwarning = _show_warning

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, out, plural
-from llamatrace.cli.options import ModelOpt, ThreadsOpt, check_activations, default_activations
+from llamatrace.cli.app import app, out, plural, status_spinner
+from llamatrace.cli.options import ModelOpt, ThreadsOpt, check_activations, default_activations, model_file
 
 
 @app.command()
@@ -46,12 +46,11 @@ def bench(
     from rich.table import Table
 
     from llamatrace.analysis.bench import run_bench
-    from llamatrace.gguf.fetch import resolve_model
 
     for mode in activations or ():
         check_activations(mode)
-    path = resolve_model(model, log=lambda msg: err.print(msg))
-    with err.status("") as status:
+    path = model_file(model)
+    with status_spinner("") as status:
         report = run_bench(path, against=against or [], prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                            repeats=repeats, threads=threads, activations=activations or [default_activations(path)],
                            progress=lambda msg: status.update(msg))

@@ -11,8 +11,8 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, plural
-from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model
+from llamatrace.cli.app import app, err, exit_interrupted, plural, status_bar
+from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model, model_file
 from llamatrace.errors import OptionError
 
 
@@ -67,7 +67,7 @@ def collect(
     from llamatrace.corpus.collect import DTYPES, Collection, execute, prepare, resolve_hooks
     from llamatrace.corpus.runner import ModelSpec, threads_per_worker
     from llamatrace.corpus.sequences import Packing
-    from llamatrace.gguf.fetch import resolve_model, sha256_file
+    from llamatrace.gguf.fetch import sha256_file
 
     check_activations(activations)
     if dtype not in DTYPES:
@@ -82,7 +82,7 @@ def collect(
         import pyarrow  # noqa: F401
     except ImportError:
         raise OptionError("collect writes Parquet with pyarrow: pip install pyarrow") from None
-    path = resolve_model(model, log=lambda msg: err.print(msg))
+    path = model_file(model)
     tokenizer, config = read_header(path)
     if ctx_size > config.max_seq_len:
         raise OptionError(f"--ctx-size {ctx_size} is over the model's context length {config.max_seq_len}")
@@ -122,11 +122,9 @@ class _Bar:
     """A rich progress bar on stderr: tokens done, tokens/s, the time left."""
 
     def __init__(self, total: int, done: int) -> None:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                                   TimeRemainingColumn)
-        self.progress = Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                                 TaskProgressColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn(),
-                                 console=err, transient=True, disable=not err.is_terminal)
+        from rich.progress import BarColumn, MofNCompleteColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
+        self.progress = status_bar(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                                   TaskProgressColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
         self.task = self.progress.add_task("collect", total=total, completed=done, rate="")
         self.t0, self.made = time.perf_counter(), 0
 

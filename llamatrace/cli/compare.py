@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.errors import OptionError
-from llamatrace.cli.app import EXIT_DIVERGED, app, err, out
+from llamatrace.cli.app import EXIT_DIVERGED, app, out, status_spinner
 from llamatrace.cli.options import (
     ActivationsOpt,
     default_prompt,
@@ -128,7 +128,7 @@ def compare(
         r = prepare_run(args[0] if args else None, prompt_file, model, threads=threads, activations=activations,
                         raw=raw, system=system, default=default_prompt())
         m, ids = r.model, r.ids
-        with err.status(f"running llamatrace and {against} …"):
+        with status_spinner(f"running llamatrace and {against} …"):
             result = compare_with(m, ids, tokens, against=against, threshold=threshold,
                                   layers=parse_layers(layer, m.config.n_layers), stages=patterns, threads=threads)
     if as_json:

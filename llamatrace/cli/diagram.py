@@ -13,7 +13,7 @@ import typer
 
 from llamatrace.errors import OptionError
 from llamatrace.outputs import check_output_path, write_atomic
-from llamatrace.cli.app import app, err
+from llamatrace.cli.app import app, err, status_spinner
 from llamatrace.cli.options import (
     ActivationsOpt,
     check_run_options,
@@ -122,7 +122,7 @@ def diagram(
     if fmt == "html":
         from llamatrace.views.page import build_page
 
-        with err.status(f"Tracing the prefill and {tokens} decode step{'s' * (tokens != 1)} "
+        with status_spinner(f"Tracing the prefill and {tokens} decode step{'s' * (tokens != 1)} "
                         f"({len(ids)} prompt tokens, every layer) …"):
             page = build_page(m, text, ids, chat=chat, value_layers=layers, tokens=tokens, highlight=mark,
                               ctx_size=ctx_size, view=view, step=step)
@@ -131,7 +131,7 @@ def diagram(
                   f"layer{'s' * (len(layers) > 1)} {layer})[/]", soft_wrap=True)
         return
     layer_n = layers[0]
-    with err.status(f"Tracing {'prefill' if step == 0 else f'decode step {step}'} "
+    with status_spinner(f"Tracing {'prefill' if step == 0 else f'decode step {step}'} "
                     f"({len(ids)} prompt tokens, layer {layer_n}) …"):
         events, run = dg.trace_step(m, text, ids, chat=chat, layer=layer_n, step=step, stats=stats,
                                     ctx_size=ctx_size)

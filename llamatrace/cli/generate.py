@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.errors import OptionError
-from llamatrace.cli.app import app, err, exit_interrupted, out, plural
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_spinner
 from llamatrace.cli.options import (
     AblateOpt,
     check_run_options,
@@ -92,7 +92,7 @@ def generate(
     interrupted = False
     with r.ablated():
         try:
-            with err.status(f"Prefill: {len(ids)} prompt tokens …"):
+            with status_spinner(f"Prefill: {len(ids)} prompt tokens …"):
                 first = next(tokens, None)
             if first is not None:
                 for token in itertools.chain([first], tokens):

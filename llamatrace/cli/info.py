@@ -8,7 +8,7 @@ import typer
 
 from llamatrace.errors import LlamatraceError
 from llamatrace.cli.app import app, err, out
-from llamatrace.cli.options import ModelOpt
+from llamatrace.cli.options import ModelOpt, model_file
 
 
 @app.command()
@@ -28,10 +28,9 @@ def info(
     from rich.table import Table
     from rich.text import Text
 
-    from llamatrace.gguf.fetch import resolve_model
     from llamatrace.gguf.reader import open_gguf, tensor_type_name
 
-    path = resolve_model(model, log=lambda msg: err.print(msg))
+    path = model_file(model)
     f = open_gguf(path)
     meta = f.metadata
     out.print(f"[bold]{path}[/]  ({f.file_size / 1e6:.1f} MB, GGUF v{f.version})")

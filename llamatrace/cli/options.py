@@ -14,7 +14,7 @@ import typer
 
 from llamatrace.errors import LlamatraceError, OptionError, PromptError
 from llamatrace.tracing.stages import select_stages
-from llamatrace.cli.app import err
+from llamatrace.cli.app import err, quiet, status, status_bar, status_spinner
 
 ModelOpt = Annotated[Optional[Path], typer.Option(
     "--model", "-m", help="GGUF model file. Default: $LLAMATRACE_MODEL, else SmolLM2-135M-Instruct "
@@ -132,11 +132,25 @@ def check_activations(activations: str) -> None:
         raise OptionError(f"--activations {activations}: {exc}") from None
 
 
-def load_model(model_path: Path | None, threads: int | None, activations: str | None = "f32"):
-    """Resolve, load (with a status line) and return the model; ``activations`` None: the
-    model's :func:`default_activations`."""
-    from llamatrace.gguf.fetch import resolve_model
+def model_file(model: Path | None) -> Path:
+    """The GGUF file a command runs: ``--model``, else ``$LLAMATRACE_MODEL``, else the default
+    model (fetched once, with status lines unless quiet).
 
+    Raises:
+        ModelNotFoundError: as :func:`llamatrace.gguf.fetch.resolve_model`.
+    """
+    from llamatrace.gguf.fetch import resolve_model
+    return resolve_model(model, log=status, quiet=quiet())
+
+
+SLOW_WARMUP_S = 1.0
+"""A warm-up with cached kernels still running after this many seconds (a changed kernel
+recompiles) gets a status line when stderr is no terminal."""
+
+
+def load_model(model_path: Path | None, threads: int | None, activations: str | None = "f32"):
+    """Resolve, load (with status lines) and return the model; ``activations`` None: the
+    model's :func:`default_activations`."""
     if activations is not None:
         check_activations(activations)
     cold = numba_cache_is_cold()          # before the load: packing compiles kernels of its own
@@ -146,31 +160,30 @@ def load_model(model_path: Path | None, threads: int | None, activations: str | 
             kernel_threads.set_threads(threads)
         except (ValueError, LlamatraceError) as exc:
             raise OptionError(f"--threads {threads}: {exc}") from None
-    path = resolve_model(model_path, log=lambda msg: err.print(msg))
+    path = model_file(model_path)
     activations = activations or default_activations(path)
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn
 
     from llamatrace.model.llama import Llama
     message = ("Compiling kernels (first run only, ~30 s; cached afterwards) …" if cold
                else "Loading kernels …")
     if cold and not err.is_terminal:          # no spinner in a log or a pipe: a plain line, now
-        err.print(message, markup=False)       # (the load compiles kernels too)
+        status(message)                        # (the load compiles kernels too)
     columns = (TextColumn("Loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    # off when stderr is no terminal: there a transient bar would leave an empty line
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+    with status_bar(*columns) as bar:
         task = bar.add_task(path.name, total=None)
         model = Llama.load(path, progress=lambda done, total: bar.update(task, completed=done, total=total),
                            activations=activations)
     # compile (first run) or load every kernel now, so stage timings and tok/s measure compute
     if err.is_terminal:
-        with err.status(message):
+        with status_spinner(message):
             model.warmup()
         return model
     if cold:
         model.warmup()
         return model
-    # a warm cache that still takes more than a second (a changed kernel recompiles): say so
-    timer = threading.Timer(1.0, lambda: err.print(message, markup=False))
+    # a warm cache that still takes long: say so (a status line, so its timing never matters)
+    timer = threading.Timer(SLOW_WARMUP_S, status, (message,))
     timer.start()
     try:
         model.warmup()

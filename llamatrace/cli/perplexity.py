@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, out
-from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model
+from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar
+from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model, model_file
 from llamatrace.errors import OptionError
 
 
@@ -68,12 +68,11 @@ def perplexity(
     from llamatrace.corpus.chunks import read_corpus
     from llamatrace.corpus.run import CorpusRun, execute
     from llamatrace.corpus.runner import ModelSpec, threads_per_worker
-    from llamatrace.gguf.fetch import resolve_model
     from llamatrace.outputs import check_output_path
 
     check_activations(activations)
     text = read_corpus(text_file)
-    path = resolve_model(model, log=lambda msg: err.print(msg))
+    path = model_file(model)
     in_process = workers == 1 and ray is None and not stages      # else workers or actors load it
     spec = ModelSpec(str(path), activations, threads if in_process else threads_per_worker(workers, threads))
     run = CorpusRun(spec, text, ctx_size, chunks, base, save_base, stages, workers, ray)
@@ -169,10 +168,9 @@ class _Bar:
     """A rich progress bar on stderr: chunks done, the running PPL, the time left."""
 
     def __init__(self, total: int, name: str) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("PPL {task.fields[ppl]}"), TimeRemainingColumn(),
-                                 console=err, transient=True, disable=not err.is_terminal)
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        self.progress = status_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                   TextColumn("PPL {task.fields[ppl]}"), TimeRemainingColumn())
         self.task = self.progress.add_task(name, total=total, ppl="…")
 
     def update(self, i: int, ppl: float) -> None:

