@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-import time
+from types import SimpleNamespace
 
 import jinja2
 import pytest
@@ -141,14 +141,36 @@ def test_size_bombs_end_with_a_prompt_error(template: str) -> None:
         render_chat(template, USER)
 
 
+RUNAWAY = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
 def test_runaway_loop_ends_at_the_time_limit() -> None:
-    template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    # 10^10 iterations: only the limit can end it (how soon is the next test's, on a fake clock)
     trace_before = sys.gettrace()
-    start = time.monotonic()
     with pytest.raises(PromptError, match="did not finish within 0.3 s"):
-        render_chat(template, USER, time_limit=0.3)
-    assert time.monotonic() - start < 2.0
+        render_chat(RUNAWAY, USER, time_limit=0.3)
     assert sys.gettrace() is trace_before  # a debugger's or coverage's tracer is put back
+
+
+def test_the_time_limit_follows_the_clock_not_the_amount_of_work(monkeypatch) -> None:
+    from llamatrace.text import chat
+    reads: list[float] = []
+
+    def fake_clock(*times: float):
+        """time.monotonic giving ``times`` in turn, then the last one forever; counts its reads."""
+        def monotonic() -> float:
+            reads.append(times[min(len(reads), len(times) - 1)])
+            return reads[-1]
+        monkeypatch.setattr(chat, "time", SimpleNamespace(monotonic=monotonic))
+
+    fake_clock(0.0)            # a clock that stands still: 10^6 iterations are no reason to stop
+    long = "{% for i in range(1000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}done"
+    assert "".join(text for text, _ in render_chat(long, USER, time_limit=0.3)).endswith("done")
+    reads.clear()
+    fake_clock(0.0, 0.31)      # the deadline set at 0 s, then the clock past it: the first look stops it
+    with pytest.raises(PromptError, match="did not finish within 0.3 s"):
+        render_chat(RUNAWAY, USER, time_limit=0.3)
+    assert reads == [0.0, 0.31]
 
 
 def test_output_limit_is_configurable() -> None:

