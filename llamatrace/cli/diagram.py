@@ -123,7 +123,7 @@ def diagram(
         from llamatrace.views.page import build_page
 
         with status_spinner(f"Tracing the prefill and {tokens} decode step{'s' * (tokens != 1)} "
-                        f"({len(ids)} prompt tokens, every layer) …"):
+                            f"({len(ids)} prompt tokens, every layer) …"):
             page = build_page(m, text, ids, chat=chat, value_layers=layers, tokens=tokens, highlight=mark,
                               ctx_size=ctx_size, view=view, step=step)
         write_atomic(output, lambda f: f.write(page), "-o")
@@ -132,7 +132,7 @@ def diagram(
         return
     layer_n = layers[0]
     with status_spinner(f"Tracing {'prefill' if step == 0 else f'decode step {step}'} "
-                    f"({len(ids)} prompt tokens, layer {layer_n}) …"):
+                        f"({len(ids)} prompt tokens, layer {layer_n}) …"):
         events, run = dg.trace_step(m, text, ids, chat=chat, layer=layer_n, step=step, stats=stats,
                                     ctx_size=ctx_size)
     graph = dg.build_diagram(events, run, view=view, highlight=mark, stats=stats, timings=timings)
