@@ -49,7 +49,7 @@ def test_load_without_path_warns_before_fetching(monkeypatch, tmp_path, tiny_mod
     monkeypatch.setattr(fetch, "installed_default_model", lambda: None)
     monkeypatch.setattr(fetch, "cached_default_model", lambda: None)
 
-    def fake_pull(*, force=False, log):
+    def fake_pull(*, force=False, log, quiet=False):
         log("Fetching the default model …")
         return tiny_model_path
     monkeypatch.setattr(fetch, "pull", fake_pull)
