@@ -28,8 +28,29 @@ def _where(option: str, path: Path) -> str:
     return f"{option} {str(path)!r}"
 
 
+def check_writable_dir(directory: Path, shown: str) -> None:
+    """Create and delete a temporary file in ``directory``: the one sure test that files can be
+    made there (``os.access`` says yes to root in ``/sys`` or on a read-only bind mount, and
+    knows nothing of ACLs or network file systems). Leaves nothing behind.
+
+    Args:
+        shown: how the error names the output, e.g. ``"-o 'flow.svg'"``.
+
+    Raises:
+        OutputError: no file can be created in ``directory``.
+    """
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".llamatrace-probe.", dir=directory)
+    except OSError as exc:
+        raise OutputError(f"{shown}: the directory {str(directory)!r} is not writable ({exc.strerror or exc}); "
+                          f"choose another") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> None:
-    """Fail early, before any model is loaded, if ``path`` cannot be written. Creates nothing.
+    """Fail early, before any model is loaded, if ``path`` cannot be written. Leaves nothing
+    behind (a probe file is created and deleted in its directory, :func:`check_writable_dir`).
 
     Args:
         whole_file: the output is renamed into place (:func:`write_atomic`), so an existing
@@ -53,8 +74,8 @@ def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> No
             raise OutputError(f"{shown} is not a regular file; give a file name")
         if not os.access(path, os.W_OK):
             raise OutputError(f"{shown}: the file is not writable")
-    elif not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(f"{shown}: the directory {str(parent)!r} is not writable")
+    if whole_file or not path.exists():        # a stream into an existing file (/dev/null) makes none
+        check_writable_dir(parent, shown)
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], None], option: str) -> None:

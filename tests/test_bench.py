@@ -61,7 +61,7 @@ def test_bench_says_how_to_install_a_missing_peer(capsys, tiny_model_path, monke
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--against", "llama.cpp"),
-                          "llama_cpp is not installed", "llamatrace[llamacpp]")
+                          "llama-cpp-python is not installed", 'pip install -e ".[llamacpp]"')
 
 
 def test_prompt_ids_avoid_the_special_tokens_and_repeat():

@@ -241,3 +241,17 @@ def test_jsonl_input(tmp_path, capsys, smollm2):
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     assert_one_line_error(*run(capsys, "collect", "-f", tmp_path / "bad.jsonl", "--jsonl", "--hook", "l_out@0",
                                "-o", tmp_path / "b"), "line 1", "--text-field")
+
+
+def test_other_settings_are_named_with_both_values(tmp_path, capsys, tiny_model_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(WORDS) + "\n")
+    out = tmp_path / "acts"
+    common = ["collect", "-f", corpus, "-m", tiny_model_path, "--ctx-size", "16", "-o", out]
+    assert run(capsys, *common, "--hook", "blocks.0.hook_resid_post")[0] == 0
+    assert_one_line_error(*run(capsys, *common, "--hook", "blocks.1.hook_resid_post"), "other settings",
+                          '(hooks[0].name: "blocks.0.hook_resid_post" there, "blocks.1.hook_resid_post" now)')
+    assert_one_line_error(*run(capsys, *common, "--hook", "blocks.0.hook_resid_post", "--hook", "l_out@1"),
+                          '(hooks: ["blocks.0.hook_resid_post"] there, ["blocks.0.hook_resid_post", "l_out@1"] now)')
+    assert_one_line_error(*run(capsys, *common, "--hook", "blocks.0.hook_resid_post", "--dtype", "float16"),
+                          '(dtype: "float32" there, "float16" now)')

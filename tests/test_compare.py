@@ -193,7 +193,25 @@ def test_says_how_to_install_llamacpp(capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     assert_one_line_error(*run(capsys, "compare", "hi", "--against", "llama.cpp"),
-                          "llama_cpp is not installed", "llamatrace[llamacpp]")
+                          "llama-cpp-python is not installed", 'pip install -e ".[llamacpp]"',
+                          "docs/comparing.md#installing-llama-cpp-python")
+
+
+@pytest.mark.parametrize("missing, words", [
+    ({"accelerate"}, "accelerate is not installed in this Python: pip install accelerate"),
+    ({"transformers", "accelerate"}, "transformers and accelerate are not installed in this Python: "
+                                     "pip install transformers accelerate"),
+    ({"torch", "transformers", "accelerate"}, "torch, transformers and accelerate are not installed"),
+])
+def test_names_exactly_the_missing_hf_modules(capsys, monkeypatch, missing, words):
+    # the others pretend to be installed: find_spec only asks whether a module can be found
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else object())
+    assert_one_line_error(*run(capsys, "compare", "hi", "--against", "hf"), "--against hf", words)
+
+
+def test_one_npz_file_asks_for_two(capsys, tmp_path):
+    assert_one_line_error(*run(capsys, "compare", tmp_path / "a.npz"), "give two .npz files",
+                          "or a prompt with --against")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")

@@ -51,6 +51,9 @@ EXCLUDED.update({
     "llamatrace perplexity -f corpus.txt -m Q4_K_M.gguf --base Q4_1.gguf --stages -o where.png":
         "needs a Q4_K_M requantization; test_perplexity.py runs --stages on one",
     "# on the head node": "commands for a real multi-machine Ray cluster",
+    'pip install -e ".[llamacpp]"': "installs llama-cpp-python (builds llama.cpp: minutes), never a CI dependency",
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \\':
+        "builds llama-cpp-python for CPUs with AMX (minutes), never a CI dependency",
     "llamatrace bench --activations f32 --activations q8 --against llama.cpp [--model M]    # SmolLM2: 128 + 64 tokens, 5 runs":
         "benchmarks: minutes long, need llama-cpp-python, run by hand (tests/test_bench.py runs bench itself)",
 })

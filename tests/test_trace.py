@@ -336,6 +336,27 @@ def test_ctrl_c_exits_130_with_complete_jsonl_lines(gqa_path, tmp_path, capsys, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
 
 
+@pytest.mark.parametrize("options, says", [
+    ([], "interrupted"),
+    (["--npz", "t.npz"], "interrupted: t.npz was not written"),
+    (["--log-file", "d.log"], "interrupted: every line written to d.log so far is complete"),
+    (["--jsonl", "t.jsonl", "--npz", "t.npz"],
+     "interrupted: every line written to t.jsonl so far is complete; t.npz was not written"),
+])
+def test_ctrl_c_says_only_what_applies_to_the_outputs_asked_for(gqa_path, tmp_path, capsys, monkeypatch,
+                                                                 options, says):
+    from llamatrace.views import render
+
+    def interrupt(self, event):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(render.LogView, "__call__", interrupt)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(["trace", "--model", str(gqa_path), *options], capsys)
+    assert code == 130
+    assert [line for line in err.splitlines() if line.startswith("interrupted")] == [says]
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, words", [
     (["--layer", "5"], ["--layer", "0-1"]),

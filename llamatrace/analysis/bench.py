@@ -27,16 +27,12 @@ import numpy as np
 
 from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, token_cost
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
-from llamatrace.peers import exit_reason
+from llamatrace.peers import LLAMACPP_BUILD, exit_reason
 
 ENGINES = ("llamatrace", "llama.cpp", "hf")
-_NEEDS = {"llama.cpp": ("llama_cpp",), "hf": ("torch", "transformers", "accelerate")}
-_INSTALL = {
-    "llama.cpp": "pip install 'llamatrace[llamacpp]' (on CPUs with AMX build it with "
-                 "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF "
-                 "-DGGML_AMX_BF16=OFF\"; see the README)",
-    "hf": "pip install torch==2.13.0 transformers accelerate (CPU build of torch)",
-}
+# each engine's modules, and the pip requirement that installs each
+_NEEDS = {"llama.cpp": {"llama_cpp": "llama-cpp-python"},
+          "hf": {"torch": "torch==2.13.0", "transformers": "transformers", "accelerate": "accelerate"}}
 
 
 @dataclass
@@ -103,9 +99,17 @@ def check_engines(engines: list[str]) -> None:
     for name in engines:
         if name not in ENGINES:
             raise OptionError(f"--against {name!r}: unknown engine; choose from {', '.join(ENGINES[1:])}")
-        missing = [m for m in _NEEDS.get(name, ()) if importlib.util.find_spec(m) is None]
-        if missing:
-            raise PeerError(f"--against {name}: {', '.join(missing)} is not installed in this Python; {_INSTALL[name]}")
+        missing = [req for module, req in _NEEDS.get(name, {}).items() if importlib.util.find_spec(module) is None]
+        if not missing:
+            continue
+        names = [req.split("==")[0] for req in missing]
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        verb = "is" if len(names) == 1 else "are"
+        if name == "llama.cpp":
+            how = f"pip install -e \".[llamacpp]\" in the checkout (on CPUs with AMX see {LLAMACPP_BUILD})"
+        else:
+            how = f"pip install {' '.join(missing)}" + (" (a CPU build of torch)" if "torch" in names else "")
+        raise PeerError(f"--against {name}: {listed} {verb} not installed in this Python: {how}")
 
 
 def prompt_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:

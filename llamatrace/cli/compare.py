@@ -41,7 +41,7 @@ def compare(
         help="The prompt text (default: the short sample), or two .npz recordings: OURS.npz REF.npz.",
         show_default=False, metavar="[PROMPT | OURS.npz REF.npz]")] = None,
     against: Annotated[str, typer.Option("--against", metavar="llama.cpp|hf", help="The reference engine: llama.cpp "
-                                         "(llama-cpp-python, the extra llamatrace[llamacpp]) or hf (HF "
+                                         "(llama-cpp-python: pip install -e \".[llamacpp]\") or hf (HF "
                                          "transformers in fp32: torch, transformers, accelerate).")] = "llama.cpp",
     model: ModelOpt = None,
     raw: RawOpt = False,
@@ -120,6 +120,9 @@ def compare(
         if len(args) > 1:
             raise OptionError(f"compare takes one prompt or two .npz files, got {len(args)} arguments "
                               "(quote a prompt with spaces)")
+        if args and args[0].lower().endswith(".npz") and " " not in args[0]:
+            raise OptionError(f"compare {args[0]}: give two .npz files (OURS.npz REF.npz), or a prompt with "
+                              f"--against")
         if against not in AGAINST:
             raise OptionError(f"--against {against!r}: unknown engine; choose from {', '.join(AGAINST)}")
         patterns = parse_stages(stage)     # our stage ids here; a user's .npz may have others

@@ -8,7 +8,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 
@@ -165,8 +165,9 @@ def load_model(model_path: Path | None, threads: int | None, activations: str | 
     from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn
 
     from llamatrace.model.llama import Llama
-    message = ("Compiling kernels (first run only, ~30 s; cached afterwards) …" if cold
-               else "Loading kernels …")
+    # cold, measured on 2 shared cores (load average 7-11): SmolLM2 f32 62 s, q8 116 s
+    doing = "Compiling kernels (first run only, 1-3 min; cached afterwards)" if cold else "Loading kernels"
+    message = f"{doing} …"
     if cold and not err.is_terminal:          # no spinner in a log or a pipe: a plain line, now
         status(message)                        # (the load compiles kernels too)
     columns = (TextColumn("Loading {task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
@@ -176,7 +177,8 @@ def load_model(model_path: Path | None, threads: int | None, activations: str | 
                            activations=activations)
     # compile (first run) or load every kernel now, so stage timings and tok/s measure compute
     if err.is_terminal:
-        with status_spinner(message):
+        with status_spinner(message) as spinner, counting_compiles(
+                lambda n: spinner.update(f"{doing}: {n} compiled …")):
             model.warmup()
         return model
     if cold:
@@ -190,6 +192,29 @@ def load_model(model_path: Path | None, threads: int | None, activations: str | 
     finally:
         timer.cancel()
     return model
+
+
+@contextlib.contextmanager
+def counting_compiles(on_compile: Callable[[int], None]):
+    """Call ``on_compile(n)`` each time Numba finishes compiling a kernel in the ``with`` block,
+    ``n`` counting from 1. Kernels loaded from Numba's cache do not count, nor the functions a
+    kernel's compilation pulls in (Numba's ``numba:compile`` events, nested inside the kernel's)."""
+    from numba.core import event
+
+    class Counter(event.Listener):
+        depth = done = 0
+
+        def on_start(self, ev) -> None:
+            self.depth += 1
+
+        def on_end(self, ev) -> None:
+            self.depth -= 1
+            if self.depth == 0:
+                self.done += 1
+                on_compile(self.done)
+
+    with event.install_listener("numba:compile", Counter()):
+        yield
 
 
 def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[int]:
@@ -206,7 +231,7 @@ def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[in
 
 def numba_cache_is_cold() -> bool:
     """True when the forward pass's kernels (``kernels/fp32.py``) are not cached yet: the first run
-    compiles for ~10-60 s (``python -m llamatrace.kernels.precompile`` caches only the matmuls)."""
+    compiles for 1-3 min (``python -m llamatrace.kernels.precompile`` caches only the matmuls)."""
     import numba
     root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(__file__).parents[1] / "kernels" / "__pycache__"
     return not any(root.rglob("fp32.*.nbi")) if root.exists() else True

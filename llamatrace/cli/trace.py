@@ -207,7 +207,9 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
             for token in generate(m, ids, max_tokens=max_tokens, ctx_size=ctx, recorder=recorder, stats=run_stats):
                 generated.append(token)
         except KeyboardInterrupt:
-            err.print("interrupted: every JSONL line written so far is complete; no .npz was written")
+            kept = [f"every line written to {path} so far is complete" for path in (jsonl, log_file) if path]
+            kept += [f"{npz} was not written"] if npz is not None else []
+            err.print("interrupted" + (f": {'; '.join(kept)}" if kept else ""), markup=False)
             exit_interrupted()
 
         top_tokens = top_k_probs(run_stats.last_logits, m.tokenizer, top)

@@ -35,6 +35,7 @@ from llamatrace import __version__
 from llamatrace.corpus.runner import ModelSpec, run_chunks
 from llamatrace.corpus.sequences import Packing, sequences
 from llamatrace.errors import OptionError, OutputError
+from llamatrace.outputs import check_writable_dir
 
 FORMAT = "llamatrace.activations/1"
 MANIFEST = "manifest.json"
@@ -302,8 +303,7 @@ def check_out_dir(out: Path) -> None:
             shown = ", ".join(sorted(foreign)[:3]) or "shards without a manifest"
             raise OutputError(f"-o {str(out)!r} is not empty and not a collection ({shown}): give a new or "
                               f"empty directory")
-        if not os.access(out, os.W_OK | os.X_OK):
-            raise OutputError(f"-o {str(out)!r}: the directory is not writable")
+        check_writable_dir(out, f"-o {str(out)!r}")
     try:
         (out / DATA).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -334,9 +334,10 @@ def resume(c: Collection) -> list[dict]:
     new = c.settings()
     for key, value in new.items():
         if old.get(key) != value:
-            raise OutputError(f"-o {str(c.out)!r} holds a collection with other settings ({key}: "
-                              f"{json.dumps(old.get(key))[:80]}, now {json.dumps(value)[:80]}); give a new "
-                              f"-o directory or delete that one")
+            where, then, now = _difference(key, old.get(key), value)
+            raise OutputError(f"-o {str(c.out)!r} holds a collection with other settings ({where}: "
+                              f"{_brief(then)} there, {_brief(now)} now); give a new -o directory or delete "
+                              f"that one")
     kept = []
     for entry in old.get("shards", []):
         shard = c.out / DATA / entry["file"]
@@ -354,6 +355,32 @@ def resume(c: Collection) -> list[dict]:
         if _is_shard_name(p.name) and p.name not in listed:
             p.unlink()                  # written after the manifest's last update: made again
     return kept
+
+
+def _difference(where: str, old, new) -> tuple[str, object, object]:
+    """The first place two manifest values differ: its path (``hooks[0].layer``) and both values
+    there. Lists of named settings (hooks) of different lengths are compared by their names."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in [*new, *(k for k in old if k not in new)]:
+            if old.get(key) != new.get(key):
+                return _difference(f"{where}.{key}", old.get(key), new.get(key))
+    if isinstance(old, list) and isinstance(new, list):
+        if len(old) == len(new):
+            for i, (a, b) in enumerate(zip(old, new)):
+                if a != b:
+                    return _difference(f"{where}[{i}]", a, b)
+        elif all(isinstance(x, dict) and "name" in x for x in old + new):
+            return where, [x["name"] for x in old], [x["name"] for x in new]
+    return where, old, new
+
+
+def _brief(value, width: int = 64) -> str:
+    """``value`` as JSON, cut after ``width`` characters at a comma or space where there is one."""
+    text = json.dumps(value, ensure_ascii=False)
+    if len(text) <= width:
+        return text
+    cut = max(text.rfind(", ", width // 2, width), text.rfind(" ", width // 2, width))
+    return text[:cut if cut > 0 else width] + " …"
 
 
 def write_manifest(c: Collection) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import signal
 
+LLAMACPP_BUILD = "docs/comparing.md#installing-llama-cpp-python"
+"""Where building llama-cpp-python is described (the flags for CPUs with AMX among them)."""
+
 
 def exit_reason(engine: str, exitcode: int | None) -> str:
     """One line on why an engine's process ended (``exitcode`` as ``multiprocessing`` or
@@ -16,6 +19,6 @@ def exit_reason(engine: str, exitcode: int | None) -> str:
         if -exitcode == signal.SIGILL:
             return (f"the {engine} process was {how}: it was built for CPU instructions this machine "
                     f"lacks; rebuild it here (for llama-cpp-python: CMAKE_ARGS=\"-DGGML_NATIVE=ON\" "
-                    f"pip install --force-reinstall --no-cache-dir llama-cpp-python; with AMX see the README)")
+                    f"pip install --force-reinstall --no-cache-dir llama-cpp-python; with AMX see {LLAMACPP_BUILD})")
         return f"the {engine} process was {how}; run it alone to see why"
     return f"the {engine} process died (exit code {exitcode}); run it alone to see why"
