@@ -1,0 +1,73 @@
+"""The Numba settings llamatrace's own processes run with; importing llamatrace changes none.
+
+:func:`configure_numba` is called where llamatrace's own processes start: the CLI
+(:mod:`llamatrace.cli`, which ``llamatrace`` and ``python -m llamatrace`` import first), the
+``bench`` engines and the corpus workers (local processes and Ray actors). A program that
+imports llamatrace as a library keeps its own Numba settings (the kernels run on whichever
+threading layer Numba picks there); it may call :func:`configure_numba` itself, before its first
+parallel kernel, to run them as the CLI does.
+
+What it sets, each only where the user has not:
+
+- ``NUMBA_THREADING_LAYER_PRIORITY`` = ``omp tbb workqueue``: OpenMP first. Measured on 2 cores
+  (``benchmarks/bench_region.py``, see docs/performance.md "Threads"), an empty parallel region
+  costs ~3 µs with ``omp``, ~11 µs with ``tbb`` and ~60 µs with ``workqueue``; a decode step of
+  SmolLM2 opens ~120 regions. Numba's own order is ``tbb omp workqueue``.
+- ``NUMBA_CACHE_DIR``: when the installed package is read-only, compiled kernels go to
+  llamatrace's user cache (``numba/``) rather than Numba's.
+- libtbb is loaded globally when ``pip install tbb`` put it in ``<venv>/lib``, where the
+  dynamic loader does not look: without it Numba cannot use its TBB layer (the fallback when
+  libgomp is missing) and drops to ``workqueue``.
+
+Spawned child processes inherit the environment variables; the libtbb preload is per process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+LAYER_PRIORITY = "omp tbb workqueue"
+
+AUTO_THREADS_HELP = "one per core that no other process is running on, read before each forward call"
+"""What the kernels' default thread count is (:class:`llamatrace.kernels.threads.AutoThreads`), in
+the words ``--threads`` and ``bench`` show; here because the CLI's options must not import Numba."""
+
+
+def configure_numba() -> None:
+    """Set the Numba threading-layer priority, kernel cache folder and libtbb preload for this
+    process (see the module docstring). Call it before the first parallel kernel runs: Numba
+    picks its threading layer then. Patches ``numba.config`` if Numba is already imported."""
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        package = os.path.dirname(os.path.abspath(__file__))
+        if not os.access(package, os.W_OK):
+            from llamatrace.gguf.fetch import cache_root
+            os.environ["NUMBA_CACHE_DIR"] = os.path.join(cache_root(), "numba")
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", LAYER_PRIORITY)
+    numba = sys.modules.get("numba")
+    config = getattr(numba, "config", None)
+    if config is not None:
+        # Numba read its environment at import; the layer itself is chosen at the first launch
+        config.CACHE_DIR = os.environ.get("NUMBA_CACHE_DIR", config.CACHE_DIR)
+        if "NUMBA_THREADING_LAYER" not in os.environ:
+            config.THREADING_LAYER_PRIORITY = os.environ["NUMBA_THREADING_LAYER_PRIORITY"].split()
+    if os.name == "posix":
+        _preload_tbb()
+
+
+def _preload_tbb() -> None:
+    try:
+        ctypes.CDLL("libtbb.so.12", mode=ctypes.RTLD_GLOBAL)
+        return
+    except OSError:
+        pass
+    for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
+        path = os.path.join(prefix, "lib", "libtbb.so.12")
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+            return
