@@ -48,17 +48,20 @@ for line in sys.stdin:
     print(json.dumps({"prefill": stats.prefill_tokens_per_s, "decode": stats.decode_tokens_per_s}), flush=True)
 """
 
-# name: (extra environment, --threads, "base" to run the --base code)
+# name: (extra environment, --threads, True to run the --base code)
 CHOICES = {
-    "omp default (before)": ({"NUMBA_THREADING_LAYER": "omp"}, 0, "base"),
-    "omp passive (before)": ({"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "passive"}, 0, "base"),
-    "tbb (before)": ({"NUMBA_THREADING_LAYER": "tbb"}, 0, "base"),
-    "-t 1": ({}, 1, None),
-    "-t 2": ({}, 2, None),
-    "-t 2, omp passive": ({"OMP_WAIT_POLICY": "passive"}, 2, None),
-    "-t 2, tbb": ({"NUMBA_THREADING_LAYER": "tbb"}, 2, None),
-    "new default": ({}, 0, None),
+    "omp default (before)": ({"NUMBA_THREADING_LAYER": "omp"}, 0, True),
+    "omp passive (before)": ({"NUMBA_THREADING_LAYER": "omp", "OMP_WAIT_POLICY": "passive"}, 0, True),
+    "tbb (before)": ({"NUMBA_THREADING_LAYER": "tbb"}, 0, True),
+    "-t 1 (before)": ({}, 1, True),
+    "-t 2 (before)": ({}, 2, True),
+    "-t 2, omp passive": ({"OMP_WAIT_POLICY": "passive"}, 2, False),
+    "-t 2, tbb": ({"NUMBA_THREADING_LAYER": "tbb"}, 2, False),
+    "-t 2, spin 1k": ({"GOMP_SPINCOUNT": "1000"}, 2, False),
+    "-t 2, spin 10k": ({"GOMP_SPINCOUNT": "10000"}, 2, False),
+    "new default": ({}, 0, False),
 }
+BEST_OF = ("-t 1 (before)", "-t 2 (before)")
 
 
 class Engine:
@@ -91,7 +94,7 @@ def main() -> None:
     ap.add_argument("--only", action="append", help="run only these choices (repeatable)")
     args = ap.parse_args()
     here = str(Path(__file__).resolve().parents[1])
-    names = [n for n in CHOICES if (args.only is None or n in args.only) and (CHOICES[n][2] != "base" or args.base)]
+    names = [n for n in CHOICES if (args.only is None or n in args.only) and (args.base or not CHOICES[n][2])]
     print(f"load average at start: {os.getloadavg()}", flush=True)
     engines = {}
     try:
@@ -118,7 +121,7 @@ def main() -> None:
         cells = []
         for state in ("idle", "loaded"):
             for p in ("prefill", "decode"):
-                best = max((med[t, state][p] for t in ("-t 1", "-t 2") if (t, state) in med), default=None)
+                best = max((med[t, state][p] for t in BEST_OF if (t, state) in med), default=None)
                 v = med[name, state][p]
                 cells.append(f"{v:.1f}" + (f" ({v / best:.2f})" if best else ""))
         print(f"| {name} | {engines[name].layer if name in engines else ''} | " + " | ".join(cells) + " |")

@@ -13,6 +13,11 @@ What it sets, each only where the user has not:
   (``benchmarks/bench_region.py``, see docs/performance.md "Threads"), an empty parallel region
   costs ~3 µs with ``omp``, ~11 µs with ``tbb`` and ~60 µs with ``workqueue``; a decode step of
   SmolLM2 opens ~120 regions. Numba's own order is ``tbb omp workqueue``.
+- ``GOMP_SPINCOUNT`` = :data:`SPIN_COUNT` (unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is
+  set): an OpenMP thread waiting for work spins that many times (~0.1-0.5 ms), then sleeps.
+  libgomp's default, 300,000 spins, burns a whole time slice when another process holds the
+  core the awaited thread needs; sleeping at once (``OMP_WAIT_POLICY=passive``) costs every
+  region a wake-up, decode at 0.4x on free cores. docs/performance.md "Threads" has the table.
 - ``NUMBA_CACHE_DIR``: when the installed package is read-only, compiled kernels go to
   llamatrace's user cache (``numba/``) rather than Numba's.
 - libtbb is loaded globally when ``pip install tbb`` put it in ``<venv>/lib``, where the
@@ -29,6 +34,7 @@ import os
 import sys
 
 LAYER_PRIORITY = "omp tbb workqueue"
+SPIN_COUNT = "10000"
 
 AUTO_THREADS_HELP = "one per core that no other process is running on, read before each forward call"
 """What the kernels' default thread count is (:class:`llamatrace.kernels.threads.AutoThreads`), in
@@ -46,6 +52,8 @@ def configure_numba() -> None:
             os.environ["NUMBA_CACHE_DIR"] = os.path.join(cache_root(), "numba")
     if "NUMBA_THREADING_LAYER" not in os.environ:
         os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", LAYER_PRIORITY)
+    if "OMP_WAIT_POLICY" not in os.environ:      # libgomp reads it when it loads: the first launch
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     numba = sys.modules.get("numba")
     config = getattr(numba, "config", None)
     if config is not None:
