@@ -59,6 +59,8 @@ CHOICES = {
     "-t 2, tbb": ({"NUMBA_THREADING_LAYER": "tbb"}, 2, False),
     "-t 2, spin 1k": ({"GOMP_SPINCOUNT": "1000"}, 2, False),
     "-t 2, spin 10k": ({"GOMP_SPINCOUNT": "10000"}, 2, False),
+    "-t 2, spin 30k": ({"GOMP_SPINCOUNT": "30000"}, 2, False),
+    "-t 2, spin 100k": ({"GOMP_SPINCOUNT": "100000"}, 2, False),
     "new default": ({}, 0, False),
 }
 BEST_OF = ("-t 1 (before)", "-t 2 (before)")
@@ -92,6 +94,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--base", help="a checkout of the older code (its folder holding llamatrace/)")
     ap.add_argument("--only", action="append", help="run only these choices (repeatable)")
+    ap.add_argument("--idle-only", action="store_true", help="skip the loaded state")
     args = ap.parse_args()
     here = str(Path(__file__).resolve().parents[1])
     names = [n for n in CHOICES if (args.only is None or n in args.only) and (args.base or not CHOICES[n][2])]
@@ -103,7 +106,7 @@ def main() -> None:
             engines[name] = Engine(name, args.model, env, threads, args.base if root else here, args.activations)
         runs = {(n, s): [] for n in names for s in ("idle", "loaded")}
         for r in range(args.rounds):
-            for state, load in (("idle", 0), ("loaded", args.load)):
+            for state, load in (("idle", 0), ("loaded", args.load))[:1 if args.idle_only else 2]:
                 with busy_loops(load):
                     for name, e in engines.items():
                         got = e.run(args.prompt_tokens, args.decode_tokens)
@@ -113,13 +116,13 @@ def main() -> None:
     finally:
         for e in engines.values():
             e.close()
-    med = {k: {p: statistics.median(x[p] for x in v) for p in ("prefill", "decode")} for k, v in runs.items()}
+    med = {k: {p: statistics.median(x[p] for x in v) for p in ("prefill", "decode")} for k, v in runs.items() if v}
     print(f"\nload average at end: {os.getloadavg()}; medians of {args.rounds} rounds, tok/s "
           f"(÷ best of -t 1 / -t 2 in the same state)")
     print(f"| choice | layer | idle prefill | idle decode | loaded prefill | loaded decode |\n|---|---|---|---|---|---|")
     for name in names:
         cells = []
-        for state in ("idle", "loaded"):
+        for state in ("idle", "loaded")[:1 if args.idle_only else 2]:
             for p in ("prefill", "decode"):
                 best = max((med[t, state][p] for t in BEST_OF if (t, state) in med), default=None)
                 v = med[name, state][p]

@@ -9,15 +9,14 @@ parallel kernel, to run them as the CLI does.
 
 What it sets, each only where the user has not:
 
-- ``NUMBA_THREADING_LAYER_PRIORITY`` = ``omp tbb workqueue``: OpenMP first. Measured on 2 cores
-  (``benchmarks/bench_region.py``, see docs/performance.md "Threads"), an empty parallel region
-  costs ~3 µs with ``omp``, ~11 µs with ``tbb`` and ~60 µs with ``workqueue``; a decode step of
-  SmolLM2 opens ~120 regions. Numba's own order is ``tbb omp workqueue``.
+- ``NUMBA_THREADING_LAYER_PRIORITY`` = ``omp tbb workqueue``: OpenMP first, where a parallel
+  region costs least (docs/performance.md "Threads" has the figures; a decode step of SmolLM2
+  opens ~120 regions). Numba's own order is ``tbb omp workqueue``.
 - ``GOMP_SPINCOUNT`` = :data:`SPIN_COUNT` (unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is
-  set): an OpenMP thread waiting for work spins that many times (~0.1-0.5 ms), then sleeps.
-  libgomp's default, 300,000 spins, burns a whole time slice when another process holds the
-  core the awaited thread needs; sleeping at once (``OMP_WAIT_POLICY=passive``) costs every
-  region a wake-up, decode at 0.4x on free cores. docs/performance.md "Threads" has the table.
+  set): an OpenMP thread waiting for work spins that many times, then sleeps. libgomp's
+  default, 300,000 spins, burns a whole time slice when another process holds the core the
+  awaited thread needs; sleeping at once (``OMP_WAIT_POLICY=passive``) costs every region a
+  wake-up: decode at 0.4-0.5x on free cores. docs/performance.md "Threads" has the tables.
 - ``NUMBA_CACHE_DIR``: when the installed package is read-only, compiled kernels go to
   llamatrace's user cache (``numba/``) rather than Numba's.
 - libtbb is loaded globally when ``pip install tbb`` put it in ``<venv>/lib``, where the
@@ -36,7 +35,8 @@ import sys
 LAYER_PRIORITY = "omp tbb workqueue"
 SPIN_COUNT = "10000"
 
-AUTO_THREADS_HELP = "one per core that no other process is running on, read before each forward call"
+AUTO_THREADS_HELP = ("every core, or one while other processes' runnable tasks outnumber the cores "
+                     "(read before each forward call)")
 """What the kernels' default thread count is (:class:`llamatrace.kernels.threads.AutoThreads`), in
 the words ``--threads`` and ``bench`` show; here because the CLI's options must not import Numba."""
 

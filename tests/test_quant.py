@@ -213,42 +213,6 @@ def test_repack_kernel_equals_numpy_twin(qtype, q8):
                                       w.view(np.uint32) if w.dtype == np.float32 else w)
 
 
-def test_auto_threads_follows_the_faster_count_and_keeps_checking(monkeypatch):
-    import numba
-    monkeypatch.setattr(threads, "_fixed_threads", None)
-    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 2)
-    monkeypatch.setattr(numba, "set_num_threads", lambda n: None)
-    auto = threads.AutoThreads(explore=8)
-    assert auto.candidates == [2, 1]
-    seconds = {2: 1.0, 1: 2.0}                  # all cores free: two threads are faster
-    picks = []
-    for _ in range(40):
-        n = auto.pick("decode")
-        picks.append(n)
-        auto.record("decode", n, seconds[n])
-    assert picks[:2] == [2, 1] and picks[2:].count(2) > 30 and 1 in picks[2:]   # exploits, still explores
-    seconds = {2: 3.0, 1: 2.0}                  # another process takes a core: one thread wins
-    picks = []
-    for _ in range(40):
-        n = auto.pick("decode")
-        picks.append(n)
-        auto.record("decode", n, seconds[n])
-    assert picks[-20:].count(1) >= 18
-    assert auto.best("decode") == 1             # what a prefill uses, without exploring
-    seconds = {2: 1.0, 1: 2.0}                  # the core is free again: retries find it
-    picks = []
-    for _ in range(300):
-        n = auto.pick("decode")
-        picks.append(n)
-        auto.record("decode", n, seconds[n])
-    assert picks[-100:].count(2) >= 98
-    retries = [i for i, n in enumerate(picks) if n == 1 and i > 0 and picks[i - 1] == 2]
-    gaps = np.diff(retries)[1:]                 # the first spans the switch back to two threads
-    assert len(gaps) >= 3 and (np.diff(gaps) > 0).all() and gaps[-1] >= 4 * gaps[0]   # retries back off
-    assert threads.AutoThreads().best("decode") == 2  # nothing measured yet: all cores
-    assert auto.pick("other") == 2              # each kind of call learns on its own
-
-
 def test_arena_arrays_are_aligned_disjoint_and_outlive_their_chunk():
     arena = packing.Arena(chunk_bytes=1 << 16)
     arrays = [arena.empty((3, 5, 7), np.float32), arena.empty((100,), np.uint8), arena.empty((2, 4), np.int8),

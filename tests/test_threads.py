@@ -24,15 +24,15 @@ LINUX = sys.platform.startswith("linux")
 @pytest.mark.parametrize("cores, cpus, elsewhere, expected", [
     (2, 2, None, 2),     # no signal (not Linux): every core, as Numba would
     (2, 2, 0, 2),        # the cores are free
-    (2, 2, 1, 1),        # one taken: one thread, on the free one
-    (2, 2, 2, 1),        # both taken: one thread, never zero
-    (2, 2, 7, 1),
+    (2, 2, 1, 2),        # one other task: our threads get a core and half of one
+    (2, 2, 2, 2),        # two busy loops: each of our threads gets half a core, more than one thread alone
+    (2, 2, 3, 1),        # oversubscribed: one thread, which never waits for another
+    (2, 2, 12, 1),
     (1, 2, 0, 1),        # never more than this process may use
-    (2, 8, 5, 2),        # pinned to 2 of 8 cores, 3 free machine-wide
-    (2, 8, 7, 1),
-    (4, 4, 1, 3),
+    (2, 8, 8, 2),        # pinned to 2 of 8 cores: counted against the machine's 8
+    (2, 8, 9, 1),
 ])
-def test_threads_for_uses_the_cores_other_processes_leave(cores, cpus, elsewhere, expected):
+def test_threads_for_runs_every_core_unless_the_machine_is_oversubscribed(cores, cpus, elsewhere, expected):
     assert threads.threads_for(cores, cpus, elsewhere) == expected
 
 
@@ -82,19 +82,19 @@ def set_calls(monkeypatch):
 
 
 def test_auto_threads_follow_the_signal_and_remember_a_burst(set_calls):
-    sig = Signal([0, 2, 0, 0, 0, 1])
+    sig = Signal([0, 5, 0, 0, 0, 3])
     auto = threads.AutoThreads(cores=2, cpus=2, elsewhere=sig, clock=lambda: sig.now, every=1.0, window=3)
     picks = []
     for _ in range(6):
         picks.append(auto.pick())
         sig.now += 1.0
-    # free; taken; then free again, but the burst is remembered for 3 reads; then one core taken
+    # free; oversubscribed; then free again, but the burst is remembered for 3 reads; then oversubscribed
     assert picks == [2, 1, 1, 1, 2, 1]
     assert set_calls == picks and sig.reads == 6
 
 
 def test_auto_threads_read_the_signal_at_most_every_interval(set_calls):
-    sig = Signal([2, 0])
+    sig = Signal([3, 0])
     auto = threads.AutoThreads(cores=2, cpus=2, elsewhere=sig, clock=lambda: sig.now, every=1.0, window=1)
     assert [auto.pick() for _ in range(5)] == [1] * 5        # the clock stands still: one read
     sig.now = 0.5

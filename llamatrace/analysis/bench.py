@@ -247,13 +247,15 @@ class _Worker:
 
 
 def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
+    from llamatrace import runtime
     if engine != "llamatrace":      # peers' own progress bars and logs would garble ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     if engine.startswith("llamatrace"):
-        from llamatrace.runtime import configure_numba
-        configure_numba()           # an engine process of llamatrace's own: the CLI's settings
+        runtime.configure_numba()   # an engine process of llamatrace's own: the CLI's settings
+    elif os.environ.get("GOMP_SPINCOUNT") == runtime.SPIN_COUNT:
+        del os.environ["GOMP_SPINCOUNT"]    # ours (the CLI's); llama.cpp's OpenMP keeps its default
     try:
         t0 = time.perf_counter()
         if engine.startswith("llamatrace"):

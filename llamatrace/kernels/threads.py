@@ -1,4 +1,4 @@
-"""Thread policy of the parallel kernels: Numba's threading layer, a fixed count, or one per free core.
+"""Thread policy of the parallel kernels: Numba's layer, a fixed count, or all cores unless oversubscribed.
 
 Every :func:`llamatrace.kernels.registry.matmul` call is one ``prange`` region, so callers
 fuse matrices (:func:`llamatrace.kernels.packing.pack_concat`). Which threading layer runs them
@@ -8,8 +8,10 @@ OpenMP's threads spin while they wait for each other. When other processes keep 
 busy, a region's slowest thread waits for a core (a scheduler time slice is ~3 ms, a region
 ~40 µs) while its partner spins away its own slice: decode fell from 52 tok/s on one thread to
 0.7 on two (docs/performance.md, "Threads"). So by default (:class:`AutoThreads`) a forward call
-runs one thread per core that no other process is running on, read from the kernel's count of
-runnable tasks just before the call (:func:`runnable_elsewhere`).
+runs on every core unless other processes' runnable tasks outnumber the cores, then on one,
+read from the kernel's count of runnable tasks just before the call (:func:`runnable_elsewhere`);
+and llamatrace's own processes let a waiting OpenMP thread spin only briefly
+(:mod:`llamatrace.runtime`), so two threads sharing the cores with two other tasks still win.
 """
 
 from __future__ import annotations
@@ -97,8 +99,14 @@ def runnable_elsewhere() -> int | None:
 
 
 def threads_for(cores: int, cpus: int, elsewhere: int | None) -> int:
-    """The thread count for the next forward call: one per core no other process runs on,
-    at least 1 and at most ``cores``.
+    """The thread count for the next forward call: every core while other processes' runnable
+    tasks fit on the machine's cores, one when they are more.
+
+    While ``elsewhere <= cpus`` each of our threads shares a core with at most one other task
+    and gets half of it or more; the short spin of :mod:`llamatrace.runtime` keeps a waiting
+    thread from burning its slice, and two threads beat one (beside two busy loops on 2 cores:
+    SmolLM2 prefill 1.4x, decode 1.0-1.1x; 8B-shaped 1.4x, 1.3x). Beyond that a region waits
+    too often for a thread the scheduler has set aside, and one thread is the safe choice.
 
     Args:
         cores: the cores this process may use (its affinity, at most Numba's thread pool).
@@ -106,20 +114,20 @@ def threads_for(cores: int, cpus: int, elsewhere: int | None) -> int:
         elsewhere: other processes' runnable tasks (:func:`runnable_elsewhere`); None
             (unknown) gives ``cores``.
     """
-    if elsewhere is None:
+    if elsewhere is None or elsewhere <= cpus:
         return cores
-    return max(1, min(cores, cpus - elsewhere))
+    return 1
 
 
 class AutoThreads:
-    """Sets the thread count of each forward call to the cores other processes leave free,
-    unless :func:`set_threads` fixed it.
+    """Sets the thread count of each forward call (:func:`threads_for`: every core, one when
+    other processes oversubscribe the machine), unless :func:`set_threads` fixed it.
 
     The count of other runnable tasks is read at most every ``every`` seconds and the largest
-    of the last ``window`` reads is used: a core another process takes costs a region far more
-    (OpenMP spins, the region waits for a time slice) than one thread fewer costs while it is
-    free, so a burst of load keeps the count low for ~``every * window`` seconds. Nothing is
-    timed, so nothing is ever spent on a slow trial token.
+    of the last ``window`` reads is used: on an oversubscribed machine two threads can be 10x
+    slower than one (a region waits for a thread set aside for a time slice), while one thread
+    on free cores costs at most 2x, so a burst of load keeps one thread for ~``every * window``
+    seconds. Nothing is timed, so no token is spent on a slow trial.
 
     Args:
         cores, cpus: as :func:`threads_for`; default this process's affinity (at most
