@@ -35,8 +35,8 @@ import sys
 LAYER_PRIORITY = "omp tbb workqueue"
 SPIN_COUNT = "10000"
 
-AUTO_THREADS_HELP = ("every core, or one while other processes' runnable tasks outnumber the cores "
-                     "(read before each forward call)")
+AUTO_THREADS_HELP = ("every core; for small models (SmolLM2-135M, -360M), one while other processes' "
+                     "runnable tasks outnumber the cores (read before each forward call)")
 """What the kernels' default thread count is (:class:`llamatrace.kernels.threads.AutoThreads`), in
 the words ``--threads`` and ``bench`` show; here because the CLI's options must not import Numba."""
 

@@ -34,6 +34,19 @@ LINUX = sys.platform.startswith("linux")
 ])
 def test_threads_for_runs_every_core_unless_the_machine_is_oversubscribed(cores, cpus, elsewhere, expected):
     assert threads.threads_for(cores, cpus, elsewhere) == expected
+    assert threads.threads_for(cores, cpus, elsewhere, 576 * 1536) == expected     # SmolLM2-135M
+
+
+@pytest.mark.parametrize("dim, hidden_dim, expected", [
+    (576, 1536, 1),      # SmolLM2-135M: regions of ~40 µs, one thread on a crowded machine
+    (960, 2560, 1),      # SmolLM2-360M
+    (896, 4864, 2),      # Qwen2.5-0.5B
+    (2048, 8192, 2),     # Llama-3.2-1B
+    (4096, 14336, 2),    # Llama-3.1-8B: regions of milliseconds, every core
+])
+def test_a_crowded_machine_gives_one_thread_only_to_small_models(dim, hidden_dim, expected):
+    assert threads.threads_for(2, 2, 12, dim * hidden_dim) == expected
+    assert threads.threads_for(2, 2, 2, dim * hidden_dim) == 2          # not crowded: every core
 
 
 def test_running_count_reads_the_fourth_field_of_loadavg():
@@ -106,6 +119,11 @@ def test_auto_threads_read_the_signal_at_most_every_interval(set_calls):
 def test_auto_threads_without_a_signal_use_every_core(set_calls):
     auto = threads.AutoThreads(cores=2, cpus=2, elsewhere=lambda: None)
     assert auto.pick() == 2
+
+
+def test_auto_threads_pass_the_model_size_on(set_calls):
+    auto = threads.AutoThreads(cores=2, cpus=2, elsewhere=lambda: 5)
+    assert auto.pick(4096 * 14336) == 2 and auto.pick(576 * 1536) == 1 and auto.pick() == 1
 
 
 def test_fixed_threads_are_not_overridden(set_calls, monkeypatch):
@@ -231,3 +249,16 @@ def test_the_cli_command_reports_openmp(tiny_model_path):
     except ImportError:
         pytest.skip("this Numba has no OpenMP layer")
     assert "threading layer 'omp'" in " ".join(done.stdout.split())
+
+
+def test_every_forward_call_asks_the_policy_first(tiny_model, monkeypatch):
+    """The prefill too: the thread count is chosen before the first call, not after a measurement."""
+    from types import SimpleNamespace
+
+    from llamatrace.model import llama
+    from llamatrace.model.generate import generate
+    asked = []
+    monkeypatch.setattr(llama, "AUTO_THREADS", SimpleNamespace(pick=lambda weights=None: asked.append(weights)))
+    tokens = list(generate(tiny_model, [1, 2, 3], max_tokens=3, stop_ids=frozenset()))
+    c = tiny_model.config
+    assert len(tokens) == 3 and asked == [c.dim * c.hidden_dim] * 3      # prefill + 2 decode steps

@@ -8,8 +8,8 @@ OpenMP's threads spin while they wait for each other. When other processes keep 
 busy, a region's slowest thread waits for a core (a scheduler time slice is ~3 ms, a region
 ~40 µs) while its partner spins away its own slice: decode fell from 52 tok/s on one thread to
 0.7 on two (docs/performance.md, "Threads"). So by default (:class:`AutoThreads`) a forward call
-runs on every core unless other processes' runnable tasks outnumber the cores, then on one,
-read from the kernel's count of runnable tasks just before the call (:func:`runnable_elsewhere`);
+runs on every core, except a small model's while other processes' runnable tasks outnumber the
+cores (then on one), read from the kernel's count of runnable tasks just before the call (:func:`runnable_elsewhere`);
 and llamatrace's own processes let a waiting OpenMP thread spin only briefly
 (:mod:`llamatrace.runtime`), so two threads sharing the cores with two other tasks still win.
 """
@@ -98,30 +98,43 @@ def runnable_elsewhere() -> int | None:
         return None
 
 
-def threads_for(cores: int, cpus: int, elsewhere: int | None) -> int:
-    """The thread count for the next forward call: every core while other processes' runnable
-    tasks fit on the machine's cores, one when they are more.
+SMALL_MATRIX = 4_000_000
+"""Weights of a model's largest matrix (``dim * hidden_dim``) below which its parallel regions are
+short (SmolLM2-135M: 0.9 M weights, regions of ~40 µs; Llama-3.1-8B: 59 M, regions of
+milliseconds)."""
+
+
+def threads_for(cores: int, cpus: int, elsewhere: int | None, matrix_weights: int | None = None) -> int:
+    """The thread count for the next forward call: every core, except one for a model with
+    short regions while other processes' runnable tasks outnumber the machine's cores.
 
     While ``elsewhere <= cpus`` each of our threads shares a core with at most one other task
     and gets half of it or more; the short spin of :mod:`llamatrace.runtime` keeps a waiting
     thread from burning its slice, and two threads beat one (beside two busy loops on 2 cores:
-    SmolLM2 prefill 1.4x, decode 1.0-1.1x; 8B-shaped 1.4x, 1.3x). Beyond that a region waits
-    too often for a thread the scheduler has set aside, and one thread is the safe choice.
+    SmolLM2 prefill 1.4x, decode 1.0-1.1x; 8B-shaped 1.4x, 1.3x). Beyond that, a short region
+    (~40 µs) that waits for a thread the scheduler set aside (a time slice is ~3 ms) waits many
+    times its length, and one thread is 3-4x faster; a region of milliseconds loses little, and
+    two threads still get twice the CPU share of one (8B-shaped: 1.1-1.3x of one thread).
 
     Args:
         cores: the cores this process may use (its affinity, at most Numba's thread pool).
         cpus: the machine's cores (:func:`os.cpu_count`), which ``elsewhere`` is counted over.
         elsewhere: other processes' runnable tasks (:func:`runnable_elsewhere`); None
             (unknown) gives ``cores``.
+        matrix_weights: weights in the model's largest matrix; None counts as small
+            (below :data:`SMALL_MATRIX`).
     """
     if elsewhere is None or elsewhere <= cpus:
+        return cores
+    if matrix_weights is not None and matrix_weights >= SMALL_MATRIX:
         return cores
     return 1
 
 
 class AutoThreads:
-    """Sets the thread count of each forward call (:func:`threads_for`: every core, one when
-    other processes oversubscribe the machine), unless :func:`set_threads` fixed it.
+    """Sets the thread count of each forward call (:func:`threads_for`: every core, one for a
+    small model while other processes oversubscribe the machine), unless :func:`set_threads`
+    fixed it.
 
     The count of other runnable tasks is read at most every ``every`` seconds and the largest
     of the last ``window`` reads is used: on an oversubscribed machine two threads can be 10x
@@ -150,9 +163,10 @@ class AutoThreads:
         self._recent: deque[int | None] = deque(maxlen=window)
         self._read_at: float | None = None
 
-    def pick(self) -> int:
+    def pick(self, matrix_weights: int | None = None) -> int:
         """Set (``numba.set_num_threads``) and return the thread count for the next forward
-        call; the fixed one if :func:`set_threads` was called."""
+        call of a model whose largest matrix holds ``matrix_weights`` weights
+        (:func:`threads_for`); the fixed count if :func:`set_threads` was called."""
         if _fixed_threads is not None:
             return _fixed_threads
         now = self._clock()
@@ -160,7 +174,7 @@ class AutoThreads:
             self._read_at = now
             self._recent.append(self._elsewhere())
         known = [n for n in self._recent if n is not None]
-        n = threads_for(self.cores, self.cpus, max(known) if known else None)
+        n = threads_for(self.cores, self.cpus, max(known) if known else None, matrix_weights)
         numba.set_num_threads(n)
         return n
 
