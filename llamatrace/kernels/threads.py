@@ -7,11 +7,11 @@ is :mod:`llamatrace.runtime`'s choice (OpenMP first, for llamatrace's own proces
 OpenMP's threads spin while they wait for each other. When other processes keep the cores
 busy, a region's slowest thread waits for a core (a scheduler time slice is ~3 ms, a region
 ~40 µs) while its partner spins away its own slice: decode fell from 52 tok/s on one thread to
-0.7 on two (docs/performance.md, "Threads"). So by default (:class:`AutoThreads`) a forward call
-runs on every core, except a small model's while other processes' runnable tasks outnumber the
-cores (then on one), read from the kernel's count of runnable tasks just before the call (:func:`runnable_elsewhere`);
-and llamatrace's own processes let a waiting OpenMP thread spin only briefly
-(:mod:`llamatrace.runtime`), so two threads sharing the cores with two other tasks still win.
+0.7 on two (issue 38). So llamatrace's own processes let a waiting OpenMP thread spin only
+briefly (:mod:`llamatrace.runtime`), and by default (:class:`AutoThreads`) a forward call runs
+on every core, except a small model's while other processes' runnable tasks outnumber the cores
+(then on one thread), read from the kernel's count just before the call
+(:func:`runnable_elsewhere`). docs/performance.md "Threads" has the measurements.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def running_threads(task_stats: Iterable[str]) -> int:
 def runnable_elsewhere() -> int | None:
     """Tasks of other processes running or waiting for a core right now (Linux ``/proc``), or
     None where that cannot be read. This process's own runnable threads (the caller, OpenMP
-    threads still spinning after a region) are not counted. Costs ~20 µs (up to ~0.2 ms on a
-    loaded machine)."""
+    threads still spinning after a region) are not counted. One read cost ~0.2 ms at load
+    average 10 on 2 cores."""
     try:
         with open("/proc/loadavg", encoding="ascii") as fh:
             running = running_count(fh.read())
@@ -113,8 +113,8 @@ def threads_for(cores: int, cpus: int, elsewhere: int | None, matrix_weights: in
     thread from burning its slice, and two threads beat one (beside two busy loops on 2 cores:
     SmolLM2 prefill 1.4x, decode 1.0-1.1x; 8B-shaped 1.4x, 1.3x). Beyond that, a short region
     (~40 µs) that waits for a thread the scheduler set aside (a time slice is ~3 ms) waits many
-    times its length, and one thread is 3-4x faster; a region of milliseconds loses little, and
-    two threads still get twice the CPU share of one (8B-shaped: 1.1-1.3x of one thread).
+    times its length, and one thread decodes ~4x faster; a region of milliseconds loses little,
+    and two threads still get twice the CPU share of one (8B-shaped: 1.3-1.4x one thread).
 
     Args:
         cores: the cores this process may use (its affinity, at most Numba's thread pool).
@@ -179,11 +179,12 @@ class AutoThreads:
         return n
 
     def describe(self) -> str:
-        """What this policy does, in a few words (for ``bench`` and ``info``)."""
+        """What this policy does, in a few words (``bench`` shows it)."""
         if _fixed_threads is not None:
             return f"{_fixed_threads} thread{'s' if _fixed_threads > 1 else ''}"
         return f"auto threads: {AUTO_THREADS_HELP} (up to {self.cores})"
 
 
 AUTO_THREADS = AutoThreads()
-"""The process's policy (Numba's threads are a process-wide resource); :func:`llamatrace.model.generate.generate` uses it."""
+"""The process's policy (Numba's threads are a process-wide resource); every
+:meth:`llamatrace.model.llama.Llama.forward` call asks it first."""
