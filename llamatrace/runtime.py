@@ -42,8 +42,8 @@ the words ``--threads`` and ``bench`` show; here because the CLI's options must 
 
 
 def configure_numba() -> None:
-    """Set the Numba threading-layer priority, kernel cache folder and libtbb preload for this
-    process (see the module docstring). Call it before the first parallel kernel runs: Numba
+    """Set the Numba threading-layer priority, OpenMP spin count, kernel cache folder and libtbb
+    preload for this process (see the module docstring). Call it before the first parallel kernel runs: Numba
     picks its threading layer then. Patches ``numba.config`` if Numba is already imported."""
     if not os.environ.get("NUMBA_CACHE_DIR"):
         package = os.path.dirname(os.path.abspath(__file__))

@@ -182,7 +182,7 @@ class AutoThreads:
         """What this policy does, in a few words (``bench`` shows it)."""
         if _fixed_threads is not None:
             return f"{_fixed_threads} thread{'s' if _fixed_threads > 1 else ''}"
-        return f"auto threads: {AUTO_THREADS_HELP} (up to {self.cores})"
+        return f"auto threads ({self.cores} cores): {AUTO_THREADS_HELP}"
 
 
 AUTO_THREADS = AutoThreads()
