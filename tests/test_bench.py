@@ -20,7 +20,7 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     assert (report["prompt_tokens"], report["decode_tokens"], report["repeats"], report["threads"]) == (5, 3, 2, 1)
     assert report["file_bytes"] == tiny_model_path.stat().st_size
     (ours,) = report["results"]
-    assert ours["engine"] == "llamatrace f32" and ours["threading"].startswith("numba ") and "1 threads" in ours["threading"]
+    assert ours["engine"] == "llamatrace f32" and ours["threading"].startswith("numba ") and ours["threading"].endswith(", 1 thread")
     assert len(ours["prefill_tok_s"]) == len(ours["decode_tok_s"]) == 2
     assert all(v > 0 for v in ours["prefill_tok_s"] + ours["decode_tok_s"])
     assert ours["load_s"] > 0 and ours["peak_rss_bytes"] > 10 * 2**20   # a child process with numpy loaded

@@ -165,25 +165,27 @@ def test_help_shows_examples(capsys):
         assert code == 0 and "llamatrace" in out and "Example" in out
 
 
-def test_numba_cache_moves_to_user_cache_when_package_dir_is_read_only(monkeypatch):
-    import os
+def _configure_in_isolation(monkeypatch, writable: bool) -> dict:
+    """Run the CLI's Numba set-up against an empty environment; this process's Numba is untouched."""
+    import numba
 
-    import llamatrace
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    monkeypatch.setattr(llamatrace._os, "access", lambda path, mode: False)
-    llamatrace._numba_cache_dir()
+    from llamatrace import runtime
+    env: dict[str, str] = {}
+    monkeypatch.setattr(runtime.os, "environ", env)
+    monkeypatch.setattr(runtime.os, "access", lambda path, mode: writable)
+    for name in ("CACHE_DIR", "THREADING_LAYER_PRIORITY"):
+        monkeypatch.setattr(numba.config, name, getattr(numba.config, name))
+    runtime.configure_numba()
+    return env
+
+
+def test_numba_cache_moves_to_user_cache_when_package_dir_is_read_only(monkeypatch):
     from llamatrace.gguf.fetch import cache_root
-    assert os.environ["NUMBA_CACHE_DIR"] == str(cache_root() / "numba")
+    assert _configure_in_isolation(monkeypatch, writable=False)["NUMBA_CACHE_DIR"] == str(cache_root() / "numba")
 
 
 def test_numba_cache_stays_put_when_package_dir_is_writable(monkeypatch):
-    import os
-
-    import llamatrace
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    monkeypatch.setattr(llamatrace._os, "access", lambda path, mode: True)
-    llamatrace._numba_cache_dir()
-    assert "NUMBA_CACHE_DIR" not in os.environ
+    assert "NUMBA_CACHE_DIR" not in _configure_in_isolation(monkeypatch, writable=True)
 
 
 @pytest.mark.parametrize("command", ["generate", "trace", "stages"])

@@ -3,7 +3,9 @@
 Each engine runs in a process of its own (so its peak RSS is its own), loaded once; the timed
 runs are interleaved — llamatrace, then each peer, then llamatrace again — so a noisy shared
 machine slows them alike and the ratios of one run are fair. Every run is a prefill of the
-same ``prompt_tokens`` ids followed by ``decode_tokens`` greedy decode steps.
+same ``prompt_tokens`` ids followed by ``decode_tokens`` greedy decode steps. With
+``background_load`` N, N busy loops (:mod:`llamatrace.analysis.busy`) keep N cores busy for the
+whole bench: the case of a shared machine, reproducibly.
 
 Peers (optional, never dependencies): ``llama.cpp`` through llama-cpp-python (the extra
 ``llamatrace[llamacpp]``; :mod:`llamatrace.peers.llamacpp` in last-token mode, so its prefill
@@ -12,6 +14,7 @@ computes one row of logits as ours does); ``hf``: HF transformers in fp32 on the
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import multiprocessing
 import os
@@ -25,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from llamatrace.analysis.busy import busy_loops
 from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, token_cost
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
 from llamatrace.peers import LLAMACPP_BUILD, exit_reason
@@ -65,6 +69,7 @@ class BenchReport:
     prompt_tokens: int
     decode_tokens: int
     repeats: int
+    background_load: int
     results: list[EngineResult]
     machine: Machine
     cost: TokenCost
@@ -120,21 +125,24 @@ def prompt_ids(vocab_size: int, n: int, seed: int = 0) -> list[int]:
 
 def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), prompt_tokens: int = 128,
               decode_tokens: int = 64, repeats: int = 5, threads: int | None = None,
-              activations: list[str] = ("f32",),
+              activations: list[str] = ("f32",), background_load: int = 0,
               progress: Callable[[str], None] = lambda msg: None) -> BenchReport:
     """Load every engine in its own process, then time ``repeats`` interleaved runs of each.
 
     ``activations``: llamatrace's modes to time, each as an engine of its own (``llamatrace f32``,
-    ``llamatrace q8``).
+    ``llamatrace q8``). ``background_load``: busy-loop processes running from the engines' load
+    to their end (stopped however the bench ends).
 
     Raises:
-        OptionError: a count below 1, an unknown engine or activations mode.
+        OptionError: a count below 1 (``background_load`` below 0), an unknown engine or activations mode.
         PeerError: a peer is not installed, or its process failed (its last words are quoted).
     """
     from llamatrace.kernels.packing import check_activations
 
     if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
         raise OptionError("--prompt-tokens, --decode-tokens and --repeats must be at least 1")
+    if background_load < 0:
+        raise OptionError(f"--background-load must be 0 or more busy loops, got {background_load}")
     modes = list(dict.fromkeys(check_activations(a) for a in (activations or ("f32",))))
     check_engines([a for a in against if a != "llamatrace"])
     engines = [_ours(mode) for mode in modes] + [a for a in dict.fromkeys(against) if a != "llamatrace"]
@@ -143,7 +151,11 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     path = str(Path(model_path).resolve())
     cost = _check_fits(path, prompt_tokens, decode_tokens, n_ctx)
     workers = {}
-    try:
+    with contextlib.ExitStack() as stack:
+        if background_load:
+            progress(f"starting {background_load} busy loops")
+        stack.enter_context(busy_loops(background_load))
+        stack.callback(lambda: [w.close() for w in workers.values()])
         for name in engines:
             progress(f"loading {name}")
             ours = name.startswith("llamatrace")
@@ -164,12 +176,10 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
                 results[name].decode_tok_s.append(decode_tokens / decode_s)
         for name, w in workers.items():
             results[name].peak_rss_bytes = w.peak_rss()
-    finally:
-        for w in workers.values():
-            w.close()
     return BenchReport(model=path, file_bytes=os.path.getsize(path), cpu=cpu_model(), threads=peer_threads,
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
-                       results=[results[name] for name in engines], machine=machine, cost=cost)
+                       background_load=background_load, results=[results[name] for name in engines],
+                       machine=machine, cost=cost)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,10 +251,15 @@ class _Worker:
 
 
 def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
+    from llamatrace import runtime
     if engine != "llamatrace":      # peers' own progress bars and logs would garble ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    if engine.startswith("llamatrace"):
+        runtime.configure_numba()   # an engine process of llamatrace's own: the CLI's settings
+    elif os.environ.get("GOMP_SPINCOUNT") == runtime.SPIN_COUNT:
+        del os.environ["GOMP_SPINCOUNT"]    # ours (the CLI's); llama.cpp's OpenMP keeps its default
     try:
         t0 = time.perf_counter()
         if engine.startswith("llamatrace"):
@@ -279,15 +294,11 @@ class _Llamatrace:
         self.model.warmup()
         self.n_ctx = n_ctx
         self.version = f"llamatrace {__version__} ({activations} activations)"
-        self.threads = threads
         self.vocab_size = self.model.config.vocab_size
 
     def threading(self) -> str:
-        import numba
-
         from llamatrace.kernels.threads import AUTO_THREADS, threading_layer
-        count = self.threads or f"auto {min(AUTO_THREADS.candidates)}–{numba.config.NUMBA_NUM_THREADS}"
-        return f"numba {threading_layer()}, {count} threads"
+        return f"numba {threading_layer()}, {AUTO_THREADS.describe()}"
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
         from llamatrace.model.generate import GenerationStats, generate

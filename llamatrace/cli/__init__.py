@@ -5,7 +5,13 @@ helpers every command shares; each command is a module of its own that registers
 Importing this package registers them all, in the order ``--help`` lists them.
 """
 
-from llamatrace.cli.app import (
+# The CLI is llamatrace's own process: Numba runs with llamatrace's settings (OpenMP first, a
+# short OpenMP spin, its cache folder), set before any command imports Numba.
+from llamatrace.runtime import configure_numba
+
+configure_numba()
+
+from llamatrace.cli.app import (  # noqa: E402
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,

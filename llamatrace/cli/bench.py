@@ -25,6 +25,9 @@ def bench(
         "--activations", metavar="f32|q8", help="llamatrace's activations: f32 (float32, HF's arithmetic) or q8 "
         "(8-bit, llama.cpp's). Repeatable: each mode runs as an engine of its own. Default: generate's "
         "(q8 for models of 1 B parameters or more on CPUs with AVX2, else f32).", show_default=False)] = None,
+    background_load: Annotated[int, typer.Option(
+        "--background-load", metavar="N", help="Keep N cores busy (N busy-loop processes) for the whole bench: "
+        "the speed on a shared machine, reproducibly.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
 ) -> None:
     """Time load, prefill and decode, and measure peak memory (each engine in its own process,
@@ -41,6 +44,8 @@ def bench(
 
       llamatrace bench --activations f32 --activations q8 --against llama.cpp
 
+      llamatrace bench --background-load 2 --threads 1
+
       llamatrace bench --model Llama-3.1-8B-Q4_0.gguf --against llama.cpp --decode-tokens 16 --json
     """
     from rich.table import Table
@@ -53,7 +58,7 @@ def bench(
     with status_spinner("") as status:
         report = run_bench(path, against=against or [], prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                            repeats=repeats, threads=threads, activations=activations or [default_activations(path)],
-                           progress=lambda msg: status.update(msg))
+                           background_load=background_load, progress=lambda msg: status.update(msg))
     if as_json:
         out.print_json(json.dumps(report.to_dict()))
         return
@@ -61,7 +66,9 @@ def bench(
     out.print(f"{path.name} ({report.file_bytes / 1e9:.2f} GB) · {report.cpu} · llamatrace: {ours.threading}; "
               f"peers: {plural(report.threads, 'thread')} · prefill {plural(report.prompt_tokens, 'token')}, "
               f"decode {plural(report.decode_tokens, 'step')} · "
-              f"median of {report.repeats} (min–max)", soft_wrap=True)
+              f"median of {report.repeats} (min–max)"
+              + (f" · {plural(report.background_load, 'busy loop')} beside it" if report.background_load else ""),
+              soft_wrap=True)
     m, cost = report.machine, report.cost
     peak = f"int8 multiply-adds {m.int8_gmac_s:.0f} G/s ({m.isa})" if m.int8_gmac_s else "no int8 peak (no AVX2)"
     out.print(f"limits on {plural(m.threads, 'thread')}: reads {m.read_gb_s:.1f} GB/s, {peak} · a token: "

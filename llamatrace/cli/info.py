@@ -105,7 +105,7 @@ def info(
     from llamatrace.analysis.bench import cpu_model
     from llamatrace.kernels.threads import threading_layer
     out.print(f"Runtime: {cpu_model()}, {numba.config.NUMBA_NUM_THREADS} threads, Numba threading layer "
-              f"{threading_layer()!r} (tbb or omp: a few µs per parallel region; workqueue: ~50–100 µs)",
+              f"{threading_layer()!r} (what a parallel region costs on each: docs/performance.md, Threads)",
               soft_wrap=True)
 
 

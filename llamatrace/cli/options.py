@@ -13,6 +13,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from llamatrace.errors import LlamatraceError, OptionError, PromptError
+from llamatrace.runtime import AUTO_THREADS_HELP
 from llamatrace.tracing.stages import select_stages
 from llamatrace.cli.app import err, quiet, status, status_bar, status_spinner
 
@@ -24,7 +25,8 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System messa
 PromptFileOpt = Annotated[Optional[Path], typer.Option(
     "--prompt-file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False)]
 ThreadsOpt = Annotated[Optional[int], typer.Option(
-    "--threads", "-t", help="CPU threads for the kernels (default: all cores).", show_default=False)]
+    "--threads", "-t", help=f"CPU threads for the kernels. Default: {AUTO_THREADS_HELP}; with --workers, "
+    "the cores split evenly among the workers.", show_default=False)]
 ActivationsOpt = Annotated[str, typer.Option(
     "--activations", metavar="f32|q8", help="Activations of the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matmuls: f32 "
     "(float32, HF's arithmetic: the reference) or q8 (8 bits per block of 32, llama.cpp's arithmetic: "

@@ -21,6 +21,8 @@ class ChunkActor:
     """One Ray actor: the model, loaded once; :meth:`run` does one chunk."""
 
     def __init__(self, spec: ModelSpec, work: Work) -> None:
+        from llamatrace.runtime import configure_numba
+        configure_numba()         # a process of llamatrace's own: the CLI's Numba settings
         self.model = spec.load()
         self.work = work
 

@@ -82,6 +82,8 @@ def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], wo
 def _worker_main(spec: ModelSpec, work: Work, conn) -> None:
     """A worker process: load the model, then answer ``(i, payload)`` with ``("done", i, result)``
     until ``None``. Errors of our own types are sent back, anything else too (as a PeerError)."""
+    from llamatrace.runtime import configure_numba
+    configure_numba()             # a process of llamatrace's own: the CLI's Numba settings
     try:
         model = spec.load()
         conn.send(("ready",))

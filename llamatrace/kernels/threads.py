@@ -1,15 +1,25 @@
-"""Thread policy of the parallel kernels: Numba's threading layer, a fixed count, or measuring.
+"""Thread policy of the parallel kernels: Numba's layer, a fixed count, or all cores unless oversubscribed.
 
 Every :func:`llamatrace.kernels.registry.matmul` call is one ``prange`` region, so callers
-fuse matrices (:func:`llamatrace.kernels.packing.pack_concat`). llamatrace asks Numba for its
-threading layers in the order omp, tbb, workqueue: a region costs ~4-5 us with ``omp``
-(libgomp), ~9 us with ``tbb`` (``pip install tbb``) and 54-100 us with ``workqueue``, which turns
-a ~6 ms decode step of SmolLM2 into ~40 ms. All three give the same results. OpenMP's spinning
-threads slow down badly when another process keeps a core busy; :class:`AutoThreads` then drops
-to one thread.
+fuse matrices (:func:`llamatrace.kernels.packing.pack_concat`). Which threading layer runs them
+is :mod:`llamatrace.runtime`'s choice (OpenMP first, for llamatrace's own processes).
+
+OpenMP's threads spin while they wait for each other. When other processes keep the cores
+busy, a region's slowest thread waits for a core (a scheduler time slice is ~3 ms, a region
+~40 µs) while its partner spins away its own slice: decode fell from 52 tok/s on one thread to
+0.7 on two (issue 38). So llamatrace's own processes let a waiting OpenMP thread spin only
+briefly (:mod:`llamatrace.runtime`), and by default (:class:`AutoThreads`) a forward call runs
+on every core, except a small model's while other processes' runnable tasks outnumber the cores
+(then on one thread), read from the kernel's count just before the call
+(:func:`runnable_elsewhere`). docs/performance.md "Threads" has the measurements.
 """
 
 from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from typing import Callable, Iterable
 
 import numba
 import numpy as np
@@ -17,6 +27,7 @@ from numba import njit, prange
 
 from llamatrace.errors import OptionError
 from llamatrace.kernels.jit import JIT_PARALLEL
+from llamatrace.runtime import AUTO_THREADS_HELP
 
 
 @njit(**JIT_PARALLEL)
@@ -49,101 +60,131 @@ def set_threads(n: int) -> None:
     _fixed_threads = int(n)
 
 
+def running_count(loadavg: str) -> int:
+    """Runnable tasks machine-wide, from the text of ``/proc/loadavg`` (its 4th field,
+    ``running/total``: an instantaneous count, the reader included).
+
+    Raises :class:`ValueError` on text of another shape."""
+    fields = loadavg.split()
+    if len(fields) < 4 or "/" not in fields[3]:
+        raise ValueError(f"not /proc/loadavg: {loadavg!r}")
+    return int(fields[3].partition("/")[0])
+
+
+def running_threads(task_stats: Iterable[str]) -> int:
+    """How many of a process's threads are running or runnable (state ``R``), from the text of
+    each ``/proc/self/task/TID/stat``. The state follows the command name, which is in
+    parentheses and may itself hold spaces and parentheses."""
+    return sum(1 for text in task_stats if text[text.rindex(")") + 1:].split()[:1] == ["R"])
+
+
+def runnable_elsewhere() -> int | None:
+    """Tasks of other processes running or waiting for a core right now (Linux ``/proc``), or
+    None where that cannot be read. This process's own runnable threads (the caller, OpenMP
+    threads still spinning after a region) are not counted. One read cost ~0.2 ms at load
+    average 10 on 2 cores."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as fh:
+            running = running_count(fh.read())
+        stats = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat", encoding="utf-8", errors="replace") as fh:
+                    stats.append(fh.read())
+            except OSError:              # the thread ended meanwhile
+                continue
+        return max(0, running - running_threads(stats))
+    except (OSError, ValueError):
+        return None
+
+
+SMALL_MATRIX = 4_000_000
+"""Weights of a model's largest matrix (``dim * hidden_dim``) below which its parallel regions are
+short (SmolLM2-135M: 0.9 M weights, regions of ~40 µs; Llama-3.1-8B: 59 M, regions of
+milliseconds)."""
+
+
+def threads_for(cores: int, cpus: int, elsewhere: int | None, matrix_weights: int | None = None) -> int:
+    """The thread count for the next forward call: every core, except one for a model with
+    short regions while other processes' runnable tasks outnumber the machine's cores.
+
+    While ``elsewhere <= cpus`` each of our threads shares a core with at most one other task
+    and gets half of it or more; the short spin of :mod:`llamatrace.runtime` keeps a waiting
+    thread from burning its slice, and two threads beat one (beside two busy loops on 2 cores:
+    SmolLM2 prefill 1.4x, decode 1.0-1.1x; 8B-shaped 1.4x, 1.3x). Beyond that, a short region
+    (~40 µs) that waits for a thread the scheduler set aside (a time slice is ~3 ms) waits many
+    times its length, and one thread decodes ~4x faster; a region of milliseconds loses little,
+    and two threads still get twice the CPU share of one (8B-shaped: 1.3-1.4x one thread).
+
+    Args:
+        cores: the cores this process may use (its affinity, at most Numba's thread pool).
+        cpus: the machine's cores (:func:`os.cpu_count`), which ``elsewhere`` is counted over.
+        elsewhere: other processes' runnable tasks (:func:`runnable_elsewhere`); None
+            (unknown) gives ``cores``.
+        matrix_weights: weights in the model's largest matrix; None counts as small
+            (below :data:`SMALL_MATRIX`).
+    """
+    if elsewhere is None or elsewhere <= cpus:
+        return cores
+    if matrix_weights is not None and matrix_weights >= SMALL_MATRIX:
+        return cores
+    return 1
+
+
 class AutoThreads:
-    """Chooses the thread count of each forward call by measuring, unless :func:`set_threads` fixed it.
+    """Sets the thread count of each forward call (:func:`threads_for`: every core, one for a
+    small model while other processes oversubscribe the machine), unless :func:`set_threads`
+    fixed it.
 
-    With every core free, all of them are fastest. When another process keeps a core busy, a
-    parallel region waits for its slowest thread, which then shares a core (a scheduler time
-    slice is ~3 ms, a region ~40 µs), and one thread beats two. So each kind of call (decode)
-    keeps a moving average of seconds per token for each candidate count (all cores, one fewer,
-    one) and uses the fastest. It retries another count after ``explore`` calls, then after
-    twice as many each time the fastest stays the same (up to ``max_interval``; a retry of a
-    slower count costs one slow token), and again after ``explore`` once the fastest changes.
-    A prefill is one long call, too costly to spend on a slower count: it takes decode's
-    fastest (:meth:`best`).
+    The count of other runnable tasks is read at most every ``every`` seconds and the largest
+    of the last ``window`` reads is used: on an oversubscribed machine two threads can be 10x
+    slower than one (a region waits for a thread set aside for a time slice), while one thread
+    on free cores costs at most 2x, so a burst of load keeps one thread for ~``every * window``
+    seconds. Nothing is timed, so no token is spent on a slow trial.
 
-    Fewer threads can only win when another process takes cores, so while all cores are the
-    fastest and this process gets their CPU time (``cpu_seconds_per_token`` at least
-    ``threads - 0.3`` times the wall time, averaged) it does not explore: each exploration
-    costs a slow token (at 8B, ~0.5 s), and a short generation pays it several times.
+    Args:
+        cores, cpus: as :func:`threads_for`; default this process's affinity (at most
+            ``numba.config.NUMBA_NUM_THREADS``) and :func:`os.cpu_count`.
+        elsewhere: the load signal, :func:`runnable_elsewhere` (tests inject their own).
+        clock: seconds, monotonic (:func:`time.monotonic`).
     """
 
-    def __init__(self, explore: int = 16, max_interval: int = 256) -> None:
-        limit = numba.config.NUMBA_NUM_THREADS
-        self.candidates = sorted({limit, max(1, limit - 1), 1}, reverse=True)
-        self.explore = explore
-        self.max_interval = max_interval
-        self._avg: dict[tuple[str, int], float] = {}
-        self._calls: dict[str, int] = {}
-        self._interval: dict[str, int] = {}
-        self._next: dict[str, int] = {}
-        self._retries: dict[str, int] = {}
-        self._share: dict[str, float] = {}     # CPU seconds per wall second with all cores
+    def __init__(self, cores: int | None = None, cpus: int | None = None,
+                 elsewhere: Callable[[], int | None] = runnable_elsewhere,
+                 clock: Callable[[], float] = time.monotonic, every: float = 0.05, window: int = 3) -> None:
+        if cores is None:
+            affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+            cores = min(affinity or 1, numba.config.NUMBA_NUM_THREADS)
+        self.cores = cores
+        self.cpus = max(cpus or os.cpu_count() or cores, cores)
+        self.every = every
+        self._elsewhere = elsewhere
+        self._clock = clock
+        self._recent: deque[int | None] = deque(maxlen=window)
+        self._read_at: float | None = None
 
-    def _cores_busy_elsewhere(self, kind: str) -> bool:
-        """True unless calls with all cores got (on average) nearly all of their CPU time;
-        also True when that was never measured."""
-        top = self.candidates[0]
-        return self._share.get(kind, 0.0) < top - 0.3
-
-    def _fastest(self, kind: str) -> int:
-        return min(self.candidates, key=lambda c: self._avg[kind, c])
-
-    def pick(self, kind: str) -> int:
-        """The thread count for the next call of ``kind`` (and sets it); the fixed one if any."""
+    def pick(self, matrix_weights: int | None = None) -> int:
+        """Set (``numba.set_num_threads``) and return the thread count for the next forward
+        call of a model whose largest matrix holds ``matrix_weights`` weights
+        (:func:`threads_for`); the fixed count if :func:`set_threads` was called."""
         if _fixed_threads is not None:
             return _fixed_threads
-        calls = self._calls.get(kind, 0)
-        self._calls[kind] = calls + 1
-        untried = [n for n in self.candidates if (kind, n) not in self._avg]
-        top = self.candidates[0]
-        measured = [c for c in self.candidates if (kind, c) in self._avg]
-        if (measured and not self._cores_busy_elsewhere(kind)
-                and min(measured, key=lambda c: self._avg[kind, c]) == top):
-            n = top                           # the cores are ours and all of them are fastest
-        elif untried:
-            n = untried[0]
-        else:
-            n = self._fastest(kind)
-            interval = self._interval.setdefault(kind, self.explore)
-            if len(self.candidates) > 1 and calls >= self._next.setdefault(kind, calls + interval):
-                others = [c for c in self.candidates if c != n]
-                retries = self._retries.get(kind, 0)
-                n = others[retries % len(others)]
-                self._retries[kind] = retries + 1
-                self._interval[kind] = min(2 * interval, self.max_interval)
-                self._next[kind] = calls + self._interval[kind]
+        now = self._clock()
+        if self._read_at is None or now - self._read_at >= self.every:
+            self._read_at = now
+            self._recent.append(self._elsewhere())
+        known = [n for n in self._recent if n is not None]
+        n = threads_for(self.cores, self.cpus, max(known) if known else None, matrix_weights)
         numba.set_num_threads(n)
         return n
 
-    def best(self, kind: str) -> int:
-        """The fastest count measured so far for ``kind`` (all cores before any measurement; the
-        fixed one if any), set without exploring."""
+    def describe(self) -> str:
+        """What this policy does, in a few words (``bench`` shows it)."""
         if _fixed_threads is not None:
-            return _fixed_threads
-        known = [c for c in self.candidates if (kind, c) in self._avg]
-        n = min(known, key=lambda c: self._avg[kind, c]) if known else self.candidates[0]
-        numba.set_num_threads(n)
-        return n
-
-    def record(self, kind: str, n: int, seconds_per_token: float,
-               cpu_seconds_per_token: float | None = None) -> None:
-        """Add one measurement of ``n`` threads for ``kind`` (wall seconds and, when known, the
-        process's CPU seconds, ``time.process_time``); a new fastest count restarts the
-        retries at every ``explore`` calls."""
-        if cpu_seconds_per_token is not None and n == self.candidates[0] and seconds_per_token > 0:
-            share = cpu_seconds_per_token / seconds_per_token
-            old_share = self._share.get(kind)
-            self._share[kind] = share if old_share is None else 0.7 * old_share + 0.3 * share
-        key = (kind, n)
-        old = self._avg.get(key)
-        tried = all((kind, c) in self._avg for c in self.candidates)
-        before = self._fastest(kind) if tried else None
-        self._avg[key] = seconds_per_token if old is None else 0.7 * old + 0.3 * seconds_per_token
-        if tried and self._fastest(kind) != before:
-            self._interval[kind] = self.explore
-            self._next[kind] = self._calls.get(kind, 0) + self.explore
+            return f"{_fixed_threads} thread{'s' if _fixed_threads > 1 else ''}"
+        return f"auto threads ({self.cores} cores): {AUTO_THREADS_HELP}"
 
 
 AUTO_THREADS = AutoThreads()
-"""The process's policy (Numba's threads are a process-wide resource); :func:`llamatrace.model.generate.generate` uses it."""
+"""The process's policy (Numba's threads are a process-wide resource); every
+:meth:`llamatrace.model.llama.Llama.forward` call asks it first."""

@@ -8,7 +8,6 @@ from typing import Iterator
 
 import numpy as np
 
-from llamatrace.kernels.threads import AUTO_THREADS
 from llamatrace.errors import OptionError, PromptError
 from llamatrace.model.sampling import Sampler, SamplingParams
 from llamatrace.tracing.recorder import Recorder
@@ -87,7 +86,6 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
     cache = model.new_cache(ctx_size)
     stats.prompt_tokens, stats.ctx_size = n_prompt, ctx_size
 
-    AUTO_THREADS.best("decode")      # one long call: not one to spend on a slower count
     t0 = time.perf_counter()
     logits = model.forward(np.asarray(prompt_ids), 0, cache, recorder=recorder)[-1]
     stats.prefill_s = time.perf_counter() - t0
@@ -105,11 +103,9 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
         if cache.space_left() == 0:
             stats.stop_reason = "context"
             return
-        threads = AUTO_THREADS.pick("decode")
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
         logits = model.forward(np.asarray([token]), cache.pos, cache, recorder=recorder)[-1]
         dt = time.perf_counter() - t0
-        AUTO_THREADS.record("decode", threads, dt, time.process_time() - cpu0)
         stats.decode_s += dt
         stats.decode_steps += 1
         stats.last_logits = logits

@@ -25,6 +25,7 @@ import numpy as np
 from llamatrace.kernels import fp32 as kernels
 from llamatrace.kernels import packing
 from llamatrace.kernels.registry import matmul
+from llamatrace.kernels.threads import AUTO_THREADS
 from llamatrace.model.cache import KVCache
 from llamatrace.model.config import ModelConfig
 from llamatrace.errors import ModelFormatError, OptionError
@@ -295,6 +296,7 @@ class Llama:
                               f"{cache.pos} of {cache.max_seq} positions")
         if tokens.min() < 0 or tokens.max() >= c.vocab_size:
             raise OptionError(f"token id out of range [0, {c.vocab_size})")
+        AUTO_THREADS.pick(c.dim * c.hidden_dim)   # all cores, or one on a crowded machine (or --threads)
         recorder = recorder if recorder is not None else self._recorder
         emit: Emit = null_emit
         if recorder is not None:
