@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import numpy as np
 
@@ -206,24 +206,33 @@ class _Worker:
         self.result = EngineResult(engine, version, load_s, threading=threading)
         self.result_vocab = vocab
 
+    def _send(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:                          # BrokenPipeError: the child is dead, as in _recv
+            self._died()
+
     def _recv(self):
         try:
             reply = self.conn.recv()
         except (EOFError, OSError):
-            self.proc.join(5)
-            raise PeerError(exit_reason(self.engine, self.proc.exitcode)) from None
+            self._died()
         if isinstance(reply, LlamatraceError):
             raise reply                          # our own error, already one line that says how to fix it
         if isinstance(reply, BaseException):
             raise PeerError(f"{self.engine}: {type(reply).__name__}: {reply}")
         return reply
 
+    def _died(self) -> NoReturn:
+        self.proc.join(5)
+        raise PeerError(exit_reason(self.engine, self.proc.exitcode)) from None
+
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
-        self.conn.send(("run", ids, n_decode))
+        self._send(("run", ids, n_decode))
         return self._recv()
 
     def peak_rss(self) -> int:
-        self.conn.send(("rss",))
+        self._send(("rss",))
         return self._recv()
 
     def close(self) -> None:

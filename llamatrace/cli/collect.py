@@ -4,14 +4,13 @@ the work is in :mod:`llamatrace.corpus.collect`."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, plural
+from llamatrace.cli.app import app, err, exit_interrupted, plural, stdout
 from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model
 from llamatrace.errors import OptionError
 
@@ -39,9 +38,10 @@ def collect(
     workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
                                          "model once; the shards do not depend on it.")] = 1,
     ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Make the shards in --workers "
-                   "Ray actors on the cluster at ADDRESS (host:port, ray://…), or 'local' to start one here; "
-                   "-o must be a path every node writes to. Needs the extra llamatrace[ray].",
-                   show_default=False)] = None,
+                   "Ray actors on the cluster at ADDRESS (host:port, ray://…), 'auto' to join RAY_ADDRESS or the "
+                   "one `ray start` runs here, or 'local' to start one for the run; each actor reserves --threads "
+                   "CPUs (default 1) and uses as many; -o must be a path every node writes to. Needs the extra "
+                   "llamatrace[ray].", show_default=False)] = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print a JSON summary on stdout at "
                                            "the end.")] = False,
@@ -62,6 +62,8 @@ def collect(
           --ctx-size 128 --dtype float16 -o acts/ --workers 2
 
       llamatrace collect -f docs.jsonl --jsonl --hook l_out@3 -o acts/ --ray head-node:6379 --workers 8
+
+      RAY_ADDRESS=head-node:6379 llamatrace collect -f docs.jsonl --jsonl --hook l_out@3 -o acts/ --ray auto
     """
     from llamatrace.corpus.chunks import read_header
     from llamatrace.corpus.collect import DTYPES, Collection, execute, prepare, resolve_hooks
@@ -88,7 +90,9 @@ def collect(
         raise OptionError(f"--ctx-size {ctx_size} is over the model's context length {config.max_seq_len}")
     hooks = resolve_hooks(hook, config)
     here = workers == 1 and ray is None
-    spec = ModelSpec(str(path), activations, threads if here else threads_per_worker(workers, threads))
+    # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's
+    spec = ModelSpec(str(path), activations,
+                     threads if here or ray is not None else threads_per_worker(workers, threads))
     c = Collection(spec, sha256_file(path), text_file, hooks, Packing.for_tokenizer(tokenizer, ctx_size, jsonl, text_field),
                    dtype, shard_mb, output, workers, ray)
     t0 = time.perf_counter()
@@ -112,7 +116,7 @@ def collect(
                "seconds": round(seconds, 3), "tokens_per_s": round(made / seconds, 1) if made else None,
                "workers": workers, "ray": ray}
     if json_out:
-        sys.stdout.write(json.dumps(summary) + "\n")
+        stdout.write(json.dumps(summary) + "\n")
     rate = f": {made / seconds:.0f} tokens/s" if made else " (already complete)"
     err.print(f"[dim]{plural(total, 'token')} × {plural(len(hooks), 'hook')} in {plural(c.n_shards, 'shard')} "
               f"({size / 1e6:.1f} MB) in {output}, {seconds:.1f} s{rate}[/]")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from llamatrace.cli.app import app
+from llamatrace.cli.app import app, stdout
 from llamatrace.cli.options import ModelOpt, wide_out
 
 
@@ -74,7 +73,7 @@ def stages(
         "description": s.description,
     } for s in STAGES]
     if json_out:
-        sys.stdout.write(json.dumps(rows, ensure_ascii=False, indent=1) + "\n")
+        stdout.write(json.dumps(rows, ensure_ascii=False, indent=1) + "\n")
         return
 
     from rich.table import Table

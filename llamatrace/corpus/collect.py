@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from llamatrace import __version__
+from llamatrace.corpus import faults
 from llamatrace.corpus.runner import ModelSpec, run_chunks
 from llamatrace.corpus.sequences import Packing, sequences
 from llamatrace.errors import OptionError, OutputError
@@ -227,6 +228,7 @@ def write_shard(model, job: ShardJob) -> dict:
         with os.fdopen(fd, "wb") as f:
             pq.write_table(pa.table(table), f, compression="snappy", row_group_size=64 * ctx)
             f.flush()
+            faults.at("shard", job.index)
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, final)
@@ -363,6 +365,7 @@ def write_manifest(c: Collection) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    faults.at("manifest", len(c.shards))
     os.chmod(tmp, 0o644)
     os.replace(tmp, c.out / MANIFEST)
 
