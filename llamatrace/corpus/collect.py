@@ -402,3 +402,5 @@ def execute(c: Collection, tokens: np.ndarray, model=None, on_tokens: Callable[[
             on_tokens(entry["rows"])
 
     run_chunks(c.model, len(todo), payload, work, done, c.workers, model, c.ray)
+    for tmp in (c.out / DATA).glob(".shard-*.tmp"):     # of a worker killed while writing, its shard made again
+        tmp.unlink(missing_ok=True)

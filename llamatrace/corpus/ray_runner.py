@@ -53,15 +53,16 @@ class ChunkActor:
             return failure(exc, "a Ray actor")
 
 
-def _check_reachable(address: str) -> None:
-    """Fail fast on a ``host:port`` that does not answer (``ray.init`` would retry for minutes)."""
+def _check_reachable(address: str, given: str) -> None:
+    """Fail fast on a ``host:port`` that does not answer (``ray.init`` would retry for minutes);
+    ``given`` is how the user named it."""
     host, _, port = address.rpartition(":")
     if address.startswith("ray://") or not host or not port.isdigit():
         return
     try:
         socket.create_connection((host, int(port)), timeout=3).close()
     except OSError as exc:
-        raise PeerError(f"--ray {address}: cannot reach a Ray cluster there ({exc.strerror or exc}); "
+        raise PeerError(f"{given}: cannot reach a Ray cluster at {address} ({exc.strerror or exc}); "
                         f"start one with `ray start --head` or give its address") from None
 
 
@@ -80,14 +81,18 @@ def connect(address: str):
         raise OptionError("--ray needs Ray: pip install 'llamatrace[ray]'") from None
     if ray.is_initialized():
         return ray, False
-    if address != "local":
-        _check_reachable(os.environ.get("RAY_ADDRESS") or address if address == "auto" else address)
+    given = f"--ray {address}"
+    if address == "auto" and os.environ.get("RAY_ADDRESS"):
+        given += f" (RAY_ADDRESS={os.environ['RAY_ADDRESS']})"
+        _check_reachable(os.environ["RAY_ADDRESS"], given)
+    elif address not in ("auto", "local"):
+        _check_reachable(address, given)
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  logging_level="ERROR", configure_logging=False)
     except Exception as exc:       # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError…
         hint = "; start one with `ray start --head`, or give --ray local" if address == "auto" else ""
-        raise PeerError(f"--ray {address}: cannot start or join a Ray cluster ({exc}){hint}") from None
+        raise PeerError(f"{given}: cannot start or join a Ray cluster ({exc}){hint}") from None
     return ray, True
 
 
