@@ -116,6 +116,14 @@ class _Group(typer.core.TyperGroup):
         _no_flag_metavar(self, ctx)
         super().format_help(ctx, formatter)
 
+    def invoke(self, ctx):
+        # click answers any EPIPE with a silent exit 1, meant for a closed stdout; ours raises
+        # StdoutClosed, so any other broken pipe is a bug, reported as one (_run_app)
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as exc:
+            raise RuntimeError(f"BrokenPipeError on a pipe that is not stdout: {exc}") from exc
+
 
 def _no_flag_metavar(command, ctx) -> None:
     for param in [*command.params, command.get_help_option(ctx)]:
