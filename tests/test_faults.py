@@ -31,8 +31,6 @@ TIMINGS = {"seconds", "tokens_per_s", "workers", "threads", "ray", "tokens_made"
 PERPLEXITY = ["perplexity", "-f", str(CORPUS), "-c", "64", "--chunks", "3", "--json"]
 COLLECT = ["collect", "--hook", "blocks.0.hook_resid_post", "--ctx-size", "32", "--shard-mb", "0.2", "--json"]
 WORKERS = ["--workers", "2"]
-# finding 2 of issue 33 (branch i33-outputs): a manifest temporary file left in OUT blocks the rerun
-NEEDS_MANIFEST_FIX = pytest.mark.xfail(strict=True, reason="the rerun needs the manifest fix of i33-outputs")
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +146,7 @@ def test_a_killed_worker_costs_a_retry_not_a_chunk(name, fault, runner, request,
 # ---- the driver killed: the rerun completes, identical ------------------------------------------
 DRIVER_KILLS = [("perplexity", "send:0:kill"), ("perplexity", "sent:1:kill"), ("perplexity", "done:0:kill"),
                 ("collect", "send:0:kill"), ("collect", "sent:1:kill"), ("collect", "done:0:kill"),
-                pytest.param("collect", "manifest:1:kill", marks=NEEDS_MANIFEST_FIX)]
+                ("collect", "manifest:1:kill")]
 
 
 @pytest.mark.parametrize("runner", ["workers", "ray"])
@@ -169,7 +167,7 @@ def test_a_killed_driver_is_resumed_by_the_same_command(name, fault, runner, req
 
 # ---- the disk full: one error line, then the rerun completes ------------------------------------
 @pytest.mark.parametrize("runner", ["workers", "ray"])
-@pytest.mark.parametrize("fault", ["shard:1:enospc", pytest.param("manifest:1:enospc", marks=NEEDS_MANIFEST_FIX)])
+@pytest.mark.parametrize("fault", ["shard:1:enospc", "manifest:1:enospc"])
 def test_a_full_disk_under_collect_is_one_error_line_and_a_rerun_completes(fault, runner, request, reference,
                                                                            small_corpus, smollm2_path, tmp_path,
                                                                            monkeypatch, capsys):

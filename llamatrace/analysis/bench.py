@@ -178,13 +178,13 @@ def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -
     what a token costs in the file's weights."""
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.model.config import ModelConfig
-    gguf_file = open_gguf(path)
-    limit = ModelConfig.from_gguf(gguf_file).max_seq_len
+    with open_gguf(path) as gguf_file:
+        limit, cost = ModelConfig.from_gguf(gguf_file).max_seq_len, token_cost(gguf_file)
     if n_ctx > limit:
         raise OptionError(f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} need "
                           f"{n_ctx} positions (8 spare), more than the model's context length {limit}; "
                           f"use at most {max(1, limit - decode_tokens - 8)} prompt tokens")
-    return token_cost(gguf_file)
+    return cost
 
 
 def _ours(activations: str) -> str:

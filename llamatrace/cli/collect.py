@@ -22,7 +22,7 @@ def collect(
     hook: Annotated[List[str], typer.Option("--hook", help="An activation to store, one vector per token: a "
                     "TransformerLens name (blocks.8.hook_resid_post) or a stage id (l_out@8). Repeat for more.",
                     show_default=False)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the shards and manifest.json; "
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the shards and .manifest.json; "
                       "rerunning the same command there continues after the last complete shard.",
                       show_default=False)],
     model: ModelOpt = None,
@@ -49,9 +49,10 @@ def collect(
     """Store activations of a corpus as a dataset: Parquet shards, one row per token.
 
     Each row holds sequence, position, token and one fixed-size float column per --hook;
-    manifest.json records the model (and its sha256), hooks, dtype, tokenization and every
-    complete shard; the shards are in OUTPUT/data. They load as they are with
-    datasets.load_dataset("parquet", data_dir="OUTPUT/data"), pyarrow.dataset or polars
+    .manifest.json records the model (and its sha256), hooks, dtype, tokenization and every
+    complete shard; the shards are in OUTPUT/data. The directory loads as it is with
+    pyarrow.parquet.read_table("OUTPUT"), pandas.read_parquet("OUTPUT"),
+    datasets.load_dataset("OUTPUT") or polars.scan_parquet("OUTPUT/**/*.parquet")
     (docs/collect.md, which also converts them to SAELens's cached activations).
 
     Examples:

@@ -60,8 +60,8 @@ def stages(
         if model is not None:
             raise
     if path is not None:
-        f = open_gguf(path)
-        c = ModelConfig.from_gguf(f)
+        with open_gguf(path) as f:
+            c = ModelConfig.from_gguf(f)
         dims = dict(dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                     hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, rope_half=c.rope_dim // 2,
                     q_dim=c.q_dim, kv_dim=c.kv_dim, n_rep=c.n_rep)

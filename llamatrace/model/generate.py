@@ -89,7 +89,7 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
 
     AUTO_THREADS.best("decode")      # one long call: not one to spend on a slower count
     t0 = time.perf_counter()
-    logits = model.forward(np.asarray(prompt_ids), 0, cache, recorder=recorder)[-1]
+    logits = model.forward(np.asarray(prompt_ids), 0, cache, recorder=recorder, phase="prefill")[-1]
     stats.prefill_s = time.perf_counter() - t0
     stats.last_logits = logits
     while True:
@@ -107,7 +107,7 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
             return
         threads = AUTO_THREADS.pick("decode")
         t0, cpu0 = time.perf_counter(), time.process_time()
-        logits = model.forward(np.asarray([token]), cache.pos, cache, recorder=recorder)[-1]
+        logits = model.forward(np.asarray([token]), cache.pos, cache, recorder=recorder, phase="decode")[-1]
         dt = time.perf_counter() - t0
         AUTO_THREADS.record("decode", threads, dt, time.process_time() - cpu0)
         stats.decode_s += dt
