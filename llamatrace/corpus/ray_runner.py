@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from llamatrace.corpus import faults
 from llamatrace.corpus.runner import MAX_TRIES, ModelSpec, RemoteTraceback, Work, failure
-from llamatrace.errors import LlamatraceError, OptionError, PeerError
+from llamatrace.errors import OptionError, PeerError
 
 
 class ChunkActor:
@@ -158,7 +158,8 @@ def run_ray(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work:
             error = type(error)(f"Ray node {node[0]}: {error}")
         raise error from RemoteTraceback(remote)
 
-    def died(actor, exc) -> None:
+    def died(actor) -> None:
+        """``actor`` is dead: a new one takes its place while there is work."""
         ray.kill(actor)
         actors.remove(actor)
         if pending or running:
@@ -181,7 +182,7 @@ def run_ray(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work:
                     if lost >= MAX_TRIES:
                         raise PeerError(f"{MAX_TRIES} Ray actors died while loading the model; giving up "
                                         f"({_why(exc)})") from exc
-                    died(actor, exc)
+                    died(actor)
                     continue
                 if reply[0] == "error":
                     raise_error(reply)
@@ -196,7 +197,7 @@ def run_ray(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work:
                     raise PeerError(f"a Ray actor died {MAX_TRIES} times on chunk {i + 1}; giving up "
                                     f"({_why(exc)})") from exc
                 pending.appendleft(i)
-                died(actor, exc)
+                died(actor)
                 continue
             if reply[0] == "error":
                 raise_error(reply)
@@ -216,6 +217,7 @@ def run_ray(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work:
 
 
 def _why(exc: Exception) -> str:
-    """The first line of Ray's account of an actor's death (killed, out of memory, node lost…)."""
+    """Ray's reason for an actor's death: the line of its account that says "because" (killed,
+    out of memory, node lost…), else its first line."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return next((ln for ln in lines if "died" not in ln.lower() or "because" in ln.lower()), lines[0] if lines else "")
+    return next((ln for ln in lines if "because" in ln), lines[0] if lines else type(exc).__name__)
