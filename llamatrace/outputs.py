@@ -2,9 +2,11 @@
 
 Two kinds of output:
 
-* whole files (``.npz``, diagrams) are written to a temporary file beside the target and renamed
-  over it only when complete (:func:`write_atomic`): an error or Ctrl-C leaves no partial file and
-  the old file untouched;
+* whole files (``.npz``, diagrams, ``collect``'s shards and manifest) are written to a temporary
+  file beside the target (``.NAME.XXXXXXXX.tmp``, :func:`is_temp_name`), flushed to the disk and
+  renamed over it only when complete, then the directory entry is flushed too
+  (:func:`replace_durably`, :func:`write_atomic`): an error, Ctrl-C or a power loss leaves no
+  partial file and the old file untouched;
 * streams (``--jsonl``, ``--log-file``) are written line by line and flushed
   (:func:`open_stream`), so every line already written is complete.
 
@@ -15,6 +17,7 @@ Every ``OSError`` (disk full, permissions, a vanished directory) becomes one
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -78,33 +81,70 @@ def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> No
         check_writable_dir(parent, shown)
 
 
-def write_atomic(path: Path, write: Callable[[BinaryIO], None], option: str) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, then rename it over ``path``.
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is one of our temporary files (``.NAME.XXXXXXXX.tmp``): one a killed run
+    can leave behind, which a later run may delete."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def replace_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write(file)`` on a temporary file beside ``path``, ``fsync`` it, rename it over
+    ``path`` and ``fsync`` the directory, so that after a crash or power loss ``path`` is either
+    the old file or the whole new one. The file gets the usual mode (``0o666`` less the umask).
 
     Raises:
-        OutputError: the file cannot be written (disk full, permissions, not a regular file).
+        OSError: from any step (disk full, permissions); the temporary file is removed first,
+            as it is on any other exception (Ctrl-C).
     """
     path = Path(path)
-    check_output_path(path, option)
     parent = path.parent if str(path.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    except OSError as exc:
-        raise OutputError(f"{_where(option, path)}: cannot write it ({exc.strerror or exc})") from None
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())      # the data on disk before the name points at it
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)            # mkstemp makes 0600; give the usual file mode
+        os.chmod(tmp, 0o666 & ~umask)            # mkstemp makes 0600
         os.replace(tmp, path)
-    except BaseException as exc:
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise OutputError(f"{_where(option, path)}: cannot write it ({exc.strerror or exc}); "
-                              f"free some space or choose another path") from None
         raise
+    _fsync_dir(parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (POSIX; file systems that cannot sync a directory
+    say EINVAL, and have nothing to flush)."""
+    if os.name == "nt":
+        return
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], None], option: str) -> None:
+    """Write ``path`` with :func:`replace_durably` (``write(file)`` on a temporary file beside it),
+    after :func:`check_output_path`.
+
+    Raises:
+        OutputError: the file cannot be written (disk full, permissions, not a regular file),
+            naming ``option`` and the path; no temporary file is left.
+    """
+    path = Path(path)
+    check_output_path(path, option)
+    try:
+        replace_durably(path, write)
+    except OSError as exc:
+        raise OutputError(f"{_where(option, path)}: cannot write it ({exc.strerror or exc}); "
+                          f"free some space or choose another path") from None
 
 
 class OutputStream:

@@ -95,3 +95,14 @@ def test_a_prompt_longer_than_the_context_names_the_bench_options_not_ctx_size(c
     code, out, err = run(capsys, "bench", "-m", tiny_model_path, "--prompt-tokens", "100000")
     assert_one_line_error(code, out, err, "--prompt-tokens 100000", "context length")
     assert "--ctx-size" not in err and "Error:" not in err
+
+
+def test_a_bench_child_that_died_before_a_send_is_named_not_a_broken_pipe(tiny_model_path):
+    # issue 33: the send to a dead child raised BrokenPipeError, which the CLI took for a closed stdout
+    from llamatrace.analysis.bench import _Worker
+    from llamatrace.errors import PeerError
+    child = _Worker("llamatrace", str(tiny_model_path), 1, 64)
+    child.proc.kill()
+    child.proc.join()
+    with pytest.raises(PeerError, match="the llamatrace process was killed by SIGKILL"):
+        child.run([1, 2, 3], 1)

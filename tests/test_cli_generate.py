@@ -67,12 +67,23 @@ def test_generate_on_tiny_model_stops_at_max_tokens(capsys, tiny_model_path):
     assert len(result["ids"]) == 5 and result["stop_reason"] == "max_tokens"
 
 
-def test_sampling_is_reproducible_with_a_seed(capsys, tiny_model_path):
-    args = ("generate", "--json", "--raw", "-n", "12", "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95",
-            "-m", str(tiny_model_path), "the cat")
-    a = json.loads(run(capsys, *args, "--seed", "7")[1])["ids"]
-    b = json.loads(run(capsys, *args, "--seed", "7")[1])["ids"]
-    assert a == b
+def test_sampling_is_reproducible_with_a_seed_and_every_flag_counts(capsys, tiny_model_path):
+    def ids(*flags) -> list[int]:
+        code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "12", *flags, "-m", str(tiny_model_path),
+                             "the cat")
+        assert code == 0, err
+        return json.loads(out)["ids"]
+
+    greedy = ids()
+    sampled = ("--temperature", "50", "--top-k", "50", "--top-p", "0.95")      # the tiny model is peaked: flatten it
+    a = ids(*sampled, "--seed", "7")
+    assert a == ids(*sampled, "--seed", "7")                     # --seed: the same draws
+    assert a != ids(*sampled, "--seed", "8")                     # ... and another seed, others
+    assert a != greedy                                           # --temperature: sampled, not argmax
+    # what each filter alone must give, whatever the seed: the likeliest token at every step
+    assert ids("--temperature", "50", "--top-k", "1", "--seed", "7") == greedy
+    assert ids("--temperature", "50", "--top-p", "0.001", "--seed", "7") == greedy
+    assert ids("--temperature", "0.0001", "--seed", "7") == greedy
 
 
 def test_context_limit_stops_cleanly(capsys, tiny_model_path):

@@ -62,7 +62,7 @@ def test_shards_load_with_datasets_pyarrow_and_polars(reference, smollm2):
     import polars
     import pyarrow.dataset as ds
 
-    manifest = json.loads((reference / "manifest.json").read_text())
+    manifest = json.loads((reference / C.MANIFEST).read_text())
     assert manifest["complete"] and manifest["n_tokens"] >= 100_000
     assert manifest["n_tokens"] == manifest["n_sequences"] * 128 == sum(s["rows"] for s in manifest["shards"])
     assert len(manifest["shards"]) == manifest["n_shards"] > 5
@@ -88,7 +88,7 @@ def test_two_workers_give_the_same_bytes(reference, corpus, smollm2_path, tmp_pa
     code, out, err = run(capsys, "collect", "-f", corpus, *SETTINGS, "-o", tmp_path / "acts", "--workers", "2",
                          "--json")
     assert code == 0, err
-    assert json.loads(out)["n_tokens"] == json.loads((reference / "manifest.json").read_text())["n_tokens"]
+    assert json.loads(out)["n_tokens"] == json.loads((reference / C.MANIFEST).read_text())["n_tokens"]
     _same_bytes(reference, tmp_path / "acts")
 
 
@@ -157,7 +157,7 @@ def test_a_killed_run_resumes_to_the_same_bytes(reference, corpus, smollm2_path,
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert line == "2 shards\n", line + proc.stderr.read()
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / C.MANIFEST).read_text())
     assert not manifest["complete"] and len(manifest["shards"]) == 2 < manifest["n_shards"]
     cmd = [sys.executable, "-m", "llamatrace", *args]
     finished = subprocess.run(cmd, capture_output=True, text=True, timeout=600)     # timeouts: hang guards
@@ -227,7 +227,7 @@ def test_a_corpus_shorter_than_one_sequence(tmp_path, capsys):
     (tmp_path / "short.txt").write_text("a few words\n")
     assert_one_line_error(*run(capsys, "collect", "-f", tmp_path / "short.txt", *HOOKS, "-o", tmp_path / "a"),
                           "fewer tokens than one sequence")
-    assert not any((tmp_path / "a" / "data").iterdir()) and not (tmp_path / "a" / "manifest.json").exists()
+    assert not any((tmp_path / "a" / "data").iterdir()) and not (tmp_path / "a" / C.MANIFEST).exists()
 
 
 def test_jsonl_input(tmp_path, capsys, smollm2):

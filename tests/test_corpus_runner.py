@@ -80,3 +80,89 @@ def test_ray_actors_give_every_digit_of_one_worker_and_survive_a_killed_actor(ti
     assert [i for i, _ in got] == list(range(chunks.n_chunk))
     for (_, a), (_, b) in zip(want, got):
         np.testing.assert_array_equal(a, b)
+
+
+class KillAfterDone:
+    """A worker's pipe that, once it has read the worker's "done" for chunk 0, SIGKILLs the worker
+    and waits for its end: the next send meets a closed pipe (issue 33, finding 1)."""
+
+    def __init__(self, conn, process) -> None:
+        self.conn, self.process = conn, process
+
+    def recv(self):
+        message = self.conn.recv()
+        if message[:2] == ("done", 0):
+            self.process.kill()
+            self.process.join()
+        return message
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def test_a_worker_dead_between_its_result_and_the_next_send_costs_a_retry(tiny_model_path, chunks, monkeypatch):
+    from llamatrace.corpus import runner
+    original = runner._Worker.__init__
+
+    def init(self, *args):
+        original(self, *args)
+        self.conn = KillAfterDone(self.conn, self.process)
+
+    monkeypatch.setattr(runner._Worker, "__init__", init)
+    spec = ModelSpec(str(tiny_model_path), "f32")
+    want = run(spec, chunks, 1)
+    got = run(spec, chunks, 2)
+    assert [i for i, _ in got] == list(range(chunks.n_chunk))    # each chunk once, in order
+    for (_, a), (_, b) in zip(want, got):
+        np.testing.assert_array_equal(a, b)
+
+
+def failing_work(model, payload):
+    """Fails as a bug would: not one of our errors."""
+    raise ValueError(f"no such thing as {payload!r}")
+
+
+def kernel_threads(model, payload):
+    import numba
+    return numba.get_num_threads()
+
+
+@pytest.mark.parametrize("where", ["workers", "ray"])
+def test_an_unexpected_worker_error_names_its_cause_and_keeps_its_traceback(tiny_model_path, where, request):
+    from llamatrace.corpus.runner import RemoteTraceback
+    from llamatrace.errors import PeerError
+    ray = None
+    if where == "ray":
+        request.getfixturevalue("local_ray")
+        ray = "local"
+    with pytest.raises(PeerError, match="ValueError: no such thing as 7") as caught:
+        run_chunks(ModelSpec(str(tiny_model_path), "f32"), 2, lambda i: 7, failing_work, lambda i, r: None, 2,
+                   ray=ray)
+    remote = caught.value.__cause__                 # what --debug prints above the error line
+    assert isinstance(remote, RemoteTraceback) and "in failing_work" in str(remote), remote
+
+
+def test_a_ray_actor_without_the_model_names_its_node_and_the_cause(tmp_path, local_ray):
+    import socket
+
+    from llamatrace.errors import ModelNotFoundError
+    missing = tmp_path / "not-on-this-node.gguf"
+    with pytest.raises(ModelNotFoundError) as caught:
+        run_chunks(ModelSpec(str(missing), "f32"), 2, lambda i: i, kernel_threads, lambda i, r: None, 2,
+                   ray="local")
+    message = str(caught.value)
+    assert message.startswith(f"Ray node {socket.gethostname()} (") and str(missing) in message, message
+
+
+def test_a_ray_actor_runs_the_threads_it_reserved(tiny_model_path, local_ray):
+    from llamatrace.errors import OptionError
+    got = {}
+    for threads in (None, 2):                       # the cluster has 2 CPUs (local_ray)
+        results = []
+        run_chunks(ModelSpec(str(tiny_model_path), "f32", threads), 2, lambda i: i, kernel_threads,
+                   lambda i, r: results.append(r), 2, ray="local")
+        got[threads] = results
+    assert got == {None: [1, 1], 2: [2, 2]}
+    with pytest.raises(OptionError, match="--threads 3: each Ray actor reserves"):
+        run_chunks(ModelSpec(str(tiny_model_path), "f32", 3), 2, lambda i: i, kernel_threads, lambda i, r: None, 2,
+                   ray="local")

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_one_line_error, run
+from cli_helpers import assert_one_line_error, one_error_line, run
 
 from llamatrace.cli import main
 from llamatrace.gguf.fetch import cache_dir
@@ -132,13 +132,32 @@ def test_two_workers_print_every_digit_one_worker_prints(capsys, smollm2_path):
     assert {k: v for k, v in a.items() if k not in timings} == {k: v for k, v in b.items() if k not in timings}
 
 
-def test_ray_prints_every_digit_one_worker_prints(capsys, tiny_model_path):
+def test_ray_prints_every_digit_one_worker_prints(capsys, tiny_model_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")    # `local` starts a cluster here whatever it says, as Ray does
     args = ["--model", tiny_model_path, "-c", "32", "--chunks", "5"]
     timings = {"seconds", "tokens_per_s", "workers", "threads", "ray"}
     a = run_json(capsys, *args)
     b = run_json(capsys, *args, "--ray", "local", "--workers", "2")
     assert b["ray"] == "local"
     assert {k: v for k, v in a.items() if k not in timings} == {k: v for k, v in b.items() if k not in timings}
+
+
+def test_ray_auto_joins_ray_address_and_names_it_when_it_does_not_answer(capsys, tiny_model_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "-c", "32", "--ray", "auto"],
+                          "--ray auto (RAY_ADDRESS=127.0.0.1:1)", "cannot reach")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error_not_success(capsys, tiny_model_path, monkeypatch):
+    # issue 33: a pipe to a worker that broke once ended the run with exit 0, as a closed stdout does
+    import llamatrace.corpus.run
+
+    def broken(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(llamatrace.corpus.run, "execute", broken)
+    code, out, err = run(capsys, "perplexity", "-f", CORPUS, "--model", tiny_model_path, "-c", "32", "--workers", "2")
+    assert code == 1 and "BrokenPipeError" in one_error_line(err)
 
 
 def assert_one_error_line(capsys, args, *needles):

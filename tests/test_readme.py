@@ -47,7 +47,7 @@ EXCLUDED.update({
     "[1]26.6568,[2]28.1797,[3]27.9899,…": "an excerpt of perplexity's output; tests/test_perplexity.py checks it",
     "====== Perplexity statistics ======": "an excerpt of perplexity --base output; tests/test_perplexity.py checks it",
     'char[8]  "_logits_"': "a file layout, not a command",
-    "acts/manifest.json": "a directory layout, not a command",
+    "acts/.manifest.json": "a directory layout, not a command",
     "llamatrace perplexity -f corpus.txt -m Q4_K_M.gguf --base Q4_1.gguf --stages -o where.png":
         "needs a Q4_K_M requantization; test_perplexity.py runs --stages on one",
     "# on the head node": "commands for a real multi-machine Ray cluster",

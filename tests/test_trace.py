@@ -300,7 +300,7 @@ def test_default_log_output_starts_with_tokens_and_ends_with_top_k(gqa_path, cap
     assert next(i for i, line in enumerate(lines) if "Next-token probabilities" in line) > last_stage
 
 
-def test_check_finite_names_stage_layer_and_step(gqa_path, tmp_path, capsys, monkeypatch):
+def test_check_finite_names_stage_layer_and_step(gqa, gqa_path, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(kernels, "silu", lambda x: np.full_like(x, np.nan))
     jl = tmp_path / "t.jsonl"
     code, out, err = run_cli(["trace", "--model", str(gqa_path), "--raw", "--check-finite", "--jsonl", str(jl),
@@ -308,7 +308,13 @@ def test_check_finite_names_stage_layer_and_step(gqa_path, tmp_path, capsys, mon
     assert code == 2
     assert "ffn_silu" in err and "layer 0" in err and "step 0" in err and "Traceback" not in err
     assert not (tmp_path / "t.npz").exists()
-    assert all(json.loads(line) for line in jl.read_text().splitlines())
+    # every line written before the error is complete: the header, then step 0's events in the
+    # catalogue's order up to the stage before the failing one
+    header, *events = [json.loads(line) for line in jl.read_text().splitlines()]
+    assert header["type"] == "header"
+    n = len(header["prompt_ids"])
+    before = [(s, layer, st) for s, layer, st, _ in catalogue_shapes(gqa, 0, 0, n, n + 1)]
+    assert [(e["step"], e["layer"], e["stage"]) for e in events] == before[:before.index((0, 0, "ffn_silu"))]
 
 
 def test_check_finite_accepts_the_masks_minus_inf(gqa):
@@ -422,3 +428,23 @@ def test_a_long_trace_says_how_long_before_it_starts(capsys, tiny_model_path):
     assert "warning: tracing 65 decode steps prints about 65 stage events (1 a step)" in err
     code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--tokens", "3", "hello")
     assert code == 0 and "warning" not in err
+
+
+def test_a_chunked_prefill_is_billed_to_prefill_and_only_generation_steps_to_decode(gqa):
+    """A prompt run in chunks (the second at start_pos 4) is prefill; a one-token step is decode,
+    and a one-token chunk of a prompt is prefill when its caller says so."""
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    cache = gqa.new_cache(len(ids) + 2)
+    rec = Recorder(stages=["l_out"], layers=[0], time_all=True)
+    gqa.forward(np.asarray(ids[:4]), 0, cache, recorder=rec)
+    gqa.forward(np.asarray(ids[4:6]), 4, cache, recorder=rec)
+    gqa.forward(np.asarray(ids[6:]), 6, cache, recorder=rec, phase="prefill")
+    gqa.forward(np.asarray([12]), 7, cache, recorder=rec)
+    assert [(e.start_pos, e.seq_len, e.phase) for e in rec.events] == [
+        (0, 4, "prefill"), (4, 2, "prefill"), (6, 1, "prefill"), (7, 1, "decode")]
+    assert rec.stage_times[("prefill", "l_out")][1] == 3 * gqa.config.n_layers
+    assert rec.stage_times[("decode", "l_out")][1] == gqa.config.n_layers
+    # generate: one prefill call, then one decode call per generated token after the first
+    with gqa.trace(stages=["result_norm"]) as traced:
+        assert len(list(gqa.generate(ids, max_tokens=3))) == 3
+    assert [e.phase for e in traced.events] == ["prefill", "decode", "decode"]

@@ -594,3 +594,46 @@ def test_one_description_of_value_types_serves_validator_and_reader():
         assert vt.size == struct.calcsize(vt.fmt) == vt.dtype.itemsize
     assert header.type_name(int(GGUFValueType.STRING)) == "string"
     assert header.type_name(99) == "unknown (99)"
+
+
+def _mapped(path: Path) -> bool:
+    """Whether this process maps ``path`` (Linux's /proc/self/maps names each mapped file)."""
+    return str(path.resolve()) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_a_closed_gguf_file_is_unmapped_and_keeps_its_header(tiny_model_path, tmp_path):
+    path = tmp_path / "copy.gguf"
+    path.write_bytes(tiny_model_path.read_bytes())
+    with open_gguf(path) as f:
+        assert _mapped(path) and not f.closed
+        name = next(iter(f.tensors))
+        stored = f.tensors[name].data.copy()
+        held = f.tensors[name].data
+        with pytest.raises(BufferError, match="still referenced"):
+            f.close()                             # a view of the map is alive: refused, not a crash
+        del held
+    assert f.closed and not _mapped(path)
+    assert f.tensors[name].n_bytes == stored.nbytes and f.metadata["general.architecture"] == "llama"
+    with pytest.raises(ValueError, match="closed"):
+        f.tensors[name].data
+    with pytest.raises(ValueError, match="closed"):
+        f.field("tokenizer.ggml.tokens")
+    f.close()                                     # again: nothing
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_a_closed_model_releases_its_gguf_and_still_runs(tiny_model_path, tmp_path):
+    from llamatrace.corpus.chunks import read_header
+    from llamatrace.model.llama import Llama
+
+    path = tmp_path / "copy.gguf"
+    path.write_bytes(tiny_model_path.read_bytes())
+    tokenizer, config = read_header(path)         # reads the header only: nothing stays mapped
+    assert config.n_layers == 2 and not _mapped(path)
+    with Llama.load(path) as model:
+        assert _mapped(path)
+        before = list(model.generate([1, 2, 3], max_tokens=4))
+    assert not _mapped(path)
+    assert list(model.generate([1, 2, 3], max_tokens=4)) == before     # the weights are packed copies
+    path.unlink()                                 # nothing holds the file

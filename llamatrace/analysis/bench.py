@@ -24,7 +24,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NoReturn
 
 import numpy as np
 
@@ -192,13 +192,13 @@ def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -
     what a token costs in the file's weights."""
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.model.config import ModelConfig
-    gguf_file = open_gguf(path)
-    limit = ModelConfig.from_gguf(gguf_file).max_seq_len
+    with open_gguf(path) as gguf_file:
+        limit, cost = ModelConfig.from_gguf(gguf_file).max_seq_len, token_cost(gguf_file)
     if n_ctx > limit:
         raise OptionError(f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} need "
                           f"{n_ctx} positions (8 spare), more than the model's context length {limit}; "
                           f"use at most {max(1, limit - decode_tokens - 8)} prompt tokens")
-    return token_cost(gguf_file)
+    return cost
 
 
 def _ours(activations: str) -> str:
@@ -220,24 +220,33 @@ class _Worker:
         self.result = EngineResult(engine, version, load_s, threading=threading)
         self.result_vocab = vocab
 
+    def _send(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except OSError:                          # BrokenPipeError: the child is dead, as in _recv
+            self._died()
+
     def _recv(self):
         try:
             reply = self.conn.recv()
         except (EOFError, OSError):
-            self.proc.join(5)
-            raise PeerError(exit_reason(self.engine, self.proc.exitcode)) from None
+            self._died()
         if isinstance(reply, LlamatraceError):
             raise reply                          # our own error, already one line that says how to fix it
         if isinstance(reply, BaseException):
             raise PeerError(f"{self.engine}: {type(reply).__name__}: {reply}")
         return reply
 
+    def _died(self) -> NoReturn:
+        self.proc.join(5)
+        raise PeerError(exit_reason(self.engine, self.proc.exitcode)) from None
+
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
-        self.conn.send(("run", ids, n_decode))
+        self._send(("run", ids, n_decode))
         return self._recv()
 
     def peak_rss(self) -> int:
-        self.conn.send(("rss",))
+        self._send(("rss",))
         return self._recv()
 
     def close(self) -> None:

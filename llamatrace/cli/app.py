@@ -37,15 +37,65 @@ def plural(n: int, word: str, many: str | None = None) -> str:
     return f"{n} {word if n == 1 else (many or word + 's')}"
 
 
+class StdoutClosed(Exception):
+    """stdout's reader went away (``llamatrace generate … | head``): Unix tools end quietly there,
+    so :func:`main` turns this into exit 0. Its own type, because a ``BrokenPipeError`` from
+    anywhere else (a pipe to a worker process) is an error, never a reason to exit 0."""
+
+
+def _stdout_closed(exc: BaseException) -> StdoutClosed:
+    # later writes and the interpreter's flush at exit go to /dev/null, not to a second warning
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    closed = StdoutClosed("stdout closed")
+    closed.__cause__ = exc
+    return closed
+
+
+class _Stdout:
+    """``sys.stdout`` (looked up on each use: tests replace it; a live rich progress bar proxies
+    it), whose ``write`` and ``flush`` raise :class:`StdoutClosed` instead of ``BrokenPipeError``."""
+
+    @staticmethod
+    def _file():
+        return getattr(sys.stdout, "rich_proxied_file", sys.stdout)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._file().write(text)
+        except BrokenPipeError as exc:
+            raise _stdout_closed(exc) from exc
+
+    def flush(self) -> None:
+        try:
+            self._file().flush()
+        except BrokenPipeError as exc:
+            raise _stdout_closed(exc) from exc
+
+    def __getattr__(self, name: str):
+        return getattr(self._file(), name)
+
+
+stdout = _Stdout()
+"""Where commands write raw data (``stdout.write(json.dumps(...) + "\n")``): sys.stdout whose
+closed pipe raises :class:`StdoutClosed`."""
+
+
 class StdoutConsole(Console):
-    """The data console. rich answers a closed pipe (``llamatrace generate … | head``) with
-    ``SystemExit(1)``; Unix tools end quietly there, so it raises ``BrokenPipeError``, which
-    :func:`main` turns into exit 0 (stdout already pointed at /dev/null)."""
+    """The data console: it writes through :data:`stdout`, so a closed pipe raises
+    :class:`StdoutClosed` (rich itself would answer ``SystemExit(1)``)."""
+
+    @property
+    def file(self):
+        return self._file if self._file is not None else stdout
+
+    @file.setter
+    def file(self, new_file) -> None:
+        self._file = new_file
 
     def on_broken_pipe(self) -> None:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        raise BrokenPipeError("stdout closed")
+        raise _stdout_closed(BrokenPipeError("stdout closed"))
 
 
 # soft_wrap: summary and error lines stay whole lines when stderr is a file or pipe (80 columns)
@@ -68,6 +118,14 @@ class _Group(typer.core.TyperGroup):
     def format_help(self, ctx, formatter) -> None:
         _no_flag_metavar(self, ctx)
         super().format_help(ctx, formatter)
+
+    def invoke(self, ctx):
+        # click answers any EPIPE with a silent exit 1, meant for a closed stdout; ours raises
+        # StdoutClosed, so any other broken pipe is a bug, reported as one (_run_app)
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as exc:
+            raise RuntimeError(f"BrokenPipeError on a pipe that is not stdout: {exc}") from exc
 
 
 def _no_flag_metavar(command, ctx) -> None:
@@ -189,12 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: runs the app and maps errors to one line + exit code."""
     code = _run(argv)
     try:                                         # output lost to a full disk must not pass silently
-        sys.stdout.flush()
+        stdout.flush()
+    except StdoutClosed:
+        pass
     except OSError as exc:
         _silence_stdout()
-        if not isinstance(exc, BrokenPipeError):
-            err.print(f"[red]error:[/] cannot write to standard output ({exc.strerror or exc})")
-            return code or EXIT_BAD_INPUT
+        err.print(f"[red]error:[/] cannot write to standard output ({exc.strerror or exc})")
+        return code or EXIT_BAD_INPUT
     return code
 
 
@@ -259,8 +318,7 @@ def _run_app(argv: list[str]) -> int:
     except KeyboardInterrupt:
         err.print("interrupted")
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # stdout closed early (`| head`): not an error
+    except StdoutClosed:                         # `| head`: not an error
         _silence_stdout()
         return EXIT_OK
     except OSError as exc:

@@ -6,14 +6,13 @@ The data is :func:`llamatrace.analysis.look.attention`; the picture :mod:`llamat
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from llamatrace.errors import OptionError
-from llamatrace.cli.app import app, err, plural
+from llamatrace.cli.app import app, err, plural, stdout
 from llamatrace.cli.options import (
     AblateOpt,
     ActivationsOpt,
@@ -121,4 +120,4 @@ def attention(
                        "probs": [[None if masked else float(p) for p, masked in zip(row, mask_row)]
                                  for row, mask_row in zip(maps.probs[h], maps.masked)]} for h in heads],
         }
-        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
+        stdout.write(json.dumps(result, ensure_ascii=False) + "\n")

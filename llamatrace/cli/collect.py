@@ -4,14 +4,13 @@ the work is in :mod:`llamatrace.corpus.collect`."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, plural, status_bar
+from llamatrace.cli.app import app, err, exit_interrupted, plural, status_bar, stdout
 from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model, model_file
 from llamatrace.errors import OptionError
 
@@ -23,7 +22,7 @@ def collect(
     hook: Annotated[List[str], typer.Option("--hook", help="An activation to store, one vector per token: a "
                     "TransformerLens name (blocks.8.hook_resid_post) or a stage id (l_out@8). Repeat for more.",
                     show_default=False)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the shards and manifest.json; "
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for the shards and .manifest.json; "
                       "rerunning the same command there continues after the last complete shard.",
                       show_default=False)],
     model: ModelOpt = None,
@@ -39,9 +38,10 @@ def collect(
     workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
                                          "model once; the shards do not depend on it.")] = 1,
     ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Make the shards in --workers "
-                   "Ray actors on the cluster at ADDRESS (host:port, ray://…), or 'local' to start one here; "
-                   "-o must be a path every node writes to. Needs the extra llamatrace[ray].",
-                   show_default=False)] = None,
+                   "Ray actors on the cluster at ADDRESS (host:port, ray://…), 'auto' to join RAY_ADDRESS or the "
+                   "one `ray start` runs here, or 'local' to start one for the run; each actor reserves --threads "
+                   "CPUs (default 1) and uses as many; -o must be a path every node writes to. Needs the extra "
+                   "llamatrace[ray].", show_default=False)] = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print a JSON summary on stdout at "
                                            "the end.")] = False,
@@ -49,9 +49,10 @@ def collect(
     """Store activations of a corpus as a dataset: Parquet shards, one row per token.
 
     Each row holds sequence, position, token and one fixed-size float column per --hook;
-    manifest.json records the model (and its sha256), hooks, dtype, tokenization and every
-    complete shard; the shards are in OUTPUT/data. They load as they are with
-    datasets.load_dataset("parquet", data_dir="OUTPUT/data"), pyarrow.dataset or polars
+    .manifest.json records the model (and its sha256), hooks, dtype, tokenization and every
+    complete shard; the shards are in OUTPUT/data. The directory loads as it is with
+    pyarrow.parquet.read_table("OUTPUT"), pandas.read_parquet("OUTPUT"),
+    datasets.load_dataset("OUTPUT") or polars.scan_parquet("OUTPUT/**/*.parquet")
     (docs/collect.md, which also converts them to SAELens's cached activations).
 
     Examples:
@@ -62,6 +63,8 @@ def collect(
           --ctx-size 128 --dtype float16 -o acts/ --workers 2
 
       llamatrace collect -f docs.jsonl --jsonl --hook l_out@3 -o acts/ --ray head-node:6379 --workers 8
+
+      RAY_ADDRESS=head-node:6379 llamatrace collect -f docs.jsonl --jsonl --hook l_out@3 -o acts/ --ray auto
     """
     from llamatrace.corpus.chunks import read_header
     from llamatrace.corpus.collect import DTYPES, Collection, execute, prepare, resolve_hooks
@@ -88,7 +91,9 @@ def collect(
         raise OptionError(f"--ctx-size {ctx_size} is over the model's context length {config.max_seq_len}")
     hooks = resolve_hooks(hook, config)
     here = workers == 1 and ray is None
-    spec = ModelSpec(str(path), activations, threads if here else threads_per_worker(workers, threads))
+    # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's
+    spec = ModelSpec(str(path), activations,
+                     threads if here or ray is not None else threads_per_worker(workers, threads))
     c = Collection(spec, sha256_file(path), text_file, hooks, Packing.for_tokenizer(tokenizer, ctx_size, jsonl, text_field),
                    dtype, shard_mb, output, workers, ray)
     t0 = time.perf_counter()
@@ -112,7 +117,7 @@ def collect(
                "seconds": round(seconds, 3), "tokens_per_s": round(made / seconds, 1) if made else None,
                "workers": workers, "ray": ray}
     if json_out:
-        sys.stdout.write(json.dumps(summary) + "\n")
+        stdout.write(json.dumps(summary) + "\n")
     rate = f": {made / seconds:.0f} tokens/s" if made else " (already complete)"
     err.print(f"[dim]{plural(total, 'token')} × {plural(len(hooks), 'hook')} in {plural(c.n_shards, 'shard')} "
               f"({size / 1e6:.1f} MB) in {output}, {seconds:.1f} s{rate}[/]")

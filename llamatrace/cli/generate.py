@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 from typing import Annotated, Optional
 
 import typer
 
 from llamatrace.errors import OptionError
-from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_spinner
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_spinner, stdout
 from llamatrace.cli.options import (
     AblateOpt,
     check_run_options,
@@ -112,8 +111,8 @@ def generate(
                         "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 2),
                         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2)},
         }
-        sys.stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
-        sys.stdout.flush()
+        stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
+        stdout.flush()
     else:
         out.print(tail, end="", markup=False)
         out.print()

@@ -51,6 +51,7 @@ def info(
         rows["tokenizer.chat_template"] = (f"({len(str(template))} chars, shown in full below)" if all_metadata
                                            else f"({len(str(template))} chars; --all shows it)")
     rows["tokenizer"] = _tokenizer_kind(f, path.name)
+    f.close()                     # the vocabulary was the last thing read from the map; the rest is header
     mix: dict[str, list[int]] = {}             # type → [tensor count, bytes], the file's tensor-type mix
     for t in f.tensors.values():
         entry = mix.setdefault(tensor_type_name(t), [0, 0])

@@ -6,7 +6,6 @@ The data is :func:`llamatrace.analysis.look.logit_lens`; the picture :mod:`llama
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,7 +13,7 @@ import typer
 from rich.markup import escape
 
 from llamatrace.errors import OptionError
-from llamatrace.cli.app import app, err
+from llamatrace.cli.app import app, err, stdout
 from llamatrace.cli.options import (
     AblateOpt,
     ActivationsOpt,
@@ -95,7 +94,7 @@ def lens(
     if json_out:
         doc = {"model": str(m.path), "prompt_ids": ids, "final_id": result.final_id, "final_piece": final,
                "ablate": [a.text for a in ablations], "rows": [r.to_json() for r in result.rows]}
-        sys.stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
+        stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
         return
     wide_out(132).print(_table(result, pieces, final))
 

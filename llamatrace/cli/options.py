@@ -121,7 +121,8 @@ def default_activations(path: Path) -> str:
     from llamatrace.kernels import act8
     if not act8.available():
         return "f32"
-    n_params = sum(t.n_elements for t in open_gguf(path).tensors.values())
+    with open_gguf(path) as f:
+        n_params = sum(t.n_elements for t in f.tensors.values())
     return "q8" if n_params >= Q8_DEFAULT_PARAMS else "f32"
 
 

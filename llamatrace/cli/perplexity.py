@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar
+from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar, stdout
 from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model, model_file
 from llamatrace.errors import OptionError
 
@@ -41,8 +40,10 @@ def perplexity(
     workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
                                          "model once; the numbers do not depend on it.")] = 1,
     ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run the chunks as --workers Ray "
-                   "actors on the cluster at ADDRESS (host:port, ray://…), or 'local' to start one here. Needs "
-                   "the extra llamatrace[ray].", show_default=False)] = None,
+                   "actors on the cluster at ADDRESS (host:port, ray://…), 'auto' to join RAY_ADDRESS or the one "
+                   "`ray start` runs here, or 'local' to start one for the run. Each actor reserves --threads "
+                   "CPUs (default 1) and uses as many. Needs the extra llamatrace[ray].",
+                   show_default=False)] = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object instead of the "
                                            "llama-perplexity log.")] = False,
@@ -63,7 +64,9 @@ def perplexity(
 
       llamatrace perplexity -f corpus.txt -m Q4_K_M.gguf --base Q8_0.gguf --stages -o where.png
 
-      llamatrace perplexity -f wiki.test.raw -m 8B-Q4_K_M.gguf --ray head-node:6379 --workers 8
+      llamatrace perplexity -f wiki.test.raw -m 8B-Q4_K_M.gguf --ray head-node:6379 --workers 8 --threads 4
+
+      RAY_ADDRESS=head-node:6379 llamatrace perplexity -f wiki.test.raw --ray auto --workers 8
     """
     from llamatrace.corpus.chunks import read_corpus
     from llamatrace.corpus.run import CorpusRun, execute
@@ -74,7 +77,9 @@ def perplexity(
     text = read_corpus(text_file)
     path = model_file(model)
     in_process = workers == 1 and ray is None and not stages      # else workers or actors load it
-    spec = ModelSpec(str(path), activations, threads if in_process else threads_per_worker(workers, threads))
+    # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's
+    spec = ModelSpec(str(path), activations,
+                     threads if in_process or ray is not None else threads_per_worker(workers, threads))
     run = CorpusRun(spec, text, ctx_size, chunks, base, save_base, stages, workers, ray)
     run.check()
     if save_base is not None:
@@ -93,7 +98,7 @@ def perplexity(
             def on_chunk(i: int, ppl: float) -> None:
                 if main and not json_out:       # llama.cpp's running values, as they come
                     out.print(f"[{i + 1}]{ppl:.4f},", end="", markup=False)
-                    sys.stdout.flush()
+                    stdout.flush()
                 bar.update(i, ppl)
             yield on_chunk
 
@@ -103,7 +108,7 @@ def perplexity(
         err.print("[yellow]interrupted[/]: nothing written")
         exit_interrupted()
     if json_out:
-        sys.stdout.write(json.dumps(result.as_json(run)) + "\n")
+        stdout.write(json.dumps(result.as_json(run)) + "\n")
     else:
         out.print()
         if base is None:
@@ -115,6 +120,7 @@ def perplexity(
     if result.attribution is not None and output is not None:
         from llamatrace.corpus.plot import plot_stage_errors
         plot_stage_errors(result.attribution, output, f"{path.name} against {Path(str(base)).name}")
+    stdout.flush()                  # a full disk behind stdout: its error line, not this summary
     c = result.chunks
     err.print(f"[dim]{c.n_chunk} chunks of {c.n_ctx} tokens in {result.seconds:.1f} s: {result.tokens_per_s:.0f} "
               f"tokens/s ({workers} worker{'s' if workers > 1 else ''}{' on Ray' if ray else ''}, {activations})[/]")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from llamatrace.cli.app import app
+from llamatrace.cli.app import app, stdout
 from llamatrace.cli.options import ModelOpt, wide_out
 
 
@@ -61,8 +60,8 @@ def stages(
         if model is not None:
             raise
     if path is not None:
-        f = open_gguf(path)
-        c = ModelConfig.from_gguf(f)
+        with open_gguf(path) as f:
+            c = ModelConfig.from_gguf(f)
         dims = dict(dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                     hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, rope_half=c.rope_dim // 2,
                     q_dim=c.q_dim, kv_dim=c.kv_dim, n_rep=c.n_rep)
@@ -74,7 +73,7 @@ def stages(
         "description": s.description,
     } for s in STAGES]
     if json_out:
-        sys.stdout.write(json.dumps(rows, ensure_ascii=False, indent=1) + "\n")
+        stdout.write(json.dumps(rows, ensure_ascii=False, indent=1) + "\n")
         return
 
     from rich.table import Table

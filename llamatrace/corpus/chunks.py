@@ -26,8 +26,8 @@ def read_header(model_path: Path):
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.model.config import ModelConfig
     from llamatrace.text.tokenizer import Tokenizer
-    f = open_gguf(model_path)
-    return Tokenizer.from_reader(f, path=str(model_path)), ModelConfig.from_gguf(f)
+    with open_gguf(model_path) as f:
+        return Tokenizer.from_reader(f, path=str(model_path)), ModelConfig.from_gguf(f)
 
 
 def read_corpus(path: Path) -> str:

@@ -2,13 +2,16 @@
 
 Layout of the output directory::
 
-    manifest.json                 settings, hooks, tokenization, each complete shard (rows, sha256)
+    .manifest.json                settings, hooks, tokenization, each complete shard (rows, sha256)
     data/shard-00000.parquet      one row per token: sequence (int64), position (int32), token (int32),
     data/shard-00001.parquet      and one fixed-size list<float16|float32> column per hook
     ...
 
-The shards are in ``data/`` so that the readers that take a directory read only Parquet files:
-``datasets.load_dataset("parquet", data_dir="acts/data")``, ``pyarrow.dataset.dataset("acts/data")``.
+The directory itself is the dataset: pyarrow (so pandas) and Hugging Face ``datasets`` skip
+names that start with ``.``, so ``pyarrow.parquet.read_table("acts")``,
+``pandas.read_parquet("acts")`` and ``datasets.load_dataset("acts")`` read the shards alone (polars
+refuses a directory with any other file in it: ``polars.read_parquet("acts/**/*.parquet")``).
+Collections made before this layout have ``manifest.json``: a rerun renames it.
 
 Every shard holds whole sequences (``sequences_per_shard`` of them, ~``shard_mb`` MB), so a shard
 is a unit of work: the chunk runner (:mod:`llamatrace.corpus.runner`) hands shards to workers,
@@ -32,13 +35,15 @@ from typing import Callable
 import numpy as np
 
 from llamatrace import __version__
+from llamatrace.corpus import faults
 from llamatrace.corpus.runner import ModelSpec, run_chunks
 from llamatrace.corpus.sequences import Packing, sequences
 from llamatrace.errors import OptionError, OutputError
-from llamatrace.outputs import check_writable_dir
+from llamatrace.outputs import check_writable_dir, is_temp_name, replace_durably
 
 FORMAT = "llamatrace.activations/1"
-MANIFEST = "manifest.json"
+MANIFEST = ".manifest.json"              # hidden: Parquet and datasets readers of the directory skip it
+LEGACY_MANIFEST = "manifest.json"       # collections made before: still resumed, renamed by the next run
 DATA = "data"
 DTYPES = ("float32", "float16")
 
@@ -223,16 +228,15 @@ def write_shard(model, job: ShardJob) -> dict:
         table[h.name] = pa.FixedSizeListArray.from_arrays(pa.array(columns[h.name].reshape(-1)), h.width)
     out = Path(job.out)
     final = out / DATA / shard_name(job.index)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+
+    def write(f) -> None:
+        pq.write_table(pa.table(table), f, compression="snappy", row_group_size=64 * ctx)
+        f.flush()
+        faults.at("shard", job.index)
+
     try:
-        with os.fdopen(fd, "wb") as f:
-            pq.write_table(pa.table(table), f, compression="snappy", row_group_size=64 * ctx)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
+        replace_durably(final, write)
     except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
         raise OutputError(f"-o {str(out)!r}: cannot write {final.name} ({exc.strerror or exc}); "
                           f"free some space and rerun: complete shards are kept") from None
     return {"file": final.name, "rows": rows, "sha256": _sha256(final)}
@@ -292,14 +296,18 @@ def check_out_dir(out: Path) -> None:
         raise OutputError(f"-o {str(out)!r} is a file: give a directory")
     if out.is_dir():
         data = out / DATA
-        foreign = [p.name for p in out.iterdir() if p.name not in (MANIFEST, DATA)]
+        foreign = [p.name for p in out.iterdir() if not (p.name in (MANIFEST, LEGACY_MANIFEST, DATA)
+                                                         or is_temp_name(p.name))]
+        shards = False
         if data.exists():
             if not data.is_dir():
                 foreign.append(DATA)
             else:
-                foreign += [f"{DATA}/{p.name}" for p in data.iterdir()
-                            if not (_is_shard_name(p.name) or p.name.endswith(".tmp"))]
-        if foreign or (data.exists() and not (out / MANIFEST).is_file()):
+                names = [p.name for p in data.iterdir() if not is_temp_name(p.name)]
+                foreign += [f"{DATA}/{name}" for name in names if not _is_shard_name(name)]
+                shards = bool(names)
+        # shards come after the first manifest: without one, a run was killed before any shard
+        if foreign or (shards and not _manifest_path(out).is_file()):
             shown = ", ".join(sorted(foreign)[:3]) or "shards without a manifest"
             raise OutputError(f"-o {str(out)!r} is not empty and not a collection ({shown}): give a new or "
                               f"empty directory")
@@ -308,8 +316,16 @@ def check_out_dir(out: Path) -> None:
         (out / DATA).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"-o {str(out)!r}: cannot create it ({exc.strerror or exc})") from None
-    for tmp in (out / DATA).glob(".*.tmp"):       # a shard a killed run left half-written
-        tmp.unlink(missing_ok=True)
+    for folder in (out, out / DATA):               # what a killed run left half-written: a manifest, a shard
+        for p in folder.iterdir():
+            if is_temp_name(p.name) and p.is_file():
+                p.unlink(missing_ok=True)
+
+
+def _manifest_path(out: Path) -> Path:
+    """The manifest of ``out``: ``.manifest.json``, or an older collection's ``manifest.json``."""
+    legacy = out / LEGACY_MANIFEST
+    return legacy if legacy.is_file() and not (out / MANIFEST).is_file() else out / MANIFEST
 
 
 def _is_shard_name(name: str) -> bool:
@@ -324,7 +340,7 @@ def resume(c: Collection) -> list[dict]:
         OutputError: the manifest there is for other settings, or a listed shard is damaged.
     """
     import pyarrow.parquet as pq
-    path = c.out / MANIFEST
+    path = _manifest_path(c.out)
     if not path.is_file():
         return []
     try:
@@ -384,14 +400,24 @@ def _brief(value, width: int = 64) -> str:
 
 
 def write_manifest(c: Collection) -> None:
+    """Replace ``c.out/.manifest.json`` (durably: :func:`~llamatrace.outputs.replace_durably`); an
+    older collection's ``manifest.json`` goes once the new one is written.
+
+    Raises:
+        OutputError: it cannot be written (disk full …); no temporary file is left.
+    """
     data = (json.dumps(c.manifest(), indent=2) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=c.out)
-    with os.fdopen(fd, "wb") as f:
+    def write(f) -> None:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, c.out / MANIFEST)
+        faults.at("manifest", len(c.shards))
+
+    try:
+        replace_durably(c.out / MANIFEST, write)
+        (c.out / LEGACY_MANIFEST).unlink(missing_ok=True)
+    except OSError as exc:
+        raise OutputError(f"-o {str(c.out)!r}: cannot write {MANIFEST} ({exc.strerror or exc}); free some "
+                          f"space and rerun: complete shards are kept") from None
 
 
 def execute(c: Collection, tokens: np.ndarray, model=None, on_tokens: Callable[[int], None] | None = None,
@@ -426,3 +452,5 @@ def execute(c: Collection, tokens: np.ndarray, model=None, on_tokens: Callable[[
             on_tokens(entry["rows"])
 
     run_chunks(c.model, len(todo), payload, work, done, c.workers, model, c.ray)
+    for tmp in (c.out / DATA).glob(".shard-*.tmp"):     # of a worker killed while writing, its shard made again
+        tmp.unlink(missing_ok=True)

@@ -4,20 +4,24 @@ Each worker process loads the model once (the GGUF is memory-mapped, so the page
 shared) and then takes chunks one at a time; chunks are handed out in order and the results
 reach the caller in chunk order, so a run gives the same numbers with any number of workers.
 A worker that dies (killed, out of memory) costs a retry of the chunk it held, on a fresh
-worker; a chunk whose worker dies :data:`MAX_TRIES` times fails the run. Processes are started
-with ``spawn``: a forked copy of a process whose Numba/OpenMP threads are running can hang.
+worker — whether its death shows as the end of its process or as a send that fails; a chunk
+whose worker dies :data:`MAX_TRIES` times fails the run. Processes are started with ``spawn``:
+a forked copy of a process whose Numba/OpenMP threads are running can hang. The named points of
+:mod:`llamatrace.corpus.faults` let the tests kill each party exactly where they mean to.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from llamatrace.errors import LlamatraceError, OptionError, PeerError
+from llamatrace.corpus import faults
+from llamatrace.errors import LlamatraceError, ModelNotFoundError, OptionError, PeerError
 
 MAX_TRIES = 3
 
@@ -38,6 +42,8 @@ class ModelSpec:
         from llamatrace.model.llama import Llama
         if self.threads is not None:
             kernel_threads.set_threads(self.threads)
+        if faults.at("load") == "missing":
+            raise ModelNotFoundError(f"model file not found: {self.path}")
         return Llama.load(self.path, fetch=False, activations=self.activations)
 
 
@@ -57,11 +63,14 @@ def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], wo
         work: a module-level function (worker processes import it by name).
         workers: 1 runs in this process (with ``model`` if given, else ``spec.load()``);
             more start that many worker processes (or, with ``use_ray``, Ray actors).
-        ray: run on the Ray cluster at this address (``"local"``: start a local one), see
-            :mod:`llamatrace.corpus.ray_runner`; ``None``: no Ray.
+        ray: run on the Ray cluster at this address (``"local"``: start a local one; ``"auto"``:
+            join ``RAY_ADDRESS`` or the one running here), see :mod:`llamatrace.corpus.ray_runner`;
+            ``None``: no Ray.
 
     Raises:
-        LlamatraceError: raised by ``work`` or by a worker's model load (re-raised here).
+        LlamatraceError: raised by ``work`` or by a worker's model load (re-raised here, chained to
+            a :class:`RemoteTraceback` with the worker's traceback); any other exception of a
+            worker as a PeerError naming it.
         PeerError: a chunk's worker died :data:`MAX_TRIES` times; the Ray cluster is unreachable.
         OptionError: ``workers`` below 1; ``ray`` without Ray installed.
     """
@@ -69,7 +78,7 @@ def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], wo
         raise OptionError(f"--workers must be a positive integer, got {workers}")
     if ray is not None:
         from llamatrace.corpus.ray_runner import run_ray
-        run_ray(spec, n_chunks, payload, work, on_result, workers, None if ray in ("", "local") else ray)
+        run_ray(spec, n_chunks, payload, work, on_result, workers, ray or "local")
         return
     if workers == 1:
         model = model if model is not None else spec.load()
@@ -79,9 +88,25 @@ def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], wo
     _Pool(spec, payload, work, min(workers, n_chunks)).run(n_chunks, on_result)
 
 
+class RemoteTraceback(Exception):
+    """The traceback, as text, of an exception raised in a worker process or a Ray actor; the
+    error reported is raised ``from`` it, so ``--debug`` shows where it happened."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def failure(exc: BaseException, who: str) -> tuple[str, LlamatraceError, str]:
+    """What a worker sends back for ``exc``: ``("error", error, traceback text)``, the error our
+    own (already one line that says how to fix it) or a PeerError naming ``who`` and the cause."""
+    if not isinstance(exc, LlamatraceError):
+        exc = PeerError(f"{who} failed: {type(exc).__name__}: {exc} — please report it with --debug output")
+    return "error", exc, traceback.format_exc()
+
+
 def _worker_main(spec: ModelSpec, work: Work, conn) -> None:
     """A worker process: load the model, then answer ``(i, payload)`` with ``("done", i, result)``
-    until ``None``. Errors of our own types are sent back, anything else too (as a PeerError)."""
+    until ``None``. Its errors are sent back (:func:`failure`); the parent raises them."""
     from llamatrace.runtime import configure_numba
     configure_numba()             # a process of llamatrace's own: the CLI's Numba settings
     try:
@@ -89,13 +114,12 @@ def _worker_main(spec: ModelSpec, work: Work, conn) -> None:
         conn.send(("ready",))
         while (job := conn.recv()) is not None:
             i, data = job
+            faults.at("compute", i)
             conn.send(("done", i, work(model, data)))
-    except LlamatraceError as exc:
-        conn.send(("error", exc))
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
-        pass
+        pass                                      # the parent is gone or stopping us
     except Exception as exc:      # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("error", PeerError(f"a worker failed: {type(exc).__name__}: {exc}")))
+        conn.send(failure(exc, "a worker"))
 
 
 class _Worker:
@@ -105,6 +129,12 @@ class _Worker:
         self.process.start()
         child.close()
         self.chunk: int | None = None         # the chunk it holds
+        self.ready = False                    # it has loaded the model
+
+    def kill(self) -> None:
+        """SIGKILL it and wait for the end (its pipe is closed then)."""
+        self.process.kill()
+        self.process.join()
 
 
 class _Pool:
@@ -117,49 +147,71 @@ class _Pool:
         tries = [0] * n_chunks
         done: dict[int, Any] = {}
         next_out = 0
-        lost = 0                                      # workers that died without a chunk (loading)
+        lost = 0                                      # workers that died loading the model
         pool = [_Worker(self.ctx, self.spec, self.work) for _ in range(self.size)]
+
+        def died(w: _Worker) -> None:
+            """``w`` is dead: its chunk goes first to a fresh worker (or the run fails)."""
+            nonlocal lost
+            pool.remove(w)
+            w.kill()
+            if w.chunk is not None:
+                tries[w.chunk] += 1
+                if tries[w.chunk] >= MAX_TRIES:
+                    raise PeerError(f"a worker died {MAX_TRIES} times on chunk {w.chunk + 1}; "
+                                    f"giving up (out of memory? try fewer --workers)")
+                pending.appendleft(w.chunk)
+            elif not w.ready:
+                lost += 1
+                if lost >= MAX_TRIES:
+                    raise PeerError(f"{MAX_TRIES} workers died while loading the model; giving up "
+                                    f"(out of memory? try fewer --workers)")
+            if pending:
+                pool.append(_Worker(self.ctx, self.spec, self.work))
+
+        def hand_out(w: _Worker) -> None:
+            """The next chunk to ``w``; a send that fails is ``w``'s death."""
+            if not pending:
+                return
+            w.chunk = pending.popleft()
+            faults.at("send", w.chunk)
+            try:
+                w.conn.send((w.chunk, self.payload(w.chunk)))
+            except OSError:                               # BrokenPipeError, ConnectionResetError
+                died(w)
+                return
+            faults.at("sent", w.chunk)
+
+        faults.kill_any_worker = lambda: pool[0].kill()
         try:
             while next_out < n_chunks:
                 ready = set(wait([w.conn for w in pool] + [w.process.sentinel for w in pool]))
                 for w in list(pool):
-                    message = None
-                    if w.conn in ready or w.process.sentinel in ready:
-                        try:
-                            message = w.conn.recv() if w.conn.poll() else None
-                        except (EOFError, OSError):
-                            message = None
-                        if message is None and not w.process.is_alive():
-                            pool.remove(w)
-                            if w.chunk is not None:           # retry its chunk first, on a new worker
-                                tries[w.chunk] += 1
-                                if tries[w.chunk] >= MAX_TRIES:
-                                    raise PeerError(f"a worker died {MAX_TRIES} times on chunk {w.chunk + 1}; "
-                                                    f"giving up (out of memory? try fewer --workers)")
-                                pending.appendleft(w.chunk)
-                            else:
-                                lost += 1
-                                if lost >= MAX_TRIES:
-                                    raise PeerError(f"{MAX_TRIES} workers died while loading the model; giving up")
-                            if pending:
-                                pool.append(_Worker(self.ctx, self.spec, self.work))
-                            continue
+                    if w.conn not in ready and w.process.sentinel not in ready:
+                        continue
+                    try:
+                        message = w.conn.recv() if w.conn.poll() else None
+                    except (EOFError, OSError):
+                        message = None
                     if message is None:
+                        if not w.process.is_alive():
+                            died(w)
                         continue
                     if message[0] == "error":
-                        raise message[1]
+                        raise message[1] from RemoteTraceback(message[2])
+                    w.ready = True
                     if message[0] == "done":
                         done[message[1]] = message[2]
                         w.chunk = None
-                    if pending:
-                        w.chunk = pending.popleft()
-                        w.conn.send((w.chunk, self.payload(w.chunk)))
+                        faults.at("done", message[1], w.kill)
+                    hand_out(w)
                 while next_out in done:
                     on_result(next_out, done.pop(next_out))
                     next_out += 1
                 if not pool and next_out < n_chunks:
                     raise PeerError("every worker died; giving up")
         finally:
+            faults.kill_any_worker = None
             for w in pool:
                 try:
                     w.conn.send(None)

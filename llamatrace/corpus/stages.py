@@ -53,7 +53,8 @@ def check_same_shape(base_path, model_path) -> None:
     from llamatrace.model.config import ModelConfig
 
     def shape(path):
-        c = ModelConfig.from_gguf(open_gguf(path))
+        with open_gguf(path) as f:
+            c = ModelConfig.from_gguf(f)
         return {k: getattr(c, k) for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim")}
 
     base, model = shape(base_path), shape(model_path)

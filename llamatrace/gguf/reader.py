@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Container
 
@@ -74,7 +74,7 @@ _TENSOR_DTYPE = {_T.F32: np.float32, _T.F16: np.float16, _T.F64: np.float64, _T.
 
 @dataclass(frozen=True, eq=False)
 class Tensor:
-    """One tensor of a GGUF file, its data a read-only view of the memory map (never copied).
+    """One tensor of a GGUF file; :attr:`data` is a read-only view of the memory map (never copied).
 
     ``shape`` is in ggml order (``ne[0]`` = fastest = in_features first), as gguf-py's
     ``ReaderTensor``; ``data`` is in NumPy order: ``[out_features, in_features]`` for F32/F16,
@@ -86,12 +86,31 @@ class Tensor:
     shape: np.ndarray
     n_elements: int
     n_bytes: int
-    data: np.ndarray
+    offset: int                                  # of the data in the file, bytes
+    _map: mmap.mmap = field(repr=False)
+
+    @property
+    def data(self) -> np.ndarray:
+        """The tensor's bytes in the memory map, a new read-only view on each access (so that
+        :meth:`GGUFFile.close` can unmap the file once no view is held).
+
+        Raises:
+            ValueError: the file is closed.
+        """
+        if self._map.closed:
+            raise ValueError(f"tensor {self.name!r}: its GGUF file is closed")
+        np_dims = tuple(int(d) for d in reversed(self.shape.tolist()))
+        dtype = _TENSOR_DTYPE.get(self.tensor_type)
+        if dtype is None:
+            block, type_size = gguf.GGML_QUANT_SIZES[self.tensor_type]
+            return np.frombuffer(self._map, np.uint8, self.n_bytes, self.offset).reshape(
+                *np_dims[:-1], np_dims[-1] // block * type_size)
+        return np.frombuffer(self._map, dtype, self.n_elements, self.offset).reshape(np_dims)
 
 
 @dataclass
 class GGUFFile:
-    """An opened GGUF file.
+    """An opened GGUF file, memory-mapped until :meth:`close` (``with open_gguf(path) as f:``).
 
     Attributes:
         path: the file.
@@ -111,12 +130,41 @@ class GGUFFile:
     _kv_offsets: dict[str, tuple[int, int]]
 
     def field(self, key: str, default: Any = None) -> Any:
-        """The value of metadata ``key`` (bulk arrays included, as lists), or ``default``."""
+        """The value of metadata ``key`` (bulk arrays included, as lists), or ``default``.
+
+        Raises:
+            ValueError: a bulk array is asked for after :meth:`close`.
+        """
         if key in self.metadata:
             return self.metadata[key]
         if key not in self._kv_offsets:
             return default
+        if self._map.closed:
+            raise ValueError(f"{self.path.name}: the GGUF file is closed; {key!r} was not read before")
         return _decode(self._map, *self._kv_offsets[key])
+
+    def close(self) -> None:
+        """Unmap the file (again: nothing). :attr:`metadata` and the tensors' names, types and
+        shapes stay readable; :attr:`Tensor.data` then raises ``ValueError``.
+
+        Raises:
+            BufferError: an array from :attr:`Tensor.data` is still referenced (drop it first).
+        """
+        try:
+            self._map.close()
+        except BufferError:
+            raise BufferError(f"{self.path.name}: cannot unmap it while an array from Tensor.data "
+                              f"is still referenced; drop those arrays first") from None
+
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
+    def __enter__(self) -> "GGUFFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def release(self, t: Tensor) -> None:
         """Drop ``t``'s pages from this process's memory once they have been copied (packed).
@@ -126,7 +174,7 @@ class GGUFFile:
         """
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = t.data.__array_interface__["data"][0] - _address(self._map)
+        start = t.offset
         lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
         hi = (start + t.n_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if hi > lo:
@@ -147,10 +195,6 @@ class GGUFFile:
     def matrix_shape(self, name: str) -> tuple[int, ...]:
         """Shape in NumPy / Meta order (``[out_features, in_features]`` for a matrix)."""
         return tuple(int(d) for d in reversed(self.tensor(name).shape.tolist()))
-
-
-def _address(buf: mmap.mmap) -> int:
-    return np.frombuffer(buf, np.uint8, 1).__array_interface__["data"][0]
 
 
 def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
@@ -180,7 +224,8 @@ def _decode(buf: mmap.mmap, vtype: int, pos: int) -> Any:
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    """Validate and open a GGUF file: metadata decoded, tensors mapped, nothing copied.
+    """Validate and open a GGUF file: metadata decoded, tensors mapped, nothing copied. Close it
+    (:meth:`GGUFFile.close`, or ``with open_gguf(path) as f:``) when done with its tensors' data.
 
     The header is read with the offsets :func:`llamatrace.gguf.validate.validate_gguf` checked (it
     walks Llama 3's 128k-token header in ~0.1 s, where gguf-py's ``GGUFReader`` takes ~4–7 s).
@@ -197,6 +242,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"{p}: cannot map the file ({exc}); check the path and free memory") from None
     if len(buf) != summary.file_size:
+        buf.close()
         raise ModelFormatError(f"{p.name}: the file changed size while it was opened; open it again")
     metadata = {key: _decode(buf, *where) for key, where in summary.kv_offsets.items() if key not in _BULK_KEYS}
     tensors = {}
@@ -204,15 +250,8 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         qtype = _T(ttype)
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         n_elements = int(np.prod(dims, dtype=np.int64))
-        n_bytes = n_elements // block * type_size
-        np_dims = tuple(reversed(dims))
-        start = summary.data_offset + offset
-        dtype = _TENSOR_DTYPE.get(qtype)
-        if dtype is None:
-            data = np.frombuffer(buf, np.uint8, n_bytes, start).reshape(*np_dims[:-1], np_dims[-1] // block * type_size)
-        else:
-            data = np.frombuffer(buf, dtype, n_elements, start).reshape(np_dims)
-        tensors[name] = Tensor(name, qtype, np.asarray(dims, dtype=np.uint64), n_elements, n_bytes, data)
+        tensors[name] = Tensor(name, qtype, np.asarray(dims, dtype=np.uint64), n_elements,
+                               n_elements // block * type_size, summary.data_offset + offset, buf)
     return GGUFFile(path=p, metadata=metadata, tensors=tensors, file_size=summary.file_size,
                     version=summary.version, _map=buf, _kv_offsets=summary.kv_offsets)
 

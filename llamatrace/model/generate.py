@@ -87,7 +87,7 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
     stats.prompt_tokens, stats.ctx_size = n_prompt, ctx_size
 
     t0 = time.perf_counter()
-    logits = model.forward(np.asarray(prompt_ids), 0, cache, recorder=recorder)[-1]
+    logits = model.forward(np.asarray(prompt_ids), 0, cache, recorder=recorder, phase="prefill")[-1]
     stats.prefill_s = time.perf_counter() - t0
     stats.last_logits = logits
     while True:
@@ -104,7 +104,7 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
             stats.stop_reason = "context"
             return
         t0 = time.perf_counter()
-        logits = model.forward(np.asarray([token]), cache.pos, cache, recorder=recorder)[-1]
+        logits = model.forward(np.asarray([token]), cache.pos, cache, recorder=recorder, phase="decode")[-1]
         dt = time.perf_counter() - t0
         stats.decode_s += dt
         stats.decode_steps += 1

@@ -11,6 +11,7 @@ Every stage reports its output through ``x = emit(stage, layer, x)``: the identi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -80,6 +81,12 @@ class Llama:
     """A loaded model: config, packed weights, tokenizer, and the forward pass.
 
     Build it with :meth:`Llama.load`. Not thread-safe (one forward at a time).
+
+    The GGUF file stays memory-mapped while the model is open (:attr:`file`: the tensors as
+    stored, ``model.file.tensors[name].data``); the weights are packed copies, so the map holds
+    no pages the forward pass uses. :meth:`close`, or ``with Llama.load(path) as model:``, unmaps
+    it; the model still runs afterwards, only ``Tensor.data`` is gone. Without either, the map
+    goes with the model.
     """
 
     def __init__(self, gguf_file: GGUFFile, config: ModelConfig, weights: Weights,
@@ -95,6 +102,20 @@ class Llama:
         self._recorder: Recorder | None = None
         self._hooks: list[Hooks] = []            # active `with model.hooks()` blocks, outermost first
         self.weight_shapes = {name: gguf_file.matrix_shape(name) for name in gguf_file.tensors}
+
+    def close(self) -> None:
+        """Unmap the GGUF file (:meth:`GGUFFile.close`); the model keeps working.
+
+        Raises:
+            BufferError: an array from ``model.file.tensors[name].data`` is still referenced.
+        """
+        self.file.close()
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -125,13 +146,18 @@ class Llama:
             path = resolve_model(None, fetch=fetch, log=_log.warning)
         t0 = time.perf_counter()
         f = open_gguf(path)
-        config = ModelConfig.from_gguf(f)
-        tokenizer = Tokenizer.from_reader(f, path=str(path))
-        check_tensor_types(f, packing.SUPPORTED_TYPES)
-        weights = _load_weights(f, config, progress or (lambda done, total: None), activations)
-        freq_factors = None
-        if "rope_freqs.weight" in f.tensors:                   # Llama 3.1 long-context RoPE scaling
-            freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
+        try:
+            config = ModelConfig.from_gguf(f)
+            tokenizer = Tokenizer.from_reader(f, path=str(path))
+            check_tensor_types(f, packing.SUPPORTED_TYPES)
+            weights = _load_weights(f, config, progress or (lambda done, total: None), activations)
+            freq_factors = None
+            if "rope_freqs.weight" in f.tensors:               # Llama 3.1 long-context RoPE scaling
+                freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
+        except BaseException:
+            with contextlib.suppress(BufferError):      # a view held by the traceback: unmapped with it
+                f.close()
+            raise
         inv_freq = kernels.rope_frequencies(config.rope_dim, config.rope_theta, freq_factors)
         return cls(f, config, weights, tokenizer, inv_freq, time.perf_counter() - t0, activations)
 
@@ -268,7 +294,7 @@ class Llama:
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens, start_pos: int, cache: KVCache, recorder: Recorder | None = None,
-                all_logits: bool = False) -> np.ndarray:
+                all_logits: bool = False, phase: str | None = None) -> np.ndarray:
         """Run ``seq_len`` tokens at positions ``[start_pos, start_pos + seq_len)``.
 
         Args:
@@ -280,6 +306,9 @@ class Llama:
             all_logits: return logits for every position, not only the last. On whenever the
                 recorder records ``result_output`` (the chapter's ``output {22, 128256}``); the
                 last row is the same, bit for bit, either way.
+            phase: what the recorder bills the call's time to (``--timings``): ``"prefill"``
+                (a prompt, whole or a chunk of it) or ``"decode"`` (a generation step); ``None``
+                decides by shape (:func:`~llamatrace.tracing.recorder.call_phase`).
 
         Returns:
             float32 ``[seq_len or 1, vocab_size]`` logits.
@@ -301,7 +330,7 @@ class Llama:
         emit: Emit = null_emit
         if recorder is not None:
             emit = recorder.begin(start_pos, seq_len, self.shape_vars(start_pos, seq_len, cache.max_seq),
-                                  self.weight_shapes)
+                                  self.weight_shapes, phase)
             # the chapter's output {seq_len, vocab}: every row, when that stage is being recorded
             all_logits = all_logits or recorder.wants(None, "result_output")
         for hooks in reversed(self._hooks):      # wrapped inside out: the outermost block runs first
@@ -491,7 +520,8 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
 
     def vector(meta: str, layer: int | None = None) -> np.ndarray:
         _, t = raw(meta, layer)
-        return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(c.dim)
+        # a copy even for F32 (dequantize returns the map's view): the model must not hold the map
+        return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(c.dim)
 
     def stacked(metas: tuple[str, ...], layer: int) -> packing.Weight | None:
         """Rows of several matrices in one Weight, or None when their types differ."""

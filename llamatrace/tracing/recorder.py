@@ -50,6 +50,13 @@ def stage_key(step: int, layer: int | None, stage: str) -> str:
     return f"step{step}.layer{layer}.{stage}"
 
 
+def call_phase(start_pos: int, seq_len: int) -> str:
+    """The phase of a forward call its caller did not name: ``"decode"`` for one token after the
+    start (a generation step), ``"prefill"`` for the prompt, or any chunk of it at ``start_pos``
+    > 0. (A prefill chunk of one token can only be told apart by its caller: ``forward(phase=)``.)"""
+    return "decode" if seq_len == 1 and start_pos > 0 else "prefill"
+
+
 def null_emit(stage: str, layer: int | None, array):
     """The emit function used when nothing is traced or hooked: returns ``array`` unchanged."""
     return array
@@ -78,6 +85,7 @@ class TraceEvent:
     stats: dict[str, Any] | None = None
     values: dict[str, list] | None = None
     array: np.ndarray | None = field(default=None, repr=False)
+    phase: str = "prefill"          # of the forward call: "prefill" or "decode" (:func:`call_phase`)
 
     @property
     def key(self) -> str:
@@ -190,7 +198,7 @@ class Recorder:
         self.sinks = list(sinks)
         self.events: list[TraceEvent] = []
         self.time_all = time_all
-        # (phase, stage id) → [total µs, calls]; phase "prefill" (start_pos 0) or "decode"
+        # (phase, stage id) → [total µs, calls]; phase "prefill" or "decode" (:func:`call_phase`)
         self.stage_times: dict[tuple[str, str], list[float]] = {}
         self.step = -1
         self._dims: dict[str, int] = {}
@@ -203,12 +211,18 @@ class Recorder:
         return layer is None or self.layers is None or layer in self.layers
 
     def begin(self, start_pos: int, seq_len: int, dims: Mapping[str, int],
-              weight_shapes: Mapping[str, tuple[int, ...]]) -> Emit:
+              weight_shapes: Mapping[str, tuple[int, ...]], phase: str | None = None) -> Emit:
         """Start one forward call (one ``step``) and return its ``emit`` function.
 
         ``dims`` holds the shape variables of :data:`llamatrace.tracing.stages.SHAPE_VARS`;
-        ``weight_shapes`` maps GGUF tensor names to ``[out_features, in_features]`` / ``[n]``.
+        ``weight_shapes`` maps GGUF tensor names to ``[out_features, in_features]`` / ``[n]``;
+        ``phase`` is the call's, ``"prefill"`` or ``"decode"`` (``None``: :func:`call_phase`).
+
+        Raises:
+            ValueError: another ``phase``.
         """
+        if phase not in (None, "prefill", "decode"):
+            raise ValueError(f"phase={phase!r}: give 'prefill', 'decode' or None")
         self.step += 1
         step = self.step
         self._dims = dict(dims)
@@ -217,7 +231,7 @@ class Recorder:
         clock = time.perf_counter
         last = clock()
         times = self.stage_times if self.time_all else None
-        phase = "prefill" if start_pos == 0 else "decode"
+        phase = phase or call_phase(start_pos, seq_len)
 
         def emit(stage_id: str, layer: int | None, array: np.ndarray):
             nonlocal last
@@ -235,7 +249,7 @@ class Recorder:
                     f"non-finite values (NaN/Inf) in stage {stage_id!r} at {where}, step {step} "
                     f"(start_pos {start_pos}): inspect it with --stage {stage_id} --stats")
             if wanted:
-                self._record(step, start_pos, seq_len, layer, stage_id, array, (now - last) * 1e6)
+                self._record(step, start_pos, seq_len, layer, stage_id, array, (now - last) * 1e6, phase)
                 last = clock()            # recording's own cost is not billed to the next stage
             else:
                 last = now
@@ -257,7 +271,7 @@ class Recorder:
         return out
 
     def _record(self, step: int, start_pos: int, seq_len: int, layer: int | None, stage_id: str,
-                array: np.ndarray, elapsed_us: float) -> None:
+                array: np.ndarray, elapsed_us: float, phase: str) -> None:
         stage = STAGE_BY_ID[stage_id]
         event = TraceEvent(
             step=step, start_pos=start_pos, seq_len=seq_len, layer=layer, stage=stage_id, op=stage.op,
@@ -265,7 +279,7 @@ class Recorder:
             elapsed_us=elapsed_us,
             stats=tensor_stats(array) if self.stats else None,
             values=head_tail(array, self.values) if self.values else None,
-            array=np.array(array, copy=True) if self.keep_arrays else None,
+            array=np.array(array, copy=True) if self.keep_arrays else None, phase=phase,
         )
         if self.keep_events:
             self.events.append(event)

@@ -49,11 +49,6 @@ def fmt_shape(shape: Iterable[int]) -> str:
     return "[" + " ".join(str(int(n)) for n in shape) + "]"
 
 
-def phase_of(event: TraceEvent) -> str:
-    """``prefill`` for the prompt's forward call (start_pos 0), ``decode`` for the steps after it."""
-    return "prefill" if event.start_pos == 0 else "decode"
-
-
 # ---- the chapters' log lines ------------------------------------------------------------------
 class LineFormatter:
     """Fills ``Stage.lines`` templates from one event: ``Calling RMSNorm for tensor x shape([5 576]) ...``.
@@ -159,7 +154,7 @@ class LogView:
         if event.step != self._step:
             self._step = event.step
             n = event.seq_len
-            self.console.rule(f"[bold]step {event.step}[/] · {phase_of(event)} · start_pos {event.start_pos} · "
+            self.console.rule(f"[bold]step {event.step}[/] · {event.phase} · start_pos {event.start_pos} · "
                               f"{n} token{'s' if n != 1 else ''}", style="dim")
         text = Text("\n".join(lines))
         text.highlight_regex(_SHAPE_RE, "cyan")
@@ -201,7 +196,7 @@ class TableView:
         if not self._events:
             return
         first = self._events[0]
-        table = Table(title=f"step {first.step} · {phase_of(first)} · start_pos {first.start_pos} · "
+        table = Table(title=f"step {first.step} · {first.phase} · start_pos {first.start_pos} · "
                             f"seq_len {first.seq_len}", title_justify="left")
         columns = [("layer", "right"), ("stage", "left"), ("op", "left"), ("shape", "left"), ("dtype", "left")]
         with_stats = any(e.stats is not None for e in self._events)
