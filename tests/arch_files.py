@@ -41,10 +41,11 @@ SPECS = {
 DIM, HIDDEN, CONTEXT = 64, 96, 64
 
 
-def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32) -> Path:
+def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32,
+                    skip_tensors: tuple[str, ...] = ()) -> Path:
     """Write a random ``arch`` GGUF (one of :data:`ARCHS`) at ``path`` and return the path.
     Matrices are stored as ``qtype`` (F32 for the fidelity tests, Q8_0 for the q8 mode's); norms
-    and biases always F32."""
+    and biases always F32. ``skip_tensors`` leaves those tensors out (a broken file)."""
     spec = SPECS[arch]
     rng = np.random.default_rng([seed, ARCHS.index(arch)])
     n_layers, n_heads, n_kv_heads, hd = spec["n_layers"], spec["n_heads"], spec["n_kv_heads"], spec["head_dim"]
@@ -118,6 +119,8 @@ def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32
     if not spec.get("tied", True):
         tensors["output.weight"] = mat(len(tokens), DIM)
     for name, data in tensors.items():
+        if name in skip_tensors:
+            continue
         data = np.asarray(data)
         _store(w, name, data, qtype if data.ndim == 2 else T.F32)
     w.write_header_to_file()
