@@ -224,3 +224,15 @@ def test_gelu_and_softcap_follow_their_formulas():
     np.testing.assert_allclose(kernels.gelu(x), gelu, rtol=2e-6, atol=1e-6)   # float32 1 + tanh near -1
     np.testing.assert_allclose(kernels.softcap(x, 3.0), [3.0 * math.tanh(v / 3.0) for v in x.tolist()],
                                rtol=2e-6, atol=1e-7)
+
+
+def test_a_llama_file_with_a_sliding_window_key_ignores_it_as_llamacpp_does(tmp_path):
+    """Mistral 7B files are ``llama`` and may carry ``llama.attention.sliding_window``; llama.cpp's
+    llama graph reads no window (src/models/llama.cpp), so the logits are those without the key."""
+    plain = Llama.load(write_tiny_llama(tmp_path / "plain.gguf", qtype=T.F32))
+    windowed = Llama.load(write_tiny_llama(tmp_path / "swa.gguf", qtype=T.F32,
+                                           extra_kv={"llama.attention.sliding_window": 3}))
+    assert windowed.file.metadata["llama.attention.sliding_window"] == 3
+    assert windowed.config.sliding_window == 0 and not windowed.config.features
+    ids = np.arange(3, 15)
+    np.testing.assert_array_equal(run_positions(windowed, ids, 6), run_positions(plain, ids, 6))
