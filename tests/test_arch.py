@@ -236,3 +236,16 @@ def test_a_llama_file_with_a_sliding_window_key_ignores_it_as_llamacpp_does(tmp_
     assert windowed.config.sliding_window == 0 and not windowed.config.features
     ids = np.arange(3, 15)
     np.testing.assert_array_equal(run_positions(windowed, ids, 6), run_positions(plain, ids, 6))
+
+
+def test_attention_maps_grey_out_the_window_on_local_layers(models):
+    from llamatrace.analysis.look import attention
+    model = models["gemma3"]
+    ids = list(range(3, 3 + 3 * WINDOW))
+    for layer, window in ((0, WINDOW), (5, 0)):
+        maps = attention(model, ids, layer)
+        i, p = np.meshgrid(np.arange(len(ids)), np.arange(len(ids)), indexing="ij")
+        hidden = (p > i) | ((i - p >= WINDOW) if window else False)
+        assert maps.window == window
+        np.testing.assert_array_equal(maps.masked, hidden)
+        assert (maps.probs[:, hidden] == 0).all() and (maps.probs[:, ~hidden] > 0).all()
