@@ -249,3 +249,22 @@ def test_attention_maps_grey_out_the_window_on_local_layers(models):
         assert maps.window == window
         np.testing.assert_array_equal(maps.masked, hidden)
         assert (maps.probs[:, hidden] == 0).all() and (maps.probs[:, ~hidden] > 0).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_run_with_cache_serves_tl_names_in_the_architecture_layout(arch, models):
+    model = models[arch]
+    c = model.config
+    ids = list(range(3, 3 + 2 * WINDOW))
+    logits, cache = model.run_with_cache(ids)
+    cache_ = model.new_cache(len(ids))
+    np.testing.assert_array_equal(logits[0], model.forward(np.array(ids), 0, cache_, all_logits=True))
+    rec = Recorder(layers=[0], stages=["Qcur", "Qcur_b", "Qcur_rope", "ffn_swiglu", "ffn_geglu"], keep_arrays=True)
+    model.forward(np.array(ids), 0, model.new_cache(len(ids)), recorder=rec)
+    got = {e.stage: e.array for e in rec.events}
+    q = got["Qcur_b" if c.qkv_bias else "Qcur"].reshape(len(ids), c.n_heads, c.head_dim)
+    # NeoX files hold q in HF's halves already: TL's hook_q / hook_rot_q are our arrays as they are
+    np.testing.assert_array_equal(cache["blocks.0.attn.hook_q"][0], q)
+    np.testing.assert_array_equal(cache["blocks.0.attn.hook_rot_q"][0], got["Qcur_rope"])
+    np.testing.assert_array_equal(cache["blocks.0.mlp.hook_post"][0], got["ffn_geglu" if c.ffn_act == "gelu"
+                                                                          else "ffn_swiglu"])
