@@ -52,7 +52,8 @@ def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32
     q_dim, kv_dim = n_heads * hd, n_kv_heads * hd
     tokens, types, merges = vocabulary()
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-random-{arch}")
+    # not "…phi3…": llama.cpp then looks up Phi-3's </s> and <unk> tokens, absent from this vocabulary
+    w.add_name("tiny-random-arch-test")
     w.add_block_count(n_layers)
     w.add_context_length(CONTEXT)
     w.add_embedding_length(DIM)
@@ -77,6 +78,7 @@ def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32
     w.add_token_merges(merges)
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
+    w.add_pad_token_id(0)              # else HF's phi3 config defaults to 32000, outside this vocabulary
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
 

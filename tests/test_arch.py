@@ -30,6 +30,15 @@ from llamatrace.tracing.stages import STAGES, stage_applies
 GOLDEN = Path(__file__).parent / "golden"
 PREFILL = 4                  # make_arch_golden.py's decode run: 4 tokens in one batch, then one a step
 F32_RTOL = 1e-4              # relative L2 distance per position, the issue's bar
+# f32 mode's GELU is the exact tanh formula (HF's); llama.cpp's CPU GELU reads an fp16 table (about
+# 1e-3 per element), which alone moves Gemma's logits by up to 1.4e-4 (measured: gemma2 9.3e-5,
+# gemma3 1.38e-4; with the table, 2e-7 and 1e-6: test_llamacpp_arithmetic_matches_to_1e_5).
+GELU_TABLE_RTOL = 3e-4
+LLAMACPP_ARITHMETIC_RTOL = 1e-5
+
+
+def f32_rtol(arch: str) -> float:
+    return GELU_TABLE_RTOL if arch.startswith("gemma") else F32_RTOL
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +78,7 @@ def test_f32_prefill_matches_llamacpp_at_every_position(arch, models, llamacpp):
     assert len(ids) > 3 * WINDOW                          # the window bites on the local layers
     ours = run_positions(models[arch], ids, len(ids))
     ref = llamacpp[f"{arch}_prefill"]
-    assert relative(ours, ref).max() <= F32_RTOL, relative(ours, ref)
+    assert relative(ours, ref).max() <= f32_rtol(arch), relative(ours, ref)
     assert (ours.argmax(1) == ref.argmax(1)).all()
 
 
@@ -79,8 +88,21 @@ def test_f32_decode_steps_match_llamacpp(arch, models, llamacpp):
     ids = llamacpp[f"{arch}_ids"]
     ours = run_positions(models[arch], ids, PREFILL)
     ref = llamacpp[f"{arch}_decode"]
-    assert relative(ours, ref).max() <= F32_RTOL, relative(ours, ref)
+    assert relative(ours, ref).max() <= f32_rtol(arch), relative(ours, ref)
     assert (ours.argmax(1) == ref.argmax(1)).all()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llamacpp_arithmetic_matches_to_1e_5(arch, arch_paths, llamacpp):
+    """The q8 mode on F32 weights: float32 matmuls (q8 quantizes activations only for quantized
+    weights) with llama.cpp's fp16-table GELU — the whole Gemma gap of the f32 mode is that table."""
+    model = Llama.load(arch_paths[arch], activations="q8")
+    ids = llamacpp[f"{arch}_ids"]
+    for prefill, key in ((len(ids), "prefill"), (PREFILL, "decode")):
+        ours = run_positions(model, ids, prefill)
+        ref = llamacpp[f"{arch}_{key}"]
+        assert relative(ours, ref).max() <= LLAMACPP_ARITHMETIC_RTOL, (key, relative(ours, ref))
+        assert (ours.argmax(1) == ref.argmax(1)).all()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -94,17 +116,28 @@ def test_q8_mode_agrees_with_f32_on_q8_0_weights(arch, tmp_path):
     assert (q8.argmax(1) == f32.argmax(1)).mean() >= 0.9
 
 
-def test_hf_logits_match_where_hf_loads_the_file(models, llamacpp):
-    path = GOLDEN / "arch_hf.npz"
-    if not path.exists():
-        pytest.fail("tests/golden/arch_hf.npz is missing: run tests/golden/make_arch_golden.py")
-    with np.load(path) as hf:
-        assert hf.files, "no architecture loaded in HF"
-        for key in hf.files:
-            arch = key.removesuffix("_prefill")
-            ids = llamacpp[f"{arch}_ids"]
-            ours = run_positions(models[arch], ids, len(ids))
-            assert relative(ours, hf[key]).max() <= F32_RTOL, (arch, relative(ours, hf[key]))
+# What transformers 5.24's GGUF loader leaves at HF's config defaults instead of reading the file:
+# Gemma's query_pre_attn_scalar (256, so queries scale by 1/16 whatever the head_dim) and Gemma 2's
+# soft-caps (attn_logit_softcapping / final_logit_softcapping: 50 / 30). llama.cpp uses 1/√head_dim
+# and the file's caps. With HF's values put into our config, HF and we agree to ~3e-7.
+HF_LOADER_DEFAULTS = {"gemma2": dict(attn_scale=1 / 16, attn_softcap=50.0, final_softcap=30.0),
+                      "gemma3": dict(attn_scale=1 / 16)}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3", "gemma2", "gemma3"])
+def test_hf_fp32_logits_match_where_hf_loads_the_file(arch, arch_paths, llamacpp):
+    """HF's fp32 forward on the same file (qwen3's head_dim HF's loader gets wrong: not loaded).
+    Gemma runs with the values HF's loader assumes (HF_LOADER_DEFAULTS), which also checks our
+    exact-GELU f32 path against HF's gelu_pytorch_tanh."""
+    import dataclasses
+    with np.load(GOLDEN / "arch_hf.npz") as hf:
+        ref = hf[f"{arch}_prefill"]
+    model = Llama.load(arch_paths[arch])
+    model.config = dataclasses.replace(model.config, **HF_LOADER_DEFAULTS.get(arch, {}))
+    ids = llamacpp[f"{arch}_ids"]
+    ours = run_positions(model, ids, len(ids))
+    assert relative(ours, ref).max() <= 1e-5, relative(ours, ref)
+    assert (ours.argmax(1) == ref.argmax(1)).all()
 
 
 # ---- the catalogue: each architecture's own stages, only where it has them -------------------
@@ -224,6 +257,27 @@ def test_gelu_and_softcap_follow_their_formulas():
     np.testing.assert_allclose(kernels.gelu(x), gelu, rtol=2e-6, atol=1e-6)   # float32 1 + tanh near -1
     np.testing.assert_allclose(kernels.softcap(x, 3.0), [3.0 * math.tanh(v / 3.0) for v in x.tolist()],
                                rtol=2e-6, atol=1e-7)
+
+
+def test_gelu_f16_table_is_ggml_gelu_fp16():
+    """ggml-cpu's table: ggml_table_gelu_f16[i] = fp16(gelu(fp16→fp32 of i)); input rounded to fp16."""
+    x = np.concatenate([np.linspace(-11, 11, 4001, dtype=np.float32), np.float32([-10, 10, 0.1234567])])
+    want = []
+    for v in x.tolist():
+        if v <= -10:
+            want.append(0.0)
+        elif v >= 10:
+            want.append(v)
+        else:
+            h = np.float32(np.float16(v))           # ggml_gelu_f32 in float32, as the table is built
+            inner = np.float32(math.sqrt(2 / math.pi)) * h * (np.float32(1) + np.float32(0.044715) * h * h)
+            g = np.float32(0.5) * h * (np.float32(1) + np.float32(math.tanh(inner)))
+            want.append(float(np.float16(g)))
+    got = kernels.gelu_f16_table(x)
+    # tanhf and a float64 tanh rounded may differ by a float32 ulp: then by one fp16 ulp at most
+    ulp = np.abs(np.spacing(np.float16(want))).astype(np.float32)
+    assert (np.abs(got - np.float32(want)) <= ulp).all()
+    assert np.abs(kernels.gelu_f16_table(x) - kernels.gelu(x)).max() > 1e-4     # not the exact formula
 
 
 def test_a_llama_file_with_a_sliding_window_key_ignores_it_as_llamacpp_does(tmp_path):

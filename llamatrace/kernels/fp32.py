@@ -351,7 +351,20 @@ def gelu(x: np.ndarray) -> np.ndarray:
     ``ggml_gelu_f32``): ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``, in float32."""
     x = np.asarray(x, dtype=np.float32)
     inner = _SQRT_2_OVER_PI * x * (np.float32(1.0) + np.float32(0.044715) * x * x)
-    return (np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))).astype(np.float32)
+    # tanh in float64, rounded once: NumPy's float32 tanh is 1 ulp off near ±1 (libm's tanhf is not)
+    th = np.tanh(inner.astype(np.float64)).astype(np.float32)
+    return (np.float32(0.5) * x * (np.float32(1.0) + th)).astype(np.float32)
+
+
+def gelu_f16_table(x: np.ndarray) -> np.ndarray:
+    """GELU as llama.cpp's CPU backend computes it (``ggml_vec_gelu_f32`` / ``ggml_vec_geglu_f32``
+    with ``GGML_GELU_FP16``, on by default in ``ggml-cpu/vec.h``): the input rounded to fp16, looked
+    up in a table of fp16 results of :func:`gelu`; ``x <= -10`` gives 0 and ``x >= 10`` gives ``x``.
+    About 1e-3 relative per element from the exact formula; used by the ``q8`` mode (llama.cpp's
+    arithmetic), float32 in and out."""
+    x = np.asarray(x, dtype=np.float32)
+    looked_up = gelu(x.astype(np.float16).astype(np.float32)).astype(np.float16).astype(np.float32)
+    return np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, looked_up)).astype(np.float32)
 
 
 def softcap(x: np.ndarray, cap: float) -> np.ndarray:

@@ -335,6 +335,8 @@ class Llama:
         n_heads, n_kv_heads, head_dim, n_rep = c.n_heads, c.n_kv_heads, c.head_dim, c.n_rep
         scale = np.float32(c.kq_scale)
         rope = kernels.rope_neox if c.rope_neox else kernels.rope      # halves or adjacent pairs
+        # GELU: the exact tanh formula (HF's); q8 is llama.cpp's arithmetic, whose CPU GELU is an fp16 table
+        gelu = kernels.gelu_f16_table if self.activations == "q8" else kernels.gelu
 
         # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64
         freqs_cis = kernels.precompute_freqs_cis(self.inv_freq, start_pos, seq_len)
@@ -440,7 +442,7 @@ class Llama:
             gate, up = self._gate_up(hn, lw)
             gate = emit("ffn_gate", layer, gate)
             if c.ffn_act == "gelu":
-                gate = emit("ffn_gelu", layer, kernels.gelu(gate))
+                gate = emit("ffn_gelu", layer, gelu(gate))
             else:
                 gate = emit("ffn_silu", layer, kernels.silu(gate))
             up = emit("ffn_up", layer, up)

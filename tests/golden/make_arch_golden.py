@@ -38,7 +38,7 @@ from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
 
 N = 16                                  # tokens: > 3 windows of WINDOW (5)
 PREFILL = 4                             # the decode run: 4 tokens in one batch, then 1 a step
-HF_ARCHS = ("qwen2", "phi3")            # transformers' GGUF loader knows these architectures
+HF_ARCHS = ARCHS                        # tried on each; those HF's GGUF loader refuses are reported
 
 
 def token_ids(vocab_size: int) -> np.ndarray:
