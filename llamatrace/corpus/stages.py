@@ -26,8 +26,10 @@ from llamatrace.analysis.difference import relative_error_rows
 from llamatrace.corpus.metrics import TokenKLD, compress_log_probs, token_kld
 from llamatrace.tracing.stages import STAGES
 
+# the Llama block's stages: other architectures' feature stages (when="qk_norm", ...) are not collected yet
 TOKEN_STAGES: tuple[str, ...] = tuple(s.id for s in STAGES
-                                      if s.level == "layer" and s.replaceable and s.shape.startswith("[seq_len,"))
+                                      if s.level == "layer" and s.replaceable and s.shape.startswith("[seq_len,")
+                                      and (s.when in ("always", "masked", "gqa") or s.when.startswith("!")))
 
 
 @dataclass(frozen=True)
