@@ -322,3 +322,13 @@ def test_run_with_cache_serves_tl_names_in_the_architecture_layout(arch, models)
     np.testing.assert_array_equal(cache["blocks.0.attn.hook_rot_q"][0], got["Qcur_rope"])
     np.testing.assert_array_equal(cache["blocks.0.mlp.hook_post"][0], got["ffn_geglu" if c.ffn_act == "gelu"
                                                                           else "ffn_swiglu"])
+
+
+def test_perplexity_runs_and_stages_refuses_geglu_models_in_one_line(arch_paths, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat. " * 20, encoding="utf-8")
+    gemma = arch_paths["gemma3"]
+    code, out, err = run(capsys, "perplexity", "-f", text, "-m", gemma, "--ctx-size", "32", "--workers", "1", "--json")
+    assert code == 0, err
+    assert_one_line_error(*run(capsys, "perplexity", "-f", text, "-m", gemma, "--base", gemma, "--ctx-size", "32",
+                               "--workers", "1", "--stages"), "--stages", "gemma3", "ffn_swiglu")

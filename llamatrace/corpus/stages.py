@@ -47,7 +47,8 @@ def check_same_shape(base_path, model_path) -> None:
     """Refuse to compare the stages of two models of different shapes (read from the headers).
 
     Raises:
-        OptionError: another number of layers, width, heads or FFN width.
+        OptionError: another number of layers, width, heads or FFN width; an architecture
+            without some of the Llama block's stages (Gemma's GeGLU).
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: a file cannot be used.
     """
     from llamatrace.errors import OptionError
@@ -58,6 +59,12 @@ def check_same_shape(base_path, model_path) -> None:
         c = ModelConfig.from_gguf(open_gguf(path))
         return {k: getattr(c, k) for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim")}
 
+    from llamatrace.tracing.stages import STAGE_BY_ID, stage_applies
+    c = ModelConfig.from_gguf(open_gguf(model_path))
+    absent = [sid for sid in TOKEN_STAGES if not stage_applies(STAGE_BY_ID[sid], 2, c.n_rep, c.features)]
+    if absent:       # the collected columns are the Llama block's (GeGLU models have no ffn_swiglu …)
+        raise OptionError(f"--stages does not support {c.arch} models yet: they have no {', '.join(absent)} "
+                          f"stage; run perplexity without --stages")
     base, model = shape(base_path), shape(model_path)
     if base != model:
         diff = ", ".join(f"{k} {base[k]} vs {model[k]}" for k in base if base[k] != model[k])
