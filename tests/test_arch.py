@@ -332,3 +332,24 @@ def test_perplexity_runs_and_stages_refuses_geglu_models_in_one_line(arch_paths,
     assert code == 0, err
     assert_one_line_error(*run(capsys, "perplexity", "-f", text, "-m", gemma, "--base", gemma, "--ctx-size", "32",
                                "--workers", "1", "--stages"), "--stages", "gemma3", "ffn_swiglu")
+
+
+@pytest.mark.parametrize("layer, mask", [(0, "kq_mask_swa"), (1, "kq_mask")])
+def test_diagram_wires_gemma2_post_norms_geglu_and_the_layer_mask(layer, mask, models):
+    """Gemma 2: layer 0 is local (window mask), layer 1 global (causal mask); the residual adds take
+    the post-norms' outputs; the down projection takes the GeGLU product."""
+    from llamatrace.tracing.stages import STAGE_BY_ID
+    from llamatrace.views.diagram.flow import trace_step, wire
+    model = models["gemma2"]
+    ids = list(range(3, 9))
+    events, run_info = trace_step(model, "x", ids, chat=False, layer=layer)
+    by_id = {}
+    for e in events:
+        if e.layer in (None, layer):
+            by_id.setdefault(e.stage, e)
+    drawn = [STAGE_BY_ID[s] for s in by_id if STAGE_BY_ID[s].group != "output"]
+    edges = {(a, b) for a, b, _, _ in wire(drawn, by_id, "block", local=model.config.is_local(layer)).edges}
+    assert {(mask, "kq_masked"), ("attn_post_norm", "ffn_inp"), ("ffn_geglu", "ffn_out"),
+            ("ffn_post_norm", "l_out"), ("kq_softcap", "kq_masked")} <= edges
+    other = "kq_mask" if mask == "kq_mask_swa" else "kq_mask_swa"
+    assert (other, "kq_masked") not in edges and ("attn_out", "ffn_inp") not in edges
