@@ -353,3 +353,20 @@ def test_diagram_wires_gemma2_post_norms_geglu_and_the_layer_mask(layer, mask, m
             ("ffn_post_norm", "l_out"), ("kq_softcap", "kq_masked")} <= edges
     other = "kq_mask" if mask == "kq_mask_swa" else "kq_mask_swa"
     assert (other, "kq_masked") not in edges and ("attn_out", "ffn_inp") not in edges
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compare_against_llamacpp_finds_no_divergence_and_pairs_the_new_stages(arch, arch_paths, capsys):
+    code, out, err = run(capsys, "compare", "--model", arch_paths[arch], "--raw", "the cat sat on the mat and",
+                         "--tokens", "2", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["first_divergence"] is None
+    paired = {r["stage"] for r in report["rows"] if r["status"] == "ok"}
+    wanted = {"qwen2": {"Qcur_b", "Kcur_b", "Vcur_b", "Qcur_heads"}, "qwen3": {"Qcur_normed", "Kcur_normed"},
+              "phi3": {"Qcur_rope", "kq_scaled", "ffn_swiglu"},
+              "gemma2": {"inp_scaled", "kq_scaled", "kq_softcap", "attn_post_norm", "ffn_geglu", "result_softcap"},
+              "gemma3": {"inp_scaled", "Qcur_normed", "attn_post_norm", "ffn_post_norm", "ffn_geglu"}}[arch]
+    assert wanted <= paired, wanted - paired

@@ -46,6 +46,8 @@ class Architecture:
             ``2·hidden_dim`` rows (gate first).
         wide_query_scale_layers: the block count at which llama.cpp scales queries by
             ``1/√(dim/n_heads)`` instead of ``1/√head_dim`` (Gemma's 27B models); 0 = never.
+        llamacpp_scales_q: llama.cpp's graph scales q before q·kᵀ (its ``kq`` is our
+            ``kq_scaled``); read by ``compare`` only, the arithmetic is the same.
     """
 
     rope_neox: bool = False
@@ -62,6 +64,7 @@ class Architecture:
     fused_qkv: bool = False
     fused_gate_up: bool = False
     wide_query_scale_layers: int = 0
+    llamacpp_scales_q: bool = False
 
 
 # One row per family; llama.cpp's src/models/<arch>.cpp is the reference for each.
@@ -70,11 +73,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": Architecture(rope_neox=True, qkv_bias=True),
     "qwen3": Architecture(rope_neox=True, qk_norm=True),
     # llama.cpp ignores phi3's attention.sliding_window ("Phi SWA is currently disabled"), so do we
-    "phi3": Architecture(rope_neox=True, fused_qkv=True, fused_gate_up=True),
+    "phi3": Architecture(rope_neox=True, fused_qkv=True, fused_gate_up=True, llamacpp_scales_q=True),
     "gemma2": Architecture(rope_neox=True, post_norms=True, gelu=True, embed_scale=True, swa_pattern=2,
-                           swa_default=4096, attn_softcap=50.0, final_softcap=30.0, wide_query_scale_layers=46),
+                           swa_default=4096, attn_softcap=50.0, final_softcap=30.0, wide_query_scale_layers=46,
+                           llamacpp_scales_q=True),
     "gemma3": Architecture(rope_neox=True, qk_norm=True, post_norms=True, gelu=True, embed_scale=True,
-                           swa_pattern=6, rope_base_local=10000.0, final_softcap=0.0, wide_query_scale_layers=62),
+                           swa_pattern=6, rope_base_local=10000.0, final_softcap=0.0, wide_query_scale_layers=62,
+                           llamacpp_scales_q=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
