@@ -257,9 +257,11 @@ _SAME_NAME = frozenset(s.llama_cpp for s in STAGES if s.llama_cpp) - {"Qcur", "K
 _MODEL_NAMES = {"embd": "inp_embd", "inp_embd": "inp_embd", "attn_inp_kq_mask": "kq_mask",
                 "result_norm": "result_norm", "result_output": "result_output"}
 _LAYER_NAME = re.compile(r"^(.+)-(\d+)$")
+_MASK_NAME = "attn_inp_kq_mask"          # what peers.llamacpp names the mask it reads
 
 
-def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len: int) -> dict[str, np.ndarray]:
+def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len: int,
+                          config=None) -> dict[str, np.ndarray]:
     """Tensors read from one llama.cpp forward call → our keys and NumPy layouts.
 
     ``captured`` holds objects with ``name``, ``op`` and a 4-D ``array`` in ggml's dims reversed
@@ -268,7 +270,24 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
     ``kv_len = start_pos + seq_len``; the mask trimmed to ``[seq_len, kv_len]`` (prefill only,
     as ours); ``*_heads`` are the matmul split by the RoPE output's head_dim. A second tensor of
     the same name and op (``norm``-like duplicates) keeps the first.
+
+    ``config`` (the file's :class:`~llamatrace.model.config.ModelConfig`; ``None``: Llama) says
+    where other architectures' graphs name things differently: a bias add is the last ``Qcur``
+    (our ``Qcur_b``, and the heads are of it); Gemma's and Phi-3's ``kq`` is of pre-scaled queries
+    (our ``kq_scaled``); ``kq_scaled_2`` is the soft-capped scores, ``sa_out`` the attention
+    residual, ``result_output`` the soft-capped logits; the mask read is layer 0's (the window
+    mask when layer 0 is local).
     """
+    from llamatrace.model.config import ARCHITECTURES
+    scales_q = config is not None and ARCHITECTURES[config.arch].llamacpp_scales_q
+    renamed = {"sa_out": "ffn_inp", "kq_scaled_2": "kq_softcap"}
+    if scales_q:
+        renamed["kq"] = "kq_scaled"
+    model_names = dict(_MODEL_NAMES, inp_scaled="inp_scaled")
+    if config is not None and config.final_softcap:
+        model_names["result_output"] = "result_softcap"
+    if config is not None and config.is_local(0):
+        model_names[_MASK_NAME] = "kq_mask_swa"
     kv_len = start_pos + seq_len
     items = list(captured)
     head_dim: dict[int, int] = {}
@@ -283,9 +302,11 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
 
     for c in items:
         a = c.array
-        if c.name in _MODEL_NAMES:
-            stage = _MODEL_NAMES[c.name]
-            if stage == "kq_mask":
+        if c.name in model_names:
+            stage = model_names[c.name]
+            if stage == "kq_mask_swa":
+                put(None, stage, a.reshape(-1, a.shape[-2], a.shape[-1])[0, :seq_len, :kv_len])
+            elif stage == "kq_mask":
                 if seq_len > 1:
                     put(None, stage, a.reshape(-1, a.shape[-2], a.shape[-1])[0, :seq_len, :kv_len])
             else:
@@ -295,6 +316,17 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
         if not m:
             continue
         base, layer = m.group(1), int(m.group(2))
+        if base in ("Qcur", "Kcur", "Vcur") and c.op == "ADD":          # the bias add (Qwen2)
+            out[stage_key(step, layer, f"{base}_b")] = a.reshape(-1, a.shape[-1])
+            if layer in head_dim:
+                out[stage_key(step, layer, f"{base}_heads")] = a.reshape(seq_len, -1, head_dim[layer])
+            continue
+        if base in ("Qcur_normed", "Kcur_normed"):
+            put(layer, base, a.reshape(seq_len, -1, a.shape[-1]))
+            continue
+        base = renamed.get(base, base)
+        if base == "ffn_up" and config is not None and config.fused_gate_up:
+            continue                                     # Phi-3's is gate|up fused: not our ffn_up
         if (base, c.op) in _LLAMACPP_STAGES:
             for stage in _LLAMACPP_STAGES[(base, c.op)]:
                 if stage.endswith("_heads"):
@@ -304,11 +336,11 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
                     put(layer, stage, a.reshape(seq_len, -1, a.shape[-1]))
                 else:
                     put(layer, stage, a.reshape(-1, a.shape[-1]))
-        elif base in ("kq", "kq_soft_max"):
+        elif base in ("kq", "kq_scaled", "kq_softcap", "kq_soft_max"):
             put(layer, base, a.reshape(-1, a.shape[-2], a.shape[-1])[..., :kv_len])
         elif base == "kqv":
             put(layer, base, a.reshape(-1, a.shape[-2], a.shape[-1]))
-        elif base in _SAME_NAME:
+        elif base in _SAME_NAME or base == "ffn_inp":
             put(layer, base, a.reshape(-1, a.shape[-1]))
     return out
 
@@ -354,6 +386,9 @@ def run_llamacpp(path, ids: list[int], fed: list[int], *, threads: int | None = 
     check_engines(["llama.cpp"])
     from llamatrace.peers.llamacpp import LlamaCpp, check_runs_here
     check_runs_here(str(path), threads or os.cpu_count() or 1)
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.model.config import ModelConfig
+    config = ModelConfig.from_gguf(open_gguf(path))
     try:
         engine = LlamaCpp(str(path), len(ids) + len(fed) + 8, threads or os.cpu_count() or 1, capture=True)
     except RuntimeError as exc:
@@ -367,7 +402,7 @@ def run_llamacpp(path, ids: list[int], fed: list[int], *, threads: int | None = 
             except RuntimeError as exc:
                 raise PeerError(f"llama.cpp: {exc}") from None
             steps.append(engine.captured)
-            arrays.update(llamacpp_stage_arrays(engine.captured, step, start, len(chunk)))
+            arrays.update(llamacpp_stage_arrays(engine.captured, step, start, len(chunk), config))
             start += len(chunk)
         settings = {"engine": engine.version, **engine.settings}
     finally:

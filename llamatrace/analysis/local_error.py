@@ -103,6 +103,19 @@ LOCAL_STAGES: dict[str, Callable] = {
 """Layer stage id → ``fn(model, get, layer, start_pos)`` recomputing it from recorded inputs."""
 
 
+def _recomputable(stage: str, c) -> bool:
+    """Whether :data:`LOCAL_STAGES`'s Llama formula for ``stage`` holds for config ``c``: the
+    recomputations of other architectures' features (NeoX rotary, biases, q/k norms, soft-caps,
+    windows, post-norms) are not written yet, so those stages are not recomputed."""
+    if stage in ("Qcur_rope", "Kcur_rope"):
+        return not (c.rope_neox or c.qkv_bias or c.qk_norm or c.sliding_window)
+    if stage == "kq_soft_max":
+        return not (c.attn_softcap or c.sliding_window or c.attn_scale)
+    if stage in ("ffn_inp", "l_out"):
+        return not c.post_norms
+    return True
+
+
 def _steps(arrays: Mapping[str, np.ndarray], start_pos: int) -> list[tuple[int, int]]:
     """(step, start_pos) of every step, from the rows of each step's ``inp_embd``."""
     steps, pos, step = [], start_pos, 0
@@ -136,7 +149,7 @@ def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
         for layer in range(model.config.n_layers):
             for stage, fn in LOCAL_STAGES.items():
                 key = stage_key(step, layer, stage)
-                if key not in arrays:
+                if key not in arrays or not _recomputable(stage, model.config):
                     continue
                 try:
                     expected = fn(model, get, layer, pos)

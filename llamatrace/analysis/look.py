@@ -29,7 +29,8 @@ class AttentionMaps:
     """Attention probabilities of one layer at one step.
 
     ``probs`` float32 ``[n_heads, n_queries, kv_len]`` (``kq_soft_max``); ``masked`` bool
-    ``[n_queries, kv_len]``, True where the causal mask hid the key (its probability is 0);
+    ``[n_queries, kv_len]``, True where the causal mask hid the key (its probability is 0), or the
+    sliding window of a local layer (``window`` keys, 0 = a layer that sees every earlier key);
     ``query_pos`` / ``ids`` the positions of the query rows and the tokens of all ``kv_len``
     keys. Query head ``h`` reads KV head ``h // n_rep``.
     """
@@ -42,6 +43,7 @@ class AttentionMaps:
     ids: list[int]
     n_kv_heads: int
     n_rep: int
+    window: int = 0
 
 
 def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> AttentionMaps:
@@ -67,9 +69,11 @@ def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> Attent
     event = events[0]
     ids = (list(prompt_ids) + tokens)[:event.start_pos + event.seq_len]
     query_pos = list(range(event.start_pos, event.start_pos + event.seq_len))
-    masked = np.arange(len(ids))[None, :] > np.asarray(query_pos)[:, None]
+    behind = np.asarray(query_pos)[:, None] - np.arange(len(ids))[None, :]    # query pos - key pos
+    window = c.sliding_window if c.is_local(layer) else 0
+    masked = (behind < 0) | ((behind >= window) if window else False)
     return AttentionMaps(layer=layer, step=step, probs=event.array, masked=masked, query_pos=query_pos,
-                         ids=ids, n_kv_heads=c.n_kv_heads, n_rep=c.n_rep)
+                         ids=ids, n_kv_heads=c.n_kv_heads, n_rep=c.n_rep, window=window)
 
 
 @dataclass

@@ -26,8 +26,10 @@ from llamatrace.analysis.difference import relative_error_rows
 from llamatrace.corpus.metrics import TokenKLD, compress_log_probs, token_kld
 from llamatrace.tracing.stages import STAGES
 
+# the Llama block's stages: other architectures' feature stages (when="qk_norm", ...) are not collected yet
 TOKEN_STAGES: tuple[str, ...] = tuple(s.id for s in STAGES
-                                      if s.level == "layer" and s.replaceable and s.shape.startswith("[seq_len,"))
+                                      if s.level == "layer" and s.replaceable and s.shape.startswith("[seq_len,")
+                                      and (s.when in ("always", "masked", "gqa") or s.when.startswith("!")))
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ def check_same_shape(base_path, model_path) -> None:
     """Refuse to compare the stages of two models of different shapes (read from the headers).
 
     Raises:
-        OptionError: another number of layers, width, heads or FFN width.
+        OptionError: another number of layers, width, heads or FFN width; an architecture
+            without some of the Llama block's stages (Gemma's GeGLU).
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: a file cannot be used.
     """
     from llamatrace.errors import OptionError
@@ -57,6 +60,12 @@ def check_same_shape(base_path, model_path) -> None:
             c = ModelConfig.from_gguf(f)
         return {k: getattr(c, k) for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim")}
 
+    from llamatrace.tracing.stages import STAGE_BY_ID, stage_applies
+    c = ModelConfig.from_gguf(open_gguf(model_path))
+    absent = [sid for sid in TOKEN_STAGES if not stage_applies(STAGE_BY_ID[sid], 2, c.n_rep, c.features)]
+    if absent:       # the collected columns are the Llama block's (GeGLU models have no ffn_swiglu …)
+        raise OptionError(f"--stages does not support {c.arch} models yet: they have no {', '.join(absent)} "
+                          f"stage; run perplexity without --stages")
     base, model = shape(base_path), shape(model_path)
     if base != model:
         diff = ", ".join(f"{k} {base[k]} vs {model[k]}" for k in base if base[k] != model[k])

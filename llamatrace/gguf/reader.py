@@ -37,6 +37,15 @@ GGUF_TO_META = {
     "ffn_gate.weight": "w1",
     "ffn_down.weight": "w2",
     "ffn_up.weight": "w3",
+    # what other architectures add (llamatrace.model.config.ARCHITECTURES)
+    "attn_q.bias": "bq",
+    "attn_k.bias": "bk",
+    "attn_v.bias": "bv",
+    "attn_qkv.weight": "wqkv",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "post_attention_norm.weight": "attention_post_norm",
+    "post_ffw_norm.weight": "ffn_post_norm",
 }
 
 META_TO_GGUF = {meta: name for name, meta in GGUF_TO_META.items()}

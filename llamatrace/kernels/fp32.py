@@ -1,4 +1,5 @@
-"""Small fp32 kernels of the forward pass: RMSNorm, RoPE, softmax, SiLU (and the exp they use).
+"""Small fp32 kernels of the forward pass: RMSNorm, RoPE (pairs and NeoX halves), masks, softmax,
+SiLU, GELU, soft-capping (and the exp they use).
 
 Each Numba kernel ``foo`` has a plain NumPy twin ``foo_ref`` with the same contract; the tests
 check one against the other. Shapes follow the forward pass: ``[seq_len, dim]`` activations,
@@ -171,6 +172,45 @@ def rope_ref(x: np.ndarray, freqs_cis: np.ndarray) -> np.ndarray:
     return out.astype(np.float32)
 
 
+@njit(**JIT_EXACT)
+def rope_neox(x, cos, sin):
+    """Rotate the two halves of every head (GPT-NeoX style, HF's ``rotate_half``): dim ``i`` pairs
+    with dim ``i + rope_dim/2``: ``(a, b) -> (a·cos - b·sin, a·sin + b·cos)``.
+
+    Args:
+        x: float32 ``[seq_len, n_heads, head_dim]``.
+        cos, sin: float32 ``[seq_len, rope_dim/2]``; dims past ``rope_dim`` are left unrotated.
+
+    Returns:
+        float32 ``[seq_len, n_heads, head_dim]`` (a new array).
+    """
+    seq_len, n_heads, head_dim = x.shape
+    half = cos.shape[1]
+    out = x.copy()
+    for s in range(seq_len):
+        for h in range(n_heads):
+            for i in range(half):
+                a = x[s, h, i]
+                b = x[s, h, i + half]
+                c = cos[s, i]
+                si = sin[s, i]
+                out[s, h, i] = a * c - b * si
+                out[s, h, i + half] = a * si + b * c
+    return out
+
+
+def rope_neox_ref(x: np.ndarray, freqs_cis: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`rope_neox`, written as HF's ``q * cos + rotate_half(q) * sin``."""
+    half = freqs_cis.shape[1]
+    cos = np.concatenate([freqs_cis.real, freqs_cis.real], axis=-1)[:, None, :].astype(np.float32)
+    sin = np.concatenate([freqs_cis.imag, freqs_cis.imag], axis=-1)[:, None, :].astype(np.float32)
+    out = x.copy()
+    rot = x[..., :2 * half]
+    rotated = np.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    out[..., :2 * half] = rot * cos + rotated * sin
+    return out.astype(np.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Causal mask and softmax
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +226,20 @@ def causal_mask(seq_len: int, start_pos: int) -> np.ndarray:
     rows = np.arange(seq_len)[:, None] + start_pos
     cols = np.arange(kv_len)[None, :]
     return np.where(cols > rows, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
+
+
+def window_mask(seq_len: int, start_pos: int, window: int) -> np.ndarray:
+    """Additive causal mask with a sliding window, float32 ``[seq_len, start_pos + seq_len]``.
+
+    The query at position ``i`` sees the key at position ``p`` iff ``p <= i`` and ``i - p < window``
+    (llama.cpp ``llama_hparams::is_masked_swa``, ``LLAMA_SWA_TYPE_STANDARD``; HF's sliding-window
+    mask is the same): every query sees at most ``window`` keys, itself included.
+    """
+    kv_len = start_pos + seq_len
+    rows = np.arange(seq_len)[:, None] + start_pos
+    cols = np.arange(kv_len)[None, :]
+    hidden = (cols > rows) | (rows - cols >= window)
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
 
 
 @njit(inline="always", **JIT_EXACT)
@@ -287,6 +341,37 @@ def silu(x: np.ndarray) -> np.ndarray:
 def silu_ref(x: np.ndarray) -> np.ndarray:
     """NumPy twin of :func:`silu`."""
     return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
+
+
+_SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation, elementwise on float32 (HF ``gelu_pytorch_tanh``, ggml's
+    ``ggml_gelu_f32``): ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))``, in float32."""
+    x = np.asarray(x, dtype=np.float32)
+    inner = _SQRT_2_OVER_PI * x * (np.float32(1.0) + np.float32(0.044715) * x * x)
+    # tanh in float64, rounded once: NumPy's float32 tanh is 1 ulp off near ±1 (libm's tanhf is not)
+    th = np.tanh(inner.astype(np.float64)).astype(np.float32)
+    return (np.float32(0.5) * x * (np.float32(1.0) + th)).astype(np.float32)
+
+
+def gelu_f16_table(x: np.ndarray) -> np.ndarray:
+    """GELU as llama.cpp's CPU backend computes it (``ggml_vec_gelu_f32`` / ``ggml_vec_geglu_f32``
+    with ``GGML_GELU_FP16``, on by default in ``ggml-cpu/vec.h``): the input rounded to fp16, looked
+    up in a table of fp16 results of :func:`gelu`; ``x <= -10`` gives 0 and ``x >= 10`` gives ``x``.
+    About 1e-3 relative per element from the exact formula; used by the ``q8`` mode (llama.cpp's
+    arithmetic), float32 in and out."""
+    x = np.asarray(x, dtype=np.float32)
+    looked_up = gelu(x.astype(np.float16).astype(np.float32)).astype(np.float16).astype(np.float32)
+    return np.where(x <= -10.0, np.float32(0.0), np.where(x >= 10.0, x, looked_up)).astype(np.float32)
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """Soft-capping ``cap·tanh(x/cap)`` elementwise on float32 (Gemma 2's attention and final logits):
+    about ``x`` for ``|x| << cap``, never beyond ``±cap``. A new array."""
+    c = np.float32(cap)
+    return (np.tanh(np.asarray(x, dtype=np.float32) * (np.float32(1.0) / c)) * c).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------

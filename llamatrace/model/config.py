@@ -1,21 +1,92 @@
-"""ModelConfig: the blueprint of a Llama model, read from GGUF ``llama.*`` metadata.
+"""ModelConfig: the blueprint of a model, read from GGUF ``{arch}.*`` metadata.
 
 Names follow Meta's reference ``ModelArgs`` (dim, n_layers, n_heads, n_kv_heads, norm_eps...).
+Every supported family is the Llama block plus declared features (:class:`Architecture`, one row
+per ``general.architecture`` in :data:`ARCHITECTURES`); the forward pass reads the features from
+the config and never the architecture's name. The values and defaults are llama.cpp's
+(``src/models/<arch>.cpp``: ``load_arch_hparams``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
+
+import numpy as np
 
 from llamatrace.errors import ModelFormatError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+
+@dataclass(frozen=True)
+class Architecture:
+    """What one GGUF architecture adds to the Llama block, as llama.cpp's graph for it does.
+
+    Attributes:
+        rope_neox: rotate the two halves of each head (GPT-NeoX / HF ``rotate_half``) instead of
+            adjacent pairs (GGUF ``llama`` files, whose converter permuted Q/K for that).
+        qkv_bias: ``attn_q.bias`` / ``attn_k.bias`` / ``attn_v.bias`` added after the projections.
+        qk_norm: per-head RMSNorm of q and k (``attn_q_norm`` / ``attn_k_norm``, ``[head_dim]``)
+            before the rotary embedding.
+        post_norms: RMSNorm of the attention and FFN outputs (``post_attention_norm``,
+            ``post_ffw_norm``) before each residual add.
+        gelu: GeGLU FFN (GELU, tanh approximation) instead of SwiGLU.
+        embed_scale: embeddings multiplied by √dim.
+        swa_pattern: sliding-window attention on layer ``il`` iff ``il % swa_pattern <
+            swa_pattern - 1`` (llama.cpp ``set_swa_pattern``); 0 = none. The file's
+            ``{arch}.attention.sliding_window_pattern`` overrides it.
+        swa_default: the window when the file has no ``{arch}.attention.sliding_window``
+            (0 = then no sliding window at all).
+        rope_base_local: rotary base of the sliding-window layers when the file has no
+            ``{arch}.rope.freq_base_swa``; ``None`` = the global base.
+        attn_softcap, final_softcap: the default soft-cap ``c·tanh(x/c)`` of attention scores /
+            final logits (``{arch}.attn_logit_softcapping`` / ``final_logit_softcapping`` override
+            it). Attention: 0 = never. Final: ``None`` = never, 0 = only if the file sets one.
+        fused_qkv, fused_gate_up: q|k|v stored as one ``attn_qkv`` and gate|up as one ``ffn_up`` of
+            ``2·hidden_dim`` rows (gate first).
+        wide_query_scale_layers: the block count at which llama.cpp scales queries by
+            ``1/√(dim/n_heads)`` instead of ``1/√head_dim`` (Gemma's 27B models); 0 = never.
+        llamacpp_scales_q: llama.cpp's graph scales q before q·kᵀ (its ``kq`` is our
+            ``kq_scaled``); read by ``compare`` only, the arithmetic is the same.
+    """
+
+    rope_neox: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    gelu: bool = False
+    embed_scale: bool = False
+    swa_pattern: int = 0
+    swa_default: int = 0
+    rope_base_local: float | None = None
+    attn_softcap: float = 0.0
+    final_softcap: float | None = None
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    wide_query_scale_layers: int = 0
+    llamacpp_scales_q: bool = False
+
+
+# One row per family; llama.cpp's src/models/<arch>.cpp is the reference for each.
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(),
+    "qwen2": Architecture(rope_neox=True, qkv_bias=True),
+    "qwen3": Architecture(rope_neox=True, qk_norm=True),
+    # llama.cpp ignores phi3's attention.sliding_window ("Phi SWA is currently disabled"), so do we
+    "phi3": Architecture(rope_neox=True, fused_qkv=True, fused_gate_up=True, llamacpp_scales_q=True),
+    "gemma2": Architecture(rope_neox=True, post_norms=True, gelu=True, embed_scale=True, swa_pattern=2,
+                           swa_default=4096, attn_softcap=50.0, final_softcap=30.0, wide_query_scale_layers=46,
+                           llamacpp_scales_q=True),
+    "gemma3": Architecture(rope_neox=True, qk_norm=True, post_norms=True, gelu=True, embed_scale=True,
+                           swa_pattern=6, rope_base_local=10000.0, final_softcap=0.0, wide_query_scale_layers=62,
+                           llamacpp_scales_q=True),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-architecture model.
+    """Hyper-parameters of a model: the Llama ones, then the features its architecture declares.
 
     Attributes:
         dim: embedding width (``llama.embedding_length``), e.g. 576 for SmolLM2-135M.
@@ -30,6 +101,18 @@ class ModelConfig:
         rope_theta: RoPE base frequency (``llama.rope.freq_base``, default 10000).
         rope_dim: rotated dimensions per head (``llama.rope.dimension_count``, default head_dim).
         max_seq_len: the model's context length (``llama.context_length``), in tokens.
+        arch: ``general.architecture``; the features below come from its :class:`Architecture`
+            row and the file's metadata, and default to plain Llama.
+        rope_neox, qkv_bias, qk_norm, post_norms, fused_qkv, fused_gate_up: as in
+            :class:`Architecture`.
+        ffn_act: ``"silu"`` (SwiGLU) or ``"gelu"`` (GeGLU, tanh approximation).
+        embed_scale: factor applied to the embedding rows (1.0, or float32 √dim for Gemma).
+        attn_scale: factor of q·kᵀ (``0.0`` = ``1/√head_dim``; see :attr:`kq_scale`).
+        sliding_window: keys visible to a query on a local layer (``i - p < sliding_window``,
+            llama.cpp ``is_masked_swa``); 0 = no sliding window.
+        local_layers: the sliding-window layers, ascending.
+        rope_theta_local: rotary base of the local layers (0.0 = ``rope_theta``).
+        attn_softcap, final_softcap: ``c`` of ``c·tanh(x/c)`` on scores / logits; 0.0 = none.
     """
 
     dim: int
@@ -43,6 +126,21 @@ class ModelConfig:
     rope_theta: float
     rope_dim: int
     max_seq_len: int
+    arch: str = "llama"
+    rope_neox: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    ffn_act: str = "silu"
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0
+    sliding_window: int = 0
+    local_layers: tuple[int, ...] = ()
+    rope_theta_local: float = 0.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
@@ -61,6 +159,32 @@ class ModelConfig:
             raise ModelFormatError(
                 f"model config: norm_eps ({self.norm_eps}) and rope_theta ({self.rope_theta}) must be positive")
 
+        if self.ffn_act not in ("silu", "gelu"):
+            raise ModelFormatError(f"model config: ffn_act must be 'silu' or 'gelu', got {self.ffn_act!r}")
+        if any(not 0 <= i < self.n_layers for i in self.local_layers) or self.sliding_window < 0:
+            raise ModelFormatError(f"model config: local_layers {self.local_layers} must be layer indices "
+                                   f"and sliding_window ({self.sliding_window}) >= 0")
+
+    @property
+    def kq_scale(self) -> float:
+        """The factor of q·kᵀ before the softmax: ``attn_scale``, else ``1/√head_dim``."""
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether ``layer`` attends through the sliding window (and uses ``rope_theta_local``)."""
+        return self.sliding_window > 0 and layer in self.local_layers
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The architecture features in use, by the names the stage catalogue's ``when`` column uses:
+        ``qkv_bias``, ``qk_norm``, ``post_norms``, ``gelu``, ``embed_scale``, ``swa``,
+        ``attn_softcap``, ``final_softcap``. Empty for a Llama model."""
+        flags = {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "post_norms": self.post_norms,
+                 "gelu": self.ffn_act == "gelu", "embed_scale": self.embed_scale != 1.0,
+                 "swa": bool(self.sliding_window and self.local_layers),
+                 "attn_softcap": self.attn_softcap > 0, "final_softcap": self.final_softcap > 0}
+        return frozenset(name for name, on in flags.items() if on)
+
     @property
     def n_rep(self) -> int:
         """How many query heads share one key/value head (1 = plain multi-head attention)."""
@@ -77,7 +201,15 @@ class ModelConfig:
         return self.n_kv_heads * self.head_dim
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, those after ``max_seq_len`` only where they differ from plain Llama's (so a
+        Llama config reads as it always did)."""
+        out = asdict(self)
+        for f in fields(self):
+            if f.name in _FEATURE_FIELDS and out[f.name] == f.default:
+                del out[f.name]
+        if "local_layers" in out:
+            out["local_layers"] = list(out["local_layers"])
+        return out
 
     @classmethod
     def from_gguf(cls, f) -> "ModelConfig":
@@ -104,14 +236,15 @@ class ModelConfig:
             source: file name used in error messages.
 
         Raises:
-            UnsupportedModelError: the architecture is not ``llama``.
+            UnsupportedModelError: the architecture is not one of :data:`ARCHITECTURES`.
             ModelFormatError: a required key is missing or a value is inconsistent.
         """
         arch = meta.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{source}: architecture {arch!r} is not supported; llamatrace runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF models (e.g. Llama 3.x, SmolLM2)")
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF models")
+        spec = ARCHITECTURES[arch]
 
         def need(key: str) -> Any:
             full = f"{arch}.{key}"
@@ -131,16 +264,56 @@ class ModelConfig:
         n_kv_heads = as_int("attention.head_count_kv", meta.get(f"{arch}.attention.head_count_kv", n_heads))
         head_dim = as_int("attention.key_length",
                           meta.get(f"{arch}.attention.key_length", dim // n_heads if n_heads else 0))
+        n_layers = as_int("block_count", need("block_count"))
+        rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+        # sliding window: the file's window (or the family's default) on the pattern's layers
+        window = as_int("attention.sliding_window", meta.get(f"{arch}.attention.sliding_window", spec.swa_default))
+        local: tuple[int, ...] = ()
+        if spec.swa_pattern and window > 0:
+            pattern = meta.get(f"{arch}.attention.sliding_window_pattern", spec.swa_pattern)
+            if isinstance(pattern, (list, tuple)):            # one flag per layer
+                local = tuple(i for i, on in enumerate(pattern[:n_layers]) if on)
+            else:
+                n = as_int("attention.sliding_window_pattern", pattern)
+                local = tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)
+        else:
+            window = 0
+        rope_local = float(meta.get(f"{arch}.rope.freq_base_swa",
+                                    spec.rope_base_local if spec.rope_base_local is not None else rope_theta))
+        wide = spec.wide_query_scale_layers and n_layers == spec.wide_query_scale_layers
         return cls(
             dim=dim,
-            n_layers=as_int("block_count", need("block_count")),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             head_dim=head_dim,
             hidden_dim=as_int("feed_forward_length", need("feed_forward_length")),
             vocab_size=int(vocab_size),
             norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=rope_theta,
             rope_dim=as_int("rope.dimension_count", meta.get(f"{arch}.rope.dimension_count", head_dim)),
             max_seq_len=as_int("context_length", need("context_length")),
+            arch=arch,
+            rope_neox=spec.rope_neox,
+            qkv_bias=spec.qkv_bias,
+            qk_norm=spec.qk_norm,
+            post_norms=spec.post_norms,
+            fused_qkv=spec.fused_qkv,
+            fused_gate_up=spec.fused_gate_up,
+            ffn_act="gelu" if spec.gelu else "silu",
+            # float32 √dim, as llama.cpp's ggml_scale(inpL, sqrtf(n_embd))
+            embed_scale=float(np.float32(math.sqrt(dim))) if spec.embed_scale else 1.0,
+            attn_scale=(1.0 / math.sqrt(dim / n_heads)) if wide else 0.0,
+            sliding_window=window,
+            local_layers=local,
+            rope_theta_local=rope_local if local else 0.0,
+            attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", spec.attn_softcap)) if spec.attn_softcap else 0.0,
+            final_softcap=(0.0 if spec.final_softcap is None
+                           else float(meta.get(f"{arch}.final_logit_softcapping", spec.final_softcap))),
         )
+
+
+# Fields that plain Llama leaves at their defaults (left out of ``to_dict`` when so).
+_FEATURE_FIELDS = frozenset(f.name for f in fields(ModelConfig)
+                            if f.name not in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
+                                              "vocab_size", "norm_eps", "rope_theta", "rope_dim", "max_seq_len"))

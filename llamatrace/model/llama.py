@@ -1,4 +1,8 @@
-"""The Llama forward pass — one commented layer loop, in the chapter's order.
+"""The forward pass — one commented layer loop, in the chapter's order.
+
+One loop serves every supported architecture: what a family adds to the Llama block (QKV bias,
+q/k norm, post-norms, NeoX rotary, sliding window, GeGLU, soft-caps, embedding scale) is a
+feature of its :class:`~llamatrace.model.config.ModelConfig`, read at the one place it acts.
 
 References: Meta's ``llama/model.py`` (names: ``wq``, ``freqs_cis``, ``repeat_kv``...),
 llama-nuts-and-bolts ch. 15–16 (the stages and their ``[DEBUG]`` lines), llama.cpp's graph
@@ -13,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
 import gguf
@@ -29,7 +33,7 @@ from llamatrace.kernels.registry import matmul
 from llamatrace.kernels.threads import AUTO_THREADS
 from llamatrace.model.cache import KVCache
 from llamatrace.model.config import ModelConfig
-from llamatrace.errors import ModelFormatError, OptionError
+from llamatrace.errors import ModelFormatError, OptionError, UnsupportedModelError
 from llamatrace.gguf.reader import GGUFFile, check_tensor_types, gguf_name, open_gguf
 from llamatrace.tracing.hooks import HookFn, Hooks
 from llamatrace.text.tokenizer import Tokenizer
@@ -44,6 +48,8 @@ class LayerWeights:
 
     ``wqkv`` / ``w13`` stack the rows of wq|wk|wv and w1|w3 when their types match, so one
     parallel kernel call serves all three (or two) projections; otherwise they are ``None``.
+    Files that store them fused (phi3's ``attn_qkv``, ``ffn_up`` of 2·hidden_dim rows) always
+    load that way. The vectors after ``w2`` exist only for the architectures that declare them.
     """
 
     attention_norm: np.ndarray        # float32 [dim]
@@ -57,6 +63,18 @@ class LayerWeights:
     w3: packing.Weight | None           # up   [hidden_dim, dim]
     w13: packing.Weight | None          # [2*hidden_dim, dim]
     w2: packing.Weight                  # down [dim, hidden_dim]
+    bq: np.ndarray | None = None      # float32 [n_heads*head_dim]        (qkv_bias)
+    bk: np.ndarray | None = None      # float32 [n_kv_heads*head_dim]     (qkv_bias)
+    bv: np.ndarray | None = None      # float32 [n_kv_heads*head_dim]     (qkv_bias)
+    q_norm: np.ndarray | None = None  # float32 [head_dim]                (qk_norm)
+    k_norm: np.ndarray | None = None  # float32 [head_dim]                (qk_norm)
+    attention_post_norm: np.ndarray | None = None   # float32 [dim]      (post_norms)
+    ffn_post_norm: np.ndarray | None = None         # float32 [dim]      (post_norms)
+
+    def vectors(self) -> tuple[np.ndarray, ...]:
+        """Every norm weight and bias the block holds."""
+        return tuple(v for v in (self.attention_norm, self.ffn_norm, self.bq, self.bk, self.bv, self.q_norm,
+                                 self.k_norm, self.attention_post_norm, self.ffn_post_norm) if v is not None)
 
 
 @dataclass
@@ -73,7 +91,7 @@ class Weights:
                 for w in (lw.wq, lw.wk, lw.wv, lw.wqkv, lw.wo, lw.w1, lw.w3, lw.w13, lw.w2) if w is not None}
         mats[id(self.tok_embeddings)] = self.tok_embeddings.nbytes
         mats[id(self.output)] = self.output.nbytes
-        norms = sum(lw.attention_norm.nbytes + lw.ffn_norm.nbytes for lw in self.layers) + self.norm.nbytes
+        norms = sum(v.nbytes for lw in self.layers for v in lw.vectors()) + self.norm.nbytes
         return sum(mats.values()) + norms
 
 
@@ -90,13 +108,16 @@ class Llama:
     """
 
     def __init__(self, gguf_file: GGUFFile, config: ModelConfig, weights: Weights,
-                 tokenizer: Tokenizer, inv_freq: np.ndarray, load_s: float, activations: str = "f32") -> None:
+                 tokenizer: Tokenizer, inv_freq: np.ndarray, load_s: float, activations: str = "f32",
+                 inv_freq_local: np.ndarray | None = None) -> None:
         self.file = gguf_file
         self.path = gguf_file.path
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
         self.inv_freq = inv_freq                 # float64 [rope_dim/2]
+        # the sliding-window layers' own rotary base (Gemma 3: 10000 beside 1e6), else the same
+        self.inv_freq_local = inv_freq if inv_freq_local is None else inv_freq_local
         self.load_s = load_s
         self.activations = activations          # "f32" (reference) or "q8" (llamatrace.kernels.act8)
         self._recorder: Recorder | None = None
@@ -122,7 +143,7 @@ class Llama:
     def load(cls, path: str | os.PathLike[str] | None = None,
              progress: Callable[[int, int], None] | None = None, *, fetch: bool = True,
              activations: str = "f32") -> "Llama":
-        """Open, validate and pack a llama-architecture GGUF model.
+        """Open, validate and pack a GGUF model of a supported architecture (:data:`~llamatrace.model.config.ARCHITECTURES`).
 
         ``path`` ``None`` resolves the model as the CLI does (:func:`llamatrace.gguf.fetch.resolve_model`):
         ``$LLAMATRACE_MODEL``, else the default model (SmolLM2-135M-Instruct Q4_1) from the
@@ -154,12 +175,19 @@ class Llama:
             freq_factors = None
             if "rope_freqs.weight" in f.tensors:               # Llama 3.1 long-context RoPE scaling
                 freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
+            for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+                if name in f.tensors:                              # Phi-3 128k's LongRoPE
+                    raise UnsupportedModelError(f"{Path(path).name}: tensor {name!r} (LongRoPE scaling) is not "
+                                                f"supported yet; use a short-context variant of the model")
         except BaseException:
             with contextlib.suppress(BufferError):      # a view held by the traceback: unmapped with it
                 f.close()
             raise
         inv_freq = kernels.rope_frequencies(config.rope_dim, config.rope_theta, freq_factors)
-        return cls(f, config, weights, tokenizer, inv_freq, time.perf_counter() - t0, activations)
+        inv_freq_local = None
+        if config.local_layers and config.rope_theta_local != config.rope_theta:
+            inv_freq_local = kernels.rope_frequencies(config.rope_dim, config.rope_theta_local)
+        return cls(f, config, weights, tokenizer, inv_freq, time.perf_counter() - t0, activations, inv_freq_local)
 
     def new_cache(self, max_seq: int) -> KVCache:
         """A KV cache for ``max_seq`` positions (float32, ``2 * n_layers * max_seq * kv_dim * 4`` bytes)."""
@@ -332,26 +360,43 @@ class Llama:
             emit = recorder.begin(start_pos, seq_len, self.shape_vars(start_pos, seq_len, cache.max_seq),
                                   self.weight_shapes, phase)
             # the chapter's output {seq_len, vocab}: every row, when that stage is being recorded
-            all_logits = all_logits or recorder.wants(None, "result_output")
+            all_logits = all_logits or recorder.wants(None, "result_output") or recorder.wants(None, "result_softcap")
         for hooks in reversed(self._hooks):      # wrapped inside out: the outermost block runs first
             emit = hooks.begin(emit, start_pos, seq_len)
         n_heads, n_kv_heads, head_dim, n_rep = c.n_heads, c.n_kv_heads, c.head_dim, c.n_rep
-        scale = np.float32(1.0 / math.sqrt(head_dim))
+        scale = np.float32(c.kq_scale)
+        rope = kernels.rope_neox if c.rope_neox else kernels.rope      # halves or adjacent pairs
+        # GELU: the exact tanh formula (HF's); q8 is llama.cpp's arithmetic, whose CPU GELU is an fp16 table
+        gelu = kernels.gelu_f16_table if self.activations == "q8" else kernels.gelu
 
         # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64
         freqs_cis = kernels.precompute_freqs_cis(self.inv_freq, start_pos, seq_len)
         cos = np.ascontiguousarray(freqs_cis.real)
         sin = np.ascontiguousarray(freqs_cis.imag)
         emit("freqs_cis", None, freqs_cis)
+        cos_local, sin_local = cos, sin                  # sliding-window layers' own base, if any
+        if self.inv_freq_local is not self.inv_freq:
+            freqs_local = kernels.precompute_freqs_cis(self.inv_freq_local, start_pos, seq_len)
+            cos_local = np.ascontiguousarray(freqs_local.real)
+            sin_local = np.ascontiguousarray(freqs_local.imag)
         # causal mask [seq_len, kv_len]; one query row sees every cached key and needs none
         mask = kernels.causal_mask(seq_len, start_pos) if seq_len > 1 else None
         if mask is not None:
             emit("kq_mask", None, mask)
+        # sliding-window mask [seq_len, kv_len] of the local layers: every step, even one query row
+        mask_local = mask
+        if "swa" in c.features:
+            mask_local = kernels.window_mask(seq_len, start_pos, c.sliding_window)
+            emit("kq_mask_swa", None, mask_local)
         # token embedding: x [seq_len, dim]
         x = packing.get_rows(w.tok_embeddings, tokens)
         x = emit("inp_embd", None, x)
+        if c.embed_scale != 1.0:
+            x = x * np.float32(c.embed_scale)
+            x = emit("inp_scaled", None, x)
 
         for layer, lw in enumerate(w.layers):
+            local = c.is_local(layer)
             # attention pre-norm
             xn = kernels.rmsnorm(x, lw.attention_norm, c.norm_eps)
             xn = emit("attn_norm", layer, xn)
@@ -360,6 +405,10 @@ class Llama:
             xq = emit("Qcur", layer, xq)
             xk = emit("Kcur", layer, xk)
             xv = emit("Vcur", layer, xv)
+            if lw.bq is not None:                                # qkv_bias
+                xq = emit("Qcur_b", layer, xq + lw.bq)
+                xk = emit("Kcur_b", layer, xk + lw.bk)
+                xv = emit("Vcur_b", layer, xv + lw.bv)
             # split into heads: [seq_len, n_(kv_)heads, head_dim]
             xq = xq.reshape(seq_len, n_heads, head_dim)
             xk = xk.reshape(seq_len, n_kv_heads, head_dim)
@@ -367,9 +416,14 @@ class Llama:
             emit("Qcur_heads", layer, xq)
             emit("Kcur_heads", layer, xk)
             emit("Vcur_heads", layer, xv)
+            if lw.q_norm is not None:                            # qk_norm: RMSNorm of each head
+                xq = kernels.rmsnorm(xq.reshape(-1, head_dim), lw.q_norm, c.norm_eps).reshape(xq.shape)
+                xk = kernels.rmsnorm(xk.reshape(-1, head_dim), lw.k_norm, c.norm_eps).reshape(xk.shape)
+                xq = emit("Qcur_normed", layer, xq)
+                xk = emit("Kcur_normed", layer, xk)
             # rotary embedding of queries and keys (values are not rotated)
-            xq = kernels.rope(xq, cos, sin)
-            xk = kernels.rope(xk, cos, sin)
+            xq = rope(xq, *((cos_local, sin_local) if local else (cos, sin)))
+            xk = rope(xk, *((cos_local, sin_local) if local else (cos, sin)))
             xq = emit("Qcur_rope", layer, xq)
             xk = emit("Kcur_rope", layer, xk)
             # KV cache: write this chunk at [start_pos:end_pos], read back everything [0:end_pos]
@@ -392,8 +446,11 @@ class Llama:
             kq = emit("kq", layer, kq)
             scores = kq * scale
             scores = emit("kq_scaled", layer, scores)
-            if mask is not None:
-                scores = scores + mask                           # broadcast over heads
+            if c.attn_softcap:                                   # c·tanh(scores/c), before the mask
+                scores = emit("kq_softcap", layer, kernels.softcap(scores, c.attn_softcap))
+            layer_mask = mask_local if local else mask
+            if layer_mask is not None:
+                scores = scores + layer_mask                     # broadcast over heads
                 scores = emit("kq_masked", layer, scores)
             scores = kernels.softmax(scores)
             scores = emit("kq_soft_max", layer, scores)
@@ -404,21 +461,29 @@ class Llama:
             kqv_out = emit("kqv_out", layer, kqv_out)
             attn_out = matmul(kqv_out, lw.wo)
             attn_out = emit("attn_out", layer, attn_out)
+            if lw.attention_post_norm is not None:               # post_norms
+                attn_out = kernels.rmsnorm(attn_out, lw.attention_post_norm, c.norm_eps)
+                attn_out = emit("attn_post_norm", layer, attn_out)
             # residual connection around attention
             h = x + attn_out
             h = emit("ffn_inp", layer, h)
-            # feed-forward pre-norm, then SwiGLU: w2(silu(w1·x) * w3·x)
+            # feed-forward pre-norm, then the gated FFN: w2(act(w1·x) * w3·x), act SiLU or GELU
             hn = kernels.rmsnorm(h, lw.ffn_norm, c.norm_eps)
             hn = emit("ffn_norm", layer, hn)
             gate, up = self._gate_up(hn, lw)
             gate = emit("ffn_gate", layer, gate)
-            gate = kernels.silu(gate)
-            gate = emit("ffn_silu", layer, gate)
+            if c.ffn_act == "gelu":
+                gate = emit("ffn_gelu", layer, gelu(gate))
+            else:
+                gate = emit("ffn_silu", layer, kernels.silu(gate))
             up = emit("ffn_up", layer, up)
-            swiglu = gate * up
-            swiglu = emit("ffn_swiglu", layer, swiglu)
-            ffn_out = matmul(swiglu, lw.w2)
+            glu = gate * up
+            glu = emit("ffn_geglu" if c.ffn_act == "gelu" else "ffn_swiglu", layer, glu)
+            ffn_out = matmul(glu, lw.w2)
             ffn_out = emit("ffn_out", layer, ffn_out)
+            if lw.ffn_post_norm is not None:                     # post_norms
+                ffn_out = kernels.rmsnorm(ffn_out, lw.ffn_post_norm, c.norm_eps)
+                ffn_out = emit("ffn_post_norm", layer, ffn_out)
             # residual connection around the FFN: the block's output
             x = h + ffn_out
             x = emit("l_out", layer, x)
@@ -428,6 +493,8 @@ class Llama:
             x = x[-1:]
         x = emit("result_norm", None, kernels.rmsnorm(np.ascontiguousarray(x), w.norm, c.norm_eps))
         logits = emit("result_output", None, self._project(x))
+        if c.final_softcap:                                      # c·tanh(logits/c)
+            logits = emit("result_softcap", None, kernels.softcap(logits, c.final_softcap))
         cache.advance(seq_len)
         return logits
 
@@ -447,7 +514,8 @@ class Llama:
         h = np.ascontiguousarray(h, dtype=np.float32)
         if h.ndim != 2 or h.shape[0] == 0 or h.shape[1] != self.config.dim:
             raise ValueError(f"logits: h has shape {list(h.shape)}, expected [n, {self.config.dim}]")
-        return self._project(kernels.rmsnorm(h, self.weights.norm, self.config.norm_eps))
+        logits = self._project(kernels.rmsnorm(h, self.weights.norm, self.config.norm_eps))
+        return kernels.softcap(logits, self.config.final_softcap) if self.config.final_softcap else logits
 
     def _project(self, xn: np.ndarray) -> np.ndarray:
         # The last row goes through the kernel alone, as in an unrecorded run that projects only
@@ -497,14 +565,20 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             done += t.n_bytes
         progress(done, total)
 
-    q_dim, kv_dim = c.q_dim, c.kv_dim
+    q_dim, kv_dim, hd = c.q_dim, c.kv_dim, c.head_dim
+    up_rows = 2 * c.hidden_dim if c.fused_gate_up else c.hidden_dim      # phi3: gate|up in ffn_up
     shapes = {"tok_embeddings": (c.vocab_size, c.dim), "output": (c.vocab_size, c.dim), "norm": (c.dim,),
               "attention_norm": (c.dim,), "ffn_norm": (c.dim,),
               "wq": (q_dim, c.dim), "wk": (kv_dim, c.dim), "wv": (kv_dim, c.dim), "wo": (c.dim, q_dim),
-              "w1": (c.hidden_dim, c.dim), "w3": (c.hidden_dim, c.dim), "w2": (c.dim, c.hidden_dim)}
+              "w1": (c.hidden_dim, c.dim), "w3": (up_rows, c.dim), "w2": (c.dim, c.hidden_dim),
+              "wqkv": (q_dim + 2 * kv_dim, c.dim), "bq": (q_dim,), "bk": (kv_dim,), "bv": (kv_dim,),
+              "q_norm": (hd,), "k_norm": (hd,), "attention_post_norm": (c.dim,), "ffn_post_norm": (c.dim,)}
 
     def raw(meta: str, layer: int | None):
         name = gguf_name(meta, layer)
+        if name not in f.tensors:
+            raise ModelFormatError(f"{f.path.name}: tensor {name!r} is missing; a {c.arch} model needs it — "
+                                   f"the file is incomplete or not really {c.arch}")
         t = f.tensor(name)
         got, want = f.matrix_shape(name), shapes[meta]
         if got != want:
@@ -521,7 +595,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     def vector(meta: str, layer: int | None = None) -> np.ndarray:
         _, t = raw(meta, layer)
         # a copy even for F32 (dequantize returns the map's view): the model must not hold the map
-        return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(c.dim)
+        return np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shapes[meta])
 
     def stacked(metas: tuple[str, ...], layer: int) -> packing.Weight | None:
         """Rows of several matrices in one Weight, or None when their types differ."""
@@ -534,11 +608,24 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
         packed(*(t for _, t in named))
         return w
 
+    def split(meta: str, layer: int, rows: tuple[int, ...]) -> packing.Weight:
+        """A fused tensor (phi3's attn_qkv, ffn_up) packed as the matrices its row blocks are."""
+        name, t = raw(meta, layer)
+        data = np.asarray(t.data).view(np.uint8).reshape(sum(rows), -1)
+        starts = np.cumsum((0,) + rows)
+        w = packing.pack_concat(name, [(t.tensor_type, data[a:b], b - a, c.dim) for a, b in zip(starts, starts[1:])],
+                                activations=activations, arena=arena)
+        packed(t)
+        return w
+
     layers = []
     for i in range(c.n_layers):
-        wqkv = stacked(("wq", "wk", "wv"), i)
-        w13 = stacked(("w1", "w3"), i)
-        layers.append(LayerWeights(
+        if c.fused_qkv:
+            wqkv = split("wqkv", i, (q_dim, kv_dim, kv_dim))
+        else:
+            wqkv = stacked(("wq", "wk", "wv"), i)
+        w13 = split("w3", i, (c.hidden_dim, c.hidden_dim)) if c.fused_gate_up else stacked(("w1", "w3"), i)
+        lw = LayerWeights(
             attention_norm=vector("attention_norm", i),
             wq=None if wqkv else matrix("wq", i),
             wk=None if wqkv else matrix("wk", i),
@@ -550,7 +637,14 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             w3=None if w13 else matrix("w3", i),
             w13=w13,
             w2=matrix("w2", i),
-        ))
+        )
+        if c.qkv_bias:
+            lw.bq, lw.bk, lw.bv = vector("bq", i), vector("bk", i), vector("bv", i)
+        if c.qk_norm:
+            lw.q_norm, lw.k_norm = vector("q_norm", i), vector("k_norm", i)
+        if c.post_norms:
+            lw.attention_post_norm, lw.ffn_post_norm = vector("attention_post_norm", i), vector("ffn_post_norm", i)
+        layers.append(lw)
     tied = gguf_name("output") not in f.tensors          # no output.weight: tied to the embedding
     tok = matrix("tok_embeddings", acts=activations if tied else "f32")   # a lookup table unless tied
     output = tok if tied else matrix("output")

@@ -225,25 +225,39 @@ def _rms(x: np.ndarray, eps: float) -> np.ndarray:
     return np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + eps).astype(np.float32)
 
 
+def _stage_for(s: Served, config) -> Served:
+    """The stage that carries ``s`` in this model's architecture: TL's q/k/v include the bias
+    (``Qcur_b`` …) and ``mlp.hook_post`` is the GeGLU product of a GELU model."""
+    stage = s.stage
+    if config.qkv_bias and s.kind in ("q_heads", "kv_heads", "v_heads"):
+        stage = f"{stage}_b"
+    if config.ffn_act == "gelu" and stage == "ffn_swiglu":
+        stage = "ffn_geglu"
+    return s if stage == s.stage else Served(s.name, stage, s.layer, s.kind)
+
+
 class _Converter:
     """Our stage array <-> TL's array (batch axis added) for one model."""
 
     def __init__(self, model) -> None:
         c = model.config
         self.n_heads, self.n_kv_heads, self.head_dim, self.eps = c.n_heads, c.n_kv_heads, c.head_dim, c.norm_eps
+        # NeoX-rotary files (Qwen, Phi-3, Gemma) already hold q/k in HF's halves layout
+        self.halves = (lambda x: x) if c.rope_neox else _halves
+        self.interleave = (lambda x: x) if c.rope_neox else _interleave
 
     def to_tl(self, kind: str, a: np.ndarray, resid: np.ndarray | None) -> np.ndarray:
         seq = a.shape[0]
         if kind in ("same", "stage"):
             out = a
         elif kind == "q_heads":
-            out = _halves(a.reshape(seq, self.n_heads, self.head_dim))
+            out = self.halves(a.reshape(seq, self.n_heads, self.head_dim))
         elif kind == "kv_heads":
-            out = _halves(a.reshape(seq, self.n_kv_heads, self.head_dim))
+            out = self.halves(a.reshape(seq, self.n_kv_heads, self.head_dim))
         elif kind == "v_heads":
             out = a.reshape(seq, self.n_kv_heads, self.head_dim)
         elif kind == "halves":
-            out = _halves(a)
+            out = self.halves(a)
         elif kind == "swap01":
             out = a.transpose(1, 0, 2)
         elif kind == "scale":
@@ -261,7 +275,7 @@ class _Converter:
         if kind in ("same", "stage", "v_heads"):
             out = r.reshape(a.shape)
         elif kind in ("q_heads", "kv_heads", "halves"):
-            out = _interleave(r).reshape(a.shape)
+            out = self.interleave(r).reshape(a.shape)
         elif kind == "swap01":
             out = r.transpose(1, 0, 2)
         elif kind == "scale":          # the norm recomputed with the given scale
@@ -376,6 +390,8 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
         raise OptionError(f"stop_at_layer must be between 1 and {n_layers}, got {stop_at_layer}")
     seqs = to_batch(model, tokens)
     conv = _Converter(model)
+    served = [_stage_for(s, model.config) for s in served]
+    fwd_hooks = [(_stage_for(s, model.config), fn) for s, fn in fwd_hooks]
     wanted = list(served) + [s for s, _ in fwd_hooks]
     if stop_at_layer is not None:
         late = [s.name for s in wanted if (s.layer if s.layer is not None else

@@ -92,7 +92,7 @@ def _ggml_base():
 
 
 # names worth reading: per-layer tensors "<name>-<layer>" and the model-level ones
-_WANTED = re.compile(r"^(?:[A-Za-z_]+-\d+|inp_embd|embd|result_norm|result_output)$")
+_WANTED = re.compile(r"^(?:[A-Za-z_][A-Za-z_0-9]*-\d+|inp_embd|inp_scaled|embd|result_norm|result_output)$")
 # the causal mask is a graph input (never evaluated, so never called back): read as kq_soft_max's src[1]
 _MASK_NAME = "attn_inp_kq_mask"
 

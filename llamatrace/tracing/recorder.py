@@ -154,8 +154,8 @@ def _dtype_name(dtype: np.dtype) -> str:
 
 
 def _finite(stage_id: str, array: np.ndarray) -> bool:
-    """No NaN/Inf; the causal mask and masked scores hold -inf by design, so only NaN/+inf count there."""
-    if STAGE_BY_ID[stage_id].when == "masked":
+    """No NaN/Inf; the masks and masked scores hold -inf by design, so only NaN/+inf count there."""
+    if STAGE_BY_ID[stage_id].when == "masked" or stage_id == "kq_mask_swa":
         return not (np.isnan(array).any() or np.isposinf(array).any())
     return bool(np.isfinite(array).all())
 

@@ -25,8 +25,10 @@ Columns, per :class:`Stage`:
 * ``shape`` — how the output shape is formed, a formula over :data:`SHAPE_VARS`.
 * ``inputs`` — (chapter name, shape formula) of what the stage consumes; weights are in ``weights``
   as (chapter name, GGUF tensor suffix) and print ``[out_features in_features]`` as the chapter does.
-* ``when`` — ``always``; ``masked`` (only when a causal mask exists: more than one query row);
-  ``gqa`` (only when ``n_kv_heads < n_heads``).
+* ``when`` — ``always``; ``masked`` (only when a causal mask exists: more than one query row, or
+  a sliding-window layer); ``gqa`` (only when ``n_kv_heads < n_heads``); an architecture feature
+  (:attr:`ModelConfig.features`: ``qkv_bias``, ``qk_norm``, ``post_norms``, ``gelu``, ``swa`` ...)
+  or its absence (``!gelu``): the stage exists only for the architectures that have it.
 * ``lines`` — the log-line templates of the default renderer, in the chapter's wording
   (``[DEBUG]`` lines of the book). ``{name}`` is an input's shape, ``{out}`` the output's,
   ``{[formula]}`` any shape formula; also ``{layer1}``, ``{n_layers}``, ``{start_pos}``,
@@ -91,11 +93,24 @@ STAGES: tuple[Stage, ...] = (
           lines=("Creating causal mask for sequenceLength {seq_len} and startPos {start_pos} -> tensor mask shape({out})",),
           llama_cpp_note="an input tensor (older builds: KQ_mask); f16 and padded with flash attention",
           replaceable=False),
+    Stage("kq_mask_swa", "model", "Window mask", "mask", "14.3", 5, "attn_inp_kq_mask", None, "input",
+          "[seq_len, kv_len]",
+          "Additive causal mask with the sliding window of the local layers: key p is visible to query i "
+          "iff p <= i and i - p < sliding_window (every step, decode too).",
+          when="swa",
+          lines=("Creating sliding-window mask for sequenceLength {seq_len} and startPos {start_pos} -> tensor mask shape({out})",),
+          llama_cpp_note="the iswa input's second mask (named attn_inp_kq_mask too), used by the local layers",
+          replaceable=False),
     Stage("inp_embd", "model", "Embedding", "inputTensor", "14.2", 4, "inp_embd", "hook_embed", "input",
           _RESID, "Token embedding rows looked up from token_embd (dequantized).",
           inputs=(("tokens", "[seq_len]"),), weights=(("tok_embd", "token_embd.weight"),),
           lines=("Calling Embedding for tokens shape({tokens}) and LlamaTransformer.tok_embd weights shape({w_tok_embd}) -> tensor inputTensor shape({out})",)),
     # ---- one transformer block ---------------------------------------------------------------
+    Stage("inp_scaled", "model", "Scale", "inputTensor", "14.2", 4, "inp_scaled", None, "input",
+          _RESID, "Embedding rows multiplied by √dim (Gemma).",
+          inputs=(("inputTensor", _RESID),), when="embed_scale",
+          lines=("Scaling embeddings inputTensor shape({inputTensor}) by sqrt(dim) -> tensor inputTensor shape({out})",),
+          tl_differs="TL's Gemma hook_embed is after this scale"),
     Stage("attn_norm", "layer", "RMSNorm", "normalizedX", "15.1", 6, "attn_norm", "ln1.hook_normalized", "attention",
           _RESID, "Pre-attention RMSNorm of the block input.",
           inputs=(("x", _RESID),), weights=(("attn_norm", "attn_norm.weight"),),
@@ -127,6 +142,21 @@ STAGES: tuple[Stage, ...] = (
           llama_cpp_note="1st of two tensors named Vcur-N: the matmul (then the reshape)",
           tl_differs="TL has no flat hook: attn.hook_v is this split into heads (Vcur_heads)",
           sources=(("x", "attn_norm"),)),
+    Stage("Qcur_b", "layer", "Add bias", "xq", "15.3.3", 8, "Qcur", None, "attention",
+          "[seq_len, q_dim]", "Query bias added (Qwen2).",
+          inputs=(("xq", "[seq_len, q_dim]"),), weights=(("attn_bq", "attn_q.bias"),), when="qkv_bias",
+          lines=("Adding bias attn_q.bias shape({w_attn_bq}) to xq shape({xq}) -> tensor xq",),
+          llama_cpp_note="2nd of the Qcur-N tensors of a biased model (ggml_add after the matmul)"),
+    Stage("Kcur_b", "layer", "Add bias", "xk", "15.3.3", 8, "Kcur", None, "attention",
+          "[seq_len, kv_dim]", "Key bias added (Qwen2).",
+          inputs=(("xk", "[seq_len, kv_dim]"),), weights=(("attn_bk", "attn_k.bias"),), when="qkv_bias",
+          lines=("Adding bias attn_k.bias shape({w_attn_bk}) to xk shape({xk}) -> tensor xk",),
+          llama_cpp_note="2nd of the Kcur-N tensors of a biased model"),
+    Stage("Vcur_b", "layer", "Add bias", "xv", "15.3.3", 8, "Vcur", None, "attention",
+          "[seq_len, kv_dim]", "Value bias added (Qwen2).",
+          inputs=(("xv", "[seq_len, kv_dim]"),), weights=(("attn_bv", "attn_v.bias"),), when="qkv_bias",
+          lines=("Adding bias attn_v.bias shape({w_attn_bv}) to xv shape({xv}) -> tensor xv",),
+          llama_cpp_note="2nd of the Vcur-N tensors of a biased model"),
     Stage("Qcur_heads", "layer", "Reshape", "xq", "15.3.4", 9, "Qcur", "attn.hook_q", "attention",
           "[seq_len, n_heads, head_dim]", "Queries split into heads (a view).",
           inputs=(("xq", "[seq_len, q_dim]"),),
@@ -151,6 +181,16 @@ STAGES: tuple[Stage, ...] = (
           llama_cpp_note="2nd Vcur-N: ggml_reshape_3d of the matmul",
           tl_differs="[pos, n_kv_heads, d_head] as TL's grouped-query attention",
           replaceable=False),
+    Stage("Qcur_normed", "layer", "RMSNorm", "xq", "15.3.4", 9, "Qcur_normed", None, "attention",
+          "[seq_len, n_heads, head_dim]", "Per-head RMSNorm of the queries (Qwen3, Gemma 3).",
+          inputs=(("xq", "[seq_len, n_heads, head_dim]"),), weights=(("attn_q_norm", "attn_q_norm.weight"),),
+          when="qk_norm",
+          lines=("Calling RMSNorm per head for xq shape({xq}) and attn_q_norm weights shape({w_attn_q_norm}) -> tensor xq",)),
+    Stage("Kcur_normed", "layer", "RMSNorm", "xk", "15.3.4", 9, "Kcur_normed", None, "attention",
+          "[seq_len, n_kv_heads, head_dim]", "Per-head RMSNorm of the keys (Qwen3, Gemma 3).",
+          inputs=(("xk", "[seq_len, n_kv_heads, head_dim]"),), weights=(("attn_k_norm", "attn_k_norm.weight"),),
+          when="qk_norm",
+          lines=("Calling RMSNorm per head for xk shape({xk}) and attn_k_norm weights shape({w_attn_k_norm}) -> tensor xk",)),
     Stage("Qcur_rope", "layer", "RoPE", "xq", "15.3.5", 10, "Qcur", "attn.hook_rot_q", "attention",
           "[seq_len, n_heads, head_dim]", "Rotary embedding of the queries (adjacent pairs).",
           inputs=(("xq", "[seq_len, n_heads, head_dim]"), ("freqsCis", "[seq_len, rope_half]")),
@@ -214,9 +254,15 @@ STAGES: tuple[Stage, ...] = (
           inputs=(("xqMatMulKeys", "[n_heads, seq_len, kv_len]"),),
           lines=("Calling ml.DivToScalar for xqMatMulKeys shape({xqMatMulKeys}) and scalar -> tensor scores",),
           llama_cpp_note="fused: ggml_soft_max_ext scales inside kq_soft_max"),
+    Stage("kq_softcap", "layer", "Soft-cap", "scores", "15.3.9", 13, "kq_scaled_2", None, "attention",
+          "[n_heads, seq_len, kv_len]", "Scores soft-capped: c·tanh(scores/c) (Gemma 2).",
+          inputs=(("scores", "[n_heads, seq_len, kv_len]"),), when="attn_softcap",
+          lines=("Soft-capping scores shape({scores}) with tanh -> tensor scores",),
+          llama_cpp_note="kq_scaled_1, kq_tanh, kq_scaled_2 without flash attention; fused into it with"),
     Stage("kq_masked", "layer", "Add", "scores", "15.3.9", 13, None, "attn.hook_attn_scores", "attention",
           "[n_heads, seq_len, kv_len]", "Scores plus the causal mask (prefill only).",
           inputs=(("scores", "[n_heads, seq_len, kv_len]"), ("mask", "[seq_len, kv_len]")), when="masked",
+          sources=(("mask", "kq_mask"),),     # a sliding-window layer's is kq_mask_swa (diagram.flow.wire)
           lines=("Calling ml.Add to calculate scores shape({scores}) + mask shape({mask}) -> tensor scores",),
           skip_lines=("Skipping addition scores + mask",),
           llama_cpp_note="fused: ggml_soft_max_ext adds attn_inp_kq_mask inside kq_soft_max",
@@ -244,11 +290,17 @@ STAGES: tuple[Stage, ...] = (
           inputs=(("output", "[seq_len, q_dim]"),), weights=(("attn_wo", "attn_output.weight"),),
           lines=("Calling ml.LinearTransformation for output shape({output}) and LlamaAttention.attn_wo weights shape({w_attn_wo}) -> tensor output",
                  "Returning tensor output: shape({out})")),
+    Stage("attn_post_norm", "layer", "RMSNorm", "output", "15.3.10", 14, "attn_post_norm", "ln1_post.hook_normalized",
+          "attention", _RESID, "RMSNorm of the attention output before the residual add (Gemma).",
+          inputs=(("output", _RESID),), weights=(("attn_post_norm", "post_attention_norm.weight"),),
+          when="post_norms",
+          lines=("Calling RMSNorm for attention output shape({output}) and post_attention_norm weights shape({w_attn_post_norm}) -> tensor output",),
+          tl_differs="TL hooks x/rms before × the weight; ours includes it"),
     Stage("ffn_inp", "layer", "Add", "h", "15.4", 15, "ffn_inp", "hook_resid_mid", "attention",
           _RESID, "Residual: block input plus attention output.",
           inputs=(("x", _RESID), ("h", _RESID)),
           lines=("Calling ml.Add to calculate x shape({x}) + h shape({h}) -> tensor h",),
-          sources=(("h", "attn_out"),), residual=True),
+          sources=(("h", "attn_post_norm|attn_out"),), residual=True),
     Stage("ffn_norm", "layer", "RMSNorm", "normalizedH", "15.5", 16, "ffn_norm", "ln2.hook_normalized", "ffn",
           _RESID, "Pre-FFN RMSNorm.",
           inputs=(("h", _RESID),), weights=(("ffn_norm", "ffn_norm.weight"),),
@@ -263,9 +315,14 @@ STAGES: tuple[Stage, ...] = (
           sources=(("x", "ffn_norm"),)),
     Stage("ffn_silu", "layer", "SiLU", "h", "15.6", 17, None, None, "ffn",
           "[seq_len, hidden_dim]", "SiLU (swish) of the gate: h·sigmoid(h).",
-          inputs=(("h", "[seq_len, hidden_dim]"),),
+          inputs=(("h", "[seq_len, hidden_dim]"),), when="!gelu",
           lines=("Calling ml.Silu for h shape({h}) -> tensor h",),
           llama_cpp_note="fused: ggml_swiglu_split computes silu(gate)·up in one op (ffn_swiglu)"),
+    Stage("ffn_gelu", "layer", "GELU", "h", "15.6", 17, None, None, "ffn",
+          "[seq_len, hidden_dim]", "GELU (tanh approximation) of the gate (Gemma).",
+          inputs=(("h", "[seq_len, hidden_dim]"),), when="gelu",
+          lines=("Calling GELU (tanh) for h shape({h}) -> tensor h",),
+          llama_cpp_note="fused: ggml_geglu_split computes gelu(gate)·up in one op (ffn_geglu)"),
     Stage("ffn_up", "layer", "MatMul", "ffnUpX", "15.6", 17, "ffn_up", "mlp.hook_pre_linear", "ffn",
           "[seq_len, hidden_dim]", "Up projection x·w3ᵀ.",
           inputs=(("x", _RESID),), weights=(("ffn_up", "ffn_up.weight"),),
@@ -273,8 +330,13 @@ STAGES: tuple[Stage, ...] = (
           sources=(("x", "ffn_norm"),)),
     Stage("ffn_swiglu", "layer", "Multiply", "ffnUpX", "15.6", 17, "ffn_swiglu", "mlp.hook_post", "ffn",
           "[seq_len, hidden_dim]", "SwiGLU: silu(gate) ⊙ up.",
-          inputs=(("h", "[seq_len, hidden_dim]"), ("ffnUpX", "[seq_len, hidden_dim]")),
+          inputs=(("h", "[seq_len, hidden_dim]"), ("ffnUpX", "[seq_len, hidden_dim]")), when="!gelu",
           lines=("Calling ml.MultiplyElementwise for h shape({h}) and ffnUpX weights shape({ffnUpX}) -> tensor ffnUpX",)),
+    Stage("ffn_geglu", "layer", "Multiply", "ffnUpX", "15.6", 17, "ffn_geglu", "mlp.hook_post", "ffn",
+          "[seq_len, hidden_dim]", "GeGLU: gelu(gate) ⊙ up (Gemma).",
+          inputs=(("h", "[seq_len, hidden_dim]"), ("ffnUpX", "[seq_len, hidden_dim]")), when="gelu",
+          lines=("Multiplying gelu(h) shape({h}) and ffnUpX shape({ffnUpX}) elementwise -> tensor ffnUpX",),
+          llama_cpp_note="ggml_geglu_split; its CPU kernel reads GELU from an fp16 table (see docs/models.md)"),
     Stage("ffn_out", "layer", "MatMul", "ffnOutput", "15.6", 17, "ffn_out", "hook_mlp_out", "ffn",
           _RESID, "Down projection h·w2ᵀ.",
           inputs=(("h", "[seq_len, hidden_dim]"),), weights=(("ffn_down", "ffn_down.weight"),),
@@ -282,7 +344,13 @@ STAGES: tuple[Stage, ...] = (
                  "Returning tensor output: shape({out})"),
           llama_cpp_note=("the down projection (ffn_down only exists with a bias); the residual sum is "
                           "named ffn_out too"),
-          sources=(("h", "ffn_swiglu"),)),
+          sources=(("h", "ffn_swiglu|ffn_geglu"),)),
+    Stage("ffn_post_norm", "layer", "RMSNorm", "ffnOutput", "15.6", 17, "ffn_post_norm", "ln2_post.hook_normalized",
+          "ffn", _RESID, "RMSNorm of the FFN output before the residual add (Gemma).",
+          inputs=(("ffnOutput", _RESID),), weights=(("ffn_post_norm", "post_ffw_norm.weight"),),
+          when="post_norms",
+          lines=("Calling RMSNorm for FFN output shape({ffnOutput}) and post_ffw_norm weights shape({w_ffn_post_norm}) -> tensor ffnOutput",),
+          tl_differs="TL hooks x/rms before × the weight; ours includes it"),
     Stage("l_out", "layer", "Add", "output", "15.7", 18, "l_out", "hook_resid_post", "ffn",
           _RESID, "Residual: h plus FFN output — the block's output.",
           inputs=(("h", _RESID), ("ffnOutput", _RESID)),
@@ -304,6 +372,12 @@ STAGES: tuple[Stage, ...] = (
           lines=("Calling ml.LinearTransformation for currentTensor (normalized result of all transformer blocks) shape({currentTensor}) and LlamaTransformer.output weights shape({w_output}) -> tensor output",
                  "Returning tensor output: shape({out})"),
           tl_differs="TL has no hook here: the logits are what the model returns"),
+    Stage("result_softcap", "model", "Soft-cap", "output", "16.2", 19, "result_output", None, "output",
+          "[seq_len, vocab_size]", "Final logits soft-capped: c·tanh(logits/c) (Gemma 2).",
+          inputs=(("output", "[seq_len, vocab_size]"),), when="final_softcap",
+          lines=("Soft-capping logits output shape({output}) with tanh -> tensor output",),
+          llama_cpp_note="llama.cpp's result_output is these capped logits (ours: the projection before)",
+          tl_differs="TL has no hook here: the logits are what the model returns"),
 )
 
 STAGE_BY_ID: dict[str, Stage] = {s.id: s for s in STAGES}
@@ -311,12 +385,19 @@ STAGE_IDS: tuple[str, ...] = tuple(s.id for s in STAGES)
 LAYER_STAGE_IDS: tuple[str, ...] = tuple(s.id for s in STAGES if s.level == "layer")
 
 
-def stage_applies(stage: Stage, seq_len: int, n_rep: int) -> bool:
-    """Whether ``stage`` is emitted for a chunk of ``seq_len`` queries with ``n_rep`` query heads per KV head."""
+def stage_applies(stage: Stage, seq_len: int, n_rep: int, features: frozenset[str] = frozenset(),
+                  local: bool = False) -> bool:
+    """Whether ``stage`` is emitted for a chunk of ``seq_len`` queries with ``n_rep`` query heads per KV head,
+    by a model with ``features`` (:attr:`ModelConfig.features`; empty: Llama) in a layer that is
+    ``local`` (sliding window: its window mask is added at every step)."""
     if stage.when == "masked":
-        return seq_len > 1
+        return seq_len > 1 or local
     if stage.when == "gqa":
         return n_rep > 1
+    if stage.when.startswith("!"):
+        return stage.when[1:] not in features
+    if stage.when != "always":
+        return stage.when in features
     return True
 
 

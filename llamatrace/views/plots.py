@@ -141,7 +141,8 @@ def attention_figure(maps: AttentionMaps, pieces: list[str], heads: list[int], t
         ax.tick_params(length=2, pad=1)
     fig.suptitle(title, fontsize=10)
     bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.02)
-    bar.set_label("probability (√ scale); grey = masked (a later key)", fontsize=8)
+    beyond = f", or beyond the sliding window of {maps.window}" if maps.window else ""
+    bar.set_label(f"probability (√ scale); grey = masked (a later key{beyond})", fontsize=8)
     bar.ax.tick_params(labelsize=7)
     fig.supxlabel("keys", fontsize=8)
     fig.supylabel("queries", fontsize=8)

@@ -59,18 +59,24 @@ class LineFormatter:
         n_layers: for the ``layer: 1 / 30`` wording (the chapter counts layers from 1).
         selected: stage ids being traced; a ruled-out stage prints its ``skip_lines`` only when
             it was asked for.
+        features, local_layers: the model's architecture features and sliding-window layers
+            (:class:`~llamatrace.model.config.ModelConfig`), which decide what a chunk runs.
     """
 
     def __init__(self, shape_vars: Callable[[int, int], Mapping[str, int]], n_layers: int,
-                 selected: Iterable[str] | None = None) -> None:
+                 selected: Iterable[str] | None = None, features: frozenset[str] = frozenset(),
+                 local_layers: Iterable[int] = ()) -> None:
         self.shape_vars = shape_vars
         self.n_layers = n_layers
         self.selected = frozenset(STAGE_BY_ID if selected is None else selected)
+        self.features = features
+        self.local_layers = frozenset(local_layers)
 
     @classmethod
     def for_model(cls, model, max_seq: int, selected: Iterable[str] | None = None) -> "LineFormatter":
+        c = model.config
         return cls(lambda start_pos, seq_len: model.shape_vars(start_pos, seq_len, max_seq),
-                   model.config.n_layers, selected)
+                   c.n_layers, selected, c.features, c.local_layers if c.sliding_window else ())
 
     def lines(self, event: TraceEvent) -> list[str]:
         """The event's log lines, preceded by those of stages ruled out just before it."""
@@ -83,7 +89,8 @@ class LineFormatter:
         # walk back over the catalogue stages this chunk does not run (kq_masked when seq_len is 1)
         templates: list[str] = []
         i = _STAGE_INDEX[event.stage] - 1
-        while i >= 0 and not stage_applies(STAGES[i], dims["seq_len"], dims["n_rep"]):
+        local = event.layer in self.local_layers
+        while i >= 0 and not stage_applies(STAGES[i], dims["seq_len"], dims["n_rep"], self.features, local):
             if STAGES[i].id in self.selected:
                 templates[:0] = STAGES[i].skip_lines
             i -= 1

@@ -66,7 +66,7 @@ class _Builder:
         if not any(STAGE_BY_ID[s].level == "layer" for s in self.events):
             raise OptionError(f"no traced events for layer {run.layer} at step {run.step}")
         self.drawn = [s for s in STAGES if s.id in self.events and self._in_view(s)]
-        self.flow = wire(self.drawn, self.events, view)
+        self.flow = wire(self.drawn, self.events, view, local=run.config.is_local(run.layer))
         self.lanes = self._lanes()
         self.hot = highlight.nodes() if highlight else frozenset()
         self.near = self._neighbours()
@@ -254,7 +254,7 @@ class _Builder:
             for s in layer_stages:
                 if s.residual:
                     self._op_node(spine, s, group="resid", ordering="out")
-        for group, title in (("attention", self._attention_title()), ("ffn", "Feed-forward sub-layer (SwiGLU)")):
+        for group, title in (("attention", self._attention_title()), ("ffn", "Feed-forward sub-layer (GeGLU)" if "ffn_geglu" in self.events else "Feed-forward sub-layer (SwiGLU)")):
             members = [s for s in layer_stages if s.group == group and not s.residual]
             hot = self.hl is not None and self.hl.cluster == group
             with blk.subgraph(name=f"cluster_{group}") as sub:

@@ -57,8 +57,12 @@ class Flow:
     edges: list[tuple[str, str, str, str]] = field(default_factory=list)
 
 
-def wire(drawn: list[Stage], events: dict[str, TraceEvent], view: str) -> Flow:
-    """Connect each drawn stage's inputs to their producers (see the module docstring)."""
+def wire(drawn: list[Stage], events: dict[str, TraceEvent], view: str, local: bool = False) -> Flow:
+    """Connect each drawn stage's inputs to their producers (see the module docstring).
+
+    A ``sources`` entry may name alternatives, ``"attn_post_norm|attn_out"``: the first that ran.
+    ``local``: the drawn layer attends through the sliding window, so its mask is ``kq_mask_swa``.
+    """
     flow = Flow(drawn, events)
     seen: list[Stage] = []
     for stage in drawn:
@@ -74,7 +78,11 @@ def wire(drawn: list[Stage], events: dict[str, TraceEvent], view: str) -> Flow:
                     flow.edges.append((KV_CACHE, stage.id, f"{name}{span}", "cache"))
                 continue
             producer = dict(stage.sources).get(name)
-            if producer is None or producer not in events:
+            if producer is not None:
+                producer = next((p for p in producer.split("|") if p in events), None)
+            if name == "mask" and local and "kq_mask_swa" in events:
+                producer = "kq_mask_swa"
+            if producer is None:
                 producer = next((p.id for p in reversed(seen) if p.chapter == name), None)
             if producer is None:
                 if stage.level == "layer":

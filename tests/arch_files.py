@@ -1,0 +1,139 @@
+"""Small random-weight GGUF files of every non-Llama architecture llamatrace runs (qwen2, qwen3,
+phi3, gemma2, gemma3), written with ``gguf.GGUFWriter`` for the fidelity tests against llama.cpp.
+
+F32 weights (so llama.cpp computes in float32 too) and deliberately awkward settings: several
+layers so local (sliding-window) and global layers both occur, a window (5) shorter than the
+test prompt, biases and norms that are not all ones, ``head_dim`` ≠ dim / n_heads for Gemma 3,
+grouped-query attention, small soft-caps on Gemma 2 so ``tanh`` bends. The vocabulary is
+:mod:`gguf_factory`'s tiny byte-level BPE one, which llama.cpp loads. Deterministic: the same
+``seed`` writes the same bytes.
+
+``python tests/arch_files.py DIR`` writes all five into DIR.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gguf_factory import CHATML, _store, vocabulary  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+WINDOW = 5                                 # sliding window of the Gemma files, in tokens
+
+# Per architecture: layers, heads, head_dim, what the file holds beyond the Llama block.
+SPECS = {
+    "qwen2": dict(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, bias=True, tied=False, rope_theta=1e6),
+    "qwen3": dict(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True, rope_theta=1e6),
+    "phi3": dict(n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, fused=True, tied=False),
+    # gemma2: local layers 0 and 2, global 1 (pattern 2); caps small enough to bend tanh
+    "gemma2": dict(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, post_norms=True, window=WINDOW,
+                   attn_softcap=2.0, final_softcap=10.0),
+    # gemma3: local layers 0-4 and 6, global 5 (pattern 6); head_dim 32 != 64 / 4; rope 1e6 / 1e4 local
+    "gemma3": dict(n_layers=7, n_heads=4, n_kv_heads=2, head_dim=32, qk_norm=True, post_norms=True,
+                   window=WINDOW, rope_theta=1e6),
+}
+DIM, HIDDEN, CONTEXT = 64, 96, 64
+
+
+def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32,
+                    skip_tensors: tuple[str, ...] = ()) -> Path:
+    """Write a random ``arch`` GGUF (one of :data:`ARCHS`) at ``path`` and return the path.
+    Matrices are stored as ``qtype`` (F32 for the fidelity tests, Q8_0 for the q8 mode's); norms
+    and biases always F32. ``skip_tensors`` leaves those tensors out (a broken file)."""
+    spec = SPECS[arch]
+    rng = np.random.default_rng([seed, ARCHS.index(arch)])
+    n_layers, n_heads, n_kv_heads, hd = spec["n_layers"], spec["n_heads"], spec["n_kv_heads"], spec["head_dim"]
+    q_dim, kv_dim = n_heads * hd, n_kv_heads * hd
+    tokens, types, merges = vocabulary()
+    w = gguf.GGUFWriter(str(path), arch)
+    # not "…phi3…": llama.cpp then looks up Phi-3's </s> and <unk> tokens, absent from this vocabulary
+    w.add_name("tiny-random-arch-test")
+    w.add_block_count(n_layers)
+    w.add_context_length(CONTEXT)
+    w.add_embedding_length(DIM)
+    w.add_feed_forward_length(HIDDEN)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(spec.get("rope_theta", 10000.0))
+    w.add_layer_norm_rms_eps(1e-6)
+    if "window" in spec:
+        w.add_sliding_window(spec["window"])
+    if "attn_softcap" in spec:
+        w.add_attn_logit_softcapping(spec["attn_softcap"])
+        w.add_final_logit_softcapping(spec["final_softcap"])
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_pad_token_id(0)              # else HF's phi3 config defaults to 32000, outside this vocabulary
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+    def mat(n_out: int, n_in: int) -> np.ndarray:
+        return rng.normal(0, n_in ** -0.5, size=(n_out, n_in))
+
+    def norm(n: int) -> np.ndarray:                    # around 1, never all ones
+        return 1.0 + 0.2 * rng.normal(size=n)
+
+    tensors = {"token_embd.weight": rng.normal(0, 1.0, size=(len(tokens), DIM))}
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        tensors[p + "attn_norm.weight"] = norm(DIM)
+        if spec.get("fused"):
+            tensors[p + "attn_qkv.weight"] = mat(q_dim + 2 * kv_dim, DIM)
+        else:
+            tensors[p + "attn_q.weight"] = mat(q_dim, DIM)
+            tensors[p + "attn_k.weight"] = mat(kv_dim, DIM)
+            tensors[p + "attn_v.weight"] = mat(kv_dim, DIM)
+        if spec.get("bias"):
+            tensors[p + "attn_q.bias"] = rng.normal(0, 0.5, size=q_dim)
+            tensors[p + "attn_k.bias"] = rng.normal(0, 0.5, size=kv_dim)
+            tensors[p + "attn_v.bias"] = rng.normal(0, 0.5, size=kv_dim)
+        if spec.get("qk_norm"):
+            tensors[p + "attn_q_norm.weight"] = norm(hd)
+            tensors[p + "attn_k_norm.weight"] = norm(hd)
+        tensors[p + "attn_output.weight"] = mat(DIM, q_dim)
+        if spec.get("post_norms"):
+            tensors[p + "post_attention_norm.weight"] = norm(DIM)
+        tensors[p + "ffn_norm.weight"] = norm(DIM)
+        if spec.get("fused"):
+            tensors[p + "ffn_up.weight"] = mat(2 * HIDDEN, DIM)          # gate rows, then up rows
+        else:
+            tensors[p + "ffn_gate.weight"] = mat(HIDDEN, DIM)
+            tensors[p + "ffn_up.weight"] = mat(HIDDEN, DIM)
+        tensors[p + "ffn_down.weight"] = mat(DIM, HIDDEN)
+        if spec.get("post_norms"):
+            tensors[p + "post_ffw_norm.weight"] = norm(DIM)
+    tensors["output_norm.weight"] = norm(DIM)
+    if not spec.get("tied", True):
+        tensors["output.weight"] = mat(len(tokens), DIM)
+    for name, data in tensors.items():
+        if name in skip_tensors:
+            continue
+        data = np.asarray(data)
+        _store(w, name, data, qtype if data.ndim == 2 else T.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ARCHS:
+        print(write_arch_file(out / f"tiny-{name}.gguf", name))
