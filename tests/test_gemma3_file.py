@@ -53,6 +53,20 @@ def test_user_text_token_ids_match_llamacpp(gemma3_tokenizer, case):
     assert gemma3_tokenizer.encode(case["text"]) == case["ids"]
 
 
+# strings a Jinja template reproduces: not blank, no delimiters, no "\r" (Jinja writes "\n") and no
+# final newline (Jinja drops it, as HF's apply_chat_template does)
+TEMPLATE_TEXT_CASES = [c for c in CASES if c["text"].strip() and not set("{}#%\r") & set(c["text"])
+                       and not c["text"].endswith("\n")]
+
+
+@pytest.mark.parametrize("case", TEMPLATE_TEXT_CASES, ids=[repr(c["text"])[:40] for c in TEMPLATE_TEXT_CASES])
+def test_template_text_token_ids_match_llamacpp_with_special_tokens_parsed(gemma3_tokenizer, case, monkeypatch):
+    """A chat template's own text may produce control tokens: llama.cpp's ``tokenize(add_bos=False,
+    special=True)``. Plain text is a Jinja template that renders as itself, with no message."""
+    monkeypatch.setattr(gemma3_tokenizer, "chat_template", case["text"])
+    assert gemma3_tokenizer.encode_chat([], add_generation_prompt=False) == case["ids_special"]
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_decoding_matches_llamacpp(gemma3_tokenizer, case):
     """llama.cpp's ``detokenize(ids, special=True)`` after the BOS: the bytes of every piece."""
@@ -63,7 +77,7 @@ def test_cases_cover_the_awkward_parts_of_the_vocabulary(gemma3_tokenizer):
     """The golden strings reach user-defined whitespace runs, byte fallback and HTML tags."""
     tok = gemma3_tokenizer
     pieces = {tok.piece(i) for c in CASES for i in c["ids"]}
-    assert {"  ", "\n\n", "\t", "<td>", "</s>"} <= pieces
+    assert {"  ", "\n\n", "\t", "<td>", "<s>"} <= pieces and "</s>" not in pieces  # </s> is control: see below
     assert any(len(c["ids"]) > 1 and all(238 <= i < 238 + 256 for i in c["ids"][1:]) for c in CASES)  # <0xNN> only
 
 
@@ -107,20 +121,26 @@ def test_info_describes_the_file(capsys, gemma3_path):
 
 
 # ---- generation: waits for the gemma3 forward pass ---------------------------------------------
+NEAR_TIE = 0.01  # llama.cpp's top-1 minus top-2 logit below which rounding may pick either token
+
+
 @needs_forward
 @pytest.mark.parametrize("activations", ["q8", "f32"])
 def test_greedy_continuations_match_llamacpp(gemma3_path, activations):
-    """llama.cpp's greedy continuations (≥ 24 tokens, from llama.cpp's own prompt ids) and its
-    top token at the last prompt position, in both activation modes."""
+    """llama.cpp's greedy continuations from llama.cpp's own prompt ids, step by step up to its
+    first near-tie: at least 24 tokens on at least three prompts, in both activation modes."""
     from llamatrace.model.generate import generate
     from llamatrace.model.llama import Llama
 
     model = Llama.load(gemma3_path, activations=activations)
+    compared = {}
     for name, prompt in GOLD["prompts"].items():
-        want = prompt["greedy_ids"]
-        assert len(want) >= 24 or want[-1] in GOLD["eog_ids"], name
-        got = list(generate(model, prompt["prompt_ids"], max_tokens=len(want)))
-        assert got == [t for t in want if t not in GOLD["eog_ids"]], f"{name}: {got} vs llama.cpp {want}"
+        want, margins = prompt["greedy_ids"], prompt["greedy_margins"]
+        got = list(generate(model, prompt["prompt_ids"], max_tokens=len(want), stop_ids=frozenset()))
+        n = next((step for step, margin in enumerate(margins) if margin < NEAR_TIE), len(want))
+        assert got[:n] == want[:n], f"{name}: {got[:n]} vs llama.cpp {want[:n]}"
+        compared[name] = n
+    assert sum(n >= 24 for n in compared.values()) >= 3, compared
 
 
 @needs_forward

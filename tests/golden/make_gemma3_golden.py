@@ -8,10 +8,11 @@ venv). Writes:
   tests/golden/gemma3_270m_llamacpp.json   tokenizer cases (llama.cpp's ids, with and without
                                            parse_special, and detokenized bytes), the EOG token
                                            ids, chat renderings and their ids, greedy continuations
+                                           with llama.cpp's top-1 minus top-2 logit at each step
   tests/golden/gemma3_270m_logits.npz      float32 logits at the last prompt position, per prompt
 
-Settings: llama-cpp-python's defaults (``n_ctx`` 512, ``n_batch`` 512, F16 KV cache, flash
-attention auto) with ``n_threads`` 2 and ``seed`` 0; greedy = argmax of llama.cpp's logits,
+Settings: llama-cpp-python's defaults (``n_ctx`` 512, ``n_batch`` 512, F16 KV cache, no flash
+attention, full-size SWA cache) with ``n_threads`` 2 and ``seed`` 0; greedy = argmax of llama.cpp's logits,
 first index on ties (llama.cpp's greedy sampler), stopping early only at an EOG token.
 
 Usage (from the repo root)::
@@ -94,20 +95,30 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def greedy(llm: llama_cpp.Llama, ids: list[int], vocab) -> tuple[list[int], np.ndarray]:
-    """llama.cpp's greedy continuation of ``ids`` and its float32 logits at the last prompt position."""
+def last_logits(llm: llama_cpp.Llama) -> np.ndarray:
+    """float32 [n_vocab] logits of the last evaluated position (``Llama.scores`` stays empty
+    without ``logits_all`` in 0.3.36, so they are read from the context)."""
+    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(row, shape=(llm.n_vocab(),)).astype(np.float32)
+
+
+def greedy(llm: llama_cpp.Llama, ids: list[int], vocab) -> tuple[list[int], list[float], np.ndarray]:
+    """llama.cpp's greedy continuation of ``ids``, the top-1 minus top-2 logit at each step, and
+    the float32 logits at the last prompt position."""
     llm.reset()
     llm.eval(ids)
-    first = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-    logits, out = first, []
+    first = last_logits(llm)
+    logits, out, margins = first, [], []
     while len(out) < N_GENERATE:
         token = int(np.argmax(logits))
         out.append(token)
+        top2 = np.partition(logits, -2)[-2:]
+        margins.append(float(top2[1] - top2[0]))
         if llama_cpp.llama_vocab_is_eog(vocab, token):
             break
         llm.eval([token])
-        logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
-    return out, first
+        logits = last_logits(llm)
+    return out, margins, first
 
 
 def main() -> None:
@@ -140,9 +151,9 @@ def main() -> None:
     prompts, logits = {}, {}
     for name, text in PROMPTS.items():
         ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
-        out, first = greedy(llm, ids, vocab)
+        out, margins, first = greedy(llm, ids, vocab)
         top = np.argsort(-first, kind="stable")[:5]
-        prompts[name] = {"text": text, "prompt_ids": ids, "greedy_ids": out,
+        prompts[name] = {"text": text, "prompt_ids": ids, "greedy_ids": out, "greedy_margins": margins,
                          "greedy_text": llm.detokenize(out).decode("utf-8", "replace"),
                          "top5_ids": top.tolist(), "top5_logits": first[top].tolist()}
         logits[name] = first
