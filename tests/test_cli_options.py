@@ -47,9 +47,9 @@ def test_load_without_path_warns_before_fetching(monkeypatch, tmp_path, tiny_mod
     from llamatrace.model.llama import Llama
     monkeypatch.delenv(fetch.ENV_MODEL, raising=False)
     monkeypatch.setattr(fetch, "installed_default_model", lambda: None)
-    monkeypatch.setattr(fetch, "cached_default_model", lambda: None)
+    monkeypatch.setattr(fetch, "cached_model", lambda model=None: None)
 
-    def fake_pull(*, force=False, log, quiet=False):
+    def fake_pull(model=None, *, force=False, log, quiet=False):
         log("Fetching the default model …")
         return tiny_model_path
     monkeypatch.setattr(fetch, "pull", fake_pull)

