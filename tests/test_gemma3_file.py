@@ -32,11 +32,6 @@ CASE_IDS = [repr(c["text"])[:40] for c in CASES]
 
 pytestmark = pytest.mark.model
 
-needs_forward = pytest.mark.xfail(
-    "gemma3" not in SUPPORTED_ARCHITECTURES, strict=False, raises=UnsupportedModelError,
-    reason="the gemma3 forward pass is another branch of issue 34: enable once it is merged")
-
-
 @pytest.fixture(scope="session")
 def gemma3_tokenizer(gemma3_path) -> Tokenizer:
     return Tokenizer.from_reader(open_gguf(gemma3_path), str(gemma3_path))
@@ -122,7 +117,7 @@ def test_info_describes_the_file(capsys, gemma3_path):
         assert needle in out, needle
 
 
-# ---- generation: waits for the gemma3 forward pass ---------------------------------------------
+# ---- generation ---------------------------------------------
 # q8 mode (8-bit activations, llama.cpp's arithmetic) against llama.cpp; f32 mode (float32
 # activations × dequantized weights) against HF transformers fp32 (make_gemma3_hf_golden.py).
 HF = json.loads((GOLDEN / "gemma3_270m_hf.json").read_text(encoding="utf-8"))
@@ -130,13 +125,18 @@ NEAR_TIE = 0.01  # the reference's top-1 minus top-2 logit below which rounding 
 REFERENCES = {"q8": GOLD["prompts"], "f32": HF["prompts"]}
 
 
-@pytest.fixture(scope="module", params=["q8", "f32"])
+# q8 against llama.cpp is issue 34's open gap: 3.5-7.6 % of the largest logit apart on this file
+# (cause not found yet; llama.cpp keeping K/V in fp16 is one difference not emulated), greedy equal for 32 tokens on 2 of 5 prompts
+Q8_GAP = pytest.mark.xfail(strict=True, reason="issue 34: q8 is 3.5-7.6 % from llama.cpp's logits on Gemma 3 "
+                                               "(cause not found yet)")
+
+
+@pytest.fixture(scope="module", params=[pytest.param("q8", marks=Q8_GAP), "f32"])
 def gemma3_model(request, gemma3_path):
     from llamatrace.model.llama import Llama
     return request.param, Llama.load(gemma3_path, activations=request.param)
 
 
-@needs_forward
 def test_greedy_continuations_match_the_reference(gemma3_model):
     """Greedy continuations from llama.cpp's prompt ids, step by step up to the reference's first
     near-tie: at least 24 tokens on at least three of the five prompts."""
@@ -154,7 +154,6 @@ def test_greedy_continuations_match_the_reference(gemma3_model):
     assert sum(n >= 24 for n in compared.values()) >= 3, compared
 
 
-@needs_forward
 def test_last_position_logits_match_the_reference(gemma3_model):
     """q8: all 262,144 logits within 3 % of llama.cpp's largest (its F16 K/V cache and fp16 GELU
     table stay different); f32: HF's 50 largest within 1e-3 of the largest. Same top token."""
