@@ -175,7 +175,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_bench_background_load(capsys, tiny_model_path):
+def test_bench_background_load(capsys, tiny_model_path, monkeypatch):
+    monkeypatch.setattr(threads, "_fixed_threads", None)   # an earlier test's --threads (process-wide) is not bench's
     code, out, err = run(capsys, "bench", "--model", str(tiny_model_path), "--prompt-tokens", "4",
                          "--decode-tokens", "2", "--repeats", "1", "--background-load", "1", "--json")
     assert code == 0, err
