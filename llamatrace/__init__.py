@@ -1,4 +1,4 @@
-"""llamatrace: run a Llama-architecture GGUF model on the CPU and trace every stage of its forward pass.
+"""llamatrace: run a Llama-family GGUF model (Llama, Qwen, Phi-3, Gemma) on the CPU and trace every stage of its forward pass.
 
 Python use::
 
