@@ -186,8 +186,8 @@ def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], 
     """Row tiles (qs, d, m) of the stacked rows of ``parts`` = [(raw, n_out)] of a block type,
     written in place by :func:`repack_tiles`: no concatenated or transposed temporary, so a load
     holds the file's pages and the packed copy, nothing more; quant bytes ``group`` in 8-bit
-    activations' order (:func:`_group`), and then scales in the ``q8`` mode's dtype. Raises
-    ``ValueError`` on a size mismatch."""
+    activations' order (:func:`_group`), whose mode then also sets the dtype of ``d`` and ``m``
+    (:data:`~llamatrace.kernels.registry.SCALE_DTYPES`). Raises ``ValueError`` on a size mismatch."""
     ggml_type, fmt = qt.ggml_type, qt.block
     if n_in % fmt.weights:
         raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {fmt.weights}")
