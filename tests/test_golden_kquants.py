@@ -80,7 +80,7 @@ def test_q8_activations_answer_as_hf_does(variant):
     gold, logits_npz, model = variant
     q8 = Llama.load(model.path, activations="q8")
     kinds = {lw.w2.ggml_type for lw in q8.weights.layers} | {q8.weights.output.ggml_type}
-    assert q8.weights.layers[0].w2.act8 == (q8.weights.layers[0].w2.ggml_type in registry.types("q8"))
+    assert q8.weights.layers[0].w2.act8 == (q8.weights.layers[0].w2.ggml_type in registry.served_types("q8"))
     for name, entry in sorted(gold["prompts"].items()):
         ids = entry["prompt_ids"]
         logits = q8.forward(np.array(ids), 0, q8.new_cache(len(ids)))[-1]

@@ -41,7 +41,7 @@ def _weight(qtype, mode: str):
 
 def test_every_combination_the_old_dispatch_served_is_registered():
     assert set(registry.served()) == SERVED
-    assert registry.types("q8") == set(Q8_TYPES)
+    assert registry.served_types("q8") == set(Q8_TYPES)
 
 
 @pytest.mark.parametrize("key", sorted(SERVED, key=lambda k: (k[0].name, k[1], k[2])),

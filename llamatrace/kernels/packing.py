@@ -39,7 +39,7 @@ from numba import njit, prange
 from llamatrace.errors import OptionError, UnsupportedModelError
 from llamatrace.kernels import act8, floats, tiles
 from llamatrace.kernels.jit import F16_BITS, F16_TABLE, JIT_INLINE, JIT_PARALLEL, f16_bytes_np, f16_np
-from llamatrace.kernels.registry import FORMATS, MODES, SCALE_DTYPES, TYPES, QuantType, types
+from llamatrace.kernels.registry import FORMATS, MODES, SCALE_DTYPES, TYPES, QuantType, served_types
 
 _T = gguf.GGMLQuantizationType
 
@@ -48,7 +48,7 @@ def __getattr__(name: str):
     # SUPPORTED_TYPES is read when asked for: the family modules that declare the types import
     # this module (their prefill kernels' twin is matmul_ref) before they declare them
     if name == "SUPPORTED_TYPES":
-        return types("f32")
+        return served_types("f32")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -174,7 +174,7 @@ def _zero_last_tile(n_rows: int, qs_t: np.ndarray, d_t: np.ndarray, m_t: np.ndar
 
 def _unsupported(name: str, ggml_type) -> UnsupportedModelError:
     type_name = getattr(ggml_type, "name", str(ggml_type))
-    supported = ", ".join(sorted(t.name for t in types("f32")))
+    supported = ", ".join(sorted(t.name for t in served_types("f32")))
     return UnsupportedModelError(
         f"tensor {name!r} has type {type_name}, which llamatrace cannot compute with "
         f"(supported: {supported})"
@@ -236,9 +236,9 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
     ``raw`` is a GGUF tensor's ``.data`` (:class:`llamatrace.gguf.reader.Tensor` or gguf-py
     ReaderTensor): uint8 ``[n_out, row_bytes]`` for the block types and BF16, float32 / float16
     ``[n_out, n_in]`` for F32 / F16 (any array of the right size and dtype is accepted).
-    ``activations`` ``"q8"`` packs the types with ``q8`` kernels (``registry.types("q8")``) for
+    ``activations`` ``"q8"`` packs the types with ``q8`` kernels (``registry.served_types("q8")``) for
     them (other types are unaffected).
-    Raises :class:`UnsupportedModelError` for a type not declared (``registry.types()``),
+    Raises :class:`UnsupportedModelError` for a type not declared (``registry.served_types()``),
     ``ValueError`` if ``n_in`` is not a multiple of the block size or ``raw`` has the wrong
     size, and :class:`OptionError` for an unknown ``activations``. The block types' arrays
     come from ``arena`` when given (a model's loader passes one for all its weights).

@@ -13,7 +13,8 @@ gguf-py's ``quants.py`` keeps one class per ``qtype``. It holds, for that one ty
   NumPy twin beside it;
 - the ``q8`` mode's byte groups (``q8_bytes``: which packed bytes :mod:`llamatrace.kernels.act8`'s
   kernels read in groups of four);
-- ``quantize`` / ``quantize_np``: float32 rows -> the file's blocks, where a quantizer exists.
+- ``quantize`` / ``quantize_np``: its quantizer (float32 rows -> the file's blocks) and the
+  quantizer's NumPy twin, where one is wired.
 
 The registry's tables (:data:`TYPES`, :data:`FORMATS`, the kernels) are built from the declared
 types when :mod:`llamatrace.kernels` is imported (its ``__init__`` imports every family module);
@@ -25,7 +26,7 @@ the adapter beside its kernel. :func:`describe` and :func:`summary` name the ker
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import gguf
@@ -131,8 +132,8 @@ class QuantType:
     :class:`Kernel` pair (the same kernel twice where one serves both); ``"f32"`` is required.
     ``q8_bytes = (head, end)``: the packed bytes of a block row that the ``q8`` kernels read in
     groups of four (:func:`llamatrace.kernels.act8.grouped_bytes`); required with ``"q8"``
-    kernels. ``quantize(rows) -> blocks`` and its twin ``quantize_np``: float32 ``[n, n_in]``
-    -> the file's bytes uint8 ``[n, n_in / weights * file_bytes]``, None where none is written.
+    kernels. ``quantize`` and its NumPy twin ``quantize_np``: the type's quantizer (float32 rows
+    -> the file's block bytes, :mod:`llamatrace.kernels.quantizers`), None where none is wired.
     """
 
     ggml_type: gguf.GGMLQuantizationType
@@ -140,12 +141,8 @@ class QuantType:
     dequant_np: Callable[..., np.ndarray]
     kernels: Mapping[str, tuple[Kernel, Kernel]]
     q8_bytes: tuple[int, int] | None = None
-    quantize: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False)
-    quantize_np: Callable[[np.ndarray], np.ndarray] | None = field(default=None, compare=False)
-
-    @property
-    def name(self) -> str:
-        return self.ggml_type.name
+    quantize: Callable[..., np.ndarray] | None = None
+    quantize_np: Callable[..., np.ndarray] | None = None
 
     def kernel(self, mode: str, phase: str) -> Kernel | None:
         """The kernel for ``mode`` and ``phase``, None if the type has none in that mode."""
@@ -183,7 +180,7 @@ def declare(qt: QuantType) -> QuantType:
     return qt
 
 
-def types(mode: str = "f32") -> frozenset[gguf.GGMLQuantizationType]:
+def served_types(mode: str = "f32") -> frozenset[gguf.GGMLQuantizationType]:
     """The declared types with kernels in activation mode ``mode`` (every type has ``f32``)."""
     return frozenset(t for t, qt in TYPES.items() if mode in qt.kernels)
 
