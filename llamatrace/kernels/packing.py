@@ -388,9 +388,10 @@ def _repack_tiles(scales, src, dst, n_copy, d_off, m_off, head, end, blocks, row
                 if m_off >= 0:
                     m_t[tile, b, rr] = f16_table[blk[m_off] | (np.uint16(blk[m_off + 1]) << 8)]
                 for i in range(scales.shape[0]):          # the sub-block scales, a byte each
-                    sb = scales[i]
-                    _put(out, sb[0], rr, head, end,
-                         ((blk[sb[1]] >> sb[2]) & sb[3]) | (((blk[sb[4]] >> sb[5]) & sb[6]) << 4))
+                    v = (blk[scales[i, 1]] >> scales[i, 2]) & scales[i, 3]
+                    if scales[i, 6]:                      # a high part (ScaleByte.hi_mask)
+                        v |= ((blk[scales[i, 4]] >> scales[i, 5]) & scales[i, 6]) << 4
+                    _put(out, scales[i, 0], rr, head, end, v)
             tiles.copy_rows(flat, (r_lo * n_blocks + b) * block_bytes + src, n_blocks * block_bytes,
                             r_hi - r_lo, out, row0 + r_lo - tile * TR, dst, n_copy, head, end)
 
