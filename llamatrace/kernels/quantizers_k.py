@@ -26,6 +26,8 @@ over the elements of a sub-block, where ggml's sums are sequential.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -223,6 +225,487 @@ def make_qkx(x, nmax, w, L, Laux, rmin, rdelta, nstep, use_mad):
     return scale, F32(-mn)
 
 
+@njit(**JIT_EXACT)
+def make_q3(x, nmax, L):
+    """ggml's ``make_q3_quants`` with ``do_rmse`` (Q3_K's reference path): signed quants of float32
+    ``x [n]`` weighted by ``x^2``, then up to 5 sweeps moving single quants while the weighted
+    fit improves. ``L`` int8 gets ``l + nmax``; returns the scale (float32)."""
+    n = x.shape[0]
+    amax = F32(0.0)
+    mx = F32(0.0)
+    for i in range(n):
+        a = abs(x[i])
+        if a > amax:
+            amax, mx = a, x[i]
+    if amax < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0)
+    iscale = F32(F32(-nmax) / mx)
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        l = max(-nmax, min(nmax - 1, nearest_int(F32(iscale * x[i]))))
+        L[i] = l
+        w = F32(x[i] * x[i])
+        sumlx = F32(sumlx + F32(F32(w * x[i]) * F32(l)))
+        suml2 = F32(suml2 + F32(F32(w * F32(l)) * F32(l)))
+    for _ in range(5):
+        changed = 0
+        for i in range(n):
+            w = F32(x[i] * x[i])
+            li = F32(L[i])
+            slx = F32(sumlx - F32(F32(w * x[i]) * li))
+            if slx > 0:
+                sl2 = F32(suml2 - F32(F32(w * li) * li))
+                new_l = max(-nmax, min(nmax - 1, nearest_int(F32(F32(x[i] * sl2) / slx))))
+                if new_l != L[i]:
+                    slx = F32(slx + F32(F32(w * x[i]) * F32(new_l)))
+                    sl2 = F32(sl2 + F32(F32(w * F32(new_l)) * F32(new_l)))
+                    if sl2 > 0 and F32(F32(slx * slx) * suml2) > F32(F32(sumlx * sumlx) * sl2):
+                        L[i] = new_l
+                        sumlx = slx
+                        suml2 = sl2
+                        changed += 1
+        if not changed:
+            break
+    for i in range(n):
+        L[i] += nmax
+    return F32(sumlx / suml2) if suml2 > 0 else F32(0.0)
+
+
+@njit(**JIT_EXACT)
+def make_qp(x, nmax, L, qw):
+    """ggml's ``make_qp_quants``: the K types' imatrix path quantizes a block's sub-block scales
+    (or mins) ``x [n]`` (>= 0) to 0..nmax with weights ``qw [n]``: 9 trial scales, then sweeps
+    as :func:`make_q3`. ``L`` uint8; returns the scale (float32)."""
+    n = x.shape[0]
+    mx = F32(0.0)
+    for i in range(n):
+        mx = mx if mx > x[i] else x[i]
+    if mx < GROUP_MAX_EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0.0)
+    fnmax = F32(nmax)
+    iscale = F32(fnmax / mx)
+    for i in range(n):
+        L[i] = nearest_int(F32(iscale * x[i])) & 0xFF
+    scale = F32(F32(1.0) / iscale)
+    best = F32(0.0)
+    for i in range(n):
+        diff = F32(x[i] - F32(scale * F32(L[i])))
+        best = F32(best + F32(F32(qw[i] * diff) * diff))
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = F32(F32(F32(F32(0.1) * F32(step)) + fnmax) / mx)
+        scale_is = F32(F32(1.0) / iscale_is)
+        mse = F32(0.0)
+        for i in range(n):
+            l = min(nmax, nearest_int(F32(iscale_is * x[i])))
+            diff = F32(x[i] - F32(scale_is * F32(l)))
+            mse = F32(mse + F32(F32(qw[i] * diff) * diff))
+        if mse < best:
+            best = mse
+            iscale = iscale_is
+    sumlx = F32(0.0)
+    suml2 = F32(0.0)
+    for i in range(n):
+        l = min(nmax, nearest_int(F32(iscale * x[i])))
+        L[i] = l & 0xFF
+        sumlx = F32(sumlx + F32(F32(qw[i] * x[i]) * F32(l)))
+        suml2 = F32(suml2 + F32(F32(qw[i] * F32(l)) * F32(l)))
+    for _ in range(5):
+        changed = 0
+        for i in range(n):
+            w = qw[i]
+            li = F32(L[i])
+            slx = F32(sumlx - F32(F32(w * x[i]) * li))
+            sl2 = F32(suml2 - F32(F32(w * li) * li))
+            if slx > 0 and sl2 > 0:
+                new_l = min(nmax, nearest_int(F32(F32(x[i] * sl2) / slx)))
+                if new_l != L[i]:
+                    slx = F32(slx + F32(F32(w * x[i]) * F32(new_l)))
+                    sl2 = F32(sl2 + F32(F32(w * F32(new_l)) * F32(new_l)))
+                    if F32(F32(slx * slx) * suml2) > F32(F32(sumlx * sumlx) * sl2):
+                        L[i] = new_l & 0xFF
+                        sumlx = slx
+                        suml2 = sl2
+                        changed += 1
+        if not changed:
+            break
+    return F32(sumlx / suml2) if suml2 > 0 else F32(0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# the K types, one super-block of 256 at a time (Numba)
+
+
+@njit(**JIT_EXACT, inline="always")
+def _block_sigma2(x, factor):
+    """``factor * sum(x^2) / 256`` summed in order: the imatrix paths' ``sigma2``."""
+    s = F32(0.0)
+    for j in range(QK_K):
+        s = F32(s + F32(x[j] * x[j]))
+    return F32(F32(F32(factor) * s) / F32(QK_K))
+
+
+@njit(**JIT_EXACT, inline="always")
+def _weights(x, qw, sigma2, w):
+    """``w = qw * sqrt(sigma2 + x^2)``; returns ``sum(w)`` in order."""
+    total = F32(0.0)
+    for j in range(x.shape[0]):
+        w[j] = F32(qw[j] * F32(math.sqrt(F32(sigma2 + F32(x[j] * x[j])))))
+        total = F32(total + w[j])
+    return total
+
+
+@njit(**JIT_EXACT, inline="always")
+def _pack_2bit(L, ob, at):
+    """Four 2-bit quants per byte: byte l of each 32 holds quants l, l+32, l+64, l+96 of a 128."""
+    for j in range(0, QK_K, 128):
+        for l in range(32):
+            ob[at + j // 4 + l] = ((L[j + l] & 3) | ((L[j + l + 32] & 3) << 2)
+                                   | ((L[j + l + 64] & 3) << 4) | ((L[j + l + 96] & 3) << 6))
+
+
+@njit(**JIT_EXACT, inline="always")
+def _put_k4_scales(ls, lm, ob, at):
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and mins (``get_scale_min_k4``'s layout)."""
+    for j in range(8):
+        a, m = ls[j] & 0xFF, lm[j] & 0xFF
+        if j < 4:
+            ob[at + j] = a
+            ob[at + j + 4] = m
+        else:
+            ob[at + j + 4] = ((a & 0xF) | ((m & 0xF) << 4)) & 0xFF
+            ob[at + j - 4] = (ob[at + j - 4] | ((a >> 4) << 6)) & 0xFF
+            ob[at + j] = (ob[at + j] | ((m >> 4) << 6)) & 0xFF
+
+
+@njit(**JIT_EXACT, inline="always")
+def _k4_scale_min(ob, at, j):
+    if j < 4:
+        return np.int64(ob[at + j]) & 63, np.int64(ob[at + j + 4]) & 63
+    lo, hi_d, hi_m = np.int64(ob[at + j + 4]), np.int64(ob[at + j - 4]), np.int64(ob[at + j])
+    return (lo & 0xF) | ((hi_d >> 6) << 4), (lo >> 4) | ((hi_m >> 6) << 4)
+
+
+@njit(**JIT_EXACT, inline="always")
+def _requant_k4(x, L, ob, d, dmin, nmax):
+    """Q4_K/Q5_K: each sub-block of 32 re-rounded with its 6-bit scale and min as stored."""
+    for j in range(8):
+        sc, m = _k4_scale_min(ob, 4, j)
+        dj = F32(d * F32(sc))
+        if dj == 0:
+            continue
+        dm = F32(dmin * F32(m))
+        for i in range(32):
+            L[32 * j + i] = max(0, min(nmax, nearest_int(F32(F32(x[32 * j + i] + dm) / dj))))
+
+
+@njit(**JIT_EXACT, inline="always")
+def _put_q3_scales(ls, ob, at):
+    """Q3_K's sixteen 6-bit scales (0..63) in 12 bytes: low nibbles in 8, high pairs in 4."""
+    for k in range(12):
+        ob[at + k] = 0
+    for j in range(16):
+        l = ls[j]
+        if j < 8:
+            ob[at + j] = l & 0xF
+        else:
+            ob[at + j - 8] = (ob[at + j - 8] | ((l & 0xF) << 4)) & 0xFF
+        l >>= 4
+        ob[at + 8 + j % 4] = (ob[at + 8 + j % 4] | (l << (2 * (j // 4)))) & 0xFF
+
+
+@njit(**JIT_EXACT, inline="always")
+def _finish_q3(x, L, ob, d):
+    """Q3_K: re-round with the stored scales, high bits to ``hmask``, low two bits to ``qs``."""
+    for j in range(16):
+        sc = np.int64(ob[96 + j]) & 0xF if j < 8 else np.int64(ob[96 + j - 8]) >> 4
+        sc = (sc | (((np.int64(ob[96 + 8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+        dj = F32(d * F32(sc))
+        if dj == 0:
+            continue
+        for i in range(16):
+            L[16 * j + i] = max(-4, min(3, nearest_int(F32(x[16 * j + i] / dj)))) + 4
+    for k in range(32):
+        ob[k] = 0
+    for j in range(QK_K):
+        if L[j] > 3:
+            ob[j % 32] |= 1 << (j // 32)
+            L[j] -= 4
+    _pack_2bit(L, ob, 32)
+
+
+@njit(**JIT_EXACT)
+def _q2_k_row(x, qw, out):
+    L = np.empty(QK_K, np.uint8)
+    Laux = np.empty(16, np.uint8)
+    w = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    mins = np.empty(16, np.float32)
+    sw = np.empty(16, np.float32)
+    Ls = np.empty(16, np.uint8)
+    Lm = np.empty(16, np.uint8)
+    for b in range(x.shape[0] // QK_K):
+        xb = x[b * QK_K:(b + 1) * QK_K]
+        ob = out[b * 84:(b + 1) * 84]
+        if qw.shape[0]:
+            sigma2 = _block_sigma2(xb, 1.0)
+            for j in range(16):
+                sw[j] = _weights(xb[16 * j:16 * j + 16], qw[b * QK_K + 16 * j:b * QK_K + 16 * j + 16], sigma2, w)
+                scales[j], mins[j] = make_qkx(xb[16 * j:16 * j + 16], 3, w, L[16 * j:16 * j + 16], Laux,
+                                              F32(-0.9), F32(0.05), 36, False)
+            d = put_fp16(ob, 80, make_qp(scales, 15, Ls, sw))
+            dmin = put_fp16(ob, 82, make_qp(mins, 15, Lm, sw))
+            for j in range(16):
+                ob[j] = (Ls[j] | (Lm[j] << 4)) & 0xFF
+        else:
+            max_scale = F32(0.0)
+            max_min = F32(0.0)
+            for j in range(16):
+                for i in range(16):
+                    w[i] = abs(xb[16 * j + i])
+                scales[j], mins[j] = make_qkx(xb[16 * j:16 * j + 16], 3, w, L[16 * j:16 * j + 16], Laux,
+                                              F32(-0.5), F32(0.1), 15, True)
+                if scales[j] > max_scale:
+                    max_scale = scales[j]
+                if mins[j] > max_min:
+                    max_min = mins[j]
+            if max_scale > 0:
+                iscale = F32(F32(15.0) / max_scale)
+                for j in range(16):
+                    ob[j] = nearest_int(F32(iscale * scales[j])) & 0xFF
+                d = put_fp16(ob, 80, F32(max_scale / F32(15.0)))
+            else:
+                for j in range(16):
+                    ob[j] = 0
+                d = put_fp16(ob, 80, F32(0.0))
+            if max_min > 0:
+                iscale = F32(F32(15.0) / max_min)
+                for j in range(16):
+                    ob[j] = (ob[j] | (nearest_int(F32(iscale * mins[j])) << 4)) & 0xFF
+                dmin = put_fp16(ob, 82, F32(max_min / F32(15.0)))
+            else:
+                dmin = put_fp16(ob, 82, F32(0.0))
+        for j in range(16):
+            dj = F32(d * F32(ob[j] & 0xF))
+            if dj == 0:
+                continue
+            dm = F32(dmin * F32(ob[j] >> 4))
+            for i in range(16):
+                L[16 * j + i] = max(0, min(3, nearest_int(F32(F32(xb[16 * j + i] + dm) / dj))))
+        _pack_2bit(L, ob, 16)
+
+
+@njit(**JIT_EXACT)
+def _q3_k_row(x, qw, out):
+    L = np.empty(QK_K, np.int8)
+    w = np.empty(16, np.float32)
+    scales = np.empty(16, np.float32)
+    sw = np.empty(16, np.float32)
+    Ls = np.empty(16, np.int8)
+    for b in range(x.shape[0] // QK_K):
+        xb = x[b * QK_K:(b + 1) * QK_K]
+        ob = out[b * 110:(b + 1) * 110]
+        if qw.shape[0]:
+            sigma2 = _block_sigma2(xb, 2.0)
+            for j in range(16):
+                sw[j] = _weights(xb[16 * j:16 * j + 16], qw[b * QK_K + 16 * j:b * QK_K + 16 * j + 16], sigma2, w)
+                scales[j] = make_qx(xb[16 * j:16 * j + 16], 4, L[16 * j:16 * j + 16], w, True)
+            d_block = make_qx(scales, 32, Ls, sw, True)
+            _put_q3_scales(Ls, ob, 96)
+            d = put_fp16(ob, 108, d_block)
+        else:
+            max_scale = F32(0.0)
+            amax = F32(0.0)
+            for j in range(16):
+                scales[j] = make_q3(xb[16 * j:16 * j + 16], 4, L[16 * j:16 * j + 16])
+                a = abs(scales[j])
+                if a > amax:
+                    amax, max_scale = a, scales[j]
+            if max_scale != 0:
+                iscale = F32(F32(-32.0) / max_scale)
+                for j in range(16):
+                    l = ((nearest_int(F32(iscale * scales[j])) & 0xFF) ^ 0x80) - 0x80     # int8_t
+                    Ls[j] = max(-32, min(31, l)) + 32
+                _put_q3_scales(Ls, ob, 96)
+                d = put_fp16(ob, 108, F32(F32(1.0) / iscale))
+            else:
+                for k in range(12):
+                    ob[96 + k] = 0
+                d = put_fp16(ob, 108, F32(0.0))
+        _finish_q3(xb, L, ob, d)
+
+
+@njit(**JIT_EXACT, inline="always")
+def _k4_block(xb, qw_b, ob, nmax, L, Laux, w, scales, mins, sw, Ls, Lm, rmin, rdelta, nstep):
+    """The shared part of Q4_K and Q5_K: sub-block scales and mins, the block's 6-bit scales
+    (``ob[4:16]``) and fp16 ``d``/``dmin`` (``ob[0:4]``), the re-rounded quants in ``L``."""
+    if qw_b.shape[0]:
+        sigma2 = _block_sigma2(xb, 2.0)
+        for j in range(8):
+            sw[j] = _weights(xb[32 * j:32 * j + 32], qw_b[32 * j:32 * j + 32], sigma2, w)
+            scales[j], mins[j] = make_qkx(xb[32 * j:32 * j + 32], nmax, w, L[32 * j:32 * j + 32], Laux,
+                                          F32(-0.9), F32(0.05), 36, False)
+        d_block = make_qp(scales, 63, Ls, sw)
+        m_block = make_qp(mins, 63, Lm, sw)
+        if nmax == 31:                                   # ggml's Q5_K impl clamps, Q4_K's does not
+            for j in range(8):
+                Ls[j] = min(63, Ls[j])
+                Lm[j] = min(63, Lm[j])
+    else:
+        max_scale = F32(0.0)
+        max_min = F32(0.0)
+        for j in range(8):
+            s = F32(0.0)
+            for i in range(32):
+                s = F32(s + F32(xb[32 * j + i] * xb[32 * j + i]))
+            av_x = F32(math.sqrt(F32(s / F32(32.0))))
+            for i in range(32):
+                w[i] = F32(av_x + abs(xb[32 * j + i]))
+            scales[j], mins[j] = make_qkx(xb[32 * j:32 * j + 32], nmax, w, L[32 * j:32 * j + 32], Laux,
+                                          rmin, rdelta, nstep, False)
+            if scales[j] > max_scale:
+                max_scale = scales[j]
+            if mins[j] > max_min:
+                max_min = mins[j]
+        inv_scale = F32(F32(63.0) / max_scale) if max_scale > 0 else F32(0.0)
+        inv_min = F32(F32(63.0) / max_min) if max_min > 0 else F32(0.0)
+        for j in range(8):
+            Ls[j] = min(63, nearest_int(F32(inv_scale * scales[j])) & 0xFF)
+            Lm[j] = min(63, nearest_int(F32(inv_min * mins[j])) & 0xFF)
+        d_block = F32(max_scale / F32(63.0))
+        m_block = F32(max_min / F32(63.0))
+    _put_k4_scales(Ls, Lm, ob, 4)
+    d = put_fp16(ob, 0, d_block)
+    dmin = put_fp16(ob, 2, m_block)
+    _requant_k4(xb, L, ob, d, dmin, nmax)
+
+
+@njit(**JIT_EXACT)
+def _q4_k_row(x, qw, out):
+    L = np.empty(QK_K, np.uint8)
+    Laux = np.empty(32, np.uint8)
+    w = np.empty(32, np.float32)
+    scales = np.empty(8, np.float32)
+    mins = np.empty(8, np.float32)
+    sw = np.empty(8, np.float32)
+    Ls = np.empty(8, np.uint8)
+    Lm = np.empty(8, np.uint8)
+    for b in range(x.shape[0] // QK_K):
+        ob = out[b * 144:(b + 1) * 144]
+        _k4_block(x[b * QK_K:(b + 1) * QK_K], qw[b * QK_K:(b + 1) * QK_K], ob, 15, L, Laux, w,
+                  scales, mins, sw, Ls, Lm, F32(-1.0), F32(0.1), 20)
+        for j in range(0, QK_K, 64):
+            for l in range(32):
+                ob[16 + j // 2 + l] = (L[j + l] | (L[j + l + 32] << 4)) & 0xFF
+
+
+@njit(**JIT_EXACT)
+def _q5_k_row(x, qw, out):
+    L = np.empty(QK_K, np.uint8)
+    Laux = np.empty(32, np.uint8)
+    w = np.empty(32, np.float32)
+    scales = np.empty(8, np.float32)
+    mins = np.empty(8, np.float32)
+    sw = np.empty(8, np.float32)
+    Ls = np.empty(8, np.uint8)
+    Lm = np.empty(8, np.uint8)
+    for b in range(x.shape[0] // QK_K):
+        ob = out[b * 176:(b + 1) * 176]
+        _k4_block(x[b * QK_K:(b + 1) * QK_K], qw[b * QK_K:(b + 1) * QK_K], ob, 31, L, Laux, w,
+                  scales, mins, sw, Ls, Lm, F32(-0.5), F32(0.1), 15)
+        for k in range(32):
+            ob[16 + k] = 0
+        for n in range(0, QK_K, 64):
+            m1 = 1 << (n // 32)
+            for j in range(32):
+                l1 = L[n + j]
+                if l1 > 15:
+                    l1 -= 16
+                    ob[16 + j] |= m1
+                l2 = L[n + j + 32]
+                if l2 > 15:
+                    l2 -= 16
+                    ob[16 + j] |= m1 << 1
+                ob[48 + n // 2 + j] = (l1 | (l2 << 4)) & 0xFF
+
+
+@njit(**JIT_EXACT)
+def _q6_k_row(x, qw, out):
+    L = np.empty(QK_K, np.int8)
+    scales = np.empty(16, np.float32)
+    for b in range(x.shape[0] // QK_K):
+        xb = x[b * QK_K:(b + 1) * QK_K]
+        ob = out[b * 210:(b + 1) * 210]
+        max_scale = F32(0.0)
+        max_abs = F32(0.0)
+        for j in range(16):
+            scales[j] = make_qx(xb[16 * j:16 * j + 16], 32, L[16 * j:16 * j + 16],
+                                qw[b * QK_K + 16 * j:b * QK_K + 16 * j + 16], qw.shape[0] > 0)
+            a = abs(scales[j])
+            if a > max_abs:
+                max_abs, max_scale = a, scales[j]
+        if max_abs < GROUP_MAX_EPS:
+            ob[:] = 0
+            continue
+        iscale = F32(F32(-128.0) / max_scale)
+        d = put_fp16(ob, 208, F32(F32(1.0) / iscale))
+        for j in range(16):
+            ob[192 + j] = min(127, nearest_int(F32(iscale * scales[j]))) & 0xFF
+        for j in range(16):
+            sc = (np.int64(ob[192 + j]) ^ 0x80) - 0x80                           # int8
+            dj = F32(d * F32(sc))
+            if dj == 0:
+                continue
+            for i in range(16):
+                L[16 * j + i] = max(-32, min(31, nearest_int(F32(xb[16 * j + i] / dj)))) + 32
+        for j in range(0, QK_K, 128):
+            for l in range(32):
+                q = (L[j + l] & 0xFF, L[j + l + 32] & 0xFF, L[j + l + 64] & 0xFF, L[j + l + 96] & 0xFF)
+                ob[j // 2 + l] = ((q[0] & 0xF) | ((q[2] & 0xF) << 4)) & 0xFF
+                ob[j // 2 + l + 32] = ((q[1] & 0xF) | ((q[3] & 0xF) << 4)) & 0xFF
+                ob[128 + j // 4 + l] = ((q[0] >> 4) | ((q[1] >> 4) << 2) | ((q[2] >> 4) << 4)
+                                        | ((q[3] >> 4) << 6)) & 0xFF
+
+
+# one parallel driver per type: Numba compiles (and caches) only the types a run uses
+
+
+@njit(**JIT_EXACT_PARALLEL)
+def _q2_k_rows(x, qw, out):
+    for r in prange(x.shape[0]):
+        _q2_k_row(x[r], qw, out[r])
+
+
+@njit(**JIT_EXACT_PARALLEL)
+def _q3_k_rows(x, qw, out):
+    for r in prange(x.shape[0]):
+        _q3_k_row(x[r], qw, out[r])
+
+
+@njit(**JIT_EXACT_PARALLEL)
+def _q4_k_rows(x, qw, out):
+    for r in prange(x.shape[0]):
+        _q4_k_row(x[r], qw, out[r])
+
+
+@njit(**JIT_EXACT_PARALLEL)
+def _q5_k_rows(x, qw, out):
+    for r in prange(x.shape[0]):
+        _q5_k_row(x[r], qw, out[r])
+
+
+@njit(**JIT_EXACT_PARALLEL)
+def _q6_k_rows(x, qw, out):
+    for r in prange(x.shape[0]):
+        _q6_k_row(x[r], qw, out[r])
+
+
 # --------------------------------------------------------------------------------------------
 # NumPy twins of the helpers: x [nb, n] float32, one row per sub-block
 
@@ -344,5 +827,11 @@ def make_qkx_np(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelta: fl
     return scale, (-mn).astype(np.float32), L.astype(np.uint8)
 
 
-KERNELS: dict = {}
+import gguf  # noqa: E402  (placeholder wiring below, NumPy twins next)
+
+KERNELS: dict = {
+    gguf.GGMLQuantizationType.Q2_K: (_q2_k_rows, None), gguf.GGMLQuantizationType.Q3_K: (_q3_k_rows, None),
+    gguf.GGMLQuantizationType.Q4_K: (_q4_k_rows, None), gguf.GGMLQuantizationType.Q5_K: (_q5_k_rows, None),
+    gguf.GGMLQuantizationType.Q6_K: (_q6_k_rows, None),
+}
 """GGML type -> (Numba rows kernel ``(x, qw, out)``, NumPy twin ``(x, qw | None) -> bytes``)."""
