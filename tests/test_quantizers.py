@@ -79,8 +79,6 @@ def importance(n: int) -> np.ndarray:
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("t", LEGACY + K_TYPES, ids=lambda t: t.name)
 def test_bytes_equal_ggml(t, case, with_imatrix, impl):
-    if impl == "numpy" and t in K_TYPES:
-        pytest.skip("the K types' NumPy twins come in the next commit")
     x = rows(case, t)
     qw = importance(x.shape[1]) if with_imatrix else None
     want = ggml_quantize(t, x, qw)

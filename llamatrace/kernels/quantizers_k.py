@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import gguf
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -827,11 +828,301 @@ def make_qkx_np(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelta: fl
     return scale, (-mn).astype(np.float32), L.astype(np.uint8)
 
 
-import gguf  # noqa: E402  (placeholder wiring below, NumPy twins next)
+def scan_max_np(a: np.ndarray) -> np.ndarray:
+    """ggml's ``if (v > best) best = v`` from 0 along axis 1 (NaN never wins): float32 [nb]."""
+    best = np.zeros(a.shape[0], np.float32)
+    for j in range(a.shape[1]):
+        best = np.where(a[:, j] > best, a[:, j], best)
+    return best
 
-KERNELS: dict = {
-    gguf.GGMLQuantizationType.Q2_K: (_q2_k_rows, None), gguf.GGMLQuantizationType.Q3_K: (_q3_k_rows, None),
-    gguf.GGMLQuantizationType.Q4_K: (_q4_k_rows, None), gguf.GGMLQuantizationType.Q5_K: (_q5_k_rows, None),
-    gguf.GGMLQuantizationType.Q6_K: (_q6_k_rows, None),
+
+def seq_sum_np(a: np.ndarray) -> np.ndarray:
+    """Sum along the last axis in element order, float32 (ggml's loops; NumPy's sum is pairwise)."""
+    total = np.zeros(a.shape[:-1], np.float32)
+    for j in range(a.shape[-1]):
+        total += a[..., j]
+    return total
+
+
+def make_q3_np(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy twin of :func:`make_q3`: x float32 [nb, n] -> (scale float32 [nb], L int64 [nb, n])."""
+    nb, n = x.shape
+    mx = first_absmax_np(x)
+    zero = np.abs(mx) < GROUP_MAX_EPS
+    w = x * x
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        L = np.clip(nearest_int_np((F32(-nmax) / mx)[:, None] * x), -nmax, nmax - 1)
+        fl = L.astype(np.float32)
+        sumlx = seq_sum_np((w * x) * fl)
+        suml2 = seq_sum_np((w * fl) * fl)
+        active = np.ones(nb, bool)
+        for _ in range(5):
+            changed = np.zeros(nb, bool)
+            for i in range(n):
+                li = L[:, i].astype(np.float32)
+                wx = w[:, i] * x[:, i]
+                slx = sumlx - wx * li
+                sl2 = suml2 - (w[:, i] * li) * li
+                new_l = np.clip(nearest_int_np((x[:, i] * sl2) / slx), -nmax, nmax - 1)
+                fn = new_l.astype(np.float32)
+                slx = slx + wx * fn
+                sl2 = sl2 + (w[:, i] * fn) * fn
+                take = (active & (sumlx - wx * li > 0) & (new_l != L[:, i]) & (sl2 > 0)
+                        & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2))
+                L[:, i] = np.where(take, new_l, L[:, i])
+                sumlx = np.where(take, slx, sumlx)
+                suml2 = np.where(take, sl2, suml2)
+                changed |= take
+            active &= changed
+            if not active.any():
+                break
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
+    L = L + nmax
+    L[zero] = 0
+    scale[zero] = 0
+    return scale, L
+
+
+def make_qp_np(x: np.ndarray, nmax: int, qw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy twin of :func:`make_qp`: x, qw float32 [nb, n] -> (scale float32 [nb], L int64
+    [nb, n] in 0..255, as ggml's uint8)."""
+    nb, n = x.shape
+    mx = np.zeros(nb, np.float32)
+    for i in range(n):
+        mx = np.where(mx > x[:, i], mx, x[:, i])
+    zero = mx < GROUP_MAX_EPS
+    fnmax = F32(nmax)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = fnmax / mx
+        L = nearest_int_np(iscale[:, None] * x) & 0xFF
+        scale = F32(1.0) / iscale
+        diff = x - scale[:, None] * L.astype(np.float32)
+        best = seq_sum_np((qw * diff) * diff)
+        for step in range(-4, 5):
+            if step == 0:
+                continue
+            iscale_is = (F32(0.1) * F32(step) + fnmax) / mx
+            scale_is = F32(1.0) / iscale_is
+            l = np.minimum(nmax, nearest_int_np(iscale_is[:, None] * x))
+            diff = x - scale_is[:, None] * l.astype(np.float32)
+            mse = seq_sum_np((qw * diff) * diff)
+            better = mse < best
+            best = np.where(better, mse, best)
+            iscale = np.where(better, iscale_is, iscale)
+        l = np.minimum(nmax, nearest_int_np(iscale[:, None] * x))
+        L = l & 0xFF
+        fl = l.astype(np.float32)
+        sumlx = seq_sum_np((qw * x) * fl)
+        suml2 = seq_sum_np((qw * fl) * fl)
+        active = np.ones(nb, bool)
+        for _ in range(5):
+            changed = np.zeros(nb, bool)
+            for i in range(n):
+                li = L[:, i].astype(np.float32)
+                wx = qw[:, i] * x[:, i]
+                slx = sumlx - wx * li
+                sl2 = suml2 - (qw[:, i] * li) * li
+                new_l = np.minimum(nmax, nearest_int_np((x[:, i] * sl2) / slx))
+                fn = new_l.astype(np.float32)
+                slx2 = slx + wx * fn
+                sl22 = sl2 + (qw[:, i] * fn) * fn
+                take = (active & (slx > 0) & (sl2 > 0) & (new_l != L[:, i])
+                        & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
+                L[:, i] = np.where(take, new_l & 0xFF, L[:, i])
+                sumlx = np.where(take, slx2, sumlx)
+                suml2 = np.where(take, sl22, suml2)
+                changed |= take
+            active &= changed
+            if not active.any():
+                break
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
+    L[zero] = 0
+    scale[zero] = 0
+    return scale, L
+
+
+# --------------------------------------------------------------------------------------------
+# NumPy twins of the K types: xb float32 [NB, 256] (every super-block of every row), qw the
+# imatrix tiled to the same shape or None
+
+
+def _fp16_np_bytes(h: np.ndarray) -> np.ndarray:
+    return h.astype("<u2").view(np.uint8).reshape(-1, 2)
+
+
+def _importance_np(xb, qw, sigma2):
+    return (qw * np.sqrt(sigma2[:, None] + xb * xb)).astype(np.float32)
+
+
+def _pack_2bit_np(L: np.ndarray) -> np.ndarray:
+    q = (L & 3).reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64).astype(np.uint8)
+
+
+def _q2_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    nb = xb.shape[0]
+    x16 = xb.reshape(-1, 16)
+    if qw is not None:
+        w = _importance_np(xb, qw, seq_sum_np(xb * xb) / F32(QK_K)).reshape(-1, 16)
+        scales, mins, L = make_qkx_np(x16, 3, w, -0.9, 0.05, 36, False)
+        sw = seq_sum_np(w).reshape(nb, 16)
+        dm, Ls = make_qp_np(scales.reshape(nb, 16), 15, sw)
+        mm, Lm = make_qp_np(mins.reshape(nb, 16), 15, sw)
+        sc = (Ls | (Lm << 4)) & 0xFF
+    else:
+        scales, mins, L = make_qkx_np(x16, 3, np.abs(x16), -0.5, 0.1, 15, True)
+        scales, mins = scales.reshape(nb, 16), mins.reshape(nb, 16)
+        max_scale, max_min = scan_max_np(scales), scan_max_np(mins)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            ls = nearest_int_np((F32(15.0) / max_scale)[:, None] * scales) & 0xFF
+            lm = nearest_int_np((F32(15.0) / max_min)[:, None] * mins)
+        sc = np.where((max_scale > 0)[:, None], ls, 0)
+        sc = np.where((max_min > 0)[:, None], (sc | (lm << 4)) & 0xFF, sc)
+        dm = np.where(max_scale > 0, max_scale / F32(15.0), F32(0.0))
+        mm = np.where(max_min > 0, max_min / F32(15.0), F32(0.0))
+    (dh, d), (mh, dmin) = fp16_np(dm), fp16_np(mm)
+    L = L.reshape(nb, 16, 16).astype(np.int64)
+    dj = d[:, None] * (sc & 0xF).astype(np.float32)
+    dmj = dmin[:, None] * (sc >> 4).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        redo = np.clip(nearest_int_np((xb.reshape(nb, 16, 16) + dmj[..., None]) / dj[..., None]), 0, 3)
+    L = np.where((dj != 0)[..., None], redo, L).reshape(nb, QK_K)
+    return np.concatenate([sc.astype(np.uint8), _pack_2bit_np(L), _fp16_np_bytes(dh), _fp16_np_bytes(mh)], axis=1)
+
+
+def _q3_scale_bytes_np(Ls: np.ndarray) -> np.ndarray:
+    """Sixteen 6-bit scales [nb, 16] -> Q3_K's 12 bytes."""
+    low = (Ls[:, :8] & 0xF) | ((Ls[:, 8:] & 0xF) << 4)
+    high = (Ls >> 4).reshape(-1, 4, 4)
+    packed = high[:, 0] | (high[:, 1] << 2) | (high[:, 2] << 4) | (high[:, 3] << 6)
+    return np.concatenate([low, packed], axis=1).astype(np.uint8)
+
+
+def _q3_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    nb = xb.shape[0]
+    x16 = xb.reshape(-1, 16)
+    if qw is not None:
+        w = _importance_np(xb, qw, (F32(2.0) * seq_sum_np(xb * xb)) / F32(QK_K)).reshape(-1, 16)
+        scales, L = make_qx_np(x16, 4, w)
+        d_block, Ls = make_qx_np(scales.reshape(nb, 16), 32, seq_sum_np(w).reshape(nb, 16))
+        Ls = Ls.astype(np.int64)
+    else:
+        scales, L = make_q3_np(x16, 4)
+        scales = scales.reshape(nb, 16)
+        max_scale = first_absmax_np(scales)
+        nz = max_scale != 0
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            iscale = F32(-32.0) / max_scale
+            l = ((nearest_int_np(iscale[:, None] * scales) & 0xFF) ^ 0x80) - 0x80       # int8_t
+            d_block = np.where(nz, F32(1.0) / iscale, F32(0.0))
+        Ls = np.where(nz[:, None], np.clip(l, -32, 31) + 32, 0)
+    dh, d = fp16_np(d_block)
+    L = L.reshape(nb, 16, 16).astype(np.int64)
+    dj = d[:, None] * (Ls - 32).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -4, 3) + 4
+    L = np.where((dj != 0)[..., None], redo, L).reshape(nb, QK_K)
+    high = L > 3
+    L = np.where(high, L - 4, L)
+    hmask = (high.reshape(nb, 8, 32).astype(np.int64) << np.arange(8)[None, :, None]).sum(axis=1)
+    return np.concatenate([hmask.astype(np.uint8), _pack_2bit_np(L), _q3_scale_bytes_np(Ls),
+                           _fp16_np_bytes(dh)], axis=1)
+
+
+def _k4_np(xb: np.ndarray, qw: np.ndarray | None, nmax: int, rmin: float, rdelta: float,
+           nstep: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shared part of Q4_K and Q5_K (:func:`_k4_block`): -> (``d dmin scales[12]`` uint8
+    [NB, 16], quants int64 [NB, 256])."""
+    nb = xb.shape[0]
+    x32 = xb.reshape(-1, 32)
+    if qw is not None:
+        w = _importance_np(xb, qw, (F32(2.0) * seq_sum_np(xb * xb)) / F32(QK_K)).reshape(-1, 32)
+        scales, mins, L = make_qkx_np(x32, nmax, w, -0.9, 0.05, 36, False)
+        sw = seq_sum_np(w).reshape(nb, 8)
+        d_block, Ls = make_qp_np(scales.reshape(nb, 8), 63, sw)
+        m_block, Lm = make_qp_np(mins.reshape(nb, 8), 63, sw)
+        if nmax == 31:
+            Ls, Lm = np.minimum(63, Ls), np.minimum(63, Lm)
+    else:
+        av_x = np.sqrt(seq_sum_np(x32 * x32) / F32(32.0))
+        scales, mins, L = make_qkx_np(x32, nmax, av_x[:, None] + np.abs(x32), rmin, rdelta, nstep, False)
+        scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
+        max_scale, max_min = scan_max_np(scales), scan_max_np(mins)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            inv_scale = np.where(max_scale > 0, F32(63.0) / max_scale, F32(0.0))
+            inv_min = np.where(max_min > 0, F32(63.0) / max_min, F32(0.0))
+            Ls = np.minimum(63, nearest_int_np(inv_scale[:, None] * scales) & 0xFF)
+            Lm = np.minimum(63, nearest_int_np(inv_min[:, None] * mins) & 0xFF)
+        d_block, m_block = max_scale / F32(63.0), max_min / F32(63.0)
+    Ls, Lm = Ls & 0xFF, Lm & 0xFF
+    b = np.zeros((nb, 12), np.int64)
+    b[:, 0:4], b[:, 4:8] = Ls[:, :4], Lm[:, :4]
+    b[:, 8:12] = (Ls[:, 4:] & 0xF) | ((Lm[:, 4:] & 0xF) << 4)
+    b[:, 0:4] |= (Ls[:, 4:] >> 4) << 6
+    b[:, 4:8] |= (Lm[:, 4:] >> 4) << 6
+    b &= 0xFF
+    sc = np.concatenate([b[:, 0:4] & 63, (b[:, 8:12] & 0xF) | ((b[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([b[:, 4:8] & 63, (b[:, 8:12] >> 4) | ((b[:, 4:8] >> 6) << 4)], axis=1)
+    (dh, d), (mh, dmin) = fp16_np(d_block), fp16_np(m_block)
+    dj = d[:, None] * sc.astype(np.float32)
+    dmj = dmin[:, None] * mn.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        redo = np.clip(nearest_int_np((xb.reshape(nb, 8, 32) + dmj[..., None]) / dj[..., None]), 0, nmax)
+    L = np.where((dj != 0)[..., None], redo, L.reshape(nb, 8, 32).astype(np.int64)).reshape(nb, QK_K)
+    head = np.concatenate([_fp16_np_bytes(dh), _fp16_np_bytes(mh), b.astype(np.uint8)], axis=1)
+    return head, L
+
+
+def _q4_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    head, L = _k4_np(xb, qw, 15, -1.0, 0.1, 20)
+    q = L.reshape(-1, 4, 2, 32)
+    return np.concatenate([head, (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128).astype(np.uint8)], axis=1)
+
+
+def _q5_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    head, L = _k4_np(xb, qw, 31, -0.5, 0.1, 15)
+    q = L.reshape(-1, 4, 2, 32)
+    shifts = 2 * np.arange(4)[None, :, None]
+    qh = (((q[:, :, 0] >> 4) << shifts) | ((q[:, :, 1] >> 4) << (shifts + 1))).sum(axis=1)
+    ql = ((q[:, :, 0] & 0xF) | ((q[:, :, 1] & 0xF) << 4)).reshape(-1, 128)
+    return np.concatenate([head, qh.astype(np.uint8), ql.astype(np.uint8)], axis=1)
+
+
+def _q6_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+    nb = xb.shape[0]
+    scales, L = make_qx_np(xb.reshape(-1, 16), 32, None if qw is None else qw.reshape(-1, 16))
+    scales = scales.reshape(nb, 16)
+    max_scale = first_absmax_np(scales)
+    zero = np.abs(max_scale) < GROUP_MAX_EPS
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(-128.0) / max_scale
+        dh, d = fp16_np(F32(1.0) / iscale)
+        sc = np.minimum(127, nearest_int_np(iscale[:, None] * scales)) & 0xFF
+        dj = d[:, None] * ((sc ^ 0x80) - 0x80).astype(np.float32)
+        redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -32, 31) + 32
+    L = np.where((dj != 0)[..., None], redo, L.reshape(nb, 16, 16).astype(np.int64)).reshape(nb, 2, 4, 32)
+    ql = np.concatenate([(L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4),
+                         (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)], axis=2).reshape(nb, 128)
+    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
+          | ((L[:, :, 3] >> 4) << 6)).reshape(nb, 64)
+    out = np.concatenate([ql.astype(np.uint8), qh.astype(np.uint8), sc.astype(np.uint8), _fp16_np_bytes(dh)], axis=1)
+    out[zero] = 0
+    return out
+
+
+def _super_blocks(fn):
+    """Adapt a twin on super-blocks to the rows interface: (x [n_rows, n], imatrix [n] | None)."""
+    def rows(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        xb = x.reshape(-1, QK_K)
+        tiled = None if qw is None else np.tile(qw.reshape(-1, QK_K), (x.shape[0], 1))
+        return fn(xb, tiled)
+    return rows
+
+
+_T = gguf.GGMLQuantizationType
+KERNELS = {
+    _T.Q2_K: (_q2_k_rows, _super_blocks(_q2_k_np)), _T.Q3_K: (_q3_k_rows, _super_blocks(_q3_k_np)),
+    _T.Q4_K: (_q4_k_rows, _super_blocks(_q4_k_np)), _T.Q5_K: (_q5_k_rows, _super_blocks(_q5_k_np)),
+    _T.Q6_K: (_q6_k_rows, _super_blocks(_q6_k_np)),
 }
 """GGML type -> (Numba rows kernel ``(x, qw, out)``, NumPy twin ``(x, qw | None) -> bytes``)."""
