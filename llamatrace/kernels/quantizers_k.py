@@ -197,10 +197,10 @@ def make_qkx(x, nmax, w, L, Laux, rmin, rdelta, nstep, use_mad):
         sum_l = F32(0.0)
         sum_l2 = F32(0.0)
         sum_xl = F32(0.0)
+        for i in range(n):                              # apart from the sums: LLVM vectorizes it
+            Laux[i] = max(0, min(nmax, nearest_int(F32(iscale * F32(x[i] - mn)))))
         for i in range(n):
-            l = max(0, min(nmax, nearest_int(F32(iscale * F32(x[i] - mn)))))
-            Laux[i] = l
-            fl = F32(l)
+            fl = F32(Laux[i])
             wl = F32(w[i] * fl)
             sum_l = F32(sum_l + wl)
             sum_l2 = F32(sum_l2 + F32(wl * fl))
