@@ -117,6 +117,7 @@ def _min_max(xb):
 @njit(**JIT_EXACT)
 def _q4_0_row(x, qw, out):
     L = np.empty(QK, np.int8)
+    Laux = np.empty(QK, np.int8)
     w = np.empty(QK, np.float32)
     sigma2 = _row_sigma2(x) if qw.shape[0] else F32(0.0)
     for b in range(x.shape[0] // QK):
@@ -124,7 +125,7 @@ def _q4_0_row(x, qw, out):
         ob = out[b * 18:(b + 1) * 18]
         if qw.shape[0]:
             _importance(xb, qw[b * QK:(b + 1) * QK], sigma2, w)
-            put_fp16(ob, 0, make_qx(xb, 8, L, w, True))
+            put_fp16(ob, 0, make_qx(xb, 8, L, Laux, w, True))
         else:
             d = F32(_absmax_first(xb) / F32(-8.0))
             idd = F32(F32(1.0) / d) if d != 0 else F32(0.0)
@@ -162,6 +163,7 @@ def _q4_1_row(x, qw, out):
 @njit(**JIT_EXACT)
 def _q5_0_row(x, qw, out):
     L = np.empty(QK, np.int8)
+    Laux = np.empty(QK, np.int8)
     w = np.empty(QK, np.float32)
     sigma2 = _row_sigma2(x) if qw.shape[0] else F32(0.0)
     for b in range(x.shape[0] // QK):
@@ -169,7 +171,7 @@ def _q5_0_row(x, qw, out):
         ob = out[b * 22:(b + 1) * 22]
         if qw.shape[0]:
             _importance(xb, qw[b * QK:(b + 1) * QK], sigma2, w)
-            put_fp16(ob, 0, make_qx(xb, 16, L, w, True))
+            put_fp16(ob, 0, make_qx(xb, 16, L, Laux, w, True))
         else:
             d = F32(_absmax_first(xb) / F32(-16.0))
             idd = F32(F32(1.0) / d) if d != 0 else F32(0.0)

@@ -106,10 +106,11 @@ def put_fp16(out, at, v):
 
 
 @njit(**JIT_EXACT)
-def make_qx(x, nmax, L, w, use_w):
+def make_qx(x, nmax, L, Laux, w, use_w):
     """ggml's ``make_qx_quants`` with ``rmse_type`` 1: signed quants ``L`` (int8, stored as
     ``l + nmax`` in 0..2*nmax-1) of float32 ``x [n]`` and their scale, searched over 19 trial
-    scales for the least weighted squared error; weights ``w [n]`` if ``use_w`` else ``x^2``.
+    scales for the least weighted squared error; weights ``w [n]`` if ``use_w`` else ``x^2``;
+    ``Laux`` int8 [n] scratch.
     Returns the scale (float32); 0 and all L 0 when max|x| < GROUP_MAX_EPS."""
     n = x.shape[0]
     amax = F32(0.0)
@@ -141,15 +142,16 @@ def make_qx(x, nmax, L, w, use_w):
         iscale = F32(F32(-F32(fnmax + F32(F32(0.1) * F32(step)))) / mx)
         sumlx = F32(0.0)
         suml2 = F32(0.0)
+        for i in range(n):                              # apart from the sums: LLVM vectorizes it
+            Laux[i] = max(-nmax, min(nmax - 1, nearest_int(F32(iscale * x[i]))))
         for i in range(n):
-            l = max(-nmax, min(nmax - 1, nearest_int(F32(iscale * x[i]))))
             wi = w[i] if use_w else F32(x[i] * x[i])
-            fl = F32(l)
+            fl = F32(Laux[i])
             sumlx = F32(sumlx + F32(F32(wi * x[i]) * fl))
             suml2 = F32(suml2 + F32(F32(wi * fl) * fl))
         if suml2 > 0 and F32(sumlx * sumlx) > F32(best * suml2):
             for i in range(n):
-                L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(F32(iscale * x[i]))))
+                L[i] = Laux[i] + nmax
             scale = F32(sumlx / suml2)
             best = F32(scale * sumlx)
     return scale
@@ -505,6 +507,7 @@ def _q2_k_row(x, qw, out):
 @njit(**JIT_EXACT)
 def _q3_k_row(x, qw, out):
     L = np.empty(QK_K, np.int8)
+    Laux = np.empty(16, np.int8)
     w = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
     sw = np.empty(16, np.float32)
@@ -516,8 +519,8 @@ def _q3_k_row(x, qw, out):
             sigma2 = _block_sigma2(xb, 2.0)
             for j in range(16):
                 sw[j] = _weights(xb[16 * j:16 * j + 16], qw[b * QK_K + 16 * j:b * QK_K + 16 * j + 16], sigma2, w)
-                scales[j] = make_qx(xb[16 * j:16 * j + 16], 4, L[16 * j:16 * j + 16], w, True)
-            d_block = make_qx(scales, 32, Ls, sw, True)
+                scales[j] = make_qx(xb[16 * j:16 * j + 16], 4, L[16 * j:16 * j + 16], Laux, w, True)
+            d_block = make_qx(scales, 32, Ls, Laux, sw, True)
             _put_q3_scales(Ls, ob, 96)
             d = put_fp16(ob, 108, d_block)
         else:
@@ -639,6 +642,7 @@ def _q5_k_row(x, qw, out):
 @njit(**JIT_EXACT)
 def _q6_k_row(x, qw, out):
     L = np.empty(QK_K, np.int8)
+    Laux = np.empty(16, np.int8)
     scales = np.empty(16, np.float32)
     for b in range(x.shape[0] // QK_K):
         xb = x[b * QK_K:(b + 1) * QK_K]
@@ -646,7 +650,7 @@ def _q6_k_row(x, qw, out):
         max_scale = F32(0.0)
         max_abs = F32(0.0)
         for j in range(16):
-            scales[j] = make_qx(xb[16 * j:16 * j + 16], 32, L[16 * j:16 * j + 16],
+            scales[j] = make_qx(xb[16 * j:16 * j + 16], 32, L[16 * j:16 * j + 16], Laux,
                                 qw[b * QK_K + 16 * j:b * QK_K + 16 * j + 16], qw.shape[0] > 0)
             a = abs(scales[j])
             if a > max_abs:
