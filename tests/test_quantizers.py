@@ -89,7 +89,8 @@ def test_bytes_equal_ggml(t, case, with_imatrix, impl):
     assert not differ.any(), f"{differ.sum()} of {differ.size} blocks differ, first {np.flatnonzero(differ)[:5]}"
 
 
-@pytest.mark.parametrize("case", ("gaussian", "zero_blocks", "huge", "constant", "negative", "short_rows"))
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")     # gguf-py's fp16 of the huge rows
+@pytest.mark.parametrize("case", [c for c in CASES if c != "denormal"])  # gguf-py casts NaN to int there
 @pytest.mark.parametrize("t", LEGACY, ids=lambda t: t.name)
 def test_legacy_equal_gguf_py(t, case):
     x = rows(case, t)

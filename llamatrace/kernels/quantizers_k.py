@@ -21,7 +21,9 @@ infinite) what llama.cpp's release build computes. fp16 scales round to nearest 
 (:func:`fp16_bits`, ggml's ``GGML_FP32_TO_FP16``).
 
 Each Numba function has a NumPy twin (``*_np``) computing every block at once, looping only
-over the elements of a sub-block, where ggml's sums are sequential.
+over the elements of a sub-block, where ggml's sums are sequential. The twins meet inf and NaN
+where ggml does: :func:`~llamatrace.kernels.quantizers.quantize_rows_np` runs them under
+``np.errstate(all="ignore")``.
 """
 
 from __future__ import annotations
@@ -717,16 +719,14 @@ def _q6_k_rows(x, qw, out):
 
 def nearest_int_np(v: np.ndarray) -> np.ndarray:
     """NumPy twin of :func:`nearest_int`: float32 array -> int64 array."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        bits = (np.asarray(v, np.float32) + _ROUND_MAGIC).view(np.int32)
+    bits = (np.asarray(v, np.float32) + _ROUND_MAGIC).view(np.int32)
     return ((bits & 0x7FFFFF) - 0x400000).astype(np.int64)
 
 
 def fp16_np(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """NumPy twin of :func:`fp16_bits` and :func:`fp16_value`: float32 array -> (uint16 bits,
     float32 value). NumPy's float16 cast rounds to nearest even, as ggml does."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        h = np.asarray(v, np.float32).astype(np.float16)
+    h = np.asarray(v, np.float32).astype(np.float16)
     return h.view(np.uint16), h.astype(np.float32)
 
 
@@ -745,8 +745,7 @@ def make_qx_np(x: np.ndarray, nmax: int, w: np.ndarray | None) -> tuple[np.ndarr
     fnmax = F32(nmax)
 
     def trial(iscale):
-        with np.errstate(invalid="ignore", over="ignore"):
-            l = np.clip(nearest_int_np(iscale[:, None] * x), -nmax, nmax - 1)
+        l = np.clip(nearest_int_np(iscale[:, None] * x), -nmax, nmax - 1)
         fl = l.astype(np.float32)
         sumlx = np.zeros(nb, np.float32)
         suml2 = np.zeros(nb, np.float32)
@@ -755,19 +754,18 @@ def make_qx_np(x: np.ndarray, nmax: int, w: np.ndarray | None) -> tuple[np.ndarr
             suml2 += (w[:, i] * fl[:, i]) * fl[:, i]
         return l, sumlx, suml2
 
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        l, sumlx, suml2 = trial(-fnmax / mx)
-        L = l + nmax
-        scale = np.where(suml2 != 0, sumlx / suml2, F32(0.0)).astype(np.float32)
-        best = scale * sumlx
-        for step in range(-9, 10):
-            if step == 0:
-                continue
-            l, sumlx, suml2 = trial(-(fnmax + F32(0.1) * F32(step)) / mx)
-            better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            L = np.where(better[:, None], l + nmax, L)
-            scale = np.where(better, sumlx / suml2, scale)
-            best = np.where(better, scale * sumlx, best)
+    l, sumlx, suml2 = trial(-fnmax / mx)
+    L = l + nmax
+    scale = np.where(suml2 != 0, sumlx / suml2, F32(0.0)).astype(np.float32)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        l, sumlx, suml2 = trial(-(fnmax + F32(0.1) * F32(step)) / mx)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        L = np.where(better[:, None], l + nmax, L)
+        scale = np.where(better, sumlx / suml2, scale)
+        best = np.where(better, scale * sumlx, best)
     L[zero] = 0
     scale[zero] = 0
     return scale.astype(np.float32), L.astype(np.int8)
@@ -798,35 +796,34 @@ def make_qkx_np(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelta: fl
             err += w[:, i] * (np.abs(diff) if use_mad else diff * diff)
         return err
 
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = fnmax / (mx - mn)
-        scale = F32(1.0) / iscale
-        L = np.clip(nearest_int_np(iscale[:, None] * (x - mn[:, None])), 0, nmax)
-        best = error(scale, mn, L)
-        for step in range(nstep + 1 if nstep >= 1 else 0):
-            iscale = ((F32(rmin) + F32(rdelta) * F32(step)) + fnmax) / (mx - mn)
-            Laux = np.clip(nearest_int_np(iscale[:, None] * (x - mn[:, None])), 0, nmax)
-            fl = Laux.astype(np.float32)
-            sum_l = np.zeros(nb, np.float32)
-            sum_l2 = np.zeros(nb, np.float32)
-            sum_xl = np.zeros(nb, np.float32)
-            for i in range(n):
-                wl = w[:, i] * fl[:, i]
-                sum_l += wl
-                sum_l2 += wl * fl[:, i]
-                sum_xl += wl * x[:, i]
-            D = sum_w * sum_l2 - sum_l * sum_l
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            pos = this_min > 0
-            this_min = np.where(pos, F32(0.0), this_min)
-            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-            err = error(this_scale, this_min, Laux)
-            better = (D > 0) & (err < best)
-            L = np.where(better[:, None], Laux, L)
-            best = np.where(better, err, best)
-            scale = np.where(better, this_scale, scale)
-            mn = np.where(better, this_min, mn)
+    iscale = fnmax / (mx - mn)
+    scale = F32(1.0) / iscale
+    L = np.clip(nearest_int_np(iscale[:, None] * (x - mn[:, None])), 0, nmax)
+    best = error(scale, mn, L)
+    for step in range(nstep + 1 if nstep >= 1 else 0):
+        iscale = ((F32(rmin) + F32(rdelta) * F32(step)) + fnmax) / (mx - mn)
+        Laux = np.clip(nearest_int_np(iscale[:, None] * (x - mn[:, None])), 0, nmax)
+        fl = Laux.astype(np.float32)
+        sum_l = np.zeros(nb, np.float32)
+        sum_l2 = np.zeros(nb, np.float32)
+        sum_xl = np.zeros(nb, np.float32)
+        for i in range(n):
+            wl = w[:, i] * fl[:, i]
+            sum_l += wl
+            sum_l2 += wl * fl[:, i]
+            sum_xl += wl * x[:, i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        pos = this_min > 0
+        this_min = np.where(pos, F32(0.0), this_min)
+        this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+        err = error(this_scale, this_min, Laux)
+        better = (D > 0) & (err < best)
+        L = np.where(better[:, None], Laux, L)
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        mn = np.where(better, this_min, mn)
     L[flat] = 0
     scale = np.where(flat, F32(0.0), scale).astype(np.float32)
     return scale, (-mn).astype(np.float32), L.astype(np.uint8)
@@ -854,33 +851,32 @@ def make_q3_np(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     mx = first_absmax_np(x)
     zero = np.abs(mx) < GROUP_MAX_EPS
     w = x * x
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        L = np.clip(nearest_int_np((F32(-nmax) / mx)[:, None] * x), -nmax, nmax - 1)
-        fl = L.astype(np.float32)
-        sumlx = seq_sum_np((w * x) * fl)
-        suml2 = seq_sum_np((w * fl) * fl)
-        active = np.ones(nb, bool)
-        for _ in range(5):
-            changed = np.zeros(nb, bool)
-            for i in range(n):
-                li = L[:, i].astype(np.float32)
-                wx = w[:, i] * x[:, i]
-                slx = sumlx - wx * li
-                sl2 = suml2 - (w[:, i] * li) * li
-                new_l = np.clip(nearest_int_np((x[:, i] * sl2) / slx), -nmax, nmax - 1)
-                fn = new_l.astype(np.float32)
-                slx = slx + wx * fn
-                sl2 = sl2 + (w[:, i] * fn) * fn
-                take = (active & (sumlx - wx * li > 0) & (new_l != L[:, i]) & (sl2 > 0)
-                        & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2))
-                L[:, i] = np.where(take, new_l, L[:, i])
-                sumlx = np.where(take, slx, sumlx)
-                suml2 = np.where(take, sl2, suml2)
-                changed |= take
-            active &= changed
-            if not active.any():
-                break
-        scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
+    L = np.clip(nearest_int_np((F32(-nmax) / mx)[:, None] * x), -nmax, nmax - 1)
+    fl = L.astype(np.float32)
+    sumlx = seq_sum_np((w * x) * fl)
+    suml2 = seq_sum_np((w * fl) * fl)
+    active = np.ones(nb, bool)
+    for _ in range(5):
+        changed = np.zeros(nb, bool)
+        for i in range(n):
+            li = L[:, i].astype(np.float32)
+            wx = w[:, i] * x[:, i]
+            slx = sumlx - wx * li
+            sl2 = suml2 - (w[:, i] * li) * li
+            new_l = np.clip(nearest_int_np((x[:, i] * sl2) / slx), -nmax, nmax - 1)
+            fn = new_l.astype(np.float32)
+            slx = slx + wx * fn
+            sl2 = sl2 + (w[:, i] * fn) * fn
+            take = (active & (sumlx - wx * li > 0) & (new_l != L[:, i]) & (sl2 > 0)
+                    & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2))
+            L[:, i] = np.where(take, new_l, L[:, i])
+            sumlx = np.where(take, slx, sumlx)
+            suml2 = np.where(take, sl2, suml2)
+            changed |= take
+        active &= changed
+        if not active.any():
+            break
+    scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
     L = L + nmax
     L[zero] = 0
     scale[zero] = 0
@@ -896,50 +892,49 @@ def make_qp_np(x: np.ndarray, nmax: int, qw: np.ndarray) -> tuple[np.ndarray, np
         mx = np.where(mx > x[:, i], mx, x[:, i])
     zero = mx < GROUP_MAX_EPS
     fnmax = F32(nmax)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = fnmax / mx
-        L = nearest_int_np(iscale[:, None] * x) & 0xFF
-        scale = F32(1.0) / iscale
-        diff = x - scale[:, None] * L.astype(np.float32)
-        best = seq_sum_np((qw * diff) * diff)
-        for step in range(-4, 5):
-            if step == 0:
-                continue
-            iscale_is = (F32(0.1) * F32(step) + fnmax) / mx
-            scale_is = F32(1.0) / iscale_is
-            l = np.minimum(nmax, nearest_int_np(iscale_is[:, None] * x))
-            diff = x - scale_is[:, None] * l.astype(np.float32)
-            mse = seq_sum_np((qw * diff) * diff)
-            better = mse < best
-            best = np.where(better, mse, best)
-            iscale = np.where(better, iscale_is, iscale)
-        l = np.minimum(nmax, nearest_int_np(iscale[:, None] * x))
-        L = l & 0xFF
-        fl = l.astype(np.float32)
-        sumlx = seq_sum_np((qw * x) * fl)
-        suml2 = seq_sum_np((qw * fl) * fl)
-        active = np.ones(nb, bool)
-        for _ in range(5):
-            changed = np.zeros(nb, bool)
-            for i in range(n):
-                li = L[:, i].astype(np.float32)
-                wx = qw[:, i] * x[:, i]
-                slx = sumlx - wx * li
-                sl2 = suml2 - (qw[:, i] * li) * li
-                new_l = np.minimum(nmax, nearest_int_np((x[:, i] * sl2) / slx))
-                fn = new_l.astype(np.float32)
-                slx2 = slx + wx * fn
-                sl22 = sl2 + (qw[:, i] * fn) * fn
-                take = (active & (slx > 0) & (sl2 > 0) & (new_l != L[:, i])
-                        & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
-                L[:, i] = np.where(take, new_l & 0xFF, L[:, i])
-                sumlx = np.where(take, slx2, sumlx)
-                suml2 = np.where(take, sl22, suml2)
-                changed |= take
-            active &= changed
-            if not active.any():
-                break
-        scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
+    iscale = fnmax / mx
+    L = nearest_int_np(iscale[:, None] * x) & 0xFF
+    scale = F32(1.0) / iscale
+    diff = x - scale[:, None] * L.astype(np.float32)
+    best = seq_sum_np((qw * diff) * diff)
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (F32(0.1) * F32(step) + fnmax) / mx
+        scale_is = F32(1.0) / iscale_is
+        l = np.minimum(nmax, nearest_int_np(iscale_is[:, None] * x))
+        diff = x - scale_is[:, None] * l.astype(np.float32)
+        mse = seq_sum_np((qw * diff) * diff)
+        better = mse < best
+        best = np.where(better, mse, best)
+        iscale = np.where(better, iscale_is, iscale)
+    l = np.minimum(nmax, nearest_int_np(iscale[:, None] * x))
+    L = l & 0xFF
+    fl = l.astype(np.float32)
+    sumlx = seq_sum_np((qw * x) * fl)
+    suml2 = seq_sum_np((qw * fl) * fl)
+    active = np.ones(nb, bool)
+    for _ in range(5):
+        changed = np.zeros(nb, bool)
+        for i in range(n):
+            li = L[:, i].astype(np.float32)
+            wx = qw[:, i] * x[:, i]
+            slx = sumlx - wx * li
+            sl2 = suml2 - (qw[:, i] * li) * li
+            new_l = np.minimum(nmax, nearest_int_np((x[:, i] * sl2) / slx))
+            fn = new_l.astype(np.float32)
+            slx2 = slx + wx * fn
+            sl22 = sl2 + (qw[:, i] * fn) * fn
+            take = (active & (slx > 0) & (sl2 > 0) & (new_l != L[:, i])
+                    & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
+            L[:, i] = np.where(take, new_l & 0xFF, L[:, i])
+            sumlx = np.where(take, slx2, sumlx)
+            suml2 = np.where(take, sl22, suml2)
+            changed |= take
+        active &= changed
+        if not active.any():
+            break
+    scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
     L[zero] = 0
     scale[zero] = 0
     return scale, L
@@ -977,9 +972,8 @@ def _q2_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         scales, mins, L = make_qkx_np(x16, 3, np.abs(x16), -0.5, 0.1, 15, True)
         scales, mins = scales.reshape(nb, 16), mins.reshape(nb, 16)
         max_scale, max_min = scan_max_np(scales), scan_max_np(mins)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            ls = nearest_int_np((F32(15.0) / max_scale)[:, None] * scales) & 0xFF
-            lm = nearest_int_np((F32(15.0) / max_min)[:, None] * mins)
+        ls = nearest_int_np((F32(15.0) / max_scale)[:, None] * scales) & 0xFF
+        lm = nearest_int_np((F32(15.0) / max_min)[:, None] * mins)
         sc = np.where((max_scale > 0)[:, None], ls, 0)
         sc = np.where((max_min > 0)[:, None], (sc | (lm << 4)) & 0xFF, sc)
         dm = np.where(max_scale > 0, max_scale / F32(15.0), F32(0.0))
@@ -988,8 +982,7 @@ def _q2_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     L = L.reshape(nb, 16, 16).astype(np.int64)
     dj = d[:, None] * (sc & 0xF).astype(np.float32)
     dmj = dmin[:, None] * (sc >> 4).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        redo = np.clip(nearest_int_np((xb.reshape(nb, 16, 16) + dmj[..., None]) / dj[..., None]), 0, 3)
+    redo = np.clip(nearest_int_np((xb.reshape(nb, 16, 16) + dmj[..., None]) / dj[..., None]), 0, 3)
     L = np.where((dj != 0)[..., None], redo, L).reshape(nb, QK_K)
     return np.concatenate([sc.astype(np.uint8), _pack_2bit_np(L), _fp16_np_bytes(dh), _fp16_np_bytes(mh)], axis=1)
 
@@ -1015,16 +1008,14 @@ def _q3_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         scales = scales.reshape(nb, 16)
         max_scale = first_absmax_np(scales)
         nz = max_scale != 0
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            iscale = F32(-32.0) / max_scale
-            l = ((nearest_int_np(iscale[:, None] * scales) & 0xFF) ^ 0x80) - 0x80       # int8_t
-            d_block = np.where(nz, F32(1.0) / iscale, F32(0.0))
+        iscale = F32(-32.0) / max_scale
+        l = ((nearest_int_np(iscale[:, None] * scales) & 0xFF) ^ 0x80) - 0x80       # int8_t
+        d_block = np.where(nz, F32(1.0) / iscale, F32(0.0))
         Ls = np.where(nz[:, None], np.clip(l, -32, 31) + 32, 0)
     dh, d = fp16_np(d_block)
     L = L.reshape(nb, 16, 16).astype(np.int64)
     dj = d[:, None] * (Ls - 32).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -4, 3) + 4
+    redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -4, 3) + 4
     L = np.where((dj != 0)[..., None], redo, L).reshape(nb, QK_K)
     high = L > 3
     L = np.where(high, L - 4, L)
@@ -1052,11 +1043,10 @@ def _k4_np(xb: np.ndarray, qw: np.ndarray | None, nmax: int, rmin: float, rdelta
         scales, mins, L = make_qkx_np(x32, nmax, av_x[:, None] + np.abs(x32), rmin, rdelta, nstep, False)
         scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
         max_scale, max_min = scan_max_np(scales), scan_max_np(mins)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            inv_scale = np.where(max_scale > 0, F32(63.0) / max_scale, F32(0.0))
-            inv_min = np.where(max_min > 0, F32(63.0) / max_min, F32(0.0))
-            Ls = np.minimum(63, nearest_int_np(inv_scale[:, None] * scales) & 0xFF)
-            Lm = np.minimum(63, nearest_int_np(inv_min[:, None] * mins) & 0xFF)
+        inv_scale = np.where(max_scale > 0, F32(63.0) / max_scale, F32(0.0))
+        inv_min = np.where(max_min > 0, F32(63.0) / max_min, F32(0.0))
+        Ls = np.minimum(63, nearest_int_np(inv_scale[:, None] * scales) & 0xFF)
+        Lm = np.minimum(63, nearest_int_np(inv_min[:, None] * mins) & 0xFF)
         d_block, m_block = max_scale / F32(63.0), max_min / F32(63.0)
     Ls, Lm = Ls & 0xFF, Lm & 0xFF
     b = np.zeros((nb, 12), np.int64)
@@ -1070,8 +1060,7 @@ def _k4_np(xb: np.ndarray, qw: np.ndarray | None, nmax: int, rmin: float, rdelta
     (dh, d), (mh, dmin) = fp16_np(d_block), fp16_np(m_block)
     dj = d[:, None] * sc.astype(np.float32)
     dmj = dmin[:, None] * mn.astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        redo = np.clip(nearest_int_np((xb.reshape(nb, 8, 32) + dmj[..., None]) / dj[..., None]), 0, nmax)
+    redo = np.clip(nearest_int_np((xb.reshape(nb, 8, 32) + dmj[..., None]) / dj[..., None]), 0, nmax)
     L = np.where((dj != 0)[..., None], redo, L.reshape(nb, 8, 32).astype(np.int64)).reshape(nb, QK_K)
     head = np.concatenate([_fp16_np_bytes(dh), _fp16_np_bytes(mh), b.astype(np.uint8)], axis=1)
     return head, L
@@ -1098,12 +1087,11 @@ def _q6_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     scales = scales.reshape(nb, 16)
     max_scale = first_absmax_np(scales)
     zero = np.abs(max_scale) < GROUP_MAX_EPS
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = F32(-128.0) / max_scale
-        dh, d = fp16_np(F32(1.0) / iscale)
-        sc = np.minimum(127, nearest_int_np(iscale[:, None] * scales)) & 0xFF
-        dj = d[:, None] * ((sc ^ 0x80) - 0x80).astype(np.float32)
-        redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -32, 31) + 32
+    iscale = F32(-128.0) / max_scale
+    dh, d = fp16_np(F32(1.0) / iscale)
+    sc = np.minimum(127, nearest_int_np(iscale[:, None] * scales)) & 0xFF
+    dj = d[:, None] * ((sc ^ 0x80) - 0x80).astype(np.float32)
+    redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -32, 31) + 32
     L = np.where((dj != 0)[..., None], redo, L.reshape(nb, 16, 16).astype(np.int64)).reshape(nb, 2, 4, 32)
     ql = np.concatenate([(L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4),
                          (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)], axis=2).reshape(nb, 128)
