@@ -21,7 +21,8 @@ T = gguf.GGMLQuantizationType
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 IMPLS = {"numba": quantize_rows, "numpy": quantize_rows_np}
-CASES = ("gaussian", "zero_blocks", "huge", "denormal", "constant", "negative", "short_rows")
+CASES = ("gaussian", "zero_blocks", "huge", "denormal", "constant", "negative", "short_rows", "float32_limits",
+         "non_finite")
 
 
 def ggml_quantize(t: T, x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
@@ -59,6 +60,16 @@ def rows(case: str, t: T) -> np.ndarray:
         x *= np.float32(1e-39)                           # 1/d is inf, x*id inf or NaN
         x[1] *= np.float32(1e-3)
         x[2, :256] = np.float32(1e-44)
+    elif case == "float32_limits":                     # max - min and x^2 overflow to inf
+        x[0] *= np.float32(1e38)
+        x[1, :64] = np.float32(3e38)
+        x[1, 64:128] = np.float32(-3e38)
+        x[2, ::3] = np.float32(2e19)
+    elif case == "non_finite":                         # ggml goes on with inf and NaN, so must we
+        x[0, 3] = np.nan
+        x[1, 40] = np.inf
+        x[2, 300] = -np.inf
+        x[3, :32] = np.nan
     elif case == "constant":
         x[:3] = 0.5
         x[3:] = -2.0
@@ -90,7 +101,7 @@ def test_bytes_equal_ggml(t, case, with_imatrix, impl):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")     # gguf-py's fp16 of the huge rows
-@pytest.mark.parametrize("case", [c for c in CASES if c != "denormal"])  # gguf-py casts NaN to int there
+@pytest.mark.parametrize("case", ("gaussian", "zero_blocks", "huge", "constant", "negative", "short_rows"))
 @pytest.mark.parametrize("t", LEGACY, ids=lambda t: t.name)
 def test_legacy_equal_gguf_py(t, case):
     x = rows(case, t)

@@ -31,15 +31,14 @@ import numpy as np
 from numba import njit, prange
 
 from llamatrace.kernels import quantizers_k as qk
-from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL
-from llamatrace.kernels.quantizers_k import F32, fp16_np, make_qkx, make_qkx_np, make_qx, make_qx_np, put_fp16
+from llamatrace.kernels.quantizers_k import F32, JIT_QUANT, JIT_QUANT_PARALLEL, fp16_np, make_qkx, make_qkx_np, make_qx, make_qx_np, put_fp16
 
 T = gguf.GGMLQuantizationType
 QK = 32
 """Weights per legacy block."""
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _c_int8(v):
     """``(int8_t)`` of a float32 as x86-64 C does it: truncate to int32 (``cvttss2si``; NaN and
     out of range give INT_MIN), keep the low byte. Denormal blocks reach it with inf and NaN."""
@@ -47,7 +46,7 @@ def _c_int8(v):
     return ((i & 0xFF) ^ 0x80) - 0x80
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _roundf(v):
     """C's ``roundf``: half away from zero (``v - trunc(v)`` is exact)."""
     t = F32(np.trunc(v))
@@ -56,14 +55,14 @@ def _roundf(v):
     return t
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _importance(x, qw, sigma2, w):
     """ggml's legacy and K weights: ``w = qw * sqrt(sigma2 + x^2)`` (float32 ``sqrtf``)."""
     for j in range(x.shape[0]):
         w[j] = F32(qw[j] * F32(math.sqrt(F32(sigma2 + F32(x[j] * x[j])))))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _row_sigma2(x):
     """A row's mean square, summed in order (the legacy impl paths' ``sigma2``)."""
     s = F32(0.0)
@@ -72,13 +71,13 @@ def _row_sigma2(x):
     return F32(s / F32(x.shape[0]))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _put_nibbles(L, ob, at):
     for j in range(16):
         ob[at + j] = ((L[j] & 0xFF) | (L[j + 16] << 4)) & 0xFF
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _put_q5(L, ob, at):
     """Q5 quants ``L [32]`` (0..31): low nibbles at ``ob[at+4:]``, fifth bits in ``qh`` at ``at``."""
     qh = 0
@@ -91,7 +90,7 @@ def _put_q5(L, ob, at):
         ob[at + k] = (qh >> (8 * k)) & 0xFF
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _absmax_first(xb):
     amax = F32(0.0)
     mx = F32(0.0)
@@ -102,7 +101,7 @@ def _absmax_first(xb):
     return mx
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _min_max(xb):
     mn = F32(3.4028234663852886e38)
     mx = F32(-3.4028234663852886e38)
@@ -114,7 +113,7 @@ def _min_max(xb):
     return mn, mx
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q4_0_row(x, qw, out):
     L = np.empty(QK, np.int8)
     Laux = np.empty(QK, np.int8)
@@ -135,7 +134,7 @@ def _q4_0_row(x, qw, out):
         _put_nibbles(L, ob, 2)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q4_1_row(x, qw, out):
     L = np.empty(QK, np.uint8)
     Laux = np.empty(QK, np.uint8)
@@ -160,7 +159,7 @@ def _q4_1_row(x, qw, out):
         _put_nibbles(L, ob, 4)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q5_0_row(x, qw, out):
     L = np.empty(QK, np.int8)
     Laux = np.empty(QK, np.int8)
@@ -181,7 +180,7 @@ def _q5_0_row(x, qw, out):
         _put_q5(L, ob, 2)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q5_1_row(x, qw, out):
     L = np.empty(QK, np.uint8)
     Laux = np.empty(QK, np.uint8)
@@ -206,7 +205,7 @@ def _q5_1_row(x, qw, out):
         _put_q5(L, ob, 4)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q8_0_row(x, qw, out):
     for b in range(x.shape[0] // QK):
         xb = x[b * QK:(b + 1) * QK]
@@ -225,31 +224,31 @@ def _q8_0_row(x, qw, out):
 # one parallel driver per type: Numba compiles (and caches) only the types a run uses
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q4_0_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q4_0_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q4_1_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q4_1_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q5_0_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q5_0_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q5_1_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q5_1_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q8_0_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q8_0_row(x[r], qw, out[r])

@@ -38,6 +38,11 @@ from numba.extending import intrinsic
 
 from llamatrace.kernels.jit import F16_TABLE, JIT_EXACT, JIT_EXACT_PARALLEL
 
+# IEEE division as C's (x/0 is inf or NaN): Numba's default raises ZeroDivisionError, which
+# inf inputs and blocks near the float32 limit reach where ggml goes on with inf
+JIT_QUANT = dict(JIT_EXACT, error_model="numpy")
+JIT_QUANT_PARALLEL = dict(JIT_EXACT_PARALLEL, error_model="numpy")
+
 QK_K = 256
 """Weights per K-quant super-block."""
 F32 = np.float32
@@ -59,14 +64,14 @@ def f32_bits(typingctx, value):
         return types.int32(value), codegen
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def nearest_int(v):
     """ggml's ``nearest_int`` of a float32: round half to even for |v| < 2**22; inf gives
     -4194304 and NaN 0, as the release build's bit trick does."""
     return (f32_bits(F32(v + _ROUND_MAGIC)) & 0x7FFFFF) - 0x400000
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def fp16_bits(v):
     """float32 -> fp16 bits (int in 0..65535), round to nearest even; NaN -> 0x7E00 with its sign,
     as ggml's ``GGML_FP32_TO_FP16``."""
@@ -97,7 +102,7 @@ def fp16_bits(v):
     return sign | half
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def put_fp16(out, at, v):
     """Write float32 ``v`` as little-endian fp16 at ``out[at:at+2]``; returns the fp16's value
     (float32), which ggml reads back where it goes on with the rounded scale."""
@@ -107,7 +112,7 @@ def put_fp16(out, at, v):
     return F16_TABLE[h]
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def make_qx(x, nmax, L, Laux, w, use_w):
     """ggml's ``make_qx_quants`` with ``rmse_type`` 1: signed quants ``L`` (int8, stored as
     ``l + nmax`` in 0..2*nmax-1) of float32 ``x [n]`` and their scale, searched over 19 trial
@@ -159,7 +164,7 @@ def make_qx(x, nmax, L, Laux, w, use_w):
     return scale
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def make_qkx(x, nmax, w, L, Laux, rmin, rdelta, nstep, use_mad):
     """ggml's ``make_qkx2_quants`` / ``make_qkx3_quants`` (the same with weights given): unsigned
     quants ``L`` (uint8, 0..nmax) of float32 ``x [n]`` with a scale and a minimum, the pair
@@ -230,7 +235,7 @@ def make_qkx(x, nmax, w, L, Laux, rmin, rdelta, nstep, use_mad):
     return scale, F32(-mn)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def make_q3(x, nmax, L):
     """ggml's ``make_q3_quants`` with ``do_rmse`` (Q3_K's reference path): signed quants of float32
     ``x [n]`` weighted by ``x^2``, then up to 5 sweeps moving single quants while the weighted
@@ -279,7 +284,7 @@ def make_q3(x, nmax, L):
     return F32(sumlx / suml2) if suml2 > 0 else F32(0.0)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def make_qp(x, nmax, L, qw):
     """ggml's ``make_qp_quants``: the K types' imatrix path quantizes a block's sub-block scales
     (or mins) ``x [n]`` (>= 0) to 0..nmax with weights ``qw [n]``: 9 trial scales, then sweeps
@@ -347,7 +352,7 @@ def make_qp(x, nmax, L, qw):
 # the K types, one super-block of 256 at a time (Numba)
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _block_sigma2(x, factor):
     """``factor * sum(x^2) / 256`` summed in order: the imatrix paths' ``sigma2``."""
     s = F32(0.0)
@@ -356,7 +361,7 @@ def _block_sigma2(x, factor):
     return F32(F32(F32(factor) * s) / F32(QK_K))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _weights(x, qw, sigma2, w):
     """``w = qw * sqrt(sigma2 + x^2)``; returns ``sum(w)`` in order."""
     total = F32(0.0)
@@ -366,7 +371,7 @@ def _weights(x, qw, sigma2, w):
     return total
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _pack_2bit(L, ob, at):
     """Four 2-bit quants per byte: byte l of each 32 holds quants l, l+32, l+64, l+96 of a 128."""
     for j in range(0, QK_K, 128):
@@ -375,7 +380,7 @@ def _pack_2bit(L, ob, at):
                                    | ((L[j + l + 64] & 3) << 4) | ((L[j + l + 96] & 3) << 6))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _put_k4_scales(ls, lm, ob, at):
     """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and mins (``get_scale_min_k4``'s layout)."""
     for j in range(8):
@@ -389,7 +394,7 @@ def _put_k4_scales(ls, lm, ob, at):
             ob[at + j] = (ob[at + j] | ((m >> 4) << 6)) & 0xFF
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _k4_scale_min(ob, at, j):
     if j < 4:
         return np.int64(ob[at + j]) & 63, np.int64(ob[at + j + 4]) & 63
@@ -397,7 +402,7 @@ def _k4_scale_min(ob, at, j):
     return (lo & 0xF) | ((hi_d >> 6) << 4), (lo >> 4) | ((hi_m >> 6) << 4)
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _requant_k4(x, L, ob, d, dmin, nmax):
     """Q4_K/Q5_K: each sub-block of 32 re-rounded with its 6-bit scale and min as stored."""
     for j in range(8):
@@ -410,7 +415,7 @@ def _requant_k4(x, L, ob, d, dmin, nmax):
             L[32 * j + i] = max(0, min(nmax, nearest_int(F32(F32(x[32 * j + i] + dm) / dj))))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _put_q3_scales(ls, ob, at):
     """Q3_K's sixteen 6-bit scales (0..63) in 12 bytes: low nibbles in 8, high pairs in 4."""
     for k in range(12):
@@ -425,7 +430,7 @@ def _put_q3_scales(ls, ob, at):
         ob[at + 8 + j % 4] = (ob[at + 8 + j % 4] | (l << (2 * (j // 4)))) & 0xFF
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _finish_q3(x, L, ob, d):
     """Q3_K: re-round with the stored scales, high bits to ``hmask``, low two bits to ``qs``."""
     for j in range(16):
@@ -445,7 +450,7 @@ def _finish_q3(x, L, ob, d):
     _pack_2bit(L, ob, 32)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q2_k_row(x, qw, out):
     L = np.empty(QK_K, np.uint8)
     Laux = np.empty(16, np.uint8)
@@ -506,7 +511,7 @@ def _q2_k_row(x, qw, out):
         _pack_2bit(L, ob, 16)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q3_k_row(x, qw, out):
     L = np.empty(QK_K, np.int8)
     Laux = np.empty(16, np.int8)
@@ -547,7 +552,7 @@ def _q3_k_row(x, qw, out):
         _finish_q3(xb, L, ob, d)
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _k4_block(xb, qw_b, ob, nmax, L, Laux, w, scales, mins, sw, Ls, Lm, rmin, rdelta, nstep):
     """The shared part of Q4_K and Q5_K: sub-block scales and mins, the block's 6-bit scales
     (``ob[4:16]``) and fp16 ``d``/``dmin`` (``ob[0:4]``), the re-rounded quants in ``L``."""
@@ -592,7 +597,7 @@ def _k4_block(xb, qw_b, ob, nmax, L, Laux, w, scales, mins, sw, Ls, Lm, rmin, rd
     _requant_k4(xb, L, ob, d, dmin, nmax)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q4_k_row(x, qw, out):
     L = np.empty(QK_K, np.uint8)
     Laux = np.empty(32, np.uint8)
@@ -611,7 +616,7 @@ def _q4_k_row(x, qw, out):
                 ob[16 + j // 2 + l] = (L[j + l] | (L[j + l + 32] << 4)) & 0xFF
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q5_k_row(x, qw, out):
     L = np.empty(QK_K, np.uint8)
     Laux = np.empty(32, np.uint8)
@@ -641,7 +646,7 @@ def _q5_k_row(x, qw, out):
                 ob[48 + n // 2 + j] = (l1 | (l2 << 4)) & 0xFF
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q6_k_row(x, qw, out):
     L = np.empty(QK_K, np.int8)
     Laux = np.empty(16, np.int8)
@@ -683,31 +688,31 @@ def _q6_k_row(x, qw, out):
 # one parallel driver per type: Numba compiles (and caches) only the types a run uses
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q2_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q2_k_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q3_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q3_k_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q4_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q4_k_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q5_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q5_k_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q6_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q6_k_row(x[r], qw, out[r])
@@ -731,8 +736,12 @@ def fp16_np(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def first_absmax_np(x: np.ndarray) -> np.ndarray:
-    """The first element of largest |x| in each row (ggml's ``if (ax > amax)`` scan), float32 [nb]."""
-    return np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)[:, 0]
+    """The first element of largest |x| in each row, float32 [nb], as ggml's scan ``if (ax >
+    amax)`` from ``amax = max = 0`` finds it: NaN never wins, an all-zero row gives +0."""
+    a = np.abs(x)
+    a[np.isnan(a)] = -1
+    mx = np.take_along_axis(x, a.argmax(axis=1)[:, None], axis=1)[:, 0]
+    return np.where(np.abs(mx) > 0, mx, F32(0.0))
 
 
 def make_qx_np(x: np.ndarray, nmax: int, w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -786,7 +795,7 @@ def make_qkx_np(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelta: fl
         sum_w += w[:, i]
         sum_x += w[:, i] * x[:, i]
     mn = np.where(mn > 0, F32(0.0), mn)
-    flat = ~(mx > mn)
+    flat = mx <= mn                                     # False with NaN, as in ggml
     fnmax = F32(nmax)
 
     def error(scale, mn, L):
