@@ -126,3 +126,20 @@ def test_bad_shapes(impl):
 
 def test_every_type_served():
     assert set(QUANTIZABLE) == set(LEGACY + K_TYPES)
+
+
+def test_fp16_rounding():
+    """The fp16 scales round to nearest even as ggml's GGML_FP32_TO_FP16 (NumPy's cast is the
+    reference): fp16 subnormals, ties, overflow to inf, NaN."""
+    from llamatrace.kernels.quantizers_k import fp16_bits
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0x2F800000, 0x47900000, 3000, dtype=np.uint32)      # 2**-32 .. 73728
+    halves = np.arange(0, 0x7C00, 97, dtype=np.uint16).view(np.float16).astype(np.float32)
+    ties = (halves.view(np.uint32) + (1 << 12)).view(np.float32)             # halfway between fp16s
+    values = np.concatenate([bits.view(np.float32), ties, [0.0, -0.0, 65504.0, 65520.0, np.inf, -np.inf]])
+    values = np.concatenate([values, -values]).astype(np.float32)
+    got = np.array([fp16_bits(v) for v in values], np.uint16)
+    with np.errstate(over="ignore"):
+        want = values.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+    assert fp16_bits(np.float32(np.nan)) == 0x7E00

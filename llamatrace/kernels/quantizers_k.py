@@ -14,11 +14,16 @@ llama.cpp), byte for byte what it writes:
   weighted search (:func:`make_qp`, Q3_K by :func:`make_qx`).
 
 Rounding. Every step is float32 arithmetic in ggml's order (``w*x*l`` is ``(w*x)*float(l)``),
-sums run in element order, without fastmath (:data:`~llamatrace.kernels.jit.JIT_EXACT`):
-one changed rounding moves a quant. :func:`nearest_int` is ggml's: add 1.5 * 2**23 and read the
+sums run in element order, without fastmath and with IEEE division (:data:`JIT_QUANT`): one
+changed rounding moves a quant. :func:`nearest_int` is ggml's: add 1.5 * 2**23 and read the
 low mantissa bits, half to even, and for inf and NaN (denormal blocks make ``1/(max-min)``
 infinite) what llama.cpp's release build computes. fp16 scales round to nearest even
 (:func:`fp16_bits`, ggml's ``GGML_FP32_TO_FP16``).
+
+Block layouts (256 weights, fp16 little-endian): Q2_K ``scales[16] qs[64] d dmin`` (84 bytes;
+a scale byte holds the sub-block's 4-bit scale low, its min high), Q3_K ``hmask[32] qs[64]
+scales[12] d`` (110), Q4_K ``d dmin scales[12] qs[128]`` (144), Q5_K ``d dmin scales[12] qh[32]
+qs[128]`` (176), Q6_K ``ql[128] qh[64] scales[16] d`` (210, int8 scales).
 
 Each Numba function has a NumPy twin (``*_np``) computing every block at once, looping only
 over the elements of a sub-block, where ggml's sums are sequential. The twins meet inf and NaN
@@ -38,9 +43,10 @@ from numba.extending import intrinsic
 
 from llamatrace.kernels.jit import F16_TABLE, JIT_EXACT, JIT_EXACT_PARALLEL
 
-# IEEE division as C's (x/0 is inf or NaN): Numba's default raises ZeroDivisionError, which
-# inf inputs and blocks near the float32 limit reach where ggml goes on with inf
 JIT_QUANT = dict(JIT_EXACT, error_model="numpy")
+"""The quantizers' flags: :data:`~llamatrace.kernels.jit.JIT_EXACT` with IEEE division (x/0 is
+inf or NaN, as in C). Numba's default raises ZeroDivisionError, which inf inputs and blocks near
+the float32 limit reach where ggml goes on with inf."""
 JIT_QUANT_PARALLEL = dict(JIT_EXACT_PARALLEL, error_model="numpy")
 
 QK_K = 256
