@@ -16,6 +16,7 @@ import pytest
 from kquant_files import ggml_quants_library
 
 from llamatrace.kernels.quantizers import QUANTIZABLE, quantize_rows, quantize_rows_np
+from llamatrace.kernels.quantizers_k import fp16_bits
 
 T = gguf.GGMLQuantizationType
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
@@ -131,7 +132,6 @@ def test_every_type_served():
 def test_fp16_rounding():
     """The fp16 scales round to nearest even as ggml's GGML_FP32_TO_FP16 (NumPy's cast is the
     reference): fp16 subnormals, ties, overflow to inf, NaN."""
-    from llamatrace.kernels.quantizers_k import fp16_bits
     rng = np.random.default_rng(3)
     bits = rng.integers(0x2F800000, 0x47900000, 3000, dtype=np.uint32)      # 2**-32 .. 73728
     halves = np.arange(0, 0x7C00, 97, dtype=np.uint16).view(np.float16).astype(np.float32)

@@ -31,7 +31,8 @@ import numpy as np
 from numba import njit, prange
 
 from llamatrace.kernels import quantizers_k as qk
-from llamatrace.kernels.quantizers_k import F32, JIT_QUANT, JIT_QUANT_PARALLEL, fp16_np, make_qkx, make_qkx_np, make_qx, make_qx_np, put_fp16
+from llamatrace.kernels.quantizers_k import (F32, JIT_QUANT, JIT_QUANT_PARALLEL, fp16_np, make_qkx, make_qkx_np,
+                                             make_qx, make_qx_np, put_fp16)
 
 T = gguf.GGMLQuantizationType
 QK = 32
