@@ -30,6 +30,7 @@ from numba import njit, prange
 from llamatrace.kernels import act8, tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
 from llamatrace.kernels.packing import matmul_ref
+from llamatrace.kernels.quantizers import for_type
 from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, declare
 
 _T = gguf.GGMLQuantizationType
@@ -264,10 +265,10 @@ Q4_0 = declare(QuantType(
     dequant_np=dequant_q4_0_np,
     kernels={"f32": (Kernel(gemv_q4_0, gemv_q4_0_np), Kernel(tiled_q4_0, matmul_ref)),
              "q8": (Kernel(act8_gemv_q4_0, act8_q4_0_np), Kernel(act8_prefill_q4_0, act8_q4_0_np))},
-    q8_bytes=(0, 16)))
+    q8_bytes=(0, 16), **for_type(_T.Q4_0)))
 Q4_1 = declare(QuantType(
     _T.Q4_1, BlockFormat(weights=QK, file_bytes=20, packed_bytes=16, copy=(4, 0, 16), d_off=0, m_off=2),
     dequant_np=dequant_q4_1_np,
     kernels={"f32": (Kernel(gemv_q4_1, gemv_q4_1_np), Kernel(tiled_q4_1, matmul_ref)),
              "q8": (Kernel(act8_gemv_q4_1, act8_q4_1_np), Kernel(act8_prefill_q4_1, act8_q4_1_np))},
-    q8_bytes=(0, 16)))
+    q8_bytes=(0, 16), **for_type(_T.Q4_1)))

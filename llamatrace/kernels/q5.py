@@ -25,6 +25,7 @@ from numba import njit, prange
 from llamatrace.kernels import tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
 from llamatrace.kernels.packing import matmul_ref
+from llamatrace.kernels.quantizers import for_type
 from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, declare
 from llamatrace.kernels.tiles import quant_f32
 
@@ -207,8 +208,8 @@ def tiled_q5_1(x, w, out):
 Q5_0 = declare(QuantType(
     _T.Q5_0, BlockFormat(weights=QK, file_bytes=22, packed_bytes=20, copy=(2, 0, 20), d_off=0),
     dequant_np=dequant_q5_0_np,
-    kernels={"f32": (Kernel(gemv_q5_0, gemv_q5_0_np), Kernel(tiled_q5_0, matmul_ref))}))
+    kernels={"f32": (Kernel(gemv_q5_0, gemv_q5_0_np), Kernel(tiled_q5_0, matmul_ref))}, **for_type(_T.Q5_0)))
 Q5_1 = declare(QuantType(
     _T.Q5_1, BlockFormat(weights=QK, file_bytes=24, packed_bytes=20, copy=(4, 0, 20), d_off=0, m_off=2),
     dequant_np=dequant_q5_1_np,
-    kernels={"f32": (Kernel(gemv_q5_1, gemv_q5_1_np), Kernel(tiled_q5_1, matmul_ref))}))
+    kernels={"f32": (Kernel(gemv_q5_1, gemv_q5_1_np), Kernel(tiled_q5_1, matmul_ref))}, **for_type(_T.Q5_1)))

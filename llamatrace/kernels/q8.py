@@ -24,6 +24,7 @@ from numba import njit, prange
 from llamatrace.kernels import act8, tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
 from llamatrace.kernels.packing import matmul_ref
+from llamatrace.kernels.quantizers import for_type
 from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, declare
 
 _T = gguf.GGMLQuantizationType
@@ -159,4 +160,4 @@ Q8_0 = declare(QuantType(
     dequant_np=dequant_np,
     kernels={"f32": (Kernel(gemv_q8_0, gemv_q8_0_np), Kernel(tiled_q8_0, matmul_ref)),
              "q8": (Kernel(act8_gemv_q8_0, act8_q8_0_np), Kernel(act8_prefill_q8_0, act8_q8_0_np))},
-    q8_bytes=(0, 32)))
+    q8_bytes=(0, 32), **for_type(_T.Q8_0)))

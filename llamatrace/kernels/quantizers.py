@@ -25,13 +25,15 @@ Rounding as in :mod:`~llamatrace.kernels.quantizers_k`: float32 in ggml's order,
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import gguf
 import numpy as np
 from numba import njit, prange
 
 from llamatrace.kernels import quantizers_k as qk
-from llamatrace.kernels.quantizers_k import (F32, JIT_QUANT, JIT_QUANT_PARALLEL, fp16_np, make_qkx, make_qkx_np,
+from llamatrace.kernels.jit import JIT_QUANT, JIT_QUANT_PARALLEL
+from llamatrace.kernels.quantizers_k import (F32, fp16_np, make_qkx, make_qkx_np,
                                              make_qx, make_qx_np, put_fp16)
 
 T = gguf.GGMLQuantizationType
@@ -435,3 +437,13 @@ def quantize_rows_np(ggml_type, x: np.ndarray, imatrix: np.ndarray | None = None
     qw = None if imatrix is None or t == T.Q8_0 else imatrix
     with np.errstate(all="ignore"):     # ggml's arithmetic meets inf and NaN on denormal or huge blocks
         return _KERNELS[t][1](x, qw).reshape(x.shape[0], x.shape[1] // block * nbytes)
+
+
+def for_type(ggml_type) -> dict:
+    """``{"quantize": ..., "quantize_np": ...}``: :func:`quantize_rows` and its twin bound to
+    ``ggml_type``, for the type's :class:`~llamatrace.kernels.registry.QuantType` declaration
+    (``quantize(x, imatrix=None)``). Raises ValueError for a type not in :data:`QUANTIZABLE`."""
+    t = T(int(ggml_type))
+    if t not in _KERNELS:
+        raise ValueError(f"no quantizer writes {t.name}")
+    return {"quantize": partial(quantize_rows, t), "quantize_np": partial(quantize_rows_np, t)}

@@ -41,13 +41,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.jit import F16_TABLE, JIT_EXACT, JIT_EXACT_PARALLEL
+from llamatrace.kernels.jit import F16_TABLE, JIT_QUANT, JIT_QUANT_PARALLEL
 
-JIT_QUANT = dict(JIT_EXACT, error_model="numpy")
-"""The quantizers' flags: :data:`~llamatrace.kernels.jit.JIT_EXACT` with IEEE division (x/0 is
-inf or NaN, as in C). Numba's default raises ZeroDivisionError, which inf inputs and blocks near
-the float32 limit reach where ggml goes on with inf."""
-JIT_QUANT_PARALLEL = dict(JIT_EXACT_PARALLEL, error_model="numpy")
 
 QK_K = 256
 """Weights per K-quant super-block."""
