@@ -649,25 +649,30 @@ def _f32(gemv, tiled_):
 # blocks (file bytes, packed bytes, quant bytes copied (src, dst, n), fp16 d / dmin at) as drawn above
 Q2_K = declare(QuantType(
     _T.Q2_K, BlockFormat(weights=QK_K, file_bytes=84, packed_bytes=80, copy=(0, 0, 80), d_off=80, m_off=82),
-    dequant_np=partial(dequant_bytes_np, _T.Q2_K), kernels={"f32": _f32(gemv_q2_k, tiled_q2_k)}, **for_type(_T.Q2_K)))
+    dequant_np=partial(dequant_bytes_np, _T.Q2_K), kernels={"f32": _f32(gemv_q2_k, tiled_q2_k)},
+    **for_type(_T.Q2_K)))
 Q3_K = declare(QuantType(
     _T.Q3_K, BlockFormat(weights=QK_K, file_bytes=110, packed_bytes=112, copy=(0, 0, 96), d_off=108,
                          scales=SCALES_Q3_K),
-    dequant_np=partial(dequant_bytes_np, _T.Q3_K), kernels={"f32": _f32(gemv_q3_k, tiled_q3_k)}, **for_type(_T.Q3_K)))
+    dequant_np=partial(dequant_bytes_np, _T.Q3_K), kernels={"f32": _f32(gemv_q3_k, tiled_q3_k)},
+    **for_type(_T.Q3_K)))
 Q4_K = declare(QuantType(
     _T.Q4_K, BlockFormat(weights=QK_K, file_bytes=144, packed_bytes=144, copy=(16, 16, 128), d_off=0, m_off=2,
                          scales=SCALES_K4),
     dequant_np=partial(dequant_bytes_np, _T.Q4_K),
     kernels={"f32": _f32(gemv_q4_k, tiled_q4_k),
              "q8": (Kernel(act8_gemv_q4_k, act8_q4_k_np), Kernel(act8_prefill_q4_k, act8_q4_k_np))},
-    q8_bytes=(act8.Q4K_HEAD, 144), **for_type(_T.Q4_K)))             # the 16 scale bytes stay in the float32 order
+    q8_bytes=(act8.Q4K_HEAD, 144),              # the 16 scale bytes stay in the float32 order
+    **for_type(_T.Q4_K)))
 Q5_K = declare(QuantType(
     _T.Q5_K, BlockFormat(weights=QK_K, file_bytes=176, packed_bytes=176, copy=(16, 16, 160), d_off=0, m_off=2,
                          scales=SCALES_K4),
-    dequant_np=partial(dequant_bytes_np, _T.Q5_K), kernels={"f32": _f32(gemv_q5_k, tiled_q5_k)}, **for_type(_T.Q5_K)))
+    dequant_np=partial(dequant_bytes_np, _T.Q5_K), kernels={"f32": _f32(gemv_q5_k, tiled_q5_k)},
+    **for_type(_T.Q5_K)))
 Q6_K = declare(QuantType(
     _T.Q6_K, BlockFormat(weights=QK_K, file_bytes=210, packed_bytes=208, copy=(0, 0, 208), d_off=208),
     dequant_np=partial(dequant_bytes_np, _T.Q6_K),
     kernels={"f32": _f32(gemv_q6_k, tiled_q6_k),
              "q8": (Kernel(act8_gemv_q6_k, act8_q6_k_np), Kernel(act8_prefill_q6_k, act8_q6_k_np))},
-    q8_bytes=(0, act8.Q6K_SCALES), **for_type(_T.Q6_K)))             # ql, qh grouped; the 16 int8 scales stay last
+    q8_bytes=(0, act8.Q6K_SCALES),              # ql, qh grouped; the 16 int8 scales stay last
+    **for_type(_T.Q6_K)))
