@@ -1,1 +1,1 @@
-"""Quantizing a GGUF: llama.cpp's per-tensor rules and writer, and the recipe search."""
+"""Making quantized GGUF files as llama.cpp does: ``quantize``, its importance matrix (``imatrix``)."""
