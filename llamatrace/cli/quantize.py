@@ -130,18 +130,19 @@ def _write(f, output: Path, types, ftype, weights, info, allow_requantize: bool)
 
 
 def _read_imatrix(path: Path, f):
-    """The importance matrix of ``path`` as llama-quantize uses it (tensor name → in_sum2 / counts per
-    column) and what the output records of it.
+    """The importance matrix of ``path`` as llama-quantize uses it (tensor name → mean squared input
+    per column, :func:`~llamatrace.quantize.writer.column_importances`) and what the output records of it.
 
     Raises:
         OptionError: the file cannot be read, or it names none of the model's tensors (another model's).
     """
-    from llamatrace.quantize.imatrix_file import read_imatrix
-    from llamatrace.quantize.writer import ImatrixInfo
-    im = read_imatrix(path)
-    weights = im.column_weights()
+    from llamatrace.quantize.imatrix_file import read_imatrix, read_imatrix_meta
+    from llamatrace.quantize.writer import ImatrixInfo, column_importances
+    with open(path, "rb") as fh:          # read_imatrix has checked it opens
+        legacy = fh.read(4) != b"GGUF"
+    weights = column_importances(read_imatrix(path), legacy=legacy)
+    meta = read_imatrix_meta(path)
     if not set(weights) & set(f.tensors):
         raise OptionError(f"--imatrix {str(path)!r}: none of its {plural(len(weights), 'entry', 'entries')} names a "
                           f"tensor of {f.path.name}: it was computed for another model")
-    dataset = im.datasets[0] if im.datasets else None
-    return weights, ImatrixInfo(str(path), dataset, len(weights), im.chunk_count)
+    return weights, ImatrixInfo(str(path), meta.datasets[0] if meta.datasets else None, len(weights), meta.chunk_count)

@@ -30,7 +30,7 @@ import numpy as np
 
 from llamatrace.errors import OptionError, OutputError
 from llamatrace.gguf.reader import GGUFFile, Tensor
-from llamatrace.quantize.rules import FileType, llama_order, n_dims
+from llamatrace.quantize.rules import FileType, category, llama_order, n_dims
 
 T = gguf.GGMLQuantizationType
 QUANTIZATION_VERSION = 2
@@ -72,7 +72,8 @@ class QuantizeSummary:
     bytes_out: int = 0
     n_elements: int = 0
     seconds: float = 0.0
-    no_imatrix: list[str] = field(default_factory=list)
+    no_imatrix: list[str] = field(default_factory=list)   # quantized without an entry (the embedding aside:
+                                                          # llama-imatrix never has one, it is no matmul)
 
     @property
     def bpw(self) -> float:
@@ -146,6 +147,26 @@ def output_metadata(base: GGUFFile, ftype: FileType, imatrix: ImatrixInfo | None
         if imatrix.n_chunks > 0:
             put("quantize.imatrix.chunks_count", imatrix.n_chunks, gguf.GGUFValueType.UINT32)
     return [(k, v, t, s) for k, (v, t, s) in kv.items()]
+
+
+def column_importances(entries: Mapping[str, tuple[np.ndarray, np.ndarray]], legacy: bool = False
+                       ) -> dict[str, np.ndarray]:
+    """What llama-quantize passes the quantizers (``load_imatrix`` in ``tools/quantize/quantize.cpp``):
+    per tensor, float32 ``[n_mat × n_in]`` = ``in_sum2 / count`` of each matrix, in float32; a
+    matrix that saw no token gets 1 (a legacy ``.dat`` entry with ``ncall`` 0 keeps its sums).
+
+    Args:
+        entries: :func:`llamatrace.quantize.imatrix_file.read_imatrix`'s ``{name: (in_sum2, counts)}``.
+        legacy: the entries come from a legacy ``.dat`` file.
+    """
+    out = {}
+    for name, (sums, counts) in entries.items():
+        sums = np.asarray(sums, np.float32).reshape(len(np.atleast_1d(counts)), -1)
+        counts = np.atleast_1d(counts).astype(np.float32).reshape(-1, 1)
+        seen = counts > 0
+        mean = np.divide(sums, counts, out=np.empty_like(sums), where=seen)
+        out[name] = np.where(seen, mean, sums if legacy else np.float32(1.0)).astype(np.float32).reshape(-1)
+    return out
 
 
 def _c_str127(text: str) -> str:
@@ -233,7 +254,7 @@ def quantize_gguf(base: GGUFFile, out: Path, types: Mapping[str, T], ftype: File
                 data = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
             else:
                 data = convert_tensor(t, dst, imatrix.get(name))
-                if imatrix and name not in imatrix and dst not in _FLOATS:
+                if imatrix and name not in imatrix and dst not in _FLOATS and category(name) != "token_embd":
                     summary.no_imatrix.append(name)
             writer.write_tensor_data(data)
             base.release(t)
