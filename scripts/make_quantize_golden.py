@@ -90,16 +90,40 @@ def quantize(base: Path, dest: Path, ftype: str, overrides, imatrix: dict | None
         sys.exit(f"error: llama_model_quantize({ftype}) returned {rc}")
 
 
-def describe(path: Path, base_kv: dict) -> dict:
-    """Per tensor [name, type, sha256 of its data]; metadata key order and the values that differ."""
+def describe(path: Path) -> dict:
+    """The file's sha256, its tensors' names and types and the sha256 of each one's data, its metadata."""
     r = gguf.GGUFReader(str(path))
-    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
     return {
         "file_sha256": sha256_file(path),
-        "tensors": [[t.name, t.tensor_type.name, hashlib.sha256(t.data.tobytes()).hexdigest()] for t in r.tensors],
-        "keys": list(kv),
-        "changed": {k: v for k, v in kv.items() if k not in base_kv or base_kv[k] != v},
+        "tensors": [(t.name, t.tensor_type.name, hashlib.sha256(t.data.tobytes()).hexdigest()) for t in r.tensors],
+        "kv": {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")},
     }
+
+
+def compact(base: dict, files: dict[str, tuple[tuple, dict]]) -> dict:
+    """The committed form: tensor names once (llama.cpp's order, the same in every file); per file its
+    types (space-separated, in that order), the metadata keys after the base's own and the values that
+    differ from the base's; the first 16 hex digits of each tensor's data sha256 once per (type,
+    with or without imatrix) — F32 tensors are the base's, copied."""
+    names = [n for n, _, _ in next(iter(files.values()))[1]["tensors"]]
+    base_keys = list(base["kv"])
+    hashes: dict[str, dict[str, str]] = {}
+    out_files = {}
+    for variant, ((ftype, overrides, with_imatrix), d) in files.items():
+        assert [n for n, _, _ in d["tensors"]] == names, variant
+        keys = list(d["kv"])
+        common = next((i for i, (a, b) in enumerate(zip(keys, base_keys)) if a != b), min(len(keys), len(base_keys)))
+        for name, type_name, sha in d["tensors"]:
+            if type_name != "F32":
+                table = hashes.setdefault(type_name + ("+imatrix" if with_imatrix else ""), {})
+                assert table.setdefault(name, sha[:16]) == sha[:16], (variant, name)
+        out_files[variant] = {
+            "type": ftype, "overrides": list(overrides), "imatrix": with_imatrix, "file_sha256": d["file_sha256"],
+            "types": " ".join(t for _, t, _ in d["tensors"]),
+            "keys_from": common, "keys_after": keys[common:],
+            "changed": {k: v for k, v in d["kv"].items() if k not in base["kv"] or base["kv"][k] != v},
+        }
+    return {"tensors": names, "base_keys": base_keys, "files": out_files, "hashes": hashes}
 
 
 def main() -> None:
@@ -109,24 +133,24 @@ def main() -> None:
         sys.exit(f"error: {src} not found: run `llamatrace pull` first")
     with tempfile.TemporaryDirectory() as tmp:
         base = make_f16_base(src, Path(tmp) / "base-f16.gguf")
-        base_kv = {k: f.contents() for k, f in gguf.GGUFReader(str(base)).fields.items() if not k.startswith("GGUF.")}
         imatrix = synthetic_imatrix(base)
         out = {"llama_cpp_python": llama_cpp.__version__, "source": SOURCE, "source_sha256": sha256_file(src),
-               "base_sha256": sha256_file(base), "imatrix_file": IMATRIX_FILE, "files": {}}
+               "base_sha256": sha256_file(base), "imatrix_file": IMATRIX_FILE}
         # llama.cpp's own F16 conversion of the Q4_1 file, for the record: equal to our base?
         theirs = Path(tmp) / "llama-f16.gguf"
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.nthread, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_F16, 2, True
         assert llama_cpp.llama_model_quantize(str(src).encode(), str(theirs).encode(), params) == 0
         out["llama_f16_from_q4_1_sha256"] = sha256_file(theirs)
+        files = {}
         for name, (ftype, overrides, with_imatrix) in VARIANTS.items():
             dest = Path(tmp) / f"{name}.gguf"
             quantize(base, dest, ftype, overrides, imatrix if with_imatrix else None)
-            out["files"][name] = {"type": ftype, "overrides": list(overrides), "imatrix": with_imatrix,
-                                  **describe(dest, base_kv)}
+            files[name] = ((ftype, overrides, with_imatrix), describe(dest))
             dest.unlink()
-            print(name, out["files"][name]["file_sha256"], flush=True)
-    GOLDEN.write_text(json.dumps(out, indent=None, separators=(",", ":")) + "\n", encoding="utf-8")
+            print(name, files[name][1]["file_sha256"], flush=True)
+        out.update(compact(describe(base), files))
+    GOLDEN.write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,16 @@ def imatrix(base) -> dict[str, np.ndarray]:
     return synthetic_imatrix(base)
 
 
+def _expected(entry) -> list[list[str]]:
+    """[[name, type], …] of a golden file, in its order."""
+    return [[n, t] for n, t in zip(GOLDEN["tensors"], entry["types"].split())]
+
+
+def _sha16(entry, name: str, type_name: str) -> str | None:
+    """llama.cpp's sha256 (16 hex digits) of tensor ``name``'s data in a golden file (None: F32, copied)."""
+    return GOLDEN["hashes"].get(type_name + ("+imatrix" if entry["imatrix"] else ""), {}).get(name)
+
+
 def _types(f, entry) -> dict:
     return tensor_types({n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()}, f.metadata,
                         entry["type"], [Override.parse(o) for o in entry["overrides"]], has_imatrix=entry["imatrix"])
@@ -56,7 +66,7 @@ def test_tensor_types_and_order_equal_llama_cpp(base, variant):
     entry = GOLDEN["files"][variant]
     with open_gguf(base) as f:
         ours = [[n, t.name] for n, t in _types(f, entry).items()]
-    assert ours == [[n, t] for n, t, _ in entry["tensors"]]
+    assert ours == _expected(entry)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -65,14 +75,15 @@ def test_tensor_bytes_equal_llama_cpp(base, imatrix, variant):
     entry = GOLDEN["files"][variant]
     differing = []
     with open_gguf(base) as f:
-        for name, type_name, sha in entry["tensors"]:
-            if not ALL and not name.startswith(SAMPLE):
+        for name, type_name in _expected(entry):
+            sha = _sha16(entry, name, type_name)
+            if sha is None or (not ALL and not name.startswith(SAMPLE)):
                 continue
             t = f.tensors[name]
             dst = T[type_name]
             data = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) if dst == t.tensor_type else \
                 convert_tensor(t, dst, imatrix.get(name) if entry["imatrix"] else None)
-            if hashlib.sha256(data.tobytes()).hexdigest() != sha:
+            if hashlib.sha256(data.tobytes()).hexdigest()[:16] != sha:
                 differing.append(f"{name} {type_name}")
             del data
     assert not differing, f"{len(differing)} tensors differ from llama.cpp's: {differing}"
@@ -105,8 +116,8 @@ def test_quantized_file_loads_and_keeps_the_metadata(base, tmp_path, capsys):
     code, _, err = run(capsys, "quantize", base, out, "--type", "q8_0", "--json")
     assert code == 0, err
     with open_gguf(out) as f:
-        assert f.keys() == entry["keys"]
-        assert {k: f.field(k) for k in entry["changed"]} == entry["changed"]
+        assert f.keys() == GOLDEN["base_keys"][:entry["keys_from"]] + entry["keys_after"]
+        assert {k: f.field(k) for k in entry["changed"]} == entry["changed"] == {"general.file_type": 7}
     ids = [504, 3458, 282, 4649, 314]           # "The capital of France is"
     q8, f16 = Llama.load(out), Llama.load(base)
     assert list(q8.generate(ids, max_tokens=4)) == list(f16.generate(ids, max_tokens=4))
@@ -130,15 +141,18 @@ def test_bad_input(base, smollm2_path, tmp_path, capsys):
 
 
 def test_unwritable_output_directory(base, tmp_path, capsys):
-    if os.geteuid() == 0:
-        pytest.skip("root writes into a read-only directory")
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    folder.chmod(0o555)
+    """A folder no file can be made in (/proc, also for root; a read-only folder otherwise)."""
+    folder = Path("/proc")
+    if os.geteuid() != 0:
+        folder = tmp_path / "ro"
+        folder.mkdir()
+        folder.chmod(0o555)
     try:
         assert_one_line_error(*run(capsys, "quantize", base, folder / "out.gguf", "--type", "Q8_0"), "not writable")
     finally:
-        folder.chmod(0o755)
+        if folder != Path("/proc"):
+            folder.chmod(0o755)
+    assert not (folder / "out.gguf").exists()
 
 
 def test_imatrix_of_another_model_is_refused(base, tmp_path):
