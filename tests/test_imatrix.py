@@ -103,3 +103,36 @@ def test_bad_input_is_one_error_line_and_writes_nothing(capsys, tiny_model_path,
                                "-o", tmp_path / "no" / "dir" / "x.gguf"), "does not exist")
     assert_one_line_error(*run(capsys, "imatrix", "-f", CORPUS, *model, "--workers", "0"), "--workers")
     assert list(tmp_path.iterdir()) == [tmp_path / "short.txt"]
+
+
+def test_process_output_and_the_sums_of_a_trace(capsys, tmp_path):
+    """--process-output on a model with its own output.weight; every sum equals the squares of the
+    stage a trace records (the recorder, not the hooks) over the same chunks."""
+    from gguf_factory import write_tiny_llama
+
+    from llamatrace.corpus.chunks import make_chunks, read_corpus
+    from llamatrace.model.llama import Llama
+    from llamatrace.quantize.imatrix import calibration_text
+    path = write_tiny_llama(tmp_path / "untied.gguf", tied=False)
+    out = tmp_path / "imatrix.gguf"
+    code, _, err = run(capsys, "imatrix", "-f", CORPUS, "-c", "32", "--chunks", "3", "-o", out, "--model", path,
+                       "--process-output")
+    assert code == 0, err
+    entries = read_imatrix(out)
+    assert len(entries) == 15 and entries["output.weight"][1].tolist() == [96]
+    model = Llama.load(path)
+    chunks = make_chunks(model.tokenizer, calibration_text(read_corpus(CORPUS)), 32, 3, model.config.max_seq_len)
+    feeds = {"attn_norm": "attn_v", "kqv_out": "attn_output", "ffn_norm": "ffn_up", "ffn_swiglu": "ffn_down"}
+    want: dict[str, np.ndarray] = {}
+    for i in range(3):
+        with model.trace(stages=[*feeds, "result_norm"], keep_arrays=True) as rec:
+            model.forward(chunks.chunk(i), 0, model.new_cache(32), all_logits=True)
+        for key, a in rec.arrays().items():
+            parts = key.split(".")                          # step0.layer1.kqv_out, step0.result_norm
+            name = "output.weight" if parts[-1] == "result_norm" else \
+                f"blk.{parts[1][len('layer'):]}.{feeds[parts[-1]]}.weight"
+            x = a.reshape(32, -1).astype(np.float64)
+            want[name] = want.get(name, 0) + (x * x).sum(axis=0)
+    assert len(want) == 9
+    for name, sums in want.items():
+        np.testing.assert_allclose(entries[name][0], sums, rtol=1e-6)
