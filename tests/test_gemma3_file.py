@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from cli_helpers import run
-from llamatrace.errors import UnsupportedModelError
 from llamatrace.gguf.fetch import known_model, sha256_file
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.text.chat import render_chat

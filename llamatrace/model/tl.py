@@ -434,8 +434,9 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
     fwd_hooks = [(_stage_for(s, model.config), fn) for s, fn in fwd_hooks]
     wanted = list(served) + [s for s, _ in fwd_hooks]
     if stop_at_layer is not None:
+        before_block_0 = ("inp_embd", "inp_scaled")
         late = [s.name for s in wanted if (s.layer if s.layer is not None else
-                                           (-1 if s.stage in ("inp_embd", "inp_scaled") else n_layers)) >= stop_at_layer]
+                                           (-1 if s.stage in before_block_0 else n_layers)) >= stop_at_layer]
         if late:
             raise OptionError(f"{', '.join(late[:3])} come after stop_at_layer={stop_at_layer}")
     by_stage: dict[tuple[str, int | None], list] = {}
