@@ -2,11 +2,12 @@
 ``scripts/make_quantize_golden.py``): the same tensor types, the same bytes, the same metadata.
 
 The F16 base is rebuilt from the cached default model (``tests/quantize_files.py``) and checked
-by sha256, so both sides quantize the same bytes. Costs (2 shared cores, loaded): the base ~5 s;
-the rules of every variant (all 272 tensors, no quantizing) < 1 s; the bytes of a sample of
-tensors per variant (every tensor of blocks 0 and 29 and the embedding: 19 of 272) ~1-3 s each;
-whole files through the CLI for Q4_K_M and Q4_0 with imatrix ~15 s each. Set
-``LLAMATRACE_QUANTIZE_ALL=1`` to compare every tensor of every variant (~3-5 min).
+by sha256, so both sides quantize the same bytes. Costs measured on 2 cores under a load of ~14
+(stress-ng and other sessions; warm Numba cache): the base ~5-10 s; the rules of all 24 variants
+(272 tensors each, no quantizing) ~1 s in all; the bytes of a sample per variant (every tensor of
+blocks 0 and 29 and the embedding: 19 of 272) 1-10 s each (~45 s in all); two whole files 17-30 s
+each; the imatrix file through the CLI ~20-30 s; loading the Q8_0 file ~10 s (3 min with a cold
+Numba cache). ``LLAMATRACE_QUANTIZE_ALL=1`` compares every tensor of every variant (9 min there).
 """
 
 from __future__ import annotations
@@ -175,3 +176,26 @@ def test_pattern_matching_nothing_is_a_warning(base, tmp_path, capsys):
     assert [ln for ln in err.splitlines() if ln.startswith("warning:")] == [
         "warning: --tensor-type attn_zz=q4_0: the pattern matches no tensor of base-f16.gguf"]
     assert out.exists()
+
+
+def test_imatrix_file_through_the_cli_equals_llama_cpp(base, imatrix, tmp_path, capsys):
+    """The synthetic imatrix written as llama.cpp's GGUF imatrix (sums = 4 × value, counts 4: the
+    division is exact) and read by ``--imatrix``: every tensor's data is llama.cpp's, and the
+    metadata records the file, its dataset, entries and chunks as llama-quantize does."""
+    from llamatrace.quantize.imatrix_file import ImatrixMeta, write_imatrix
+    entry = GOLDEN["files"]["Q4_0+imatrix"]
+    path = tmp_path / "synthetic.gguf"
+    write_imatrix(path, {n: (v * np.float32(4), np.array([4])) for n, v in imatrix.items()},
+                  ImatrixMeta(["calibration.txt"], 3, 256))
+    out = tmp_path / "out.gguf"
+    code, _, err = run(capsys, "quantize", base, out, "--type", "Q4_0", "--imatrix", path)
+    assert code == 0, err
+    with open_gguf(out) as f:
+        ours = [[n, t.tensor_type.name] for n, t in f.tensors.items()]
+        assert ours == _expected(entry)
+        differing = [n for n, type_name in ours if _sha16(entry, n, type_name) not in (
+            None, hashlib.sha256(np.ascontiguousarray(f.tensors[n].data).tobytes()).hexdigest()[:16])]
+        assert not differing, differing
+        assert {k: f.field(k) for k in f.keys() if k.startswith("quantize.")} == {
+            "quantize.imatrix.file": str(path), "quantize.imatrix.dataset": "calibration.txt",
+            "quantize.imatrix.entries_count": len(imatrix), "quantize.imatrix.chunks_count": 3}
