@@ -41,6 +41,12 @@ def base(smollm2_path, tmp_path_factory) -> Path:
     return path
 
 
+def test_f16_from_q4_1_equals_llama_cpp(base):
+    """The base is also what llama.cpp writes for ``llama-quantize --allow-requantize Q4_1.gguf OUT F16``:
+    our Q4_1 dequantization and float16 rounding are ggml's, byte for byte."""
+    assert sha256_file(base) == GOLDEN["llama_f16_from_q4_1_sha256"]
+
+
 @pytest.fixture(scope="module")
 def imatrix(base) -> dict[str, np.ndarray]:
     return synthetic_imatrix(base)
