@@ -7,7 +7,7 @@ by sha256, so both sides quantize the same bytes. Costs measured on 2 cores unde
 (272 tensors each, no quantizing) ~1 s in all; the bytes of a sample per variant (every tensor of
 blocks 0 and 29 and the embedding: 19 of 272) 1-10 s each (~45 s in all); two whole files 17-30 s
 each; the imatrix file through the CLI ~20-30 s; loading the Q8_0 file ~10 s (3 min with a cold
-Numba cache). ``LLAMATRACE_QUANTIZE_ALL=1`` compares every tensor of every variant (9 min there).
+Numba cache); the 23 awkward files (a 2-layer model) <1 s each. ``LLAMATRACE_QUANTIZE_ALL=1`` compares every tensor of every variant (9 min there).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, run
-from quantize_files import golden, make_f16_base, synthetic_imatrix
+from quantize_files import golden, make_awkward_base, make_f16_base, synthetic_imatrix
 
 from llamatrace.gguf.fetch import sha256_file
 from llamatrace.gguf.reader import open_gguf
@@ -205,3 +205,26 @@ def test_imatrix_file_through_the_cli_equals_llama_cpp(base, imatrix, tmp_path, 
         assert {k: f.field(k) for k in f.keys() if k.startswith("quantize.")} == {
             "quantize.imatrix.file": str(path), "quantize.imatrix.dataset": "calibration.txt",
             "quantize.imatrix.entries_count": len(imatrix), "quantize.imatrix.chunks_count": 3}
+
+
+@pytest.fixture(scope="module")
+def awkward(tmp_path_factory) -> Path:
+    path = make_awkward_base(tmp_path_factory.mktemp("awkward") / "awkward-f32.gguf")
+    assert sha256_file(path) == GOLDEN["awkward"]["base_sha256"], "not the awkward file the golden was made from"
+    return path
+
+
+@pytest.mark.parametrize("variant", list(GOLDEN["awkward"]["files"]))
+def test_awkward_rows_give_llama_cpps_file(awkward, variant, tmp_path):
+    """A random F32 llama with an all-zero block, a huge value, denormals and a constant row in every
+    matrix, rows of 256 and 288, an untied output: each file type (and with an imatrix) is
+    llama.cpp's file, sha256 for sha256."""
+    ftype, with_imatrix = variant.split("+")[0], variant.endswith("+imatrix")
+    imatrix = synthetic_imatrix(awkward) if with_imatrix else None
+    out = tmp_path / "out.gguf"
+    with open_gguf(awkward) as f:
+        types = tensor_types({n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()},
+                             f.metadata, ftype, has_imatrix=with_imatrix)
+        quantize_gguf(f, out, types, file_type(ftype), imatrix=imatrix, imatrix_info=None if imatrix is None else
+                      ImatrixInfo(GOLDEN["imatrix_file"], None, len(imatrix), 0))
+    assert sha256_file(out) == GOLDEN["awkward"]["files"][variant]
