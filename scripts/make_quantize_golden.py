@@ -29,7 +29,7 @@ import llama_cpp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-from quantize_files import GOLDEN, make_f16_base, synthetic_imatrix  # noqa: E402
+from quantize_files import GOLDEN, make_awkward_base, make_f16_base, synthetic_imatrix  # noqa: E402
 
 from llamatrace.gguf.fetch import sha256_file  # noqa: E402
 
@@ -43,6 +43,13 @@ VARIANTS.update({
     **{f"{n}+imatrix": (n, (), True) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M",
                                                 "Q5_K_M", "Q6_K")},
 })
+AWKWARD = {name: (name, (), False) for name in (
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
+    "Q5_K_S", "Q5_K_M", "Q6_K")}
+AWKWARD.update({f"{n}+imatrix": (n, (), True) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M",
+                                                          "Q5_K_M", "Q6_K")})
+"""The same file types on ``make_awkward_base``'s file (all-zero blocks, a huge value, denormals, constant
+rows, rows of 256 and 288): only each whole file's sha256 is recorded."""
 IMATRIX_FILE = "synthetic.imatrix"
 """What ``quantize.imatrix.file`` records for the imatrix variants (both sides pass this string)."""
 
@@ -150,6 +157,14 @@ def main() -> None:
             dest.unlink()
             print(name, files[name][1]["file_sha256"], flush=True)
         out.update(compact(describe(base), files))
+        awkward = make_awkward_base(Path(tmp) / "awkward-f32.gguf")
+        awkward_imatrix = synthetic_imatrix(awkward)
+        out["awkward"] = {"base_sha256": sha256_file(awkward), "files": {}}
+        for name, (ftype, overrides, with_imatrix) in AWKWARD.items():
+            dest = Path(tmp) / f"awkward-{name}.gguf"
+            quantize(awkward, dest, ftype, overrides, awkward_imatrix if with_imatrix else None)
+            out["awkward"]["files"][name] = sha256_file(dest)
+            dest.unlink()
     GOLDEN.write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
 
 

@@ -5,13 +5,12 @@ dependency), e.g. ``/opt/lcpp/venv/bin/python scripts/requantize_kquants.py``. R
 ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the llamatrace model cache (``$LLAMATRACE_CACHE_DIR`` or
 ``~/.cache/llamatrace``) and writes, beside it, one file per entry of :data:`FILES` (requantized:
 ``allow_requantize``), then prints each file's sha256 and tensor-type counts. After a change,
-record the tensor map that ``tests/kquant_files.py`` (the CI rebuild without llama.cpp) follows:
-``PYTHONPATH=. python tests/kquant_files.py record``, and update the sha256s in
-``tests/golden/make_golden.py`` and the goldens.
+update the sha256s in ``tests/golden/make_golden.py`` and the goldens; ``tests/kquant_files.py``
+(the CI rebuild without llama.cpp: ``llamatrace quantize``'s writer) must still give those bytes.
 
 SmolLM2's width 576 is not a multiple of 256, so llama.cpp keeps K-quants for ``ffn_down``
 (n_in 1536) and falls back elsewhere (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0,
-Q2_K / Q3_K -> IQ4_NL).
+Q2_K / Q3_K -> Q4_0).
 """
 
 from __future__ import annotations

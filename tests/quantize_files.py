@@ -9,6 +9,9 @@ rebuilt here, in CI, from the cached default model:
   to float16 (nearest even), the norms kept F32, ``general.file_type`` = 1 (MOSTLY_F16): what
   ``llamatrace quantize Q4_1.gguf base.gguf --type F16 --allow-requantize`` writes. Its sha256 is
   in the golden JSON (``base.sha256``) and checked.
+- :func:`make_awkward_base`: a random 2-layer llama in F32 whose rows are 256 wide (K types fit)
+  and 288 wide (``ffn_down``: they do not), with an untied output, and awkward rows written into
+  every matrix: an all-zero block, one huge value, denormals, a constant row.
 - :func:`synthetic_imatrix`: column importances for every matrix, from a closed formula (exact in
   float32, no random generator whose stream could change), so that the imatrix paths of every
   quantizer are compared without committing a matrix of 130 000 values.
@@ -39,6 +42,35 @@ def make_f16_base(source: Path, dest: Path) -> Path:
         types = tensor_types({n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()},
                              f.metadata, "F16")
         quantize_gguf(f, dest, types, FILE_TYPES["F16"], allow_requantize=True)
+    return dest
+
+
+def make_awkward_base(dest: Path) -> Path:
+    """Write the awkward F32 base (see the module docstring) at ``dest``."""
+    import gguf
+    from gguf_factory import T, write_tiny_llama
+    tiny = write_tiny_llama(dest.with_name(dest.name + ".tiny"), qtype=T.F32, dim=256, hidden_dim=288,
+                            n_heads=4, n_kv_heads=2, tied=False, seed=35)
+    r = gguf.GGUFReader(str(tiny))
+    w = gguf.GGUFWriter(str(dest), arch=r.fields["general.architecture"].contents())
+    w.kv_data = [{}]
+    for key, field in r.fields.items():
+        if not key.startswith("GGUF."):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in r.tensors:
+        x = np.array(t.data, dtype=np.float32)
+        if x.ndim == 2 and x.shape[0] >= 4:
+            x[0, :32] = 0.0                                   # an all-zero block
+            x[1, 5] = 1.0e5                                   # one huge value (its scales overflow fp16)
+            x[2, :] = np.where(np.arange(x.shape[1]) % 3, 3.0e-41, -1.0e-40)     # denormals
+            x[3, :] = 0.125                                   # a constant row
+        w.add_tensor(t.name, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tiny.unlink()
     return dest
 
 

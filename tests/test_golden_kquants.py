@@ -4,14 +4,13 @@ The six files are made by ``scripts/requantize_kquants.py`` (llama.cpp's quantiz
 separate venv) into the user cache; golden files by ``tests/golden/make_golden.py --variant``
 (HF transformers, fp32, same file). Model files are never committed and CI has no llama.cpp:
 when a file is not in the user cache, ``tests/kquant_files.py`` rebuilds it from the default
-model with ggml's reference quantizers (compiled from the llama-cpp-python sdist with gcc),
-byte for byte: the sha256 must be the one the goldens were made from.
+model with ``llamatrace quantize``'s rules and writer, byte for byte: the sha256 must be the one
+the goldens were made from.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +35,6 @@ def variant(request, smollm2_path):
     gold = json.loads((GOLDEN / f"smollm2_{name}_golden.json").read_text(encoding="utf-8"))
     path = cache_dir() / f"SmolLM2-135M-Instruct.{name}.gguf"
     if not path.is_file():
-        if shutil.which("gcc") is None:
-            pytest.skip(f"{path.name} is not in the cache and rebuilding it needs gcc")
         path.parent.mkdir(parents=True, exist_ok=True)
         rebuild(name, smollm2_path, path)
     assert sha256_file(path) == gold["model_sha256"], f"{path} is not the file the goldens were made from"

@@ -2,11 +2,12 @@
 ``scripts/make_quantize_golden.py``): the same tensor types, the same bytes, the same metadata.
 
 The F16 base is rebuilt from the cached default model (``tests/quantize_files.py``) and checked
-by sha256, so both sides quantize the same bytes. Costs (2 shared cores, loaded): the base ~5 s;
-the rules of every variant (all 272 tensors, no quantizing) < 1 s; the bytes of a sample of
-tensors per variant (every tensor of blocks 0 and 29 and the embedding: 19 of 272) ~1-3 s each;
-whole files through the CLI for Q4_K_M and Q4_0 with imatrix ~15 s each. Set
-``LLAMATRACE_QUANTIZE_ALL=1`` to compare every tensor of every variant (~3-5 min).
+by sha256, so both sides quantize the same bytes. Costs measured on 2 cores under a load of ~14
+(stress-ng and other sessions; warm Numba cache): the base ~5-10 s; the rules of all 24 variants
+(272 tensors each, no quantizing) ~1 s in all; the bytes of a sample per variant (every tensor of
+blocks 0 and 29 and the embedding: 19 of 272) 1-10 s each (~45 s in all); two whole files 17-30 s
+each; the imatrix file through the CLI ~20-30 s; loading the Q8_0 file ~10 s (3 min with a cold
+Numba cache); the 23 awkward files (a 2-layer model) <1 s each. ``LLAMATRACE_QUANTIZE_ALL=1`` compares every tensor of every variant (9 min there).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import gguf
 import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, run
-from quantize_files import golden, make_f16_base, synthetic_imatrix
+from quantize_files import golden, make_awkward_base, make_f16_base, synthetic_imatrix
 
 from llamatrace.gguf.fetch import sha256_file
 from llamatrace.gguf.reader import open_gguf
@@ -38,6 +39,12 @@ def base(smollm2_path, tmp_path_factory) -> Path:
     path = make_f16_base(smollm2_path, tmp_path_factory.mktemp("quantize") / "base-f16.gguf")
     assert sha256_file(path) == GOLDEN["base_sha256"], "the F16 base is not the one the golden files were made from"
     return path
+
+
+def test_f16_from_q4_1_equals_llama_cpp(base):
+    """The base is also what llama.cpp writes for ``llama-quantize --allow-requantize Q4_1.gguf OUT F16``:
+    our Q4_1 dequantization and float16 rounding are ggml's, byte for byte."""
+    assert sha256_file(base) == GOLDEN["llama_f16_from_q4_1_sha256"]
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +182,49 @@ def test_pattern_matching_nothing_is_a_warning(base, tmp_path, capsys):
     assert [ln for ln in err.splitlines() if ln.startswith("warning:")] == [
         "warning: --tensor-type attn_zz=q4_0: the pattern matches no tensor of base-f16.gguf"]
     assert out.exists()
+
+
+def test_imatrix_file_through_the_cli_equals_llama_cpp(base, imatrix, tmp_path, capsys):
+    """The synthetic imatrix written as llama.cpp's GGUF imatrix (sums = 4 × value, counts 4: the
+    division is exact) and read by ``--imatrix``: every tensor's data is llama.cpp's, and the
+    metadata records the file, its dataset, entries and chunks as llama-quantize does."""
+    from llamatrace.quantize.imatrix_file import ImatrixMeta, write_imatrix
+    entry = GOLDEN["files"]["Q4_0+imatrix"]
+    path = tmp_path / "synthetic.gguf"
+    write_imatrix(path, {n: (v * np.float32(4), np.array([4])) for n, v in imatrix.items()},
+                  ImatrixMeta(["calibration.txt"], 3, 256))
+    out = tmp_path / "out.gguf"
+    code, _, err = run(capsys, "quantize", base, out, "--type", "Q4_0", "--imatrix", path)
+    assert code == 0, err
+    with open_gguf(out) as f:
+        ours = [[n, t.tensor_type.name] for n, t in f.tensors.items()]
+        assert ours == _expected(entry)
+        differing = [n for n, type_name in ours if _sha16(entry, n, type_name) not in (
+            None, hashlib.sha256(np.ascontiguousarray(f.tensors[n].data).tobytes()).hexdigest()[:16])]
+        assert not differing, differing
+        assert {k: f.field(k) for k in f.keys() if k.startswith("quantize.")} == {
+            "quantize.imatrix.file": str(path), "quantize.imatrix.dataset": "calibration.txt",
+            "quantize.imatrix.entries_count": len(imatrix), "quantize.imatrix.chunks_count": 3}
+
+
+@pytest.fixture(scope="module")
+def awkward(tmp_path_factory) -> Path:
+    path = make_awkward_base(tmp_path_factory.mktemp("awkward") / "awkward-f32.gguf")
+    assert sha256_file(path) == GOLDEN["awkward"]["base_sha256"], "not the awkward file the golden was made from"
+    return path
+
+
+@pytest.mark.parametrize("variant", list(GOLDEN["awkward"]["files"]))
+def test_awkward_rows_give_llama_cpps_file(awkward, variant, tmp_path):
+    """A random F32 llama with an all-zero block, a huge value, denormals and a constant row in every
+    matrix, rows of 256 and 288, an untied output: each file type (and with an imatrix) is
+    llama.cpp's file, sha256 for sha256."""
+    ftype, with_imatrix = variant.split("+")[0], variant.endswith("+imatrix")
+    imatrix = synthetic_imatrix(awkward) if with_imatrix else None
+    out = tmp_path / "out.gguf"
+    with open_gguf(awkward) as f:
+        types = tensor_types({n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()},
+                             f.metadata, ftype, has_imatrix=with_imatrix)
+        quantize_gguf(f, out, types, file_type(ftype), imatrix=imatrix, imatrix_info=None if imatrix is None else
+                      ImatrixInfo(GOLDEN["imatrix_file"], None, len(imatrix), 0))
+    assert sha256_file(out) == GOLDEN["awkward"]["files"][variant]

@@ -12,12 +12,12 @@ import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_bar, stdout
 from llamatrace.cli.options import ThreadsOpt
-from llamatrace.errors import OptionError
+from llamatrace.errors import LlamatraceError, OptionError
 
 
 @app.command()
 def quantize(
-    base: Annotated[Path, typer.Argument(help="The model to quantize: a GGUF file in F32, F16, BF16 or Q8_0 "
+    base: Annotated[Path, typer.Argument(metavar="BASE", help="The model to quantize: a GGUF file in F32, F16, BF16 or Q8_0 "
                                          "(another quantized file needs --allow-requantize).", show_default=False)],
     output: Annotated[Path, typer.Argument(metavar="OUT", help="The GGUF file to write (replaced if it exists; "
                                            "written under a temporary name and renamed when complete).",
@@ -39,7 +39,7 @@ def quantize(
                     "default type, without llama.cpp's mix (as llama-quantize --pure); --tensor-type still applies.")] = False,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (every tensor's "
-                                           "types and bytes) instead of the summary.")] = False,
+                                           "type, the fallbacks, sizes, bits per weight) instead of the summary.")] = False,
 ) -> None:
     """Quantize a GGUF model as llama.cpp's llama-quantize does: the same tensor types, bytes and metadata.
 
@@ -52,7 +52,7 @@ def quantize(
 
       llamatrace quantize SmolLM2-135M-F16.gguf SmolLM2-Q4_K_M.gguf --type Q4_K_M
 
-      llamatrace quantize model-f16.gguf model-q4.gguf --type Q4_K_M --tensor-type attn_v=q8_0 --tensor-type 'blk\\.[0-3]\\.ffn_down=q6_k'
+      llamatrace quantize model-f16.gguf model-q4.gguf --type Q4_K_M --tensor-type attn_v=q8_0 --tensor-type 'blk.[0-3].ffn_down=q6_k'
 
       llamatrace quantize model-f16.gguf model-q3.gguf --type Q3_K_M --imatrix imatrix.gguf --json
     """
@@ -69,7 +69,7 @@ def quantize(
         from llamatrace.kernels import threads as kernel_threads
         try:
             kernel_threads.set_threads(threads)
-        except ValueError as exc:
+        except (ValueError, LlamatraceError) as exc:
             raise OptionError(f"--threads {threads}: {exc}") from None
     with open_gguf(base) as f:
         weights, info = _read_imatrix(imatrix, f) if imatrix is not None else (None, None)
