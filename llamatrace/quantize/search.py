@@ -618,3 +618,17 @@ def stock_like(groups: Iterable[Group], types: dict[str, T], budget: Budget, sto
         delta = store.delta.get(g.name, {}).get(t.name, math.nan)
         choices.append(Choice(g, t, g.bytes(t), delta, dict(store.delta.get(g.name, {}))))
     return Recipe(choices, budget, base_kld, "stock")
+
+
+def measured_kld(base_model, model, chunks) -> "KLDStats":
+    """``llama-perplexity --kl-divergence`` statistics of ``model`` against ``base_model`` (both loaded)
+    on ``chunks`` (:class:`llamatrace.corpus.chunks.Chunks`): the base's rows are made in memory,
+    then :func:`llamatrace.corpus.perplexity.kl_divergence`'s per-token arithmetic."""
+    from llamatrace.corpus.metrics import KLDStats
+    from llamatrace.corpus.perplexity import ChunkJob, score_chunk
+    parts = []
+    for i in range(chunks.n_chunk):
+        job = ChunkJob(chunks.chunk(i), chunks.targets(i), chunks.first, "base")
+        _, rows = score_chunk(base_model, job)
+        parts.append(score_chunk(model, ChunkJob(job.ids, job.targets, job.first, "kld", rows)))
+    return KLDStats.from_tokens(parts)
