@@ -58,10 +58,12 @@ void ggml_abort(const char * file, int line, const char * fmt, ...) {
 """
 
 
-def ggml_quants_library() -> ctypes.CDLL:
-    """ggml-quants.c from the sdist, compiled once with gcc into the user cache."""
+def ggml_quants_library(release: bool = False) -> ctypes.CDLL:
+    """ggml-quants.c from the sdist, compiled once with gcc into the user cache. ``release``:
+    with ``-DNDEBUG`` as llama.cpp's release build (``llama-quantize``), whose ``nearest_int``
+    does not assert on the inf/NaN that denormal or infinite blocks reach."""
     folder = cache_root() / "ggml-quants-0.3.36"
-    lib = folder / "libggml_quants.so"
+    lib = folder / ("libggml_quants_release.so" if release else "libggml_quants.so")
     if not lib.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         with tarfile.open(sdist_path()) as tar:
@@ -76,8 +78,8 @@ def ggml_quants_library() -> ctypes.CDLL:
             blck[int(t)], size[int(t)] = str(b), str(s)
         stubs = folder / "stubs.c"
         stubs.write_text(_STUBS % {"blck": ", ".join(blck), "size": ", ".join(size)})
-        tmp = folder / "libggml_quants.so.tmp"
-        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-std=c11", f"-I{root}/include", f"-I{root}/src",
+        tmp = lib.with_name(lib.name + ".tmp")
+        subprocess.run(["gcc", "-O2", *(["-DNDEBUG"] if release else []), "-shared", "-fPIC", "-std=c11", f"-I{root}/include", f"-I{root}/src",
                         f"-I{root}/src/ggml-cpu", str(root / "src/ggml-quants.c"), str(stubs), "-lm",
                         "-o", str(tmp)], check=True, capture_output=True)
         tmp.replace(lib)

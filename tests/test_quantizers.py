@@ -1,0 +1,116 @@
+"""The quantizers (llamatrace.kernels.quantizers) write ggml's bytes.
+
+The reference is ggml's own ``quantize_<type>`` (what ``ggml_quantize_chunk`` calls, with and
+without an importance matrix), compiled from llama-cpp-python's sdist with ``-DNDEBUG`` as
+llama.cpp's release build is (:func:`kquant_files.ggml_quants_library`); gguf-py's
+``quants.quantize`` is a second reference for the legacy types without an imatrix.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+from kquant_files import ggml_quants_library
+
+from llamatrace.kernels.quantizers import QUANTIZABLE, quantize_rows, quantize_rows_np
+
+T = gguf.GGMLQuantizationType
+LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
+K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+IMPLS = {"numba": quantize_rows, "numpy": quantize_rows_np}
+CASES = ("gaussian", "zero_blocks", "huge", "denormal", "constant", "negative", "short_rows")
+
+
+def ggml_quantize(t: T, x: np.ndarray, imatrix: np.ndarray | None) -> np.ndarray:
+    """ggml's ``quantize_<type>(src, dst, nrow, n_per_row, imatrix)`` -> uint8 [n_rows, row_bytes]."""
+    fn = getattr(ggml_quants_library(release=True), "quantize_" + t.name.lower().replace("_k", "_K"))
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = ctypes.c_size_t
+    block, nbytes = gguf.GGML_QUANT_SIZES[t]
+    out = np.zeros((x.shape[0], x.shape[1] // block * nbytes), np.uint8)
+    written = fn(x.ctypes.data, out.ctypes.data, x.shape[0], x.shape[1],
+                 None if imatrix is None else imatrix.ctypes.data)
+    assert written == out.nbytes
+    return out
+
+
+def rows(case: str, t: T) -> np.ndarray:
+    """float32 [n_rows, n_per_row] test rows; ``short_rows``: n_per_row not a multiple of 256
+    (5 blocks of 32) for the legacy types."""
+    rng = np.random.default_rng(sum(map(ord, case)))
+    n = 160 if case == "short_rows" and t in LEGACY else 512
+    x = rng.standard_normal((6, n)).astype(np.float32)
+    if case == "zero_blocks":
+        x[0] = 0
+        x[1, :256] = 0
+        x[2, 32:64] = 0
+        x[3, 16:32] = 0                                  # a K-quant sub-block of 16
+        x[4, ::2] = 0
+    elif case == "huge":
+        x[0, 5] = 1e8                                    # d overflows fp16
+        x[1, 40] = -3e4
+        x[2, 300] = 6e4
+        x[3] *= 1e-3
+        x[3, 0] = 1e6
+    elif case == "denormal":
+        x *= np.float32(1e-39)                           # 1/d is inf, x*id inf or NaN
+        x[1] *= np.float32(1e-3)
+        x[2, :256] = np.float32(1e-44)
+    elif case == "constant":
+        x[:3] = 0.5
+        x[3:] = -2.0
+    elif case == "negative":
+        x = -np.abs(x)
+    return np.ascontiguousarray(x)
+
+
+def importance(n: int) -> np.ndarray:
+    """A positive imatrix with some zero columns (columns no token used)."""
+    qw = np.random.default_rng(7).gamma(1.0, 2.0, n).astype(np.float32)
+    qw[::37] = 0
+    return qw
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("with_imatrix", [False, True], ids=["ref", "imatrix"])
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("t", LEGACY + K_TYPES, ids=lambda t: t.name)
+def test_bytes_equal_ggml(t, case, with_imatrix, impl):
+    x = rows(case, t)
+    qw = importance(x.shape[1]) if with_imatrix else None
+    want = ggml_quantize(t, x, qw)
+    got = IMPLS[impl](t, x, qw)
+    assert got.dtype == np.uint8 and got.shape == want.shape
+    block_bytes = gguf.GGML_QUANT_SIZES[t][1]
+    differ = (got.reshape(-1, block_bytes) != want.reshape(-1, block_bytes)).any(axis=1)
+    assert not differ.any(), f"{differ.sum()} of {differ.size} blocks differ, first {np.flatnonzero(differ)[:5]}"
+
+
+@pytest.mark.parametrize("case", ("gaussian", "zero_blocks", "huge", "constant", "negative", "short_rows"))
+@pytest.mark.parametrize("t", LEGACY, ids=lambda t: t.name)
+def test_legacy_equal_gguf_py(t, case):
+    x = rows(case, t)
+    np.testing.assert_array_equal(quantize_rows(t, x), gguf.quants.quantize(x, t))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_shapes(impl):
+    quantize = IMPLS[impl]
+    x = np.zeros((2, 96), np.float32)
+    with pytest.raises(ValueError, match="n_per_row 96 is not a multiple of its block size 256"):
+        quantize(T.Q4_K, x)
+    with pytest.raises(ValueError, match="n_per_row 40 is not a multiple of its block size 32"):
+        quantize(T.Q8_0, np.zeros((2, 40), np.float32))
+    with pytest.raises(ValueError, match="2-D"):
+        quantize(T.Q4_0, np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match="imatrix shape"):
+        quantize(T.Q4_0, x, np.ones(64, np.float32))
+    with pytest.raises(ValueError, match="cannot quantize to F16"):
+        quantize(T.F16, x)
+
+
+def test_every_type_served():
+    assert set(QUANTIZABLE) == set(LEGACY + K_TYPES)
