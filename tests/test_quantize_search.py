@@ -198,3 +198,24 @@ def test_tiny_search_end_to_end(tiny_base, tmp_path):
     assert recipe.predicted_kld == pytest.approx(measured, rel=0.5)
     assert S.Measurements.open(tmp_path / "m.json", {"t": 1}).delta == store.delta      # resumable
     assert S.Measurements.open(tmp_path / "m.json", {"t": 2}).delta == {}              # other options: afresh
+
+
+def test_search_resumes_and_its_tensor_type_args_name_every_choice(tiny_base, tmp_path):
+    """search() end to end on text; its --tensor-type patterns, read as llama-quantize reads them
+    (the first pattern found in the name wins), give every tensor the recipe's type."""
+    import re
+    text = "the keeper of the north light walked along the shore and counted the ships. " * 40
+    with Llama.load(tiny_base) as model:
+        kwargs = dict(target_bpw=6.0, candidates=[T.Q4_0, T.Q5_1, T.Q8_0], quantize=ggml_quantize_rows,
+                      n_ctx=32, n_chunks=2, mode="probe", measurements=tmp_path / "m.json")
+        done = []
+        recipe, store = S.search(model, text, progress=lambda d, n, s: done.append(d), **kwargs)
+        assert len(done) == len(recipe.choices) == 16
+        again, _ = S.search(model, text, progress=lambda d, n, s: done.append(-d), **kwargs)
+        assert len(done) == 16 and again.types == recipe.types          # resumed: nothing measured twice
+        names = list(model.file.tensors)
+    assert recipe.total_bytes <= recipe.budget.limit
+    patterns = [(re.compile(a.split("=")[0].lower()), T[a.split("=")[1].upper()]) for a in recipe.tensor_type_args()]
+    for name in names:
+        hit = next((t for p, t in patterns if p.search(name)), None)
+        assert hit == recipe.types.get(name), name

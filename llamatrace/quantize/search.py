@@ -632,3 +632,43 @@ def measured_kld(base_model, model, chunks) -> "KLDStats":
         _, rows = score_chunk(base_model, job)
         parts.append(score_chunk(model, ChunkJob(job.ids, job.targets, job.first, "kld", rows)))
     return KLDStats.from_tokens(parts)
+
+
+def search(model, calibration_text: str, *, target_bpw: float | None = None, target_size: int | None = None,
+           candidates: Sequence[T], quantize: Quantizer, imatrix: dict[str, np.ndarray] | None = None,
+           n_ctx: int = 512, n_chunks: int | None = None, mode: str = "probe",
+           measurements: Path | None = None,
+           progress: Callable[[int, int, float], None] | None = None) -> tuple[Recipe, Measurements]:
+    """Measure (resuming from ``measurements``) and allocate: the recipe for a loaded base ``model``.
+
+    Args:
+        model: the base (:class:`llamatrace.model.llama.Llama`), F32/F16/BF16/Q8_0; its weights are
+            swapped while measuring and restored, but its fused q/k/v and gate/up stay split.
+        calibration_text: the text the ΔKLD are measured on (cut as ``llama-perplexity`` cuts it).
+        target_bpw, target_size: the budget (:func:`make_budget`).
+        candidates: the types asked for (each group gets them after llama.cpp's fallback).
+        quantize, imatrix: as :class:`Measurer`.
+        n_ctx, n_chunks: the chunks of ``calibration_text`` (``--ctx-size``, ``--chunks``).
+        mode: ``"probe"`` or ``"all"`` (:func:`measure_groups`).
+        measurements: a JSON file of measured groups, read if it matches and written after each group.
+        progress: ``progress(done, total, seconds)`` after each measured group.
+
+    Raises:
+        OptionError, PromptError: bad options, a text too short for two chunks, a budget below the
+            cheapest candidates.
+        UnsupportedModelError: a model the search does not handle (:func:`make_groups`).
+    """
+    import hashlib
+
+    from llamatrace.corpus.chunks import make_chunks
+    groups = make_groups(model.file, model.config.n_layers, candidates)
+    budget = make_budget(model.file, groups, target_bpw, target_size)
+    chunks = make_chunks(model.tokenizer, calibration_text, n_ctx, n_chunks, model.config.max_seq_len)
+    key = {"base": Path(model.path).name, "base_bytes": Path(model.path).stat().st_size, "n_ctx": n_ctx,
+           "n_chunk": chunks.n_chunk, "mode": mode, "activations": model.activations,
+           "text": hashlib.sha256(chunks.tokens[:chunks.n_chunk * n_ctx].tobytes()).hexdigest(),
+           "imatrix": sorted(imatrix) if imatrix else None}
+    store = Measurements.open(measurements, key)
+    measurer = Measurer(model, Calibration.from_chunks(chunks), quantize, imatrix)
+    measure_groups(measurer, groups, store, mode, progress)
+    return choose(groups, store, budget, measurer.base_kld, mode), store
