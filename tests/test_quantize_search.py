@@ -219,3 +219,38 @@ def test_search_resumes_and_its_tensor_type_args_name_every_choice(tiny_base, tm
     for name in names:
         hit = next((t for p, t in patterns if p.search(name)), None)
         assert hit == recipe.types.get(name), name
+
+
+CORPUS = __import__("pathlib").Path(__file__).parent / "golden" / "corpus.txt"
+
+
+def test_cli_writes_the_recipe_and_reports_it(tiny_base, tmp_path, capsys):
+    import json
+
+    from cli_helpers import run
+    out = tmp_path / "out.gguf"
+    code, stdout, _ = run(capsys, "quantize", tiny_base, out, "--target-bpw", "6", "-f", CORPUS, "--ctx-size", 32,
+                          "--chunks", 2, "--candidates", "Q4_0,Q5_0,Q8_0", "--verify-file", CORPUS, "--json")
+    assert code == 0
+    doc = json.loads(stdout)
+    recipe = doc["recipe"]
+    reader = gguf.GGUFReader(str(out))
+    written = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert {g["group"] + ".weight": g["type"] for g in recipe["groups"]}.items() <= written.items()
+    data = sum(int(t.n_bytes) for t in reader.tensors)
+    assert data == recipe["bytes"] and 8 * data / sum(int(t.n_elements) for t in reader.tensors) <= 6.0
+    assert doc["measured"]["calibration"]["mean_kld"] > 0
+    assert (tmp_path / "out.gguf.measurements.json").is_file()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--target-bpw", "6"], "-f TEXT"),
+    (["-f", CORPUS], "--target-bpw"),
+    (["-f", CORPUS, "--target-bpw", "6", "--candidates", "Q4_Z"], "Q4_Z"),
+    (["-f", CORPUS, "--target-bpw", "2", "--ctx-size", "32", "--candidates", "Q4_0"], "below the smallest file"),
+])
+def test_cli_bad_input_is_one_error_line(tiny_base, tmp_path, capsys, args, needle):
+    from cli_helpers import assert_one_line_error, run
+    out = tmp_path / "out.gguf"
+    assert_one_line_error(*run(capsys, "quantize", tiny_base, out, *args), needle)
+    assert not out.exists()
