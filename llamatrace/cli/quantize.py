@@ -33,7 +33,7 @@ def quantize(
                        "cheapest candidate and scale the others by their local error (one run a group); all: "
                        "run every candidate.")] = "probe",
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per calibration chunk; the second "
-                        "half of each is scored.")] = 512,
+                        "half of each chunk is scored.")] = 512,
     chunks: Annotated[Optional[int], typer.Option("--chunks", help="Use at most N calibration chunks.",
                                                   show_default=False)] = None,
     verify_file: Annotated[Optional[Path], typer.Option("--verify-file", help="Held-out text: after writing "
