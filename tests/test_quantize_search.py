@@ -77,14 +77,6 @@ def test_allocate_refuses_a_budget_below_the_cheapest():
         S.allocate([[5, 9], [4]], [[1.0, 0.0], [0.0]], 8)
 
 
-def test_fallback_types_are_llama_cpps():
-    # src/llama-quant.cpp tensor_type_fallback, on SmolLM2's 576 columns
-    assert [S.fallback_type(t, 576) for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)] == \
-        [T.Q4_0, T.Q4_0, T.Q5_0, T.Q5_1, T.Q8_0, T.Q8_0]
-    assert S.fallback_type(T.Q4_K, 1536) == T.Q4_K
-    assert S.fallback_type(T.Q4_0, 48) == T.F16
-
-
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory):
     """A tiny F16 llama (2 layers, dim 64, untied output) and its loaded model."""
@@ -239,13 +231,15 @@ def test_cli_writes_the_recipe_and_reports_it(tiny_base, tmp_path, capsys):
     assert {g["group"] + ".weight": g["type"] for g in recipe["groups"]}.items() <= written.items()
     data = sum(int(t.n_bytes) for t in reader.tensors)
     assert data == recipe["bytes"] and 8 * data / sum(int(t.n_elements) for t in reader.tensors) <= 6.0
-    assert doc["measured"]["calibration"]["mean_kld"] > 0
+    assert doc["measured"]["recipe on calibration"]["mean_kld"] > 0
+    assert doc["measured"]["recipe on held-out"]["count"] > 0
     assert (tmp_path / "out.gguf.measurements.json").is_file()
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--target-bpw", "6"], "-f TEXT"),
     (["-f", CORPUS], "--target-bpw"),
+    (["--verify-file", CORPUS, "--type", "Q8_0"], "-f TEXT"),
     (["-f", CORPUS, "--target-bpw", "6", "--candidates", "Q4_Z"], "Q4_Z"),
     (["-f", CORPUS, "--target-bpw", "2", "--ctx-size", "32", "--candidates", "Q4_0"], "below the smallest file"),
 ])

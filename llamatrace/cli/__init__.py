@@ -32,8 +32,9 @@ from llamatrace.cli import info  # noqa: E402,F401,I001  (isort: skip)
 from llamatrace.cli import compare  # noqa: E402,F401,I001  (isort: skip)
 from llamatrace.cli import bench  # noqa: E402,F401,I001  (isort: skip)
 from llamatrace.cli import perplexity  # noqa: E402,F401,I001  (isort: skip)
-from llamatrace.cli import quantize  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import imatrix  # noqa: E402,F401,I001  (isort: skip)
 from llamatrace.cli import collect  # noqa: E402,F401,I001  (isort: skip)
+from llamatrace.cli import quantize  # noqa: E402,F401,I001  (isort: skip)
 from llamatrace.cli import pull  # noqa: E402,F401,I001  (isort: skip)
 
 __all__ = ["app", "main", "run", "EXIT_OK", "EXIT_INTERNAL", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]

@@ -1,119 +1,286 @@
-"""``llamatrace quantize BASE OUT --target-bpw B -f TEXT``: the recipe search (issue 35 §3); the
-work is in :mod:`llamatrace.quantize.search`."""
+"""``llamatrace quantize``: a GGUF quantized as llama.cpp's ``llama-quantize`` does it, byte for
+byte; the rules are in :mod:`llamatrace.quantize.rules`, the writing in :mod:`llamatrace.quantize.writer`.
+With ``-f TEXT`` and a budget, the recipe search (:mod:`llamatrace.quantize.search`) chooses the types."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, out, status, stdout
-from llamatrace.cli.options import ThreadsOpt, load_model
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_bar, stdout
+from llamatrace.cli.options import ThreadsOpt
 from llamatrace.errors import OptionError
-
-DEFAULT_CANDIDATES = "Q3_K,Q4_K,Q5_K,Q6_K,Q8_0"
 
 
 @app.command()
 def quantize(
-    base: Annotated[Path, typer.Argument(help="The base GGUF (F32, F16, BF16 or Q8_0).", show_default=False)],
-    output_file: Annotated[Path, typer.Argument(metavar="OUT", help="The GGUF to write.", show_default=False)],
-    target_bpw: Annotated[Optional[float], typer.Option("--target-bpw", help="Bits per weight the file may "
-                          "not exceed, as llama-quantize counts them: 8 × bytes of tensor data ÷ weights "
-                          "(every tensor, norms included).", show_default=False)] = None,
-    target_size: Annotated[Optional[int], typer.Option("--target-size", help="Bytes of tensor data the file "
-                           "may not exceed.", show_default=False)] = None,
-    text_file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Calibration text: the KL "
-                         "divergence of each requantized group is measured on it.", show_default=False)] = None,
-    candidates: Annotated[str, typer.Option("--candidates", help="Types a group may get (each after "
-                          "llama.cpp's fallback for rows that are not a multiple of 256).")] = DEFAULT_CANDIDATES,
-    measure: Annotated[str, typer.Option("--measure", metavar="probe|all", help="probe: run each group at its "
-                       "cheapest candidate and scale the others by their local error (one run a group); all: "
-                       "run every candidate.")] = "probe",
+    base: Annotated[Path, typer.Argument(help="The model to quantize: a GGUF file in F32, F16, BF16 or Q8_0 "
+                                         "(another quantized file needs --allow-requantize).", show_default=False)],
+    output: Annotated[Path, typer.Argument(metavar="OUT", help="The GGUF file to write (replaced if it exists; "
+                                           "written under a temporary name and renamed when complete).",
+                                           show_default=False)],
+    type_name: Annotated[Optional[str], typer.Option("--type", metavar="TYPE", help="llama.cpp's file type: Q4_0, "
+                         "Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K_S, Q3_K_M, Q3_K_L, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K "
+                         "(Q3_K, Q4_K, Q5_K = the _M mixes), or F16, BF16, F32. With -f: the stock mix the recipe "
+                         "is compared with (and, without --target-bpw/--target-size, whose size it may not exceed).",
+                         show_default=False)] = None,
+    tensor_type: Annotated[Optional[list[str]], typer.Option("--tensor-type", metavar="PATTERN=TYPE",
+                           help="Give the tensors whose name contains a match of the regular expression PATTERN "
+                           "the ggml type TYPE (q4_k, q6_k, q8_0, f16 …), as llama-quantize's --tensor-type: "
+                           "the first matching pattern wins over the file type's mix; repeatable.",
+                           show_default=False)] = None,
+    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", metavar="FILE", help="An importance matrix "
+                       "(llama-imatrix's GGUF, or `llamatrace imatrix`'s): each quantized tensor's error is "
+                       "weighted by its columns' mean squared input.", show_default=False)] = None,
+    allow_requantize: Annotated[bool, typer.Option("--allow-requantize", metavar="", help="Quantize a base "
+                                "that is already quantized (other than Q8_0): its error adds to the new one.")] = False,
+    pure: Annotated[bool, typer.Option("--pure", metavar="", help="Every quantizable tensor the file type's "
+                    "default type, without llama.cpp's mix (as llama-quantize --pure); --tensor-type still applies.")] = False,
+    text_file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Calibration text: search a recipe "
+                         "(a type per matrix) by measuring on it the KL divergence each requantized matrix adds.",
+                         show_default=False)] = None,
+    target_bpw: Annotated[Optional[float], typer.Option("--target-bpw", help="With -f: bits per weight the file "
+                          "may not exceed, as llama-quantize counts them (8 × bytes of tensor data ÷ weights, "
+                          "every tensor).", show_default=False)] = None,
+    target_size: Annotated[Optional[int], typer.Option("--target-size", help="With -f: bytes of tensor data the "
+                           "file may not exceed.", show_default=False)] = None,
+    candidates: Annotated[str, typer.Option("--candidates", help="With -f: the types a matrix may get (each "
+                          "after llama.cpp's fallback for rows that are not a multiple of 256).")] = "Q3_K,Q4_K,Q5_K,Q6_K,Q8_0",
+    measure: Annotated[str, typer.Option("--measure", metavar="probe|all", help="With -f: probe runs each matrix "
+                       "at its cheapest candidate and scales the others by their local error; all runs every "
+                       "candidate.")] = "probe",
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per calibration chunk; the second "
                         "half of each chunk is scored.")] = 512,
-    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Use at most N calibration chunks.",
-                                                  show_default=False)] = None,
-    verify_file: Annotated[Optional[Path], typer.Option("--verify-file", help="Held-out text: after writing "
-                           "OUT, measure its real KLD against BASE on it (and on the calibration chunks, "
-                           "beside the prediction).", show_default=False)] = None,
-    measurements: Annotated[Optional[Path], typer.Option("--measurements", help="Where the measured groups "
-                            "are kept, and resumed from on a rerun (default: OUT.measurements.json).",
+    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Use at most N calibration (and held-out) "
+                                                  "chunks.", show_default=False)] = None,
+    verify_file: Annotated[Optional[Path], typer.Option("--verify-file", help="With -f: held-out text on which "
+                           "OUT (and the --type mix) are measured against BASE after writing: KLD, same top "
+                           "token, PPL.", show_default=False)] = None,
+    measurements: Annotated[Optional[Path], typer.Option("--measurements", help="With -f: where the measured "
+                            "matrices are kept and resumed from (default: OUT.measurements.json).",
                             show_default=False)] = None,
-    plot: Annotated[Optional[Path], typer.Option("--output", "-o", help="A picture of the recipe: bits and "
-                    "sensitivity per layer and matrix (.png, .svg or .pdf).", show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option("--output", "-o", help="With -f: a picture of the recipe, bits "
+                    "and sensitivity per layer and matrix (.png, .svg or .pdf).", show_default=False)] = None,
     threads: ThreadsOpt = None,
-    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object instead of the "
-                                           "table.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (every tensor's "
+                                           "types and bytes) instead of the summary.")] = False,
 ) -> None:
-    """Choose a type for every matrix of BASE within a byte budget, for the least KL divergence, and write OUT.
+    """Quantize a GGUF model as llama.cpp's llama-quantize does: the same tensor types, bytes and metadata.
 
-    Each matrix (per layer: attn_q/k/v/output, ffn_gate/up/down; the embedding, the output) is
-    requantized alone in memory, and the KL divergence of the logits against BASE's is measured
-    on the calibration text, rerunning only the layers from that matrix's on. An exact knapsack
-    then picks the mix of least predicted KLD within the budget. The table (or --json) gives each
-    group's type, ΔKLD and bytes, and the recipe as llama-quantize --tensor-type arguments.
+    Each tensor gets the type llama.cpp's rules give it for the file type (more bits for attn_v and
+    ffn_down in the layers that matter most, the output matrix Q6_K, a 32-block type where the rows
+    do not fill 256-weight blocks), unless a --tensor-type pattern names it. A progress bar goes to
+    stderr, the summary to stdout.
 
     Examples:
 
-      llamatrace quantize base-f16.gguf out.gguf --target-bpw 5.5 -f calibration.txt
+      llamatrace quantize SmolLM2-135M-F16.gguf SmolLM2-Q4_K_M.gguf --type Q4_K_M
 
-      llamatrace quantize base-f16.gguf out.gguf --target-size 91724544 -f calibration.txt --verify-file heldout.txt -o recipe.png --json
+      llamatrace quantize model-f16.gguf model-q4.gguf --type Q4_K_M --tensor-type attn_v=q8_0 --tensor-type 'blk\\.[0-3]\\.ffn_down=q6_k'
+
+      llamatrace quantize model-f16.gguf model-q3.gguf --type Q3_K_M --imatrix imatrix.gguf --json
+
+      llamatrace quantize model-f16.gguf recipe.gguf --target-bpw 5.5 -f calibration.txt --verify-file heldout.txt -o recipe.png
+
+      llamatrace quantize model-f16.gguf recipe.gguf --type Q3_K_M -f calibration.txt --verify-file heldout.txt
     """
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.outputs import check_output_path
+    from llamatrace.quantize.rules import Override, file_type, tensor_types, unmatched
+
+    if text_file is not None:
+        _search(base, output, type_name, imatrix, text_file, target_bpw, target_size, candidates, measure, ctx_size,
+                chunks, verify_file, measurements, plot, threads, json_out)
+        return
+    if target_bpw is not None or target_size is not None or verify_file is not None:
+        raise OptionError("--target-bpw, --target-size and --verify-file belong to the recipe search: add -f TEXT")
+    if type_name is None:
+        raise OptionError("give --type TYPE (a llama.cpp file type such as Q4_K_M), or -f TEXT and a budget "
+                          "for a recipe search")
+    ftype = file_type(type_name)
+    overrides = [Override.parse(text) for text in tensor_type or []]
+    if output.exists() and base.exists() and output.resolve() == base.resolve():
+        raise OptionError(f"OUT {str(output)!r} is the base model itself: give another output file")
+    check_output_path(output, "OUT")
+    if threads is not None:
+        from llamatrace.kernels import threads as kernel_threads
+        try:
+            kernel_threads.set_threads(threads)
+        except ValueError as exc:
+            raise OptionError(f"--threads {threads}: {exc}") from None
+    with open_gguf(base) as f:
+        weights, info = _read_imatrix(imatrix, f) if imatrix is not None else (None, None)
+        fallbacks: list[tuple[str, object, object]] = []
+        types = tensor_types({n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()},
+                             f.metadata, ftype, overrides, pure=pure, has_imatrix=weights is not None,
+                             on_fallback=lambda *a: fallbacks.append(a))
+        for o in unmatched(overrides, f.tensors):
+            _warn(f"--tensor-type {o.pattern}={o.ggml_type.name.lower()}: the pattern matches no tensor "
+                          f"of {base.name}")
+        try:
+            summary = _write(f, output, types, ftype, weights, info, allow_requantize)
+        except KeyboardInterrupt:
+            err.print(f"[yellow]interrupted[/]: nothing written at {output}")
+            exit_interrupted()
+    if weights is not None and summary.no_imatrix:
+        _warn(f"the importance matrix has no entry for {plural(len(summary.no_imatrix), 'tensor')} "
+                      f"({', '.join(summary.no_imatrix[:3])}{' …' if len(summary.no_imatrix) > 3 else ''}): "
+                      f"quantized without it, as llama-quantize does")
+    if json_out:
+        stdout.write(json.dumps({
+            "base": str(base), "output": str(output), "type": ftype.name, "file_type": ftype.ftype,
+            "imatrix": None if imatrix is None else str(imatrix),
+            "tensors": [{"name": n, "type": t.name} for n, t in summary.types.items()],
+            "fallbacks": [{"name": n, "wanted": a.name, "written": b.name} for n, a, b in fallbacks],
+            "bytes_in": summary.bytes_in, "bytes_out": summary.bytes_out, "bpw": summary.bpw,
+            "seconds": summary.seconds}) + "\n")
+    else:
+        counts = Counter(t.name for t in summary.types.values())
+        out.print(f"{output}: {ftype.name}, {plural(len(summary.types), 'tensor')} "
+                  f"({', '.join(f'{k} {v}' for k, v in counts.most_common())}), "
+                  f"{summary.bytes_in / 2**20:.2f} MiB → {summary.bytes_out / 2**20:.2f} MiB ({summary.bpw:.2f} BPW)",
+                  markup=False)
+    if fallbacks:
+        err.print(f"[dim]{plural(len(fallbacks), 'tensor')} of {len(summary.types)} fell back to another type: "
+                  f"their rows are not a multiple of the type's block (as llama-quantize)[/]")
+    err.print(f"[dim]quantized in {summary.seconds:.1f} s[/]")
+
+
+def _warn(message: str) -> None:
+    from rich.markup import escape
+    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+def _write(f, output: Path, types, ftype, weights, info, allow_requantize: bool):
+    """:func:`~llamatrace.quantize.writer.quantize_gguf` with a progress bar of tensors."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+
+    from llamatrace.quantize.writer import quantize_gguf
+    with status_bar(TextColumn("Quantizing {task.fields[tensor]}"), BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn()) as bar:
+        task = bar.add_task("quantize", total=len(types), tensor="")
+
+        def progress(i, n, name, src, dst) -> None:
+            bar.update(task, completed=i, tensor=f"{name} {src.name} → {dst.name}")
+        return quantize_gguf(f, output, types, ftype, imatrix=weights, imatrix_info=info,
+                             allow_requantize=allow_requantize, progress=progress)
+
+
+def _read_imatrix(path: Path, f):
+    """The importance matrix of ``path`` as llama-quantize uses it (tensor name → mean squared input
+    per column, :func:`~llamatrace.quantize.writer.column_importances`) and what the output records of it.
+
+    Raises:
+        OptionError: the file cannot be read, or it names none of the model's tensors (another model's).
+    """
+    from llamatrace.quantize.imatrix_file import read_imatrix, read_imatrix_meta
+    from llamatrace.quantize.writer import ImatrixInfo, column_importances
+    with open(path, "rb") as fh:          # read_imatrix has checked it opens
+        legacy = fh.read(4) != b"GGUF"
+    weights = column_importances(read_imatrix(path), legacy=legacy)
+    meta = read_imatrix_meta(path)
+    if not set(weights) & set(f.tensors):
+        raise OptionError(f"--imatrix {str(path)!r}: none of its {plural(len(weights), 'entry', 'entries')} names a "
+                          f"tensor of {f.path.name}: it was computed for another model")
+    return weights, ImatrixInfo(str(path), meta.datasets[0] if meta.datasets else None, len(weights), meta.chunk_count)
+
+
+def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, target_bpw, target_size,
+            candidates: str, measure: str, ctx_size: int, chunks, verify_file, measurements, plot, threads,
+            json_out: bool) -> None:
+    """The recipe search: measure, allocate, write OUT with llama.cpp's writer, verify, report."""
+    from llamatrace.cli.options import load_model
+    from llamatrace.cli.app import status
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.kernels.quantizers import quantize_rows
+    from llamatrace.outputs import check_output_path
     from llamatrace.quantize import report
     from llamatrace.quantize import search as S
-    from llamatrace.quantize.mix import write_mix
-    from llamatrace.outputs import check_output_path
+    from llamatrace.quantize.rules import file_type, tensor_types
 
-    if text_file is None:
-        raise OptionError("the recipe search needs a calibration text: -f TEXT")
-    if target_bpw is None and target_size is None:
-        raise OptionError("give --target-bpw or --target-size")
+    stock_type = file_type(type_name) if type_name is not None else None
+    if target_bpw is None and target_size is None and stock_type is None:
+        raise OptionError("the recipe search needs a budget: --target-bpw, --target-size, or --type (the size of "
+                          "that stock mix)")
     types = S.parse_types(candidates)
     if measure not in ("probe", "all"):
         raise OptionError(f"--measure must be probe or all, got {measure!r}")
-    check_output_path(output_file, "OUT")
+    check_output_path(output, "OUT")
     if plot is not None:
         check_output_path(plot, "-o")
     text = read_corpus(text_file)
     held_out = read_corpus(verify_file) if verify_file is not None else None
     model = load_model(base, threads, "f32")
-    if any(t.tensor_type not in (S.T.F32, S.T.F16, S.T.BF16, S.T.Q8_0) for t in model.file.tensors.values()):
-        raise OptionError(f"{base}: the base must be F32, F16, BF16 or Q8_0 (requantizing a quantized file "
-                          f"loses accuracy twice)")
-    where = measurements if measurements is not None else output_file.with_name(output_file.name + ".measurements.json")
+    f = model.file
+    weights, info = _read_imatrix(imatrix, f) if imatrix is not None else (None, None)
+    ftype = stock_type or file_type("Q4_K_M")
+    shapes = {n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()}
+    stock = tensor_types(shapes, f.metadata, ftype, has_imatrix=weights is not None)
+    if target_bpw is None and target_size is None:
+        target_size = sum(S.tensor_bytes(stock[n], *f.matrix_shape(n)[-2:]) if len(f.matrix_shape(n)) > 1
+                          else f.tensors[n].n_bytes for n in f.tensors)
+    where = measurements if measurements is not None else output.with_name(output.name + ".measurements.json")
 
     def progress(done: int, total: int, seconds: float) -> None:
-        status(f"measured {done}/{total} groups, {seconds:.0f} s, about {seconds / done * (total - done):.0f} s left")
+        status(f"measured {done}/{total} matrices in {seconds:.0f} s, about {seconds / done * (total - done):.0f} s left")
 
-    recipe, _ = S.search(model, text, target_bpw=target_bpw, target_size=target_size, candidates=types,
-                         quantize=quantize_rows, n_ctx=ctx_size, n_chunks=chunks, mode=measure,
-                         measurements=where, progress=progress)
-    write_mix(Path(model.path), output_file, recipe.types, quantize_rows)
-    measured = {}
+    recipe, store = S.search(model, text, target_bpw=target_bpw, target_size=target_size, candidates=types,
+                             quantize=quantize_rows, imatrix=weights, n_ctx=ctx_size, n_chunks=chunks, mode=measure,
+                             measurements=where, progress=progress)
+    groups = [c.group for c in recipe.choices]
+    stock_recipe = S.stock_like(groups, stock, recipe.budget, store, recipe.base_kld) if stock_type else None
+    try:
+        summary = _write(f, output, {**stock, **recipe.types}, ftype, weights, info, False)
+    except KeyboardInterrupt:
+        err.print(f"[yellow]interrupted[/]: nothing written at {output}")
+        exit_interrupted()
+    assert summary.bytes_out <= recipe.budget.limit, (summary.bytes_out, recipe.budget.limit)
+    measured: dict = {}
     if held_out is not None:
-        from llamatrace.model.llama import Llama
-        with Llama.load(output_file) as quantized:
-            for name, corpus in (("calibration", text), ("held_out", held_out)):
-                cut = make_chunks(model.tokenizer, corpus, ctx_size, chunks, model.config.max_seq_len)
-                stats = S.measured_kld(model, quantized, cut)
-                measured[name] = {"mean_kld": stats.mean_kld, "mean_kld_error": stats.mean_kld_error,
-                                  "same_top_p": stats.same_top_p, "ppl": stats.ppl, "ppl_base": stats.ppl_base,
-                                  "count": stats.count}
+        measured = _verify(model, output, stock if stock_type else None, ftype, weights, info, text, held_out,
+                           ctx_size, chunks)
     if plot is not None:
-        report.plot(recipe, plot, f"{Path(model.path).name} → {output_file.name}")
+        report.plot(recipe, plot, f"{base.name} → {output.name}", stock_recipe)
     if json_out:
-        stdout.write(json.dumps(report.document(recipe, None, measured)) + "\n")
+        stdout.write(json.dumps(report.document(recipe, stock_recipe, measured)) + "\n")
         return
-    out.print(report.table(recipe), markup=False, highlight=False)
+    out.print(report.table(recipe, stock_recipe, stock_type.name if stock_type else "stock"), markup=False)
     for name, m in measured.items():
-        out.print(f"measured on the {name.replace('_', '-')} text: KLD {m['mean_kld']:.6f} ± {m['mean_kld_error']:.6f}, "
-                  f"same top {100 * m['same_top_p']:.2f} %, PPL {m['ppl']:.4f} (base {m['ppl_base']:.4f})",
-                  markup=False, highlight=False)
+        out.print(f"{name}: KLD {m['mean_kld']:.6f} ± {m['mean_kld_error']:.6f}, same top token "
+                  f"{100 * m['same_top_p']:.2f} %, PPL {m['ppl']:.4f} (base {m['ppl_base']:.4f}), {m['count']} tokens",
+                  markup=False)
     out.print("llama-quantize " + " ".join(f"--tensor-type '{a}'" for a in recipe.tensor_type_args())
-              + f" {base} {output_file} Q4_K_M", markup=False, highlight=False, soft_wrap=True)
-    err.print(f"wrote {output_file}", markup=False, highlight=False)
+              + f" {base} {output} {ftype.name}", markup=False, soft_wrap=True)
+
+
+def _verify(model, output: Path, stock, ftype, weights, info, text: str, held_out: str, ctx_size: int,
+            chunks) -> dict:
+    """KLD statistics against the base of OUT (and of the stock mix, written to a temporary file
+    beside OUT), on the calibration and the held-out text."""
+    import tempfile
+
+    from llamatrace.corpus.chunks import make_chunks
+    from llamatrace.model.llama import Llama
+    from llamatrace.quantize.search import measured_kld
+    cuts = {name: make_chunks(model.tokenizer, body, ctx_size, chunks, model.config.max_seq_len)
+            for name, body in (("calibration", text), ("held-out", held_out))}
+    files = [("recipe", output)]
+    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+        if stock is not None:
+            files.append((ftype.name, Path(tmp) / "stock.gguf"))
+            _write(model.file, files[-1][1], stock, ftype, weights, info, False)
+        result = {}
+        for label, path in files:
+            with Llama.load(path) as quantized:
+                for name, cut in cuts.items():
+                    if label != "recipe" and name == "calibration":
+                        continue
+                    s = measured_kld(model, quantized, cut)
+                    result[f"{label} on {name}"] = {"mean_kld": s.mean_kld, "mean_kld_error": s.mean_kld_error,
+                                                    "same_top_p": s.same_top_p, "ppl": s.ppl, "ppl_base": s.ppl_base,
+                                                    "count": s.count}
+    return result

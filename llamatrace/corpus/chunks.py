@@ -92,8 +92,10 @@ class Chunks:
         return self.tokens[start + self.first + 1:start + self.n_ctx].astype(np.int64)
 
 
-def make_chunks(tokenizer, text: str, n_ctx: int, max_chunks: int | None, max_seq_len: int) -> Chunks:
-    """Tokenize ``text`` and cut it into chunks of ``n_ctx`` tokens.
+def make_chunks(tokenizer, text: str, n_ctx: int, max_chunks: int | None, max_seq_len: int,
+                command: str = "perplexity") -> Chunks:
+    """Tokenize ``text`` and cut it into chunks of ``n_ctx`` tokens (``command``: what the
+    error for a short text names).
 
     Raises:
         OptionError: ``n_ctx`` below 4 or over the model's context ``max_seq_len``, or
@@ -107,7 +109,7 @@ def make_chunks(tokenizer, text: str, n_ctx: int, max_chunks: int | None, max_se
         raise OptionError(f"--chunks must be a positive integer, got {max_chunks}")
     ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
     if len(ids) < 2 * n_ctx:
-        raise PromptError(f"the text tokenizes to {len(ids)} tokens: perplexity with --ctx-size {n_ctx} "
+        raise PromptError(f"the text tokenizes to {len(ids)} tokens: {command} with --ctx-size {n_ctx} "
                           f"needs at least {2 * n_ctx} (two chunks); give a longer text or a smaller --ctx-size")
     n_chunk = len(ids) // n_ctx
     if max_chunks is not None:

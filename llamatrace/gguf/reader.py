@@ -152,6 +152,25 @@ class GGUFFile:
             raise ValueError(f"{self.path.name}: the GGUF file is closed; {key!r} was not read before")
         return _decode(self._map, *self._kv_offsets[key])
 
+    def keys(self) -> list[str]:
+        """Every metadata key, bulk arrays included, in file order."""
+        return list(self._kv_offsets)
+
+    def value_type(self, key: str) -> tuple[int, int | None]:
+        """The GGUF value type of metadata ``key`` and, for an array, its elements' type (else None)
+        (:class:`gguf.GGUFValueType` numbers), so that a writer can copy the value as it was.
+
+        Raises:
+            KeyError: no such key.
+            ValueError: an array's type is asked for after :meth:`close`.
+        """
+        vtype, pos = self._kv_offsets[key]
+        if vtype != ARRAY:
+            return vtype, None
+        if self._map.closed:
+            raise ValueError(f"{self.path.name}: the GGUF file is closed")
+        return vtype, struct.unpack_from("<I", self._map, pos)[0]
+
     def close(self) -> None:
         """Unmap the file (again: nothing). :attr:`metadata` and the tensors' names, types and
         shapes stay readable; :attr:`Tensor.data` then raises ``ValueError``.

@@ -47,6 +47,7 @@ import numpy as np
 from llamatrace.corpus.metrics import compress_log_probs, token_kld
 from llamatrace.errors import OptionError, UnsupportedModelError
 from llamatrace.kernels import packing
+from llamatrace.quantize.rules import fallback
 
 T = gguf.GGMLQuantizationType
 
@@ -59,21 +60,7 @@ _KIND_FIELD = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "w
 _KIND_INPUT = {"attn_q": "attn_norm", "attn_k": "attn_norm", "attn_v": "attn_norm", "attn_output": "kqv_out",
                "ffn_gate": "ffn_norm", "ffn_up": "ffn_norm", "ffn_down": "ffn_glu"}
 
-# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): a 256-block type on rows that are not a
-# multiple of 256 becomes a 32-block type
-_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
-
 Quantizer = Callable[..., np.ndarray]     # quantize_rows(ggml_type, x [n, k] f32, imatrix=None) -> uint8 [n, row_bytes]
-
-
-def fallback_type(ggml_type: T, n_per_row: int) -> T:
-    """The type llama.cpp writes for ``ggml_type`` on rows of ``n_per_row`` weights
-    (``tensor_type_fallback``); F16 when not even the fallback's block fits."""
-    block = gguf.GGML_QUANT_SIZES[ggml_type][0]
-    if n_per_row % block == 0:
-        return ggml_type
-    ggml_type = _FALLBACK.get(ggml_type, ggml_type)
-    return ggml_type if n_per_row % gguf.GGML_QUANT_SIZES[ggml_type][0] == 0 else T.F16
 
 
 def tensor_bytes(ggml_type: T, n_rows: int, n_per_row: int) -> int:
@@ -144,7 +131,7 @@ def make_groups(file, n_layers: int, requested: Sequence[T]) -> list[Group]:
 
     def add(name: str, layer: int) -> None:
         n_rows, n_per_row = file.matrix_shape(name + ".weight")
-        cands = {fallback_type(t, n_per_row) for t in requested}
+        cands = {fallback(t, n_per_row) for t in requested}
         order = sorted(cands, key=lambda t: (tensor_bytes(t, n_rows, n_per_row), t.value))
         groups.append(Group(name, layer, n_rows, n_per_row, tuple(order)))
 

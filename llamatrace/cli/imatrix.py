@@ -1,0 +1,120 @@
+"""``llamatrace imatrix``: the importance matrix ``llama-imatrix`` computes, in its GGUF format;
+the work is in :mod:`llamatrace.quantize.imatrix`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar, stdout
+from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model, model_file
+
+
+@app.command()
+def imatrix(
+    text_file: Annotated[Path, typer.Option("--file", "-f", help="The calibration text (UTF-8).",
+                                            show_default=False)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The importance matrix to write (llama.cpp's "
+                                         "GGUF imatrix format, as llama-imatrix writes it).")] = Path("imatrix.gguf"),
+    model: ModelOpt = None,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per chunk; every token of every chunk "
+                                          "is summed.")] = 512,
+    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Evaluate at most N chunks (default: all).",
+                                                  show_default=False)] = None,
+    process_output: Annotated[bool, typer.Option("--process-output", metavar="", help="Collect output.weight "
+                              "too (llama-imatrix's --process-output; a model whose output is tied to the "
+                              "token embedding has none).")] = False,
+    activations: ActivationsOpt = "f32",
+    workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
+                                         "model once; the file does not depend on it.")] = 1,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run the chunks as --workers Ray "
+                   "actors on the cluster at ADDRESS (host:port, ray://…), 'auto' to join RAY_ADDRESS or the one "
+                   "`ray start` runs here, or 'local' to start one for the run. Each actor reserves --threads "
+                   "CPUs (default 1) and uses as many. Needs the extra llamatrace[ray].",
+                   show_default=False)] = None,
+    threads: ThreadsOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON summary object on stdout.")]
+    = False,
+) -> None:
+    """The importance matrix of a model over a calibration text, as llama.cpp's llama-imatrix computes it.
+
+    For every weight matrix of the blocks, the sum over the text's tokens of the square of each
+    of its input columns (and the number of tokens), written as llama.cpp's GGUF imatrix: give it
+    to `llama-quantize --imatrix` or `llamatrace quantize --imatrix`. The text is tokenized once
+    and cut into chunks of --ctx-size tokens (BOS first), each run from an empty cache, as
+    llama-imatrix does; --activations q8 computes the activations with llama.cpp's arithmetic
+    (its numbers within 1e-3), f32 with HF's. A summary goes to stdout, a progress bar to stderr.
+
+    Examples:
+
+      llamatrace imatrix -f calibration.txt -o imatrix.gguf --activations q8
+
+      llamatrace imatrix -f calibration.txt -m base-F16.gguf --ctx-size 128 -o imatrix.gguf --workers 2
+
+      llamatrace imatrix -f wiki.train.raw -m 8B-Q8_0.gguf -o 8b.imatrix.gguf --ray head-node:6379 --workers 8
+
+      llama-quantize --imatrix imatrix.gguf base-F16.gguf Q4_K_M.gguf Q4_K_M
+    """
+    from llamatrace.corpus.chunks import read_corpus
+    from llamatrace.corpus.runner import ModelSpec, threads_per_worker
+    from llamatrace.outputs import check_output_path
+    from llamatrace.quantize.imatrix import ImatrixRun, calibration_text, compute, prepare
+    from llamatrace.quantize.imatrix_file import write_imatrix
+
+    check_activations(activations)
+    text = calibration_text(read_corpus(text_file))
+    check_output_path(output, "-o")
+    path = model_file(model)
+    in_process = workers == 1 and ray is None
+    # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's
+    spec = ModelSpec(str(path), activations,
+                     threads if in_process or ray is not None else threads_per_worker(workers, threads))
+    run = ImatrixRun(spec, text, str(text_file), ctx_size, chunks, process_output, workers, ray)
+    prepared = prepare(run)                     # bad text or options: refused before the model loads
+    m = load_model(path, threads, activations) if in_process else None
+    t0 = time.perf_counter()
+    try:
+        with _Bar(prepared[0].n_chunk, path.name) as bar:
+            result = compute(run, m, bar.update, prepared)
+        write_imatrix(output, result.entries, result.meta, "-o")
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/]: nothing written")
+        exit_interrupted()
+    seconds = time.perf_counter() - t0
+    c = result.chunks
+    n_tokens = c.n_chunk * c.n_ctx
+    if json_out:
+        stdout.write(json.dumps({"output": str(output), "model": str(path), "entries": len(result.entries),
+                                 "ctx_size": c.n_ctx, "n_chunks": c.n_chunk, "n_tokens": n_tokens,
+                                 "activations": activations, "workers": workers, "threads": spec.threads,
+                                 "ray": ray, "seconds": round(seconds, 3)}) + "\n")
+    else:
+        out.print(f"{output}: {len(result.entries)} weights, {c.n_chunk} chunks of {c.n_ctx} tokens "
+                  f"({n_tokens} tokens)", markup=False)
+    stdout.flush()
+    err.print(f"[dim]{c.n_chunk} chunks of {c.n_ctx} tokens in {seconds:.1f} s: {n_tokens / seconds:.0f} tokens/s "
+              f"({workers} worker{'s' if workers > 1 else ''}{' on Ray' if ray else ''}, {activations})[/]")
+
+
+class _Bar:
+    """A rich progress bar on stderr: chunks done, the time left."""
+
+    def __init__(self, total: int, name: str) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        self.progress = status_bar(TextColumn("imatrix {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                   TextColumn("chunks"), TimeRemainingColumn())
+        self.task = self.progress.add_task(name, total=total)
+
+    def update(self, i: int) -> None:
+        self.progress.update(self.task, completed=i + 1)
+
+    def __enter__(self) -> "_Bar":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()

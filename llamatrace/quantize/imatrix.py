@@ -1,0 +1,193 @@
+"""The importance matrix of a model over a calibration text, as ``llama-imatrix`` computes it.
+
+llama.cpp ``tools/imatrix/imatrix.cpp``: the text is tokenized once (BOS first where the
+vocabulary adds one) and cut into ``n_ctx``-token chunks as ``llama-perplexity`` cuts it
+(:mod:`llamatrace.corpus.chunks`: each chunk's first slot is BOS, at least two chunks); every
+chunk runs from an empty cache with every position evaluated. For each matrix multiplication by a
+weight of a block (``blk.*``; ``output.weight`` only with ``process_output``, never the token
+embedding, not even when the output is tied to it) the squares of its input columns are summed
+over every token: ``in_sum2[j] = Σ_t x[t, j]²``, with ``counts`` = the tokens summed.
+
+A weight's input is the output of one stage of the forward pass, shared by the weights that read
+it (:data:`INPUTS`): ``attn_norm`` feeds ``attn_q/k/v`` (or the fused ``attn_qkv``), ``kqv_out``
+(the heads merged) feeds ``attn_output``, ``ffn_norm`` feeds ``ffn_gate/up``, the gated product
+(``ffn_swiglu`` / ``ffn_geglu``) feeds ``ffn_down``, ``result_norm`` feeds ``output``. So a chunk
+sums each stage once, by hooks (:meth:`llamatrace.model.llama.Llama.hooks`) that read and change
+nothing.
+
+llama.cpp adds each token's square to float32 sums, token after token; here each chunk's sums
+are float64 and chunks are added in chunk order in float64 (then stored as float32, the file's
+type): the same numbers to float32 rounding (about 1e-6 relative after thousands of tokens),
+and the same bits with any number of workers or Ray actors, since the runner delivers results
+in chunk order (:func:`llamatrace.corpus.runner.run_chunks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from llamatrace.corpus.chunks import Chunks
+from llamatrace.corpus.runner import ModelSpec, run_chunks
+from llamatrace.quantize.imatrix_file import Entries, ImatrixMeta
+
+# stage whose output is the input of these weights (GGUF names within a block); ffn_down's is the
+# gated product, whose stage id depends on the activation (see input_stages)
+INPUTS: dict[str, tuple[str, ...]] = {
+    "attn_norm": ("attn_q", "attn_k", "attn_v", "attn_qkv"),
+    "kqv_out": ("attn_output",),
+    "ffn_norm": ("ffn_gate", "ffn_up"),
+    "ffn_glu": ("ffn_down",),
+}
+
+
+@dataclass(frozen=True)
+class Input:
+    """One summed input: the stage (at ``layer``; ``None`` = model level) and the GGUF names of
+    the weights it feeds, ``width`` columns each."""
+
+    stage: str
+    layer: int | None
+    weights: tuple[str, ...]
+    width: int
+
+
+def input_stages(tensor_names, config, process_output: bool = False) -> list[Input]:
+    """The inputs to sum for a model, from its GGUF tensor names and config: every block weight
+    listed in :data:`INPUTS` the file holds, and ``output.weight`` with ``process_output`` when
+    the file has one (a tied output reads ``token_embd.weight``, which llama-imatrix skips).
+    """
+    c = config
+    glu = "ffn_geglu" if c.ffn_act == "gelu" else "ffn_swiglu"
+    width = {"attn_norm": c.dim, "kqv_out": c.q_dim, "ffn_norm": c.dim, "ffn_glu": c.hidden_dim}
+    found = []
+    for layer in range(c.n_layers):
+        for stage, kinds in INPUTS.items():
+            weights = tuple(name for kind in kinds if (name := f"blk.{layer}.{kind}.weight") in tensor_names)
+            if weights:
+                found.append(Input(glu if stage == "ffn_glu" else stage, layer, weights, width[stage]))
+    if process_output and "output.weight" in tensor_names:
+        found.append(Input("result_norm", None, ("output.weight",), c.dim))
+    return found
+
+
+@dataclass
+class SquaresJob:
+    """One chunk's input: int32 ``[n_ctx]`` ids, the stages to sum (``(stage, layer)`` in order),
+    and whether the output projection's input (every row of ``result_norm``) is among them."""
+
+    ids: np.ndarray
+    keys: tuple[tuple[str, int | None], ...]
+    all_rows: bool
+
+
+def sum_squares(model, job: SquaresJob) -> list[np.ndarray]:
+    """The runner's work for one chunk: one prefill of ``job.ids`` from an empty cache; per key,
+    float64 ``[width]`` Σ over the chunk's tokens of the stage output's squares."""
+    want = set(job.keys)
+    sums: dict[tuple[str, int | None], np.ndarray] = {}
+
+    def keep(a, event) -> None:
+        key = (event.stage, event.layer)
+        if key in want:
+            x = np.asarray(a, dtype=np.float64).reshape(a.shape[0], -1)
+            sums[key] = np.einsum("tj,tj->j", x, x)
+
+    with model.hooks({stage: keep for stage in {k[0] for k in job.keys}}):
+        model.forward(job.ids, 0, model.new_cache(len(job.ids)), all_logits=job.all_rows)
+    return [sums[key] for key in job.keys]
+
+
+@dataclass
+class ImatrixRun:
+    """Settings of one ``llamatrace imatrix`` run.
+
+    Attributes:
+        model: the model run (path, activations, threads per worker).
+        text: the calibration text.
+        dataset: the name recorded in ``imatrix.datasets`` (the ``-f`` path as given).
+        ctx_size, max_chunks: the chunking (``--ctx-size``, ``--chunks``).
+        process_output: sum ``output.weight``'s input too (llama-imatrix's ``--process-output``).
+        workers, ray: where the chunks run (:func:`llamatrace.corpus.runner.run_chunks`).
+    """
+
+    model: ModelSpec
+    text: str
+    dataset: str
+    ctx_size: int = 512
+    max_chunks: int | None = None
+    process_output: bool = False
+    workers: int = 1
+    ray: str | None = None
+
+
+@dataclass
+class ImatrixResult:
+    """What a run made: the entries and metadata of the file, and the chunks evaluated."""
+
+    entries: Entries
+    meta: ImatrixMeta
+    chunks: Chunks
+
+
+def calibration_text(text: str) -> str:
+    """The text as llama.cpp's ``-f`` reads it: one trailing newline dropped."""
+    return text[:-1] if text.endswith("\n") else text
+
+
+def prepare(run: ImatrixRun) -> tuple[Chunks, list[Input]]:
+    """The chunks and the inputs to sum, read from the GGUF header (no weights packed).
+
+    Raises:
+        ModelNotFoundError, ModelFormatError, UnsupportedModelError: the model cannot be used.
+        OptionError: a bad ``--ctx-size`` or ``--chunks``, ``--workers`` below 1, or a model
+            with no block weights to sum.
+        PromptError: fewer than ``2 * ctx_size`` tokens.
+    """
+    from llamatrace.corpus.chunks import make_chunks, read_header
+    from llamatrace.errors import OptionError
+    from llamatrace.gguf.reader import open_gguf
+    if run.workers < 1:
+        raise OptionError(f"--workers must be a positive integer, got {run.workers}")
+    tokenizer, config = read_header(Path(run.model.path))
+    with open_gguf(run.model.path) as f:
+        names = set(f.tensors)
+    inputs = input_stages(names, config, run.process_output)
+    if not inputs:
+        raise OptionError(f"{run.model.path}: no block weight (blk.N.attn_q.weight …) to collect an imatrix for")
+    chunks = make_chunks(tokenizer, run.text, run.ctx_size, run.max_chunks, config.max_seq_len, "imatrix")
+    return chunks, inputs
+
+
+def compute(run: ImatrixRun, model=None, on_chunk: Callable[[int], None] | None = None,
+            prepared: tuple[Chunks, list[Input]] | None = None) -> ImatrixResult:
+    """Run the model over every chunk and sum its matmul inputs' squares (the module docstring).
+
+    Args:
+        model: the loaded model when the chunks run in this process (one worker, no Ray).
+        on_chunk: called with each chunk's index once its sums are added, in chunk order.
+        prepared: what :func:`prepare` returned for ``run``, if it was called already.
+
+    Raises:
+        LlamatraceError: as :func:`prepare`; a worker's or the model's error.
+    """
+    chunks, inputs = prepared if prepared is not None else prepare(run)
+    keys = tuple((i.stage, i.layer) for i in inputs)
+    totals = [np.zeros(i.width, dtype=np.float64) for i in inputs]
+    all_rows = any(i.layer is None for i in inputs)
+
+    def add(i: int, sums: list[np.ndarray]) -> None:
+        for total, s in zip(totals, sums):
+            total += s
+        if on_chunk:
+            on_chunk(i)
+
+    run_chunks(run.model, chunks.n_chunk, lambda i: SquaresJob(chunks.chunk(i), keys, all_rows), sum_squares,
+               add, run.workers, model, run.ray)
+    n_tokens = chunks.n_chunk * chunks.n_ctx
+    entries = {name: (total.astype(np.float32), np.array([n_tokens], dtype=np.int64))
+               for inp, total in zip(inputs, totals) for name in inp.weights}
+    return ImatrixResult(entries, ImatrixMeta([run.dataset], chunks.n_chunk, chunks.n_ctx), chunks)
