@@ -107,11 +107,12 @@ def parse_types(text: str, what: str = "--candidates") -> list[T]:
     names = [n.strip().upper() for n in text.split(",") if n.strip()]
     if not names:
         raise OptionError(f"{what}: give a comma-separated list of types, e.g. Q3_K,Q4_K,Q5_K,Q6_K")
+    from llamatrace.kernels.quantizers import QUANTIZABLE
     types = []
     for n in names:
         t = T.__members__.get(n)
-        if t is None or t not in packing.SUPPORTED_TYPES or t in (T.F32, T.BF16):
-            allowed = ", ".join(sorted(x.name for x in packing.SUPPORTED_TYPES if x not in (T.F32, T.BF16)))
+        if t not in QUANTIZABLE:
+            allowed = ", ".join(sorted(x.name for x in QUANTIZABLE))
             raise OptionError(f"{what}: unknown type {n!r}; choose from {allowed}")
         types.append(t)
     return types
@@ -376,9 +377,9 @@ class Measurer:
         layer, kind = group.name.split(".")[1:]
         return [(w.layers[int(layer)], _KIND_FIELD[kind])]
 
-    def swap(self, group: Group, weight: packing.Weight | None) -> list[packing.Weight]:
-        """Put ``weight`` in the group's place(s) in the model; returns what was there (``swap(g, None)``
-        is not allowed: pass back the returned weights with :meth:`restore`)."""
+    def swap(self, group: Group, weight: packing.Weight) -> list[packing.Weight]:
+        """Put ``weight`` in the group's place(s) in the model (both, for a tied embedding); returns
+        what was there, for :meth:`restore`."""
         old = []
         for obj, attr in self._slots(group):
             old.append(getattr(obj, attr))
@@ -413,11 +414,12 @@ class Measurer:
             m.forward(ids, 0, m.new_cache(len(ids)), start_layer=start_layer, residual=residual)
         return out[0]
 
-    def _kld(self, start_layer: int = 0, full: bool = False) -> float:
-        """Mean KLD over the calibration tokens of the model as it is now, against the base rows."""
+    def _kld(self, start_layer: int = 0) -> float:
+        """Mean KLD over the calibration tokens of the model as it is now, against the base rows,
+        rerunning from ``start_layer`` (the layers before it must be the base's)."""
         total, n = 0.0, 0
         for c in range(len(self.cal.ids)):
-            final = self._final_residual(c, 0 if full else start_layer)
+            final = self._final_residual(c, start_layer)
             logits = self._scored_logits(final)
             kld = token_kld(logits, self.base_rows[c], self.cal.targets[c]).kld
             total += float(kld.sum())
@@ -431,12 +433,11 @@ class Measurer:
 
     def measure(self, group: Group, ggml_type: T, data: np.ndarray | None = None) -> float:
         """ΔKLD of the model with only ``group`` quantized to ``ggml_type`` (``data``: its bytes, else
-        quantized here), rerunning from the group's layer (the tied embedding: every layer)."""
+        quantized here), rerunning from the group's layer (the embedding: every layer)."""
         data = self.quantized(group, ggml_type) if data is None else data
         old = self.swap(group, self.pack(group, ggml_type, data))
         try:
-            full = group.name == "token_embd"
-            return self._kld(group.layer, full) - self.base_kld
+            return self._kld(group.layer) - self.base_kld
         finally:
             self.restore(group, old)
 
@@ -654,7 +655,8 @@ def search(model, calibration_text: str, *, target_bpw: float | None = None, tar
     key = {"base": Path(model.path).name, "base_bytes": Path(model.path).stat().st_size, "n_ctx": n_ctx,
            "n_chunk": chunks.n_chunk, "mode": mode, "activations": model.activations,
            "text": hashlib.sha256(chunks.tokens[:chunks.n_chunk * n_ctx].tobytes()).hexdigest(),
-           "imatrix": sorted(imatrix) if imatrix else None}
+           "imatrix": hashlib.sha256(b"".join(n.encode() + np.asarray(imatrix[n], np.float32).tobytes()
+                                               for n in sorted(imatrix))).hexdigest() if imatrix else None}
     store = Measurements.open(measurements, key)
     measurer = Measurer(model, Calibration.from_chunks(chunks), quantize, imatrix)
     measure_groups(measurer, groups, store, mode, progress)
