@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_bar, stdout
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status, status_bar, stdout
 from llamatrace.cli.options import ThreadsOpt
 from llamatrace.errors import OptionError
 
@@ -194,8 +194,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
             json_out: bool) -> None:
     """The recipe search: measure, allocate, write OUT with llama.cpp's writer, verify, report."""
     from llamatrace.cli.options import load_model
-    from llamatrace.cli.app import status
-    from llamatrace.corpus.chunks import make_chunks, read_corpus
+    from llamatrace.corpus.chunks import read_corpus
     from llamatrace.kernels.quantizers import quantize_rows
     from llamatrace.outputs import check_output_path
     from llamatrace.quantize import report
