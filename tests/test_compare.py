@@ -250,3 +250,48 @@ def test_live_against_hf(capsys, smollm2_path):
     paired = {r["stage"] for r in report["rows"] if r["status"] == "ok"}
     assert {"Qcur_heads", "Kcur", "kq_soft_max", "ffn_swiglu", "l_out", "result_output"} <= paired
     assert report["first_divergence"] is None
+
+
+HF_MISSING = any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "accelerate"))
+
+
+@pytest.mark.skipif(HF_MISSING, reason="torch, transformers or accelerate is not installed")
+@pytest.mark.parametrize("arch", ["qwen2", "phi3", "gemma2", "gemma3"])
+def test_live_against_hf_on_each_architecture(capsys, tmp_path, arch):
+    """Every stage HF has a module for pairs with ours, in our layout (bias adds, fused
+    projections split, per-head norms, post-norms, GeGLU). qwen2 and phi3 agree to 1e-4; on the
+    Gemma files transformers 5.24's GGUF loader keeps its own query scale and soft-caps (the
+    report names them), so HF departs from the file at layer 0's kq_soft_max and not before."""
+    from arch_files import write_arch_file
+    path = write_arch_file(tmp_path / f"tiny-{arch}.gguf", arch)
+    code, out, err = run(capsys, "compare", "--model", str(path), "--raw", "Hello world, this is a test",
+                         "--tokens", "1", "--against", "hf", "--threshold", "1e-4", "--json")
+    report = json.loads(out)
+    paired = {r["stage"] for r in report["rows"] if r["status"] == "ok"}
+    glu = "ffn_geglu" if arch.startswith("gemma") else "ffn_swiglu"
+    assert {"attn_norm", "Qcur_heads", "Kcur_heads", "kqv_out", "ffn_norm", "ffn_gate", "ffn_up", glu,
+            "l_out", "result_norm"} <= {r["stage"] for r in report["rows"] if r["status"] != "only ours"}
+    if arch in ("qwen2", "phi3"):
+        assert code == 0, err
+        assert report["first_divergence"] is None
+        assert {"Qcur_b", "Vcur_b"} <= paired if arch == "qwen2" else {"Qcur", "Kcur", "Vcur"} <= paired
+    else:
+        assert code == 3
+        first = report["first_divergence"]
+        assert (first["step"], first["layer"], first["stage"]) == (0, 0, "kq_soft_max")
+        assert {"attn_norm", "Qcur_heads", "Vcur_heads"} <= paired
+        assert "query scale 0.0625" in report["settings"]["reads the file otherwise"]
+        if arch == "gemma3":
+            assert {"inp_scaled", "Qcur_normed", "Kcur_normed"} <= paired
+
+
+@pytest.mark.skipif(HF_MISSING, reason="torch, transformers or accelerate is not installed")
+def test_live_against_hf_on_the_gemma3_file(capsys, gemma3_path):
+    """The real Gemma 3 270M file: transformers reads it as we do; every paired stage within 1e-4."""
+    code, out, err = run(capsys, "compare", "--model", str(gemma3_path), "The capital of France is",
+                         "--tokens", "1", "--against", "hf", "--threshold", "1e-4", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["first_divergence"] is None and "reads the file otherwise" not in report["settings"]
+    paired = {r["stage"] for r in report["rows"] if r["status"] == "ok"}
+    assert {"inp_scaled", "Qcur_normed", "Kcur_normed", "attn_post_norm", "ffn_post_norm", "ffn_geglu"} <= paired

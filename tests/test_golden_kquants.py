@@ -74,13 +74,13 @@ def test_q8_activations_answer_as_hf_does(variant):
     distance from HF. Measured rel. RMS, worst prompt per file, q8 / llama.cpp 0.3.36: Q4_K_M
     0.081 / 0.062, Q5_K_M 0.055 / 0.039, Q6_K 0.068 / 0.072, Q3_K_M 0.081 / 0.246, Q2_K-pure
     0.148 / 0.170, Q3_K-pure 0.077 / 0.096."""
-    from llamatrace.kernels import act8
+    from llamatrace.kernels import registry
     from llamatrace.model.llama import Llama
 
     gold, logits_npz, model = variant
     q8 = Llama.load(model.path, activations="q8")
     kinds = {lw.w2.ggml_type for lw in q8.weights.layers} | {q8.weights.output.ggml_type}
-    assert q8.weights.layers[0].w2.act8 == (q8.weights.layers[0].w2.ggml_type in act8.TYPES)
+    assert q8.weights.layers[0].w2.act8 == (q8.weights.layers[0].w2.ggml_type in registry.served_types("q8"))
     for name, entry in sorted(gold["prompts"].items()):
         ids = entry["prompt_ids"]
         logits = q8.forward(np.array(ids), 0, q8.new_cache(len(ids)))[-1]

@@ -3,6 +3,8 @@ computes what its NumPy reference does, the errors for what is not, and ``llamat
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -39,7 +41,7 @@ def _weight(qtype, mode: str):
 
 def test_every_combination_the_old_dispatch_served_is_registered():
     assert set(registry.served()) == SERVED
-    assert set(act8.TYPES) == set(Q8_TYPES)
+    assert registry.served_types("q8") == set(Q8_TYPES)
 
 
 @pytest.mark.parametrize("key", sorted(SERVED, key=lambda k: (k[0].name, k[1], k[2])),
@@ -69,6 +71,33 @@ def test_registered_kernel_matches_its_reference(key):
         np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
 
 
+@pytest.mark.parametrize("key", sorted(SERVED, key=lambda k: (k[0].name, k[1], k[2])),
+                         ids=lambda k: "-".join((k[0].name, k[1], k[2])))
+def test_declared_kernel_matches_the_twin_declared_beside_it(key):
+    qtype, mode, phase = key
+    _, w = _weight(qtype, mode)
+    n_seq = 1 if phase == "decode" else GEMV_MAX_SEQ + 1
+    x = np.random.default_rng(6).standard_normal((n_seq, w.n_in)).astype(np.float32)
+    kern = registry.TYPES[qtype].kernel(mode, phase)
+    out = np.empty((n_seq, N_OUT), np.float32)
+    kern.run(x, w, out)
+    twin = kern.twin(x, w)
+    assert twin.dtype == np.float32 and twin.shape == out.shape
+    scale = np.abs(x).astype(np.float64) @ np.abs(packing.dequantize(w)).T.astype(np.float64)
+    assert np.all(np.abs(out - twin) <= 1e-6 * scale + 1e-30)
+
+
+def test_weight_scales_follow_the_mode_declared_encoding():
+    f32, q8 = (_weight(T.Q4_1, mode)[1] for mode in ("f32", "q8"))
+    assert (f32.d.dtype, q8.d.dtype) == (registry.SCALE_DTYPES["f32"], registry.SCALE_DTYPES["q8"])
+    rows = np.array([0, 33, 69])
+    for got, want in zip(q8.scales_f32(rows // packing.TR, rows % packing.TR),
+                         f32.scales_f32(rows // packing.TR, rows % packing.TR)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="must be uint16 in mode q8"):
+        dataclasses.replace(q8, d=f32.d)
+
+
 def test_unregistered_combination_is_a_clear_error():
     with pytest.raises(UnsupportedModelError, match="no kernel computes with IQ4_NL weights in activation mode 'q8'"):
         registry.lookup(T.IQ4_NL, "q8", "decode")
@@ -83,13 +112,15 @@ def test_unregistered_combination_is_a_clear_error():
 
 
 def test_kernel_declarations_are_checked():
-    with pytest.raises(ValueError, match="already served by q4.gemv_q4_0"):
-        registry.kernel(T.Q4_0, "f32", "decode")(lambda x, w, out: None)
+    q8_0 = registry.TYPES[T.Q8_0]
+    with pytest.raises(ValueError, match="Q8_0 declared twice"):
+        registry.declare(q8_0)
     with pytest.raises(ValueError, match="mode"):
-        registry.kernel(T.Q4_0, "int4", "decode")
-    with pytest.raises(ValueError, match="declared twice"):
-        registry.block_format(registry.FORMATS[T.Q8_0])
+        registry.declare(dataclasses.replace(q8_0, ggml_type=T.Q8_1, kernels={"int4": q8_0.kernels["f32"]}))
+    with pytest.raises(ValueError, match="q8_bytes"):
+        registry.declare(dataclasses.replace(q8_0, ggml_type=T.Q8_1, q8_bytes=None))
     assert set(registry.served()) == SERVED                  # nothing half-registered
+    assert T.Q8_1 not in registry.TYPES and T.Q8_1 not in registry.FORMATS
 
 
 def test_info_names_the_kernels_of_each_tensor_type(tmp_path, capsys):
@@ -97,41 +128,45 @@ def test_info_names_the_kernels_of_each_tensor_type(tmp_path, capsys):
     assert main(["info", "-m", str(path)]) == 0
     out = capsys.readouterr().out
     assert "matmul kernels" in out
-    for name in ("q4.gemv_q4_1", "q4.tiled_q4_1", "act8.matmul_q4_1", "floats.tiled_f32"):   # rich may wrap the cell
+    for name in ("q4.gemv_q4_1", "q4.tiled_q4_1", "q4.act8_gemv_q4_1", "floats.tiled_f32"):   # rich may wrap the cell
         assert name in out
-    assert registry.summary("Q4_1") == "q4.gemv_q4_1 / q4.tiled_q4_1, q8: act8.matmul_q4_1 / act8.prefill_q4_1"
+    assert registry.summary("Q4_1") == "q4.gemv_q4_1 / q4.tiled_q4_1, q8: q4.act8_gemv_q4_1 / q4.act8_prefill_q4_1"
     assert registry.summary("IQ4_NL") == "-"
 
 
-def test_a_new_block_type_needs_only_its_format_and_kernels(monkeypatch):
-    """IQ4_NL declared the way a kernel module would (a BlockFormat and @kernel adapters) packs with
-    the existing repacker and multiplies through matmul; packing itself is not touched."""
+def test_a_new_block_type_needs_only_its_declaration():
+    """IQ4_NL declared the way a family module would (one QuantType: a BlockFormat, its dequantizer,
+    an adapter and its twin) packs with the existing repacker and multiplies through matmul;
+    packing itself is not touched."""
     kvalues = np.array(gguf.quants.IQ4_NL.kvalues, np.float32)
 
     def dequant_np(p, db, mb):                 # d * kvalues[nibble]: low nibbles, then high
         q = np.concatenate([p & 15, p >> 4], axis=-1)
         return (db[..., None] * kvalues[q]).reshape(p.shape[0], -1)
 
-    monkeypatch.setattr(registry, "FORMATS", dict(registry.FORMATS))
-    monkeypatch.setattr(registry, "_KERNELS", dict(registry._KERNELS))
-    monkeypatch.setattr(packing, "FORMATS", registry.FORMATS)
-    monkeypatch.setattr(packing, "SUPPORTED_TYPES", packing.SUPPORTED_TYPES | {T.IQ4_NL})
-    registry.block_format(registry.BlockFormat(T.IQ4_NL, weights=32, file_bytes=18, packed_bytes=16,
-                                               copy=(2, 0, 16), d_off=0, m_off=-1, dequant_np=dequant_np))
-
-    @registry.kernel(T.IQ4_NL, "f32", ("decode", "prefill"))
     def matmul_iq4_nl(x, w, out):
         out[:] = packing.matmul_ref(x, w)
 
-    rng = np.random.default_rng(3)
-    raw = rng.integers(0, 256, (N_OUT, 2 * 18), dtype=np.uint8)
-    raw.reshape(N_OUT, 2, 18)[:, :, :2] = np.array([0.01], np.float16).view(np.uint8)   # finite scales
-    w = packing.pack("w", T.IQ4_NL, raw, N_OUT, 64)
-    ref = gguf.quants.dequantize(raw, T.IQ4_NL).astype(np.float32)
-    np.testing.assert_array_equal(packing.dequantize(w), ref)
-    x = rng.standard_normal((3, 64)).astype(np.float32)
-    np.testing.assert_allclose(matmul(x, w), x @ ref.T, rtol=1e-5, atol=1e-5)
-    assert registry.describe(w) == {"decode": "test_registry.matmul_iq4_nl", "prefill": "test_registry.matmul_iq4_nl"}
+    tables = (registry.TYPES, registry.FORMATS, registry._KERNELS)      # packing reads these dicts
+    saved = [dict(t) for t in tables]
+    try:
+        registry.declare(registry.QuantType(
+            T.IQ4_NL, registry.BlockFormat(weights=32, file_bytes=18, packed_bytes=16, copy=(2, 0, 16), d_off=0),
+            dequant_np=dequant_np, kernels={"f32": (registry.Kernel(matmul_iq4_nl, packing.matmul_ref),) * 2}))
+        rng = np.random.default_rng(3)
+        raw = rng.integers(0, 256, (N_OUT, 2 * 18), dtype=np.uint8)
+        raw.reshape(N_OUT, 2, 18)[:, :, :2] = np.array([0.01], np.float16).view(np.uint8)   # finite scales
+        w = packing.pack("w", T.IQ4_NL, raw, N_OUT, 64)
+        ref = gguf.quants.dequantize(raw, T.IQ4_NL).astype(np.float32)
+        np.testing.assert_array_equal(packing.dequantize(w), ref)
+        x = rng.standard_normal((3, 64)).astype(np.float32)
+        np.testing.assert_allclose(matmul(x, w), x @ ref.T, rtol=1e-5, atol=1e-5)
+        assert registry.describe(w) == {"decode": "test_registry.matmul_iq4_nl",
+                                        "prefill": "test_registry.matmul_iq4_nl"}
+    finally:
+        for table, old in zip(tables, saved):
+            table.clear()
+            table.update(old)
 
 
 def test_precompile_runs_every_kernel_of_a_type_and_refuses_unknown_types():

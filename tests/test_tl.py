@@ -6,6 +6,7 @@ compatibility mode, no weight processing, on the same GGUF de-quantized by HF tr
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -187,3 +188,37 @@ def test_stage_ids_are_served_in_our_layout(smollm2):
 def test_a_hook_returning_the_wrong_shape_is_an_error(smollm2):
     with pytest.raises(HookError, match="blocks.0.hook_resid_post"):
         smollm2.run_with_hooks([1, 2, 3], fwd_hooks=[("blocks.0.hook_resid_post", lambda a, h: a[:, :1])])
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "accelerate")),
+                    reason="torch, transformers or accelerate is not installed")
+def test_gemma_post_norm_names_against_hf_modules(gemma3_path):
+    """Gemma's TL names on the real Gemma 3 file, against HF transformers' modules on it (which
+    agree with our f32 mode to ~3e-6): ``hook_embed`` is the scaled embedding (TL folds √d_model
+    into W_E), ``hook_attn_out`` / ``hook_mlp_out`` are what the residual adds (after the
+    post-norms: TL's use_normalization_before_and_after), and ``ln1_post`` / ``ln2_post`` are TL's
+    RMSNorm hooks of the attention and MLP outputs: ``hook_scale`` = sqrt(mean(x²) + eps),
+    ``hook_normalized`` = x / hook_scale."""
+    from llamatrace.model.llama import Llama
+    from llamatrace.peers.hf import HFModel
+    model = Llama.load(gemma3_path)
+    ids = model.tokenizer.encode("The capital of France is")
+    hf = HFModel(str(gemma3_path), model.config)
+    hf.eval(ids)
+    layers = (0, model.config.n_layers - 1)
+    _, cache = model.run_with_cache(ids, names_filter=lambda n: n == "hook_embed" or any(
+        n.startswith(f"blocks.{L}.") for L in layers))
+    assert _rel(cache["hook_embed"][0], hf.captured[None, "inp_scaled"]) < 1e-5
+    for L in layers:
+        for ln, x, post, tl_out in (("ln1_post", "attn_out", "attn_post_norm", "hook_attn_out"),
+                                    ("ln2_post", "ffn_out", "ffn_post_norm", "hook_mlp_out")):
+            x = hf.captured[L, x].astype(np.float64)
+            scale = np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + model.config.norm_eps)
+            assert _rel(cache[f"blocks.{L}.{tl_out}"][0], hf.captured[L, post]) < 1e-4, (L, tl_out)
+            assert _rel(cache[f"blocks.{L}.{ln}.hook_scale"][0], scale) < 1e-4, (L, ln)
+            assert _rel(cache[f"blocks.{L}.{ln}.hook_normalized"][0], x / scale) < 1e-4, (L, ln)
+
+
+def test_post_norm_names_are_refused_without_post_norms(smollm2):
+    with pytest.raises(OptionError, match="ln1_post / ln2_post are Gemma 2 and 3's"):
+        smollm2.run_with_cache("Hi", names_filter="blocks.0.ln1_post.hook_scale")

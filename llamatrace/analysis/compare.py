@@ -410,8 +410,10 @@ def run_llamacpp(path, ids: list[int], fed: list[int], *, threads: int | None = 
     return steps, arrays, settings
 
 
-def run_hf(path, ids: list[int], fed: list[int], *, threads: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
-    """HF transformers' (fp32) prefill of ``ids`` then one decode step per id of ``fed``.
+def run_hf(path, config, ids: list[int], fed: list[int], *,
+           threads: int | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """HF transformers' (fp32) prefill of ``ids`` then one decode step per id of ``fed``, on the
+    file at ``path`` whose :class:`~llamatrace.model.config.ModelConfig` is ``config``.
 
     Returns (its module outputs as our keys and layouts, the settings).
 
@@ -423,13 +425,13 @@ def run_hf(path, ids: list[int], fed: list[int], *, threads: int | None = None) 
     check_engines(["hf"])
     from llamatrace.peers.hf import HFModel, hf_stage_arrays
     try:
-        engine = HFModel(str(path), threads)
+        engine = HFModel(str(path), config, threads)
     except (OSError, ValueError, RuntimeError) as exc:
         raise PeerError(f"hf: {type(exc).__name__}: {exc}") from None
     arrays = {}
     for step, chunk in enumerate([list(ids)] + [[t] for t in fed]):
         engine.eval(chunk)
-        arrays.update(hf_stage_arrays(engine.captured, step, engine.head_dim))
+        arrays.update(hf_stage_arrays(engine.captured, step, config))
     return arrays, engine.settings
 
 
@@ -446,7 +448,7 @@ def compare_with(model, ids: list[int], tokens: int = 0, *, against: str = "llam
     """
     ours, fed, our_last = run_ours(model, ids, tokens)
     if against == "hf":
-        ref, settings = run_hf(model.path, ids, fed, threads=threads)
+        ref, settings = run_hf(model.path, model.config, ids, fed, threads=threads)
     else:
         _, ref, settings = run_llamacpp(model.path, ids, fed, threads=threads)
     result = compare_arrays(ours, ref, threshold=threshold, layers=layers, stages=stages,

@@ -91,7 +91,8 @@ def imatrix(
         stdout.write(json.dumps({"output": str(output), "model": str(path), "entries": len(result.entries),
                                  "ctx_size": c.n_ctx, "n_chunks": c.n_chunk, "n_tokens": n_tokens,
                                  "activations": activations, "workers": workers, "threads": spec.threads,
-                                 "ray": ray, "seconds": round(seconds, 3)}) + "\n")
+                                 "ray": ray, "seconds": round(seconds, 3),
+                                 "tokens_per_s": round(n_tokens / seconds, 1)}) + "\n")
     else:
         out.print(f"{output}: {len(result.entries)} weights, {c.n_chunk} chunks of {c.n_ctx} tokens "
                   f"({n_tokens} tokens)", markup=False)

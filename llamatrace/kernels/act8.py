@@ -1,5 +1,11 @@
 """8-bit activations: the optional ``--activations q8`` mode for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights.
 
+This module is the mode's shared machinery: activation quantization, the byte-group layout, the
+Numba matmul kernels and their NumPy twins. Which of them serves a weight type, with which
+arguments, is in that type's declaration (``q8`` kernels and ``q8_bytes`` of
+:class:`~llamatrace.kernels.registry.QuantType`, in :mod:`~llamatrace.kernels.q4`,
+:mod:`~llamatrace.kernels.q8`, :mod:`~llamatrace.kernels.k_quants`).
+
 llamatrace's default arithmetic is float32 activations times dequantized weights (matching HF
 transformers fp32 to ~1e-5). llama.cpp instead quantizes each activation row to 8 bits and
 multiplies integers (ggml-cpu ``quantize_row_q8_0`` and ``ggml_vec_dot_q4_0_q8_0``; for
@@ -60,7 +66,6 @@ Each Numba kernel has a NumPy twin (``*_np``) that tests compare it with.
 from __future__ import annotations
 
 import gguf
-import numba
 import numpy as np
 from llvmlite import binding as llvm_binding
 from numba import njit, prange
@@ -72,7 +77,7 @@ from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, is
                                         prefill_q4k_1row, prefill_q6k, prefill_q6k_1row,
                                         unpack_q6k)
 from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_PARALLEL, f16, f16_np
-from llamatrace.kernels.registry import kernel
+from llamatrace.kernels.registry import TYPES
 
 _T = gguf.GGMLQuantizationType
 
@@ -80,7 +85,8 @@ TR = tiles.TR
 QK = 32
 QK_K = 256
 
-_Q4K_HEAD = 16       # Q4_K: scale bytes sc[8] mn[8] per row before the 128 quant bytes
+Q4K_HEAD = 16
+"""Q4_K: the scale bytes sc[8] mn[8] per row before its 128 grouped quant bytes."""
 
 
 def available() -> bool:
@@ -92,18 +98,16 @@ def available() -> bool:
 # layout
 
 
-_GROUPED = {_T.Q4_0: (0, 16), _T.Q4_1: (0, 16), _T.Q8_0: (0, 32), _T.Q4_K: (_Q4K_HEAD, 144),
-            _T.Q6_K: (0, Q6K_SCALES)}
-TYPES = frozenset(_GROUPED)
-"""Weight types with an 8-bit-activation kernel; other types keep float32 activations."""
-
-
 def grouped_bytes(ggml_type) -> tuple[int, int]:
     """The packed bytes ``[head, end)`` of a block row held in groups of four (the scales
-    around them stay in the float32 path's order). :mod:`llamatrace.kernels.packing` writes them so at
-    load (:func:`llamatrace.kernels.tiles.byte_offset`); a separate pass over the packed bytes cost 2 s
-    of an 8B Q4_K_M load."""
-    return _GROUPED[_T(ggml_type)]
+    around them stay in the float32 path's order): the type's declared ``q8_bytes``.
+    :mod:`llamatrace.kernels.packing` writes them so at load (:func:`llamatrace.kernels.tiles.byte_offset`);
+    a separate pass over the packed bytes cost 2 s of an 8B Q4_K_M load. Raises ``KeyError`` for
+    a type without ``q8`` kernels."""
+    q8_bytes = TYPES[_T(ggml_type)].q8_bytes
+    if q8_bytes is None:
+        raise KeyError(f"{_T(ggml_type).name} has no q8 kernels")
+    return q8_bytes
 
 
 def _regroup(qs: np.ndarray, ggml_type, to_groups: bool, tiles_per_step: int = 64) -> np.ndarray:
@@ -461,7 +465,7 @@ def _matmul_q4k(x, qs, d, m, out):
             db = d[t, b]
             mb = m[t, b]
             sc = qs[t, b]
-            base = (t * n_blocks + b) * block + _Q4K_HEAD * TR
+            base = (t * n_blocks + b) * block + Q4K_HEAD * TR
             for s in range(n_seq):
                 a = acc[s]
                 for c in range(4):           # 64 weights: sub-blocks 2c (low nibbles), 2c + 1
@@ -545,7 +549,7 @@ def matmul_q4k_np(x, qs, d, m) -> np.ndarray:
     p = file_order(qs, _T.Q4_K)                                             # [T, B, 144, TR]
     n_tiles, n_blocks = p.shape[0], p.shape[1]
     e = np.arange(256)
-    q = (p[:, :, _Q4K_HEAD + 32 * (e // 64) + e % 32] >> (4 * ((e // 32) % 2))[None, None, :, None]) & 15
+    q = (p[:, :, Q4K_HEAD + 32 * (e // 64) + e % 32] >> (4 * ((e // 32) % 2))[None, None, :, None]) & 15
     isum = _isums_np(xq, q.reshape(n_tiles, n_blocks * 8, 32, TR)).astype(np.float64)   # [S, T, B*8, TR]
     sc = p[:, :, :8].reshape(n_tiles, n_blocks * 8, TR).astype(np.float64)
     mn = p[:, :, 8:16].reshape(n_tiles, n_blocks * 8, TR).astype(np.float64)
@@ -574,56 +578,3 @@ def matmul_q6k_np(x, qs, d) -> np.ndarray:
     xd16 = np.repeat(xd, 16, axis=1).astype(np.float64)                     # [S, B*16]
     y = (dd * sc * xd16[:, None, :, None] * isum).sum(axis=2)
     return y.reshape(n_seq, -1).astype(np.float32)
-
-
-_ONE, _ZERO, _MINUS_8 = np.float32(1.0), np.float32(0.0), np.float32(-8.0)
-
-
-@kernel(_T.Q4_0, "q8", "decode")
-def matmul_q4_0(x, w, out):
-    _matmul_q4(x, w.qs, w.d, w.d, _MINUS_8, False, out)
-
-
-@kernel(_T.Q4_0, "q8", "prefill")
-def prefill_q4_0(x, w, out):
-    _prefill(x, w.qs, w.d, w.d, _MINUS_8, PREFILL_Q4, out)
-
-
-@kernel(_T.Q4_1, "q8", "decode")
-def matmul_q4_1(x, w, out):
-    _matmul_q4(x, w.qs, w.d, w.m, _ONE, False, out)
-
-
-@kernel(_T.Q4_1, "q8", "prefill")
-def prefill_q4_1(x, w, out):
-    _prefill(x, w.qs, w.d, w.m, _ONE, PREFILL_Q4, out)
-
-
-@kernel(_T.Q8_0, "q8", "decode")
-def matmul_q8_0(x, w, out):
-    _matmul_q4(x, w.qs, w.d, w.d, _ZERO, True, out)
-
-
-@kernel(_T.Q8_0, "q8", "prefill")
-def prefill_q8_0(x, w, out):
-    _prefill(x, w.qs, w.d, w.d, _ZERO, PREFILL_Q8, out)
-
-
-@kernel(_T.Q4_K, "q8", "decode")
-def matmul_q4_k(x, w, out):
-    _matmul_q4k(x, w.qs, w.d, w.m, out)
-
-
-@kernel(_T.Q4_K, "q8", "prefill")
-def prefill_q4_k(x, w, out):
-    _prefill(x, w.qs, w.d, w.m, _ZERO, PREFILL_Q4K, out)
-
-
-@kernel(_T.Q6_K, "q8", "decode")
-def matmul_q6_k(x, w, out):
-    _matmul_q6k(x, w.qs, w.d, out)
-
-
-@kernel(_T.Q6_K, "q8", "prefill")
-def prefill_q6_k(x, w, out):
-    _prefill_q6k(x, w.qs, w.d, out, numba.get_num_threads())

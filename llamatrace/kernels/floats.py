@@ -8,7 +8,9 @@ Packed layout (T = ceil(n_out / TR) tiles; padded rows are zero)::
 
 Resident bytes: 1.0x the file (plus row padding to a multiple of ``TR``). Each tile is widened
 to float32 a chunk at a time and multiplied in float32 (:func:`llamatrace.kernels.tiles.chunk_matmul`),
-for any number of rows of x: decode and prefill share the kernel. NumPy twin: :func:`dequant_np`.
+for any number of rows of x: decode and prefill share the kernel. NumPy twins: the dequantizers
+(``dequant_*_np``) and :func:`tiled_np`. The types are declared at the end (:data:`F32`,
+:data:`F16`, :data:`BF16`; no block format, no ``q8``-mode kernels).
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ from numba import njit, prange
 
 from llamatrace.kernels import tiles
 from llamatrace.kernels.jit import BF16_TABLE, F16_TABLE, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.registry import kernel
+from llamatrace.kernels.registry import TYPES, Kernel, QuantType, declare
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
 
 ITEM_BYTES = {_T.F32: 4, _T.F16: 2, _T.BF16: 2}
 """Bytes per weight in the file."""
-_TABLES = {_T.F16: F16_TABLE, _T.BF16: BF16_TABLE}
 
 
 def tile_floats(ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
@@ -42,12 +43,28 @@ def tile_floats(ggml_type, raw: np.ndarray, n_out: int, n_in: int) -> np.ndarray
     return np.ascontiguousarray(rows.reshape(n_tiles, TR, n_in).transpose(0, 2, 1))
 
 
-def dequant_np(ggml_type, v: np.ndarray) -> np.ndarray:
-    """Rows of a packed float weight, ``v`` ``[n, n_in]`` (``qs[t, :, r]``) -> float32 ``[n, n_in]``;
-    NumPy twin of the kernels' widening."""
-    if ggml_type == _T.F32:
-        return v.copy()
-    return _TABLES[_T(ggml_type)][v]
+def dequant_f32_np(v: np.ndarray, d: None = None, m: None = None) -> np.ndarray:
+    """Rows of a packed F32 weight, ``v`` float32 ``[n, n_in]`` (``qs[t, :, r]``) -> a float32 copy."""
+    return v.copy()
+
+
+def dequant_f16_np(v: np.ndarray, d: None = None, m: None = None) -> np.ndarray:
+    """Rows of a packed F16 weight, ``v`` uint16 bits ``[n, n_in]`` -> float32; NumPy twin of the
+    kernels' widening."""
+    return F16_TABLE[v]
+
+
+def dequant_bf16_np(v: np.ndarray, d: None = None, m: None = None) -> np.ndarray:
+    """As :func:`dequant_f16_np` for BF16 bits."""
+    return BF16_TABLE[v]
+
+
+def tiled_np(x: np.ndarray, w) -> np.ndarray:
+    """NumPy twin of the three kernels: ``x @ W.T`` summed in float64, W the type's dequantizer
+    of the packed rows; float32 ``[S, n_out]``."""
+    rows = w.qs.transpose(0, 2, 1).reshape(-1, w.n_in)[:w.n_out]            # [n_out, n_in]
+    W = TYPES[w.ggml_type].dequant_np(rows, None, None).astype(np.float64)
+    return (np.asarray(x, np.float64) @ W.T).astype(np.float32)
 
 
 @njit(**JIT_INLINE)
@@ -83,16 +100,25 @@ def _tiled_f32(x, qs, out):
         tiles.store_rows(acc, out, t)
 
 
-@kernel(_T.F32, "f32", ("decode", "prefill"))
+# --------------------------------------------------------------------------------------------
+# the types: adapters (x, w, out) and the declarations; one kernel serves decode and prefill
+
+
 def tiled_f32(x, w, out):
     _tiled_f32(x, w.qs, out)
 
 
-@kernel(_T.F16, "f32", ("decode", "prefill"))
 def tiled_f16(x, w, out):
     _tiled_u16(x, w.qs, F16_TABLE, out)
 
 
-@kernel(_T.BF16, "f32", ("decode", "prefill"))
 def tiled_bf16(x, w, out):
     _tiled_u16(x, w.qs, BF16_TABLE, out)
+
+
+F32 = declare(QuantType(_T.F32, None, dequant_np=dequant_f32_np,
+                        kernels={"f32": (Kernel(tiled_f32, tiled_np),) * 2}))
+F16 = declare(QuantType(_T.F16, None, dequant_np=dequant_f16_np,
+                        kernels={"f32": (Kernel(tiled_f16, tiled_np),) * 2}))
+BF16 = declare(QuantType(_T.BF16, None, dequant_np=dequant_bf16_np,
+                         kernels={"f32": (Kernel(tiled_bf16, tiled_np),) * 2}))

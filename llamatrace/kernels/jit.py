@@ -36,6 +36,11 @@ JIT_INLINE = dict(inline="always", **JIT)
 
 JIT_EXACT = dict(cache=True)
 JIT_EXACT_PARALLEL = dict(parallel=True, **JIT_EXACT)
+JIT_QUANT = dict(JIT_EXACT, error_model="numpy")
+"""The quantizers' flags: :data:`JIT_EXACT` with IEEE division (x/0 is
+inf or NaN, as in C). Numba's default raises ZeroDivisionError, which inf inputs and blocks near
+the float32 limit reach where ggml goes on with inf."""
+JIT_QUANT_PARALLEL = dict(JIT_EXACT_PARALLEL, error_model="numpy")
 JIT_ATTN = dict(cache=True, fastmath={"reassoc", "contract"})
 
 def target_features() -> set[str]:

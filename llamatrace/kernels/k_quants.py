@@ -34,7 +34,9 @@ which the kernels round exactly as gguf-py does, so :func:`dequant_tile` and
 :func:`dequant_bytes_np` equal ``gguf.quants.dequantize`` bit for bit. The matmul kernels
 accumulate ``x * w`` in float32: a scratch-free GEMV per type for decode, one tiled kernel for
 prefill. Q4_K and Q6_K also have 8-bit-activation kernels (:mod:`llamatrace.kernels.act8`).
-Each Numba kernel has a NumPy twin (``*_np``).
+Each Numba kernel has a NumPy twin (``*_np``). The five types are declared at the end of the
+module (:data:`Q2_K` .. :data:`Q6_K`), each in one place: format, scale unpacking, dequantizer,
+kernels per mode and phase with their twins.
 """
 
 from __future__ import annotations
@@ -42,12 +44,15 @@ from __future__ import annotations
 from functools import partial
 
 import gguf
+import numba
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import act8, tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.registry import SCALES_COPIED, SCALES_K4, SCALES_Q3_K, BlockFormat, block_format, kernel
+from llamatrace.kernels.packing import matmul_ref
+from llamatrace.kernels.quantizers import for_type
+from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, ScaleByte, declare
 from llamatrace.kernels.tiles import quant_f32
 
 _T = gguf.GGMLQuantizationType
@@ -101,13 +106,19 @@ def dequant_bytes_np(ggml_type, p: np.ndarray, db: np.ndarray, mb: np.ndarray | 
     return w.astype(f32).reshape(n, nb * 256)
 
 
-_FORMATS = ((_T.Q2_K, 84, 80, (0, 0, 80), 80, 82, SCALES_COPIED), (_T.Q3_K, 110, 112, (0, 0, 96), 108, -1, SCALES_Q3_K),
-            (_T.Q4_K, 144, 144, (16, 16, 128), 0, 2, SCALES_K4), (_T.Q5_K, 176, 176, (16, 16, 160), 0, 2, SCALES_K4),
-            (_T.Q6_K, 210, 208, (0, 0, 208), 208, -1, SCALES_COPIED))
-# (type, file bytes, packed bytes, quant bytes copied (src, dst, n), fp16 d / m offsets, scales)
-for _t, _file, _packed, _copy, _d_off, _m_off, _scales in _FORMATS:
-    block_format(BlockFormat(_t, weights=QK_K, file_bytes=_file, packed_bytes=_packed, copy=_copy, d_off=_d_off,
-                             m_off=_m_off, dequant_np=partial(dequant_bytes_np, _t), scales=_scales))
+SCALES_Q3_K = tuple(ScaleByte(96 + i, 96 + i % 8, 4 * (i // 8), 15, 104 + i % 4, 2 * (i // 4), 3) for i in range(16))
+"""Q3_K's 12 bytes of 6-bit scales (file bytes 96..107) unpacked to 16 bytes at 96: scale i has
+its low 4 bits in nibble i // 8 of byte 96 + i % 8, its high 2 bits at bit 2 (i // 4) of byte
+104 + i % 4."""
+
+SCALES_K4 = (*(ScaleByte(i, 4 + i, 0, 63) for i in range(4)),
+             *(ScaleByte(4 + i, 12 + i, 0, 15, 4 + i, 6, 3) for i in range(4)),
+             *(ScaleByte(8 + i, 8 + i, 0, 63) for i in range(4)),
+             *(ScaleByte(12 + i, 12 + i, 4, 15, 8 + i, 6, 3) for i in range(4)))
+"""Q4_K's / Q5_K's 12 bytes of 6-bit scales and mins (file bytes 4..15) unpacked to 8 scales
+then 8 mins at 0 (ggml's ``get_scale_min_k4``): for j < 4, scale j is the low 6 bits of byte
+4 + j and min j of byte 8 + j; scale 4 + j takes the low nibble of byte 12 + j and the top 2 bits
+of byte 4 + j, min 4 + j the high nibble of byte 12 + j and the top 2 bits of byte 8 + j."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -558,51 +569,110 @@ def gemv_q6k(x, qs, d, out):
         _k16_tile(4, x, qs, d, d, xsum, t, out)
 
 
-@kernel(_T.Q2_K, "f32", "decode")
+# --------------------------------------------------------------------------------------------
+# the types: adapters (x, w, out) calling the kernels with a weight's arrays, their NumPy twins
+# (x, w) -> [S, n_out] (the float32 kernels' is packing.matmul_ref, dequantize then x @ W.T),
+# and the declarations
+
+_ZERO = np.float32(0.0)
+
+
 def gemv_q2_k(x, w, out):
     gemv_q2k(x, w.qs, w.d, w.m, out)
 
 
-@kernel(_T.Q3_K, "f32", "decode")
-def gemv_q3_k(x, w, out):
-    gemv_q3k(x, w.qs, w.d, out)
-
-
-@kernel(_T.Q4_K, "f32", "decode")
-def gemv_q4_k(x, w, out):
-    gemv_q4k(x, w.qs, w.d, w.m, out)
-
-
-@kernel(_T.Q5_K, "f32", "decode")
-def gemv_q5_k(x, w, out):
-    gemv_q5k(x, w.qs, w.d, w.m, out)
-
-
-@kernel(_T.Q6_K, "f32", "decode")
-def gemv_q6_k(x, w, out):
-    gemv_q6k(x, w.qs, w.d, out)
-
-
-@kernel(_T.Q2_K, "f32", "prefill")
 def tiled_q2_k(x, w, out):
     tiled(KIND[_T.Q2_K], x, w.qs, w.d, w.m, out)
 
 
-@kernel(_T.Q3_K, "f32", "prefill")
+def gemv_q3_k(x, w, out):
+    gemv_q3k(x, w.qs, w.d, out)
+
+
 def tiled_q3_k(x, w, out):
     tiled(KIND[_T.Q3_K], x, w.qs, w.d, w.d, out)
 
 
-@kernel(_T.Q4_K, "f32", "prefill")
+def gemv_q4_k(x, w, out):
+    gemv_q4k(x, w.qs, w.d, w.m, out)
+
+
 def tiled_q4_k(x, w, out):
     tiled(KIND[_T.Q4_K], x, w.qs, w.d, w.m, out)
 
 
-@kernel(_T.Q5_K, "f32", "prefill")
+def act8_gemv_q4_k(x, w, out):
+    act8._matmul_q4k(x, w.qs, w.d, w.m, out)
+
+
+def act8_prefill_q4_k(x, w, out):
+    act8._prefill(x, w.qs, w.d, w.m, _ZERO, act8.PREFILL_Q4K, out)
+
+
+def act8_q4_k_np(x, w):
+    return act8.matmul_q4k_np(x, w.qs, w.d, w.m)[:, :w.n_out]
+
+
+def gemv_q5_k(x, w, out):
+    gemv_q5k(x, w.qs, w.d, w.m, out)
+
+
 def tiled_q5_k(x, w, out):
     tiled(KIND[_T.Q5_K], x, w.qs, w.d, w.m, out)
 
 
-@kernel(_T.Q6_K, "f32", "prefill")
+def gemv_q6_k(x, w, out):
+    gemv_q6k(x, w.qs, w.d, out)
+
+
 def tiled_q6_k(x, w, out):
     tiled(KIND[_T.Q6_K], x, w.qs, w.d, w.d, out)
+
+
+def act8_gemv_q6_k(x, w, out):
+    act8._matmul_q6k(x, w.qs, w.d, out)
+
+
+def act8_prefill_q6_k(x, w, out):
+    act8._prefill_q6k(x, w.qs, w.d, out, numba.get_num_threads())
+
+
+def act8_q6_k_np(x, w):
+    return act8.matmul_q6k_np(x, w.qs, w.d)[:, :w.n_out]
+
+
+def _f32(gemv, tiled_):
+    """The float32 mode's pair: the GEMV and the tiled kernel, both twinned by ``matmul_ref``."""
+    return Kernel(gemv, matmul_ref), Kernel(tiled_, matmul_ref)
+
+
+# blocks (file bytes, packed bytes, quant bytes copied (src, dst, n), fp16 d / dmin at) as drawn above
+Q2_K = declare(QuantType(
+    _T.Q2_K, BlockFormat(weights=QK_K, file_bytes=84, packed_bytes=80, copy=(0, 0, 80), d_off=80, m_off=82),
+    dequant_np=partial(dequant_bytes_np, _T.Q2_K), kernels={"f32": _f32(gemv_q2_k, tiled_q2_k)},
+    **for_type(_T.Q2_K)))
+Q3_K = declare(QuantType(
+    _T.Q3_K, BlockFormat(weights=QK_K, file_bytes=110, packed_bytes=112, copy=(0, 0, 96), d_off=108,
+                         scales=SCALES_Q3_K),
+    dequant_np=partial(dequant_bytes_np, _T.Q3_K), kernels={"f32": _f32(gemv_q3_k, tiled_q3_k)},
+    **for_type(_T.Q3_K)))
+Q4_K = declare(QuantType(
+    _T.Q4_K, BlockFormat(weights=QK_K, file_bytes=144, packed_bytes=144, copy=(16, 16, 128), d_off=0, m_off=2,
+                         scales=SCALES_K4),
+    dequant_np=partial(dequant_bytes_np, _T.Q4_K),
+    kernels={"f32": _f32(gemv_q4_k, tiled_q4_k),
+             "q8": (Kernel(act8_gemv_q4_k, act8_q4_k_np), Kernel(act8_prefill_q4_k, act8_q4_k_np))},
+    q8_bytes=(act8.Q4K_HEAD, 144),              # the 16 scale bytes stay in the float32 order
+    **for_type(_T.Q4_K)))
+Q5_K = declare(QuantType(
+    _T.Q5_K, BlockFormat(weights=QK_K, file_bytes=176, packed_bytes=176, copy=(16, 16, 160), d_off=0, m_off=2,
+                         scales=SCALES_K4),
+    dequant_np=partial(dequant_bytes_np, _T.Q5_K), kernels={"f32": _f32(gemv_q5_k, tiled_q5_k)},
+    **for_type(_T.Q5_K)))
+Q6_K = declare(QuantType(
+    _T.Q6_K, BlockFormat(weights=QK_K, file_bytes=210, packed_bytes=208, copy=(0, 0, 208), d_off=208),
+    dequant_np=partial(dequant_bytes_np, _T.Q6_K),
+    kernels={"f32": _f32(gemv_q6_k, tiled_q6_k),
+             "q8": (Kernel(act8_gemv_q6_k, act8_q6_k_np), Kernel(act8_prefill_q6_k, act8_q6_k_np))},
+    q8_bytes=(0, act8.Q6K_SCALES),              # ql, qh grouped; the 16 int8 scales stay last
+    **for_type(_T.Q6_K)))

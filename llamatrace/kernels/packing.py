@@ -7,17 +7,20 @@ interleaved so that the innermost loop of every kernel runs over ``TR`` rows and
 512-bit vector instructions (``vfmadd…ps %zmm``). There is no float32 copy of the model: the
 quantized bytes stay as they are in the file, only the fp16 scales become float32 (Numba has
 no float16), or stay fp16 bits for the ``q8`` activation mode's kernels
-(:mod:`llamatrace.kernels.act8`, which also reorders the quant bytes it reads in groups of four).
+(:data:`llamatrace.kernels.registry.SCALE_DTYPES`; :mod:`llamatrace.kernels.act8` also reorders
+the quant bytes it reads in groups of four).
 
 Block types (T = ceil(n_out / TR) tiles, B = n_in / weights-per-block blocks; padded rows are
 zero)::
 
     qs uint8 (int8 for Q8_0) [T, B, P, TR]   qs[t, b, p, r] = packed byte p of block b of row t*TR + r
-    d  float32 [T, B, TR]                    m float32 [T, B, TR] (types with a minimum only)
+    d  [T, B, TR]                            m [T, B, TR] (types with a minimum only)
+                                             float32 values, or fp16 bits uint16 in the q8 mode
 
-Each block type's kernel module declares its :class:`~llamatrace.kernels.registry.BlockFormat`
-(sizes, where ``d``, ``m`` and the quant bytes sit in a file block, ``P``, its NumPy
-dequantizer); the one repacker here (:func:`repack_tiles`) copies by it. The byte layouts are
+Each type's :class:`~llamatrace.kernels.registry.QuantType` (declared in its family module)
+holds its :class:`~llamatrace.kernels.registry.BlockFormat` (sizes, where ``d``, ``m`` and the
+quant bytes sit in a file block, ``P``, how its sub-block scales unpack) and its NumPy
+dequantizer; the one repacker here (:func:`repack_tiles`) copies by it. The byte layouts are
 drawn in :mod:`llamatrace.kernels.q4`, :mod:`~llamatrace.kernels.q5`,
 :mod:`~llamatrace.kernels.q8`, :mod:`~llamatrace.kernels.k_quants`; F32/F16/BF16 are tiled by
 :mod:`llamatrace.kernels.floats`. Which kernel then multiplies a Weight is the registry's
@@ -36,13 +39,18 @@ from numba import njit, prange
 from llamatrace.errors import OptionError, UnsupportedModelError
 from llamatrace.kernels import act8, floats, tiles
 from llamatrace.kernels.jit import F16_BITS, F16_TABLE, JIT_INLINE, JIT_PARALLEL, f16_bytes_np, f16_np
-from llamatrace.kernels.registry import FORMATS, MODES, SCALES_K4, SCALES_Q3_K, BlockFormat, served
+from llamatrace.kernels.registry import FORMATS, MODES, SCALE_DTYPES, TYPES, QuantType, served_types
 
 _T = gguf.GGMLQuantizationType
 
-SUPPORTED_TYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(t for t, mode, _ in served() if mode == "f32")
-"""The types with float32-activation kernels registered (:mod:`llamatrace.kernels` imports every
-kernel module before this one)."""
+
+def __getattr__(name: str):
+    # SUPPORTED_TYPES is read when asked for: the family modules that declare the types import
+    # this module (their prefill kernels' twin is matmul_ref) before they declare them
+    if name == "SUPPORTED_TYPES":
+        return served_types("f32")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 TR = tiles.TR
 """Rows per tile: the vector width of the inner loops (2 zmm registers of float32)."""
@@ -55,11 +63,15 @@ class Weight:
     """One ``[n_out, n_in]`` matrix in row-tile layout (see the module docstring).
 
     ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m``
-    the float32 block scales and minimums (empty where the type has none). ``act8``: packed for
-    8-bit activations (:mod:`llamatrace.kernels.act8`'s layout and kernels; ``d`` and ``m`` are then the
-    file's fp16 bits, uint16). ``row_splits``
+    the block scales and minimums ``[T, B, TR]`` (empty where the type has none), encoded as
+    :data:`~llamatrace.kernels.registry.SCALE_DTYPES` says for the weight's :attr:`mode`: float32
+    values in ``f32``, the file's fp16 bits (uint16) in ``q8``; :meth:`scales_f32` gives float32
+    values in either. ``act8``: packed for the 8-bit-activation kernels (:attr:`mode` ``q8``:
+    the type's ``q8`` kernels, its quant bytes in :mod:`llamatrace.kernels.act8`'s groups of
+    four); a type without ``q8`` kernels is packed for ``f32`` whatever was asked. ``row_splits``
     gives the row counts of the matrices fused by :func:`pack_concat` (``(n_out,)`` otherwise),
-    so a caller can ``np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)``.
+    so a caller can ``np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)``. Raises
+    ``ValueError`` if non-empty ``d`` / ``m`` do not have the mode's dtype.
     """
 
     name: str
@@ -71,6 +83,25 @@ class Weight:
     m: np.ndarray
     row_splits: tuple[int, ...]
     act8: bool = False
+
+    def __post_init__(self) -> None:
+        want = SCALE_DTYPES[self.mode]
+        if any(a.size and a.dtype != want for a in (self.d, self.m)):
+            raise ValueError(f"Weight {self.name!r}: d, m must be {want} in mode {self.mode}, got {self.d.dtype}, "
+                             f"{self.m.dtype}")
+
+    @property
+    def mode(self) -> str:
+        """The activation mode whose kernels the weight was packed for (``"f32"`` | ``"q8"``)."""
+        return "q8" if self.act8 else "f32"
+
+    def scales_f32(self, t, r) -> tuple[np.ndarray, np.ndarray | None]:
+        """(d, m) float32 ``[n, B]`` of rows ``r`` of tiles ``t`` (int arrays [n]), in either
+        mode; ``m`` None for a type without a minimum."""
+        d, m = self.d[t, :, r], (self.m[t, :, r] if self.m.size else None)
+        if self.act8:
+            d, m = f16_np(d), (f16_np(m) if m is not None else None)
+        return d, m
 
     @property
     def nbytes(self) -> int:
@@ -143,28 +174,28 @@ def _zero_last_tile(n_rows: int, qs_t: np.ndarray, d_t: np.ndarray, m_t: np.ndar
 
 def _unsupported(name: str, ggml_type) -> UnsupportedModelError:
     type_name = getattr(ggml_type, "name", str(ggml_type))
-    supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+    supported = ", ".join(sorted(t.name for t in served_types("f32")))
     return UnsupportedModelError(
         f"tensor {name!r} has type {type_name}, which llamatrace cannot compute with "
         f"(supported: {supported})"
     )
 
 
-def _pack_blocks(name: str, fmt: BlockFormat, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
+def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
                  group: tuple[int, int]):
     """Row tiles (qs, d, m) of the stacked rows of ``parts`` = [(raw, n_out)] of a block type,
     written in place by :func:`repack_tiles`: no concatenated or transposed temporary, so a load
     holds the file's pages and the packed copy, nothing more; quant bytes ``group`` in 8-bit
-    activations' order (:func:`_group`). Raises ``ValueError`` on a size mismatch."""
-    ggml_type = fmt.ggml_type
+    activations' order (:func:`_group`), whose mode then also sets the dtype of ``d`` and ``m``
+    (:data:`~llamatrace.kernels.registry.SCALE_DTYPES`). Raises ``ValueError`` on a size mismatch."""
+    ggml_type, fmt = qt.ggml_type, qt.block
     if n_in % fmt.weights:
         raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {fmt.weights}")
     n_blocks = n_in // fmt.weights
     n_rows = sum(int(n) for _, n in parts)
     n_tiles = -(-n_rows // TR)
-    # 8-bit activations' kernels widen fp16 scales as they read them (jit.f16): decode
-    # streams 18 bytes per Q4_0 block instead of 20, as the file has them.
-    scale_type, table = (np.uint16, F16_BITS) if group != (0, 0) else (np.float32, F16_TABLE)
+    scale_type = SCALE_DTYPES["q8" if group != (0, 0) else "f32"]
+    table = F16_BITS if scale_type == np.uint16 else F16_TABLE          # fp16 bits -> what d, m hold
     qs_t = arena.empty((n_tiles, n_blocks, fmt.packed_bytes, TR), np.uint8)
     d_t = arena.empty((n_tiles, n_blocks, TR), scale_type)
     m_t = arena.empty((n_tiles, n_blocks, TR), scale_type) if fmt.has_min else _EMPTY_SCALES
@@ -192,11 +223,10 @@ def check_activations(activations: str) -> str:
 
 
 def _group(ggml_type, activations: str) -> tuple[int, int]:
-    """The packed bytes ``(head, end)`` of a block row that :mod:`llamatrace.kernels.act8`'s kernels
-    read in groups of four (``(0, 0)``: none, the float32 path's layout)."""
-    if activations != "q8" or ggml_type not in act8.TYPES:
-        return (0, 0)
-    return act8.grouped_bytes(ggml_type)
+    """The packed bytes ``(head, end)`` of a block row that the type's ``q8`` kernels read in
+    groups of four (its ``q8_bytes``; ``(0, 0)``: none, the float32 path's layout)."""
+    q8_bytes = TYPES[_T(ggml_type)].q8_bytes if activations == "q8" else None
+    return q8_bytes or (0, 0)
 
 
 def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activations: str = "f32",
@@ -206,9 +236,9 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
     ``raw`` is a GGUF tensor's ``.data`` (:class:`llamatrace.gguf.reader.Tensor` or gguf-py
     ReaderTensor): uint8 ``[n_out, row_bytes]`` for the block types and BF16, float32 / float16
     ``[n_out, n_in]`` for F32 / F16 (any array of the right size and dtype is accepted).
-    ``activations`` ``"q8"`` packs the types in :data:`llamatrace.kernels.act8.TYPES` for its
-    8-bit-activation kernels (other types are unaffected).
-    Raises :class:`UnsupportedModelError` for a type not in :data:`SUPPORTED_TYPES`,
+    ``activations`` ``"q8"`` packs the types with ``q8`` kernels (``registry.served_types("q8")``) for
+    them (other types are unaffected).
+    Raises :class:`UnsupportedModelError` for a type not declared (``registry.served_types()``),
     ``ValueError`` if ``n_in`` is not a multiple of the block size or ``raw`` has the wrong
     size, and :class:`OptionError` for an unknown ``activations``. The block types' arrays
     come from ``arena`` when given (a model's loader passes one for all its weights).
@@ -219,7 +249,7 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
         ggml_type = _T(ggml_type)
     except ValueError:
         raise _unsupported(name, ggml_type) from None
-    if ggml_type not in SUPPORTED_TYPES:
+    if ggml_type not in TYPES:
         raise _unsupported(name, ggml_type)
     n_out, n_in = int(n_out), int(n_in)
     if n_out < 1 or n_in < 1:
@@ -228,7 +258,7 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
 
     group = _group(ggml_type, activations)
     if ggml_type in FORMATS:
-        qs_t, d_t, m_t = _pack_blocks(name, FORMATS[ggml_type], [(raw, n_out)], n_in, arena, group)
+        qs_t, d_t, m_t = _pack_blocks(name, TYPES[ggml_type], [(raw, n_out)], n_in, arena, group)
     else:
         if raw.nbytes != n_out * n_in * floats.ITEM_BYTES[ggml_type]:
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): "
@@ -262,7 +292,7 @@ def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32", aren
     splits = tuple(int(p[2]) for p in parts)
     if _T(ggml_type) in FORMATS:
         group = _group(_T(ggml_type), activations)
-        qs_t, d_t, m_t = _pack_blocks(name, FORMATS[_T(ggml_type)], [(raw, n_out) for _, raw, n_out, _ in parts],
+        qs_t, d_t, m_t = _pack_blocks(name, TYPES[_T(ggml_type)], [(raw, n_out) for _, raw, n_out, _ in parts],
                                       n_in, arena, group)
         return Weight(name, _T(ggml_type), sum(splits), n_in, qs_t, d_t, m_t, splits, group != (0, 0))
     rows = [np.ascontiguousarray(raw).view(np.uint8).reshape(int(n_out), -1) for _, raw, n_out, _ in parts]
@@ -276,35 +306,19 @@ def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32", aren
 # --------------------------------------------------------------------------------------------
 # repacking GGUF blocks (at load time)
 
-def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K 12 packed bytes [..., 12] -> (sc, mn) uint8 [..., 8] (ggml get_scale_min_k4)."""
-    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1)
-    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
-    return sc, mn
-
-
-def _scales_q3(s: np.ndarray) -> np.ndarray:
-    """Q3_K 12 packed bytes [..., 12] -> 16 unsigned 6-bit scales uint8 [..., 16]."""
-    i = np.arange(16)
-    low = (s[..., i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 15
-    high = (s[..., 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3
-    return (low | (high << 4)).astype(np.uint8)
-
-
 def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks uint8 ``[n, B, file_bytes]`` -> (packed uint8 ``[n, B, packed_bytes]``,
-    d float32 ``[n, B]``, m float32 ``[n, B]`` or None), per the type's :class:`BlockFormat`:
-    the copied quant bytes, and Q3_K's / Q4_K's / Q5_K's 6-bit scales unpacked to bytes
-    (Q3_K: 16 scales at 96; Q4_K, Q5_K: 8 scales then 8 mins at 0)."""
+    d float32 ``[n, B]``, m float32 ``[n, B]`` or None), per the type's
+    :class:`~llamatrace.kernels.registry.BlockFormat`: the copied quant bytes, and its
+    sub-block scales unpacked by its :class:`~llamatrace.kernels.registry.ScaleByte` table."""
     fmt = FORMATS[_T(ggml_type)]
     src, dst, n = fmt.copy
     packed = np.empty(blocks.shape[:-1] + (fmt.packed_bytes,), np.uint8)
     packed[..., dst:dst + n] = blocks[..., src:src + n]
-    if fmt.scales == SCALES_Q3_K:
-        packed[..., 96:112] = _scales_q3(blocks[..., 96:108])
-    elif fmt.scales == SCALES_K4:
-        packed[..., 0:8], packed[..., 8:16] = _scale_min_k4(blocks[..., 4:16])
+    if fmt.scales:
+        out, lo, lo_shift, lo_mask, hi, hi_shift, hi_mask = fmt.scale_table().T
+        packed[..., out] = (((blocks[..., lo] >> lo_shift) & lo_mask)
+                            | (((blocks[..., hi] >> hi_shift) & hi_mask) << 4)).astype(np.uint8)
     d = f16_bytes_np(blocks[..., fmt.d_off:fmt.d_off + 2])
     m = f16_bytes_np(blocks[..., fmt.m_off:fmt.m_off + 2]) if fmt.has_min else None
     return packed, d, m
@@ -344,7 +358,7 @@ def repack_tiles(ggml_type, blocks: np.ndarray, row0: int, f16_table: np.ndarray
     other tiles untouched. The NumPy scatter it replaced took ~7 s of an 8B Q4_K_M load; this
     moves 1.5-2.3 GB/s of file bytes on two threads, once the memory is mapped."""
     fmt = FORMATS[_T(ggml_type)]
-    _repack_tiles(fmt.scales, *fmt.copy, fmt.d_off, fmt.m_off, *group, blocks, row0, f16_table, qs_t, d_t, m_t)
+    _repack_tiles(fmt.scale_table(), *fmt.copy, fmt.d_off, fmt.m_off, *group, blocks, row0, f16_table, qs_t, d_t, m_t)
 
 
 @njit(**JIT_INLINE)
@@ -356,7 +370,8 @@ def _put(out, p, r, head, end, v):
 
 @njit(**JIT_PARALLEL)
 def _repack_tiles(scales, src, dst, n_copy, d_off, m_off, head, end, blocks, row0, f16_table, qs_t, d_t, m_t):
-    """:func:`repack_tiles` with the type's :class:`BlockFormat` and ``group`` spelled out."""
+    """:func:`repack_tiles` with the type's :class:`BlockFormat` and ``group`` spelled out;
+    ``scales``: its :meth:`~llamatrace.kernels.registry.BlockFormat.scale_table`."""
     n_rows, n_blocks, block_bytes = blocks.shape
     flat = blocks.reshape(-1)
     t_first = row0 // TR
@@ -372,18 +387,11 @@ def _repack_tiles(scales, src, dst, n_copy, d_off, m_off, head, end, blocks, row
                 d_t[tile, b, rr] = f16_table[blk[d_off] | (np.uint16(blk[d_off + 1]) << 8)]
                 if m_off >= 0:
                     m_t[tile, b, rr] = f16_table[blk[m_off] | (np.uint16(blk[m_off + 1]) << 8)]
-                if scales == SCALES_Q3_K:                  # 12 bytes of 6-bit scales -> 16 bytes
-                    for i in range(16):
-                        low = (blk[96 + i % 8] >> (4 * (i // 8))) & 15
-                        high = (blk[104 + i % 4] >> (2 * (i // 4))) & 3
-                        _put(out, 96 + i, rr, head, end, low | (high << 4))
-                elif scales == SCALES_K4:   # ggml's get_scale_min_k4: 8 scales, 8 mins
-                    for i in range(4):
-                        lo, mid, hi = blk[4 + i], blk[8 + i], blk[12 + i]
-                        _put(out, i, rr, head, end, lo & 63)
-                        _put(out, 4 + i, rr, head, end, (hi & 15) | ((lo >> 6) << 4))
-                        _put(out, 8 + i, rr, head, end, mid & 63)
-                        _put(out, 12 + i, rr, head, end, (hi >> 4) | ((mid >> 6) << 4))
+                for i in range(scales.shape[0]):          # the sub-block scales, a byte each
+                    v = (blk[scales[i, 1]] >> scales[i, 2]) & scales[i, 3]
+                    if scales[i, 6]:                      # a high part (ScaleByte.hi_mask)
+                        v |= ((blk[scales[i, 4]] >> scales[i, 5]) & scales[i, 6]) << 4
+                    _put(out, scales[i, 0], rr, head, end, v)
             tiles.copy_rows(flat, (r_lo * n_blocks + b) * block_bytes + src, n_blocks * block_bytes,
                             r_hi - r_lo, out, row0 + r_lo - tile * TR, dst, n_copy, head, end)
 
@@ -394,18 +402,14 @@ def _repack_tiles(scales, src, dst, n_copy, d_off, m_off, head, end, blocks, row
 
 def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     """Dequantize the given rows (int array [n]) -> float32 [n, n_in], plain NumPy, by the
-    type's :attr:`BlockFormat.dequant_np` (gguf-py's arithmetic, so results are bit-for-bit
-    equal to ``gguf.quants.dequantize``) or :func:`llamatrace.kernels.floats.dequant_np`."""
-    typ = w.ggml_type
+    type's :attr:`~llamatrace.kernels.registry.QuantType.dequant_np` (gguf-py's arithmetic, so
+    results are bit-for-bit equal to ``gguf.quants.dequantize``)."""
+    qt = TYPES[w.ggml_type]
     t, r = rows // TR, rows % TR
-    fmt = FORMATS.get(typ)
-    if fmt is None:
-        return floats.dequant_np(typ, w.qs[t, :, r])                  # [n, n_in]
-    q = act8.file_order_rows(typ, w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, P]
-    db, mb = w.d[t, :, r], (w.m[t, :, r] if w.m.size else None)                 # [n, B]
-    if w.act8:                                                   # fp16 bits
-        db, mb = f16_np(db), (f16_np(mb) if mb is not None else None)
-    return fmt.dequant_np(q, db, mb)
+    if qt.block is None:
+        return qt.dequant_np(w.qs[t, :, r], None, None)                    # [n, n_in]
+    q = act8.file_order_rows(w.ggml_type, w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, P]
+    return qt.dequant_np(q, *w.scales_f32(t, r))
 
 
 def dequantize(w: Weight) -> np.ndarray:

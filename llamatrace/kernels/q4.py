@@ -14,10 +14,11 @@ padded rows zero)::
     d  float32 [T, B, TR]     m float32 [T, B, TR] (Q4_1 only)
 
 Resident bytes against the file: Q4_1 24/20 = 1.2x, Q4_0 20/18 = 1.11x (1.0x in the ``q8``
-mode, whose kernels are :mod:`llamatrace.kernels.act8`'s). Both types share the kernels: a weight
-is ``d*q + m_scale*m``, Q4_1 passing ``(m, 1)``, Q4_0 ``(d, -8)`` for ``d*(q - 8)``. Float32
+mode, whose Numba kernels are :mod:`llamatrace.kernels.act8`'s). Both types share the kernels: a
+weight is ``d*q + m_scale*m``, Q4_1 passing ``(m, 1)``, Q4_0 ``(d, -8)`` for ``d*(q - 8)``. Float32
 activations times the dequantized weights, float32 accumulation (about 1e-7 relative to
-``x @ gguf.quants.dequantize(raw).T``).
+``x @ gguf.quants.dequantize(raw).T``). The two types are declared at the end of the module
+(:data:`Q4_0`, :data:`Q4_1`): format, dequantizer, kernels per mode and phase, their twins.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import act8, tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.registry import BlockFormat, block_format, kernel
+from llamatrace.kernels.packing import matmul_ref
+from llamatrace.kernels.quantizers import for_type
+from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, declare
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
@@ -50,12 +53,6 @@ def dequant_q4_1_np(p: np.ndarray, db: np.ndarray, mb: np.ndarray) -> np.ndarray
     gguf-py's ``d * q + m``, bit for bit."""
     q32 = np.concatenate([p & 0x0F, p >> 4], axis=2)
     return (db[:, :, None] * q32.astype(np.float32) + mb[:, :, None]).reshape(p.shape[0], -1)
-
-
-block_format(BlockFormat(_T.Q4_0, weights=QK, file_bytes=18, packed_bytes=16, copy=(2, 0, 16),
-                         d_off=0, m_off=-1, dequant_np=dequant_q4_0_np))
-block_format(BlockFormat(_T.Q4_1, weights=QK, file_bytes=20, packed_bytes=16, copy=(4, 0, 16),
-                         d_off=0, m_off=2, dequant_np=dequant_q4_1_np))
 
 
 def gemv_q4_np(x: np.ndarray, qs, d, m, m_scale) -> np.ndarray:
@@ -210,21 +207,68 @@ def dequant_tile(qs, d, m, m_scale, t):
     return wt
 
 
-@kernel(_T.Q4_0, "f32", "decode")
+# --------------------------------------------------------------------------------------------
+# the types: adapters (x, w, out) calling the kernels with a weight's arrays, their NumPy twins
+# (x, w) -> [S, n_out], and the declarations
+
+
 def gemv_q4_0(x, w, out):
     _gemv_q4(x, w.qs, w.d, w.d, _MINUS_8, out)
 
 
-@kernel(_T.Q4_0, "f32", "prefill")
+def gemv_q4_0_np(x, w):
+    return gemv_q4_np(x, w.qs, w.d, w.d, _MINUS_8)[:, :w.n_out]
+
+
 def tiled_q4_0(x, w, out):
     _tiled_q4(x, w.qs, w.d, w.d, _MINUS_8, out)
 
 
-@kernel(_T.Q4_1, "f32", "decode")
+def act8_gemv_q4_0(x, w, out):
+    act8._matmul_q4(x, w.qs, w.d, w.d, _MINUS_8, False, out)
+
+
+def act8_prefill_q4_0(x, w, out):
+    act8._prefill(x, w.qs, w.d, w.d, _MINUS_8, act8.PREFILL_Q4, out)
+
+
+def act8_q4_0_np(x, w):
+    return act8.matmul_q4_np(x, w.qs, w.d, w.d, _MINUS_8)[:, :w.n_out]
+
+
 def gemv_q4_1(x, w, out):
     _gemv_q4(x, w.qs, w.d, w.m, _ONE, out)
 
 
-@kernel(_T.Q4_1, "f32", "prefill")
+def gemv_q4_1_np(x, w):
+    return gemv_q4_np(x, w.qs, w.d, w.m, _ONE)[:, :w.n_out]
+
+
 def tiled_q4_1(x, w, out):
     _tiled_q4(x, w.qs, w.d, w.m, _ONE, out)
+
+
+def act8_gemv_q4_1(x, w, out):
+    act8._matmul_q4(x, w.qs, w.d, w.m, _ONE, False, out)
+
+
+def act8_prefill_q4_1(x, w, out):
+    act8._prefill(x, w.qs, w.d, w.m, _ONE, act8.PREFILL_Q4, out)
+
+
+def act8_q4_1_np(x, w):
+    return act8.matmul_q4_np(x, w.qs, w.d, w.m, _ONE)[:, :w.n_out]
+
+
+Q4_0 = declare(QuantType(
+    _T.Q4_0, BlockFormat(weights=QK, file_bytes=18, packed_bytes=16, copy=(2, 0, 16), d_off=0),
+    dequant_np=dequant_q4_0_np,
+    kernels={"f32": (Kernel(gemv_q4_0, gemv_q4_0_np), Kernel(tiled_q4_0, matmul_ref)),
+             "q8": (Kernel(act8_gemv_q4_0, act8_q4_0_np), Kernel(act8_prefill_q4_0, act8_q4_0_np))},
+    q8_bytes=(0, 16), **for_type(_T.Q4_0)))
+Q4_1 = declare(QuantType(
+    _T.Q4_1, BlockFormat(weights=QK, file_bytes=20, packed_bytes=16, copy=(4, 0, 16), d_off=0, m_off=2),
+    dequant_np=dequant_q4_1_np,
+    kernels={"f32": (Kernel(gemv_q4_1, gemv_q4_1_np), Kernel(tiled_q4_1, matmul_ref)),
+             "q8": (Kernel(act8_gemv_q4_1, act8_q4_1_np), Kernel(act8_prefill_q4_1, act8_q4_1_np))},
+    q8_bytes=(0, 16), **for_type(_T.Q4_1)))

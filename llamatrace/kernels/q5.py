@@ -12,7 +12,8 @@ high nibble with bit j + 16. Packed as the other types (:mod:`llamatrace.kernels
 file Q5_0 24/22 = 1.09x, Q5_1 28/24 = 1.17x. Both types share the kernels: a weight is
 ``d*q + m_scale*m`` with ``q`` in 0..31, Q5_1 passing ``(m, 1)``, Q5_0 ``(d, -16)``. Every
 product is exact in float32, so the dequantizers equal ``gguf.quants.dequantize`` bit for bit;
-the matmuls accumulate ``x * w`` in float32.
+the matmuls accumulate ``x * w`` in float32. The types are declared at the end (:data:`Q5_0`,
+:data:`Q5_1`); they have no ``q8``-mode kernels (they keep float32 activations there).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from numba import njit, prange
 
 from llamatrace.kernels import tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.registry import BlockFormat, block_format, kernel
+from llamatrace.kernels.packing import matmul_ref
+from llamatrace.kernels.quantizers import for_type
+from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, declare
 from llamatrace.kernels.tiles import quant_f32
 
 _T = gguf.GGMLQuantizationType
@@ -53,12 +56,6 @@ def dequant_q5_1_np(p: np.ndarray, db: np.ndarray, mb: np.ndarray) -> np.ndarray
     """Q5_1 packed bytes uint8 [n, B, 20], d and m float32 [n, B] -> float32 [n, B*32]:
     gguf-py's ``d * q + m``, bit for bit."""
     return (db[..., None] * _quants_np(p) + mb[..., None]).reshape(p.shape[0], -1)
-
-
-block_format(BlockFormat(_T.Q5_0, weights=QK, file_bytes=22, packed_bytes=20, copy=(2, 0, 20),
-                         d_off=0, m_off=-1, dequant_np=dequant_q5_0_np))
-block_format(BlockFormat(_T.Q5_1, weights=QK, file_bytes=24, packed_bytes=20, copy=(4, 0, 20),
-                         d_off=0, m_off=2, dequant_np=dequant_q5_1_np))
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,23 +177,39 @@ def gemv_q5_np(x: np.ndarray, qs, d, m, m_scale) -> np.ndarray:
     return y.reshape(n_seq, -1).astype(np.float32)
 
 
+# --------------------------------------------------------------------------------------------
+# the types: adapters (x, w, out), their NumPy twins (x, w) -> [S, n_out], the declarations
 
 
-@kernel(_T.Q5_0, "f32", "decode")
 def gemv_q5_0(x, w, out):
     _gemv_q5(x, w.qs, w.d, w.d, _MINUS_16, out)
 
 
-@kernel(_T.Q5_0, "f32", "prefill")
+def gemv_q5_0_np(x, w):
+    return gemv_q5_np(x, w.qs, w.d, w.d, _MINUS_16)[:, :w.n_out]
+
+
 def tiled_q5_0(x, w, out):
     _tiled_q5(False, x, w.qs, w.d, w.d, out)
 
 
-@kernel(_T.Q5_1, "f32", "decode")
 def gemv_q5_1(x, w, out):
     _gemv_q5(x, w.qs, w.d, w.m, _ONE, out)
 
 
-@kernel(_T.Q5_1, "f32", "prefill")
+def gemv_q5_1_np(x, w):
+    return gemv_q5_np(x, w.qs, w.d, w.m, _ONE)[:, :w.n_out]
+
+
 def tiled_q5_1(x, w, out):
     _tiled_q5(True, x, w.qs, w.d, w.m, out)
+
+
+Q5_0 = declare(QuantType(
+    _T.Q5_0, BlockFormat(weights=QK, file_bytes=22, packed_bytes=20, copy=(2, 0, 20), d_off=0),
+    dequant_np=dequant_q5_0_np,
+    kernels={"f32": (Kernel(gemv_q5_0, gemv_q5_0_np), Kernel(tiled_q5_0, matmul_ref))}, **for_type(_T.Q5_0)))
+Q5_1 = declare(QuantType(
+    _T.Q5_1, BlockFormat(weights=QK, file_bytes=24, packed_bytes=20, copy=(4, 0, 20), d_off=0, m_off=2),
+    dequant_np=dequant_q5_1_np,
+    kernels={"f32": (Kernel(gemv_q5_1, gemv_q5_1_np), Kernel(tiled_q5_1, matmul_ref))}, **for_type(_T.Q5_1)))

@@ -9,9 +9,10 @@ padded rows zero)::
 
     qs int8 [T, B, 32, TR]    d float32 [T, B, TR]
 
-Resident bytes against the file: 36/34 = 1.06x (1.0x in the ``q8`` mode, whose kernel is
-:mod:`llamatrace.kernels.act8`'s). Float32 activations times the dequantized weights, float32
-accumulation, as :mod:`llamatrace.kernels.q4` (whose notes on the loops apply here too).
+Resident bytes against the file: 36/34 = 1.06x (1.0x in the ``q8`` mode, whose Numba kernels
+are :mod:`llamatrace.kernels.act8`'s). Float32 activations times the dequantized weights, float32
+accumulation, as :mod:`llamatrace.kernels.q4` (whose notes on the loops apply here too). The
+type is declared at the end (:data:`Q8_0`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import act8, tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.registry import BlockFormat, block_format, kernel
+from llamatrace.kernels.packing import matmul_ref
+from llamatrace.kernels.quantizers import for_type
+from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, declare
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
@@ -34,10 +37,6 @@ def dequant_np(p: np.ndarray, db: np.ndarray, mb: None) -> np.ndarray:
     """Q8_0 packed quants int8 [n, B, 32], d float32 [n, B] -> float32 [n, B*32]: gguf-py's
     ``d * q``, bit for bit."""
     return (db[:, :, None] * p.astype(np.float32)).reshape(p.shape[0], -1)
-
-
-block_format(BlockFormat(_T.Q8_0, weights=QK, file_bytes=34, packed_bytes=32, copy=(2, 0, 32),
-                         d_off=0, m_off=-1, dequant_np=dequant_np, signed=True))
 
 
 def gemv_q8_np(x: np.ndarray, qs, d) -> np.ndarray:
@@ -126,11 +125,39 @@ def dequant_tile(qs, d, t):
     return wt
 
 
-@kernel(_T.Q8_0, "f32", "decode")
+# --------------------------------------------------------------------------------------------
+# the type: adapters (x, w, out), their NumPy twins (x, w) -> [S, n_out], the declaration
+
+_ZERO = np.float32(0.0)
+
+
 def gemv_q8_0(x, w, out):
     _gemv_q8(x, w.qs, w.d, out)
 
 
-@kernel(_T.Q8_0, "f32", "prefill")
+def gemv_q8_0_np(x, w):
+    return gemv_q8_np(x, w.qs, w.d)[:, :w.n_out]
+
+
 def tiled_q8_0(x, w, out):
     _tiled_q8(x, w.qs, w.d, out)
+
+
+def act8_gemv_q8_0(x, w, out):
+    act8._matmul_q4(x, w.qs, w.d, w.d, _ZERO, True, out)
+
+
+def act8_prefill_q8_0(x, w, out):
+    act8._prefill(x, w.qs, w.d, w.d, _ZERO, act8.PREFILL_Q8, out)
+
+
+def act8_q8_0_np(x, w):
+    return act8.matmul_q8_np(x, w.qs, w.d)[:, :w.n_out]
+
+
+Q8_0 = declare(QuantType(
+    _T.Q8_0, BlockFormat(weights=QK, file_bytes=34, packed_bytes=32, copy=(2, 0, 32), d_off=0, signed=True),
+    dequant_np=dequant_np,
+    kernels={"f32": (Kernel(gemv_q8_0, gemv_q8_0_np), Kernel(tiled_q8_0, matmul_ref)),
+             "q8": (Kernel(act8_gemv_q8_0, act8_q8_0_np), Kernel(act8_prefill_q8_0, act8_q8_0_np))},
+    q8_bytes=(0, 32), **for_type(_T.Q8_0)))

@@ -25,21 +25,23 @@ Rounding as in :mod:`~llamatrace.kernels.quantizers_k`: float32 in ggml's order,
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import gguf
 import numpy as np
 from numba import njit, prange
 
 from llamatrace.kernels import quantizers_k as qk
-from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL
-from llamatrace.kernels.quantizers_k import F32, fp16_np, make_qkx, make_qkx_np, make_qx, make_qx_np, put_fp16
+from llamatrace.kernels.jit import JIT_QUANT, JIT_QUANT_PARALLEL
+from llamatrace.kernels.quantizers_k import (F32, fp16_np, make_qkx, make_qkx_np,
+                                             make_qx, make_qx_np, put_fp16)
 
 T = gguf.GGMLQuantizationType
 QK = 32
 """Weights per legacy block."""
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _c_int8(v):
     """``(int8_t)`` of a float32 as x86-64 C does it: truncate to int32 (``cvttss2si``; NaN and
     out of range give INT_MIN), keep the low byte. Denormal blocks reach it with inf and NaN."""
@@ -47,7 +49,7 @@ def _c_int8(v):
     return ((i & 0xFF) ^ 0x80) - 0x80
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _roundf(v):
     """C's ``roundf``: half away from zero (``v - trunc(v)`` is exact)."""
     t = F32(np.trunc(v))
@@ -56,14 +58,14 @@ def _roundf(v):
     return t
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _importance(x, qw, sigma2, w):
     """ggml's legacy and K weights: ``w = qw * sqrt(sigma2 + x^2)`` (float32 ``sqrtf``)."""
     for j in range(x.shape[0]):
         w[j] = F32(qw[j] * F32(math.sqrt(F32(sigma2 + F32(x[j] * x[j])))))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _row_sigma2(x):
     """A row's mean square, summed in order (the legacy impl paths' ``sigma2``)."""
     s = F32(0.0)
@@ -72,13 +74,13 @@ def _row_sigma2(x):
     return F32(s / F32(x.shape[0]))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _put_nibbles(L, ob, at):
     for j in range(16):
         ob[at + j] = ((L[j] & 0xFF) | (L[j + 16] << 4)) & 0xFF
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _put_q5(L, ob, at):
     """Q5 quants ``L [32]`` (0..31): low nibbles at ``ob[at+4:]``, fifth bits in ``qh`` at ``at``."""
     qh = 0
@@ -91,7 +93,7 @@ def _put_q5(L, ob, at):
         ob[at + k] = (qh >> (8 * k)) & 0xFF
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _absmax_first(xb):
     amax = F32(0.0)
     mx = F32(0.0)
@@ -102,7 +104,7 @@ def _absmax_first(xb):
     return mx
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _min_max(xb):
     mn = F32(3.4028234663852886e38)
     mx = F32(-3.4028234663852886e38)
@@ -114,9 +116,10 @@ def _min_max(xb):
     return mn, mx
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q4_0_row(x, qw, out):
     L = np.empty(QK, np.int8)
+    Laux = np.empty(QK, np.int8)
     w = np.empty(QK, np.float32)
     sigma2 = _row_sigma2(x) if qw.shape[0] else F32(0.0)
     for b in range(x.shape[0] // QK):
@@ -124,7 +127,7 @@ def _q4_0_row(x, qw, out):
         ob = out[b * 18:(b + 1) * 18]
         if qw.shape[0]:
             _importance(xb, qw[b * QK:(b + 1) * QK], sigma2, w)
-            put_fp16(ob, 0, make_qx(xb, 8, L, w, True))
+            put_fp16(ob, 0, make_qx(xb, 8, L, Laux, w, True))
         else:
             d = F32(_absmax_first(xb) / F32(-8.0))
             idd = F32(F32(1.0) / d) if d != 0 else F32(0.0)
@@ -134,7 +137,7 @@ def _q4_0_row(x, qw, out):
         _put_nibbles(L, ob, 2)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q4_1_row(x, qw, out):
     L = np.empty(QK, np.uint8)
     Laux = np.empty(QK, np.uint8)
@@ -159,9 +162,10 @@ def _q4_1_row(x, qw, out):
         _put_nibbles(L, ob, 4)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q5_0_row(x, qw, out):
     L = np.empty(QK, np.int8)
+    Laux = np.empty(QK, np.int8)
     w = np.empty(QK, np.float32)
     sigma2 = _row_sigma2(x) if qw.shape[0] else F32(0.0)
     for b in range(x.shape[0] // QK):
@@ -169,7 +173,7 @@ def _q5_0_row(x, qw, out):
         ob = out[b * 22:(b + 1) * 22]
         if qw.shape[0]:
             _importance(xb, qw[b * QK:(b + 1) * QK], sigma2, w)
-            put_fp16(ob, 0, make_qx(xb, 16, L, w, True))
+            put_fp16(ob, 0, make_qx(xb, 16, L, Laux, w, True))
         else:
             d = F32(_absmax_first(xb) / F32(-16.0))
             idd = F32(F32(1.0) / d) if d != 0 else F32(0.0)
@@ -179,7 +183,7 @@ def _q5_0_row(x, qw, out):
         _put_q5(L, ob, 2)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q5_1_row(x, qw, out):
     L = np.empty(QK, np.uint8)
     Laux = np.empty(QK, np.uint8)
@@ -204,7 +208,7 @@ def _q5_1_row(x, qw, out):
         _put_q5(L, ob, 4)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q8_0_row(x, qw, out):
     for b in range(x.shape[0] // QK):
         xb = x[b * QK:(b + 1) * QK]
@@ -223,31 +227,31 @@ def _q8_0_row(x, qw, out):
 # one parallel driver per type: Numba compiles (and caches) only the types a run uses
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q4_0_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q4_0_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q4_1_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q4_1_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q5_0_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q5_0_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q5_1_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q5_1_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q8_0_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q8_0_row(x[r], qw, out[r])
@@ -259,17 +263,15 @@ def _q8_0_rows(x, qw, out):
 
 def _c_int8_np(v: np.ndarray) -> np.ndarray:
     """NumPy twin of :func:`_c_int8`."""
-    with np.errstate(invalid="ignore"):
-        ok = (v > -2147483649.0) & (v < 2147483648.0)
-        i = np.where(ok, np.trunc(np.where(ok, v, 0)), -2147483648).astype(np.int64)
+    ok = (v > -2147483649.0) & (v < 2147483648.0)
+    i = np.where(ok, np.trunc(np.where(ok, v, 0)), -2147483648).astype(np.int64)
     return ((i & 0xFF) ^ 0x80) - 0x80
 
 
 def _roundf_np(v: np.ndarray) -> np.ndarray:
     """NumPy twin of :func:`_roundf`."""
     t = np.trunc(v)
-    with np.errstate(invalid="ignore"):
-        return np.where(np.abs(v - t) >= F32(0.5), t + np.where(v > 0, F32(1.0), F32(-1.0)), t)
+    return np.where(np.abs(v - t) >= F32(0.5), t + np.where(v > 0, F32(1.0), F32(-1.0)), t)
 
 
 def _fp16_bytes_np(v: np.ndarray) -> np.ndarray:
@@ -316,8 +318,7 @@ def _row_sigma2_np(x: np.ndarray) -> np.ndarray:
 
 
 def _inverse(d: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore"):
-        return np.where(d != 0, F32(1.0) / d, F32(0.0)).astype(np.float32)
+    return np.where(d != 0, F32(1.0) / d, F32(0.0)).astype(np.float32)
 
 
 def _q4_0_np(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
@@ -326,8 +327,7 @@ def _q4_0_np(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         d, L = make_qx_np(xb, 8, _importance_np(x, qw, _row_sigma2_np(x), QK))
     else:
         d = qk.first_absmax_np(xb) / F32(-8.0)
-        with np.errstate(invalid="ignore", over="ignore"):
-            L = np.minimum(15, _c_int8_np(xb * _inverse(d)[:, None] + F32(8.5)))
+        L = np.minimum(15, _c_int8_np(xb * _inverse(d)[:, None] + F32(8.5)))
     return np.concatenate([_fp16_bytes_np(d), _nibbles_np(L)], axis=1)
 
 
@@ -339,8 +339,7 @@ def _q4_1_np(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     else:
         m, mx = _scan_min_max_np(xb)
         d = (mx - m) / F32(15.0)
-        with np.errstate(invalid="ignore", over="ignore"):
-            L = np.minimum(15, _c_int8_np((xb - m[:, None]) * _inverse(d)[:, None] + F32(0.5)))
+        L = np.minimum(15, _c_int8_np((xb - m[:, None]) * _inverse(d)[:, None] + F32(0.5)))
     return np.concatenate([_fp16_bytes_np(d), _fp16_bytes_np(m), _nibbles_np(L)], axis=1)
 
 
@@ -350,8 +349,7 @@ def _q5_0_np(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         d, L = make_qx_np(xb, 16, _importance_np(x, qw, _row_sigma2_np(x), QK))
     else:
         d = qk.first_absmax_np(xb) / F32(-16.0)
-        with np.errstate(invalid="ignore", over="ignore"):
-            L = np.minimum(31, _c_int8_np(xb * _inverse(d)[:, None] + F32(16.5)))
+        L = np.minimum(31, _c_int8_np(xb * _inverse(d)[:, None] + F32(16.5)))
     return np.concatenate([_fp16_bytes_np(d), _q5_np(L)], axis=1)
 
 
@@ -363,8 +361,7 @@ def _q5_1_np(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     else:
         m, mx = _scan_min_max_np(xb)
         d = (mx - m) / F32(31.0)
-        with np.errstate(invalid="ignore", over="ignore"):
-            L = _c_int8_np((xb - m[:, None]) * _inverse(d)[:, None] + F32(0.5))
+        L = _c_int8_np((xb - m[:, None]) * _inverse(d)[:, None] + F32(0.5))
     return np.concatenate([_fp16_bytes_np(d), _fp16_bytes_np(m), _q5_np(L)], axis=1)
 
 
@@ -375,8 +372,7 @@ def _q8_0_np(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         a = np.abs(xb[:, j])
         amax = np.where(amax > a, amax, a)
     d = amax / F32(127.0)
-    with np.errstate(invalid="ignore", over="ignore"):
-        q = _c_int8_np(_roundf_np(xb * _inverse(d)[:, None]))
+    q = _c_int8_np(_roundf_np(xb * _inverse(d)[:, None]))
     return np.concatenate([_fp16_bytes_np(d), (q & 0xFF).astype(np.uint8)], axis=1)
 
 
@@ -439,4 +435,15 @@ def quantize_rows_np(ggml_type, x: np.ndarray, imatrix: np.ndarray | None = None
     if x.shape[0] == 0:
         return np.empty((0, x.shape[1] // block * nbytes), np.uint8)
     qw = None if imatrix is None or t == T.Q8_0 else imatrix
-    return _KERNELS[t][1](x, qw).reshape(x.shape[0], x.shape[1] // block * nbytes)
+    with np.errstate(all="ignore"):     # ggml's arithmetic meets inf and NaN on denormal or huge blocks
+        return _KERNELS[t][1](x, qw).reshape(x.shape[0], x.shape[1] // block * nbytes)
+
+
+def for_type(ggml_type) -> dict:
+    """``{"quantize": ..., "quantize_np": ...}``: :func:`quantize_rows` and its twin bound to
+    ``ggml_type``, for the type's :class:`~llamatrace.kernels.registry.QuantType` declaration
+    (``quantize(x, imatrix=None)``). Raises ValueError for a type not in :data:`QUANTIZABLE`."""
+    t = T(int(ggml_type))
+    if t not in _KERNELS:
+        raise ValueError(f"no quantizer writes {t.name}")
+    return {"quantize": partial(quantize_rows, t), "quantize_np": partial(quantize_rows_np, t)}

@@ -14,14 +14,21 @@ llama.cpp), byte for byte what it writes:
   weighted search (:func:`make_qp`, Q3_K by :func:`make_qx`).
 
 Rounding. Every step is float32 arithmetic in ggml's order (``w*x*l`` is ``(w*x)*float(l)``),
-sums run in element order, without fastmath (:data:`~llamatrace.kernels.jit.JIT_EXACT`):
-one changed rounding moves a quant. :func:`nearest_int` is ggml's: add 1.5 * 2**23 and read the
+sums run in element order, without fastmath and with IEEE division (:data:`JIT_QUANT`): one
+changed rounding moves a quant. :func:`nearest_int` is ggml's: add 1.5 * 2**23 and read the
 low mantissa bits, half to even, and for inf and NaN (denormal blocks make ``1/(max-min)``
 infinite) what llama.cpp's release build computes. fp16 scales round to nearest even
 (:func:`fp16_bits`, ggml's ``GGML_FP32_TO_FP16``).
 
+Block layouts (256 weights, fp16 little-endian): Q2_K ``scales[16] qs[64] d dmin`` (84 bytes;
+a scale byte holds the sub-block's 4-bit scale low, its min high), Q3_K ``hmask[32] qs[64]
+scales[12] d`` (110), Q4_K ``d dmin scales[12] qs[128]`` (144), Q5_K ``d dmin scales[12] qh[32]
+qs[128]`` (176), Q6_K ``ql[128] qh[64] scales[16] d`` (210, int8 scales).
+
 Each Numba function has a NumPy twin (``*_np``) computing every block at once, looping only
-over the elements of a sub-block, where ggml's sums are sequential.
+over the elements of a sub-block, where ggml's sums are sequential. The twins meet inf and NaN
+where ggml does: :func:`~llamatrace.kernels.quantizers.quantize_rows_np` runs them under
+``np.errstate(all="ignore")``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.jit import F16_TABLE, JIT_EXACT, JIT_EXACT_PARALLEL
+from llamatrace.kernels.jit import F16_TABLE, JIT_QUANT, JIT_QUANT_PARALLEL
+
 
 QK_K = 256
 """Weights per K-quant super-block."""
@@ -57,14 +65,14 @@ def f32_bits(typingctx, value):
         return types.int32(value), codegen
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def nearest_int(v):
     """ggml's ``nearest_int`` of a float32: round half to even for |v| < 2**22; inf gives
     -4194304 and NaN 0, as the release build's bit trick does."""
     return (f32_bits(F32(v + _ROUND_MAGIC)) & 0x7FFFFF) - 0x400000
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def fp16_bits(v):
     """float32 -> fp16 bits (int in 0..65535), round to nearest even; NaN -> 0x7E00 with its sign,
     as ggml's ``GGML_FP32_TO_FP16``."""
@@ -95,7 +103,7 @@ def fp16_bits(v):
     return sign | half
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def put_fp16(out, at, v):
     """Write float32 ``v`` as little-endian fp16 at ``out[at:at+2]``; returns the fp16's value
     (float32), which ggml reads back where it goes on with the rounded scale."""
@@ -105,11 +113,12 @@ def put_fp16(out, at, v):
     return F16_TABLE[h]
 
 
-@njit(**JIT_EXACT)
-def make_qx(x, nmax, L, w, use_w):
+@njit(**JIT_QUANT)
+def make_qx(x, nmax, L, Laux, w, use_w):
     """ggml's ``make_qx_quants`` with ``rmse_type`` 1: signed quants ``L`` (int8, stored as
     ``l + nmax`` in 0..2*nmax-1) of float32 ``x [n]`` and their scale, searched over 19 trial
-    scales for the least weighted squared error; weights ``w [n]`` if ``use_w`` else ``x^2``.
+    scales for the least weighted squared error; weights ``w [n]`` if ``use_w`` else ``x^2``;
+    ``Laux`` int8 [n] scratch.
     Returns the scale (float32); 0 and all L 0 when max|x| < GROUP_MAX_EPS."""
     n = x.shape[0]
     amax = F32(0.0)
@@ -141,21 +150,22 @@ def make_qx(x, nmax, L, w, use_w):
         iscale = F32(F32(-F32(fnmax + F32(F32(0.1) * F32(step)))) / mx)
         sumlx = F32(0.0)
         suml2 = F32(0.0)
+        for i in range(n):                              # apart from the sums: LLVM vectorizes it
+            Laux[i] = max(-nmax, min(nmax - 1, nearest_int(F32(iscale * x[i]))))
         for i in range(n):
-            l = max(-nmax, min(nmax - 1, nearest_int(F32(iscale * x[i]))))
             wi = w[i] if use_w else F32(x[i] * x[i])
-            fl = F32(l)
+            fl = F32(Laux[i])
             sumlx = F32(sumlx + F32(F32(wi * x[i]) * fl))
             suml2 = F32(suml2 + F32(F32(wi * fl) * fl))
         if suml2 > 0 and F32(sumlx * sumlx) > F32(best * suml2):
             for i in range(n):
-                L[i] = nmax + max(-nmax, min(nmax - 1, nearest_int(F32(iscale * x[i]))))
+                L[i] = Laux[i] + nmax
             scale = F32(sumlx / suml2)
             best = F32(scale * sumlx)
     return scale
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def make_qkx(x, nmax, w, L, Laux, rmin, rdelta, nstep, use_mad):
     """ggml's ``make_qkx2_quants`` / ``make_qkx3_quants`` (the same with weights given): unsigned
     quants ``L`` (uint8, 0..nmax) of float32 ``x [n]`` with a scale and a minimum, the pair
@@ -197,10 +207,10 @@ def make_qkx(x, nmax, w, L, Laux, rmin, rdelta, nstep, use_mad):
         sum_l = F32(0.0)
         sum_l2 = F32(0.0)
         sum_xl = F32(0.0)
+        for i in range(n):                              # apart from the sums: LLVM vectorizes it
+            Laux[i] = max(0, min(nmax, nearest_int(F32(iscale * F32(x[i] - mn)))))
         for i in range(n):
-            l = max(0, min(nmax, nearest_int(F32(iscale * F32(x[i] - mn)))))
-            Laux[i] = l
-            fl = F32(l)
+            fl = F32(Laux[i])
             wl = F32(w[i] * fl)
             sum_l = F32(sum_l + wl)
             sum_l2 = F32(sum_l2 + F32(wl * fl))
@@ -226,7 +236,7 @@ def make_qkx(x, nmax, w, L, Laux, rmin, rdelta, nstep, use_mad):
     return scale, F32(-mn)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def make_q3(x, nmax, L):
     """ggml's ``make_q3_quants`` with ``do_rmse`` (Q3_K's reference path): signed quants of float32
     ``x [n]`` weighted by ``x^2``, then up to 5 sweeps moving single quants while the weighted
@@ -275,7 +285,7 @@ def make_q3(x, nmax, L):
     return F32(sumlx / suml2) if suml2 > 0 else F32(0.0)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def make_qp(x, nmax, L, qw):
     """ggml's ``make_qp_quants``: the K types' imatrix path quantizes a block's sub-block scales
     (or mins) ``x [n]`` (>= 0) to 0..nmax with weights ``qw [n]``: 9 trial scales, then sweeps
@@ -343,7 +353,7 @@ def make_qp(x, nmax, L, qw):
 # the K types, one super-block of 256 at a time (Numba)
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _block_sigma2(x, factor):
     """``factor * sum(x^2) / 256`` summed in order: the imatrix paths' ``sigma2``."""
     s = F32(0.0)
@@ -352,7 +362,7 @@ def _block_sigma2(x, factor):
     return F32(F32(F32(factor) * s) / F32(QK_K))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _weights(x, qw, sigma2, w):
     """``w = qw * sqrt(sigma2 + x^2)``; returns ``sum(w)`` in order."""
     total = F32(0.0)
@@ -362,7 +372,7 @@ def _weights(x, qw, sigma2, w):
     return total
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _pack_2bit(L, ob, at):
     """Four 2-bit quants per byte: byte l of each 32 holds quants l, l+32, l+64, l+96 of a 128."""
     for j in range(0, QK_K, 128):
@@ -371,7 +381,7 @@ def _pack_2bit(L, ob, at):
                                    | ((L[j + l + 64] & 3) << 4) | ((L[j + l + 96] & 3) << 6))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _put_k4_scales(ls, lm, ob, at):
     """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and mins (``get_scale_min_k4``'s layout)."""
     for j in range(8):
@@ -385,7 +395,7 @@ def _put_k4_scales(ls, lm, ob, at):
             ob[at + j] = (ob[at + j] | ((m >> 4) << 6)) & 0xFF
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _k4_scale_min(ob, at, j):
     if j < 4:
         return np.int64(ob[at + j]) & 63, np.int64(ob[at + j + 4]) & 63
@@ -393,7 +403,7 @@ def _k4_scale_min(ob, at, j):
     return (lo & 0xF) | ((hi_d >> 6) << 4), (lo >> 4) | ((hi_m >> 6) << 4)
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _requant_k4(x, L, ob, d, dmin, nmax):
     """Q4_K/Q5_K: each sub-block of 32 re-rounded with its 6-bit scale and min as stored."""
     for j in range(8):
@@ -406,7 +416,7 @@ def _requant_k4(x, L, ob, d, dmin, nmax):
             L[32 * j + i] = max(0, min(nmax, nearest_int(F32(F32(x[32 * j + i] + dm) / dj))))
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _put_q3_scales(ls, ob, at):
     """Q3_K's sixteen 6-bit scales (0..63) in 12 bytes: low nibbles in 8, high pairs in 4."""
     for k in range(12):
@@ -421,7 +431,7 @@ def _put_q3_scales(ls, ob, at):
         ob[at + 8 + j % 4] = (ob[at + 8 + j % 4] | (l << (2 * (j // 4)))) & 0xFF
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _finish_q3(x, L, ob, d):
     """Q3_K: re-round with the stored scales, high bits to ``hmask``, low two bits to ``qs``."""
     for j in range(16):
@@ -441,7 +451,7 @@ def _finish_q3(x, L, ob, d):
     _pack_2bit(L, ob, 32)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q2_k_row(x, qw, out):
     L = np.empty(QK_K, np.uint8)
     Laux = np.empty(16, np.uint8)
@@ -502,9 +512,10 @@ def _q2_k_row(x, qw, out):
         _pack_2bit(L, ob, 16)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q3_k_row(x, qw, out):
     L = np.empty(QK_K, np.int8)
+    Laux = np.empty(16, np.int8)
     w = np.empty(16, np.float32)
     scales = np.empty(16, np.float32)
     sw = np.empty(16, np.float32)
@@ -516,8 +527,8 @@ def _q3_k_row(x, qw, out):
             sigma2 = _block_sigma2(xb, 2.0)
             for j in range(16):
                 sw[j] = _weights(xb[16 * j:16 * j + 16], qw[b * QK_K + 16 * j:b * QK_K + 16 * j + 16], sigma2, w)
-                scales[j] = make_qx(xb[16 * j:16 * j + 16], 4, L[16 * j:16 * j + 16], w, True)
-            d_block = make_qx(scales, 32, Ls, sw, True)
+                scales[j] = make_qx(xb[16 * j:16 * j + 16], 4, L[16 * j:16 * j + 16], Laux, w, True)
+            d_block = make_qx(scales, 32, Ls, Laux, sw, True)
             _put_q3_scales(Ls, ob, 96)
             d = put_fp16(ob, 108, d_block)
         else:
@@ -542,7 +553,7 @@ def _q3_k_row(x, qw, out):
         _finish_q3(xb, L, ob, d)
 
 
-@njit(**JIT_EXACT, inline="always")
+@njit(**JIT_QUANT, inline="always")
 def _k4_block(xb, qw_b, ob, nmax, L, Laux, w, scales, mins, sw, Ls, Lm, rmin, rdelta, nstep):
     """The shared part of Q4_K and Q5_K: sub-block scales and mins, the block's 6-bit scales
     (``ob[4:16]``) and fp16 ``d``/``dmin`` (``ob[0:4]``), the re-rounded quants in ``L``."""
@@ -587,7 +598,7 @@ def _k4_block(xb, qw_b, ob, nmax, L, Laux, w, scales, mins, sw, Ls, Lm, rmin, rd
     _requant_k4(xb, L, ob, d, dmin, nmax)
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q4_k_row(x, qw, out):
     L = np.empty(QK_K, np.uint8)
     Laux = np.empty(32, np.uint8)
@@ -606,7 +617,7 @@ def _q4_k_row(x, qw, out):
                 ob[16 + j // 2 + l] = (L[j + l] | (L[j + l + 32] << 4)) & 0xFF
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q5_k_row(x, qw, out):
     L = np.empty(QK_K, np.uint8)
     Laux = np.empty(32, np.uint8)
@@ -636,9 +647,10 @@ def _q5_k_row(x, qw, out):
                 ob[48 + n // 2 + j] = (l1 | (l2 << 4)) & 0xFF
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_QUANT)
 def _q6_k_row(x, qw, out):
     L = np.empty(QK_K, np.int8)
+    Laux = np.empty(16, np.int8)
     scales = np.empty(16, np.float32)
     for b in range(x.shape[0] // QK_K):
         xb = x[b * QK_K:(b + 1) * QK_K]
@@ -646,7 +658,7 @@ def _q6_k_row(x, qw, out):
         max_scale = F32(0.0)
         max_abs = F32(0.0)
         for j in range(16):
-            scales[j] = make_qx(xb[16 * j:16 * j + 16], 32, L[16 * j:16 * j + 16],
+            scales[j] = make_qx(xb[16 * j:16 * j + 16], 32, L[16 * j:16 * j + 16], Laux,
                                 qw[b * QK_K + 16 * j:b * QK_K + 16 * j + 16], qw.shape[0] > 0)
             a = abs(scales[j])
             if a > max_abs:
@@ -677,31 +689,31 @@ def _q6_k_row(x, qw, out):
 # one parallel driver per type: Numba compiles (and caches) only the types a run uses
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q2_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q2_k_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q3_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q3_k_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q4_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q4_k_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q5_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q5_k_row(x[r], qw, out[r])
 
 
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_QUANT_PARALLEL)
 def _q6_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
         _q6_k_row(x[r], qw, out[r])
@@ -713,22 +725,24 @@ def _q6_k_rows(x, qw, out):
 
 def nearest_int_np(v: np.ndarray) -> np.ndarray:
     """NumPy twin of :func:`nearest_int`: float32 array -> int64 array."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        bits = (np.asarray(v, np.float32) + _ROUND_MAGIC).view(np.int32)
+    bits = (np.asarray(v, np.float32) + _ROUND_MAGIC).view(np.int32)
     return ((bits & 0x7FFFFF) - 0x400000).astype(np.int64)
 
 
 def fp16_np(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """NumPy twin of :func:`fp16_bits` and :func:`fp16_value`: float32 array -> (uint16 bits,
     float32 value). NumPy's float16 cast rounds to nearest even, as ggml does."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        h = np.asarray(v, np.float32).astype(np.float16)
+    h = np.asarray(v, np.float32).astype(np.float16)
     return h.view(np.uint16), h.astype(np.float32)
 
 
 def first_absmax_np(x: np.ndarray) -> np.ndarray:
-    """The first element of largest |x| in each row (ggml's ``if (ax > amax)`` scan), float32 [nb]."""
-    return np.take_along_axis(x, np.abs(x).argmax(axis=1)[:, None], axis=1)[:, 0]
+    """The first element of largest |x| in each row, float32 [nb], as ggml's scan ``if (ax >
+    amax)`` from ``amax = max = 0`` finds it: NaN never wins, an all-zero row gives +0."""
+    a = np.abs(x)
+    a[np.isnan(a)] = -1
+    mx = np.take_along_axis(x, a.argmax(axis=1)[:, None], axis=1)[:, 0]
+    return np.where(np.abs(mx) > 0, mx, F32(0.0))
 
 
 def make_qx_np(x: np.ndarray, nmax: int, w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -741,8 +755,7 @@ def make_qx_np(x: np.ndarray, nmax: int, w: np.ndarray | None) -> tuple[np.ndarr
     fnmax = F32(nmax)
 
     def trial(iscale):
-        with np.errstate(invalid="ignore", over="ignore"):
-            l = np.clip(nearest_int_np(iscale[:, None] * x), -nmax, nmax - 1)
+        l = np.clip(nearest_int_np(iscale[:, None] * x), -nmax, nmax - 1)
         fl = l.astype(np.float32)
         sumlx = np.zeros(nb, np.float32)
         suml2 = np.zeros(nb, np.float32)
@@ -751,19 +764,18 @@ def make_qx_np(x: np.ndarray, nmax: int, w: np.ndarray | None) -> tuple[np.ndarr
             suml2 += (w[:, i] * fl[:, i]) * fl[:, i]
         return l, sumlx, suml2
 
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        l, sumlx, suml2 = trial(-fnmax / mx)
-        L = l + nmax
-        scale = np.where(suml2 != 0, sumlx / suml2, F32(0.0)).astype(np.float32)
-        best = scale * sumlx
-        for step in range(-9, 10):
-            if step == 0:
-                continue
-            l, sumlx, suml2 = trial(-(fnmax + F32(0.1) * F32(step)) / mx)
-            better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            L = np.where(better[:, None], l + nmax, L)
-            scale = np.where(better, sumlx / suml2, scale)
-            best = np.where(better, scale * sumlx, best)
+    l, sumlx, suml2 = trial(-fnmax / mx)
+    L = l + nmax
+    scale = np.where(suml2 != 0, sumlx / suml2, F32(0.0)).astype(np.float32)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        l, sumlx, suml2 = trial(-(fnmax + F32(0.1) * F32(step)) / mx)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        L = np.where(better[:, None], l + nmax, L)
+        scale = np.where(better, sumlx / suml2, scale)
+        best = np.where(better, scale * sumlx, best)
     L[zero] = 0
     scale[zero] = 0
     return scale.astype(np.float32), L.astype(np.int8)
@@ -784,7 +796,7 @@ def make_qkx_np(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelta: fl
         sum_w += w[:, i]
         sum_x += w[:, i] * x[:, i]
     mn = np.where(mn > 0, F32(0.0), mn)
-    flat = ~(mx > mn)
+    flat = mx <= mn                                     # False with NaN, as in ggml
     fnmax = F32(nmax)
 
     def error(scale, mn, L):
@@ -794,35 +806,34 @@ def make_qkx_np(x: np.ndarray, nmax: int, w: np.ndarray, rmin: float, rdelta: fl
             err += w[:, i] * (np.abs(diff) if use_mad else diff * diff)
         return err
 
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = fnmax / (mx - mn)
-        scale = F32(1.0) / iscale
-        L = np.clip(nearest_int_np(iscale[:, None] * (x - mn[:, None])), 0, nmax)
-        best = error(scale, mn, L)
-        for step in range(nstep + 1 if nstep >= 1 else 0):
-            iscale = ((F32(rmin) + F32(rdelta) * F32(step)) + fnmax) / (mx - mn)
-            Laux = np.clip(nearest_int_np(iscale[:, None] * (x - mn[:, None])), 0, nmax)
-            fl = Laux.astype(np.float32)
-            sum_l = np.zeros(nb, np.float32)
-            sum_l2 = np.zeros(nb, np.float32)
-            sum_xl = np.zeros(nb, np.float32)
-            for i in range(n):
-                wl = w[:, i] * fl[:, i]
-                sum_l += wl
-                sum_l2 += wl * fl[:, i]
-                sum_xl += wl * x[:, i]
-            D = sum_w * sum_l2 - sum_l * sum_l
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            pos = this_min > 0
-            this_min = np.where(pos, F32(0.0), this_min)
-            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-            err = error(this_scale, this_min, Laux)
-            better = (D > 0) & (err < best)
-            L = np.where(better[:, None], Laux, L)
-            best = np.where(better, err, best)
-            scale = np.where(better, this_scale, scale)
-            mn = np.where(better, this_min, mn)
+    iscale = fnmax / (mx - mn)
+    scale = F32(1.0) / iscale
+    L = np.clip(nearest_int_np(iscale[:, None] * (x - mn[:, None])), 0, nmax)
+    best = error(scale, mn, L)
+    for step in range(nstep + 1 if nstep >= 1 else 0):
+        iscale = ((F32(rmin) + F32(rdelta) * F32(step)) + fnmax) / (mx - mn)
+        Laux = np.clip(nearest_int_np(iscale[:, None] * (x - mn[:, None])), 0, nmax)
+        fl = Laux.astype(np.float32)
+        sum_l = np.zeros(nb, np.float32)
+        sum_l2 = np.zeros(nb, np.float32)
+        sum_xl = np.zeros(nb, np.float32)
+        for i in range(n):
+            wl = w[:, i] * fl[:, i]
+            sum_l += wl
+            sum_l2 += wl * fl[:, i]
+            sum_xl += wl * x[:, i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        pos = this_min > 0
+        this_min = np.where(pos, F32(0.0), this_min)
+        this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+        err = error(this_scale, this_min, Laux)
+        better = (D > 0) & (err < best)
+        L = np.where(better[:, None], Laux, L)
+        best = np.where(better, err, best)
+        scale = np.where(better, this_scale, scale)
+        mn = np.where(better, this_min, mn)
     L[flat] = 0
     scale = np.where(flat, F32(0.0), scale).astype(np.float32)
     return scale, (-mn).astype(np.float32), L.astype(np.uint8)
@@ -850,33 +861,32 @@ def make_q3_np(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     mx = first_absmax_np(x)
     zero = np.abs(mx) < GROUP_MAX_EPS
     w = x * x
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        L = np.clip(nearest_int_np((F32(-nmax) / mx)[:, None] * x), -nmax, nmax - 1)
-        fl = L.astype(np.float32)
-        sumlx = seq_sum_np((w * x) * fl)
-        suml2 = seq_sum_np((w * fl) * fl)
-        active = np.ones(nb, bool)
-        for _ in range(5):
-            changed = np.zeros(nb, bool)
-            for i in range(n):
-                li = L[:, i].astype(np.float32)
-                wx = w[:, i] * x[:, i]
-                slx = sumlx - wx * li
-                sl2 = suml2 - (w[:, i] * li) * li
-                new_l = np.clip(nearest_int_np((x[:, i] * sl2) / slx), -nmax, nmax - 1)
-                fn = new_l.astype(np.float32)
-                slx = slx + wx * fn
-                sl2 = sl2 + (w[:, i] * fn) * fn
-                take = (active & (sumlx - wx * li > 0) & (new_l != L[:, i]) & (sl2 > 0)
-                        & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2))
-                L[:, i] = np.where(take, new_l, L[:, i])
-                sumlx = np.where(take, slx, sumlx)
-                suml2 = np.where(take, sl2, suml2)
-                changed |= take
-            active &= changed
-            if not active.any():
-                break
-        scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
+    L = np.clip(nearest_int_np((F32(-nmax) / mx)[:, None] * x), -nmax, nmax - 1)
+    fl = L.astype(np.float32)
+    sumlx = seq_sum_np((w * x) * fl)
+    suml2 = seq_sum_np((w * fl) * fl)
+    active = np.ones(nb, bool)
+    for _ in range(5):
+        changed = np.zeros(nb, bool)
+        for i in range(n):
+            li = L[:, i].astype(np.float32)
+            wx = w[:, i] * x[:, i]
+            slx = sumlx - wx * li
+            sl2 = suml2 - (w[:, i] * li) * li
+            new_l = np.clip(nearest_int_np((x[:, i] * sl2) / slx), -nmax, nmax - 1)
+            fn = new_l.astype(np.float32)
+            slx = slx + wx * fn
+            sl2 = sl2 + (w[:, i] * fn) * fn
+            take = (active & (sumlx - wx * li > 0) & (new_l != L[:, i]) & (sl2 > 0)
+                    & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2))
+            L[:, i] = np.where(take, new_l, L[:, i])
+            sumlx = np.where(take, slx, sumlx)
+            suml2 = np.where(take, sl2, suml2)
+            changed |= take
+        active &= changed
+        if not active.any():
+            break
+    scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
     L = L + nmax
     L[zero] = 0
     scale[zero] = 0
@@ -892,50 +902,49 @@ def make_qp_np(x: np.ndarray, nmax: int, qw: np.ndarray) -> tuple[np.ndarray, np
         mx = np.where(mx > x[:, i], mx, x[:, i])
     zero = mx < GROUP_MAX_EPS
     fnmax = F32(nmax)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = fnmax / mx
-        L = nearest_int_np(iscale[:, None] * x) & 0xFF
-        scale = F32(1.0) / iscale
-        diff = x - scale[:, None] * L.astype(np.float32)
-        best = seq_sum_np((qw * diff) * diff)
-        for step in range(-4, 5):
-            if step == 0:
-                continue
-            iscale_is = (F32(0.1) * F32(step) + fnmax) / mx
-            scale_is = F32(1.0) / iscale_is
-            l = np.minimum(nmax, nearest_int_np(iscale_is[:, None] * x))
-            diff = x - scale_is[:, None] * l.astype(np.float32)
-            mse = seq_sum_np((qw * diff) * diff)
-            better = mse < best
-            best = np.where(better, mse, best)
-            iscale = np.where(better, iscale_is, iscale)
-        l = np.minimum(nmax, nearest_int_np(iscale[:, None] * x))
-        L = l & 0xFF
-        fl = l.astype(np.float32)
-        sumlx = seq_sum_np((qw * x) * fl)
-        suml2 = seq_sum_np((qw * fl) * fl)
-        active = np.ones(nb, bool)
-        for _ in range(5):
-            changed = np.zeros(nb, bool)
-            for i in range(n):
-                li = L[:, i].astype(np.float32)
-                wx = qw[:, i] * x[:, i]
-                slx = sumlx - wx * li
-                sl2 = suml2 - (qw[:, i] * li) * li
-                new_l = np.minimum(nmax, nearest_int_np((x[:, i] * sl2) / slx))
-                fn = new_l.astype(np.float32)
-                slx2 = slx + wx * fn
-                sl22 = sl2 + (qw[:, i] * fn) * fn
-                take = (active & (slx > 0) & (sl2 > 0) & (new_l != L[:, i])
-                        & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
-                L[:, i] = np.where(take, new_l & 0xFF, L[:, i])
-                sumlx = np.where(take, slx2, sumlx)
-                suml2 = np.where(take, sl22, suml2)
-                changed |= take
-            active &= changed
-            if not active.any():
-                break
-        scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
+    iscale = fnmax / mx
+    L = nearest_int_np(iscale[:, None] * x) & 0xFF
+    scale = F32(1.0) / iscale
+    diff = x - scale[:, None] * L.astype(np.float32)
+    best = seq_sum_np((qw * diff) * diff)
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (F32(0.1) * F32(step) + fnmax) / mx
+        scale_is = F32(1.0) / iscale_is
+        l = np.minimum(nmax, nearest_int_np(iscale_is[:, None] * x))
+        diff = x - scale_is[:, None] * l.astype(np.float32)
+        mse = seq_sum_np((qw * diff) * diff)
+        better = mse < best
+        best = np.where(better, mse, best)
+        iscale = np.where(better, iscale_is, iscale)
+    l = np.minimum(nmax, nearest_int_np(iscale[:, None] * x))
+    L = l & 0xFF
+    fl = l.astype(np.float32)
+    sumlx = seq_sum_np((qw * x) * fl)
+    suml2 = seq_sum_np((qw * fl) * fl)
+    active = np.ones(nb, bool)
+    for _ in range(5):
+        changed = np.zeros(nb, bool)
+        for i in range(n):
+            li = L[:, i].astype(np.float32)
+            wx = qw[:, i] * x[:, i]
+            slx = sumlx - wx * li
+            sl2 = suml2 - (qw[:, i] * li) * li
+            new_l = np.minimum(nmax, nearest_int_np((x[:, i] * sl2) / slx))
+            fn = new_l.astype(np.float32)
+            slx2 = slx + wx * fn
+            sl22 = sl2 + (qw[:, i] * fn) * fn
+            take = (active & (slx > 0) & (sl2 > 0) & (new_l != L[:, i])
+                    & ((slx2 * slx2) * suml2 > (sumlx * sumlx) * sl22))
+            L[:, i] = np.where(take, new_l & 0xFF, L[:, i])
+            sumlx = np.where(take, slx2, sumlx)
+            suml2 = np.where(take, sl22, suml2)
+            changed |= take
+        active &= changed
+        if not active.any():
+            break
+    scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(np.float32)
     L[zero] = 0
     scale[zero] = 0
     return scale, L
@@ -973,9 +982,8 @@ def _q2_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         scales, mins, L = make_qkx_np(x16, 3, np.abs(x16), -0.5, 0.1, 15, True)
         scales, mins = scales.reshape(nb, 16), mins.reshape(nb, 16)
         max_scale, max_min = scan_max_np(scales), scan_max_np(mins)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            ls = nearest_int_np((F32(15.0) / max_scale)[:, None] * scales) & 0xFF
-            lm = nearest_int_np((F32(15.0) / max_min)[:, None] * mins)
+        ls = nearest_int_np((F32(15.0) / max_scale)[:, None] * scales) & 0xFF
+        lm = nearest_int_np((F32(15.0) / max_min)[:, None] * mins)
         sc = np.where((max_scale > 0)[:, None], ls, 0)
         sc = np.where((max_min > 0)[:, None], (sc | (lm << 4)) & 0xFF, sc)
         dm = np.where(max_scale > 0, max_scale / F32(15.0), F32(0.0))
@@ -984,8 +992,7 @@ def _q2_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     L = L.reshape(nb, 16, 16).astype(np.int64)
     dj = d[:, None] * (sc & 0xF).astype(np.float32)
     dmj = dmin[:, None] * (sc >> 4).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        redo = np.clip(nearest_int_np((xb.reshape(nb, 16, 16) + dmj[..., None]) / dj[..., None]), 0, 3)
+    redo = np.clip(nearest_int_np((xb.reshape(nb, 16, 16) + dmj[..., None]) / dj[..., None]), 0, 3)
     L = np.where((dj != 0)[..., None], redo, L).reshape(nb, QK_K)
     return np.concatenate([sc.astype(np.uint8), _pack_2bit_np(L), _fp16_np_bytes(dh), _fp16_np_bytes(mh)], axis=1)
 
@@ -1011,16 +1018,14 @@ def _q3_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
         scales = scales.reshape(nb, 16)
         max_scale = first_absmax_np(scales)
         nz = max_scale != 0
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            iscale = F32(-32.0) / max_scale
-            l = ((nearest_int_np(iscale[:, None] * scales) & 0xFF) ^ 0x80) - 0x80       # int8_t
-            d_block = np.where(nz, F32(1.0) / iscale, F32(0.0))
+        iscale = F32(-32.0) / max_scale
+        l = ((nearest_int_np(iscale[:, None] * scales) & 0xFF) ^ 0x80) - 0x80       # int8_t
+        d_block = np.where(nz, F32(1.0) / iscale, F32(0.0))
         Ls = np.where(nz[:, None], np.clip(l, -32, 31) + 32, 0)
     dh, d = fp16_np(d_block)
     L = L.reshape(nb, 16, 16).astype(np.int64)
     dj = d[:, None] * (Ls - 32).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -4, 3) + 4
+    redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -4, 3) + 4
     L = np.where((dj != 0)[..., None], redo, L).reshape(nb, QK_K)
     high = L > 3
     L = np.where(high, L - 4, L)
@@ -1048,11 +1053,10 @@ def _k4_np(xb: np.ndarray, qw: np.ndarray | None, nmax: int, rmin: float, rdelta
         scales, mins, L = make_qkx_np(x32, nmax, av_x[:, None] + np.abs(x32), rmin, rdelta, nstep, False)
         scales, mins = scales.reshape(nb, 8), mins.reshape(nb, 8)
         max_scale, max_min = scan_max_np(scales), scan_max_np(mins)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            inv_scale = np.where(max_scale > 0, F32(63.0) / max_scale, F32(0.0))
-            inv_min = np.where(max_min > 0, F32(63.0) / max_min, F32(0.0))
-            Ls = np.minimum(63, nearest_int_np(inv_scale[:, None] * scales) & 0xFF)
-            Lm = np.minimum(63, nearest_int_np(inv_min[:, None] * mins) & 0xFF)
+        inv_scale = np.where(max_scale > 0, F32(63.0) / max_scale, F32(0.0))
+        inv_min = np.where(max_min > 0, F32(63.0) / max_min, F32(0.0))
+        Ls = np.minimum(63, nearest_int_np(inv_scale[:, None] * scales) & 0xFF)
+        Lm = np.minimum(63, nearest_int_np(inv_min[:, None] * mins) & 0xFF)
         d_block, m_block = max_scale / F32(63.0), max_min / F32(63.0)
     Ls, Lm = Ls & 0xFF, Lm & 0xFF
     b = np.zeros((nb, 12), np.int64)
@@ -1066,8 +1070,7 @@ def _k4_np(xb: np.ndarray, qw: np.ndarray | None, nmax: int, rmin: float, rdelta
     (dh, d), (mh, dmin) = fp16_np(d_block), fp16_np(m_block)
     dj = d[:, None] * sc.astype(np.float32)
     dmj = dmin[:, None] * mn.astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        redo = np.clip(nearest_int_np((xb.reshape(nb, 8, 32) + dmj[..., None]) / dj[..., None]), 0, nmax)
+    redo = np.clip(nearest_int_np((xb.reshape(nb, 8, 32) + dmj[..., None]) / dj[..., None]), 0, nmax)
     L = np.where((dj != 0)[..., None], redo, L.reshape(nb, 8, 32).astype(np.int64)).reshape(nb, QK_K)
     head = np.concatenate([_fp16_np_bytes(dh), _fp16_np_bytes(mh), b.astype(np.uint8)], axis=1)
     return head, L
@@ -1094,12 +1097,11 @@ def _q6_k_np(xb: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     scales = scales.reshape(nb, 16)
     max_scale = first_absmax_np(scales)
     zero = np.abs(max_scale) < GROUP_MAX_EPS
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = F32(-128.0) / max_scale
-        dh, d = fp16_np(F32(1.0) / iscale)
-        sc = np.minimum(127, nearest_int_np(iscale[:, None] * scales)) & 0xFF
-        dj = d[:, None] * ((sc ^ 0x80) - 0x80).astype(np.float32)
-        redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -32, 31) + 32
+    iscale = F32(-128.0) / max_scale
+    dh, d = fp16_np(F32(1.0) / iscale)
+    sc = np.minimum(127, nearest_int_np(iscale[:, None] * scales)) & 0xFF
+    dj = d[:, None] * ((sc ^ 0x80) - 0x80).astype(np.float32)
+    redo = np.clip(nearest_int_np(xb.reshape(nb, 16, 16) / dj[..., None]), -32, 31) + 32
     L = np.where((dj != 0)[..., None], redo, L.reshape(nb, 16, 16).astype(np.int64)).reshape(nb, 2, 4, 32)
     ql = np.concatenate([(L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4),
                          (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)], axis=2).reshape(nb, 128)

@@ -1,26 +1,33 @@
-"""The kernel registry: which kernel computes ``x @ W.T`` for a weight, and :func:`matmul`.
+"""Quant types and the kernel registry: what a GGML type is, which kernel computes ``x @ W.T``
+for a weight, and :func:`matmul`.
 
-Each kernel module declares, beside its definitions, what it serves (the registry pattern of
-gguf-py's ``quants.py``, where each quant class registers its ``qtype``):
+A quant type is one :class:`QuantType`, declared once in its family module (``q4`` declares
+Q4_0 and Q4_1, ``k_quants`` Q2_K..Q6_K, ``floats`` F32/F16/BF16 …) with :func:`declare`, as
+gguf-py's ``quants.py`` keeps one class per ``qtype``. It holds, for that one type:
 
-- :func:`block_format`: a GGML block type's sizes, where the packers find its fp16 scales and
-  quant bytes in a file block, and its NumPy dequantizer (:class:`BlockFormat`);
-- :func:`kernel`: a decorator on a thin adapter ``(x, w, out) -> None`` that calls the type's
-  Numba kernel with the weight's arrays, for a GGML type, an activation mode (:data:`MODES`) and
-  a phase (:data:`PHASES`).
+- its :class:`BlockFormat`: sizes, where the fp16 ``d`` / ``m`` and the quant bytes sit in a
+  file block, and how its sub-block scales unpack (:class:`ScaleByte` rows);
+- its NumPy dequantizer (``dequant_np``, bit for bit ``gguf.quants.dequantize``);
+- its matmul kernels per activation mode (:data:`MODES`) and phase (:data:`PHASES`), each a
+  :class:`Kernel`: the adapter that calls the Numba kernel with the weight's arrays, and its
+  NumPy twin beside it;
+- the ``q8`` mode's byte groups (``q8_bytes``: which packed bytes :mod:`llamatrace.kernels.act8`'s
+  kernels read in groups of four);
+- ``quantize`` / ``quantize_np``: its quantizer (float32 rows -> the file's blocks) and the
+  quantizer's NumPy twin, where one is wired.
 
-:func:`matmul` picks the phase from the number of rows of ``x`` (:data:`GEMV_MAX_SEQ`) and runs
-the registered adapter: ``forward()`` -> :func:`matmul` -> the adapter beside its kernel.
-:func:`describe` names the kernels serving a weight (``llamatrace info`` shows them).
-
-The tables fill when :mod:`llamatrace.kernels` is imported (its ``__init__`` imports every
-kernel module); this module imports none of them.
+The registry's tables (:data:`TYPES`, :data:`FORMATS`, the kernels) are built from the declared
+types when :mod:`llamatrace.kernels` is imported (its ``__init__`` imports every family module);
+this module imports none of them. :func:`matmul` picks the phase from the number of rows of
+``x`` (:data:`GEMV_MAX_SEQ`) and runs the declared adapter: ``forward()`` -> :func:`matmul` ->
+the adapter beside its kernel. :func:`describe` and :func:`summary` name the kernels
+(``llamatrace info`` shows them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import gguf
 import numpy as np
@@ -41,94 +48,146 @@ row); ``prefill``: the tiled kernels for more rows (each tile dequantized once, 
 GEMV_MAX_SEQ = 4
 """Up to this many rows of ``x`` take the ``decode`` kernels, more the ``prefill`` ones."""
 
-SCALES_COPIED, SCALES_Q3_K, SCALES_K4 = 0, 1, 2
-"""How the packers write a block's sub-block scales (:attr:`BlockFormat.scales`): none beyond
-the copied bytes; Q3_K's 12 bytes of 6-bit scales as 16 bytes; Q4_K/Q5_K's 12 bytes
-(ggml's ``get_scale_min_k4``) as 8 scales and 8 mins."""
+SCALE_DTYPES = {"f32": np.dtype(np.float32), "q8": np.dtype(np.uint16)}
+"""What a packed block weight's ``d`` and ``m`` hold in each activation mode: float32 values
+(the float32 kernels multiply them as they are), or the file's fp16 bits as uint16 (the ``q8``
+kernels widen them as they read, with F16C: a Q4_0 block streams 18 bytes, as in the file,
+instead of 20). :meth:`llamatrace.kernels.packing.Weight.scales_f32` gives float32 in either."""
+
+
+@dataclass(frozen=True)
+class ScaleByte:
+    """How the packer makes one byte of a packed block's unpacked sub-block scales:
+    ``packed[dst] = ((file[lo_byte] >> lo_shift) & lo_mask) | (((file[hi_byte] >> hi_shift) & hi_mask) << 4)``
+    (``hi_mask`` 0: no high part). Q3_K's and Q4_K/Q5_K's 6-bit scales are tables of these."""
+
+    dst: int
+    lo_byte: int
+    lo_shift: int
+    lo_mask: int
+    hi_byte: int = 0
+    hi_shift: int = 0
+    hi_mask: int = 0
 
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """A GGML block type as the packers (:mod:`llamatrace.kernels.packing`) see it.
+    """A GGML block as the packer (:mod:`llamatrace.kernels.packing`) sees it.
 
     ``weights`` per block; ``file_bytes`` per block in the GGUF file; ``packed_bytes``: the
     bytes per row and block in the packed tiles (``qs [T, B, packed_bytes, TR]``). The packer
     copies ``copy = (src, dst, n)``: ``n`` quant bytes from offset ``src`` of a file block to
-    offset ``dst`` of the packed block, unpacks sub-block scales per ``scales``
-    (``SCALES_*``), and reads the fp16 scale ``d`` at byte ``d_off`` and the minimum ``m`` at
-    ``m_off`` (-1: none, ``has_min`` False). ``signed``: the packed quants are int8.
-    ``dequant_np(p, db, mb)``: packed bytes uint8 ``[n, B, packed_bytes]`` (file order), ``db``
-    / ``mb`` float32 ``[n, B]`` (``mb`` None without a minimum) -> float32 ``[n, B*weights]``,
-    bit for bit ``gguf.quants.dequantize``.
+    offset ``dst`` of the packed block, writes the unpacked sub-block scales ``scales`` (one
+    :class:`ScaleByte` per packed byte; empty when the scales are among the copied bytes or
+    the type has none), and reads the fp16 scale ``d`` at byte ``d_off`` and the minimum ``m``
+    at ``m_off`` (-1: none, ``has_min`` False). ``signed``: the packed quants are int8.
     """
 
-    ggml_type: gguf.GGMLQuantizationType
     weights: int
     file_bytes: int
     packed_bytes: int
     copy: tuple[int, int, int]
     d_off: int
-    m_off: int
-    dequant_np: Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray]
-    scales: int = SCALES_COPIED
+    m_off: int = -1
+    scales: tuple[ScaleByte, ...] = ()
     signed: bool = False
 
     @property
     def has_min(self) -> bool:
         return self.m_off >= 0
 
+    def scale_table(self) -> np.ndarray:
+        """:attr:`scales` as int64 ``[n, 7]`` rows (the fields of :class:`ScaleByte`, in order),
+        for the Numba repacker."""
+        rows = [(s.dst, s.lo_byte, s.lo_shift, s.lo_mask, s.hi_byte, s.hi_shift, s.hi_mask) for s in self.scales]
+        return np.array(rows, np.int64).reshape(len(rows), 7)
+
 
 @dataclass(frozen=True)
 class Kernel:
-    """A registered adapter: ``run(x, w, out)`` with x float32 C-contiguous ``[S, n_in]``, ``w``
-    a :class:`~llamatrace.kernels.packing.Weight`, out float32 C-contiguous ``[S, n_out]``."""
+    """One matmul kernel: ``run(x, w, out)`` with x float32 C-contiguous ``[S, n_in]``, ``w`` a
+    :class:`~llamatrace.kernels.packing.Weight`, out float32 C-contiguous ``[S, n_out]``: a thin
+    adapter calling a Numba kernel with the weight's arrays. ``twin(x, w)`` -> float32
+    ``[S, n_out]``: its NumPy twin (float64 sums; the tests hold one against the other)."""
 
-    name: str
     run: Callable[[np.ndarray, "Weight", np.ndarray], None]
+    twin: Callable[[np.ndarray, "Weight"], np.ndarray]
 
+    @property
+    def name(self) -> str:
+        """``module.function`` of the adapter, as :func:`describe` and ``llamatrace info`` show it."""
+        return f"{self.run.__module__.rsplit('.', 1)[-1]}.{self.run.__name__}"
+
+
+@dataclass(frozen=True)
+class QuantType:
+    """One GGML type, everything llamatrace knows of it (module docstring).
+
+    ``block``: its :class:`BlockFormat` (None for F32/F16/BF16, which
+    :mod:`llamatrace.kernels.floats` tiles). ``dequant_np(p, d, m)``: packed bytes uint8
+    ``[n, B, packed_bytes]`` in file order (int8 when ``signed``), ``d`` / ``m`` float32
+    ``[n, B]`` (``m`` None without a minimum) -> float32 ``[n, B*weights]``, bit for bit
+    ``gguf.quants.dequantize``; for a float type ``p`` is the packed row values ``[n, n_in]``
+    and ``d``, ``m`` None. ``kernels``: per mode in :data:`MODES`, the ``(decode, prefill)``
+    :class:`Kernel` pair (the same kernel twice where one serves both); ``"f32"`` is required.
+    ``q8_bytes = (head, end)``: the packed bytes of a block row that the ``q8`` kernels read in
+    groups of four (:func:`llamatrace.kernels.act8.grouped_bytes`); required with ``"q8"``
+    kernels. ``quantize`` and its NumPy twin ``quantize_np``: the type's quantizer (float32 rows
+    -> the file's block bytes, :mod:`llamatrace.kernels.quantizers`), None where none is wired.
+    """
+
+    ggml_type: gguf.GGMLQuantizationType
+    block: BlockFormat | None
+    dequant_np: Callable[..., np.ndarray]
+    kernels: Mapping[str, tuple[Kernel, Kernel]]
+    q8_bytes: tuple[int, int] | None = None
+    quantize: Callable[..., np.ndarray] | None = None
+    quantize_np: Callable[..., np.ndarray] | None = None
+
+    def kernel(self, mode: str, phase: str) -> Kernel | None:
+        """The kernel for ``mode`` and ``phase``, None if the type has none in that mode."""
+        pair = self.kernels.get(mode)
+        return pair[PHASES.index(phase)] if pair else None
+
+
+TYPES: dict[gguf.GGMLQuantizationType, QuantType] = {}
+"""Every declared type, filled by :func:`declare`."""
 
 FORMATS: dict[gguf.GGMLQuantizationType, BlockFormat] = {}
-"""The block types' formats, filled by :func:`block_format`."""
+"""The block types' formats (the ``block`` of each declared type that has one)."""
 
-_KERNELS: dict[tuple[gguf.GGMLQuantizationType, str, str], Kernel] = {}
-
-
-def block_format(fmt: BlockFormat) -> BlockFormat:
-    """Declare ``fmt`` (once per type; a second declaration raises ``ValueError``)."""
-    if fmt.ggml_type in FORMATS:
-        raise ValueError(f"block format of {fmt.ggml_type.name} declared twice")
-    FORMATS[fmt.ggml_type] = fmt
-    return fmt
+_KERNELS: dict[tuple[gguf.GGMLQuantizationType, str, str], Kernel] = {}     # matmul's flat lookup
 
 
-def kernel(ggml_types, mode: str, phases):
-    """Decorator: register ``run(x, w, out)`` for each of ``ggml_types`` (one
-    ``GGMLQuantizationType`` or a tuple) in activation mode ``mode`` (``"f32"`` | ``"q8"``) and
-    each of ``phases`` (``"decode"`` | ``"prefill"``, or a tuple of both). Its name in
-    :func:`describe` is ``module.function``. Raises ``ValueError`` for an unknown mode or phase
-    or a combination registered twice."""
-    ggml_types = ggml_types if isinstance(ggml_types, tuple) else (ggml_types,)
-    phases = phases if isinstance(phases, tuple) else (phases,)
-    if mode not in MODES or not set(phases) <= set(PHASES):
-        raise ValueError(f"kernel: mode must be one of {MODES} and phases in {PHASES}, got {mode!r}, {phases!r}")
+def declare(qt: QuantType) -> QuantType:
+    """Register ``qt`` (once per type) and return it. Raises ``ValueError`` for a type declared
+    twice, a mode not in :data:`MODES`, a type without ``"f32"`` kernels, or ``"q8"`` kernels
+    without ``q8_bytes``; nothing is registered then."""
+    name = qt.ggml_type.name
+    if qt.ggml_type in TYPES:
+        raise ValueError(f"quant type {name} declared twice")
+    if not set(qt.kernels) <= set(MODES) or "f32" not in qt.kernels:
+        raise ValueError(f"{name}: kernels are declared per activation mode of {MODES}, 'f32' required; "
+                         f"got {sorted(qt.kernels)}")
+    if ("q8" in qt.kernels) != (qt.q8_bytes is not None):
+        raise ValueError(f"{name}: 'q8' kernels and q8_bytes go together")
+    TYPES[qt.ggml_type] = qt
+    if qt.block is not None:
+        FORMATS[qt.ggml_type] = qt.block
+    for mode, pair in qt.kernels.items():
+        for phase, kern in zip(PHASES, pair):
+            _KERNELS[qt.ggml_type, mode, phase] = kern
+    return qt
 
-    def register(run):
-        name = f"{run.__module__.rsplit('.', 1)[-1]}.{run.__name__}"
-        for ggml_type in ggml_types:
-            for phase in phases:
-                key = (gguf.GGMLQuantizationType(ggml_type), mode, phase)
-                if key in _KERNELS:
-                    raise ValueError(f"kernel {name}: {key[0].name}/{mode}/{phase} is already "
-                                     f"served by {_KERNELS[key].name}")
-                _KERNELS[key] = Kernel(name, run)
-        return run
 
-    return register
+def served_types(mode: str = "f32") -> frozenset[gguf.GGMLQuantizationType]:
+    """The declared types with kernels in activation mode ``mode`` (every type has ``f32``)."""
+    return frozenset(t for t, qt in TYPES.items() if mode in qt.kernels)
 
 
 def lookup(ggml_type, mode: str, phase: str) -> Kernel:
     """The kernel serving ``(ggml_type, mode, phase)``; :class:`UnsupportedModelError` if none is
-    registered."""
+    declared."""
     try:
         return _KERNELS[gguf.GGMLQuantizationType(ggml_type), mode, phase]
     except (KeyError, ValueError):
@@ -138,32 +197,26 @@ def lookup(ggml_type, mode: str, phase: str) -> Kernel:
 
 
 def served() -> list[tuple[gguf.GGMLQuantizationType, str, str]]:
-    """Every registered ``(ggml_type, mode, phase)``."""
+    """Every declared ``(ggml_type, mode, phase)``."""
     return list(_KERNELS)
-
-
-def mode_of(w: Weight) -> str:
-    """The activation mode ``w`` was packed for."""
-    return "q8" if w.act8 else "f32"
 
 
 def describe(w: Weight) -> dict[str, str]:
     """``{"decode": name, "prefill": name}``: the kernels :func:`matmul` runs for ``w``.
     Raises :class:`UnsupportedModelError` if one is missing."""
-    return {phase: lookup(w.ggml_type, mode_of(w), phase).name for phase in PHASES}
+    return {phase: lookup(w.ggml_type, w.mode, phase).name for phase in PHASES}
 
 
 def summary(type_name: str) -> str:
     """One line naming the kernels that multiply a matrix of the GGML type ``type_name`` (e.g.
-    ``"Q4_1"``): ``"q4.gemv_q4_1 / q4.tiled_q4_1, q8: act8.matmul_q4_1"`` (decode / prefill,
-    then the ``q8`` mode's when the type has its own), or ``"-"`` when none is registered."""
-    ggml_type = getattr(gguf.GGMLQuantizationType, type_name, None)
-    names = {mode: [_KERNELS[ggml_type, mode, p].name for p in PHASES if (ggml_type, mode, p) in _KERNELS]
-             for mode in MODES}
-    if not names["f32"]:
+    ``"Q4_1"``): ``"q4.gemv_q4_1 / q4.tiled_q4_1, q8: q4.act8_gemv_q4_1 / q4.act8_prefill_q4_1"``
+    (decode / prefill, then the ``q8`` mode's when the type has its own), or ``"-"`` when the type
+    is not declared."""
+    qt = TYPES.get(getattr(gguf.GGMLQuantizationType, type_name, None))
+    if qt is None:
         return "-"
-    line = " / ".join(dict.fromkeys(names["f32"]))
-    return line + (f", q8: {' / '.join(dict.fromkeys(names['q8']))}" if names["q8"] else "")
+    names = {mode: " / ".join(dict.fromkeys(k.name for k in pair)) for mode, pair in qt.kernels.items()}
+    return names["f32"] + (f", q8: {names['q8']}" if "q8" in names else "")
 
 
 def matmul(x: np.ndarray, w: Weight, out: np.ndarray | None = None) -> np.ndarray:
@@ -174,7 +227,7 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray | None = None) -> np.ndarra
     result); converted to C-contiguous float32 if it is not. out: optional float32 C-contiguous
     ``[seq_len, n_out]`` to write into. Returns float32 ``[seq_len, n_out]``.
     Raises ``ValueError`` on a shape mismatch, :class:`UnsupportedModelError` if no kernel is
-    registered for the combination.
+    declared for the combination.
     """
     x = np.asarray(x)
     squeeze = x.ndim == 1
@@ -188,7 +241,7 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray | None = None) -> np.ndarra
         raise ValueError(f"matmul {w.name}: out must be C-contiguous float32 [{n_seq}, {w.n_out}], "
                          f"got {out.dtype} {out.shape}")
     if n_seq:
-        key = (w.ggml_type, "q8" if w.act8 else "f32", "decode" if n_seq <= GEMV_MAX_SEQ else "prefill")
+        key = (w.ggml_type, w.mode, "decode" if n_seq <= GEMV_MAX_SEQ else "prefill")
         kern = _KERNELS.get(key)
         if kern is None:
             kern = lookup(*key)          # raises the error

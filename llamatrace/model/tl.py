@@ -15,6 +15,10 @@ different quantity than our stage — to TL's quantity:
   residual stream, not our ``attn_norm`` (which is after the weight).
 * ``blocks.{L}.hook_resid_pre`` is the residual entering block L: ``hook_embed`` for L = 0, else
   ``blocks.{L-1}.hook_resid_post`` (the same array, as in TL).
+* Gemma 2 / 3 (TL's ``use_normalization_before_and_after``): ``hook_embed`` is the embedding
+  scaled by √d_model (TL folds the scale into ``W_E``), ``hook_attn_out`` / ``hook_mlp_out`` are
+  taken after the post-norms, and ``ln1_post`` / ``ln2_post`` are served like ``ln1`` / ``ln2``
+  from the attention / MLP outputs.
 
 TL names we could only fake are refused with the reason (:data:`REFUSED`). Our own stage ids
 (``l_out@8``, ``inp_embd``) are served too, in our layout with a batch axis in front.
@@ -69,6 +73,14 @@ LAYER_HOOKS: dict[str, tuple[str, str]] = {
     "hook_mlp_out": ("ffn_out", "same"),
     "hook_resid_post": ("l_out", "same"),
 }
+# Gemma 2/3's norms after attention and after the MLP (TL's use_normalization_before_and_after);
+# there TL's hook_attn_out / hook_mlp_out are what the residual adds: after these norms.
+POST_NORM_HOOKS: dict[str, tuple[str, str]] = {
+    "ln1_post.hook_scale": ("attn_post_norm", "scale"),
+    "ln1_post.hook_normalized": ("attn_post_norm", "normalized"),
+    "ln2_post.hook_scale": ("ffn_post_norm", "scale"),
+    "ln2_post.hook_normalized": ("ffn_post_norm", "normalized"),
+}
 MODEL_HOOKS: dict[str, tuple[str, str]] = {
     "hook_embed": ("inp_embd", "same"),
     "ln_final.hook_scale": ("result_norm", "scale"),
@@ -117,17 +129,34 @@ class Served:
         return self.stage not in ("kq_masked", "kq_soft_max")
 
 
-def served_names(n_layers: int) -> list[str]:
-    """Every TL name served for a model of ``n_layers`` blocks, in forward order."""
+def _block_hooks(post_norms: bool) -> dict[str, tuple[str, str]]:
+    """TL's names under ``blocks.{L}.`` for a model with (Gemma 2/3) or without post-norms, in forward order."""
+    if not post_norms:
+        return LAYER_HOOKS
+    out = {}
+    for name, value in LAYER_HOOKS.items():
+        if name == "hook_attn_out":
+            out.update({k: v for k, v in POST_NORM_HOOKS.items() if k.startswith("ln1_post")})
+        if name == "hook_mlp_out":
+            out.update({k: v for k, v in POST_NORM_HOOKS.items() if k.startswith("ln2_post")})
+        out[name] = value
+    return out
+
+
+def served_names(n_layers: int, post_norms: bool = False) -> list[str]:
+    """Every TL name served for a model of ``n_layers`` blocks (``post_norms``: with Gemma's
+    ``ln1_post`` / ``ln2_post``), in forward order."""
     names = ["hook_embed"]
     for layer in range(n_layers):
-        names += [f"blocks.{layer}.{h}" for h in LAYER_HOOKS]
+        names += [f"blocks.{layer}.{h}" for h in _block_hooks(post_norms)]
     return names + ["ln_final.hook_scale", "ln_final.hook_normalized"]
 
 
-def resolve(name: str, n_layers: int) -> Served:
+def resolve(name: str, n_layers: int, post_norms: bool = False) -> Served:
     """What carries ``name``: a TL hook name (``blocks.8.hook_resid_post``), a TL short name with a
     layer (``("resid_post", 8)``), or a stage id (``l_out@8``, ``inp_embd``).
+
+    ``post_norms``: the model has Gemma's post-norms, so ``ln1_post`` / ``ln2_post`` are served.
 
     Raises:
         OptionError: an unknown name (with close matches), a TL name that is refused (with why),
@@ -148,9 +177,13 @@ def resolve(name: str, n_layers: int) -> Served:
         layer, rest = int(m.group(1)), m.group(2)
         if rest in REFUSED:
             raise OptionError(f"hook {name!r} is not served: {REFUSED[rest]}")
-        if rest in LAYER_HOOKS:
+        if rest in POST_NORM_HOOKS and not post_norms:
+            raise OptionError(f"hook {name!r} is not served: this model has no norm after attention and "
+                              f"MLP (TL's ln1_post / ln2_post are Gemma 2 and 3's)")
+        hooks = _block_hooks(post_norms)
+        if rest in hooks:
             _check_layer(name, layer, n_layers)
-            stage, kind = LAYER_HOOKS[rest]
+            stage, kind = hooks[rest]
             if stage == "resid_pre":   # the residual entering the block: the one before's output
                 return Served(name, "inp_embd", None, kind) if layer == 0 else Served(name, "l_out", layer - 1, kind)
             return Served(name, stage, layer, kind)
@@ -168,7 +201,7 @@ def resolve(name: str, n_layers: int) -> Served:
         if layer is not None:
             _check_layer(name, layer, n_layers)
         return Served(name, stage_id, layer, "stage")
-    known = served_names(n_layers) + [f"{s}@0" for s in STAGE_BY_ID]
+    known = served_names(n_layers, post_norms) + [f"{s}@0" for s in STAGE_BY_ID]
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else \
         "; TL names look like blocks.0.hook_resid_post, stage ids like l_out@0"
@@ -180,24 +213,25 @@ def _check_layer(name: str, layer: int, n_layers: int) -> None:
         raise OptionError(f"hook {name!r}: this model has {n_layers} layers (0-{n_layers - 1})")
 
 
-def select(names_filter, n_layers: int) -> list[Served]:
+def select(names_filter, n_layers: int, post_norms: bool = False) -> list[Served]:
     """The served names a ``names_filter`` picks: ``None`` (all TL names), a name, a list of
-    names, or a predicate ``fn(name) -> bool`` over the TL names (TL's convention).
+    names, or a predicate ``fn(name) -> bool`` over the TL names (TL's convention);
+    ``post_norms`` as in :func:`resolve`.
 
     Raises:
         OptionError: as :func:`resolve`, or a filter that picks nothing.
     """
     if names_filter is None:
-        names: Iterable = served_names(n_layers)
+        names: Iterable = served_names(n_layers, post_norms)
     elif callable(names_filter):
-        names = [n for n in served_names(n_layers) if names_filter(n)]
+        names = [n for n in served_names(n_layers, post_norms) if names_filter(n)]
     elif isinstance(names_filter, (str, tuple)):
         names = [names_filter]
     else:
         names = list(names_filter)
     out, seen = [], set()
     for name in names:
-        served = resolve(name, n_layers)
+        served = resolve(name, n_layers, post_norms)
         if served.name not in seen:
             seen.add(served.name)
             out.append(served)
@@ -227,12 +261,18 @@ def _rms(x: np.ndarray, eps: float) -> np.ndarray:
 
 def _stage_for(s: Served, config) -> Served:
     """The stage that carries ``s`` in this model's architecture: TL's q/k/v include the bias
-    (``Qcur_b`` …) and ``mlp.hook_post`` is the GeGLU product of a GELU model."""
+    (``Qcur_b`` …), ``mlp.hook_post`` is the GeGLU product of a GELU model, ``hook_attn_out`` /
+    ``hook_mlp_out`` come after Gemma's post-norms, and ``hook_embed`` (the residual entering
+    block 0) is Gemma's scaled embedding (TL folds √d_model into ``W_E``)."""
     stage = s.stage
     if config.qkv_bias and s.kind in ("q_heads", "kv_heads", "v_heads"):
         stage = f"{stage}_b"
     if config.ffn_act == "gelu" and stage == "ffn_swiglu":
         stage = "ffn_geglu"
+    if config.post_norms and s.kind == "same":
+        stage = {"attn_out": "attn_post_norm", "ffn_out": "ffn_post_norm"}.get(stage, stage)
+    if config.embed_scale != 1.0 and stage == "inp_embd" and s.kind == "same":
+        stage = "inp_scaled"
     return s if stage == s.stage else Served(s.name, stage, s.layer, s.kind)
 
 
@@ -394,8 +434,9 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
     fwd_hooks = [(_stage_for(s, model.config), fn) for s, fn in fwd_hooks]
     wanted = list(served) + [s for s, _ in fwd_hooks]
     if stop_at_layer is not None:
+        before_block_0 = ("inp_embd", "inp_scaled")
         late = [s.name for s in wanted if (s.layer if s.layer is not None else
-                                           (-1 if s.stage == "inp_embd" else n_layers)) >= stop_at_layer]
+                                           (-1 if s.stage in before_block_0 else n_layers)) >= stop_at_layer]
         if late:
             raise OptionError(f"{', '.join(late[:3])} come after stop_at_layer={stop_at_layer}")
     by_stage: dict[tuple[str, int | None], list] = {}
@@ -407,9 +448,17 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
         by_stage.setdefault((s.stage, s.layer), []).append(("hook", s, fn))
     norm_weight = {"attn_norm": lambda L: model.weights.layers[L].attention_norm,
                    "ffn_norm": lambda L: model.weights.layers[L].ffn_norm,
+                   "attn_post_norm": lambda L: model.weights.layers[L].attention_post_norm,
+                   "ffn_post_norm": lambda L: model.weights.layers[L].ffn_post_norm,
                    "result_norm": lambda L: model.weights.norm}
     all_logits = return_logits or any(s.stage in ("result_norm", "result_output") for s in wanted)
-    stages = {stage for stage, _ in by_stage} | {"inp_embd", "l_out", "ffn_inp"}
+    # the inputs of the norms: the residual stream, and (post-norms) the attention and MLP outputs
+    resid_stages = {"inp_embd", "l_out", "ffn_inp"}
+    if model.config.embed_scale != 1.0:
+        resid_stages.add("inp_scaled")
+    if model.config.post_norms:
+        resid_stages |= {"attn_out", "ffn_out"}
+    stages = {stage for stage, _ in by_stage} | resid_stages
     if "kq_masked" in stages:
         stages.add("kq_scaled")           # a one-token sequence has no mask: its scores are kq_scaled
     results, firsts = [], []
@@ -440,7 +489,7 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
                                         f"return {list(act.shape)} like its input, or None to keep it")
                     weight = norm_weight[stage_id](event.layer) if s.kind in ("scale", "normalized") else None
                     array = conv.from_tl(s.kind, new, array, resid, weight)
-                if stage_id in ("inp_embd", "l_out", "ffn_inp"):
+                if stage_id in resid_stages:
                     state["resid"] = array          # what the next norm normalizes (TL's ln input)
                 if stop_at_layer is not None and stage_id == "l_out" and event.layer == stop_at_layer - 1:
                     raise _Stop(array)

@@ -152,8 +152,9 @@ def _read_gguf(path: Path, where: str) -> tuple[Entries, ImatrixMeta]:
                                   f"an imatrix holds F32 sums and counts")
             values = np.array(s.data, dtype=np.float32)                   # NumPy order: [n_mat, n_in]
             n_mat = int(c.n_elements)
-            if values.size % max(n_mat, 1) or n_mat == 0:
-                raise OptionError(f"{where}: {name!r} has {values.size} sums for {n_mat} counts; the imatrix is damaged")
+            if n_mat == 0 or values.size % n_mat:
+                raise OptionError(f"{where}: {name!r} has {values.size} sums for {n_mat} counts; "
+                                  f"the imatrix is damaged")
             values = values.reshape(n_mat, -1)
             entries[name] = (values[0] if n_mat == 1 else values,
                              np.rint(np.array(c.data, dtype=np.float64).reshape(-1)).astype(np.int64))

@@ -11,6 +11,14 @@ venv). Writes:
                                            with llama.cpp's top-1 minus top-2 logit at each step
   tests/golden/gemma3_270m_logits.npz      float32 logits at the last prompt position, per prompt
 
+and, under ``"reproducibility"``, how far llama.cpp is from itself on this file when the same
+tokens are scheduled otherwise: the prompt fed one token per ``eval`` (llama.cpp's decode
+kernels instead of its batched ones) and the greedy continuation re-run as one teacher-forced
+batch, with the F16 K/V cache and with an F32 one. The 8-bit activations of every matmul turn
+rounding-order differences into whole quantization steps, so these runs differ by several % of
+the largest logit; llamatrace's ``q8`` mode is held to that, not to bit equality
+(tests/test_gemma3_file.py, docs/models.md).
+
 Settings: llama-cpp-python's defaults (``n_ctx`` 512, ``n_batch`` 512, F16 KV cache, no flash
 attention, full-size SWA cache) with ``n_threads`` 2 and ``seed`` 0; greedy = argmax of llama.cpp's logits,
 first index on ties (llama.cpp's greedy sampler), stopping early only at an EOG token.
@@ -121,6 +129,38 @@ def greedy(llm: llama_cpp.Llama, ids: list[int], vocab) -> tuple[list[int], list
     return out, margins, first
 
 
+def rel_gap(a: np.ndarray, ref: np.ndarray) -> float:
+    """max |a - ref| / max |ref|: the measure the tests use."""
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+def reproducibility(path: Path, prompts: dict, first_logits: dict) -> dict:
+    """llama.cpp against itself: the prompt one token per eval (F16 K/V, as the goldens), and
+    the prompt plus its greedy continuation as one teacher-forced batch (F16 and F32 K/V)."""
+    per_prompt, flips = {}, []
+    for kv_name, kv_type in (("f16", 1), ("f32", 0)):
+        llm = llama_cpp.Llama(str(path), n_threads=N_THREADS, seed=0, verbose=False, logits_all=True,
+                              type_k=kv_type, type_v=kv_type)
+        for name, p in prompts.items():
+            entry = per_prompt.setdefault(name, {})
+            ids, want, margins = p["prompt_ids"], p["greedy_ids"], p["greedy_margins"]
+            if kv_name == "f16":
+                llm.reset()
+                for tok in ids:
+                    llm.eval([tok])
+                entry["one_token_per_eval_gap"] = rel_gap(np.array(llm.scores[len(ids) - 1], dtype=np.float32),
+                                                          first_logits[name])
+            llm.reset()
+            llm.eval(ids + want[:-1])
+            top = np.asarray(llm.scores[len(ids) - 1:len(ids) + len(want) - 1]).argmax(-1)
+            differ = [(step, margins[step]) for step in range(len(want)) if int(top[step]) != want[step]]
+            entry[f"teacher_forced_{kv_name}_kv_differs_at"] = differ
+            flips += [margin for _, margin in differ]
+        del llm
+    return {"prompts": per_prompt, "largest_gap": max(e["one_token_per_eval_gap"] for e in per_prompt.values()),
+            "largest_margin_of_a_different_top_token": max(flips, default=0.0)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -170,7 +210,9 @@ def main() -> None:
         "tokenizer_cases": cases,
         "chat_template": GEMMA_TEMPLATE, "chats": chats,
         "prompts": prompts,
+        "reproducibility": reproducibility(args.model, prompts, logits),
     }
+    print("reproducibility:", json.dumps(golden["reproducibility"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemma3_270m_llamacpp.json").write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
     np.savez_compressed(args.out / "gemma3_270m_logits.npz", **logits)

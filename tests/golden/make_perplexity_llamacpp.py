@@ -19,6 +19,9 @@ Usage (from the repo root)::
   python3 tests/golden/make_perplexity_llamacpp.py \
       --model ~/.cache/llamatrace/models/SmolLM2-135M-Instruct.Q4_1.gguf \
       --model ~/.cache/llamatrace/models/SmolLM2-135M-Instruct.Q4_K_M.gguf
+  python3 tests/golden/make_perplexity_llamacpp.py \
+      --model ~/.cache/llamatrace/models/gemma-3-270m-q4_k_m.gguf \
+      --out tests/golden/perplexity_gemma3_llamacpp.json
 """
 from __future__ import annotations
 

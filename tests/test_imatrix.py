@@ -1,0 +1,138 @@
+"""`llamatrace imatrix` against llama.cpp's own llama-imatrix, on workers and Ray, and its errors.
+
+The golden files were made by tests/golden/make_imatrix_golden.py (llama-imatrix built from the
+llama-cpp-python sdist, the default model, tests/data/calibration.txt at ctx 128); this test never
+runs llama.cpp. ``imatrix_llamacpp.npz`` is the reference (flash attention off, F32 KV cache, as
+every llama.cpp reference here); ``imatrix_llamacpp_defaults.npz`` llama.cpp's default attention
+(flash, F16 cache): the distance between the two, llama.cpp against itself, is the yardstick.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_helpers import assert_one_line_error, run
+
+from llamatrace.quantize.imatrix_file import read_imatrix, read_imatrix_meta
+
+HERE = Path(__file__).parent
+CALIBRATION = HERE / "data" / "calibration.txt"
+GOLDEN = HERE / "golden"
+CORPUS = GOLDEN / "corpus.txt"
+
+
+def _golden(name: str) -> tuple[dict[str, np.ndarray], np.lib.npyio.NpzFile]:
+    """weight -> llama-imatrix's in_sum2 (the weights stored once expanded), and the file."""
+    z = np.load(GOLDEN / name)
+    sums = {k[:-len(".in_sum2")]: z[k] for k in z.files if k.endswith(".in_sum2")}
+    for pair in z["same"]:
+        weight, other = str(pair).split("=")
+        sums[weight] = sums[other]
+    return sums, z
+
+
+def _distance(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, float]:
+    """Per column |Δ|/|ref| (max, 99th percentile, median over every column of every weight) and
+    per weight ‖Δ‖/‖ref‖ (max)."""
+    cols, norms = [], []
+    for name, b in ref.items():
+        a, b = ours[name].astype(np.float64), b.astype(np.float64)
+        cols.append(np.abs(a - b) / np.abs(b))
+        norms.append(np.linalg.norm(a - b) / np.linalg.norm(b))
+    c = np.concatenate(cols)
+    return {"column max": float(c.max()), "column p99": float(np.percentile(c, 99)),
+            "column median": float(np.median(c)), "weight max": max(norms)}
+
+
+@pytest.mark.parametrize("activations, factor", [("q8", 1.25), ("f32", 2.0)])
+def test_the_matrix_is_llama_imatrix_s(capsys, smollm2_path, tmp_path, activations, factor):
+    ref, z = _golden("imatrix_llamacpp.npz")
+    defaults, _ = _golden("imatrix_llamacpp_defaults.npz")
+    assert str(z["model"]) == smollm2_path.name
+    out = tmp_path / "imatrix.gguf"
+    code, _, err = run(capsys, "imatrix", "-f", CALIBRATION, "-c", "128", "-o", out, "--activations", activations,
+                       "--model", smollm2_path)
+    assert code == 0, err
+    entries = read_imatrix(out)
+    assert sorted(entries) == sorted(ref)                     # the same weights: blocks only, no output
+    assert {tuple(c.tolist()) for _, c in entries.values()} == {(int(z["counts"]),)}
+    got = read_imatrix_meta(out)
+    assert (got.chunk_count, got.chunk_size) == (int(z["chunk_count"]), int(z["chunk_size"]))
+    assert got.datasets == [str(CALIBRATION)]
+    ours = {name: sums for name, (sums, _) in entries.items()}
+    # before any attention (layer 0's q/k/v read the first RMSNorm): the same tokens, chunks, BOS
+    # and sums, to float32 rounding
+    first = {n: ref[n] for n in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight")}
+    assert _distance(ours, first)["column max"] <= 1e-5
+    # after it, as close to llama.cpp's reference as llama.cpp's own default attention is
+    mine, theirs = _distance(ours, ref), _distance(defaults, ref)
+    print(f"{activations}: ours {mine}; llama.cpp's defaults {theirs}")
+    for key in ("column p99", "column median", "weight max"):
+        assert mine[key] <= factor * theirs[key], key
+
+
+def _write(capsys, tmp_path: Path, name: str, *args) -> bytes:
+    code, out, err = run(capsys, "imatrix", "-f", CORPUS, "-c", "32", "--chunks", "5", "-o", tmp_path / name,
+                         "--json", *args)
+    assert code == 0, err
+    assert json.loads(out)["n_chunks"] == 5
+    return (tmp_path / name).read_bytes()
+
+
+def test_workers_and_ray_write_the_file_one_process_writes(capsys, tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")    # `local` starts a cluster here whatever it says
+    model = ["--model", tiny_model_path]
+    one = _write(capsys, tmp_path, "one.gguf", *model)
+    assert _write(capsys, tmp_path, "two.gguf", *model, "--workers", "2") == one
+    assert _write(capsys, tmp_path, "ray.gguf", *model, "--workers", "2", "--ray", "local") == one
+    # the tiny model: 2 layers x q, k, v, output, gate, up, down, and its output tied (so never collected)
+    entries = read_imatrix(tmp_path / "one.gguf")
+    assert len(entries) == 14 and all(c.tolist() == [5 * 32] for _, c in entries.values())
+
+
+def test_bad_input_is_one_error_line_and_writes_nothing(capsys, tiny_model_path, tmp_path):
+    out = tmp_path / "imatrix.gguf"
+    model = ["--model", tiny_model_path, "-o", out, "-c", "32"]
+    assert_one_line_error(*run(capsys, "imatrix", "-f", tmp_path / "missing.txt", *model), "cannot read")
+    (tmp_path / "short.txt").write_text("Only a few words here.\n")
+    assert_one_line_error(*run(capsys, "imatrix", "-f", tmp_path / "short.txt", *model), "imatrix", "at least 64")
+    assert_one_line_error(*run(capsys, "imatrix", "-f", CORPUS, "--model", tiny_model_path,
+                               "-o", tmp_path / "no" / "dir" / "x.gguf"), "does not exist")
+    assert_one_line_error(*run(capsys, "imatrix", "-f", CORPUS, *model, "--workers", "0"), "--workers")
+    assert list(tmp_path.iterdir()) == [tmp_path / "short.txt"]
+
+
+def test_process_output_and_the_sums_of_a_trace(capsys, tmp_path):
+    """--process-output on a model with its own output.weight; every sum equals the squares of the
+    stage a trace records (the recorder, not the hooks) over the same chunks."""
+    from gguf_factory import write_tiny_llama
+
+    from llamatrace.corpus.chunks import make_chunks, read_corpus
+    from llamatrace.model.llama import Llama
+    from llamatrace.quantize.imatrix import calibration_text
+    path = write_tiny_llama(tmp_path / "untied.gguf", tied=False)
+    out = tmp_path / "imatrix.gguf"
+    code, _, err = run(capsys, "imatrix", "-f", CORPUS, "-c", "32", "--chunks", "3", "-o", out, "--model", path,
+                       "--process-output")
+    assert code == 0, err
+    entries = read_imatrix(out)
+    assert len(entries) == 15 and entries["output.weight"][1].tolist() == [96]
+    model = Llama.load(path)
+    chunks = make_chunks(model.tokenizer, calibration_text(read_corpus(CORPUS)), 32, 3, model.config.max_seq_len)
+    feeds = {"attn_norm": "attn_v", "kqv_out": "attn_output", "ffn_norm": "ffn_up", "ffn_swiglu": "ffn_down"}
+    want: dict[str, np.ndarray] = {}
+    for i in range(3):
+        with model.trace(stages=[*feeds, "result_norm"], keep_arrays=True) as rec:
+            model.forward(chunks.chunk(i), 0, model.new_cache(32), all_logits=True)
+        for key, a in rec.arrays().items():
+            parts = key.split(".")                          # step0.layer1.kqv_out, step0.result_norm
+            name = "output.weight" if parts[-1] == "result_norm" else \
+                f"blk.{parts[1][len('layer'):]}.{feeds[parts[-1]]}.weight"
+            x = a.reshape(32, -1).astype(np.float64)
+            want[name] = want.get(name, 0) + (x * x).sum(axis=0)
+    assert len(want) == 9
+    for name, sums in want.items():
+        np.testing.assert_allclose(entries[name][0], sums, rtol=1e-6)
