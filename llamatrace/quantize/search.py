@@ -545,7 +545,7 @@ class Recipe:
 
 def measure_groups(measurer: Measurer, groups: Sequence[Group], store: Measurements, mode: str = "probe",
                    progress: Callable[[int, int, float], None] | None = None) -> None:
-    """Fill ``store.delta`` for every group not in it yet (saved after each).
+    """Fill ``store.delta`` for every group whose candidates are not all in it yet (saved after each).
 
     ``mode`` ``"all"``: every candidate measured end to end; ``"probe"``: the cheapest one, the
     others scaled by :meth:`Measurer.local_error` (ΔKLD ∝ local error, the ratio from the probe;
@@ -557,8 +557,7 @@ def measure_groups(measurer: Measurer, groups: Sequence[Group], store: Measureme
     """
     if mode not in ("probe", "all"):
         raise OptionError(f"unknown measurement mode {mode!r}: probe or all")
-    todo = [g for g in groups if g.name not in store.delta
-            or set(store.delta[g.name]) != {t.name for t in g.candidates}]
+    todo = [g for g in groups if not {t.name for t in g.candidates} <= set(store.delta.get(g.name, {}))]
     t0 = time.perf_counter()
     for i, g in enumerate(todo):
         weights = measurer.base_weights(g)
@@ -589,7 +588,8 @@ def choose(groups: Sequence[Group], store: Measurements, budget: Budget, base_kl
         picked = allocate(costs, losses, budget.limit - budget.fixed)
     except ValueError:
         raise OptionError(f"the budget ({budget.limit} bytes) is below the smallest file the candidates allow") from None
-    choices = [Choice(g, g.candidates[k], costs[i][k], losses[i][k], dict(store.delta[g.name]))
+    choices = [Choice(g, g.candidates[k], costs[i][k], losses[i][k],
+                      {t.name: store.delta[g.name][t.name] for t in g.candidates})
                for i, (g, k) in enumerate(zip(groups, picked))]
     recipe = Recipe(choices, budget, base_kld, mode)
     assert recipe.total_bytes <= budget.limit, (recipe.total_bytes, budget.limit)
