@@ -248,3 +248,19 @@ def test_cli_bad_input_is_one_error_line(tiny_base, tmp_path, capsys, args, need
     out = tmp_path / "out.gguf"
     assert_one_line_error(*run(capsys, "quantize", tiny_base, out, *args), needle)
     assert not out.exists()
+
+
+def test_cli_type_without_target_is_the_stock_mix_size(tiny_base, tmp_path, capsys):
+    """-f with --type and no --target-*: the budget is the size of that stock mix, written beside it."""
+    import json
+
+    from cli_helpers import run
+    stock = tmp_path / "stock.gguf"
+    assert run(capsys, "quantize", tiny_base, stock, "--type", "Q4_K_M")[0] == 0
+    stock_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(stock)).tensors)
+    code, stdout, _ = run(capsys, "quantize", tiny_base, tmp_path / "out.gguf", "--type", "Q4_K_M", "-f", CORPUS,
+                          "--ctx-size", 32, "--chunks", 2, "--candidates", "Q4_0,Q5_0,Q8_0", "--json")
+    assert code == 0
+    doc = json.loads(stdout)
+    assert doc["recipe"]["budget_bytes"] == stock_bytes >= doc["recipe"]["bytes"]
+    assert doc["stock"]["bytes"] == stock_bytes
