@@ -16,6 +16,7 @@ COMMANDS = sorted(c.name or c.callback.__name__ for c in app.registered_commands
 # (option, command) whose help may differ from the shared one, and why
 OWN_HELP = {
     ("--ctx-size", "perplexity"): "the chunk length, as llama-perplexity's -c",
+    ("--ctx-size", "quantize"): "the calibration chunk length, as perplexity's",
     ("--ctx-size", "imatrix"): "the chunk length, as llama-imatrix's -c (every token summed)",
     ("--ctx-size", "collect"): "the sequence length, as SAELens's context_size",
     ("--ctx-size", "diagram"): "the same capacity, with the default the diagram draws (prompt + 256)",

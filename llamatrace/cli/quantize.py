@@ -1,5 +1,6 @@
 """``llamatrace quantize``: a GGUF quantized as llama.cpp's ``llama-quantize`` does it, byte for
-byte; the rules are in :mod:`llamatrace.quantize.rules`, the writing in :mod:`llamatrace.quantize.writer`."""
+byte; the rules are in :mod:`llamatrace.quantize.rules`, the writing in :mod:`llamatrace.quantize.writer`.
+With ``-f TEXT`` and a budget, the recipe search (:mod:`llamatrace.quantize.search`) chooses the types."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_bar, stdout
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status, status_bar, stdout
 from llamatrace.cli.options import ThreadsOpt
 from llamatrace.errors import LlamatraceError, OptionError
 
@@ -22,9 +23,11 @@ def quantize(
     output: Annotated[Path, typer.Argument(metavar="OUT", help="The GGUF file to write (replaced if it exists; "
                                            "written under a temporary name and renamed when complete).",
                                            show_default=False)],
-    type_name: Annotated[str, typer.Option("--type", metavar="TYPE", help="llama.cpp's file type: Q4_0, Q4_1, "
-                         "Q5_0, Q5_1, Q8_0, Q2_K, Q3_K_S, Q3_K_M, Q3_K_L, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K "
-                         "(Q3_K, Q4_K, Q5_K = the _M mixes), or F16, BF16, F32.", show_default=False)],
+    type_name: Annotated[Optional[str], typer.Option("--type", metavar="TYPE", help="llama.cpp's file type: Q4_0, "
+                         "Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K_S, Q3_K_M, Q3_K_L, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K "
+                         "(Q3_K, Q4_K, Q5_K = the _M mixes), or F16, BF16, F32. With -f: the stock mix the recipe "
+                         "is compared with (and, without --target-bpw/--target-size, whose size it may not exceed).",
+                         show_default=False)] = None,
     tensor_type: Annotated[Optional[list[str]], typer.Option("--tensor-type", metavar="PATTERN=TYPE",
                            help="Give the tensors whose name contains a match of the regular expression PATTERN "
                            "the ggml type TYPE (q4_k, q6_k, q8_0, f16 …), as llama-quantize's --tensor-type: "
@@ -37,6 +40,31 @@ def quantize(
                                 "that is already quantized (other than Q8_0): its error adds to the new one.")] = False,
     pure: Annotated[bool, typer.Option("--pure", metavar="", help="Every quantizable tensor the file type's "
                     "default type, without llama.cpp's mix (as llama-quantize --pure); --tensor-type still applies.")] = False,
+    text_file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Calibration text: search a recipe "
+                         "(a type per matrix) by measuring on it the KL divergence each requantized matrix adds.",
+                         show_default=False)] = None,
+    target_bpw: Annotated[Optional[float], typer.Option("--target-bpw", help="With -f: bits per weight the file "
+                          "may not exceed, as llama-quantize counts them (8 × bytes of tensor data ÷ weights, "
+                          "every tensor).", show_default=False)] = None,
+    target_size: Annotated[Optional[int], typer.Option("--target-size", help="With -f: bytes of tensor data the "
+                           "file may not exceed.", show_default=False)] = None,
+    candidates: Annotated[str, typer.Option("--candidates", help="With -f: the types a matrix may get (each "
+                          "after llama.cpp's fallback for rows that are not a multiple of 256).")] = "Q3_K,Q4_K,Q5_K,Q6_K,Q8_0",
+    measure: Annotated[str, typer.Option("--measure", metavar="probe|all", help="With -f: probe runs each matrix "
+                       "at its cheapest candidate and scales the others by their local error; all runs every "
+                       "candidate.")] = "probe",
+    ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per calibration chunk; the second "
+                        "half of each chunk is scored.")] = 512,
+    chunks: Annotated[Optional[int], typer.Option("--chunks", help="Use at most N calibration (and held-out) "
+                                                  "chunks.", show_default=False)] = None,
+    verify_file: Annotated[Optional[Path], typer.Option("--verify-file", help="With -f: held-out text on which "
+                           "OUT (and the --type mix) are measured against BASE after writing: KLD, same top "
+                           "token, PPL.", show_default=False)] = None,
+    measurements: Annotated[Optional[Path], typer.Option("--measurements", help="With -f: where the measured "
+                            "matrices are kept and resumed from (default: OUT.measurements.json).",
+                            show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option("--output", "-o", help="With -f: a picture of the recipe, bits "
+                    "and sensitivity per layer and matrix (.png, .svg or .pdf).", show_default=False)] = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (every tensor's "
                                            "type, the fallbacks, sizes, bits per weight) instead of the summary.")] = False,
@@ -55,11 +83,24 @@ def quantize(
       llamatrace quantize model-f16.gguf model-q4.gguf --type Q4_K_M --tensor-type attn_v=q8_0 --tensor-type 'blk.[0-3].ffn_down=q6_k'
 
       llamatrace quantize model-f16.gguf model-q3.gguf --type Q3_K_M --imatrix imatrix.gguf --json
+
+      llamatrace quantize model-f16.gguf recipe.gguf --target-bpw 5.5 -f calibration.txt --verify-file heldout.txt -o recipe.png
+
+      llamatrace quantize model-f16.gguf recipe.gguf --type Q3_K_M -f calibration.txt --verify-file heldout.txt
     """
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.outputs import check_output_path
     from llamatrace.quantize.rules import Override, file_type, tensor_types, unmatched
 
+    if text_file is not None:
+        _search(base, output, type_name, imatrix, text_file, target_bpw, target_size, candidates, measure, ctx_size,
+                chunks, verify_file, measurements, plot, threads, json_out)
+        return
+    if target_bpw is not None or target_size is not None or verify_file is not None:
+        raise OptionError("--target-bpw, --target-size and --verify-file belong to the recipe search: add -f TEXT")
+    if type_name is None:
+        raise OptionError("give --type TYPE (a llama.cpp file type such as Q4_K_M), or -f TEXT and a budget "
+                          "for a recipe search")
     ftype = file_type(type_name)
     overrides = [Override.parse(text) for text in tensor_type or []]
     if output.exists() and base.exists() and output.resolve() == base.resolve():
@@ -146,3 +187,99 @@ def _read_imatrix(path: Path, f):
         raise OptionError(f"--imatrix {str(path)!r}: none of its {plural(len(weights), 'entry', 'entries')} names a "
                           f"tensor of {f.path.name}: it was computed for another model")
     return weights, ImatrixInfo(str(path), meta.datasets[0] if meta.datasets else None, len(weights), meta.chunk_count)
+
+
+def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, target_bpw, target_size,
+            candidates: str, measure: str, ctx_size: int, chunks, verify_file, measurements, plot, threads,
+            json_out: bool) -> None:
+    """The recipe search: measure, allocate, write OUT with llama.cpp's writer, verify, report."""
+    from llamatrace.cli.options import load_model
+    from llamatrace.corpus.chunks import read_corpus
+    from llamatrace.kernels.quantizers import quantize_rows
+    from llamatrace.outputs import check_output_path
+    from llamatrace.quantize import report
+    from llamatrace.quantize import search as S
+    from llamatrace.quantize.rules import file_type, tensor_types
+
+    stock_type = file_type(type_name) if type_name is not None else None
+    if target_bpw is None and target_size is None and stock_type is None:
+        raise OptionError("the recipe search needs a budget: --target-bpw, --target-size, or --type (the size of "
+                          "that stock mix)")
+    types = S.parse_types(candidates)
+    if measure not in ("probe", "all"):
+        raise OptionError(f"--measure must be probe or all, got {measure!r}")
+    check_output_path(output, "OUT")
+    if plot is not None:
+        check_output_path(plot, "-o")
+    text = read_corpus(text_file)
+    held_out = read_corpus(verify_file) if verify_file is not None else None
+    model = load_model(base, threads, "f32")
+    f = model.file
+    weights, info = _read_imatrix(imatrix, f) if imatrix is not None else (None, None)
+    ftype = stock_type or file_type("Q4_K_M")
+    shapes = {n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()}
+    stock = tensor_types(shapes, f.metadata, ftype, has_imatrix=weights is not None)
+    if target_bpw is None and target_size is None:
+        target_size = sum(S.tensor_bytes(stock[n], *f.matrix_shape(n)[-2:]) if len(f.matrix_shape(n)) > 1
+                          else f.tensors[n].n_bytes for n in f.tensors)
+    where = measurements if measurements is not None else output.with_name(output.name + ".measurements.json")
+
+    def progress(done: int, total: int, seconds: float) -> None:
+        status(f"measured {done}/{total} matrices in {seconds:.0f} s, about {seconds / done * (total - done):.0f} s left")
+
+    recipe, store = S.search(model, text, target_bpw=target_bpw, target_size=target_size, candidates=types,
+                             quantize=quantize_rows, imatrix=weights, n_ctx=ctx_size, n_chunks=chunks, mode=measure,
+                             measurements=where, progress=progress)
+    groups = [c.group for c in recipe.choices]
+    stock_recipe = S.stock_like(groups, stock, recipe.budget, store, recipe.base_kld) if stock_type else None
+    try:
+        summary = _write(f, output, {**stock, **recipe.types}, ftype, weights, info, False)
+    except KeyboardInterrupt:
+        err.print(f"[yellow]interrupted[/]: nothing written at {output}")
+        exit_interrupted()
+    assert summary.bytes_out <= recipe.budget.limit, (summary.bytes_out, recipe.budget.limit)
+    measured: dict = {}
+    if held_out is not None:
+        measured = _verify(model, output, stock if stock_type else None, ftype, weights, info, text, held_out,
+                           ctx_size, chunks)
+    if plot is not None:
+        report.plot(recipe, plot, f"{base.name} → {output.name}", stock_recipe)
+    if json_out:
+        stdout.write(json.dumps(report.document(recipe, stock_recipe, measured)) + "\n")
+        return
+    out.print(report.table(recipe, stock_recipe, stock_type.name if stock_type else "stock"), markup=False)
+    for name, m in measured.items():
+        out.print(f"{name}: KLD {m['mean_kld']:.6f} ± {m['mean_kld_error']:.6f}, same top token "
+                  f"{100 * m['same_top_p']:.2f} %, PPL {m['ppl']:.4f} (base {m['ppl_base']:.4f}), {m['count']} tokens",
+                  markup=False)
+    out.print("llama-quantize " + " ".join(f"--tensor-type '{a}'" for a in recipe.tensor_type_args())
+              + f" {base} {output} {ftype.name}", markup=False, soft_wrap=True)
+
+
+def _verify(model, output: Path, stock, ftype, weights, info, text: str, held_out: str, ctx_size: int,
+            chunks) -> dict:
+    """KLD statistics against the base of OUT (and of the stock mix, written to a temporary file
+    beside OUT), on the calibration and the held-out text."""
+    import tempfile
+
+    from llamatrace.corpus.chunks import make_chunks
+    from llamatrace.model.llama import Llama
+    from llamatrace.quantize.search import measured_kld
+    cuts = {name: make_chunks(model.tokenizer, body, ctx_size, chunks, model.config.max_seq_len)
+            for name, body in (("calibration", text), ("held-out", held_out))}
+    files = [("recipe", output)]
+    with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
+        if stock is not None:
+            files.append((ftype.name, Path(tmp) / "stock.gguf"))
+            _write(model.file, files[-1][1], stock, ftype, weights, info, False)
+        result = {}
+        for label, path in files:
+            with Llama.load(path) as quantized:
+                for name, cut in cuts.items():
+                    if label != "recipe" and name == "calibration":
+                        continue
+                    s = measured_kld(model, quantized, cut)
+                    result[f"{label} on {name}"] = {"mean_kld": s.mean_kld, "mean_kld_error": s.mean_kld_error,
+                                                    "same_top_p": s.same_top_p, "ppl": s.ppl, "ppl_base": s.ppl_base,
+                                                    "count": s.count}
+    return result

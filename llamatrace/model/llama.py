@@ -322,7 +322,8 @@ class Llama:
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens, start_pos: int, cache: KVCache, recorder: Recorder | None = None,
-                all_logits: bool = False, phase: str | None = None) -> np.ndarray:
+                all_logits: bool = False, phase: str | None = None, start_layer: int = 0,
+                residual: np.ndarray | None = None) -> np.ndarray:
         """Run ``seq_len`` tokens at positions ``[start_pos, start_pos + seq_len)``.
 
         Args:
@@ -337,12 +338,20 @@ class Llama:
             phase: what the recorder bills the call's time to (``--timings``): ``"prefill"``
                 (a prompt, whole or a chunk of it) or ``"decode"`` (a generation step); ``None``
                 decides by shape (:func:`~llamatrace.tracing.recorder.call_phase`).
+            start_layer, residual: run layers ``start_layer …`` only, from ``residual`` (float32
+                ``[seq_len, dim]``, the stream entering that layer: a recorded ``l_out`` of the
+                layer before, or the embedding stage's output for layer 0), instead of embedding
+                ``tokens`` and running every layer; ``start_layer == n_layers`` runs only the
+                output. The cache's layers before ``start_layer`` are left as they are. The
+                recipe search (:mod:`llamatrace.quantize.search`) reruns only the layers a
+                swapped weight changes this way.
 
         Returns:
             float32 ``[seq_len or 1, vocab_size]`` logits.
 
         Raises:
-            OptionError: the tokens do not fit in the cache or an id is out of range.
+            OptionError: the tokens do not fit in the cache, an id is out of range, or
+                ``start_layer`` / ``residual`` do not fit the model and ``tokens``.
         """
         c, w = self.config, self.weights
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -353,6 +362,10 @@ class Llama:
                               f"{cache.pos} of {cache.max_seq} positions")
         if tokens.min() < 0 or tokens.max() >= c.vocab_size:
             raise OptionError(f"token id out of range [0, {c.vocab_size})")
+        if not 0 <= start_layer <= c.n_layers or (residual is None and start_layer) or (
+                residual is not None and np.shape(residual) != (seq_len, c.dim)):
+            raise OptionError(f"start_layer {start_layer} must be in 0..{c.n_layers}, with a residual "
+                              f"[seq_len, dim] = [{seq_len}, {c.dim}] unless it is 0")
         AUTO_THREADS.pick(c.dim * c.hidden_dim)   # all cores, or one on a crowded machine (or --threads)
         recorder = recorder if recorder is not None else self._recorder
         emit: Emit = null_emit
@@ -388,14 +401,17 @@ class Llama:
         if "swa" in c.features:
             mask_local = kernels.window_mask(seq_len, start_pos, c.sliding_window)
             emit("kq_mask_swa", None, mask_local)
-        # token embedding: x [seq_len, dim]
-        x = packing.get_rows(w.tok_embeddings, tokens)
-        x = emit("inp_embd", None, x)
-        if c.embed_scale != 1.0:
-            x = x * np.float32(c.embed_scale)
-            x = emit("inp_scaled", None, x)
+        if residual is not None:                         # resumed at start_layer
+            x = np.ascontiguousarray(residual, dtype=np.float32)
+        else:
+            # token embedding: x [seq_len, dim]
+            x = packing.get_rows(w.tok_embeddings, tokens)
+            x = emit("inp_embd", None, x)
+            if c.embed_scale != 1.0:
+                x = x * np.float32(c.embed_scale)
+                x = emit("inp_scaled", None, x)
 
-        for layer, lw in enumerate(w.layers):
+        for layer, lw in enumerate(w.layers[start_layer:], start_layer):
             local = c.is_local(layer)
             # attention pre-norm
             xn = kernels.rmsnorm(x, lw.attention_norm, c.norm_eps)
