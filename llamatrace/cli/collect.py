@@ -11,7 +11,8 @@ from typing import Annotated, List, Optional
 import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, plural, status_bar, stdout
-from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model, model_file
+from llamatrace.cli.options import (ActivationsOpt, ModelOpt, RayOpt, ThreadsOpt, WorkersOpt, check_activations,
+                                     load_model, model_file)
 from llamatrace.errors import OptionError
 
 
@@ -35,13 +36,8 @@ def collect(
     text_field: Annotated[str, typer.Option("--text-field", help="The text's field with --jsonl.")] = "text",
     shard_mb: Annotated[float, typer.Option("--shard-mb", help="Approximate size of one shard, in MB.")] = 256.0,
     activations: ActivationsOpt = "f32",
-    workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
-                                         "model once; the shards do not depend on it.")] = 1,
-    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Make the shards in --workers "
-                   "Ray actors on the cluster at ADDRESS (host:port, ray://…), 'auto' to join RAY_ADDRESS or the "
-                   "one `ray start` runs here, or 'local' to start one for the run; each actor reserves --threads "
-                   "CPUs (default 1) and uses as many; -o must be a path every node writes to. Needs the extra "
-                   "llamatrace[ray].", show_default=False)] = None,
+    workers: WorkersOpt = 1,
+    ray: RayOpt = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print a JSON summary on stdout at "
                                            "the end.")] = False,

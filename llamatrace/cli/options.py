@@ -27,6 +27,14 @@ PromptFileOpt = Annotated[Optional[Path], typer.Option(
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", help=f"CPU threads for the kernels. Default: {AUTO_THREADS_HELP}; with --workers, "
     "the cores split evenly among the workers.", show_default=False)]
+WorkersOpt = Annotated[int, typer.Option(
+    "--workers", "-w", help="Local worker processes, each loading the model once; the results do not "
+    "depend on it.")]
+RayOpt = Annotated[Optional[str], typer.Option(
+    "--ray", metavar="ADDRESS", help="Run the chunks as --workers Ray actors on the cluster at ADDRESS "
+    "(host:port, ray://…), 'auto' to join RAY_ADDRESS or the one `ray start` runs here, or 'local' to start "
+    "one for the run. Each actor reserves --threads CPUs (default 1) and uses as many; a file the run writes "
+    "must be on a path every node writes to. Needs the extra llamatrace[ray].", show_default=False)]
 ActivationsOpt = Annotated[str, typer.Option(
     "--activations", metavar="f32|q8", help="Activations of the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matmuls: f32 "
     "(float32, HF's arithmetic: the reference) or q8 (8 bits per block of 32, llama.cpp's arithmetic: "

@@ -11,7 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar, stdout
-from llamatrace.cli.options import ActivationsOpt, ModelOpt, ThreadsOpt, check_activations, load_model, model_file
+from llamatrace.cli.options import (ActivationsOpt, ModelOpt, RayOpt, ThreadsOpt, WorkersOpt, check_activations,
+                                     load_model, model_file)
 from llamatrace.errors import OptionError
 
 
@@ -37,13 +38,8 @@ def perplexity(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="With --stages: a heat map (layers × "
                       "stages) and the residual difference by layer (.png, .svg or .pdf).",
                       show_default=False)] = None,
-    workers: Annotated[int, typer.Option("--workers", "-w", help="Local worker processes, each loading the "
-                                         "model once; the numbers do not depend on it.")] = 1,
-    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run the chunks as --workers Ray "
-                   "actors on the cluster at ADDRESS (host:port, ray://…), 'auto' to join RAY_ADDRESS or the one "
-                   "`ray start` runs here, or 'local' to start one for the run. Each actor reserves --threads "
-                   "CPUs (default 1) and uses as many. Needs the extra llamatrace[ray].",
-                   show_default=False)] = None,
+    workers: WorkersOpt = 1,
+    ray: RayOpt = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object instead of the "
                                            "llama-perplexity log.")] = False,
