@@ -137,7 +137,7 @@ def test_kernels_equal_numpy_twins(qtype):
         twin = act8.matmul_q8_np(x, w.qs, w.d)
     elif qtype in Q5:
         m, m_scale, offset = (w.m, 1.0, 0) if qtype == T.Q5_1 else (w.d, 0.0, 16)
-        act8._matmul_q5(x, w.qs, w.d, m, np.float32(m_scale), offset, out)
+        act8._matmul_q5(x, w.qs, w.d, m, np.float32(m_scale), offset == 16, out)
         twin = q5.act8_q5_np(x, w.qs, w.d, m, m_scale, offset)
     else:
         m, m_scale = (w.m, 1.0) if qtype == T.Q4_1 else (w.d, -8.0)

@@ -207,7 +207,7 @@ def tiled_q5_1(x, w, out):
 
 
 def act8_q5_0(x, w, out):
-    act8._matmul_q5(x, w.qs, w.d, w.d, np.float32(0.0), 16, out)
+    act8._matmul_q5(x, w.qs, w.d, w.d, np.float32(0.0), True, out)
 
 
 def act8_q5_0_np(x, w):
@@ -215,7 +215,7 @@ def act8_q5_0_np(x, w):
 
 
 def act8_q5_1(x, w, out):
-    act8._matmul_q5(x, w.qs, w.d, w.m, _ONE, 0, out)
+    act8._matmul_q5(x, w.qs, w.d, w.m, _ONE, False, out)
 
 
 def act8_q5_1_np(x, w):
