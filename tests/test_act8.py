@@ -17,12 +17,13 @@ from cli_helpers import assert_one_line_error, run
 from test_compare import load_dump
 
 from llamatrace.kernels import act8
-from llamatrace.kernels import packing
+from llamatrace.kernels import packing, q5
 from llamatrace.kernels.registry import matmul
 from llamatrace.errors import OptionError
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]
+Q5 = (T.Q5_0, T.Q5_1)
 KQUANTS = (T.Q4_K, T.Q6_K)
 
 
@@ -134,6 +135,10 @@ def test_kernels_equal_numpy_twins(qtype):
     elif qtype == T.Q8_0:
         act8._matmul_q4(x, w.qs, w.d, w.d, np.float32(0.0), True, out)
         twin = act8.matmul_q8_np(x, w.qs, w.d)
+    elif qtype in Q5:
+        m, m_scale, offset = (w.m, 1.0, 0) if qtype == T.Q5_1 else (w.d, 0.0, 16)
+        act8._matmul_q5(x, w.qs, w.d, m, np.float32(m_scale), offset == 16, out)
+        twin = q5.act8_q5_np(x, w.qs, w.d, m, m_scale, offset)
     else:
         m, m_scale = (w.m, 1.0) if qtype == T.Q4_1 else (w.d, -8.0)
         act8._matmul_q4(x, w.qs, w.d, m, np.float32(m_scale), False, out)
@@ -163,9 +168,10 @@ def test_extreme_quants_do_not_overflow(qtype):
     elif qtype == T.Q8_0:
         blocks[:, :, 2:] = np.int8(-128).view(np.uint8)
         blocks[::2, :, 2:] = 127
-    else:
-        blocks[:, :, -16:] = 0xFF
-        blocks[::2, :, -16:] = 0x00                  # Q4_0: q - 8 = -8; Q4_1: 0
+    else:                                            # Q5: qh[4] too (Q5_0: q - 16 = 15 or -16)
+        quants = 20 if qtype in Q5 else 16
+        blocks[:, :, -quants:] = 0xFF
+        blocks[::2, :, -quants:] = 0x00              # Q4_0: q - 8 = -8; Q4_1: 0
     raw = blocks.reshape(n_out, -1)
     w = packing.pack("w", qtype, raw, n_out, n_in, activations="q8")
     x = np.full((6, n_in), 127.0, np.float32)      # 6 rows: the prefill kernels too (4 + 2 rows)
@@ -173,6 +179,62 @@ def test_extreme_quants_do_not_overflow(qtype):
     want = x.astype(np.float64) @ gguf.quants.dequantize(raw, qtype).astype(np.float64).T
     np.testing.assert_allclose(matmul(x[:2], w), want[:2], rtol=1e-6, atol=0)
     np.testing.assert_allclose(matmul(x, w), want, rtol=1e-6, atol=0)
+
+
+def ggml_q8(x: np.ndarray, q8_1: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's ``quantize_row_q8_0_ref`` / ``quantize_row_q8_1_ref``: (qs int8 [S, n], d float32
+    [S, n/32], s float32 [S, n/32], Q8_1's fp16 ``d * sum(qs)``; zeros for Q8_0)."""
+    fn = getattr(ggml_quants_library(), "quantize_row_q8_1_ref" if q8_1 else "quantize_row_q8_0_ref")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    n_seq, n = x.shape
+    x = np.ascontiguousarray(x, np.float32)
+    head = 4 if q8_1 else 2                                              # fp16 d (and s), then qs[32]
+    blocks = np.zeros((n_seq * n // 32, head + 32), np.uint8)
+    fn(x.ctypes.data, blocks.ctypes.data, x.size)
+    scales = blocks[:, :head].copy().view(np.float16).astype(np.float32).reshape(n_seq, -1, head // 2)
+    return (blocks[:, head:].copy().view(np.int8).reshape(n_seq, n), scales[..., 0],
+            scales[..., 1] if q8_1 else np.zeros_like(scales[..., 0]))
+
+
+def llamacpp_q5_dot(raw: np.ndarray, qtype, xq, dx, sx) -> np.ndarray:
+    """llama.cpp's ``ggml_vec_dot_q5_0_q8_0`` / ``ggml_vec_dot_q5_1_q8_1`` (ggml-cpu/quants.c, the
+    generic versions), written out from the file's block bytes, in float64: per block
+    ``sumi = sum_j x_j * y_j`` over the 5-bit quants (Q5_0: minus 16), then ``d * dx * sumi`` (Q5_1:
+    ``+ m * sx``). raw uint8 [n_out, B*bytes]; xq int8 [S, B*32]; dx, sx [S, B]. Returns [S, n_out]."""
+    q5_1 = qtype == T.Q5_1
+    blocks = raw.reshape(raw.shape[0], -1, 24 if q5_1 else 22)
+    head = 4 if q5_1 else 2
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)           # [n_out, B]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if q5_1 else 0 * d
+    qh = blocks[..., head:head + 4].copy().view("<u4")[..., 0].astype(np.int64)
+    qs = blocks[..., head + 4:].astype(np.int64)                                      # [n_out, B, 16]
+    j = np.arange(16)
+    x0 = (qs & 15) | (((qh[..., None] >> j) & 1) << 4)
+    x1 = (qs >> 4) | (((qh[..., None] >> (j + 16)) & 1) << 4)
+    w = np.concatenate([x0, x1], axis=2) - (0 if q5_1 else 16)                       # [n_out, B, 32]
+    y = xq.reshape(len(xq), -1, 32).astype(np.int64)
+    sumi = np.einsum("obj,sbj->sob", w, y)                                            # exact
+    return (d[None] * dx[:, None, :].astype(np.float64) * sumi
+            + m[None] * sx[:, None, :].astype(np.float64)).sum(axis=2)
+
+
+@pytest.mark.parametrize("qtype", Q5, ids=lambda q: q.name)
+@pytest.mark.parametrize("n_seq", [3, 7])
+def test_q5_matmul_is_llamacpp_block_arithmetic(qtype, n_seq):
+    # ggml's own activation quants (compiled ggml-quants.c) are ours; with our float32 scales the
+    # sums are llama.cpp's integer block sums (one unit off in one block would show); with ggml's
+    # fp16 scales, within their rounding (2**-11 relative)
+    raw, w = _weight(qtype, 70, _n_in(qtype, 9))
+    x = _rows(np.random.default_rng(11), n_seq, w.n_in)
+    gq, gd, gs = ggml_q8(x, qtype == T.Q5_1)
+    xq, xd, xs = act8.quantize(x)
+    np.testing.assert_array_equal(xq, gq)
+    got = matmul(x, w)
+    ours = llamacpp_q5_dot(raw, qtype, xq, xd, xs if qtype == T.Q5_1 else 0 * xs)
+    ggml = llamacpp_q5_dot(raw, qtype, gq, gd, gs)
+    bound = np.abs(x).astype(np.float64) @ np.abs(gguf.quants.dequantize(raw, qtype)).astype(np.float64).T
+    assert np.all(np.abs(got - ours) <= 1e-6 * bound + 1e-30)
+    assert np.all(np.abs(got - ggml) <= 2e-3 * bound + 1e-30)
 
 
 PREFILL = {T.Q4_0: (act8._prefill, act8._matmul_q4), T.Q4_1: (act8._prefill, act8._matmul_q4),

@@ -67,10 +67,11 @@ def test_ids_logits_and_greedy_match_hf(variant):
 
 def test_q8_activations_answer_as_hf_does(variant):
     """``--activations q8`` on the requantized files (Q4_K and Q6_K with Q8_K activations, the
-    other types with Q8_0): HF's next token except at a near-tie, logits within llama.cpp's own
-    distance from HF. Measured rel. RMS, worst prompt per file, q8 / llama.cpp 0.3.36: Q4_K_M
-    0.081 / 0.062, Q5_K_M 0.055 / 0.039, Q6_K 0.068 / 0.072, Q3_K_M 0.081 / 0.246, Q2_K-pure
-    0.148 / 0.170, Q3_K-pure 0.077 / 0.096."""
+    other types with Q8_0, Q5_1 with Q8_1): HF's next token except at a near-tie, logits within
+    llama.cpp's own distance from HF. Measured rel. RMS, worst prompt per file, q8 / llama.cpp
+    0.3.36: Q4_K_M 0.081 / 0.062, Q5_K_M 0.032 / 0.039, Q6_K 0.097 / 0.072, Q3_K_M 0.179 / 0.246,
+    Q2_K-pure 0.177 / 0.170, Q3_K-pure 0.032 / 0.096 (with the Q5_0 / Q5_1 8-bit kernels; before
+    them 0.128, 0.058, 0.097, 0.077, 0.177, 0.032)."""
     from llamatrace.kernels import registry
     from llamatrace.model.llama import Llama
 

@@ -96,7 +96,8 @@ def test_q8_running_values_of_a_kquant_file_match_llama_cpp(capsys, kquant_path)
 
 def test_q8_perplexity_of_gemma3_matches_llama_cpp(capsys, gemma3_path):
     """The real Gemma 3 270M file: llama.cpp's tokens, and q8's perplexity of the whole corpus
-    (5190 tokens, 2540 scored) within 0.5 % of llama.cpp's (issue 34; measured 0.01 %)."""
+    (5190 tokens, 2540 scored) within 0.5 % of llama.cpp's (issue 34; measured 0.26 %, 0.01 % with float32
+    inputs to the Q5_0 matrices)."""
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.text.tokenizer import Tokenizer
     gold = golden("perplexity_gemma3_llamacpp.json")["models"][gemma3_path.name]

@@ -12,13 +12,13 @@ from gguf_factory import random_blocks, write_tiny_llama
 
 from llamatrace.cli import main
 from llamatrace.errors import UnsupportedModelError
-from llamatrace.kernels import act8, packing, registry
+from llamatrace.kernels import act8, packing, q5, registry
 from llamatrace.kernels.registry import GEMV_MAX_SEQ, PHASES, matmul
 
 T = gguf.GGMLQuantizationType
 FLOATS = (T.F32, T.F16, T.BF16)
 BLOCKS = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
-Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K)
+Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K)
 # what the old if-chain (quant._dispatch) served: every type with float32 activations in both
 # phases, and the 8-bit-activation types with one kernel for both
 SERVED = ({(t, "f32", p) for t in FLOATS + BLOCKS for p in PHASES}
@@ -66,6 +66,8 @@ def test_registered_kernel_matches_its_reference(key):
         twin = {T.Q4_0: lambda: act8.matmul_q4_np(x, w.qs, w.d, w.d, -8.0),
                 T.Q4_1: lambda: act8.matmul_q4_np(x, w.qs, w.d, w.m, 1.0),
                 T.Q8_0: lambda: act8.matmul_q8_np(x, w.qs, w.d),
+                T.Q5_0: lambda: q5.act8_q5_np(x, w.qs, w.d, w.d, 0.0, 16),
+                T.Q5_1: lambda: q5.act8_q5_np(x, w.qs, w.d, w.m, 1.0, 0),
                 T.Q4_K: lambda: act8.matmul_q4k_np(x, w.qs, w.d, w.m),
                 T.Q6_K: lambda: act8.matmul_q6k_np(x, w.qs, w.d)}[qtype]()[:, :N_OUT]
         np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
@@ -101,8 +103,8 @@ def test_weight_scales_follow_the_mode_declared_encoding():
 def test_unregistered_combination_is_a_clear_error():
     with pytest.raises(UnsupportedModelError, match="no kernel computes with IQ4_NL weights in activation mode 'q8'"):
         registry.lookup(T.IQ4_NL, "q8", "decode")
-    with pytest.raises(UnsupportedModelError, match="Q5_0 weights in activation mode 'q8' for prefill"):
-        registry.lookup(T.Q5_0, "q8", "prefill")
+    with pytest.raises(UnsupportedModelError, match="Q5_K weights in activation mode 'q8' for prefill"):
+        registry.lookup(T.Q5_K, "q8", "prefill")
     _, w = _weight(T.Q4_0, "f32")
     odd = packing.Weight("odd", T.IQ4_NL, w.n_out, w.n_in, w.qs, w.d, w.m, w.row_splits)
     with pytest.raises(UnsupportedModelError, match="IQ4_NL"):

@@ -16,7 +16,7 @@ mode, phase)::
     q4 q5 q8   declare Q4_0/Q4_1, Q5_0/Q5_1, Q8_0
     k_quants   declares Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
     act8       8-bit activations (``--activations q8``): quantization, layout, the Numba kernels
-               that Q4_0, Q4_1, Q8_0, Q4_K and Q6_K declare as their ``q8`` kernels;
+               that Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K declare as their ``q8`` kernels;
     act8_ir      its block dot products in LLVM IR
     threads    threading layer, set_threads, AutoThreads
     probe      the machine's limits for bench: read bandwidth, int8 multiply-add peak

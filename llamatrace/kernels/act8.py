@@ -1,4 +1,4 @@
-"""8-bit activations: the optional ``--activations q8`` mode for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights.
+"""8-bit activations: the optional ``--activations q8`` mode for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights.
 
 This module is the mode's shared machinery: activation quantization, the byte-group layout, the
 Numba matmul kernels and their NumPy twins. Which of them serves a weight type, with which
@@ -19,7 +19,9 @@ beside the float32 path and never instead of it:
 2. Per block and weight row, the integer dot product ``isum = sum_j q[j] * xq[j]`` is exact in
    int32, and ``y += (d * xd) * isum + m_scale * m * (xd * sum_j xq[j])`` in float32, with
    the weight ``d * q + m_scale * m`` as in :mod:`llamatrace.kernels.q4` (Q4_0: ``q`` in 0..15,
-   ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset).
+   ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset). Q5_0 and
+   Q5_1 (llama.cpp's ``ggml_vec_dot_q5_0_q8_0`` / ``_q5_1_q8_1``) sum ``q - 16`` (no offset
+   term) / ``q`` (``m_scale = 1``) as Q8_0's int8 quants (:func:`_matmul_q5`).
    Q4_K's sub-blocks are 32 weights too: ``y += (d * sc * xd) * isum - (dmin * mn) * (xd *
    sum xq)`` per sub-block (:mod:`llamatrace.kernels.k_quants`).
 3. Q6_K weights take ggml's Q8_K activations instead (:func:`quantize_k`), as llama.cpp's
@@ -351,6 +353,67 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
         tiles.store_rows(acc, out, t)
 
 
+Q5_BYTES = 20
+"""Q5_0 / Q5_1: packed bytes of a block row, ``qh[4] qs[16]``, all in groups of four."""
+
+
+@njit(**JIT_EXACT)
+def _unpack_q5(words, base, centered, w32):
+    """One Q5_0 / Q5_1 tile block at word ``base`` of ``words`` (the packed bytes as uint32: word
+    ``g*TR + r`` holds bytes ``4g..4g+3`` of row r; word ``r`` is its ``qh``, little-endian) ->
+    ``w32`` uint32 ``[8 * TR]``, the int8 quants in Q8_0's grouped order (weight ``4g + i`` of row
+    r in byte i of word ``g*TR + r``): ``q - 16`` when ``centered`` (Q5_0), else ``q`` (Q5_1), q
+    in 0..31 the 5-bit quant. Four bytes a word, rows innermost, so the loops vectorize (Q5_0
+    [2048, 640], one row of x: 1.2 ms a byte at a time, 0.31 ms so, the float32 kernel 0.22 ms;
+    a shared, busy machine)."""
+    for g in range(4):                # qs bytes 4g..4g+3: weights 4g.. (low), 16 + 4g.. (high)
+        for r in range(TR):
+            qh = np.uint32(words[base + r])
+            v = np.uint32(words[base + (1 + g) * TR + r])
+            for half in range(2):
+                nib = (v >> np.uint32(4 * half)) & np.uint32(0x0F0F0F0F)
+                h = qh >> np.uint32(16 * half + 4 * g)     # the fifth bits, to bit 4 of each byte
+                top = (((h & np.uint32(1)) << np.uint32(4)) | ((h & np.uint32(2)) << np.uint32(11))
+                       | ((h & np.uint32(4)) << np.uint32(18)) | ((h & np.uint32(8)) << np.uint32(25)))
+                if centered:          # q - 16 as int8: the nibble, with 0xF0 above it when bit 4 is clear
+                    top = (top ^ np.uint32(0x10101010)) * np.uint32(15)
+                w32[(4 * half + g) * TR + r] = nib | top
+
+
+@njit(**JIT_PARALLEL)
+def _matmul_q5(x, qs, d, m, m_scale, centered, out):
+    """out[s] = x[s] @ W.T for Q5_0 (``centered`` True, ``m_scale`` 0: ``d * (q - 16)``) and Q5_1
+    (``centered`` False, ``m_scale`` 1: ``d * q + m``), x quantized first (:func:`quantize`), as
+    llama.cpp's ``ggml_vec_dot_q5_0_q8_0`` / ``ggml_vec_dot_q5_1_q8_1``: per block the exact int32
+    ``isum = sum_j q'_j * xq_j`` (``q'`` the quant minus 16 or not), then ``y += (d * xd) * isum
+    + m * (m_scale * xs)`` in float32, :func:`_matmul_q4`'s operations. Each block is unpacked
+    (:func:`_unpack_q5`) to signed bytes in Q8_0's layout once for every row of x, and summed by
+    Q8_0's ``isum_q8`` (the 5-bit quants fit int8). Decode and prefill both run it. x float32
+    [S, B*32]; qs uint8 [T, B, 20, TR] in this module's layout; d, m fp16 bits uint16 [T, B, TR];
+    out float32 [S, n_out]."""
+    xq, xd, xs = _quantized(x)
+    n_seq = xq.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    words = qs.reshape(qs.size).view(np.uint32)
+    for t in prange(n_tiles):
+        isum = np.empty(TR, np.int32)
+        w32 = np.empty(8 * TR, np.uint32)
+        w8 = w32.view(np.int8)
+        acc = np.zeros((n_seq, TR), np.float32)
+        for b in range(n_blocks):
+            _unpack_q5(words, (t * n_blocks + b) * (Q5_BYTES // 4) * TR, centered, w32)
+            db = d[t, b]
+            mb = m[t, b]
+            for s in range(n_seq):
+                isum_q8(w8, 0, xq, (s * n_blocks + b) * QK, isum)
+                dx = xd[s, b]
+                ms = m_scale * xs[s, b]
+                a = acc[s]
+                for r in range(TR):
+                    a[r] += (f16(db[r]) * dx) * np.float32(isum[r]) + f16(mb[r]) * ms
+        tiles.store_rows(acc, out, t)
+
+
 LANES = prefill_lanes()                                  # weight rows per microkernel call
 NS_Q4, NS_Q8, NS_Q4K, NS_Q6K = (PREFILL_ROWS[k] for k in ("q4", "q8", "q4k", "q6k"))   # activation rows a call
 
@@ -521,16 +584,22 @@ def _isums_np(xq: np.ndarray, q: np.ndarray) -> np.ndarray:
     return np.einsum("sbj,tbjr->stbr", xq.reshape(n_seq, n_blocks, QK).astype(np.int64), q.astype(np.int64))
 
 
-def matmul_q4_np(x, qs, d, m, m_scale) -> np.ndarray:
-    """NumPy twin of :func:`_matmul_q4` (float64 sums). Returns float32 [S, T*TR]."""
+def matmul_quants_np(x, q, d, m, m_scale) -> np.ndarray:
+    """The twins' arithmetic for weights ``d * q + m_scale * m`` in blocks of 32: x float32
+    [S, B*32] quantized (:func:`quantize_np`), q integer [T, B, 32, TR] (weight order), d, m fp16
+    bits uint16 [T, B, TR]; float64 sums. Returns float32 [S, T*TR]."""
     d, m = f16_np(d), f16_np(m)
     xq, xd, xs = quantize_np(x)
-    q = file_order(qs, _T.Q4_0)
-    q32 = np.concatenate([q & 0x0F, q >> 4], axis=2)                        # [T, B, 32, TR]
-    isum = _isums_np(xq, q32).astype(np.float64)
+    isum = _isums_np(xq, q).astype(np.float64)
     y = (d[None] * xd[:, None, :, None] * isum
          + float(m_scale) * m[None] * xs[:, None, :, None].astype(np.float64)).sum(axis=2)
     return y.reshape(xq.shape[0], -1).astype(np.float32)
+
+
+def matmul_q4_np(x, qs, d, m, m_scale) -> np.ndarray:
+    """NumPy twin of :func:`_matmul_q4` (float64 sums). Returns float32 [S, T*TR]."""
+    q = file_order(qs, _T.Q4_0)
+    return matmul_quants_np(x, np.concatenate([q & 0x0F, q >> 4], axis=2), d, m, m_scale)   # [T, B, 32, TR]
 
 
 def matmul_q8_np(x, qs, d) -> np.ndarray:

@@ -13,7 +13,8 @@ file Q5_0 24/22 = 1.09x, Q5_1 28/24 = 1.17x. Both types share the kernels: a wei
 ``d*q + m_scale*m`` with ``q`` in 0..31, Q5_1 passing ``(m, 1)``, Q5_0 ``(d, -16)``. Every
 product is exact in float32, so the dequantizers equal ``gguf.quants.dequantize`` bit for bit;
 the matmuls accumulate ``x * w`` in float32. The types are declared at the end (:data:`Q5_0`,
-:data:`Q5_1`); they have no ``q8``-mode kernels (they keep float32 activations there).
+:data:`Q5_1`). Their ``q8``-mode kernel is :func:`llamatrace.kernels.act8._matmul_q5` (8-bit
+activations and integer sums, llama.cpp's arithmetic), all 20 packed bytes in groups of four.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import act8, tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
 from llamatrace.kernels.packing import matmul_ref
 from llamatrace.kernels.quantizers import for_type
@@ -205,11 +206,40 @@ def tiled_q5_1(x, w, out):
     _tiled_q5(True, x, w.qs, w.d, w.m, out)
 
 
+def act8_q5_0(x, w, out):
+    act8._matmul_q5(x, w.qs, w.d, w.d, np.float32(0.0), True, out)
+
+
+def act8_q5_0_np(x, w):
+    return act8_q5_np(x, w.qs, w.d, w.d, 0.0, 16)[:, :w.n_out]
+
+
+def act8_q5_1(x, w, out):
+    act8._matmul_q5(x, w.qs, w.d, w.m, _ONE, False, out)
+
+
+def act8_q5_1_np(x, w):
+    return act8_q5_np(x, w.qs, w.d, w.m, 1.0, 0)[:, :w.n_out]
+
+
+def act8_q5_np(x: np.ndarray, qs, d, m, m_scale, offset) -> np.ndarray:
+    """NumPy twin of :func:`llamatrace.kernels.act8._matmul_q5` (float64 sums): weights
+    ``d * (q - offset) + m_scale * m``, qs in act8's layout, d and m fp16 bits. Returns float32
+    [S, T*TR]."""
+    p = act8.file_order(qs, _T.Q5_0).transpose(0, 3, 1, 2)                # [T, TR, B, 20]
+    q = _quants_np(p).astype(np.int64).transpose(0, 2, 3, 1) - offset     # [T, B, 32, TR]
+    return act8.matmul_quants_np(x, q, d, m, m_scale)
+
+
 Q5_0 = declare(QuantType(
     _T.Q5_0, BlockFormat(weights=QK, file_bytes=22, packed_bytes=20, copy=(2, 0, 20), d_off=0),
     dequant_np=dequant_q5_0_np,
-    kernels={"f32": (Kernel(gemv_q5_0, gemv_q5_0_np), Kernel(tiled_q5_0, matmul_ref))}, **for_type(_T.Q5_0)))
+    kernels={"f32": (Kernel(gemv_q5_0, gemv_q5_0_np), Kernel(tiled_q5_0, matmul_ref)),
+             "q8": (Kernel(act8_q5_0, act8_q5_0_np), Kernel(act8_q5_0, act8_q5_0_np))},
+    q8_bytes=(0, 20), **for_type(_T.Q5_0)))
 Q5_1 = declare(QuantType(
     _T.Q5_1, BlockFormat(weights=QK, file_bytes=24, packed_bytes=20, copy=(4, 0, 20), d_off=0, m_off=2),
     dequant_np=dequant_q5_1_np,
-    kernels={"f32": (Kernel(gemv_q5_1, gemv_q5_1_np), Kernel(tiled_q5_1, matmul_ref))}, **for_type(_T.Q5_1)))
+    kernels={"f32": (Kernel(gemv_q5_1, gemv_q5_1_np), Kernel(tiled_q5_1, matmul_ref)),
+             "q8": (Kernel(act8_q5_1, act8_q5_1_np), Kernel(act8_q5_1, act8_q5_1_np))},
+    q8_bytes=(0, 20), **for_type(_T.Q5_1)))
