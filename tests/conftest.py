@@ -17,6 +17,11 @@ from gguf_factory import T, write_tiny_llama  # noqa: E402
 # tests of the status lines themselves unset it (monkeypatch.delenv).
 os.environ["LLAMATRACE_QUIET"] = "1"
 
+# The local Ray clusters the tests start run their actors at the suite's priority, as
+# `--ray local` does (corpus.ray_runner.connect): at Ray's default nice 15 a machine kept busy by
+# another process starves them, and a Ray test takes many times its time.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 # A shell starts background jobs (`pytest &`, nohup) with SIGINT ignored, and children inherit
 # the ignore: the Ctrl-C tests' subprocesses would never see their SIGINT. A handler (unlike
 # SIG_IGN) is reset to the default in a child, so install Python's own.

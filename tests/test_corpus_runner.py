@@ -166,3 +166,22 @@ def test_a_ray_actor_runs_the_threads_it_reserved(tiny_model_path, local_ray):
     with pytest.raises(OptionError, match="--threads 3: each Ray actor reserves"):
         run_chunks(ModelSpec(str(tiny_model_path), "f32", 3), 2, lambda i: i, kernel_threads, lambda i, r: None, 2,
                    ray="local")
+
+
+def test_ray_local_actors_run_at_the_run_priority(monkeypatch):
+    """`--ray local` starts its cluster with RAY_worker_niceness=0 (Ray's default is nice 15, which
+    a busy machine starves); a value the user set is kept; joining a cluster changes nothing."""
+    import ray
+
+    from llamatrace.corpus import ray_runner
+    seen = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append((kw["address"], os.environ.get("RAY_worker_niceness"))))
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    ray_runner.connect("local")
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    ray_runner.connect("local")
+    monkeypatch.delenv("RAY_worker_niceness")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_runner.connect("auto")
+    assert seen == [("local", "0"), ("local", "5"), ("auto", None)]

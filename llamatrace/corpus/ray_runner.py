@@ -89,6 +89,11 @@ def connect(address: str):
         _check_reachable(os.environ["RAY_ADDRESS"], given)
     elif address not in ("auto", "local"):
         _check_reachable(address, given)
+    if address == "local":
+        # Ray starts its workers at nice 15: on a busy machine the actors of a cluster started for
+        # this one run would starve. They run at the run's own priority, as Ray's job manager
+        # gives submitted jobs (RAY_worker_niceness, read by the raylet it starts).
+        os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  logging_level="ERROR", configure_logging=False)
