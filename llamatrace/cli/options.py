@@ -37,12 +37,12 @@ RayOpt = Annotated[Optional[str], typer.Option(
     "must be on a path every node writes to. Needs the extra llamatrace[ray].", show_default=False)]
 ActivationsOpt = Annotated[str, typer.Option(
     "--activations", metavar="f32|q8", help="Activations of the matmuls on Q4_0, Q4_1, Q5_0, Q5_1, "
-    "Q8_0, Q4_K and Q6_K weights: f32 (float32, HF's arithmetic: the reference) or q8 (8 bits per block of 32, llama.cpp's arithmetic: "
-    "faster, ~1e-2 off; needs AVX2).")]
+    "Q8_0, Q4_K and Q6_K weights: f32 (float32, HF's arithmetic: the reference) or q8 (8 bits per "
+    "block of 32, llama.cpp's arithmetic: faster, ~1e-2 off; needs AVX2).")]
 RunActivationsOpt = Annotated[Optional[str], typer.Option(
     "--activations", metavar="f32|q8", help="Activations of the matmuls on Q4_0, Q4_1, Q5_0, Q5_1, "
-    "Q8_0, Q4_K and Q6_K weights: f32 (float32, HF's arithmetic) or q8 (8 bits per block of 32, llama.cpp's arithmetic, ~1e-2 off HF). "
-    "Default here: q8 for models of 1 B parameters or more (where f32 is 1.5-2x slower than llama.cpp) "
+    "Q8_0, Q4_K and Q6_K weights: f32 (float32, HF's arithmetic) or q8 (8 bits per block of 32, "
+    "llama.cpp's arithmetic, ~1e-2 off HF). Default here: q8 for models of 1 B parameters or more (where f32 is 1.5-2x slower than llama.cpp) "
     "on CPUs with AVX2, else f32.", show_default=False)]
 CtxSizeOpt = Annotated[Optional[int], typer.Option(
     "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + tokens to generate, "
