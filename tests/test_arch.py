@@ -324,14 +324,29 @@ def test_run_with_cache_serves_tl_names_in_the_architecture_layout(arch, models)
                                                                           else "ffn_swiglu"])
 
 
-def test_perplexity_runs_and_stages_refuses_geglu_models_in_one_line(arch_paths, tmp_path, capsys):
+def test_perplexity_stages_compare_gemma3_own_stages_and_refuse_another_architecture(arch_paths, tmp_path, capsys):
+    """``--stages`` on Gemma 3 (the same random weights as F32 and Q8_0): its own stages (q/k norms,
+    post-norms, GeGLU) are columns too, with finite accumulated errors; a Qwen 3 base is refused."""
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat. " * 20, encoding="utf-8")
     gemma = arch_paths["gemma3"]
-    code, out, err = run(capsys, "perplexity", "-f", text, "-m", gemma, "--ctx-size", "32", "--workers", "1", "--json")
+    quant = write_arch_file(tmp_path / "tiny-gemma3-q8_0.gguf", "gemma3", qtype=T.Q8_0)
+    code, out, err = run(capsys, "perplexity", "-f", text, "-m", quant, "--base", gemma, "--ctx-size", "32",
+                         "--chunks", "2", "--workers", "1", "--stages", "--json")
     assert code == 0, err
-    assert_one_line_error(*run(capsys, "perplexity", "-f", text, "-m", gemma, "--base", gemma, "--ctx-size", "32",
-                               "--workers", "1", "--stages"), "--stages", "gemma3", "ffn_swiglu")
+    a = json.loads(out)["attribution"]
+    col = {s: k for k, s in enumerate(a["stages"])}
+    assert {"Qcur_normed", "Kcur_normed", "attn_post_norm", "ffn_gelu", "ffn_geglu", "ffn_post_norm"} <= set(col)
+    assert "ffn_swiglu" not in col and "ffn_silu" not in col
+    median = np.array(a["median"])
+    assert median.shape == (7, len(col)) and np.isfinite(median).all()
+    for stage in ("ffn_geglu", "attn_post_norm", "ffn_post_norm", "l_out"):   # Q8_0 rounding reaches them
+        assert (median[:, col[stage]] > 0).all(), stage
+    local = np.array(a["local_median"], dtype=float)               # None (not recomputed) -> NaN
+    assert (local[:, col["ffn_up"]] > 0).all() and np.isnan(local[:, col["ffn_geglu"]]).all()
+    assert_one_line_error(*run(capsys, "perplexity", "-f", text, "-m", gemma, "--base", arch_paths["qwen3"],
+                               "--ctx-size", "32", "--workers", "1", "--stages"), "--stages",
+                          "architecture qwen3 vs gemma3")
 
 
 @pytest.mark.parametrize("layer, mask", [(0, "kq_mask_swa"), (1, "kq_mask")])
