@@ -342,8 +342,20 @@ def test_perplexity_stages_compare_gemma3_own_stages_and_refuse_another_architec
     assert median.shape == (7, len(col)) and np.isfinite(median).all()
     for stage in ("ffn_geglu", "attn_post_norm", "ffn_post_norm", "l_out"):   # Q8_0 rounding reaches them
         assert (median[:, col[stage]] > 0).all(), stage
+    # local: the quantized weights add error at the projections; a norm (F32 weights in both
+    # files), GELU, GeGLU or an add recomputed from the base's inputs adds none; NeoX rotary is not recomputed
     local = np.array(a["local_median"], dtype=float)               # None (not recomputed) -> NaN
-    assert (local[:, col["ffn_up"]] > 0).all() and np.isnan(local[:, col["ffn_geglu"]]).all()
+    for stage in ("Qcur", "ffn_up", "ffn_out"):
+        assert (local[:, col[stage]] > 0).all(), stage
+    for stage in ("Qcur_normed", "attn_post_norm", "ffn_inp", "ffn_gelu", "ffn_geglu", "ffn_post_norm", "l_out"):
+        assert (local[:, col[stage]] == 0).all(), stage
+    assert np.isnan(local[:, col["Qcur_rope"]]).all()
+    picture = tmp_path / "where.png"                  # the table and the heat map take these columns too
+    code, out, err = run(capsys, "perplexity", "-f", text, "-m", quant, "--base", gemma, "--ctx-size", "32",
+                         "--chunks", "1", "--workers", "1", "--stages", "-o", picture)
+    assert code == 0, err
+    assert "Where the error enters" in out and "ffn_post_norm" in out
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_one_line_error(*run(capsys, "perplexity", "-f", text, "-m", gemma, "--base", arch_paths["qwen3"],
                                "--ctx-size", "32", "--workers", "1", "--stages"), "--stages",
                           "architecture qwen3 vs gemma3")
