@@ -361,6 +361,24 @@ def test_perplexity_stages_compare_gemma3_own_stages_and_refuse_another_architec
                           "architecture qwen3 vs gemma3")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_local_error_recomputes_each_architectures_own_stages_as_the_forward_pass(arch, models):
+    """Each per-token stage recomputed from the model's own recorded inputs equals the forward
+    pass's output (the pass itself is checked against llama.cpp and HF above): the biases, q/k
+    norms, post-norms, GELU/GeGLU and the adds after post-norms too. Not recomputed: the heads
+    merge (needs the KV cache) and NeoX rotary."""
+    from llamatrace.corpus.stages import capture, local_error_rows, token_stages
+    model = models[arch]
+    acts, embd, _ = capture(model, np.arange(3, 3 + 2 * WINDOW), 2)
+    local = local_error_rows(model, acts, embd, 2)                 # [n_layers, n_stages, n_scored]
+    stages = token_stages(model.config.features)
+    for k, stage in enumerate(stages):
+        if stage in ("kqv_out", "Qcur_rope", "Kcur_rope"):
+            assert np.isnan(local[:, k]).all(), stage
+        else:
+            assert (local[:, k] < 1e-6).all(), (stage, local[:, k].max())
+
+
 @pytest.mark.parametrize("layer, mask", [(0, "kq_mask_swa"), (1, "kq_mask")])
 def test_diagram_wires_gemma2_post_norms_geglu_and_the_layer_mask(layer, mask, models):
     """Gemma 2: layer 0 is local (window mask), layer 1 global (causal mask); the residual adds take
