@@ -2,7 +2,8 @@
 
 For each scored token (the positions :mod:`llamatrace.corpus.metrics` scores), each layer and
 each per-token stage of the catalogue the model has (:func:`token_stages`: the replaceable layer
-stages whose output is ``[seq_len, …]`` and that apply to its architecture), two relative differences ``‖quant − base‖ / ‖base‖``:
+stages whose output is ``[seq_len, …]`` and that apply to its architecture), two relative
+differences ``‖quant − base‖ / ‖base‖``:
 
 * accumulated: the two models' outputs, each run on the same ids with its own inputs, so a stage
   inherits every difference before it;
@@ -40,16 +41,21 @@ TOKEN_STAGES: tuple[str, ...] = token_stages()
 """The Llama block's columns."""
 
 
+def _config(path):
+    """The :class:`ModelConfig` of the GGUF at ``path``, from its header."""
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.model.config import ModelConfig
+    with open_gguf(path) as f:
+        return ModelConfig.from_gguf(f)
+
+
 def stages_of_file(path) -> tuple[str, ...]:
     """:func:`token_stages` of the GGUF at ``path`` (its header only).
 
     Raises:
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: the file cannot be used.
     """
-    from llamatrace.gguf.reader import open_gguf
-    from llamatrace.model.config import ModelConfig
-    with open_gguf(path) as f:
-        return token_stages(ModelConfig.from_gguf(f).features)
+    return token_stages(_config(path).features)
 
 
 @dataclass(frozen=True)
@@ -72,12 +78,9 @@ def check_same_shape(base_path, model_path) -> None:
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: a file cannot be used.
     """
     from llamatrace.errors import OptionError
-    from llamatrace.gguf.reader import open_gguf
-    from llamatrace.model.config import ModelConfig
 
     def shape(path):
-        with open_gguf(path) as f:
-            c = ModelConfig.from_gguf(f)
+        c = _config(path)
         return {"architecture": c.arch, "features": "+".join(sorted(c.features)) or "none",
                 **{k: getattr(c, k) for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim")}}
 
