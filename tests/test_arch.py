@@ -324,14 +324,59 @@ def test_run_with_cache_serves_tl_names_in_the_architecture_layout(arch, models)
                                                                           else "ffn_swiglu"])
 
 
-def test_perplexity_runs_and_stages_refuses_geglu_models_in_one_line(arch_paths, tmp_path, capsys):
+def test_perplexity_stages_compare_gemma3_own_stages_and_refuse_another_architecture(arch_paths, tmp_path, capsys):
+    """``--stages`` on Gemma 3 (the same random weights as F32 and Q8_0): its own stages (q/k norms,
+    post-norms, GeGLU) are columns too, with finite accumulated errors; a Qwen 3 base is refused."""
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat. " * 20, encoding="utf-8")
     gemma = arch_paths["gemma3"]
-    code, out, err = run(capsys, "perplexity", "-f", text, "-m", gemma, "--ctx-size", "32", "--workers", "1", "--json")
+    quant = write_arch_file(tmp_path / "tiny-gemma3-q8_0.gguf", "gemma3", qtype=T.Q8_0)
+    code, out, err = run(capsys, "perplexity", "-f", text, "-m", quant, "--base", gemma, "--ctx-size", "32",
+                         "--chunks", "2", "--workers", "1", "--stages", "--json")
     assert code == 0, err
-    assert_one_line_error(*run(capsys, "perplexity", "-f", text, "-m", gemma, "--base", gemma, "--ctx-size", "32",
-                               "--workers", "1", "--stages"), "--stages", "gemma3", "ffn_swiglu")
+    a = json.loads(out)["attribution"]
+    col = {s: k for k, s in enumerate(a["stages"])}
+    assert {"Qcur_normed", "Kcur_normed", "attn_post_norm", "ffn_gelu", "ffn_geglu", "ffn_post_norm"} <= set(col)
+    assert "ffn_swiglu" not in col and "ffn_silu" not in col
+    median = np.array(a["median"])
+    assert median.shape == (7, len(col)) and np.isfinite(median).all()
+    for stage in ("ffn_geglu", "attn_post_norm", "ffn_post_norm", "l_out"):   # Q8_0 rounding reaches them
+        assert (median[:, col[stage]] > 0).all(), stage
+    # local: the quantized weights add error at the projections; a norm (F32 weights in both
+    # files), GELU, GeGLU or an add recomputed from the base's inputs adds none; NeoX rotary is not recomputed
+    local = np.array(a["local_median"], dtype=float)               # None (not recomputed) -> NaN
+    for stage in ("Qcur", "ffn_up", "ffn_out"):
+        assert (local[:, col[stage]] > 0).all(), stage
+    for stage in ("Qcur_normed", "attn_post_norm", "ffn_inp", "ffn_gelu", "ffn_geglu", "ffn_post_norm", "l_out"):
+        assert (local[:, col[stage]] == 0).all(), stage
+    assert np.isnan(local[:, col["Qcur_rope"]]).all()
+    picture = tmp_path / "where.png"                  # the table and the heat map take these columns too
+    code, out, err = run(capsys, "perplexity", "-f", text, "-m", quant, "--base", gemma, "--ctx-size", "32",
+                         "--chunks", "1", "--workers", "1", "--stages", "-o", picture)
+    assert code == 0, err
+    assert "Where the error enters" in out and "ffn_post_norm" in out
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_one_line_error(*run(capsys, "perplexity", "-f", text, "-m", gemma, "--base", arch_paths["qwen3"],
+                               "--ctx-size", "32", "--workers", "1", "--stages"), "--stages",
+                          "architecture qwen3 vs gemma3")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_local_error_recomputes_each_architectures_own_stages_as_the_forward_pass(arch, models):
+    """Each per-token stage recomputed from the model's own recorded inputs equals the forward
+    pass's output (the pass itself is checked against llama.cpp and HF above): the biases, q/k
+    norms, post-norms, GELU/GeGLU and the adds after post-norms too. Not recomputed: the heads
+    merge (needs the KV cache) and NeoX rotary."""
+    from llamatrace.corpus.stages import capture, local_error_rows, token_stages
+    model = models[arch]
+    acts, embd, _ = capture(model, np.arange(3, 3 + 2 * WINDOW), 2)
+    local = local_error_rows(model, acts, embd, 2)                 # [n_layers, n_stages, n_scored]
+    stages = token_stages(model.config.features)
+    for k, stage in enumerate(stages):
+        if stage in ("kqv_out", "Qcur_rope", "Kcur_rope"):
+            assert np.isnan(local[:, k]).all(), stage
+        else:
+            assert (local[:, k] < 1e-6).all(), (stage, local[:, k].max())
 
 
 @pytest.mark.parametrize("layer, mask", [(0, "kq_mask_swa"), (1, "kq_mask")])

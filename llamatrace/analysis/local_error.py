@@ -9,10 +9,11 @@ itself* holds (``attn_norm`` from the previous layer's ``l_out``, ``Qcur`` from 
 compute what the reference computed from the same inputs?" (how the ``q8`` kernels were checked
 against llama.cpp's); done on ours, "did our forward pass apply its kernels as written?".
 
-Stages recomputed (:data:`LOCAL_STAGES`): the norms, the q/k/v, output and FFN projections, RoPE,
-scores → softmax, the heads merge, SiLU, SwiGLU, both residual adds, ``result_norm`` and
-``result_output``. Stages that need the whole KV cache (``kq``, ``kqv``) are not: a recording
-holds only this step's keys. A stage is skipped where the recording lacks one of its inputs
+Stages recomputed (:data:`LOCAL_STAGES`): the norms (q/k and post-norms too), the q/k/v, output
+and FFN projections and biases, RoPE (Llama's), scores → softmax, the heads merge, SiLU, GELU,
+SwiGLU, GeGLU, both residual adds, ``result_norm`` and ``result_output``. Stages that need the
+whole KV cache (``kq``, ``kqv``) are not: a recording holds only this step's keys.
+A stage is skipped where the recording lacks one of its inputs
 (llama.cpp's graph has no ``ffn_silu``; a trace limited to some layers has no ``l_out`` before
 them).
 """
@@ -32,8 +33,26 @@ from llamatrace.tracing.recorder import stage_key
 _Get = Callable[[str, "int | None"], np.ndarray]
 
 
-def _layer_input(get: _Get, layer: int) -> np.ndarray:
-    return get("inp_embd", None) if layer == 0 else get("l_out", layer - 1)
+def _layer_input(model, get: _Get, layer: int) -> np.ndarray:
+    if layer:
+        return get("l_out", layer - 1)
+    x = get("inp_embd", None)                       # Gemma's √dim scale, as the forward pass applies it
+    return x * np.float32(model.config.embed_scale) if model.config.embed_scale != 1.0 else x
+
+
+def _norm(source: str, weight: str):
+    """RMSNorm of ``source`` with the layer's ``weight`` (per head when the weight is ``[head_dim]``)."""
+    def run(model, get: _Get, layer: int, pos: int) -> np.ndarray:
+        w = getattr(model.weights.layers[layer], weight)
+        x = np.asarray(get(source, layer), dtype=np.float32)
+        rows = np.ascontiguousarray(x.reshape(-1, len(w)))
+        return fp32.rmsnorm(rows, w, model.config.norm_eps).reshape(x.shape)
+    return run
+
+
+def _qk(model, name: str) -> str:
+    """The stage feeding the q/k norm (``name`` ``Qcur``/``Kcur``): after the bias when there is one."""
+    return name + "_b" if model.config.qkv_bias else name
 
 
 def _split(y: np.ndarray, fused, index: int) -> np.ndarray:
@@ -78,41 +97,52 @@ def _merge_heads(kqv: np.ndarray) -> np.ndarray:
 
 
 LOCAL_STAGES: dict[str, Callable] = {
-    "attn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(_layer_input(get, L)),
+    "attn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(_layer_input(m, get, L)),
                                                      m.weights.layers[L].attention_norm, m.config.norm_eps),
     "Qcur": _projection("wq", "wqkv", 0, "attn_norm"),
     "Kcur": _projection("wk", "wqkv", 1, "attn_norm"),
     "Vcur": _projection("wv", "wqkv", 2, "attn_norm"),
+    "Qcur_b": lambda m, get, L, pos: get("Qcur", L) + m.weights.layers[L].bq,
+    "Kcur_b": lambda m, get, L, pos: get("Kcur", L) + m.weights.layers[L].bk,
+    "Vcur_b": lambda m, get, L, pos: get("Vcur", L) + m.weights.layers[L].bv,
+    "Qcur_normed": lambda m, get, L, pos: _norm(_qk(m, "Qcur"), "q_norm")(m, get, L, pos),
+    "Kcur_normed": lambda m, get, L, pos: _norm(_qk(m, "Kcur"), "k_norm")(m, get, L, pos),
     "Qcur_rope": _rope("Qcur", "n_heads"),
     "Kcur_rope": _rope("Kcur", "n_kv_heads"),
     "kq_soft_max": _soft_max,
     "kqv_out": lambda m, get, L, pos: _merge_heads(get("kqv", L)),
     "attn_out": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("kqv_out", L), dtype=np.float32),
                                               m.weights.layers[L].wo),
-    "ffn_inp": lambda m, get, L, pos: _layer_input(get, L) + get("attn_out", L),
+    "attn_post_norm": _norm("attn_out", "attention_post_norm"),
+    "ffn_inp": lambda m, get, L, pos: _layer_input(m, get, L) + get("attn_post_norm" if m.config.post_norms
+                                                                   else "attn_out", L),
     "ffn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(get("ffn_inp", L)),
                                                     m.weights.layers[L].ffn_norm, m.config.norm_eps),
     "ffn_gate": _projection("w1", "w13", 0, "ffn_norm"),
     "ffn_up": _projection("w3", "w13", 1, "ffn_norm"),
     "ffn_silu": lambda m, get, L, pos: fp32.silu(np.ascontiguousarray(get("ffn_gate", L), dtype=np.float32)),
     "ffn_swiglu": lambda m, get, L, pos: get("ffn_silu", L) * get("ffn_up", L),
-    "ffn_out": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("ffn_swiglu", L), dtype=np.float32),
-                                             m.weights.layers[L].w2),
-    "l_out": lambda m, get, L, pos: get("ffn_inp", L) + get("ffn_out", L),
+    "ffn_gelu": lambda m, get, L, pos: (fp32.gelu_f16_table if m.activations == "q8" else fp32.gelu)(
+        get("ffn_gate", L)),                         # the forward pass's choice: llama.cpp's fp16 table in q8
+    "ffn_geglu": lambda m, get, L, pos: get("ffn_gelu", L) * get("ffn_up", L),
+    "ffn_out": lambda m, get, L, pos: matmul(np.ascontiguousarray(
+        get("ffn_geglu" if m.config.ffn_act == "gelu" else "ffn_swiglu", L), dtype=np.float32), m.weights.layers[L].w2),
+    "ffn_post_norm": _norm("ffn_out", "ffn_post_norm"),
+    "l_out": lambda m, get, L, pos: get("ffn_inp", L) + get("ffn_post_norm" if m.config.post_norms
+                                                            else "ffn_out", L),
 }
 """Layer stage id → ``fn(model, get, layer, start_pos)`` recomputing it from recorded inputs."""
 
 
 def _recomputable(stage: str, c) -> bool:
-    """Whether :data:`LOCAL_STAGES`'s Llama formula for ``stage`` holds for config ``c``: the
-    recomputations of other architectures' features (NeoX rotary, biases, q/k norms, soft-caps,
-    windows, post-norms) are not written yet, so those stages are not recomputed."""
+    """Whether :data:`LOCAL_STAGES`'s formula for ``stage`` holds for config ``c``: the rotary
+    of other architectures (NeoX pairs, rotating the biased or normed q/k, a window's own base)
+    and their scores (soft-caps, windows, another scale) are not written yet, so those stages
+    are not recomputed."""
     if stage in ("Qcur_rope", "Kcur_rope"):
         return not (c.rope_neox or c.qkv_bias or c.qk_norm or c.sliding_window)
     if stage == "kq_soft_max":
         return not (c.attn_softcap or c.sliding_window or c.attn_scale)
-    if stage in ("ffn_inp", "l_out"):
-        return not c.post_norms
     return True
 
 

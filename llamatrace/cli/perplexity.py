@@ -148,18 +148,19 @@ def _print_kld(r) -> None:
 def _print_stages(a) -> None:
     """The attribution: the stages whose own weights add the most error, the worst accumulated
     differences, then the residual stream layer by layer."""
+    width = max(12, *map(len, a.stages))             # Gemma's attn_post_norm is longer than Llama's names
     out.print()
     out.print(f"====== Where the error enters: each stage from the base's own inputs, ‖Q − base‖ / ‖base‖ "
               f"over {a.count} tokens, worst first ======", markup=False)
-    out.print(f"{'layer':>5}  {'stage':<12} {'median':>9} {'95%':>9}", markup=False)
+    out.print(f"{'layer':>5}  {'stage':<{width}} {'median':>9} {'95%':>9}", markup=False)
     for layer, stage, median, p95 in a.worst(local=True):
-        out.print(f"{layer:>5}  {stage:<12} {median:9.5f} {p95:9.5f}", markup=False)
+        out.print(f"{layer:>5}  {stage:<{width}} {median:9.5f} {p95:9.5f}", markup=False)
     out.print()
     out.print("====== Accumulated: ‖Q − base‖ / ‖base‖ with each model's own inputs, worst first ======",
               markup=False)
-    out.print(f"{'layer':>5}  {'stage':<12} {'median':>9} {'95%':>9}", markup=False)
+    out.print(f"{'layer':>5}  {'stage':<{width}} {'median':>9} {'95%':>9}", markup=False)
     for layer, stage, median, p95 in a.worst():
-        out.print(f"{layer:>5}  {stage:<12} {median:9.5f} {p95:9.5f}", markup=False)
+        out.print(f"{layer:>5}  {stage:<{width}} {median:9.5f} {p95:9.5f}", markup=False)
     out.print()
     out.print(f"{'layer':>5}  {'l_out':>9} {'added':>9}   (residual stream, medians)", markup=False)
     for layer, (resid, added) in enumerate(zip(a.l_out, a.added)):

@@ -178,7 +178,7 @@ def kl_divergence_stages(spec, chunks: Chunks, workers: int = 1, on_chunk: OnChu
     """KLD statistics and the stage attribution (:mod:`llamatrace.corpus.stages`) of
     ``spec.model`` against ``spec.base`` (a :class:`~llamatrace.corpus.stages.PairSpec`), both run
     on every chunk. Returns ``(KLDStats, StageErrors)``."""
-    from llamatrace.corpus.stages import StageErrors, score_pair
+    from llamatrace.corpus.stages import StageErrors, score_pair, stages_of_file
     parts: list[TokenKLD] = []
     errors: list[np.ndarray] = []
     embd: list[np.ndarray] = []
@@ -194,7 +194,7 @@ def kl_divergence_stages(spec, chunks: Chunks, workers: int = 1, on_chunk: OnChu
             on_chunk(i, running)
 
     run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i), score_pair, collect, workers, None, ray)
-    return KLDStats.from_tokens(parts), StageErrors.from_chunks(errors, embd)
+    return KLDStats.from_tokens(parts), StageErrors.from_chunks(errors, embd, stages_of_file(spec.model.path))
 
 
 def read_chunks(model_path: Path, text: str, n_ctx: int, max_chunks: int | None) -> tuple[Chunks, int]:

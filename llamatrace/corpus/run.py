@@ -123,9 +123,9 @@ def execute(run: CorpusRun, model=None, progress: Progress = _no_progress) -> Ru
         elif run.base is not None:
             base_spec = ModelSpec(str(resolve_model(run.base)), run.model.activations, run.model.threads)
             if run.stages:
+                check_same_shape(base_spec.path, run.model.path)      # before tokenizing the base's text
                 other, other_vocab = corpus.read_chunks(Path(base_spec.path), run.text, run.ctx_size, run.max_chunks)
                 corpus.check_same_tokens(chunks, n_vocab, other, other_vocab, f"--base {str(run.base)!r}")
-                check_same_shape(base_spec.path, run.model.path)
             else:
                 target = run.save_base if run.save_base is not None else Path(scratch) / "base.logits"
                 with progress(f"base {Path(base_spec.path).name}", chunks.n_chunk, False) as on_chunk:

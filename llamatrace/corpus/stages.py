@@ -1,8 +1,9 @@
 """Where the quantization error enters: every stage of two models compared on the same tokens.
 
 For each scored token (the positions :mod:`llamatrace.corpus.metrics` scores), each layer and
-each per-token stage of the catalogue (:data:`TOKEN_STAGES`: the replaceable layer stages whose
-output is ``[seq_len, …]``), two relative differences ``‖quant − base‖ / ‖base‖``:
+each per-token stage of the catalogue the model has (:func:`token_stages`: the replaceable layer
+stages whose output is ``[seq_len, …]`` and that apply to its architecture), two relative
+differences ``‖quant − base‖ / ‖base‖``:
 
 * accumulated: the two models' outputs, each run on the same ids with its own inputs, so a stage
   inherits every difference before it;
@@ -24,12 +25,37 @@ import numpy as np
 
 from llamatrace.analysis.difference import relative_error_rows
 from llamatrace.corpus.metrics import TokenKLD, compress_log_probs, token_kld
-from llamatrace.tracing.stages import STAGES
+from llamatrace.tracing.stages import STAGES, stage_applies
 
-# the Llama block's stages: other architectures' feature stages (when="qk_norm", ...) are not collected yet
-TOKEN_STAGES: tuple[str, ...] = tuple(s.id for s in STAGES
-                                      if s.level == "layer" and s.replaceable and s.shape.startswith("[seq_len,")
-                                      and (s.when in ("always", "masked", "gqa") or s.when.startswith("!")))
+
+def token_stages(features: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """The per-token layer stages a model with architecture ``features`` (:attr:`ModelConfig.features`;
+    empty: Llama) emits in a prefill, in the catalogue's order: the replaceable layer stages whose
+    output is ``[seq_len, …]`` (the columns of the attribution)."""
+    return tuple(s.id for s in STAGES
+                 if s.level == "layer" and s.replaceable and s.shape.startswith("[seq_len,")
+                 and stage_applies(s, 2, 2, features))
+
+
+TOKEN_STAGES: tuple[str, ...] = token_stages()
+"""The Llama block's columns."""
+
+
+def _config(path):
+    """The :class:`ModelConfig` of the GGUF at ``path``, from its header."""
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.model.config import ModelConfig
+    with open_gguf(path) as f:
+        return ModelConfig.from_gguf(f)
+
+
+def stages_of_file(path) -> tuple[str, ...]:
+    """:func:`token_stages` of the GGUF at ``path`` (its header only).
+
+    Raises:
+        ModelNotFoundError, ModelFormatError, UnsupportedModelError: the file cannot be used.
+    """
+    return token_stages(_config(path).features)
 
 
 @dataclass(frozen=True)
@@ -47,25 +73,17 @@ def check_same_shape(base_path, model_path) -> None:
     """Refuse to compare the stages of two models of different shapes (read from the headers).
 
     Raises:
-        OptionError: another number of layers, width, heads or FFN width; an architecture
-            without some of the Llama block's stages (Gemma's GeGLU).
+        OptionError: another architecture (or architecture features: other stages), number of
+            layers, width, heads or FFN width.
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: a file cannot be used.
     """
     from llamatrace.errors import OptionError
-    from llamatrace.gguf.reader import open_gguf
-    from llamatrace.model.config import ModelConfig
 
     def shape(path):
-        with open_gguf(path) as f:
-            c = ModelConfig.from_gguf(f)
-        return {k: getattr(c, k) for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim")}
+        c = _config(path)
+        return {"architecture": c.arch, "features": "+".join(sorted(c.features)) or "none",
+                **{k: getattr(c, k) for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "hidden_dim")}}
 
-    from llamatrace.tracing.stages import STAGE_BY_ID, stage_applies
-    c = ModelConfig.from_gguf(open_gguf(model_path))
-    absent = [sid for sid in TOKEN_STAGES if not stage_applies(STAGE_BY_ID[sid], 2, c.n_rep, c.features)]
-    if absent:       # the collected columns are the Llama block's (GeGLU models have no ffn_swiglu …)
-        raise OptionError(f"--stages does not support {c.arch} models yet: they have no {', '.join(absent)} "
-                          f"stage; run perplexity without --stages")
     base, model = shape(base_path), shape(model_path)
     if base != model:
         diff = ", ".join(f"{k} {base[k]} vs {model[k]}" for k in base if base[k] != model[k])
@@ -76,13 +94,15 @@ def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray,
     """One prefill of ``ids``, keeping the scored rows ``first … n_ctx-2`` of every token stage.
 
     Returns:
-        acts: object ``[n_layers, len(TOKEN_STAGES)]`` of float32 ``[n_scored, width]`` arrays;
+        acts: object ``[n_layers, n_stages]`` of float32 ``[n_scored, width]`` arrays, a column
+            per stage of :func:`token_stages` of the model;
         embd: float32 ``[n_scored, dim]`` (``inp_embd``);
         logits: float32 ``[n_scored, n_vocab]``.
     """
     n = len(ids)
-    acts = np.empty((model.config.n_layers, len(TOKEN_STAGES)), dtype=object)
-    column = {sid: k for k, sid in enumerate(TOKEN_STAGES)}
+    stages = token_stages(model.config.features)
+    acts = np.empty((model.config.n_layers, len(stages)), dtype=object)
+    column = {sid: k for k, sid in enumerate(stages)}
     embd = []
 
     def keep(a, event):
@@ -92,7 +112,7 @@ def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray,
         else:
             acts[event.layer, column[event.stage]] = rows
 
-    with model.hooks({sid: keep for sid in (*TOKEN_STAGES, "inp_embd")}):
+    with model.hooks({sid: keep for sid in (*stages, "inp_embd")}):
         logits = model.forward(ids, 0, model.new_cache(n), all_logits=True)[first:n - 1]
     return acts, embd[0], logits
 
@@ -103,14 +123,15 @@ def local_error_rows(model, acts_b: np.ndarray, embd_b: np.ndarray, first: int) 
     stage is not recomputed or an input is not captured)."""
     from llamatrace.analysis.local_error import local_errors
     from llamatrace.tracing.recorder import stage_key
+    stages = token_stages(model.config.features)
     arrays = {stage_key(0, None, "inp_embd"): embd_b}
     for i in range(acts_b.shape[0]):
-        for k, sid in enumerate(TOKEN_STAGES):
+        for k, sid in enumerate(stages):
             arrays[stage_key(0, i, sid)] = acts_b[i, k]
     found = local_errors(model, arrays, start_pos=first, per_row=True)
     out = np.full(acts_b.shape + (len(embd_b),), np.nan, dtype=np.float32)
     for i in range(acts_b.shape[0]):
-        for k, sid in enumerate(TOKEN_STAGES):
+        for k, sid in enumerate(stages):
             rows = found.get(stage_key(0, i, sid))
             if rows is not None:
                 out[i, k] = rows
@@ -124,7 +145,7 @@ def score_pair(models, job) -> tuple[TokenKLD, np.ndarray, np.ndarray]:
     base, model = models
     acts_b, embd_b, logits_b = capture(base, job.ids, job.first)
     acts_q, embd_q, logits_q = capture(model, job.ids, job.first)
-    accumulated = np.array([[relative_error_rows(acts_q[i, k], acts_b[i, k]) for k in range(len(TOKEN_STAGES))]
+    accumulated = np.array([[relative_error_rows(acts_q[i, k], acts_b[i, k]) for k in range(acts_b.shape[1])]
                             for i in range(acts_b.shape[0])], dtype=np.float32)
     errors = np.stack([accumulated, local_error_rows(model, acts_b, embd_b, job.first)])
     part = token_kld(logits_q, compress_log_probs(logits_b), job.targets)
@@ -136,7 +157,7 @@ class StageErrors:
     """The attribution of a run.
 
     Attributes:
-        stages: the stage ids of the columns (:data:`TOKEN_STAGES`).
+        stages: the stage ids of the columns (:func:`token_stages` of the models).
         median, p95: float ``[n_layers, n_stages]`` over every scored token (accumulated).
         local_median, local_p95: the same of the local error (NaN where not recomputed).
         l_out: float ``[n_layers]``, median relative difference of the residual stream after each layer.
@@ -154,16 +175,18 @@ class StageErrors:
     count: int
 
     @classmethod
-    def from_chunks(cls, errors: list[np.ndarray], embd: list[np.ndarray]) -> "StageErrors":
+    def from_chunks(cls, errors: list[np.ndarray], embd: list[np.ndarray], stages: tuple[str, ...]) -> "StageErrors":
+        """Gather :func:`score_pair`'s chunks: ``errors`` float32 ``[2, n_layers, len(stages), n_scored]``
+        and ``embd`` float32 ``[n_scored]`` each, ``stages`` the column ids."""
         both = np.concatenate(errors, axis=-1)            # [2, n_layers, n_stages, n_tokens]
         e, local = both[0], both[1]
         x0 = np.concatenate(embd)                          # [n_tokens]
-        resid = e[:, TOKEN_STAGES.index("l_out"), :]
+        resid = e[:, stages.index("l_out"), :]
         before = np.vstack([x0[None, :], resid[:-1]])
         recomputed = ~np.isnan(local[..., :1])             # a stage is recomputed for every token or none
         local_median = np.where(recomputed[..., 0], np.median(np.nan_to_num(local), axis=2), np.nan)
         local_p95 = np.where(recomputed[..., 0], np.percentile(np.nan_to_num(local), 95, axis=2), np.nan)
-        return cls(TOKEN_STAGES, np.median(e, axis=2), np.percentile(e, 95, axis=2), local_median, local_p95,
+        return cls(stages, np.median(e, axis=2), np.percentile(e, 95, axis=2), local_median, local_p95,
                    np.median(resid, axis=1), np.median(resid - before, axis=1), int(e.shape[2]))
 
     def worst(self, n: int = 15, local: bool = False) -> list[tuple[int, str, float, float]]:
