@@ -56,6 +56,14 @@ EXCLUDED.update({
         "builds llama-cpp-python for CPUs with AMX (minutes), never a CI dependency",
     "llamatrace bench --activations f32 --activations q8 --against llama.cpp [--model M]    # SmolLM2: 128 + 64 tokens, 5 runs":
         "benchmarks: minutes long, need llama-cpp-python, run by hand (tests/test_bench.py runs bench itself)",
+    "llamatrace imatrix -f calibration.txt [--model BASE.gguf] [--ctx-size 512] [-o imatrix.gguf]":
+        "the command's synopsis, not a command",
+    "llamatrace quantize BASE.gguf OUT.gguf --target-bpw 5.5 -f calibration.txt [--candidates Q3_K,Q4_K,Q5_K,Q6_K,Q8_0]":
+        "the command's synopsis, not a command",
+    "llamatrace quantize BASE.gguf OUT.gguf --type Q4_K_M [--tensor-type PATTERN=TYPE ...] [--imatrix FILE] "
+    "[--allow-requantize] [--pure] [--json]": "the command's synopsis, not a command",
+    "llamatrace quantize base-f16.gguf out.gguf --type Q4_K_M --tensor-type attn_v=q8_0 --tensor-type "
+    "'blk\\.[0-3]\\.ffn_down=q6_k'": "needs an F16 base; tests/test_quantize.py runs --tensor-type on one",
 })
 RUN_LANGS = ("python", "console", "sh")
 TIMEOUT_S = 600
