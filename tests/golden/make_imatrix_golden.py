@@ -41,7 +41,7 @@ from gguf import GGUFReader
 HERE = Path(__file__).resolve().parent
 TEXT = "tests/data/calibration.txt"
 N_CTX = 128
-BIN = "/work/llamacpp/build/bin/llama-imatrix"
+BIN = "llama-imatrix"             # on PATH, or --bin build/bin/llama-imatrix
 SETTINGS = {"imatrix_llamacpp.npz": ["-fa", "off", "-ctk", "f32", "-ctv", "f32"],
             "imatrix_llamacpp_defaults.npz": []}
 SHARED = {"attn_k": "attn_q", "attn_v": "attn_q", "ffn_up": "ffn_gate"}      # the same input
