@@ -73,3 +73,12 @@ def test_a_shared_option_reads_the_same_everywhere(capsys, option):
             seen[command] = row
     assert len(seen) >= 2, seen
     assert len(set(seen.values())) == 1, seen
+
+
+def test_activations_help_names_the_types_with_q8_kernels():
+    """--help names the q8 types without importing the kernels: the list must be the registry's."""
+    import re
+
+    from llamatrace.cli.options import _Q8_WEIGHTS
+    from llamatrace.kernels import registry
+    assert set(re.findall(r"Q\d_[0-9K]", _Q8_WEIGHTS)) == {t.name for t in registry.served_types("q8")}

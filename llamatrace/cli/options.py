@@ -35,15 +35,16 @@ RayOpt = Annotated[Optional[str], typer.Option(
     "(host:port, ray://…), 'auto' to join RAY_ADDRESS or the one `ray start` runs here, or 'local' to start "
     "one for the run. Each actor reserves --threads CPUs (default 1) and uses as many; a file the run writes "
     "must be on a path every node writes to. Needs the extra llamatrace[ray].", show_default=False)]
+# the types with q8 kernels (kernels.registry.served_types("q8"); named here so --help needs no Numba)
+_Q8_WEIGHTS = "Activations of the matmuls on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights"
 ActivationsOpt = Annotated[str, typer.Option(
-    "--activations", metavar="f32|q8", help="Activations of the matmuls on Q4_0, Q4_1, Q5_0, Q5_1, "
-    "Q8_0, Q4_K and Q6_K weights: f32 (float32, HF's arithmetic: the reference) or q8 (8 bits per "
-    "block of 32, llama.cpp's arithmetic: faster, ~1e-2 off; needs AVX2).")]
+    "--activations", metavar="f32|q8", help=f"{_Q8_WEIGHTS}: f32 (float32, HF's arithmetic: the "
+    "reference) or q8 (8 bits per block of 32, llama.cpp's arithmetic: faster, ~1e-2 off; needs AVX2).")]
 RunActivationsOpt = Annotated[Optional[str], typer.Option(
-    "--activations", metavar="f32|q8", help="Activations of the matmuls on Q4_0, Q4_1, Q5_0, Q5_1, "
-    "Q8_0, Q4_K and Q6_K weights: f32 (float32, HF's arithmetic) or q8 (8 bits per block of 32, "
-    "llama.cpp's arithmetic, ~1e-2 off HF). Default here: q8 for models of 1 B parameters or more (where f32 is 1.5-2x slower than llama.cpp) "
-    "on CPUs with AVX2, else f32.", show_default=False)]
+    "--activations", metavar="f32|q8", help=f"{_Q8_WEIGHTS}: f32 (float32, HF's arithmetic) or q8 (8 "
+    "bits per block of 32, llama.cpp's arithmetic, ~1e-2 off HF). Default here: q8 for models of 1 B "
+    "parameters or more (where f32 is 1.5-2x slower than llama.cpp) on CPUs with AVX2, else f32.",
+    show_default=False)]
 CtxSizeOpt = Annotated[Optional[int], typer.Option(
     "--ctx-size", "-c", help="KV cache capacity in tokens (default: prompt + tokens to generate, "
     "at most the model's context length).", show_default=False)]
