@@ -243,6 +243,8 @@ def test_cli_writes_the_recipe_and_reports_it(tiny_base, tmp_path, capsys):
     (["--verify-file", CORPUS, "--type", "Q8_0"], "-f TEXT"),
     (["-f", CORPUS, "--target-bpw", "6", "--candidates", "Q4_Z"], "Q4_Z"),
     (["-f", CORPUS, "--target-bpw", "2", "--ctx-size", "32", "--candidates", "Q4_0"], "below the smallest file"),
+    (["-f", CORPUS, "--target-bpw", "6", "--workers", "0"], "--workers"),
+    (["--type", "Q8_0", "--workers", "2"], "-f TEXT"),
 ])
 def test_cli_bad_input_is_one_error_line(tiny_base, tmp_path, capsys, args, needle):
     from cli_helpers import assert_one_line_error, run

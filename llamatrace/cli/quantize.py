@@ -79,6 +79,11 @@ def quantize(
     do not fill 256-weight blocks), unless a --tensor-type pattern names it. A progress bar goes to
     stderr, the summary to stdout.
 
+    With -f the recipe search measures each matrix's KL divergence at each candidate type (the
+    slow part: --workers / --ray spread it, a progress bar shows the time left); the measurements
+    are kept in OUT.measurements.json as they are made, so after Ctrl-C or a crash the same
+    command resumes.
+
     Examples:
 
       llamatrace quantize SmolLM2-135M-F16.gguf SmolLM2-Q4_K_M.gguf --type Q4_K_M
@@ -94,9 +99,6 @@ def quantize(
       llamatrace quantize model-f16.gguf recipe.gguf --target-bpw 4.8 -f calibration.txt --workers 2
 
       llamatrace quantize 8B-F16.gguf recipe.gguf --type Q4_K_M -f calibration.txt --ray head-node:6379 --workers 16
-
-    With -f the measurements (the slow part; a progress bar shows the time left) are kept in
-    OUT.measurements.json as they are made: after Ctrl-C (or a crash) the same command resumes.
     """
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.outputs import check_output_path

@@ -15,6 +15,10 @@ Three steps, as exllamav3's measure / optimize does them, with the real end-to-e
    scaled by their local error (:func:`weighted_error`: squared weight error times the mean
    squared input of its column, or the frequency of its row for an embedding lookup), so a
    group costs one rerun instead of one per candidate.
+   The groups are the work items of the corpus runner (:func:`measure_groups` on
+   :func:`llamatrace.corpus.runner.run_chunks`): in this process, or on worker processes / Ray
+   actors that each load the base and make their own base run once (:func:`measure_job`); each
+   group's numbers are saved as they arrive, so an interrupted search resumes.
 2. **Allocate** (:func:`allocate`): minimise the predicted KLD ``KLD(base) + Σ ΔKLD_g(type_g)``
    under the byte budget — an exact multiple-choice knapsack, dynamic programming over the
    bytes above each group's cheapest choice in units of ``budget / resolution``, every cost
