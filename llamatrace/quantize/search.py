@@ -37,9 +37,9 @@ every tensor's data (norms and all) ÷ the number of elements of every tensor.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -488,7 +488,8 @@ class Measurements:
         if self.path is None:
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "base_kld": self.base_kld, "delta": self.delta}, indent=1) + "\n", encoding="utf-8")
+        doc = {"key": self.key, "base_kld": self.base_kld, "delta": self.delta}
+        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.path)
 
 
