@@ -171,16 +171,17 @@ def test_tiny_search_end_to_end(tiny_base, tmp_path):
     cands = [T.Q4_0, T.Q5_0, T.Q8_0]
     with Llama.load(tiny_base) as model:
         cal = _calibration(model)
-        measurer = S.Measurer(model, cal, ggml_quantize_rows)
         groups = S.make_groups(model.file, model.config.n_layers, cands)
         store = S.Measurements.open(tmp_path / "m.json", {"t": 1})
-        S.measure_groups(measurer, groups, store, "all")
+        S.measure_groups(S.Setup(cal, ggml_quantize_rows, "all"), groups, store, model=model)
+        measurer = S.Measurer(model, cal, ggml_quantize_rows)
+        assert store.base_kld == measurer.base_kld
         # Q8_0 costs the least KLD of the three in every group; Q4_0 the most
         for g in groups:
             d = store.delta[g.name]
             assert d["Q8_0"] < d["Q5_0"] < d["Q4_0"], (g.name, d)
         budget = S.make_budget(model.file, groups, target_bpw=6.0)
-        recipe = S.choose(groups, store, budget, measurer.base_kld, "all")
+        recipe = S.choose(groups, store, budget, store.base_kld, "all")
         assert recipe.total_bytes <= budget.limit
         assert len({c.ggml_type for c in recipe.choices}) > 1          # a real mix at this budget
         # the prediction against the measured KLD of all the recipe's swaps at once
@@ -201,10 +202,10 @@ def test_search_resumes_and_its_tensor_type_args_name_every_choice(tiny_base, tm
         kwargs = dict(target_bpw=6.0, candidates=[T.Q4_0, T.Q5_1, T.Q8_0], quantize=ggml_quantize_rows,
                       n_ctx=32, n_chunks=2, mode="probe", measurements=tmp_path / "m.json")
         done = []
-        recipe, store = S.search(model, text, progress=lambda d, n, s: done.append(d), **kwargs)
-        assert len(done) == len(recipe.choices) == 16
-        again, _ = S.search(model, text, progress=lambda d, n, s: done.append(-d), **kwargs)
-        assert len(done) == 16 and again.types == recipe.types          # resumed: nothing measured twice
+        recipe, store = S.search(model, text, progress=lambda d, n: done.append(d), **kwargs)
+        assert done == list(range(17)) and len(recipe.choices) == 16
+        again, _ = S.search(model, text, progress=lambda d, n: done.append(-d), **kwargs)
+        assert done[17:] == [-16] and again.types == recipe.types          # resumed: nothing measured twice
         names = list(model.file.tensors)
     assert recipe.total_bytes <= recipe.budget.limit
     patterns = [(re.compile(a.split("=")[0].lower()), T[a.split("=")[1].upper()]) for a in recipe.tensor_type_args()]
@@ -242,6 +243,8 @@ def test_cli_writes_the_recipe_and_reports_it(tiny_base, tmp_path, capsys):
     (["--verify-file", CORPUS, "--type", "Q8_0"], "-f TEXT"),
     (["-f", CORPUS, "--target-bpw", "6", "--candidates", "Q4_Z"], "Q4_Z"),
     (["-f", CORPUS, "--target-bpw", "2", "--ctx-size", "32", "--candidates", "Q4_0"], "below the smallest file"),
+    (["-f", CORPUS, "--target-bpw", "6", "--workers", "0"], "--workers"),
+    (["--type", "Q8_0", "--workers", "2"], "-f TEXT"),
 ])
 def test_cli_bad_input_is_one_error_line(tiny_base, tmp_path, capsys, args, needle):
     from cli_helpers import assert_one_line_error, run

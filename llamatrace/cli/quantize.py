@@ -5,6 +5,7 @@ With ``-f TEXT`` and a budget, the recipe search (:mod:`llamatrace.quantize.sear
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
@@ -12,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status, status_bar, stdout
-from llamatrace.cli.options import ThreadsOpt
+from llamatrace.cli.options import RayOpt, ThreadsOpt, WorkersOpt
 from llamatrace.errors import LlamatraceError, OptionError
 
 
@@ -65,6 +66,8 @@ def quantize(
                             show_default=False)] = None,
     plot: Annotated[Optional[Path], typer.Option("--output", "-o", help="With -f: a picture of the recipe, bits "
                     "and sensitivity per layer and matrix (.png, .svg or .pdf).", show_default=False)] = None,
+    workers: WorkersOpt = 1,
+    ray: RayOpt = None,
     threads: ThreadsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (every tensor's "
                                            "type, the fallbacks, sizes, bits per weight) instead of the summary.")] = False,
@@ -75,6 +78,11 @@ def quantize(
     ffn_down in the layers that matter most, the output matrix Q6_K, a 32-block type where the rows
     do not fill 256-weight blocks), unless a --tensor-type pattern names it. A progress bar goes to
     stderr, the summary to stdout.
+
+    With -f the recipe search measures each matrix's KL divergence at each candidate type (the
+    slow part: --workers / --ray spread it, a progress bar shows the time left); the measurements
+    are kept in OUT.measurements.json as they are made, so after Ctrl-C or a crash the same
+    command resumes.
 
     Examples:
 
@@ -87,6 +95,10 @@ def quantize(
       llamatrace quantize model-f16.gguf recipe.gguf --target-bpw 5.5 -f calibration.txt --verify-file heldout.txt -o recipe.png
 
       llamatrace quantize model-f16.gguf recipe.gguf --type Q3_K_M -f calibration.txt --verify-file heldout.txt
+
+      llamatrace quantize model-f16.gguf recipe.gguf --target-bpw 4.8 -f calibration.txt --workers 2
+
+      llamatrace quantize 8B-F16.gguf recipe.gguf --type Q4_K_M -f calibration.txt --ray head-node:6379 --workers 16
     """
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.outputs import check_output_path
@@ -94,10 +106,11 @@ def quantize(
 
     if text_file is not None:
         _search(base, output, type_name, imatrix, text_file, target_bpw, target_size, candidates, measure, ctx_size,
-                chunks, verify_file, measurements, plot, threads, json_out)
+                chunks, verify_file, measurements, plot, threads, json_out, workers, ray)
         return
-    if target_bpw is not None or target_size is not None or verify_file is not None:
-        raise OptionError("--target-bpw, --target-size and --verify-file belong to the recipe search: add -f TEXT")
+    if target_bpw is not None or target_size is not None or verify_file is not None or workers != 1 or ray:
+        raise OptionError("--target-bpw, --target-size, --verify-file, --workers and --ray belong to the recipe "
+                          "search: add -f TEXT")
     if type_name is None:
         raise OptionError("give --type TYPE (a llama.cpp file type such as Q4_K_M), or -f TEXT and a budget "
                           "for a recipe search")
@@ -191,10 +204,11 @@ def _read_imatrix(path: Path, f):
 
 def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, target_bpw, target_size,
             candidates: str, measure: str, ctx_size: int, chunks, verify_file, measurements, plot, threads,
-            json_out: bool) -> None:
+            json_out: bool, workers: int, ray: str | None) -> None:
     """The recipe search: measure, allocate, write OUT with llama.cpp's writer, verify, report."""
     from llamatrace.cli.options import load_model
     from llamatrace.corpus.chunks import read_corpus
+    from llamatrace.corpus.runner import threads_per_worker
     from llamatrace.kernels.quantizers import quantize_rows
     from llamatrace.outputs import check_output_path
     from llamatrace.quantize import report
@@ -208,6 +222,8 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
     types = S.parse_types(candidates)
     if measure not in ("probe", "all"):
         raise OptionError(f"--measure must be probe or all, got {measure!r}")
+    if workers < 1:
+        raise OptionError(f"--workers must be a positive integer, got {workers}")
     check_output_path(output, "OUT")
     if plot is not None:
         check_output_path(plot, "-o")
@@ -224,12 +240,28 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
                           else f.tensors[n].n_bytes for n in f.tensors)
     where = measurements if measurements is not None else output.with_name(output.name + ".measurements.json")
 
-    def progress(done: int, total: int, seconds: float) -> None:
-        status(f"measured {done}/{total} matrices in {seconds:.0f} s, about {seconds / done * (total - done):.0f} s left")
-
-    recipe, store = S.search(model, text, target_bpw=target_bpw, target_size=target_size, candidates=types,
-                             quantize=quantize_rows, imatrix=weights, n_ctx=ctx_size, n_chunks=chunks, mode=measure,
-                             measurements=where, progress=progress)
+    # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's
+    worker_threads = threads if workers == 1 or ray is not None else threads_per_worker(workers, threads)
+    bar = _MeasureBar(base.name)
+    t0 = time.perf_counter()
+    try:
+        with bar:
+            recipe, store = S.search(model, text, target_bpw=target_bpw, target_size=target_size, candidates=types,
+                                     quantize=quantize_rows, imatrix=weights, n_ctx=ctx_size, n_chunks=chunks,
+                                     mode=measure, measurements=where, workers=workers, ray=ray,
+                                     threads=worker_threads, progress=bar.update)
+    except KeyboardInterrupt:
+        from rich.markup import escape
+        err.print(f"[yellow]interrupted[/]: {bar.done} of {bar.total} matrices measured, kept in {escape(str(where))} "
+                  f"(the same command resumes); nothing written at {escape(str(output))}", soft_wrap=True)
+        exit_interrupted()
+    seconds = time.perf_counter() - t0
+    if bar.measured:
+        status(f"measured {plural(bar.measured, 'matrix', 'matrices')} in {seconds:.1f} s "
+               f"({seconds / bar.measured:.2f} s each; {plural(workers, 'worker')}{' on Ray' if ray else ''})"
+               + (f", {bar.done - bar.measured} resumed from {where}" if bar.done > bar.measured else ""))
+    else:
+        status(f"every matrix's measurements resumed from {where}")
     groups = [c.group for c in recipe.choices]
     stock_recipe = S.stock_like(groups, stock, recipe.budget, store, recipe.base_kld) if stock_type else None
     try:
@@ -245,7 +277,10 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
     if plot is not None:
         report.plot(recipe, plot, f"{base.name} → {output.name}", stock_recipe)
     if json_out:
-        stdout.write(json.dumps(report.document(recipe, stock_recipe, measured)) + "\n")
+        doc = report.document(recipe, stock_recipe, measured)
+        doc["measurements"] = {"file": str(where), "measured": bar.measured, "resumed": bar.done - bar.measured,
+                               "seconds": round(seconds, 3), "workers": workers, "threads": worker_threads, "ray": ray}
+        stdout.write(json.dumps(doc) + "\n")
         return
     out.print(report.table(recipe, stock_recipe, stock_type.name if stock_type else "stock"), markup=False)
     for name, m in measured.items():
@@ -254,6 +289,33 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
                   markup=False)
     out.print("llama-quantize " + " ".join(f"--tensor-type '{a}'" for a in recipe.tensor_type_args())
               + f" {base} {output} {ftype.name}", markup=False, soft_wrap=True)
+
+
+class _MeasureBar:
+    """A progress bar of the matrices measured, with the time left (what rich estimates from the
+    recent pace); the resumed ones count as done from the start (the search's first report)."""
+
+    def __init__(self, name: str) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        self.progress = status_bar(TextColumn(f"Measuring {name}"), BarColumn(), MofNCompleteColumn(),
+                                   TextColumn("matrices"), TimeElapsedColumn(), TimeRemainingColumn())
+        self.task = None
+        self.done = self.total = self.measured = 0
+
+    def update(self, done: int, total: int) -> None:
+        if self.task is None:
+            self.task = self.progress.add_task("measure", total=total, completed=done)
+        else:
+            self.measured += 1
+            self.progress.update(self.task, completed=done)
+        self.done, self.total = done, total
+
+    def __enter__(self) -> "_MeasureBar":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
 
 
 def _verify(model, output: Path, stock, ftype, weights, info, text: str, held_out: str, ctx_size: int,

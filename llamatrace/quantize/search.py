@@ -15,6 +15,10 @@ Three steps, as exllamav3's measure / optimize does them, with the real end-to-e
    scaled by their local error (:func:`weighted_error`: squared weight error times the mean
    squared input of its column, or the frequency of its row for an embedding lookup), so a
    group costs one rerun instead of one per candidate.
+   The groups are the work items of the corpus runner (:func:`measure_groups` on
+   :func:`llamatrace.corpus.runner.run_chunks`): in this process, or on worker processes / Ray
+   actors that each load the base and make their own base run once (:func:`measure_job`); each
+   group's numbers are saved as they arrive, so an interrupted search resumes.
 2. **Allocate** (:func:`allocate`): minimise the predicted KLD ``KLD(base) + Σ ΔKLD_g(type_g)``
    under the byte budget — an exact multiple-choice knapsack, dynamic programming over the
    bytes above each group's cheapest choice in units of ``budget / resolution``, every cost
@@ -33,10 +37,10 @@ every tensor's data (norms and all) ÷ the number of elements of every tensor.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -299,15 +303,12 @@ class Measurer:
         calibration: the chunks.
         quantize: ``quantize_rows(ggml_type, x, imatrix=None)``
             (:func:`llamatrace.kernels.quantizers.quantize_rows`).
-        imatrix: GGUF tensor name → float32 ``[n_per_row]`` importance, passed to ``quantize``.
     """
 
-    def __init__(self, model, calibration: Calibration, quantize: Quantizer,
-                 imatrix: dict[str, np.ndarray] | None = None) -> None:
+    def __init__(self, model, calibration: Calibration, quantize: Quantizer) -> None:
         self.model = model
         self.cal = calibration
         self.quantize = quantize
-        self.imatrix = imatrix or {}
         self._unfuse()
         n_layers = model.config.n_layers
         self.residuals: list[list[np.ndarray]] = []        # [chunk][layer 0..n_layers] entering the layer
@@ -363,10 +364,12 @@ class Measurer:
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
             group.n_rows, group.n_per_row)
 
-    def quantized(self, group: Group, ggml_type: T, weights: np.ndarray | None = None) -> np.ndarray:
-        """uint8 ``[n_rows, row_bytes]``: the group's base weights quantized to ``ggml_type``."""
+    def quantized(self, group: Group, ggml_type: T, weights: np.ndarray | None = None,
+                  imatrix: np.ndarray | None = None) -> np.ndarray:
+        """uint8 ``[n_rows, row_bytes]``: the group's base weights (or ``weights``) quantized to
+        ``ggml_type``, with the group's importance ``imatrix`` (float32 ``[n_per_row]``) if given."""
         w = self.base_weights(group) if weights is None else weights
-        return np.asarray(self.quantize(ggml_type, w, self.imatrix.get(group.tensor)), dtype=np.uint8)
+        return np.asarray(self.quantize(ggml_type, w, imatrix), dtype=np.uint8)
 
     def _slots(self, group: Group) -> list[tuple[object, str]]:
         w = self.model.weights
@@ -460,12 +463,14 @@ class Measurer:
 
 @dataclass
 class Measurements:
-    """ΔKLD per group and type (``{group: {type name: ΔKLD}}``), saved after every group so a
-    rerun resumes; ``key`` identifies what they were measured on (base, text, options)."""
+    """ΔKLD per group and type (``{group: {type name: ΔKLD}}``) and the base's own KLD against its
+    compressed rows, saved after every group so a rerun resumes; ``key`` identifies what they were
+    measured on (base, text, options)."""
 
     key: dict
     delta: dict[str, dict[str, float]] = field(default_factory=dict)
     path: Path | None = None
+    base_kld: float | None = None
 
     @classmethod
     def open(cls, path: Path | None, key: dict) -> "Measurements":
@@ -476,14 +481,15 @@ class Measurements:
             except (OSError, ValueError):
                 saved = {}
             if saved.get("key") == key:
-                return cls(key, {g: dict(v) for g, v in saved.get("delta", {}).items()}, path)
+                return cls(key, {g: dict(v) for g, v in saved.get("delta", {}).items()}, path, saved.get("base_kld"))
         return cls(key, {}, path)
 
     def save(self) -> None:
         if self.path is None:
             return
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "delta": self.delta}, indent=1) + "\n", encoding="utf-8")
+        doc = {"key": self.key, "base_kld": self.base_kld, "delta": self.delta}
+        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.path)
 
 
@@ -543,37 +549,115 @@ class Recipe:
                             "delta_kld": c.delta_kld, "options": c.options} for c in self.choices]}
 
 
-def measure_groups(measurer: Measurer, groups: Sequence[Group], store: Measurements, mode: str = "probe",
-                   progress: Callable[[int, int, float], None] | None = None) -> None:
-    """Fill ``store.delta`` for every group whose candidates are not all in it yet (saved after each).
+@dataclass(frozen=True)
+class Setup:
+    """What every measurement of a search shares besides the model: the calibration chunks, the
+    quantizer (a module-level function: worker processes import it by name) and the mode
+    (:func:`measure_group`)."""
+
+    calibration: Calibration
+    quantize: Quantizer
+    mode: str = "probe"
+
+    def digest(self) -> str:
+        """What a worker's base run depends on (the chunks' ids and first scored position), hashed."""
+        h = hashlib.sha256(str(self.calibration.first).encode())
+        for ids in self.calibration.ids:
+            h.update(np.asarray(ids, np.int64).tobytes())
+        return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class GroupJob:
+    """One unit of work on the corpus runner: a group, all its candidates, its importance row."""
+
+    setup: Setup
+    group: Group
+    imatrix: np.ndarray | None = None
+
+
+def measure_group(measurer: Measurer, group: Group, mode: str, imatrix: np.ndarray | None = None) -> dict[str, float]:
+    """ΔKLD of each of ``group``'s candidates (type name → ΔKLD).
 
     ``mode`` ``"all"``: every candidate measured end to end; ``"probe"``: the cheapest one, the
     others scaled by :meth:`Measurer.local_error` (ΔKLD ∝ local error, the ratio from the probe;
     a probe at or below 0 — within the noise of a tiny change — scales to 0).
-    ``progress(done, total, seconds so far)`` after each group.
+    ``imatrix``: the group's float32 ``[n_per_row]`` importance, for the quantizer.
+    """
+    weights = measurer.base_weights(group)
+    data = {t: measurer.quantized(group, t, weights, imatrix) for t in group.candidates}
+    if mode == "all":
+        return {t.name: measurer.measure(group, t, data[t]) for t in group.candidates}
+    probe = group.candidates[0]
+    d_probe = measurer.measure(group, probe, data[probe])
+    errors = {t: measurer.local_error(group, weights, data[t], t) for t in group.candidates}
+    scale = max(d_probe, 0.0) / errors[probe] if errors[probe] > 0 else 0.0
+    return {t.name: (d_probe if t == probe else scale * errors[t]) for t in group.candidates}
+
+
+# The Measurer a process built last, with what it was built for: a worker measures many groups
+# on one model and calibration, and its base run (the residuals it resumes from) is done once.
+_built: list[tuple[object, str, Quantizer, Measurer]] = []
+
+
+def _measurer(model, setup: Setup) -> Measurer:
+    key = setup.digest()
+    if not (_built and _built[0][0] is model and _built[0][1] == key and _built[0][2] is setup.quantize):
+        _built.clear()                     # free the last one's residuals before the new base run
+        _built.append((model, key, setup.quantize, Measurer(model, setup.calibration, setup.quantize)))
+    return _built[0][3]
+
+
+def measure_job(model, job: GroupJob) -> tuple[dict[str, float], float]:
+    """The runner's work (:func:`llamatrace.corpus.runner.run_chunks`): ``(ΔKLD per type name, the
+    base's KLD)`` of ``job``'s group on a loaded base ``model``. The first job of a process runs
+    the base over the calibration chunks (one forward per chunk, the cost of measuring the
+    embedding): cheaper than shipping every layer's residuals to each worker."""
+    measurer = _measurer(model, job.setup)
+    return measure_group(measurer, job.group, job.setup.mode, job.imatrix), measurer.base_kld
+
+
+def measure_groups(setup: Setup, groups: Sequence[Group], store: Measurements,
+                   imatrix: dict[str, np.ndarray] | None = None, *, model=None, spec=None, workers: int = 1,
+                   ray: str | None = None, progress: Callable[[int, int], None] | None = None) -> int:
+    """Fill ``store`` for every group whose candidates are not all in it yet, on the corpus runner
+    (:func:`llamatrace.corpus.runner.run_chunks`: in this process on ``model``, or on ``workers``
+    processes / Ray actors that load ``spec``); each group's ΔKLD is saved as it arrives (in
+    group order), so an interrupted run (KeyboardInterrupt, a killed process) keeps what it measured.
+    ``progress(done, total)`` once before (``done``: the groups resumed from ``store``) and after each group.
+
+    Returns:
+        How many groups were measured now.
 
     Raises:
-        OptionError: an unknown ``mode``.
+        OptionError: an unknown ``setup.mode``; ``workers`` below 1.
+        LlamatraceError: a worker's error (:func:`~llamatrace.corpus.runner.run_chunks`).
     """
-    if mode not in ("probe", "all"):
-        raise OptionError(f"unknown measurement mode {mode!r}: probe or all")
+    from llamatrace.corpus.runner import run_chunks
+    if setup.mode not in ("probe", "all"):
+        raise OptionError(f"unknown measurement mode {setup.mode!r}: probe or all")
+    imatrix = imatrix or {}
     todo = [g for g in groups if not {t.name for t in g.candidates} <= set(store.delta.get(g.name, {}))]
-    t0 = time.perf_counter()
-    for i, g in enumerate(todo):
-        weights = measurer.base_weights(g)
-        data = {t: measurer.quantized(g, t, weights) for t in g.candidates}
-        if mode == "all":
-            delta = {t.name: measurer.measure(g, t, data[t]) for t in g.candidates}
-        else:
-            probe = g.candidates[0]
-            d_probe = measurer.measure(g, probe, data[probe])
-            errors = {t: measurer.local_error(g, weights, data[t], t) for t in g.candidates}
-            scale = max(d_probe, 0.0) / errors[probe] if errors[probe] > 0 else 0.0
-            delta = {t.name: (d_probe if t == probe else scale * errors[t]) for t in g.candidates}
-        store.delta[g.name] = delta
+    resumed = len(groups) - len(todo)
+
+    def on_result(i: int, result: tuple[dict[str, float], float]) -> None:
+        store.delta[todo[i].name], base_kld = result
+        if store.base_kld is None:
+            store.base_kld = base_kld
         store.save()
         if progress:
-            progress(i + 1, len(todo), time.perf_counter() - t0)
+            progress(resumed + i + 1, len(groups))
+
+    if progress:
+        progress(resumed, len(groups))
+    if not todo:
+        return 0
+    try:
+        run_chunks(spec, len(todo), lambda i: GroupJob(setup, todo[i], imatrix.get(todo[i].tensor)), measure_job,
+                   on_result, workers, model, ray)
+    finally:
+        _built.clear()                     # this process's model is the caller's again
+    return len(todo)
 
 
 def choose(groups: Sequence[Group], store: Measurements, budget: Budget, base_kld: float, mode: str) -> Recipe:
@@ -625,39 +709,46 @@ def measured_kld(base_model, model, chunks) -> "KLDStats":
 def search(model, calibration_text: str, *, target_bpw: float | None = None, target_size: int | None = None,
            candidates: Sequence[T], quantize: Quantizer, imatrix: dict[str, np.ndarray] | None = None,
            n_ctx: int = 512, n_chunks: int | None = None, mode: str = "probe",
-           measurements: Path | None = None,
-           progress: Callable[[int, int, float], None] | None = None) -> tuple[Recipe, Measurements]:
+           measurements: Path | None = None, workers: int = 1, ray: str | None = None, threads: int | None = None,
+           progress: Callable[[int, int], None] | None = None) -> tuple[Recipe, Measurements]:
     """Measure (resuming from ``measurements``) and allocate: the recipe for a loaded base ``model``.
 
     Args:
-        model: the base (:class:`llamatrace.model.llama.Llama`), F32/F16/BF16/Q8_0; its weights are
-            swapped while measuring and restored, but its fused q/k/v and gate/up stay split.
+        model: the base (:class:`llamatrace.model.llama.Llama`), F32/F16/BF16/Q8_0; in this process
+            (``workers`` 1, no ``ray``) its weights are swapped while measuring and restored, but its
+            fused q/k/v and gate/up stay split.
         calibration_text: the text the ΔKLD are measured on (cut as ``llama-perplexity`` cuts it).
         target_bpw, target_size: the budget (:func:`make_budget`).
         candidates: the types asked for (each group gets them after llama.cpp's fallback).
-        quantize, imatrix: as :class:`Measurer`.
+        quantize: as :class:`Measurer` (a module-level function when ``workers`` > 1 or ``ray``).
+        imatrix: GGUF tensor name → float32 ``[n_per_row]`` importance, for ``quantize``.
         n_ctx, n_chunks: the chunks of ``calibration_text`` (``--ctx-size``, ``--chunks``).
-        mode: ``"probe"`` or ``"all"`` (:func:`measure_groups`).
+        mode: ``"probe"`` or ``"all"`` (:func:`measure_group`).
         measurements: a JSON file of measured groups, read if it matches and written after each group.
-        progress: ``progress(done, total, seconds)`` after each measured group.
+        workers, ray, threads: where the groups are measured (:func:`measure_groups`): worker
+            processes or Ray actors, each loading ``model``'s file with ``threads`` kernel threads.
+        progress: ``progress(done, total)`` before measuring and after each measured group (:func:`measure_groups`).
 
     Raises:
         OptionError, PromptError: bad options, a text too short for two chunks, a budget below the
             cheapest candidates.
         UnsupportedModelError: a model the search does not handle (:func:`make_groups`).
+        KeyboardInterrupt: the measurements made so far are in ``measurements``.
     """
-    import hashlib
-
     from llamatrace.corpus.chunks import make_chunks
+    from llamatrace.corpus.runner import ModelSpec
     groups = make_groups(model.file, model.config.n_layers, candidates)
     budget = make_budget(model.file, groups, target_bpw, target_size)
     chunks = make_chunks(model.tokenizer, calibration_text, n_ctx, n_chunks, model.config.max_seq_len)
-    key = {"base": Path(model.path).name, "base_bytes": Path(model.path).stat().st_size, "n_ctx": n_ctx,
-           "n_chunk": chunks.n_chunk, "mode": mode, "activations": model.activations,
-           "text": hashlib.sha256(chunks.tokens[:chunks.n_chunk * n_ctx].tobytes()).hexdigest(),
+    text = hashlib.sha256(chunks.tokens[:chunks.n_chunk * n_ctx].tobytes()).hexdigest()
+    key = {"version": 2, "base": Path(model.path).name, "base_bytes": Path(model.path).stat().st_size,
+           "n_ctx": n_ctx, "n_chunk": chunks.n_chunk, "mode": mode, "activations": model.activations, "text": text,
            "imatrix": hashlib.sha256(b"".join(n.encode() + np.asarray(imatrix[n], np.float32).tobytes()
                                                for n in sorted(imatrix))).hexdigest() if imatrix else None}
     store = Measurements.open(measurements, key)
-    measurer = Measurer(model, Calibration.from_chunks(chunks), quantize, imatrix)
-    measure_groups(measurer, groups, store, mode, progress)
-    return choose(groups, store, budget, measurer.base_kld, mode), store
+    setup = Setup(Calibration.from_chunks(chunks), quantize, mode)
+    in_process = workers == 1 and ray is None
+    measure_groups(setup, groups, store, imatrix, model=model if in_process else None,
+                   spec=ModelSpec(str(model.path), model.activations, threads), workers=workers, ray=ray,
+                   progress=progress)
+    return choose(groups, store, budget, store.base_kld, mode), store
