@@ -37,20 +37,26 @@ def _rows(rng, n_seq, n):
 
 @pytest.mark.parametrize("q8_1", [False, True], ids=["Q8_0", "Q8_1"])
 def test_activation_quantization_is_ggml_cpus(q8_1):
+    fmt = act8.Q8_1 if q8_1 else act8.Q8_0
     # llama.cpp's CPU backend on x86 (ggml-cpu arch/x86/quants.c, compiled from the sdist), bit
     # for bit: fp16 scale, x * (127 / amax) rounded half to even, Q8_1's own fp16 sum
     x = _rows(np.random.default_rng(0), 5, 4096)
     x[1, 64:96] = np.arange(32) * np.float32(0.5)     # amax 15.5: 2.5 -> 20.48..., ties elsewhere
     x[2, 96:128] = np.linspace(-1, 1, 32, dtype=np.float32)
     gq, gd, gs = ggml_cpu_q8(x, q8_1)
-    xq, xd, xs = act8.quantize(x, q8_1)
+    xq, xd, xs = act8.quantize(x, fmt)
     np.testing.assert_array_equal(xq, gq)
     np.testing.assert_array_equal(xd, gd)
     assert xd[0, 0] == 0 and not xq[0, :32].any()
     sums = xq.reshape(5, -1, 32).sum(axis=2).astype(np.float32)
     np.testing.assert_array_equal(xs, gs if q8_1 else xd * sums)
-    for got, want in zip((xq, xd, xs), act8.quantize_np(x, q8_1)):
+    for got, want in zip((xq, xd, xs), act8.quantize_np(x, fmt)):
         np.testing.assert_array_equal(got, want)
+    # Q4_K's blocks of 32 (not llama.cpp's, which takes Q8_K): the same quants, float32 scales
+    fq, fd, fs = act8.quantize(x, act8.PER32_F32)
+    np.testing.assert_array_equal(fq, xq)
+    np.testing.assert_array_equal(fd, np.abs(x).reshape(5, -1, 32).max(axis=2) / np.float32(127))
+    np.testing.assert_array_equal(fs, fd * sums)
     # gguf-py (ggml's reference quantize_row_q8_0_ref) has the same scale; it divides by it and
     # rounds half away from zero, so a few quants are one apart
     ref = gguf.quants.quantize(x, T.Q8_0).reshape(5, -1, 34)
@@ -90,12 +96,12 @@ def test_kquant_activation_quantization_is_ggml_q8_k():
 
 def _dequantized_activations(qtype, x):
     """float64 activations as this mode multiplies them: Q8_0 per 32 (within a quant of
-    gguf-py's), or for Q6_K Q8_K per 256 (equal to ggml's)."""
+    gguf-py's; Q4_K's with float32 scales), or for Q6_K Q8_K per 256 (equal to ggml's)."""
     if qtype == T.Q6_K:
         xq, xd, _ = ggml_q8_k(x)
         return (xq.reshape(len(x), -1, 256) * xd[..., None].astype(np.float64)).reshape(len(x), -1)
     ref_x = gguf.quants.dequantize(gguf.quants.quantize(x, T.Q8_0), T.Q8_0).astype(np.float64)
-    xq, xd, _ = act8.quantize(x)
+    xq, xd, _ = act8.quantize(x, act8.PER32_F32 if qtype == T.Q4_K else act8.Q8_0)
     ours_x = (xq.reshape(len(x), -1, 32) * xd[..., None].astype(np.float64)).reshape(len(x), -1)
     assert np.abs(ours_x - ref_x).max() <= 1e-3 * np.abs(ref_x).max()
     return ours_x
@@ -128,7 +134,7 @@ def test_matmul_equals_gguf_dequantized_float64_sums(qtype, n_seq):
     W = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     want = ours_x @ W.T
     if qtype in (T.Q4_1, T.Q5_1):     # llama.cpp's Q8_1: the minimum times the block's fp16 sum
-        _, xd, s = act8.quantize(x, True)
+        _, xd, s = act8.quantize(x, act8.Q8_1)
         sums = act8.quantize(x)[2] / np.where(xd == 0, 1, xd)          # sum(xq), exact
         m = raw.reshape(70, -1, gguf.GGML_QUANT_SIZES[qtype][1])[..., 2:4].copy().view(np.float16)[..., 0]
         want += (s - xd.astype(np.float64) * sums) @ m.astype(np.float64).T
@@ -229,7 +235,7 @@ def test_q5_matmul_is_llamacpp_block_arithmetic(qtype, n_seq):
     raw, w = _weight(qtype, 70, _n_in(qtype, 9))
     x = _rows(np.random.default_rng(11), n_seq, w.n_in)
     gq, gd, gs = ggml_cpu_q8(x, qtype == T.Q5_1)
-    xq, xd, xs = act8.quantize(x, qtype == T.Q5_1)
+    xq, xd, xs = act8.quantize(x, act8.Q8_1 if qtype == T.Q5_1 else act8.Q8_0)
     np.testing.assert_array_equal(xq, gq)
     got = matmul(x, w)
     ggml = llamacpp_q5_dot(raw, qtype, gq, gd, gs)

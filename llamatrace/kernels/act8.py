@@ -17,7 +17,9 @@ beside the float32 path and never instead of it:
    llama.cpp's CPU backend runs (ggml-cpu ``quantize_row_q8_0``; gguf-py's and ggml's reference
    ``quantize_row_q8_0_ref`` divide by the scale and round half away from zero, which differs
    in ~0.05 % of the quants). Weights with a minimum (Q4_1, Q5_1) take Q8_1 as in llama.cpp:
-   the block's ``s = fp16(max|x| / 127 * sum_j xq[j])`` rounded on its own (``quantize(q8_1=True)``).
+   the block's ``s = fp16(max|x| / 127 * sum_j xq[j])`` rounded on its own (``quantize(x, Q8_1)``).
+   Q4_K's blocks of 32 (see 3.) are not llama.cpp's (it takes Q8_K), and keep float32 scales
+   (``quantize(x, PER32_F32)``): fp16 ones add error there without matching anything.
    With all three, layer 0's Q/V projections of SmolLM2 Q4_1 equal llama.cpp's to 1e-7
    relative; with float32 scales and gguf-py's rounding they were 3e-4 and 1.2e-3 off.
 2. Per block and weight row, the integer dot product ``isum = sum_j q[j] * xq[j]`` is exact in
@@ -152,8 +154,11 @@ def file_order_rows(ggml_type, qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> 
 # --------------------------------------------------------------------------------------------
 # activation quantization
 
+Q8_0, Q8_1, PER32_F32 = 0, 1, 2
+"""Formats of :func:`quantize`: llama.cpp's Q8_0, its Q8_1, and Q4_K's blocks of 32 with float32 scales."""
 
-def quantize_np(x: np.ndarray, q8_1: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+
+def quantize_np(x: np.ndarray, fmt: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """NumPy twin of :func:`quantize`: ggml-cpu's x86 ``quantize_row_q8_0`` / ``quantize_row_q8_1``
     arithmetic, written out."""
     n_seq, n = x.shape
@@ -164,14 +169,14 @@ def quantize_np(x: np.ndarray, q8_1: bool = False) -> tuple[np.ndarray, np.ndarr
         inv = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
         v = np.rint(xb * inv[:, :, None])
     xq = np.where(np.isnan(v), 0, np.minimum(v, 127)).astype(np.int8)
-    xd = d.astype(np.float16).astype(np.float32)
+    xd = d if fmt == PER32_F32 else d.astype(np.float16).astype(np.float32)
     total = xq.sum(axis=2, dtype=np.int32).astype(np.float32)
-    xs = (d * total).astype(np.float16).astype(np.float32) if q8_1 else (xd * total).astype(np.float32)
+    xs = (d * total).astype(np.float16).astype(np.float32) if fmt == Q8_1 else (xd * total).astype(np.float32)
     return xq.reshape(n_seq, n), xd, xs
 
 
 @njit(**JIT_EXACT)
-def _quantize(x, xq, xd, xs, q8_1):
+def _quantize(x, xq, xd, xs, fmt):
     n_seq, n_blocks = xd.shape
     for s in range(n_seq):
         for b in range(n_blocks):
@@ -190,8 +195,9 @@ def _quantize(x, xq, xd, xs, q8_1):
                 qi = np.int8(min(q, np.float32(127.0))) if q == q else np.int8(0)
                 xq[s, b * QK + j] = qi
                 total += qi
-            xd[s, b] = f16_round(d)
-            xs[s, b] = f16_round(d * np.float32(total)) if q8_1 else f16_round(d) * np.float32(total)
+            scale = d if fmt == PER32_F32 else f16_round(d)
+            xd[s, b] = scale
+            xs[s, b] = f16_round(d * np.float32(total)) if fmt == Q8_1 else scale * np.float32(total)
 
 
 @njit(**JIT_EXACT)
@@ -202,34 +208,35 @@ def _q8_buffers(n_seq, n):
 
 
 @njit(**JIT_EXACT)
-def _quantized(x, q8_1):
+def _quantized(x, fmt):
     xq, xd, xs = _q8_buffers(x.shape[0], x.shape[1])
-    _quantize(x, xq, xd, xs, q8_1)
+    _quantize(x, xq, xd, xs, fmt)
     return xq, xd, xs
 
 
 @njit(**JIT_EXACT_PARALLEL)
-def _quantized_rows(x, q8_1):
+def _quantized_rows(x, fmt):
     """:func:`_quantized` with the rows shared among the threads, for the prefill kernels (128
     rows of 14336 took 4.5 ms on one thread, ~7 % of an 8B prefill)."""
     xq, xd, xs = _q8_buffers(x.shape[0], x.shape[1])
     for s in prange(x.shape[0]):
-        _quantize(x[s:s + 1], xq[s:s + 1], xd[s:s + 1], xs[s:s + 1], q8_1)
+        _quantize(x[s:s + 1], xq[s:s + 1], xd[s:s + 1], xs[s:s + 1], fmt)
     return xq, xd, xs
 
 
-def quantize(x: np.ndarray, q8_1: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Quantize activation rows to 8 bits per block of 32, as llama.cpp's CPU backend does on x86
-    (ggml-cpu ``quantize_row_q8_0``; with ``q8_1``, ``quantize_row_q8_1``, which it pairs with
-    weights that have a minimum: Q4_1, Q5_1).
+def quantize(x: np.ndarray, fmt: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize activation rows to 8 bits per block of 32, as llama.cpp's CPU backend does on x86:
+    ``fmt`` :data:`Q8_0` (ggml-cpu ``quantize_row_q8_0``), :data:`Q8_1` (``quantize_row_q8_1``,
+    which it pairs with weights that have a minimum: Q4_1, Q5_1) or :data:`PER32_F32` (Q4_K's
+    blocks of 32: scales kept float32).
 
     Per block: ``d = amax / 127`` (float32), ``xq = rint(x * (127 / amax))`` (ties to even),
-    ``xd = fp16(d)``; ``xs`` is ``xd * sum(xq)`` (exact in float32) or, with ``q8_1``, Q8_1's
-    ``s = fp16(d * sum(xq))``. x: float32 ``[n_seq, n]``, ``n`` a multiple of 32. Returns ``xq``
+    ``xd = fp16(d)`` (``d`` for PER32_F32); ``xs`` is ``xd * sum(xq)`` (exact in float32 for an
+    fp16 ``xd``) or, for Q8_1, its ``s = fp16(d * sum(xq))``. x: float32 ``[n_seq, n]``, ``n`` a multiple of 32. Returns ``xq``
     int8 ``[n_seq, n]``, ``xd`` and ``xs`` float32 ``[n_seq, n/32]`` (``x ~ xd * xq``). A block
     holding NaN gets a NaN scale, so NaN reaches the output as in the float32 path.
     """
-    return _quantized(x, q8_1)
+    return _quantized(x, fmt)
 
 
 def quantize_k_np(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -333,7 +340,7 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
     One parallel region over tiles; each block is loaded once and used by every row of x
     while it is in L1. Decode runs it; prefill runs :func:`_prefill`, which keeps the sums in registers.
     A weight with a minimum (``m_scale`` 1, Q4_1) takes Q8_1 activations, as in llama.cpp."""
-    xq, xd, xs = _quantized(x, m_scale > 0)
+    xq, xd, xs = _quantized(x, Q8_1 if m_scale > 0 else Q8_0)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -396,7 +403,7 @@ def _matmul_q5(x, qs, d, m, m_scale, centered, out):
     Q8_0's ``isum_q8`` (the 5-bit quants fit int8). Decode and prefill both run it. x float32
     [S, B*32]; qs uint8 [T, B, 20, TR] in this module's layout; d, m fp16 bits uint16 [T, B, TR];
     out float32 [S, n_out]. Q5_1 (``m_scale`` 1) takes Q8_1 activations, as in llama.cpp."""
-    xq, xd, xs = _quantized(x, m_scale > 0)
+    xq, xd, xs = _quantized(x, Q8_1 if m_scale > 0 else Q8_0)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     words = qs.reshape(qs.size).view(np.uint32)
@@ -438,7 +445,8 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
     the same bits; Q8_0: the same int32 sums, the float32 ones without the zero offset term
     (within 1e-6); Q4_K: contracted into FMAs where they can be (within 1e-6 of :func:`_matmul_q4k`).
     x float32 [S, B*32] (Q4_K: [S, B*256]); out float32 [S, n_out]."""
-    xq, xd, xs = _quantized_rows(x, kind == PREFILL_Q4 and m_scale > 0)     # Q4_1: Q8_1
+    fmt = PER32_F32 if kind == PREFILL_Q4K else Q8_1 if kind == PREFILL_Q4 and m_scale > 0 else Q8_0
+    xq, xd, xs = _quantized_rows(x, fmt)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -522,7 +530,7 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
 def _matmul_q4k(x, qs, d, m, out):
     """As :func:`_matmul_q4` for Q4_K: qs uint8 [T, B, 144, TR] (this module's layout), d and
     m (dmin) fp16 bits uint16 [T, B, TR]."""
-    xq, xd, xs = _quantized(x, False)
+    xq, xd, xs = _quantized(x, PER32_F32)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -595,7 +603,7 @@ def matmul_quants_np(x, q, d, m, m_scale) -> np.ndarray:
     bits uint16 [T, B, TR]; float64 sums; a weight with a minimum (``m_scale`` > 0) takes Q8_1
     activations. Returns float32 [S, T*TR]."""
     d, m = f16_np(d), f16_np(m)
-    xq, xd, xs = quantize_np(x, m_scale > 0)
+    xq, xd, xs = quantize_np(x, Q8_1 if m_scale > 0 else Q8_0)
     isum = _isums_np(xq, q).astype(np.float64)
     y = (d[None] * xd[:, None, :, None] * isum
          + float(m_scale) * m[None] * xs[:, None, :, None].astype(np.float64)).sum(axis=2)
@@ -620,7 +628,7 @@ def matmul_q8_np(x, qs, d) -> np.ndarray:
 def matmul_q4k_np(x, qs, d, m) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q4k` (float64 sums). Returns float32 [S, T*TR]."""
     d, m = f16_np(d), f16_np(m)
-    xq, xd, xs = quantize_np(x)
+    xq, xd, xs = quantize_np(x, PER32_F32)
     p = file_order(qs, _T.Q4_K)                                             # [T, B, 144, TR]
     n_tiles, n_blocks = p.shape[0], p.shape[1]
     e = np.arange(256)
