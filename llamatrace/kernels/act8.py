@@ -12,12 +12,19 @@ multiplies integers (ggml-cpu ``quantize_row_q8_0`` and ``ggml_vec_dot_q4_0_q8_0
 K-quants ``quantize_row_q8_K`` and ``ggml_vec_dot_q6_K_q8_K``); this module does the same,
 beside the float32 path and never instead of it:
 
-1. Each block of 32 activations becomes ``xd * xq`` with ``xd = max|x| / 127`` (float32) and
-   ``xq = round(x / xd)`` int8 in -127..127, rounded half away from zero: gguf-py's
-   ``quants.Q8_0`` quantization (which is ggml's), except that ``xd`` stays float32 instead of
-   being rounded to float16.
+1. Each block of 32 activations becomes ``xd * xq`` with ``xd = fp16(max|x| / 127)`` and
+   ``xq = rint(x * (127 / max|x|))`` int8 in -127..127, rounded half to even: the x86 code
+   llama.cpp's CPU backend runs (ggml-cpu ``quantize_row_q8_0``; gguf-py's and ggml's reference
+   ``quantize_row_q8_0_ref`` divide by the scale and round half away from zero, which differs
+   in ~0.05 % of the quants). Weights with a minimum (Q4_1, Q5_1) take Q8_1 as in llama.cpp:
+   the block's ``s = fp16(max|x| / 127 * sum_j xq[j])`` rounded on its own (``quantize(x, Q8_1)``).
+   Q4_K's blocks of 32 (see 3.) are not llama.cpp's (it takes Q8_K), and keep float32 scales
+   (``quantize(x, PER32_F32)``): fp16 ones add error there without matching anything.
+   With all three, layer 0's Q/V projections of SmolLM2 Q4_1 equal llama.cpp's to 1e-7
+   relative; with float32 scales and gguf-py's rounding they were 3e-4 and 1.2e-3 off.
 2. Per block and weight row, the integer dot product ``isum = sum_j q[j] * xq[j]`` is exact in
-   int32, and ``y += (d * xd) * isum + m_scale * m * (xd * sum_j xq[j])`` in float32, with
+   int32, and ``y += (d * xd) * isum + m_scale * m * xs`` in float32 (``xs = xd * sum_j
+   xq[j]``, or Q8_1's ``s``), with
    the weight ``d * q + m_scale * m`` as in :mod:`llamatrace.kernels.q4` (Q4_0: ``q`` in 0..15,
    ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset). Q5_0 and
    Q5_1 (llama.cpp's ``ggml_vec_dot_q5_0_q8_0`` / ``_q5_1_q8_1``) sum ``q - 16`` (no offset
@@ -78,7 +85,7 @@ from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, is
                                         prefill_q8, prefill_q8_1row, prefill_q8_4rows,
                                         prefill_q4k_1row, prefill_q6k, prefill_q6k_1row,
                                         unpack_q6k)
-from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_PARALLEL, f16, f16_np
+from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_PARALLEL, f16, f16_np, f16_round
 from llamatrace.kernels.registry import TYPES
 
 _T = gguf.GGMLQuantizationType
@@ -147,24 +154,29 @@ def file_order_rows(ggml_type, qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> 
 # --------------------------------------------------------------------------------------------
 # activation quantization
 
+Q8_0, Q8_1, PER32_F32 = 0, 1, 2
+"""Formats of :func:`quantize`: llama.cpp's Q8_0, its Q8_1, and Q4_K's blocks of 32 with float32 scales."""
 
-def quantize_np(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """NumPy twin of :func:`quantize`: gguf-py's Q8_0 arithmetic, written out."""
+
+def quantize_np(x: np.ndarray, fmt: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy twin of :func:`quantize`: ggml-cpu's x86 ``quantize_row_q8_0`` / ``quantize_row_q8_1``
+    arithmetic, written out."""
     n_seq, n = x.shape
     xb = x.reshape(n_seq, n // QK, QK).astype(np.float32)
-    xd = (np.abs(xb).max(axis=2) / np.float32(127)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(xd == 0, np.float32(0), np.float32(1) / xd).astype(np.float32)
-    v = xb * inv[:, :, None]
-    a = np.abs(v)
-    fl = np.floor(a)
-    xq = (np.sign(v) * (fl + np.floor(2 * (a - fl)))).astype(np.int8)
-    xs = (xd * xq.sum(axis=2, dtype=np.int32).astype(np.float32)).astype(np.float32)
+    amax = np.abs(xb).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
+        v = np.rint(xb * inv[:, :, None])
+    xq = np.where(np.isnan(v), 0, np.minimum(v, 127)).astype(np.int8)
+    xd = d if fmt == PER32_F32 else d.astype(np.float16).astype(np.float32)
+    total = xq.sum(axis=2, dtype=np.int32).astype(np.float32)
+    xs = (d * total).astype(np.float16).astype(np.float32) if fmt == Q8_1 else (xd * total).astype(np.float32)
     return xq.reshape(n_seq, n), xd, xs
 
 
 @njit(**JIT_EXACT)
-def _quantize(x, xq, xd, xs):
+def _quantize(x, xq, xd, xs, fmt):
     n_seq, n_blocks = xd.shape
     for s in range(n_seq):
         for b in range(n_blocks):
@@ -173,24 +185,19 @@ def _quantize(x, xq, xd, xs):
                 a = abs(x[s, b * QK + j])
                 if a > amax or a != a:            # a NaN stays: the block's scale is NaN
                     amax = a
-            # gguf's float32 amax / 127, correctly rounded even if a caller's 'arcp' flag reaches
-            # this code: in float64 a reciprocal's error (2**-53) is far below the distance of
-            # any float32 quotient by 127 from a float32 rounding boundary (~2**-32)
+            # ggml's float32 amax / 127 and 127 / amax, correctly rounded even if a caller's 'arcp'
+            # flag reaches this code: a float64 quotient rounded to float32 is the float32 quotient
             d = np.float32(np.float64(amax) / 127.0)
-            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            inv = np.float32(127.0 / np.float64(amax)) if amax != 0 else np.float32(0.0)
             total = 0
             for j in range(QK):
-                v = x[s, b * QK + j] * inv
-                a = abs(v)
-                fl = np.floor(a)
-                q = fl + np.floor(np.float32(2.0) * (a - fl))
+                q = np.rint(x[s, b * QK + j] * inv)          # ties to even, as _mm256_round_ps
                 qi = np.int8(min(q, np.float32(127.0))) if q == q else np.int8(0)
-                if v < 0:
-                    qi = -qi
                 xq[s, b * QK + j] = qi
                 total += qi
-            xd[s, b] = d
-            xs[s, b] = d * np.float32(total)
+            scale = d if fmt == PER32_F32 else f16_round(d)
+            xd[s, b] = scale
+            xs[s, b] = f16_round(d * np.float32(total)) if fmt == Q8_1 else scale * np.float32(total)
 
 
 @njit(**JIT_EXACT)
@@ -201,31 +208,35 @@ def _q8_buffers(n_seq, n):
 
 
 @njit(**JIT_EXACT)
-def _quantized(x):
+def _quantized(x, fmt):
     xq, xd, xs = _q8_buffers(x.shape[0], x.shape[1])
-    _quantize(x, xq, xd, xs)
+    _quantize(x, xq, xd, xs, fmt)
     return xq, xd, xs
 
 
 @njit(**JIT_EXACT_PARALLEL)
-def _quantized_rows(x):
+def _quantized_rows(x, fmt):
     """:func:`_quantized` with the rows shared among the threads, for the prefill kernels (128
     rows of 14336 took 4.5 ms on one thread, ~7 % of an 8B prefill)."""
     xq, xd, xs = _q8_buffers(x.shape[0], x.shape[1])
     for s in prange(x.shape[0]):
-        _quantize(x[s:s + 1], xq[s:s + 1], xd[s:s + 1], xs[s:s + 1])
+        _quantize(x[s:s + 1], xq[s:s + 1], xd[s:s + 1], xs[s:s + 1], fmt)
     return xq, xd, xs
 
 
-def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Quantize activation rows to 8 bits per block of 32 (gguf-py's / ggml's Q8_0 rounding).
+def quantize(x: np.ndarray, fmt: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize activation rows to 8 bits per block of 32, as llama.cpp's CPU backend does on x86:
+    ``fmt`` :data:`Q8_0` (ggml-cpu ``quantize_row_q8_0``), :data:`Q8_1` (``quantize_row_q8_1``,
+    which it pairs with weights that have a minimum: Q4_1, Q5_1) or :data:`PER32_F32` (Q4_K's
+    blocks of 32: scales kept float32).
 
-    x: float32 ``[n_seq, n]``, ``n`` a multiple of 32. Returns ``xq`` int8 ``[n_seq, n]``,
-    ``xd`` float32 ``[n_seq, n/32]`` (block scales; ``x ~ xd * xq``) and ``xs`` float32
-    ``[n_seq, n/32]`` (``xd * sum(xq)`` per block, for the weights' offsets). A block holding
-    NaN gets a NaN scale, so NaN reaches the output as in the float32 path.
+    Per block: ``d = amax / 127`` (float32), ``xq = rint(x * (127 / amax))`` (ties to even),
+    ``xd = fp16(d)`` (``d`` for PER32_F32); ``xs`` is ``xd * sum(xq)`` (exact in float32 for an
+    fp16 ``xd``) or, for Q8_1, its ``s = fp16(d * sum(xq))``. x: float32 ``[n_seq, n]``, ``n`` a multiple of 32. Returns ``xq``
+    int8 ``[n_seq, n]``, ``xd`` and ``xs`` float32 ``[n_seq, n/32]`` (``x ~ xd * xq``). A block
+    holding NaN gets a NaN scale, so NaN reaches the output as in the float32 path.
     """
-    return _quantized(x)
+    return _quantized(x, fmt)
 
 
 def quantize_k_np(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -327,8 +338,9 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
     ``signed`` (Q8_0, with m_scale 0); d, m fp16 bits uint16 [T, B, TR]; out float32 [S, n_out].
 
     One parallel region over tiles; each block is loaded once and used by every row of x
-    while it is in L1. Decode runs it; prefill runs :func:`_prefill`, which keeps the sums in registers."""
-    xq, xd, xs = _quantized(x)
+    while it is in L1. Decode runs it; prefill runs :func:`_prefill`, which keeps the sums in registers.
+    A weight with a minimum (``m_scale`` 1, Q4_1) takes Q8_1 activations, as in llama.cpp."""
+    xq, xd, xs = _quantized(x, Q8_1 if m_scale > 0 else Q8_0)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -390,8 +402,8 @@ def _matmul_q5(x, qs, d, m, m_scale, centered, out):
     (:func:`_unpack_q5`) to signed bytes in Q8_0's layout once for every row of x, and summed by
     Q8_0's ``isum_q8`` (the 5-bit quants fit int8). Decode and prefill both run it. x float32
     [S, B*32]; qs uint8 [T, B, 20, TR] in this module's layout; d, m fp16 bits uint16 [T, B, TR];
-    out float32 [S, n_out]."""
-    xq, xd, xs = _quantized(x)
+    out float32 [S, n_out]. Q5_1 (``m_scale`` 1) takes Q8_1 activations, as in llama.cpp."""
+    xq, xd, xs = _quantized(x, Q8_1 if m_scale > 0 else Q8_0)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     words = qs.reshape(qs.size).view(np.uint32)
@@ -433,7 +445,8 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
     the same bits; Q8_0: the same int32 sums, the float32 ones without the zero offset term
     (within 1e-6); Q4_K: contracted into FMAs where they can be (within 1e-6 of :func:`_matmul_q4k`).
     x float32 [S, B*32] (Q4_K: [S, B*256]); out float32 [S, n_out]."""
-    xq, xd, xs = _quantized_rows(x)
+    fmt = PER32_F32 if kind == PREFILL_Q4K else Q8_1 if kind == PREFILL_Q4 and m_scale > 0 else Q8_0
+    xq, xd, xs = _quantized_rows(x, fmt)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -517,7 +530,7 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
 def _matmul_q4k(x, qs, d, m, out):
     """As :func:`_matmul_q4` for Q4_K: qs uint8 [T, B, 144, TR] (this module's layout), d and
     m (dmin) fp16 bits uint16 [T, B, TR]."""
-    xq, xd, xs = _quantized(x)
+    xq, xd, xs = _quantized(x, PER32_F32)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -587,9 +600,10 @@ def _isums_np(xq: np.ndarray, q: np.ndarray) -> np.ndarray:
 def matmul_quants_np(x, q, d, m, m_scale) -> np.ndarray:
     """The twins' arithmetic for weights ``d * q + m_scale * m`` in blocks of 32: x float32
     [S, B*32] quantized (:func:`quantize_np`), q integer [T, B, 32, TR] (weight order), d, m fp16
-    bits uint16 [T, B, TR]; float64 sums. Returns float32 [S, T*TR]."""
+    bits uint16 [T, B, TR]; float64 sums; a weight with a minimum (``m_scale`` > 0) takes Q8_1
+    activations. Returns float32 [S, T*TR]."""
     d, m = f16_np(d), f16_np(m)
-    xq, xd, xs = quantize_np(x)
+    xq, xd, xs = quantize_np(x, Q8_1 if m_scale > 0 else Q8_0)
     isum = _isums_np(xq, q).astype(np.float64)
     y = (d[None] * xd[:, None, :, None] * isum
          + float(m_scale) * m[None] * xs[:, None, :, None].astype(np.float64)).sum(axis=2)
@@ -614,7 +628,7 @@ def matmul_q8_np(x, qs, d) -> np.ndarray:
 def matmul_q4k_np(x, qs, d, m) -> np.ndarray:
     """NumPy twin of :func:`_matmul_q4k` (float64 sums). Returns float32 [S, T*TR]."""
     d, m = f16_np(d), f16_np(m)
-    xq, xd, xs = quantize_np(x)
+    xq, xd, xs = quantize_np(x, PER32_F32)
     p = file_order(qs, _T.Q4_K)                                             # [T, B, 144, TR]
     n_tiles, n_blocks = p.shape[0], p.shape[1]
     e = np.arange(256)

@@ -17,7 +17,7 @@ Flag sets (pass as ``@njit(**JIT_PARALLEL)``):
 fp16 / bf16 bits to float32: :data:`F16_TABLE` / :data:`BF16_TABLE` (65,536 entries, indexed by
 the raw uint16; the float32 path's packers and the F16/BF16 kernels), :func:`f16` (LLVM's
 ``fpext half``, F16C's ``vcvtph2ps``, inside kernels that keep the file's fp16 bits) and its
-NumPy twin :func:`f16_np`; :func:`f16_bytes_np` reads little-endian fp16 from a file's bytes.
+NumPy twin :func:`f16_np`; :func:`f16_round` rounds a float32 to fp16 and back inside kernels; :func:`f16_bytes_np` reads little-endian fp16 from a file's bytes.
 All give the same float32 for every bit pattern (fp16 -> fp32 is exact).
 """
 
@@ -69,6 +69,17 @@ def f16(typingctx, bits):
         def codegen(context, builder, signature, args):
             return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
         return types.float32(bits), codegen
+
+
+@intrinsic
+def f16_round(typingctx, v):
+    """float32 ``v`` rounded to the nearest fp16 value (ties to even), as float32: LLVM's
+    ``fptrunc`` to half then ``fpext`` (F16C's ``vcvtps2ph``/``vcvtph2ps``), what ggml's
+    ``GGML_CPU_FP32_TO_FP16`` stores and its kernels read back. NumPy: ``v.astype(np.float16)``."""
+    if v == types.float32:
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(v), codegen
 
 
 def f16_np(bits: np.ndarray) -> np.ndarray:

@@ -1,0 +1,73 @@
+"""ggml-cpu's x86 activation quantizers compiled from the llama-cpp-python sdist: the code
+llama.cpp's CPU backend runs on an AVX2 (or AVX-512) machine, as an independent reference for
+the ``q8`` mode's activation quantization (``llamatrace.kernels.act8``).
+
+``ggml/src/ggml-cpu/arch/x86/quants.c`` is compiled once with gcc (``-mavx2 -mfma -mf16c``) into
+a shared library in the user cache, linked against ``kquant_files``' build of ``ggml-quants.c``
+(the reference quantizers it calls), with the lookup tables it names defined here. Its
+``quantize_row_q8_0`` / ``quantize_row_q8_1`` differ from ``ggml-quants.c``'s ``*_ref`` versions:
+they multiply by ``127 / amax`` and round half to even (``_mm256_round_ps``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import tarfile
+from pathlib import Path
+
+import numpy as np
+from kquant_files import GGML, ggml_quants_library
+from llamacpp_sdist import sdist_path
+
+from llamatrace.gguf.fetch import cache_root
+
+_TABLES = r"""
+#include <stdint.h>
+float ggml_table_f32_f16[1 << 16];
+float ggml_table_f32_e8m0_half[1 << 8];
+float ggml_table_f32_ue4m3[1 << 8];
+"""
+
+
+def ggml_cpu_x86_library() -> ctypes.CDLL:
+    """arch/x86/quants.c from the sdist, compiled once (needs gcc and an AVX2 CPU to run)."""
+    base = ggml_quants_library()
+    folder = cache_root() / "ggml-cpu-x86-0.3.36"
+    lib = folder / "libggml_cpu_x86.so"
+    if not lib.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(sdist_path()) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(GGML + "/include/")
+                       or m.name.startswith(GGML + "/src/ggml-cpu/")
+                       or m.name in (GGML + "/src/ggml-common.h", GGML + "/src/ggml-impl.h",
+                                     GGML + "/src/ggml-quants.h")]
+            tar.extractall(folder, members=members, filter="data")
+        root = folder / GGML
+        tables = folder / "tables.c"
+        tables.write_text(_TABLES)
+        tmp = lib.with_name(lib.name + ".tmp")
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-std=c11", "-mavx2", "-mfma", "-mf16c",
+                        f"-I{root}/include", f"-I{root}/src", f"-I{root}/src/ggml-cpu",
+                        str(root / "src/ggml-cpu/arch/x86/quants.c"), str(tables), base._name, "-lm",
+                        f"-Wl,-rpath,{Path(base._name).parent}",
+                        "-o", str(tmp)], check=True, capture_output=True)
+        tmp.replace(lib)
+    return ctypes.CDLL(str(lib))
+
+
+def ggml_cpu_q8(x: np.ndarray, q8_1: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml-cpu's x86 ``quantize_row_q8_0`` / ``quantize_row_q8_1`` of float32 ``x [S, n]``:
+    (qs int8 [S, n], d float32 [S, n/32], s float32 [S, n/32]: Q8_1's fp16 ``d * sum(qs)``,
+    zeros for Q8_0), the fp16 fields widened."""
+    fn = getattr(ggml_cpu_x86_library(), "quantize_row_q8_1" if q8_1 else "quantize_row_q8_0")
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    n_seq, n = x.shape
+    x = np.ascontiguousarray(x, np.float32)
+    head = 4 if q8_1 else 2                                              # fp16 d (and s), then qs[32]
+    blocks = np.zeros((n_seq, n // 32, head + 32), np.uint8)
+    for s in range(n_seq):                                               # one row a call, as ggml
+        fn(x[s].ctypes.data, blocks[s].ctypes.data, n)
+    scales = blocks[..., :head].copy().view(np.float16).astype(np.float32)
+    return (blocks[..., head:].copy().view(np.int8).reshape(n_seq, n), scales[..., 0],
+            scales[..., 1] if q8_1 else np.zeros_like(scales[..., 0]))
