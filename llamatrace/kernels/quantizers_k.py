@@ -39,9 +39,9 @@ import gguf
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from llamatrace.kernels.jit import F16_TABLE, JIT_QUANT, JIT_QUANT_PARALLEL
+from llamatrace.kernels.jit import F16_TABLE, JIT_QUANT, JIT_QUANT_PARALLEL, f16
 
 
 QK_K = 256
@@ -686,37 +686,58 @@ def _q6_k_row(x, qw, out):
                                         | ((q[3] >> 4) << 6)) & 0xFF
 
 
-# one parallel driver per type: Numba compiles (and caches) only the types a run uses
+def row_f32(row):
+    """A row of weights as float32 ``[n]``: a float32 row itself, or an F16 base's row (uint16 fp16
+    bits) widened exactly into a new array. In the parallel drivers, so each thread widens its own
+    rows (an F16 tensor is never converted whole, single-threaded, before quantizing)."""
+    return np.asarray(row, np.float32)
+
+
+@overload(row_f32, inline="always")
+def _row_f32(row):
+    if row.dtype == types.float32:
+        return lambda row: row
+    if row.dtype == types.uint16:
+        def widen(row):
+            out = np.empty(row.shape[0], np.float32)
+            for j in range(row.shape[0]):
+                out[j] = f16(row[j])
+            return out
+        return widen
+
+
+# one parallel driver per type: Numba compiles (and caches) only the types a run uses; x is float32
+# rows or an F16 base's uint16 bits (row_f32)
 
 
 @njit(**JIT_QUANT_PARALLEL)
 def _q2_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
-        _q2_k_row(x[r], qw, out[r])
+        _q2_k_row(row_f32(x[r]), qw, out[r])
 
 
 @njit(**JIT_QUANT_PARALLEL)
 def _q3_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
-        _q3_k_row(x[r], qw, out[r])
+        _q3_k_row(row_f32(x[r]), qw, out[r])
 
 
 @njit(**JIT_QUANT_PARALLEL)
 def _q4_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
-        _q4_k_row(x[r], qw, out[r])
+        _q4_k_row(row_f32(x[r]), qw, out[r])
 
 
 @njit(**JIT_QUANT_PARALLEL)
 def _q5_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
-        _q5_k_row(x[r], qw, out[r])
+        _q5_k_row(row_f32(x[r]), qw, out[r])
 
 
 @njit(**JIT_QUANT_PARALLEL)
 def _q6_k_rows(x, qw, out):
     for r in prange(x.shape[0]):
-        _q6_k_row(x[r], qw, out[r])
+        _q6_k_row(row_f32(x[r]), qw, out[r])
 
 
 # --------------------------------------------------------------------------------------------
