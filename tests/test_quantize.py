@@ -3,11 +3,12 @@
 
 The F16 base is rebuilt from the cached default model (``tests/quantize_files.py``) and checked
 by sha256, so both sides quantize the same bytes. Costs measured on 2 cores under a load of ~14
-(stress-ng and other sessions; warm Numba cache): the base ~5-10 s; the rules of all 24 variants
+(stress-ng and other sessions; warm Numba cache): the base ~5-10 s; the rules of all 30 variants
 (272 tensors each, no quantizing) ~1 s in all; the bytes of a sample per variant (every tensor of
-blocks 0 and 29 and the embedding: 19 of 272) 1-10 s each (~45 s in all); two whole files 17-30 s
+blocks 0 and 29 and the embedding: 19 of 272) 1-10 s each (~1 min in all); three whole files 17-30 s
 each; the imatrix file through the CLI ~20-30 s; loading the Q8_0 file ~10 s (3 min with a cold
-Numba cache); the 23 awkward files (a 2-layer model) <1 s each. ``LLAMATRACE_QUANTIZE_ALL=1`` compares every tensor of every variant (9 min there).
+Numba cache); the 27 awkward files (a 2-layer model) <1 s each, 3 of them again through the CLI
+(~5 s each: start-up). ``LLAMATRACE_QUANTIZE_ALL=1`` compares every tensor of every variant (9 min there).
 """
 
 from __future__ import annotations

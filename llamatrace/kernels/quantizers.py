@@ -28,13 +28,14 @@ import math
 from functools import partial
 
 import gguf
+import numba
 import numpy as np
 from numba import njit, prange
 
 from llamatrace.kernels import quantizers_k as qk
 from llamatrace.kernels.jit import JIT_QUANT, JIT_QUANT_PARALLEL
-from llamatrace.kernels.quantizers_k import (F32, fp16_np, make_qkx, make_qkx_np,
-                                             make_qx, make_qx_np, put_fp16, row_f32)
+from llamatrace.kernels.quantizers_k import (F32, claim_rows, fp16_np, make_qkx, make_qkx_np,
+                                             make_qx, make_qx_np, put_fp16, row_chunk, row_f32)
 
 T = gguf.GGMLQuantizationType
 QK = 32
@@ -225,37 +226,63 @@ def _q8_0_row(x, qw, out):
 
 
 # one parallel driver per type: Numba compiles (and caches) only the types a run uses; x is float32
-# rows or an F16 base's uint16 bits (row_f32)
+# rows or an F16 base's uint16 bits (row_f32); one prange iteration per thread, rows claimed in chunks
+# (quantizers_k.claim_rows)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q4_0_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q4_0_row(row_f32(x[r]), qw, out[r])
+def _q4_0_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q4_0_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q4_1_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q4_1_row(row_f32(x[r]), qw, out[r])
+def _q4_1_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q4_1_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q5_0_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q5_0_row(row_f32(x[r]), qw, out[r])
+def _q5_0_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q5_0_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q5_1_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q5_1_row(row_f32(x[r]), qw, out[r])
+def _q5_1_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q5_1_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q8_0_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q8_0_row(row_f32(x[r]), qw, out[r])
+def _q8_0_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q8_0_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,7 +455,7 @@ def quantize_rows(ggml_type, x: np.ndarray, imatrix: np.ndarray | None = None) -
     t, x, imatrix, block, nbytes = _checked(ggml_type, x, imatrix, keep_f16=True)
     out = np.empty((x.shape[0], x.shape[1] // block * nbytes), np.uint8)
     qw = np.empty(0, np.float32) if imatrix is None else imatrix
-    _KERNELS[t][0](x.view(np.uint16) if x.dtype == np.float16 else x, qw, out)
+    _KERNELS[t][0](x.view(np.uint16) if x.dtype == np.float16 else x, qw, out, numba.get_num_threads())
     return out
 
 
