@@ -1,16 +1,20 @@
 """Write a Llama-3.1-8B-shaped GGUF: the chapter's config, the real Llama 3 vocabulary, random weights.
 
-For benchmarks only (load time, peak memory, prefill/decode speed at the chapter's scale), never
-for CI: each file is ~4.5–8.5 GB. Make one at a time and delete it after.
+For benchmarks only (load time, peak memory, prefill/decode speed at the chapter's scale,
+quantizing an F16 base), never for CI: each file is ~4.5–8.5 GB (16 GB in F16). Make one at a
+time and delete it after.
 
     python benchmarks/make_8b.py --type Q4_0 -o /tmp/llama8b-q4_0.gguf
     python benchmarks/make_8b.py --type Q4_K_M -o /tmp/llama8b-q4_k_m.gguf --layers 4
+    python benchmarks/make_8b.py --type F16 -o /tmp/llama8b-f16.gguf
 
 The vocabulary (tokens, types, merges, `llama-bpe` pre-tokenizer) is copied from llama.cpp's
 ``models/ggml-vocab-llama-bpe.gguf`` (``--vocab``; by default the copy llamatrace fetches for its
 tokenizer tests). Weights are raw random blocks: each block's scale is a small fp16 value chosen
 so that activations stay O(1) through the layers, the quant bytes are uniform random. ``Q4_K_M``
 is a llama.cpp-like mix: Q4_K everywhere, Q6_K for ``attn_v``, ``ffn_down`` and ``output``.
+``F16`` weights are normal with that standard deviation (a base for ``quantize``). Tensors are
+made and written one at a time, so memory stays at the largest tensor whatever the file's size.
 """
 
 from __future__ import annotations
@@ -48,7 +52,16 @@ def llama3_rope_freqs(head_dim: int, theta: float, s: dict) -> np.ndarray:
 
 
 def random_blocks(rng: np.random.Generator, qtype: T, n_out: int, n_in: int, std: float) -> np.ndarray:
-    """``[n_out, row_bytes]`` uint8 of valid random blocks whose dequantized weights have ~``std``."""
+    """``[n_out, row_bytes]`` uint8 of valid random blocks whose dequantized weights have ~``std``
+    (F16: normal weights of that standard deviation)."""
+    if qtype == T.F16:
+        out = np.empty((n_out, n_in), np.float16)
+        step = max(1, (64 << 20) // (4 * n_in))         # rows drawn at once: bounds the float32 temporary
+        for first in range(0, n_out, step):
+            rows = rng.standard_normal((min(step, n_out - first), n_in), dtype=np.float32)
+            rows *= np.float32(std)
+            out[first:first + len(rows)] = rows
+        return out.view(np.uint8)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     n_blocks = n_in // block
     raw = rng.integers(0, 256, size=(n_out, n_blocks, type_size), dtype=np.uint8)
@@ -109,16 +122,24 @@ def write(out: Path, vocab_path: Path, mix: str, n_layers: int, seed: int) -> No
         else:
             w.add_key_value(key, value, vtype)
 
+    makers = []            # each tensor's data is made when it is written, in this order (the same draws)
+
     def weight(name: str, kind: str, n_out: int, n_in: int, std: float) -> None:
         qtype = types.get(kind, types["default"])
-        w.add_tensor(name, random_blocks(rng, qtype, n_out, n_in, std), raw_dtype=qtype)
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        w.add_tensor_info(name, [n_out, n_in // block * type_size], np.dtype(np.uint8),
+                          n_out * (n_in // block) * type_size, raw_dtype=qtype)
+        makers.append(lambda: random_blocks(rng, qtype, n_out, n_in, std))
 
     def norm(name: str, n: int) -> None:
-        w.add_tensor(name, (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32))
+        w.add_tensor_info(name, [n], np.dtype(np.float32), 4 * n)
+        makers.append(lambda: (1.0 + 0.05 * rng.standard_normal(n)).astype(np.float32))
 
     dim, ffn, kv_dim = c["dim"], c["ffn_dim"], c["n_kv_heads"] * head_dim
     weight("token_embd.weight", "token_embd", c["vocab"], dim, 1.0)
-    w.add_tensor("rope_freqs.weight", llama3_rope_freqs(head_dim, c["rope_theta"], c["rope_scaling"]))
+    freqs = llama3_rope_freqs(head_dim, c["rope_theta"], c["rope_scaling"])
+    w.add_tensor_info("rope_freqs.weight", list(freqs.shape), freqs.dtype, freqs.nbytes)
+    makers.append(lambda: freqs)
     for i in range(n_layers):
         p = f"blk.{i}."
         norm(p + "attn_norm.weight", dim)
@@ -135,7 +156,9 @@ def write(out: Path, vocab_path: Path, mix: str, n_layers: int, seed: int) -> No
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=sys.stderr.isatty())
+    w.write_ti_data_to_file()
+    for make in makers:
+        w.write_tensor_data(make())
     w.close()
 
 
@@ -149,7 +172,7 @@ def default_vocab() -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-o", "--out", type=Path, required=True, help="output .gguf")
-    ap.add_argument("--type", default="Q4_0", choices=["Q4_0", "Q8_0", "Q4_K_M"], help="weight types")
+    ap.add_argument("--type", default="Q4_0", choices=["Q4_0", "Q8_0", "Q4_K_M", "F16"], help="weight types")
     ap.add_argument("--layers", type=int, default=CONFIG["n_layers"], help="blocks (32 = the real 8B)")
     ap.add_argument("--vocab", type=Path, help="ggml-vocab-llama-bpe.gguf (default: llamatrace's fetched copy)")
     ap.add_argument("--seed", type=int, default=0)

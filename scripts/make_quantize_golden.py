@@ -7,9 +7,11 @@ Run in the golden venv (llama-cpp-python 0.3.36, whose ``llama_model_quantize`` 
 
 It makes the F16 base from the cached default model (``tests/quantize_files.py``:
 ``make_f16_base``; the same bytes the tests rebuild), quantizes it with ``llama_model_quantize``
-(2 threads) to each file type of :data:`VARIANTS` — plain, with ``--tensor-type`` overrides, and
-with an importance matrix (``synthetic_imatrix``, passed as llama-quantize passes a loaded one:
-per-column values) — and records, small enough to commit: per tensor its name, type and the
+(2 threads) to each file type of :data:`VARIANTS` — plain, with ``--tensor-type`` overrides, with
+an importance matrix (``synthetic_imatrix``, passed as llama-quantize passes a loaded one:
+per-column values), and with llama-quantize's other options (``--pure``, ``--output-tensor-type``,
+``--token-embedding-type``, ``--leave-output-tensor``: the fields of ``llama_model_quantize_params``
+they set) — and records, small enough to commit: per tensor its name, type and the
 sha256 of its data; the metadata keys in order and the values that differ from the base; the
 sha256 of the whole file. No model file is committed.
 """
@@ -34,22 +36,41 @@ from quantize_files import GOLDEN, make_awkward_base, make_f16_base, synthetic_i
 from llamatrace.gguf.fetch import sha256_file  # noqa: E402
 
 SOURCE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# name: (llama-quantize's file type, --tensor-type overrides, with the synthetic imatrix)
-VARIANTS = {name: (name, (), False) for name in (
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
-    "Q5_K_S", "Q5_K_M", "Q6_K")}
-VARIANTS.update({
-    "Q4_K_M+overrides": ("Q4_K_M", ("attn_v=q8_0", r"blk\.[0-3]\.ffn_down=q6_k", "ffn_up=q4_k", "attn_q=f16"), False),
-    **{f"{n}+imatrix": (n, (), True) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M",
-                                                "Q5_K_M", "Q6_K")},
-})
-AWKWARD = {name: (name, (), False) for name in (
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
-    "Q5_K_S", "Q5_K_M", "Q6_K")}
-AWKWARD.update({f"{n}+imatrix": (n, (), True) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M",
-                                                          "Q5_K_M", "Q6_K")})
-"""The same file types on ``make_awkward_base``'s file (all-zero blocks, a huge value, denormals, constant
-rows, rows of 256 and 288): only each whole file's sha256 is recorded."""
+FILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
+              "Q5_K_S", "Q5_K_M", "Q6_K")
+WITH_IMATRIX = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q2_K_S", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K")
+OVERRIDES = ("attn_v=q8_0", r"blk\.[0-3]\.ffn_down=q6_k", "ffn_up=q4_k", "attn_q=f16")
+
+
+def variant(ftype: str, overrides=(), imatrix: bool = False, **options) -> tuple:
+    """(llama-quantize's file type, --tensor-type overrides, with the synthetic imatrix, other options:
+    ``output_tensor_type`` / ``token_embedding_type`` (ggml type names), ``leave_output_tensor``, ``pure``)."""
+    return ftype, tuple(overrides), imatrix, options
+
+
+VARIANTS = {
+    **{name: variant(name) for name in FILE_TYPES},
+    "Q4_K_M+overrides": variant("Q4_K_M", OVERRIDES),
+    **{f"{n}+imatrix": variant(n, imatrix=True) for n in WITH_IMATRIX},
+    # SmolLM2's token embedding is tied (no output.weight): --output-tensor-type reaches it through the
+    # mix (then the 576-wide rows' fallback), --token-embedding-type before any pattern, --pure skips the mix
+    "Q4_K_M+pure": variant("Q4_K_M", pure=True),
+    "Q3_K_S+output_q4_k": variant("Q3_K_S", output_tensor_type="q4_k"),
+    "Q4_K_M+embd_q4_0+overrides": variant("Q4_K_M", ("token_embd=q8_0", *OVERRIDES), token_embedding_type="q4_0"),
+    "Q5_K_M+pure+output_q8_0": variant("Q5_K_M", pure=True, output_tensor_type="q8_0"),
+    "F16+embd_q8_0": variant("F16", token_embedding_type="q8_0"),
+}
+AWKWARD = {
+    **{name: variant(name) for name in FILE_TYPES},
+    **{f"{n}+imatrix": variant(n, imatrix=True) for n in WITH_IMATRIX},
+    # an untied output.weight: the options decide it before any pattern, --leave-output-tensor before them
+    "Q4_K_M+leave_output+output_q8_0": variant("Q4_K_M", leave_output_tensor=True, output_tensor_type="q8_0"),
+    "Q3_K_M+output_q4_k+embd_q5_k+overrides": variant("Q3_K_M", ("output=q8_0", "token_embd=q8_0", "attn_v=q5_0"),
+                                                      output_tensor_type="q4_k", token_embedding_type="q5_k"),
+    "Q6_K+pure+output_q8_0": variant("Q6_K", pure=True, output_tensor_type="q8_0"),
+}
+"""The file types and options on ``make_awkward_base``'s file (all-zero blocks, a huge value, denormals,
+constant rows, rows of 256 and 288): each whole file's sha256 is recorded."""
 IMATRIX_FILE = "synthetic.imatrix"
 """What ``quantize.imatrix.file`` records for the imatrix variants (both sides pass this string)."""
 
@@ -58,11 +79,17 @@ def ftype_of(name: str) -> int:
     return getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}")
 
 
-def quantize(base: Path, dest: Path, ftype: str, overrides, imatrix: dict | None) -> None:
-    """``llama-quantize [--tensor-type …] [--imatrix …] base dest ftype 2``, through its library."""
+def quantize(base: Path, dest: Path, ftype: str, overrides, imatrix: dict | None, options: dict) -> None:
+    """``llama-quantize [--tensor-type …] [--imatrix …] [--pure] [--leave-output-tensor]
+    [--output-tensor-type T] [--token-embedding-type T] base dest ftype 2``, through its library."""
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype_of(ftype)
     params.nthread = 2
+    params.pure = bool(options.get("pure"))
+    params.quantize_output_tensor = not options.get("leave_output_tensor")
+    for key in ("output_tensor_type", "token_embedding_type"):
+        if key in options:
+            setattr(params, key, int(gguf.GGMLQuantizationType[options[key].upper()]))
     keep = []
     if overrides:
         arr = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
@@ -116,16 +143,17 @@ def compact(base: dict, files: dict[str, tuple[tuple, dict]]) -> dict:
     base_keys = list(base["kv"])
     hashes: dict[str, dict[str, str]] = {}
     out_files = {}
-    for variant, ((ftype, overrides, with_imatrix), d) in files.items():
-        assert [n for n, _, _ in d["tensors"]] == names, variant
+    for name_, ((ftype, overrides, with_imatrix, options), d) in files.items():
+        assert [n for n, _, _ in d["tensors"]] == names, name_
         keys = list(d["kv"])
         common = next((i for i, (a, b) in enumerate(zip(keys, base_keys)) if a != b), min(len(keys), len(base_keys)))
         for name, type_name, sha in d["tensors"]:
             if type_name != "F32":
                 table = hashes.setdefault(type_name + ("+imatrix" if with_imatrix else ""), {})
-                assert table.setdefault(name, sha[:16]) == sha[:16], (variant, name)
-        out_files[variant] = {
-            "type": ftype, "overrides": list(overrides), "imatrix": with_imatrix, "file_sha256": d["file_sha256"],
+                assert table.setdefault(name, sha[:16]) == sha[:16], (name_, name)
+        out_files[name_] = {
+            "type": ftype, "overrides": list(overrides), "imatrix": with_imatrix, "options": options,
+            "file_sha256": d["file_sha256"],
             "types": " ".join(t for _, t, _ in d["tensors"]),
             "keys_from": common, "keys_after": keys[common:],
             "changed": {k: v for k, v in d["kv"].items() if k not in base["kv"] or base["kv"][k] != v},
@@ -150,20 +178,22 @@ def main() -> None:
         assert llama_cpp.llama_model_quantize(str(src).encode(), str(theirs).encode(), params) == 0
         out["llama_f16_from_q4_1_sha256"] = sha256_file(theirs)
         files = {}
-        for name, (ftype, overrides, with_imatrix) in VARIANTS.items():
+        for name, (ftype, overrides, with_imatrix, options) in VARIANTS.items():
             dest = Path(tmp) / f"{name}.gguf"
-            quantize(base, dest, ftype, overrides, imatrix if with_imatrix else None)
-            files[name] = ((ftype, overrides, with_imatrix), describe(dest))
+            quantize(base, dest, ftype, overrides, imatrix if with_imatrix else None, options)
+            files[name] = ((ftype, overrides, with_imatrix, options), describe(dest))
             dest.unlink()
             print(name, files[name][1]["file_sha256"], flush=True)
         out.update(compact(describe(base), files))
         awkward = make_awkward_base(Path(tmp) / "awkward-f32.gguf")
         awkward_imatrix = synthetic_imatrix(awkward)
-        out["awkward"] = {"base_sha256": sha256_file(awkward), "files": {}}
-        for name, (ftype, overrides, with_imatrix) in AWKWARD.items():
+        out["awkward"] = {"base_sha256": sha256_file(awkward), "files": {}, "variants": {}}
+        for name, (ftype, overrides, with_imatrix, options) in AWKWARD.items():
             dest = Path(tmp) / f"awkward-{name}.gguf"
-            quantize(awkward, dest, ftype, overrides, awkward_imatrix if with_imatrix else None)
+            quantize(awkward, dest, ftype, overrides, awkward_imatrix if with_imatrix else None, options)
             out["awkward"]["files"][name] = sha256_file(dest)
+            out["awkward"]["variants"][name] = {"type": ftype, "overrides": list(overrides), "imatrix": with_imatrix,
+                                                "options": options}
             dest.unlink()
     GOLDEN.write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
 

@@ -3,16 +3,18 @@
 
 The F16 base is rebuilt from the cached default model (``tests/quantize_files.py``) and checked
 by sha256, so both sides quantize the same bytes. Costs measured on 2 cores under a load of ~14
-(stress-ng and other sessions; warm Numba cache): the base ~5-10 s; the rules of all 24 variants
+(stress-ng and other sessions; warm Numba cache): the base ~5-10 s; the rules of all 30 variants
 (272 tensors each, no quantizing) ~1 s in all; the bytes of a sample per variant (every tensor of
-blocks 0 and 29 and the embedding: 19 of 272) 1-10 s each (~45 s in all); two whole files 17-30 s
+blocks 0 and 29 and the embedding: 19 of 272) 1-10 s each (~1 min in all); three whole files 17-30 s
 each; the imatrix file through the CLI ~20-30 s; loading the Q8_0 file ~10 s (3 min with a cold
-Numba cache); the 23 awkward files (a 2-layer model) <1 s each. ``LLAMATRACE_QUANTIZE_ALL=1`` compares every tensor of every variant (9 min there).
+Numba cache); the 27 awkward files (a 2-layer model) <1 s each, 3 of them again through the CLI
+(~5 s each: start-up). ``LLAMATRACE_QUANTIZE_ALL=1`` compares every tensor of every variant (9 min there).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -63,8 +65,24 @@ def _sha16(entry, name: str, type_name: str) -> str | None:
 
 
 def _types(f, entry) -> dict:
+    """Our rules for a golden variant: its file type, overrides, imatrix and llama-quantize's other options."""
+    options = entry.get("options", {})
     return tensor_types({n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()}, f.metadata,
-                        entry["type"], [Override.parse(o) for o in entry["overrides"]], has_imatrix=entry["imatrix"])
+                        entry["type"], [Override.parse(o) for o in entry["overrides"]], has_imatrix=entry["imatrix"],
+                        pure=options.get("pure", False), leave_output=options.get("leave_output_tensor", False),
+                        output_type=options.get("output_tensor_type") and T[options["output_tensor_type"].upper()],
+                        token_embd_type=options.get("token_embedding_type") and
+                        T[options["token_embedding_type"].upper()])
+
+
+def _cli_options(entry) -> list[str]:
+    """The command-line options of a golden variant (its overrides as --tensor-type)."""
+    options = entry.get("options", {})
+    args = [a for o in entry["overrides"] for a in ("--tensor-type", o)]
+    for key in ("output_tensor_type", "token_embedding_type"):
+        if key in options:
+            args += ["--" + key.replace("_", "-"), options[key]]
+    return args + [f"--{key.replace('_', '-')}" for key in ("pure", "leave_output_tensor") if options.get(key)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -133,6 +151,8 @@ def test_quantized_file_loads_and_keeps_the_metadata(base, tmp_path, capsys):
 def test_bad_input(base, smollm2_path, tmp_path, capsys):
     """Each bad input: one error line, exit 2, nothing at OUT."""
     out = tmp_path / "out.gguf"
+    bad_listing = tmp_path / "bad-types.txt"
+    bad_listing.write_text("attn_v=q8_0\n\nattn_q=q6_k ffn_up=q9_k\n", encoding="utf-8")
     cases = [
         (["quantize", smollm2_path, out, "--type", "Q4_K_M"], "--allow-requantize"),      # a Q4_1 base
         (["quantize", base, out, "--type", "Q7_K"], "--type"),
@@ -141,10 +161,20 @@ def test_bad_input(base, smollm2_path, tmp_path, capsys):
         (["quantize", base, out, "--type", "Q4_K_M", "--tensor-type", "attn_(v=q8_0"], "regular expression"),
         (["quantize", base, tmp_path / "missing" / "out.gguf", "--type", "Q4_K_M"], "does not exist"),
         (["quantize", base, base, "--type", "Q4_K_M"], "base model itself"),
+        (["quantize", base, out, "--type", "Q4_K_M", "--output-tensor-type", "q9_k"], "--output-tensor-type"),
+        (["quantize", base, out, "--type", "Q4_K_M", "--token-embedding-type", "iq4_nl"], "--token-embedding-type"),
+        (["quantize", base, out, "--type", "Q4_K_M", "--token-embedding-type", "q4_k"], "not a multiple of"),
+        (["quantize", base, out, "--type", "Q4_K_M", "--tensor-type-file", tmp_path / "nothing.txt"],
+         "--tensor-type-file"),
+        (["quantize", base, out, "--type", "Q4_K_M", "--tensor-type-file", bad_listing], "line 3"),
+        (["quantize", base, out, "--type", "Q2_K_S"], "--imatrix"),
+        (["quantize", base, out, "--type", "Q4_K_M", "--pure", "-f", bad_listing], "-f"),
     ]
     for args, needle in cases:
         assert_one_line_error(*run(capsys, *args), needle)
-        assert not out.exists() and list(tmp_path.iterdir()) == [], args
+        assert not out.exists() and [p.name for p in tmp_path.iterdir()] == [bad_listing.name], args
+    code, _, err = run(capsys, "quantize", base, out, "--type", "Q4_K_M", "--tensor-type-file", bad_listing)
+    assert "line 3: 'ffn_up=q9_k'" in err
 
 
 def test_unwritable_output_directory(base, tmp_path, capsys):
@@ -217,14 +247,60 @@ def awkward(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("variant", list(GOLDEN["awkward"]["files"]))
 def test_awkward_rows_give_llama_cpps_file(awkward, variant, tmp_path):
     """A random F32 llama with an all-zero block, a huge value, denormals and a constant row in every
-    matrix, rows of 256 and 288, an untied output: each file type (and with an imatrix) is
-    llama.cpp's file, sha256 for sha256."""
-    ftype, with_imatrix = variant.split("+")[0], variant.endswith("+imatrix")
-    imatrix = synthetic_imatrix(awkward) if with_imatrix else None
+    matrix, rows of 256 and 288, an untied output: each file type (with an imatrix, with
+    llama-quantize's options) is llama.cpp's file, sha256 for sha256."""
+    entry = GOLDEN["awkward"]["variants"][variant]
+    imatrix = synthetic_imatrix(awkward) if entry["imatrix"] else None
     out = tmp_path / "out.gguf"
     with open_gguf(awkward) as f:
-        types = tensor_types({n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()},
-                             f.metadata, ftype, has_imatrix=with_imatrix)
-        quantize_gguf(f, out, types, file_type(ftype), imatrix=imatrix, imatrix_info=None if imatrix is None else
-                      ImatrixInfo(GOLDEN["imatrix_file"], None, len(imatrix), 0))
+        quantize_gguf(f, out, _types(f, entry), file_type(entry["type"]), imatrix=imatrix,
+                      imatrix_info=None if imatrix is None else ImatrixInfo(GOLDEN["imatrix_file"], None, len(imatrix), 0))
     assert sha256_file(out) == GOLDEN["awkward"]["files"][variant]
+
+
+@pytest.mark.parametrize("variant", [v for v, e in GOLDEN["awkward"]["variants"].items() if e["options"]])
+def test_options_through_the_cli_give_llama_cpps_file(awkward, variant, tmp_path, capsys):
+    """--output-tensor-type, --token-embedding-type, --leave-output-tensor and --pure as llama-quantize's
+    (on an untied output.weight: each option before the --tensor-type patterns that also name it)."""
+    entry = GOLDEN["awkward"]["variants"][variant]
+    out = tmp_path / "out.gguf"
+    code, _, err = run(capsys, "quantize", awkward, out, "--type", entry["type"], *_cli_options(entry))
+    assert code == 0, err
+    assert sha256_file(out) == GOLDEN["awkward"]["files"][variant]
+
+
+def test_tensor_type_file_gives_llama_cpps_file(base, tmp_path, capsys):
+    """--tensor-type-file: the patterns of a golden variant split over lines and spaces, with
+    --token-embedding-type: llama.cpp's file, sha256 for sha256."""
+    entry = GOLDEN["files"]["Q4_K_M+embd_q4_0+overrides"]
+    patterns = entry["overrides"]
+    listing = tmp_path / "types.txt"
+    listing.write_text(f"{patterns[0]}  {patterns[1]}\n\n\t{' '.join(patterns[2:])}\n", encoding="utf-8")
+    out = tmp_path / "out.gguf"
+    code, _, err = run(capsys, "quantize", base, out, "--type", entry["type"], "--tensor-type-file", listing,
+                       "--token-embedding-type", entry["options"]["token_embedding_type"])
+    assert code == 0, err
+    assert sha256_file(out) == entry["file_sha256"]
+
+
+@pytest.mark.parametrize("file_first", [True, False])
+def test_tensor_type_file_and_options_keep_the_command_line_order(awkward, tmp_path, capsys, file_first):
+    """llama-quantize appends --tensor-type and --tensor-type-file patterns in the order given and the
+    first match wins: the same pattern with two types takes the type given first."""
+    listing = tmp_path / "types.txt"
+    listing.write_text("attn_v=q8_0\n", encoding="utf-8")
+    options = [["--tensor-type-file", listing], ["--tensor-type", "attn_v=q4_0"]]
+    args = [a for pair in (options if file_first else options[::-1]) for a in pair]
+    code, stdout, err = run(capsys, "quantize", awkward, tmp_path / "out.gguf", "--type", "Q4_K_M", "--json", *args)
+    assert code == 0, err
+    types = {t["name"]: t["type"] for t in json.loads(stdout)["tensors"]}
+    assert {types["blk.0.attn_v.weight"], types["blk.1.attn_v.weight"]} == {"Q8_0" if file_first else "Q4_0"}
+
+
+def test_file_type_names_and_numbers_are_llama_cpps():
+    """Each golden variant's ``general.file_type`` (llama.cpp's ``llama_ftype``) is our file type's
+    number, and that number names the same file type (llama-quantize takes either)."""
+    for entry in GOLDEN["files"].values():
+        number = entry["changed"].get("general.file_type", 1)          # unchanged: the F16 base's own 1
+        ftype = file_type(entry["type"])
+        assert (ftype.ftype, file_type(str(number))) == (number, ftype), entry["type"]

@@ -148,3 +148,17 @@ def test_fp16_rounding():
         want = values.astype(np.float16).view(np.uint16)
     np.testing.assert_array_equal(got, want)
     assert fp16_bits(np.float32(np.nan)) == 0x7E00
+
+
+@pytest.mark.parametrize("with_imatrix", [False, True], ids=["ref", "imatrix"])
+@pytest.mark.parametrize("t", LEGACY + K_TYPES, ids=lambda t: t.name)
+def test_float16_rows_equal_ggml_on_their_float32(t, with_imatrix):
+    """An F16 base's rows, given as float16 (widened inside the threads), quantize as ggml quantizes
+    their float32 values: every fp16 bit pattern class (normal, subnormal, zero, inf, NaN) included."""
+    x16 = rows("gaussian", t).astype(np.float16)
+    x16.view(np.uint16)[0, :64] = np.arange(64, dtype=np.uint16) * 0x03FF // 63        # subnormals and 0
+    x16.view(np.uint16)[1, 7] = 0x7C00                                                # inf
+    x16.view(np.uint16)[2, 9] = 0x7E01                                                # NaN
+    qw = importance(x16.shape[1]) if with_imatrix else None
+    want = ggml_quantize(t, x16.astype(np.float32), qw)
+    np.testing.assert_array_equal(quantize_rows(t, x16, qw), want)

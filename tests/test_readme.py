@@ -64,6 +64,8 @@ EXCLUDED.update({
     "[--allow-requantize] [--pure] [--json]": "the command's synopsis, not a command",
     "llamatrace quantize base-f16.gguf out.gguf --type Q4_K_M --tensor-type attn_v=q8_0 --tensor-type "
     "'blk\\.[0-3]\\.ffn_down=q6_k'": "needs an F16 base; tests/test_quantize.py runs --tensor-type on one",
+    "python benchmarks/make_8b.py --type F16 --layers 4 -o /tmp/qf/llama8b-L4-f16.gguf":
+        "a benchmark: a 3.85 GB file, minutes per run, llama-quantize; run by hand",
 })
 RUN_LANGS = ("python", "console", "sh")
 TIMEOUT_S = 600

@@ -17,23 +17,53 @@ from llamatrace.cli.options import RayOpt, ThreadsOpt, WorkersOpt
 from llamatrace.errors import LlamatraceError, OptionError
 
 
+def _in_order(ctx: typer.Context, param: typer.CallbackParam, value):
+    """Click runs option callbacks in the order the options first appear on the command line: keep
+    that order, since llama-quantize reads --tensor-type and --tensor-type-file patterns as given."""
+    if value:
+        ctx.meta.setdefault("quantize.given", []).append(param.name)
+    return value
+
+
+def _given_first(ctx: typer.Context, a: str, b: str) -> bool:
+    """Whether option ``a`` was given before option ``b`` (both given; see :func:`_in_order`)."""
+    given = ctx.meta.get("quantize.given", [])
+    return a in given and b in given and given.index(a) < given.index(b)
+
+
 @app.command()
 def quantize(
+    ctx: typer.Context,
     base: Annotated[Path, typer.Argument(metavar="BASE", help="The model to quantize: a GGUF file in F32, F16, BF16 or Q8_0 "
                                          "(another quantized file needs --allow-requantize).", show_default=False)],
     output: Annotated[Path, typer.Argument(metavar="OUT", help="The GGUF file to write (replaced if it exists; "
                                            "written under a temporary name and renamed when complete).",
                                            show_default=False)],
     type_name: Annotated[Optional[str], typer.Option("--type", metavar="TYPE", help="llama.cpp's file type: Q4_0, "
-                         "Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K_S, Q3_K_M, Q3_K_L, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K "
-                         "(Q3_K, Q4_K, Q5_K = the _M mixes), or F16, BF16, F32. With -f: the stock mix the recipe "
+                         "Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q2_K_S (needs --imatrix), Q3_K_S, Q3_K_M, Q3_K_L, Q4_K_S, "
+                         "Q4_K_M, Q5_K_S, Q5_K_M, Q6_K (Q3_K, Q4_K, Q5_K = the _M mixes), or F16, BF16, F32; or "
+                         "llama.cpp's number for it (15 = Q4_K_M). With -f: the stock mix the recipe "
                          "is compared with (and, without --target-bpw/--target-size, whose size it may not exceed).",
                          show_default=False)] = None,
     tensor_type: Annotated[Optional[list[str]], typer.Option("--tensor-type", metavar="PATTERN=TYPE",
                            help="Give the tensors whose name contains a match of the regular expression PATTERN "
                            "the ggml type TYPE (q4_k, q6_k, q8_0, f16 …), as llama-quantize's --tensor-type: "
                            "the first matching pattern wins over the file type's mix; repeatable.",
-                           show_default=False)] = None,
+                           show_default=False, callback=_in_order)] = None,
+    tensor_type_file: Annotated[Optional[list[Path]], typer.Option("--tensor-type-file", metavar="FILE",
+                                help="PATTERN=TYPE entries as --tensor-type's, separated by spaces or newlines "
+                                "(llama-quantize's --tensor-type-file); before or after the --tensor-type "
+                                "patterns as given first on the command line.", show_default=False,
+                                callback=_in_order)] = None,
+    output_tensor_type: Annotated[Optional[str], typer.Option("--output-tensor-type", metavar="TYPE",
+                                  help="The ggml type of output.weight (and of a token embedding tied to it, "
+                                  "unless --token-embedding-type or --pure), before any --tensor-type.",
+                                  show_default=False)] = None,
+    token_embedding_type: Annotated[Optional[str], typer.Option("--token-embedding-type", metavar="TYPE",
+                                    help="The ggml type of token_embd.weight, before any --tensor-type.",
+                                    show_default=False)] = None,
+    leave_output_tensor: Annotated[bool, typer.Option("--leave-output-tensor", metavar="", help="Keep "
+                                   "output.weight in the base's type (larger, may be better when requantizing).")] = False,
     imatrix: Annotated[Optional[Path], typer.Option("--imatrix", metavar="FILE", help="An importance matrix "
                        "(llama-imatrix's GGUF, or `llamatrace imatrix`'s): each quantized tensor's error is "
                        "weighted by its columns' mean squared input.", show_default=False)] = None,
@@ -92,6 +122,12 @@ def quantize(
 
       llamatrace quantize model-f16.gguf model-q3.gguf --type Q3_K_M --imatrix imatrix.gguf --json
 
+      llamatrace quantize model-f16.gguf model-q4.gguf --type Q4_K_M --output-tensor-type q8_0 --token-embedding-type q4_0
+
+      llamatrace quantize model-f16.gguf model-q4.gguf --type Q4_K_S --leave-output-tensor --tensor-type-file types.txt
+
+      llamatrace quantize model-f16.gguf model-q2.gguf --type Q2_K_S --imatrix imatrix.gguf
+
       llamatrace quantize model-f16.gguf recipe.gguf --target-bpw 5.5 -f calibration.txt --verify-file heldout.txt -o recipe.png
 
       llamatrace quantize model-f16.gguf recipe.gguf --type Q3_K_M -f calibration.txt --verify-file heldout.txt
@@ -102,8 +138,14 @@ def quantize(
     """
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.outputs import check_output_path
-    from llamatrace.quantize.rules import Override, file_type, tensor_types, unmatched
+    from llamatrace.quantize.rules import Override, file_type, ggml_type, read_tensor_type_file, tensor_types, unmatched
 
+    stock_only = {"--tensor-type": tensor_type, "--tensor-type-file": tensor_type_file, "--pure": pure,
+                  "--output-tensor-type": output_tensor_type, "--token-embedding-type": token_embedding_type,
+                  "--leave-output-tensor": leave_output_tensor}
+    if text_file is not None and any(stock_only.values()):
+        raise OptionError(f"{', '.join(k for k, v in stock_only.items() if v)} choose types of a stock mix: the "
+                          f"recipe search (-f) chooses every type itself; leave them out or drop -f")
     if text_file is not None:
         _search(base, output, type_name, imatrix, text_file, target_bpw, target_size, candidates, measure, ctx_size,
                 chunks, verify_file, measurements, plot, threads, json_out, workers, ray)
@@ -116,6 +158,10 @@ def quantize(
                           "for a recipe search")
     ftype = file_type(type_name)
     overrides = [Override.parse(text) for text in tensor_type or []]
+    from_files = [o for path in tensor_type_file or [] for o in read_tensor_type_file(path)]
+    overrides = from_files + overrides if _given_first(ctx, "tensor_type_file", "tensor_type") else overrides + from_files
+    output_type, embd_type = (None if name is None else ggml_type(name, f"{option} {name!r}") for option, name in
+                              (("--output-tensor-type", output_tensor_type), ("--token-embedding-type", token_embedding_type)))
     if output.exists() and base.exists() and output.resolve() == base.resolve():
         raise OptionError(f"OUT {str(output)!r} is the base model itself: give another output file")
     check_output_path(output, "OUT")
@@ -130,7 +176,8 @@ def quantize(
         fallbacks: list[tuple[str, object, object]] = []
         types = tensor_types({n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()},
                              f.metadata, ftype, overrides, pure=pure, has_imatrix=weights is not None,
-                             on_fallback=lambda *a: fallbacks.append(a))
+                             output_type=output_type, token_embd_type=embd_type,
+                             leave_output=leave_output_tensor, on_fallback=lambda *a: fallbacks.append(a))
         for o in unmatched(overrides, f.tensors):
             _warn(f"--tensor-type {o.pattern}={o.ggml_type.name.lower()}: the pattern matches no tensor "
                           f"of {base.name}")

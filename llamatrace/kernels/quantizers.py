@@ -28,13 +28,14 @@ import math
 from functools import partial
 
 import gguf
+import numba
 import numpy as np
 from numba import njit, prange
 
 from llamatrace.kernels import quantizers_k as qk
 from llamatrace.kernels.jit import JIT_QUANT, JIT_QUANT_PARALLEL
-from llamatrace.kernels.quantizers_k import (F32, fp16_np, make_qkx, make_qkx_np,
-                                             make_qx, make_qx_np, put_fp16)
+from llamatrace.kernels.quantizers_k import (F32, claim_rows, fp16_np, make_qkx, make_qkx_np,
+                                             make_qx, make_qx_np, put_fp16, row_chunk, row_f32)
 
 T = gguf.GGMLQuantizationType
 QK = 32
@@ -224,37 +225,64 @@ def _q8_0_row(x, qw, out):
             ob[2 + j] = _c_int8(_roundf(F32(xb[j] * idd))) & 0xFF
 
 
-# one parallel driver per type: Numba compiles (and caches) only the types a run uses
+# one parallel driver per type: Numba compiles (and caches) only the types a run uses; x is float32
+# rows or an F16 base's uint16 bits (row_f32); one prange iteration per thread, rows claimed in chunks
+# (quantizers_k.claim_rows)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q4_0_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q4_0_row(x[r], qw, out[r])
+def _q4_0_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q4_0_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q4_1_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q4_1_row(x[r], qw, out[r])
+def _q4_1_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q4_1_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q5_0_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q5_0_row(x[r], qw, out[r])
+def _q5_0_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q5_0_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q5_1_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q5_1_row(x[r], qw, out[r])
+def _q5_1_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q5_1_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q8_0_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q8_0_row(x[r], qw, out[r])
+def _q8_0_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q8_0_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,8 +415,9 @@ QUANTIZABLE = tuple(_KERNELS)
 """The GGML types :func:`quantize_rows` writes."""
 
 
-def _checked(ggml_type, x, imatrix):
-    """(type, x float32 C-contiguous [n_rows, n], imatrix float32 [n] or None, block weights, block bytes)."""
+def _checked(ggml_type, x, imatrix, keep_f16: bool = False):
+    """(type, x float32 C-contiguous [n_rows, n] (float16 kept with ``keep_f16``), imatrix float32 [n]
+    or None, block weights, block bytes)."""
     try:
         t = T(int(ggml_type))
     except (ValueError, TypeError):
@@ -402,7 +431,7 @@ def _checked(ggml_type, x, imatrix):
         raise ValueError(f"{t.name}: rows must be a 2-D array [n_rows, n_per_row], got shape {x.shape}")
     if x.shape[1] % block:
         raise ValueError(f"{t.name}: n_per_row {x.shape[1]} is not a multiple of its block size {block}")
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float16 if keep_f16 and x.dtype == np.float16 else np.float32)
     if imatrix is not None:
         imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
         if imatrix.shape != (x.shape[1],):
@@ -415,17 +444,18 @@ def quantize_rows(ggml_type, x: np.ndarray, imatrix: np.ndarray | None = None) -
     over rows).
 
     ggml_type: a :class:`gguf.GGMLQuantizationType` (or its int) in :data:`QUANTIZABLE`.
-    x: float32 ``[n_rows, n_per_row]`` (other float dtypes are converted), ``n_per_row`` a
-    multiple of the type's block (32, or 256 for the K types). imatrix: float32 ``[n_per_row]``
+    x: float32 ``[n_rows, n_per_row]`` (float16 is widened row by row inside the threads, exactly;
+    other float dtypes are converted first), ``n_per_row`` a multiple of the type's block (32, or
+    256 for the K types). imatrix: float32 ``[n_per_row]``
     importance per column (``llama-imatrix``'s mean squared activations) or None; Q8_0 ignores it.
     Returns uint8 ``[n_rows, n_per_row / block * block_bytes]``: the GGUF tensor data.
     Raises ValueError for another type, a shape that is not 2-D or not a multiple of the
     block, or an imatrix of another length.
     """
-    t, x, imatrix, block, nbytes = _checked(ggml_type, x, imatrix)
+    t, x, imatrix, block, nbytes = _checked(ggml_type, x, imatrix, keep_f16=True)
     out = np.empty((x.shape[0], x.shape[1] // block * nbytes), np.uint8)
     qw = np.empty(0, np.float32) if imatrix is None else imatrix
-    _KERNELS[t][0](x, qw, out)
+    _KERNELS[t][0](x.view(np.uint16) if x.dtype == np.float16 else x, qw, out, numba.get_num_threads())
     return out
 
 

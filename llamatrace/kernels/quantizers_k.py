@@ -39,9 +39,10 @@ import gguf
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
-from llamatrace.kernels.jit import F16_TABLE, JIT_QUANT, JIT_QUANT_PARALLEL
+from llamatrace.kernels.jit import F16_TABLE, JIT_QUANT, JIT_QUANT_PARALLEL, f16
 
 
 QK_K = 256
@@ -686,37 +687,114 @@ def _q6_k_row(x, qw, out):
                                         | ((q[3] >> 4) << 6)) & 0xFF
 
 
-# one parallel driver per type: Numba compiles (and caches) only the types a run uses
+def row_f32(row):
+    """A row of weights as float32 ``[n]``: a float32 row itself, or an F16 base's row (uint16 fp16
+    bits) widened exactly into a new array. In the parallel drivers, so each thread widens its own
+    rows (an F16 tensor is never converted whole, single-threaded, before quantizing)."""
+    return np.asarray(row, np.float32)
+
+
+@overload(row_f32, inline="always")
+def _row_f32(row):
+    if row.dtype == types.float32:
+        return lambda row: row
+    if row.dtype == types.uint16:
+        def widen(row):
+            out = np.empty(row.shape[0], np.float32)
+            for j in range(row.shape[0]):
+                out[j] = f16(row[j])
+            return out
+        return widen
+
+
+CHUNK_WEIGHTS = 16384
+"""Weights a thread claims at a time (whole rows, at least one): llama-quantize's chunk size."""
+
+
+@intrinsic
+def _fetch_add(typingctx, counter, value):
+    """Atomically add ``value`` to ``counter[0]`` (int64 ``[1]``) and return what it held."""
+    if counter == types.Array(types.int64, 1, "C") and value == types.int64:
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, signature.args[0], ary,
+                                           [context.get_constant(types.intp, 0)])
+            return builder.atomic_rmw("add", ptr, args[1], "monotonic")
+        return types.int64(counter, value), codegen
+
+
+@njit(**JIT_QUANT, inline="always")
+def claim_rows(counter, n_rows, chunk):
+    """The next ``[first, last)`` rows for this thread (``first == last``: none left). Threads claim
+    chunks as they finish, as llama-quantize's workers do: a thread the machine runs less does
+    fewer rows, instead of the others waiting for it at the end of a static split."""
+    first = min(_fetch_add(counter, np.int64(chunk)), n_rows)
+    return first, min(first + chunk, n_rows)
+
+
+@njit(**JIT_QUANT, inline="always")
+def row_chunk(n_per_row):
+    """Rows a thread claims at a time: :data:`CHUNK_WEIGHTS` weights of rows of ``n_per_row``, at least one."""
+    return max(1, CHUNK_WEIGHTS // n_per_row)
+
+
+# one parallel driver per type: Numba compiles (and caches) only the types a run uses; x is float32
+# rows or an F16 base's uint16 bits (row_f32); one prange iteration per thread, rows claimed in chunks
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q2_k_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q2_k_row(x[r], qw, out[r])
+def _q2_k_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q2_k_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q3_k_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q3_k_row(x[r], qw, out[r])
+def _q3_k_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q3_k_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q4_k_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q4_k_row(x[r], qw, out[r])
+def _q4_k_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q4_k_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q5_k_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q5_k_row(x[r], qw, out[r])
+def _q5_k_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q5_k_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 @njit(**JIT_QUANT_PARALLEL)
-def _q6_k_rows(x, qw, out):
-    for r in prange(x.shape[0]):
-        _q6_k_row(x[r], qw, out[r])
+def _q6_k_rows(x, qw, out, n_threads):
+    counter, chunk = np.zeros(1, np.int64), row_chunk(x.shape[1])
+    for _ in prange(n_threads):
+        first, last = claim_rows(counter, x.shape[0], chunk)
+        while first < last:
+            for r in range(first, last):
+                _q6_k_row(row_f32(x[r]), qw, out[r])
+            first, last = claim_rows(counter, x.shape[0], chunk)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1127,4 +1205,4 @@ KERNELS = {
     _T.Q4_K: (_q4_k_rows, _super_blocks(_q4_k_np)), _T.Q5_K: (_q5_k_rows, _super_blocks(_q5_k_np)),
     _T.Q6_K: (_q6_k_rows, _super_blocks(_q6_k_np)),
 }
-"""GGML type -> (Numba rows kernel ``(x, qw, out)``, NumPy twin ``(x, qw | None) -> bytes``)."""
+"""GGML type -> (Numba rows kernel ``(x, qw, out, n_threads)``, NumPy twin ``(x, qw | None) -> bytes``)."""

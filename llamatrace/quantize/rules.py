@@ -6,16 +6,19 @@ Read from llama.cpp's ``src/llama-quant.cpp`` (llama-cpp-python 0.3.36's vendore
 (:func:`llama_order`: tensors outside the blocks first, then block by block, by name within each):
 
 1. a tensor llama.cpp never quantizes (fewer than 2 dimensions, a name not ending in ``weight``,
-   the norms …: :func:`allows_quantization`) keeps its type;
-2. a file type whose default type is a float (F32, F16, BF16) gives every other tensor that type;
-3. else the first ``--tensor-type PATTERN=TYPE`` whose regular expression is found in the name
+   the norms …: :func:`allows_quantization`; ``output.weight`` with ``--leave-output-tensor``) keeps its type;
+2. ``--token-embedding-type`` decides the token embedding, and ``--output-tensor-type`` the output
+   matrix, before anything else and without a fallback (a type whose blocks do not divide the rows
+   is an error here; llama.cpp aborts);
+3. a file type whose default type is a float (F32, F16, BF16) gives every other tensor that type;
+4. else the first ``--tensor-type PATTERN=TYPE`` whose regular expression is found in the name
    decides (:class:`Override`; the pattern is lower-cased, as ``llama-quantize`` does), and
    otherwise the file type's mix (:func:`_mix`) unless ``pure``: the output matrix (and the
-   token embedding when tied to it) Q6_K, or Q8_0 when its rows do not fill the default type's
+   token embedding when tied to it) ``--output-tensor-type`` if given, else Q6_K, or Q8_0 when its rows do not fill the default type's
    blocks; more bits for ``attn_v`` and ``ffn_down`` in the layers :func:`use_more_bits` picks
    (the first and last eighth and every third between), counted in order of appearance
    (``attn_v``) or by layer (``ffn_down``); Q5_K for ``attn_v`` of a Llama 70B …;
-4. a type whose block does not divide the rows falls back (``tensor_type_fallback``): Q2_K and
+5. a type whose block does not divide the rows falls back (``tensor_type_fallback``): Q2_K and
    Q3_K to Q4_0, Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, and F16 when even that does not fit.
 
 Shapes here are ggml's (``ne[0]`` = the row length), as in llama.cpp.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import gguf
@@ -47,11 +51,13 @@ FILE_TYPES: dict[str, FileType] = {ft.name: ft for ft in (
     FileType("F32", 0, T.F32), FileType("F16", 1, T.F16), FileType("BF16", 32, T.BF16),
     FileType("Q4_0", 2, T.Q4_0), FileType("Q4_1", 3, T.Q4_1), FileType("Q5_0", 8, T.Q5_0),
     FileType("Q5_1", 9, T.Q5_1), FileType("Q8_0", 7, T.Q8_0), FileType("Q2_K", 10, T.Q2_K),
-    FileType("Q3_K_S", 11, T.Q3_K), FileType("Q3_K_M", 12, T.Q3_K), FileType("Q3_K_L", 13, T.Q3_K),
+    FileType("Q2_K_S", 21, T.Q2_K), FileType("Q3_K_S", 11, T.Q3_K), FileType("Q3_K_M", 12, T.Q3_K), FileType("Q3_K_L", 13, T.Q3_K),
     FileType("Q4_K_S", 14, T.Q4_K), FileType("Q4_K_M", 15, T.Q4_K), FileType("Q5_K_S", 16, T.Q5_K),
     FileType("Q5_K_M", 17, T.Q5_K), FileType("Q6_K", 18, T.Q6_K),
 )}
-"""The file types ``llamatrace quantize --type`` writes, by ``llama-quantize``'s name."""
+"""The file types ``llamatrace quantize --type`` writes, by ``llama-quantize``'s name. The others
+of llama.cpp 0.3.36 need ggml types llamatrace cannot quantize: IQ1_S/M, IQ2_XXS/XS/S/M, IQ3_XXS/XS/S/M,
+IQ4_NL/XS (the i-quants), TQ1_0/TQ2_0, Q1_0, Q2_0, MXFP4_MOE, NVFP4."""
 
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
 """``llama-quantize``'s short names."""
@@ -79,12 +85,15 @@ _CATEGORIES = (("attn_qkv.weight", "attn_v"), ("attn_kv_b.weight", "attn_v"), ("
 
 
 def file_type(name: str) -> FileType:
-    """The file type called ``name`` (any case; ``Q4_K`` is ``Q4_K_M`` as in llama-quantize).
+    """The file type called ``name`` (any case; ``Q4_K`` is ``Q4_K_M``, and ``15`` is the file type
+    numbered 15, as in llama-quantize).
 
     Raises:
         OptionError: an unknown or unsupported name.
     """
     key = ALIASES.get(name.upper(), name.upper())
+    if key.isdigit():
+        key = next((ft.name for ft in FILE_TYPES.values() if ft.ftype == int(key)), key)
     if key not in FILE_TYPES:
         raise OptionError(f"--type {name!r} is not a file type llamatrace writes; choose one of "
                           f"{', '.join(FILE_TYPES)} (or {', '.join(ALIASES)})")
@@ -108,22 +117,51 @@ class Override:
             OptionError: no ``=``, an empty pattern or type, a bad regular expression, or a type
                 llamatrace cannot write.
         """
+        return cls._parse(text, f"--tensor-type {text!r}")
+
+    @classmethod
+    def _parse(cls, text: str, where: str) -> "Override":
         pattern, sep, type_name = text.partition("=")
         if not sep or not pattern or not type_name:
-            raise OptionError(f"--tensor-type {text!r}: write PATTERN=TYPE, e.g. attn_v=q6_k or 'blk\\.[0-3]\\.ffn_down=q5_k'")
+            raise OptionError(f"{where}: write PATTERN=TYPE, e.g. attn_v=q6_k or 'blk\\.[0-3]\\.ffn_down=q5_k'")
         pattern = pattern.lower()
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise OptionError(f"--tensor-type {text!r}: {pattern!r} is not a regular expression ({exc})") from None
-        ggml_type = getattr(T, type_name.upper(), None)
-        if ggml_type not in TENSOR_TYPES:
-            raise OptionError(f"--tensor-type {text!r}: {type_name!r} is not a type llamatrace writes; choose one of "
-                              f"{', '.join(t.name.lower() for t in TENSOR_TYPES)}")
-        return cls(pattern, ggml_type)
+            raise OptionError(f"{where}: {pattern!r} is not a regular expression ({exc})") from None
+        return cls(pattern, ggml_type(type_name, where))
 
     def matches(self, name: str) -> bool:
         return re.search(self.pattern, name) is not None
+
+
+def ggml_type(name: str, where: str) -> T:
+    """The ggml type called ``name`` (any case: ``q6_k``), one llamatrace writes (:data:`TENSOR_TYPES`).
+
+    Raises:
+        OptionError: another name; the message starts with ``where`` (the option and its value).
+    """
+    t = getattr(T, name.upper(), None)
+    if t not in TENSOR_TYPES:
+        raise OptionError(f"{where}: {name!r} is not a type llamatrace writes; choose one of "
+                          f"{', '.join(t.name.lower() for t in TENSOR_TYPES)}")
+    return t
+
+
+def read_tensor_type_file(path: str | Path) -> list[Override]:
+    """The overrides of llama-quantize's ``--tensor-type-file``: ``PATTERN=TYPE`` entries separated by
+    spaces or newlines, in order.
+
+    Raises:
+        OptionError: the file cannot be read, or an entry is not a valid override (its line is named).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise OptionError(f"--tensor-type-file {str(path)!r}: cannot read it ({reason})") from None
+    return [Override._parse(entry, f"--tensor-type-file {str(path)!r} line {n}: {entry!r}")
+            for n, line in enumerate(text.splitlines(), 1) for entry in line.split()]
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -238,11 +276,13 @@ def _layer(name: str, counter: int, model: ModelShape) -> int:
 
 
 def _mix(t: T, name: str, ne0: int, ft: str, cat: str, model: ModelShape, tied: bool,
-         has_imatrix: bool, c: _Counters) -> T:
+         has_imatrix: bool, c: _Counters, output_type: T | None) -> T:
     """``llama_tensor_get_type_impl`` for the file types of :data:`FILE_TYPES`."""
     falcon = model.arch == "falcon"
     n = model.n_layers
     if cat == "output" or (tied and cat == "token_embd"):
+        if output_type is not None:
+            return output_type
         if falcon or ne0 % gguf.GGML_QUANT_SIZES[t][0] != 0:
             return T.Q8_0
         return t if t == T.Q8_0 else T.Q6_K
@@ -250,6 +290,8 @@ def _mix(t: T, name: str, ne0: int, ft: str, cat: str, model: ModelShape, tied: 
         i, n_wv = c.i_attention_wv, c.n_attention_wv
         if ft == "Q2_K":
             t = T.Q4_K if model.n_gqa >= 4 else T.Q3_K
+        elif ft == "Q2_K_S" and model.n_gqa >= 4:
+            t = T.Q4_K
         elif ft == "Q3_K_M":
             t = T.Q5_K if i < 2 else T.Q4_K
         elif ft == "Q3_K_L":
@@ -270,6 +312,9 @@ def _mix(t: T, name: str, ne0: int, ft: str, cat: str, model: ModelShape, tied: 
         i = _layer(name, c.i_ffn_down, model)
         if ft == "Q2_K":
             t = T.Q3_K
+        elif ft == "Q2_K_S":
+            if i < n // 8:
+                t = T.Q4_K
         elif ft == "Q3_K_M":
             t = T.Q5_K if i < n // 16 else T.Q4_K if not falcon or use_more_bits(i, n) else T.Q3_K
         elif ft == "Q3_K_L":
@@ -300,6 +345,7 @@ def _mix(t: T, name: str, ne0: int, ft: str, cat: str, model: ModelShape, tied: 
 
 def tensor_types(tensors: Mapping[str, tuple[T, Sequence[int]]], metadata: Mapping[str, Any], ftype: FileType | str,
                  overrides: Sequence[Override] = (), *, pure: bool = False, has_imatrix: bool = False,
+                 output_type: T | None = None, token_embd_type: T | None = None, leave_output: bool = False,
                  on_fallback: Callable[[str, T, T], None] | None = None) -> dict[str, T]:
     """The type llama-quantize gives each tensor, in llama.cpp's order.
 
@@ -310,13 +356,19 @@ def tensor_types(tensors: Mapping[str, tuple[T, Sequence[int]]], metadata: Mappi
         overrides: ``--tensor-type`` overrides; the first whose pattern is found in a name wins.
         pure: every quantizable tensor the default type (llama-quantize's ``--pure``), overrides still apply.
         has_imatrix: an importance matrix is given (Q4_0/Q5_0 then give the first ffn_down layers Q4_1/Q5_1).
+        output_type: ``--output-tensor-type``: ``output.weight``'s type, before the overrides (and the
+            tied token embedding's in the mix, with the fallback).
+        token_embd_type: ``--token-embedding-type``: the token embedding's type, before the overrides
+            (``per_layer_token_embd.weight`` only when no override names it).
+        leave_output: ``--leave-output-tensor``: ``output.weight`` keeps its type.
         on_fallback: called ``(name, wanted, written)`` for a tensor whose rows do not fit the wanted type's blocks.
 
     Returns:
         name → ggml type, ordered as llama.cpp writes the tensors (:func:`llama_order`).
 
     Raises:
-        OptionError: an unknown file type, or a model the rules cannot place (no block count).
+        OptionError: an unknown file type, a model the rules cannot place (no block count), or an
+            output/token embedding type whose blocks do not divide that tensor's rows.
     """
     ft = file_type(ftype) if isinstance(ftype, str) else ftype
     model = ModelShape.from_metadata(metadata)
@@ -327,22 +379,50 @@ def tensor_types(tensors: Mapping[str, tuple[T, Sequence[int]]], metadata: Mappi
     out: dict[str, T] = {}
     for name in order:
         current, shape = tensors[name]
-        if not allows_quantization(name, shape):
+        if not allows_quantization(name, shape) or (leave_output and name == "output.weight"):
             out[name] = T(current)
+            continue
+        cat = category(name)
+        manual = next((o for o in overrides if o.matches(name)), None)
+        if token_embd_type is not None and cat == "token_embd" and (
+                name != "per_layer_token_embd.weight" or manual is None):
+            out[name] = _whole_rows(token_embd_type, name, int(shape[0]), "--token-embedding-type")
+            continue
+        if output_type is not None and cat == "output":
+            out[name] = _whole_rows(output_type, name, int(shape[0]), "--output-tensor-type")
             continue
         t = ft.default
         if default_quantized:
-            manual = next((o for o in overrides if o.matches(name)), None)
             if manual is not None:
                 t = manual.ggml_type
             elif not pure:
-                t = _mix(t, name, int(shape[0]), ft.name, category(name), model, tied, has_imatrix, counters)
+                t = _mix(t, name, int(shape[0]), ft.name, cat, model, tied, has_imatrix, counters, output_type)
             written = fallback(t, int(shape[0]))
             if written != t and on_fallback is not None:
                 on_fallback(name, t, written)
             t = written
         out[name] = t
     return out
+
+
+def _whole_rows(t: T, name: str, ne0: int, option: str) -> T:
+    """``t`` if its blocks divide rows of ``ne0`` (llama.cpp takes these two options without a fallback).
+
+    Raises:
+        OptionError: they do not.
+    """
+    block = gguf.GGML_QUANT_SIZES[t][0]
+    if ne0 % block:
+        raise OptionError(f"{option} {t.name.lower()}: the rows of {name} have {ne0} weights, not a multiple of "
+                          f"{t.name.lower()}'s {block}-weight blocks; choose a type with blocks of 32 (q8_0, q5_0, "
+                          f"q4_0 …) or f16")
+    return t
+
+
+def requires_imatrix(name: str, t: T, ftype: FileType) -> bool:
+    """llama.cpp's ``tensor_requires_imatrix`` for the types llamatrace writes: the Q2_K tensors of a
+    Q2_K_S file, the token embedding and output aside."""
+    return t == T.Q2_K and ftype.name == "Q2_K_S" and category(name) not in ("token_embd", "output")
 
 
 def unmatched(overrides: Sequence[Override], names: Iterable[str]) -> list[Override]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from llamatrace.errors import OptionError, OutputError
 from llamatrace.gguf.reader import GGUFFile, Tensor
-from llamatrace.quantize.rules import FileType, category, llama_order, n_dims
+from llamatrace.quantize.rules import FileType, category, llama_order, n_dims, requires_imatrix
 
 T = gguf.GGMLQuantizationType
 QUANTIZATION_VERSION = 2
@@ -94,7 +94,8 @@ def convert_rows(ggml_type: T, x: np.ndarray, imatrix: np.ndarray | None = None)
     """float32 rows → the tensor data of ``ggml_type``, as ``ggml_quantize_chunk`` writes it.
 
     Args:
-        x: float32 ``[n_rows, n_per_row]``.
+        x: float32 ``[n_rows, n_per_row]``, or float16 (an F16 base's rows: the quantizers widen
+            each row in their threads, exactly as a float32 copy would).
         imatrix: float32 ``[n_per_row]`` column importances, or None (the float types ignore it).
 
     Returns:
@@ -106,7 +107,7 @@ def convert_rows(ggml_type: T, x: np.ndarray, imatrix: np.ndarray | None = None)
     if ggml_type == T.F32:
         return np.ascontiguousarray(x, np.float32).view(np.uint8)
     if ggml_type == T.F16:
-        return x.astype(np.float16).view(np.uint8)       # round to nearest even, as ggml_fp32_to_fp16_row
+        return np.ascontiguousarray(x, np.float16).view(np.uint8)   # round to nearest even, as ggml_fp32_to_fp16_row
     if ggml_type == T.BF16:
         return _bf16_bits(x).view(np.uint8)
     from llamatrace.kernels.quantizers import quantize_rows   # Numba: only when quantizing
@@ -115,13 +116,14 @@ def convert_rows(ggml_type: T, x: np.ndarray, imatrix: np.ndarray | None = None)
 
 def dequantize(t: Tensor, rows: slice) -> np.ndarray:
     """Rows ``rows`` of tensor ``t`` (all dimensions after the first flattened into rows) as
-    float32 ``[n, ne0]``, as llama.cpp's ``llama_tensor_dequantize_impl`` (gguf-py's dequantizers)."""
+    float32 ``[n, ne0]``, as llama.cpp's ``llama_tensor_dequantize_impl`` (gguf-py's dequantizers);
+    an F16 tensor's rows stay float16 (a view of the file: :func:`convert_rows` widens them)."""
     ne0 = int(t.shape[0])
     data = t.data.reshape(-1, t.data.shape[-1])[rows]
     if t.tensor_type == T.F32:
         return np.asarray(data, np.float32)
     if t.tensor_type == T.F16:
-        return data.astype(np.float32)
+        return np.asarray(data, np.float16)
     return gguf.quants.dequantize(np.ascontiguousarray(data), t.tensor_type).reshape(-1, ne0)
 
 
@@ -211,8 +213,9 @@ def quantize_gguf(base: GGUFFile, out: Path, types: Mapping[str, T], ftype: File
         :class:`QuantizeSummary`.
 
     Raises:
-        OptionError: a quantized base without ``allow_requantize``, or an imatrix entry whose size
-            differs from its tensor's rows (an importance matrix of another model).
+        OptionError: a quantized base without ``allow_requantize``, an imatrix entry whose size
+            differs from its tensor's rows (an importance matrix of another model), or a tensor that
+            needs an imatrix entry and has none (the Q2_K tensors of a Q2_K_S file, as llama.cpp).
         OutputError: ``out`` cannot be written.
     """
     start = time.perf_counter()
@@ -221,6 +224,13 @@ def quantize_gguf(base: GGUFFile, out: Path, types: Mapping[str, T], ftype: File
         raise OptionError("the tensor types do not name every tensor of the base model")
     check_requantize(base, types, allow_requantize)
     imatrix = _usable_imatrix(base, types, imatrix or {})
+    needs = [n for n in order if types[n] != base.tensors[n].tensor_type and n not in imatrix
+             and requires_imatrix(n, types[n], ftype)]
+    if needs:
+        raise OptionError(f"{ftype.name} needs an importance matrix for its {types[needs[0]].name} tensors "
+                          f"(as llama-quantize: without one they are garbage) and "
+                          f"{'none was given' if not imatrix else 'it has no entry for ' + needs[0]}: "
+                          f"add --imatrix FILE (llama-imatrix's or `llamatrace imatrix`'s)")
 
     summary = QuantizeSummary(types={name: T(types[name]) for name in order})
     writer = gguf.GGUFWriter(None, arch=str(base.metadata.get("general.architecture", "")))
