@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status, status_bar, stdout
-from llamatrace.cli.options import ThreadsOpt
+from llamatrace.cli.options import NoCacheOpt, ThreadsOpt
 from llamatrace.errors import LlamatraceError, OptionError
 
 
@@ -66,6 +66,7 @@ def quantize(
     plot: Annotated[Optional[Path], typer.Option("--output", "-o", help="With -f: a picture of the recipe, bits "
                     "and sensitivity per layer and matrix (.png, .svg or .pdf).", show_default=False)] = None,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (every tensor's "
                                            "type, the fallbacks, sizes, bits per weight) instead of the summary.")] = False,
 ) -> None:
