@@ -51,8 +51,8 @@ NoCacheOpt = Annotated[bool, typer.Option(
     "--no-cache", metavar="", callback=_no_cache, expose_value=False, help="Pack the weights in memory, without the "
     "packed-weights cache: by default the first load of a model file writes its packed weights to "
     "~/.cache/llamatrace/packed (about the file's size, per activations mode; the least recently used go "
-    "beyond $LLAMATRACE_PACKED_CACHE_GB, default 20 GB) and later loads map them: an 8B model loads 2-3x "
-    "faster, its first load ~20-30 % slower. Same as LLAMATRACE_NO_CACHE=1.")]
+    "beyond $LLAMATRACE_PACKED_CACHE_GB, default 20 GB) and later loads map them: an 8B model loads 2-5x "
+    "faster, its first load takes 1.5-2x as long. Same as LLAMATRACE_NO_CACHE=1.")]
 """Declare it as ``no_cache: NoCacheOpt = False``; it acts through the environment (its value never
 reaches the command), so every load the command makes, in this process or a worker, sees it."""
 WorkersOpt = Annotated[int, typer.Option(
