@@ -19,7 +19,7 @@ float32 scales add 2 bytes per block: +11 % on Q4_0). Its name is
   :mod:`llamatrace.kernels`, this one and :mod:`llamatrace.model.llama`: a changed layout can't
   be read by a kernel that expects another) and the CPU features the kernels are compiled for.
 
-File layout: ``MAGIC``, the header's length (uint64), the header (JSON: the key, the file size,
+File layout: ``MAGIC``, the header's length (uint64), the header (JSON: the key, the arrays' bytes,
 each weight's name, type, shape and arrays as ``[offset, dtype, shape]``), the arrays from the
 next 4 KiB, each at a 64-byte offset, in the order the loader asked for them (the order a
 forward pass reads them), then the key's first 16 bytes. A reader checks all of it but the
