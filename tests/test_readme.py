@@ -205,9 +205,10 @@ def console_commands(block: Block) -> list[Command]:
 def readme_env(smollm2_path):
     """The environment a README reader has: the default model (resolved, so never fetched twice)
     and this checkout's package; a wide terminal, as the README's tables were shown in; no status
-    lines (``LLAMATRACE_QUIET``: whether one appears depends on timing)."""
+    lines (``LLAMATRACE_QUIET``: whether one appears depends on timing); the suite's cache settings
+    (``LLAMATRACE_NO_CACHE``: no packed weights written into the user cache)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LLAMATRACE_", "PYTEST_")) or k == "LLAMATRACE_CACHE_DIR"}
+           if not k.startswith(("LLAMATRACE_", "PYTEST_")) or k in ("LLAMATRACE_CACHE_DIR", "LLAMATRACE_NO_CACHE")}
     env.update({"PYTHONPATH": str(REPO), "LLAMATRACE_MODEL": str(smollm2_path), "COLUMNS": "160",
                 "PYTHONIOENCODING": "utf-8", "NO_COLOR": "1", "TERM": "dumb",
                 "LLAMATRACE_QUIET": "1"})
