@@ -17,6 +17,10 @@ from gguf_factory import T, write_tiny_llama  # noqa: E402
 # tests of the status lines themselves unset it (monkeypatch.delenv).
 os.environ["LLAMATRACE_QUIET"] = "1"
 
+# No test writes into the user's packed-weights cache (llamatrace.model.packcache): the suite loads
+# hundreds of temporary files. The cache's own tests turn it back on, in a temporary folder.
+os.environ["LLAMATRACE_NO_CACHE"] = "1"
+
 # The local Ray clusters the tests start run their actors at the suite's priority, as
 # `--ray local` does (corpus.ray_runner.connect): at Ray's default nice 15 a machine kept busy by
 # another process starves them, and a Ray test takes many times its time.

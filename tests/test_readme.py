@@ -56,6 +56,8 @@ EXCLUDED.update({
         "builds llama-cpp-python for CPUs with AMX (minutes), never a CI dependency",
     "llamatrace bench --activations f32 --activations q8 --against llama.cpp [--model M]    # SmolLM2: 128 + 64 tokens, 5 runs":
         "benchmarks: minutes long, need llama-cpp-python, run by hand (tests/test_bench.py runs bench itself)",
+    "python benchmarks/bench_load.py -m 8b-q4_k_m.gguf --activations q8 --activations f32 --rounds 2 \\":
+        "a benchmark on 8B-shaped files (~5 GB each, minutes), needs llama-cpp-python, run by hand",
     "llamatrace imatrix -f calibration.txt [--model BASE.gguf] [--ctx-size 512] [-o imatrix.gguf]":
         "the command's synopsis, not a command",
     "llamatrace quantize BASE.gguf OUT.gguf --target-bpw 5.5 -f calibration.txt [--candidates Q3_K,Q4_K,Q5_K,Q6_K,Q8_0]":
@@ -205,9 +207,10 @@ def console_commands(block: Block) -> list[Command]:
 def readme_env(smollm2_path):
     """The environment a README reader has: the default model (resolved, so never fetched twice)
     and this checkout's package; a wide terminal, as the README's tables were shown in; no status
-    lines (``LLAMATRACE_QUIET``: whether one appears depends on timing)."""
+    lines (``LLAMATRACE_QUIET``: whether one appears depends on timing); the suite's cache settings
+    (``LLAMATRACE_NO_CACHE``: no packed weights written into the user cache)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LLAMATRACE_", "PYTEST_")) or k == "LLAMATRACE_CACHE_DIR"}
+           if not k.startswith(("LLAMATRACE_", "PYTEST_")) or k in ("LLAMATRACE_CACHE_DIR", "LLAMATRACE_NO_CACHE")}
     env.update({"PYTHONPATH": str(REPO), "LLAMATRACE_MODEL": str(smollm2_path), "COLUMNS": "160",
                 "PYTHONIOENCODING": "utf-8", "NO_COLOR": "1", "TERM": "dumb",
                 "LLAMATRACE_QUIET": "1"})

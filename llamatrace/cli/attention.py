@@ -19,6 +19,7 @@ from llamatrace.cli.options import (
     check_run_options,
     default_prompt,
     ModelOpt,
+    NoCacheOpt,
     parse_layers,
     prepare_run,
     PromptFileOpt,
@@ -50,6 +51,7 @@ def attention(
     system: SystemOpt = None,
     prompt_file: PromptFileOpt = None,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     activations: ActivationsOpt = "f32",
 ) -> None:
     """Draw one layer's attention: which keys each query token attends to, per head.

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.cli.app import app, out, plural, status_spinner
-from llamatrace.cli.options import ModelOpt, ThreadsOpt, check_activations, default_activations, model_file
+from llamatrace.cli.options import ModelOpt, NoCacheOpt, ThreadsOpt, check_activations, default_activations, model_file
 
 
 @app.command()
@@ -21,6 +21,7 @@ def bench(
     decode_tokens: Annotated[int, typer.Option("--decode-tokens", help="Greedy decode steps after it.")] = 64,
     repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per engine (the median is shown).")] = 5,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     activations: Annotated[Optional[list[str]], typer.Option(
         "--activations", metavar="f32|q8", help="llamatrace's activations: f32 (float32, HF's arithmetic) or q8 "
         "(8-bit, llama.cpp's). Repeatable: each mode runs as an engine of its own. Default: generate's "

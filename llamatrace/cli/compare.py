@@ -22,6 +22,7 @@ from llamatrace.cli.options import (
     LAYER_HELP,
     load_model,
     ModelOpt,
+    NoCacheOpt,
     parse_layers,
     parse_stages,
     prepare_run,
@@ -59,6 +60,7 @@ def compare(
         "see above).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     activations: ActivationsOpt = "f32",
 ) -> None:
     """Compare every stage of our forward pass with a reference, and find the first divergence.

@@ -19,6 +19,7 @@ from llamatrace.cli.options import (
     check_run_options,
     default_prompt,
     ModelOpt,
+    NoCacheOpt,
     parse_layers,
     prepare_run,
     PromptFileOpt,
@@ -61,6 +62,7 @@ def diagram(
         "--ctx-size", "-c", help="KV cache capacity drawn on the cache node (default: prompt + 256 tokens, at "
         "most the model's context length).", show_default=False)] = None,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     activations: ActivationsOpt = "f32",
 ) -> None:
     """Draw a flow diagram of one forward pass of a real run, every shape from the trace (or, with

@@ -15,6 +15,7 @@ from llamatrace.cli.options import (
     check_run_options,
     CtxSizeOpt,
     ModelOpt,
+    NoCacheOpt,
     prepare_run,
     PromptFileOpt,
     RawOpt,
@@ -41,6 +42,7 @@ def generate(
     prompt_file: PromptFileOpt = None,
     ctx_size: CtxSizeOpt = None,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     activations: RunActivationsOpt = None,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (text, ids, timings) instead "
                                                          "of streaming text.")] = False,

@@ -20,6 +20,7 @@ from llamatrace.cli.options import (
     check_run_options,
     default_prompt,
     ModelOpt,
+    NoCacheOpt,
     prepare_run,
     PromptFileOpt,
     RawOpt,
@@ -43,6 +44,7 @@ def lens(
     system: SystemOpt = None,
     prompt_file: PromptFileOpt = None,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     activations: ActivationsOpt = "f32",
 ) -> None:
     """The logit lens: the residual stream after the embeddings and after every layer, read

@@ -12,7 +12,7 @@ import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar, stdout
 from llamatrace.cli.options import (ActivationsOpt, ModelOpt, RayOpt, ThreadsOpt, WorkersOpt, check_activations,
-                                     load_model, model_file)
+                                     NoCacheOpt, load_model, model_file)
 from llamatrace.errors import OptionError
 
 
@@ -41,6 +41,7 @@ def perplexity(
     workers: WorkersOpt = 1,
     ray: RayOpt = None,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object instead of the "
                                            "llama-perplexity log.")] = False,
 ) -> None:

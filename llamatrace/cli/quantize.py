@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status, status_bar, stdout
-from llamatrace.cli.options import RayOpt, ThreadsOpt, WorkersOpt
+from llamatrace.cli.options import NoCacheOpt, RayOpt, ThreadsOpt, WorkersOpt
 from llamatrace.errors import LlamatraceError, OptionError
 
 
@@ -99,6 +99,7 @@ def quantize(
     workers: WorkersOpt = 1,
     ray: RayOpt = None,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (every tensor's "
                                            "type, the fallbacks, sizes, bits per weight) instead of the summary.")] = False,
 ) -> None:
@@ -383,7 +384,7 @@ def _verify(model, output: Path, stock, ftype, weights, info, text: str, held_ou
             _write(model.file, files[-1][1], stock, ftype, weights, info, False)
         result = {}
         for label, path in files:
-            with Llama.load(path) as quantized:
+            with Llama.load(path, cache=False) as quantized:    # files read once: no packed copy
                 for name, cut in cuts.items():
                     if label != "recipe" and name == "calibration":
                         continue

@@ -30,6 +30,7 @@ from llamatrace.cli.options import (
     default_prompt,
     LAYER_HELP,
     ModelOpt,
+    NoCacheOpt,
     parse_layers,
     parse_stages,
     prepare_run,
@@ -81,6 +82,7 @@ def trace(
     ctx_size: CtxSizeOpt = None,
     ablate: AblateOpt = None,
     threads: ThreadsOpt = None,
+    no_cache: NoCacheOpt = False,
     activations: ActivationsOpt = "f32",
 ) -> None:
     """Trace the forward pass stage by stage, in the words of the book's debug.log.

@@ -33,6 +33,7 @@ from llamatrace.kernels.registry import matmul
 from llamatrace.kernels.threads import AUTO_THREADS
 from llamatrace.model.cache import KVCache
 from llamatrace.model.config import ModelConfig
+from llamatrace.model.packcache import PackCache, enabled as cache_enabled
 from llamatrace.errors import ModelFormatError, OptionError, UnsupportedModelError
 from llamatrace.gguf.reader import GGUFFile, check_tensor_types, gguf_name, open_gguf
 from llamatrace.tracing.hooks import HookFn, Hooks
@@ -101,15 +102,16 @@ class Llama:
     Build it with :meth:`Llama.load`. Not thread-safe (one forward at a time).
 
     The GGUF file stays memory-mapped while the model is open (:attr:`file`: the tensors as
-    stored, ``model.file.tensors[name].data``); the weights are packed copies, so the map holds
+    stored, ``model.file.tensors[name].data``); the weights are packed copies (in memory, or a
+    map of the packed-weights cache, :mod:`llamatrace.model.packcache`), so the GGUF's map holds
     no pages the forward pass uses. :meth:`close`, or ``with Llama.load(path) as model:``, unmaps
     it; the model still runs afterwards, only ``Tensor.data`` is gone. Without either, the map
-    goes with the model.
+    goes with the model. :attr:`pack_cache` says whether the weights came from the cache.
     """
 
     def __init__(self, gguf_file: GGUFFile, config: ModelConfig, weights: Weights,
                  tokenizer: Tokenizer, inv_freq: np.ndarray, load_s: float, activations: str = "f32",
-                 inv_freq_local: np.ndarray | None = None) -> None:
+                 inv_freq_local: np.ndarray | None = None, pack_cache: PackCache | None = None) -> None:
         self.file = gguf_file
         self.path = gguf_file.path
         self.config = config
@@ -119,6 +121,7 @@ class Llama:
         # the sliding-window layers' own rotary base (Gemma 3: 10000 beside 1e6), else the same
         self.inv_freq_local = inv_freq if inv_freq_local is None else inv_freq_local
         self.load_s = load_s
+        self.pack_cache = pack_cache or PackCache.off()     # .read: weights mapped from the cache
         self.activations = activations          # "f32" (reference) or "q8" (llamatrace.kernels.act8)
         self._recorder: Recorder | None = None
         self._hooks: list[Hooks] = []            # active `with model.hooks()` blocks, outermost first
@@ -142,7 +145,7 @@ class Llama:
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None,
              progress: Callable[[int, int], None] | None = None, *, fetch: bool = True,
-             activations: str = "f32") -> "Llama":
+             activations: str = "f32", cache: bool | None = None) -> "Llama":
         """Open, validate and pack a GGUF model of a supported architecture (:data:`~llamatrace.model.config.ARCHITECTURES`).
 
         ``path`` ``None`` resolves the model as the CLI does (:func:`llamatrace.gguf.fetch.resolve_model`):
@@ -153,13 +156,17 @@ class Llama:
         tensor data). ``activations``: ``"f32"`` (the default: float32 activations times
         dequantized weights, HF's arithmetic) or ``"q8"`` (activations quantized to 8 bits per
         block of 32 before the Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matmuls, llama.cpp's arithmetic, faster;
-        see :mod:`llamatrace.kernels.act8`).
+        see :mod:`llamatrace.kernels.act8`). ``cache``: read and write the packed-weights cache
+        (:mod:`llamatrace.model.packcache`: the first load of a file writes its packed weights, about
+        the file's size, under the user cache; later loads map them instead of packing, with the
+        same results bit for bit); ``None``: on unless ``$LLAMATRACE_NO_CACHE`` is set.
 
         Raises:
             ModelNotFoundError, ModelFormatError: the file is missing or malformed, or (``path``
                 ``None``) the default model is not downloaded and ``fetch`` is False or fails.
             UnsupportedModelError: architecture, vocabulary or a tensor type llamatrace can't run.
-            OptionError: an unknown ``activations``, or ``"q8"`` on a CPU without AVX2.
+            OptionError: an unknown ``activations``, ``"q8"`` on a CPU without AVX2, a malformed
+                ``$LLAMATRACE_PACKED_CACHE_GB``.
         """
         packing.check_activations(activations)
         if path is None:
@@ -171,7 +178,11 @@ class Llama:
             config = ModelConfig.from_gguf(f)
             tokenizer = Tokenizer.from_reader(f, path=str(path))
             check_tensor_types(f, packing.SUPPORTED_TYPES)
-            weights = _load_weights(f, config, progress or (lambda done, total: None), activations)
+            data_start = min((t.offset for t in f.tensors.values()), default=f.file_size)
+            store = (PackCache.open(path, data_start, f.file_size, activations) if cache_enabled(cache)
+                     else PackCache.off())
+            weights = _load_weights(f, config, progress or (lambda done, total: None), activations, store)
+            store.save()
             freq_factors = None
             if "rope_freqs.weight" in f.tensors:               # Llama 3.1 long-context RoPE scaling
                 freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
@@ -187,7 +198,8 @@ class Llama:
         inv_freq_local = None
         if config.local_layers and config.rope_theta_local != config.rope_theta:
             inv_freq_local = kernels.rope_frequencies(config.rope_dim, config.rope_theta_local)
-        return cls(f, config, weights, tokenizer, inv_freq, time.perf_counter() - t0, activations, inv_freq_local)
+        return cls(f, config, weights, tokenizer, inv_freq, time.perf_counter() - t0, activations, inv_freq_local,
+                   store)
 
     def new_cache(self, max_seq: int) -> KVCache:
         """A KV cache for ``max_seq`` positions (float32, ``2 * n_layers * max_seq * kv_dim * 4`` bytes)."""
@@ -567,9 +579,11 @@ def _split_rows(y: np.ndarray, w: packing.Weight) -> list[np.ndarray]:
 
 # ----------------------------------------------------------------------------------------------
 def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], None],
-                  activations: str = "f32") -> Weights:
+                  activations: str = "f32", store: PackCache | None = None) -> Weights:
     """Pack every tensor once (by Meta name, through :data:`~llamatrace.gguf.reader.GGUF_TO_META`),
-    checking each shape against the config; ``progress(done_bytes, total_bytes)`` after each."""
+    or take it from ``store`` (the packed-weights cache), checking each shape against the config;
+    ``progress(done_bytes, total_bytes)`` after each."""
+    store = store or PackCache.off()
     total = sum(t.n_bytes for t in f.tensors.values())
     done = 0
     arena = packing.Arena()
@@ -604,7 +618,9 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
 
     def matrix(meta: str, layer: int | None = None, acts: str = activations) -> packing.Weight:
         name, t = raw(meta, layer)
-        w = packing.pack(name, t.tensor_type, t.data, *shapes[meta], activations=acts, arena=arena)
+        w = store.weight(name, acts, (t.tensor_type, *shapes[meta], shapes[meta][:1]),
+                         lambda: packing.pack(name, t.tensor_type, t.data, *shapes[meta], activations=acts,
+                                              arena=arena))
         packed(t)
         return w
 
@@ -618,19 +634,25 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
         named = [raw(meta, layer) for meta in metas]
         if len({t.tensor_type for _, t in named}) != 1:
             return None
-        w = packing.pack_concat("+".join(name for name, _ in named),
-                              [(t.tensor_type, t.data, *shapes[meta]) for meta, (_, t) in zip(metas, named)],
-                              activations=activations, arena=arena)
+        name = "+".join(name for name, _ in named)
+        rows = tuple(shapes[meta][0] for meta in metas)
+        w = store.weight(name, activations, (named[0][1].tensor_type, sum(rows), c.dim, rows),
+                         lambda: packing.pack_concat(name, [(t.tensor_type, t.data, *shapes[meta])
+                                                            for meta, (_, t) in zip(metas, named)],
+                                                     activations=activations, arena=arena))
         packed(*(t for _, t in named))
         return w
 
     def split(meta: str, layer: int, rows: tuple[int, ...]) -> packing.Weight:
         """A fused tensor (phi3's attn_qkv, ffn_up) packed as the matrices its row blocks are."""
         name, t = raw(meta, layer)
-        data = np.asarray(t.data).view(np.uint8).reshape(sum(rows), -1)
         starts = np.cumsum((0,) + rows)
-        w = packing.pack_concat(name, [(t.tensor_type, data[a:b], b - a, c.dim) for a, b in zip(starts, starts[1:])],
-                                activations=activations, arena=arena)
+
+        def build() -> packing.Weight:
+            data = np.asarray(t.data).view(np.uint8).reshape(sum(rows), -1)
+            parts = [(t.tensor_type, data[a:b], b - a, c.dim) for a, b in zip(starts, starts[1:])]
+            return packing.pack_concat(name, parts, activations=activations, arena=arena)
+        w = store.weight(name, activations, (t.tensor_type, sum(rows), c.dim, rows), build)
         packed(t)
         return w
 

@@ -1,0 +1,384 @@
+"""The packed-weights cache: a model's row tiles written once, memory-mapped on the next load.
+
+:func:`llamatrace.kernels.packing.pack` rearranges every matrix of a GGUF file into row tiles
+(TR rows interleaved, scales widened or regrouped): no tensor of the file is laid out as the
+kernels read it, so a load copies the whole model, and at 8B most of that load is the first
+touch of the copy's fresh pages. The first load of a file therefore also writes its tiles to
+``<cache root>/packed/`` (:func:`llamatrace.gguf.fetch.cache_root`: ``~/.cache/llamatrace``
+unless ``$LLAMATRACE_CACHE_DIR``); later loads map that file instead of packing, and every
+process that loads the model shares its pages in the page cache.
+
+One entry per model file and activations mode, about the size of the model file (the f32 mode's
+float32 scales add 2 bytes per block: +11 % on Q4_0). Its name is
+``<file stem>.<mode>.<key>.ltpack``; the key (:func:`entry_key`) hashes
+
+- the GGUF's identity: its device, inode, size and modification time (ns), which change when a
+  file is rewritten or replaced (including a re-quantization with the same header), and a
+  SHA-256 of its header (metadata and tensor table), which a copy with a preserved time keeps;
+- llamatrace's version, the source of the packing code (every module of
+  :mod:`llamatrace.kernels`, this one and :mod:`llamatrace.model.llama`: a changed layout can't
+  be read by a kernel that expects another) and the CPU features the kernels are compiled for.
+
+File layout: ``MAGIC``, the header's length (uint64), the header (JSON: the key, the arrays' bytes,
+each weight's name, type, shape and arrays as ``[offset, dtype, shape]``), the arrays from the
+next 4 KiB, each at a 64-byte offset, in the order the loader asked for them (the order a
+forward pass reads them), then the key's first 16 bytes. A reader checks all of it but the
+arrays' bytes (a checksum would read the whole file on every load) and falls back to packing,
+silently, on any mismatch; that load then writes the entry again.
+
+Writing: into ``<name>.partial``, under an exclusive ``flock`` on it, then renamed to the final
+name: a reader never opens a partial file, so no process sees a half-written entry, and a
+writer that dies leaves a partial file whose lock died with it (the next writer or eviction
+takes it over). Loaders that find the partial file locked (corpus workers starting together)
+load by packing and write nothing. No ``fsync``: it would cost the disk's write time on every
+first load; after a power failure an entry is as whole as the filesystem left it, and a short
+one is rejected.
+
+Size: at most ``$LLAMATRACE_PACKED_CACHE_GB`` GB (default :data:`DEFAULT_CAP_GB`) of entries;
+after each write the least recently used entries (by modification time, which every read
+renews) go. An entry larger than the cap, or one that would leave less than
+:data:`MIN_FREE_BYTES` free on the disk, is not written. ``$LLAMATRACE_NO_CACHE=1`` (the CLI's
+``--no-cache``) neither reads nor writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+
+from llamatrace import __version__
+from llamatrace.errors import OptionError
+from llamatrace.kernels.packing import Weight
+
+_log = logging.getLogger("llamatrace")
+
+ENV_NO_CACHE = "LLAMATRACE_NO_CACHE"
+ENV_CAP = "LLAMATRACE_PACKED_CACHE_GB"
+DEFAULT_CAP_GB = 20.0
+"""The cache's default size cap in GB (1e9 bytes): two 8B Q4 models in both activation modes."""
+MIN_FREE_BYTES = 2 << 30
+"""An entry is written only if the disk keeps this much free space after it."""
+
+MAGIC = b"LTPACK\x00\x01"
+SUFFIX = ".ltpack"
+PARTIAL = ".partial"
+_ALIGN = 64                       # each array's offset: a cache line, as the packing arena does
+_DATA_ALIGN = mmap.PAGESIZE       # the first array's offset
+_LEN = struct.Struct("<Q")
+_TRAILER = 16                     # bytes of the key at the end of the file
+_DTYPES = frozenset({"|u1", "|i1", "<u2", "<f4"})     # what packed arrays hold (packing.Weight)
+# madvise: populate the page tables from the page cache, without reading or copying (Linux 5.14)
+_MADV_POPULATE_READ = 22
+
+
+def packed_dir() -> Path:
+    """Where the entries live: ``cache_root() / "packed"``."""
+    from llamatrace.gguf.fetch import cache_root
+    return cache_root() / "packed"
+
+
+def enabled(cache: bool | None = None) -> bool:
+    """Whether a load uses the cache: ``cache`` when given, else on unless ``$LLAMATRACE_NO_CACHE``
+    is set to anything but ``""`` or ``0``."""
+    if cache is not None:
+        return cache
+    return os.environ.get(ENV_NO_CACHE, "") in ("", "0")
+
+
+def cap_bytes() -> int:
+    """The cache's size cap in bytes, from ``$LLAMATRACE_PACKED_CACHE_GB`` (default :data:`DEFAULT_CAP_GB`).
+
+    Raises:
+        OptionError: the variable is not a number of GB, 0 or more.
+    """
+    text = os.environ.get(ENV_CAP, "").strip()
+    try:
+        gb = float(text) if text else DEFAULT_CAP_GB
+    except ValueError:
+        gb = -1.0
+    if not gb >= 0 or gb == float("inf"):
+        raise OptionError(f"${ENV_CAP}={text!r}: expected the packed-weights cache's size cap in GB "
+                          f"(a number, 0 or more; default {DEFAULT_CAP_GB:g})")
+    return int(gb * 1e9)
+
+
+@functools.cache
+def _code_fingerprint() -> str:
+    """SHA-256 of the source files whose change can change the packed bytes (module docstring)."""
+    import llamatrace.kernels as kernels_pkg
+    from llamatrace.kernels.jit import target_features
+    h = hashlib.sha256()
+    files = sorted(Path(kernels_pkg.__file__).parent.glob("*.py")) + [Path(__file__),
+                                                                      Path(__file__).with_name("llama.py")]
+    for p in files:
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update(" ".join(sorted(target_features())).encode())
+    return h.hexdigest()
+
+
+def entry_key(path: Path, data_start: int, activations: str) -> str:
+    """The hex SHA-256 that names ``path``'s entry for ``activations`` (module docstring);
+    ``data_start``: the offset of the file's first tensor byte (the header ends before it).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    st = os.stat(path)
+    h = hashlib.sha256()
+    h.update(json.dumps([__version__, _code_fingerprint(), activations, st.st_dev, st.st_ino, st.st_size,
+                         st.st_mtime_ns]).encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(data_start))
+    return h.hexdigest()
+
+
+@dataclass
+class PackCache:
+    """One model file's entry, for one activations mode, during a load.
+
+    :meth:`weight` returns a weight from the entry when it was read, else packs it; :meth:`save`
+    then writes the entry if anything was packed. A ``PackCache`` whose ``path`` is None
+    (:meth:`off`) only packs.
+
+    Attributes:
+        path: the entry's file; None when the cache is off.
+        read: the entry was found valid and is mapped.
+        written: :meth:`save` wrote the entry.
+    """
+
+    path: Path | None
+    key: str = ""
+    read: bool = False
+    written: bool = False
+    _found: dict[tuple[str, str], Weight] = field(default_factory=dict, repr=False)
+    _order: list[tuple[str, str, Weight]] = field(default_factory=list, repr=False)
+    _packed: bool = False
+
+    @classmethod
+    def off(cls) -> "PackCache":
+        """A cache that reads and writes nothing."""
+        return cls(path=None)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], data_start: int, file_size: int, activations: str) -> "PackCache":
+        """The entry of the GGUF at ``path`` (``file_size`` bytes as opened, tensors from
+        ``data_start``) for ``activations``, mapped if a valid one exists. Never raises for a
+        missing, unreadable or invalid entry (it is then packed and written anew); a file whose
+        size changed since it was opened gets :meth:`off`.
+
+        Raises:
+            OptionError: a malformed ``$LLAMATRACE_PACKED_CACHE_GB``.
+        """
+        cap_bytes()                    # a bad cap is bad input: say so now, not after packing
+        path = Path(path)
+        try:
+            if os.stat(path).st_size != file_size:
+                return cls.off()
+            key = entry_key(path, data_start, activations)
+        except OSError:
+            return cls.off()
+        entry = packed_dir() / f"{path.stem}.{activations}.{key[:16]}{SUFFIX}"
+        cache = cls(path=entry, key=key)
+        try:
+            cache._found = _read_entry(entry, key)
+        except FileNotFoundError:
+            return cache
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            _log.debug("packed-weights cache %s unusable (%s): packing", entry, exc)
+            return cache
+        cache.read = True
+        with contextlib.suppress(OSError):
+            os.utime(entry)            # recently used: the last to be evicted
+        return cache
+
+    def weight(self, name: str, acts: str, expect: tuple, build: Callable[[], Weight]) -> Weight:
+        """The weight ``name`` packed for activations ``acts``: from the entry when it holds one whose
+        ``(ggml_type, n_out, n_in, row_splits)`` equals ``expect``, else ``build()``."""
+        w = self._found.get((name, acts))
+        if w is None or (w.ggml_type, w.n_out, w.n_in, w.row_splits) != expect:
+            w = build()
+            self._packed = True
+        self._order.append((name, acts, w))
+        return w
+
+    def save(self) -> None:
+        """Write the entry if the cache is on and :meth:`weight` packed anything (atomically, see
+        the module docstring), then evict down to the cap. Never raises for an I/O problem: a
+        failed write is a warning on the ``llamatrace`` logger, and the model loads as it was."""
+        if self.path is None or not self._packed:
+            return
+        arrays = [a for _, _, w in self._order for a in (w.qs, w.d, w.m)]
+        header, data_start, size = _layout(self.key, self._order, arrays)
+        cap = cap_bytes()
+        if size > cap:
+            _log.debug("packed-weights cache: %s would take %d bytes, over the cap %d: not written",
+                       self.path.name, size, cap)
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if shutil.disk_usage(self.path.parent).free < size + MIN_FREE_BYTES:
+                _log.debug("packed-weights cache: no room for %s (%d bytes)", self.path.name, size)
+                return
+            self.written = _write_entry(self.path, header, data_start, arrays, bytes.fromhex(self.key)[:_TRAILER])
+            if self.written:
+                evict(cap, keep=self.path)
+        except OSError as exc:
+            _log.warning("could not write the packed-weights cache %s (%s); the next load packs again "
+                         "(--no-cache, or $%s=1, skips the cache)", self.path, exc.strerror or exc, ENV_NO_CACHE)
+
+
+def _layout(key: str, order: list[tuple[str, str, Weight]], arrays: list[np.ndarray]) -> tuple[bytes, int, int]:
+    """The header (bytes), the offset of the first array and the file's size for ``order``'s weights;
+    the header gives each array's offset from the first's."""
+    offsets, pos = [], 0
+    for a in arrays:
+        offsets.append(pos)
+        pos += -(-a.nbytes // _ALIGN) * _ALIGN
+    weights = [dict(name=name, acts=acts, type=int(w.ggml_type), n_out=w.n_out, n_in=w.n_in,
+                    row_splits=list(w.row_splits), act8=w.act8,
+                    arrays=[[offsets[3 * i + j], a.dtype.str, list(a.shape)] for j, a in enumerate((w.qs, w.d, w.m))])
+               for i, (name, acts, w) in enumerate(order)]
+    header = json.dumps(dict(key=key, data_bytes=pos, weights=weights)).encode()
+    data_start = _data_start(len(header))
+    return header, data_start, data_start + pos + _TRAILER
+
+
+def _data_start(header_len: int) -> int:
+    return -(-(len(MAGIC) + _LEN.size + header_len) // _DATA_ALIGN) * _DATA_ALIGN
+
+
+def _read_entry(entry: Path, key: str) -> dict[tuple[str, str], Weight]:
+    """The weights of the entry file ``entry``, views of its private read-write map (never
+    written: a private map keeps the file unchanged and the arrays writable, as Numba's compiled
+    kernels expect them), keyed by ``(name, acts)``.
+
+    Raises:
+        OSError: the file cannot be opened or mapped.
+        ValueError, KeyError, TypeError, struct.error: it is not a whole entry for ``key``.
+    """
+    with open(entry, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(len(MAGIC) + _LEN.size)
+        if len(head) < len(MAGIC) + _LEN.size or head[:len(MAGIC)] != MAGIC:
+            raise ValueError("not a packed-weights file")
+        header_len = _LEN.unpack_from(head, len(MAGIC))[0]
+        if header_len > size:
+            raise ValueError("header longer than the file")
+        header = json.loads(fh.read(header_len))
+        if header["key"] != key:
+            raise ValueError("another file's entry")
+        data_start, data_bytes = _data_start(header_len), int(header["data_bytes"])
+        if size != data_start + data_bytes + _TRAILER:
+            raise ValueError(f"{size} bytes, the header says {data_start + data_bytes + _TRAILER}")
+        fh.seek(size - _TRAILER)
+        if fh.read(_TRAILER) != bytes.fromhex(key)[:_TRAILER]:
+            raise ValueError("its last bytes are not the key: not written whole")
+        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    with contextlib.suppress(OSError):     # map every page now, in one call, not one fault at a time
+        buf.madvise(_MADV_POPULATE_READ)
+    found = {}
+    for w in header["weights"]:
+        arrays = []
+        for offset, dtype, shape in w["arrays"]:
+            dtype, shape = np.dtype(dtype), tuple(int(n) for n in shape)
+            if dtype.str not in _DTYPES or offset % _ALIGN or offset < 0:
+                raise ValueError(f"{w['name']}: bad array {offset}, {dtype}")
+            count = int(np.prod(shape))
+            if offset + count * dtype.itemsize > data_bytes:
+                raise ValueError(f"{w['name']}: an array past the end of the data")
+            arrays.append(np.frombuffer(buf, dtype, count, data_start + offset).reshape(shape))
+        found[w["name"], w["acts"]] = Weight(w["name"], gguf.GGMLQuantizationType(w["type"]), int(w["n_out"]),
+                                             int(w["n_in"]), *arrays, tuple(int(n) for n in w["row_splits"]),
+                                             bool(w["act8"]))
+    return found
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive ``flock`` on the file at ``path`` (created if missing): yields its fd,
+    or None when another process holds it or the path stopped naming the file that was locked
+    (renamed or removed meanwhile: its owner finished, or someone cleared it)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            ours = os.path.samestat(os.fstat(fd), os.stat(path))
+        except (BlockingIOError, FileNotFoundError):
+            ours = False
+        yield fd if ours else None
+    finally:
+        os.close(fd)                    # and the lock with it
+
+
+def _write_entry(entry: Path, header: bytes, data_start: int, arrays: list[np.ndarray], trailer: bytes) -> bool:
+    """Write ``<entry>.partial`` under its lock, then rename it to ``entry``; False if another
+    process is writing it."""
+    partial = entry.with_name(entry.name + PARTIAL)
+    with _locked(partial) as fd:
+        if fd is None:
+            return False
+        try:
+            os.ftruncate(fd, 0)         # what a writer that died left
+            with open(fd, "wb", closefd=False) as out:
+                out.write(MAGIC + _LEN.pack(len(header)) + header)
+                out.write(bytes(data_start - out.tell()))
+                for a in arrays:
+                    out.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+                    out.write(bytes(-a.nbytes % _ALIGN))
+                out.write(trailer)
+            os.replace(partial, entry)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
+    return True
+
+
+def evict(cap: int, keep: Path | None = None) -> list[Path]:
+    """Remove the least recently used entries (oldest modification time first) until the entries
+    in :func:`packed_dir` total at most ``cap`` bytes, and the partial files no process is
+    writing; ``keep`` is never removed. Returns the entries removed. A process that has an entry
+    mapped keeps its pages (the file goes when the last map does).
+
+    Raises:
+        OSError: the folder cannot be listed.
+    """
+    folder = packed_dir()
+    if not folder.is_dir():
+        return []
+    for partial in folder.glob(f"*{SUFFIX}{PARTIAL}"):
+        with contextlib.suppress(OSError), _locked(partial) as fd:
+            if fd is not None:
+                os.unlink(partial)
+    entries = []
+    for p in folder.glob(f"*{SUFFIX}"):
+        with contextlib.suppress(OSError):
+            st = p.stat()
+            entries.append((st.st_mtime_ns, st.st_size, p))
+    entries.sort()
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _, size, p in entries:
+        if total <= cap:
+            break
+        if keep is not None and p == keep:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed.append(p)
+        total -= size
+    return removed

@@ -1,0 +1,302 @@
+"""The packed-weights cache (llamatrace.model.packcache): a load from the cache computes what a
+load that packs computes, bit for bit; a damaged entry is ignored and written again; the cap
+evicts the least recently used; a loader never reads an entry another process is writing; and
+``--no-cache`` / ``$LLAMATRACE_NO_CACHE`` turn it off. The reference is always a load with the
+cache off: the packing path every other test of the suite runs (tests/conftest.py turns the
+cache off for them)."""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing as mp
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+
+from cli_helpers import assert_one_line_error, run
+from gguf_factory import write_tiny_llama
+
+from llamatrace.cli import main
+from llamatrace.gguf import fetch
+from llamatrace.model import packcache
+from llamatrace.model.llama import Llama
+
+T = gguf.GGMLQuantizationType
+TOKENS = np.array([3, 17, 5, 40, 22, 9, 31])
+
+
+@pytest.fixture
+def packed(monkeypatch, tmp_path):
+    """The cache turned on, in a temporary folder: its ``packed/`` folder."""
+    monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path / "cache"))
+    monkeypatch.delenv(packcache.ENV_NO_CACHE, raising=False)
+    monkeypatch.delenv(packcache.ENV_CAP, raising=False)
+    return tmp_path / "cache" / "packed"
+
+
+def write_kquant_llama(path, seed: int = 0):
+    """A tiny random model of mixed K-quant types: Q4_K matrices, Q6_K for layer 0's attn_v and
+    layer 1's ffn_down, an F16 ffn_gate (so wq|wk|wv and w1|w3 are packed both stacked and
+    alone), a Q6_K untied output and a Q4_K embedding (a lookup table, packed for f32 in q8)."""
+    return write_tiny_llama(path, qtype=T.Q4_K, dim=256, hidden_dim=256, n_heads=4, n_kv_heads=2, tied=False,
+                            seed=seed, extra_types={"blk.0.attn_v.weight": T.Q6_K, "blk.1.ffn_down.weight": T.Q6_K,
+                                                    "blk.1.ffn_gate.weight": T.F16, "output.weight": T.Q6_K})
+
+
+@pytest.fixture(scope="module")
+def kquant_path(tmp_path_factory):
+    return write_kquant_llama(tmp_path_factory.mktemp("kq") / "kquant.gguf")
+
+
+def logits(model) -> np.ndarray:
+    """float32 [8, vocab]: a 7-token prefill (the tiled kernels) and one decode step (GEMV)."""
+    cache = model.new_cache(16)
+    prefill = model.forward(TOKENS, 0, cache, all_logits=True)
+    return np.concatenate([prefill, model.forward(np.array([11]), len(TOKENS), cache, all_logits=True)])
+
+
+def reference(path, mode: str) -> np.ndarray:
+    return logits(Llama.load(path, activations=mode, cache=False))
+
+
+def maps_file(a: np.ndarray, path) -> bool:
+    """Whether ``a``'s memory lies in a map of the file ``path`` (this process's /proc/self/maps)."""
+    addr = a.ctypes.data
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            span, *_, name = line.rstrip("\n").split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return name.strip() == str(path)
+    return False
+
+
+def entries(folder) -> list:
+    return sorted(folder.glob("*" + packcache.SUFFIX)) if folder.exists() else []
+
+
+# ---- same numbers, cold, warm and off --------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+@pytest.mark.parametrize("which", ["kquant", "smollm2"])
+def test_cold_warm_and_no_cache_loads_give_the_same_logits(packed, request, mode, which):
+    path = request.getfixturevalue("kquant_path" if which == "kquant" else "smollm2_path")
+    ref = reference(path, mode)
+    assert entries(packed) == []                                 # cache=False wrote nothing
+    cold = Llama.load(path, activations=mode)
+    assert (cold.pack_cache.read, cold.pack_cache.written) == (False, True)
+    assert [p.name for p in entries(packed)] == [cold.pack_cache.path.name]
+    assert cold.pack_cache.path.name.startswith(f"{path.stem}.{mode}.")
+    warm = Llama.load(path, activations=mode)
+    assert (warm.pack_cache.read, warm.pack_cache.written) == (True, False)
+    w2 = warm.weights.layers[0].w2
+    assert maps_file(w2.qs, warm.pack_cache.path) and not maps_file(cold.weights.layers[0].w2.qs,
+                                                                   cold.pack_cache.path)
+    assert w2.qs.flags.writeable        # a private map: Numba's kernels take the arrays they were compiled for
+    for model in (cold, warm):
+        np.testing.assert_array_equal(logits(model), ref)
+
+
+def test_each_activations_mode_has_its_own_entry(packed, kquant_path):
+    a = Llama.load(kquant_path, activations="f32")
+    b = Llama.load(kquant_path, activations="q8")
+    assert a.pack_cache.written and b.pack_cache.written and a.pack_cache.path != b.pack_cache.path
+    assert b.weights.layers[0].w2.act8 and not a.weights.layers[0].w2.act8
+    # the untied embedding is a lookup table in either mode: packed for f32 in the q8 entry too
+    assert not b.weights.tok_embeddings.act8
+
+
+def test_a_rewritten_file_is_not_served_its_old_entry(packed, tmp_path):
+    path = write_kquant_llama(tmp_path / "m.gguf", seed=1)
+    Llama.load(path, activations="q8")
+    st = os.stat(path)
+    write_kquant_llama(path, seed=2)                  # same header and size, other weights
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # a clock that moves on
+    assert os.stat(path).st_size == st.st_size
+    model = Llama.load(path, activations="q8")
+    assert not model.pack_cache.read
+    np.testing.assert_array_equal(logits(model), reference(path, "q8"))
+
+
+# ---- damaged entries --------------------------------------------------------------------------------
+def _truncate(p, size):
+    os.truncate(p, size - 100)
+
+
+def _bad_magic(p, size):
+    with open(p, "r+b") as fh:
+        fh.write(b"NOTPACK!")
+
+
+def _bad_trailer(p, size):
+    with open(p, "r+b") as fh:
+        fh.seek(size - 1)
+        last = fh.read(1)
+        fh.seek(size - 1)
+        fh.write(bytes([last[0] ^ 0xFF]))
+
+
+def _bad_header(p, size):
+    with open(p, "r+b") as fh:
+        fh.seek(len(packcache.MAGIC) + 8)
+        fh.write(b"{not json")
+
+
+def _empty(p, size):
+    os.truncate(p, 0)
+
+
+def _other_mode(p, size):
+    """The f32 entry of the same file under the q8 entry's name: another key inside."""
+    other = next(q for q in p.parent.glob("*" + packcache.SUFFIX) if q != p)
+    shutil.copyfile(other, p)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _bad_magic, _bad_trailer, _bad_header, _empty, _other_mode])
+def test_a_damaged_entry_is_ignored_and_written_again(packed, kquant_path, damage):
+    ref = reference(kquant_path, "q8")
+    Llama.load(kquant_path, activations="f32")        # a second entry, for _other_mode
+    entry = Llama.load(kquant_path, activations="q8").pack_cache.path
+    size = entry.stat().st_size
+    damage(entry, size)
+    model = Llama.load(kquant_path, activations="q8")
+    assert (model.pack_cache.read, model.pack_cache.written) == (False, True)
+    np.testing.assert_array_equal(logits(model), ref)
+    assert entry.stat().st_size == size
+    again = Llama.load(kquant_path, activations="q8")
+    assert again.pack_cache.read
+    np.testing.assert_array_equal(logits(again), ref)
+
+
+# ---- the cap ----------------------------------------------------------------------------------------
+def test_evict_removes_the_least_recently_used_down_to_the_cap(packed):
+    packed.mkdir(parents=True)
+    sizes = {"a": 300, "b": 200, "c": 100}
+    for age, (name, size) in enumerate(sizes.items()):       # a the oldest, c the newest
+        p = packed / f"{name}{packcache.SUFFIX}"
+        p.write_bytes(bytes(size))
+        os.utime(p, ns=(10**18, 10**18 + age * 10**9))
+    assert packcache.evict(350) == [packed / f"a{packcache.SUFFIX}"]
+    assert [p.name for p in entries(packed)] == [f"b{packcache.SUFFIX}", f"c{packcache.SUFFIX}"]
+    # keep= survives however old: the entry just written
+    assert packcache.evict(100, keep=packed / f"b{packcache.SUFFIX}") == [packed / f"c{packcache.SUFFIX}"]
+
+
+def test_evict_clears_partial_files_only_when_no_writer_holds_them(packed):
+    packed.mkdir(parents=True)
+    dead, alive = (packed / f"{n}{packcache.SUFFIX}{packcache.PARTIAL}" for n in ("dead", "alive"))
+    dead.write_bytes(b"half")
+    alive.write_bytes(b"half")
+    fd = os.open(alive, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)                # a writer at work
+        packcache.evict(10**12)
+        assert not dead.exists() and alive.read_bytes() == b"half"
+    finally:
+        os.close(fd)
+
+
+def test_a_load_evicts_older_entries_beyond_the_cap(packed, kquant_path, monkeypatch):
+    first = Llama.load(kquant_path, activations="f32").pack_cache.path
+    os.utime(first, ns=(10**18, 10**18))               # long ago
+    size = first.stat().st_size
+    monkeypatch.setenv(packcache.ENV_CAP, f"{(size + 1000) / 1e9:.12f}")
+    second = Llama.load(kquant_path, activations="q8").pack_cache
+    assert second.written and second.path.stat().st_size < size      # fp16 scales in q8: both don't fit
+    assert entries(packed) == [second.path]
+
+
+def test_a_read_makes_an_entry_the_most_recently_used(packed, kquant_path):
+    entry = Llama.load(kquant_path, activations="q8").pack_cache.path
+    os.utime(entry, ns=(10**18, 10**18))
+    assert Llama.load(kquant_path, activations="q8").pack_cache.read
+    assert entry.stat().st_mtime_ns > 10**18
+
+
+def test_an_entry_over_the_cap_is_not_written(packed, kquant_path, monkeypatch):
+    monkeypatch.setenv(packcache.ENV_CAP, "0.000001")      # 1000 bytes
+    model = Llama.load(kquant_path, activations="q8")
+    assert not model.pack_cache.written and entries(packed) == []
+    np.testing.assert_array_equal(logits(model), reference(kquant_path, "q8"))
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "nan", "inf"])
+def test_a_malformed_cap_is_one_error_line(packed, kquant_path, monkeypatch, capsys, value):
+    monkeypatch.setenv(packcache.ENV_CAP, value)
+    assert_one_line_error(*run(capsys, "generate", "--raw", "-n", "1", "-m", kquant_path, "hi"),
+                          packcache.ENV_CAP, repr(value))
+
+
+# ---- concurrent loaders -----------------------------------------------------------------------------
+def test_a_loader_neither_reads_nor_writes_an_entry_another_process_is_writing(packed, kquant_path):
+    ref = reference(kquant_path, "q8")
+    entry = Llama.load(kquant_path, activations="q8").pack_cache.path
+    partial = entry.with_name(entry.name + packcache.PARTIAL)
+    half = entry.read_bytes()[:entry.stat().st_size // 2]
+    entry.unlink()
+    partial.write_bytes(half)                          # a writer halfway through
+    fd = os.open(partial, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        model = Llama.load(kquant_path, activations="q8")
+        assert (model.pack_cache.read, model.pack_cache.written) == (False, False)
+        np.testing.assert_array_equal(logits(model), ref)
+        assert partial.read_bytes() == half and not entry.exists()
+    finally:
+        os.close(fd)                                   # the writer dies: its lock goes with it
+    model = Llama.load(kquant_path, activations="q8")  # takes the dead writer's file over
+    assert model.pack_cache.written and not partial.exists()
+    again = Llama.load(kquant_path, activations="q8")
+    assert again.pack_cache.read
+    np.testing.assert_array_equal(logits(again), ref)
+
+
+def _load_together(path: str, barrier, results) -> None:
+    """A worker's load (the corpus runner's ModelSpec.load), started with the others'."""
+    from llamatrace.corpus.runner import ModelSpec
+    barrier.wait()
+    model = ModelSpec(path, "q8").load()
+    results.put((model.pack_cache.read, model.pack_cache.written, logits(model)))
+
+
+def test_processes_loading_together_all_get_the_same_weights(packed, kquant_path):
+    ref = reference(kquant_path, "q8")
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(3), ctx.Queue()
+    workers = [ctx.Process(target=_load_together, args=(str(kquant_path), barrier, results)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    got = [results.get(timeout=600) for _ in workers]
+    for w in workers:
+        w.join()
+    assert all(w.exitcode == 0 for w in workers)
+    for _, _, y in got:
+        np.testing.assert_array_equal(y, ref)
+    assert not list(packed.glob("*" + packcache.PARTIAL))        # each writer renamed its file or never made one
+    assert len(entries(packed)) == 1
+    assert Llama.load(kquant_path, activations="q8").pack_cache.read
+
+
+# ---- switching it off -------------------------------------------------------------------------------
+def test_no_cache_option_reads_and_writes_nothing(packed, kquant_path, capsys):
+    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", kquant_path, "--no-cache", "hi")
+    assert code == 0, err
+    assert entries(packed) == [] and packcache.ENV_NO_CACHE not in os.environ   # off for that command only
+    code, out2, err = run(capsys, "generate", "--raw", "-n", "1", "-m", kquant_path, "hi")
+    assert code == 0 and out2 == out and len(entries(packed)) == 1
+
+
+def test_the_environment_variable_turns_it_off(packed, kquant_path, monkeypatch):
+    monkeypatch.setenv(packcache.ENV_NO_CACHE, "1")
+    model = Llama.load(kquant_path)
+    assert model.pack_cache.path is None and entries(packed) == []
+    assert Llama.load(kquant_path, cache=True).pack_cache.written      # an explicit argument wins
+
+
+@pytest.mark.parametrize("command", ["generate", "trace", "diagram", "compare", "lens", "attention", "perplexity",
+                                     "collect", "imatrix", "bench", "quantize"])
+def test_every_command_that_loads_a_model_takes_no_cache(capsys, command):
+    assert main([command, "--help"]) == 0
+    assert "--no-cache" in capsys.readouterr().out
