@@ -11,7 +11,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from cli_helpers import run
+from cli_helpers import assert_one_line_error, run
 
 from llamatrace.cli import options
 from llamatrace.kernels import act8
@@ -64,3 +64,10 @@ def test_the_threshold_is_a_billion_parameters_counted_from_the_file(tiny_model_
     assert options.Q8_DEFAULT_PARAMS == 1_000_000_000
     assert n_params(tiny_model_path) < options.Q8_DEFAULT_PARAMS
     assert options.default_activations(tiny_model_path) == "f32"
+
+
+def test_a_collection_resumed_in_the_other_mode_is_refused(capsys, tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(options, "Q8_DEFAULT_PARAMS", n_params(tiny_model_path))     # the default: q8
+    args = corpus_commands(tiny_model_path, tmp_path)["collect"] + [tmp_path / "acts"]
+    assert run(capsys, *args)[0] == 0
+    assert_one_line_error(*run(capsys, *args, "--activations", "f32"), '(model.activations: "q8" there, "f32" now)')
