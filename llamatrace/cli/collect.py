@@ -50,7 +50,7 @@ def collect(
     pyarrow.parquet.read_table("OUTPUT"), pandas.read_parquet("OUTPUT"),
     datasets.load_dataset("OUTPUT") or polars.scan_parquet("OUTPUT/**/*.parquet")
     (docs/collect.md, which also converts them to SAELens's cached activations).
-    Models of 1 B parameters or more run q8 activations by default (llama.cpp's arithmetic, 2-3x
+    Models of 1 B parameters or more run q8 activations by default (llama.cpp's arithmetic, 2-4x
     faster there); --activations f32 gives HF's.
 
     Examples:

@@ -50,7 +50,7 @@ def perplexity(
     an empty cache and the logits of its second half are scored against the next token.
     Running values [1]…,[2]… and the final estimate go to stdout, a progress bar to stderr.
     Models of 1 B parameters or more run q8 activations by default, as llama-perplexity computes
-    (and 2-3x faster there than f32); --activations f32 gives HF's arithmetic.
+    (and 2-4x faster there than f32); --activations f32 gives HF's arithmetic.
 
     Examples:
 
