@@ -22,6 +22,9 @@ OWN_HELP = {
     ("--ctx-size", "diagram"): "the same capacity, with the default the diagram draws (prompt + 256)",
     ("--activations", "bench"): "repeatable: each mode runs as an engine of its own",
     ("--activations", "generate"): "q8 by default from 1 B parameters; the tracing commands keep f32",
+    ("--activations", "perplexity"): "q8 by default from 1 B parameters, as generate's",
+    ("--activations", "imatrix"): "q8 by default from 1 B parameters, as generate's",
+    ("--activations", "collect"): "q8 by default from 1 B parameters, as generate's",
 }
 
 

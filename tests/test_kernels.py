@@ -142,6 +142,19 @@ def test_serial_and_parallel_attention_variants_agree(seq_len, kv_len):
     np.testing.assert_array_equal(K.attention_values_serial(p, keys), K.attention_values_parallel(p, keys))
 
 
+def test_masked_keys_add_nothing_to_the_values():
+    """A causal prefill's probabilities are exact zeros past each row's position: each row equals
+    the same row computed over only the keys it sees, bit for bit, and the NumPy twin."""
+    seq_len = 70                                           # three key chunks
+    xq, keys, values = randn(seq_len, 6, 16), randn(seq_len, 2, 16), randn(seq_len, 2, 16)
+    p = K.softmax(K.attention_scores(xq, keys) + K.causal_mask(seq_len, 0))
+    assert (p[:, 0, 1:] == 0).all()
+    out = K.attention_values(p, values)
+    np.testing.assert_allclose(out, K.attention_values_ref(p, values), rtol=1e-5, atol=1e-5)
+    for s in (0, 31, 32, 69):
+        seen = K.attention_values_serial(np.ascontiguousarray(p[:, s:s + 1, :s + 1]), values[:s + 1])
+        np.testing.assert_array_equal(out[:, s:s + 1], seen)
+
 def test_grouped_kv_heads_equal_explicitly_repeated_heads():
     xq, keys, values = randn(6, 8, 32), randn(9, 2, 32), randn(9, 2, 32)
     kq = K.attention_scores(xq, keys)

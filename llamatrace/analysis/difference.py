@@ -33,7 +33,9 @@ def metrics(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, float]:
 def relative_error_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """float64 ``[n]``: ``‖a − b‖ / ‖b‖`` per row (first axis) of two arrays of one shape
     (0 where a row of ``b`` is all zeros and ``a`` equals it)."""
-    a = np.asarray(a, np.float64).reshape(len(a), -1)
-    b = np.asarray(b, np.float64).reshape(len(b), -1)
-    den = np.linalg.norm(b, axis=1)
-    return np.linalg.norm(a - b, axis=1) / np.where(den > 0, den, 1.0)
+    a = np.asarray(a).reshape(len(a), -1)
+    b = np.asarray(b).reshape(len(b), -1)
+    d = a - b
+    # squares summed in float64 as they are read: no float64 copies (2x faster on --stages' rows)
+    den = np.sqrt(np.einsum("ij,ij->i", b, b, dtype=np.float64))
+    return np.sqrt(np.einsum("ij,ij->i", d, d, dtype=np.float64)) / np.where(den > 0, den, 1.0)

@@ -11,8 +11,8 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar, stdout
-from llamatrace.cli.options import (ActivationsOpt, ModelOpt, RayOpt, ThreadsOpt, WorkersOpt, check_activations,
-                                     NoCacheOpt, load_model, model_file)
+from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, ThreadsOpt, WorkersOpt,
+                                     check_activations, default_activations, load_model, model_file)
 
 
 @app.command()
@@ -29,7 +29,7 @@ def imatrix(
     process_output: Annotated[bool, typer.Option("--process-output", metavar="", help="Collect output.weight "
                               "too (llama-imatrix's --process-output; a model whose output is tied to the "
                               "token embedding has none).")] = False,
-    activations: ActivationsOpt = "f32",
+    activations: RunActivationsOpt = None,
     workers: WorkersOpt = 1,
     ray: RayOpt = None,
     threads: ThreadsOpt = None,
@@ -43,8 +43,9 @@ def imatrix(
     of its input columns (and the number of tokens), written as llama.cpp's GGUF imatrix: give it
     to `llama-quantize --imatrix` or `llamatrace quantize --imatrix`. The text is tokenized once
     and cut into chunks of --ctx-size tokens (BOS first), each run from an empty cache, as
-    llama-imatrix does; --activations q8 computes the activations with llama.cpp's arithmetic
-    (its numbers within 1e-3), f32 with HF's. A summary goes to stdout, a progress bar to stderr.
+    llama-imatrix does; q8 activations (the default from 1 B parameters) compute them with
+    llama.cpp's arithmetic (its numbers within 1e-3), f32 (the default below) with HF's. A summary
+    goes to stdout, a progress bar to stderr.
 
     Examples:
 
@@ -62,10 +63,12 @@ def imatrix(
     from llamatrace.quantize.imatrix import ImatrixRun, calibration_text, compute, prepare
     from llamatrace.quantize.imatrix_file import write_imatrix
 
-    check_activations(activations)
+    if activations is not None:
+        check_activations(activations)
     text = calibration_text(read_corpus(text_file))
     check_output_path(output, "-o")
     path = model_file(model)
+    activations = activations or default_activations(path)
     in_process = workers == 1 and ray is None
     # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's
     spec = ModelSpec(str(path), activations,

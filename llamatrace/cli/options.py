@@ -137,13 +137,15 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
 
 
 Q8_DEFAULT_PARAMS = 1_000_000_000
-"""From this many parameters ``generate`` and ``bench`` default to ``q8``."""
+"""From this many parameters ``generate``, ``bench`` and the corpus commands (``perplexity``,
+``collect``, ``imatrix``) default to ``q8``."""
 
 
 def default_activations(path: Path) -> str:
-    """The activations mode of ``generate`` and ``bench`` when none is given: ``"q8"`` (llama.cpp's
-    arithmetic) for models of :data:`Q8_DEFAULT_PARAMS` parameters or more on CPUs with AVX2, else
-    ``"f32"`` (HF's, the mode of every command that traces, compares or looks inside).
+    """The activations mode of ``generate``, ``bench`` and the corpus commands when none is given:
+    ``"q8"`` (llama.cpp's arithmetic) for models of :data:`Q8_DEFAULT_PARAMS` parameters or more on
+    CPUs with AVX2, else ``"f32"`` (HF's, the mode of every command that traces, compares or looks
+    inside a single prompt).
 
     At 8B ``f32`` prefill runs at ~0.5-0.7x llama.cpp's and ``q8`` at 1.2-1.9x (docs/performance.md);
     below 1B ``f32`` is already at llama.cpp's pace, and 8-bit rounding flips near-tied greedy

@@ -105,16 +105,28 @@ def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray,
     column = {sid: k for k, sid in enumerate(stages)}
     embd = []
 
+    last = []
+
     def keep(a, event):
         rows = np.array(a.reshape(n, -1)[first:n - 1], dtype=np.float32)
         if event.layer is None:
             embd.append(rows)
         else:
             acts[event.layer, column[event.stage]] = rows
+            if event.stage == "l_out" and event.layer == model.config.n_layers - 1:
+                last.append(a[first:])
 
     with model.hooks({sid: keep for sid in (*stages, "inp_embd")}):
-        logits = model.forward(ids, 0, model.new_cache(n), all_logits=True)[first:n - 1]
-    return acts, embd[0], logits
+        model.forward(ids, 0, model.new_cache(n))
+    # the scored rows' logits only, as chunk_logits (the others are not read)
+    return acts, embd[0], scored_logits(model, last[0])
+
+
+def scored_logits(model, rows: np.ndarray) -> np.ndarray:
+    """float32 ``[n - 1, n_vocab]``: the logits of the last block's output rows ``[n, dim]`` but the
+    last, bit for bit those of ``forward(all_logits=True)``: that projects the last row of a chunk
+    alone (as generation does), so ``rows`` keeps it and its logits are dropped."""
+    return model.logits(rows)[:-1]
 
 
 def local_error_rows(model, acts_b: np.ndarray, embd_b: np.ndarray, first: int) -> np.ndarray:

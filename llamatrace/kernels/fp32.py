@@ -465,8 +465,10 @@ def _values_keys(scores, values, acc, s, h0, t0, t1):
     for t in range(t0, t1):
         for i in range(acc.shape[0]):
             h = h0 + i
-            v = values[t, h // n_rep]
             p = scores[h, s, t]
+            if p == 0.0:          # a masked key (half of a causal prefill's): + 0 · v (finite) changes nothing
+                continue
+            v = values[t, h // n_rep]
             a = acc[i]
             for d in range(acc.shape[1]):
                 a[d] += p * v[d]

@@ -1,0 +1,73 @@
+"""The corpus commands (`perplexity`, `perplexity --stages`, `collect`, `imatrix`) choose their
+activations mode by generate's rule: q8 from 1 B parameters, f32 below, `--activations` wins.
+
+The tiny model stands in for both sizes: the threshold is moved to its parameter count, counted
+here with the `gguf` package's reader (not ours), and one above it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+from cli_helpers import assert_one_line_error, run
+
+from llamatrace.cli import options
+from llamatrace.kernels import act8
+
+CORPUS = Path(__file__).parent / "golden" / "corpus.txt"
+
+pytestmark = pytest.mark.skipif(not act8.available(), reason="q8 needs AVX2")
+
+
+def n_params(path: Path) -> int:
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
+
+
+def corpus_commands(model: Path, tmp_path: Path) -> dict[str, list]:
+    """Each corpus command on the tiny model, printing a JSON object that names its mode."""
+    common = ["-f", CORPUS, "-m", model, "-c", "32", "--chunks", "2", "--json"]
+    return {
+        "perplexity": ["perplexity", *common],
+        "stages": ["perplexity", *common, "--base", model, "--stages"],
+        "imatrix": ["imatrix", *common, "-o", tmp_path / "imatrix.gguf"],
+        # a fresh folder each run: a collection resumed in another mode is refused
+        "collect": ["collect", "-f", CORPUS, "-m", model, "--ctx-size", "32", "--hook", "l_out@0", "--json", "-o"],
+    }
+
+
+@pytest.mark.parametrize("command", ["perplexity", "stages", "imatrix", "collect"])
+def test_corpus_commands_default_to_q8_from_the_threshold_and_the_option_wins(
+        command, capsys, tiny_model_path, tmp_path, monkeypatch):
+    args = corpus_commands(tiny_model_path, tmp_path)[command]
+    runs = iter(range(100))
+
+    def mode(*extra) -> str:
+        out_dir = [tmp_path / f"acts{next(runs)}"] if command == "collect" else []
+        code, out, err = run(capsys, *args, *out_dir, *extra)
+        assert code == 0, err
+        ran = json.loads(out)["activations"]
+        assert f"{ran})" in err.splitlines()[-1]                        # the speed line names it too
+        return ran
+
+    n = n_params(tiny_model_path)
+    monkeypatch.setattr(options, "Q8_DEFAULT_PARAMS", n + 1)            # one parameter short: small
+    assert mode() == "f32"
+    assert mode("--activations", "q8") == "q8"
+    monkeypatch.setattr(options, "Q8_DEFAULT_PARAMS", n)                # as if the tiny model were 1 B
+    assert mode() == "q8"
+    assert mode("--activations", "f32") == "f32"
+
+
+def test_the_threshold_is_a_billion_parameters_counted_from_the_file(tiny_model_path):
+    assert options.Q8_DEFAULT_PARAMS == 1_000_000_000
+    assert n_params(tiny_model_path) < options.Q8_DEFAULT_PARAMS
+    assert options.default_activations(tiny_model_path) == "f32"
+
+
+def test_a_collection_resumed_in_the_other_mode_is_refused(capsys, tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(options, "Q8_DEFAULT_PARAMS", n_params(tiny_model_path))     # the default: q8
+    args = corpus_commands(tiny_model_path, tmp_path)["collect"] + [tmp_path / "acts"]
+    assert run(capsys, *args)[0] == 0
+    assert_one_line_error(*run(capsys, *args, "--activations", "f32"), '(model.activations: "q8" there, "f32" now)')
