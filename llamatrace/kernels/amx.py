@@ -1,0 +1,579 @@
+"""AMX int8 prefill for Q4_0 and Q8_0 weights (``--activations q8``), written once against six
+tile operations that run either on the CPU's tiles or in an emulator.
+
+Intel AMX (Sapphire Rapids and later, ``amx_int8`` in the CPU flags) adds eight tile registers
+``tmm0..tmm7`` of up to 16 rows x 64 bytes and ``tdpb[su][su]d``, which multiplies a 16 x 64 int8
+tile by a 16 x 64 one into a 16 x 16 int32 tile (16384 multiply-adds) in one instruction.
+
+Tile operations. :class:`TileOps` holds ``config``, ``zero``, ``load``, ``dpbssd`` / ``dpbsud``,
+``store``, ``release``; two sets exist:
+
+- :data:`HW` (hardware): each op one instruction in inline asm (``ldtilecfg``, ``tilezero``,
+  ``tileloadd``, ``tdpbssd`` / ``tdpbsud``, ``tilestored``, ``tilerelease``), the register numbers
+  compile-time literals. Numba assembles them on any x86 machine; they run only where the CPU has
+  AMX and the kernel granted the process the tile state (:func:`status`).
+- :data:`EMULATED`: the same ops in Numba on a register file kept in the ``state`` array, with the
+  semantics of Intel's SDM pseudo-code (``tileloadd`` zeroes the bytes beyond the configured rows
+  and columns; ``tdpbssd``: ``C[m][n] += sum_k sum_i A[m][4k+i] * B[k][4n+i]``, the bytes signed
+  or unsigned as the mnemonic says, int32 wrap-around) and the SDM's #UD / #GP conditions checked
+  (shapes that do not chain, registers not distinct, a tile load or store outside its array, no
+  config loaded): a mistake the hardware would fault on raises here.
+
+:func:`make_prefill` builds the kernel around one set, so the kernel the tests run emulated on any
+machine is the one that runs on the tiles: the same code, the same loops, only the six ops differ.
+
+Layout: none of its own. The ``q8`` mode's packed weights (:mod:`llamatrace.kernels.act8`) hold a
+tile's block as groups of four bytes per row, ``[P/4, TR, 4]``; with ``TR`` = 32 rows a group is
+128 bytes, and the 64 bytes of rows 0..15 (then 16..31) of consecutive groups, 128 bytes apart,
+are exactly AMX's "VNNI-packed" B tile: row k = inputs 4k..4k+3 of 16 weight rows. Q8_0's block
+(8 groups, 32 inputs) is read in place as two B tiles of 8 rows x 64 bytes (stride 128); Q4_0's
+nibbles are unpacked once per weight tile into such bytes (low nibbles: groups 0..3, inputs 0..15;
+high: groups 4..7, inputs 16..31) in a buffer per thread, reused by every activation row. So the
+packed-weights cache (:mod:`llamatrace.model.packcache`) serves the same bytes to an AMX and a
+non-AMX process, and the AMX kernel reads what the VNNI kernel reads.
+
+The product. A tile: ``A`` = 16 activation rows x 32 int8 of one block (``tmm0``, rows 16, colsb
+32: K = 32, one block); ``B`` = the block's weights for 16 weight rows (``tmm1``, ``tmm2``: rows 8,
+colsb 64); ``C`` = 16 x 16 int32 (``tmm4``, ``tmm5``). K is one block of 32, not two (64 bytes, the
+tile's width): a block's int32 sums must be scaled by that block's ``d * xd`` before blocks are
+added, and folding two blocks into one tile would mix two scales into one sum. So per block and
+16 activation rows x 32 weight rows: 3 tile loads, 2 ``tdpbssd`` (Q8_0) or ``tdpbsud`` (Q4_0:
+signed activations by unsigned nibbles), 2 tile stores, then the vector work, in Numba code that
+compiles to AVX-512: per C row, 16 int32 -> float32 and ``y += (d * xd) * isum + m * (m_scale *
+xs)`` (Q4_0's ``- 8 * d * xs`` offset, as :func:`llamatrace.kernels.act8._matmul_q4` does), the
+``d`` row widened from fp16 once per block. That is ~4 vector instructions per C row (~128 per
+block and 16 rows, plus the 2 KB of C through L1) against 2 tile multiplies of 16 cycles each:
+the vector work, not ``tdpb*d``, is the expected limit, which is why the issue aims at 25 % of
+the AMX peak rather than most of it. (Expected from instruction counts, never measured: this was
+written on a machine without AMX.)
+
+Same arithmetic as the VNNI kernel: the int32 sums are the exact block dot products ``sum_j q_j *
+xq_j`` (``q`` the nibble 0..15 for Q4_0, the int8 quant for Q8_0), and the float32 operations are
+:func:`llamatrace.kernels.act8._matmul_q4`'s in the same order, so the outputs are the same bits
+(the tests check it, emulated). NumPy twin: :func:`llamatrace.kernels.act8.matmul_q4_np` /
+``matmul_q8_np`` (the same formula in float64).
+
+Threads: the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``) is requested
+once per process (:func:`status`); the tile config is per thread, so every parallel chunk loads it
+(``ldtilecfg``) before its first tile op and releases the tiles (``tilerelease``) after its last.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from llamatrace.kernels import act8, tiles
+from llamatrace.kernels.jit import FASTMATH, JIT_INLINE, f16, target_features
+
+_log = logging.getLogger("llamatrace")
+llvm_binding.initialize_native_asmparser()    # Numba sets up no assembler for inline asm text
+
+TR = tiles.TR
+QK = 32
+ROWS = 16
+"""Activation rows in an A tile (and a C tile): the tile's maximum."""
+BLOCK_TILE = 8 * TR * 4
+"""Bytes of one block of a weight tile in the VNNI-packed order: 8 groups x TR rows x 4 bytes."""
+
+TMM_A, TMM_B0, TMM_B1, TMM_C0, TMM_C1 = 0, 1, 2, 4, 5
+"""The tile registers the prefill kernel uses (literals in the hardware ops)."""
+
+CONFIG_BYTES = 64
+STATE_BYTES = CONFIG_BYTES + 8 * 1024 + 64
+"""A thread's ``state``: the 64-byte tile config (what ``ldtilecfg`` reads), then the emulator's
+eight 1 KB registers and its own copy of the loaded config (unused by the hardware ops)."""
+_REGS = CONFIG_BYTES
+_LOADED = CONFIG_BYTES + 8 * 1024
+
+ENV_OFF = "LLAMATRACE_NO_AMX"
+"""Set to anything but ``""`` / ``"0"``: never use AMX (the VNNI / AVX2 kernels run)."""
+
+ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
+XFEATURE_XTILEDATA = 18
+SYS_ARCH_PRCTL = 158                          # x86-64
+
+
+# --------------------------------------------------------------------------------------------
+# the tile config
+
+
+@njit(**JIT_INLINE)
+def set_config(state, reg, rows, colsb):
+    """Write register ``reg``'s shape (``rows`` <= 16, ``colsb`` bytes a row <= 64) into the
+    config at the start of ``state`` (palette 1), as ``ldtilecfg`` reads it: byte 0 the palette,
+    bytes 16 + 2*reg the columns in bytes (uint16), byte 48 + reg the rows."""
+    state[0] = 1
+    state[16 + 2 * reg] = colsb & 0xFF
+    state[17 + 2 * reg] = colsb >> 8
+    state[48 + reg] = rows
+
+
+@njit(**JIT_INLINE)
+def _prefill_config(state):
+    """The prefill kernel's shapes: A 16 x 32 bytes, B 8 x 64, C 16 x 64 (16 x 16 int32)."""
+    state[:CONFIG_BYTES] = 0
+    set_config(state, TMM_A, ROWS, QK)
+    set_config(state, TMM_B0, QK // 4, 64)
+    set_config(state, TMM_B1, QK // 4, 64)
+    set_config(state, TMM_C0, ROWS, 64)
+    set_config(state, TMM_C1, ROWS, 64)
+
+
+# --------------------------------------------------------------------------------------------
+# hardware ops: one instruction each
+
+
+_I64 = ir.IntType(64)
+
+
+def _address(context, builder, arr_type, arr, offset):
+    """i64 address of byte ``offset`` of a C-contiguous array."""
+    data = context.make_array(arr_type)(context, builder, arr).data
+    i8p = ir.IntType(8).as_pointer()
+    off = builder.sext(offset, _I64) if offset.type.width < 64 else offset
+    return builder.ptrtoint(builder.gep(builder.bitcast(data, i8p), [off]), _I64)
+
+
+def _asm(builder, text: str, args=()):
+    """Emit ``text`` as an instruction with side effects that may touch memory, its operands
+    ``$0..`` the i64 ``args`` in general registers."""
+    fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64] * len(args)), text,
+                      ",".join(["r"] * len(args) + ["~{memory}"]), side_effect=True)
+    builder.call(fn, list(args))
+
+
+def _reg(r) -> int | None:
+    """A register number 0..7 given as a compile-time literal, else None (not typed)."""
+    if isinstance(r, types.IntegerLiteral) and 0 <= r.literal_value < 8:
+        return r.literal_value
+    return None
+
+
+@intrinsic(prefer_literal=True)
+def hw_config(typingctx, state):
+    """``ldtilecfg``: load the tile config at the start of ``state`` (uint8 [STATE_BYTES])."""
+    def codegen(context, builder, sig, args):
+        _asm(builder, "ldtilecfg ($0)", [_address(context, builder, sig.args[0], args[0], ir.Constant(_I64, 0))])
+        return context.get_dummy_value()
+    return types.void(state), codegen
+
+
+@intrinsic(prefer_literal=True)
+def hw_zero(typingctx, state, reg):
+    """``tilezero %tmm<reg>``."""
+    r = _reg(reg)
+    if r is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, f"tilezero %tmm{r}")
+        return context.get_dummy_value()
+    return types.void(state, reg), codegen
+
+
+def _memory_op(text: str):
+    """A tile load or store: ``text`` with ``{r}`` the register, ``$0`` the address of byte
+    ``offset`` of the array, ``$1`` the stride in bytes."""
+    def typer(typingctx, state, reg, arr, offset, stride):
+        r = _reg(reg)
+        if r is None or not isinstance(arr, types.Array) or arr.layout != "C":
+            return None
+
+        def codegen(context, builder, sig, args):
+            stride_v = builder.sext(args[4], _I64) if args[4].type.width < 64 else args[4]
+            _asm(builder, text.format(r=r), [_address(context, builder, sig.args[2], args[2], args[3]), stride_v])
+            return context.get_dummy_value()
+        return types.void(state, reg, arr, offset, stride), codegen
+    return typer
+
+
+hw_load = intrinsic(prefer_literal=True)(_memory_op("tileloadd ($0,$1,1), %tmm{r}"))
+hw_load.__doc__ = """``tileloadd``: register ``reg`` (literal) <- its configured rows of ``arr``
+(C-contiguous, any dtype) from byte ``offset``, rows ``stride`` bytes apart."""
+hw_store = intrinsic(prefer_literal=True)(_memory_op("tilestored %tmm{r}, ($0,$1,1)"))
+hw_store.__doc__ = """``tilestored``: register ``reg``'s configured rows -> ``arr`` from byte
+``offset``, rows ``stride`` bytes apart."""
+
+
+def _dot_op(mnemonic: str):
+    def typer(typingctx, state, dst, a, b):
+        regs = [_reg(x) for x in (dst, a, b)]
+        if None in regs:
+            return None
+        c, ra, rb = regs
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, f"{mnemonic} %tmm{rb}, %tmm{ra}, %tmm{c}")      # AT&T: B, A, C
+            return context.get_dummy_value()
+        return types.void(state, dst, a, b), codegen
+    return typer
+
+
+hw_dpbssd = intrinsic(prefer_literal=True)(_dot_op("tdpbssd"))
+hw_dpbssd.__doc__ = "``tdpbssd``: C ``dst`` += A ``a`` (int8) x B ``b`` (int8), registers literals."
+hw_dpbsud = intrinsic(prefer_literal=True)(_dot_op("tdpbsud"))
+hw_dpbsud.__doc__ = "``tdpbsud``: C ``dst`` += A ``a`` (int8) x B ``b`` (uint8), registers literals."
+
+
+@intrinsic(prefer_literal=True)
+def hw_release(typingctx, state):
+    """``tilerelease``: the tiles back to their initial state (no config)."""
+    def codegen(context, builder, sig, args):
+        _asm(builder, "tilerelease")
+        return context.get_dummy_value()
+    return types.void(state), codegen
+
+
+# --------------------------------------------------------------------------------------------
+# emulated ops: the SDM's pseudo-code on a register file in ``state``
+
+
+@njit(**JIT_INLINE)
+def _shape(state, reg):
+    """(rows, colsb) of register ``reg`` in the loaded config; raises if none is loaded."""
+    if state[_LOADED] != 1:
+        raise RuntimeError("AMX #UD: tile instruction without a loaded tile config (ldtilecfg)")
+    return np.int64(state[_LOADED + 48 + reg]), np.int64(state[_LOADED + 16 + 2 * reg]) | (np.int64(state[_LOADED + 17 + 2 * reg]) << 8)
+
+
+@njit(**JIT_INLINE)
+def emu_config(state):
+    """``ldtilecfg``: checks the config as the SDM's #GP conditions do (palette 1, reserved bytes
+    zero, rows <= 16, colsb <= 64, registers 8..15 unused, a register's rows and colsb both zero
+    or both not), copies it for the other ops and zeroes every register."""
+    if state[0] != 1:
+        raise RuntimeError("AMX #GP: ldtilecfg with a palette other than 1")
+    for i in range(1, 16):
+        if state[i] != 0:
+            raise RuntimeError("AMX #GP: ldtilecfg with reserved bytes 1..15 not zero (start_row too)")
+    for reg in range(16):
+        rows = np.int64(state[48 + reg])
+        colsb = np.int64(state[16 + 2 * reg]) | (np.int64(state[17 + 2 * reg]) << 8)
+        if reg >= 8 and (rows or colsb):
+            raise RuntimeError("AMX #GP: ldtilecfg configures a register beyond tmm7")
+        if rows > 16 or colsb > 64 or (rows == 0) != (colsb == 0):
+            raise RuntimeError("AMX #GP: ldtilecfg with rows > 16, colsb > 64 or half a shape")
+    state[_LOADED:_LOADED + CONFIG_BYTES] = state[:CONFIG_BYTES]
+    state[_REGS:_REGS + 8 * 1024] = 0
+
+
+@njit(**JIT_INLINE)
+def emu_zero(state, reg):
+    """``tilezero``: every byte of register ``reg`` zero."""
+    _shape(state, reg)
+    state[_REGS + reg * 1024:_REGS + (reg + 1) * 1024] = 0
+
+
+@njit(**JIT_INLINE)
+def _bytes(arr, offset, rows, colsb, stride):
+    """``arr`` (1-D C-contiguous) as uint8, after checking that ``rows`` rows of ``colsb`` bytes
+    from byte ``offset``, ``stride`` apart, lie inside it."""
+    flat = arr.reshape(arr.size).view(np.uint8)
+    if rows and (offset < 0 or stride < 0 or offset + (rows - 1) * stride + colsb > flat.size):
+        raise IndexError("AMX tile load/store outside its array")
+    return flat
+
+
+@njit(**JIT_INLINE)
+def emu_load(state, reg, arr, offset, stride):
+    """``tileloadd``: the configured rows x colsb bytes of ``arr`` from byte ``offset``, rows
+    ``stride`` bytes apart, into register ``reg``; the rest of the register zero."""
+    rows, colsb = _shape(state, reg)
+    src = _bytes(arr, offset, rows, colsb, stride)
+    base = _REGS + reg * 1024
+    state[base:base + 1024] = 0
+    for m in range(rows):
+        state[base + 64 * m:base + 64 * m + colsb] = src[offset + m * stride:offset + m * stride + colsb]
+
+
+@njit(**JIT_INLINE)
+def emu_store(state, reg, arr, offset, stride):
+    """``tilestored``: register ``reg``'s configured rows x colsb bytes to ``arr`` from byte
+    ``offset``, rows ``stride`` bytes apart."""
+    rows, colsb = _shape(state, reg)
+    dst = _bytes(arr, offset, rows, colsb, stride)
+    base = _REGS + reg * 1024
+    for m in range(rows):
+        dst[offset + m * stride:offset + m * stride + colsb] = state[base + 64 * m:base + 64 * m + colsb]
+
+
+@njit(**JIT_INLINE)
+def _emu_dot(state, dst, a, b, b_signed):
+    """``tdpbs[su]d``: C[m][n] += sum_k sum_i A[m][4k+i] * B[k][4n+i] in int32 (wrapping), A's
+    bytes signed, B's signed when ``b_signed``; the C rows' bytes beyond colsb and the rows beyond
+    its rows zero. Raises as the SDM's #UD conditions: registers not distinct, A's colsb / 4 !=
+    B's rows, C's colsb != B's colsb, C's rows != A's rows."""
+    c_rows, c_colsb = _shape(state, dst)
+    a_rows, a_colsb = _shape(state, a)
+    b_rows, b_colsb = _shape(state, b)
+    if dst == a or dst == b or a == b:
+        raise RuntimeError("AMX #UD: tdpb*d with registers that are not distinct")
+    if a_colsb // 4 != b_rows or c_colsb != b_colsb or c_rows != a_rows or a_colsb % 4 or c_colsb % 4:
+        raise RuntimeError("AMX #UD: tdpb*d with tile shapes that do not chain (M x K by K x N)")
+    regs = state[_REGS:_REGS + 8 * 1024]
+    c32 = regs.view(np.int32)
+    sa = regs.view(np.int8)
+    c0, a0, b0 = dst * 256, a * 1024, b * 1024
+    for m in range(c_rows):
+        for n in range(c_colsb // 4):
+            total = np.int64(c32[c0 + 16 * m + n])
+            for k in range(a_colsb // 4):
+                for i in range(4):
+                    av = np.int64(sa[a0 + 64 * m + 4 * k + i])
+                    bv = np.int64(sa[b0 + 64 * k + 4 * n + i]) if b_signed else np.int64(regs[b0 + 64 * k + 4 * n + i])
+                    total += av * bv
+            c32[c0 + 16 * m + n] = np.int32(((total + 2**31) & 0xFFFFFFFF) - 2**31)
+        c32[c0 + 16 * m + c_colsb // 4:c0 + 16 * (m + 1)] = 0
+    c32[c0 + 16 * c_rows:c0 + 256] = 0
+
+
+@njit(**JIT_INLINE)
+def emu_dpbssd(state, dst, a, b):
+    """``tdpbssd`` emulated: signed A and B."""
+    _emu_dot(state, dst, a, b, True)
+
+
+@njit(**JIT_INLINE)
+def emu_dpbsud(state, dst, a, b):
+    """``tdpbsud`` emulated: signed A, unsigned B."""
+    _emu_dot(state, dst, a, b, False)
+
+
+@njit(**JIT_INLINE)
+def emu_release(state):
+    """``tilerelease``: no config loaded any more (a tile op before the next ``ldtilecfg`` raises)."""
+    state[_LOADED:_LOADED + CONFIG_BYTES] = 0
+
+
+class TileOps(NamedTuple):
+    """One implementation of the tile operations, all taking the thread's ``state`` (uint8
+    [:data:`STATE_BYTES`], the config at its start) first and register numbers as literals."""
+
+    config: Callable
+    zero: Callable
+    load: Callable
+    dpbssd: Callable
+    dpbsud: Callable
+    store: Callable
+    release: Callable
+
+
+HW = TileOps(hw_config, hw_zero, hw_load, hw_dpbssd, hw_dpbsud, hw_store, hw_release)
+EMULATED = TileOps(emu_config, emu_zero, emu_load, emu_dpbssd, emu_dpbsud, emu_store, emu_release)
+
+
+# --------------------------------------------------------------------------------------------
+# the prefill kernel, written once
+
+
+@njit(**JIT_INLINE)
+def _unpack_q4_0(qs8, at, n_blocks, buf):
+    """The ``n_blocks`` Q4_0 blocks of a weight tile from byte ``at`` of ``qs8`` (grouped layout,
+    512 bytes a block) -> ``buf`` uint8 [n_blocks * BLOCK_TILE] in the VNNI-packed order: a
+    block's low nibbles (inputs 0..15) as groups 0..3, its high nibbles (16..31) as groups 4..7."""
+    half = BLOCK_TILE // 2
+    for b in range(n_blocks):
+        src = at + b * half
+        dst = b * BLOCK_TILE
+        for j in range(half):
+            v = qs8[src + j]
+            buf[dst + j] = v & np.uint8(15)
+            buf[dst + half + j] = v >> np.uint8(4)
+
+
+def make_prefill(ops: TileOps, cache: bool = True):
+    """The prefill kernel ``kernel(xq, xd, xs, qs8, d, m, m_scale, nibbles, n_chunks, out)`` built on
+    ``ops`` (:data:`HW` or :data:`EMULATED`).
+
+    ``xq`` int8 [S16, B*32] (S16 the activation rows rounded up to 16, the extra rows zero), ``xd``,
+    ``xs`` float32 [S16, B] (:func:`llamatrace.kernels.act8.quantize`); ``qs8`` the weight's packed
+    bytes as flat uint8 (``Weight.qs`` of a ``q8`` weight, [T, B, P, TR]: Q4_0's P = 16 with
+    ``nibbles`` True, Q8_0's P = 32 int8); ``d``, ``m`` fp16 bits uint16 [T, B, TR]; ``m_scale``
+    float32 (-8 for Q4_0, 0 for Q8_0); ``n_chunks`` runs of weight tiles (one per thread, each with
+    its tile state and unpack buffer); ``out`` float32 [S, n_out], its rows the real activation
+    rows. Per weight tile, 16 activation rows at a time, per block: A <- 16 rows x 32 int8, B0/B1
+    <- the block's weights for rows 0..15 / 16..31, C = A x B, the C tiles stored and scaled
+    into float32 sums (module docstring)."""
+    config, zero, load, dpbssd, dpbsud, store, release = ops
+
+    # the emulator raises (the SDM's faults), which keeps a prange serial: say so, run it serially
+    @njit(parallel=ops is HW, fastmath=FASTMATH, cache=cache)
+    def kernel(xq, xd, xs, qs8, d, m, m_scale, nibbles, n_chunks, out):
+        n_rows, n_in = xq.shape
+        n_tiles, n_blocks = d.shape[0], d.shape[1]
+        n_seq = out.shape[0]
+        xflat = xq.reshape(xq.size)
+        block = (BLOCK_TILE // 2) if nibbles else BLOCK_TILE        # packed bytes of a tile's block
+        n_chunks = max(1, min(n_chunks, n_tiles))
+        for ch in prange(n_chunks):
+            state = np.zeros(STATE_BYTES, np.uint8)
+            _prefill_config(state)
+            config(state)
+            buf = np.empty(n_blocks * BLOCK_TILE if nibbles else 0, np.uint8)
+            c = np.empty(2 * ROWS * 16, np.int32)                 # C0 then C1: [16 rows, 16 int32]
+            acc = np.empty((ROWS, TR), np.float32)
+            dv = np.empty(TR, np.float32)
+            mv = np.empty(TR, np.float32)
+            for t in range(ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks):
+                if nibbles:
+                    _unpack_q4_0(qs8, t * n_blocks * block, n_blocks, buf)
+                    src, base = buf, 0
+                else:
+                    src, base = qs8, t * n_blocks * block
+                for s0 in range(0, n_rows, ROWS):
+                    acc[:] = 0
+                    for b in range(n_blocks):
+                        load(state, TMM_A, xflat, s0 * n_in + b * QK, n_in)
+                        load(state, TMM_B0, src, base + b * BLOCK_TILE, 4 * TR)
+                        load(state, TMM_B1, src, base + b * BLOCK_TILE + 64, 4 * TR)
+                        zero(state, TMM_C0)
+                        zero(state, TMM_C1)
+                        if nibbles:
+                            dpbsud(state, TMM_C0, TMM_A, TMM_B0)
+                            dpbsud(state, TMM_C1, TMM_A, TMM_B1)
+                        else:
+                            dpbssd(state, TMM_C0, TMM_A, TMM_B0)
+                            dpbssd(state, TMM_C1, TMM_A, TMM_B1)
+                        store(state, TMM_C0, c, 0, 64)
+                        store(state, TMM_C1, c, ROWS * 64, 64)
+                        # the vector work: per C row, int32 -> float32, times d * xd, plus the offset
+                        for r in range(TR):
+                            dv[r] = f16(d[t, b, r])
+                            mv[r] = f16(m[t, b, r])
+                        for i in range(ROWS):
+                            dx = xd[s0 + i, b]
+                            ms = m_scale * xs[s0 + i, b]
+                            a = acc[i]
+                            for h in range(2):
+                                for n in range(16):
+                                    r = 16 * h + n
+                                    a[r] += (dv[r] * dx) * np.float32(c[h * ROWS * 16 + i * 16 + n]) + mv[r] * ms
+                    for i in range(min(ROWS, n_seq - s0)):
+                        tiles.store_tile(acc[i], out, s0 + i, t)
+            release(state)
+
+    return kernel
+
+
+# --------------------------------------------------------------------------------------------
+# availability: CPU, OS permission, off switch, self-check
+
+
+def request_permission() -> str:
+    """Ask the kernel for the AMX tile data state for this process
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, then ``ARCH_GET_XCOMP_PERM`` to
+    see it granted). Returns ``""`` when granted, else why not (one line, with errno)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
+        err = ctypes.get_errno()
+        return f"the OS refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {os.strerror(err)}, errno {err})"
+    granted = ctypes.c_uint64(0)
+    if libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(granted)) != 0:
+        err = ctypes.get_errno()
+        return f"arch_prctl ARCH_GET_XCOMP_PERM failed: {os.strerror(err)}, errno {err}"
+    if not granted.value >> XFEATURE_XTILEDATA & 1:
+        return "the OS did not grant the AMX tile state (ARCH_GET_XCOMP_PERM lacks XTILEDATA)"
+    return ""
+
+
+@dataclass(frozen=True)
+class Status:
+    """Whether the ``q8`` prefill of Q4_0 / Q8_0 runs on AMX in this process (``on``), and why
+    (``reason``: what was found, one line)."""
+
+    on: bool
+    reason: str
+
+
+def has_amx() -> bool:
+    """True when both the CPU Numba compiles for and this CPU have AMX int8 (LLVM's
+    ``amx-tile`` and ``amx-int8``, which LLVM reports only where the OS enabled the tile state)."""
+    need = {"amx-tile", "amx-int8"}
+    host = {name for name, on in llvm_binding.get_host_cpu_features().items() if on}
+    return need <= target_features() and need <= host
+
+
+@functools.lru_cache(maxsize=1)
+def status() -> Status:
+    """Decide once per process whether AMX runs: off when :data:`ENV_OFF` is set, when the CPU
+    lacks ``amx_int8`` (:func:`has_amx`), when the OS refuses the permission
+    (:func:`request_permission`), or when the hardware kernel's first products differ from the
+    VNNI kernel's (:func:`self_check`; then one warning line). Then the VNNI / AVX2 kernels run."""
+    if os.environ.get(ENV_OFF, "") not in ("", "0"):
+        return Status(False, f"off: {ENV_OFF}={os.environ[ENV_OFF]}")
+    if not has_amx():
+        return Status(False, "n/a (no amx_int8)")
+    refused = request_permission()
+    if refused:
+        return Status(False, refused)
+    wrong = self_check(hw_prefill())
+    if wrong:
+        _log.warning("AMX self-check failed, prefill keeps the VNNI kernels: %s", wrong)
+        return Status(False, f"self-check failed: {wrong}")
+    return Status(True, "on: amx_int8 (tdpbssd/tdpbsud prefill for Q4_0, Q8_0)")
+
+
+@functools.lru_cache(maxsize=1)
+def hw_prefill():
+    """The prefill kernel on the CPU's tiles (compiled on first call; runs only where
+    :func:`status` is on)."""
+    return make_prefill(HW)
+
+
+def self_check(kernel) -> str:
+    """Run ``kernel`` (a :func:`make_prefill` kernel) on small Q4_0 and Q8_0 products (37 rows
+    of x: two full A tiles and a part one; 64 weight rows, 4 blocks) and compare with the VNNI
+    kernel (:func:`llamatrace.kernels.act8._matmul_q4`). Returns ``""`` when every output is the
+    same float32, else what differed."""
+    rng = np.random.default_rng(36)
+    x = rng.standard_normal((37, 128)).astype(np.float32)
+    for name, nibbles, m_scale in (("Q4_0", True, np.float32(-8.0)), ("Q8_0", False, np.float32(0.0))):
+        qs = rng.integers(0, 256, (2, 4, 16 if nibbles else 32, TR), dtype=np.uint8)
+        d = np.float16(rng.uniform(1e-3, 2e-2, (2, 4, TR))).view(np.uint16)
+        want = np.empty((37, 64), np.float32)
+        act8._matmul_q4(x, qs if nibbles else qs.view(np.int8), d, d, m_scale, not nibbles, want)
+        got = np.empty_like(want)
+        run(kernel, x, qs, d, d, m_scale, nibbles, got, 2)
+        if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+            bad = int(np.count_nonzero(got != want))
+            return f"{name}: {bad} of {got.size} outputs differ from the VNNI kernel's (max |diff| {np.abs(got - want).max():.3g})"
+    return ""
+
+
+def run(kernel, x, qs, d, m, m_scale, nibbles, out, n_chunks=None) -> None:
+    """``out = x @ W.T`` by ``kernel`` (:func:`make_prefill`): x float32 [S, B*32] quantized
+    (:func:`llamatrace.kernels.act8.quantize`, Q8_0 blocks), its rows padded to a multiple of 16
+    with zeros; the other arguments as the kernel takes them (``qs`` the packed array as it is;
+    ``n_chunks`` default: Numba's thread count)."""
+    xq, xd, xs = act8._quantized_rows(x, act8.Q8_0)
+    n_seq = x.shape[0]
+    pad = -n_seq % ROWS
+    if pad:
+        xq = np.concatenate([xq, np.zeros((pad, xq.shape[1]), np.int8)])
+        xd = np.concatenate([xd, np.zeros((pad, xd.shape[1]), np.float32)])
+        xs = np.concatenate([xs, np.zeros((pad, xs.shape[1]), np.float32)])
+    kernel(xq, xd, xs, qs.reshape(qs.size).view(np.uint8), d, m, np.float32(m_scale), nibbles,
+           n_chunks or numba.get_num_threads(), out)
+
+
+def prefill_q4_0(x, w, out) -> None:
+    """The ``q8`` prefill of a Q4_0 :class:`~llamatrace.kernels.packing.Weight` on AMX (call
+    only when :func:`status` is on)."""
+    run(hw_prefill(), x, w.qs, w.d, w.d, -8.0, True, out)
+
+
+def prefill_q8_0(x, w, out) -> None:
+    """The ``q8`` prefill of a Q8_0 weight on AMX (call only when :func:`status` is on)."""
+    run(hw_prefill(), x, w.qs, w.d, w.d, 0.0, False, out)
