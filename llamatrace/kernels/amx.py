@@ -468,6 +468,75 @@ def make_prefill(ops: TileOps, cache: bool = True):
 
 
 # --------------------------------------------------------------------------------------------
+# the peak probe, written once too
+
+PEAK_CHAINS = 4
+"""Independent accumulator tiles (tmm0..3) in :func:`make_dot_peak`: four ``tdpbssd`` in flight
+cover its latency; each step is ``PEAK_CHAINS * 16 * 16 * 64`` multiply-adds."""
+PEAK_MACS_PER_STEP = PEAK_CHAINS * 16 * 16 * 64
+
+
+def make_dot_peak(ops: TileOps, cache: bool = True):
+    """``peak(n_steps, n_threads, a_word, b_word)`` -> int32 [n_threads] built on ``ops``: on each
+    thread, ``n_steps`` steps of :data:`PEAK_CHAINS` independent ``tdpbssd`` of two full 16 x 64
+    tiles (every 4 bytes of A ``a_word``'s, of B ``b_word``'s, both signed) into accumulator tiles,
+    with no memory traffic in the loop; the checksum is the sum (wrapping) of the accumulators'
+    int32 elements. NumPy twin: :func:`dot_peak_np`."""
+    config, zero, load, dpbssd, dpbsud, store, release = ops
+
+    @njit(parallel=ops is HW, cache=cache)
+    def peak(n_steps, n_threads, a_word, b_word):
+        out = np.zeros(n_threads, np.int32)
+        for t in prange(n_threads):
+            state = np.zeros(STATE_BYTES, np.uint8)
+            state[0] = 1
+            for reg in range(6):                                  # C0..C3, A (tmm4), B (tmm5)
+                set_config(state, reg, 16, 64)
+            a = np.full(256, a_word, np.int32)
+            b = np.full(256, b_word, np.int32)
+            c = np.empty(PEAK_CHAINS * 256, np.int32)
+            config(state)
+            load(state, 4, a, 0, 64)
+            load(state, 5, b, 0, 64)
+            zero(state, 0)
+            zero(state, 1)
+            zero(state, 2)
+            zero(state, 3)
+            for _ in range(n_steps):
+                dpbssd(state, 0, 4, 5)
+                dpbssd(state, 1, 4, 5)
+                dpbssd(state, 2, 4, 5)
+                dpbssd(state, 3, 4, 5)
+            store(state, 0, c, 0, 64)
+            store(state, 1, c, 1024, 64)
+            store(state, 2, c, 2048, 64)
+            store(state, 3, c, 3072, 64)
+            release(state)
+            total = np.int64(0)
+            for i in range(c.size):
+                total += c[i]
+            out[t] = np.int32(((total + 2**31) & 0xFFFFFFFF) - 2**31)
+        return out
+
+    return peak
+
+
+def dot_peak_np(n_steps: int, n_threads: int, a_word: int, b_word: int) -> np.ndarray:
+    """NumPy twin of :func:`make_dot_peak`'s kernels: the same int32 checksums."""
+    a = np.array([a_word], np.int32).view(np.int8).astype(np.int64)
+    b = np.array([b_word], np.int32).view(np.int8).astype(np.int64)
+    element = (16 * int((a * b).sum()) * n_steps) % 2**32           # one int32 of C: K = 64 bytes
+    total = (element * PEAK_CHAINS * 256) % 2**32
+    return np.full(n_threads, total, np.uint32).view(np.int32)
+
+
+@functools.lru_cache(maxsize=1)
+def hw_dot_peak():
+    """The peak probe on the CPU's tiles (run only where :func:`status` is on)."""
+    return make_dot_peak(HW)
+
+
+# --------------------------------------------------------------------------------------------
 # availability: CPU, OS permission, off switch, self-check
 
 
