@@ -36,7 +36,7 @@ needs_amx = pytest.mark.skipif(not ON, reason=f"AMX is not on here: {amx.status(
 
 EMULATED_PREFILL = amx.make_prefill(amx.EMULATED, cache=False)
 EMULATED_PEAK = amx.make_dot_peak(amx.EMULATED, cache=False)
-KINDS = {T.Q4_0: (True, np.float32(-8.0)), T.Q8_0: (False, np.float32(0.0))}
+KINDS = {T.Q4_0: amx.KIND_Q4_0, T.Q8_0: amx.KIND_Q8_0, T.Q4_K: amx.KIND_Q4_K}
 
 
 def _cpu_flags() -> set[str]:
@@ -137,17 +137,32 @@ def test_emulator_rejects_configs_ldtilecfg_rejects():
 
 
 def _run(kernel, qtype, x, w):
-    nibbles, m_scale = KINDS[qtype]
     out = np.full((x.shape[0], w.n_out), np.nan, np.float32)
-    amx.run(kernel, x, w.qs, w.d, w.d, m_scale, nibbles, out, 2)
+    amx.run(kernel, KINDS[qtype], x, w.qs, w.d, w.m if qtype == T.Q4_K else w.d, out, 2)
     return out
 
 
 def _vnni(qtype, x, w):
-    """The VNNI kernel that the AMX one must equal bit for bit (act8._matmul_q4, any row count)."""
-    nibbles, m_scale = KINDS[qtype]
+    """The VNNI kernel that the AMX one must equal bit for bit (the per-row kernels, any row count)."""
     out = np.empty((x.shape[0], w.n_out), np.float32)
-    act8._matmul_q4(x, w.qs, w.d, w.d, m_scale, not nibbles, out)
+    if qtype == T.Q4_K:
+        act8._matmul_q4k(x, w.qs, w.d, w.m, out)
+    else:
+        act8._matmul_q4(x, w.qs, w.d, w.d, np.float32(-8.0 if qtype == T.Q4_0 else 0.0), qtype == T.Q8_0, out)
+    return out
+
+
+def _twin(qtype, x, w):
+    twin = {T.Q4_0: lambda: act8.matmul_q4_np(x, w.qs, w.d, w.d, -8.0), T.Q8_0: lambda: act8.matmul_q8_np(x, w.qs, w.d),
+            T.Q4_K: lambda: act8.matmul_q4k_np(x, w.qs, w.d, w.m)}[qtype]()
+    return twin[:, :w.n_out]
+
+
+def _vnni_prefill(qtype, x, w):
+    out = np.empty((x.shape[0], w.n_out), np.float32)
+    kind = {T.Q4_0: act8.PREFILL_Q4, T.Q8_0: act8.PREFILL_Q8, T.Q4_K: act8.PREFILL_Q4K}[qtype]
+    act8._prefill(x, w.qs, w.d, w.m if qtype == T.Q4_K else w.d, np.float32(-8.0 if qtype == T.Q4_0 else 0.0),
+                  kind, out)
     return out
 
 
@@ -155,32 +170,34 @@ def _vnni(qtype, x, w):
 @pytest.mark.parametrize("n_seq", [5, 16, 37])
 def test_emulated_prefill_is_the_vnni_kernels_bits_and_the_references(qtype, n_seq):
     # 70 weight rows: three tiles, the last padded; 37 rows: two full A tiles and 5 rows
-    raw, w = _weight(qtype, 70, 32 * 5)
+    raw, w = _weight(qtype, 70, (256 if qtype == T.Q4_K else 32) * 5)
     x = _rows(np.random.default_rng(n_seq), n_seq, w.n_in)
     got = _run(EMULATED_PREFILL, qtype, x, w)
     np.testing.assert_array_equal(got.view(np.uint32), _vnni(qtype, x, w).view(np.uint32))
-    twin = (act8.matmul_q4_np(x, w.qs, w.d, w.d, -8.0) if qtype == T.Q4_0
-            else act8.matmul_q8_np(x, w.qs, w.d))[:, :70]
+    twin = _twin(qtype, x, w)
     np.testing.assert_allclose(got, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
     # independent: float64 sums of gguf-py's dequantized weights and the 8-bit activations
     ours_x = _dequantized_activations(qtype, x)
     W = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     assert np.all(np.abs(got - ours_x @ W.T) <= 1e-6 * (np.abs(ours_x) @ np.abs(W).T) + 1e-30)
-    # the VNNI prefill kernel too (Q8_0's drops the zero offset term: within 1e-6)
-    vnni_prefill = np.empty_like(got)
-    act8._prefill(x, w.qs, w.d, w.d, KINDS[qtype][1], act8.PREFILL_Q4 if qtype == T.Q4_0 else act8.PREFILL_Q8,
-                  vnni_prefill)
+    # the VNNI prefill kernel too (Q8_0's drops the zero offset term, Q4_K's contracts otherwise: 1e-6)
+    vnni_prefill = _vnni_prefill(qtype, x, w)
     np.testing.assert_allclose(got, vnni_prefill, rtol=0, atol=1e-6 * np.abs(vnni_prefill).max())
 
 
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
 def test_emulated_prefill_extreme_quants_do_not_overflow(qtype):
     # every weight and activation at its largest magnitude: the int32 sums are exact
-    n_out, n_in = 32, 64
-    blocks = np.zeros((n_out, 2, 34 if qtype == T.Q8_0 else 18), np.uint8)
+    n_out, n_in = 32, 512 if qtype == T.Q4_K else 64
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = np.zeros((n_out, n_in // gguf.GGML_QUANT_SIZES[qtype][0], size), np.uint8)
     blocks[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
-    blocks[:, :, 2:] = np.uint8(0x80) if qtype == T.Q8_0 else np.uint8(0xFF)   # -128 / q - 8 = 7
-    blocks[::2, :, 2:] = 127 if qtype == T.Q8_0 else 0
+    if qtype == T.Q4_K:                              # d 1, dmin 0, every 6-bit scale and min 63, q 15 or 0
+        blocks[:, :, 4:] = 0xFF
+        blocks[::2, :, 16:] = 0x00
+    else:
+        blocks[:, :, 2:] = np.uint8(0x80) if qtype == T.Q8_0 else np.uint8(0xFF)   # -128 / q - 8 = 7
+        blocks[::2, :, 2:] = 127 if qtype == T.Q8_0 else 0
     raw = blocks.reshape(n_out, -1)
     w = packing.pack("w", qtype, raw, n_out, n_in, activations="q8")
     x = np.full((17, n_in), 127.0, np.float32)
@@ -202,7 +219,7 @@ def test_self_check_passes_the_emulated_kernel_and_catches_a_wrong_one():
 # the hardware kernel and probe: machine code here, runs where AMX is
 
 PREFILL_SIG = (types.int8[:, ::1], types.float32[:, ::1], types.float32[:, ::1], types.uint8[::1],
-               types.uint16[:, :, ::1], types.uint16[:, :, ::1], types.float32, types.boolean, types.int64,
+               types.uint16[:, :, ::1], types.uint16[:, :, ::1], types.float32, types.int64, types.int64,
                types.float32[:, ::1])
 
 
@@ -254,7 +271,7 @@ def test_emulated_peak_probe_gives_its_twins_checksum(steps, a, b):
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
 @pytest.mark.parametrize("n_seq", [5, 37])
 def test_hardware_prefill_is_the_emulated_and_vnni_kernels_bits(qtype, n_seq):
-    _, w = _weight(qtype, 70, 32 * 5)
+    _, w = _weight(qtype, 70, (256 if qtype == T.Q4_K else 32) * 5)
     x = _rows(np.random.default_rng(n_seq), n_seq, w.n_in)
     got = _run(amx.hw_prefill(), qtype, x, w)
     np.testing.assert_array_equal(got.view(np.uint32), _run(EMULATED_PREFILL, qtype, x, w).view(np.uint32))
@@ -284,14 +301,11 @@ def test_status_follows_the_cpu_and_the_os_here():
 
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
 def test_the_registry_runs_amx_only_when_on(qtype):
-    _, w = _weight(qtype, 70, 32 * 5)
+    _, w = _weight(qtype, 70, (256 if qtype == T.Q4_K else 32) * 5)
     x = _rows(np.random.default_rng(1), 9, w.n_in)
-    vnni_prefill = np.empty((9, 70), np.float32)
-    act8._prefill(x, w.qs, w.d, w.d, KINDS[qtype][1], act8.PREFILL_Q4 if qtype == T.Q4_0 else act8.PREFILL_Q8,
-                  vnni_prefill)
-    same = np.array_equal(matmul(x, w), vnni_prefill)
-    # off: exactly the VNNI prefill's output; on: the AMX kernel's (which differs from it for Q8_0)
-    assert same if not ON else np.array_equal(matmul(x, w), _vnni(qtype, x, w))
+    # off: exactly the VNNI prefill's output; on: the AMX kernel's, the per-row VNNI kernel's bits
+    want = _vnni(qtype, x, w) if ON else _vnni_prefill(qtype, x, w)
+    np.testing.assert_array_equal(matmul(x, w), want)
 
 
 def test_off_switch_in_a_fresh_process():

@@ -1,5 +1,7 @@
-"""AMX int8 prefill for Q4_0 and Q8_0 weights (``--activations q8``), written once against six
-tile operations that run either on the CPU's tiles or in an emulator.
+"""AMX int8 prefill for Q4_0, Q8_0 and Q4_K weights (``--activations q8``), written once against
+six tile operations that run either on the CPU's tiles or in an emulator. (Q6_K keeps the VNNI
+kernel: its int8 scale per 16 weights would need a C tile and a scale step per 16 inputs, half a
+Q4_K sub-block; not done.)
 
 Intel AMX (Sapphire Rapids and later, ``amx_int8`` in the CPU flags) adds eight tile registers
 ``tmm0..tmm7`` of up to 16 rows x 64 bytes and ``tdpb[su][su]d``, which multiplies a 16 x 64 int8
@@ -28,7 +30,9 @@ tile's block as groups of four bytes per row, ``[P/4, TR, 4]``; with ``TR`` = 32
 are exactly AMX's "VNNI-packed" B tile: row k = inputs 4k..4k+3 of 16 weight rows. Q8_0's block
 (8 groups, 32 inputs) is read in place as two B tiles of 8 rows x 64 bytes (stride 128); Q4_0's
 nibbles are unpacked once per weight tile into such bytes (low nibbles: groups 0..3, inputs 0..15;
-high: groups 4..7, inputs 16..31) in a buffer per thread, reused by every activation row. So the
+high: groups 4..7, inputs 16..31) in a buffer per thread, reused by every activation row; Q4_K's
+four 32-byte chunks a block the same way (chunk c's low nibbles are sub-block 2c, its high ones
+2c + 1), its scale bytes read where they are. So the
 packed-weights cache (:mod:`llamatrace.model.packcache`) serves the same bytes to an AMX and a
 non-AMX process, and the AMX kernel reads what the VNNI kernel reads.
 
@@ -37,21 +41,23 @@ The product. A tile: ``A`` = 16 activation rows x 32 int8 of one block (``tmm0``
 colsb 64); ``C`` = 16 x 16 int32 (``tmm4``, ``tmm5``). K is one block of 32, not two (64 bytes, the
 tile's width): a block's int32 sums must be scaled by that block's ``d * xd`` before blocks are
 added, and folding two blocks into one tile would mix two scales into one sum. So per block and
-16 activation rows x 32 weight rows: 3 tile loads, 2 ``tdpbssd`` (Q8_0) or ``tdpbsud`` (Q4_0:
-signed activations by unsigned nibbles), 2 tile stores, then the vector work, in Numba code that
-compiles to AVX-512: per C row, 16 int32 -> float32 and ``y += (d * xd) * isum + m * (m_scale *
-xs)`` (Q4_0's ``- 8 * d * xs`` offset, as :func:`llamatrace.kernels.act8._matmul_q4` does), the
-``d`` row widened from fp16 once per block. That is ~4 vector instructions per C row (~128 per
+16 activation rows x 32 weight rows: 3 tile loads, 2 ``tdpbssd`` (Q8_0) or ``tdpbsud`` (Q4_0,
+Q4_K: signed activations by unsigned nibbles), 2 tile stores, then the vector work, in Numba code
+that compiles to AVX-512: per C row, 16 int32 -> float32 and ``y += (d * xd) * isum + m *
+(m_scale * xs)`` (Q4_0's ``- 8 * d * xs`` offset, as :func:`llamatrace.kernels.act8._matmul_q4`
+does; Q4_K: two sub-blocks a step with their 6-bit scales and mins, as
+:func:`llamatrace.kernels.act8._matmul_q4k`), the ``d`` row widened from fp16 once a step. That is ~4 vector instructions per C row (~128 per
 block and 16 rows, plus the 2 KB of C through L1) against 2 tile multiplies of 16 cycles each:
 the vector work, not ``tdpb*d``, is the expected limit, which is why the issue aims at 25 % of
 the AMX peak rather than most of it. (Expected from instruction counts, never measured: this was
 written on a machine without AMX.)
 
 Same arithmetic as the VNNI kernel: the int32 sums are the exact block dot products ``sum_j q_j *
-xq_j`` (``q`` the nibble 0..15 for Q4_0, the int8 quant for Q8_0), and the float32 operations are
-:func:`llamatrace.kernels.act8._matmul_q4`'s in the same order, so the outputs are the same bits
-(the tests check it, emulated). NumPy twin: :func:`llamatrace.kernels.act8.matmul_q4_np` /
-``matmul_q8_np`` (the same formula in float64).
+xq_j`` (``q`` the nibble 0..15 for Q4_0 and Q4_K, the int8 quant for Q8_0), and the float32
+operations are :func:`llamatrace.kernels.act8._matmul_q4`'s / ``_matmul_q4k``'s in the same order,
+so the outputs are the same bits (the tests check it, emulated). NumPy twins:
+:func:`llamatrace.kernels.act8.matmul_q4_np`, ``matmul_q8_np``, ``matmul_q4k_np`` (the same
+formulas in float64).
 
 Threads: the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``) is requested
 once per process (:func:`status`); the tile config is per thread, so every parallel chunk loads it
@@ -378,88 +384,124 @@ EMULATED = TileOps(emu_config, emu_zero, emu_load, emu_dpbssd, emu_dpbsud, emu_s
 # the prefill kernel, written once
 
 
+KIND_Q4_0, KIND_Q8_0, KIND_Q4_K = 0, 1, 2
+"""The weight types of :func:`make_prefill`'s kernels."""
+Q4K_HEAD = act8.Q4K_HEAD
+"""Q4_K: the 16 scale bytes per row (sc[8], mn[8], in [P, TR] order) before the grouped nibbles."""
+
+
 @njit(**JIT_INLINE)
-def _unpack_q4_0(qs8, at, n_blocks, buf):
-    """The ``n_blocks`` Q4_0 blocks of a weight tile from byte ``at`` of ``qs8`` (grouped layout,
-    512 bytes a block) -> ``buf`` uint8 [n_blocks * BLOCK_TILE] in the VNNI-packed order: a
-    block's low nibbles (inputs 0..15) as groups 0..3, its high nibbles (16..31) as groups 4..7."""
-    half = BLOCK_TILE // 2
-    for b in range(n_blocks):
-        src = at + b * half
-        dst = b * BLOCK_TILE
-        for j in range(half):
+def _unpack_nibbles(qs8, at, n_units, unit, per_block, block, head, buf):
+    """Nibbles of a weight tile -> ``buf`` uint8 in the VNNI-packed order, a sub-block of 32 inputs
+    every ``BLOCK_TILE`` bytes: unit ``u`` (``unit`` grouped bytes: byte ``4g + i`` of row r at
+    ``(g*TR + r)*4 + i``) is block ``u // per_block``'s part ``u % per_block``, from byte ``at +
+    (u // per_block) * block + head + (u % per_block) * unit`` of ``qs8``; its low nibbles go to
+    ``buf[2u*unit ..]``, its high ones to ``buf[(2u+1)*unit ..]``. Q4_0: units of 512 (a block:
+    low nibbles inputs 0..15, high 16..31, one sub-block); Q4_K: four units of 1024 a block (chunk
+    c: low nibbles sub-block 2c, high 2c + 1)."""
+    for u in range(n_units):
+        src = at + (u // per_block) * block + head + (u % per_block) * unit
+        dst = 2 * u * unit
+        for j in range(unit):
             v = qs8[src + j]
             buf[dst + j] = v & np.uint8(15)
-            buf[dst + half + j] = v >> np.uint8(4)
+            buf[dst + unit + j] = v >> np.uint8(4)
 
 
 def make_prefill(ops: TileOps, cache: bool = True):
-    """The prefill kernel ``kernel(xq, xd, xs, qs8, d, m, m_scale, nibbles, n_chunks, out)`` built on
+    """The prefill kernel ``kernel(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out)`` built on
     ``ops`` (:data:`HW` or :data:`EMULATED`).
 
-    ``xq`` int8 [S16, B*32] (S16 the activation rows rounded up to 16, the extra rows zero), ``xd``,
-    ``xs`` float32 [S16, B] (:func:`llamatrace.kernels.act8.quantize`); ``qs8`` the weight's packed
-    bytes as flat uint8 (``Weight.qs`` of a ``q8`` weight, [T, B, P, TR]: Q4_0's P = 16 with
-    ``nibbles`` True, Q8_0's P = 32 int8); ``d``, ``m`` fp16 bits uint16 [T, B, TR]; ``m_scale``
-    float32 (-8 for Q4_0, 0 for Q8_0); ``n_chunks`` runs of weight tiles (one per thread, each with
-    its tile state and unpack buffer); ``out`` float32 [S, n_out], its rows the real activation
-    rows. Per weight tile, 16 activation rows at a time, per block: A <- 16 rows x 32 int8, B0/B1
-    <- the block's weights for rows 0..15 / 16..31, C = A x B, the C tiles stored and scaled
-    into float32 sums (module docstring)."""
+    ``xq`` int8 [S16, n_in] (S16 the activation rows rounded up to 16, the extra rows zero), ``xd``,
+    ``xs`` float32 [S16, n_in/32] (:func:`llamatrace.kernels.act8.quantize`: Q8_0 blocks, Q4_K's
+    with float32 scales); ``qs8`` the weight's packed bytes as flat uint8 (``Weight.qs`` of a
+    ``q8`` weight, [T, B, P, TR]); ``d``, ``m`` fp16 bits uint16 [T, B, TR] (Q4_K: ``d``, ``dmin``);
+    ``m_scale`` float32 (Q4_0 -8, else unused); ``kind`` :data:`KIND_Q4_0` / :data:`KIND_Q8_0` /
+    :data:`KIND_Q4_K`; ``n_chunks`` runs of weight tiles (one per thread, each with its tile state
+    and unpack buffer); ``out`` float32 [S, n_out], its rows the real activation rows. Per weight
+    tile, 16 activation rows at a time, per sub-block of 32 inputs: A <- 16 rows x 32 int8, B0/B1
+    <- the sub-block's weights for rows 0..15 / 16..31, C = A x B stored, then scaled into float32
+    sums with :mod:`llamatrace.kernels.act8`'s per-row kernels' operations in their order (Q4_K
+    two sub-blocks a step, as :func:`llamatrace.kernels.act8._matmul_q4k`)."""
     config, zero, load, dpbssd, dpbsud, store, release = ops
 
     # the emulator raises (the SDM's faults), which keeps a prange serial: say so, run it serially
     @njit(parallel=ops is HW, fastmath=FASTMATH, cache=cache)
-    def kernel(xq, xd, xs, qs8, d, m, m_scale, nibbles, n_chunks, out):
+    def kernel(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out):
         n_rows, n_in = xq.shape
         n_tiles, n_blocks = d.shape[0], d.shape[1]
+        n_sub = n_in // QK                                        # sub-blocks of 32 inputs
         n_seq = out.shape[0]
         xflat = xq.reshape(xq.size)
-        block = (BLOCK_TILE // 2) if nibbles else BLOCK_TILE        # packed bytes of a tile's block
+        block = qs8.size // (n_tiles * n_blocks)                  # packed bytes of a tile's block
+        per = 2 if kind == KIND_Q4_K else 1                       # sub-blocks a scale step
         n_chunks = max(1, min(n_chunks, n_tiles))
         for ch in prange(n_chunks):
             state = np.zeros(STATE_BYTES, np.uint8)
             _prefill_config(state)
             config(state)
-            buf = np.empty(n_blocks * BLOCK_TILE if nibbles else 0, np.uint8)
-            c = np.empty(2 * ROWS * 16, np.int32)                 # C0 then C1: [16 rows, 16 int32]
+            buf = np.empty(n_sub * BLOCK_TILE if kind != KIND_Q8_0 else 0, np.uint8)
+            c = np.empty(per * 2 * ROWS * 16, np.int32)           # per sub-block: C0, C1 [16 rows, 16 int32]
             acc = np.empty((ROWS, TR), np.float32)
             dv = np.empty(TR, np.float32)
             mv = np.empty(TR, np.float32)
             for t in range(ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks):
-                if nibbles:
-                    _unpack_q4_0(qs8, t * n_blocks * block, n_blocks, buf)
-                    src, base = buf, 0
-                else:
-                    src, base = qs8, t * n_blocks * block
+                at = t * n_blocks * block
+                if kind == KIND_Q4_0:
+                    _unpack_nibbles(qs8, at, n_blocks, BLOCK_TILE // 2, 1, block, 0, buf)
+                elif kind == KIND_Q4_K:
+                    _unpack_nibbles(qs8, at, 4 * n_blocks, BLOCK_TILE, 4, block, Q4K_HEAD * TR, buf)
+                src, base = (qs8, at) if kind == KIND_Q8_0 else (buf, 0)
                 for s0 in range(0, n_rows, ROWS):
                     acc[:] = 0
-                    for b in range(n_blocks):
-                        load(state, TMM_A, xflat, s0 * n_in + b * QK, n_in)
-                        load(state, TMM_B0, src, base + b * BLOCK_TILE, 4 * TR)
-                        load(state, TMM_B1, src, base + b * BLOCK_TILE + 64, 4 * TR)
-                        zero(state, TMM_C0)
-                        zero(state, TMM_C1)
-                        if nibbles:
-                            dpbsud(state, TMM_C0, TMM_A, TMM_B0)
-                            dpbsud(state, TMM_C1, TMM_A, TMM_B1)
-                        else:
-                            dpbssd(state, TMM_C0, TMM_A, TMM_B0)
-                            dpbssd(state, TMM_C1, TMM_A, TMM_B1)
-                        store(state, TMM_C0, c, 0, 64)
-                        store(state, TMM_C1, c, ROWS * 64, 64)
-                        # the vector work: per C row, int32 -> float32, times d * xd, plus the offset
+                    for step in range(n_sub // per):
+                        for p in range(per):
+                            k = step * per + p
+                            load(state, TMM_A, xflat, s0 * n_in + k * QK, n_in)
+                            load(state, TMM_B0, src, base + k * BLOCK_TILE, 4 * TR)
+                            load(state, TMM_B1, src, base + k * BLOCK_TILE + 64, 4 * TR)
+                            zero(state, TMM_C0)
+                            zero(state, TMM_C1)
+                            if kind == KIND_Q8_0:
+                                dpbssd(state, TMM_C0, TMM_A, TMM_B0)
+                                dpbssd(state, TMM_C1, TMM_A, TMM_B1)
+                            else:
+                                dpbsud(state, TMM_C0, TMM_A, TMM_B0)
+                                dpbsud(state, TMM_C1, TMM_A, TMM_B1)
+                            store(state, TMM_C0, c, p * 2 * ROWS * 64, 64)
+                            store(state, TMM_C1, c, (p * 2 + 1) * ROWS * 64, 64)
+                        # the vector work: per C row, int32 -> float32, times the scales, summed
+                        b = step * per // (n_sub // n_blocks)
                         for r in range(TR):
                             dv[r] = f16(d[t, b, r])
                             mv[r] = f16(m[t, b, r])
-                        for i in range(ROWS):
-                            dx = xd[s0 + i, b]
-                            ms = m_scale * xs[s0 + i, b]
-                            a = acc[i]
-                            for h in range(2):
-                                for n in range(16):
-                                    r = 16 * h + n
-                                    a[r] += (dv[r] * dx) * np.float32(c[h * ROWS * 16 + i * 16 + n]) + mv[r] * ms
+                        if kind == KIND_Q4_K:
+                            j = 2 * (step % 4)                    # the pair's first sub-block in its block
+                            sc = at + b * block                   # its scale bytes: sc[j, r] at sc + j*TR + r
+                            k = 2 * step
+                            for i in range(ROWS):
+                                s = s0 + i
+                                dx0, dx1 = xd[s, k], xd[s, k + 1]
+                                xs0, xs1 = xs[s, k], xs[s, k + 1]
+                                a = acc[i]
+                                for h in range(2):
+                                    for n in range(16):
+                                        r = 16 * h + n
+                                        isum0 = np.float32(c[h * ROWS * 16 + i * 16 + n])
+                                        isum1 = np.float32(c[(2 + h) * ROWS * 16 + i * 16 + n])
+                                        a[r] += dv[r] * (np.float32(qs8[sc + j * TR + r]) * dx0 * isum0
+                                                         + np.float32(qs8[sc + (j + 1) * TR + r]) * dx1 * isum1) \
+                                            - mv[r] * (np.float32(qs8[sc + (8 + j) * TR + r]) * xs0
+                                                       + np.float32(qs8[sc + (9 + j) * TR + r]) * xs1)
+                        else:
+                            for i in range(ROWS):
+                                dx = xd[s0 + i, step]
+                                ms = m_scale * xs[s0 + i, step]
+                                a = acc[i]
+                                for h in range(2):
+                                    for n in range(16):
+                                        r = 16 * h + n
+                                        a[r] += (dv[r] * dx) * np.float32(c[h * ROWS * 16 + i * 16 + n]) + mv[r] * ms
                     for i in range(min(ROWS, n_seq - s0)):
                         tiles.store_tile(acc[i], out, s0 + i, t)
             release(state)
@@ -559,7 +601,7 @@ def request_permission() -> str:
 
 @dataclass(frozen=True)
 class Status:
-    """Whether the ``q8`` prefill of Q4_0 / Q8_0 runs on AMX in this process (``on``), and why
+    """Whether the ``q8`` prefill of Q4_0 / Q8_0 / Q4_K runs on AMX in this process (``on``), and why
     (``reason``: what was found, one line)."""
 
     on: bool
@@ -591,7 +633,7 @@ def status() -> Status:
     if wrong:
         _log.warning("AMX self-check failed, prefill keeps the VNNI kernels: %s", wrong)
         return Status(False, f"self-check failed: {wrong}")
-    return Status(True, "on: amx_int8 (tdpbssd/tdpbsud prefill for Q4_0, Q8_0)")
+    return Status(True, "on: amx_int8 (tdpbssd/tdpbsud prefill for Q4_0, Q8_0, Q4_K)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -602,47 +644,61 @@ def hw_prefill():
 
 
 def self_check(kernel) -> str:
-    """Run ``kernel`` (a :func:`make_prefill` kernel) on small Q4_0 and Q8_0 products (37 rows
-    of x: two full A tiles and a part one; 64 weight rows, 4 blocks) and compare with the VNNI
-    kernel (:func:`llamatrace.kernels.act8._matmul_q4`). Returns ``""`` when every output is the
-    same float32, else what differed."""
+    """Run ``kernel`` (a :func:`make_prefill` kernel) on small Q4_0, Q8_0 and Q4_K products (37
+    rows of x: two full A tiles and a part one; 64 weight rows, 256 inputs) and compare with the
+    VNNI kernels (:func:`llamatrace.kernels.act8._matmul_q4`, ``_matmul_q4k``). Returns ``""`` when
+    every output is the same float32, else what differed."""
     rng = np.random.default_rng(36)
-    x = rng.standard_normal((37, 128)).astype(np.float32)
-    for name, nibbles, m_scale in (("Q4_0", True, np.float32(-8.0)), ("Q8_0", False, np.float32(0.0))):
-        qs = rng.integers(0, 256, (2, 4, 16 if nibbles else 32, TR), dtype=np.uint8)
-        d = np.float16(rng.uniform(1e-3, 2e-2, (2, 4, TR))).view(np.uint16)
+    x = rng.standard_normal((37, 256)).astype(np.float32)
+    for kind, name, n_bytes in ((KIND_Q4_0, "Q4_0", 16), (KIND_Q8_0, "Q8_0", 32), (KIND_Q4_K, "Q4_K", 144)):
+        n_blocks = 1 if kind == KIND_Q4_K else 8
+        qs = rng.integers(0, 256, (2, n_blocks, n_bytes, TR), dtype=np.uint8)
+        if kind == KIND_Q4_K:
+            qs[:, :, :Q4K_HEAD] &= 63                           # 6-bit scales and mins
+        d = np.float16(rng.uniform(1e-3, 2e-2, (2, n_blocks, TR))).view(np.uint16)
         want = np.empty((37, 64), np.float32)
-        act8._matmul_q4(x, qs if nibbles else qs.view(np.int8), d, d, m_scale, not nibbles, want)
+        if kind == KIND_Q4_K:
+            act8._matmul_q4k(x, qs, d, d, want)
+        else:
+            act8._matmul_q4(x, qs if kind == KIND_Q4_0 else qs.view(np.int8), d, d, _M_SCALE[kind],
+                            kind == KIND_Q8_0, want)
         got = np.empty_like(want)
-        run(kernel, x, qs, d, d, m_scale, nibbles, got, 2)
+        run(kernel, kind, x, qs, d, d, got, 2)
         if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
             bad = int(np.count_nonzero(got != want))
             return f"{name}: {bad} of {got.size} outputs differ from the VNNI kernel's (max |diff| {np.abs(got - want).max():.3g})"
     return ""
 
 
-def run(kernel, x, qs, d, m, m_scale, nibbles, out, n_chunks=None) -> None:
-    """``out = x @ W.T`` by ``kernel`` (:func:`make_prefill`): x float32 [S, B*32] quantized
-    (:func:`llamatrace.kernels.act8.quantize`, Q8_0 blocks), its rows padded to a multiple of 16
-    with zeros; the other arguments as the kernel takes them (``qs`` the packed array as it is;
-    ``n_chunks`` default: Numba's thread count)."""
-    xq, xd, xs = act8._quantized_rows(x, act8.Q8_0)
-    n_seq = x.shape[0]
-    pad = -n_seq % ROWS
+_M_SCALE = {KIND_Q4_0: np.float32(-8.0), KIND_Q8_0: np.float32(0.0), KIND_Q4_K: np.float32(0.0)}
+
+
+def run(kernel, kind, x, qs, d, m, out, n_chunks=None) -> None:
+    """``out = x @ W.T`` by ``kernel`` (:func:`make_prefill`) for a weight of ``kind``: x float32
+    [S, n_in] quantized (:func:`llamatrace.kernels.act8.quantize`: Q8_0 blocks, Q4_K's
+    ``PER32_F32``), its rows padded to a multiple of 16 with zeros; ``qs``, ``d``, ``m`` the
+    weight's packed arrays as they are; ``n_chunks`` default: Numba's thread count."""
+    xq, xd, xs = act8._quantized_rows(x, act8.PER32_F32 if kind == KIND_Q4_K else act8.Q8_0)
+    pad = -x.shape[0] % ROWS
     if pad:
         xq = np.concatenate([xq, np.zeros((pad, xq.shape[1]), np.int8)])
         xd = np.concatenate([xd, np.zeros((pad, xd.shape[1]), np.float32)])
         xs = np.concatenate([xs, np.zeros((pad, xs.shape[1]), np.float32)])
-    kernel(xq, xd, xs, qs.reshape(qs.size).view(np.uint8), d, m, np.float32(m_scale), nibbles,
+    kernel(xq, xd, xs, qs.reshape(qs.size).view(np.uint8), d, m, _M_SCALE[kind], kind,
            n_chunks or numba.get_num_threads(), out)
 
 
 def prefill_q4_0(x, w, out) -> None:
     """The ``q8`` prefill of a Q4_0 :class:`~llamatrace.kernels.packing.Weight` on AMX (call
     only when :func:`status` is on)."""
-    run(hw_prefill(), x, w.qs, w.d, w.d, -8.0, True, out)
+    run(hw_prefill(), KIND_Q4_0, x, w.qs, w.d, w.d, out)
 
 
 def prefill_q8_0(x, w, out) -> None:
     """The ``q8`` prefill of a Q8_0 weight on AMX (call only when :func:`status` is on)."""
-    run(hw_prefill(), x, w.qs, w.d, w.d, 0.0, False, out)
+    run(hw_prefill(), KIND_Q8_0, x, w.qs, w.d, w.d, out)
+
+
+def prefill_q4_k(x, w, out) -> None:
+    """The ``q8`` prefill of a Q4_K weight on AMX (call only when :func:`status` is on)."""
+    run(hw_prefill(), KIND_Q4_K, x, w.qs, w.d, w.m, out)
