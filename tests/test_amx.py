@@ -36,7 +36,8 @@ needs_amx = pytest.mark.skipif(not ON, reason=f"AMX is not on here: {amx.status(
 
 EMULATED_PREFILL = amx.make_prefill(amx.EMULATED, cache=False)
 EMULATED_PEAK = amx.make_dot_peak(amx.EMULATED, cache=False)
-KINDS = {T.Q4_0: amx.KIND_Q4_0, T.Q8_0: amx.KIND_Q8_0, T.Q4_K: amx.KIND_Q4_K}
+KINDS = {T.Q4_0: amx.KIND_Q4_0, T.Q8_0: amx.KIND_Q8_0, T.Q4_K: amx.KIND_Q4_K, T.Q6_K: amx.KIND_Q6_K}
+KQUANTS = (T.Q4_K, T.Q6_K)
 
 
 def _cpu_flags() -> set[str]:
@@ -147,6 +148,8 @@ def _vnni(qtype, x, w):
     out = np.empty((x.shape[0], w.n_out), np.float32)
     if qtype == T.Q4_K:
         act8._matmul_q4k(x, w.qs, w.d, w.m, out)
+    elif qtype == T.Q6_K:
+        act8._matmul_q6k(x, w.qs, w.d, out)
     else:
         act8._matmul_q4(x, w.qs, w.d, w.d, np.float32(-8.0 if qtype == T.Q4_0 else 0.0), qtype == T.Q8_0, out)
     return out
@@ -154,12 +157,15 @@ def _vnni(qtype, x, w):
 
 def _twin(qtype, x, w):
     twin = {T.Q4_0: lambda: act8.matmul_q4_np(x, w.qs, w.d, w.d, -8.0), T.Q8_0: lambda: act8.matmul_q8_np(x, w.qs, w.d),
-            T.Q4_K: lambda: act8.matmul_q4k_np(x, w.qs, w.d, w.m)}[qtype]()
+            T.Q4_K: lambda: act8.matmul_q4k_np(x, w.qs, w.d, w.m), T.Q6_K: lambda: act8.matmul_q6k_np(x, w.qs, w.d)}[qtype]()
     return twin[:, :w.n_out]
 
 
 def _vnni_prefill(qtype, x, w):
     out = np.empty((x.shape[0], w.n_out), np.float32)
+    if qtype == T.Q6_K:
+        act8._prefill_q6k(x, w.qs, w.d, out, 2)
+        return out
     kind = {T.Q4_0: act8.PREFILL_Q4, T.Q8_0: act8.PREFILL_Q8, T.Q4_K: act8.PREFILL_Q4K}[qtype]
     act8._prefill(x, w.qs, w.d, w.m if qtype == T.Q4_K else w.d, np.float32(-8.0 if qtype == T.Q4_0 else 0.0),
                   kind, out)
@@ -170,7 +176,7 @@ def _vnni_prefill(qtype, x, w):
 @pytest.mark.parametrize("n_seq", [5, 16, 37])
 def test_emulated_prefill_is_the_vnni_kernels_bits_and_the_references(qtype, n_seq):
     # 70 weight rows: three tiles, the last padded; 37 rows: two full A tiles and 5 rows
-    raw, w = _weight(qtype, 70, (256 if qtype == T.Q4_K else 32) * 5)
+    raw, w = _weight(qtype, 70, (256 if qtype in KQUANTS else 32) * 5)
     x = _rows(np.random.default_rng(n_seq), n_seq, w.n_in)
     got = _run(EMULATED_PREFILL, qtype, x, w)
     np.testing.assert_array_equal(got.view(np.uint32), _vnni(qtype, x, w).view(np.uint32))
@@ -180,7 +186,8 @@ def test_emulated_prefill_is_the_vnni_kernels_bits_and_the_references(qtype, n_s
     ours_x = _dequantized_activations(qtype, x)
     W = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     assert np.all(np.abs(got - ours_x @ W.T) <= 1e-6 * (np.abs(ours_x) @ np.abs(W).T) + 1e-30)
-    # the VNNI prefill kernel too (Q8_0's drops the zero offset term, Q4_K's contracts otherwise: 1e-6)
+    # the VNNI prefill kernel too (Q8_0's drops the zero offset term, Q4_K's contracts otherwise: 1e-6;
+    # Q6_K's is the per-row kernel's bits)
     vnni_prefill = _vnni_prefill(qtype, x, w)
     np.testing.assert_allclose(got, vnni_prefill, rtol=0, atol=1e-6 * np.abs(vnni_prefill).max())
 
@@ -188,13 +195,20 @@ def test_emulated_prefill_is_the_vnni_kernels_bits_and_the_references(qtype, n_s
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
 def test_emulated_prefill_extreme_quants_do_not_overflow(qtype):
     # every weight and activation at its largest magnitude: the int32 sums are exact
-    n_out, n_in = 32, 512 if qtype == T.Q4_K else 64
+    n_out, n_in = 32, 512 if qtype in KQUANTS else 64
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     blocks = np.zeros((n_out, n_in // gguf.GGML_QUANT_SIZES[qtype][0], size), np.uint8)
     blocks[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     if qtype == T.Q4_K:                              # d 1, dmin 0, every 6-bit scale and min 63, q 15 or 0
         blocks[:, :, 4:] = 0xFF
         blocks[::2, :, 16:] = 0x00
+    elif qtype == T.Q6_K:                            # q 31 or -32, scales 127 or -128, d 1 (last)
+        blocks[:, :, :] = 0
+        blocks[:, :, :192] = 0xFF
+        blocks[::2, :, :192] = 0x00
+        blocks[:, :, 192:208] = 0x7F
+        blocks[1::4, :, 192:208] = 0x80
+        blocks[:, :, 208:] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     else:
         blocks[:, :, 2:] = np.uint8(0x80) if qtype == T.Q8_0 else np.uint8(0xFF)   # -128 / q - 8 = 7
         blocks[::2, :, 2:] = 127 if qtype == T.Q8_0 else 0
@@ -232,9 +246,9 @@ def _tile_lines(dispatcher, sig) -> list[str]:
 
 @intrinsic
 def _intel_syntax(typingctx):
-    """The prefill kernel's two products written in Intel syntax (C, A, B), as LLVM reads it."""
+    """Three of the prefill kernel's products written in Intel syntax (C, A, B), as LLVM reads it."""
     def codegen(context, builder, sig, args):
-        for text in ("tdpbsud tmm4, tmm0, tmm1", "tdpbssd tmm5, tmm0, tmm2"):
+        for text in ("tdpbsud tmm4, tmm0, tmm1", "tdpbssd tmm5, tmm0, tmm2", "tdpbsud tmm5, tmm3, tmm7"):
             fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), f".intel_syntax noprefix\n\t{text}\n\t.att_syntax",
                               "", side_effect=True)
             builder.call(fn, [])
@@ -245,7 +259,7 @@ def _intel_syntax(typingctx):
 def test_hardware_prefill_compiles_to_tile_instructions_in_intels_operand_order():
     lines = _tile_lines(amx.hw_prefill(), PREFILL_SIG)
     count = collections.Counter(line.split()[0] for line in lines)
-    assert count["tdpbsud"] == count["tdpbssd"] == 2                # Q4_0 / Q8_0, two C tiles each
+    assert count["tdpbssd"] == 2 and count["tdpbsud"] == 4          # Q8_0; Q4_0 and Q4_K, Q6_K: two C tiles each
     assert count["tileloadd"] >= 3 and count["tilestored"] >= 2 and count["tilezero"] >= 2
     assert count["ldtilecfg"] >= 1 and count["tilerelease"] >= 1
     # C tmm4 = A tmm0 x B tmm1: LLVM prints our AT&T text as it prints the Intel-syntax one
@@ -271,7 +285,7 @@ def test_emulated_peak_probe_gives_its_twins_checksum(steps, a, b):
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
 @pytest.mark.parametrize("n_seq", [5, 37])
 def test_hardware_prefill_is_the_emulated_and_vnni_kernels_bits(qtype, n_seq):
-    _, w = _weight(qtype, 70, (256 if qtype == T.Q4_K else 32) * 5)
+    _, w = _weight(qtype, 70, (256 if qtype in KQUANTS else 32) * 5)
     x = _rows(np.random.default_rng(n_seq), n_seq, w.n_in)
     got = _run(amx.hw_prefill(), qtype, x, w)
     np.testing.assert_array_equal(got.view(np.uint32), _run(EMULATED_PREFILL, qtype, x, w).view(np.uint32))
@@ -301,7 +315,7 @@ def test_status_follows_the_cpu_and_the_os_here():
 
 @pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
 def test_the_registry_runs_amx_only_when_on(qtype):
-    _, w = _weight(qtype, 70, (256 if qtype == T.Q4_K else 32) * 5)
+    _, w = _weight(qtype, 70, (256 if qtype in KQUANTS else 32) * 5)
     x = _rows(np.random.default_rng(1), 9, w.n_in)
     # off: exactly the VNNI prefill's output; on: the AMX kernel's, the per-row VNNI kernel's bits
     want = _vnni(qtype, x, w) if ON else _vnni_prefill(qtype, x, w)

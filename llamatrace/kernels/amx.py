@@ -1,7 +1,5 @@
-"""AMX int8 prefill for Q4_0, Q8_0 and Q4_K weights (``--activations q8``), written once against
-six tile operations that run either on the CPU's tiles or in an emulator. (Q6_K keeps the VNNI
-kernel: its int8 scale per 16 weights would need a C tile and a scale step per 16 inputs, half a
-Q4_K sub-block; not done.)
+"""AMX int8 prefill for Q4_0, Q8_0, Q4_K and Q6_K weights (``--activations q8``), written once
+against six tile operations that run either on the CPU's tiles or in an emulator.
 
 Intel AMX (Sapphire Rapids and later, ``amx_int8`` in the CPU flags) adds eight tile registers
 ``tmm0..tmm7`` of up to 16 rows x 64 bytes and ``tdpb[su][su]d``, which multiplies a 16 x 64 int8
@@ -32,7 +30,9 @@ are exactly AMX's "VNNI-packed" B tile: row k = inputs 4k..4k+3 of 16 weight row
 nibbles are unpacked once per weight tile into such bytes (low nibbles: groups 0..3, inputs 0..15;
 high: groups 4..7, inputs 16..31) in a buffer per thread, reused by every activation row; Q4_K's
 four 32-byte chunks a block the same way (chunk c's low nibbles are sub-block 2c, its high ones
-2c + 1), its scale bytes read where they are. So the
+2c + 1), its scale bytes read where they are; Q6_K's blocks by
+:func:`llamatrace.kernels.act8_ir.unpack_q6k`, the VNNI prefill's own unpacker, whose output is
+already that order (``q + 32`` as bytes, then the int8 scales). So the
 packed-weights cache (:mod:`llamatrace.model.packcache`) serves the same bytes to an AMX and a
 non-AMX process, and the AMX kernel reads what the VNNI kernel reads.
 
@@ -46,18 +46,22 @@ Q4_K: signed activations by unsigned nibbles), 2 tile stores, then the vector wo
 that compiles to AVX-512: per C row, 16 int32 -> float32 and ``y += (d * xd) * isum + m *
 (m_scale * xs)`` (Q4_0's ``- 8 * d * xs`` offset, as :func:`llamatrace.kernels.act8._matmul_q4`
 does; Q4_K: two sub-blocks a step with their 6-bit scales and mins, as
-:func:`llamatrace.kernels.act8._matmul_q4k`), the ``d`` row widened from fp16 once a step. That is ~4 vector instructions per C row (~128 per
+:func:`llamatrace.kernels.act8._matmul_q4k`), the ``d`` row widened from fp16 once a step.
+Q6_K has an int8 scale per 16 weights, so its K is 16 (A ``tmm3`` 16 x 16 bytes, B ``tmm6``,
+``tmm7`` 4 x 64): per 16 inputs a C pair is stored and added in int32, ``isum += sc * (C - 32 *
+xsum)`` (Q8_K activations, as :func:`llamatrace.kernels.act8._matmul_q6k`), and per block of 256
+one float32 step: twice Q4_K's vector work per multiply-add, on tile products of half the size. That is ~4 vector instructions per C row (~128 per
 block and 16 rows, plus the 2 KB of C through L1) against 2 tile multiplies of 16 cycles each:
 the vector work, not ``tdpb*d``, is the expected limit, which is why the issue aims at 25 % of
 the AMX peak rather than most of it. (Expected from instruction counts, never measured: this was
 written on a machine without AMX.)
 
 Same arithmetic as the VNNI kernel: the int32 sums are the exact block dot products ``sum_j q_j *
-xq_j`` (``q`` the nibble 0..15 for Q4_0 and Q4_K, the int8 quant for Q8_0), and the float32
-operations are :func:`llamatrace.kernels.act8._matmul_q4`'s / ``_matmul_q4k``'s in the same order,
-so the outputs are the same bits (the tests check it, emulated). NumPy twins:
-:func:`llamatrace.kernels.act8.matmul_q4_np`, ``matmul_q8_np``, ``matmul_q4k_np`` (the same
-formulas in float64).
+xq_j`` (``q`` the nibble 0..15 for Q4_0 and Q4_K, the int8 quant for Q8_0, ``q + 32`` for Q6_K),
+and the float32 operations are :func:`llamatrace.kernels.act8._matmul_q4`'s / ``_matmul_q4k``'s /
+``_matmul_q6k``'s in the same order, so the outputs are the same bits (the tests check it,
+emulated). NumPy twins: :func:`llamatrace.kernels.act8.matmul_q4_np`, ``matmul_q8_np``,
+``matmul_q4k_np``, ``matmul_q6k_np`` (the same formulas in float64).
 
 Threads: the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``) is requested
 once per process (:func:`status`); the tile config is per thread, so every parallel chunk loads it
@@ -81,6 +85,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import act8, tiles
+from llamatrace.kernels.act8_ir import Q6K_UNPACKED, QK_K_BYTES, unpack_q6k
 from llamatrace.kernels.jit import FASTMATH, JIT_INLINE, f16, target_features
 
 _log = logging.getLogger("llamatrace")
@@ -88,6 +93,7 @@ llvm_binding.initialize_native_asmparser()    # Numba sets up no assembler for i
 
 TR = tiles.TR
 QK = 32
+QK_K = 256
 ROWS = 16
 """Activation rows in an A tile (and a C tile): the tile's maximum."""
 BLOCK_TILE = 8 * TR * 4
@@ -95,6 +101,8 @@ BLOCK_TILE = 8 * TR * 4
 
 TMM_A, TMM_B0, TMM_B1, TMM_C0, TMM_C1 = 0, 1, 2, 4, 5
 """The tile registers the prefill kernel uses (literals in the hardware ops)."""
+TMM_A16, TMM_B16_0, TMM_B16_1 = 3, 6, 7
+"""Q6_K's: A of 16 inputs (K = 16: one int8 scale's group), B of 4 rows."""
 
 CONFIG_BYTES = 64
 STATE_BYTES = CONFIG_BYTES + 8 * 1024 + 64
@@ -128,13 +136,17 @@ def set_config(state, reg, rows, colsb):
 
 @njit(**JIT_INLINE)
 def _prefill_config(state):
-    """The prefill kernel's shapes: A 16 x 32 bytes, B 8 x 64, C 16 x 64 (16 x 16 int32)."""
+    """The prefill kernel's shapes: A 16 x 32 bytes, B 8 x 64, C 16 x 64 (16 x 16 int32); Q6_K's
+    A 16 x 16, B 4 x 64."""
     state[:CONFIG_BYTES] = 0
     set_config(state, TMM_A, ROWS, QK)
     set_config(state, TMM_B0, QK // 4, 64)
     set_config(state, TMM_B1, QK // 4, 64)
     set_config(state, TMM_C0, ROWS, 64)
     set_config(state, TMM_C1, ROWS, 64)
+    set_config(state, TMM_A16, ROWS, 16)
+    set_config(state, TMM_B16_0, 4, 64)
+    set_config(state, TMM_B16_1, 4, 64)
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,7 +396,7 @@ EMULATED = TileOps(emu_config, emu_zero, emu_load, emu_dpbssd, emu_dpbsud, emu_s
 # the prefill kernel, written once
 
 
-KIND_Q4_0, KIND_Q8_0, KIND_Q4_K = 0, 1, 2
+KIND_Q4_0, KIND_Q8_0, KIND_Q4_K, KIND_Q6_K = 0, 1, 2, 3
 """The weight types of :func:`make_prefill`'s kernels."""
 Q4K_HEAD = act8.Q4K_HEAD
 """Q4_K: the 16 scale bytes per row (sc[8], mn[8], in [P, TR] order) before the grouped nibbles."""
@@ -425,6 +437,40 @@ def make_prefill(ops: TileOps, cache: bool = True):
     two sub-blocks a step, as :func:`llamatrace.kernels.act8._matmul_q4k`)."""
     config, zero, load, dpbssd, dpbsud, store, release = ops
 
+    @njit(fastmath=FASTMATH, cache=cache, inline="always")
+    def _q6k_rows(state, xflat, s0, n_in, xd, xs, buf, d, t, c, isum, dv, acc):
+        # Q6_K, 16 activation rows: per block, per 16 inputs (one int8 scale), C = A16 x B16 on
+        # the tiles, then in int32 isum += sc * (C - 32 * xsum) as act8._matmul_q6k's sums;
+        # per block acc += (d * xd) * isum in float32 (xs holds the Q8_K sums of 16, exact)
+        n_blocks = d.shape[1]
+        for b in range(n_blocks):
+            ub = b * Q6K_UNPACKED
+            isum[:] = 0
+            for j in range(16):
+                load(state, TMM_A16, xflat, s0 * n_in + b * QK_K + 16 * j, n_in)
+                load(state, TMM_B16_0, buf, ub + 16 * j * TR, 4 * TR)
+                load(state, TMM_B16_1, buf, ub + 16 * j * TR + 64, 4 * TR)
+                zero(state, TMM_C0)
+                zero(state, TMM_C1)
+                dpbsud(state, TMM_C0, TMM_A16, TMM_B16_0)
+                dpbsud(state, TMM_C1, TMM_A16, TMM_B16_1)
+                store(state, TMM_C0, c, 0, 64)
+                store(state, TMM_C1, c, ROWS * 64, 64)
+                for i in range(ROWS):
+                    xsum = np.int32(xs[s0 + i, b * 16 + j])
+                    for h in range(2):
+                        for n in range(16):
+                            r = 16 * h + n
+                            sc = np.int32(np.int8(buf[ub + QK_K_BYTES + j * TR + r]))
+                            isum[i, r] = np.int32(isum[i, r] + sc * (c[h * ROWS * 16 + i * 16 + n] - 32 * xsum))
+            for r in range(TR):
+                dv[r] = f16(d[t, b, r])
+            for i in range(ROWS):
+                dx = xd[s0 + i, b]
+                a = acc[i]
+                for r in range(TR):
+                    a[r] += (dv[r] * dx) * np.float32(isum[i, r])
+
     # the emulator raises (the SDM's faults), which keeps a prange serial: say so, run it serially
     @njit(parallel=ops is HW, fastmath=FASTMATH, cache=cache)
     def kernel(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out):
@@ -440,7 +486,9 @@ def make_prefill(ops: TileOps, cache: bool = True):
             state = np.zeros(STATE_BYTES, np.uint8)
             _prefill_config(state)
             config(state)
-            buf = np.empty(n_sub * BLOCK_TILE if kind != KIND_Q8_0 else 0, np.uint8)
+            buf = np.empty(0 if kind == KIND_Q8_0 else n_blocks * Q6K_UNPACKED if kind == KIND_Q6_K
+                           else n_sub * BLOCK_TILE, np.uint8)
+            isum = np.empty((ROWS, TR), np.int32)                 # Q6_K: a block's scaled sums
             c = np.empty(per * 2 * ROWS * 16, np.int32)           # per sub-block: C0, C1 [16 rows, 16 int32]
             acc = np.empty((ROWS, TR), np.float32)
             dv = np.empty(TR, np.float32)
@@ -451,9 +499,17 @@ def make_prefill(ops: TileOps, cache: bool = True):
                     _unpack_nibbles(qs8, at, n_blocks, BLOCK_TILE // 2, 1, block, 0, buf)
                 elif kind == KIND_Q4_K:
                     _unpack_nibbles(qs8, at, 4 * n_blocks, BLOCK_TILE, 4, block, Q4K_HEAD * TR, buf)
+                elif kind == KIND_Q6_K:
+                    for b in range(n_blocks):
+                        unpack_q6k(qs8, at + b * block, buf, b * Q6K_UNPACKED, isum)
                 src, base = (qs8, at) if kind == KIND_Q8_0 else (buf, 0)
                 for s0 in range(0, n_rows, ROWS):
                     acc[:] = 0
+                    if kind == KIND_Q6_K:
+                        _q6k_rows(state, xflat, s0, n_in, xd, xs, buf, d, t, c, isum, dv, acc)
+                        for i in range(min(ROWS, n_seq - s0)):
+                            tiles.store_tile(acc[i], out, s0 + i, t)
+                        continue
                     for step in range(n_sub // per):
                         for p in range(per):
                             k = step * per + p
@@ -601,7 +657,7 @@ def request_permission() -> str:
 
 @dataclass(frozen=True)
 class Status:
-    """Whether the ``q8`` prefill of Q4_0 / Q8_0 / Q4_K runs on AMX in this process (``on``), and why
+    """Whether the ``q8`` prefill of Q4_0 / Q8_0 / Q4_K / Q6_K runs on AMX in this process (``on``), and why
     (``reason``: what was found, one line)."""
 
     on: bool
@@ -633,7 +689,7 @@ def status() -> Status:
     if wrong:
         _log.warning("AMX self-check failed, prefill keeps the VNNI kernels: %s", wrong)
         return Status(False, f"self-check failed: {wrong}")
-    return Status(True, "on: amx_int8 (tdpbssd/tdpbsud prefill for Q4_0, Q8_0, Q4_K)")
+    return Status(True, "on: amx_int8 (tdpbssd/tdpbsud prefill for Q4_0, Q8_0, Q4_K, Q6_K)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -644,14 +700,15 @@ def hw_prefill():
 
 
 def self_check(kernel) -> str:
-    """Run ``kernel`` (a :func:`make_prefill` kernel) on small Q4_0, Q8_0 and Q4_K products (37
-    rows of x: two full A tiles and a part one; 64 weight rows, 256 inputs) and compare with the
-    VNNI kernels (:func:`llamatrace.kernels.act8._matmul_q4`, ``_matmul_q4k``). Returns ``""`` when
-    every output is the same float32, else what differed."""
+    """Run ``kernel`` (a :func:`make_prefill` kernel) on small Q4_0, Q8_0, Q4_K and Q6_K products
+    (37 rows of x: two full A tiles and a part one; 64 weight rows, 256 inputs) and compare with
+    the VNNI kernels (:func:`llamatrace.kernels.act8._matmul_q4`, ``_matmul_q4k``,
+    ``_matmul_q6k``). Returns ``""`` when every output is the same float32, else what differed."""
     rng = np.random.default_rng(36)
     x = rng.standard_normal((37, 256)).astype(np.float32)
-    for kind, name, n_bytes in ((KIND_Q4_0, "Q4_0", 16), (KIND_Q8_0, "Q8_0", 32), (KIND_Q4_K, "Q4_K", 144)):
-        n_blocks = 1 if kind == KIND_Q4_K else 8
+    for kind, name, n_bytes in ((KIND_Q4_0, "Q4_0", 16), (KIND_Q8_0, "Q8_0", 32), (KIND_Q4_K, "Q4_K", 144),
+                                (KIND_Q6_K, "Q6_K", 208)):
+        n_blocks = 1 if kind in (KIND_Q4_K, KIND_Q6_K) else 8
         qs = rng.integers(0, 256, (2, n_blocks, n_bytes, TR), dtype=np.uint8)
         if kind == KIND_Q4_K:
             qs[:, :, :Q4K_HEAD] &= 63                           # 6-bit scales and mins
@@ -659,6 +716,8 @@ def self_check(kernel) -> str:
         want = np.empty((37, 64), np.float32)
         if kind == KIND_Q4_K:
             act8._matmul_q4k(x, qs, d, d, want)
+        elif kind == KIND_Q6_K:
+            act8._matmul_q6k(x, qs, d, want)
         else:
             act8._matmul_q4(x, qs if kind == KIND_Q4_0 else qs.view(np.int8), d, d, _M_SCALE[kind],
                             kind == KIND_Q8_0, want)
@@ -670,15 +729,19 @@ def self_check(kernel) -> str:
     return ""
 
 
-_M_SCALE = {KIND_Q4_0: np.float32(-8.0), KIND_Q8_0: np.float32(0.0), KIND_Q4_K: np.float32(0.0)}
+_M_SCALE = {KIND_Q4_0: np.float32(-8.0), KIND_Q8_0: np.float32(0.0), KIND_Q4_K: np.float32(0.0), KIND_Q6_K: np.float32(0.0)}
 
 
 def run(kernel, kind, x, qs, d, m, out, n_chunks=None) -> None:
     """``out = x @ W.T`` by ``kernel`` (:func:`make_prefill`) for a weight of ``kind``: x float32
     [S, n_in] quantized (:func:`llamatrace.kernels.act8.quantize`: Q8_0 blocks, Q4_K's
-    ``PER32_F32``), its rows padded to a multiple of 16 with zeros; ``qs``, ``d``, ``m`` the
+    ``PER32_F32``; Q6_K: :func:`~llamatrace.kernels.act8.quantize_k`), its rows padded to a multiple of 16 with zeros; ``qs``, ``d``, ``m`` the
     weight's packed arrays as they are; ``n_chunks`` default: Numba's thread count."""
-    xq, xd, xs = act8._quantized_rows(x, act8.PER32_F32 if kind == KIND_Q4_K else act8.Q8_0)
+    if kind == KIND_Q6_K:                                   # Q8_K; its int32 sums of 16 as float32, exact
+        xq, xd, xsum = act8._quantized_k_rows(x)
+        xs = xsum.astype(np.float32)
+    else:
+        xq, xd, xs = act8._quantized_rows(x, act8.PER32_F32 if kind == KIND_Q4_K else act8.Q8_0)
     pad = -x.shape[0] % ROWS
     if pad:
         xq = np.concatenate([xq, np.zeros((pad, xq.shape[1]), np.int8)])
@@ -702,3 +765,8 @@ def prefill_q8_0(x, w, out) -> None:
 def prefill_q4_k(x, w, out) -> None:
     """The ``q8`` prefill of a Q4_K weight on AMX (call only when :func:`status` is on)."""
     run(hw_prefill(), KIND_Q4_K, x, w.qs, w.d, w.m, out)
+
+
+def prefill_q6_k(x, w, out) -> None:
+    """The ``q8`` prefill of a Q6_K weight on AMX (call only when :func:`status` is on)."""
+    run(hw_prefill(), KIND_Q6_K, x, w.qs, w.d, w.d, out)

@@ -637,6 +637,9 @@ def act8_gemv_q6_k(x, w, out):
 
 
 def act8_prefill_q6_k(x, w, out):
+    if amx.status().on:
+        amx.prefill_q6_k(x, w, out)
+        return
     act8._prefill_q6k(x, w.qs, w.d, out, numba.get_num_threads())
 
 
