@@ -232,9 +232,11 @@ def test_self_check_passes_the_emulated_kernel_and_catches_a_wrong_one():
 # --------------------------------------------------------------------------------------------
 # the hardware kernel and probe: machine code here, runs where AMX is
 
-PREFILL_SIG = (types.int8[:, ::1], types.float32[:, ::1], types.float32[:, ::1], types.uint8[::1],
-               types.uint16[:, :, ::1], types.uint16[:, :, ::1], types.float32, types.int64, types.int64,
-               types.float32[:, ::1])
+PREFILL_SIG_TEXT = ("(types.int8[:, ::1], types.float32[:, ::1], types.float32[:, ::1], types.uint8[::1], "
+                    "types.uint16[:, :, ::1], types.uint16[:, :, ::1], types.float32, types.int64, types.int64, "
+                    "types.float32[:, ::1])")
+"""The argument types amx.run passes the prefill kernel (as text too, for a fresh process)."""
+PREFILL_SIG = eval(PREFILL_SIG_TEXT, {"types": types})
 
 
 def _tile_lines(dispatcher, sig) -> list[str]:
@@ -257,7 +259,7 @@ def _intel_syntax(typingctx):
 
 
 def test_hardware_prefill_compiles_to_tile_instructions_in_intels_operand_order():
-    lines = _tile_lines(amx.hw_prefill(), PREFILL_SIG)
+    lines = _tile_lines(amx.make_prefill(amx.HW, cache=False), PREFILL_SIG)    # not from the cache: its asm
     count = collections.Counter(line.split()[0] for line in lines)
     assert count["tdpbssd"] == 2 and count["tdpbsud"] == 4          # Q8_0; Q4_0 and Q4_K, Q6_K: two C tiles each
     assert count["tileloadd"] >= 3 and count["tilestored"] >= 2 and count["tilezero"] >= 2
@@ -270,7 +272,7 @@ def test_hardware_prefill_compiles_to_tile_instructions_in_intels_operand_order(
 
 def test_hardware_peak_probe_compiles_to_tdpbssd_chains():
     sig = (types.int64,) * 4
-    lines = _tile_lines(amx.hw_dot_peak(), sig)
+    lines = _tile_lines(amx.make_dot_peak(amx.HW, cache=False), sig)
     dots = [line for line in lines if line.startswith("tdpbssd")]
     assert sorted(dots) == [f"tdpbssd %tmm5, %tmm4, %tmm{c}" for c in range(amx.PEAK_CHAINS)]
 
@@ -327,3 +329,15 @@ def test_off_switch_in_a_fresh_process():
     env_out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, amx.ENV_OFF: "1"}).stdout
     assert "on=False" in env_out and f"off: {amx.ENV_OFF}=1" in env_out
+
+
+def test_hardware_kernels_load_from_numbas_cache_in_a_new_process():
+    # bound as globals, not closed over: a closure's cells pickle differently in every process,
+    # and Numba's cache missed each time (17-22 s of compiling at the first prefill on AMX)
+    code = ("from numba import types; from llamatrace.kernels import amx\n"
+            f"k = amx.hw_prefill(); k.compile({PREFILL_SIG_TEXT})\n"
+            "p = amx.hw_dot_peak(); p.compile((types.int64,) * 4)\n"
+            "print(sum(k.stats.cache_hits.values()), sum(p.stats.cache_hits.values()))")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)]
+    assert runs[1].split() == ["1", "1"], runs

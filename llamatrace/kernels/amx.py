@@ -74,6 +74,7 @@ import ctypes
 import functools
 import logging
 import os
+import types as pytypes
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -396,6 +397,24 @@ EMULATED = TileOps(emu_config, emu_zero, emu_load, emu_dpbssd, emu_dpbsud, emu_s
 # the prefill kernel, written once
 
 
+# The names the kernels below call for their tile operations: bound to one implementation's by
+# _bind (as globals, not a closure: Numba's cache keys a closure by its cells, which hold objects
+# that pickle differently in every process, so a closure's machine code was compiled anew in each)
+config = zero = load = dpbssd = dpbsud = store = release = None
+
+
+def _bind(template, ops: TileOps, flags: dict, **more):
+    """``template`` (a plain function of this module calling ``config``, ``load`` ...) compiled by
+    ``njit(**flags)`` with those names bound to ``ops``' operations (and ``more``), under a name of
+    its own per implementation (its cache entry)."""
+    names = dict(globals(), **ops._asdict(), **more)
+    impl = "hw" if ops is HW else "emulated" if ops is EMULATED else f"ops{id(ops):x}"
+    fn = pytypes.FunctionType(template.__code__, names, f"{template.__name__}_{impl}")
+    fn.__qualname__ = fn.__name__
+    fn.__doc__ = template.__doc__
+    return njit(**flags)(fn)
+
+
 KIND_Q4_0, KIND_Q8_0, KIND_Q4_K, KIND_Q6_K = 0, 1, 2, 3
 """The weight types of :func:`make_prefill`'s kernels."""
 Q4K_HEAD = act8.Q4K_HEAD
@@ -420,6 +439,133 @@ def _unpack_nibbles(qs8, at, n_units, unit, per_block, block, head, buf):
             buf[dst + unit + j] = v >> np.uint8(4)
 
 
+def _q6k_rows(state, xflat, s0, n_in, xd, xs, buf, d, t, c, isum, dv, acc):
+    """Q6_K, 16 activation rows from ``s0`` against weight tile ``t`` (unpacked in ``buf``): per
+    block, per 16 inputs (one int8 scale), C = A16 x B16 on the tiles, then in int32 ``isum += sc
+    * (C - 32 * xsum)`` as :func:`llamatrace.kernels.act8._matmul_q6k`'s sums; per block ``acc +=
+    (d * xd) * isum`` in float32 (``xs`` holds the Q8_K sums of 16 as float32, exact)."""
+    n_blocks = d.shape[1]
+    for b in range(n_blocks):
+        ub = b * Q6K_UNPACKED
+        isum[:] = 0
+        for j in range(16):
+            load(state, TMM_A16, xflat, s0 * n_in + b * QK_K + 16 * j, n_in)
+            load(state, TMM_B16_0, buf, ub + 16 * j * TR, 4 * TR)
+            load(state, TMM_B16_1, buf, ub + 16 * j * TR + 64, 4 * TR)
+            zero(state, TMM_C0)
+            zero(state, TMM_C1)
+            dpbsud(state, TMM_C0, TMM_A16, TMM_B16_0)
+            dpbsud(state, TMM_C1, TMM_A16, TMM_B16_1)
+            store(state, TMM_C0, c, 0, 64)
+            store(state, TMM_C1, c, ROWS * 64, 64)
+            for i in range(ROWS):
+                xsum = np.int32(xs[s0 + i, b * 16 + j])
+                for h in range(2):
+                    for n in range(16):
+                        r = 16 * h + n
+                        sc = np.int32(np.int8(buf[ub + QK_K_BYTES + j * TR + r]))
+                        isum[i, r] = np.int32(isum[i, r] + sc * (c[h * ROWS * 16 + i * 16 + n] - 32 * xsum))
+        for r in range(TR):
+            dv[r] = f16(d[t, b, r])
+        for i in range(ROWS):
+            dx = xd[s0 + i, b]
+            a = acc[i]
+            for r in range(TR):
+                a[r] += (dv[r] * dx) * np.float32(isum[i, r])
+
+
+def _prefill(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out):
+    """:func:`make_prefill`'s kernel, compiled once per :class:`TileOps` (:func:`_bind`)."""
+    n_rows, n_in = xq.shape
+    n_tiles, n_blocks = d.shape[0], d.shape[1]
+    n_sub = n_in // QK                                        # sub-blocks of 32 inputs
+    n_seq = out.shape[0]
+    xflat = xq.reshape(xq.size)
+    block = qs8.size // (n_tiles * n_blocks)                  # packed bytes of a tile's block
+    per = 2 if kind == KIND_Q4_K else 1                       # sub-blocks a scale step
+    n_chunks = max(1, min(n_chunks, n_tiles))
+    for ch in prange(n_chunks):
+        state = np.zeros(STATE_BYTES, np.uint8)
+        _prefill_config(state)
+        config(state)
+        buf = np.empty(0 if kind == KIND_Q8_0 else n_blocks * Q6K_UNPACKED if kind == KIND_Q6_K
+                       else n_sub * BLOCK_TILE, np.uint8)
+        isum = np.empty((ROWS, TR), np.int32)                 # Q6_K: a block's scaled sums
+        c = np.empty(per * 2 * ROWS * 16, np.int32)           # per sub-block: C0, C1 [16 rows, 16 int32]
+        acc = np.empty((ROWS, TR), np.float32)
+        dv = np.empty(TR, np.float32)
+        mv = np.empty(TR, np.float32)
+        for t in range(ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks):
+            at = t * n_blocks * block
+            if kind == KIND_Q4_0:
+                _unpack_nibbles(qs8, at, n_blocks, BLOCK_TILE // 2, 1, block, 0, buf)
+            elif kind == KIND_Q4_K:
+                _unpack_nibbles(qs8, at, 4 * n_blocks, BLOCK_TILE, 4, block, Q4K_HEAD * TR, buf)
+            elif kind == KIND_Q6_K:
+                for b in range(n_blocks):
+                    unpack_q6k(qs8, at + b * block, buf, b * Q6K_UNPACKED, isum)
+            src, base = (qs8, at) if kind == KIND_Q8_0 else (buf, 0)
+            for s0 in range(0, n_rows, ROWS):
+                acc[:] = 0
+                if kind == KIND_Q6_K:
+                    _q6k_rows(state, xflat, s0, n_in, xd, xs, buf, d, t, c, isum, dv, acc)
+                    for i in range(min(ROWS, n_seq - s0)):
+                        tiles.store_tile(acc[i], out, s0 + i, t)
+                    continue
+                for step in range(n_sub // per):
+                    for p in range(per):
+                        k = step * per + p
+                        load(state, TMM_A, xflat, s0 * n_in + k * QK, n_in)
+                        load(state, TMM_B0, src, base + k * BLOCK_TILE, 4 * TR)
+                        load(state, TMM_B1, src, base + k * BLOCK_TILE + 64, 4 * TR)
+                        zero(state, TMM_C0)
+                        zero(state, TMM_C1)
+                        if kind == KIND_Q8_0:
+                            dpbssd(state, TMM_C0, TMM_A, TMM_B0)
+                            dpbssd(state, TMM_C1, TMM_A, TMM_B1)
+                        else:
+                            dpbsud(state, TMM_C0, TMM_A, TMM_B0)
+                            dpbsud(state, TMM_C1, TMM_A, TMM_B1)
+                        store(state, TMM_C0, c, p * 2 * ROWS * 64, 64)
+                        store(state, TMM_C1, c, (p * 2 + 1) * ROWS * 64, 64)
+                    # the vector work: per C row, int32 -> float32, times the scales, summed
+                    b = step * per // (n_sub // n_blocks)
+                    for r in range(TR):
+                        dv[r] = f16(d[t, b, r])
+                        mv[r] = f16(m[t, b, r])
+                    if kind == KIND_Q4_K:
+                        j = 2 * (step % 4)                    # the pair's first sub-block in its block
+                        sc = at + b * block                   # its scale bytes: sc[j, r] at sc + j*TR + r
+                        k = 2 * step
+                        for i in range(ROWS):
+                            s = s0 + i
+                            dx0, dx1 = xd[s, k], xd[s, k + 1]
+                            xs0, xs1 = xs[s, k], xs[s, k + 1]
+                            a = acc[i]
+                            for h in range(2):
+                                for n in range(16):
+                                    r = 16 * h + n
+                                    isum0 = np.float32(c[h * ROWS * 16 + i * 16 + n])
+                                    isum1 = np.float32(c[(2 + h) * ROWS * 16 + i * 16 + n])
+                                    a[r] += dv[r] * (np.float32(qs8[sc + j * TR + r]) * dx0 * isum0
+                                                     + np.float32(qs8[sc + (j + 1) * TR + r]) * dx1 * isum1) \
+                                        - mv[r] * (np.float32(qs8[sc + (8 + j) * TR + r]) * xs0
+                                                   + np.float32(qs8[sc + (9 + j) * TR + r]) * xs1)
+                    else:
+                        for i in range(ROWS):
+                            dx = xd[s0 + i, step]
+                            ms = m_scale * xs[s0 + i, step]
+                            a = acc[i]
+                            for h in range(2):
+                                for n in range(16):
+                                    r = 16 * h + n
+                                    a[r] += (dv[r] * dx) * np.float32(c[h * ROWS * 16 + i * 16 + n]) + mv[r] * ms
+                for i in range(min(ROWS, n_seq - s0)):
+                    tiles.store_tile(acc[i], out, s0 + i, t)
+        release(state)
+
+
+
 def make_prefill(ops: TileOps, cache: bool = True):
     """The prefill kernel ``kernel(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out)`` built on
     ``ops`` (:data:`HW` or :data:`EMULATED`).
@@ -429,140 +575,17 @@ def make_prefill(ops: TileOps, cache: bool = True):
     with float32 scales); ``qs8`` the weight's packed bytes as flat uint8 (``Weight.qs`` of a
     ``q8`` weight, [T, B, P, TR]); ``d``, ``m`` fp16 bits uint16 [T, B, TR] (Q4_K: ``d``, ``dmin``);
     ``m_scale`` float32 (Q4_0 -8, else unused); ``kind`` :data:`KIND_Q4_0` / :data:`KIND_Q8_0` /
-    :data:`KIND_Q4_K`; ``n_chunks`` runs of weight tiles (one per thread, each with its tile state
+    :data:`KIND_Q4_K` / :data:`KIND_Q6_K` (Q8_K activations: ``xd`` [S16, n_in/256], ``xs`` their
+    int32 sums of 16 as float32 [S16, n_in/16]); ``n_chunks`` runs of weight tiles (one per thread, each with its tile state
     and unpack buffer); ``out`` float32 [S, n_out], its rows the real activation rows. Per weight
     tile, 16 activation rows at a time, per sub-block of 32 inputs: A <- 16 rows x 32 int8, B0/B1
     <- the sub-block's weights for rows 0..15 / 16..31, C = A x B stored, then scaled into float32
     sums with :mod:`llamatrace.kernels.act8`'s per-row kernels' operations in their order (Q4_K
-    two sub-blocks a step, as :func:`llamatrace.kernels.act8._matmul_q4k`)."""
-    config, zero, load, dpbssd, dpbsud, store, release = ops
-
-    @njit(fastmath=FASTMATH, cache=cache, inline="always")
-    def _q6k_rows(state, xflat, s0, n_in, xd, xs, buf, d, t, c, isum, dv, acc):
-        # Q6_K, 16 activation rows: per block, per 16 inputs (one int8 scale), C = A16 x B16 on
-        # the tiles, then in int32 isum += sc * (C - 32 * xsum) as act8._matmul_q6k's sums;
-        # per block acc += (d * xd) * isum in float32 (xs holds the Q8_K sums of 16, exact)
-        n_blocks = d.shape[1]
-        for b in range(n_blocks):
-            ub = b * Q6K_UNPACKED
-            isum[:] = 0
-            for j in range(16):
-                load(state, TMM_A16, xflat, s0 * n_in + b * QK_K + 16 * j, n_in)
-                load(state, TMM_B16_0, buf, ub + 16 * j * TR, 4 * TR)
-                load(state, TMM_B16_1, buf, ub + 16 * j * TR + 64, 4 * TR)
-                zero(state, TMM_C0)
-                zero(state, TMM_C1)
-                dpbsud(state, TMM_C0, TMM_A16, TMM_B16_0)
-                dpbsud(state, TMM_C1, TMM_A16, TMM_B16_1)
-                store(state, TMM_C0, c, 0, 64)
-                store(state, TMM_C1, c, ROWS * 64, 64)
-                for i in range(ROWS):
-                    xsum = np.int32(xs[s0 + i, b * 16 + j])
-                    for h in range(2):
-                        for n in range(16):
-                            r = 16 * h + n
-                            sc = np.int32(np.int8(buf[ub + QK_K_BYTES + j * TR + r]))
-                            isum[i, r] = np.int32(isum[i, r] + sc * (c[h * ROWS * 16 + i * 16 + n] - 32 * xsum))
-            for r in range(TR):
-                dv[r] = f16(d[t, b, r])
-            for i in range(ROWS):
-                dx = xd[s0 + i, b]
-                a = acc[i]
-                for r in range(TR):
-                    a[r] += (dv[r] * dx) * np.float32(isum[i, r])
-
+    two sub-blocks a step, as :func:`llamatrace.kernels.act8._matmul_q4k`; Q6_K per 16 inputs,
+    :func:`_q6k_rows`). One source for both implementations: ``ops`` are bound by :func:`_bind`."""
+    q6k_rows = _bind(_q6k_rows, ops, dict(fastmath=FASTMATH, cache=cache, inline="always"))
     # the emulator raises (the SDM's faults), which keeps a prange serial: say so, run it serially
-    @njit(parallel=ops is HW, fastmath=FASTMATH, cache=cache)
-    def kernel(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out):
-        n_rows, n_in = xq.shape
-        n_tiles, n_blocks = d.shape[0], d.shape[1]
-        n_sub = n_in // QK                                        # sub-blocks of 32 inputs
-        n_seq = out.shape[0]
-        xflat = xq.reshape(xq.size)
-        block = qs8.size // (n_tiles * n_blocks)                  # packed bytes of a tile's block
-        per = 2 if kind == KIND_Q4_K else 1                       # sub-blocks a scale step
-        n_chunks = max(1, min(n_chunks, n_tiles))
-        for ch in prange(n_chunks):
-            state = np.zeros(STATE_BYTES, np.uint8)
-            _prefill_config(state)
-            config(state)
-            buf = np.empty(0 if kind == KIND_Q8_0 else n_blocks * Q6K_UNPACKED if kind == KIND_Q6_K
-                           else n_sub * BLOCK_TILE, np.uint8)
-            isum = np.empty((ROWS, TR), np.int32)                 # Q6_K: a block's scaled sums
-            c = np.empty(per * 2 * ROWS * 16, np.int32)           # per sub-block: C0, C1 [16 rows, 16 int32]
-            acc = np.empty((ROWS, TR), np.float32)
-            dv = np.empty(TR, np.float32)
-            mv = np.empty(TR, np.float32)
-            for t in range(ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks):
-                at = t * n_blocks * block
-                if kind == KIND_Q4_0:
-                    _unpack_nibbles(qs8, at, n_blocks, BLOCK_TILE // 2, 1, block, 0, buf)
-                elif kind == KIND_Q4_K:
-                    _unpack_nibbles(qs8, at, 4 * n_blocks, BLOCK_TILE, 4, block, Q4K_HEAD * TR, buf)
-                elif kind == KIND_Q6_K:
-                    for b in range(n_blocks):
-                        unpack_q6k(qs8, at + b * block, buf, b * Q6K_UNPACKED, isum)
-                src, base = (qs8, at) if kind == KIND_Q8_0 else (buf, 0)
-                for s0 in range(0, n_rows, ROWS):
-                    acc[:] = 0
-                    if kind == KIND_Q6_K:
-                        _q6k_rows(state, xflat, s0, n_in, xd, xs, buf, d, t, c, isum, dv, acc)
-                        for i in range(min(ROWS, n_seq - s0)):
-                            tiles.store_tile(acc[i], out, s0 + i, t)
-                        continue
-                    for step in range(n_sub // per):
-                        for p in range(per):
-                            k = step * per + p
-                            load(state, TMM_A, xflat, s0 * n_in + k * QK, n_in)
-                            load(state, TMM_B0, src, base + k * BLOCK_TILE, 4 * TR)
-                            load(state, TMM_B1, src, base + k * BLOCK_TILE + 64, 4 * TR)
-                            zero(state, TMM_C0)
-                            zero(state, TMM_C1)
-                            if kind == KIND_Q8_0:
-                                dpbssd(state, TMM_C0, TMM_A, TMM_B0)
-                                dpbssd(state, TMM_C1, TMM_A, TMM_B1)
-                            else:
-                                dpbsud(state, TMM_C0, TMM_A, TMM_B0)
-                                dpbsud(state, TMM_C1, TMM_A, TMM_B1)
-                            store(state, TMM_C0, c, p * 2 * ROWS * 64, 64)
-                            store(state, TMM_C1, c, (p * 2 + 1) * ROWS * 64, 64)
-                        # the vector work: per C row, int32 -> float32, times the scales, summed
-                        b = step * per // (n_sub // n_blocks)
-                        for r in range(TR):
-                            dv[r] = f16(d[t, b, r])
-                            mv[r] = f16(m[t, b, r])
-                        if kind == KIND_Q4_K:
-                            j = 2 * (step % 4)                    # the pair's first sub-block in its block
-                            sc = at + b * block                   # its scale bytes: sc[j, r] at sc + j*TR + r
-                            k = 2 * step
-                            for i in range(ROWS):
-                                s = s0 + i
-                                dx0, dx1 = xd[s, k], xd[s, k + 1]
-                                xs0, xs1 = xs[s, k], xs[s, k + 1]
-                                a = acc[i]
-                                for h in range(2):
-                                    for n in range(16):
-                                        r = 16 * h + n
-                                        isum0 = np.float32(c[h * ROWS * 16 + i * 16 + n])
-                                        isum1 = np.float32(c[(2 + h) * ROWS * 16 + i * 16 + n])
-                                        a[r] += dv[r] * (np.float32(qs8[sc + j * TR + r]) * dx0 * isum0
-                                                         + np.float32(qs8[sc + (j + 1) * TR + r]) * dx1 * isum1) \
-                                            - mv[r] * (np.float32(qs8[sc + (8 + j) * TR + r]) * xs0
-                                                       + np.float32(qs8[sc + (9 + j) * TR + r]) * xs1)
-                        else:
-                            for i in range(ROWS):
-                                dx = xd[s0 + i, step]
-                                ms = m_scale * xs[s0 + i, step]
-                                a = acc[i]
-                                for h in range(2):
-                                    for n in range(16):
-                                        r = 16 * h + n
-                                        a[r] += (dv[r] * dx) * np.float32(c[h * ROWS * 16 + i * 16 + n]) + mv[r] * ms
-                    for i in range(min(ROWS, n_seq - s0)):
-                        tiles.store_tile(acc[i], out, s0 + i, t)
-            release(state)
-
-    return kernel
+    return _bind(_prefill, ops, dict(parallel=ops is HW, fastmath=FASTMATH, cache=cache), _q6k_rows=q6k_rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -574,49 +597,48 @@ cover its latency; each step is ``PEAK_CHAINS * 16 * 16 * 64`` multiply-adds."""
 PEAK_MACS_PER_STEP = PEAK_CHAINS * 16 * 16 * 64
 
 
+def _dot_peak(n_steps, n_threads, a_word, b_word):
+    """:func:`make_dot_peak`'s kernel, compiled once per :class:`TileOps` (:func:`_bind`)."""
+    out = np.zeros(n_threads, np.int32)
+    for t in prange(n_threads):
+        state = np.zeros(STATE_BYTES, np.uint8)
+        state[0] = 1
+        for reg in range(6):                                  # C0..C3, A (tmm4), B (tmm5)
+            set_config(state, reg, 16, 64)
+        a = np.full(256, a_word, np.int32)
+        b = np.full(256, b_word, np.int32)
+        c = np.empty(PEAK_CHAINS * 256, np.int32)
+        config(state)
+        load(state, 4, a, 0, 64)
+        load(state, 5, b, 0, 64)
+        zero(state, 0)
+        zero(state, 1)
+        zero(state, 2)
+        zero(state, 3)
+        for _ in range(n_steps):
+            dpbssd(state, 0, 4, 5)
+            dpbssd(state, 1, 4, 5)
+            dpbssd(state, 2, 4, 5)
+            dpbssd(state, 3, 4, 5)
+        store(state, 0, c, 0, 64)
+        store(state, 1, c, 1024, 64)
+        store(state, 2, c, 2048, 64)
+        store(state, 3, c, 3072, 64)
+        release(state)
+        total = np.int64(0)
+        for i in range(c.size):
+            total += c[i]
+        out[t] = np.int32(((total + 2**31) & 0xFFFFFFFF) - 2**31)
+    return out
+
+
 def make_dot_peak(ops: TileOps, cache: bool = True):
     """``peak(n_steps, n_threads, a_word, b_word)`` -> int32 [n_threads] built on ``ops``: on each
     thread, ``n_steps`` steps of :data:`PEAK_CHAINS` independent ``tdpbssd`` of two full 16 x 64
     tiles (every 4 bytes of A ``a_word``'s, of B ``b_word``'s, both signed) into accumulator tiles,
     with no memory traffic in the loop; the checksum is the sum (wrapping) of the accumulators'
     int32 elements. NumPy twin: :func:`dot_peak_np`."""
-    config, zero, load, dpbssd, dpbsud, store, release = ops
-
-    @njit(parallel=ops is HW, cache=cache)
-    def peak(n_steps, n_threads, a_word, b_word):
-        out = np.zeros(n_threads, np.int32)
-        for t in prange(n_threads):
-            state = np.zeros(STATE_BYTES, np.uint8)
-            state[0] = 1
-            for reg in range(6):                                  # C0..C3, A (tmm4), B (tmm5)
-                set_config(state, reg, 16, 64)
-            a = np.full(256, a_word, np.int32)
-            b = np.full(256, b_word, np.int32)
-            c = np.empty(PEAK_CHAINS * 256, np.int32)
-            config(state)
-            load(state, 4, a, 0, 64)
-            load(state, 5, b, 0, 64)
-            zero(state, 0)
-            zero(state, 1)
-            zero(state, 2)
-            zero(state, 3)
-            for _ in range(n_steps):
-                dpbssd(state, 0, 4, 5)
-                dpbssd(state, 1, 4, 5)
-                dpbssd(state, 2, 4, 5)
-                dpbssd(state, 3, 4, 5)
-            store(state, 0, c, 0, 64)
-            store(state, 1, c, 1024, 64)
-            store(state, 2, c, 2048, 64)
-            store(state, 3, c, 3072, 64)
-            release(state)
-            total = np.int64(0)
-            for i in range(c.size):
-                total += c[i]
-            out[t] = np.int32(((total + 2**31) & 0xFFFFFFFF) - 2**31)
-        return out
-
-    return peak
+    return _bind(_dot_peak, ops, dict(parallel=ops is HW, cache=cache))
 
 
 def dot_peak_np(n_steps: int, n_threads: int, a_word: int, b_word: int) -> np.ndarray:
