@@ -341,3 +341,23 @@ def test_hardware_kernels_load_from_numbas_cache_in_a_new_process():
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             for _ in range(2)]
     assert runs[1].split() == ["1", "1"], runs
+
+
+def test_compiles_for_a_sapphire_rapids_target_and_runs_only_on_the_host_it_has():
+    # Numba compiling for an AMX CPU (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, as a cross build does):
+    # the kernel's machine code for that target holds the tile instructions, and AMX still runs only
+    # where the host has it too
+    from llvmlite import binding
+    host = binding.get_host_cpu_features()
+    features = ",".join(("+" if on else "-") + name for name, on in host.items() if not name.startswith("amx"))
+    env = {**os.environ, "NUMBA_CPU_NAME": "sapphirerapids", "NUMBA_CPU_FEATURES": features + ",+amx-tile,+amx-int8"}
+    code = ("import re; from numba import types; from llamatrace.kernels import amx\n"
+            "from llamatrace.kernels.jit import target_features\n"
+            f"k = amx.make_prefill(amx.HW, cache=False); sig = {PREFILL_SIG_TEXT}; k.compile(sig)\n"
+            "tile = [l.split()[0] for l in k.inspect_asm(sig).splitlines()"
+            " if re.match(r'\\s*(ldtilecfg|tile[a-z]+|tdpb[su]{2}d)\\b', l)]\n"
+            "print({'amx-tile', 'amx-int8'} <= target_features(), amx.has_amx(), sorted(set(tile)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    host_amx = bool(host.get("amx-tile") and host.get("amx-int8"))
+    assert out.split(" ", 2)[:2] == ["True", str(host_amx)], out
+    assert all(op in out for op in ("ldtilecfg", "tileloadd", "tdpbssd", "tdpbsud", "tilestored", "tilerelease")), out
