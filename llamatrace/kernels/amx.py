@@ -104,7 +104,7 @@ QK_K = 256
 ROWS = 16
 """Activation rows in an A tile (and a C tile): the tile's maximum."""
 BLOCK_TILE = 8 * TR * 4
-"""Bytes of one block of a weight tile in the VNNI-packed order: 8 groups x TR rows x 4 bytes."""
+"""Bytes of a sub-block of 32 inputs of a weight tile in the VNNI-packed order: 8 groups x TR rows x 4."""
 
 TMM_A, TMM_B0, TMM_B1, TMM_C0, TMM_C1 = 0, 1, 2, 4, 5
 """The tile registers the prefill kernel uses (literals in the hardware ops)."""
