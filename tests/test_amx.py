@@ -361,3 +361,27 @@ def test_compiles_for_a_sapphire_rapids_target_and_runs_only_on_the_host_it_has(
     host_amx = bool(host.get("amx-tile") and host.get("amx-int8"))
     assert out.split(" ", 2)[:2] == ["True", str(host_amx)], out
     assert all(op in out for op in ("ldtilecfg", "tileloadd", "tdpbssd", "tdpbsud", "tilestored", "tilerelease")), out
+
+
+def test_status_on_an_amx_machine_decides_by_permission_and_self_check(monkeypatch, caplog):
+    # the decision as on an AMX machine, the hardware replaced by the emulator: permission granted
+    # and the self-check passed -> on; refused -> off with the OS's reason; a kernel with a wrong
+    # sum -> off, with one warning line
+    monkeypatch.delenv(amx.ENV_OFF, raising=False)
+    monkeypatch.setattr(amx, "has_amx", lambda: True)
+    monkeypatch.setattr(amx, "request_permission", lambda: "")
+    monkeypatch.setattr(amx, "hw_prefill", lambda: EMULATED_PREFILL)
+    decide = amx.status.__wrapped__                   # status() without its once-per-process cache
+    assert decide().on
+    monkeypatch.setattr(amx, "request_permission", lambda: "the OS refused the AMX tile state (...)")
+    assert decide() == amx.Status(False, "the OS refused the AMX tile state (...)")
+
+    def wrong(*args):
+        EMULATED_PREFILL(*args)
+        args[-1][3, 5] = -args[-1][3, 5] - 1.0
+    monkeypatch.setattr(amx, "request_permission", lambda: "")
+    monkeypatch.setattr(amx, "hw_prefill", lambda: wrong)
+    with caplog.at_level("WARNING", logger="llamatrace"):
+        st = decide()
+    assert not st.on and st.reason.startswith("self-check failed: Q4_0: 1 of ")
+    assert [r.getMessage().count("\n") for r in caplog.records] == [0] and "VNNI" in caplog.text
