@@ -56,7 +56,10 @@ def test_fractions_divide_by_the_measured_limits():
     cost = roofline.TokenCost(weight_bytes=2_000_000_000, macs=4_000_000_000)
     machine = roofline.Machine(threads=2, read_gb_s=40.0, int8_gmac_s=400.0, isa="vpdpbusd zmm")
     f = roofline.fractions(cost, machine, prefill_tok_s=20.0, decode_tok_s=5.0)
+    assert np.isnan(f.pop("prefill_of_amx_peak"))                       # no AMX peak measured
     assert f == {"prefill_gmac_s": 80.0, "prefill_of_int8_peak": 0.2, "decode_gb_s": 10.0, "decode_of_read_bw": 0.25}
+    with_amx = roofline.Machine(2, 40.0, 400.0, "vpdpbusd zmm", amx_gmac_s=1600.0, amx="on")
+    assert roofline.fractions(cost, with_amx, 20.0, 5.0)["prefill_of_amx_peak"] == 0.05
     no_avx2 = roofline.fractions(cost, roofline.Machine(2, 40.0, 0.0, ""), 20.0, 5.0)
     assert np.isnan(no_avx2["prefill_of_int8_peak"]) and no_avx2["decode_of_read_bw"] == 0.25
 

@@ -68,6 +68,8 @@ EXCLUDED.update({
     "'blk\\.[0-3]\\.ffn_down=q6_k'": "needs an F16 base; tests/test_quantize.py runs --tensor-type on one",
     "python benchmarks/make_8b.py --type F16 --layers 4 -o /tmp/qf/llama8b-L4-f16.gguf":
         "a benchmark: a 3.85 GB file, minutes per run, llama-quantize; run by hand",
+    "python3 -m pytest tests/test_amx.py -q        # runs the hardware kernel and probe too: nothing skipped when AMX is on":
+        "commands for a machine with AMX (this suite runs tests/test_amx.py itself); 8B files, minutes, by hand",
     "llamatrace perplexity -f tests/golden/corpus.txt -m FILE -c 512 --chunks 2 -t 2 --json [--activations f32]":
         "a benchmark on 8B-shaped files (~5 GB each, minutes per run) against llama-perplexity; run by hand",
 })

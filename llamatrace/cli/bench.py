@@ -72,6 +72,7 @@ def bench(
               soft_wrap=True)
     m, cost = report.machine, report.cost
     peak = f"int8 multiply-adds {m.int8_gmac_s:.0f} G/s ({m.isa})" if m.int8_gmac_s else "no int8 peak (no AVX2)"
+    peak += f", AMX int8 {m.amx_gmac_s:.0f} G/s (tdpbssd)" if m.amx_gmac_s else f", AMX int8 {m.amx}"
     out.print(f"limits on {plural(m.threads, 'thread')}: reads {m.read_gb_s:.1f} GB/s, {peak} · a token: "
               f"{cost.weight_bytes / 1e9:.3g} GB of weights, {cost.macs / 1e9:.3g} G multiply-adds", soft_wrap=True)
     base = next((r for r in report.results if r.engine == "llama.cpp"), None)
@@ -96,7 +97,9 @@ def bench(
     out.print(table)
     for r in report.results:
         roof = report.roofline(r)
-        of_peak = f" ({roof['prefill_of_int8_peak']:.0%} of the int8 peak)" if m.int8_gmac_s else ""
+        peaks = [f"{roof['prefill_of_int8_peak']:.0%} of the int8 peak"] if m.int8_gmac_s else []
+        peaks += [f"{roof['prefill_of_amx_peak']:.0%} of the AMX peak"] if m.amx_gmac_s else []
+        of_peak = f" ({', '.join(peaks)})" if peaks else ""
         out.print(f"{r.engine}: prefill {roof['prefill_gmac_s']:.3g} G multiply-adds/s{of_peak}, decode "
                   f"{roof['decode_gb_s']:.3g} GB/s of weights ({roof['decode_of_read_bw']:.0%} of the read bandwidth)",
                   soft_wrap=True)

@@ -48,7 +48,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import act8, tiles
+from llamatrace.kernels import act8, amx, tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
 from llamatrace.kernels.packing import matmul_ref
 from llamatrace.kernels.quantizers import for_type
@@ -606,6 +606,9 @@ def act8_gemv_q4_k(x, w, out):
 
 
 def act8_prefill_q4_k(x, w, out):
+    if amx.status().on:
+        amx.prefill_q4_k(x, w, out)
+        return
     act8._prefill(x, w.qs, w.d, w.m, _ZERO, act8.PREFILL_Q4K, out)
 
 
@@ -634,6 +637,9 @@ def act8_gemv_q6_k(x, w, out):
 
 
 def act8_prefill_q6_k(x, w, out):
+    if amx.status().on:
+        amx.prefill_q6_k(x, w, out)
+        return
     act8._prefill_q6k(x, w.qs, w.d, out, numba.get_num_threads())
 
 

@@ -8,6 +8,10 @@
   multiply-adds an instruction), 256-bit ``vpdpbusd`` on AVX-VNNI, else AVX2's ``vpmaddubsw`` +
   ``vpmaddwd`` + ``vpaddd`` (32). Inline asm, so LLVM can neither fold nor reorder the chains.
   NumPy twin: :func:`dot_peak_np` (the same int32 checksum).
+
+The AMX int8 peak (``tdpbssd`` chains on the tiles) is :func:`llamatrace.kernels.amx.make_dot_peak`,
+written once against the tile operations like the AMX kernels, and measured only where
+:func:`llamatrace.kernels.amx.status` is on.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import act8, tiles
+from llamatrace.kernels import act8, amx, tiles
 from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
 from llamatrace.kernels.packing import matmul_ref
 from llamatrace.kernels.quantizers import for_type
@@ -229,6 +229,9 @@ def act8_gemv_q4_0(x, w, out):
 
 
 def act8_prefill_q4_0(x, w, out):
+    if amx.status().on:
+        amx.prefill_q4_0(x, w, out)
+        return
     act8._prefill(x, w.qs, w.d, w.d, _MINUS_8, act8.PREFILL_Q4, out)
 
 
