@@ -327,8 +327,8 @@ def test_the_registry_runs_amx_only_when_on(qtype):
 def test_off_switch_in_a_fresh_process():
     code = "from llamatrace.kernels import amx; print(amx.status())"
     env_out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, amx.ENV_OFF: "1"}).stdout
-    assert "on=False" in env_out and f"off: {amx.ENV_OFF}=1" in env_out
+                             env={**os.environ, amx.ENV_OFF: "0"}).stdout
+    assert "on=False" in env_out and f"off: {amx.ENV_OFF}=0" in env_out
 
 
 def test_hardware_kernels_load_from_numbas_cache_in_a_new_process():

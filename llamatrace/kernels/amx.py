@@ -118,8 +118,8 @@ eight 1 KB registers and its own copy of the loaded config (unused by the hardwa
 _REGS = CONFIG_BYTES
 _LOADED = CONFIG_BYTES + 8 * 1024
 
-ENV_OFF = "LLAMATRACE_NO_AMX"
-"""Set to anything but ``""`` / ``"0"``: never use AMX (the VNNI / AVX2 kernels run)."""
+ENV_OFF = "LLAMATRACE_AMX"
+"""Set to ``"0"``: never use AMX (the VNNI / AVX2 kernels run), as ``LLAMATRACE_VNNI=0`` turns VNNI off."""
 
 ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
 XFEATURE_XTILEDATA = 18
@@ -684,11 +684,11 @@ def has_amx() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def status() -> Status:
-    """Decide once per process whether AMX runs: off when :data:`ENV_OFF` is set, when the CPU
+    """Decide once per process whether AMX runs: off when :data:`ENV_OFF` is ``0``, when the CPU
     lacks ``amx_int8`` (:func:`has_amx`), when the OS refuses the permission
     (:func:`request_permission`), or when the hardware kernel's first products differ from the
     VNNI kernel's (:func:`self_check`; then one warning line). Then the VNNI / AVX2 kernels run."""
-    if os.environ.get(ENV_OFF, "") not in ("", "0"):
+    if os.environ.get(ENV_OFF, "1") == "0":
         return Status(False, f"off: {ENV_OFF}={os.environ[ENV_OFF]}")
     if not has_amx():
         return Status(False, "n/a (no amx_int8)")
