@@ -569,6 +569,45 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
     return k.block_loop(n_blocks, ns, body)
 
 
+def _decode_q4_ir(k: _Tile, args):
+    """:func:`decode_q4`'s body: one activation row against every row of a tile, the ``TR / lanes``
+    float32 sums in registers over every block, the same float32 operations in the same order as
+    :func:`_prefill_q4_ir` (and the kernels before it). Each block asks for the cache lines of the
+    block ``ahead`` bytes on into L2 (0: no prefetch)."""
+    (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, _, ahead) = args
+    b, c64 = k.b, k.c64
+    q_at, s0, dm_at, n_blocks, ahead = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, ahead))
+    n_in = b.mul(n_blocks, c64(32))
+    mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
+    i8p = ir.IntType(8).as_pointer()
+    prefetch = b.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]))
+    on = b.icmp_signed("!=", ahead, c64(0))
+
+    def body(blk, accs):
+        qb = b.add(q_at, b.mul(blk, c64(16 * TR)))
+        with b.if_then(on, likely=True):
+            for line in range(16 * TR // 64):       # locality 2: prefetcht1, L2 (t0 streamed 4 % slower)
+                ptr = b.gep(qs, [b.add(b.add(qb, ahead), c64(64 * line))])
+                b.call(prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        xrow = b.add(b.mul(s0, n_in), b.mul(blk, c64(32)))
+        xlo = [k.bytes4(xq, b.add(xrow, c64(4 * g))) for g in range(4)]
+        xhi = [k.bytes4(xq, b.add(xrow, c64(16 + 4 * g))) for g in range(4)]
+        at = b.add(b.mul(s0, n_blocks), blk)
+        dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
+        ms = k.splat(b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4)), k.vf)
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        new = []
+        for h, acc in enumerate(accs):            # rows h*lanes ..: bytes 4g.. of each row, g < 4
+            v = [k.load(qs, b.add(qb, c64((g * TR + h * k.lanes) * 4)), k.vi8) for g in range(4)]
+            isum = b.add(k.isum([(b.and_(v[g], mask), xlo[g]) for g in range(4)]),
+                         k.isum([(b.lshr(v[g], four), xhi[g]) for g in range(4)]))
+            dvec, mvec = k.halves(d, b.add(dm, c64(h * k.lanes))), k.halves(m, b.add(dm, c64(h * k.lanes)))
+            new.append(b.fadd(acc, k.fma(b.fmul(dvec, dx), b.sitofp(isum, k.vf), b.fmul(mvec, ms))))
+        return new
+
+    return k.block_loop(n_blocks, TR // k.lanes, body)
+
+
 def _prefill_intrinsic(kind: str, ns: int, doc: str):
     emit = {"q4": _prefill_q4_ir, "q8": lambda *a: _prefill_q4_ir(*a, signed=True), "q4k": _prefill_q4k_ir,
             "q6k": _prefill_q6k_ir}[kind]
@@ -621,3 +660,30 @@ prefill_q4k_1row = _prefill_intrinsic("q4k", 1, _PREFILL_DOC.format(ns=1, what="
 prefill_q6k = _prefill_intrinsic("q6k", 4, _PREFILL_DOC.format(
     ns=4, what="Q6_K on blocks unpacked by :func:`unpack_q6k` (``xs``: the Q8_K sums of 16, int32; ``m``, ``m_scale`` unused)."))
 prefill_q6k_1row = _prefill_intrinsic("q6k", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q6k`."))
+
+
+def _decode_typer(typingctx, qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, ahead):
+    """Q4_0 / Q4_1 decode microkernel: ``res[r]`` (float32 [TR]) = the sum over every block of one
+    tile (block 0 at byte ``q_at`` of ``qs``, scales at ``dm_at`` of ``d`` and ``m``) of row ``r``
+    times activation row ``s0`` of ``xq``, ``xd``, ``xs``: ``(d * xd) * isum + m * (m_scale * xs)``
+    per block, the tile's rows in ``TR / prefill_lanes()`` registers whose sums stay there from the
+    first block to the last; ``ahead``: prefetch distance in bytes (0: none)."""
+    if not all(isinstance(a, types.Array) for a in (qs, xq, xd, xs, d, m, res)):
+        return None
+    sig = types.void(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, ahead)
+
+    def codegen(context, builder, signature, args):
+        flat = list(args)
+        for i in (0, 2, 3, 4, 6, 7, 11):
+            flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+        if flat[10].type != ir.FloatType():
+            flat[10] = builder.fptrunc(flat[10], ir.FloatType())
+        k = _Tile(builder, prefill_lanes())
+        for h, out in enumerate(_decode_q4_ir(k, flat)):
+            builder.store(out, k.ptr(flat[11], k.c64(h * k.lanes), k.vf), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+decode_q4 = intrinsic(_decode_typer)
