@@ -1,7 +1,7 @@
 """The 8-bit activations' block dot products, written in LLVM IR with AVX2 intrinsics.
 
 Numba types integer arithmetic as int64, so :mod:`llamatrace.kernels.act8`'s kernels take their
-block dot products from the intrinsics here (:func:`isum_q4`, :func:`isum_q8`, :func:`isum_q4k`,
+block dot products from the intrinsics here (:func:`isum_q8`, :func:`isum_q4k`,
 :func:`isum_q6k`, :func:`unpack_q6k`, :func:`isum_u8_16`): x86 ``pmaddubsw`` multiplies 32
 unsigned bytes by 32 signed bytes and adds adjacent pairs to int16, ``pmaddwd`` adds pairs of
 int16 to int32; with four bytes of a row per 32-bit lane, one register holds 8 rows and each
@@ -19,7 +19,9 @@ A/B timings, with a fresh ``NUMBA_CACHE_DIR``).
 The prefill microkernels (:func:`prefill_q4`, :func:`prefill_q8`, :func:`prefill_q4k`,
 :func:`prefill_q6k`) go further: a whole loop over a tile's blocks in IR, several activation rows
 against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 in a ymm), the
-float32 sums kept in registers (phi nodes) from the first block to the last. Numba caches the
+float32 sums kept in registers (phi nodes) from the first block to the last. The Q4_0 / Q4_1
+decode microkernel (:func:`decode_q4`) is the one-row case over a whole tile in one pass, with a
+prefetch. Numba caches the
 kernels that call these by the calling module's source: after a change here, clear
 ``llamatrace/kernels/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
 """
@@ -159,8 +161,7 @@ class _Emit:
 def _block_ir(builder, args, sig, context, kind: str) -> None:
     """Emit the block dot products of one tile block: ``isum[r]`` for its TR rows.
 
-    kind ``q4``: Q4_0/Q4_1, 4 groups, low nibbles times x[4g..], high nibbles times x[16 + 4g..];
-    ``q8``: Q8_0, 8 groups of signed bytes; ``q4k``: 8 groups of one 32-byte Q4_K chunk, high
+    kind ``q8``: Q8_0, 8 groups of signed bytes; ``q4k``: 8 groups of one 32-byte Q4_K chunk, high
     nibbles times x[32 + 4g..], two sums (isum[0:TR] low, [TR:2TR] high); ``q6k``: a whole Q6_K
     block against Q8_K activations, ``sum_j sc_j * (isum_j - 32 * xsum_j)`` over its 16 groups
     of 16 (``q + 32`` is unsigned, the offset comes from the activations' sums); ``unpack_q6k``
@@ -176,10 +177,10 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
     if kind == "u8_16":
         _u8_16_ir(e)
         return
-    groups = 4 if kind == "q4" else 8
+    groups = 8
     xlo = [e.broadcast(4 * g) for g in range(groups)]
     if kind != "q8":
-        xhi = [e.broadcast((16 if kind == "q4" else 32) + 4 * g) for g in range(groups)]
+        xhi = [e.broadcast(32 + 4 * g) for g in range(groups)]
         mask, four = e.const(15), e.const(4)
     for rg in range(TR // 8):                 # 8 rows per 256-bit register
         acc = acc_hi = None
@@ -191,21 +192,15 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
                 continue
             if e.vnni:
                 acc = e.dp(acc, builder.and_(v, mask), xlo[g])
-                if kind == "q4":
-                    acc = e.dp(acc, builder.lshr(v, four), xhi[g])
-                else:
-                    acc_hi = e.dp(acc_hi, builder.lshr(v, four), xhi[g])
+                acc_hi = e.dp(acc_hi, builder.lshr(v, four), xhi[g])
                 continue
             # int16 sums cannot overflow within a block (module docstring)
             lo = builder.call(e.maddubs, [builder.and_(v, mask), xlo[g]])
             hi = builder.call(e.maddubs, [builder.lshr(v, four), xhi[g]])
-            if kind == "q4":
-                acc = _add(builder, acc, builder.add(lo, hi))
-            else:
-                acc, acc_hi = _add(builder, acc, lo), _add(builder, acc_hi, hi)
+            acc, acc_hi = _add(builder, acc, lo), _add(builder, acc_hi, hi)
         if kind != "q8" and not e.vnni:
             acc = builder.call(e.maddwd, [acc, e.ones])
-            acc_hi = builder.call(e.maddwd, [acc_hi, e.ones]) if kind == "q4k" else None
+            acc_hi = builder.call(e.maddwd, [acc_hi, e.ones])
         e.store(acc, rg * 8)
         if kind == "q4k":
             e.store(acc_hi, TR + rg * 8)
@@ -306,9 +301,8 @@ def _isum_intrinsic(kind: str, doc: str, with_sums: bool = False):
     return intrinsic(typer)
 
 
-isum_q4 = _isum_intrinsic("q4", """isum int32[TR] = block dot products of a Q4 tile block at
+isum_q8 = _isum_intrinsic("q8", """isum int32[TR] = block dot products of a Q8_0 tile block at
 flat byte ``qbase`` of ``qs`` with the 32 int8 activations at ``xbase`` of ``xq`` (C-contiguous).""")
-isum_q8 = _isum_intrinsic("q8", """As :func:`isum_q4` for a Q8_0 tile block.""")
 isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: one 32-byte chunk of Q4_K quants at ``qbase``
 (two sub-blocks) with the 64 activations at ``xbase``: low-nibble sums, then high-nibble sums.""")
 isum_q6k = _isum_intrinsic("q6k", """isum int32[TR]: the Q6_K tile block at ``qbase`` with the 256
