@@ -80,7 +80,7 @@ from llvmlite import binding as llvm_binding
 from numba import njit, prange
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, isum_q4k, isum_q6k, isum_q8, isum_u8_16,
+from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4k, isum_q6k, isum_q8, isum_u8_16,
                                         PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
                                         prefill_q8, prefill_q8_1row, prefill_q8_4rows,
                                         prefill_q4k_1row, prefill_q6k, prefill_q6k_1row,
@@ -334,6 +334,8 @@ DECODE_AHEAD = 4096
 """How far ahead (bytes) the Q4_0 / Q4_1 decode microkernel prefetches: 8 blocks of a tile. Q4_0
 [28672, 4096], one thread, alternated on a shared machine: 2 KB 13.5 GB/s, 4 KB 14.1-14.5, 8 KB
 14.1 (a pure read of the same bytes 15-16)."""
+DECODE_AHEAD_Q4K = 2 * 144 * TR
+"""The Q4_K decode microkernel's prefetch distance: two blocks of a tile (9 KB)."""
 
 
 @njit(**JIT_PARALLEL)
@@ -542,34 +544,21 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
 @njit(**JIT_PARALLEL)
 def _matmul_q4k(x, qs, d, m, out):
     """As :func:`_matmul_q4` for Q4_K: qs uint8 [T, B, 144, TR] (this module's layout), d and
-    m (dmin) fp16 bits uint16 [T, B, TR]."""
+    m (dmin) fp16 bits uint16 [T, B, TR]. Per row of x,
+    :func:`~llamatrace.kernels.act8_ir.decode_q4k` runs over a whole tile, its sums in registers,
+    prefetching :data:`DECODE_AHEAD_Q4K` bytes ahead: per sub-block pair ``y += d * (sc_j dx_j
+    isum_j + sc_j+1 dx_j+1 isum_j+1) - dmin * (mn_j xs_j + mn_j+1 xs_j+1)``, the float32 operations
+    (and FMAs) of the per-block loop it replaced, so the same bits."""
     xq, xd, xs = _quantized(x, PER32_F32)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
     for t in prange(n_tiles):
-        isum = np.empty(2 * TR, np.int32)
-        acc = np.zeros((n_seq, TR), np.float32)
-        for b in range(n_blocks):
-            db = d[t, b]
-            mb = m[t, b]
-            sc = qs[t, b]
-            base = (t * n_blocks + b) * block + Q4K_HEAD * TR
-            for s in range(n_seq):
-                a = acc[s]
-                for c in range(4):           # 64 weights: sub-blocks 2c (low nibbles), 2c + 1
-                    if s == 0:
-                        tiles.prefetch_next_block(qs, t, b, c, 4)
-                    j = 2 * c
-                    isum_q4k(qs, base + c * 32 * TR, xq, s * n_blocks * 256 + b * 256 + 64 * c, isum)
-                    k = b * 8 + j
-                    dx0, dx1 = xd[s, k], xd[s, k + 1]
-                    xs0, xs1 = xs[s, k], xs[s, k + 1]
-                    for r in range(TR):
-                        a[r] += f16(db[r]) * (np.float32(sc[j, r]) * dx0 * np.float32(isum[r])
-                                               + np.float32(sc[j + 1, r]) * dx1 * np.float32(isum[TR + r])) \
-                            - f16(mb[r]) * (np.float32(sc[8 + j, r]) * xs0 + np.float32(sc[9 + j, r]) * xs1)
-        tiles.store_rows(acc, out, t)
+        res = np.empty(TR, np.float32)
+        for s in range(n_seq):
+            decode_q4k(qs, t * n_blocks * block, xq, xd, xs, s, d, m, t * n_blocks * TR, n_blocks, np.float32(0.0), res,
+                       DECODE_AHEAD_Q4K if s == 0 else 0)
+            tiles.store_tile(res, out, s, t)
 
 
 @njit(**JIT_PARALLEL)
