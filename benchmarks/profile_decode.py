@@ -14,6 +14,11 @@ Per thread count, alternating the measurements in rounds (medians shown, a share
 - ``region``: an empty parallel region (the fork/join every kernel call pays);
 - a decode step at position ~``--prompt`` by ``Llama.forward``, split into time inside the
   matmuls, inside the other kernels (norms, RoPE, attention, SiLU, ...), and the rest (Python).
+
+Each line: the median of the rounds where the process had its threads' CPU (the last field,
+CPU / wall time, within 10 % of the thread count; all rounds when none did). Fields: GB/s and ms
+per call for the matmuls and reads; ``step``: ms wall, ms in matmuls, in other kernels, in the
+rest, GB/s of weights, ms of CPU; ``op``: ms per step, calls.
 """
 
 from __future__ import annotations
@@ -188,7 +193,7 @@ def main() -> None:
             mm = sum(v for k, v in timer.acc.items() if k.startswith("matmul"))
             other = sum(v for k, v in timer.acc.items() if not k.startswith("matmul"))
             res[tag, "step"].append((step * 1e3, mm * 1e3, other * 1e3, (step - mm - other) * 1e3,
-                                     total / step / 1e9, cpu / step))
+                                     total / step / 1e9, cpu * 1e3, cpu / step))
             for k, v in timer.acc.items():
                 res[tag, "op " + k].append((v * 1e3, timer.calls[k.split()[0]] if k.startswith("matmul") else timer.calls[k],
                                             cpu / step))
