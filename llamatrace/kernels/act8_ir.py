@@ -344,7 +344,7 @@ class _Tile:
 
     def prefetch(self, on, p, offset, lines):
         """If ``on``: ask for the cache ``lines`` (indices of 64 bytes) from ``p + offset`` into L2
-        (``prefetcht1``: L1's, ``prefetcht0``, streamed 4 % slower in the decode microkernels)."""
+        (``prefetcht1``: L1's, ``prefetcht0``, streamed 3-6 % slower in the decode microkernels)."""
         b, i8p = self.b, ir.IntType(8).as_pointer()
         fn = b.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]))
         with b.if_then(on, likely=True):
