@@ -39,19 +39,7 @@ from llamatrace.kernels import fp32, probe, registry, threads  # noqa: E402
 from llamatrace.kernels.jit import JIT_EXACT_PARALLEL  # noqa: E402
 from llamatrace.model import llama as llama_mod  # noqa: E402
 from llamatrace.model.llama import Llama  # noqa: E402
-
-
-@njit(**JIT_EXACT_PARALLEL)
-def _stream_tiles(words):
-    """Sum of ``words`` uint64 [T, n]: tiles split over the threads as the decode kernels' prange."""
-    parts = np.zeros(words.shape[0], np.uint64)
-    for t in prange(words.shape[0]):
-        s = np.uint64(0)
-        row = words[t]
-        for i in range(row.shape[0]):
-            s += row[i]
-        parts[t] = s
-    return parts.sum()
+from bench_decode import stream_tiles  # noqa: E402  (beside this script)
 
 
 @njit(**JIT_EXACT_PARALLEL)
@@ -156,11 +144,11 @@ def main() -> None:
                 # pure read of the same tiles, tile-split
                 views = [w.qs.reshape(w.qs.shape[0], -1).view(np.uint64) if (w.qs.shape[1] * w.qs.shape[2] * w.qs.shape[3] * w.qs.itemsize) % 8 == 0 else None for w in ws]
                 if all(v is not None for v in views):
-                    _stream_tiles(views[0])
+                    stream_tiles(views[0])
                     t0 = time.perf_counter()
                     c0 = time.process_time()
                     for v in views:
-                        _stream_tiles(v)
+                        stream_tiles(v)
                     dt = time.perf_counter() - t0
                     cpu = time.process_time() - c0
                     res[tag, "stream " + kind].append((sum(v.nbytes for v in views) / dt / 1e9, dt / len(views) * 1e3,
