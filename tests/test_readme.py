@@ -70,6 +70,8 @@ EXCLUDED.update({
         "a benchmark: a 3.85 GB file, minutes per run, llama-quantize; run by hand",
     "python3 -m pytest tests/test_amx.py -q        # runs the hardware kernel and probe too: nothing skipped when AMX is on":
         "commands for a machine with AMX (this suite runs tests/test_amx.py itself); 8B files, minutes, by hand",
+    "python benchmarks/profile_decode.py -m 8b-q4_0.gguf [--threads 2 1] [--rounds 5]   # a step, in place":
+        "benchmarks on an 8B-shaped file (~5 GB) and 8B-shaped random matrices, minutes per run; by hand",
     "llamatrace perplexity -f tests/golden/corpus.txt -m FILE -c 512 --chunks 2 -t 2 --json [--activations f32]":
         "a benchmark on 8B-shaped files (~5 GB each, minutes per run) against llama-perplexity; run by hand",
 })

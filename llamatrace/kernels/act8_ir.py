@@ -1,7 +1,7 @@
 """The 8-bit activations' block dot products, written in LLVM IR with AVX2 intrinsics.
 
 Numba types integer arithmetic as int64, so :mod:`llamatrace.kernels.act8`'s kernels take their
-block dot products from the intrinsics here (:func:`isum_q4`, :func:`isum_q8`, :func:`isum_q4k`,
+block dot products from the intrinsics here (:func:`isum_q8`,
 :func:`isum_q6k`, :func:`unpack_q6k`, :func:`isum_u8_16`): x86 ``pmaddubsw`` multiplies 32
 unsigned bytes by 32 signed bytes and adds adjacent pairs to int16, ``pmaddwd`` adds pairs of
 int16 to int32; with four bytes of a row per 32-bit lane, one register holds 8 rows and each
@@ -19,7 +19,9 @@ A/B timings, with a fresh ``NUMBA_CACHE_DIR``).
 The prefill microkernels (:func:`prefill_q4`, :func:`prefill_q8`, :func:`prefill_q4k`,
 :func:`prefill_q6k`) go further: a whole loop over a tile's blocks in IR, several activation rows
 against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 in a ymm), the
-float32 sums kept in registers (phi nodes) from the first block to the last. Numba caches the
+float32 sums kept in registers (phi nodes) from the first block to the last. The Q4_0 / Q4_1
+and Q4_K decode microkernels (:func:`decode_q4`, :func:`decode_q4k`) are the one-row case over a
+whole tile in one pass, with a prefetch. Numba caches the
 kernels that call these by the calling module's source: after a change here, clear
 ``llamatrace/kernels/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
 """
@@ -159,9 +161,7 @@ class _Emit:
 def _block_ir(builder, args, sig, context, kind: str) -> None:
     """Emit the block dot products of one tile block: ``isum[r]`` for its TR rows.
 
-    kind ``q4``: Q4_0/Q4_1, 4 groups, low nibbles times x[4g..], high nibbles times x[16 + 4g..];
-    ``q8``: Q8_0, 8 groups of signed bytes; ``q4k``: 8 groups of one 32-byte Q4_K chunk, high
-    nibbles times x[32 + 4g..], two sums (isum[0:TR] low, [TR:2TR] high); ``q6k``: a whole Q6_K
+    kind ``q8``: Q8_0, 8 groups of signed bytes; ``q6k``: a whole Q6_K
     block against Q8_K activations, ``sum_j sc_j * (isum_j - 32 * xsum_j)`` over its 16 groups
     of 16 (``q + 32`` is unsigned, the offset comes from the activations' sums); ``unpack_q6k``
     and ``u8_16``: Q6_K's prefill, the block unpacked once into weight-order bytes, then the same
@@ -176,39 +176,14 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
     if kind == "u8_16":
         _u8_16_ir(e)
         return
-    groups = 4 if kind == "q4" else 8
-    xlo = [e.broadcast(4 * g) for g in range(groups)]
-    if kind != "q8":
-        xhi = [e.broadcast((16 if kind == "q4" else 32) + 4 * g) for g in range(groups)]
-        mask, four = e.const(15), e.const(4)
+    x = [e.broadcast(4 * g) for g in range(8)]
     for rg in range(TR // 8):                 # 8 rows per 256-bit register
-        acc = acc_hi = None
-        for g in range(groups):
+        acc = None
+        for g in range(8):    # |q| * (sign(q) * x): unsigned times signed, to int32 at once
             v = e.load(e.p, g * TR * 4 + rg * 32)
-            if kind == "q8":   # |q| * (sign(q) * x): unsigned times signed, to int32 at once
-                u8, s8 = builder.call(e.sign, [v, v]), builder.call(e.sign, [xlo[g], v])
-                acc = e.dp(acc, u8, s8) if e.vnni else _add(builder, acc, e.dot(u8, s8))
-                continue
-            if e.vnni:
-                acc = e.dp(acc, builder.and_(v, mask), xlo[g])
-                if kind == "q4":
-                    acc = e.dp(acc, builder.lshr(v, four), xhi[g])
-                else:
-                    acc_hi = e.dp(acc_hi, builder.lshr(v, four), xhi[g])
-                continue
-            # int16 sums cannot overflow within a block (module docstring)
-            lo = builder.call(e.maddubs, [builder.and_(v, mask), xlo[g]])
-            hi = builder.call(e.maddubs, [builder.lshr(v, four), xhi[g]])
-            if kind == "q4":
-                acc = _add(builder, acc, builder.add(lo, hi))
-            else:
-                acc, acc_hi = _add(builder, acc, lo), _add(builder, acc_hi, hi)
-        if kind != "q8" and not e.vnni:
-            acc = builder.call(e.maddwd, [acc, e.ones])
-            acc_hi = builder.call(e.maddwd, [acc_hi, e.ones]) if kind == "q4k" else None
+            u8, s8 = builder.call(e.sign, [v, v]), builder.call(e.sign, [x[g], v])
+            acc = e.dp(acc, u8, s8) if e.vnni else _add(builder, acc, e.dot(u8, s8))
         e.store(acc, rg * 8)
-        if kind == "q4k":
-            e.store(acc_hi, TR + rg * 8)
 
 
 def _add(b, acc, part):
@@ -306,11 +281,8 @@ def _isum_intrinsic(kind: str, doc: str, with_sums: bool = False):
     return intrinsic(typer)
 
 
-isum_q4 = _isum_intrinsic("q4", """isum int32[TR] = block dot products of a Q4 tile block at
+isum_q8 = _isum_intrinsic("q8", """isum int32[TR] = block dot products of a Q8_0 tile block at
 flat byte ``qbase`` of ``qs`` with the 32 int8 activations at ``xbase`` of ``xq`` (C-contiguous).""")
-isum_q8 = _isum_intrinsic("q8", """As :func:`isum_q4` for a Q8_0 tile block.""")
-isum_q4k = _isum_intrinsic("q4k", """isum int32[2*TR]: one 32-byte chunk of Q4_K quants at ``qbase``
-(two sub-blocks) with the 64 activations at ``xbase``: low-nibble sums, then high-nibble sums.""")
 isum_q6k = _isum_intrinsic("q6k", """isum int32[TR]: the Q6_K tile block at ``qbase`` with the 256
 Q8_K activations at ``xbase`` and their 16 sums at ``sbase`` of ``xsum``, scaled (:func:`_q6k_ir`).""",
                             with_sums=True)
@@ -369,6 +341,16 @@ class _Tile:
 
     def load(self, p, offset, etype, align=1):
         return self.b.load(self.ptr(p, offset, etype), align=align)
+
+    def prefetch(self, on, p, offset, lines):
+        """If ``on``: ask for the cache ``lines`` (indices of 64 bytes) from ``p + offset`` into L2
+        (``prefetcht1``: L1's, ``prefetcht0``, streamed 3-6 % slower in the decode microkernels)."""
+        b, i8p = self.b, ir.IntType(8).as_pointer()
+        fn = b.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]))
+        with b.if_then(on, likely=True):
+            for line in lines:
+                ptr = b.gep(p, [b.add(offset, self.c64(64 * line))])
+                b.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
 
     def bytes4(self, xq, offset):
         """The 4 bytes at ``xq + offset`` in every 32-bit lane."""
@@ -569,6 +551,86 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
     return k.block_loop(n_blocks, ns, body)
 
 
+def _decode_q4_ir(k: _Tile, args):
+    """:func:`decode_q4`'s body: one activation row against every row of a tile, the ``TR / lanes``
+    float32 sums in registers over every block, the same float32 operations in the same order as
+    :func:`_prefill_q4_ir` (and the kernels before it). Each block asks for the cache lines of the
+    block ``ahead`` bytes on into L2 (0: no prefetch)."""
+    (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, _, ahead) = args
+    b, c64 = k.b, k.c64
+    q_at, s0, dm_at, n_blocks, ahead = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, ahead))
+    n_in = b.mul(n_blocks, c64(32))
+    mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
+    on = b.icmp_signed("!=", ahead, c64(0))
+
+    def body(blk, accs):
+        qb = b.add(q_at, b.mul(blk, c64(16 * TR)))
+        k.prefetch(on, qs, b.add(qb, ahead), range(16 * TR // 64))
+        xrow = b.add(b.mul(s0, n_in), b.mul(blk, c64(32)))
+        xlo = [k.bytes4(xq, b.add(xrow, c64(4 * g))) for g in range(4)]
+        xhi = [k.bytes4(xq, b.add(xrow, c64(16 + 4 * g))) for g in range(4)]
+        at = b.add(b.mul(s0, n_blocks), blk)
+        dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
+        ms = k.splat(b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4)), k.vf)
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        new = []
+        for h, acc in enumerate(accs):            # rows h*lanes ..: bytes 4g.. of each row, g < 4
+            v = [k.load(qs, b.add(qb, c64((g * TR + h * k.lanes) * 4)), k.vi8) for g in range(4)]
+            isum = b.add(k.isum([(b.and_(v[g], mask), xlo[g]) for g in range(4)]),
+                         k.isum([(b.lshr(v[g], four), xhi[g]) for g in range(4)]))
+            dvec, mvec = k.halves(d, b.add(dm, c64(h * k.lanes))), k.halves(m, b.add(dm, c64(h * k.lanes)))
+            new.append(b.fadd(acc, k.fma(b.fmul(dvec, dx), b.sitofp(isum, k.vf), b.fmul(mvec, ms))))
+        return new
+
+    return k.block_loop(n_blocks, TR // k.lanes, body)
+
+
+def _decode_q4k_ir(k: _Tile, args):
+    """:func:`decode_q4k`'s body: as :func:`_decode_q4_ir` for a Q4_K tile (the layout of
+    :func:`_prefill_q4k_ir`), per sub-block pair ``j = 2c, 2c + 1`` the float32 operations of
+    ``act8._matmul_q4k`` as LLVM contracts them there: ``acc + fma(d, P, -(dmin * N))`` with
+    ``P = fma(sc_j dx_j, isum_j, (sc_j+1 dx_j+1) isum_j+1)``, ``N = fma(mn_j, xs_j, mn_j+1 xs_j+1)``,
+    so the same bits."""
+    (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, _, _, ahead) = args
+    b, c64 = k.b, k.c64
+    q_at, s0, dm_at, n_blocks, ahead = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, ahead))
+    n_in, n_sub = b.mul(n_blocks, c64(256)), b.mul(n_blocks, c64(8))
+    mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
+    on = b.icmp_signed("!=", ahead, c64(0))
+    halves = range(TR // k.lanes)
+    lines = 144 * TR // 64
+
+    def body(blk, accs):
+        qb = b.add(q_at, b.mul(blk, c64(144 * TR)))
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        dvec = [k.halves(d, b.add(dm, c64(h * k.lanes))) for h in halves]
+        mvec = [k.halves(m, b.add(dm, c64(h * k.lanes))) for h in halves]
+        for c in range(4):
+            k.prefetch(on, qs, b.add(qb, ahead), range(c * lines // 4, (c + 1) * lines // 4))
+            j = 2 * c
+            xrow = b.add(b.mul(s0, n_in), b.add(b.mul(blk, c64(256)), c64(64 * c)))
+            xlo = [k.bytes4(xq, b.add(xrow, c64(4 * g))) for g in range(8)]
+            xhi = [k.bytes4(xq, b.add(xrow, c64(32 + 4 * g))) for g in range(8)]
+            at = b.add(b.add(b.mul(s0, n_sub), b.mul(blk, c64(8))), c64(j))
+            dx0, dx1, xs0, xs1 = (k.splat(b.load(b.gep(arr, [a]), align=4), k.vf)
+                                  for arr, a in ((xd, at), (xd, b.add(at, c64(1))), (xs, at), (xs, b.add(at, c64(1)))))
+            new = []
+            for h, acc in zip(halves, accs):
+                rows = b.add(qb, c64(h * k.lanes))
+                sc0, sc1, mn0, mn1 = (k.byte_floats(qs, b.add(rows, c64(i * TR))) for i in (j, j + 1, 8 + j, 9 + j))
+                chunk = b.add(qb, c64(16 * TR + c * 32 * TR + h * k.lanes * 4))
+                v = [k.load(qs, b.add(chunk, c64(g * TR * 4)), k.vi8) for g in range(8)]
+                isum_lo = k.isum([(b.and_(v[g], mask), xlo[g]) for g in range(8)])
+                isum_hi = k.isum([(b.lshr(v[g], four), xhi[g]) for g in range(8)])
+                pos = k.fma(b.fmul(sc0, dx0), b.sitofp(isum_lo, k.vf), b.fmul(b.fmul(sc1, dx1), b.sitofp(isum_hi, k.vf)))
+                neg = b.fmul(mvec[h], k.fma(mn0, xs0, b.fmul(mn1, xs1)))
+                new.append(b.fadd(acc, k.fma(dvec[h], pos, b.fneg(neg))))
+            accs = new
+        return accs
+
+    return k.block_loop(n_blocks, len(halves), body)
+
+
 def _prefill_intrinsic(kind: str, ns: int, doc: str):
     emit = {"q4": _prefill_q4_ir, "q8": lambda *a: _prefill_q4_ir(*a, signed=True), "q4k": _prefill_q4k_ir,
             "q6k": _prefill_q6k_ir}[kind]
@@ -621,3 +683,37 @@ prefill_q4k_1row = _prefill_intrinsic("q4k", 1, _PREFILL_DOC.format(ns=1, what="
 prefill_q6k = _prefill_intrinsic("q6k", 4, _PREFILL_DOC.format(
     ns=4, what="Q6_K on blocks unpacked by :func:`unpack_q6k` (``xs``: the Q8_K sums of 16, int32; ``m``, ``m_scale`` unused)."))
 prefill_q6k_1row = _prefill_intrinsic("q6k", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q6k`."))
+
+
+def _decode_intrinsic(emit, doc: str):
+    def typer(typingctx, qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, ahead):
+        if not all(isinstance(a, types.Array) for a in (qs, xq, xd, xs, d, m, res)):
+            return None
+        sig = types.void(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, ahead)
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 2, 3, 4, 6, 7, 11):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            if flat[10].type != ir.FloatType():
+                flat[10] = builder.fptrunc(flat[10], ir.FloatType())
+            k = _Tile(builder, prefill_lanes())
+            for h, out in enumerate(emit(k, flat)):
+                builder.store(out, k.ptr(flat[11], k.c64(h * k.lanes), k.vf), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+_DECODE_DOC = """Decode microkernel: ``res[r]`` (float32 [TR]) = the sum over every block of one tile (block 0
+at byte ``q_at`` of ``qs``, scales at ``dm_at`` of ``d`` and ``m``) of row ``r`` times activation
+row ``s0`` of ``xq``, ``xd``, ``xs``, the tile's rows in ``TR / prefill_lanes()`` registers whose
+sums stay there from the first block to the last; ``ahead``: prefetch distance in bytes (0: none).
+{what}"""
+decode_q4 = _decode_intrinsic(_decode_q4_ir, _DECODE_DOC.format(
+    what="Q4_0 / Q4_1: ``(d * xd) * isum + m * (m_scale * xs)`` per block."))
+decode_q4k = _decode_intrinsic(_decode_q4k_ir, _DECODE_DOC.format(
+    what="Q4_K (``m`` its dmin, ``m_scale`` unused): as ``act8._matmul_q4k`` per sub-block pair."))

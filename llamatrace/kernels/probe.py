@@ -50,13 +50,18 @@ def macs_per_step(isa: str) -> int:
 @njit(**JIT_EXACT_PARALLEL)
 def read_words(words, n_threads):
     """Sum (mod 2**64) of ``words`` (uint64 [n]), each of ``n_threads`` threads reading a
-    contiguous share."""
+    contiguous share.
+
+    Each thread sums a slice from index 0: indexing ``words`` from a computed start instead
+    keeps Numba's negative-index check in the loop, which LLVM then does not vectorize, and the
+    probe read 9.5 GB/s a thread where this loop reads 14-15 (Xeon VM, 2026-11-27)."""
     parts = np.zeros(n_threads, np.uint64)
     n = words.size
     for t in prange(n_threads):
         s = np.uint64(0)
-        for i in range(t * n // n_threads, (t + 1) * n // n_threads):
-            s += words[i]
+        share = words[t * n // n_threads:(t + 1) * n // n_threads]
+        for i in range(share.shape[0]):
+            s += share[i]
         parts[t] = s
     total = np.uint64(0)
     for t in range(n_threads):
