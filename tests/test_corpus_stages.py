@@ -136,3 +136,23 @@ def test_local_error_is_what_the_quantized_weights_add_at_each_stage(tiny_pair):
     rel = np.linalg.norm(want - got, axis=1) / np.linalg.norm(got, axis=1)
     np.testing.assert_allclose(local[1, col["ffn_up"]], rel, rtol=1e-4)
     assert "ffn_up" in LOCAL_STAGES
+
+
+def test_a_fused_matrix_is_multiplied_once_a_layer(tiny_pair, monkeypatch):
+    # Qcur/Kcur/Vcur split one wqkv product, ffn_gate/ffn_up one w13 product: the local error
+    # of the three (two) stages needs it once, not once a stage
+    from llamatrace.analysis import local_error
+    from llamatrace.model.llama import Llama
+    base, quant = Llama.load(tiny_pair[0]), Llama.load(tiny_pair[1])
+    lw = quant.weights.layers[0]
+    assert lw.wqkv is not None and lw.w13 is not None          # the tiny file stacks both
+    calls = []
+    real = local_error.matmul
+    monkeypatch.setattr(local_error, "matmul", lambda x, w: calls.append(w.name) or real(x, w))
+    ids = np.arange(16, dtype=np.int32) + 5
+    _, errors, _ = score_pair((base, quant), ChunkJob(ids, ids[9:16].astype(np.int64), 8))
+    n_layers = quant.config.n_layers
+    assert sorted(set(calls)) == sorted({w.name for L in quant.weights.layers for w in (L.wqkv, L.w13, L.wo, L.w2)})
+    assert len(calls) == 4 * n_layers
+    for s in ("Qcur", "Kcur", "Vcur", "ffn_gate", "ffn_up"):
+        assert (errors[1][:, TOKEN_STAGES.index(s)] > 1e-4).all()
