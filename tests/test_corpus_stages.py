@@ -34,6 +34,24 @@ def test_relative_error_is_the_norm_ratio_per_row():
     np.testing.assert_allclose(relative_error_rows(quant.astype(np.float32), base.astype(np.float32)), want, rtol=1e-5)
 
 
+def test_relative_error_rows_of_wide_strided_rows_and_edge_rows():
+    # a column slice (the split of a fused product), 3-D rows, a zero row, a NaN: against float64 NumPy
+    rng = np.random.default_rng(1)
+    fused = rng.standard_normal((6, 3000)).astype(np.float32)
+    base = rng.standard_normal((6, 1000)).astype(np.float32)
+    base[2] = 0
+    quant = fused[:, 1000:2000]
+    quant[2] = 0
+    quant[4, 7] = np.nan
+    d = (quant - base).astype(np.float64)          # a float32 difference, as documented
+    want = np.sqrt((d ** 2).sum(1)) / np.where((base.astype(np.float64) ** 2).sum(1) > 0,
+                                               np.sqrt((base.astype(np.float64) ** 2).sum(1)), 1)
+    got = relative_error_rows(quant, base)
+    assert got[2] == 0 and np.isnan(got[4]) and got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_array_equal(relative_error_rows(quant.reshape(6, 10, 100), base.reshape(6, 10, 100)), got)
+
+
 def test_capture_keeps_the_scored_rows_of_what_a_trace_records(tiny_pair):
     from llamatrace.model.llama import Llama
     model = Llama.load(tiny_pair[0])
