@@ -80,3 +80,13 @@ def test_no_cache_reads_and_writes_nothing(cache_dir, tmp_path, monkeypatch):
     build(path)
     build(path, cache=False)
     assert not cache_dir.exists() or not list(cache_dir.iterdir())
+
+
+def test_entries_count_in_the_cap_and_leave_with_it(cache_dir, tmp_path):
+    from llamatrace.model.packcache import evict
+    path = tmp_path / "bpe.gguf"
+    shutil.copyfile(vocab_test_file("deepseek-coder"), path)
+    build(path)
+    (entry,) = cache_dir.glob("*.tokenizer")
+    assert evict(entry.stat().st_size) == [] and entry.exists()
+    assert evict(0) == [entry] and not entry.exists()
