@@ -8,6 +8,8 @@ import math
 import numba
 import numpy as np
 
+from llamatrace.kernels.jit import JIT_ATTN
+
 
 def metrics(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, float]:
     """(relative RMS error, max abs error, cosine) of two arrays of one shape, in float64.
@@ -45,7 +47,7 @@ def relative_error_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sqrt(sums[:, 0]) / np.where(den > 0, den, 1.0)
 
 
-@numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+@numba.njit(parallel=True, **JIT_ATTN)         # reassoc + contract, as attention's sums
 def _square_sums(a, b, out):
     """out[i] = (Σ (a − b)², Σ b²) of row i, float64 sums of float32 rows: one read of each
     array, no temporaries (--stages compares ~400 MB of rows a chunk at 8B). ``reassoc``: the
