@@ -96,6 +96,7 @@ class Entry:
             with open(fd, "wb") as fh:
                 pickle.dump((self.key, list(tokens), None if types is None else list(types), tables), fh,
                             protocol=pickle.HIGHEST_PROTOCOL)
+            os.chmod(tmp, 0o644)            # as the packed entries (mkstemp makes it 0600)
             os.replace(tmp, self.path)
             tmp = None
         except OSError as exc:
