@@ -126,6 +126,7 @@ class Tokenizer:
     add_space_prefix: bool  # SentencePiece: a space before the text (and after a control token)
     stop_ids: frozenset[int]
     chat_template: str | None
+    vocab_tables: tuple  # (id → bytes, tiktoken ranks, rank → id | None, rank → ids | None): what the cache keeps
 
     def __init__(
         self,
