@@ -8,7 +8,8 @@ shared machine's noise falls on every case alike:
 
 - ``llama.cpp``: llama-cpp-python's model and context constructors (it maps the file);
 - ``pack``: ``Llama.load(cache=False)`` + warm-up: packing every tensor, as before the cache;
-- ``cold``: the entry removed first, so the load packs and writes it (the first load of a file);
+- ``cold``: the entry (and the tokenizer's, :mod:`llamatrace.text.tokcache`) removed first, so
+  the load packs and writes it (the first load of a file);
 - ``warm``: the entry written by ``cold``, mapped, right after it (while the kernel may still be
   writing the entry to disk); ``warm 2nd``: the next load of it.
 
@@ -87,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                     for case in ("llama.cpp", "pack", "cold", "warm", "llama.cpp", "warm 2nd"):
                         if case == "llama.cpp" and len(modes) > 1 and mode != modes[0]:
                             continue                # once per file and round is enough
-                        if case == "cold":
-                            for entry in Path(cache_root, "packed").glob(f"{path.stem}.{mode}.*"):
-                                entry.unlink()
+                        if case == "cold":            # the packed entry and the tokenizer's
+                            for pattern in (f"{path.stem}.{mode}.*", f"{path.stem}.*.tokenizer"):
+                                for entry in Path(cache_root, "packed").glob(pattern):
+                                    entry.unlink()
                         res = run(case, path, mode, env)
                         expect = {"pack": (False, False), "cold": (False, True)}.get(case, (True, False))
                         if case != "llama.cpp" and (res["read"], res["written"]) != expect:

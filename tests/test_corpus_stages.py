@@ -34,6 +34,24 @@ def test_relative_error_is_the_norm_ratio_per_row():
     np.testing.assert_allclose(relative_error_rows(quant.astype(np.float32), base.astype(np.float32)), want, rtol=1e-5)
 
 
+def test_relative_error_rows_of_wide_strided_rows_and_edge_rows():
+    # a column slice (the split of a fused product), 3-D rows, a zero row, a NaN: against float64 NumPy
+    rng = np.random.default_rng(1)
+    fused = rng.standard_normal((6, 3000)).astype(np.float32)
+    base = rng.standard_normal((6, 1000)).astype(np.float32)
+    base[2] = 0
+    quant = fused[:, 1000:2000]
+    quant[2] = 0
+    quant[4, 7] = np.nan
+    d = (quant - base).astype(np.float64)          # a float32 difference, as documented
+    want = np.sqrt((d ** 2).sum(1)) / np.where((base.astype(np.float64) ** 2).sum(1) > 0,
+                                               np.sqrt((base.astype(np.float64) ** 2).sum(1)), 1)
+    got = relative_error_rows(quant, base)
+    assert got[2] == 0 and np.isnan(got[4]) and got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    np.testing.assert_array_equal(relative_error_rows(quant.reshape(6, 10, 100), base.reshape(6, 10, 100)), got)
+
+
 def test_capture_keeps_the_scored_rows_of_what_a_trace_records(tiny_pair):
     from llamatrace.model.llama import Llama
     model = Llama.load(tiny_pair[0])
@@ -136,3 +154,23 @@ def test_local_error_is_what_the_quantized_weights_add_at_each_stage(tiny_pair):
     rel = np.linalg.norm(want - got, axis=1) / np.linalg.norm(got, axis=1)
     np.testing.assert_allclose(local[1, col["ffn_up"]], rel, rtol=1e-4)
     assert "ffn_up" in LOCAL_STAGES
+
+
+def test_a_fused_matrix_is_multiplied_once_a_layer(tiny_pair, monkeypatch):
+    # Qcur/Kcur/Vcur split one wqkv product, ffn_gate/ffn_up one w13 product: the local error
+    # of the three (two) stages needs it once, not once a stage
+    from llamatrace.analysis import local_error
+    from llamatrace.model.llama import Llama
+    base, quant = Llama.load(tiny_pair[0]), Llama.load(tiny_pair[1])
+    lw = quant.weights.layers[0]
+    assert lw.wqkv is not None and lw.w13 is not None          # the tiny file stacks both
+    calls = []
+    real = local_error.matmul
+    monkeypatch.setattr(local_error, "matmul", lambda x, w: calls.append(w.name) or real(x, w))
+    ids = np.arange(16, dtype=np.int32) + 5
+    _, errors, _ = score_pair((base, quant), ChunkJob(ids, ids[9:16].astype(np.int64), 8))
+    n_layers = quant.config.n_layers
+    assert sorted(set(calls)) == sorted({w.name for L in quant.weights.layers for w in (L.wqkv, L.w13, L.wo, L.w2)})
+    assert len(calls) == 4 * n_layers
+    for s in ("Qcur", "Kcur", "Vcur", "ffn_gate", "ffn_up"):
+        assert (errors[1][:, TOKEN_STAGES.index(s)] > 1e-4).all()

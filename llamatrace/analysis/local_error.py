@@ -30,10 +30,29 @@ from llamatrace.kernels import fp32
 from llamatrace.kernels.registry import matmul
 from llamatrace.tracing.recorder import stage_key
 
-_Get = Callable[[str, "int | None"], np.ndarray]
+
+class _Step:
+    """One step of a recording, read as ``get(stage, layer)``; the product of a fused matrix
+    (``wqkv``, ``w13``) is kept for the layer's other stages that split it (one matmul, not
+    three or two: the same rows of the same product)."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], step: int):
+        self.arrays, self.step = arrays, step
+        self.products: dict[tuple[str, int], np.ndarray] = {}
+
+    def __call__(self, stage: str, layer: int | None) -> np.ndarray:
+        return np.asarray(self.arrays[stage_key(self.step, layer, stage)])
+
+    def product(self, source: str, layer: int, w) -> np.ndarray:
+        """``source``'s rows of ``layer`` times ``w`` (float32 ``[seq_len, w.n_out]``), computed once."""
+        key = (source, layer)
+        if key not in self.products:
+            self.products.clear()                # one layer's product at a time
+            self.products[key] = matmul(np.ascontiguousarray(self(source, layer), dtype=np.float32), w)
+        return self.products[key]
 
 
-def _layer_input(model, get: _Get, layer: int) -> np.ndarray:
+def _layer_input(model, get: _Step, layer: int) -> np.ndarray:
     if layer:
         return get("l_out", layer - 1)
     x = get("inp_embd", None)                       # Gemma's √dim scale, as the forward pass applies it
@@ -42,7 +61,7 @@ def _layer_input(model, get: _Get, layer: int) -> np.ndarray:
 
 def _norm(source: str, weight: str):
     """RMSNorm of ``source`` with the layer's ``weight`` (per head when the weight is ``[head_dim]``)."""
-    def run(model, get: _Get, layer: int, pos: int) -> np.ndarray:
+    def run(model, get: _Step, layer: int, pos: int) -> np.ndarray:
         w = getattr(model.weights.layers[layer], weight)
         x = np.asarray(get(source, layer), dtype=np.float32)
         rows = np.ascontiguousarray(x.reshape(-1, len(w)))
@@ -63,18 +82,18 @@ def _split(y: np.ndarray, fused, index: int) -> np.ndarray:
 
 def _projection(weight: str, fused: str, index: int, source: str):
     """``source`` times one of the layer's matrices (``wq`` … ``w3``), fused rows split off."""
-    def run(model, get: _Get, layer: int, pos: int) -> np.ndarray:
+    def run(model, get: _Step, layer: int, pos: int) -> np.ndarray:
         lw = model.weights.layers[layer]
-        x = np.ascontiguousarray(get(source, layer), dtype=np.float32)
         w = getattr(lw, weight)
         if w is not None:
-            return matmul(x, w)
-        return _split(matmul(x, getattr(lw, fused)), getattr(lw, fused), index)
+            return matmul(np.ascontiguousarray(get(source, layer), dtype=np.float32), w)
+        w = getattr(lw, fused)
+        return _split(get.product(source, layer, w), w, index)
     return run
 
 
 def _rope(source: str, n_heads: str):
-    def run(model, get: _Get, layer: int, pos: int) -> np.ndarray:
+    def run(model, get: _Step, layer: int, pos: int) -> np.ndarray:
         c = model.config
         x = get(source, layer)
         x = np.ascontiguousarray(x.reshape(x.shape[0], getattr(c, n_heads), c.head_dim), dtype=np.float32)
@@ -83,7 +102,7 @@ def _rope(source: str, n_heads: str):
     return run
 
 
-def _soft_max(model, get: _Get, layer: int, pos: int) -> np.ndarray:
+def _soft_max(model, get: _Step, layer: int, pos: int) -> np.ndarray:
     kq = np.asarray(get("kq", layer), dtype=np.float32)           # [n_heads, seq_len, kv_len]
     scores = kq * np.float32(1.0 / math.sqrt(model.config.head_dim))
     if kq.shape[1] > 1:
@@ -173,9 +192,7 @@ def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
     """
     out: dict[str, float | np.ndarray] = {}
     for step, pos in _steps(arrays, start_pos):
-        def get(stage: str, layer: int | None, step=step) -> np.ndarray:
-            return np.asarray(arrays[stage_key(step, layer, stage)])
-
+        get = _Step(arrays, step)
         for layer in range(model.config.n_layers):
             for stage, fn in LOCAL_STAGES.items():
                 key = stage_key(step, layer, stage)

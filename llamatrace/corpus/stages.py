@@ -90,6 +90,26 @@ def check_same_shape(base_path, model_path) -> None:
         raise OptionError(f"--stages compares two models of one architecture; the base and the model differ ({diff})")
 
 
+def _scored_rows(model, ids: np.ndarray, first: int, take) -> np.ndarray:
+    """One prefill of ``ids`` from position 0 calling ``take(layer, column, rows)`` with the
+    float32 ``[n_scored, width]`` rows ``first … n_ctx-2`` of every token stage (``layer`` None
+    and ``column`` -1: ``inp_embd``), a view of the forward pass's buffer valid during the call;
+    returns the scored logits (:func:`scored_logits`)."""
+    n = len(ids)
+    column = {sid: k for k, sid in enumerate(token_stages(model.config.features))}
+    last = []
+
+    def keep(a, event):
+        take(event.layer, column.get(event.stage, -1), np.asarray(a.reshape(n, -1)[first:n - 1], dtype=np.float32))
+        if event.stage == "l_out" and event.layer == model.config.n_layers - 1:
+            last.append(np.array(a[first:]))
+
+    with model.hooks({sid: keep for sid in (*column, "inp_embd")}):
+        model.forward(ids, 0, model.new_cache(n))
+    # the scored rows' logits only, as chunk_logits (the others are not read)
+    return scored_logits(model, last[0])
+
+
 def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One prefill of ``ids``, keeping the scored rows ``first … n_ctx-2`` of every token stage.
 
@@ -99,27 +119,40 @@ def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray,
         embd: float32 ``[n_scored, dim]`` (``inp_embd``);
         logits: float32 ``[n_scored, n_vocab]``.
     """
-    n = len(ids)
-    stages = token_stages(model.config.features)
-    acts = np.empty((model.config.n_layers, len(stages)), dtype=object)
-    column = {sid: k for k, sid in enumerate(stages)}
+    acts = np.empty((model.config.n_layers, len(token_stages(model.config.features))), dtype=object)
     embd = []
 
-    last = []
-
-    def keep(a, event):
-        rows = np.array(a.reshape(n, -1)[first:n - 1], dtype=np.float32)
-        if event.layer is None:
-            embd.append(rows)
+    def take(layer, k, rows):
+        if layer is None:
+            embd.append(rows.copy())
         else:
-            acts[event.layer, column[event.stage]] = rows
-            if event.stage == "l_out" and event.layer == model.config.n_layers - 1:
-                last.append(a[first:])
+            acts[layer, k] = rows.copy()
 
-    with model.hooks({sid: keep for sid in (*stages, "inp_embd")}):
-        model.forward(ids, 0, model.new_cache(n))
-    # the scored rows' logits only, as chunk_logits (the others are not read)
-    return acts, embd[0], scored_logits(model, last[0])
+    logits = _scored_rows(model, ids, first, take)
+    return acts, embd[0], logits
+
+
+def differences(model, ids: np.ndarray, first: int, acts_b: np.ndarray,
+                embd_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One prefill of ``ids`` by ``model``, each stage's scored rows compared with the base's
+    (:func:`capture`'s ``acts_b`` and ``embd_b``) as the pass makes them, none kept.
+
+    Returns:
+        float32 ``[n_layers, n_stages, n_scored]`` and ``[n_scored]`` (``inp_embd``) relative
+        differences (:func:`~llamatrace.analysis.difference.relative_error_rows`), float32
+        ``[n_scored, n_vocab]`` logits.
+    """
+    accumulated = np.zeros(acts_b.shape + (len(embd_b),), dtype=np.float32)
+    embd = np.zeros(len(embd_b), dtype=np.float32)
+
+    def take(layer, k, rows):
+        if layer is None:
+            embd[:] = relative_error_rows(rows, embd_b)
+        else:
+            accumulated[layer, k] = relative_error_rows(rows, acts_b[layer, k])
+
+    logits = _scored_rows(model, ids, first, take)
+    return accumulated, embd, logits
 
 
 def scored_logits(model, rows: np.ndarray) -> np.ndarray:
@@ -156,12 +189,11 @@ def score_pair(models, job) -> tuple[TokenKLD, np.ndarray, np.ndarray]:
     (accumulated, then local: see the module docstring) and float32 ``[n_scored]`` of ``inp_embd``."""
     base, model = models
     acts_b, embd_b, logits_b = capture(base, job.ids, job.first)
-    acts_q, embd_q, logits_q = capture(model, job.ids, job.first)
-    accumulated = np.array([[relative_error_rows(acts_q[i, k], acts_b[i, k]) for k in range(acts_b.shape[1])]
-                            for i in range(acts_b.shape[0])], dtype=np.float32)
+    rows_b = compress_log_probs(logits_b)
+    del logits_b
+    accumulated, embd, logits_q = differences(model, job.ids, job.first, acts_b, embd_b)
     errors = np.stack([accumulated, local_error_rows(model, acts_b, embd_b, job.first)])
-    part = token_kld(logits_q, compress_log_probs(logits_b), job.targets)
-    return part, errors, relative_error_rows(embd_q, embd_b).astype(np.float32)
+    return token_kld(logits_q, rows_b, job.targets), errors, embd
 
 
 @dataclass

@@ -176,7 +176,7 @@ class Llama:
         f = open_gguf(path)
         try:
             config = ModelConfig.from_gguf(f)
-            tokenizer = Tokenizer.from_reader(f, path=str(path))
+            tokenizer = Tokenizer.from_reader(f, path=str(path), cache=cache)
             check_tensor_types(f, packing.SUPPORTED_TYPES)
             data_start = min((t.offset for t in f.tensors.values()), default=f.file_size)
             store = (PackCache.open(path, data_start, f.file_size, activations) if cache_enabled(cache)

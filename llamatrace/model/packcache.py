@@ -75,6 +75,7 @@ MIN_FREE_BYTES = 2 << 30
 
 MAGIC = b"LTPACK\x00\x01"
 SUFFIX = ".ltpack"
+TOKENIZER_SUFFIX = ".tokenizer"   # llamatrace.text.tokcache's entries, evicted with these
 PARTIAL = ".partial"
 _ALIGN = 64                       # each array's offset: a cache line, as the packing arena does
 _DATA_ALIGN = mmap.PAGESIZE       # the first array's offset
@@ -137,13 +138,30 @@ def entry_key(path: Path, data_start: int, activations: str) -> str:
     Raises:
         OSError: the file cannot be read.
     """
+    return file_key(path, data_start, _code_fingerprint(), activations)
+
+
+def file_key(path: Path, data_start: int, *parts: str) -> str:
+    """The hex SHA-256 of llamatrace's version, ``parts`` (what else the cached data depend on),
+    the identity of the GGUF at ``path`` (device, inode, size, modification time in ns) and its
+    header (its first ``data_start`` bytes): the key of anything cached from that file.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
     st = os.stat(path)
     h = hashlib.sha256()
-    h.update(json.dumps([__version__, _code_fingerprint(), activations, st.st_dev, st.st_ino, st.st_size,
-                         st.st_mtime_ns]).encode())
-    with open(path, "rb") as fh:
-        h.update(fh.read(data_start))
+    h.update(json.dumps([__version__, *parts, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]).encode())
+    h.update(_header_digest(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, data_start))
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=8)
+def _header_digest(path: str, dev: int, ino: int, size: int, mtime_ns: int, data_start: int) -> bytes:
+    """SHA-256 of the file's first ``data_start`` bytes, once per file version and process (the
+    tokenizer's key and the packed entry's hash the same header: ~8 MB at Llama 3's vocabulary)."""
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read(data_start)).digest()
 
 
 @dataclass
@@ -350,7 +368,7 @@ def _write_entry(entry: Path, header: bytes, data_start: int, arrays: list[np.nd
 
 def evict(cap: int, keep: Path | None = None) -> list[Path]:
     """Remove the least recently used entries (oldest modification time first) until the entries
-    in :func:`packed_dir` total at most ``cap`` bytes, and the partial files no process is
+    in :func:`packed_dir` (the tokenizers' too) total at most ``cap`` bytes, and the partial files no process is
     writing; ``keep`` is never removed. Returns the entries removed. A process that has an entry
     mapped keeps its pages (the file goes when the last map does).
 
@@ -365,7 +383,7 @@ def evict(cap: int, keep: Path | None = None) -> list[Path]:
             if fd is not None:
                 os.unlink(partial)
     entries = []
-    for p in folder.glob(f"*{SUFFIX}"):
+    for p in [*folder.glob(f"*{SUFFIX}"), *folder.glob(f"*{TOKENIZER_SUFFIX}")]:
         with contextlib.suppress(OSError):
             st = p.stat()
             entries.append((st.st_mtime_ns, st.st_size, p))

@@ -126,6 +126,7 @@ class Tokenizer:
     add_space_prefix: bool  # SentencePiece: a space before the text (and after a control token)
     stop_ids: frozenset[int]
     chat_template: str | None
+    vocab_tables: tuple  # (id → bytes, tiktoken ranks, rank → id | None, rank → ids | None): what the cache keeps
 
     def __init__(
         self,
@@ -144,7 +145,11 @@ class Tokenizer:
         add_bos: bool | None = None,
         chat_template: str | None = None,
         path: str = "",
+        vocab: tuple | None = None,
     ) -> None:
+        """``vocab``: :attr:`vocab_tables` of a tokenizer built from the same tokens, types,
+        merges and scores (:mod:`llamatrace.text.tokcache`): ``merges`` and ``scores`` are then
+        not read."""
         self._where = where = f" in {path}" if path else ""
         self.kind = kind
         self.n_vocab = n = len(tokens)
@@ -155,7 +160,9 @@ class Tokenizer:
         self.pre = "sentencepiece" if kind == "spm" else self._pre_name(pre, where)
         self.add_space_prefix = kind == "spm" and add_space_prefix is not False  # llama.cpp: true when absent
 
-        if kind == "spm":
+        if vocab is not None:
+            self._id_bytes, ranks, self._rank_to_id, self._rank_to_ids = vocab
+        elif kind == "spm":
             self._id_bytes = spm_token_bytes(tokens, types)
             if scores is None or len(scores) != n:
                 raise ModelFormatError(f"tokenizer.ggml.scores must give one score per token{where}")
@@ -165,6 +172,9 @@ class Tokenizer:
             self._id_bytes, is_text = bpe_token_bytes(tokens, types)
             ranks, self._rank_to_id = bpe_ranks(types, merges, self._id_bytes, is_text, where)
             self._rank_to_ids = None
+        # what the lines above derive from the vocabulary, before _make_encoding extends the lists
+        self.vocab_tables = (self._id_bytes, ranks, *(None if r is None else list(r)
+                                                      for r in (self._rank_to_id, self._rank_to_ids)))
         self._ids_are_ranks = self._rank_to_id is None and self._rank_to_ids is None
         stop_texts = _stop_texts(tokens)
         types = [TOKEN_CONTROL if t == TOKEN_USER_DEFINED and text in stop_texts else t
@@ -254,8 +264,17 @@ class Tokenizer:
         return f"byte-level BPE (pre-tokenizer {self.pre}), {self.n_vocab} tokens"
 
     @classmethod
-    def from_reader(cls, reader: GGUFFile, path: str = "") -> Tokenizer:
-        """Build the tokenizer from the ``tokenizer.*`` metadata of an open GGUF file."""
+    def from_reader(cls, reader: GGUFFile, path: str = "", cache: bool | None = None) -> Tokenizer:
+        """Build the tokenizer from the ``tokenizer.*`` metadata of an open GGUF file (``path``:
+        its name in messages). ``cache``: read and write the tokenizer cache
+        (:mod:`llamatrace.text.tokcache`, beside the packed weights); ``None``: on unless
+        ``$LLAMATRACE_NO_CACHE`` is set (:func:`llamatrace.model.packcache.enabled`).
+
+        Raises:
+            ModelFormatError, UnsupportedModelError: no tokenizer, or one llamatrace can't read.
+        """
+        from llamatrace.model.packcache import enabled
+        from llamatrace.text import tokcache
         where = f" in {path}" if path else ""
         model = _field(reader, "tokenizer.ggml.model")
         if model is None:
@@ -265,16 +284,21 @@ class Tokenizer:
                 f"tokenizer.ggml.model = {model!r}{where} is not supported; byte-level BPE ('gpt2') and "
                 "SentencePiece ('llama') are"
             )
-        tokens = _field(reader, "tokenizer.ggml.tokens")
+        entry = tokcache.Entry.open(reader) if enabled(cache) else None
+        stored = entry.read() if entry is not None else None
+        if stored is not None:
+            tokens, types, vocab = stored
+        else:
+            tokens, types, vocab = _field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.token_type"), None
         if not tokens:
             raise ModelFormatError(f"tokenizer.ggml.tokens is missing{where}")
-        return cls(
+        tok = cls(
             tokens,
-            _field(reader, "tokenizer.ggml.token_type"),
-            _field(reader, "tokenizer.ggml.merges", []),
+            types,
+            _field(reader, "tokenizer.ggml.merges", []) if vocab is None else (),
             _field(reader, "tokenizer.ggml.pre"),
             kind="spm" if model == "llama" else "bpe",
-            scores=_field(reader, "tokenizer.ggml.scores"),
+            scores=_field(reader, "tokenizer.ggml.scores") if vocab is None else None,
             add_space_prefix=_field(reader, "tokenizer.ggml.add_space_prefix"),
             bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
             eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
@@ -283,7 +307,11 @@ class Tokenizer:
             add_bos=_field(reader, "tokenizer.ggml.add_bos_token"),
             chat_template=_field(reader, "tokenizer.chat_template"),
             path=path,
+            vocab=vocab,
         )
+        if entry is not None and stored is None:
+            entry.write(tokens, types, tok.vocab_tables)
+        return tok
 
     # ---- encoding ----
 

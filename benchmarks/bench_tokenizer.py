@@ -1,0 +1,57 @@
+"""The tokenizer's share of a warm load, two source trees alternated: the table of
+docs/performance.md "The tokenizer cache".
+
+    python benchmarks/bench_tokenizer.py -m MODEL.gguf --tree before=/path/to/old --tree after=. [--rounds 4]
+
+Each run is a fresh process (``PYTHONPATH`` = the tree) that times ``open_gguf`` +
+``Tokenizer.from_reader``, then ``Llama.load(activations="q8")`` (the warm-up excluded), with the
+packed and tokenizer caches in ``$LLAMATRACE_CACHE_DIR`` (default: a folder under /tmp, kept
+between runs so that every run after a tree's first finds its entries warm; delete it after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+CHILD = r"""
+import json, sys, time
+from llamatrace.runtime import configure_numba
+configure_numba()
+from llamatrace.gguf.reader import open_gguf
+from llamatrace.text.tokenizer import Tokenizer
+from llamatrace.model.llama import Llama
+path = sys.argv[1]
+f = open_gguf(path)
+t0 = time.perf_counter(); Tokenizer.from_reader(f, path); tok = time.perf_counter() - t0
+f.close()
+t0 = time.perf_counter(); m = Llama.load(path, activations="q8"); load = time.perf_counter() - t0
+print(json.dumps({"tok": tok, "load": load, "read": m.pack_cache.read}))
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--tree", action="append", required=True, help="NAME=PATH of a source tree (repeat)")
+    ap.add_argument("--rounds", type=int, default=4)
+    a = ap.parse_args()
+    trees = dict(t.split("=", 1) for t in a.tree)
+    env = dict(os.environ, LLAMATRACE_QUIET="1")
+    env.setdefault("LLAMATRACE_CACHE_DIR", "/tmp/bench-tokenizer-cache")
+    env.pop("LLAMATRACE_NO_CACHE", None)
+    for r in range(a.rounds):
+        for name, tree in trees.items():
+            out = subprocess.run([sys.executable, "-c", CHILD, a.model], env=dict(env, PYTHONPATH=tree),
+                                 check=True, capture_output=True, text=True).stdout
+            res = json.loads(out.strip().splitlines()[-1])
+            print(f"round {r + 1} {name}: tokenizer {res['tok']:.2f} s, Llama.load {res['load']:.2f} s "
+                  f"(packed entry read: {res['read']}), load avg {os.getloadavg()[0]:.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The tokenizer cache (llamatrace.text.tokcache): a tokenizer read from its entry tokenizes as
+llama.cpp does (its test vectors, tests/test_vocab_llamacpp.py) without rebuilding the ranks; a
+damaged or outdated entry is rebuilt silently; --no-cache reads and writes nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from llamacpp_sdist import vocab_test_file
+from llamatrace.gguf.reader import open_gguf
+from llamatrace.text import tokenizer as tokenizer_module
+from llamatrace.text.tokenizer import Tokenizer
+from test_vocab_llamacpp import VOCABS, cases
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMATRACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LLAMATRACE_NO_CACHE", raising=False)
+    return tmp_path / "cache" / "packed"
+
+
+def build(path, cache=None) -> Tokenizer:
+    with open_gguf(path) as f:
+        return Tokenizer.from_reader(f, str(path), cache=cache)
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_a_tokenizer_from_the_cache_tokenizes_as_llama_cpp(cache_dir, monkeypatch, tmp_path, name):
+    path = tmp_path / f"{name}.gguf"
+    shutil.copyfile(vocab_test_file(name), path)
+    built = build(path)
+    assert len(list(cache_dir.glob("*.tokenizer"))) == 1
+    monkeypatch.setattr(tokenizer_module, "bpe_ranks", lambda *a: pytest.fail("the ranks were rebuilt"))
+    monkeypatch.setattr(tokenizer_module, "spm_ranks", lambda *a: pytest.fail("the ranks were rebuilt"))
+    cached = build(path)
+    for text, ids in cases(name):
+        assert cached.encode(text, bos=False) == ids, text
+        assert cached.decode(ids) == text
+    assert cached.vocab_tables == built.vocab_tables
+    assert (cached.stop_ids, cached.bos_id, cached.add_bos, cached.missing_bytes, cached.pre) == \
+           (built.stop_ids, built.bos_id, built.add_bos, built.missing_bytes, built.pre)
+    assert [cached.piece(i) for i in range(cached.n_vocab)] == [built.piece(i) for i in range(built.n_vocab)]
+
+
+def test_a_damaged_entry_is_rebuilt_silently(cache_dir, tmp_path, recwarn):
+    path = tmp_path / "bpe.gguf"
+    shutil.copyfile(vocab_test_file("deepseek-coder"), path)
+    want = build(path).encode("Hello world, 123")
+    (entry,) = cache_dir.glob("*.tokenizer")
+    for damage in (entry.read_bytes()[:1000], b"not a pickle"):
+        entry.write_bytes(damage)
+        assert build(path).encode("Hello world, 123") == want
+        assert entry.stat().st_size > 1000              # written whole again
+    assert not recwarn.list
+
+
+def test_a_changed_file_is_not_read_from_its_old_entry(cache_dir, tmp_path, monkeypatch):
+    path = tmp_path / "bpe.gguf"
+    shutil.copyfile(vocab_test_file("deepseek-coder"), path)
+    build(path)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    calls = []
+    real = tokenizer_module.bpe_ranks
+    monkeypatch.setattr(tokenizer_module, "bpe_ranks", lambda *a: calls.append(1) or real(*a))
+    build(path)
+    assert calls == [1]                                  # rebuilt: the key names the file's time
+    build(path)
+    assert calls == [1]                                  # and read from the new entry after that
+
+
+def test_no_cache_reads_and_writes_nothing(cache_dir, tmp_path, monkeypatch):
+    path = tmp_path / "bpe.gguf"
+    shutil.copyfile(vocab_test_file("deepseek-coder"), path)
+    monkeypatch.setenv("LLAMATRACE_NO_CACHE", "1")
+    build(path)
+    build(path, cache=False)
+    assert not cache_dir.exists() or not list(cache_dir.iterdir())
+
+
+def test_entries_count_in_the_cap_and_leave_with_it(cache_dir, tmp_path):
+    from llamatrace.model.packcache import evict
+    path = tmp_path / "bpe.gguf"
+    shutil.copyfile(vocab_test_file("deepseek-coder"), path)
+    build(path)
+    (entry,) = cache_dir.glob("*.tokenizer")
+    assert evict(entry.stat().st_size) == [] and entry.exists()
+    assert evict(0) == [entry] and not entry.exists()
