@@ -83,7 +83,7 @@ from llamatrace.kernels import tiles
 from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, isum_q4, isum_q4k, isum_q6k, isum_q8, isum_u8_16,
                                         PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
                                         prefill_q8, prefill_q8_1row, prefill_q8_4rows,
-                                        prefill_q4k_1row, prefill_q6k, prefill_q6k_1row,
+                                        prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
                                         unpack_q6k)
 from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_PARALLEL, f16, f16_np, f16_round
 from llamatrace.kernels.registry import TYPES
@@ -477,6 +477,8 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
                 elif kind == PREFILL_Q4K:
                     if ns == NS_Q4K:
                         prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                    elif ns == 4:
+                        prefill_q4k_4rows(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                     else:
                         prefill_q4k_1row(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                 elif ns == NS_Q4:
