@@ -84,7 +84,7 @@ from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, is
                                         PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
                                         prefill_q8, prefill_q8_1row, prefill_q8_4rows,
                                         prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
-                                        unpack_q6k)
+                                        prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
 from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_PARALLEL, f16, f16_np, f16_round
 from llamatrace.kernels.registry import TYPES
 
@@ -495,13 +495,15 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
 @njit(**JIT_PARALLEL)
 def _prefill_q6k(x, qs, d, out, n_chunks):
     """As :func:`_matmul_q6k` for many rows of x: a tile's blocks are unpacked once
-    (:func:`llamatrace.kernels.act8_ir.unpack_q6k`, into a buffer per thread) and the microkernel
-    (:func:`llamatrace.kernels.act8_ir.prefill_q6k`) runs :data:`NS_Q6K` rows of x at a time over them with
-    the sums in registers; the same integer sums and float32 operations as :func:`_matmul_q6k`.
+    (:func:`llamatrace.kernels.act8_ir.unpack_q6k_pairs`, into a buffer per thread) and the
+    microkernel (:func:`llamatrace.kernels.act8_ir.prefill_q6k`) runs :data:`NS_Q6K` rows of x at a
+    time (then 4, then one) over them, with the activations' sums of 16 as int16, the sums in
+    registers; the same integer sums and float32 operations as :func:`_matmul_q6k`, so the same bits.
     ``n_chunks``: runs of tiles, one buffer each (the thread count: a buffer per tile would be
     mapped and unmapped each time, ~0.5 MB at n_in 14336)."""
     xq, xd, xsum = _quantized_k_rows(x)
     n_seq = xq.shape[0]
+    xs16 = xsum.astype(np.int16)                    # |sum| <= 16 * 127
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
     n_chunks = max(1, min(n_chunks, n_tiles))
@@ -513,16 +515,18 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
         for t in range(c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks):
             for b in range(n_blocks):
                 tiles.prefetch_next_block(qs, t, b)
-                unpack_q6k(qs, (t * n_blocks + b) * block, unpacked, b * Q6K_UNPACKED, unused_isum)
+                unpack_q6k_pairs(qs, (t * n_blocks + b) * block, unpacked, b * Q6K_UNPACKED, unused_isum)
             dm_at = t * n_blocks * TR
             s0 = 0
             while s0 < n_seq:
-                ns = NS_Q6K if s0 + NS_Q6K <= n_seq else 1
+                ns = NS_Q6K if s0 + NS_Q6K <= n_seq else 4 if s0 + 4 <= n_seq else 1
                 for r in range(0, TR, LANES):
                     if ns == NS_Q6K:
-                        prefill_q6k(unpacked, 0, xq, xd, xsum, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
+                        prefill_q6k(unpacked, 0, xq, xd, xs16, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
+                    elif ns == 4:
+                        prefill_q6k_4rows(unpacked, 0, xq, xd, xs16, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
                     else:
-                        prefill_q6k_1row(unpacked, 0, xq, xd, xsum, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
+                        prefill_q6k_1row(unpacked, 0, xq, xd, xs16, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
                 for i in range(ns):
                     tiles.store_tile(res[i], out, s0 + i, t)
                 s0 += ns
