@@ -607,7 +607,8 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
             w = [k.load(qs, b.add(qg, c64((4 * j + i) * TR * 4)), k.vi8) for i in range(4)]
             sc = b.sext(k.load(qs, b.add(scales, c64(j * TR)), ir.VectorType(ir.IntType(8), lanes)), k.vi32)
             for i in range(ns):
-                part = k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)])
+                # AVX2: each pair to int32 at once (four of up to 2 * 63 * 127 would overflow int16)
+                part = k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)], wide=True)
                 scaled = b.mul(part, sc)
                 isums[i] = scaled if isums[i] is None else b.add(isums[i], scaled)
         sc_pairs = [k.load(qs, b.add(pairs_at, c64(p * TR * 4)), k.vi32) for p in range(8)]
