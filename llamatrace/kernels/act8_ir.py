@@ -284,16 +284,18 @@ def _q6k_unpack_ir(e: _Emit) -> None:
 
 
 def _q6k_unpack_pairs_ir(e: _Emit) -> None:
-    """``unpack_q6k_pairs``: :func:`_q6k_unpack_ir`'s bytes and scales, then the scales again as
-    pairs of int16, ``[8, TR]`` words (word ``p*TR + r``: row r's ``sc_2p`` low, ``sc_2p+1`` high),
-    for ``vpdpwssd`` against pairs of the activations' sums (:func:`_prefill_q6k_ir`)."""
+    """``unpack_q6k_pairs``: :func:`_q6k_unpack_ir`'s bytes and scales, then ``-32`` times the
+    scales as pairs of int16 (at most 4096 in size), ``[8, TR]`` words (word ``p*TR + r``: row r's
+    ``-32 sc_2p`` low, ``-32 sc_2p+1`` high), for ``vpdpwssd`` against pairs of the activations'
+    sums (:func:`_prefill_q6k_ir`)."""
     _q6k_unpack_ir(e)
     b = e.builder
     sixteen, low = ir.Constant(_V8I32, [16] * 8), ir.Constant(_V8I32, [0xFFFF] * 8)
+    minus32 = ir.Constant(_V8I32, [-32] * 8)
     for p in range(8):
         for rg in range(TR // 8):
-            sc = [b.sext(b.load(e.at(e.q, QK_K_BYTES + (2 * p + i) * TR + rg * 8, _V8I8), align=1), _V8I32)
-                  for i in range(2)]
+            sc = [b.mul(b.sext(b.load(e.at(e.q, QK_K_BYTES + (2 * p + i) * TR + rg * 8, _V8I8), align=1), _V8I32),
+                        minus32) for i in range(2)]
             e.store_at(b.or_(b.and_(sc[0], low), b.shl(sc[1], sixteen)), QK_K_BYTES + 16 * TR + (p * TR + rg * 8) * 4)
 
 
@@ -578,9 +580,9 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
     """:func:`prefill_q6k`'s body: ``qs`` holds the tile's blocks unpacked by
     :func:`unpack_q6k_pairs` (:data:`Q6K_UNPACKED` bytes each from ``q_at``), ``xs`` the Q8_K
     sums of 16 as int16 (``[S, n/16]``; ``m`` and ``m_scale`` unused). Per block ``isum = sum_j
-    sc_j * isum_j - 32 * sum_j sc_j * xsum_j`` in int32, the first sum over the groups' ``(q + 32)
+    sc_j * isum_j + sum_j (-32 sc_j) * xsum_j`` in int32, the first sum over the groups' ``(q + 32)
     * xq`` (4 ``vpdpbusd``, a ``vpmulld`` and an add per group and row), the second as 8
-    ``vpdpwssd`` of the scale pairs and the activation sums' pairs a row: the integers of
+    ``vpdpwssd`` of the unpacked ``-32 sc`` pairs and the activation sums' pairs a row: the integers of
     :func:`_q6k_ir`'s ``sum_j sc_j * (isum_j - 32 * xsum_j)`` (``|sum_j sc_j xsum_j|`` at most 16 *
     128 * 2032), without its broadcast, shift and subtraction per group and row. Then ``acc +=
     (d * xd) * isum`` in float32 as :func:`llamatrace.kernels.act8._matmul_q6k`: the same bits.
@@ -593,7 +595,6 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
     n_in = b.mul(n_blocks, c64(QK_K))
     xrow0 = [b.mul(b.add(s0, c64(i)), n_in) for i in range(ns)]
     xd_row = [b.mul(b.add(s0, c64(i)), n_blocks) for i in range(ns)]
-    five = ir.Constant(k.vi32, [5] * lanes)
 
     def body(blk, accs):
         ub = b.add(q_at, b.mul(blk, c64(Q6K_UNPACKED)))
@@ -615,10 +616,9 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
         new = []
         for i, acc in enumerate(accs):
             sums_at = b.mul(b.add(xd_row[i], blk), c64(16))            # int16 elements: 16 a block
-            corr = None
+            isum = isums[i]
             for p in range(8):
-                corr = k.dpwssd(corr, sc_pairs[p], k.splat(k.load(xs16, b.add(sums_at, c64(2 * p)), _I32), k.vi32))
-            isum = b.sub(isums[i], b.shl(corr, five))
+                isum = k.dpwssd(isum, sc_pairs[p], k.splat(k.load(xs16, b.add(sums_at, c64(2 * p)), _I32), k.vi32))
             dx = k.splat(b.load(b.gep(xd, [b.add(xd_row[i], blk)]), align=4), k.vf)
             new.append(b.fadd(acc, b.fmul(b.fmul(dvec, dx), b.sitofp(isum, k.vf))))
         return new
