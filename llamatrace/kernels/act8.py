@@ -443,7 +443,8 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
     rows of a tile over every block, its sums in registers, each block's weights unpacked once for
     all those rows. Q4: the same float32 operations in the same order as :func:`_matmul_q4`, so
     the same bits; Q8_0: the same int32 sums, the float32 ones without the zero offset term
-    (within 1e-6); Q4_K: contracted into FMAs where they can be (within 1e-6 of :func:`_matmul_q4k`).
+    (within 1e-6); Q4_K: per sub-block, with ``d * sc`` and ``dmin * mn`` shared by the rows and
+    FMAs, another float32 order (within 1e-6 of :func:`_matmul_q4k`).
     x float32 [S, B*32] (Q4_K: [S, B*256]); out float32 [S, n_out]."""
     fmt = PER32_F32 if kind == PREFILL_Q4K else Q8_1 if kind == PREFILL_Q4 and m_scale > 0 else Q8_0
     xq, xd, xs = _quantized_rows(x, fmt)

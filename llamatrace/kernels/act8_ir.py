@@ -527,8 +527,12 @@ def _prefill_q4k_ir(k: _Tile, args, ns: int):
     and ``acc += ((d sc) dx) isum - (dmin mn) xs`` (a multiply, a conversion, two FMAs), with
     ``d sc`` and ``dmin mn`` computed once for all the rows. A high nibble is taken as ``v & 0xF0``
     (16 times the quant, one operation instead of a shift and a mask) and its scale divided by 16,
-    which is exact (VNNI only: ``vpmaddubsw``'s int16 pair sums would saturate; AVX2 shifts). (The sub-block pair with both halves' 16 vectors live and 12 float operations
-    per pair and row: Q4_K [14336, 4096] x 128 rows, 2 threads, XXX.)"""
+    which is exact (VNNI only: ``vpmaddubsw``'s int16 pair sums would saturate; AVX2 shifts).
+    Per block and 8 rows the loop has 512 ``vpdpbusd`` and 446 other vector operations (ports 0
+    and 5), where the sub-block pair with both halves' 16 nibble vectors live, 12 float operations
+    per pair and row and 4 rows a call had 290 for 256 (Q4_K, one thread, process CPU time, load
+    average ~4: 129-139 -> 139-146 G multiply-adds/s at the three 8B shapes, 128 rows; 131-140 ->
+    141-151 at 512; ``benchmarks/bench_prefill.py --cpu-time``)."""
     (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, _, _, r_at) = args
     b, c64 = k.b, k.c64
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
@@ -587,7 +591,11 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
     128 * 2032), without its broadcast, shift and subtraction per group and row. Then ``acc +=
     (d * xd) * isum`` in float32 as :func:`llamatrace.kernels.act8._matmul_q6k`: the same bits.
     (Activations as the unsigned side instead, ``xq + 128``, need a separate broadcast per
-    ``vpdpbusd``: only its signed operand can be a broadcast from memory.)"""
+    ``vpdpbusd``: only its signed operand can be a broadcast from memory. LLVM lowers the
+    ``vpdpwssd`` chain to ``vpbroadcastd`` + ``vpmaddwd`` + ``vpaddd``, 24 operations a row and
+    block where 8 would do.) Against the per-group form with 4 rows a call: one thread, process
+    CPU time, load average ~4, the three 8B shapes, 89-106 -> 127-132 G multiply-adds/s at 128 rows,
+    94-111 -> 126-137 at 512 (``benchmarks/bench_prefill.py --cpu-time``)."""
     (qs, q_at, xq, xd, xs16, s0, d, _, dm_at, n_blocks, _, _, r_at) = args
     b, c64, lanes = k.b, k.c64, k.lanes
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
@@ -663,8 +671,9 @@ PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q8": 8 if prefill_lane
                 "q6k": 8 if prefill_lanes() == 16 else 4}
 """Activation rows per call of the prefill microkernels: as many as the registers hold with the
 block's unpacked weights (Q4 [14336, 4096] x 128 rows, zmm: 8 rows 326-335 G multiply-adds/s
-against 4 rows' 308-320; Q4_K, whose block chunk keeps 16 registers of nibbles: 4 rows 308, 8
-rows 286)."""
+against 4 rows' 308-320). Q4_K and Q6_K keep one sub-block's or group's weights live (8 and 4
+registers), so 8 rows fit there too: one thread, process CPU time, Q4_K [14336, 4096] 146-147
+against 4 rows' 114-128, Q6_K [4096, 14336] 119-122 against 82-116 (a machine at load ~4.5)."""
 prefill_q4 = _prefill_intrinsic("q4", PREFILL_ROWS["q4"], _PREFILL_DOC.format(
     ns=PREFILL_ROWS["q4"], what="Q4_0 / Q4_1: ``(d * xd) * isum + m * (m_scale * xs)``."))
 prefill_q4_4rows = _prefill_intrinsic("q4", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q4`."))
