@@ -499,7 +499,8 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
     (:func:`llamatrace.kernels.act8_ir.unpack_q6k_pairs`, into a buffer per thread) and the
     microkernel (:func:`llamatrace.kernels.act8_ir.prefill_q6k`) runs :data:`NS_Q6K` rows of x at a
     time (then 4, then one) over them, with the activations' sums of 16 as int16, the sums in
-    registers; the same integer sums and float32 operations as :func:`_matmul_q6k`, so the same bits.
+    registers; each group's integer sum scaled in float32 (``d * sc``), so within 1e-7 of
+    :func:`_matmul_q6k` relative to the largest output, not its bits.
     ``n_chunks``: runs of tiles, one buffer each (the thread count: a buffer per tile would be
     mapped and unmapped each time, ~0.5 MB at n_in 14336)."""
     xq, xd, xsum = _quantized_k_rows(x)

@@ -583,19 +583,22 @@ int16 scale pairs [8, TR, 2]."""
 def _prefill_q6k_ir(k: _Tile, args, ns: int):
     """:func:`prefill_q6k`'s body: ``qs`` holds the tile's blocks unpacked by
     :func:`unpack_q6k_pairs` (:data:`Q6K_UNPACKED` bytes each from ``q_at``), ``xs`` the Q8_K
-    sums of 16 as int16 (``[S, n/16]``; ``m`` and ``m_scale`` unused). Per block ``isum = sum_j
-    sc_j * isum_j + sum_j (-32 sc_j) * xsum_j`` in int32, the first sum over the groups' ``(q + 32)
-    * xq`` (4 ``vpdpbusd``, a ``vpmulld`` and an add per group and row), the second as 8
-    ``vpdpwssd`` of the unpacked ``-32 sc`` pairs and the activation sums' pairs a row: the integers of
-    :func:`_q6k_ir`'s ``sum_j sc_j * (isum_j - 32 * xsum_j)`` (``|sum_j sc_j xsum_j|`` at most 16 *
-    128 * 2032), without its broadcast, shift and subtraction per group and row. Then ``acc +=
-    (d * xd) * isum`` in float32 as :func:`llamatrace.kernels.act8._matmul_q6k`: the same bits.
+    sums of 16 as int16 (``[S, n/16]``; ``m`` and ``m_scale`` unused). Per block and row
+    ``acc += xd * (sum_j (d sc_j) * isum_j + d * sum_j (-32 sc_j) * xsum_j)``, the scaled sum
+    of :func:`_q6k_ir` (``sum_j sc_j * (isum_j - 32 * xsum_j)``) taken apart: ``isum_j`` over a
+    group's ``(q + 32) * xq`` (4 ``vpdpbusd``, then a conversion and an FMA with ``d sc_j``, exact
+    and shared by the rows), the second sum in int32 as 8 ``vpdpwssd`` of the unpacked ``-32 sc``
+    pairs and the activation sums' pairs (at most 16 * 4096 * 2032 in size). Within 1e-7 of
+    :func:`llamatrace.kernels.act8._matmul_q6k` (its exact int32 block sum times ``d * xd``)
+    relative to the largest output, not its bits. The per-group form, a broadcast, a shift, a
+    subtraction, a ``vpmulld`` (two operations) and an add per group and row, ran 89-106 G
+    multiply-adds/s at the three 8B shapes with 128 rows, 4 rows a call; the int16 pairs with a
+    ``vpmulld`` per group, 8 rows, 127-132 (the same bits); this 143-148 (one thread, process CPU
+    time, same-run pairs, load average ~4.5; ``benchmarks/bench_prefill.py --cpu-time``).
     (Activations as the unsigned side instead, ``xq + 128``, need a separate broadcast per
     ``vpdpbusd``: only its signed operand can be a broadcast from memory. LLVM lowers the
     ``vpdpwssd`` chain to ``vpbroadcastd`` + ``vpmaddwd`` + ``vpaddd``, 24 operations a row and
-    block where 8 would do.) Against the per-group form with 4 rows a call: one thread, process
-    CPU time, load average ~4, the three 8B shapes, 89-106 -> 127-132 G multiply-adds/s at 128 rows,
-    94-111 -> 126-137 at 512 (``benchmarks/bench_prefill.py --cpu-time``)."""
+    block where 8 would do.)"""
     (qs, q_at, xq, xd, xs16, s0, d, _, dm_at, n_blocks, _, _, r_at) = args
     b, c64, lanes = k.b, k.c64, k.lanes
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
@@ -610,25 +613,26 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
         scales = b.add(b.add(ub, c64(QK_K_BYTES)), r_at)            # their int8 scales
         pairs_at = b.add(b.add(ub, c64(QK_K_BYTES + 16 * TR)), b.mul(r_at, c64(4)))
         dvec = k.halves(d, b.add(dm_at, b.mul(blk, c64(TR))))
-        isums = [None] * ns
+        sums = [None] * ns
         xrows = [b.add(x0, b.mul(blk, c64(QK_K))) for x0 in xrow0]
         for j in range(16):             # weights 16j..16j+15: groups 4j..4j+3
             w = [k.load(qs, b.add(qg, c64((4 * j + i) * TR * 4)), k.vi8) for i in range(4)]
             sc = b.sext(k.load(qs, b.add(scales, c64(j * TR)), ir.VectorType(ir.IntType(8), lanes)), k.vi32)
+            dsc = b.fmul(dvec, b.sitofp(sc, k.vf))                 # d * sc_j, exact
             for i in range(ns):
                 # AVX2: each pair to int32 at once (four of up to 2 * 63 * 127 would overflow int16)
-                part = k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)], wide=True)
-                scaled = b.mul(part, sc)
-                isums[i] = scaled if isums[i] is None else b.add(isums[i], scaled)
+                part = b.sitofp(k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)],
+                                       wide=True), k.vf)
+                sums[i] = b.fmul(dsc, part) if sums[i] is None else k.fma(dsc, part, sums[i])
         sc_pairs = [k.load(qs, b.add(pairs_at, c64(p * TR * 4)), k.vi32) for p in range(8)]
         new = []
         for i, acc in enumerate(accs):
             sums_at = b.mul(b.add(xd_row[i], blk), c64(16))            # int16 elements: 16 a block
-            isum = isums[i]
+            corr = None                                 # sum_j (-32 sc_j) xsum_j, exact in int32
             for p in range(8):
-                isum = k.dpwssd(isum, sc_pairs[p], k.splat(k.load(xs16, b.add(sums_at, c64(2 * p)), _I32), k.vi32))
+                corr = k.dpwssd(corr, sc_pairs[p], k.splat(k.load(xs16, b.add(sums_at, c64(2 * p)), _I32), k.vi32))
             dx = k.splat(b.load(b.gep(xd, [b.add(xd_row[i], blk)]), align=4), k.vf)
-            new.append(b.fadd(acc, b.fmul(b.fmul(dvec, dx), b.sitofp(isum, k.vf))))
+            new.append(k.fma(dx, k.fma(dvec, b.sitofp(corr, k.vf), sums[i]), acc))
         return new
 
     return k.block_loop(n_blocks, ns, body)
