@@ -1,11 +1,12 @@
 """Benchmark the q8 prefill kernels: the microkernels against the per-row kernels, at 8B shapes.
 
-    python benchmarks/bench_prefill.py [--rows 128] [--repeat 5]
+    python benchmarks/bench_prefill.py [--rows 128] [--repeat 5] [--types Q4_K,Q6_K] [--all-shapes] [--micro-only] [--cpu-time]
 
 For Q4_0, Q4_1, Q8_0, Q4_K ([14336, 4096], as ffn_gate/ffn_up) and Q6_K ([4096, 14336], as ffn_down):
 milliseconds per call (best of --repeat), int8 multiply-adds per second, and whether the two
 kernels' outputs are the same bits (else their largest difference relative to the largest output).
-Weights are random blocks with small fp16 scales. The machine may be shared: compare numbers
+``--all-shapes`` runs each type at the three 8B matmul shapes ([4096, 4096], [14336, 4096],
+[4096, 14336]); ``--micro-only`` skips the per-row kernels. Weights are random blocks with small fp16 scales. The machine may be shared: compare numbers
 taken in one run.
 """
 
@@ -23,6 +24,7 @@ from llamatrace.kernels import act8, packing
 T = gguf.GGMLQuantizationType
 SHAPES = {T.Q4_0: (14336, 4096), T.Q4_1: (14336, 4096), T.Q8_0: (14336, 4096), T.Q4_K: (14336, 4096),
           T.Q6_K: (4096, 14336)}
+SHAPES_8B = ((4096, 4096), (14336, 4096), (4096, 14336))
 _F16 = {v: np.frombuffer(np.float16(v).tobytes(), np.uint8) for v in (0.01, 0.002, -0.05)}
 
 
@@ -55,13 +57,13 @@ def kernels(qtype, w):
             lambda x, o: act8._prefill(x, w.qs, w.d, m, m_scale, act8.PREFILL_Q4, o))
 
 
-def best_of(f, x, out, repeat: int) -> float:
+def best_of(f, x, out, repeat: int, clock=time.perf_counter) -> float:
     f(x, out)                                                    # compile or load, warm caches
     best = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         f(x, out)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
@@ -69,22 +71,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=128, help="activation rows (prompt tokens)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--types", default=",".join(t.name for t in SHAPES), help="comma-separated types")
+    ap.add_argument("--all-shapes", action="store_true", help="the three 8B shapes for every type")
+    ap.add_argument("--micro-only", action="store_true", help="time the microkernels only")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time by the process's CPU time, not the wall clock: on a machine other processes share, "
+                         "with NUMBA_NUM_THREADS=1, it leaves out the time the thread waited for a core")
     args = ap.parse_args()
     if not act8.available():
         raise SystemExit("the q8 kernels need AVX2")
     rng = np.random.default_rng(0)
     print(f"{args.rows} rows, {numba.get_num_threads()} threads, best of {args.repeat}")
-    for qtype, (n_out, n_in) in SHAPES.items():
-        w = weight(qtype, n_out, n_in, rng)
-        x = rng.standard_normal((args.rows, n_in)).astype(np.float32)
-        outs = [np.empty((args.rows, n_out), np.float32) for _ in range(2)]
-        secs = [best_of(f, x, o, args.repeat) for f, o in zip(kernels(qtype, w), outs)]
-        same = ("same bits" if np.array_equal(*outs)
-                else f"differ by {np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max():.1e} (relative)")
-        macs = n_out * n_in * args.rows
-        print(f"{qtype.name:5s} [{n_out}, {n_in}]: per-row {secs[0] * 1e3:6.1f} ms ({macs / secs[0] / 1e9:4.0f} G/s), "
-              f"microkernel {secs[1] * 1e3:6.1f} ms ({macs / secs[1] / 1e9:4.0f} G/s); {same}")
-
+    for qtype in (T[name] for name in args.types.split(",")):
+        for n_out, n_in in SHAPES_8B if args.all_shapes else (SHAPES[qtype],):
+            w = weight(qtype, n_out, n_in, rng)
+            x = rng.standard_normal((args.rows, n_in)).astype(np.float32)
+            outs = [np.empty((args.rows, n_out), np.float32) for _ in range(2)]
+            fs = kernels(qtype, w)[1:] if args.micro_only else kernels(qtype, w)
+            clock = time.process_time if args.cpu_time else time.perf_counter
+            secs = [best_of(f, x, o, args.repeat, clock) for f, o in zip(fs, outs)]
+            macs = n_out * n_in * args.rows
+            if args.micro_only:
+                print(f"{qtype.name:5s} [{n_out}, {n_in}]: microkernel {secs[0] * 1e3:6.1f} ms "
+                      f"({macs / secs[0] / 1e9:4.0f} G/s)", flush=True)
+                continue
+            same = ("same bits" if np.array_equal(*outs)
+                    else f"differ by {np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max():.1e} (relative)")
+            print(f"{qtype.name:5s} [{n_out}, {n_in}]: per-row {secs[0] * 1e3:6.1f} ms ({macs / secs[0] / 1e9:4.0f} G/s), "
+                  f"microkernel {secs[1] * 1e3:6.1f} ms ({macs / secs[1] / 1e9:4.0f} G/s); {same}", flush=True)
 
 if __name__ == "__main__":
     main()

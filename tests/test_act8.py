@@ -205,6 +205,22 @@ def test_extreme_quants_do_not_overflow(qtype):
     np.testing.assert_allclose(matmul(x, w), want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("n_seq", [5, 8])
+def test_q6k_prefill_with_every_quant_at_31_does_not_overflow(n_seq):
+    # every q + 32 = 63 against xq = -127: the sums of 16 products per int16 pair that pmaddubsw's
+    # AVX2 path must not keep in int16 (LLAMATRACE_VNNI=0 runs that path on any AVX2 CPU)
+    n_out, n_in = 32, 512
+    blocks = np.zeros((n_out, n_in // 256, 210), np.uint8)
+    blocks[:, :, :192] = 0xFF
+    blocks[:, :, 192:208] = 0x7F
+    blocks[:, :, 208:] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    raw = blocks.reshape(n_out, -1)
+    w = packing.pack("w", T.Q6_K, raw, n_out, n_in, activations="q8")
+    x = np.full((n_seq, n_in), 127.0, np.float32)
+    want = x.astype(np.float64) @ gguf.quants.dequantize(raw, T.Q6_K).astype(np.float64).T
+    np.testing.assert_allclose(matmul(x, w), want, rtol=1e-6, atol=0)
+
+
 def llamacpp_q5_dot(raw: np.ndarray, qtype, xq, dx, sx) -> np.ndarray:
     """llama.cpp's ``ggml_vec_dot_q5_0_q8_0`` / ``ggml_vec_dot_q5_1_q8_1`` (ggml-cpu/quants.c, the
     generic versions), written out from the file's block bytes, in float64: per block
@@ -261,7 +277,8 @@ def test_prefill_microkernels_equal_the_per_row_kernels_and_twins(qtype, n_seq):
         prefill(x, w.qs, w.d, got, 2)
         per_row(x, w.qs, w.d, want)
         twin = act8.matmul_q6k_np(x, w.qs, w.d)
-        np.testing.assert_array_equal(got, want)          # bit for bit
+        # each group's int32 sum scaled in float32, not the block's exact int32 sum
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
     elif qtype == T.Q4_K:
         prefill(x, w.qs, w.d, w.m, np.float32(0.0), act8.PREFILL_Q4K, got)
         per_row(x, w.qs, w.d, w.m, want)

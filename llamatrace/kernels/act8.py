@@ -83,8 +83,8 @@ from llamatrace.kernels import tiles
 from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4k, isum_q6k, isum_q8, isum_u8_16,
                                         PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
                                         prefill_q8, prefill_q8_1row, prefill_q8_4rows,
-                                        prefill_q4k_1row, prefill_q6k, prefill_q6k_1row,
-                                        unpack_q6k)
+                                        prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
+                                        prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
 from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_PARALLEL, f16, f16_np, f16_round
 from llamatrace.kernels.registry import TYPES
 
@@ -458,7 +458,8 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
     rows of a tile over every block, its sums in registers, each block's weights unpacked once for
     all those rows. Q4: the same float32 operations in the same order as :func:`_matmul_q4`, so
     the same bits; Q8_0: the same int32 sums, the float32 ones without the zero offset term
-    (within 1e-6); Q4_K: contracted into FMAs where they can be (within 1e-6 of :func:`_matmul_q4k`).
+    (within 1e-6); Q4_K: per sub-block, with ``d * sc`` and ``dmin * mn`` shared by the rows and
+    FMAs, another float32 order (within 1e-6 of :func:`_matmul_q4k`).
     x float32 [S, B*32] (Q4_K: [S, B*256]); out float32 [S, n_out]."""
     fmt = PER32_F32 if kind == PREFILL_Q4K else Q8_1 if kind == PREFILL_Q4 and m_scale > 0 else Q8_0
     xq, xd, xs = _quantized_rows(x, fmt)
@@ -492,6 +493,8 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
                 elif kind == PREFILL_Q4K:
                     if ns == NS_Q4K:
                         prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                    elif ns == 4:
+                        prefill_q4k_4rows(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                     else:
                         prefill_q4k_1row(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                 elif ns == NS_Q4:
@@ -508,13 +511,16 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
 @njit(**JIT_PARALLEL)
 def _prefill_q6k(x, qs, d, out, n_chunks):
     """As :func:`_matmul_q6k` for many rows of x: a tile's blocks are unpacked once
-    (:func:`llamatrace.kernels.act8_ir.unpack_q6k`, into a buffer per thread) and the microkernel
-    (:func:`llamatrace.kernels.act8_ir.prefill_q6k`) runs :data:`NS_Q6K` rows of x at a time over them with
-    the sums in registers; the same integer sums and float32 operations as :func:`_matmul_q6k`.
+    (:func:`llamatrace.kernels.act8_ir.unpack_q6k_pairs`, into a buffer per thread) and the
+    microkernel (:func:`llamatrace.kernels.act8_ir.prefill_q6k`) runs :data:`NS_Q6K` rows of x at a
+    time (then 4, then one) over them, with the activations' sums of 16 as int16, the sums in
+    registers; each group's integer sum scaled in float32 (``d * sc``), so within 1e-7 of
+    :func:`_matmul_q6k` relative to the largest output, not its bits.
     ``n_chunks``: runs of tiles, one buffer each (the thread count: a buffer per tile would be
     mapped and unmapped each time, ~0.5 MB at n_in 14336)."""
     xq, xd, xsum = _quantized_k_rows(x)
     n_seq = xq.shape[0]
+    xs16 = xsum.astype(np.int16)                    # |sum| <= 16 * 127
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
     n_chunks = max(1, min(n_chunks, n_tiles))
@@ -526,16 +532,18 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
         for t in range(c * n_tiles // n_chunks, (c + 1) * n_tiles // n_chunks):
             for b in range(n_blocks):
                 tiles.prefetch_next_block(qs, t, b)
-                unpack_q6k(qs, (t * n_blocks + b) * block, unpacked, b * Q6K_UNPACKED, unused_isum)
+                unpack_q6k_pairs(qs, (t * n_blocks + b) * block, unpacked, b * Q6K_UNPACKED, unused_isum)
             dm_at = t * n_blocks * TR
             s0 = 0
             while s0 < n_seq:
-                ns = NS_Q6K if s0 + NS_Q6K <= n_seq else 1
+                ns = NS_Q6K if s0 + NS_Q6K <= n_seq else 4 if s0 + 4 <= n_seq else 1
                 for r in range(0, TR, LANES):
                     if ns == NS_Q6K:
-                        prefill_q6k(unpacked, 0, xq, xd, xsum, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
+                        prefill_q6k(unpacked, 0, xq, xd, xs16, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
+                    elif ns == 4:
+                        prefill_q6k_4rows(unpacked, 0, xq, xd, xs16, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
                     else:
-                        prefill_q6k_1row(unpacked, 0, xq, xd, xsum, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
+                        prefill_q6k_1row(unpacked, 0, xq, xd, xs16, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)
                 for i in range(ns):
                     tiles.store_tile(res[i], out, s0 + i, t)
                 s0 += ns

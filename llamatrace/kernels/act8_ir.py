@@ -120,6 +120,10 @@ class _Emit:
         """8 int32 lanes into ``isum[index:index + 8]``."""
         self.builder.store(vec, self.at(self.out, index, _V8I32), align=4)
 
+    def store_at(self, vec, offset):
+        """8 int32 lanes at byte ``q + offset``."""
+        self.builder.store(vec, self.at(self.q, offset, _V8I32), align=1)
+
     def rows8(self, offset):
         """The 8 int8 at ``p + offset`` (one per row: a scale) as int32 lanes."""
         v = self.builder.load(self.at(self.p, offset, _V8I8), align=1)
@@ -172,6 +176,9 @@ def _block_ir(builder, args, sig, context, kind: str) -> None:
         return
     if kind == "unpack_q6k":
         _q6k_unpack_ir(e)
+        return
+    if kind == "unpack_q6k_pairs":
+        _q6k_unpack_pairs_ir(e)
         return
     if kind == "u8_16":
         _u8_16_ir(e)
@@ -251,6 +258,22 @@ def _q6k_unpack_ir(e: _Emit) -> None:
         e.builder.store(e.load(e.p, Q6K_SCALES * TR + i), e.at(e.q, QK_K_BYTES + i), align=1)
 
 
+def _q6k_unpack_pairs_ir(e: _Emit) -> None:
+    """``unpack_q6k_pairs``: :func:`_q6k_unpack_ir`'s bytes and scales, then ``-32`` times the
+    scales as pairs of int16 (at most 4096 in size), ``[8, TR]`` words (word ``p*TR + r``: row r's
+    ``-32 sc_2p`` low, ``-32 sc_2p+1`` high), for ``vpdpwssd`` against pairs of the activations'
+    sums (:func:`_prefill_q6k_ir`)."""
+    _q6k_unpack_ir(e)
+    b = e.builder
+    sixteen, low = ir.Constant(_V8I32, [16] * 8), ir.Constant(_V8I32, [0xFFFF] * 8)
+    minus32 = ir.Constant(_V8I32, [-32] * 8)
+    for p in range(8):
+        for rg in range(TR // 8):
+            sc = [b.mul(b.sext(b.load(e.at(e.q, QK_K_BYTES + (2 * p + i) * TR + rg * 8, _V8I8), align=1), _V8I32),
+                        minus32) for i in range(2)]
+            e.store_at(b.or_(b.and_(sc[0], low), b.shl(sc[1], sixteen)), QK_K_BYTES + 16 * TR + (p * TR + rg * 8) * 4)
+
+
 def _u8_16_ir(e: _Emit) -> None:
     """``u8_16``: as ``q6k`` for a block unpacked by :func:`_q6k_unpack_ir` at ``p``."""
     for rg in range(TR // 8):
@@ -289,6 +312,9 @@ Q8_K activations at ``xbase`` and their 16 sums at ``sbase`` of ``xsum``, scaled
 unpack_q6k = _isum_intrinsic("unpack_q6k", """Writes the Q6_K tile block at ``qbase`` as unsigned bytes
 in weight order, then its scales, into the third argument, uint8 [(256 + 16) * TR] (the fourth and
 fifth are unused).""")
+unpack_q6k_pairs = _isum_intrinsic("unpack_q6k_pairs", """Writes the Q6_K tile block at ``qbase`` into the
+third argument for :func:`prefill_q6k`, uint8 :data:`Q6K_UNPACKED` bytes: :func:`unpack_q6k`'s, then the scales
+as int16 pairs (:func:`_q6k_unpack_pairs_ir`; the fourth and fifth arguments are unused).""")
 isum_u8_16 = _isum_intrinsic("u8_16", """As :func:`isum_q6k` for a block unpacked by
 :func:`unpack_q6k`.""", with_sums=True)
 
@@ -322,6 +348,9 @@ class _Tile:
                                                    ir.FunctionType(self.vi32, [self.vi32] * 3))
         else:
             self.maddubs, self.maddwd, self.sign = _avx2_intrinsics(module)
+        if self.vnni:
+            self.dpwssd_fn = module.declare_intrinsic(f"llvm.x86.avx512.vpdpwssd.{32 * lanes}", (),
+                                                      ir.FunctionType(self.vi32, [self.vi32] * 3))
         self.fma_fn = module.declare_intrinsic(f"llvm.fma.v{lanes}f32", (), ir.FunctionType(self.vf, [self.vf] * 3))
 
     def i64(self, v):
@@ -387,6 +416,15 @@ class _Tile:
 
     def fma(self, a, x, y):
         return self.b.call(self.fma_fn, [a, x, y])
+
+    def dpwssd(self, acc, u, v):
+        """``acc`` (int32 lanes, ``None`` = 0) plus, per lane, the sum of the products of the two
+        int16 halves of ``u`` and ``v`` (VNNI ``vpdpwssd``; else ``pmaddwd`` and an add)."""
+        b = self.b
+        acc = ir.Constant(self.vi32, [0] * self.lanes) if acc is None else acc
+        if self.vnni:
+            return b.call(self.dpwssd_fn, [acc, u, v])
+        return b.add(acc, b.call(self.maddwd, [b.bitcast(u, _V16I16), b.bitcast(v, _V16I16)]))
 
     def block_loop(self, n_blocks, ns, body):
         """``for blk in range(n_blocks)``: ``accs = body(blk, accs)`` for ``ns`` float vectors
@@ -465,87 +503,118 @@ def _prefill_q4_ir(k: _Tile, args, ns: int, signed: bool = False):
 def _prefill_q4k_ir(k: _Tile, args, ns: int):
     """:func:`prefill_q4k`'s body. A Q4_K block row: 16 scale bytes (sc[8], mn[8]; byte j of row r
     at ``j*TR + r``), then four 32-byte chunks in groups of four (low nibbles: sub-block 2c, high:
-    2c + 1)."""
+    2c + 1).
+
+    One sub-block at a time, its 8 weight vectors shared by the ``ns`` rows: per row 8 ``vpdpbusd``
+    and ``acc += ((d sc) dx) isum - (dmin mn) xs`` (a multiply, a conversion, two FMAs), with
+    ``d sc`` and ``dmin mn`` computed once for all the rows. A high nibble is taken as ``v & 0xF0``
+    (16 times the quant, one operation instead of a shift and a mask) and its scale divided by 16,
+    which is exact (VNNI only: ``vpmaddubsw``'s int16 pair sums would saturate; AVX2 shifts).
+    Per block and 8 rows the loop has 512 ``vpdpbusd`` and 446 other vector operations (ports 0
+    and 5), where the sub-block pair with both halves' 16 nibble vectors live, 12 float operations
+    per pair and row and 4 rows a call had 290 for 256 (Q4_K, one thread, process CPU time, load
+    average ~4: 129-139 -> 139-146 G multiply-adds/s at the three 8B shapes, 128 rows; 131-140 ->
+    141-151 at 512; ``benchmarks/bench_prefill.py --cpu-time``)."""
     (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, _, _, r_at) = args
     b, c64 = k.b, k.c64
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
     dm_at = b.add(dm_at, r_at)
     n_in = b.mul(n_blocks, c64(256))
     n_sub = b.mul(n_blocks, c64(8))
-    mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
+    masks = [ir.Constant(k.vi8, [v] * (4 * k.lanes)) for v in (0x0F, 0xF0)]
+    sixteenth, four = ir.Constant(k.vf, [1.0 / 16] * k.lanes), ir.Constant(k.vi8, [4] * (4 * k.lanes))
+    rows = [b.add(s0, c64(i)) for i in range(ns)]
+    xrows = [b.mul(row, n_in) for row in rows]
+    subs = [b.mul(row, n_sub) for row in rows]
 
     def body(blk, accs):
         qb = b.add(b.add(q_at, b.mul(blk, c64(144 * TR))), r_at)      # the rows' scale bytes
         qg = b.add(qb, b.mul(r_at, c64(3)))                                # their grouped bytes: + 4 r_at
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         dvec, mvec = k.halves(d, dm), k.halves(m, dm)
-        for c in range(4):
-            j = 2 * c
-            sc0, sc1 = k.byte_floats(qs, b.add(qb, c64(j * TR))), k.byte_floats(qs, b.add(qb, c64((j + 1) * TR)))
-            mn0, mn1 = k.byte_floats(qs, b.add(qb, c64((8 + j) * TR))), k.byte_floats(qs, b.add(qb, c64((9 + j) * TR)))
+        for j in range(8):
+            c, hi = j // 2, j % 2
+            dsc = b.fmul(dvec, k.byte_floats(qs, b.add(qb, c64(j * TR))))
+            dsc = b.fmul(dsc, sixteenth) if hi and k.vnni else dsc
+            dmn = b.fmul(mvec, k.byte_floats(qs, b.add(qb, c64((8 + j) * TR))))
             chunk = b.add(qg, c64(16 * TR + c * 32 * TR))
-            lo, hi = [], []
-            for g in range(8):
-                v = k.load(qs, b.add(chunk, c64(g * TR * 4)), k.vi8)
-                lo.append(b.and_(v, mask))
-                hi.append(b.lshr(v, four))
+            v = [k.load(qs, b.add(chunk, c64(g * TR * 4)), k.vi8) for g in range(8)]
+            w = [b.and_(x, masks[hi]) if hi == 0 or k.vnni else b.lshr(x, four) for x in v]
             new = []
             for i, acc in enumerate(accs):
-                row = b.add(s0, c64(i))
-                xrow = b.add(b.mul(row, n_in), b.add(b.mul(blk, c64(256)), c64(64 * c)))
-                isum_lo = k.isum([(lo[g], k.bytes4(xq, b.add(xrow, c64(4 * g)))) for g in range(8)])
-                isum_hi = k.isum([(hi[g], k.bytes4(xq, b.add(xrow, c64(32 + 4 * g)))) for g in range(8)])
-                at = b.add(b.add(b.mul(row, n_sub), b.mul(blk, c64(8))), c64(j))
-                at1 = b.add(at, c64(1))
-                dx0, dx1 = (k.splat(b.load(b.gep(xd, [a]), align=4), k.vf) for a in (at, at1))
-                xs0, xs1 = (k.splat(b.load(b.gep(xs, [a]), align=4), k.vf) for a in (at, at1))
-                # d * (sc_j dx_j isum_j + sc_j+1 dx_j+1 isum_j+1) - dmin * (mn_j xs_j + mn_j+1 xs_j+1)
-                pos = k.fma(b.fmul(sc1, dx1), b.sitofp(isum_hi, k.vf), b.fmul(b.fmul(sc0, dx0), b.sitofp(isum_lo, k.vf)))
-                neg = k.fma(mn1, xs1, b.fmul(mn0, xs0))
-                new.append(b.fadd(acc, b.fsub(b.fmul(dvec, pos), b.fmul(mvec, neg))))
+                xrow = b.add(xrows[i], b.add(b.mul(blk, c64(256)), c64(64 * c + 32 * hi)))
+                # two chains of 4, not one of 8: vpdpbusd's latency (one chain: 5-9 % slower)
+                isum = b.add(*(k.isum([(w[g], k.bytes4(xq, b.add(xrow, c64(4 * g)))) for g in h])
+                               for h in (range(4), range(4, 8))))
+                at = b.add(b.add(subs[i], b.mul(blk, c64(8))), c64(j))
+                dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
+                xsv = k.splat(b.load(b.gep(xs, [at]), align=4), k.vf)
+                acc = k.fma(b.fmul(dsc, dx), b.sitofp(isum, k.vf), acc)
+                new.append(k.fma(b.fneg(dmn), xsv, acc))
             accs = new
         return accs
 
     return k.block_loop(n_blocks, ns, body)
 
 
-Q6K_UNPACKED = QK_K_BYTES + 16 * TR
-"""Bytes of one Q6_K tile block unpacked by :func:`unpack_q6k`: weights, then int8 scales [16, TR]."""
+Q6K_UNPACKED = QK_K_BYTES + 16 * TR + 32 * TR
+"""Bytes of one Q6_K tile block unpacked by :func:`unpack_q6k_pairs`: weights, int8 scales [16, TR],
+int16 scale pairs [8, TR, 2]."""
 
 
 def _prefill_q6k_ir(k: _Tile, args, ns: int):
-    """:func:`prefill_q6k`'s body: ``qs`` holds the tile's blocks unpacked by :func:`unpack_q6k`
-    (:data:`Q6K_UNPACKED` bytes each from ``q_at``), ``xs`` the Q8_K sums of 16 (int32 ``[S,
-    n/16]``); per block ``isum = sum_j sc_j * (isum_j - 32 xsum_j)`` in int32 as :func:`_q6k_ir`,
-    then ``acc += (d * xd) * isum`` in float32 as :func:`llamatrace.kernels.act8._matmul_q6k`."""
-    (qs, q_at, xq, xd, xsum, s0, d, _, dm_at, n_blocks, _, _, r_at) = args
+    """:func:`prefill_q6k`'s body: ``qs`` holds the tile's blocks unpacked by
+    :func:`unpack_q6k_pairs` (:data:`Q6K_UNPACKED` bytes each from ``q_at``), ``xs`` the Q8_K
+    sums of 16 as int16 (``[S, n/16]``; ``m`` and ``m_scale`` unused). Per block and row
+    ``acc += xd * (sum_j (d sc_j) * isum_j + d * sum_j (-32 sc_j) * xsum_j)``, the scaled sum
+    of :func:`_q6k_ir` (``sum_j sc_j * (isum_j - 32 * xsum_j)``) taken apart: ``isum_j`` over a
+    group's ``(q + 32) * xq`` (4 ``vpdpbusd``, then a conversion and an FMA with ``d sc_j``, exact
+    and shared by the rows), the second sum in int32 as 8 ``vpdpwssd`` of the unpacked ``-32 sc``
+    pairs and the activation sums' pairs (at most 16 * 4096 * 2032 in size). Within 1e-7 of
+    :func:`llamatrace.kernels.act8._matmul_q6k` (its exact int32 block sum times ``d * xd``)
+    relative to the largest output, not its bits. The per-group form, a broadcast, a shift, a
+    subtraction, a ``vpmulld`` (two operations) and an add per group and row, ran 89-106 G
+    multiply-adds/s at the three 8B shapes with 128 rows, 4 rows a call; the int16 pairs with a
+    ``vpmulld`` per group, 8 rows, 127-132 (the same bits); this 143-148 (one thread, process CPU
+    time, same-run pairs, load average ~4.5; ``benchmarks/bench_prefill.py --cpu-time``).
+    (Activations as the unsigned side instead, ``xq + 128``, need a separate broadcast per
+    ``vpdpbusd``: only its signed operand can be a broadcast from memory. LLVM lowers the
+    ``vpdpwssd`` chain to ``vpbroadcastd`` + ``vpmaddwd`` + ``vpaddd``, 24 operations a row and
+    block where 8 would do.)"""
+    (qs, q_at, xq, xd, xs16, s0, d, _, dm_at, n_blocks, _, _, r_at) = args
     b, c64, lanes = k.b, k.c64, k.lanes
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
     dm_at = b.add(dm_at, r_at)
     n_in = b.mul(n_blocks, c64(QK_K))
-    five = ir.Constant(k.vi32, [5] * lanes)
+    xrow0 = [b.mul(b.add(s0, c64(i)), n_in) for i in range(ns)]
+    xd_row = [b.mul(b.add(s0, c64(i)), n_blocks) for i in range(ns)]
 
     def body(blk, accs):
         ub = b.add(q_at, b.mul(blk, c64(Q6K_UNPACKED)))
         qg = b.add(ub, b.mul(r_at, c64(4)))                         # the rows' weight groups
         scales = b.add(b.add(ub, c64(QK_K_BYTES)), r_at)            # their int8 scales
+        pairs_at = b.add(b.add(ub, c64(QK_K_BYTES + 16 * TR)), b.mul(r_at, c64(4)))
         dvec = k.halves(d, b.add(dm_at, b.mul(blk, c64(TR))))
-        isums = [None] * ns
-        xrows = [b.add(b.mul(b.add(s0, c64(i)), n_in), b.mul(blk, c64(QK_K))) for i in range(ns)]
+        sums = [None] * ns
+        xrows = [b.add(x0, b.mul(blk, c64(QK_K))) for x0 in xrow0]
         for j in range(16):             # weights 16j..16j+15: groups 4j..4j+3
             w = [k.load(qs, b.add(qg, c64((4 * j + i) * TR * 4)), k.vi8) for i in range(4)]
             sc = b.sext(k.load(qs, b.add(scales, c64(j * TR)), ir.VectorType(ir.IntType(8), lanes)), k.vi32)
+            dsc = b.fmul(dvec, b.sitofp(sc, k.vf))                 # d * sc_j, exact
             for i in range(ns):
-                part = k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)])
-                at = b.add(b.mul(b.add(s0, c64(i)), b.mul(n_blocks, c64(16))), b.add(b.mul(blk, c64(16)), c64(j)))
-                xs = k.splat(b.load(b.gep(xsum, [at]), align=4), k.vi32)
-                scaled = b.mul(b.sub(part, b.shl(xs, five)), sc)
-                isums[i] = scaled if isums[i] is None else b.add(isums[i], scaled)
+                # AVX2: each pair to int32 at once (four of up to 2 * 63 * 127 would overflow int16)
+                part = b.sitofp(k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)],
+                                       wide=True), k.vf)
+                sums[i] = b.fmul(dsc, part) if sums[i] is None else k.fma(dsc, part, sums[i])
+        sc_pairs = [k.load(qs, b.add(pairs_at, c64(p * TR * 4)), k.vi32) for p in range(8)]
         new = []
         for i, acc in enumerate(accs):
-            at = b.add(b.mul(b.add(s0, c64(i)), n_blocks), blk)
-            dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
-            new.append(b.fadd(acc, b.fmul(b.fmul(dvec, dx), b.sitofp(isums[i], k.vf))))
+            sums_at = b.mul(b.add(xd_row[i], blk), c64(16))            # int16 elements: 16 a block
+            corr = None                                 # sum_j (-32 sc_j) xsum_j, exact in int32
+            for p in range(8):
+                corr = k.dpwssd(corr, sc_pairs[p], k.splat(k.load(xs16, b.add(sums_at, c64(2 * p)), _I32), k.vi32))
+            dx = k.splat(b.load(b.gep(xd, [b.add(xd_row[i], blk)]), align=4), k.vf)
+            new.append(k.fma(dx, k.fma(dvec, b.sitofp(corr, k.vf), sums[i]), acc))
         return new
 
     return k.block_loop(n_blocks, ns, body)
@@ -664,11 +733,13 @@ sum over every block of one tile's rows ``r_at + l``, ``l < prefill_lanes()`` (t
 at byte ``q_at`` of ``qs``, its scales at ``dm_at`` of ``d`` and ``m``) times activation rows
 ``s0 + i`` of ``xq``, ``xd``, ``xs``; the sums stay in registers over every block and each block's
 nibbles are unpacked once for all the rows. {what}"""
-PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q8": 8 if prefill_lanes() == 16 else 4, "q4k": 4, "q6k": 4}
+PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q8": 8 if prefill_lanes() == 16 else 4, "q4k": 8 if prefill_lanes() == 16 else 4,
+                "q6k": 8 if prefill_lanes() == 16 else 4}
 """Activation rows per call of the prefill microkernels: as many as the registers hold with the
 block's unpacked weights (Q4 [14336, 4096] x 128 rows, zmm: 8 rows 326-335 G multiply-adds/s
-against 4 rows' 308-320; Q4_K, whose block chunk keeps 16 registers of nibbles: 4 rows 308, 8
-rows 286)."""
+against 4 rows' 308-320). Q4_K and Q6_K keep one sub-block's or group's weights live (8 and 4
+registers), so 8 rows fit there too: one thread, process CPU time, Q4_K [14336, 4096] 146-147
+against 4 rows' 114-128, Q6_K [4096, 14336] 119-122 against 82-116 (a machine at load ~4.5)."""
 prefill_q4 = _prefill_intrinsic("q4", PREFILL_ROWS["q4"], _PREFILL_DOC.format(
     ns=PREFILL_ROWS["q4"], what="Q4_0 / Q4_1: ``(d * xd) * isum + m * (m_scale * xs)``."))
 prefill_q4_4rows = _prefill_intrinsic("q4", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q4`."))
@@ -677,11 +748,14 @@ prefill_q8 = _prefill_intrinsic("q8", PREFILL_ROWS["q8"], _PREFILL_DOC.format(
     ns=PREFILL_ROWS["q8"], what="Q8_0: ``(d * xd) * (isum(q + 128) - 128 * sum x)``, ``xs`` the blocks' int32 sums of ``xq``."))
 prefill_q8_4rows = _prefill_intrinsic("q8", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q8`."))
 prefill_q8_1row = _prefill_intrinsic("q8", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q8`."))
-prefill_q4k = _prefill_intrinsic("q4k", 4, _PREFILL_DOC.format(
-    ns=4, what="Q4_K, per sub-block pair: ``d * (sc dx isum + ...) - dmin * (mn xs + ...)`` (``m_scale`` unused)."))
+prefill_q4k = _prefill_intrinsic("q4k", PREFILL_ROWS["q4k"], _PREFILL_DOC.format(
+    ns=PREFILL_ROWS["q4k"], what="Q4_K, per sub-block pair: ``d * (sc dx isum + ...) - dmin * (mn xs + ...)`` (``m_scale`` unused)."))
+prefill_q4k_4rows = _prefill_intrinsic("q4k", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q4k`."))
 prefill_q4k_1row = _prefill_intrinsic("q4k", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4k`."))
-prefill_q6k = _prefill_intrinsic("q6k", 4, _PREFILL_DOC.format(
-    ns=4, what="Q6_K on blocks unpacked by :func:`unpack_q6k` (``xs``: the Q8_K sums of 16, int32; ``m``, ``m_scale`` unused)."))
+prefill_q6k = _prefill_intrinsic("q6k", PREFILL_ROWS["q6k"], _PREFILL_DOC.format(
+    ns=PREFILL_ROWS["q6k"], what="Q6_K on blocks unpacked by :func:`unpack_q6k_pairs`, ``xs`` the Q8_K sums of 16 "
+    "as int16 (``m``, ``m_scale`` unused)."))
+prefill_q6k_4rows = _prefill_intrinsic("q6k", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q6k`."))
 prefill_q6k_1row = _prefill_intrinsic("q6k", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q6k`."))
 
 
