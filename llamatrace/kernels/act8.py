@@ -85,7 +85,7 @@ from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, de
                                         prefill_q8, prefill_q8_1row, prefill_q8_4rows,
                                         prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
                                         prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
-from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_PARALLEL, f16, f16_np, f16_round
+from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_INLINE, JIT_PARALLEL, f16, f16_np, f16_round
 from llamatrace.kernels.registry import TYPES
 
 _T = gguf.GGMLQuantizationType
@@ -338,6 +338,15 @@ DECODE_AHEAD_Q4K = 2 * 144 * TR
 """The Q4_K decode microkernel's prefetch distance: two blocks of a tile (9 KB)."""
 
 
+@njit(**JIT_INLINE)
+def _add_scaled(a, db, mb, dx, ms, isum):
+    """``a[r] += (d[r] * dx) * isum[r] + m[r] * ms`` for the TR rows of a tile block: the float32
+    step of llama.cpp's Q4/Q5/Q8 dot products after the int32 sums. a float32 [TR]; db, mb fp16
+    bits uint16 [TR]; dx, ms float32; isum int32 [TR]."""
+    for r in range(TR):
+        a[r] += (f16(db[r]) * dx) * np.float32(isum[r]) + f16(mb[r]) * ms
+
+
 @njit(**JIT_PARALLEL)
 def _matmul_q4(x, qs, d, m, m_scale, signed, out):
     """out[s] = x[s] @ W.T for Q4_0 / Q4_1 / Q8_0 (weight d*q + m_scale*m), x quantized first
@@ -366,11 +375,7 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
                     if s == 0:
                         tiles.prefetch_next_block(qs, t, b)
                     isum_q8(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK, isum)
-                    dx = xd[s, b]
-                    ms = m_scale * xs[s, b]
-                    a = acc[s]
-                    for r in range(TR):
-                        a[r] += (f16(db[r]) * dx) * np.float32(isum[r]) + f16(mb[r]) * ms
+                    _add_scaled(acc[s], db, mb, xd[s, b], m_scale * xs[s, b], isum)
             tiles.store_rows(acc, out, t)
         else:               # a row of x at a time over the whole tile, its sums in registers
             res = np.empty(TR, np.float32)
@@ -433,11 +438,7 @@ def _matmul_q5(x, qs, d, m, m_scale, centered, out):
             mb = m[t, b]
             for s in range(n_seq):
                 isum_q8(w8, 0, xq, (s * n_blocks + b) * QK, isum)
-                dx = xd[s, b]
-                ms = m_scale * xs[s, b]
-                a = acc[s]
-                for r in range(TR):
-                    a[r] += (f16(db[r]) * dx) * np.float32(isum[r]) + f16(mb[r]) * ms
+                _add_scaled(acc[s], db, mb, xd[s, b], m_scale * xs[s, b], isum)
         tiles.store_rows(acc, out, t)
 
 

@@ -700,32 +700,47 @@ def _decode_q4k_ir(k: _Tile, args):
     return k.block_loop(n_blocks, len(halves), body)
 
 
-def _prefill_intrinsic(kind: str, ns: int, doc: str):
-    emit = {"q4": _prefill_q4_ir, "q8": lambda *a: _prefill_q4_ir(*a, signed=True), "q4k": _prefill_q4k_ir,
-            "q6k": _prefill_q6k_ir}[kind]
+def _flat_args(context, builder, signature, args) -> list:
+    """The microkernels' 13 arguments as IR values: the arrays (``qs, xq, xd, xs, d, m, res``) as
+    their data pointers, ``m_scale`` as float32, the integers as they are."""
+    flat = list(args)
+    for i in (0, 2, 3, 4, 6, 7, 11):
+        flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+    if flat[10].type != ir.FloatType():
+        flat[10] = builder.fptrunc(flat[10], ir.FloatType())
+    return flat
 
-    def typer(typingctx, qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, r_at):
+
+def _microkernel(body, doc: str):
+    """An intrinsic taking the microkernels' 13 arguments (``qs, q_at, xq, xd, xs, s0, d, m,
+    dm_at, n_blocks, m_scale, res`` and ``r_at`` or ``ahead``), its IR written by ``body(k, flat)``
+    (a :class:`_Tile`, :func:`_flat_args`' values), which stores into ``res``."""
+    def typer(typingctx, qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, last):
         if not all(isinstance(a, types.Array) for a in (qs, xq, xd, xs, d, m, res)):
             return None
-        sig = types.void(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, r_at)
+        sig = types.void(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, last)
 
         def codegen(context, builder, signature, args):
-            flat = list(args)
-            for i in (0, 2, 3, 4, 6, 7, 11):
-                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            if flat[10].type != ir.FloatType():
-                flat[10] = builder.fptrunc(flat[10], ir.FloatType())
-            k = _Tile(builder, prefill_lanes())
-            outs = emit(k, flat, ns)
-            r_at = k.i64(flat[12])
-            for i, out in enumerate(outs):
-                builder.store(out, k.ptr(flat[11], builder.add(r_at, k.c64(i * TR)), k.vf), align=4)
+            body(_Tile(builder, prefill_lanes()), _flat_args(context, builder, signature, args))
             return context.get_dummy_value()
 
         return sig, codegen
 
     typer.__doc__ = doc
     return intrinsic(typer)
+
+
+def _prefill_intrinsic(kind: str, ns: int, doc: str):
+    emit = {"q4": _prefill_q4_ir, "q8": lambda *a: _prefill_q4_ir(*a, signed=True), "q4k": _prefill_q4k_ir,
+            "q6k": _prefill_q6k_ir}[kind]
+
+    def body(k, flat):
+        outs = emit(k, flat, ns)
+        r_at = k.i64(flat[12])
+        for i, out in enumerate(outs):
+            k.b.store(out, k.ptr(flat[11], k.b.add(r_at, k.c64(i * TR)), k.vf), align=4)
+
+    return _microkernel(body, doc)
 
 
 _PREFILL_DOC = """Prefill microkernel for {ns} activation row(s): ``res[i*TR + r_at + l]`` (float32) = the
@@ -760,26 +775,11 @@ prefill_q6k_1row = _prefill_intrinsic("q6k", 1, _PREFILL_DOC.format(ns=1, what="
 
 
 def _decode_intrinsic(emit, doc: str):
-    def typer(typingctx, qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, ahead):
-        if not all(isinstance(a, types.Array) for a in (qs, xq, xd, xs, d, m, res)):
-            return None
-        sig = types.void(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, ahead)
+    def body(k, flat):
+        for h, out in enumerate(emit(k, flat)):
+            k.b.store(out, k.ptr(flat[11], k.c64(h * k.lanes), k.vf), align=4)
 
-        def codegen(context, builder, signature, args):
-            flat = list(args)
-            for i in (0, 2, 3, 4, 6, 7, 11):
-                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            if flat[10].type != ir.FloatType():
-                flat[10] = builder.fptrunc(flat[10], ir.FloatType())
-            k = _Tile(builder, prefill_lanes())
-            for h, out in enumerate(emit(k, flat)):
-                builder.store(out, k.ptr(flat[11], k.c64(h * k.lanes), k.vf), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    typer.__doc__ = doc
-    return intrinsic(typer)
+    return _microkernel(body, doc)
 
 
 _DECODE_DOC = """Decode microkernel: ``res[r]`` (float32 [TR]) = the sum over every block of one tile (block 0
