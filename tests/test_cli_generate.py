@@ -152,6 +152,10 @@ def test_info_lists_tensors(capsys, tiny_model_path):
     assert "blk.0.attn_q.weight" in out and "Q8_0" in out and "llama.embedding_length" in out
     import numba
     assert f"threading layer {numba.threading_layer()!r}" in " ".join(out.split())
+    from llamatrace.kernels import amx
+    from llamatrace.kernels.act8_ir import has_vnni
+    line = next(line for line in out.splitlines() if line.startswith("q8 int8 products:"))
+    assert ("VNNI" in line) == has_vnni() and amx.status().reason in line
 
 
 def test_info_shows_tokenizer_kind_and_tensor_type_mix(capsys, tiny_model_path):

@@ -90,3 +90,29 @@ def test_entries_count_in_the_cap_and_leave_with_it(cache_dir, tmp_path):
     (entry,) = cache_dir.glob("*.tokenizer")
     assert evict(entry.stat().st_size) == [] and entry.exists()
     assert evict(0) == [entry] and not entry.exists()
+
+
+def test_a_dead_writers_partial_file_is_swept_and_a_live_writer_is_left_alone(cache_dir, tmp_path):
+    import fcntl
+
+    from llamatrace.model.packcache import PARTIAL, evict
+    path = tmp_path / "bpe.gguf"
+    shutil.copyfile(vocab_test_file("deepseek-coder"), path)
+    build(path)
+    (entry,) = cache_dir.glob("*.tokenizer")
+    partial = entry.with_name(entry.name + PARTIAL)
+    partial.write_bytes(b"half")                      # a writer that died
+    evict(10**12)
+    assert not partial.exists() and entry.exists()
+    entry.unlink()
+    partial.write_bytes(b"half")
+    fd = os.open(partial, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)                # a writer at work: this load writes nothing
+        assert build(path).encode("hello world") == build(path, cache=False).encode("hello world")
+        evict(10**12)
+        assert partial.read_bytes() == b"half" and not entry.exists()
+    finally:
+        os.close(fd)
+    build(path)
+    assert entry.exists() and not partial.exists()

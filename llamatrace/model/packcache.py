@@ -55,7 +55,7 @@ import shutil
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 import gguf
 import numpy as np
@@ -342,28 +342,36 @@ def _locked(path: Path):
         os.close(fd)                    # and the lock with it
 
 
-def _write_entry(entry: Path, header: bytes, data_start: int, arrays: list[np.ndarray], trailer: bytes) -> bool:
-    """Write ``<entry>.partial`` under its lock, then rename it to ``entry``; False if another
-    process is writing it."""
+def write_atomic(entry: Path, write: Callable[[BinaryIO], None]) -> bool:
+    """Call ``write`` on ``<entry>.partial`` (emptied first: what a writer that died left) under
+    its lock, then rename it to ``entry``; False if another process is writing it. The partial
+    file goes if ``write`` raises (the exception propagates)."""
     partial = entry.with_name(entry.name + PARTIAL)
     with _locked(partial) as fd:
         if fd is None:
             return False
         try:
-            os.ftruncate(fd, 0)         # what a writer that died left
+            os.ftruncate(fd, 0)
             with open(fd, "wb", closefd=False) as out:
-                out.write(MAGIC + _LEN.pack(len(header)) + header)
-                out.write(bytes(data_start - out.tell()))
-                for a in arrays:
-                    out.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
-                    out.write(bytes(-a.nbytes % _ALIGN))
-                out.write(trailer)
+                write(out)
             os.replace(partial, entry)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(partial)
             raise
     return True
+
+
+def _write_entry(entry: Path, header: bytes, data_start: int, arrays: list[np.ndarray], trailer: bytes) -> bool:
+    """Write the entry's bytes through :func:`write_atomic`."""
+    def write(out: BinaryIO) -> None:
+        out.write(MAGIC + _LEN.pack(len(header)) + header)
+        out.write(bytes(data_start - out.tell()))
+        for a in arrays:
+            out.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+            out.write(bytes(-a.nbytes % _ALIGN))
+        out.write(trailer)
+    return write_atomic(entry, write)
 
 
 def evict(cap: int, keep: Path | None = None) -> list[Path]:
@@ -378,7 +386,7 @@ def evict(cap: int, keep: Path | None = None) -> list[Path]:
     folder = packed_dir()
     if not folder.is_dir():
         return []
-    for partial in folder.glob(f"*{SUFFIX}{PARTIAL}"):
+    for partial in [*folder.glob(f"*{SUFFIX}{PARTIAL}"), *folder.glob(f"*{TOKENIZER_SUFFIX}{PARTIAL}")]:
         with contextlib.suppress(OSError), _locked(partial) as fd:
             if fd is not None:
                 os.unlink(partial)

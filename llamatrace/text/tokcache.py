@@ -13,7 +13,8 @@ entries count in the packed cache's size cap and leave by age with its own
 Its key is the packed entry's (:func:`llamatrace.model.packcache.file_key`: llamatrace's version,
 the GGUF's identity and header) with the source of the tokenizer modules in place of the kernels';
 an entry whose key differs, or that cannot be read whole, is rebuilt silently. Written to a
-temporary file in the folder and renamed, so no reader sees a partial one; ``--no-cache``
+locked partial file in the folder and renamed, as the packed entries, so no reader sees a
+partial one and eviction clears what a writer that died left; ``--no-cache``
 (``$LLAMATRACE_NO_CACHE``) neither reads nor writes it. The file is a pickle: like Numba's own
 cache it is trusted as the user's own (the folder is under the user's cache root).
 """
@@ -26,7 +27,6 @@ import hashlib
 import logging
 import os
 import pickle
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -87,21 +87,18 @@ class Entry:
         return tokens, types, tables
 
     def write(self, tokens: list[str], types: list[int] | None, tables: tuple) -> None:
-        """Write the entry atomically (a temporary file renamed). Never raises for an I/O problem:
-        a failed write is a debug message, and the next load builds the tokenizer again."""
-        tmp = None
+        """Write the entry atomically, as the packed entries are
+        (:func:`llamatrace.model.packcache.write_atomic`: a locked ``.partial`` file renamed; a
+        writer that dies leaves a partial file the next eviction removes). Skipped while another
+        process writes it. Never raises for an I/O problem: a failed write is a debug message,
+        and the next load builds the tokenizer again."""
+        from llamatrace.model.packcache import write_atomic
+
+        def dump(fh) -> None:
+            pickle.dump((self.key, list(tokens), None if types is None else list(types), tables), fh,
+                        protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".partial", dir=self.path.parent)
-            with open(fd, "wb") as fh:
-                pickle.dump((self.key, list(tokens), None if types is None else list(types), tables), fh,
-                            protocol=pickle.HIGHEST_PROTOCOL)
-            os.chmod(tmp, 0o644)            # as the packed entries (mkstemp makes it 0600)
-            os.replace(tmp, self.path)
-            tmp = None
+            write_atomic(self.path, dump)
         except OSError as exc:
             _log.debug("could not write the tokenizer cache %s (%s)", self.path, exc)
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
