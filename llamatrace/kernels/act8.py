@@ -80,8 +80,9 @@ from llvmlite import binding as llvm_binding
 from numba import njit, prange
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4k, isum_q6k, isum_q8, isum_u8_16,
-                                        PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
+from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4_0, decode_q4k, has_vnni, isum_q6k,
+                                        isum_q8, isum_u8_16, PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_0,
+                                        prefill_q4_0_1row, prefill_q4_0_4rows, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
                                         prefill_q8, prefill_q8_1row, prefill_q8_4rows,
                                         prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
                                         prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
@@ -338,6 +339,24 @@ DECODE_AHEAD_Q4K = 2 * 144 * TR
 """The Q4_K decode microkernel's prefetch distance: two blocks of a tile (9 KB)."""
 
 
+@njit(**JIT_EXACT)
+def _block_offsets(xq, scale, out):
+    """``out[s, b] = scale * sum(xq[s, 32b:32b+32])`` (int32) for the rows ``s`` of ``out``: the
+    integer a block's dot product starts from when its weights carry a zero point (Q4_0's 8,
+    ``scale`` -8; Q8_0's ``q + 128`` on VNNI, -128). xq int8 [S, n]; out int32 [S', n/32], S' <= S."""
+    for s in range(out.shape[0]):
+        for b in range(out.shape[1]):
+            total = 0
+            for j in range(QK):
+                total += xq[s, b * QK + j]
+            out[s, b] = scale * total
+
+
+def block_offsets_np(xq: np.ndarray, scale: int) -> np.ndarray:
+    """NumPy twin of :func:`_block_offsets`: int32 [S, n/32]."""
+    return (scale * xq.reshape(xq.shape[0], -1, QK).sum(axis=2, dtype=np.int64)).astype(np.int32)
+
+
 @njit(**JIT_INLINE)
 def _add_scaled(a, db, mb, dx, ms, isum):
     """``a[r] += (d[r] * dx) * isum[r] + m[r] * ms`` for the TR rows of a tile block: the float32
@@ -354,16 +373,21 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
     qs [T, B, P, TR] in this module's layout: uint8 nibbles (P = 16), or int8 (P = 32) when
     ``signed`` (Q8_0, with m_scale 0); d, m fp16 bits uint16 [T, B, TR]; out float32 [S, n_out].
 
-    One parallel region over tiles. Q4_0 / Q4_1: per row of x, :func:`~llamatrace.kernels.act8_ir.decode_q4`
-    runs over a whole tile with its sums in registers (zmm: 16 rows a register), prefetching
-    :data:`DECODE_AHEAD` bytes ahead into L2 (Q4_0 decode, one thread, shared machine: 80-83 %
-    -> 89-94 % of a pure read of the same bytes, same bits); Q8_0: each block loaded once for
-    every row of x. Decode runs it; prefill runs :func:`_prefill`. A weight with a minimum
-    (``m_scale`` 1, Q4_1) takes Q8_1 activations, as in llama.cpp."""
+    One parallel region over tiles. Q4_0 / Q4_1: per row of x, :func:`~llamatrace.kernels.act8_ir.decode_q4_0`
+    / ``decode_q4`` runs over a whole tile with its sums in registers (zmm: 16 rows a register),
+    prefetching :data:`DECODE_AHEAD` bytes ahead into L2 (Q4_0 decode, one thread, shared
+    machine: 80-83 % -> 89-94 % of a pure read of the same bytes); Q4_0 (``m_scale`` -8, ``m`` its
+    ``d``) takes its zero point in integers (:func:`_block_offsets`), as :func:`_prefill` does, so
+    the same bits; Q8_0: each block loaded once for every row of x. Decode runs it; prefill runs
+    :func:`_prefill`. A weight with a minimum (``m_scale`` 1, Q4_1) takes Q8_1 activations, as in
+    llama.cpp."""
     xq, xd, xs = _quantized(x, Q8_1 if m_scale > 0 else Q8_0)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
+    q4_0 = m_scale < 0 and not signed
+    xoff = np.empty((n_seq if q4_0 else 0, n_blocks), np.int32)
+    _block_offsets(xq, np.int32(m_scale), xoff)
     for t in prange(n_tiles):
         if signed:
             isum = np.empty(TR, np.int32)
@@ -380,8 +404,12 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
         else:               # a row of x at a time over the whole tile, its sums in registers
             res = np.empty(TR, np.float32)
             for s in range(n_seq):
-                decode_q4(qs, t * n_blocks * block, xq, xd, xs, s, d, m, t * n_blocks * TR, n_blocks, m_scale, res,
-                          DECODE_AHEAD if s == 0 else 0)
+                if q4_0:
+                    decode_q4_0(qs, t * n_blocks * block, xq, xd, xoff, s, d, m, t * n_blocks * TR, n_blocks, m_scale,
+                                res, DECODE_AHEAD if s == 0 else 0)
+                else:
+                    decode_q4(qs, t * n_blocks * block, xq, xd, xs, s, d, m, t * n_blocks * TR, n_blocks, m_scale,
+                              res, DECODE_AHEAD if s == 0 else 0)
                 tiles.store_tile(res, out, s, t)
 
 
@@ -444,6 +472,7 @@ def _matmul_q5(x, qs, d, m, m_scale, centered, out):
 
 LANES = prefill_lanes()                                  # weight rows per microkernel call
 NS_Q4, NS_Q8, NS_Q4K, NS_Q6K = (PREFILL_ROWS[k] for k in ("q4", "q8", "q4k", "q6k"))   # activation rows a call
+VNNI = has_vnni()
 
 
 PREFILL_Q4, PREFILL_Q8, PREFILL_Q4K = 0, 1, 2       # _prefill's kinds
@@ -454,27 +483,27 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
     """As :func:`_matmul_q4` (``kind`` :data:`PREFILL_Q4`: Q4_0 / Q4_1; :data:`PREFILL_Q8`:
     Q8_0, ``m_scale`` unused) or :func:`_matmul_q4k` (:data:`PREFILL_Q4K`, ``m_scale`` unused)
     for many rows of x. Each call of a microkernel (:mod:`llamatrace.kernels.act8_ir`'s
-    ``prefill_q4``, ``prefill_q8``, ``prefill_q4k``) runs :data:`NS_Q4` / :data:`NS_Q8` /
-    :data:`NS_Q4K` rows of x (then 4, then one at a time for the rows left) against :data:`LANES`
-    rows of a tile over every block, its sums in registers, each block's weights unpacked once for
-    all those rows. Q4: the same float32 operations in the same order as :func:`_matmul_q4`, so
-    the same bits; Q8_0: the same int32 sums, the float32 ones without the zero offset term
-    (within 1e-6); Q4_K: per sub-block, with ``d * sc`` and ``dmin * mn`` shared by the rows and
-    FMAs, another float32 order (within 1e-6 of :func:`_matmul_q4k`).
-    x float32 [S, B*32] (Q4_K: [S, B*256]); out float32 [S, n_out]."""
+    ``prefill_q4_0``, ``prefill_q4``, ``prefill_q8``, ``prefill_q4k``) runs :data:`NS_Q4` /
+    :data:`NS_Q8` / :data:`NS_Q4K` rows of x (then 4, then one at a time for the rows left)
+    against :data:`LANES` rows of a tile over every block, its sums in registers, each block's
+    weights unpacked once for all those rows. Q4_0 and Q4_1: the same float32 operations in the
+    same order as :func:`_matmul_q4`, so the same bits (Q4_0's zero point in integers,
+    :func:`_block_offsets`, in both); Q8_0: the same int32 sums, one FMA a block where the
+    per-row kernel also adds a zero term (within 1e-6); Q4_K: per sub-block, with ``d * sc`` and
+    ``dmin * mn`` shared by the rows and FMAs, another float32 order (within 1e-6 of
+    :func:`_matmul_q4k`). x float32 [S, B*32] (Q4_K: [S, B*256]); out float32 [S, n_out]."""
     fmt = PER32_F32 if kind == PREFILL_Q4K else Q8_1 if kind == PREFILL_Q4 and m_scale > 0 else Q8_0
     xq, xd, xs = _quantized_rows(x, fmt)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
     most = NS_Q4 if kind == PREFILL_Q4 else NS_Q8 if kind == PREFILL_Q8 else NS_Q4K
-    xsi = np.zeros((n_seq if kind == PREFILL_Q8 else 0, n_blocks), np.int32)     # Q8_0: sums of xq
-    for s in prange(xsi.shape[0]):
-        for b in range(n_blocks):
-            total = 0
-            for j in range(QK):
-                total += xq[s, b * QK + j]
-            xsi[s, b] = total
+    q4_0 = kind == PREFILL_Q4 and m_scale < 0
+    # the blocks' integer zero points: Q4_0's -8 sum(xq), Q8_0's -128 sum(xq) for VNNI's q + 128
+    scale = np.int32(m_scale) if q4_0 else np.int32(-128)
+    xoff = np.empty((n_seq if q4_0 or (kind == PREFILL_Q8 and VNNI) else 0, n_blocks), np.int32)
+    for s in prange(xoff.shape[0]):
+        _block_offsets(xq[s:s + 1], scale, xoff[s:s + 1])
     for t in prange(n_tiles):
         res = np.empty((most, TR), np.float32)
         flat = res.reshape(most * TR)
@@ -486,11 +515,11 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
             for r in range(0, TR, LANES):
                 if kind == PREFILL_Q8:
                     if ns == NS_Q8:
-                        prefill_q8(qs, q_at, xq, xd, xsi, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                        prefill_q8(qs, q_at, xq, xd, xoff, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                     elif ns == 4:
-                        prefill_q8_4rows(qs, q_at, xq, xd, xsi, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                        prefill_q8_4rows(qs, q_at, xq, xd, xoff, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                     else:
-                        prefill_q8_1row(qs, q_at, xq, xd, xsi, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                        prefill_q8_1row(qs, q_at, xq, xd, xoff, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                 elif kind == PREFILL_Q4K:
                     if ns == NS_Q4K:
                         prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
@@ -498,6 +527,13 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
                         prefill_q4k_4rows(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                     else:
                         prefill_q4k_1row(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                elif q4_0:
+                    if ns == NS_Q4:
+                        prefill_q4_0(qs, q_at, xq, xd, xoff, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                    elif ns == 4:
+                        prefill_q4_0_4rows(qs, q_at, xq, xd, xoff, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                    else:
+                        prefill_q4_0_1row(qs, q_at, xq, xd, xoff, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                 elif ns == NS_Q4:
                     prefill_q4(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                 elif ns == 4:

@@ -19,8 +19,8 @@ A/B timings, with a fresh ``NUMBA_CACHE_DIR``).
 The prefill microkernels (:func:`prefill_q4`, :func:`prefill_q8`, :func:`prefill_q4k`,
 :func:`prefill_q6k`) go further: a whole loop over a tile's blocks in IR, several activation rows
 against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 in a ymm), the
-float32 sums kept in registers (phi nodes) from the first block to the last. The Q4_0 / Q4_1
-and Q4_K decode microkernels (:func:`decode_q4`, :func:`decode_q4k`) are the one-row case over a
+float32 sums kept in registers (phi nodes) from the first block to the last. The Q4_0, Q4_1
+and Q4_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`) are the one-row case over a
 whole tile in one pass, with a prefetch. Numba caches the
 kernels that call these by the calling module's source: after a change here, clear
 ``llamatrace/kernels/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
@@ -393,14 +393,15 @@ class _Tile:
         """``lanes`` unsigned bytes at ``p + offset`` as float32."""
         return self.b.uitofp(self.load(p, offset, ir.VectorType(ir.IntType(8), self.lanes)), self.vf)
 
-    def isum(self, pairs, wide: bool = False):
-        """int32 lanes: the sum over ``pairs`` of (unsigned weight bytes, activation bytes) of
-        4-byte dot products (VNNI: a chain of ``vpdpbusd``; AVX2: int16 sums, which cannot overflow
-        within a Q4 block or a Q4_K sub-block, then to int32; ``wide``: each pair to int32 at once,
-        for Q8_0's pairs of up to 2 * 128 * 127)."""
+    def isum(self, pairs, wide: bool = False, init=None):
+        """int32 lanes: ``init`` (int32 lanes, ``None`` = 0) plus the sum over ``pairs`` of
+        (unsigned weight bytes, activation bytes) of 4-byte dot products (VNNI: a chain of
+        ``vpdpbusd`` starting from ``init``, which costs nothing; AVX2: int16 sums, which cannot
+        overflow within a Q4 block or a Q4_K sub-block, then to int32; ``wide``: each pair to
+        int32 at once, for Q8_0's pairs of up to 2 * 128 * 127)."""
         b = self.b
         if self.vnni:
-            acc = ir.Constant(self.vi32, [0] * self.lanes)
+            acc = ir.Constant(self.vi32, [0] * self.lanes) if init is None else init
             for u8, s8 in pairs:
                 acc = b.call(self.dpbusd, [acc, b.bitcast(u8, self.vi32), b.bitcast(s8, self.vi32)])
             return acc
@@ -412,7 +413,13 @@ class _Tile:
                 s32 = part if s32 is None else b.add(s32, part)
             else:
                 s16 = part if s16 is None else b.add(s16, part)
-        return s32 if wide else b.call(self.maddwd, [s16, ones])
+        total = s32 if wide else b.call(self.maddwd, [s16, ones])
+        return total if init is None else b.add(init, total)
+
+    def offset(self, xs, at):
+        """``xs[at]`` (int32: a block's integer offset, :func:`llamatrace.kernels.act8.block_offsets`)
+        in every lane: the start of its ``vpdpbusd`` chain (a broadcast from memory)."""
+        return self.splat(self.b.load(self.b.gep(self.b.bitcast(xs, _I32.as_pointer()), [at]), align=4), self.vi32)
 
     def fma(self, a, x, y):
         return self.b.call(self.fma_fn, [a, x, y])
@@ -454,20 +461,28 @@ class _Tile:
         return outs
 
 
-def _prefill_q4_ir(k: _Tile, args, ns: int, signed: bool = False):
-    """:func:`prefill_q4`'s body (``signed``: :func:`prefill_q8`'s): ``args`` as its signature,
-    arrays as data pointers."""
+def _prefill_q4_ir(k: _Tile, args, ns: int, kind: str = "q4"):
+    """:func:`prefill_q4`'s body (``kind`` "q4_0": :func:`prefill_q4_0`'s, "q8": :func:`prefill_q8`'s):
+    ``args`` as its signature, arrays as data pointers.
+
+    Q4_0 and Q8_0 (VNNI) take a block's zero point in integers: ``xs`` holds each block's offset
+    (``-8 sum(xq)``; Q8_0, whose VNNI products add ``128 sum(xq)`` for ``q + 128``: ``-128
+    sum(xq)``), the start of the block's ``vpdpbusd`` chain, and ``acc = fma(d dx, isum, acc)``:
+    per row and block 8 ``vpdpbusd`` and 4 other vector operations (an add of the two chains, a
+    multiply, a conversion, an FMA), where Q4_0's float32 zero-point term (``m * (-8 xs)``, as
+    Q4_1 still has its minimum) took 8 (llama.cpp's Q4_0 sums ``q - 8`` in integers too)."""
     (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, _, r_at) = args
     b, c64 = k.b, k.c64
+    signed, offset = kind == "q8", kind == "q4_0" or (kind == "q8" and k.vnni)
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
     q_at, dm_at = b.add(q_at, b.mul(r_at, c64(4))), b.add(dm_at, r_at)     # the rows' first bytes, scales
     n_in = b.mul(n_blocks, c64(32))
     mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
-    flip, seven = ir.Constant(k.vi8, [0x80] * (4 * k.lanes)), ir.Constant(k.vi32, [7] * k.lanes)
+    flip = ir.Constant(k.vi8, [0x80] * (4 * k.lanes))
 
     def body(blk, accs):
         qb = b.add(q_at, b.mul(blk, c64((32 if signed else 16) * TR)))
-        if signed:      # Q8_0, VNNI: q + 128 is unsigned; the 128 * sum(x) it adds comes off below
+        if signed:      # Q8_0, VNNI: q + 128 is unsigned; the 128 * sum(x) it adds is the offset
             v = [k.load(qs, b.add(qb, c64(g * TR * 4)), k.vi8) for g in range(8)]
             halves = [[(b.xor(v[g], flip) if k.vnni else v[g], 4 * g) for g in h] for h in (range(4), range(4, 8))]
         else:           # bytes 4g..4g+3 of each row: weights 4g.. (low nibbles) and 16 + 4g.. (high)
@@ -475,7 +490,8 @@ def _prefill_q4_ir(k: _Tile, args, ns: int, signed: bool = False):
             halves = [[(b.and_(v[g], mask), 4 * g) for g in range(4)],
                       [(b.lshr(v[g], four), 16 + 4 * g) for g in range(4)]]
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
-        dvec, mvec = k.halves(d, dm), k.halves(m, dm)
+        dvec = k.halves(d, dm)
+        mvec = None if signed or offset else k.halves(m, dm)
         new = []
         for i, acc in enumerate(accs):
             row = b.add(s0, c64(i))
@@ -485,12 +501,11 @@ def _prefill_q4_ir(k: _Tile, args, ns: int, signed: bool = False):
             if signed and not k.vnni:   # AVX2: |q| * (sign(q) x), as _block_ir (q + 128 would saturate int16)
                 pairs = [[(b.call(k.sign, [q, q]), b.call(k.sign, [x, q])) for q, x in h] for h in pairs]
             # two chains of 4, not one of 8: vpdpbusd's latency
-            isum = b.add(*(k.isum(h, wide=signed) for h in pairs))
+            isum = b.add(k.isum(pairs[0], wide=signed, init=k.offset(xs, at) if offset else None),
+                         k.isum(pairs[1], wide=signed))
             dfx = b.fmul(dvec, k.splat(b.load(b.gep(xd, [at]), align=4), k.vf))
-            if signed:  # no offset term (m_scale 0 in _matmul_q4); VNNI: xs holds the blocks' sums of x
-                if k.vnni:
-                    isum = b.sub(isum, b.shl(k.splat(b.load(b.gep(xs, [at]), align=4), k.vi32), seven))
-                new.append(b.fadd(acc, b.fmul(dfx, b.sitofp(isum, k.vf))))
+            if signed or offset:
+                new.append(k.fma(dfx, b.sitofp(isum, k.vf), acc))
                 continue
             ms = b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4))
             # (d * dx) * isum + m * ms, then + acc: _matmul_q4's float32 operations, in its order
@@ -620,11 +635,12 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
     return k.block_loop(n_blocks, ns, body)
 
 
-def _decode_q4_ir(k: _Tile, args):
-    """:func:`decode_q4`'s body: one activation row against every row of a tile, the ``TR / lanes``
-    float32 sums in registers over every block, the same float32 operations in the same order as
-    :func:`_prefill_q4_ir` (and the kernels before it). Each block asks for the cache lines of the
-    block ``ahead`` bytes on into L2 (0: no prefetch)."""
+def _decode_q4_ir(k: _Tile, args, offset: bool = False):
+    """:func:`decode_q4`'s body (``offset``: :func:`decode_q4_0`'s, ``xs`` the blocks' int32
+    offsets): one activation row against every row of a tile, the ``TR / lanes`` float32 sums in
+    registers over every block, the same float32 operations in the same order as
+    :func:`_prefill_q4_ir`. Each block asks for the cache lines of the block ``ahead`` bytes on
+    into L2 (0: no prefetch)."""
     (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, _, ahead) = args
     b, c64 = k.b, k.c64
     q_at, s0, dm_at, n_blocks, ahead = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, ahead))
@@ -640,14 +656,19 @@ def _decode_q4_ir(k: _Tile, args):
         xhi = [k.bytes4(xq, b.add(xrow, c64(16 + 4 * g))) for g in range(4)]
         at = b.add(b.mul(s0, n_blocks), blk)
         dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
-        ms = k.splat(b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4)), k.vf)
+        init = k.offset(xs, at) if offset else None
+        ms = None if offset else k.splat(b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4)), k.vf)
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         new = []
         for h, acc in enumerate(accs):            # rows h*lanes ..: bytes 4g.. of each row, g < 4
             v = [k.load(qs, b.add(qb, c64((g * TR + h * k.lanes) * 4)), k.vi8) for g in range(4)]
-            isum = b.add(k.isum([(b.and_(v[g], mask), xlo[g]) for g in range(4)]),
+            isum = b.add(k.isum([(b.and_(v[g], mask), xlo[g]) for g in range(4)], init=init),
                          k.isum([(b.lshr(v[g], four), xhi[g]) for g in range(4)]))
-            dvec, mvec = k.halves(d, b.add(dm, c64(h * k.lanes))), k.halves(m, b.add(dm, c64(h * k.lanes)))
+            dvec = k.halves(d, b.add(dm, c64(h * k.lanes)))
+            if offset:
+                new.append(k.fma(b.fmul(dvec, dx), b.sitofp(isum, k.vf), acc))
+                continue
+            mvec = k.halves(m, b.add(dm, c64(h * k.lanes)))
             new.append(b.fadd(acc, k.fma(b.fmul(dvec, dx), b.sitofp(isum, k.vf), b.fmul(mvec, ms))))
         return new
 
@@ -731,8 +752,8 @@ def _microkernel(body, doc: str):
 
 
 def _prefill_intrinsic(kind: str, ns: int, doc: str):
-    emit = {"q4": _prefill_q4_ir, "q8": lambda *a: _prefill_q4_ir(*a, signed=True), "q4k": _prefill_q4k_ir,
-            "q6k": _prefill_q6k_ir}[kind]
+    emit = {"q4": _prefill_q4_ir, "q4_0": lambda *a: _prefill_q4_ir(*a, kind="q4_0"),
+            "q8": lambda *a: _prefill_q4_ir(*a, kind="q8"), "q4k": _prefill_q4k_ir, "q6k": _prefill_q6k_ir}[kind]
 
     def body(k, flat):
         outs = emit(k, flat, ns)
@@ -748,7 +769,7 @@ sum over every block of one tile's rows ``r_at + l``, ``l < prefill_lanes()`` (t
 at byte ``q_at`` of ``qs``, its scales at ``dm_at`` of ``d`` and ``m``) times activation rows
 ``s0 + i`` of ``xq``, ``xd``, ``xs``; the sums stay in registers over every block and each block's
 nibbles are unpacked once for all the rows. {what}"""
-PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q8": 8 if prefill_lanes() == 16 else 4, "q4k": 8 if prefill_lanes() == 16 else 4,
+PREFILL_ROWS = {"q4": 8 if prefill_lanes() == 16 else 4, "q4_0": 8 if prefill_lanes() == 16 else 4, "q8": 8 if prefill_lanes() == 16 else 4, "q4k": 8 if prefill_lanes() == 16 else 4,
                 "q6k": 8 if prefill_lanes() == 16 else 4}
 """Activation rows per call of the prefill microkernels: as many as the registers hold with the
 block's unpacked weights (Q4 [14336, 4096] x 128 rows, zmm: 8 rows 326-335 G multiply-adds/s
@@ -756,11 +777,17 @@ against 4 rows' 308-320). Q4_K and Q6_K keep one sub-block's or group's weights 
 registers), so 8 rows fit there too: one thread, process CPU time, Q4_K [14336, 4096] 146-147
 against 4 rows' 114-128, Q6_K [4096, 14336] 119-122 against 82-116 (a machine at load ~4.5)."""
 prefill_q4 = _prefill_intrinsic("q4", PREFILL_ROWS["q4"], _PREFILL_DOC.format(
-    ns=PREFILL_ROWS["q4"], what="Q4_0 / Q4_1: ``(d * xd) * isum + m * (m_scale * xs)``."))
+    ns=PREFILL_ROWS["q4"], what="Q4_1: ``(d * xd) * isum + m * (m_scale * xs)``."))
 prefill_q4_4rows = _prefill_intrinsic("q4", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q4`."))
 prefill_q4_1row = _prefill_intrinsic("q4", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4`."))
+prefill_q4_0 = _prefill_intrinsic("q4_0", PREFILL_ROWS["q4_0"], _PREFILL_DOC.format(
+    ns=PREFILL_ROWS["q4_0"], what="Q4_0: ``fma(d * xd, isum + xs, acc)``, ``xs`` the blocks' int32 offsets "
+    "``-8 sum(xq)`` (``m``, ``m_scale`` unused)."))
+prefill_q4_0_4rows = _prefill_intrinsic("q4_0", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q4_0`."))
+prefill_q4_0_1row = _prefill_intrinsic("q4_0", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q4_0`."))
 prefill_q8 = _prefill_intrinsic("q8", PREFILL_ROWS["q8"], _PREFILL_DOC.format(
-    ns=PREFILL_ROWS["q8"], what="Q8_0: ``(d * xd) * (isum(q + 128) - 128 * sum x)``, ``xs`` the blocks' int32 sums of ``xq``."))
+    ns=PREFILL_ROWS["q8"], what="Q8_0: ``fma(d * xd, isum, acc)``; with VNNI ``isum`` sums ``(q + 128) xq`` from ``xs``, "
+    "the blocks' int32 offsets ``-128 sum(xq)``."))
 prefill_q8_4rows = _prefill_intrinsic("q8", 4, _PREFILL_DOC.format(ns=4, what="As :func:`prefill_q8`."))
 prefill_q8_1row = _prefill_intrinsic("q8", 1, _PREFILL_DOC.format(ns=1, what="As :func:`prefill_q8`."))
 prefill_q4k = _prefill_intrinsic("q4k", PREFILL_ROWS["q4k"], _PREFILL_DOC.format(
@@ -788,6 +815,9 @@ row ``s0`` of ``xq``, ``xd``, ``xs``, the tile's rows in ``TR / prefill_lanes()`
 sums stay there from the first block to the last; ``ahead``: prefetch distance in bytes (0: none).
 {what}"""
 decode_q4 = _decode_intrinsic(_decode_q4_ir, _DECODE_DOC.format(
-    what="Q4_0 / Q4_1: ``(d * xd) * isum + m * (m_scale * xs)`` per block."))
+    what="Q4_1: ``(d * xd) * isum + m * (m_scale * xs)`` per block."))
+decode_q4_0 = _decode_intrinsic(lambda k, flat: _decode_q4_ir(k, flat, offset=True), _DECODE_DOC.format(
+    what="Q4_0: ``fma(d * xd, isum + xs, acc)`` per block, ``xs`` the blocks' int32 offsets ``-8 sum(xq)``, "
+    "as :func:`prefill_q4_0`."))
 decode_q4k = _decode_intrinsic(_decode_q4k_ir, _DECODE_DOC.format(
     what="Q4_K (``m`` its dmin, ``m_scale`` unused): as ``act8._matmul_q4k`` per sub-block pair."))

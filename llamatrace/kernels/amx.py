@@ -44,8 +44,8 @@ tile of 32 rows: per block, unpack it, load its two B tiles once, then for every
 rows load A, ``tdpbssd`` (Q8_0) or ``tdpbsud`` (Q4_0, Q4_K: signed activations by unsigned
 nibbles) into C0, C1, and store them into an int32 array with a row per activation row; then the
 vector work over all rows, in Numba code that compiles to AVX-512: per row, 32 int32 -> float32
-and ``y += (d * xd) * isum + m * (m_scale * xs)`` (Q4_0's ``- 8 * d * xs`` offset, as
-:func:`llamatrace.kernels.act8._matmul_q4` does; Q4_K: two sub-blocks a step with their 6-bit
+and ``y += (d * xd) * isum`` (Q8_0), ``y += (d * xd) * (isum - 8 sum(xq))`` (Q4_0's zero
+point in integers, as :func:`llamatrace.kernels.act8._matmul_q4` takes it; Q4_K: two sub-blocks a step with their 6-bit
 scales and mins, as :func:`llamatrace.kernels.act8._matmul_q4k`). The B tiles are read once per
 block whatever the number of activation rows; A is 512 bytes per 2 tile products. Q6_K has an
 int8 scale per 16 weights, so its K is 16 (A ``tmm3`` 16 x 16 bytes, B ``tmm6``, ``tmm7`` 4 x 64):
@@ -541,6 +541,13 @@ def _prefill(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out):
                                                  + np.float32(qs8[sc + (j + 1) * TR + r]) * dx1 * np.float32(cc[s, TR + r])) \
                                     - mv[r] * (np.float32(qs8[sc + (8 + j) * TR + r]) * xs0
                                                + np.float32(qs8[sc + (9 + j) * TR + r]) * xs1)
+                    elif kind == KIND_Q4_0:               # the zero point in integers: xs the offsets
+                        for s in range(n_rows):
+                            dx = xd[s, k]
+                            off = np.int32(xs[s, k])
+                            a = acc[s]
+                            for r in range(TR):
+                                a[r] += (dv[r] * dx) * np.float32(cc[s, r] + off)
                     else:
                         for s in range(n_rows):
                             dx = xd[s, k]
@@ -559,7 +566,8 @@ def make_prefill(ops: TileOps, cache: bool = True):
 
     ``xq`` int8 [S16, n_in] (S16 the activation rows rounded up to 16, the extra rows zero), ``xd``,
     ``xs`` float32 [S16, n_in/32] (:func:`llamatrace.kernels.act8.quantize`: Q8_0 blocks, Q4_K's
-    with float32 scales); ``qs8`` the weight's packed bytes as flat uint8 (``Weight.qs`` of a
+    with float32 scales; Q4_0: the blocks' integer zero-point offsets ``-8 sum(xq)``,
+    :func:`llamatrace.kernels.act8._block_offsets`, as float32); ``qs8`` the weight's packed bytes as flat uint8 (``Weight.qs`` of a
     ``q8`` weight, [T, B, P, TR]); ``d``, ``m`` fp16 bits uint16 [T, B, TR] (Q4_K: ``d``, ``dmin``);
     ``m_scale`` float32 (Q4_0 -8, else unused); ``kind`` :data:`KIND_Q4_0` / :data:`KIND_Q8_0` /
     :data:`KIND_Q4_K` / :data:`KIND_Q6_K` (Q8_K activations: ``xd`` [S16, n_in/256], ``xs`` their
@@ -752,6 +760,10 @@ def run(kernel, kind, x, qs, d, m, out, n_chunks=None) -> None:
         xs = xsum.astype(np.float32)
     else:
         xq, xd, xs = act8._quantized_rows(x, act8.PER32_F32 if kind == KIND_Q4_K else act8.Q8_0)
+    if kind == KIND_Q4_0:                                   # the blocks' -8 sum(xq), exact as float32
+        offsets = np.empty(xs.shape, np.int32)
+        act8._block_offsets(xq, np.int32(_M_SCALE[kind]), offsets)
+        xs = offsets.astype(np.float32)
     pad = -x.shape[0] % ROWS
     if pad:
         xq = np.concatenate([xq, np.zeros((pad, xq.shape[1]), np.int8)])
