@@ -194,12 +194,12 @@ _INF_BITS = 0x7F800000
 _F32, _I32 = ir.FloatType(), ir.IntType(32)
 
 
-def _vector_at(context, builder, sig, args, i, n, element=None):
+def _vector_at(context, builder, sig, args, i, at, n, element=None):
     """Pointer to ``n`` elements (``element``: the array's own type, or another of its size) of
-    the C-contiguous array ``args[i]`` from index ``args[2]``."""
+    the C-contiguous array ``args[i]`` from index ``at``."""
     data = context.make_array(sig.args[i])(context, builder, args[i]).data
     vtype = ir.VectorType(element or data.type.pointee, n)
-    return builder.bitcast(builder.gep(data, [args[2]]), vtype.as_pointer())
+    return builder.bitcast(builder.gep(data, [at]), vtype.as_pointer())
 
 
 def _splat(builder, value, n):
@@ -220,62 +220,61 @@ def _reduce(builder, op, v):
     return builder.call(_vector_intrinsic(builder, f"llvm.vector.reduce.{op}", v.type, v.type.element), [v])
 
 
-def _row_types_ok(x, xq, at):
-    return (x == types.Array(types.float32, 1, "C") and xq == types.Array(types.int8, 1, "C")
-            and isinstance(at, types.Integer))
+def _row_ok(x, at):
+    return x == types.Array(types.float32, 1, "C") and isinstance(at, types.Integer)
 
 
 def _abs_bits_of(n):
-    """Intrinsics on the float32 ``x[at:at + n]``: ``abs_max_bits(x, xq, at)``, the int32 bits of
-    the largest ``|x|`` (above :data:`_INF_BITS` if one is NaN; an integer max, as the bits of
-    ``|x|`` are in its order), and ``first_with(x, xq, at, bits)``, the index (0..n-1) of the
-    first ``|x|`` with those bits (``n`` if none). ``xq`` (int8, unused) only keeps the
-    signatures of the block's intrinsics alike. No bounds checks."""
+    """Intrinsics on the float32 ``x[at:at + n]`` (C-contiguous, no bounds checks):
+    ``abs_max_bits(x, at)``, the int32 bits of the largest ``|x|`` (above :data:`_INF_BITS` if
+    one is NaN; an integer max, the bits of ``|x|`` being in its order), and ``first_with(x, at,
+    bits)``, the index (0..n-1) of the first ``|x|`` with those bits (``n`` if none)."""
     vi = ir.VectorType(_I32, n)
 
     def abs_bits(context, builder, sig, args):
-        v = builder.load(_vector_at(context, builder, sig, args, 0, n, _I32), align=4)
+        v = builder.load(_vector_at(context, builder, sig, args, 0, args[1], n, _I32), align=4)
         return builder.and_(v, ir.Constant(vi, [_ABS_BITS] * n))
 
     @intrinsic
-    def abs_max_bits(typingctx, x, xq, at):
-        if _row_types_ok(x, xq, at):
+    def abs_max_bits(typingctx, x, at):
+        if _row_ok(x, at):
             def codegen(context, builder, sig, args):
                 return _reduce(builder, "umax", abs_bits(context, builder, sig, args))
-            return types.int32(x, xq, at), codegen
+            return types.int32(x, at), codegen
 
     @intrinsic
-    def first_with(typingctx, x, xq, at, bits):
-        if _row_types_ok(x, xq, at) and bits == types.int32:
+    def first_with(typingctx, x, at, bits):
+        if _row_ok(x, at) and bits == types.int32:
             def codegen(context, builder, sig, args):
-                equal = builder.icmp_unsigned("==", abs_bits(context, builder, sig, args), _splat(builder, args[3], n))
+                equal = builder.icmp_unsigned("==", abs_bits(context, builder, sig, args), _splat(builder, args[2], n))
                 index = builder.select(equal, ir.Constant(vi, list(range(n))), ir.Constant(vi, [n] * n))
                 return _reduce(builder, "umin", index)
-            return types.int32(x, xq, at, bits), codegen
+            return types.int32(x, at, bits), codegen
 
     return abs_max_bits, first_with
 
 
 def _rounded_of(n):
     """An intrinsic ``rounded(x, xq, at, inv)``: ``xq[at:at + n] = rint(x[at:at + n] * inv)`` as
-    int8 (float32 product, half to even), returning their int32 sum. Within -127..127 when
-    ``|x| <= 127 / inv`` (a block's own scale); where ``inv`` overflowed to inf (a block below
-    ~3.7e-37) +inf gives 127, -inf and NaN (``0 * inf``) 0: what x86's conversion of those gave
-    before the rule was written down, and :func:`_to_int8_np`. No bounds checks."""
+    int8 (float32 product, half to even), returning their int32 sum; x float32, xq int8, both
+    C-contiguous, no bounds checks. Within -127..127 when ``|x| <= 127 / inv`` (a block's own
+    scale); where ``inv`` overflowed to inf (a block below ~3.7e-37) +inf gives 127, -inf and NaN
+    (``0 * inf``) 0: what x86's conversion of those gave before the rule was written down, and
+    :func:`_to_int8_np`."""
     vf, vb = ir.VectorType(_F32, n), ir.VectorType(ir.IntType(8), n)
 
     @intrinsic
     def rounded(typingctx, x, xq, at, inv):
-        if _row_types_ok(x, xq, at) and inv == types.float32:
+        if _row_ok(x, at) and xq == types.Array(types.int8, 1, "C") and inv == types.float32:
             def codegen(context, builder, sig, args):
                 b = builder
-                v = b.load(_vector_at(context, b, sig, args, 0, n), align=4)
+                v = b.load(_vector_at(context, b, sig, args, 0, args[2], n), align=4)
                 rint = _vector_intrinsic(b, "llvm.rint", vf, vf)
                 r = b.call(rint, [b.fmul(v, _splat(b, args[3], n))])
                 r = b.select(b.fcmp_ordered(">", r, ir.Constant(vf, [-128.0] * n)), r, ir.Constant(vf, [0.0] * n))
                 r = b.select(b.fcmp_ordered("<", r, ir.Constant(vf, [127.0] * n)), r, ir.Constant(vf, [127.0] * n))
                 q = b.fptosi(r, vb)
-                b.store(q, _vector_at(context, b, sig, args, 1, n), align=1)
+                b.store(q, _vector_at(context, b, sig, args, 1, args[2], n), align=1)
                 return _reduce(b, "add", b.sext(q, ir.VectorType(_I32, n)))
             return types.int32(x, xq, at, inv), codegen
 
@@ -292,7 +291,7 @@ def _quantize_row(x, xq, xd, xs, fmt):
     """:func:`quantize` of one row: x float32 [n] C-contiguous, xq int8 [n], xd and xs float32 [n/32]."""
     for b in range(xd.shape[0]):
         at = b * QK
-        m = _abs_max_bits_32(x, xq, at)
+        m = _abs_max_bits_32(x, at)
         amax = f32_from_bits(m)
         if m > _INF_BITS:               # a NaN stays: the block's scale is NaN (its last NaN, as ever)
             for j in range(at, at + QK):
@@ -373,13 +372,13 @@ def _quantize_k_row(x, xq, xd, xsum):
     [n/256], xsum int32 [n/16]."""
     for b in range(xd.shape[0]):
         at = b * QK_K
-        m = _abs_max_bits_256(x, xq, at)
+        m = _abs_max_bits_256(x, at)
         if m >= _INF_BITS:                                  # inf or NaN: NaN scale, zero quants
             xq[at:at + QK_K] = 0
             xsum[16 * b:16 * b + 16] = 0
             xd[b] = np.nan
             continue
-        mx = x[at + _first_with_256(x, xq, at, m)]          # the first largest |x|
+        mx = x[at + _first_with_256(x, at, m)]              # the first largest |x|
         # the float32 quotients correctly rounded through float64 whatever flags a caller's code
         # carries (as in _quantize_row); the float32 product iscale * x is ggml's; rint rounds
         # half to even, as ggml's nearest_int does
