@@ -94,6 +94,110 @@ def test_kquant_activation_quantization_is_ggml_q8_k():
         np.testing.assert_array_equal(xd[:3], want[1][:3])
 
 
+def _edge_blocks() -> tuple[np.ndarray, np.ndarray]:
+    """(finite, odd) rows of 256-value blocks, each also 8 blocks of 32, made to probe the
+    quantizers' edges: ``finite`` where ggml's x86 Q8_0 / Q8_1 and Q8_K arithmetic is ours (all
+    +0.0, all -0.0, exact ties, +-amax in one block in both orders, a unique negative extreme,
+    denormals beside normal values, near float32's maximum), ``odd`` where it is not or is
+    undefined (denormal and tiny blocks whose 127 / amax overflows, NaN, +-inf)."""
+    rng = np.random.default_rng(11)
+    f = np.float32
+
+    def ties():
+        b = (rng.integers(-127, 126, 256) + 0.5).astype(f)  # x * 1 = k + 0.5 exactly
+        b[::32] = 127.0                                      # amax 127: 127 / amax = 1
+        return b
+
+    def both_signs(negative_first):
+        b = rng.standard_normal(256).astype(f)
+        a = f(np.abs(b).max() * 2)
+        for at in range(0, 256, 32):                         # in every block of 32 too
+            b[at + 3], b[at + 20] = (-a, a) if negative_first else (a, -a)
+        return b
+
+    extreme = rng.standard_normal(256).astype(f)
+    extreme[77] = -50.0
+    mixed = rng.standard_normal(256).astype(f)
+    mixed[1::3] = f(3e-41)                                   # denormals and -0.0 in normal blocks
+    mixed[2::7] = -0.0
+    huge = (rng.standard_normal(256) * 1e37).astype(f)
+    huge[9] = f(3.4e38)
+    finite = np.stack([np.zeros(256, f), np.full(256, -0.0, f), ties(), both_signs(True),
+                       both_signs(False), extreme, mixed, huge]).reshape(1, -1)
+    odd = []
+    for scale in (1e-40, 1e-38, 3e-37):                      # denormal, tiny and at the edge
+        odd.append((rng.standard_normal(256) * scale).astype(f))
+    for bad in (np.nan, np.inf, -np.inf):
+        b = rng.standard_normal(256).astype(f)
+        b[[40, 200]] = bad
+        odd.append(b)
+    return finite, np.stack(odd).reshape(1, -1)
+
+
+def _same_bits(got, want):
+    """Equal bit for bit, NaN (whatever its payload) where the other has NaN."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype.kind == "f":
+        nan = np.isnan(got)
+        np.testing.assert_array_equal(nan, np.isnan(want))
+        got, want = np.where(nan, 0, got), np.where(nan, 0, want)
+        got, want = got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}")
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", [act8.Q8_0, act8.Q8_1, act8.PER32_F32], ids=["Q8_0", "Q8_1", "PER32_F32"])
+def test_quantizers_edges_are_their_twins_and_ggmls(fmt):
+    finite, odd = _edge_blocks()
+    x = np.concatenate([np.concatenate([finite, odd], axis=1),
+                        _rows(np.random.default_rng(5), 2, finite.shape[1] + odd.shape[1])])
+    with np.errstate(all="ignore"):
+        want = act8.quantize_np(x, fmt)
+    for got in (act8.quantize(x, fmt), act8._quantized_rows(x, fmt)):      # one thread, rows shared
+        for g, w in zip(got, want):
+            _same_bits(g, w)
+    if fmt != act8.PER32_F32:                        # llama.cpp's own x86 code, where it is defined
+        with np.errstate(all="ignore"):
+            gq, gd, gs = ggml_cpu_q8(finite, fmt == act8.Q8_1)
+        xq, xd, xs = act8.quantize(finite, fmt)
+        _same_bits(xq, gq)
+        _same_bits(xd, gd)
+        if fmt == act8.Q8_1:
+            _same_bits(xs, gs)
+    # the rule where 127 / amax overflows (blocks below ~3.7e-37) or a block holds NaN / inf
+    tiny = np.zeros((1, 32), np.float32)
+    tiny[0, :4] = [1e-38, -1e-38, 0.5e-38, -0.0]
+    assert list(act8.quantize(tiny, fmt)[0][0, :4]) == [127, 0, 127, 0]
+    xq, xd, _ = act8.quantize(odd, fmt)
+    q = xq.reshape(-1, 32)                           # NaN / inf / -inf at 40 and 200 of 256-blocks 3-5
+    assert np.isnan(xd[0, [25, 30]]).all() and (xd[0, [33, 38, 41, 46]] == np.inf).all()
+    assert not q[[25, 30, 33, 38, 41, 46]].any() and q[[24, 26, 32, 47]].any()
+
+
+def test_kquant_quantizer_edges_are_its_twin_and_ggmls():
+    finite, odd = _edge_blocks()
+    x = np.concatenate([np.concatenate([finite, odd], axis=1),
+                        _rows(np.random.default_rng(6), 2, finite.shape[1] + odd.shape[1])])
+    with np.errstate(all="ignore"):
+        want = act8.quantize_k_np(x)
+    for got in (act8.quantize_k(x), act8._quantized_k_rows(x)):
+        for g, w in zip(got, want):
+            _same_bits(g, w)
+    for g, w in zip(act8.quantize_k(finite), ggml_q8_k(finite)):
+        _same_bits(g, w.astype(g.dtype))
+    xq, xd, _ = act8.quantize_k(finite)
+    q = xq.reshape(-1, 256)
+    assert q[3, 3] == -127 and q[3, 20] == 127 and q[4, 3] == -127 and q[4, 20] == 127   # the first one is -127
+    assert q[5, 77] == -127 and xd[0, 5] > 0 and xd[0, 0] == 0 and not q[:2].any()
+    # 127 / max overflows: x * -inf, +-inf and NaN (0 * inf) as 0, 127, 0; NaN or inf: NaN scale
+    tiny = np.zeros((1, 256), np.float32)
+    tiny[0, :4] = [1e-38, -1e-38, 0.5e-38, -0.0]
+    xq, xd, _ = act8.quantize_k(tiny)
+    assert list(xq[0, :4]) == [0, 127, 0, 0] and xd[0, 0] == 0
+    xq, xd, xsum = act8.quantize_k(odd)
+    assert np.isnan(xd[0, 3:]).all() and not xq[0, 3 * 256:].any() and not xsum[0, 3 * 16:].any()
+
+
 def _dequantized_activations(qtype, x):
     """float64 activations as this mode multiplies them: Q8_0 per 32 (within a quant of
     gguf-py's; Q4_K's with float32 scales), or for Q6_K Q8_K per 256 (equal to ggml's)."""

@@ -21,6 +21,7 @@ from gguf_factory import write_tiny_llama
 
 from llamatrace.cli import main
 from llamatrace.gguf import fetch
+from llamatrace.kernels import packing
 from llamatrace.model import packcache
 from llamatrace.model.llama import Llama
 
@@ -56,6 +57,22 @@ def logits(model) -> np.ndarray:
     cache = model.new_cache(16)
     prefill = model.forward(TOKENS, 0, cache, all_logits=True)
     return np.concatenate([prefill, model.forward(np.array([11]), len(TOKENS), cache, all_logits=True)])
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_wq_wk_stack_beside_a_wv_of_another_type(kquant_path, mode):
+    # layer 0's attn_v is Q6_K: wq|wk are stacked (in q8 their input quantized once), wv alone;
+    # the logits are those of the three packed alone
+    model = Llama.load(kquant_path, activations=mode, cache=False)
+    lw0, lw1 = model.weights.layers[:2]
+    assert lw0.wqkv.row_splits == (256, 128) and lw0.wv.ggml_type == T.Q6_K and lw0.wq is None
+    assert lw1.wqkv.row_splits == (256, 128, 128) and lw1.wv is None
+    stacked = logits(model)
+    lw0.wq, lw0.wk = (packing.pack(name, model.file.tensor(name).tensor_type, model.file.tensor(name).data,
+                                   *model.file.matrix_shape(name), activations=mode)
+                      for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"))
+    lw0.wqkv = None
+    np.testing.assert_array_equal(stacked, logits(model))
 
 
 def reference(path, mode: str) -> np.ndarray:

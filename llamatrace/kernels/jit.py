@@ -17,7 +17,8 @@ Flag sets (pass as ``@njit(**JIT_PARALLEL)``):
 fp16 / bf16 bits to float32: :data:`F16_TABLE` / :data:`BF16_TABLE` (65,536 entries, indexed by
 the raw uint16; the float32 path's packers and the F16/BF16 kernels), :func:`f16` (LLVM's
 ``fpext half``, F16C's ``vcvtph2ps``, inside kernels that keep the file's fp16 bits) and its
-NumPy twin :func:`f16_np`; :func:`f16_round` rounds a float32 to fp16 and back inside kernels; :func:`f16_bytes_np` reads little-endian fp16 from a file's bytes.
+NumPy twin :func:`f16_np`; :func:`f16_round` rounds a float32 to fp16 and back inside kernels
+(:func:`f32_from_bits`: a float32 from its bits); :func:`f16_bytes_np` reads little-endian fp16 from a file's bytes.
 All give the same float32 for every bit pattern (fp16 -> fp32 is exact).
 """
 
@@ -80,6 +81,16 @@ def f16_round(typingctx, v):
         def codegen(context, builder, signature, args):
             return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
         return types.float32(v), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bit pattern is ``bits`` (int32): LLVM's ``bitcast``, no instruction. NumPy:
+    ``bits.view(np.float32)``."""
+    if bits == types.int32:
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(bits), codegen
 
 
 def f16_np(bits: np.ndarray) -> np.ndarray:

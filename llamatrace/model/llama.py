@@ -48,7 +48,9 @@ class LayerWeights:
     """One transformer block (GGUF ``blk.N.*``), matrices as ``[out_features, in_features]``.
 
     ``wqkv`` / ``w13`` stack the rows of wq|wk|wv and w1|w3 when their types match, so one
-    parallel kernel call serves all three (or two) projections; otherwise they are ``None``.
+    parallel kernel call serves all three (or two) projections, and in ``q8`` mode the input is
+    quantized once; ``wqkv`` is wq|wk alone when only wv's type differs (Q4_K_M's Q6_K attn_v,
+    then ``wv`` is set); otherwise they are ``None``.
     Files that store them fused (phi3's ``attn_qkv``, ``ffn_up`` of 2·hidden_dim rows) always
     load that way. The vectors after ``w2`` exist only for the architectures that declare them.
     """
@@ -57,7 +59,7 @@ class LayerWeights:
     wq: packing.Weight | None           # [n_heads*head_dim, dim]
     wk: packing.Weight | None           # [n_kv_heads*head_dim, dim]
     wv: packing.Weight | None           # [n_kv_heads*head_dim, dim]
-    wqkv: packing.Weight | None         # [(n_heads + 2*n_kv_heads)*head_dim, dim]
+    wqkv: packing.Weight | None         # [(n_heads + 2*n_kv_heads)*head_dim, dim] (or wq|wk)
     wo: packing.Weight                  # [dim, n_heads*head_dim]
     ffn_norm: np.ndarray              # float32 [dim]
     w1: packing.Weight | None           # gate [hidden_dim, dim]
@@ -558,7 +560,10 @@ class Llama:
     def _qkv(self, xn: np.ndarray, lw: LayerWeights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if lw.wqkv is None:
             return matmul(xn, lw.wq), matmul(xn, lw.wk), matmul(xn, lw.wv)
-        xq, xk, xv = _split_rows(matmul(xn, lw.wqkv), lw.wqkv)
+        parts = _split_rows(matmul(xn, lw.wqkv), lw.wqkv)
+        if lw.wv is not None:                            # wq|wk stacked, wv of another type
+            parts.append(matmul(xn, lw.wv))
+        xq, xk, xv = parts
         return xq, xk, xv
 
     def _gate_up(self, hn: np.ndarray, lw: LayerWeights) -> tuple[np.ndarray, np.ndarray]:
@@ -661,13 +666,13 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
         if c.fused_qkv:
             wqkv = split("wqkv", i, (q_dim, kv_dim, kv_dim))
         else:
-            wqkv = stacked(("wq", "wk", "wv"), i)
+            wqkv = stacked(("wq", "wk", "wv"), i) or stacked(("wq", "wk"), i)
         w13 = split("w3", i, (c.hidden_dim, c.hidden_dim)) if c.fused_gate_up else stacked(("w1", "w3"), i)
         lw = LayerWeights(
             attention_norm=vector("attention_norm", i),
             wq=None if wqkv else matrix("wq", i),
             wk=None if wqkv else matrix("wk", i),
-            wv=None if wqkv else matrix("wv", i),
+            wv=matrix("wv", i) if wqkv is None or len(wqkv.row_splits) == 2 else None,
             wqkv=wqkv,
             wo=matrix("wo", i),
             ffn_norm=vector("ffn_norm", i),
