@@ -454,6 +454,47 @@ class _Tile:
         return outs
 
 
+class _Asm:
+    """One inline asm statement built a line at a time, its operands named where they are made:
+    :meth:`output` (a result, tied to an input value or written before the inputs are read),
+    :meth:`scratch` (a register the text may overwrite), :meth:`input` (a register or general
+    register holding a value). The statement declares no memory access: it reads memory LLVM
+    never sees written while the kernel runs, and LLVM treats the call as one that may."""
+
+    def __init__(self, builder) -> None:
+        self.b, self.lines, self.outs, self.ins = builder, [], [], []
+
+    def output(self, vtype, tied=None) -> str:
+        self.outs.append(("=v" if tied is not None else "=&v", vtype))
+        if tied is not None:
+            self.ins.append((str(len(self.outs) - 1), tied))
+        return f"\x01o{len(self.outs) - 1}\x01"
+
+    def scratch(self, vtype) -> str:
+        self.outs.append(("=&v", vtype))
+        return f"\x01o{len(self.outs) - 1}\x01"
+
+    def input(self, value, constraint: str = "v") -> str:
+        self.ins.append((constraint, value))
+        return f"\x01i{len(self.ins) - 1}\x01"
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+
+    def emit(self) -> list:
+        """The statement's outputs, in the order they were declared."""
+        text = "\n\t".join(self.lines)
+        for i in range(len(self.outs)):
+            text = text.replace(f"\x01o{i}\x01", f"${{{i}}}")
+        for i in range(len(self.ins)):
+            text = text.replace(f"\x01i{i}\x01", f"${{{len(self.outs) + i}}}")
+        ret = ir.LiteralStructType([t for _, t in self.outs])
+        fn = ir.InlineAsm(ir.FunctionType(ret, [v.type for _, v in self.ins]), text,
+                          ",".join([c for c, _ in self.outs] + [c for c, _ in self.ins]))
+        res = self.b.call(fn, [v for _, v in self.ins])
+        return [self.b.extract_value(res, i) for i in range(len(self.outs))]
+
+
 def _prefill_q4_ir(k: _Tile, args, ns: int, signed: bool = False):
     """:func:`prefill_q4`'s body (``signed``: :func:`prefill_q8`'s): ``args`` as its signature,
     arrays as data pointers."""
@@ -597,27 +638,80 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
         dvec = k.halves(d, b.add(dm_at, b.mul(blk, c64(TR))))
         sums = [None] * ns
         xrows = [b.add(x0, b.mul(blk, c64(QK_K))) for x0 in xrow0]
-        for j in range(16):             # weights 16j..16j+15: groups 4j..4j+3
-            w = [k.load(qs, b.add(qg, c64((4 * j + i) * TR * 4)), k.vi8) for i in range(4)]
-            sc = b.sext(k.load(qs, b.add(scales, c64(j * TR)), ir.VectorType(ir.IntType(8), lanes)), k.vi32)
-            dsc = b.fmul(dvec, b.sitofp(sc, k.vf))                 # d * sc_j, exact
-            for i in range(ns):
-                # AVX2: each pair to int32 at once (four of up to 2 * 63 * 127 would overflow int16)
-                part = b.sitofp(k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)],
-                                       wide=True), k.vf)
-                sums[i] = b.fmul(dsc, part) if sums[i] is None else k.fma(dsc, part, sums[i])
+        if k.vnni and lanes == 16:
+            xptrs = [k.ptr(xq, x, ir.IntType(8)) for x in xrows]
+            for j in range(16):
+                sums = _q6k_group_zmm(k, j, sums, dvec, k.ptr(qs, qg, ir.IntType(8)), k.ptr(qs, scales, ir.IntType(8)), xptrs)
+        else:
+            for j in range(16):             # weights 16j..16j+15: groups 4j..4j+3
+                w = [k.load(qs, b.add(qg, c64((4 * j + i) * TR * 4)), k.vi8) for i in range(4)]
+                sc = b.sext(k.load(qs, b.add(scales, c64(j * TR)), ir.VectorType(ir.IntType(8), lanes)), k.vi32)
+                dsc = b.fmul(dvec, b.sitofp(sc, k.vf))                 # d * sc_j, exact
+                for i in range(ns):
+                    # AVX2: each pair to int32 at once (four of up to 2 * 63 * 127 would overflow int16)
+                    part = b.sitofp(k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)],
+                                           wide=True), k.vf)
+                    sums[i] = b.fmul(dsc, part) if sums[i] is None else k.fma(dsc, part, sums[i])
         sc_pairs = [k.load(qs, b.add(pairs_at, c64(p * TR * 4)), k.vi32) for p in range(8)]
         new = []
         for i, acc in enumerate(accs):
             sums_at = b.mul(b.add(xd_row[i], blk), c64(16))            # int16 elements: 16 a block
+            dx_at = b.add(xd_row[i], blk)
+            if k.vnni and lanes == 16:
+                new.append(_q6k_corr_zmm(k, acc, sums[i], dvec, sc_pairs, b.gep(xs16, [sums_at]), b.gep(xd, [dx_at])))
+                continue
             corr = None                                 # sum_j (-32 sc_j) xsum_j, exact in int32
             for p in range(8):
                 corr = k.dpwssd(corr, sc_pairs[p], k.splat(k.load(xs16, b.add(sums_at, c64(2 * p)), _I32), k.vi32))
-            dx = k.splat(b.load(b.gep(xd, [b.add(xd_row[i], blk)]), align=4), k.vf)
+            dx = k.splat(b.load(b.gep(xd, [dx_at]), align=4), k.vf)
             new.append(k.fma(dx, k.fma(dvec, b.sitofp(corr, k.vf), sums[i]), acc))
         return new
 
     return k.block_loop(n_blocks, ns, body)
+
+
+def _q6k_group_zmm(k: _Tile, j: int, sums: list, dvec, w_at, sc_at, xptrs: list) -> list:
+    """Group ``j`` of a Q6_K block for :func:`_prefill_q6k_ir` on zmm, as one asm statement: its 4
+    weight vectors (from ``w_at``) and ``d sc_j`` (``dvec`` times the int8 scales at ``sc_at``),
+    then per activation row (``xptrs``: the rows' bytes of this block) 4 ``vpdpbusd`` with the
+    activation words as broadcast operands (base + displacement: with an index register, each is
+    two micro-ops to rename, 12-15 % slower), a conversion and ``sums[i] += d sc_j * isum``
+    (``sums`` ``None``: a product). The float32 operations of the IR path, in its order."""
+    a = _Asm(k.b)
+    outs = [a.output(k.vf, tied=v) for v in sums] if sums[0] is not None else [a.output(k.vf) for _ in sums]
+    w, dsc, t = [a.scratch(k.vi32) for _ in range(4)], a.scratch(k.vf), a.scratch(k.vi32)
+    dv, wq, sq = a.input(dvec), a.input(w_at, "r"), a.input(sc_at, "r")
+    xs = [a.input(p, "r") for p in xptrs]
+    for g in range(4):
+        a(f"vmovdqu64 {(4 * j + g) * TR * 4}({wq}), {w[g]}")
+    a(f"vpmovsxbd {j * TR}({sq}), {dsc}")
+    a(f"vcvtdq2ps {dsc}, {dsc}")
+    a(f"vmulps {dv}, {dsc}, {dsc}")
+    for out, x in zip(outs, xs):
+        a(f"vpxord {t}, {t}, {t}")
+        for g in range(4):
+            a(f"vpdpbusd {16 * j + 4 * g}({x}){{1to16}}, {w[g]}, {t}")
+        a(f"vcvtdq2ps {t}, {t}")
+        a(f"vmulps {t}, {dsc}, {out}" if sums[0] is None else f"vfmadd231ps {t}, {dsc}, {out}")
+    return a.emit()[:len(sums)]
+
+
+def _q6k_corr_zmm(k: _Tile, acc, total, dvec, pairs: list, sums_at, dx_at):
+    """One row's end of a Q6_K block for :func:`_prefill_q6k_ir` on zmm, as one asm statement:
+    ``acc + dx * (d * corr + total)``, ``corr`` = 8 ``vpdpwssd`` of the ``-32 sc`` ``pairs`` and
+    the row's int16 sums at ``sums_at`` (broadcast operands; LLVM lowers the intrinsic's chain to
+    ``vpbroadcastd`` + ``vpmaddwd`` + ``vpaddd``), ``dx`` the float32 at ``dx_at``."""
+    a = _Asm(k.b)
+    out, t = a.output(k.vf, tied=acc), a.scratch(k.vi32)
+    ps = [a.input(p) for p in pairs]
+    tot, dv, xs, xd = a.input(total), a.input(dvec), a.input(sums_at, "r"), a.input(dx_at, "r")
+    a(f"vpxord {t}, {t}, {t}")
+    for p, reg in enumerate(ps):
+        a(f"vpdpwssd {4 * p}({xs}){{1to16}}, {reg}, {t}")
+    a(f"vcvtdq2ps {t}, {t}")
+    a(f"vfmadd213ps {tot}, {dv}, {t}")
+    a(f"vfmadd231ps ({xd}){{1to16}}, {t}, {out}")
+    return a.emit()[0]
 
 
 def _decode_q4_ir(k: _Tile, args):
