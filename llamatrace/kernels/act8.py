@@ -509,6 +509,25 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
             s0 += ns
 
 
+@njit(**JIT_EXACT)
+def _by_runs(a, out, width, most):
+    """``a`` [S, B*width] into ``out`` (flat, S*B*width) block by block within each run of rows
+    a prefill microkernel takes (``most`` rows, then 4, then one at a time, as the drivers'
+    loops): the run from row s0 of ns rows holds block b of its row i at ``(s0*B + b*ns + i) *
+    width``, so a call finds its rows' block side by side. Returns ``out``."""
+    n_seq, n_blocks = a.shape[0], a.shape[1] // width
+    s0 = 0
+    while s0 < n_seq:
+        ns = most if s0 + most <= n_seq else 4 if s0 + 4 <= n_seq else 1
+        for b in range(n_blocks):
+            for i in range(ns):
+                at = (s0 * n_blocks + b * ns + i) * width
+                for k in range(width):
+                    out[at + k] = a[s0 + i, b * width + k]
+        s0 += ns
+    return out
+
+
 @njit(**JIT_PARALLEL)
 def _prefill_q6k(x, qs, d, out, n_chunks):
     """As :func:`_matmul_q6k` for many rows of x: a tile's blocks are unpacked once
@@ -519,10 +538,12 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
     :func:`_matmul_q6k` relative to the largest output, not its bits.
     ``n_chunks``: runs of tiles, one buffer each (the thread count: a buffer per tile would be
     mapped and unmapped each time, ~0.5 MB at n_in 14336)."""
-    xq, xd, xsum = _quantized_k_rows(x)
-    n_seq = xq.shape[0]
-    xs16 = xsum.astype(np.int16)                    # |sum| <= 16 * 127
+    xq_rows, xd_rows, xsum = _quantized_k_rows(x)
+    n_seq = xq_rows.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    xq = _by_runs(xq_rows, np.empty(xq_rows.size, np.int8), QK_K, NS_Q6K)
+    xd = _by_runs(xd_rows, np.empty(xd_rows.size, np.float32), 1, NS_Q6K)
+    xs16 = _by_runs(xsum, np.empty(xsum.size, np.int16), 16, NS_Q6K)       # |sum| <= 16 * 127
     block = qs.shape[2] * TR
     n_chunks = max(1, min(n_chunks, n_tiles))
     for c in prange(n_chunks):

@@ -626,9 +626,7 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
     b, c64, lanes = k.b, k.c64, k.lanes
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
     dm_at = b.add(dm_at, r_at)
-    n_in = b.mul(n_blocks, c64(QK_K))
-    xrow0 = [b.mul(b.add(s0, c64(i)), n_in) for i in range(ns)]
-    xd_row = [b.mul(b.add(s0, c64(i)), n_blocks) for i in range(ns)]
+    run = b.mul(s0, n_blocks)                       # the rows' run: block b, row i at run + b ns + i
 
     def body(blk, accs):
         ub = b.add(q_at, b.mul(blk, c64(Q6K_UNPACKED)))
@@ -637,9 +635,10 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
         pairs_at = b.add(b.add(ub, c64(QK_K_BYTES + 16 * TR)), b.mul(r_at, c64(4)))
         dvec = k.halves(d, b.add(dm_at, b.mul(blk, c64(TR))))
         sums = [None] * ns
-        xrows = [b.add(x0, b.mul(blk, c64(QK_K))) for x0 in xrow0]
-        if k.vnni and lanes == 16:
-            xptrs = [k.ptr(xq, x, ir.IntType(8)) for x in xrows]
+        at = b.add(run, b.mul(blk, c64(ns)))                        # row 0's block: ns rows on
+        xrow = b.mul(at, c64(QK_K))
+        if k.vnni and lanes == 16:      # a pointer per two rows: displacements fit a byte (4 x 127)
+            xptrs = [k.ptr(xq, b.add(xrow, c64(2 * QK_K * i)), ir.IntType(8)) for i in range((ns + 1) // 2)]
             for j in range(16):
                 sums = _q6k_group_zmm(k, j, sums, dvec, k.ptr(qs, qg, ir.IntType(8)), k.ptr(qs, scales, ir.IntType(8)), xptrs)
         else:
@@ -649,21 +648,21 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
                 dsc = b.fmul(dvec, b.sitofp(sc, k.vf))                 # d * sc_j, exact
                 for i in range(ns):
                     # AVX2: each pair to int32 at once (four of up to 2 * 63 * 127 would overflow int16)
-                    part = b.sitofp(k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)],
+                    x_at = b.add(xrow, c64(QK_K * i + 16 * j))
+                    part = b.sitofp(k.isum([(w[g], k.bytes4(xq, b.add(x_at, c64(4 * g)))) for g in range(4)],
                                            wide=True), k.vf)
                     sums[i] = b.fmul(dsc, part) if sums[i] is None else k.fma(dsc, part, sums[i])
         sc_pairs = [k.load(qs, b.add(pairs_at, c64(p * TR * 4)), k.vi32) for p in range(8)]
+        sums_at, dx_at = b.gep(xs16, [b.mul(at, c64(16))]), b.gep(xd, [at])     # int16: 16 a block and row
         new = []
         for i, acc in enumerate(accs):
-            sums_at = b.mul(b.add(xd_row[i], blk), c64(16))            # int16 elements: 16 a block
-            dx_at = b.add(xd_row[i], blk)
             if k.vnni and lanes == 16:
-                new.append(_q6k_corr_zmm(k, acc, sums[i], dvec, sc_pairs, b.gep(xs16, [sums_at]), b.gep(xd, [dx_at])))
+                new.append(_q6k_corr_zmm(k, acc, sums[i], dvec, sc_pairs, sums_at, dx_at, i))
                 continue
             corr = None                                 # sum_j (-32 sc_j) xsum_j, exact in int32
             for p in range(8):
-                corr = k.dpwssd(corr, sc_pairs[p], k.splat(k.load(xs16, b.add(sums_at, c64(2 * p)), _I32), k.vi32))
-            dx = k.splat(b.load(b.gep(xd, [dx_at]), align=4), k.vf)
+                corr = k.dpwssd(corr, sc_pairs[p], k.splat(k.load(sums_at, c64(16 * i + 2 * p), _I32), k.vi32))
+            dx = k.splat(k.load(dx_at, c64(i), k.f32, align=4), k.vf)
             new.append(k.fma(dx, k.fma(dvec, b.sitofp(corr, k.vf), sums[i]), acc))
         return new
 
@@ -687,16 +686,16 @@ def _q6k_group_zmm(k: _Tile, j: int, sums: list, dvec, w_at, sc_at, xptrs: list)
     a(f"vpmovsxbd {j * TR}({sq}), {dsc}")
     a(f"vcvtdq2ps {dsc}, {dsc}")
     a(f"vmulps {dv}, {dsc}, {dsc}")
-    for out, x in zip(outs, xs):
+    for i, out in enumerate(outs):
         a(f"vpxord {t}, {t}, {t}")
         for g in range(4):
-            a(f"vpdpbusd {16 * j + 4 * g}({x}){{1to16}}, {w[g]}, {t}")
+            a(f"vpdpbusd {QK_K * (i % 2) + 16 * j + 4 * g}({xs[i // 2]}){{1to16}}, {w[g]}, {t}")
         a(f"vcvtdq2ps {t}, {t}")
         a(f"vmulps {t}, {dsc}, {out}" if sums[0] is None else f"vfmadd231ps {t}, {dsc}, {out}")
     return a.emit()[:len(sums)]
 
 
-def _q6k_corr_zmm(k: _Tile, acc, total, dvec, pairs: list, sums_at, dx_at):
+def _q6k_corr_zmm(k: _Tile, acc, total, dvec, pairs: list, sums_at, dx_at, i: int):
     """One row's end of a Q6_K block for :func:`_prefill_q6k_ir` on zmm, as one asm statement:
     ``acc + dx * (d * corr + total)``, ``corr`` = 8 ``vpdpwssd`` of the ``-32 sc`` ``pairs`` and
     the row's int16 sums at ``sums_at`` (broadcast operands; LLVM lowers the intrinsic's chain to
@@ -707,10 +706,10 @@ def _q6k_corr_zmm(k: _Tile, acc, total, dvec, pairs: list, sums_at, dx_at):
     tot, dv, xs, xd = a.input(total), a.input(dvec), a.input(sums_at, "r"), a.input(dx_at, "r")
     a(f"vpxord {t}, {t}, {t}")
     for p, reg in enumerate(ps):
-        a(f"vpdpwssd {4 * p}({xs}){{1to16}}, {reg}, {t}")
+        a(f"vpdpwssd {32 * i + 4 * p}({xs}){{1to16}}, {reg}, {t}")
     a(f"vcvtdq2ps {t}, {t}")
     a(f"vfmadd213ps {tot}, {dv}, {t}")
-    a(f"vfmadd231ps ({xd}){{1to16}}, {t}, {out}")
+    a(f"vfmadd231ps {4 * i}({xd}){{1to16}}, {t}, {out}")
     return a.emit()[0]
 
 
