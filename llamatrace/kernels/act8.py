@@ -509,22 +509,22 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
             s0 += ns
 
 
-@njit(**JIT_EXACT)
+@njit(**JIT_EXACT_PARALLEL)
 def _by_runs(a, out, width, most):
     """``a`` [S, B*width] into ``out`` (flat, S*B*width) block by block within each run of rows
     a prefill microkernel takes (``most`` rows, then 4, then one at a time, as the drivers'
-    loops): the run from row s0 of ns rows holds block b of its row i at ``(s0*B + b*ns + i) *
-    width``, so a call finds its rows' block side by side. Returns ``out``."""
+    loops; ``most`` 4 or 8): the run from row s0 of ns rows holds block b of its row i at
+    ``(s0*B + b*ns + i) * width``, so a call finds its rows' block side by side. Returns ``out``."""
     n_seq, n_blocks = a.shape[0], a.shape[1] // width
-    s0 = 0
-    while s0 < n_seq:
-        ns = most if s0 + most <= n_seq else 4 if s0 + 4 <= n_seq else 1
+    full = n_seq // most * most
+    for s in prange(n_seq):
+        s0, ns = (s - s % most, most) if s < full else (full, 4) if s < full + 4 <= n_seq else (s, 1)
+        row = a[s]
         for b in range(n_blocks):
-            for i in range(ns):
-                at = (s0 * n_blocks + b * ns + i) * width
-                for k in range(width):
-                    out[at + k] = a[s0 + i, b * width + k]
-        s0 += ns
+            dst = out[(s0 * n_blocks + b * ns + s - s0) * width:]
+            src = row[b * width:]
+            for k in range(width):          # slices from 0: no negative-index checks, a vector copy
+                dst[k] = src[k]
     return out
 
 
