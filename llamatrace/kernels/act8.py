@@ -509,22 +509,31 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
             s0 += ns
 
 
+@njit(**JIT_INLINE)
+def _run_rows(s0, n_seq, most):
+    """Rows of x the prefill microkernel call from row ``s0`` takes: ``most``, else 4, else 1."""
+    return most if s0 + most <= n_seq else 4 if s0 + 4 <= n_seq else 1
+
+
 @njit(**JIT_EXACT_PARALLEL)
 def _by_runs(a, out, width, most):
     """``a`` [S, B*width] into ``out`` (flat, S*B*width) block by block within each run of rows
-    a prefill microkernel takes (``most`` rows, then 4, then one at a time, as the drivers'
-    loops; ``most`` 4 or 8): the run from row s0 of ns rows holds block b of its row i at
-    ``(s0*B + b*ns + i) * width``, so a call finds its rows' block side by side. Returns ``out``."""
+    one microkernel call takes (:func:`_run_rows`): the run from row s0 of ns rows holds block b
+    of its row i at ``(s0*B + b*ns + i) * width``, so a call finds its rows' block side by side.
+    Returns ``out``."""
     n_seq, n_blocks = a.shape[0], a.shape[1] // width
-    full = n_seq // most * most
+    first, rows = np.empty(n_seq, np.int64), np.empty(n_seq, np.int64)      # each row's run
+    s0 = 0
+    while s0 < n_seq:
+        ns = _run_rows(s0, n_seq, most)
+        first[s0:s0 + ns], rows[s0:s0 + ns] = s0, ns
+        s0 += ns
     for s in prange(n_seq):
-        s0, ns = (s - s % most, most) if s < full else (full, 4) if s < full + 4 <= n_seq else (s, 1)
-        row = a[s]
+        s0, ns, src = first[s], rows[s], a[s]
         for b in range(n_blocks):
-            dst = out[(s0 * n_blocks + b * ns + s - s0) * width:]
-            src = row[b * width:]
+            dst, part = out[(s0 * n_blocks + b * ns + s - s0) * width:], src[b * width:]
             for k in range(width):          # slices from 0: no negative-index checks, a vector copy
-                dst[k] = src[k]
+                dst[k] = part[k]
     return out
 
 
@@ -535,7 +544,8 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
     microkernel (:func:`llamatrace.kernels.act8_ir.prefill_q6k`) runs :data:`NS_Q6K` rows of x at a
     time (then 4, then one) over them, with the activations' sums of 16 as int16, the sums in
     registers; each group's integer sum scaled in float32 (``d * sc``), so within 1e-7 of
-    :func:`_matmul_q6k` relative to the largest output, not its bits.
+    :func:`_matmul_q6k` relative to the largest output, not its bits. The activations are laid
+    out for those runs of rows first (:func:`_by_runs`), so a call's rows sit side by side.
     ``n_chunks``: runs of tiles, one buffer each (the thread count: a buffer per tile would be
     mapped and unmapped each time, ~0.5 MB at n_in 14336)."""
     xq_rows, xd_rows, xsum = _quantized_k_rows(x)
@@ -558,7 +568,7 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
             dm_at = t * n_blocks * TR
             s0 = 0
             while s0 < n_seq:
-                ns = NS_Q6K if s0 + NS_Q6K <= n_seq else 4 if s0 + 4 <= n_seq else 1
+                ns = _run_rows(s0, n_seq, NS_Q6K)
                 for r in range(0, TR, LANES):
                     if ns == NS_Q6K:
                         prefill_q6k(unpacked, 0, xq, xd, xs16, s0, d, d, dm_at, n_blocks, np.float32(0.0), flat, r)

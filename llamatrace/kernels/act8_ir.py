@@ -19,7 +19,8 @@ A/B timings, with a fresh ``NUMBA_CACHE_DIR``).
 The prefill microkernels (:func:`prefill_q4`, :func:`prefill_q8`, :func:`prefill_q4k`,
 :func:`prefill_q6k`) go further: a whole loop over a tile's blocks in IR, several activation rows
 against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 in a ymm), the
-float32 sums kept in registers (phi nodes) from the first block to the last. The Q4_0 / Q4_1
+float32 sums kept in registers (phi nodes) from the first block to the last (Q6_K's block on zmm
+is inline asm: LLVM's own instruction choice and schedule took a quarter more time). The Q4_0 / Q4_1
 and Q4_K decode microkernels (:func:`decode_q4`, :func:`decode_q4k`) are the one-row case over a
 whole tile in one pass, with a prefetch. Numba caches the
 kernels that call these by the calling module's source: after a change here, clear
@@ -605,23 +606,35 @@ int16 scale pairs [8, TR, 2]."""
 
 def _prefill_q6k_ir(k: _Tile, args, ns: int):
     """:func:`prefill_q6k`'s body: ``qs`` holds the tile's blocks unpacked by
-    :func:`unpack_q6k_pairs` (:data:`Q6K_UNPACKED` bytes each from ``q_at``), ``xs`` the Q8_K
-    sums of 16 as int16 (``[S, n/16]``; ``m`` and ``m_scale`` unused). Per block and row
+    :func:`unpack_q6k_pairs` (:data:`Q6K_UNPACKED` bytes each from ``q_at``); ``xq``, ``xd`` and
+    ``xs`` (the Q8_K sums of 16 as int16; ``m`` and ``m_scale`` unused) are laid out by
+    ``act8._by_runs``: the ``ns`` rows from ``s0`` have block b side by side. Per block and row
     ``acc += xd * (sum_j (d sc_j) * isum_j + d * sum_j (-32 sc_j) * xsum_j)``, the scaled sum
     of :func:`_q6k_ir` (``sum_j sc_j * (isum_j - 32 * xsum_j)``) taken apart: ``isum_j`` over a
     group's ``(q + 32) * xq`` (4 ``vpdpbusd``, then a conversion and an FMA with ``d sc_j``, exact
     and shared by the rows), the second sum in int32 as 8 ``vpdpwssd`` of the unpacked ``-32 sc``
     pairs and the activation sums' pairs (at most 16 * 4096 * 2032 in size). Within 1e-7 of
     :func:`llamatrace.kernels.act8._matmul_q6k` (its exact int32 block sum times ``d * xd``)
-    relative to the largest output, not its bits. The per-group form, a broadcast, a shift, a
-    subtraction, a ``vpmulld`` (two operations) and an add per group and row, ran 89-106 G
-    multiply-adds/s at the three 8B shapes with 128 rows, 4 rows a call; the int16 pairs with a
-    ``vpmulld`` per group, 8 rows, 127-132 (the same bits); this 143-148 (one thread, process CPU
-    time, same-run pairs, load average ~4.5; ``benchmarks/bench_prefill.py --cpu-time``).
-    (Activations as the unsigned side instead, ``xq + 128``, need a separate broadcast per
-    ``vpdpbusd``: only its signed operand can be a broadcast from memory. LLVM lowers the
-    ``vpdpwssd`` chain to ``vpbroadcastd`` + ``vpmaddwd`` + ``vpaddd``, 24 operations a row and
-    block where 8 would do.)"""
+    relative to the largest output, not its bits.
+
+    On zmm (AVX-512 VNNI) the block is inline asm, a statement per group of all the rows
+    (:func:`_q6k_group_zmm`) and one per row's block end (:func:`_q6k_corr_zmm`), the same float32
+    operations in the same order as the IR below, so the same bits. The IR alone gave LLVM the
+    choice: it lowered the ``vpdpwssd`` chains to ``vpbroadcastd`` + ``vpmaddwd`` + ``vpaddd``
+    (24 operations a row and block where 8 do), addressed each activation word as base + index
+    (two micro-ops to rename each: 12-15 % slower, a C loop of the block measured) and, with the
+    ``vpdpwssd`` fixed alone, interleaved the groups into ~300 vector spills and reloads a block.
+    The asm block: 512 ``vpdpbusd`` and 392 other vector operations (ports 0 and 5) per block
+    and 8 rows, 90-96 % of their port bound (two a cycle, ~3.05 GHz by a C loop): the microkernel
+    alone over one L1/L2-resident tile 150-160 -> 198-213 G multiply-adds/s (one thread, process
+    CPU time, load 2-6).
+    History (the three 8B shapes, 128 rows, same-run pairs): the per-group form, a broadcast, a
+    shift, a subtraction, a ``vpmulld`` and an add per group and row, 89-106 G/s, 4 rows a call;
+    the int16 pairs with a ``vpmulld`` per group, 8 rows, 127-132 (the same bits); groups scaled
+    in float32, 143-148 (load ~4.5). Activations as the unsigned side instead (``xq + 128``, the
+    ``-32 sc xsum`` term then one constant per weight row and block) need a ``vpbroadcastd`` per
+    ``vpdpbusd`` (only the signed operand can be a broadcast from memory): 5 % slower in the C
+    loop despite 80 fewer operations a block."""
     (qs, q_at, xq, xd, xs16, s0, d, _, dm_at, n_blocks, _, _, r_at) = args
     b, c64, lanes = k.b, k.c64, k.lanes
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
