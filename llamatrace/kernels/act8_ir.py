@@ -652,8 +652,9 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
         xrow = b.mul(at, c64(QK_K))
         if k.vnni and lanes == 16:      # a pointer per two rows: displacements fit a byte (4 x 127)
             xptrs = [k.ptr(xq, b.add(xrow, c64(2 * QK_K * i)), ir.IntType(8)) for i in range((ns + 1) // 2)]
+            w_at, sc_at = k.ptr(qs, qg, ir.IntType(8)), k.ptr(qs, scales, ir.IntType(8))
             for j in range(16):
-                sums = _q6k_group_zmm(k, j, sums, dvec, k.ptr(qs, qg, ir.IntType(8)), k.ptr(qs, scales, ir.IntType(8)), xptrs)
+                sums = _q6k_group_zmm(k, j, sums, dvec, w_at, sc_at, xptrs)
         else:
             for j in range(16):             # weights 16j..16j+15: groups 4j..4j+3
                 w = [k.load(qs, b.add(qg, c64((4 * j + i) * TR * 4)), k.vi8) for i in range(4)]
@@ -685,7 +686,8 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
 def _q6k_group_zmm(k: _Tile, j: int, sums: list, dvec, w_at, sc_at, xptrs: list) -> list:
     """Group ``j`` of a Q6_K block for :func:`_prefill_q6k_ir` on zmm, as one asm statement: its 4
     weight vectors (from ``w_at``) and ``d sc_j`` (``dvec`` times the int8 scales at ``sc_at``),
-    then per activation row (``xptrs``: the rows' bytes of this block) 4 ``vpdpbusd`` with the
+    then per activation row i (its 256 bytes of this block at ``xptrs[i // 2] + 256 (i % 2)``,
+    a pointer per two rows so that every displacement fits a byte) 4 ``vpdpbusd`` with the
     activation words as broadcast operands (base + displacement: with an index register, each is
     two micro-ops to rename, 12-15 % slower), a conversion and ``sums[i] += d sc_j * isum``
     (``sums`` ``None``: a product). The float32 operations of the IR path, in its order."""
