@@ -19,8 +19,9 @@ A/B timings, with a fresh ``NUMBA_CACHE_DIR``).
 The prefill microkernels (:func:`prefill_q4`, :func:`prefill_q8`, :func:`prefill_q4k`,
 :func:`prefill_q6k`) go further: a whole loop over a tile's blocks in IR, several activation rows
 against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 in a ymm), the
-float32 sums kept in registers (phi nodes) from the first block to the last. The Q4_0, Q4_1
-and Q4_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`) are the one-row case over a
+float32 sums kept in registers (phi nodes) from the first block to the last (Q6_K's block on zmm
+is inline asm: LLVM's own instruction choice and schedule took a quarter more time). The Q4_0,
+Q4_1 and Q4_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`) are the one-row case over a
 whole tile in one pass, with a prefetch. Numba caches the
 kernels that call these by the calling module's source: after a change here, clear
 ``llamatrace/kernels/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
@@ -461,6 +462,47 @@ class _Tile:
         return outs
 
 
+class _Asm:
+    """One inline asm statement built a line at a time, its operands named where they are made:
+    :meth:`output` (a result, tied to an input value or written before the inputs are read),
+    :meth:`scratch` (a register the text may overwrite), :meth:`input` (a register or general
+    register holding a value). The statement declares no memory access: it reads memory LLVM
+    never sees written while the kernel runs, and LLVM treats the call as one that may."""
+
+    def __init__(self, builder) -> None:
+        self.b, self.lines, self.outs, self.ins = builder, [], [], []
+
+    def output(self, vtype, tied=None) -> str:
+        self.outs.append(("=v" if tied is not None else "=&v", vtype))
+        if tied is not None:
+            self.ins.append((str(len(self.outs) - 1), tied))
+        return f"\x01o{len(self.outs) - 1}\x01"
+
+    def scratch(self, vtype) -> str:
+        self.outs.append(("=&v", vtype))
+        return f"\x01o{len(self.outs) - 1}\x01"
+
+    def input(self, value, constraint: str = "v") -> str:
+        self.ins.append((constraint, value))
+        return f"\x01i{len(self.ins) - 1}\x01"
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+
+    def emit(self) -> list:
+        """The statement's outputs, in the order they were declared."""
+        text = "\n\t".join(self.lines)
+        for i in range(len(self.outs)):
+            text = text.replace(f"\x01o{i}\x01", f"${{{i}}}")
+        for i in range(len(self.ins)):
+            text = text.replace(f"\x01i{i}\x01", f"${{{len(self.outs) + i}}}")
+        ret = ir.LiteralStructType([t for _, t in self.outs])
+        fn = ir.InlineAsm(ir.FunctionType(ret, [v.type for _, v in self.ins]), text,
+                          ",".join([c for c, _ in self.outs] + [c for c, _ in self.ins]))
+        res = self.b.call(fn, [v for _, v in self.ins])
+        return [self.b.extract_value(res, i) for i in range(len(self.outs))]
+
+
 def _prefill_q4_ir(k: _Tile, args, ns: int, kind: str = "q4"):
     """:func:`prefill_q4`'s body (``kind`` "q4_0": :func:`prefill_q4_0`'s, "q8": :func:`prefill_q8`'s):
     ``args`` as its signature, arrays as data pointers.
@@ -579,30 +621,40 @@ int16 scale pairs [8, TR, 2]."""
 
 def _prefill_q6k_ir(k: _Tile, args, ns: int):
     """:func:`prefill_q6k`'s body: ``qs`` holds the tile's blocks unpacked by
-    :func:`unpack_q6k_pairs` (:data:`Q6K_UNPACKED` bytes each from ``q_at``), ``xs`` the Q8_K
-    sums of 16 as int16 (``[S, n/16]``; ``m`` and ``m_scale`` unused). Per block and row
+    :func:`unpack_q6k_pairs` (:data:`Q6K_UNPACKED` bytes each from ``q_at``); ``xq``, ``xd`` and
+    ``xs`` (the Q8_K sums of 16 as int16; ``m`` and ``m_scale`` unused) are laid out by
+    ``act8._by_runs``: the ``ns`` rows from ``s0`` have block b side by side. Per block and row
     ``acc += xd * (sum_j (d sc_j) * isum_j + d * sum_j (-32 sc_j) * xsum_j)``, the scaled sum
     of :func:`_q6k_ir` (``sum_j sc_j * (isum_j - 32 * xsum_j)``) taken apart: ``isum_j`` over a
     group's ``(q + 32) * xq`` (4 ``vpdpbusd``, then a conversion and an FMA with ``d sc_j``, exact
     and shared by the rows), the second sum in int32 as 8 ``vpdpwssd`` of the unpacked ``-32 sc``
     pairs and the activation sums' pairs (at most 16 * 4096 * 2032 in size). Within 1e-7 of
     :func:`llamatrace.kernels.act8._matmul_q6k` (its exact int32 block sum times ``d * xd``)
-    relative to the largest output, not its bits. The per-group form, a broadcast, a shift, a
-    subtraction, a ``vpmulld`` (two operations) and an add per group and row, ran 89-106 G
-    multiply-adds/s at the three 8B shapes with 128 rows, 4 rows a call; the int16 pairs with a
-    ``vpmulld`` per group, 8 rows, 127-132 (the same bits); this 143-148 (one thread, process CPU
-    time, same-run pairs, load average ~4.5; ``benchmarks/bench_prefill.py --cpu-time``).
-    (Activations as the unsigned side instead, ``xq + 128``, need a separate broadcast per
-    ``vpdpbusd``: only its signed operand can be a broadcast from memory. LLVM lowers the
-    ``vpdpwssd`` chain to ``vpbroadcastd`` + ``vpmaddwd`` + ``vpaddd``, 24 operations a row and
-    block where 8 would do.)"""
+    relative to the largest output, not its bits.
+
+    On zmm (AVX-512 VNNI) the block is inline asm, a statement per group of all the rows
+    (:func:`_q6k_group_zmm`) and one per row's block end (:func:`_q6k_corr_zmm`), the same float32
+    operations in the same order as the IR below, so the same bits. The IR alone gave LLVM the
+    choice: it lowered the ``vpdpwssd`` chains to ``vpbroadcastd`` + ``vpmaddwd`` + ``vpaddd``
+    (24 operations a row and block where 8 do), addressed each activation word as base + index
+    (two micro-ops to rename each: 12-15 % slower, a C loop of the block measured) and, with the
+    ``vpdpwssd`` fixed alone, interleaved the groups into ~300 vector spills and reloads a block.
+    The asm block: 512 ``vpdpbusd`` and 392 other vector operations (ports 0 and 5) per block
+    and 8 rows, 90-96 % of their port bound (two a cycle, ~3.05 GHz by a C loop): the microkernel
+    alone over one L1/L2-resident tile 150-160 -> 198-213 G multiply-adds/s (one thread, process
+    CPU time, load 2-6).
+    History (the three 8B shapes, 128 rows, same-run pairs): the per-group form, a broadcast, a
+    shift, a subtraction, a ``vpmulld`` and an add per group and row, 89-106 G/s, 4 rows a call;
+    the int16 pairs with a ``vpmulld`` per group, 8 rows, 127-132 (the same bits); groups scaled
+    in float32, 143-148 (load ~4.5). Activations as the unsigned side instead (``xq + 128``, the
+    ``-32 sc xsum`` term then one constant per weight row and block) need a ``vpbroadcastd`` per
+    ``vpdpbusd`` (only the signed operand can be a broadcast from memory): 5 % slower in the C
+    loop despite 80 fewer operations a block."""
     (qs, q_at, xq, xd, xs16, s0, d, _, dm_at, n_blocks, _, _, r_at) = args
     b, c64, lanes = k.b, k.c64, k.lanes
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
     dm_at = b.add(dm_at, r_at)
-    n_in = b.mul(n_blocks, c64(QK_K))
-    xrow0 = [b.mul(b.add(s0, c64(i)), n_in) for i in range(ns)]
-    xd_row = [b.mul(b.add(s0, c64(i)), n_blocks) for i in range(ns)]
+    run = b.mul(s0, n_blocks)                       # the rows' run: block b, row i at run + b ns + i
 
     def body(blk, accs):
         ub = b.add(q_at, b.mul(blk, c64(Q6K_UNPACKED)))
@@ -611,28 +663,84 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
         pairs_at = b.add(b.add(ub, c64(QK_K_BYTES + 16 * TR)), b.mul(r_at, c64(4)))
         dvec = k.halves(d, b.add(dm_at, b.mul(blk, c64(TR))))
         sums = [None] * ns
-        xrows = [b.add(x0, b.mul(blk, c64(QK_K))) for x0 in xrow0]
-        for j in range(16):             # weights 16j..16j+15: groups 4j..4j+3
-            w = [k.load(qs, b.add(qg, c64((4 * j + i) * TR * 4)), k.vi8) for i in range(4)]
-            sc = b.sext(k.load(qs, b.add(scales, c64(j * TR)), ir.VectorType(ir.IntType(8), lanes)), k.vi32)
-            dsc = b.fmul(dvec, b.sitofp(sc, k.vf))                 # d * sc_j, exact
-            for i in range(ns):
-                # AVX2: each pair to int32 at once (four of up to 2 * 63 * 127 would overflow int16)
-                part = b.sitofp(k.isum([(w[g], k.bytes4(xq, b.add(xrows[i], c64(16 * j + 4 * g)))) for g in range(4)],
-                                       wide=True), k.vf)
-                sums[i] = b.fmul(dsc, part) if sums[i] is None else k.fma(dsc, part, sums[i])
+        at = b.add(run, b.mul(blk, c64(ns)))                        # row 0's block: ns rows on
+        xrow = b.mul(at, c64(QK_K))
+        if k.vnni and lanes == 16:      # a pointer per two rows: displacements fit a byte (4 x 127)
+            xptrs = [k.ptr(xq, b.add(xrow, c64(2 * QK_K * i)), ir.IntType(8)) for i in range((ns + 1) // 2)]
+            w_at, sc_at = k.ptr(qs, qg, ir.IntType(8)), k.ptr(qs, scales, ir.IntType(8))
+            for j in range(16):
+                sums = _q6k_group_zmm(k, j, sums, dvec, w_at, sc_at, xptrs)
+        else:
+            for j in range(16):             # weights 16j..16j+15: groups 4j..4j+3
+                w = [k.load(qs, b.add(qg, c64((4 * j + i) * TR * 4)), k.vi8) for i in range(4)]
+                sc = b.sext(k.load(qs, b.add(scales, c64(j * TR)), ir.VectorType(ir.IntType(8), lanes)), k.vi32)
+                dsc = b.fmul(dvec, b.sitofp(sc, k.vf))                 # d * sc_j, exact
+                for i in range(ns):
+                    # AVX2: each pair to int32 at once (four of up to 2 * 63 * 127 would overflow int16)
+                    x_at = b.add(xrow, c64(QK_K * i + 16 * j))
+                    part = b.sitofp(k.isum([(w[g], k.bytes4(xq, b.add(x_at, c64(4 * g)))) for g in range(4)],
+                                           wide=True), k.vf)
+                    sums[i] = b.fmul(dsc, part) if sums[i] is None else k.fma(dsc, part, sums[i])
         sc_pairs = [k.load(qs, b.add(pairs_at, c64(p * TR * 4)), k.vi32) for p in range(8)]
+        sums_at, dx_at = b.gep(xs16, [b.mul(at, c64(16))]), b.gep(xd, [at])     # int16: 16 a block and row
         new = []
         for i, acc in enumerate(accs):
-            sums_at = b.mul(b.add(xd_row[i], blk), c64(16))            # int16 elements: 16 a block
+            if k.vnni and lanes == 16:
+                new.append(_q6k_corr_zmm(k, acc, sums[i], dvec, sc_pairs, sums_at, dx_at, i))
+                continue
             corr = None                                 # sum_j (-32 sc_j) xsum_j, exact in int32
             for p in range(8):
-                corr = k.dpwssd(corr, sc_pairs[p], k.splat(k.load(xs16, b.add(sums_at, c64(2 * p)), _I32), k.vi32))
-            dx = k.splat(b.load(b.gep(xd, [b.add(xd_row[i], blk)]), align=4), k.vf)
+                corr = k.dpwssd(corr, sc_pairs[p], k.splat(k.load(sums_at, c64(16 * i + 2 * p), _I32), k.vi32))
+            dx = k.splat(k.load(dx_at, c64(i), k.f32, align=4), k.vf)
             new.append(k.fma(dx, k.fma(dvec, b.sitofp(corr, k.vf), sums[i]), acc))
         return new
 
     return k.block_loop(n_blocks, ns, body)
+
+
+def _q6k_group_zmm(k: _Tile, j: int, sums: list, dvec, w_at, sc_at, xptrs: list) -> list:
+    """Group ``j`` of a Q6_K block for :func:`_prefill_q6k_ir` on zmm, as one asm statement: its 4
+    weight vectors (from ``w_at``) and ``d sc_j`` (``dvec`` times the int8 scales at ``sc_at``),
+    then per activation row i (its 256 bytes of this block at ``xptrs[i // 2] + 256 (i % 2)``,
+    a pointer per two rows so that every displacement fits a byte) 4 ``vpdpbusd`` with the
+    activation words as broadcast operands (base + displacement: with an index register, each is
+    two micro-ops to rename, 12-15 % slower), a conversion and ``sums[i] += d sc_j * isum``
+    (``sums`` ``None``: a product). The float32 operations of the IR path, in its order."""
+    a = _Asm(k.b)
+    outs = [a.output(k.vf, tied=v) for v in sums] if sums[0] is not None else [a.output(k.vf) for _ in sums]
+    w, dsc, t = [a.scratch(k.vi32) for _ in range(4)], a.scratch(k.vf), a.scratch(k.vi32)
+    dv, wq, sq = a.input(dvec), a.input(w_at, "r"), a.input(sc_at, "r")
+    xs = [a.input(p, "r") for p in xptrs]
+    for g in range(4):
+        a(f"vmovdqu64 {(4 * j + g) * TR * 4}({wq}), {w[g]}")
+    a(f"vpmovsxbd {j * TR}({sq}), {dsc}")
+    a(f"vcvtdq2ps {dsc}, {dsc}")
+    a(f"vmulps {dv}, {dsc}, {dsc}")
+    for i, out in enumerate(outs):
+        a(f"vpxord {t}, {t}, {t}")
+        for g in range(4):
+            a(f"vpdpbusd {QK_K * (i % 2) + 16 * j + 4 * g}({xs[i // 2]}){{1to16}}, {w[g]}, {t}")
+        a(f"vcvtdq2ps {t}, {t}")
+        a(f"vmulps {t}, {dsc}, {out}" if sums[0] is None else f"vfmadd231ps {t}, {dsc}, {out}")
+    return a.emit()[:len(sums)]
+
+
+def _q6k_corr_zmm(k: _Tile, acc, total, dvec, pairs: list, sums_at, dx_at, i: int):
+    """One row's end of a Q6_K block for :func:`_prefill_q6k_ir` on zmm, as one asm statement:
+    ``acc + dx * (d * corr + total)``, ``corr`` = 8 ``vpdpwssd`` of the ``-32 sc`` ``pairs`` and
+    the row's int16 sums at ``sums_at`` (broadcast operands; LLVM lowers the intrinsic's chain to
+    ``vpbroadcastd`` + ``vpmaddwd`` + ``vpaddd``), ``dx`` the float32 at ``dx_at``."""
+    a = _Asm(k.b)
+    out, t = a.output(k.vf, tied=acc), a.scratch(k.vi32)
+    ps = [a.input(p) for p in pairs]
+    tot, dv, xs, xd = a.input(total), a.input(dvec), a.input(sums_at, "r"), a.input(dx_at, "r")
+    a(f"vpxord {t}, {t}, {t}")
+    for p, reg in enumerate(ps):
+        a(f"vpdpwssd {32 * i + 4 * p}({xs}){{1to16}}, {reg}, {t}")
+    a(f"vcvtdq2ps {t}, {t}")
+    a(f"vfmadd213ps {tot}, {dv}, {t}")
+    a(f"vfmadd231ps {4 * i}({xd}){{1to16}}, {t}, {out}")
+    return a.emit()[0]
 
 
 def _decode_q4_ir(k: _Tile, args, offset: bool = False):
