@@ -218,6 +218,21 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(smollm2_path, comman
     assert "Traceback" not in err and "Broken pipe" not in err and "error" not in err
 
 
+@pytest.mark.parametrize("args", [["perplexity", "--help"], ["--help"]])
+def test_help_into_a_closed_pipe_ends_quietly(args):
+    # `llamatrace perplexity --help | head -2`: typer prints the help to stdout itself; a reader
+    # gone before the first write makes every write fail, whatever the timing
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-m", "llamatrace", *args], stdout=write_end, stderr=subprocess.PIPE,
+                          env={**os.environ, "PYTHONPATH": repo}, timeout=120)
+    os.close(write_end)
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "error" not in err
+
+
 def test_prompt_bytes_without_a_token_are_one_warning_line_naming_them(capsys, smollm2_path, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_bytes(b"abc \x04\x06 def")           # SmolLM2 has no token for 0x04 or 0x06

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 import sys
@@ -55,11 +56,14 @@ def _stdout_closed(exc: BaseException) -> StdoutClosed:
 
 class _Stdout:
     """``sys.stdout`` (looked up on each use: tests replace it; a live rich progress bar proxies
-    it), whose ``write`` and ``flush`` raise :class:`StdoutClosed` instead of ``BrokenPipeError``."""
+    it), or the ``file`` given, whose ``write`` and ``flush`` raise :class:`StdoutClosed` instead
+    of ``BrokenPipeError``."""
 
-    @staticmethod
-    def _file():
-        return getattr(sys.stdout, "rich_proxied_file", sys.stdout)
+    def __init__(self, file=None) -> None:
+        self._fixed = file
+
+    def _file(self):
+        return self._fixed or getattr(sys.stdout, "rich_proxied_file", sys.stdout)
 
     def write(self, text: str) -> int:
         try:
@@ -113,11 +117,13 @@ class _Group(typer.core.TyperGroup):
         command = super().get_command(ctx, name)
         if command is not None:
             _no_flag_metavar(command, ctx)
+            if not hasattr(command.format_help, "__wrapped__"):
+                command.format_help = _help_to_stdout(command.format_help)
         return command
 
     def format_help(self, ctx, formatter) -> None:
         _no_flag_metavar(self, ctx)
-        super().format_help(ctx, formatter)
+        _help_to_stdout(super().format_help)(ctx, formatter)
 
     def invoke(self, ctx):
         # click answers any EPIPE with a silent exit 1, meant for a closed stdout; ours raises
@@ -126,6 +132,17 @@ class _Group(typer.core.TyperGroup):
             return super().invoke(ctx)
         except BrokenPipeError as exc:
             raise RuntimeError(f"BrokenPipeError on a pipe that is not stdout: {exc}") from exc
+
+
+def _help_to_stdout(format_help):
+    """``format_help`` with a closed stdout (``llamatrace perplexity --help | head``) raising
+    :class:`StdoutClosed`, as every other write to stdout does: typer prints the help through a
+    rich console of its own, which would answer the broken pipe with ``SystemExit(1)``."""
+    @functools.wraps(format_help)
+    def wrapped(ctx, formatter) -> None:
+        with contextlib.redirect_stdout(_Stdout(sys.stdout)):
+            format_help(ctx, formatter)
+    return wrapped
 
 
 def _no_flag_metavar(command, ctx) -> None:
