@@ -150,6 +150,15 @@ def _barrier(builder):
     builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", side_effect=True), [])
 
 
+def _opaque(builder, value):
+    """``value`` (an integer or an integer vector) through an empty asm statement: the same value,
+    computed before this point, and what is addressed from it read after it. LLVM can neither
+    merge loads from two such copies nor move them across each other (:func:`_decode_q6k_ir`)."""
+    constraint = "=v,0" if isinstance(value.type, ir.VectorType) else "=r,0"
+    fn = ir.InlineAsm(ir.FunctionType(value.type, [value.type]), "", constraint, side_effect=True)
+    return builder.call(fn, [value])
+
+
 def _block_ir(builder, args, sig, context, kind: str) -> None:
     """Emit the block dot products of one tile block: ``isum[r]`` for its TR rows.
 
@@ -674,7 +683,17 @@ def _decode_q6k_ir(k: _Tile, args):
     """:func:`decode_q6k`'s body: as :func:`_decode_q4_ir` for a Q6_K tile (``xs`` the Q8_K sums
     of 16, int32; ``m`` and ``m_scale`` unused): per block and register of rows the exact int32
     ``sum_j sc_j * (isum_j - 32 * xsum_j)`` of :func:`_u8_16_ir`, then ``acc = fma(d * dx, isum,
-    acc)``, the per-block loop's float32 step as LLVM contracts it, so the same bits."""
+    acc)``, the per-block loop's float32 step as LLVM contracts it, so the same bits.
+
+    One group of 16 weights (``j``) at a time for every register of rows, which share its
+    activation broadcasts. :func:`_barrier` does not order the groups here: LLVM merged and
+    hoisted loads of later groups across it all the same (even with the arrays' pointers given to
+    the asm statement), sank arithmetic below them and spilled what it kept live, as much as the
+    kernel around the call made it (in ``act8._matmul_q6k``, 8 rows a ymm: 370 stores and 709
+    reloads of the stack a block, 2720 instructions; 16 a zmm: 13 and 60, 1126). So each group's
+    offsets pass through :func:`_opaque` (its loads can neither move above that point nor merge
+    with another group's) and so do its int32 sums (their arithmetic is done before the next
+    group's loads): no spill there, 2127 instructions a block with ymm, 1061 with zmm."""
     (qs, q_at, xq, xd, xs, s0, d, _, dm_at, n_blocks, _, _, ahead) = args
     b, c64, lanes = k.b, k.c64, k.lanes
     q_at, s0, dm_at, n_blocks, ahead = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, ahead))
@@ -688,14 +707,14 @@ def _decode_q6k_ir(k: _Tile, args):
         return ir.Constant(k.vi8, [v] * (4 * lanes))
 
     def body(blk, accs):
-        qb = b.add(q_at, b.mul(blk, c64(block)))
-        xrow = b.add(b.mul(s0, n_in), b.mul(blk, c64(QK_K)))
         at = b.add(b.mul(s0, n_blocks), blk)
         sums_at = b.mul(at, c64(16))
         dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         isums = [None] * len(accs)
         for j in range(16):         # weights 16j..16j+15: half j // 8, c = (j % 8) // 2, groups k0..k0+3
+            qb = _opaque(b, b.add(q_at, b.mul(blk, c64(block))))
+            xrow = _opaque(b, b.add(b.mul(s0, n_in), b.mul(blk, c64(QK_K))))
             k.prefetch(on, qs, b.add(qb, ahead), range(j * lines // 16, (j + 1) * lines // 16))
             half, c, k0 = j // 8, (j % 8) // 2, 4 * (j % 2)
             xv = [k.bytes4(xq, b.add(xrow, c64(16 * j + 4 * i))) for i in range(4)]
@@ -710,7 +729,7 @@ def _decode_q6k_ir(k: _Tile, args):
                                    ir.VectorType(ir.IntType(8), lanes)), k.vi32)
                 term = b.mul(b.sub(part, xsum), sc)
                 isums[h] = term if isums[h] is None else b.add(isums[h], term)
-            _barrier(b)     # as in _u8_16_ir; j outer shares the activations' broadcasts by the rows
+            isums = [_opaque(b, v) for v in isums]
         new = []
         for h, acc in enumerate(accs):
             dvec = k.halves(d, b.add(dm, c64(h * lanes)))
