@@ -66,10 +66,12 @@ of a block summed in int16 at most 30480 < 32767; a Q8_0 pair uses ``|q|`` (<= 1
 ``sign(q) * xq`` (<= 127), at most 32512, and goes to int32 at once; a Q6_K pair is at most
 2 * 63 * 127 = 16002, so two pairs (32004) are added in int16 before int32, and a block's
 scaled int32 sum is at most 16 * 128 * 16 * 32 * 127 < 2**31. Q6_K's decode microkernel
-(:func:`~llamatrace.kernels.act8_ir.decode_q6k`) prefetches two blocks ahead, spread over its
-work (Q6_K [4096, 14336]: the next block's prefetch took the per-block intrinsic before it from
-4.4-4.8 ms to 2.6-2.8 ms on 2 threads; the whole tile a call then 0.86-0.99 -> 0.98-1.01 of a
-plain read of the same bytes, load ~2.2).
+(:func:`~llamatrace.kernels.act8_ir.decode_q6k`) prefetches the next block, spread over its
+work (Q6_K [4096, 14336]: that prefetch took the per-block intrinsic before it from 4.4-4.8 ms
+to 2.6-2.8 ms on 2 threads). The whole tile a call, with no stack spill, runs at 0.87-1.15 of a
+plain read of the same bytes on the three 8B Q6_K shapes, VNNI and 8 rows a ymm alike, where the
+per-block kernel ran 0.80-0.93 (alternated, load 7-8, GB per CPU-second;
+:data:`DECODE_AHEAD_Q6K`, docs/performance.md "Decode").
 
 Each Numba kernel has a NumPy twin (``*_np``) that tests compare it with.
 """
