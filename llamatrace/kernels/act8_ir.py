@@ -152,8 +152,9 @@ def _barrier(builder):
 
 def _opaque(builder, value):
     """``value`` (an integer or an integer vector) through an empty asm statement: the same value,
-    computed before this point, and what is addressed from it read after it. LLVM can neither
-    merge loads from two such copies nor move them across each other (:func:`_decode_q6k_ir`)."""
+    computed before this point (its arithmetic is not sunk below it), and what is addressed from
+    it read after it (LLVM cannot hoist those loads above it, nor merge them with loads addressed
+    from another copy). Such statements keep their order (:func:`_decode_q6k_ir`)."""
     constraint = "=v,0" if isinstance(value.type, ir.VectorType) else "=r,0"
     fn = ir.InlineAsm(ir.FunctionType(value.type, [value.type]), "", constraint, side_effect=True)
     return builder.call(fn, [value])
