@@ -344,7 +344,9 @@ DECODE_AHEAD_Q6K = 208 * TR
 """The Q6_K decode microkernel's: the next block of the tile (6.5 KB). Q6_K [4096, 14336], [1024, 4096]
 and [128256, 4096], VNNI and 8 rows a ymm, 1 and 2 threads, alternated in one process at load 5-6,
 kernel / plain read in GB per CPU-second: one block ahead 0.91-1.11, two 0.89-1.03, half a block
-0.88-1.05, none 0.79-0.93; one block ahead beat or tied two in 18 of 20 same-round pairs."""
+0.88-1.05, none 0.79-0.93 (leaving out [1024, 4096] on 2 threads in one of the two runs, where the
+read ran at 1.5x every kernel); one block ahead beat or tied two in 18 of 20 same-round pairs, the
+other two that case."""
 
 
 @njit(**JIT_INLINE)
