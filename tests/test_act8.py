@@ -274,6 +274,22 @@ def test_kernels_equal_numpy_twins(qtype):
     np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
 
 
+@pytest.mark.parametrize("n_out, n_blocks", [(70, 5), (96, 1)])
+def test_q6k_decode_microkernel_is_the_per_block_kernels_bits(n_out, n_blocks):
+    # one row of x runs act8_ir.decode_q6k over whole tiles; several rows the per-block loop (each
+    # block unpacked once, isum_u8_16's int32 sum, then (d * dx) * isum in act8): the same bits
+    _, w = _weight(T.Q6_K, n_out, n_blocks * 256)
+    x = _rows(np.random.default_rng(n_blocks), 3, w.n_in)
+    together = np.empty((3, w.n_tiles * packing.TR), np.float32)
+    act8._matmul_q6k(x, w.qs, w.d, together)
+    one = np.full_like(together, np.nan)
+    for i in range(3):
+        act8._matmul_q6k(x[i:i + 1], w.qs, w.d, one[i:i + 1])
+    np.testing.assert_array_equal(one.view(np.uint32), together.view(np.uint32))
+    twin = act8.matmul_q6k_np(x, w.qs, w.d)
+    np.testing.assert_allclose(one, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_extreme_quants_do_not_overflow(qtype):
     # every weight at its largest magnitude, every activation at +-127: the int16 / int32 bounds

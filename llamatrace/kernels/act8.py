@@ -68,9 +68,13 @@ types integer arithmetic as int64, so the block dot products are written in LLVM
 of a block summed in int16 at most 30480 < 32767; a Q8_0 pair uses ``|q|`` (<= 128) times
 ``sign(q) * xq`` (<= 127), at most 32512, and goes to int32 at once; a Q6_K pair is at most
 2 * 63 * 127 = 16002, so two pairs (32004) are added in int16 before int32, and a block's
-scaled int32 sum is at most 16 * 128 * 16 * 32 * 127 < 2**31. Q6_K's decode intrinsic
-prefetches the next block's cache lines spread over its work (with the integer scales: Q6_K
-[4096, 14336], 2 threads, 4.4-4.8 ms -> 2.6-2.8 ms, alternated in one process).
+scaled int32 sum is at most 16 * 128 * 16 * 32 * 127 < 2**31. Q6_K's decode microkernel
+(:func:`~llamatrace.kernels.act8_ir.decode_q6k`) prefetches the next block, spread over its
+work (Q6_K [4096, 14336]: that prefetch took the per-block intrinsic before it from 4.4-4.8 ms
+to 2.6-2.8 ms on 2 threads). The whole tile a call, with no stack spill, runs at 0.87-1.15 of a
+plain read of the same bytes on the three 8B Q6_K shapes, VNNI and 8 rows a ymm alike, where the
+per-block kernel ran 0.80-0.93 (alternated, load 7-8, GB per CPU-second;
+:data:`DECODE_AHEAD_Q6K`, docs/performance.md "Decode").
 
 Each Numba kernel has a NumPy twin (``*_np``) that tests compare it with.
 """
@@ -85,8 +89,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4_0, decode_q4k, has_vnni, isum_q6k,
-                                        isum_q8, isum_u8_16, PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_0,
+from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4_0, decode_q4k, decode_q6k,
+                                        has_vnni, isum_q8, isum_u8_16, PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_0,
                                         prefill_q4_0_1row, prefill_q4_0_4rows, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
                                         prefill_q8, prefill_q8_1row, prefill_q8_4rows,
                                         prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
@@ -441,6 +445,13 @@ DECODE_AHEAD = 4096
 14.1 (a pure read of the same bytes 15-16)."""
 DECODE_AHEAD_Q4K = 2 * 144 * TR
 """The Q4_K decode microkernel's prefetch distance: two blocks of a tile (9 KB)."""
+DECODE_AHEAD_Q6K = 208 * TR
+"""The Q6_K decode microkernel's: the next block of the tile (6.5 KB). Q6_K [4096, 14336], [1024, 4096]
+and [128256, 4096], VNNI and 8 rows a ymm, 1 and 2 threads, alternated in one process at load 5-6,
+kernel / plain read in GB per CPU-second: one block ahead 0.91-1.11, two 0.89-1.03, half a block
+0.88-1.05, none 0.79-0.93 (leaving out [1024, 4096] on 2 threads in one of the two runs, where the
+read ran at 1.5x every kernel); one block ahead beat or tied two in 18 of 20 same-round pairs, the
+other two that case."""
 
 
 @njit(**JIT_EXACT)
@@ -745,26 +756,30 @@ def _matmul_q4k(x, qs, d, m, out):
 def _matmul_q6k(x, qs, d, out):
     """As :func:`_matmul_q4` for Q6_K with Q8_K activations (:func:`quantize_k`): qs uint8
     [T, B, 208, TR] (this module's layout), d fp16 bits uint16 [T, B, TR]. The 16 scales of a block are
-    applied in integers; with several rows of x each block is unpacked once and reused."""
+    applied in integers, then per block ``y += (d * dx) * isum`` in float32. One row of x:
+    :func:`~llamatrace.kernels.act8_ir.decode_q6k` runs over a whole tile, its sums in registers,
+    prefetching :data:`DECODE_AHEAD_Q6K` bytes ahead; several: each block is unpacked once and
+    reused, one block at a time (the same bits for each row)."""
     xq, xd, xsum = _quantized_k(x)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
     for t in prange(n_tiles):
+        if n_seq == 1:
+            res = np.empty(TR, np.float32)
+            decode_q6k(qs, t * n_blocks * block, xq, xd, xsum, 0, d, d, t * n_blocks * TR, n_blocks, np.float32(0.0),
+                       res, DECODE_AHEAD_Q6K)
+            tiles.store_tile(res, out, 0, t)
+            continue
         isum = np.empty(TR, np.int32)
-        unpacked = np.empty(QK_K_BYTES + 16 * TR if n_seq > 1 else 0, np.uint8)   # prefill only
+        unpacked = np.empty(QK_K_BYTES + 16 * TR, np.uint8)
         acc = np.zeros((n_seq, TR), np.float32)
         for b in range(n_blocks):
             db = d[t, b]
-            base = (t * n_blocks + b) * block
-            if n_seq > 1:
-                tiles.prefetch_next_block(qs, t, b)
-                unpack_q6k(qs, base, unpacked, 0, isum)
+            tiles.prefetch_next_block(qs, t, b)
+            unpack_q6k(qs, (t * n_blocks + b) * block, unpacked, 0, isum)
             for s in range(n_seq):
-                if n_seq > 1:
-                    isum_u8_16(unpacked, 0, xq, (s * n_blocks + b) * QK_K, xsum, (s * n_blocks + b) * 16, isum, False)
-                else:
-                    isum_q6k(qs, base, xq, (s * n_blocks + b) * QK_K, xsum, (s * n_blocks + b) * 16, isum, True)
+                isum_u8_16(unpacked, 0, xq, (s * n_blocks + b) * QK_K, xsum, (s * n_blocks + b) * 16, isum)
                 dx = xd[s, b]
                 a = acc[s]
                 for r in range(TR):

@@ -2,7 +2,7 @@
 
 Numba types integer arithmetic as int64, so :mod:`llamatrace.kernels.act8`'s kernels take their
 block dot products from the intrinsics here (:func:`isum_q8`,
-:func:`isum_q6k`, :func:`unpack_q6k`, :func:`isum_u8_16`): x86 ``pmaddubsw`` multiplies 32
+:func:`unpack_q6k`, :func:`isum_u8_16`): x86 ``pmaddubsw`` multiplies 32
 unsigned bytes by 32 signed bytes and adds adjacent pairs to int16, ``pmaddwd`` adds pairs of
 int16 to int32; with four bytes of a row per 32-bit lane, one register holds 8 rows and each
 row's four products end up in its own lane. The byte layout they read and the overflow bounds
@@ -21,8 +21,8 @@ The prefill microkernels (:func:`prefill_q4`, :func:`prefill_q8`, :func:`prefill
 against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 in a ymm), the
 float32 sums kept in registers (phi nodes) from the first block to the last (Q6_K's block on zmm
 is inline asm: LLVM's own instruction choice and schedule took a quarter more time). The Q4_0,
-Q4_1 and Q4_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`) are the one-row case over a
-whole tile in one pass, with a prefetch. Numba caches the
+Q4_1, Q4_K and Q6_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`,
+:func:`decode_q6k`) are the one-row case over a whole tile in one pass, with a prefetch. Numba caches the
 kernels that call these by the calling module's source: after a change here, clear
 ``llamatrace/kernels/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
 """
@@ -67,9 +67,9 @@ def _avx2_intrinsics(module):
 
 class _Emit:
     """What every block intrinsic's IR needs. The intrinsics take ``(a, a_offset, b, b_offset,
-    isum)`` or, for Q6_K, ``(a, a_offset, b, b_offset, xsum, xsum_offset, isum, prefetch)``:
+    isum)`` or, for Q6_K's unpacked blocks, ``(a, a_offset, b, b_offset, xsum, xsum_offset, isum)``:
     ``p``, ``q`` and ``sums`` point at ``a``, ``b`` and ``xsum`` at their offsets, ``out`` at
-    ``isum``; ``prefetch`` (nonzero: the first activation row) turns :meth:`prefetch_next` on."""
+    ``isum``."""
 
     def __init__(self, builder, args, sig, context) -> None:
         arrays = [i for i, a in enumerate(sig.args) if isinstance(a, types.Array)]
@@ -78,7 +78,6 @@ class _Emit:
         self.p = builder.gep(data[0], [args[1]])
         self.q = builder.gep(data[1], [args[3]])
         self.sums = builder.gep(data[2], [args[5]]) if len(data) == 4 else None
-        self.prefetch_on = args[7] if len(args) == 8 else None
         self.out = data[-1]
         module = builder.module
         self.maddubs, self.maddwd, self.sign = _avx2_intrinsics(module)
@@ -87,9 +86,6 @@ class _Emit:
         if self.vnni:
             self.dpbusd = module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", (),
                                                    ir.FunctionType(_V8I32, [_V8I32, _V8I32, _V8I32]))
-        i8p = ir.IntType(8).as_pointer()
-        self.prefetch = module.declare_intrinsic("llvm.prefetch", [i8p],
-                                                 ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]))
 
     def at(self, ptr, offset, vtype=_V32I8):
         return self.builder.bitcast(self.builder.gep(ptr, [ir.Constant(_I64, offset)]), vtype.as_pointer())
@@ -130,26 +126,13 @@ class _Emit:
         v = self.builder.load(self.at(self.p, offset, _V8I8), align=1)
         return self.builder.sext(v, _V8I32)
 
-    def prefetch_next(self, step, n_steps, block_bytes):
-        """Prefetch part ``step`` of ``n_steps`` of the next block (``p + block_bytes``: the
-        next block of the tile or the next tile's first; past the array's end a prefetch does
-        nothing), spreading a block's cache lines over the work on this one."""
-        b = self.builder
-        lines = -(-block_bytes // 64)
-        on = b.icmp_signed("!=", self.prefetch_on, ir.Constant(self.prefetch_on.type, 0))
-        with b.if_then(on, likely=True):
-            for line in range(step * lines // n_steps, (step + 1) * lines // n_steps):
-                ptr = b.gep(self.p, [ir.Constant(_I64, block_bytes + 64 * line)])
-                b.call(self.prefetch, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-
     def barrier(self):
         """An empty asm statement that clobbers memory, so LLVM moves no load across it. Between
         the 16 groups of a Q6_K block it stops the scheduler hoisting later groups' loads ahead,
         which kept more values live than AVX2's 16 registers (~400 stack spills and reloads a
         block): Q6_K [4096, 14336] decode went 2.95-3.56 -> 2.12-2.27 ms (paired, one process,
         same output bit for bit), 32 prompt rows 0-6 % faster."""
-        fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", side_effect=True)
-        self.builder.call(fn, [])
+        _barrier(self.builder)
 
     def xsum(self, index):
         """``xsum[index]`` (int32 at ``sums``) in every lane."""
@@ -163,18 +146,29 @@ class _Emit:
         return ir.Constant(_V32I8, [v] * 32)
 
 
+def _barrier(builder):
+    """:meth:`_Emit.barrier` for any builder."""
+    builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", side_effect=True), [])
+
+
+def _opaque(builder, value):
+    """``value`` (an integer or an integer vector) through an empty asm statement: the same value,
+    computed before this point (its arithmetic is not sunk below it), and what is addressed from
+    it read after it (LLVM cannot hoist those loads above it, nor merge them with loads addressed
+    from another copy). Such statements keep their order (:func:`_decode_q6k_ir`)."""
+    constraint = "=v,0" if isinstance(value.type, ir.VectorType) else "=r,0"
+    fn = ir.InlineAsm(ir.FunctionType(value.type, [value.type]), "", constraint, side_effect=True)
+    return builder.call(fn, [value])
+
+
 def _block_ir(builder, args, sig, context, kind: str) -> None:
     """Emit the block dot products of one tile block: ``isum[r]`` for its TR rows.
 
-    kind ``q8``: Q8_0, 8 groups of signed bytes; ``q6k``: a whole Q6_K
-    block against Q8_K activations, ``sum_j sc_j * (isum_j - 32 * xsum_j)`` over its 16 groups
-    of 16 (``q + 32`` is unsigned, the offset comes from the activations' sums); ``unpack_q6k``
-    and ``u8_16``: Q6_K's prefill, the block unpacked once into weight-order bytes, then the same
-    sums per activation row."""
+    kind ``q8``: Q8_0, 8 groups of signed bytes; ``unpack_q6k`` and ``u8_16``: a Q6_K block unpacked
+    once into weight-order bytes, then per activation row (Q8_K) ``sum_j sc_j * (isum_j - 32 *
+    xsum_j)`` over its 16 groups of 16 (``q + 32`` is unsigned, the offset comes from the
+    activations' sums)."""
     e = _Emit(builder, args, sig, context)
-    if kind == "q6k":
-        _q6k_ir(e)
-        return
     if kind == "unpack_q6k":
         _q6k_unpack_ir(e)
         return
@@ -198,16 +192,16 @@ def _add(b, acc, part):
     return part if acc is None else b.add(acc, part)
 
 
-def _q6k_group(e: _Emit, h: int, c: int, k: int, rg: int):
-    """The 6-bit quants (``q + 32``, 0..63) of weights 32c + 4k .. + 3 of half h, rows
-    8rg..8rg+7: group k (4 bytes of weights l = 4k..4k+3 in each 32) of the half's ql[0:32],
-    ql[32:64] and qh[0:32] is group 16h + k, 16h + 8 + k and 32 + 8h + k of the block; weight
-    32c + l of the half is ql (low nibble for c < 2, high for c >= 2) | qh bits 2c, 2c+1 << 4.
-    Only the two groups one ``c`` needs are loaded: assembling all four ``c`` at once keeps too
-    many registers live and spills."""
-    b, v = e.builder, e.const
-    ql = e.load(e.p, (16 * h + 8 * (c % 2) + k) * TR * 4 + rg * 32)
-    qh = e.load(e.p, (32 + 8 * h + k) * TR * 4 + rg * 32)
+def _q6k_group(b, load, const, h: int, c: int, k: int):
+    """The 6-bit quants (``q + 32``, 0..63) of weights 32c + 4k .. + 3 of half h for one register
+    of rows, ``load(g)`` its bytes of group g and ``const(v)`` a byte vector: group k (4 bytes of
+    weights l = 4k..4k+3 in each 32) of the half's ql[0:32], ql[32:64] and qh[0:32] is group
+    16h + k, 16h + 8 + k and 32 + 8h + k of the block; weight 32c + l of the half is ql (low
+    nibble for c < 2, high for c >= 2) | qh bits 2c, 2c+1 << 4. Only the two groups one ``c``
+    needs are loaded: assembling all four ``c`` at once keeps too many registers live and spills."""
+    v = const
+    ql = load(16 * h + 8 * (c % 2) + k)
+    qh = load(32 + 8 * h + k)
     low = b.and_(ql, v(15)) if c < 2 else b.lshr(ql, v(4))
     high = {0: lambda: b.shl(b.and_(qh, v(3)), v(4)), 1: lambda: b.shl(b.and_(qh, v(12)), v(2)),
             2: lambda: b.and_(qh, v(48)), 3: lambda: b.and_(b.lshr(qh, v(2)), v(48))}[c]()
@@ -231,20 +225,6 @@ def _q6k_scaled(e: _Emit, acc, j: int, rg: int, operands, scales_at: int):
     return _add(b, acc, b.mul(centred, e.rows8(scales_at + j * TR + rg * 8)))
 
 
-def _q6k_ir(e: _Emit) -> None:
-    """The ``q6k`` case of :func:`_block_ir`: ``p`` is the block, ``q`` its 256 activations."""
-    for rg in range(TR // 8):
-        acc = None
-        for j in range(16):                   # weights 16j..: half h, c = (j % 8) // 2, k = 4 (j % 2) + ..
-            h, c, k0 = j // 8, (j % 8) // 2, 4 * (j % 2)
-            pairs = [[(_q6k_group(e, h, c, k, rg), e.broadcast(128 * h + 32 * c + 4 * k))
-                      for k in (kk, kk + 1)] for kk in (k0, k0 + 2)]
-            acc = _q6k_scaled(e, acc, j, rg, pairs, Q6K_SCALES * TR)
-            e.prefetch_next(16 * rg + j, 16 * (TR // 8), (Q6K_SCALES + 16) * TR)
-            e.barrier()
-        e.store(acc, rg * 8)
-
-
 def _q6k_unpack_ir(e: _Emit) -> None:
     """``unpack_q6k``: the block at ``p`` as unsigned ``q + 32`` bytes in weight order, groups of
     four per row, written at ``q``: [(G*TR + r)*4 + i] = weight 4G + i of row r; then its 16
@@ -254,7 +234,8 @@ def _q6k_unpack_ir(e: _Emit) -> None:
             for rg in range(TR // 8):
                 for c in range(4):      # weights 128h + 32c + 4k .. + 3: group 32h + 8c + k
                     g = 32 * h + 8 * c + k
-                    e.builder.store(_q6k_group(e, h, c, k, rg), e.at(e.q, (g * TR + rg * 8) * 4), align=1)
+                    quants = _q6k_group(e.builder, lambda g: e.load(e.p, g * TR * 4 + rg * 32), e.const, h, c, k)
+                    e.builder.store(quants, e.at(e.q, (g * TR + rg * 8) * 4), align=1)
     for i in range(0, 16 * TR, 32):
         e.builder.store(e.load(e.p, Q6K_SCALES * TR + i), e.at(e.q, QK_K_BYTES + i), align=1)
 
@@ -276,7 +257,8 @@ def _q6k_unpack_pairs_ir(e: _Emit) -> None:
 
 
 def _u8_16_ir(e: _Emit) -> None:
-    """``u8_16``: as ``q6k`` for a block unpacked by :func:`_q6k_unpack_ir` at ``p``."""
+    """``u8_16``: the scaled sum of :func:`_block_ir` for a block unpacked by :func:`_q6k_unpack_ir`
+    at ``p``, ``q`` its 256 activations."""
     for rg in range(TR // 8):
         acc = None
         for j in range(16):
@@ -293,9 +275,9 @@ def _isum_intrinsic(kind: str, doc: str, with_sums: bool = False):
         return context.get_dummy_value()
 
     if with_sums:
-        def typer(typingctx, qs, qbase, xq, xbase, xsum, sbase, isum, prefetch):
+        def typer(typingctx, qs, qbase, xq, xbase, xsum, sbase, isum):
             if all(isinstance(a, types.Array) for a in (qs, xq, xsum, isum)):
-                return types.void(qs, qbase, xq, xbase, xsum, sbase, isum, prefetch), codegen
+                return types.void(qs, qbase, xq, xbase, xsum, sbase, isum), codegen
     else:
         def typer(typingctx, qs, qbase, xq, xbase, isum):
             if all(isinstance(a, types.Array) for a in (qs, xq, isum)):
@@ -307,17 +289,15 @@ def _isum_intrinsic(kind: str, doc: str, with_sums: bool = False):
 
 isum_q8 = _isum_intrinsic("q8", """isum int32[TR] = block dot products of a Q8_0 tile block at
 flat byte ``qbase`` of ``qs`` with the 32 int8 activations at ``xbase`` of ``xq`` (C-contiguous).""")
-isum_q6k = _isum_intrinsic("q6k", """isum int32[TR]: the Q6_K tile block at ``qbase`` with the 256
-Q8_K activations at ``xbase`` and their 16 sums at ``sbase`` of ``xsum``, scaled (:func:`_q6k_ir`).""",
-                            with_sums=True)
 unpack_q6k = _isum_intrinsic("unpack_q6k", """Writes the Q6_K tile block at ``qbase`` as unsigned bytes
 in weight order, then its scales, into the third argument, uint8 [(256 + 16) * TR] (the fourth and
 fifth are unused).""")
 unpack_q6k_pairs = _isum_intrinsic("unpack_q6k_pairs", """Writes the Q6_K tile block at ``qbase`` into the
 third argument for :func:`prefill_q6k`, uint8 :data:`Q6K_UNPACKED` bytes: :func:`unpack_q6k`'s, then the scales
 as int16 pairs (:func:`_q6k_unpack_pairs_ir`; the fourth and fifth arguments are unused).""")
-isum_u8_16 = _isum_intrinsic("u8_16", """As :func:`isum_q6k` for a block unpacked by
-:func:`unpack_q6k`.""", with_sums=True)
+isum_u8_16 = _isum_intrinsic("u8_16", """isum int32[TR]: a Q6_K tile block unpacked by :func:`unpack_q6k`
+(at ``qbase``) with the 256 Q8_K activations at ``xbase`` and their 16 sums at ``sbase`` of
+``xsum``, scaled (:func:`_u8_16_ir`).""", with_sums=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,7 +605,7 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
     ``xs`` (the Q8_K sums of 16 as int16; ``m`` and ``m_scale`` unused) are laid out by
     ``act8._by_runs``: the ``ns`` rows from ``s0`` have block b side by side. Per block and row
     ``acc += xd * (sum_j (d sc_j) * isum_j + d * sum_j (-32 sc_j) * xsum_j)``, the scaled sum
-    of :func:`_q6k_ir` (``sum_j sc_j * (isum_j - 32 * xsum_j)``) taken apart: ``isum_j`` over a
+    of :func:`_u8_16_ir` (``sum_j sc_j * (isum_j - 32 * xsum_j)``) taken apart: ``isum_j`` over a
     group's ``(q + 32) * xq`` (4 ``vpdpbusd``, then a conversion and an FMA with ``d sc_j``, exact
     and shared by the rows), the second sum in int32 as 8 ``vpdpwssd`` of the unpacked ``-32 sc``
     pairs and the activation sums' pairs (at most 16 * 4096 * 2032 in size). Within 1e-7 of
@@ -829,6 +809,66 @@ def _decode_q4k_ir(k: _Tile, args):
     return k.block_loop(n_blocks, len(halves), body)
 
 
+def _decode_q6k_ir(k: _Tile, args):
+    """:func:`decode_q6k`'s body: as :func:`_decode_q4_ir` for a Q6_K tile (``xs`` the Q8_K sums
+    of 16, int32; ``m`` and ``m_scale`` unused): per block and register of rows the exact int32
+    ``sum_j sc_j * (isum_j - 32 * xsum_j)`` of :func:`_u8_16_ir`, then ``acc = fma(d * dx, isum,
+    acc)``, the per-block loop's float32 step as LLVM contracts it, so the same bits.
+
+    One group of 16 weights (``j``) at a time for every register of rows, which share its
+    activation broadcasts. :func:`_barrier` does not order the groups here: LLVM merged and
+    hoisted loads of later groups across it all the same (even with the arrays' pointers given to
+    the asm statement), sank arithmetic below them and spilled what it kept live, as much as the
+    kernel around the call made it (in ``act8._matmul_q6k``, 8 rows a ymm: 370 stores and 709
+    reloads of the stack a block, 2720 instructions; 16 a zmm: 13 and 60, 1126). So each group's
+    offsets pass through :func:`_opaque` (its loads can neither move above that point nor merge
+    with another group's) and so do its int32 sums (their arithmetic is done before the next
+    group's loads): no spill there, 2127 instructions a block with ymm, 1061 with zmm."""
+    (qs, q_at, xq, xd, xs, s0, d, _, dm_at, n_blocks, _, _, ahead) = args
+    b, c64, lanes = k.b, k.c64, k.lanes
+    q_at, s0, dm_at, n_blocks, ahead = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, ahead))
+    n_in = b.mul(n_blocks, c64(QK_K))
+    on = b.icmp_signed("!=", ahead, c64(0))
+    block = (Q6K_SCALES + 16) * TR
+    lines = block // 64
+    five = ir.Constant(k.vi32, [5] * lanes)
+
+    def const(v):
+        return ir.Constant(k.vi8, [v] * (4 * lanes))
+
+    def body(blk, accs):
+        at = b.add(b.mul(s0, n_blocks), blk)
+        sums_at = b.mul(at, c64(16))
+        dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        isums = [None] * len(accs)
+        for j in range(16):         # weights 16j..16j+15: half j // 8, c = (j % 8) // 2, groups k0..k0+3
+            qb = _opaque(b, b.add(q_at, b.mul(blk, c64(block))))
+            xrow = _opaque(b, b.add(b.mul(s0, n_in), b.mul(blk, c64(QK_K))))
+            k.prefetch(on, qs, b.add(qb, ahead), range(j * lines // 16, (j + 1) * lines // 16))
+            half, c, k0 = j // 8, (j % 8) // 2, 4 * (j % 2)
+            xv = [k.bytes4(xq, b.add(xrow, c64(16 * j + 4 * i))) for i in range(4)]
+            xsum = b.shl(k.splat(k.load(xs, b.add(sums_at, c64(j)), _I32, 4), k.vi32), five)
+            for h in range(len(accs)):
+                rows = b.add(qb, c64(h * lanes * 4))
+                pairs = [(_q6k_group(b, lambda g: k.load(qs, b.add(rows, c64(g * TR * 4)), k.vi8), const, half, c, k0 + i),
+                          xv[i]) for i in range(4)]
+                # AVX2: two int16 pair sums (at most 2 * 2 * 63 * 127 each) to int32, as _q6k_scaled
+                part = k.isum(pairs) if k.vnni else b.add(k.isum(pairs[:2]), k.isum(pairs[2:]))
+                sc = b.sext(k.load(qs, b.add(qb, c64(Q6K_SCALES * TR + j * TR + h * lanes)),
+                                   ir.VectorType(ir.IntType(8), lanes)), k.vi32)
+                term = b.mul(b.sub(part, xsum), sc)
+                isums[h] = term if isums[h] is None else b.add(isums[h], term)
+            isums = [_opaque(b, v) for v in isums]
+        new = []
+        for h, acc in enumerate(accs):
+            dvec = k.halves(d, b.add(dm, c64(h * lanes)))
+            new.append(k.fma(b.fmul(dvec, dx), b.sitofp(isums[h], k.vf), acc))
+        return new
+
+    return k.block_loop(n_blocks, TR // lanes, body)
+
+
 def _flat_args(context, builder, signature, args) -> list:
     """The microkernels' 13 arguments as IR values: the arrays (``qs, xq, xd, xs, d, m, res``) as
     their data pointers, ``m_scale`` as float32, the integers as they are."""
@@ -929,3 +969,6 @@ decode_q4_0 = _decode_intrinsic(lambda k, flat: _decode_q4_ir(k, flat, offset=Tr
     "as :func:`prefill_q4_0`."))
 decode_q4k = _decode_intrinsic(_decode_q4k_ir, _DECODE_DOC.format(
     what="Q4_K (``m`` its dmin, ``m_scale`` unused): as ``act8._matmul_q4k`` per sub-block pair."))
+decode_q6k = _decode_intrinsic(_decode_q6k_ir, _DECODE_DOC.format(
+    what="Q6_K (``xs`` the Q8_K sums of 16, int32; ``m``, ``m_scale`` unused): as ``act8._matmul_q6k``'s "
+    "per-block loop, ``(d * xd) * isum`` per block with the exact int32 block sum."))
