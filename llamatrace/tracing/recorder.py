@@ -210,6 +210,12 @@ class Recorder:
             return False
         return layer is None or self.layers is None or layer in self.layers
 
+    def watches(self, layer: int | None, stage: str) -> bool:
+        """Whether this recorder reads the stage's output at ``layer``: records it, checks it for
+        NaN/Inf or times it. The forward pass may skip a stage nothing watches (it computes the
+        masked attention probabilities without the masked scores; the ``kq`` stage holds them)."""
+        return self.check_finite or self.time_all or self.wants(layer, stage)
+
     def begin(self, start_pos: int, seq_len: int, dims: Mapping[str, int],
               weight_shapes: Mapping[str, tuple[int, ...]], phase: str | None = None) -> Emit:
         """Start one forward call (one ``step``) and return its ``emit`` function.
