@@ -11,6 +11,10 @@ kernel registered for the weight's type (:mod:`llamatrace.kernels.registry`); ac
 (or 8-bit inside the ``q8`` mode's matmuls).
 Every stage reports its output through ``x = emit(stage, layer, x)``: the identity unless a
 :class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.tracing.hooks`) replace it.
+Two groups of stages are fused when no recorder or hook watches them (``watched``), with the same
+numbers bit for bit: a masked prefill's scores (``kq`` … ``kq_masked``: q·k and the softmax only
+over the keys each query sees, :func:`~llamatrace.kernels.fp32.attention_probs`) and the FFN's
+gate and up halves (SwiGLU straight from the stacked product, :func:`~llamatrace.kernels.fp32.swiglu`).
 """
 
 from __future__ import annotations
