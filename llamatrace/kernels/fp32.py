@@ -537,30 +537,28 @@ def _softmax_visible_rows(x, i, scale, first_pos, window):
     for j in range(x.shape[1]):
         pos = first_pos + j
         lo = max(0, pos - window + 1) if window else 0
-        hi = min(n, pos + 1)
+        row = x[i, j]
+        seen = row[lo:min(n, pos + 1)]        # a view indexed from 0: its loops vectorise
         m = np.float32(-np.inf)
-        for k in range(lo, hi):
-            v = x[i, j, k] * scale
-            x[i, j, k] = v
+        for k in range(seen.shape[0]):
+            v = seen[k] * scale
+            seen[k] = v
             if v > m:
                 m = v
         if m == -np.inf:                      # every key it sees is -inf: zeros (softmax's rule)
-            for k in range(n):
-                x[i, j, k] = 0.0
+            row[:] = 0.0
             continue
-        for k in range(lo, hi):               # vectorises; the sum stays in order below
-            x[i, j, k] = exp_f32(x[i, j, k] - m)
+        for k in range(seen.shape[0]):        # vectorises; the sum stays in order below
+            seen[k] = exp_f32(seen[k] - m)
         total = np.float32(0.0)
-        for k in range(lo, hi):
-            total += x[i, j, k]
+        for k in range(seen.shape[0]):
+            total += seen[k]
         inv = np.float32(1.0) / total
-        for k in range(lo, hi):
-            x[i, j, k] *= inv
+        for k in range(seen.shape[0]):
+            seen[k] *= inv
         hidden = np.float32(0.0) * inv
-        for k in range(lo):
-            x[i, j, k] = hidden
-        for k in range(hi, n):
-            x[i, j, k] = hidden
+        row[:lo] = hidden
+        row[lo + seen.shape[0]:] = hidden
 
 
 @njit(**JIT_EXACT)
