@@ -2,8 +2,9 @@
 
 The forward pass calls ``x = emit(stage_id, layer, x)`` once per stage and goes on with what
 ``emit`` returns (a few stages that no recorder or hook :meth:`~Recorder.watches` are fused
-away: a prefill's masked scores, the FFN's gate and up; what follows them is the same, bit for bit). Without a recorder or hooks, ``emit`` is :func:`null_emit` (returns ``array``):
-tracing costs one Python call per stage when off. A recorder returns the array it was given, so
+away: a prefill's scores before the softmax, the FFN's gate and up; what follows them is the
+same, bit for bit). Without a recorder or hooks, ``emit`` is :func:`null_emit` (returns
+``array``): tracing costs one Python call per stage when off. A recorder returns the array it was given, so
 the math never changes — recording runs the same kernels on the same arrays, bit for bit;
 only hooks (:mod:`llamatrace.tracing.hooks`) replace arrays (TransformerLens' identity-hook idea).
 A :class:`Recorder` is scoped — pass it to ``forward``/``generate`` or use
