@@ -155,6 +155,74 @@ def test_masked_keys_add_nothing_to_the_values():
         seen = K.attention_values_serial(np.ascontiguousarray(p[:, s:s + 1, :s + 1]), values[:s + 1])
         np.testing.assert_array_equal(out[:, s:s + 1], seen)
 
+def _bits(a):
+    return a.view(np.uint32)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("seq_len,start_pos,n_heads,n_kv_heads,head_dim,window", [
+    (5, 0, 4, 2, 64, 0), (70, 0, 6, 2, 16, 0), (40, 30, 9, 3, 64, 0), (128, 0, 8, 2, 128, 0),
+    (60, 0, 4, 1, 32, 16), (20, 50, 4, 2, 32, 16), (1, 40, 4, 2, 32, 8)])
+def test_attention_probs_are_the_masked_softmax_bit_for_bit(parallel, seq_len, start_pos, n_heads,
+                                                          n_kv_heads, head_dim, window):
+    """q·k and the softmax over only the keys each row sees give the masked path's
+    probabilities, masked zeros included, bit for bit (and the twin's, to rounding)."""
+    xq, keys = randn(seq_len, n_heads, head_dim) * 3, randn(start_pos + seq_len, n_kv_heads, head_dim) * 3
+    scale = np.float32(1 / np.sqrt(head_dim))
+    mask = K.window_mask(seq_len, start_pos, window) if window else K.causal_mask(seq_len, start_pos)
+    masked = K.softmax(K.attention_scores(xq, keys) * scale + mask)
+    got = K.attention_probs(xq, keys, scale, start_pos, window, parallel=parallel)
+    np.testing.assert_array_equal(_bits(got), _bits(masked))
+    assert (got[:, np.isinf(mask)] == 0).all() and (got[:, mask == 0] > 0).all()
+    np.testing.assert_allclose(got, K.attention_probs_ref(xq, keys, scale, start_pos, window), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_attention_probs_never_read_a_key_a_row_does_not_see(parallel):
+    """NaN in the keys a row must not see (later positions; before the window) leaves the row
+    exactly as with clean keys; every row that sees one differs. (The masked path's scores
+    of hidden keys are computed, and NaN + -inf is NaN: there every row would be NaN.)"""
+    seq_len, start_pos, window = 70, 10, 24
+    xq, keys = randn(seq_len, 6, 32), randn(start_pos + seq_len, 2, 32)
+    poisoned = keys.copy()
+    poisoned[start_pos + 50:] = np.nan                 # seen by rows 50 …
+    clean = K.attention_probs(xq, keys, 0.25, start_pos, parallel=parallel)
+    got = K.attention_probs(xq, poisoned, 0.25, start_pos, parallel=parallel)
+    np.testing.assert_array_equal(_bits(got[:, :50]), _bits(clean[:, :50]))
+    assert (got[:, 50:] != clean[:, 50:]).any(axis=-1).all()
+    poisoned = keys.copy()
+    poisoned[:start_pos + 30] = np.nan                 # out of the window of rows 30 + window - 1 …
+    clean = K.attention_probs(xq, keys, 0.25, start_pos, window, parallel=parallel)
+    got = K.attention_probs(xq, poisoned, 0.25, start_pos, window, parallel=parallel)
+    np.testing.assert_array_equal(_bits(got[:, 30 + window - 1:]), _bits(clean[:, 30 + window - 1:]))
+    assert (got[:, :30 + window - 1] != clean[:, :30 + window - 1]).any(axis=-1).all()
+
+
+def test_attention_probs_of_a_nan_row_are_nan_as_in_the_masked_path():
+    xq, keys = randn(6, 2, 16), randn(6, 2, 16)
+    xq[3, 1, 5] = np.inf                               # query row 3 of head 1: scores ±inf,
+    keys[0, 1, 5] = 1.0                                # +inf among them, inf - inf = NaN
+    with np.errstate(invalid="ignore"):                # the masked path's inf + -inf
+        masked = K.softmax(K.attention_scores(xq, keys) * np.float32(0.25) + K.causal_mask(6, 0))
+    got = K.attention_probs(xq, keys, 0.25, 0)
+    assert np.isnan(got[1, 3]).all()
+    np.testing.assert_array_equal(got, masked)         # NaN where NaN, the same bits elsewhere
+
+
+def test_attention_probs_need_a_key_per_position():
+    with pytest.raises(ValueError, match="keys for"):
+        K.attention_probs(randn(4, 2, 8), randn(5, 2, 8), 0.5, 0)
+
+
+@pytest.mark.parametrize("shape", [(3, 100), (128, 3072)])          # serial, parallel
+def test_swiglu_is_silu_of_the_gate_half_times_the_up_half(shape):
+    y = randn(*shape) * 6
+    gate, up = np.ascontiguousarray(y[:, :shape[1] // 2]), y[:, shape[1] // 2:]
+    got = K.swiglu(y)
+    np.testing.assert_array_equal(_bits(got), _bits(K.silu(gate) * up))
+    np.testing.assert_allclose(got, K.swiglu_ref(y), rtol=1e-6, atol=1e-6)
+
+
 def test_grouped_kv_heads_equal_explicitly_repeated_heads():
     xq, keys, values = randn(6, 8, 32), randn(9, 2, 32), randn(9, 2, 32)
     kq = K.attention_scores(xq, keys)

@@ -76,6 +76,8 @@ EXCLUDED.update({
         "a benchmark on 8B-shaped files (~5 GB each, minutes per run) against llama-perplexity; run by hand",
     "python benchmarks/bench_stages.py --base 8b-q4_0.gguf -m 8b-q4_k_m.gguf -c 256 --chunks 1 --rounds 3 "
     "--activations q8 [--profile]": "a benchmark on two 8B-shaped files (~11 GB of RAM, minutes); run by hand",
+    "python benchmarks/bench_fused.py -m 8b-q4_0.gguf -c 512 --rounds 3 --threads 2":
+        "a benchmark on an 8B-shaped file (~5 GB, a minute per chunk); run by hand",
     "python benchmarks/bench_tokenizer.py -m 8b-q4_k_m.gguf --tree before=MAIN_CHECKOUT --tree after=. --rounds 4":
         "a benchmark on an 8B-shaped file and two source trees (minutes); run by hand",
 })

@@ -176,6 +176,45 @@ def test_tracing_does_not_change_generated_tokens_default_model(smollm2):
     assert plain[0] == 7042                                 # " Paris", as HF
 
 
+def test_unwatched_scores_are_skipped_and_a_recorded_kq_still_holds_every_score(gqa, monkeypatch):
+    """A prefill computes q·k only for the keys each query sees, and SwiGLU from the unsplit
+    gate|up product, unless a recorder or hook watches those stages. A recorded ``kq`` still holds
+    every key's q·k (masked ones too) and ``kq_masked`` their -inf; the probabilities, the SwiGLU
+    and the logits are the same bits either way."""
+    ids, n_layers = np.arange(3, 43), gqa.config.n_layers         # 40 tokens: two key chunks
+    calls = []
+    for name in ("attention_scores", "silu"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+
+    def run(stages, **options):
+        calls.clear()
+        rec = Recorder(stages=stages, keep_arrays=True, **options)
+        logits = gqa.forward(ids, 0, gqa.new_cache(len(ids)), recorder=rec, all_logits=True)
+        return logits, rec.arrays()
+
+    quiet, kept = run(["kq_soft_max", "ffn_swiglu"])
+    assert calls == []
+    full, arrays = run(["Qcur_rope", "keys", "kq", "kq_masked", "kq_soft_max", "ffn_up", "ffn_swiglu"])
+    assert sorted(calls) == ["attention_scores"] * n_layers + ["silu"] * n_layers
+    hidden = np.triu(np.ones((len(ids), len(ids)), dtype=bool), 1)
+    for layer in range(n_layers):
+        at = f"step0.layer{layer}."
+        kq = arrays[at + "kq"]
+        ref = kernels.attention_scores_ref(arrays[at + "Qcur_rope"], arrays[at + "keys"])
+        np.testing.assert_allclose(kq, ref, rtol=1e-5, atol=1e-5)     # every entry, the masked ones too
+        assert np.isneginf(arrays[at + "kq_masked"][:, hidden]).all()
+        for stage in ("kq_soft_max", "ffn_swiglu"):
+            np.testing.assert_array_equal(kept[at + stage].view(np.uint32), arrays[at + stage].view(np.uint32))
+    np.testing.assert_array_equal(quiet.view(np.uint32), full.view(np.uint32))
+    with gqa.hooks({"kq_masked": lambda a, e: None}, layers=[1]):
+        run(["l_out"])
+    assert calls == ["attention_scores"]                          # only the hooked layer's scores
+    for options in (dict(check_finite=True), dict(time_all=True)):   # every stage checked or timed
+        run(["l_out"], **options)
+        assert calls.count("attention_scores") == n_layers
+
+
 # ---- log lines -------------------------------------------------------------------------------
 def test_dump_shapes_matches_snapshot(smollm2_path, capsys):
     code = main(["trace", "--model", str(smollm2_path), "--raw", "--layer", "0", "--tokens", "1", "--dump-shapes"])

@@ -1,5 +1,6 @@
 """Small fp32 kernels of the forward pass: RMSNorm, RoPE (pairs and NeoX halves), masks, softmax,
-SiLU, GELU, soft-capping (and the exp they use).
+SiLU (and SwiGLU), GELU, soft-capping (and the exp they use), attention's products (and the
+masked probabilities without the masked scores).
 
 Each Numba kernel ``foo`` has a plain NumPy twin ``foo_ref`` with the same contract; the tests
 check one against the other. Shapes follow the forward pass: ``[seq_len, dim]`` activations,
@@ -343,6 +344,51 @@ def silu_ref(x: np.ndarray) -> np.ndarray:
     return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
 
 
+@njit(error_model="numpy", inline="always", **JIT_EXACT)
+def _swiglu_row(y, out, i):
+    half = out.shape[1]
+    for j in range(half):
+        v = y[i, j]
+        out[i, j] = (v / (np.float32(1.0) + exp_f32(-v))) * y[i, half + j]
+
+
+@njit(error_model="numpy", **JIT_EXACT)
+def swiglu_serial(y):
+    out = np.empty((y.shape[0], y.shape[1] // 2), dtype=np.float32)
+    for i in range(y.shape[0]):
+        _swiglu_row(y, out, i)
+    return out
+
+
+@njit(error_model="numpy", **JIT_EXACT_PARALLEL)
+def swiglu_parallel(y):
+    out = np.empty((y.shape[0], y.shape[1] // 2), dtype=np.float32)
+    for i in prange(y.shape[0]):
+        _swiglu_row(y, out, i)
+    return out
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """``silu(gate) * up`` from the product of the stacked gate|up matrix (``w13``), without
+    splitting it: the same float32 numbers as :func:`silu` of the gate half times the up half, in
+    one pass over the product (no copy of either half, no SiLU array).
+
+    Args:
+        gate_up: float32 ``[seq_len, 2*hidden_dim]``, the gate's outputs then the up's in each row.
+
+    Returns:
+        float32 ``[seq_len, hidden_dim]`` (the ``ffn_swiglu`` stage).
+    """
+    fn = swiglu_parallel if gate_up.shape[0] > 1 and gate_up.size > _PARALLEL_ELEMENTS else swiglu_serial
+    return fn(np.ascontiguousarray(gate_up))
+
+
+def swiglu_ref(gate_up: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`swiglu`."""
+    gate, up = np.split(gate_up, 2, axis=1)
+    return (silu_ref(gate) * up).astype(np.float32)
+
+
 _SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
 
 
@@ -382,14 +428,19 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 # Flags: jit.JIT_ATTN ('reassoc' for the head_dim-long sums; NaN still propagates).
 # ---------------------------------------------------------------------------------------------
 @njit(**JIT_ATTN)
-def _scores_keys(xq, keys, out, t0, t1):
-    """out[h, s, t] for keys t0 <= t < t1, every query head and row. Keys go in memory order,
-    each row [n_kv_heads, head_dim] read once for all heads: one stream through the cache.
-    (Head by head, the stride left decode waiting on DRAM: 35 -> 24 us at kv 200 in SmolLM2.)"""
+def _scores_keys(xq, keys, out, t0, t1, first_pos, window):
+    """out[h, s, t] for keys t0 <= t < t1, every query head, the keys query row s sees: row s sits
+    at position first_pos + s and sees keys t <= first_pos + s, and with a window (> 0) only
+    t > first_pos + s - window. Entries of keys it does not see are not written; first_pos >= t1
+    and window 0: every key. Keys go in memory order, each row [n_kv_heads, head_dim] read once
+    for all heads: one stream through the cache. (Head by head, the stride left decode waiting
+    on DRAM: 35 -> 24 us at kv 200 in SmolLM2.)"""
     seq_len, n_heads, head_dim = xq.shape
     n_rep = n_heads // keys.shape[1]
     for s in range(seq_len):
-        for t in range(t0, t1):
+        pos = first_pos + s
+        lo = max(t0, pos - window + 1) if window else t0
+        for t in range(lo, min(t1, pos + 1)):
             for h in range(n_heads):
                 k = keys[t, h // n_rep]
                 q = xq[s, h]
@@ -401,8 +452,9 @@ def _scores_keys(xq, keys, out, t0, t1):
 
 @njit(**JIT_ATTN)
 def attention_scores_serial(xq, keys):
-    out = np.empty((xq.shape[1], xq.shape[0], keys.shape[0]), dtype=np.float32)
-    _scores_keys(xq, keys, out, 0, keys.shape[0])
+    kv_len = keys.shape[0]
+    out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
+    _scores_keys(xq, keys, out, 0, kv_len, kv_len, 0)
     return out
 
 
@@ -411,7 +463,7 @@ def attention_scores_parallel(xq, keys):
     kv_len = keys.shape[0]
     out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
     for c in prange((kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK):     # threads split the keys
-        _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK))
+        _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), kv_len, 0)
     return out
 
 
@@ -454,6 +506,126 @@ def attention_scores_ref(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """NumPy twin of :func:`attention_scores` (repeats the KV heads explicitly)."""
     keys = repeat_kv(keys, xq.shape[1] // keys.shape[1])
     return np.einsum("shd,thd->hst", xq, keys).astype(np.float32)
+
+
+# The probabilities of a masked prefill without its masked scores: a causal (or sliding-window)
+# mask hides half of the keys of a long chunk, whose q·k, scaling, mask add and softmax the
+# unmasked path computes only to give them probability 0. attention_probs computes q·k for the
+# keys each query row sees and the softmax over them, the same numbers bit for bit: the same
+# _scores_keys sum per entry; the same float32 product by the scale; the row's max, exps and
+# in-order sum over the keys it sees (the masked path's exp(-inf) = 0 terms add nothing); and
+# the masked entries are 0 · (1 / sum), which is 0 — or NaN where the row's sum is, as there.
+@njit(parallel=True, **JIT_ATTN)
+def _visible_scores_parallel(xq, keys, out, first_pos, window):
+    """_scores_keys over every key chunk, threads splitting the chunks: chunk i goes with chunk
+    n-1-i, so a causal triangle's rows (many in the first chunks, few in the last) split evenly
+    between the threads' blocks of iterations."""
+    kv_len = keys.shape[0]
+    n = (kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK
+    for i in prange((n + 1) // 2):
+        _scores_keys(xq, keys, out, i * _KEY_CHUNK, min(kv_len, (i + 1) * _KEY_CHUNK), first_pos, window)
+        c = n - 1 - i
+        if c != i:
+            _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), first_pos, window)
+
+
+@njit(inline="always", **JIT_EXACT)
+def _softmax_visible_rows(x, i, scale, first_pos, window):
+    """In place, head i: each row's scores of the keys it sees (_scores_keys' rule) times
+    ``scale``, then their softmax; every other entry 0 · (1 / sum)."""
+    n = x.shape[2]
+    for j in range(x.shape[1]):
+        pos = first_pos + j
+        lo = max(0, pos - window + 1) if window else 0
+        row = x[i, j]
+        seen = row[lo:min(n, pos + 1)]        # a view indexed from 0: its loops vectorise
+        m = np.float32(-np.inf)
+        for k in range(seen.shape[0]):
+            v = seen[k] * scale
+            seen[k] = v
+            if v > m:
+                m = v
+        if m == -np.inf:                      # every key it sees is -inf: zeros (softmax's rule)
+            row[:] = 0.0
+            continue
+        for k in range(seen.shape[0]):        # vectorises; the sum stays in order below
+            seen[k] = exp_f32(seen[k] - m)
+        total = np.float32(0.0)
+        for k in range(seen.shape[0]):
+            total += seen[k]
+        inv = np.float32(1.0) / total
+        for k in range(seen.shape[0]):
+            seen[k] *= inv
+        hidden = np.float32(0.0) * inv
+        row[:lo] = hidden
+        row[lo + seen.shape[0]:] = hidden
+
+
+@njit(**JIT_EXACT)
+def _softmax_visible_serial(x, scale, first_pos, window):
+    for i in range(x.shape[0]):
+        _softmax_visible_rows(x, i, scale, first_pos, window)
+
+
+@njit(**JIT_EXACT_PARALLEL)
+def _softmax_visible_parallel(x, scale, first_pos, window):
+    for i in prange(x.shape[0]):
+        _softmax_visible_rows(x, i, scale, first_pos, window)
+
+
+def attention_probs(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: int, window: int = 0,
+                    parallel: bool | None = None) -> np.ndarray:
+    """Masked attention probabilities without the masked scores:
+    ``softmax(attention_scores(xq, keys) * scale + mask)``, bit for bit, with ``mask``
+    :func:`causal_mask` ``(seq_len, start_pos)`` (``window`` 0) or :func:`window_mask`
+    ``(seq_len, start_pos, window)``; q·k, the scaling and the exps are computed only for the
+    keys each query row sees (half of them in a causal prefill from position 0).
+
+    Args:
+        xq: float32 ``[seq_len, n_heads, head_dim]`` (rotated queries at positions
+            ``start_pos …``).
+        keys: float32 ``[start_pos + seq_len, n_kv_heads, head_dim]``; ``n_kv_heads`` divides ``n_heads``.
+        scale: the scores' factor (``1/√head_dim`` or the model's ``kq_scale``), rounded to float32.
+        start_pos: position of query row 0.
+        window: keys a query sees with a sliding window, itself included (0: no window).
+        parallel: run the threaded variants (``None``: when there is enough work); the same
+            numbers either way.
+
+    Returns:
+        float32 ``[n_heads, seq_len, kv_len]``; entries of keys a row does not see are 0 (NaN
+        in a row whose probabilities are NaN, as the masked path gives them). One difference
+        from the masked path: a NaN or inf in a key reaches only the rows that see it (there, the
+        hidden entries' ``nan + -inf`` made every row NaN).
+
+    Raises:
+        ValueError: ``n_kv_heads`` does not divide ``n_heads``, or ``keys`` does not hold
+            ``start_pos + seq_len`` positions.
+    """
+    seq_len, n_heads, head_dim = xq.shape
+    _check_groups(n_heads, keys.shape[1])
+    kv_len = keys.shape[0]
+    if kv_len != start_pos + seq_len:
+        raise ValueError(f"attention_probs: {kv_len} keys for {seq_len} queries at start_pos {start_pos}")
+    xq, keys = np.ascontiguousarray(xq), np.ascontiguousarray(keys)
+    first_pos, window, scale = int(start_pos), int(window), np.float32(scale)
+    out = np.empty((n_heads, seq_len, kv_len), dtype=np.float32)
+    if parallel if parallel is not None else seq_len * kv_len * n_heads * head_dim > _PARALLEL_WORK:
+        _visible_scores_parallel(xq, keys, out, first_pos, window)
+    else:
+        _scores_keys(xq, keys, out, 0, kv_len, first_pos, window)
+    if parallel if parallel is not None else out.size > _PARALLEL_ELEMENTS:
+        _softmax_visible_parallel(out, scale, first_pos, window)
+    else:
+        _softmax_visible_serial(out, scale, first_pos, window)
+    return out
+
+
+def attention_probs_ref(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: int,
+                        window: int = 0) -> np.ndarray:
+    """NumPy twin of :func:`attention_probs`: every score, the mask added, :func:`softmax_ref`."""
+    seq_len = xq.shape[0]
+    mask = window_mask(seq_len, start_pos, window) if window else causal_mask(seq_len, start_pos)
+    return softmax_ref(attention_scores_ref(xq, keys) * np.float32(scale) + mask)
 
 
 @njit(**JIT_ATTN)

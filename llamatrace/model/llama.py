@@ -11,6 +11,10 @@ kernel registered for the weight's type (:mod:`llamatrace.kernels.registry`); ac
 (or 8-bit inside the ``q8`` mode's matmuls).
 Every stage reports its output through ``x = emit(stage, layer, x)``: the identity unless a
 :class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.tracing.hooks`) replace it.
+Two groups of stages are fused when no recorder or hook watches them (``watched``), with the same
+numbers bit for bit: a masked prefill's scores (``kq`` … ``kq_masked``: q·k and the softmax only
+over the keys each query sees, :func:`~llamatrace.kernels.fp32.attention_probs`) and the FFN's
+gate and up halves (SwiGLU straight from the stacked product, :func:`~llamatrace.kernels.fp32.swiglu`).
 """
 
 from __future__ import annotations
@@ -322,6 +326,8 @@ class Llama:
             # long prompts switch the attention products to their parallel variants
             q = np.zeros((2, 1, self.config.head_dim), dtype=np.float32)
             kernels.attention_values_parallel(kernels.attention_scores_parallel(q, q), q)
+            kernels.attention_probs(q, q, 1.0, 0, parallel=True)
+            kernels.swiglu_parallel(np.zeros((2, 2), dtype=np.float32))
         finally:
             self._recorder = previous
             self._hooks = previous_hooks
@@ -390,6 +396,11 @@ class Llama:
             all_logits = all_logits or recorder.wants(None, "result_output") or recorder.wants(None, "result_softcap")
         for hooks in reversed(self._hooks):      # wrapped inside out: the outermost block runs first
             emit = hooks.begin(emit, start_pos, seq_len)
+        watchers = ([] if recorder is None else [recorder]) + self._hooks
+
+        def watched(layer: int, *stages: str) -> bool:
+            """Whether a recorder or hook reads one of the stages at this layer (else they may be fused)."""
+            return any(w.watches(layer, s) for w in watchers for s in stages)
         n_heads, n_kv_heads, head_dim, n_rep = c.n_heads, c.n_kv_heads, c.head_dim, c.n_rep
         scale = np.float32(c.kq_scale)
         rope = kernels.rope_neox if c.rope_neox else kernels.rope      # halves or adjacent pairs
@@ -472,17 +483,22 @@ class Llama:
                 emit("keys_rep", layer, lambda keys=keys: kernels.repeat_kv(keys, n_rep))
                 emit("values_rep", layer, lambda values=values: kernels.repeat_kv(values, n_rep))
             # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
-            kq = kernels.attention_scores(xq, keys)
-            kq = emit("kq", layer, kq)
-            scores = kq * scale
-            scores = emit("kq_scaled", layer, scores)
-            if c.attn_softcap:                                   # c·tanh(scores/c), before the mask
-                scores = emit("kq_softcap", layer, kernels.softcap(scores, c.attn_softcap))
             layer_mask = mask_local if local else mask
-            if layer_mask is not None:
-                scores = scores + layer_mask                     # broadcast over heads
-                scores = emit("kq_masked", layer, scores)
-            scores = kernels.softmax(scores)
+            if layer_mask is not None and not c.attn_softcap and not watched(layer, *_SCORE_STAGES):
+                # nothing reads the scores: q·k and the softmax only over the keys each row sees
+                # (half of a prefill's), the same probabilities bit for bit (attention_probs)
+                scores = kernels.attention_probs(xq, keys, scale, start_pos, c.sliding_window if local else 0)
+            else:
+                kq = kernels.attention_scores(xq, keys)
+                kq = emit("kq", layer, kq)
+                scores = kq * scale
+                scores = emit("kq_scaled", layer, scores)
+                if c.attn_softcap:                               # c·tanh(scores/c), before the mask
+                    scores = emit("kq_softcap", layer, kernels.softcap(scores, c.attn_softcap))
+                if layer_mask is not None:
+                    scores = scores + layer_mask                 # broadcast over heads
+                    scores = emit("kq_masked", layer, scores)
+                scores = kernels.softmax(scores)
             scores = emit("kq_soft_max", layer, scores)
             # weighted values per head [n_heads, seq_len, head_dim], then heads merged [seq_len, q_dim]
             kqv = kernels.attention_values(scores, values)
@@ -500,14 +516,18 @@ class Llama:
             # feed-forward pre-norm, then the gated FFN: w2(act(w1·x) * w3·x), act SiLU or GELU
             hn = kernels.rmsnorm(h, lw.ffn_norm, c.norm_eps)
             hn = emit("ffn_norm", layer, hn)
-            gate, up = self._gate_up(hn, lw)
-            gate = emit("ffn_gate", layer, gate)
-            if c.ffn_act == "gelu":
-                gate = emit("ffn_gelu", layer, gelu(gate))
+            if lw.w13 is not None and c.ffn_act != "gelu" and not watched(layer, *_GATE_UP_STAGES):
+                # nothing reads gate or up: SiLU(gate)·up straight from the stacked product, unsplit
+                glu = kernels.swiglu(matmul(hn, lw.w13))
             else:
-                gate = emit("ffn_silu", layer, kernels.silu(gate))
-            up = emit("ffn_up", layer, up)
-            glu = gate * up
+                gate, up = self._gate_up(hn, lw)
+                gate = emit("ffn_gate", layer, gate)
+                if c.ffn_act == "gelu":
+                    gate = emit("ffn_gelu", layer, gelu(gate))
+                else:
+                    gate = emit("ffn_silu", layer, kernels.silu(gate))
+                up = emit("ffn_up", layer, up)
+                glu = gate * up
             glu = emit("ffn_geglu" if c.ffn_act == "gelu" else "ffn_swiglu", layer, glu)
             ffn_out = matmul(glu, lw.w2)
             ffn_out = emit("ffn_out", layer, ffn_out)
@@ -571,6 +591,12 @@ class Llama:
             return matmul(hn, lw.w1), matmul(hn, lw.w3)
         gate, up = _split_rows(matmul(hn, lw.w13), lw.w13)
         return gate, up
+
+
+_SCORE_STAGES = ("kq", "kq_scaled", "kq_softcap", "kq_masked")
+"""The attention scores before the softmax: a prefill skips their masked entries when nothing watches them."""
+_GATE_UP_STAGES = ("ffn_gate", "ffn_silu", "ffn_up")
+"""The FFN's halves: a stacked gate|up product goes to SwiGLU unsplit when nothing watches them."""
 
 
 def _split_rows(y: np.ndarray, w: packing.Weight) -> list[np.ndarray]:

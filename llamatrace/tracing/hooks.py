@@ -89,6 +89,11 @@ class Hooks:
             raise OptionError(f"hook layers {bad} out of range: this model has {n_layers} layers (0-{n_layers - 1})")
         self.step = -1
 
+    def watches(self, layer: int | None, stage: str) -> bool:
+        """Whether a hook of this block runs at the stage at ``layer`` (see
+        :meth:`llamatrace.tracing.recorder.Recorder.watches`)."""
+        return stage in self.fns and (layer is None or self.layers is None or layer in self.layers)
+
     def begin(self, emit: Emit, start_pos: int, seq_len: int) -> Emit:
         """Start one forward call: an ``emit`` that applies the hooks, then passes on to ``emit``."""
         self.step += 1

@@ -1,8 +1,10 @@
 """Trace events and the scoped recorder the forward pass reports to.
 
 The forward pass calls ``x = emit(stage_id, layer, x)`` once per stage and goes on with what
-``emit`` returns. Without a recorder or hooks, ``emit`` is :func:`null_emit` (returns ``array``):
-tracing costs one Python call per stage when off. A recorder returns the array it was given, so
+``emit`` returns (a few stages that no recorder or hook :meth:`~Recorder.watches` are fused
+away: a prefill's scores before the softmax, the FFN's gate and up; what follows them is the
+same, bit for bit). Without a recorder or hooks, ``emit`` is :func:`null_emit` (returns
+``array``): tracing costs one Python call per stage when off. A recorder returns the array it was given, so
 the math never changes — recording runs the same kernels on the same arrays, bit for bit;
 only hooks (:mod:`llamatrace.tracing.hooks`) replace arrays (TransformerLens' identity-hook idea).
 A :class:`Recorder` is scoped — pass it to ``forward``/``generate`` or use
@@ -209,6 +211,12 @@ class Recorder:
         if stage not in self.stage_ids:
             return False
         return layer is None or self.layers is None or layer in self.layers
+
+    def watches(self, layer: int | None, stage: str) -> bool:
+        """Whether this recorder reads the stage's output at ``layer``: records it, checks it for
+        NaN/Inf or times it. The forward pass may skip a stage nothing watches (it computes the
+        masked attention probabilities without the masked scores; the ``kq`` stage holds them)."""
+        return self.check_finite or self.time_all or self.wants(layer, stage)
 
     def begin(self, start_pos: int, seq_len: int, dims: Mapping[str, int],
               weight_shapes: Mapping[str, tuple[int, ...]], phase: str | None = None) -> Emit:
