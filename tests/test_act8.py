@@ -35,6 +35,21 @@ def _rows(rng, n_seq, n):
     return x
 
 
+@pytest.mark.parametrize("scale", [-8, -128])
+def test_block_offsets_equal_their_twin_and_the_zero_points_integer_sum(scale):
+    """Q4_0's and Q8_0's integer zero points: ``scale * sum(xq)`` per block of 32, extremes
+    included (a block of -127s times -128 is 520192, past int16 and well inside int32)."""
+    rng = np.random.default_rng(-scale)
+    xq = rng.integers(-127, 128, (5, 8 * 32)).astype(np.int8)
+    xq[0, :32], xq[1, 32:64], xq[2, 64:96] = -127, 127, 0
+    out = np.full((5, 8), 7, np.int32)
+    act8._block_offsets(xq, np.int32(scale), out)
+    want = scale * xq.astype(np.int64).reshape(5, 8, 32).sum(axis=2)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(act8.block_offsets_np(xq, scale), want)
+    assert out[0, 0] == scale * -127 * 32
+
+
 @pytest.mark.parametrize("q8_1", [False, True], ids=["Q8_0", "Q8_1"])
 def test_activation_quantization_is_ggml_cpus(q8_1):
     fmt = act8.Q8_1 if q8_1 else act8.Q8_0
