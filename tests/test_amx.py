@@ -186,8 +186,8 @@ def test_emulated_prefill_is_the_vnni_kernels_bits_and_the_references(qtype, n_s
     ours_x = _dequantized_activations(qtype, x)
     W = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     assert np.all(np.abs(got - ours_x @ W.T) <= 1e-6 * (np.abs(ours_x) @ np.abs(W).T) + 1e-30)
-    # the VNNI prefill kernel too (Q8_0's drops the zero offset term, Q4_K's contracts otherwise: 1e-6;
-    # Q6_K's is the per-row kernel's bits)
+    # the VNNI prefill kernel too, within 1e-6 (Q8_0's adds one FMA a block, Q4_K's contracts
+    # otherwise, Q6_K's scales each group's sum in float32; Q4_0's gives these bits)
     vnni_prefill = _vnni_prefill(qtype, x, w)
     np.testing.assert_allclose(got, vnni_prefill, rtol=0, atol=1e-6 * np.abs(vnni_prefill).max())
 
