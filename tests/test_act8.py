@@ -35,19 +35,18 @@ def _rows(rng, n_seq, n):
     return x
 
 
-@pytest.mark.parametrize("scale", [-8, -128])
-def test_block_offsets_equal_their_twin_and_the_zero_points_integer_sum(scale):
-    """Q4_0's and Q8_0's integer zero points: ``scale * sum(xq)`` per block of 32, extremes
-    included (a block of -127s times -128 is 520192, past int16 and well inside int32)."""
-    rng = np.random.default_rng(-scale)
-    xq = rng.integers(-127, 128, (5, 8 * 32)).astype(np.int8)
-    xq[0, :32], xq[1, 32:64], xq[2, 64:96] = -127, 127, 0
-    out = np.full((5, 8), 7, np.int32)
-    act8._block_offsets(xq, np.int32(scale), out)
-    want = scale * xq.astype(np.int64).reshape(5, 8, 32).sum(axis=2)
-    np.testing.assert_array_equal(out, want)
-    np.testing.assert_array_equal(act8.block_offsets_np(xq, scale), want)
-    assert out[0, 0] == scale * -127 * 32
+@pytest.mark.parametrize("zero", [-8, -128])
+def test_zero_point_offsets_are_the_blocks_integer_sums(zero):
+    """Q4_0's and Q8_0's integer zero points, written by the quantizers beside ``xq``: ``zero *
+    sum(xq)`` per block of 32 of the NumPy twin's quants, extremes included (a block of 127s
+    times -128 is -520192, past int16 and well inside int32)."""
+    x = _rows(np.random.default_rng(-zero), 5, 8 * 32)
+    x[0, :32], x[1, 32:64], x[2, 64:96] = 3.0, -2.0, 0.0           # all 127, all -127, all 0
+    want = zero * act8.quantize_np(x)[0].astype(np.int64).reshape(5, 8, 32).sum(axis=2)
+    assert want[0, 0] == zero * 127 * 32 and want[2, 2] == 0
+    for quantized in (act8._quantized, act8._quantized_rows):
+        np.testing.assert_array_equal(quantized(x, act8.Q8_0, zero)[3], want)
+    assert act8._quantized(x, act8.Q8_0, 0)[3].shape == (5, 0)
 
 
 @pytest.mark.parametrize("q8_1", [False, True], ids=["Q8_0", "Q8_1"])
@@ -168,7 +167,7 @@ def test_quantizers_edges_are_their_twins_and_ggmls(fmt):
                         _rows(np.random.default_rng(5), 2, finite.shape[1] + odd.shape[1])])
     with np.errstate(all="ignore"):
         want = act8.quantize_np(x, fmt)
-    for got in (act8.quantize(x, fmt), act8._quantized_rows(x, fmt)):      # one thread, rows shared
+    for got in (act8.quantize(x, fmt), act8._quantized_rows(x, fmt, 0)[:3]):      # one thread, rows shared
         for g, w in zip(got, want):
             _same_bits(g, w)
     if fmt != act8.PER32_F32:                        # llama.cpp's own x86 code, where it is defined

@@ -295,8 +295,11 @@ _rounded_32, _rounded_16 = _rounded_of(QK), _rounded_of(16)
 
 
 @njit(**JIT_EXACT)
-def _quantize_row(x, xq, xd, xs, fmt):
-    """:func:`quantize` of one row: x float32 [n] C-contiguous, xq int8 [n], xd and xs float32 [n/32]."""
+def _quantize_row(x, xq, xd, xs, fmt, zero, off):
+    """:func:`quantize` of one row: x float32 [n] C-contiguous, xq int8 [n], xd and xs float32 [n/32];
+    ``off`` int32 [n/32] (or empty: not written) ``zero * sum(xq)`` per block, the integer a block's
+    dot product starts from when its weights carry a zero point (Q4_0's 8: ``zero`` -8; Q8_0's
+    ``q + 128`` on VNNI: -128)."""
     for b in range(xd.shape[0]):
         at = b * QK
         m = _abs_max_bits_32(x, at)
@@ -310,36 +313,40 @@ def _quantize_row(x, xq, xd, xs, fmt):
         d = np.float32(np.float64(amax) / 127.0)
         inv = np.float32(127.0 / np.float64(amax)) if amax != 0 else np.float32(0.0)
         total = _rounded_32(x, xq, at, inv)                  # ties to even, as _mm256_round_ps
+        if off.shape[0]:
+            off[b] = zero * total
         scale = d if fmt == PER32_F32 else f16_round(d)
         xd[b] = scale
         xs[b] = f16_round(d * np.float32(total)) if fmt == Q8_1 else scale * np.float32(total)
 
 
 @njit(**JIT_EXACT)
-def _q8_buffers(n_seq, n):
-    """Empty ``xq`` int8 [n_seq, n], ``xd`` and ``xs`` float32 [n_seq, n/32]."""
+def _q8_buffers(n_seq, n, zero):
+    """Empty ``xq`` int8 [n_seq, n], ``xd`` and ``xs`` float32 [n_seq, n/32], ``off`` int32
+    [n_seq, n/32] (``zero`` 0: [n_seq, 0])."""
     return (np.empty((n_seq, n), np.int8), np.empty((n_seq, n // QK), np.float32),
-            np.empty((n_seq, n // QK), np.float32))
+            np.empty((n_seq, n // QK), np.float32), np.empty((n_seq, n // QK if zero else 0), np.int32))
 
 
 @njit(**JIT_EXACT)
-def _quantized(x, fmt):
+def _quantized(x, fmt, zero):
     """:func:`quantize` of C-contiguous rows, one thread (decode's one row of 14336: ~6 µs, 0.4 ns
-    a value on AVX-512, against ~3 ns with the scalar loop it replaced)."""
-    xq, xd, xs = _q8_buffers(x.shape[0], x.shape[1])
+    a value on AVX-512, against ~3 ns with the scalar loop it replaced), and the blocks' zero-point
+    offsets ``zero * sum(xq)`` (int32 [S, n/32]; ``zero`` 0: none, [S, 0]): ``xq, xd, xs, off``."""
+    xq, xd, xs, off = _q8_buffers(x.shape[0], x.shape[1], zero)
     for s in range(x.shape[0]):
-        _quantize_row(x[s], xq[s], xd[s], xs[s], fmt)
-    return xq, xd, xs
+        _quantize_row(x[s], xq[s], xd[s], xs[s], fmt, zero, off[s])
+    return xq, xd, xs, off
 
 
 @njit(**JIT_EXACT_PARALLEL)
-def _quantized_rows(x, fmt):
+def _quantized_rows(x, fmt, zero):
     """:func:`_quantized` with the rows shared among the threads, for the prefill kernels (512
     rows of 14336: ~4 ms of CPU time, ~22 ms with the scalar loop it replaced)."""
-    xq, xd, xs = _q8_buffers(x.shape[0], x.shape[1])
+    xq, xd, xs, off = _q8_buffers(x.shape[0], x.shape[1], zero)
     for s in prange(x.shape[0]):
-        _quantize_row(x[s], xq[s], xd[s], xs[s], fmt)
-    return xq, xd, xs
+        _quantize_row(x[s], xq[s], xd[s], xs[s], fmt, zero, off[s])
+    return xq, xd, xs, off
 
 
 def quantize(x: np.ndarray, fmt: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -355,7 +362,7 @@ def quantize(x: np.ndarray, fmt: int = 0) -> tuple[np.ndarray, np.ndarray, np.nd
     holding NaN gets a NaN scale, so NaN reaches the output as in the float32 path; a block
     below ~3.7e-37 see :func:`_rounded_of`.
     """
-    return _quantized(np.ascontiguousarray(x, np.float32), fmt)
+    return _quantized(np.ascontiguousarray(x, np.float32), fmt, 0)[:3]
 
 
 def quantize_k_np(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -454,24 +461,6 @@ read ran at 1.5x every kernel); one block ahead beat or tied two in 18 of 20 sam
 other two that case."""
 
 
-@njit(**JIT_EXACT)
-def _block_offsets(xq, scale, out):
-    """``out[s, b] = scale * sum(xq[s, 32b:32b+32])`` (int32) for the rows ``s`` of ``out``: the
-    integer a block's dot product starts from when its weights carry a zero point (Q4_0's 8,
-    ``scale`` -8; Q8_0's ``q + 128`` on VNNI, -128). xq int8 [S, n]; out int32 [S', n/32], S' <= S."""
-    for s in range(out.shape[0]):
-        for b in range(out.shape[1]):
-            total = 0
-            for j in range(QK):
-                total += xq[s, b * QK + j]
-            out[s, b] = scale * total
-
-
-def block_offsets_np(xq: np.ndarray, scale: int) -> np.ndarray:
-    """NumPy twin of :func:`_block_offsets`: int32 [S, n/32]."""
-    return (scale * xq.reshape(xq.shape[0], -1, QK).sum(axis=2, dtype=np.int64)).astype(np.int32)
-
-
 @njit(**JIT_INLINE)
 def _add_scaled(a, db, mb, dx, ms, isum):
     """``a[r] += (d[r] * dx) * isum[r] + m[r] * ms`` for the TR rows of a tile block: the float32
@@ -492,17 +481,15 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
     / ``decode_q4`` runs over a whole tile with its sums in registers (zmm: 16 rows a register),
     prefetching :data:`DECODE_AHEAD` bytes ahead into L2 (Q4_0 decode, one thread, shared
     machine: 80-83 % -> 89-94 % of a pure read of the same bytes); Q4_0 (``m_scale`` -8, ``m`` its
-    ``d``) takes its zero point in integers (:func:`_block_offsets`), as :func:`_prefill` does, so
+    ``d``) takes its zero point in integers (the quantizer's offsets, :func:`_quantize_row`), as :func:`_prefill` does, so
     the same bits; Q8_0: each block loaded once for every row of x. Decode runs it; prefill runs
     :func:`_prefill`. A weight with a minimum (``m_scale`` 1, Q4_1) takes Q8_1 activations, as in
     llama.cpp."""
-    xq, xd, xs = _quantized(x, Q8_1 if m_scale > 0 else Q8_0)
+    q4_0 = m_scale < 0 and not signed
+    xq, xd, xs, xoff = _quantized(x, Q8_1 if m_scale > 0 else Q8_0, int(m_scale) if q4_0 else 0)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
-    q4_0 = m_scale < 0 and not signed
-    xoff = np.empty((n_seq if q4_0 else 0, n_blocks), np.int32)
-    _block_offsets(xq, np.int32(m_scale), xoff)
     for t in prange(n_tiles):
         if signed:
             isum = np.empty(TR, np.int32)
@@ -566,7 +553,7 @@ def _matmul_q5(x, qs, d, m, m_scale, centered, out):
     Q8_0's ``isum_q8`` (the 5-bit quants fit int8). Decode and prefill both run it. x float32
     [S, B*32]; qs uint8 [T, B, 20, TR] in this module's layout; d, m fp16 bits uint16 [T, B, TR];
     out float32 [S, n_out]. Q5_1 (``m_scale`` 1) takes Q8_1 activations, as in llama.cpp."""
-    xq, xd, xs = _quantized(x, Q8_1 if m_scale > 0 else Q8_0)
+    xq, xd, xs, _ = _quantized(x, Q8_1 if m_scale > 0 else Q8_0, 0)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     words = qs.reshape(qs.size).view(np.uint32)
@@ -603,22 +590,19 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
     against :data:`LANES` rows of a tile over every block, its sums in registers, each block's
     weights unpacked once for all those rows. Q4_0 and Q4_1: the same float32 operations in the
     same order as :func:`_matmul_q4`, so the same bits (Q4_0's zero point in integers,
-    :func:`_block_offsets`, in both); Q8_0: the same int32 sums, one FMA a block where the
+    :func:`_quantize_row`'s offsets, in both); Q8_0: the same int32 sums, one FMA a block where the
     per-row kernel also adds a zero term (within 1e-6); Q4_K: per sub-block, with ``d * sc`` and
     ``dmin * mn`` shared by the rows and FMAs, another float32 order (within 1e-6 of
     :func:`_matmul_q4k`). x float32 [S, B*32] (Q4_K: [S, B*256]); out float32 [S, n_out]."""
     fmt = PER32_F32 if kind == PREFILL_Q4K else Q8_1 if kind == PREFILL_Q4 and m_scale > 0 else Q8_0
-    xq, xd, xs = _quantized_rows(x, fmt)
+    q4_0 = kind == PREFILL_Q4 and m_scale < 0
+    # the blocks' integer zero points: Q4_0's -8 sum(xq), Q8_0's -128 sum(xq) for VNNI's q + 128
+    zero = int(m_scale) if q4_0 else -128 if kind == PREFILL_Q8 and VNNI else 0
+    xq, xd, xs, xoff = _quantized_rows(x, fmt, zero)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
     most = NS_Q4 if kind == PREFILL_Q4 else NS_Q8 if kind == PREFILL_Q8 else NS_Q4K
-    q4_0 = kind == PREFILL_Q4 and m_scale < 0
-    # the blocks' integer zero points: Q4_0's -8 sum(xq), Q8_0's -128 sum(xq) for VNNI's q + 128
-    scale = np.int32(m_scale) if q4_0 else np.int32(-128)
-    xoff = np.empty((n_seq if q4_0 or (kind == PREFILL_Q8 and VNNI) else 0, n_blocks), np.int32)
-    for s in prange(xoff.shape[0]):
-        _block_offsets(xq[s:s + 1], scale, xoff[s:s + 1])
     for t in prange(n_tiles):
         res = np.empty((most, TR), np.float32)
         flat = res.reshape(most * TR)
@@ -740,7 +724,7 @@ def _matmul_q4k(x, qs, d, m, out):
     prefetching :data:`DECODE_AHEAD_Q4K` bytes ahead: per sub-block pair ``y += d * (sc_j dx_j
     isum_j + sc_j+1 dx_j+1 isum_j+1) - dmin * (mn_j xs_j + mn_j+1 xs_j+1)``, the float32 operations
     (and FMAs) of the per-block loop it replaced, so the same bits."""
-    xq, xd, xs = _quantized(x, PER32_F32)
+    xq, xd, xs, _ = _quantized(x, PER32_F32, 0)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR

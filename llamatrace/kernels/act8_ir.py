@@ -398,7 +398,7 @@ class _Tile:
         return total if init is None else b.add(init, total)
 
     def offset(self, xs, at):
-        """``xs[at]`` (int32: a block's integer offset, :func:`llamatrace.kernels.act8.block_offsets`)
+        """``xs[at]`` (int32: a block's integer offset, written by :func:`llamatrace.kernels.act8._quantized`)
         in every lane: the start of its ``vpdpbusd`` chain (a broadcast from memory)."""
         return self.splat(self.b.load(self.b.gep(self.b.bitcast(xs, _I32.as_pointer()), [at]), align=4), self.vi32)
 

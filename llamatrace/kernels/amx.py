@@ -567,7 +567,7 @@ def make_prefill(ops: TileOps, cache: bool = True):
     ``xq`` int8 [S16, n_in] (S16 the activation rows rounded up to 16, the extra rows zero), ``xd``,
     ``xs`` float32 [S16, n_in/32] (:func:`llamatrace.kernels.act8.quantize`: Q8_0 blocks, Q4_K's
     with float32 scales; Q4_0: the blocks' integer zero-point offsets ``-8 sum(xq)``,
-    :func:`llamatrace.kernels.act8._block_offsets`, as float32); ``qs8`` the weight's packed bytes as flat uint8 (``Weight.qs`` of a
+    :func:`llamatrace.kernels.act8._quantized_rows`' offsets, as float32); ``qs8`` the weight's packed bytes as flat uint8 (``Weight.qs`` of a
     ``q8`` weight, [T, B, P, TR]); ``d``, ``m`` fp16 bits uint16 [T, B, TR] (Q4_K: ``d``, ``dmin``);
     ``m_scale`` float32 (Q4_0 -8, else unused); ``kind`` :data:`KIND_Q4_0` / :data:`KIND_Q8_0` /
     :data:`KIND_Q4_K` / :data:`KIND_Q6_K` (Q8_K activations: ``xd`` [S16, n_in/256], ``xs`` their
@@ -759,11 +759,10 @@ def run(kernel, kind, x, qs, d, m, out, n_chunks=None) -> None:
         xq, xd, xsum = act8._quantized_k_rows(x)
         xs = xsum.astype(np.float32)
     else:
-        xq, xd, xs = act8._quantized_rows(x, act8.PER32_F32 if kind == KIND_Q4_K else act8.Q8_0)
-    if kind == KIND_Q4_0:                                   # the blocks' -8 sum(xq), exact as float32
-        offsets = np.empty(xs.shape, np.int32)
-        act8._block_offsets(xq, np.int32(_M_SCALE[kind]), offsets)
-        xs = offsets.astype(np.float32)
+        q4_0 = kind == KIND_Q4_0                            # the blocks' -8 sum(xq), exact as float32
+        xq, xd, xs, off = act8._quantized_rows(x, act8.PER32_F32 if kind == KIND_Q4_K else act8.Q8_0,
+                                               int(_M_SCALE[kind]) if q4_0 else 0)
+        xs = off.astype(np.float32) if q4_0 else xs
     pad = -x.shape[0] % ROWS
     if pad:
         xq = np.concatenate([xq, np.zeros((pad, xq.shape[1]), np.int8)])
