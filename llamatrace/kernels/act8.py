@@ -603,6 +603,11 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
     most = NS_Q4 if kind == PREFILL_Q4 else NS_Q8 if kind == PREFILL_Q8 else NS_Q4K
+    kq, kd, ks = np.empty(0, np.int8), np.empty(0, np.float32), np.empty(0, np.float32)
+    if kind == PREFILL_Q4K:         # a call's rows side by side (_by_runs), for the zmm asm's addressing
+        kq = _by_runs(xq, np.empty(xq.size, np.int8), QK_K, NS_Q4K)
+        kd = _by_runs(xd, np.empty(xd.size, np.float32), 8, NS_Q4K)
+        ks = _by_runs(xs, np.empty(xs.size, np.float32), 8, NS_Q4K)
     for t in prange(n_tiles):
         res = np.empty((most, TR), np.float32)
         flat = res.reshape(most * TR)
@@ -610,7 +615,7 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
         dm_at = t * n_blocks * TR
         s0 = 0
         while s0 < n_seq:
-            ns = most if s0 + most <= n_seq else 4 if s0 + 4 <= n_seq else 1
+            ns = _run_rows(s0, n_seq, most)
             for r in range(0, TR, LANES):
                 if kind == PREFILL_Q8:
                     if ns == NS_Q8:
@@ -621,11 +626,11 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
                         prefill_q8_1row(qs, q_at, xq, xd, xoff, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                 elif kind == PREFILL_Q4K:
                     if ns == NS_Q4K:
-                        prefill_q4k(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                        prefill_q4k(qs, q_at, kq, kd, ks, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                     elif ns == 4:
-                        prefill_q4k_4rows(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                        prefill_q4k_4rows(qs, q_at, kq, kd, ks, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                     else:
-                        prefill_q4k_1row(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
+                        prefill_q4k_1row(qs, q_at, kq, kd, ks, s0, d, m, dm_at, n_blocks, m_scale, flat, r)
                 elif q4_0:
                     if ns == NS_Q4:
                         prefill_q4_0(qs, q_at, xq, xd, xoff, s0, d, m, dm_at, n_blocks, m_scale, flat, r)

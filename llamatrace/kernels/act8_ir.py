@@ -540,7 +540,8 @@ def _prefill_q4_ir(k: _Tile, args, ns: int, kind: str = "q4"):
 def _prefill_q4k_ir(k: _Tile, args, ns: int):
     """:func:`prefill_q4k`'s body. A Q4_K block row: 16 scale bytes (sc[8], mn[8]; byte j of row r
     at ``j*TR + r``), then four 32-byte chunks in groups of four (low nibbles: sub-block 2c, high:
-    2c + 1).
+    2c + 1). ``xq``, ``xd`` and ``xs`` are laid out by ``act8._by_runs``: the ``ns`` rows from
+    ``s0`` have block b side by side (256 bytes and 8 scales and sums a row).
 
     One sub-block at a time, its 8 weight vectors shared by the ``ns`` rows: per row 8 ``vpdpbusd``
     and ``acc += ((d sc) dx) isum - (dmin mn) xs`` (a multiply, a conversion, two FMAs), with
@@ -551,24 +552,34 @@ def _prefill_q4k_ir(k: _Tile, args, ns: int):
     and 5), where the sub-block pair with both halves' 16 nibble vectors live, 12 float operations
     per pair and row and 4 rows a call had 290 for 256 (Q4_K, one thread, process CPU time, load
     average ~4: 129-139 -> 139-146 G multiply-adds/s at the three 8B shapes, 128 rows; 131-140 ->
-    141-151 at 512; ``benchmarks/bench_prefill.py --cpu-time``)."""
+    141-151 at 512; ``benchmarks/bench_prefill.py --cpu-time``).
+
+    On zmm (AVX-512 VNNI) the block is inline asm, a statement per sub-block of all the rows
+    (:func:`_q4k_sub_zmm`), the same float32 operations in the same order as the IR below, so
+    the same bits."""
     (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, _, _, r_at) = args
     b, c64 = k.b, k.c64
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
     dm_at = b.add(dm_at, r_at)
-    n_in = b.mul(n_blocks, c64(256))
-    n_sub = b.mul(n_blocks, c64(8))
+    run = b.mul(s0, n_blocks)                       # the rows' run: block b, row i at run + b ns + i
     masks = [ir.Constant(k.vi8, [v] * (4 * k.lanes)) for v in (0x0F, 0xF0)]
     sixteenth, four = ir.Constant(k.vf, [1.0 / 16] * k.lanes), ir.Constant(k.vi8, [4] * (4 * k.lanes))
-    rows = [b.add(s0, c64(i)) for i in range(ns)]
-    xrows = [b.mul(row, n_in) for row in rows]
-    subs = [b.mul(row, n_sub) for row in rows]
+    zmm = k.vnni and k.lanes == 16
 
     def body(blk, accs):
         qb = b.add(b.add(q_at, b.mul(blk, c64(144 * TR))), r_at)      # the rows' scale bytes
         qg = b.add(qb, b.mul(r_at, c64(3)))                                # their grouped bytes: + 4 r_at
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         dvec, mvec = k.halves(d, dm), k.halves(m, dm)
+        at = b.add(run, b.mul(blk, c64(ns)))                              # row 0's block: ns rows on
+        xrow, sub = b.mul(at, c64(QK_K)), b.mul(at, c64(8))
+        if zmm:         # a pointer per two rows: displacements fit a byte (4 x 127)
+            xptrs = [k.ptr(xq, b.add(xrow, c64(2 * QK_K * i)), ir.IntType(8)) for i in range((ns + 1) // 2)]
+            w_at, sc_at = k.ptr(qs, qg, ir.IntType(8)), k.ptr(qs, qb, ir.IntType(8))
+            dx_at, xs_at = b.gep(xd, [sub]), b.gep(xs, [sub])
+            for j in range(8):
+                accs = _q4k_sub_zmm(k, j, accs, dvec, mvec, masks[0], sixteenth, w_at, sc_at, xptrs, dx_at, xs_at)
+            return accs
         for j in range(8):
             c, hi = j // 2, j % 2
             dsc = b.fmul(dvec, k.byte_floats(qs, b.add(qb, c64(j * TR))))
@@ -579,19 +590,62 @@ def _prefill_q4k_ir(k: _Tile, args, ns: int):
             w = [b.and_(x, masks[hi]) if hi == 0 or k.vnni else b.lshr(x, four) for x in v]
             new = []
             for i, acc in enumerate(accs):
-                xrow = b.add(xrows[i], b.add(b.mul(blk, c64(256)), c64(64 * c + 32 * hi)))
+                x_at = b.add(xrow, c64(QK_K * i + 64 * c + 32 * hi))
                 # two chains of 4, not one of 8: vpdpbusd's latency (one chain: 5-9 % slower)
-                isum = b.add(*(k.isum([(w[g], k.bytes4(xq, b.add(xrow, c64(4 * g)))) for g in h])
+                isum = b.add(*(k.isum([(w[g], k.bytes4(xq, b.add(x_at, c64(4 * g)))) for g in h])
                                for h in (range(4), range(4, 8))))
-                at = b.add(b.add(subs[i], b.mul(blk, c64(8))), c64(j))
-                dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
-                xsv = k.splat(b.load(b.gep(xs, [at]), align=4), k.vf)
+                at_ij = b.add(sub, c64(8 * i + j))
+                dx = k.splat(b.load(b.gep(xd, [at_ij]), align=4), k.vf)
+                xsv = k.splat(b.load(b.gep(xs, [at_ij]), align=4), k.vf)
                 acc = k.fma(b.fmul(dsc, dx), b.sitofp(isum, k.vf), acc)
                 new.append(k.fma(b.fneg(dmn), xsv, acc))
             accs = new
         return accs
 
     return k.block_loop(n_blocks, ns, body)
+
+
+def _q4k_sub_zmm(k: _Tile, j: int, accs: list, dvec, mvec, low, sixteenth, w_at, sc_at, xptrs: list, dx_at, xs_at) -> list:
+    """Sub-block ``j`` of a Q4_K block for :func:`_prefill_q4k_ir` on zmm, as one asm statement:
+    its 8 weight vectors (chunk ``j // 2`` from ``w_at``, each byte and ``low`` = 0x0F, or and
+    not ``low`` for the high nibbles), ``d sc_j`` and ``dmin mn_j`` (``dvec``, ``mvec`` times the
+    scale bytes at ``sc_at``; ``d sc_j`` times ``sixteenth`` for a high nibble), then per
+    activation row i (its 256 bytes of the block at ``xptrs[i // 2] + 256 (i % 2)``, its dx and
+    xs at ``dx_at``, ``xs_at`` + 8 i) two chains of 4 ``vpdpbusd`` with the activation words as
+    broadcast operands (base + displacement), their sum converted and ``acc = fma(d sc_j dx,
+    isum, acc)``, ``acc = fma(-(dmin mn_j), xs, acc)``: the float32 operations of the IR path,
+    in its order."""
+    c, hi = j // 2, j % 2
+    a = _Asm(k.b)
+    outs = [a.output(k.vf, tied=v) for v in accs]
+    w, dsc, dmn = [a.scratch(k.vi32) for _ in range(8)], a.scratch(k.vf), a.scratch(k.vf)
+    t, u = a.scratch(k.vi32), a.scratch(k.vf)
+    dv, mv, lo = a.input(dvec), a.input(mvec), a.input(low)
+    wq, sq, dq, sxq = a.input(w_at, "r"), a.input(sc_at, "r"), a.input(dx_at, "r"), a.input(xs_at, "r")
+    xs = [a.input(p, "r") for p in xptrs]
+    nib = "vpandnq" if hi else "vpandq"         # and-not 0x0F: v & 0xF0, 16 times the high nibble
+    for g in range(8):
+        a(f"{nib} {(16 + c * 32 + g * 4) * TR}({wq}), {lo}, {w[g]}")
+    a(f"vpmovzxbd {j * TR}({sq}), {dsc}")
+    a(f"vcvtdq2ps {dsc}, {dsc}")
+    a(f"vmulps {dsc}, {dv}, {dsc}")
+    if hi:
+        a(f"vmulps {a.input(sixteenth)}, {dsc}, {dsc}")
+    a(f"vpmovzxbd {(8 + j) * TR}({sq}), {dmn}")
+    a(f"vcvtdq2ps {dmn}, {dmn}")
+    a(f"vmulps {dmn}, {mv}, {dmn}")
+    for i, out in enumerate(outs):
+        x0 = QK_K * (i % 2) + 64 * c + 32 * hi
+        for h, acc in enumerate((t, u)):
+            a(f"vpxord {acc}, {acc}, {acc}")
+            for g in range(4 * h, 4 * h + 4):
+                a(f"vpdpbusd {x0 + 4 * g}({xs[i // 2]}){{1to16}}, {w[g]}, {acc}")
+        a(f"vpaddd {u}, {t}, {t}")
+        a(f"vcvtdq2ps {t}, {t}")
+        a(f"vmulps {4 * (8 * i + j)}({dq}){{1to16}}, {dsc}, {u}")
+        a(f"vfmadd231ps {u}, {t}, {out}")
+        a(f"vfnmadd231ps {4 * (8 * i + j)}({sxq}){{1to16}}, {dmn}, {out}")
+    return a.emit()[:len(accs)]
 
 
 Q6K_UNPACKED = QK_K_BYTES + 16 * TR + 32 * TR
