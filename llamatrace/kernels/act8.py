@@ -593,7 +593,9 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
     :func:`_quantize_row`'s offsets, in both); Q8_0: the same int32 sums, one FMA a block where the
     per-row kernel also adds a zero term (within 1e-6); Q4_K: per sub-block, with ``d * sc`` and
     ``dmin * mn`` shared by the rows and FMAs, another float32 order (within 1e-6 of
-    :func:`_matmul_q4k`). x float32 [S, B*32] (Q4_K: [S, B*256]); out float32 [S, n_out]."""
+    :func:`_matmul_q4k`; its activations laid out for the runs of rows first, :func:`_by_runs`, so
+    that its zmm asm addresses a call's rows from a pointer per two rows). x float32 [S, B*32]
+    (Q4_K: [S, B*256]); out float32 [S, n_out]."""
     fmt = PER32_F32 if kind == PREFILL_Q4K else Q8_1 if kind == PREFILL_Q4 and m_scale > 0 else Q8_0
     q4_0 = kind == PREFILL_Q4 and m_scale < 0
     # the blocks' integer zero points: Q4_0's -8 sum(xq), Q8_0's -128 sum(xq) for VNNI's q + 128
@@ -604,7 +606,7 @@ def _prefill(x, qs, d, m, m_scale, kind, out):
     block = qs.shape[2] * TR
     most = NS_Q4 if kind == PREFILL_Q4 else NS_Q8 if kind == PREFILL_Q8 else NS_Q4K
     kq, kd, ks = np.empty(0, np.int8), np.empty(0, np.float32), np.empty(0, np.float32)
-    if kind == PREFILL_Q4K:         # a call's rows side by side (_by_runs), for the zmm asm's addressing
+    if kind == PREFILL_Q4K:         # a call's rows side by side
         kq = _by_runs(xq, np.empty(xq.size, np.int8), QK_K, NS_Q4K)
         kd = _by_runs(xd, np.empty(xd.size, np.float32), 8, NS_Q4K)
         ks = _by_runs(xs, np.empty(xs.size, np.float32), 8, NS_Q4K)

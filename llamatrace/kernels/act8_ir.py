@@ -19,9 +19,9 @@ A/B timings, with a fresh ``NUMBA_CACHE_DIR``).
 The prefill microkernels (:func:`prefill_q4`, :func:`prefill_q8`, :func:`prefill_q4k`,
 :func:`prefill_q6k`) go further: a whole loop over a tile's blocks in IR, several activation rows
 against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 in a ymm), the
-float32 sums kept in registers (phi nodes) from the first block to the last (Q6_K's block on zmm
-is inline asm: LLVM's own instruction choice and schedule took a quarter more time). The Q4_0,
-Q4_1, Q4_K and Q6_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`,
+float32 sums kept in registers (phi nodes) from the first block to the last (Q4_K's and Q6_K's
+blocks on zmm are inline asm: LLVM's own instruction choice and schedule took 12-25 % more
+time). The Q4_0, Q4_1, Q4_K and Q6_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`,
 :func:`decode_q6k`) are the one-row case over a whole tile in one pass, with a prefetch. Numba caches the
 kernels that call these by the calling module's source: after a change here, clear
 ``llamatrace/kernels/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
@@ -556,7 +556,18 @@ def _prefill_q4k_ir(k: _Tile, args, ns: int):
 
     On zmm (AVX-512 VNNI) the block is inline asm, a statement per sub-block of all the rows
     (:func:`_q4k_sub_zmm`), the same float32 operations in the same order as the IR below, so
-    the same bits."""
+    the same bits. LLVM's loop for the IR (8 rows) had 1321 instructions a block: every one of
+    the 512 ``vpdpbusd`` addressed its activation word as base + index (two micro-ops each to
+    rename), 22 vector spills and 88 reloads (the weight vectors, the 0xF0 mask as a memory
+    operand of 51 ``vpand``, the sign mask of ``-(dmin mn)``'s ``vorps``) and 100 reloads of
+    row pointers; ``dx`` and ``xs`` were broadcast operands of the multiply and the FMA, as here.
+    The asm's block: 1094 instructions, no stack access, 512 ``vpdpbusd`` and 438 other vector
+    operations (64 ``vpand`` / ``vpandn`` of weights from memory, 48 for ``d sc`` and ``dmin
+    mn``, 4 divisions by 16, 2 for ``d`` and ``dmin``, per row and sub-block an add of the two
+    chains, a conversion, a multiply and two FMAs) plus 128 zeroing idioms; one chain of 8 ``vpdpbusd`` a row, without
+    the add, ran no faster. One thread, process CPU time, same-run pairs, load 2.5-2.9, the three
+    8B shapes: 152-156 -> 171-178 G multiply-adds/s at 128 rows, 153-163 -> 180-188 at 512
+    (``benchmarks/bench_prefill.py --types Q4_K --all-shapes --micro-only --cpu-time``)."""
     (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, _, _, r_at) = args
     b, c64 = k.b, k.c64
     q_at, s0, dm_at, n_blocks, r_at = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, r_at))
@@ -605,7 +616,8 @@ def _prefill_q4k_ir(k: _Tile, args, ns: int):
     return k.block_loop(n_blocks, ns, body)
 
 
-def _q4k_sub_zmm(k: _Tile, j: int, accs: list, dvec, mvec, low, sixteenth, w_at, sc_at, xptrs: list, dx_at, xs_at) -> list:
+def _q4k_sub_zmm(k: _Tile, j: int, accs: list, dvec, mvec, low, sixteenth, w_at, sc_at, xptrs: list,
+                 dx_at, xs_at) -> list:
     """Sub-block ``j`` of a Q4_K block for :func:`_prefill_q4k_ir` on zmm, as one asm statement:
     its 8 weight vectors (chunk ``j // 2`` from ``w_at``, each byte and ``low`` = 0x0F, or and
     not ``low`` for the high nibbles), ``d sc_j`` and ``dmin mn_j`` (``dvec``, ``mvec`` times the
