@@ -19,6 +19,7 @@ from test_compare import GOLDEN, load_dump
 
 from llamatrace.kernels import act8
 from llamatrace.kernels import packing, q5
+from llamatrace.kernels.jit import f16_np
 from llamatrace.kernels.registry import matmul
 from llamatrace.errors import OptionError
 
@@ -434,6 +435,51 @@ def test_prefill_microkernels_equal_the_per_row_kernels_and_twins(qtype, n_seq):
     twin = twin[:, :70]                                   # the twins give whole tiles
     np.testing.assert_allclose(got, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
 
+
+
+def _fma32(a, b, c):
+    """float32 ``fma(a, b, c)``, rounded once: the product is exact in float64 and the sum is
+    rounded to odd there (TwoSum's error term picks the odd neighbour), which makes its rounding
+    to float32 the single rounding (53 >= 2 * 24 + 2 bits)."""
+    p, c = a.astype(np.float64) * b.astype(np.float64), c.astype(np.float64)
+    s = p + c
+    t = s - p
+    r = (p - (s - t)) + (c - t)                                   # s + r == p + c exactly
+    inexact_even = (r != 0) & ((s.view(np.int64) & 1) == 0)
+    return np.where(inexact_even, np.nextafter(s, np.where(r > 0, np.inf, -np.inf)), s).astype(np.float32)
+
+
+def _q4k_prefill_order(x, w):
+    """float32 [S, T*TR]: the Q4_K prefill microkernel's float32 operations in its order, per block
+    and sub-block j: ``acc = fma(d sc_j * dx, isum, acc)``, then ``acc = fma(-(dmin mn_j), xs,
+    acc)`` (``d sc_j``, ``dmin mn_j`` and ``d sc_j * dx`` float32 products; a high nibble's
+    ``d sc_j / 16`` times 16 v is the same value)."""
+    xq, xd, xs = act8.quantize(x, act8.PER32_F32)
+    p = act8.file_order(w.qs, T.Q4_K)                                   # [T, B, 144, TR]
+    n_seq, (n_tiles, n_blocks) = x.shape[0], p.shape[:2]
+    e = np.arange(256)
+    q = (p[:, :, act8.Q4K_HEAD + 32 * (e // 64) + e % 32] >> (4 * ((e // 32) % 2))[None, None, :, None]) & 15
+    d, m = f16_np(w.d), f16_np(w.m)                                     # [T, B, TR] float32
+    xq = xq.astype(np.int64).reshape(n_seq, n_blocks, 8, 32)
+    acc = np.zeros((n_seq, n_tiles, act8.TR), np.float32)
+    for b in range(n_blocks):
+        for j in range(8):
+            dsc, dmn = d[:, b] * p[:, b, j].astype(np.float32), m[:, b] * p[:, b, 8 + j].astype(np.float32)
+            isum = np.einsum("sk,tkr->str", xq[:, b, j], q[:, b, 32 * j:32 * j + 32].astype(np.int64))
+            dx, xsv = (v[:, 8 * b + j, None, None] for v in (xd, xs))
+            acc = _fma32(dsc[None] * dx, isum.astype(np.float32), acc)      # |isum| < 2**24: exact
+            acc = _fma32(-dmn[None], np.broadcast_to(xsv, acc.shape), acc)
+    return acc.reshape(n_seq, -1)
+
+
+@pytest.mark.parametrize("n_seq", [1, 5, 13])
+def test_q4k_prefill_is_its_float32_operations_in_order(n_seq):
+    # bit for bit: the zmm asm block and the IR (ymm, AVX2) alike; 13 = 8 + 4 + 1 rows
+    _, w = _weight(T.Q4_K, 70, _n_in(T.Q4_K, 3))
+    x = _rows(np.random.default_rng(40 + n_seq), n_seq, w.n_in)
+    got = np.full((n_seq, 70), np.nan, np.float32)
+    act8._prefill(x, w.qs, w.d, w.m, np.float32(0.0), act8.PREFILL_Q4K, got)
+    np.testing.assert_array_equal(got, _q4k_prefill_order(x, w)[:, :70])
 
 def test_layout_round_trip_and_embedding_rows():
     for qtype in TYPES:
