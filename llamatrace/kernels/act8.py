@@ -41,7 +41,7 @@ beside the float32 path and never instead of it:
    over the 16 groups of 16. (Q4_K the same way, integer scales and mins per block, measured
    0.94-1.08x the per-32 path in decode and 0.83-0.88x in prefill, so it keeps the per-32 path,
    which also rounds activations more finely. With Q8_K and a float32 ``d sc`` per sub-block,
-   the mins in integers, a timing prototype of the zmm asm prefill ran 1.08-1.14x the per-32
+   the mins in integers, a timing prototype of the zmm asm prefill ran 1.02-1.11x the per-32
    asm: not built, docs/performance.md "Where the time goes".)
 
 The error is that of rounding x to 8 bits, about 1e-2 relative per matmul, as in llama.cpp

@@ -561,12 +561,12 @@ def _prefill_q4k_ir(k: _Tile, args, ns: int):
     rename), 22 vector spills and 88 reloads (the weight vectors, the 0xF0 mask as a memory
     operand of 51 ``vpand``, the sign mask of ``-(dmin mn)``'s ``vorps``) and 100 reloads of
     row pointers; ``dx`` and ``xs`` were broadcast operands of the multiply and the FMA, as here.
-    The asm's block: 1094 instructions, no stack access, 512 ``vpdpbusd`` and 438 other vector
+    The asm's block: 966 instructions, no stack access, 512 ``vpdpbusd`` and 374 other vector
     operations (64 ``vpand`` / ``vpandn`` of weights from memory, 48 for ``d sc`` and ``dmin
-    mn``, 4 divisions by 16, 2 for ``d`` and ``dmin``, per row and sub-block an add of the two
-    chains, a conversion, a multiply and two FMAs) plus 128 zeroing idioms; one chain of 8 ``vpdpbusd`` a row, without
-    the add, ran no faster. One thread, process CPU time, same-run pairs, load 2.5-2.9, the three
-    8B shapes: 152-156 -> 171-178 G multiply-adds/s at 128 rows, 153-163 -> 180-188 at 512
+    mn``, 4 divisions by 16, 2 for ``d`` and ``dmin``, per row and sub-block a conversion, a
+    multiply and two FMAs) plus 64 zeroing idioms. One thread, process CPU time, same-run
+    pairs, load 3.9-4.5, the three 8B shapes: 141-154 -> 172-179 G multiply-adds/s at 128
+    rows, 150-163 -> 184-193 at 512
     (``benchmarks/bench_prefill.py --types Q4_K --all-shapes --micro-only --cpu-time``)."""
     (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, _, _, r_at) = args
     b, c64 = k.b, k.c64
@@ -623,15 +623,16 @@ def _q4k_sub_zmm(k: _Tile, j: int, accs: list, dvec, mvec, low, sixteenth, w_at,
     not ``low`` for the high nibbles), ``d sc_j`` and ``dmin mn_j`` (``dvec``, ``mvec`` times the
     scale bytes at ``sc_at``; ``d sc_j`` times ``sixteenth`` for a high nibble), then per
     activation row i (its 256 bytes of the block at ``xptrs[i // 2] + 256 (i % 2)``, its dx and
-    xs at ``dx_at``, ``xs_at`` + 8 i) two chains of 4 ``vpdpbusd`` with the activation words as
-    broadcast operands (base + displacement), their sum converted and ``acc = fma(d sc_j dx,
-    isum, acc)``, ``acc = fma(-(dmin mn_j), xs, acc)``: the float32 operations of the IR path,
-    in its order."""
+    xs at ``dx_at``, ``xs_at`` + 8 i) a chain of 8 ``vpdpbusd`` with the activation words as
+    broadcast operands (base + displacement), the rows' chains interleaved (the IR's two chains
+    of 4 a row and their add, written so, ran 2-8 % slower), ``isum`` converted and ``acc =
+    fma(d sc_j dx, isum, acc)``, ``acc = fma(-(dmin mn_j), xs, acc)``: the float32 operations of
+    the IR path, in its order."""
     c, hi = j // 2, j % 2
     a = _Asm(k.b)
     outs = [a.output(k.vf, tied=v) for v in accs]
     w, dsc, dmn = [a.scratch(k.vi32) for _ in range(8)], a.scratch(k.vf), a.scratch(k.vf)
-    t, u = a.scratch(k.vi32), a.scratch(k.vf)
+    ts, u = [a.scratch(k.vi32) for _ in accs], a.scratch(k.vf)
     dv, mv, lo = a.input(dvec), a.input(mvec), a.input(low)
     wq, sq, dq, sxq = a.input(w_at, "r"), a.input(sc_at, "r"), a.input(dx_at, "r"), a.input(xs_at, "r")
     xs = [a.input(p, "r") for p in xptrs]
@@ -646,13 +647,12 @@ def _q4k_sub_zmm(k: _Tile, j: int, accs: list, dvec, mvec, low, sixteenth, w_at,
     a(f"vpmovzxbd {(8 + j) * TR}({sq}), {dmn}")
     a(f"vcvtdq2ps {dmn}, {dmn}")
     a(f"vmulps {dmn}, {mv}, {dmn}")
-    for i, out in enumerate(outs):
-        x0 = QK_K * (i % 2) + 64 * c + 32 * hi
-        for h, acc in enumerate((t, u)):
-            a(f"vpxord {acc}, {acc}, {acc}")
-            for g in range(4 * h, 4 * h + 4):
-                a(f"vpdpbusd {x0 + 4 * g}({xs[i // 2]}){{1to16}}, {w[g]}, {acc}")
-        a(f"vpaddd {u}, {t}, {t}")
+    for t in ts:
+        a(f"vpxord {t}, {t}, {t}")
+    for g in range(8):              # the rows' chains side by side: each waits on its own
+        for i, t in enumerate(ts):
+            a(f"vpdpbusd {QK_K * (i % 2) + 64 * c + 32 * hi + 4 * g}({xs[i // 2]}){{1to16}}, {w[g]}, {t}")
+    for i, (out, t) in enumerate(zip(outs, ts)):
         a(f"vcvtdq2ps {t}, {t}")
         a(f"vmulps {4 * (8 * i + j)}({dq}){{1to16}}, {dsc}, {u}")
         a(f"vfmadd231ps {u}, {t}, {out}")
