@@ -3,7 +3,9 @@
 Each engine runs in a process of its own (so its peak RSS is its own), loaded once; the timed
 runs are interleaved — llamatrace, then each peer, then llamatrace again — so a noisy shared
 machine slows them alike and the ratios of one run are fair. Every run is a prefill of the
-same ``prompt_tokens`` ids followed by ``decode_tokens`` greedy decode steps. With
+same ``prompt_tokens`` ids followed by ``decode_tokens`` greedy decode steps, every engine's
+timed alike: the prefill up to its greedy token, then the steps up to the last token (each step's
+forward pass and argmax). With
 ``background_load`` N, N busy loops (:mod:`llamatrace.analysis.busy`) keep N cores busy for the
 whole bench: the case of a shared machine, reproducibly.
 
@@ -50,6 +52,7 @@ class EngineResult:
     decode_tok_s: list[float] = field(default_factory=list)
     peak_rss_bytes: int = 0
     threading: str = ""
+    huge_page_bytes: int = 0        # of the process's memory, after the runs (huge_page_bytes())
 
     @property
     def prefill(self) -> float:
@@ -97,6 +100,32 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+_HUGE_FIELDS = ("AnonHugePages:", "FilePmdMapped:", "ShmemPmdMapped:")
+
+
+def huge_page_bytes(smaps_rollup: str) -> int:
+    """Bytes of a process's memory mapped in 2 MiB pages, from the text of its
+    ``/proc/PID/smaps_rollup``: anonymous (``AnonHugePages``), file (``FilePmdMapped``: the
+    packed-weights cache's map where the page cache holds 2 MiB folios) and shared memory
+    (``ShmemPmdMapped``), in kB there. A weight read from a 4 KiB page pays a TLB miss every 4 KiB
+    and a restart of the hardware prefetcher: docs/performance.md "Decode"."""
+    total = 0
+    for line in smaps_rollup.splitlines():
+        fields = line.split()
+        if len(fields) == 3 and fields[0] in _HUGE_FIELDS and fields[2] == "kB":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def process_huge_page_bytes() -> int:
+    """:func:`huge_page_bytes` of this process; 0 where ``/proc`` cannot tell (not Linux)."""
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii", errors="replace") as fh:
+            return huge_page_bytes(fh.read())
+    except OSError:
+        return 0
 
 
 def check_engines(engines: list[str]) -> None:
@@ -176,6 +205,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
                 results[name].decode_tok_s.append(decode_tokens / decode_s)
         for name, w in workers.items():
             results[name].peak_rss_bytes = w.peak_rss()
+            results[name].huge_page_bytes = w.huge_pages()
     return BenchReport(model=path, file_bytes=os.path.getsize(path), cpu=cpu_model(), threads=peer_threads,
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
                        background_load=background_load, results=[results[name] for name in engines],
@@ -249,6 +279,10 @@ class _Worker:
         self._send(("rss",))
         return self._recv()
 
+    def huge_pages(self) -> int:
+        self._send(("huge",))
+        return self._recv()
+
     def close(self) -> None:
         try:
             self.conn.send(("quit",))
@@ -286,6 +320,8 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
                 conn.send(eng.run(msg[1], msg[2]))
             elif msg[0] == "rss":
                 conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            elif msg[0] == "huge":
+                conn.send(process_huge_page_bytes())
             else:
                 return
         except Exception as exc:  # noqa: BLE001
@@ -310,12 +346,14 @@ class _Llamatrace:
         return f"numba {threading_layer()}, {AUTO_THREADS.describe()}"
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
-        from llamatrace.model.generate import GenerationStats, generate
-        stats = GenerationStats()   # greedy, no stop tokens: exactly n_decode steps, as users run it
-        for _ in generate(self.model, ids, max_tokens=n_decode + 1, ctx_size=self.n_ctx, stats=stats,
-                          stop_ids=frozenset()):
-            pass
-        return stats.prefill_s, stats.decode_s * n_decode / max(stats.decode_steps, 1)
+        from llamatrace.model.generate import generate
+        # greedy, no stop tokens: the prompt's token, then exactly n_decode steps, as users run it;
+        # timed as the peers' loops are: the prefill up to its token, the steps up to the last
+        # token (their sampling included, as the peers' argmax)
+        t0 = time.perf_counter()
+        marks = [time.perf_counter() for _ in generate(self.model, ids, max_tokens=n_decode + 1, ctx_size=self.n_ctx,
+                                                       stop_ids=frozenset())]
+        return marks[0] - t0, marks[-1] - marks[0]
 
 
 class _LlamaCpp:
