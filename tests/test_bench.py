@@ -32,6 +32,7 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     assert roof["decode_gb_s"] == pytest.approx(report["cost"]["weight_bytes"] * ours["decode_median"] / 1e9)
     assert roof["decode_of_read_bw"] == pytest.approx(roof["decode_gb_s"] / report["machine"]["read_gb_s"])
     assert report["machine"]["read_small_pages_gb_s"] > 0
+    assert len(report["machine"]["read_between_runs_gb_s"]) == 2 and min(report["machine"]["read_between_runs_gb_s"]) > 0
     # 2 MiB pages, counted in bytes (smaps_rollup says kB), within what the process holds
     assert ours["huge_page_bytes"] % (2 << 20) == 0 and ours["huge_page_bytes"] <= ours["peak_rss_bytes"]
 

@@ -31,7 +31,7 @@ from typing import Callable, NoReturn
 import numpy as np
 
 from llamatrace.analysis.busy import busy_loops
-from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, token_cost
+from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, read_bandwidth, read_buffer, token_cost
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
 from llamatrace.peers import LLAMACPP_BUILD, exit_reason
 
@@ -160,7 +160,9 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
 
     ``activations``: llamatrace's modes to time, each as an engine of its own (``llamatrace f32``,
     ``llamatrace q8``). ``background_load``: busy-loop processes running from the engines' load
-    to their end (stopped however the bench ends).
+    to their end (stopped however the bench ends). The machine's limits are measured once the
+    engines are loaded, and the read bandwidth again after each round of runs
+    (``Machine.read_between_runs_gb_s``).
 
     Raises:
         OptionError: a count below 1 (``background_load`` below 0), an unknown engine or activations mode.
@@ -193,6 +195,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
         # after the engines' processes exist: a child inherits its parent's peak RSS at fork
         progress("measuring the machine's read bandwidth and int8 multiply-add peak")
         machine = measure_machine(peer_threads)
+        words = read_buffer()                            # read again after each round of runs
         ids = prompt_ids(workers[engines[0]].result_vocab, prompt_tokens)
         for name, w in workers.items():                  # warm-up: caches, lazy allocations
             progress(f"warming up {name}")
@@ -203,6 +206,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
                 prefill_s, decode_s = w.run(ids, decode_tokens)
                 results[name].prefill_tok_s.append(prompt_tokens / prefill_s)
                 results[name].decode_tok_s.append(decode_tokens / decode_s)
+            machine.read_between_runs_gb_s.append(read_bandwidth(peer_threads, 1, words))
         for name, w in workers.items():
             results[name].peak_rss_bytes = w.peak_rss()
             results[name].huge_page_bytes = w.huge_pages()

@@ -25,7 +25,7 @@ token reads of it otherwise). Attention's own products (a few % at 128 positions
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,7 +40,9 @@ class Machine:
     (1e9 int8 multiply-adds a second), both with ``threads`` threads; ``isa``: the multiply-add
     instruction; ``amx_gmac_s``: the AMX int8 peak (0 where not measured, ``amx`` then says why);
     ``read_small_pages_gb_s``: the read from memory on the pages of weights packed without the cache
-    (:func:`read_bandwidth`; 0 where not measured)."""
+    (:func:`read_bandwidth`; 0 where not measured); ``read_between_runs_gb_s``: one read on 2 MiB
+    pages after each round of a benchmark's runs (a machine shared with other work reads slower in
+    some rounds than in others: the decode fractions divide by ``read_gb_s`` all the same)."""
 
     threads: int
     read_gb_s: float
@@ -49,6 +51,7 @@ class Machine:
     amx_gmac_s: float = 0.0
     amx: str = ""
     read_small_pages_gb_s: float = 0.0
+    read_between_runs_gb_s: list[float] = field(default_factory=list)
 
 
 @dataclass

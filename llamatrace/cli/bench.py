@@ -35,7 +35,10 @@ def bench(
     runs interleaved so a noisy machine slows every engine alike).
 
     It also measures the machine's two limits (read bandwidth; the int8 multiply-add peak of the
-    instruction 8-bit kernels use) and shows how far each engine's prefill and decode get.
+    instruction 8-bit kernels use) and shows how far each engine's prefill and decode get. The
+    read is of memory on 2 MiB pages, then on small pages (those of weights packed with
+    --no-cache), and again after each round of runs; beside each engine, how much of its memory
+    is on 2 MiB pages. Decode is timed as each engine's greedy loop runs: forward pass and argmax.
 
     Examples:
 
@@ -73,8 +76,10 @@ def bench(
     m, cost = report.machine, report.cost
     peak = f"int8 multiply-adds {m.int8_gmac_s:.0f} G/s ({m.isa})" if m.int8_gmac_s else "no int8 peak (no AVX2)"
     peak += f", AMX int8 {m.amx_gmac_s:.0f} G/s (tdpbssd)" if m.amx_gmac_s else f", AMX int8 {m.amx}"
+    between = m.read_between_runs_gb_s
     out.print(f"limits on {plural(m.threads, 'thread')}: reads {m.read_gb_s:.1f} GB/s "
-              f"({m.read_small_pages_gb_s:.1f} on small pages), {peak} · a token: "
+              f"({m.read_small_pages_gb_s:.1f} on small pages; {min(between):.1f}–{max(between):.1f} between the "
+              f"runs), {peak} · a token: "
               f"{cost.weight_bytes / 1e9:.3g} GB of weights, {cost.macs / 1e9:.3g} G multiply-adds", soft_wrap=True)
     base = next((r for r in report.results if r.engine == "llama.cpp"), None)
     table = Table()
