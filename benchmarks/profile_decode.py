@@ -203,11 +203,12 @@ def main() -> None:
     for (tag, key), vals in sorted(res.items()):
         n = int(tag[:-1])
         whole = key == "step" or key.startswith("op ")      # single-threaded Python inside: no filter
-        clean = vals if whole else [v for v in vals if v[-1] >= 0.9 * n] or vals
-        med = [statistics.median(v[i] for v in clean) for i in range(len(clean[0]))]
-        lo, hi = min(v[0] for v in clean), max(v[0] for v in clean)
+        clean = vals if whole else [v for v in vals if v[-1] >= 0.9 * n]
+        shown = clean or vals                               # no clean round: all of them, said so
+        med = [statistics.median(v[i] for v in shown) for i in range(len(shown[0]))]
+        lo, hi = min(v[0] for v in shown), max(v[0] for v in shown)
         print(f"{tag} {key:36s} " + " ".join(f"{m:9.3f}" for m in med)
-              + f"   ({len(clean)}/{len(vals)} clean, first {lo:.3f}..{hi:.3f})")
+              + f"   ({len(clean)}/{len(vals)} clean{'' if clean else ', all shown'}, first {lo:.3f}..{hi:.3f})")
 
 
 if __name__ == "__main__":
