@@ -1,6 +1,6 @@
 """``bench``'s decode loop against ``profile_decode``'s step and the read probe, in one process.
 
-    python benchmarks/decode_loop.py -m FILE.gguf [--threads 2] [--rounds 6] [--decode 8] [--pages]
+    python benchmarks/decode_loop.py -m FILE.gguf [--threads 2] [--rounds 6] [--decode 8] [--pages] [--no-cache]
 
 The model loads as ``bench`` loads it (through the packed-weights cache unless ``--no-cache`` or
 ``$LLAMATRACE_NO_CACHE``). Alternated in rounds, so that every figure of a round shares its moment
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import mmap
+import os
 import statistics
 import time
 
@@ -37,6 +38,7 @@ configure_numba()
 from llamatrace.analysis.bench import _Llamatrace, process_huge_page_bytes, prompt_ids  # noqa: E402
 from llamatrace.analysis.roofline import read_bandwidth, read_buffer  # noqa: E402
 from llamatrace.kernels import packing  # noqa: E402
+from llamatrace.model.packcache import ENV_NO_CACHE  # noqa: E402
 
 _HUGE = 2 << 20
 
@@ -65,7 +67,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--decode", type=int, default=8)
     ap.add_argument("--pages", action="store_true")
+    ap.add_argument("--no-cache", action="store_true", help="pack the weights, as bench --no-cache")
     args = ap.parse_args()
+    if args.no_cache:
+        os.environ[ENV_NO_CACHE] = "1"
     load = lambda: " ".join(open("/proc/loadavg").read().split()[:4])  # noqa: E731
     prompt = 128
     engine = _Llamatrace(args.model, args.threads, prompt + args.decode + 8, "q8")
