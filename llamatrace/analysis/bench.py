@@ -109,8 +109,8 @@ def huge_page_bytes(smaps_rollup: str) -> int:
     """Bytes of a process's memory mapped in 2 MiB pages, from the text of its
     ``/proc/PID/smaps_rollup``: anonymous (``AnonHugePages``), file (``FilePmdMapped``: the
     packed-weights cache's map where the page cache holds 2 MiB folios) and shared memory
-    (``ShmemPmdMapped``), in kB there. A weight read from a 4 KiB page pays a TLB miss every 4 KiB
-    and a restart of the hardware prefetcher: docs/performance.md "Decode"."""
+    (``ShmemPmdMapped``), in kB there. Weights read from 4 KiB pages pay a TLB miss and a page walk
+    every 4 KiB: docs/performance.md "Decode"."""
     total = 0
     for line in smaps_rollup.splitlines():
         fields = line.split()

@@ -6,8 +6,8 @@ Two limits, measured on the machine the benchmark runs on (:mod:`llamatrace.kern
   decode tokens per second is the bandwidth it draws. Read from memory on 2 MiB pages (NumPy
   asks for transparent huge pages for arrays of 4 MiB or more), and again from memory on the
   pages a load without the packed-weights cache gives the weights (:func:`llamatrace.kernels.packing.small_pages`:
-  4 KiB): each 4 KiB page costs a TLB miss, a page walk (two-level in a VM) and a restart of the
-  hardware prefetcher, and a plain read of such pages is ~15 % slower (Xeon VM, 2026-11-27). The
+  4 KiB): each 4 KiB page costs a TLB miss and a page walk (two-level in a VM), and a plain read
+  of such pages on two threads was 0-20 % slower than on 2 MiB pages (Xeon VM, 2026-11-27). The
   cache's map of its file is on 2 MiB pages where the file system gives the page cache large
   folios (ext4 on Linux 6.18 here): docs/performance.md "Decode";
 - **int8 multiply-add peak** (G/s): prefill's 8-bit kernels (ours in ``q8``, llama.cpp's) are made
