@@ -8,8 +8,8 @@ Two limits, measured on the machine the benchmark runs on (:mod:`llamatrace.kern
   pages a load without the packed-weights cache gives the weights (:func:`llamatrace.kernels.packing.small_pages`:
   4 KiB): each 4 KiB page costs a TLB miss and a page walk (two-level in a VM), and a plain read
   of such pages on two threads was 0-20 % slower than on 2 MiB pages (Xeon VM, 2026-11-27). The
-  cache's map of its file is on 2 MiB pages where the file system gives the page cache large
-  folios (ext4 on Linux 6.18 here): docs/performance.md "Decode";
+  cache's map of its file is on 2 MiB pages as far as the page cache holds the file in 2 MiB
+  folios (ext4 on Linux 6.18 does, for a file written or read whole): docs/performance.md "Decode";
 - **int8 multiply-add peak** (G/s): prefill's 8-bit kernels (ours in ``q8``, llama.cpp's) are made
   of ``vpdpbusd`` / ``vpmaddubsw``, so the weights' multiply-adds per token times prefill tokens per
   second is the fraction of that peak it reaches;

@@ -157,9 +157,10 @@ def small_pages(n_bytes: int) -> np.ndarray:
     compacts memory to find 2 MiB at fault time (``defrag`` = ``madvise``, as in this project's
     VMs) the first touch of those pages cost ~4 s per GiB against ~0.7 for small pages: the
     8B-shaped Q4_K_M file loaded in 15-16 s instead of 8-12 (separate processes, alternated); a
-    copy into 2 MiB pages afterwards (``MADV_COLLAPSE``) costs as much (~2.2 s per GiB). Decode pays
-    for the small pages: at 8B a step took ~5 % longer than on the packed-weights cache's map,
-    whose page-cache folios are 2 MiB (docs/performance.md "Decode")."""
+    copy into 2 MiB pages afterwards (``MADV_COLLAPSE``) costs as much (~2.2 s per GiB). At 8B a
+    decode step on these pages took ~5 % longer than on the packed-weights cache's map when the
+    page cache held that file in 2 MiB folios, and ~8 % less than when it held it in 4 KiB ones
+    (docs/performance.md "Decode")."""
     pages = mmap.mmap(-1, max(n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(pages, dtype=np.uint8)
 
