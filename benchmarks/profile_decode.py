@@ -1,11 +1,17 @@
 """Where a decode step's time goes: each matmul kind against the bytes it reads, and the rest.
 
-    python benchmarks/profile_decode.py -m FILE.gguf [--activations q8] [--threads 1 2] [--rounds 5]
+    python benchmarks/profile_decode.py -m FILE.gguf [--activations q8] [--threads 1 2] [--rounds 5] [--no-cache]
+
+The model is loaded as ``bench`` and ``generate`` load it: through the packed-weights cache unless
+``--no-cache`` (or ``$LLAMATRACE_NO_CACHE``); the cache's map can be on 2 MiB pages, a load without
+it is on 4 KiB pages, and decode reads the two at different speeds (docs/performance.md "Decode"):
+the first line says how much of the process is on 2 MiB pages.
 
 Per thread count, alternating the measurements in rounds (medians shown, a shared machine):
 
-- ``probe``: :func:`llamatrace.kernels.probe.read_words` over 1 GiB (what ``bench`` calls the read
-  bandwidth; best of 3 there, the median here);
+- ``probe``: ``bench``'s read bandwidth (:func:`llamatrace.analysis.roofline.read_bandwidth`: the
+  best of 3 reads of 1 GiB on 2 MiB pages), and ``probe small pages`` the same on the pages a load
+  without the cache gives the weights;
 - ``stream``: a Numba-parallel sum of every layer's packed weight bytes, split over the threads by
   tiles as the decode kernels split them (what a kernel that only reads could reach);
 - one line per matmul kind (fused q|k|v, wo, fused gate|up, down, output): one row of x through
@@ -35,7 +41,9 @@ from llamatrace.runtime import configure_numba
 
 configure_numba()
 
-from llamatrace.kernels import fp32, probe, registry, threads  # noqa: E402
+from llamatrace.analysis.bench import process_huge_page_bytes  # noqa: E402
+from llamatrace.analysis.roofline import read_bandwidth, read_buffer  # noqa: E402
+from llamatrace.kernels import fp32, registry, threads  # noqa: E402
 from llamatrace.kernels.jit import JIT_EXACT_PARALLEL  # noqa: E402
 from llamatrace.model import llama as llama_mod  # noqa: E402
 from llamatrace.model.llama import Llama  # noqa: E402
@@ -119,13 +127,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--no-cache", action="store_true", help="pack the weights, as bench --no-cache")
     args = ap.parse_args()
 
-    model = Llama.load(args.model, activations=args.activations, cache=False)
+    model = Llama.load(args.model, activations=args.activations, cache=False if args.no_cache else None)
     model.warmup()
     kinds = _kinds(model)
-    words = np.ones((1 << 30) // 8, np.uint64)
-    probe.read_words(words[:64], 1)
+    buffers = {"probe": read_buffer(), "probe small pages": read_buffer(small_pages=True)}
     # every layer's packed bytes as [T, n] uint64 rows: one copy, same total size, tile-split
     total = sum(_nbytes(w) for ws in kinds.values() for w in ws)
     x1 = np.random.default_rng(0).standard_normal((1, model.config.hidden_dim), np.float32)
@@ -133,13 +141,18 @@ def main() -> None:
     model.forward(np.arange(1, args.prompt + 1) % 1000, 0, cache)
     region = np.zeros(64, np.int64)
     res = defaultdict(list)
-    print(f"{args.model}: {args.activations}, {total / 1e9:.3f} GB of packed weights; load {open('/proc/loadavg').read().split()[:3]}")
+    print(f"{args.model}: {args.activations}, {total / 1e9:.3f} GB of packed weights "
+          f"({'mapped from the cache' if model.pack_cache.read else 'packed'}; the process has "
+          f"{process_huge_page_bytes() / 1e9:.3f} GB on 2 MiB pages); load {open('/proc/loadavg').read().split()[:3]}")
     for rnd in range(args.rounds):
         for n in args.threads:
             threads.set_threads(n)
             tag = f"{n}t"
-            wall, cpu = _time(lambda: probe.read_words(words, n))
-            res[tag, "probe"].append((words.nbytes / wall / 1e9, cpu / wall))
+            for key, words in buffers.items():
+                c0 = time.process_time()
+                t0 = time.perf_counter()
+                gb_s = read_bandwidth(n, 3, words)
+                res[tag, key].append((gb_s, (time.process_time() - c0) / (time.perf_counter() - t0)))
             for kind, ws in kinds.items():
                 # pure read of the same tiles, tile-split
                 views = [w.qs.reshape(w.qs.shape[0], -1).view(np.uint64) if (w.qs.shape[1] * w.qs.shape[2] * w.qs.shape[3] * w.qs.itemsize) % 8 == 0 else None for w in ws]
@@ -190,11 +203,12 @@ def main() -> None:
     for (tag, key), vals in sorted(res.items()):
         n = int(tag[:-1])
         whole = key == "step" or key.startswith("op ")      # single-threaded Python inside: no filter
-        clean = vals if whole else [v for v in vals if v[-1] >= 0.9 * n] or vals
-        med = [statistics.median(v[i] for v in clean) for i in range(len(clean[0]))]
-        lo, hi = min(v[0] for v in clean), max(v[0] for v in clean)
+        clean = vals if whole else [v for v in vals if v[-1] >= 0.9 * n]
+        shown = clean or vals                               # no clean round: all of them, said so
+        med = [statistics.median(v[i] for v in shown) for i in range(len(shown[0]))]
+        lo, hi = min(v[0] for v in shown), max(v[0] for v in shown)
         print(f"{tag} {key:36s} " + " ".join(f"{m:9.3f}" for m in med)
-              + f"   ({len(clean)}/{len(vals)} clean, first {lo:.3f}..{hi:.3f})")
+              + f"   ({len(clean)}/{len(vals)} clean{'' if clean else ', all shown'}, first {lo:.3f}..{hi:.3f})")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,10 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     roof = ours["roofline"]
     assert roof["decode_gb_s"] == pytest.approx(report["cost"]["weight_bytes"] * ours["decode_median"] / 1e9)
     assert roof["decode_of_read_bw"] == pytest.approx(roof["decode_gb_s"] / report["machine"]["read_gb_s"])
+    assert report["machine"]["read_small_pages_gb_s"] > 0
+    assert len(report["machine"]["read_between_runs_gb_s"]) == 2 and min(report["machine"]["read_between_runs_gb_s"]) > 0
+    # 2 MiB pages, counted in bytes (smaps_rollup says kB), within what the process holds
+    assert ours["huge_page_bytes"] % (2 << 20) == 0 and ours["huge_page_bytes"] <= ours["peak_rss_bytes"]
 
 
 def test_bench_table(capsys, tiny_model_path):
@@ -110,3 +114,49 @@ def test_a_bench_child_that_died_before_a_send_is_named_not_a_broken_pipe(tiny_m
     child.proc.join()
     with pytest.raises(PeerError, match="the llamatrace process was killed by SIGKILL"):
         child.run([1, 2, 3], 1)
+
+
+SMAPS_ROLLUP = """\
+55d4c8a6e000-7ffc1b7f1000 ---p 00000000 00:00 0                          [rollup]
+Rss:             5123456 kB
+Pss:             5120000 kB
+Anonymous:        412000 kB
+LazyFree:              0 kB
+AnonHugePages:      6144 kB
+ShmemPmdMapped:     2048 kB
+FilePmdMapped:   4716544 kB
+Shared_Hugetlb:        0 kB
+Private_Hugetlb:       0 kB
+"""
+
+
+def test_huge_page_bytes_adds_the_anonymous_file_and_shared_2mib_mappings():
+    # 6144 + 2048 + 4716544 kB (the 8B-shaped Q4_K_M file's packed weights mapped from the cache)
+    assert bench.huge_page_bytes(SMAPS_ROLLUP) == (6144 + 2048 + 4716544) * 1024
+    assert bench.huge_page_bytes("Rss: 10 kB\nHugetlb: 4 kB\n") == 0
+    assert bench.process_huge_page_bytes() >= 0
+
+
+def test_our_decode_is_timed_as_the_peers_with_each_steps_sampling(monkeypatch, tiny_model_path):
+    """A fake clock: each forward pass takes 10 s, each greedy pick 1 s. The peers' loops time a
+    step's forward and argmax; ours must too (it timed only the forward passes)."""
+    import time
+
+    from llamatrace.model import sampling
+
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    engine = bench._Llamatrace(str(tiny_model_path), 1, 32, "f32")
+    forward, pick = engine.model.forward, sampling.Sampler.__call__
+
+    def slow_forward(*args, **kwargs):
+        now[0] += 10.0
+        return forward(*args, **kwargs)
+
+    def slow_pick(self, logits):
+        now[0] += 1.0
+        return pick(self, logits)
+
+    monkeypatch.setattr(engine.model, "forward", slow_forward)
+    monkeypatch.setattr(sampling.Sampler, "__call__", slow_pick)
+    assert engine.run([5, 6, 7], 4) == (11.0, 44.0)

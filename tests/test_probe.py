@@ -66,5 +66,5 @@ def test_fractions_divide_by_the_measured_limits():
 
 def test_measure_machine_reports_positive_limits():
     m = roofline.measure_machine(threads=1, repeats=1)
-    assert m.read_gb_s > 0 and m.threads == 1 and m.isa == probe.dot_isa()
+    assert m.read_gb_s > 0 and m.read_small_pages_gb_s > 0 and m.threads == 1 and m.isa == probe.dot_isa()
     assert (m.int8_gmac_s > 0) == bool(m.isa)

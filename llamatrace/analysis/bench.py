@@ -3,7 +3,9 @@
 Each engine runs in a process of its own (so its peak RSS is its own), loaded once; the timed
 runs are interleaved — llamatrace, then each peer, then llamatrace again — so a noisy shared
 machine slows them alike and the ratios of one run are fair. Every run is a prefill of the
-same ``prompt_tokens`` ids followed by ``decode_tokens`` greedy decode steps. With
+same ``prompt_tokens`` ids followed by ``decode_tokens`` greedy decode steps, every engine's
+timed alike: the prefill up to its greedy token, then the steps up to the last token (each step's
+forward pass and argmax). With
 ``background_load`` N, N busy loops (:mod:`llamatrace.analysis.busy`) keep N cores busy for the
 whole bench: the case of a shared machine, reproducibly.
 
@@ -29,7 +31,7 @@ from typing import Callable, NoReturn
 import numpy as np
 
 from llamatrace.analysis.busy import busy_loops
-from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, token_cost
+from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, read_bandwidth, read_buffer, token_cost
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
 from llamatrace.peers import LLAMACPP_BUILD, exit_reason
 
@@ -50,6 +52,7 @@ class EngineResult:
     decode_tok_s: list[float] = field(default_factory=list)
     peak_rss_bytes: int = 0
     threading: str = ""
+    huge_page_bytes: int = 0        # of the process's memory, after the runs (huge_page_bytes())
 
     @property
     def prefill(self) -> float:
@@ -99,6 +102,32 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+_HUGE_FIELDS = ("AnonHugePages:", "FilePmdMapped:", "ShmemPmdMapped:")
+
+
+def huge_page_bytes(smaps_rollup: str) -> int:
+    """Bytes of a process's memory mapped in 2 MiB pages, from the text of its
+    ``/proc/PID/smaps_rollup``: anonymous (``AnonHugePages``), file (``FilePmdMapped``: the
+    packed-weights cache's map where the page cache holds 2 MiB folios) and shared memory
+    (``ShmemPmdMapped``), in kB there. Weights read from 4 KiB pages pay a TLB miss and a page walk
+    every 4 KiB: docs/performance.md "Decode"."""
+    total = 0
+    for line in smaps_rollup.splitlines():
+        fields = line.split()
+        if len(fields) == 3 and fields[0] in _HUGE_FIELDS and fields[2] == "kB":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def process_huge_page_bytes() -> int:
+    """:func:`huge_page_bytes` of this process; 0 where ``/proc`` cannot tell (not Linux)."""
+    try:
+        with open("/proc/self/smaps_rollup", encoding="ascii", errors="replace") as fh:
+            return huge_page_bytes(fh.read())
+    except OSError:
+        return 0
+
+
 def check_engines(engines: list[str]) -> None:
     """Raise :class:`OptionError` for an unknown engine, :class:`PeerError` for one not installed."""
     for name in engines:
@@ -131,7 +160,9 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
 
     ``activations``: llamatrace's modes to time, each as an engine of its own (``llamatrace f32``,
     ``llamatrace q8``). ``background_load``: busy-loop processes running from the engines' load
-    to their end (stopped however the bench ends).
+    to their end (stopped however the bench ends). The machine's limits are measured once the
+    engines are loaded, and the read bandwidth again after each round of runs
+    (``Machine.read_between_runs_gb_s``).
 
     Raises:
         OptionError: a count below 1 (``background_load`` below 0), an unknown engine or activations mode.
@@ -164,6 +195,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
         # after the engines' processes exist: a child inherits its parent's peak RSS at fork
         progress("measuring the machine's read bandwidth and int8 multiply-add peak")
         machine = measure_machine(peer_threads)
+        words = read_buffer()                            # read again after each round of runs
         ids = prompt_ids(workers[engines[0]].result_vocab, prompt_tokens)
         for name, w in workers.items():                  # warm-up: caches, lazy allocations
             progress(f"warming up {name}")
@@ -174,8 +206,10 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
                 prefill_s, decode_s = w.run(ids, decode_tokens)
                 results[name].prefill_tok_s.append(prompt_tokens / prefill_s)
                 results[name].decode_tok_s.append(decode_tokens / decode_s)
+            machine.read_between_runs_gb_s.append(read_bandwidth(peer_threads, 1, words))
         for name, w in workers.items():
             results[name].peak_rss_bytes = w.peak_rss()
+            results[name].huge_page_bytes = w.huge_pages()
     return BenchReport(model=path, file_bytes=os.path.getsize(path), cpu=cpu_model(), threads=peer_threads,
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
                        background_load=background_load, results=[results[name] for name in engines],
@@ -249,6 +283,10 @@ class _Worker:
         self._send(("rss",))
         return self._recv()
 
+    def huge_pages(self) -> int:
+        self._send(("huge",))
+        return self._recv()
+
     def close(self) -> None:
         try:
             self.conn.send(("quit",))
@@ -286,6 +324,8 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
                 conn.send(eng.run(msg[1], msg[2]))
             elif msg[0] == "rss":
                 conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+            elif msg[0] == "huge":
+                conn.send(process_huge_page_bytes())
             else:
                 return
         except Exception as exc:  # noqa: BLE001
@@ -310,12 +350,14 @@ class _Llamatrace:
         return f"numba {threading_layer()}, {AUTO_THREADS.describe()}"
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:
-        from llamatrace.model.generate import GenerationStats, generate
-        stats = GenerationStats()   # greedy, no stop tokens: exactly n_decode steps, as users run it
-        for _ in generate(self.model, ids, max_tokens=n_decode + 1, ctx_size=self.n_ctx, stats=stats,
-                          stop_ids=frozenset()):
-            pass
-        return stats.prefill_s, stats.decode_s * n_decode / max(stats.decode_steps, 1)
+        from llamatrace.model.generate import generate
+        # greedy, no stop tokens: the prompt's token, then exactly n_decode steps, as users run it;
+        # timed as the peers' loops are: the prefill up to its token, the steps up to the last
+        # token (their sampling included, as the peers' argmax)
+        t0 = time.perf_counter()
+        marks = [time.perf_counter() for _ in generate(self.model, ids, max_tokens=n_decode + 1, ctx_size=self.n_ctx,
+                                                       stop_ids=frozenset())]
+        return marks[0] - t0, marks[-1] - marks[0]
 
 
 class _LlamaCpp:

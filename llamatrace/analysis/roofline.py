@@ -3,7 +3,13 @@
 Two limits, measured on the machine the benchmark runs on (:mod:`llamatrace.kernels.probe`):
 
 - **read bandwidth** (GB/s): decode reads every weight once a token, so the weights' bytes times
-  decode tokens per second is the bandwidth it draws;
+  decode tokens per second is the bandwidth it draws. Read from memory on 2 MiB pages (NumPy
+  asks for transparent huge pages for arrays of 4 MiB or more), and again from memory on the
+  pages a load without the packed-weights cache gives the weights (:func:`llamatrace.kernels.packing.small_pages`:
+  4 KiB): each 4 KiB page costs a TLB miss and a page walk (two-level in a VM), and a plain read
+  of such pages on two threads was 0-20 % slower than on 2 MiB pages (Xeon VM, 2026-11-27). The
+  cache's map of its file is on 2 MiB pages as far as the page cache holds the file in 2 MiB
+  folios (ext4 on Linux 6.18 does, for a file written or read whole): docs/performance.md "Decode";
 - **int8 multiply-add peak** (G/s): prefill's 8-bit kernels (ours in ``q8``, llama.cpp's) are made
   of ``vpdpbusd`` / ``vpmaddubsw``, so the weights' multiply-adds per token times prefill tokens per
   second is the fraction of that peak it reaches;
@@ -19,7 +25,7 @@ token reads of it otherwise). Attention's own products (a few % at 128 positions
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,9 +36,13 @@ _AMX_STEPS = 2_000_000         # 4 tdpbssd a step: ~0.1 s a thread at 1.3 T mult
 
 @dataclass
 class Machine:
-    """The measured limits: ``read_gb_s`` (GB/s, 1e9 bytes), ``int8_gmac_s`` (1e9 int8
-    multiply-adds a second), both with ``threads`` threads; ``isa``: the multiply-add instruction;
-    ``amx_gmac_s``: the AMX int8 peak (0 where not measured, ``amx`` then says why)."""
+    """The measured limits: ``read_gb_s`` (GB/s, 1e9 bytes, memory on 2 MiB pages), ``int8_gmac_s``
+    (1e9 int8 multiply-adds a second), both with ``threads`` threads; ``isa``: the multiply-add
+    instruction; ``amx_gmac_s``: the AMX int8 peak (0 where not measured, ``amx`` then says why);
+    ``read_small_pages_gb_s``: the read from memory on the pages of weights packed without the cache
+    (:func:`read_bandwidth`; 0 where not measured); ``read_between_runs_gb_s``: one read on 2 MiB
+    pages after each round of a benchmark's runs (a machine shared with other work reads slower in
+    some rounds than in others: the decode fractions divide by ``read_gb_s`` all the same)."""
 
     threads: int
     read_gb_s: float
@@ -40,6 +50,8 @@ class Machine:
     isa: str
     amx_gmac_s: float = 0.0
     amx: str = ""
+    read_small_pages_gb_s: float = 0.0
+    read_between_runs_gb_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -50,20 +62,44 @@ class TokenCost:
     macs: int
 
 
-def measure_machine(threads: int, repeats: int = 3) -> Machine:
-    """Best of ``repeats`` runs of each probe on ``threads`` threads (a 1 GiB read; 8 chains of
-    int8 multiply-adds a thread; 4 chains of ``tdpbssd`` a thread where AMX is on). ``int8_gmac_s``
-    is 0 on CPUs without AVX2."""
-    from llamatrace.kernels import amx, probe
+def read_buffer(small_pages: bool = False) -> np.ndarray:
+    """uint64 ``[2**27]`` (1 GiB, far past any cache) of ones for :func:`read_bandwidth`: NumPy's
+    memory (on 2 MiB pages where the kernel's transparent huge pages are ``always`` or ``madvise``),
+    or with ``small_pages`` the memory packed weights get on a load without the cache
+    (:func:`llamatrace.kernels.packing.small_pages`)."""
+    from llamatrace.kernels.packing import small_pages as pages
+    if not small_pages:
+        return np.ones(_READ_BYTES // 8, np.uint64)
+    words = pages(_READ_BYTES).view(np.uint64)
+    words.fill(1)
+    return words
 
-    best_read = best_dot = float("inf")
-    words = np.ones(_READ_BYTES // 8, np.uint64)
+
+def read_bandwidth(threads: int, repeats: int = 3, words: np.ndarray | None = None) -> float:
+    """GB/s (1e9 bytes) of the best of ``repeats`` reads of ``words`` (uint64, default a
+    :func:`read_buffer`) by :func:`llamatrace.kernels.probe.read_words` on ``threads`` threads:
+    ``bench``'s read bandwidth, and ``benchmarks/profile_decode.py``'s."""
+    from llamatrace.kernels import probe
+
+    words = read_buffer() if words is None else words
     probe.read_words(words[:64], threads)                 # compile or load from the cache
+    best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         probe.read_words(words, threads)
-        best_read = min(best_read, time.perf_counter() - t0)
-    del words
+        best = min(best, time.perf_counter() - t0)
+    return words.nbytes / best / 1e9
+
+
+def measure_machine(threads: int, repeats: int = 3) -> Machine:
+    """Best of ``repeats`` runs of each probe on ``threads`` threads (a 1 GiB read on 2 MiB pages,
+    then on small pages: :func:`read_bandwidth`; 8 chains of int8 multiply-adds a thread; 4 chains
+    of ``tdpbssd`` a thread where AMX is on). ``int8_gmac_s`` is 0 on CPUs without AVX2."""
+    from llamatrace.kernels import amx, probe
+
+    best_dot = float("inf")
+    read_gb_s = read_bandwidth(threads, repeats)
+    read_small_gb_s = read_bandwidth(threads, repeats, read_buffer(small_pages=True))
     isa = probe.dot_isa()
     gmac = 0.0
     if isa:
@@ -82,8 +118,8 @@ def measure_machine(threads: int, repeats: int = 3) -> Machine:
             peak(_AMX_STEPS, threads, 0x04030201, 0x01FE0302)
             best_amx = min(best_amx, time.perf_counter() - t0)
         amx_gmac = _AMX_STEPS * amx.PEAK_MACS_PER_STEP * threads / best_amx / 1e9
-    return Machine(threads=threads, read_gb_s=_READ_BYTES / best_read / 1e9, int8_gmac_s=gmac, isa=isa,
-                   amx_gmac_s=amx_gmac, amx=amx_status.reason)
+    return Machine(threads=threads, read_gb_s=read_gb_s, int8_gmac_s=gmac, isa=isa, amx_gmac_s=amx_gmac,
+                   amx=amx_status.reason, read_small_pages_gb_s=read_small_gb_s)
 
 
 def token_cost(gguf_file) -> TokenCost:

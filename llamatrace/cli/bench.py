@@ -35,7 +35,10 @@ def bench(
     runs interleaved so a noisy machine slows every engine alike).
 
     It also measures the machine's two limits (read bandwidth; the int8 multiply-add peak of the
-    instruction 8-bit kernels use) and shows how far each engine's prefill and decode get.
+    instruction 8-bit kernels use) and shows how far each engine's prefill and decode get. The
+    read is of memory on 2 MiB pages, then on small pages (those of weights packed with
+    --no-cache), and again after each round of runs; beside each engine, how much of its memory
+    is on 2 MiB pages. Decode is timed as each engine's greedy loop runs: forward pass and argmax.
 
     Examples:
 
@@ -73,7 +76,10 @@ def bench(
     m, cost = report.machine, report.cost
     peak = f"int8 multiply-adds {m.int8_gmac_s:.0f} G/s ({m.isa})" if m.int8_gmac_s else "no int8 peak (no AVX2)"
     peak += f", AMX int8 {m.amx_gmac_s:.0f} G/s (tdpbssd)" if m.amx_gmac_s else f", AMX int8 {m.amx}"
-    out.print(f"limits on {plural(m.threads, 'thread')}: reads {m.read_gb_s:.1f} GB/s, {peak} · a token: "
+    between = m.read_between_runs_gb_s
+    out.print(f"limits on {plural(m.threads, 'thread')}: reads {m.read_gb_s:.1f} GB/s "
+              f"({m.read_small_pages_gb_s:.1f} on small pages; {min(between):.1f}–{max(between):.1f} between the "
+              f"runs), {peak} · a token: "
               f"{cost.weight_bytes / 1e9:.3g} GB of weights, {cost.macs / 1e9:.3g} G multiply-adds", soft_wrap=True)
     base = next((r for r in report.results if r.engine == "llama.cpp"), None)
     table = Table()
@@ -101,7 +107,7 @@ def bench(
         peaks += [f"{roof['prefill_of_amx_peak']:.0%} of the AMX peak"] if m.amx_gmac_s else []
         of_peak = f" ({', '.join(peaks)})" if peaks else ""
         out.print(f"{r.engine}: prefill {roof['prefill_gmac_s']:.3g} G multiply-adds/s{of_peak}, decode "
-                  f"{roof['decode_gb_s']:.3g} GB/s of weights ({roof['decode_of_read_bw']:.0%} of the read bandwidth)",
-                  soft_wrap=True)
+                  f"{roof['decode_gb_s']:.3g} GB/s of weights ({roof['decode_of_read_bw']:.0%} of the read bandwidth; "
+                  f"{r.huge_page_bytes / 1e9:.2f} GB of the process on 2 MiB pages)", soft_wrap=True)
     if base is not None:
         out.print("÷ llama.cpp: prefill / decode tok/s as a ratio of llama.cpp's in the same run")

@@ -123,7 +123,7 @@ class Weight:
 
 class Arena:
     """Bump allocator for packed weights: a model's arrays side by side, in load order, in
-    chunks of ``chunk_bytes`` of fresh anonymous memory (:func:`_pages`), so hundreds of small
+    chunks of ``chunk_bytes`` of fresh anonymous memory (:func:`small_pages`), so hundreds of small
     per-layer arrays cost a handful of mappings and sit next to each other as a decode step
     streams them. Arrays over half a chunk get a mapping of their own. Views into a chunk keep
     it alive.
@@ -139,25 +139,28 @@ class Arena:
         dtype = np.dtype(dtype)
         n_bytes = int(np.prod(shape)) * dtype.itemsize
         if n_bytes > self.chunk_bytes // 2:
-            chunk, start = _pages(n_bytes + 64), 0
+            chunk, start = small_pages(n_bytes + 64), 0
         else:
             chunk, start = self._chunk, self._used
             if start + 63 + n_bytes > chunk.size:
-                chunk = self._chunk = _pages(self.chunk_bytes)
+                chunk = self._chunk = small_pages(self.chunk_bytes)
                 start = 0
             self._used = start + (-(chunk.ctypes.data + start) % 64) + n_bytes
         start += -(chunk.ctypes.data + start) % 64
         return chunk[start:start + n_bytes].view(dtype).reshape(shape)
 
 
-def _pages(n_bytes: int) -> np.ndarray:
+def small_pages(n_bytes: int) -> np.ndarray:
     """uint8 ``[n_bytes]`` of fresh private anonymous memory on the kernel's 4 KiB pages.
 
     NumPy asks for transparent huge pages from 4 MiB (``madvise``), and where the kernel
     compacts memory to find 2 MiB at fault time (``defrag`` = ``madvise``, as in this project's
     VMs) the first touch of those pages cost ~4 s per GiB against ~0.7 for small pages: the
-    8B-shaped Q4_K_M file loaded in 15-16 s instead of 8-12 (separate processes, alternated).
-    Decode did not notice (paired, one process: 0.99-1.01 at 8B and on SmolLM2)."""
+    8B-shaped Q4_K_M file loaded in 15-16 s instead of 8-12 (separate processes, alternated); a
+    copy into 2 MiB pages afterwards (``MADV_COLLAPSE``) costs as much (~2.2 s per GiB). At 8B a
+    decode step on these pages took ~5 % longer than on the packed-weights cache's map when the
+    page cache held that file in 2 MiB folios, and ~8 % less than when it held it in 4 KiB ones
+    (docs/performance.md "Decode")."""
     pages = mmap.mmap(-1, max(n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return np.frombuffer(pages, dtype=np.uint8)
 
