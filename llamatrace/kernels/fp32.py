@@ -17,6 +17,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from llamatrace.kernels.act8_ir import _Tile, prefill_lanes
 from llamatrace.kernels.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
 
 # No fastmath here (jit.JIT_EXACT): its nnan/ninf flags would break the -inf of the causal mask.
@@ -26,7 +27,7 @@ from llamatrace.kernels.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
 # exp for float32 in plain LLVM IR (Cephes expf: Cody-Waite reduction by ln 2, degree-6
 # polynomial), so that loops calling it vectorise: np.exp in Numba is a libm call per element.
 # ---------------------------------------------------------------------------------------------
-_F32, _I32 = ir.FloatType(), ir.IntType(32)
+_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _EXP_LO, _EXP_HI = -87.33654, 88.72283     # exp(x) is below float32's normal range / overflows
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
              5.0000001201e-1)
@@ -450,21 +451,185 @@ def _scores_keys(xq, keys, out, t0, t1, first_pos, window):
                 out[h, s, t] = acc
 
 
+# ---------------------------------------------------------------------------------------------
+# A prefill's products (seq_len > 1), register-blocked as the weight matmuls' prefill microkernels
+# (act8_ir's _Tile): _gemm_block runs _GEMM_ROWS rows of A against _GEMM_COLS registers of columns
+# of B, the sums in registers over the whole reduction, each a chain of FMAs in reduction order
+# from 0. An entry's bits are those of that chain whatever block it falls in, so every variant
+# (serial, parallel, the scores of every key or of the keys a row sees) agrees bit for bit.
+# ---------------------------------------------------------------------------------------------
+_LANES = prefill_lanes()
+_GEMM_ROWS, _GEMM_COLS = (6, 4) if _LANES == 16 else (3, 3)     # 24 (zmm) / 9 (ymm) accumulators
+_BLOCK = _GEMM_COLS * _LANES
+"""Columns per :func:`_gemm_block` call: keys of the scores, head_dim entries of the values."""
+
+
+def _gemm_ir(k, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add) -> None:
+    bld, i32 = k.b, ir.IntType(32)
+    mask_t = ir.VectorType(ir.IntType(1), k.lanes)
+    vptr = k.vf.as_pointer()
+    suffix = f"v{k.lanes}f32.p0v{k.lanes}f32"
+    load_fn = bld.module.declare_intrinsic(f"llvm.masked.load.{suffix}", (),
+                                           ir.FunctionType(k.vf, [vptr, i32, mask_t, k.vf]))
+    store_fn = bld.module.declare_intrinsic(f"llvm.masked.store.{suffix}", (),
+                                            ir.FunctionType(ir.VoidType(), [k.vf, vptr, i32, mask_t]))
+    lane = ir.Constant(ir.VectorType(_I64, k.lanes), list(range(k.lanes)))
+    cols = k.splat(k.i64(n_cols), ir.VectorType(_I64, k.lanes))
+    masks = [bld.icmp_signed("<", bld.add(lane, k.splat(k.c64(v * k.lanes), lane.type)), cols)
+             for v in range(_GEMM_COLS)]
+    zero = ir.Constant(k.vf, [0.0] * k.lanes)
+    a_at = [bld.add(bld.load(bld.gep(a_offs, [k.c64(r)])), k.i64(a_at)) for r in range(_GEMM_ROWS)]
+    c_at = [bld.load(bld.gep(c_offs, [k.c64(r)])) for r in range(_GEMM_ROWS)]
+    b_at, ldb = k.i64(b_at), k.i64(ldb)
+
+    def body(i, accs):
+        row = bld.add(b_at, bld.mul(i, ldb))
+        bv = [bld.call(load_fn, [k.ptr(b, bld.add(row, k.c64(v * k.lanes)), k.vf), ir.Constant(i32, 4),
+                                 masks[v], zero]) for v in range(_GEMM_COLS)]
+        new = []
+        for r in range(_GEMM_ROWS):
+            av = k.splat(bld.load(bld.gep(a, [bld.add(a_at[r], i)])), k.vf)
+            new += [k.fma(av, bv[v], accs[r * _GEMM_COLS + v]) for v in range(_GEMM_COLS)]
+        return new
+
+    sums = k.block_loop(k.i64(n), _GEMM_ROWS * _GEMM_COLS, body)
+    add = bld.icmp_signed("!=", k.i64(add), k.c64(0))
+    ptrs = [k.ptr(c, bld.add(c_at[r], k.c64(v * k.lanes)), k.vf) for r in range(_GEMM_ROWS) for v in range(_GEMM_COLS)]
+    olds = [bld.call(load_fn, [ptr, ir.Constant(i32, 4), masks[i % _GEMM_COLS], zero]) for i, ptr in enumerate(ptrs)]
+    for i, ptr in enumerate(ptrs):        # every load before the stores: a row given twice adds once
+        total = bld.select(add, bld.fadd(olds[i], sums[i]), sums[i])
+        bld.call(store_fn, [total, ptr, ir.Constant(i32, 4), masks[i % _GEMM_COLS]])
+
+
+@intrinsic
+def _gemm_block(typingctx, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add):
+    """``c[c_offs[r] + j] = (c[c_offs[r] + j] +)? Σ_{i<n} a[a_offs[r] + a_at + i] · b[b_at + i·ldb + j]``
+    (the old value added when ``add`` is nonzero) for the :data:`_GEMM_ROWS` rows r and columns
+    ``j < n_cols`` (``n_cols <= _BLOCK``); a, b, c float32 C-contiguous arrays indexed flat,
+    a_offs and c_offs int64 ``[_GEMM_ROWS]``. The sum is one FMA chain in i order from 0 (``n``
+    0: zero); columns past ``n_cols`` are neither read nor written (masked loads and stores)."""
+    arrays = (a, a_offs, b, c, c_offs)
+    if not all(isinstance(x, types.Array) for x in arrays) or a_offs.dtype != types.int64 \
+            or c_offs.dtype != types.int64 or not all(x.dtype == types.float32 for x in (a, b, c)):
+        return None
+    sig = types.void(a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add)
+
+    def codegen(context, builder, signature, args):
+        flat = list(args)
+        for i in (0, 1, 3, 7, 8):
+            flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+        _gemm_ir(_Tile(builder, _LANES), *flat)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_CHAIN = 32
+"""Terms per FMA chain of :func:`_gemm_chained`: longer chains lose accuracy (one chain over
+head_dim 128 missed the NumPy twin by 1.6e-5 relative in a softmax of scores ~10)."""
+
+
+@njit(inline="always", **JIT_ATTN)
+def _gemm_chained(a, a_offs, b, b_at, ldb, i0, i1, c, c_offs, n_cols):
+    """:func:`_gemm_block`'s sums over i0 <= i < i1, written to c: a chain per run of
+    :data:`_CHAIN` terms aligned to multiples of _CHAIN, the runs' sums added in i order. Where
+    the sum starts and ends changes nothing but zero terms, so a sum over a range wider by exact
+    zeros (a ± 0 is a: no sum here is -0) has the same bits."""
+    i = i0
+    while True:
+        end = min(i1, (i // _CHAIN + 1) * _CHAIN)
+        _gemm_block(a, a_offs, i, b, b_at + i * ldb, ldb, max(0, end - i), c, c_offs, n_cols, i > i0)
+        i = end
+        if i >= i1:
+            break
+
+
+@njit(**JIT_ATTN)
+def _scores_block(xq, keys, out, g, t0, first_pos, window, kt, a_offs, c_offs):
+    """Prefill scores of KV head g's query heads for keys t0 .. t0 + _BLOCK (fewer at the end),
+    the rows that see one of them (_scores_keys' rule); a block's rows are written whole, keys a
+    row does not see included. kt: scratch float32 [head_dim, _BLOCK] for the keys transposed."""
+    seq_len, n_heads, head_dim = xq.shape
+    kv_len = out.shape[2]
+    n_rep = n_heads // keys.shape[1]
+    n_cols = min(_BLOCK, kv_len - t0)
+    for t in range(n_cols):
+        for d in range(head_dim):
+            kt[d, t] = keys[t0 + t, g, d]
+    s0 = max(0, t0 - first_pos)
+    s1 = min(seq_len, t0 + n_cols - 1 + window - first_pos) if window else seq_len
+    m1 = s1 * n_rep                           # rows m = s * n_rep + j: query row s, head g*n_rep + j
+    for m in range(s0 * n_rep, m1, _GEMM_ROWS):
+        for r in range(_GEMM_ROWS):
+            s, j = divmod(min(m + r, m1 - 1), n_rep)     # past the end: the last row again
+            h = g * n_rep + j
+            a_offs[r] = (s * n_heads + h) * head_dim
+            c_offs[r] = (h * seq_len + s) * kv_len + t0
+        _gemm_chained(xq, a_offs, kt, 0, _BLOCK, 0, head_dim, out, c_offs, n_cols)
+
+
+@njit(**JIT_ATTN)
+def _scores_blocks(xq, keys, out, first_pos, window, i0, i1):
+    """Work items i0 .. i1 of the prefill scores: item i is KV head i // n_pairs with key blocks
+    p and n_blocks-1-p (p = i % n_pairs), so that a causal triangle's items (many rows for the
+    first keys, few for the last) are all alike and threads splitting the items split the work."""
+    head_dim = xq.shape[2]
+    n_blocks = (out.shape[2] + _BLOCK - 1) // _BLOCK
+    n_pairs = (n_blocks + 1) // 2
+    kt = np.empty((head_dim, _BLOCK), dtype=np.float32)
+    a_offs, c_offs = np.empty(_GEMM_ROWS, dtype=np.int64), np.empty(_GEMM_ROWS, dtype=np.int64)
+    for i in range(i0, i1):
+        g, p = divmod(i, n_pairs)
+        _scores_block(xq, keys, out, g, p * _BLOCK, first_pos, window, kt, a_offs, c_offs)
+        if n_blocks - 1 - p != p:
+            _scores_block(xq, keys, out, g, (n_blocks - 1 - p) * _BLOCK, first_pos, window, kt, a_offs, c_offs)
+
+
+@njit(**JIT_ATTN)
+def _score_items(keys, kv_len):
+    return keys.shape[1] * (((kv_len + _BLOCK - 1) // _BLOCK + 1) // 2)
+
+
+@njit(**JIT_ATTN)
+def _prefill_scores_serial(xq, keys, out, first_pos, window):
+    _scores_blocks(xq, keys, out, first_pos, window, 0, _score_items(keys, out.shape[2]))
+
+
+@njit(parallel=True, **JIT_ATTN)
+def _prefill_scores_parallel(xq, keys, out, first_pos, window):
+    for i in prange(_score_items(keys, out.shape[2])):
+        _scores_blocks(xq, keys, out, first_pos, window, i, i + 1)
+
+
 @njit(**JIT_ATTN)
 def attention_scores_serial(xq, keys):
     kv_len = keys.shape[0]
     out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
-    _scores_keys(xq, keys, out, 0, kv_len, kv_len, 0)
+    if xq.shape[0] > 1:
+        _prefill_scores_serial(xq, keys, out, kv_len, 0)
+    else:
+        _scores_keys(xq, keys, out, 0, kv_len, kv_len, 0)
+    return out
+
+
+@njit(**JIT_ATTN)
+def attention_scores_parallel(xq, keys):
+    kv_len = keys.shape[0]
+    out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
+    if xq.shape[0] > 1:
+        _prefill_scores_parallel(xq, keys, out, kv_len, 0)
+    else:
+        _decode_scores_parallel(xq, keys, out, kv_len, 0)
     return out
 
 
 @njit(parallel=True, **JIT_ATTN)
-def attention_scores_parallel(xq, keys):
+def _decode_scores_parallel(xq, keys, out, first_pos, window):
+    """_scores_keys, threads splitting the keys in chunks of _KEY_CHUNK (one query row: the
+    register-blocked kernel would need the keys transposed, as many bytes moved as the sums read)."""
     kv_len = keys.shape[0]
-    out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
-    for c in prange((kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK):     # threads split the keys
-        _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), kv_len, 0)
-    return out
+    for c in prange((kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK):
+        _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), first_pos, window)
 
 
 _KEY_CHUNK = 32
@@ -515,20 +680,6 @@ def attention_scores_ref(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
 # _scores_keys sum per entry; the same float32 product by the scale; the row's max, exps and
 # in-order sum over the keys it sees (the masked path's exp(-inf) = 0 terms add nothing); and
 # the masked entries are 0 · (1 / sum), which is 0 — or NaN where the row's sum is, as there.
-@njit(parallel=True, **JIT_ATTN)
-def _visible_scores_parallel(xq, keys, out, first_pos, window):
-    """_scores_keys over every key chunk, threads splitting the chunks: chunk i goes with chunk
-    n-1-i, so a causal triangle's rows (many in the first chunks, few in the last) split evenly
-    between the threads' blocks of iterations."""
-    kv_len = keys.shape[0]
-    n = (kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK
-    for i in prange((n + 1) // 2):
-        _scores_keys(xq, keys, out, i * _KEY_CHUNK, min(kv_len, (i + 1) * _KEY_CHUNK), first_pos, window)
-        c = n - 1 - i
-        if c != i:
-            _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), first_pos, window)
-
-
 @njit(inline="always", **JIT_EXACT)
 def _softmax_visible_rows(x, i, scale, first_pos, window):
     """In place, head i: each row's scores of the keys it sees (_scores_keys' rule) times
@@ -609,8 +760,11 @@ def attention_probs(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: i
     xq, keys = np.ascontiguousarray(xq), np.ascontiguousarray(keys)
     first_pos, window, scale = int(start_pos), int(window), np.float32(scale)
     out = np.empty((n_heads, seq_len, kv_len), dtype=np.float32)
-    if parallel if parallel is not None else seq_len * kv_len * n_heads * head_dim > _PARALLEL_WORK:
-        _visible_scores_parallel(xq, keys, out, first_pos, window)
+    threads = parallel if parallel is not None else seq_len * kv_len * n_heads * head_dim > _PARALLEL_WORK
+    if seq_len > 1:
+        (_prefill_scores_parallel if threads else _prefill_scores_serial)(xq, keys, out, first_pos, window)
+    elif threads:
+        _decode_scores_parallel(xq, keys, out, first_pos, window)
     else:
         _scores_keys(xq, keys, out, 0, kv_len, first_pos, window)
     if parallel if parallel is not None else out.size > _PARALLEL_ELEMENTS:
@@ -629,65 +783,72 @@ def attention_probs_ref(xq: np.ndarray, keys: np.ndarray, scale: float, start_po
 
 
 @njit(**JIT_ATTN)
-def _values_keys(scores, values, acc, s, h0, t0, t1):
-    """acc[i] = Σ_t scores[h0 + i, s, t] · values[t, (h0 + i) // n_rep] over keys t0 <= t < t1,
-    in memory order (as :func:`_scores_keys`); acc float32 [n, head_dim]."""
-    n_rep = scores.shape[0] // values.shape[1]
-    acc[:] = 0.0
-    for t in range(t0, t1):
-        for i in range(acc.shape[0]):
-            h = h0 + i
-            p = scores[h, s, t]
-            if p == 0.0:          # a masked key (half of a causal prefill's): + 0 · v (finite) changes nothing
-                continue
-            v = values[t, h // n_rep]
-            a = acc[i]
-            for d in range(acc.shape[1]):
-                a[d] += p * v[d]
+def _values_block(scores, values, out, g, m0, m1, a_offs, c_offs):
+    """out rows m0 .. m1 of KV head g's query heads (row m = s * n_rep + j: query row s, head
+    g*n_rep + j), _GEMM_ROWS at a time: each row's sum over t of scores · values in t order, over
+    the keys from the block's first nonzero probability to its last (a causal prefill's masked
+    keys are exact zeros: fma(0, v, acc) is acc for a finite v, so a row's bits are those of its
+    own keys' chain, whichever rows share its block)."""
+    n_heads, seq_len, kv_len = scores.shape
+    n_kv, head_dim = values.shape[1], values.shape[2]
+    n_rep = n_heads // n_kv
+    for m in range(m0, m1, _GEMM_ROWS):
+        lo, hi = kv_len, 0
+        for r in range(_GEMM_ROWS):
+            s, j = divmod(min(m + r, m1 - 1), n_rep)     # past the end: the last row again
+            row = scores[g * n_rep + j, s]
+            t = 0
+            while t < lo and row[t] == 0.0:  # NaN != 0: a NaN row keeps every key
+                t += 1
+            lo = t
+            t = kv_len
+            while t > hi and row[t - 1] == 0.0:
+                t -= 1
+            hi = t
+        hi = max(lo, hi)
+        for c0 in range(0, head_dim, _BLOCK):
+            for r in range(_GEMM_ROWS):
+                s, j = divmod(min(m + r, m1 - 1), n_rep)
+                h = g * n_rep + j
+                a_offs[r] = (h * seq_len + s) * kv_len
+                c_offs[r] = (h * seq_len + s) * head_dim + c0
+            _gemm_chained(scores, a_offs, values, g * head_dim + c0, n_kv * head_dim, lo, hi,
+                          out, c_offs, min(_BLOCK, head_dim - c0))
 
 
 @njit(**JIT_ATTN)
-def _values_heads(scores, values, out, h0, h1):
-    """out[h0:h1]: per query row, chunks of _KEY_CHUNK keys summed, then the chunks in order.
-    Every variant below adds in this order, so they agree bit for bit."""
-    _, seq_len, kv_len = scores.shape
-    part = np.empty((h1 - h0, values.shape[2]), dtype=np.float32)   # private: no shared cache lines
-    row = np.empty((h1 - h0, values.shape[2]), dtype=np.float32)
-    for s in range(seq_len):
-        row[:] = 0.0
-        for t0 in range(0, kv_len, _KEY_CHUNK):
-            _values_keys(scores, values, part, s, h0, t0, min(kv_len, t0 + _KEY_CHUNK))
-            row += part
-        out[h0:h1, s] = row
+def _values_items(scores, values):
+    """(row blocks per KV head, work items per KV head): item p takes row blocks p and
+    n_blocks-1-p, alike in a causal triangle (as :func:`_scores_blocks`'s items)."""
+    n_blocks = (scores.shape[1] * (scores.shape[0] // values.shape[1]) + _GEMM_ROWS - 1) // _GEMM_ROWS
+    return n_blocks, (n_blocks + 1) // 2
+
+
+@njit(**JIT_ATTN)
+def _values_blocks(scores, values, out, i0, i1):
+    n_rows = scores.shape[1] * (scores.shape[0] // values.shape[1])
+    n_blocks, n_pairs = _values_items(scores, values)
+    a_offs, c_offs = np.empty(_GEMM_ROWS, dtype=np.int64), np.empty(_GEMM_ROWS, dtype=np.int64)
+    for i in range(i0, i1):
+        g, p = divmod(i, n_pairs)
+        _values_block(scores, values, out, g, p * _GEMM_ROWS, min(n_rows, (p + 1) * _GEMM_ROWS), a_offs, c_offs)
+        q = n_blocks - 1 - p
+        if q != p:
+            _values_block(scores, values, out, g, q * _GEMM_ROWS, min(n_rows, (q + 1) * _GEMM_ROWS), a_offs, c_offs)
 
 
 @njit(**JIT_ATTN)
 def attention_values_serial(scores, values):
-    n_heads = scores.shape[0]
-    out = np.empty((n_heads, scores.shape[1], values.shape[2]), dtype=np.float32)
-    _values_heads(scores, values, out, 0, n_heads)
+    out = np.empty((scores.shape[0], scores.shape[1], values.shape[2]), dtype=np.float32)
+    _values_blocks(scores, values, out, 0, values.shape[1] * _values_items(scores, values)[1])
     return out
 
 
 @njit(parallel=True, **JIT_ATTN)
 def attention_values_parallel(scores, values):
-    n_heads, seq_len, kv_len = scores.shape
-    head_dim = values.shape[2]
-    out = np.empty((n_heads, seq_len, head_dim), dtype=np.float32)
-    if seq_len > 1:                       # prefill: threads split the heads
-        for h in prange(n_heads):
-            _values_heads(scores, values, out, h, h + 1)
-        return out
-    n_chunks = (kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK
-    parts = np.empty((n_chunks, n_heads, head_dim), dtype=np.float32)
-    for c in prange(n_chunks):            # decode: threads split the keys, as in the scores
-        _values_keys(scores, values, parts[c], 0, 0, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK))
-    for h in range(n_heads):              # loops, not array expressions: those would each
-        for d in range(head_dim):         # become one more parallel region here
-            out[h, 0, d] = 0.0
-        for c in range(n_chunks):
-            for d in range(head_dim):
-                out[h, 0, d] += parts[c, h, d]
+    out = np.empty((scores.shape[0], scores.shape[1], values.shape[2]), dtype=np.float32)
+    for i in prange(values.shape[1] * _values_items(scores, values)[1]):
+        _values_blocks(scores, values, out, i, i + 1)
     return out
 
 
