@@ -783,72 +783,121 @@ def attention_probs_ref(xq: np.ndarray, keys: np.ndarray, scale: float, start_po
 
 
 @njit(**JIT_ATTN)
-def _values_block(scores, values, out, g, m0, m1, a_offs, c_offs):
+def _nonzero_span(bits, lo, hi):
+    """(first, last + 1) of the entries of ``bits`` (float32 bits, uint32) that are not ±0
+    (NaN is not), widened to contain [lo, hi): runs of 32 are read whole (an OR of their bits),
+    as a causal prefill's rows end in long runs of zeros."""
+    n = bits.shape[0]
+    t = 0
+    while t < lo:
+        if t + 32 <= lo:
+            any_bits = np.uint32(0)
+            for u in range(32):
+                any_bits |= bits[t + u]
+            if not (any_bits & np.uint32(0x7FFFFFFF)):
+                t += 32
+                continue
+        if bits[t] & np.uint32(0x7FFFFFFF):
+            break
+        t += 1
+    e = n
+    while e > max(hi, t):
+        if e - 32 >= max(hi, t):
+            any_bits = np.uint32(0)
+            for u in range(32):
+                any_bits |= bits[e - 32 + u]
+            if not (any_bits & np.uint32(0x7FFFFFFF)):
+                e -= 32
+                continue
+        if bits[e - 1] & np.uint32(0x7FFFFFFF):
+            break
+        e -= 1
+    return min(t, lo), max(e, hi)
+
+
+@njit(**JIT_ATTN)
+def _values_block(scores, vals, g_at, t_at, n_rep, out, g, m0, m1, a_offs, c_offs):
     """out rows m0 .. m1 of KV head g's query heads (row m = s * n_rep + j: query row s, head
     g*n_rep + j), _GEMM_ROWS at a time: each row's sum over t of scores · values in t order, over
     the keys from the block's first nonzero probability to its last (a causal prefill's masked
-    keys are exact zeros: fma(0, v, acc) is acc for a finite v, so a row's bits are those of its
-    own keys' chain, whichever rows share its block)."""
+    keys are exact zeros, which change no bit: :func:`_gemm_chained`). Value t of KV head g is
+    vals.flat[g * g_at + t * t_at:][:head_dim]."""
     n_heads, seq_len, kv_len = scores.shape
-    n_kv, head_dim = values.shape[1], values.shape[2]
-    n_rep = n_heads // n_kv
+    head_dim = out.shape[2]
     for m in range(m0, m1, _GEMM_ROWS):
         lo, hi = kv_len, 0
         for r in range(_GEMM_ROWS):
             s, j = divmod(min(m + r, m1 - 1), n_rep)     # past the end: the last row again
-            row = scores[g * n_rep + j, s]
-            t = 0
-            while t < lo and row[t] == 0.0:  # NaN != 0: a NaN row keeps every key
-                t += 1
-            lo = t
-            t = kv_len
-            while t > hi and row[t - 1] == 0.0:
-                t -= 1
-            hi = t
-        hi = max(lo, hi)
+            lo, hi = _nonzero_span(scores[g * n_rep + j, s].view(np.uint32), lo, hi)
         for c0 in range(0, head_dim, _BLOCK):
             for r in range(_GEMM_ROWS):
                 s, j = divmod(min(m + r, m1 - 1), n_rep)
                 h = g * n_rep + j
                 a_offs[r] = (h * seq_len + s) * kv_len
                 c_offs[r] = (h * seq_len + s) * head_dim + c0
-            _gemm_chained(scores, a_offs, values, g * head_dim + c0, n_kv * head_dim, lo, hi,
-                          out, c_offs, min(_BLOCK, head_dim - c0))
+            _gemm_chained(scores, a_offs, vals, g * g_at + c0, t_at, lo, max(lo, hi), out, c_offs,
+                          min(_BLOCK, head_dim - c0))
 
 
 @njit(**JIT_ATTN)
-def _values_items(scores, values):
+def _values_items(scores, n_kv):
     """(row blocks per KV head, work items per KV head): item p takes row blocks p and
     n_blocks-1-p, alike in a causal triangle (as :func:`_scores_blocks`'s items)."""
-    n_blocks = (scores.shape[1] * (scores.shape[0] // values.shape[1]) + _GEMM_ROWS - 1) // _GEMM_ROWS
+    n_blocks = (scores.shape[1] * (scores.shape[0] // n_kv) + _GEMM_ROWS - 1) // _GEMM_ROWS
     return n_blocks, (n_blocks + 1) // 2
 
 
 @njit(**JIT_ATTN)
-def _values_blocks(scores, values, out, i0, i1):
-    n_rows = scores.shape[1] * (scores.shape[0] // values.shape[1])
-    n_blocks, n_pairs = _values_items(scores, values)
+def _values_blocks(scores, vals, g_at, t_at, n_kv, out, i0, i1):
+    n_rep = scores.shape[0] // n_kv
+    n_rows = scores.shape[1] * n_rep
+    n_blocks, n_pairs = _values_items(scores, n_kv)
     a_offs, c_offs = np.empty(_GEMM_ROWS, dtype=np.int64), np.empty(_GEMM_ROWS, dtype=np.int64)
     for i in range(i0, i1):
         g, p = divmod(i, n_pairs)
-        _values_block(scores, values, out, g, p * _GEMM_ROWS, min(n_rows, (p + 1) * _GEMM_ROWS), a_offs, c_offs)
-        q = n_blocks - 1 - p
-        if q != p:
-            _values_block(scores, values, out, g, q * _GEMM_ROWS, min(n_rows, (q + 1) * _GEMM_ROWS), a_offs, c_offs)
+        for b in (p, n_blocks - 1 - p) if n_blocks - 1 - p != p else (p, -1):
+            if b >= 0:
+                _values_block(scores, vals, g_at, t_at, n_rep, out, g, b * _GEMM_ROWS,
+                              min(n_rows, (b + 1) * _GEMM_ROWS), a_offs, c_offs)
+
+
+@njit(**JIT_ATTN)
+def _values_by_head(values, per_head, g):
+    """per_head[g] = values[:, g]: a prefill reads each value many times, best from one block
+    [kv_len, head_dim] (strided by n_kv_heads rows, a run of 32 values fell in one L1 set)."""
+    for t in range(values.shape[0]):
+        per_head[g, t] = values[t, g]
 
 
 @njit(**JIT_ATTN)
 def attention_values_serial(scores, values):
-    out = np.empty((scores.shape[0], scores.shape[1], values.shape[2]), dtype=np.float32)
-    _values_blocks(scores, values, out, 0, values.shape[1] * _values_items(scores, values)[1])
+    kv_len, n_kv, head_dim = values.shape
+    out = np.empty((scores.shape[0], scores.shape[1], head_dim), dtype=np.float32)
+    n_items = n_kv * _values_items(scores, n_kv)[1]
+    if scores.shape[1] == 1:                 # decode: each value read once, in place
+        _values_blocks(scores, values, head_dim, n_kv * head_dim, n_kv, out, 0, n_items)
+        return out
+    per_head = np.empty((n_kv, kv_len, head_dim), dtype=np.float32)
+    for g in range(n_kv):
+        _values_by_head(values, per_head, g)
+    _values_blocks(scores, per_head, kv_len * head_dim, head_dim, n_kv, out, 0, n_items)
     return out
 
 
 @njit(parallel=True, **JIT_ATTN)
 def attention_values_parallel(scores, values):
-    out = np.empty((scores.shape[0], scores.shape[1], values.shape[2]), dtype=np.float32)
-    for i in prange(values.shape[1] * _values_items(scores, values)[1]):
-        _values_blocks(scores, values, out, i, i + 1)
+    kv_len, n_kv, head_dim = values.shape
+    out = np.empty((scores.shape[0], scores.shape[1], head_dim), dtype=np.float32)
+    n_items = n_kv * _values_items(scores, n_kv)[1]
+    if scores.shape[1] == 1:
+        for i in prange(n_items):
+            _values_blocks(scores, values, head_dim, n_kv * head_dim, n_kv, out, i, i + 1)
+        return out
+    per_head = np.empty((n_kv, kv_len, head_dim), dtype=np.float32)
+    for g in prange(n_kv):
+        _values_by_head(values, per_head, g)
+    for i in prange(n_items):
+        _values_blocks(scores, per_head, kv_len * head_dim, head_dim, n_kv, out, i, i + 1)
     return out
 
 
