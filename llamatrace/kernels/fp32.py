@@ -516,7 +516,7 @@ _BLOCK = _GEMM_COLS * _LANES
 """Columns per :func:`_gemm_block` call: keys of the scores, head_dim entries of the values."""
 
 
-def _gemm_ir(k, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add) -> None:
+def _gemm_ir(k, checked: bool, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add) -> None:
     bld, i32 = k.b, ir.IntType(32)
     mask_t = ir.VectorType(ir.IntType(1), k.lanes)
     vptr = k.vf.as_pointer()
@@ -540,8 +540,13 @@ def _gemm_ir(k, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add) -> Non
                                  masks[v], zero]) for v in range(_GEMM_COLS)]
         new = []
         for r in range(_GEMM_ROWS):
-            av = k.splat(bld.load(bld.gep(a, [bld.add(a_at[r], i)])), k.vf)
-            new += [k.fma(av, bv[v], accs[r * _GEMM_COLS + v]) for v in range(_GEMM_COLS)]
+            ai = bld.load(bld.gep(a, [bld.add(a_at[r], i)]))
+            av = k.splat(ai, k.vf)
+            sums = [k.fma(av, bv[v], accs[r * _GEMM_COLS + v]) for v in range(_GEMM_COLS)]
+            if checked:                       # a = 0 adds nothing, whatever b holds (NaN != 0 does)
+                weighs = bld.fcmp_unordered("!=", ai, ir.Constant(k.f32, 0.0))
+                sums = [bld.select(weighs, x, accs[r * _GEMM_COLS + v]) for v, x in enumerate(sums)]
+            new += sums
         return new
 
     sums = k.block_loop(k.i64(n), _GEMM_ROWS * _GEMM_COLS, body)
@@ -553,27 +558,36 @@ def _gemm_ir(k, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add) -> Non
         bld.call(store_fn, [total, ptr, ir.Constant(i32, 4), masks[i % _GEMM_COLS]])
 
 
-@intrinsic
-def _gemm_block(typingctx, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add):
-    """``c[c_offs[r] + j] = (c[c_offs[r] + j] +)? Σ_{i<n} a[a_offs[r] + a_at + i] · b[b_at + i·ldb + j]``
-    (the old value added when ``add`` is nonzero) for the :data:`_GEMM_ROWS` rows r and columns
-    ``j < n_cols`` (``n_cols <= _BLOCK``); a, b, c float32 C-contiguous arrays indexed flat,
-    a_offs and c_offs int64 ``[_GEMM_ROWS]``. The sum is one FMA chain in i order from 0 (``n``
-    0: zero); columns past ``n_cols`` are neither read nor written (masked loads and stores)."""
-    arrays = (a, a_offs, b, c, c_offs)
-    if not all(isinstance(x, types.Array) for x in arrays) or a_offs.dtype != types.int64 \
-            or c_offs.dtype != types.int64 or not all(x.dtype == types.float32 for x in (a, b, c)):
-        return None
-    sig = types.void(a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add)
+def _gemm_intrinsic(checked: bool, doc: str):
+    def typer(typingctx, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add):
+        arrays = (a, a_offs, b, c, c_offs)
+        if not all(isinstance(x, types.Array) for x in arrays) or a_offs.dtype != types.int64 \
+                or c_offs.dtype != types.int64 or not all(x.dtype == types.float32 for x in (a, b, c)):
+            return None
+        sig = types.void(a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add)
 
-    def codegen(context, builder, signature, args):
-        flat = list(args)
-        for i in (0, 1, 3, 7, 8):
-            flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-        _gemm_ir(_Tile(builder, _LANES), *flat)
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 1, 3, 7, 8):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            _gemm_ir(_Tile(builder, _LANES), checked, *flat)
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+_gemm_block = _gemm_intrinsic(False, """``_gemm_block(a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add)``:
+``c[c_offs[r] + j] = (c[c_offs[r] + j] +)? Σ_{i<n} a[a_offs[r] + a_at + i] · b[b_at + i·ldb + j]``
+(the old value added when ``add`` is nonzero) for the :data:`_GEMM_ROWS` rows r and columns
+``j < n_cols`` (``n_cols <= _BLOCK``); a, b, c float32 C-contiguous arrays indexed flat,
+a_offs and c_offs int64 ``[_GEMM_ROWS]``. The sum is one FMA chain in i order from 0 (``n``
+0: zero) in registers; columns past ``n_cols`` are neither read nor written (masked loads and
+stores). NumPy twins: the attention products' ``_ref``.""")
+_gemm_block_checked = _gemm_intrinsic(True, """As :func:`_gemm_block`, the terms whose ``a`` is ±0 left out
+(the same bits where ``b`` is finite; a NaN or inf in ``b`` reaches no row that weighs it 0).""")
 
 
 _CHAIN = 32
@@ -582,15 +596,19 @@ head_dim 128 missed the NumPy twin by 1.6e-5 relative in a softmax of scores ~10
 
 
 @njit(inline="always", **JIT_ATTN)
-def _gemm_chained(a, a_offs, b, b_at, ldb, i0, i1, c, c_offs, n_cols):
+def _gemm_chained(a, a_offs, b, b_at, ldb, i0, i1, c, c_offs, n_cols, plain0, plain1):
     """:func:`_gemm_block`'s sums over i0 <= i < i1, written to c: a chain per run of
     :data:`_CHAIN` terms aligned to multiples of _CHAIN, the runs' sums added in i order. Where
     the sum starts and ends changes nothing but zero terms, so a sum over a range wider by exact
-    zeros (a ± 0 is a: no sum here is -0) has the same bits."""
+    zeros (a ± 0 is a: no sum here is -0) has the same bits. Runs not inside
+    [plain0, plain1) leave out the terms whose a is 0 (:func:`_gemm_block_checked`)."""
     i = i0
     while True:
         end = min(i1, (i // _CHAIN + 1) * _CHAIN)
-        _gemm_block(a, a_offs, i, b, b_at + i * ldb, ldb, max(0, end - i), c, c_offs, n_cols, i > i0)
+        if plain0 <= i and end <= plain1:
+            _gemm_block(a, a_offs, i, b, b_at + i * ldb, ldb, max(0, end - i), c, c_offs, n_cols, i > i0)
+        else:
+            _gemm_block_checked(a, a_offs, i, b, b_at + i * ldb, ldb, max(0, end - i), c, c_offs, n_cols, i > i0)
         i = end
         if i >= i1:
             break
@@ -617,7 +635,7 @@ def _scores_block(xq, keys, out, g, t0, first_pos, window, kt, a_offs, c_offs):
             h = g * n_rep + j
             a_offs[r] = (s * n_heads + h) * head_dim
             c_offs[r] = (h * seq_len + s) * kv_len + t0
-        _gemm_chained(xq, a_offs, kt, 0, _BLOCK, 0, head_dim, out, c_offs, n_cols)
+        _gemm_chained(xq, a_offs, kt, 0, _BLOCK, 0, head_dim, out, c_offs, n_cols, 0, head_dim)
 
 
 @njit(**JIT_ATTN)
@@ -832,14 +850,14 @@ def attention_probs_ref(xq: np.ndarray, keys: np.ndarray, scale: float, start_po
 
 
 @njit(**JIT_ATTN)
-def _nonzero_span(bits, lo, hi):
-    """(first, last + 1) of the entries of ``bits`` (float32 bits, uint32) that are not ±0
-    (NaN is not), widened to contain [lo, hi): runs of 32 are read whole (an OR of their bits),
-    as a causal prefill's rows end in long runs of zeros."""
+def _nonzero_span(bits):
+    """(first, last + 1) of the entries of ``bits`` (float32 bits, uint32) that are not ±0 (NaN
+    is not), (n, n) if none; runs of 32 are read whole (an OR of their bits), as a causal
+    prefill's rows end in long runs of zeros."""
     n = bits.shape[0]
     t = 0
-    while t < lo:
-        if t + 32 <= lo:
+    while t < n:
+        if t + 32 <= n:
             any_bits = np.uint32(0)
             for u in range(32):
                 any_bits |= bits[t + u]
@@ -850,8 +868,8 @@ def _nonzero_span(bits, lo, hi):
             break
         t += 1
     e = n
-    while e > max(hi, t):
-        if e - 32 >= max(hi, t):
+    while e > t:
+        if e - 32 >= t:
             any_bits = np.uint32(0)
             for u in range(32):
                 any_bits |= bits[e - 32 + u]
@@ -861,7 +879,7 @@ def _nonzero_span(bits, lo, hi):
         if bits[e - 1] & np.uint32(0x7FFFFFFF):
             break
         e -= 1
-    return min(t, lo), max(e, hi)
+    return t, e
 
 
 @njit(**JIT_ATTN)
@@ -869,15 +887,20 @@ def _values_block(scores, vals, g_at, t_at, n_rep, out, g, m0, m1, a_offs, c_off
     """out rows m0 .. m1 of KV head g's query heads (row m = s * n_rep + j: query row s, head
     g*n_rep + j), _GEMM_ROWS at a time: each row's sum over t of scores · values in t order, over
     the keys from the block's first nonzero probability to its last (a causal prefill's masked
-    keys are exact zeros, which change no bit: :func:`_gemm_chained`). Value t of KV head g is
+    keys are exact zeros, which change no bit: :func:`_gemm_chained`). Runs of keys outside some
+    row's own span leave out its zero terms, so a NaN or inf value reaches only the rows that
+    weigh it (as the twin's 0 · NaN would not). Value t of KV head g is
     vals.flat[g * g_at + t * t_at:][:head_dim]."""
     n_heads, seq_len, kv_len = scores.shape
     head_dim = out.shape[2]
     for m in range(m0, m1, _GEMM_ROWS):
-        lo, hi = kv_len, 0
+        lo, hi, plain0, plain1 = kv_len, 0, 0, kv_len     # the rows' spans: union, intersection
         for r in range(_GEMM_ROWS):
             s, j = divmod(min(m + r, m1 - 1), n_rep)     # past the end: the last row again
-            lo, hi = _nonzero_span(scores[g * n_rep + j, s].view(np.uint32), lo, hi)
+            first, end = _nonzero_span(scores[g * n_rep + j, s].view(np.uint32))
+            plain0, plain1 = max(plain0, first), min(plain1, end)
+            if first < end:
+                lo, hi = min(lo, first), max(hi, end)
         for c0 in range(0, head_dim, _BLOCK):
             for r in range(_GEMM_ROWS):
                 s, j = divmod(min(m + r, m1 - 1), n_rep)
@@ -885,7 +908,7 @@ def _values_block(scores, vals, g_at, t_at, n_rep, out, g, m0, m1, a_offs, c_off
                 a_offs[r] = (h * seq_len + s) * kv_len
                 c_offs[r] = (h * seq_len + s) * head_dim + c0
             _gemm_chained(scores, a_offs, vals, g * g_at + c0, t_at, lo, max(lo, hi), out, c_offs,
-                          min(_BLOCK, head_dim - c0))
+                          min(_BLOCK, head_dim - c0), plain0, plain1)
 
 
 @njit(**JIT_ATTN)
