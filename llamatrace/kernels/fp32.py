@@ -341,8 +341,9 @@ _PARALLEL_ELEMENTS = 1 << 14
 def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis of float32 ``[n_heads, seq_len, kv_len]``.
 
-    Computed in fp32 with the row max subtracted; a row that is entirely ``-inf`` (fully masked)
-    gives zeros instead of NaN. Heads run in parallel when there is enough work.
+    Computed in fp32 with the row max subtracted, the row's sum in 16 lanes (:func:`_lane_sum`);
+    a row that is entirely ``-inf`` (fully masked) gives zeros instead of NaN. Heads run in
+    parallel when there is enough work.
     """
     fn = softmax_parallel if x.size > _PARALLEL_ELEMENTS else softmax_serial
     return fn(np.ascontiguousarray(x))
@@ -474,7 +475,7 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention products. Plain loops instead of np.matmul: BLAS threads spinning beside Numba's
+# Attention products. Our own kernels instead of np.matmul: BLAS threads spinning beside Numba's
 # thread pool slowed everything ~10x on 2 cores. Keys/values may hold fewer (KV) heads than the
 # queries: query head h reads KV head h // n_rep, which is what repeat_kv's copy would hold
 # (Ainslie et al. 2023, "GQA"), without making the copy.
@@ -506,9 +507,14 @@ def _scores_keys(xq, keys, out, t0, t1, first_pos, window):
 # ---------------------------------------------------------------------------------------------
 # A prefill's products (seq_len > 1), register-blocked as the weight matmuls' prefill microkernels
 # (act8_ir's _Tile): _gemm_block runs _GEMM_ROWS rows of A against _GEMM_COLS registers of columns
-# of B, the sums in registers over the whole reduction, each a chain of FMAs in reduction order
-# from 0. An entry's bits are those of that chain whatever block it falls in, so every variant
-# (serial, parallel, the scores of every key or of the keys a row sees) agrees bit for bit.
+# of B, the sums in registers, each a chain of FMAs over a run of _CHAIN terms. An entry's bits
+# are those of its runs whatever block it falls in, so every variant (serial, parallel, the scores
+# of every key or of the keys a row sees) agrees bit for bit. q·k: 6 rows (a KV head's query
+# heads at one or two positions) x 64 keys, the keys transposed into a scratch; P·V: 6 rows x 64
+# of head_dim, over each row block's keys. 8B shapes (32 heads, 8 KV heads, head_dim 128, 512
+# rows), one layer, process CPU time on a shared machine (load ~4): q·k and softmax of the seen
+# keys 59 -> 27-30 ms, P·V 97-104 -> 22 ms, every key's q·k 95-100 -> 51-56 ms. The loop runs
+# 24 FMAs to 10 loads, ~50 G multiply-adds/s a core here (the kernel alone, data in cache: 62).
 # ---------------------------------------------------------------------------------------------
 _LANES = prefill_lanes()
 _GEMM_ROWS, _GEMM_COLS = (6, 4) if _LANES == 16 else (3, 3)     # 24 (zmm) / 9 (ymm) accumulators
@@ -720,7 +726,11 @@ def attention_scores(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
             (``n_rep = n_heads // n_kv_heads``; 1 when the KV heads are already repeated).
 
     Returns:
-        float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation.
+        float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation: a prefill's entry (seq_len
+        > 1) sums d in runs of 32, each a chain of FMAs, the runs in order (the register-blocked
+        kernel, ~2x the per-entry dot at 8B shapes); a decode step's, one row, a dot product
+        vectorised over d (``_scores_keys``: blocking needs the keys transposed, as many bytes
+        moved as the dot reads). The two orders differ in the last bits.
 
     Raises:
         ValueError: ``n_kv_heads`` does not divide ``n_heads``.
@@ -981,7 +991,14 @@ def attention_values(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
         values: float32 ``[kv_len, n_kv_heads, head_dim]``; ``n_kv_heads`` divides ``n_heads``.
 
     Returns:
-        float32 ``[n_heads, seq_len, head_dim]``.
+        float32 ``[n_heads, seq_len, head_dim]``: each entry sums t in runs of 32 keys (aligned
+        to multiples of 32), each a chain of FMAs, the runs in order; keys before a row's first
+        nonzero score and after its last add nothing and are skipped (a causal prefill's masked
+        half), and a value whose score is 0 is never read (a NaN or inf there stays out of the
+        row). Prefill and decode share the register-blocked kernel (6 rows x 64 of head_dim a
+        call), so a prefill's row has the bits of the same row alone. 8B shapes, causal 512 rows,
+        one layer: 97-104 -> 22 ms (process CPU time, shared machine); a decode step at kv 512,
+        0.19 -> 0.10 ms.
 
     Raises:
         ValueError: ``n_kv_heads`` does not divide ``n_heads``.
