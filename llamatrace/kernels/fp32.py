@@ -512,9 +512,10 @@ def _scores_keys(xq, keys, out, t0, t1, first_pos, window):
 # of every key or of the keys a row sees) agrees bit for bit. q·k: 6 rows (a KV head's query
 # heads at one or two positions) x 64 keys, the keys transposed into a scratch; P·V: 6 rows x 64
 # of head_dim, over each row block's keys. 8B shapes (32 heads, 8 KV heads, head_dim 128, 512
-# rows), one layer, process CPU time on a shared machine (load ~4): q·k and softmax of the seen
-# keys 59 -> 27-30 ms, P·V 97-104 -> 22 ms, every key's q·k 95-100 -> 51-56 ms. The loop runs
-# 24 FMAs to 10 loads, ~50 G multiply-adds/s a core here (the kernel alone, data in cache: 62).
+# rows), one layer, 2 threads, process CPU time on a shared machine (benchmarks/bench_attention.py,
+# load ~2): q·k and softmax of the seen keys 73-78 -> 27-30 ms, P·V 98-106 -> 22 ms, every key's
+# q·k 99 -> 52-53 ms. The loop runs 24 FMAs to 10 loads: ~45-50 G multiply-adds/s a core in
+# place (the kernel alone, its data in cache: 62).
 # ---------------------------------------------------------------------------------------------
 _LANES = prefill_lanes()
 _GEMM_ROWS, _GEMM_COLS = (6, 4) if _LANES == 16 else (3, 3)     # 24 (zmm) / 9 (ymm) accumulators
@@ -997,7 +998,7 @@ def attention_values(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
         half), and a value whose score is 0 is never read (a NaN or inf there stays out of the
         row). Prefill and decode share the register-blocked kernel (6 rows x 64 of head_dim a
         call), so a prefill's row has the bits of the same row alone. 8B shapes, causal 512 rows,
-        one layer: 97-104 -> 22 ms (process CPU time, shared machine); a decode step at kv 512,
+        one layer: 98-106 -> 22 ms (process CPU time, shared machine); a decode step at kv 512,
         0.19 -> 0.10 ms.
 
     Raises:
