@@ -664,6 +664,7 @@ def _scores_blocks(xq, keys, out, first_pos, window, i0, i1):
 
 @njit(**JIT_ATTN)
 def _score_items(keys, kv_len):
+    """Work items of the prefill scores (:func:`_scores_blocks`)."""
     return keys.shape[1] * (((kv_len + _BLOCK - 1) // _BLOCK + 1) // 2)
 
 
