@@ -121,11 +121,14 @@ def test_silu_matches_twin(shape):
     np.testing.assert_allclose(K.silu(x), K.silu_ref(x), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("seq_len,kv_len,n_heads,n_kv_heads", [(1, 7, 4, 4), (5, 5, 3, 1), (40, 70, 9, 3),
-                                                              (1, 600, 9, 3)])
-def test_attention_products_match_twins(seq_len, kv_len, n_heads, n_kv_heads):
-    xq = randn(seq_len, n_heads, 64)
-    keys, values = randn(kv_len, n_kv_heads, 64), randn(kv_len, n_kv_heads, 64)
+@pytest.mark.parametrize("seq_len,kv_len,n_heads,n_kv_heads,head_dim", [
+    (1, 7, 4, 4, 64), (5, 5, 3, 1, 64), (40, 70, 9, 3, 64), (1, 600, 9, 3, 64), (67, 130, 8, 2, 128),
+    (70, 70, 4, 4, 128), (1, 300, 8, 2, 128), (3, 9, 4, 2, 40)])
+def test_attention_products_match_twins(seq_len, kv_len, n_heads, n_kv_heads, head_dim):
+    """Decode (one row) and prefill (register-blocked: 6 rows x 64 keys or head_dim entries a
+    call, edges masked) against the NumPy twins; GQA n_rep 1, 3, 4; head_dim 40: a partial vector."""
+    xq = randn(seq_len, n_heads, head_dim)
+    keys, values = randn(kv_len, n_kv_heads, head_dim), randn(kv_len, n_kv_heads, head_dim)
     kq = K.attention_scores(xq, keys)
     np.testing.assert_allclose(kq, K.attention_scores_ref(xq, keys), rtol=1e-5, atol=1e-4)
     p = K.softmax(kq)
@@ -142,27 +145,58 @@ def test_serial_and_parallel_attention_variants_agree(seq_len, kv_len):
     np.testing.assert_array_equal(K.attention_values_serial(p, keys), K.attention_values_parallel(p, keys))
 
 
-def test_masked_keys_add_nothing_to_the_values():
-    """A causal prefill's probabilities are exact zeros past each row's position: each row equals
-    the same row computed over only the keys it sees, bit for bit, and the NumPy twin."""
-    seq_len = 70                                           # three key chunks
-    xq, keys, values = randn(seq_len, 6, 16), randn(seq_len, 2, 16), randn(seq_len, 2, 16)
-    p = K.softmax(K.attention_scores(xq, keys) + K.causal_mask(seq_len, 0))
-    assert (p[:, 0, 1:] == 0).all()
+@pytest.mark.parametrize("seq_len,start_pos,n_heads,n_kv_heads,head_dim,window", [
+    (70, 0, 6, 2, 16, 0), (37, 0, 8, 2, 128, 0), (45, 20, 4, 4, 128, 0), (61, 3, 9, 3, 64, 24)])
+def test_masked_keys_add_nothing_to_the_values(seq_len, start_pos, n_heads, n_kv_heads, head_dim, window):
+    """A masked prefill's probabilities are exact zeros for the keys a row does not see: each row
+    of the register-blocked product (rows in blocks of 6 that share a key range) equals the same
+    row computed alone over only the keys it sees (a decode step's product), bit for bit, and the
+    NumPy twin; the serial and the parallel variant agree bit for bit."""
+    kv_len = start_pos + seq_len
+    xq, keys = randn(seq_len, n_heads, head_dim), randn(kv_len, n_kv_heads, head_dim)
+    values = randn(kv_len, n_kv_heads, head_dim)
+    p = K.attention_probs(xq, keys, 0.3, start_pos, window)
+    assert (p[:, 0, start_pos + 1:] == 0).all()
     out = K.attention_values(p, values)
     np.testing.assert_allclose(out, K.attention_values_ref(p, values), rtol=1e-5, atol=1e-5)
-    for s in (0, 31, 32, 69):
-        seen = K.attention_values_serial(np.ascontiguousarray(p[:, s:s + 1, :s + 1]), values[:s + 1])
-        np.testing.assert_array_equal(out[:, s:s + 1], seen)
+    np.testing.assert_array_equal(_bits(K.attention_values_serial(p, values)),
+                                  _bits(K.attention_values_parallel(p, values)))
+    for s in (0, 5, 31, 32, seq_len - 1):
+        lo = max(0, start_pos + s - window + 1) if window else 0
+        seen = K.attention_values_serial(np.ascontiguousarray(p[:, s:s + 1, lo:start_pos + s + 1]),
+                                         np.ascontiguousarray(values[lo:start_pos + s + 1]))
+        if lo % 32 == 0:                  # the same runs of 32 terms (_gemm_chained)
+            np.testing.assert_array_equal(_bits(out[:, s:s + 1]), _bits(seen))
+        np.testing.assert_allclose(out[:, s:s + 1], seen, rtol=1e-5, atol=1e-6)
 
 def _bits(a):
     return a.view(np.uint32)
 
 
+@pytest.mark.parametrize("n_heads,n_kv_heads,window", [(8, 2, 0), (3, 3, 0), (4, 1, 16)])
+def test_a_nan_value_reaches_only_the_rows_that_weigh_it(n_heads, n_kv_heads, window):
+    """The blocked P·V sums a block of rows over one key range; a row that gives a key
+    probability 0 (masked) still never reads its value: NaN or inf there leaves the row's bits
+    as with a clean value, and every row that sees the key is NaN."""
+    seq_len = 70
+    xq, keys, values = randn(seq_len, n_heads, 32), randn(seq_len, n_kv_heads, 32), randn(seq_len, n_kv_heads, 32)
+    p = K.attention_probs(xq, keys, 0.3, 0, window)
+    clean = K.attention_values(p, values)
+    for bad in (np.nan, np.inf):
+        poisoned = values.copy()
+        poisoned[41] = bad
+        got = K.attention_values(p, poisoned)
+        sees = np.zeros(seq_len, dtype=bool)
+        sees[41:41 + window if window else seq_len] = True
+        np.testing.assert_array_equal(_bits(got[:, ~sees]), _bits(clean[:, ~sees]))
+        assert (~np.isfinite(got[:, sees])).any(axis=-1).all()
+
+
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("seq_len,start_pos,n_heads,n_kv_heads,head_dim,window", [
     (5, 0, 4, 2, 64, 0), (70, 0, 6, 2, 16, 0), (40, 30, 9, 3, 64, 0), (128, 0, 8, 2, 128, 0),
-    (60, 0, 4, 1, 32, 16), (20, 50, 4, 2, 32, 16), (1, 40, 4, 2, 32, 8)])
+    (70, 0, 4, 4, 128, 0), (61, 3, 8, 2, 128, 40), (60, 0, 4, 1, 32, 16), (20, 50, 4, 2, 32, 16),
+    (1, 40, 4, 2, 32, 8)])
 def test_attention_probs_are_the_masked_softmax_bit_for_bit(parallel, seq_len, start_pos, n_heads,
                                                           n_kv_heads, head_dim, window):
     """q·k and the softmax over only the keys each row sees give the masked path's

@@ -17,6 +17,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from llamatrace.kernels.act8_ir import _Tile, prefill_lanes
 from llamatrace.kernels.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
 
 # No fastmath here (jit.JIT_EXACT): its nnan/ninf flags would break the -inf of the causal mask.
@@ -26,7 +27,7 @@ from llamatrace.kernels.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
 # exp for float32 in plain LLVM IR (Cephes expf: Cody-Waite reduction by ln 2, degree-6
 # polynomial), so that loops calling it vectorise: np.exp in Numba is a libm call per element.
 # ---------------------------------------------------------------------------------------------
-_F32, _I32 = ir.FloatType(), ir.IntType(32)
+_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
 _EXP_LO, _EXP_HI = -87.33654, 88.72283     # exp(x) is below float32's normal range / overflows
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
              5.0000001201e-1)
@@ -243,33 +244,85 @@ def window_mask(seq_len: int, start_pos: int, window: int) -> np.ndarray:
     return np.where(hidden, np.float32(-np.inf), np.float32(0.0)).astype(np.float32)
 
 
+_LANES_SUM = 16
+"""Partial sums (and maxima) of a softmax row: entry k goes to lane k % 16, so that the loops
+vectorise without reordering a lane's own sum. One in-order float32 sum a row was a chain of
+dependent adds (4 cycles each): 2.5x the time of the row's exps."""
+
+
 @njit(inline="always", **JIT_EXACT)
-def _softmax_rows(x, out, i):
+def _lane_max(row, lo, hi, lanes):
+    """max(row[lo:hi]) ignoring NaN (-inf if empty or all NaN); lanes: float32 [16] scratch."""
+    lanes[:] = -np.inf
+    k = lo
+    while k < hi and k % _LANES_SUM:
+        v = row[k]
+        lanes[k % _LANES_SUM] = v if v > lanes[k % _LANES_SUM] else lanes[k % _LANES_SUM]
+        k += 1
+    while k + _LANES_SUM <= hi:
+        for u in range(_LANES_SUM):
+            v = row[k + u]
+            lanes[u] = v if v > lanes[u] else lanes[u]
+        k += _LANES_SUM
+    while k < hi:
+        v = row[k]
+        lanes[k % _LANES_SUM] = v if v > lanes[k % _LANES_SUM] else lanes[k % _LANES_SUM]
+        k += 1
+    m = np.float32(-np.inf)
+    for u in range(_LANES_SUM):
+        if lanes[u] > m:
+            m = lanes[u]
+    return m
+
+
+@njit(inline="always", **JIT_EXACT)
+def _lane_sum(row, lo, hi, lanes):
+    """Σ row[lo:hi]: each lane's entries (k % 16, k counted from the row's start) in order, then
+    the lanes in a fixed tree. A sum over a range wider by +0 entries has the same bits (no
+    partial sum of non-negative entries is -0), which is what the masked path's exp(-inf) = 0
+    entries are; lanes: float32 [16] scratch."""
+    lanes[:] = 0.0
+    k = lo
+    while k < hi and k % _LANES_SUM:
+        lanes[k % _LANES_SUM] += row[k]
+        k += 1
+    while k + _LANES_SUM <= hi:
+        for u in range(_LANES_SUM):
+            lanes[u] += row[k + u]
+        k += _LANES_SUM
+    while k < hi:
+        lanes[k % _LANES_SUM] += row[k]
+        k += 1
+    w = _LANES_SUM // 2
+    while w:
+        for u in range(w):
+            lanes[u] += lanes[u + w]
+        w //= 2
+    return lanes[0]
+
+
+@njit(inline="always", **JIT_EXACT)
+def _softmax_rows(x, out, i, lanes):
+    n = x.shape[2]
     for j in range(x.shape[1]):
-        n = x.shape[2]
-        m = np.float32(-np.inf)
-        for k in range(n):
-            if x[i, j, k] > m:
-                m = x[i, j, k]
+        row, o = x[i, j], out[i, j]
+        m = _lane_max(row, 0, n, lanes)
         if m == -np.inf:
-            for k in range(n):
-                out[i, j, k] = 0.0
+            o[:] = 0.0
             continue
-        for k in range(n):                    # vectorises; the sum stays in order below
-            out[i, j, k] = exp_f32(x[i, j, k] - m)
-        total = np.float32(0.0)
         for k in range(n):
-            total += out[i, j, k]
-        inv = np.float32(1.0) / total
+            o[k] = exp_f32(row[k] - m)
+        inv = np.float32(1.0) / _lane_sum(o, 0, n, lanes)
         for k in range(n):
-            out[i, j, k] *= inv
+            o[k] *= inv
 
 
 @njit(**JIT_EXACT)
 def softmax_serial(x):
     out = np.empty_like(x)
+    lanes = np.empty(_LANES_SUM, dtype=np.float32)
     for i in range(x.shape[0]):
-        _softmax_rows(x, out, i)
+        _softmax_rows(x, out, i, lanes)
     return out
 
 
@@ -277,7 +330,7 @@ def softmax_serial(x):
 def softmax_parallel(x):
     out = np.empty_like(x)
     for i in prange(x.shape[0]):
-        _softmax_rows(x, out, i)
+        _softmax_rows(x, out, i, np.empty(_LANES_SUM, dtype=np.float32))
     return out
 
 
@@ -288,8 +341,9 @@ _PARALLEL_ELEMENTS = 1 << 14
 def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis of float32 ``[n_heads, seq_len, kv_len]``.
 
-    Computed in fp32 with the row max subtracted; a row that is entirely ``-inf`` (fully masked)
-    gives zeros instead of NaN. Heads run in parallel when there is enough work.
+    Computed in fp32 with the row max subtracted, the row's sum in 16 lanes (:func:`_lane_sum`);
+    a row that is entirely ``-inf`` (fully masked) gives zeros instead of NaN. Heads run in
+    parallel when there is enough work.
     """
     fn = softmax_parallel if x.size > _PARALLEL_ELEMENTS else softmax_serial
     return fn(np.ascontiguousarray(x))
@@ -421,7 +475,7 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Attention products. Plain loops instead of np.matmul: BLAS threads spinning beside Numba's
+# Attention products. Our own kernels instead of np.matmul: BLAS threads spinning beside Numba's
 # thread pool slowed everything ~10x on 2 cores. Keys/values may hold fewer (KV) heads than the
 # queries: query head h reads KV head h // n_rep, which is what repeat_kv's copy would hold
 # (Ainslie et al. 2023, "GQA"), without making the copy.
@@ -450,21 +504,210 @@ def _scores_keys(xq, keys, out, t0, t1, first_pos, window):
                 out[h, s, t] = acc
 
 
+# ---------------------------------------------------------------------------------------------
+# A prefill's products (seq_len > 1), register-blocked as the weight matmuls' prefill microkernels
+# (act8_ir's _Tile): _gemm_block runs _GEMM_ROWS rows of A against _GEMM_COLS registers of columns
+# of B, the sums in registers, each a chain of FMAs over a run of _CHAIN terms. An entry's bits
+# are those of its runs whatever block it falls in, so every variant (serial, parallel, the scores
+# of every key or of the keys a row sees) agrees bit for bit. q·k: 6 rows (a KV head's query
+# heads at one or two positions) x 64 keys, the keys transposed into a scratch; P·V: 6 rows x 64
+# of head_dim, over each row block's keys. 8B shapes (32 heads, 8 KV heads, head_dim 128, 512
+# rows), one layer, 2 threads, process CPU time on a shared machine (benchmarks/bench_attention.py,
+# load ~2): q·k and softmax of the seen keys 73-78 -> 27-30 ms, P·V 98-106 -> 22 ms, every key's
+# q·k 99 -> 52-53 ms. The loop runs 24 FMAs to 10 loads: ~45-50 G multiply-adds/s a core in
+# place (the kernel alone, its data in cache: 62).
+# ---------------------------------------------------------------------------------------------
+_LANES = prefill_lanes()
+_GEMM_ROWS, _GEMM_COLS = (6, 4) if _LANES == 16 else (3, 3)     # 24 (zmm) / 9 (ymm) accumulators
+_BLOCK = _GEMM_COLS * _LANES
+"""Columns per :func:`_gemm_block` call: keys of the scores, head_dim entries of the values."""
+
+
+def _gemm_ir(k, checked: bool, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add) -> None:
+    bld, i32 = k.b, ir.IntType(32)
+    mask_t = ir.VectorType(ir.IntType(1), k.lanes)
+    vptr = k.vf.as_pointer()
+    suffix = f"v{k.lanes}f32.p0v{k.lanes}f32"
+    load_fn = bld.module.declare_intrinsic(f"llvm.masked.load.{suffix}", (),
+                                           ir.FunctionType(k.vf, [vptr, i32, mask_t, k.vf]))
+    store_fn = bld.module.declare_intrinsic(f"llvm.masked.store.{suffix}", (),
+                                            ir.FunctionType(ir.VoidType(), [k.vf, vptr, i32, mask_t]))
+    lane = ir.Constant(ir.VectorType(_I64, k.lanes), list(range(k.lanes)))
+    cols = k.splat(k.i64(n_cols), ir.VectorType(_I64, k.lanes))
+    masks = [bld.icmp_signed("<", bld.add(lane, k.splat(k.c64(v * k.lanes), lane.type)), cols)
+             for v in range(_GEMM_COLS)]
+    zero = ir.Constant(k.vf, [0.0] * k.lanes)
+    a_at = [bld.add(bld.load(bld.gep(a_offs, [k.c64(r)])), k.i64(a_at)) for r in range(_GEMM_ROWS)]
+    c_at = [bld.load(bld.gep(c_offs, [k.c64(r)])) for r in range(_GEMM_ROWS)]
+    b_at, ldb = k.i64(b_at), k.i64(ldb)
+
+    def body(i, accs):
+        row = bld.add(b_at, bld.mul(i, ldb))
+        bv = [bld.call(load_fn, [k.ptr(b, bld.add(row, k.c64(v * k.lanes)), k.vf), ir.Constant(i32, 4),
+                                 masks[v], zero]) for v in range(_GEMM_COLS)]
+        new = []
+        for r in range(_GEMM_ROWS):
+            ai = bld.load(bld.gep(a, [bld.add(a_at[r], i)]))
+            av = k.splat(ai, k.vf)
+            sums = [k.fma(av, bv[v], accs[r * _GEMM_COLS + v]) for v in range(_GEMM_COLS)]
+            if checked:                       # a = 0 adds nothing, whatever b holds (NaN != 0 does)
+                weighs = bld.fcmp_unordered("!=", ai, ir.Constant(k.f32, 0.0))
+                sums = [bld.select(weighs, x, accs[r * _GEMM_COLS + v]) for v, x in enumerate(sums)]
+            new += sums
+        return new
+
+    sums = k.block_loop(k.i64(n), _GEMM_ROWS * _GEMM_COLS, body)
+    add = bld.icmp_signed("!=", k.i64(add), k.c64(0))
+    ptrs = [k.ptr(c, bld.add(c_at[r], k.c64(v * k.lanes)), k.vf) for r in range(_GEMM_ROWS) for v in range(_GEMM_COLS)]
+    olds = [bld.call(load_fn, [ptr, ir.Constant(i32, 4), masks[i % _GEMM_COLS], zero]) for i, ptr in enumerate(ptrs)]
+    for i, ptr in enumerate(ptrs):        # every load before the stores: a row given twice adds once
+        total = bld.select(add, bld.fadd(olds[i], sums[i]), sums[i])
+        bld.call(store_fn, [total, ptr, ir.Constant(i32, 4), masks[i % _GEMM_COLS]])
+
+
+def _gemm_intrinsic(checked: bool, doc: str):
+    def typer(typingctx, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add):
+        arrays = (a, a_offs, b, c, c_offs)
+        if not all(isinstance(x, types.Array) for x in arrays) or a_offs.dtype != types.int64 \
+                or c_offs.dtype != types.int64 or not all(x.dtype == types.float32 for x in (a, b, c)):
+            return None
+        sig = types.void(a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add)
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 1, 3, 7, 8):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            _gemm_ir(_Tile(builder, _LANES), checked, *flat)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+_gemm_block = _gemm_intrinsic(False, """``_gemm_block(a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add)``:
+``c[c_offs[r] + j] = (c[c_offs[r] + j] +)? Σ_{i<n} a[a_offs[r] + a_at + i] · b[b_at + i·ldb + j]``
+(the old value added when ``add`` is nonzero) for the :data:`_GEMM_ROWS` rows r and columns
+``j < n_cols`` (``n_cols <= _BLOCK``); a, b, c float32 C-contiguous arrays indexed flat,
+a_offs and c_offs int64 ``[_GEMM_ROWS]``. The sum is one FMA chain in i order from 0 (``n``
+0: zero) in registers; columns past ``n_cols`` are neither read nor written (masked loads and
+stores). NumPy twins: the attention products' ``_ref``.""")
+_gemm_block_checked = _gemm_intrinsic(True, """As :func:`_gemm_block`, the terms whose ``a`` is ±0 left out
+(the same bits where ``b`` is finite; a NaN or inf in ``b`` reaches no row that weighs it 0).""")
+
+
+_CHAIN = 32
+"""Terms per FMA chain of :func:`_gemm_chained`: longer chains lose accuracy (one chain over
+head_dim 128 missed the NumPy twin by 1.6e-5 relative in a softmax of scores ~10)."""
+
+
+@njit(inline="always", **JIT_ATTN)
+def _gemm_chained(a, a_offs, b, b_at, ldb, i0, i1, c, c_offs, n_cols, plain0, plain1):
+    """:func:`_gemm_block`'s sums over i0 <= i < i1, written to c: a chain per run of
+    :data:`_CHAIN` terms aligned to multiples of _CHAIN, the runs' sums added in i order. Where
+    the sum starts and ends changes nothing but zero terms, so a sum over a range wider by exact
+    zeros (a ± 0 is a: no sum here is -0) has the same bits. Runs not inside
+    [plain0, plain1) leave out the terms whose a is 0 (:func:`_gemm_block_checked`)."""
+    i = i0
+    while True:
+        end = min(i1, (i // _CHAIN + 1) * _CHAIN)
+        if plain0 <= i and end <= plain1:
+            _gemm_block(a, a_offs, i, b, b_at + i * ldb, ldb, max(0, end - i), c, c_offs, n_cols, i > i0)
+        else:
+            _gemm_block_checked(a, a_offs, i, b, b_at + i * ldb, ldb, max(0, end - i), c, c_offs, n_cols, i > i0)
+        i = end
+        if i >= i1:
+            break
+
+
+@njit(**JIT_ATTN)
+def _scores_block(xq, keys, out, g, t0, first_pos, window, kt, a_offs, c_offs):
+    """Prefill scores of KV head g's query heads for keys t0 .. t0 + _BLOCK (fewer at the end),
+    the rows that see one of them (_scores_keys' rule); a block's rows are written whole, keys a
+    row does not see included. kt: scratch float32 [head_dim, _BLOCK] for the keys transposed."""
+    seq_len, n_heads, head_dim = xq.shape
+    kv_len = out.shape[2]
+    n_rep = n_heads // keys.shape[1]
+    n_cols = min(_BLOCK, kv_len - t0)
+    for t in range(n_cols):
+        for d in range(head_dim):
+            kt[d, t] = keys[t0 + t, g, d]
+    s0 = max(0, t0 - first_pos)
+    s1 = min(seq_len, t0 + n_cols - 1 + window - first_pos) if window else seq_len
+    m1 = s1 * n_rep                           # rows m = s * n_rep + j: query row s, head g*n_rep + j
+    for m in range(s0 * n_rep, m1, _GEMM_ROWS):
+        for r in range(_GEMM_ROWS):
+            s, j = divmod(min(m + r, m1 - 1), n_rep)     # past the end: the last row again
+            h = g * n_rep + j
+            a_offs[r] = (s * n_heads + h) * head_dim
+            c_offs[r] = (h * seq_len + s) * kv_len + t0
+        _gemm_chained(xq, a_offs, kt, 0, _BLOCK, 0, head_dim, out, c_offs, n_cols, 0, head_dim)
+
+
+@njit(**JIT_ATTN)
+def _scores_blocks(xq, keys, out, first_pos, window, i0, i1):
+    """Work items i0 .. i1 of the prefill scores: item i is KV head i // n_pairs with key blocks
+    p and n_blocks-1-p (p = i % n_pairs), so that a causal triangle's items (many rows for the
+    first keys, few for the last) are all alike and threads splitting the items split the work."""
+    head_dim = xq.shape[2]
+    n_blocks = (out.shape[2] + _BLOCK - 1) // _BLOCK
+    n_pairs = (n_blocks + 1) // 2
+    kt = np.empty((head_dim, _BLOCK), dtype=np.float32)
+    a_offs, c_offs = np.empty(_GEMM_ROWS, dtype=np.int64), np.empty(_GEMM_ROWS, dtype=np.int64)
+    for i in range(i0, i1):
+        g, p = divmod(i, n_pairs)
+        _scores_block(xq, keys, out, g, p * _BLOCK, first_pos, window, kt, a_offs, c_offs)
+        if n_blocks - 1 - p != p:
+            _scores_block(xq, keys, out, g, (n_blocks - 1 - p) * _BLOCK, first_pos, window, kt, a_offs, c_offs)
+
+
+@njit(**JIT_ATTN)
+def _score_items(keys, kv_len):
+    """Work items of the prefill scores (:func:`_scores_blocks`)."""
+    return keys.shape[1] * (((kv_len + _BLOCK - 1) // _BLOCK + 1) // 2)
+
+
+@njit(**JIT_ATTN)
+def _prefill_scores_serial(xq, keys, out, first_pos, window):
+    _scores_blocks(xq, keys, out, first_pos, window, 0, _score_items(keys, out.shape[2]))
+
+
+@njit(parallel=True, **JIT_ATTN)
+def _prefill_scores_parallel(xq, keys, out, first_pos, window):
+    for i in prange(_score_items(keys, out.shape[2])):
+        _scores_blocks(xq, keys, out, first_pos, window, i, i + 1)
+
+
 @njit(**JIT_ATTN)
 def attention_scores_serial(xq, keys):
     kv_len = keys.shape[0]
     out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
-    _scores_keys(xq, keys, out, 0, kv_len, kv_len, 0)
+    if xq.shape[0] > 1:
+        _prefill_scores_serial(xq, keys, out, kv_len, 0)
+    else:
+        _scores_keys(xq, keys, out, 0, kv_len, kv_len, 0)
+    return out
+
+
+@njit(**JIT_ATTN)
+def attention_scores_parallel(xq, keys):
+    kv_len = keys.shape[0]
+    out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
+    if xq.shape[0] > 1:
+        _prefill_scores_parallel(xq, keys, out, kv_len, 0)
+    else:
+        _decode_scores_parallel(xq, keys, out, kv_len, 0)
     return out
 
 
 @njit(parallel=True, **JIT_ATTN)
-def attention_scores_parallel(xq, keys):
+def _decode_scores_parallel(xq, keys, out, first_pos, window):
+    """_scores_keys, threads splitting the keys in chunks of _KEY_CHUNK (one query row: the
+    register-blocked kernel would need the keys transposed, as many bytes moved as the sums read)."""
     kv_len = keys.shape[0]
-    out = np.empty((xq.shape[1], xq.shape[0], kv_len), dtype=np.float32)
-    for c in prange((kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK):     # threads split the keys
-        _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), kv_len, 0)
-    return out
+    for c in prange((kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK):
+        _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), first_pos, window)
 
 
 _KEY_CHUNK = 32
@@ -485,7 +728,11 @@ def attention_scores(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
             (``n_rep = n_heads // n_kv_heads``; 1 when the KV heads are already repeated).
 
     Returns:
-        float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation.
+        float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation: a prefill's entry (seq_len
+        > 1) sums d in runs of 32, each a chain of FMAs, the runs in order (the register-blocked
+        kernel, ~2x the per-entry dot at 8B shapes); a decode step's, one row, a dot product
+        vectorised over d (``_scores_keys``: blocking needs the keys transposed, as many bytes
+        moved as the dot reads). The two orders differ in the last bits.
 
     Raises:
         ValueError: ``n_kv_heads`` does not divide ``n_heads``.
@@ -512,65 +759,48 @@ def attention_scores_ref(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
 # mask hides half of the keys of a long chunk, whose q·k, scaling, mask add and softmax the
 # unmasked path computes only to give them probability 0. attention_probs computes q·k for the
 # keys each query row sees and the softmax over them, the same numbers bit for bit: the same
-# _scores_keys sum per entry; the same float32 product by the scale; the row's max, exps and
-# in-order sum over the keys it sees (the masked path's exp(-inf) = 0 terms add nothing); and
+# sum per entry (_gemm_chained's in a prefill, _scores_keys' in a decode step); the same float32
+# product by the scale; the row's max, exps and lane sums over the keys it sees (the masked
+# path's exp(-inf) = 0 terms add nothing: _lane_sum); and
 # the masked entries are 0 · (1 / sum), which is 0 — or NaN where the row's sum is, as there.
-@njit(parallel=True, **JIT_ATTN)
-def _visible_scores_parallel(xq, keys, out, first_pos, window):
-    """_scores_keys over every key chunk, threads splitting the chunks: chunk i goes with chunk
-    n-1-i, so a causal triangle's rows (many in the first chunks, few in the last) split evenly
-    between the threads' blocks of iterations."""
-    kv_len = keys.shape[0]
-    n = (kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK
-    for i in prange((n + 1) // 2):
-        _scores_keys(xq, keys, out, i * _KEY_CHUNK, min(kv_len, (i + 1) * _KEY_CHUNK), first_pos, window)
-        c = n - 1 - i
-        if c != i:
-            _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), first_pos, window)
-
-
 @njit(inline="always", **JIT_EXACT)
-def _softmax_visible_rows(x, i, scale, first_pos, window):
+def _softmax_visible_rows(x, i, scale, first_pos, window, lanes):
     """In place, head i: each row's scores of the keys it sees (_scores_keys' rule) times
     ``scale``, then their softmax; every other entry 0 · (1 / sum)."""
     n = x.shape[2]
     for j in range(x.shape[1]):
         pos = first_pos + j
         lo = max(0, pos - window + 1) if window else 0
+        hi = min(n, pos + 1)
         row = x[i, j]
-        seen = row[lo:min(n, pos + 1)]        # a view indexed from 0: its loops vectorise
-        m = np.float32(-np.inf)
+        seen = row[lo:hi]                     # a view indexed from 0: its loops vectorise
         for k in range(seen.shape[0]):
-            v = seen[k] * scale
-            seen[k] = v
-            if v > m:
-                m = v
+            seen[k] *= scale
+        m = _lane_max(row, lo, hi, lanes)
         if m == -np.inf:                      # every key it sees is -inf: zeros (softmax's rule)
             row[:] = 0.0
             continue
-        for k in range(seen.shape[0]):        # vectorises; the sum stays in order below
-            seen[k] = exp_f32(seen[k] - m)
-        total = np.float32(0.0)
         for k in range(seen.shape[0]):
-            total += seen[k]
-        inv = np.float32(1.0) / total
+            seen[k] = exp_f32(seen[k] - m)
+        inv = np.float32(1.0) / _lane_sum(row, lo, hi, lanes)
         for k in range(seen.shape[0]):
             seen[k] *= inv
         hidden = np.float32(0.0) * inv
         row[:lo] = hidden
-        row[lo + seen.shape[0]:] = hidden
+        row[hi:] = hidden
 
 
 @njit(**JIT_EXACT)
 def _softmax_visible_serial(x, scale, first_pos, window):
+    lanes = np.empty(_LANES_SUM, dtype=np.float32)
     for i in range(x.shape[0]):
-        _softmax_visible_rows(x, i, scale, first_pos, window)
+        _softmax_visible_rows(x, i, scale, first_pos, window, lanes)
 
 
 @njit(**JIT_EXACT_PARALLEL)
 def _softmax_visible_parallel(x, scale, first_pos, window):
     for i in prange(x.shape[0]):
-        _softmax_visible_rows(x, i, scale, first_pos, window)
+        _softmax_visible_rows(x, i, scale, first_pos, window, np.empty(_LANES_SUM, dtype=np.float32))
 
 
 def attention_probs(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: int, window: int = 0,
@@ -609,8 +839,11 @@ def attention_probs(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: i
     xq, keys = np.ascontiguousarray(xq), np.ascontiguousarray(keys)
     first_pos, window, scale = int(start_pos), int(window), np.float32(scale)
     out = np.empty((n_heads, seq_len, kv_len), dtype=np.float32)
-    if parallel if parallel is not None else seq_len * kv_len * n_heads * head_dim > _PARALLEL_WORK:
-        _visible_scores_parallel(xq, keys, out, first_pos, window)
+    threads = parallel if parallel is not None else seq_len * kv_len * n_heads * head_dim > _PARALLEL_WORK
+    if seq_len > 1:
+        (_prefill_scores_parallel if threads else _prefill_scores_serial)(xq, keys, out, first_pos, window)
+    elif threads:
+        _decode_scores_parallel(xq, keys, out, first_pos, window)
     else:
         _scores_keys(xq, keys, out, 0, kv_len, first_pos, window)
     if parallel if parallel is not None else out.size > _PARALLEL_ELEMENTS:
@@ -629,65 +862,126 @@ def attention_probs_ref(xq: np.ndarray, keys: np.ndarray, scale: float, start_po
 
 
 @njit(**JIT_ATTN)
-def _values_keys(scores, values, acc, s, h0, t0, t1):
-    """acc[i] = Σ_t scores[h0 + i, s, t] · values[t, (h0 + i) // n_rep] over keys t0 <= t < t1,
-    in memory order (as :func:`_scores_keys`); acc float32 [n, head_dim]."""
-    n_rep = scores.shape[0] // values.shape[1]
-    acc[:] = 0.0
-    for t in range(t0, t1):
-        for i in range(acc.shape[0]):
-            h = h0 + i
-            p = scores[h, s, t]
-            if p == 0.0:          # a masked key (half of a causal prefill's): + 0 · v (finite) changes nothing
+def _nonzero_span(bits):
+    """(first, last + 1) of the entries of ``bits`` (float32 bits, uint32) that are not ±0 (NaN
+    is not), (n, n) if none; runs of 32 are read whole (an OR of their bits), as a causal
+    prefill's rows end in long runs of zeros."""
+    n = bits.shape[0]
+    t = 0
+    while t < n:
+        if t + 32 <= n:
+            any_bits = np.uint32(0)
+            for u in range(32):
+                any_bits |= bits[t + u]
+            if not (any_bits & np.uint32(0x7FFFFFFF)):
+                t += 32
                 continue
-            v = values[t, h // n_rep]
-            a = acc[i]
-            for d in range(acc.shape[1]):
-                a[d] += p * v[d]
+        if bits[t] & np.uint32(0x7FFFFFFF):
+            break
+        t += 1
+    e = n
+    while e > t:
+        if e - 32 >= t:
+            any_bits = np.uint32(0)
+            for u in range(32):
+                any_bits |= bits[e - 32 + u]
+            if not (any_bits & np.uint32(0x7FFFFFFF)):
+                e -= 32
+                continue
+        if bits[e - 1] & np.uint32(0x7FFFFFFF):
+            break
+        e -= 1
+    return t, e
 
 
 @njit(**JIT_ATTN)
-def _values_heads(scores, values, out, h0, h1):
-    """out[h0:h1]: per query row, chunks of _KEY_CHUNK keys summed, then the chunks in order.
-    Every variant below adds in this order, so they agree bit for bit."""
-    _, seq_len, kv_len = scores.shape
-    part = np.empty((h1 - h0, values.shape[2]), dtype=np.float32)   # private: no shared cache lines
-    row = np.empty((h1 - h0, values.shape[2]), dtype=np.float32)
-    for s in range(seq_len):
-        row[:] = 0.0
-        for t0 in range(0, kv_len, _KEY_CHUNK):
-            _values_keys(scores, values, part, s, h0, t0, min(kv_len, t0 + _KEY_CHUNK))
-            row += part
-        out[h0:h1, s] = row
+def _values_block(scores, vals, g_at, t_at, n_rep, out, g, m0, m1, a_offs, c_offs):
+    """out rows m0 .. m1 of KV head g's query heads (row m = s * n_rep + j: query row s, head
+    g*n_rep + j), _GEMM_ROWS at a time: each row's sum over t of scores · values in t order, over
+    the keys from the block's first nonzero probability to its last (a causal prefill's masked
+    keys are exact zeros, which change no bit: :func:`_gemm_chained`). Runs of keys outside some
+    row's own span leave out its zero terms, so a NaN or inf value reaches only the rows that
+    weigh it (as the twin's 0 · NaN would not). Value t of KV head g is
+    vals.flat[g * g_at + t * t_at:][:head_dim]."""
+    n_heads, seq_len, kv_len = scores.shape
+    head_dim = out.shape[2]
+    for m in range(m0, m1, _GEMM_ROWS):
+        lo, hi, plain0, plain1 = kv_len, 0, 0, kv_len     # the rows' spans: union, intersection
+        for r in range(_GEMM_ROWS):
+            s, j = divmod(min(m + r, m1 - 1), n_rep)     # past the end: the last row again
+            first, end = _nonzero_span(scores[g * n_rep + j, s].view(np.uint32))
+            plain0, plain1 = max(plain0, first), min(plain1, end)
+            if first < end:
+                lo, hi = min(lo, first), max(hi, end)
+        for c0 in range(0, head_dim, _BLOCK):
+            for r in range(_GEMM_ROWS):
+                s, j = divmod(min(m + r, m1 - 1), n_rep)
+                h = g * n_rep + j
+                a_offs[r] = (h * seq_len + s) * kv_len
+                c_offs[r] = (h * seq_len + s) * head_dim + c0
+            _gemm_chained(scores, a_offs, vals, g * g_at + c0, t_at, lo, max(lo, hi), out, c_offs,
+                          min(_BLOCK, head_dim - c0), plain0, plain1)
+
+
+@njit(**JIT_ATTN)
+def _values_items(scores, n_kv):
+    """(row blocks per KV head, work items per KV head): item p takes row blocks p and
+    n_blocks-1-p, alike in a causal triangle (as :func:`_scores_blocks`'s items)."""
+    n_blocks = (scores.shape[1] * (scores.shape[0] // n_kv) + _GEMM_ROWS - 1) // _GEMM_ROWS
+    return n_blocks, (n_blocks + 1) // 2
+
+
+@njit(**JIT_ATTN)
+def _values_blocks(scores, vals, g_at, t_at, n_kv, out, i0, i1):
+    n_rep = scores.shape[0] // n_kv
+    n_rows = scores.shape[1] * n_rep
+    n_blocks, n_pairs = _values_items(scores, n_kv)
+    a_offs, c_offs = np.empty(_GEMM_ROWS, dtype=np.int64), np.empty(_GEMM_ROWS, dtype=np.int64)
+    for i in range(i0, i1):
+        g, p = divmod(i, n_pairs)
+        for b in (p, n_blocks - 1 - p) if n_blocks - 1 - p != p else (p, -1):
+            if b >= 0:
+                _values_block(scores, vals, g_at, t_at, n_rep, out, g, b * _GEMM_ROWS,
+                              min(n_rows, (b + 1) * _GEMM_ROWS), a_offs, c_offs)
+
+
+@njit(**JIT_ATTN)
+def _values_by_head(values, per_head, g):
+    """per_head[g] = values[:, g]: a prefill reads each value many times, best from one block
+    [kv_len, head_dim] (strided by n_kv_heads rows, a run of 32 values fell in one L1 set)."""
+    for t in range(values.shape[0]):
+        per_head[g, t] = values[t, g]
 
 
 @njit(**JIT_ATTN)
 def attention_values_serial(scores, values):
-    n_heads = scores.shape[0]
-    out = np.empty((n_heads, scores.shape[1], values.shape[2]), dtype=np.float32)
-    _values_heads(scores, values, out, 0, n_heads)
+    kv_len, n_kv, head_dim = values.shape
+    out = np.empty((scores.shape[0], scores.shape[1], head_dim), dtype=np.float32)
+    n_items = n_kv * _values_items(scores, n_kv)[1]
+    if scores.shape[1] == 1:                 # decode: each value read once, in place
+        _values_blocks(scores, values, head_dim, n_kv * head_dim, n_kv, out, 0, n_items)
+        return out
+    per_head = np.empty((n_kv, kv_len, head_dim), dtype=np.float32)
+    for g in range(n_kv):
+        _values_by_head(values, per_head, g)
+    _values_blocks(scores, per_head, kv_len * head_dim, head_dim, n_kv, out, 0, n_items)
     return out
 
 
 @njit(parallel=True, **JIT_ATTN)
 def attention_values_parallel(scores, values):
-    n_heads, seq_len, kv_len = scores.shape
-    head_dim = values.shape[2]
-    out = np.empty((n_heads, seq_len, head_dim), dtype=np.float32)
-    if seq_len > 1:                       # prefill: threads split the heads
-        for h in prange(n_heads):
-            _values_heads(scores, values, out, h, h + 1)
+    kv_len, n_kv, head_dim = values.shape
+    out = np.empty((scores.shape[0], scores.shape[1], head_dim), dtype=np.float32)
+    n_items = n_kv * _values_items(scores, n_kv)[1]
+    if scores.shape[1] == 1:
+        for i in prange(n_items):
+            _values_blocks(scores, values, head_dim, n_kv * head_dim, n_kv, out, i, i + 1)
         return out
-    n_chunks = (kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK
-    parts = np.empty((n_chunks, n_heads, head_dim), dtype=np.float32)
-    for c in prange(n_chunks):            # decode: threads split the keys, as in the scores
-        _values_keys(scores, values, parts[c], 0, 0, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK))
-    for h in range(n_heads):              # loops, not array expressions: those would each
-        for d in range(head_dim):         # become one more parallel region here
-            out[h, 0, d] = 0.0
-        for c in range(n_chunks):
-            for d in range(head_dim):
-                out[h, 0, d] += parts[c, h, d]
+    per_head = np.empty((n_kv, kv_len, head_dim), dtype=np.float32)
+    for g in prange(n_kv):
+        _values_by_head(values, per_head, g)
+    for i in prange(n_items):
+        _values_blocks(scores, per_head, kv_len * head_dim, head_dim, n_kv, out, i, i + 1)
     return out
 
 
@@ -699,7 +993,14 @@ def attention_values(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
         values: float32 ``[kv_len, n_kv_heads, head_dim]``; ``n_kv_heads`` divides ``n_heads``.
 
     Returns:
-        float32 ``[n_heads, seq_len, head_dim]``.
+        float32 ``[n_heads, seq_len, head_dim]``: each entry sums t in runs of 32 keys (aligned
+        to multiples of 32), each a chain of FMAs, the runs in order; keys before a row's first
+        nonzero score and after its last add nothing and are skipped (a causal prefill's masked
+        half), and a value whose score is 0 is never read (a NaN or inf there stays out of the
+        row). Prefill and decode share the register-blocked kernel (6 rows x 64 of head_dim a
+        call), so a prefill's row has the bits of the same row alone. 8B shapes, causal 512 rows,
+        one layer: 98-106 -> 22 ms (process CPU time, shared machine); a decode step at kv 512,
+        0.19 -> 0.10 ms.
 
     Raises:
         ValueError: ``n_kv_heads`` does not divide ``n_heads``.
