@@ -74,6 +74,8 @@ EXCLUDED.update({
         "benchmarks on an 8B-shaped file (~5 GB) and 8B-shaped random matrices, minutes per run; by hand",
     "llamatrace perplexity -f tests/golden/corpus.txt -m FILE -c 512 --chunks 2 -t 2 --json [--activations f32]":
         "a benchmark on 8B-shaped files (~5 GB each, minutes per run) against llama-perplexity; run by hand",
+    "llamatrace perplexity -f tests/golden/corpus.txt -m FILE -c 512 --chunks 2 -t 2 --json [--no-cache]":
+        "the same benchmark, with and without the packed-weights cache; run by hand",
     "python benchmarks/bench_stages.py --base 8b-q4_0.gguf -m 8b-q4_k_m.gguf -c 256 --chunks 1 --rounds 3 "
     "--activations q8 [--profile]": "a benchmark on two 8B-shaped files (~11 GB of RAM, minutes); run by hand",
     "python benchmarks/bench_fused.py -m 8b-q4_0.gguf -c 512 --rounds 3 --threads 2":
