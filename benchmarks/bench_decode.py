@@ -20,9 +20,9 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.runtime import configure_numba
+from llamatrace.runtime import configure_process
 
-configure_numba()
+configure_process()
 
 from llamatrace.kernels import packing, threads  # noqa: E402
 from llamatrace.kernels.jit import JIT_EXACT_PARALLEL  # noqa: E402

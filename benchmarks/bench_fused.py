@@ -39,8 +39,8 @@ def main() -> None:
     p.add_argument("--activations", default="q8")
     args = p.parse_args()
 
-    from llamatrace.runtime import configure_numba
-    configure_numba()
+    from llamatrace.runtime import configure_process
+    configure_process()
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.corpus.metrics import token_nll
     from llamatrace.corpus.perplexity import chunk_logits

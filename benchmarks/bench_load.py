@@ -41,8 +41,8 @@ if engine == "llama.cpp":
     LlamaCpp(path, 512, os.cpu_count())
     print(json.dumps({"total": time.perf_counter() - t0}))
     sys.exit()
-from llamatrace.runtime import configure_numba           # as the CLI does
-configure_numba()
+from llamatrace.runtime import configure_process           # as the CLI does
+configure_process()
 from llamatrace.model.llama import Llama
 t0 = time.perf_counter()
 model = Llama.load(path, activations=mode, cache=engine != "pack")

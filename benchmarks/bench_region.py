@@ -23,8 +23,8 @@ CHILD = """
 import statistics, sys, time
 import numpy as np, numba
 from numba import njit, prange
-from llamatrace.runtime import configure_numba
-configure_numba()                       # as the CLI: the libtbb preload
+from llamatrace.runtime import configure_process
+configure_process()                       # as the CLI: the libtbb preload
 threads, launches = int(sys.argv[1]), int(sys.argv[2])
 numba.set_num_threads(threads)
 

@@ -42,8 +42,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
 
-    from llamatrace.runtime import configure_numba
-    configure_numba()
+    from llamatrace.runtime import configure_process
+    configure_process()
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.corpus.perplexity import ChunkJob, score_chunk
     from llamatrace.corpus.stages import score_pair

@@ -26,8 +26,8 @@ from llamatrace.analysis.busy import busy_loops
 CHILD = """
 import json, sys
 try:
-    from llamatrace.runtime import configure_numba       # as the CLI does
-    configure_numba()
+    from llamatrace.runtime import configure_process       # as the CLI does
+    configure_process()
 except ImportError:
     pass                                                 # older code: importing llamatrace did it
 from llamatrace.kernels import threads

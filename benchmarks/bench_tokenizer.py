@@ -19,8 +19,8 @@ import sys
 
 CHILD = r"""
 import json, sys, time
-from llamatrace.runtime import configure_numba
-configure_numba()
+from llamatrace.runtime import configure_process
+configure_process()
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.text.tokenizer import Tokenizer
 from llamatrace.model.llama import Llama

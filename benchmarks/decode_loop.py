@@ -31,9 +31,9 @@ import time
 
 import numpy as np
 
-from llamatrace.runtime import configure_numba
+from llamatrace.runtime import configure_process
 
-configure_numba()
+configure_process()
 
 from llamatrace.analysis.bench import _Llamatrace, process_huge_page_bytes, prompt_ids  # noqa: E402
 from llamatrace.analysis.roofline import read_bandwidth, read_buffer  # noqa: E402

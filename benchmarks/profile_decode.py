@@ -37,9 +37,9 @@ from collections import defaultdict
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.runtime import configure_numba
+from llamatrace.runtime import configure_process
 
-configure_numba()
+configure_process()
 
 from llamatrace.analysis.bench import process_huge_page_bytes  # noqa: E402
 from llamatrace.analysis.roofline import read_bandwidth, read_buffer  # noqa: E402

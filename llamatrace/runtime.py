@@ -1,11 +1,11 @@
-"""The Numba settings llamatrace's own processes run with; importing llamatrace changes none.
+"""The Numba and heap settings llamatrace's own processes run with; importing llamatrace changes none.
 
-:func:`configure_numba` is called where llamatrace's own processes start: the CLI
+:func:`configure_process` is called where llamatrace's own processes start: the CLI
 (:mod:`llamatrace.cli`, which ``llamatrace`` and ``python -m llamatrace`` import first), the
 ``bench`` engines and the corpus workers (local processes and Ray actors). A program that
-imports llamatrace as a library keeps its own Numba settings (the kernels run on whichever
-threading layer Numba picks there); it may call :func:`configure_numba` itself, before its first
-parallel kernel, to run them as the CLI does.
+imports llamatrace as a library keeps its own settings (the kernels run on whichever threading
+layer Numba picks there, its arrays are allocated as glibc decides); it may call
+:func:`configure_process` itself, before its first parallel kernel, to run them as the CLI does.
 
 What it sets, each only where the user has not:
 
@@ -22,8 +22,16 @@ What it sets, each only where the user has not:
 - libtbb is loaded globally when ``pip install tbb`` put it in ``<venv>/lib``, where the
   dynamic loader does not look: without it Numba cannot use its TBB layer (the fallback when
   libgomp is missing) and drops to ``workqueue``.
+- glibc's heap keeps freed blocks of up to :data:`HEAP_REUSE` bytes for the next allocation
+  (unless ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a ``glibc.malloc`` tunable in
+  ``GLIBC_TUNABLES`` is set). By default an array over 32 MiB is a map of its own, unmapped when
+  freed, so each prefill layer at 8B (a 58 MiB gate|up product, 32 MiB of attention
+  probabilities, …) faulted in and zeroed fresh pages: ~100,000 faults and 0.7-1.3 s of system
+  time per 512-token chunk, 5 % of its time (docs/performance.md "Corpus throughput"). llama.cpp
+  allocates its compute buffers once.
 
-Spawned child processes inherit the environment variables; the libtbb preload is per process.
+Spawned child processes inherit the environment variables; the libtbb preload and the heap settings
+are per process.
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ import sys
 
 LAYER_PRIORITY = "omp tbb workqueue"
 SPIN_COUNT = "10000"
+HEAP_REUSE = 1 << 30
+"""Bytes of freed memory glibc keeps for reuse, and the largest block it serves from its heap
+rather than from a map of its own (``mallopt`` M_TRIM_THRESHOLD and M_MMAP_THRESHOLD): a 512-token
+8B layer's arrays fit many times over, a KV cache for long contexts (one allocation, zeroed) does not."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3           # <malloc.h>
 
 AUTO_THREADS_HELP = ("every core; for small models (SmolLM2-135M, -360M), one while other processes' "
                      "runnable tasks outnumber the cores (read before each forward call)")
@@ -41,10 +54,11 @@ AUTO_THREADS_HELP = ("every core; for small models (SmolLM2-135M, -360M), one wh
 the words ``--threads`` and ``bench`` show; here because the CLI's options must not import Numba."""
 
 
-def configure_numba() -> None:
-    """Set the Numba threading-layer priority, OpenMP spin count, kernel cache folder and libtbb
-    preload for this process (see the module docstring). Call it before the first parallel kernel runs: Numba
-    picks its threading layer then. Patches ``numba.config`` if Numba is already imported."""
+def configure_process() -> None:
+    """Set the Numba threading-layer priority, OpenMP spin count, kernel cache folder, libtbb
+    preload and heap reuse for this process (see the module docstring). Call it before the first
+    parallel kernel runs: Numba picks its threading layer then. Patches ``numba.config`` if Numba
+    is already imported."""
     if not os.environ.get("NUMBA_CACHE_DIR"):
         package = os.path.dirname(os.path.abspath(__file__))
         if not os.access(package, os.W_OK):
@@ -63,6 +77,20 @@ def configure_numba() -> None:
             config.THREADING_LAYER_PRIORITY = os.environ["NUMBA_THREADING_LAYER_PRIORITY"].split()
     if os.name == "posix":
         _preload_tbb()
+    _reuse_freed_memory()
+
+
+def _reuse_freed_memory() -> None:
+    env = os.environ
+    if "MALLOC_MMAP_THRESHOLD_" in env or "MALLOC_TRIM_THRESHOLD_" in env or "glibc.malloc." in env.get(
+            "GLIBC_TUNABLES", ""):
+        return
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if os.name == "posix" else None
+    if mallopt is None:                  # not glibc (macOS, musl without it): its own policy
+        return
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt(_M_MMAP_THRESHOLD, HEAP_REUSE)
+    mallopt(_M_TRIM_THRESHOLD, HEAP_REUSE)
 
 
 def _preload_tbb() -> None:

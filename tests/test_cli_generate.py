@@ -181,16 +181,18 @@ def test_help_shows_examples(capsys):
 
 
 def _configure_in_isolation(monkeypatch, writable: bool) -> dict:
-    """Run the CLI's Numba set-up against an empty environment; this process's Numba is untouched."""
+    """Run the CLI's Numba set-up against an empty environment; this process's Numba and heap are
+    untouched."""
     import numba
 
     from llamatrace import runtime
     env: dict[str, str] = {}
     monkeypatch.setattr(runtime.os, "environ", env)
+    monkeypatch.setattr(runtime, "_reuse_freed_memory", lambda: None)
     monkeypatch.setattr(runtime.os, "access", lambda path, mode: writable)
     for name in ("CACHE_DIR", "THREADING_LAYER_PRIORITY"):
         monkeypatch.setattr(numba.config, name, getattr(numba.config, name))
-    runtime.configure_numba()
+    runtime.configure_process()
     return env
 
 
@@ -201,6 +203,41 @@ def test_numba_cache_moves_to_user_cache_when_package_dir_is_read_only(monkeypat
 
 def test_numba_cache_stays_put_when_package_dir_is_writable(monkeypatch):
     assert "NUMBA_CACHE_DIR" not in _configure_in_isolation(monkeypatch, writable=True)
+
+
+_REALLOCATE = """
+import resource, sys
+import numpy as np
+from llamatrace import runtime
+if sys.argv[1] == "configured":
+    runtime.configure_process()
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+a = np.ones(64 << 20, np.uint8)      # over glibc's default 32 MiB: a map of its own, then unmapped
+del a
+before = faults()
+for _ in range(5):
+    a = np.ones(64 << 20, np.uint8)
+    del a
+print(faults() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt; other systems keep their own")
+@pytest.mark.parametrize("user_env", [{}, {"MALLOC_MMAP_THRESHOLD_": "65536"}])
+def test_the_cli_reuses_freed_arrays_unless_the_user_set_malloc(user_env):
+    # a prefill layer's large arrays, freed and allocated again: faulted in and zeroed anew each
+    # time by default (~5 % of an 8B chunk), reused from the heap once configure_process ran
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **user_env}
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        if name not in user_env:
+            env.pop(name, None)
+    runs = {mode: int(subprocess.run([sys.executable, "-c", _REALLOCATE, mode], env=env, capture_output=True,
+                                     text=True, check=True).stdout) for mode in ("default", "configured")}
+    assert runs["default"] >= 5 * 32                     # at least the 2 MiB pages of 5 × 64 MiB
+    if user_env:
+        assert runs["configured"] >= 5 * 32              # the user's setting stands
+    else:
+        assert runs["configured"] < 32
 
 
 @pytest.mark.parametrize("command", ["generate", "trace", "stages"])

@@ -304,7 +304,7 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
         os.dup2(devnull, 2)
         os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     if engine.startswith("llamatrace"):
-        runtime.configure_numba()   # an engine process of llamatrace's own: the CLI's settings
+        runtime.configure_process()   # an engine process of llamatrace's own: the CLI's settings
     elif os.environ.get("GOMP_SPINCOUNT") == runtime.SPIN_COUNT:
         del os.environ["GOMP_SPINCOUNT"]    # ours (the CLI's); llama.cpp's OpenMP keeps its default
     try:

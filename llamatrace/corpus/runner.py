@@ -107,8 +107,8 @@ def failure(exc: BaseException, who: str) -> tuple[str, LlamatraceError, str]:
 def _worker_main(spec: ModelSpec, work: Work, conn) -> None:
     """A worker process: load the model, then answer ``(i, payload)`` with ``("done", i, result)``
     until ``None``. Its errors are sent back (:func:`failure`); the parent raises them."""
-    from llamatrace.runtime import configure_numba
-    configure_numba()             # a process of llamatrace's own: the CLI's Numba settings
+    from llamatrace.runtime import configure_process
+    configure_process()             # a process of llamatrace's own: the CLI's settings
     try:
         model = spec.load()
         conn.send(("ready",))
