@@ -1,18 +1,22 @@
 """Benchmark the q8 prefill kernels: the microkernels against the per-row kernels, at 8B shapes.
 
     python benchmarks/bench_prefill.py [--rows 128] [--repeat 5] [--types Q4_K,Q6_K] [--all-shapes] [--micro-only] [--cpu-time]
+    python benchmarks/bench_prefill.py --scaling 5 [--rows 128] [--repeat 5] [--types …] [--all-shapes]
 
 For Q4_0, Q4_1, Q8_0, Q4_K ([14336, 4096], as ffn_gate/ffn_up) and Q6_K ([4096, 14336], as ffn_down):
 milliseconds per call (best of --repeat), int8 multiply-adds per second, and whether the two
 kernels' outputs are the same bits (else their largest difference relative to the largest output).
 ``--all-shapes`` runs each type at the three 8B matmul shapes ([4096, 4096], [14336, 4096],
 [4096, 14336]); ``--micro-only`` skips the per-row kernels. Weights are random blocks with small fp16 scales. The machine may be shared: compare numbers
-taken in one run.
+taken in one run. ``--scaling ROUNDS``: the microkernels' 1 -> 2 thread scaling instead, the two
+counts alternated for ROUNDS rounds (each a mean of --repeat calls), every round's ratio shown:
+on a VM the second vCPU's share of the host moves from round to round.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import gguf
@@ -67,6 +71,21 @@ def best_of(f, x, out, repeat: int, clock=time.perf_counter) -> float:
     return best
 
 
+def scaling(name: str, f, x, out, repeat: int, rounds: int) -> None:
+    """Print ``f``'s milliseconds a call on 1 and 2 threads (medians) and their ratio each round."""
+    ms: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(rounds):
+        for n in ms:
+            numba.set_num_threads(n)
+            f(x, out)
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                f(x, out)
+            ms[n].append((time.perf_counter() - t0) * 1e3 / repeat)
+    print(f"{name}: 1 thread {statistics.median(ms[1]):6.1f} ms, 2 threads {statistics.median(ms[2]):6.1f} ms; "
+          f"1 -> 2 by round: {' '.join(f'{a / b:.2f}' for a, b in zip(ms[1], ms[2]))}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=128, help="activation rows (prompt tokens)")
@@ -77,17 +96,23 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="time by the process's CPU time, not the wall clock: on a machine other processes share, "
                          "with NUMBA_NUM_THREADS=1, it leaves out the time the thread waited for a core")
+    ap.add_argument("--scaling", type=int, metavar="ROUNDS", default=0,
+                    help="1 -> 2 thread scaling of the microkernels over ROUNDS alternated rounds")
     args = ap.parse_args()
     if not act8.available():
         raise SystemExit("the q8 kernels need AVX2")
     rng = np.random.default_rng(0)
-    print(f"{args.rows} rows, {numba.get_num_threads()} threads, best of {args.repeat}")
+    print(f"{args.rows} rows, " + (f"1 and 2 threads alternated, {args.scaling} rounds of {args.repeat} calls"
+                                   if args.scaling else f"{numba.get_num_threads()} threads, best of {args.repeat}"))
     for qtype in (T[name] for name in args.types.split(",")):
         for n_out, n_in in SHAPES_8B if args.all_shapes else (SHAPES[qtype],):
             w = weight(qtype, n_out, n_in, rng)
             x = rng.standard_normal((args.rows, n_in)).astype(np.float32)
             outs = [np.empty((args.rows, n_out), np.float32) for _ in range(2)]
             fs = kernels(qtype, w)[1:] if args.micro_only else kernels(qtype, w)
+            if args.scaling:
+                scaling(f"{qtype.name:5s} [{n_out}, {n_in}]", kernels(qtype, w)[1], x, outs[0], args.repeat, args.scaling)
+                continue
             clock = time.process_time if args.cpu_time else time.perf_counter
             secs = [best_of(f, x, o, args.repeat, clock) for f, o in zip(fs, outs)]
             macs = n_out * n_in * args.rows
