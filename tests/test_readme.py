@@ -82,6 +82,8 @@ EXCLUDED.update({
         "a benchmark on an 8B-shaped file (~5 GB, a minute per chunk); run by hand",
     "python benchmarks/bench_tokenizer.py -m 8b-q4_k_m.gguf --tree before=MAIN_CHECKOUT --tree after=. --rounds 4":
         "a benchmark on an 8B-shaped file and two source trees (minutes); run by hand",
+    "python benchmarks/bench_heap.py -m 8b-q4_k_m.gguf [-c 512] [--chunks 4] [--rounds 2]":
+        "a benchmark on an 8B-shaped file (~5 GB, minutes); run by hand",
     "python benchmarks/bench_prefill.py --scaling 5 --types Q4_0,Q4_K,Q8_0,Q6_K [--rows 512] [--all-shapes]":
         "a benchmark of 8B-shaped matrices, 1 against 2 threads (timed, a minute); run by hand",
 })
