@@ -256,15 +256,15 @@ class PackCache:
                    f"(--no-cache, or ${ENV_NO_CACHE}=1, turns the cache off)")
         header, data_start, size = _layout(self.key, self._order, arrays)
         if size > cap:
-            warnings.warn(skipped.format(f"{self.path.name} would take {size / 1e9:.2f} GB, over the cap of "
-                                         f"{cap / 1e9:.2f} GB (${ENV_CAP})"), stacklevel=2)
+            warnings.warn(skipped.format(f"{self.path.name} would take {_gb(size)}, over the cap of {_gb(cap)} "
+                                         f"(${ENV_CAP})"), stacklevel=2)
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.path.parent).free
             if free < size + MIN_FREE_BYTES:
                 warnings.warn(skipped.format(
-                    f"{self.path.name} would take {size / 1e9:.2f} GB of the {free / 1e9:.2f} GB free in "
+                    f"{self.path.name} would take {_gb(size)} of the {_gb(free)} free in "
                     f"{self.path.parent}, and the cache leaves {MIN_FREE_BYTES / 2**30:g} GiB free "
                     f"(${ENV_CACHE} moves it to another disk)"), stacklevel=2)
                 return
@@ -273,6 +273,11 @@ class PackCache:
                 evict(cap, keep=self.path)
         except OSError as exc:
             warnings.warn(skipped.format(f"could not write {self.path} ({exc.strerror or exc})"), stacklevel=2)
+
+
+def _gb(n: int) -> str:
+    """``n`` bytes for a message: '5.27 GB', '41.2 MB', '0.001 MB'."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
 
 
 def _layout(key: str, order: list[tuple[str, str, Weight]], arrays: list[np.ndarray]) -> tuple[bytes, int, int]:
