@@ -5,11 +5,15 @@ damaged entry is rebuilt with one warning, an outdated one silently; a crafted o
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import pickle
 import shutil
 
+import numpy as np
 import pytest
+import xxhash
 
 from llamacpp_sdist import vocab_test_file
 from llamatrace.gguf.reader import open_gguf
@@ -49,9 +53,9 @@ def test_a_tokenizer_from_the_cache_tokenizes_as_llama_cpp(cache_dir, monkeypatc
 
 
 def _flip_a_byte(data: bytes) -> bytes:
-    """One letter of a token's text changed, deep in the payload: still valid JSON."""
-    i = data.index(b'"', len(data) // 2)
-    return data[:i - 1] + bytes([data[i - 1] ^ 1]) + data[i:]
+    """One bit of the payload changed, in its middle (in the tables' bytes)."""
+    i = len(data) // 2
+    return data[:i] + bytes([data[i] ^ 1]) + data[i + 1:]
 
 
 def test_a_damaged_entry_is_rebuilt_with_one_warning(cache_dir, tmp_path):
@@ -100,7 +104,17 @@ def test_a_crafted_entry_runs_no_code(cache_dir, tmp_path):
     entry.write_bytes(pickle.dumps(_Payload(marker)))
     assert build(path).encode("Hello world, 123") == want
     assert not marker.exists()
-    assert entry.read_bytes().startswith(tokcache.MAGIC)       # data only, written anew
+    whole = entry.read_bytes()
+    assert whole.startswith(tokcache.MAGIC)                    # data only, written anew
+    # the same inside the format: an object array in the NPZ, under a right key and checksum
+    buf = io.BytesIO()
+    np.savez(buf, tokens_bytes=np.array([_Payload(marker)], dtype=object))
+    head = json.loads(whole[len(tokcache.MAGIC):].split(b"\n", 1)[0])
+    head.update(bytes=len(buf.getvalue()), xxh3=xxhash.xxh3_64_intdigest(buf.getvalue()))
+    entry.write_bytes(tokcache.MAGIC + json.dumps(head).encode() + b"\n" + buf.getvalue())
+    with pytest.warns(UserWarning, match="damaged .*allow_pickle"):
+        assert build(path).encode("Hello world, 123") == want
+    assert not marker.exists() and entry.read_bytes() == whole
 
 
 def test_a_changed_file_is_not_read_from_its_old_entry(cache_dir, tmp_path, monkeypatch):

@@ -21,9 +21,12 @@ entries, so no reader sees a partial one and eviction clears what a writer that 
 The file holds data only, never code: anyone who can write the cache folder (a shared or synced
 home, a container volume) could otherwise run code in every later llamatrace process. Layout:
 ``MAGIC``, one line of JSON (the key, the payload's length in bytes and its xxh3-64), then the
-payload, UTF-8 JSON: ``tokens`` (strings), ``types`` (ints or null), ``id_bytes`` (each token's
-bytes as a Latin-1 string: one character per byte), ``ranks`` (``[byte strings, ranks]``, the
-strings as ``id_bytes``), ``rank_to_id`` and ``rank_to_ids`` (ints, lists of ints, or null).
+payload: an NPZ of flat integer arrays, read with ``allow_pickle=False``. A list of strings is a
+byte array (``*_bytes``: the strings joined) and the end offset of each string (``*_ends``, int64):
+``tokens`` (UTF-8; ends in characters), ``id`` (each token's bytes), ``rank`` (tiktoken's ranks'
+byte strings; their ranks in ``rank_values``); ``types``, ``rank_to_id`` (int64), and
+``rank_to_ids`` (``*_flat`` and ``*_ends`` likewise), each absent when None. Reading one back is
+a few slices per token: faster than unpickling the same lists (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -31,14 +34,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import xxhash
 
 if TYPE_CHECKING:
@@ -96,13 +102,14 @@ class Entry:
                 payload = fh.read()
             if len(payload) != head["bytes"] or xxhash.xxh3_64_intdigest(payload) != head["xxh3"]:
                 raise ValueError("its bytes do not match their checksum")
-            stored = _from_json(json.loads(payload))
+            with np.load(io.BytesIO(payload), allow_pickle=False) as arrays:
+                stored = _from_arrays({name: arrays[name] for name in arrays.files})
         except FileNotFoundError:
             return None
         except OSError as exc:                  # unreadable: the write that follows may say more
             _log.debug("tokenizer cache %s unreadable (%s): rebuilding", self.path, exc)
             return None
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
             warnings.warn(f"the tokenizer cache entry {self.path} is damaged ({exc}); building the tokenizer "
                           "again and writing the entry anew", stacklevel=2)
             return None
@@ -117,7 +124,9 @@ class Entry:
         process writes it. Never raises for an I/O problem: a failed write is a debug message
         (the packed entry, written next to it, warns), and the next load builds the tokenizer again."""
         from llamatrace.model.packcache import write_atomic
-        payload = json.dumps(_to_json(tokens, types, tables), ensure_ascii=False).encode()
+        buf = io.BytesIO()
+        np.savez(buf, **_to_arrays(tokens, types, tables))
+        payload = buf.getvalue()
         head = json.dumps(dict(key=self.key, bytes=len(payload), xxh3=xxhash.xxh3_64_intdigest(payload))).encode()
 
         def dump(fh) -> None:
@@ -129,44 +138,54 @@ class Entry:
             _log.debug("could not write the tokenizer cache %s (%s)", self.path, exc)
 
 
-def _to_json(tokens: list[str], types: list[int] | None, tables: tuple) -> dict:
+def _joined(strings: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """``strings`` as one uint8 array and each one's end offset (int64)."""
+    return (np.frombuffer(b"".join(strings), np.uint8),
+            np.cumsum([len(x) for x in strings], dtype=np.int64))
+
+
+def _split(data: bytes | str, ends: np.ndarray) -> list:
+    """The strings :func:`_joined` joined (``data``: its bytes, or their text)."""
+    ends = ends.tolist()
+    return list(map(data.__getitem__, map(slice, [0, *ends[:-1]], ends)))       # no Python loop: ~2x
+
+
+def _to_arrays(tokens: list[str], types: list[int] | None, tables: tuple) -> dict[str, np.ndarray]:
     """The payload (module docstring) of ``tokens``, ``types`` and :attr:`Tokenizer.vocab_tables`."""
     id_bytes, ranks, rank_to_id, rank_to_ids = tables
-    return dict(tokens=list(tokens), types=None if types is None else [int(t) for t in types],
-                id_bytes=[b.decode("latin-1") for b in id_bytes],
-                ranks=[[b.decode("latin-1") for b in ranks], list(ranks.values())],
-                rank_to_id=rank_to_id, rank_to_ids=rank_to_ids)
+    out = dict(tokens_bytes=np.frombuffer("".join(tokens).encode("utf-8", "surrogatepass"), np.uint8),
+               tokens_ends=np.cumsum([len(t) for t in tokens], dtype=np.int64), rank_values=np.array(
+                   list(ranks.values()), np.int64))
+    out["id_bytes"], out["id_ends"] = _joined(id_bytes)
+    out["rank_bytes"], out["rank_ends"] = _joined(list(ranks))
+    if types is not None:
+        out["types"] = np.array(types, np.int64)
+    if rank_to_id is not None:
+        out["rank_to_id"] = np.array(rank_to_id, np.int64)
+    if rank_to_ids is not None:
+        out["rank_to_ids_flat"] = np.array([i for ids in rank_to_ids for i in ids], np.int64)
+        out["rank_to_ids_ends"] = np.cumsum([len(ids) for ids in rank_to_ids], dtype=np.int64)
+    return out
 
 
-def _from_json(payload: dict) -> tuple[list[str], list[int] | None, tuple]:
-    """(tokens, types, vocab tables) from a payload :func:`_to_json` made.
+def _from_arrays(arrays: dict[str, np.ndarray]) -> tuple[list[str], list[int] | None, tuple]:
+    """(tokens, types, vocab tables) from the arrays :func:`_to_arrays` made.
 
     Raises:
-        ValueError, KeyError, TypeError: ``payload`` does not hold them.
+        ValueError, KeyError: ``arrays`` do not hold them.
     """
-    def ints(xs, what: str) -> list[int]:
-        if not isinstance(xs, list) or not all(type(x) is int for x in xs):
-            raise ValueError(f"{what} is not a list of integers")
-        return xs
-
-    def raw(strings, what: str) -> list[bytes]:
-        if not isinstance(strings, list) or not all(type(x) is str for x in strings):
-            raise ValueError(f"{what} is not a list of strings")
-        return [x.encode("latin-1") for x in strings]          # UnicodeEncodeError: a ValueError
-
-    tokens = payload["tokens"]
-    if not isinstance(tokens, list) or not all(type(t) is str for t in tokens):
-        raise ValueError("tokens is not a list of strings")
-    types = None if payload["types"] is None else ints(payload["types"], "types")
-    id_bytes = raw(payload["id_bytes"], "id_bytes")
-    rank_bytes, rank_values = payload["ranks"]
-    ranks = dict(zip(raw(rank_bytes, "ranks"), ints(rank_values, "ranks"), strict=True))
-    rank_to_id = None if payload["rank_to_id"] is None else ints(payload["rank_to_id"], "rank_to_id")
-    rank_to_ids = payload["rank_to_ids"]
-    if rank_to_ids is not None:
-        if not isinstance(rank_to_ids, list):
-            raise ValueError("rank_to_ids is not a list")
-        rank_to_ids = [ints(ids, "rank_to_ids") for ids in rank_to_ids]
+    for name, a in arrays.items():
+        if a.ndim != 1 or a.dtype != (np.uint8 if name.endswith("_bytes") else np.int64):
+            raise ValueError(f"{name}: {a.dtype} {a.shape}")
+    tokens = _split(arrays["tokens_bytes"].tobytes().decode("utf-8", "surrogatepass"), arrays["tokens_ends"])
+    id_bytes = _split(arrays["id_bytes"].tobytes(), arrays["id_ends"])
+    ranks = dict(zip(_split(arrays["rank_bytes"].tobytes(), arrays["rank_ends"]), arrays["rank_values"].tolist(),
+                     strict=True))
+    types = arrays["types"].tolist() if "types" in arrays else None
+    rank_to_id = arrays["rank_to_id"].tolist() if "rank_to_id" in arrays else None
+    rank_to_ids = None
+    if "rank_to_ids_flat" in arrays:
+        rank_to_ids = _split(arrays["rank_to_ids_flat"].tolist(), arrays["rank_to_ids_ends"])
     if len(id_bytes) != len(tokens) or (types is not None and len(types) != len(tokens)):
         raise ValueError(f"{len(tokens)} tokens, {len(id_bytes)} byte strings, {len(types or [])} types")
     return tokens, types, (id_bytes, ranks, rank_to_id, rank_to_ids)
