@@ -5,8 +5,10 @@ docs/performance.md "The tokenizer cache".
 
 Each run is a fresh process (``PYTHONPATH`` = the tree) that times ``open_gguf`` +
 ``Tokenizer.from_reader``, then ``Llama.load(activations="q8")`` (the warm-up excluded), with the
-packed and tokenizer caches in ``$LLAMATRACE_CACHE_DIR`` (default: a folder under /tmp, kept
-between runs so that every run after a tree's first finds its entries warm; delete it after).
+packed and tokenizer caches in ``$LLAMATRACE_CACHE_DIR/NAME`` (default: folders under /tmp, kept
+between runs so that every run after a tree's first finds its entries warm; delete them after).
+Each tree has a folder of its own: trees whose entry formats differ would otherwise rewrite each
+other's tokenizer entry (its name does not change with the format) on every run.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ def main() -> int:
     a = ap.parse_args()
     trees = dict(t.split("=", 1) for t in a.tree)
     env = dict(os.environ, LLAMATRACE_QUIET="1")
-    env.setdefault("LLAMATRACE_CACHE_DIR", "/tmp/bench-tokenizer-cache")
+    root = env.get("LLAMATRACE_CACHE_DIR") or "/tmp/bench-tokenizer-cache"
     env.pop("LLAMATRACE_NO_CACHE", None)
     for r in range(a.rounds):
         for name, tree in trees.items():
-            out = subprocess.run([sys.executable, "-c", CHILD, a.model], env=dict(env, PYTHONPATH=tree),
-                                 check=True, capture_output=True, text=True).stdout
+            # cwd: `python -c` puts it first on sys.path, before PYTHONPATH: run in the tree measured
+            out = subprocess.run([sys.executable, "-c", CHILD, os.path.abspath(a.model)], check=True,
+                                 capture_output=True, text=True, cwd=tree,
+                                 env=dict(env, PYTHONPATH=tree, LLAMATRACE_CACHE_DIR=os.path.join(root, name))).stdout
             res = json.loads(out.strip().splitlines()[-1])
             print(f"round {r + 1} {name}: tokenizer {res['tok']:.2f} s, Llama.load {res['load']:.2f} s "
                   f"(packed entry read: {res['read']}), load avg {os.getloadavg()[0]:.1f}", flush=True)

@@ -18,7 +18,8 @@ from gguf_factory import T, write_tiny_llama  # noqa: E402
 os.environ["LLAMATRACE_QUIET"] = "1"
 
 # No test writes into the user's packed-weights cache (llamatrace.model.packcache): the suite loads
-# hundreds of temporary files. The cache's own tests turn it back on, in a temporary folder.
+# hundreds of temporary files. The cache's own tests turn it back on, in a temporary folder, and so
+# do the end-to-end CLI tests (PACK_CACHE_FILES), so that the default load path runs there too.
 os.environ["LLAMATRACE_NO_CACHE"] = "1"
 
 # The local Ray clusters the tests start run their actors at the suite's priority, as
@@ -33,14 +34,60 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 MODEL_FIXTURES = frozenset({"smollm2", "smollm2_path"})
+PACK_CACHE_FILES = frozenset({"test_cli_generate.py", "test_cli_options.py", "test_trace.py", "test_diagram.py",
+                              "test_look.py", "test_hostile.py"})
+"""The end-to-end CLI tests: they run with the packed-weights cache on (the ``pack_cache`` marker)."""
 
 
 def pytest_collection_modifyitems(config, items):
     """Every test that uses the default model carries the ``model`` marker, so that
-    ``pytest -m "not model"`` never fetches it (no need to remember the decorator)."""
+    ``pytest -m "not model"`` never fetches it (no need to remember the decorator); every test of
+    :data:`PACK_CACHE_FILES` the ``pack_cache`` marker."""
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
+        if item.path.name in PACK_CACHE_FILES:
+            item.add_marker(pytest.mark.pack_cache)
+
+
+def cache_root_with_the_users_downloads(root: Path) -> Path:
+    """``root`` (created) laid out as llamatrace's cache root (:func:`llamatrace.gguf.fetch.cache_root`)
+    whose downloads are the user's own, by symlink (the models, llama-cpp-python's sdist and the
+    vocabularies taken from it: fetched once, read-only for the tests), and whose ``packed/``
+    folder is its own: for ``$LLAMATRACE_CACHE_DIR``, with the packed-weights cache on."""
+    from llamatrace.gguf.fetch import cache_root
+    from llamacpp_sdist import LLAMA_CPP_SDIST
+    users = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("models", "sdist", f"vocab-{LLAMA_CPP_SDIST[1]}"):
+        (users / name).mkdir(parents=True, exist_ok=True)
+        (root / name).symlink_to(users / name, target_is_directory=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def suite_cache_root(tmp_path_factory) -> Path:
+    """The cache root the ``pack_cache`` tests share: each file's entries are written once and read
+    by the tests after (entries of tiny files are kilobytes; the default model's ~0.1 GB a mode)."""
+    return cache_root_with_the_users_downloads(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def temp_cache_root(tmp_path, monkeypatch) -> Path:
+    """This test's own cache root (:func:`cache_root_with_the_users_downloads`), with the
+    packed-weights cache on."""
+    root = cache_root_with_the_users_downloads(tmp_path / "cache")
+    monkeypatch.setenv("LLAMATRACE_CACHE_DIR", str(root))
+    monkeypatch.delenv("LLAMATRACE_NO_CACHE", raising=False)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _pack_cache_on(request, monkeypatch):
+    """For a ``pack_cache`` test: the packed-weights cache on, in :func:`suite_cache_root`."""
+    if request.node.get_closest_marker("pack_cache"):
+        monkeypatch.setenv("LLAMATRACE_CACHE_DIR", str(request.getfixturevalue("suite_cache_root")))
+        monkeypatch.delenv("LLAMATRACE_NO_CACHE")
 
 
 @pytest.fixture(scope="session")

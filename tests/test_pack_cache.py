@@ -8,6 +8,7 @@ cache off for them)."""
 from __future__ import annotations
 
 import fcntl
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -171,14 +172,63 @@ def _other_mode(p, size):
     shutil.copyfile(other, p)
 
 
-@pytest.mark.parametrize("damage", [_truncate, _bad_magic, _bad_trailer, _bad_header, _empty, _other_mode])
+def _layout(p) -> tuple[dict, int, int]:
+    """The entry's header, the offset of its header and that of its first array."""
+    with open(p, "rb") as fh:
+        fh.seek(len(packcache.MAGIC))
+        header_len = int.from_bytes(fh.read(8), "little")
+        at = len(packcache.MAGIC) + 16                 # after the header's length and its checksum
+        fh.seek(at)
+        return json.loads(fh.read(header_len)), at, packcache._data_start(header_len)
+
+
+def _changed_bytes(p, size):
+    """A few bytes inside the first matrix's quants inverted: a bad sector, a stray write."""
+    header, _, data_start = _layout(p)
+    offset, _, shape, _ = header["weights"][0]["arrays"][0]
+    at = data_start + offset + int(np.prod(shape)) // 2
+    with open(p, "r+b") as fh:
+        fh.seek(at)
+        inverted = bytes(b ^ 0xFF for b in fh.read(8))
+        fh.seek(at)
+        fh.write(inverted)
+
+
+def _zeroed_data(p, size):
+    """Every array's bytes zero, the header and the trailer left whole."""
+    _, _, data_start = _layout(p)
+    with open(p, "r+b") as fh:
+        fh.seek(data_start)
+        fh.write(bytes(size - 16 - data_start))
+
+
+def _crafted_shape(p, size):
+    """The first matrix's quant array given its dims in another order: same size, same header length."""
+    header, at, _ = _layout(p)
+    text = json.dumps(header)
+    shape = header["weights"][0]["arrays"][0][2]
+    assert shape[0] != shape[1]
+    swapped = json.dumps([shape[1], shape[0], *shape[2:]])
+    crafted = text.replace(json.dumps(shape), swapped, 1).encode()
+    assert len(crafted) == len(text) and crafted != text.encode()
+    with open(p, "r+b") as fh:
+        fh.seek(at)
+        fh.write(crafted)
+
+
+DAMAGES = [_changed_bytes, _zeroed_data, _crafted_shape]
+
+
+@pytest.mark.parametrize("damage", [_truncate, _bad_magic, _bad_trailer, _bad_header, _empty, _other_mode, *DAMAGES])
 def test_a_damaged_entry_is_ignored_and_written_again(packed, kquant_path, damage):
     ref = reference(kquant_path, "q8")
     Llama.load(kquant_path, activations="f32")        # a second entry, for _other_mode
     entry = Llama.load(kquant_path, activations="q8").pack_cache.path
     size = entry.stat().st_size
     damage(entry, size)
-    model = Llama.load(kquant_path, activations="q8")
+    with pytest.warns(UserWarning, match="packed-weights cache entry .* is damaged") as caught:
+        model = Llama.load(kquant_path, activations="q8")
+    assert len(caught) == 1
     assert (model.pack_cache.read, model.pack_cache.written) == (False, True)
     np.testing.assert_array_equal(logits(model), ref)
     assert entry.stat().st_size == size
@@ -234,7 +284,8 @@ def test_a_read_makes_an_entry_the_most_recently_used(packed, kquant_path):
 
 def test_an_entry_over_the_cap_is_not_written(packed, kquant_path, monkeypatch):
     monkeypatch.setenv(packcache.ENV_CAP, "0.000001")      # 1000 bytes
-    model = Llama.load(kquant_path, activations="q8")
+    with pytest.warns(UserWarning, match=r"cache is skipped: .* over the cap of 0.001 MB \(\$LLAMATRACE_PACKED_CACHE_GB\)"):
+        model = Llama.load(kquant_path, activations="q8")
     assert not model.pack_cache.written and entries(packed) == []
     np.testing.assert_array_equal(logits(model), reference(kquant_path, "q8"))
 
@@ -317,3 +368,43 @@ def test_the_environment_variable_turns_it_off(packed, kquant_path, monkeypatch)
 def test_every_command_that_loads_a_model_takes_no_cache(capsys, command):
     assert main([command, "--help"]) == 0
     assert "--no-cache" in capsys.readouterr().out
+
+
+# ---- what the CLI says ------------------------------------------------------------------------------
+def generate(capsys, path, *options) -> tuple[list[int], list[str]]:
+    """``generate`` 8 tokens of "hi" from ``path``: (the ids, the ``warning:`` lines on stderr)."""
+    code, out, err = run(capsys, "generate", "--raw", "-n", "8", "--json", "-m", path, *options, "hi")
+    assert code == 0 and "Traceback" not in err, err
+    return json.loads(out)["ids"], [ln for ln in err.splitlines() if ln.startswith("warning:")]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_generate_from_a_damaged_entry_warns_once_rebuilds_it_and_answers_right(packed, kquant_path, capsys, damage):
+    want = generate(capsys, kquant_path, "--no-cache")
+    assert generate(capsys, kquant_path) == want                     # writes the entry
+    (entry,) = entries(packed)
+    damage(entry, entry.stat().st_size)
+    damaged = entry.stat().st_ino
+    ids, (line, *more) = generate(capsys, kquant_path)
+    assert ids == want[0] and more == []
+    assert "damaged" in line and str(entry) in line
+    rebuilt = entry.stat().st_ino
+    assert rebuilt != damaged                                        # written anew (renamed over it)
+    assert generate(capsys, kquant_path) == want                     # and read: kept, no warning
+    assert entries(packed) == [entry] and entry.stat().st_ino == rebuilt
+
+
+def test_a_failed_write_is_one_warning_line(packed, kquant_path, capsys):
+    packed.parent.mkdir(parents=True)
+    packed.write_bytes(b"a file where the folder should be")
+    ids, (line, *more) = generate(capsys, kquant_path)
+    assert ids == generate(capsys, kquant_path, "--no-cache")[0] and more == []
+    assert "could not write" in line and str(packed) in line and "--no-cache" in line
+
+
+def test_a_disk_without_room_skips_the_cache_with_one_warning_line(packed, kquant_path, capsys, monkeypatch):
+    # a small file system: 1 GB, 0.5 GB free, less than the 2 GiB the cache leaves free
+    monkeypatch.setattr(packcache.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 5 * 10**8, 5 * 10**8))
+    ids, (line, *more) = generate(capsys, kquant_path)
+    assert ids == generate(capsys, kquant_path, "--no-cache")[0] and more == [] and entries(packed) == []
+    assert "skipped" in line and "500 MB free" in line and "2 GiB" in line and fetch.ENV_CACHE in line

@@ -1,26 +1,32 @@
 """The tokenizer cache (llamatrace.text.tokcache): a tokenizer read from its entry tokenizes as
 llama.cpp does (its test vectors, tests/test_vocab_llamacpp.py) without rebuilding the ranks; a
-damaged or outdated entry is rebuilt silently; --no-cache reads and writes nothing."""
+damaged entry is rebuilt with one warning, an outdated one silently; a crafted one runs no code
+(the file holds data only); --no-cache reads and writes nothing."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import pickle
 import shutil
 
+import numpy as np
 import pytest
+import xxhash
 
 from llamacpp_sdist import vocab_test_file
 from llamatrace.gguf.reader import open_gguf
+from llamatrace.text import tokcache
 from llamatrace.text import tokenizer as tokenizer_module
 from llamatrace.text.tokenizer import Tokenizer
 from test_vocab_llamacpp import VOCABS, cases
 
 
 @pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLAMATRACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("LLAMATRACE_NO_CACHE", raising=False)
-    return tmp_path / "cache" / "packed"
+def cache_dir(temp_cache_root):
+    """The cache on, in a temporary root (the llama.cpp vocabularies still the user's, fetched once)."""
+    return temp_cache_root / "packed"
 
 
 def build(path, cache=None) -> Tokenizer:
@@ -46,16 +52,69 @@ def test_a_tokenizer_from_the_cache_tokenizes_as_llama_cpp(cache_dir, monkeypatc
     assert [cached.piece(i) for i in range(cached.n_vocab)] == [built.piece(i) for i in range(built.n_vocab)]
 
 
-def test_a_damaged_entry_is_rebuilt_silently(cache_dir, tmp_path, recwarn):
+def _flip_a_byte(data: bytes) -> bytes:
+    """One bit of the payload changed, in its middle (in the tables' bytes)."""
+    i = len(data) // 2
+    return data[:i] + bytes([data[i] ^ 1]) + data[i + 1:]
+
+
+def test_a_damaged_entry_is_rebuilt_with_one_warning(cache_dir, tmp_path):
     path = tmp_path / "bpe.gguf"
     shutil.copyfile(vocab_test_file("deepseek-coder"), path)
     want = build(path).encode("Hello world, 123")
     (entry,) = cache_dir.glob("*.tokenizer")
-    for damage in (entry.read_bytes()[:1000], b"not a pickle"):
+    whole = entry.read_bytes()
+    for damage in (whole[:1000], _flip_a_byte(whole), whole[:len(tokcache.MAGIC) + 10]):
         entry.write_bytes(damage)
+        with pytest.warns(UserWarning, match="tokenizer cache entry .* is damaged") as caught:
+            assert build(path).encode("Hello world, 123") == want
+        assert len(caught) == 1
+        assert entry.read_bytes() == whole              # written whole again
+
+
+def test_an_entry_of_another_format_is_rebuilt_silently(cache_dir, tmp_path, recwarn):
+    path = tmp_path / "bpe.gguf"
+    shutil.copyfile(vocab_test_file("deepseek-coder"), path)
+    want = build(path).encode("Hello world, 123")
+    (entry,) = cache_dir.glob("*.tokenizer")
+    whole = entry.read_bytes()
+    entry.write_bytes(pickle.dumps(("an older llamatrace's entry", [], None, ())))
+    assert build(path).encode("Hello world, 123") == want
+    assert entry.read_bytes() == whole and not recwarn.list
+
+
+class _Payload:
+    """A pickle that runs code when loaded: it writes ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_crafted_entry_runs_no_code(cache_dir, tmp_path):
+    # anyone who can write the cache folder must not run code in the next llamatrace process
+    path = tmp_path / "bpe.gguf"
+    shutil.copyfile(vocab_test_file("deepseek-coder"), path)
+    want = build(path, cache=False).encode("Hello world, 123")
+    build(path)
+    (entry,) = cache_dir.glob("*.tokenizer")
+    marker = tmp_path / "marker"
+    entry.write_bytes(pickle.dumps(_Payload(marker)))
+    assert build(path).encode("Hello world, 123") == want
+    assert not marker.exists()
+    whole = entry.read_bytes()
+    assert whole.startswith(tokcache.MAGIC)                    # data only, written anew
+    # the same inside the format: an object array in the NPZ, under a right key and checksum
+    buf = io.BytesIO()
+    np.savez(buf, tokens_bytes=np.array([_Payload(marker)], dtype=object))
+    head = json.loads(whole[len(tokcache.MAGIC):].split(b"\n", 1)[0])
+    head.update(bytes=len(buf.getvalue()), xxh3=xxhash.xxh3_64_intdigest(buf.getvalue()))
+    entry.write_bytes(tokcache.MAGIC + json.dumps(head).encode() + b"\n" + buf.getvalue())
+    with pytest.warns(UserWarning, match="damaged .*allow_pickle"):
         assert build(path).encode("Hello world, 123") == want
-        assert entry.stat().st_size > 1000              # written whole again
-    assert not recwarn.list
+    assert not marker.exists() and entry.read_bytes() == whole
 
 
 def test_a_changed_file_is_not_read_from_its_old_entry(cache_dir, tmp_path, monkeypatch):

@@ -19,12 +19,14 @@ float32 scales add 2 bytes per block: +11 % on Q4_0). Its name is
   :mod:`llamatrace.kernels`, this one and :mod:`llamatrace.model.llama`: a changed layout can't
   be read by a kernel that expects another) and the CPU features the kernels are compiled for.
 
-File layout: ``MAGIC``, the header's length (uint64), the header (JSON: the key, the arrays' bytes,
-each weight's name, type, shape and arrays as ``[offset, dtype, shape]``), the arrays from the
-next 4 KiB, each at a 64-byte offset, in the order the loader asked for them (the order a
-forward pass reads them), then the key's first 16 bytes. A reader checks all of it but the
-arrays' bytes (a checksum would read the whole file on every load) and falls back to packing,
-silently, on any mismatch; that load then writes the entry again.
+File layout: ``MAGIC``, the header's length (uint64), the header's xxh3-64 (uint64), the header
+(JSON: the key, the arrays' bytes, each weight's name, type, shape and arrays as ``[offset, dtype,
+shape, xxh3-64 of the array's bytes]``), the arrays from the next 4 KiB, each at a 64-byte offset,
+in the order the loader asked for them (the order a forward pass reads them), then the key's first
+16 bytes. A reader checks all of it, the checksums of the header and of every array included (a
+damaged entry would otherwise give wrong answers silently: xxh3 reads ~9 GB/s, ~0.1 s per GB of
+entry at each load, docs/performance.md), and on any mismatch packs, says so in one warning, and
+writes the entry again. A missing entry is packed silently.
 
 Writing: into ``<name>.partial``, under an exclusive ``flock`` on it, then renamed to the final
 name: a reader never opens a partial file, so no process sees a half-written entry, and a
@@ -37,8 +39,8 @@ one is rejected.
 Size: at most ``$LLAMATRACE_PACKED_CACHE_GB`` GB (default :data:`DEFAULT_CAP_GB`) of entries;
 after each write the least recently used entries (by modification time, which every read
 renews) go. An entry larger than the cap, or one that would leave less than
-:data:`MIN_FREE_BYTES` free on the disk, is not written. ``$LLAMATRACE_NO_CACHE=1`` (the CLI's
-``--no-cache``) neither reads nor writes.
+:data:`MIN_FREE_BYTES` free on the disk, is not written, and a warning says why (as for a write
+that fails). ``$LLAMATRACE_NO_CACHE=1`` (the CLI's ``--no-cache``) neither reads nor writes.
 """
 
 from __future__ import annotations
@@ -53,12 +55,14 @@ import mmap
 import os
 import shutil
 import struct
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable
 
 import gguf
 import numpy as np
+import xxhash
 
 from llamatrace import __version__
 from llamatrace.errors import OptionError
@@ -73,13 +77,13 @@ DEFAULT_CAP_GB = 20.0
 MIN_FREE_BYTES = 2 << 30
 """An entry is written only if the disk keeps this much free space after it."""
 
-MAGIC = b"LTPACK\x00\x01"
+MAGIC = b"LTPACK\x00\x02"
 SUFFIX = ".ltpack"
 TOKENIZER_SUFFIX = ".tokenizer"   # llamatrace.text.tokcache's entries, evicted with these
 PARTIAL = ".partial"
 _ALIGN = 64                       # each array's offset: a cache line, as the packing arena does
 _DATA_ALIGN = mmap.PAGESIZE       # the first array's offset
-_LEN = struct.Struct("<Q")
+_HEAD = struct.Struct("<QQ")       # the header's length and its xxh3-64
 _TRAILER = 16                     # bytes of the key at the end of the file
 _DTYPES = frozenset({"|u1", "|i1", "<u2", "<f4"})     # what packed arrays hold (packing.Weight)
 # madvise: populate the page tables from the page cache, without reading or copying (Linux 5.14)
@@ -195,8 +199,9 @@ class PackCache:
     def open(cls, path: str | os.PathLike[str], data_start: int, file_size: int, activations: str) -> "PackCache":
         """The entry of the GGUF at ``path`` (``file_size`` bytes as opened, tensors from
         ``data_start``) for ``activations``, mapped if a valid one exists. Never raises for a
-        missing, unreadable or invalid entry (it is then packed and written anew); a file whose
-        size changed since it was opened gets :meth:`off`.
+        missing, unreadable or invalid entry (it is then packed and written anew; an invalid one,
+        a damaged file, with a warning); a file whose size changed since it was opened gets
+        :meth:`off`.
 
         Raises:
             OptionError: a malformed ``$LLAMATRACE_PACKED_CACHE_GB``.
@@ -215,8 +220,12 @@ class PackCache:
             cache._found = _read_entry(entry, key)
         except FileNotFoundError:
             return cache
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-            _log.debug("packed-weights cache %s unusable (%s): packing", entry, exc)
+        except OSError as exc:             # unreadable: the write that follows says if it fails too
+            _log.debug("packed-weights cache %s unreadable (%s): packing", entry, exc)
+            return cache
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
+            warnings.warn(f"the packed-weights cache entry {entry} is damaged ({exc}); packing the model "
+                          "again and writing the entry anew", stacklevel=2)
             return cache
         cache.read = True
         with contextlib.suppress(OSError):
@@ -235,40 +244,54 @@ class PackCache:
 
     def save(self) -> None:
         """Write the entry if the cache is on and :meth:`weight` packed anything (atomically, see
-        the module docstring), then evict down to the cap. Never raises for an I/O problem: a
-        failed write is a warning on the ``llamatrace`` logger, and the model loads as it was."""
+        the module docstring), then evict down to the cap. Never raises for an I/O problem: an
+        entry not written (a failed write, no room on the disk, over the cap) is one warning, and
+        the model loads as it was."""
+        from llamatrace.gguf.fetch import ENV_CACHE
         if self.path is None or not self._packed:
             return
-        arrays = [a for _, _, w in self._order for a in (w.qs, w.d, w.m)]
-        header, data_start, size = _layout(self.key, self._order, arrays)
+        arrays = [np.ascontiguousarray(a) for _, _, w in self._order for a in (w.qs, w.d, w.m)]
         cap = cap_bytes()
+        skipped = ("the packed-weights cache is skipped: {}; the next load packs the model again "
+                   f"(--no-cache, or ${ENV_NO_CACHE}=1, turns the cache off)")
+        header, data_start, size = _layout(self.key, self._order, arrays)
         if size > cap:
-            _log.debug("packed-weights cache: %s would take %d bytes, over the cap %d: not written",
-                       self.path.name, size, cap)
+            warnings.warn(skipped.format(f"{self.path.name} would take {_gb(size)}, over the cap of {_gb(cap)} "
+                                         f"(${ENV_CAP})"), stacklevel=2)
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if shutil.disk_usage(self.path.parent).free < size + MIN_FREE_BYTES:
-                _log.debug("packed-weights cache: no room for %s (%d bytes)", self.path.name, size)
+            free = shutil.disk_usage(self.path.parent).free
+            if free < size + MIN_FREE_BYTES:
+                warnings.warn(skipped.format(
+                    f"{self.path.name} would take {_gb(size)} of the {_gb(free)} free in "
+                    f"{self.path.parent}, and the cache leaves {MIN_FREE_BYTES / 2**30:g} GiB free "
+                    f"(${ENV_CACHE} moves it to another disk)"), stacklevel=2)
                 return
             self.written = _write_entry(self.path, header, data_start, arrays, bytes.fromhex(self.key)[:_TRAILER])
             if self.written:
                 evict(cap, keep=self.path)
         except OSError as exc:
-            _log.warning("could not write the packed-weights cache %s (%s); the next load packs again "
-                         "(--no-cache, or $%s=1, skips the cache)", self.path, exc.strerror or exc, ENV_NO_CACHE)
+            warnings.warn(skipped.format(f"could not write {self.path} ({exc.strerror or exc})"), stacklevel=2)
+
+
+def _gb(n: int) -> str:
+    """``n`` bytes for a message: '5.27 GB', '41.2 MB', '0.001 MB'."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
 
 
 def _layout(key: str, order: list[tuple[str, str, Weight]], arrays: list[np.ndarray]) -> tuple[bytes, int, int]:
-    """The header (bytes), the offset of the first array and the file's size for ``order``'s weights;
-    the header gives each array's offset from the first's."""
+    """The header (bytes), the offset of the first array and the file's size for ``order``'s weights
+    (``arrays``: theirs, C-contiguous, three per weight); the header gives each array's offset
+    from the first's and the xxh3-64 of its bytes."""
     offsets, pos = [], 0
     for a in arrays:
         offsets.append(pos)
         pos += -(-a.nbytes // _ALIGN) * _ALIGN
     weights = [dict(name=name, acts=acts, type=int(w.ggml_type), n_out=w.n_out, n_in=w.n_in,
                     row_splits=list(w.row_splits), act8=w.act8,
-                    arrays=[[offsets[3 * i + j], a.dtype.str, list(a.shape)] for j, a in enumerate((w.qs, w.d, w.m))])
+                    arrays=[[offsets[k], a.dtype.str, list(a.shape), xxhash.xxh3_64_intdigest(a)]
+                            for k, a in enumerate(arrays[3 * i:3 * i + 3], 3 * i)])
                for i, (name, acts, w) in enumerate(order)]
     header = json.dumps(dict(key=key, data_bytes=pos, weights=weights)).encode()
     data_start = _data_start(len(header))
@@ -276,27 +299,32 @@ def _layout(key: str, order: list[tuple[str, str, Weight]], arrays: list[np.ndar
 
 
 def _data_start(header_len: int) -> int:
-    return -(-(len(MAGIC) + _LEN.size + header_len) // _DATA_ALIGN) * _DATA_ALIGN
+    return -(-(len(MAGIC) + _HEAD.size + header_len) // _DATA_ALIGN) * _DATA_ALIGN
 
 
 def _read_entry(entry: Path, key: str) -> dict[tuple[str, str], Weight]:
     """The weights of the entry file ``entry``, views of its private read-write map (never
     written: a private map keeps the file unchanged and the arrays writable, as Numba's compiled
-    kernels expect them), keyed by ``(name, acts)``.
+    kernels expect them), keyed by ``(name, acts)``. Every byte read is checked: the header
+    against its xxh3-64, each array against the xxh3-64 the header gives.
 
     Raises:
         OSError: the file cannot be opened or mapped.
-        ValueError, KeyError, TypeError, struct.error: it is not a whole entry for ``key``.
+        ValueError, KeyError, TypeError, struct.error: it is not a whole entry for ``key``, or
+            its bytes changed since it was written.
     """
     with open(entry, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
-        head = fh.read(len(MAGIC) + _LEN.size)
-        if len(head) < len(MAGIC) + _LEN.size or head[:len(MAGIC)] != MAGIC:
+        head = fh.read(len(MAGIC) + _HEAD.size)
+        if len(head) < len(MAGIC) + _HEAD.size or head[:len(MAGIC)] != MAGIC:
             raise ValueError("not a packed-weights file")
-        header_len = _LEN.unpack_from(head, len(MAGIC))[0]
+        header_len, header_digest = _HEAD.unpack_from(head, len(MAGIC))
         if header_len > size:
             raise ValueError("header longer than the file")
-        header = json.loads(fh.read(header_len))
+        header = fh.read(header_len)
+        if xxhash.xxh3_64_intdigest(header) != header_digest:
+            raise ValueError("its header does not match its checksum")
+        header = json.loads(header)
         if header["key"] != key:
             raise ValueError("another file's entry")
         data_start, data_bytes = _data_start(header_len), int(header["data_bytes"])
@@ -311,14 +339,17 @@ def _read_entry(entry: Path, key: str) -> dict[tuple[str, str], Weight]:
     found = {}
     for w in header["weights"]:
         arrays = []
-        for offset, dtype, shape in w["arrays"]:
+        for offset, dtype, shape, digest in w["arrays"]:
             dtype, shape = np.dtype(dtype), tuple(int(n) for n in shape)
-            if dtype.str not in _DTYPES or offset % _ALIGN or offset < 0:
-                raise ValueError(f"{w['name']}: bad array {offset}, {dtype}")
+            if dtype.str not in _DTYPES or offset % _ALIGN or offset < 0 or min(shape, default=0) < 0:
+                raise ValueError(f"{w['name']}: bad array {offset}, {dtype}, {shape}")
             count = int(np.prod(shape))
             if offset + count * dtype.itemsize > data_bytes:
                 raise ValueError(f"{w['name']}: an array past the end of the data")
-            arrays.append(np.frombuffer(buf, dtype, count, data_start + offset).reshape(shape))
+            a = np.frombuffer(buf, dtype, count, data_start + offset).reshape(shape)
+            if xxhash.xxh3_64_intdigest(a) != digest:
+                raise ValueError(f"{w['name']}: its bytes do not match their checksum")
+            arrays.append(a)
         found[w["name"], w["acts"]] = Weight(w["name"], gguf.GGMLQuantizationType(w["type"]), int(w["n_out"]),
                                              int(w["n_in"]), *arrays, tuple(int(n) for n in w["row_splits"]),
                                              bool(w["act8"]))
@@ -365,7 +396,7 @@ def write_atomic(entry: Path, write: Callable[[BinaryIO], None]) -> bool:
 def _write_entry(entry: Path, header: bytes, data_start: int, arrays: list[np.ndarray], trailer: bytes) -> bool:
     """Write the entry's bytes through :func:`write_atomic`."""
     def write(out: BinaryIO) -> None:
-        out.write(MAGIC + _LEN.pack(len(header)) + header)
+        out.write(MAGIC + _HEAD.pack(len(header), xxhash.xxh3_64_intdigest(header)) + header)
         out.write(bytes(data_start - out.tell()))
         for a in arrays:
             out.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)

@@ -12,11 +12,21 @@ entries count in the packed cache's size cap and leave by age with its own
 
 Its key is the packed entry's (:func:`llamatrace.model.packcache.file_key`: llamatrace's version,
 the GGUF's identity and header) with the source of the tokenizer modules in place of the kernels';
-an entry whose key differs, or that cannot be read whole, is rebuilt silently. Written to a
-locked partial file in the folder and renamed, as the packed entries, so no reader sees a
-partial one and eviction clears what a writer that died left; ``--no-cache``
-(``$LLAMATRACE_NO_CACHE``) neither reads nor writes it. The file is a pickle: like Numba's own
-cache it is trusted as the user's own (the folder is under the user's cache root).
+an entry whose key differs, or a file of another format (an older llamatrace's), is rebuilt
+silently; one whose bytes do not match their checksum, or do not hold the tables, is rebuilt
+with one warning. Written to a locked partial file in the folder and renamed, as the packed
+entries, so no reader sees a partial one and eviction clears what a writer that died left;
+``--no-cache`` (``$LLAMATRACE_NO_CACHE``) neither reads nor writes it.
+
+The file holds data only, never code: anyone who can write the cache folder (a shared or synced
+home, a container volume) could otherwise run code in every later llamatrace process. Layout:
+``MAGIC``, one line of JSON (the key, the payload's length in bytes and its xxh3-64), then the
+payload: an NPZ of flat integer arrays, read with ``allow_pickle=False``. A list of strings is a
+byte array (``*_bytes``: the strings joined) and the end offset of each string (``*_ends``, int64):
+``tokens`` (UTF-8; ends in characters), ``id`` (each token's bytes), ``rank`` (tiktoken's ranks'
+byte strings; their ranks in ``rank_values``); ``types``, ``rank_to_id`` (int64), and
+``rank_to_ids`` (``*_flat`` and ``*_ends`` likewise), each absent when None. Reading one back is
+a few slices per token: faster than unpickling the same lists (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -24,17 +34,26 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
+import json
 import logging
 import os
-import pickle
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
 
 if TYPE_CHECKING:
     from llamatrace.gguf.reader import GGUFFile
 
 _log = logging.getLogger("llamatrace")
+
+MAGIC = b"llamatrace tokenizer cache 2\n"
+_MAX_HEAD = 4096                            # the header line's bytes, at most
 
 
 @functools.cache
@@ -71,34 +90,102 @@ class Entry:
 
     def read(self) -> tuple[list[str], list[int] | None, tuple] | None:
         """(token strings, token types, :attr:`Tokenizer.vocab_tables`) when the entry exists and
-        holds this key, else None (never raises)."""
+        holds this key, else None (never raises; a damaged entry is one warning)."""
         try:
             with open(self.path, "rb") as fh:
-                key, tokens, types, tables = pickle.load(fh)
+                if fh.read(len(MAGIC)) != MAGIC:
+                    _log.debug("tokenizer cache %s: another format, rebuilding", self.path)
+                    return None
+                head = json.loads(fh.readline(_MAX_HEAD))
+                if head["key"] != self.key:
+                    return None                 # the GGUF or llamatrace changed: an outdated entry
+                payload = fh.read()
+            if len(payload) != head["bytes"] or xxhash.xxh3_64_intdigest(payload) != head["xxh3"]:
+                raise ValueError("its bytes do not match their checksum")
+            with np.load(io.BytesIO(payload), allow_pickle=False) as arrays:
+                stored = _from_arrays({name: arrays[name] for name in arrays.files})
         except FileNotFoundError:
             return None
-        except Exception as exc:            # a damaged or foreign file: rebuilt
-            _log.debug("tokenizer cache %s unusable (%s): rebuilding", self.path, exc)
+        except OSError as exc:                  # unreadable: the write that follows may say more
+            _log.debug("tokenizer cache %s unreadable (%s): rebuilding", self.path, exc)
             return None
-        if key != self.key:
+        except (ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+            warnings.warn(f"the tokenizer cache entry {self.path} is damaged ({exc}); building the tokenizer "
+                          "again and writing the entry anew", stacklevel=2)
             return None
         with contextlib.suppress(OSError):
             os.utime(self.path)             # recently used: evicted with the packed entries, by age
-        return tokens, types, tables
+        return stored
 
     def write(self, tokens: list[str], types: list[int] | None, tables: tuple) -> None:
         """Write the entry atomically, as the packed entries are
         (:func:`llamatrace.model.packcache.write_atomic`: a locked ``.partial`` file renamed; a
         writer that dies leaves a partial file the next eviction removes). Skipped while another
-        process writes it. Never raises for an I/O problem: a failed write is a debug message,
-        and the next load builds the tokenizer again."""
+        process writes it. Never raises for an I/O problem: a failed write is a debug message
+        (the packed entry, written next to it, warns), and the next load builds the tokenizer again."""
         from llamatrace.model.packcache import write_atomic
+        buf = io.BytesIO()
+        np.savez(buf, **_to_arrays(tokens, types, tables))
+        payload = buf.getvalue()
+        head = json.dumps(dict(key=self.key, bytes=len(payload), xxh3=xxhash.xxh3_64_intdigest(payload))).encode()
 
         def dump(fh) -> None:
-            pickle.dump((self.key, list(tokens), None if types is None else list(types), tables), fh,
-                        protocol=pickle.HIGHEST_PROTOCOL)
+            fh.write(MAGIC + head + b"\n" + payload)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(self.path, dump)
         except OSError as exc:
             _log.debug("could not write the tokenizer cache %s (%s)", self.path, exc)
+
+
+def _joined(strings: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """``strings`` as one uint8 array and each one's end offset (int64)."""
+    return (np.frombuffer(b"".join(strings), np.uint8),
+            np.cumsum([len(x) for x in strings], dtype=np.int64))
+
+
+def _split(data: bytes | str, ends: np.ndarray) -> list:
+    """The strings :func:`_joined` joined (``data``: its bytes, or their text)."""
+    ends = ends.tolist()
+    return list(map(data.__getitem__, map(slice, [0, *ends[:-1]], ends)))       # no Python loop: ~2x
+
+
+def _to_arrays(tokens: list[str], types: list[int] | None, tables: tuple) -> dict[str, np.ndarray]:
+    """The payload (module docstring) of ``tokens``, ``types`` and :attr:`Tokenizer.vocab_tables`."""
+    id_bytes, ranks, rank_to_id, rank_to_ids = tables
+    out = dict(tokens_bytes=np.frombuffer("".join(tokens).encode("utf-8", "surrogatepass"), np.uint8),
+               tokens_ends=np.cumsum([len(t) for t in tokens], dtype=np.int64), rank_values=np.array(
+                   list(ranks.values()), np.int64))
+    out["id_bytes"], out["id_ends"] = _joined(id_bytes)
+    out["rank_bytes"], out["rank_ends"] = _joined(list(ranks))
+    if types is not None:
+        out["types"] = np.array(types, np.int64)
+    if rank_to_id is not None:
+        out["rank_to_id"] = np.array(rank_to_id, np.int64)
+    if rank_to_ids is not None:
+        out["rank_to_ids_flat"] = np.array([i for ids in rank_to_ids for i in ids], np.int64)
+        out["rank_to_ids_ends"] = np.cumsum([len(ids) for ids in rank_to_ids], dtype=np.int64)
+    return out
+
+
+def _from_arrays(arrays: dict[str, np.ndarray]) -> tuple[list[str], list[int] | None, tuple]:
+    """(tokens, types, vocab tables) from the arrays :func:`_to_arrays` made.
+
+    Raises:
+        ValueError, KeyError: ``arrays`` do not hold them.
+    """
+    for name, a in arrays.items():
+        if a.ndim != 1 or a.dtype != (np.uint8 if name.endswith("_bytes") else np.int64):
+            raise ValueError(f"{name}: {a.dtype} {a.shape}")
+    tokens = _split(arrays["tokens_bytes"].tobytes().decode("utf-8", "surrogatepass"), arrays["tokens_ends"])
+    id_bytes = _split(arrays["id_bytes"].tobytes(), arrays["id_ends"])
+    ranks = dict(zip(_split(arrays["rank_bytes"].tobytes(), arrays["rank_ends"]), arrays["rank_values"].tolist(),
+                     strict=True))
+    types = arrays["types"].tolist() if "types" in arrays else None
+    rank_to_id = arrays["rank_to_id"].tolist() if "rank_to_id" in arrays else None
+    rank_to_ids = None
+    if "rank_to_ids_flat" in arrays:
+        rank_to_ids = _split(arrays["rank_to_ids_flat"].tolist(), arrays["rank_to_ids_ends"])
+    if len(id_bytes) != len(tokens) or (types is not None and len(types) != len(tokens)):
+        raise ValueError(f"{len(tokens)} tokens, {len(id_bytes)} byte strings, {len(types or [])} types")
+    return tokens, types, (id_bytes, ranks, rank_to_id, rank_to_ids)
