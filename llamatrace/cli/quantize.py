@@ -277,8 +277,10 @@ def quantizers_for(f, types) -> set[tuple[object, str]]:
     """``(ggml type, input dtype name)`` of each quantizer that converting ``f``'s tensors to
     ``types`` (name → type) runs: an F16 tensor's rows go in as float16, the others as float32
     (:func:`llamatrace.quantize.writer.dequantize`)."""
+    import gguf
+
     from llamatrace.kernels.quantizers import QUANTIZABLE
-    return {(dst, "float16" if t.tensor_type.name == "F16" else "float32")
+    return {(dst, "float16" if t.tensor_type == gguf.GGMLQuantizationType.F16 else "float32")
             for name, t in f.tensors.items() if (dst := types[name]) != t.tensor_type and dst in QUANTIZABLE}
 
 
@@ -420,14 +422,14 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
 
     # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's
     worker_threads = threads if workers == 1 or ray is not None else threads_per_worker(workers, threads)
+    if workers == 1 and ray is None:            # measured here: the candidates' kernels ready before the bar
+        from llamatrace.kernels.precompile import compile_kernels
+        compile_quantizers({(t, "float32") for g in groups for t in g.candidates},
+                           lambda: compile_kernels([t.name for t in types], log=lambda line: None,
+                                                   modes=(model.activations,)))
     bar = _MeasureBar(base.name)
     t0 = time.perf_counter()
     try:
-        if workers == 1 and ray is None:        # measured here: the candidates' kernels compiled before the bar
-            from llamatrace.kernels.precompile import compile_kernels
-            compile_quantizers({(t, "float32") for g in groups for t in g.candidates},
-                               lambda: compile_kernels([t.name for t in types], log=lambda line: None,
-                                                       modes=(model.activations,)))
         with bar:
             recipe, store = S.search(model, text, target_bpw=target_bpw, target_size=target_size, candidates=types,
                                      quantize=quantize_rows, imatrix=weights, n_ctx=ctx_size, n_chunks=chunks,
