@@ -3,7 +3,8 @@
 Two kinds of output:
 
 * whole files (``.npz``, diagrams, ``collect``'s shards and manifest) are written to a temporary
-  file beside the target (``.NAME.XXXXXXXX.tmp``, :func:`is_temp_name`), flushed to the disk and
+  file beside the target (``.NAME.PID.XXXXXXXX.tmp``, :func:`is_temp_name`; a killed run's are
+  removed by the next, :func:`remove_stale_temp_files`), flushed to the disk and
   renamed over it only when complete, then the directory entry is flushed too
   (:func:`replace_durably`, :func:`write_atomic`): an error, Ctrl-C or a power loss leaves no
   partial file and the old file untouched;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -82,9 +84,53 @@ def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> No
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is one of our temporary files (``.NAME.XXXXXXXX.tmp``): one a killed run
+    """Whether ``name`` is one of our temporary files (``.NAME.PID.XXXXXXXX.tmp``): one a killed run
     can leave behind, which a later run may delete."""
     return name.startswith(".") and name.endswith(".tmp")
+
+
+# .NAME.PID.XXXXXXXX.tmp: mkstemp's 8 characters (tempfile._RandomNameSequence) after the writer's pid
+_TEMP_NAME = re.compile(r"^\..+\.(?P<pid>[0-9]+)\.[a-z0-9_]{8}\.tmp$")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (another user's counts: signal 0 is refused, not missing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def remove_stale_temp_files(directory: Path) -> list[tuple[str, int]]:
+    """Delete the temporary files :func:`replace_durably` left in ``directory`` when its process
+    was killed (SIGKILL, power loss: no ``finally`` ran): names ``.NAME.PID.XXXXXXXX.tmp`` whose
+    PID no longer runs. A file of a live process (another run writing now) is left alone, as is
+    anything else; a file that cannot be deleted is skipped.
+
+    Returns:
+        ``(name, bytes)`` of each file deleted.
+    """
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP_NAME.match(entry.name)
+        if m is None or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            size = entry.stat(follow_symlinks=False).st_size
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append((entry.name, size))
+    return removed
 
 
 def replace_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
@@ -98,7 +144,8 @@ def replace_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    # the pid in the name tells a later run whether the writer still lives (remove_stale_temp_files)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

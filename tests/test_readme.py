@@ -64,6 +64,9 @@ EXCLUDED.update({
         "the command's synopsis, not a command",
     "llamatrace quantize BASE.gguf OUT.gguf --type Q4_K_M [--tensor-type PATTERN=TYPE ...] [--imatrix FILE] "
     "[--allow-requantize] [--pure] [--json]": "the command's synopsis, not a command",
+    "llamatrace quantize smollm2-135m smollm2-f16.gguf --type F16 --allow-requantize":
+        "a minute of quantizing, by a model's name (fetched into the user cache); tests/test_quantize.py runs "
+        "quantize by name on a cached stand-in, and makes that F16 base (quantize_files.make_f16_base)",
     "llamatrace quantize base-f16.gguf out.gguf --type Q4_K_M --tensor-type attn_v=q8_0 --tensor-type "
     "'blk\\.[0-3]\\.ffn_down=q6_k'": "needs an F16 base; tests/test_quantize.py runs --tensor-type on one",
     "python benchmarks/make_8b.py --type F16 --layers 4 -o /tmp/qf/llama8b-L4-f16.gguf":

@@ -237,16 +237,19 @@ def load_model(model_path: Path | None, threads: int | None, activations: str | 
 
 
 @contextlib.contextmanager
-def counting_compiles(on_compile: Callable[[int], None]):
+def counting_compiles(on_compile: Callable[[int], None], on_start: Callable[[int], None] | None = None):
     """Call ``on_compile(n)`` each time Numba finishes compiling a kernel in the ``with`` block,
-    ``n`` counting from 1. Kernels loaded from Numba's cache do not count, nor the functions a
-    kernel's compilation pulls in (Numba's ``numba:compile`` events, nested inside the kernel's)."""
+    ``n`` counting from 1, and ``on_start(n)`` (if given) as it starts one, ``n`` kernels done before.
+    Kernels loaded from Numba's cache do not count, nor the functions a kernel's compilation
+    pulls in (Numba's ``numba:compile`` events, nested inside the kernel's)."""
     from numba.core import event
 
     class Counter(event.Listener):
         depth = done = 0
 
         def on_start(self, ev) -> None:
+            if self.depth == 0 and on_start is not None:
+                on_start(self.done)
             self.depth += 1
 
         def on_end(self, ev) -> None:

@@ -5,14 +5,16 @@ With ``-f TEXT`` and a budget, the recipe search (:mod:`llamatrace.quantize.sear
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterable, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status, status_bar, stdout
+from llamatrace.cli.app import (app, err, exit_interrupted, out, plural, quiet, status, status_bar, status_spinner,
+                                stdout)
 from llamatrace.cli.options import NoCacheOpt, RayOpt, ThreadsOpt, WorkersOpt
 from llamatrace.errors import LlamatraceError, OptionError
 
@@ -35,7 +37,10 @@ def _given_first(ctx: typer.Context, a: str, b: str) -> bool:
 def quantize(
     ctx: typer.Context,
     base: Annotated[Path, typer.Argument(metavar="BASE", help="The model to quantize: a GGUF file in F32, F16, BF16 or Q8_0 "
-                                         "(another quantized file needs --allow-requantize).", show_default=False)],
+                                         "(another quantized file needs --allow-requantize), or a known model's "
+                                         "name (smollm2-135m, gemma3-270m: quantized files, so with "
+                                         "--allow-requantize; `--type F16` of one makes an F16 base).",
+                                         show_default=False)],
     output: Annotated[Path, typer.Argument(metavar="OUT", help="The GGUF file to write (replaced if it exists; "
                                            "written under a temporary name and renamed when complete).",
                                            show_default=False)],
@@ -68,7 +73,8 @@ def quantize(
                        "(llama-imatrix's GGUF, or `llamatrace imatrix`'s): each quantized tensor's error is "
                        "weighted by its columns' mean squared input.", show_default=False)] = None,
     allow_requantize: Annotated[bool, typer.Option("--allow-requantize", metavar="", help="Quantize a base "
-                                "that is already quantized (other than Q8_0): its error adds to the new one.")] = False,
+                                "that is already quantized (other than Q8_0): its error adds to the new one "
+                                "(also for the recipe search).")] = False,
     pure: Annotated[bool, typer.Option("--pure", metavar="", help="Every quantizable tensor the file type's "
                     "default type, without llama.cpp's mix (as llama-quantize --pure); --tensor-type still applies.")] = False,
     text_file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Calibration text: search a recipe "
@@ -95,7 +101,8 @@ def quantize(
                             "matrices are kept and resumed from (default: OUT.measurements.json).",
                             show_default=False)] = None,
     plot: Annotated[Optional[Path], typer.Option("--output", "-o", help="With -f: a picture of the recipe, bits "
-                    "and sensitivity per layer and matrix (.png, .svg or .pdf).", show_default=False)] = None,
+                    "and sensitivity per layer and matrix (.png, .svg or .pdf; checked before measuring).",
+                    show_default=False)] = None,
     workers: WorkersOpt = 1,
     ray: RayOpt = None,
     threads: ThreadsOpt = None,
@@ -108,12 +115,15 @@ def quantize(
     Each tensor gets the type llama.cpp's rules give it for the file type (more bits for attn_v and
     ffn_down in the layers that matter most, the output matrix Q6_K, a 32-block type where the rows
     do not fill 256-weight blocks), unless a --tensor-type pattern names it. A progress bar goes to
-    stderr, the summary to stdout.
+    stderr, the summary to stdout. The first run compiles the quantizers (about a minute; cached
+    afterwards, and done ahead by `python -m llamatrace.kernels.precompile`). A temporary file a
+    killed run left beside OUT is removed, with a note.
 
     With -f the recipe search measures each matrix's KL divergence at each candidate type (the
-    slow part: --workers / --ray spread it, a progress bar shows the time left); the measurements
-    are kept in OUT.measurements.json as they are made, so after Ctrl-C or a crash the same
-    command resumes.
+    slow part: --workers / --ray spread it, a progress bar shows the time left, or in a log a
+    line every tenth of the matrices or 30 s); the measurements are kept in
+    OUT.measurements.json as they are made, so after Ctrl-C or a crash the same command resumes.
+    Its table marks, with --type, each matrix whose type differs from that stock mix.
 
     Examples:
 
@@ -149,7 +159,7 @@ def quantize(
                           f"recipe search (-f) chooses every type itself; leave them out or drop -f")
     if text_file is not None:
         _search(base, output, type_name, imatrix, text_file, target_bpw, target_size, candidates, measure, ctx_size,
-                chunks, verify_file, measurements, plot, threads, json_out, workers, ray)
+                chunks, verify_file, measurements, plot, threads, json_out, workers, ray, allow_requantize)
         return
     if target_bpw is not None or target_size is not None or verify_file is not None or workers != 1 or ray:
         raise OptionError("--target-bpw, --target-size, --verify-file, --workers and --ray belong to the recipe "
@@ -163,9 +173,10 @@ def quantize(
     overrides = from_files + overrides if _given_first(ctx, "tensor_type_file", "tensor_type") else overrides + from_files
     output_type, embd_type = (None if name is None else ggml_type(name, f"{option} {name!r}") for option, name in
                               (("--output-tensor-type", output_tensor_type), ("--token-embedding-type", token_embedding_type)))
-    if output.exists() and base.exists() and output.resolve() == base.resolve():
-        raise OptionError(f"OUT {str(output)!r} is the base model itself: give another output file")
+    base = _base_file(base)
+    _check_not_base(base, {"OUT": output})
     check_output_path(output, "OUT")
+    _remove_leftovers(output)
     if threads is not None:
         from llamatrace.kernels import threads as kernel_threads
         try:
@@ -183,9 +194,10 @@ def quantize(
             _warn(f"--tensor-type {o.pattern}={o.ggml_type.name.lower()}: the pattern matches no tensor "
                           f"of {base.name}")
         try:
+            compile_quantizers(quantizers_for(f, types))
             summary = _write(f, output, types, ftype, weights, info, allow_requantize)
         except KeyboardInterrupt:
-            err.print(f"[yellow]interrupted[/]: nothing written at {output}")
+            err.print(f"[yellow]interrupted[/]: nothing written at {output}", soft_wrap=True)
             exit_interrupted()
     if weights is not None and summary.no_imatrix:
         _warn(f"the importance matrix has no entry for {plural(len(summary.no_imatrix), 'tensor')} "
@@ -216,6 +228,105 @@ def _warn(message: str) -> None:
     err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
+def _note(message: str) -> None:
+    from rich.markup import escape
+    err.print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
+
+
+def _base_file(base: Path) -> Path:
+    """BASE as given, or the file of a known model's name (``smollm2-135m``) as every command takes
+    it (:func:`llamatrace.gguf.fetch.resolve_model`: from the cache, fetched once).
+
+    Raises:
+        ModelNotFoundError: a known model that cannot be fetched.
+    """
+    from llamatrace.gguf.fetch import KNOWN_MODELS, resolve_model
+    if not base.exists() and str(base) in KNOWN_MODELS:
+        return resolve_model(str(base), log=status, quiet=quiet())
+    return base
+
+
+def _check_not_base(base: Path, outputs: dict[str, Optional[Path]]) -> None:
+    """Refuse an output that is BASE itself, by its path, a symlink or a hard link: writing it would
+    replace the model being read (the recipe search reads it to the end).
+
+    Raises:
+        OptionError: naming the option.
+    """
+    if not base.exists():
+        return                                  # open_gguf says so
+    for option, path in outputs.items():
+        if path is not None and path.exists() and os.path.samefile(path, base):
+            raise OptionError(f"{option} {str(path)!r} is the base model itself: give another output file")
+
+
+def _remove_leftovers(*outputs: Optional[Path]) -> None:
+    """Delete the temporary files a killed run (SIGKILL, power loss) left beside the outputs, and
+    say so in one line (:func:`llamatrace.outputs.remove_stale_temp_files`)."""
+    from llamatrace.outputs import remove_stale_temp_files
+    folders = {p.parent if str(p.parent) else Path(".") for p in outputs if p is not None}
+    for folder in sorted(folders):
+        removed = remove_stale_temp_files(folder)
+        if removed:
+            names = ", ".join(name for name, _ in removed[:3]) + (" …" if len(removed) > 3 else "")
+            _note(f"removed {plural(len(removed), 'temporary file')} of a killed run from {folder} "
+                  f"({sum(size for _, size in removed) / 2**20:.1f} MiB): {names}")
+
+
+def quantizers_for(f, types) -> set[tuple[object, str]]:
+    """``(ggml type, input dtype name)`` of each quantizer that converting ``f``'s tensors to
+    ``types`` (name → type) runs: an F16 tensor's rows go in as float16, the others as float32
+    (:func:`llamatrace.quantize.writer.dequantize`)."""
+    import gguf
+
+    from llamatrace.kernels.quantizers import QUANTIZABLE
+    return {(dst, "float16" if t.tensor_type == gguf.GGMLQuantizationType.F16 else "float32")
+            for name, t in f.tensors.items() if (dst := types[name]) != t.tensor_type and dst in QUANTIZABLE}
+
+
+COMPILING = "Compiling the quantizers (first run only, about 1 min; cached afterwards)"
+
+
+def run_quantizers(needed: Iterable[tuple[object, str]]) -> None:
+    """Each quantizer of ``needed`` (:func:`quantizers_for`) once, on one row of 256 zeros (a
+    multiple of every block): Numba compiles it, or loads it from its cache."""
+    import numpy as np
+
+    from llamatrace.kernels.quantizers import quantize_rows
+    for ggml_type, dtype in sorted(needed, key=lambda pair: (int(pair[0]), pair[1])):
+        quantize_rows(ggml_type, np.zeros((1, 256), dtype))
+
+
+def compile_quantizers(needed: Iterable[tuple[object, str]], also=None) -> None:
+    """:func:`run_quantizers` (and ``also()``, other kernels to warm) before the progress bar
+    starts, so that a first run's compile (about a minute for a Q4_K_M mix on 2 busy cores)
+    happens under a status line, not inside the bar, whose time left it would throw off. On a
+    terminal a spinner counts the kernels compiled; in a log or a pipe one line says that
+    compiling has begun (nothing when every kernel comes from the cache)."""
+    from llamatrace.cli.options import counting_compiles
+
+    def run() -> None:
+        run_quantizers(needed)
+        if also is not None:
+            also()
+
+    if err.is_terminal:
+        with status_spinner("Loading the quantizers …") as spinner, counting_compiles(
+                lambda n: spinner.update(f"{COMPILING}: {n} compiled …"),
+                lambda n: spinner.update(f"{COMPILING}: {n} compiled …")):
+            run()
+        return
+    said: list[bool] = []
+
+    def first(n: int) -> None:
+        if not said:
+            said.append(True)
+            status(f"{COMPILING} …")
+
+    with counting_compiles(lambda n: None, first):
+        run()
+
+
 def _write(f, output: Path, types, ftype, weights, info, allow_requantize: bool):
     """:func:`~llamatrace.quantize.writer.quantize_gguf` with a progress bar of tensors."""
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
@@ -236,13 +347,16 @@ def _read_imatrix(path: Path, f):
     per column, :func:`~llamatrace.quantize.writer.column_importances`) and what the output records of it.
 
     Raises:
-        OptionError: the file cannot be read, or it names none of the model's tensors (another model's).
+        OptionError: the file cannot be read, holds NaN or ±inf (as llama-quantize), or it names none
+            of the model's tensors (another model's).
     """
     from llamatrace.quantize.imatrix_file import read_imatrix, read_imatrix_meta
-    from llamatrace.quantize.writer import ImatrixInfo, column_importances
-    with open(path, "rb") as fh:          # read_imatrix has checked it opens
+    from llamatrace.quantize.writer import ImatrixInfo, check_finite, column_importances
+    entries = read_imatrix(path)           # a missing or foreign file: its one error line
+    with open(path, "rb") as fh:
         legacy = fh.read(4) != b"GGUF"
-    weights = column_importances(read_imatrix(path), legacy=legacy)
+    weights = column_importances(entries, legacy=legacy)
+    check_finite(weights, f"--imatrix {str(path)!r}")
     meta = read_imatrix_meta(path)
     if not set(weights) & set(f.tensors):
         raise OptionError(f"--imatrix {str(path)!r}: none of its {plural(len(weights), 'entry', 'entries')} names a "
@@ -252,16 +366,20 @@ def _read_imatrix(path: Path, f):
 
 def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, target_bpw, target_size,
             candidates: str, measure: str, ctx_size: int, chunks, verify_file, measurements, plot, threads,
-            json_out: bool, workers: int, ray: str | None) -> None:
-    """The recipe search: measure, allocate, write OUT with llama.cpp's writer, verify, report."""
+            json_out: bool, workers: int, ray: str | None, allow_requantize: bool) -> None:
+    """The recipe search: refuse what would fail later, measure, allocate, write OUT with llama.cpp's
+    writer, verify, report."""
     from llamatrace.cli.options import load_model
     from llamatrace.corpus.chunks import read_corpus
     from llamatrace.corpus.runner import threads_per_worker
+    from llamatrace.gguf.reader import open_gguf
     from llamatrace.kernels.quantizers import quantize_rows
+    from llamatrace.model.config import ModelConfig
     from llamatrace.outputs import check_output_path
     from llamatrace.quantize import report
     from llamatrace.quantize import search as S
     from llamatrace.quantize.rules import file_type, tensor_types
+    from llamatrace.quantize.writer import check_requantize
 
     stock_type = file_type(type_name) if type_name is not None else None
     if target_bpw is None and target_size is None and stock_type is None:
@@ -272,24 +390,43 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
         raise OptionError(f"--measure must be probe or all, got {measure!r}")
     if workers < 1:
         raise OptionError(f"--workers must be a positive integer, got {workers}")
+    if plot is not None:
+        from llamatrace.views.plots import check_format
+        check_format(plot, "-o")
+    base = _base_file(base)
+    where = measurements if measurements is not None else output.with_name(output.name + ".measurements.json")
+    _check_not_base(base, {"OUT": output, "-o": plot, "--measurements": where})
     check_output_path(output, "OUT")
     if plot is not None:
         check_output_path(plot, "-o")
+    check_output_path(where, "--measurements")
+    _remove_leftovers(output, plot)
     text = read_corpus(text_file)
     held_out = read_corpus(verify_file) if verify_file is not None else None
+    ftype = stock_type or file_type("Q4_K_M")
+    with open_gguf(base) as f:         # what the writer would refuse after the measuring, refused now
+        weights, info = _read_imatrix(imatrix, f) if imatrix is not None else (None, None)
+        shapes = {n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()}
+        stock = tensor_types(shapes, f.metadata, ftype, has_imatrix=weights is not None)
+        groups = S.make_groups(f, ModelConfig.from_gguf(f).n_layers, types)
+        planned = dict(stock)          # each group at a candidate other than its base type, if it has one
+        for g in groups:
+            src = f.tensors[g.tensor].tensor_type
+            planned[g.tensor] = next((t for t in g.candidates if t != src), src)
+        check_requantize(f, planned, allow_requantize)
     model = load_model(base, threads, "f32")
     f = model.file
-    weights, info = _read_imatrix(imatrix, f) if imatrix is not None else (None, None)
-    ftype = stock_type or file_type("Q4_K_M")
-    shapes = {n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()}
-    stock = tensor_types(shapes, f.metadata, ftype, has_imatrix=weights is not None)
     if target_bpw is None and target_size is None:
         target_size = sum(S.tensor_bytes(stock[n], *f.matrix_shape(n)[-2:]) if len(f.matrix_shape(n)) > 1
                           else f.tensors[n].n_bytes for n in f.tensors)
-    where = measurements if measurements is not None else output.with_name(output.name + ".measurements.json")
 
     # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's
     worker_threads = threads if workers == 1 or ray is not None else threads_per_worker(workers, threads)
+    if workers == 1 and ray is None:            # measured here: the candidates' kernels ready before the bar
+        from llamatrace.kernels.precompile import compile_kernels
+        compile_quantizers({(t, "float32") for g in groups for t in g.candidates},
+                           lambda: compile_kernels([t.name for t in types], log=lambda line: None,
+                                                   modes=(model.activations,)))
     bar = _MeasureBar(base.name)
     t0 = time.perf_counter()
     try:
@@ -310,52 +447,77 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
                + (f", {bar.done - bar.measured} resumed from {where}" if bar.done > bar.measured else ""))
     else:
         status(f"every matrix's measurements resumed from {where}")
-    groups = [c.group for c in recipe.choices]
     stock_recipe = S.stock_like(groups, stock, recipe.budget, store, recipe.base_kld) if stock_type else None
+    written = {**stock, **recipe.types}
     try:
-        summary = _write(f, output, {**stock, **recipe.types}, ftype, weights, info, False)
+        compile_quantizers(quantizers_for(f, written))
+        summary = _write(f, output, written, ftype, weights, info, allow_requantize)
     except KeyboardInterrupt:
-        err.print(f"[yellow]interrupted[/]: nothing written at {output}")
+        err.print(f"[yellow]interrupted[/]: nothing written at {output}", soft_wrap=True)
         exit_interrupted()
     assert summary.bytes_out <= recipe.budget.limit, (summary.bytes_out, recipe.budget.limit)
     measured: dict = {}
     if held_out is not None:
         measured = _verify(model, output, stock if stock_type else None, ftype, weights, info, text, held_out,
-                           ctx_size, chunks)
+                           ctx_size, chunks, allow_requantize)
     if plot is not None:
         report.plot(recipe, plot, f"{base.name} → {output.name}", stock_recipe)
+    err.print(f"wrote {output} ({summary.bytes_out / 2**20:.2f} MiB of tensor data, {summary.bpw:.2f} BPW)"
+              + (f" and the picture {plot}" if plot is not None else ""), markup=False, soft_wrap=True)
     if json_out:
         doc = report.document(recipe, stock_recipe, measured)
         doc["measurements"] = {"file": str(where), "measured": bar.measured, "resumed": bar.done - bar.measured,
                                "seconds": round(seconds, 3), "workers": workers, "threads": worker_threads, "ray": ray}
         stdout.write(json.dumps(doc) + "\n")
         return
-    out.print(report.table(recipe, stock_recipe, stock_type.name if stock_type else "stock"), markup=False)
+    out.print(report.table(recipe, stock_recipe, stock_type.name if stock_type else None), markup=False)
     for name, m in measured.items():
         out.print(f"{name}: KLD {m['mean_kld']:.6f} ± {m['mean_kld_error']:.6f}, same top token "
                   f"{100 * m['same_top_p']:.2f} %, PPL {m['ppl']:.4f} (base {m['ppl_base']:.4f}), {m['count']} tokens",
                   markup=False)
-    out.print("llama-quantize " + " ".join(f"--tensor-type '{a}'" for a in recipe.tensor_type_args())
+    out.print("llama-quantize " + ("--allow-requantize " if allow_requantize else "")
+              + " ".join(f"--tensor-type '{a}'" for a in recipe.tensor_type_args())
               + f" {base} {output} {ftype.name}", markup=False, soft_wrap=True)
+
+
+def _clock(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour."""
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
 
 
 class _MeasureBar:
     """A progress bar of the matrices measured, with the time left (what rich estimates from the
-    recent pace); the resumed ones count as done from the start (the search's first report)."""
+    recent pace); the resumed ones count as done from the start (the search's first report).
+    In a log or a pipe, where no bar is drawn, a status line instead at each tenth of the
+    matrices and at least every :attr:`LOG_EVERY_S` seconds: the count done and the time left
+    at the pace so far."""
+
+    LOG_EVERY_S = 30.0
 
     def __init__(self, name: str) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         self.progress = status_bar(TextColumn(f"Measuring {name}"), BarColumn(), MofNCompleteColumn(),
                                    TextColumn("matrices"), TimeElapsedColumn(), TimeRemainingColumn())
+        self.lines = not quiet() and not err.is_terminal
         self.task = None
         self.done = self.total = self.measured = 0
+        self.t0 = self.last_line = 0.0
 
     def update(self, done: int, total: int) -> None:
+        now = time.perf_counter()
         if self.task is None:
             self.task = self.progress.add_task("measure", total=total, completed=done)
+            self.t0 = self.last_line = now
         else:
             self.measured += 1
             self.progress.update(self.task, completed=done)
+            tenth = done * 10 // total > self.done * 10 // total
+            if self.lines and done < total and (tenth or now - self.last_line >= self.LOG_EVERY_S):
+                left = (now - self.t0) / self.measured * (total - done)
+                status(f"measured {done} of {total} matrices ({100 * done // total} %) in {_clock(now - self.t0)}, "
+                       f"about {_clock(left)} left")
+                self.last_line = now
         self.done, self.total = done, total
 
     def __enter__(self) -> "_MeasureBar":
@@ -367,7 +529,7 @@ class _MeasureBar:
 
 
 def _verify(model, output: Path, stock, ftype, weights, info, text: str, held_out: str, ctx_size: int,
-            chunks) -> dict:
+            chunks, allow_requantize: bool) -> dict:
     """KLD statistics against the base of OUT (and of the stock mix, written to a temporary file
     beside OUT), on the calibration and the held-out text."""
     import tempfile
@@ -381,7 +543,8 @@ def _verify(model, output: Path, stock, ftype, weights, info, text: str, held_ou
     with tempfile.TemporaryDirectory(dir=output.parent) as tmp:
         if stock is not None:
             files.append((ftype.name, Path(tmp) / "stock.gguf"))
-            _write(model.file, files[-1][1], stock, ftype, weights, info, False)
+            compile_quantizers(quantizers_for(model.file, stock))
+            _write(model.file, files[-1][1], stock, ftype, weights, info, allow_requantize)
         result = {}
         for label, path in files:
             with Llama.load(path, cache=False) as quantized:    # files read once: no packed copy

@@ -191,8 +191,15 @@ class GGUFFile:
     def __enter__(self) -> "GGUFFile":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except BufferError:
+            # leaving on an exception (Ctrl-C mid-write): its traceback's frames still hold views
+            # of the map; that exception, not this one, is what the caller must see. The map is
+            # unmapped when the last view goes.
+            if exc is None:
+                raise
 
     def release(self, t: Tensor) -> None:
         """Drop ``t``'s pages from this process's memory once they have been copied (packed).

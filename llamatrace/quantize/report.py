@@ -19,14 +19,19 @@ _BITS = {"Q2_K": 2.625, "Q3_K": 3.4375, "Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 4.5, "
          "Q5_K": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0, "F32": 32.0}
 
 
-def table(recipe: Recipe, stock: Recipe | None = None, stock_name: str = "stock") -> str:
-    """One line per group: name, type (and the stock type where it differs), ΔKLD, bytes; then totals."""
-    lines = [f"{'group':<20} {'type':<6} {stock_name:<8} {'ΔKLD':>10} {'bytes':>10}"]
+def table(recipe: Recipe, stock: Recipe | None = None, stock_name: str | None = None) -> str:
+    """One line per group: name, type, ΔKLD, bytes; then totals. With a ``stock`` mix (the CLI's
+    ``--type``), a column named ``stock_name`` (default ``"stock"``) holds its type where it
+    differs from the recipe's (blank where they agree), and a total line for it; without one
+    there is nothing to compare with, and no such column."""
+    stock_name = stock_name or "stock"
+    column = (lambda text: f" {text:<8}") if stock is not None else (lambda text: "")
+    lines = [f"{'group':<20} {'type':<6}{column(stock_name)} {'ΔKLD':>10} {'bytes':>10}"]
     stock_types = {c.group.name: c.ggml_type.name for c in stock.choices} if stock else {}
     for c in recipe.choices:
         was = stock_types.get(c.group.name, "")
         mark = "" if was in ("", c.ggml_type.name) else was
-        lines.append(f"{c.group.name:<20} {c.ggml_type.name:<6} {mark:<8} {c.delta_kld:>10.6f} {c.bytes:>10}")
+        lines.append(f"{c.group.name:<20} {c.ggml_type.name:<6}{column(mark)} {c.delta_kld:>10.6f} {c.bytes:>10}")
     rows = [("recipe", recipe)] + ([(stock_name, stock)] if stock else [])
     for name, r in rows:
         lines.append(f"{name}: {r.total_bytes} bytes, {r.budget.bpw(r.total_bytes):.4f} bpw, "

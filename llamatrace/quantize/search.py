@@ -213,7 +213,9 @@ def allocate(costs: Sequence[Sequence[int]], losses: Sequence[Sequence[float]], 
         budget: the most the chosen options may cost in all.
         resolution: units the budget above the cheapest options is cut into; each option's extra
             cost is rounded up to whole units, so the answer is feasible and optimal up to that rounding
-            (exact when the extra costs are multiples of a unit).
+            (exact when the extra costs are multiples of a unit). The table has one entry per unit
+            up to what the options can spend, at most ``resolution + len(costs)`` entries whatever
+            the budget.
 
     Returns:
         The chosen option's index, per group.
@@ -230,7 +232,10 @@ def allocate(costs: Sequence[Sequence[int]], losses: Sequence[Sequence[float]], 
         raise ValueError(f"allocate: the cheapest options cost {sum(base)}, over the budget {budget}")
     extra_max = sum(max(c) - b for c, b in zip(costs, base))
     unit = max(1, -(-min(spare, extra_max) // resolution))     # ceil: n_units * unit >= what can be spent
-    n_units = spare // unit
+    # the table ends at what the options can spend (each group's dearest, in rounded units), not at
+    # the spare budget: past it every entry equals the last one, and a generous budget (one
+    # candidate type, --target-bpw 8) would make it gigabytes
+    n_units = min(spare // unit, sum(-(-(max(c) - b) // unit) for c, b in zip(costs, base)))
     inf = np.inf
     best = np.zeros(n_units + 1)             # least loss of the groups so far within u units (monotone)
     choices = []

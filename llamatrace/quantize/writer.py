@@ -171,6 +171,21 @@ def column_importances(entries: Mapping[str, tuple[np.ndarray, np.ndarray]], leg
     return out
 
 
+def check_finite(imatrix: Mapping[str, np.ndarray], where: str = "the importance matrix") -> None:
+    """Refuse column importances holding NaN or ±inf, as llama-quantize does (``llama_model_quantize_impl``:
+    "imatrix contains non-finite value"): the quantizers would write NaN scales into the file.
+
+    Raises:
+        OptionError: naming the first such tensor (in name order), its value and how many there are.
+    """
+    for name in sorted(imatrix):
+        values = np.asarray(imatrix[name])
+        bad = ~np.isfinite(values)
+        if bad.any():
+            raise OptionError(f"{where} contains non-finite value {values[bad].flat[0]} for {name!r} "
+                              f"({int(bad.sum())} of its {values.size} values): it is damaged; compute it again")
+
+
 def _c_str127(text: str) -> str:
     """llama-quantize copies a string override with ``strncpy(…, 127)``: at most 127 bytes."""
     return text.encode("utf-8")[:127].decode("utf-8", errors="ignore")
@@ -213,7 +228,8 @@ def quantize_gguf(base: GGUFFile, out: Path, types: Mapping[str, T], ftype: File
         :class:`QuantizeSummary`.
 
     Raises:
-        OptionError: a quantized base without ``allow_requantize``, an imatrix entry whose size
+        OptionError: a quantized base without ``allow_requantize``, an imatrix holding NaN or ±inf
+            (:func:`check_finite`), an imatrix entry whose size
             differs from its tensor's rows (an importance matrix of another model), or a tensor that
             needs an imatrix entry and has none (the Q2_K tensors of a Q2_K_S file, as llama.cpp).
         OutputError: ``out`` cannot be written.
@@ -223,6 +239,7 @@ def quantize_gguf(base: GGUFFile, out: Path, types: Mapping[str, T], ftype: File
     if sorted(order) != sorted(base.tensors):
         raise OptionError("the tensor types do not name every tensor of the base model")
     check_requantize(base, types, allow_requantize)
+    check_finite(imatrix or {})
     imatrix = _usable_imatrix(base, types, imatrix or {})
     needs = [n for n in order if types[n] != base.tensors[n].tensor_type and n not in imatrix
              and requires_imatrix(n, types[n], ftype)]
