@@ -21,6 +21,7 @@ import numpy as np
 
 from llamatrace.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from llamatrace.gguf.header import ARRAY, FIXED, STRING
+from llamatrace.gguf.metadata import check_metadata_types
 from llamatrace.gguf.validate import validate_gguf
 
 # GGUF tensor name (per block: "blk.{i}." prefix) → Meta reference model.py attribute.
@@ -260,7 +261,8 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
 
     Raises:
         ModelNotFoundError: missing or unreadable file.
-        ModelFormatError: not a GGUF file, truncated, or an inconsistent header.
+        ModelFormatError: not a GGUF file, truncated, an inconsistent header, or a key llamatrace
+            reads stored with another type than :data:`~llamatrace.gguf.metadata.KEY_TYPES` declares.
     """
     summary = validate_gguf(path)
     p = Path(path)
@@ -280,8 +282,14 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         n_elements = int(np.prod(dims, dtype=np.int64))
         tensors[name] = Tensor(name, qtype, np.asarray(dims, dtype=np.uint64), n_elements,
                                n_elements // block * type_size, summary.data_offset + offset, buf)
-    return GGUFFile(path=p, metadata=metadata, tensors=tensors, file_size=summary.file_size,
-                    version=summary.version, _map=buf, _kv_offsets=summary.kv_offsets)
+    f = GGUFFile(path=p, metadata=metadata, tensors=tensors, file_size=summary.file_size,
+                 version=summary.version, _map=buf, _kv_offsets=summary.kv_offsets)
+    try:
+        check_metadata_types(f.value_type, summary.kv_offsets, metadata, p.name)
+    except ModelFormatError:
+        f.close()
+        raise
+    return f
 
 
 def tensor_type_name(t: Any) -> str:
