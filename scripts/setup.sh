@@ -6,13 +6,15 @@
 #   bash scripts/setup.sh --test   # runtime + tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# every apt-get waits up to 10 min for the dpkg lock another apt-get holds, rather than give up at once
+apt_get="apt-get -o DPkg::Lock::Timeout=600"
 
 if ! command -v dot >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1; then
     sudo_cmd=""
     [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo_cmd="sudo"
     echo "setup: installing Graphviz (dot) with apt-get" >&2
-    { $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq graphviz >/dev/null; } \
+    { $sudo_cmd $apt_get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd $apt_get install -y -qq graphviz >/dev/null; } \
       || echo "setup: could not install graphviz; diagrams can still be written as .dot" >&2
   elif command -v brew >/dev/null 2>&1; then
     brew install graphviz || echo "setup: could not install graphviz; diagrams can still be written as .dot" >&2
@@ -28,7 +30,7 @@ if [ "${1:-}" = "--test" ]; then
     sudo_cmd=""
     [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo_cmd="sudo"
     echo "setup: installing chromium and chromium-driver with apt-get (browser tests of the .html page)" >&2
-    { $sudo_cmd apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+    { $sudo_cmd $apt_get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_cmd $apt_get install -y -qq chromium chromium-driver >/dev/null; } \
       || echo "setup: could not install chromium; the browser tests will skip" >&2
   fi
 fi
