@@ -19,7 +19,7 @@ from typing import Any, Container
 import gguf
 import numpy as np
 
-from llamatrace.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from llamatrace.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError, shown
 from llamatrace.gguf.header import ARRAY, FIXED, STRING
 from llamatrace.gguf.metadata import check_metadata_types
 from llamatrace.gguf.validate import validate_gguf
@@ -218,7 +218,7 @@ class GGUFFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise ModelFormatError(f"{self.path.name}: required tensor {name!r} is missing; "
+            raise ModelFormatError(f"{self.path.name}: required tensor {shown(name)} is missing; "
                                    f"the GGUF file is incomplete or not a llama model") from None
 
     def matrix_shape(self, name: str) -> tuple[int, ...]:
@@ -303,5 +303,5 @@ def check_tensor_types(f: GGUFFile, supported: frozenset) -> None:
         if t.tensor_type not in supported:
             names = ", ".join(sorted(gguf.GGMLQuantizationType(x).name for x in supported))
             raise UnsupportedModelError(
-                f"{f.path.name}: tensor {name!r} has type {tensor_type_name(t)}, which llamatrace does not "
+                f"{f.path.name}: tensor {shown(name)} has type {tensor_type_name(t)}, which llamatrace does not "
                 f"support yet (supported: {names}); convert the model to one of these types (llama.cpp's llama-quantize)")
