@@ -37,7 +37,8 @@ fi
 python3 -m pip install --disable-pip-version-check -q -e ".${extra}"
 # Numba compiles each kernel the first time it runs and caches it: do it now, once, rather than
 # in a user's first command (the default model in both activation modes, then the matmul
-# kernels of the common quant types; ~2 min on 2 cores, a second when already cached)
+# kernels of the common quant types; minutes on 2 quiet cores, many more on a busy
+# machine: docs/development.md "Set-up time"; a second when already cached)
 echo "setup: compiling the kernels (once; cached afterwards)" >&2
 python3 -m llamatrace generate --raw -n 2 "Hello" >/dev/null 2>&1 || python3 -m llamatrace generate --raw -n 2 "Hello" >/dev/null
 python3 -m llamatrace generate --raw -n 2 --activations q8 "Hello" >/dev/null 2>&1 || true     # q8 needs AVX2
