@@ -48,3 +48,20 @@ class HookError(LlamatraceError):
 
 class PeerError(LlamatraceError):
     """Another engine (llama.cpp, HF transformers) is not installed or failed."""
+
+
+SHOWN_CHARS = 80
+"""How much of a string read from a file an error message echoes (:func:`shown`)."""
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as an error message echoes what a file says (an architecture, a key, a tensor
+    name, a string value): quoted (``repr``, so a line break or a control character cannot break
+    the one line) and cut to ``limit`` characters with an ellipsis and the original length, so a
+    crafted 10 kB name stays a readable line: ``'llamallama…' (10240 characters)``. A non-string
+    (a list, a number) is shown as its ``repr``, cut the same way."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(text) if isinstance(value, str) else text
+    cut = text[:limit] + "…"
+    return f"{repr(cut) if isinstance(value, str) else cut} ({len(text):,} characters)"

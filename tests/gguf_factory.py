@@ -169,3 +169,30 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def rewrite_metadata(src: str | Path, dst: str | Path, changes: dict[str, tuple]) -> Path:
+    """Copy the GGUF ``src`` to ``dst`` with metadata changed: ``key → (value, GGUFValueType)``
+    or ``(values, GGUFValueType.ARRAY, element type)`` (a new key is added at the end);
+    ``general.architecture`` takes ``(name,)``. Tensors are copied byte for byte."""
+    r = gguf.GGUFReader(str(src))
+    arch = changes.get("general.architecture", (r.fields["general.architecture"].contents(),))[0]
+    w = gguf.GGUFWriter(str(dst), arch)
+    todo = {k: v for k, v in changes.items() if k != "general.architecture"}
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        if key in todo:
+            w.add_key_value(key, *todo.pop(key))
+        else:
+            w.add_key_value(key, field.contents(), field.types[0],
+                            sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for key, change in todo.items():
+        w.add_key_value(key, *change)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(dst)

@@ -365,15 +365,17 @@ def test_perplexity_stages_compare_gemma3_own_stages_and_refuse_another_architec
 def test_local_error_recomputes_each_architectures_own_stages_as_the_forward_pass(arch, models):
     """Each per-token stage recomputed from the model's own recorded inputs equals the forward
     pass's output (the pass itself is checked against llama.cpp and HF above): the biases, q/k
-    norms, post-norms, GELU/GeGLU and the adds after post-norms too. Not recomputed: the heads
-    merge (needs the KV cache) and NeoX rotary."""
-    from llamatrace.corpus.stages import capture, local_error_rows, token_stages
+    norms, post-norms, GELU/GeGLU, the heads merge and the adds after post-norms too. Not
+    recomputed: NeoX rotary, and the local notes say so."""
+    from llamatrace.corpus.stages import capture, local_error_rows, local_notes, token_stages
     model = models[arch]
-    acts, embd, _ = capture(model, np.arange(3, 3 + 2 * WINDOW), 2)
-    local = local_error_rows(model, acts, embd, 2)                 # [n_layers, n_stages, n_scored]
+    acts, embd, inputs, _ = capture(model, np.arange(3, 3 + 2 * WINDOW), 2)
+    local = local_error_rows(model, acts, embd, inputs, 2)         # [n_layers, n_stages, n_scored]
     stages = token_stages(model.config.features)
+    notes = local_notes(model.config, stages)
+    assert set(notes) == {"Qcur_rope", "Kcur_rope"}
     for k, stage in enumerate(stages):
-        if stage in ("kqv_out", "Qcur_rope", "Kcur_rope"):
+        if stage in notes:
             assert np.isnan(local[:, k]).all(), stage
         else:
             assert (local[:, k] < 1e-6).all(), (stage, local[:, k].max())

@@ -279,3 +279,22 @@ def test_prompt_bytes_without_a_token_are_one_warning_line_naming_them(capsys, s
     assert warnings == ["warning: the text contains bytes the vocabulary has no token for (0x04, 0x06); "
                         "they are dropped"]
     assert "UserWarning" not in err and ".py:" not in err
+
+
+def test_system_without_a_chat_template_says_so_before_the_load(capsys, tmp_path, monkeypatch):
+    # the file has no chat template and --raw was never given: say that, from the header, without
+    # loading the model (gemma3-270m's case, issue 47)
+    from llamatrace.model.llama import Llama
+    bare = write_tiny_llama(tmp_path / "bare.gguf", chat_template=None)
+    templated = write_tiny_llama(tmp_path / "templated.gguf")
+    loads = []
+    monkeypatch.setattr(Llama, "load", classmethod(lambda cls, *a, **k: loads.append(a)))
+    for command in ("generate", "trace", "lens"):
+        code, out, err = run(capsys, command, "-m", bare, "--system", "be brief", "hi")
+        assert_one_line_error(code, out, err, "--system needs a chat template and bare.gguf has none")
+        assert "--raw" not in err
+        assert_one_line_error(*run(capsys, command, "-m", templated, "--raw", "--system", "be brief", "hi"),
+                              "--system needs the chat template: drop --raw")
+    # an --ablate out of the model's range is also refused from the header
+    assert_one_line_error(*run(capsys, "generate", "-m", templated, "--ablate", "ffn_out@7", "hi"), "--ablate")
+    assert loads == []

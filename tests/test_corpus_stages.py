@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,7 @@ def test_capture_keeps_the_scored_rows_of_what_a_trace_records(tiny_pair):
     from llamatrace.model.llama import Llama
     model = Llama.load(tiny_pair[0])
     ids = np.arange(16) + 5
-    acts, embd, logits = capture(model, ids, 8)
+    acts, embd, inputs, logits = capture(model, ids, 8)
     with model.trace(stages=["l_out", "ffn_gate"], layers=[1], keep_arrays=True) as rec:
         full = model.forward(ids, 0, model.new_cache(16), all_logits=True)
     arrays = rec.arrays()
@@ -73,9 +74,8 @@ def test_a_model_against_itself_differs_nowhere(tiny_pair):
     job = ChunkJob(ids, ids[9:16].astype(np.int64), 8)
     part, errors, embd = score_pair((model, model), job)
     assert errors.shape == (2, 2, len(TOKEN_STAGES), 7) and not errors[0].any() and not embd.any()
-    local = errors[1]                      # the model recomputing its own stages: 0, or NaN where not recomputed
-    assert np.isnan(local).any() and not np.nan_to_num(local).any()
-    assert not np.isnan(local[:, TOKEN_STAGES.index("ffn_up")]).any()
+    local = errors[1]                      # the model recomputing its own stages: 0 at every Llama stage
+    assert not np.isnan(local).any() and not local.any()
     assert np.all(np.abs(part.kld) < 5e-5) and part.same_top.all()
 
 
@@ -146,7 +146,7 @@ def test_local_error_is_what_the_quantized_weights_add_at_each_stage(tiny_pair):
     assert (local[:, col["ffn_up"]] > 1e-4).all() and (local[:, col["attn_out"]] > 1e-4).all()
     assert local[:, col["ffn_inp"]].max() < 1e-6 and local[:, col["l_out"]].max() < 1e-6
     # against plain NumPy: ffn_up of layer 1, the quantized w3 on the base's own ffn_norm rows
-    acts, _, _ = capture(base, ids, 8)
+    acts, _, _, _ = capture(base, ids, 8)
     x = acts[1, TOKEN_STAGES.index("ffn_norm")]
     w3 = quant.weights.layers[1].w3
     want = matmul(x, w3) if w3 is not None else matmul(x, quant.weights.layers[1].w13)[:, -quant.config.hidden_dim:]
@@ -174,3 +174,45 @@ def test_a_fused_matrix_is_multiplied_once_a_layer(tiny_pair, monkeypatch):
     assert len(calls) == 4 * n_layers
     for s in ("Qcur", "Kcur", "Vcur", "ffn_gate", "ffn_up"):
         assert (errors[1][:, TOKEN_STAGES.index(s)] > 1e-4).all()
+
+
+def _drawn(monkeypatch):
+    """The figures plot_stage_errors saves, kept for a look (savefig still writes them)."""
+    from matplotlib.figure import Figure
+    figures, real = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self) or real(self, *a, **k))
+    return figures
+
+
+def _columns_and_legend(figure) -> tuple[list[str], np.ndarray, list[str]]:
+    """The local heat map's column labels, its masked values [layers, stages] and its legend's texts."""
+    ax = figure.axes[0]
+    return ([t.get_text() for t in ax.get_xticklabels()], ax.images[0].get_array(),
+            [t.get_text() for legend in figure.legends for t in legend.get_texts()])
+
+
+def test_every_local_column_is_computed_or_explained(capsys, tmp_path, monkeypatch, tiny_pair):
+    # issue 47: kqv_out was a white column with no legend entry and a null local median (its
+    # input kqv, [n_heads, seq_len, head_dim], was not captured); Gemma 3's NeoX rotary is not
+    # recomputed: its columns are white, and the JSON and the legend say why
+    from arch_files import write_arch_file
+    gemma = (write_arch_file(tmp_path / "g-f32.gguf", "gemma3", seed=4),
+             write_arch_file(tmp_path / "g-q8_0.gguf", "gemma3", seed=4, qtype=T.Q8_0))
+    figures = _drawn(monkeypatch)
+    for (base, quant), explained in ((tiny_pair, set()), (gemma, {"Qcur_rope", "Kcur_rope"})):
+        args = ["perplexity", "-f", str(CORPUS), "-c", "32", "--chunks", "2", "--model", str(quant),
+                "--base", str(base), "--stages"]
+        assert main([*args, "--json"]) == 0
+        a = json.loads(capsys.readouterr().out)["attribution"]
+        assert set(a["local_notes"]) == explained and all(a["local_notes"].values())
+        for k, stage in enumerate(a["stages"]):
+            finite = all(row[k] is not None and np.isfinite(row[k]) for row in a["local_median"])
+            assert finite != (stage in explained), stage
+        assert "kqv_out" in a["stages"] and "kqv_out" not in explained
+        assert main([*args, "-o", str(tmp_path / "where.png")]) == 0
+        table = capsys.readouterr().out            # the table names them too
+        assert all(re.search(rf"\b{s} +not recomputed: ", table) for s in explained)
+        labels, values, legend = _columns_and_legend(figures[-1])
+        assert labels == a["stages"]
+        white = {labels[k] for k in range(len(labels)) if np.ma.getmaskarray(values)[:, k].all()}
+        assert white == explained and all(any(t.startswith(f"{s}: ") for t in legend) for s in white)

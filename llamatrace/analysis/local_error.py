@@ -13,6 +13,7 @@ Stages recomputed (:data:`LOCAL_STAGES`): the norms (q/k and post-norms too), th
 and FFN projections and biases, RoPE (Llama's), scores → softmax, the heads merge, SiLU, GELU,
 SwiGLU, GeGLU, both residual adds, ``result_norm`` and ``result_output``. Stages that need the
 whole KV cache (``kq``, ``kqv``) are not: a recording holds only this step's keys.
+:func:`not_recomputed` says why a stage is not.
 A stage is skipped where the recording lacks one of its inputs
 (llama.cpp's graph has no ``ffn_silu``; a trace limited to some layers has no ``l_out`` before
 them).
@@ -153,16 +154,18 @@ LOCAL_STAGES: dict[str, Callable] = {
 """Layer stage id → ``fn(model, get, layer, start_pos)`` recomputing it from recorded inputs."""
 
 
-def _recomputable(stage: str, c) -> bool:
-    """Whether :data:`LOCAL_STAGES`'s formula for ``stage`` holds for config ``c``: the rotary
-    of other architectures (NeoX pairs, rotating the biased or normed q/k, a window's own base)
-    and their scores (soft-caps, windows, another scale) are not written yet, so those stages
-    are not recomputed."""
-    if stage in ("Qcur_rope", "Kcur_rope"):
-        return not (c.rope_neox or c.qkv_bias or c.qk_norm or c.sliding_window)
-    if stage == "kq_soft_max":
-        return not (c.attn_softcap or c.sliding_window or c.attn_scale)
-    return True
+def not_recomputed(stage: str, c) -> str | None:
+    """Why :data:`LOCAL_STAGES` has no formula for ``stage`` that holds for config ``c``, in a few
+    words for a note (None: it has one). The rotary of other architectures (NeoX pairs, rotating
+    the biased or normed q/k, a window's own base) and their scores (soft-caps, windows, another
+    scale) are not written yet."""
+    if stage in ("Qcur_rope", "Kcur_rope") and (c.rope_neox or c.qkv_bias or c.qk_norm or c.sliding_window):
+        return f"the {c.arch} rotary (NeoX pairs, biased or normed q/k, a window's base) has no formula here yet"
+    if stage == "kq_soft_max" and (c.attn_softcap or c.sliding_window or c.attn_scale):
+        return f"the {c.arch} scores (soft-cap, window or scale) have no formula here yet"
+    if stage not in LOCAL_STAGES:
+        return "no formula recomputes it"
+    return None
 
 
 def _steps(arrays: Mapping[str, np.ndarray], start_pos: int) -> list[tuple[int, int]]:
@@ -196,7 +199,7 @@ def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
         for layer in range(model.config.n_layers):
             for stage, fn in LOCAL_STAGES.items():
                 key = stage_key(step, layer, stage)
-                if key not in arrays or not _recomputable(stage, model.config):
+                if key not in arrays or not_recomputed(stage, model.config):
                     continue
                 try:
                     expected = fn(model, get, layer, pos)

@@ -262,12 +262,31 @@ def counting_compiles(on_compile: Callable[[int], None], on_start: Callable[[int
         yield
 
 
+def check_system(system: str | None, raw: bool, has_template: bool, model_name: str) -> None:
+    """Refuse ``--system`` where no chat template will be applied: with ``--raw``, or for a model
+    (``model_name``, in the message) whose file has no ``tokenizer.chat_template``.
+
+    Raises:
+        OptionError: the conflict, and how to get round it.
+    """
+    if system is None:
+        return
+    if raw:
+        raise OptionError("--system needs the chat template: drop --raw, or put the system text in the prompt")
+    if not has_template:
+        raise OptionError(f"--system needs a chat template and {model_name} has none (no tokenizer.chat_template); "
+                          f"put the system text in the prompt instead")
+
+
 def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[int]:
-    """Token ids fed to the model: the chat template applied unless ``raw`` (or the model has none)."""
+    """Token ids fed to the model: the chat template applied unless ``raw`` (or the model has none).
+
+    Raises:
+        OptionError: as :func:`check_system`.
+    """
     tok = model.tokenizer
+    check_system(system, raw, bool(tok.chat_template), Path(model.path).name)
     if raw or not tok.chat_template:
-        if system is not None:
-            raise OptionError("--system needs the chat template: drop --raw, or put the system text in the prompt")
         return tok.encode(prompt)
     messages = ([{"role": "system", "content": system}] if system is not None else [])
     messages.append({"role": "user", "content": prompt})
@@ -469,18 +488,26 @@ def check_run_options(ctx_size: int | None = None, ablate: list[str] | None = No
 def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None, *, threads: int | None,
                 activations: str | None, raw: bool, system: str | None, ablate: list[str] | None = None,
                 default: str | None = None) -> Run:
-    """Options to a ready run: read the prompt (``default`` when none is given), load the model
-    (with its status line), check ``--ablate`` against it, and tokenize the prompt.
+    """Options to a ready run: read the prompt (``default`` when none is given), check the options
+    against the model's header (``--system``, ``--ablate``: before the load, which takes seconds
+    to minutes), load the model (with its status line) and tokenize the prompt.
 
     Raises:
-        OptionError, PromptError: as :func:`read_prompt`, :func:`parse_ablations`; the model's
-            load errors (:meth:`~llamatrace.model.llama.Llama.load`).
+        OptionError, PromptError: as :func:`read_prompt`, :func:`check_system`,
+            :func:`parse_ablations`; the model's errors (:func:`model_file`,
+            :meth:`~llamatrace.model.llama.Llama.load`).
     """
     import time
 
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.model.config import ModelConfig
+
     text = read_prompt(prompt, prompt_file, default=default)
+    path = model_file(model)
+    with open_gguf(path) as f:                       # the header only: milliseconds
+        check_system(system, raw, bool(f.field("tokenizer.chat_template")), path.name)
+        ablations = parse_ablations(ablate, ModelConfig.from_gguf(f))
     t0 = time.perf_counter()
-    m = load_model(model, threads, activations)
+    m = load_model(path, threads, activations)
     load_s = time.perf_counter() - t0
-    ablations = parse_ablations(ablate, m.config)
     return Run(m, text, prompt_ids_for(m, text, raw, system), ablations, load_s, raw)

@@ -160,6 +160,8 @@ def _print_stages(a) -> None:
     out.print(f"{'layer':>5}  {'stage':<{width}} {'median':>9} {'95%':>9}", markup=False)
     for layer, stage, median, p95 in a.worst(local=True):
         out.print(f"{layer:>5}  {stage:<{width}} {median:9.5f} {p95:9.5f}", markup=False)
+    for stage, why in a.local_notes.items():
+        out.print(f"{'':>5}  {stage:<{width}} not recomputed: {why}", markup=False)
     out.print()
     out.print("====== Accumulated: ‖Q − base‖ / ‖base‖ with each model's own inputs, worst first ======",
               markup=False)

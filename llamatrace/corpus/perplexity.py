@@ -188,7 +188,7 @@ def kl_divergence_stages(spec, chunks: Chunks, workers: int = 1, on_chunk: OnChu
     """KLD statistics and the stage attribution (:mod:`llamatrace.corpus.stages`) of
     ``spec.model`` against ``spec.base`` (a :class:`~llamatrace.corpus.stages.PairSpec`), both run
     on every chunk. Returns ``(KLDStats, StageErrors)``."""
-    from llamatrace.corpus.stages import StageErrors, score_pair, stages_of_file
+    from llamatrace.corpus.stages import StageErrors, columns_of_file, score_pair
     parts: list[TokenKLD] = []
     errors: list[np.ndarray] = []
     embd: list[np.ndarray] = []
@@ -204,7 +204,8 @@ def kl_divergence_stages(spec, chunks: Chunks, workers: int = 1, on_chunk: OnChu
             on_chunk(i, running)
 
     run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i), score_pair, collect, workers, None, ray)
-    return KLDStats.from_tokens(parts), StageErrors.from_chunks(errors, embd, stages_of_file(spec.model.path))
+    stages, notes = columns_of_file(spec.model.path)
+    return KLDStats.from_tokens(parts), StageErrors.from_chunks(errors, embd, stages, notes)
 
 
 def read_chunks(model_path: Path, text: str, n_ctx: int, max_chunks: int | None) -> tuple[Chunks, int]:

@@ -1,6 +1,7 @@
 """The ``perplexity --stages`` picture: heat maps (layers × stages) of the median relative
 difference each stage adds (local) and has accumulated, and the residual stream's difference by layer. matplotlib is imported here only;
-the file is written atomically, its format picked by the extension (``.png``, ``.svg``, ``.pdf``)."""
+the file is written atomically, its format picked by the extension (``.png``, ``.svg``, ``.pdf``).
+A stage whose local error is not recomputed is a white column, named in a legend with the reason."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ def plot_stage_errors(errors: StageErrors, path: Path, title: str, option: str =
     fmt = check_format(path, option)
     plt = _pyplot()
     n_layers = errors.median.shape[0]
-    fig, (local, heat, line) = plt.subplots(1, 3, figsize=(20, 0.22 * n_layers + 3),
-                                            gridspec_kw={"width_ratios": [3, 3, 2]})
+    notes = errors.local_notes
+    below = 0.16 * (len(notes) + 1) if notes else 0.0          # inches for the legend of the white columns
+    height = 0.22 * n_layers + 3 + below
+    fig, (local, heat, line) = plt.subplots(1, 3, figsize=(20, height), gridspec_kw={"width_ratios": [3, 3, 2]})
     for ax, values, label in ((local, errors.local_median, "where it enters: each stage from the base's inputs"),
                               (heat, errors.median, "accumulated: each model's own inputs")):
         image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="magma", interpolation="nearest")
@@ -34,6 +37,12 @@ def plot_stage_errors(errors: StageErrors, path: Path, title: str, option: str =
         ax.set_ylabel("layer")
         ax.set_title(f"median ‖quant − base‖ / ‖base‖\n{label}", fontsize=9)
         fig.colorbar(image, ax=ax, fraction=0.04)
+    if notes:                                # the empty (white) columns say why they are empty
+        from matplotlib.patches import Patch
+        fig.legend(handles=[Patch(facecolor="white", edgecolor="grey", label=f"{stage}: {why}")
+                            for stage, why in notes.items()],
+                   title="white: local error not recomputed", loc="lower left", bbox_to_anchor=(0.01, 0.0),
+                   fontsize=7, title_fontsize=7, alignment="left", frameon=False)
     layers = np.arange(n_layers)
     line.plot(layers, errors.l_out, marker="o", ms=3, label="l_out (accumulated)")
     line.bar(layers, errors.added, color="tab:orange", alpha=0.6, label="added by the layer")
@@ -42,7 +51,7 @@ def plot_stage_errors(errors: StageErrors, path: Path, title: str, option: str =
     line.set_title("residual stream: relative difference")
     line.legend(fontsize=8)
     fig.suptitle(f"{title} — {errors.count} scored tokens")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, below / height, 1, 1))
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt, dpi=110)
     plt.close(fig)

@@ -40,6 +40,11 @@ def token_stages(features: frozenset[str] = frozenset()) -> tuple[str, ...]:
 TOKEN_STAGES: tuple[str, ...] = token_stages()
 """The Llama block's columns."""
 
+LOCAL_INPUTS = ("kqv",)
+"""Stages that are no column (their output is not ``[seq_len, …]``) but the input of one whose
+local error is recomputed: ``kqv`` ``[n_heads, seq_len, head_dim]``, of ``kqv_out`` (the heads
+merged). Captured as their scored rows, for the base only."""
+
 
 def _config(path):
     """The :class:`ModelConfig` of the GGUF at ``path``, from its header."""
@@ -49,13 +54,22 @@ def _config(path):
         return ModelConfig.from_gguf(f)
 
 
-def stages_of_file(path) -> tuple[str, ...]:
-    """:func:`token_stages` of the GGUF at ``path`` (its header only).
+def local_notes(config, stages: tuple[str, ...]) -> dict[str, str]:
+    """Stage → why its local error is not recomputed for a model of ``config`` (its column of the
+    local heat map stays empty), for the columns ``stages`` that have no local error."""
+    from llamatrace.analysis.local_error import not_recomputed
+    return {s: why for s in stages if (why := not_recomputed(s, config))}
+
+
+def columns_of_file(path) -> tuple[tuple[str, ...], dict[str, str]]:
+    """:func:`token_stages` of the GGUF at ``path`` (its header only), and their :func:`local_notes`.
 
     Raises:
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: the file cannot be used.
     """
-    return token_stages(_config(path).features)
+    c = _config(path)
+    stages = token_stages(c.features)
+    return stages, local_notes(c, stages)
 
 
 @dataclass(frozen=True)
@@ -90,46 +104,55 @@ def check_same_shape(base_path, model_path) -> None:
         raise OptionError(f"--stages compares two models of one architecture; the base and the model differ ({diff})")
 
 
-def _scored_rows(model, ids: np.ndarray, first: int, take) -> np.ndarray:
-    """One prefill of ``ids`` from position 0 calling ``take(layer, column, rows)`` with the
-    float32 ``[n_scored, width]`` rows ``first … n_ctx-2`` of every token stage (``layer`` None
-    and ``column`` -1: ``inp_embd``), a view of the forward pass's buffer valid during the call;
-    returns the scored logits (:func:`scored_logits`)."""
+def _scored_rows(model, ids: np.ndarray, first: int, take, inputs: tuple[str, ...] = ()) -> np.ndarray:
+    """One prefill of ``ids`` from position 0 calling ``take(layer, stage, rows)`` with the
+    float32 ``[n_scored, width]`` rows ``first … n_ctx-2`` of every token stage (``layer`` None:
+    ``inp_embd``) and the ``[n_heads, n_scored, head_dim]`` rows of the ``inputs`` stages
+    (:data:`LOCAL_INPUTS`), a view of the forward pass's buffer valid during the call; returns
+    the scored logits (:func:`scored_logits`)."""
     n = len(ids)
-    column = {sid: k for k, sid in enumerate(token_stages(model.config.features))}
+    columns = token_stages(model.config.features)
     last = []
 
     def keep(a, event):
-        take(event.layer, column.get(event.stage, -1), np.asarray(a.reshape(n, -1)[first:n - 1], dtype=np.float32))
+        rows = a[:, first:n - 1] if event.stage in inputs else a.reshape(n, -1)[first:n - 1]
+        take(event.layer, event.stage, np.asarray(rows, dtype=np.float32))
         if event.stage == "l_out" and event.layer == model.config.n_layers - 1:
             last.append(np.array(a[first:]))
 
-    with model.hooks({sid: keep for sid in (*column, "inp_embd")}):
+    with model.hooks({sid: keep for sid in (*columns, *inputs, "inp_embd")}):
         model.forward(ids, 0, model.new_cache(n))
     # the scored rows' logits only, as chunk_logits (the others are not read)
     return scored_logits(model, last[0])
 
 
-def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One prefill of ``ids``, keeping the scored rows ``first … n_ctx-2`` of every token stage.
+def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray, dict, np.ndarray]:
+    """One prefill of ``ids``, keeping the scored rows ``first … n_ctx-2`` of every token stage
+    and of the :data:`LOCAL_INPUTS`.
 
     Returns:
         acts: object ``[n_layers, n_stages]`` of float32 ``[n_scored, width]`` arrays, a column
             per stage of :func:`token_stages` of the model;
         embd: float32 ``[n_scored, dim]`` (``inp_embd``);
+        inputs: ``(layer, stage)`` → float32 ``[n_heads, n_scored, head_dim]`` of the
+            :data:`LOCAL_INPUTS`;
         logits: float32 ``[n_scored, n_vocab]``.
     """
-    acts = np.empty((model.config.n_layers, len(token_stages(model.config.features))), dtype=object)
-    embd = []
+    stages = token_stages(model.config.features)
+    column = {sid: k for k, sid in enumerate(stages)}
+    acts = np.empty((model.config.n_layers, len(stages)), dtype=object)
+    embd, inputs = [], {}
 
-    def take(layer, k, rows):
+    def take(layer, stage, rows):
         if layer is None:
             embd.append(rows.copy())
+        elif stage in column:
+            acts[layer, column[stage]] = rows.copy()
         else:
-            acts[layer, k] = rows.copy()
+            inputs[layer, stage] = rows.copy()
 
-    logits = _scored_rows(model, ids, first, take)
-    return acts, embd[0], logits
+    logits = _scored_rows(model, ids, first, take, LOCAL_INPUTS)
+    return acts, embd[0], inputs, logits
 
 
 def differences(model, ids: np.ndarray, first: int, acts_b: np.ndarray,
@@ -144,12 +167,13 @@ def differences(model, ids: np.ndarray, first: int, acts_b: np.ndarray,
     """
     accumulated = np.zeros(acts_b.shape + (len(embd_b),), dtype=np.float32)
     embd = np.zeros(len(embd_b), dtype=np.float32)
+    column = {sid: k for k, sid in enumerate(token_stages(model.config.features))}
 
-    def take(layer, k, rows):
+    def take(layer, stage, rows):
         if layer is None:
             embd[:] = relative_error_rows(rows, embd_b)
         else:
-            accumulated[layer, k] = relative_error_rows(rows, acts_b[layer, k])
+            accumulated[layer, column[stage]] = relative_error_rows(rows, acts_b[layer, column[stage]])
 
     logits = _scored_rows(model, ids, first, take)
     return accumulated, embd, logits
@@ -162,14 +186,16 @@ def scored_logits(model, rows: np.ndarray) -> np.ndarray:
     return model.logits(rows)[:-1]
 
 
-def local_error_rows(model, acts_b: np.ndarray, embd_b: np.ndarray, first: int) -> np.ndarray:
+def local_error_rows(model, acts_b: np.ndarray, embd_b: np.ndarray, inputs_b: dict, first: int) -> np.ndarray:
     """float32 ``[n_layers, n_stages, n_scored]``: each stage of the base's captured rows
-    recomputed by ``model`` from the base's own inputs, against the base's output (NaN where the
-    stage is not recomputed or an input is not captured)."""
+    (:func:`capture`'s ``acts``, ``embd``, ``inputs``) recomputed by ``model`` from the base's
+    own inputs, against the base's output (NaN where the stage is not recomputed:
+    :func:`local_notes`)."""
     from llamatrace.analysis.local_error import local_errors
     from llamatrace.tracing.recorder import stage_key
     stages = token_stages(model.config.features)
     arrays = {stage_key(0, None, "inp_embd"): embd_b}
+    arrays.update({stage_key(0, layer, stage): rows for (layer, stage), rows in inputs_b.items()})
     for i in range(acts_b.shape[0]):
         for k, sid in enumerate(stages):
             arrays[stage_key(0, i, sid)] = acts_b[i, k]
@@ -188,11 +214,11 @@ def score_pair(models, job) -> tuple[TokenKLD, np.ndarray, np.ndarray]:
     a base file would hold them), float32 ``[2, n_layers, n_stages, n_scored]`` relative errors
     (accumulated, then local: see the module docstring) and float32 ``[n_scored]`` of ``inp_embd``."""
     base, model = models
-    acts_b, embd_b, logits_b = capture(base, job.ids, job.first)
+    acts_b, embd_b, inputs_b, logits_b = capture(base, job.ids, job.first)
     rows_b = compress_log_probs(logits_b)
     del logits_b
     accumulated, embd, logits_q = differences(model, job.ids, job.first, acts_b, embd_b)
-    errors = np.stack([accumulated, local_error_rows(model, acts_b, embd_b, job.first)])
+    errors = np.stack([accumulated, local_error_rows(model, acts_b, embd_b, inputs_b, job.first)])
     return token_kld(logits_q, rows_b, job.targets), errors, embd
 
 
@@ -204,6 +230,7 @@ class StageErrors:
         stages: the stage ids of the columns (:func:`token_stages` of the models).
         median, p95: float ``[n_layers, n_stages]`` over every scored token (accumulated).
         local_median, local_p95: the same of the local error (NaN where not recomputed).
+        local_notes: stage → why its local error is NaN (:func:`local_notes`).
         l_out: float ``[n_layers]``, median relative difference of the residual stream after each layer.
         added: float ``[n_layers]``, median over tokens of what each layer adds to it.
         count: scored tokens.
@@ -217,11 +244,15 @@ class StageErrors:
     l_out: np.ndarray
     added: np.ndarray
     count: int
+    local_notes: dict[str, str]
 
     @classmethod
-    def from_chunks(cls, errors: list[np.ndarray], embd: list[np.ndarray], stages: tuple[str, ...]) -> "StageErrors":
+    def from_chunks(cls, errors: list[np.ndarray], embd: list[np.ndarray], stages: tuple[str, ...],
+                    notes: dict[str, str] | None = None) -> "StageErrors":
         """Gather :func:`score_pair`'s chunks: ``errors`` float32 ``[2, n_layers, len(stages), n_scored]``
-        and ``embd`` float32 ``[n_scored]`` each, ``stages`` the column ids."""
+        and ``embd`` float32 ``[n_scored]`` each, ``stages`` the column ids, ``notes`` why a column's
+        local error is missing (:func:`local_notes`; a column missing one without a note gets a
+        generic one)."""
         both = np.concatenate(errors, axis=-1)            # [2, n_layers, n_stages, n_tokens]
         e, local = both[0], both[1]
         x0 = np.concatenate(embd)                          # [n_tokens]
@@ -230,8 +261,10 @@ class StageErrors:
         recomputed = ~np.isnan(local[..., :1])             # a stage is recomputed for every token or none
         local_median = np.where(recomputed[..., 0], np.median(np.nan_to_num(local), axis=2), np.nan)
         local_p95 = np.where(recomputed[..., 0], np.percentile(np.nan_to_num(local), 95, axis=2), np.nan)
+        notes = {s: (notes or {}).get(s, "an input of it is not captured")
+                 for k, s in enumerate(stages) if np.isnan(local_median[:, k]).any()}
         return cls(stages, np.median(e, axis=2), np.percentile(e, 95, axis=2), local_median, local_p95,
-                   np.median(resid, axis=1), np.median(resid - before, axis=1), int(e.shape[2]))
+                   np.median(resid, axis=1), np.median(resid - before, axis=1), int(e.shape[2]), notes)
 
     def worst(self, n: int = 15, local: bool = False) -> list[tuple[int, str, float, float]]:
         """The ``n`` (layer, stage, median, p95) with the largest median (of the local error with
@@ -247,4 +280,5 @@ class StageErrors:
         return {"stages": list(self.stages), "median": self.median.round(6).tolist(),
                 "p95": self.p95.round(6).tolist(), "local_median": listed(self.local_median),
                 "local_p95": listed(self.local_p95), "l_out_median": self.l_out.round(6).tolist(),
-                "l_out_added": self.added.round(6).tolist(), "count": self.count}
+                "l_out_added": self.added.round(6).tolist(), "count": self.count,
+                "local_notes": self.local_notes}

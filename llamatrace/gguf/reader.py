@@ -19,8 +19,9 @@ from typing import Any, Container
 import gguf
 import numpy as np
 
-from llamatrace.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from llamatrace.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError, shown
 from llamatrace.gguf.header import ARRAY, FIXED, STRING
+from llamatrace.gguf.metadata import check_metadata_types
 from llamatrace.gguf.validate import validate_gguf
 
 # GGUF tensor name (per block: "blk.{i}." prefix) → Meta reference model.py attribute.
@@ -224,7 +225,7 @@ class GGUFFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise ModelFormatError(f"{self.path.name}: required tensor {name!r} is missing; "
+            raise ModelFormatError(f"{self.path.name}: required tensor {shown(name)} is missing; "
                                    f"the GGUF file is incomplete or not a llama model") from None
 
     def matrix_shape(self, name: str) -> tuple[int, ...]:
@@ -267,7 +268,8 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
 
     Raises:
         ModelNotFoundError: missing or unreadable file.
-        ModelFormatError: not a GGUF file, truncated, or an inconsistent header.
+        ModelFormatError: not a GGUF file, truncated, an inconsistent header, or a key llamatrace
+            reads stored with another type than :data:`~llamatrace.gguf.metadata.KEY_TYPES` declares.
     """
     summary = validate_gguf(path)
     p = Path(path)
@@ -287,8 +289,14 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         n_elements = int(np.prod(dims, dtype=np.int64))
         tensors[name] = Tensor(name, qtype, np.asarray(dims, dtype=np.uint64), n_elements,
                                n_elements // block * type_size, summary.data_offset + offset, buf)
-    return GGUFFile(path=p, metadata=metadata, tensors=tensors, file_size=summary.file_size,
-                    version=summary.version, _map=buf, _kv_offsets=summary.kv_offsets)
+    f = GGUFFile(path=p, metadata=metadata, tensors=tensors, file_size=summary.file_size,
+                 version=summary.version, _map=buf, _kv_offsets=summary.kv_offsets)
+    try:
+        check_metadata_types(f.value_type, summary.kv_offsets, metadata, p.name)
+    except ModelFormatError:
+        f.close()
+        raise
+    return f
 
 
 def tensor_type_name(t: Any) -> str:
@@ -302,5 +310,5 @@ def check_tensor_types(f: GGUFFile, supported: frozenset) -> None:
         if t.tensor_type not in supported:
             names = ", ".join(sorted(gguf.GGMLQuantizationType(x).name for x in supported))
             raise UnsupportedModelError(
-                f"{f.path.name}: tensor {name!r} has type {tensor_type_name(t)}, which llamatrace does not "
+                f"{f.path.name}: tensor {shown(name)} has type {tensor_type_name(t)}, which llamatrace does not "
                 f"support yet (supported: {names}); convert the model to one of these types (llama.cpp's llama-quantize)")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llamatrace.errors import ModelFormatError, ModelNotFoundError
+from llamatrace.errors import shown as show
 from llamatrace.gguf.foreign import describe_foreign, show_bytes
 from llamatrace.gguf.header import ARRAY, FIXED, STRING, UINT32, VALUE_TYPES, type_name
 
@@ -293,7 +294,7 @@ class _Parser:
         for i in range(n_kv):
             start = self.pos
             key = self.name(f"key #{i}", MAX_KEY_LEN, f"over the {MAX_KEY_LEN}-byte limit for keys")
-            shown = _quote(key)
+            shown = show(key)
             if key in keys:
                 raise self.fail(f"duplicate key {shown} (key #{i} at byte {start})", FIX_CORRUPT)
             if key in _READER_RESERVED_KEYS:
@@ -396,7 +397,7 @@ class _Parser:
             name = self.name(
                 f"name of tensor #{i}", GGML_MAX_NAME - 1, f"longer than ggml's limit of {GGML_MAX_NAME - 1} bytes"
             )
-            shown = _quote(name)
+            shown = show(name)
             if name in names:
                 raise self.fail(f"duplicate tensor name {shown} (tensor #{i} at byte {start})", FIX_CORRUPT)
             names.add(name)
@@ -476,11 +477,6 @@ class _Parser:
 
 
 # --------------------------------------------------------------------------------------------
-
-
-def _quote(name: str, limit: int = 80) -> str:
-    text = name if len(name) <= limit else name[:limit] + "..."
-    return repr(text)
 
 
 def _show_path(path: str | os.PathLike[str]) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from llamatrace.errors import ModelFormatError, UnsupportedModelError
+from llamatrace.errors import ModelFormatError, UnsupportedModelError, shown
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ class ModelConfig:
         arch = meta.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise UnsupportedModelError(
-                f"{source}: architecture {arch!r} is not supported; llamatrace runs "
+                f"{source}: architecture {shown(arch)} is not supported; llamatrace runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF models")
         spec = ARCHITECTURES[arch]
 
@@ -254,10 +254,15 @@ class ModelConfig:
             return meta[full]
 
         def as_int(key: str, value: Any) -> int:
+            if isinstance(value, list):           # per layer (gguf.metadata.PER_LAYER_INTEGER): one for all
+                if not value or any(v != value[0] for v in value):
+                    raise UnsupportedModelError(f"{source}: metadata {arch}.{key} differs between layers "
+                                                f"({shown(value)}); llamatrace runs one value for every layer")
+                value = value[0]
             try:
                 return int(value)
             except (TypeError, ValueError):
-                raise ModelFormatError(f"{source}: metadata {arch}.{key} should be an integer, got {value!r}") from None
+                raise ModelFormatError(f"{source}: metadata {arch}.{key} should be an integer, got {shown(value)}") from None
 
         dim = as_int("embedding_length", need("embedding_length"))
         n_heads = as_int("attention.head_count", need("attention.head_count"))

@@ -26,7 +26,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from llamatrace.errors import LlamatraceError, OptionError
+from llamatrace.errors import LlamatraceError, OptionError, shown
 
 GGUF_MAGIC = b"GGUF"
 IN_SUM2, COUNTS = ".in_sum2", ".counts"
@@ -135,7 +135,7 @@ def _read_gguf(path: Path, where: str) -> tuple[Entries, ImatrixMeta]:
         counts = {n[:-len(COUNTS)]: t for n, t in f.tensors.items() if n.endswith(COUNTS)}
         if not sums and not counts:
             kind = f.metadata.get("general.type") or f.metadata.get("general.architecture") or "other"
-            raise OptionError(f"{where} is a GGUF file of type {kind!r}, not an importance matrix (no "
+            raise OptionError(f"{where} is a GGUF file of type {shown(kind)}, not an importance matrix (no "
                               f"*.in_sum2 tensors); make one with `llamatrace imatrix` or llama-imatrix")
         if sums.keys() != counts.keys():
             name = sorted(sums.keys() ^ counts.keys())[0]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import regex  # tiktoken's own dependency: DeepSeek's regex sequences, the rare missing-byte path
 import tiktoken
 
-from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
+from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError, shown
 from llamatrace.text.vocab import (
     SPM_SPACE,
     TOKEN_CONTROL,
@@ -244,14 +244,14 @@ class Tokenizer:
     def _pre_name(pre: str | None, where: str) -> str:
         if pre is None or pre == "default":
             warnings.warn(
-                f"tokenizer.ggml.pre is {'missing' if pre is None else repr(pre)}{where}; "
+                f"tokenizer.ggml.pre is {'missing' if pre is None else shown(pre)}{where}; "
                 "splitting text with the GPT-2 regex",
                 stacklevel=4,
             )
             return "gpt2"
         if pre not in PRE_ALIASES:
             raise UnsupportedModelError(
-                f"pre-tokenizer tokenizer.ggml.pre = {pre!r}{where} is not supported; "
+                f"pre-tokenizer tokenizer.ggml.pre = {shown(pre)}{where} is not supported; "
                 f"supported: {', '.join(sorted(PRE_ALIASES))}, default"
             )
         return PRE_ALIASES[pre]
@@ -281,7 +281,7 @@ class Tokenizer:
             raise ModelFormatError(f"no tokenizer.ggml.model{where}: the file carries no tokenizer; use a GGUF converted with its vocabulary (llama.cpp convert_hf_to_gguf.py)")
         if model not in ("gpt2", "llama"):
             raise UnsupportedModelError(
-                f"tokenizer.ggml.model = {model!r}{where} is not supported; byte-level BPE ('gpt2') and "
+                f"tokenizer.ggml.model = {shown(model)}{where} is not supported; byte-level BPE ('gpt2') and "
                 "SentencePiece ('llama') are"
             )
         entry = tokcache.Entry.open(reader) if enabled(cache) else None

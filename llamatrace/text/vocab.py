@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from llamatrace.errors import ModelFormatError
+from llamatrace.errors import ModelFormatError, shown
 
 # token types of tokenizer.ggml.token_type (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -93,7 +93,7 @@ def _merged_bytes(merges: Sequence[str], where: str) -> list[bytes]:
         left, sep, right = merge.partition(" ")
         lb, rb = _token_text_to_bytes(left), _token_text_to_bytes(right)
         if not sep or lb is None or rb is None:
-            raise ModelFormatError(f"tokenizer.ggml.merges[{i}] = {merge!r} is not 'left right'{where}")
+            raise ModelFormatError(f"tokenizer.ggml.merges[{i}] = {shown(merge)} is not 'left right'{where}")
         out.append(lb + rb)
     return out
 
