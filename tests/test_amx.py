@@ -24,6 +24,7 @@ import pytest
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
+from cli_helpers import run
 from test_act8 import _dequantized_activations, _rows, _weight
 
 from llamatrace.kernels import act8, amx, packing
@@ -493,10 +494,11 @@ def test_measure_compares_the_bits_of_the_two_prefills(qtype):
     assert m.same_bits == (qtype == T.Q4_0)
 
 
-def test_a_second_process_compiles_nothing():
+def test_a_second_process_compiles_nothing(tmp_path):
     # what an AMX process compiles or loads: the hardware prefill for the arguments a model's
     # weights give it and the peak probe (compiled here too, for this CPU), the VNNI prefill and
-    # per-row kernels; in a second process Numba's cache serves every one of them
+    # per-row kernels; in a second process Numba's cache serves every one of them. A cache of its
+    # own: the first process compiles them all (minutes)
     code = (
         "import gguf, numba, numpy as np\n"
         "from numba.core import event\n"
@@ -520,6 +522,39 @@ def test_a_second_process_compiles_nothing():
         "        matmul(x, w); matmul(x[:1], w)\n"
         "    amx.hw_dot_peak().compile((numba.types.int64,) * 4)\n"
         "print(sorted(set(compiled)))\n")
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
             for _ in range(2)]
+    assert "_prefill_hw" in runs[0] and "_dot_peak_hw" in runs[0] and "_prefill" in runs[0], runs
     assert runs[1].strip() == "[]", runs
+
+
+def test_info_and_bench_say_which_prefill_runs_and_why(amx_machine, capsys, monkeypatch, tiny_model_path, tmp_path):
+    from llamatrace.analysis import bench
+    from llamatrace.analysis.roofline import Machine, TokenCost
+
+    def int8_line():
+        code, out, err = run(capsys, "info", "-m", tiny_model_path)
+        assert code == 0, err
+        return next(line for line in out.splitlines() if line.startswith("q8 int8 products:"))
+
+    assert int8_line().endswith("; AMX prefill: off (default until measured faster)")        # a Q8_0 file
+    _kept(T.Q8_0, 1.0, 2.3)
+    amx._DECIDED.clear()
+    assert int8_line().endswith(f"; AMX prefill: on: measured 2.30x VNNI on this CPU (cache {tmp_path / 'amx.json'})")
+    monkeypatch.setenv(amx.ENV, "1")
+    assert int8_line().endswith("; AMX prefill: on: forced by LLAMATRACE_AMX=1")
+    # bench: the reason, and both kernels' speed on the same matmul (a report made here, not timed)
+    measured = amx.Measurement("Q4_0", 128, 4096, 4096, 2, 0.003, 0.0013, True)
+    machine = Machine(2, 20.0, 400.0, "vpdpbusd zmm", amx_gmac_s=1600.0, amx="Q4_0 off: measured 0.43x VNNI (…)",
+                      amx_matmuls=[measured.row()], read_small_pages_gb_s=19.0, read_between_runs_gb_s=[20.0])
+    report = bench.BenchReport(str(tiny_model_path), 1, "cpu", 2, 128, 8, 1, 0,
+                               [bench.EngineResult("llamatrace q8", "0", 1.0, [10.0], [5.0], 2**30, "numba omp")],
+                               machine, TokenCost(10**9, 10**9))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: report)
+    code, out, err = run(capsys, "bench", "-m", tiny_model_path)
+    assert code == 0, err
+    out = " ".join(out.split())
+    assert "AMX int8 1600 G/s (tdpbssd)" in out and "AMX prefill: Q4_0 off: measured 0.43x VNNI (…)" in out
+    assert ("Q4_0 [128, 4096] x [4096, 4096]^T: AMX 716 G/s, VNNI 1652 G/s (0.43x; same bits; best of 3 "
+            "alternated rounds)") in out

@@ -53,8 +53,8 @@ per 16 inputs the C pairs are stored and added in int32, ``isum += sc * (C - 32 
 activations, as :func:`llamatrace.kernels.act8._matmul_q6k`), and per block of 256 one float32
 step.
 
-Where the time beyond ``tdpb*d`` goes (expected from instruction counts, never measured: this was
-written on a machine without AMX): per 2 tile products (2 x 16 x 16 x 32 multiply-adds, ~32
+Where the time beyond ``tdpb*d`` goes (expected from instruction counts, never measured on AMX;
+docs/performance.md "AMX" has the fuller budget): per 2 tile products (2 x 16 x 16 x 32 multiply-adds, ~32
 cycles of the tile unit at one ``tdpb*d`` per 16 cycles) the vector work is, per activation row,
 2 zmm loads of C, 2 conversions, ~4 multiply/FMAs: ~130 vector instructions for the 16 rows, plus
 the 2 KB of C through L1 (2 tile stores, 32 loads). At two vector instructions a cycle that is
@@ -68,6 +68,15 @@ and the float32 operations are :func:`llamatrace.kernels.act8._matmul_q4`'s / ``
 ``_matmul_q6k``'s in the same order, so the outputs are the same bits (the tests check it,
 emulated). NumPy twins: :func:`llamatrace.kernels.act8.matmul_q4_np`, ``matmul_q8_np``,
 ``matmul_q4k_np``, ``matmul_q6k_np`` (the same formulas in float64).
+
+Which prefill runs (issue 51: on an AMX Xeon this kernel was 1.8x to 10x slower than the VNNI
+kernels, and on by default): :func:`available` says whether the tiles may run at all (CPU, OS,
+self-check, ``LLAMATRACE_AMX=0``); :func:`decision` whether a type's prefill runs on them: forced by
+``LLAMATRACE_AMX=1``, else only where this CPU's measurement (:func:`measure`, kept per CPU model,
+versions and kernel sources in the user cache: :func:`remember`) found AMX :data:`MARGIN` times as
+fast as the VNNI prefill *and* the same bits, so the choice changes speed, never an output;
+:func:`use` adds :data:`MIN_ROWS`. docs/performance.md "AMX" has the cycle budget per tile and
+the design meant to make it faster.
 
 Threads: the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``) is requested
 once per process (:func:`available`); the tile config is per thread, so every parallel chunk loads it
