@@ -2,6 +2,7 @@
 
     python benchmarks/bench_prefill.py [--rows 128] [--repeat 5] [--types Q4_K,Q6_K] [--all-shapes] [--micro-only] [--cpu-time]
     python benchmarks/bench_prefill.py --scaling 5 [--rows 128] [--repeat 5] [--types …] [--all-shapes]
+    python benchmarks/bench_prefill.py --amx [--rows 128] [--repeat 5] [--types Q4_0,Q8_0,Q4_K,Q6_K]
 
 For Q4_0, Q4_1, Q8_0, Q4_K ([14336, 4096], as ffn_gate/ffn_up) and Q6_K ([4096, 14336], as ffn_down):
 milliseconds per call (best of --repeat), int8 multiply-adds per second, and whether the two
@@ -11,12 +12,21 @@ kernels' outputs are the same bits (else their largest difference relative to th
 taken in one run. ``--scaling ROUNDS``: the microkernels' 1 -> 2 thread scaling instead, the two
 counts alternated for ROUNDS rounds (each a mean of --repeat calls), every round's ratio shown:
 on a VM the second vCPU's share of the host moves from round to round.
+
+``--amx``: on a CPU with AMX, the AMX prefill against the VNNI prefill that runs without it
+(:func:`llamatrace.kernels.amx.measure`, what the default's decision times: random weights, one
+call of each alternated for --repeat rounds, the best of each) for Q4_0, Q8_0, Q4_K and Q6_K at
+the three 8B shapes: ms, G multiply-adds/s, the fraction of the tile peak (``tdpbssd`` chains,
+:func:`llamatrace.kernels.amx.make_dot_peak`) and of VNNI's speed, whether the bits are the same,
+and a verdict per type. Whatever ``LLAMATRACE_AMX`` says but ``0``. Elsewhere: one ``error:``
+line and exit status 2, as for an option this machine cannot run.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import gguf
@@ -29,6 +39,7 @@ T = gguf.GGMLQuantizationType
 SHAPES = {T.Q4_0: (14336, 4096), T.Q4_1: (14336, 4096), T.Q8_0: (14336, 4096), T.Q4_K: (14336, 4096),
           T.Q6_K: (4096, 14336)}
 SHAPES_8B = ((4096, 4096), (14336, 4096), (4096, 14336))
+DEFAULT_TYPES = ",".join(t.name for t in SHAPES)
 _F16 = {v: np.frombuffer(np.float16(v).tobytes(), np.uint8) for v in (0.01, 0.002, -0.05)}
 
 
@@ -86,11 +97,44 @@ def scaling(name: str, f, x, out, repeat: int, rounds: int) -> None:
           f"1 -> 2 by round: {' '.join(f'{a / b:.2f}' for a, b in zip(ms[1], ms[2]))}", flush=True)
 
 
+def amx_against_vnni(types: list[str], rows: int, rounds: int) -> None:
+    """``--amx``: the table and a verdict per type (module docstring)."""
+    from llamatrace.kernels import amx
+
+    peak = amx.hw_dot_peak()
+    threads = numba.get_num_threads()
+    peak(8, threads, 0x04030201, 0x01FE0302)                     # compile or load
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        peak(200_000, threads, 0x04030201, 0x01FE0302)
+        best = min(best, time.perf_counter() - t0)
+    peak_gmac = 200_000 * amx.PEAK_MACS_PER_STEP * threads / best / 1e9
+    print(f"AMX against VNNI, {rows} rows, {threads} threads, best of {rounds} alternated rounds; "
+          f"tile peak {peak_gmac:.0f} G multiply-adds/s (tdpbssd chains); the default needs >= {amx.MARGIN}x "
+          f"and the same bits", flush=True)
+    for name in types:
+        if name not in amx.KINDS:
+            print(f"{name}: no AMX kernel", flush=True)
+            continue
+        ms = [amx.measure(amx.KINDS[name], (rows, n_out, n_in), rounds) for n_out, n_in in SHAPES_8B]
+        for m in ms:
+            a, v = m.row()["amx_gmac_s"], m.row()["vnni_gmac_s"]
+            print(f"{name:5s} [{m.n_out}, {m.n_in}]: AMX {m.amx_s * 1e3:7.1f} ms ({a:5.0f} G/s, {a / peak_gmac:4.0%} of "
+                  f"the tile peak), VNNI {m.vnni_s * 1e3:7.1f} ms ({v:5.0f} G/s): {m.speedup:.2f}x; "
+                  f"{'same bits' if m.same_bits else 'NOT the same bits'}", flush=True)
+        low, high = min(m.speedup for m in ms), max(m.speedup for m in ms)
+        verdict = ("AMX faster on every shape: the default chooses it" if all(m.amx_wins for m in ms) else
+                   "not the VNNI prefill's bits: never chosen by default" if not all(m.same_bits for m in ms) else
+                   f"under {amx.MARGIN}x on some shape: the default keeps VNNI")
+        print(f"{name}: AMX {low:.2f}-{high:.2f}x VNNI: {verdict}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=128, help="activation rows (prompt tokens)")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--types", default=",".join(t.name for t in SHAPES), help="comma-separated types")
+    ap.add_argument("--types", default=DEFAULT_TYPES, help="comma-separated types (--amx: Q4_0,Q8_0,Q4_K,Q6_K)")
     ap.add_argument("--all-shapes", action="store_true", help="the three 8B shapes for every type")
     ap.add_argument("--micro-only", action="store_true", help="time the microkernels only")
     ap.add_argument("--cpu-time", action="store_true",
@@ -98,9 +142,19 @@ def main() -> None:
                          "with NUMBA_NUM_THREADS=1, it leaves out the time the thread waited for a core")
     ap.add_argument("--scaling", type=int, metavar="ROUNDS", default=0,
                     help="1 -> 2 thread scaling of the microkernels over ROUNDS alternated rounds")
+    ap.add_argument("--amx", action="store_true",
+                    help="the AMX prefill against the VNNI prefill, --repeat alternated rounds (a CPU with AMX)")
     args = ap.parse_args()
     if not act8.available():
         raise SystemExit("the q8 kernels need AVX2")
+    if args.amx:
+        from llamatrace.kernels import amx
+        if not amx.available().on:
+            print(f"error: --amx: no AMX prefill to time here ({amx.available().reason}); run it on a CPU "
+                  f"with amx_int8 (Xeon from Sapphire Rapids on), without LLAMATRACE_AMX=0", file=sys.stderr)
+            raise SystemExit(2)
+        amx_against_vnni(args.types.split(",") if args.types != DEFAULT_TYPES else list(amx.KINDS), args.rows, args.repeat)
+        return
     rng = np.random.default_rng(0)
     print(f"{args.rows} rows, " + (f"1 and 2 threads alternated, {args.scaling} rounds of {args.repeat} calls"
                                    if args.scaling else f"{numba.get_num_threads()} threads, best of {args.repeat}"))

@@ -24,6 +24,7 @@ import pytest
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
+from cli_helpers import run
 from test_act8 import _dequantized_activations, _rows, _weight
 
 from llamatrace.kernels import act8, amx, packing
@@ -31,8 +32,9 @@ from llamatrace.kernels.registry import matmul
 
 T = gguf.GGMLQuantizationType
 TR = packing.TR
-ON = amx.status().on
-needs_amx = pytest.mark.skipif(not ON, reason=f"AMX is not on here: {amx.status().reason}")
+AVAILABLE = amx.available().on
+needs_amx = pytest.mark.skipif(not AVAILABLE, reason=f"AMX is not available here: {amx.available().reason}")
+DECIDE_AVAILABLE = amx.available.__wrapped__          # available() without its once-per-process cache
 
 EMULATED_PREFILL = amx.make_prefill(amx.EMULATED, cache=False)
 EMULATED_PEAK = amx.make_dot_peak(amx.EMULATED, cache=False)
@@ -292,7 +294,6 @@ def test_hardware_prefill_is_the_emulated_and_vnni_kernels_bits(qtype, n_seq):
     got = _run(amx.hw_prefill(), qtype, x, w)
     np.testing.assert_array_equal(got.view(np.uint32), _run(EMULATED_PREFILL, qtype, x, w).view(np.uint32))
     np.testing.assert_array_equal(got.view(np.uint32), _vnni(qtype, x, w).view(np.uint32))
-    np.testing.assert_array_equal(matmul(x, w), got)                   # the registry runs it
 
 
 @needs_amx
@@ -309,26 +310,20 @@ def test_status_follows_the_cpu_and_the_os_here():
     has = {"amx_tile", "amx_int8"} <= _cpu_flags()
     refused = amx.request_permission()               # the real syscall, on this machine
     if not has:
-        assert not ON and amx.status().reason == "n/a (no amx_int8)"
+        assert not AVAILABLE and amx.available().reason == "not available: no amx_int8"
         assert refused.startswith("the OS refused the AMX tile state") and "errno" in refused
+        assert amx.decision(amx.KIND_Q4_0) == amx.available() and not amx.use(amx.KIND_Q4_0, 128)
     else:                                            # an AMX machine: granted, and the self-check passed
-        assert refused == "" and ON, amx.status().reason
+        assert refused == "" and AVAILABLE, amx.available().reason
 
 
-@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
-def test_the_registry_runs_amx_only_when_on(qtype):
-    _, w = _weight(qtype, 70, (256 if qtype in KQUANTS else 32) * 5)
-    x = _rows(np.random.default_rng(1), 9, w.n_in)
-    # off: exactly the VNNI prefill's output; on: the AMX kernel's, the per-row VNNI kernel's bits
-    want = _vnni(qtype, x, w) if ON else _vnni_prefill(qtype, x, w)
-    np.testing.assert_array_equal(matmul(x, w), want)
-
-
-def test_off_switch_in_a_fresh_process():
-    code = "from llamatrace.kernels import amx; print(amx.status())"
-    env_out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, amx.ENV_OFF: "0"}).stdout
-    assert "on=False" in env_out and f"off: {amx.ENV_OFF}=0" in env_out
+def test_switches_in_a_fresh_process():
+    code = "from llamatrace.kernels import amx; print(amx.available(), amx.decision(amx.KIND_Q4_K))"
+    for value, want in (("0", "off: forced by LLAMATRACE_AMX=0"),
+                        ("1", "on: forced by LLAMATRACE_AMX=1" if AVAILABLE else amx.available().reason)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, amx.ENV: value}).stdout
+        assert out.count(f"reason='{want}'") == 2 - (value == "1" and AVAILABLE), out
 
 
 def test_hardware_kernels_load_from_numbas_cache_in_a_new_process():
@@ -367,14 +362,14 @@ def test_status_on_an_amx_machine_decides_by_permission_and_self_check(monkeypat
     # the decision as on an AMX machine, the hardware replaced by the emulator: permission granted
     # and the self-check passed -> on; refused -> off with the OS's reason; a kernel with a wrong
     # sum -> off, with one warning line
-    monkeypatch.delenv(amx.ENV_OFF, raising=False)
+    monkeypatch.delenv(amx.ENV, raising=False)
     monkeypatch.setattr(amx, "has_amx", lambda: True)
     monkeypatch.setattr(amx, "request_permission", lambda: "")
     monkeypatch.setattr(amx, "hw_prefill", lambda: EMULATED_PREFILL)
-    decide = amx.status.__wrapped__                   # status() without its once-per-process cache
+    decide = DECIDE_AVAILABLE
     assert decide().on
     monkeypatch.setattr(amx, "request_permission", lambda: "the OS refused the AMX tile state (...)")
-    assert decide() == amx.Status(False, "the OS refused the AMX tile state (...)")
+    assert decide() == amx.Status(False, "not available: the OS refused the AMX tile state (...)")
 
     def wrong(*args):
         EMULATED_PREFILL(*args)
@@ -383,5 +378,183 @@ def test_status_on_an_amx_machine_decides_by_permission_and_self_check(monkeypat
     monkeypatch.setattr(amx, "hw_prefill", lambda: wrong)
     with caplog.at_level("WARNING", logger="llamatrace"):
         st = decide()
-    assert not st.on and st.reason.startswith("self-check failed: Q4_0: 1 of ")
+    assert not st.on and st.reason.startswith("not available: self-check failed: Q4_0: 1 of ")
     assert [r.getMessage().count("\n") for r in caplog.records] == [0] and "VNNI" in caplog.text
+
+
+# --------------------------------------------------------------------------------------------
+# the default: AMX only where it was measured faster, with the same bits (issue 51)
+
+
+@pytest.fixture
+def amx_machine(monkeypatch, tmp_path):
+    """This process as on an AMX machine, the tiles replaced by the emulator: available, the
+    decisions kept under ``tmp_path``, none taken yet, and nothing timed (``measure`` raises).
+    Returns the list the prefill kernel appends to on each call."""
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[0].shape[0])
+        EMULATED_PREFILL(*args)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("measured: the tests decide through the kept entry")
+
+    monkeypatch.setenv("LLAMATRACE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(amx.ENV, raising=False)
+    monkeypatch.setattr(amx, "available", lambda: amx.Status(True, "amx_int8 (emulated)"))
+    monkeypatch.setattr(amx, "hw_prefill", lambda: kernel)
+    monkeypatch.setattr(amx, "measure", no_timing)
+    monkeypatch.setattr(amx, "_DECIDED", {})
+    return calls
+
+
+def _kept(qtype, amx_s, vnni_s, same_bits=True):
+    amx.remember(KINDS[qtype], amx.Measurement(qtype.name, 128, 4096, 4096, 2, amx_s, vnni_s, same_bits))
+
+
+@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
+def test_the_registry_runs_amx_only_where_it_was_measured_faster(qtype, amx_machine, tmp_path):
+    _, w = _weight(qtype, 70, (256 if qtype in KQUANTS else 32) * 5)
+    x = _rows(np.random.default_rng(1), 17, w.n_in)
+    kind = KINDS[qtype]
+    _kept(qtype, 1.0, 2.3)
+    np.testing.assert_array_equal(matmul(x, w), _vnni(qtype, x, w))           # the AMX kernel's bits
+    assert amx_machine == [32]                                                 # 17 rows, padded
+    assert amx.decision(kind).reason == f"on: measured 2.30x VNNI on this CPU (cache {tmp_path / 'amx.json'})"
+    for amx_s, vnni_s, same, why in ((2.0, 1.0, True, "off: measured 0.50x VNNI on this CPU, under the 1.2x it needs"),
+                                     (1.0, 1.1, True, "off: measured 1.10x VNNI on this CPU, under the 1.2x it needs"),
+                                     (1.0, 3.0, False, "off: measured 3.00x VNNI on this CPU, but not the VNNI prefill's bits")):
+        amx._DECIDED.clear()                                                   # a new process
+        _kept(qtype, amx_s, vnni_s, same)
+        np.testing.assert_array_equal(matmul(x, w), _vnni_prefill(qtype, x, w))
+        assert amx_machine == [32] and amx.decision(kind).reason.startswith(why + " (cache ")
+
+
+def test_forced_on_and_off_whatever_was_measured(amx_machine, monkeypatch):
+    _, w = _weight(T.Q4_0, 64, 256)
+    x = _rows(np.random.default_rng(2), 16, w.n_in)
+    _kept(T.Q4_0, 2.0, 1.0)                                                    # measured slower
+    monkeypatch.setenv(amx.ENV, "1")
+    matmul(x, w)
+    assert amx_machine == [16] and amx.decision(amx.KIND_Q4_0) == amx.Status(True, "on: forced by LLAMATRACE_AMX=1")
+    monkeypatch.setenv(amx.ENV, "0")
+    monkeypatch.setattr(amx, "available", DECIDE_AVAILABLE)                   # decided anew: nothing AMX is touched
+    monkeypatch.setattr(amx, "has_amx", lambda: pytest.fail("looked for AMX under LLAMATRACE_AMX=0"))
+    matmul(x, w)
+    assert amx_machine == [16] and amx.decision(amx.KIND_Q4_0) == amx.Status(False, "off: forced by LLAMATRACE_AMX=0")
+
+
+def test_short_prefills_keep_vnni_on_amx(amx_machine, monkeypatch):
+    # generate's warm-up runs a 5-token prefill through every weight at load: on the tiles it took
+    # ~15 s at 8B (issue 51), a 16-row tile of which 11 rows are padding
+    monkeypatch.setenv(amx.ENV, "1")
+    for qtype in KINDS:
+        _, w = _weight(qtype, 32, 256)
+        for n in (5, amx.MIN_ROWS - 1, amx.MIN_ROWS):
+            matmul(_rows(np.random.default_rng(n), n, w.n_in), w)
+    assert amx_machine == [amx.MIN_ROWS] * 4
+
+
+def test_unmeasured_is_off_until_measured_once_per_cpu(amx_machine, monkeypatch, tmp_path):
+    timed = []
+
+    def fake_measure(kind):
+        timed.append(kind)
+        return amx.Measurement(amx.KIND_NAMES[kind], 128, 4096, 4096, 2, 1.0, 1.5, True)
+
+    assert amx.decision(amx.KIND_Q4_0, measure_now=False) == amx.Status(False, "off (default until measured faster)")
+    assert amx.describe(("F32", "Q4_0", "Q6_K")) == "off (default until measured faster)"
+    monkeypatch.setattr(amx, "measure", fake_measure)
+    assert amx.decision(amx.KIND_Q4_0).on and timed == [amx.KIND_Q4_0]
+    amx._DECIDED.clear()                                                       # a new process: read, not timed
+    assert amx.decision(amx.KIND_Q4_0).on and timed == [amx.KIND_Q4_0]
+    assert amx.describe(("Q4_0", "Q6_K")).startswith("Q4_0 on: measured 1.50x VNNI on this CPU (cache ")
+    assert amx.describe(("Q4_0", "Q6_K")).endswith("; Q6_K off (default until measured faster)")
+    # another CPU model, or changed kernels: their own entry, measured again; a broken file too
+    key = amx.cpu_key()
+    monkeypatch.setattr(amx, "cpu_key", lambda: {**key, "kernels": "0" * 16})
+    amx._DECIDED.clear()
+    assert amx.recalled(amx.KIND_Q4_0) is None
+    (tmp_path / "amx.json").write_text("{not json")
+    monkeypatch.setattr(amx, "cpu_key", lambda: key)
+    assert amx.recalled(amx.KIND_Q4_0) is None
+    assert amx.decision(amx.KIND_Q4_0).on and timed == [amx.KIND_Q4_0] * 2
+    assert amx.recalled(amx.KIND_Q4_0) == fake_measure(amx.KIND_Q4_0)
+
+
+@pytest.mark.parametrize("qtype", KINDS, ids=lambda q: q.name)
+def test_measure_compares_the_bits_of_the_two_prefills(qtype):
+    # the emulated kernel, timed for nothing: what counts is the comparison. Q8_0's, Q4_K's and
+    # Q6_K's VNNI prefill adds in another order than the per-row kernels (whose bits AMX gives), so
+    # they are never chosen by measurement; Q4_0's are the same bits
+    shape = (16, 32, 256 if qtype in KQUANTS else 64)
+    m = amx.measure(KINDS[qtype], shape, rounds=1, kernel=EMULATED_PREFILL)
+    assert (m.type, m.rows, m.n_out, m.n_in) == (qtype.name, *shape) and m.amx_s > 0 and m.vnni_s > 0
+    assert m.same_bits == (qtype == T.Q4_0)
+
+
+def test_a_second_process_compiles_nothing(tmp_path):
+    # what an AMX process compiles or loads: the hardware prefill for the arguments a model's
+    # weights give it and the peak probe (compiled here too, for this CPU), the VNNI prefill and
+    # per-row kernels; in a second process Numba's cache serves every one of them. A cache of its
+    # own: the first process compiles them all (minutes)
+    code = (
+        "import gguf, numba, numpy as np\n"
+        "from numba.core import event\n"
+        "from llamatrace.kernels import amx, packing\n"
+        "from llamatrace.kernels.registry import matmul\n"
+        "compiled = []\n"
+        "class Count(event.Listener):\n"
+        "    def on_start(self, ev): pass\n"
+        "    def on_end(self, ev): compiled.append(ev.data['dispatcher'].py_func.__name__)\n"
+        "rng = np.random.default_rng(0)\n"
+        "with event.install_listener('numba:compile', Count()):\n"
+        "    for name, kind in amx.KINDS.items():\n"
+        "        qtype = gguf.GGMLQuantizationType[name]\n"
+        "        block, size = gguf.GGML_QUANT_SIZES[qtype]\n"
+        "        raw = rng.integers(0, 256, (32, 256 // block * size), dtype=np.uint8)\n"
+        "        w = packing.pack('w', qtype, raw, 32, 256, activations='q8')\n"
+        "        x = np.ones((amx.MIN_ROWS, 256), np.float32)\n"
+        "        out = np.empty((amx.MIN_ROWS, 32), np.float32)\n"
+        "        m = w.m if name == 'Q4_K' else w.d\n"
+        "        amx.hw_prefill().compile(tuple(numba.typeof(a) for a in amx.arguments(kind, x, w.qs, w.d, m, out)))\n"
+        "        matmul(x, w); matmul(x[:1], w)\n"
+        "    amx.hw_dot_peak().compile((numba.types.int64,) * 4)\n"
+        "print(sorted(set(compiled)))\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+            for _ in range(2)]
+    assert "_prefill_hw" in runs[0] and "_dot_peak_hw" in runs[0] and "_prefill" in runs[0], runs
+    assert runs[1].strip() == "[]", runs
+
+
+def test_info_and_bench_say_which_prefill_runs_and_why(amx_machine, capsys, monkeypatch, tiny_model_path, tmp_path):
+    from llamatrace.analysis import bench
+    from llamatrace.analysis.roofline import Machine, TokenCost
+
+    def int8_line():
+        code, out, err = run(capsys, "info", "-m", tiny_model_path)
+        assert code == 0, err
+        return next(line for line in out.splitlines() if line.startswith("q8 int8 products:"))
+
+    assert int8_line().endswith("; AMX prefill: off (default until measured faster)")        # a Q8_0 file
+    _kept(T.Q8_0, 1.0, 2.3)
+    amx._DECIDED.clear()
+    assert int8_line().endswith(f"; AMX prefill: on: measured 2.30x VNNI on this CPU (cache {tmp_path / 'amx.json'})")
+    monkeypatch.setenv(amx.ENV, "1")
+    assert int8_line().endswith("; AMX prefill: on: forced by LLAMATRACE_AMX=1")
+    # bench: the reason, and both kernels' speed on the same matmul (a report made here, not timed)
+    measured = amx.Measurement("Q4_0", 128, 4096, 4096, 2, 0.003, 0.0013, True)
+    machine = Machine(2, 20.0, 400.0, "vpdpbusd zmm", amx_gmac_s=1600.0, amx="Q4_0 off: measured 0.43x VNNI (…)",
+                      amx_matmuls=[measured.row()], read_small_pages_gb_s=19.0, read_between_runs_gb_s=[20.0])
+    report = bench.BenchReport(str(tiny_model_path), 1, "cpu", 2, 128, 8, 1, 0,
+                               [bench.EngineResult("llamatrace q8", "0", 1.0, [10.0], [5.0], 2**30, "numba omp")],
+                               machine, TokenCost(10**9, 10**9))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: report)
+    code, out, err = run(capsys, "bench", "-m", tiny_model_path)
+    assert code == 0, err
+    out = " ".join(out.split())
+    assert "AMX int8 1600 G/s (tdpbssd)" in out and "AMX prefill: Q4_0 off: measured 0.43x VNNI (…)" in out
+    assert ("Q4_0 [128, 4096] x [4096, 4096]^T: AMX 716 G/s, VNNI 1652 G/s (0.43x; same bits; best of 3 "
+            "alternated rounds)") in out

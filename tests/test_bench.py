@@ -26,7 +26,9 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     assert all(v > 0 for v in ours["prefill_tok_s"] + ours["decode_tok_s"])
     assert ours["load_s"] > 0 and ours["peak_rss_bytes"] > 10 * 2**20   # a child process with numpy loaded
     assert report["machine"]["threads"] == 1 and report["machine"]["read_gb_s"] > 0
-    assert report["machine"]["amx"] == amx.status().reason and (report["machine"]["amx_gmac_s"] > 0) == amx.status().on
+    # f32 activations: no type's prefill on AMX, only the peak where the tiles are available
+    assert report["machine"]["amx"] == amx.describe(()) and report["machine"]["amx_matmuls"] == []
+    assert (report["machine"]["amx_gmac_s"] > 0) == amx.available().on
     assert report["cost"]["macs"] > 0 and report["cost"]["weight_bytes"] < report["file_bytes"]
     roof = ours["roofline"]
     assert roof["decode_gb_s"] == pytest.approx(report["cost"]["weight_bytes"] * ours["decode_median"] / 1e9)
@@ -43,8 +45,9 @@ def test_bench_table(capsys, tiny_model_path):
     assert code == 0, err
     assert "prefill tok/s" in out and "decode tok/s" in out and "peak RSS" in out and "llamatrace" in out
     assert "limits on" in out and "GB/s of weights" in out and "of the read bandwidth" in out
-    # the AMX peak beside the others, or why it is not measured ("n/a (no amx_int8)")
-    assert ("AMX int8" in out) and (("of the AMX peak" in out) if amx.status().on else amx.status().reason in out)
+    # the AMX peak beside the others where the tiles are available, and which prefill runs, and why
+    assert ("of the AMX peak" in out) == ("AMX int8" in out) == amx.available().on
+    assert f"AMX prefill: {amx.describe(())}" in " ".join(out.split())
 
 
 def test_bench_runs_each_activations_mode_as_an_engine(capsys, tiny_model_path):

@@ -155,7 +155,7 @@ def test_info_lists_tensors(capsys, tiny_model_path):
     from llamatrace.kernels import amx
     from llamatrace.kernels.act8_ir import has_vnni
     line = next(line for line in out.splitlines() if line.startswith("q8 int8 products:"))
-    assert ("VNNI" in line) == has_vnni() and amx.status().reason in line
+    assert ("VNNI" in line) == has_vnni() and line.endswith(f"; AMX prefill: {amx.describe(('Q8_0', 'F32'))}")
 
 
 def test_info_shows_tokenizer_kind_and_tensor_type_mix(capsys, tiny_model_path):

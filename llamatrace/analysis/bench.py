@@ -180,7 +180,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     peer_threads = threads or os.cpu_count() or 1      # ours: None = AutoThreads, as by default
     n_ctx = prompt_tokens + decode_tokens + 8
     path = str(Path(model_path).resolve())
-    cost = _check_fits(path, prompt_tokens, decode_tokens, n_ctx)
+    cost, matrix_types = _check_fits(path, prompt_tokens, decode_tokens, n_ctx)
     workers = {}
     with contextlib.ExitStack() as stack:
         if background_load:
@@ -194,7 +194,8 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
         results = {name: w.result for name, w in workers.items()}
         # after the engines' processes exist: a child inherits its parent's peak RSS at fork
         progress("measuring the machine's read bandwidth and int8 multiply-add peak")
-        machine = measure_machine(peer_threads)
+        # AMX against VNNI only where a q8 engine runs: the f32 kernels never use the tiles
+        machine = measure_machine(peer_threads, amx_types=matrix_types if "q8" in modes else ())
         words = read_buffer()                            # read again after each round of runs
         ids = prompt_ids(workers[engines[0]].result_vocab, prompt_tokens)
         for name, w in workers.items():                  # warm-up: caches, lazy allocations
@@ -220,19 +221,23 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
 # one process per engine
 
 
-def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -> TokenCost:
+def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -> tuple[TokenCost, tuple[str, ...]]:
     """Raise :class:`OptionError` naming ``--prompt-tokens`` / ``--decode-tokens`` when a run
     (plus 8 spare cells) does not fit the model's context, before any engine loads; else return
-    what a token costs in the file's weights."""
-    from llamatrace.gguf.reader import open_gguf
+    what a token costs in the file's weights, and the GGML type names of its matrices (most bytes first)."""
+    from llamatrace.gguf.reader import open_gguf, tensor_type_name
     from llamatrace.model.config import ModelConfig
     with open_gguf(path) as gguf_file:
         limit, cost = ModelConfig.from_gguf(gguf_file).max_seq_len, token_cost(gguf_file)
+        by_type: dict[str, int] = {}
+        for t in gguf_file.tensors.values():
+            if len(t.shape) == 2:
+                by_type[tensor_type_name(t)] = by_type.get(tensor_type_name(t), 0) + int(t.n_bytes)
     if n_ctx > limit:
         raise OptionError(f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} need "
                           f"{n_ctx} positions (8 spare), more than the model's context length {limit}; "
                           f"use at most {max(1, limit - decode_tokens - 8)} prompt tokens")
-    return cost
+    return cost, tuple(sorted(by_type, key=by_type.get, reverse=True))
 
 
 def _ours(activations: str) -> str:

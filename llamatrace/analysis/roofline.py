@@ -13,9 +13,11 @@ Two limits, measured on the machine the benchmark runs on (:mod:`llamatrace.kern
 - **int8 multiply-add peak** (G/s): prefill's 8-bit kernels (ours in ``q8``, llama.cpp's) are made
   of ``vpdpbusd`` / ``vpmaddubsw``, so the weights' multiply-adds per token times prefill tokens per
   second is the fraction of that peak it reaches;
-- **AMX int8 peak** (G/s), where the CPU has AMX and the OS grants it (:func:`llamatrace.kernels.amx.status`):
+- **AMX int8 peak** (G/s), where the CPU has AMX and the OS grants it (:func:`llamatrace.kernels.amx.available`):
   ``tdpbssd`` chains on the tiles, the limit of the AMX prefill kernels; elsewhere the reason it is
-  not measured (``n/a (no amx_int8)``).
+  not measured (``not available: no amx_int8``). There, too, the AMX and the VNNI prefill of
+  each of the model's types on the same matmul (:func:`llamatrace.kernels.amx.measure`), and
+  which of them runs, and why (:func:`llamatrace.kernels.amx.describe`).
 
 Per token, a weight matrix of ``n_out x n_in`` is ``n_out * n_in`` multiply-adds and its file
 bytes; the token embedding counts only when the output projection shares it (a row is all a
@@ -38,7 +40,10 @@ _AMX_STEPS = 2_000_000         # 4 tdpbssd a step: ~0.1 s a thread at 1.3 T mult
 class Machine:
     """The measured limits: ``read_gb_s`` (GB/s, 1e9 bytes, memory on 2 MiB pages), ``int8_gmac_s``
     (1e9 int8 multiply-adds a second), both with ``threads`` threads; ``isa``: the multiply-add
-    instruction; ``amx_gmac_s``: the AMX int8 peak (0 where not measured, ``amx`` then says why);
+    instruction; ``amx_gmac_s``: the AMX int8 peak (0 where not measured); ``amx``: which prefill
+    kernel runs for the model's types and why (:func:`llamatrace.kernels.amx.describe`);
+    ``amx_matmuls``: per type, the AMX and the VNNI prefill timed on the same matmul
+    (:meth:`llamatrace.kernels.amx.Measurement.row`; empty without AMX);
     ``read_small_pages_gb_s``: the read from memory on the pages of weights packed without the cache
     (:func:`read_bandwidth`; 0 where not measured); ``read_between_runs_gb_s``: one read on 2 MiB
     pages after each round of a benchmark's runs (a machine shared with other work reads slower in
@@ -50,6 +55,7 @@ class Machine:
     isa: str
     amx_gmac_s: float = 0.0
     amx: str = ""
+    amx_matmuls: list[dict] = field(default_factory=list)
     read_small_pages_gb_s: float = 0.0
     read_between_runs_gb_s: list[float] = field(default_factory=list)
 
@@ -91,10 +97,12 @@ def read_bandwidth(threads: int, repeats: int = 3, words: np.ndarray | None = No
     return words.nbytes / best / 1e9
 
 
-def measure_machine(threads: int, repeats: int = 3) -> Machine:
+def measure_machine(threads: int, repeats: int = 3, amx_types: tuple[str, ...] = ()) -> Machine:
     """Best of ``repeats`` runs of each probe on ``threads`` threads (a 1 GiB read on 2 MiB pages,
     then on small pages: :func:`read_bandwidth`; 8 chains of int8 multiply-adds a thread; 4 chains
-    of ``tdpbssd`` a thread where AMX is on). ``int8_gmac_s`` is 0 on CPUs without AVX2."""
+    of ``tdpbssd`` a thread, and the AMX and VNNI prefill of each of ``amx_types`` (GGML type
+    names; those AMX serves) on the same matmul, where AMX is available). ``int8_gmac_s`` is 0 on
+    CPUs without AVX2."""
     from llamatrace.kernels import amx, probe
 
     best_dot = float("inf")
@@ -109,8 +117,8 @@ def measure_machine(threads: int, repeats: int = 3) -> Machine:
             probe.dot_peak(_DOT_STEPS, threads, 0x04030201, 0x01FE0302)
             best_dot = min(best_dot, time.perf_counter() - t0)
         gmac = _DOT_STEPS * probe.CHAINS * probe.macs_per_step(isa) * threads / best_dot / 1e9
-    amx_status, amx_gmac = amx.status(), 0.0
-    if amx_status.on:
+    amx_gmac, amx_matmuls = 0.0, []
+    if amx.available().on:
         peak, best_amx = amx.hw_dot_peak(), float("inf")
         peak(8, threads, 0x04030201, 0x01FE0302)
         for _ in range(repeats):
@@ -118,8 +126,9 @@ def measure_machine(threads: int, repeats: int = 3) -> Machine:
             peak(_AMX_STEPS, threads, 0x04030201, 0x01FE0302)
             best_amx = min(best_amx, time.perf_counter() - t0)
         amx_gmac = _AMX_STEPS * amx.PEAK_MACS_PER_STEP * threads / best_amx / 1e9
+        amx_matmuls = [amx.measure(amx.KINDS[name]).row() for name in amx_types if name in amx.KINDS]
     return Machine(threads=threads, read_gb_s=read_gb_s, int8_gmac_s=gmac, isa=isa, amx_gmac_s=amx_gmac,
-                   amx=amx_status.reason, read_small_pages_gb_s=read_small_gb_s)
+                   amx=amx.describe(amx_types), amx_matmuls=amx_matmuls, read_small_pages_gb_s=read_small_gb_s)
 
 
 def token_cost(gguf_file) -> TokenCost:

@@ -55,6 +55,7 @@ def bench(
     from rich.table import Table
 
     from llamatrace.analysis.bench import run_bench
+    from llamatrace.kernels.amx import CALIBRATION_ROUNDS
 
     for mode in activations or ():
         check_activations(mode)
@@ -75,12 +76,17 @@ def bench(
               soft_wrap=True)
     m, cost = report.machine, report.cost
     peak = f"int8 multiply-adds {m.int8_gmac_s:.0f} G/s ({m.isa})" if m.int8_gmac_s else "no int8 peak (no AVX2)"
-    peak += f", AMX int8 {m.amx_gmac_s:.0f} G/s (tdpbssd)" if m.amx_gmac_s else f", AMX int8 {m.amx}"
+    peak += f", AMX int8 {m.amx_gmac_s:.0f} G/s (tdpbssd)" if m.amx_gmac_s else ""
     between = m.read_between_runs_gb_s
     out.print(f"limits on {plural(m.threads, 'thread')}: reads {m.read_gb_s:.1f} GB/s "
               f"({m.read_small_pages_gb_s:.1f} on small pages; {min(between):.1f}–{max(between):.1f} between the "
               f"runs), {peak} · a token: "
               f"{cost.weight_bytes / 1e9:.3g} GB of weights, {cost.macs / 1e9:.3g} G multiply-adds", soft_wrap=True)
+    out.print(f"AMX prefill: {m.amx}", soft_wrap=True)
+    for t in m.amx_matmuls:          # where AMX is available: both kernels on the same matmul, here and now
+        out.print(f"  {t['type']} [{t['rows']}, {t['n_in']}] x [{t['n_out']}, {t['n_in']}]^T: AMX "
+                  f"{t['amx_gmac_s']:.0f} G/s, VNNI {t['vnni_gmac_s']:.0f} G/s ({t['speedup']:.2f}x; "
+                  f"{'same bits' if t['same_bits'] else 'not the same bits'}; best of {CALIBRATION_ROUNDS} alternated rounds)", soft_wrap=True)
     base = next((r for r in report.results if r.engine == "llama.cpp"), None)
     table = Table()
     for col in ("engine", "load s", "prefill tok/s", "decode tok/s", "peak RSS GB"):

@@ -108,17 +108,18 @@ def info(
     out.print(f"Runtime: {cpu_model()}, {numba.config.NUMBA_NUM_THREADS} threads, Numba threading layer "
               f"{threading_layer()!r} (what a parallel region costs on each: docs/performance.md, Threads)",
               soft_wrap=True)
-    out.print(f"q8 int8 products: {_int8_path()}", soft_wrap=True)
+    out.print(f"q8 int8 products: {_int8_path(tuple(sorted(mix, key=lambda k: -mix[k][1])))}", soft_wrap=True)
 
 
-def _int8_path() -> str:
+def _int8_path(type_names: tuple[str, ...]) -> str:
     """Which instructions the ``q8`` kernels multiply with here: the vector dot product, and whether
-    the prefill of Q4_0 / Q8_0 / Q4_K / Q6_K runs on AMX tiles (and if not, why)."""
+    the prefill of the file's Q4_0 / Q8_0 / Q4_K / Q6_K matrices runs on AMX tiles, and why
+    (:func:`llamatrace.kernels.amx.describe`: nothing is measured here)."""
     from llamatrace.kernels import amx
     from llamatrace.kernels.act8_ir import has_vnni
 
     vector = "vpdpbusd (VNNI)" if has_vnni() else "vpmaddubsw + vpmaddwd (AVX2)"
-    return f"{vector}; AMX prefill {amx.status().reason}"
+    return f"{vector}; AMX prefill: {amx.describe(type_names)}"
 
 
 def _tokenizer_kind(f, source: str) -> str:

@@ -18,7 +18,7 @@ mode, phase)::
     act8       8-bit activations (``--activations q8``): quantization, layout, the Numba kernels
                that Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K declare as their ``q8`` kernels;
     act8_ir      its block dot products in LLVM IR
-    amx        Q4_0 / Q8_0 / Q4_K / Q6_K q8 prefill on AMX tiles where the CPU has them (hardware ops | emulator)
+    amx        Q4_0 / Q8_0 / Q4_K / Q6_K q8 prefill on AMX tiles where measured faster (hardware ops | emulator)
     threads    threading layer, set_threads, AutoThreads
     probe      the machine's limits for bench: read bandwidth, int8 multiply-add peak
 

@@ -11,7 +11,7 @@ Tile operations. :class:`TileOps` holds ``config``, ``zero``, ``load``, ``dpbssd
 - :data:`HW` (hardware): each op one instruction in inline asm (``ldtilecfg``, ``tilezero``,
   ``tileloadd``, ``tdpbssd`` / ``tdpbsud``, ``tilestored``, ``tilerelease``), the register numbers
   compile-time literals. Numba assembles them on any x86 machine; they run only where the CPU has
-  AMX and the kernel granted the process the tile state (:func:`status`).
+  AMX and the kernel granted the process the tile state (:func:`available`).
 - :data:`EMULATED`: the same ops in Numba on a register file kept in the ``state`` array, with the
   semantics of Intel's SDM pseudo-code (``tileloadd`` zeroes the bytes beyond the configured rows
   and columns; ``tdpbssd``: ``C[m][n] += sum_k sum_i A[m][4k+i] * B[k][4n+i]``, the bytes signed
@@ -53,8 +53,8 @@ per 16 inputs the C pairs are stored and added in int32, ``isum += sc * (C - 32 
 activations, as :func:`llamatrace.kernels.act8._matmul_q6k`), and per block of 256 one float32
 step.
 
-Where the time beyond ``tdpb*d`` goes (expected from instruction counts, never measured: this was
-written on a machine without AMX): per 2 tile products (2 x 16 x 16 x 32 multiply-adds, ~32
+Where the time beyond ``tdpb*d`` goes (expected from instruction counts, never measured on AMX;
+docs/performance.md "AMX" has the fuller budget): per 2 tile products (2 x 16 x 16 x 32 multiply-adds, ~32
 cycles of the tile unit at one ``tdpb*d`` per 16 cycles) the vector work is, per activation row,
 2 zmm loads of C, 2 conversions, ~4 multiply/FMAs: ~130 vector instructions for the 16 rows, plus
 the 2 KB of C through L1 (2 tile stores, 32 loads). At two vector instructions a cycle that is
@@ -69,8 +69,17 @@ and the float32 operations are :func:`llamatrace.kernels.act8._matmul_q4`'s / ``
 emulated). NumPy twins: :func:`llamatrace.kernels.act8.matmul_q4_np`, ``matmul_q8_np``,
 ``matmul_q4k_np``, ``matmul_q6k_np`` (the same formulas in float64).
 
+Which prefill runs (issue 51: on an AMX Xeon this kernel was 1.8x to 10x slower than the VNNI
+kernels, and on by default): :func:`available` says whether the tiles may run at all (CPU, OS,
+self-check, ``LLAMATRACE_AMX=0``); :func:`decision` whether a type's prefill runs on them: forced by
+``LLAMATRACE_AMX=1``, else only where this CPU's measurement (:func:`measure`, kept per CPU model,
+versions and kernel sources in the user cache: :func:`remember`) found AMX :data:`MARGIN` times as
+fast as the VNNI prefill *and* the same bits, so the choice changes speed, never an output;
+:func:`use` adds :data:`MIN_ROWS`. docs/performance.md "AMX" has the cycle budget per tile and
+the design meant to make it faster.
+
 Threads: the permission (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``) is requested
-once per process (:func:`status`); the tile config is per thread, so every parallel chunk loads it
+once per process (:func:`available`); the tile config is per thread, so every parallel chunk loads it
 (``ldtilecfg``) before its first tile op and releases the tiles (``tilerelease``) after its last.
 """
 
@@ -78,10 +87,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import json
 import logging
 import os
+import time
 import types as pytypes
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numba
@@ -117,9 +130,6 @@ STATE_BYTES = CONFIG_BYTES + 8 * 1024 + 64
 eight 1 KB registers and its own copy of the loaded config (unused by the hardware ops)."""
 _REGS = CONFIG_BYTES
 _LOADED = CONFIG_BYTES + 8 * 1024
-
-ENV_OFF = "LLAMATRACE_AMX"
-"""Set to ``"0"``: never use AMX (the VNNI / AVX2 kernels run), as ``LLAMATRACE_VNNI=0`` turns VNNI off."""
 
 ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
 XFEATURE_XTILEDATA = 18
@@ -648,7 +658,7 @@ def dot_peak_np(n_steps: int, n_threads: int, a_word: int, b_word: int) -> np.nd
 
 @functools.lru_cache(maxsize=1)
 def hw_dot_peak():
-    """The peak probe on the CPU's tiles (run only where :func:`status` is on)."""
+    """The peak probe on the CPU's tiles (run only where :func:`available` is on)."""
     return make_dot_peak(HW)
 
 
@@ -675,8 +685,8 @@ def request_permission() -> str:
 
 @dataclass(frozen=True)
 class Status:
-    """Whether the ``q8`` prefill of Q4_0 / Q8_0 / Q4_K / Q6_K runs on AMX in this process (``on``), and why
-    (``reason``: what was found, one line)."""
+    """Whether something runs on AMX (``on``), and why (``reason``: one line, as ``llamatrace
+    info`` and ``bench`` print it)."""
 
     on: bool
     reason: str
@@ -691,56 +701,71 @@ def has_amx() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def status() -> Status:
-    """Decide once per process whether AMX runs: off when :data:`ENV_OFF` is ``0``, when the CPU
-    lacks ``amx_int8`` (:func:`has_amx`), when the OS refuses the permission
-    (:func:`request_permission`), or when the hardware kernel's first products differ from the
-    VNNI kernel's (:func:`self_check`; then one warning line). Then the VNNI / AVX2 kernels run."""
-    if os.environ.get(ENV_OFF, "1") == "0":
-        return Status(False, f"off: {ENV_OFF}={os.environ[ENV_OFF]}")
+def available() -> Status:
+    """Decide once per process whether the tiles may run at all: not when :data:`ENV` is ``0``
+    (nothing AMX is touched then), when the CPU lacks ``amx_int8`` (:func:`has_amx`), when the OS
+    refuses the permission (:func:`request_permission`), or when the hardware kernel's first
+    products differ from the VNNI kernel's (:func:`self_check`; then one warning line). Whether a
+    type's prefill then runs on them is :func:`decision`'s."""
+    if os.environ.get(ENV) == "0":
+        return Status(False, f"off: forced by {ENV}=0")
     if not has_amx():
-        return Status(False, "n/a (no amx_int8)")
+        return Status(False, "not available: no amx_int8")
     refused = request_permission()
     if refused:
-        return Status(False, refused)
+        return Status(False, f"not available: {refused}")
     wrong = self_check(hw_prefill())
     if wrong:
         _log.warning("AMX self-check failed, prefill keeps the VNNI kernels: %s", wrong)
-        return Status(False, f"self-check failed: {wrong}")
-    return Status(True, "on: amx_int8 (tdpbssd/tdpbsud prefill for Q4_0, Q8_0, Q4_K, Q6_K)")
+        return Status(False, f"not available: self-check failed: {wrong}")
+    return Status(True, "amx_int8 (tdpbssd/tdpbsud prefill for Q4_0, Q8_0, Q4_K, Q6_K)")
 
 
 @functools.lru_cache(maxsize=1)
 def hw_prefill():
-    """The prefill kernel on the CPU's tiles (compiled on first call; runs only where
-    :func:`status` is on)."""
+    """The prefill kernel on the CPU's tiles (compiled, or loaded from Numba's cache, on first
+    call; runs only where :func:`available` is on)."""
     return make_prefill(HW)
+
+
+_BLOCK_BYTES = {KIND_Q4_0: (QK, 16), KIND_Q8_0: (QK, 32), KIND_Q4_K: (QK_K, 144), KIND_Q6_K: (QK_K, 208)}
+"""Per kind: (inputs a block, packed bytes a block row: ``P`` of ``qs [T, B, P, TR]``)."""
+
+
+def random_weight(rng, kind: int, n_out: int, n_in: int):
+    """Random packed arrays ``(qs, d, m)`` of a ``q8`` weight of ``kind``, typed as
+    :func:`llamatrace.kernels.packing.pack` types them (``qs`` uint8 [T, B, P, TR], int8 for
+    Q8_0; ``d``, ``m`` fp16 bits uint16 [T, B, TR], small positive scales), so that a kernel
+    compiled for them serves a model's weights too. ``n_out`` a multiple of TR, ``n_in`` of the
+    block."""
+    per_block, n_bytes = _BLOCK_BYTES[kind]
+    shape = (n_out // TR, n_in // per_block)
+    qs = rng.integers(0, 256, (*shape, n_bytes, TR), dtype=np.uint8)
+    if kind == KIND_Q4_K:
+        qs[:, :, :Q4K_HEAD] &= 63                           # 6-bit scales and mins
+    d, m = (np.float16(rng.uniform(1e-3, 2e-2, (*shape, TR))).view(np.uint16) for _ in range(2))
+    return (qs.view(np.int8) if kind == KIND_Q8_0 else qs), d, (m if kind == KIND_Q4_K else d)
 
 
 def self_check(kernel) -> str:
     """Run ``kernel`` (a :func:`make_prefill` kernel) on small Q4_0, Q8_0, Q4_K and Q6_K products
     (37 rows of x: two full A tiles and a part one; 64 weight rows, 256 inputs) and compare with
-    the VNNI kernels (:func:`llamatrace.kernels.act8._matmul_q4`, ``_matmul_q4k``,
-    ``_matmul_q6k``). Returns ``""`` when every output is the same float32, else what differed."""
+    the per-row VNNI kernels (:func:`llamatrace.kernels.act8._matmul_q4`, ``_matmul_q4k``,
+    ``_matmul_q6k``), whose bits it is written to give. Returns ``""`` when every output is the
+    same float32, else what differed."""
     rng = np.random.default_rng(36)
     x = rng.standard_normal((37, 256)).astype(np.float32)
-    for kind, name, n_bytes in ((KIND_Q4_0, "Q4_0", 16), (KIND_Q8_0, "Q8_0", 32), (KIND_Q4_K, "Q4_K", 144),
-                                (KIND_Q6_K, "Q6_K", 208)):
-        n_blocks = 1 if kind in (KIND_Q4_K, KIND_Q6_K) else 8
-        qs = rng.integers(0, 256, (2, n_blocks, n_bytes, TR), dtype=np.uint8)
-        if kind == KIND_Q4_K:
-            qs[:, :, :Q4K_HEAD] &= 63                           # 6-bit scales and mins
-        d = np.float16(rng.uniform(1e-3, 2e-2, (2, n_blocks, TR))).view(np.uint16)
+    for kind, name in KIND_NAMES.items():
+        qs, d, m = random_weight(rng, kind, 64, 256)
         want = np.empty((37, 64), np.float32)
         if kind == KIND_Q4_K:
-            act8._matmul_q4k(x, qs, d, d, want)
+            act8._matmul_q4k(x, qs, d, m, want)
         elif kind == KIND_Q6_K:
             act8._matmul_q6k(x, qs, d, want)
         else:
-            act8._matmul_q4(x, qs if kind == KIND_Q4_0 else qs.view(np.int8), d, d, _M_SCALE[kind],
-                            kind == KIND_Q8_0, want)
+            act8._matmul_q4(x, qs, d, d, _M_SCALE[kind], kind == KIND_Q8_0, want)
         got = np.empty_like(want)
-        run(kernel, kind, x, qs, d, d, got, 2)
+        run(kernel, kind, x, qs, d, m, got, 2)
         if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
             bad = int(np.count_nonzero(got != want))
             return f"{name}: {bad} of {got.size} outputs differ from the VNNI kernel's (max |diff| {np.abs(got - want).max():.3g})"
@@ -750,11 +775,9 @@ def self_check(kernel) -> str:
 _M_SCALE = {KIND_Q4_0: np.float32(-8.0), KIND_Q8_0: np.float32(0.0), KIND_Q4_K: np.float32(0.0), KIND_Q6_K: np.float32(0.0)}
 
 
-def run(kernel, kind, x, qs, d, m, out, n_chunks=None) -> None:
-    """``out = x @ W.T`` by ``kernel`` (:func:`make_prefill`) for a weight of ``kind``: x float32
-    [S, n_in] quantized (:func:`llamatrace.kernels.act8.quantize`: Q8_0 blocks, Q4_K's
-    ``PER32_F32``; Q6_K: :func:`~llamatrace.kernels.act8.quantize_k`), its rows padded to a multiple of 16 with zeros; ``qs``, ``d``, ``m`` the
-    weight's packed arrays as they are; ``n_chunks`` default: Numba's thread count."""
+def arguments(kind, x, qs, d, m, out, n_chunks=None) -> tuple:
+    """The arguments :func:`run` passes a :func:`make_prefill` kernel (``x`` quantized, its rows
+    padded to a multiple of 16): their Numba types are the signature the kernel is compiled for."""
     if kind == KIND_Q6_K:                                   # Q8_K; its int32 sums of 16 as float32, exact
         xq, xd, xsum = act8._quantized_k_rows(x)
         xs = xsum.astype(np.float32)
@@ -768,26 +791,266 @@ def run(kernel, kind, x, qs, d, m, out, n_chunks=None) -> None:
         xq = np.concatenate([xq, np.zeros((pad, xq.shape[1]), np.int8)])
         xd = np.concatenate([xd, np.zeros((pad, xd.shape[1]), np.float32)])
         xs = np.concatenate([xs, np.zeros((pad, xs.shape[1]), np.float32)])
-    kernel(xq, xd, xs, qs.reshape(qs.size).view(np.uint8), d, m, _M_SCALE[kind], kind,
-           n_chunks or numba.get_num_threads(), out)
+    return (xq, xd, xs, qs.reshape(qs.size).view(np.uint8), d, m, _M_SCALE[kind], kind,
+            n_chunks or numba.get_num_threads(), out)
+
+
+def run(kernel, kind, x, qs, d, m, out, n_chunks=None) -> None:
+    """``out = x @ W.T`` by ``kernel`` (:func:`make_prefill`) for a weight of ``kind``: x float32
+    [S, n_in] quantized (:func:`llamatrace.kernels.act8.quantize`: Q8_0 blocks, Q4_K's
+    ``PER32_F32``; Q6_K: :func:`~llamatrace.kernels.act8.quantize_k`), its rows padded to a multiple of 16 with zeros; ``qs``, ``d``, ``m`` the
+    weight's packed arrays as they are; ``n_chunks`` default: Numba's thread count."""
+    kernel(*arguments(kind, x, qs, d, m, out, n_chunks))
+
+
+def vnni_prefill(kind, x, qs, d, m, out) -> None:
+    """``out = x @ W.T`` by the VNNI / AVX2 prefill kernel that runs for ``kind`` where AMX does
+    not (what the registry's ``act8_prefill_*`` adapters call): :func:`llamatrace.kernels.act8._prefill`,
+    Q6_K's ``_prefill_q6k``. Arguments as :func:`run`'s."""
+    if kind == KIND_Q6_K:
+        act8._prefill_q6k(x, qs, d, out, numba.get_num_threads())
+    else:
+        act8._prefill(x, qs, d, m, _M_SCALE[kind], _VNNI_KIND[kind], out)
+
+
+_VNNI_KIND = {KIND_Q4_0: act8.PREFILL_Q4, KIND_Q8_0: act8.PREFILL_Q8, KIND_Q4_K: act8.PREFILL_Q4K}
+
+
+# --------------------------------------------------------------------------------------------
+# the decision: measured once per CPU model, kept in the user cache
+
+
+ENV = "LLAMATRACE_AMX"
+"""``"1"``: the ``q8`` prefill of every type here runs on AMX where :func:`available`; ``"0"``:
+never (nothing AMX is touched); unset or anything else: each type as measured (:func:`decision`)."""
+
+MIN_ROWS = ROWS
+"""Prefills of fewer activation rows keep the VNNI kernels: the A tile is mostly zero padding
+there, and the warm-up's 5-token prefill over every weight (in ``generate``'s load) ran ~15 s on
+the tiles against ~1 s on VNNI (issue 51). The kernels that are chosen give the same bits."""
+
+MARGIN = 1.2
+"""AMX is chosen only when its best time is at most 1/MARGIN of the VNNI kernel's: a busy shared
+machine slows some rounds by 10-20 %, and a wrong "on" costs more than a missed one."""
+
+CALIBRATION = (128, 4096, 4096)
+"""The matmul :func:`measure` times when deciding: (activation rows, n_out, n_in), a 128-token
+prefill through an 8B attention matrix (~2.1 G multiply-adds, tens of ms on VNNI)."""
+CALIBRATION_ROUNDS = 3
+"""Rounds of one AMX and one VNNI call, alternated, after one untimed call of each; the best of
+each counts (a busy machine only ever adds time)."""
+
+DECISIONS_FILE = "amx.json"
+"""In llamatrace's user cache folder (:func:`llamatrace.gguf.fetch.cache_root`)."""
+
+KIND_NAMES = {KIND_Q4_0: "Q4_0", KIND_Q8_0: "Q8_0", KIND_Q4_K: "Q4_K", KIND_Q6_K: "Q6_K"}
+KINDS = {name: kind for kind, name in KIND_NAMES.items()}
+"""The GGML type names the AMX kernels serve -> their kind."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timing of the AMX and the VNNI prefill on the same random ``[rows, n_in] x [n_out,
+    n_in]^T`` matmul of a type: the best ``amx_s`` and ``vnni_s`` (seconds a call) on ``threads``
+    threads, and whether the two outputs were the same bits (``same_bits``)."""
+
+    type: str
+    rows: int
+    n_out: int
+    n_in: int
+    threads: int
+    amx_s: float
+    vnni_s: float
+    same_bits: bool
+
+    @property
+    def speedup(self) -> float:
+        """VNNI's time over AMX's (above 1: AMX is faster)."""
+        return self.vnni_s / self.amx_s
+
+    @property
+    def amx_wins(self) -> bool:
+        """AMX may run by default: at least :data:`MARGIN` times as fast, and the same bits (so
+        the choice changes speed, never an output)."""
+        return self.same_bits and self.speedup >= MARGIN
+
+    def row(self) -> dict:
+        """The fields, with the speeds: ``amx_gmac_s`` and ``vnni_gmac_s`` (1e9 int8 multiply-adds a
+        second) and ``speedup`` (``bench``'s report, JSON-ready)."""
+        macs = self.rows * self.n_out * self.n_in / 1e9
+        return {**{f: getattr(self, f) for f in Measurement.__dataclass_fields__}, "amx_gmac_s": macs / self.amx_s,
+                "vnni_gmac_s": macs / self.vnni_s, "speedup": self.speedup}
+
+
+def measure(kind: int, shape: tuple[int, int, int] = CALIBRATION, rounds: int = CALIBRATION_ROUNDS,
+            kernel=None, clock: Callable[[], float] = time.perf_counter) -> Measurement:
+    """Time ``kernel`` (default :func:`hw_prefill`) against :func:`vnni_prefill` on a random weight of
+    ``kind`` (:func:`random_weight`) and random activations, ``shape`` = (rows, n_out, n_in):
+    one untimed call of each (compile or load, warm the caches), then ``rounds`` rounds of one
+    call of each, alternated; the best time of each, and whether the outputs are the same bits."""
+    kernel = kernel or hw_prefill()
+    rows, n_out, n_in = shape
+    rng = np.random.default_rng(51)
+    x = rng.standard_normal((rows, n_in)).astype(np.float32)
+    qs, d, m = random_weight(rng, kind, n_out, n_in)
+    outs = np.empty((2, rows, n_out), np.float32)
+    calls = (lambda: run(kernel, kind, x, qs, d, m, outs[0]), lambda: vnni_prefill(kind, x, qs, d, m, outs[1]))
+    for call in calls:
+        call()
+    same = bool(np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)))
+    best = [float("inf")] * 2
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            t0 = clock()
+            call()
+            best[i] = min(best[i], clock() - t0)
+    return Measurement(KIND_NAMES[kind], rows, n_out, n_in, numba.get_num_threads(), best[0], best[1], same)
+
+
+def decisions_path() -> Path:
+    """The file the measurements are kept in: ``cache_root() / "amx.json"``."""
+    from llamatrace.gguf.fetch import cache_root
+    return cache_root() / DECISIONS_FILE
+
+
+def cpu_key() -> dict[str, str]:
+    """What a measurement holds for: the CPU model, llamatrace's and Numba's versions, and a
+    fingerprint of the kernels' sources (this module and the VNNI kernels it is timed against):
+    a change to any of them measures again."""
+    import llamatrace
+    from llamatrace.analysis.bench import cpu_model
+    here = Path(__file__).parent
+    sources = hashlib.sha256()
+    for name in ("amx.py", "tiles.py", "act8.py", "act8_ir.py", "jit.py"):
+        sources.update((here / name).read_bytes())
+    return {"cpu": cpu_model(), "llvm_cpu": llvm_binding.get_host_cpu_name(), "llamatrace": llamatrace.__version__,
+            "numba": numba.__version__, "kernels": sources.hexdigest()[:16]}
+
+
+def _entry_id(key: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_decisions(path: Path) -> dict:
+    """The file's entries, ``{}`` when it is missing or not what :func:`remember` writes (then it is
+    measured again and rewritten)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and all(isinstance(v, dict) for v in data.values()) else {}
+
+
+def recalled(kind: int) -> Measurement | None:
+    """This CPU's kept measurement of ``kind`` (:func:`cpu_key`), None when there is none."""
+    entry = _read_decisions(decisions_path()).get(_entry_id(cpu_key()), {})
+    record = entry.get("types", {}).get(KIND_NAMES[kind]) if isinstance(entry.get("types"), dict) else None
+    try:
+        measured = Measurement(**{f: record[f] for f in Measurement.__dataclass_fields__})
+        measured.speedup                                    # numbers, not zero
+    except (TypeError, KeyError, ZeroDivisionError):
+        return None
+    return measured
+
+
+def remember(kind: int, measured: Measurement) -> None:
+    """Keep ``measured`` as this CPU's measurement of ``kind`` (the file rewritten whole, by a
+    rename: a reader never sees half of it; entries of other CPUs kept, this CPU's older ones
+    dropped). A file that cannot be written leaves one warning line: the process keeps its
+    decision, the next one measures again."""
+    path = decisions_path()
+    key = cpu_key()
+    data = {k: v for k, v in _read_decisions(path).items()
+            if k == _entry_id(key) or not isinstance(v.get("key"), dict) or v["key"].get("cpu") != key["cpu"]}
+    if not isinstance(data.get(_entry_id(key), {}).get("types"), dict):
+        data.pop(_entry_id(key), None)
+    entry = data.setdefault(_entry_id(key), {"key": key, "types": {}})
+    entry["types"][measured.type] = {f: getattr(measured, f) for f in Measurement.__dataclass_fields__}
+    entry["types"][measured.type]["amx_wins"] = measured.amx_wins          # for a reader; recomputed on reading
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        _log.warning("cannot keep the AMX measurement in %s (%s): the next process measures again", path, exc)
+
+
+_DECIDED: dict[int, Status] = {}
+"""This process's decisions, per kind (:func:`decision`)."""
+
+
+def decision(kind: int, measure_now: bool = True) -> Status:
+    """Whether the ``q8`` prefill of ``kind`` runs on AMX in this process, and why: not where the
+    tiles are not :func:`available` (or :data:`ENV` is ``0``); forced on by :data:`ENV` ``=1``;
+    else as this CPU's kept measurement says (:func:`recalled`: on when AMX was at least
+    :data:`MARGIN` times as fast and gave the VNNI prefill's bits). Without one: measured now
+    (:func:`measure`, once per CPU model, llamatrace version and kernel sources: :func:`remember`)
+    when ``measure_now``, else off ("default until measured faster"). Decided once per process and
+    kind."""
+    tiles_ok = available()
+    if not tiles_ok.on:
+        return tiles_ok
+    if os.environ.get(ENV) == "1":
+        return Status(True, f"on: forced by {ENV}=1")
+    if kind in _DECIDED:
+        return _DECIDED[kind]
+    measured = recalled(kind)
+    if measured is None:
+        if not measure_now:
+            return Status(False, "off (default until measured faster)")
+        _log.info("timing AMX against VNNI on a %s prefill (once for this CPU)", KIND_NAMES[kind])
+        measured = measure(kind)
+        remember(kind, measured)
+    how = f"measured {measured.speedup:.2f}x VNNI on this CPU"
+    where = f"(cache {decisions_path()})"
+    if measured.amx_wins:
+        _DECIDED[kind] = Status(True, f"on: {how} {where}")
+    elif not measured.same_bits:
+        _DECIDED[kind] = Status(False, f"off: {how}, but not the VNNI prefill's bits {where}")
+    else:
+        _DECIDED[kind] = Status(False, f"off: {how}, under the {MARGIN}x it needs {where}")
+    return _DECIDED[kind]
+
+
+def use(kind: int, n_rows: int) -> bool:
+    """Whether a ``q8`` prefill of ``n_rows`` activation rows through a weight of ``kind`` runs on
+    AMX: :func:`decision` (taken even for a short prefill, so the warm-up decides, and loads the
+    kernel) and at least :data:`MIN_ROWS` rows."""
+    return decision(kind).on and n_rows >= MIN_ROWS
+
+
+def describe(type_names) -> str:
+    """One line for ``info`` and ``bench``: which prefill runs for each of ``type_names`` (GGML type
+    names; those AMX does not serve are left out) and why, without measuring; one reason when
+    they share it (``"not available: no amx_int8"``, ``"off (default until measured faster)"``)."""
+    tiles_ok = available()
+    if not tiles_ok.on:
+        return tiles_ok.reason
+    reasons = {name: decision(KINDS[name], measure_now=False).reason for name in type_names if name in KINDS}
+    if not reasons:
+        return f"{tiles_ok.reason}; no Q4_0, Q8_0, Q4_K or Q6_K matrix here"
+    if len(set(reasons.values())) == 1:
+        return next(iter(reasons.values()))
+    return "; ".join(f"{name} {reason}" for name, reason in reasons.items())
 
 
 def prefill_q4_0(x, w, out) -> None:
     """The ``q8`` prefill of a Q4_0 :class:`~llamatrace.kernels.packing.Weight` on AMX (call
-    only when :func:`status` is on)."""
+    only where :func:`use` says so)."""
     run(hw_prefill(), KIND_Q4_0, x, w.qs, w.d, w.d, out)
 
 
 def prefill_q8_0(x, w, out) -> None:
-    """The ``q8`` prefill of a Q8_0 weight on AMX (call only when :func:`status` is on)."""
+    """The ``q8`` prefill of a Q8_0 weight on AMX (call only where :func:`use` says so)."""
     run(hw_prefill(), KIND_Q8_0, x, w.qs, w.d, w.d, out)
 
 
 def prefill_q4_k(x, w, out) -> None:
-    """The ``q8`` prefill of a Q4_K weight on AMX (call only when :func:`status` is on)."""
+    """The ``q8`` prefill of a Q4_K weight on AMX (call only where :func:`use` says so)."""
     run(hw_prefill(), KIND_Q4_K, x, w.qs, w.d, w.m, out)
 
 
 def prefill_q6_k(x, w, out) -> None:
-    """The ``q8`` prefill of a Q6_K weight on AMX (call only when :func:`status` is on)."""
+    """The ``q8`` prefill of a Q6_K weight on AMX (call only where :func:`use` says so)."""
     run(hw_prefill(), KIND_Q6_K, x, w.qs, w.d, w.d, out)

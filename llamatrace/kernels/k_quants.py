@@ -606,7 +606,7 @@ def act8_gemv_q4_k(x, w, out):
 
 
 def act8_prefill_q4_k(x, w, out):
-    if amx.status().on:
+    if amx.use(amx.KIND_Q4_K, x.shape[0]):
         amx.prefill_q4_k(x, w, out)
         return
     act8._prefill(x, w.qs, w.d, w.m, _ZERO, act8.PREFILL_Q4K, out)
@@ -637,7 +637,7 @@ def act8_gemv_q6_k(x, w, out):
 
 
 def act8_prefill_q6_k(x, w, out):
-    if amx.status().on:
+    if amx.use(amx.KIND_Q6_K, x.shape[0]):
         amx.prefill_q6_k(x, w, out)
         return
     act8._prefill_q6k(x, w.qs, w.d, out, numba.get_num_threads())

@@ -229,7 +229,7 @@ def act8_gemv_q4_0(x, w, out):
 
 
 def act8_prefill_q4_0(x, w, out):
-    if amx.status().on:
+    if amx.use(amx.KIND_Q4_0, x.shape[0]):
         amx.prefill_q4_0(x, w, out)
         return
     act8._prefill(x, w.qs, w.d, w.d, _MINUS_8, act8.PREFILL_Q4, out)

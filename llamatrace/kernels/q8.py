@@ -148,7 +148,7 @@ def act8_gemv_q8_0(x, w, out):
 
 
 def act8_prefill_q8_0(x, w, out):
-    if amx.status().on:
+    if amx.use(amx.KIND_Q8_0, x.shape[0]):
         amx.prefill_q8_0(x, w, out)
         return
     act8._prefill(x, w.qs, w.d, w.d, _ZERO, act8.PREFILL_Q8, out)
