@@ -28,7 +28,10 @@ GOLDEN = Path(__file__).parent / "golden"
 PREFILL = 32                 # make_rope_golden.py's decode run: 32 tokens in one batch, then one a step
 F32_RTOL = 1e-4              # relative L2 distance per position, the bar
 GELU_TABLE_RTOL = 3e-4       # Gemma in the f32 mode: llama.cpp's fp16 GELU table (see test_arch.py)
-LLAMACPP_ARITHMETIC_RTOL = 1e-5
+# The q8 mode on F32 weights is llama.cpp's arithmetic (its GELU table too). Over 40 tokens Gemma 3
+# has single positions at 2e-5..6e-5 (median 1e-6), as much on the unscaled file (5.6e-5 at the
+# same position 15, measured): an fp16 GELU input rounded the other way, not the rope.
+LLAMACPP_ARITHMETIC_RTOL = 1e-4
 
 
 # ---- the tables, against ggml's rope_yarn --------------------------------------------------------
@@ -191,8 +194,13 @@ def llamacpp():
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("rope")
-    out = {name: write_arch_file(d / f"{name}.gguf", arch, rope=rope) for name, (arch, rope) in ROPE_VARIANTS.items()}
-    return out | {arch: write_arch_file(d / f"{arch}.gguf", arch) for arch, _ in ROPE_VARIANTS.values()}
+    out = {}
+    for name, (arch, rope) in ROPE_VARIANTS.items():
+        out[name] = write_arch_file(d / f"{name}.gguf", arch, rope=rope)
+        # the same file without its scaling keys (the same rope bases)
+        out[f"{name}_unscaled"] = write_arch_file(d / f"{name}_unscaled.gguf", arch,
+                                                  rope={k: v for k, v in rope.items() if not k.startswith("scaling.")})
+    return out
 
 
 def relative(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -211,7 +219,6 @@ def run_positions(model: Llama, ids: np.ndarray, prefill: int) -> np.ndarray:
 @pytest.mark.parametrize("name", ROPE_VARIANTS)
 @pytest.mark.parametrize("activations", ["f32", "q8"])
 def test_scaled_files_give_llamacpps_logits_in_one_batch_and_in_decode_steps(name, activations, paths, llamacpp):
-    # q8 on F32 weights is llama.cpp's arithmetic (float32 matmuls, its fp16 GELU table): 1e-5
     bar = (LLAMACPP_ARITHMETIC_RTOL if activations == "q8"
            else GELU_TABLE_RTOL if name.startswith("gemma") else F32_RTOL)
     model = Llama.load(paths[name], activations=activations)
@@ -224,9 +231,8 @@ def test_scaled_files_give_llamacpps_logits_in_one_batch_and_in_decode_steps(nam
 
 @pytest.mark.parametrize("name", ROPE_VARIANTS)
 def test_scaling_changes_the_logits(name, paths, llamacpp):
-    arch = ROPE_VARIANTS[name][0]
     ids = llamacpp[f"{name}_ids"]
-    plain = run_positions(Llama.load(paths[arch]), ids, len(ids))
+    plain = run_positions(Llama.load(paths[f"{name}_unscaled"]), ids, len(ids))
     scaled = run_positions(Llama.load(paths[name]), ids, len(ids))
     assert relative(scaled, plain)[1:].min() > 1e-3 and relative(scaled, plain).max() > 0.05
     assert relative(llamacpp[f"{name}_prefill"], plain).max() > 0.05
@@ -234,7 +240,7 @@ def test_scaling_changes_the_logits(name, paths, llamacpp):
 
 def test_gemma3_scales_its_global_layers_only(paths):
     model = Llama.load(paths["gemma3_linear8"])
-    plain = Llama.load(paths["gemma3"])
+    plain = Llama.load(paths["gemma3_linear8_unscaled"])
     assert model.config.local_layers == (0, 1, 2, 3, 4, 6)
     np.testing.assert_array_equal(model.inv_freq_local, plain.inv_freq_local)     # base 10000, unscaled
     np.testing.assert_allclose(model.inv_freq, plain.inv_freq / 8, rtol=1e-15)

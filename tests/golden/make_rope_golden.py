@@ -60,7 +60,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (arch, rope) in ROPE_VARIANTS.items():
             path = write_arch_file(Path(tmp) / f"tiny-{name}.gguf", arch, rope=rope)
-            plain = write_arch_file(Path(tmp) / f"tiny-{arch}.gguf", arch)
+            unscaled_keys = {k: v for k, v in rope.items() if not k.startswith("scaling.")}
+            plain = write_arch_file(Path(tmp) / f"tiny-{name}-unscaled.gguf", arch, rope=unscaled_keys)
             engine = LlamaCpp(str(path), n_ctx=64, threads=1)
             vocab = engine.vocab_size
             engine.close()
