@@ -173,7 +173,8 @@ class Llama:
         Raises:
             ModelNotFoundError, ModelFormatError: the file is missing or malformed, or (``path``
                 ``None``) the default model is not downloaded and ``fetch`` is False or fails.
-            UnsupportedModelError: architecture, vocabulary or a tensor type llamatrace can't run.
+            UnsupportedModelError: architecture, vocabulary, rope scaling (LongRoPE) or a tensor type
+                llamatrace can't run; refused before any weight is packed or cached.
             OptionError: an unknown ``activations``, ``"q8"`` on a CPU without AVX2, a malformed
                 ``$LLAMATRACE_PACKED_CACHE_GB``.
         """
