@@ -346,7 +346,7 @@ class ModelConfig:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not ok or not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
                 raise ModelFormatError(
-                    f"{source}: metadata {full} = {_shown(value)} should be a {'non-negative' if zero else 'positive'} "
+                    f"{source}: metadata {full} = {shown(value)} should be a {'non-negative' if zero else 'positive'} "
                     f"finite number; the file is damaged — re-convert or re-download it")
             return float(value)
 
@@ -407,12 +407,6 @@ class ModelConfig:
         )
 
 
-def _shown(value: Any, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters: what a file says, readable in one line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
 def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number, n_ctx_train: int,
                   has_local: bool, source: str) -> RopeScaling:
     """The file's rope scaling as llama.cpp resolves it: ``llama_model::load_hparams`` reads the
@@ -432,10 +426,10 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number
         raise UnsupportedModelError(f"{source}: {key} = 'longrope' (LongRoPE, Phi-3's 128k variants) is not "
                                     f"supported yet; use a short-context variant of the model")
     if kind not in ROPE_SCALING_TYPES:
-        raise ModelFormatError(f"{source}: metadata {key} = {_shown(kind)} is not a rope scaling llamatrace knows "
+        raise ModelFormatError(f"{source}: metadata {key} = {shown(kind)} is not a rope scaling llamatrace knows "
                                f"({', '.join(ROPE_SCALING_TYPES)}); re-convert the file with llama.cpp")
-    factor_key = "rope.scaling.factor" if f"{arch}.rope.scaling.factor" in meta else "rope.scale_linear"
-    factor = number(factor_key, 0.0, zero=True)
+    factor = (number("rope.scaling.factor", 0.0, zero=True) if f"{arch}.rope.scaling.factor" in meta
+              else number("rope.scale_linear", 0.0, zero=True))                   # the older key
     scale_train = 1.0 if factor == 0.0 else float(f32(1) / f32(factor))
     freq_scale = 1.0 if kind == "none" else scale_train
     freq_scale_local = spec.rope_scale_local if has_local and spec.rope_scale_local is not None else scale_train
@@ -453,7 +447,7 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number
     key = f"{arch}.rope.scaling.original_context_length"
     n_ctx_orig = meta.get(key, 0)
     if not isinstance(n_ctx_orig, int) or isinstance(n_ctx_orig, bool) or n_ctx_orig < 0:
-        raise ModelFormatError(f"{source}: metadata {key} = {_shown(n_ctx_orig)} should be a non-negative integer; "
+        raise ModelFormatError(f"{source}: metadata {key} = {shown(n_ctx_orig)} should be a non-negative integer; "
                                f"the file is damaged — re-convert or re-download it")
     return RopeScaling(kind, freq_scale, freq_scale_local, ext_factor=1.0, attn_factor=float(attn_factor),
                        n_ctx_orig=n_ctx_orig or n_ctx_train)
