@@ -40,12 +40,31 @@ SPECS = {
 }
 DIM, HIDDEN, CONTEXT = 64, 96, 64
 
+# Rope-scaled variants: (architecture, the file's extra ``{arch}.rope.*`` keys). Gemma 3 4B–27B carry
+# linear ×8, which llama.cpp applies to the global layers only (layer 5 here). The YaRN files start
+# from a 32-token original context, so a 40-token run reaches past it; with rope base 10000 the
+# ramp runs from pair 0 to pair 2 of qwen2's 8 (pair 1 half-way) and to pair 3 of gemma3's 16. Gemma 3's
+# local layers (base 500 here) are not scaled, but take YaRN's attention factor as well.
+# llama.cpp reads ``yarn_beta_*`` only for grok and mistral3: on these files it ignores them, as
+# llamatrace must (its defaults 32 and 1 hold); the attention factor it does read, for any type.
+ROPE_VARIANTS = {
+    "gemma3_linear8": ("gemma3", {"scaling.type": "linear", "scaling.factor": 8.0}),
+    "qwen2_yarn": ("qwen2", {"freq_base": 10000.0, "scaling.type": "yarn", "scaling.factor": 4.0,
+                             "scaling.original_context_length": 32, "scaling.attn_factor": 0.8,
+                             "scaling.yarn_beta_fast": 8.0, "scaling.yarn_beta_slow": 2.0}),
+    "gemma3_yarn": ("gemma3", {"freq_base": 10000.0, "freq_base_swa": 500.0, "scaling.type": "yarn",
+                               "scaling.factor": 8.0, "scaling.original_context_length": 32,
+                               "scaling.attn_factor": 1.25}),
+}
+
 
 def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32,
-                    skip_tensors: tuple[str, ...] = ()) -> Path:
+                    skip_tensors: tuple[str, ...] = (), rope: dict[str, object] | None = None) -> Path:
     """Write a random ``arch`` GGUF (one of :data:`ARCHS`) at ``path`` and return the path.
     Matrices are stored as ``qtype`` (F32 for the fidelity tests, Q8_0 for the q8 mode's); norms
-    and biases always F32. ``skip_tensors`` leaves those tensors out (a broken file)."""
+    and biases always F32. ``skip_tensors`` leaves those tensors out (a broken file). ``rope``:
+    ``{arch}.rope.*`` keys to write or replace (``{"scaling.type": "linear", "scaling.factor": 8.0}``;
+    str, int as uint32, float as float32); the weights stay those of the plain file."""
     spec = SPECS[arch]
     rng = np.random.default_rng([seed, ARCHS.index(arch)])
     n_layers, n_heads, n_kv_heads, hd = spec["n_layers"], spec["n_heads"], spec["n_kv_heads"], spec["head_dim"]
@@ -63,7 +82,10 @@ def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(spec.get("rope_theta", 10000.0))
+    rope = {"freq_base": spec.get("rope_theta", 10000.0)} | dict(rope or {})
+    for key, value in rope.items():
+        add = w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32
+        add(f"{arch}.rope.{key}", value)
     w.add_layer_norm_rms_eps(1e-6)
     if "window" in spec:
         w.add_sliding_window(spec["window"])

@@ -103,12 +103,14 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
                      chat_template: str | None = CHATML, rope_theta: float = 10000.0,
                      skip_tensors: tuple[str, ...] = (), extra_kv: dict | None = None,
                      rope_freqs: np.ndarray | None = None, add_bos: bool = False,
-                     extra_types: dict[str, T] | None = None) -> Path:
+                     extra_types: dict[str, T] | None = None,
+                     extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """Write a random llama GGUF and return its path. Matrices use ``qtype`` (norms are F32);
     K-quant matrices are random blocks (gguf-py cannot quantize them) and need ``dim`` and
     ``hidden_dim`` multiples of 256.
 
     ``extra_types`` overrides the type of single tensors by name. ``rope_freqs`` adds Llama 3.1's ``rope_freqs.weight`` (per-frequency divisors, [head_dim/2]).
+    ``extra_tensors`` adds F32 tensors by name (Phi-3 128k's ``rope_factors_long.weight`` …).
     """
     rng = np.random.default_rng(seed)
     tokens, types, merges = vocabulary()
@@ -158,6 +160,8 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
         })
     if rope_freqs is not None:
         tensors["rope_freqs.weight"] = (np.asarray(rope_freqs, dtype=np.float64), T.F32)
+    for name, data in (extra_tensors or {}).items():
+        tensors[name] = (np.asarray(data, dtype=np.float64), T.F32)
     tensors["output_norm.weight"] = (1.0 + 0.1 * rng.normal(size=dim), T.F32)
     if not tied:
         tensors["output.weight"] = (mat(vocab, dim, dim ** -0.5), qtype)

@@ -123,7 +123,7 @@ def test_every_metadata_key_the_package_reads_has_a_declared_type():
         found |= {f"{{arch}}.{k}" for k in re.findall(r'f"\{arch\}\.([a-z_.]+)"', text)}
         found |= {k for k in re.findall(r'"((?:general|tokenizer|imatrix)\.[a-z_]+(?:\.[a-z_]+)*)"', text)
                   if not k.endswith((".py", ".gguf"))}                     # file names, not keys
-        if path.name in ("config.py", "rules.py"):           # {arch}.KEY read as need("KEY") / first("KEY", …)
-            found |= {f"{{arch}}.{k}" for k in re.findall(r'\b(?:need|as_int|first)\("([a-z_.]+)"', text)}
+        if path.name in ("config.py", "rules.py"):   # {arch}.KEY read as need("KEY") / first("KEY", …) / number("KEY", …)
+            found |= {f"{{arch}}.{k}" for k in re.findall(r'\b(?:need|as_int|first|number)\("([a-z_.]+)"', text)}
     assert "{arch}.rope.freq_base" in found and "{arch}.attention.head_count" in found   # the scan works
     assert sorted(found - NOT_READ - set(KEY_TYPES)) == []

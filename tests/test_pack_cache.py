@@ -408,3 +408,17 @@ def test_a_disk_without_room_skips_the_cache_with_one_warning_line(packed, kquan
     ids, (line, *more) = generate(capsys, kquant_path)
     assert ids == generate(capsys, kquant_path, "--no-cache")[0] and more == [] and entries(packed) == []
     assert "skipped" in line and "500 MB free" in line and "2 GiB" in line and fetch.ENV_CACHE in line
+
+
+# ---- what is refused is never packed ----------------------------------------------------------------
+@pytest.mark.parametrize("longrope", [
+    dict(extra_kv={"llama.rope.scaling.type": "longrope"}),                         # the type key
+    dict(extra_tensors={"rope_factors_long.weight": np.ones(8), "rope_factors_short.weight": np.ones(8)}),
+])
+def test_a_longrope_file_is_refused_before_anything_is_cached(longrope, packed, tmp_path, capsys):
+    # Phi-3 128k's LongRoPE: refused from its metadata and tensor list, before the weights (gigabytes
+    # for a real file) are packed and written to the cache, or the vocabulary is
+    path = write_tiny_llama(tmp_path / "longrope.gguf", **longrope)
+    assert_one_line_error(*run(capsys, "generate", "--raw", "-n", "1", "-m", path, "hi"), "LongRoPE")
+    cache = packed.parent
+    assert not cache.exists() or [p for p in cache.rglob("*") if p.is_file()] == []

@@ -98,7 +98,7 @@ def _rope(source: str, n_heads: str):
         c = model.config
         x = get(source, layer)
         x = np.ascontiguousarray(x.reshape(x.shape[0], getattr(c, n_heads), c.head_dim), dtype=np.float32)
-        freqs = fp32.precompute_freqs_cis(model.inv_freq, pos, x.shape[0])
+        freqs = fp32.precompute_freqs_cis(model.inv_freq, pos, x.shape[0], model.rope_mscale)
         return fp32.rope(x, np.ascontiguousarray(freqs.real), np.ascontiguousarray(freqs.imag))
     return run
 

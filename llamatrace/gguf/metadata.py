@@ -71,6 +71,11 @@ KEY_TYPES: dict[str, Expected] = {
     "{arch}.rope.dimension_count": INTEGER,
     "{arch}.rope.freq_base": FLOAT,
     "{arch}.rope.freq_base_swa": FLOAT,
+    "{arch}.rope.scaling.type": STRING,
+    "{arch}.rope.scaling.factor": FLOAT,
+    "{arch}.rope.scale_linear": FLOAT,
+    "{arch}.rope.scaling.attn_factor": FLOAT,
+    "{arch}.rope.scaling.original_context_length": INTEGER,
     "{arch}.attn_logit_softcapping": FLOAT,
     "{arch}.final_logit_softcapping": FLOAT,
     # the tokenizer (llamatrace.text.tokenizer)

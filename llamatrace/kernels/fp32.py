@@ -114,25 +114,74 @@ def rmsnorm_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 # permuted Q/K rows for it; HF's rotate_half (split halves) is a different layout.
 # ---------------------------------------------------------------------------------------------
 
-def rope_frequencies(rope_dim: int, theta: float, freq_factors: np.ndarray | None = None) -> np.ndarray:
-    """Inverse frequencies ``theta ** (-2i / rope_dim)`` for i in ``[0, rope_dim/2)``, float64.
+def rope_frequencies(rope_dim: int, theta: float, freq_factors: np.ndarray | None = None, *,
+                     freq_scale: float = 1.0, ext_factor: float = 0.0,
+                     corr_dims: tuple[float, float] = (0.0, 0.0)) -> np.ndarray:
+    """Angle per position of each rotated pair, float64 ``[rope_dim/2]``: ``theta ** (-2i / rope_dim)``,
+    divided by ``freq_factors`` (GGUF ``rope_freqs.weight``, Llama 3.1's long-context scaling), then
+    scaled as ggml's ``rope_yarn`` scales positions (ggml-cpu ``ops.cpp``).
 
-    ``freq_factors`` (GGUF ``rope_freqs.weight``, Llama 3.1's long-context scaling) divide them.
+    Linear scaling (``ext_factor`` 0) multiplies every angle by ``freq_scale`` (``1 / factor``).
+    YaRN mixes, per pair ``i``, the interpolated angle (× ``freq_scale``) and the extrapolated
+    one (unscaled): ``freq_scale·(1 − m_i) + m_i`` with ``m_i = ext_factor · ramp_i``, where
+    ``ramp_i = 1 − clamp((i − low) / max(0.001, high − low), 0, 1)`` and ``(low, high) =
+    corr_dims`` (:func:`rope_yarn_corr_dims`): the fast pairs below ``low`` keep their angles, the
+    slow ones above ``high`` are interpolated. Since the angle is linear in the position, the mix
+    is a factor per pair. The magnitude correction is :func:`rope_mscale`'s. With
+    ``freq_scale`` 1 and ``ext_factor`` 0 the frequencies are the plain ones, bit for bit.
     """
     freqs = 1.0 / (theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
     if freq_factors is not None:
         freqs = freqs / freq_factors.astype(np.float64)
+    if freq_scale != 1.0 or ext_factor != 0.0:
+        low, high = (np.float32(d) for d in corr_dims)
+        y = (np.arange(rope_dim // 2, dtype=np.float32) - low) / max(np.float32(0.001), high - low)
+        ramp_mix = (np.float32(1) - np.clip(y, 0, 1)) * np.float32(ext_factor)     # float32, as ggml
+        freqs = freqs * (freq_scale * (1.0 - ramp_mix.astype(np.float64)) + ramp_mix)
     return freqs
 
 
-def precompute_freqs_cis(inv_freq: np.ndarray, start_pos: int, seq_len: int) -> np.ndarray:
-    """``freqs_cis[p, i] = exp(1j * (start_pos + p) * inv_freq[i])``.
+def rope_yarn_corr_dims(rope_dim: int, n_ctx_orig: int, theta: float, beta_fast: float,
+                        beta_slow: float) -> tuple[float, float]:
+    """The pairs ``(low, high)`` between which YaRN's ramp falls from extrapolation to interpolation:
+    the pair that turns ``beta`` times over ``n_ctx_orig`` positions is
+    ``rope_dim · ln(n_ctx_orig / (2π·beta)) / (2 ln theta)``; ``low`` is that of ``beta_fast``
+    rounded down (≥ 0), ``high`` that of ``beta_slow`` rounded up (≤ rope_dim − 1). In float32,
+    as ggml's ``ggml_rope_yarn_corr_dims`` (``ggml.c``), so the rounding falls where it does there.
+    """
+    f = np.float32
+
+    def corr_dim(n_rot: float) -> np.float32:
+        return f(rope_dim) * np.log(f(n_ctx_orig) / (f(n_rot) * f(2) * f(math.pi))) / (f(2) * np.log(f(theta)))
+
+    low = max(0.0, float(np.floor(corr_dim(beta_fast))))
+    high = min(float(rope_dim - 1), float(np.ceil(corr_dim(beta_slow))))
+    return low, high
+
+
+def rope_mscale(freq_scale: float, ext_factor: float, attn_factor: float) -> float:
+    """The magnitude of cos and sin: ``attn_factor``, times YaRN's ``1 + 0.1·ln(1/freq_scale)``
+    when ``ext_factor`` ≠ 0 (ggml ``rope_yarn``, float32)."""
+    mscale = np.float32(attn_factor)
+    if ext_factor != 0.0:
+        mscale *= np.float32(1) + np.float32(0.1) * np.log(np.float32(1) / np.float32(freq_scale))
+    return float(mscale)
+
+
+def precompute_freqs_cis(inv_freq: np.ndarray, start_pos: int, seq_len: int, mscale: float = 1.0) -> np.ndarray:
+    """``freqs_cis[p, i] = mscale · exp(1j * (start_pos + p) * inv_freq[i])``.
+
+    ``mscale`` (:func:`rope_mscale`, 1 unless the model scales its rotary embedding) multiplies the
+    rotated pairs, as ggml's cos/sin cache does.
 
     Returns complex64 ``[seq_len, rope_dim/2]`` (the chapter's freqsCis ``{22, 64}``).
     """
     t = np.arange(start_pos, start_pos + seq_len, dtype=np.float64)
     angles = np.outer(t, inv_freq)
-    return np.exp(1j * angles).astype(np.complex64)
+    freqs = np.exp(1j * angles)
+    if mscale != 1.0:
+        freqs = freqs * mscale
+    return freqs.astype(np.complex64)
 
 
 @njit(**JIT_EXACT)

@@ -39,6 +39,9 @@ class Architecture:
             (0 = then no sliding window at all).
         rope_base_local: rotary base of the sliding-window layers when the file has no
             ``{arch}.rope.freq_base_swa``; ``None`` = the global base.
+        rope_scale_local: rope ``freq_scale`` of the sliding-window layers (llama.cpp's
+            ``rope_freq_scale_train_swa``); ``None`` = the global layers' (gemma2, and gpt-oss's
+            YaRN, copy it), 1.0 = never scaled (gemma3: its linear ×8 is for global layers only).
         attn_softcap, final_softcap: the default soft-cap ``c·tanh(x/c)`` of attention scores /
             final logits (``{arch}.attn_logit_softcapping`` / ``final_logit_softcapping`` override
             it). Attention: 0 = never. Final: ``None`` = never, 0 = only if the file sets one.
@@ -59,6 +62,7 @@ class Architecture:
     swa_pattern: int = 0
     swa_default: int = 0
     rope_base_local: float | None = None
+    rope_scale_local: float | None = None
     attn_softcap: float = 0.0
     final_softcap: float | None = None
     fused_qkv: bool = False
@@ -78,10 +82,65 @@ ARCHITECTURES: dict[str, Architecture] = {
                            swa_default=4096, attn_softcap=50.0, final_softcap=30.0, wide_query_scale_layers=46,
                            llamacpp_scales_q=True),
     "gemma3": Architecture(rope_neox=True, qk_norm=True, post_norms=True, gelu=True, embed_scale=True,
-                           swa_pattern=6, rope_base_local=10000.0, final_softcap=0.0, wide_query_scale_layers=62,
+                           swa_pattern=6, rope_base_local=10000.0, rope_scale_local=1.0, final_softcap=0.0, wide_query_scale_layers=62,
                            llamacpp_scales_q=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+"""The ``{arch}.rope.scaling.type`` values llamatrace runs (llama.cpp's, less ``longrope``)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rope scaling as llama.cpp applies it: the arguments of ``ggml_rope_ext`` besides the base and
+    the rotated dims, resolved from the file as ``llama_model::load_hparams`` and the
+    ``llama_context`` constructor resolve them (with no runtime overrides). The default is no scaling.
+
+    Attributes:
+        type: ``{arch}.rope.scaling.type``: ``"linear"``, ``"yarn"``, or ``"none"`` (also for a
+            ``linear`` file whose factor is 1 or absent: nothing is scaled).
+        freq_scale: positions are multiplied by it on the global layers:
+            ``1 / {arch}.rope.scaling.factor`` (or the older ``rope.scale_linear``; 0 or absent: 1).
+        freq_scale_local: the same on the sliding-window layers (:attr:`Architecture.rope_scale_local`;
+            1.0 when there are none).
+        ext_factor: YaRN's weight of the extrapolated angles on its ramp: 1 for ``yarn``, else 0.
+        attn_factor: the magnitude of cos and sin, before YaRN's own ``1 + 0.1·ln(1/freq_scale)``:
+            ``{arch}.rope.scaling.attn_factor`` (any type), for ``yarn`` times llama.cpp's
+            ``get_mscale(factor) / (1 + 0.1·ln factor)`` (≈ 1), float32 as there.
+        beta_fast, beta_slow: the rotation counts over ``n_ctx_orig`` at which YaRN's ramp starts and
+            ends (llama.cpp's 32 and 1: it reads ``rope.scaling.yarn_beta_*`` only for grok and
+            mistral3, which llamatrace does not run).
+        n_ctx_orig: the context before scaling, for YaRN's ramp:
+            ``{arch}.rope.scaling.original_context_length``, else ``context_length``; 0 when
+            ``ext_factor`` is 0 (unused).
+    """
+
+    type: str = "none"
+    freq_scale: float = 1.0
+    freq_scale_local: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_SCALING_TYPES:
+            raise ModelFormatError(f"model config: rope scaling type must be one of {ROPE_SCALING_TYPES}, "
+                                   f"got {self.type!r}")
+        numbers = (self.freq_scale, self.freq_scale_local, self.attn_factor, self.beta_fast, self.beta_slow)
+        if not all(math.isfinite(v) and v > 0 for v in numbers) or not math.isfinite(self.ext_factor):
+            raise ModelFormatError(f"model config: rope scaling {self} needs positive finite scales, factors "
+                                   f"and betas")
+        if self.ext_factor != 0.0 and self.n_ctx_orig <= 0:
+            raise ModelFormatError(f"model config: YaRN needs n_ctx_orig > 0, got {self.n_ctx_orig}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """``type`` and the fields that differ from no scaling."""
+        out = asdict(self)
+        return {"type": self.type} | {f.name: out[f.name] for f in fields(self)
+                                      if f.name != "type" and out[f.name] != f.default}
 
 
 @dataclass(frozen=True)
@@ -112,6 +171,7 @@ class ModelConfig:
             llama.cpp ``is_masked_swa``); 0 = no sliding window.
         local_layers: the sliding-window layers, ascending.
         rope_theta_local: rotary base of the local layers (0.0 = ``rope_theta``).
+        rope_scaling: how positions are scaled before the rotation (:class:`RopeScaling`).
         attn_softcap, final_softcap: ``c`` of ``c·tanh(x/c)`` on scores / logits; 0.0 = none.
     """
 
@@ -139,6 +199,7 @@ class ModelConfig:
     sliding_window: int = 0
     local_layers: tuple[int, ...] = ()
     rope_theta_local: float = 0.0
+    rope_scaling: RopeScaling = RopeScaling()
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
 
@@ -155,9 +216,10 @@ class ModelConfig:
             raise ModelFormatError(
                 f"model config: head_dim ({self.head_dim}) and rope_dim ({self.rope_dim}) must be even, "
                 f"rope_dim <= head_dim")
-        if not (self.norm_eps > 0 and self.rope_theta > 0):
+        if not (self.norm_eps > 0 and 0 < self.rope_theta < math.inf and 0 <= self.rope_theta_local < math.inf):
             raise ModelFormatError(
-                f"model config: norm_eps ({self.norm_eps}) and rope_theta ({self.rope_theta}) must be positive")
+                f"model config: norm_eps ({self.norm_eps}), rope_theta ({self.rope_theta}) and rope_theta_local "
+                f"({self.rope_theta_local}) must be positive and finite")
 
         if self.ffn_act not in ("silu", "gelu"):
             raise ModelFormatError(f"model config: ffn_act must be 'silu' or 'gelu', got {self.ffn_act!r}")
@@ -205,10 +267,12 @@ class ModelConfig:
         Llama config reads as it always did)."""
         out = asdict(self)
         for f in fields(self):
-            if f.name in _FEATURE_FIELDS and out[f.name] == f.default:
+            if f.name in _FEATURE_FIELDS and getattr(self, f.name) == f.default:
                 del out[f.name]
         if "local_layers" in out:
             out["local_layers"] = list(out["local_layers"])
+        if "rope_scaling" in out:
+            out["rope_scaling"] = self.rope_scaling.to_dict()
         return out
 
     @classmethod
@@ -218,13 +282,19 @@ class ModelConfig:
 
         Raises:
             ModelFormatError: no ``token_embd.weight``; as :meth:`from_metadata`.
-            UnsupportedModelError: as :meth:`from_metadata`.
+            UnsupportedModelError: LongRoPE factors (``rope_factors_long/short.weight``); as
+                :meth:`from_metadata`.
         """
         from pathlib import Path
 
         from llamatrace.gguf.reader import gguf_name
         vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
-        return cls.from_metadata(f.metadata, vocab_size=vocab_size, source=Path(f.path).name)
+        config = cls.from_metadata(f.metadata, vocab_size=vocab_size, source=Path(f.path).name)
+        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            if name in f.tensors:                      # Phi-3 128k's LongRoPE, whatever the type key says
+                raise UnsupportedModelError(f"{Path(f.path).name}: tensor {name!r} (LongRoPE scaling) is not "
+                                            f"supported yet; use a short-context variant of the model")
+        return config
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any], vocab_size: int, source: str = "model") -> "ModelConfig":
@@ -236,8 +306,11 @@ class ModelConfig:
             source: file name used in error messages.
 
         Raises:
-            UnsupportedModelError: the architecture is not one of :data:`ARCHITECTURES`.
-            ModelFormatError: a required key is missing or a value is inconsistent.
+            UnsupportedModelError: the architecture is not one of :data:`ARCHITECTURES`; a rope
+                scaling type llama.cpp knows but llamatrace does not run (``longrope``).
+            ModelFormatError: a required key is missing or a value is inconsistent; a rope base,
+                scaling factor or attention factor that is not a positive finite number; an
+                unknown rope scaling type.
         """
         arch = meta.get("general.architecture")
         if arch not in ARCHITECTURES:
@@ -264,13 +337,26 @@ class ModelConfig:
             except (TypeError, ValueError):
                 raise ModelFormatError(f"{source}: metadata {arch}.{key} should be an integer, got {shown(value)}") from None
 
+        def number(key: str, default: float, zero: bool = False) -> float:
+            """The file's positive (or, with ``zero``, non-negative) finite {arch}.{key}, else ``default``."""
+            full = f"{arch}.{key}"
+            if full not in meta:
+                return default
+            value = meta[full]
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+                raise ModelFormatError(
+                    f"{source}: metadata {full} = {shown(value)} should be a {'non-negative' if zero else 'positive'} "
+                    f"finite number; the file is damaged — re-convert or re-download it")
+            return float(value)
+
         dim = as_int("embedding_length", need("embedding_length"))
         n_heads = as_int("attention.head_count", need("attention.head_count"))
         n_kv_heads = as_int("attention.head_count_kv", meta.get(f"{arch}.attention.head_count_kv", n_heads))
         head_dim = as_int("attention.key_length",
                           meta.get(f"{arch}.attention.key_length", dim // n_heads if n_heads else 0))
         n_layers = as_int("block_count", need("block_count"))
-        rope_theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+        rope_theta = number("rope.freq_base", 10000.0)
         # sliding window: the file's window (or the family's default) on the pattern's layers
         window = as_int("attention.sliding_window", meta.get(f"{arch}.attention.sliding_window", spec.swa_default))
         local: tuple[int, ...] = ()
@@ -283,8 +369,10 @@ class ModelConfig:
                 local = tuple(i for i in range(n_layers) if n == 0 or i % n < n - 1)
         else:
             window = 0
-        rope_local = float(meta.get(f"{arch}.rope.freq_base_swa",
-                                    spec.rope_base_local if spec.rope_base_local is not None else rope_theta))
+        rope_local = number("rope.freq_base_swa",
+                            spec.rope_base_local if spec.rope_base_local is not None else rope_theta)
+        max_seq_len = as_int("context_length", need("context_length"))
+        scaling = _rope_scaling(meta, arch, spec, number, max_seq_len, bool(local), source)
         wide = spec.wide_query_scale_layers and n_layers == spec.wide_query_scale_layers
         return cls(
             dim=dim,
@@ -297,7 +385,7 @@ class ModelConfig:
             norm_eps=float(need("attention.layer_norm_rms_epsilon")),
             rope_theta=rope_theta,
             rope_dim=as_int("rope.dimension_count", meta.get(f"{arch}.rope.dimension_count", head_dim)),
-            max_seq_len=as_int("context_length", need("context_length")),
+            max_seq_len=max_seq_len,
             arch=arch,
             rope_neox=spec.rope_neox,
             qkv_bias=spec.qkv_bias,
@@ -312,10 +400,57 @@ class ModelConfig:
             sliding_window=window,
             local_layers=local,
             rope_theta_local=rope_local if local else 0.0,
+            rope_scaling=scaling,
             attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", spec.attn_softcap)) if spec.attn_softcap else 0.0,
             final_softcap=(0.0 if spec.final_softcap is None
                            else float(meta.get(f"{arch}.final_logit_softcapping", spec.final_softcap))),
         )
+
+
+def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number, n_ctx_train: int,
+                  has_local: bool, source: str) -> RopeScaling:
+    """The file's rope scaling as llama.cpp resolves it: ``llama_model::load_hparams`` reads the
+    type (default ``linear``), ``freq_scale = 1/factor`` (0 or absent: 1), the attention factor
+    and ``original_context_length``; the ``llama_context`` constructor turns the type into
+    ``ext_factor`` (``yarn``: 1), never scales for ``none``, and sets YaRN's attention factor.
+    ``number(key, default, zero)`` reads a checked number. float32 where llama.cpp computes in it.
+
+    Raises:
+        UnsupportedModelError: type ``longrope``.
+        ModelFormatError: another type llama.cpp does not know; a bad factor.
+    """
+    f32 = np.float32
+    key = f"{arch}.rope.scaling.type"
+    kind = meta.get(key, "linear")
+    if kind == "longrope":
+        raise UnsupportedModelError(f"{source}: {key} = 'longrope' (LongRoPE, Phi-3's 128k variants) is not "
+                                    f"supported yet; use a short-context variant of the model")
+    if kind not in ROPE_SCALING_TYPES:
+        raise ModelFormatError(f"{source}: metadata {key} = {shown(kind)} is not a rope scaling llamatrace knows "
+                               f"({', '.join(ROPE_SCALING_TYPES)}); re-convert the file with llama.cpp")
+    factor = (number("rope.scaling.factor", 0.0, zero=True) if f"{arch}.rope.scaling.factor" in meta
+              else number("rope.scale_linear", 0.0, zero=True))                   # the older key
+    scale_train = 1.0 if factor == 0.0 else float(f32(1) / f32(factor))
+    freq_scale = 1.0 if kind == "none" else scale_train
+    freq_scale_local = spec.rope_scale_local if has_local and spec.rope_scale_local is not None else scale_train
+    if not has_local:
+        freq_scale_local = 1.0                                # unused
+    attn_factor = f32(number("rope.scaling.attn_factor", 1.0))
+    if kind != "yarn":
+        if freq_scale == freq_scale_local == 1.0 and attn_factor == 1:
+            return RopeScaling()
+        return RopeScaling(kind, freq_scale, freq_scale_local, attn_factor=float(attn_factor))
+    # llama_context: yarn_attn_factor = get_mscale(factor) / (1 + 0.1 ln factor) (≈ 1), times the file's
+    big = f32(1) / f32(freq_scale)
+    get_mscale = f32(1) if big <= 1 else f32(0.1) * np.log(big) + f32(1)
+    attn_factor = get_mscale * (f32(1) / (f32(1) + f32(0.1) * np.log(big))) * attn_factor
+    key = f"{arch}.rope.scaling.original_context_length"
+    n_ctx_orig = meta.get(key, 0)
+    if not isinstance(n_ctx_orig, int) or isinstance(n_ctx_orig, bool) or n_ctx_orig < 0:
+        raise ModelFormatError(f"{source}: metadata {key} = {shown(n_ctx_orig)} should be a non-negative integer; "
+                               f"the file is damaged — re-convert or re-download it")
+    return RopeScaling(kind, freq_scale, freq_scale_local, ext_factor=1.0, attn_factor=float(attn_factor),
+                       n_ctx_orig=n_ctx_orig or n_ctx_train)
 
 
 # Fields that plain Llama leaves at their defaults (left out of ``to_dict`` when so).

@@ -25,7 +25,6 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
 import gguf
@@ -38,7 +37,7 @@ from llamatrace.kernels.threads import AUTO_THREADS
 from llamatrace.model.cache import KVCache
 from llamatrace.model.config import ModelConfig
 from llamatrace.model.packcache import PackCache, enabled as cache_enabled
-from llamatrace.errors import ModelFormatError, OptionError, UnsupportedModelError
+from llamatrace.errors import ModelFormatError, OptionError
 from llamatrace.gguf.reader import GGUFFile, check_tensor_types, gguf_name, open_gguf
 from llamatrace.tracing.hooks import HookFn, Hooks
 from llamatrace.text.tokenizer import Tokenizer
@@ -115,17 +114,21 @@ class Llama:
     goes with the model. :attr:`pack_cache` says whether the weights came from the cache.
     """
 
-    def __init__(self, gguf_file: GGUFFile, config: ModelConfig, weights: Weights,
-                 tokenizer: Tokenizer, inv_freq: np.ndarray, load_s: float, activations: str = "f32",
-                 inv_freq_local: np.ndarray | None = None, pack_cache: PackCache | None = None) -> None:
+    def __init__(self, gguf_file: GGUFFile, config: ModelConfig, weights: Weights, tokenizer: Tokenizer,
+                 freq_factors: np.ndarray | None, load_s: float, activations: str = "f32",
+                 pack_cache: PackCache | None = None) -> None:
         self.file = gguf_file
         self.path = gguf_file.path
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
-        self.inv_freq = inv_freq                 # float64 [rope_dim/2]
-        # the sliding-window layers' own rotary base (Gemma 3: 10000 beside 1e6), else the same
-        self.inv_freq_local = inv_freq if inv_freq_local is None else inv_freq_local
+        # RoPE: angle per position of each pair, float64 [rope_dim/2], and the cos/sin magnitude
+        self.inv_freq, self.rope_mscale = _rotary(config, local=False, freq_factors=freq_factors)
+        # the sliding-window layers' own base and scale (Gemma 3: 10000 and unscaled beside 1e6 ×1/8), else the same
+        self.inv_freq_local, self.rope_mscale_local = self.inv_freq, self.rope_mscale
+        s = config.rope_scaling
+        if config.local_layers and (config.rope_theta_local, s.freq_scale_local) != (config.rope_theta, s.freq_scale):
+            self.inv_freq_local, self.rope_mscale_local = _rotary(config, local=True)
         self.load_s = load_s
         self.pack_cache = pack_cache or PackCache.off()     # .read: weights mapped from the cache
         self.activations = activations          # "f32" (reference) or "q8" (llamatrace.kernels.act8)
@@ -170,7 +173,8 @@ class Llama:
         Raises:
             ModelNotFoundError, ModelFormatError: the file is missing or malformed, or (``path``
                 ``None``) the default model is not downloaded and ``fetch`` is False or fails.
-            UnsupportedModelError: architecture, vocabulary or a tensor type llamatrace can't run.
+            UnsupportedModelError: architecture, vocabulary, rope scaling (LongRoPE) or a tensor type
+                llamatrace can't run; refused before any weight is packed or cached.
             OptionError: an unknown ``activations``, ``"q8"`` on a CPU without AVX2, a malformed
                 ``$LLAMATRACE_PACKED_CACHE_GB``.
         """
@@ -181,7 +185,10 @@ class Llama:
         t0 = time.perf_counter()
         f = open_gguf(path)
         try:
-            config = ModelConfig.from_gguf(f)
+            config = ModelConfig.from_gguf(f)        # every check of the config, rope scaling's too, before packing
+            freq_factors = None
+            if "rope_freqs.weight" in f.tensors:               # Llama 3.1 long-context RoPE scaling
+                freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
             tokenizer = Tokenizer.from_reader(f, path=str(path), cache=cache)
             check_tensor_types(f, packing.SUPPORTED_TYPES)
             data_start = min((t.offset for t in f.tensors.values()), default=f.file_size)
@@ -189,23 +196,11 @@ class Llama:
                      else PackCache.off())
             weights = _load_weights(f, config, progress or (lambda done, total: None), activations, store)
             store.save()
-            freq_factors = None
-            if "rope_freqs.weight" in f.tensors:               # Llama 3.1 long-context RoPE scaling
-                freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
-            for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-                if name in f.tensors:                              # Phi-3 128k's LongRoPE
-                    raise UnsupportedModelError(f"{Path(path).name}: tensor {name!r} (LongRoPE scaling) is not "
-                                                f"supported yet; use a short-context variant of the model")
         except BaseException:
             with contextlib.suppress(BufferError):      # a view held by the traceback: unmapped with it
                 f.close()
             raise
-        inv_freq = kernels.rope_frequencies(config.rope_dim, config.rope_theta, freq_factors)
-        inv_freq_local = None
-        if config.local_layers and config.rope_theta_local != config.rope_theta:
-            inv_freq_local = kernels.rope_frequencies(config.rope_dim, config.rope_theta_local)
-        return cls(f, config, weights, tokenizer, inv_freq, time.perf_counter() - t0, activations, inv_freq_local,
-                   store)
+        return cls(f, config, weights, tokenizer, freq_factors, time.perf_counter() - t0, activations, store)
 
     def new_cache(self, max_seq: int) -> KVCache:
         """A KV cache for ``max_seq`` positions (float32, ``2 * n_layers * max_seq * kv_dim * 4`` bytes)."""
@@ -408,13 +403,13 @@ class Llama:
         gelu = kernels.gelu_f16_table if self.activations == "q8" else kernels.gelu
 
         # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64
-        freqs_cis = kernels.precompute_freqs_cis(self.inv_freq, start_pos, seq_len)
+        freqs_cis = kernels.precompute_freqs_cis(self.inv_freq, start_pos, seq_len, self.rope_mscale)
         cos = np.ascontiguousarray(freqs_cis.real)
         sin = np.ascontiguousarray(freqs_cis.imag)
         emit("freqs_cis", None, freqs_cis)
-        cos_local, sin_local = cos, sin                  # sliding-window layers' own base, if any
+        cos_local, sin_local = cos, sin                  # sliding-window layers' own base and scale, if any
         if self.inv_freq_local is not self.inv_freq:
-            freqs_local = kernels.precompute_freqs_cis(self.inv_freq_local, start_pos, seq_len)
+            freqs_local = kernels.precompute_freqs_cis(self.inv_freq_local, start_pos, seq_len, self.rope_mscale_local)
             cos_local = np.ascontiguousarray(freqs_local.real)
             sin_local = np.ascontiguousarray(freqs_local.imag)
         # causal mask [seq_len, kv_len]; one query row sees every cached key and needs none
@@ -597,6 +592,20 @@ _SCORE_STAGES = ("kq", "kq_scaled", "kq_softcap", "kq_masked")
 """The attention scores before the softmax: a prefill skips their masked entries when nothing watches them."""
 _GATE_UP_STAGES = ("ffn_gate", "ffn_silu", "ffn_up")
 """The FFN's halves: a stacked gate|up product goes to SwiGLU unsplit when nothing watches them."""
+
+
+def _rotary(c: ModelConfig, local: bool, freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """The RoPE table of the global (or sliding-window) layers, from ``ggml_rope_ext``'s arguments as
+    llama.cpp's graphs pass them (``get_rope_freq_base`` / ``get_rope_freq_scale`` of the layer):
+    float64 ``[rope_dim/2]`` angles per position, and the magnitude of cos and sin."""
+    s = c.rope_scaling
+    theta = c.rope_theta_local if local else c.rope_theta
+    freq_scale = s.freq_scale_local if local else s.freq_scale
+    corr_dims = (kernels.rope_yarn_corr_dims(c.rope_dim, s.n_ctx_orig, theta, s.beta_fast, s.beta_slow)
+                 if s.ext_factor else (0.0, 0.0))
+    inv_freq = kernels.rope_frequencies(c.rope_dim, theta, freq_factors, freq_scale=freq_scale,
+                                        ext_factor=s.ext_factor, corr_dims=corr_dims)
+    return inv_freq, kernels.rope_mscale(freq_scale, s.ext_factor, s.attn_factor)
 
 
 def _split_rows(y: np.ndarray, w: packing.Weight) -> list[np.ndarray]:

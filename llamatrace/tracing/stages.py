@@ -82,7 +82,8 @@ STAGES: tuple[Stage, ...] = (
     # ---- model level, before the blocks ----------------------------------------------------
     Stage("freqs_cis", "model", "RoPE table", "freqsCis", "10", 5, None, None, "input",
           "[seq_len, rope_half]",
-          "Rotary frequencies e^(i·pos·θ_j) for this chunk's positions (complex64).",
+          "Rotary frequencies e^(i·pos·θ_j) for this chunk's positions (complex64); for a rope-scaled "
+          "model, the global layers' scaled angles and magnitude (linear, YaRN).",
           lines=("Calling precomputeFreqsCis for positions [{start_pos}:{end_pos}] -> tensor freqsCis shape({out})",),
           llama_cpp_note="no tensor: ggml_rope_ext computes the angles from inp_pos inside the RoPE op",
           replaceable=False),
