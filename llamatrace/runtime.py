@@ -40,7 +40,6 @@ without importing Numba.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -125,7 +124,7 @@ def catch_interrupts(repeat: bool = True) -> None:
     So the handler installed here records the interrupt before raising, :func:`check_interrupt`
     (called at safe points: each forward call, each chunk) raises it again, and a
     KeyboardInterrupt lost in a finalizer is no longer printed. SIGINT is unblocked last (see
-    :func:`interrupts_held`): one that came while it was held is handled at once.
+    :func:`start_process`): one that came while it was held is handled at once.
 
     Args:
         repeat: a second SIGINT raises again (the CLI: the user's second Ctrl-C stops a slow
@@ -163,17 +162,19 @@ def check_interrupt() -> None:
         raise KeyboardInterrupt
 
 
-@contextlib.contextmanager
-def interrupts_held():
-    """SIGINT is blocked in this thread inside the block (held pending, not lost: any other
-    thread, or this one when the block ends, handles it). A process started inside inherits the
-    block, so a Ctrl-C during its start-up waits until its own :func:`catch_interrupts`."""
+def start_process(process) -> None:
+    """``process.start()`` (a :mod:`multiprocessing` process) with SIGINT blocked in the new process
+    until its own :func:`catch_interrupts`: a Ctrl-C during its start-up (seconds of imports)
+    waits there, pending, instead of ending it with a traceback. This thread blocks SIGINT only
+    while the process starts; one that comes meanwhile is handled when it unblocks."""
     if not hasattr(signal, "pthread_sigmask"):
-        yield
+        process.start()
         return
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()   # spawn starts it first, and unblocks SIGINT when it does
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        yield
+        process.start()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 

@@ -87,8 +87,8 @@ def test_ctrl_c_during_the_imports_of_start_up_exits_130_quietly(tiny_model_path
 
 # after the imports: the function that holds is replaced once the app is imported
 HOLD_CALL = """
-import {module} as held_module
-setattr(held_module, {name!r}, hold)
+import importlib
+setattr(importlib.import_module({module!r}), {name!r}, hold)
 """
 HOLD_COMPILE = """
 from numba.core.dispatcher import Dispatcher

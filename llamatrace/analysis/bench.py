@@ -35,7 +35,7 @@ from llamatrace.analysis.busy import busy_loops
 from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, read_bandwidth, read_buffer, token_cost
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
 from llamatrace.peers import LLAMACPP_BUILD, exit_reason
-from llamatrace.runtime import interrupts_held, usable_cpus
+from llamatrace.runtime import start_process, usable_cpus
 
 ENGINES = ("llamatrace", "llama.cpp", "hf")
 # each engine's modules, and the pip requirement that installs each
@@ -250,8 +250,7 @@ class _Worker:
         self.engine = engine
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_child, args=(child, engine, path, threads, n_ctx), daemon=True)
-        with interrupts_held():             # inherited: held until the child's handler is set
-            self.proc.start()
+        start_process(self.proc)
         child.close()
         load_s, version, threading, vocab = self._recv()
         self.result = EngineResult(engine, version, load_s, threading=threading)

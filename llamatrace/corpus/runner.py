@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from llamatrace.corpus import faults
 from llamatrace.errors import LlamatraceError, ModelNotFoundError, OptionError, PeerError
-from llamatrace.runtime import catch_interrupts, check_interrupt, interrupts_held, numba_threads
+from llamatrace.runtime import catch_interrupts, check_interrupt, numba_threads, start_process
 
 MAX_TRIES = 3
 
@@ -145,8 +145,7 @@ class _Worker:
     def __init__(self, ctx, spec: ModelSpec, work: Work) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(spec, work, child), daemon=True)
-        with interrupts_held():               # inherited: held until the worker's handler is set
-            self.process.start()
+        start_process(self.process)
         child.close()
         self.chunk: int | None = None         # the chunk it holds
         self.ready = False                    # it has loaded the model
