@@ -28,9 +28,9 @@ ENTRY = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts
 # What the `llamatrace` script that pip writes does, after the test's set-up; `hold()` says
 # "held" and waits for the test's SIGINT, however late it comes.
 SCRIPT = """
-import signal, sys
+import os, signal, sys
 def hold(*args, **kwargs):
-    print("held", file=sys.stderr, flush=True)
+    os.write(2, b"held\\n")
     signal.pause()
 {setup}
 from {module} import {function}
@@ -60,7 +60,9 @@ def _interrupt_when_held(proc: subprocess.Popen, group: bool = False) -> tuple[i
     says ``held``; returns its exit code, stdout and the rest of its stderr."""
     try:
         line = proc.stderr.readline()
-        assert line.strip() == "held", line + proc.stderr.read()
+        if line.strip() != "held":
+            os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
+            pytest.fail(line + proc.stderr.read())
         if group:
             os.killpg(proc.pid, signal.SIGINT)
         else:
@@ -166,7 +168,7 @@ def test_ctrl_c_to_the_group_while_a_worker_starts_exits_130_quietly(tiny_model_
                 def find_spec(self, name, path=None, target=None):
                     if name != os.environ["HOLD_WORKER_IMPORT"]:
                         return None
-                    print("held", file=sys.stderr, flush=True)
+                    os.write(2, b"held\\n")     # one write: the other worker may write it too
                     if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []):
                         signal.sigwait({signal.SIGINT})     # it came: held again, as it was
                         signal.raise_signal(signal.SIGINT)
