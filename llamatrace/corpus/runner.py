@@ -159,7 +159,7 @@ class _Worker:
         """SIGINT it: it stops its chunk and ends (one still starting, once it has started)."""
         try:
             os.kill(self.process.pid, signal.SIGINT)
-        except (ProcessLookupError, TypeError):       # ended already, or never started
+        except ProcessLookupError:                    # ended already
             pass
 
 
