@@ -32,12 +32,17 @@ What it sets, each only where the user has not:
 
 Spawned child processes inherit the environment variables; the libtbb preload and the heap settings
 are per process.
+
+Also here, for the same processes: Ctrl-C that cannot be lost (:func:`catch_interrupts`), and the
+CPUs and Numba threads a process may use (:func:`usable_cpus`, :func:`numba_threads`), read
+without importing Numba.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 
 LAYER_PRIORITY = "omp tbb workqueue"
@@ -48,10 +53,7 @@ rather than from a map of its own (``mallopt`` M_TRIM_THRESHOLD and M_MMAP_THRES
 8B layer's arrays fit many times over, a KV cache for long contexts (one allocation, zeroed) does not."""
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3           # <malloc.h>
 
-AUTO_THREADS_HELP = ("every core; for small models (SmolLM2-135M, -360M), one while other processes' "
-                     "runnable tasks outnumber the cores (read before each forward call)")
-"""What the kernels' default thread count is (:class:`llamatrace.kernels.threads.AutoThreads`), in
-the words ``--threads`` and ``bench`` show; here because the CLI's options must not import Numba."""
+ENV_NUMBA_THREADS = "NUMBA_NUM_THREADS"
 
 
 def configure_process() -> None:
@@ -107,3 +109,105 @@ def _preload_tbb() -> None:
             except OSError:
                 continue
             return
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------------
+_interrupted = False
+
+
+def catch_interrupts(repeat: bool = True) -> None:
+    """Make Ctrl-C (SIGINT) impossible to lose in this process, from now on.
+
+    Python raises KeyboardInterrupt wherever the main thread is when the signal is handled; if
+    that is a finalizer (an llvmlite ``ObjectRef.__del__`` while Numba compiles, a weakref
+    callback), Python prints ``Exception ignored in …`` and carries on as if nothing happened.
+    So the handler installed here records the interrupt before raising, :func:`check_interrupt`
+    (called at safe points: each forward call, each chunk) raises it again, and a
+    KeyboardInterrupt lost in a finalizer is no longer printed. SIGINT is unblocked last (see
+    :func:`start_process`): one that came while it was held is handled at once.
+
+    Args:
+        repeat: a second SIGINT raises again (the CLI: the user's second Ctrl-C stops a slow
+            clean-up); False for a worker process, whose parent stops it: its clean-up runs to the end.
+    """
+    def on_sigint(signum, frame) -> None:
+        global _interrupted
+        first = not _interrupted
+        _interrupted = True
+        if first or repeat:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    sys.unraisablehook = _quiet_lost_interrupt
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _quiet_lost_interrupt(unraisable) -> None:
+    # the handler recorded it: check_interrupt raises it again where it cannot be lost
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+
+
+def interrupted() -> bool:
+    """Whether a SIGINT came since :func:`catch_interrupts` (always False without it)."""
+    return _interrupted
+
+
+def check_interrupt() -> None:
+    """A safe point: raises KeyboardInterrupt if a SIGINT came (:func:`catch_interrupts`), in case
+    the one its handler raised was lost in a finalizer. Costs one global read; without
+    :func:`catch_interrupts` (llamatrace as a library) it never raises."""
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+def start_process(process) -> None:
+    """``process.start()`` (a :mod:`multiprocessing` process) with SIGINT blocked in the new process
+    until its own :func:`catch_interrupts`: a Ctrl-C during its start-up (seconds of imports)
+    waits there, pending, instead of ending it with a traceback. This thread blocks SIGINT only
+    while the process starts; one that comes meanwhile is handled when it unblocks."""
+    if not hasattr(signal, "pthread_sigmask"):
+        process.start()
+        return
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()   # spawn starts it first, and unblocks SIGINT when it does
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+# ---- CPUs and threads -------------------------------------------------------------------------
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity (``taskset``, a container's cpuset) where the OS
+    says (Linux), else :func:`os.cpu_count`; at least 1. Numba sizes its thread pool the same way."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def numba_threads() -> int:
+    """The threads of Numba's pool in this process and the processes it starts: ``$NUMBA_NUM_THREADS``,
+    else :func:`usable_cpus` (as ``numba.config`` reads them; Numba need not be imported).
+
+    Raises:
+        OptionError: ``$NUMBA_NUM_THREADS`` is not a whole number from 1 to :func:`usable_cpus`
+            (Numba itself fails on 0 or less with a traceback, ignores other text with a warning,
+            and starts any larger number of threads, which only wait for each other's cores).
+    """
+    cpus = usable_cpus()
+    given = os.environ.get(ENV_NUMBA_THREADS)
+    if given is None or not given.strip():
+        return cpus
+    try:
+        n = int(given.strip())
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= cpus:
+        from llamatrace.errors import OptionError
+        shown = given if len(given) <= 40 else given[:40] + "…"
+        raise OptionError(f"{ENV_NUMBA_THREADS}={shown!r}: Numba's thread count must be a whole number from 1 to "
+                          f"{cpus} (the CPUs this process may use); set it in that range, or unset it")
+    return n

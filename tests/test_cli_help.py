@@ -26,6 +26,8 @@ OWN_HELP = {
     ("--activations", "imatrix"): "q8 by default from 1 B parameters, as generate's",
     ("--activations", "collect"): "q8 by default from 1 B parameters, as generate's",
 }
+# options whose help has a variant of its own, shared by the commands that run --workers processes
+WORKER_VARIANT = {"--threads"}
 
 
 def _help(capsys, *args) -> str:
@@ -67,15 +69,26 @@ def test_fixed_choices_are_in_the_metavar(capsys):
 @pytest.mark.parametrize("option", ["--model", "--threads", "--activations", "--prompt-file", "--raw",
                                     "--system", "--ctx-size", "--ablate"])
 def test_a_shared_option_reads_the_same_everywhere(capsys, option):
-    seen = {}
+    seen: dict[bool, dict[str, str]] = {}          # with --workers (the variant's) or not -> command -> help
     for command in COMMANDS:
         if (option, command) in OWN_HELP:
             continue
-        row = _rows(_help(capsys, command)).get(option)
-        if row is not None:
-            seen[command] = row
-    assert len(seen) >= 2, seen
-    assert len(set(seen.values())) == 1, seen
+        rows = _rows(_help(capsys, command))
+        if option in rows:
+            seen.setdefault(option in WORKER_VARIANT and "--workers" in rows, {})[command] = rows[option]
+    assert sum(map(len, seen.values())) >= 2, seen
+    for group in seen.values():
+        assert len(set(group.values())) == 1, seen
+
+
+def test_threads_help_names_workers_only_where_the_command_has_them(capsys):
+    has = {}
+    for command in COMMANDS:
+        rows = _rows(_help(capsys, command))
+        if "--threads" in rows:
+            has[command] = ("--workers" in rows, "--workers" in rows["--threads"])
+    assert {c for c, (workers, _) in has.items() if workers} >= {"perplexity", "imatrix", "collect", "quantize"}
+    assert {c for c, (workers, named) in has.items() if workers != named} == set(), has
 
 
 def test_activations_help_names_the_types_with_q8_kernels():

@@ -314,7 +314,7 @@ def test_python_m_in_a_folder_holding_a_checkout_gives_one_line(tmp_path):
         sys.path.insert(0, {str(tmp_path)!r})
         import llamatrace
         assert getattr(llamatrace, "__file__", None) is None
-        spec = importlib.util.spec_from_file_location("llamatrace.__main__", {str(REPO / "llamatrace" / "__main__.py")!r})
+        spec = importlib.util.spec_from_file_location("__main__", {str(REPO / "llamatrace" / "__main__.py")!r})
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,

@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import platform
 import resource
+import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +35,7 @@ from llamatrace.analysis.busy import busy_loops
 from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, read_bandwidth, read_buffer, token_cost
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
 from llamatrace.peers import LLAMACPP_BUILD, exit_reason
+from llamatrace.runtime import start_process, usable_cpus
 
 ENGINES = ("llamatrace", "llama.cpp", "hf")
 # each engine's modules, and the pip requirement that installs each
@@ -177,7 +179,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     modes = list(dict.fromkeys(check_activations(a) for a in (activations or ("f32",))))
     check_engines([a for a in against if a != "llamatrace"])
     engines = [_ours(mode) for mode in modes] + [a for a in dict.fromkeys(against) if a != "llamatrace"]
-    peer_threads = threads or os.cpu_count() or 1      # ours: None = AutoThreads, as by default
+    peer_threads = threads or usable_cpus()      # ours: None = AutoThreads, as by default
     n_ctx = prompt_tokens + decode_tokens + 8
     path = str(Path(model_path).resolve())
     cost, matrix_types = _check_fits(path, prompt_tokens, decode_tokens, n_ctx)
@@ -253,7 +255,7 @@ class _Worker:
         self.engine = engine
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_child, args=(child, engine, path, threads, n_ctx), daemon=True)
-        self.proc.start()
+        start_process(self.proc)
         child.close()
         load_s, version, threading, vocab = self._recv()
         self.result = EngineResult(engine, version, load_s, threading=threading)
@@ -304,6 +306,17 @@ class _Worker:
 
 def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
     from llamatrace import runtime
+    try:
+        runtime.catch_interrupts(repeat=False)     # Ctrl-C: the parent stops the run, this process ends
+        _serve(conn, engine, path, threads, n_ctx)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _serve(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
+    from llamatrace import runtime
     if engine != "llamatrace":      # peers' own progress bars and logs would garble ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
@@ -319,6 +332,8 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
         else:
             eng = _ENGINES[engine](path, threads, n_ctx)
         conn.send((time.perf_counter() - t0, eng.version, eng.threading(), eng.vocab_size))
+    except KeyboardInterrupt:
+        raise
     except BaseException as exc:  # noqa: BLE001 — reported to the parent as one line
         conn.send(exc)
         return

@@ -379,18 +379,17 @@ def run_llamacpp(path, ids: list[int], fed: list[int], *, threads: int | None = 
     Raises:
         PeerError: llama-cpp-python is missing or llama.cpp failed.
     """
-    import os
-
     from llamatrace.analysis.bench import check_engines
     from llamatrace.errors import PeerError
+    from llamatrace.runtime import usable_cpus
     check_engines(["llama.cpp"])
     from llamatrace.peers.llamacpp import LlamaCpp, check_runs_here
-    check_runs_here(str(path), threads or os.cpu_count() or 1)
+    check_runs_here(str(path), threads or usable_cpus())
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.model.config import ModelConfig
     config = ModelConfig.from_gguf(open_gguf(path))
     try:
-        engine = LlamaCpp(str(path), len(ids) + len(fed) + 8, threads or os.cpu_count() or 1, capture=True)
+        engine = LlamaCpp(str(path), len(ids) + len(fed) + 8, threads or usable_cpus(), capture=True)
     except RuntimeError as exc:
         raise PeerError(f"llama.cpp: {exc}") from None
     steps, arrays = [], {}

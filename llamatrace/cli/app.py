@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - older typer re-exports click's
     from click import ClickException as _UsageError
 from rich.console import Console
 
-from llamatrace import __version__
+from llamatrace import __version__, runtime
 from llamatrace.errors import LlamatraceError
 
 
@@ -261,8 +261,14 @@ def _take_global_flags(argv: list[str]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point: runs the app and maps errors to one line + exit code."""
+    """Run the app on ``argv`` (default ``sys.argv[1:]``) and map errors to one line + exit code.
+
+    A command that ends after a Ctrl-C whose KeyboardInterrupt was lost (in a finalizer, see
+    :func:`llamatrace.runtime.catch_interrupts`) ends with ``interrupted`` and 130 all the same."""
     code = _run(argv)
+    if runtime.interrupted() and code != EXIT_INTERRUPTED:
+        err.print("interrupted")
+        code = EXIT_INTERRUPTED
     try:                                         # output lost to a full disk must not pass silently
         stdout.flush()
     except StdoutClosed:
@@ -295,6 +301,8 @@ def _run(argv: list[str] | None) -> int:
     argv = _take_global_flags(list(sys.argv[1:] if argv is None else argv))
     with warnings.catch_warnings():
         warnings.simplefilter("default")
+        if not _state["debug"]:     # a file left open by an interrupt, as Python's default filters
+            warnings.simplefilter("ignore", ResourceWarning)
         warnings.showwarning = _show_warning
         return _run_app(argv)
 
@@ -362,4 +370,7 @@ def _report(exc: BaseException, line: str, code: int) -> None:
 
 
 def run() -> None:
-    sys.exit(main())
+    """Run ``llamatrace`` with ``sys.argv`` as the ``llamatrace`` command does
+    (:func:`llamatrace.__main__.main`: Ctrl-C handled), and exit with its code."""
+    from llamatrace.__main__ import main as command
+    sys.exit(command())

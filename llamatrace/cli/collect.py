@@ -11,7 +11,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, plural, status_bar, stdout
-from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, ThreadsOpt, WorkersOpt,
+from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
                                      check_activations, default_activations, load_model, model_file)
 from llamatrace.errors import OptionError
 
@@ -38,7 +38,7 @@ def collect(
     activations: RunActivationsOpt = None,
     workers: WorkersOpt = 1,
     ray: RayOpt = None,
-    threads: ThreadsOpt = None,
+    threads: WorkerThreadsOpt = None,
     no_cache: NoCacheOpt = False,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print a JSON summary on stdout at "
                                            "the end.")] = False,

@@ -14,7 +14,6 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from llamatrace.errors import LlamatraceError, OptionError, PromptError
-from llamatrace.runtime import AUTO_THREADS_HELP
 from llamatrace.tracing.stages import select_stages
 from llamatrace.cli.app import err, quiet, status, status_bar, status_spinner
 
@@ -25,9 +24,15 @@ RawOpt = Annotated[bool, typer.Option("--raw", metavar="", help="Send the prompt
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option(
     "--prompt-file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False)]
+AUTO_THREADS_HELP = ("every core; for small models (SmolLM2-135M, -360M), one while other processes' "
+                     "runnable tasks outnumber the cores (read before each forward call)")
+"""The kernels' default thread count (:class:`llamatrace.kernels.threads.AutoThreads`), in words."""
 ThreadsOpt = Annotated[Optional[int], typer.Option(
-    "--threads", "-t", help=f"CPU threads for the kernels. Default: {AUTO_THREADS_HELP}; with --workers, "
-    "the cores split evenly among the workers.", show_default=False)]
+    "--threads", "-t", help=f"CPU threads for the kernels. Default: {AUTO_THREADS_HELP}.", show_default=False)]
+WorkerThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", "-t", help=f"CPU threads for the kernels, of each worker. Default: {AUTO_THREADS_HELP}; with "
+    "--workers, the cores this process may use split evenly among the workers.", show_default=False)]
+"""``--threads`` of the commands with ``--workers``."""
 
 
 def _no_cache(ctx: typer.Context, value: bool) -> bool:

@@ -15,7 +15,7 @@ import typer
 
 from llamatrace.cli.app import (app, err, exit_interrupted, out, plural, quiet, status, status_bar, status_spinner,
                                 stdout)
-from llamatrace.cli.options import NoCacheOpt, RayOpt, ThreadsOpt, WorkersOpt
+from llamatrace.cli.options import NoCacheOpt, RayOpt, WorkerThreadsOpt, WorkersOpt
 from llamatrace.errors import LlamatraceError, OptionError
 
 
@@ -105,7 +105,7 @@ def quantize(
                     show_default=False)] = None,
     workers: WorkersOpt = 1,
     ray: RayOpt = None,
-    threads: ThreadsOpt = None,
+    threads: WorkerThreadsOpt = None,
     no_cache: NoCacheOpt = False,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (every tensor's "
                                            "type, the fallbacks, sizes, bits per weight) instead of the summary.")] = False,

@@ -8,12 +8,18 @@ worker — whether its death shows as the end of its process or as a send that f
 whose worker dies :data:`MAX_TRIES` times fails the run. Processes are started with ``spawn``:
 a forked copy of a process whose Numba/OpenMP threads are running can hang. The named points of
 :mod:`llamatrace.corpus.faults` let the tests kill each party exactly where they mean to.
+
+Ctrl-C reaches every process of the terminal's group. A worker holds SIGINT until it has set up
+its handler (:func:`llamatrace.runtime.catch_interrupts`), so one during its start-up prints no
+traceback; then any SIGINT ends it quietly. A run that stops (interrupted, or on an error)
+interrupts the workers still computing, so they stop too when only the parent was signalled.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import traceback
 from collections import deque
 from dataclasses import dataclass
@@ -22,6 +28,7 @@ from typing import Any, Callable
 
 from llamatrace.corpus import faults
 from llamatrace.errors import LlamatraceError, ModelNotFoundError, OptionError, PeerError
+from llamatrace.runtime import catch_interrupts, check_interrupt, numba_threads, start_process
 
 MAX_TRIES = 3
 
@@ -48,8 +55,14 @@ class ModelSpec:
 
 
 def threads_per_worker(workers: int, threads: int | None) -> int:
-    """Kernel threads of each worker: ``threads`` if given, else the cores split evenly."""
-    return threads if threads is not None else max(1, (os.cpu_count() or 1) // max(workers, 1))
+    """Kernel threads of each worker: ``threads`` if given, else the threads Numba may run
+    (:func:`llamatrace.runtime.numba_threads`: the CPUs this process may use, or fewer by
+    ``$NUMBA_NUM_THREADS``) split evenly.
+
+    Raises:
+        OptionError: a bad ``$NUMBA_NUM_THREADS``.
+    """
+    return threads if threads is not None else max(1, numba_threads() // max(workers, 1))
 
 
 def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work: Work,
@@ -83,6 +96,7 @@ def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], wo
     if workers == 1:
         model = model if model is not None else spec.load()
         for i in range(n_chunks):
+            check_interrupt()
             on_result(i, work(model, payload(i)))
         return
     _Pool(spec, payload, work, min(workers, n_chunks)).run(n_chunks, on_result)
@@ -110,23 +124,28 @@ def _worker_main(spec: ModelSpec, work: Work, conn) -> None:
     from llamatrace.runtime import configure_process
     configure_process()             # a process of llamatrace's own: the CLI's settings
     try:
+        catch_interrupts(repeat=False)            # a SIGINT held since the start is handled here
         model = spec.load()
         conn.send(("ready",))
         while (job := conn.recv()) is not None:
             i, data = job
             faults.at("compute", i)
-            conn.send(("done", i, work(model, data)))
+            result = work(model, data)
+            check_interrupt()
+            conn.send(("done", i, result))
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass                                      # the parent is gone or stopping us
     except Exception as exc:      # noqa: BLE001 - reported to the parent, which raises it
         conn.send(failure(exc, "a worker"))
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)      # it only exits now
 
 
 class _Worker:
     def __init__(self, ctx, spec: ModelSpec, work: Work) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_worker_main, args=(spec, work, child), daemon=True)
-        self.process.start()
+        start_process(self.process)
         child.close()
         self.chunk: int | None = None         # the chunk it holds
         self.ready = False                    # it has loaded the model
@@ -135,6 +154,13 @@ class _Worker:
         """SIGKILL it and wait for the end (its pipe is closed then)."""
         self.process.kill()
         self.process.join()
+
+    def interrupt(self) -> None:
+        """SIGINT it: it stops its chunk and ends (one still starting, once it has started)."""
+        try:
+            os.kill(self.process.pid, signal.SIGINT)
+        except ProcessLookupError:                    # ended already
+            pass
 
 
 class _Pool:
@@ -185,6 +211,7 @@ class _Pool:
         faults.kill_any_worker = lambda: pool[0].kill()
         try:
             while next_out < n_chunks:
+                check_interrupt()
                 ready = set(wait([w.conn for w in pool] + [w.process.sentinel for w in pool]))
                 for w in list(pool):
                     if w.conn not in ready and w.process.sentinel not in ready:
@@ -210,6 +237,11 @@ class _Pool:
                     next_out += 1
                 if not pool and next_out < n_chunks:
                     raise PeerError("every worker died; giving up")
+        except BaseException:
+            for w in pool:                        # the run is abandoned: so are their chunks
+                if w.process.exitcode is None:
+                    w.interrupt()
+            raise
         finally:
             faults.kill_any_worker = None
             for w in pool:

@@ -27,7 +27,7 @@ from numba import njit, prange
 
 from llamatrace.errors import OptionError
 from llamatrace.kernels.jit import JIT_PARALLEL
-from llamatrace.runtime import AUTO_THREADS_HELP
+from llamatrace.runtime import usable_cpus
 
 
 @njit(**JIT_PARALLEL)
@@ -143,8 +143,9 @@ class AutoThreads:
     seconds. Nothing is timed, so no token is spent on a slow trial.
 
     Args:
-        cores, cpus: as :func:`threads_for`; default this process's affinity (at most
-            ``numba.config.NUMBA_NUM_THREADS``) and :func:`os.cpu_count`.
+        cores, cpus: as :func:`threads_for`; default the CPUs this process may use
+            (:func:`llamatrace.runtime.usable_cpus`, at most ``numba.config.NUMBA_NUM_THREADS``)
+            and :func:`os.cpu_count`.
         elsewhere: the load signal, :func:`runnable_elsewhere` (tests inject their own).
         clock: seconds, monotonic (:func:`time.monotonic`).
     """
@@ -153,8 +154,7 @@ class AutoThreads:
                  elsewhere: Callable[[], int | None] = runnable_elsewhere,
                  clock: Callable[[], float] = time.monotonic, every: float = 0.05, window: int = 3) -> None:
         if cores is None:
-            affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-            cores = min(affinity or 1, numba.config.NUMBA_NUM_THREADS)
+            cores = min(usable_cpus(), numba.config.NUMBA_NUM_THREADS)
         self.cores = cores
         self.cpus = max(cpus or os.cpu_count() or cores, cores)
         self.every = every
@@ -182,7 +182,7 @@ class AutoThreads:
         """What this policy does, in a few words (``bench`` shows it)."""
         if _fixed_threads is not None:
             return f"{_fixed_threads} thread{'s' if _fixed_threads > 1 else ''}"
-        return f"auto threads ({self.cores} cores): {AUTO_THREADS_HELP}"
+        return f"auto threads ({self.cores} cores; one for a small model while other processes crowd them)"
 
 
 AUTO_THREADS = AutoThreads()

@@ -39,6 +39,7 @@ from llamatrace.model.config import ModelConfig
 from llamatrace.model.packcache import PackCache, enabled as cache_enabled
 from llamatrace.errors import ModelFormatError, OptionError
 from llamatrace.gguf.reader import GGUFFile, check_tensor_types, gguf_name, open_gguf
+from llamatrace.runtime import check_interrupt
 from llamatrace.tracing.hooks import HookFn, Hooks
 from llamatrace.text.tokenizer import Tokenizer
 from llamatrace.tracing.recorder import Emit, Recorder, null_emit
@@ -381,6 +382,7 @@ class Llama:
                 residual is not None and np.shape(residual) != (seq_len, c.dim)):
             raise OptionError(f"start_layer {start_layer} must be in 0..{c.n_layers}, with a residual "
                               f"[seq_len, dim] = [{seq_len}, {c.dim}] unless it is 0")
+        check_interrupt()                         # a Ctrl-C lost in a finalizer (the last compile's) stops here
         AUTO_THREADS.pick(c.dim * c.hidden_dim)   # all cores, or one on a crowded machine (or --threads)
         recorder = recorder if recorder is not None else self._recorder
         emit: Emit = null_emit
