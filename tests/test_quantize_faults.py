@@ -326,10 +326,11 @@ def test_a_first_runs_compile_gets_a_status_line_in_a_log(f16_base, tmp_path, ca
 def test_precompile_covers_the_quantizers_of_the_common_types(monkeypatch):
     """``python -m llamatrace.kernels.precompile`` (scripts/setup.sh) compiles each common type's
     quantizer for float32 and float16 rows: Numba holds both signatures afterwards."""
-    from llamatrace.kernels import precompile, quantizers
+    from llamatrace.kernels import precompile
+    from llamatrace.kernels import quantizers as rows
     assert {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"} <= set(precompile.QUANTIZED)
     precompile.compile_quantizers(["Q4_0", "F16"], log=lambda line: None)
-    kernel = quantizers._KERNELS[T.Q4_0][0]
+    kernel = rows._KERNELS[T.Q4_0][0]
     assert {str(sig[0].dtype) for sig in kernel.signatures} >= {"float32", "uint16"}
     calls = []
     monkeypatch.setattr(precompile, "compile_kernels", lambda names, log: calls.append(("kernels", tuple(names))) or 0.0)
