@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from llamatrace.kernels import fp32, threads
+from llamatrace.kernels.ops import fp32
+from llamatrace.machine import threads
 
 SHAPES = [  # (label, n_heads, n_kv_heads, head_dim, seq_len, kv_len)
     ("8B prefill", 32, 8, 128, 512, 512), ("8B decode", 32, 8, 128, 1, 512),

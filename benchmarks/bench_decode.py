@@ -20,13 +20,14 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.runtime import configure_process
+from llamatrace.machine.runtime import configure_process
 
 configure_process()
 
-from llamatrace.kernels import packing, threads  # noqa: E402
-from llamatrace.kernels.jit import JIT_EXACT_PARALLEL  # noqa: E402
-from llamatrace.kernels.registry import matmul  # noqa: E402
+from llamatrace.kernels.types import packing  # noqa: E402
+from llamatrace.kernels.types.registry import matmul  # noqa: E402
+from llamatrace.machine import threads  # noqa: E402
+from llamatrace.machine.jit import JIT_EXACT_PARALLEL  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 BLOCKS = {T.Q4_0: (32, 18, (0,)), T.Q4_K: (256, 144, (0, 2)), T.Q6_K: (256, 210, (208,))}

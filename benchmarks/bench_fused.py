@@ -39,12 +39,12 @@ def main() -> None:
     p.add_argument("--activations", default="q8")
     args = p.parse_args()
 
-    from llamatrace.runtime import configure_process
+    from llamatrace.machine.runtime import configure_process
     configure_process()
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.corpus.metrics import token_nll
     from llamatrace.corpus.perplexity import chunk_logits
-    from llamatrace.kernels.threads import set_threads
+    from llamatrace.machine.threads import set_threads
     from llamatrace.model.llama import Llama
 
     set_threads(args.threads)

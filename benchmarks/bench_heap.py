@@ -28,7 +28,7 @@ def child(args) -> None:
     import resource
     import time
 
-    from llamatrace.runtime import configure_process
+    from llamatrace.machine.runtime import configure_process
     configure_process()
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.corpus.perplexity import chunk_logits

@@ -23,10 +23,11 @@ import gguf
 import numba
 import numpy as np
 
-from llamatrace.gguf import fetch
-from llamatrace.kernels import packing, threads
-from llamatrace.kernels.registry import matmul
 from llamatrace.errors import ModelNotFoundError
+from llamatrace.gguf import fetch
+from llamatrace.kernels.types import packing
+from llamatrace.kernels.types.registry import matmul
+from llamatrace.machine import threads
 
 T = gguf.GGMLQuantizationType
 N_LAYERS = 30

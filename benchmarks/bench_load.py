@@ -41,7 +41,7 @@ if engine == "llama.cpp":
     LlamaCpp(path, 512, os.cpu_count())
     print(json.dumps({"total": time.perf_counter() - t0}))
     sys.exit()
-from llamatrace.runtime import configure_process           # as the CLI does
+from llamatrace.machine.runtime import configure_process           # as the CLI does
 configure_process()
 from llamatrace.model.llama import Llama
 t0 = time.perf_counter()

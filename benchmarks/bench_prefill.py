@@ -14,10 +14,10 @@ counts alternated for ROUNDS rounds (each a mean of --repeat calls), every round
 on a VM the second vCPU's share of the host moves from round to round.
 
 ``--amx``: on a CPU with AMX, the AMX prefill against the VNNI prefill that runs without it
-(:func:`llamatrace.kernels.amx.measure`, what the default's decision times: random weights, one
+(:func:`llamatrace.kernels.int8.amx.measure`, what the default's decision times: random weights, one
 call of each alternated for --repeat rounds, the best of each) for Q4_0, Q8_0, Q4_K and Q6_K at
 the three 8B shapes: ms, G multiply-adds/s, the fraction of the tile peak (``tdpbssd`` chains,
-:func:`llamatrace.kernels.amx.make_dot_peak`) and of VNNI's speed, whether the bits are the same,
+:func:`llamatrace.kernels.int8.amx.make_dot_peak`) and of VNNI's speed, whether the bits are the same,
 and a verdict per type. Whatever ``LLAMATRACE_AMX`` says but ``0``. Elsewhere: one ``error:``
 line and exit status 2, as for an option this machine cannot run.
 """
@@ -33,7 +33,8 @@ import gguf
 import numba
 import numpy as np
 
-from llamatrace.kernels import act8, packing
+from llamatrace.kernels.int8 import act8
+from llamatrace.kernels.types import packing
 
 T = gguf.GGMLQuantizationType
 SHAPES = {T.Q4_0: (14336, 4096), T.Q4_1: (14336, 4096), T.Q8_0: (14336, 4096), T.Q4_K: (14336, 4096),
@@ -99,7 +100,7 @@ def scaling(name: str, f, x, out, repeat: int, rounds: int) -> None:
 
 def amx_against_vnni(types: list[str], rows: int, rounds: int) -> None:
     """``--amx``: the table and a verdict per type (module docstring)."""
-    from llamatrace.kernels import amx
+    from llamatrace.kernels.int8 import amx
 
     peak = amx.hw_dot_peak()
     threads = numba.get_num_threads()
@@ -148,7 +149,7 @@ def main() -> None:
     if not act8.available():
         raise SystemExit("the q8 kernels need AVX2")
     if args.amx:
-        from llamatrace.kernels import amx
+        from llamatrace.kernels.int8 import amx
         if not amx.available().on:
             print(f"error: --amx: no AMX prefill to time here ({amx.available().reason}); run it on a CPU "
                   f"with amx_int8 (Xeon from Sapphire Rapids on), without LLAMATRACE_AMX=0", file=sys.stderr)

@@ -23,7 +23,7 @@ CHILD = """
 import statistics, sys, time
 import numpy as np, numba
 from numba import njit, prange
-from llamatrace.runtime import configure_process
+from llamatrace.machine.runtime import configure_process
 configure_process()                       # as the CLI: the libtbb preload
 threads, launches = int(sys.argv[1]), int(sys.argv[2])
 numba.set_num_threads(threads)

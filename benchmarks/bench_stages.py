@@ -42,11 +42,11 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
 
-    from llamatrace.runtime import configure_process
+    from llamatrace.machine.runtime import configure_process
     configure_process()
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.corpus.perplexity import ChunkJob, score_chunk
-    from llamatrace.corpus.stages import score_pair
+    from llamatrace.corpus.stage_errors import score_pair
     from llamatrace.model.llama import Llama
 
     base = Llama.load(a.base, activations=a.activations)          # the packed cache as the CLI uses it

@@ -26,11 +26,11 @@ from llamatrace.analysis.busy import busy_loops
 CHILD = """
 import json, sys
 try:
-    from llamatrace.runtime import configure_process       # as the CLI does
+    from llamatrace.machine.runtime import configure_process       # as the CLI does
     configure_process()
 except ImportError:
     pass                                                 # older code: importing llamatrace did it
-from llamatrace.kernels import threads
+from llamatrace.machine import threads
 from llamatrace.model.generate import GenerationStats, generate
 from llamatrace.model.llama import Llama
 path, n = sys.argv[1], int(sys.argv[2])

@@ -21,7 +21,7 @@ import sys
 
 CHILD = r"""
 import json, sys, time
-from llamatrace.runtime import configure_process
+from llamatrace.machine.runtime import configure_process
 configure_process()
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.text.tokenizer import Tokenizer

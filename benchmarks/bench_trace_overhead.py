@@ -16,8 +16,8 @@ import time
 
 import numba
 
-from llamatrace.kernels import threads
 from llamatrace.gguf.fetch import resolve_model
+from llamatrace.machine import threads
 from llamatrace.model.llama import Llama
 
 PROMPT = "The capital of France is"

@@ -15,7 +15,7 @@ of a shared machine:
   3) on 2 MiB pages and on the pages of weights packed without the cache.
 
 ``--pages``: the weights are also copied to fresh memory of the other kind (4 KiB pages
-(:func:`llamatrace.kernels.packing.small_pages`) when they came from the cache's map, else 2 MiB
+(:func:`llamatrace.kernels.types.packing.small_pages`) when they came from the cache's map, else 2 MiB
 pages), and each round runs ``bench`` on both, in alternating order: what the pages cost decode,
 in one process (twice the weights' memory). A step counts as clean when the process had its
 threads' CPU (CPU / wall within 7 %); medians of the clean ones, and CPU ms of all.
@@ -31,13 +31,13 @@ import time
 
 import numpy as np
 
-from llamatrace.runtime import configure_process
+from llamatrace.machine.runtime import configure_process
 
 configure_process()
 
 from llamatrace.analysis.bench import _Llamatrace, process_huge_page_bytes, prompt_ids  # noqa: E402
 from llamatrace.analysis.roofline import read_bandwidth, read_buffer  # noqa: E402
-from llamatrace.kernels import packing  # noqa: E402
+from llamatrace.kernels.types import packing  # noqa: E402
 from llamatrace.model.packcache import ENV_NO_CACHE  # noqa: E402
 
 _HUGE = 2 << 20

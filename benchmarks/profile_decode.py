@@ -37,14 +37,16 @@ from collections import defaultdict
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.runtime import configure_process
+from llamatrace.machine.runtime import configure_process
 
 configure_process()
 
 from llamatrace.analysis.bench import process_huge_page_bytes  # noqa: E402
 from llamatrace.analysis.roofline import read_bandwidth, read_buffer  # noqa: E402
-from llamatrace.kernels import fp32, registry, threads  # noqa: E402
-from llamatrace.kernels.jit import JIT_EXACT_PARALLEL  # noqa: E402
+from llamatrace.kernels.ops import fp32  # noqa: E402
+from llamatrace.kernels.types import registry  # noqa: E402
+from llamatrace.machine import threads  # noqa: E402
+from llamatrace.machine.jit import JIT_EXACT_PARALLEL  # noqa: E402
 from llamatrace.model import llama as llama_mod  # noqa: E402
 from llamatrace.model.llama import Llama  # noqa: E402
 from bench_decode import stream_tiles  # noqa: E402  (beside this script)

@@ -14,7 +14,7 @@ Python use::
 __version__ = "0.1.0"
 
 # Importing llamatrace changes no process-wide setting (Numba's threading layer, its cache
-# folder, libtbb): llamatrace's own entry points do that, see llamatrace.runtime.
+# folder, libtbb): llamatrace's own entry points do that, see llamatrace.machine.runtime.
 
 
 def __getattr__(name: str):

@@ -25,8 +25,8 @@ def main() -> int:
         where = next(iter(getattr(package, "__path__", [])), "llamatrace")
         return _fail(f"`python -m llamatrace` found the folder {where!r} (a llamatrace checkout?) before the "
                      f"installed package; run it from another folder, or use the `llamatrace` command")
-    from llamatrace import runtime
     from llamatrace.errors import LlamatraceError
+    from llamatrace.machine import runtime
     runtime.catch_interrupts()
     try:
         runtime.numba_threads()                 # Numba reads it at import, and fails with a traceback

@@ -1,6 +1,6 @@
 """ggml-cpu's x86 activation quantizers compiled from the llama-cpp-python sdist: the code
 llama.cpp's CPU backend runs on an AVX2 (or AVX-512) machine, as an independent reference for
-the ``q8`` mode's activation quantization (``llamatrace.kernels.act8``).
+the ``q8`` mode's activation quantization (``llamatrace.kernels.int8.act8``).
 
 ``ggml/src/ggml-cpu/arch/x86/quants.c`` is compiled once with gcc (``-mavx2 -mfma -mf16c``) into
 a shared library in the user cache, linked against ``kquant_files``' build of ``ggml-quants.c``

@@ -1,4 +1,4 @@
-"""The optional 8-bit-activation mode (llamatrace.kernels.act8): activation quantization against
+"""The optional 8-bit-activation mode (llamatrace.kernels.int8.act8): activation quantization against
 llama.cpp's CPU backend's own x86 Q8_0 / Q8_1 (``ggml_cpu_quants``) and ggml's Q8_K (ggml-quants.c
 from the llama-cpp-python sdist, compiled by ``kquant_files``), matmuls against float64 sums over gguf-py's dequantized weights and activations, the Numba
 kernels against their NumPy twins, integer overflow bounds, and llama.cpp's own matmul outputs
@@ -17,11 +17,11 @@ from gguf_factory import random_blocks
 from cli_helpers import assert_one_line_error, run
 from test_compare import GOLDEN, load_dump
 
-from llamatrace.kernels import act8
-from llamatrace.kernels import packing, q5
-from llamatrace.kernels.jit import f16_np
-from llamatrace.kernels.registry import matmul
 from llamatrace.errors import OptionError
+from llamatrace.kernels.int8 import act8
+from llamatrace.kernels.types import packing, q5
+from llamatrace.kernels.types.registry import matmul
+from llamatrace.machine.jit import f16_np
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]

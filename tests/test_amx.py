@@ -1,4 +1,4 @@
-"""The AMX int8 prefill (llamatrace.kernels.amx), checked on any x86 machine.
+"""The AMX int8 prefill (llamatrace.kernels.int8.amx), checked on any x86 machine.
 
 The kernel is written once against six tile operations. Here: the emulated operations against
 NumPy integer matmuls (the SDM's semantics, int32 wrap-around) and against the faults the hardware
@@ -27,8 +27,9 @@ from numba.extending import intrinsic
 from cli_helpers import run
 from test_act8 import _dequantized_activations, _rows, _weight
 
-from llamatrace.kernels import act8, amx, packing
-from llamatrace.kernels.registry import matmul
+from llamatrace.kernels.int8 import act8, amx
+from llamatrace.kernels.types import packing
+from llamatrace.kernels.types.registry import matmul
 
 T = gguf.GGMLQuantizationType
 TR = packing.TR
@@ -318,7 +319,7 @@ def test_status_follows_the_cpu_and_the_os_here():
 
 
 def test_switches_in_a_fresh_process():
-    code = "from llamatrace.kernels import amx; print(amx.available(), amx.decision(amx.KIND_Q4_K))"
+    code = "from llamatrace.kernels.int8 import amx; print(amx.available(), amx.decision(amx.KIND_Q4_K))"
     for value, want in (("0", "off: forced by LLAMATRACE_AMX=0"),
                         ("1", "on: forced by LLAMATRACE_AMX=1" if AVAILABLE else amx.available().reason)):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -329,7 +330,7 @@ def test_switches_in_a_fresh_process():
 def test_hardware_kernels_load_from_numbas_cache_in_a_new_process():
     # bound as globals, not closed over: a closure's cells pickle differently in every process,
     # and Numba's cache missed each time (17-22 s of compiling at the first prefill on AMX)
-    code = ("from numba import types; from llamatrace.kernels import amx\n"
+    code = ("from numba import types; from llamatrace.kernels.int8 import amx\n"
             f"k = amx.hw_prefill(); k.compile({PREFILL_SIG_TEXT})\n"
             "p = amx.hw_dot_peak(); p.compile((types.int64,) * 4)\n"
             "print(sum(k.stats.cache_hits.values()), sum(p.stats.cache_hits.values()))")
@@ -346,8 +347,8 @@ def test_compiles_for_a_sapphire_rapids_target_and_runs_only_on_the_host_it_has(
     host = binding.get_host_cpu_features()
     features = ",".join(("+" if on else "-") + name for name, on in host.items() if not name.startswith("amx"))
     env = {**os.environ, "NUMBA_CPU_NAME": "sapphirerapids", "NUMBA_CPU_FEATURES": features + ",+amx-tile,+amx-int8"}
-    code = ("import re; from numba import types; from llamatrace.kernels import amx\n"
-            "from llamatrace.kernels.jit import target_features\n"
+    code = ("import re; from numba import types; from llamatrace.kernels.int8 import amx\n"
+            "from llamatrace.machine.jit import target_features\n"
             f"k = amx.make_prefill(amx.HW, cache=False); sig = {PREFILL_SIG_TEXT}; k.compile(sig)\n"
             "tile = [l.split()[0] for l in k.inspect_asm(sig).splitlines()"
             " if re.match(r'\\s*(ldtilecfg|tile[a-z]+|tdpb[su]{2}d)\\b', l)]\n"
@@ -502,8 +503,8 @@ def test_a_second_process_compiles_nothing(tmp_path):
     code = (
         "import gguf, numba, numpy as np\n"
         "from numba.core import event\n"
-        "from llamatrace.kernels import amx, packing\n"
-        "from llamatrace.kernels.registry import matmul\n"
+        "from llamatrace.kernels.int8 import amx; from llamatrace.kernels.types import packing\n"
+        "from llamatrace.kernels.types.registry import matmul\n"
         "compiled = []\n"
         "class Count(event.Listener):\n"
         "    def on_start(self, ev): pass\n"

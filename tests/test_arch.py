@@ -21,7 +21,7 @@ from cli_helpers import assert_one_line_error, run
 from gguf_factory import write_tiny_llama
 
 from llamatrace.errors import ModelFormatError, UnsupportedModelError
-from llamatrace.kernels import fp32 as kernels
+from llamatrace.kernels.ops import fp32 as kernels
 from llamatrace.model.config import SUPPORTED_ARCHITECTURES
 from llamatrace.model.llama import Llama
 from llamatrace.tracing.recorder import Recorder
@@ -367,7 +367,7 @@ def test_local_error_recomputes_each_architectures_own_stages_as_the_forward_pas
     pass's output (the pass itself is checked against llama.cpp and HF above): the biases, q/k
     norms, post-norms, GELU/GeGLU, the heads merge and the adds after post-norms too. Not
     recomputed: NeoX rotary, and the local notes say so."""
-    from llamatrace.corpus.stages import capture, local_error_rows, local_notes, token_stages
+    from llamatrace.corpus.stage_errors import capture, local_error_rows, local_notes, token_stages
     model = models[arch]
     acts, embd, inputs, _ = capture(model, np.arange(3, 3 + 2 * WINDOW), 2)
     local = local_error_rows(model, acts, embd, inputs, 2)         # [n_layers, n_stages, n_scored]

@@ -9,7 +9,7 @@ import pytest
 from cli_helpers import assert_one_line_error, run
 
 from llamatrace.analysis import bench
-from llamatrace.kernels import amx
+from llamatrace.kernels.int8 import amx
 from llamatrace.peers import exit_reason
 
 

@@ -15,7 +15,7 @@ from gguf_factory import T, write_tiny_llama
 from llamatrace.cli import main
 from llamatrace.cli.options import default_activations
 from llamatrace.gguf.reader import open_gguf
-from llamatrace.kernels import act8
+from llamatrace.kernels.int8 import act8
 
 
 @pytest.mark.model
@@ -152,8 +152,8 @@ def test_info_lists_tensors(capsys, tiny_model_path):
     assert "blk.0.attn_q.weight" in out and "Q8_0" in out and "llama.embedding_length" in out
     import numba
     assert f"threading layer {numba.threading_layer()!r}" in " ".join(out.split())
-    from llamatrace.kernels import amx
-    from llamatrace.kernels.act8_ir import has_vnni
+    from llamatrace.kernels.int8 import amx
+    from llamatrace.kernels.int8.act8_ir import has_vnni
     line = next(line for line in out.splitlines() if line.startswith("q8 int8 products:"))
     assert ("VNNI" in line) == has_vnni() and line.endswith(f"; AMX prefill: {amx.describe(('Q8_0', 'F32'))}")
 
@@ -185,7 +185,7 @@ def _configure_in_isolation(monkeypatch, writable: bool) -> dict:
     untouched."""
     import numba
 
-    from llamatrace import runtime
+    from llamatrace.machine import runtime
     env: dict[str, str] = {}
     monkeypatch.setattr(runtime.os, "environ", env)
     monkeypatch.setattr(runtime, "_reuse_freed_memory", lambda: None)
@@ -208,7 +208,7 @@ def test_numba_cache_stays_put_when_package_dir_is_writable(monkeypatch):
 _REALLOCATE = """
 import resource, sys
 import numpy as np
-from llamatrace import runtime
+from llamatrace.machine import runtime
 if sys.argv[1] == "configured":
     runtime.configure_process()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -96,5 +96,5 @@ def test_activations_help_names_the_types_with_q8_kernels():
     import re
 
     from llamatrace.cli.options import _Q8_WEIGHTS
-    from llamatrace.kernels import registry
+    from llamatrace.kernels.types import registry
     assert set(re.findall(r"Q\d_[0-9K]", _Q8_WEIGHTS)) == {t.name for t in registry.served_types("q8")}

@@ -14,7 +14,7 @@ import pytest
 from cli_helpers import assert_one_line_error, run
 
 from llamatrace.cli import options
-from llamatrace.kernels import act8
+from llamatrace.kernels.int8 import act8
 
 CORPUS = Path(__file__).parent / "golden" / "corpus.txt"
 

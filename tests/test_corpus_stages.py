@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from gguf_factory import T, write_tiny_llama
 
+from llamatrace.analysis.difference import relative_error_rows
 from llamatrace.cli import main
 from llamatrace.corpus.chunks import make_chunks, read_corpus
-from llamatrace.corpus.runner import ModelSpec
-from llamatrace.analysis.difference import relative_error_rows
-from llamatrace.corpus.stages import TOKEN_STAGES, PairSpec, capture, score_pair
 from llamatrace.corpus.perplexity import ChunkJob, kl_divergence_stages
+from llamatrace.corpus.runner import ModelSpec
+from llamatrace.corpus.stage_errors import TOKEN_STAGES, PairSpec, capture, score_pair
 
 CORPUS = Path(__file__).parent / "golden" / "corpus.txt"
 
@@ -135,7 +135,7 @@ def test_local_error_is_what_the_quantized_weights_add_at_each_stage(tiny_pair):
     # the quantized model recomputing the base's stages from the base's own inputs: the
     # projections differ (their weights are quantized), the norms' and adds' arithmetic does not
     from llamatrace.analysis.local_error import LOCAL_STAGES
-    from llamatrace.kernels.registry import matmul
+    from llamatrace.kernels.types.registry import matmul
     from llamatrace.model.llama import Llama
     base, quant = Llama.load(tiny_pair[0]), Llama.load(tiny_pair[1])
     ids = np.arange(16, dtype=np.int32) + 5

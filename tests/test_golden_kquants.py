@@ -72,7 +72,7 @@ def test_q8_activations_answer_as_hf_does(variant):
     0.3.36: Q4_K_M 0.081 / 0.062, Q5_K_M 0.032 / 0.039, Q6_K 0.097 / 0.072, Q3_K_M 0.179 / 0.246,
     Q2_K-pure 0.177 / 0.170, Q3_K-pure 0.032 / 0.096 (with the Q5_0 / Q5_1 8-bit kernels; before
     them 0.128, 0.058, 0.097, 0.077, 0.177, 0.032)."""
-    from llamatrace.kernels import registry
+    from llamatrace.kernels.types import registry
     from llamatrace.model.llama import Llama
 
     gold, logits_npz, model = variant

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error, run
 
-from llamatrace.quantize.imatrix_file import read_imatrix, read_imatrix_meta
+from llamatrace.quantize.imatrix.files import read_imatrix, read_imatrix_meta
 
 HERE = Path(__file__).parent
 CALIBRATION = HERE / "data" / "calibration.txt"
@@ -127,7 +127,7 @@ def test_process_output_and_the_sums_of_a_trace(capsys, tmp_path):
 
     from llamatrace.corpus.chunks import make_chunks, read_corpus
     from llamatrace.model.llama import Llama
-    from llamatrace.quantize.imatrix import calibration_text
+    from llamatrace.quantize.imatrix.compute import calibration_text
     path = write_tiny_llama(tmp_path / "untied.gguf", tied=False)
     out = tmp_path / "imatrix.gguf"
     code, _, err = run(capsys, "imatrix", "-f", CORPUS, "-c", "32", "--chunks", "3", "-o", out, "--model", path,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llamatrace.errors import OptionError, OutputError
-from llamatrace.quantize.imatrix_file import ImatrixMeta, read_imatrix, read_imatrix_meta, write_imatrix
+from llamatrace.quantize.imatrix.files import ImatrixMeta, read_imatrix, read_imatrix_meta, write_imatrix
 
 ENTRIES = {
     "blk.1.ffn_down.weight": (np.arange(6, dtype=np.float64) * 0.5, 256),

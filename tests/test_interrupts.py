@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from llamatrace import runtime
 from llamatrace.corpus import runner
+from llamatrace.machine import runtime
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "tests" / "golden" / "corpus.txt"
@@ -82,7 +82,7 @@ def _assert_interrupted(code: int, err: str, last_line: str = "interrupted") -> 
 
 
 # ---- start-up: imports, options, model, load, compile ----------------------------------------------
-@pytest.mark.parametrize("module", ["llamatrace.cli", "typer", "numpy", "llamatrace.kernels.act8", "numba"])
+@pytest.mark.parametrize("module", ["llamatrace.cli", "typer", "numpy", "llamatrace.kernels.int8.act8", "numba"])
 def test_ctrl_c_during_the_imports_of_start_up_exits_130_quietly(tiny_model_path, module):
     proc = _start(HOLD_IMPORT.format(name=module), ["generate", "--raw", "-n", "2", "-m", tiny_model_path, "hi"])
     _assert_interrupted(*_interrupt_when_held(proc)[::2])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from llamatrace.kernels import fp32 as K
+from llamatrace.kernels.ops import fp32 as K
 
 rng = np.random.default_rng(0)
 

@@ -1,4 +1,4 @@
-"""K-quants and Q5_0/Q5_1 (llamatrace.kernels.k_quants, q5, through packing and the registry) against gguf-py.
+"""K-quants and Q5_0/Q5_1 (llamatrace.kernels.types.k_quants, q5, through packing and the registry) against gguf-py.
 
 gguf-py cannot quantize K-quants, so the tests write raw random blocks: random quant bytes,
 scale bytes covering every 4-bit / 6-bit / int8 pattern, and fp16 ``d``/``dmin`` drawn from
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from gguf_factory import FP16_FIELDS, SPECIAL_F16, random_blocks, write_tiny_llama
-from llamatrace.kernels import jit, k_quants, packing, q5
-from llamatrace.kernels.registry import FORMATS, matmul
+from llamatrace.kernels.types import k_quants, packing, q5
+from llamatrace.kernels.types.registry import FORMATS, matmul
+from llamatrace.machine import jit
 from llamatrace.model.llama import Llama
 from reference import reference_logits
 

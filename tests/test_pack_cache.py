@@ -22,7 +22,7 @@ from gguf_factory import write_tiny_llama
 
 from llamatrace.cli import main
 from llamatrace.gguf import fetch
-from llamatrace.kernels import packing
+from llamatrace.kernels.types import packing
 from llamatrace.model import packcache
 from llamatrace.model.llama import Llama
 

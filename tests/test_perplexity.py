@@ -165,12 +165,12 @@ def test_ray_auto_joins_ray_address_and_names_it_when_it_does_not_answer(capsys,
 
 def test_a_broken_pipe_that_is_not_stdout_is_an_error_not_success(capsys, tiny_model_path, monkeypatch):
     # issue 33: a pipe to a worker that broke once ended the run with exit 0, as a closed stdout does
-    import llamatrace.corpus.run
+    import llamatrace.corpus.perplexity_run
 
     def broken(*args, **kwargs):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(llamatrace.corpus.run, "execute", broken)
+    monkeypatch.setattr(llamatrace.corpus.perplexity_run, "execute", broken)
     code, out, err = run(capsys, "perplexity", "-f", CORPUS, "--model", tiny_model_path, "-c", "32", "--workers", "2")
     assert code == 1 and "BrokenPipeError" in one_error_line(err)
 

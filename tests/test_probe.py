@@ -10,7 +10,8 @@ from gguf_factory import T, write_tiny_llama
 
 from llamatrace.analysis import roofline
 from llamatrace.gguf.reader import open_gguf
-from llamatrace.kernels import act8, probe
+from llamatrace.kernels.int8 import act8
+from llamatrace.machine import probe
 
 needs_avx2 = pytest.mark.skipif(not act8.available(), reason="the int8 probe needs AVX2")
 

@@ -1,4 +1,4 @@
-"""Packing (llamatrace.kernels.packing), the Q4_0/Q4_1/Q8_0/F32/F16/BF16 kernels (q4, q8, floats)
+"""Packing (llamatrace.kernels.types.packing), the Q4_0/Q4_1/Q8_0/F32/F16/BF16 kernels (q4, q8, floats)
 through the registry's matmul, their NumPy twins, and the thread policy (threads).
 
 Every supported type goes through a real GGUF round trip: random weights are quantized with
@@ -12,9 +12,10 @@ import gguf
 import numpy as np
 import pytest
 
-from llamatrace.kernels import jit, packing, q4, q8, threads
-from llamatrace.kernels.registry import FORMATS, matmul
 from llamatrace.errors import OptionError, UnsupportedModelError
+from llamatrace.kernels.types import packing, q4, q8
+from llamatrace.kernels.types.registry import FORMATS, matmul
+from llamatrace.machine import jit, threads
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1]

@@ -218,7 +218,7 @@ def test_imatrix_file_through_the_cli_equals_llama_cpp(base, imatrix, tmp_path, 
     """The synthetic imatrix written as llama.cpp's GGUF imatrix (sums = 4 × value, counts 4: the
     division is exact) and read by ``--imatrix``: every tensor's data is llama.cpp's, and the
     metadata records the file, its dataset, entries and chunks as llama-quantize does."""
-    from llamatrace.quantize.imatrix_file import ImatrixMeta, write_imatrix
+    from llamatrace.quantize.imatrix.files import ImatrixMeta, write_imatrix
     entry = GOLDEN["files"]["Q4_0+imatrix"]
     path = tmp_path / "synthetic.gguf"
     write_imatrix(path, {n: (v * np.float32(4), np.array([4])) for n, v in imatrix.items()},

@@ -168,7 +168,7 @@ def test_quantize_takes_a_known_models_name(f16_base, tmp_path, capsys, monkeypa
 
 def _imatrix(base: Path, path: Path, poison: float | None = None) -> Path:
     """An importance matrix of ``base``'s matrices (ones), with ``poison`` at one value of blk.1.ffn_up."""
-    from llamatrace.quantize.imatrix_file import ImatrixMeta, write_imatrix
+    from llamatrace.quantize.imatrix.files import ImatrixMeta, write_imatrix
     entries = {}
     for t in gguf.GGUFReader(str(base)).tensors:
         if len(t.shape) == 2 and t.name != "token_embd.weight":
@@ -327,7 +327,7 @@ def test_precompile_covers_the_quantizers_of_the_common_types(monkeypatch):
     """``python -m llamatrace.kernels.precompile`` (scripts/setup.sh) compiles each common type's
     quantizer for float32 and float16 rows: Numba holds both signatures afterwards."""
     from llamatrace.kernels import precompile
-    from llamatrace.kernels import quantizers as rows
+    from llamatrace.kernels.quantizers import rows
     assert {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"} <= set(precompile.QUANTIZED)
     precompile.compile_quantizers(["Q4_0", "F16"], log=lambda line: None)
     kernel = rows._KERNELS[T.Q4_0][0]

@@ -1,4 +1,4 @@
-"""The quantizers (llamatrace.kernels.quantizers) write ggml's bytes.
+"""The quantizers (llamatrace.kernels.quantizers.rows) write ggml's bytes.
 
 The reference is ggml's own ``quantize_<type>`` (what ``ggml_quantize_chunk`` calls, with and
 without an importance matrix), compiled from llama-cpp-python's sdist with ``-DNDEBUG`` as
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from kquant_files import ggml_quants_library
 
-from llamatrace.kernels import registry
-from llamatrace.kernels.quantizers import QUANTIZABLE, quantize_rows, quantize_rows_np
-from llamatrace.kernels.quantizers_k import fp16_bits
+from llamatrace.kernels.quantizers.k_rows import fp16_bits
+from llamatrace.kernels.quantizers.rows import QUANTIZABLE, quantize_rows, quantize_rows_np
+from llamatrace.kernels.types import registry
 
 T = gguf.GGMLQuantizationType
 LEGACY = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)

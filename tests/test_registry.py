@@ -1,4 +1,4 @@
-"""The kernel registry (llamatrace.kernels.registry): what is registered, that each registered kernel
+"""The kernel registry (llamatrace.kernels.types.registry): what is registered, that each registered kernel
 computes what its NumPy reference does, the errors for what is not, and ``llamatrace info``'s column."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from gguf_factory import random_blocks, write_tiny_llama
 
 from llamatrace.cli import main
 from llamatrace.errors import UnsupportedModelError
-from llamatrace.kernels import act8, packing, q5, registry
-from llamatrace.kernels.registry import GEMV_MAX_SEQ, PHASES, matmul
+from llamatrace.kernels.int8 import act8
+from llamatrace.kernels.types import packing, q5, registry
+from llamatrace.kernels.types.registry import GEMV_MAX_SEQ, PHASES, matmul
 
 T = gguf.GGMLQuantizationType
 FLOATS = (T.F32, T.F16, T.BF16)

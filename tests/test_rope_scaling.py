@@ -20,7 +20,7 @@ from cli_helpers import assert_one_line_error, run
 
 from llamatrace.errors import ModelFormatError, UnsupportedModelError
 from llamatrace.gguf.reader import open_gguf
-from llamatrace.kernels import fp32 as K
+from llamatrace.kernels.ops import fp32 as K
 from llamatrace.model.config import ModelConfig, RopeScaling
 from llamatrace.model.llama import Llama
 

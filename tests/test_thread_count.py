@@ -1,6 +1,6 @@
 """The forward pass gives the same bits whatever the thread count.
 
-``AutoThreads`` (llamatrace/kernels/threads.py) picks each decode step's thread count by timing,
+``AutoThreads`` (llamatrace/machine/threads.py) picks each decode step's thread count by timing,
 so on a busy machine the count changes from run to run. Exact-output tests (the README's
 answers, golden text) can stay exact only if no kernel's arithmetic depends on the count: work is
 split in fixed pieces (rows, tiles, 32-key chunks summed in order), never by the thread count.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gguf_factory import T, write_tiny_llama
-from llamatrace.kernels import act8
+from llamatrace.kernels.int8 import act8
 from llamatrace.model.llama import Llama
 
 pytestmark = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 or more Numba threads")

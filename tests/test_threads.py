@@ -16,7 +16,7 @@ import pytest
 
 from cli_helpers import assert_one_line_error, run
 from llamatrace.analysis.busy import busy_loops
-from llamatrace.kernels import threads
+from llamatrace.machine import threads
 
 LINUX = sys.platform.startswith("linux")
 
@@ -210,7 +210,7 @@ def _without_numba_env() -> dict:
 def test_importing_llamatrace_changes_no_numba_setting():
     code = _SNAPSHOT + textwrap.dedent("""
         before = snapshot()
-        import llamatrace, llamatrace.model.llama, llamatrace.kernels.threads
+        import llamatrace, llamatrace.model.llama, llamatrace.machine.threads
         llamatrace.Llama
         print(json.dumps([before, snapshot()]))
         """)
@@ -224,7 +224,7 @@ def test_the_cli_runs_openmp_first_even_when_numba_was_imported_first():
     code = textwrap.dedent("""
         import numba
         from llamatrace.cli import main
-        from llamatrace.kernels import threads
+        from llamatrace.machine import threads
         try:
             import numba.np.ufunc.omppool
             has_omp = True

@@ -14,10 +14,10 @@ import pytest
 from gguf_factory import write_tiny_llama
 from snapshot import assert_matches_snapshot
 
-from llamatrace.kernels import fp32 as kernels
 from llamatrace.cli import main
 from llamatrace.cli.options import parse_layers
 from llamatrace.errors import OptionError, OutputError
+from llamatrace.kernels.ops import fp32 as kernels
 from llamatrace.outputs import check_output_path
 from llamatrace.views.render import LineFormatter, write_npz_atomic
 from llamatrace.tracing.stages import (

@@ -34,8 +34,8 @@ import numpy as np
 from llamatrace.analysis.busy import busy_loops
 from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, read_bandwidth, read_buffer, token_cost
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
+from llamatrace.machine.runtime import start_process, usable_cpus
 from llamatrace.peers import LLAMACPP_BUILD, exit_reason
-from llamatrace.runtime import start_process, usable_cpus
 
 ENGINES = ("llamatrace", "llama.cpp", "hf")
 # each engine's modules, and the pip requirement that installs each
@@ -170,7 +170,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
         OptionError: a count below 1 (``background_load`` below 0), an unknown engine or activations mode.
         PeerError: a peer is not installed, or its process failed (its last words are quoted).
     """
-    from llamatrace.kernels.packing import check_activations
+    from llamatrace.kernels.types.packing import check_activations
 
     if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
         raise OptionError("--prompt-tokens, --decode-tokens and --repeats must be at least 1")
@@ -305,7 +305,7 @@ class _Worker:
 
 
 def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
-    from llamatrace import runtime
+    from llamatrace.machine import runtime
     try:
         runtime.catch_interrupts(repeat=False)     # Ctrl-C: the parent stops the run, this process ends
         _serve(conn, engine, path, threads, n_ctx)
@@ -316,7 +316,7 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
 
 
 def _serve(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
-    from llamatrace import runtime
+    from llamatrace.machine import runtime
     if engine != "llamatrace":      # peers' own progress bars and logs would garble ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
@@ -355,7 +355,7 @@ def _serve(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
 class _Llamatrace:
     def __init__(self, path: str, threads: int | None, n_ctx: int, activations: str = "f32") -> None:
         from llamatrace import __version__
-        from llamatrace.kernels.threads import set_threads
+        from llamatrace.machine.threads import set_threads
         from llamatrace.model.llama import Llama
         if threads:
             set_threads(threads)
@@ -366,7 +366,7 @@ class _Llamatrace:
         self.vocab_size = self.model.config.vocab_size
 
     def threading(self) -> str:
-        from llamatrace.kernels.threads import AUTO_THREADS, threading_layer
+        from llamatrace.machine.threads import AUTO_THREADS, threading_layer
         return f"numba {threading_layer()}, {AUTO_THREADS.describe()}"
 
     def run(self, ids: list[int], n_decode: int) -> tuple[float, float]:

@@ -381,7 +381,7 @@ def run_llamacpp(path, ids: list[int], fed: list[int], *, threads: int | None = 
     """
     from llamatrace.analysis.bench import check_engines
     from llamatrace.errors import PeerError
-    from llamatrace.runtime import usable_cpus
+    from llamatrace.machine.runtime import usable_cpus
     check_engines(["llama.cpp"])
     from llamatrace.peers.llamacpp import LlamaCpp, check_runs_here
     check_runs_here(str(path), threads or usable_cpus())

@@ -8,7 +8,7 @@ import math
 import numba
 import numpy as np
 
-from llamatrace.kernels.jit import JIT_ATTN
+from llamatrace.machine.jit import JIT_ATTN
 
 
 def metrics(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, float]:

@@ -27,8 +27,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from llamatrace.analysis.difference import metrics, relative_error_rows
-from llamatrace.kernels import fp32
-from llamatrace.kernels.registry import matmul
+from llamatrace.kernels.ops import fp32
+from llamatrace.kernels.types.registry import matmul
 from llamatrace.tracing.recorder import stage_key
 
 
@@ -187,7 +187,7 @@ def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
     Args:
         model: the :class:`~llamatrace.model.Llama` that recomputes (its weights and activation
             mode): the recording's own model, or another one (a quantized model recomputing its
-            base's stages measures the error its weights add, :mod:`llamatrace.corpus.stages`).
+            base's stages measures the error its weights add, :mod:`llamatrace.corpus.stage_errors`).
         arrays: a recording keyed by :func:`~llamatrace.tracing.recorder.stage_key`, in our layouts
             (``trace --npz``, :func:`llamatrace.analysis.compare.llamacpp_stage_arrays`).
         start_pos: the position of step 0's first row (rows of a longer prompt, say).

@@ -1,11 +1,11 @@
 """Where a token's time stands against the machine's limits (``bench``'s roofline columns).
 
-Two limits, measured on the machine the benchmark runs on (:mod:`llamatrace.kernels.probe`):
+Two limits, measured on the machine the benchmark runs on (:mod:`llamatrace.machine.probe`):
 
 - **read bandwidth** (GB/s): decode reads every weight once a token, so the weights' bytes times
   decode tokens per second is the bandwidth it draws. Read from memory on 2 MiB pages (NumPy
   asks for transparent huge pages for arrays of 4 MiB or more), and again from memory on the
-  pages a load without the packed-weights cache gives the weights (:func:`llamatrace.kernels.packing.small_pages`:
+  pages a load without the packed-weights cache gives the weights (:func:`llamatrace.kernels.types.packing.small_pages`:
   4 KiB): each 4 KiB page costs a TLB miss and a page walk (two-level in a VM), and a plain read
   of such pages on two threads was 0-20 % slower than on 2 MiB pages (Xeon VM, 2026-11-27). The
   cache's map of its file is on 2 MiB pages as far as the page cache holds the file in 2 MiB
@@ -13,11 +13,11 @@ Two limits, measured on the machine the benchmark runs on (:mod:`llamatrace.kern
 - **int8 multiply-add peak** (G/s): prefill's 8-bit kernels (ours in ``q8``, llama.cpp's) are made
   of ``vpdpbusd`` / ``vpmaddubsw``, so the weights' multiply-adds per token times prefill tokens per
   second is the fraction of that peak it reaches;
-- **AMX int8 peak** (G/s), where the CPU has AMX and the OS grants it (:func:`llamatrace.kernels.amx.available`):
+- **AMX int8 peak** (G/s), where the CPU has AMX and the OS grants it (:func:`llamatrace.kernels.int8.amx.available`):
   ``tdpbssd`` chains on the tiles, the limit of the AMX prefill kernels; elsewhere the reason it is
   not measured (``not available: no amx_int8``). There, too, the AMX and the VNNI prefill of
-  each of the model's types on the same matmul (:func:`llamatrace.kernels.amx.measure`), and
-  which of them runs, and why (:func:`llamatrace.kernels.amx.describe`).
+  each of the model's types on the same matmul (:func:`llamatrace.kernels.int8.amx.measure`), and
+  which of them runs, and why (:func:`llamatrace.kernels.int8.amx.describe`).
 
 Per token, a weight matrix of ``n_out x n_in`` is ``n_out * n_in`` multiply-adds and its file
 bytes; the token embedding counts only when the output projection shares it (a row is all a
@@ -41,9 +41,9 @@ class Machine:
     """The measured limits: ``read_gb_s`` (GB/s, 1e9 bytes, memory on 2 MiB pages), ``int8_gmac_s``
     (1e9 int8 multiply-adds a second), both with ``threads`` threads; ``isa``: the multiply-add
     instruction; ``amx_gmac_s``: the AMX int8 peak (0 where not measured); ``amx``: which prefill
-    kernel runs for the model's types and why (:func:`llamatrace.kernels.amx.describe`);
+    kernel runs for the model's types and why (:func:`llamatrace.kernels.int8.amx.describe`);
     ``amx_matmuls``: per type, the AMX and the VNNI prefill timed on the same matmul
-    (:meth:`llamatrace.kernels.amx.Measurement.row`; empty without AMX);
+    (:meth:`llamatrace.kernels.int8.amx.Measurement.row`; empty without AMX);
     ``read_small_pages_gb_s``: the read from memory on the pages of weights packed without the cache
     (:func:`read_bandwidth`; 0 where not measured); ``read_between_runs_gb_s``: one read on 2 MiB
     pages after each round of a benchmark's runs (a machine shared with other work reads slower in
@@ -72,8 +72,8 @@ def read_buffer(small_pages: bool = False) -> np.ndarray:
     """uint64 ``[2**27]`` (1 GiB, far past any cache) of ones for :func:`read_bandwidth`: NumPy's
     memory (on 2 MiB pages where the kernel's transparent huge pages are ``always`` or ``madvise``),
     or with ``small_pages`` the memory packed weights get on a load without the cache
-    (:func:`llamatrace.kernels.packing.small_pages`)."""
-    from llamatrace.kernels.packing import small_pages as pages
+    (:func:`llamatrace.kernels.types.packing.small_pages`)."""
+    from llamatrace.kernels.types.packing import small_pages as pages
     if not small_pages:
         return np.ones(_READ_BYTES // 8, np.uint64)
     words = pages(_READ_BYTES).view(np.uint64)
@@ -83,9 +83,9 @@ def read_buffer(small_pages: bool = False) -> np.ndarray:
 
 def read_bandwidth(threads: int, repeats: int = 3, words: np.ndarray | None = None) -> float:
     """GB/s (1e9 bytes) of the best of ``repeats`` reads of ``words`` (uint64, default a
-    :func:`read_buffer`) by :func:`llamatrace.kernels.probe.read_words` on ``threads`` threads:
+    :func:`read_buffer`) by :func:`llamatrace.machine.probe.read_words` on ``threads`` threads:
     ``bench``'s read bandwidth, and ``benchmarks/profile_decode.py``'s."""
-    from llamatrace.kernels import probe
+    from llamatrace.machine import probe
 
     words = read_buffer() if words is None else words
     probe.read_words(words[:64], threads)                 # compile or load from the cache
@@ -103,7 +103,8 @@ def measure_machine(threads: int, repeats: int = 3, amx_types: tuple[str, ...] =
     of ``tdpbssd`` a thread, and the AMX and VNNI prefill of each of ``amx_types`` (GGML type
     names; those AMX serves) on the same matmul, where AMX is available). ``int8_gmac_s`` is 0 on
     CPUs without AVX2."""
-    from llamatrace.kernels import amx, probe
+    from llamatrace.kernels.int8 import amx
+    from llamatrace.machine import probe
 
     best_dot = float("inf")
     read_gb_s = read_bandwidth(threads, repeats)

@@ -7,7 +7,7 @@ Importing this package registers them all, in the order ``--help`` lists them.
 
 # The CLI is llamatrace's own process: Numba runs with llamatrace's settings (OpenMP first, a
 # short OpenMP spin, its cache folder), set before any command imports Numba.
-from llamatrace.runtime import configure_process
+from llamatrace.machine.runtime import configure_process
 
 configure_process()
 

@@ -28,8 +28,9 @@ except ImportError:  # pragma: no cover - older typer re-exports click's
     from click import ClickException as _UsageError
 from rich.console import Console
 
-from llamatrace import __version__, runtime
+from llamatrace import __version__
 from llamatrace.errors import LlamatraceError
+from llamatrace.machine import runtime
 
 
 
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the app on ``argv`` (default ``sys.argv[1:]``) and map errors to one line + exit code.
 
     A command that ends after a Ctrl-C whose KeyboardInterrupt was lost (in a finalizer, see
-    :func:`llamatrace.runtime.catch_interrupts`) ends with ``interrupted`` and 130 all the same."""
+    :func:`llamatrace.machine.runtime.catch_interrupts`) ends with ``interrupted`` and 130 all the same."""
     code = _run(argv)
     if runtime.interrupted() and code != EXIT_INTERRUPTED:
         err.print("interrupted")

@@ -55,7 +55,7 @@ def bench(
     from rich.table import Table
 
     from llamatrace.analysis.bench import run_bench
-    from llamatrace.kernels.amx import CALIBRATION_ROUNDS
+    from llamatrace.kernels.int8.amx import CALIBRATION_ROUNDS
 
     for mode in activations or ():
         check_activations(mode)

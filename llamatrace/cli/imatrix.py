@@ -1,5 +1,5 @@
 """``llamatrace imatrix``: the importance matrix ``llama-imatrix`` computes, in its GGUF format;
-the work is in :mod:`llamatrace.quantize.imatrix`."""
+the work is in :mod:`llamatrace.quantize.imatrix.compute`."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def imatrix(
     from llamatrace.corpus.chunks import read_corpus
     from llamatrace.corpus.runner import ModelSpec, threads_per_worker
     from llamatrace.outputs import check_output_path
-    from llamatrace.quantize.imatrix import ImatrixRun, calibration_text, compute, prepare
-    from llamatrace.quantize.imatrix_file import write_imatrix
+    from llamatrace.quantize.imatrix.compute import ImatrixRun, calibration_text, compute, prepare
+    from llamatrace.quantize.imatrix.files import write_imatrix
 
     if activations is not None:
         check_activations(activations)

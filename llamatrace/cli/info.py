@@ -79,7 +79,7 @@ def info(
             derived.add_row("output", "tied to token_embd.weight" if "output.weight" not in f.tensors
                             else "output.weight")
             out.print(derived)
-    from llamatrace.kernels.registry import summary
+    from llamatrace.kernels.types.registry import summary
     types = Table(title="Tensor types")
     types.add_column("type")
     types.add_column("tensors", justify="right")
@@ -104,7 +104,7 @@ def info(
     import numba
 
     from llamatrace.analysis.bench import cpu_model
-    from llamatrace.kernels.threads import threading_layer
+    from llamatrace.machine.threads import threading_layer
     out.print(f"Runtime: {cpu_model()}, {numba.config.NUMBA_NUM_THREADS} threads, Numba threading layer "
               f"{threading_layer()!r} (what a parallel region costs on each: docs/performance.md, Threads)",
               soft_wrap=True)
@@ -114,9 +114,9 @@ def info(
 def _int8_path(type_names: tuple[str, ...]) -> str:
     """Which instructions the ``q8`` kernels multiply with here: the vector dot product, and whether
     the prefill of the file's Q4_0 / Q8_0 / Q4_K / Q6_K matrices runs on AMX tiles, and why
-    (:func:`llamatrace.kernels.amx.describe`: nothing is measured here)."""
-    from llamatrace.kernels import amx
-    from llamatrace.kernels.act8_ir import has_vnni
+    (:func:`llamatrace.kernels.int8.amx.describe`: nothing is measured here)."""
+    from llamatrace.kernels.int8 import amx
+    from llamatrace.kernels.int8.act8_ir import has_vnni
 
     vector = "vpdpbusd (VNNI)" if has_vnni() else "vpmaddubsw + vpmaddwd (AVX2)"
     return f"{vector}; AMX prefill: {amx.describe(type_names)}"

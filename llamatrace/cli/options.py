@@ -26,7 +26,7 @@ PromptFileOpt = Annotated[Optional[Path], typer.Option(
     "--prompt-file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False)]
 AUTO_THREADS_HELP = ("every core; for small models (SmolLM2-135M, -360M), one while other processes' "
                      "runnable tasks outnumber the cores (read before each forward call)")
-"""The kernels' default thread count (:class:`llamatrace.kernels.threads.AutoThreads`), in words."""
+"""The kernels' default thread count (:class:`llamatrace.machine.threads.AutoThreads`), in words."""
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", help=f"CPU threads for the kernels. Default: {AUTO_THREADS_HELP}.", show_default=False)]
 WorkerThreadsOpt = Annotated[Optional[int], typer.Option(
@@ -68,7 +68,7 @@ RayOpt = Annotated[Optional[str], typer.Option(
     "(host:port, ray://…), 'auto' to join RAY_ADDRESS or the one `ray start` runs here, or 'local' to start "
     "one for the run. Each actor reserves --threads CPUs (default 1) and uses as many; a file the run writes "
     "must be on a path every node writes to. Needs the extra llamatrace[ray].", show_default=False)]
-# the types with q8 kernels (kernels.registry.served_types("q8"); named here so --help needs no Numba)
+# the types with q8 kernels (kernels.types.registry.served_types("q8"); named here so --help needs no Numba)
 _Q8_WEIGHTS = "Activations of the matmuls on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights"
 ActivationsOpt = Annotated[str, typer.Option(
     "--activations", metavar="f32|q8", help=f"{_Q8_WEIGHTS}: f32 (float32, HF's arithmetic: the "
@@ -162,7 +162,7 @@ def default_activations(path: Path) -> str:
         the errors of :func:`llamatrace.gguf.reader.open_gguf` for a file that is no valid GGUF.
     """
     from llamatrace.gguf.reader import open_gguf
-    from llamatrace.kernels import act8
+    from llamatrace.kernels.int8 import act8
     if not act8.available():
         return "f32"
     with open_gguf(path) as f:
@@ -172,7 +172,7 @@ def default_activations(path: Path) -> str:
 
 def check_activations(activations: str) -> None:
     """Raises :class:`OptionError` for an ``--activations`` value this machine cannot run."""
-    from llamatrace.kernels import packing
+    from llamatrace.kernels.types import packing
     try:
         packing.check_activations(activations)
     except OptionError as exc:
@@ -202,7 +202,7 @@ def load_model(model_path: Path | None, threads: int | None, activations: str | 
         check_activations(activations)
     cold = numba_cache_is_cold()          # before the load: packing compiles kernels of its own
     if threads is not None:
-        from llamatrace.kernels import threads as kernel_threads
+        from llamatrace.machine import threads as kernel_threads
         try:
             kernel_threads.set_threads(threads)
         except (ValueError, LlamatraceError) as exc:
@@ -299,7 +299,7 @@ def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[in
 
 
 def numba_cache_is_cold() -> bool:
-    """True when the forward pass's kernels (``kernels/fp32.py``) are not cached yet: the first run
+    """True when the forward pass's kernels (``kernels/ops/fp32.py``) are not cached yet: the first run
     compiles for 1-3 min (``python -m llamatrace.kernels.precompile`` caches only the matmuls)."""
     import numba
     root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(__file__).parents[1] / "kernels" / "__pycache__"

@@ -68,7 +68,7 @@ def perplexity(
       RAY_ADDRESS=head-node:6379 llamatrace perplexity -f wiki.test.raw --ray auto --workers 8
     """
     from llamatrace.corpus.chunks import read_corpus
-    from llamatrace.corpus.run import CorpusRun, execute
+    from llamatrace.corpus.perplexity_run import CorpusRun, execute
     from llamatrace.corpus.runner import ModelSpec, threads_per_worker
     from llamatrace.outputs import check_output_path
 

@@ -178,7 +178,7 @@ def quantize(
     check_output_path(output, "OUT")
     _remove_leftovers(output)
     if threads is not None:
-        from llamatrace.kernels import threads as kernel_threads
+        from llamatrace.machine import threads as kernel_threads
         try:
             kernel_threads.set_threads(threads)
         except (ValueError, LlamatraceError) as exc:
@@ -279,7 +279,7 @@ def quantizers_for(f, types) -> set[tuple[object, str]]:
     (:func:`llamatrace.quantize.writer.dequantize`)."""
     import gguf
 
-    from llamatrace.kernels.quantizers import QUANTIZABLE
+    from llamatrace.kernels.quantizers.rows import QUANTIZABLE
     return {(dst, "float16" if t.tensor_type == gguf.GGMLQuantizationType.F16 else "float32")
             for name, t in f.tensors.items() if (dst := types[name]) != t.tensor_type and dst in QUANTIZABLE}
 
@@ -292,7 +292,7 @@ def run_quantizers(needed: Iterable[tuple[object, str]]) -> None:
     multiple of every block): Numba compiles it, or loads it from its cache."""
     import numpy as np
 
-    from llamatrace.kernels.quantizers import quantize_rows
+    from llamatrace.kernels.quantizers.rows import quantize_rows
     for ggml_type, dtype in sorted(needed, key=lambda pair: (int(pair[0]), pair[1])):
         quantize_rows(ggml_type, np.zeros((1, 256), dtype))
 
@@ -350,7 +350,7 @@ def _read_imatrix(path: Path, f):
         OptionError: the file cannot be read, holds NaN or ±inf (as llama-quantize), or it names none
             of the model's tensors (another model's).
     """
-    from llamatrace.quantize.imatrix_file import read_imatrix, read_imatrix_meta
+    from llamatrace.quantize.imatrix.files import read_imatrix, read_imatrix_meta
     from llamatrace.quantize.writer import ImatrixInfo, check_finite, column_importances
     entries = read_imatrix(path)           # a missing or foreign file: its one error line
     with open(path, "rb") as fh:
@@ -373,7 +373,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
     from llamatrace.corpus.chunks import read_corpus
     from llamatrace.corpus.runner import threads_per_worker
     from llamatrace.gguf.reader import open_gguf
-    from llamatrace.kernels.quantizers import quantize_rows
+    from llamatrace.kernels.quantizers.rows import quantize_rows
     from llamatrace.model.config import ModelConfig
     from llamatrace.outputs import check_output_path
     from llamatrace.quantize import report

@@ -10,7 +10,7 @@ with the logits of every position, then the per-token arithmetic of
 * :func:`kl_divergence`: a model against a base file → :class:`~llamatrace.corpus.metrics.KLDStats`;
 * :func:`kl_divergence_stages`: both models on every chunk, with the stage attribution.
 
-:mod:`llamatrace.corpus.run` chooses among them for one ``llamatrace perplexity`` run.
+:mod:`llamatrace.corpus.perplexity_run` chooses among them for one ``llamatrace perplexity`` run.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from llamatrace.corpus import basefile
 from llamatrace.corpus.chunks import Chunks, make_chunks
 from llamatrace.corpus.metrics import KLDStats, PerplexityStats, TokenKLD, compress_log_probs, token_kld, token_nll
 from llamatrace.corpus.runner import ModelSpec, run_chunks
-from llamatrace.corpus.stages import scored_logits
+from llamatrace.corpus.stage_errors import scored_logits
 from llamatrace.errors import OptionError
 
 OnChunk = Callable[[int, float], None]     # on_chunk(chunk index, running PPL)
@@ -185,10 +185,10 @@ def kl_divergence(spec: ModelSpec, chunks: Chunks, base: basefile.BaseFile, work
 
 def kl_divergence_stages(spec, chunks: Chunks, workers: int = 1, on_chunk: OnChunk | None = None,
                          ray: str | None = None):
-    """KLD statistics and the stage attribution (:mod:`llamatrace.corpus.stages`) of
-    ``spec.model`` against ``spec.base`` (a :class:`~llamatrace.corpus.stages.PairSpec`), both run
+    """KLD statistics and the stage attribution (:mod:`llamatrace.corpus.stage_errors`) of
+    ``spec.model`` against ``spec.base`` (a :class:`~llamatrace.corpus.stage_errors.PairSpec`), both run
     on every chunk. Returns ``(KLDStats, StageErrors)``."""
-    from llamatrace.corpus.stages import StageErrors, columns_of_file, score_pair
+    from llamatrace.corpus.stage_errors import StageErrors, columns_of_file, score_pair
     parts: list[TokenKLD] = []
     errors: list[np.ndarray] = []
     embd: list[np.ndarray] = []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llamatrace.corpus.stages import StageErrors
+from llamatrace.corpus.stage_errors import StageErrors
 from llamatrace.outputs import write_atomic
 from llamatrace.views.plots import _pyplot, check_format
 

@@ -30,7 +30,7 @@ class ChunkActor:
     so the driver gets our own error and its traceback whatever Ray does with exceptions."""
 
     def __init__(self, spec: ModelSpec, work: Work, fault_env: dict[str, str]) -> None:
-        from llamatrace.runtime import configure_process
+        from llamatrace.machine.runtime import configure_process
         configure_process()         # a process of llamatrace's own: the CLI's settings
         self.spec, self.work, self.model = spec, work, None
         os.environ.update(fault_env)              # test-only (llamatrace.corpus.faults)

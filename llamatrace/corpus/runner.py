@@ -10,7 +10,7 @@ a forked copy of a process whose Numba/OpenMP threads are running can hang. The 
 :mod:`llamatrace.corpus.faults` let the tests kill each party exactly where they mean to.
 
 Ctrl-C reaches every process of the terminal's group. A worker holds SIGINT until it has set up
-its handler (:func:`llamatrace.runtime.catch_interrupts`), so one during its start-up prints no
+its handler (:func:`llamatrace.machine.runtime.catch_interrupts`), so one during its start-up prints no
 traceback; then any SIGINT ends it quietly. A run that stops (interrupted, or on an error)
 interrupts the workers still computing, so they stop too when only the parent was signalled.
 """
@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from llamatrace.corpus import faults
 from llamatrace.errors import LlamatraceError, ModelNotFoundError, OptionError, PeerError
-from llamatrace.runtime import catch_interrupts, check_interrupt, numba_threads, start_process
+from llamatrace.machine.runtime import catch_interrupts, check_interrupt, numba_threads, start_process
 
 MAX_TRIES = 3
 
@@ -45,7 +45,7 @@ class ModelSpec:
 
     def load(self):
         """Load the model (:meth:`llamatrace.model.llama.Llama.load`), after fixing the thread count."""
-        from llamatrace.kernels import threads as kernel_threads
+        from llamatrace.machine import threads as kernel_threads
         from llamatrace.model.llama import Llama
         if self.threads is not None:
             kernel_threads.set_threads(self.threads)
@@ -56,7 +56,7 @@ class ModelSpec:
 
 def threads_per_worker(workers: int, threads: int | None) -> int:
     """Kernel threads of each worker: ``threads`` if given, else the threads Numba may run
-    (:func:`llamatrace.runtime.numba_threads`: the CPUs this process may use, or fewer by
+    (:func:`llamatrace.machine.runtime.numba_threads`: the CPUs this process may use, or fewer by
     ``$NUMBA_NUM_THREADS``) split evenly.
 
     Raises:
@@ -121,7 +121,7 @@ def failure(exc: BaseException, who: str) -> tuple[str, LlamatraceError, str]:
 def _worker_main(spec: ModelSpec, work: Work, conn) -> None:
     """A worker process: load the model, then answer ``(i, payload)`` with ``("done", i, result)``
     until ``None``. Its errors are sent back (:func:`failure`); the parent raises them."""
-    from llamatrace.runtime import configure_process
+    from llamatrace.machine.runtime import configure_process
     configure_process()             # a process of llamatrace's own: the CLI's settings
     try:
         catch_interrupts(repeat=False)            # a SIGINT held since the start is handled here

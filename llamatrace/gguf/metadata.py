@@ -92,7 +92,7 @@ KEY_TYPES: dict[str, Expected] = {
     "tokenizer.ggml.add_bos_token": BOOL,
     "tokenizer.ggml.add_space_prefix": BOOL,
     "tokenizer.chat_template": STRING,
-    # an importance matrix (llamatrace.quantize.imatrix_file)
+    # an importance matrix (llamatrace.quantize.imatrix.files)
     "imatrix.datasets": STRINGS,
     "imatrix.chunk_count": INTEGER,
     "imatrix.chunk_size": INTEGER,

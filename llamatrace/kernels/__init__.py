@@ -2,7 +2,7 @@
 
 ``fp32`` holds the small float32 kernels (RMSNorm, RoPE, softmax, SiLU, attention). The weight
 matmuls work on GGUF's blocks repacked into row tiles (``tiles``, ``packing``). A quant type is
-one :class:`~llamatrace.kernels.registry.QuantType`, declared once in its family module: its block
+one :class:`~llamatrace.kernels.types.registry.QuantType`, declared once in its family module: its block
 format, NumPy dequantizer, kernels per (activation mode, phase) each with its NumPy twin, the
 ``q8`` mode's byte groups, and slots for its quantizer; the ``registry`` is built from the
 declared types, and ``registry.matmul`` looks up the kernel for a weight's (GGML type, activation
@@ -23,9 +23,9 @@ mode, phase)::
     probe      the machine's limits for bench: read bandwidth, int8 multiply-add peak
 
 Activations are float32 by default; ``q8`` quantizes them to 8 bits per block, as llama.cpp
-does (:mod:`llamatrace.kernels.act8`). A packed weight's scales ``d``, ``m`` are float32 values
+does (:mod:`llamatrace.kernels.int8.act8`). A packed weight's scales ``d``, ``m`` are float32 values
 in the ``f32`` mode and the file's fp16 bits in the ``q8`` mode
-(:data:`~llamatrace.kernels.registry.SCALE_DTYPES`, ``Weight.mode``, ``Weight.scales_f32``).
+(:data:`~llamatrace.kernels.types.registry.SCALE_DTYPES`, ``Weight.mode``, ``Weight.scales_f32``).
 
 Adding a quant type (say IQ4_NL or Q8_1) touches one family module (new, or the family's) and, for
 a new module, this file's import line below. In the module, write the type's NumPy dequantizer
@@ -41,9 +41,10 @@ kernels with the weight's arrays (and twins ``(x, w) -> y``), and declare it onc
 ``packing``, ``registry``, the model and ``llamatrace info`` need no change: the repacker copies
 IQ4_NL (``d`` + 16 bytes of nibbles indexing a 16-value table) and Q8_1 (``d``, ``s`` + 32 int8)
 as they are, and a type whose sub-block scales unpack at load (like Q3_K's or Q4_K's 6-bit
-scales) says how in its ``BlockFormat.scales``, one :class:`~llamatrace.kernels.registry.ScaleByte`
+scales) says how in its ``BlockFormat.scales``, one :class:`~llamatrace.kernels.types.registry.ScaleByte`
 per packed byte.
 """
 
 # Every family module declares its types on import; the registry and packing read them.
-from llamatrace.kernels import act8, floats, k_quants, q4, q5, q8  # noqa: F401
+from llamatrace.kernels.int8 import act8  # noqa: F401
+from llamatrace.kernels.types import floats, k_quants, q4, q5, q8  # noqa: F401

@@ -17,8 +17,9 @@ import time
 import gguf
 import numpy as np
 
-from llamatrace.kernels import act8, packing
-from llamatrace.kernels.registry import GEMV_MAX_SEQ, MODES, matmul, served
+from llamatrace.kernels.int8 import act8
+from llamatrace.kernels.types import packing
+from llamatrace.kernels.types.registry import GEMV_MAX_SEQ, MODES, matmul, served
 
 # the types of the llama GGUF files people download (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 mixes)
 COMMON = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "F32")
@@ -68,7 +69,7 @@ def compile_quantizers(type_names=QUANTIZED, log=print) -> float:
     Raises:
         ValueError: an unknown type name.
     """
-    from llamatrace.kernels.quantizers import QUANTIZABLE, quantize_rows
+    from llamatrace.kernels.quantizers.rows import QUANTIZABLE, quantize_rows
     t0 = time.perf_counter()
     for name in type_names:
         ggml_type = getattr(gguf.GGMLQuantizationType, name, None)

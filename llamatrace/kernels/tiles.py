@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.jit import JIT_INLINE
+from llamatrace.machine.jit import JIT_INLINE
 
 TR = 32
 """Rows per tile."""
@@ -66,7 +66,7 @@ def prefetch_next_block(qs, t, b, part=0, n_parts=1):
 def byte_offset(p, head, end):
     """Where byte ``p`` of a row goes in a packed block's ``[P, TR]`` bytes: ``(base, stride)``,
     row r's byte at ``base + r * stride``. Bytes ``[head, end)`` are grouped four per row for
-    8-bit activations (:mod:`llamatrace.kernels.act8`'s layout, byte ``4g + i`` at ``head*TR + (g*TR +
+    8-bit activations (:mod:`llamatrace.kernels.int8.act8`'s layout, byte ``4g + i`` at ``head*TR + (g*TR +
     r)*4 + i``); the others, and all bytes when ``head == end``, at ``p*TR + r``."""
     if head <= p < end:
         return head * TR + ((p - head) >> 2) * 4 * TR + ((p - head) & 3), 4

@@ -6,15 +6,15 @@ feature of its :class:`~llamatrace.model.config.ModelConfig`, read at the one pl
 
 References: Meta's ``llama/model.py`` (names: ``wq``, ``freqs_cis``, ``repeat_kv``...),
 llama-nuts-and-bolts ch. 15–16 (the stages and their ``[DEBUG]`` lines), llama.cpp's graph
-(stage ids). Weights stay quantized (:mod:`llamatrace.kernels.packing`) and each ``matmul`` runs the
-kernel registered for the weight's type (:mod:`llamatrace.kernels.registry`); activations are float32
+(stage ids). Weights stay quantized (:mod:`llamatrace.kernels.types.packing`) and each ``matmul`` runs the
+kernel registered for the weight's type (:mod:`llamatrace.kernels.types.registry`); activations are float32
 (or 8-bit inside the ``q8`` mode's matmuls).
 Every stage reports its output through ``x = emit(stage, layer, x)``: the identity unless a
 :class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.tracing.hooks`) replace it.
 Two groups of stages are fused when no recorder or hook watches them (``watched``), with the same
 numbers bit for bit: a masked prefill's scores (``kq`` … ``kq_masked``: q·k and the softmax only
-over the keys each query sees, :func:`~llamatrace.kernels.fp32.attention_probs`) and the FFN's
-gate and up halves (SwiGLU straight from the stacked product, :func:`~llamatrace.kernels.fp32.swiglu`).
+over the keys each query sees, :func:`~llamatrace.kernels.ops.fp32.attention_probs`) and the FFN's
+gate and up halves (SwiGLU straight from the stacked product, :func:`~llamatrace.kernels.ops.fp32.swiglu`).
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ from typing import Callable, Iterable, Iterator, Mapping
 import gguf
 import numpy as np
 
-from llamatrace.kernels import fp32 as kernels
-from llamatrace.kernels import packing
-from llamatrace.kernels.registry import matmul
-from llamatrace.kernels.threads import AUTO_THREADS
+from llamatrace.errors import ModelFormatError, OptionError
+from llamatrace.gguf.reader import GGUFFile, check_tensor_types, gguf_name, open_gguf
+from llamatrace.kernels.ops import fp32 as kernels
+from llamatrace.kernels.types import packing
+from llamatrace.kernels.types.registry import matmul
+from llamatrace.machine.runtime import check_interrupt
+from llamatrace.machine.threads import AUTO_THREADS
 from llamatrace.model.cache import KVCache
 from llamatrace.model.config import ModelConfig
 from llamatrace.model.packcache import PackCache, enabled as cache_enabled
-from llamatrace.errors import ModelFormatError, OptionError
-from llamatrace.gguf.reader import GGUFFile, check_tensor_types, gguf_name, open_gguf
-from llamatrace.runtime import check_interrupt
-from llamatrace.tracing.hooks import HookFn, Hooks
 from llamatrace.text.tokenizer import Tokenizer
+from llamatrace.tracing.hooks import HookFn, Hooks
 from llamatrace.tracing.recorder import Emit, Recorder, null_emit
 
 _log = logging.getLogger("llamatrace")
@@ -132,7 +132,7 @@ class Llama:
             self.inv_freq_local, self.rope_mscale_local = _rotary(config, local=True)
         self.load_s = load_s
         self.pack_cache = pack_cache or PackCache.off()     # .read: weights mapped from the cache
-        self.activations = activations          # "f32" (reference) or "q8" (llamatrace.kernels.act8)
+        self.activations = activations          # "f32" (reference) or "q8" (llamatrace.kernels.int8.act8)
         self._recorder: Recorder | None = None
         self._hooks: list[Hooks] = []            # active `with model.hooks()` blocks, outermost first
         self.weight_shapes = {name: gguf_file.matrix_shape(name) for name in gguf_file.tensors}
@@ -166,7 +166,7 @@ class Llama:
         tensor data). ``activations``: ``"f32"`` (the default: float32 activations times
         dequantized weights, HF's arithmetic) or ``"q8"`` (activations quantized to 8 bits per
         block of 32 before the Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K matmuls, llama.cpp's arithmetic, faster;
-        see :mod:`llamatrace.kernels.act8`). ``cache``: read and write the packed-weights cache
+        see :mod:`llamatrace.kernels.int8.act8`). ``cache``: read and write the packed-weights cache
         (:mod:`llamatrace.model.packcache`: the first load of a file writes its packed weights, about
         the file's size, under the user cache; later loads map them instead of packing, with the
         same results bit for bit); ``None``: on unless ``$LLAMATRACE_NO_CACHE`` is set.

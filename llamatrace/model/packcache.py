@@ -1,6 +1,6 @@
 """The packed-weights cache: a model's row tiles written once, memory-mapped on the next load.
 
-:func:`llamatrace.kernels.packing.pack` rearranges every matrix of a GGUF file into row tiles
+:func:`llamatrace.kernels.types.packing.pack` rearranges every matrix of a GGUF file into row tiles
 (TR rows interleaved, scales widened or regrouped): no tensor of the file is laid out as the
 kernels read it, so a load copies the whole model, and at 8B most of that load is the first
 touch of the copy's fresh pages. The first load of a file therefore also writes its tiles to
@@ -66,7 +66,7 @@ import xxhash
 
 from llamatrace import __version__
 from llamatrace.errors import OptionError
-from llamatrace.kernels.packing import Weight
+from llamatrace.kernels.types.packing import Weight
 
 _log = logging.getLogger("llamatrace")
 
@@ -125,7 +125,7 @@ def cap_bytes() -> int:
 def _code_fingerprint() -> str:
     """SHA-256 of the source files whose change can change the packed bytes (module docstring)."""
     import llamatrace.kernels as kernels_pkg
-    from llamatrace.kernels.jit import target_features
+    from llamatrace.machine.jit import target_features
     h = hashlib.sha256()
     files = sorted(Path(kernels_pkg.__file__).parent.glob("*.py")) + [Path(__file__),
                                                                       Path(__file__).with_name("llama.py")]

@@ -50,7 +50,7 @@ import numpy as np
 
 from llamatrace.corpus.metrics import compress_log_probs, token_kld
 from llamatrace.errors import OptionError, UnsupportedModelError
-from llamatrace.kernels import packing
+from llamatrace.kernels.types import packing
 from llamatrace.quantize.rules import fallback
 
 T = gguf.GGMLQuantizationType
@@ -111,7 +111,7 @@ def parse_types(text: str, what: str = "--candidates") -> list[T]:
     names = [n.strip().upper() for n in text.split(",") if n.strip()]
     if not names:
         raise OptionError(f"{what}: give a comma-separated list of types, e.g. Q3_K,Q4_K,Q5_K,Q6_K")
-    from llamatrace.kernels.quantizers import QUANTIZABLE
+    from llamatrace.kernels.quantizers.rows import QUANTIZABLE
     types = []
     for n in names:
         t = T.__members__.get(n)
@@ -307,7 +307,7 @@ class Measurer:
         model: the loaded base model; its weights are swapped in place during :meth:`measure`.
         calibration: the chunks.
         quantize: ``quantize_rows(ggml_type, x, imatrix=None)``
-            (:func:`llamatrace.kernels.quantizers.quantize_rows`).
+            (:func:`llamatrace.kernels.quantizers.rows.quantize_rows`).
     """
 
     def __init__(self, model, calibration: Calibration, quantize: Quantizer) -> None:
@@ -400,7 +400,7 @@ class Measurer:
 
     # -- running
     def _final_norm(self, h: np.ndarray) -> np.ndarray:
-        from llamatrace.kernels import fp32
+        from llamatrace.kernels.ops import fp32
         return fp32.rmsnorm(np.ascontiguousarray(h), self.model.weights.norm, self.model.config.norm_eps)
 
     def _scored_logits(self, final: np.ndarray) -> np.ndarray:

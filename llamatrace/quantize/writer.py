@@ -110,7 +110,7 @@ def convert_rows(ggml_type: T, x: np.ndarray, imatrix: np.ndarray | None = None)
         return np.ascontiguousarray(x, np.float16).view(np.uint8)   # round to nearest even, as ggml_fp32_to_fp16_row
     if ggml_type == T.BF16:
         return _bf16_bits(x).view(np.uint8)
-    from llamatrace.kernels.quantizers import quantize_rows   # Numba: only when quantizing
+    from llamatrace.kernels.quantizers.rows import quantize_rows   # Numba: only when quantizing
     return quantize_rows(ggml_type, x, imatrix)
 
 
@@ -158,7 +158,7 @@ def column_importances(entries: Mapping[str, tuple[np.ndarray, np.ndarray]], leg
     matrix that saw no token gets 1 (a legacy ``.dat`` entry with ``ncall`` 0 keeps its sums).
 
     Args:
-        entries: :func:`llamatrace.quantize.imatrix_file.read_imatrix`'s ``{name: (in_sum2, counts)}``.
+        entries: :func:`llamatrace.quantize.imatrix.files.read_imatrix`'s ``{name: (in_sum2, counts)}``.
         legacy: the entries come from a legacy ``.dat`` file.
     """
     out = {}

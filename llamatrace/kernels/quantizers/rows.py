@@ -2,7 +2,7 @@
 
 :func:`quantize_rows` (Numba, rows shared among the threads) and its NumPy twin
 :func:`quantize_rows_np` serve Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (this module) and Q2_K..Q6_K
-(:mod:`llamatrace.kernels.quantizers_k`), written from ggml's ``ggml-quants.c`` (llama-cpp-python
+(:mod:`llamatrace.kernels.quantizers.k_rows`), written from ggml's ``ggml-quants.c`` (llama-cpp-python
 0.3.36's vendored llama.cpp). ``ggml_quantize_chunk`` calls ``quantize_<type>(src, dst, nrow,
 n_per_row, imatrix)``, which takes one of two paths:
 
@@ -14,12 +14,12 @@ n_per_row, imatrix)``, which takes one of two paths:
 - an importance matrix ``imatrix [n_per_row]``: each weight's importance is ``imatrix[j] *
   sqrt(sigma2 + x[j]^2)`` with ``sigma2`` the row's mean square, and the block's scale is
   searched for the least importance-weighted squared error: Q4_0/Q5_0 by ``make_qx_quants``,
-  Q4_1/Q5_1 by ``make_qkx3_quants`` (scale and minimum; :mod:`~llamatrace.kernels.quantizers_k`).
+  Q4_1/Q5_1 by ``make_qkx3_quants`` (scale and minimum; :mod:`~llamatrace.kernels.quantizers.k_rows`).
 
 Block layouts (little-endian fp16 ``d``/``m``): Q4_0 ``d qs[16]`` (18 bytes; byte j holds quant j
 low, j+16 high), Q4_1 ``d m qs[16]`` (20), Q5_0 ``d qh[4] qs[16]`` (22; bit j of the uint32
 ``qh`` is quant j's fifth bit), Q5_1 ``d m qh[4] qs[16]`` (24), Q8_0 ``d qs[32]`` int8 (34).
-Rounding as in :mod:`~llamatrace.kernels.quantizers_k`: float32 in ggml's order, no fastmath.
+Rounding as in :mod:`~llamatrace.kernels.quantizers.k_rows`: float32 in ggml's order, no fastmath.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import quantizers_k as qk
-from llamatrace.kernels.jit import JIT_QUANT, JIT_QUANT_PARALLEL
-from llamatrace.kernels.quantizers_k import (F32, claim_rows, fp16_np, make_qkx, make_qkx_np,
-                                             make_qx, make_qx_np, put_fp16, row_chunk, row_f32)
+from llamatrace.kernels.quantizers import k_rows as qk
+from llamatrace.machine.jit import JIT_QUANT, JIT_QUANT_PARALLEL
+from llamatrace.kernels.quantizers.k_rows import (F32, claim_rows, fp16_np, make_qkx, make_qkx_np,
+                                                  make_qx, make_qx_np, put_fp16, row_chunk, row_f32)
 
 T = gguf.GGMLQuantizationType
 QK = 32
@@ -471,7 +471,7 @@ def quantize_rows_np(ggml_type, x: np.ndarray, imatrix: np.ndarray | None = None
 
 def for_type(ggml_type) -> dict:
     """``{"quantize": ..., "quantize_np": ...}``: :func:`quantize_rows` and its twin bound to
-    ``ggml_type``, for the type's :class:`~llamatrace.kernels.registry.QuantType` declaration
+    ``ggml_type``, for the type's :class:`~llamatrace.kernels.types.registry.QuantType` declaration
     (``quantize(x, imatrix=None)``). Raises ValueError for a type not in :data:`QUANTIZABLE`."""
     t = T(int(ggml_type))
     if t not in _KERNELS:

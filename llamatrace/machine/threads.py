@@ -1,14 +1,14 @@
 """Thread policy of the parallel kernels: Numba's layer, a fixed count, or all cores unless oversubscribed.
 
-Every :func:`llamatrace.kernels.registry.matmul` call is one ``prange`` region, so callers
-fuse matrices (:func:`llamatrace.kernels.packing.pack_concat`). Which threading layer runs them
-is :mod:`llamatrace.runtime`'s choice (OpenMP first, for llamatrace's own processes).
+Every :func:`llamatrace.kernels.types.registry.matmul` call is one ``prange`` region, so callers
+fuse matrices (:func:`llamatrace.kernels.types.packing.pack_concat`). Which threading layer runs them
+is :mod:`llamatrace.machine.runtime`'s choice (OpenMP first, for llamatrace's own processes).
 
 OpenMP's threads spin while they wait for each other. When other processes keep the cores
 busy, a region's slowest thread waits for a core (a scheduler time slice is ~3 ms, a region
 ~40 µs) while its partner spins away its own slice: decode fell from 52 tok/s on one thread to
 0.7 on two (issue 38). So llamatrace's own processes let a waiting OpenMP thread spin only
-briefly (:mod:`llamatrace.runtime`), and by default (:class:`AutoThreads`) a forward call runs
+briefly (:mod:`llamatrace.machine.runtime`), and by default (:class:`AutoThreads`) a forward call runs
 on every core, except a small model's while other processes' runnable tasks outnumber the cores
 (then on one thread), read from the kernel's count just before the call
 (:func:`runnable_elsewhere`). docs/performance.md "Threads" has the measurements.
@@ -26,8 +26,8 @@ import numpy as np
 from numba import njit, prange
 
 from llamatrace.errors import OptionError
-from llamatrace.kernels.jit import JIT_PARALLEL
-from llamatrace.runtime import usable_cpus
+from llamatrace.machine.jit import JIT_PARALLEL
+from llamatrace.machine.runtime import usable_cpus
 
 
 @njit(**JIT_PARALLEL)
@@ -109,7 +109,7 @@ def threads_for(cores: int, cpus: int, elsewhere: int | None, matrix_weights: in
     short regions while other processes' runnable tasks outnumber the machine's cores.
 
     While ``elsewhere <= cpus`` each of our threads shares a core with at most one other task
-    and gets half of it or more; the short spin of :mod:`llamatrace.runtime` keeps a waiting
+    and gets half of it or more; the short spin of :mod:`llamatrace.machine.runtime` keeps a waiting
     thread from burning its slice, and two threads beat one (beside two busy loops on 2 cores:
     SmolLM2 prefill 1.4x, decode 1.0-1.1x; 8B-shaped 1.4x, 1.3x). Beyond that, a short region
     (~40 µs) that waits for a thread the scheduler set aside (a time slice is ~3 ms) waits many
@@ -144,7 +144,7 @@ class AutoThreads:
 
     Args:
         cores, cpus: as :func:`threads_for`; default the CPUs this process may use
-            (:func:`llamatrace.runtime.usable_cpus`, at most ``numba.config.NUMBA_NUM_THREADS``)
+            (:func:`llamatrace.machine.runtime.usable_cpus`, at most ``numba.config.NUMBA_NUM_THREADS``)
             and :func:`os.cpu_count`.
         elsewhere: the load signal, :func:`runnable_elsewhere` (tests inject their own).
         clock: seconds, monotonic (:func:`time.monotonic`).

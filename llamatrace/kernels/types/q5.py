@@ -7,13 +7,13 @@ GGUF blocks (ggml's ``block_q5_0`` / ``block_q5_1``) and the packed bytes per ro
     Q5_1   24  d m qh[4] qs[16]   qh[4] qs[16] = 20         d     m        d * q + m      q in 0..31
 
 Element j < 16 is the low nibble of qs[j] with bit j of qh as its fifth bit, element j + 16 the
-high nibble with bit j + 16. Packed as the other types (:mod:`llamatrace.kernels.packing`):
+high nibble with bit j + 16. Packed as the other types (:mod:`llamatrace.kernels.types.packing`):
 ``qs uint8 [T, B, 20, TR]``, ``d`` / ``m`` float32 ``[T, B, TR]``; resident bytes against the
 file Q5_0 24/22 = 1.09x, Q5_1 28/24 = 1.17x. Both types share the kernels: a weight is
 ``d*q + m_scale*m`` with ``q`` in 0..31, Q5_1 passing ``(m, 1)``, Q5_0 ``(d, -16)``. Every
 product is exact in float32, so the dequantizers equal ``gguf.quants.dequantize`` bit for bit;
 the matmuls accumulate ``x * w`` in float32. The types are declared at the end (:data:`Q5_0`,
-:data:`Q5_1`). Their ``q8``-mode kernel is :func:`llamatrace.kernels.act8._matmul_q5` (8-bit
+:data:`Q5_1`). Their ``q8``-mode kernel is :func:`llamatrace.kernels.int8.act8._matmul_q5` (8-bit
 activations and integer sums, llama.cpp's arithmetic), all 20 packed bytes in groups of four.
 """
 
@@ -23,12 +23,13 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import act8, tiles
-from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.packing import matmul_ref
-from llamatrace.kernels.quantizers import for_type
-from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, declare
+from llamatrace.kernels import tiles
+from llamatrace.kernels.int8 import act8
+from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.tiles import quant_f32
+from llamatrace.kernels.types.packing import matmul_ref
+from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, declare
+from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
@@ -85,7 +86,7 @@ def _deq_q5(q5_1, q, db, mb, wt):
 @njit(**JIT)
 def dequant_tile(q5_1, qs, d, m, t):
     """Tile t -> float32 ``[B*32, TR]`` (column r = row t*TR + r); twin:
-    :func:`llamatrace.kernels.packing.dequant_tile_np`."""
+    :func:`llamatrace.kernels.types.packing.dequant_tile_np`."""
     n_blocks = qs.shape[1]
     wt = np.empty((n_blocks * QK, TR), np.float32)
     for b in range(n_blocks):
@@ -223,7 +224,7 @@ def act8_q5_1_np(x, w):
 
 
 def act8_q5_np(x: np.ndarray, qs, d, m, m_scale, offset) -> np.ndarray:
-    """NumPy twin of :func:`llamatrace.kernels.act8._matmul_q5` (float64 sums): weights
+    """NumPy twin of :func:`llamatrace.kernels.int8.act8._matmul_q5` (float64 sums): weights
     ``d * (q - offset) + m_scale * m``, qs in act8's layout, d and m fp16 bits. Returns float32
     [S, T*TR]."""
     p = act8.file_order(qs, _T.Q5_0).transpose(0, 3, 1, 2)                # [T, TR, B, 20]

@@ -9,9 +9,9 @@
   ``vpmaddwd`` + ``vpaddd`` (32). Inline asm, so LLVM can neither fold nor reorder the chains.
   NumPy twin: :func:`dot_peak_np` (the same int32 checksum).
 
-The AMX int8 peak (``tdpbssd`` chains on the tiles) is :func:`llamatrace.kernels.amx.make_dot_peak`,
+The AMX int8 peak (``tdpbssd`` chains on the tiles) is :func:`llamatrace.kernels.int8.amx.make_dot_peak`,
 written once against the tile operations like the AMX kernels, and measured only where
-:func:`llamatrace.kernels.amx.status` is on.
+:func:`llamatrace.kernels.int8.amx.status` is on.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.jit import JIT_EXACT_PARALLEL, target_features
+from llamatrace.machine.jit import JIT_EXACT_PARALLEL, target_features
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 llvm_binding.initialize_native_asmparser()    # Numba sets up no assembler for inline asm text

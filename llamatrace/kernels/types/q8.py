@@ -4,14 +4,14 @@ GGUF block (per 32 weights of one row, as in gguf-py ``quants.py``)::
 
     Q8_0  34 bytes  | d f16 | q int8[32] |             w[j] = d * q[j]
 
-Packed (:mod:`llamatrace.kernels.packing`; T = ceil(n_out / TR) tiles, B = n_in / 32 blocks,
+Packed (:mod:`llamatrace.kernels.types.packing`; T = ceil(n_out / TR) tiles, B = n_in / 32 blocks,
 padded rows zero)::
 
     qs int8 [T, B, 32, TR]    d float32 [T, B, TR]
 
 Resident bytes against the file: 36/34 = 1.06x (1.0x in the ``q8`` mode, whose Numba kernels
-are :mod:`llamatrace.kernels.act8`'s). Float32 activations times the dequantized weights, float32
-accumulation, as :mod:`llamatrace.kernels.q4` (whose notes on the loops apply here too). The
+are :mod:`llamatrace.kernels.int8.act8`'s). Float32 activations times the dequantized weights, float32
+accumulation, as :mod:`llamatrace.kernels.types.q4` (whose notes on the loops apply here too). The
 type is declared at the end (:data:`Q8_0`).
 """
 
@@ -21,11 +21,12 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import act8, amx, tiles
-from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.packing import matmul_ref
-from llamatrace.kernels.quantizers import for_type
-from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, declare
+from llamatrace.kernels import tiles
+from llamatrace.kernels.int8 import act8, amx
+from llamatrace.kernels.quantizers.rows import for_type
+from llamatrace.kernels.types.packing import matmul_ref
+from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, declare
+from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
@@ -59,7 +60,7 @@ def _i8_chain8(q, r, x, j):
 @njit(**JIT_INLINE)
 def _i8_half_dot(q, r, x, j):
     """sum over j..j+15 of x[j] * q[j, r] for one Q8_0 block q int8 [32, TR]: two 8-FMA chains
-    (a block in two halves, as in :func:`llamatrace.kernels.q4._q4_half_dot`)."""
+    (a block in two halves, as in :func:`llamatrace.kernels.types.q4._q4_half_dot`)."""
     return _i8_chain8(q, r, x, j) + _i8_chain8(q, r, x, j + 8)
 
 
@@ -102,7 +103,7 @@ def _dequant_blocks_q8(qs, d, t, b0, n, wt):
 
 @njit(**JIT_PARALLEL)
 def _tiled_q8(x, qs, d, out):
-    """Q8_0 matmul for many rows (as :func:`llamatrace.kernels.q4._tiled_q4`)."""
+    """Q8_0 matmul for many rows (as :func:`llamatrace.kernels.types.q4._tiled_q4`)."""
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     for t in prange(n_tiles):
         wt = np.empty((tiles.CHUNK, TR), np.float32)
@@ -118,7 +119,7 @@ def _tiled_q8(x, qs, d, out):
 @njit(**JIT)
 def dequant_tile(qs, d, t):
     """Tile t -> float32 [B*32, TR] by the prefill kernel's dequantizer; twin:
-    :func:`llamatrace.kernels.packing.dequant_tile_np`."""
+    :func:`llamatrace.kernels.types.packing.dequant_tile_np`."""
     n_blocks = qs.shape[1]
     wt = np.empty((n_blocks * 32, TR), np.float32)
     _dequant_blocks_q8(qs, d, t, 0, n_blocks, wt)

@@ -1,5 +1,5 @@
 """llama.cpp's K-quant quantizers (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and the scale searches they
-share with the legacy types' importance-weighted paths (:mod:`llamatrace.kernels.quantizers`).
+share with the legacy types' importance-weighted paths (:mod:`llamatrace.kernels.quantizers.rows`).
 
 Written from the algorithm of ggml's ``ggml-quants.c`` (llama-cpp-python 0.3.36's vendored
 llama.cpp), byte for byte what it writes:
@@ -27,7 +27,7 @@ qs[128]`` (176), Q6_K ``ql[128] qh[64] scales[16] d`` (210, int8 scales).
 
 Each Numba function has a NumPy twin (``*_np``) computing every block at once, looping only
 over the elements of a sub-block, where ggml's sums are sequential. The twins meet inf and NaN
-where ggml does: :func:`~llamatrace.kernels.quantizers.quantize_rows_np` runs them under
+where ggml does: :func:`~llamatrace.kernels.quantizers.rows.quantize_rows_np` runs them under
 ``np.errstate(all="ignore")``.
 """
 
@@ -42,7 +42,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from llamatrace.kernels.jit import F16_TABLE, JIT_QUANT, JIT_QUANT_PARALLEL, f16
+from llamatrace.machine.jit import F16_TABLE, JIT_QUANT, JIT_QUANT_PARALLEL, f16
 
 
 QK_K = 256

@@ -5,7 +5,7 @@ masked probabilities without the masked scores).
 Each Numba kernel ``foo`` has a plain NumPy twin ``foo_ref`` with the same contract; the tests
 check one against the other. Shapes follow the forward pass: ``[seq_len, dim]`` activations,
 ``[seq_len, n_heads, head_dim]`` per-head tensors, ``[n_heads, seq_len, kv_len]`` scores.
-The big weight matmuls are :func:`llamatrace.kernels.registry.matmul`.
+The big weight matmuls are :func:`llamatrace.kernels.types.registry.matmul`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.act8_ir import _Tile, prefill_lanes
-from llamatrace.kernels.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
+from llamatrace.kernels.int8.act8_ir import _Tile, prefill_lanes
+from llamatrace.machine.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
 
 # No fastmath here (jit.JIT_EXACT): its nnan/ninf flags would break the -inf of the causal mask.
 

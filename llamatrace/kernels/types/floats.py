@@ -4,7 +4,7 @@ Packed layout (T = ceil(n_out / TR) tiles; padded rows are zero)::
 
     F32         qs float32 [T, n_in, TR]
     F16, BF16   qs uint16  [T, n_in, TR]    raw bits, widened through a 65,536-entry table
-                                            (:data:`llamatrace.kernels.jit.F16_TABLE`, ``BF16_TABLE``)
+                                            (:data:`llamatrace.machine.jit.F16_TABLE`, ``BF16_TABLE``)
 
 Resident bytes: 1.0x the file (plus row padding to a multiple of ``TR``). Each tile is widened
 to float32 a chunk at a time and multiplied in float32 (:func:`llamatrace.kernels.tiles.chunk_matmul`),
@@ -20,8 +20,8 @@ import numpy as np
 from numba import njit, prange
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.jit import BF16_TABLE, F16_TABLE, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.registry import TYPES, Kernel, QuantType, declare
+from llamatrace.kernels.types.registry import TYPES, Kernel, QuantType, declare
+from llamatrace.machine.jit import BF16_TABLE, F16_TABLE, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR

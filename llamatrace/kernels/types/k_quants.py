@@ -1,6 +1,6 @@
 """K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): block formats, matmul kernels, NumPy twins.
 
-Weights use the same row tiles as the other types (:mod:`llamatrace.kernels.packing`:
+Weights use the same row tiles as the other types (:mod:`llamatrace.kernels.types.packing`:
 ``qs uint8 [T, B, P, TR]``, ``d`` / ``m`` float32 ``[T, B, TR]``, ``TR`` rows interleaved so
 the inner loops run over rows), where ``B`` counts super-blocks of 256 weights and ``P`` bytes
 per block hold the file's quant bytes plus the sub-block scales unpacked to one byte each; the
@@ -33,7 +33,7 @@ Every product of a scale and an integer above is exact in float32 except Q6_K's 
 which the kernels round exactly as gguf-py does, so :func:`dequant_tile` and
 :func:`dequant_bytes_np` equal ``gguf.quants.dequantize`` bit for bit. The matmul kernels
 accumulate ``x * w`` in float32: a scratch-free GEMV per type for decode, one tiled kernel for
-prefill. Q4_K and Q6_K also have 8-bit-activation kernels (:mod:`llamatrace.kernels.act8`).
+prefill. Q4_K and Q6_K also have 8-bit-activation kernels (:mod:`llamatrace.kernels.int8.act8`).
 Each Numba kernel has a NumPy twin (``*_np``). The five types are declared at the end of the
 module (:data:`Q2_K` .. :data:`Q6_K`), each in one place: format, scale unpacking, dequantizer,
 kernels per mode and phase with their twins.
@@ -48,12 +48,13 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import act8, amx, tiles
-from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.packing import matmul_ref
-from llamatrace.kernels.quantizers import for_type
-from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, ScaleByte, declare
+from llamatrace.kernels import tiles
+from llamatrace.kernels.int8 import act8, amx
+from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.tiles import quant_f32
+from llamatrace.kernels.types.packing import matmul_ref
+from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, ScaleByte, declare
+from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 
@@ -217,7 +218,7 @@ def _deq_block(kind, qs, d, m, t, b, wt, ds, dm):
 @njit(**JIT)
 def dequant_tile(kind, qs, d, m, t):
     """Tile t -> float32 ``[B*256, TR]`` (column r = row t*TR + r); twin:
-    :func:`llamatrace.kernels.packing.dequant_tile_np`."""
+    :func:`llamatrace.kernels.types.packing.dequant_tile_np`."""
     n_blocks = qs.shape[1]
     qkb = QK_K
     wt = np.empty((n_blocks * qkb, TR), np.float32)
@@ -271,7 +272,7 @@ def _q4k_chain8(q, r, off, xlo, xhi, l0):
 
 @njit(**JIT_PARALLEL)
 def gemv_q4k(x, qs, d, m, out):
-    """Q4_K GEMV for a few rows; shapes as in :func:`tiled` (m = dmin). Twin :func:`llamatrace.kernels.packing.matmul_ref`."""
+    """Q4_K GEMV for a few rows; shapes as in :func:`tiled` (m = dmin). Twin :func:`llamatrace.kernels.types.packing.matmul_ref`."""
     n_seq = x.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     n_out = out.shape[1]
@@ -374,7 +375,7 @@ def _q5k_chunk(q, db, mb, xs, x, s, b, j, acc, lo01, hi01, lo2, hi2):
 
 @njit(**JIT_PARALLEL)
 def gemv_q5k(x, qs, d, m, out):
-    """Q5_K GEMV for a few rows; shapes as in :func:`tiled` (m = dmin). Twin :func:`llamatrace.kernels.packing.matmul_ref`."""
+    """Q5_K GEMV for a few rows; shapes as in :func:`tiled` (m = dmin). Twin :func:`llamatrace.kernels.types.packing.matmul_ref`."""
     n_seq = x.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     xsum = np.zeros((n_seq, n_blocks, 8), np.float32)
@@ -547,7 +548,7 @@ def _k16_tile(kind, x, qs, d, m, xsum, t, out):
 
 @njit(**JIT_PARALLEL)
 def gemv_q2k(x, qs, d, m, out):
-    """Q2_K GEMV for a few rows; shapes as in :func:`tiled` (m = dmin). Twin :func:`llamatrace.kernels.packing.matmul_ref`."""
+    """Q2_K GEMV for a few rows; shapes as in :func:`tiled` (m = dmin). Twin :func:`llamatrace.kernels.types.packing.matmul_ref`."""
     xsum = _xsum16(x, qs.shape[1])
     for t in prange(qs.shape[0]):
         _k16_tile(0, x, qs, d, m, xsum, t, out)
@@ -555,7 +556,7 @@ def gemv_q2k(x, qs, d, m, out):
 
 @njit(**JIT_PARALLEL)
 def gemv_q3k(x, qs, d, out):
-    """Q3_K GEMV for a few rows; shapes as in :func:`tiled`. Twin :func:`llamatrace.kernels.packing.matmul_ref`."""
+    """Q3_K GEMV for a few rows; shapes as in :func:`tiled`. Twin :func:`llamatrace.kernels.types.packing.matmul_ref`."""
     xsum = _xsum16(x, qs.shape[1])
     for t in prange(qs.shape[0]):
         _k16_tile(1, x, qs, d, d, xsum, t, out)
@@ -563,7 +564,7 @@ def gemv_q3k(x, qs, d, out):
 
 @njit(**JIT_PARALLEL)
 def gemv_q6k(x, qs, d, out):
-    """Q6_K GEMV for a few rows; shapes as in :func:`tiled`. Twin :func:`llamatrace.kernels.packing.matmul_ref`."""
+    """Q6_K GEMV for a few rows; shapes as in :func:`tiled`. Twin :func:`llamatrace.kernels.types.packing.matmul_ref`."""
     xsum = _xsum16(x, qs.shape[1])
     for t in prange(qs.shape[0]):
         _k16_tile(4, x, qs, d, d, xsum, t, out)

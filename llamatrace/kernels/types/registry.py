@@ -11,7 +11,7 @@ gguf-py's ``quants.py`` keeps one class per ``qtype``. It holds, for that one ty
 - its matmul kernels per activation mode (:data:`MODES`) and phase (:data:`PHASES`), each a
   :class:`Kernel`: the adapter that calls the Numba kernel with the weight's arrays, and its
   NumPy twin beside it;
-- the ``q8`` mode's byte groups (``q8_bytes``: which packed bytes :mod:`llamatrace.kernels.act8`'s
+- the ``q8`` mode's byte groups (``q8_bytes``: which packed bytes :mod:`llamatrace.kernels.int8.act8`'s
   kernels read in groups of four);
 - ``quantize`` / ``quantize_np``: its quantizer (float32 rows -> the file's blocks) and the
   quantizer's NumPy twin, where one is wired.
@@ -35,11 +35,11 @@ import numpy as np
 from llamatrace.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
-    from llamatrace.kernels.packing import Weight
+    from llamatrace.kernels.types.packing import Weight
 
 MODES = ("f32", "q8")
 """Activation modes: float32 activations (the default, the reference) or 8-bit
-(:mod:`llamatrace.kernels.act8`)."""
+(:mod:`llamatrace.kernels.int8.act8`)."""
 
 PHASES = ("decode", "prefill")
 """``decode``: the GEMV kernels for a few rows of ``x`` (weights decoded in registers, once per
@@ -52,7 +52,7 @@ SCALE_DTYPES = {"f32": np.dtype(np.float32), "q8": np.dtype(np.uint16)}
 """What a packed block weight's ``d`` and ``m`` hold in each activation mode: float32 values
 (the float32 kernels multiply them as they are), or the file's fp16 bits as uint16 (the ``q8``
 kernels widen them as they read, with F16C: a Q4_0 block streams 18 bytes, as in the file,
-instead of 20). :meth:`llamatrace.kernels.packing.Weight.scales_f32` gives float32 in either."""
+instead of 20). :meth:`llamatrace.kernels.types.packing.Weight.scales_f32` gives float32 in either."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class ScaleByte:
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """A GGML block as the packer (:mod:`llamatrace.kernels.packing`) sees it.
+    """A GGML block as the packer (:mod:`llamatrace.kernels.types.packing`) sees it.
 
     ``weights`` per block; ``file_bytes`` per block in the GGUF file; ``packed_bytes``: the
     bytes per row and block in the packed tiles (``qs [T, B, packed_bytes, TR]``). The packer
@@ -106,7 +106,7 @@ class BlockFormat:
 @dataclass(frozen=True)
 class Kernel:
     """One matmul kernel: ``run(x, w, out)`` with x float32 C-contiguous ``[S, n_in]``, ``w`` a
-    :class:`~llamatrace.kernels.packing.Weight`, out float32 C-contiguous ``[S, n_out]``: a thin
+    :class:`~llamatrace.kernels.types.packing.Weight`, out float32 C-contiguous ``[S, n_out]``: a thin
     adapter calling a Numba kernel with the weight's arrays. ``twin(x, w)`` -> float32
     ``[S, n_out]``: its NumPy twin (float64 sums; the tests hold one against the other)."""
 
@@ -124,16 +124,16 @@ class QuantType:
     """One GGML type, everything llamatrace knows of it (module docstring).
 
     ``block``: its :class:`BlockFormat` (None for F32/F16/BF16, which
-    :mod:`llamatrace.kernels.floats` tiles). ``dequant_np(p, d, m)``: packed bytes uint8
+    :mod:`llamatrace.kernels.types.floats` tiles). ``dequant_np(p, d, m)``: packed bytes uint8
     ``[n, B, packed_bytes]`` in file order (int8 when ``signed``), ``d`` / ``m`` float32
     ``[n, B]`` (``m`` None without a minimum) -> float32 ``[n, B*weights]``, bit for bit
     ``gguf.quants.dequantize``; for a float type ``p`` is the packed row values ``[n, n_in]``
     and ``d``, ``m`` None. ``kernels``: per mode in :data:`MODES`, the ``(decode, prefill)``
     :class:`Kernel` pair (the same kernel twice where one serves both); ``"f32"`` is required.
     ``q8_bytes = (head, end)``: the packed bytes of a block row that the ``q8`` kernels read in
-    groups of four (:func:`llamatrace.kernels.act8.grouped_bytes`); required with ``"q8"``
+    groups of four (:func:`llamatrace.kernels.int8.act8.grouped_bytes`); required with ``"q8"``
     kernels. ``quantize`` and its NumPy twin ``quantize_np``: the type's quantizer (float32 rows
-    -> the file's block bytes, :mod:`llamatrace.kernels.quantizers`), None where none is wired.
+    -> the file's block bytes, :mod:`llamatrace.kernels.quantizers.rows`), None where none is wired.
     """
 
     ggml_type: gguf.GGMLQuantizationType

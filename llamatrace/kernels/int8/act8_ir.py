@@ -1,12 +1,12 @@
 """The 8-bit activations' block dot products, written in LLVM IR with AVX2 intrinsics.
 
-Numba types integer arithmetic as int64, so :mod:`llamatrace.kernels.act8`'s kernels take their
+Numba types integer arithmetic as int64, so :mod:`llamatrace.kernels.int8.act8`'s kernels take their
 block dot products from the intrinsics here (:func:`isum_q8`,
 :func:`unpack_q6k`, :func:`isum_u8_16`): x86 ``pmaddubsw`` multiplies 32
 unsigned bytes by 32 signed bytes and adds adjacent pairs to int16, ``pmaddwd`` adds pairs of
 int16 to int32; with four bytes of a row per 32-bit lane, one register holds 8 rows and each
 row's four products end up in its own lane. The byte layout they read and the overflow bounds
-are in :mod:`llamatrace.kernels.act8`'s docstring; the NumPy twins of the kernels that call them
+are in :mod:`llamatrace.kernels.int8.act8`'s docstring; the NumPy twins of the kernels that call them
 are there too.
 
 On CPUs with AVX-512 VNNI (and VL) or AVX-VNNI, ``vpdpbusd`` does what ``pmaddubsw`` +
@@ -24,7 +24,7 @@ blocks on zmm are inline asm: LLVM's own instruction choice and schedule took 12
 time). The Q4_0, Q4_1, Q4_K and Q6_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`,
 :func:`decode_q6k`) are the one-row case over a whole tile in one pass, with a prefetch. Numba caches the
 kernels that call these by the calling module's source: after a change here, clear
-``llamatrace/kernels/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
+``llamatrace/kernels/int8/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.jit import target_features
+from llamatrace.machine.jit import target_features
 
 TR = tiles.TR
 QK_K = 256
@@ -398,7 +398,7 @@ class _Tile:
         return total if init is None else b.add(init, total)
 
     def offset(self, xs, at):
-        """``xs[at]`` (int32: a block's integer offset, written by :func:`llamatrace.kernels.act8._quantized`)
+        """``xs[at]`` (int32: a block's integer offset, written by :func:`llamatrace.kernels.int8.act8._quantized`)
         in every lane: the start of its ``vpdpbusd`` chain (a broadcast from memory)."""
         return self.splat(self.b.load(self.b.gep(self.b.bitcast(xs, _I32.as_pointer()), [at]), align=4), self.vi32)
 
@@ -675,7 +675,7 @@ def _prefill_q6k_ir(k: _Tile, args, ns: int):
     group's ``(q + 32) * xq`` (4 ``vpdpbusd``, then a conversion and an FMA with ``d sc_j``, exact
     and shared by the rows), the second sum in int32 as 8 ``vpdpwssd`` of the unpacked ``-32 sc``
     pairs and the activation sums' pairs (at most 16 * 4096 * 2032 in size). Within 1e-7 of
-    :func:`llamatrace.kernels.act8._matmul_q6k` (its exact int32 block sum times ``d * xd``)
+    :func:`llamatrace.kernels.int8.act8._matmul_q6k` (its exact int32 block sum times ``d * xd``)
     relative to the largest output, not its bits.
 
     On zmm (AVX-512 VNNI) the block is inline asm, a statement per group of all the rows

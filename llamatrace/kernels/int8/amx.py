@@ -22,7 +22,7 @@ Tile operations. :class:`TileOps` holds ``config``, ``zero``, ``load``, ``dpbssd
 :func:`make_prefill` builds the kernel around one set, so the kernel the tests run emulated on any
 machine is the one that runs on the tiles: the same code, the same loops, only the six ops differ.
 
-Layout: none of its own. The ``q8`` mode's packed weights (:mod:`llamatrace.kernels.act8`) hold a
+Layout: none of its own. The ``q8`` mode's packed weights (:mod:`llamatrace.kernels.int8.act8`) hold a
 tile's block as groups of four bytes per row, ``[P/4, TR, 4]``; with ``TR`` = 32 rows a group is
 128 bytes, and the 64 bytes of rows 0..15 (then 16..31) of consecutive groups, 128 bytes apart,
 are exactly AMX's "VNNI-packed" B tile: row k = inputs 4k..4k+3 of 16 weight rows. Q8_0's block
@@ -30,7 +30,7 @@ are exactly AMX's "VNNI-packed" B tile: row k = inputs 4k..4k+3 of 16 weight row
 nibbles are unpacked a block at a time into such bytes (low nibbles: groups 0..3, inputs 0..15;
 high: groups 4..7, inputs 16..31; 1 KB, in L1), Q4_K's four 32-byte chunks a block the same way
 (chunk c's low nibbles are sub-block 2c, its high ones 2c + 1; its scale bytes read where they
-are), Q6_K's blocks by :func:`llamatrace.kernels.act8_ir.unpack_q6k`, the VNNI prefill's own
+are), Q6_K's blocks by :func:`llamatrace.kernels.int8.act8_ir.unpack_q6k`, the VNNI prefill's own
 unpacker, whose output is already that order (``q + 32`` as bytes, then the int8 scales). So the
 packed-weights cache (:mod:`llamatrace.model.packcache`) serves the same bytes to an AMX and a
 non-AMX process, and the AMX kernel reads what the VNNI kernel reads.
@@ -45,12 +45,12 @@ rows load A, ``tdpbssd`` (Q8_0) or ``tdpbsud`` (Q4_0, Q4_K: signed activations b
 nibbles) into C0, C1, and store them into an int32 array with a row per activation row; then the
 vector work over all rows, in Numba code that compiles to AVX-512: per row, 32 int32 -> float32
 and ``y += (d * xd) * isum`` (Q8_0), ``y += (d * xd) * (isum - 8 sum(xq))`` (Q4_0's zero
-point in integers, as :func:`llamatrace.kernels.act8._matmul_q4` takes it; Q4_K: two sub-blocks a step with their 6-bit
-scales and mins, as :func:`llamatrace.kernels.act8._matmul_q4k`). The B tiles are read once per
+point in integers, as :func:`llamatrace.kernels.int8.act8._matmul_q4` takes it; Q4_K: two sub-blocks a step with their 6-bit
+scales and mins, as :func:`llamatrace.kernels.int8.act8._matmul_q4k`). The B tiles are read once per
 block whatever the number of activation rows; A is 512 bytes per 2 tile products. Q6_K has an
 int8 scale per 16 weights, so its K is 16 (A ``tmm3`` 16 x 16 bytes, B ``tmm6``, ``tmm7`` 4 x 64):
 per 16 inputs the C pairs are stored and added in int32, ``isum += sc * (C - 32 * xsum)`` (Q8_K
-activations, as :func:`llamatrace.kernels.act8._matmul_q6k`), and per block of 256 one float32
+activations, as :func:`llamatrace.kernels.int8.act8._matmul_q6k`), and per block of 256 one float32
 step.
 
 Where the time beyond ``tdpb*d`` goes (expected from instruction counts, never measured on AMX;
@@ -64,9 +64,9 @@ work per multiply-add (plus an integer multiply-add per 16 inputs).
 
 Same arithmetic as the VNNI kernel: the int32 sums are the exact block dot products ``sum_j q_j *
 xq_j`` (``q`` the nibble 0..15 for Q4_0 and Q4_K, the int8 quant for Q8_0, ``q + 32`` for Q6_K),
-and the float32 operations are :func:`llamatrace.kernels.act8._matmul_q4`'s / ``_matmul_q4k``'s /
+and the float32 operations are :func:`llamatrace.kernels.int8.act8._matmul_q4`'s / ``_matmul_q4k``'s /
 ``_matmul_q6k``'s in the same order, so the outputs are the same bits (the tests check it,
-emulated). NumPy twins: :func:`llamatrace.kernels.act8.matmul_q4_np`, ``matmul_q8_np``,
+emulated). NumPy twins: :func:`llamatrace.kernels.int8.act8.matmul_q4_np`, ``matmul_q8_np``,
 ``matmul_q4k_np``, ``matmul_q6k_np`` (the same formulas in float64).
 
 Which prefill runs (issue 51: on an AMX Xeon this kernel was 1.8x to 10x slower than the VNNI
@@ -104,9 +104,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels import act8, tiles
-from llamatrace.kernels.act8_ir import Q6K_UNPACKED, QK_K_BYTES, unpack_q6k
-from llamatrace.kernels.jit import FASTMATH, JIT_INLINE, f16, target_features
+from llamatrace.kernels import tiles
+from llamatrace.kernels.int8 import act8
+from llamatrace.kernels.int8.act8_ir import Q6K_UNPACKED, QK_K_BYTES, unpack_q6k
+from llamatrace.machine.jit import FASTMATH, JIT_INLINE, f16, target_features
 
 _log = logging.getLogger("llamatrace")
 llvm_binding.initialize_native_asmparser()    # Numba sets up no assembler for inline asm text
@@ -575,9 +576,9 @@ def make_prefill(ops: TileOps, cache: bool = True):
     ``ops`` (:data:`HW` or :data:`EMULATED`).
 
     ``xq`` int8 [S16, n_in] (S16 the activation rows rounded up to 16, the extra rows zero), ``xd``,
-    ``xs`` float32 [S16, n_in/32] (:func:`llamatrace.kernels.act8.quantize`: Q8_0 blocks, Q4_K's
+    ``xs`` float32 [S16, n_in/32] (:func:`llamatrace.kernels.int8.act8.quantize`: Q8_0 blocks, Q4_K's
     with float32 scales; Q4_0: the blocks' integer zero-point offsets ``-8 sum(xq)``,
-    :func:`llamatrace.kernels.act8._quantized_rows`' offsets, as float32); ``qs8`` the weight's packed bytes as flat uint8 (``Weight.qs`` of a
+    :func:`llamatrace.kernels.int8.act8._quantized_rows`' offsets, as float32); ``qs8`` the weight's packed bytes as flat uint8 (``Weight.qs`` of a
     ``q8`` weight, [T, B, P, TR]); ``d``, ``m`` fp16 bits uint16 [T, B, TR] (Q4_K: ``d``, ``dmin``);
     ``m_scale`` float32 (Q4_0 -8, else unused); ``kind`` :data:`KIND_Q4_0` / :data:`KIND_Q8_0` /
     :data:`KIND_Q4_K` / :data:`KIND_Q6_K` (Q8_K activations: ``xd`` [S16, n_in/256], ``xs`` their
@@ -585,9 +586,9 @@ def make_prefill(ops: TileOps, cache: bool = True):
     thread, each with its tile state and buffers); ``out`` float32 [S, n_out], its rows the real
     activation rows. Per weight tile, per block: B0/B1 <- the weights of a sub-block of 32 inputs
     for rows 0..15 / 16..31, then for every 16 activation rows A <- their 32 int8, C = A x B stored
-    (:func:`_tile_products`), then scaled into float32 sums with :mod:`llamatrace.kernels.act8`'s
+    (:func:`_tile_products`), then scaled into float32 sums with :mod:`llamatrace.kernels.int8.act8`'s
     per-row kernels' operations in their order (Q4_K two sub-blocks a step, as
-    :func:`llamatrace.kernels.act8._matmul_q4k`; Q6_K per 16 inputs). One source for both
+    :func:`llamatrace.kernels.int8.act8._matmul_q4k`; Q6_K per 16 inputs). One source for both
     implementations: ``ops`` are bound by :func:`_bind`."""
     products = _bind(_tile_products, ops, dict(cache=cache, inline="always"))
     # the emulator raises (the SDM's faults), which keeps a prange serial: say so, run it serially
@@ -734,7 +735,7 @@ _BLOCK_BYTES = {KIND_Q4_0: (QK, 16), KIND_Q8_0: (QK, 32), KIND_Q4_K: (QK_K, 144)
 
 def random_weight(rng, kind: int, n_out: int, n_in: int):
     """Random packed arrays ``(qs, d, m)`` of a ``q8`` weight of ``kind``, typed as
-    :func:`llamatrace.kernels.packing.pack` types them (``qs`` uint8 [T, B, P, TR], int8 for
+    :func:`llamatrace.kernels.types.packing.pack` types them (``qs`` uint8 [T, B, P, TR], int8 for
     Q8_0; ``d``, ``m`` fp16 bits uint16 [T, B, TR], small positive scales), so that a kernel
     compiled for them serves a model's weights too. ``n_out`` a multiple of TR, ``n_in`` of the
     block."""
@@ -750,7 +751,7 @@ def random_weight(rng, kind: int, n_out: int, n_in: int):
 def self_check(kernel) -> str:
     """Run ``kernel`` (a :func:`make_prefill` kernel) on small Q4_0, Q8_0, Q4_K and Q6_K products
     (37 rows of x: two full A tiles and a part one; 64 weight rows, 256 inputs) and compare with
-    the per-row VNNI kernels (:func:`llamatrace.kernels.act8._matmul_q4`, ``_matmul_q4k``,
+    the per-row VNNI kernels (:func:`llamatrace.kernels.int8.act8._matmul_q4`, ``_matmul_q4k``,
     ``_matmul_q6k``), whose bits it is written to give. Returns ``""`` when every output is the
     same float32, else what differed."""
     rng = np.random.default_rng(36)
@@ -797,15 +798,15 @@ def arguments(kind, x, qs, d, m, out, n_chunks=None) -> tuple:
 
 def run(kernel, kind, x, qs, d, m, out, n_chunks=None) -> None:
     """``out = x @ W.T`` by ``kernel`` (:func:`make_prefill`) for a weight of ``kind``: x float32
-    [S, n_in] quantized (:func:`llamatrace.kernels.act8.quantize`: Q8_0 blocks, Q4_K's
-    ``PER32_F32``; Q6_K: :func:`~llamatrace.kernels.act8.quantize_k`), its rows padded to a multiple of 16 with zeros; ``qs``, ``d``, ``m`` the
+    [S, n_in] quantized (:func:`llamatrace.kernels.int8.act8.quantize`: Q8_0 blocks, Q4_K's
+    ``PER32_F32``; Q6_K: :func:`~llamatrace.kernels.int8.act8.quantize_k`), its rows padded to a multiple of 16 with zeros; ``qs``, ``d``, ``m`` the
     weight's packed arrays as they are; ``n_chunks`` default: Numba's thread count."""
     kernel(*arguments(kind, x, qs, d, m, out, n_chunks))
 
 
 def vnni_prefill(kind, x, qs, d, m, out) -> None:
     """``out = x @ W.T`` by the VNNI / AVX2 prefill kernel that runs for ``kind`` where AMX does
-    not (what the registry's ``act8_prefill_*`` adapters call): :func:`llamatrace.kernels.act8._prefill`,
+    not (what the registry's ``act8_prefill_*`` adapters call): :func:`llamatrace.kernels.int8.act8._prefill`,
     Q6_K's ``_prefill_q6k``. Arguments as :func:`run`'s."""
     if kind == KIND_Q6_K:
         act8._prefill_q6k(x, qs, d, out, numba.get_num_threads())
@@ -1036,7 +1037,7 @@ def describe(type_names) -> str:
 
 
 def prefill_q4_0(x, w, out) -> None:
-    """The ``q8`` prefill of a Q4_0 :class:`~llamatrace.kernels.packing.Weight` on AMX (call
+    """The ``q8`` prefill of a Q4_0 :class:`~llamatrace.kernels.types.packing.Weight` on AMX (call
     only where :func:`use` says so)."""
     run(hw_prefill(), KIND_Q4_0, x, w.qs, w.d, w.d, out)
 

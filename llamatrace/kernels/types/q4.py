@@ -7,14 +7,14 @@ GGUF blocks (per 32 weights of one row, as in gguf-py ``quants.py``)::
     (qs[j] holds element j in its low nibble and element j + 16 in its high nibble,
      so w[j + 16] uses hi(qs[j]) = qs[j] >> 4.)
 
-Packed (:mod:`llamatrace.kernels.packing`; T = ceil(n_out / TR) tiles, B = n_in / 32 blocks,
+Packed (:mod:`llamatrace.kernels.types.packing`; T = ceil(n_out / TR) tiles, B = n_in / 32 blocks,
 padded rows zero)::
 
     qs uint8 [T, B, 16, TR]   qs[t, b, j, r] = byte j of block b of row t*TR + r
     d  float32 [T, B, TR]     m float32 [T, B, TR] (Q4_1 only)
 
 Resident bytes against the file: Q4_1 24/20 = 1.2x, Q4_0 20/18 = 1.11x (1.0x in the ``q8``
-mode, whose Numba kernels are :mod:`llamatrace.kernels.act8`'s). Both types share the kernels: a
+mode, whose Numba kernels are :mod:`llamatrace.kernels.int8.act8`'s). Both types share the kernels: a
 weight is ``d*q + m_scale*m``, Q4_1 passing ``(m, 1)``, Q4_0 ``(d, -8)`` for ``d*(q - 8)``. Float32
 activations times the dequantized weights, float32 accumulation (about 1e-7 relative to
 ``x @ gguf.quants.dequantize(raw).T``). The two types are declared at the end of the module
@@ -27,11 +27,12 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import act8, amx, tiles
-from llamatrace.kernels.jit import JIT, JIT_INLINE, JIT_PARALLEL
-from llamatrace.kernels.packing import matmul_ref
-from llamatrace.kernels.quantizers import for_type
-from llamatrace.kernels.registry import BlockFormat, Kernel, QuantType, declare
+from llamatrace.kernels import tiles
+from llamatrace.kernels.int8 import act8, amx
+from llamatrace.kernels.quantizers.rows import for_type
+from llamatrace.kernels.types.packing import matmul_ref
+from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, declare
+from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
@@ -200,7 +201,7 @@ def _tiled_q4(x, qs, d, m, m_scale, out):
 @njit(**JIT)
 def dequant_tile(qs, d, m, m_scale, t):
     """Tile t -> float32 [B*32, TR] by the prefill kernel's dequantizer (``m``, ``m_scale`` as
-    in :func:`_gemv_q4`); twin: :func:`llamatrace.kernels.packing.dequant_tile_np`."""
+    in :func:`_gemv_q4`); twin: :func:`llamatrace.kernels.types.packing.dequant_tile_np`."""
     n_blocks = qs.shape[1]
     wt = np.empty((n_blocks * 32, TR), np.float32)
     _dequant_blocks_q4(qs, d, m, m_scale, t, 0, n_blocks, wt)

@@ -3,8 +3,8 @@
 This module is the mode's shared machinery: activation quantization, the byte-group layout, the
 Numba matmul kernels and their NumPy twins. Which of them serves a weight type, with which
 arguments, is in that type's declaration (``q8`` kernels and ``q8_bytes`` of
-:class:`~llamatrace.kernels.registry.QuantType`, in :mod:`~llamatrace.kernels.q4`,
-:mod:`~llamatrace.kernels.q8`, :mod:`~llamatrace.kernels.k_quants`).
+:class:`~llamatrace.kernels.types.registry.QuantType`, in :mod:`~llamatrace.kernels.types.q4`,
+:mod:`~llamatrace.kernels.types.q8`, :mod:`~llamatrace.kernels.types.k_quants`).
 
 llamatrace's default arithmetic is float32 activations times dequantized weights (matching HF
 transformers fp32 to ~1e-5). llama.cpp instead quantizes each activation row to 8 bits and
@@ -28,12 +28,12 @@ beside the float32 path and never instead of it:
 2. Per block and weight row, the integer dot product ``isum = sum_j q[j] * xq[j]`` is exact in
    int32, and ``y += (d * xd) * isum + m_scale * m * xs`` in float32 (``xs = xd * sum_j
    xq[j]``, or Q8_1's ``s``), with
-   the weight ``d * q + m_scale * m`` as in :mod:`llamatrace.kernels.q4` (Q4_0: ``q`` in 0..15,
+   the weight ``d * q + m_scale * m`` as in :mod:`llamatrace.kernels.types.q4` (Q4_0: ``q`` in 0..15,
    ``m = d``, ``m_scale = -8``; Q4_1: ``m_scale = 1``; Q8_0: ``q`` int8, no offset). Q5_0 and
    Q5_1 (llama.cpp's ``ggml_vec_dot_q5_0_q8_0`` / ``_q5_1_q8_1``) sum ``q - 16`` (no offset
    term) / ``q`` (``m_scale = 1``) as Q8_0's int8 quants (:func:`_matmul_q5`).
    Q4_K's sub-blocks are 32 weights too: ``y += (d * sc * xd) * isum - (dmin * mn) * (xd *
-   sum xq)`` per sub-block (:mod:`llamatrace.kernels.k_quants`).
+   sum xq)`` per sub-block (:mod:`llamatrace.kernels.types.k_quants`).
 3. Q6_K weights take ggml's Q8_K activations instead (:func:`quantize_k`), as llama.cpp's
    ``ggml_vec_dot_q6_K_q8_K`` does: one scale per 256, so the block's 16 int8 scales (one per
    16 weights) are applied in integers and its float work is one line per row. ``q`` in -32..31
@@ -48,8 +48,8 @@ The error is that of rounding x to 8 bits, about 1e-2 relative per matmul, as in
 (``llamatrace compare`` shows it stage by stage); the integer part adds none.
 
 Layout. A dot product of bytes needs the bytes of one row side by side, so weights in this
-mode keep the float32 path's arrays (``qs [T, B, P, TR]``, :mod:`llamatrace.kernels.packing`,
-:mod:`llamatrace.kernels.k_quants`) with each block's quant bytes (:func:`grouped_bytes`) not in
+mode keep the float32 path's arrays (``qs [T, B, P, TR]``, :mod:`llamatrace.kernels.types.packing`,
+:mod:`llamatrace.kernels.types.k_quants`) with each block's quant bytes (:func:`grouped_bytes`) not in
 ``[P, TR]`` order (byte j of row r at ``j*TR + r``) but in groups of four bytes per row,
 ``[P/4, TR, 4]``, as the packers write them at load (byte
 ``4g + i`` of row r at ``(g*TR + r)*4 + i``). Q4_0/Q4_1 byte ``j`` holds weight ``j`` in its low
@@ -57,7 +57,7 @@ nibble and ``16 + j`` in its high nibble; Q4_K keeps its 16 scale bytes per row 
 has four 32-byte chunks, low nibbles sub-block ``2c``, high nibbles ``2c + 1``; Q6_K regroups its
 ``ql[128] qh[64]`` and keeps its 16 int8 scales last. The same bytes, the same memory, in another order.
 The scales ``d`` and minimums ``m`` ``[T, B, TR]`` stay the file's fp16 bits (uint16), widened
-as the kernels read them (:func:`llamatrace.kernels.jit.f16`, F16C): a Q4_0 block is 18 bytes
+as the kernels read them (:func:`llamatrace.machine.jit.f16`, F16C): a Q4_0 block is 18 bytes
 as in the file, not 20 with float32 scales, so decode streams 10 % fewer bytes (8B-shaped Q4_0 file: resident 5.59 ->
 5.12 GB, decode 1.01-1.02x, paired in one process; outputs bit for bit the same).
 
@@ -65,13 +65,13 @@ Kernels. x86 ``pmaddubsw`` multiplies 32 unsigned bytes by 32 signed bytes and a
 pairs to int16, ``pmaddwd`` adds pairs of int16 to int32: with four bytes of a row per 32-bit
 lane, one register holds 8 rows and each row's four products end up in its own lane. Numba
 types integer arithmetic as int64, so the block dot products are written in LLVM IR
-(:mod:`llamatrace.kernels.act8_ir`) with the AVX2 intrinsics; this mode needs AVX2
+(:mod:`llamatrace.kernels.int8.act8_ir`) with the AVX2 intrinsics; this mode needs AVX2
 (:func:`available`). Overflow bounds: a Q4 pair is at most 2 * 15 * 127 = 3810 and the 8 pairs
 of a block summed in int16 at most 30480 < 32767; a Q8_0 pair uses ``|q|`` (<= 128) times
 ``sign(q) * xq`` (<= 127), at most 32512, and goes to int32 at once; a Q6_K pair is at most
 2 * 63 * 127 = 16002, so two pairs (32004) are added in int16 before int32, and a block's
 scaled int32 sum is at most 16 * 128 * 16 * 32 * 127 < 2**31. Q6_K's decode microkernel
-(:func:`~llamatrace.kernels.act8_ir.decode_q6k`) prefetches the next block, spread over its
+(:func:`~llamatrace.kernels.int8.act8_ir.decode_q6k`) prefetches the next block, spread over its
 work (Q6_K [4096, 14336]: that prefetch took the per-block intrinsic before it from 4.4-4.8 ms
 to 2.6-2.8 ms on 2 threads). The whole tile a call, with no stack spill, runs at 0.87-1.15 of a
 plain read of the same bytes on the three 8B Q6_K shapes, VNNI and 8 rows a ymm alike, where the
@@ -91,14 +91,14 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4_0, decode_q4k, decode_q6k,
-                                        has_vnni, isum_q8, isum_u8_16, PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_0,
-                                        prefill_q4_0_1row, prefill_q4_0_4rows, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
-                                        prefill_q8, prefill_q8_1row, prefill_q8_4rows,
-                                        prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
-                                        prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
-from llamatrace.kernels.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_INLINE, JIT_PARALLEL, f16, f16_np, f16_round, f32_from_bits
-from llamatrace.kernels.registry import TYPES
+from llamatrace.kernels.int8.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4_0, decode_q4k, decode_q6k,
+                                             has_vnni, isum_q8, isum_u8_16, PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_0,
+                                             prefill_q4_0_1row, prefill_q4_0_4rows, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
+                                             prefill_q8, prefill_q8_1row, prefill_q8_4rows,
+                                             prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
+                                             prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
+from llamatrace.kernels.types.registry import TYPES
+from llamatrace.machine.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_INLINE, JIT_PARALLEL, f16, f16_np, f16_round, f32_from_bits
 
 _T = gguf.GGMLQuantizationType
 
@@ -122,7 +122,7 @@ def available() -> bool:
 def grouped_bytes(ggml_type) -> tuple[int, int]:
     """The packed bytes ``[head, end)`` of a block row held in groups of four (the scales
     around them stay in the float32 path's order): the type's declared ``q8_bytes``.
-    :mod:`llamatrace.kernels.packing` writes them so at load (:func:`llamatrace.kernels.tiles.byte_offset`);
+    :mod:`llamatrace.kernels.types.packing` writes them so at load (:func:`llamatrace.kernels.tiles.byte_offset`);
     a separate pass over the packed bytes cost 2 s of an 8B Q4_K_M load. Raises ``KeyError`` for
     a type without ``q8`` kernels."""
     q8_bytes = TYPES[_T(ggml_type)].q8_bytes
@@ -134,7 +134,7 @@ def grouped_bytes(ggml_type) -> tuple[int, int]:
 def _regroup(qs: np.ndarray, ggml_type, to_groups: bool, tiles_per_step: int = 64) -> np.ndarray:
     """Reorder every block's quant bytes of ``qs [T, B, P, TR]`` in place, ``tiles_per_step`` tiles
     at a time (the only temporary): ``[P, TR]`` -> ``[P/4, TR, 4]`` or back (``to_groups``
-    True: what :mod:`llamatrace.kernels.packing` writes at load in this mode)."""
+    True: what :mod:`llamatrace.kernels.types.packing` writes at load in this mode)."""
     n_tiles, n_blocks, n_bytes, tr = qs.shape
     head, end = grouped_bytes(ggml_type)
     groups = (end - head) // 4
@@ -479,7 +479,7 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
     qs [T, B, P, TR] in this module's layout: uint8 nibbles (P = 16), or int8 (P = 32) when
     ``signed`` (Q8_0, with m_scale 0); d, m fp16 bits uint16 [T, B, TR]; out float32 [S, n_out].
 
-    One parallel region over tiles. Q4_0 / Q4_1: per row of x, :func:`~llamatrace.kernels.act8_ir.decode_q4_0`
+    One parallel region over tiles. Q4_0 / Q4_1: per row of x, :func:`~llamatrace.kernels.int8.act8_ir.decode_q4_0`
     / ``decode_q4`` runs over a whole tile with its sums in registers (zmm: 16 rows a register),
     prefetching :data:`DECODE_AHEAD` bytes ahead into L2 (Q4_0 decode, one thread, shared
     machine: 80-83 % -> 89-94 % of a pure read of the same bytes); Q4_0 (``m_scale`` -8, ``m`` its
@@ -586,7 +586,7 @@ PREFILL_Q4, PREFILL_Q8, PREFILL_Q4K = 0, 1, 2       # _prefill's kinds
 def _prefill(x, qs, d, m, m_scale, kind, out):
     """As :func:`_matmul_q4` (``kind`` :data:`PREFILL_Q4`: Q4_0 / Q4_1; :data:`PREFILL_Q8`:
     Q8_0, ``m_scale`` unused) or :func:`_matmul_q4k` (:data:`PREFILL_Q4K`, ``m_scale`` unused)
-    for many rows of x. Each call of a microkernel (:mod:`llamatrace.kernels.act8_ir`'s
+    for many rows of x. Each call of a microkernel (:mod:`llamatrace.kernels.int8.act8_ir`'s
     ``prefill_q4_0``, ``prefill_q4``, ``prefill_q8``, ``prefill_q4k``) runs :data:`NS_Q4` /
     :data:`NS_Q8` / :data:`NS_Q4K` rows of x (then 4, then one at a time for the rows left)
     against :data:`LANES` rows of a tile over every block, its sums in registers, each block's
@@ -684,8 +684,8 @@ def _by_runs(a, out, width, most):
 @njit(**JIT_PARALLEL)
 def _prefill_q6k(x, qs, d, out, n_chunks):
     """As :func:`_matmul_q6k` for many rows of x: a tile's blocks are unpacked once
-    (:func:`llamatrace.kernels.act8_ir.unpack_q6k_pairs`, into a buffer per thread) and the
-    microkernel (:func:`llamatrace.kernels.act8_ir.prefill_q6k`) runs :data:`NS_Q6K` rows of x at a
+    (:func:`llamatrace.kernels.int8.act8_ir.unpack_q6k_pairs`, into a buffer per thread) and the
+    microkernel (:func:`llamatrace.kernels.int8.act8_ir.prefill_q6k`) runs :data:`NS_Q6K` rows of x at a
     time (then 4, then one) over them, with the activations' sums of 16 as int16, the sums in
     registers; each group's integer sum scaled in float32 (``d * sc``), so within 1e-7 of
     :func:`_matmul_q6k` relative to the largest output, not its bits. The activations are laid
@@ -729,7 +729,7 @@ def _prefill_q6k(x, qs, d, out, n_chunks):
 def _matmul_q4k(x, qs, d, m, out):
     """As :func:`_matmul_q4` for Q4_K: qs uint8 [T, B, 144, TR] (this module's layout), d and
     m (dmin) fp16 bits uint16 [T, B, TR]. Per row of x,
-    :func:`~llamatrace.kernels.act8_ir.decode_q4k` runs over a whole tile, its sums in registers,
+    :func:`~llamatrace.kernels.int8.act8_ir.decode_q4k` runs over a whole tile, its sums in registers,
     prefetching :data:`DECODE_AHEAD_Q4K` bytes ahead: per sub-block pair ``y += d * (sc_j dx_j
     isum_j + sc_j+1 dx_j+1 isum_j+1) - dmin * (mn_j xs_j + mn_j+1 xs_j+1)``, the float32 operations
     (and FMAs) of the per-block loop it replaced, so the same bits."""
@@ -750,7 +750,7 @@ def _matmul_q6k(x, qs, d, out):
     """As :func:`_matmul_q4` for Q6_K with Q8_K activations (:func:`quantize_k`): qs uint8
     [T, B, 208, TR] (this module's layout), d fp16 bits uint16 [T, B, TR]. The 16 scales of a block are
     applied in integers, then per block ``y += (d * dx) * isum`` in float32. One row of x:
-    :func:`~llamatrace.kernels.act8_ir.decode_q6k` runs over a whole tile, its sums in registers,
+    :func:`~llamatrace.kernels.int8.act8_ir.decode_q6k` runs over a whole tile, its sums in registers,
     prefetching :data:`DECODE_AHEAD_Q6K` bytes ahead; several: each block is unpacked once and
     reused, one block at a time (the same bits for each row)."""
     xq, xd, xsum = _quantized_k(x)

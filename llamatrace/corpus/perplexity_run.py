@@ -19,7 +19,7 @@ from llamatrace.corpus import perplexity as corpus
 from llamatrace.corpus.chunks import Chunks, make_chunks
 from llamatrace.corpus.metrics import KLDStats, PerplexityStats
 from llamatrace.corpus.runner import ModelSpec
-from llamatrace.corpus.stages import PairSpec, StageErrors, check_same_shape
+from llamatrace.corpus.stage_errors import PairSpec, StageErrors, check_same_shape
 from llamatrace.errors import OptionError
 
 # progress(name, n_chunks, main) -> a context giving on_chunk(i, running PPL); main: the model's run
@@ -39,7 +39,7 @@ class CorpusRun:
         text: the corpus.
         base: ``None`` (perplexity only), a GGUF, or a base file (:mod:`llamatrace.corpus.basefile`).
         save_base: keep the base GGUF's base file there.
-        stages: with a GGUF base, the stage attribution (:mod:`llamatrace.corpus.stages`).
+        stages: with a GGUF base, the stage attribution (:mod:`llamatrace.corpus.stage_errors`).
         workers, ray: where the chunks run (:func:`llamatrace.corpus.runner.run_chunks`).
     """
 

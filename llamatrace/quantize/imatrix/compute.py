@@ -32,7 +32,7 @@ import numpy as np
 
 from llamatrace.corpus.chunks import Chunks
 from llamatrace.corpus.runner import ModelSpec, run_chunks
-from llamatrace.quantize.imatrix_file import Entries, ImatrixMeta
+from llamatrace.quantize.imatrix.files import Entries, ImatrixMeta
 
 # stage whose output is the input of these weights (GGUF names within a block); ffn_down's is the
 # gated product, whose stage id depends on the activation (see input_stages)

@@ -7,7 +7,7 @@ interleaved so that the innermost loop of every kernel runs over ``TR`` rows and
 512-bit vector instructions (``vfmadd…ps %zmm``). There is no float32 copy of the model: the
 quantized bytes stay as they are in the file, only the fp16 scales become float32 (Numba has
 no float16), or stay fp16 bits for the ``q8`` activation mode's kernels
-(:data:`llamatrace.kernels.registry.SCALE_DTYPES`; :mod:`llamatrace.kernels.act8` also reorders
+(:data:`llamatrace.kernels.types.registry.SCALE_DTYPES`; :mod:`llamatrace.kernels.int8.act8` also reorders
 the quant bytes it reads in groups of four).
 
 Block types (T = ceil(n_out / TR) tiles, B = n_in / weights-per-block blocks; padded rows are
@@ -17,14 +17,14 @@ zero)::
     d  [T, B, TR]                            m [T, B, TR] (types with a minimum only)
                                              float32 values, or fp16 bits uint16 in the q8 mode
 
-Each type's :class:`~llamatrace.kernels.registry.QuantType` (declared in its family module)
-holds its :class:`~llamatrace.kernels.registry.BlockFormat` (sizes, where ``d``, ``m`` and the
+Each type's :class:`~llamatrace.kernels.types.registry.QuantType` (declared in its family module)
+holds its :class:`~llamatrace.kernels.types.registry.BlockFormat` (sizes, where ``d``, ``m`` and the
 quant bytes sit in a file block, ``P``, how its sub-block scales unpack) and its NumPy
 dequantizer; the one repacker here (:func:`repack_tiles`) copies by it. The byte layouts are
-drawn in :mod:`llamatrace.kernels.q4`, :mod:`~llamatrace.kernels.q5`,
-:mod:`~llamatrace.kernels.q8`, :mod:`~llamatrace.kernels.k_quants`; F32/F16/BF16 are tiled by
-:mod:`llamatrace.kernels.floats`. Which kernel then multiplies a Weight is the registry's
-business (:func:`llamatrace.kernels.registry.matmul`).
+drawn in :mod:`llamatrace.kernels.types.q4`, :mod:`~llamatrace.kernels.types.q5`,
+:mod:`~llamatrace.kernels.types.q8`, :mod:`~llamatrace.kernels.types.k_quants`; F32/F16/BF16 are tiled by
+:mod:`llamatrace.kernels.types.floats`. Which kernel then multiplies a Weight is the registry's
+business (:func:`llamatrace.kernels.types.registry.matmul`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ import numpy as np
 from numba import njit, prange
 
 from llamatrace.errors import OptionError, UnsupportedModelError
-from llamatrace.kernels import act8, floats, tiles
-from llamatrace.kernels.jit import F16_BITS, F16_TABLE, JIT_INLINE, JIT_PARALLEL, f16_bytes_np, f16_np
-from llamatrace.kernels.registry import FORMATS, MODES, SCALE_DTYPES, TYPES, QuantType, served_types
+from llamatrace.kernels import tiles
+from llamatrace.kernels.int8 import act8
+from llamatrace.kernels.types import floats
+from llamatrace.kernels.types.registry import FORMATS, MODES, SCALE_DTYPES, TYPES, QuantType, served_types
+from llamatrace.machine.jit import F16_BITS, F16_TABLE, JIT_INLINE, JIT_PARALLEL, f16_bytes_np, f16_np
 
 _T = gguf.GGMLQuantizationType
 
@@ -64,10 +66,10 @@ class Weight:
 
     ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m``
     the block scales and minimums ``[T, B, TR]`` (empty where the type has none), encoded as
-    :data:`~llamatrace.kernels.registry.SCALE_DTYPES` says for the weight's :attr:`mode`: float32
+    :data:`~llamatrace.kernels.types.registry.SCALE_DTYPES` says for the weight's :attr:`mode`: float32
     values in ``f32``, the file's fp16 bits (uint16) in ``q8``; :meth:`scales_f32` gives float32
     values in either. ``act8``: packed for the 8-bit-activation kernels (:attr:`mode` ``q8``:
-    the type's ``q8`` kernels, its quant bytes in :mod:`llamatrace.kernels.act8`'s groups of
+    the type's ``q8`` kernels, its quant bytes in :mod:`llamatrace.kernels.int8.act8`'s groups of
     four); a type without ``q8`` kernels is packed for ``f32`` whatever was asked. ``row_splits``
     gives the row counts of the matrices fused by :func:`pack_concat` (``(n_out,)`` otherwise),
     so a caller can ``np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)``. Raises
@@ -190,7 +192,7 @@ def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], 
     written in place by :func:`repack_tiles`: no concatenated or transposed temporary, so a load
     holds the file's pages and the packed copy, nothing more; quant bytes ``group`` in 8-bit
     activations' order (:func:`_group`), whose mode then also sets the dtype of ``d`` and ``m``
-    (:data:`~llamatrace.kernels.registry.SCALE_DTYPES`). Raises ``ValueError`` on a size mismatch."""
+    (:data:`~llamatrace.kernels.types.registry.SCALE_DTYPES`). Raises ``ValueError`` on a size mismatch."""
     ggml_type, fmt = qt.ggml_type, qt.block
     if n_in % fmt.weights:
         raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {fmt.weights}")
@@ -216,7 +218,7 @@ def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], 
 
 
 def check_activations(activations: str) -> str:
-    """``activations`` if it is a mode this machine runs (:data:`llamatrace.kernels.registry.MODES`), else
+    """``activations`` if it is a mode this machine runs (:data:`llamatrace.kernels.types.registry.MODES`), else
     :class:`OptionError`."""
     if activations not in MODES:
         raise OptionError(f"activations must be one of {', '.join(MODES)}, got {activations!r}")
@@ -312,8 +314,8 @@ def pack_concat(name: str, parts: list[tuple], *, activations: str = "f32", aren
 def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks uint8 ``[n, B, file_bytes]`` -> (packed uint8 ``[n, B, packed_bytes]``,
     d float32 ``[n, B]``, m float32 ``[n, B]`` or None), per the type's
-    :class:`~llamatrace.kernels.registry.BlockFormat`: the copied quant bytes, and its
-    sub-block scales unpacked by its :class:`~llamatrace.kernels.registry.ScaleByte` table."""
+    :class:`~llamatrace.kernels.types.registry.BlockFormat`: the copied quant bytes, and its
+    sub-block scales unpacked by its :class:`~llamatrace.kernels.types.registry.ScaleByte` table."""
     fmt = FORMATS[_T(ggml_type)]
     src, dst, n = fmt.copy
     packed = np.empty(blocks.shape[:-1] + (fmt.packed_bytes,), np.uint8)
@@ -355,7 +357,7 @@ def repack_tiles(ggml_type, blocks: np.ndarray, row0: int, f16_table: np.ndarray
     """GGUF blocks uint8 ``[n, B, file_bytes]`` -> rows ``row0..row0+n`` of the tiles ``qs_t``
     uint8 ``[T, B, packed_bytes, TR]``, ``d_t`` / ``m_t`` ``[T, B, TR]`` (``m_t`` unused
     for types without a minimum), per the type's :class:`BlockFormat`; packed bytes
-    ``group = (head, end)`` in :mod:`llamatrace.kernels.act8`'s grouped order (:func:`tiles.byte_offset`).
+    ``group = (head, end)`` in :mod:`llamatrace.kernels.int8.act8`'s grouped order (:func:`tiles.byte_offset`).
     ``f16_table`` [65536] maps an fp16 bit pattern to what ``d_t`` / ``m_t`` hold: float32
     values, or uint16 (the identity) for the bits as they are. In parallel over tiles; rows of
     other tiles untouched. The NumPy scatter it replaced took ~7 s of an 8B Q4_K_M load; this
@@ -374,7 +376,7 @@ def _put(out, p, r, head, end, v):
 @njit(**JIT_PARALLEL)
 def _repack_tiles(scales, src, dst, n_copy, d_off, m_off, head, end, blocks, row0, f16_table, qs_t, d_t, m_t):
     """:func:`repack_tiles` with the type's :class:`BlockFormat` and ``group`` spelled out;
-    ``scales``: its :meth:`~llamatrace.kernels.registry.BlockFormat.scale_table`."""
+    ``scales``: its :meth:`~llamatrace.kernels.types.registry.BlockFormat.scale_table`."""
     n_rows, n_blocks, block_bytes = blocks.shape
     flat = blocks.reshape(-1)
     t_first = row0 // TR
@@ -405,7 +407,7 @@ def _repack_tiles(scales, src, dst, n_copy, d_off, m_off, head, end, blocks, row
 
 def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     """Dequantize the given rows (int array [n]) -> float32 [n, n_in], plain NumPy, by the
-    type's :attr:`~llamatrace.kernels.registry.QuantType.dequant_np` (gguf-py's arithmetic, so
+    type's :attr:`~llamatrace.kernels.types.registry.QuantType.dequant_np` (gguf-py's arithmetic, so
     results are bit-for-bit equal to ``gguf.quants.dequantize``)."""
     qt = TYPES[w.ggml_type]
     t, r = rows // TR, rows % TR
@@ -437,6 +439,6 @@ def dequant_tile_np(w: Weight, t: int) -> np.ndarray:
 
 
 def matmul_ref(x: np.ndarray, w: Weight) -> np.ndarray:
-    """Plain NumPy twin of :func:`llamatrace.kernels.registry.matmul`: ``x @ dequantize(w).T``
+    """Plain NumPy twin of :func:`llamatrace.kernels.types.registry.matmul`: ``x @ dequantize(w).T``
     summed in float64, float32 ``[S, n_out]``."""
     return (np.asarray(x, dtype=np.float64) @ dequantize(w).T.astype(np.float64)).astype(np.float32)

@@ -1,0 +1,2 @@
+"""The importance matrix: computed over a calibration text as ``llama-imatrix`` does
+(``compute``), read and written in llama.cpp's files (``files``)."""
