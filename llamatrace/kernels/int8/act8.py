@@ -150,19 +150,6 @@ def file_order(qs: np.ndarray, ggml_type) -> np.ndarray:
     return _regroup(qs.copy(), ggml_type, False)
 
 
-def file_order_rows(ggml_type, qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """The bytes of rows ``r`` of tiles ``t`` (int [n] each) in the float32 path's layout:
-    ``[n, B, P]``, what ``qs[t, :, :, r]`` gives there. Gathers only those rows (an embedding
-    lookup per decode step: 112 -> 22 us for SmolLM2's token_embd, regrouping whole tiles)."""
-    n_tiles, n_blocks, n_bytes, tr = qs.shape
-    head, end = grouped_bytes(ggml_type)
-    rows = qs[t, :, :, r]                                     # right outside [head, end)
-    grouped = qs.reshape(n_tiles, n_blocks, n_bytes * tr)[:, :, head * tr:end * tr]
-    grouped = grouped.reshape(n_tiles, n_blocks, (end - head) // 4, tr, 4)   # [j // 4, r, j % 4]
-    rows[:, :, head:end] = grouped[t, :, :, r].reshape(len(t), n_blocks, end - head)
-    return rows
-
-
 # --------------------------------------------------------------------------------------------
 # activation quantization
 

@@ -405,6 +405,20 @@ def _repack_tiles(scales, src, dst, n_copy, d_off, m_off, head, end, blocks, row
 # NumPy reference
 
 
+def file_order_rows(ggml_type, qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """The bytes of rows ``r`` of tiles ``t`` (int [n] each) of a ``q8``-mode weight's ``qs``, in
+    the float32 path's layout: ``[n, B, P]``, what ``qs[t, :, :, r]`` gives there. Gathers only
+    those rows (an embedding lookup per decode step: 112 -> 22 us for SmolLM2's token_embd,
+    regrouping whole tiles)."""
+    n_tiles, n_blocks, n_bytes, tr = qs.shape
+    head, end = _group(ggml_type, "q8")
+    rows = qs[t, :, :, r]                                     # right outside [head, end)
+    grouped = qs.reshape(n_tiles, n_blocks, n_bytes * tr)[:, :, head * tr:end * tr]
+    grouped = grouped.reshape(n_tiles, n_blocks, (end - head) // 4, tr, 4)   # [j // 4, r, j % 4]
+    rows[:, :, head:end] = grouped[t, :, :, r].reshape(len(t), n_blocks, end - head)
+    return rows
+
+
 def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     """Dequantize the given rows (int array [n]) -> float32 [n, n_in], plain NumPy, by the
     type's :attr:`~llamatrace.kernels.types.registry.QuantType.dequant_np` (gguf-py's arithmetic, so
@@ -413,7 +427,7 @@ def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     t, r = rows // TR, rows % TR
     if qt.block is None:
         return qt.dequant_np(w.qs[t, :, r], None, None)                    # [n, n_in]
-    q = act8.file_order_rows(w.ggml_type, w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, P]
+    q = file_order_rows(w.ggml_type, w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, P]
     return qt.dequant_np(q, *w.scales_f32(t, r))
 
 

@@ -27,15 +27,12 @@ the adapter beside its kernel. :func:`describe` and :func:`summary` name the ker
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
 import gguf
 import numpy as np
 
 from llamatrace.errors import UnsupportedModelError
-
-if TYPE_CHECKING:
-    from llamatrace.kernels.types.packing import Weight
 
 MODES = ("f32", "q8")
 """Activation modes: float32 activations (the default, the reference) or 8-bit
@@ -103,6 +100,20 @@ class BlockFormat:
         return np.array(rows, np.int64).reshape(len(rows), 7)
 
 
+class PackedWeight(Protocol):
+    """What the registry reads of a packed weight, a :class:`llamatrace.kernels.types.packing.Weight`
+    (whose arrays its kernels read). Declared here, not imported: packing builds its weights from
+    this module's tables, so the registry names no class of packing."""
+
+    name: str
+    ggml_type: gguf.GGMLQuantizationType
+    n_in: int
+    n_out: int
+
+    @property
+    def mode(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One matmul kernel: ``run(x, w, out)`` with x float32 C-contiguous ``[S, n_in]``, ``w`` a
@@ -110,8 +121,8 @@ class Kernel:
     adapter calling a Numba kernel with the weight's arrays. ``twin(x, w)`` -> float32
     ``[S, n_out]``: its NumPy twin (float64 sums; the tests hold one against the other)."""
 
-    run: Callable[[np.ndarray, "Weight", np.ndarray], None]
-    twin: Callable[[np.ndarray, "Weight"], np.ndarray]
+    run: Callable[[np.ndarray, PackedWeight, np.ndarray], None]
+    twin: Callable[[np.ndarray, PackedWeight], np.ndarray]
 
     @property
     def name(self) -> str:
@@ -201,7 +212,7 @@ def served() -> list[tuple[gguf.GGMLQuantizationType, str, str]]:
     return list(_KERNELS)
 
 
-def describe(w: Weight) -> dict[str, str]:
+def describe(w: PackedWeight) -> dict[str, str]:
     """``{"decode": name, "prefill": name}``: the kernels :func:`matmul` runs for ``w``.
     Raises :class:`UnsupportedModelError` if one is missing."""
     return {phase: lookup(w.ggml_type, w.mode, phase).name for phase in PHASES}
@@ -219,7 +230,7 @@ def summary(type_name: str) -> str:
     return names["f32"] + (f", q8: {names['q8']}" if "q8" in names else "")
 
 
-def matmul(x: np.ndarray, w: Weight, out: np.ndarray | None = None) -> np.ndarray:
+def matmul(x: np.ndarray, w: PackedWeight, out: np.ndarray | None = None) -> np.ndarray:
     """``y = x @ W.T`` by the kernel registered for ``w``'s type, activation mode and the phase
     (``decode`` up to :data:`GEMV_MAX_SEQ` rows, else ``prefill``); float32 accumulation.
 
