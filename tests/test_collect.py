@@ -103,7 +103,7 @@ def dying_write_shard(model, job):
 
 def _collection(corpus, path, out: Path, workers: int, ray=None) -> tuple[C.Collection, np.ndarray]:
     from llamatrace.corpus.chunks import read_header
-    from llamatrace.corpus.runner import ModelSpec
+    from llamatrace.corpus.worker import ModelSpec
     from llamatrace.gguf.fetch import sha256_file
     tokenizer, config = read_header(path)
     hooks = C.resolve_hooks(["blocks.0.attn.hook_v", "blocks.1.ln1.hook_scale"], config)

@@ -11,7 +11,8 @@ import pytest
 
 from llamatrace.corpus import perplexity as corpus
 from llamatrace.corpus.chunks import make_chunks, read_corpus
-from llamatrace.corpus.runner import ModelSpec, run_chunks
+from llamatrace.corpus.runner import run_chunks
+from llamatrace.corpus.worker import ModelSpec
 
 CORPUS = Path(__file__).parent / "golden" / "corpus.txt"
 DIE_ON = 1                                  # the chunk whose first worker exits
@@ -129,7 +130,7 @@ def kernel_threads(model, payload):
 
 @pytest.mark.parametrize("where", ["workers", "ray"])
 def test_an_unexpected_worker_error_names_its_cause_and_keeps_its_traceback(tiny_model_path, where, request):
-    from llamatrace.corpus.runner import RemoteTraceback
+    from llamatrace.corpus.worker import RemoteTraceback
     from llamatrace.errors import PeerError
     ray = None
     if where == "ray":

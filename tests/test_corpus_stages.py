@@ -14,7 +14,7 @@ from llamatrace.analysis.difference import relative_error_rows
 from llamatrace.cli import main
 from llamatrace.corpus.chunks import make_chunks, read_corpus
 from llamatrace.corpus.perplexity import ChunkJob, kl_divergence_stages
-from llamatrace.corpus.runner import ModelSpec
+from llamatrace.corpus.worker import ModelSpec
 from llamatrace.corpus.stage_errors import TOKEN_STAGES, PairSpec, capture, score_pair
 
 CORPUS = Path(__file__).parent / "golden" / "corpus.txt"

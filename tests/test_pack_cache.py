@@ -323,7 +323,7 @@ def test_a_loader_neither_reads_nor_writes_an_entry_another_process_is_writing(p
 
 def _load_together(path: str, barrier, results) -> None:
     """A worker's load (the corpus runner's ModelSpec.load), started with the others'."""
-    from llamatrace.corpus.runner import ModelSpec
+    from llamatrace.corpus.worker import ModelSpec
     barrier.wait()
     model = ModelSpec(path, "q8").load()
     results.put((model.pack_cache.read, model.pack_cache.written, logits(model)))

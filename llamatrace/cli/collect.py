@@ -67,7 +67,7 @@ def collect(
     """
     from llamatrace.corpus.chunks import read_header
     from llamatrace.corpus.collect import DTYPES, Collection, execute, prepare, resolve_hooks
-    from llamatrace.corpus.runner import ModelSpec, threads_per_worker
+    from llamatrace.corpus.worker import ModelSpec, threads_per_worker
     from llamatrace.corpus.sequences import Packing
     from llamatrace.gguf.fetch import sha256_file
 

@@ -58,7 +58,7 @@ def imatrix(
       llama-quantize --imatrix imatrix.gguf base-F16.gguf Q4_K_M.gguf Q4_K_M
     """
     from llamatrace.corpus.chunks import read_corpus
-    from llamatrace.corpus.runner import ModelSpec, threads_per_worker
+    from llamatrace.corpus.worker import ModelSpec, threads_per_worker
     from llamatrace.outputs import check_output_path
     from llamatrace.quantize.imatrix.compute import ImatrixRun, calibration_text, compute, prepare
     from llamatrace.quantize.imatrix.files import write_imatrix

@@ -69,7 +69,7 @@ def perplexity(
     """
     from llamatrace.corpus.chunks import read_corpus
     from llamatrace.corpus.perplexity_run import CorpusRun, execute
-    from llamatrace.corpus.runner import ModelSpec, threads_per_worker
+    from llamatrace.corpus.worker import ModelSpec, threads_per_worker
     from llamatrace.outputs import check_output_path
 
     if activations is not None:

@@ -371,7 +371,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
     writer, verify, report."""
     from llamatrace.cli.options import load_model
     from llamatrace.corpus.chunks import read_corpus
-    from llamatrace.corpus.runner import threads_per_worker
+    from llamatrace.corpus.worker import threads_per_worker
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.kernels.quantizers.rows import quantize_rows
     from llamatrace.model.config import ModelConfig

@@ -36,7 +36,8 @@ import numpy as np
 
 from llamatrace import __version__
 from llamatrace.corpus import faults
-from llamatrace.corpus.runner import ModelSpec, run_chunks
+from llamatrace.corpus.runner import run_chunks
+from llamatrace.corpus.worker import ModelSpec
 from llamatrace.corpus.sequences import Packing, sequences
 from llamatrace.errors import OptionError, OutputError
 from llamatrace.outputs import check_writable_dir, is_temp_name, replace_durably
@@ -431,7 +432,7 @@ def execute(c: Collection, tokens: np.ndarray, model=None, on_tokens: Callable[[
 
     Raises:
         LlamatraceError: a shard could not be made (a worker's error, a worker dying
-            :data:`~llamatrace.corpus.runner.MAX_TRIES` times, an unreachable Ray cluster).
+            :data:`~llamatrace.corpus.worker.MAX_TRIES` times, an unreachable Ray cluster).
     """
     spq = c.sequences_per_shard
     todo = list(range(len(c.shards), c.n_shards))

@@ -24,7 +24,8 @@ import numpy as np
 from llamatrace.corpus import basefile
 from llamatrace.corpus.chunks import Chunks, make_chunks
 from llamatrace.corpus.metrics import KLDStats, PerplexityStats, TokenKLD, compress_log_probs, token_kld, token_nll
-from llamatrace.corpus.runner import ModelSpec, run_chunks
+from llamatrace.corpus.runner import run_chunks
+from llamatrace.corpus.worker import ModelSpec
 from llamatrace.corpus.stage_errors import scored_logits
 from llamatrace.errors import OptionError
 

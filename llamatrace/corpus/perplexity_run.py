@@ -18,8 +18,8 @@ from llamatrace.corpus import basefile
 from llamatrace.corpus import perplexity as corpus
 from llamatrace.corpus.chunks import Chunks, make_chunks
 from llamatrace.corpus.metrics import KLDStats, PerplexityStats
-from llamatrace.corpus.runner import ModelSpec
 from llamatrace.corpus.stage_errors import PairSpec, StageErrors, check_same_shape
+from llamatrace.corpus.worker import ModelSpec
 from llamatrace.errors import OptionError
 
 # progress(name, n_chunks, main) -> a context giving on_chunk(i, running PPL); main: the model's run

@@ -3,7 +3,7 @@
 Imported only for ``--ray`` (Ray is the optional extra ``llamatrace[ray]``). Chunks are handed out
 in order to ``workers`` actors (``SPREAD`` over the nodes), the results reach the caller in chunk
 order; an actor that dies costs a retry of its chunk on a new actor,
-:data:`~llamatrace.corpus.runner.MAX_TRIES` deaths on one chunk fail the run. Each actor reserves
+:data:`~llamatrace.corpus.worker.MAX_TRIES` deaths on one chunk fail the run. Each actor reserves
 ``spec.threads`` CPUs (1 if not given) and runs as many kernel threads as it was given: the
 driver's core count says nothing about the nodes. Every node must find the model at
 ``spec.path`` (docs/perplexity.md); an actor that cannot load it, or fails otherwise, stops the
@@ -20,13 +20,13 @@ from collections import deque
 from typing import Any, Callable
 
 from llamatrace.corpus import faults
-from llamatrace.corpus.runner import MAX_TRIES, ModelSpec, RemoteTraceback, Work, failure
+from llamatrace.corpus.worker import MAX_TRIES, ModelSpec, RemoteTraceback, Work, failure
 from llamatrace.errors import OptionError, PeerError
 
 
 class ChunkActor:
     """One Ray actor: :meth:`start` loads the model once, :meth:`run` does one chunk. Both return
-    ``("error", error, traceback)`` (:func:`~llamatrace.corpus.runner.failure`) rather than raise,
+    ``("error", error, traceback)`` (:func:`~llamatrace.corpus.worker.failure`) rather than raise,
     so the driver gets our own error and its traceback whatever Ray does with exceptions."""
 
     def __init__(self, spec: ModelSpec, work: Work, fault_env: dict[str, str]) -> None:

@@ -5,8 +5,9 @@ shared) and then takes chunks one at a time; chunks are handed out in order and 
 reach the caller in chunk order, so a run gives the same numbers with any number of workers.
 A worker that dies (killed, out of memory) costs a retry of the chunk it held, on a fresh
 worker — whether its death shows as the end of its process or as a send that fails; a chunk
-whose worker dies :data:`MAX_TRIES` times fails the run. Processes are started with ``spawn``:
-a forked copy of a process whose Numba/OpenMP threads are running can hang. The named points of
+whose worker dies :data:`~llamatrace.corpus.worker.MAX_TRIES` times fails the run. Processes
+are started with ``spawn``: a forked copy of a process whose Numba/OpenMP threads are running
+can hang. The named points of
 :mod:`llamatrace.corpus.faults` let the tests kill each party exactly where they mean to.
 
 Ctrl-C reaches every process of the terminal's group. A worker holds SIGINT until it has set up
@@ -20,49 +21,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import traceback
 from collections import deque
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from llamatrace.corpus import faults
-from llamatrace.errors import LlamatraceError, ModelNotFoundError, OptionError, PeerError
-from llamatrace.machine.runtime import catch_interrupts, check_interrupt, numba_threads, start_process
-
-MAX_TRIES = 3
-
-Work = Callable[[Any, Any], Any]      # work(model, payload) -> result; a module-level function
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What a worker needs to load its model: the GGUF path, ``activations``, kernel ``threads``."""
-
-    path: str
-    activations: str = "f32"
-    threads: int | None = None
-
-    def load(self):
-        """Load the model (:meth:`llamatrace.model.llama.Llama.load`), after fixing the thread count."""
-        from llamatrace.machine import threads as kernel_threads
-        from llamatrace.model.llama import Llama
-        if self.threads is not None:
-            kernel_threads.set_threads(self.threads)
-        if faults.at("load") == "missing":
-            raise ModelNotFoundError(f"model file not found: {self.path}")
-        return Llama.load(self.path, fetch=False, activations=self.activations)
-
-
-def threads_per_worker(workers: int, threads: int | None) -> int:
-    """Kernel threads of each worker: ``threads`` if given, else the threads Numba may run
-    (:func:`llamatrace.machine.runtime.numba_threads`: the CPUs this process may use, or fewer by
-    ``$NUMBA_NUM_THREADS``) split evenly.
-
-    Raises:
-        OptionError: a bad ``$NUMBA_NUM_THREADS``.
-    """
-    return threads if threads is not None else max(1, numba_threads() // max(workers, 1))
+from llamatrace.corpus.worker import MAX_TRIES, ModelSpec, RemoteTraceback, Work, failure
+from llamatrace.errors import OptionError, PeerError
+from llamatrace.machine.runtime import catch_interrupts, check_interrupt, start_process
 
 
 def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work: Work,
@@ -100,22 +66,6 @@ def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], wo
             on_result(i, work(model, payload(i)))
         return
     _Pool(spec, payload, work, min(workers, n_chunks)).run(n_chunks, on_result)
-
-
-class RemoteTraceback(Exception):
-    """The traceback, as text, of an exception raised in a worker process or a Ray actor; the
-    error reported is raised ``from`` it, so ``--debug`` shows where it happened."""
-
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-def failure(exc: BaseException, who: str) -> tuple[str, LlamatraceError, str]:
-    """What a worker sends back for ``exc``: ``("error", error, traceback text)``, the error our
-    own (already one line that says how to fix it) or a PeerError naming ``who`` and the cause."""
-    if not isinstance(exc, LlamatraceError):
-        exc = PeerError(f"{who} failed: {type(exc).__name__}: {exc} — please report it with --debug output")
-    return "error", exc, traceback.format_exc()
 
 
 def _worker_main(spec: ModelSpec, work: Work, conn) -> None:

@@ -741,7 +741,7 @@ def search(model, calibration_text: str, *, target_bpw: float | None = None, tar
         KeyboardInterrupt: the measurements made so far are in ``measurements``.
     """
     from llamatrace.corpus.chunks import make_chunks
-    from llamatrace.corpus.runner import ModelSpec
+    from llamatrace.corpus.worker import ModelSpec
     groups = make_groups(model.file, model.config.n_layers, candidates)
     budget = make_budget(model.file, groups, target_bpw, target_size)
     chunks = make_chunks(model.tokenizer, calibration_text, n_ctx, n_chunks, model.config.max_seq_len)

@@ -31,7 +31,8 @@ from typing import Callable
 import numpy as np
 
 from llamatrace.corpus.chunks import Chunks
-from llamatrace.corpus.runner import ModelSpec, run_chunks
+from llamatrace.corpus.runner import run_chunks
+from llamatrace.corpus.worker import ModelSpec
 from llamatrace.quantize.imatrix.files import Entries, ImatrixMeta
 
 # stage whose output is the input of these weights (GGUF names within a block); ffn_down's is the
