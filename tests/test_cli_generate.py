@@ -153,7 +153,7 @@ def test_info_lists_tensors(capsys, tiny_model_path):
     import numba
     assert f"threading layer {numba.threading_layer()!r}" in " ".join(out.split())
     from llamatrace.kernels.int8 import amx
-    from llamatrace.kernels.int8.act8_ir import has_vnni
+    from llamatrace.machine.jit import has_vnni
     line = next(line for line in out.splitlines() if line.startswith("q8 int8 products:"))
     assert ("VNNI" in line) == has_vnni() and line.endswith(f"; AMX prefill: {amx.describe(('Q8_0', 'F32'))}")
 

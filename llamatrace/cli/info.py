@@ -116,7 +116,7 @@ def _int8_path(type_names: tuple[str, ...]) -> str:
     the prefill of the file's Q4_0 / Q8_0 / Q4_K / Q6_K matrices runs on AMX tiles, and why
     (:func:`llamatrace.kernels.int8.amx.describe`: nothing is measured here)."""
     from llamatrace.kernels.int8 import amx
-    from llamatrace.kernels.int8.act8_ir import has_vnni
+    from llamatrace.machine.jit import has_vnni
 
     vector = "vpdpbusd (VNNI)" if has_vnni() else "vpmaddubsw + vpmaddwd (AVX2)"
     return f"{vector}; AMX prefill: {amx.describe(type_names)}"

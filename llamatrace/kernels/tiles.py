@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from llamatrace.machine.jit import JIT_INLINE
+from llamatrace.machine.jit import JIT_INLINE, has_vnni, target_features
 
 TR = 32
 """Rows per tile."""
@@ -201,3 +201,95 @@ def quant_f32(typingctx, lo, lo_shift, lo_mask, hi, hi_shift, hi_mask, hi_pos):
     return types.float32(lo, lo_shift, lo_mask, hi, hi_shift, hi_mask, hi_pos), codegen
 
 
+# --------------------------------------------------------------------------------------------
+# register-blocked microkernels in LLVM IR
+
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+
+
+def prefill_lanes() -> int:
+    """Rows of a weight tile one register holds in the prefill microkernels: 16 (zmm) on CPUs
+    with AVX-512 VNNI, else 8 (ymm)."""
+    return 16 if has_vnni() and {"avx512f", "avx512vnni", "avx512bw"} <= target_features() else 8
+
+
+class VectorTile:
+    """An LLVM IR builder for a register-blocked microkernel over a tile: ``lanes`` rows of the
+    tile in one float32 vector, the loop over blocks with its accumulators as phi nodes
+    (:meth:`block_loop`). The 8-bit prefill microkernels (:mod:`llamatrace.kernels.int8.act8_ir`)
+    add their byte dot products to it; the attention products (:mod:`llamatrace.kernels.ops.fp32`)
+    use it as it is."""
+
+    def __init__(self, builder, lanes: int) -> None:
+        self.b = builder
+        self.lanes = lanes
+        self.f32 = ir.FloatType()
+        self.vf = ir.VectorType(self.f32, lanes)
+        self.fma_fn = builder.module.declare_intrinsic(f"llvm.fma.v{lanes}f32", (),
+                                                       ir.FunctionType(self.vf, [self.vf] * 3))
+
+    def i64(self, v):
+        return self.b.sext(v, _I64) if v.type.width < 64 else v
+
+    @staticmethod
+    def c64(v):
+        return ir.Constant(_I64, v)
+
+    def splat(self, scalar, vtype):
+        b, n = self.b, vtype.count
+        v = b.insert_element(ir.Constant(vtype, None), scalar, ir.Constant(_I32, 0))
+        return b.shuffle_vector(v, ir.Constant(vtype, None), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+    def ptr(self, p, offset, etype):
+        return self.b.bitcast(self.b.gep(p, [offset]), etype.as_pointer())
+
+    def load(self, p, offset, etype, align=1):
+        return self.b.load(self.ptr(p, offset, etype), align=align)
+
+    def prefetch(self, on, p, offset, lines):
+        """If ``on``: ask for the cache ``lines`` (indices of 64 bytes) from ``p + offset`` into L2
+        (``prefetcht1``: L1's, ``prefetcht0``, streamed 3-6 % slower in the decode microkernels)."""
+        b, i8p = self.b, ir.IntType(8).as_pointer()
+        fn = b.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]))
+        with b.if_then(on, likely=True):
+            for line in lines:
+                ptr = b.gep(p, [b.add(offset, self.c64(64 * line))])
+                b.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+
+    def halves(self, p, offset):
+        """``lanes`` fp16 at ``p + offset`` widened to float32 (F16C)."""
+        return self.b.fpext(self.load(p, offset, ir.VectorType(ir.HalfType(), self.lanes), 2), self.vf)
+
+    def byte_floats(self, p, offset):
+        """``lanes`` unsigned bytes at ``p + offset`` as float32."""
+        return self.b.uitofp(self.load(p, offset, ir.VectorType(ir.IntType(8), self.lanes)), self.vf)
+
+    def fma(self, a, x, y):
+        return self.b.call(self.fma_fn, [a, x, y])
+
+    def block_loop(self, n_blocks, ns, body):
+        """``for blk in range(n_blocks)``: ``accs = body(blk, accs)`` for ``ns`` float vectors
+        starting at zero; returns their final values."""
+        b, zero = self.b, ir.Constant(self.vf, [0.0] * self.lanes)
+        entry = b.basic_block
+        loop = b.append_basic_block("blocks")
+        done = b.append_basic_block("done")
+        b.cbranch(b.icmp_signed(">", n_blocks, self.c64(0)), loop, done)
+        b.position_at_end(loop)
+        blk = b.phi(_I64)
+        accs = [b.phi(self.vf) for _ in range(ns)]
+        new = body(blk, accs)
+        nxt = b.add(blk, self.c64(1))
+        blk.add_incoming(self.c64(0), entry)
+        blk.add_incoming(nxt, b.basic_block)
+        for acc, n in zip(accs, new):
+            acc.add_incoming(zero, entry)
+            acc.add_incoming(n, b.basic_block)
+        last = b.basic_block
+        b.cbranch(b.icmp_signed("<", nxt, n_blocks), loop, done)
+        b.position_at_end(done)
+        outs = [b.phi(self.vf) for _ in range(ns)]
+        for out, n in zip(outs, new):
+            out.add_incoming(zero, entry)
+            out.add_incoming(n, last)
+        return outs

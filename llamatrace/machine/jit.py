@@ -24,6 +24,8 @@ All give the same float32 for every bit pattern (fp16 -> fp32 is exact).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -52,6 +54,15 @@ def target_features() -> set[str]:
     if config.CPU_FEATURES:
         return {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
     return {name for name, on in llvm_binding.get_host_cpu_features().items() if on}
+
+
+def has_vnni() -> bool:
+    """Whether the CPU Numba compiles for has ``vpdpbusd`` on 256-bit registers (AVX-512 VNNI + VL,
+    or AVX-VNNI), unless ``LLAMATRACE_VNNI=0``."""
+    if os.environ.get("LLAMATRACE_VNNI", "1") == "0":
+        return False
+    features = target_features()
+    return {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features
 
 
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)

@@ -92,13 +92,15 @@ from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
 from llamatrace.kernels.int8.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4_0, decode_q4k, decode_q6k,
-                                             has_vnni, isum_q8, isum_u8_16, PREFILL_ROWS, prefill_lanes, prefill_q4, prefill_q4_0,
+                                             isum_q8, isum_u8_16, PREFILL_ROWS, prefill_q4, prefill_q4_0,
                                              prefill_q4_0_1row, prefill_q4_0_4rows, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
                                              prefill_q8, prefill_q8_1row, prefill_q8_4rows,
                                              prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
                                              prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
+from llamatrace.kernels.tiles import prefill_lanes
 from llamatrace.kernels.types.registry import TYPES
-from llamatrace.machine.jit import JIT_EXACT, JIT_EXACT_PARALLEL, JIT_INLINE, JIT_PARALLEL, f16, f16_np, f16_round, f32_from_bits
+from llamatrace.machine.jit import (JIT_EXACT, JIT_EXACT_PARALLEL, JIT_INLINE, JIT_PARALLEL, f16, f16_np, f16_round,
+                                    f32_from_bits, has_vnni)
 
 _T = gguf.GGMLQuantizationType
 

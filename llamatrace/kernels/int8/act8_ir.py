@@ -29,14 +29,13 @@ kernels that call these by the calling module's source: after a change here, cle
 
 from __future__ import annotations
 
-import os
-
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
-from llamatrace.machine.jit import target_features
+from llamatrace.kernels.tiles import prefill_lanes
+from llamatrace.machine.jit import has_vnni
 
 TR = tiles.TR
 QK_K = 256
@@ -47,15 +46,6 @@ QK_K_BYTES = QK_K * TR  # a Q6_K block unpacked to one byte per weight, before i
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _V32I8, _V16I16, _V8I32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
 _V8I8 = ir.VectorType(ir.IntType(8), 8)
-
-
-def has_vnni() -> bool:
-    """Whether the CPU Numba compiles for has ``vpdpbusd`` on 256-bit registers (AVX-512 VNNI + VL,
-    or AVX-VNNI), unless ``LLAMATRACE_VNNI=0``."""
-    if os.environ.get("LLAMATRACE_VNNI", "1") == "0":
-        return False
-    features = target_features()
-    return {"avx512vnni", "avx512vl"} <= features or "avxvnni" in features
 
 
 def _avx2_intrinsics(module):
@@ -306,73 +296,28 @@ isum_u8_16 = _isum_intrinsic("u8_16", """isum int32[TR]: a Q6_K tile block unpac
 # tile, the float32 sums in registers from the first block to the last (act8's _prefill drives them)
 
 
-def prefill_lanes() -> int:
-    """Rows of a weight tile one register holds in the prefill microkernels: 16 (zmm) on CPUs
-    with AVX-512 VNNI, else 8 (ymm)."""
-    return 16 if has_vnni() and {"avx512f", "avx512vnni", "avx512bw"} <= target_features() else 8
-
-
-class _Tile:
-    """What the prefill microkernels' IR needs: ``lanes`` rows of a tile per vector, the
-    activation rows' loop over every block with ``ns`` float accumulators as phi nodes."""
+class _Tile(tiles.VectorTile):
+    """:class:`~llamatrace.kernels.tiles.VectorTile` with the byte dot products of the 8-bit
+    prefill microkernels (``vpdpbusd`` / ``vpdpwssd`` on VNNI, else AVX2's ``pmaddubsw`` and
+    ``pmaddwd``)."""
 
     def __init__(self, builder, lanes: int) -> None:
-        b = self.b = builder
-        self.lanes = lanes
-        self.f32 = ir.FloatType()
+        super().__init__(builder, lanes)
+        module = builder.module
         self.vi8 = ir.VectorType(ir.IntType(8), 4 * lanes)
-        self.vi32, self.vf = ir.VectorType(_I32, lanes), ir.VectorType(self.f32, lanes)
-        module = b.module
+        self.vi32 = ir.VectorType(_I32, lanes)
         self.vnni = has_vnni()
         if self.vnni:
             self.dpbusd = module.declare_intrinsic(f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", (),
                                                    ir.FunctionType(self.vi32, [self.vi32] * 3))
-        else:
-            self.maddubs, self.maddwd, self.sign = _avx2_intrinsics(module)
-        if self.vnni:
             self.dpwssd_fn = module.declare_intrinsic(f"llvm.x86.avx512.vpdpwssd.{32 * lanes}", (),
                                                       ir.FunctionType(self.vi32, [self.vi32] * 3))
-        self.fma_fn = module.declare_intrinsic(f"llvm.fma.v{lanes}f32", (), ir.FunctionType(self.vf, [self.vf] * 3))
-
-    def i64(self, v):
-        return self.b.sext(v, _I64) if v.type.width < 64 else v
-
-    @staticmethod
-    def c64(v):
-        return ir.Constant(_I64, v)
-
-    def splat(self, scalar, vtype):
-        b, n = self.b, vtype.count
-        v = b.insert_element(ir.Constant(vtype, None), scalar, ir.Constant(_I32, 0))
-        return b.shuffle_vector(v, ir.Constant(vtype, None), ir.Constant(ir.VectorType(_I32, n), [0] * n))
-
-    def ptr(self, p, offset, etype):
-        return self.b.bitcast(self.b.gep(p, [offset]), etype.as_pointer())
-
-    def load(self, p, offset, etype, align=1):
-        return self.b.load(self.ptr(p, offset, etype), align=align)
-
-    def prefetch(self, on, p, offset, lines):
-        """If ``on``: ask for the cache ``lines`` (indices of 64 bytes) from ``p + offset`` into L2
-        (``prefetcht1``: L1's, ``prefetcht0``, streamed 3-6 % slower in the decode microkernels)."""
-        b, i8p = self.b, ir.IntType(8).as_pointer()
-        fn = b.module.declare_intrinsic("llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]))
-        with b.if_then(on, likely=True):
-            for line in lines:
-                ptr = b.gep(p, [b.add(offset, self.c64(64 * line))])
-                b.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        else:
+            self.maddubs, self.maddwd, self.sign = _avx2_intrinsics(module)
 
     def bytes4(self, xq, offset):
         """The 4 bytes at ``xq + offset`` in every 32-bit lane."""
         return self.b.bitcast(self.splat(self.load(xq, offset, _I32), self.vi32), self.vi8)
-
-    def halves(self, p, offset):
-        """``lanes`` fp16 at ``p + offset`` widened to float32 (F16C)."""
-        return self.b.fpext(self.load(p, offset, ir.VectorType(ir.HalfType(), self.lanes), 2), self.vf)
-
-    def byte_floats(self, p, offset):
-        """``lanes`` unsigned bytes at ``p + offset`` as float32."""
-        return self.b.uitofp(self.load(p, offset, ir.VectorType(ir.IntType(8), self.lanes)), self.vf)
 
     def isum(self, pairs, wide: bool = False, init=None):
         """int32 lanes: ``init`` (int32 lanes, ``None`` = 0) plus the sum over ``pairs`` of
@@ -402,9 +347,6 @@ class _Tile:
         in every lane: the start of its ``vpdpbusd`` chain (a broadcast from memory)."""
         return self.splat(self.b.load(self.b.gep(self.b.bitcast(xs, _I32.as_pointer()), [at]), align=4), self.vi32)
 
-    def fma(self, a, x, y):
-        return self.b.call(self.fma_fn, [a, x, y])
-
     def dpwssd(self, acc, u, v):
         """``acc`` (int32 lanes, ``None`` = 0) plus, per lane, the sum of the products of the two
         int16 halves of ``u`` and ``v`` (VNNI ``vpdpwssd``; else ``pmaddwd`` and an add)."""
@@ -413,33 +355,6 @@ class _Tile:
         if self.vnni:
             return b.call(self.dpwssd_fn, [acc, u, v])
         return b.add(acc, b.call(self.maddwd, [b.bitcast(u, _V16I16), b.bitcast(v, _V16I16)]))
-
-    def block_loop(self, n_blocks, ns, body):
-        """``for blk in range(n_blocks)``: ``accs = body(blk, accs)`` for ``ns`` float vectors
-        starting at zero; returns their final values."""
-        b, zero = self.b, ir.Constant(self.vf, [0.0] * self.lanes)
-        entry = b.basic_block
-        loop = b.append_basic_block("blocks")
-        done = b.append_basic_block("done")
-        b.cbranch(b.icmp_signed(">", n_blocks, self.c64(0)), loop, done)
-        b.position_at_end(loop)
-        blk = b.phi(_I64)
-        accs = [b.phi(self.vf) for _ in range(ns)]
-        new = body(blk, accs)
-        nxt = b.add(blk, self.c64(1))
-        blk.add_incoming(self.c64(0), entry)
-        blk.add_incoming(nxt, b.basic_block)
-        for acc, n in zip(accs, new):
-            acc.add_incoming(zero, entry)
-            acc.add_incoming(n, b.basic_block)
-        last = b.basic_block
-        b.cbranch(b.icmp_signed("<", nxt, n_blocks), loop, done)
-        b.position_at_end(done)
-        outs = [b.phi(self.vf) for _ in range(ns)]
-        for out, n in zip(outs, new):
-            out.add_incoming(zero, entry)
-            out.add_incoming(n, last)
-        return outs
 
 
 class _Asm:

@@ -17,7 +17,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.int8.act8_ir import _Tile, prefill_lanes
+from llamatrace.kernels.tiles import VectorTile, prefill_lanes
 from llamatrace.machine.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
 
 # No fastmath here (jit.JIT_EXACT): its nnan/ninf flags would break the -inf of the causal mask.
@@ -555,7 +555,7 @@ def _scores_keys(xq, keys, out, t0, t1, first_pos, window):
 
 # ---------------------------------------------------------------------------------------------
 # A prefill's products (seq_len > 1), register-blocked as the weight matmuls' prefill microkernels
-# (act8_ir's _Tile): _gemm_block runs _GEMM_ROWS rows of A against _GEMM_COLS registers of columns
+# (tiles.VectorTile): _gemm_block runs _GEMM_ROWS rows of A against _GEMM_COLS registers of columns
 # of B, the sums in registers, each a chain of FMAs over a run of _CHAIN terms. An entry's bits
 # are those of its runs whatever block it falls in, so every variant (serial, parallel, the scores
 # of every key or of the keys a row sees) agrees bit for bit. q·k: 6 rows (a KV head's query
@@ -626,7 +626,7 @@ def _gemm_intrinsic(checked: bool, doc: str):
             flat = list(args)
             for i in (0, 1, 3, 7, 8):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            _gemm_ir(_Tile(builder, _LANES), checked, *flat)
+            _gemm_ir(VectorTile(builder, _LANES), checked, *flat)
             return context.get_dummy_value()
 
         return sig, codegen
