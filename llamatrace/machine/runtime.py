@@ -62,7 +62,7 @@ def configure_process() -> None:
     parallel kernel runs: Numba picks its threading layer then. Patches ``numba.config`` if Numba
     is already imported."""
     if not os.environ.get("NUMBA_CACHE_DIR"):
-        package = os.path.dirname(os.path.abspath(__file__))
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # llamatrace/
         if not os.access(package, os.W_OK):
             from llamatrace.gguf.fetch import cache_root
             os.environ["NUMBA_CACHE_DIR"] = os.path.join(cache_root(), "numba")
