@@ -13,26 +13,13 @@ import typer
 
 from llamatrace.errors import OptionError
 from llamatrace.cli.app import app, err, plural, stdout
-from llamatrace.cli.options import (
-    AblateOpt,
-    ActivationsOpt,
-    check_run_options,
-    default_prompt,
-    ModelOpt,
-    NoCacheOpt,
-    parse_layers,
-    prepare_run,
-    PromptFileOpt,
-    RawOpt,
-    SystemOpt,
-    ThreadsOpt,
-)
+from llamatrace.cli.options import RunOptions, check_run_options, parse_layers, run_options
 
 
 @app.command()
+@run_options(ablate=True)
 def attention(
-    prompt: Annotated[Optional[str], typer.Argument(
-        help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)] = None,
+    run: RunOptions,
     layer: Annotated[str, typer.Option("--layer", "-l", help="The layer to show (0-based; negative from the end: -1 the last, -2 the one before).")] = "0",
     head: Annotated[Optional[int], typer.Option(
         "--head", help="One query head (default: a grid of all heads, one row per KV head group).",
@@ -45,14 +32,6 @@ def attention(
         show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the matrices as one JSON object (masked "
                                                           "cells are null).")] = False,
-    ablate: AblateOpt = None,
-    model: ModelOpt = None,
-    raw: RawOpt = False,
-    system: SystemOpt = None,
-    prompt_file: PromptFileOpt = None,
-    threads: ThreadsOpt = None,
-    no_cache: NoCacheOpt = False,
-    activations: ActivationsOpt = "f32",
 ) -> None:
     """Draw one layer's attention: which keys each query token attends to, per head.
 
@@ -80,14 +59,13 @@ def attention(
     if head is not None and head < 0:
         raise OptionError(f"--head must be >= 0, got {head}")
     parse_layers(layer)
-    check_run_options(ablate=ablate)
+    check_run_options(ablate=run.ablate)
     if output is None and not json_out:
         output = Path("attention.png")
     if output is not None:
         check_format(output)
         check_output_path(output, "-o")
-    r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
-                    ablate=ablate, default=default_prompt())
+    r = run.prepare()
     m, ids, ablations = r.model, r.ids, r.ablations
     c = m.config
     layers = parse_layers(layer, c.n_layers)

@@ -14,25 +14,13 @@ import typer
 from llamatrace.errors import OptionError
 from llamatrace.outputs import check_output_path, write_atomic
 from llamatrace.cli.app import app, err, status_spinner
-from llamatrace.cli.options import (
-    ActivationsOpt,
-    check_run_options,
-    default_prompt,
-    ModelOpt,
-    NoCacheOpt,
-    parse_layers,
-    prepare_run,
-    PromptFileOpt,
-    RawOpt,
-    SystemOpt,
-    ThreadsOpt,
-)
+from llamatrace.cli.options import RunOptions, check_run_options, parse_layers, run_options
 
 
 @app.command()
+@run_options(ablate=False)
 def diagram(
-    prompt: Annotated[Optional[str], typer.Argument(
-        help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)] = None,
+    run: RunOptions,
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Output file (default: ./flow.svg); the format comes from the extension: .svg, .png, .pdf "
         "(need Graphviz's `dot`), .dot (DOT source), or .html (an interactive page of the run, needs `dot`).",
@@ -54,16 +42,9 @@ def diagram(
         "(default 1).", show_default=False)] = None,
     timings: Annotated[bool, typer.Option(
         "--timings", metavar="", help="Colour op nodes by time spent (the output then differs run to run).")] = False,
-    model: ModelOpt = None,
-    raw: RawOpt = False,
-    system: SystemOpt = None,
-    prompt_file: PromptFileOpt = None,
     ctx_size: Annotated[Optional[int], typer.Option(
         "--ctx-size", "-c", help="KV cache capacity drawn on the cache node (default: prompt + 256 tokens, at "
         "most the model's context length).", show_default=False)] = None,
-    threads: ThreadsOpt = None,
-    no_cache: NoCacheOpt = False,
-    activations: ActivationsOpt = "f32",
 ) -> None:
     """Draw a flow diagram of one forward pass of a real run, every shape from the trace (or, with
     -o run.html, an interactive page of the whole run).
@@ -116,8 +97,7 @@ def diagram(
         raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
     check_run_options(ctx_size)
     dg.check_graphviz(fmt)
-    r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
-                    default=default_prompt())
+    r = run.prepare()
     m, text, ids, chat = r.model, r.text, r.ids, r.chat
     layers = parse_layers(layer, m.config.n_layers)
     layers = list(range(m.config.n_layers)) if layers is None else layers

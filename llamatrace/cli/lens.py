@@ -14,38 +14,17 @@ from rich.markup import escape
 
 from llamatrace.errors import OptionError
 from llamatrace.cli.app import app, err, stdout
-from llamatrace.cli.options import (
-    AblateOpt,
-    ActivationsOpt,
-    check_run_options,
-    default_prompt,
-    ModelOpt,
-    NoCacheOpt,
-    prepare_run,
-    PromptFileOpt,
-    RawOpt,
-    SystemOpt,
-    ThreadsOpt,
-    wide_out,
-)
+from llamatrace.cli.options import RunOptions, check_run_options, run_options, wide_out
 
 
 @app.command()
+@run_options(ablate=True)
 def lens(
-    prompt: Annotated[Optional[str], typer.Argument(
-        help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)] = None,
+    run: RunOptions,
     positions: Annotated[int, typer.Option("--positions", "-k", help="Show the last K positions of the prompt.")] = 6,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Also draw a heatmap to FILE: .png, .svg or .pdf.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
-    ablate: AblateOpt = None,
-    model: ModelOpt = None,
-    raw: RawOpt = False,
-    system: SystemOpt = None,
-    prompt_file: PromptFileOpt = None,
-    threads: ThreadsOpt = None,
-    no_cache: NoCacheOpt = False,
-    activations: ActivationsOpt = "f32",
 ) -> None:
     """The logit lens: the residual stream after the embeddings and after every layer, read
     through the final RMSNorm and the output projection.
@@ -67,15 +46,14 @@ def lens(
     """
     if positions < 1:
         raise OptionError(f"--positions must be >= 1, got {positions}")
-    check_run_options(ablate=ablate)
+    check_run_options(ablate=run.ablate)
     if output is not None:
         from llamatrace.outputs import check_output_path
         from llamatrace.views.plots import check_format
 
         check_format(output)
         check_output_path(output, "-o")
-    r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
-                    ablate=ablate, default=default_prompt())
+    r = run.prepare()
     m, ids, ablations = r.model, r.ids, r.ablations
 
     from llamatrace.analysis.look import logit_lens

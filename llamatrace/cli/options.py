@@ -516,3 +516,65 @@ def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None
     m = load_model(path, threads, activations)
     load_s = time.perf_counter() - t0
     return Run(m, text, prompt_ids_for(m, text, raw, system), ablations, load_s, raw)
+
+
+PromptArg = Annotated[Optional[str], typer.Argument(
+    help="The prompt text (default: the short sample in samples/prompt.txt).", show_default=False)]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The prompt and the options of a run on the model, as :func:`run_options` hands them to a
+    command; :meth:`prepare` makes the :class:`Run`."""
+
+    prompt: str | None
+    prompt_file: Path | None
+    model: Path | None
+    threads: int | None
+    activations: str
+    raw: bool
+    system: str | None
+    ablate: list[str] | None = None
+
+    def prepare(self) -> Run:
+        """:func:`prepare_run` with these options and the default prompt."""
+        return prepare_run(self.prompt, self.prompt_file, self.model, threads=self.threads,
+                           activations=self.activations, raw=self.raw, system=self.system,
+                           ablate=self.ablate, default=default_prompt())
+
+
+def run_options(*, ablate: bool) -> Callable[[Callable], Callable]:
+    """Decorator of a command that runs the model on a prompt: declares the prompt argument (first)
+    and ``--ablate`` (if ``ablate``), ``--model``, ``--raw``, ``--system``, ``--prompt-file``,
+    ``--threads``, ``--no-cache``, ``--activations`` (after the command's own options), and calls
+    the command with them bundled as its first parameter, ``run: RunOptions``."""
+    import functools
+    import inspect
+    import typing
+
+    def param(name, annotation, default, kind=inspect.Parameter.KEYWORD_ONLY):
+        return inspect.Parameter(name, kind, default=default, annotation=annotation)
+
+    shared = ([param("ablate", AblateOpt, None)] if ablate else []) + [
+        param("model", ModelOpt, None), param("raw", RawOpt, False), param("system", SystemOpt, None),
+        param("prompt_file", PromptFileOpt, None), param("threads", ThreadsOpt, None),
+        param("no_cache", NoCacheOpt, False), param("activations", ActivationsOpt, "f32")]
+
+    def wrap(command: Callable) -> Callable:
+        hints = typing.get_type_hints(command, include_extras=True)
+        own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
+               for p in list(inspect.signature(command).parameters.values())[1:]]
+        params = [param("prompt", PromptArg, None), *own, *shared]
+        names = {f.name for f in RunOptions.__dataclass_fields__.values()}
+
+        @functools.wraps(command)
+        def with_options(**kwargs):
+            kwargs.pop("no_cache")                # it acted through its callback (the environment)
+            run = RunOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+            return command(run, **kwargs)
+
+        with_options.__signature__ = inspect.Signature(params, return_annotation=None)
+        with_options.__annotations__ = {p.name: p.annotation for p in params}
+        return with_options
+
+    return wrap
