@@ -86,7 +86,7 @@ def test_ctrl_c_during_generate_keeps_the_text_and_exits_130(tmp_path):
     model = write_tiny_llama(tmp_path / "long.gguf", context_length=100000)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from llamatrace.cli import run; run()", "generate", "--raw", "-n", "90000",
+        [sys.executable, "-c", "import sys; from llamatrace.__main__ import main; sys.exit(main())", "generate", "--raw", "-n", "90000",
          "-m", str(model), "the cat"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:

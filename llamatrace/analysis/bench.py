@@ -20,7 +20,6 @@ import contextlib
 import importlib.util
 import multiprocessing
 import os
-import platform
 import resource
 import signal
 import statistics
@@ -34,7 +33,7 @@ import numpy as np
 from llamatrace.analysis.busy import busy_loops
 from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_machine, read_bandwidth, read_buffer, token_cost
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
-from llamatrace.machine.runtime import start_process, usable_cpus
+from llamatrace.machine.runtime import cpu_model, start_process, usable_cpus
 from llamatrace.peers import LLAMACPP_BUILD, exit_reason
 
 ENGINES = ("llamatrace", "llama.cpp", "hf")
@@ -92,16 +91,6 @@ class BenchReport:
         return d
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 _HUGE_FIELDS = ("AnonHugePages:", "FilePmdMapped:", "ShmemPmdMapped:")

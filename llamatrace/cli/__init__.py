@@ -18,7 +18,6 @@ from llamatrace.cli.app import (  # noqa: E402
     EXIT_OK,
     app,
     main,
-    run,
 )
 
 # the import order is the order `llamatrace --help` lists the commands
@@ -37,4 +36,4 @@ from llamatrace.cli import collect  # noqa: E402,F401,I001  (isort: skip)
 from llamatrace.cli import quantize  # noqa: E402,F401,I001  (isort: skip)
 from llamatrace.cli import pull  # noqa: E402,F401,I001  (isort: skip)
 
-__all__ = ["app", "main", "run", "EXIT_OK", "EXIT_INTERNAL", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]
+__all__ = ["app", "main", "EXIT_OK", "EXIT_INTERNAL", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED"]

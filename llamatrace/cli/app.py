@@ -368,10 +368,3 @@ def _report(exc: BaseException, line: str, code: int) -> None:
         traceback.print_exception(exc, file=sys.stderr)
     from rich.markup import escape
     err.print(f"[red]error:[/] {escape(line)}", soft_wrap=True)
-
-
-def run() -> None:
-    """Run ``llamatrace`` with ``sys.argv`` as the ``llamatrace`` command does
-    (:func:`llamatrace.__main__.main`: Ctrl-C handled), and exit with its code."""
-    from llamatrace.__main__ import main as command
-    sys.exit(command())

@@ -103,7 +103,7 @@ def info(
     out.print(table)
     import numba
 
-    from llamatrace.analysis.bench import cpu_model
+    from llamatrace.machine.runtime import cpu_model
     from llamatrace.machine.threads import threading_layer
     out.print(f"Runtime: {cpu_model()}, {numba.config.NUMBA_NUM_THREADS} threads, Numba threading layer "
               f"{threading_layer()!r} (what a parallel region costs on each: docs/performance.md, Threads)",

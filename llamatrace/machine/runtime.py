@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import signal
 import sys
 
@@ -180,6 +181,18 @@ def start_process(process) -> None:
 
 
 # ---- CPUs and threads -------------------------------------------------------------------------
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity (``taskset``, a container's cpuset) where the OS
     says (Linux), else :func:`os.cpu_count`; at least 1. Numba sizes its thread pool the same way."""

@@ -919,7 +919,7 @@ def cpu_key() -> dict[str, str]:
     fingerprint of the kernels' sources (this module and the VNNI kernels it is timed against):
     a change to any of them measures again."""
     import llamatrace
-    from llamatrace.analysis.bench import cpu_model
+    from llamatrace.machine.runtime import cpu_model
     here = Path(__file__).parent
     sources = hashlib.sha256()
     for name in ("amx.py", "tiles.py", "act8.py", "act8_ir.py", "jit.py"):
