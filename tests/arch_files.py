@@ -154,6 +154,20 @@ def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32
     return Path(path)
 
 
+def relative(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Per position: ‖ours − ref‖ / ‖ref‖ over the vocabulary."""
+    return np.linalg.norm(ours - ref, axis=1) / np.linalg.norm(ref, axis=1)
+
+
+def run_positions(model, ids: np.ndarray, prefill: int) -> np.ndarray:
+    """float32 [len(ids), vocab]: ``model`` (a :class:`llamatrace.model.llama.Llama`) on ``prefill``
+    tokens in one call, then one token a call."""
+    cache = model.new_cache(len(ids))
+    rows = [model.forward(ids[:prefill], 0, cache, all_logits=True)]
+    rows += [model.forward(ids[i:i + 1], i, cache) for i in range(prefill, len(ids))]
+    return np.concatenate(rows)
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arch_files import CONTEXT, ROPE_VARIANTS, write_arch_file
+from arch_files import CONTEXT, ROPE_VARIANTS, relative, run_positions, write_arch_file
 from cli_helpers import assert_one_line_error, run
 
 from llamatrace.errors import ModelFormatError, UnsupportedModelError
@@ -202,18 +202,6 @@ def paths(tmp_path_factory):
                                                   rope={k: v for k, v in rope.items() if not k.startswith("scaling.")})
     return out
 
-
-def relative(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """Per position: ‖ours − ref‖ / ‖ref‖ over the vocabulary."""
-    return np.linalg.norm(ours - ref, axis=1) / np.linalg.norm(ref, axis=1)
-
-
-def run_positions(model: Llama, ids: np.ndarray, prefill: int) -> np.ndarray:
-    """float32 [len(ids), vocab]: ``prefill`` tokens in one call, then one token a call."""
-    cache = model.new_cache(len(ids))
-    rows = [model.forward(ids[:prefill], 0, cache, all_logits=True)]
-    rows += [model.forward(ids[i:i + 1], i, cache) for i in range(prefill, len(ids))]
-    return np.concatenate(rows)
 
 
 @pytest.mark.parametrize("name", ROPE_VARIANTS)

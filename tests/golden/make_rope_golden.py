@@ -30,7 +30,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))                        # this checkout's llamatrace (peers need no numba)
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).parent))     # make_arch_golden beside it
 from arch_files import ROPE_VARIANTS, write_arch_file  # noqa: E402
+from make_arch_golden import llamacpp_logits  # noqa: E402
 from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
 
 N = 40                                  # tokens: past the YaRN files' 32-token original context
@@ -41,15 +43,6 @@ def token_ids(vocab_size: int) -> np.ndarray:
     """The fixed sequence: N ids drawn once (seed 47) from the vocabulary, control tokens excluded."""
     return np.random.default_rng(47).integers(3, vocab_size, size=N).astype(np.int32)
 
-
-def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
-    engine = LlamaCpp(str(path), n_ctx=64, threads=2, capture=True)
-    try:
-        rows = [engine.eval([int(t) for t in ids[:prefill]])]
-        rows += [engine.eval([int(t)]) for t in ids[prefill:]]
-        return np.concatenate(rows).astype(np.float32)
-    finally:
-        engine.close()
 
 
 def main() -> None:
