@@ -91,6 +91,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 import types as pytypes
 from dataclasses import dataclass
@@ -919,11 +920,13 @@ def cpu_key() -> dict[str, str]:
     fingerprint of the kernels' sources (this module and the VNNI kernels it is timed against):
     a change to any of them measures again."""
     import llamatrace
+    from llamatrace.kernels import tiles
+    from llamatrace.kernels.int8 import act8, act8_ir
+    from llamatrace.machine import jit
     from llamatrace.machine.runtime import cpu_model
-    here = Path(__file__).parent
     sources = hashlib.sha256()
-    for name in ("amx.py", "tiles.py", "act8.py", "act8_ir.py", "jit.py"):
-        sources.update((here / name).read_bytes())
+    for module in (sys.modules[__name__], tiles, act8, act8_ir, jit):
+        sources.update(Path(module.__file__).read_bytes())
     return {"cpu": cpu_model(), "llvm_cpu": llvm_binding.get_host_cpu_name(), "llamatrace": llamatrace.__version__,
             "numba": numba.__version__, "kernels": sources.hexdigest()[:16]}
 
