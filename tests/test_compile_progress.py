@@ -70,3 +70,11 @@ def test_the_warmup_status_says_how_many_kernels_were_compiled(monkeypatch, tiny
     options.load_model(tiny_model_path, None, "f32")
     doing = "Compiling kernels (first run only, 1-3 min; cached afterwards)"
     assert [s.texts for s in statuses] == [[f"{doing} …", f"{doing}: 1 compiled …", f"{doing}: 2 compiled …"]]
+
+
+def test_the_kernel_cache_is_warm_once_a_forward_pass_has_run(tiny_model):
+    """What decides the 'compiling' status line finds fp32's cached kernels where Numba writes
+    them (beside ``kernels/ops/fp32.py``, or under ``$NUMBA_CACHE_DIR``) once they have run."""
+    import numpy as np
+    tiny_model.forward(np.array([1, 2, 3]), 0, tiny_model.new_cache(8))
+    assert not options.numba_cache_is_cold()

@@ -422,3 +422,15 @@ def test_a_longrope_file_is_refused_before_anything_is_cached(longrope, packed, 
     assert_one_line_error(*run(capsys, "generate", "--raw", "-n", "1", "-m", path, "hi"), "LongRoPE")
     cache = packed.parent
     assert not cache.exists() or [p for p in cache.rglob("*") if p.is_file()] == []
+
+
+def test_the_fingerprint_covers_every_kernel_room():
+    """A change to any kernel module, in whichever room of ``kernels/`` it stands, keys new entries:
+    the fingerprint reads them all (a flat ``glob`` missed ``types/packing.py`` once the rooms came)."""
+    from pathlib import Path
+
+    from llamatrace.kernels import tiles
+    from llamatrace.kernels.int8 import act8
+    from llamatrace.kernels.types import packing, q4
+    files = {p.resolve() for p in packcache._fingerprint_files()}
+    assert {Path(m.__file__).resolve() for m in (tiles, act8, packing, q4)} <= files

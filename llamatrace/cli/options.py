@@ -301,9 +301,12 @@ def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[in
 def numba_cache_is_cold() -> bool:
     """True when the forward pass's kernels (``kernels/ops/fp32.py``) are not cached yet: the first run
     compiles for 1-3 min (``python -m llamatrace.kernels.precompile`` caches only the matmuls)."""
+    import importlib.util
+
     import numba
-    root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(__file__).parents[1] / "kernels" / "__pycache__"
-    return not any(root.rglob("fp32.*.nbi")) if root.exists() else True
+    fp32 = Path(importlib.util.find_spec("llamatrace.kernels.ops.fp32").origin)
+    root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else fp32.parent / "__pycache__"
+    return not any(root.rglob(f"{fp32.stem}.*.nbi")) if root.exists() else True
 
 
 _LAYER_ITEM = re.compile(r"^(-?\d+)$|^(\d+)-(\d+)$")

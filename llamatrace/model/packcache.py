@@ -121,15 +121,19 @@ def cap_bytes() -> int:
     return int(gb * 1e9)
 
 
+def _fingerprint_files() -> list[Path]:
+    """The source files whose change can change the packed bytes: every module of
+    :mod:`llamatrace.kernels` (its rooms included), this one and :mod:`llamatrace.model.llama`."""
+    import llamatrace.kernels as kernels_pkg
+    return sorted(Path(kernels_pkg.__file__).parent.rglob("*.py")) + [Path(__file__), Path(__file__).with_name("llama.py")]
+
+
 @functools.cache
 def _code_fingerprint() -> str:
-    """SHA-256 of the source files whose change can change the packed bytes (module docstring)."""
-    import llamatrace.kernels as kernels_pkg
+    """SHA-256 of :func:`_fingerprint_files` and the CPU features the kernels are compiled for."""
     from llamatrace.machine.jit import target_features
     h = hashlib.sha256()
-    files = sorted(Path(kernels_pkg.__file__).parent.glob("*.py")) + [Path(__file__),
-                                                                      Path(__file__).with_name("llama.py")]
-    for p in files:
+    for p in _fingerprint_files():
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(" ".join(sorted(target_features())).encode())
     return h.hexdigest()
