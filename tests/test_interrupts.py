@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from llamatrace.corpus import runner
+from llamatrace.corpus import runner, worker
 from llamatrace.machine import runtime
 
 REPO = Path(__file__).resolve().parents[1]
@@ -206,10 +206,10 @@ def test_threads_per_worker_split_the_cpus_of_the_affinity(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
     assert runtime.usable_cpus() == 4
-    assert [runner.threads_per_worker(w, None) for w in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
-    assert runner.threads_per_worker(2, 3) == 3                    # --threads as given
+    assert [worker.threads_per_worker(w, None) for w in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    assert worker.threads_per_worker(2, 3) == 3                    # --threads as given
     monkeypatch.setenv("NUMBA_NUM_THREADS", "2")
-    assert runner.threads_per_worker(1, None) == 2
+    assert worker.threads_per_worker(1, None) == 2
 
 
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset")

@@ -69,6 +69,9 @@ EXCLUDED.update({
         "quantize by name on a cached stand-in, and makes that F16 base (quantize_files.make_f16_base)",
     "llamatrace quantize base-f16.gguf out.gguf --type Q4_K_M --tensor-type attn_v=q8_0 --tensor-type "
     "'blk\\.[0-3]\\.ffn_down=q6_k'": "needs an F16 base; tests/test_quantize.py runs --tensor-type on one",
+    "python benchmarks/make_8b.py --type Q4_0 --layers 4 -o /tmp/8b-l4.gguf":
+        "a benchmark of the caches' load cost on a 1.1 GB 8B-shaped file, two checkouts; run by hand",
+    "llamatrace/": "docs/architecture.md's folder list: a picture of the package, not a command",
     "python benchmarks/make_8b.py --type F16 --layers 4 -o /tmp/qf/llama8b-L4-f16.gguf":
         "a benchmark: a 3.85 GB file, minutes per run, llama-quantize; run by hand",
     "python3 -m pytest tests/test_amx.py -q        # runs the hardware kernel and probe too: nothing skipped when AMX is on":
