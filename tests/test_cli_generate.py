@@ -270,6 +270,54 @@ def test_help_into_a_closed_pipe_ends_quietly(args):
     assert "Traceback" not in err and "error" not in err
 
 
+class _PipeClosingAt:
+    """A stdout whose reader goes away at its ``fail_at``-th write: that write and every later one
+    raise BrokenPipeError (``fileno`` is a scratch file, for the redirect to /dev/null)."""
+
+    def __init__(self, fail_at: int, fd: int) -> None:
+        self.fail_at, self.writes, self.fd = fail_at, 0, fd
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        if self.writes >= self.fail_at:
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.writes >= self.fail_at:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def isatty(self) -> bool:
+        return False
+
+    encoding = "utf-8"
+
+
+@pytest.mark.parametrize("args", [["attention", "--help"], ["--help"]])
+def test_help_into_a_pipe_closed_at_any_write_ends_quietly(args, capsys, monkeypatch, tmp_path):
+    # `llamatrace attention --help | head -30`: head leaves after its lines, while the help is still
+    # being written, by rich in format_help or by click's echo after it (that one was an internal error)
+    count = _PipeClosingAt(10**9, 0)
+    monkeypatch.setattr(sys, "stdout", count)
+    assert main(list(args)) == 0
+    assert count.writes >= 1
+    for fail_at in range(1, count.writes + 1):
+        with open(tmp_path / f"out{fail_at}", "w") as scratch:
+            saved = os.dup(1)
+            try:
+                monkeypatch.setattr(sys, "stdout", _PipeClosingAt(fail_at, scratch.fileno()))
+                code = main(list(args))
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+        err = capsys.readouterr().err
+        assert code == 0, (fail_at, err)
+        assert "error" not in err and "Traceback" not in err, (fail_at, err)
+
+
 def test_prompt_bytes_without_a_token_are_one_warning_line_naming_them(capsys, smollm2_path, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_bytes(b"abc \x04\x06 def")           # SmolLM2 has no token for 0x04 or 0x06

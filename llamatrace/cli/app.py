@@ -310,8 +310,10 @@ def _run(argv: list[str] | None) -> int:
 
 def _run_app(argv: list[str]) -> int:
     try:
-        # with standalone_mode=False, click returns a typer.Exit's code instead of raising it
-        code = app(args=argv, standalone_mode=False)
+        # with standalone_mode=False, click returns a typer.Exit's code instead of raising it;
+        # stdout through _Stdout: click echoes --help to sys.stdout itself, after format_help
+        with contextlib.redirect_stdout(_Stdout(sys.stdout)):
+            code = app(args=argv, standalone_mode=False)
         if isinstance(code, int):
             if code == EXIT_INTERRUPTED and not _state["interrupt_reported"]:
                 err.print("interrupted")
