@@ -1,6 +1,7 @@
-"""Pictures of :mod:`llamatrace.analysis.look`'s data with matplotlib: attention heatmaps, the logit lens.
+"""Pictures of :mod:`llamatrace.analysis.look`'s data with matplotlib: attention heatmaps, the logit
+lens; and of :mod:`llamatrace.analysis.experts`' routes and expert loads.
 
-matplotlib is imported here only, by the ``attention`` and ``lens`` commands, so other commands
+matplotlib is imported here only, by the ``attention``, ``lens`` and ``experts`` commands, so other commands
 do not pay for it. Files are written atomically (:func:`llamatrace.outputs.write_atomic`); the
 format follows the extension (``.png``, ``.svg``, ``.pdf``).
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from llamatrace.errors import OptionError
+from llamatrace.analysis.experts import ExpertLoad, Route
 from llamatrace.analysis.look import AttentionMaps, Lens
 from llamatrace.outputs import write_atomic
 
@@ -196,3 +198,82 @@ def save_lens(lens: Lens, pieces: list[str], title: str, path: Path, option: str
         OptionError: a bad extension. OutputError: the file cannot be written.
     """
     _save(lens_figure(lens, pieces, title), path, option)
+
+
+def routes_figure(routes: list[Route], pieces: list[str], title: str):
+    """One panel per layer: tokens down, experts across, cell colour = the weight the token gives
+    the expert (white: not chosen). Returns the matplotlib figure."""
+    plt = _pyplot()
+    n_tokens, n_expert = len(routes[0].ids), routes[0].n_expert
+    n_cols = min(len(routes), 4)
+    n_rows = math.ceil(len(routes) / n_cols)
+    cell = min(0.25, max(0.04, 6.0 / max(n_expert, n_tokens, 1)))
+    panel_w, panel_h = max(2.4, n_expert * cell), max(1.0, n_tokens * cell)
+    fig, axes = plt.subplots(n_rows, n_cols, squeeze=False, layout="constrained",
+                             figsize=(n_cols * (panel_w + 1.0) + 1.2, n_rows * (panel_h + 0.7) + 1.0))
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")
+    labels = [token_label(p) for p in pieces]
+    image = None
+    for ax in axes.ravel()[len(routes):]:
+        ax.set_visible(False)
+    for i, (ax, route) in enumerate(zip(axes.ravel(), routes)):
+        grid = route.dense()
+        image = ax.imshow(np.ma.masked_equal(grid, 0.0), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
+                          interpolation="nearest")
+        ax.set_title(f"layer {route.layer}", fontsize=8)
+        xt = _ticks(n_expert, limit=32)
+        ax.set_xticks(xt)
+        ax.set_xticklabels([str(j) for j in xt], fontsize=6, rotation=90)
+        yt = _ticks(n_tokens)
+        ax.set_yticks(yt)
+        ax.set_yticklabels([labels[j] for j in yt] if i % n_cols == 0 else [], fontsize=6.5)
+        ax.tick_params(length=2, pad=1)
+    fig.suptitle(title, fontsize=10)
+    bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, pad=0.02)
+    bar.set_label(f"routing weight (top-{routes[0].ids.shape[1]} of {n_expert}); white = not chosen", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    fig.supxlabel("experts", fontsize=8)
+    fig.supylabel("tokens", fontsize=8)
+    return fig
+
+
+def save_routes(routes: list[Route], pieces: list[str], title: str, path: Path, option: str = "-o") -> None:
+    """Draw :func:`routes_figure` and write it atomically to ``path`` (format by extension).
+
+    Raises:
+        OptionError: a bad extension. OutputError: the file cannot be written.
+    """
+    _save(routes_figure(routes, pieces, title), path, option)
+
+
+def load_figure(load: ExpertLoad, title: str):
+    """Layers down, experts across: the share of each layer's tokens that chose the expert, and
+    each layer's load entropy beside it. Returns the matplotlib figure."""
+    plt = _pyplot()
+    share = load.counts / max(load.n_tokens, 1)
+    fig, (ax, side) = plt.subplots(1, 2, width_ratios=[5, 1], layout="constrained",
+                                   figsize=(2.5 + min(0.12 * load.n_expert, 14), 1.2 + 0.22 * load.n_layers))
+    image = ax.imshow(share, cmap="magma", vmin=0.0, aspect="auto", interpolation="nearest")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_yticks(_ticks(load.n_layers))
+    ax.set_title(title, fontsize=9)
+    bar = fig.colorbar(image, ax=ax, shrink=0.7, pad=0.02)
+    bar.set_label("share of tokens choosing the expert", fontsize=7)
+    entropy = load.entropy()
+    side.barh(range(load.n_layers), entropy, color="#4c72b0")
+    side.axvline(math.log2(load.n_expert), color="grey", linestyle="--", linewidth=0.8)
+    side.set_ylim(load.n_layers - 0.5, -0.5)
+    side.set_yticks([])
+    side.set_xlabel("load entropy (bits)", fontsize=7)
+    side.tick_params(labelsize=7)
+    return fig
+
+
+def save_load(load: ExpertLoad, title: str, path: Path, option: str = "-o") -> None:
+    """Draw :func:`load_figure` and write it atomically to ``path`` (format by extension).
+
+    Raises:
+        OptionError: a bad extension. OutputError: the file cannot be written.
+    """
+    _save(load_figure(load, title), path, option)
