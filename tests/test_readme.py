@@ -71,6 +71,10 @@ EXCLUDED.update({
     "'blk\\.[0-3]\\.ffn_down=q6_k'": "needs an F16 base; tests/test_quantize.py runs --tensor-type on one",
     "python benchmarks/make_8b.py --type Q4_0 --layers 4 -o /tmp/8b-l4.gguf":
         "a benchmark of the caches' load cost on a 1.1 GB 8B-shaped file, two checkouts; run by hand",
+    '$ llamatrace experts --raw "The capital of France is" -m tiny-qwen3moe.gguf --layer 0 -o routes.png':
+        "needs a mixture-of-experts file; tests/test_experts.py runs experts on the same random-weight qwen3moe file",
+    "$ llamatrace expert-load -f corpus.txt -m tiny-qwen3moe.gguf --ctx-size 64 --chunks 4 -o load.png":
+        "needs a mixture-of-experts file; tests/test_experts.py runs expert-load on the same random-weight qwen3moe file",
     "llamatrace/": "docs/architecture.md's folder list: a picture of the package, not a command",
     "python benchmarks/make_8b.py --type F16 --layers 4 -o /tmp/qf/llama8b-L4-f16.gguf":
         "a benchmark: a 3.85 GB file, minutes per run, llama-quantize; run by hand",
