@@ -125,6 +125,26 @@ def test_q8_mode_on_q8_0_experts_matches_llamacpp(name, llamacpp, tmp_path):
         assert (ours.argmax(1) == ref.argmax(1)).all()
 
 
+def test_an_exact_tie_is_broken_as_llamacpp_breaks_it(llamacpp, tmp_path):
+    """Router rows 2 and 5 equal, top-1: the two experts tie exactly for every token, and
+    llama.cpp's ggml_argsort_top_k (std::sort, an insertion sort for <= 16 experts) keeps expert 2."""
+    model = Llama.load(write_moe_file(tmp_path / "tie.gguf", "mixtral", kv={"expert_used_count": 1}, tie=(2, 5)))
+    ids = llamacpp["mixtral_ids"]
+    with model.trace(stages=["ffn_moe_probs", "ffn_moe_topk"], keep_arrays=True) as rec:
+        ours = run_positions(model, ids, len(ids))
+    probs = [e.array for e in rec.events if e.stage == "ffn_moe_probs"]
+    chosen = np.concatenate([e.array[:, 0] for e in rec.events if e.stage == "ffn_moe_topk"])
+    assert all((p[:, 2] == p[:, 5]).all() for p in probs)
+    assert (chosen == 2).sum() >= 8 and not (chosen == 5).any()         # the tie decides often
+    for run_kind, prefill in (("prefill", len(ids)), ("decode", PREFILL)):
+        ref = llamacpp[f"mixtral_tie_{run_kind}"]
+        got = ours if run_kind == "prefill" else run_positions(model, ids, prefill)
+        assert relative(got, ref).max() <= RTOL and (got.argmax(1) == ref.argmax(1)).all()
+    with model.hooks({"ffn_moe_topk": lambda a, ev: np.where(a == 2, 5, a).astype(a.dtype)}):
+        other_way = run_positions(model, ids, len(ids))
+    assert relative(other_way, llamacpp["mixtral_tie_prefill"]).max() > 0.05
+
+
 @pytest.mark.parametrize("name", ARCHS)
 def test_test_files_route_differently_per_token_with_clear_margins(name, models, llamacpp):
     """The files are fit for the fidelity tests: the k-th and (k+1)-th router probabilities are
