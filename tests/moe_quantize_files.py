@@ -135,7 +135,8 @@ def synthetic_imatrix(arch: str) -> dict[str, np.ndarray]:
     (``.weight`` of 2 or 3 dimensions but the token embedding and the router… as it collects: every
     ``mul_mat``/``mul_mat_id`` weight), per expert for the ``_exps`` tensors:
     ``0.25 + ((j·40503 + 977·k + 331·e) mod 1021) / 128`` for column j of expert e of the k-th tensor
-    in name order (exact in float32)."""
+    in name order (exact in float32); layer 1's last expert 1 (what llama-quantize makes of an expert
+    that saw no token)."""
     n_expert = N_EXPERT[arch]
     names = sorted((n, s) for n, s in _tensors(arch, n_expert)
                    if len(s) >= 2 and n.endswith(".weight") and n != "token_embd.weight"
@@ -145,5 +146,8 @@ def synthetic_imatrix(arch: str) -> dict[str, np.ndarray]:
         n_mat = shape[2] if len(shape) > 2 else 1
         j = np.arange(shape[0], dtype=np.int64)[None, :]
         e = np.arange(n_mat, dtype=np.int64)[:, None]
-        out[name] = (0.25 + ((j * 40503 + 977 * k + 331 * e) % 1021) / 128).astype(np.float32).reshape(-1)
+        values = (0.25 + ((j * 40503 + 977 * k + 331 * e) % 1021) / 128).astype(np.float32)
+        if n_mat > 1 and name.startswith("blk.1."):
+            values[-1] = 1.0            # an expert no token chose: llama-quantize's 1 for a count of 0
+        out[name] = values.reshape(-1)
     return out

@@ -371,8 +371,9 @@ def tensor_types(tensors: Mapping[str, tuple[T, Sequence[int]]], metadata: Mappi
         name → ggml type, ordered as llama.cpp writes the tensors (:func:`llama_order`).
 
     Raises:
-        OptionError: an unknown file type, a model the rules cannot place (no block count), or an
-            output/token embedding type whose blocks do not divide that tensor's rows.
+        OptionError: an unknown file type, a model the rules cannot place (no block count), an
+            output/token embedding type whose blocks do not divide that tensor's rows, or a tensor of
+            more than 3 dimensions to convert (llama.cpp reads ``ne[1] × ne[2]`` rows and would drop the rest).
     """
     ft = file_type(ftype) if isinstance(ftype, str) else ftype
     model = ModelShape.from_metadata(metadata)
@@ -405,6 +406,10 @@ def tensor_types(tensors: Mapping[str, tuple[T, Sequence[int]]], metadata: Mappi
             if written != t and on_fallback is not None:
                 on_fallback(name, t, written)
             t = written
+        if t != current and n_dims(shape) > 3:
+            raise OptionError(f"tensor {name!r} has {n_dims(shape)} dimensions {list(shape)}: llama-quantize converts "
+                              f"matrices and stacks of expert matrices (2 or 3 dimensions) only; keep its type with "
+                              f"--tensor-type '{re.escape(name)}={T(current).name.lower()}'")
         out[name] = t
     return out
 
