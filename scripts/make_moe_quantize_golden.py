@@ -12,7 +12,8 @@ dense goldens) to each variant of :data:`VARIANTS` — file types, ``--tensor-ty
 expert tensors, a per-expert importance matrix (``synthetic_imatrix``: ``[ne0 × n_expert]`` per
 ``_exps`` tensor, as llama-quantize passes a loaded one) and, for gpt-oss, ``MXFP4_MOE`` — and
 records the base's sha256, and per variant the tensors' names and types in llama.cpp's order, the
-sha256 of each tensor's data and of the whole file. No model file is committed.
+sha256 of each tensor's data and of the whole file; and gpt-oss's MXFP4_MOE file (its experts as
+published) requantized to Q4_K_M with ``allow_requantize``. No model file is committed.
 """
 
 from __future__ import annotations
@@ -66,7 +67,17 @@ def main() -> None:
                 entry["variants"][name] = {"type": ftype, "overrides": list(overrides), "imatrix": with_imatrix,
                                            **describe(dest)}
                 print(arch, name, entry["variants"][name]["file_sha256"], flush=True)
-                dest.unlink()
+                if name != "MXFP4_MOE":
+                    dest.unlink()
+            if arch == "gpt-oss":
+                # as gpt-oss is published (MXFP4 experts): requantized to Q4_K_M with --allow-requantize
+                published, dest = Path(tmp) / f"{arch}-MXFP4_MOE.gguf", Path(tmp) / f"{arch}-requant.gguf"
+                params = llama_cpp.llama_model_quantize_default_params()
+                params.ftype, params.nthread, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2, True
+                assert llama_cpp.llama_model_quantize(str(published).encode(), str(dest).encode(), params) == 0
+                entry["requantized_from_MXFP4_MOE"] = {"type": "Q4_K_M", **describe(dest)}
+            for leftover in Path(tmp).glob(f"{arch}*.gguf"):
+                leftover.unlink()
             out["archs"][arch] = entry
     GOLDEN.write_text(json.dumps(out, separators=(",", ":")) + "\n", encoding="utf-8")
 

@@ -160,3 +160,23 @@ def _sha16(t) -> str:
 
 
 GOLDEN_N_EXPERT = {"qwen3moe": 4, "mixtral": 8, "olmoe": 4, "gpt-oss": 4}
+
+
+def test_gpt_oss_as_published_requantizes_as_llama_cpp(bases, tmp_path):
+    """A gpt-oss file with MXFP4 experts (as published): refused without --allow-requantize, and with it
+    requantized to Q4_K_M (the experts dequantized from MXFP4 as ggml's ``dequantize_row_mxfp4``) as
+    llama.cpp does, sha256 for sha256."""
+    from llamatrace.errors import OptionError
+    published = tmp_path / "published.gguf"
+    with open_gguf(bases["gpt-oss"]) as f:
+        quantize_gguf(f, published, _types(f, GOLDEN["archs"]["gpt-oss"]["variants"]["MXFP4_MOE"]), file_type("MXFP4_MOE"))
+    entry = GOLDEN["archs"]["gpt-oss"]["requantized_from_MXFP4_MOE"]
+    out = tmp_path / "out.gguf"
+    with open_gguf(published) as f:
+        types = tensor_types({n: (t.tensor_type, [int(d) for d in t.shape]) for n, t in f.tensors.items()}, f.metadata,
+                             "Q4_K_M")
+        assert [[n, t.name] for n, t in types.items()] == [[n, t] for n, t, _ in entry["tensors"]]
+        with pytest.raises(OptionError, match="already quantized \\(MXFP4\\)"):
+            quantize_gguf(f, out, types, file_type("Q4_K_M"))
+        quantize_gguf(f, out, types, file_type("Q4_K_M"), allow_requantize=True)
+    assert sha256_file(out) == entry["file_sha256"]
