@@ -86,3 +86,16 @@ def test_search_measures_and_allocates_expert_groups(moe_base, tmp_path, mode):
         recipe = S.choose(groups, store, budget, store.base_kld, mode)
     assert recipe.total_bytes <= budget.limit
     assert {c.ggml_type for c in recipe.choices if c.group.n_expert} == {T.Q4_0, T.Q8_0}      # a real mix of experts
+
+
+def test_expert_group_quantized_with_a_per_expert_imatrix_as_the_writer(moe_base):
+    """An expert group's bytes with a per-expert importance (``[n_expert × n_per_row]``, as
+    ``column_importances`` gives it) are the writer's (each expert with its own slice, as llama-quantize)."""
+    from llamatrace.quantize.writer import convert_tensor
+    with Llama.load(moe_base) as model:
+        measurer = S.Measurer(model, _calibration(model, n_chunks=1), quantize_rows)
+        g = next(g for g in S.make_groups(model.file, model.config.n_layers, [T.Q4_0]) if g.name == "blk.1.ffn_down_exps")
+        imatrix = (1 + np.arange(g.n_expert * g.n_per_row) % 97).astype(np.float32)
+        ours = measurer.quantized(g, T.Q4_0, imatrix=imatrix)
+        assert ours.tobytes() == convert_tensor(model.file.tensor(g.tensor), T.Q4_0, imatrix).tobytes()
+        assert ours.tobytes() != measurer.quantized(g, T.Q4_0, imatrix=imatrix[:g.n_per_row]).tobytes()
