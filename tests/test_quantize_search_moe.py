@@ -99,3 +99,25 @@ def test_expert_group_quantized_with_a_per_expert_imatrix_as_the_writer(moe_base
         ours = measurer.quantized(g, T.Q4_0, imatrix=imatrix)
         assert ours.tobytes() == convert_tensor(model.file.tensor(g.tensor), T.Q4_0, imatrix).tobytes()
         assert ours.tobytes() != measurer.quantized(g, T.Q4_0, imatrix=imatrix[:g.n_per_row]).tobytes()
+
+
+def test_cli_recipe_of_a_moe(moe_base, tmp_path, capsys):
+    """``quantize --target-bpw -f`` on a MoE: the recipe names the expert groups, the file holds their
+    types, within the budget, and the plot has their columns."""
+    import json
+    from pathlib import Path
+
+    from cli_helpers import run
+    corpus = Path(__file__).parent / "golden" / "corpus.txt"
+    out = tmp_path / "out.gguf"
+    code, stdout, err = run(capsys, "quantize", moe_base, out, "--target-bpw", "6.5", "-f", corpus, "--ctx-size", 32,
+                            "--chunks", 2, "--candidates", "Q4_0,Q8_0", "--json", "-o", tmp_path / "recipe.png")
+    assert code == 0, err
+    recipe = json.loads(stdout)["recipe"]
+    chosen = {g["group"] + ".weight": g["type"] for g in recipe["groups"]}
+    assert {f"blk.{i}.{k}.weight" for i in range(SPEC["n_layers"]) for k in S.EXPERT_KINDS} <= set(chosen)
+    reader = gguf.GGUFReader(str(out))
+    assert chosen.items() <= {t.name: t.tensor_type.name for t in reader.tensors}.items()
+    data = sum(int(t.n_bytes) for t in reader.tensors)
+    assert data == recipe["bytes"] and 8 * data / sum(int(t.n_elements) for t in reader.tensors) <= 6.5
+    assert (tmp_path / "recipe.png").stat().st_size > 10_000
