@@ -2,7 +2,10 @@
 
 Read from llama.cpp's ``src/llama-quant.cpp`` (llama-cpp-python 0.3.36's vendored copy):
 ``llama_tensor_get_type`` and ``llama_tensor_get_type_impl``, restricted to the file types of
-:data:`FILE_TYPES` and the tensors of the Llama family. For each tensor, in llama.cpp's order
+:data:`FILE_TYPES` and the tensors of the Llama family, its mixtures of experts (the 3-D
+``ffn_{gate,up,down}_exps`` take their category's rules, their layer read from the name; the routers
+``ffn_gate_inp`` stay) and Qwen3.5's DeltaNet layers (``attn_qkv`` counts as an ``attn_v``, the
+``ssm_conv1d`` and norms stay). For each tensor, in llama.cpp's order
 (:func:`llama_order`: tensors outside the blocks first, then block by block, by name within each):
 
 1. a tensor llama.cpp never quantizes (fewer than 2 dimensions, a name not ending in ``weight``,
@@ -18,6 +21,8 @@ Read from llama.cpp's ``src/llama-quant.cpp`` (llama-cpp-python 0.3.36's vendore
    blocks; more bits for ``attn_v`` and ``ffn_down`` in the layers :func:`use_more_bits` picks
    (the first and last eighth and every third between), counted in order of appearance
    (``attn_v``) or by layer (``ffn_down``); Q5_K for ``attn_v`` of a Llama 70B …;
+   ``MXFP4_MOE`` (gpt-oss's) gives every expert tensor (``ne[2]`` > 1) MXFP4 and every other
+   quantizable tensor, the output included, Q8_0;
 5. a type whose block does not divide the rows falls back (``tensor_type_fallback``): Q2_K and
    Q3_K to Q4_0, Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, and F16 when even that does not fit.
 
