@@ -130,8 +130,73 @@ def test_bad_shapes(impl):
 
 
 def test_every_type_served():
-    assert set(QUANTIZABLE) == set(LEGACY + K_TYPES)
-    assert {t for t, qt in registry.TYPES.items() if qt.quantize and qt.quantize_np} == set(QUANTIZABLE)
+    assert set(QUANTIZABLE) == set(LEGACY + K_TYPES + (T.MXFP4,))
+    declared = {t for t, qt in registry.TYPES.items() if qt.quantize and qt.quantize_np}
+    assert declared <= set(QUANTIZABLE) and set(QUANTIZABLE) - declared <= {T.MXFP4}   # MXFP4: declared in its own room
+
+
+def ggml_quantize_mxfp4(x: np.ndarray) -> np.ndarray:
+    """ggml's ``quantize_row_mxfp4_ref(x, y, k)`` (what ``quantize_mxfp4`` runs, with or without an imatrix)."""
+    fn = ggml_quants_library(release=True).quantize_row_mxfp4_ref
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    fn.restype = None
+    out = np.zeros((x.shape[0], x.shape[1] // 32 * 17), np.uint8)
+    fn(x.ctypes.data, out.ctypes.data, x.size)
+    return out
+
+
+def mxfp4_rows(case: str) -> np.ndarray:
+    """:func:`rows` with MXFP4's own edges: blocks whose largest |x| sits just below and at a power of
+    two (where ``floorf(log2f(amax))`` turns), and tiny blocks whose exponent byte wraps below 0."""
+    x = rows(case, T.Q4_0).copy()
+    if case == "gaussian":
+        for k, e in enumerate(range(-20, 20, 3)):
+            x[k % 6, 32 * k] = np.float32(np.ldexp(1 - (k % 4) * 2.0 ** -24, e))
+        x[5, 480:512] = np.float32(2.0 ** -126) * np.float32(1.5)          # e = (uint8_t)(-1): 255
+        x[4, 448:480] = np.float32(2.0 ** -130)                            # e wraps to 251
+    return np.ascontiguousarray(x)
+
+
+@pytest.mark.parametrize("impl", ("numba", "numpy"))
+@pytest.mark.parametrize("case", CASES)
+def test_mxfp4_bytes_equal_ggml(case, impl):
+    """MXFP4 (gpt-oss's expert type) is ggml's ``quantize_row_mxfp4_ref``, byte for byte; an imatrix changes nothing."""
+    x = mxfp4_rows(case)
+    want = ggml_quantize_mxfp4(x)
+    got = IMPLS[impl](T.MXFP4, x)
+    assert got.dtype == np.uint8 and got.shape == want.shape == (6, x.shape[1] // 32 * 17)
+    differ = (got.reshape(-1, 17) != want.reshape(-1, 17)).any(axis=1)
+    assert not differ.any(), f"{differ.sum()} of {differ.size} blocks differ, first {np.flatnonzero(differ)[:5]}"
+    np.testing.assert_array_equal(IMPLS[impl](T.MXFP4, x, importance(x.shape[1])), got)
+
+
+@pytest.mark.parametrize("case", ("gaussian", "zero_blocks", "huge", "denormal", "constant", "negative", "float32_limits"))
+def test_mxfp4_equal_gguf_py(case):
+    """gguf-py's ``quants.quantize`` (MXFP4) as a second reference, on finite rows (its max meets a NaN
+    where ggml's ``amax < |x|`` skips it)."""
+    x = mxfp4_rows(case)
+    with np.errstate(all="ignore"):
+        want = gguf.quants.quantize(x, T.MXFP4)
+    np.testing.assert_array_equal(quantize_rows(T.MXFP4, x), want)
+
+
+def test_mxfp4_float16_rows():
+    """An F16 base's rows quantize as their float32 values."""
+    x16 = rows("gaussian", T.Q4_0).astype(np.float16)
+    x16.view(np.uint16)[0, :64] = np.arange(64, dtype=np.uint16) * 0x03FF // 63
+    np.testing.assert_array_equal(quantize_rows(T.MXFP4, x16), ggml_quantize_mxfp4(x16.astype(np.float32)))
+
+
+def test_mxfp4_exponent_is_glibc_log2f():
+    """``floor(log2f(amax))`` taken as float64 log2 rounded to float32 is glibc's on every float32
+    just below (and at) a power of two, where a rounding could carry the floor up."""
+    libm = ctypes.CDLL("libm.so.6")
+    libm.log2f.restype, libm.log2f.argtypes = ctypes.c_float, [ctypes.c_float]
+    amax = np.array([np.ldexp(1 - i * 2.0 ** -24, k) for k in range(-149, 128) for i in range(8)], np.float32)
+    amax = amax[(amax > 0) & np.isfinite(amax)]
+    ours = np.floor(np.log2(amax.astype(np.float64)).astype(np.float32))
+    glibc = np.floor(np.array([libm.log2f(float(a)) for a in amax], np.float32))
+    np.testing.assert_array_equal(ours, glibc)
 
 
 def test_fp16_rounding():

@@ -46,7 +46,8 @@ def quantize(
                                            show_default=False)],
     type_name: Annotated[Optional[str], typer.Option("--type", metavar="TYPE", help="llama.cpp's file type: Q4_0, "
                          "Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q2_K_S (needs --imatrix), Q3_K_S, Q3_K_M, Q3_K_L, Q4_K_S, "
-                         "Q4_K_M, Q5_K_S, Q5_K_M, Q6_K (Q3_K, Q4_K, Q5_K = the _M mixes), or F16, BF16, F32; or "
+                         "Q4_K_M, Q5_K_S, Q5_K_M, Q6_K (Q3_K, Q4_K, Q5_K = the _M mixes), MXFP4_MOE (experts MXFP4, the rest "
+                         "Q8_0), or F16, BF16, F32; or "
                          "llama.cpp's number for it (15 = Q4_K_M). With -f: the stock mix the recipe "
                          "is compared with (and, without --target-bpw/--target-size, whose size it may not exceed).",
                          show_default=False)] = None,

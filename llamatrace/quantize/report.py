@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from llamatrace.outputs import write_atomic
-from llamatrace.quantize.search import KINDS, Recipe
+from llamatrace.quantize.search import EXPERT_KINDS, KINDS, Recipe
 
 _BITS = {"Q2_K": 2.625, "Q3_K": 3.4375, "Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 4.5, "Q5_0": 5.5, "Q5_1": 6.0,
          "Q5_K": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0, "F32": 32.0}
@@ -49,14 +49,20 @@ def document(recipe: Recipe, stock: Recipe | None = None, measured: dict | None 
     return doc
 
 
-def _grid(recipe: Recipe, value) -> tuple[np.ndarray, int]:
+def _kinds(recipe: Recipe) -> list[str]:
+    """The columns: the kinds of matrix the recipe's groups are (a MoE's expert tensors beside the dense ones)."""
+    present = {c.group.name.split(".")[2] for c in recipe.choices if c.group.name.startswith("blk.")}
+    return [k for k in KINDS + EXPERT_KINDS if k in present]
+
+
+def _grid(recipe: Recipe, value, kinds: list[str]) -> tuple[np.ndarray, int]:
     n_layers = 1 + max((int(c.group.name.split(".")[1]) for c in recipe.choices if c.group.name.startswith("blk.")),
                        default=-1)
-    grid = np.full((n_layers, len(KINDS)), np.nan)
+    grid = np.full((n_layers, len(kinds)), np.nan)
     for c in recipe.choices:
         if c.group.name.startswith("blk."):
             _, layer, kind = c.group.name.split(".")
-            grid[int(layer), KINDS.index(kind)] = value(c)
+            grid[int(layer), kinds.index(kind)] = value(c)
     return grid, n_layers
 
 
@@ -71,11 +77,13 @@ def plot(recipe: Recipe, path: Path, title: str, stock: Recipe | None = None, op
     from llamatrace.views.plots import _pyplot, check_format
     fmt = check_format(path, option)
     plt = _pyplot()
-    panels = [("recipe: bits per weight", _grid(recipe, lambda c: _BITS.get(c.ggml_type.name, np.nan))[0], "viridis")]
+    kinds = _kinds(recipe)
+    panels = [("recipe: bits per weight", _grid(recipe, lambda c: _BITS.get(c.ggml_type.name, np.nan), kinds)[0],
+               "viridis")]
     if stock is not None:
-        panels.append(("stock: bits per weight", _grid(stock, lambda c: _BITS.get(c.ggml_type.name, np.nan))[0],
+        panels.append(("stock: bits per weight", _grid(stock, lambda c: _BITS.get(c.ggml_type.name, np.nan), kinds)[0],
                        "viridis"))
-    sens, n_layers = _grid(recipe, lambda c: max(c.options.values()) if c.options else np.nan)
+    sens, n_layers = _grid(recipe, lambda c: max(c.options.values()) if c.options else np.nan, kinds)
     panels.append(("sensitivity: ΔKLD at the cheapest candidate (log10)", np.log10(np.maximum(sens, 1e-9)), "magma"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 0.22 * n_layers + 3))
     vmin = np.nanmin([np.nanmin(p[1]) for p in panels[:-1]])
@@ -84,7 +92,7 @@ def plot(recipe: Recipe, path: Path, title: str, stock: Recipe | None = None, op
         bits = cmap == "viridis"
         image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap=cmap, interpolation="nearest",
                           vmin=vmin if bits else None, vmax=vmax if bits else None)
-        ax.set_xticks(range(len(KINDS)), KINDS, rotation=60, ha="right", fontsize=8)
+        ax.set_xticks(range(len(kinds)), kinds, rotation=60, ha="right", fontsize=8)
         ax.set_yticks(range(n_layers), [str(i) for i in range(n_layers)], fontsize=7)
         ax.set_ylabel("layer")
         ax.set_title(label, fontsize=9)

@@ -2,7 +2,10 @@
 
 Read from llama.cpp's ``src/llama-quant.cpp`` (llama-cpp-python 0.3.36's vendored copy):
 ``llama_tensor_get_type`` and ``llama_tensor_get_type_impl``, restricted to the file types of
-:data:`FILE_TYPES` and the tensors of the Llama family. For each tensor, in llama.cpp's order
+:data:`FILE_TYPES` and the tensors of the Llama family, its mixtures of experts (the 3-D
+``ffn_{gate,up,down}_exps`` take their category's rules, their layer read from the name; the routers
+``ffn_gate_inp`` stay) and Qwen3.5's DeltaNet layers (``attn_qkv`` counts as an ``attn_v``, the
+``ssm_conv1d`` and norms stay). For each tensor, in llama.cpp's order
 (:func:`llama_order`: tensors outside the blocks first, then block by block, by name within each):
 
 1. a tensor llama.cpp never quantizes (fewer than 2 dimensions, a name not ending in ``weight``,
@@ -18,6 +21,8 @@ Read from llama.cpp's ``src/llama-quant.cpp`` (llama-cpp-python 0.3.36's vendore
    blocks; more bits for ``attn_v`` and ``ffn_down`` in the layers :func:`use_more_bits` picks
    (the first and last eighth and every third between), counted in order of appearance
    (``attn_v``) or by layer (``ffn_down``); Q5_K for ``attn_v`` of a Llama 70B …;
+   ``MXFP4_MOE`` (gpt-oss's) gives every expert tensor (``ne[2]`` > 1) MXFP4 and every other
+   quantizable tensor, the output included, Q8_0;
 5. a type whose block does not divide the rows falls back (``tensor_type_fallback``): Q2_K and
    Q3_K to Q4_0, Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, and F16 when even that does not fit.
 
@@ -53,17 +58,17 @@ FILE_TYPES: dict[str, FileType] = {ft.name: ft for ft in (
     FileType("Q5_1", 9, T.Q5_1), FileType("Q8_0", 7, T.Q8_0), FileType("Q2_K", 10, T.Q2_K),
     FileType("Q2_K_S", 21, T.Q2_K), FileType("Q3_K_S", 11, T.Q3_K), FileType("Q3_K_M", 12, T.Q3_K), FileType("Q3_K_L", 13, T.Q3_K),
     FileType("Q4_K_S", 14, T.Q4_K), FileType("Q4_K_M", 15, T.Q4_K), FileType("Q5_K_S", 16, T.Q5_K),
-    FileType("Q5_K_M", 17, T.Q5_K), FileType("Q6_K", 18, T.Q6_K),
+    FileType("Q5_K_M", 17, T.Q5_K), FileType("Q6_K", 18, T.Q6_K), FileType("MXFP4_MOE", 38, T.MXFP4),
 )}
 """The file types ``llamatrace quantize --type`` writes, by ``llama-quantize``'s name. The others
 of llama.cpp 0.3.36 need ggml types llamatrace cannot quantize: IQ1_S/M, IQ2_XXS/XS/S/M, IQ3_XXS/XS/S/M,
-IQ4_NL/XS (the i-quants), TQ1_0/TQ2_0, Q1_0, Q2_0, MXFP4_MOE, NVFP4."""
+IQ4_NL/XS (the i-quants), TQ1_0/TQ2_0, Q1_0, Q2_0, NVFP4."""
 
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
 """``llama-quantize``'s short names."""
 
 TENSOR_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-                T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+                T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
 """The ggml types a ``--tensor-type`` override may name (those llamatrace can write)."""
 
 # tensor_type_fallback: a 256-block type on rows that are not a multiple of 256
@@ -275,17 +280,21 @@ def _layer(name: str, counter: int, model: ModelShape) -> int:
     return counter
 
 
-def _mix(t: T, name: str, ne0: int, ft: str, cat: str, model: ModelShape, tied: bool,
+def _mix(t: T, name: str, shape: Sequence[int], ft: str, cat: str, model: ModelShape, tied: bool,
          has_imatrix: bool, c: _Counters, output_type: T | None) -> T:
-    """``llama_tensor_get_type_impl`` for the file types of :data:`FILE_TYPES`."""
+    """``llama_tensor_get_type_impl`` for the file types of :data:`FILE_TYPES` (``shape``: ggml's)."""
     falcon = model.arch == "falcon"
     n = model.n_layers
+    ne0 = int(shape[0])
     if cat == "output" or (tied and cat == "token_embd"):
         if output_type is not None:
             return output_type
-        if falcon or ne0 % gguf.GGML_QUANT_SIZES[t][0] != 0:
+        if ft == "MXFP4_MOE" or falcon or ne0 % gguf.GGML_QUANT_SIZES[t][0] != 0:
             return T.Q8_0
         return t if t == T.Q8_0 else T.Q6_K
+    if ft == "MXFP4_MOE":
+        # the experts (3-D, more than one matrix) MXFP4, every other tensor Q8_0; before any category
+        return T.MXFP4 if len(shape) > 2 and int(shape[2]) > 1 else T.Q8_0
     if cat == "attn_v":
         i, n_wv = c.i_attention_wv, c.n_attention_wv
         if ft == "Q2_K":
@@ -367,8 +376,9 @@ def tensor_types(tensors: Mapping[str, tuple[T, Sequence[int]]], metadata: Mappi
         name → ggml type, ordered as llama.cpp writes the tensors (:func:`llama_order`).
 
     Raises:
-        OptionError: an unknown file type, a model the rules cannot place (no block count), or an
-            output/token embedding type whose blocks do not divide that tensor's rows.
+        OptionError: an unknown file type, a model the rules cannot place (no block count), an
+            output/token embedding type whose blocks do not divide that tensor's rows, or a tensor of
+            more than 3 dimensions to convert (llama.cpp reads ``ne[1] × ne[2]`` rows and would drop the rest).
     """
     ft = file_type(ftype) if isinstance(ftype, str) else ftype
     model = ModelShape.from_metadata(metadata)
@@ -396,11 +406,15 @@ def tensor_types(tensors: Mapping[str, tuple[T, Sequence[int]]], metadata: Mappi
             if manual is not None:
                 t = manual.ggml_type
             elif not pure:
-                t = _mix(t, name, int(shape[0]), ft.name, cat, model, tied, has_imatrix, counters, output_type)
+                t = _mix(t, name, shape, ft.name, cat, model, tied, has_imatrix, counters, output_type)
             written = fallback(t, int(shape[0]))
             if written != t and on_fallback is not None:
                 on_fallback(name, t, written)
             t = written
+        if t != current and n_dims(shape) > 3:
+            raise OptionError(f"tensor {name!r} has {n_dims(shape)} dimensions {list(shape)}: llama-quantize converts "
+                              f"matrices and stacks of expert matrices (2 or 3 dimensions) only; keep its type with "
+                              f"--tensor-type '{re.escape(name)}={T(current).name.lower()}'")
         out[name] = t
     return out
 

@@ -3,7 +3,9 @@
 Three steps, as exllamav3's measure / optimize does them, with the real end-to-end quantity:
 
 1. **Measure** (:class:`Measurer`): for each tensor group (one matrix: ``blk.N.attn_q`` …
-   ``blk.N.ffn_down``, ``token_embd``, ``output``) and each candidate type, requantize that
+   ``blk.N.ffn_down``, ``token_embd``, ``output``; in a mixture of experts one per expert tensor,
+   ``blk.N.ffn_{gate,up,down}_exps``: every expert of the layer together, as one GGUF tensor
+   takes one type) and each candidate type, requantize that
    group alone from the base weights, swap it into the loaded base model, and read the mean KL
    divergence of the logits against the base's on the calibration chunks (llama.cpp's
    ``--kl-divergence`` arithmetic, :func:`llamatrace.corpus.metrics.token_kld`). Only layers
@@ -51,15 +53,19 @@ import numpy as np
 from llamatrace.corpus.metrics import compress_log_probs, token_kld
 from llamatrace.errors import OptionError, UnsupportedModelError
 from llamatrace.kernels.types import packing
+from llamatrace.quantize.imatrix.compute import expert_squares
 from llamatrace.quantize.rules import fallback
 
 T = gguf.GGMLQuantizationType
 
 KINDS: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 """The per-layer matrices a recipe chooses types for, in llama.cpp's tensor names (``blk.N.KIND.weight``)."""
+EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+"""A mixture-of-experts layer's expert tensors (3-D, ``[n_expert, rows, cols]``): one group each."""
 
 _KIND_FIELD = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
-               "ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
+               "ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2",
+               "ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}     # the last: MoEWeights' lists
 # the stage whose output is each matrix's input, for its column weights (probe mode)
 _KIND_INPUT = {"attn_q": "attn_norm", "attn_k": "attn_norm", "attn_v": "attn_norm", "attn_output": "kqv_out",
                "ffn_gate": "ffn_norm", "ffn_up": "ffn_norm", "ffn_down": "ffn_glu"}
@@ -80,8 +86,10 @@ class Group:
     Attributes:
         name: ``blk.N.KIND``, ``token_embd`` or ``output`` (the GGUF name without ``.weight``).
         layer: the first layer a change reruns from (0 for the embedding, ``n_layers`` for the output).
-        n_rows, n_per_row: the matrix's NumPy shape ``[out_features, in_features]``.
+        n_rows, n_per_row: the matrix's NumPy shape ``[out_features, in_features]`` (an expert
+            tensor's: every expert's rows stacked, ``n_expert × rows``).
         candidates: the types it may get (the requested ones after llama.cpp's fallback, cheapest first).
+        n_expert: the experts an expert tensor stacks (0: one matrix).
     """
 
     name: str
@@ -89,6 +97,7 @@ class Group:
     n_rows: int
     n_per_row: int
     candidates: tuple[T, ...]
+    n_expert: int = 0
 
     @property
     def tensor(self) -> str:
@@ -124,8 +133,10 @@ def parse_types(text: str, what: str = "--candidates") -> list[T]:
 
 def make_groups(file, n_layers: int, requested: Sequence[T]) -> list[Group]:
     """The groups of a GGUF (:class:`llamatrace.gguf.reader.GGUFFile`): every layer's
-    :data:`KINDS`, then ``token_embd`` and ``output`` (when the file has its own; a tied output
-    is the embedding's group). Each gets ``requested`` after fallback, deduplicated, by bytes.
+    :data:`KINDS` and :data:`EXPERT_KINDS` the file holds, then ``token_embd`` and ``output`` (when
+    the file has its own; a tied output is the embedding's group). Each gets ``requested`` after
+    fallback, deduplicated, by bytes. The routers (``ffn_gate_inp``) are no group: llama.cpp never
+    quantizes them.
 
     Raises:
         UnsupportedModelError: a file that stores q/k/v or gate/up fused (phi3).
@@ -135,14 +146,17 @@ def make_groups(file, n_layers: int, requested: Sequence[T]) -> list[Group]:
     groups = []
 
     def add(name: str, layer: int) -> None:
-        n_rows, n_per_row = file.matrix_shape(name + ".weight")
+        shape = file.matrix_shape(name + ".weight")
+        n_expert = int(shape[0]) if len(shape) == 3 else 0
+        n_rows, n_per_row = int(np.prod(shape[:-1])), int(shape[-1])
         cands = {fallback(t, n_per_row) for t in requested}
         order = sorted(cands, key=lambda t: (tensor_bytes(t, n_rows, n_per_row), t.value))
-        groups.append(Group(name, layer, n_rows, n_per_row, tuple(order)))
+        groups.append(Group(name, layer, n_rows, n_per_row, tuple(order), n_expert))
 
     for layer in range(n_layers):
-        for kind in KINDS:
-            add(f"blk.{layer}.{kind}", layer)
+        for kind in KINDS + EXPERT_KINDS:
+            if f"blk.{layer}.{kind}.weight" in file.tensors:
+                add(f"blk.{layer}.{kind}", layer)
     add("token_embd", 0)
     if "output.weight" in file.tensors:
         add("output", n_layers)
@@ -338,6 +352,11 @@ class Measurer:
                 if stage in ("attn_norm", "kqv_out", "ffn_norm", "ffn_swiglu", "ffn_geglu"):
                     key = ("ffn_glu" if stage.startswith("ffn_") and stage != "ffn_norm" else stage, layer)
                     sq[key] = sq.get(key, 0.0) + (a.astype(np.float64) ** 2).sum(axis=0)
+                if stage == "ffn_norm" and model.weights.layers[layer].moe is not None:
+                    # each expert's inputs, over the tokens routed to it ([n_expert, width]: 0 where none)
+                    for (exp_stage, _, _), (sums, _) in expert_squares(model, layer, a, down=True).items():
+                        key = ("exps_" + exp_stage, layer)
+                        sq[key] = sq.get(key, 0.0) + sums
             # the output projection's input: the last row is all result_norm holds without all_logits
             out_in = self._final_norm(res[-1][calibration.first:len(ids) - 1])
             sq[("result_norm", None)] = sq.get(("result_norm", None), 0.0) + (out_in.astype(np.float64) ** 2).sum(axis=0)
@@ -351,12 +370,21 @@ class Measurer:
     def _unfuse(self) -> None:
         m = self.model
         for i, lw in enumerate(m.weights.layers):
+            if lw.moe is not None and lw.moe.w13 is not None:        # each expert's gate and up apart
+                lw.moe.w1, lw.moe.w3 = (self._pack_experts(f"blk.{i}.{k}.weight") for k in ("ffn_gate_exps", "ffn_up_exps"))
+                lw.moe.w13 = None
             if lw.wqkv is not None:
                 lw.wq, lw.wk, lw.wv = (self._pack_file(f"blk.{i}.{k}.weight") for k in ("attn_q", "attn_k", "attn_v"))
                 lw.wqkv = None
             if lw.w13 is not None:
                 lw.w1, lw.w3 = (self._pack_file(f"blk.{i}.{k}.weight") for k in ("ffn_gate", "ffn_up"))
                 lw.w13 = None
+
+    def _pack_experts(self, name: str) -> list[packing.Weight]:
+        t = self.model.file.tensor(name)
+        n, n_rows, n_per_row = self.model.file.matrix_shape(name)
+        return [packing.pack(f"{name}#{e}", t.tensor_type, t.data[e], n_rows, n_per_row,
+                             activations=self.model.activations) for e in range(n)]
 
     def _pack_file(self, name: str) -> packing.Weight:
         t = self.model.file.tensor(name)
@@ -372,9 +400,15 @@ class Measurer:
     def quantized(self, group: Group, ggml_type: T, weights: np.ndarray | None = None,
                   imatrix: np.ndarray | None = None) -> np.ndarray:
         """uint8 ``[n_rows, row_bytes]``: the group's base weights (or ``weights``) quantized to
-        ``ggml_type``, with the group's importance ``imatrix`` (float32 ``[n_per_row]``) if given."""
+        ``ggml_type``, with the group's importance ``imatrix`` (float32 ``[n_per_row]``, or ``[n_expert
+        × n_per_row]`` for an expert tensor: each expert's rows with its own slice) if given."""
         w = self.base_weights(group) if weights is None else weights
-        return np.asarray(self.quantize(ggml_type, w, imatrix), dtype=np.uint8)
+        if imatrix is None or imatrix.size == group.n_per_row:
+            return np.asarray(self.quantize(ggml_type, w, imatrix), dtype=np.uint8)
+        rows = group.n_rows // group.n_expert
+        imatrix = np.asarray(imatrix, np.float32).reshape(group.n_expert, group.n_per_row)
+        return np.concatenate([np.asarray(self.quantize(ggml_type, w[e * rows:(e + 1) * rows], imatrix[e]), np.uint8)
+                               for e in range(group.n_expert)])
 
     def _slots(self, group: Group) -> list[tuple[object, str]]:
         w = self.model.weights
@@ -383,7 +417,8 @@ class Measurer:
         if group.name == "output":
             return [(w, "output")]
         layer, kind = group.name.split(".")[1:]
-        return [(w.layers[int(layer)], _KIND_FIELD[kind])]
+        lw = w.layers[int(layer)]
+        return [(lw.moe if group.n_expert else lw, _KIND_FIELD[kind])]
 
     def swap(self, group: Group, weight: packing.Weight) -> list[packing.Weight]:
         """Put ``weight`` in the group's place(s) in the model (both, for a tied embedding); returns
@@ -434,8 +469,13 @@ class Measurer:
             n += kld.size
         return total / n
 
-    def pack(self, group: Group, ggml_type: T, data: np.ndarray) -> packing.Weight:
-        """The group's quantized bytes packed as the model packs that matrix."""
+    def pack(self, group: Group, ggml_type: T, data: np.ndarray) -> packing.Weight | list[packing.Weight]:
+        """The group's quantized bytes packed as the model packs that matrix (an expert tensor: one
+        Weight per expert, as :func:`llamatrace.model.moe.load` packs them)."""
+        if group.n_expert:
+            rows = group.n_rows // group.n_expert
+            return [packing.pack(f"{group.tensor}#{e}", ggml_type, data[e * rows:(e + 1) * rows], rows,
+                                 group.n_per_row, activations=self.model.activations) for e in range(group.n_expert)]
         return packing.pack(group.tensor, ggml_type, data, group.n_rows, group.n_per_row,
                             activations=self.model.activations)
 
@@ -459,6 +499,11 @@ class Measurer:
         if group.name == "output":
             return weighted_error(weights, q, self._col_sq[("result_norm", None)], None)
         layer, kind = group.name.split(".")[1:]
+        if group.n_expert:              # each expert by the mean square of the inputs routed to it
+            col = self._col_sq[("exps_ffn_moe_swiglu" if kind == "ffn_down_exps" else "exps_ffn_norm", int(layer))]
+            rows = group.n_rows // group.n_expert
+            return sum(weighted_error(weights[e * rows:(e + 1) * rows], q[e * rows:(e + 1) * rows], col[e], None)
+                       for e in range(group.n_expert))
         return weighted_error(weights, q, self._col_sq[(_KIND_INPUT[kind], int(layer))], None)
 
 

@@ -281,6 +281,7 @@ def quantize_gguf(base: GGUFFile, out: Path, types: Mapping[str, T], ftype: File
                 data = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
             else:
                 data = convert_tensor(t, dst, imatrix.get(name))
+                check_row_data(name, dst, data)
                 if imatrix and name not in imatrix and dst not in _FLOATS and category(name) != "token_embd":
                     summary.no_imatrix.append(name)
             writer.write_tensor_data(data)
@@ -317,6 +318,23 @@ def _usable_imatrix(base: GGUFFile, types: Mapping[str, T], imatrix: Mapping[str
             raise OptionError(f"the importance matrix has {entry.size} values for {name!r}, whose rows have "
                               f"{expected}: it was computed for another model")
     return usable
+
+
+def check_row_data(name: str, dst: T, data: np.ndarray) -> None:
+    """Refuse what llama-quantize refuses after quantizing (``ggml_validate_row_data``): an MXFP4 block
+    whose E8M0 exponent is 255 (NaN), which ggml writes for a block whose largest |x| lies in
+    [2**-126, 2**-125) (``floor(log2) - 2 + 127`` = -1, cast to a byte).
+
+    Raises:
+        OptionError: naming the tensor and the block.
+    """
+    if dst == T.MXFP4:
+        bad = np.flatnonzero(data.reshape(-1, gguf.GGML_QUANT_SIZES[dst][1])[:, 0] == 0xFF)
+        if bad.size:
+            raise OptionError(f"tensor {name!r}: MXFP4 block {int(bad[0])} gets exponent 255 (its weights are all "
+                              f"below 2**-125, as small as float32 goes), which llama.cpp refuses "
+                              f"(quantized data validation failed); keep the tensor in another type with "
+                              f"--tensor-type '{name}=q8_0'")
 
 
 def convert_tensor(t: Tensor, dst: T, imatrix: np.ndarray | None = None) -> np.ndarray:

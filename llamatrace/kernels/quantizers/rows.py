@@ -1,8 +1,8 @@
 """llama.cpp's quantizers: float32 rows -> the GGUF blocks ``llama-quantize`` writes, byte for byte.
 
 :func:`quantize_rows` (Numba, rows shared among the threads) and its NumPy twin
-:func:`quantize_rows_np` serve Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (this module) and Q2_K..Q6_K
-(:mod:`llamatrace.kernels.quantizers.k_rows`), written from ggml's ``ggml-quants.c`` (llama-cpp-python
+:func:`quantize_rows_np` serve Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (this module), Q2_K..Q6_K
+(:mod:`llamatrace.kernels.quantizers.k_rows`) and MXFP4 (:mod:`~llamatrace.kernels.quantizers.mxfp4`), written from ggml's ``ggml-quants.c`` (llama-cpp-python
 0.3.36's vendored llama.cpp). ``ggml_quantize_chunk`` calls ``quantize_<type>(src, dst, nrow,
 n_per_row, imatrix)``, which takes one of two paths:
 
@@ -33,6 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 from llamatrace.kernels.quantizers import k_rows as qk
+from llamatrace.kernels.quantizers import mxfp4
 from llamatrace.machine.jit import JIT_QUANT, JIT_QUANT_PARALLEL
 from llamatrace.kernels.quantizers.k_rows import (F32, claim_rows, fp16_np, make_qkx, make_qkx_np,
                                                   make_qx, make_qx_np, put_fp16, row_chunk, row_f32)
@@ -410,6 +411,7 @@ _KERNELS = {
     T.Q8_0: (_q8_0_rows, _q8_0_np),
 }
 _KERNELS.update(qk.KERNELS)
+_KERNELS.update(mxfp4.kernels(T.MXFP4))
 
 QUANTIZABLE = tuple(_KERNELS)
 """The GGML types :func:`quantize_rows` writes."""
@@ -447,7 +449,7 @@ def quantize_rows(ggml_type, x: np.ndarray, imatrix: np.ndarray | None = None) -
     x: float32 ``[n_rows, n_per_row]`` (float16 is widened row by row inside the threads, exactly;
     other float dtypes are converted first), ``n_per_row`` a multiple of the type's block (32, or
     256 for the K types). imatrix: float32 ``[n_per_row]``
-    importance per column (``llama-imatrix``'s mean squared activations) or None; Q8_0 ignores it.
+    importance per column (``llama-imatrix``'s mean squared activations) or None; Q8_0 and MXFP4 ignore it.
     Returns uint8 ``[n_rows, n_per_row / block * block_bytes]``: the GGUF tensor data.
     Raises ValueError for another type, a shape that is not 2-D or not a multiple of the
     block, or an imatrix of another length.

@@ -15,6 +15,15 @@ it (:data:`INPUTS`): ``attn_norm`` feeds ``attn_q/k/v`` (or the fused ``attn_qkv
 sums each stage once, by hooks (:meth:`llamatrace.model.llama.Llama.hooks`) that read and change
 nothing.
 
+Mixtures of experts (``ggml_mul_mat_id``: llama-imatrix collects every one): the router
+``ffn_gate_inp`` reads ``ffn_norm`` as a dense weight does; an expert tensor ``ffn_{gate,up}_exps``
+is summed per expert over the ``ffn_norm`` rows of the tokens that chose that expert, and
+``ffn_down_exps`` over the ``ffn_moe_swiglu`` rows of each (token, chosen expert) pair, with
+``counts`` per expert = the (token, slot) pairs routed to it (``ffn_moe_topk``): ``in_sum2`` is
+``[n_expert, width]``, ``counts`` ``[n_expert]``, 0 for an expert no token chose. The route and the
+experts' SwiGLU rows are recomputed from the ``ffn_norm`` hook with the block's own router and
+kernels (:func:`expert_squares`), the MoE stages not being hookable yet.
+
 llama.cpp adds each token's square to float32 sums, token after token; here each chunk's sums
 are float64 and chunks are added in chunk order in float64 (then stored as float32, the file's
 type): the same numbers to float32 rounding (about 1e-6 relative after thousands of tokens),
@@ -40,20 +49,31 @@ from llamatrace.quantize.imatrix.files import Entries, ImatrixMeta
 INPUTS: dict[str, tuple[str, ...]] = {
     "attn_norm": ("attn_q", "attn_k", "attn_v", "attn_qkv"),
     "kqv_out": ("attn_output",),
-    "ffn_norm": ("ffn_gate", "ffn_up"),
+    "ffn_norm": ("ffn_gate", "ffn_up", "ffn_gate_inp"),
     "ffn_glu": ("ffn_down",),
+}
+# the expert tensors (mul_mat_id) and the stage whose rows they read, per chosen expert
+EXPERT_INPUTS: dict[str, tuple[str, ...]] = {
+    "ffn_norm": ("ffn_gate_exps", "ffn_up_exps"),
+    "ffn_moe_swiglu": ("ffn_down_exps",),
 }
 
 
 @dataclass(frozen=True)
 class Input:
     """One summed input: the stage (at ``layer``; ``None`` = model level) and the GGUF names of
-    the weights it feeds, ``width`` columns each."""
+    the weights it feeds, ``width`` columns each; ``n_expert`` > 0: summed per expert over the rows
+    routed to each (:data:`EXPERT_INPUTS`)."""
 
     stage: str
     layer: int | None
     weights: tuple[str, ...]
     width: int
+    n_expert: int = 0
+
+    @property
+    def key(self) -> tuple[str, int | None, int]:
+        return (self.stage, self.layer, self.n_expert)
 
 
 def input_stages(tensor_names, config, process_output: bool = False) -> list[Input]:
@@ -70,6 +90,11 @@ def input_stages(tensor_names, config, process_output: bool = False) -> list[Inp
             weights = tuple(name for kind in kinds if (name := f"blk.{layer}.{kind}.weight") in tensor_names)
             if weights:
                 found.append(Input(glu if stage == "ffn_glu" else stage, layer, weights, width[stage]))
+        for stage, kinds in EXPERT_INPUTS.items():
+            weights = tuple(name for kind in kinds if (name := f"blk.{layer}.{kind}.weight") in tensor_names)
+            if weights and c.n_expert:
+                found.append(Input(stage, layer, weights, c.dim if stage == "ffn_norm" else c.expert_hidden_dim,
+                                   c.n_expert))
     if process_output and "output.weight" in tensor_names:
         found.append(Input("result_norm", None, ("output.weight",), c.dim))
     return found
@@ -77,29 +102,67 @@ def input_stages(tensor_names, config, process_output: bool = False) -> list[Inp
 
 @dataclass
 class SquaresJob:
-    """One chunk's input: int32 ``[n_ctx]`` ids, the stages to sum (``(stage, layer)`` in order),
-    and whether the output projection's input (every row of ``result_norm``) is among them."""
+    """One chunk's input: int32 ``[n_ctx]`` ids, the stages to sum (:attr:`Input.key`: ``(stage,
+    layer, n_expert)`` in order), and whether the output projection's input (every row of
+    ``result_norm``) is among them."""
 
     ids: np.ndarray
-    keys: tuple[tuple[str, int | None], ...]
+    keys: tuple[tuple[str, int | None, int], ...]
     all_rows: bool
 
 
-def sum_squares(model, job: SquaresJob) -> list[np.ndarray]:
+def sum_squares(model, job: SquaresJob) -> list[tuple[np.ndarray, np.ndarray]]:
     """The runner's work for one chunk: one prefill of ``job.ids`` from an empty cache; per key,
-    float64 ``[width]`` Σ over the chunk's tokens of the stage output's squares."""
+    float64 ``[n_mat, width]`` Σ of the squares of the stage output's rows that reach each matrix
+    (every token: ``n_mat`` 1; per expert, the rows routed to it), and int64 ``[n_mat]`` the rows summed."""
     want = set(job.keys)
-    sums: dict[tuple[str, int | None], np.ndarray] = {}
+    routed = {layer for _, layer, n in job.keys if n}
+    out: dict[tuple[str, int | None, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def keep(a, event) -> None:
-        key = (event.stage, event.layer)
-        if key in want:
+        stage, layer = event.stage, event.layer
+        if (stage, layer, 0) in want:
             x = np.asarray(a, dtype=np.float64).reshape(a.shape[0], -1)
-            sums[key] = np.einsum("tj,tj->j", x, x)
+            out[(stage, layer, 0)] = (np.einsum("tj,tj->j", x, x)[None, :], np.array([x.shape[0]], np.int64))
+        if stage == "ffn_norm" and layer in routed:
+            out.update(expert_squares(model, layer, np.asarray(a, dtype=np.float32),
+                                      ("ffn_moe_swiglu", layer, model.config.n_expert) in want))
 
-    with model.hooks({stage: keep for stage in {k[0] for k in job.keys}}):
+    with model.hooks({stage: keep for stage in {k[0] for k in job.keys if k[0] != "ffn_moe_swiglu"}}):
         model.forward(job.ids, 0, model.new_cache(len(job.ids)), all_logits=job.all_rows)
-    return [sums[key] for key in job.keys]
+    return [out[key] for key in job.keys]
+
+
+def expert_squares(model, layer: int, x: np.ndarray, down: bool) -> dict:
+    """Layer ``layer``'s per-expert sums from its ``ffn_norm`` rows ``x`` (float32 ``[n_tokens, dim]``):
+    the route the MoE block takes (its router and :func:`llamatrace.kernels.ops.moe.route`), then per
+    expert the squares of the rows it reads — ``ffn_norm`` rows for gate/up, and with ``down`` its
+    ``ffn_moe_swiglu`` rows (the expert's own gate|up product, recomputed: the MoE stages cannot be
+    hooked yet) — and the (token, slot) pairs routed to it.
+
+    Returns:
+        ``{(stage, layer, n_expert): (float64 [n_expert, width], int64 [n_expert])}``.
+    """
+    from llamatrace.kernels.ops import fp32, moe as routing
+    from llamatrace.kernels.types.registry import matmul
+    c = model.config
+    mw = model.weights.layers[layer].moe
+    _, ids, _, _ = routing.route(matmul(x, mw.router), c.n_expert_used, c.expert_gating, c.expert_weights_norm)
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)            # pair t*k + s: slot s of token t
+    counts = np.bincount(flat, minlength=c.n_expert).astype(np.int64)
+    x64 = x.astype(np.float64)
+    gate_up = np.zeros((c.n_expert, x.shape[1]), np.float64)
+    glu_sums = np.zeros((c.n_expert, c.expert_hidden_dim), np.float64)
+    for e in np.flatnonzero(counts):
+        tokens = np.flatnonzero(flat == e) // c.n_expert_used
+        gate_up[e] = np.einsum("tj,tj->j", x64[tokens], x64[tokens])
+        if down:
+            glu = fp32.swiglu(mw.gate_up(x[tokens], int(e))).astype(np.float64)
+            glu_sums[e] = np.einsum("tj,tj->j", glu, glu)
+    out = {("ffn_norm", layer, c.n_expert): (gate_up, counts)}
+    if down:
+        out[("ffn_moe_swiglu", layer, c.n_expert)] = (glu_sums, counts.copy())
+    return out
 
 
 @dataclass
@@ -176,19 +239,20 @@ def compute(run: ImatrixRun, model=None, on_chunk: Callable[[int], None] | None 
         LlamatraceError: as :func:`prepare`; a worker's or the model's error.
     """
     chunks, inputs = prepared if prepared is not None else prepare(run)
-    keys = tuple((i.stage, i.layer) for i in inputs)
-    totals = [np.zeros(i.width, dtype=np.float64) for i in inputs]
+    keys = tuple(i.key for i in inputs)
+    totals = [np.zeros((max(i.n_expert, 1), i.width), dtype=np.float64) for i in inputs]
+    counts = [np.zeros(max(i.n_expert, 1), dtype=np.int64) for i in inputs]
     all_rows = any(i.layer is None for i in inputs)
 
-    def add(i: int, sums: list[np.ndarray]) -> None:
-        for total, s in zip(totals, sums):
+    def add(i: int, sums: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for total, count, (s, n) in zip(totals, counts, sums):
             total += s
+            count += n
         if on_chunk:
             on_chunk(i)
 
     run_chunks(run.model, chunks.n_chunk, lambda i: SquaresJob(chunks.chunk(i), keys, all_rows), sum_squares,
                add, run.workers, model, run.ray)
-    n_tokens = chunks.n_chunk * chunks.n_ctx
-    entries = {name: (total.astype(np.float32), np.array([n_tokens], dtype=np.int64))
-               for inp, total in zip(inputs, totals) for name in inp.weights}
+    entries = {name: (total.astype(np.float32) if inp.n_expert else total[0].astype(np.float32), count)
+               for inp, total, count in zip(inputs, totals, counts) for name in inp.weights}
     return ImatrixResult(entries, ImatrixMeta([run.dataset], chunks.n_chunk, chunks.n_ctx), chunks)
