@@ -22,9 +22,15 @@ import numpy as np
 
 from llamatrace.errors import OptionError
 from llamatrace.tracing.recorder import Recorder
+from llamatrace.tracing.stages import STAGE_BY_ID
 
 ROUTE_STAGES = ("ffn_moe_topk", "ffn_moe_weights", "ffn_moe_weights_softmax", "ffn_moe_weights_norm")
 """The stages a route is read from; of the weights, the last one a layer emits is the one applied."""
+
+
+def _route_stages() -> list[str]:
+    """:data:`ROUTE_STAGES` the catalogue has (a recorder refuses a stage id it does not know)."""
+    return [s for s in ROUTE_STAGES if s in STAGE_BY_ID]
 
 
 def check_moe(config) -> None:
@@ -83,7 +89,7 @@ def routes(model, prompt_ids: list[int], layers: list[int] | None = None) -> dic
             if not 0 <= layer < c.n_layers:
                 raise OptionError(f"--layer {layer} is out of range: this model has {c.n_layers} layers "
                                   f"(0-{c.n_layers - 1})")
-    rec = Recorder(layers=layers, stages=list(ROUTE_STAGES), keep_arrays=True)
+    rec = Recorder(layers=layers, stages=_route_stages(), keep_arrays=True)
     cache = model.new_cache(len(prompt_ids))
     model.forward(np.asarray(prompt_ids, np.int32), 0, cache, recorder=rec)
     return _routes_from(rec.events, c.n_expert)
@@ -202,7 +208,7 @@ def corpus_chunk(model, tokens: np.ndarray) -> ExpertLoad:
     c = model.config
     tokens = np.asarray(tokens, np.int32)
     load = ExpertLoad(c.n_layers, c.n_expert, n_tokens=len(tokens))
-    rec = Recorder(stages=list(ROUTE_STAGES), keep_arrays=True)
+    rec = Recorder(stages=_route_stages(), keep_arrays=True)
     model.forward(tokens, 0, model.new_cache(len(tokens)), recorder=rec)
     for layer, route in _routes_from(rec.events, c.n_expert).items():
         load.record(layer, route.ids, route.weights, tokens)
