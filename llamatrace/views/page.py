@@ -6,7 +6,9 @@ The page holds Graphviz's SVG of the model and block views for every step (drawn
 records ``trace`` prints and the stage catalogue; the JS only displays them.
 
 Per event: statistics (formatted as ``trace --stats`` prints them) and a histogram for every
-layer; the first :data:`MAX_VALUES` values as float16 only for the layers asked for.
+layer; the first :data:`MAX_VALUES` values as float16 only for the layers asked for. For a
+mixture-of-experts model, every layer's route (chosen experts and their weights, per token and
+step): clicking a token shows its route through the layers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from llamatrace import __version__
 from llamatrace.errors import OptionError
+from llamatrace.analysis.experts import ROUTE_STAGES
 from llamatrace.views import diagram as dg
 from llamatrace.gguf.reader import weight_tensor_name
 from llamatrace.views.render import STAT_KEYS
@@ -55,6 +58,7 @@ class _Collector:
         self.value_layers, self.tok = value_layers, tokenizer
         self.events: list[dict[str, Any]] = []
         self.top: dict[int, list[dict[str, Any]]] = {}
+        self.routes: dict[int, dict[str, dict[str, list]]] = {}
 
     def __call__(self, ev: TraceEvent) -> None:
         a = ev.array
@@ -68,6 +72,13 @@ class _Collector:
             flat = np.asarray(a).ravel()[:MAX_VALUES].astype("<f2")
             item["n"] = int(flat.size)
             item["values"] = base64.b64encode(flat.tobytes()).decode("ascii")
+        if ev.stage in ROUTE_STAGES:          # a MoE layer's route: the page shows it per token
+            route = self.routes.setdefault(ev.step, {}).setdefault(str(ev.layer), {})
+            arr = np.asarray(a)
+            if ev.stage == "ffn_moe_topk":
+                route["ids"] = arr.astype(int).tolist()
+            else:                             # the weights applied: the last such stage a layer emits
+                route["weights"] = np.round(arr.astype(np.float64), 5).tolist()
         if ev.stage == "result_output":
             p = softmax64(np.asarray(a)[-1])
             best = np.argsort(-p, kind="stable")[:TOP_K]
@@ -155,6 +166,7 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
         "highlight": sorted(highlight.stage_ids) if highlight else [],
         "highlight_label": highlight.label if highlight else "",
         "stages": _stage_table(), "weights": _weights(runs[0]), "events": collect.events, "top": collect.top,
+        "routes": collect.routes, "n_expert": getattr(c, "n_expert", 0),
         "max_values": MAX_VALUES,
     }
     return _html(data, svgs).encode("utf-8")

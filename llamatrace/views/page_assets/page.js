@@ -50,7 +50,24 @@
     const fed = state.step === 0 ? [0, D.n_prompt] : [D.n_prompt + state.step - 1, D.n_prompt + state.step];
     $("tokens").innerHTML = allTokens.map((t, i) =>
       `<span class="tok${i >= D.n_prompt ? " gen" : ""}${i >= fed[0] && i < fed[1] ? " fed" : ""}" ` +
-      `title="position ${i}, id ${t.id}">${esc(piece(t))}<small>${t.id}</small></span>`).join("");
+      `data-pos="${i}" title="position ${i}, id ${t.id}">${esc(piece(t))}<small>${t.id}</small></span>`).join("");
+    if (D.n_expert) for (const s of $("tokens").querySelectorAll(".tok")) s.addEventListener("click", () => route(+s.dataset.pos));
+  }
+
+  // ---- a token's route through the experts (mixture-of-experts models) --------------------------------
+  function route(pos) {
+    const step = pos < D.n_prompt ? 0 : pos - D.n_prompt + 1, R = D.routes[step] || {};
+    const row = step === 0 ? pos : 0, P = $("panel");
+    const layers = Object.keys(R).map(Number).sort((a, b) => a - b);
+    if (!layers.length) { P.innerHTML = `<h2>route of “${esc(tokenAt(pos))}”</h2><p class="hint">not run (the last token is sampled, never fed)</p>`; return; }
+    const body = layers.map((l) => {
+      const ids = R[l].ids[row], w = (R[l].weights || [])[row] || [];
+      return `<tr><th>layer ${l}</th>` + ids.map((e, j) =>
+        `<td class="num" title="expert ${e}: weight ${w[j]}"><b>${e}</b> <span class="bar" style="display:inline-block;width:${Math.round(60 * (w[j] || 0))}px;height:8px;background:#d62728"></span> ${(w[j] || 0).toFixed(3)}</td>`).join("") + "</tr>";
+    }).join("");
+    P.innerHTML = `<h2 id="p-route">route of “${esc(tokenAt(pos))}” <small>position ${pos}, step ${step}</small></h2>` +
+      `<p class="hint">the experts the router chose for this token in each layer (best first) and the weight of each one's output (top-${R[layers[0]].ids[row].length} of ${D.n_expert})</p>` +
+      `<table class="route">${body}</table>`;
   }
 
   // ---- diagram ----------------------------------------------------------------------------------
@@ -220,5 +237,5 @@
   });
   showView();
   if (D.highlight.length) select(D.stages.find((s) => D.highlight.includes(s.id)).id);
-  window.llamatrace = {state, select, data: D};
+  window.llamatrace = {state, select, route, data: D};
 })();
