@@ -223,3 +223,12 @@ def test_stats_and_timings_annotate_nodes(tiny_model_path, tmp_path):
     assert run(tiny_model_path, "--view", "block", "--stats", "--timings", "-o", str(out)) == 0
     node = node_block(out.read_text(encoding="utf-8"), "kq_soft_max")
     assert "rms" in node and re.search(r"\d (µs|ms) \(\d+%\)", node) and "/oranges9/" in node
+
+
+@needs_dot
+def test_a_control_character_in_the_prompt_is_drawn_escaped(tiny_model_path, tmp_path):
+    # a byte token such as 0x17 (one a random-weight MoE file sampled) is not XML: dot refused the label
+    out = tmp_path / "flow.svg"
+    assert main(["diagram", "--model", str(tiny_model_path), "--raw", "a\x17b", "-o", str(out)]) == 0
+    texts = "".join(ET.parse(out).getroot().itertext())
+    assert "a\\x17b" in texts and "\x17" not in texts

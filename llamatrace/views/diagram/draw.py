@@ -34,7 +34,11 @@ _FONT = "Helvetica,Arial,sans-serif"
 
 
 def _e(text: object) -> str:
-    return html.escape(str(text), quote=True)
+    """``text`` for a Graphviz HTML label: escaped, and characters XML forbids or a font cannot
+    show (control characters of byte tokens such as ``\\x17``) written as ``\\xNN`` / ``\\uNNNN``."""
+    text = "".join(c if c.isprintable() else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+                   for c in str(text))
+    return html.escape(text, quote=True)
 
 
 def _short(text: str, limit: int) -> str:
