@@ -51,6 +51,14 @@ class Architecture:
             ``1/√(dim/n_heads)`` instead of ``1/√head_dim`` (Gemma's 27B models); 0 = never.
         llamacpp_scales_q: llama.cpp's graph scales q before q·kᵀ (its ``kq`` is our
             ``kq_scaled``); read by ``compare`` only, the arithmetic is the same.
+        qk_norm_flat: the q/k norm is one RMSNorm over the whole projection (``attn_q_norm``
+            ``[q_dim]``, ``attn_k_norm`` ``[kv_dim]``: OLMoE) rather than per head.
+        moe: the FFN is always a mixture of experts (:mod:`llamatrace.model.moe`); a ``llama``
+            file is one (Mixtral) when it has ``{arch}.expert_count`` > 0, as in llama.cpp.
+        expert_weights_norm: the chosen experts' weights are divided by their sum (the ``norm_w``
+            llama.cpp's graph passes to ``build_moe_ffn``).
+        expert_ff_key: the experts' hidden width is ``{arch}.expert_feed_forward_length``, else
+            ``feed_forward_length / expert_used_count`` (qwen3moe); otherwise ``feed_forward_length``.
     """
 
     rope_neox: bool = False
@@ -69,11 +77,15 @@ class Architecture:
     fused_gate_up: bool = False
     wide_query_scale_layers: int = 0
     llamacpp_scales_q: bool = False
+    qk_norm_flat: bool = False
+    moe: bool = False
+    expert_weights_norm: bool = False
+    expert_ff_key: bool = False
 
 
 # One row per family; llama.cpp's src/models/<arch>.cpp is the reference for each.
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture(),
+    "llama": Architecture(expert_weights_norm=True),        # Mixtral, when the file has experts
     "qwen2": Architecture(rope_neox=True, qkv_bias=True),
     "qwen3": Architecture(rope_neox=True, qk_norm=True),
     # llama.cpp ignores phi3's attention.sliding_window ("Phi SWA is currently disabled"), so do we
@@ -84,8 +96,14 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma3": Architecture(rope_neox=True, qk_norm=True, post_norms=True, gelu=True, embed_scale=True,
                            swa_pattern=6, rope_base_local=10000.0, rope_scale_local=1.0, final_softcap=0.0, wide_query_scale_layers=62,
                            llamacpp_scales_q=True),
+    "qwen3moe": Architecture(rope_neox=True, qk_norm=True, moe=True, expert_weights_norm=True, expert_ff_key=True),
+    "olmoe": Architecture(rope_neox=True, qk_norm=True, qk_norm_flat=True, moe=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+
+EXPERT_GATING_FUNCS = {1: "softmax", 3: "softmax_weight"}
+"""``{arch}.expert_gating_func`` values llamatrace runs (llama.cpp's ``llama_expert_gating_func_type``:
+1 softmax over every expert, 3 softmax over the chosen experts' logits); without the key, softmax."""
 
 ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 """The ``{arch}.rope.scaling.type`` values llamatrace runs (llama.cpp's, less ``longrope``)."""
@@ -173,6 +191,13 @@ class ModelConfig:
         rope_theta_local: rotary base of the local layers (0.0 = ``rope_theta``).
         rope_scaling: how positions are scaled before the rotation (:class:`RopeScaling`).
         attn_softcap, final_softcap: ``c`` of ``c·tanh(x/c)`` on scores / logits; 0.0 = none.
+        qk_norm_flat: as in :class:`Architecture`.
+        n_expert: experts per MoE layer (``{arch}.expert_count``); 0 = a dense FFN.
+        n_expert_used: experts chosen per token (``{arch}.expert_used_count``), ``1 … n_expert``.
+        expert_hidden_dim: an expert's SwiGLU inner width (rows of ``ffn_gate_exps`` per expert).
+        expert_gating: ``"softmax"`` (over every expert) or ``"softmax_weight"`` (over the
+            chosen experts' logits) — :data:`EXPERT_GATING_FUNCS`.
+        expert_weights_norm: the chosen weights are divided by their sum.
     """
 
     dim: int
@@ -202,6 +227,12 @@ class ModelConfig:
     rope_scaling: RopeScaling = RopeScaling()
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    qk_norm_flat: bool = False
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_hidden_dim: int = 0
+    expert_gating: str = "softmax"
+    expert_weights_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
@@ -223,6 +254,12 @@ class ModelConfig:
 
         if self.ffn_act not in ("silu", "gelu"):
             raise ModelFormatError(f"model config: ffn_act must be 'silu' or 'gelu', got {self.ffn_act!r}")
+        if self.n_expert and not (0 < self.n_expert_used <= self.n_expert and self.expert_hidden_dim > 0
+                                  and self.expert_gating in EXPERT_GATING_FUNCS.values()):
+            raise ModelFormatError(f"model config: a mixture of {self.n_expert} experts needs 1 <= n_expert_used "
+                                   f"({self.n_expert_used}) <= n_expert, expert_hidden_dim "
+                                   f"({self.expert_hidden_dim}) > 0 and a known expert_gating "
+                                   f"({self.expert_gating!r})")
         if any(not 0 <= i < self.n_layers for i in self.local_layers) or self.sliding_window < 0:
             raise ModelFormatError(f"model config: local_layers {self.local_layers} must be layer indices "
                                    f"and sliding_window ({self.sliding_window}) >= 0")
@@ -240,8 +277,10 @@ class ModelConfig:
     def features(self) -> frozenset[str]:
         """The architecture features in use, by the names the stage catalogue's ``when`` column uses:
         ``qkv_bias``, ``qk_norm``, ``post_norms``, ``gelu``, ``embed_scale``, ``swa``,
-        ``attn_softcap``, ``final_softcap``. Empty for a Llama model."""
-        flags = {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "post_norms": self.post_norms,
+        ``attn_softcap``, ``final_softcap``, ``moe`` (a mixture-of-experts FFN), ``moe_norm`` (its
+        weights normalised). Empty for a Llama model."""
+        flags = {"moe": self.n_expert > 0, "moe_norm": self.n_expert > 0 and self.expert_weights_norm,
+                 "qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "post_norms": self.post_norms,
                  "gelu": self.ffn_act == "gelu", "embed_scale": self.embed_scale != 1.0,
                  "swa": bool(self.sliding_window and self.local_layers),
                  "attn_softcap": self.attn_softcap > 0, "final_softcap": self.final_softcap > 0}
@@ -373,6 +412,8 @@ class ModelConfig:
                             spec.rope_base_local if spec.rope_base_local is not None else rope_theta)
         max_seq_len = as_int("context_length", need("context_length"))
         scaling = _rope_scaling(meta, arch, spec, number, max_seq_len, bool(local), source)
+        hidden_dim = as_int("feed_forward_length", need("feed_forward_length"))
+        moe = _experts(meta, arch, spec, as_int, hidden_dim, source)
         wide = spec.wide_query_scale_layers and n_layers == spec.wide_query_scale_layers
         return cls(
             dim=dim,
@@ -380,7 +421,7 @@ class ModelConfig:
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             head_dim=head_dim,
-            hidden_dim=as_int("feed_forward_length", need("feed_forward_length")),
+            hidden_dim=hidden_dim,
             vocab_size=int(vocab_size),
             norm_eps=float(need("attention.layer_norm_rms_epsilon")),
             rope_theta=rope_theta,
@@ -404,7 +445,45 @@ class ModelConfig:
             attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", spec.attn_softcap)) if spec.attn_softcap else 0.0,
             final_softcap=(0.0 if spec.final_softcap is None
                            else float(meta.get(f"{arch}.final_logit_softcapping", spec.final_softcap))),
+            qk_norm_flat=spec.qk_norm_flat,
+            **moe,
         )
+
+
+def _experts(meta: Mapping[str, Any], arch: str, spec: Architecture, as_int, hidden_dim: int,
+             source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of :class:`ModelConfig` from the file's ``{arch}.expert_*`` keys, as
+    llama.cpp's ``load_hparams`` and the arch's ``load_arch_hparams`` read them (empty: a dense FFN).
+
+    Raises:
+        ModelFormatError: an MoE architecture without ``expert_count`` / ``expert_used_count``, or
+            ``expert_used_count`` outside ``1 … expert_count``.
+        UnsupportedModelError: an ``expert_gating_func`` not in :data:`EXPERT_GATING_FUNCS`.
+    """
+    count_key, used_key = f"{arch}.expert_count", f"{arch}.expert_used_count"
+    n_expert = as_int("expert_count", meta.get(count_key, 0))
+    if not (spec.moe or n_expert):
+        return {}
+    for key in (count_key, used_key):
+        if key not in meta:
+            raise ModelFormatError(f"{source}: required metadata key {key!r} is missing; a {arch} mixture of "
+                                   f"experts needs it — the GGUF file is incomplete, re-convert or re-download it")
+    n_used = as_int("expert_used_count", meta[used_key])
+    if not 0 < n_used <= n_expert:
+        raise ModelFormatError(f"{source}: metadata {used_key} = {n_used} must be between 1 and {count_key} = "
+                               f"{n_expert}; the file is damaged — re-convert or re-download it")
+    gating_key = f"{arch}.expert_gating_func"
+    gating = meta.get(gating_key, 1)
+    if gating not in EXPERT_GATING_FUNCS:
+        raise UnsupportedModelError(f"{source}: metadata {gating_key} = {shown(gating)} is a gating function "
+                                    f"llamatrace does not run (it runs {', '.join(f'{k} ({v})' for k, v in EXPERT_GATING_FUNCS.items())})")
+    ff_key = f"{arch}.expert_feed_forward_length"
+    if spec.expert_ff_key:
+        expert_hidden = as_int("expert_feed_forward_length", meta[ff_key]) if ff_key in meta else hidden_dim // n_used
+    else:
+        expert_hidden = hidden_dim
+    return dict(n_expert=n_expert, n_expert_used=n_used, expert_hidden_dim=expert_hidden,
+                expert_gating=EXPERT_GATING_FUNCS[gating], expert_weights_norm=spec.expert_weights_norm)
 
 
 def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number, n_ctx_train: int,

@@ -38,6 +38,7 @@ from llamatrace.kernels.types.registry import matmul
 from llamatrace.machine.runtime import check_interrupt
 from llamatrace.machine.threads import AUTO_THREADS
 from llamatrace.model.cache import KVCache
+from llamatrace.model import moe
 from llamatrace.model.config import ModelConfig
 from llamatrace.model.packcache import PackCache, enabled as cache_enabled
 from llamatrace.text.tokenizer import Tokenizer
@@ -57,6 +58,8 @@ class LayerWeights:
     then ``wv`` is set); otherwise they are ``None``.
     Files that store them fused (phi3's ``attn_qkv``, ``ffn_up`` of 2·hidden_dim rows) always
     load that way. The vectors after ``w2`` exist only for the architectures that declare them.
+    A mixture-of-experts layer has ``moe`` (:class:`llamatrace.model.moe.MoEWeights`) and no
+    dense FFN matrices (``w1``, ``w3``, ``w13``, ``w2`` all ``None``).
     """
 
     attention_norm: np.ndarray        # float32 [dim]
@@ -69,7 +72,7 @@ class LayerWeights:
     w1: packing.Weight | None           # gate [hidden_dim, dim]
     w3: packing.Weight | None           # up   [hidden_dim, dim]
     w13: packing.Weight | None          # [2*hidden_dim, dim]
-    w2: packing.Weight                  # down [dim, hidden_dim]
+    w2: packing.Weight | None           # down [dim, hidden_dim]
     bq: np.ndarray | None = None      # float32 [n_heads*head_dim]        (qkv_bias)
     bk: np.ndarray | None = None      # float32 [n_kv_heads*head_dim]     (qkv_bias)
     bv: np.ndarray | None = None      # float32 [n_kv_heads*head_dim]     (qkv_bias)
@@ -77,6 +80,7 @@ class LayerWeights:
     k_norm: np.ndarray | None = None  # float32 [head_dim]                (qk_norm)
     attention_post_norm: np.ndarray | None = None   # float32 [dim]      (post_norms)
     ffn_post_norm: np.ndarray | None = None         # float32 [dim]      (post_norms)
+    moe: moe.MoEWeights | None = None               # router and experts  (moe)
 
     def vectors(self) -> tuple[np.ndarray, ...]:
         """Every norm weight and bias the block holds."""
@@ -95,7 +99,8 @@ class Weights:
     @property
     def nbytes(self) -> int:
         mats = {id(w): w.nbytes for lw in self.layers
-                for w in (lw.wq, lw.wk, lw.wv, lw.wqkv, lw.wo, lw.w1, lw.w3, lw.w13, lw.w2) if w is not None}
+                for w in (lw.wq, lw.wk, lw.wv, lw.wqkv, lw.wo, lw.w1, lw.w3, lw.w13, lw.w2,
+                          *(lw.moe.matrices() if lw.moe else ())) if w is not None}
         mats[id(self.tok_embeddings)] = self.tok_embeddings.nbytes
         mats[id(self.output)] = self.output.nbytes
         norms = sum(v.nbytes for lw in self.layers for v in lw.vectors()) + self.norm.nbytes
@@ -334,7 +339,8 @@ class Llama:
         return dict(seq_len=seq_len, kv_len=start_pos + seq_len, dim=c.dim, n_heads=c.n_heads,
                     n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, hidden_dim=c.hidden_dim,
                     vocab_size=c.vocab_size, rope_half=c.rope_dim // 2, q_dim=c.q_dim,
-                    kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=max_seq)
+                    kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=max_seq, n_expert=c.n_expert,
+                    n_expert_used=c.n_expert_used, expert_hidden_dim=c.expert_hidden_dim)
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens, start_pos: int, cache: KVCache, recorder: Recorder | None = None,
@@ -383,7 +389,7 @@ class Llama:
             raise OptionError(f"start_layer {start_layer} must be in 0..{c.n_layers}, with a residual "
                               f"[seq_len, dim] = [{seq_len}, {c.dim}] unless it is 0")
         check_interrupt()                         # a Ctrl-C lost in a finalizer (the last compile's) stops here
-        AUTO_THREADS.pick(c.dim * c.hidden_dim)   # all cores, or one on a crowded machine (or --threads)
+        AUTO_THREADS.pick(c.dim * (c.expert_hidden_dim or c.hidden_dim))   # all cores, or one on a crowded machine (or --threads)
         recorder = recorder if recorder is not None else self._recorder
         emit: Emit = null_emit
         if recorder is not None:
@@ -403,6 +409,7 @@ class Llama:
         rope = kernels.rope_neox if c.rope_neox else kernels.rope      # halves or adjacent pairs
         # GELU: the exact tanh formula (HF's); q8 is llama.cpp's arithmetic, whose CPU GELU is an fp16 table
         gelu = kernels.gelu_f16_table if self.activations == "q8" else kernels.gelu
+        moe_opts = moe.MoEOptions.from_config(c) if c.n_expert else None
 
         # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64
         freqs_cis = kernels.precompute_freqs_cis(self.inv_freq, start_pos, seq_len, self.rope_mscale)
@@ -454,9 +461,9 @@ class Llama:
             emit("Qcur_heads", layer, xq)
             emit("Kcur_heads", layer, xk)
             emit("Vcur_heads", layer, xv)
-            if lw.q_norm is not None:                            # qk_norm: RMSNorm of each head
-                xq = kernels.rmsnorm(xq.reshape(-1, head_dim), lw.q_norm, c.norm_eps).reshape(xq.shape)
-                xk = kernels.rmsnorm(xk.reshape(-1, head_dim), lw.k_norm, c.norm_eps).reshape(xk.shape)
+            if lw.q_norm is not None:                            # qk_norm: RMSNorm of each head (or of all: OLMoE)
+                xq = kernels.rmsnorm(xq.reshape(-1, lw.q_norm.shape[0]), lw.q_norm, c.norm_eps).reshape(xq.shape)
+                xk = kernels.rmsnorm(xk.reshape(-1, lw.k_norm.shape[0]), lw.k_norm, c.norm_eps).reshape(xk.shape)
                 xq = emit("Qcur_normed", layer, xq)
                 xk = emit("Kcur_normed", layer, xk)
             # rotary embedding of queries and keys (values are not rotated)
@@ -510,24 +517,13 @@ class Llama:
             # residual connection around attention
             h = x + attn_out
             h = emit("ffn_inp", layer, h)
-            # feed-forward pre-norm, then the gated FFN: w2(act(w1·x) * w3·x), act SiLU or GELU
+            # feed-forward pre-norm, then the gated FFN w2(act(w1·x) * w3·x), or the experts' (moe)
             hn = kernels.rmsnorm(h, lw.ffn_norm, c.norm_eps)
             hn = emit("ffn_norm", layer, hn)
-            if lw.w13 is not None and c.ffn_act != "gelu" and not watched(layer, *_GATE_UP_STAGES):
-                # nothing reads gate or up: SiLU(gate)·up straight from the stacked product, unsplit
-                glu = kernels.swiglu(matmul(hn, lw.w13))
+            if lw.moe is not None:
+                ffn_out = moe.moe_ffn(hn, lw.moe, moe_opts, emit, layer, watched)
             else:
-                gate, up = self._gate_up(hn, lw)
-                gate = emit("ffn_gate", layer, gate)
-                if c.ffn_act == "gelu":
-                    gate = emit("ffn_gelu", layer, gelu(gate))
-                else:
-                    gate = emit("ffn_silu", layer, kernels.silu(gate))
-                up = emit("ffn_up", layer, up)
-                glu = gate * up
-            glu = emit("ffn_geglu" if c.ffn_act == "gelu" else "ffn_swiglu", layer, glu)
-            ffn_out = matmul(glu, lw.w2)
-            ffn_out = emit("ffn_out", layer, ffn_out)
+                ffn_out = self._ffn(hn, lw, layer, emit, watched, gelu)
             if lw.ffn_post_norm is not None:                     # post_norms
                 ffn_out = kernels.rmsnorm(ffn_out, lw.ffn_post_norm, c.norm_eps)
                 ffn_out = emit("ffn_post_norm", layer, ffn_out)
@@ -582,6 +578,24 @@ class Llama:
             parts.append(matmul(xn, lw.wv))
         xq, xk, xv = parts
         return xq, xk, xv
+
+    def _ffn(self, hn: np.ndarray, lw: LayerWeights, layer: int, emit: Emit, watched, gelu) -> np.ndarray:
+        """The dense gated FFN of ``ffn_norm``'s rows: w2(act(w1·x) * w3·x), act SiLU or GELU."""
+        c = self.config
+        if lw.w13 is not None and c.ffn_act != "gelu" and not watched(layer, *_GATE_UP_STAGES):
+            # nothing reads gate or up: SiLU(gate)·up straight from the stacked product, unsplit
+            glu = kernels.swiglu(matmul(hn, lw.w13))
+        else:
+            gate, up = self._gate_up(hn, lw)
+            gate = emit("ffn_gate", layer, gate)
+            if c.ffn_act == "gelu":
+                gate = emit("ffn_gelu", layer, gelu(gate))
+            else:
+                gate = emit("ffn_silu", layer, kernels.silu(gate))
+            up = emit("ffn_up", layer, up)
+            glu = gate * up
+        glu = emit("ffn_geglu" if c.ffn_act == "gelu" else "ffn_swiglu", layer, glu)
+        return emit("ffn_out", layer, matmul(glu, lw.w2))
 
     def _gate_up(self, hn: np.ndarray, lw: LayerWeights) -> tuple[np.ndarray, np.ndarray]:
         if lw.w13 is None:
@@ -644,7 +658,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
               "wq": (q_dim, c.dim), "wk": (kv_dim, c.dim), "wv": (kv_dim, c.dim), "wo": (c.dim, q_dim),
               "w1": (c.hidden_dim, c.dim), "w3": (up_rows, c.dim), "w2": (c.dim, c.hidden_dim),
               "wqkv": (q_dim + 2 * kv_dim, c.dim), "bq": (q_dim,), "bk": (kv_dim,), "bv": (kv_dim,),
-              "q_norm": (hd,), "k_norm": (hd,), "attention_post_norm": (c.dim,), "ffn_post_norm": (c.dim,)}
+              "q_norm": (q_dim if c.qk_norm_flat else hd,), "k_norm": (kv_dim if c.qk_norm_flat else hd,), "attention_post_norm": (c.dim,), "ffn_post_norm": (c.dim,)}
 
     def raw(meta: str, layer: int | None):
         name = gguf_name(meta, layer)
@@ -698,13 +712,33 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
         packed(t)
         return w
 
+    def expert_rows(name: str, parts: list, n_in: int) -> packing.Weight:
+        """Experts' matrices, each ``(3-D tensor, expert)``, packed as one Weight of their rows."""
+        rows = tuple(int(t.shape[1]) for t, _ in parts)          # ggml order: [n_in, rows, n_expert]
+        return store.weight(name, activations, (parts[0][0].tensor_type, sum(rows), n_in, rows),
+                            lambda: packing.pack_concat(name, [(t.tensor_type, t.data[e], r, n_in)
+                                                               for (t, e), r in zip(parts, rows)],
+                                                        activations=activations, arena=arena))
+
+    def router(name: str, t, n_out: int, n_in: int) -> packing.Weight:
+        return store.weight(name, activations, (t.tensor_type, n_out, n_in, (n_out,)),
+                            lambda: packing.pack(name, t.tensor_type, t.data, n_out, n_in,
+                                                 activations=activations, arena=arena))
+
     layers = []
     for i in range(c.n_layers):
         if c.fused_qkv:
             wqkv = split("wqkv", i, (q_dim, kv_dim, kv_dim))
         else:
             wqkv = stacked(("wq", "wk", "wv"), i) or stacked(("wq", "wk"), i)
-        w13 = split("w3", i, (c.hidden_dim, c.hidden_dim)) if c.fused_gate_up else stacked(("w1", "w3"), i)
+        experts = moe.load(f, c, i, router, expert_rows) if c.n_expert else None
+        if experts is not None:
+            w13 = None
+            packed(*(f.tensor(f"blk.{i}.{n}.weight") for n in (moe.ROUTER_TENSOR, *moe.EXPERT_TENSORS)))
+        elif c.fused_gate_up:
+            w13 = split("w3", i, (c.hidden_dim, c.hidden_dim))
+        else:
+            w13 = stacked(("w1", "w3"), i)
         lw = LayerWeights(
             attention_norm=vector("attention_norm", i),
             wq=None if wqkv else matrix("wq", i),
@@ -713,10 +747,11 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             wqkv=wqkv,
             wo=matrix("wo", i),
             ffn_norm=vector("ffn_norm", i),
-            w1=None if w13 else matrix("w1", i),
-            w3=None if w13 else matrix("w3", i),
+            w1=None if w13 or experts else matrix("w1", i),
+            w3=None if w13 or experts else matrix("w3", i),
             w13=w13,
-            w2=matrix("w2", i),
+            w2=None if experts else matrix("w2", i),
+            moe=experts,
         )
         if c.qkv_bias:
             lw.bq, lw.bk, lw.bv = vector("bq", i), vector("bk", i), vector("bv", i)
