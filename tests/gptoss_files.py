@@ -48,6 +48,24 @@ TOKENIZER_TEXTS = (
     "Привет, мир!", "emoji 🦙🚀 mixed", "tabs\tand\nnewlines \n end", "x" * 40, "I'm  you're\n\t 42nd",
     "<|im_start|>not special", "",
 )
+# A conversation for gpt-oss's own chat template (models/templates/openai-gpt-oss-120b.jinja in the sdist)
+CHAT_MESSAGES = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Sky colour?"},
+                 {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "And grass?"}]
+CHAT_TEMPLATE_MEMBER = "vendor/llama.cpp/models/templates/openai-gpt-oss-120b.jinja"
+CHAT_DATE = ('strftime_now("%Y-%m-%d")', '"2026-01-01"')   # the template's "Current date", fixed for the golden
+
+
+def gptoss_chat_template(sdist) -> str:
+    """gpt-oss's chat template from the llama-cpp-python sdist tarball at ``sdist``, its current date
+    fixed (:data:`CHAT_DATE`)."""
+    import tarfile
+    with tarfile.open(sdist) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith(CHAT_TEMPLATE_MEMBER))
+        text = tar.extractfile(member).read().decode("utf-8")
+    assert CHAT_DATE[0] in text
+    return text.replace(*CHAT_DATE)
+
+
 ROUTER_STD = 4.0
 EXPERT_STD = 4.0                     # gate/up outputs reach past the clamp at ±7
 

@@ -18,11 +18,14 @@ import pytest
 
 from arch_files import relative, run_positions
 from cli_helpers import assert_one_line_error, run
-from gptoss_files import K, N_LAYERS, TOKENIZER_TEXTS, WINDOW, T, write_gptoss_file
+from gptoss_files import (CHAT_MESSAGES, K, N_LAYERS, TOKENIZER_TEXTS, WINDOW, T, gptoss_chat_template,
+                          write_gptoss_file)
+from llamacpp_sdist import sdist_path
 
 from llamatrace.errors import UnsupportedModelError
 from llamatrace.model import moe
 from llamatrace.model.llama import Llama
+from llamatrace.text.chat import render_chat
 from llamatrace.text.tokenizer import Tokenizer
 from llamatrace.gguf.reader import open_gguf
 
@@ -104,3 +107,12 @@ def test_missing_gpt_oss_tensor_is_one_error_line_naming_it(tensor, tmp_path, ca
 def test_an_expert_activation_we_do_not_have_is_refused(models):
     with pytest.raises(UnsupportedModelError, match="activation 'gelu'.*silu, swiglu_oai"):
         dataclasses.replace(models["f32"].config, expert_act="gelu")
+
+
+def test_gpt_oss_chat_template_renders_as_llama_cpp_python_does(llamacpp):
+    # the published template (harmony format: system header, developer instructions, channels),
+    # through our sandbox, against llama-cpp-python's own Jinja2ChatFormatter on the same messages
+    template = gptoss_chat_template(sdist_path())
+    parts = render_chat(template, CHAT_MESSAGES, bos_token="<|startoftext|>", eos_token="<|return|>")
+    assert "".join(text for text, _ in parts) == str(llamacpp["chat"])
+    assert [text for text, user in parts if user] == [m["content"] for m in CHAT_MESSAGES]

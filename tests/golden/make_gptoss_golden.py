@@ -10,6 +10,9 @@ NOT part of llamatrace and never imported by the tests, which only read what it 
       tok_ids        int32: llama.cpp's tokens (no BOS, no special parsing) of gptoss_files.TOKENIZER_TEXTS
                      (the file's vocabulary with the ``gpt-4o`` pre-tokenizer), one after another
       tok_offsets    int32 [len + 1]: where each string's tokens start in tok_ids
+      chat           str: gptoss_files.CHAT_MESSAGES rendered by gpt-oss's own chat template
+                     (the sdist's models/templates/openai-gpt-oss-120b.jinja, date fixed) through
+                     llama-cpp-python's Jinja2ChatFormatter, with the generation prompt
 
 The f32 file (F32 experts) runs as llama.cpp's float32 arithmetic; the mxfp4 file (MXFP4 experts)
 runs with llama.cpp's Q8_0 activations before every MXFP4 matmul (its CPU backend's only way).
@@ -18,7 +21,8 @@ capture mode: logits of every token, F32 KV cache, flash attention off), 2 threa
 
 Usage (from the repo root, in the golden venv: llama-cpp-python 0.3.36, gguf):
 
-  /work/venv-golden/bin/python tests/golden/make_gptoss_golden.py --out tests/golden
+  /work/venv-golden/bin/python tests/golden/make_gptoss_golden.py --out tests/golden \
+      --sdist ~/.cache/llamatrace/sdist/llama_cpp_python-0.3.36.tar.gz
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))                        # this checkout's llamatrace (peers need no numba)
 sys.path.insert(0, str(ROOT / "tests"))
-from gptoss_files import TOKENIZER_TEXTS, T, WINDOW, write_gptoss_file  # noqa: E402
+from gptoss_files import CHAT_MESSAGES, TOKENIZER_TEXTS, T, WINDOW, gptoss_chat_template, write_gptoss_file  # noqa: E402
 from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
 
 N = 16                                  # tokens: > 3 windows of WINDOW (5), past YaRN's 8
@@ -63,11 +67,19 @@ def llamacpp_tokens(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.array([i for r in rows for i in r], np.int32), offsets
 
 
+def llamacpp_chat(sdist: Path) -> str:
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    fmt = Jinja2ChatFormatter(gptoss_chat_template(sdist), eos_token="<|return|>", bos_token="<|startoftext|>",
+                              add_generation_prompt=True)
+    return fmt(messages=CHAT_MESSAGES).prompt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "golden")
+    ap.add_argument("--sdist", type=Path, required=True, help="the llama-cpp-python 0.3.36 sdist tarball")
     args = ap.parse_args()
-    out = {}
+    out = {"chat": np.array(llamacpp_chat(args.sdist))}
     with tempfile.TemporaryDirectory() as tmp:
         for name, experts in (("f32", T.F32), ("mxfp4", T.MXFP4)):
             path = write_gptoss_file(Path(tmp) / f"tiny-gpt-oss-{name}.gguf", experts=experts)
