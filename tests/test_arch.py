@@ -174,7 +174,7 @@ def test_gemma3_window_is_masked_on_local_layers_only(models):
 
 
 # ---- bad input --------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["mamba", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["mamba", "phimoe"])
 def test_unsupported_architecture_is_one_error_line_naming_it_and_the_list(arch, tmp_path, capsys):
     path = write_tiny_llama(tmp_path / f"{arch}.gguf", arch=arch)
     assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"),

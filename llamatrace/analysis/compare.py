@@ -43,7 +43,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from llamatrace.analysis.difference import metrics
-from llamatrace.tracing.stages import STAGE_IDS, STAGES
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGE_IDS, STAGES
 from llamatrace.tracing.recorder import stage_key
 
 EXACT_STAGES = frozenset({"inp_embd", "kq_mask", "freqs_cis"})
@@ -340,6 +340,9 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
             put(layer, base, a.reshape(-1, a.shape[-2], a.shape[-1])[..., :kv_len])
         elif base == "kqv":
             put(layer, base, a.reshape(-1, a.shape[-2], a.shape[-1]))
+        elif base.startswith("ffn_moe_") and base in STAGE_BY_ID:     # ggml [k, n_tokens] or [X, k, n_tokens]
+            per_expert = STAGE_BY_ID[base].shape.count(",") == 2
+            put(layer, base, a.reshape(seq_len, -1, a.shape[-1]) if per_expert else a.reshape(seq_len, -1))
         elif base in _SAME_NAME or base == "ffn_inp":
             put(layer, base, a.reshape(-1, a.shape[-1]))
     return out

@@ -84,7 +84,7 @@ def resolve_hooks(names: list[str], config) -> list[Hook]:
                 hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, rope_half=c.rope_dim // 2, q_dim=c.q_dim,
                 kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=1)
     for name in names:
-        served = tl.resolve(name, c.n_layers, c.post_norms)
+        served = tl.resolve(name, c.n_layers, c.post_norms, bool(c.n_expert))
         if not served.per_token:
             raise OptionError(f"--hook {name}: attention scores and patterns are not one vector per token; "
                               f"collect residual, MLP or head activations (or use model.run_with_cache)")
@@ -210,7 +210,8 @@ def write_shard(model, job: ShardJob) -> dict:
     n_seq, ctx = job.tokens.shape
     rows = n_seq * ctx
     columns = {h.name: np.empty((rows, h.width), dtype=job.dtype) for h in job.hooks}
-    served = [tl.resolve(h.name, model.config.n_layers, model.config.post_norms) for h in job.hooks]
+    served = [tl.resolve(h.name, model.config.n_layers, model.config.post_norms,
+                          bool(model.config.n_expert)) for h in job.hooks]
 
     def keep(b: int, ids, arrays: dict) -> None:
         for h in job.hooks:

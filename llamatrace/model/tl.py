@@ -19,6 +19,12 @@ different quantity than our stage — to TL's quantity:
   scaled by √d_model (TL folds the scale into ``W_E``), ``hook_attn_out`` / ``hook_mlp_out`` are
   taken after the post-norms, and ``ln1_post`` / ``ln2_post`` are served like ``ln1`` / ``ln2``
   from the attention / MLP outputs.
+* Mixture-of-experts models (TL's Mixtral ``MoE``): ``mlp.hook_expert_weights`` is the router's
+  softmax over every expert (``ffn_moe_probs``, ``[batch, pos, n_expert]``; TL's own is flattened
+  to ``[batch·pos, n_expert]``), ``mlp.hook_expert_indices`` the chosen experts (``ffn_moe_topk``,
+  ``[batch, pos, k]``), ``hook_mlp_out`` the weighted sum (``ffn_moe_out``); TL's MoE has no
+  ``mlp.hook_pre`` / ``hook_pre_linear`` / ``hook_post`` (each expert has its own: the
+  ``ffn_moe_gate@L`` … stages, ``[batch, pos, k, d_expert]``).
 
 TL names we could only fake are refused with the reason (:data:`REFUSED`). Our own stage ids
 (``l_out@8``, ``inp_embd``) are served too, in our layout with a batch axis in front.
@@ -86,6 +92,12 @@ MODEL_HOOKS: dict[str, tuple[str, str]] = {
     "ln_final.hook_scale": ("result_norm", "scale"),
     "ln_final.hook_normalized": ("result_norm", "normalized"),
 }
+# TL's Mixtral MoE: what replaces the dense MLP's hooks under blocks.{L}. in a mixture-of-experts model.
+MOE_HOOKS: dict[str, tuple[str, str]] = {
+    "mlp.hook_expert_weights": ("ffn_moe_probs", "same"),
+    "mlp.hook_expert_indices": ("ffn_moe_topk", "same"),
+}
+_DENSE_MLP_HOOKS = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
 # TL names with no honest counterpart here, and why.
 REFUSED: dict[str, str] = {
     "hook_pos_embed": "Llama has no positional embedding (RoPE rotates q and k: attn.hook_rot_q/hook_rot_k)",
@@ -129,12 +141,20 @@ class Served:
         return self.stage not in ("kq_masked", "kq_soft_max")
 
 
-def _block_hooks(post_norms: bool) -> dict[str, tuple[str, str]]:
-    """TL's names under ``blocks.{L}.`` for a model with (Gemma 2/3) or without post-norms, in forward order."""
-    if not post_norms:
+def _block_hooks(post_norms: bool, moe: bool = False) -> dict[str, tuple[str, str]]:
+    """TL's names under ``blocks.{L}.`` for a model with (Gemma 2/3) or without post-norms, and with
+    a mixture of experts (``moe``) or a dense MLP, in forward order."""
+    if not (post_norms or moe):
         return LAYER_HOOKS
     out = {}
     for name, value in LAYER_HOOKS.items():
+        if moe and name in _DENSE_MLP_HOOKS:
+            continue
+        if moe and name == "hook_mlp_out":
+            out.update(MOE_HOOKS)
+        if not post_norms:
+            out[name] = value
+            continue
         if name == "hook_attn_out":
             out.update({k: v for k, v in POST_NORM_HOOKS.items() if k.startswith("ln1_post")})
         if name == "hook_mlp_out":
@@ -143,20 +163,21 @@ def _block_hooks(post_norms: bool) -> dict[str, tuple[str, str]]:
     return out
 
 
-def served_names(n_layers: int, post_norms: bool = False) -> list[str]:
+def served_names(n_layers: int, post_norms: bool = False, moe: bool = False) -> list[str]:
     """Every TL name served for a model of ``n_layers`` blocks (``post_norms``: with Gemma's
-    ``ln1_post`` / ``ln2_post``), in forward order."""
+    ``ln1_post`` / ``ln2_post``; ``moe``: with experts), in forward order."""
     names = ["hook_embed"]
     for layer in range(n_layers):
-        names += [f"blocks.{layer}.{h}" for h in _block_hooks(post_norms)]
+        names += [f"blocks.{layer}.{h}" for h in _block_hooks(post_norms, moe)]
     return names + ["ln_final.hook_scale", "ln_final.hook_normalized"]
 
 
-def resolve(name: str, n_layers: int, post_norms: bool = False) -> Served:
+def resolve(name: str, n_layers: int, post_norms: bool = False, moe: bool = False) -> Served:
     """What carries ``name``: a TL hook name (``blocks.8.hook_resid_post``), a TL short name with a
     layer (``("resid_post", 8)``), or a stage id (``l_out@8``, ``inp_embd``).
 
     ``post_norms``: the model has Gemma's post-norms, so ``ln1_post`` / ``ln2_post`` are served.
+    ``moe``: the model's MLPs are mixtures of experts (:data:`MOE_HOOKS` instead of the dense MLP's).
 
     Raises:
         OptionError: an unknown name (with close matches), a TL name that is refused (with why),
@@ -180,7 +201,12 @@ def resolve(name: str, n_layers: int, post_norms: bool = False) -> Served:
         if rest in POST_NORM_HOOKS and not post_norms:
             raise OptionError(f"hook {name!r} is not served: this model has no norm after attention and "
                               f"MLP (TL's ln1_post / ln2_post are Gemma 2 and 3's)")
-        hooks = _block_hooks(post_norms)
+        if rest in MOE_HOOKS and not moe:
+            raise OptionError(f"hook {name!r} is not served: this model's MLPs are dense, without experts")
+        if rest in _DENSE_MLP_HOOKS and moe:
+            raise OptionError(f"hook {name!r} is not served: a mixture of experts has no single MLP; each chosen "
+                              f"expert's is a stage (ffn_moe_gate@{layer}, ffn_moe_up@{layer}, ffn_moe_swiglu@{layer})")
+        hooks = _block_hooks(post_norms, moe)
         if rest in hooks:
             _check_layer(name, layer, n_layers)
             stage, kind = hooks[rest]
@@ -201,7 +227,7 @@ def resolve(name: str, n_layers: int, post_norms: bool = False) -> Served:
         if layer is not None:
             _check_layer(name, layer, n_layers)
         return Served(name, stage_id, layer, "stage")
-    known = served_names(n_layers, post_norms) + [f"{s}@0" for s in STAGE_BY_ID]
+    known = served_names(n_layers, post_norms, moe) + [f"{s}@0" for s in STAGE_BY_ID]
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else \
         "; TL names look like blocks.0.hook_resid_post, stage ids like l_out@0"
@@ -213,25 +239,25 @@ def _check_layer(name: str, layer: int, n_layers: int) -> None:
         raise OptionError(f"hook {name!r}: this model has {n_layers} layers (0-{n_layers - 1})")
 
 
-def select(names_filter, n_layers: int, post_norms: bool = False) -> list[Served]:
+def select(names_filter, n_layers: int, post_norms: bool = False, moe: bool = False) -> list[Served]:
     """The served names a ``names_filter`` picks: ``None`` (all TL names), a name, a list of
     names, or a predicate ``fn(name) -> bool`` over the TL names (TL's convention);
-    ``post_norms`` as in :func:`resolve`.
+    ``post_norms``, ``moe`` as in :func:`resolve`.
 
     Raises:
         OptionError: as :func:`resolve`, or a filter that picks nothing.
     """
     if names_filter is None:
-        names: Iterable = served_names(n_layers, post_norms)
+        names: Iterable = served_names(n_layers, post_norms, moe)
     elif callable(names_filter):
-        names = [n for n in served_names(n_layers, post_norms) if names_filter(n)]
+        names = [n for n in served_names(n_layers, post_norms, moe) if names_filter(n)]
     elif isinstance(names_filter, (str, tuple)):
         names = [names_filter]
     else:
         names = list(names_filter)
     out, seen = [], set()
     for name in names:
-        served = resolve(name, n_layers, post_norms)
+        served = resolve(name, n_layers, post_norms, moe)
         if served.name not in seen:
             seen.add(served.name)
             out.append(served)
@@ -271,6 +297,8 @@ def _stage_for(s: Served, config) -> Served:
         stage = "ffn_geglu"
     if config.post_norms and s.kind == "same":
         stage = {"attn_out": "attn_post_norm", "ffn_out": "ffn_post_norm"}.get(stage, stage)
+    if config.n_expert and stage == "ffn_out":
+        stage = "ffn_moe_out"
     if config.embed_scale != 1.0 and stage == "inp_embd" and s.kind == "same":
         stage = "inp_scaled"
     return s if stage == s.stage else Served(s.name, stage, s.layer, s.kind)
@@ -306,7 +334,8 @@ class _Converter:
             out = resid / _rms(resid, self.eps)
         else:
             raise AssertionError(kind)
-        return np.array(out, dtype=np.float32)[None]     # a copy: later stages must not change it
+        # a copy: later stages must not change it; float32, or the ids' int32 (mlp.hook_expert_indices)
+        return np.array(out, dtype=a.dtype if a.dtype.kind == "i" else np.float32)[None]
 
     def from_tl(self, kind: str, r: np.ndarray, a: np.ndarray, resid: np.ndarray | None,
                 weight: np.ndarray | None) -> np.ndarray:
@@ -324,7 +353,7 @@ class _Converter:
             out = r * weight
         else:
             raise AssertionError(kind)
-        return np.ascontiguousarray(out, dtype=np.float32)
+        return np.ascontiguousarray(out, dtype=a.dtype if a.dtype.kind == "i" else np.float32)
 
 
 # ---- running ----------------------------------------------------------------------------------
@@ -343,7 +372,8 @@ class HookPoint:
 
 
 class ActivationCache(dict):
-    """``run_with_cache``'s cache: name -> float32 array, TL's shape with the batch axis first.
+    """``run_with_cache``'s cache: name -> float32 array (int32: the expert indices), TL's shape with
+    the batch axis first.
 
     ``cache["blocks.3.hook_resid_post"]``, ``cache["resid_post", 3]`` (TL's short names) and
     ``cache["l_out@3"]`` all work. ``attention_mask`` int ``[batch, pos]`` (1 = a real token),
@@ -483,7 +513,7 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
                         if np.array_equal(act, before):
                             continue
                         new = act
-                    new = np.asarray(new, dtype=np.float32)
+                    new = np.asarray(new, dtype=act.dtype)
                     if new.shape != act.shape:
                         raise HookError(f"the hook on {s.name!r} returned shape {list(new.shape)}; it must "
                                         f"return {list(act.shape)} like its input, or None to keep it")
@@ -528,7 +558,7 @@ def _pad(seqs, results, firsts, served: Mapping[str, Served], padding_side: str)
         shape = list(arrays[0].shape)
         for ax in pos_axes:
             shape[ax] = width
-        out = np.full([n] + shape[1:], fill, dtype=np.float32)
+        out = np.full([n] + shape[1:], fill, dtype=arrays[0].dtype)
         for b, a in enumerate(arrays):
             idx: list[Any] = [b] + [slice(None)] * (a.ndim - 1)
             for ax in pos_axes:

@@ -88,6 +88,7 @@ class TraceEvent:
     values: dict[str, list] | None = None
     array: np.ndarray | None = field(default=None, repr=False)
     phase: str = "prefill"          # of the forward call: "prefill" or "decode" (:func:`call_phase`)
+    rows: list | None = None        # the values of a routing stage (Stage.routing), as nested lists
 
     @property
     def key(self) -> str:
@@ -288,6 +289,7 @@ class Recorder:
             stats=tensor_stats(array) if self.stats else None,
             values=head_tail(array, self.values) if self.values else None,
             array=np.array(array, copy=True) if self.keep_arrays else None, phase=phase,
+            rows=np.asarray(array).tolist() if stage.routing else None,
         )
         if self.keep_events:
             self.events.append(event)

@@ -27,12 +27,15 @@ Columns, per :class:`Stage`:
   as (chapter name, GGUF tensor suffix) and print ``[out_features in_features]`` as the chapter does.
 * ``when`` — ``always``; ``masked`` (only when a causal mask exists: more than one query row, or
   a sliding-window layer); ``gqa`` (only when ``n_kv_heads < n_heads``); an architecture feature
-  (:attr:`ModelConfig.features`: ``qkv_bias``, ``qk_norm``, ``post_norms``, ``gelu``, ``swa`` ...)
-  or its absence (``!gelu``): the stage exists only for the architectures that have it.
+  (:attr:`ModelConfig.features`: ``qkv_bias``, ``qk_norm``, ``post_norms``, ``gelu``, ``swa``,
+  ``moe`` ...) or its absence (``!gelu``), or several joined by ``&`` (``!gelu&!moe``): the stage
+  exists only for the architectures that have it.
 * ``lines`` — the log-line templates of the default renderer, in the chapter's wording
   (``[DEBUG]`` lines of the book). ``{name}`` is an input's shape, ``{out}`` the output's,
   ``{[formula]}`` any shape formula; also ``{layer1}``, ``{n_layers}``, ``{start_pos}``,
   ``{end_pos}``, ``{n_rep}``, ``{mask}`` and ``{w_<name>}`` for weight shapes.
+* ``routing`` — the router's choice (expert ids, their weights): ``[seq_len, n_expert_used]``, small
+  enough that the trace prints its values, token by token.
 * ``skip_lines`` — printed instead when ``when`` rules the stage out (a decode step's
   "Skipping addition scores + mask"), in the same template language.
 """
@@ -41,12 +44,13 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
 # Shape variables a formula may use. kv_len = start_pos + seq_len (keys held in the cache).
 SHAPE_VARS = ("seq_len", "kv_len", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
-              "vocab_size", "rope_half", "q_dim", "kv_dim", "n_rep", "max_seq")
+              "vocab_size", "rope_half", "q_dim", "kv_dim", "n_rep", "max_seq", "n_expert", "n_expert_used",
+              "expert_hidden_dim")
 
 GROUPS = ("input", "attention", "ffn", "output")
 
@@ -74,6 +78,7 @@ class Stage:
     replaceable: bool = True   # a real array a hook may replace (not a view or lazy copy)
     sources: tuple[tuple[str, str], ...] = ()   # (input, producing stage id) the chapter's name can't tell
     residual: bool = False     # a residual add: the stream in, the stream out (drawn on the spine)
+    routing: bool = False      # the router's choice (ids, weights): small, its values printed per token
 
 
 _RESID = "[seq_len, dim]"
@@ -311,12 +316,12 @@ STAGES: tuple[Stage, ...] = (
                       "from_pretrained); ours includes it")),
     Stage("ffn_gate", "layer", "MatMul", "h", "15.6", 17, "ffn_gate", "mlp.hook_pre", "ffn",
           "[seq_len, hidden_dim]", "Gate projection x·w1ᵀ.",
-          inputs=(("x", _RESID),), weights=(("ffn_gate", "ffn_gate.weight"),),
+          inputs=(("x", _RESID),), weights=(("ffn_gate", "ffn_gate.weight"),), when="!moe",
           lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaFeedForward.ffn_gate weights shape({w_ffn_gate}) -> tensor h",),
           sources=(("x", "ffn_norm"),)),
     Stage("ffn_silu", "layer", "SiLU", "h", "15.6", 17, None, None, "ffn",
           "[seq_len, hidden_dim]", "SiLU (swish) of the gate: h·sigmoid(h).",
-          inputs=(("h", "[seq_len, hidden_dim]"),), when="!gelu",
+          inputs=(("h", "[seq_len, hidden_dim]"),), when="!gelu&!moe",
           lines=("Calling ml.Silu for h shape({h}) -> tensor h",),
           llama_cpp_note="fused: ggml_swiglu_split computes silu(gate)·up in one op (ffn_swiglu)"),
     Stage("ffn_gelu", "layer", "GELU", "h", "15.6", 17, None, None, "ffn",
@@ -326,12 +331,12 @@ STAGES: tuple[Stage, ...] = (
           llama_cpp_note="fused: ggml_geglu_split computes gelu(gate)·up in one op (ffn_geglu)"),
     Stage("ffn_up", "layer", "MatMul", "ffnUpX", "15.6", 17, "ffn_up", "mlp.hook_pre_linear", "ffn",
           "[seq_len, hidden_dim]", "Up projection x·w3ᵀ.",
-          inputs=(("x", _RESID),), weights=(("ffn_up", "ffn_up.weight"),),
+          inputs=(("x", _RESID),), weights=(("ffn_up", "ffn_up.weight"),), when="!moe",
           lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaFeedForward.ffn_up weights shape({w_ffn_up}) -> tensor ffnUpX",),
           sources=(("x", "ffn_norm"),)),
     Stage("ffn_swiglu", "layer", "Multiply", "ffnUpX", "15.6", 17, "ffn_swiglu", "mlp.hook_post", "ffn",
           "[seq_len, hidden_dim]", "SwiGLU: silu(gate) ⊙ up.",
-          inputs=(("h", "[seq_len, hidden_dim]"), ("ffnUpX", "[seq_len, hidden_dim]")), when="!gelu",
+          inputs=(("h", "[seq_len, hidden_dim]"), ("ffnUpX", "[seq_len, hidden_dim]")), when="!gelu&!moe",
           lines=("Calling ml.MultiplyElementwise for h shape({h}) and ffnUpX weights shape({ffnUpX}) -> tensor ffnUpX",)),
     Stage("ffn_geglu", "layer", "Multiply", "ffnUpX", "15.6", 17, "ffn_geglu", "mlp.hook_post", "ffn",
           "[seq_len, hidden_dim]", "GeGLU: gelu(gate) ⊙ up (Gemma).",
@@ -340,12 +345,66 @@ STAGES: tuple[Stage, ...] = (
           llama_cpp_note="ggml_geglu_split; its CPU kernel reads GELU from an fp16 table (see docs/models.md)"),
     Stage("ffn_out", "layer", "MatMul", "ffnOutput", "15.6", 17, "ffn_out", "hook_mlp_out", "ffn",
           _RESID, "Down projection h·w2ᵀ.",
-          inputs=(("h", "[seq_len, hidden_dim]"),), weights=(("ffn_down", "ffn_down.weight"),),
+          inputs=(("h", "[seq_len, hidden_dim]"),), weights=(("ffn_down", "ffn_down.weight"),), when="!moe",
           lines=("Calling ml.LinearTransformation for h shape({h}) and LlamaFeedForward.ffn_down weights shape({w_ffn_down}) -> tensor output",
                  "Returning tensor output: shape({out})"),
           llama_cpp_note=("the down projection (ffn_down only exists with a bias); the residual sum is "
                           "named ffn_out too"),
           sources=(("h", "ffn_swiglu|ffn_geglu"),)),
+    # ---- the mixture-of-experts FFN (moe): llama.cpp's build_moe_ffn ---------------------------
+    Stage("ffn_moe_logits", "layer", "MatMul", "routerLogits", "15.6", 17, "ffn_moe_logits", None, "ffn",
+          "[seq_len, n_expert]", "Router: one logit per expert, x·ffn_gate_inpᵀ.",
+          inputs=(("x", _RESID),), weights=(("ffn_gate_inp", "ffn_gate_inp.weight"),), when="moe",
+          lines=("Calling ml.LinearTransformation for x shape({x}) and router ffn_gate_inp weights shape({w_ffn_gate_inp}) -> tensor routerLogits shape({out})",),
+          sources=(("x", "ffn_norm"),)),
+    Stage("ffn_moe_probs", "layer", "Softmax", "routerProbs", "15.6", 17, "ffn_moe_probs", "mlp.hook_expert_weights", "ffn",
+          "[seq_len, n_expert]", "Router probabilities: softmax over the experts (gpt-oss: the logits, unchanged).",
+          inputs=(("routerLogits", "[seq_len, n_expert]"),), when="moe",
+          tl_differs="TL's Mixtral hook_expert_weights: the same softmax over every expert, flattened to [batch·pos, n_expert]",
+          lines=("Calling ml.Softmax for routerLogits shape({routerLogits}) over the experts -> tensor routerProbs shape({out})",)),
+    Stage("ffn_moe_topk", "layer", "Top-k", "expertIds", "15.6", 17, "ffn_moe_topk", "mlp.hook_expert_indices", "ffn",
+          "[seq_len, n_expert_used]", "The chosen experts per token, most probable first (int32; ties: the lower index).",
+          inputs=(("routerProbs", "[seq_len, n_expert]"),), routing=True, when="moe",
+          lines=("Choosing the top {[n_expert_used]} of {[n_expert]} experts per token from routerProbs shape({routerProbs}) -> tensor expertIds shape({out})",),
+          llama_cpp_note="ggml_argsort_top_k: a view of ffn_moe_argsort; int32, not captured as f32",
+          tl_differs="TL's Mixtral hook_expert_indices: the same ids (int64 there), flattened to [batch·pos, k]"),
+    Stage("ffn_moe_weights", "layer", "Get rows", "expertWeights", "15.6", 17, "ffn_moe_weights", None, "ffn",
+          "[seq_len, n_expert_used]", "The chosen experts' probabilities.",
+          inputs=(("routerProbs", "[seq_len, n_expert]"), ("expertIds", "[seq_len, n_expert_used]")), routing=True, when="moe",
+          lines=("Gathering routerProbs shape({routerProbs}) at expertIds shape({expertIds}) -> tensor expertWeights shape({out})",),
+          llama_cpp_note="[1, n_expert_used, n_tokens] in ggml order"),
+    Stage("ffn_moe_weights_norm", "layer", "Normalise", "expertWeights", "15.6", 17, "ffn_moe_weights_norm", None, "ffn",
+          "[seq_len, n_expert_used]", "The chosen weights divided by their sum (clamped to ≥ 6.1e-5): they add up to 1.",
+          inputs=(("expertWeights", "[seq_len, n_expert_used]"),), routing=True, when="moe_norm",
+          lines=("Normalising expertWeights shape({expertWeights}) to sum 1 per token -> tensor expertWeights shape({out})",)),
+    Stage("ffn_moe_gate", "layer", "MatMul", "expertGate", "15.6", 17, "ffn_moe_gate", None, "ffn",
+          "[seq_len, n_expert_used, expert_hidden_dim]", "Each chosen expert's gate projection x·w1[e]ᵀ (tokens grouped by expert, as mul_mat_id).",
+          inputs=(("x", _RESID), ("expertIds", "[seq_len, n_expert_used]")), weights=(("ffn_gate_exps", "ffn_gate_exps.weight"),), when="moe",
+          lines=("Calling ml.LinearTransformation per chosen expert for x shape({x}) and ffn_gate_exps weights shape({w_ffn_gate_exps}) -> tensor expertGate shape({out})",),
+          sources=(("x", "ffn_norm"),)),
+    Stage("ffn_moe_up", "layer", "MatMul", "expertUp", "15.6", 17, "ffn_moe_up", None, "ffn",
+          "[seq_len, n_expert_used, expert_hidden_dim]", "Each chosen expert's up projection x·w3[e]ᵀ.",
+          inputs=(("x", _RESID), ("expertIds", "[seq_len, n_expert_used]")), weights=(("ffn_up_exps", "ffn_up_exps.weight"),), when="moe",
+          lines=("Calling ml.LinearTransformation per chosen expert for x shape({x}) and ffn_up_exps weights shape({w_ffn_up_exps}) -> tensor expertUp shape({out})",),
+          sources=(("x", "ffn_norm"),)),
+    Stage("ffn_moe_swiglu", "layer", "SwiGLU", "expertUp", "15.6", 17, "ffn_moe_swiglu", None, "ffn",
+          "[seq_len, n_expert_used, expert_hidden_dim]", "Each chosen expert's silu(gate) ⊙ up.",
+          inputs=(("expertGate", "[seq_len, n_expert_used, expert_hidden_dim]"), ("expertUp", "[seq_len, n_expert_used, expert_hidden_dim]")), when="moe",
+          lines=("Calling SwiGLU for expertGate shape({expertGate}) and expertUp shape({expertUp}) -> tensor expertUp",)),
+    Stage("ffn_moe_down", "layer", "MatMul", "expertOut", "15.6", 17, "ffn_moe_down", None, "ffn",
+          "[seq_len, n_expert_used, dim]", "Each chosen expert's down projection h·w2[e]ᵀ.",
+          inputs=(("expertUp", "[seq_len, n_expert_used, expert_hidden_dim]"), ("expertIds", "[seq_len, n_expert_used]")), weights=(("ffn_down_exps", "ffn_down_exps.weight"),), when="moe",
+          lines=("Calling ml.LinearTransformation per chosen expert for expertUp shape({expertUp}) and ffn_down_exps weights shape({w_ffn_down_exps}) -> tensor expertOut shape({out})",)),
+    Stage("ffn_moe_weighted", "layer", "Multiply", "expertOut", "15.6", 17, "ffn_moe_weighted", None, "ffn",
+          "[seq_len, n_expert_used, dim]", "Each chosen expert's output times its weight.",
+          inputs=(("expertOut", "[seq_len, n_expert_used, dim]"), ("expertWeights", "[seq_len, n_expert_used]")), when="moe",
+          lines=("Multiplying expertOut shape({expertOut}) by expertWeights shape({expertWeights}) -> tensor expertOut",)),
+    Stage("ffn_moe_out", "layer", "Sum", "ffnOutput", "15.6", 17, "ffn_moe_out", "hook_mlp_out", "ffn",
+          _RESID, "The weighted experts' outputs summed over the chosen k: the FFN's output.",
+          inputs=(("expertOut", "[seq_len, n_expert_used, dim]"),), when="moe",
+          lines=("Summing expertOut shape({expertOut}) over the chosen experts -> tensor ffnOutput shape({out})",
+                 "Returning tensor output: shape({out})"),
+          llama_cpp_note="a chain of adds over views of ffn_moe_weighted, slot 0 first"),
     Stage("ffn_post_norm", "layer", "RMSNorm", "ffnOutput", "15.6", 17, "ffn_post_norm", "ln2_post.hook_normalized",
           "ffn", _RESID, "RMSNorm of the FFN output before the residual add (Gemma).",
           inputs=(("ffnOutput", _RESID),), weights=(("ffn_post_norm", "post_ffw_norm.weight"),),
@@ -391,6 +450,9 @@ def stage_applies(stage: Stage, seq_len: int, n_rep: int, features: frozenset[st
     """Whether ``stage`` is emitted for a chunk of ``seq_len`` queries with ``n_rep`` query heads per KV head,
     by a model with ``features`` (:attr:`ModelConfig.features`; empty: Llama) in a layer that is
     ``local`` (sliding window: its window mask is added at every step)."""
+    if "&" in stage.when:
+        return all(stage_applies(replace(stage, when=term), seq_len, n_rep, features, local)
+                   for term in stage.when.split("&"))
     if stage.when == "masked":
         return seq_len > 1 or local
     if stage.when == "gqa":

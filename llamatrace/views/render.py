@@ -151,6 +151,7 @@ class LogView:
         self.formatter = formatter
         self.plain = plain
         self._step = None
+        self._route: tuple[tuple, list] | None = None     # ((step, layer), ids) of the last ffn_moe_topk
 
     def __call__(self, event: TraceEvent) -> None:
         lines = self.formatter.lines(event)
@@ -163,7 +164,7 @@ class LogView:
             n = event.seq_len
             self.console.rule(f"[bold]step {event.step}[/] · {event.phase} · start_pos {event.start_pos} · "
                               f"{n} token{'s' if n != 1 else ''}", style="dim")
-        text = Text("\n".join(lines))
+        text = Text("\n".join(lines + self._route_lines(event)))
         text.highlight_regex(_SHAPE_RE, "cyan")
         where = "" if event.layer is None else f"L{event.layer} "
         text.append(f"\n    ↳ {where}{event.stage} {event.dtype} · {fmt_us(event.elapsed_us)}", style="dim")
@@ -172,6 +173,23 @@ class LogView:
         if event.values is not None:
             text.append("\n      " + fmt_values(event.values), style="dim green")
         self.console.print(text)
+
+
+    def _route_lines(self, event: TraceEvent) -> list[str]:
+        """Each token's chosen experts (``ffn_moe_topk``), then with their weights (the weight stages)."""
+        if event.rows is None:
+            return []
+        where = (event.step, event.layer)
+        if event.stage == "ffn_moe_topk":
+            self._route = (where, event.rows)
+            return [f"  token at position {event.start_pos + i}: experts {', '.join(map(str, ids))}"
+                    for i, ids in enumerate(event.rows)]
+        ids = self._route[1] if self._route is not None and self._route[0] == where else None
+        out = []
+        for i, weights in enumerate(event.rows):
+            chosen = (f"expert {e} × {w:.4f}" for e, w in zip(ids[i], weights)) if ids else (f"{w:.4f}" for w in weights)
+            out.append(f"  token at position {event.start_pos + i}: {', '.join(chosen)}")
+        return out
 
 
 TABLE_STATS = ("rms", "mean", "min", "max")

@@ -114,6 +114,9 @@ class _Builder:
         elif stage.op == "RepeatKV":
             c = self.run.config
             lines.append(f'<FONT POINT-SIZE="9">each of {c.n_kv_heads} KV heads ×{c.n_rep}</FONT>')
+        elif stage.op == "Top-k":
+            c = self.run.config
+            lines.append(f'<FONT POINT-SIZE="9">top {c.n_expert_used} of {c.n_expert} experts per token</FONT>')
         if self.stats and ev.stats:
             s = ev.stats
             lines.append(f'<FONT POINT-SIZE="9">mean {_fmt_num(s["mean"])} · rms {_fmt_num(s["rms"])}</FONT>')
@@ -201,11 +204,19 @@ class _Builder:
                  f"prompt “{_e(prompt)}” ({run.n_prompt or len(run.input_ids)} tokens"
                  f"{', chat template' if run.chat else ', raw'})",
                  f"dim {c.dim} · {c.n_layers} layers · {c.n_heads} query heads, {c.n_kv_heads} KV heads "
-                 f"(n_rep {c.n_rep}) · head_dim {c.head_dim} · hidden_dim {c.hidden_dim} · "
-                 f"vocab {c.vocab_size} · KV cache {run.max_seq} positions"]
+                 f"(n_rep {c.n_rep}) · head_dim {c.head_dim} · "
+                 + (f"{c.n_expert} experts of hidden_dim {c.expert_hidden_dim}, top {c.n_expert_used} · "
+                    if c.n_expert else f"hidden_dim {c.hidden_dim} · ")
+                 + f"vocab {c.vocab_size} · KV cache {run.max_seq} positions"]
         if self.hl is not None:
             lines.insert(0, f'<FONT COLOR="{_HI_COLOR}" POINT-SIZE="15"><B>{_e(self.hl.label)}</B></FONT>')
         return "<" + "<BR ALIGN=\"LEFT\"/>".join(lines) + "<BR ALIGN=\"LEFT\"/>>"
+
+    def _ffn_title(self) -> str:
+        c = self.run.config
+        if c.n_expert:
+            return f"Feed-forward sub-layer: mixture of {c.n_expert} SwiGLU experts, top {c.n_expert_used} per token"
+        return "Feed-forward sub-layer (GeGLU)" if "ffn_geglu" in self.events else "Feed-forward sub-layer (SwiGLU)"
 
     def _block_label(self) -> str:
         c, layer = self.run.config, self.run.layer
@@ -254,7 +265,7 @@ class _Builder:
             for s in layer_stages:
                 if s.residual:
                     self._op_node(spine, s, group="resid", ordering="out")
-        for group, title in (("attention", self._attention_title()), ("ffn", "Feed-forward sub-layer (GeGLU)" if "ffn_geglu" in self.events else "Feed-forward sub-layer (SwiGLU)")):
+        for group, title in (("attention", self._attention_title()), ("ffn", self._ffn_title())):
             members = [s for s in layer_stages if s.group == group and not s.residual]
             hot = self.hl is not None and self.hl.cluster == group
             with blk.subgraph(name=f"cluster_{group}") as sub:
