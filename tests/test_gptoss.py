@@ -11,6 +11,7 @@ arithmetic on it (Q8_0 activations before every MXFP4 matmul).
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from llamatrace.errors import UnsupportedModelError
 from llamatrace.model import moe
 from llamatrace.model.llama import Llama
 from llamatrace.text.chat import render_chat
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, stage_applies
 from llamatrace.text.tokenizer import Tokenizer
 from llamatrace.gguf.reader import open_gguf
 
@@ -116,3 +118,39 @@ def test_gpt_oss_chat_template_renders_as_llama_cpp_python_does(llamacpp):
     parts = render_chat(template, CHAT_MESSAGES, bos_token="<|startoftext|>", eos_token="<|return|>")
     assert "".join(text for text, _ in parts) == str(llamacpp["chat"])
     assert [text for text, user in parts if user] == [m["content"] for m in CHAT_MESSAGES]
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_recorded_stages_are_the_catalogues_and_leave_the_logits_bit_identical(name, models):
+    """Traced, the experts' stages are assembled as [seq_len, k, ...] arrays; untraced, each expert's
+    rows go from gate|up to down in one pass: the same numbers. Every stage recorded is one the
+    catalogue says applies to gpt-oss, and every one it says applies is recorded."""
+    model = models[name]
+    c = model.config
+    ids = np.arange(3, 13)
+    plain = run_positions(model, ids, 6)
+    with model.trace(keep_arrays=True) as rec:
+        traced = run_positions(model, ids, 6)
+    np.testing.assert_array_equal(plain, traced)
+    first = [e for e in rec.events if e.step == rec.events[0].step]          # the 6-token prefill
+    for layer in range(c.n_layers):
+        got = {e.stage for e in first if e.layer == layer}
+        want = {s.id for s in STAGES if s.level == "layer"
+                and stage_applies(s, 6, c.n_rep, c.features, c.is_local(layer))}
+        assert got == want, (layer, got ^ want)
+        assert {"ffn_moe_logits_biased", "ffn_moe_weights_softmax", "ffn_moe_swiglu_oai"} <= got
+    sinks = [e for e in first if e.stage == "kq_soft_max"]
+    assert all((e.array.sum(-1) < 1 - 1e-3).any() for e in sinks)         # the sinks took their share
+
+
+def test_generate_and_trace_run_on_the_mxfp4_file_in_both_modes(paths, tmp_path, capsys):
+    for acts in ("f32", "q8"):
+        code, out, err = run(capsys, "generate", "-m", paths["mxfp4"], "--activations", acts, "--raw", "the cat",
+                             "-n", "3", "--json")
+        assert code == 0, err
+        jl = tmp_path / f"t-{acts}.jsonl"
+        code, out, err = run(capsys, "trace", "-m", paths["mxfp4"], "--activations", acts, "--raw", "--tokens", "2",
+                             "--jsonl", jl, "the cat sat")
+        assert code == 0, err
+        stages = {json.loads(line).get("stage") for line in jl.read_text().splitlines() if line.strip()}
+        assert {"kq_soft_max", "ffn_moe_swiglu_oai", "ffn_moe_out", "result_output"} <= stages

@@ -311,9 +311,13 @@ class ModelConfig:
         """The architecture features in use, by the names the stage catalogue's ``when`` column uses:
         ``qkv_bias``, ``qk_norm``, ``post_norms``, ``gelu``, ``embed_scale``, ``swa``,
         ``attn_softcap``, ``final_softcap``, ``moe`` (a mixture-of-experts FFN), ``moe_norm`` (its
-        weights normalised), ``attn_sinks``, ``moe_bias``. Empty for a Llama model."""
+        weights normalised), ``attn_sinks``, ``moe_bias`` (router and expert biases),
+        ``moe_softmax_weight`` (softmax over the chosen logits), ``moe_oai`` (clamped SwiGLU). Empty
+        for a Llama model."""
         flags = {"moe": self.n_expert > 0, "moe_norm": self.n_expert > 0 and self.expert_weights_norm,
-                 "attn_sinks": self.attn_sinks, "moe_bias": self.moe_bias,
+                 "attn_sinks": self.attn_sinks, "moe_bias": self.n_expert > 0 and self.moe_bias,
+                 "moe_softmax_weight": self.n_expert > 0 and self.expert_gating == "softmax_weight",
+                 "moe_oai": self.n_expert > 0 and self.expert_act == "swiglu_oai",
                  "qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "post_norms": self.post_norms,
                  "gelu": self.ffn_act == "gelu", "embed_scale": self.embed_scale != 1.0,
                  "swa": bool(self.sliding_window and self.local_layers),
