@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from gptoss_files import (CHAT_MESSAGES, K, N_LAYERS, TOKENIZER_TEXTS, WINDOW, T
                           write_gptoss_file)
 from llamacpp_sdist import sdist_path
 
+from llamatrace.analysis import compare as cmp
 from llamatrace.errors import UnsupportedModelError
 from llamatrace.model import moe
 from llamatrace.model.llama import Llama
@@ -154,3 +156,35 @@ def test_generate_and_trace_run_on_the_mxfp4_file_in_both_modes(paths, tmp_path,
         assert code == 0, err
         stages = {json.loads(line).get("stage") for line in jl.read_text().splitlines() if line.strip()}
         assert {"kq_soft_max", "ffn_moe_swiglu_oai", "ffn_moe_out", "result_output"} <= stages
+
+
+def test_compare_pairs_gpt_oss_stages_with_llamacpps_graph(models, llamacpp):
+    """llama.cpp's graph on the F32 file (one prefill of 4 tokens, one decode step): the sinks'
+    softmax, the biased router and experts, the clamped SwiGLU and the pre-norm llama.cpp calls
+    attn_post_norm pair with ours and agree to float32 rounding."""
+    steps: dict[int, list] = {}
+    for key in sorted(k for k in llamacpp if k.startswith("dump.step")):
+        _, step, _, rest = key.split(".", 3)
+        tensor, op = rest.rsplit(".", 1)
+        steps.setdefault(int(step[4:]), []).append(SimpleNamespace(name=tensor, op=op, array=llamacpp[key]))
+    model = models["f32"]
+    ids = llamacpp["ids"]
+    ref = {}
+    for step, captured in steps.items():
+        start, seq = (0, PREFILL) if step == 0 else (PREFILL, 1)
+        ref.update(cmp.llamacpp_stage_arrays(captured, step, start, seq, model.config))
+    cache = model.new_cache(8)
+    with model.trace(keep_arrays=True) as rec:
+        model.forward(ids[:PREFILL], 0, cache)
+        model.forward(ids[PREFILL:PREFILL + 1], PREFILL, cache)
+    result = cmp.compare_arrays(rec.arrays(), ref)
+    rows = {(r.step, r.layer, r.stage): r for r in result.rows}
+    want = ("kq_soft_max", "attn_out", "ffn_norm", "ffn_moe_logits", "ffn_moe_gate", "ffn_moe_gate_biased",
+            "ffn_moe_up_biased", "ffn_moe_swiglu_oai", "ffn_moe_down", "ffn_moe_down_biased", "ffn_moe_weighted",
+            "ffn_moe_out", "l_out")
+    for step in (0, 1):
+        for layer in range(N_LAYERS):
+            for stage in want:
+                r = rows[(step, layer, stage)]
+                assert r.status == "ok" and r.rel_rms_err < 1e-5, (step, layer, stage, r)
+    assert not [r for r in result.rows if r.status == "shape mismatch"]

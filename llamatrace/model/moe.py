@@ -45,8 +45,8 @@ EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 ROUTER_TENSOR = "ffn_gate_inp"
 """The GGUF name of the router (``blk.N.ffn_gate_inp.weight``, ``[n_expert, dim]``)."""
 
-EXPERT_STAGES = ("ffn_moe_gate", "ffn_moe_up", "ffn_moe_swiglu", "ffn_moe_swiglu_oai", "ffn_moe_down",
-                 "ffn_moe_weighted")
+EXPERT_STAGES = ("ffn_moe_gate", "ffn_moe_up", "ffn_moe_gate_biased", "ffn_moe_up_biased", "ffn_moe_swiglu",
+                 "ffn_moe_swiglu_oai", "ffn_moe_down", "ffn_moe_down_biased", "ffn_moe_weighted")
 """The per-expert stages: computed expert by expert, and assembled only when a recorder or hook watches one."""
 
 
@@ -93,20 +93,20 @@ class MoEWeights:
         """Every packed matrix of the layer."""
         return [self.router, *self.w2, *(self.w13 or ()), *(self.w1 or ()), *(self.w3 or ())]
 
-    def gate_up(self, x: np.ndarray, e: int) -> np.ndarray:
+    def gate_up(self, x: np.ndarray, e: int, bias: bool = True) -> np.ndarray:
         """Expert ``e``'s gate|up product of rows ``x`` [n, dim]: float32 [n, 2*expert_hidden_dim]."""
         if self.w13 is not None:
             y = matmul(x, self.w13[e])
         else:
             y = np.concatenate([matmul(x, self.w1[e]), matmul(x, self.w3[e])], axis=1)
-        if self.b13 is not None:
+        if bias and self.b13 is not None:
             y += self.b13[e]
         return y
 
-    def down(self, h: np.ndarray, e: int) -> np.ndarray:
+    def down(self, h: np.ndarray, e: int, bias: bool = True) -> np.ndarray:
         """Expert ``e``'s down projection of rows ``h`` [n, expert_hidden_dim] (plus its bias): [n, dim]."""
         y = matmul(h, self.w2[e])
-        if self.b2 is not None:
+        if bias and self.b2 is not None:
             y += self.b2[e]
         return y
 
@@ -217,17 +217,22 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     gate = np.empty((seq_len * k, ff), dtype=np.float32)
     up = np.empty((seq_len * k, ff), dtype=np.float32)
     for e, pairs in groups:
-        gate[pairs], up[pairs] = np.split(mw.gate_up(x[pairs // k], e), 2, axis=1)
+        gate[pairs], up[pairs] = np.split(mw.gate_up(x[pairs // k], e, bias=False), 2, axis=1)
     gate = emit("ffn_moe_gate", layer, gate.reshape(seq_len, k, ff)).reshape(-1, ff)
     up = emit("ffn_moe_up", layer, up.reshape(seq_len, k, ff)).reshape(-1, ff)
+    if mw.b13 is not None:                       # each slot's expert's bias (ggml_add_id), as llama.cpp names them
+        gate = emit("ffn_moe_gate_biased", layer, (gate + mw.b13[flat, :ff]).reshape(seq_len, k, ff)).reshape(-1, ff)
+        up = emit("ffn_moe_up_biased", layer, (up + mw.b13[flat, ff:]).reshape(seq_len, k, ff)).reshape(-1, ff)
     if opts.act == "swiglu_oai":
         glu = emit("ffn_moe_swiglu_oai", layer, kernels.swiglu_oai(gate, up).reshape(seq_len, k, ff))
     else:
         glu = emit("ffn_moe_swiglu", layer, (kernels.silu(gate) * up).reshape(seq_len, k, ff))
     glu = glu.reshape(-1, ff)
     for e, pairs in groups:
-        down[pairs] = mw.down(glu[pairs], e)
+        down[pairs] = mw.down(glu[pairs], e, bias=False)
     down = emit("ffn_moe_down", layer, down.reshape(seq_len, k, -1))
+    if mw.b2 is not None:
+        down = emit("ffn_moe_down_biased", layer, down + mw.b2[flat].reshape(seq_len, k, -1))
     weighted = emit("ffn_moe_weighted", layer, down * weights[:, :, None])
     out = weighted[:, 0].copy()
     for s in range(1, k):                        # slot by slot, as llama.cpp's chain of adds

@@ -10,6 +10,8 @@ NOT part of llamatrace and never imported by the tests, which only read what it 
       tok_ids        int32: llama.cpp's tokens (no BOS, no special parsing) of gptoss_files.TOKENIZER_TEXTS
                      (the file's vocabulary with the ``gpt-4o`` pre-tokenizer), one after another
       tok_offsets    int32 [len + 1]: where each string's tokens start in tok_ids
+      dump.step{s}.{i:03d}.{name}.{op}   llama.cpp's graph tensors on the f32 file, step 0 the first
+                     PREFILL ids in one batch, step 1 the next id (float32, ggml's dims reversed)
       chat           str: gptoss_files.CHAT_MESSAGES rendered by gpt-oss's own chat template
                      (the sdist's models/templates/openai-gpt-oss-120b.jinja, date fixed) through
                      llama-cpp-python's Jinja2ChatFormatter, with the generation prompt
@@ -88,6 +90,13 @@ def main() -> None:
                 out["ids"] = token_ids(engine.vocab_size)
                 engine.close()
                 out["tok_ids"], out["tok_offsets"] = llamacpp_tokens(path)
+            if name == "f32":
+                engine = LlamaCpp(str(path), n_ctx=64, threads=2, capture=True)
+                for step, chunk in enumerate((out["ids"][:PREFILL], out["ids"][PREFILL:PREFILL + 1])):
+                    engine.eval([int(t) for t in chunk])
+                    for i, c in enumerate(engine.captured):
+                        out[f"dump.step{step}.{i:03d}.{c.name}.{c.op}"] = c.array.astype(np.float32)
+                engine.close()
             out[f"{name}_prefill"] = llamacpp_logits(path, out["ids"], N)
             out[f"{name}_decode"] = llamacpp_logits(path, out["ids"], PREFILL)
             gap = np.abs(out[f"{name}_prefill"] - out[f"{name}_decode"]).max()
