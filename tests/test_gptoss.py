@@ -156,6 +156,14 @@ def test_generate_and_trace_run_on_the_mxfp4_file_in_both_modes(paths, tmp_path,
         assert code == 0, err
         stages = {json.loads(line).get("stage") for line in jl.read_text().splitlines() if line.strip()}
         assert {"kq_soft_max", "ffn_moe_swiglu_oai", "ffn_moe_out", "result_output"} <= stages
+    code, out, err = run(capsys, "diagram", "-m", paths["mxfp4"], "--raw", "-o", tmp_path / "d.svg", "hi")
+    assert code == 0 and (tmp_path / "d.svg").read_text().lstrip().startswith("<"), err
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat. " * 12)
+    code, out, err = run(capsys, "perplexity", "-f", text, "-m", paths["mxfp4"], "--ctx-size", "24", "--workers", "1",
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out)["ppl"] > 1
 
 
 def test_compare_pairs_gpt_oss_stages_with_llamacpps_graph(models, llamacpp):
