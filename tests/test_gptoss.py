@@ -29,7 +29,7 @@ from llamatrace.errors import UnsupportedModelError
 from llamatrace.model import moe
 from llamatrace.model.llama import Llama
 from llamatrace.text.chat import render_chat
-from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, stage_applies
+from llamatrace.tracing.stages import STAGES, stage_applies
 from llamatrace.text.tokenizer import Tokenizer
 from llamatrace.gguf.reader import open_gguf
 

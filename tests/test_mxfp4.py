@@ -123,3 +123,19 @@ def test_registry_serves_mxfp4_in_both_modes_and_precompiles_it():
     lines = []
     compile_kernels(["MXFP4"], log=lines.append)
     assert [ln.split(":")[0] for ln in lines] == ["MXFP4"]
+
+
+def test_codes_to_kvalues_four_at_a_time_is_the_table_for_every_code_quadruple():
+    # the kernels' uint32 arithmetic (no table) against ggml's kvalues_mxfp4, all 16**4 words
+    from numba import njit
+
+    @njit
+    def each(words):
+        out = np.empty_like(words)
+        for i in range(words.shape[0]):
+            out[i] = mxfp4._kvalues4(words[i])
+        return out
+
+    codes = np.stack(np.meshgrid(*[np.arange(16, dtype=np.uint8)] * 4, indexing="ij"), -1).reshape(-1, 4)
+    got = each(np.ascontiguousarray(codes).view(np.uint32).reshape(-1)).view(np.int8).reshape(-1, 4)
+    np.testing.assert_array_equal(got, mxfp4.KVALUES[codes])
