@@ -271,3 +271,51 @@ def test_grouped_kv_heads_equal_explicitly_repeated_heads():
 def test_kv_heads_must_divide_query_heads():
     with pytest.raises(ValueError, match="cannot share"):
         K.attention_scores(randn(1, 9, 8), randn(3, 2, 8))
+
+
+@pytest.mark.parametrize("n_heads, seq_len", [(4, 5), (9, 128)])   # serial, parallel
+def test_sinks_join_the_softmax_denominator_only(n_heads, seq_len):
+    # ggml_soft_max_add_sinks: each row as if a column holding the head's sink were appended,
+    # then that column dropped (written out in float64 here)
+    x = randn(n_heads, seq_len, seq_len + 4) * 3 + K.causal_mask(seq_len, 4)[None]
+    sinks = randn(n_heads) * 4
+    sinks[0] = 40.0                                    # a sink that outweighs every key
+    y = K.softmax(x, sinks)
+    wide = np.concatenate([x, np.broadcast_to(sinks[:, None, None], (n_heads, seq_len, 1))], axis=-1)
+    e = np.exp(wide.astype(np.float64) - wide.max(axis=-1, keepdims=True))
+    want = (e / e.sum(axis=-1, keepdims=True))[..., :-1]
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(y, K.softmax_ref(x, sinks), rtol=1e-6, atol=1e-30)
+    assert y[0].max() < 1e-10                          # the sink took the whole row
+    np.testing.assert_array_equal(K.softmax(x, None), K.softmax(x))        # none: unchanged
+    with pytest.raises(ValueError, match="3 values for"):
+        K.softmax(x, sinks[:3])
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("seq_len,start_pos,window", [(20, 0, 0), (9, 12, 6), (1, 30, 8)])
+def test_attention_probs_with_sinks_are_the_masked_softmax_with_sinks(parallel, seq_len, start_pos, window):
+    xq, keys = randn(seq_len, 4, 32) * 3, randn(start_pos + seq_len, 2, 32) * 3
+    sinks = randn(4) * 3
+    scale = np.float32(1 / np.sqrt(32))
+    mask = K.window_mask(seq_len, start_pos, window) if window else K.causal_mask(seq_len, start_pos)
+    masked = K.softmax(K.attention_scores(xq, keys) * scale + mask, sinks)
+    got = K.attention_probs(xq, keys, scale, start_pos, window, parallel=parallel, sinks=sinks)
+    np.testing.assert_array_equal(_bits(got), _bits(masked))
+    np.testing.assert_allclose(got, K.attention_probs_ref(xq, keys, scale, start_pos, window, sinks),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_swiglu_oai_is_ggmls_clamped_formula():
+    # ggml_compute_forward_swiglu_oai_f32: x = min(gate, 7), y = clamp(up, -7, 7),
+    # x / (1 + exp(-1.702 x)) * (y + 1), written out in float64
+    gate, up = randn(5, 300) * 6, randn(5, 300) * 6
+    gate[0, :3], up[0, :3] = [9.0, -20.0, 7.0], [-9.0, 30.0, 0.5]      # both clamps reached
+    got = K.swiglu_oai(gate, up)
+    g = np.minimum(gate.astype(np.float64), 7.0)
+    want = g / (1 + np.exp(-1.702 * g)) * (np.clip(up.astype(np.float64), -7, 7) + 1)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(got, K.swiglu_oai_ref(gate, up), rtol=1e-6, atol=1e-6)
+    assert got[0, 0] == pytest.approx(7 / (1 + np.exp(-1.702 * 7)) * -6, rel=1e-6)
+    with pytest.raises(ValueError, match="same"):
+        K.swiglu_oai(gate, up[:, :3])

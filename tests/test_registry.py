@@ -13,13 +13,13 @@ from gguf_factory import random_blocks, write_tiny_llama
 from llamatrace.cli import main
 from llamatrace.errors import UnsupportedModelError
 from llamatrace.kernels.int8 import act8
-from llamatrace.kernels.types import packing, q5, registry
+from llamatrace.kernels.types import mxfp4, packing, q5, registry
 from llamatrace.kernels.types.registry import GEMV_MAX_SEQ, PHASES, matmul
 
 T = gguf.GGMLQuantizationType
 FLOATS = (T.F32, T.F16, T.BF16)
-BLOCKS = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
-Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K)
+BLOCKS = (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
+Q8_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4)
 # what the old if-chain (quant._dispatch) served: every type with float32 activations in both
 # phases, and the 8-bit-activation types with one kernel for both
 SERVED = ({(t, "f32", p) for t in FLOATS + BLOCKS for p in PHASES}
@@ -30,7 +30,7 @@ N_OUT = 70                                   # not a multiple of the 32-row tile
 def _weight(qtype, mode: str):
     """(raw file bytes or floats, packed Weight) of a random [70, n_in] matrix of ``qtype``."""
     rng = np.random.default_rng(int(qtype))
-    if qtype in FLOATS + (T.Q4_0, T.Q4_1, T.Q8_0):           # types gguf-py can quantize
+    if qtype in FLOATS + (T.Q4_0, T.Q4_1, T.Q8_0, T.MXFP4):  # types gguf-py can quantize
         n_in = 96
         w = rng.standard_normal((N_OUT, n_in)).astype(np.float32)
         raw = w if qtype == T.F32 else gguf.quants.quantize(w, qtype)
@@ -70,7 +70,8 @@ def test_registered_kernel_matches_its_reference(key):
                 T.Q5_0: lambda: q5.act8_q5_np(x, w.qs, w.d, w.d, 0.0, 16),
                 T.Q5_1: lambda: q5.act8_q5_np(x, w.qs, w.d, w.m, 1.0, 0),
                 T.Q4_K: lambda: act8.matmul_q4k_np(x, w.qs, w.d, w.m),
-                T.Q6_K: lambda: act8.matmul_q6k_np(x, w.qs, w.d)}[qtype]()[:, :N_OUT]
+                T.Q6_K: lambda: act8.matmul_q6k_np(x, w.qs, w.d),
+                T.MXFP4: lambda: mxfp4.act8_mxfp4_np(x, w.qs, w.d)}[qtype]()[:, :N_OUT]
         np.testing.assert_allclose(out, twin, rtol=0, atol=1e-6 * np.abs(twin).max())
 
 

@@ -275,7 +275,8 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
     where other architectures' graphs name things differently: a bias add is the last ``Qcur``
     (our ``Qcur_b``, and the heads are of it); Gemma's and Phi-3's ``kq`` is of pre-scaled queries
     (our ``kq_scaled``); ``kq_scaled_2`` is the soft-capped scores, ``sa_out`` the attention
-    residual, ``result_output`` the soft-capped logits; the mask read is layer 0's (the window
+    residual, ``result_output`` the soft-capped logits, gpt-oss's ``attn_post_norm`` our
+    ``ffn_norm``; the mask read is layer 0's (the window
     mask when layer 0 is local).
     """
     from llamatrace.model.config import ARCHITECTURES
@@ -283,6 +284,8 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
     renamed = {"sa_out": "ffn_inp", "kq_scaled_2": "kq_softcap"}
     if scales_q:
         renamed["kq"] = "kq_scaled"
+    if config is not None and config.ffn_norm_post_attention:
+        renamed["attn_post_norm"] = "ffn_norm"          # gpt-oss: the FFN's pre-norm
     model_names = dict(_MODEL_NAMES, inp_scaled="inp_scaled")
     if config is not None and config.final_softcap:
         model_names["result_output"] = "result_softcap"

@@ -47,6 +47,8 @@ GGUF_TO_META = {
     "attn_k_norm.weight": "k_norm",
     "post_attention_norm.weight": "attention_post_norm",
     "post_ffw_norm.weight": "ffn_post_norm",
+    "attn_sinks.weight": "sinks",
+    "attn_output.bias": "bo",
 }
 
 META_TO_GGUF = {meta: name for name, meta in GGUF_TO_META.items()}

@@ -10,6 +10,7 @@ Four rooms by role, around the tiles every one of them uses::
       floats       declares F32, F16, BF16
       q4 q5 q8     declare Q4_0/Q4_1, Q5_0/Q5_1, Q8_0, with their dequantizers and f32 kernels
       k_quants     declares Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, likewise
+      mxfp4        declares MXFP4 (gpt-oss's experts: E8M0 scale, E2M1 codes), f32 and q8 kernels
     int8/        the q8 mode (``--activations q8``), llama.cpp's 8-bit activations
       act8         activation quantization and the Numba kernels the types declare as ``q8`` kernels
       act8_ir      their block dot products and microkernels in LLVM IR
@@ -47,4 +48,4 @@ per packed byte.
 
 # Every family module declares its types on import; the registry and packing read them.
 from llamatrace.kernels.int8 import act8  # noqa: F401
-from llamatrace.kernels.types import floats, k_quants, q4, q5, q8  # noqa: F401
+from llamatrace.kernels.types import floats, k_quants, mxfp4, q4, q5, q8  # noqa: F401

@@ -21,8 +21,8 @@ from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.types import packing
 from llamatrace.kernels.types.registry import GEMV_MAX_SEQ, MODES, matmul, served
 
-# the types of the llama GGUF files people download (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 mixes)
-COMMON = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "F32")
+# the types of the GGUF files people download (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 mixes; gpt-oss's MXFP4)
+COMMON = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "F32")
 # what `quantize` writes for those mixes and for Q2_K / Q3_K_*, and the recipe search's default candidates
 QUANTIZED = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 

@@ -73,6 +73,19 @@ F16_BITS = np.arange(65536, dtype=np.uint32).astype(np.uint16)
 """uint16 [65536]: the identity, for packers that keep the fp16 bits as they are."""
 
 
+def _e8m0_half_bits(e: np.ndarray) -> np.ndarray:
+    # ggml-impl.h ggml_e8m0_to_fp32_half: 2**(e - 128), the two smallest as float32 denormals
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23)).astype(np.uint32)
+
+
+E8M0_HALF_TABLE = _e8m0_half_bits(np.arange(65536, dtype=np.uint32) & np.uint32(0xFF)).view(np.float32)
+"""float32 [65536]: ggml's ``GGML_E8M0_TO_FP32_HALF`` of the low byte of each index, ``2**(e - 128)``
+(half the E8M0 scale, because MXFP4's ``kvalues`` are the E2M1 values doubled); indexed by the
+two bytes from an MXFP4 block's ``e`` on (the second is a quant byte, ignored)."""
+E8M0_BITS = (np.arange(65536, dtype=np.uint32) & np.uint32(0xFF)).astype(np.uint16)
+"""uint16 [65536]: the low byte of each index, for packers that keep an E8M0 byte as it is."""
+
+
 @intrinsic
 def f16(typingctx, bits):
     """float32 value of the fp16 bit pattern ``bits`` (uint16): LLVM's ``fpext half``, which is

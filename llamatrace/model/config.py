@@ -59,6 +59,16 @@ class Architecture:
             llama.cpp's graph passes to ``build_moe_ffn``).
         expert_ff_key: the experts' hidden width is ``{arch}.expert_feed_forward_length``, else
             ``feed_forward_length / expert_used_count`` (qwen3moe); otherwise ``feed_forward_length``.
+        expert_gating: the gating function the family's graph always uses, whatever
+            ``{arch}.expert_gating_func`` says (gpt-oss: ``"softmax_weight"``); ``None`` = the key's.
+        attn_sinks: one learned logit per head (``attn_sinks``) in the attention softmax's denominator.
+        attn_out_bias: ``attn_output.bias`` added after the output projection.
+        moe_bias: biases on the router (``ffn_gate_inp.bias``) and the experts
+            (``ffn_{gate,up,down}_exps.bias``), added after each product.
+        expert_act: the experts' gated activation, ``"silu"`` (SwiGLU) or ``"swiglu_oai"`` (gpt-oss's
+            clamped SwiGLU, :func:`llamatrace.kernels.ops.fp32.swiglu_oai`).
+        ffn_norm_post_attention: the FFN's pre-norm is stored as ``post_attention_norm`` (gpt-oss,
+            whose graph calls it ``attn_post_norm``), not ``ffn_norm``.
     """
 
     rope_neox: bool = False
@@ -81,6 +91,12 @@ class Architecture:
     moe: bool = False
     expert_weights_norm: bool = False
     expert_ff_key: bool = False
+    expert_gating: str | None = None
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
+    moe_bias: bool = False
+    expert_act: str = "silu"
+    ffn_norm_post_attention: bool = False
 
 
 # One row per family; llama.cpp's src/models/<arch>.cpp is the reference for each.
@@ -98,8 +114,15 @@ ARCHITECTURES: dict[str, Architecture] = {
                            llamacpp_scales_q=True),
     "qwen3moe": Architecture(rope_neox=True, qk_norm=True, moe=True, expert_weights_norm=True, expert_ff_key=True),
     "olmoe": Architecture(rope_neox=True, qk_norm=True, qk_norm_flat=True, moe=True),
+    # llama.cpp's openai-moe.cpp (LLM_ARCH_OPENAI_MOE): sliding window on even layers, YaRN on all
+    "gpt-oss": Architecture(rope_neox=True, qkv_bias=True, swa_pattern=2, moe=True, expert_ff_key=True,
+                            expert_gating="softmax_weight", attn_sinks=True, attn_out_bias=True, moe_bias=True,
+                            expert_act="swiglu_oai", ffn_norm_post_attention=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+
+EXPERT_ACTS = ("silu", "swiglu_oai")
+"""The experts' gated activations llamatrace runs (:attr:`Architecture.expert_act`)."""
 
 EXPERT_GATING_FUNCS = {1: "softmax", 3: "softmax_weight"}
 """``{arch}.expert_gating_func`` values llamatrace runs (llama.cpp's ``llama_expert_gating_func_type``:
@@ -198,6 +221,8 @@ class ModelConfig:
         expert_gating: ``"softmax"`` (over every expert) or ``"softmax_weight"`` (over the
             chosen experts' logits) — :data:`EXPERT_GATING_FUNCS`.
         expert_weights_norm: the chosen weights are divided by their sum.
+        attn_sinks, attn_out_bias, moe_bias, expert_act, ffn_norm_post_attention: as in
+            :class:`Architecture` (gpt-oss).
     """
 
     dim: int
@@ -233,6 +258,11 @@ class ModelConfig:
     expert_hidden_dim: int = 0
     expert_gating: str = "softmax"
     expert_weights_norm: bool = False
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
+    moe_bias: bool = False
+    expert_act: str = "silu"
+    ffn_norm_post_attention: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
@@ -260,6 +290,9 @@ class ModelConfig:
                                    f"({self.n_expert_used}) <= n_expert, expert_hidden_dim "
                                    f"({self.expert_hidden_dim}) > 0 and a known expert_gating "
                                    f"({self.expert_gating!r})")
+        if self.expert_act not in EXPERT_ACTS:
+            raise UnsupportedModelError(f"model config: the experts' activation {self.expert_act!r} is not one "
+                                        f"llamatrace runs ({', '.join(EXPERT_ACTS)})")
         if any(not 0 <= i < self.n_layers for i in self.local_layers) or self.sliding_window < 0:
             raise ModelFormatError(f"model config: local_layers {self.local_layers} must be layer indices "
                                    f"and sliding_window ({self.sliding_window}) >= 0")
@@ -278,8 +311,13 @@ class ModelConfig:
         """The architecture features in use, by the names the stage catalogue's ``when`` column uses:
         ``qkv_bias``, ``qk_norm``, ``post_norms``, ``gelu``, ``embed_scale``, ``swa``,
         ``attn_softcap``, ``final_softcap``, ``moe`` (a mixture-of-experts FFN), ``moe_norm`` (its
-        weights normalised). Empty for a Llama model."""
+        weights normalised), ``attn_sinks``, ``moe_bias`` (router and expert biases),
+        ``moe_softmax_weight`` (softmax over the chosen logits), ``moe_oai`` (clamped SwiGLU). Empty
+        for a Llama model."""
         flags = {"moe": self.n_expert > 0, "moe_norm": self.n_expert > 0 and self.expert_weights_norm,
+                 "attn_sinks": self.attn_sinks, "moe_bias": self.n_expert > 0 and self.moe_bias,
+                 "moe_softmax_weight": self.n_expert > 0 and self.expert_gating == "softmax_weight",
+                 "moe_oai": self.n_expert > 0 and self.expert_act == "swiglu_oai",
                  "qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "post_norms": self.post_norms,
                  "gelu": self.ffn_act == "gelu", "embed_scale": self.embed_scale != 1.0,
                  "swa": bool(self.sliding_window and self.local_layers),
@@ -446,6 +484,9 @@ class ModelConfig:
             final_softcap=(0.0 if spec.final_softcap is None
                            else float(meta.get(f"{arch}.final_logit_softcapping", spec.final_softcap))),
             qk_norm_flat=spec.qk_norm_flat,
+            attn_sinks=spec.attn_sinks,
+            attn_out_bias=spec.attn_out_bias,
+            ffn_norm_post_attention=spec.ffn_norm_post_attention,
             **moe,
         )
 
@@ -474,6 +515,8 @@ def _experts(meta: Mapping[str, Any], arch: str, spec: Architecture, as_int, hid
                                f"{n_expert}; the file is damaged — re-convert or re-download it")
     gating_key = f"{arch}.expert_gating_func"
     gating = meta.get(gating_key, 1)
+    if spec.expert_gating is not None:                 # the family's graph ignores the key
+        gating = next(k for k, v in EXPERT_GATING_FUNCS.items() if v == spec.expert_gating)
     if gating not in EXPERT_GATING_FUNCS:
         raise UnsupportedModelError(f"{source}: metadata {gating_key} = {shown(gating)} is a gating function "
                                     f"llamatrace does not run (it runs {', '.join(f'{k} ({v})' for k, v in EXPERT_GATING_FUNCS.items())})")
@@ -483,7 +526,8 @@ def _experts(meta: Mapping[str, Any], arch: str, spec: Architecture, as_int, hid
     else:
         expert_hidden = hidden_dim
     return dict(n_expert=n_expert, n_expert_used=n_used, expert_hidden_dim=expert_hidden,
-                expert_gating=EXPERT_GATING_FUNCS[gating], expert_weights_norm=spec.expert_weights_norm)
+                expert_gating=EXPERT_GATING_FUNCS[gating], expert_weights_norm=spec.expert_weights_norm,
+                moe_bias=spec.moe_bias, expert_act=spec.expert_act)
 
 
 def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number, n_ctx_train: int,

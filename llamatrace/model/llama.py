@@ -81,11 +81,14 @@ class LayerWeights:
     attention_post_norm: np.ndarray | None = None   # float32 [dim]      (post_norms)
     ffn_post_norm: np.ndarray | None = None         # float32 [dim]      (post_norms)
     moe: moe.MoEWeights | None = None               # router and experts  (moe)
+    sinks: np.ndarray | None = None   # float32 [n_heads]                 (attn_sinks)
+    bo: np.ndarray | None = None      # float32 [dim]                     (attn_out_bias)
 
     def vectors(self) -> tuple[np.ndarray, ...]:
         """Every norm weight and bias the block holds."""
         return tuple(v for v in (self.attention_norm, self.ffn_norm, self.bq, self.bk, self.bv, self.q_norm,
-                                 self.k_norm, self.attention_post_norm, self.ffn_post_norm) if v is not None)
+                                 self.k_norm, self.attention_post_norm, self.ffn_post_norm, self.sinks, self.bo)
+                     if v is not None)
 
 
 @dataclass
@@ -492,7 +495,8 @@ class Llama:
             if layer_mask is not None and not c.attn_softcap and not watched(layer, *_SCORE_STAGES):
                 # nothing reads the scores: q·k and the softmax only over the keys each row sees
                 # (half of a prefill's), the same probabilities bit for bit (attention_probs)
-                scores = kernels.attention_probs(xq, keys, scale, start_pos, c.sliding_window if local else 0)
+                scores = kernels.attention_probs(xq, keys, scale, start_pos, c.sliding_window if local else 0,
+                                                 sinks=lw.sinks)
             else:
                 kq = kernels.attention_scores(xq, keys)
                 kq = emit("kq", layer, kq)
@@ -503,7 +507,7 @@ class Llama:
                 if layer_mask is not None:
                     scores = scores + layer_mask                 # broadcast over heads
                     scores = emit("kq_masked", layer, scores)
-                scores = kernels.softmax(scores)
+                scores = kernels.softmax(scores, lw.sinks)       # attn_sinks: in the denominator
             scores = emit("kq_soft_max", layer, scores)
             # weighted values per head [n_heads, seq_len, head_dim], then heads merged [seq_len, q_dim]
             kqv = kernels.attention_values(scores, values)
@@ -511,6 +515,8 @@ class Llama:
             kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
             kqv_out = emit("kqv_out", layer, kqv_out)
             attn_out = matmul(kqv_out, lw.wo)
+            if lw.bo is not None:                                # attn_out_bias
+                attn_out += lw.bo
             attn_out = emit("attn_out", layer, attn_out)
             if lw.attention_post_norm is not None:               # post_norms
                 attn_out = kernels.rmsnorm(attn_out, lw.attention_post_norm, c.norm_eps)
@@ -659,7 +665,8 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
               "wq": (q_dim, c.dim), "wk": (kv_dim, c.dim), "wv": (kv_dim, c.dim), "wo": (c.dim, q_dim),
               "w1": (c.hidden_dim, c.dim), "w3": (up_rows, c.dim), "w2": (c.dim, c.hidden_dim),
               "wqkv": (q_dim + 2 * kv_dim, c.dim), "bq": (q_dim,), "bk": (kv_dim,), "bv": (kv_dim,),
-              "q_norm": (q_dim if c.qk_norm_flat else hd,), "k_norm": (kv_dim if c.qk_norm_flat else hd,), "attention_post_norm": (c.dim,), "ffn_post_norm": (c.dim,)}
+              "q_norm": (q_dim if c.qk_norm_flat else hd,), "k_norm": (kv_dim if c.qk_norm_flat else hd,), "attention_post_norm": (c.dim,), "ffn_post_norm": (c.dim,),
+              "sinks": (c.n_heads,), "bo": (c.dim,)}
 
     def raw(meta: str, layer: int | None):
         name = gguf_name(meta, layer)
@@ -747,7 +754,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             wv=matrix("wv", i) if wqkv is None or len(wqkv.row_splits) == 2 else None,
             wqkv=wqkv,
             wo=matrix("wo", i),
-            ffn_norm=vector("ffn_norm", i),
+            ffn_norm=vector("attention_post_norm" if c.ffn_norm_post_attention else "ffn_norm", i),
             w1=None if w13 or experts else matrix("w1", i),
             w3=None if w13 or experts else matrix("w3", i),
             w13=w13,
@@ -760,6 +767,10 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             lw.q_norm, lw.k_norm = vector("q_norm", i), vector("k_norm", i)
         if c.post_norms:
             lw.attention_post_norm, lw.ffn_post_norm = vector("attention_post_norm", i), vector("ffn_post_norm", i)
+        if c.attn_sinks:
+            lw.sinks = vector("sinks", i)
+        if c.attn_out_bias:
+            lw.bo = vector("bo", i)
         layers.append(lw)
     tied = gguf_name("output") not in f.tensors          # no output.weight: tied to the embedding
     tok = matrix("tok_embeddings", acts=activations if tied else "f32")   # a lookup table unless tied

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import gguf
 import numpy as np
 
 from llamatrace.errors import ModelFormatError
@@ -44,7 +45,8 @@ EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 ROUTER_TENSOR = "ffn_gate_inp"
 """The GGUF name of the router (``blk.N.ffn_gate_inp.weight``, ``[n_expert, dim]``)."""
 
-EXPERT_STAGES = ("ffn_moe_gate", "ffn_moe_up", "ffn_moe_swiglu", "ffn_moe_down", "ffn_moe_weighted")
+EXPERT_STAGES = ("ffn_moe_gate", "ffn_moe_up", "ffn_moe_gate_biased", "ffn_moe_up_biased", "ffn_moe_swiglu",
+                 "ffn_moe_swiglu_oai", "ffn_moe_down", "ffn_moe_down_biased", "ffn_moe_weighted")
 """The per-expert stages: computed expert by expert, and assembled only when a recorder or hook watches one."""
 
 
@@ -56,16 +58,18 @@ class MoEOptions:
         n_expert, k: experts per layer, chosen per token.
         gating: ``"softmax"`` or ``"softmax_weight"`` (:func:`llamatrace.kernels.ops.moe.route`).
         norm: divide the chosen weights by their sum (``norm_w``).
+        act: ``"silu"`` (SwiGLU) or ``"swiglu_oai"`` (gpt-oss: :func:`llamatrace.kernels.ops.fp32.swiglu_oai`).
     """
 
     n_expert: int
     k: int
     gating: str = "softmax"
     norm: bool = False
+    act: str = "silu"
 
     @classmethod
     def from_config(cls, c: ModelConfig) -> "MoEOptions":
-        return cls(c.n_expert, c.n_expert_used, c.expert_gating, c.expert_weights_norm)
+        return cls(c.n_expert, c.n_expert_used, c.expert_gating, c.expert_weights_norm, c.expert_act)
 
 
 @dataclass
@@ -81,16 +85,30 @@ class MoEWeights:
     w13: list[packing.Weight] | None = None  # per expert [2*expert_hidden_dim, dim]
     w1: list[packing.Weight] | None = None   # ffn_gate_exps, per expert [expert_hidden_dim, dim]
     w3: list[packing.Weight] | None = None   # ffn_up_exps, per expert [expert_hidden_dim, dim]
+    router_b: np.ndarray | None = None       # ffn_gate_inp.bias float32 [n_expert]          (moe_bias)
+    b13: np.ndarray | None = None            # gate|up biases float32 [n_expert, 2*expert_hidden_dim]
+    b2: np.ndarray | None = None             # ffn_down_exps.bias float32 [n_expert, dim]
 
     def matrices(self) -> list[packing.Weight]:
         """Every packed matrix of the layer."""
         return [self.router, *self.w2, *(self.w13 or ()), *(self.w1 or ()), *(self.w3 or ())]
 
-    def gate_up(self, x: np.ndarray, e: int) -> np.ndarray:
+    def gate_up(self, x: np.ndarray, e: int, bias: bool = True) -> np.ndarray:
         """Expert ``e``'s gate|up product of rows ``x`` [n, dim]: float32 [n, 2*expert_hidden_dim]."""
         if self.w13 is not None:
-            return matmul(x, self.w13[e])
-        return np.concatenate([matmul(x, self.w1[e]), matmul(x, self.w3[e])], axis=1)
+            y = matmul(x, self.w13[e])
+        else:
+            y = np.concatenate([matmul(x, self.w1[e]), matmul(x, self.w3[e])], axis=1)
+        if bias and self.b13 is not None:
+            y += self.b13[e]
+        return y
+
+    def down(self, h: np.ndarray, e: int, bias: bool = True) -> np.ndarray:
+        """Expert ``e``'s down projection of rows ``h`` [n, expert_hidden_dim] (plus its bias): [n, dim]."""
+        y = matmul(h, self.w2[e])
+        if bias and self.b2 is not None:
+            y += self.b2[e]
+        return y
 
 
 def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable) -> MoEWeights:
@@ -123,12 +141,43 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable) -> 
     gate, up, down = (tensors[s] for s in EXPERT_TENSORS)
     router = pack(f"blk.{layer}.{ROUTER_TENSOR}.weight", tensors[ROUTER_TENSOR], n, dim)
     w2 = [pack_rows(f"{down.name}#{e}", [(down, e)], ff) for e in range(n)]
+    biases = _biases(f, c, layer) if c.moe_bias else {}
     if gate.tensor_type == up.tensor_type:
         w13 = [pack_rows(f"{gate.name}+{up.name}#{e}", [(gate, e), (up, e)], dim) for e in range(n)]
-        return MoEWeights(router, w2, w13=w13)
+        return MoEWeights(router, w2, w13=w13, **biases)
     w1 = [pack_rows(f"{gate.name}#{e}", [(gate, e)], dim) for e in range(n)]
     w3 = [pack_rows(f"{up.name}#{e}", [(up, e)], dim) for e in range(n)]
-    return MoEWeights(router, w2, w1=w1, w3=w3)
+    return MoEWeights(router, w2, w1=w1, w3=w3, **biases)
+
+
+def _biases(f, c: ModelConfig, layer: int) -> dict[str, np.ndarray]:
+    """The router's and experts' biases of ``layer`` (gpt-oss), float32: ``router_b`` [n_expert],
+    ``b13`` [n_expert, 2*expert_hidden_dim] (gate's then up's), ``b2`` [n_expert, dim]. Raises
+    :class:`ModelFormatError` for a missing bias or one whose shape disagrees with the keys."""
+    n, dim, ff = c.n_expert, c.dim, c.expert_hidden_dim
+    want = {ROUTER_TENSOR: (n,), "ffn_gate_exps": (n, ff), "ffn_up_exps": (n, ff), "ffn_down_exps": (n, dim)}
+    got = {}
+    for short, shape in want.items():
+        name = f"blk.{layer}.{short}.bias"
+        if name not in f.tensors:
+            raise ModelFormatError(f"{f.path.name}: tensor {name!r} is missing; a {c.arch} mixture of experts "
+                                   f"needs it — the file is incomplete or not really {c.arch}")
+        t = f.tensor(name)
+        v = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if v.size != int(np.prod(shape)):
+            raise ModelFormatError(f"{f.path.name}: tensor {name!r} has {v.size} values, expected {list(shape)} "
+                                   f"from {c.arch}.expert_count ({n}) and the experts' widths; the file is inconsistent")
+        got[short] = v.reshape(shape)
+    return dict(router_b=got[ROUTER_TENSOR], b2=got["ffn_down_exps"],
+                b13=np.concatenate([got["ffn_gate_exps"], got["ffn_up_exps"]], axis=1))
+
+
+def _glu(gate_up: np.ndarray, act: str) -> np.ndarray:
+    """The gated activation of stacked gate|up rows [n, 2*ff] -> [n, ff]."""
+    if act == "swiglu_oai":
+        ff = gate_up.shape[1] // 2
+        return kernels.swiglu_oai(gate_up[:, :ff], gate_up[:, ff:])
+    return kernels.swiglu(gate_up)
 
 
 def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: int,
@@ -145,6 +194,8 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     k = opts.k
     # router: one logit per expert, then the choice of k and their weights
     logits = emit("ffn_moe_logits", layer, matmul(x, mw.router))
+    if mw.router_b is not None:
+        logits = emit("ffn_moe_logits_biased", layer, logits + mw.router_b)
     probs, ids, weights, weights_norm = routing.route(logits, k, opts.gating, opts.norm)
     emit("ffn_moe_probs", layer, probs)
     ids = emit("ffn_moe_topk", layer, ids)
@@ -160,20 +211,28 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     down = np.empty((seq_len * k, x.shape[1]), dtype=np.float32)       # row t*k + s: slot s of token t
     if not watched(layer, *EXPERT_STAGES):
         for e, pairs in groups:
-            down[pairs] = matmul(kernels.swiglu(mw.gate_up(x[pairs // k], e)), mw.w2[e])
+            down[pairs] = mw.down(_glu(mw.gate_up(x[pairs // k], e), opts.act), e)
         return emit("ffn_moe_out", layer, routing.combine(down.reshape(seq_len, k, -1), weights))
     ff = mw.w2[0].n_in
     gate = np.empty((seq_len * k, ff), dtype=np.float32)
     up = np.empty((seq_len * k, ff), dtype=np.float32)
     for e, pairs in groups:
-        gate[pairs], up[pairs] = np.split(mw.gate_up(x[pairs // k], e), 2, axis=1)
+        gate[pairs], up[pairs] = np.split(mw.gate_up(x[pairs // k], e, bias=False), 2, axis=1)
     gate = emit("ffn_moe_gate", layer, gate.reshape(seq_len, k, ff)).reshape(-1, ff)
     up = emit("ffn_moe_up", layer, up.reshape(seq_len, k, ff)).reshape(-1, ff)
-    glu = kernels.silu(gate) * up
-    glu = emit("ffn_moe_swiglu", layer, glu.reshape(seq_len, k, ff)).reshape(-1, ff)
+    if mw.b13 is not None:                       # each slot's expert's bias (ggml_add_id), as llama.cpp names them
+        gate = emit("ffn_moe_gate_biased", layer, (gate + mw.b13[flat, :ff]).reshape(seq_len, k, ff)).reshape(-1, ff)
+        up = emit("ffn_moe_up_biased", layer, (up + mw.b13[flat, ff:]).reshape(seq_len, k, ff)).reshape(-1, ff)
+    if opts.act == "swiglu_oai":
+        glu = emit("ffn_moe_swiglu_oai", layer, kernels.swiglu_oai(gate, up).reshape(seq_len, k, ff))
+    else:
+        glu = emit("ffn_moe_swiglu", layer, (kernels.silu(gate) * up).reshape(seq_len, k, ff))
+    glu = glu.reshape(-1, ff)
     for e, pairs in groups:
-        down[pairs] = matmul(glu[pairs], mw.w2[e])
+        down[pairs] = mw.down(glu[pairs], e, bias=False)
     down = emit("ffn_moe_down", layer, down.reshape(seq_len, k, -1))
+    if mw.b2 is not None:
+        down = emit("ffn_moe_down_biased", layer, down + mw.b2[flat].reshape(seq_len, k, -1))
     weighted = emit("ffn_moe_weighted", layer, down * weights[:, :, None])
     out = weighted[:, 0].copy()
     for s in range(1, k):                        # slot by slot, as llama.cpp's chain of adds

@@ -68,7 +68,20 @@ LLAMA3_PATTERN = (
 # `\s+(?![^\s\p{N}])` ("a  1" splits as "a", "  ", "1", not "a", " ", " ", "1").
 SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 
-PRE_PATTERNS: dict[str, str] = {"gpt2": GPT2_PATTERN, "llama3": LLAMA3_PATTERN, "smollm": SMOLLM_PATTERN}
+# GPT-4o / gpt-oss (o200k), tiktoken's o200k_base pat_str (tiktoken_ext/openai_public.py; llama.cpp's
+# LLAMA_VOCAB_PRE_TYPE_GPT4O quotes it and runs an equivalent rewrite without the case classes)
+O200K_PATTERN = "|".join((
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+))
+
+PRE_PATTERNS: dict[str, str] = {"gpt2": GPT2_PATTERN, "llama3": LLAMA3_PATTERN, "smollm": SMOLLM_PATTERN,
+                                "o200k": O200K_PATTERN}
 
 # DeepSeek LLM / Coder: several regexes applied in sequence (llama.cpp llama-vocab.cpp; HF's Sequence of
 # Split(isolated)): each splits every piece of the previous one into matches and the text between them.
@@ -94,6 +107,7 @@ PRE_ALIASES: dict[str, str] = {
     "dbrx": "llama3", "smaug-bpe": "llama3",
     "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "codeshell": "smollm",
     "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
+    "gpt-4o": "o200k",
 }  # fmt: skip
 
 # Texts of tokens that end generation: llama.cpp's list (llama-vocab.cpp, llama_vocab::impl::load)

@@ -351,60 +351,84 @@ def _lane_sum(row, lo, hi, lanes):
 
 
 @njit(inline="always", **JIT_EXACT)
-def _softmax_rows(x, out, i, lanes):
+def _softmax_rows(x, out, i, lanes, sinks):
     n = x.shape[2]
+    sink = sinks[i] if sinks.shape[0] else np.float32(-np.inf)
     for j in range(x.shape[1]):
         row, o = x[i, j], out[i, j]
-        m = _lane_max(row, 0, n, lanes)
+        m = max(_lane_max(row, 0, n, lanes), sink)
         if m == -np.inf:
             o[:] = 0.0
             continue
         for k in range(n):
             o[k] = exp_f32(row[k] - m)
-        inv = np.float32(1.0) / _lane_sum(o, 0, n, lanes)
+        total = _lane_sum(o, 0, n, lanes)
+        if sinks.shape[0]:                    # the sink joins the denominator only
+            total += exp_f32(sink - m)
+        inv = np.float32(1.0) / total
         for k in range(n):
             o[k] *= inv
 
 
 @njit(**JIT_EXACT)
-def softmax_serial(x):
+def softmax_serial(x, sinks):
     out = np.empty_like(x)
     lanes = np.empty(_LANES_SUM, dtype=np.float32)
     for i in range(x.shape[0]):
-        _softmax_rows(x, out, i, lanes)
+        _softmax_rows(x, out, i, lanes, sinks)
     return out
 
 
 @njit(**JIT_EXACT_PARALLEL)
-def softmax_parallel(x):
+def softmax_parallel(x, sinks):
     out = np.empty_like(x)
     for i in prange(x.shape[0]):
-        _softmax_rows(x, out, i, np.empty(_LANES_SUM, dtype=np.float32))
+        _softmax_rows(x, out, i, np.empty(_LANES_SUM, dtype=np.float32), sinks)
     return out
+
+
+_NO_SINKS = np.zeros(0, dtype=np.float32)
+
+
+def _sinks(sinks: np.ndarray | None, n_heads: int) -> np.ndarray:
+    """float32 ``[n_heads]`` C-contiguous, or an empty array for none; ``ValueError`` on a wrong length."""
+    if sinks is None:
+        return _NO_SINKS
+    sinks = np.ascontiguousarray(sinks, dtype=np.float32).reshape(-1)
+    if sinks.shape[0] != n_heads:
+        raise ValueError(f"attention sinks: {sinks.shape[0]} values for {n_heads} heads")
+    return sinks
 
 
 _PARALLEL_ELEMENTS = 1 << 14
 """Softmax and SiLU run in parallel above this many elements (an exponential each)."""
 
 
-def softmax(x: np.ndarray) -> np.ndarray:
+def softmax(x: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
     """Softmax over the last axis of float32 ``[n_heads, seq_len, kv_len]``.
 
     Computed in fp32 with the row max subtracted, the row's sum in 16 lanes (:func:`_lane_sum`);
     a row that is entirely ``-inf`` (fully masked) gives zeros instead of NaN. Heads run in
     parallel when there is enough work.
+
+    ``sinks``: optional float32 ``[n_heads]``, one learned logit per head that joins each row's
+    denominator but gets no column (gpt-oss's attention sinks; ggml-cpu's ``soft_max`` with
+    ``ggml_soft_max_add_sinks``: ``max = max(max_row, sink)``, ``sum += exp(sink - max)``), so a
+    row's probabilities sum to less than 1. Raises ``ValueError`` for a wrong length.
     """
     fn = softmax_parallel if x.size > _PARALLEL_ELEMENTS else softmax_serial
-    return fn(np.ascontiguousarray(x))
+    return fn(np.ascontiguousarray(x), _sinks(sinks, x.shape[0]))
 
 
-def softmax_ref(x: np.ndarray) -> np.ndarray:
-    """NumPy twin of :func:`softmax` (fully masked rows give zeros)."""
-    m = np.max(x, axis=-1, keepdims=True)
+def softmax_ref(x: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
+    """NumPy twin of :func:`softmax` (fully masked rows give zeros; ``sinks`` as there)."""
+    sink = (np.full(x.shape[0], -np.inf, np.float32) if sinks is None
+            else np.asarray(sinks, np.float32).reshape(-1))[:, None, None]
+    m = np.maximum(np.max(x, axis=-1, keepdims=True), sink)
     finite = np.isfinite(m)
     e = np.exp(x - np.where(finite, m, 0.0)).astype(np.float32)
     e = np.where(finite, e, 0.0)
-    s = np.sum(e, axis=-1, keepdims=True)
+    s = np.sum(e, axis=-1, keepdims=True) + np.where(finite, np.exp(sink - np.where(finite, m, 0.0)), 0.0)
     return np.where(s > 0, e / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)
 
 
@@ -490,6 +514,49 @@ def swiglu_ref(gate_up: np.ndarray) -> np.ndarray:
     """NumPy twin of :func:`swiglu`."""
     gate, up = np.split(gate_up, 2, axis=1)
     return (silu_ref(gate) * up).astype(np.float32)
+
+
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0
+"""gpt-oss's clamped SwiGLU constants (llama.cpp's ``build_moe_ffn``, ``LLM_FFN_SWIGLU_OAI_MOE``)."""
+
+
+@njit(error_model="numpy", **JIT_EXACT_PARALLEL)
+def _swiglu_oai(gate, up, alpha, limit, out):
+    for i in prange(gate.shape[0]):
+        for j in range(gate.shape[1]):
+            g = min(gate[i, j], limit)
+            u = min(max(up[i, j], -limit), limit)
+            out[i, j] = (g / (np.float32(1.0) + exp_f32(alpha * -g))) * (u + np.float32(1.0))
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = SWIGLU_OAI_ALPHA,
+               limit: float = SWIGLU_OAI_LIMIT) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU, as ggml-cpu's ``ggml_compute_forward_swiglu_oai_f32``: with
+    ``g = min(gate, limit)`` and ``u = clamp(up, -limit, limit)``,
+    ``g · sigmoid(alpha · g) · (u + 1)`` in float32 (note the ``+ 1`` on the up half).
+
+    Args:
+        gate, up: float32 ``[n, hidden]`` each.
+        alpha, limit: the sigmoid's slope and the clamp (gpt-oss: 1.702 and 7).
+
+    Returns:
+        float32 ``[n, hidden]`` (the ``ffn_moe_swiglu_oai`` stage).
+    """
+    gate = np.ascontiguousarray(gate, dtype=np.float32)
+    up = np.ascontiguousarray(up, dtype=np.float32)
+    if gate.shape != up.shape or gate.ndim != 2:
+        raise ValueError(f"swiglu_oai: gate {gate.shape} and up {up.shape} must be the same [n, hidden]")
+    out = np.empty_like(gate)
+    _swiglu_oai(gate, up, np.float32(alpha), np.float32(limit), out)
+    return out
+
+
+def swiglu_oai_ref(gate: np.ndarray, up: np.ndarray, alpha: float = SWIGLU_OAI_ALPHA,
+                   limit: float = SWIGLU_OAI_LIMIT) -> np.ndarray:
+    """NumPy twin of :func:`swiglu_oai`."""
+    g = np.minimum(gate, np.float32(limit)).astype(np.float32)
+    u = np.clip(up, np.float32(-limit), np.float32(limit)).astype(np.float32)
+    return (g / (np.float32(1.0) + np.exp(np.float32(alpha) * -g)) * (u + np.float32(1.0))).astype(np.float32)
 
 
 _SQRT_2_OVER_PI = np.float32(math.sqrt(2.0 / math.pi))
@@ -813,10 +880,12 @@ def attention_scores_ref(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
 # path's exp(-inf) = 0 terms add nothing: _lane_sum); and
 # the masked entries are 0 · (1 / sum), which is 0 — or NaN where the row's sum is, as there.
 @njit(inline="always", **JIT_EXACT)
-def _softmax_visible_rows(x, i, scale, first_pos, window, lanes):
+def _softmax_visible_rows(x, i, scale, first_pos, window, lanes, sinks):
     """In place, head i: each row's scores of the keys it sees (_scores_keys' rule) times
-    ``scale``, then their softmax; every other entry 0 · (1 / sum)."""
+    ``scale``, then their softmax (with head i's sink in the denominator, if ``sinks`` has
+    any); every other entry 0 · (1 / sum)."""
     n = x.shape[2]
+    sink = sinks[i] if sinks.shape[0] else np.float32(-np.inf)
     for j in range(x.shape[1]):
         pos = first_pos + j
         lo = max(0, pos - window + 1) if window else 0
@@ -825,13 +894,16 @@ def _softmax_visible_rows(x, i, scale, first_pos, window, lanes):
         seen = row[lo:hi]                     # a view indexed from 0: its loops vectorise
         for k in range(seen.shape[0]):
             seen[k] *= scale
-        m = _lane_max(row, lo, hi, lanes)
+        m = max(_lane_max(row, lo, hi, lanes), sink)
         if m == -np.inf:                      # every key it sees is -inf: zeros (softmax's rule)
             row[:] = 0.0
             continue
         for k in range(seen.shape[0]):
             seen[k] = exp_f32(seen[k] - m)
-        inv = np.float32(1.0) / _lane_sum(row, lo, hi, lanes)
+        total = _lane_sum(row, lo, hi, lanes)
+        if sinks.shape[0]:
+            total += exp_f32(sink - m)
+        inv = np.float32(1.0) / total
         for k in range(seen.shape[0]):
             seen[k] *= inv
         hidden = np.float32(0.0) * inv
@@ -840,20 +912,20 @@ def _softmax_visible_rows(x, i, scale, first_pos, window, lanes):
 
 
 @njit(**JIT_EXACT)
-def _softmax_visible_serial(x, scale, first_pos, window):
+def _softmax_visible_serial(x, scale, first_pos, window, sinks):
     lanes = np.empty(_LANES_SUM, dtype=np.float32)
     for i in range(x.shape[0]):
-        _softmax_visible_rows(x, i, scale, first_pos, window, lanes)
+        _softmax_visible_rows(x, i, scale, first_pos, window, lanes, sinks)
 
 
 @njit(**JIT_EXACT_PARALLEL)
-def _softmax_visible_parallel(x, scale, first_pos, window):
+def _softmax_visible_parallel(x, scale, first_pos, window, sinks):
     for i in prange(x.shape[0]):
-        _softmax_visible_rows(x, i, scale, first_pos, window, np.empty(_LANES_SUM, dtype=np.float32))
+        _softmax_visible_rows(x, i, scale, first_pos, window, np.empty(_LANES_SUM, dtype=np.float32), sinks)
 
 
 def attention_probs(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: int, window: int = 0,
-                    parallel: bool | None = None) -> np.ndarray:
+                    parallel: bool | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
     """Masked attention probabilities without the masked scores:
     ``softmax(attention_scores(xq, keys) * scale + mask)``, bit for bit, with ``mask``
     :func:`causal_mask` ``(seq_len, start_pos)`` (``window`` 0) or :func:`window_mask`
@@ -869,6 +941,8 @@ def attention_probs(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: i
         window: keys a query sees with a sliding window, itself included (0: no window).
         parallel: run the threaded variants (``None``: when there is enough work); the same
             numbers either way.
+        sinks: optional float32 ``[n_heads]``, each head's sink logit in the softmax's
+            denominator (:func:`softmax`).
 
     Returns:
         float32 ``[n_heads, seq_len, kv_len]``; entries of keys a row does not see are 0 (NaN
@@ -895,19 +969,20 @@ def attention_probs(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: i
         _decode_scores_parallel(xq, keys, out, first_pos, window)
     else:
         _scores_keys(xq, keys, out, 0, kv_len, first_pos, window)
+    sinks = _sinks(sinks, n_heads)
     if parallel if parallel is not None else out.size > _PARALLEL_ELEMENTS:
-        _softmax_visible_parallel(out, scale, first_pos, window)
+        _softmax_visible_parallel(out, scale, first_pos, window, sinks)
     else:
-        _softmax_visible_serial(out, scale, first_pos, window)
+        _softmax_visible_serial(out, scale, first_pos, window, sinks)
     return out
 
 
 def attention_probs_ref(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: int,
-                        window: int = 0) -> np.ndarray:
+                        window: int = 0, sinks: np.ndarray | None = None) -> np.ndarray:
     """NumPy twin of :func:`attention_probs`: every score, the mask added, :func:`softmax_ref`."""
     seq_len = xq.shape[0]
     mask = window_mask(seq_len, start_pos, window) if window else causal_mask(seq_len, start_pos)
-    return softmax_ref(attention_scores_ref(xq, keys) * np.float32(scale) + mask)
+    return softmax_ref(attention_scores_ref(xq, keys) * np.float32(scale) + mask, sinks)
 
 
 @njit(**JIT_ATTN)

@@ -41,7 +41,7 @@ from llamatrace.kernels import tiles
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.types import floats
 from llamatrace.kernels.types.registry import FORMATS, MODES, SCALE_DTYPES, TYPES, QuantType, served_types
-from llamatrace.machine.jit import F16_BITS, F16_TABLE, JIT_INLINE, JIT_PARALLEL, f16_bytes_np, f16_np
+from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 
@@ -102,7 +102,8 @@ class Weight:
         mode; ``m`` None for a type without a minimum."""
         d, m = self.d[t, :, r], (self.m[t, :, r] if self.m.size else None)
         if self.act8:
-            d, m = f16_np(d), (f16_np(m) if m is not None else None)
+            fmt = FORMATS[self.ggml_type]
+            d, m = fmt.scale_values(d), (fmt.scale_values(m) if m is not None else None)
         return d, m
 
     @property
@@ -199,8 +200,8 @@ def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], 
     n_blocks = n_in // fmt.weights
     n_rows = sum(int(n) for _, n in parts)
     n_tiles = -(-n_rows // TR)
-    scale_type = SCALE_DTYPES["q8" if group != (0, 0) else "f32"]
-    table = F16_BITS if scale_type == np.uint16 else F16_TABLE          # fp16 bits -> what d, m hold
+    mode = "q8" if group != (0, 0) else "f32"
+    scale_type, table = SCALE_DTYPES[mode], fmt.scale_lookup(mode)    # file scale bits -> what d, m hold
     qs_t = arena.empty((n_tiles, n_blocks, fmt.packed_bytes, TR), np.uint8)
     d_t = arena.empty((n_tiles, n_blocks, TR), scale_type)
     m_t = arena.empty((n_tiles, n_blocks, TR), scale_type) if fmt.has_min else _EMPTY_SCALES
@@ -324,9 +325,14 @@ def repack_blocks(ggml_type, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray
         out, lo, lo_shift, lo_mask, hi, hi_shift, hi_mask = fmt.scale_table().T
         packed[..., out] = (((blocks[..., lo] >> lo_shift) & lo_mask)
                             | (((blocks[..., hi] >> hi_shift) & hi_mask) << 4)).astype(np.uint8)
-    d = f16_bytes_np(blocks[..., fmt.d_off:fmt.d_off + 2])
-    m = f16_bytes_np(blocks[..., fmt.m_off:fmt.m_off + 2]) if fmt.has_min else None
+    d = fmt.scale_values(_u16_at(blocks, fmt.d_off))
+    m = fmt.scale_values(_u16_at(blocks, fmt.m_off)) if fmt.has_min else None
     return packed, d, m
+
+
+def _u16_at(blocks: np.ndarray, off: int) -> np.ndarray:
+    """The little-endian uint16 at byte ``off`` of each block, ``[...]``."""
+    return np.ascontiguousarray(blocks[..., off:off + 2]).view(np.uint16)[..., 0]
 
 
 def repack_tiles_np(ggml_type, blocks: np.ndarray, row0: int, qs_t: np.ndarray, d_t: np.ndarray,
@@ -342,8 +348,8 @@ def repack_tiles_np(ggml_type, blocks: np.ndarray, row0: int, qs_t: np.ndarray, 
     for c0 in range(0, blocks.shape[0], 256):
         packed, d, m = repack_blocks(ggml_type, blocks[c0:c0 + 256])
         if d_t.dtype == np.uint16:
-            d, m = (np.ascontiguousarray(blocks[c0:c0 + 256, :, off:off + 2]).view(np.uint16)[..., 0]
-                    if off >= 0 else None for off in (d_off, m_off))
+            d, m = (fmt.scale_lookup("q8")[_u16_at(blocks[c0:c0 + 256], off)] if off >= 0 else None
+                    for off in (d_off, m_off))
         rows = row0 + c0 + np.arange(packed.shape[0])
         at = base + (rows % TR)[:, None, None] * stride                     # [n, 1, P]
         flat[(rows // TR)[:, None, None], np.arange(n_blocks)[:, None], at] = packed
@@ -358,8 +364,9 @@ def repack_tiles(ggml_type, blocks: np.ndarray, row0: int, f16_table: np.ndarray
     uint8 ``[T, B, packed_bytes, TR]``, ``d_t`` / ``m_t`` ``[T, B, TR]`` (``m_t`` unused
     for types without a minimum), per the type's :class:`BlockFormat`; packed bytes
     ``group = (head, end)`` in :mod:`llamatrace.kernels.int8.act8`'s grouped order (:func:`tiles.byte_offset`).
-    ``f16_table`` [65536] maps an fp16 bit pattern to what ``d_t`` / ``m_t`` hold: float32
-    values, or uint16 (the identity) for the bits as they are. In parallel over tiles; rows of
+    ``f16_table`` [65536] maps the uint16 at a block's ``d_off`` / ``m_off`` to what ``d_t`` /
+    ``m_t`` hold (:meth:`~llamatrace.kernels.types.registry.BlockFormat.scale_lookup`): float32
+    values, or the file's scale bits as they are. In parallel over tiles; rows of
     other tiles untouched. The NumPy scatter it replaced took ~7 s of an 8B Q4_K_M load; this
     moves 1.5-2.3 GB/s of file bytes on two threads, once the memory is mapped."""
     fmt = FORMATS[_T(ggml_type)]

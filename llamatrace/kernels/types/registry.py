@@ -33,6 +33,7 @@ import gguf
 import numpy as np
 
 from llamatrace.errors import UnsupportedModelError
+from llamatrace.machine.jit import E8M0_BITS, E8M0_HALF_TABLE, F16_BITS, F16_TABLE
 
 MODES = ("f32", "q8")
 """Activation modes: float32 activations (the default, the reference) or 8-bit
@@ -50,6 +51,10 @@ SCALE_DTYPES = {"f32": np.dtype(np.float32), "q8": np.dtype(np.uint16)}
 (the float32 kernels multiply them as they are), or the file's fp16 bits as uint16 (the ``q8``
 kernels widen them as they read, with F16C: a Q4_0 block streams 18 bytes, as in the file,
 instead of 20). :meth:`llamatrace.kernels.types.packing.Weight.scales_f32` gives float32 in either."""
+
+
+_SCALE_TABLES = {"f16": (F16_TABLE, F16_BITS), "e8m0": (E8M0_HALF_TABLE, E8M0_BITS)}
+"""BlockFormat.scale -> (the float32 values, the kept bits) of each uint16 read from a block."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,9 @@ class BlockFormat:
     :class:`ScaleByte` per packed byte; empty when the scales are among the copied bytes or
     the type has none), and reads the fp16 scale ``d`` at byte ``d_off`` and the minimum ``m``
     at ``m_off`` (-1: none, ``has_min`` False). ``signed``: the packed quants are int8.
+    ``scale``: how ``d`` is encoded in the file, ``"f16"`` (two bytes) or ``"e8m0"`` (MXFP4's
+    one exponent byte, whose value the type's kernels take as ggml's ``GGML_E8M0_TO_FP32_HALF``,
+    ``2**(e - 128)``); :meth:`scale_lookup` says what ``d`` holds in each mode.
     """
 
     weights: int
@@ -88,10 +96,26 @@ class BlockFormat:
     m_off: int = -1
     scales: tuple[ScaleByte, ...] = ()
     signed: bool = False
+    scale: str = "f16"
+
+    def __post_init__(self) -> None:
+        if self.scale not in _SCALE_TABLES:
+            raise ValueError(f"BlockFormat: scale must be one of {sorted(_SCALE_TABLES)}, got {self.scale!r}")
 
     @property
     def has_min(self) -> bool:
         return self.m_off >= 0
+
+    def scale_lookup(self, mode: str) -> np.ndarray:
+        """[65536]: the little-endian uint16 read at ``d_off`` (or ``m_off``) of a file block ->
+        what the packed ``d`` / ``m`` hold in activation ``mode`` (:data:`SCALE_DTYPES`): the
+        float32 value in ``f32``, the file's scale bits in ``q8`` (fp16 bits, or the E8M0 byte)."""
+        return _SCALE_TABLES[self.scale][mode == "q8"]
+
+    def scale_values(self, bits: np.ndarray) -> np.ndarray:
+        """float32 values of scales as a ``q8``-mode weight holds them (or as read from the
+        file: the uint16 at ``d_off``)."""
+        return _SCALE_TABLES[self.scale][0][np.asarray(bits, np.uint16)]
 
     def scale_table(self) -> np.ndarray:
         """:attr:`scales` as int64 ``[n, 7]`` rows (the fields of :class:`ScaleByte`, in order),
