@@ -118,7 +118,7 @@ def test_registry_serves_mxfp4_in_both_modes_and_precompiles_it():
     assert {(T.MXFP4, m, p) for m in registry.MODES for p in PHASES} <= set(registry.served())
     assert T.MXFP4 in registry.served_types("q8")
     assert registry.summary("MXFP4") == ("mxfp4.gemv_mxfp4 / mxfp4.tiled_mxfp4, q8: mxfp4.act8_mxfp4")
-    assert registry.TYPES[T.MXFP4].quantize is None          # the quantizer is declared elsewhere
+    assert registry.TYPES[T.MXFP4].quantize.args == (T.MXFP4,)   # quantizers/mxfp4 through quantize_rows
     assert "MXFP4" in COMMON
     lines = []
     compile_kernels(["MXFP4"], log=lines.append)

@@ -25,16 +25,14 @@ import numpy as np
 from numba import njit, prange
 
 from llamatrace.kernels.quantizers.k_rows import F32, claim_rows, row_chunk, row_f32
-from llamatrace.machine.jit import JIT_QUANT, JIT_QUANT_PARALLEL
+from llamatrace.machine.jit import E8M0_HALF_TABLE, JIT_QUANT, JIT_QUANT_PARALLEL
 
 QK_MXFP4 = 32
 """Weights per MXFP4 block."""
 BLOCK_BYTES = 17
 KVALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
 """ggml's ``kvalues_mxfp4``: the E2M1 values, doubled (``d`` is half the E8M0 scale)."""
-_E = np.arange(256, dtype=np.uint32)
-E8M0_HALF = np.where(_E < 2, np.uint32(0x00200000) << np.minimum(_E, 1), (_E - 1) << np.uint32(23)
-                     ).astype(np.uint32).view(np.float32)
+E8M0_HALF = E8M0_HALF_TABLE[:256].copy()
 """``ggml_e8m0_to_fp32_half(e)`` for every byte e: ``2**(e-128)`` (denormal bit patterns below e = 2)."""
 
 

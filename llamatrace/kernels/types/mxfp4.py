@@ -31,6 +31,7 @@ from numba import njit, prange
 from llamatrace.kernels import tiles
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.int8.act8_ir import isum_q8
+from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.types.packing import matmul_ref
 from llamatrace.kernels.types.q8 import _i8_half_dot
 from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, declare
@@ -238,4 +239,4 @@ MXFP4 = declare(QuantType(
     dequant_np=dequant_mxfp4_np,
     kernels={"f32": (Kernel(gemv_mxfp4, gemv_mxfp4_twin), Kernel(tiled_mxfp4, matmul_ref)),
              "q8": (Kernel(act8_mxfp4, act8_mxfp4_twin), Kernel(act8_mxfp4, act8_mxfp4_twin))},
-    q8_bytes=(0, 16)))
+    q8_bytes=(0, 16), **for_type(_T.MXFP4)))
