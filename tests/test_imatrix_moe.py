@@ -87,3 +87,43 @@ def test_per_expert_sums_and_counts_of_a_trace(capsys, tmp_path):
     code, _, err = run(capsys, "quantize", path, q, "--type", "Q8_0", "--imatrix", out)
     assert code == 0, err
     assert "no entry for 1 tensor (output.weight)" in err          # llama-imatrix skips it without --process-output
+
+
+def test_gptoss_down_experts_sum_the_clamped_swiglu_of_the_biased_products(capsys, tmp_path):
+    # gpt-oss's experts read x·Wᵀ + b and swiglu_oai (the gate capped at 7, up clamped, (up + 1)):
+    # the sums of ffn_down_exps must be of those rows, not of a plain SwiGLU without biases
+    from gptoss_files import EXPERT_FF, K, N_EXPERT, N_LAYERS, write_gptoss_file
+    from llamatrace.corpus.chunks import make_chunks, read_corpus
+    from llamatrace.model.llama import Llama
+    from llamatrace.quantize.imatrix.compute import calibration_text
+    path = write_gptoss_file(tmp_path / "gpt-oss.gguf")
+    n_ctx = 16
+    out = tmp_path / "imatrix.gguf"
+    code, _, err = run(capsys, "imatrix", "-f", CORPUS, "-c", str(n_ctx), "--chunks", "1", "-o", out, "--model", path)
+    assert code == 0, err
+    entries = read_imatrix(out)
+    model = Llama.load(path)
+    chunk = make_chunks(model.tokenizer, calibration_text(read_corpus(CORPUS)), n_ctx, 1,
+                        model.config.max_seq_len).chunk(0)
+    with model.trace(stages=["ffn_norm"], keep_arrays=True) as rec:
+        model.forward(chunk, 0, model.new_cache(n_ctx))
+    arrays = rec.arrays()
+    w = {t.name: np.array(t.data, dtype=np.float64) for t in gguf.GGUFReader(str(path)).tensors}
+    for layer in range(N_LAYERS):
+        p = f"blk.{layer}."
+        x = arrays[f"step0.layer{layer}.ffn_norm"].astype(np.float64)
+        logits = x @ w[p + "ffn_gate_inp.weight"].T + w[p + "ffn_gate_inp.bias"]
+        ids = np.argsort(-logits, axis=1, kind="stable")[:, :K]
+        down = np.zeros((N_EXPERT, EXPERT_FF))
+        counts = np.zeros(N_EXPERT, np.int64)
+        for t in range(n_ctx):
+            for e in ids[t]:
+                g = np.minimum(w[p + "ffn_gate_exps.weight"][e] @ x[t] + w[p + "ffn_gate_exps.bias"][e], 7.0)
+                u = np.clip(w[p + "ffn_up_exps.weight"][e] @ x[t] + w[p + "ffn_up_exps.bias"][e], -7.0, 7.0)
+                glu = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+                down[e] += glu ** 2
+                counts[e] += 1
+        got_sums, got_counts = entries[p + "ffn_down_exps.weight"]
+        assert got_counts.tolist() == counts.tolist()
+        np.testing.assert_allclose(got_sums.reshape(down.shape), down, rtol=2e-4)
+    model.close()

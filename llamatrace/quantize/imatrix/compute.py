@@ -20,9 +20,9 @@ Mixtures of experts (``ggml_mul_mat_id``: llama-imatrix collects every one): the
 is summed per expert over the ``ffn_norm`` rows of the tokens that chose that expert, and
 ``ffn_down_exps`` over the ``ffn_moe_swiglu`` rows of each (token, chosen expert) pair, with
 ``counts`` per expert = the (token, slot) pairs routed to it (``ffn_moe_topk``): ``in_sum2`` is
-``[n_expert, width]``, ``counts`` ``[n_expert]``, 0 for an expert no token chose. The route and the
-experts' SwiGLU rows are recomputed from the ``ffn_norm`` hook with the block's own router and
-kernels (:func:`expert_squares`), the MoE stages not being hookable yet.
+``[n_expert, width]``, ``counts`` ``[n_expert]``, 0 for an expert no token chose. The rows, the route
+and the experts' gated rows are the forward pass's own stages (hooks on ``ffn_norm``,
+``ffn_moe_topk`` and ``ffn_moe_swiglu`` / gpt-oss's ``ffn_moe_swiglu_oai``; :func:`expert_squares`).
 
 llama.cpp adds each token's square to float32 sums, token after token; here each chunk's sums
 are float64 and chunks are added in chunk order in float64 (then stored as float32, the file's
@@ -118,50 +118,56 @@ def sum_squares(model, job: SquaresJob) -> list[tuple[np.ndarray, np.ndarray]]:
     want = set(job.keys)
     routed = {layer for _, layer, n in job.keys if n}
     out: dict[tuple[str, int | None, int], tuple[np.ndarray, np.ndarray]] = {}
+    seen: dict[tuple[str, int], np.ndarray] = {}          # a MoE layer's ffn_norm rows, route and gated rows
 
     def keep(a, event) -> None:
         stage, layer = event.stage, event.layer
         if (stage, layer, 0) in want:
             x = np.asarray(a, dtype=np.float64).reshape(a.shape[0], -1)
             out[(stage, layer, 0)] = (np.einsum("tj,tj->j", x, x)[None, :], np.array([x.shape[0]], np.int64))
-        if stage == "ffn_norm" and layer in routed:
-            out.update(expert_squares(model, layer, np.asarray(a, dtype=np.float32),
-                                      ("ffn_moe_swiglu", layer, model.config.n_expert) in want))
+        if layer in routed and stage in ROUTE_HOOKS:
+            seen[(ROUTE_HOOKS[stage], layer)] = np.array(a)
 
-    with model.hooks({stage: keep for stage in {k[0] for k in job.keys if k[0] != "ffn_moe_swiglu"}}):
+    stages = {k[0] for k in job.keys if not k[2]} | (set(ROUTE_HOOKS) if routed else set())
+    with model.hooks({stage: keep for stage in stages}):
         model.forward(job.ids, 0, model.new_cache(len(job.ids)), all_logits=job.all_rows)
+    n_expert = model.config.n_expert
+    for layer in sorted(routed):
+        out.update(expert_squares(seen[("x", layer)], seen[("ids", layer)], seen.get(("glu", layer)), layer, n_expert))
     return [out[key] for key in job.keys]
 
 
-def expert_squares(model, layer: int, x: np.ndarray, down: bool) -> dict:
-    """Layer ``layer``'s per-expert sums from its ``ffn_norm`` rows ``x`` (float32 ``[n_tokens, dim]``):
-    the route the MoE block takes (its router and :func:`llamatrace.kernels.ops.moe.route`), then per
-    expert the squares of the rows it reads — ``ffn_norm`` rows for gate/up, and with ``down`` its
-    ``ffn_moe_swiglu`` rows (the expert's own gate|up product, recomputed: the MoE stages cannot be
-    hooked yet) — and the (token, slot) pairs routed to it.
+ROUTE_HOOKS = {"ffn_norm": "x", "ffn_moe_topk": "ids", "ffn_moe_swiglu": "glu", "ffn_moe_swiglu_oai": "glu"}
+"""The MoE stages whose outputs a layer's per-expert sums read: the rows every expert of the layer
+reads (``ffn_norm``), the route (``ffn_moe_topk``) and each chosen expert's gated rows, the input of
+``ffn_down_exps`` (``ffn_moe_swiglu``, or gpt-oss's clamped ``ffn_moe_swiglu_oai``)."""
+
+
+def expert_squares(x: np.ndarray, ids: np.ndarray, glu: np.ndarray | None, layer: int, n_expert: int) -> dict:
+    """A MoE layer's per-expert sums, as llama-imatrix collects them from ``mul_mat_id``: per
+    expert, the squares of the ``ffn_norm`` rows ``x`` (``[n_tokens, dim]``) of the tokens that
+    chose it (``ids`` int ``[n_tokens, k]``, ``ffn_moe_topk``), for gate/up, and of its own gated
+    rows ``glu`` (``[n_tokens, k, expert_hidden_dim]``, the slot that chose it) for down; counts are
+    the (token, slot) pairs routed to it.
 
     Returns:
         ``{(stage, layer, n_expert): (float64 [n_expert, width], int64 [n_expert])}``.
     """
-    from llamatrace.kernels.ops import fp32, moe as routing
-    from llamatrace.kernels.types.registry import matmul
-    c = model.config
-    mw = model.weights.layers[layer].moe
-    _, ids, _, _ = routing.route(matmul(x, mw.router), c.n_expert_used, c.expert_gating, c.expert_weights_norm)
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)            # pair t*k + s: slot s of token t
-    counts = np.bincount(flat, minlength=c.n_expert).astype(np.int64)
-    x64 = x.astype(np.float64)
-    gate_up = np.zeros((c.n_expert, x.shape[1]), np.float64)
-    glu_sums = np.zeros((c.n_expert, c.expert_hidden_dim), np.float64)
+    counts = np.bincount(flat, minlength=n_expert).astype(np.int64)
+    x64 = np.asarray(x, np.float64).reshape(len(ids), -1)
+    gate_up = np.zeros((n_expert, x64.shape[1]), np.float64)
+    rows = None if glu is None else np.asarray(glu, np.float64).reshape(flat.size, -1)
+    glu_sums = np.zeros((n_expert, 0 if rows is None else rows.shape[1]), np.float64)
     for e in np.flatnonzero(counts):
-        tokens = np.flatnonzero(flat == e) // c.n_expert_used
+        pairs = np.flatnonzero(flat == e)
+        tokens = pairs // ids.shape[1]
         gate_up[e] = np.einsum("tj,tj->j", x64[tokens], x64[tokens])
-        if down:
-            glu = fp32.swiglu(mw.gate_up(x[tokens], int(e))).astype(np.float64)
-            glu_sums[e] = np.einsum("tj,tj->j", glu, glu)
-    out = {("ffn_norm", layer, c.n_expert): (gate_up, counts)}
-    if down:
-        out[("ffn_moe_swiglu", layer, c.n_expert)] = (glu_sums, counts.copy())
+        if rows is not None:
+            glu_sums[e] = np.einsum("tj,tj->j", rows[pairs], rows[pairs])
+    out = {("ffn_norm", layer, n_expert): (gate_up, counts)}
+    if rows is not None:
+        out[("ffn_moe_swiglu", layer, n_expert)] = (glu_sums, counts.copy())
     return out
 
 
