@@ -438,7 +438,7 @@ STAGES: tuple[Stage, ...] = (
           _RESID, "The weighted experts' outputs summed over the chosen k: the FFN's output.",
           inputs=(("expertOut", "[seq_len, n_expert_used, dim]"),), when="moe",
           lines=("Summing expertOut shape({expertOut}) over the chosen experts -> tensor ffnOutput shape({out})",
-                 "Returning tensor output: shape({out})"),
+                 "Returning the experts' tensor output: shape({out})"),
           llama_cpp_note="a chain of adds over views of ffn_moe_weighted, slot 0 first"),
     Stage("ffn_post_norm", "layer", "RMSNorm", "ffnOutput", "15.6", 17, "ffn_post_norm", "ln2_post.hook_normalized",
           "ffn", _RESID, "RMSNorm of the FFN output before the residual add (Gemma).",
