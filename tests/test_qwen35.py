@@ -1,0 +1,215 @@
+"""Qwen3.5 (llama.cpp ``qwen35``): gated DeltaNet layers beside gated full attention.
+
+The random-weight file is written at test time by ``tests/qwen35_files.py``; llama.cpp's float32
+logits on the same file (same seed, same bytes) are in ``tests/golden/qwen35_llamacpp.npz``, made
+by ``tests/golden/make_qwen35_golden.py``. The delta-rule kernels are checked against each other
+and against the rule written out in float64 (:func:`~llamatrace.kernels.ops.deltanet.delta_rule_naive`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from arch_files import relative, run_positions
+from cli_helpers import assert_one_line_error, run
+from qwen35_files import (CONV_KERNEL, N_K_HEADS, N_LAYERS, N_V_HEADS, SSM_HEAD_DIM, T, write_qwen35_file)
+
+from llamatrace.errors import ModelFormatError
+from llamatrace.kernels.ops import deltanet as dn
+from llamatrace.model.config import imrope_text_rotated
+from llamatrace.model.llama import Llama
+from llamatrace.tracing.recorder import Recorder
+from llamatrace.tracing.stages import STAGES, stage_applies
+
+GOLDEN = Path(__file__).parent / "golden"
+PREFILL = 66                 # make_qwen35_golden.py's decode run: 66 tokens in one batch, then one a step
+F32_RTOL = 1e-4              # relative L2 distance per position, the issue's bar
+TWO_PATHS_RTOL = 1e-5        # chunked prefill vs recurrent decode
+
+
+@pytest.fixture(scope="module")
+def golden():
+    with np.load(GOLDEN / "qwen35_llamacpp.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_qwen35_file(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35.gguf")
+
+
+@pytest.fixture(scope="module")
+def model(path):
+    return Llama.load(path)
+
+
+# ---- kernels: Numba against NumPy twin against the rule written out --------------------------
+def _inputs(seq_len: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    f = np.float32
+    q = dn.l2norm(rng.normal(size=(seq_len, 2, 16)).astype(f), 1e-6)
+    k = dn.l2norm(rng.normal(size=(seq_len, 2, 16)).astype(f), 1e-6)
+    v = rng.normal(size=(seq_len, 6, 16)).astype(f)
+    g = -rng.uniform(0.0, 1.5, size=(seq_len, 6)).astype(f)           # decays exp(g) in (0.22, 1)
+    beta = rng.uniform(0.0, 1.0, size=(seq_len, 6)).astype(f)
+    state = (0.3 * rng.normal(size=(6, 16, 16))).astype(f)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("rule", [dn.delta_rule_recurrent, dn.delta_rule_recurrent_ref, dn.delta_rule_chunked])
+def test_delta_rule_forms_match_the_rule_written_out(rule):
+    """150 tokens: more than two 64-token chunks, a last one partial; a non-zero starting state."""
+    q, k, v, g, beta, state = _inputs(150)
+    want_o, want_s = dn.delta_rule_naive(q, k, v, g, beta, state)
+    s = state.copy()
+    o = rule(q, k, v, g, beta, s)
+    assert np.abs(o - want_o).max() <= 1e-5 * np.abs(want_o).max()
+    assert np.abs(s - want_s).max() <= 1e-5 * np.abs(want_s).max()
+
+
+def test_chunked_prefill_and_recurrent_decode_agree_to_1e_5():
+    q, k, v, g, beta, state = _inputs(100, seed=1)
+    s1, s2 = state.copy(), state.copy()
+    chunked = dn.delta_rule_chunked(q, k, v, g, beta, s1)
+    steps = np.concatenate([dn.delta_rule_recurrent(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                                    beta[t:t + 1], s2) for t in range(len(q))])
+    assert (np.linalg.norm(chunked - steps, axis=(1, 2)) / np.linalg.norm(steps, axis=(1, 2))).max() <= TWO_PATHS_RTOL
+    assert np.linalg.norm(s1 - s2) <= TWO_PATHS_RTOL * np.linalg.norm(s2)
+
+
+def test_causal_conv1d_twins_carry_the_state_across_calls():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(9, 20)).astype(np.float32)
+    w = rng.normal(size=(20, 4)).astype(np.float32)
+    # the plain definition: zero-padded causal convolution of the whole sequence
+    padded = np.concatenate([np.zeros((3, 20)), x])
+    want = sum(padded[k:k + 9] * w[:, k] for k in range(4))
+    for conv in (dn.causal_conv1d, dn.causal_conv1d_ref):
+        state = np.zeros((20, 3), dtype=np.float32)
+        got = np.concatenate([conv(x[:5], state, w), conv(x[5:6], state, w), conv(x[6:], state, w)])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(state, x[-3:].T)
+
+
+def test_imrope_leaves_the_extra_section_of_a_text_token_unrotated():
+    """llama.cpp's ggml_mrope_cache_init with is_imrope: Qwen3.5's [11, 11, 10, 0] rotates all 32
+    pairs; [1, 1, 1, 1] (the test file) takes the extra position 0 at sector 3."""
+    assert imrope_text_rotated(64, (11, 11, 10, 0)).all()
+    assert imrope_text_rotated(8, (1, 1, 1, 1)).tolist() == [True, True, True, False]
+
+
+# ---- fidelity against llama.cpp -------------------------------------------------------------
+def test_config_reads_the_layers_and_ssm_sizes(model):
+    c = model.config
+    assert c.recurrent_layers == (0, 1, 3) and c.attn_layers == (2,)
+    assert (c.ssm_n_k_heads, c.ssm_n_v_heads, c.ssm_head_dim, c.ssm_conv_kernel) == (
+        N_K_HEADS, N_V_HEADS, SSM_HEAD_DIM, CONV_KERNEL)
+
+
+@pytest.mark.parametrize("key, prefill", [("prefill", None), ("decode", PREFILL)])
+def test_f32_logits_match_llamacpp_at_every_position(key, prefill, model, golden):
+    """One 80-token batch (past the 64-token chunk), and 66 tokens then one a step."""
+    ids = golden["ids"]
+    ours = run_positions(model, ids, prefill or len(ids))
+    ref = golden[key]
+    assert relative(ours, ref).max() <= F32_RTOL, relative(ours, ref).max()
+    assert (ours.argmax(1) == ref.argmax(1)).all()
+
+
+def test_prefill_and_decode_paths_agree(model, golden):
+    ids = golden["ids"]
+    assert relative(run_positions(model, ids, len(ids)), run_positions(model, ids, 1)).max() <= TWO_PATHS_RTOL
+
+
+def test_q8_mode_agrees_with_llamacpp_on_f32_weights_and_with_f32_on_q8_0(model, path, golden, tmp_path):
+    ids = golden["ids"]
+    q8 = run_positions(Llama.load(path, activations="q8"), ids, PREFILL)
+    assert relative(q8, golden["decode"]).max() <= F32_RTOL
+    quant = write_qwen35_file(tmp_path / "q8.gguf", qtype=T.Q8_0)
+    f32 = run_positions(Llama.load(quant), ids[:20], 8)
+    q8 = run_positions(Llama.load(quant, activations="q8"), ids[:20], 8)
+    assert 0 < relative(q8, f32).max() < 0.05
+    assert (q8.argmax(1) == f32.argmax(1)).mean() >= 0.9
+
+
+def test_cache_holds_keys_for_attention_layers_only_and_a_fixed_state_per_recurrent_layer(model):
+    c = model.config
+    small, big = model.new_cache(10), model.new_cache(100)
+    assert small.k.shape == (1, 10, c.n_kv_heads, c.head_dim)
+    assert sorted(small.recurrent) == [0, 1, 3]
+    state = (c.ssm_conv_dim * (CONV_KERNEL - 1) + N_V_HEADS * SSM_HEAD_DIM ** 2) * 4
+    assert small.state_nbytes == big.state_nbytes == 3 * state
+    assert small.bytes_per_token == 2 * c.kv_dim * 4
+    assert big.nbytes - small.nbytes == 90 * small.bytes_per_token
+
+
+# ---- stages --------------------------------------------------------------------------------
+def test_trace_emits_deltanet_stages_on_recurrent_layers_and_gated_attention_elsewhere(model):
+    c = model.config
+    ids = np.arange(3, 9)
+    rec = Recorder(stats=True, keep_arrays=True)
+    cache = model.new_cache(len(ids) + 1)
+    model.forward(ids, 0, cache, recorder=rec)
+    model.forward(ids[:1], len(ids), cache, recorder=rec)
+    got = [(e.step, e.layer, e.stage) for e in rec.events]
+    expected = []
+    for step, seq_len in ((0, len(ids)), (1, 1)):
+        applies = [s for s in STAGES if stage_applies(s, seq_len, c.n_rep, c.features)]
+        expected += [(step, None, s.id) for s in applies if s.level == "model" and s.group == "input"]
+        for layer in range(c.n_layers):
+            expected += [(step, layer, s.id) for s in STAGES if s.level == "layer" and stage_applies(
+                s, seq_len, c.n_rep, c.features, recurrent=c.is_recurrent(layer))]
+        expected += [(step, None, s.id) for s in applies if s.level == "model" and s.group == "output"]
+    assert got == expected
+    by_key = {e.key: e for e in rec.events}
+    assert {"step0.layer2.Qcur_full", "step0.layer2.gate_sigmoid", "step0.layer2.attn_gated",
+            "step0.layer0.linear_attn_qkv_mixed", "step1.layer3.new_state"} <= set(by_key)
+    for e in rec.events:                                   # every event's shape is its formula's
+        assert len(e.shape) >= 1
+    # the state a decode step starts from is the one the prefill left
+    np.testing.assert_array_equal(by_key["step1.layer0.state_predelta"].array, by_key["step0.layer0.new_state"].array)
+    assert by_key["step0.layer1.new_state"].shape == [N_V_HEADS, SSM_HEAD_DIM, SSM_HEAD_DIM]
+    gate = by_key["step0.layer0.gate"].array
+    assert (gate < 0).all() and np.exp(gate).min() < 0.9    # a real decay
+
+
+# ---- bad input -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(meta={"attention.recurrent_layers": [True, False, True]}), "qwen35.attention.recurrent_layers"),
+    (dict(meta={"ssm.inner_size": 60}), "qwen35.ssm.inner_size"),
+    (dict(meta={"ssm.group_count": None}), "qwen35.ssm.group_count"),
+    (dict(shapes={"blk.1.ssm_conv1d.weight": (128, 3)}), "blk.1.ssm_conv1d.weight"),
+    (dict(shapes={"blk.0.ssm_beta.weight": (3, 64)}), "blk.0.ssm_beta.weight"),
+    (dict(skip_tensors=("blk.3.ssm_a",)), "blk.3.ssm_a"),
+    (dict(skip_tensors=("blk.0.ssm_norm.weight",)), "blk.0.ssm_norm.weight"),
+])
+def test_bad_qwen35_files_are_one_error_line_naming_the_key_or_tensor(kwargs, needle, tmp_path, capsys):
+    path = write_qwen35_file(tmp_path / "broken.gguf", **kwargs)
+    with pytest.raises(ModelFormatError, match=needle):
+        Llama.load(path, cache=False)
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"), needle)
+
+
+def test_an_explicit_recurrent_layer_list_overrides_the_interval(tmp_path):
+    path = write_qwen35_file(tmp_path / "flags.gguf", meta={"attention.recurrent_layers": [True, True, False, True]})
+    assert Llama.load(path, cache=False).config.recurrent_layers == (0, 1, 3)
+
+
+# ---- the commands --------------------------------------------------------------------------
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+def test_generate_and_trace_run_on_qwen35(activations, path, tmp_path, capsys):
+    code, out, err = run(capsys, "generate", "-m", path, "--raw", "the cat", "-n", "3", "--json",
+                         "--activations", activations)
+    assert code == 0, err
+    assert len(json.loads(out)["ids"]) >= 1
+    jl = tmp_path / "t.jsonl"
+    code, out, err = run(capsys, "trace", "-m", path, "--raw", "--tokens", "2", "--jsonl", jl,
+                         "--activations", activations, "the cat sat")
+    assert code == 0, err
+    stages = {json.loads(line).get("stage") for line in jl.read_text().splitlines() if line.strip()}
+    assert {"linear_attn_qkv_mixed", "new_state", "attn_gated", "l_out", "result_output"} <= stages
+    assert N_LAYERS == 4
