@@ -213,3 +213,14 @@ def test_generate_and_trace_run_on_qwen35(activations, path, tmp_path, capsys):
     stages = {json.loads(line).get("stage") for line in jl.read_text().splitlines() if line.strip()}
     assert {"linear_attn_qkv_mixed", "new_state", "attn_gated", "l_out", "result_output"} <= stages
     assert N_LAYERS == 4
+
+
+def test_mtp_blocks_are_counted_in_block_count_but_not_run(model, golden, tmp_path):
+    """``nextn_predict_layers`` blocks follow the trunk (llama.cpp loads them for speculative
+    decoding and never runs them in the main pass): the trunk's logits are unchanged."""
+    path = write_qwen35_file(tmp_path / "mtp.gguf", meta={"block_count": N_LAYERS + 1, "nextn_predict_layers": 1})
+    mtp = Llama.load(path, cache=False)
+    assert mtp.config.n_layers == N_LAYERS and mtp.config.n_mtp_layers == 1
+    assert mtp.config.recurrent_layers == model.config.recurrent_layers
+    ids = golden["ids"][:12]
+    np.testing.assert_array_equal(run_positions(mtp, ids, 12), run_positions(model, ids, 12))
