@@ -175,6 +175,11 @@ def test_trace_emits_deltanet_stages_on_recurrent_layers_and_gated_attention_els
     assert by_key["step0.layer1.new_state"].shape == [N_V_HEADS, SSM_HEAD_DIM, SSM_HEAD_DIM]
     gate = by_key["step0.layer0.gate"].array
     assert (gate < 0).all() and np.exp(gate).min() < 0.9    # a real decay
+    # the state's stages report each head's norm and top singular value
+    state = by_key["step1.layer3.new_state"]
+    np.testing.assert_allclose(state.stats["head_norm"], [np.linalg.norm(h) for h in state.array], rtol=1e-6)
+    np.testing.assert_allclose(state.stats["head_top_singular"],
+                               [np.linalg.svd(h, compute_uv=False)[0] for h in state.array], rtol=1e-5)
 
 
 # ---- bad input -------------------------------------------------------------------------------

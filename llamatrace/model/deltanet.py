@@ -125,10 +125,3 @@ def forward(x: np.ndarray, w: DeltaNetWeights, c: ModelConfig, state: RecurrentS
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
 
-
-def state_summary(state: np.ndarray) -> dict[str, list]:
-    """Per value head of a delta-rule state ``[n_v_heads, d, d]``: its Frobenius norm and its top
-    singular value (how strongly the state maps one key direction to a value), float lists."""
-    s = np.asarray(state, dtype=np.float64)
-    return {"norm": np.linalg.norm(s, axis=(1, 2)).tolist(),
-            "top_singular": np.linalg.norm(s, ord=2, axis=(1, 2)).tolist()}

@@ -216,3 +216,12 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
             S1 = math.exp(G[-1]) * S0 + (K * np.exp(G[-1] - G)[:, None]).T @ U
             state[h] = S1.T
     return out
+
+
+def state_summary(state: np.ndarray) -> dict[str, list[float]]:
+    """Per value head of a delta-rule state ``[n_v_heads, d, d]``: ``head_norm``, its Frobenius
+    norm, and ``head_top_singular``, its largest singular value (how strongly the state maps one
+    key direction to a value: the spectral norm). float64 lists, one entry per head."""
+    s = np.asarray(state, dtype=np.float64)
+    return {"head_norm": np.linalg.norm(s, axis=(1, 2)).tolist(),
+            "head_top_singular": np.linalg.norm(s, ord=2, axis=(1, 2)).tolist()}
