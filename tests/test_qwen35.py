@@ -145,6 +145,14 @@ def test_cache_holds_keys_for_attention_layers_only_and_a_fixed_state_per_recurr
     assert small.state_nbytes == big.state_nbytes == 3 * state
     assert small.bytes_per_token == 2 * c.kv_dim * 4
     assert big.nbytes - small.nbytes == 90 * small.bytes_per_token
+    assert (c.kv_bytes_per_token, c.state_bytes) == (small.bytes_per_token, small.state_nbytes)
+
+
+def test_info_shows_memory_per_token_and_the_fixed_state(path, capsys):
+    code, out, err = run(capsys, "info", "-m", path)
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "memory per token 256 bytes" in text and "recurrent state 16,896 bytes, fixed" in text
 
 
 # ---- stages --------------------------------------------------------------------------------

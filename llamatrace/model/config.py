@@ -314,6 +314,17 @@ class ModelConfig:
         return 2 * self.ssm_k_dim + self.ssm_v_dim
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one more position of context costs: float32 keys and values of the attention layers."""
+        return 2 * len(self.attn_layers) * self.kv_dim * 4
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent layers' float32 conv and delta-rule states: fixed, whatever the context."""
+        per_layer = self.ssm_conv_dim * (self.ssm_conv_kernel - 1) + self.ssm_n_v_heads * self.ssm_head_dim ** 2
+        return len(self.recurrent_layers) * per_layer * 4
+
+    @property
     def n_rep(self) -> int:
         """How many query heads share one key/value head (1 = plain multi-head attention)."""
         return self.n_heads // self.n_kv_heads
