@@ -237,3 +237,31 @@ def test_mtp_blocks_are_counted_in_block_count_but_not_run(model, golden, tmp_pa
     assert mtp.config.recurrent_layers == model.config.recurrent_layers
     ids = golden["ids"][:12]
     np.testing.assert_array_equal(run_positions(mtp, ids, 12), run_positions(model, ids, 12))
+
+
+def test_compare_pairs_the_new_stages_with_llamacpp_and_finds_no_divergence(model, golden):
+    """llama.cpp's graph tensors on 7 prompt tokens and one decode step (captured by
+    make_qwen35_golden.py, replayed here) through ``compare --against llama.cpp``'s pairing."""
+    from llamatrace.analysis.compare import compare_arrays, llamacpp_stage_arrays
+    from llamatrace.peers.llamacpp import Captured
+    from llamatrace.tracing.recorder import stage_key
+    with np.load(GOLDEN / "qwen35_llamacpp_stages.npz") as z:
+        keys = sorted(z.files, key=lambda k: tuple(int(x) for x in k.split("|")[:2]))
+        captured = [(int(k.split("|")[0]), Captured(*k.split("|")[2:], z[k])) for k in keys]
+    ids = golden["ids"][:8]
+    ref = {}
+    for step, (start, n) in enumerate(((0, 7), (7, 1))):
+        ref |= llamacpp_stage_arrays([c for s, c in captured if s == step], step, start, n, model.config)
+    rec = Recorder(keep_arrays=True)
+    cache = model.new_cache(8)
+    model.forward(ids[:7], 0, cache, recorder=rec, all_logits=True)
+    model.forward(ids[7:], 7, cache, recorder=rec, all_logits=True)
+    ours = rec.arrays()
+    result = compare_arrays(ours, ref)
+    paired = {(r.layer, r.stage) for r in result.rows if r.status == "ok"}
+    assert result.first_divergence is None, result.first_divergence
+    for layer in (0, 1, 3):
+        assert {(layer, s) for s in ("z", "beta_sigmoid", "a_softplus", "gate", "conv_output_silu", "q_conv_predelta",
+                                     "k_conv_predelta", "linear_attn_out", "ffn_inp", "ffn_norm")} <= paired
+    assert {(2, s) for s in ("Qcur_full", "Qcur_normed", "kqv_out", "gate_sigmoid", "attn_gated", "attn_out")} <= paired
+    assert stage_key(1, 0, "gate") in ref                  # the decode step paired too

@@ -105,15 +105,14 @@ def forward(x: np.ndarray, w: DeltaNetWeights, c: ModelConfig, state: RecurrentS
     q = dn.l2norm(conv[:, :kd].reshape(seq_len, n_k, d), c.norm_eps)
     k = dn.l2norm(conv[:, kd:2 * kd].reshape(seq_len, n_k, d), c.norm_eps)
     v = np.ascontiguousarray(conv[:, 2 * kd:]).reshape(seq_len, n_v, d)
-    # llama.cpp tiles the key heads over the value heads (value head h reads key head h % n_k)
-    heads = np.arange(n_v) % n_k
-    emit("q_conv_predelta", layer, lambda: q[:, heads])
-    emit("k_conv_predelta", layer, lambda: k[:, heads])
+    # n_k key heads: value head h reads key head h % n_k (llama.cpp tiles them; its fused op indexes so)
+    q = emit("q_conv_predelta", layer, q)
+    k = emit("k_conv_predelta", layer, k)
     v = emit("v_conv_predelta", layer, v)
     # the delta rule: decay, write β·k·(v − Sᵀk), read Sᵀq/√d; chunked for a prefill, recurrent to decode
     ssm = emit("state_predelta", layer, state.ssm.copy())
     rule = dn.delta_rule_recurrent if seq_len == 1 else dn.delta_rule_chunked
-    o = rule(q, k, np.ascontiguousarray(v), np.ascontiguousarray(g), np.ascontiguousarray(beta), ssm)
+    o = rule(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), np.ascontiguousarray(g), np.ascontiguousarray(beta), ssm)
     o = emit("attn_output", layer, o)
     state.ssm[...] = emit("new_state", layer, ssm)
     # gated RMSNorm per head: RMSNorm(o; ssm_norm) ⊙ SiLU(z), heads merged

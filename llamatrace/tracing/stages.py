@@ -342,15 +342,19 @@ STAGES: tuple[Stage, ...] = (
           lines=("Calling ml.Conv1d with the conv state for qkv shape({qkv}) and ssm_conv1d weights shape({w_ssm_conv1d}), then ml.Silu -> tensor qkv shape({out})",),
           llama_cpp_note="conv_output_raw before the SiLU"),
     Stage("q_conv_predelta", "layer", "L2Norm", "q", "DeltaNet", 9, "q_conv_predelta", None, "attention",
-          "[seq_len, ssm_n_v_heads, ssm_head_dim]", "L2-normalised queries, key head h % n_k tiled over value head h.",
+          "[seq_len, ssm_n_k_heads, ssm_head_dim]", "L2-normalised queries x/√(Σx² + eps) per key head; value "
+          "head h reads key head h % ssm_n_k_heads.",
           inputs=(("qkv", "[seq_len, ssm_conv_dim]"),), when="deltanet",
           lines=("Calling L2Norm per head of the queries of qkv shape({qkv}) -> tensor q shape({out})",),
-          replaceable=False),
+          llama_cpp_note="tiled to the value heads (ggml_repeat_4d) unless the fused delta-rule op runs, "
+                         "which indexes the key heads itself (the CPU default)"),
     Stage("k_conv_predelta", "layer", "L2Norm", "k", "DeltaNet", 9, "k_conv_predelta", None, "attention",
-          "[seq_len, ssm_n_v_heads, ssm_head_dim]", "L2-normalised keys, key head h % n_k tiled over value head h.",
+          "[seq_len, ssm_n_k_heads, ssm_head_dim]", "L2-normalised keys x/√(Σx² + eps) per key head; value "
+          "head h reads key head h % ssm_n_k_heads.",
           inputs=(("qkv", "[seq_len, ssm_conv_dim]"),), when="deltanet",
           lines=("Calling L2Norm per head of the keys of qkv shape({qkv}) -> tensor k shape({out})",),
-          replaceable=False),
+          llama_cpp_note="tiled to the value heads (ggml_repeat_4d) unless the fused delta-rule op runs, "
+                         "which indexes the key heads itself (the CPU default)"),
     Stage("v_conv_predelta", "layer", "Reshape", "v", "DeltaNet", 9, "v_conv_predelta", None, "attention",
           "[seq_len, ssm_n_v_heads, ssm_head_dim]", "The values, split into heads.",
           inputs=(("qkv", "[seq_len, ssm_conv_dim]"),), when="deltanet",

@@ -7,6 +7,11 @@ NOT part of llamatrace and never imported by the tests, which only read what it 
                                      ``prefill`` float32 [N, vocab] (one batch of N tokens),
                                      ``decode`` float32 [N, vocab] (PREFILL tokens in one batch,
                                      then one token a step), both from an empty cache
+  tests/golden/qwen35_llamacpp_stages.npz   every named tensor llama.cpp's graph evaluates on
+                                     STAGE_IDS (a prefill of 7 tokens, then 1 decode step of the
+                                     8th), keyed ``{step}|{index}|{name}|{op}`` in graph order: the
+                                     input of ``compare --against llama.cpp``'s pairing, replayed
+                                     by the tests without llama-cpp-python
 
 N (80) is past llama.cpp's 64-token DeltaNet chunk; PREFILL (66) too, so the decode run's
 recurrent steps start from a state that crossed a chunk boundary. llama.cpp runs through
@@ -35,6 +40,7 @@ from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
 
 N = 80
 PREFILL = 66
+STAGE_IDS = 8
 
 
 def token_ids(vocab_size: int) -> np.ndarray:
@@ -52,6 +58,19 @@ def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
         engine.close()
 
 
+def llamacpp_stages(path: Path, ids: np.ndarray) -> dict[str, np.ndarray]:
+    engine = LlamaCpp(str(path), n_ctx=CONTEXT, threads=2, capture=True)
+    out = {}
+    try:
+        for step, chunk in enumerate([ids[:-1], ids[-1:]]):
+            engine.eval([int(t) for t in chunk])
+            for i, c in enumerate(engine.captured):
+                out[f"{step}|{i}|{c.name}|{c.op}"] = c.array
+    finally:
+        engine.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "golden")
@@ -62,10 +81,13 @@ def main() -> None:
         vocab = engine.vocab_size
         engine.close()
         ids = token_ids(vocab)
+        stages = llamacpp_stages(path, ids[:STAGE_IDS])
         out = {"ids": ids, "prefill": llamacpp_logits(path, ids, N), "decode": llamacpp_logits(path, ids, PREFILL)}
     gap = np.linalg.norm(out["prefill"] - out["decode"], axis=1) / np.linalg.norm(out["prefill"], axis=1)
     print(f"qwen35: llama.cpp prefill vs decode max relative {gap.max():.2e} ({N} tokens, decode from {PREFILL})")
     np.savez_compressed(args.out / "qwen35_llamacpp.npz", **out)
+    np.savez_compressed(args.out / "qwen35_llamacpp_stages.npz", **stages)
+    print(f"{len(stages)} llama.cpp tensors kept for the stage pairing")
     import llama_cpp
     print(f"wrote {args.out / 'qwen35_llamacpp.npz'} (llama-cpp-python {llama_cpp.__version__})")
 
