@@ -265,3 +265,23 @@ def test_compare_pairs_the_new_stages_with_llamacpp_and_finds_no_divergence(mode
                                      "k_conv_predelta", "linear_attn_out", "ffn_inp", "ffn_norm")} <= paired
     assert {(2, s) for s in ("Qcur_full", "Qcur_normed", "kqv_out", "gate_sigmoid", "attn_gated", "attn_out")} <= paired
     assert stage_key(1, 0, "gate") in ref                  # the decode step paired too
+
+
+def test_run_with_cache_serves_linear_attn_hooks_on_recurrent_layers(model):
+    """HF's module names (``linear_attn``) on the DeltaNet layers, TL's ``attn.*`` on the others;
+    a hook on β changes the logits, and the state is served in llama.cpp's layout."""
+    from llamatrace.errors import OptionError
+    ids = [5, 6, 7, 8, 9]
+    logits, cache = model.run_with_cache(ids)
+    np.testing.assert_array_equal(logits[0], model.forward(np.array(ids), 0, model.new_cache(5), all_logits=True))
+    assert cache["blocks.0.linear_attn.hook_state"].shape == (1, N_V_HEADS, SSM_HEAD_DIM, SSM_HEAD_DIM)
+    assert cache["blocks.1.linear_attn.hook_q"].shape == (1, 5, N_K_HEADS, SSM_HEAD_DIM)
+    assert cache["blocks.2.attn.hook_q"].shape == (1, 5, 4, 16)
+    assert "blocks.2.linear_attn.hook_q" not in cache and "blocks.0.attn.hook_q" not in cache
+    with pytest.raises(OptionError, match="layer 0 is a gated DeltaNet layer"):
+        model.run_with_cache(ids, names_filter="blocks.0.attn.hook_q")
+    beta = cache["blocks.1.linear_attn.hook_beta"]
+    same = model.run_with_hooks(ids, fwd_hooks=[("blocks.1.linear_attn.hook_beta", lambda a, hook: beta)])
+    np.testing.assert_array_equal(same, logits)
+    zero = model.run_with_hooks(ids, fwd_hooks=[("blocks.1.linear_attn.hook_beta", lambda a, hook: 0 * a)])
+    assert np.abs(zero - logits).max() > 1e-3          # no write at layer 1: a different answer

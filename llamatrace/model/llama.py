@@ -275,7 +275,7 @@ class Llama:
         from llamatrace.model import tl
         if return_type not in ("logits", None):
             raise OptionError(f"return_type must be 'logits' or None, got {return_type!r}")
-        served = tl.select(names_filter, self.config.n_layers, self.config.post_norms)
+        served = tl.select(names_filter, self.config.n_layers, self.config.post_norms, self.config.recurrent_layers)
         return tl.run(self, tokens, served, stop_at_layer=stop_at_layer, padding_side=padding_side,
                       return_logits=return_type == "logits")
 
@@ -297,7 +297,8 @@ class Llama:
         if return_type not in ("logits", None):
             raise OptionError(f"return_type must be 'logits' or None, got {return_type!r}")
         hooks = [(served, fn) for name, fn in fwd_hooks
-                 for served in tl.select(name, self.config.n_layers, self.config.post_norms)]
+                 for served in tl.select(name, self.config.n_layers, self.config.post_norms,
+                                         self.config.recurrent_layers)]
         first, _ = tl.run(self, tokens, [], fwd_hooks=hooks, stop_at_layer=stop_at_layer,
                           padding_side=padding_side, return_logits=return_type == "logits")
         return first
