@@ -285,3 +285,31 @@ def test_run_with_cache_serves_linear_attn_hooks_on_recurrent_layers(model):
     np.testing.assert_array_equal(same, logits)
     zero = model.run_with_hooks(ids, fwd_hooks=[("blocks.1.linear_attn.hook_beta", lambda a, hook: 0 * a)])
     assert np.abs(zero - logits).max() > 1e-3          # no write at layer 1: a different answer
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_diagram_draws_the_deltanet_block_on_recurrent_layers_and_gated_attention_elsewhere(layer, model, tmp_path,
+                                                                                             capsys):
+    from llamatrace.tracing.stages import STAGE_BY_ID
+    from llamatrace.views.diagram.flow import trace_step, wire
+    events, _ = trace_step(model, "x", list(range(3, 9)), chat=False, layer=layer)
+    by_id = {}
+    for e in events:
+        if e.layer in (None, layer):
+            by_id.setdefault(e.stage, e)
+    drawn = [STAGE_BY_ID[s] for s in by_id if STAGE_BY_ID[s].group != "output"]
+    edges = {(a, b) for a, b, _, _ in wire(drawn, by_id, "block").edges}
+    if layer == 0:
+        assert {("conv_output_silu", "q_conv_predelta"), ("state_predelta", "attn_output"),
+                ("attn_output", "new_state"), ("z", "final_output"), ("linear_attn_out", "ffn_inp")} <= edges
+        assert "Qcur" not in by_id and "cache_k" not in by_id
+    else:
+        assert {("Qcur_full", "Qcur"), ("Qcur_full", "gate_sigmoid"), ("gate_sigmoid", "attn_gated"),
+                ("attn_out", "ffn_inp")} <= edges
+        assert "linear_attn_qkv_mixed" not in by_id
+    dot = tmp_path / "d.dot"
+    code, out, err = run(capsys, "diagram", "-m", model.path, "--raw", "the cat", "--layer", layer, "-o", dot)
+    assert code == 0, err
+    text = dot.read_text()
+    assert "gated DeltaNet (linear attention) on layers 0, 1, 3; softmax attention on layers 2" in text
+    assert ("Gated DeltaNet sub-layer" in text) == (layer == 0)
