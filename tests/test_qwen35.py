@@ -313,3 +313,15 @@ def test_diagram_draws_the_deltanet_block_on_recurrent_layers_and_gated_attentio
     text = dot.read_text()
     assert "gated DeltaNet (linear attention) on layers 0, 1, 3; softmax attention on layers 2" in text
     assert ("Gated DeltaNet sub-layer" in text) == (layer == 0)
+
+
+def test_perplexity_stages_attributes_the_deltanet_stages(path, tmp_path, capsys):
+    """``--stages`` between the Q8_0 file and the F32 base: each layer fills its own kind's columns."""
+    quant = write_qwen35_file(tmp_path / "q8.gguf", qtype=T.Q8_0)
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 4)
+    code, out, err = run(capsys, "perplexity", "-m", quant, "-f", text, "--ctx-size", 32, "--base", path, "--stages")
+    assert code == 0, err
+    table = out + err
+    assert "linear_attn_out" in table and "attn_gated" in table
+    assert "ffn_inp               not recomputed" not in table        # recomputed from linear_attn_out too

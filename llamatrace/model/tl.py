@@ -144,7 +144,9 @@ class Served:
     def per_token(self) -> bool:
         """Whether the activation is one fixed-size vector per position (``[batch, pos, ...]``),
         what an activation dataset stores; attention scores and patterns are not."""
-        return STAGE_BY_ID[self.stage].shape.startswith("[seq_len")
+        if self.kind == "stage" or STAGE_BY_ID[self.stage].when == "deltanet":   # the state is not
+            return STAGE_BY_ID[self.stage].shape.startswith("[seq_len")
+        return self.stage not in ("kq_masked", "kq_soft_max")
 
 
 def _block_hooks(post_norms: bool, recurrent: bool = False) -> dict[str, tuple[str, str]]:

@@ -186,35 +186,36 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
         S₁ = e^{G_last} S₀ + (K ⊙ e^{G_last − G})ᵀ U       the state after the chunk
 
     (llama.cpp ``build_delta_net_chunking``: its ``attn`` is ``(I + A)⁻¹``, ``k_cumdecay`` is
-    ``(I+A)⁻¹ diag(β e^G) K``.) The solve is a unit lower-triangular forward substitution.
+    ``(I+A)⁻¹ diag(β e^G) K``.) The solve is a unit lower-triangular forward substitution, row by
+    row for every head at once; the products are batched over heads, in float64.
 
     Args and returns: as :func:`delta_rule_recurrent` (``state`` updated in place).
     """
-    import scipy.linalg
-
     seq_len, n_k, d = q.shape
     n_v = v.shape[1]
     heads = np.arange(n_v) % n_k
     scale = 1.0 / math.sqrt(d)
     out = np.empty(v.shape, dtype=np.float32)
+    S = state.transpose(0, 2, 1).astype(np.float64)                        # [h, d_k, d_v]
     for c0 in range(0, seq_len, chunk):
         c1 = min(c0 + chunk, seq_len)
         n = c1 - c0
+        Q = q[c0:c1][:, heads].transpose(1, 0, 2).astype(np.float64)       # [h, n, d]
+        K = k[c0:c1][:, heads].transpose(1, 0, 2).astype(np.float64)
+        V = v[c0:c1].transpose(1, 0, 2).astype(np.float64)
+        b = beta[c0:c1].T.astype(np.float64)                                # [h, n]
+        G = np.cumsum(g[c0:c1].T.astype(np.float64), axis=1)
         tril = np.tril(np.ones((n, n), dtype=bool))
-        for h in range(n_v):
-            Q = q[c0:c1, heads[h]].astype(np.float64)                      # [n, d]
-            K = k[c0:c1, heads[h]].astype(np.float64)
-            V = v[c0:c1, h].astype(np.float64)
-            b = beta[c0:c1, h].astype(np.float64)
-            G = np.cumsum(g[c0:c1, h].astype(np.float64))
-            D = np.where(tril, np.exp(np.where(tril, G[:, None] - G[None, :], 0.0)), 0.0)
-            S0 = state[h].T.astype(np.float64)                             # [d_k, d_v]
-            A = np.tril(b[:, None] * (K @ K.T) * D, -1)
-            rhs = b[:, None] * V - (b * np.exp(G))[:, None] * (K @ S0)
-            U = scipy.linalg.solve_triangular(np.eye(n) + A, rhs, lower=True, unit_diagonal=True)
-            out[c0:c1, h] = ((np.exp(G)[:, None] * (Q @ S0) + ((Q @ K.T) * D) @ U) * scale)
-            S1 = math.exp(G[-1]) * S0 + (K * np.exp(G[-1] - G)[:, None]).T @ U
-            state[h] = S1.T
+        D = np.where(tril, np.exp(np.where(tril, G[:, :, None] - G[:, None, :], 0.0)), 0.0)
+        KKt = K @ K.transpose(0, 2, 1)
+        A = np.tril(b[:, :, None] * KKt * D, -1)
+        U = b[:, :, None] * V - (b * np.exp(G))[:, :, None] * (K @ S)
+        for t in range(1, n):                                                # forward substitution
+            U[:, t] -= np.einsum("hs,hsd->hd", A[:, t, :t], U[:, :t])
+        O = np.exp(G)[:, :, None] * (Q @ S) + ((Q @ K.transpose(0, 2, 1)) * D) @ U
+        out[c0:c1] = (O * scale).transpose(1, 0, 2)
+        S = np.exp(G[:, -1])[:, None, None] * S + (K * np.exp(G[:, -1:] - G)[:, :, None]).transpose(0, 2, 1) @ U
+    state[...] = S.transpose(0, 2, 1)
     return out
 
 
