@@ -325,3 +325,22 @@ def test_perplexity_stages_attributes_the_deltanet_stages(path, tmp_path, capsys
     table = out + err
     assert "linear_attn_out" in table and "attn_gated" in table
     assert "ffn_inp               not recomputed" not in table        # recomputed from linear_attn_out too
+
+
+def test_attention_on_a_deltanet_layer_is_one_error_line_naming_the_attention_layers(path, tmp_path, capsys):
+    assert_one_line_error(*run(capsys, "attention", "-m", path, "--raw", "the cat sat", "--layer", 0,
+                               "-o", tmp_path / "a.png"), "--layer 0 is a gated DeltaNet layer", "are 2")
+    code, out, err = run(capsys, "attention", "-m", path, "--raw", "the cat sat", "--layer", 2, "-o", tmp_path / "a.png")
+    assert code == 0, err
+
+
+def test_collect_writes_deltanet_hooks_per_token(path, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log. " * 2)
+    code, out, err = run(capsys, "collect", "-m", path, "-f", text, "--ctx-size", 16, "-o", tmp_path / "acts",
+                         "--hook", "blocks.0.linear_attn.hook_q", "--hook", "blocks.1.linear_attn.hook_beta")
+    assert code == 0, err
+    import pyarrow.parquet as pq
+    table = pq.read_table(next((tmp_path / "acts" / "data").glob("*.parquet")))
+    assert {"blocks.0.linear_attn.hook_q", "blocks.1.linear_attn.hook_beta"} <= set(table.column_names)
+    assert len(table.column("blocks.0.linear_attn.hook_q")[0].as_py()) == N_K_HEADS * SSM_HEAD_DIM

@@ -88,8 +88,9 @@ def resolve_hooks(names: list[str], config) -> list[Hook]:
     for name in names:
         served = tl.resolve(name, c.n_layers, c.post_norms, c.recurrent_layers)
         if not served.per_token:
-            raise OptionError(f"--hook {name}: attention scores and patterns are not one vector per token; "
-                              f"collect residual, MLP or head activations (or use model.run_with_cache)")
+            raise OptionError(f"--hook {name}: attention scores and patterns (and a recurrent state) are not one "
+                              f"vector per token; collect residual, MLP or head activations (or use "
+                              f"model.run_with_cache)")
         if served.name in seen:
             raise OptionError(f"--hook {name} is given twice")
         seen.add(served.name)
