@@ -344,3 +344,34 @@ def test_collect_writes_deltanet_hooks_per_token(path, tmp_path, capsys):
     table = pq.read_table(next((tmp_path / "acts" / "data").glob("*.parquet")))
     assert {"blocks.0.linear_attn.hook_q", "blocks.1.linear_attn.hook_beta"} <= set(table.column_names)
     assert len(table.column("blocks.0.linear_attn.hook_q")[0].as_py()) == N_K_HEADS * SSM_HEAD_DIM
+
+
+def test_state_view_writes_are_the_state_change_beyond_the_decay(model, path, tmp_path, capsys):
+    """``llamatrace state``: token t's write ‖β·k·(v − Sᵀk)‖ is ‖S_t − exp(g_t)·S_{t−1}‖ of the
+    rule written out (float64), the decay exp(g_t) is the gate stage's, and a hook that zeroes β
+    zeroes every write."""
+    from llamatrace.analysis.look import state_writes
+    ids = [119, 260, 268, 35, 118, 267, 40, 50]
+    rec = Recorder(layers=[1], keep_arrays=True)
+    model.forward(np.array(ids), 0, model.new_cache(len(ids)), recorder=rec)
+    a = {e.stage: e.array for e in rec.events}
+    states = [a["state_predelta"].astype(np.float64)]
+    for t in range(len(ids)):
+        _, s = dn.delta_rule_naive(*(a[n][t:t + 1] for n in ("q_conv_predelta", "k_conv_predelta", "v_conv_predelta",
+                                                            "gate", "beta_sigmoid")), states[-1])
+        states.append(s)
+    sw = state_writes(model, ids, 1)
+    for t in range(len(ids)):
+        change = states[t + 1] - np.exp(a["gate"][t])[:, None, None] * states[t]
+        np.testing.assert_allclose(sw.write[:, t], np.linalg.norm(change, axis=(1, 2)), rtol=1e-4)
+        np.testing.assert_allclose(sw.state_norm[:, t], np.linalg.norm(states[t + 1], axis=(1, 2)), rtol=1e-4)
+    np.testing.assert_allclose(sw.decay, np.exp(a["gate"]).T, rtol=1e-6)
+    with model.hooks({"beta_sigmoid": lambda x, event: np.zeros_like(x)}, layers=[1]):
+        assert not state_writes(model, ids, 1).write.any()
+    png = tmp_path / "state.png"
+    code, out, err = run(capsys, "state", "-m", path, "--raw", "the cat sat", "--layer", 3, "-o", png, "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert png.stat().st_size > 0 and len(got["heads"]) == N_V_HEADS and got["heads"][3]["key_head"] == 1
+    assert_one_line_error(*run(capsys, "state", "-m", path, "--raw", "the cat", "--layer", 2, "--json"),
+                          "--layer 2 has no recurrent state", "0, 1, 3")
