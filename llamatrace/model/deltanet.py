@@ -94,7 +94,7 @@ def forward(x: np.ndarray, w: DeltaNetWeights, c: ModelConfig, state: RecurrentS
     # input projections: mixed q|k|v, the output gate z, β and α per value head
     qkv = emit("linear_attn_qkv_mixed", layer, matmul(x, w.in_proj_qkv))
     z = emit("z", layer, matmul(x, w.in_proj_z))
-    beta = emit("beta_sigmoid", layer, _sigmoid(matmul(x, w.in_proj_b)))
+    beta = emit("beta_sigmoid", layer, sigmoid(matmul(x, w.in_proj_b)))
     # decay: g = softplus(α + dt_bias) · A, A < 0, so the state keeps exp(g) ∈ (0, 1) per token
     a = emit("a_softplus", layer, dn.softplus(matmul(x, w.in_proj_a) + w.dt_bias))
     g = emit("gate", layer, a * w.A)
@@ -121,6 +121,8 @@ def forward(x: np.ndarray, w: DeltaNetWeights, c: ModelConfig, state: RecurrentS
     return emit("linear_attn_out", layer, matmul(np.ascontiguousarray(out), w.out_proj))
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """``1 / (1 + e⁻ˣ)`` in float32, as ggml's ``ggml_sigmoid`` (e⁻ˣ overflowing to inf gives 0)."""
+    with np.errstate(over="ignore"):
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
 

@@ -521,7 +521,7 @@ class Llama:
                 kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
                 kqv_out = emit("kqv_out", layer, kqv_out)
                 if c.attn_output_gate:                           # the output × sigmoid(gate), before wo
-                    gate = emit("gate_sigmoid", layer, (1.0 / (1.0 + np.exp(-gate))).astype(np.float32))
+                    gate = emit("gate_sigmoid", layer, deltanet.sigmoid(gate))
                     kqv_out = emit("attn_gated", layer, kqv_out * gate)
                 attn_out = matmul(kqv_out, lw.wo)
                 attn_out = emit("attn_out", layer, attn_out)
