@@ -254,6 +254,9 @@ _LLAMACPP_STAGES = {
     ("ffn_out", "MUL_MAT"): ("ffn_out",),
 }
 _SAME_NAME = frozenset(s.llama_cpp for s in STAGES if s.llama_cpp) - {"Qcur", "Kcur", "Vcur", "ffn_out"}
+_PER_HEAD_SCALAR = frozenset({"beta_sigmoid", "a_softplus", "gate"})
+_PER_HEAD = _PER_HEAD_SCALAR | {"q_conv_predelta", "k_conv_predelta"}
+"""The gated DeltaNet's tensors with a head axis (ggml ``[d, H, T]`` or ``[1, H, T]``)."""
 _MODEL_NAMES = {"embd": "inp_embd", "inp_embd": "inp_embd", "attn_inp_kq_mask": "kq_mask",
                 "result_norm": "result_norm", "result_output": "result_output"}
 _LAYER_NAME = re.compile(r"^(.+)-(\d+)$")
@@ -276,8 +279,11 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
     (our ``Qcur_b``, and the heads are of it); Gemma's and Phi-3's ``kq`` is of pre-scaled queries
     (our ``kq_scaled``); ``kq_scaled_2`` is the soft-capped scores, ``sa_out`` the attention
     residual, ``result_output`` the soft-capped logits, gpt-oss's ``attn_post_norm`` our
-    ``ffn_norm``; the mask read is layer 0's (the window
-    mask when layer 0 is local).
+    ``ffn_norm``; the mask read is layer 0's (the window mask when layer 0 is local). Qwen3.5
+    (``qwen35``): ``attn_residual`` is our ``ffn_inp``, its
+    ``attn_post_norm`` our ``ffn_norm``, a full-attention layer's ``attn_output`` our ``attn_out``
+    (a DeltaNet layer's is a view of the fused delta-rule op, never read); the DeltaNet's
+    per-head and per-token tensors (``beta_sigmoid`` ``[1, T, H, 1]``…) become ``[seq_len, …]``.
     """
     from llamatrace.model.config import ARCHITECTURES
     scales_q = config is not None and ARCHITECTURES[config.arch].llamacpp_scales_q
@@ -286,6 +292,9 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
         renamed["kq"] = "kq_scaled"
     if config is not None and config.ffn_norm_post_attention:
         renamed["attn_post_norm"] = "ffn_norm"          # gpt-oss: the FFN's pre-norm
+    if config is not None and config.recurrent_layers:
+        renamed |= {"attn_residual": "ffn_inp", "attn_post_norm": "ffn_norm", "attn_output": "attn_out",
+                    "attn_pregate": "kqv_out"}
     model_names = dict(_MODEL_NAMES, inp_scaled="inp_scaled")
     if config is not None and config.final_softcap:
         model_names["result_output"] = "result_softcap"
@@ -323,6 +332,9 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
             out[stage_key(step, layer, f"{base}_b")] = a.reshape(-1, a.shape[-1])
             if layer in head_dim:
                 out[stage_key(step, layer, f"{base}_heads")] = a.reshape(seq_len, -1, head_dim[layer])
+            continue
+        if base in _PER_HEAD:                            # [seq_len, heads] or [seq_len, heads, head_dim]
+            put(layer, base, a.reshape(seq_len, *((-1,) if base in _PER_HEAD_SCALAR else (-1, a.shape[-1]))))
             continue
         if base in ("Qcur_normed", "Kcur_normed"):
             put(layer, base, a.reshape(seq_len, -1, a.shape[-1]))

@@ -30,6 +30,7 @@ from llamatrace.analysis.difference import metrics, relative_error_rows
 from llamatrace.kernels.ops import fp32
 from llamatrace.kernels.types.registry import matmul
 from llamatrace.tracing.recorder import stage_key
+from llamatrace.tracing.stages import SOFTMAX_ATTENTION_IDS
 
 
 class _Step:
@@ -134,8 +135,8 @@ LOCAL_STAGES: dict[str, Callable] = {
     "attn_out": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("kqv_out", L), dtype=np.float32),
                                               m.weights.layers[L].wo),
     "attn_post_norm": _norm("attn_out", "attention_post_norm"),
-    "ffn_inp": lambda m, get, L, pos: _layer_input(m, get, L) + get("attn_post_norm" if m.config.post_norms
-                                                                   else "attn_out", L),
+    "ffn_inp": lambda m, get, L, pos: _layer_input(m, get, L) + get(
+        "linear_attn_out" if m.config.is_recurrent(L) else "attn_post_norm" if m.config.post_norms else "attn_out", L),
     "ffn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(get("ffn_inp", L)),
                                                     m.weights.layers[L].ffn_norm, m.config.norm_eps),
     "ffn_gate": _projection("w1", "w13", 0, "ffn_norm"),
@@ -163,6 +164,8 @@ def not_recomputed(stage: str, c) -> str | None:
         return f"the {c.arch} rotary (NeoX pairs, biased or normed q/k, a window's base) has no formula here yet"
     if stage == "kq_soft_max" and (c.attn_softcap or c.sliding_window or c.attn_scale):
         return f"the {c.arch} scores (soft-cap, window or scale) have no formula here yet"
+    if stage in ("Qcur", "attn_out") and c.attn_output_gate:
+        return "the joint query|gate projection and the gated output (Qwen3.5) have no formula here yet"
     if stage not in LOCAL_STAGES:
         return "no formula recomputes it"
     return None
@@ -197,9 +200,11 @@ def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
     for step, pos in _steps(arrays, start_pos):
         get = _Step(arrays, step)
         for layer in range(model.config.n_layers):
+            recurrent = model.config.is_recurrent(layer)
             for stage, fn in LOCAL_STAGES.items():
                 key = stage_key(step, layer, stage)
-                if key not in arrays or not_recomputed(stage, model.config):
+                if key not in arrays or not_recomputed(stage, model.config) or (
+                        recurrent and stage in SOFTMAX_ATTENTION_IDS):   # a DeltaNet layer has none of them
                     continue
                 try:
                     expected = fn(model, get, layer, pos)

@@ -138,3 +138,55 @@ def logit_lens(model, prompt_ids: list[int], positions: int = 6) -> Lens:
                                 final_rank=int((probs > probs[final_id]).sum()), final_prob=float(probs[final_id])))
     return Lens(prompt_ids=list(prompt_ids), positions=list(range(n - k, n)), final_id=final_id,
                 logits=logits, lens_logits=lens_logits, rows=rows)
+
+
+@dataclass
+class StateWrites:
+    """What one gated DeltaNet layer wrote into its state over a prompt, per value head.
+
+    ``write`` float64 ``[n_v_heads, seq_len]``: ‖k_t u_tᵀ‖ = ‖k_t‖·‖u_t‖ with u_t = β_t(v_t − S'ᵀk_t),
+    S' the state after token t's decay — how much token t changed the state (the linear-attention
+    counterpart of an attention column). ``decay`` ``[n_v_heads, seq_len]``: exp(g_t) ∈ (0, 1), the
+    factor the state kept at token t (1 = nothing forgotten). ``state_norm``: ‖S‖ after token t.
+    ``ids`` the prompt's tokens; value head h reads key head ``h % n_k_heads``.
+    """
+
+    layer: int
+    write: np.ndarray
+    decay: np.ndarray
+    state_norm: np.ndarray
+    ids: list[int]
+    n_k_heads: int
+
+
+def state_writes(model, prompt_ids: list[int], layer: int) -> StateWrites:
+    """Run the prompt (one prefill) and replay ``layer``'s delta rule token by token from the
+    recorded ``k/v_conv_predelta``, ``beta_sigmoid``, ``gate`` and ``state_predelta`` (float64).
+
+    Raises:
+        OptionError: ``layer`` out of range or not a gated DeltaNet layer.
+    """
+    c = model.config
+    if not 0 <= layer < c.n_layers:
+        raise OptionError(f"--layer {layer} is out of range: this model has {c.n_layers} layers (0-{c.n_layers - 1})")
+    if not c.is_recurrent(layer):
+        kinds = ", ".join(map(str, c.recurrent_layers)) or "none: the model has no recurrent layers"
+        raise OptionError(f"--layer {layer} has no recurrent state (softmax attention); its gated DeltaNet "
+                          f"layers are {kinds}")
+    rec = Recorder(layers=[layer], stages=["k_conv_predelta", "v_conv_predelta", "beta_sigmoid", "gate",
+                                           "state_predelta"], keep_arrays=True)
+    ids = list(prompt_ids)
+    model.forward(np.asarray(ids), 0, model.new_cache(len(ids)), recorder=rec)
+    got = {e.stage: np.asarray(e.array, dtype=np.float64) for e in rec.events}
+    k, v, beta, g = got["k_conv_predelta"], got["v_conv_predelta"], got["beta_sigmoid"], got["gate"]
+    S = got["state_predelta"].copy()                        # [h, j, i]: S[h] @ k = Sᵀk
+    n_v, n_k = v.shape[1], k.shape[1]
+    write, norm = np.zeros((n_v, len(ids))), np.zeros((n_v, len(ids)))
+    for t in range(len(ids)):
+        kt = k[t, np.arange(n_v) % n_k]                     # [h, d]
+        S *= np.exp(g[t])[:, None, None]
+        u = beta[t][:, None] * (v[t] - np.einsum("hji,hi->hj", S, kt))
+        S += u[:, :, None] * kt[:, None, :]
+        write[:, t] = np.linalg.norm(u, axis=1) * np.linalg.norm(kt, axis=1)
+        norm[:, t] = np.linalg.norm(S, axis=(1, 2))
+    return StateWrites(layer, write, np.exp(g).T, norm, ids, n_k)

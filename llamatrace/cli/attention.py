@@ -71,6 +71,9 @@ def attention(
     layers = parse_layers(layer, c.n_layers)
     if layers is None or len(layers) != 1:
         raise OptionError(f"--layer {layer!r}: attention shows one layer; give N (0-{c.n_layers - 1}) or -1")
+    if c.is_recurrent(layers[0]):              # Qwen3.5: no softmax pattern on a DeltaNet layer
+        raise OptionError(f"--layer {layers[0]} is a gated DeltaNet layer: it keeps a state, not an attention "
+                          f"pattern; its attention layers are {', '.join(map(str, c.attn_layers))}")
     if head is not None and head >= c.n_heads:
         raise OptionError(f"--head {head} is out of range: this model has {c.n_heads} query heads (0-{c.n_heads - 1})")
 

@@ -78,6 +78,11 @@ def info(
             derived.add_row("n_rep", f"{c.n_rep} query heads per KV head" + (" (GQA)" if c.n_rep > 1 else ""))
             derived.add_row("output", "tied to token_embd.weight" if "output.weight" not in f.tensors
                             else "output.weight")
+            if c.recurrent_layers:                 # memory: KV grows with the context, the states do not
+                derived.add_row("memory per token", f"{c.kv_bytes_per_token:,} bytes (KV of the "
+                                f"{len(c.attn_layers)} attention layers, float32)")
+                derived.add_row("recurrent state", f"{c.state_bytes:,} bytes, fixed (conv + DeltaNet state of "
+                                f"{len(c.recurrent_layers)} layers, float32)")
             out.print(derived)
     from llamatrace.kernels.types.registry import summary
     types = Table(title="Tensor types")

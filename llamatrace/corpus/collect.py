@@ -82,16 +82,19 @@ def resolve_hooks(names: list[str], config) -> list[Hook]:
     c = config
     dims = dict(seq_len=1, kv_len=1, dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                 hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, rope_half=c.rope_dim // 2, q_dim=c.q_dim,
-                kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=1)
+                kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=1, ssm_n_k_heads=c.ssm_n_k_heads,
+                ssm_n_v_heads=c.ssm_n_v_heads, ssm_head_dim=c.ssm_head_dim, ssm_conv_dim=c.ssm_conv_dim,
+                ssm_v_dim=c.ssm_v_dim)
     for name in names:
-        served = tl.resolve(name, c.n_layers, c.post_norms, bool(c.n_expert))
+        served = tl.resolve(name, c.n_layers, c.post_norms, bool(c.n_expert), c.recurrent_layers)
         if not served.per_token:
-            raise OptionError(f"--hook {name}: attention scores and patterns are not one vector per token; "
-                              f"collect residual, MLP or head activations (or use model.run_with_cache)")
+            raise OptionError(f"--hook {name}: attention scores and patterns (and a recurrent state) are not one "
+                              f"vector per token; collect residual, MLP or head activations (or use "
+                              f"model.run_with_cache)")
         if served.name in seen:
             raise OptionError(f"--hook {name} is given twice")
         seen.add(served.name)
-        if served.kind == "stage":
+        if served.kind == "stage" or STAGE_BY_ID[served.stage].when == "deltanet":   # in our layout
             shape = eval_shape(STAGE_BY_ID[served.stage].shape, dims)[1:]
         else:
             shape = _tl_shape(served, c)
@@ -210,8 +213,8 @@ def write_shard(model, job: ShardJob) -> dict:
     n_seq, ctx = job.tokens.shape
     rows = n_seq * ctx
     columns = {h.name: np.empty((rows, h.width), dtype=job.dtype) for h in job.hooks}
-    served = [tl.resolve(h.name, model.config.n_layers, model.config.post_norms,
-                          bool(model.config.n_expert)) for h in job.hooks]
+    served = [tl.resolve(h.name, model.config.n_layers, model.config.post_norms, bool(model.config.n_expert),
+                          model.config.recurrent_layers) for h in job.hooks]
 
     def keep(b: int, ids, arrays: dict) -> None:
         for h in job.hooks:

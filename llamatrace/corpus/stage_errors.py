@@ -31,10 +31,12 @@ from llamatrace.tracing.stages import STAGES, stage_applies
 def token_stages(features: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """The per-token layer stages a model with architecture ``features`` (:attr:`ModelConfig.features`;
     empty: Llama) emits in a prefill, in the catalogue's order: the replaceable layer stages whose
-    output is ``[seq_len, …]`` (the columns of the attribution)."""
+    output is ``[seq_len, …]`` (the columns of the attribution). With gated DeltaNet layers, the
+    stages of both kinds of layer (each layer fills its own kind's columns)."""
     return tuple(s.id for s in STAGES
                  if s.level == "layer" and s.replaceable and s.shape.startswith("[seq_len,")
-                 and stage_applies(s, 2, 2, features))
+                 and (stage_applies(s, 2, 2, features)
+                      or ("deltanet" in features and stage_applies(s, 2, 2, features, recurrent=True))))
 
 
 TOKEN_STAGES: tuple[str, ...] = token_stages()
@@ -198,7 +200,8 @@ def local_error_rows(model, acts_b: np.ndarray, embd_b: np.ndarray, inputs_b: di
     arrays.update({stage_key(0, layer, stage): rows for (layer, stage), rows in inputs_b.items()})
     for i in range(acts_b.shape[0]):
         for k, sid in enumerate(stages):
-            arrays[stage_key(0, i, sid)] = acts_b[i, k]
+            if acts_b[i, k] is not None:             # a stage the layer has (Qwen3.5: DeltaNet or attention)
+                arrays[stage_key(0, i, sid)] = acts_b[i, k]
     found = local_errors(model, arrays, start_pos=first, per_row=True)
     out = np.full(acts_b.shape + (len(embd_b),), np.nan, dtype=np.float32)
     for i in range(acts_b.shape[0]):

@@ -81,6 +81,17 @@ KEY_TYPES: dict[str, Expected] = {
     "{arch}.rope.scaling.original_context_length": INTEGER,
     "{arch}.attn_logit_softcapping": FLOAT,
     "{arch}.final_logit_softcapping": FLOAT,
+    # gated DeltaNet layers (llamatrace.model.config._deltanet_fields; llama.cpp's qwen35 load_arch_hparams)
+    "{arch}.ssm.conv_kernel": INTEGER,
+    "{arch}.ssm.inner_size": INTEGER,
+    "{arch}.ssm.state_size": INTEGER,
+    "{arch}.ssm.time_step_rank": INTEGER,
+    "{arch}.ssm.group_count": INTEGER,
+    "{arch}.attention.recurrent_layers": Expected(
+        "an array of bools or integers (one per block)", elements=frozenset({int(V.BOOL)}) | _INTEGERS),
+    "{arch}.full_attention_interval": INTEGER,
+    "{arch}.rope.dimension_sections": INTEGERS,
+    "{arch}.nextn_predict_layers": INTEGER,
     # the tokenizer (llamatrace.text.tokenizer)
     "tokenizer.ggml.model": STRING,
     "tokenizer.ggml.pre": STRING,

@@ -69,6 +69,8 @@ def weight_tensor_name(suffix: str, layer: int | None, names: Container[str]) ->
     name = suffix if layer is None else f"blk.{layer}.{suffix}"
     if suffix == "output.weight" and name not in names:
         return "token_embd.weight", True
+    if suffix == "ffn_norm.weight" and name not in names:      # Qwen3.5: the FFN pre-norm is attn_post_norm
+        return f"blk.{layer}.post_attention_norm.weight", False
     return name, False
 
 

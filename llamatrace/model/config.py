@@ -68,7 +68,12 @@ class Architecture:
         expert_act: the experts' gated activation, ``"silu"`` (SwiGLU) or ``"swiglu_oai"`` (gpt-oss's
             clamped SwiGLU, :func:`llamatrace.kernels.ops.fp32.swiglu_oai`).
         ffn_norm_post_attention: the FFN's pre-norm is stored as ``post_attention_norm`` (gpt-oss,
-            whose graph calls it ``attn_post_norm``), not ``ffn_norm``.
+            whose graph calls it ``attn_post_norm``, and Qwen3.5), not ``ffn_norm``.
+        deltanet: some layers are gated DeltaNet linear attention (:mod:`llamatrace.model.deltanet`)
+            instead of softmax attention: those of ``{arch}.attention.recurrent_layers``, else all
+            but every ``{arch}.full_attention_interval``-th (default 4); sizes from ``{arch}.ssm.*``.
+        attn_output_gate: ``attn_q`` yields per head the query then a gate (``Qcur_full``, twice
+            the rows); the attention output is multiplied by sigmoid(gate) before ``attn_output``.
     """
 
     rope_neox: bool = False
@@ -96,6 +101,8 @@ class Architecture:
     attn_out_bias: bool = False
     moe_bias: bool = False
     expert_act: str = "silu"
+    deltanet: bool = False
+    attn_output_gate: bool = False
     ffn_norm_post_attention: bool = False
 
 
@@ -118,6 +125,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gpt-oss": Architecture(rope_neox=True, qkv_bias=True, swa_pattern=2, moe=True, expert_ff_key=True,
                             expert_gating="softmax_weight", attn_sinks=True, attn_out_bias=True, moe_bias=True,
                             expert_act="swiglu_oai", ffn_norm_post_attention=True),
+    # qwen35.cpp: 3 of 4 layers gated DeltaNet; full attention gated, interleaved M-RoPE by sections
+    "qwen35": Architecture(rope_neox=True, qk_norm=True, deltanet=True, attn_output_gate=True,
+                           ffn_norm_post_attention=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -223,6 +233,18 @@ class ModelConfig:
         expert_weights_norm: the chosen weights are divided by their sum.
         attn_sinks, attn_out_bias, moe_bias, expert_act, ffn_norm_post_attention: as in
             :class:`Architecture` (gpt-oss).
+        attn_output_gate: as in :class:`Architecture` (Qwen3.5).
+        rope_sections: ``{arch}.rope.dimension_sections`` (interleaved M-RoPE, llama.cpp's IMROPE):
+            for text every section carries the token's position but the fourth (extra) one,
+            which carries 0, so its rotary pairs are not rotated (:func:`imrope_text_rotated`).
+        recurrent_layers: the gated DeltaNet layers, ascending (the others are full attention).
+        ssm_conv_kernel: taps of the causal conv1d (``{arch}.ssm.conv_kernel``).
+        ssm_head_dim: width of a DeltaNet key / value head (``{arch}.ssm.state_size``).
+        ssm_n_k_heads: query/key heads (``{arch}.ssm.group_count``).
+        ssm_n_v_heads: value heads (``{arch}.ssm.time_step_rank``), a multiple of ssm_n_k_heads;
+            the state is ``[ssm_n_v_heads, ssm_head_dim, ssm_head_dim]`` per recurrent layer.
+        n_mtp_layers: multi-token-prediction blocks after the trunk (``{arch}.nextn_predict_layers``),
+            counted in ``block_count`` but not in ``n_layers``; never run, as llama.cpp's main pass.
     """
 
     dim: int
@@ -263,6 +285,14 @@ class ModelConfig:
     moe_bias: bool = False
     expert_act: str = "silu"
     ffn_norm_post_attention: bool = False
+    attn_output_gate: bool = False
+    rope_sections: tuple[int, ...] = ()
+    recurrent_layers: tuple[int, ...] = ()
+    ssm_conv_kernel: int = 0
+    ssm_head_dim: int = 0
+    ssm_n_k_heads: int = 0
+    ssm_n_v_heads: int = 0
+    n_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
@@ -296,6 +326,13 @@ class ModelConfig:
         if any(not 0 <= i < self.n_layers for i in self.local_layers) or self.sliding_window < 0:
             raise ModelFormatError(f"model config: local_layers {self.local_layers} must be layer indices "
                                    f"and sliding_window ({self.sliding_window}) >= 0")
+        if self.recurrent_layers:
+            if any(not 0 <= i < self.n_layers for i in self.recurrent_layers):
+                raise ModelFormatError(f"model config: recurrent_layers {self.recurrent_layers} must be layer indices")
+            sizes = (self.ssm_conv_kernel, self.ssm_head_dim, self.ssm_n_k_heads, self.ssm_n_v_heads)
+            if min(sizes) <= 0 or self.ssm_n_v_heads % self.ssm_n_k_heads:
+                raise ModelFormatError(f"model config: the DeltaNet sizes (conv kernel, head dim, k heads, v heads) "
+                                       f"{sizes} must be positive, v heads a multiple of k heads")
 
     @property
     def kq_scale(self) -> float:
@@ -312,8 +349,8 @@ class ModelConfig:
         ``qkv_bias``, ``qk_norm``, ``post_norms``, ``gelu``, ``embed_scale``, ``swa``,
         ``attn_softcap``, ``final_softcap``, ``moe`` (a mixture-of-experts FFN), ``moe_norm`` (its
         weights normalised), ``attn_sinks``, ``moe_bias`` (router and expert biases),
-        ``moe_softmax_weight`` (softmax over the chosen logits), ``moe_oai`` (clamped SwiGLU). Empty
-        for a Llama model."""
+        ``moe_softmax_weight`` (softmax over the chosen logits), ``moe_oai`` (clamped SwiGLU),
+        ``deltanet``, ``attn_gate``. Empty for a Llama model."""
         flags = {"moe": self.n_expert > 0, "moe_norm": self.n_expert > 0 and self.expert_weights_norm,
                  "attn_sinks": self.attn_sinks, "moe_bias": self.n_expert > 0 and self.moe_bias,
                  "moe_softmax_weight": self.n_expert > 0 and self.expert_gating == "softmax_weight",
@@ -321,8 +358,44 @@ class ModelConfig:
                  "qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "post_norms": self.post_norms,
                  "gelu": self.ffn_act == "gelu", "embed_scale": self.embed_scale != 1.0,
                  "swa": bool(self.sliding_window and self.local_layers),
-                 "attn_softcap": self.attn_softcap > 0, "final_softcap": self.final_softcap > 0}
+                 "attn_softcap": self.attn_softcap > 0, "final_softcap": self.final_softcap > 0,
+                 "deltanet": bool(self.recurrent_layers), "attn_gate": self.attn_output_gate}
         return frozenset(name for name, on in flags.items() if on)
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether ``layer`` is a gated DeltaNet layer (no KV cache; a conv state and a delta-rule state)."""
+        return layer in self.recurrent_layers
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        """The layers that keep a KV cache (softmax attention), ascending."""
+        return tuple(i for i in range(self.n_layers) if i not in self.recurrent_layers)
+
+    @property
+    def ssm_k_dim(self) -> int:
+        """Width of the DeltaNet queries (and keys): ``ssm_n_k_heads * ssm_head_dim``."""
+        return self.ssm_n_k_heads * self.ssm_head_dim
+
+    @property
+    def ssm_v_dim(self) -> int:
+        """Width of the DeltaNet values (and of ``z``): ``ssm_n_v_heads * ssm_head_dim``."""
+        return self.ssm_n_v_heads * self.ssm_head_dim
+
+    @property
+    def ssm_conv_dim(self) -> int:
+        """Channels of the conv1d (q|k|v mixed): ``2 * ssm_k_dim + ssm_v_dim``."""
+        return 2 * self.ssm_k_dim + self.ssm_v_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one more position of context costs: float32 keys and values of the attention layers."""
+        return 2 * len(self.attn_layers) * self.kv_dim * 4
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the recurrent layers' float32 conv and delta-rule states: fixed, whatever the context."""
+        per_layer = self.ssm_conv_dim * (self.ssm_conv_kernel - 1) + self.ssm_n_v_heads * self.ssm_head_dim ** 2
+        return len(self.recurrent_layers) * per_layer * 4
 
     @property
     def n_rep(self) -> int:
@@ -350,6 +423,9 @@ class ModelConfig:
             out["local_layers"] = list(out["local_layers"])
         if "rope_scaling" in out:
             out["rope_scaling"] = self.rope_scaling.to_dict()
+        for name in ("rope_sections", "recurrent_layers"):
+            if name in out:
+                out[name] = list(out[name])
         return out
 
     @classmethod
@@ -432,7 +508,9 @@ class ModelConfig:
         n_kv_heads = as_int("attention.head_count_kv", meta.get(f"{arch}.attention.head_count_kv", n_heads))
         head_dim = as_int("attention.key_length",
                           meta.get(f"{arch}.attention.key_length", dim // n_heads if n_heads else 0))
-        n_layers = as_int("block_count", need("block_count"))
+        n_blocks = as_int("block_count", need("block_count"))
+        n_mtp = as_int("nextn_predict_layers", meta.get(f"{arch}.nextn_predict_layers", 0)) if spec.deltanet else 0
+        n_layers = n_blocks - n_mtp
         rope_theta = number("rope.freq_base", 10000.0)
         # sliding window: the file's window (or the family's default) on the pattern's layers
         window = as_int("attention.sliding_window", meta.get(f"{arch}.attention.sliding_window", spec.swa_default))
@@ -453,6 +531,7 @@ class ModelConfig:
         hidden_dim = as_int("feed_forward_length", need("feed_forward_length"))
         moe = _experts(meta, arch, spec, as_int, hidden_dim, source)
         wide = spec.wide_query_scale_layers and n_layers == spec.wide_query_scale_layers
+        deltanet = _deltanet_fields(meta, arch, n_blocks, n_layers, as_int, source) if spec.deltanet else {}
         return cls(
             dim=dim,
             n_layers=n_layers,
@@ -487,7 +566,10 @@ class ModelConfig:
             attn_sinks=spec.attn_sinks,
             attn_out_bias=spec.attn_out_bias,
             ffn_norm_post_attention=spec.ffn_norm_post_attention,
+            attn_output_gate=spec.attn_output_gate,
+            n_mtp_layers=n_mtp,
             **moe,
+            **deltanet,
         )
 
 
@@ -528,6 +610,66 @@ def _experts(meta: Mapping[str, Any], arch: str, spec: Architecture, as_int, hid
     return dict(n_expert=n_expert, n_expert_used=n_used, expert_hidden_dim=expert_hidden,
                 expert_gating=EXPERT_GATING_FUNCS[gating], expert_weights_norm=spec.expert_weights_norm,
                 moe_bias=spec.moe_bias, expert_act=spec.expert_act)
+
+
+def _deltanet_fields(meta: Mapping[str, Any], arch: str, n_blocks: int, n_layers: int, as_int,
+                     source: str) -> dict[str, Any]:
+    """The gated DeltaNet fields of a config, as llama.cpp's ``llama_model_qwen35::load_arch_hparams``
+    reads them: the ``{arch}.ssm.*`` sizes (all required), the recurrent layers from
+    ``{arch}.attention.recurrent_layers`` (one flag per block, MTP blocks included) or else
+    ``{arch}.full_attention_interval`` (default 4: layer i is recurrent iff (i+1) % interval != 0),
+    and ``{arch}.rope.dimension_sections``.
+
+    Raises:
+        ModelFormatError: a missing ``ssm`` key; ``ssm.inner_size`` ≠ ``state_size × time_step_rank``;
+            a recurrent-layer list whose length is not ``block_count``; an interval < 1.
+    """
+    def need(key: str) -> int:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise ModelFormatError(f"{source}: required metadata key {full!r} is missing; a {arch} model needs it "
+                                   f"for its DeltaNet layers — re-convert the file with llama.cpp")
+        return as_int(key, meta[full])
+
+    conv_kernel, inner = need("ssm.conv_kernel"), need("ssm.inner_size")
+    head_dim, n_v, n_k = need("ssm.state_size"), need("ssm.time_step_rank"), need("ssm.group_count")
+    if inner != head_dim * n_v:
+        raise ModelFormatError(f"{source}: metadata {arch}.ssm.inner_size = {inner} should be ssm.state_size × "
+                               f"ssm.time_step_rank = {head_dim} × {n_v}; the file is inconsistent")
+    key = f"{arch}.attention.recurrent_layers"
+    if key in meta:
+        flags = meta[key]
+        if not isinstance(flags, (list, tuple)) or len(flags) != n_blocks:
+            got = f"{len(flags)} entries" if isinstance(flags, (list, tuple)) else shown(flags)
+            raise ModelFormatError(f"{source}: metadata {key} has {got}, expected one flag per block "
+                                   f"({arch}.block_count = {n_blocks}); the file is inconsistent")
+        recurrent = tuple(i for i in range(n_layers) if flags[i])
+    else:
+        interval = as_int("full_attention_interval", meta.get(f"{arch}.full_attention_interval", 4))
+        if interval < 1:
+            raise ModelFormatError(f"{source}: metadata {arch}.full_attention_interval = {interval} should be "
+                                   f">= 1; the file is damaged")
+        recurrent = tuple(i for i in range(n_layers) if (i + 1) % interval)
+    sections = meta.get(f"{arch}.rope.dimension_sections", ())
+    if not isinstance(sections, (list, tuple)) or len(sections) > 4 or any(
+            not isinstance(s, int) or s < 0 for s in sections):
+        raise ModelFormatError(f"{source}: metadata {arch}.rope.dimension_sections = {shown(sections)} should be "
+                               f"up to 4 non-negative integers")
+    sections = tuple(sections) + (0,) * (4 - len(sections)) if any(sections) else ()
+    return dict(rope_sections=sections, recurrent_layers=recurrent, ssm_conv_kernel=conv_kernel,
+                ssm_head_dim=head_dim, ssm_n_k_heads=n_k, ssm_n_v_heads=n_v)
+
+
+def imrope_text_rotated(rope_dim: int, sections: tuple[int, ...]) -> np.ndarray:
+    """Which of the ``rope_dim/2`` rotary pairs a text token rotates under interleaved M-RoPE
+    (llama.cpp ``ggml_mrope_cache_init`` with ``is_imrope``, positions ``[p, p, p, 0]`` as
+    ``llm_graph_input_pos`` sets them for text): pair ``i``, sector ``s = i % Σsections``, takes
+    the extra (4th) position 0 — no rotation — unless ``s % 3`` is 0, 1 or 2 with
+    ``s < 3·sections[0]``, ``3·sections[1]`` or ``3·sections[2]`` respectively. bool ``[rope_dim/2]``."""
+    total = sum(sections)
+    s = np.arange(rope_dim // 2) % total
+    return (((s % 3 == 0) & (s < 3 * sections[0])) | ((s % 3 == 1) & (s < 3 * sections[1]))
+            | ((s % 3 == 2) & (s < 3 * sections[2])))
 
 
 def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number, n_ctx_train: int,

@@ -37,9 +37,9 @@ from llamatrace.kernels.types import packing
 from llamatrace.kernels.types.registry import matmul
 from llamatrace.machine.runtime import check_interrupt
 from llamatrace.machine.threads import AUTO_THREADS
-from llamatrace.model.cache import KVCache
-from llamatrace.model import moe
-from llamatrace.model.config import ModelConfig
+from llamatrace.model import deltanet, moe
+from llamatrace.model.cache import KVCache, RecurrentState
+from llamatrace.model.config import ModelConfig, imrope_text_rotated
 from llamatrace.model.packcache import PackCache, enabled as cache_enabled
 from llamatrace.text.tokenizer import Tokenizer
 from llamatrace.tracing.hooks import HookFn, Hooks
@@ -83,12 +83,14 @@ class LayerWeights:
     moe: moe.MoEWeights | None = None               # router and experts  (moe)
     sinks: np.ndarray | None = None   # float32 [n_heads]                 (attn_sinks)
     bo: np.ndarray | None = None      # float32 [dim]                     (attn_out_bias)
+    deltanet: deltanet.DeltaNetWeights | None = None  # a recurrent layer's block, instead of wq…wo
 
     def vectors(self) -> tuple[np.ndarray, ...]:
         """Every norm weight and bias the block holds."""
+        extra = self.deltanet.vectors() if self.deltanet is not None else ()
         return tuple(v for v in (self.attention_norm, self.ffn_norm, self.bq, self.bk, self.bv, self.q_norm,
-                                 self.k_norm, self.attention_post_norm, self.ffn_post_norm, self.sinks, self.bo)
-                     if v is not None)
+                                 self.k_norm, self.attention_post_norm, self.ffn_post_norm, self.sinks, self.bo,
+                                 *extra) if v is not None)
 
 
 @dataclass
@@ -103,7 +105,8 @@ class Weights:
     def nbytes(self) -> int:
         mats = {id(w): w.nbytes for lw in self.layers
                 for w in (lw.wq, lw.wk, lw.wv, lw.wqkv, lw.wo, lw.w1, lw.w3, lw.w13, lw.w2,
-                          *(lw.moe.matrices() if lw.moe else ())) if w is not None}
+                          *(lw.moe.matrices() if lw.moe else ()),
+                          *(lw.deltanet.matrices() if lw.deltanet else ())) if w is not None}
         mats[id(self.tok_embeddings)] = self.tok_embeddings.nbytes
         mats[id(self.output)] = self.output.nbytes
         norms = sum(v.nbytes for lw in self.layers for v in lw.vectors()) + self.norm.nbytes
@@ -212,12 +215,15 @@ class Llama:
         return cls(f, config, weights, tokenizer, freq_factors, time.perf_counter() - t0, activations, store)
 
     def new_cache(self, max_seq: int) -> KVCache:
-        """A KV cache for ``max_seq`` positions (float32, ``2 * n_layers * max_seq * kv_dim * 4`` bytes)."""
+        """A KV cache for ``max_seq`` positions (float32, ``2 * n_attn_layers * max_seq * kv_dim * 4``
+        bytes), with a fixed-size conv and delta-rule state per recurrent layer."""
         if not 0 < max_seq <= self.config.max_seq_len:
             raise OptionError(f"--ctx-size {max_seq} is out of range: it must be between 1 and the model's "
                               f"context length {self.config.max_seq_len}")
         c = self.config
-        return KVCache(c.n_layers, max_seq, c.n_kv_heads, c.head_dim)
+        states = {i: RecurrentState(c.ssm_conv_dim, c.ssm_conv_kernel, c.ssm_n_v_heads, c.ssm_head_dim)
+                  for i in c.recurrent_layers}
+        return KVCache(c.n_layers, max_seq, c.n_kv_heads, c.head_dim, kv_layers=c.attn_layers, recurrent=states)
 
     @contextmanager
     def trace(self, layers=None, stages=None, **options) -> Iterator[Recorder]:
@@ -276,7 +282,8 @@ class Llama:
         from llamatrace.model import tl
         if return_type not in ("logits", None):
             raise OptionError(f"return_type must be 'logits' or None, got {return_type!r}")
-        served = tl.select(names_filter, self.config.n_layers, self.config.post_norms, bool(self.config.n_expert))
+        served = tl.select(names_filter, self.config.n_layers, self.config.post_norms, bool(self.config.n_expert),
+                           self.config.recurrent_layers)
         return tl.run(self, tokens, served, stop_at_layer=stop_at_layer, padding_side=padding_side,
                       return_logits=return_type == "logits")
 
@@ -299,7 +306,7 @@ class Llama:
             raise OptionError(f"return_type must be 'logits' or None, got {return_type!r}")
         hooks = [(served, fn) for name, fn in fwd_hooks
                  for served in tl.select(name, self.config.n_layers, self.config.post_norms,
-                                         bool(self.config.n_expert))]
+                                         bool(self.config.n_expert), self.config.recurrent_layers)]
         first, _ = tl.run(self, tokens, [], fwd_hooks=hooks, stop_at_layer=stop_at_layer,
                           padding_side=padding_side, return_logits=return_type == "logits")
         return first
@@ -344,7 +351,9 @@ class Llama:
                     n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, hidden_dim=c.hidden_dim,
                     vocab_size=c.vocab_size, rope_half=c.rope_dim // 2, q_dim=c.q_dim,
                     kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=max_seq, n_expert=c.n_expert,
-                    n_expert_used=c.n_expert_used, expert_hidden_dim=c.expert_hidden_dim)
+                    n_expert_used=c.n_expert_used, expert_hidden_dim=c.expert_hidden_dim,
+                    ssm_n_k_heads=c.ssm_n_k_heads, ssm_n_v_heads=c.ssm_n_v_heads, ssm_head_dim=c.ssm_head_dim,
+                    ssm_conv_dim=c.ssm_conv_dim, ssm_v_dim=c.ssm_v_dim)
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens, start_pos: int, cache: KVCache, recorder: Recorder | None = None,
@@ -449,75 +458,86 @@ class Llama:
             # attention pre-norm
             xn = kernels.rmsnorm(x, lw.attention_norm, c.norm_eps)
             xn = emit("attn_norm", layer, xn)
-            # q/k/v projections: xq [seq_len, n_heads*head_dim], xk/xv [seq_len, n_kv_heads*head_dim]
-            xq, xk, xv = self._qkv(xn, lw)
-            xq = emit("Qcur", layer, xq)
-            xk = emit("Kcur", layer, xk)
-            xv = emit("Vcur", layer, xv)
-            if lw.bq is not None:                                # qkv_bias
-                xq = emit("Qcur_b", layer, xq + lw.bq)
-                xk = emit("Kcur_b", layer, xk + lw.bk)
-                xv = emit("Vcur_b", layer, xv + lw.bv)
-            # split into heads: [seq_len, n_(kv_)heads, head_dim]
-            xq = xq.reshape(seq_len, n_heads, head_dim)
-            xk = xk.reshape(seq_len, n_kv_heads, head_dim)
-            xv = xv.reshape(seq_len, n_kv_heads, head_dim)
-            emit("Qcur_heads", layer, xq)
-            emit("Kcur_heads", layer, xk)
-            emit("Vcur_heads", layer, xv)
-            if lw.q_norm is not None:                            # qk_norm: RMSNorm of each head (or of all: OLMoE)
-                xq = kernels.rmsnorm(xq.reshape(-1, lw.q_norm.shape[0]), lw.q_norm, c.norm_eps).reshape(xq.shape)
-                xk = kernels.rmsnorm(xk.reshape(-1, lw.k_norm.shape[0]), lw.k_norm, c.norm_eps).reshape(xk.shape)
-                xq = emit("Qcur_normed", layer, xq)
-                xk = emit("Kcur_normed", layer, xk)
-            # rotary embedding of queries and keys (values are not rotated)
-            xq = rope(xq, *((cos_local, sin_local) if local else (cos, sin)))
-            xk = rope(xk, *((cos_local, sin_local) if local else (cos, sin)))
-            xq = emit("Qcur_rope", layer, xq)
-            xk = emit("Kcur_rope", layer, xk)
-            # KV cache: write this chunk at [start_pos:end_pos], read back everything [0:end_pos]
-            cache.k[layer, start_pos:end_pos] = xk
-            cache.v[layer, start_pos:end_pos] = xv
-            emit("cache_k", layer, cache.k[layer, start_pos:end_pos])
-            emit("cache_v", layer, cache.v[layer, start_pos:end_pos])
-            keys = cache.k[layer, :end_pos]                      # [kv_len, n_kv_heads, head_dim]
-            values = cache.v[layer, :end_pos]
-            emit("keys", layer, keys)
-            emit("values", layer, values)
-            # grouped-query attention: each KV head serves n_rep query heads (Meta's repeat_kv).
-            # The attention kernels read KV head h // n_rep in place, so the repeated copy is
-            # only made when a trace asks for it — the same numbers, without the copy.
-            if n_rep > 1:
-                emit("keys_rep", layer, lambda keys=keys: kernels.repeat_kv(keys, n_rep))
-                emit("values_rep", layer, lambda values=values: kernels.repeat_kv(values, n_rep))
-            # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
-            layer_mask = mask_local if local else mask
-            if layer_mask is not None and not c.attn_softcap and not watched(layer, *_SCORE_STAGES):
-                # nothing reads the scores: q·k and the softmax only over the keys each row sees
-                # (half of a prefill's), the same probabilities bit for bit (attention_probs)
-                scores = kernels.attention_probs(xq, keys, scale, start_pos, c.sliding_window if local else 0,
-                                                 sinks=lw.sinks)
+            if lw.deltanet is not None:       # gated DeltaNet: linear attention with a fixed-size state
+                attn_out = deltanet.forward(xn, lw.deltanet, c, cache.recurrent[layer], layer, emit)
             else:
-                kq = kernels.attention_scores(xq, keys)
-                kq = emit("kq", layer, kq)
-                scores = kq * scale
-                scores = emit("kq_scaled", layer, scores)
-                if c.attn_softcap:                               # c·tanh(scores/c), before the mask
-                    scores = emit("kq_softcap", layer, kernels.softcap(scores, c.attn_softcap))
-                if layer_mask is not None:
-                    scores = scores + layer_mask                 # broadcast over heads
-                    scores = emit("kq_masked", layer, scores)
-                scores = kernels.softmax(scores, lw.sinks)       # attn_sinks: in the denominator
-            scores = emit("kq_soft_max", layer, scores)
-            # weighted values per head [n_heads, seq_len, head_dim], then heads merged [seq_len, q_dim]
-            kqv = kernels.attention_values(scores, values)
-            kqv = emit("kqv", layer, kqv)
-            kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
-            kqv_out = emit("kqv_out", layer, kqv_out)
-            attn_out = matmul(kqv_out, lw.wo)
-            if lw.bo is not None:                                # attn_out_bias
-                attn_out += lw.bo
-            attn_out = emit("attn_out", layer, attn_out)
+                # q/k/v projections: xq [seq_len, n_heads*head_dim], xk/xv [seq_len, n_kv_heads*head_dim]
+                xq, xk, xv = self._qkv(xn, lw)
+                if c.attn_output_gate:                           # per head: the query, then its output gate
+                    xq = emit("Qcur_full", layer, xq).reshape(seq_len, n_heads, 2, head_dim)
+                    gate = np.ascontiguousarray(xq[:, :, 1]).reshape(seq_len, n_heads * head_dim)
+                    xq = np.ascontiguousarray(xq[:, :, 0]).reshape(seq_len, n_heads * head_dim)
+                xq = emit("Qcur", layer, xq)
+                xk = emit("Kcur", layer, xk)
+                xv = emit("Vcur", layer, xv)
+                if lw.bq is not None:                                # qkv_bias
+                    xq = emit("Qcur_b", layer, xq + lw.bq)
+                    xk = emit("Kcur_b", layer, xk + lw.bk)
+                    xv = emit("Vcur_b", layer, xv + lw.bv)
+                # split into heads: [seq_len, n_(kv_)heads, head_dim]
+                xq = xq.reshape(seq_len, n_heads, head_dim)
+                xk = xk.reshape(seq_len, n_kv_heads, head_dim)
+                xv = xv.reshape(seq_len, n_kv_heads, head_dim)
+                emit("Qcur_heads", layer, xq)
+                emit("Kcur_heads", layer, xk)
+                emit("Vcur_heads", layer, xv)
+                if lw.q_norm is not None:                            # qk_norm: RMSNorm of each head (or of all: OLMoE)
+                    xq = kernels.rmsnorm(xq.reshape(-1, lw.q_norm.shape[0]), lw.q_norm, c.norm_eps).reshape(xq.shape)
+                    xk = kernels.rmsnorm(xk.reshape(-1, lw.k_norm.shape[0]), lw.k_norm, c.norm_eps).reshape(xk.shape)
+                    xq = emit("Qcur_normed", layer, xq)
+                    xk = emit("Kcur_normed", layer, xk)
+                # rotary embedding of queries and keys (values are not rotated)
+                xq = rope(xq, *((cos_local, sin_local) if local else (cos, sin)))
+                xk = rope(xk, *((cos_local, sin_local) if local else (cos, sin)))
+                xq = emit("Qcur_rope", layer, xq)
+                xk = emit("Kcur_rope", layer, xk)
+                # KV cache: write this chunk at [start_pos:end_pos], read back everything [0:end_pos]
+                kv = cache.slot[layer]                               # attention layers only hold keys
+                cache.k[kv, start_pos:end_pos] = xk
+                cache.v[kv, start_pos:end_pos] = xv
+                emit("cache_k", layer, cache.k[kv, start_pos:end_pos])
+                emit("cache_v", layer, cache.v[kv, start_pos:end_pos])
+                keys = cache.k[kv, :end_pos]                         # [kv_len, n_kv_heads, head_dim]
+                values = cache.v[kv, :end_pos]
+                emit("keys", layer, keys)
+                emit("values", layer, values)
+                # grouped-query attention: each KV head serves n_rep query heads (Meta's repeat_kv).
+                # The attention kernels read KV head h // n_rep in place, so the repeated copy is
+                # only made when a trace asks for it — the same numbers, without the copy.
+                if n_rep > 1:
+                    emit("keys_rep", layer, lambda keys=keys: kernels.repeat_kv(keys, n_rep))
+                    emit("values_rep", layer, lambda values=values: kernels.repeat_kv(values, n_rep))
+                # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
+                layer_mask = mask_local if local else mask
+                if layer_mask is not None and not c.attn_softcap and not watched(layer, *_SCORE_STAGES):
+                    # nothing reads the scores: q·k and the softmax only over the keys each row sees
+                    # (half of a prefill's), the same probabilities bit for bit (attention_probs)
+                    scores = kernels.attention_probs(xq, keys, scale, start_pos, c.sliding_window if local else 0,
+                                                     sinks=lw.sinks)
+                else:
+                    kq = kernels.attention_scores(xq, keys)
+                    kq = emit("kq", layer, kq)
+                    scores = kq * scale
+                    scores = emit("kq_scaled", layer, scores)
+                    if c.attn_softcap:                               # c·tanh(scores/c), before the mask
+                        scores = emit("kq_softcap", layer, kernels.softcap(scores, c.attn_softcap))
+                    if layer_mask is not None:
+                        scores = scores + layer_mask                 # broadcast over heads
+                        scores = emit("kq_masked", layer, scores)
+                    scores = kernels.softmax(scores, lw.sinks)       # attn_sinks: in the denominator
+                scores = emit("kq_soft_max", layer, scores)
+                # weighted values per head [n_heads, seq_len, head_dim], then heads merged [seq_len, q_dim]
+                kqv = kernels.attention_values(scores, values)
+                kqv = emit("kqv", layer, kqv)
+                kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
+                kqv_out = emit("kqv_out", layer, kqv_out)
+                if c.attn_output_gate:                           # the output × sigmoid(gate), before wo
+                    gate = emit("gate_sigmoid", layer, deltanet.sigmoid(gate))
+                    kqv_out = emit("attn_gated", layer, kqv_out * gate)
+                attn_out = matmul(kqv_out, lw.wo)
+                if lw.bo is not None:                                # attn_out_bias
+                    attn_out += lw.bo
+                attn_out = emit("attn_out", layer, attn_out)
             if lw.attention_post_norm is not None:               # post_norms
                 attn_out = kernels.rmsnorm(attn_out, lw.attention_post_norm, c.norm_eps)
                 attn_out = emit("attn_post_norm", layer, attn_out)
@@ -628,6 +648,8 @@ def _rotary(c: ModelConfig, local: bool, freq_factors: np.ndarray | None = None)
                  if s.ext_factor else (0.0, 0.0))
     inv_freq = kernels.rope_frequencies(c.rope_dim, theta, freq_factors, freq_scale=freq_scale,
                                         ext_factor=s.ext_factor, corr_dims=corr_dims)
+    if c.rope_sections:                   # interleaved M-RoPE: a text token's extra section is not rotated
+        inv_freq = np.where(imrope_text_rotated(c.rope_dim, c.rope_sections), inv_freq, 0.0)
     return inv_freq, kernels.rope_mscale(freq_scale, s.ext_factor, s.attn_factor)
 
 
@@ -667,9 +689,12 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
               "wqkv": (q_dim + 2 * kv_dim, c.dim), "bq": (q_dim,), "bk": (kv_dim,), "bv": (kv_dim,),
               "q_norm": (q_dim if c.qk_norm_flat else hd,), "k_norm": (kv_dim if c.qk_norm_flat else hd,), "attention_post_norm": (c.dim,), "ffn_post_norm": (c.dim,),
               "sinks": (c.n_heads,), "bo": (c.dim,)}
+    if c.attn_output_gate:                                               # query | gate per head
+        shapes["wq"] = (2 * q_dim, c.dim)
+    shapes |= deltanet.tensor_shapes(c) if c.recurrent_layers else {}
 
     def raw(meta: str, layer: int | None):
-        name = gguf_name(meta, layer)
+        name = f"blk.{layer}.{deltanet.GGUF_NAMES[meta]}" if meta in deltanet.GGUF_NAMES else gguf_name(meta, layer)
         if name not in f.tensors:
             raise ModelFormatError(f"{f.path.name}: tensor {name!r} is missing; a {c.arch} model needs it — "
                                    f"the file is incomplete or not really {c.arch}")
@@ -734,7 +759,15 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
                                                  activations=activations, arena=arena))
 
     layers = []
+    ffn_norm = "attention_post_norm" if c.ffn_norm_post_attention else "ffn_norm"
     for i in range(c.n_layers):
+        if c.is_recurrent(i):
+            w13 = stacked(("w1", "w3"), i)
+            layers.append(LayerWeights(
+                attention_norm=vector("attention_norm", i), wq=None, wk=None, wv=None, wqkv=None, wo=None,
+                ffn_norm=vector(ffn_norm, i), w1=None if w13 else matrix("w1", i), w3=None if w13 else matrix("w3", i),
+                w13=w13, w2=matrix("w2", i), deltanet=deltanet.load(i, matrix, vector)))
+            continue
         if c.fused_qkv:
             wqkv = split("wqkv", i, (q_dim, kv_dim, kv_dim))
         else:
@@ -754,7 +787,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             wv=matrix("wv", i) if wqkv is None or len(wqkv.row_splits) == 2 else None,
             wqkv=wqkv,
             wo=matrix("wo", i),
-            ffn_norm=vector("attention_post_norm" if c.ffn_norm_post_attention else "ffn_norm", i),
+            ffn_norm=vector(ffn_norm, i),
             w1=None if w13 or experts else matrix("w1", i),
             w3=None if w13 or experts else matrix("w3", i),
             w13=w13,

@@ -15,6 +15,11 @@ different quantity than our stage — to TL's quantity:
   residual stream, not our ``attn_norm`` (which is after the weight).
 * ``blocks.{L}.hook_resid_pre`` is the residual entering block L: ``hook_embed`` for L = 0, else
   ``blocks.{L-1}.hook_resid_post`` (the same array, as in TL).
+* Qwen3.5's gated DeltaNet layers have no TL counterpart: their hooks are named after HF's
+  ``linear_attn`` module (``blocks.{L}.linear_attn.hook_in_proj_qkv`` …, :data:`LINEAR_ATTN_HOOKS`),
+  served on the recurrent layers instead of ``attn.*``; ``hook_attn_out`` is the block's output
+  (``linear_attn_out``). ``hook_state`` is the delta-rule state after the run ``[batch, head, d, d]``
+  (llama.cpp's layout, ``[h, j, i] = S[i][j]``), not a per-token activation.
 * Gemma 2 / 3 (TL's ``use_normalization_before_and_after``): ``hook_embed`` is the embedding
   scaled by √d_model (TL folds the scale into ``W_E``), ``hook_attn_out`` / ``hook_mlp_out`` are
   taken after the post-norms, and ``ln1_post`` / ``ln2_post`` are served like ``ln1`` / ``ln2``
@@ -98,6 +103,21 @@ MOE_HOOKS: dict[str, tuple[str, str]] = {
     "mlp.hook_expert_indices": ("ffn_moe_topk", "same"),
 }
 _DENSE_MLP_HOOKS = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
+# A gated DeltaNet layer's names under ``blocks.{L}.`` (HF Qwen3.5's ``linear_attn`` module), in
+# forward order, instead of the ``attn.*`` ones; all in our layout with a batch axis in front.
+LINEAR_ATTN_HOOKS: dict[str, tuple[str, str]] = {
+    "linear_attn.hook_in_proj_qkv": ("linear_attn_qkv_mixed", "same"),   # [pos, conv_dim]
+    "linear_attn.hook_in_proj_z": ("z", "same"),                       # [pos, v_dim]
+    "linear_attn.hook_beta": ("beta_sigmoid", "same"),                 # [pos, v_head]
+    "linear_attn.hook_g": ("gate", "same"),                            # [pos, v_head], the log-decay
+    "linear_attn.hook_conv1d": ("conv_output_silu", "same"),           # [pos, conv_dim], after SiLU
+    "linear_attn.hook_q": ("q_conv_predelta", "same"),                 # [pos, k_head, d], L2-normed
+    "linear_attn.hook_k": ("k_conv_predelta", "same"),
+    "linear_attn.hook_v": ("v_conv_predelta", "same"),                 # [pos, v_head, d]
+    "linear_attn.hook_core_attn_out": ("attn_output", "same"),         # [pos, v_head, d]
+    "linear_attn.hook_state": ("new_state", "same"),                   # [v_head, d, d]
+    "linear_attn.hook_norm": ("final_output", "same"),                 # [pos, v_dim], gated RMSNorm
+}
 # TL names with no honest counterpart here, and why.
 REFUSED: dict[str, str] = {
     "hook_pos_embed": "Llama has no positional embedding (RoPE rotates q and k: attn.hook_rot_q/hook_rot_k)",
@@ -136,14 +156,24 @@ class Served:
     def per_token(self) -> bool:
         """Whether the activation is one fixed-size vector per position (``[batch, pos, ...]``),
         what an activation dataset stores; attention scores and patterns are not."""
-        if self.kind == "stage":
+        if self.kind == "stage" or STAGE_BY_ID[self.stage].when == "deltanet":   # the state is not
             return STAGE_BY_ID[self.stage].shape.startswith("[seq_len")
         return self.stage not in ("kq_masked", "kq_soft_max")
 
 
-def _block_hooks(post_norms: bool, moe: bool = False) -> dict[str, tuple[str, str]]:
-    """TL's names under ``blocks.{L}.`` for a model with (Gemma 2/3) or without post-norms, and with
-    a mixture of experts (``moe``) or a dense MLP, in forward order."""
+def _block_hooks(post_norms: bool, moe: bool = False, recurrent: bool = False) -> dict[str, tuple[str, str]]:
+    """TL's names under ``blocks.{L}.`` for a model with (Gemma 2/3) or without post-norms, with a
+    mixture of experts (``moe``) or a dense MLP, and of a ``recurrent`` (gated DeltaNet) layer, in
+    forward order."""
+    if recurrent:
+        out = {}
+        for name, value in _block_hooks(post_norms, moe).items():
+            if name == "hook_attn_out":
+                out |= LINEAR_ATTN_HOOKS
+                value = ("linear_attn_out", "same")
+            if not name.startswith("attn."):
+                out[name] = value
+        return out
     if not (post_norms or moe):
         return LAYER_HOOKS
     out = {}
@@ -163,21 +193,26 @@ def _block_hooks(post_norms: bool, moe: bool = False) -> dict[str, tuple[str, st
     return out
 
 
-def served_names(n_layers: int, post_norms: bool = False, moe: bool = False) -> list[str]:
+def served_names(n_layers: int, post_norms: bool = False, moe: bool = False,
+                 recurrent: Iterable[int] = ()) -> list[str]:
     """Every TL name served for a model of ``n_layers`` blocks (``post_norms``: with Gemma's
-    ``ln1_post`` / ``ln2_post``; ``moe``: with experts), in forward order."""
+    ``ln1_post`` / ``ln2_post``; ``moe``: with experts; ``recurrent``: the gated DeltaNet layers), in
+    forward order."""
     names = ["hook_embed"]
+    recurrent = frozenset(recurrent)
     for layer in range(n_layers):
-        names += [f"blocks.{layer}.{h}" for h in _block_hooks(post_norms, moe)]
+        names += [f"blocks.{layer}.{h}" for h in _block_hooks(post_norms, moe, layer in recurrent)]
     return names + ["ln_final.hook_scale", "ln_final.hook_normalized"]
 
 
-def resolve(name: str, n_layers: int, post_norms: bool = False, moe: bool = False) -> Served:
+def resolve(name: str, n_layers: int, post_norms: bool = False, moe: bool = False,
+            recurrent: Iterable[int] = ()) -> Served:
     """What carries ``name``: a TL hook name (``blocks.8.hook_resid_post``), a TL short name with a
     layer (``("resid_post", 8)``), or a stage id (``l_out@8``, ``inp_embd``).
 
     ``post_norms``: the model has Gemma's post-norms, so ``ln1_post`` / ``ln2_post`` are served.
     ``moe``: the model's MLPs are mixtures of experts (:data:`MOE_HOOKS` instead of the dense MLP's).
+    ``recurrent``: the gated DeltaNet layers, which serve ``linear_attn.*`` instead of ``attn.*``.
 
     Raises:
         OptionError: an unknown name (with close matches), a TL name that is refused (with why),
@@ -206,7 +241,12 @@ def resolve(name: str, n_layers: int, post_norms: bool = False, moe: bool = Fals
         if rest in _DENSE_MLP_HOOKS and moe:
             raise OptionError(f"hook {name!r} is not served: a mixture of experts has no single MLP; each chosen "
                               f"expert's is a stage (ffn_moe_gate@{layer}, ffn_moe_up@{layer}, ffn_moe_swiglu@{layer})")
-        hooks = _block_hooks(post_norms, moe)
+        recurrent = frozenset(recurrent)
+        hooks = _block_hooks(post_norms, moe, layer in recurrent)
+        if rest.startswith(("attn.", "linear_attn.")) and rest not in hooks and 0 <= layer < n_layers:
+            kind = "a gated DeltaNet layer (linear_attn.* hooks)" if layer in recurrent else \
+                "a softmax attention layer (attn.* hooks)"
+            raise OptionError(f"hook {name!r} is not served: layer {layer} is {kind}")
         if rest in hooks:
             _check_layer(name, layer, n_layers)
             stage, kind = hooks[rest]
@@ -227,7 +267,7 @@ def resolve(name: str, n_layers: int, post_norms: bool = False, moe: bool = Fals
         if layer is not None:
             _check_layer(name, layer, n_layers)
         return Served(name, stage_id, layer, "stage")
-    known = served_names(n_layers, post_norms, moe) + [f"{s}@0" for s in STAGE_BY_ID]
+    known = served_names(n_layers, post_norms, moe, recurrent) + [f"{s}@0" for s in STAGE_BY_ID]
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else \
         "; TL names look like blocks.0.hook_resid_post, stage ids like l_out@0"
@@ -239,25 +279,26 @@ def _check_layer(name: str, layer: int, n_layers: int) -> None:
         raise OptionError(f"hook {name!r}: this model has {n_layers} layers (0-{n_layers - 1})")
 
 
-def select(names_filter, n_layers: int, post_norms: bool = False, moe: bool = False) -> list[Served]:
+def select(names_filter, n_layers: int, post_norms: bool = False, moe: bool = False,
+           recurrent: Iterable[int] = ()) -> list[Served]:
     """The served names a ``names_filter`` picks: ``None`` (all TL names), a name, a list of
     names, or a predicate ``fn(name) -> bool`` over the TL names (TL's convention);
-    ``post_norms``, ``moe`` as in :func:`resolve`.
+    ``post_norms``, ``moe`` and ``recurrent`` as in :func:`resolve`.
 
     Raises:
         OptionError: as :func:`resolve`, or a filter that picks nothing.
     """
     if names_filter is None:
-        names: Iterable = served_names(n_layers, post_norms, moe)
+        names: Iterable = served_names(n_layers, post_norms, moe, recurrent)
     elif callable(names_filter):
-        names = [n for n in served_names(n_layers, post_norms, moe) if names_filter(n)]
+        names = [n for n in served_names(n_layers, post_norms, moe, recurrent) if names_filter(n)]
     elif isinstance(names_filter, (str, tuple)):
         names = [names_filter]
     else:
         names = list(names_filter)
     out, seen = [], set()
     for name in names:
-        served = resolve(name, n_layers, post_norms, moe)
+        served = resolve(name, n_layers, post_norms, moe, recurrent)
         if served.name not in seen:
             seen.add(served.name)
             out.append(served)

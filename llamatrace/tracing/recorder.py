@@ -135,6 +135,15 @@ def tensor_stats(array: np.ndarray) -> dict[str, Any]:
     return {**nums, "nan": n_nan, "inf": n_inf}
 
 
+def _state_stats(stage, array: np.ndarray) -> dict[str, Any]:
+    """A recurrent state's stages (op ``State``: ``state_predelta``, ``new_state``) also report
+    each head's norm and top singular value (:func:`~llamatrace.kernels.ops.deltanet.state_summary`)."""
+    if stage.op != "State":
+        return {}
+    from llamatrace.kernels.ops.deltanet import state_summary
+    return state_summary(array)
+
+
 def head_tail(array: np.ndarray, k: int) -> dict[str, list]:
     """The first and last ``k`` values of the flattened array (non-finite → None)."""
     flat = np.asarray(array).ravel()
@@ -286,7 +295,7 @@ class Recorder:
             step=step, start_pos=start_pos, seq_len=seq_len, layer=layer, stage=stage_id, op=stage.op,
             inputs=self.input_shapes(stage_id, layer), shape=list(array.shape), dtype=_dtype_name(array.dtype),
             elapsed_us=elapsed_us,
-            stats=tensor_stats(array) if self.stats else None,
+            stats=(tensor_stats(array) | _state_stats(stage, array)) if self.stats else None,
             values=head_tail(array, self.values) if self.values else None,
             array=np.array(array, copy=True) if self.keep_arrays else None, phase=phase,
             rows=np.asarray(array).tolist() if stage.routing else None,

@@ -50,7 +50,9 @@ from typing import Iterable, Mapping
 # Shape variables a formula may use. kv_len = start_pos + seq_len (keys held in the cache).
 SHAPE_VARS = ("seq_len", "kv_len", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
               "vocab_size", "rope_half", "q_dim", "kv_dim", "n_rep", "max_seq", "n_expert", "n_expert_used",
-              "expert_hidden_dim")
+              "expert_hidden_dim",
+              # gated DeltaNet layers (ModelConfig.ssm_*)
+              "ssm_n_k_heads", "ssm_n_v_heads", "ssm_head_dim", "ssm_conv_dim", "ssm_v_dim")
 
 GROUPS = ("input", "attention", "ffn", "output")
 
@@ -126,13 +128,18 @@ STAGES: tuple[Stage, ...] = (
                  "Calling LlamaAttention.Forward for tensor normalizedX shape({out}) and startPos: {start_pos}, freqsCis: shape({[seq_len, rope_half]}), mask: shape({mask}) -> tensor h"),
           tl_differs=("TL hooks x/rms before × attn_norm.weight (from_pretrained folds the weight into "
                       "W_Q/W_K/W_V); ours includes it")),
+    Stage("Qcur_full", "layer", "MatMul", "xq", "15.3.3", 8, "Qcur_full", None, "attention",
+          "[seq_len, 2*q_dim]", "Joint projection x·wqᵀ: per head the query, then its output gate (Qwen3.5).",
+          inputs=(("x", _RESID),), weights=(("attn_wq", "attn_q.weight"),), when="attn_gate",
+          lines=("Calling ml.LinearTransformation for x shape({x}) and attn_wq weights shape({w_attn_wq}) -> tensor xq|gate shape({out})",),
+          sources=(("x", "attn_norm"),)),
     Stage("Qcur", "layer", "MatMul", "xq", "15.3.3", 8, "Qcur", None, "attention",
           "[seq_len, q_dim]", "Query projection x·wqᵀ.",
           inputs=(("x", _RESID),), weights=(("attn_wq", "attn_q.weight"),),
           lines=("Calling ml.LinearTransformation for x shape({x}) and LlamaAttention.attn_wq weights shape({w_attn_wq}) -> tensor xq",),
           llama_cpp_note="1st of three tensors named Qcur-N: the matmul (then the reshape, then RoPE)",
           tl_differs="TL has no flat hook: attn.hook_q is this split into heads (Qcur_heads)",
-          sources=(("x", "attn_norm"),)),
+          sources=(("x", "Qcur_full|attn_norm"),)),
     Stage("Kcur", "layer", "MatMul", "xk", "15.3.3", 8, "Kcur", None, "attention",
           "[seq_len, kv_dim]", "Key projection x·wkᵀ.",
           inputs=(("x", _RESID),), weights=(("attn_wk", "attn_k.weight"),),
@@ -292,11 +299,103 @@ STAGES: tuple[Stage, ...] = (
           "[seq_len, q_dim]", "Heads transposed back and concatenated.",
           inputs=(("output", "[n_heads, seq_len, head_dim]"),),
           lines=("Calling ml.Transpose and ml.Reshape for output shape({output}) -> tensor output shape({out})",)),
+    Stage("gate_sigmoid", "layer", "Sigmoid", "gate", "15.3.10", 14, "gate_sigmoid", None, "attention",
+          "[seq_len, q_dim]", "Sigmoid of the output gate that Qcur_full carried beside the query (Qwen3.5).",
+          inputs=(("gate", "[seq_len, q_dim]"),), when="attn_gate",
+          lines=("Calling ml.Sigmoid for gate shape({gate}) -> tensor gate",),
+          sources=(("gate", "Qcur_full"),)),
+    Stage("attn_gated", "layer", "Mul", "output", "15.3.10", 14, "attn_gated", None, "attention",
+          "[seq_len, q_dim]", "Merged heads × sigmoid(gate), before the output projection (Qwen3.5).",
+          inputs=(("output", "[seq_len, q_dim]"), ("gate", "[seq_len, q_dim]")), when="attn_gate",
+          lines=("Calling ml.Mul for output shape({output}) and gate shape({gate}) -> tensor output",),
+          sources=(("output", "kqv_out"), ("gate", "gate_sigmoid"))),
     Stage("attn_out", "layer", "MatMul", "output", "15.3.10", 14, "attn_out", "hook_attn_out", "attention",
           _RESID, "Attention output projection output·woᵀ.",
           inputs=(("output", "[seq_len, q_dim]"),), weights=(("attn_wo", "attn_output.weight"),),
           lines=("Calling ml.LinearTransformation for output shape({output}) and LlamaAttention.attn_wo weights shape({w_attn_wo}) -> tensor output",
                  "Returning tensor output: shape({out})")),
+    # ---- the gated DeltaNet block (recurrent layers, instead of Qcur … attn_out) -----------------
+    Stage("linear_attn_qkv_mixed", "layer", "MatMul", "qkv", "DeltaNet", 8, "linear_attn_qkv_mixed", None, "attention",
+          "[seq_len, ssm_conv_dim]", "Mixed projection x·attn_qkvᵀ: queries | keys | values of the DeltaNet.",
+          inputs=(("x", _RESID),), weights=(("attn_qkv", "attn_qkv.weight"),), when="deltanet",
+          lines=("Calling ml.LinearTransformation for x shape({x}) and attn_qkv weights shape({w_attn_qkv}) -> tensor qkv shape({out})",),
+          sources=(("x", "attn_norm"),)),
+    Stage("z", "layer", "MatMul", "z", "DeltaNet", 8, "z", None, "attention",
+          "[seq_len, ssm_v_dim]", "Output gate z = x·attn_gateᵀ (SiLU-gates the normed output).",
+          inputs=(("x", _RESID),), weights=(("attn_gate", "attn_gate.weight"),), when="deltanet",
+          lines=("Calling ml.LinearTransformation for x shape({x}) and attn_gate weights shape({w_attn_gate}) -> tensor z shape({out})",),
+          sources=(("x", "attn_norm"),)),
+    Stage("beta_sigmoid", "layer", "Sigmoid", "beta", "DeltaNet", 8, "beta_sigmoid", None, "attention",
+          "[seq_len, ssm_n_v_heads]", "Write strength β = sigmoid(x·ssm_betaᵀ) per value head, in (0, 1).",
+          inputs=(("x", _RESID),), weights=(("ssm_beta", "ssm_beta.weight"),), when="deltanet",
+          lines=("Calling ml.Sigmoid of x shape({x}) · ssm_beta weights shape({w_ssm_beta}) -> tensor beta shape({out})",),
+          sources=(("x", "attn_norm"),)),
+    Stage("a_softplus", "layer", "Softplus", "a", "DeltaNet", 8, "a_softplus", None, "attention",
+          "[seq_len, ssm_n_v_heads]", "softplus(x·ssm_alphaᵀ + ssm_dt): the decay's rate per value head.",
+          inputs=(("x", _RESID),), weights=(("ssm_alpha", "ssm_alpha.weight"), ("ssm_dt", "ssm_dt.bias")),
+          when="deltanet",
+          lines=("Calling ml.Softplus of x shape({x}) · ssm_alpha weights shape({w_ssm_alpha}) + ssm_dt -> tensor a shape({out})",),
+          sources=(("x", "attn_norm"),)),
+    Stage("gate", "layer", "Mul", "g", "DeltaNet", 8, "gate", None, "attention",
+          "[seq_len, ssm_n_v_heads]", "Log-decay g = a·ssm_a (ssm_a = −exp(A_log) < 0): the state is multiplied "
+          "by exp(g) ∈ (0, 1) at each token.",
+          inputs=(("a", "[seq_len, ssm_n_v_heads]"),), weights=(("ssm_a", "ssm_a"),), when="deltanet",
+          lines=("Calling ml.Mul for a shape({a}) and ssm_a weights shape({w_ssm_a}) -> tensor g shape({out})",)),
+    Stage("conv_output_silu", "layer", "Conv1d+SiLU", "qkv", "DeltaNet", 9, "conv_output_silu", None, "attention",
+          "[seq_len, ssm_conv_dim]", "Causal depthwise conv1d (ssm_conv1d) over the conv state and this chunk, "
+          "then SiLU.",
+          inputs=(("qkv", "[seq_len, ssm_conv_dim]"),), weights=(("ssm_conv1d", "ssm_conv1d.weight"),),
+          when="deltanet",
+          lines=("Calling ml.Conv1d with the conv state for qkv shape({qkv}) and ssm_conv1d weights shape({w_ssm_conv1d}), then ml.Silu -> tensor qkv shape({out})",),
+          llama_cpp_note="conv_output_raw before the SiLU"),
+    Stage("q_conv_predelta", "layer", "L2Norm", "q", "DeltaNet", 9, "q_conv_predelta", None, "attention",
+          "[seq_len, ssm_n_k_heads, ssm_head_dim]", "L2-normalised queries x/√(Σx² + eps) per key head; value "
+          "head h reads key head h % ssm_n_k_heads.",
+          inputs=(("qkv", "[seq_len, ssm_conv_dim]"),), when="deltanet",
+          lines=("Calling L2Norm per head of the queries of qkv shape({qkv}) -> tensor q shape({out})",),
+          llama_cpp_note="tiled to the value heads (ggml_repeat_4d) unless the fused delta-rule op runs, "
+                         "which indexes the key heads itself (the CPU default)"),
+    Stage("k_conv_predelta", "layer", "L2Norm", "k", "DeltaNet", 9, "k_conv_predelta", None, "attention",
+          "[seq_len, ssm_n_k_heads, ssm_head_dim]", "L2-normalised keys x/√(Σx² + eps) per key head; value "
+          "head h reads key head h % ssm_n_k_heads.",
+          inputs=(("qkv", "[seq_len, ssm_conv_dim]"),), when="deltanet",
+          lines=("Calling L2Norm per head of the keys of qkv shape({qkv}) -> tensor k shape({out})",),
+          llama_cpp_note="tiled to the value heads (ggml_repeat_4d) unless the fused delta-rule op runs, "
+                         "which indexes the key heads itself (the CPU default)"),
+    Stage("v_conv_predelta", "layer", "Reshape", "v", "DeltaNet", 9, "v_conv_predelta", None, "attention",
+          "[seq_len, ssm_n_v_heads, ssm_head_dim]", "The values, split into heads.",
+          inputs=(("qkv", "[seq_len, ssm_conv_dim]"),), when="deltanet",
+          lines=("Splitting the values of qkv shape({qkv}) into heads -> tensor v shape({out})",)),
+    Stage("state_predelta", "layer", "State", "S", "DeltaNet", 11, "state_predelta", None, "attention",
+          "[ssm_n_v_heads, ssm_head_dim, ssm_head_dim]", "The delta-rule state before this chunk (zeros at the "
+          "start), stored transposed as llama.cpp's: [h, j, i] = S[i][j], key index i, value index j.",
+          when="deltanet",
+          lines=("Reading the DeltaNet state S shape({out}) of layer {layer1}",)),
+    Stage("attn_output", "layer", "DeltaRule", "o", "DeltaNet", 12, "attn_output", None, "attention",
+          "[seq_len, ssm_n_v_heads, ssm_head_dim]", "Gated delta rule per token: S ← exp(g)·S; "
+          "S ← S + k·(β(v − Sᵀk))ᵀ; o = Sᵀq/√d (chunked for a prefill, recurrent to decode).",
+          inputs=(("q", "[seq_len, ssm_n_v_heads, ssm_head_dim]"), ("k", "[seq_len, ssm_n_v_heads, ssm_head_dim]"),
+                  ("v", "[seq_len, ssm_n_v_heads, ssm_head_dim]"), ("S", "[ssm_n_v_heads, ssm_head_dim, ssm_head_dim]")),
+          when="deltanet",
+          lines=("Calling DeltaRule for q shape({q}), k shape({k}), v shape({v}), S shape({S}) -> tensor o shape({out})",),
+          sources=(("q", "q_conv_predelta"), ("k", "k_conv_predelta"), ("v", "v_conv_predelta"), ("S", "state_predelta"))),
+    Stage("new_state", "layer", "State", "S", "DeltaNet", 12, "new_state", None, "attention",
+          "[ssm_n_v_heads, ssm_head_dim, ssm_head_dim]", "The delta-rule state after this chunk (kept for the next call).",
+          inputs=(("S", "[ssm_n_v_heads, ssm_head_dim, ssm_head_dim]"),), when="deltanet",
+          sources=(("S", "attn_output"),),
+          lines=("Writing the DeltaNet state S shape({out}) of layer {layer1}",),
+          llama_cpp_note="a view of the fused GDN op's output (not captured)"),
+    Stage("final_output", "layer", "GatedRMSNorm", "o", "DeltaNet", 13, "final_output", None, "attention",
+          "[seq_len, ssm_v_dim]", "RMSNorm of each head (ssm_norm) × SiLU(z), heads merged.",
+          inputs=(("o", "[seq_len, ssm_n_v_heads, ssm_head_dim]"), ("z", "[seq_len, ssm_v_dim]")),
+          weights=(("ssm_norm", "ssm_norm.weight"),), when="deltanet",
+          lines=("Calling RMSNorm per head for o shape({o}) and ssm_norm weights shape({w_ssm_norm}), times Silu(z) -> tensor o shape({out})",),
+          sources=(("o", "attn_output"), ("z", "z"))),
+    Stage("linear_attn_out", "layer", "MatMul", "output", "DeltaNet", 14, "linear_attn_out", None, "attention",
+          _RESID, "DeltaNet output projection o·ssm_outᵀ.",
+          inputs=(("o", "[seq_len, ssm_v_dim]"),), weights=(("ssm_out", "ssm_out.weight"),), when="deltanet",
+          lines=("Calling ml.LinearTransformation for o shape({o}) and ssm_out weights shape({w_ssm_out}) -> tensor output",),
+          sources=(("o", "final_output"),)),
     Stage("attn_post_norm", "layer", "RMSNorm", "output", "15.3.10", 14, "attn_post_norm", "ln1_post.hook_normalized",
           "attention", _RESID, "RMSNorm of the attention output before the residual add (Gemma).",
           inputs=(("output", _RESID),), weights=(("attn_post_norm", "post_attention_norm.weight"),),
@@ -307,7 +406,7 @@ STAGES: tuple[Stage, ...] = (
           _RESID, "Residual: block input plus attention output.",
           inputs=(("x", _RESID), ("h", _RESID)),
           lines=("Calling ml.Add to calculate x shape({x}) + h shape({h}) -> tensor h",),
-          sources=(("h", "attn_post_norm|attn_out"),), residual=True),
+          sources=(("h", "attn_post_norm|attn_out|linear_attn_out"),), residual=True),
     Stage("ffn_norm", "layer", "RMSNorm", "normalizedH", "15.5", 16, "ffn_norm", "ln2.hook_normalized", "ffn",
           _RESID, "Pre-FFN RMSNorm.",
           inputs=(("h", _RESID),), weights=(("ffn_norm", "ffn_norm.weight"),),
@@ -478,15 +577,21 @@ STAGES: tuple[Stage, ...] = (
 STAGE_BY_ID: dict[str, Stage] = {s.id: s for s in STAGES}
 STAGE_IDS: tuple[str, ...] = tuple(s.id for s in STAGES)
 LAYER_STAGE_IDS: tuple[str, ...] = tuple(s.id for s in STAGES if s.level == "layer")
+SOFTMAX_ATTENTION_IDS: frozenset[str] = frozenset(
+    STAGE_IDS[STAGE_IDS.index("Qcur_full"):STAGE_IDS.index("attn_out") + 1])
+"""The softmax attention's stages, which a recurrent (DeltaNet) layer replaces by its block's."""
 
 
 def stage_applies(stage: Stage, seq_len: int, n_rep: int, features: frozenset[str] = frozenset(),
-                  local: bool = False) -> bool:
+                  local: bool = False, recurrent: bool = False) -> bool:
     """Whether ``stage`` is emitted for a chunk of ``seq_len`` queries with ``n_rep`` query heads per KV head,
     by a model with ``features`` (:attr:`ModelConfig.features`; empty: Llama) in a layer that is
-    ``local`` (sliding window: its window mask is added at every step)."""
+    ``local`` (sliding window: its window mask is added at every step) or ``recurrent`` (a gated
+    DeltaNet layer: its block's stages instead of softmax attention's)."""
+    if stage.level == "layer" and (stage.id in SOFTMAX_ATTENTION_IDS if recurrent else stage.when == "deltanet"):
+        return False
     if "&" in stage.when:
-        return all(stage_applies(replace(stage, when=term), seq_len, n_rep, features, local)
+        return all(stage_applies(replace(stage, when=term), seq_len, n_rep, features, local, recurrent)
                    for term in stage.when.split("&"))
     if stage.when == "masked":
         return seq_len > 1 or local
@@ -499,7 +604,7 @@ def stage_applies(stage: Stage, seq_len: int, n_rep: int, features: frozenset[st
     return True
 
 
-_TERM = re.compile(r"^[a-z_]+(\*[a-z_]+)*$")
+_TERM = re.compile(r"^([a-z_]+|[0-9]+)(\*([a-z_]+|[0-9]+))*$")
 
 
 def eval_shape(formula: str, dims: Mapping[str, int]) -> tuple[int, ...]:
@@ -518,7 +623,7 @@ def eval_shape(formula: str, dims: Mapping[str, int]) -> tuple[int, ...]:
             raise ValueError(f"bad shape term {term!r} in {formula!r}")
         value = 1
         for name in term.split("*"):
-            value *= int(dims[name])
+            value *= int(name) if name.isdigit() else int(dims[name])
         out.append(value)
     return tuple(out)
 

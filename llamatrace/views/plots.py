@@ -279,3 +279,40 @@ def save_load(load: ExpertLoad, title: str, path: Path, option: str = "-o") -> N
         OptionError: a bad extension. OutputError: the file cannot be written.
     """
     _save(load_figure(load, title), path, option)
+
+
+def state_figure(sw, pieces: list[str], title: str):
+    """Value heads down, prompt tokens across: what each token wrote into a gated DeltaNet state
+    (‖β·k·(v − Sᵀk)‖), how much of the state it kept (exp(gate)), and the state's norm after it.
+    Returns the matplotlib figure."""
+    plt = _pyplot()
+    n_heads, n = sw.write.shape
+    panels = ((sw.write, "viridis", None, "written ‖β·k·(v − Sᵀk)‖"),
+              (sw.decay, "magma", (0.0, 1.0), "kept exp(gate): 1 = nothing forgotten"),
+              (sw.state_norm, "cividis", None, "state norm ‖S‖ after the token"))
+    fig, axes = plt.subplots(3, 1, figsize=(1.6 + 0.42 * n, 1.2 + 3 * (0.5 + 0.22 * n_heads)),
+                             layout="constrained", sharex=True)
+    for ax, (data, cmap, limits, label) in zip(axes, panels):
+        vmin, vmax = limits or (0.0, float(data.max()) or 1.0)
+        image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
+        ax.set_yticks(range(n_heads))
+        ax.set_yticklabels([f"v{h} (k{h % sw.n_k_heads})" for h in range(n_heads)], fontsize=6.5)
+        ax.set_ylabel("value head", fontsize=7)
+        bar = fig.colorbar(image, ax=ax, shrink=0.8, pad=0.01)
+        bar.set_label(label, fontsize=7)
+        bar.ax.tick_params(labelsize=6.5)
+    axes[-1].set_xticks(range(n))
+    axes[-1].set_xticklabels([f"{p}: {token_label(pieces[p])}" for p in range(n)], fontsize=6.5, rotation=45,
+                             ha="right")
+    axes[-1].set_xlabel("position: input token")
+    axes[0].set_title(title, fontsize=9)
+    return fig
+
+
+def save_state(sw, pieces: list[str], title: str, path: Path, option: str = "-o") -> None:
+    """Draw :func:`state_figure` and write it atomically to ``path`` (format by extension).
+
+    Raises:
+        OptionError: a bad extension. OutputError: the file cannot be written.
+    """
+    _save(state_figure(sw, pieces, title), path, option)

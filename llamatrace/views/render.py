@@ -125,7 +125,11 @@ class LineFormatter:
 def fmt_stats(stats: Mapping[str, Any]) -> str:
     """``sum … mean … rms … min … max … abs_max … nan 0 inf 0`` (``—`` = no finite value)."""
     parts = [f"{k} {'—' if stats.get(k) is None else format(stats[k], '.6g')}" for k in STAT_KEYS]
-    return "  ".join(parts + [f"{k} {stats.get(k, 0)}" for k in ("nan", "inf")])
+    parts += [f"{k} {stats.get(k, 0)}" for k in ("nan", "inf")]
+    for k in ("head_norm", "head_top_singular"):           # a recurrent state's, per head
+        if k in stats:
+            parts.append(f"{k} [{' '.join(format(v, '.4g') for v in stats[k])}]")
+    return "  ".join(parts)
 
 
 def fmt_values(values: Mapping[str, list]) -> str:

@@ -224,6 +224,12 @@ class _Builder:
 
     def _block_label(self) -> str:
         c, layer = self.run.config, self.run.layer
+        if c.recurrent_layers:                    # two kinds of block: say which layers are which
+            kinds = (f"gated DeltaNet (linear attention) on layers {_layer_list(c.recurrent_layers)}; "
+                     f"softmax attention on layers {_layer_list(c.attn_layers)}")
+            drawn = "a DeltaNet" if c.is_recurrent(layer) else "an attention"
+            return (f"<<B>Transformer block × {c.n_layers}</B>  (layer {layer} drawn: {drawn} layer)<BR/>"
+                    f"<FONT POINT-SIZE=\"10\">{_e(kinds)}</FONT>>")
         if self.view == "model":
             return f"<<B>Transformer block × {c.n_layers}</B>  (layer {layer} drawn; every block has these shapes)>"
         return f"<<B>Transformer block, layer {layer}</B> of {c.n_layers}>"
@@ -307,6 +313,11 @@ class _Builder:
 
     def _attention_title(self) -> str:
         c = self.run.config
+        if c.is_recurrent(self.run.layer):
+            text = (f"state [{c.ssm_n_v_heads} heads × {c.ssm_head_dim} × {c.ssm_head_dim}], fixed size: written "
+                    f"by the delta rule, decayed by exp(gate); {c.ssm_n_k_heads} key heads serve "
+                    f"{c.ssm_n_v_heads} value heads; no KV cache")
+            return f"<<B>Gated DeltaNet sub-layer (linear attention)</B><BR/><FONT POINT-SIZE=\"10\">{_e(text)}</FONT>>"
         if c.n_rep > 1:
             gqa = (f"grouped-query attention: {c.n_heads} query heads share {c.n_kv_heads} KV heads, "
                    f"n_rep = {c.n_rep} query heads per KV head")
@@ -439,3 +450,9 @@ def _check_highlight_drawn(highlight: Highlight, builder: _Builder, view: str, r
     if not highlight.stage_ids & drawn:
         why = "a single query row needs no causal mask" if run.step > 0 else "the model has n_rep = 1 (no GQA)"
         raise OptionError(f"--highlight {highlight.label}: not run at step {run.step} ({why})")
+
+
+def _layer_list(layers) -> str:
+    """``0, 1, 3`` (or ``0 … 22`` when long)."""
+    layers = list(layers)
+    return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:6]))} … {layers[-1]}"

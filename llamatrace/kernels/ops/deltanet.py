@@ -1,0 +1,228 @@
+"""Kernels of the gated DeltaNet (linear attention of Qwen3.5, llama.cpp's ``qwen35``): the causal
+depthwise conv1d with its conv state, the L2 norm of q and k, and the gated delta rule in two
+forms, recurrent (one token after another: decode) and chunked (a prefill's chunks as matrix
+products).
+
+The delta rule, per value head (Yang et al. 2024, "Gated Delta Networks"; llama.cpp
+``ggml_compute_forward_gated_delta_net`` and ``build_delta_net_chunking``), for token t with key
+``k`` and query ``q`` (L2-normalised), value ``v``, write strength ``beta`` ∈ (0, 1) and log-decay
+``g`` ≤ 0::
+
+    S ← exp(g) · S                       decay
+    u = beta · (v − Sᵀk)                 what the token writes: the part of v the state lacks
+    S ← S + k uᵀ                         delta-rule write
+    o = Sᵀq / √head_dim                  read
+
+``S`` is ``[head_k_dim, head_v_dim]``; it is stored transposed, as llama.cpp stores it (ne
+``[S_v, S_v, H_v]``): ``state[h, j, i] = S[i][j]``, so ``state[h] @ k`` is ``Sᵀk``. Key and query
+head ``h % n_k_heads`` serves value head ``h`` (llama.cpp tiles them: ``ggml_repeat_4d``).
+
+Each Numba kernel ``foo`` has a plain NumPy twin ``foo_ref``; the tests check one against the
+other and both against :func:`delta_rule_naive` (the four lines above, in float64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from llamatrace.machine.jit import JIT_EXACT, JIT_EXACT_PARALLEL
+
+CHUNK = 64
+"""Tokens per chunk of :func:`delta_rule_chunked` (llama.cpp's ``CS`` for a scalar gate)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# causal depthwise conv1d (llama.cpp ggml_ssm_conv over concat(conv state, x))
+# ---------------------------------------------------------------------------------------------
+@njit(**JIT_EXACT_PARALLEL)
+def causal_conv1d(x, conv_state, weight):
+    """Causal depthwise conv1d of each channel over the conv state then ``x``.
+
+    Args:
+        x: float32 ``[seq_len, channels]`` (``linear_attn_qkv_mixed``).
+        conv_state: float32 ``[channels, kernel-1]``: the last ``kernel-1`` inputs before ``x``
+            (zeros at the start of a sequence); updated in place to the last ``kernel-1`` of
+            ``concat(conv_state, x)``.
+        weight: float32 ``[channels, kernel]`` (GGUF ``ssm_conv1d.weight``, no bias).
+
+    Returns:
+        float32 ``[seq_len, channels]``: ``y[t, c] = Σ_k w[c, k] · window[t + k, c]``, summed in
+        float32 in ``k`` order, as ``ggml_ssm_conv``.
+    """
+    seq_len, channels = x.shape
+    km1 = conv_state.shape[1]
+    out = np.empty((seq_len, channels), dtype=np.float32)
+    for c in prange(channels):
+        window = np.empty(km1 + seq_len, dtype=np.float32)
+        for j in range(km1):
+            window[j] = conv_state[c, j]
+        for t in range(seq_len):
+            window[km1 + t] = x[t, c]
+        for t in range(seq_len):
+            acc = np.float32(0.0)
+            for k in range(km1 + 1):
+                acc += window[t + k] * weight[c, k]
+            out[t, c] = acc
+        for j in range(km1):
+            conv_state[c, j] = window[seq_len + j]
+    return out
+
+
+def causal_conv1d_ref(x: np.ndarray, conv_state: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`causal_conv1d` (same contract: updates ``conv_state`` in place)."""
+    km1 = conv_state.shape[1]
+    window = np.concatenate([conv_state.T, x], axis=0)          # [kernel-1 + seq_len, channels]
+    out = np.zeros(x.shape, dtype=np.float32)
+    for k in range(km1 + 1):
+        out += window[k:k + x.shape[0]] * weight[:, k]
+    conv_state[:] = window[x.shape[0]:].T
+    return out
+
+
+def l2norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """``x / √(Σx² + eps)`` over the last axis (llama.cpp ``build_gdn_l2_norm``: an RMSNorm with
+    ``eps/n`` scaled by ``1/√n``). float32 in, float32 out; the sum in float64."""
+    ss = np.sum(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    return (x * (1.0 / np.sqrt(ss + eps)).astype(np.float32)).astype(np.float32)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """``log(1 + eˣ)``, and ``x`` itself above 20, as ggml's ``ggml_compute_softplus_f32``."""
+    x = np.asarray(x, dtype=np.float32)
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gated delta rule: recurrent form
+# ---------------------------------------------------------------------------------------------
+@njit(**JIT_EXACT_PARALLEL)
+def delta_rule_recurrent(q, k, v, g, beta, state):
+    """The gated delta rule one token after another (decode; llama.cpp's fused GDN op).
+
+    Args:
+        q, k: float32 ``[seq_len, n_k_heads, head_dim]``, L2-normalised.
+        v: float32 ``[seq_len, n_v_heads, head_dim]``.
+        g: float32 ``[seq_len, n_v_heads]``, the log-decay (``gate``, ≤ 0).
+        beta: float32 ``[seq_len, n_v_heads]``, the write strength (``beta_sigmoid``).
+        state: float32 ``[n_v_heads, head_dim, head_dim]`` (``state[h] @ k = Sᵀk``), updated in place.
+
+    Returns:
+        float32 ``[seq_len, n_v_heads, head_dim]``: ``Sᵀq / √head_dim`` after each token's write.
+    """
+    seq_len, n_k, d = q.shape
+    n_v = v.shape[1]
+    scale = np.float32(1.0 / math.sqrt(d))
+    out = np.empty((seq_len, n_v, d), dtype=np.float32)
+    for h in prange(n_v):
+        hk = h % n_k
+        s = state[h]
+        delta = np.empty(d, dtype=np.float32)
+        for t in range(seq_len):
+            decay = np.float32(math.exp(g[t, h]))
+            b = beta[t, h]
+            for j in range(d):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    s[j, i] *= decay
+                    acc += s[j, i] * k[t, hk, i]
+                delta[j] = (v[t, h, j] - acc) * b
+            for j in range(d):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    s[j, i] += delta[j] * k[t, hk, i]
+                    acc += s[j, i] * q[t, hk, i]
+                out[t, h, j] = acc * scale
+    return out
+
+
+def delta_rule_recurrent_ref(q, k, v, g, beta, state):
+    """NumPy twin of :func:`delta_rule_recurrent` (vectorised over heads)."""
+    n_k, d = q.shape[1], q.shape[2]
+    n_v = v.shape[1]
+    heads = np.arange(n_v) % n_k
+    scale = np.float32(1.0 / math.sqrt(d))
+    out = np.empty(v.shape, dtype=np.float32)
+    for t in range(q.shape[0]):
+        kt, qt = k[t, heads], q[t, heads]                                   # [n_v, d]
+        state *= np.exp(g[t]).astype(np.float32)[:, None, None]
+        delta = (v[t] - np.einsum("hji,hi->hj", state, kt)) * beta[t][:, None]
+        state += delta[:, :, None] * kt[:, None, :]
+        out[t] = np.einsum("hji,hi->hj", state, qt) * scale
+    return out
+
+
+def delta_rule_naive(q, k, v, g, beta, state):
+    """The delta rule as written in the module docstring, in float64, one head and token at a time:
+    the plain reference of the tests. Returns ``(out, new_state)``, float64; ``state`` is not changed."""
+    n_k, d = q.shape[1], q.shape[2]
+    S = np.array(state, dtype=np.float64).transpose(0, 2, 1).copy()       # S[h, i, j]
+    out = np.zeros(v.shape, dtype=np.float64)
+    for t in range(q.shape[0]):
+        for h in range(v.shape[1]):
+            kk, qq = k[t, h % n_k].astype(np.float64), q[t, h % n_k].astype(np.float64)
+            S[h] *= math.exp(g[t, h])
+            u = beta[t, h] * (v[t, h] - S[h].T @ kk)
+            S[h] += np.outer(kk, u)
+            out[t, h] = S[h].T @ qq / math.sqrt(d)
+    return out, S.transpose(0, 2, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gated delta rule: chunked form (the WY representation, as llama.cpp build_delta_net_chunking)
+# ---------------------------------------------------------------------------------------------
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The gated delta rule over chunks of ``chunk`` tokens: the same outputs and final state as
+    :func:`delta_rule_recurrent`, from matrix products (a prefill's form).
+
+    Within a chunk, with ``G`` the cumulative log-decay from the chunk's start, ``S₀`` the state
+    entering it, ``D[t,s] = exp(G_t − G_s)`` for ``s ≤ t`` (0 above)::
+
+        A = strictly-lower(diag(β) K Kᵀ ⊙ D)             how earlier writes show in token t's key
+        U = (I + A)⁻¹ (diag(β) V − diag(β e^G) K S₀)      every token's write u_t, one solve
+        O = [diag(e^G) Q S₀ + (Q Kᵀ ⊙ D) U] / √d           reads
+        S₁ = e^{G_last} S₀ + (K ⊙ e^{G_last − G})ᵀ U       the state after the chunk
+
+    (llama.cpp ``build_delta_net_chunking``: its ``attn`` is ``(I + A)⁻¹``, ``k_cumdecay`` is
+    ``(I+A)⁻¹ diag(β e^G) K``.) The solve is a unit lower-triangular forward substitution, row by
+    row for every head at once; the products are batched over heads, in float64.
+
+    Args and returns: as :func:`delta_rule_recurrent` (``state`` updated in place).
+    """
+    seq_len, n_k, d = q.shape
+    n_v = v.shape[1]
+    heads = np.arange(n_v) % n_k
+    scale = 1.0 / math.sqrt(d)
+    out = np.empty(v.shape, dtype=np.float32)
+    S = state.transpose(0, 2, 1).astype(np.float64)                        # [h, d_k, d_v]
+    for c0 in range(0, seq_len, chunk):
+        c1 = min(c0 + chunk, seq_len)
+        n = c1 - c0
+        Q = q[c0:c1][:, heads].transpose(1, 0, 2).astype(np.float64)       # [h, n, d]
+        K = k[c0:c1][:, heads].transpose(1, 0, 2).astype(np.float64)
+        V = v[c0:c1].transpose(1, 0, 2).astype(np.float64)
+        b = beta[c0:c1].T.astype(np.float64)                                # [h, n]
+        G = np.cumsum(g[c0:c1].T.astype(np.float64), axis=1)
+        tril = np.tril(np.ones((n, n), dtype=bool))
+        D = np.where(tril, np.exp(np.where(tril, G[:, :, None] - G[:, None, :], 0.0)), 0.0)
+        KKt = K @ K.transpose(0, 2, 1)
+        A = np.tril(b[:, :, None] * KKt * D, -1)
+        U = b[:, :, None] * V - (b * np.exp(G))[:, :, None] * (K @ S)
+        for t in range(1, n):                                                # forward substitution
+            U[:, t] -= np.einsum("hs,hsd->hd", A[:, t, :t], U[:, :t])
+        O = np.exp(G)[:, :, None] * (Q @ S) + ((Q @ K.transpose(0, 2, 1)) * D) @ U
+        out[c0:c1] = (O * scale).transpose(1, 0, 2)
+        S = np.exp(G[:, -1])[:, None, None] * S + (K * np.exp(G[:, -1:] - G)[:, :, None]).transpose(0, 2, 1) @ U
+    state[...] = S.transpose(0, 2, 1)
+    return out
+
+
+def state_summary(state: np.ndarray) -> dict[str, list[float]]:
+    """Per value head of a delta-rule state ``[n_v_heads, d, d]``: ``head_norm``, its Frobenius
+    norm, and ``head_top_singular``, its largest singular value (how strongly the state maps one
+    key direction to a value: the spectral norm). float64 lists, one entry per head."""
+    s = np.asarray(state, dtype=np.float64)
+    return {"head_norm": np.linalg.norm(s, axis=(1, 2)).tolist(),
+            "head_top_singular": np.linalg.norm(s, ord=2, axis=(1, 2)).tolist()}
