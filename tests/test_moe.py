@@ -96,51 +96,6 @@ def test_combine_matches_its_twin_and_adds_slots_in_order():
     np.testing.assert_array_equal(got, (w[:, 0] + w[:, 1]) + w[:, 2])
 
 
-def test_softmax_rows_matches_its_twin():
-    x = np.random.default_rng(3).normal(0, 4, size=(7, 5)).astype(np.float32)
-    np.testing.assert_allclose(routing.softmax_rows(x), routing.softmax_rows_ref(x), rtol=2e-6)
-
-
-def test_softmax_weight_gating_chooses_by_logit_and_softmaxes_the_chosen(models):
-    """gpt-oss's SOFTMAX_WEIGHT, on the block as the forward pass calls it, against NumPy: top-k of
-    the router logits, softmax over those k, each chosen expert's SwiGLU, the weighted sum."""
-    from llamatrace.kernels.types.packing import dequantize
-    from llamatrace.model.moe import MoEOptions, moe_ffn
-    model = models["qwen3moe"]
-    mw, ff = model.weights.layers[0].moe, model.config.expert_hidden_dim
-    x = np.random.default_rng(4).normal(size=(5, model.config.dim)).astype(np.float32)
-    seen = {}
-
-    def emit(stage, layer, a):
-        seen[stage] = a
-        return a
-    out = moe_ffn(x, mw, MoEOptions(6, 3, "softmax_weight"), emit, 0, lambda *a: True)
-    logits = x.astype(np.float64) @ dequantize(mw.router).T
-    ids = np.argsort(-logits, axis=1, kind="stable")[:, :3]
-    chosen = np.take_along_axis(logits, ids, 1)
-    weights = np.exp(chosen - chosen.max(1, keepdims=True))
-    weights /= weights.sum(1, keepdims=True)
-    want = np.zeros_like(x, dtype=np.float64)
-    for t in range(5):
-        for s in range(3):
-            gu = dequantize(mw.w13[ids[t, s]]) @ x[t]
-            h = gu[:ff] / (1 + np.exp(-gu[:ff])) * gu[ff:]
-            want[t] += weights[t, s] * (dequantize(mw.w2[ids[t, s]]) @ h)
-    np.testing.assert_array_equal(seen["ffn_moe_topk"], ids)
-    np.testing.assert_allclose(seen["ffn_moe_weights_softmax"], weights, rtol=1e-5)
-    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
-    assert "ffn_moe_weights_norm" not in seen
-
-
-def test_a_gating_key_is_ignored_where_llamacpp_fixes_the_gating(paths, tmp_path):
-    """llama.cpp's qwen3moe graph passes SOFTMAX whatever {arch}.expert_gating_func says; a known
-    value is accepted and changes nothing (an unknown one is refused: the bad-input tests)."""
-    keyed = Llama.load(write_moe_file(tmp_path / "keyed.gguf", "qwen3moe", kv={"expert_gating_func": 3}))
-    assert keyed.config.expert_gating == "softmax"
-    ids = np.arange(3, 12)
-    np.testing.assert_array_equal(run_positions(keyed, ids, 4), run_positions(Llama.load(paths["qwen3moe"]), ids, 4))
-
-
 def test_route_refuses_a_k_beyond_the_experts():
     with pytest.raises(ValueError, match="n_expert"):
         routing.route(np.zeros((2, 4), np.float32), 5)
@@ -235,10 +190,7 @@ def test_moe_stages_apply_only_to_moe_models_and_replace_the_dense_ffn():
     moe = {s.id for s in STAGES if stage_applies(s, 4, 2, frozenset({"moe", "qk_norm"}))}
     normed = {s.id for s in STAGES if stage_applies(s, 4, 2, frozenset({"moe", "moe_norm"}))}
     assert not dense & set(MOE_STAGES)
-    softmax_weight = {s.id for s in STAGES if stage_applies(s, 4, 2, frozenset({"moe", "moe_softmax_weight"}))}
-    optional = {"ffn_moe_weights_norm", "ffn_moe_weights_softmax"}
-    assert set(MOE_STAGES) - optional <= moe and "ffn_moe_weights_norm" in normed
-    assert "ffn_moe_weights_softmax" in softmax_weight and not optional & moe
+    assert set(MOE_STAGES) - {"ffn_moe_weights_norm"} <= moe and "ffn_moe_weights_norm" in normed
     assert not moe & {"ffn_gate", "ffn_silu", "ffn_up", "ffn_swiglu", "ffn_out"}
     assert all(STAGE_BY_ID[s].llama_cpp == s for s in MOE_STAGES)
 
@@ -327,7 +279,7 @@ def test_compare_pairs_every_moe_stage_with_llamacpp(name, models):
     ours = rec.arrays()
     result = cmp.compare_arrays(ours, ref)
     rows = {(r.step, r.layer, r.stage): r for r in result.rows}
-    want = set(MOE_STAGES) - {"ffn_moe_topk", "ffn_moe_weights_softmax"}
+    want = set(MOE_STAGES) - {"ffn_moe_topk"}
     if not model.config.expert_weights_norm:
         want.discard("ffn_moe_weights_norm")
     for step in (0, 1):

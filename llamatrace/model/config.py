@@ -59,8 +59,6 @@ class Architecture:
             llama.cpp's graph passes to ``build_moe_ffn``).
         expert_ff_key: the experts' hidden width is ``{arch}.expert_feed_forward_length``, else
             ``feed_forward_length / expert_used_count`` (qwen3moe); otherwise ``feed_forward_length``.
-        expert_gating: the gating function llama.cpp's graph passes to ``build_moe_ffn`` for the
-            architecture (:data:`EXPERT_GATING_FUNCS`); ``None``: the file's ``{arch}.expert_gating_func``.
     """
 
     rope_neox: bool = False
@@ -83,7 +81,6 @@ class Architecture:
     moe: bool = False
     expert_weights_norm: bool = False
     expert_ff_key: bool = False
-    expert_gating: str | None = "softmax"
 
 
 # One row per family; llama.cpp's src/models/<arch>.cpp is the reference for each.
@@ -281,10 +278,8 @@ class ModelConfig:
         """The architecture features in use, by the names the stage catalogue's ``when`` column uses:
         ``qkv_bias``, ``qk_norm``, ``post_norms``, ``gelu``, ``embed_scale``, ``swa``,
         ``attn_softcap``, ``final_softcap``, ``moe`` (a mixture-of-experts FFN), ``moe_norm`` (its
-        weights normalised), ``moe_softmax_weight`` (its softmax over the chosen logits). Empty for a
-        Llama model."""
+        weights normalised). Empty for a Llama model."""
         flags = {"moe": self.n_expert > 0, "moe_norm": self.n_expert > 0 and self.expert_weights_norm,
-                 "moe_softmax_weight": self.n_expert > 0 and self.expert_gating == "softmax_weight",
                  "qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "post_norms": self.post_norms,
                  "gelu": self.ffn_act == "gelu", "embed_scale": self.embed_scale != 1.0,
                  "swa": bool(self.sliding_window and self.local_layers),
@@ -477,8 +472,6 @@ def _experts(meta: Mapping[str, Any], arch: str, spec: Architecture, as_int, hid
     if not 0 < n_used <= n_expert:
         raise ModelFormatError(f"{source}: metadata {used_key} = {n_used} must be between 1 and {count_key} = "
                                f"{n_expert}; the file is damaged — re-convert or re-download it")
-    # a key naming a function we lack is refused; a known one is what the graph uses unless the
-    # architecture's graph fixes it (llama.cpp's qwen3moe, llama and olmoe pass SOFTMAX whatever the key says)
     gating_key = f"{arch}.expert_gating_func"
     gating = meta.get(gating_key, 1)
     if gating not in EXPERT_GATING_FUNCS:
@@ -490,8 +483,7 @@ def _experts(meta: Mapping[str, Any], arch: str, spec: Architecture, as_int, hid
     else:
         expert_hidden = hidden_dim
     return dict(n_expert=n_expert, n_expert_used=n_used, expert_hidden_dim=expert_hidden,
-                expert_gating=spec.expert_gating or EXPERT_GATING_FUNCS[gating],
-                expert_weights_norm=spec.expert_weights_norm)
+                expert_gating=EXPERT_GATING_FUNCS[gating], expert_weights_norm=spec.expert_weights_norm)
 
 
 def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number, n_ctx_train: int,

@@ -148,11 +148,8 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     probs, ids, weights, weights_norm = routing.route(logits, k, opts.gating, opts.norm)
     emit("ffn_moe_probs", layer, probs)
     ids = emit("ffn_moe_topk", layer, ids)
-    if opts.gating == "softmax_weight":              # the chosen logits, then their softmax
-        picked = emit("ffn_moe_weights", layer, np.take_along_axis(probs, np.asarray(ids, dtype=np.int64), axis=1))
-        weights = emit("ffn_moe_weights_softmax", layer, routing.softmax_rows(picked))
-    else:
-        weights = emit("ffn_moe_weights", layer, weights)
+    weights = emit("ffn_moe_weights_softmax" if opts.gating == "softmax_weight" else "ffn_moe_weights",
+                   layer, weights)
     if weights_norm is not None:
         weights = emit("ffn_moe_weights_norm", layer, weights_norm)
     # group the (token, slot) pairs by expert, as ggml_mul_mat_id: each expert's rows in one call

@@ -155,26 +155,6 @@ def _combine(experts, weights, out):
                 out[t, j] += experts[t, s, j] * w
 
 
-@njit(**JIT_EXACT)
-def _softmax_rows(x, out):
-    for t in range(x.shape[0]):
-        _softmax_into(x[t], out[t])
-
-
-def softmax_rows(x: np.ndarray) -> np.ndarray:
-    """ggml's softmax of each row of float32 ``[n_tokens, n]`` (the chosen logits of
-    ``SOFTMAX_WEIGHT`` gating: ``ffn_moe_weights_softmax``), as :func:`route` computes it."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty_like(x)
-    _softmax_rows(x, out)
-    return out
-
-
-def softmax_rows_ref(x: np.ndarray) -> np.ndarray:
-    """NumPy twin of :func:`softmax_rows`."""
-    return _softmax_ref(np.asarray(x, dtype=np.float32))
-
-
 def combine(experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """The weighted sum of the chosen experts' outputs: ``Σ_s weights[t, s] · experts[t, s]``,
     slots added in order (llama.cpp: ``ffn_moe_weighted`` then ``ffn_moe_out``), in float32.
