@@ -327,3 +327,36 @@ def test_bad_moe_files_are_one_error_line_naming_the_key_or_tensor(make, needle,
     with pytest.raises(error, match=needle.replace(".", r"\.")):
         Llama.load(path, cache=False)
     assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"), needle)
+
+
+# ---- error attribution ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe"])
+def test_local_errors_recompute_every_moe_stage_of_a_recording(name, models):
+    """Recomputed from the recording's own inputs (and its choice of experts), each MoE stage is what
+    the forward pass wrote: the formulas the --stages attribution uses hold."""
+    from llamatrace.analysis.local_error import local_errors
+    model = models[name]
+    cache = model.new_cache(8)
+    with model.trace(keep_arrays=True) as rec:
+        model.forward(np.arange(3, 9), 0, cache)
+        model.forward(np.array([9]), 6, cache)
+    errors = local_errors(model, rec.arrays())
+    for stage in ("ffn_moe_logits", "ffn_moe_probs", "ffn_moe_gate", "ffn_moe_up", "ffn_moe_swiglu",
+                  "ffn_moe_down", "ffn_moe_out", "l_out"):
+        for step in (0, 1):
+            for layer in range(model.config.n_layers):
+                assert errors[f"step{step}.layer{layer}.{stage}"] < 1e-6, (stage, step, layer)
+
+
+def test_perplexity_stages_attributes_error_to_the_quantized_experts(paths, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat. " * 12)
+    quant = write_moe_file(tmp_path / "q8_0.gguf", "qwen3moe", qtype=T.Q8_0)
+    code, out, err = run(capsys, "perplexity", "-f", text, "-m", quant, "--base", paths["qwen3moe"],
+                         "--ctx-size", "24", "--workers", "1", "--stages")
+    assert code == 0, err
+    local = out.split("Where the error enters")[1].split("Accumulated")[0]
+    rows = {tuple(ln.split()[:2]): float(ln.split()[2]) for ln in local.splitlines()
+            if ln.split() and ln.split()[0].isdigit()}
+    assert any(stage.startswith("ffn_moe_") and 1e-3 < err_ < 2e-2 for (_, stage), err_ in rows.items())
+    assert "l_out                not recomputed" not in local
