@@ -317,7 +317,7 @@ def test_perplexity_runs_on_a_moe_file(paths, tmp_path, capsys):
 # ---- bad input --------------------------------------------------------------------------------
 @pytest.mark.parametrize("make, needle, error", [
     (dict(kv={"expert_used_count": 7}), "qwen3moe.expert_used_count", ModelFormatError),
-    (dict(kv={"expert_gating_func": 2}), "qwen3moe.expert_gating_func", UnsupportedModelError),
+    (dict(kv={"expert_gating_func": 9}), "qwen3moe.expert_gating_func", UnsupportedModelError),
     (dict(skip_tensors=("blk.1.ffn_gate_inp.weight",)), "blk.1.ffn_gate_inp.weight", ModelFormatError),
     (dict(shapes={"blk.0.ffn_up_exps.weight": (5, 64, 64)}), "blk.0.ffn_up_exps.weight", ModelFormatError),
     (dict(shapes={"blk.2.ffn_down_exps.weight": (6, 64, 32)}), "blk.2.ffn_down_exps.weight", ModelFormatError),
@@ -360,3 +360,17 @@ def test_perplexity_stages_attributes_error_to_the_quantized_experts(paths, tmp_
             if ln.split() and ln.split()[0].isdigit()}
     assert any(stage.startswith("ffn_moe_") and 1e-3 < err_ < 2e-2 for (_, stage), err_ in rows.items())
     assert "l_out                not recomputed" not in local
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "olmoe"])
+def test_a_gating_key_these_graphs_ignore_changes_nothing(name, tmp_path):
+    # llama.cpp's llama / qwen3moe / olmoe graphs pass SOFTMAX to build_moe_ffn whatever
+    # {arch}.expert_gating_func says: a file saying 3 (softmax over the chosen logits) routes the same
+    from llamatrace.model.llama import Llama
+    plain = Llama.load(write_moe_file(tmp_path / "plain.gguf", name), fetch=False)
+    keyed = Llama.load(write_moe_file(tmp_path / "keyed.gguf", name, kv={"expert_gating_func": 3}), fetch=False)
+    assert keyed.config.expert_gating == "softmax"
+    ids = np.arange(3, 11, dtype=np.int32)
+    np.testing.assert_array_equal(keyed.forward(ids, 0, keyed.new_cache(8)), plain.forward(ids, 0, plain.new_cache(8)))
+    plain.close()
+    keyed.close()

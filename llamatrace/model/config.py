@@ -108,7 +108,8 @@ class Architecture:
 
 # One row per family; llama.cpp's src/models/<arch>.cpp is the reference for each.
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture(expert_weights_norm=True),        # Mixtral, when the file has experts
+    # Mixtral, when the file has experts; llama.cpp's graphs fix the gating of llama, qwen3moe, olmoe
+    "llama": Architecture(expert_weights_norm=True, expert_gating="softmax"),
     "qwen2": Architecture(rope_neox=True, qkv_bias=True),
     "qwen3": Architecture(rope_neox=True, qk_norm=True),
     # llama.cpp ignores phi3's attention.sliding_window ("Phi SWA is currently disabled"), so do we
@@ -119,8 +120,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma3": Architecture(rope_neox=True, qk_norm=True, post_norms=True, gelu=True, embed_scale=True,
                            swa_pattern=6, rope_base_local=10000.0, rope_scale_local=1.0, final_softcap=0.0, wide_query_scale_layers=62,
                            llamacpp_scales_q=True),
-    "qwen3moe": Architecture(rope_neox=True, qk_norm=True, moe=True, expert_weights_norm=True, expert_ff_key=True),
-    "olmoe": Architecture(rope_neox=True, qk_norm=True, qk_norm_flat=True, moe=True),
+    "qwen3moe": Architecture(rope_neox=True, qk_norm=True, moe=True, expert_weights_norm=True, expert_ff_key=True,
+                             expert_gating="softmax"),
+    "olmoe": Architecture(rope_neox=True, qk_norm=True, qk_norm_flat=True, moe=True, expert_gating="softmax"),
     # llama.cpp's openai-moe.cpp (LLM_ARCH_OPENAI_MOE): sliding window on even layers, YaRN on all
     "gpt-oss": Architecture(rope_neox=True, qkv_bias=True, swa_pattern=2, moe=True, expert_ff_key=True,
                             expert_gating="softmax_weight", attn_sinks=True, attn_out_bias=True, moe_bias=True,
@@ -135,6 +137,8 @@ EXPERT_ACTS = ("silu", "swiglu_oai")
 """The experts' gated activations llamatrace runs (:attr:`Architecture.expert_act`)."""
 
 EXPERT_GATING_FUNCS = {1: "softmax", 3: "softmax_weight"}
+LLAMACPP_GATING_FUNCS = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weight", 4: "sqrt_softplus"}
+"""llama.cpp 0.3.36's ``llama_expert_gating_func_type`` values (``{arch}.expert_gating_func``)."""
 """``{arch}.expert_gating_func`` values llamatrace runs (llama.cpp's ``llama_expert_gating_func_type``:
 1 softmax over every expert, 3 softmax over the chosen experts' logits); without the key, softmax."""
 
@@ -597,6 +601,10 @@ def _experts(meta: Mapping[str, Any], arch: str, spec: Architecture, as_int, hid
                                f"{n_expert}; the file is damaged — re-convert or re-download it")
     gating_key = f"{arch}.expert_gating_func"
     gating = meta.get(gating_key, 1)
+    if gating not in LLAMACPP_GATING_FUNCS:
+        raise UnsupportedModelError(f"{source}: metadata {gating_key} = {shown(gating)} is not a gating function "
+                                    f"llama.cpp knows ({', '.join(f'{k} ({v})' for k, v in LLAMACPP_GATING_FUNCS.items())}); "
+                                    f"the file is damaged or from a newer converter")
     if spec.expert_gating is not None:                 # the family's graph ignores the key
         gating = next(k for k, v in EXPERT_GATING_FUNCS.items() if v == spec.expert_gating)
     if gating not in EXPERT_GATING_FUNCS:
