@@ -112,7 +112,8 @@ def forward(x: np.ndarray, w: DeltaNetWeights, c: ModelConfig, state: RecurrentS
     # the delta rule: decay, write β·k·(v − Sᵀk), read Sᵀq/√d; chunked for a prefill, recurrent to decode
     ssm = emit("state_predelta", layer, state.ssm.copy())
     rule = dn.delta_rule_recurrent if seq_len == 1 else dn.delta_rule_chunked
-    o = rule(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), np.ascontiguousarray(g), np.ascontiguousarray(beta), ssm)
+    q, k, v, g, beta = (np.ascontiguousarray(t) for t in (q, k, v, g, beta))
+    o = rule(q, k, v, g, beta, ssm)
     o = emit("attn_output", layer, o)
     state.ssm[...] = emit("new_state", layer, ssm)
     # gated RMSNorm per head: RMSNorm(o; ssm_norm) ⊙ SiLU(z), heads merged

@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.machine.jit import JIT_EXACT, JIT_EXACT_PARALLEL
+from llamatrace.machine.jit import JIT_EXACT_PARALLEL
 
 CHUNK = 64
 """Tokens per chunk of :func:`delta_rule_chunked` (llama.cpp's ``CS`` for a scalar gate)."""
