@@ -101,3 +101,25 @@ def test_cli_recipe_of_a_qwen35(base, tmp_path, capsys):
     data = sum(int(t.n_bytes) for t in reader.tensors)
     assert data == recipe["bytes"] and 8 * data / sum(int(t.n_elements) for t in reader.tensors) <= 7
     assert (tmp_path / "recipe.png").stat().st_size > 10_000
+
+
+def test_probe_weights_attn_output_by_the_gated_heads_and_ssm_out_by_the_gated_norm(base):
+    """Probe mode's column weights are the mean squares of each matrix's real input: the gated heads
+    (``attn_gated``, not ``kqv_out``) for a gated attention's ``attn_output``, ``final_output`` for ``ssm_out``."""
+    from llamatrace.tracing.recorder import Recorder
+    with Llama.load(base) as model:
+        cal = _calibration(model, n_chunks=1)
+        measurer = S.Measurer(model, cal, quantize_rows)
+        rec = Recorder(keep_arrays=True)
+        model.forward(cal.ids[0], 0, model.new_cache(len(cal.ids[0])), recorder=rec)
+        a = rec.arrays()
+    for key, stage in ((("kqv_out", 2), "step0.layer2.attn_gated"), (("final_output", 1), "step0.layer1.final_output")):
+        x = a[stage].astype(np.float64)
+        np.testing.assert_allclose(measurer._col_sq[key], (x * x).mean(axis=0), rtol=1e-6)
+
+
+def test_a_fused_attn_qkv_outside_a_deltanet_layer_is_still_refused():
+    class File:                        # phi3's layout: attn_qkv with no ssm_out beside it
+        tensors = {"blk.0.attn_qkv.weight": None, "blk.0.attn_output.weight": None}
+    with pytest.raises(S.UnsupportedModelError, match="fused attn_qkv"):
+        S.make_groups(File(), 1, [T.Q4_0])
