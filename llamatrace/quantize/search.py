@@ -65,6 +65,8 @@ EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"
 DELTANET_KINDS: tuple[str, ...] = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out")
 """A gated DeltaNet layer's matrices (Qwen3.5, :mod:`llamatrace.model.deltanet`), one group each:
 those llama-quantize quantizes (``ssm_conv1d``, ``ssm_a``, ``ssm_dt`` and the norms stay)."""
+LAYER_KINDS: tuple[str, ...] = KINDS[:4] + DELTANET_KINDS + KINDS[4:] + EXPERT_KINDS
+"""Every kind of group a layer may have, in the order of the forward pass (attention or DeltaNet, then the FFN)."""
 
 _KIND_FIELD = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
                "ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2",
@@ -165,7 +167,7 @@ def make_groups(file, n_layers: int, requested: Sequence[T]) -> list[Group]:
         groups.append(Group(name, layer, n_rows, n_per_row, tuple(order), n_expert))
 
     for layer in range(n_layers):
-        for kind in KINDS + DELTANET_KINDS + EXPERT_KINDS:
+        for kind in LAYER_KINDS:
             if f"blk.{layer}.{kind}.weight" in file.tensors:
                 add(f"blk.{layer}.{kind}", layer)
     add("token_embd", 0)
