@@ -77,6 +77,10 @@ class BenchReport:
     results: list[EngineResult]
     machine: Machine
     cost: TokenCost
+    kv_bytes_per_token: int = 0    # one more position of context: float32 K and V of the attention layers
+    state_bytes: int = 0           # fixed whatever the context: the recurrent layers' conv and DeltaNet states
+    n_attn_layers: int = 0
+    n_recurrent_layers: int = 0
 
     def roofline(self, r: EngineResult) -> dict[str, float]:
         """Engine ``r``'s median prefill and decode against the machine's limits
@@ -171,7 +175,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     peer_threads = threads or usable_cpus()      # ours: None = AutoThreads, as by default
     n_ctx = prompt_tokens + decode_tokens + 8
     path = str(Path(model_path).resolve())
-    cost, matrix_types = _check_fits(path, prompt_tokens, decode_tokens, n_ctx)
+    cost, matrix_types, config = _check_fits(path, prompt_tokens, decode_tokens, n_ctx)
     workers = {}
     with contextlib.ExitStack() as stack:
         if background_load:
@@ -205,21 +209,25 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     return BenchReport(model=path, file_bytes=os.path.getsize(path), cpu=cpu_model(), threads=peer_threads,
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
                        background_load=background_load, results=[results[name] for name in engines],
-                       machine=machine, cost=cost)
+                       machine=machine, cost=cost, kv_bytes_per_token=config.kv_bytes_per_token,
+                       state_bytes=config.state_bytes, n_attn_layers=len(config.attn_layers),
+                       n_recurrent_layers=len(config.recurrent_layers))
 
 
 # ---------------------------------------------------------------------------------------------
 # one process per engine
 
 
-def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -> tuple[TokenCost, tuple[str, ...]]:
+def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -> tuple[TokenCost, tuple[str, ...], object]:
     """Raise :class:`OptionError` naming ``--prompt-tokens`` / ``--decode-tokens`` when a run
     (plus 8 spare cells) does not fit the model's context, before any engine loads; else return
-    what a token costs in the file's weights, and the GGML type names of its matrices (most bytes first)."""
+    what a token costs in the file's weights, the GGML type names of its matrices (most bytes first)
+    and the model's :class:`~llamatrace.model.config.ModelConfig` (its cache's bytes, as ``info`` shows them)."""
     from llamatrace.gguf.reader import open_gguf, tensor_type_name
     from llamatrace.model.config import ModelConfig
     with open_gguf(path) as gguf_file:
-        limit, cost = ModelConfig.from_gguf(gguf_file).max_seq_len, token_cost(gguf_file)
+        config = ModelConfig.from_gguf(gguf_file)
+        limit, cost = config.max_seq_len, token_cost(gguf_file)
         by_type: dict[str, int] = {}
         for t in gguf_file.tensors.values():
             if len(t.shape) == 2:
@@ -228,7 +236,7 @@ def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -
         raise OptionError(f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} need "
                           f"{n_ctx} positions (8 spare), more than the model's context length {limit}; "
                           f"use at most {max(1, limit - decode_tokens - 8)} prompt tokens")
-    return cost, tuple(sorted(by_type, key=by_type.get, reverse=True))
+    return cost, tuple(sorted(by_type, key=by_type.get, reverse=True)), config
 
 
 def _ours(activations: str) -> str:

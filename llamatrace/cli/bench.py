@@ -82,6 +82,10 @@ def bench(
               f"({m.read_small_pages_gb_s:.1f} on small pages; {min(between):.1f}–{max(between):.1f} between the "
               f"runs), {peak} · a token: "
               f"{cost.weight_bytes / 1e9:.3g} GB of weights, {cost.macs / 1e9:.3g} G multiply-adds", soft_wrap=True)
+    if report.n_recurrent_layers:            # memory: the KV cache grows with the context, the states do not
+        out.print(f"memory per token {report.kv_bytes_per_token:,} bytes (KV of the {report.n_attn_layers} "
+                  f"attention layers, float32); recurrent state {report.state_bytes:,} bytes, fixed (conv + "
+                  f"DeltaNet state of {report.n_recurrent_layers} layers, float32)", soft_wrap=True)
     out.print(f"AMX prefill: {m.amx}", soft_wrap=True)
     for t in m.amx_matmuls:          # where AMX is available: both kernels on the same matmul, here and now
         out.print(f"  {t['type']} [{t['rows']}, {t['n_in']}] x [{t['n_out']}, {t['n_in']}]^T: AMX "

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from llamatrace.outputs import write_atomic
-from llamatrace.quantize.search import EXPERT_KINDS, KINDS, Recipe
+from llamatrace.quantize.search import LAYER_KINDS, Recipe
 
 _BITS = {"Q2_K": 2.625, "Q3_K": 3.4375, "Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 4.5, "Q5_0": 5.5, "Q5_1": 6.0,
          "Q5_K": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5, "F16": 16.0, "BF16": 16.0, "F32": 32.0}
@@ -52,7 +52,7 @@ def document(recipe: Recipe, stock: Recipe | None = None, measured: dict | None 
 def _kinds(recipe: Recipe) -> list[str]:
     """The columns: the kinds of matrix the recipe's groups are (a MoE's expert tensors beside the dense ones)."""
     present = {c.group.name.split(".")[2] for c in recipe.choices if c.group.name.startswith("blk.")}
-    return [k for k in KINDS + EXPERT_KINDS if k in present]
+    return [k for k in LAYER_KINDS if k in present]
 
 
 def _grid(recipe: Recipe, value, kinds: list[str]) -> tuple[np.ndarray, int]:

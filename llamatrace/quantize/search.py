@@ -62,13 +62,23 @@ KINDS: tuple[str, ...] = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate
 """The per-layer matrices a recipe chooses types for, in llama.cpp's tensor names (``blk.N.KIND.weight``)."""
 EXPERT_KINDS: tuple[str, ...] = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 """A mixture-of-experts layer's expert tensors (3-D, ``[n_expert, rows, cols]``): one group each."""
+DELTANET_KINDS: tuple[str, ...] = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out")
+"""A gated DeltaNet layer's matrices (Qwen3.5, :mod:`llamatrace.model.deltanet`), one group each:
+those llama-quantize quantizes (``ssm_conv1d``, ``ssm_a``, ``ssm_dt`` and the norms stay)."""
+LAYER_KINDS: tuple[str, ...] = KINDS[:4] + DELTANET_KINDS + KINDS[4:] + EXPERT_KINDS
+"""Every kind of group a layer may have, in the order of the forward pass (attention or DeltaNet, then the FFN)."""
 
 _KIND_FIELD = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
                "ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2",
-               "ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}     # the last: MoEWeights' lists
-# the stage whose output is each matrix's input, for its column weights (probe mode)
+               "ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2",     # MoEWeights' lists
+               "attn_qkv": "in_proj_qkv", "attn_gate": "in_proj_z", "ssm_alpha": "in_proj_a",   # DeltaNetWeights'
+               "ssm_beta": "in_proj_b", "ssm_out": "out_proj"}
+# the stage whose output is each matrix's input, for its column weights (probe mode); a gated
+# attention's attn_output reads attn_gated, kept under kqv_out (Measurer)
 _KIND_INPUT = {"attn_q": "attn_norm", "attn_k": "attn_norm", "attn_v": "attn_norm", "attn_output": "kqv_out",
-               "ffn_gate": "ffn_norm", "ffn_up": "ffn_norm", "ffn_down": "ffn_glu"}
+               "ffn_gate": "ffn_norm", "ffn_up": "ffn_norm", "ffn_down": "ffn_glu", "attn_qkv": "attn_norm",
+               "attn_gate": "attn_norm", "ssm_alpha": "attn_norm", "ssm_beta": "attn_norm",
+               "ssm_out": "final_output"}
 
 Quantizer = Callable[..., np.ndarray]     # quantize_rows(ggml_type, x [n, k] f32, imatrix=None) -> uint8 [n, row_bytes]
 
@@ -133,15 +143,18 @@ def parse_types(text: str, what: str = "--candidates") -> list[T]:
 
 def make_groups(file, n_layers: int, requested: Sequence[T]) -> list[Group]:
     """The groups of a GGUF (:class:`llamatrace.gguf.reader.GGUFFile`): every layer's
-    :data:`KINDS` and :data:`EXPERT_KINDS` the file holds, then ``token_embd`` and ``output`` (when
+    :data:`KINDS`, :data:`EXPERT_KINDS` and :data:`DELTANET_KINDS` the file holds, then ``token_embd`` and ``output`` (when
     the file has its own; a tied output is the embedding's group). Each gets ``requested`` after
     fallback, deduplicated, by bytes. The routers (``ffn_gate_inp``) are no group: llama.cpp never
     quantizes them.
 
     Raises:
-        UnsupportedModelError: a file that stores q/k/v or gate/up fused (phi3).
+        UnsupportedModelError: a file that stores q/k/v or gate/up fused (phi3); a DeltaNet
+            layer's ``attn_qkv`` (beside its ``ssm_out``) is one matrix, a group.
     """
-    if any(name.endswith("attn_qkv.weight") for name in file.tensors):
+    fused = [n for n in file.tensors if n.endswith(".attn_qkv.weight")
+             and n.replace(".attn_qkv.", ".ssm_out.") not in file.tensors]
+    if fused:
         raise UnsupportedModelError("the recipe search does not handle fused attn_qkv tensors (phi3) yet")
     groups = []
 
@@ -154,7 +167,7 @@ def make_groups(file, n_layers: int, requested: Sequence[T]) -> list[Group]:
         groups.append(Group(name, layer, n_rows, n_per_row, tuple(order), n_expert))
 
     for layer in range(n_layers):
-        for kind in KINDS + EXPERT_KINDS:
+        for kind in LAYER_KINDS:
             if f"blk.{layer}.{kind}.weight" in file.tensors:
                 add(f"blk.{layer}.{kind}", layer)
     add("token_embd", 0)
@@ -340,16 +353,18 @@ class Measurer:
             def keep(a, e, seen=seen):
                 seen[(e.stage, e.layer)] = np.array(a, dtype=np.float32)
 
-            stages = ("inp_embd", "inp_scaled", "l_out", "attn_norm", "kqv_out", "ffn_norm", "ffn_swiglu",
-                      "ffn_geglu", "result_norm")
+            stages = ("inp_embd", "inp_scaled", "l_out", "attn_norm", "kqv_out", "attn_gated", "final_output",
+                      "ffn_norm", "ffn_swiglu", "ffn_geglu", "result_norm")
             with model.hooks({s: keep for s in stages}):
                 model.forward(ids, 0, model.new_cache(len(ids)))
+            for stage, layer in [k for k in seen if k[0] == "attn_gated"]:     # attn_output's input (Qwen3.5)
+                seen[("kqv_out", layer)] = seen.pop((stage, layer))
             embd = seen.get(("inp_scaled", None), seen[("inp_embd", None)])
             res = [embd] + [seen[("l_out", i)] for i in range(n_layers)]
             self.residuals.append(res)
             self.base_rows.append(compress_log_probs(self._scored_logits(res[-1])))
             for (stage, layer), a in seen.items():
-                if stage in ("attn_norm", "kqv_out", "ffn_norm", "ffn_swiglu", "ffn_geglu"):
+                if stage in ("attn_norm", "kqv_out", "final_output", "ffn_norm", "ffn_swiglu", "ffn_geglu"):
                     key = ("ffn_glu" if stage.startswith("ffn_") and stage != "ffn_norm" else stage, layer)
                     sq[key] = sq.get(key, 0.0) + (a.astype(np.float64) ** 2).sum(axis=0)
                 if stage == "ffn_norm" and model.weights.layers[layer].moe is not None:
@@ -418,7 +433,8 @@ class Measurer:
             return [(w, "output")]
         layer, kind = group.name.split(".")[1:]
         lw = w.layers[int(layer)]
-        return [(lw.moe if group.n_expert else lw, _KIND_FIELD[kind])]
+        owner = lw.moe if group.n_expert else lw.deltanet if kind in DELTANET_KINDS else lw
+        return [(owner, _KIND_FIELD[kind])]
 
     def swap(self, group: Group, weight: packing.Weight) -> list[packing.Weight]:
         """Put ``weight`` in the group's place(s) in the model (both, for a tied embedding); returns

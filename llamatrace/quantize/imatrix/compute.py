@@ -11,7 +11,11 @@ over every token: ``in_sum2[j] = Σ_t x[t, j]²``, with ``counts`` = the tokens 
 A weight's input is the output of one stage of the forward pass, shared by the weights that read
 it (:data:`INPUTS`): ``attn_norm`` feeds ``attn_q/k/v`` (or the fused ``attn_qkv``), ``kqv_out``
 (the heads merged) feeds ``attn_output``, ``ffn_norm`` feeds ``ffn_gate/up``, the gated product
-(``ffn_swiglu`` / ``ffn_geglu``) feeds ``ffn_down``, ``result_norm`` feeds ``output``. So a chunk
+(``ffn_swiglu`` / ``ffn_geglu``) feeds ``ffn_down``, ``result_norm`` feeds ``output``. Qwen3.5 (``qwen35``, llama.cpp ``models/qwen35.cpp``): on a gated
+DeltaNet layer ``attn_norm`` also feeds the mixed ``attn_qkv``, ``attn_gate`` (z), ``ssm_alpha``
+and ``ssm_beta``, and the gated RMSNorm's output (``final_output``) feeds ``ssm_out``; on a full
+attention layer the gated heads (``attn_gated``, the output × sigmoid(gate)) feed ``attn_output``
+and ``attn_norm`` the joint ``attn_q`` (query | gate). So a chunk
 sums each stage once, by hooks (:meth:`llamatrace.model.llama.Llama.hooks`) that read and change
 nothing.
 
@@ -45,10 +49,12 @@ from llamatrace.corpus.worker import ModelSpec
 from llamatrace.quantize.imatrix.files import Entries, ImatrixMeta
 
 # stage whose output is the input of these weights (GGUF names within a block); ffn_down's is the
-# gated product, whose stage id depends on the activation (see input_stages)
+# gated product, whose stage id depends on the activation, and attn_output's is attn_gated where the
+# attention output is gated (Qwen3.5; see input_stages)
 INPUTS: dict[str, tuple[str, ...]] = {
-    "attn_norm": ("attn_q", "attn_k", "attn_v", "attn_qkv"),
+    "attn_norm": ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta"),
     "kqv_out": ("attn_output",),
+    "final_output": ("ssm_out",),
     "ffn_norm": ("ffn_gate", "ffn_up", "ffn_gate_inp"),
     "ffn_glu": ("ffn_down",),
 }
@@ -83,13 +89,15 @@ def input_stages(tensor_names, config, process_output: bool = False) -> list[Inp
     """
     c = config
     glu = "ffn_geglu" if c.ffn_act == "gelu" else "ffn_swiglu"
-    width = {"attn_norm": c.dim, "kqv_out": c.q_dim, "ffn_norm": c.dim, "ffn_glu": c.hidden_dim}
+    width = {"attn_norm": c.dim, "kqv_out": c.q_dim, "final_output": c.ssm_v_dim, "ffn_norm": c.dim,
+             "ffn_glu": c.hidden_dim}
+    stage_id = {"ffn_glu": glu, "kqv_out": "attn_gated" if c.attn_output_gate else "kqv_out"}
     found = []
     for layer in range(c.n_layers):
         for stage, kinds in INPUTS.items():
             weights = tuple(name for kind in kinds if (name := f"blk.{layer}.{kind}.weight") in tensor_names)
             if weights:
-                found.append(Input(glu if stage == "ffn_glu" else stage, layer, weights, width[stage]))
+                found.append(Input(stage_id.get(stage, stage), layer, weights, width[stage]))
         for stage, kinds in EXPERT_INPUTS.items():
             weights = tuple(name for kind in kinds if (name := f"blk.{layer}.{kind}.weight") in tensor_names)
             if weights and c.n_expert:

@@ -1,0 +1,96 @@
+"""The commands on a Qwen3.5 (``qwen35``) file that tests/test_qwen35.py and the corpus tests
+(test_imatrix_qwen35.py, test_quantize_search_qwen35.py) leave out: ``bench`` (the memory per token
+and the fixed state), ``trace --dump-shapes`` and ``--npz`` (the state itself), the page
+(``diagram -o run.html``), ``lens`` and ``compare`` of two recordings. Tiny file, few tokens."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from cli_helpers import run
+from qwen35_files import N_LAYERS, N_V_HEADS, SSM_HEAD_DIM, write_qwen35_file
+
+RECURRENT = (0, 1, 3)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_qwen35_file(tmp_path_factory.mktemp("qwen35-commands") / "qwen35.gguf")
+
+
+def test_bench_reports_the_memory_per_token_and_the_fixed_state(path, capsys):
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.model.config import ModelConfig
+    from llamatrace.model.llama import Llama
+    with open_gguf(path) as f:
+        c = ModelConfig.from_gguf(f)
+    with Llama.load(path, cache=False) as model:                # what the cache really holds
+        small, big = model.new_cache(4), model.new_cache(20)
+    per_token, state = (big.nbytes - small.nbytes) // 16, small.state_nbytes
+    assert (per_token, state) == (256, 16_896)                  # as `info` shows them (test_qwen35.py)
+    code, out, err = run(capsys, "bench", "-m", path, "--prompt-tokens", "4", "--decode-tokens", "2",
+                         "--repeats", "1", "--threads", "1", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["kv_bytes_per_token"], report["state_bytes"]) == (per_token, state)
+    assert (report["n_attn_layers"], report["n_recurrent_layers"]) == (len(c.attn_layers), len(RECURRENT))
+    code, out, err = run(capsys, "bench", "-m", path, "--prompt-tokens", "4", "--decode-tokens", "2",
+                         "--repeats", "1", "--threads", "1")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "memory per token 256 bytes (KV of the 1 attention layers" in text
+    assert "recurrent state 16,896 bytes, fixed (conv + DeltaNet state of 3 layers" in text
+
+
+def test_trace_dump_shapes_and_npz_hold_the_state(path, tmp_path, capsys):
+    code, out, err = run(capsys, "trace", "-m", path, "--raw", "--layer", "0", "--dump-shapes", "the cat sat")
+    assert code == 0, err
+    text = out + err
+    assert "attn_qkv weights shape([128 64])" in text                   # 2 key heads × 2 (q, k) + 4 value heads, × 16
+    assert "Writing the DeltaNet state S shape([4 16 16]) of layer 1" in text
+    npz = tmp_path / "t.npz"
+    code, out, err = run(capsys, "trace", "-m", path, "--raw", "--tokens", "2", "--npz", npz, "the cat sat")
+    assert code == 0, err
+    with np.load(npz) as z:
+        keys = set(z.files)
+        for layer in RECURRENT:
+            assert z[f"step0.layer{layer}.new_state"].shape == (N_V_HEADS, SSM_HEAD_DIM, SSM_HEAD_DIM)
+        # a decode step starts from the state the prefill left
+        np.testing.assert_array_equal(z["step1.layer0.state_predelta"], z["step0.layer0.new_state"])
+    assert "step0.layer2.attn_gated" in keys and "step0.layer2.new_state" not in keys
+
+
+def test_compare_two_recordings_of_qwen35(path, tmp_path, capsys):
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    for out_file in (a, b):
+        code, _, err = run(capsys, "trace", "-m", path, "--raw", "--tokens", "1", "--npz", out_file, "the cat")
+        assert code == 0, err
+    code, out, err = run(capsys, "compare", a, b, "--model", path, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = doc["rows"] if isinstance(doc, dict) and "rows" in doc else doc
+    stages = {r["stage"] for r in rows}
+    assert {"new_state", "linear_attn_out", "attn_gated"} <= stages
+
+
+def test_page_of_a_qwen35_diagram(path, tmp_path, capsys):
+    html = tmp_path / "run.html"
+    code, out, err = run(capsys, "diagram", "-m", path, "--raw", "the cat", "-o", html)
+    assert code == 0, err
+    page = html.read_text()
+    assert "new_state" in page and "attn_gated" in page
+
+
+def test_lens_reads_every_layer_of_qwen35(path, capsys):
+    from llamatrace.model.llama import Llama
+    code, out, err = run(capsys, "lens", "-m", path, "--raw", "the cat sat", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert {r["layer"] for r in doc["rows"]} == {"embd", *range(N_LAYERS)}
+    last = max(r["pos"] for r in doc["rows"])
+    top = next(r for r in doc["rows"] if r["layer"] == N_LAYERS - 1 and r["pos"] == last)
+    with Llama.load(path, cache=False) as model:           # the last layer's row is the model's own output
+        logits = model.forward(np.array(doc["prompt_ids"]), 0, model.new_cache(len(doc["prompt_ids"])))
+    assert top["top_id"] == doc["final_id"] == int(np.argmax(logits)) and top["final_rank"] == 0
