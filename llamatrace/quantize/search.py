@@ -355,6 +355,8 @@ class Measurer:
 
             stages = ("inp_embd", "inp_scaled", "l_out", "attn_norm", "kqv_out", "attn_gated", "final_output",
                       "ffn_norm", "ffn_swiglu", "ffn_geglu", "result_norm")
+            if model.config.n_expert:                # the route and the experts' gated rows (ROUTE_HOOKS)
+                stages += ("ffn_moe_topk", "ffn_moe_swiglu", "ffn_moe_swiglu_oai")
             with model.hooks({s: keep for s in stages}):
                 model.forward(ids, 0, model.new_cache(len(ids)))
             for stage, layer in [k for k in seen if k[0] == "attn_gated"]:     # attn_output's input (Qwen3.5)
@@ -369,7 +371,10 @@ class Measurer:
                     sq[key] = sq.get(key, 0.0) + (a.astype(np.float64) ** 2).sum(axis=0)
                 if stage == "ffn_norm" and model.weights.layers[layer].moe is not None:
                     # each expert's inputs, over the tokens routed to it ([n_expert, width]: 0 where none)
-                    for (exp_stage, _, _), (sums, _) in expert_squares(model, layer, a, down=True).items():
+                    glu = seen.get(("ffn_moe_swiglu", layer), seen.get(("ffn_moe_swiglu_oai", layer)))
+                    found = expert_squares(a, seen[("ffn_moe_topk", layer)].astype(np.int64), glu, layer,
+                                           model.config.n_expert)
+                    for (exp_stage, _, _), (sums, _) in found.items():
                         key = ("exps_" + exp_stage, layer)
                         sq[key] = sq.get(key, 0.0) + sums
             # the output projection's input: the last row is all result_norm holds without all_logits
