@@ -16,7 +16,8 @@ Types as ``llama-quantize … Q4_K_M`` gives them (``llama-quant.cpp``): Q4_K ev
 ``attn_v`` and ``ffn_down_exps`` in the layers of ``use_more_bits`` (the first and last eighth and
 every third between) and for ``output``; the router (``ffn_gate_inp``) and the norms F32. The
 quant bytes are uniform random with block scales chosen so that activations stay O(1)
-(:func:`make_8b.random_blocks`). Each tensor is made when it is written, so memory stays at the
+(:func:`make_8b.random_blocks`), Q4_K's centred (:func:`centred`) so that routes differ token
+to token, as a trained router's do. Each tensor is made when it is written, so memory stays at the
 largest tensor (~0.17 GB), whatever the file's size.
 """
 
@@ -43,6 +44,26 @@ CONFIG = dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, n_e
 def use_more_bits(i: int, n: int) -> bool:
     """llama-quant.cpp's choice of the layers whose attn_v and ffn_down get more bits."""
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def centred(qtype: T, blocks: np.ndarray) -> np.ndarray:
+    """:func:`make_8b.random_blocks`' blocks with each Q4_K sub-block's mean made zero (in place).
+
+    Random Q4_K blocks are ``d·sc·q − dmin·m`` with ``q`` uniform in 0..15: every weight leans
+    positive by ~its std, so every row (token embeddings included) shares one direction, the router
+    sees the same input for every token and all tokens choose the same experts. Here the mins
+    equal the scales (bytes 8..11 copy 4..7; each of bytes 12..15 holds one nibble twice) and
+    ``dmin = 7.5·d``: weights ``d·sc·(q − 7.5)``, mean zero, and routes that differ token to token.
+    """
+    if qtype != T.Q4_K:
+        return blocks
+    b = blocks.reshape(blocks.shape[0], -1, 144)
+    b[..., 8:12] = b[..., 4:8]
+    low = b[..., 12:16] & 15
+    b[..., 12:16] = low | (low << 4)
+    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
+    b[..., 2:4] = (7.5 * d).astype(np.float16).view(np.uint8)
+    return blocks
 
 
 def write(out: Path, vocab_path: Path, n_layers: int, seed: int) -> None:
@@ -90,7 +111,7 @@ def write(out: Path, vocab_path: Path, n_layers: int, seed: int) -> None:
         shape = [n_expert, n_out, row_bytes] if n_expert else [n_out, row_bytes]
         w.add_tensor_info(name, shape, np.dtype(np.uint8), int(np.prod(shape)), raw_dtype=qtype)
         rows = max(1, n_expert) * n_out
-        makers.append(lambda: random_blocks(rng, qtype, rows, n_in, std).reshape(shape))
+        makers.append(lambda: centred(qtype, random_blocks(rng, qtype, rows, n_in, std)).reshape(shape))
 
     def f32(name: str, make) -> None:
         data = make()                 # small (≤ 1 MB): made now, for its shape
