@@ -6,6 +6,12 @@ time, under /tmp, and delete it after.
 
     python benchmarks/make_moe.py -o /tmp/qwen3moe-q4_k_m.gguf --layers 4
     python benchmarks/make_moe.py -o /tmp/qwen3moe-q4_k_m.gguf            # all 48 layers
+    llamatrace bench -m /tmp/qwen3moe-q4_k_m.gguf --activations f32 --activations q8 --against llama.cpp -t 2
+    /work/venv-golden/bin/python benchmarks/make_moe.py --time-llamacpp /tmp/qwen3moe-q4_k_m.gguf -t 2
+
+``--time-llamacpp FILE`` (in a Python with llama-cpp-python; no numba needed) loads FILE in
+llama.cpp (through ``llamatrace.peers.llamacpp``), prefills the same number of tokens and decodes
+greedily, and prints load / prefill / decode times and the peak RSS, as JSON.
 
 Shape (config.json of Qwen/Qwen3-30B-A3B): n_embd 2048, 48 layers, 128 experts of 768 (top-8,
 weights renormalised), 32 query and 4 KV heads of 128, q/k norms, rope base 1e6. The vocabulary
@@ -24,6 +30,8 @@ largest tensor (~0.17 GB), whatever the file's size.
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -31,7 +39,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from make_8b import VOCAB_KEYS, default_vocab, random_blocks  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -150,13 +159,42 @@ def write(out: Path, vocab_path: Path, n_layers: int, seed: int) -> None:
     w.close()
 
 
+def time_llamacpp(path: Path, threads: int, prompt_tokens: int, decode_tokens: int) -> dict:
+    """llama.cpp's load, prefill and greedy decode on ``path`` (seconds), and the peak RSS (MB)."""
+    from llamatrace.peers.llamacpp import LlamaCpp
+    t0 = time.perf_counter()
+    engine = LlamaCpp(str(path), n_ctx=prompt_tokens + decode_tokens + 8, threads=threads)
+    load_s = time.perf_counter() - t0
+    ids = [int(i) for i in np.random.default_rng(0).integers(1000, 20000, size=prompt_tokens)]
+    t0 = time.perf_counter()
+    logits = engine.eval(ids)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        logits = engine.eval([int(np.argmax(logits[-1]))])
+    decode_s = time.perf_counter() - t0
+    engine.close()
+    return {"engine": "llama.cpp", "threads": threads, "load_s": round(load_s, 2),
+            "prefill_tok_s": round(prompt_tokens / prefill_s, 2), "decode_tok_s": round(decode_tokens / decode_s, 2),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-o", "--out", type=Path, required=True, help="output .gguf")
+    ap.add_argument("-o", "--out", type=Path, help="output .gguf")
     ap.add_argument("--layers", type=int, default=CONFIG["n_layers"], help="blocks (48 = the real 30B-A3B)")
     ap.add_argument("--vocab", type=Path, help="ggml-vocab-llama-bpe.gguf (default: llamatrace's fetched copy)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-llamacpp", type=Path, metavar="FILE", help="time llama.cpp on FILE instead")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=16)
     args = ap.parse_args(argv)
+    if args.time_llamacpp:
+        print(json.dumps(time_llamacpp(args.time_llamacpp, args.threads, args.prompt_tokens, args.decode_tokens)))
+        return 0
+    if args.out is None:
+        ap.error("-o/--out is required to write a file")
     t0 = time.perf_counter()
     write(args.out, args.vocab or default_vocab(), args.layers, args.seed)
     print(f"{args.out}: {args.out.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -44,12 +44,14 @@ ROUTER_STD = 4.0
 
 def write_moe_file(path: str | Path, name: str, seed: int = 0, qtype: T = T.F32,
                    skip_tensors: tuple[str, ...] = (), kv: dict[str, object] | None = None,
-                   shapes: dict[str, tuple[int, ...]] | None = None) -> Path:
+                   shapes: dict[str, tuple[int, ...]] | None = None, tie: tuple[int, int] | None = None) -> Path:
     """Write the random MoE file ``name`` (one of :data:`ARCHS`) at ``path`` and return the path.
 
     ``qtype``: the matrices' type (experts and attention; the router and norms stay F32).
     ``skip_tensors`` leaves tensors out, ``kv`` writes or replaces ``{arch}.<key>`` integers, and
     ``shapes`` gives tensors another NumPy shape (random values): broken files for the error tests.
+    ``tie`` = ``(a, b)``: router rows ``a`` and ``b`` equal (and 3× longer, so that they usually lead):
+    experts ``a`` and ``b`` tie exactly for every token, and top-k must break the tie as llama.cpp does.
     """
     spec = SPECS[name]
     arch = spec["arch"]
@@ -107,6 +109,8 @@ def write_moe_file(path: str | Path, name: str, seed: int = 0, qtype: T = T.F32,
         tensors[p + "attn_output.weight"] = mat(DIM, q_dim)
         tensors[p + "ffn_norm.weight"] = norm(DIM)
         tensors[p + "ffn_gate_inp.weight"] = mat(n_expert, DIM, std=ROUTER_STD)
+        if tie:
+            tensors[p + "ffn_gate_inp.weight"][list(tie)] = 3 * tensors[p + "ffn_gate_inp.weight"][tie[0]]
         tensors[p + "ffn_gate_exps.weight"] = mat(n_expert, ff, DIM)
         tensors[p + "ffn_up_exps.weight"] = mat(n_expert, ff, DIM)
         tensors[p + "ffn_down_exps.weight"] = mat(n_expert, DIM, ff)

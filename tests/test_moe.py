@@ -125,6 +125,26 @@ def test_q8_mode_on_q8_0_experts_matches_llamacpp(name, llamacpp, tmp_path):
         assert (ours.argmax(1) == ref.argmax(1)).all()
 
 
+def test_an_exact_tie_is_broken_as_llamacpp_breaks_it(llamacpp, tmp_path):
+    """Router rows 2 and 5 equal, top-1: the two experts tie exactly for every token, and
+    llama.cpp's ggml_argsort_top_k (std::sort, an insertion sort for <= 16 experts) keeps expert 2."""
+    model = Llama.load(write_moe_file(tmp_path / "tie.gguf", "mixtral", kv={"expert_used_count": 1}, tie=(2, 5)))
+    ids = llamacpp["mixtral_ids"]
+    with model.trace(stages=["ffn_moe_probs", "ffn_moe_topk"], keep_arrays=True) as rec:
+        ours = run_positions(model, ids, len(ids))
+    probs = [e.array for e in rec.events if e.stage == "ffn_moe_probs"]
+    chosen = np.concatenate([e.array[:, 0] for e in rec.events if e.stage == "ffn_moe_topk"])
+    assert all((p[:, 2] == p[:, 5]).all() for p in probs)
+    assert (chosen == 2).sum() >= 8 and not (chosen == 5).any()         # the tie decides often
+    for run_kind, prefill in (("prefill", len(ids)), ("decode", PREFILL)):
+        ref = llamacpp[f"mixtral_tie_{run_kind}"]
+        got = ours if run_kind == "prefill" else run_positions(model, ids, prefill)
+        assert relative(got, ref).max() <= RTOL and (got.argmax(1) == ref.argmax(1)).all()
+    with model.hooks({"ffn_moe_topk": lambda a, ev: np.where(a == 2, 5, a).astype(a.dtype)}):
+        other_way = run_positions(model, ids, len(ids))
+    assert relative(other_way, llamacpp["mixtral_tie_prefill"]).max() > 0.05
+
+
 @pytest.mark.parametrize("name", ARCHS)
 def test_test_files_route_differently_per_token_with_clear_margins(name, models, llamacpp):
     """The files are fit for the fidelity tests: the k-th and (k+1)-th router probabilities are
@@ -305,3 +325,36 @@ def test_bad_moe_files_are_one_error_line_naming_the_key_or_tensor(make, needle,
     with pytest.raises(error, match=needle.replace(".", r"\.")):
         Llama.load(path, cache=False)
     assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"), needle)
+
+
+# ---- error attribution ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen3moe", "olmoe"])
+def test_local_errors_recompute_every_moe_stage_of_a_recording(name, models):
+    """Recomputed from the recording's own inputs (and its choice of experts), each MoE stage is what
+    the forward pass wrote: the formulas the --stages attribution uses hold."""
+    from llamatrace.analysis.local_error import local_errors
+    model = models[name]
+    cache = model.new_cache(8)
+    with model.trace(keep_arrays=True) as rec:
+        model.forward(np.arange(3, 9), 0, cache)
+        model.forward(np.array([9]), 6, cache)
+    errors = local_errors(model, rec.arrays())
+    for stage in ("ffn_moe_logits", "ffn_moe_probs", "ffn_moe_gate", "ffn_moe_up", "ffn_moe_swiglu",
+                  "ffn_moe_down", "ffn_moe_out", "l_out"):
+        for step in (0, 1):
+            for layer in range(model.config.n_layers):
+                assert errors[f"step{step}.layer{layer}.{stage}"] < 1e-6, (stage, step, layer)
+
+
+def test_perplexity_stages_attributes_error_to_the_quantized_experts(paths, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat. " * 12)
+    quant = write_moe_file(tmp_path / "q8_0.gguf", "qwen3moe", qtype=T.Q8_0)
+    code, out, err = run(capsys, "perplexity", "-f", text, "-m", quant, "--base", paths["qwen3moe"],
+                         "--ctx-size", "24", "--workers", "1", "--stages")
+    assert code == 0, err
+    local = out.split("Where the error enters")[1].split("Accumulated")[0]
+    rows = {tuple(ln.split()[:2]): float(ln.split()[2]) for ln in local.splitlines()
+            if ln.split() and ln.split()[0].isdigit()}
+    assert any(stage.startswith("ffn_moe_") and 1e-3 < err_ < 2e-2 for (_, stage), err_ in rows.items())
+    assert "l_out                not recomputed" not in local

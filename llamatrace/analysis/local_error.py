@@ -11,7 +11,9 @@ against llama.cpp's); done on ours, "did our forward pass apply its kernels as w
 
 Stages recomputed (:data:`LOCAL_STAGES`): the norms (q/k and post-norms too), the q/k/v, output
 and FFN projections and biases, RoPE (Llama's), scores → softmax, the heads merge, SiLU, GELU,
-SwiGLU, GeGLU, both residual adds, ``result_norm`` and ``result_output``. Stages that need the
+SwiGLU, GeGLU, both residual adds, ``result_norm`` and ``result_output``; a mixture of experts'
+router, its softmax, each chosen expert's gate, up, SwiGLU and down (the recorded choice of
+experts, each through the recomputing model's expert) and their weighted sum. Stages that need the
 whole KV cache (``kq``, ``kqv``) are not: a recording holds only this step's keys.
 :func:`not_recomputed` says why a stage is not.
 A stage is skipped where the recording lacks one of its inputs
@@ -28,7 +30,9 @@ import numpy as np
 
 from llamatrace.analysis.difference import metrics, relative_error_rows
 from llamatrace.kernels.ops import fp32
+from llamatrace.kernels.ops.moe import combine, route
 from llamatrace.kernels.types.registry import matmul
+from llamatrace.model.moe import expert_rows
 from llamatrace.tracing.recorder import stage_key
 
 
@@ -51,6 +55,12 @@ class _Step:
             self.products.clear()                # one layer's product at a time
             self.products[key] = matmul(np.ascontiguousarray(self(source, layer), dtype=np.float32), w)
         return self.products[key]
+
+
+def _silu_any(x: np.ndarray) -> np.ndarray:
+    """SiLU of rows of any rank (the experts' ``[seq_len, k, expert_hidden_dim]``)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return fp32.silu(x.reshape(-1, x.shape[-1])).reshape(x.shape)
 
 
 def _layer_input(model, get: _Step, layer: int) -> np.ndarray:
@@ -149,7 +159,23 @@ LOCAL_STAGES: dict[str, Callable] = {
         get("ffn_geglu" if m.config.ffn_act == "gelu" else "ffn_swiglu", L), dtype=np.float32), m.weights.layers[L].w2),
     "ffn_post_norm": _norm("ffn_out", "ffn_post_norm"),
     "l_out": lambda m, get, L, pos: get("ffn_inp", L) + get("ffn_post_norm" if m.config.post_norms
-                                                            else "ffn_out", L),
+                                                            else "ffn_moe_out" if m.config.n_expert else "ffn_out", L),
+    # the mixture of experts: each chosen expert's rows through the recomputing model's expert
+    "ffn_moe_logits": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("ffn_norm", L), dtype=np.float32),
+                                                    m.weights.layers[L].moe.router),
+    "ffn_moe_probs": lambda m, get, L, pos: route(get("ffn_moe_logits", L), m.config.n_expert_used,
+                                                  m.config.expert_gating)[0],
+    "ffn_moe_gate": lambda m, get, L, pos: expert_rows(m.weights.layers[L].moe, get("ffn_norm", L),
+                                                       get("ffn_moe_topk", L), "gate"),
+    "ffn_moe_up": lambda m, get, L, pos: expert_rows(m.weights.layers[L].moe, get("ffn_norm", L),
+                                                     get("ffn_moe_topk", L), "up"),
+    "ffn_moe_swiglu": lambda m, get, L, pos: _silu_any(get("ffn_moe_gate", L)) * get("ffn_moe_up", L),
+    "ffn_moe_down": lambda m, get, L, pos: expert_rows(m.weights.layers[L].moe, get("ffn_moe_swiglu", L),
+                                                       get("ffn_moe_topk", L), "down"),
+    "ffn_moe_out": lambda m, get, L, pos: combine(get("ffn_moe_down", L).reshape(len(get("ffn_moe_topk", L)),
+                                                                             m.config.n_expert_used, -1),
+                                                  get("ffn_moe_weights_norm" if m.config.expert_weights_norm
+                                                      else "ffn_moe_weights", L)),
 }
 """Layer stage id → ``fn(model, get, layer, start_pos)`` recomputing it from recorded inputs."""
 

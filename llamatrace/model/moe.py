@@ -179,3 +179,30 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     for s in range(1, k):                        # slot by slot, as llama.cpp's chain of adds
         out += weighted[:, s]
     return emit("ffn_moe_out", layer, out)
+
+
+def expert_rows(mw: MoEWeights, x: np.ndarray, ids: np.ndarray, part: str) -> np.ndarray:
+    """One per-expert stage recomputed from its recorded inputs, for :mod:`llamatrace.analysis.local_error`.
+
+    Args:
+        x: float32 ``[seq_len, dim]`` (``ffn_norm``, for ``part`` ``"gate"`` / ``"up"``) or
+            ``[seq_len, k, expert_hidden_dim]`` (``ffn_moe_swiglu``, for ``"down"``; or its rows
+            flattened to ``[seq_len, k·expert_hidden_dim]``, as a corpus run records them).
+        ids: int ``[seq_len, k]``, the chosen experts (``ffn_moe_topk``).
+
+    Returns:
+        float32 ``[seq_len, k, n_out]``: slot ``s`` of token ``t`` through expert ``ids[t, s]``.
+    """
+    seq_len, k = np.shape(ids)
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+    rows = x.reshape(seq_len * k, -1) if part == "down" else np.repeat(x, k, axis=0)
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    n_out = mw.w2[0].n_out if part == "down" else mw.w2[0].n_in
+    out = np.empty((seq_len * k, n_out), dtype=np.float32)
+    for e in np.unique(flat):
+        sel = np.flatnonzero(flat == e)
+        if part == "down":
+            out[sel] = matmul(rows[sel], mw.w2[e])
+        else:
+            out[sel] = np.split(mw.gate_up(rows[sel], int(e)), 2, axis=1)[0 if part == "gate" else 1]
+    return out.reshape(seq_len, k, n_out)

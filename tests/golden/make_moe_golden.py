@@ -9,6 +9,8 @@ NOT part of llamatrace and never imported by the tests, which only read what it 
                                   ``{NAME}_prefill`` float32 [N, vocab] (one batch of N tokens),
                                   ``{NAME}_decode`` float32 [N, vocab] (PREFILL tokens in one batch,
                                   then one token a step), both from an empty cache.
+                                  ``mixtral_tie_prefill`` / ``_decode``: the Mixtral file with
+                                  top-1 and router rows 2 and 5 equal (``tie``), on ``mixtral_ids``.
   tests/golden/moe_llamacpp_dump.npz  llama.cpp's graph tensors on the F32 qwen3moe and mixtral files
                                   (prefill of PREFILL ids, then one decode step of the next id),
                                   keys ``{NAME}.step{S}.{index:03d}.{tensor}.{op}`` float32, as
@@ -39,6 +41,7 @@ from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
 N = 16                                  # tokens
 PREFILL = 4                             # the decode run: 4 tokens in one batch, then 1 a step
 VARIANTS = {"": T.F32, "_q8_0": T.Q8_0}
+TIE = (2, 5)                            # the tie file: Mixtral with top-1 and router rows 2 and 5 equal
 
 
 def token_ids(vocab_size: int) -> np.ndarray:
@@ -75,6 +78,11 @@ def main() -> None:
                 out[f"{key}_decode"] = llamacpp_logits(path, ids, PREFILL)
                 gap = np.abs(out[f"{key}_prefill"] - out[f"{key}_decode"]).max()
                 print(f"{key}: llama.cpp prefill vs decode max |diff| {gap:.2e}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_moe_file(Path(tmp) / "tiny-mixtral-tie.gguf", "mixtral", kv={"expert_used_count": 1}, tie=TIE)
+        ids = out["mixtral_ids"]
+        out["mixtral_tie_prefill"] = llamacpp_logits(path, ids, N)
+        out["mixtral_tie_decode"] = llamacpp_logits(path, ids, PREFILL)
     np.savez_compressed(args.out / "moe_llamacpp.npz", **out)
     dump = {}
     with tempfile.TemporaryDirectory() as tmp:
