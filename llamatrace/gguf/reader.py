@@ -206,17 +206,20 @@ class GGUFFile:
             if exc is None:
                 raise
 
-    def release(self, t: Tensor) -> None:
-        """Drop ``t``'s pages from this process's memory once they have been copied (packed).
+    def release(self, t: Tensor, start: int = 0, n_bytes: int | None = None) -> None:
+        """Drop ``t``'s pages (or those of its bytes ``start .. start + n_bytes``, e.g. one expert of
+        a 3-D tensor) from this process's memory once they have been copied (packed); pages shared
+        with bytes outside the range stay.
 
         The bytes stay in the OS page cache and are read again if ``t.data`` is used; without
         this, a load would hold the file's pages and the packed copy at once (~2x the file).
         """
         if not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start = t.offset
+        start += t.offset
+        end = t.offset + t.n_bytes if n_bytes is None else start + n_bytes
         lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        hi = (start + t.n_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = end // mmap.PAGESIZE * mmap.PAGESIZE
         if hi > lo:
             self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
