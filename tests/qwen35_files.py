@@ -40,12 +40,14 @@ N_EXPERT, N_EXPERT_USED, EXPERT_FF, SHEXP_FF, ROUTER_STD = 7, 3, 40, 56, 4.0    
 
 def write_qwen35_file(path: str | Path, seed: int = 0, qtype: T = T.F32, skip_tensors: tuple[str, ...] = (),
                       meta: dict[str, object] | None = None, shapes: dict[str, tuple[int, ...]] | None = None,
-                      moe: bool = False) -> Path:
+                      moe: bool = False, fused_gate_up: bool = False) -> Path:
     """Write the random ``qwen35`` (``moe``: ``qwen35moe``) file at ``path`` and return the path.
 
     ``skip_tensors`` leaves those tensors out; ``meta`` writes or replaces ``qwen35.*`` keys (key
     without the prefix → value: int as uint32, float as float32, list of bools as a bool array,
-    ``None`` removes the key); ``shapes`` gives tensors another numpy shape (broken files)."""
+    ``None`` removes the key); ``shapes`` gives tensors another numpy shape (broken files).
+    ``fused_gate_up`` (with ``moe``) stores the same experts' gate and up as one ``ffn_gate_up_exps``
+    ``[n_expert, 2*EXPERT_FF, dim]``, gate rows first."""
     arch = "qwen35moe" if moe else ARCH
     rng = np.random.default_rng([seed, 35] + ([1] if moe else []))
     tokens, types, merges = vocabulary()
@@ -128,6 +130,10 @@ def write_qwen35_file(path: str | Path, seed: int = 0, qtype: T = T.F32, skip_te
             tensors[p + "ffn_down.weight"] = mat(DIM, HIDDEN)
     tensors["output_norm.weight"] = norm(DIM)
     tensors["output.weight"] = mat(len(tokens), DIM)
+    for i in range(N_LAYERS if moe and fused_gate_up else 0):
+        p = f"blk.{i}."
+        tensors[p + "ffn_gate_up_exps.weight"] = np.concatenate(
+            [tensors.pop(p + "ffn_gate_exps.weight"), tensors.pop(p + "ffn_up_exps.weight")], axis=1)
     for name, data in tensors.items():
         if name in skip_tensors:
             continue

@@ -70,6 +70,15 @@ def test_f32_logits_match_llamacpp_at_every_position(key, prefill, model, golden
     np.testing.assert_array_equal(ours.argmax(axis=1), golden[key].argmax(axis=1))
 
 
+def test_fused_gate_up_experts_match_llamacpp(golden, tmp_path):
+    """``ffn_gate_up_exps`` (gate rows first) in place of ``ffn_gate_exps`` and ``ffn_up_exps``."""
+    path = write_qwen35_file(tmp_path / "fused.gguf", moe=True, fused_gate_up=True)
+    ids = golden["ids"]
+    ours = run_positions(Llama.load(path, cache=False), ids, len(ids))
+    assert relative(ours, golden["fused"]).max() <= F32_RTOL
+    np.testing.assert_array_equal(ours.argmax(axis=1), golden["fused"].argmax(axis=1))
+
+
 def test_routes_are_clear_and_the_shared_expert_matters(model, golden):
     """The k-th and (k+1)-th router logits stay apart (llama.cpp and we pick the same experts by a
     wide margin), routes differ between tokens, and the shared expert's gate is neither 0 nor 1."""

@@ -764,7 +764,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
         experts = moe.load(f, c, i, router, expert_rows) if c.n_expert else None
         if experts is not None:
             w13 = None
-            packed(*(f.tensor(f"blk.{i}.{n}.weight") for n in (moe.ROUTER_TENSOR, *moe.EXPERT_TENSORS)))
+            packed(*moe.layer_tensors(f, i))
         if c.is_recurrent(i):
             w13 = None if experts else stacked(("w1", "w3"), i)
             dense = experts is None and w13 is None

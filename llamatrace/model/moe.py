@@ -49,6 +49,9 @@ from llamatrace.tracing.recorder import Emit
 
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 """The GGUF names (``blk.N.<name>.weight``) of the experts' gate, up and down matrices."""
+FUSED_GATE_UP = "ffn_gate_up_exps"
+"""The GGUF name of the experts' gate and up stored as one tensor (``[n_expert, 2*expert_hidden_dim, dim]``,
+gate rows first), which llama.cpp's loader takes instead of the two."""
 SHEXP_TENSORS = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
 """The GGUF names of the shared expert's gate, up, down and its gate's row (``[dim]``)."""
 ROUTER_TENSOR = "ffn_gate_inp"
@@ -137,8 +140,9 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable) -> 
             ``{arch}.expert_count``, ``embedding_length`` and the experts' hidden width.
     """
     n, dim, ff = c.n_expert, c.dim, c.expert_hidden_dim
-    want = {ROUTER_TENSOR: (n, dim), "ffn_gate_exps": (n, ff, dim), "ffn_up_exps": (n, ff, dim),
-            "ffn_down_exps": (n, dim, ff)}
+    fused = f"blk.{layer}.{FUSED_GATE_UP}.weight" in f.tensors
+    gate_up = {FUSED_GATE_UP: (n, 2 * ff, dim)} if fused else {"ffn_gate_exps": (n, ff, dim), "ffn_up_exps": (n, ff, dim)}
+    want = {ROUTER_TENSOR: (n, dim), **gate_up, "ffn_down_exps": (n, dim, ff)}
     tensors = {}
     for short, shape in want.items():
         name = f"blk.{layer}.{short}.weight"
@@ -152,18 +156,28 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable) -> 
                                    f"from {c.arch}.expert_count ({n}), embedding_length ({dim}) and the experts' "
                                    f"hidden width ({ff}); the file is inconsistent")
         tensors[short] = f.tensor(name)
-    gate, up, down = (tensors[s] for s in EXPERT_TENSORS)
+    down = tensors["ffn_down_exps"]
     router = pack(f"blk.{layer}.{ROUTER_TENSOR}.weight", tensors[ROUTER_TENSOR], n, dim)
     w2 = [pack_rows(f"{down.name}#{e}", [(down, e)], ff) for e in range(n)]
     extra = _biases(f, c, layer) if c.moe_bias else {}
     if c.shexp_hidden_dim:
         extra |= _shared_expert(f, c, layer, pack)
+    if fused:
+        gu = tensors[FUSED_GATE_UP]
+        return MoEWeights(router, w2, w13=[pack_rows(f"{gu.name}#{e}", [(gu, e)], dim) for e in range(n)], **extra)
+    gate, up = tensors["ffn_gate_exps"], tensors["ffn_up_exps"]
     if gate.tensor_type == up.tensor_type:
         w13 = [pack_rows(f"{gate.name}+{up.name}#{e}", [(gate, e), (up, e)], dim) for e in range(n)]
         return MoEWeights(router, w2, w13=w13, **extra)
     w1 = [pack_rows(f"{gate.name}#{e}", [(gate, e)], dim) for e in range(n)]
     w3 = [pack_rows(f"{up.name}#{e}", [(up, e)], dim) for e in range(n)]
     return MoEWeights(router, w2, w1=w1, w3=w3, **extra)
+
+
+def layer_tensors(f, layer: int) -> list:
+    """The MoE tensors of ``layer`` the file holds (router, experts, fused gate|up, shared expert)."""
+    names = (f"blk.{layer}.{n}.weight" for n in (ROUTER_TENSOR, *EXPERT_TENSORS, FUSED_GATE_UP, *SHEXP_TENSORS))
+    return [f.tensor(name) for name in names if name in f.tensors]
 
 
 def _shared_expert(f, c: ModelConfig, layer: int, pack: Callable) -> dict[str, packing.Weight]:

@@ -7,7 +7,9 @@ NOT part of llamatrace and never imported by the tests, which only read what it 
   tests/golden/qwen35moe_llamacpp.npz   ``ids`` int32 [N] (the token sequence),
                                         ``prefill`` float32 [N, vocab] (one batch of N tokens),
                                         ``decode`` float32 [N, vocab] (PREFILL tokens in one batch,
-                                        then one token a step), both from an empty cache
+                                        then one token a step), both from an empty cache,
+                                        ``fused`` float32 [N, vocab] (one batch of N tokens, on the
+                                        same weights stored with ``ffn_gate_up_exps``)
 
 llama.cpp runs through llamatrace's adapter (:class:`llamatrace.peers.llamacpp.LlamaCpp` in
 capture mode: logits of every token, F32 KV cache, flash attention off), 2 threads. It also
@@ -72,10 +74,13 @@ def main() -> None:
         ids = token_ids(vocab)
         prefill, gap1 = llamacpp_logits(path, ids, N)
         decode, gap2 = llamacpp_logits(path, ids, PREFILL)
+        fused, _ = llamacpp_logits(write_qwen35_file(Path(tmp) / "fused.gguf", moe=True, fused_gate_up=True), ids, N)
     gap = np.linalg.norm(prefill - decode, axis=1) / np.linalg.norm(prefill, axis=1)
     print(f"qwen35moe: llama.cpp prefill vs decode max relative {gap.max():.2e} ({N} tokens, decode from {PREFILL})")
+    fgap = np.linalg.norm(prefill - fused, axis=1) / np.linalg.norm(prefill, axis=1)
+    print(f"llama.cpp fused ffn_gate_up_exps vs separate: max relative {fgap.max():.2e}")
     print(f"smallest k-th - (k+1)-th router logit gap: {min(gap1, gap2):.3f}")
-    np.savez_compressed(args.out / "qwen35moe_llamacpp.npz", ids=ids, prefill=prefill, decode=decode)
+    np.savez_compressed(args.out / "qwen35moe_llamacpp.npz", ids=ids, prefill=prefill, decode=decode, fused=fused)
     import llama_cpp
     print(f"wrote {args.out / 'qwen35moe_llamacpp.npz'} (llama-cpp-python {llama_cpp.__version__})")
 
