@@ -95,6 +95,21 @@ def test_routes_are_clear_and_the_shared_expert_matters(model, golden):
     assert 0.001 < sig.min() and sig.max() < 0.999 and sig.std() > 0.1
 
 
+def test_shared_expert_stages_match_llamacpps_graph_tensors(model, golden):
+    """Each layer's ffn_moe_out, the four shared-expert stages, and their sum (llama.cpp's ffn_out)
+    against the tensors of the same names in llama.cpp's graph, on a prefill of 6 tokens."""
+    ids = golden["ids"][:6]
+    rec = Recorder(keep_arrays=True)
+    model.forward(ids, 0, model.new_cache(len(ids)), recorder=rec)
+    ours = {(e.layer, e.stage): e.array.reshape(len(ids), -1) for e in rec.events
+            if e.stage in ("ffn_moe_out", *SHEXP_STAGES)}
+    for layer in range(model.config.n_layers):
+        ours[layer, "ffn_out"] = ours[layer, "ffn_moe_out"] + ours[layer, "ffn_shexp_gated"]
+        for stage in ("ffn_moe_out", *SHEXP_STAGES, "ffn_out"):
+            ref = golden[f"stage|{stage}-{layer}"]
+            assert np.linalg.norm(ours[layer, stage] - ref) <= 1e-5 * np.linalg.norm(ref), (layer, stage)
+
+
 def test_trace_emits_the_shared_expert_stages_with_their_shapes(model):
     c = model.config
     ids = np.arange(3, 9)

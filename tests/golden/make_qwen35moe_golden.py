@@ -9,7 +9,10 @@ NOT part of llamatrace and never imported by the tests, which only read what it 
                                         ``decode`` float32 [N, vocab] (PREFILL tokens in one batch,
                                         then one token a step), both from an empty cache,
                                         ``fused`` float32 [N, vocab] (one batch of N tokens, on the
-                                        same weights stored with ``ffn_gate_up_exps``)
+                                        same weights stored with ``ffn_gate_up_exps``),
+                                        ``stage|NAME-L`` float32 [STAGE_IDS, …]: llama.cpp's graph
+                                        tensors of the FFN (ffn_moe_out, the shared expert's, ffn_out)
+                                        on a prefill of the first STAGE_IDS tokens
 
 llama.cpp runs through llamatrace's adapter (:class:`llamatrace.peers.llamacpp.LlamaCpp` in
 capture mode: logits of every token, F32 KV cache, flash attention off), 2 threads. It also
@@ -38,6 +41,9 @@ from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
 
 N = 20
 PREFILL = 13
+STAGE_IDS = 6
+FFN_STAGES = ("ffn_moe_out", "ffn_shexp", "shared_expert_gate", "shared_expert_gate_sigmoid", "ffn_shexp_gated",
+              "ffn_out")
 
 
 def token_ids(vocab_size: int) -> np.ndarray:
@@ -62,6 +68,16 @@ def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int) -> tuple[np.ndarr
         engine.close()
 
 
+def llamacpp_stages(path: Path, ids: np.ndarray) -> dict[str, np.ndarray]:
+    engine = LlamaCpp(str(path), n_ctx=CONTEXT, threads=2, capture=True)
+    try:
+        engine.eval([int(t) for t in ids])
+        return {f"stage|{c.name}": np.asarray(c.array, dtype=np.float32).reshape(len(ids), -1)
+                for c in engine.captured if c.name.rsplit("-", 1)[0] in FFN_STAGES}
+    finally:
+        engine.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "golden")
@@ -74,13 +90,14 @@ def main() -> None:
         ids = token_ids(vocab)
         prefill, gap1 = llamacpp_logits(path, ids, N)
         decode, gap2 = llamacpp_logits(path, ids, PREFILL)
+        stages = llamacpp_stages(path, ids[:STAGE_IDS])
         fused, _ = llamacpp_logits(write_qwen35_file(Path(tmp) / "fused.gguf", moe=True, fused_gate_up=True), ids, N)
     gap = np.linalg.norm(prefill - decode, axis=1) / np.linalg.norm(prefill, axis=1)
     print(f"qwen35moe: llama.cpp prefill vs decode max relative {gap.max():.2e} ({N} tokens, decode from {PREFILL})")
     fgap = np.linalg.norm(prefill - fused, axis=1) / np.linalg.norm(prefill, axis=1)
     print(f"llama.cpp fused ffn_gate_up_exps vs separate: max relative {fgap.max():.2e}")
     print(f"smallest k-th - (k+1)-th router logit gap: {min(gap1, gap2):.3f}")
-    np.savez_compressed(args.out / "qwen35moe_llamacpp.npz", ids=ids, prefill=prefill, decode=decode, fused=fused)
+    np.savez_compressed(args.out / "qwen35moe_llamacpp.npz", ids=ids, prefill=prefill, decode=decode, fused=fused, **stages)
     import llama_cpp
     print(f"wrote {args.out / 'qwen35moe_llamacpp.npz'} (llama-cpp-python {llama_cpp.__version__})")
 
