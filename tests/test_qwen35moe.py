@@ -149,12 +149,15 @@ def test_a_shared_expert_of_the_wrong_width_is_one_error_line(tmp_path, capsys):
     assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"), tensor)
 
 
-def test_generate_and_trace_run_on_qwen35moe(path, tmp_path, capsys):
-    code, out, err = run(capsys, "generate", "-m", path, "--raw", "the cat", "-n", "3", "--json")
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+def test_generate_and_trace_run_on_qwen35moe(activations, path, tmp_path, capsys):
+    code, out, err = run(capsys, "generate", "-m", path, "--raw", "the cat", "-n", "3", "--json",
+                         "--activations", activations)
     assert code == 0, err
     assert len(json.loads(out)["ids"]) >= 1
     jl = tmp_path / "t.jsonl"
-    code, out, err = run(capsys, "trace", "-m", path, "--raw", "--tokens", "2", "--jsonl", jl, "the cat sat")
+    code, out, err = run(capsys, "trace", "-m", path, "--raw", "--tokens", "2", "--jsonl", jl,
+                         "--activations", activations, "the cat sat")
     assert code == 0, err
     stages = {json.loads(line).get("stage") for line in jl.read_text().splitlines() if line.strip()}
     assert {"new_state", "attn_gated", "ffn_moe_out", *SHEXP_STAGES, "l_out", "result_output"} <= stages
