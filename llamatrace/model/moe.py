@@ -141,7 +141,8 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable) -> 
     """
     n, dim, ff = c.n_expert, c.dim, c.expert_hidden_dim
     fused = f"blk.{layer}.{FUSED_GATE_UP}.weight" in f.tensors
-    gate_up = {FUSED_GATE_UP: (n, 2 * ff, dim)} if fused else {"ffn_gate_exps": (n, ff, dim), "ffn_up_exps": (n, ff, dim)}
+    gate_up = ({FUSED_GATE_UP: (n, 2 * ff, dim)} if fused
+               else {"ffn_gate_exps": (n, ff, dim), "ffn_up_exps": (n, ff, dim)})
     want = {ROUTER_TENSOR: (n, dim), **gate_up, "ffn_down_exps": (n, dim, ff)}
     tensors = {}
     for short, shape in want.items():

@@ -97,7 +97,8 @@ def main() -> None:
     fgap = np.linalg.norm(prefill - fused, axis=1) / np.linalg.norm(prefill, axis=1)
     print(f"llama.cpp fused ffn_gate_up_exps vs separate: max relative {fgap.max():.2e}")
     print(f"smallest k-th - (k+1)-th router logit gap: {min(gap1, gap2):.3f}")
-    np.savez_compressed(args.out / "qwen35moe_llamacpp.npz", ids=ids, prefill=prefill, decode=decode, fused=fused, **stages)
+    np.savez_compressed(args.out / "qwen35moe_llamacpp.npz", ids=ids, prefill=prefill, decode=decode, fused=fused,
+                        **stages)
     import llama_cpp
     print(f"wrote {args.out / 'qwen35moe_llamacpp.npz'} (llama-cpp-python {llama_cpp.__version__})")
 
