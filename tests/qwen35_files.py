@@ -9,7 +9,13 @@ extra M-RoPE position is 0); decays ``exp(g)`` spread over about (0.2, 1) and wr
 over (0, 1); norms that are not all ones; a context long enough for a prompt past llama.cpp's
 64-token chunk. F32 weights (Q8_0 for the q8 mode's test). Deterministic per ``seed``.
 
-``python tests/qwen35_files.py DIR`` writes the file into DIR.
+``moe=True`` writes the ``qwen35moe`` variant instead: the same layers with a mixture of
+:data:`N_EXPERT` experts (top :data:`N_EXPERT_USED`, width :data:`EXPERT_FF`) and a gated shared
+expert (width :data:`SHEXP_FF`), all widths unlike each other and the dense one. The router's
+rows are large (std ROUTER_STD/√dim, as tests/moe_files.py) so that each token's k-th and
+(k+1)-th router logits stay far apart beside float32 rounding.
+
+``python tests/qwen35_files.py DIR`` writes both files into DIR.
 """
 
 from __future__ import annotations
@@ -29,19 +35,24 @@ DIM, HIDDEN, CONTEXT = 64, 96, 128
 N_LAYERS, INTERVAL = 4, 3                      # recurrent: 0, 1, 3; full attention: 2
 N_HEADS, N_KV_HEADS, HEAD_DIM, ROPE_DIM, SECTIONS = 4, 2, 16, 8, [1, 1, 1, 1]
 N_K_HEADS, N_V_HEADS, SSM_HEAD_DIM, CONV_KERNEL = 2, 4, 16, 4
+N_EXPERT, N_EXPERT_USED, EXPERT_FF, SHEXP_FF, ROUTER_STD = 7, 3, 40, 56, 4.0     # qwen35moe
 
 
 def write_qwen35_file(path: str | Path, seed: int = 0, qtype: T = T.F32, skip_tensors: tuple[str, ...] = (),
-                      meta: dict[str, object] | None = None, shapes: dict[str, tuple[int, ...]] | None = None) -> Path:
-    """Write the random ``qwen35`` file at ``path`` and return the path.
+                      meta: dict[str, object] | None = None, shapes: dict[str, tuple[int, ...]] | None = None,
+                      moe: bool = False, fused_gate_up: bool = False) -> Path:
+    """Write the random ``qwen35`` (``moe``: ``qwen35moe``) file at ``path`` and return the path.
 
     ``skip_tensors`` leaves those tensors out; ``meta`` writes or replaces ``qwen35.*`` keys (key
     without the prefix → value: int as uint32, float as float32, list of bools as a bool array,
-    ``None`` removes the key); ``shapes`` gives tensors another numpy shape (broken files)."""
-    rng = np.random.default_rng([seed, 35])
+    ``None`` removes the key); ``shapes`` gives tensors another numpy shape (broken files).
+    ``fused_gate_up`` (with ``moe``) stores the same experts' gate and up as one ``ffn_gate_up_exps``
+    ``[n_expert, 2*EXPERT_FF, dim]``, gate rows first."""
+    arch = "qwen35moe" if moe else ARCH
+    rng = np.random.default_rng([seed, 35] + ([1] if moe else []))
     tokens, types, merges = vocabulary()
-    w = gguf.GGUFWriter(str(path), ARCH)
-    w.add_name("tiny-random-qwen35-test")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-random-{arch}-test")
     keys: dict[str, object] = {
         "block_count": N_LAYERS, "context_length": CONTEXT, "embedding_length": DIM,
         "feed_forward_length": HIDDEN, "attention.head_count": N_HEADS, "attention.head_count_kv": N_KV_HEADS,
@@ -50,11 +61,12 @@ def write_qwen35_file(path: str | Path, seed: int = 0, qtype: T = T.F32, skip_te
         "rope.dimension_sections": SECTIONS, "full_attention_interval": INTERVAL,
         "ssm.conv_kernel": CONV_KERNEL, "ssm.state_size": SSM_HEAD_DIM, "ssm.group_count": N_K_HEADS,
         "ssm.time_step_rank": N_V_HEADS, "ssm.inner_size": N_V_HEADS * SSM_HEAD_DIM,
-    } | dict(meta or {})
+    } | ({"expert_count": N_EXPERT, "expert_used_count": N_EXPERT_USED, "expert_feed_forward_length": EXPERT_FF,
+          "expert_shared_feed_forward_length": SHEXP_FF} if moe else {}) | dict(meta or {})
     for key, value in keys.items():
         if value is None:
             continue
-        full = f"{ARCH}.{key}"
+        full = f"{arch}.{key}"
         if isinstance(value, list):
             vtype = gguf.GGUFValueType.BOOL if isinstance(value[0], bool) else gguf.GGUFValueType.INT32
             w.add_key_value(full, value, gguf.GGUFValueType.ARRAY, sub_type=vtype)
@@ -103,11 +115,25 @@ def write_qwen35_file(path: str | Path, seed: int = 0, qtype: T = T.F32, skip_te
             tensors[p + "attn_k_norm.weight"] = norm(HEAD_DIM)
             tensors[p + "attn_output.weight"] = mat(DIM, N_HEADS * HEAD_DIM)
         tensors[p + "post_attention_norm.weight"] = norm(DIM)
-        tensors[p + "ffn_gate.weight"] = mat(HIDDEN, DIM)
-        tensors[p + "ffn_up.weight"] = mat(HIDDEN, DIM)
-        tensors[p + "ffn_down.weight"] = mat(DIM, HIDDEN)
+        if moe:
+            tensors[p + "ffn_gate_inp.weight"] = mat(N_EXPERT, DIM, ROUTER_STD)
+            tensors[p + "ffn_gate_exps.weight"] = np.stack([mat(EXPERT_FF, DIM) for _ in range(N_EXPERT)])
+            tensors[p + "ffn_up_exps.weight"] = np.stack([mat(EXPERT_FF, DIM) for _ in range(N_EXPERT)])
+            tensors[p + "ffn_down_exps.weight"] = np.stack([mat(DIM, EXPERT_FF) for _ in range(N_EXPERT)])
+            tensors[p + "ffn_gate_inp_shexp.weight"] = rng.normal(0, 2.0 * DIM ** -0.5, size=DIM)
+            tensors[p + "ffn_gate_shexp.weight"] = mat(SHEXP_FF, DIM)
+            tensors[p + "ffn_up_shexp.weight"] = mat(SHEXP_FF, DIM)
+            tensors[p + "ffn_down_shexp.weight"] = mat(DIM, SHEXP_FF)
+        else:
+            tensors[p + "ffn_gate.weight"] = mat(HIDDEN, DIM)
+            tensors[p + "ffn_up.weight"] = mat(HIDDEN, DIM)
+            tensors[p + "ffn_down.weight"] = mat(DIM, HIDDEN)
     tensors["output_norm.weight"] = norm(DIM)
     tensors["output.weight"] = mat(len(tokens), DIM)
+    for i in range(N_LAYERS if moe and fused_gate_up else 0):
+        p = f"blk.{i}."
+        tensors[p + "ffn_gate_up_exps.weight"] = np.concatenate(
+            [tensors.pop(p + "ffn_gate_exps.weight"), tensors.pop(p + "ffn_up_exps.weight")], axis=1)
     for name, data in tensors.items():
         if name in skip_tensors:
             continue
@@ -115,7 +141,8 @@ def write_qwen35_file(path: str | Path, seed: int = 0, qtype: T = T.F32, skip_te
         if shapes and name in shapes:
             data = rng.normal(0, 0.1, size=shapes[name])
         # matrices in qtype; norms, biases, the conv kernel and A in F32 (as llama.cpp's converter)
-        big = data.ndim == 2 and "ssm_conv1d" not in name and data.shape[1] % 32 == 0
+        big = (data.ndim in (2, 3) and "ssm_conv1d" not in name and "ffn_gate_inp" not in name
+               and data.shape[-1] % 32 == 0)
         _store(w, name, data, qtype if big else T.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -128,3 +155,4 @@ if __name__ == "__main__":
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     out.mkdir(parents=True, exist_ok=True)
     print(write_qwen35_file(out / "tiny-qwen35.gguf"))
+    print(write_qwen35_file(out / "tiny-qwen35moe.gguf", moe=True))

@@ -72,6 +72,9 @@ class Architecture:
         deltanet: some layers are gated DeltaNet linear attention (:mod:`llamatrace.model.deltanet`)
             instead of softmax attention: those of ``{arch}.attention.recurrent_layers``, else all
             but every ``{arch}.full_attention_interval``-th (default 4); sizes from ``{arch}.ssm.*``.
+        shared_expert: beside the routed experts, a shared SwiGLU expert (``ffn_{gate,up,down}_shexp``,
+            width ``{arch}.expert_shared_feed_forward_length``, else ``feed_forward_length``) scaled
+            per token by sigmoid(``ffn_gate_inp_shexp``·x) and added to ``ffn_moe_out`` (qwen35moe).
         attn_output_gate: ``attn_q`` yields per head the query then a gate (``Qcur_full``, twice
             the rows); the attention output is multiplied by sigmoid(gate) before ``attn_output``.
     """
@@ -104,6 +107,7 @@ class Architecture:
     deltanet: bool = False
     attn_output_gate: bool = False
     ffn_norm_post_attention: bool = False
+    shared_expert: bool = False
 
 
 # One row per family; llama.cpp's src/models/<arch>.cpp is the reference for each.
@@ -130,6 +134,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     # qwen35.cpp: 3 of 4 layers gated DeltaNet; full attention gated, interleaved M-RoPE by sections
     "qwen35": Architecture(rope_neox=True, qk_norm=True, deltanet=True, attn_output_gate=True,
                            ffn_norm_post_attention=True),
+    # qwen35moe.cpp: qwen35's layers with build_moe_ffn (softmax, norm_w; expert_weights_scale is
+    # never read, so never applied) plus a sigmoid-gated shared expert
+    "qwen35moe": Architecture(rope_neox=True, qk_norm=True, deltanet=True, attn_output_gate=True,
+                              ffn_norm_post_attention=True, moe=True, expert_weights_norm=True,
+                              expert_ff_key=True, expert_gating="softmax", shared_expert=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -238,6 +247,8 @@ class ModelConfig:
         attn_sinks, attn_out_bias, moe_bias, expert_act, ffn_norm_post_attention: as in
             :class:`Architecture` (gpt-oss).
         attn_output_gate: as in :class:`Architecture` (Qwen3.5).
+        shexp_hidden_dim: the shared expert's SwiGLU width; 0 = no shared expert (qwen35moe's
+            :attr:`Architecture.shared_expert`).
         rope_sections: ``{arch}.rope.dimension_sections`` (interleaved M-RoPE, llama.cpp's IMROPE):
             for text every section carries the token's position but the fourth (extra) one,
             which carries 0, so its rotary pairs are not rotated (:func:`imrope_text_rotated`).
@@ -288,6 +299,7 @@ class ModelConfig:
     attn_out_bias: bool = False
     moe_bias: bool = False
     expert_act: str = "silu"
+    shexp_hidden_dim: int = 0
     ffn_norm_post_attention: bool = False
     attn_output_gate: bool = False
     rope_sections: tuple[int, ...] = ()
@@ -354,11 +366,13 @@ class ModelConfig:
         ``attn_softcap``, ``final_softcap``, ``moe`` (a mixture-of-experts FFN), ``moe_norm`` (its
         weights normalised), ``attn_sinks``, ``moe_bias`` (router and expert biases),
         ``moe_softmax_weight`` (softmax over the chosen logits), ``moe_oai`` (clamped SwiGLU),
+        ``moe_shexp`` (a gated shared expert),
         ``deltanet``, ``attn_gate``. Empty for a Llama model."""
         flags = {"moe": self.n_expert > 0, "moe_norm": self.n_expert > 0 and self.expert_weights_norm,
                  "attn_sinks": self.attn_sinks, "moe_bias": self.n_expert > 0 and self.moe_bias,
                  "moe_softmax_weight": self.n_expert > 0 and self.expert_gating == "softmax_weight",
                  "moe_oai": self.n_expert > 0 and self.expert_act == "swiglu_oai",
+                 "moe_shexp": self.n_expert > 0 and self.shexp_hidden_dim > 0,
                  "qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, "post_norms": self.post_norms,
                  "gelu": self.ffn_act == "gelu", "embed_scale": self.embed_scale != 1.0,
                  "swa": bool(self.sliding_window and self.local_layers),
@@ -615,9 +629,12 @@ def _experts(meta: Mapping[str, Any], arch: str, spec: Architecture, as_int, hid
         expert_hidden = as_int("expert_feed_forward_length", meta[ff_key]) if ff_key in meta else hidden_dim // n_used
     else:
         expert_hidden = hidden_dim
+    shexp_key = f"{arch}.expert_shared_feed_forward_length"
+    shexp_hidden = (as_int("expert_shared_feed_forward_length", meta[shexp_key]) if shexp_key in meta
+                    else hidden_dim) if spec.shared_expert else 0
     return dict(n_expert=n_expert, n_expert_used=n_used, expert_hidden_dim=expert_hidden,
                 expert_gating=EXPERT_GATING_FUNCS[gating], expert_weights_norm=spec.expert_weights_norm,
-                moe_bias=spec.moe_bias, expert_act=spec.expert_act)
+                moe_bias=spec.moe_bias, expert_act=spec.expert_act, shexp_hidden_dim=shexp_hidden)
 
 
 def _deltanet_fields(meta: Mapping[str, Any], arch: str, n_blocks: int, n_layers: int, as_int,

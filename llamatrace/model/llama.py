@@ -767,25 +767,25 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     layers = []
     ffn_norm = "attention_post_norm" if c.ffn_norm_post_attention else "ffn_norm"
     for i in range(c.n_layers):
+        experts = moe.load(f, c, i, router, expert_rows) if c.n_expert else None
+        if experts is not None:
+            w13 = None
+            packed(*moe.layer_tensors(f, i))
         if c.is_recurrent(i):
-            w13 = stacked(("w1", "w3"), i)
+            w13 = None if experts else stacked(("w1", "w3"), i)
+            dense = experts is None and w13 is None
             layers.append(LayerWeights(
                 attention_norm=vector("attention_norm", i), wq=None, wk=None, wv=None, wqkv=None, wo=None,
-                ffn_norm=vector(ffn_norm, i), w1=None if w13 else matrix("w1", i), w3=None if w13 else matrix("w3", i),
-                w13=w13, w2=matrix("w2", i), deltanet=deltanet.load(i, matrix, vector)))
+                ffn_norm=vector(ffn_norm, i), w1=matrix("w1", i) if dense else None,
+                w3=matrix("w3", i) if dense else None, w13=w13, w2=None if experts else matrix("w2", i),
+                moe=experts, deltanet=deltanet.load(i, matrix, vector)))
             continue
         if c.fused_qkv:
             wqkv = split("wqkv", i, (q_dim, kv_dim, kv_dim))
         else:
             wqkv = stacked(("wq", "wk", "wv"), i) or stacked(("wq", "wk"), i)
-        experts = moe.load(f, c, i, router, expert_rows) if c.n_expert else None
-        if experts is not None:
-            w13 = None
-            packed(*(f.tensor(f"blk.{i}.{n}.weight") for n in (moe.ROUTER_TENSOR, *moe.EXPERT_TENSORS)))
-        elif c.fused_gate_up:
-            w13 = split("w3", i, (c.hidden_dim, c.hidden_dim))
-        else:
-            w13 = stacked(("w1", "w3"), i)
+        if experts is None:
+            w13 = split("w3", i, (c.hidden_dim, c.hidden_dim)) if c.fused_gate_up else stacked(("w1", "w3"), i)
         lw = LayerWeights(
             attention_norm=vector("attention_norm", i),
             wq=None if wqkv else matrix("wq", i),

@@ -13,6 +13,12 @@ As llama.cpp's ``build_moe_ffn`` (``src/llama-graph.cpp``) computes it for qwen3
         y[s] = W2[e]·h                                  ffn_moe_down     [seq_len, k, dim]
     out = Σ_s weights[s] · y[s]                         ffn_moe_weighted [seq_len, k, dim], ffn_moe_out [seq_len, dim]
 
+With a shared expert (qwen35moe, ``qwen35moe.cpp``'s ``build_layer_ffn``), beside the routed ones::
+
+    s = W2s·(silu(W1s·x) ⊙ W3s·x)                       ffn_shexp        [seq_len, dim]
+    g = w_gs · x                                        shared_expert_gate [seq_len, 1]
+    out = ffn_moe_out + sigmoid(g) · s                  shared_expert_gate_sigmoid, ffn_shexp_gated
+
 The routing arithmetic is :mod:`llamatrace.kernels.ops.moe`. The experts' weights stay
 quantized: GGUF stores each as one 3-D tensor ``[n_expert, rows, cols]`` (NumPy order), packed
 here one expert at a time (:mod:`llamatrace.kernels.types.packing`, gate|up stacked per expert
@@ -38,10 +44,16 @@ from llamatrace.kernels.ops import moe as routing
 from llamatrace.kernels.types import packing
 from llamatrace.kernels.types.registry import matmul
 from llamatrace.model.config import ModelConfig
+from llamatrace.model.deltanet import sigmoid
 from llamatrace.tracing.recorder import Emit
 
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 """The GGUF names (``blk.N.<name>.weight``) of the experts' gate, up and down matrices."""
+FUSED_GATE_UP = "ffn_gate_up_exps"
+"""The GGUF name of the experts' gate and up stored as one tensor (``[n_expert, 2*expert_hidden_dim, dim]``,
+gate rows first), which llama.cpp's loader takes instead of the two."""
+SHEXP_TENSORS = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp")
+"""The GGUF names of the shared expert's gate, up, down and its gate's row (``[dim]``)."""
 ROUTER_TENSOR = "ffn_gate_inp"
 """The GGUF name of the router (``blk.N.ffn_gate_inp.weight``, ``[n_expert, dim]``)."""
 
@@ -88,10 +100,15 @@ class MoEWeights:
     router_b: np.ndarray | None = None       # ffn_gate_inp.bias float32 [n_expert]          (moe_bias)
     b13: np.ndarray | None = None            # gate|up biases float32 [n_expert, 2*expert_hidden_dim]
     b2: np.ndarray | None = None             # ffn_down_exps.bias float32 [n_expert, dim]
+    shexp_w1: packing.Weight | None = None   # ffn_gate_shexp [shexp_hidden_dim, dim]      (shared expert)
+    shexp_w3: packing.Weight | None = None   # ffn_up_shexp [shexp_hidden_dim, dim]
+    shexp_w2: packing.Weight | None = None   # ffn_down_shexp [dim, shexp_hidden_dim]
+    shexp_gate: packing.Weight | None = None  # ffn_gate_inp_shexp [1, dim]
 
     def matrices(self) -> list[packing.Weight]:
         """Every packed matrix of the layer."""
-        return [self.router, *self.w2, *(self.w13 or ()), *(self.w1 or ()), *(self.w3 or ())]
+        shexp = (self.shexp_w1, self.shexp_w3, self.shexp_w2, self.shexp_gate) if self.shexp_w2 is not None else ()
+        return [self.router, *self.w2, *(self.w13 or ()), *(self.w1 or ()), *(self.w3 or ()), *shexp]
 
     def gate_up(self, x: np.ndarray, e: int, bias: bool = True) -> np.ndarray:
         """Expert ``e``'s gate|up product of rows ``x`` [n, dim]: float32 [n, 2*expert_hidden_dim]."""
@@ -123,8 +140,10 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable) -> 
             ``{arch}.expert_count``, ``embedding_length`` and the experts' hidden width.
     """
     n, dim, ff = c.n_expert, c.dim, c.expert_hidden_dim
-    want = {ROUTER_TENSOR: (n, dim), "ffn_gate_exps": (n, ff, dim), "ffn_up_exps": (n, ff, dim),
-            "ffn_down_exps": (n, dim, ff)}
+    fused = f"blk.{layer}.{FUSED_GATE_UP}.weight" in f.tensors
+    gate_up = ({FUSED_GATE_UP: (n, 2 * ff, dim)} if fused
+               else {"ffn_gate_exps": (n, ff, dim), "ffn_up_exps": (n, ff, dim)})
+    want = {ROUTER_TENSOR: (n, dim), **gate_up, "ffn_down_exps": (n, dim, ff)}
     tensors = {}
     for short, shape in want.items():
         name = f"blk.{layer}.{short}.weight"
@@ -138,16 +157,52 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable) -> 
                                    f"from {c.arch}.expert_count ({n}), embedding_length ({dim}) and the experts' "
                                    f"hidden width ({ff}); the file is inconsistent")
         tensors[short] = f.tensor(name)
-    gate, up, down = (tensors[s] for s in EXPERT_TENSORS)
+    down = tensors["ffn_down_exps"]
     router = pack(f"blk.{layer}.{ROUTER_TENSOR}.weight", tensors[ROUTER_TENSOR], n, dim)
     w2 = [pack_rows(f"{down.name}#{e}", [(down, e)], ff) for e in range(n)]
-    biases = _biases(f, c, layer) if c.moe_bias else {}
+    extra = _biases(f, c, layer) if c.moe_bias else {}
+    if c.shexp_hidden_dim:
+        extra |= _shared_expert(f, c, layer, pack)
+    if fused:
+        gu = tensors[FUSED_GATE_UP]
+        return MoEWeights(router, w2, w13=[pack_rows(f"{gu.name}#{e}", [(gu, e)], dim) for e in range(n)], **extra)
+    gate, up = tensors["ffn_gate_exps"], tensors["ffn_up_exps"]
     if gate.tensor_type == up.tensor_type:
         w13 = [pack_rows(f"{gate.name}+{up.name}#{e}", [(gate, e), (up, e)], dim) for e in range(n)]
-        return MoEWeights(router, w2, w13=w13, **biases)
+        return MoEWeights(router, w2, w13=w13, **extra)
     w1 = [pack_rows(f"{gate.name}#{e}", [(gate, e)], dim) for e in range(n)]
     w3 = [pack_rows(f"{up.name}#{e}", [(up, e)], dim) for e in range(n)]
-    return MoEWeights(router, w2, w1=w1, w3=w3, **biases)
+    return MoEWeights(router, w2, w1=w1, w3=w3, **extra)
+
+
+def layer_tensors(f, layer: int) -> list:
+    """The MoE tensors of ``layer`` the file holds (router, experts, fused gate|up, shared expert)."""
+    names = (f"blk.{layer}.{n}.weight" for n in (ROUTER_TENSOR, *EXPERT_TENSORS, FUSED_GATE_UP, *SHEXP_TENSORS))
+    return [f.tensor(name) for name in names if name in f.tensors]
+
+
+def _shared_expert(f, c: ModelConfig, layer: int, pack: Callable) -> dict[str, packing.Weight]:
+    """The shared expert of ``layer`` (qwen35moe): ``shexp_w1``, ``shexp_w3``, ``shexp_w2`` and
+    ``shexp_gate`` (one row). Raises :class:`ModelFormatError` for a
+    missing tensor or one whose shape disagrees with ``embedding_length`` and the shared width."""
+    dim, ff = c.dim, c.shexp_hidden_dim
+    want = {"ffn_gate_shexp": (ff, dim), "ffn_up_shexp": (ff, dim), "ffn_down_shexp": (dim, ff),
+            "ffn_gate_inp_shexp": (dim,)}
+    t = {}
+    for short, shape in want.items():
+        name = f"blk.{layer}.{short}.weight"
+        if name not in f.tensors:
+            raise ModelFormatError(f"{f.path.name}: tensor {name!r} (the shared expert) is missing; a {c.arch} "
+                                   f"mixture of experts needs it — the file is incomplete or not really {c.arch}")
+        t[short] = f.tensor(name)
+        if int(np.prod(f.matrix_shape(name))) != int(np.prod(shape)) or (
+                len(shape) == 2 and f.matrix_shape(name) != shape):
+            raise ModelFormatError(f"{f.path.name}: tensor {name!r} has shape {list(f.matrix_shape(name))}, expected "
+                                   f"{list(shape)} from embedding_length ({dim}) and the shared expert's width "
+                                   f"({ff}, expert_shared_feed_forward_length); the file is inconsistent")
+    return {field: pack(f"blk.{layer}.{short}.weight", t[short], *want[short]) if len(want[short]) == 2
+            else pack(f"blk.{layer}.{short}.weight", t[short], 1, dim)
+            for field, short in zip(("shexp_w1", "shexp_w3", "shexp_w2", "shexp_gate"), SHEXP_TENSORS)}
 
 
 def _biases(f, c: ModelConfig, layer: int) -> dict[str, np.ndarray]:
@@ -212,7 +267,8 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     if not watched(layer, *EXPERT_STAGES):
         for e, pairs in groups:
             down[pairs] = mw.down(_glu(mw.gate_up(x[pairs // k], e), opts.act), e)
-        return emit("ffn_moe_out", layer, routing.combine(down.reshape(seq_len, k, -1), weights))
+        return _shared(x, mw, emit, layer, emit("ffn_moe_out", layer, routing.combine(down.reshape(seq_len, k, -1),
+                                                                                    weights)))
     ff = mw.w2[0].n_in
     gate = np.empty((seq_len * k, ff), dtype=np.float32)
     up = np.empty((seq_len * k, ff), dtype=np.float32)
@@ -237,7 +293,19 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     out = weighted[:, 0].copy()
     for s in range(1, k):                        # slot by slot, as llama.cpp's chain of adds
         out += weighted[:, s]
-    return emit("ffn_moe_out", layer, out)
+    return _shared(x, mw, emit, layer, emit("ffn_moe_out", layer, out))
+
+
+def _shared(x: np.ndarray, mw: MoEWeights, emit: Emit, layer: int, moe_out: np.ndarray) -> np.ndarray:
+    """``moe_out`` plus the gated shared expert of rows ``x`` (qwen35moe's ``build_layer_ffn``), or
+    ``moe_out`` itself without one: float32 ``[seq_len, dim]``."""
+    if mw.shexp_w2 is None:
+        return moe_out
+    h = kernels.silu(matmul(x, mw.shexp_w1)) * matmul(x, mw.shexp_w3)
+    shexp = emit("ffn_shexp", layer, matmul(h, mw.shexp_w2))
+    gate = emit("shared_expert_gate", layer, matmul(x, mw.shexp_gate))
+    gate = emit("shared_expert_gate_sigmoid", layer, sigmoid(gate))
+    return moe_out + emit("ffn_shexp_gated", layer, shexp * gate)
 
 
 def expert_rows(mw: MoEWeights, x: np.ndarray, ids: np.ndarray, part: str) -> np.ndarray:
