@@ -1,4 +1,4 @@
-"""llamatrace: run a Llama-family GGUF model (Llama, Qwen, Phi-3, Gemma) on the CPU and trace every stage of its forward pass.
+"""llamatrace: run a GGUF model (Llama, Qwen, Phi-3, Gemma, gpt-oss; mixtures of experts, Qwen3.5's DeltaNet hybrids) on the CPU and trace every stage of its forward pass.
 
 Python use::
 

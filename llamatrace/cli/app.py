@@ -155,7 +155,7 @@ def _no_flag_metavar(command, ctx) -> None:
 app = typer.Typer(
     name="llamatrace",
     cls=_Group,
-    help="Run a Llama-family GGUF model (Llama, Qwen, Phi-3, Gemma) on the CPU and watch every stage of its forward pass.\n\n"
+    help="Run a GGUF model (Llama, Qwen, Phi-3, Gemma, gpt-oss; mixtures of experts, Qwen3.5's DeltaNet hybrids) on the CPU and watch every stage of its forward pass.\n\n"
          "Examples:\n\n"
          "  llamatrace generate \"What is the capital of France?\"\n\n"
          "  llamatrace trace --layer 0 --dump-shapes\n\n"
