@@ -19,6 +19,8 @@ OWN_HELP = {
     ("--ctx-size", "quantize"): "the calibration chunk length, as perplexity's",
     ("--ctx-size", "imatrix"): "the chunk length, as llama-imatrix's -c (every token summed)",
     ("--ctx-size", "collect"): "the sequence length, as SAELens's context_size",
+    ("--ctx-size", "expert-load"): "the chunk length, as imatrix's",
+    ("--activations", "expert-load"): "q8 by default from 1 B parameters, as perplexity's",
     ("--ctx-size", "diagram"): "the same capacity, with the default the diagram draws (prompt + 256)",
     ("--activations", "bench"): "repeatable: each mode runs as an engine of its own",
     ("--activations", "generate"): "q8 by default from 1 B parameters; the tracing commands keep f32",
@@ -97,4 +99,4 @@ def test_activations_help_names_the_types_with_q8_kernels():
 
     from llamatrace.cli.options import _Q8_WEIGHTS
     from llamatrace.kernels.types import registry
-    assert set(re.findall(r"Q\d_[0-9K]", _Q8_WEIGHTS)) == {t.name for t in registry.served_types("q8")}
+    assert set(re.findall(r"Q\d_[0-9K]|MXFP4", _Q8_WEIGHTS)) == {t.name for t in registry.served_types("q8")}

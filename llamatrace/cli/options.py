@@ -69,7 +69,7 @@ RayOpt = Annotated[Optional[str], typer.Option(
     "one for the run. Each actor reserves --threads CPUs (default 1) and uses as many; a file the run writes "
     "must be on a path every node writes to. Needs the extra llamatrace[ray].", show_default=False)]
 # the types with q8 kernels (kernels.types.registry.served_types("q8"); named here so --help needs no Numba)
-_Q8_WEIGHTS = "Activations of the matmuls on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K weights"
+_Q8_WEIGHTS = "Activations of the matmuls on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K and MXFP4 weights"
 ActivationsOpt = Annotated[str, typer.Option(
     "--activations", metavar="f32|q8", help=f"{_Q8_WEIGHTS}: f32 (float32, HF's arithmetic: the "
     "reference) or q8 (8 bits per block of 32, llama.cpp's arithmetic: faster, ~1e-2 off; needs AVX2).")]
