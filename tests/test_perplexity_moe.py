@@ -141,3 +141,15 @@ def test_stages_cli_json_and_printout_hold_the_experts(capsys, pair, attribution
     out = capsys.readouterr().out
     assert "Per expert: ffn_moe_down" in out and "route kept" in out
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_worst_experts_fall_back_to_the_accumulated_error_where_no_local_one():
+    """gpt-oss's clamped SwiGLU has no local formula yet: its experts are ranked by the accumulated error."""
+    from llamatrace.corpus.stage_errors import ExpertErrors
+    nan = np.nan
+    x = ExpertErrors(("ffn_moe_down",), np.array([[3, 0, 2]]), np.array([[1, 0, 0]]),
+                     np.full((1, 1, 3), nan), np.full((1, 1, 3), nan), np.array([[[0.2, nan, 0.5]]]))
+    assert [(e, acc) for _, e, _, _, acc, _, _ in x.worst("ffn_moe_down")] == [(2, 0.5), (0, 0.2)]
+    x.local_median[0, 0] = [0.3, nan, 0.1]
+    assert [e for _, e, *_ in x.worst("ffn_moe_down")] == [0, 2]
+    assert x.as_json()["local_median"] == [[[0.3, None, 0.1]]]

@@ -176,6 +176,11 @@ def _print_stages(a) -> None:
         _print_experts(a.experts)
 
 
+def _num(v: float) -> str:
+    """A median in 9 characters; – where it is not measured (NaN)."""
+    return f"{'–':>9}" if v != v else f"{v:9.5f}"
+
+
 def _print_experts(x) -> None:
     """The experts whose down projection adds the most error, and how often the quantized model
     kept the base's route, layer by layer."""
@@ -185,7 +190,7 @@ def _print_experts(x) -> None:
     out.print(f"{'layer':>5} {'expert':>6} {'local':>9} {'95%':>9} {'accum.':>9} {'tokens':>7} {'rerouted':>8}",
               markup=False)
     for layer, e, local, p95, acc, count, rerouted in x.worst(stage):
-        out.print(f"{layer:>5} {e:>6} {local:9.5f} {p95:9.5f} {acc:9.5f} {count:>7} {rerouted:>8}", markup=False)
+        out.print(f"{layer:>5} {e:>6} {_num(local)} {_num(p95)} {_num(acc)} {count:>7} {rerouted:>8}", markup=False)
     out.print("local: from the base's inputs on its route; accum.: against the quantized model's row of the "
               "same expert; rerouted: tokens it sent elsewhere (not measured)", markup=False)
     out.print()

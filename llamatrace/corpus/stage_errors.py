@@ -364,11 +364,13 @@ class ExpertErrors:
 
     def worst(self, stage: str, n: int = 15) -> list[tuple[int, int, float, float, float, int, int]]:
         """The ``n`` (layer, expert, local median, local p95, accumulated median, count, rerouted)
-        of ``stage`` with the largest local median, worst first."""
+        of ``stage`` with the largest local median, worst first (by the accumulated median where
+        the stage's local error is not recomputed: NaN)."""
         k = self.stages.index(stage)
-        values = self.local_median[:, k]
+        local = self.local_median[:, k]
+        values = local if not np.isnan(local).all() else self.median[:, k]
         order = np.argsort(-np.nan_to_num(values, nan=-1.0), axis=None)[:n]
-        return [(int(i), int(e), float(values[i, e]), float(self.local_p95[i, k, e]),
+        return [(int(i), int(e), float(local[i, e]), float(self.local_p95[i, k, e]),
                  float(self.median[i, k, e]), int(self.count[i, e]), int(self.rerouted[i, e]))
                 for i, e in zip(*np.unravel_index(order, values.shape)) if not np.isnan(values[i, e])]
 
