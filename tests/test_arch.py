@@ -358,7 +358,7 @@ def test_local_error_recomputes_each_architectures_own_stages_as_the_forward_pas
     from llamatrace.corpus.stage_errors import capture, local_error_rows, local_notes, token_stages
     model = models[arch]
     acts, embd, inputs, _ = capture(model, np.arange(3, 3 + 2 * WINDOW), 2)
-    local = local_error_rows(model, acts, embd, inputs, 2)         # [n_layers, n_stages, n_scored]
+    local, _ = local_error_rows(model, acts, embd, inputs, 2)      # [n_layers, n_stages, n_scored]
     stages = token_stages(model.config.features)
     notes = local_notes(model.config, stages)
     assert set(notes) == {"Qcur_rope", "Kcur_rope"}

@@ -72,7 +72,8 @@ def test_a_model_against_itself_differs_nowhere(tiny_pair):
     model = Llama.load(tiny_pair[0])
     ids = np.arange(16, dtype=np.int32) + 5
     job = ChunkJob(ids, ids[9:16].astype(np.int64), 8)
-    part, errors, embd = score_pair((model, model), job)
+    part, errors, embd, experts = score_pair((model, model), job)
+    assert experts is None                 # a dense model
     assert errors.shape == (2, 2, len(TOKEN_STAGES), 7) and not errors[0].any() and not embd.any()
     local = errors[1]                      # the model recomputing its own stages: 0 at every Llama stage
     assert not np.isnan(local).any() and not local.any()
@@ -140,7 +141,7 @@ def test_local_error_is_what_the_quantized_weights_add_at_each_stage(tiny_pair):
     base, quant = Llama.load(tiny_pair[0]), Llama.load(tiny_pair[1])
     ids = np.arange(16, dtype=np.int32) + 5
     job = ChunkJob(ids, ids[9:16].astype(np.int64), 8)
-    _, errors, _ = score_pair((base, quant), job)
+    _, errors, _, _ = score_pair((base, quant), job)
     local = errors[1]
     col = {s: TOKEN_STAGES.index(s) for s in ("ffn_up", "attn_out", "ffn_inp", "l_out")}
     assert (local[:, col["ffn_up"]] > 1e-4).all() and (local[:, col["attn_out"]] > 1e-4).all()
@@ -168,7 +169,7 @@ def test_a_fused_matrix_is_multiplied_once_a_layer(tiny_pair, monkeypatch):
     real = local_error.matmul
     monkeypatch.setattr(local_error, "matmul", lambda x, w: calls.append(w.name) or real(x, w))
     ids = np.arange(16, dtype=np.int32) + 5
-    _, errors, _ = score_pair((base, quant), ChunkJob(ids, ids[9:16].astype(np.int64), 8))
+    _, errors, _, _ = score_pair((base, quant), ChunkJob(ids, ids[9:16].astype(np.int64), 8))
     n_layers = quant.config.n_layers
     assert sorted(set(calls)) == sorted({w.name for L in quant.weights.layers for w in (L.wqkv, L.w13, L.wo, L.w2)})
     assert len(calls) == 4 * n_layers

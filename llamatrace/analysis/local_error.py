@@ -208,7 +208,7 @@ def _steps(arrays: Mapping[str, np.ndarray], start_pos: int) -> list[tuple[int, 
 
 
 def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
-                 per_row: bool = False) -> dict[str, float | np.ndarray]:
+                 per_row: bool = False, slots: dict | None = None) -> dict[str, float | np.ndarray]:
     """Stage key → ``‖recomputed − recorded‖ / ‖recorded‖``: the recorded output against
     :data:`LOCAL_STAGES`'s recomputation from the recorded inputs (float64; only stages whose
     inputs are recorded).
@@ -221,6 +221,9 @@ def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
             (``trace --npz``, :func:`llamatrace.analysis.compare.llamacpp_stage_arrays`).
         start_pos: the position of step 0's first row (rows of a longer prompt, say).
         per_row: give float64 ``[seq_len]`` errors, one per row (token), instead of one number.
+        slots: when given, each stage recorded as ``[seq_len, n_expert_used, width]`` (the chosen
+            experts' rows) also puts its float64 ``[seq_len, n_expert_used]`` errors, one per
+            (token, slot), there under its key.
     """
     out: dict[str, float | np.ndarray] = {}
     for step, pos in _steps(arrays, start_pos):
@@ -240,4 +243,8 @@ def local_errors(model, arrays: Mapping[str, np.ndarray], *, start_pos: int = 0,
                 if np.shape(expected) != recorded.shape:
                     expected = np.reshape(expected, recorded.shape)
                 out[key] = relative_error_rows(expected, recorded) if per_row else metrics(expected, recorded)[0]
+                if slots is not None and recorded.ndim == 3:
+                    n, k, width = recorded.shape
+                    slots[key] = relative_error_rows(np.reshape(expected, (n * k, width)),
+                                                     recorded.reshape(n * k, width)).reshape(n, k)
     return out

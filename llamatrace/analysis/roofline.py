@@ -134,11 +134,18 @@ def measure_machine(threads: int, repeats: int = 3, amx_types: tuple[str, ...] =
 
 def token_cost(gguf_file) -> TokenCost:
     """The weight bytes and multiply-adds of one token through every matrix of ``gguf_file``
-    (:class:`llamatrace.gguf.reader.GGUFFile`)."""
+    (:class:`llamatrace.gguf.reader.GGUFFile`); of a mixture's 3-D expert tensors ``[n_expert,
+    rows, cols]``, the ``expert_used_count`` experts a token goes through (on average, the share
+    ``expert_used_count / expert_count`` of their bytes)."""
     tensors = gguf_file.tensors
     tied = "output.weight" not in tensors
     mats = [t for name, t in tensors.items() if len(t.shape) == 2 and (name != "token_embd.weight" or tied)]
-    return TokenCost(weight_bytes=sum(t.n_bytes for t in mats), macs=sum(t.n_elements for t in mats))
+    arch = gguf_file.field("general.architecture")
+    used = gguf_file.field(f"{arch}.expert_used_count", 0)
+    experts = [t for t in tensors.values() if len(t.shape) == 3 and used]
+    share = [(int(t.n_bytes) * used // int(t.shape[-1]), int(t.n_elements) * used // int(t.shape[-1])) for t in experts]
+    return TokenCost(weight_bytes=sum(t.n_bytes for t in mats) + sum(b for b, _ in share),
+                     macs=sum(t.n_elements for t in mats) + sum(m for _, m in share))
 
 
 def fractions(cost: TokenCost, machine: Machine, prefill_tok_s: float, decode_tok_s: float) -> dict[str, float]:

@@ -172,6 +172,32 @@ def _print_stages(a) -> None:
     out.print(f"{'layer':>5}  {'l_out':>9} {'added':>9}   (residual stream, medians)", markup=False)
     for layer, (resid, added) in enumerate(zip(a.l_out, a.added)):
         out.print(f"{layer:>5}  {resid:9.5f} {added:+9.5f}", markup=False)
+    if a.experts is not None:
+        _print_experts(a.experts)
+
+
+def _num(v: float) -> str:
+    """A median in 9 characters; – where it is not measured (NaN)."""
+    return f"{'–':>9}" if v != v else f"{v:9.5f}"
+
+
+def _print_experts(x) -> None:
+    """The experts whose down projection adds the most error, and how often the quantized model
+    kept the base's route, layer by layer."""
+    stage = "ffn_moe_down" if "ffn_moe_down" in x.stages else x.stages[-1]
+    out.print()
+    out.print(f"====== Per expert: {stage} over the tokens the base routed to it, worst first ======", markup=False)
+    out.print(f"{'layer':>5} {'expert':>6} {'local':>9} {'95%':>9} {'accum.':>9} {'tokens':>7} {'rerouted':>8}",
+              markup=False)
+    for layer, e, local, p95, acc, count, rerouted in x.worst(stage):
+        out.print(f"{layer:>5} {e:>6} {_num(local)} {_num(p95)} {_num(acc)} {count:>7} {rerouted:>8}", markup=False)
+    out.print("local: from the base's inputs on its route; accum.: against the quantized model's row of the "
+              "same expert; rerouted: tokens it sent elsewhere (not measured)", markup=False)
+    out.print()
+    out.print(f"{'layer':>5}  {'route kept':>10}   (share of the base's (token, expert) choices the quantized model made too)",
+              markup=False)
+    for layer, (count, rerouted) in enumerate(zip(x.count.sum(1), x.rerouted.sum(1))):
+        out.print(f"{layer:>5}  {1 - rerouted / max(count, 1):10.2%}", markup=False)
 
 
 class _Bar:

@@ -84,7 +84,8 @@ def resolve_hooks(names: list[str], config) -> list[Hook]:
                 hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, rope_half=c.rope_dim // 2, q_dim=c.q_dim,
                 kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=1, ssm_n_k_heads=c.ssm_n_k_heads,
                 ssm_n_v_heads=c.ssm_n_v_heads, ssm_head_dim=c.ssm_head_dim, ssm_conv_dim=c.ssm_conv_dim,
-                ssm_v_dim=c.ssm_v_dim)
+                ssm_v_dim=c.ssm_v_dim, n_expert=c.n_expert, n_expert_used=c.n_expert_used,
+                expert_hidden_dim=c.expert_hidden_dim)
     for name in names:
         served = tl.resolve(name, c.n_layers, c.post_norms, bool(c.n_expert), c.recurrent_layers)
         if not served.per_token:
@@ -94,7 +95,8 @@ def resolve_hooks(names: list[str], config) -> list[Hook]:
         if served.name in seen:
             raise OptionError(f"--hook {name} is given twice")
         seen.add(served.name)
-        if served.kind == "stage" or STAGE_BY_ID[served.stage].when == "deltanet":   # in our layout
+        when = STAGE_BY_ID[served.stage].when or ""
+        if served.kind == "stage" or when == "deltanet" or "moe" in when:   # in our layout (TL's MoE hooks too)
             shape = eval_shape(STAGE_BY_ID[served.stage].shape, dims)[1:]
         else:
             shape = _tl_shape(served, c)

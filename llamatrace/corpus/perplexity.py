@@ -193,20 +193,23 @@ def kl_divergence_stages(spec, chunks: Chunks, workers: int = 1, on_chunk: OnChu
     parts: list[TokenKLD] = []
     errors: list[np.ndarray] = []
     embd: list[np.ndarray] = []
+    experts = []
     stats = PerplexityStats()
 
     def collect(i: int, result) -> None:
-        part, err, e0 = result
+        part, err, e0, per_expert = result
         parts.append(part)
         errors.append(err)
         embd.append(e0)
+        if per_expert is not None:
+            experts.append(per_expert)
         running = stats.add(part.nll)
         if on_chunk:
             on_chunk(i, running)
 
     run_chunks(spec, chunks.n_chunk, lambda i: _job(chunks, i), score_pair, collect, workers, None, ray)
-    stages, notes = columns_of_file(spec.model.path)
-    return KLDStats.from_tokens(parts), StageErrors.from_chunks(errors, embd, stages, notes)
+    stages, notes, n_expert = columns_of_file(spec.model.path)
+    return KLDStats.from_tokens(parts), StageErrors.from_chunks(errors, embd, stages, notes, experts, n_expert)
 
 
 def read_chunks(model_path: Path, text: str, n_ctx: int, max_chunks: int | None) -> tuple[Chunks, int]:

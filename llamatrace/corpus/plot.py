@@ -1,5 +1,6 @@
 """The ``perplexity --stages`` picture: heat maps (layers × stages) of the median relative
-difference each stage adds (local) and has accumulated, and the residual stream's difference by layer. matplotlib is imported here only;
+difference each stage adds (local) and has accumulated, the residual stream's difference by layer and, for
+a mixture of experts, each expert's down projection by layer. matplotlib is imported here only;
 the file is written atomically, its format picked by the extension (``.png``, ``.svg``, ``.pdf``).
 A stage whose local error is not recomputed is a white column, named in a legend with the reason."""
 
@@ -28,7 +29,11 @@ def plot_stage_errors(errors: StageErrors, path: Path, title: str, option: str =
     notes = errors.local_notes
     below = 0.16 * (len(notes) + 1) if notes else 0.0          # inches for the legend of the white columns
     height = 0.22 * n_layers + 3 + below
-    fig, (local, heat, line) = plt.subplots(1, 3, figsize=(20, height), gridspec_kw={"width_ratios": [3, 3, 2]})
+    x = errors.experts
+    panels = 4 if x is not None else 3
+    fig, axes = plt.subplots(1, panels, figsize=(20 + 6 * (panels - 3), height),
+                             gridspec_kw={"width_ratios": [3, 3, 2, 3][:panels]})
+    local, heat, line = axes[:3]
     for ax, values, label in ((local, errors.local_median, "where it enters: each stage from the base's inputs"),
                               (heat, errors.median, "accumulated: each model's own inputs")):
         image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="magma", interpolation="nearest")
@@ -50,6 +55,15 @@ def plot_stage_errors(errors: StageErrors, path: Path, title: str, option: str =
     line.set_xlabel("layer")
     line.set_title("residual stream: relative difference")
     line.legend(fontsize=8)
+    if x is not None:                        # layers × experts of the down projection, from the base's inputs
+        stage = "ffn_moe_down" if "ffn_moe_down" in x.stages else x.stages[-1]
+        ax = axes[3]
+        image = ax.imshow(np.ma.masked_invalid(x.local_median[:, x.stages.index(stage)]), aspect="auto",
+                          cmap="magma", interpolation="nearest")
+        ax.set_xlabel("expert (white: no token routed to it)")
+        ax.set_ylabel("layer")
+        ax.set_title(f"{stage} per expert, median over its tokens\n(local: the base's inputs and route)", fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.04)
     fig.suptitle(f"{title} — {errors.count} scored tokens")
     fig.tight_layout(rect=(0, below / height, 1, 1))
     buffer = io.BytesIO()

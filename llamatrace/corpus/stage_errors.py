@@ -15,6 +15,16 @@ differences ``‖quant − base‖ / ‖base‖``:
 Over a run: their median and 95th percentile per (layer, stage), and what each layer adds to
 the residual stream's accumulated difference — the median over tokens of ``l_out`` of layer
 ``L`` minus that of ``L − 1`` (layer 0: minus ``inp_embd``).
+
+Mixtures of experts, per expert (:class:`ExpertErrors`): the stages with a row per chosen expert
+(:func:`slot_stages`: ``ffn_moe_gate``, ``ffn_moe_up``, ``ffn_moe_swiglu``, ``ffn_moe_down``…) are
+also measured per (token, slot) and grouped by the expert the *base* routed the token to. Local:
+the quantized model's expert recomputes the base's rows on the base's route, so every (token,
+expert) pair the base chose counts. Accumulated: the quantized model routes on its own inputs;
+the base's expert ``e`` for token ``t`` is compared with the quantized model's row of the same
+expert ``e`` for ``t`` whatever its slot (top-k ranks may swap); when the quantized model did not
+choose ``e`` for ``t`` at all, the pair is *rerouted*: counted, not measured. The per-token
+columns compare slot with slot, as the two models emit them.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import numpy as np
 
 from llamatrace.analysis.difference import relative_error_rows
 from llamatrace.corpus.metrics import TokenKLD, compress_log_probs, token_kld
-from llamatrace.tracing.stages import STAGES, stage_applies
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, stage_applies
 
 
 def token_stages(features: frozenset[str] = frozenset()) -> tuple[str, ...]:
@@ -37,6 +47,21 @@ def token_stages(features: frozenset[str] = frozenset()) -> tuple[str, ...]:
                  if s.level == "layer" and s.replaceable and s.shape.startswith("[seq_len,")
                  and (stage_applies(s, 2, 2, features)
                       or ("deltanet" in features and stage_applies(s, 2, 2, features, recurrent=True))))
+
+
+def slot_stages(features: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """The columns of :func:`token_stages` with a row per chosen expert, ``[seq_len, n_expert_used,
+    …]`` (none without ``moe``): the stages measured per expert (:class:`ExpertErrors`)."""
+    columns = token_stages(features)
+    return tuple(s for s in columns if s in _slot_ids(columns))
+
+
+def _slot_ids(stages: tuple[str, ...]) -> set[str]:
+    return {s for s in stages if STAGE_BY_ID[s].shape.startswith("[seq_len, n_expert_used, ")}
+
+
+ROUTE = "ffn_moe_topk"
+"""The stage of the chosen experts' ids, ``[seq_len, n_expert_used]``."""
 
 
 TOKEN_STAGES: tuple[str, ...] = token_stages()
@@ -63,15 +88,16 @@ def local_notes(config, stages: tuple[str, ...]) -> dict[str, str]:
     return {s: why for s in stages if (why := not_recomputed(s, config))}
 
 
-def columns_of_file(path) -> tuple[tuple[str, ...], dict[str, str]]:
-    """:func:`token_stages` of the GGUF at ``path`` (its header only), and their :func:`local_notes`.
+def columns_of_file(path) -> tuple[tuple[str, ...], dict[str, str], int]:
+    """:func:`token_stages` of the GGUF at ``path`` (its header only), their :func:`local_notes`
+    and its number of experts (0: dense).
 
     Raises:
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: the file cannot be used.
     """
     c = _config(path)
     stages = token_stages(c.features)
-    return stages, local_notes(c, stages)
+    return stages, local_notes(c, stages), c.n_expert
 
 
 @dataclass(frozen=True)
@@ -109,15 +135,17 @@ def check_same_shape(base_path, model_path) -> None:
 def _scored_rows(model, ids: np.ndarray, first: int, take, inputs: tuple[str, ...] = ()) -> np.ndarray:
     """One prefill of ``ids`` from position 0 calling ``take(layer, stage, rows)`` with the
     float32 ``[n_scored, width]`` rows ``first … n_ctx-2`` of every token stage (``layer`` None:
-    ``inp_embd``) and the ``[n_heads, n_scored, head_dim]`` rows of the ``inputs`` stages
+    ``inp_embd``; :func:`slot_stages`: ``[n_scored, n_expert_used, width]``) and the ``[n_heads, n_scored, head_dim]`` rows of the ``inputs`` stages
     (:data:`LOCAL_INPUTS`), a view of the forward pass's buffer valid during the call; returns
     the scored logits (:func:`scored_logits`)."""
     n = len(ids)
     columns = token_stages(model.config.features)
+    slots = set(slot_stages(model.config.features))
     last = []
 
     def keep(a, event):
-        rows = a[:, first:n - 1] if event.stage in inputs else a.reshape(n, -1)[first:n - 1]
+        rows = (a[:, first:n - 1] if event.stage in inputs else a[first:n - 1] if event.stage in slots
+                else a.reshape(n, -1)[first:n - 1])
         take(event.layer, event.stage, np.asarray(rows, dtype=np.float32))
         if event.stage == "l_out" and event.layer == model.config.n_layers - 1:
             last.append(np.array(a[first:]))
@@ -134,7 +162,8 @@ def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray,
 
     Returns:
         acts: object ``[n_layers, n_stages]`` of float32 ``[n_scored, width]`` arrays, a column
-            per stage of :func:`token_stages` of the model;
+            per stage of :func:`token_stages` of the model (:func:`slot_stages`:
+            ``[n_scored, n_expert_used, width]``; ``ffn_moe_topk``: the ids as float32);
         embd: float32 ``[n_scored, dim]`` (``inp_embd``);
         inputs: ``(layer, stage)`` → float32 ``[n_heads, n_scored, head_dim]`` of the
             :data:`LOCAL_INPUTS`;
@@ -157,28 +186,59 @@ def capture(model, ids: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray,
     return acts, embd[0], inputs, logits
 
 
+def same_expert(ids_q: np.ndarray, ids_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each (token, slot) of the base's route ``ids_b`` ``[n, k]``: the slot of the same
+    expert in ``ids_q`` ``[n, k]`` (int64 ``[n, k]``, 0 where absent) and whether it is there
+    (bool ``[n, k]``; False: the token was rerouted away from that expert)."""
+    eq = np.asarray(ids_q)[:, None, :] == np.asarray(ids_b)[:, :, None]      # [n, slot_b, slot_q]
+    return eq.argmax(axis=2), eq.any(axis=2)
+
+
+def _slot_errors(rows_q: np.ndarray, rows_b: np.ndarray, ids_q: np.ndarray, ids_b: np.ndarray) -> np.ndarray:
+    """float32 ``[n, k]``: ``‖q − b‖ / ‖b‖`` of each base (token, slot) row ``[n, k, width]``
+    against the quantized model's row of the same expert (:func:`same_expert`), NaN where rerouted."""
+    n, k, width = rows_b.shape
+    slot, kept = same_expert(ids_q, ids_b)
+    aligned = rows_q[np.arange(n)[:, None], slot]
+    err = relative_error_rows(aligned.reshape(n * k, width), rows_b.reshape(n * k, width)).reshape(n, k)
+    return np.where(kept, err, np.nan).astype(np.float32)
+
+
 def differences(model, ids: np.ndarray, first: int, acts_b: np.ndarray,
-                embd_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                embd_b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """One prefill of ``ids`` by ``model``, each stage's scored rows compared with the base's
     (:func:`capture`'s ``acts_b`` and ``embd_b``) as the pass makes them, none kept.
 
     Returns:
         float32 ``[n_layers, n_stages, n_scored]`` and ``[n_scored]`` (``inp_embd``) relative
         differences (:func:`~llamatrace.analysis.difference.relative_error_rows`), float32
-        ``[n_scored, n_vocab]`` logits.
+        ``[n_scored, n_vocab]`` logits, and with experts float32 ``[n_layers, n_slot_stages,
+        n_scored, n_expert_used]`` per (token, base slot) differences of the same expert
+        (:func:`_slot_errors`; NaN: rerouted), else None.
     """
     accumulated = np.zeros(acts_b.shape + (len(embd_b),), dtype=np.float32)
     embd = np.zeros(len(embd_b), dtype=np.float32)
-    column = {sid: k for k, sid in enumerate(token_stages(model.config.features))}
+    stages = token_stages(model.config.features)
+    column = {sid: k for k, sid in enumerate(stages)}
+    slot_column = {sid: k for k, sid in enumerate(slot_stages(model.config.features))}
+    per_slot = (np.full((acts_b.shape[0], len(slot_column), len(embd_b), model.config.n_expert_used),
+                        np.nan, dtype=np.float32) if slot_column else None)
+    routes: dict[int, np.ndarray] = {}
 
     def take(layer, stage, rows):
         if layer is None:
             embd[:] = relative_error_rows(rows, embd_b)
-        else:
-            accumulated[layer, column[stage]] = relative_error_rows(rows, acts_b[layer, column[stage]])
+            return
+        base = acts_b[layer, column[stage]]
+        accumulated[layer, column[stage]] = relative_error_rows(rows, base)
+        if stage == ROUTE:
+            routes[layer] = rows.copy()
+        elif stage in slot_column:
+            per_slot[layer, slot_column[stage]] = _slot_errors(rows, base, routes[layer],
+                                                               acts_b[layer, column[ROUTE]])
 
     logits = _scored_rows(model, ids, first, take)
-    return accumulated, embd, logits
+    return accumulated, embd, logits, per_slot
 
 
 def scored_logits(model, rows: np.ndarray) -> np.ndarray:
@@ -188,11 +248,13 @@ def scored_logits(model, rows: np.ndarray) -> np.ndarray:
     return model.logits(rows)[:-1]
 
 
-def local_error_rows(model, acts_b: np.ndarray, embd_b: np.ndarray, inputs_b: dict, first: int) -> np.ndarray:
+def local_error_rows(model, acts_b: np.ndarray, embd_b: np.ndarray, inputs_b: dict, first: int
+                     ) -> tuple[np.ndarray, np.ndarray | None]:
     """float32 ``[n_layers, n_stages, n_scored]``: each stage of the base's captured rows
     (:func:`capture`'s ``acts``, ``embd``, ``inputs``) recomputed by ``model`` from the base's
     own inputs, against the base's output (NaN where the stage is not recomputed:
-    :func:`local_notes`)."""
+    :func:`local_notes`); with experts also float32 ``[n_layers, n_slot_stages, n_scored,
+    n_expert_used]``, the same per (token, slot) of the base's route (else None)."""
     from llamatrace.analysis.local_error import local_errors
     from llamatrace.tracing.recorder import stage_key
     stages = token_stages(model.config.features)
@@ -202,27 +264,122 @@ def local_error_rows(model, acts_b: np.ndarray, embd_b: np.ndarray, inputs_b: di
         for k, sid in enumerate(stages):
             if acts_b[i, k] is not None:             # a stage the layer has (Qwen3.5: DeltaNet or attention)
                 arrays[stage_key(0, i, sid)] = acts_b[i, k]
-    found = local_errors(model, arrays, start_pos=first, per_row=True)
+    slots: dict[str, np.ndarray] = {}
+    found = local_errors(model, arrays, start_pos=first, per_row=True, slots=slots)
     out = np.full(acts_b.shape + (len(embd_b),), np.nan, dtype=np.float32)
     for i in range(acts_b.shape[0]):
         for k, sid in enumerate(stages):
             rows = found.get(stage_key(0, i, sid))
             if rows is not None:
                 out[i, k] = rows
-    return out
+    columns = slot_stages(model.config.features)
+    if not columns:
+        return out, None
+    per_slot = np.full((acts_b.shape[0], len(columns), len(embd_b), model.config.n_expert_used), np.nan,
+                       dtype=np.float32)
+    for i in range(acts_b.shape[0]):
+        for k, sid in enumerate(columns):
+            rows = slots.get(stage_key(0, i, sid))
+            if rows is not None:
+                per_slot[i, k] = rows
+    return out, per_slot
 
 
-def score_pair(models, job) -> tuple[TokenKLD, np.ndarray, np.ndarray]:
+@dataclass
+class ExpertChunk:
+    """One chunk's per-expert measurements (:func:`score_pair`): ``ids`` int32 ``[n_layers,
+    n_scored, n_expert_used]`` the base's route; ``errors`` float32 ``[2, n_layers,
+    n_slot_stages, n_scored, n_expert_used]`` per (token, base slot), accumulated (NaN:
+    rerouted) then local."""
+
+    ids: np.ndarray
+    errors: np.ndarray
+
+
+def score_pair(models, job) -> tuple[TokenKLD, np.ndarray, np.ndarray, ExpertChunk | None]:
     """The runner's work for one chunk with ``--stages``: the KLD parts (base rows compressed as
     a base file would hold them), float32 ``[2, n_layers, n_stages, n_scored]`` relative errors
-    (accumulated, then local: see the module docstring) and float32 ``[n_scored]`` of ``inp_embd``."""
+    (accumulated, then local: see the module docstring), float32 ``[n_scored]`` of ``inp_embd``,
+    and with experts their :class:`ExpertChunk` (else None)."""
     base, model = models
     acts_b, embd_b, inputs_b, logits_b = capture(base, job.ids, job.first)
     rows_b = compress_log_probs(logits_b)
     del logits_b
-    accumulated, embd, logits_q = differences(model, job.ids, job.first, acts_b, embd_b)
-    errors = np.stack([accumulated, local_error_rows(model, acts_b, embd_b, inputs_b, job.first)])
-    return token_kld(logits_q, rows_b, job.targets), errors, embd
+    accumulated, embd, logits_q, slots_acc = differences(model, job.ids, job.first, acts_b, embd_b)
+    local, slots_local = local_error_rows(model, acts_b, embd_b, inputs_b, job.first)
+    experts = None
+    if slots_acc is not None:                    # every layer of a mixture routes (no dense layers yet)
+        route = token_stages(base.config.features).index(ROUTE)
+        ids = np.stack([acts_b[i, route] for i in range(acts_b.shape[0])]).astype(np.int32)
+        experts = ExpertChunk(ids, np.stack([slots_acc, slots_local]))
+    return token_kld(logits_q, rows_b, job.targets), np.stack([accumulated, local]), embd, experts
+
+
+@dataclass
+class ExpertErrors:
+    """The per-expert attribution of a run (see the module docstring for who is compared with whom).
+
+    Attributes:
+        stages: the stage ids measured per expert (:func:`slot_stages`).
+        count: int ``[n_layers, n_expert]``, (token, expert) pairs the base routed.
+        rerouted: int ``[n_layers, n_expert]``, of those, the pairs the quantized model did not choose.
+        local_median, local_p95: float ``[n_layers, n_stages, n_expert]`` over the expert's pairs,
+            each from the base's inputs on the base's route (NaN: no token chose it).
+        median: float ``[n_layers, n_stages, n_expert]``, accumulated, over the pairs both models
+            chose (NaN: none).
+    """
+
+    stages: tuple[str, ...]
+    count: np.ndarray
+    rerouted: np.ndarray
+    local_median: np.ndarray
+    local_p95: np.ndarray
+    median: np.ndarray
+
+    @classmethod
+    def from_chunks(cls, chunks: list[ExpertChunk], n_expert: int, stages: tuple[str, ...]) -> "ExpertErrors":
+        """Gather the :class:`ExpertChunk` of every chunk, for ``n_expert`` experts and the
+        ``stages`` (:func:`slot_stages`) measured."""
+        ids = np.concatenate([c.ids for c in chunks], axis=1)                 # [n_layers, n_tokens, k]
+        errors = np.concatenate([c.errors for c in chunks], axis=3)          # [2, n_layers, S, n_tokens, k]
+        n_layers = ids.shape[0]
+        count = np.zeros((n_layers, n_expert), dtype=np.int64)
+        rerouted = np.zeros_like(count)
+        shape = (n_layers, len(stages), n_expert)
+        local_median, local_p95, median = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
+        for i in range(n_layers):
+            for e in range(n_expert):
+                chosen = ids[i] == e                                          # [n_tokens, k]
+                count[i, e] = chosen.sum()
+                if not count[i, e]:
+                    continue
+                kept = ~np.isnan(errors[0, i, 0][chosen])
+                rerouted[i, e] = (~kept).sum()
+                for k in range(len(stages)):
+                    local = errors[1, i, k][chosen]
+                    local_median[i, k, e], local_p95[i, k, e] = np.median(local), np.percentile(local, 95)
+                    if kept.any():
+                        median[i, k, e] = np.median(errors[0, i, k][chosen][kept])
+        return cls(stages, count, rerouted, local_median, local_p95, median)
+
+    def worst(self, stage: str, n: int = 15) -> list[tuple[int, int, float, float, float, int, int]]:
+        """The ``n`` (layer, expert, local median, local p95, accumulated median, count, rerouted)
+        of ``stage`` with the largest local median, worst first (by the accumulated median where
+        the stage's local error is not recomputed: NaN)."""
+        k = self.stages.index(stage)
+        local = self.local_median[:, k]
+        values = local if not np.isnan(local).all() else self.median[:, k]
+        order = np.argsort(-np.nan_to_num(values, nan=-1.0), axis=None)[:n]
+        return [(int(i), int(e), float(local[i, e]), float(self.local_p95[i, k, e]),
+                 float(self.median[i, k, e]), int(self.count[i, e]), int(self.rerouted[i, e]))
+                for i, e in zip(*np.unravel_index(order, values.shape)) if not np.isnan(values[i, e])]
+
+    def as_json(self) -> dict:
+        def listed(a: np.ndarray):
+            return [listed(x) for x in a] if a.ndim > 1 else [None if np.isnan(v) else round(float(v), 6) for v in a]
+        return {"stages": list(self.stages), "count": self.count.tolist(), "rerouted": self.rerouted.tolist(),
+                "local_median": listed(self.local_median), "local_p95": listed(self.local_p95),
+                "median": listed(self.median)}
 
 
 @dataclass
@@ -237,6 +394,7 @@ class StageErrors:
         l_out: float ``[n_layers]``, median relative difference of the residual stream after each layer.
         added: float ``[n_layers]``, median over tokens of what each layer adds to it.
         count: scored tokens.
+        experts: with a mixture of experts, the per-expert attribution (:class:`ExpertErrors`).
     """
 
     stages: tuple[str, ...]
@@ -248,14 +406,16 @@ class StageErrors:
     added: np.ndarray
     count: int
     local_notes: dict[str, str]
+    experts: ExpertErrors | None = None
 
     @classmethod
     def from_chunks(cls, errors: list[np.ndarray], embd: list[np.ndarray], stages: tuple[str, ...],
-                    notes: dict[str, str] | None = None) -> "StageErrors":
+                    notes: dict[str, str] | None = None, experts: list[ExpertChunk] | None = None,
+                    n_expert: int = 0) -> "StageErrors":
         """Gather :func:`score_pair`'s chunks: ``errors`` float32 ``[2, n_layers, len(stages), n_scored]``
         and ``embd`` float32 ``[n_scored]`` each, ``stages`` the column ids, ``notes`` why a column's
         local error is missing (:func:`local_notes`; a column missing one without a note gets a
-        generic one)."""
+        generic one), ``experts`` the chunks' :class:`ExpertChunk` of a mixture of ``n_expert``."""
         both = np.concatenate(errors, axis=-1)            # [2, n_layers, n_stages, n_tokens]
         e, local = both[0], both[1]
         x0 = np.concatenate(embd)                          # [n_tokens]
@@ -266,8 +426,10 @@ class StageErrors:
         local_p95 = np.where(recomputed[..., 0], np.percentile(np.nan_to_num(local), 95, axis=2), np.nan)
         notes = {s: (notes or {}).get(s, "an input of it is not captured")
                  for k, s in enumerate(stages) if np.isnan(local_median[:, k]).any()}
+        per_expert = (ExpertErrors.from_chunks(experts, n_expert, tuple(s for s in stages if s in _slot_ids(stages)))
+                      if experts else None)
         return cls(stages, np.median(e, axis=2), np.percentile(e, 95, axis=2), local_median, local_p95,
-                   np.median(resid, axis=1), np.median(resid - before, axis=1), int(e.shape[2]), notes)
+                   np.median(resid, axis=1), np.median(resid - before, axis=1), int(e.shape[2]), notes, per_expert)
 
     def worst(self, n: int = 15, local: bool = False) -> list[tuple[int, str, float, float]]:
         """The ``n`` (layer, stage, median, p95) with the largest median (of the local error with
@@ -284,4 +446,5 @@ class StageErrors:
                 "p95": self.p95.round(6).tolist(), "local_median": listed(self.local_median),
                 "local_p95": listed(self.local_p95), "l_out_median": self.l_out.round(6).tolist(),
                 "l_out_added": self.added.round(6).tolist(), "count": self.count,
-                "local_notes": self.local_notes}
+                "local_notes": self.local_notes,
+                **({"experts": self.experts.as_json()} if self.experts is not None else {})}
