@@ -64,6 +64,7 @@ KEY_TYPES: dict[str, Expected] = {
     "{arch}.expert_used_count": PER_LAYER_INTEGER,
     "{arch}.expert_feed_forward_length": PER_LAYER_INTEGER,
     "{arch}.expert_gating_func": INTEGER,
+    "{arch}.expert_shared_feed_forward_length": INTEGER,
     "{arch}.attention.head_count": PER_LAYER_INTEGER,
     "{arch}.attention.head_count_kv": PER_LAYER_INTEGER,
     "{arch}.attention.key_length": INTEGER,

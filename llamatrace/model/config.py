@@ -486,8 +486,8 @@ class ModelConfig:
         arch = meta.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise UnsupportedModelError(
-                f"{source}: architecture {shown(arch)} is not supported; llamatrace runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF models")
+                f"{source}: architecture {shown(arch)} is not supported (llamatrace runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)})")
         spec = ARCHITECTURES[arch]
 
         def need(key: str) -> Any:
