@@ -46,8 +46,10 @@ def token_ids(vocab_size: int) -> np.ndarray:
     return np.random.default_rng(34).integers(3, vocab_size, size=N).astype(np.int32)
 
 
-def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
-    engine = LlamaCpp(str(path), n_ctx=64, threads=2, capture=True)
+def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int, n_ctx: int = 64) -> np.ndarray:
+    """llama.cpp's float32 logits of every position of ``ids``: ``prefill`` tokens in one batch,
+    then one a step (all of them in one batch when ``prefill == len(ids)``), from an empty cache."""
+    engine = LlamaCpp(str(path), n_ctx=n_ctx, threads=2, capture=True)
     try:
         rows = [engine.eval([int(t) for t in ids[:prefill]])]
         rows += [engine.eval([int(t)]) for t in ids[prefill:]]

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))                        # this checkout's llamatrac
 sys.path.insert(0, str(ROOT / "tests"))
 from gptoss_files import CHAT_MESSAGES, TOKENIZER_TEXTS, T, WINDOW, gptoss_chat_template, write_gptoss_file  # noqa: E402
 from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
+from make_arch_golden import llamacpp_logits  # noqa: E402  (tests/golden/, beside this script)
 
 N = 16                                  # tokens: > 3 windows of WINDOW (5), past YaRN's 8
 PREFILL = 4                             # the decode run: 4 tokens in one batch, then 1 a step
@@ -49,15 +50,6 @@ def token_ids(vocab_size: int) -> np.ndarray:
     """The fixed sequence: N ids drawn once (seed 34) from the vocabulary, control tokens excluded."""
     return np.random.default_rng(34).integers(3, vocab_size, size=N).astype(np.int32)
 
-
-def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
-    engine = LlamaCpp(str(path), n_ctx=64, threads=2, capture=True)
-    try:
-        rows = [engine.eval([int(t) for t in ids[:prefill]])]
-        rows += [engine.eval([int(t)]) for t in ids[prefill:]]
-        return np.concatenate(rows).astype(np.float32)
-    finally:
-        engine.close()
 
 
 def llamacpp_tokens(path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))                        # this checkout's llamatrac
 sys.path.insert(0, str(ROOT / "tests"))
 from moe_files import ARCHS, T, write_moe_file  # noqa: E402
 from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
+from make_arch_golden import llamacpp_logits  # noqa: E402  (tests/golden/, beside this script)
 
 N = 16                                  # tokens
 PREFILL = 4                             # the decode run: 4 tokens in one batch, then 1 a step
@@ -48,15 +49,6 @@ def token_ids(vocab_size: int) -> np.ndarray:
     """The fixed sequence: N ids drawn once (seed 49) from the vocabulary, control tokens excluded."""
     return np.random.default_rng(49).integers(3, vocab_size, size=N).astype(np.int32)
 
-
-def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
-    engine = LlamaCpp(str(path), n_ctx=64, threads=2, capture=True)
-    try:
-        rows = [engine.eval([int(t) for t in ids[:prefill]])]
-        rows += [engine.eval([int(t)]) for t in ids[prefill:]]
-        return np.concatenate(rows).astype(np.float32)
-    finally:
-        engine.close()
 
 
 def main() -> None:

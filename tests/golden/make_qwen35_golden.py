@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from qwen35_files import CONTEXT, write_qwen35_file  # noqa: E402
 
 from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
+from make_arch_golden import llamacpp_logits  # noqa: E402  (tests/golden/, beside this script)
 
 N = 80
 PREFILL = 66
@@ -47,15 +48,6 @@ def token_ids(vocab_size: int) -> np.ndarray:
     """The fixed sequence: N ids drawn once (seed 35) from the vocabulary, control tokens excluded."""
     return np.random.default_rng(35).integers(3, vocab_size, size=N).astype(np.int32)
 
-
-def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int) -> np.ndarray:
-    engine = LlamaCpp(str(path), n_ctx=CONTEXT, threads=2, capture=True)
-    try:
-        rows = [engine.eval([int(t) for t in ids[:prefill]])]
-        rows += [engine.eval([int(t)]) for t in ids[prefill:]]
-        return np.concatenate(rows).astype(np.float32)
-    finally:
-        engine.close()
 
 
 def llamacpp_stages(path: Path, ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -82,7 +74,8 @@ def main() -> None:
         engine.close()
         ids = token_ids(vocab)
         stages = llamacpp_stages(path, ids[:STAGE_IDS])
-        out = {"ids": ids, "prefill": llamacpp_logits(path, ids, N), "decode": llamacpp_logits(path, ids, PREFILL)}
+        out = {"ids": ids, "prefill": llamacpp_logits(path, ids, N, n_ctx=CONTEXT),
+               "decode": llamacpp_logits(path, ids, PREFILL, n_ctx=CONTEXT)}
     gap = np.linalg.norm(out["prefill"] - out["decode"], axis=1) / np.linalg.norm(out["prefill"], axis=1)
     print(f"qwen35: llama.cpp prefill vs decode max relative {gap.max():.2e} ({N} tokens, decode from {PREFILL})")
     np.savez_compressed(args.out / "qwen35_llamacpp.npz", **out)
