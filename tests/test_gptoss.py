@@ -196,3 +196,55 @@ def test_compare_pairs_gpt_oss_stages_with_llamacpps_graph(models, llamacpp):
                 r = rows[(step, layer, stage)]
                 assert r.status == "ok" and r.rel_rms_err < 1e-5, (step, layer, stage, r)
     assert not [r for r in result.rows if r.status == "shape mismatch"]
+
+
+GPT_OSS_MOE_STAGES = ("ffn_moe_logits", "ffn_moe_logits_biased", "ffn_moe_probs", "ffn_moe_gate", "ffn_moe_up",
+                      "ffn_moe_gate_biased", "ffn_moe_up_biased", "ffn_moe_swiglu_oai", "ffn_moe_down",
+                      "ffn_moe_down_biased", "ffn_moe_weighted", "ffn_moe_out")
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_local_errors_recompute_every_gpt_oss_moe_stage_of_a_recording(name, models):
+    """The --stages attribution's formulas hold for gpt-oss: recomputed from a recording's own inputs
+    (its choice of experts, the experts' biases, the clamped SwiGLU), each MoE stage is what the
+    forward pass wrote."""
+    from llamatrace.analysis.local_error import local_errors, not_recomputed
+    model = models[name]
+    assert not [s for s in GPT_OSS_MOE_STAGES if not_recomputed(s, model.config)]
+    cache = model.new_cache(8)
+    with model.trace(keep_arrays=True) as rec:
+        model.forward(np.arange(3, 9), 0, cache)
+        model.forward(np.array([9]), 6, cache)
+    errors = local_errors(model, rec.arrays())
+    for stage in GPT_OSS_MOE_STAGES:
+        for step in (0, 1):
+            for layer in range(N_LAYERS):
+                assert errors[f"step{step}.layer{layer}.{stage}"] < 1e-6, (name, stage, step, layer)
+
+
+def test_local_errors_recompute_llamacpps_own_gpt_oss_expert_stages(models, llamacpp):
+    """From llama.cpp's graph tensors (the F32 file): each expert stage recomputed from llama.cpp's own
+    inputs (the experts and weights chosen from its own router output) is what llama.cpp computed: our
+    biases, clamped SwiGLU and weighting are llama.cpp's."""
+    from llamatrace.analysis.local_error import local_errors
+    from llamatrace.kernels.ops.moe import route
+    from llamatrace.tracing.recorder import stage_key
+    model = models["f32"]
+    arrays = {}
+    for step in (0, 1):
+        captured = [SimpleNamespace(name=key.split(".", 3)[3].rsplit(".", 1)[0], op=key.rsplit(".", 1)[1],
+                                    array=llamacpp[key]) for key in sorted(llamacpp)
+                    if key.startswith(f"dump.step{step}.")]
+        start, seq = (0, PREFILL) if step == 0 else (PREFILL, 1)
+        arrays.update(cmp.llamacpp_stage_arrays(captured, step, start, seq, model.config))
+        for layer in range(N_LAYERS):   # llama.cpp's graph dumps neither its argsort nor the softmax of the chosen
+            probs = arrays[stage_key(step, layer, "ffn_moe_probs")]
+            _, ids, weights, _ = route(probs, K, "softmax_weight")
+            arrays[stage_key(step, layer, "ffn_moe_topk")] = ids
+            arrays[stage_key(step, layer, "ffn_moe_weights_softmax")] = weights
+    errors = local_errors(model, arrays)
+    for stage in ("ffn_moe_gate", "ffn_moe_up", "ffn_moe_gate_biased", "ffn_moe_up_biased", "ffn_moe_swiglu_oai",
+                  "ffn_moe_down", "ffn_moe_down_biased", "ffn_moe_weighted"):
+        for step in (0, 1):
+            for layer in range(N_LAYERS):
+                assert errors[f"step{step}.layer{layer}.{stage}"] < 1e-5, (stage, step, layer)

@@ -144,7 +144,7 @@ def test_stages_cli_json_and_printout_hold_the_experts(capsys, pair, attribution
 
 
 def test_worst_experts_fall_back_to_the_accumulated_error_where_no_local_one():
-    """gpt-oss's clamped SwiGLU has no local formula yet: its experts are ranked by the accumulated error."""
+    """Experts with no local error (none of their rows was recomputed) are ranked by the accumulated error."""
     from llamatrace.corpus.stage_errors import ExpertErrors
     nan = np.nan
     x = ExpertErrors(("ffn_moe_down",), np.array([[3, 0, 2]]), np.array([[1, 0, 0]]),

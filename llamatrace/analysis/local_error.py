@@ -12,8 +12,9 @@ against llama.cpp's); done on ours, "did our forward pass apply its kernels as w
 Stages recomputed (:data:`LOCAL_STAGES`): the norms (q/k and post-norms too), the q/k/v, output
 and FFN projections and biases, RoPE (Llama's), scores → softmax, the heads merge, SiLU, GELU,
 SwiGLU, GeGLU, both residual adds, ``result_norm`` and ``result_output``; a mixture of experts'
-router, its softmax, each chosen expert's gate, up, SwiGLU and down (the recorded choice of
-experts, each through the recomputing model's expert) and their weighted sum. Stages that need the
+router (and its bias), its softmax, each chosen expert's gate, up, their biases, SwiGLU (or
+gpt-oss's clamped one) and down with its bias (the recorded choice of experts, each through the
+recomputing model's expert), the weighted outputs and their sum. Stages that need the
 whole KV cache (``kq``, ``kqv``) are not: a recording holds only this step's keys.
 :func:`not_recomputed` says why a stage is not.
 A stage is skipped where the recording lacks one of its inputs
@@ -127,6 +128,34 @@ def _merge_heads(kqv: np.ndarray) -> np.ndarray:
     return kqv.transpose(1, 0, 2).reshape(kqv.shape[1], -1)
 
 
+def _rows_of(fn, *xs: np.ndarray) -> np.ndarray:
+    """``fn`` of float32 rows, for arrays of any rank (the experts' ``[seq_len, k, width]``)."""
+    rows = [np.ascontiguousarray(x, dtype=np.float32).reshape(-1, np.shape(x)[-1]) for x in xs]
+    return fn(*rows).reshape(np.shape(xs[0]))
+
+
+def _expert_bias(m, get: _Step, L: int, stage: str) -> np.ndarray:
+    """``stage`` (``[seq_len, k, width]``) plus each slot's expert's bias (gpt-oss's ``ggml_add_id``)."""
+    mw, ids = m.weights.layers[L].moe, np.asarray(get("ffn_moe_topk", L), dtype=np.int64)
+    ff = mw.w2[0].n_in
+    bias = {"ffn_moe_gate": lambda: mw.b13[:, :ff], "ffn_moe_up": lambda: mw.b13[:, ff:],
+            "ffn_moe_down": lambda: mw.b2}[stage]()
+    return get(stage, L) + bias[ids]
+
+
+def _expert_outputs(m, get: _Step, L: int) -> np.ndarray:
+    """The chosen experts' outputs ``[seq_len, k, dim]``: ``ffn_moe_down``, biased where the experts have biases."""
+    down = get("ffn_moe_down_biased" if m.weights.layers[L].moe.b2 is not None else "ffn_moe_down", L)
+    return down.reshape(len(get("ffn_moe_topk", L)), m.config.n_expert_used, -1)
+
+
+def _weights_stage(c) -> str:
+    """The stage holding the weights the experts' outputs are summed with."""
+    if c.expert_weights_norm:
+        return "ffn_moe_weights_norm"
+    return "ffn_moe_weights_softmax" if c.expert_gating == "softmax_weight" else "ffn_moe_weights"
+
+
 LOCAL_STAGES: dict[str, Callable] = {
     "attn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(_layer_input(m, get, L)),
                                                      m.weights.layers[L].attention_norm, m.config.norm_eps),
@@ -164,19 +193,25 @@ LOCAL_STAGES: dict[str, Callable] = {
     # the mixture of experts: each chosen expert's rows through the recomputing model's expert
     "ffn_moe_logits": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("ffn_norm", L), dtype=np.float32),
                                                     m.weights.layers[L].moe.router),
-    "ffn_moe_probs": lambda m, get, L, pos: route(get("ffn_moe_logits", L), m.config.n_expert_used,
-                                                  m.config.expert_gating)[0],
+    "ffn_moe_logits_biased": lambda m, get, L, pos: get("ffn_moe_logits", L) + m.weights.layers[L].moe.router_b,
+    "ffn_moe_probs": lambda m, get, L, pos: route(get("ffn_moe_logits" if m.weights.layers[L].moe.router_b is None
+                                                      else "ffn_moe_logits_biased", L),
+                                                  m.config.n_expert_used, m.config.expert_gating)[0],
     "ffn_moe_gate": lambda m, get, L, pos: expert_rows(m.weights.layers[L].moe, get("ffn_norm", L),
                                                        get("ffn_moe_topk", L), "gate"),
     "ffn_moe_up": lambda m, get, L, pos: expert_rows(m.weights.layers[L].moe, get("ffn_norm", L),
                                                      get("ffn_moe_topk", L), "up"),
+    "ffn_moe_gate_biased": lambda m, get, L, pos: _expert_bias(m, get, L, "ffn_moe_gate"),
+    "ffn_moe_up_biased": lambda m, get, L, pos: _expert_bias(m, get, L, "ffn_moe_up"),
     "ffn_moe_swiglu": lambda m, get, L, pos: _silu_any(get("ffn_moe_gate", L)) * get("ffn_moe_up", L),
-    "ffn_moe_down": lambda m, get, L, pos: expert_rows(m.weights.layers[L].moe, get("ffn_moe_swiglu", L),
-                                                       get("ffn_moe_topk", L), "down"),
-    "ffn_moe_out": lambda m, get, L, pos: combine(get("ffn_moe_down", L).reshape(len(get("ffn_moe_topk", L)),
-                                                                             m.config.n_expert_used, -1),
-                                                  get("ffn_moe_weights_norm" if m.config.expert_weights_norm
-                                                      else "ffn_moe_weights", L)),
+    "ffn_moe_swiglu_oai": lambda m, get, L, pos: _rows_of(fp32.swiglu_oai, get("ffn_moe_gate_biased", L),
+                                                          get("ffn_moe_up_biased", L)),
+    "ffn_moe_down": lambda m, get, L, pos: expert_rows(m.weights.layers[L].moe, get(
+        "ffn_moe_swiglu_oai" if m.config.expert_act == "swiglu_oai" else "ffn_moe_swiglu", L),
+        get("ffn_moe_topk", L), "down"),
+    "ffn_moe_down_biased": lambda m, get, L, pos: _expert_bias(m, get, L, "ffn_moe_down"),
+    "ffn_moe_weighted": lambda m, get, L, pos: _expert_outputs(m, get, L) * get(_weights_stage(m.config), L)[:, :, None],
+    "ffn_moe_out": lambda m, get, L, pos: combine(_expert_outputs(m, get, L), get(_weights_stage(m.config), L)),
 }
 """Layer stage id → ``fn(model, get, layer, start_pos)`` recomputing it from recorded inputs."""
 

@@ -318,7 +318,8 @@ def expert_rows(mw: MoEWeights, x: np.ndarray, ids: np.ndarray, part: str) -> np
         ids: int ``[seq_len, k]``, the chosen experts (``ffn_moe_topk``).
 
     Returns:
-        float32 ``[seq_len, k, n_out]``: slot ``s`` of token ``t`` through expert ``ids[t, s]``.
+        float32 ``[seq_len, k, n_out]``: slot ``s`` of token ``t`` through expert ``ids[t, s]``,
+        without the experts' biases (gpt-oss's ``ffn_moe_*_biased`` stages add them).
     """
     seq_len, k = np.shape(ids)
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -331,5 +332,5 @@ def expert_rows(mw: MoEWeights, x: np.ndarray, ids: np.ndarray, part: str) -> np
         if part == "down":
             out[sel] = matmul(rows[sel], mw.w2[e])
         else:
-            out[sel] = np.split(mw.gate_up(rows[sel], int(e)), 2, axis=1)[0 if part == "gate" else 1]
+            out[sel] = np.split(mw.gate_up(rows[sel], int(e), bias=False), 2, axis=1)[0 if part == "gate" else 1]
     return out.reshape(seq_len, k, n_out)
