@@ -375,3 +375,49 @@ def test_state_view_writes_are_the_state_change_beyond_the_decay(model, path, tm
     assert png.stat().st_size > 0 and len(got["heads"]) == N_V_HEADS and got["heads"][3]["key_head"] == 1
     assert_one_line_error(*run(capsys, "state", "-m", path, "--raw", "the cat", "--layer", 2, "--json"),
                           "--layer 2 has no recurrent state", "0, 1, 3")
+
+
+DELTANET_LOCAL = ("linear_attn_qkv_mixed", "z", "beta_sigmoid", "a_softplus", "gate", "conv_output_silu",
+                  "q_conv_predelta", "k_conv_predelta", "v_conv_predelta", "attn_output", "new_state",
+                  "final_output", "linear_attn_out")
+GATED_ATTENTION_LOCAL = ("Qcur_full", "Qcur", "gate_sigmoid", "attn_gated", "attn_out")
+
+
+def test_local_errors_recompute_the_deltanet_and_gated_attention_stages_of_a_recording(model):
+    """Recomputed from a recording's own inputs (the conv state rebuilt from the earlier steps'
+    rows, the delta rule from the recorded state), each stage is what the forward pass wrote,
+    in the chunked prefill and in the recurrent decode steps."""
+    from llamatrace.analysis.local_error import local_errors, not_recomputed
+    assert not [s for s in DELTANET_LOCAL + GATED_ATTENTION_LOCAL if not_recomputed(s, model.config)]
+    cache = model.new_cache(12)
+    with model.trace(keep_arrays=True) as rec:
+        model.forward(np.arange(3, 12), 0, cache)
+        model.forward(np.array([12]), 9, cache)
+        model.forward(np.array([13]), 10, cache)
+    errors = local_errors(model, rec.arrays())
+    for step in (0, 1, 2):
+        for layer in range(N_LAYERS):
+            stages = DELTANET_LOCAL if model.config.is_recurrent(layer) else GATED_ATTENTION_LOCAL
+            for stage in stages + ("ffn_inp", "l_out"):
+                assert errors[f"step{step}.layer{layer}.{stage}"] < 1e-6, (stage, step, layer)
+
+
+def test_local_errors_recompute_llamacpps_own_deltanet_stages(model):
+    """From llama.cpp's graph tensors (7 prompt tokens, then a decode step whose conv state is the
+    prompt's last rows): each stage recomputed from llama.cpp's own inputs is what llama.cpp computed."""
+    from llamatrace.analysis.compare import llamacpp_stage_arrays
+    from llamatrace.analysis.local_error import local_errors
+    from llamatrace.peers.llamacpp import Captured
+    with np.load(GOLDEN / "qwen35_llamacpp_stages.npz") as z:
+        keys = sorted(z.files, key=lambda k: tuple(int(x) for x in k.split("|")[:2]))
+        captured = [(int(k.split("|")[0]), Captured(*k.split("|")[2:], z[k])) for k in keys]
+    ref = {}
+    for step, (start, n) in enumerate(((0, 7), (7, 1))):
+        ref |= llamacpp_stage_arrays([c for s, c in captured if s == step], step, start, n, model.config)
+    errors = local_errors(model, ref)
+    want = {"z", "beta_sigmoid", "a_softplus", "gate", "q_conv_predelta", "k_conv_predelta",
+            "gate_sigmoid", "attn_gated"}
+    got = {key.split(".", 2)[2] for key in errors}
+    assert want <= got, want - got
+    for key, err in errors.items():
+        assert err < 1e-5, (key, err)

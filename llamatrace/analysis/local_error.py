@@ -14,8 +14,11 @@ and FFN projections and biases, RoPE (Llama's), scores → softmax, the heads me
 SwiGLU, GeGLU, both residual adds, ``result_norm`` and ``result_output``; a mixture of experts'
 router (and its bias), its softmax, each chosen expert's gate, up, their biases, SwiGLU (or
 gpt-oss's clamped one) and down with its bias (the recorded choice of experts, each through the
-recomputing model's expert), the weighted outputs and their sum. Stages that need the
-whole KV cache (``kq``, ``kqv``) are not: a recording holds only this step's keys.
+recomputing model's expert), the weighted outputs and their sum; Qwen3.5's joint query|gate
+projection and gated output, and its gated DeltaNet: the projections, β, the decay, the conv1d
+(its state rebuilt from the earlier steps' rows), the L2-normalised q/k, the delta rule from the
+recorded state (chunked or recurrent, as the forward pass chose), the gated norm and ``ssm_out``.
+Stages that need the whole KV cache (``kq``, ``kqv``) are not: a recording holds only this step's keys.
 :func:`not_recomputed` says why a stage is not.
 A stage is skipped where the recording lacks one of its inputs
 (llama.cpp's graph has no ``ffn_silu``; a trace limited to some layers has no ``l_out`` before
@@ -30,9 +33,11 @@ from typing import Callable, Mapping
 import numpy as np
 
 from llamatrace.analysis.difference import metrics, relative_error_rows
+from llamatrace.kernels.ops import deltanet as dn
 from llamatrace.kernels.ops import fp32
 from llamatrace.kernels.ops.moe import combine, route
 from llamatrace.kernels.types.registry import matmul
+from llamatrace.model.deltanet import sigmoid
 from llamatrace.model.moe import expert_rows
 from llamatrace.tracing.recorder import stage_key
 from llamatrace.tracing.stages import SOFTMAX_ATTENTION_IDS
@@ -48,7 +53,11 @@ class _Step:
         self.products: dict[tuple[str, int], np.ndarray] = {}
 
     def __call__(self, stage: str, layer: int | None) -> np.ndarray:
-        return np.asarray(self.arrays[stage_key(self.step, layer, stage)])
+        return self.at(self.step, stage, layer)
+
+    def at(self, step: int, stage: str, layer: int | None) -> np.ndarray:
+        """``stage`` of another step of the recording (an earlier step's rows, for a state)."""
+        return np.asarray(self.arrays[stage_key(step, layer, stage)])
 
     def product(self, source: str, layer: int, w) -> np.ndarray:
         """``source``'s rows of ``layer`` times ``w`` (float32 ``[seq_len, w.n_out]``), computed once."""
@@ -128,6 +137,73 @@ def _merge_heads(kqv: np.ndarray) -> np.ndarray:
     return kqv.transpose(1, 0, 2).reshape(kqv.shape[1], -1)
 
 
+def _query_half(m, get: _Step, L: int, half: int) -> np.ndarray:
+    """The query (``half`` 0) or output gate (1) rows of ``Qcur_full`` (per head: query, then gate),
+    float32 ``[seq_len, n_heads * head_dim]``."""
+    full = get("Qcur_full", L)
+    c = m.config
+    return np.ascontiguousarray(full.reshape(len(full), c.n_heads, 2, c.head_dim)[:, :, half]).reshape(len(full), -1)
+
+
+def _attn_out(m, get: _Step, L: int, pos: int) -> np.ndarray:
+    """``wo`` times the merged heads (gated first where the model gates them), plus ``bo``."""
+    lw = m.weights.layers[L]
+    x = get("attn_gated" if m.config.attn_output_gate else "kqv_out", L)
+    y = matmul(np.ascontiguousarray(x, dtype=np.float32), lw.wo)
+    return y + lw.bo if lw.bo is not None else y
+
+
+def _dn_product(m, get: _Step, L: int, weight: str) -> np.ndarray:
+    """``attn_norm`` times one of the DeltaNet's input projections."""
+    return matmul(np.ascontiguousarray(get("attn_norm", L), dtype=np.float32),
+                  getattr(m.weights.layers[L].deltanet, weight))
+
+
+def _conv_output(m, get: _Step, L: int, pos: int) -> np.ndarray:
+    """SiLU of the causal conv1d of this step's ``linear_attn_qkv_mixed`` over the conv state, the
+    last ``conv_kernel-1`` rows of the earlier steps' (zeros before position 0). Raises KeyError
+    (not recomputed) when the recording does not reach back to position 0."""
+    w = m.weights.layers[L].deltanet.conv1d
+    earlier = [get.at(step, "linear_attn_qkv_mixed", L) for step in range(get.step)]
+    if pos != sum(len(x) for x in earlier):
+        raise KeyError("linear_attn_qkv_mixed before the recording")
+    km1 = w.shape[1] - 1
+    history = np.concatenate([np.zeros((km1, w.shape[0]), np.float32), *earlier])
+    state = np.ascontiguousarray(history[len(history) - km1:].T, dtype=np.float32)
+    x = np.ascontiguousarray(get("linear_attn_qkv_mixed", L), dtype=np.float32)
+    return fp32.silu(dn.causal_conv1d(x, state, w))
+
+
+def _conv_heads(m, get: _Step, L: int, part: int) -> np.ndarray:
+    """q (``part`` 0) and k (1), L2-normalised, or v (2) of ``conv_output_silu``, per head."""
+    c = m.config
+    conv = np.ascontiguousarray(get("conv_output_silu", L), dtype=np.float32)
+    kd = c.ssm_k_dim
+    if part == 2:
+        return np.ascontiguousarray(conv[:, 2 * kd:]).reshape(len(conv), c.ssm_n_v_heads, c.ssm_head_dim)
+    x = conv[:, part * kd:(part + 1) * kd].reshape(len(conv), c.ssm_n_k_heads, c.ssm_head_dim)
+    return dn.l2norm(x, c.norm_eps)
+
+
+def _delta_rule(m, get: _Step, L: int) -> tuple[np.ndarray, np.ndarray]:
+    """The delta rule over the recorded q/k/v, gate and β from the recorded ``state_predelta``, by
+    the forward pass's own choice of form: (``attn_output``, ``new_state``)."""
+    q, k, v, g, beta = (np.ascontiguousarray(get(s, L), dtype=np.float32) for s in (
+        "q_conv_predelta", "k_conv_predelta", "v_conv_predelta", "gate", "beta_sigmoid"))
+    state = np.array(get("state_predelta", L), dtype=np.float32)
+    rule = dn.delta_rule_recurrent if len(q) == 1 else dn.delta_rule_chunked
+    return rule(q, k, v, g, beta, state), state
+
+
+def _gated_norm(m, get: _Step, L: int, pos: int) -> np.ndarray:
+    """RMSNorm per head of ``attn_output`` with ``ssm_norm``, times SiLU(``z``), heads merged."""
+    c, w = m.config, m.weights.layers[L].deltanet
+    o = np.ascontiguousarray(get("attn_output", L), dtype=np.float32)
+    seq_len = len(o)
+    normed = fp32.rmsnorm(o.reshape(-1, c.ssm_head_dim), w.ssm_norm, c.norm_eps).reshape(seq_len, -1)
+    return normed * fp32.silu(np.ascontiguousarray(get("z", L), dtype=np.float32))
+
+
 def _rows_of(fn, *xs: np.ndarray) -> np.ndarray:
     """``fn`` of float32 rows, for arrays of any rank (the experts' ``[seq_len, k, width]``)."""
     rows = [np.ascontiguousarray(x, dtype=np.float32).reshape(-1, np.shape(x)[-1]) for x in xs]
@@ -159,7 +235,8 @@ def _weights_stage(c) -> str:
 LOCAL_STAGES: dict[str, Callable] = {
     "attn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(_layer_input(m, get, L)),
                                                      m.weights.layers[L].attention_norm, m.config.norm_eps),
-    "Qcur": _projection("wq", "wqkv", 0, "attn_norm"),
+    "Qcur": lambda m, get, L, pos: (_query_half(m, get, L, 0) if m.config.attn_output_gate
+                                    else _projection("wq", "wqkv", 0, "attn_norm")(m, get, L, pos)),
     "Kcur": _projection("wk", "wqkv", 1, "attn_norm"),
     "Vcur": _projection("wv", "wqkv", 2, "attn_norm"),
     "Qcur_b": lambda m, get, L, pos: get("Qcur", L) + m.weights.layers[L].bq,
@@ -171,9 +248,27 @@ LOCAL_STAGES: dict[str, Callable] = {
     "Kcur_rope": _rope("Kcur", "n_kv_heads"),
     "kq_soft_max": _soft_max,
     "kqv_out": lambda m, get, L, pos: _merge_heads(get("kqv", L)),
-    "attn_out": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("kqv_out", L), dtype=np.float32),
-                                              m.weights.layers[L].wo),
+    "Qcur_full": _projection("wq", "wqkv", 0, "attn_norm"),
+    "gate_sigmoid": lambda m, get, L, pos: sigmoid(_query_half(m, get, L, 1)),
+    "attn_gated": lambda m, get, L, pos: get("kqv_out", L) * get("gate_sigmoid", L),
+    "attn_out": _attn_out,
     "attn_post_norm": _norm("attn_out", "attention_post_norm"),
+    # the gated DeltaNet (model/deltanet.py's steps, from the recorded inputs and state)
+    "linear_attn_qkv_mixed": lambda m, get, L, pos: _dn_product(m, get, L, "in_proj_qkv"),
+    "z": lambda m, get, L, pos: _dn_product(m, get, L, "in_proj_z"),
+    "beta_sigmoid": lambda m, get, L, pos: sigmoid(_dn_product(m, get, L, "in_proj_b")),
+    "a_softplus": lambda m, get, L, pos: dn.softplus(_dn_product(m, get, L, "in_proj_a")
+                                                     + m.weights.layers[L].deltanet.dt_bias),
+    "gate": lambda m, get, L, pos: get("a_softplus", L) * m.weights.layers[L].deltanet.A,
+    "conv_output_silu": _conv_output,
+    "q_conv_predelta": lambda m, get, L, pos: _conv_heads(m, get, L, 0),
+    "k_conv_predelta": lambda m, get, L, pos: _conv_heads(m, get, L, 1),
+    "v_conv_predelta": lambda m, get, L, pos: _conv_heads(m, get, L, 2),
+    "attn_output": lambda m, get, L, pos: _delta_rule(m, get, L)[0],
+    "new_state": lambda m, get, L, pos: _delta_rule(m, get, L)[1],
+    "final_output": _gated_norm,
+    "linear_attn_out": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("final_output", L), dtype=np.float32),
+                                                     m.weights.layers[L].deltanet.out_proj),
     "ffn_inp": lambda m, get, L, pos: _layer_input(m, get, L) + get(
         "linear_attn_out" if m.config.is_recurrent(L) else "attn_post_norm" if m.config.post_norms else "attn_out", L),
     "ffn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(get("ffn_inp", L)),
@@ -225,19 +320,19 @@ def not_recomputed(stage: str, c) -> str | None:
         return f"the {c.arch} rotary (NeoX pairs, biased or normed q/k, a window's base) has no formula here yet"
     if stage == "kq_soft_max" and (c.attn_softcap or c.sliding_window or c.attn_scale):
         return f"the {c.arch} scores (soft-cap, window or scale) have no formula here yet"
-    if stage in ("Qcur", "attn_out") and c.attn_output_gate:
-        return "the joint query|gate projection and the gated output (Qwen3.5) have no formula here yet"
     if stage not in LOCAL_STAGES:
         return "no formula recomputes it"
     return None
 
 
 def _steps(arrays: Mapping[str, np.ndarray], start_pos: int) -> list[tuple[int, int]]:
-    """(step, start_pos) of every step, from the rows of each step's ``inp_embd``."""
+    """(step, start_pos) of every step, from the rows of each step's ``inp_embd`` (or of layer 0's
+    ``attn_norm``, for a capture that lacks the embeddings)."""
     steps, pos, step = [], start_pos, 0
-    while stage_key(step, None, "inp_embd") in arrays:
+    while (rows := next((arrays[k] for k in (stage_key(step, None, "inp_embd"), stage_key(step, 0, "attn_norm"))
+                         if k in arrays), None)) is not None:
         steps.append((step, pos))
-        pos += int(np.shape(arrays[stage_key(step, None, "inp_embd")])[0])
+        pos += int(np.shape(rows)[0])
         step += 1
     return steps
 
