@@ -135,7 +135,7 @@ def _shifted(typingctx, a, n):
 
 
 @njit(**JIT_PARALLEL)
-def _experts_q4k(x, row_step, qs, d, m, off, ids, out):
+def _experts_q4k(x, row_step, qs, d, m, off, ids, out, ahead):
     xq, xd, xs, _ = act8._quantized(x, act8.PER32_F32, 0)
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -145,12 +145,12 @@ def _experts_q4k(x, row_step, qs, d, m, off, ids, out):
         e = ids[s]
         res = np.empty(TR, np.float32)
         decode_q4k(qs, off[e, 0] + t * n_blocks * block, xq, xd, xs, s * row_step, d, _shifted(m, off[e, 2] - off[e, 1]),
-                   off[e, 1] + t * n_blocks * TR, n_blocks, np.float32(0.0), res, act8.DECODE_AHEAD_Q4K)
+                   off[e, 1] + t * n_blocks * TR, n_blocks, np.float32(0.0), res, ahead)
         tiles.store_tile(res, out, s, t)
 
 
 @njit(**JIT_PARALLEL)
-def _experts_q6k(x, row_step, qs, d, off, ids, out):
+def _experts_q6k(x, row_step, qs, d, off, ids, out, ahead):
     xq, xd, xsum = act8._quantized_k(x)
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -160,12 +160,12 @@ def _experts_q6k(x, row_step, qs, d, off, ids, out):
         e = ids[s]
         res = np.empty(TR, np.float32)
         decode_q6k(qs, off[e, 0] + t * n_blocks * block, xq, xd, xsum, s * row_step, d, d, off[e, 1] + t * n_blocks * TR,
-                   n_blocks, np.float32(0.0), res, act8.DECODE_AHEAD_Q6K)
+                   n_blocks, np.float32(0.0), res, ahead)
         tiles.store_tile(res, out, s, t)
 
 
 @njit(**JIT_PARALLEL)
-def _experts_mxfp4(x, row_step, qs, d, off, ids, out):
+def _experts_mxfp4(x, row_step, qs, d, off, ids, out, ahead):
     xq, xd, _, xoff = act8._quantized(x, act8.Q8_0, -MXFP4_ZERO)
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
@@ -175,7 +175,7 @@ def _experts_mxfp4(x, row_step, qs, d, off, ids, out):
         e = ids[s]
         res = np.empty(TR, np.float32)
         decode_mxfp4(qs, off[e, 0] + t * n_blocks * block, xq, xd, xoff, s * row_step, d, d, off[e, 1] + t * n_blocks * TR,
-                     n_blocks, np.float32(0.0), res, MXFP4_AHEAD)
+                     n_blocks, np.float32(0.0), res, ahead)
         tiles.store_tile(res, out, s, t)
 
 
@@ -235,11 +235,11 @@ class Experts:
         out = np.empty((k, self.n_out), dtype=np.float32)
         row_step = 1 if x.shape[0] == k and k > 1 else 0
         if self.ggml_type == _T.Q4_K:
-            _experts_q4k(x, row_step, self.qs, self.d, self.m, self.off, ids, out)
+            _experts_q4k(x, row_step, self.qs, self.d, self.m, self.off, ids, out, act8.DECODE_AHEAD_Q4K)
         elif self.ggml_type == _T.Q6_K:
-            _experts_q6k(x, row_step, self.qs, self.d, self.off, ids, out)
+            _experts_q6k(x, row_step, self.qs, self.d, self.off, ids, out, act8.DECODE_AHEAD_Q6K)
         else:
-            _experts_mxfp4(x, row_step, self.qs, self.d, self.off, ids, out)
+            _experts_mxfp4(x, row_step, self.qs, self.d, self.off, ids, out, MXFP4_AHEAD)
         return out
 
     def matmul_np(self, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
