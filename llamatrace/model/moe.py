@@ -24,7 +24,9 @@ quantized: GGUF stores each as one 3-D tensor ``[n_expert, rows, cols]`` (NumPy 
 here one expert at a time (:mod:`llamatrace.kernels.types.packing`, gate|up stacked per expert
 as the dense FFN's ``w13``). Only the chosen experts run, and the tokens are grouped by expert,
 as ``ggml_mul_mat_id`` does: each chosen expert's matrices are read once per call, for all the
-rows that chose it.
+rows that chose it. A decode step (up to ``GEMV_MAX_SEQ`` rows, no per-expert stage watched)
+runs all chosen experts' gate|up in one parallel region and all their downs in another
+(:mod:`llamatrace.kernels.int8.experts`, ``q8`` mode, Q4_K / Q6_K / MXFP4), with the same numbers.
 
 :class:`MoEOptions` carries what differs between families (gating, normalisation), so that
 others (gpt-oss's biases, clamped SwiGLU) are options of the same block.
