@@ -24,7 +24,9 @@ quantized: GGUF stores each as one 3-D tensor ``[n_expert, rows, cols]`` (NumPy 
 here one expert at a time (:mod:`llamatrace.kernels.types.packing`, gate|up stacked per expert
 as the dense FFN's ``w13``). Only the chosen experts run, and the tokens are grouped by expert,
 as ``ggml_mul_mat_id`` does: each chosen expert's matrices are read once per call, for all the
-rows that chose it.
+rows that chose it. A decode step (up to ``GEMV_MAX_SEQ`` rows, no per-expert stage watched)
+runs all chosen experts' gate|up in one parallel region and all their downs in another
+(:mod:`llamatrace.kernels.int8.experts`, ``q8`` mode, Q4_K / Q6_K / MXFP4), with the same numbers.
 
 :class:`MoEOptions` carries what differs between families (gating, normalisation), so that
 others (gpt-oss's biases, clamped SwiGLU) are options of the same block.
@@ -33,16 +35,18 @@ others (gpt-oss's biases, clamped SwiGLU) are options of the same block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import gguf
 import numpy as np
 
 from llamatrace.errors import ModelFormatError
+from llamatrace.kernels.int8.experts import Experts
 from llamatrace.kernels.ops import fp32 as kernels
 from llamatrace.kernels.ops import moe as routing
 from llamatrace.kernels.types import packing
-from llamatrace.kernels.types.registry import matmul
+from llamatrace.kernels.types.registry import GEMV_MAX_SEQ, matmul
 from llamatrace.model.config import ModelConfig
 from llamatrace.model.deltanet import sigmoid
 from llamatrace.tracing.recorder import Emit
@@ -119,6 +123,16 @@ class MoEWeights:
         if bias and self.b13 is not None:
             y += self.b13[e]
         return y
+
+    @cached_property
+    def decode_experts(self) -> tuple[Experts, Experts] | None:
+        """The gate|up and down experts as :class:`~llamatrace.kernels.int8.experts.Experts`, whose
+        chosen ones a decode step runs in one parallel region each; None where their types or
+        mode are not served there (or gate and up are stored in different types)."""
+        if self.w13 is None:
+            return None
+        w13, w2 = Experts.of(self.w13), Experts.of(self.w2)
+        return (w13, w2) if w13 is not None and w2 is not None else None
 
     def down(self, h: np.ndarray, e: int, bias: bool = True) -> np.ndarray:
         """Expert ``e``'s down projection of rows ``h`` [n, expert_hidden_dim] (plus its bias): [n, dim]."""
@@ -258,17 +272,18 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
                    layer, weights)
     if weights_norm is not None:
         weights = emit("ffn_moe_weights_norm", layer, weights_norm)
-    # group the (token, slot) pairs by expert, as ggml_mul_mat_id: each expert's rows in one call
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    experts, starts = np.unique(flat[order], return_index=True)
-    groups = [(int(e), order[a:b]) for e, a, b in zip(experts, starts, list(starts[1:]) + [len(order)])]
-    down = np.empty((seq_len * k, x.shape[1]), dtype=np.float32)       # row t*k + s: slot s of token t
     if not watched(layer, *EXPERT_STAGES):
-        for e, pairs in groups:
-            down[pairs] = mw.down(_glu(mw.gate_up(x[pairs // k], e), opts.act), e)
+        if seq_len <= GEMV_MAX_SEQ and mw.decode_experts is not None:
+            down = _decode_experts(x, mw, flat, k, opts.act)
+        else:
+            down = np.empty((seq_len * k, x.shape[1]), dtype=np.float32)       # row t*k + s: slot s of token t
+            for e, pairs in _groups(flat):
+                down[pairs] = mw.down(_glu(mw.gate_up(x[pairs // k], e), opts.act), e)
         return _shared(x, mw, emit, layer, emit("ffn_moe_out", layer, routing.combine(down.reshape(seq_len, k, -1),
                                                                                     weights)))
+    groups = _groups(flat)
+    down = np.empty((seq_len * k, x.shape[1]), dtype=np.float32)
     ff = mw.w2[0].n_in
     gate = np.empty((seq_len * k, ff), dtype=np.float32)
     up = np.empty((seq_len * k, ff), dtype=np.float32)
@@ -294,6 +309,29 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     for s in range(1, k):                        # slot by slot, as llama.cpp's chain of adds
         out += weighted[:, s]
     return _shared(x, mw, emit, layer, emit("ffn_moe_out", layer, out))
+
+
+def _groups(flat: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """The (token, slot) pairs (rows of ``flat``, the ids [seq_len * k]) grouped by expert, as
+    ``ggml_mul_mat_id`` groups them: ``[(expert, rows)]``, each expert's rows in one call."""
+    order = np.argsort(flat, kind="stable")
+    experts, starts = np.unique(flat[order], return_index=True)
+    return [(int(e), order[a:b]) for e, a, b in zip(experts, starts, list(starts[1:]) + [len(order)])]
+
+
+def _decode_experts(x: np.ndarray, mw: MoEWeights, flat: np.ndarray, k: int, act: str) -> np.ndarray:
+    """The chosen experts' ``ffn_moe_down`` (biased) of a few rows ``x`` [seq_len, dim], slot by
+    slot (``flat`` the ids [seq_len * k], row ``t*k + s``): each kind's matrices in one parallel
+    region (:class:`~llamatrace.kernels.int8.experts.Experts`), the same numbers as expert by
+    expert. float32 [seq_len * k, dim]."""
+    w13, w2 = mw.decode_experts
+    gate_up = w13.matmul(x if x.shape[0] == 1 else np.repeat(x, k, axis=0), flat)
+    if mw.b13 is not None:
+        gate_up += mw.b13[flat]
+    down = w2.matmul(_glu(gate_up, act), flat)
+    if mw.b2 is not None:
+        down += mw.b2[flat]
+    return down
 
 
 def _shared(x: np.ndarray, mw: MoEWeights, emit: Emit, layer: int, moe_out: np.ndarray) -> np.ndarray:
