@@ -161,57 +161,80 @@ def _q4k_ir(k: VectorTile, a):
     return k.block_loop(n_blocks, TR // lanes, body)
 
 
+def _escape(b, ptr):
+    """Hand ``ptr`` to an empty asm statement that may read and write memory: the stores made
+    through it before are done, and the loads after it are not folded back into the stored values."""
+    fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", side_effect=True)
+    b.call(fn, [ptr])
+
+
 def _q6k_ir(k: VectorTile, a):
-    """Q6_K (``xs`` the sums of x per 16 weights after the activations): per half of the block,
-    group of 16 l and pair of c sharing a ql byte (c, c + 2), a chain per c and register of rows
-    of ``x * q`` (q = the 4 ql bits | the 2 qh bits << 4, 0..63), then
-    ``acc = fma(d*sc, S - 32 * xs, acc)`` per 16 weights."""
+    """Q6_K (``xs`` the sums of x per 16 weights after the activations): per half of the block
+    and group of 16 l, the 6-bit quants (the 4 ql bits | the 2 qh bits << 4, 0..63) of the four c
+    are built on the TR rows' bytes at once (byte arithmetic on 32 lanes) and stored to a scratch
+    on the stack, then read back widened to float32 in a chain per c and register of rows (two
+    registers of rows at a time: eight chains), and ``acc = fma(d*sc, S - 32 * xs, acc)`` per 16
+    weights."""
     qs, q_at, x, x_at, d, _, dm_at, n_blocks, ahead = a
     b, c64, lanes = k.b, k.c64, k.lanes
     on = b.icmp_signed("!=", ahead, c64(0))
     block = _block_bytes("q6k")
     lines = block // 64
-    vi32 = ir.VectorType(_I32, lanes)
+    v32 = ir.VectorType(_I8, TR)
+    with b.goto_entry_block():
+        scratch = b.alloca(ir.ArrayType(_I8, 4 * 16 * TR), name="q6k_quants")
+    buf = b.bitcast(scratch, _I8.as_pointer())
 
     def cst(v):
-        return ir.Constant(vi32, [v] * lanes)
+        return ir.Constant(v32, [v] * TR)
 
     n_in = b.mul(n_blocks, c64(256))
     thirty_two = k.splat(ir.Constant(k.f32, 32.0), k.vf)
+    pair = 2 if TR // lanes >= 2 else 1
 
     def body(blk, accs):
+        accs = list(accs)
         qb = b.add(q_at, b.mul(blk, c64(block)))
         xb = b.add(x_at, b.mul(blk, c64(256)))
         xs_at = b.add(b.add(x_at, n_in), b.mul(blk, c64(16)))
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
-        dvec = [k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4) for h in range(len(accs))]
         step = 0
         for half in range(2):
             for grp in range(2):
-                for c0 in range(2):            # c0 and c0 + 2 share the ql byte 64 half + 32 c0 + l
-                    k.prefetch(on, qs, b.add(qb, ahead), range(step * lines // 8, (step + 1) * lines // 8))
-                    step += 1
-                    parts = [[None, None] for _ in accs]
+                k.prefetch(on, qs, b.add(qb, ahead), range(step * lines // 4, (step + 1) * lines // 4))
+                step += 1
+                for i in range(16):
+                    l = 16 * grp + i
+                    qa = k.load(qs, b.add(qb, c64((64 * half + l) * TR)), v32)
+                    qc = k.load(qs, b.add(qb, c64((64 * half + 32 + l) * TR)), v32)
+                    qh = k.load(qs, b.add(qb, c64((128 + 32 * half + l) * TR)), v32)
+                    quants = (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
+                              b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
+                              b.or_(b.lshr(qa, cst(4)), b.and_(qh, cst(0x30))),
+                              b.or_(b.lshr(qc, cst(4)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
+                    for c, q in enumerate(quants):
+                        b.store(q, b.bitcast(b.gep(buf, [c64((c * 16 + i) * TR)]), v32.as_pointer()), align=1)
+                _escape(b, buf)
+                for h0 in range(0, len(accs), pair):
+                    rows = range(h0, h0 + pair)
+                    parts = {}
                     for i in range(16):
                         l = 16 * grp + i
-                        xa = k.splat(k.load(x, b.add(xb, c64(128 * half + 32 * c0 + l)), k.f32, 4), k.vf)
-                        xc = k.splat(k.load(x, b.add(xb, c64(128 * half + 32 * (c0 + 2) + l)), k.f32, 4), k.vf)
-                        for h, p in enumerate(parts):
-                            ql = _bytes(k, qs, b.add(qb, c64((64 * half + 32 * c0 + l) * TR + h * lanes)), False, False)
-                            qh = _bytes(k, qs, b.add(qb, c64((128 + 32 * half + l) * TR + h * lanes)), False, False)
-                            qa = b.or_(b.and_(ql, cst(15)), b.shl(b.and_(b.lshr(qh, cst(2 * c0)), cst(3)), cst(4)))
-                            qc = b.or_(b.lshr(ql, cst(4)), b.shl(b.and_(b.lshr(qh, cst(2 * c0 + 4)), cst(3)), cst(4)))
-                            p[0] = _chain(k, p[0], xa, b.sitofp(qa, k.vf))
-                            p[1] = _chain(k, p[1], xc, b.sitofp(qc, k.vf))
-                    new = []
-                    for h, (p, acc) in enumerate(zip(parts, accs)):
-                        for cc, s in ((c0, p[0]), (c0 + 2, p[1])):
-                            g = 8 * half + 2 * cc + grp             # the scale of these 16 weights
+                        for c in range(4):
+                            xc = k.splat(k.load(x, b.add(xb, c64(128 * half + 32 * c + l)), k.f32, 4), k.vf)
+                            for h in rows:
+                                w = _bytes(k, buf, c64((c * 16 + i) * TR + h * lanes), False)
+                                parts[h, c] = _chain(k, parts.get((h, c)), xc, w)
+                    for h in rows:
+                        dvec = k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4)
+                        acc = accs[h]
+                        for c in range(4):
+                            g = 8 * half + 2 * c + grp             # the scale of these 16 weights
                             sc = _bytes(k, qs, b.add(qb, c64((192 + g) * TR + h * lanes)), True)
                             xs = k.splat(k.load(x, b.add(xs_at, c64(g)), k.f32, 4), k.vf)
-                            acc = k.fma(b.fmul(dvec[h], sc), k.fma(thirty_two, b.fneg(xs), s), acc)
-                        new.append(acc)
-                    accs = new
+                            acc = k.fma(b.fmul(dvec, sc), k.fma(thirty_two, b.fneg(xs), parts[h, c]), acc)
+                        accs[h] = acc
+                _escape(b, buf)
         return accs
 
     return k.block_loop(n_blocks, TR // lanes, body)
