@@ -11,10 +11,10 @@ per 16 weights), and every scale times integer product is exact in float32. So t
 float32 activations times the dequantized weights (``gguf.quants.dequantize``), summed in float32 in
 another order than a plain loop: the tests hold each kernel against its twin and the reference.
 
-Why IR: the Numba loops of the same arithmetic (``q8._gemv_q8`` before, ``k_quants.gemv_q4k``,
-``gemv_q6k``) kept their partial sums in memory arrays between passes over the rows and converted
-bytes on int64 lanes; they ran at 0.3-0.4 of a plain read of their bytes on one thread, the
-``q8`` mode's kernels of the same types at ~0.55 (docs/performance.md, "Decode").
+Why IR: the Numba loops they replace kept their partial sums in memory arrays between passes over
+the rows (and MXFP4's unpacked its codes through a scratch); on one thread they ran at 0.15-0.45 of
+a plain read of their bytes, these at 0.35-0.8 (docs/performance.md, "Decode": "The float32
+mode's decode kernels").
 
 Numba caches the kernels that call these by the calling module's source: after a change here,
 clear ``llamatrace/kernels/types/__pycache__/*.nb*`` (or use a fresh ``NUMBA_CACHE_DIR``).
@@ -92,7 +92,8 @@ def _mxfp4_ir(k: VectorTile, a):
     pshufb = b.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (), ir.FunctionType(v32, [v32, v32]))
     table = ir.Constant(v32, [v & 0xFF for v in _KVALUES_MXFP4 * 2])
     low, four = ir.Constant(v32, [15] * 32), ir.Constant(v32, [4] * 32)
-    vl8 = ir.VectorType(_I8, lanes)
+    picks = [ir.Constant(ir.VectorType(_I32, lanes), list(range(h * lanes, (h + 1) * lanes)))
+             for h in range(TR // lanes)]                # each register's rows of the 32 kvalues
 
     def body(blk, accs):
         qb = b.add(q_at, b.mul(blk, c64(block)))
@@ -105,9 +106,7 @@ def _mxfp4_ir(k: VectorTile, a):
             for half in range(2):
                 xj = k.splat(k.load(x, b.add(xb, c64(16 * half + j)), k.f32, 4), k.vf)
                 for h, p in enumerate(parts):
-                    sub = b.shuffle_vector(kv[half], ir.Constant(v32, None),
-                                           ir.Constant(ir.VectorType(_I32, lanes), list(range(h * lanes, (h + 1) * lanes))))
-                    assert sub.type == vl8
+                    sub = b.shuffle_vector(kv[half], ir.Constant(v32, None), picks[h])
                     p[half] = _chain(k, p[half], xj, b.sitofp(sub, k.vf))
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         return [k.fma(k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4), b.fadd(p[0], p[1]), acc)
@@ -151,7 +150,8 @@ def _q4k_ir(k: VectorTile, a):
             new = []
             for h, (p, acc) in enumerate(zip(parts, accs)):
                 rows = b.add(qb, c64(h * lanes))
-                sc0, sc1, mn0, mn1 = (_bytes(k, qs, b.add(rows, c64(i * TR)), False) for i in (2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c))
+                sc0, sc1, mn0, mn1 = (_bytes(k, qs, b.add(rows, c64(i * TR)), False)
+                                      for i in (2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c))
                 pos = k.fma(b.fmul(dvec[h], sc1), p[1], b.fmul(b.fmul(dvec[h], sc0), p[0]))
                 neg = k.fma(b.fmul(mvec[h], mn1), xs1, b.fmul(b.fmul(mvec[h], mn0), xs0))
                 new.append(b.fadd(acc, b.fsub(pos, neg)))
