@@ -52,6 +52,7 @@ from llamatrace.kernels import tiles
 from llamatrace.kernels.int8 import act8, amx
 from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.tiles import quant_f32
+from llamatrace.kernels.types.f32_ir import AHEAD_Q4K, AHEAD_Q6K, decode_q4k, decode_q6k
 from llamatrace.kernels.types.packing import matmul_ref
 from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, ScaleByte, declare
 from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
@@ -251,77 +252,70 @@ def tiled(kind, x, qs, d, m, out):
 
 
 # --------------------------------------------------------------------------------------------
-# Q4_K GEMV without a scratch: chunk j of a super-block is 32 bytes whose low nibbles are
-# sub-block 2j and high nibbles sub-block 2j+1, so per chunk two dot products
-# (x_lo . lo, x_hi . hi) are scaled by their own d*sc, and the mins enter as dmin*mn*sum(x).
+# Q4_K and Q6_K GEMV: LLVM IR microkernels over a whole tile (f32_ir), after the activations are
+# copied with their sums per scale group appended (Q4_K: per 32, for the mins; Q6_K: per 16, for
+# the offset 32).
 
 
-@njit(**JIT_INLINE)
-def _q4k_chain8(q, r, off, xlo, xhi, l0):
-    """(x_lo . lo, x_hi . hi) over bytes l0..l0+7 of q[off:, r] (8 iterations: fully unrolled,
-    so the caller's loop over r vectorises); nibbles split in float arithmetic, exactly."""
-    a = np.float32(0.0)
-    c = np.float32(0.0)
-    for i in range(8):
-        v = np.float32(q[off + l0 + i, r])
-        h = np.floor(v * np.float32(0.0625))
-        a += xlo[l0 + i] * (v - np.float32(16.0) * h)
-        c += xhi[l0 + i] * h
-    return a, c
+@njit(**JIT)
+def _x_with_sums(x, group):
+    """x float32 [S, n_in] -> float32 [S, n_in + n_in // group]: each row followed by its sums
+    over every ``group`` inputs (float32, in order)."""
+    n_seq, n_in = x.shape
+    xe = np.empty((n_seq, n_in + n_in // group), np.float32)
+    for s in range(n_seq):
+        for i in range(n_in):
+            xe[s, i] = x[s, i]
+        for g in range(n_in // group):
+            acc = np.float32(0.0)
+            for i in range(group):
+                acc += x[s, g * group + i]
+            xe[s, n_in + g] = acc
+    return xe
 
 
 @njit(**JIT_PARALLEL)
 def gemv_q4k(x, qs, d, m, out):
-    """Q4_K GEMV for a few rows; shapes as in :func:`tiled` (m = dmin). Twin :func:`llamatrace.kernels.types.packing.matmul_ref`."""
+    """Q4_K GEMV for a few rows; shapes as in :func:`tiled` (m = dmin). Per tile and row of x,
+    :func:`~llamatrace.kernels.types.f32_ir.decode_q4k` over the whole tile, its sums in registers.
+    Twin :func:`llamatrace.kernels.types.packing.matmul_ref`."""
     n_seq = x.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     n_out = out.shape[1]
-    xsum = np.zeros((n_seq, n_blocks, 8), np.float32)
-    for s in range(n_seq):
-        for b in range(n_blocks):
-            for sub in range(8):
-                for l in range(32):
-                    xsum[s, b, sub] += x[s, b * 256 + sub * 32 + l]
+    xe = _x_with_sums(x, 32)
+    width = xe.shape[1]
     for t in prange(n_tiles):
-        acc = np.empty(TR, np.float32)
-        lo01 = np.empty(TR, np.float32)
-        hi01 = np.empty(TR, np.float32)
-        lo2 = np.empty(TR, np.float32)
-        hi2 = np.empty(TR, np.float32)
-        base = t * TR
-        n = min(TR, n_out - base)
         for s in range(n_seq):
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                q = qs[t, b]
-                db = d[t, b]
-                mb = m[t, b]
-                xs = xsum[s, b]
-                for j in range(4):
-                    tiles.prefetch_next_block(qs, t, b, j, 4)
-                    xlo = x[s, b * 256 + 64 * j:b * 256 + 64 * j + 32]
-                    xhi = x[s, b * 256 + 64 * j + 32:b * 256 + 64 * j + 64]
-                    off = 16 + 32 * j
-                    # four passes over the TR rows, 16 broadcast activations live in each
-                    # (one pass over all 32 bytes spilled them); sums (a0 + a1) + (a2 + a3)
-                    for r in range(TR):
-                        lo01[r], hi01[r] = _q4k_chain8(q, r, off, xlo, xhi, 0)
-                    for r in range(TR):
-                        a1, c1 = _q4k_chain8(q, r, off, xlo, xhi, 8)
-                        lo01[r] += a1
-                        hi01[r] += c1
-                    for r in range(TR):
-                        lo2[r], hi2[r] = _q4k_chain8(q, r, off, xlo, xhi, 16)
-                    for r in range(TR):
-                        a3, c3 = _q4k_chain8(q, r, off, xlo, xhi, 24)
-                        lo = lo01[r] + (lo2[r] + a3)
-                        hi = hi01[r] + (hi2[r] + c3)
-                        acc[r] += (db[r] * np.float32(q[2 * j, r])) * lo \
-                            + (db[r] * np.float32(q[2 * j + 1, r])) * hi \
-                            - (mb[r] * np.float32(q[8 + 2 * j, r])) * xs[2 * j] \
-                            - (mb[r] * np.float32(q[9 + 2 * j, r])) * xs[2 * j + 1]
-            for r in range(n):
-                out[s, base + r] = acc[r]
+            ahead = AHEAD_Q4K if s == 0 else 0
+            if (t + 1) * TR <= n_out:
+                decode_q4k(qs, t * n_blocks * 144 * TR, xe, s * width, d, m, t * n_blocks * TR, n_blocks,
+                           out, s * n_out + t * TR, ahead)
+            else:
+                res = np.empty(TR, np.float32)
+                decode_q4k(qs, t * n_blocks * 144 * TR, xe, s * width, d, m, t * n_blocks * TR, n_blocks, res, 0, ahead)
+                tiles.store_tile(res, out, s, t)
+
+
+@njit(**JIT_PARALLEL)
+def gemv_q6k(x, qs, d, out):
+    """Q6_K GEMV for a few rows; shapes as in :func:`tiled`. Per tile and row of x,
+    :func:`~llamatrace.kernels.types.f32_ir.decode_q6k` over the whole tile, its sums in registers.
+    Twin :func:`llamatrace.kernels.types.packing.matmul_ref`."""
+    n_seq = x.shape[0]
+    n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    n_out = out.shape[1]
+    xe = _x_with_sums(x, 16)
+    width = xe.shape[1]
+    for t in prange(n_tiles):
+        for s in range(n_seq):
+            ahead = AHEAD_Q6K if s == 0 else 0
+            if (t + 1) * TR <= n_out:
+                decode_q6k(qs, t * n_blocks * 208 * TR, xe, s * width, d, d, t * n_blocks * TR, n_blocks,
+                           out, s * n_out + t * TR, ahead)
+            else:
+                res = np.empty(TR, np.float32)
+                decode_q6k(qs, t * n_blocks * 208 * TR, xe, s * width, d, d, t * n_blocks * TR, n_blocks, res, 0, ahead)
+                tiles.store_tile(res, out, s, t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,20 +401,17 @@ def gemv_q5k(x, qs, d, m, out):
 
 
 # --------------------------------------------------------------------------------------------
-# Q2_K, Q3_K and Q6_K GEMV without a scratch: one scale per 16 weights, and the same layout of
+# Q2_K and Q3_K GEMV without a scratch: one scale per 16 weights, and the same layout of
 # each half (128 weights) of a super-block. Element 128h + 32c + l (c = 0..3, l = 0..31) takes
 #   Q2_K: 2 bits at shift 2c of byte 16 + 32h + l                   q in 0..3
 #   Q3_K: 2 bits at shift 2c of byte 32 + 32h + l, plus bit 4h + c of hmask byte l worth 4,
 #         minus 4                                                   q in -4..3
-#   Q6_K: 4 bits from a nibble of ql (byte 64h + l for c = 0, 2, byte 64h + 32 + l for c = 1, 3;
-#         the high nibble for c >= 2), 2 bits at shift 2c of qh byte 128 + 32h + l, minus 32
 # and the scale of its 16 weights 8h + 2c + l // 16. Per half and group of 16 l, the four sums
 # S_c = sum_l x_c[l] * q_c[l] (before the offsets) are gathered over the TR rows in eight passes
 # of two l (four l at a time did not vectorise), then scales, mins and offsets enter once:
 #   Q2_K  d*sc*S_c - dmin*mn*sum(x)    Q3_K  d*(sc - 32)*(S_c - 4 sum(x))
-#   Q6_K  d*sc*(S_c - 32 sum(x))
-# ``kind`` (KIND: 0, 1, 4) and ``h`` are literals at each call, so the branches fold away and
-# every shift is a constant.
+# (Q6_K's layout is the same; its GEMV is f32_ir's microkernel.) ``kind`` (KIND: 0, 1) and ``h``
+# are literals at each call, so the branches fold away and every shift is a constant.
 
 
 @njit(**JIT_INLINE)
@@ -438,29 +429,14 @@ def _k16_l2(kind, q, r, h, l0, x0, x1, x2, x3):
             s1 += x1[l] * quant_f32(v, 2, 3, v, 0, 0, 2)
             s2 += x2[l] * quant_f32(v, 4, 3, v, 0, 0, 2)
             s3 += x3[l] * quant_f32(v, 6, 3, v, 0, 0, 2)
-        elif kind == 1:
+        else:
             v = q[32 + 32 * h + l, r]
             hm = q[l, r]
             s0 += x0[l] * quant_f32(v, 0, 3, hm, 4 * h, 1, 2)
             s1 += x1[l] * quant_f32(v, 2, 3, hm, 4 * h + 1, 1, 2)
             s2 += x2[l] * quant_f32(v, 4, 3, hm, 4 * h + 2, 1, 2)
             s3 += x3[l] * quant_f32(v, 6, 3, hm, 4 * h + 3, 1, 2)
-        else:
-            a = q[64 * h + l, r]
-            b = q[64 * h + 32 + l, r]
-            v = q[128 + 32 * h + l, r]
-            s0 += x0[l] * quant_f32(a, 0, 15, v, 0, 3, 4)
-            s1 += x1[l] * quant_f32(b, 0, 15, v, 2, 3, 4)
-            s2 += x2[l] * quant_f32(a, 4, 15, v, 4, 3, 4)
-            s3 += x3[l] * quant_f32(b, 4, 15, v, 6, 3, 4)
     return s0, s1, s2, s3
-
-
-@njit(**JIT_INLINE)
-def _int8(v):
-    """A uint8 byte read as int8, in float arithmetic."""
-    f = np.float32(v)
-    return f - np.float32(256.0) * np.floor(f * np.float32(1.0 / 128.0))
 
 
 @njit(**JIT_INLINE)
@@ -474,9 +450,7 @@ def _k16_scale(kind, q, i, r):
     """The scale of the 16 weights i, as a float (Q2_K: its low nibble; Q3_K: minus 32)."""
     if kind == 0:
         return _nibble(q[i, r], 0)
-    if kind == 1:
-        return np.float32(q[96 + i, r]) - np.float32(32.0)
-    return _int8(q[192 + i, r])
+    return np.float32(q[96 + i, r]) - np.float32(32.0)
 
 
 @njit(**JIT_INLINE)
@@ -490,7 +464,7 @@ def _k16_half(kind, qs, t, b, h, d, m, xs, x, s, acc, p0, p1, p2, p3):
     x1 = x[s, base + 32:base + 64]
     x2 = x[s, base + 64:base + 96]
     x3 = x[s, base + 96:base + 128]
-    off = np.float32(4.0 if kind == 1 else 32.0)        # Q3_K's and Q6_K's offsets
+    off = np.float32(4.0)                               # Q3_K's offset
     for grp in range(2):
         l0 = 16 * grp
         tiles.prefetch_next_block(qs, t, b, 2 * h + grp, 4)
@@ -560,14 +534,6 @@ def gemv_q3k(x, qs, d, out):
     xsum = _xsum16(x, qs.shape[1])
     for t in prange(qs.shape[0]):
         _k16_tile(1, x, qs, d, d, xsum, t, out)
-
-
-@njit(**JIT_PARALLEL)
-def gemv_q6k(x, qs, d, out):
-    """Q6_K GEMV for a few rows; shapes as in :func:`tiled`. Twin :func:`llamatrace.kernels.types.packing.matmul_ref`."""
-    xsum = _xsum16(x, qs.shape[1])
-    for t in prange(qs.shape[0]):
-        _k16_tile(4, x, qs, d, d, xsum, t, out)
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from llamatrace.kernels import tiles
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.int8.act8_ir import isum_q8
 from llamatrace.kernels.quantizers.rows import for_type
+from llamatrace.kernels.types.f32_ir import AHEAD_MXFP4, decode_mxfp4
 from llamatrace.kernels.types.packing import matmul_ref
-from llamatrace.kernels.types.q8 import _i8_half_dot
 from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, declare
 from llamatrace.machine.jit import E8M0_HALF_TABLE, JIT, JIT_INLINE, JIT_PARALLEL
 
@@ -81,7 +81,8 @@ def act8_mxfp4_np(x: np.ndarray, qs, d) -> np.ndarray:
 #
 # The codes become int8 kvalues four at a time in uint32 arithmetic (:func:`_kvalues4`), no table:
 # a 16-entry lookup per code compiled to gathers and ran at a fraction of Q4_0's speed. The int8
-# values then feed Q8_0's float32 loops (f32 mode) or its integer block sums (q8 mode).
+# values then feed the prefill's float32 dequantizer or the q8 mode's integer block sums (Q8_0's);
+# the f32 decode takes its kvalues from a pshufb table in registers (f32_ir.decode_mxfp4).
 
 
 @njit(**JIT_INLINE)
@@ -118,24 +119,22 @@ def _unpack(words, base, w32):
 @njit(**JIT_PARALLEL)
 def _gemv_mxfp4(x, qs, d, out):
     """MXFP4 GEMV for a few rows: out[s] = x[s] @ W.T. x float32 [S, B*32]; qs uint8
-    [T, B, 16, TR]; d float32 [T, B, TR]; out float32 [S, n_out]. One parallel region over tiles;
-    each block is unpacked to int8 once for every row of x, then summed as Q8_0's."""
-    n_seq = x.shape[0]
+    [T, B, 16, TR]; d float32 [T, B, TR]; out float32 [S, n_out]. Per tile and row of x,
+    :func:`~llamatrace.kernels.types.f32_ir.decode_mxfp4` over the whole tile, its sums in registers
+    (the tile's full rows written straight to out)."""
+    n_seq, n_in = x.shape
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
-    words = qs.reshape(qs.size).view(np.uint32)
+    n_out = out.shape[1]
     for t in prange(n_tiles):
-        acc = np.zeros((n_seq, TR), np.float32)
-        q = np.empty((QK, TR), np.int8)
-        w32 = q.reshape(QK * TR).view(np.uint32)
-        for b in range(n_blocks):
-            _unpack(words, (t * n_blocks + b) * 4 * TR, w32)
-            db = d[t, b]
-            for s in range(n_seq):
-                xb = x[s, b * QK:b * QK + QK]
-                a = acc[s]
-                for r in range(TR):
-                    a[r] += db[r] * (_i8_half_dot(q, r, xb, 0) + _i8_half_dot(q, r, xb, 16))
-        tiles.store_rows(acc, out, t)
+        for s in range(n_seq):
+            ahead = AHEAD_MXFP4 if s == 0 else 0
+            if (t + 1) * TR <= n_out:
+                decode_mxfp4(qs, t * n_blocks * 16 * TR, x, s * n_in, d, d, t * n_blocks * TR, n_blocks,
+                             out, s * n_out + t * TR, ahead)
+            else:
+                res = np.empty(TR, np.float32)
+                decode_mxfp4(qs, t * n_blocks * 16 * TR, x, s * n_in, d, d, t * n_blocks * TR, n_blocks, res, 0, ahead)
+                tiles.store_tile(res, out, s, t)
 
 
 @njit(**JIT_INLINE)

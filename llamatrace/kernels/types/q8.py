@@ -24,6 +24,7 @@ from numba import njit, prange
 from llamatrace.kernels import tiles
 from llamatrace.kernels.int8 import act8, amx
 from llamatrace.kernels.quantizers.rows import for_type
+from llamatrace.kernels.types.f32_ir import AHEAD_Q8_0, decode_q8_0
 from llamatrace.kernels.types.packing import matmul_ref
 from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, declare
 from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
@@ -49,42 +50,24 @@ def gemv_q8_np(x: np.ndarray, qs, d) -> np.ndarray:
 
 
 
-@njit(**JIT_INLINE)
-def _i8_chain8(q, r, x, j):
-    acc = np.float32(0.0)
-    for i in range(8):  # constant trip count: fully unrolled by LLVM
-        acc += x[j + i] * np.float32(q[j + i, r])
-    return acc
-
-
-@njit(**JIT_INLINE)
-def _i8_half_dot(q, r, x, j):
-    """sum over j..j+15 of x[j] * q[j, r] for one Q8_0 block q int8 [32, TR]: two 8-FMA chains
-    (a block in two halves, as in :func:`llamatrace.kernels.types.q4._q4_half_dot`)."""
-    return _i8_chain8(q, r, x, j) + _i8_chain8(q, r, x, j + 8)
-
-
-
 @njit(**JIT_PARALLEL)
 def _gemv_q8(x, qs, d, out):
     """Q8_0 GEMV for a few rows. x float32 [S, B*32]; qs int8 [T, B, 32, TR]; d float32
-    [T, B, TR]; out float32 [S, n_out]."""
-    n_seq = x.shape[0]
+    [T, B, TR]; out float32 [S, n_out]. Per tile and row of x, :func:`~llamatrace.kernels.types.f32_ir.decode_q8_0`
+    over the whole tile, its sums in registers (the tile's full rows written straight to out)."""
+    n_seq, n_in = x.shape
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
+    n_out = out.shape[1]
     for t in prange(n_tiles):
-        acc = np.empty(TR, np.float32)
-        half = np.empty(TR, np.float32)
         for s in range(n_seq):
-            acc[:] = 0.0
-            for b in range(n_blocks):
-                q = qs[t, b]
-                db = d[t, b]
-                xb = x[s, b * 32:b * 32 + 32]
-                for r in range(TR):
-                    half[r] = _i8_half_dot(q, r, xb, 0)
-                for r in range(TR):
-                    acc[r] += db[r] * (half[r] + _i8_half_dot(q, r, xb, 16))
-            tiles.store_tile(acc, out, s, t)
+            ahead = AHEAD_Q8_0 if s == 0 else 0
+            if (t + 1) * TR <= n_out:
+                decode_q8_0(qs, t * n_blocks * 32 * TR, x, s * n_in, d, d, t * n_blocks * TR, n_blocks,
+                            out, s * n_out + t * TR, ahead)
+            else:
+                res = np.empty(TR, np.float32)
+                decode_q8_0(qs, t * n_blocks * 32 * TR, x, s * n_in, d, d, t * n_blocks * TR, n_blocks, res, 0, ahead)
+                tiles.store_tile(res, out, s, t)
 
 
 

@@ -1,0 +1,279 @@
+"""The float32 mode's decode microkernels, in LLVM IR: one activation row against a whole tile.
+
+Each kernel runs the loop over a tile's blocks in IR (:meth:`llamatrace.kernels.tiles.VectorTile.block_loop`),
+``TR / lanes`` registers of rows (8 rows a ymm, 16 a zmm with AVX-512: :func:`~llamatrace.kernels.tiles.prefill_lanes`)
+whose float32 sums stay in registers from the first block to the last. The quants become float32
+in registers (bytes widened and converted, MXFP4's codes through a ``pshufb`` table of its
+kvalues) and meet the broadcast activations in FMA chains, several independent chains a register
+of rows; each block's sums are scaled as the NumPy twins write it (Q8_0, MXFP4: ``d * (x . q)``;
+Q4_K: ``(d*sc) * (x . q) - (dmin*mn) * sum(x)`` per sub-block; Q6_K: ``(d*sc) * (x . q - 32 sum(x))``
+per 16 weights), and every scale times integer product is exact in float32. So the result is
+float32 activations times the dequantized weights (``gguf.quants.dequantize``), summed in float32 in
+another order than a plain loop: the tests hold each kernel against its twin and the reference.
+
+Why IR: the Numba loops they replace kept their partial sums in memory arrays between passes over
+the rows (and MXFP4's unpacked its codes through a scratch); on one thread they ran at 0.15-0.45 of
+a plain read of their bytes, these at 0.35-0.8 (docs/performance.md, "Decode": "The float32
+mode's decode kernels").
+
+Numba caches the kernels that call these by the calling module's source: after a change here,
+clear ``llamatrace/kernels/types/__pycache__/*.nb*`` (or use a fresh ``NUMBA_CACHE_DIR``).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from llamatrace.kernels import tiles
+from llamatrace.kernels.tiles import VectorTile, prefill_lanes
+
+TR = tiles.TR
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)   # ggml's kvalues_mxfp4
+
+AHEAD_Q8_0 = AHEAD_MXFP4 = 4096
+AHEAD_Q4K = 2 * 144 * TR
+AHEAD_Q6K = 208 * TR
+"""Prefetch distances in bytes (into L2), as the ``q8`` mode's decode microkernels'."""
+
+
+def _block_bytes(kind: str) -> int:
+    return {"q8_0": 32, "mxfp4": 16, "q4k": 144, "q6k": 208}[kind] * TR
+
+
+def _chain(k, acc, x, w):
+    return k.b.fmul(x, w) if acc is None else k.fma(x, w, acc)
+
+
+def _bytes(k, qs, at, signed: bool, to_float: bool = True):
+    """``lanes`` bytes at ``qs + at`` widened to int32 lanes (or converted to float32)."""
+    v = k.load(qs, at, ir.VectorType(_I8, k.lanes))
+    if to_float:
+        return k.b.sitofp(v, k.vf) if signed else k.b.uitofp(v, k.vf)
+    vi32 = ir.VectorType(_I32, k.lanes)
+    return k.b.sext(v, vi32) if signed else k.b.zext(v, vi32)
+
+
+def _q8_0_ir(k: VectorTile, a):
+    """Q8_0: per block and register of rows two chains (even, odd j) of ``x[j] * q[j]``, then
+    ``acc = fma(d, even + odd, acc)``."""
+    qs, q_at, x, x_at, d, _, dm_at, n_blocks, ahead = a
+    b, c64, lanes = k.b, k.c64, k.lanes
+    on = b.icmp_signed("!=", ahead, c64(0))
+    block = _block_bytes("q8_0")
+
+    def body(blk, accs):
+        qb = b.add(q_at, b.mul(blk, c64(block)))
+        k.prefetch(on, qs, b.add(qb, ahead), range(block // 64))
+        xb = b.add(x_at, b.mul(blk, c64(32)))
+        parts = [[None, None] for _ in accs]
+        for j in range(32):
+            xj = k.splat(k.load(x, b.add(xb, c64(j)), k.f32, 4), k.vf)
+            for h, p in enumerate(parts):
+                p[j % 2] = _chain(k, p[j % 2], xj, _bytes(k, qs, b.add(qb, c64(j * TR + h * lanes)), True))
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        return [k.fma(k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4), b.fadd(p[0], p[1]), acc)
+                for h, (p, acc) in enumerate(zip(parts, accs))]
+
+    return k.block_loop(n_blocks, TR // lanes, body)
+
+
+def _mxfp4_ir(k: VectorTile, a):
+    """MXFP4: byte j of the TR rows' codes (one 32-byte load) split in nibbles, each through a
+    ``pshufb`` table to its int8 kvalue; per register of rows a chain for the low nibbles (x[j])
+    and one for the high ones (x[j + 16]), then ``acc = fma(d, lo + hi, acc)``."""
+    qs, q_at, x, x_at, d, _, dm_at, n_blocks, ahead = a
+    b, c64, lanes = k.b, k.c64, k.lanes
+    on = b.icmp_signed("!=", ahead, c64(0))
+    block = _block_bytes("mxfp4")
+    v32 = ir.VectorType(_I8, 32)
+    pshufb = b.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (), ir.FunctionType(v32, [v32, v32]))
+    table = ir.Constant(v32, [v & 0xFF for v in _KVALUES_MXFP4 * 2])
+    low, four = ir.Constant(v32, [15] * 32), ir.Constant(v32, [4] * 32)
+    picks = [ir.Constant(ir.VectorType(_I32, lanes), list(range(h * lanes, (h + 1) * lanes)))
+             for h in range(TR // lanes)]                # each register's rows of the 32 kvalues
+
+    def body(blk, accs):
+        qb = b.add(q_at, b.mul(blk, c64(block)))
+        k.prefetch(on, qs, b.add(qb, ahead), range(block // 64))
+        xb = b.add(x_at, b.mul(blk, c64(32)))
+        parts = [[None, None] for _ in accs]
+        for j in range(16):
+            codes = k.load(qs, b.add(qb, c64(j * TR)), v32)
+            kv = (b.call(pshufb, [table, b.and_(codes, low)]), b.call(pshufb, [table, b.lshr(codes, four)]))
+            for half in range(2):
+                xj = k.splat(k.load(x, b.add(xb, c64(16 * half + j)), k.f32, 4), k.vf)
+                for h, p in enumerate(parts):
+                    sub = b.shuffle_vector(kv[half], ir.Constant(v32, None), picks[h])
+                    p[half] = _chain(k, p[half], xj, b.sitofp(sub, k.vf))
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        return [k.fma(k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4), b.fadd(p[0], p[1]), acc)
+                for h, (p, acc) in enumerate(zip(parts, accs))]
+
+    return k.block_loop(n_blocks, TR // lanes, body)
+
+
+def _q4k_ir(k: VectorTile, a):
+    """Q4_K (``m`` its dmin, ``xs`` the sums of x per sub-block of 32 after the activations):
+    per chunk c of 32 bytes (sub-blocks 2c in the low nibbles, 2c + 1 in the high ones) and
+    register of rows a chain per sub-block, then
+    ``acc += (d*sc0) * lo + (d*sc1) * hi - ((dmin*mn0) * xs0 + (dmin*mn1) * xs1)``."""
+    qs, q_at, x, x_at, d, m, dm_at, n_blocks, ahead = a
+    b, c64, lanes = k.b, k.c64, k.lanes
+    on = b.icmp_signed("!=", ahead, c64(0))
+    block = _block_bytes("q4k")
+    lines = block // 64
+    vi32 = ir.VectorType(_I32, lanes)
+    low, four = ir.Constant(vi32, [15] * lanes), ir.Constant(vi32, [4] * lanes)
+    n_in = b.mul(n_blocks, c64(256))
+
+    def body(blk, accs):
+        qb = b.add(q_at, b.mul(blk, c64(block)))
+        xb = b.add(x_at, b.mul(blk, c64(256)))
+        xs_at = b.add(b.add(x_at, n_in), b.mul(blk, c64(8)))     # the sums follow the row in x
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        dvec = [k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4) for h in range(len(accs))]
+        mvec = [k.load(m, b.add(dm, c64(h * lanes)), k.vf, 4) for h in range(len(accs))]
+        for c in range(4):
+            k.prefetch(on, qs, b.add(qb, ahead), range(c * lines // 4, (c + 1) * lines // 4))
+            parts = [[None, None] for _ in accs]
+            for l in range(32):
+                xl = k.splat(k.load(x, b.add(xb, c64(64 * c + l)), k.f32, 4), k.vf)
+                xh = k.splat(k.load(x, b.add(xb, c64(64 * c + 32 + l)), k.f32, 4), k.vf)
+                for h, p in enumerate(parts):
+                    v = _bytes(k, qs, b.add(qb, c64((16 + 32 * c + l) * TR + h * lanes)), False, False)
+                    p[0] = _chain(k, p[0], xl, b.sitofp(b.and_(v, low), k.vf))
+                    p[1] = _chain(k, p[1], xh, b.sitofp(b.lshr(v, four), k.vf))
+            xs0, xs1 = (k.splat(k.load(x, b.add(xs_at, c64(2 * c + i)), k.f32, 4), k.vf) for i in (0, 1))
+            new = []
+            for h, (p, acc) in enumerate(zip(parts, accs)):
+                rows = b.add(qb, c64(h * lanes))
+                sc0, sc1, mn0, mn1 = (_bytes(k, qs, b.add(rows, c64(i * TR)), False)
+                                      for i in (2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c))
+                pos = k.fma(b.fmul(dvec[h], sc1), p[1], b.fmul(b.fmul(dvec[h], sc0), p[0]))
+                neg = k.fma(b.fmul(mvec[h], mn1), xs1, b.fmul(b.fmul(mvec[h], mn0), xs0))
+                new.append(b.fadd(acc, b.fsub(pos, neg)))
+            accs = new
+        return accs
+
+    return k.block_loop(n_blocks, TR // lanes, body)
+
+
+def _escape(b, ptr):
+    """Hand ``ptr`` to an empty asm statement that may read and write memory: the stores made
+    through it before are done, and the loads after it are not folded back into the stored values."""
+    fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", side_effect=True)
+    b.call(fn, [ptr])
+
+
+def _q6k_ir(k: VectorTile, a):
+    """Q6_K (``xs`` the sums of x per 16 weights after the activations): per half of the block
+    and group of 16 l, the 6-bit quants (the 4 ql bits | the 2 qh bits << 4, 0..63) of the four c
+    are built on the TR rows' bytes at once (byte arithmetic on 32 lanes) and stored to a scratch
+    on the stack, then read back widened to float32 in a chain per c and register of rows (two
+    registers of rows at a time: eight chains), and ``acc = fma(d*sc, S - 32 * xs, acc)`` per 16
+    weights."""
+    qs, q_at, x, x_at, d, _, dm_at, n_blocks, ahead = a
+    b, c64, lanes = k.b, k.c64, k.lanes
+    on = b.icmp_signed("!=", ahead, c64(0))
+    block = _block_bytes("q6k")
+    lines = block // 64
+    v32 = ir.VectorType(_I8, TR)
+    with b.goto_entry_block():
+        scratch = b.alloca(ir.ArrayType(_I8, 4 * 16 * TR), name="q6k_quants")
+    buf = b.bitcast(scratch, _I8.as_pointer())
+
+    def cst(v):
+        return ir.Constant(v32, [v] * TR)
+
+    n_in = b.mul(n_blocks, c64(256))
+    thirty_two = k.splat(ir.Constant(k.f32, 32.0), k.vf)
+    pair = 2 if TR // lanes >= 2 else 1
+
+    def body(blk, accs):
+        accs = list(accs)
+        qb = b.add(q_at, b.mul(blk, c64(block)))
+        xb = b.add(x_at, b.mul(blk, c64(256)))
+        xs_at = b.add(b.add(x_at, n_in), b.mul(blk, c64(16)))
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        step = 0
+        for half in range(2):
+            for grp in range(2):
+                k.prefetch(on, qs, b.add(qb, ahead), range(step * lines // 4, (step + 1) * lines // 4))
+                step += 1
+                for i in range(16):
+                    l = 16 * grp + i
+                    qa = k.load(qs, b.add(qb, c64((64 * half + l) * TR)), v32)
+                    qc = k.load(qs, b.add(qb, c64((64 * half + 32 + l) * TR)), v32)
+                    qh = k.load(qs, b.add(qb, c64((128 + 32 * half + l) * TR)), v32)
+                    quants = (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
+                              b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
+                              b.or_(b.lshr(qa, cst(4)), b.and_(qh, cst(0x30))),
+                              b.or_(b.lshr(qc, cst(4)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
+                    for c, q in enumerate(quants):
+                        b.store(q, b.bitcast(b.gep(buf, [c64((c * 16 + i) * TR)]), v32.as_pointer()), align=1)
+                _escape(b, buf)
+                for h0 in range(0, len(accs), pair):
+                    rows = range(h0, h0 + pair)
+                    parts = {}
+                    for i in range(16):
+                        l = 16 * grp + i
+                        for c in range(4):
+                            xc = k.splat(k.load(x, b.add(xb, c64(128 * half + 32 * c + l)), k.f32, 4), k.vf)
+                            for h in rows:
+                                w = _bytes(k, buf, c64((c * 16 + i) * TR + h * lanes), False)
+                                parts[h, c] = _chain(k, parts.get((h, c)), xc, w)
+                    for h in rows:
+                        dvec = k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4)
+                        acc = accs[h]
+                        for c in range(4):
+                            g = 8 * half + 2 * c + grp             # the scale of these 16 weights
+                            sc = _bytes(k, qs, b.add(qb, c64((192 + g) * TR + h * lanes)), True)
+                            xs = k.splat(k.load(x, b.add(xs_at, c64(g)), k.f32, 4), k.vf)
+                            acc = k.fma(b.fmul(dvec, sc), k.fma(thirty_two, b.fneg(xs), parts[h, c]), acc)
+                        accs[h] = acc
+                _escape(b, buf)
+        return accs
+
+    return k.block_loop(n_blocks, TR // lanes, body)
+
+
+_EMIT = {"q8_0": _q8_0_ir, "mxfp4": _mxfp4_ir, "q4k": _q4k_ir, "q6k": _q6k_ir}
+
+
+def _decode_intrinsic(kind: str):
+    emit = _EMIT[kind]
+
+    def typer(typingctx, qs, q_at, x, x_at, d, m, dm_at, n_blocks, res, res_at, ahead):
+        if not all(isinstance(a, types.Array) for a in (qs, x, d, m, res)):
+            return None
+        sig = types.void(qs, q_at, x, x_at, d, m, dm_at, n_blocks, res, res_at, ahead)
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 2, 4, 5, 8):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            k = VectorTile(builder, prefill_lanes())
+            for i in (1, 3, 6, 7, 9, 10):
+                flat[i] = k.i64(flat[i])
+            outs = emit(k, [flat[i] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)])
+            for h, out in enumerate(outs):
+                builder.store(out, k.ptr(flat[8], builder.add(flat[9], k.c64(h * k.lanes)), k.vf), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__doc__ = (f"{kind} decode microkernel: ``res[res_at + r]`` (float32, r < TR) = row r of one tile "
+                     "(block 0 at byte ``q_at`` of ``qs``, float32 scales at ``dm_at`` of ``d`` and ``m``) "
+                     "times the activation row at ``x_at`` of ``x`` (followed there by its per-sub-block sums "
+                     "for the K-quants), over ``n_blocks`` blocks; ``ahead``: prefetch distance in bytes (0: none).")
+    return intrinsic(typer)
+
+
+decode_q8_0 = _decode_intrinsic("q8_0")
+decode_mxfp4 = _decode_intrinsic("mxfp4")
+decode_q4k = _decode_intrinsic("q4k")
+decode_q6k = _decode_intrinsic("q6k")
+
