@@ -60,7 +60,8 @@ def _inputs(seq_len: int, seed: int = 0):
     return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("rule", [dn.delta_rule_recurrent, dn.delta_rule_recurrent_ref, dn.delta_rule_chunked])
+@pytest.mark.parametrize("rule", [dn.delta_rule_recurrent, dn.delta_rule_recurrent_ref, dn.delta_rule_chunked,
+                                  dn.delta_rule_chunked_ref])
 def test_delta_rule_forms_match_the_rule_written_out(rule):
     """150 tokens: more than two 64-token chunks, a last one partial; a non-zero starting state."""
     q, k, v, g, beta, state = _inputs(150)

@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.machine.jit import JIT_EXACT_PARALLEL
+from llamatrace.machine.jit import JIT_ATTN_PARALLEL, JIT_EXACT_PARALLEL
 
 CHUNK = 64
 """Tokens per chunk of :func:`delta_rule_chunked` (llama.cpp's ``CS`` for a scalar gate)."""
@@ -54,20 +54,30 @@ def causal_conv1d(x, conv_state, weight):
     """
     seq_len, channels = x.shape
     km1 = conv_state.shape[1]
+    # the window's rows [kernel-1 + seq_len, channels] are the conv state's columns, then x's rows:
+    # in memory order, so that each output row is made of whole rows and vectorises over channels
+    head = np.empty((km1, channels), dtype=np.float32)
+    w = np.empty((km1 + 1, channels), dtype=np.float32)
+    for c in range(channels):
+        for j in range(km1):
+            head[j, c] = conv_state[c, j]
+        for k in range(km1 + 1):
+            w[k, c] = weight[c, k]
     out = np.empty((seq_len, channels), dtype=np.float32)
-    for c in prange(channels):
-        window = np.empty(km1 + seq_len, dtype=np.float32)
-        for j in range(km1):
-            window[j] = conv_state[c, j]
-        for t in range(seq_len):
-            window[km1 + t] = x[t, c]
-        for t in range(seq_len):
-            acc = np.float32(0.0)
-            for k in range(km1 + 1):
-                acc += window[t + k] * weight[c, k]
-            out[t, c] = acc
-        for j in range(km1):
-            conv_state[c, j] = window[seq_len + j]
+    for t in prange(seq_len):
+        o = out[t]
+        o[:] = 0.0
+        for k in range(km1 + 1):
+            r = t + k
+            src = head[r] if r < km1 else x[r - km1]
+            wk = w[k]
+            for c in range(channels):
+                o[c] += wk[c] * src[c]
+    for j in range(km1):                                      # the last kernel-1 rows of the window
+        r = seq_len + j
+        src = head[r] if r < km1 else x[r - km1]
+        for c in range(channels):
+            conv_state[c, j] = src[c]
     return out
 
 
@@ -173,9 +183,10 @@ def delta_rule_naive(q, k, v, g, beta, state):
 # ---------------------------------------------------------------------------------------------
 # the gated delta rule: chunked form (the WY representation, as llama.cpp build_delta_net_chunking)
 # ---------------------------------------------------------------------------------------------
-def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+@njit(**JIT_ATTN_PARALLEL)
+def delta_rule_chunked(q, k, v, g, beta, state, chunk=CHUNK):
     """The gated delta rule over chunks of ``chunk`` tokens: the same outputs and final state as
-    :func:`delta_rule_recurrent`, from matrix products (a prefill's form).
+    :func:`delta_rule_recurrent`, from a chunk's products (a prefill's form).
 
     Within a chunk, with ``G`` the cumulative log-decay from the chunk's start, ``S₀`` the state
     entering it, ``D[t,s] = exp(G_t − G_s)`` for ``s ≤ t`` (0 above)::
@@ -187,10 +198,100 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
 
     (llama.cpp ``build_delta_net_chunking``: its ``attn`` is ``(I + A)⁻¹``, ``k_cumdecay`` is
     ``(I+A)⁻¹ diag(β e^G) K``.) The solve is a unit lower-triangular forward substitution, row by
-    row for every head at once; the products are batched over heads, in float64.
+    row. One thread per value head: no BLAS (its threads, spinning beside Numba's, slowed the
+    whole forward pass on 2 cores). float32 products (``S₀`` kept as ``S[i, j]``, so each is a
+    ``head_dim``-long axpy that vectorises) and float64 decays: ``G`` sums up to 64 log-decays,
+    and ``exp`` of a float32 sum would be off by its rounding times ``|G|``.
 
     Args and returns: as :func:`delta_rule_recurrent` (``state`` updated in place).
     """
+    seq_len, n_k, d = q.shape
+    n_v, dv = v.shape[1], v.shape[2]
+    scale = np.float32(1.0 / math.sqrt(d))
+    out = np.empty((seq_len, n_v, dv), dtype=np.float32)
+    for h in prange(n_v):
+        hk = h % n_k
+        S = np.empty((d, dv), dtype=np.float32)                  # S[i, j] = state[h, j, i]
+        for j in range(dv):
+            for i in range(d):
+                S[i, j] = state[h, j, i]
+        G = np.empty(chunk, dtype=np.float64)
+        U = np.empty((chunk, dv), dtype=np.float32)
+        row = np.empty(dv, dtype=np.float32)
+        for c0 in range(0, seq_len, chunk):
+            n = min(chunk, seq_len - c0)
+            acc = 0.0
+            for t in range(n):
+                acc += np.float64(g[c0 + t, h])
+                G[t] = acc
+            # U = β (V − e^G K S₀), then row t less Σ_{s<t} A[t,s] U[s] (forward substitution)
+            for t in range(n):
+                kt = k[c0 + t, hk]
+                bt = beta[c0 + t, h]
+                u = U[t]
+                u[:] = 0.0
+                for i in range(d):
+                    ki = kt[i]
+                    for j in range(dv):
+                        u[j] += ki * S[i, j]
+                eg = np.float32(math.exp(G[t]))
+                for j in range(dv):
+                    u[j] = bt * (v[c0 + t, h, j] - eg * u[j])
+                for s in range(t):
+                    ks = k[c0 + s, hk]
+                    dot = np.float32(0.0)
+                    for i in range(d):
+                        dot += kt[i] * ks[i]
+                    a = bt * dot * np.float32(math.exp(G[t] - G[s]))
+                    us = U[s]
+                    for j in range(dv):
+                        u[j] -= a * us[j]
+            # O = e^G Q S₀ + (Q Kᵀ ⊙ D) U, scaled
+            for t in range(n):
+                qt = q[c0 + t, hk]
+                row[:] = 0.0
+                for i in range(d):
+                    qi = qt[i]
+                    for j in range(dv):
+                        row[j] += qi * S[i, j]
+                eg = np.float32(math.exp(G[t]))
+                for j in range(dv):
+                    row[j] *= eg
+                for s in range(t + 1):
+                    ks = k[c0 + s, hk]
+                    dot = np.float32(0.0)
+                    for i in range(d):
+                        dot += qt[i] * ks[i]
+                    a = dot * np.float32(math.exp(G[t] - G[s]))
+                    us = U[s]
+                    for j in range(dv):
+                        row[j] += a * us[j]
+                o = out[c0 + t, h]
+                for j in range(dv):
+                    o[j] = row[j] * scale
+            # S₁ = e^{G_last} S₀ + Σ_t e^{G_last − G_t} k_t u_tᵀ
+            last = G[n - 1]
+            e_last = np.float32(math.exp(last))
+            for i in range(d):
+                for j in range(dv):
+                    S[i, j] *= e_last
+            for t in range(n):
+                kt = k[c0 + t, hk]
+                c = np.float32(math.exp(last - G[t]))
+                u = U[t]
+                for i in range(d):
+                    ki = c * kt[i]
+                    for j in range(dv):
+                        S[i, j] += ki * u[j]
+        for j in range(dv):
+            for i in range(d):
+                state[h, j, i] = S[i, j]
+    return out
+
+
+def delta_rule_chunked_ref(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """NumPy twin of :func:`delta_rule_chunked`, the same formulas batched over heads, in float64
+    (the forward substitution a row at a time for every head at once)."""
     seq_len, n_k, d = q.shape
     n_v = v.shape[1]
     heads = np.arange(n_v) % n_k
