@@ -96,6 +96,17 @@ def test_causal_conv1d_twins_carry_the_state_across_calls():
         np.testing.assert_array_equal(state, x[-3:].T)
 
 
+def test_l2norm_twins_normalise_each_head_of_a_strided_slice():
+    """The conv output's q columns, a slice with the row stride of all q|k|v channels."""
+    conv = np.random.default_rng(3).normal(size=(5, 3 * 2 * 16)).astype(np.float32)
+    x = conv[:, :2 * 16].reshape(5, 2, 16)
+    want = x / np.sqrt(np.sum(np.square(x, dtype=np.float64), axis=-1, keepdims=True) + 1e-6)
+    for l2norm in (dn.l2norm, dn.l2norm_ref):
+        got = l2norm(x, 1e-6)
+        assert got.dtype == np.float32 and got.flags.c_contiguous
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_imrope_leaves_the_extra_section_of_a_text_token_unrotated():
     """llama.cpp's ggml_mrope_cache_init with is_imrope: Qwen3.5's [11, 11, 10, 0] rotates all 32
     pairs; [1, 1, 1, 1] (the test file) takes the extra position 0 at sector 3."""

@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.machine.jit import JIT_ATTN_PARALLEL, JIT_EXACT_PARALLEL
+from llamatrace.machine.jit import JIT_ATTN_PARALLEL, JIT_EXACT, JIT_EXACT_PARALLEL
 
 CHUNK = 64
 """Tokens per chunk of :func:`delta_rule_chunked` (llama.cpp's ``CS`` for a scalar gate)."""
@@ -92,9 +92,27 @@ def causal_conv1d_ref(x: np.ndarray, conv_state: np.ndarray, weight: np.ndarray)
     return out
 
 
-def l2norm(x: np.ndarray, eps: float) -> np.ndarray:
-    """``x / √(Σx² + eps)`` over the last axis (llama.cpp ``build_gdn_l2_norm``: an RMSNorm with
-    ``eps/n`` scaled by ``1/√n``). float32 in, float32 out; the sum in float64."""
+@njit(**JIT_EXACT)
+def l2norm(x, eps):
+    """``x / √(Σx² + eps)`` over the last axis of float32 ``[seq_len, n_heads, head_dim]`` (any
+    strides: a slice of the conv output) into a new contiguous array (llama.cpp
+    ``build_gdn_l2_norm``: an RMSNorm with ``eps/n`` scaled by ``1/√n``). The sum in float64."""
+    seq_len, n_heads, d = x.shape
+    out = np.empty((seq_len, n_heads, d), dtype=np.float32)
+    for t in range(seq_len):
+        for h in range(n_heads):
+            ss = 0.0
+            for i in range(d):
+                v = np.float64(x[t, h, i])
+                ss += v * v
+            scale = np.float32(1.0 / math.sqrt(ss + eps))
+            for i in range(d):
+                out[t, h, i] = x[t, h, i] * scale
+    return out
+
+
+def l2norm_ref(x: np.ndarray, eps: float) -> np.ndarray:
+    """NumPy twin of :func:`l2norm`."""
     ss = np.sum(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
     return (x * (1.0 / np.sqrt(ss + eps)).astype(np.float32)).astype(np.float32)
 
@@ -108,7 +126,7 @@ def softplus(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # the gated delta rule: recurrent form
 # ---------------------------------------------------------------------------------------------
-@njit(**JIT_EXACT_PARALLEL)
+@njit(**JIT_ATTN_PARALLEL)
 def delta_rule_recurrent(q, k, v, g, beta, state):
     """The gated delta rule one token after another (decode; llama.cpp's fused GDN op).
 
@@ -121,6 +139,10 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
 
     Returns:
         float32 ``[seq_len, n_v_heads, head_dim]``: ``Sᵀq / √head_dim`` after each token's write.
+
+    Row ``j`` of ``state[h]`` is all that output ``j`` reads and writes (``Sᵀk`` and the write
+    ``k · delta_j`` are along the row), so one pass over the state per token does both halves.
+    Flags: ``JIT_ATTN`` (``reassoc`` lets LLVM vectorise the ``head_dim``-long sums).
     """
     seq_len, n_k, d = q.shape
     n_v = v.shape[1]
@@ -129,21 +151,22 @@ def delta_rule_recurrent(q, k, v, g, beta, state):
     for h in prange(n_v):
         hk = h % n_k
         s = state[h]
-        delta = np.empty(d, dtype=np.float32)
         for t in range(seq_len):
+            kt, qt = k[t, hk], q[t, hk]
             decay = np.float32(math.exp(g[t, h]))
             b = beta[t, h]
+            # a row j of the state at a time, read and written twice: decay and Sᵀk, write and Sᵀq
             for j in range(d):
+                sj = s[j]
                 acc = np.float32(0.0)
                 for i in range(d):
-                    s[j, i] *= decay
-                    acc += s[j, i] * k[t, hk, i]
-                delta[j] = (v[t, h, j] - acc) * b
-            for j in range(d):
+                    sj[i] *= decay
+                    acc += sj[i] * kt[i]
+                delta = (v[t, h, j] - acc) * b
                 acc = np.float32(0.0)
                 for i in range(d):
-                    s[j, i] += delta[j] * k[t, hk, i]
-                    acc += s[j, i] * q[t, hk, i]
+                    sj[i] += delta * kt[i]
+                    acc += sj[i] * qt[i]
                 out[t, h, j] = acc * scale
     return out
 
