@@ -28,7 +28,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.machine.jit import JIT_ATTN_PARALLEL, JIT_EXACT, JIT_EXACT_PARALLEL
+from llamatrace.machine.jit import JIT_ATTN, JIT_ATTN_PARALLEL, JIT_EXACT_PARALLEL
 
 CHUNK = 64
 """Tokens per chunk of :func:`delta_rule_chunked` (llama.cpp's ``CS`` for a scalar gate)."""
@@ -54,6 +54,18 @@ def causal_conv1d(x, conv_state, weight):
     """
     seq_len, channels = x.shape
     km1 = conv_state.shape[1]
+    if seq_len == 1:                     # a decode step: each channel's state row, then its input
+        out = np.empty((1, channels), dtype=np.float32)
+        for c in range(channels):
+            acc = np.float32(0.0)
+            for k in range(km1):
+                acc += conv_state[c, k] * weight[c, k]
+            out[0, c] = acc + x[0, c] * weight[c, km1]
+            for j in range(km1 - 1):
+                conv_state[c, j] = conv_state[c, j + 1]
+            if km1:
+                conv_state[c, km1 - 1] = x[0, c]
+        return out
     # the window's rows [kernel-1 + seq_len, channels] are the conv state's columns, then x's rows:
     # in memory order, so that each output row is made of whole rows and vectorises over channels
     head = np.empty((km1, channels), dtype=np.float32)
@@ -92,22 +104,29 @@ def causal_conv1d_ref(x: np.ndarray, conv_state: np.ndarray, weight: np.ndarray)
     return out
 
 
-@njit(**JIT_EXACT)
-def l2norm(x, eps):
-    """``x / √(Σx² + eps)`` over the last axis of float32 ``[seq_len, n_heads, head_dim]`` (any
-    strides: a slice of the conv output) into a new contiguous array (llama.cpp
-    ``build_gdn_l2_norm``: an RMSNorm with ``eps/n`` scaled by ``1/√n``). The sum in float64."""
+def l2norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """``x / √(Σx² + eps)`` over the last axis of float32 ``[seq_len, n_heads, head_dim]`` (llama.cpp
+    ``build_gdn_l2_norm``: an RMSNorm with ``eps/n`` scaled by ``1/√n``), into a new contiguous
+    array. The sum in float64. A strided ``x`` (a slice of the conv output) is copied first: the
+    kernel's loops vectorise on contiguous rows only (10x)."""
+    return _l2norm(np.ascontiguousarray(x), eps)
+
+
+@njit(**JIT_ATTN)
+def _l2norm(x, eps):
+    # JIT_ATTN's reassoc: the float64 sum in any order, vectorised (one serial chain waited on each add)
     seq_len, n_heads, d = x.shape
     out = np.empty((seq_len, n_heads, d), dtype=np.float32)
     for t in range(seq_len):
         for h in range(n_heads):
+            xr, o = x[t, h], out[t, h]
             ss = 0.0
             for i in range(d):
-                v = np.float64(x[t, h, i])
+                v = np.float64(xr[i])
                 ss += v * v
             scale = np.float32(1.0 / math.sqrt(ss + eps))
             for i in range(d):
-                out[t, h, i] = x[t, h, i] * scale
+                o[i] = xr[i] * scale
     return out
 
 
