@@ -225,10 +225,51 @@ def delta_rule_naive(q, k, v, g, beta, state):
 # ---------------------------------------------------------------------------------------------
 # the gated delta rule: chunked form (the WY representation, as llama.cpp build_delta_net_chunking)
 # ---------------------------------------------------------------------------------------------
+@njit(**JIT_ATTN)
+def _dot(x, y):
+    acc = np.float32(0.0)
+    for i in range(x.shape[0]):
+        acc += x[i] * y[i]
+    return acc
+
+
+@njit(**JIT_ATTN)
+def _add_abt(a, b, out, lower):
+    """``out += a bᵀ`` for float32 ``a [m, k]``, ``b [n, k]`` (contiguous rows: every entry a
+    ``k``-long sum that vectorises). ``lower``: only the entries ``c ≤ r`` are needed (a few above
+    are computed too). Rows and columns go in pairs: four sums share each load."""
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    for r in range(0, m - 1, 2):
+        a0, a1 = a[r], a[r + 1]
+        hi = min(r + 2, n) if lower else n
+        for c in range(0, hi - 1, 2):
+            b0, b1 = b[c], b[c + 1]
+            s00 = np.float32(0.0)
+            s01 = np.float32(0.0)
+            s10 = np.float32(0.0)
+            s11 = np.float32(0.0)
+            for i in range(k):
+                s00 += a0[i] * b0[i]
+                s01 += a0[i] * b1[i]
+                s10 += a1[i] * b0[i]
+                s11 += a1[i] * b1[i]
+            out[r, c] += s00
+            out[r, c + 1] += s01
+            out[r + 1, c] += s10
+            out[r + 1, c + 1] += s11
+        if hi % 2:
+            out[r, hi - 1] += _dot(a0, b[hi - 1])
+            out[r + 1, hi - 1] += _dot(a1, b[hi - 1])
+    if m % 2:
+        r = m - 1
+        for c in range(min(r + 1, n) if lower else n):
+            out[r, c] += _dot(a[r], b[c])
+
+
 @njit(**JIT_ATTN_PARALLEL)
 def delta_rule_chunked(q, k, v, g, beta, state, chunk=CHUNK):
     """The gated delta rule over chunks of ``chunk`` tokens: the same outputs and final state as
-    :func:`delta_rule_recurrent`, from a chunk's products (a prefill's form).
+    :func:`delta_rule_recurrent`, from a chunk's matrix products (a prefill's form).
 
     Within a chunk, with ``G`` the cumulative log-decay from the chunk's start, ``S₀`` the state
     entering it, ``D[t,s] = exp(G_t − G_s)`` for ``s ≤ t`` (0 above)::
@@ -240,10 +281,11 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk=CHUNK):
 
     (llama.cpp ``build_delta_net_chunking``: its ``attn`` is ``(I + A)⁻¹``, ``k_cumdecay`` is
     ``(I+A)⁻¹ diag(β e^G) K``.) The solve is a unit lower-triangular forward substitution, row by
-    row. One thread per value head: no BLAS (its threads, spinning beside Numba's, slowed the
-    whole forward pass on 2 cores). float32 products (``S₀`` kept as ``S[i, j]``, so each is a
-    ``head_dim``-long axpy that vectorises) and float64 decays: ``G`` sums up to 64 log-decays,
-    and ``exp`` of a float32 sum would be off by its rounding times ``|G|``.
+    row. One thread per value head, no BLAS (its threads, spinning beside Numba's, slowed the
+    whole forward pass on 2 cores). Every product is ``X Yᵀ`` over contiguous rows
+    (:func:`_add_abt`): the state as stored (``state[h] = S₀ᵀ``), the chunk's K, Q, Uᵀ and
+    ``(K ⊙ e^{G_last − G})ᵀ`` copied. float32 products, float64 decays: ``G`` sums up to ``chunk``
+    log-decays, and ``exp`` of a float32 sum would be off by its rounding times ``|G|``.
 
     Args and returns: as :func:`delta_rule_recurrent` (``state`` updated in place).
     """
@@ -253,81 +295,64 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk=CHUNK):
     out = np.empty((seq_len, n_v, dv), dtype=np.float32)
     for h in prange(n_v):
         hk = h % n_k
-        S = np.empty((d, dv), dtype=np.float32)                  # S[i, j] = state[h, j, i]
-        for j in range(dv):
-            for i in range(d):
-                S[i, j] = state[h, j, i]
-        G = np.empty(chunk, dtype=np.float64)
-        U = np.empty((chunk, dv), dtype=np.float32)
-        row = np.empty(dv, dtype=np.float32)
+        sT = state[h]                                            # S₀ᵀ [dv, d], updated in place
         for c0 in range(0, seq_len, chunk):
             n = min(chunk, seq_len - c0)
+            K = np.empty((n, d), dtype=np.float32)
+            Q = np.empty((n, d), dtype=np.float32)
+            G = np.empty(n, dtype=np.float64)
             acc = 0.0
             for t in range(n):
+                K[t] = k[c0 + t, hk]
+                Q[t] = q[c0 + t, hk]
                 acc += np.float64(g[c0 + t, h])
                 G[t] = acc
-            # U = β (V − e^G K S₀), then row t less Σ_{s<t} A[t,s] U[s] (forward substitution)
+            KS = np.zeros((n, dv), dtype=np.float32)
+            _add_abt(K, sT, KS, False)                           # K S₀
+            QS = np.zeros((n, dv), dtype=np.float32)
+            _add_abt(Q, sT, QS, False)                           # Q S₀
+            KK = np.zeros((n, n), dtype=np.float32)
+            _add_abt(K, K, KK, True)                             # K Kᵀ, lower
+            P = np.zeros((n, n), dtype=np.float32)
+            _add_abt(Q, K, P, True)                              # Q Kᵀ, lower; ⊙ D below
+            U = np.empty((n, dv), dtype=np.float32)
             for t in range(n):
-                kt = k[c0 + t, hk]
+                # u_t = β_t (v_t − e^{G_t} (K S₀)_t) − Σ_{s<t} A[t,s] u_s   (forward substitution)
                 bt = beta[c0 + t, h]
-                u = U[t]
-                u[:] = 0.0
-                for i in range(d):
-                    ki = kt[i]
-                    for j in range(dv):
-                        u[j] += ki * S[i, j]
                 eg = np.float32(math.exp(G[t]))
+                u, ks = U[t], KS[t]
                 for j in range(dv):
-                    u[j] = bt * (v[c0 + t, h, j] - eg * u[j])
+                    u[j] = bt * (v[c0 + t, h, j] - eg * ks[j])
                 for s in range(t):
-                    ks = k[c0 + s, hk]
-                    dot = np.float32(0.0)
-                    for i in range(d):
-                        dot += kt[i] * ks[i]
-                    a = bt * dot * np.float32(math.exp(G[t] - G[s]))
+                    a = bt * KK[t, s] * np.float32(math.exp(G[t] - G[s]))
                     us = U[s]
                     for j in range(dv):
                         u[j] -= a * us[j]
-            # O = e^G Q S₀ + (Q Kᵀ ⊙ D) U, scaled
-            for t in range(n):
-                qt = q[c0 + t, hk]
-                row[:] = 0.0
-                for i in range(d):
-                    qi = qt[i]
-                    for j in range(dv):
-                        row[j] += qi * S[i, j]
-                eg = np.float32(math.exp(G[t]))
-                for j in range(dv):
-                    row[j] *= eg
                 for s in range(t + 1):
-                    ks = k[c0 + s, hk]
-                    dot = np.float32(0.0)
-                    for i in range(d):
-                        dot += qt[i] * ks[i]
-                    a = dot * np.float32(math.exp(G[t] - G[s]))
-                    us = U[s]
-                    for j in range(dv):
-                        row[j] += a * us[j]
+                    P[t, s] *= np.float32(math.exp(G[t] - G[s]))
+                for s in range(t + 1, n):
+                    P[t, s] = 0.0
+            UT = np.empty((dv, n), dtype=np.float32)             # Uᵀ
+            KT = np.empty((d, n), dtype=np.float32)              # (K ⊙ e^{G_last − G})ᵀ
+            last = G[n - 1]
+            for t in range(n):
+                c = np.float32(math.exp(last - G[t]))
+                for j in range(dv):
+                    UT[j, t] = U[t, j]
+                for i in range(d):
+                    KT[i, t] = c * K[t, i]
+            O = np.zeros((n, dv), dtype=np.float32)
+            _add_abt(P, UT, O, False)                            # (Q Kᵀ ⊙ D) U
+            for t in range(n):
+                eg = np.float32(math.exp(G[t]))
                 o = out[c0 + t, h]
                 for j in range(dv):
-                    o[j] = row[j] * scale
-            # S₁ = e^{G_last} S₀ + Σ_t e^{G_last − G_t} k_t u_tᵀ
-            last = G[n - 1]
+                    o[j] = (eg * QS[t, j] + O[t, j]) * scale
             e_last = np.float32(math.exp(last))
-            for i in range(d):
-                for j in range(dv):
-                    S[i, j] *= e_last
-            for t in range(n):
-                kt = k[c0 + t, hk]
-                c = np.float32(math.exp(last - G[t]))
-                u = U[t]
+            for j in range(dv):
                 for i in range(d):
-                    ki = c * kt[i]
-                    for j in range(dv):
-                        S[i, j] += ki * u[j]
-        for j in range(dv):
-            for i in range(d):
-                state[h, j, i] = S[i, j]
+                    sT[j, i] *= e_last
+            _add_abt(UT, KT, sT, False)                          # S₁ᵀ = e^{G_last} S₀ᵀ + Uᵀ (K ⊙ …)
     return out
 
 
