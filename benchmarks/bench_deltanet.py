@@ -58,7 +58,8 @@ def main() -> None:
     q_cols = conv_in[:, :N_HEADS * HEAD_DIM].reshape(n, N_HEADS, HEAD_DIM)   # strided, as in the block
     rows = [
         (f"delta_rule_chunked, {n} tokens", lambda: dn.delta_rule_chunked(q, k, v, g, beta, state.copy())),
-        (f"delta_rule_chunked_ref (NumPy), {n} tokens", lambda: dn.delta_rule_chunked_ref(q, k, v, g, beta, state.copy())),
+        (f"delta_rule_chunked_ref (NumPy), {n} tokens",
+         lambda: dn.delta_rule_chunked_ref(q, k, v, g, beta, state.copy())),
         (f"delta_rule_recurrent, {n} tokens", lambda: dn.delta_rule_recurrent(q, k, v, g, beta, state.copy())),
         ("delta_rule_recurrent, 1 token", lambda: dn.delta_rule_recurrent(q[:1], k[:1], v[:1], g[:1], beta[:1], state)),
         (f"causal_conv1d, {n} tokens", lambda: dn.causal_conv1d(conv_in, conv_state.copy(), conv_w)),
