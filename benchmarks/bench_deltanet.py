@@ -7,7 +7,8 @@ Milliseconds per call (the best round; wall and process CPU time, the steadier o
 machine) of the delta rule's forms (``delta_rule_chunked``, the prefill's; its NumPy twin, the
 kernel before it was one; ``delta_rule_recurrent`` over the same tokens, and one decode step),
 ``causal_conv1d`` and ``l2norm``. ``--threads 1`` times the work, ``2`` the parallel kernels
-as a prefill runs them. To compare two checkouts, run it in each tree with ``PYTHONPATH`` set to
+as a prefill runs them (Numba's threads; the twin's products run on OpenBLAS's, which
+``OPENBLAS_NUM_THREADS`` sets). To compare two checkouts, run it in each tree with ``PYTHONPATH`` set to
 that tree, alternately, and quote the load average.
 """
 
