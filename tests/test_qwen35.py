@@ -60,7 +60,8 @@ def _inputs(seq_len: int, seed: int = 0):
     return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("rule", [dn.delta_rule_recurrent, dn.delta_rule_recurrent_ref, dn.delta_rule_chunked])
+@pytest.mark.parametrize("rule", [dn.delta_rule_recurrent, dn.delta_rule_recurrent_ref, dn.delta_rule_chunked,
+                                  dn.delta_rule_chunked_ref])
 def test_delta_rule_forms_match_the_rule_written_out(rule):
     """150 tokens: more than two 64-token chunks, a last one partial; a non-zero starting state."""
     q, k, v, g, beta, state = _inputs(150)
@@ -93,6 +94,17 @@ def test_causal_conv1d_twins_carry_the_state_across_calls():
         got = np.concatenate([conv(x[:5], state, w), conv(x[5:6], state, w), conv(x[6:], state, w)])
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(state, x[-3:].T)
+
+
+def test_l2norm_twins_normalise_each_head_of_a_strided_slice():
+    """The conv output's q columns, a slice with the row stride of all q|k|v channels."""
+    conv = np.random.default_rng(3).normal(size=(5, 3 * 2 * 16)).astype(np.float32)
+    x = conv[:, :2 * 16].reshape(5, 2, 16)
+    want = x / np.sqrt(np.sum(np.square(x, dtype=np.float64), axis=-1, keepdims=True) + 1e-6)
+    for l2norm in (dn.l2norm, dn.l2norm_ref):
+        got = l2norm(x, 1e-6)
+        assert got.dtype == np.float32 and got.flags.c_contiguous
+        np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_imrope_leaves_the_extra_section_of_a_text_token_unrotated():

@@ -45,6 +45,7 @@ inf or NaN, as in C). Numba's default raises ZeroDivisionError, which inf inputs
 the float32 limit reach where ggml goes on with inf."""
 JIT_QUANT_PARALLEL = dict(JIT_EXACT_PARALLEL, error_model="numpy")
 JIT_ATTN = dict(cache=True, fastmath={"reassoc", "contract"})
+JIT_ATTN_PARALLEL = dict(parallel=True, **JIT_ATTN)
 
 def target_features() -> set[str]:
     """The CPU features Numba compiles for: ``NUMBA_CPU_FEATURES`` when set (then not the host's),

@@ -29,7 +29,7 @@ from llamatrace.kernels.types import packing
 from llamatrace.kernels.types.registry import matmul
 from llamatrace.model.cache import RecurrentState
 from llamatrace.model.config import ModelConfig
-from llamatrace.tracing.recorder import Emit
+from llamatrace.tracing.recorder import Emit, null_emit
 
 # GGUF tensor (per block) → the name the loader uses (HF's Qwen3.5 ``linear_attn`` module names)
 GGUF_NAMES = {
@@ -110,12 +110,15 @@ def forward(x: np.ndarray, w: DeltaNetWeights, c: ModelConfig, state: RecurrentS
     k = emit("k_conv_predelta", layer, k)
     v = emit("v_conv_predelta", layer, v)
     # the delta rule: decay, write β·k·(v − Sᵀk), read Sᵀq/√d; chunked for a prefill, recurrent to decode
-    ssm = emit("state_predelta", layer, state.ssm.copy())
     rule = dn.delta_rule_recurrent if seq_len == 1 else dn.delta_rule_chunked
     q, k, v, g, beta = (np.ascontiguousarray(t) for t in (q, k, v, g, beta))
-    o = rule(q, k, v, g, beta, ssm)
-    o = emit("attn_output", layer, o)
-    state.ssm[...] = emit("new_state", layer, ssm)
+    if emit is null_emit:         # nothing traced or hooked: the state is updated where it lies
+        o = rule(q, k, v, g, beta, state.ssm)
+    else:                         # the state before and after are stages of their own (a hook may replace them)
+        ssm = emit("state_predelta", layer, state.ssm.copy())
+        o = rule(q, k, v, g, beta, ssm)
+        o = emit("attn_output", layer, o)
+        state.ssm[...] = emit("new_state", layer, ssm)
     # gated RMSNorm per head: RMSNorm(o; ssm_norm) ⊙ SiLU(z), heads merged
     normed = kernels.rmsnorm(o.reshape(seq_len * n_v, d), w.ssm_norm, c.norm_eps).reshape(seq_len, n_v * d)
     out = emit("final_output", layer, normed * kernels.silu(z))
