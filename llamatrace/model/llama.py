@@ -195,7 +195,7 @@ class Llama:
             from llamatrace.gguf.fetch import resolve_model
             path = resolve_model(None, fetch=fetch, log=_log.warning)
         t0 = time.perf_counter()
-        f = open_gguf(path)
+        f, store = open_gguf(path), None
         try:
             config = ModelConfig.from_gguf(f)        # every check of the config, rope scaling's too, before packing
             freq_factors = None
@@ -209,6 +209,8 @@ class Llama:
             weights = _load_weights(f, config, progress or (lambda done, total: None), activations, store)
             store.save()
         except BaseException:
+            if store is not None:
+                store.abort()                          # a half-packed entry is not kept
             with contextlib.suppress(BufferError):      # a view held by the traceback: unmapped with it
                 f.close()
             raise
@@ -671,7 +673,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     store = store or PackCache.off()
     total = sum(t.n_bytes for t in f.tensors.values())
     done = 0
-    arena = packing.Arena()
+    arena = store.arena(sum(packing.packed_bound(t.tensor_type, t.shape) for t in f.tensors.values()))
 
     def packed(*tensors) -> None:
         nonlocal done

@@ -153,6 +153,24 @@ class Arena:
         return chunk[start:start + n_bytes].view(dtype).reshape(shape)
 
 
+def packed_bound(ggml_type, shape) -> int:
+    """An upper bound of the bytes :func:`pack` / :func:`pack_concat` give a tensor of GGUF shape
+    ``shape`` (ggml order: ``[n_in, rows, n_expert…]``), packed whole or a matrix at a time
+    (each of its ``n_expert`` matrices padded to whole tiles), scales as float32, plus each
+    array's alignment; 0 for a vector. Raises ``KeyError`` for a type without a packer."""
+    shape = [int(n) for n in shape]
+    if len(shape) < 2:
+        return 0
+    n_in, rows = shape[0], shape[1]
+    n_tiles = int(np.prod(shape[2:], dtype=np.int64)) * -(-rows // TR)
+    fmt = FORMATS.get(_T(ggml_type))
+    if fmt is None:
+        per_row = n_in * 4                                   # F32, or F16/BF16 bits (2 bytes)
+    else:
+        per_row = n_in // fmt.weights * (fmt.packed_bytes + 4 * (1 + fmt.has_min))
+    return n_tiles * TR * per_row + 3 * 64 * int(np.prod(shape[2:], dtype=np.int64))
+
+
 def small_pages(n_bytes: int) -> np.ndarray:
     """uint8 ``[n_bytes]`` of fresh private anonymous memory on the kernel's 4 KiB pages.
 
