@@ -67,7 +67,7 @@ import xxhash
 
 from llamatrace import __version__
 from llamatrace.errors import OptionError
-from llamatrace.kernels.types.packing import Weight
+from llamatrace.kernels.types.packing import Weight, populate
 
 _log = logging.getLogger("llamatrace")
 
@@ -210,6 +210,7 @@ class EntryArena:
             length = -(-max(self.chunk_bytes, start + n_bytes - base) // mmap.PAGESIZE) * mmap.PAGESIZE
             os.posix_fallocate(self.fd, base, length)     # the blocks now: no fault into a hole, no ENOSPC later
             pages = mmap.mmap(self.fd, length, flags=mmap.MAP_SHARED, offset=base)
+            populate(pages)
             self._chunk, self._chunk_at = np.frombuffer(pages, dtype=np.uint8), base
             self._maps.append((self._chunk.ctypes.data, base, length))
         self.end = start + n_bytes

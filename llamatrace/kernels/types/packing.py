@@ -29,6 +29,7 @@ business (:func:`llamatrace.kernels.types.registry.matmul`).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from dataclasses import dataclass
 
@@ -183,7 +184,21 @@ def small_pages(n_bytes: int) -> np.ndarray:
     page cache held that file in 2 MiB folios, and ~8 % less than when it held it in 4 KiB ones
     (docs/performance.md "Decode")."""
     pages = mmap.mmap(-1, max(n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    populate(pages)
     return np.frombuffer(pages, dtype=np.uint8)
+
+
+_MADV_POPULATE_WRITE = 23
+
+
+def populate(pages: mmap.mmap) -> None:
+    """Fault every page of the writable map ``pages`` in now, in one call (``MADV_POPULATE_WRITE``,
+    Linux 5.14; a no-op before): the packers then write into mapped pages. A fault per page
+    from the packers' stores cost 0.64-0.71 CPU-s per GiB of fresh anonymous memory against 0.55
+    this way, and 0.9-1.9 against 0.34-0.46 for a shared map of a file's reserved blocks (a 1 GiB
+    copy, this project's VM, 2 threads)."""
+    with contextlib.suppress(OSError):
+        pages.madvise(_MADV_POPULATE_WRITE)
 
 
 def _zero_last_tile(n_rows: int, qs_t: np.ndarray, d_t: np.ndarray, m_t: np.ndarray) -> None:
@@ -409,6 +424,10 @@ def _repack_tiles(scales, src, dst, n_copy, d_off, m_off, head, end, blocks, row
         tile = t_first + t
         r_lo = max(tile * TR, row0) - row0
         r_hi = min((tile + 1) * TR, row0 + n_rows) - row0
+        # the tile's rows are one run of the file: ask for all of it now, as the loop below
+        # reads it a block of every row at a time (TR streams the prefetchers don't follow)
+        for i in range(r_lo * n_blocks * block_bytes, r_hi * n_blocks * block_bytes, 64):
+            tiles.prefetch(flat, i)
         for b in range(n_blocks):
             out = qs_t[tile, b].reshape(-1)
             for r in range(r_lo, r_hi):
