@@ -95,7 +95,7 @@ class LayerWeights:
 
 @dataclass
 class Weights:
-    tok_embeddings: packing.Weight      # [vocab_size, dim]
+    tok_embeddings: packing.Weight | packing.FileRows   # [vocab_size, dim]; read in the file unless tied
     layers: list[LayerWeights]
     norm: np.ndarray                  # float32 [dim]
     output: packing.Weight              # [vocab_size, dim]; the same object as tok_embeddings when tied
@@ -814,6 +814,16 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             lw.bo = vector("bo", i)
         layers.append(lw)
     tied = gguf_name("output") not in f.tensors          # no output.weight: tied to the embedding
-    tok = matrix("tok_embeddings", acts=activations if tied else "f32")   # a lookup table unless tied
+    tok = matrix("tok_embeddings") if tied else _lookup_table(f, raw("tok_embeddings", None)[1], c, packed)
     output = tok if tied else matrix("output")
     return Weights(tok_embeddings=tok, layers=layers, norm=vector("norm"), output=output, tied_output=tied)
+
+
+def _lookup_table(f: GGUFFile, t, c: ModelConfig, packed: Callable) -> packing.FileRows:
+    """An untied ``token_embd`` (``t``) left in the file ``f``, in a read-only map of its own: only
+    the rows of the tokens run are ever read (:class:`~llamatrace.kernels.types.packing.FileRows`);
+    ``packed(t)`` as for a packed one."""
+    packed(t)
+    rows = np.memmap(f.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.n_bytes,))
+    return packing.FileRows(t.name, t.tensor_type, c.vocab_size, c.dim, rows)
+

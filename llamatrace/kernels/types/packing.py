@@ -480,7 +480,29 @@ def dequantize(w: Weight) -> np.ndarray:
     return _dequant_rows_np(w, np.arange(w.n_out))
 
 
-def get_rows(w: Weight, ids: np.ndarray) -> np.ndarray:
+@dataclass(frozen=True, eq=False)
+class FileRows:
+    """A ``[n_out, n_in]`` lookup table read where it lies in the GGUF file's map, never packed:
+    an untied ``token_embd``, of which a run touches only its tokens' rows (a page or two each),
+    where a packed copy is resident whole (gpt-oss's Q8_0 embedding: 0.65 GB). ``rows`` holds
+    the tensor's bytes, uint8 ``[n_out * row_bytes]`` (a read-only map of its own, so the model
+    outlives the GGUF file's map); :func:`get_rows` reads them with ``gguf.quants.dequantize``,
+    the arithmetic :func:`dequantize` matches bit for bit."""
+
+    name: str
+    ggml_type: gguf.GGMLQuantizationType
+    n_out: int
+    n_in: int
+    rows: np.ndarray
+    act8: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of packed arrays: none (the rows read stay in the file's page cache)."""
+        return 0
+
+
+def get_rows(w: Weight | FileRows, ids: np.ndarray) -> np.ndarray:
     """Embedding lookup: float32 ``[len(ids), n_in]``, the dequantized rows ``ids`` of ``w``.
 
     Raises ``IndexError`` if an id is outside ``[0, n_out)``.
@@ -488,6 +510,11 @@ def get_rows(w: Weight, ids: np.ndarray) -> np.ndarray:
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= w.n_out):
         raise IndexError(f"{w.name}: row ids must be in [0, {w.n_out}), got {ids.min()}..{ids.max()}")
+    if isinstance(w, FileRows):
+        rows = np.asarray(w.rows).reshape(w.n_out, -1)[ids]
+        if w.ggml_type in (_T.F32, _T.F16):
+            rows = rows.view(np.float32 if w.ggml_type == _T.F32 else np.float16)
+        return np.asarray(gguf.quants.dequantize(rows, w.ggml_type), dtype=np.float32).reshape(len(ids), w.n_in)
     return _dequant_rows_np(w, ids)
 
 
