@@ -67,7 +67,7 @@ import xxhash
 
 from llamatrace import __version__
 from llamatrace.errors import OptionError
-from llamatrace.kernels.types.packing import Weight, populate
+from llamatrace.kernels.types.packing import Arena, Weight, populate
 
 _log = logging.getLogger("llamatrace")
 
@@ -188,21 +188,30 @@ class EntryArena:
     which a shared map allows (the same page cache pages). Views keep their map alive.
     """
 
-    def __init__(self, fd: int, chunk_bytes: int = 64 << 20) -> None:
+    CHUNK_BYTES = 64 << 20
+
+    def __init__(self, fd: int, chunk_bytes: int | None = None) -> None:
         self.fd = fd
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes or self.CHUNK_BYTES
         self.end = _DATA_ALIGN                  # the first free byte of the file
         self._maps: list[tuple[int, int, int]] = []     # (address, file offset, length)
         self._chunk = np.empty(0, dtype=np.uint8)
         self._chunk_at = 0                      # the file offset of _chunk[0]
+        self.failed: OSError | None = None
+        self._spare = Arena()
 
     def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
-        """An uninitialised C-contiguous array at the file's next 64-byte offset.
+        """An uninitialised C-contiguous array at the file's next 64-byte offset; in anonymous
+        memory once the file's blocks could not be reserved (a full disk) or mapped
+        (:attr:`failed` then holds the ``OSError``)."""
+        if self.failed is None:
+            try:
+                return self._in_file(shape, np.dtype(dtype))
+            except OSError as exc:
+                self.failed = exc
+        return self._spare.empty(shape, dtype)
 
-        Raises:
-            OSError: the file's blocks could not be reserved (a full disk) or mapped.
-        """
-        dtype = np.dtype(dtype)
+    def _in_file(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         n_bytes = int(np.prod(shape)) * dtype.itemsize
         start = -(-self.end // _ALIGN) * _ALIGN
         if start + n_bytes > self._chunk_at + self._chunk.size:
@@ -301,7 +310,6 @@ class PackCache:
         or none when another process writes it. The cap is checked by :meth:`save`, on the
         entry's real size (``estimate`` bounds it from above: a tiny model's is 3x)."""
         from llamatrace.gguf.fetch import ENV_CACHE
-        from llamatrace.kernels.types.packing import Arena
         if self.path is None or self.read or self._arena is not None:
             return self._arena or Arena()
         size = estimate + _DATA_ALIGN + (1 << 20)        # the header: ~100 bytes a weight
@@ -338,24 +346,26 @@ class PackCache:
         if w is not None and (w.ggml_type, w.n_out, w.n_in, w.row_splits) == expect:
             return w
         w = build()
-        if self._arena is not None:
-            try:
-                w = self._place(name, acts, w)
-            except OSError as exc:
-                self.abort()
-                warnings.warn(_skipped(f"could not write {self.path} ({exc.strerror or exc})"), stacklevel=2)
+        if self._arena is not None and self._arena.failed is None:
+            w = self._place(name, acts, w)
+        if self._arena is not None and self._arena.failed is not None:
+            exc = self._arena.failed
+            self.abort()
+            warnings.warn(_skipped(f"could not write {self.path} ({exc.strerror or exc})"), stacklevel=2)
         return w
 
     def _place(self, name: str, acts: str, w: Weight) -> Weight:
         """``w`` with its arrays in the entry (copied there if packed elsewhere: F32 / F16 / BF16
-        tiles), and their offsets and checksums noted for the header."""
+        tiles), and their offsets and checksums noted for the header; ``w`` itself if the file
+        could not take them (the arena's :attr:`~EntryArena.failed`)."""
         arrays, placed = [], []
         for a in (w.qs, w.d, w.m):
             at = self._arena.offset(a) if a.size else 0
             if at is None:
-                copy = self._arena.empty(a.shape, a.dtype)
-                copy[...] = a
-                a, at = copy, self._arena.offset(copy)
+                a = np.copyto(copy := self._arena.empty(a.shape, a.dtype), a) or copy
+                if self._arena.failed is not None:
+                    return w
+                at = self._arena.offset(a)
             placed.append(a)
             arrays.append([at - _DATA_ALIGN if a.size else 0, a.dtype.str, list(a.shape), xxhash.xxh3_64_intdigest(a)])
         self._order.append((name, acts, w, arrays))
