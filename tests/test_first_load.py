@@ -154,3 +154,29 @@ def test_load_u32_reads_little_endian_words_at_any_alignment():
     a = np.random.default_rng(0).integers(0, 256, 64, dtype=np.uint8)
     got = words(a, 60)
     assert [int(v) for v in got] == [tiles.load_u32_np(a, i) for i in range(60)]
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_a_matrix_packed_with_release_lets_its_file_bytes_go_as_it_goes(monkeypatch, mode):
+    # an output matrix is packed a slice at a time, each slice's file bytes released once packed:
+    # the same tiles as packed whole, every byte released once, in order, after its rows are packed
+    n_out, n_in = 300, 256
+    raw = gguf.quants.quantize(np.random.default_rng(1).normal(size=(n_out, n_in)).astype(np.float32), T.Q8_0)
+    row_bytes = raw.nbytes // n_out
+    monkeypatch.setattr(packing, "RELEASE_BYTES", 40 * row_bytes)
+    want = packing.pack("output.weight", T.Q8_0, raw, n_out, n_in, activations=mode)
+    events, real = [], packing.repack_tiles
+
+    def repack(ggml_type, blocks, row0, *args):
+        events.append(("packed", row0 * row_bytes, blocks.shape[0] * row_bytes))
+        return real(ggml_type, blocks, row0, *args)
+
+    monkeypatch.setattr(packing, "repack_tiles", repack)
+    got = packing.pack("output.weight", T.Q8_0, raw, n_out, n_in, activations=mode,
+                       release=lambda at, n: events.append(("released", at, n)))
+    for a, b in zip((got.qs, got.d, got.m), (want.qs, want.d, want.m)):
+        np.testing.assert_array_equal(a, b)
+    packed = [e[1:] for e in events if e[0] == "packed"]
+    assert len(packed) == 8 and [e for e in events if e[0] == "released"] == [("released", *p) for p in packed]
+    assert events[::2] == [("packed", *p) for p in packed]          # each slice released right after it is packed
+    assert sum(n for _, n in packed) == raw.nbytes

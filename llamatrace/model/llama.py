@@ -711,7 +711,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
         name, t = raw(meta, layer)
         w = store.weight(name, acts, (t.tensor_type, *shapes[meta], shapes[meta][:1]),
                          lambda: packing.pack(name, t.tensor_type, t.data, *shapes[meta], activations=acts,
-                                              arena=arena))
+                                              arena=arena, release=lambda at, n: f.release(t, at, n)))
         packed(t)
         return w
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 from dataclasses import dataclass
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -221,12 +222,13 @@ def _unsupported(name: str, ggml_type) -> UnsupportedModelError:
 
 
 def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], n_in: int, arena: Arena,
-                 group: tuple[int, int]):
+                 group: tuple[int, int], done: Callable[[int], None] | None = None):
     """Row tiles (qs, d, m) of the stacked rows of ``parts`` = [(raw, n_out)] of a block type,
     written in place by :func:`repack_tiles`: no concatenated or transposed temporary, so a load
     holds the file's pages and the packed copy, nothing more; quant bytes ``group`` in 8-bit
     activations' order (:func:`_group`), whose mode then also sets the dtype of ``d`` and ``m``
-    (:data:`~llamatrace.kernels.types.registry.SCALE_DTYPES`). Raises ``ValueError`` on a size mismatch."""
+    (:data:`~llamatrace.kernels.types.registry.SCALE_DTYPES`). ``done(rows)`` after each part, with
+    the rows packed so far. Raises ``ValueError`` on a size mismatch."""
     ggml_type, fmt = qt.ggml_type, qt.block
     if n_in % fmt.weights:
         raise ValueError(f"tensor {name!r} ({ggml_type.name}): n_in={n_in} is not a multiple of {fmt.weights}")
@@ -248,6 +250,8 @@ def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], 
         blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, n_blocks, fmt.file_bytes)
         repack_tiles(ggml_type, blocks, row0, table, qs_t, d_t, m_t, group)
         row0 += n_out
+        if done is not None:
+            done(row0)
     return (qs_t.view(np.int8) if fmt.signed else qs_t), d_t, m_t
 
 
@@ -268,8 +272,13 @@ def _group(ggml_type, activations: str) -> tuple[int, int]:
     return q8_bytes or (0, 0)
 
 
+RELEASE_BYTES = 32 << 20
+"""A tensor packed with a ``release`` callback is packed (and released) this many bytes of the
+file at a time."""
+
+
 def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activations: str = "f32",
-         arena: Arena | None = None) -> Weight:
+         arena: Arena | None = None, release: Callable[[int, int], None] | None = None) -> Weight:
     """Repack one GGUF tensor into row tiles.
 
     ``raw`` is a GGUF tensor's ``.data`` (:class:`llamatrace.gguf.reader.Tensor` or gguf-py
@@ -281,6 +290,9 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
     ``ValueError`` if ``n_in`` is not a multiple of the block size or ``raw`` has the wrong
     size, and :class:`OptionError` for an unknown ``activations``. The block types' arrays
     come from ``arena`` when given (a model's loader passes one for all its weights).
+    ``release(start, n_bytes)``: called as each :data:`RELEASE_BYTES` of ``raw`` (a block type's)
+    has been packed, so that a loader can let those file pages go before the rest is packed (a
+    large output matrix would otherwise be resident twice: gpt-oss's, 0.6 GB).
     """
     check_activations(activations)
     arena = arena if arena is not None else Arena(0)
@@ -297,7 +309,18 @@ def pack(name: str, ggml_type, raw: np.ndarray, n_out: int, n_in: int, *, activa
 
     group = _group(ggml_type, activations)
     if ggml_type in FORMATS:
-        qs_t, d_t, m_t = _pack_blocks(name, TYPES[ggml_type], [(raw, n_out)], n_in, arena, group)
+        parts, done = [(raw, n_out)], None
+        if release is not None:
+            row_bytes = raw.nbytes // n_out
+            step = max(1, RELEASE_BYTES // row_bytes)
+            rows = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, row_bytes)
+            parts = [(rows[r:r + step], min(step, n_out - r)) for r in range(0, n_out, step)]
+            released = [0]
+
+            def done(row: int) -> None:
+                release(released[0] * row_bytes, (row - released[0]) * row_bytes)
+                released[0] = row
+        qs_t, d_t, m_t = _pack_blocks(name, TYPES[ggml_type], parts, n_in, arena, group, done)
     else:
         if raw.nbytes != n_out * n_in * floats.ITEM_BYTES[ggml_type]:
             raise ValueError(f"tensor {name!r} ({ggml_type.name} [{n_out}, {n_in}]): "
