@@ -19,17 +19,19 @@ float32 scales add 2 bytes per block: +11 % on Q4_0). Its name is
   :mod:`llamatrace.kernels`, this one and :mod:`llamatrace.model.llama`: a changed layout can't
   be read by a kernel that expects another) and the CPU features the kernels are compiled for.
 
-File layout: ``MAGIC``, the header's length (uint64), the header's xxh3-64 (uint64), the header
-(JSON: the key, the arrays' bytes, each weight's name, type, shape and arrays as ``[offset, dtype,
-shape, xxh3-64 of the array's bytes]``), the arrays from the next 4 KiB, each at a 64-byte offset,
-in the order the loader asked for them (the order a forward pass reads them), then the key's first
-16 bytes. A reader checks all of it, the checksums of the header and of every array included (a
-damaged entry would otherwise give wrong answers silently: xxh3 reads ~9 GB/s, ~0.1 s per GB of
-entry at each load, docs/performance.md), and on any mismatch packs, says so in one warning, and
-writes the entry again. A missing entry is packed silently.
+File layout: ``MAGIC``, the header's offset, its length and its xxh3-64 (uint64 each), zeros to
+4 KiB; the arrays, each at a 64-byte offset from there, in the order the loader asked for them
+(the order a forward pass reads them); the header (JSON: the key, the arrays' bytes, each
+weight's name, type, shape and arrays as ``[offset, dtype, shape, xxh3-64 of the array's
+bytes]``); the key's first 16 bytes. The header comes after the arrays because a first load packs
+into the file before it knows them all (:class:`EntryArena`). A reader checks all of it, the
+checksums of the header and of every array included (a damaged entry would otherwise give wrong
+answers silently: xxh3 reads ~9 GB/s, ~0.1 s per GB of entry at each load, docs/performance.md),
+and on any mismatch packs, says so in one warning, and writes the entry again. A missing entry
+is packed silently.
 
-Writing: into ``<name>.partial``, under an exclusive ``flock`` on it, then renamed to the final
-name: a reader never opens a partial file, so no process sees a half-written entry, and a
+Writing: the load packs into ``<name>.partial`` (a shared map of it), under an exclusive
+``flock`` on it, then writes the header and renames it to the final name: a reader never opens a partial file, so no process sees a half-written entry, and a
 writer that dies leaves a partial file whose lock died with it (the next writer or eviction
 takes it over). Loaders that find the partial file locked (corpus workers starting together)
 load by packing and write nothing. No ``fsync``: it would cost the disk's write time on every
