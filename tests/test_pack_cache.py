@@ -110,8 +110,8 @@ def test_cold_warm_and_no_cache_loads_give_the_same_logits(packed, request, mode
     warm = Llama.load(path, activations=mode)
     assert (warm.pack_cache.read, warm.pack_cache.written) == (True, False)
     w2 = warm.weights.layers[0].w2
-    assert maps_file(w2.qs, warm.pack_cache.path) and not maps_file(cold.weights.layers[0].w2.qs,
-                                                                   cold.pack_cache.path)
+    # the cold load packed into the entry's own pages (then renamed), the warm one maps the entry
+    assert maps_file(w2.qs, warm.pack_cache.path) and maps_file(cold.weights.layers[0].w2.qs, cold.pack_cache.path)
     assert w2.qs.flags.writeable        # a private map: Numba's kernels take the arrays they were compiled for
     for model in (cold, warm):
         np.testing.assert_array_equal(logits(model), ref)
@@ -157,9 +157,17 @@ def _bad_trailer(p, size):
 
 
 def _bad_header(p, size):
+    _, at, _ = _layout(p)
     with open(p, "r+b") as fh:
-        fh.seek(len(packcache.MAGIC) + 8)
+        fh.seek(at)
         fh.write(b"{not json")
+
+
+def _bad_first_page(p, size):
+    """The header's offset pointing elsewhere."""
+    with open(p, "r+b") as fh:
+        fh.seek(len(packcache.MAGIC))
+        fh.write((size // 2).to_bytes(8, "little"))
 
 
 def _empty(p, size):
@@ -176,10 +184,9 @@ def _layout(p) -> tuple[dict, int, int]:
     """The entry's header, the offset of its header and that of its first array."""
     with open(p, "rb") as fh:
         fh.seek(len(packcache.MAGIC))
-        header_len = int.from_bytes(fh.read(8), "little")
-        at = len(packcache.MAGIC) + 16                 # after the header's length and its checksum
+        at, header_len = int.from_bytes(fh.read(8), "little"), int.from_bytes(fh.read(8), "little")
         fh.seek(at)
-        return json.loads(fh.read(header_len)), at, packcache._data_start(header_len)
+        return json.loads(fh.read(header_len)), at, packcache._DATA_ALIGN
 
 
 def _changed_bytes(p, size):
@@ -219,7 +226,7 @@ def _crafted_shape(p, size):
 DAMAGES = [_changed_bytes, _zeroed_data, _crafted_shape]
 
 
-@pytest.mark.parametrize("damage", [_truncate, _bad_magic, _bad_trailer, _bad_header, _empty, _other_mode, *DAMAGES])
+@pytest.mark.parametrize("damage", [_truncate, _bad_magic, _bad_trailer, _bad_header, _bad_first_page, _empty, _other_mode, *DAMAGES])
 def test_a_damaged_entry_is_ignored_and_written_again(packed, kquant_path, damage):
     ref = reference(kquant_path, "q8")
     Llama.load(kquant_path, activations="f32")        # a second entry, for _other_mode

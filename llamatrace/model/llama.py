@@ -95,7 +95,7 @@ class LayerWeights:
 
 @dataclass
 class Weights:
-    tok_embeddings: packing.Weight      # [vocab_size, dim]
+    tok_embeddings: packing.Weight | packing.FileRows   # [vocab_size, dim]; read in the file unless tied
     layers: list[LayerWeights]
     norm: np.ndarray                  # float32 [dim]
     output: packing.Weight              # [vocab_size, dim]; the same object as tok_embeddings when tied
@@ -195,7 +195,7 @@ class Llama:
             from llamatrace.gguf.fetch import resolve_model
             path = resolve_model(None, fetch=fetch, log=_log.warning)
         t0 = time.perf_counter()
-        f = open_gguf(path)
+        f, store = open_gguf(path), None
         try:
             config = ModelConfig.from_gguf(f)        # every check of the config, rope scaling's too, before packing
             freq_factors = None
@@ -209,6 +209,8 @@ class Llama:
             weights = _load_weights(f, config, progress or (lambda done, total: None), activations, store)
             store.save()
         except BaseException:
+            if store is not None:
+                store.abort()                          # a half-packed entry is not kept
             with contextlib.suppress(BufferError):      # a view held by the traceback: unmapped with it
                 f.close()
             raise
@@ -671,7 +673,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     store = store or PackCache.off()
     total = sum(t.n_bytes for t in f.tensors.values())
     done = 0
-    arena = packing.Arena()
+    arena = store.arena(sum(packing.packed_bound(t.tensor_type, t.shape) for t in f.tensors.values()))
 
     def packed(*tensors) -> None:
         nonlocal done
@@ -709,7 +711,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
         name, t = raw(meta, layer)
         w = store.weight(name, acts, (t.tensor_type, *shapes[meta], shapes[meta][:1]),
                          lambda: packing.pack(name, t.tensor_type, t.data, *shapes[meta], activations=acts,
-                                              arena=arena))
+                                              arena=arena, release=lambda at, n: f.release(t, at, n)))
         packed(t)
         return w
 
@@ -812,6 +814,16 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             lw.bo = vector("bo", i)
         layers.append(lw)
     tied = gguf_name("output") not in f.tensors          # no output.weight: tied to the embedding
-    tok = matrix("tok_embeddings", acts=activations if tied else "f32")   # a lookup table unless tied
+    tok = matrix("tok_embeddings") if tied else _lookup_table(f, raw("tok_embeddings", None)[1], c, packed)
     output = tok if tied else matrix("output")
     return Weights(tok_embeddings=tok, layers=layers, norm=vector("norm"), output=output, tied_output=tied)
+
+
+def _lookup_table(f: GGUFFile, t, c: ModelConfig, packed: Callable) -> packing.FileRows:
+    """An untied ``token_embd`` (``t``) left in the file ``f``, in a read-only map of its own: only
+    the rows of the tokens run are ever read (:class:`~llamatrace.kernels.types.packing.FileRows`);
+    ``packed(t)`` as for a packed one."""
+    packed(t)
+    rows = np.memmap(f.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.n_bytes,))
+    return packing.FileRows(t.name, t.tensor_type, c.vocab_size, c.dim, rows)
+

@@ -19,17 +19,19 @@ float32 scales add 2 bytes per block: +11 % on Q4_0). Its name is
   :mod:`llamatrace.kernels`, this one and :mod:`llamatrace.model.llama`: a changed layout can't
   be read by a kernel that expects another) and the CPU features the kernels are compiled for.
 
-File layout: ``MAGIC``, the header's length (uint64), the header's xxh3-64 (uint64), the header
-(JSON: the key, the arrays' bytes, each weight's name, type, shape and arrays as ``[offset, dtype,
-shape, xxh3-64 of the array's bytes]``), the arrays from the next 4 KiB, each at a 64-byte offset,
-in the order the loader asked for them (the order a forward pass reads them), then the key's first
-16 bytes. A reader checks all of it, the checksums of the header and of every array included (a
-damaged entry would otherwise give wrong answers silently: xxh3 reads ~9 GB/s, ~0.1 s per GB of
-entry at each load, docs/performance.md), and on any mismatch packs, says so in one warning, and
-writes the entry again. A missing entry is packed silently.
+File layout: ``MAGIC``, the header's offset, its length and its xxh3-64 (uint64 each), zeros to
+4 KiB; the arrays, each at a 64-byte offset from there, in the order the loader asked for them
+(the order a forward pass reads them); the header (JSON: the key, the arrays' bytes, each
+weight's name, type, shape and arrays as ``[offset, dtype, shape, xxh3-64 of the array's
+bytes]``); the key's first 16 bytes. The header comes after the arrays because a first load packs
+into the file before it knows them all (:class:`EntryArena`). A reader checks all of it, the
+checksums of the header and of every array included (a damaged entry would otherwise give wrong
+answers silently: xxh3 reads ~9 GB/s, ~0.1 s per GB of entry at each load, docs/performance.md),
+and on any mismatch packs, says so in one warning, and writes the entry again. A missing entry
+is packed silently.
 
-Writing: into ``<name>.partial``, under an exclusive ``flock`` on it, then renamed to the final
-name: a reader never opens a partial file, so no process sees a half-written entry, and a
+Writing: the load packs into ``<name>.partial`` (a shared map of it), under an exclusive
+``flock`` on it, then writes the header and renames it to the final name: a reader never opens a partial file, so no process sees a half-written entry, and a
 writer that dies leaves a partial file whose lock died with it (the next writer or eviction
 takes it over). Loaders that find the partial file locked (corpus workers starting together)
 load by packing and write nothing. No ``fsync``: it would cost the disk's write time on every
@@ -46,6 +48,7 @@ that fails). ``$LLAMATRACE_NO_CACHE=1`` (the CLI's ``--no-cache``) neither reads
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -66,7 +69,7 @@ import xxhash
 
 from llamatrace import __version__
 from llamatrace.errors import OptionError
-from llamatrace.kernels.types.packing import Weight
+from llamatrace.kernels.types.packing import Arena, Weight, populate
 
 _log = logging.getLogger("llamatrace")
 
@@ -77,13 +80,13 @@ DEFAULT_CAP_GB = 20.0
 MIN_FREE_BYTES = 2 << 30
 """An entry is written only if the disk keeps this much free space after it."""
 
-MAGIC = b"LTPACK\x00\x02"
+MAGIC = b"LTPACK\x00\x03"
 SUFFIX = ".ltpack"
 TOKENIZER_SUFFIX = ".tokenizer"   # llamatrace.text.tokcache's entries, evicted with these
 PARTIAL = ".partial"
 _ALIGN = 64                       # each array's offset: a cache line, as the packing arena does
 _DATA_ALIGN = mmap.PAGESIZE       # the first array's offset
-_HEAD = struct.Struct("<QQ")       # the header's length and its xxh3-64
+_HEAD = struct.Struct("<QQQ")      # the header's offset, its length and its xxh3-64
 _TRAILER = 16                     # bytes of the key at the end of the file
 _DTYPES = frozenset({"|u1", "|i1", "<u2", "<f4"})     # what packed arrays hold (packing.Weight)
 # madvise: populate the page tables from the page cache, without reading or copying (Linux 5.14)
@@ -172,13 +175,76 @@ def _header_digest(path: str, dev: int, ino: int, size: int, mtime_ns: int, data
         return hashlib.sha256(fh.read(data_start)).digest()
 
 
+class EntryArena:
+    """The packing arena of a load that writes an entry: each array is placed in the entry file
+    itself, through a shared writable map, at the next 64-byte offset from :data:`_DATA_ALIGN`.
+
+    Packing into the file's pages instead of fresh anonymous memory costs the same first touch
+    (~0.5 CPU-s per GiB either way, once the file's blocks are reserved with ``fallocate``;
+    without it a fault into a hole costs 4x) and saves copying the packed model into the page
+    cache afterwards (``write``: another 0.5 CPU-s per GiB, which the load waited for). The
+    kernel writes the dirty pages to disk in the background; they are the page cache's, so a
+    model packed this way holds the same pages a later load maps, and no second copy. Maps are
+    taken ``chunk_bytes`` at a time (or an array's size when larger), each from the page
+    that holds the next free byte, so the file stays dense; they overlap where chunks meet,
+    which a shared map allows (the same page cache pages). Views keep their map alive.
+    """
+
+    CHUNK_BYTES = 64 << 20
+
+    def __init__(self, fd: int, chunk_bytes: int | None = None) -> None:
+        self.fd = fd
+        self.chunk_bytes = chunk_bytes or self.CHUNK_BYTES
+        self.end = _DATA_ALIGN                  # the first free byte of the file
+        self._maps: list[tuple[int, int, int]] = []     # (address, file offset, length)
+        self._chunk = np.empty(0, dtype=np.uint8)
+        self._chunk_at = 0                      # the file offset of _chunk[0]
+        self.failed: OSError | None = None
+        self._spare = Arena()
+
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """An uninitialised C-contiguous array at the file's next 64-byte offset; in anonymous
+        memory once the file's blocks could not be reserved (a full disk) or mapped
+        (:attr:`failed` then holds the ``OSError``)."""
+        if self.failed is None:
+            try:
+                return self._in_file(shape, np.dtype(dtype))
+            except OSError as exc:
+                self.failed = exc
+        return self._spare.empty(shape, dtype)
+
+    def _in_file(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        n_bytes = int(np.prod(shape)) * dtype.itemsize
+        start = -(-self.end // _ALIGN) * _ALIGN
+        if start + n_bytes > self._chunk_at + self._chunk.size:
+            base = start // mmap.PAGESIZE * mmap.PAGESIZE
+            length = -(-max(self.chunk_bytes, start + n_bytes - base) // mmap.PAGESIZE) * mmap.PAGESIZE
+            os.posix_fallocate(self.fd, base, length)     # the blocks now: no fault into a hole, no ENOSPC later
+            pages = mmap.mmap(self.fd, length, flags=mmap.MAP_SHARED, offset=base)
+            populate(pages)
+            self._chunk, self._chunk_at = np.frombuffer(pages, dtype=np.uint8), base
+            self._maps.append((self._chunk.ctypes.data, base, length))
+        self.end = start + n_bytes
+        return self._chunk[start - self._chunk_at:self.end - self._chunk_at].view(dtype).reshape(shape)
+
+    def offset(self, a: np.ndarray) -> int | None:
+        """The file offset of C-contiguous ``a``'s first byte if it lies in one of the maps, else None."""
+        addr = a.ctypes.data
+        for lo, at, length in self._maps:
+            if lo <= addr and addr + a.nbytes <= lo + length:
+                return at + addr - lo
+        return None
+
+
 @dataclass
 class PackCache:
     """One model file's entry, for one activations mode, during a load.
 
-    :meth:`weight` returns a weight from the entry when it was read, else packs it; :meth:`save`
-    then writes the entry if anything was packed. A ``PackCache`` whose ``path`` is None
-    (:meth:`off`) only packs.
+    :meth:`weight` returns a weight from the entry when it was read, else packs it. A load that
+    packs takes its :meth:`arena` first: when the entry is to be written, the arrays are packed
+    straight into its ``.partial`` file (:class:`EntryArena`), and :meth:`save` writes the header
+    and renames it; :meth:`abort` removes it if the load fails. A ``PackCache`` whose ``path`` is
+    None (:meth:`off`) only packs, in memory.
 
     Attributes:
         path: the entry's file; None when the cache is off.
@@ -191,8 +257,9 @@ class PackCache:
     read: bool = False
     written: bool = False
     _found: dict[tuple[str, str], Weight] = field(default_factory=dict, repr=False)
-    _order: list[tuple[str, str, Weight]] = field(default_factory=list, repr=False)
-    _packed: bool = False
+    _order: list[tuple[str, str, Weight, list]] = field(default_factory=list, repr=False)
+    _arena: EntryArena | None = field(default=None, repr=False)
+    _lock: contextlib.ExitStack | None = field(default=None, repr=False)
 
     @classmethod
     def off(cls) -> "PackCache":
@@ -236,74 +303,124 @@ class PackCache:
             os.utime(entry)            # recently used: the last to be evicted
         return cache
 
-    def weight(self, name: str, acts: str, expect: tuple, build: Callable[[], Weight]) -> Weight:
-        """The weight ``name`` packed for activations ``acts``: from the entry when it holds one whose
-        ``(ggml_type, n_out, n_in, row_splits)`` equals ``expect``, else ``build()``."""
-        w = self._found.get((name, acts))
-        if w is None or (w.ggml_type, w.n_out, w.n_in, w.row_splits) != expect:
-            w = build()
-            self._packed = True
-        self._order.append((name, acts, w))
-        return w
-
-    def save(self) -> None:
-        """Write the entry if the cache is on and :meth:`weight` packed anything (atomically, see
-        the module docstring), then evict down to the cap. Never raises for an I/O problem: an
-        entry not written (a failed write, no room on the disk, over the cap) is one warning, and
-        the model loads as it was."""
+    def arena(self, estimate: int):
+        """Where the load packs: the entry's :class:`EntryArena` when the entry is to be written
+        (the cache is on, the entry was not read, it fits on the disk by ``estimate``, its
+        packed bytes, and no other process is writing it), else a
+        :class:`~llamatrace.kernels.types.packing.Arena` of anonymous memory. Never raises for an
+        I/O problem: an entry that is not to be written is one warning (as :meth:`save` words it),
+        or none when another process writes it. The cap is checked by :meth:`save`, on the
+        entry's real size (``estimate`` bounds it from above: a tiny model's is 3x)."""
         from llamatrace.gguf.fetch import ENV_CACHE
-        if self.path is None or not self._packed:
-            return
-        arrays = [np.ascontiguousarray(a) for _, _, w in self._order for a in (w.qs, w.d, w.m)]
-        cap = cap_bytes()
-        skipped = ("the packed-weights cache is skipped: {}; the next load packs the model again "
-                   f"(--no-cache, or ${ENV_NO_CACHE}=1, turns the cache off)")
-        header, data_start, size = _layout(self.key, self._order, arrays)
-        if size > cap:
-            warnings.warn(skipped.format(f"{self.path.name} would take {_gb(size)}, over the cap of {_gb(cap)} "
-                                         f"(${ENV_CAP})"), stacklevel=2)
-            return
+        if self.path is None or self.read or self._arena is not None:
+            return self._arena or Arena()
+        size = estimate + _DATA_ALIGN + (1 << 20)        # the header: ~100 bytes a weight
+        stack = contextlib.ExitStack()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.path.parent).free
             if free < size + MIN_FREE_BYTES:
-                warnings.warn(skipped.format(
-                    f"{self.path.name} would take {_gb(size)} of the {_gb(free)} free in "
+                warnings.warn(_skipped(
+                    f"{self.path.name} would take about {_gb(size)} of the {_gb(free)} free in "
                     f"{self.path.parent}, and the cache leaves {MIN_FREE_BYTES / 2**30:g} GiB free "
                     f"(${ENV_CACHE} moves it to another disk)"), stacklevel=2)
-                return
-            self.written = _write_entry(self.path, header, data_start, arrays, bytes.fromhex(self.key)[:_TRAILER])
-            if self.written:
-                evict(cap, keep=self.path)
+                return Arena()
+            fd = stack.enter_context(_locked(self._partial()))
+            if fd is None:                   # another process writes it: pack, write nothing
+                stack.close()
+                return Arena()
+            os.ftruncate(fd, 0)              # what a writer that died left
         except OSError as exc:
-            warnings.warn(skipped.format(f"could not write {self.path} ({exc.strerror or exc})"), stacklevel=2)
+            stack.close()
+            warnings.warn(_skipped(f"could not write {self.path} ({exc.strerror or exc})"), stacklevel=2)
+            return Arena()
+        self._lock, self._arena = stack, EntryArena(fd)
+        return self._arena
+
+    def _partial(self) -> Path:
+        return self.path.with_name(self.path.name + PARTIAL)
+
+    def weight(self, name: str, acts: str, expect: tuple, build: Callable[[], Weight]) -> Weight:
+        """The weight ``name`` packed for activations ``acts``: from the entry when it holds one whose
+        ``(ggml_type, n_out, n_in, row_splits)`` equals ``expect``, else ``build()`` (whose arrays,
+        when the entry is being written, are moved into it if they were not packed there)."""
+        w = self._found.get((name, acts))
+        if w is not None and (w.ggml_type, w.n_out, w.n_in, w.row_splits) == expect:
+            return w
+        w = build()
+        if self._arena is not None and self._arena.failed is None:
+            w = self._place(name, acts, w)
+        if self._arena is not None and self._arena.failed is not None:
+            exc = self._arena.failed
+            self.abort()
+            warnings.warn(_skipped(f"could not write {self.path} ({exc.strerror or exc})"), stacklevel=2)
+        return w
+
+    def _place(self, name: str, acts: str, w: Weight) -> Weight:
+        """``w`` with its arrays in the entry (copied there if packed elsewhere: F32 / F16 / BF16
+        tiles), and their offsets and checksums noted for the header; ``w`` itself if the file
+        could not take them (the arena's :attr:`~EntryArena.failed`)."""
+        arrays, placed = [], []
+        for a in (w.qs, w.d, w.m):
+            at = self._arena.offset(a) if a.size else 0
+            if at is None:
+                a = np.copyto(copy := self._arena.empty(a.shape, a.dtype), a) or copy
+                if self._arena.failed is not None:
+                    return w
+                at = self._arena.offset(a)
+            placed.append(a)
+            arrays.append([at - _DATA_ALIGN if a.size else 0, a.dtype.str, list(a.shape), xxhash.xxh3_64_intdigest(a)])
+        self._order.append((name, acts, w, arrays))
+        return dataclasses.replace(w, qs=placed[0], d=placed[1], m=placed[2])
+
+    def abort(self) -> None:
+        """Stop writing the entry (a failed load, a full disk): its partial file goes, the weights
+        packed into it stay mapped (an unlinked file's pages live as long as their map)."""
+        if self._lock is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._partial())
+            self._lock.close()
+        self._lock = self._arena = None
+
+    def save(self) -> None:
+        """Finish the entry the load packed into (see the module docstring): its header and trailer
+        after the arrays, its first page, the rename, then eviction down to the cap. Never raises
+        for an I/O problem: an entry not written (a failed write, over the cap) is one warning,
+        and the model loads as it was."""
+        if self._arena is None:
+            return
+        fd, data_end = self._arena.fd, self._arena.end
+        weights = [dict(name=name, acts=acts, type=int(w.ggml_type), n_out=w.n_out, n_in=w.n_in,
+                        row_splits=list(w.row_splits), act8=w.act8, arrays=arrays)
+                   for name, acts, w, arrays in self._order]
+        header = json.dumps(dict(key=self.key, data_bytes=data_end - _DATA_ALIGN, weights=weights)).encode()
+        size, cap = data_end + len(header) + _TRAILER, cap_bytes()
+        try:
+            if size > cap:
+                warnings.warn(_skipped(f"{self.path.name} takes {_gb(size)}, over the cap of {_gb(cap)} "
+                                       f"(${ENV_CAP})"), stacklevel=2)
+                return
+            os.ftruncate(fd, data_end)                   # the blocks reserved past the last array
+            os.pwrite(fd, header + bytes.fromhex(self.key)[:_TRAILER], data_end)
+            os.pwrite(fd, MAGIC + _HEAD.pack(data_end, len(header), xxhash.xxh3_64_intdigest(header)), 0)
+            os.replace(self._partial(), self.path)
+            self.written = True
+            evict(cap, keep=self.path)
+        except OSError as exc:
+            warnings.warn(_skipped(f"could not write {self.path} ({exc.strerror or exc})"), stacklevel=2)
+        finally:
+            self.abort()                                 # the lock (and the partial file, if not renamed)
+
+
+def _skipped(why: str) -> str:
+    """The warning for an entry that is not written."""
+    return (f"the packed-weights cache is skipped: {why}; the next load packs the model again "
+            f"(--no-cache, or ${ENV_NO_CACHE}=1, turns the cache off)")
 
 
 def _gb(n: int) -> str:
     """``n`` bytes for a message: '5.27 GB', '41.2 MB', '0.001 MB'."""
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
-
-
-def _layout(key: str, order: list[tuple[str, str, Weight]], arrays: list[np.ndarray]) -> tuple[bytes, int, int]:
-    """The header (bytes), the offset of the first array and the file's size for ``order``'s weights
-    (``arrays``: theirs, C-contiguous, three per weight); the header gives each array's offset
-    from the first's and the xxh3-64 of its bytes."""
-    offsets, pos = [], 0
-    for a in arrays:
-        offsets.append(pos)
-        pos += -(-a.nbytes // _ALIGN) * _ALIGN
-    weights = [dict(name=name, acts=acts, type=int(w.ggml_type), n_out=w.n_out, n_in=w.n_in,
-                    row_splits=list(w.row_splits), act8=w.act8,
-                    arrays=[[offsets[k], a.dtype.str, list(a.shape), xxhash.xxh3_64_intdigest(a)]
-                            for k, a in enumerate(arrays[3 * i:3 * i + 3], 3 * i)])
-               for i, (name, acts, w) in enumerate(order)]
-    header = json.dumps(dict(key=key, data_bytes=pos, weights=weights)).encode()
-    data_start = _data_start(len(header))
-    return header, data_start, data_start + pos + _TRAILER
-
-
-def _data_start(header_len: int) -> int:
-    return -(-(len(MAGIC) + _HEAD.size + header_len) // _DATA_ALIGN) * _DATA_ALIGN
 
 
 def _read_entry(entry: Path, key: str) -> dict[tuple[str, str], Weight]:
@@ -322,19 +439,19 @@ def _read_entry(entry: Path, key: str) -> dict[tuple[str, str], Weight]:
         head = fh.read(len(MAGIC) + _HEAD.size)
         if len(head) < len(MAGIC) + _HEAD.size or head[:len(MAGIC)] != MAGIC:
             raise ValueError("not a packed-weights file")
-        header_len, header_digest = _HEAD.unpack_from(head, len(MAGIC))
-        if header_len > size:
-            raise ValueError("header longer than the file")
+        header_at, header_len, header_digest = _HEAD.unpack_from(head, len(MAGIC))
+        if not _DATA_ALIGN <= header_at or header_at + header_len + _TRAILER != size:
+            raise ValueError(f"{size} bytes, the first page says {header_at + header_len + _TRAILER}")
+        fh.seek(header_at)
         header = fh.read(header_len)
         if xxhash.xxh3_64_intdigest(header) != header_digest:
             raise ValueError("its header does not match its checksum")
         header = json.loads(header)
         if header["key"] != key:
             raise ValueError("another file's entry")
-        data_start, data_bytes = _data_start(header_len), int(header["data_bytes"])
-        if size != data_start + data_bytes + _TRAILER:
-            raise ValueError(f"{size} bytes, the header says {data_start + data_bytes + _TRAILER}")
-        fh.seek(size - _TRAILER)
+        data_bytes = int(header["data_bytes"])
+        if data_bytes != header_at - _DATA_ALIGN:
+            raise ValueError(f"{data_bytes} bytes of arrays, the first page says {header_at - _DATA_ALIGN}")
         if fh.read(_TRAILER) != bytes.fromhex(key)[:_TRAILER]:
             raise ValueError("its last bytes are not the key: not written whole")
         buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -350,7 +467,7 @@ def _read_entry(entry: Path, key: str) -> dict[tuple[str, str], Weight]:
             count = int(np.prod(shape))
             if offset + count * dtype.itemsize > data_bytes:
                 raise ValueError(f"{w['name']}: an array past the end of the data")
-            a = np.frombuffer(buf, dtype, count, data_start + offset).reshape(shape)
+            a = np.frombuffer(buf, dtype, count, _DATA_ALIGN + offset).reshape(shape)
             if xxhash.xxh3_64_intdigest(a) != digest:
                 raise ValueError(f"{w['name']}: its bytes do not match their checksum")
             arrays.append(a)
@@ -395,18 +512,6 @@ def write_atomic(entry: Path, write: Callable[[BinaryIO], None]) -> bool:
                 os.unlink(partial)
             raise
     return True
-
-
-def _write_entry(entry: Path, header: bytes, data_start: int, arrays: list[np.ndarray], trailer: bytes) -> bool:
-    """Write the entry's bytes through :func:`write_atomic`."""
-    def write(out: BinaryIO) -> None:
-        out.write(MAGIC + _HEAD.pack(len(header), xxhash.xxh3_64_intdigest(header)) + header)
-        out.write(bytes(data_start - out.tell()))
-        for a in arrays:
-            out.write(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
-            out.write(bytes(-a.nbytes % _ALIGN))
-        out.write(trailer)
-    return write_atomic(entry, write)
 
 
 def evict(cap: int, keep: Path | None = None) -> list[Path]:
