@@ -1,11 +1,16 @@
 """Write a Qwen3.5-2B- or 9B-shaped ``qwen35`` GGUF (real widths and vocabulary, fewer layers) and
 measure decode time per token against the context length, ours and llama.cpp's, on the same file.
 
-For benchmarks only, never for CI. The widths are the published ones (``SHAPES``), from the
-``text_config`` of the Hugging Face configs and the model cards of Qwen/Qwen3.5-2B and
-Qwen/Qwen3.5-9B (checked 2026-11-29 against copies of those configs and cards: the 9B's
-``text_config`` as fine-tunes of it carry it, e.g. KnowledgeXLab/ComActor-9B's config.json; the
-2B's widths as its model card lists them and as configs written for it repeat them):
+For benchmarks only, never for CI. The widths are the published ones (``SHAPES``), checked
+2026-11-29 against: the model cards of Qwen/Qwen3.5-2B and Qwen/Qwen3.5-9B (layer layout, heads,
+head dims, rotary dims, FFN width, 248320 padded vocabulary); the 9B's HF ``text_config`` as
+fine-tunes of it carry it (huggingface.co/KnowledgeXLab/ComActor-9B, config.json:
+``linear_num_key_heads`` 16, ``linear_num_value_heads`` 32, ``linear_*_head_dim`` 128,
+``linear_conv_kernel_dim`` 4, ``full_attention_interval`` 4); the Megatron arguments of
+radixark/miles ``scripts/models/qwen3.5-9B.sh`` and williammtan/miles ``scripts/models/qwen3.5-2B.sh``
+(rotary-percent 0.25, rotary-base 1e7, the 9B's ``--untie-embeddings-and-output-weights``, absent
+for the 2B); llama.cpp's converter (``conversion/qwen.py``: Qwen3.5's default mrope_section
+[11, 11, 10, 0]):
 
     2B: hidden_size 2048, intermediate_size 6144, 24 layers; full attention 8 query / 2 KV heads,
         head_dim 256, partial_rotary_factor 0.25 (64 rotary dims), mrope_section [11, 11, 10]
