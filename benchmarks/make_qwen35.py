@@ -215,10 +215,12 @@ def plot(files: list[Path], png: Path | None) -> str:
         for e, ms in medians.items():
             ax.plot(xs, ms, marker="o", label=f"{e} ({len(runs[e])} runs)")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_ylim(bottom=0)
         ax.set_xlabel("context (tokens before the decode step)")
         ax.set_ylabel(f"ms per decode token (median of {STEPS})")
-        ax.set_title(f"{next(iter(runs.values()))[0]['file']}: Q8_0, 2 threads", fontsize=8)
+        ax.set_title(f"{next(iter(runs.values()))[0]['file']}: Q8_0, 2 threads; "
+                     f"load average {min(loads):.1f} to {max(loads):.1f}", fontsize=8)
         ax.legend(fontsize=8)
         fig.savefig(png, dpi=120)
     return "\n".join(rows)
