@@ -79,6 +79,8 @@ EXCLUDED.update({
         "needs a Qwen3.5 file; tests/test_qwen35.py runs state on the same random-weight qwen35 file",
     "python benchmarks/make_moe.py -o /tmp/qwen3moe-8.gguf --layers 8         # 3.39 GB, ~1 min":
         "benchmarks on Qwen3-30B-A3B- and gpt-oss-20b-shaped files (GBs, minutes), need llama-cpp-python; by hand",
+    "python3 benchmarks/make_qwen35.py --shape 9b -o /tmp/qwen35-9b.gguf                      # write (3.1 GB)":
+        "decode-vs-context benchmarks on Qwen3.5-2B/9B-shaped files (GBs, many minutes), need llama-cpp-python; by hand",
     "llamatrace/": "docs/architecture.md's folder list: a picture of the package, not a command",
     "python benchmarks/make_8b.py --type F16 --layers 4 -o /tmp/qf/llama8b-L4-f16.gguf":
         "a benchmark: a 3.85 GB file, minutes per run, llama-quantize; run by hand",
