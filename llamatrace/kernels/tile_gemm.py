@@ -45,41 +45,50 @@ K_STEP = 64
 block uses them (a pass over 256 inputs, 32 KiB, ran 25 % slower at 128 rows: the rows of x
 evicted them)."""
 
+WIDE_ROWS = 2
+"""Up to this many rows (the last rows of x) go against the whole tile at once (``TR // LANES``
+vectors): 1 x 2 or 2 x 2 sums are too few FMA chains to hide the FMA's latency, 2 x 4 are 8
+(experts in a prefill see ~8 rows each: 6 + 2)."""
+
 _I64 = ir.IntType(64)
 
 
-def _gemm_ir(k: VectorTile, rows: int, x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at) -> None:
-    """``acc[acc_at + r*TR + j] += sum_{i < n_k} x[x_at + r*ldx + i*kx] * wt[w_at + i*TR + j]`` for
-    ``r < rows``, ``j < COLS``; each sum one FMA chain in i order from zero."""
-    b = k.b
-    x_at, ldx, kx, w_at, acc_at = k.i64(x_at), k.i64(ldx), k.i64(kx), k.i64(w_at), k.i64(acc_at)
+def _vecs(rows: int) -> int:
+    return TR // LANES if rows <= WIDE_ROWS else VECS
+
+
+def _gemm_ir(k: VectorTile, rows: int, x, x_at, ldx, wt, w_at, n_k, acc, acc_at) -> None:
+    """``acc[acc_at + r*TR + j] += sum_{i < n_k} x[x_at + r*ldx + i] * wt[w_at + i*TR + j]`` for
+    ``r < rows``, ``j < _vecs(rows) * LANES``; each sum one FMA chain in i order from zero."""
+    b, vecs = k.b, _vecs(rows)
+    x_at, ldx, w_at, acc_at = k.i64(x_at), k.i64(ldx), k.i64(w_at), k.i64(acc_at)
     x_rows = [b.add(x_at, b.mul(ldx, k.c64(r))) for r in range(rows)]
 
     def body(i, sums):
         w_row = b.add(w_at, b.mul(i, k.c64(TR)))
-        wv = [k.load(wt, b.add(w_row, k.c64(v * LANES)), k.vf, 4) for v in range(VECS)]
+        wv = [k.load(wt, b.add(w_row, k.c64(v * LANES)), k.vf, 4) for v in range(vecs)]
         new = []
         for r in range(rows):
-            xv = k.splat(b.load(b.gep(x, [b.add(x_rows[r], b.mul(i, kx))])), k.vf)
-            new += [k.fma(xv, wv[v], sums[r * VECS + v]) for v in range(VECS)]
+            xv = k.splat(b.load(b.gep(x, [b.add(x_rows[r], i)])), k.vf)
+            new += [k.fma(xv, wv[v], sums[r * vecs + v]) for v in range(vecs)]
         return new
 
-    sums = k.block_loop(k.i64(n_k), rows * VECS, body)
-    at = [b.add(acc_at, k.c64(r * TR + v * LANES)) for r in range(rows) for v in range(VECS)]
+    sums = k.block_loop(k.i64(n_k), rows * vecs, body)
+    at = [b.add(acc_at, k.c64(r * TR + v * LANES)) for r in range(rows) for v in range(vecs)]
     olds = [k.load(acc, a, k.vf, 4) for a in at]
     for a, old, s in zip(at, olds, sums):
         b.store(b.fadd(old, s), k.ptr(acc, a, k.vf), align=4)
 
 
 def _gemm_intrinsic(rows: int):
-    def typer(typingctx, x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at):
+    def typer(typingctx, x, x_at, ldx, wt, w_at, n_k, acc, acc_at):
         if not all(isinstance(a, types.Array) and a.dtype == types.float32 for a in (x, wt, acc)):
             return None
-        sig = types.void(x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at)
+        sig = types.void(x, x_at, ldx, wt, w_at, n_k, acc, acc_at)
 
         def codegen(context, builder, signature, args):
             flat = list(args)
-            for i in (0, 4, 7):
+            for i in (0, 3, 6):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
             _gemm_ir(VectorTile(builder, LANES), rows, *flat)
             return context.get_dummy_value()
@@ -94,20 +103,20 @@ _g1, _g2, _g3, _g4, _g5, _g6 = (_gemm_intrinsic(r) for r in range(1, ROWS + 1))
 
 
 @njit(**JIT_INLINE)
-def _gemm(rows, x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at):
+def _gemm(rows, x, x_at, ldx, wt, w_at, n_k, acc, acc_at):
     """The microkernel for ``rows`` (1 .. :data:`ROWS`) rows of x (one IR function per count)."""
     if rows == 6:
-        _g6(x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at)
+        _g6(x, x_at, ldx, wt, w_at, n_k, acc, acc_at)
     elif rows == 5:
-        _g5(x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at)
+        _g5(x, x_at, ldx, wt, w_at, n_k, acc, acc_at)
     elif rows == 4:
-        _g4(x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at)
+        _g4(x, x_at, ldx, wt, w_at, n_k, acc, acc_at)
     elif rows == 3:
-        _g3(x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at)
+        _g3(x, x_at, ldx, wt, w_at, n_k, acc, acc_at)
     elif rows == 2:
-        _g2(x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at)
+        _g2(x, x_at, ldx, wt, w_at, n_k, acc, acc_at)
     else:
-        _g1(x, x_at, ldx, kx, wt, w_at, n_k, acc, acc_at)
+        _g1(x, x_at, ldx, wt, w_at, n_k, acc, acc_at)
 
 
 @njit(**JIT_INLINE)
@@ -122,8 +131,9 @@ def chunk_matmul(x, wt, k0, kc, acc):
         n_k = min(K_STEP, kc - i)
         for s0 in range(0, n_seq, ROWS):
             rows = min(ROWS, n_seq - s0)
-            for c in range(0, TR, COLS):
-                _gemm(rows, x, s0 * ldx + k0 + i, ldx, 1, wt, i * TR + c, n_k, acc, s0 * TR + c)
+            cols = TR if rows <= WIDE_ROWS else COLS
+            for c in range(0, TR, cols):
+                _gemm(rows, x, s0 * ldx + k0 + i, ldx, wt, i * TR + c, n_k, acc, s0 * TR + c)
 
 
 def chunk_matmul_np(x: np.ndarray, wt: np.ndarray, k0: int, kc: int, acc: np.ndarray) -> None:
