@@ -132,7 +132,7 @@ of byte 4 + j, min 4 + j the high nibble of byte 12 + j and the top 2 bits of by
 _ZERO = np.float32(0.0)
 
 
-@njit(**JIT_INLINE)
+@njit(inline="always", **JIT_EXACT)
 def _deq_q2k(q, db, mb, wt, ds, dm, zero):
     for sub in range(16):
         tile_gemm.deq_bits(ds, 0, q, sub * TR, 0, 15, q, 0, 0, 0, 0, db, _ZERO, zero)
@@ -143,7 +143,7 @@ def _deq_q2k(q, db, mb, wt, ds, dm, zero):
                                ds, _ZERO, dm)
 
 
-@njit(**JIT_INLINE)
+@njit(inline="always", **JIT_EXACT)
 def _deq_q3k(q, db, wt, ds, zero):
     """(d*(sc - 32)) * (low + 4*hbit - 4): the quant low | hbit << 2, less 4."""
     for sub in range(16):
@@ -154,7 +154,7 @@ def _deq_q3k(q, db, wt, ds, zero):
                                q, (l0 + l) * TR, 4 * half + c, 1, 2, ds, np.float32(-4.0), zero)
 
 
-@njit(**JIT_INLINE)
+@njit(inline="always", **JIT_EXACT)
 def _deq_q45k(five, q, db, mb, wt, ds, dm, zero):
     qoff = 48 if five else 16
     for sub in range(8):
@@ -167,7 +167,7 @@ def _deq_q45k(five, q, db, mb, wt, ds, dm, zero):
                                q, (16 + l) * TR, sub, 1 if five else 0, 4, ds, _ZERO, dm)
 
 
-@njit(**JIT_INLINE)
+@njit(inline="always", **JIT_EXACT)
 def _deq_q6k(q, db, wt, ds, zero):
     for sub in range(16):
         tile_gemm.deq_i8(ds, 0, q.view(np.int8), (192 + sub) * TR, db, 0)      # the scales are int8
@@ -559,8 +559,6 @@ def gemv_q6k(x, qs, d, out):
 # the types: adapters (x, w, out) calling the kernels with a weight's arrays, their NumPy twins
 # (x, w) -> [S, n_out] (the float32 kernels' is packing.matmul_ref, dequantize then x @ W.T),
 # and the declarations
-
-_ZERO = np.float32(0.0)
 
 
 def gemv_q2_k(x, w, out):
