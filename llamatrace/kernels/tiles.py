@@ -153,58 +153,7 @@ def store_tile(acc, out, s, t):
 CHUNK = 256
 """The tiled kernels dequantize a tile 256 inputs at a time: a float32 [256, TR] chunk is
 32 KiB and stays in L1/L2 while every row of x uses it (a whole 8B tile, up to 14336 x TR
-floats, did not)."""
-
-
-@njit(**JIT_INLINE)
-def chunk_matmul(x, wt, k0, acc):
-    """acc[s, r] += sum_k x[s, k0 + k] * wt[k, r] for every row s; wt float32 [kc, TR], acc
-    float32 [n_seq, TR].
-
-    Rows of x go four at a time and k four at a time: each weight vector loaded from the chunk
-    feeds four FMA chains (register blocking), and each accumulator is loaded and stored once
-    per four k (Numba's arrays live in memory, not registers), so the loop is bound by FMAs.
-    The sums run in k order, as a plain loop's would.
-    """
-    n_seq = x.shape[0]
-    kc = wt.shape[0]
-    n_quad = n_seq - n_seq % 4
-    k_quad = kc - kc % 4
-    for s in range(0, n_quad, 4):
-        a0, a1, a2, a3 = acc[s], acc[s + 1], acc[s + 2], acc[s + 3]
-        x0, x1 = x[s, k0:k0 + kc], x[s + 1, k0:k0 + kc]
-        x2, x3 = x[s + 2, k0:k0 + kc], x[s + 3, k0:k0 + kc]
-        for k in range(0, k_quad, 4):
-            w0, w1, w2, w3 = wt[k], wt[k + 1], wt[k + 2], wt[k + 3]
-            p0, p1, p2, p3 = x0[k], x0[k + 1], x0[k + 2], x0[k + 3]
-            q0, q1, q2, q3 = x1[k], x1[k + 1], x1[k + 2], x1[k + 3]
-            u0, u1, u2, u3 = x2[k], x2[k + 1], x2[k + 2], x2[k + 3]
-            v0, v1, v2, v3 = x3[k], x3[k + 1], x3[k + 2], x3[k + 3]
-            for r in range(TR):
-                c0, c1, c2, c3 = w0[r], w1[r], w2[r], w3[r]
-                a0[r] = a0[r] + p0 * c0 + p1 * c1 + p2 * c2 + p3 * c3
-                a1[r] = a1[r] + q0 * c0 + q1 * c1 + q2 * c2 + q3 * c3
-                a2[r] = a2[r] + u0 * c0 + u1 * c1 + u2 * c2 + u3 * c3
-                a3[r] = a3[r] + v0 * c0 + v1 * c1 + v2 * c2 + v3 * c3
-        for k in range(k_quad, kc):
-            w = wt[k]
-            for r in range(TR):
-                a0[r] += x0[k] * w[r]
-                a1[r] += x1[k] * w[r]
-                a2[r] += x2[k] * w[r]
-                a3[r] += x3[k] * w[r]
-    for s in range(n_quad, n_seq):
-        a0 = acc[s]
-        xs = x[s, k0:k0 + kc]
-        for k in range(0, k_quad, 4):
-            w0, w1, w2, w3 = wt[k], wt[k + 1], wt[k + 2], wt[k + 3]
-            p0, p1, p2, p3 = xs[k], xs[k + 1], xs[k + 2], xs[k + 3]
-            for r in range(TR):
-                a0[r] = a0[r] + p0 * w0[r] + p1 * w1[r] + p2 * w2[r] + p3 * w3[r]
-        for k in range(k_quad, kc):
-            w = wt[k]
-            for r in range(TR):
-                a0[r] += xs[k] * w[r]
+floats, did not); :func:`llamatrace.kernels.tile_gemm.chunk_matmul` multiplies it."""
 
 
 @njit(**JIT_INLINE)

@@ -7,7 +7,7 @@ Packed layout (T = ceil(n_out / TR) tiles; padded rows are zero)::
                                             (:data:`llamatrace.machine.jit.F16_TABLE`, ``BF16_TABLE``)
 
 Resident bytes: 1.0x the file (plus row padding to a multiple of ``TR``). Each tile is widened
-to float32 a chunk at a time and multiplied in float32 (:func:`llamatrace.kernels.tiles.chunk_matmul`),
+to float32 a chunk at a time and multiplied in float32 (:func:`llamatrace.kernels.tile_gemm.chunk_matmul`),
 for any number of rows of x: decode and prefill share the kernel. NumPy twins: the dequantizers
 (``dequant_*_np``) and :func:`tiled_np`. The types are declared at the end (:data:`F32`,
 :data:`F16`, :data:`BF16`; no block format, no ``q8``-mode kernels).
@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import tile_gemm, tiles
 from llamatrace.kernels.types.registry import TYPES, Kernel, QuantType, declare
 from llamatrace.machine.jit import BF16_TABLE, F16_TABLE, JIT_INLINE, JIT_PARALLEL
 
@@ -87,7 +87,7 @@ def _tiled_u16(x, qs, table, out):
         for k0 in range(0, n_in, kc):
             n = min(kc, n_in - k0)
             _dequant_rows_u16(qs, table, t, k0, n, wt)
-            tiles.chunk_matmul(x, wt[:n], k0, acc)
+            tile_gemm.chunk_matmul(x, wt, k0, n, acc)
         tiles.store_rows(acc, out, t)
 
 
@@ -96,7 +96,7 @@ def _tiled_f32(x, qs, out):
     """F32 matmul: qs float32 [T, n_in, TR] is already a stack of tiles."""
     for t in prange(qs.shape[0]):
         acc = np.zeros((x.shape[0], TR), np.float32)
-        tiles.chunk_matmul(x, qs[t], 0, acc)
+        tile_gemm.chunk_matmul(x, qs[t], 0, qs.shape[1], acc)
         tiles.store_rows(acc, out, t)
 
 

@@ -48,14 +48,14 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import tile_gemm, tiles
 from llamatrace.kernels.int8 import act8, amx
 from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.tiles import quant_f32
 from llamatrace.kernels.types.f32_ir import AHEAD_Q4K, AHEAD_Q6K, decode_q4k, decode_q6k
 from llamatrace.kernels.types.packing import matmul_ref
 from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, ScaleByte, declare
-from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
+from llamatrace.machine.jit import JIT, JIT_EXACT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 
@@ -126,94 +126,77 @@ of byte 4 + j, min 4 + j the high nibble of byte 12 + j and the top 2 bits of by
 # --------------------------------------------------------------------------------------------
 # Numba kernels
 #
-# _deq_block writes one block of one tile as float32 wt[256, TR] (element k, row r). Bit
-# fields are extracted with integer shifts on the TR lanes; the scale products are formed
-# per lane first, then multiplied by the integer quant (gguf-py's order of rounding).
+# _deq_block writes one block of one tile as float32 wt[256, TR] (element k, row r). The scale
+# products are formed per lane first (gguf-py's order of rounding); each element's TR lanes are
+# then one tile_gemm.deq_bits: the bit fields extracted on bytes, times the scale, less the min.
 
-@njit(**JIT_INLINE)
-def _deq_q2k(q, db, mb, wt, ds, dm):
+_ZERO = np.float32(0.0)
+
+
+@njit(inline="always", **JIT_EXACT)
+def _deq_q2k(q, db, mb, wt, ds, dm, zero):
     for sub in range(16):
-        for r in range(TR):
-            s = q[sub, r]
-            ds[r] = db[r] * np.float32(s & 15)
-            dm[r] = mb[r] * np.float32(s >> 4)
+        tile_gemm.deq_bits(ds, 0, q, sub * TR, 0, 15, q, 0, 0, 0, 0, db, _ZERO, zero)
+        tile_gemm.deq_bits(dm, 0, q, sub * TR, 4, 15, q, 0, 0, 0, 0, mb, _ZERO, zero)
         half, c, l0 = sub // 8, (sub % 8) // 2, (sub % 2) * 16
-        sh = 2 * c
         for l in range(16):
-            e = sub * 16 + l
-            for r in range(TR):
-                wt[e, r] = ds[r] * np.float32((q[16 + 32 * half + l0 + l, r] >> sh) & 3) - dm[r]
+            tile_gemm.deq_bits(wt, (sub * 16 + l) * TR, q, (16 + 32 * half + l0 + l) * TR, 2 * c, 3, q, 0, 0, 0, 0,
+                               ds, _ZERO, dm)
 
 
-@njit(**JIT_INLINE)
-def _deq_q3k(q, db, wt, ds):
+@njit(inline="always", **JIT_EXACT)
+def _deq_q3k(q, db, wt, ds, zero):
+    """(d*(sc - 32)) * (low + 4*hbit - 4): the quant low | hbit << 2, less 4."""
     for sub in range(16):
-        for r in range(TR):
-            ds[r] = db[r] * (np.float32(q[96 + sub, r]) - np.float32(32.0))
+        tile_gemm.deq_bits(ds, 0, q, (96 + sub) * TR, 0, 255, q, 0, 0, 0, 0, db, np.float32(-32.0), zero)
         half, c, l0 = sub // 8, (sub % 8) // 2, (sub % 2) * 16
-        sh = 2 * c
-        hsh = 4 * half + c
         for l in range(16):
-            e = sub * 16 + l
-            for r in range(TR):
-                low = np.float32((q[32 + 32 * half + l0 + l, r] >> sh) & 3)
-                hb = np.float32((q[l0 + l, r] >> hsh) & 1)
-                wt[e, r] = ds[r] * (low + np.float32(4.0) * hb - np.float32(4.0))
+            tile_gemm.deq_bits(wt, (sub * 16 + l) * TR, q, (32 + 32 * half + l0 + l) * TR, 2 * c, 3,
+                               q, (l0 + l) * TR, 4 * half + c, 1, 2, ds, np.float32(-4.0), zero)
 
 
-@njit(**JIT_INLINE)
-def _deq_q45k(five, q, db, mb, wt, ds, dm):
+@njit(inline="always", **JIT_EXACT)
+def _deq_q45k(five, q, db, mb, wt, ds, dm, zero):
     qoff = 48 if five else 16
     for sub in range(8):
-        for r in range(TR):
-            ds[r] = db[r] * np.float32(q[sub, r])
-            dm[r] = mb[r] * np.float32(q[8 + sub, r])
+        tile_gemm.deq_bits(ds, 0, q, sub * TR, 0, 255, q, 0, 0, 0, 0, db, _ZERO, zero)
+        tile_gemm.deq_bits(dm, 0, q, (8 + sub) * TR, 0, 255, q, 0, 0, 0, 0, mb, _ZERO, zero)
         j = sub // 2
         sh = 4 * (sub % 2)
         for l in range(32):
-            e = sub * 32 + l
-            for r in range(TR):
-                v = (q[qoff + 32 * j + l, r] >> sh) & 15
-                if five:
-                    v |= ((q[16 + l, r] >> sub) & 1) << 4
-                wt[e, r] = ds[r] * np.float32(v) - dm[r]
+            tile_gemm.deq_bits(wt, (sub * 32 + l) * TR, q, (qoff + 32 * j + l) * TR, sh, 15,
+                               q, (16 + l) * TR, sub, 1 if five else 0, 4, ds, _ZERO, dm)
 
 
-@njit(**JIT_INLINE)
-def _deq_q6k(q, db, wt, ds):
+@njit(inline="always", **JIT_EXACT)
+def _deq_q6k(q, db, wt, ds, zero):
     for sub in range(16):
-        for r in range(TR):
-            s = np.float32(q[192 + sub, r])
-            if s >= np.float32(128.0):
-                s -= np.float32(256.0)
-            ds[r] = db[r] * s
+        tile_gemm.deq_i8(ds, 0, q.view(np.int8), (192 + sub) * TR, db, 0)      # the scales are int8
         e0 = sub * 16
         half, c, l0 = e0 // 128, (e0 % 128) // 32, e0 % 32
         s4, g = 4 * (c // 2), c % 2
-        sh = 2 * c
         for l in range(16):
-            for r in range(TR):
-                lo = (q[64 * half + 32 * g + l0 + l, r] >> s4) & 15
-                hi = (q[128 + 32 * half + l0 + l, r] >> sh) & 3
-                wt[e0 + l, r] = ds[r] * (np.float32(lo | (hi << 4)) - np.float32(32.0))
+            tile_gemm.deq_bits(wt, (e0 + l) * TR, q, (64 * half + 32 * g + l0 + l) * TR, s4, 15,
+                               q, (128 + 32 * half + l0 + l) * TR, 2 * c, 3, 4, ds, np.float32(-32.0), zero)
 
 
-@njit(**JIT_INLINE)
-def _deq_block(kind, qs, d, m, t, b, wt, ds, dm):
-    """Block b of tile t -> wt float32 [256, TR]; ds, dm float32 [TR] scratch."""
+@njit(**JIT_EXACT)        # no fastmath: contraction or nsz would change gguf-py's roundings
+def _deq_block(kind, qs, d, m, t, b, wt, ds, dm, zero):
+    """Block b of tile t -> wt float32 [256, TR] (C-contiguous); ds, dm float32 [TR] scratch,
+    zero float32 [TR] zeros."""
     q = qs[t, b]
     db = d[t, b]
     mb = m[t, b]
     if kind == 0:
-        _deq_q2k(q, db, mb, wt, ds, dm)
+        _deq_q2k(q, db, mb, wt, ds, dm, zero)
     elif kind == 1:
-        _deq_q3k(q, db, wt, ds)
+        _deq_q3k(q, db, wt, ds, zero)
     elif kind == 2:
-        _deq_q45k(False, q, db, mb, wt, ds, dm)
+        _deq_q45k(False, q, db, mb, wt, ds, dm, zero)
     elif kind == 3:
-        _deq_q45k(True, q, db, mb, wt, ds, dm)
+        _deq_q45k(True, q, db, mb, wt, ds, dm, zero)
     else:
-        _deq_q6k(q, db, wt, ds)
+        _deq_q6k(q, db, wt, ds, zero)
 
 
 @njit(**JIT)
@@ -225,8 +208,9 @@ def dequant_tile(kind, qs, d, m, t):
     wt = np.empty((n_blocks * qkb, TR), np.float32)
     ds = np.empty(TR, np.float32)
     dm = np.empty(TR, np.float32)
+    zero = np.zeros(TR, np.float32)
     for b in range(n_blocks):
-        _deq_block(kind, qs, d, m, t, b, wt[b * qkb:(b + 1) * qkb], ds, dm)
+        _deq_block(kind, qs, d, m, t, b, wt[b * qkb:(b + 1) * qkb], ds, dm, zero)
     return wt
 
 
@@ -242,12 +226,13 @@ def tiled(kind, x, qs, d, m, out):
         wt = np.empty((tiles.CHUNK, TR), np.float32)
         ds = np.empty(TR, np.float32)
         dm = np.empty(TR, np.float32)
+        zero = np.zeros(TR, np.float32)
         acc = np.zeros((x.shape[0], TR), np.float32)
         for b0 in range(0, n_blocks, per_chunk):
             n = min(per_chunk, n_blocks - b0)
             for i in range(n):
-                _deq_block(kind, qs, d, m, t, b0 + i, wt[i * qkb:(i + 1) * qkb], ds, dm)
-            tiles.chunk_matmul(x, wt[:n * qkb], b0 * qkb, acc)
+                _deq_block(kind, qs, d, m, t, b0 + i, wt[i * qkb:(i + 1) * qkb], ds, dm, zero)
+            tile_gemm.chunk_matmul(x, wt, b0 * qkb, n * qkb, acc)
         tiles.store_rows(acc, out, t)
 
 
@@ -540,8 +525,6 @@ def gemv_q3k(x, qs, d, out):
 # the types: adapters (x, w, out) calling the kernels with a weight's arrays, their NumPy twins
 # (x, w) -> [S, n_out] (the float32 kernels' is packing.matmul_ref, dequantize then x @ W.T),
 # and the declarations
-
-_ZERO = np.float32(0.0)
 
 
 def gemv_q2_k(x, w, out):

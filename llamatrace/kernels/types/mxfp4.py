@@ -28,14 +28,14 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import tile_gemm, tiles
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.int8.act8_ir import isum_q8
 from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.types.f32_ir import AHEAD_MXFP4, decode_mxfp4
 from llamatrace.kernels.types.packing import matmul_ref
 from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, declare
-from llamatrace.machine.jit import E8M0_HALF_TABLE, JIT, JIT_INLINE, JIT_PARALLEL
+from llamatrace.machine.jit import E8M0_HALF_TABLE, JIT, JIT_EXACT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
@@ -137,19 +137,17 @@ def _gemv_mxfp4(x, qs, d, out):
                 tiles.store_tile(res, out, s, t)
 
 
-@njit(**JIT_INLINE)
+@njit(**JIT_EXACT)        # no fastmath: nsz would turn d * 0 = -0 into +0
 def _dequant_blocks(qs, d, t, b0, n, wt, w32):
-    """Blocks b0 .. b0+n-1 of tile t -> wt float32 [n*32, TR], ``d * kvalues[code]`` (exact);
-    ``w32`` uint32 [8 * TR] scratch."""
+    """Blocks b0 .. b0+n-1 of tile t -> wt float32 [n*32, TR] (C-contiguous), ``d * kvalues[code]``
+    (exact); ``w32`` uint32 [8 * TR] scratch."""
     words = qs.reshape(qs.size).view(np.uint32)
-    q = w32.view(np.int8).reshape(QK, TR)
+    q = w32.view(np.int8)
     for i in range(n):
-        _unpack(words, (t * qs.shape[1] + b0 + i) * 4 * TR, w32)
-        db = d[t, b0 + i]
+        blk = t * qs.shape[1] + b0 + i
+        _unpack(words, blk * 4 * TR, w32)
         for j in range(QK):
-            row = wt[i * QK + j]
-            for r in range(TR):
-                row[r] = db[r] * np.float32(q[j, r])
+            tile_gemm.deq_i8(wt, (i * QK + j) * TR, q, j * TR, d, blk * TR)
 
 
 @njit(**JIT_PARALLEL)
@@ -164,7 +162,7 @@ def _tiled_mxfp4(x, qs, d, out):
         for b0 in range(0, n_blocks, tiles.CHUNK // QK):
             n = min(tiles.CHUNK // QK, n_blocks - b0)
             _dequant_blocks(qs, d, t, b0, n, wt, w32)
-            tiles.chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
+            tile_gemm.chunk_matmul(x, wt, b0 * QK, n * QK, acc)
         tiles.store_rows(acc, out, t)
 
 

@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import tile_gemm, tiles
 from llamatrace.kernels.int8 import act8, amx
 from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.types.packing import matmul_ref
@@ -193,7 +193,7 @@ def _tiled_q4(x, qs, d, m, m_scale, out):
         for b0 in range(0, n_blocks, tiles.CHUNK // QK):
             n = min(tiles.CHUNK // QK, n_blocks - b0)
             _dequant_blocks_q4(qs, d, m, m_scale, t, b0, n, wt)
-            tiles.chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
+            tile_gemm.chunk_matmul(x, wt, b0 * QK, n * QK, acc)
         tiles.store_rows(acc, out, t)
 
 

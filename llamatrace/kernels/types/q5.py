@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import tile_gemm, tiles
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.tiles import quant_f32
@@ -108,7 +108,7 @@ def _tiled_q5(q5_1, x, qs, d, m, out):
             n = min(per_chunk, n_blocks - b0)
             for i in range(n):
                 _deq_q5(q5_1, qs[t, b0 + i], d[t, b0 + i], m[t, b0 + i], wt[i * QK:(i + 1) * QK])
-            tiles.chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
+            tile_gemm.chunk_matmul(x, wt, b0 * QK, n * QK, acc)
         tiles.store_rows(acc, out, t)
 
 

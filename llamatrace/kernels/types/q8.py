@@ -21,13 +21,13 @@ import gguf
 import numpy as np
 from numba import njit, prange
 
-from llamatrace.kernels import tiles
+from llamatrace.kernels import tile_gemm, tiles
 from llamatrace.kernels.int8 import act8, amx
 from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.types.f32_ir import AHEAD_Q8_0, decode_q8_0
 from llamatrace.kernels.types.packing import matmul_ref
 from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, declare
-from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
+from llamatrace.machine.jit import JIT, JIT_EXACT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
@@ -71,16 +71,13 @@ def _gemv_q8(x, qs, d, out):
 
 
 
-@njit(**JIT_INLINE)
+@njit(**JIT_EXACT)        # no fastmath: nsz would turn d * 0 = -0 into +0
 def _dequant_blocks_q8(qs, d, t, b0, n, wt):
-    """Blocks b0 .. b0+n-1 of tile t of Q8_0 -> wt float32 [n*32, TR]."""
+    """Blocks b0 .. b0+n-1 of tile t of Q8_0 -> wt float32 [n*32, TR] (qs, d, wt C-contiguous)."""
     for i in range(n):
-        q = qs[t, b0 + i]
-        db = d[t, b0 + i]
+        blk = t * qs.shape[1] + b0 + i
         for j in range(32):
-            row = wt[i * 32 + j]
-            for r in range(TR):
-                row[r] = db[r] * np.float32(q[j, r])
+            tile_gemm.deq_i8(wt, (i * 32 + j) * TR, qs, (blk * 32 + j) * TR, d, blk * TR)
 
 
 
@@ -94,7 +91,7 @@ def _tiled_q8(x, qs, d, out):
         for b0 in range(0, n_blocks, tiles.CHUNK // QK):
             n = min(tiles.CHUNK // QK, n_blocks - b0)
             _dequant_blocks_q8(qs, d, t, b0, n, wt)
-            tiles.chunk_matmul(x, wt[:n * QK], b0 * QK, acc)
+            tile_gemm.chunk_matmul(x, wt, b0 * QK, n * QK, acc)
         tiles.store_rows(acc, out, t)
 
 
