@@ -199,7 +199,7 @@ def _deq_block(kind, qs, d, m, t, b, wt, ds, dm, zero):
         _deq_q6k(q, db, wt, ds, zero)
 
 
-@njit(**JIT)
+@njit(**JIT_EXACT)
 def dequant_tile(kind, qs, d, m, t):
     """Tile t -> float32 ``[B*256, TR]`` (column r = row t*TR + r); twin:
     :func:`llamatrace.kernels.types.packing.dequant_tile_np`."""
