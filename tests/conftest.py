@@ -82,6 +82,17 @@ def temp_cache_root(tmp_path, monkeypatch) -> Path:
     return root
 
 
+@pytest.fixture
+def packed(monkeypatch, tmp_path) -> Path:
+    """The packed-weights cache turned on, in this test's own folder: its ``packed/`` folder."""
+    from llamatrace.gguf import fetch
+    from llamatrace.model import packcache
+    monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path / "cache"))
+    monkeypatch.delenv(packcache.ENV_NO_CACHE, raising=False)
+    monkeypatch.delenv(packcache.ENV_CAP, raising=False)
+    return tmp_path / "cache" / "packed"
+
+
 @pytest.fixture(autouse=True)
 def _pack_cache_on(request, monkeypatch):
     """For a ``pack_cache`` test: the packed-weights cache on, in :func:`suite_cache_root`."""

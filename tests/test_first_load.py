@@ -14,7 +14,6 @@ import pytest
 
 from gguf_factory import write_tiny_llama
 
-from llamatrace.gguf import fetch
 from llamatrace.kernels import tiles
 from llamatrace.kernels.types import packing
 from llamatrace.model import packcache
@@ -22,15 +21,6 @@ from llamatrace.model.llama import Llama
 
 T = gguf.GGMLQuantizationType
 TOKENS = np.array([3, 17, 5, 40, 22, 9, 31])
-
-
-@pytest.fixture
-def packed(monkeypatch, tmp_path):
-    """The cache turned on, in a temporary folder: its ``packed/`` folder."""
-    monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path / "cache"))
-    monkeypatch.delenv(packcache.ENV_NO_CACHE, raising=False)
-    monkeypatch.delenv(packcache.ENV_CAP, raising=False)
-    return tmp_path / "cache" / "packed"
 
 
 @pytest.fixture(scope="module")

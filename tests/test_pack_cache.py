@@ -30,15 +30,6 @@ T = gguf.GGMLQuantizationType
 TOKENS = np.array([3, 17, 5, 40, 22, 9, 31])
 
 
-@pytest.fixture
-def packed(monkeypatch, tmp_path):
-    """The cache turned on, in a temporary folder: its ``packed/`` folder."""
-    monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path / "cache"))
-    monkeypatch.delenv(packcache.ENV_NO_CACHE, raising=False)
-    monkeypatch.delenv(packcache.ENV_CAP, raising=False)
-    return tmp_path / "cache" / "packed"
-
-
 def write_kquant_llama(path, seed: int = 0):
     """A tiny random model of mixed K-quant types: Q4_K matrices, Q6_K for layer 0's attn_v and
     layer 1's ffn_down, an F16 ffn_gate (so wq|wk|wv and w1|w3 are packed both stacked and
