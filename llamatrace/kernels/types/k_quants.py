@@ -210,7 +210,20 @@ def dequant_tile(kind, qs, d, m, t):
     dm = np.empty(TR, np.float32)
     zero = np.zeros(TR, np.float32)
     for b in range(n_blocks):
-        _deq_block(kind, qs, d, m, t, b, wt[b * qkb:(b + 1) * qkb], ds, dm, zero)
+        # the kinds inlined here, not through _deq_block: its compiled overload is shared with the
+        # fastmath `tiled` kernel, and compiled there first it gives some of Q3_K's and Q6_K's zeros
+        # the other sign (harmless in a matmul's sums, not gguf-py's bits)
+        q, db, mb, w = qs[t, b], d[t, b], m[t, b], wt[b * qkb:(b + 1) * qkb]
+        if kind == 0:
+            _deq_q2k(q, db, mb, w, ds, dm, zero)
+        elif kind == 1:
+            _deq_q3k(q, db, w, ds, zero)
+        elif kind == 2:
+            _deq_q45k(False, q, db, mb, w, ds, dm, zero)
+        elif kind == 3:
+            _deq_q45k(True, q, db, mb, w, ds, dm, zero)
+        else:
+            _deq_q6k(q, db, w, ds, zero)
     return wt
 
 
