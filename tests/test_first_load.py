@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gguf_factory import write_tiny_llama
+from test_pack_cache import maps_file
 
 from llamatrace.kernels import tiles
 from llamatrace.kernels.types import packing
@@ -39,18 +40,6 @@ def files(folder) -> list[str]:
     """The packed entries and partial files in ``folder`` (the tokenizer's entries aside)."""
     return sorted(p.name for p in folder.iterdir() if p.name.endswith((packcache.SUFFIX, packcache.PARTIAL))
                   and packcache.TOKENIZER_SUFFIX not in p.name) if folder.exists() else []
-
-
-def maps_file(a: np.ndarray, path) -> bool:
-    """Whether ``a``'s memory lies in a map of the file ``path`` (this process's /proc/self/maps)."""
-    addr = a.ctypes.data
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            span, *_, name = line.rstrip("\n").split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if lo <= addr < hi:
-                return name.strip() == str(path)
-    return False
 
 
 def test_an_untied_embedding_maps_only_the_rows_a_run_reads(untied):
