@@ -1,0 +1,129 @@
+"""``mul_mat_id``: the chosen experts' matmuls on the GGUF file's own bytes.
+
+ggml's ``mul_mat_id`` (``ggml-cpu/ggml-cpu.c``) multiplies each row of its input by the matrix
+of the expert its id names, out of one 3-D tensor ``[n_expert, n_out, n_in]``, with the rows
+grouped by expert so that each chosen expert's bytes are read once per call. Here the 3-D
+tensor is the file's: :class:`FileExperts` is a read-only view of the GGUF's quantized blocks
+(``[n_expert, n_out, row_bytes]``, rows of ``n_in / block`` blocks as the file stores them),
+never packed or copied, so that a mixture of experts loads in the time of a map and holds the
+file's pages, not a second copy of them.
+
+:func:`mul_mat_id` groups the slots by expert and hands them to the activation mode's kernels
+(``f32``: :mod:`llamatrace.kernels.types.mul_mat_id_f32`; ``q8``:
+:mod:`llamatrace.kernels.int8.mul_mat_id_q8`), one parallel region a call. Types outside a
+mode's :data:`TYPES` are packed at load instead (:mod:`llamatrace.model.moe`).
+:func:`mul_mat_id_ref` is the NumPy twin: float64 dot products of ``gguf.quants.dequantize``'s
+weights with the float32 activations (``f32``) or with the activations as the ``q8`` kernels
+quantize them (their dequantized values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+
+from llamatrace.kernels.int8 import mul_mat_id_q8
+from llamatrace.kernels.types import mul_mat_id_f32
+
+TYPES = {"f32": mul_mat_id_f32.TYPES, "q8": mul_mat_id_q8.TYPES}
+"""The weight types each activation mode's ``mul_mat_id`` kernels run on the file's bytes."""
+
+
+@dataclass(frozen=True, eq=False)
+class FileExperts:
+    """One layer's experts of one kind (say ``ffn_down_exps``) as the GGUF file stores them.
+
+    Attributes:
+        name: the GGUF tensor name.
+        ggml_type: the blocks' type.
+        n_out, n_in: each expert's matrix is ``[n_out, n_in]`` (NumPy order).
+        data: uint8 ``[n_expert, n_out, row_bytes]``, ``row_bytes = n_in / block * block_bytes``,
+            read-only, a view of a map of the file (never copied).
+    """
+
+    name: str
+    ggml_type: gguf.GGMLQuantizationType
+    n_out: int
+    n_in: int
+    data: np.ndarray
+
+    @property
+    def n_expert(self) -> int:
+        return int(self.data.shape[0])
+
+    def expert(self, e: int) -> np.ndarray:
+        """Expert ``e``'s weights dequantized (``gguf.quants.dequantize``): float32 ``[n_out, n_in]``."""
+        return np.asarray(gguf.quants.dequantize(self.data[e], self.ggml_type), dtype=np.float32)
+
+
+def supported(ggml_type, activations: str) -> bool:
+    """Whether ``activations``' kernels run experts of ``ggml_type`` on the file's bytes."""
+    return gguf.GGMLQuantizationType(ggml_type) in TYPES[activations]
+
+
+def _checked(x: np.ndarray, parts: tuple[FileExperts, ...], ids: np.ndarray, rows: np.ndarray | None):
+    if not parts or len({(p.ggml_type, p.n_in, p.n_expert) for p in parts}) != 1:
+        raise ValueError("mul_mat_id: parts must be 1 or more FileExperts of one type, n_in and n_expert")
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    rows = np.arange(ids.shape[0], dtype=np.int64) if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
+    n_in = parts[0].n_in
+    if x.ndim != 2 or x.shape[1] != n_in or rows.shape != ids.shape:
+        raise ValueError(f"mul_mat_id: x {list(x.shape)} must be [n_rows, {n_in}] and rows {list(rows.shape)} "
+                         f"match ids {list(ids.shape)}")
+    if ids.size and not (0 <= ids.min() and ids.max() < parts[0].n_expert and 0 <= rows.min()
+                         and rows.max() < x.shape[0]):
+        raise ValueError(f"mul_mat_id: ids must be in 0..{parts[0].n_expert - 1} and rows in 0..{x.shape[0] - 1}")
+    return ids, rows
+
+
+def groups(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The slots grouped by expert, as ``ggml_mul_mat_id`` groups them: ``order`` int64
+    ``[n_slots]`` (slot indices, by expert, in slot order within one), ``starts`` int64
+    ``[n_groups + 1]`` (group ``g`` is ``order[starts[g]:starts[g + 1]]``) and ``experts`` int64
+    ``[n_groups]`` (ascending)."""
+    order = np.argsort(ids, kind="stable").astype(np.int64)
+    experts, starts = np.unique(ids[order], return_index=True)
+    return order, np.append(starts, ids.shape[0]).astype(np.int64), experts.astype(np.int64)
+
+
+def mul_mat_id(x: np.ndarray, parts: tuple[FileExperts, ...], ids: np.ndarray, rows: np.ndarray | None = None,
+               activations: str = "f32") -> np.ndarray:
+    """``out[i] = x[rows[i]] @ W[ids[i]].T`` for every slot ``i``, ``W`` the experts of ``parts``
+    side by side (gate's rows then up's, say), in one parallel region.
+
+    Args:
+        x: float32 ``[n_rows, n_in]``.
+        parts: 1 or more :class:`FileExperts` of one type, ``n_in`` and ``n_expert``.
+        ids: int ``[n_slots]``, each slot's expert.
+        rows: int ``[n_slots]``, each slot's row of ``x`` (None: slot ``i`` takes row ``i``).
+        activations: ``"f32"`` or ``"q8"``.
+
+    Returns:
+        float32 ``[n_slots, sum(p.n_out for p in parts)]``.
+
+    Raises:
+        ValueError: shapes or ids out of range, parts that differ, a type outside ``TYPES[activations]``.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ids, rows = _checked(x, parts, ids, rows)
+    if not supported(parts[0].ggml_type, activations):
+        raise ValueError(f"mul_mat_id: no {activations} kernel for {parts[0].ggml_type.name} experts")
+    order, starts, experts = groups(ids)
+    kernels = mul_mat_id_q8 if activations == "q8" else mul_mat_id_f32
+    return kernels.matmul_id(x, rows, order, starts, experts, [p.data for p in parts], parts[0].ggml_type)
+
+
+def mul_mat_id_ref(x: np.ndarray, parts: tuple[FileExperts, ...], ids: np.ndarray, rows: np.ndarray | None = None,
+                   activations: str = "f32") -> np.ndarray:
+    """NumPy twin of :func:`mul_mat_id` (any type gguf-py dequantizes): float64 sums, float32 result."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ids, rows = _checked(x, parts, ids, rows)
+    xs = mul_mat_id_q8.activations_ref(x, parts[0].ggml_type) if activations == "q8" else x.astype(np.float64)
+    out = np.empty((ids.shape[0], sum(p.n_out for p in parts)), dtype=np.float32)
+    for e in np.unique(ids):
+        sel = np.flatnonzero(ids == e)
+        w = np.concatenate([p.expert(int(e)) for p in parts]).astype(np.float64)
+        out[sel] = (xs[rows[sel]] @ w.T).astype(np.float32)
+    return out
