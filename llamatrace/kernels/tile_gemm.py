@@ -16,9 +16,7 @@ for ``ROWS * VECS`` FMAs, so the loop is bound by the FMA units rather than by l
 the same bits whichever block of rows it falls in and however many threads run.
 
 The chunk dequantizers :func:`deq_i8` and :func:`deq_bits` write one input of a tile's rows as
-one vector. Numba caches the kernels that call these intrinsics by the calling module's source:
-after a change here, clear ``llamatrace/kernels/types/__pycache__/*.nb*`` (or use a fresh
-``NUMBA_CACHE_DIR``), else the callers keep the old code.
+one vector.
 """
 
 from __future__ import annotations

@@ -20,16 +20,29 @@ the raw uint16; the float32 path's packers and the F16/BF16 kernels), :func:`f16
 NumPy twin :func:`f16_np`; :func:`f16_round` rounds a float32 to fp16 and back inside kernels
 (:func:`f32_from_bits`: a float32 from its bits); :func:`f16_bytes_np` reads little-endian fp16 from a file's bytes.
 All give the same float32 for every bit pattern (fp16 -> fp32 is exact).
+
+Kernel cache: every kernel is compiled with ``cache=True``, and Numba keys a cached kernel by
+its own file's content only, so a kernel whose callee (an intrinsic, an inlined function) lives
+in another file kept the old callee's machine code after that file changed: ``git pull`` could
+leave wrong kernels running with no error. :class:`_SourcesStamp`, registered here for
+llamatrace's own files (those of other packages keep Numba's locators), adds to each kernel's
+key a digest of every file kernels can call (:func:`kernel_sources_digest`), so a change to any
+of them compiles the kernels again.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
+from numba.core import caching
 from numba.extending import intrinsic
 
 FASTMATH = {"contract", "arcp", "afn", "nsz"}  # a set: Numba rejects frozenset
@@ -46,6 +59,47 @@ the float32 limit reach where ggml goes on with inf."""
 JIT_QUANT_PARALLEL = dict(JIT_EXACT_PARALLEL, error_model="numpy")
 JIT_ATTN = dict(cache=True, fastmath={"reassoc", "contract"})
 JIT_ATTN_PARALLEL = dict(parallel=True, **JIT_ATTN)
+
+_PACKAGE = Path(__file__).resolve().parent.parent         # llamatrace/
+_IMPORTS_JIT = re.compile(rb"^(from|import) (numba|llvmlite)", re.MULTILINE)
+
+
+@functools.cache
+def kernel_sources_digest() -> str:
+    """SHA-256 of every llamatrace file a kernel can call or read a constant from: all of
+    ``kernels/`` and ``machine/``, and any other module that imports Numba or llvmlite at its top."""
+    h = hashlib.sha256()
+    for p in sorted(_PACKAGE.rglob("*.py")):
+        text = p.read_bytes()
+        if p.parent.name in ("kernels", "machine") or _PACKAGE / "kernels" in p.parents or _IMPORTS_JIT.search(text):
+            h.update(str(p.relative_to(_PACKAGE)).encode() + b"\0" + text + b"\0")
+    return h.hexdigest()
+
+
+class _SourcesStamp:
+    """A cache locator's source stamp plus :func:`kernel_sources_digest`, for llamatrace's files only."""
+
+    def get_source_stamp(self):
+        return super().get_source_stamp(), kernel_sources_digest()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if _PACKAGE not in Path(py_file).resolve().parents:
+            return None
+        return super().from_function(py_func, py_file)
+
+
+class _UserProvidedLocator(_SourcesStamp, caching.UserProvidedCacheLocator):
+    """``$NUMBA_CACHE_DIR``'s locator, keyed by the kernel sources too."""
+
+
+class _InTreeLocator(_SourcesStamp, caching.InTreeCacheLocator):
+    """The ``__pycache__`` locator, keyed by the kernel sources too."""
+
+
+if _UserProvidedLocator not in caching.CacheImpl._locator_classes:
+    caching.CacheImpl._locator_classes[:0] = [_UserProvidedLocator, _InTreeLocator]
+
 
 def target_features() -> set[str]:
     """The CPU features Numba compiles for: ``NUMBA_CPU_FEATURES`` when set (then not the host's),

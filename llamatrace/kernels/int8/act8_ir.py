@@ -22,9 +22,7 @@ against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 
 float32 sums kept in registers (phi nodes) from the first block to the last (Q4_K's and Q6_K's
 blocks on zmm are inline asm: LLVM's own instruction choice and schedule took 12-27 % more
 time). The Q4_0, Q4_1, Q4_K and Q6_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`,
-:func:`decode_q6k`) are the one-row case over a whole tile in one pass, with a prefetch. Numba caches the
-kernels that call these by the calling module's source: after a change here, clear
-``llamatrace/kernels/int8/__pycache__/act8.*.nb*`` or use a fresh ``NUMBA_CACHE_DIR``.
+:func:`decode_q6k`) are the one-row case over a whole tile in one pass, with a prefetch.
 """
 
 from __future__ import annotations

@@ -15,9 +15,6 @@ Why IR: the Numba loops they replace kept their partial sums in memory arrays be
 the rows (and MXFP4's unpacked its codes through a scratch); on one thread they ran at 0.15-0.45 of
 a plain read of their bytes, these at 0.35-0.8 (docs/performance.md, "Decode": "The float32
 mode's decode kernels").
-
-Numba caches the kernels that call these by the calling module's source: after a change here,
-clear ``llamatrace/kernels/types/__pycache__/*.nb*`` (or use a fresh ``NUMBA_CACHE_DIR``).
 """
 
 from __future__ import annotations
