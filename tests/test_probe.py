@@ -50,6 +50,8 @@ def test_token_cost_counts_every_matrix_a_token_goes_through(tmp_path, tied):
     assert cost.weight_bytes == sum(int(t.n_bytes) for t in mats)
     assert cost.macs == sum(int(t.n_elements) for t in mats)
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    output = next(t for t in mats if t.name == ("token_embd.weight" if tied else "output.weight"))
+    assert cost.prefill_macs == cost.macs - int(output.n_elements) > 0          # a prefill's logits: the last token's
     assert (cost.macs >= int(embd.n_elements)) and any(t.name == "output.weight" for t in mats) != tied
 
 
@@ -59,6 +61,8 @@ def test_fractions_divide_by_the_measured_limits():
     f = roofline.fractions(cost, machine, prefill_tok_s=20.0, decode_tok_s=5.0)
     assert np.isnan(f.pop("prefill_of_amx_peak"))                       # no AMX peak measured
     assert f == {"prefill_gmac_s": 80.0, "prefill_of_int8_peak": 0.2, "decode_gb_s": 10.0, "decode_of_read_bw": 0.25}
+    without_output = roofline.TokenCost(weight_bytes=2_000_000_000, macs=4_000_000_000, prefill_macs=3_000_000_000)
+    assert roofline.fractions(without_output, machine, 20.0, 5.0)["prefill_gmac_s"] == 60.0
     with_amx = roofline.Machine(2, 40.0, 400.0, "vpdpbusd zmm", amx_gmac_s=1600.0, amx="on")
     assert roofline.fractions(cost, with_amx, 20.0, 5.0)["prefill_of_amx_peak"] == 0.05
     no_avx2 = roofline.fractions(cost, roofline.Machine(2, 40.0, 0.0, ""), 20.0, 5.0)

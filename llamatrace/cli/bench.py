@@ -81,7 +81,8 @@ def bench(
     out.print(f"limits on {plural(m.threads, 'thread')}: reads {m.read_gb_s:.1f} GB/s "
               f"({m.read_small_pages_gb_s:.1f} on small pages; {min(between):.1f}–{max(between):.1f} between the "
               f"runs), {peak} · a token: "
-              f"{cost.weight_bytes / 1e9:.3g} GB of weights, {cost.macs / 1e9:.3g} G multiply-adds", soft_wrap=True)
+              f"{cost.weight_bytes / 1e9:.3g} GB of weights, {cost.macs / 1e9:.3g} G multiply-adds "
+              f"({cost.prefill_macs / 1e9:.3g} G in a prefill: logits for its last token only)", soft_wrap=True)
     if report.n_recurrent_layers:            # memory: the KV cache grows with the context, the states do not
         out.print(f"memory per token {report.kv_bytes_per_token:,} bytes (KV of the {report.n_attn_layers} "
                   f"attention layers, float32); recurrent state {report.state_bytes:,} bytes, fixed (conv + "
