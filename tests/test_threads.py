@@ -126,6 +126,20 @@ def test_auto_threads_pass_the_model_size_on(set_calls):
     assert auto.pick(4096 * 14336) == 2 and auto.pick(576 * 1536) == 1 and auto.pick() == 1
 
 
+def test_a_mixtures_region_is_its_chosen_experts():
+    """Qwen3-30B-A3B: an expert is 2048 x 768 (1.6 M weights, small), but a decode step runs its
+    8 chosen experts' gate|up in one region; SmolLM2-135M's regions stay small."""
+    from llamatrace.model.config import ModelConfig
+    base = dict(n_layers=1, vocab_size=10, norm_eps=1e-6, rope_theta=1e4, max_seq_len=64)
+    moe = ModelConfig(dim=2048, n_heads=32, n_kv_heads=4, head_dim=128, hidden_dim=768, rope_dim=128,
+                      arch="qwen3moe", n_expert=128, n_expert_used=8, expert_hidden_dim=768, **base)
+    smol = ModelConfig(dim=576, n_heads=9, n_kv_heads=3, head_dim=64, hidden_dim=1536, rope_dim=64, **base)
+    assert moe.region_weights == 8 * 2048 * 768 >= threads.SMALL_MATRIX > 2048 * 768
+    assert smol.region_weights == 576 * 1536 < threads.SMALL_MATRIX
+    auto = threads.AutoThreads(cores=2, cpus=2, elsewhere=lambda: 5)
+    assert auto.pick(moe.region_weights) == 2 and auto.pick(smol.region_weights) == 1
+
+
 def test_fixed_threads_are_not_overridden(set_calls, monkeypatch):
     import numba
     threads.set_threads(1)

@@ -421,6 +421,15 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     @property
+    def region_weights(self) -> int:
+        """Weights one parallel region of a forward call multiplies at most (the thread policy's
+        measure of a region's length, :func:`llamatrace.machine.threads.threads_for`): a dense
+        FFN matrix ``dim * hidden_dim``, the queries' ``q_dim * dim``, or a mixture's ``k`` chosen
+        experts' gate (their gate|up runs in one region, :mod:`llamatrace.kernels.mul_mat_id`)."""
+        experts = self.dim * self.expert_hidden_dim * self.n_expert_used
+        return max(self.dim * self.hidden_dim, self.dim * self.q_dim, experts)
+
+    @property
     def q_dim(self) -> int:
         """Width of the queries, ``n_heads * head_dim`` (rows of wq)."""
         return self.n_heads * self.head_dim

@@ -404,7 +404,7 @@ class Llama:
             raise OptionError(f"start_layer {start_layer} must be in 0..{c.n_layers}, with a residual "
                               f"[seq_len, dim] = [{seq_len}, {c.dim}] unless it is 0")
         check_interrupt()                         # a Ctrl-C lost in a finalizer (the last compile's) stops here
-        AUTO_THREADS.pick(c.dim * (c.expert_hidden_dim or c.hidden_dim))   # all cores, or one on a crowded machine (or --threads)
+        AUTO_THREADS.pick(c.region_weights)      # all cores, or one on a crowded machine (or --threads)
         recorder = recorder if recorder is not None else self._recorder
         emit: Emit = null_emit
         if recorder is not None:
