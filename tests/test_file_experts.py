@@ -196,3 +196,13 @@ def test_the_search_swaps_requantized_experts_in_as_file_experts(raw, tmp_path):
         measurer.restore(group, old)
         assert isinstance(model.weights.layers[1].moe.w2, FileExperts) and model.weights.layers[1].moe.w2.ggml_type == T.F32
     assert relative(got, packed).max() < 1e-5                # the same bytes, raw or packed: the same model
+
+
+def test_info_says_how_each_expert_type_runs(raw, tmp_path, capsys):
+    from cli_helpers import run
+    path = write_gptoss_file(tmp_path / "gptoss.gguf", experts=T.MXFP4)
+    code, out, _ = run(capsys, "info", "-m", path)
+    assert code == 0 and "experts: MXFP4: mul_mat_id on the file's blocks (f32, q8)" in out
+    path = write_moe_file(tmp_path / "q.gguf", "qwen3moe", qtype=T.Q4_0)
+    code, out, _ = run(capsys, "info", "-m", path)
+    assert code == 0 and "experts: Q4_0: packed per expert (f32, q8)" in out

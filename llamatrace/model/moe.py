@@ -266,6 +266,28 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable,
     return MoEWeights(router, w2, w1=w1, w3=w3, **extra)
 
 
+def describe_experts(tensors) -> str | None:
+    """One line saying how the expert tensors among ``tensors`` (the file's
+    :class:`llamatrace.gguf.reader.Tensor` values) run, per type: on the file's own blocks
+    (``mul_mat_id``, in the activation modes that have kernels for it) or packed expert by
+    expert; None without experts (``llamatrace info``)."""
+    kinds = (*EXPERT_TENSORS, FUSED_GATE_UP)
+    found = {}
+    for t in tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[2] in kinds and parts[3] == "weight":
+            found[t.tensor_type.name] = found.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    if not found:
+        return None
+    said = []
+    for name in sorted(found, key=found.get, reverse=True):
+        on = [m for m in mmid.TYPES if mmid.supported(gguf.GGMLQuantizationType[name], m)]
+        off = [m for m in mmid.TYPES if m not in on]
+        said.append(f"{name}: " + ", ".join(([f"mul_mat_id on the file's blocks ({', '.join(on)})"] if on else [])
+                                            + ([f"packed per expert ({', '.join(off)})"] if off else [])))
+    return "experts: " + "; ".join(said)
+
+
 def layer_tensors(f, layer: int) -> list:
     """The MoE tensors of ``layer`` the file holds (router, experts, fused gate|up, shared expert)."""
     names = (f"blk.{layer}.{n}.weight" for n in (ROUTER_TENSOR, *EXPERT_TENSORS, FUSED_GATE_UP, *SHEXP_TENSORS))
