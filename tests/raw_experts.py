@@ -9,7 +9,7 @@ experts take Q8_0 activations, as llama.cpp's ``vec_dot_type`` says). So the loa
 experts in the file (:class:`~llamatrace.kernels.mul_mat_id.FileExperts`) and ``moe_ffn`` runs
 them through ``mul_mat_id``.
 
-Used by ``tests/test_file_experts.py`` (the :func:`raw` fixture) and, for any other test file,
+Used by ``tests/test_file_experts.py`` (its ``raw`` fixture) and, for any other test file,
 as a pytest plugin: ``python3 -m pytest -p raw_experts tests/test_moe.py`` runs it with every
 expert of those types raw (the ``--raw-experts`` runs of the report in that test file's docstring).
 """
@@ -63,14 +63,6 @@ def patch(mp: pytest.MonkeyPatch | None = None) -> pytest.MonkeyPatch:
     mp.setattr(mul_mat_id_q8, "matmul_id", _matmul_id("q8"))
     mp.setattr(mul_mat_id_q8, "activations_ref", _activations_q8)
     return mp
-
-
-@pytest.fixture
-def raw():
-    """The stand-in kernels for one test."""
-    mp = patch()
-    yield
-    mp.undo()
 
 
 def pytest_configure(config):

@@ -20,20 +20,33 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import raw_experts
 from arch_files import relative, run_positions
+from cli_helpers import run
 from gptoss_files import write_gptoss_file
 from moe_files import write_moe_file
 from qwen35_files import write_qwen35_file
-from raw_experts import raw  # noqa: F401  (a fixture)
 
+from llamatrace.analysis.local_error import local_errors
 from llamatrace.kernels.mul_mat_id import FileExperts
+from llamatrace.kernels.quantizers.rows import quantize_rows
+from llamatrace.kernels.types import packing
 from llamatrace.model import moe
 from llamatrace.model.llama import Llama
+from llamatrace.quantize import search as S
 
 T = gguf.GGMLQuantizationType
 GOLDEN = Path(__file__).parent / "golden"
 RTOL = 1e-4
 PREFILL = 4                   # make_moe_golden.py's and make_gptoss_golden.py's decode runs
+
+
+@pytest.fixture
+def raw():
+    """The stand-in mul_mat_id kernels (tests/raw_experts.py) for one test."""
+    mp = raw_experts.patch()
+    yield
+    mp.undo()
 
 
 def _golden(name: str) -> dict[str, np.ndarray]:
@@ -105,7 +118,7 @@ def test_the_cache_entry_holds_no_expert_and_close_keeps_the_model_running(raw, 
     np.testing.assert_array_equal(run_positions(first, ids, len(ids)), want)      # unmapped: the experts' own map stays
     entries = list((tmp_path / "cache").rglob("*.ltpack"))
     assert len(entries) == 1 and entries[0].stat().st_size < path.stat().st_size - expert_bytes
-    with Llama.load(path, cache=True) as warm:                          # from the entry: the same experts, the same numbers
+    with Llama.load(path, cache=True) as warm:              # from the entry: the same experts, the same numbers
         assert warm.pack_cache.read
         _assert_raw(warm)
         np.testing.assert_array_equal(run_positions(warm, ids, len(ids)), want)
@@ -118,7 +131,6 @@ def test_packed_and_raw_kinds_mix_in_one_layer_with_the_numbers_of_each(raw, tmp
     model = Llama.load(path, cache=False)
     ids = np.arange(5, 14)
     want = run_positions(model, ids, len(ids))
-    from llamatrace.kernels.types import packing
     for i, lw in enumerate(model.weights.layers):
         fe = lw.moe.w1
         lw.moe.w1 = [packing.pack(f"{fe.name}#{e}", fe.ggml_type, fe.data[e].view(np.float32), fe.n_out, fe.n_in)
@@ -155,7 +167,6 @@ def test_watched_unwatched_and_one_row_at_a_time_give_the_same_numbers(raw, path
 
 
 def test_local_errors_recompute_the_raw_expert_stages(raw, tmp_path):
-    from llamatrace.analysis.local_error import local_errors
     model = Llama.load(write_gptoss_file(tmp_path / "gptoss.gguf", experts=T.MXFP4), activations="q8", cache=False)
     _assert_raw(model)
     cache = model.new_cache(8)
@@ -171,9 +182,6 @@ def test_local_errors_recompute_the_raw_expert_stages(raw, tmp_path):
 def test_the_search_swaps_requantized_experts_in_as_file_experts(raw, tmp_path):
     """The recipe search's in-memory re-quantized experts (Q8_0 here, a raw type) run as FileExperts
     over its bytes and give the logits of the file written with that type."""
-    from llamatrace.kernels.quantizers.rows import quantize_rows
-    from llamatrace.kernels.types import packing
-    from llamatrace.quantize import search as S
     path = write_moe_file(tmp_path / "qwen3moe.gguf", "qwen3moe")
     with Llama.load(path, cache=False) as model:
         rng = np.random.default_rng(0)
@@ -194,12 +202,12 @@ def test_the_search_swaps_requantized_experts_in_as_file_experts(raw, tmp_path):
                               for e in range(group.n_expert)])
         packed = run_positions(model, ids, len(ids))
         measurer.restore(group, old)
-        assert isinstance(model.weights.layers[1].moe.w2, FileExperts) and model.weights.layers[1].moe.w2.ggml_type == T.F32
+        w2 = model.weights.layers[1].moe.w2
+        assert isinstance(w2, FileExperts) and w2.ggml_type == T.F32      # restored
     assert relative(got, packed).max() < 1e-5                # the same bytes, raw or packed: the same model
 
 
 def test_info_says_how_each_expert_type_runs(raw, tmp_path, capsys):
-    from cli_helpers import run
     path = write_gptoss_file(tmp_path / "gptoss.gguf", experts=T.MXFP4)
     code, out, _ = run(capsys, "info", "-m", path)
     assert code == 0 and "experts: MXFP4: mul_mat_id on the file's blocks (f32, q8)" in out
