@@ -189,7 +189,11 @@ class InFile:
     left in the file: :class:`FileExperts` over one read-only map of the whole file of their own
     (not the GGUFFile's, which :meth:`llamatrace.model.llama.Llama.close` unmaps), opened at the
     first such tensor. Its pages are the page cache's: mapped on first touch, counted in the
-    process's resident memory once touched, never copied."""
+    process's resident memory once touched, never copied. Not populated at load
+    (``MADV_POPULATE_READ``, as the packed-weights cache's entries are): with the file in the page
+    cache, faulting every expert page in costs the same either way (~0.1 s per GB, the kernel
+    maps 16 pages a fault), so a load leaves it to the first prefill, and a short run maps only
+    the experts its tokens choose."""
 
     def __init__(self, path, activations: str) -> None:
         self.path, self.activations = path, activations
