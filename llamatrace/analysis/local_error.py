@@ -213,7 +213,7 @@ def _rows_of(fn, *xs: np.ndarray) -> np.ndarray:
 def _expert_bias(m, get: _Step, L: int, stage: str) -> np.ndarray:
     """``stage`` (``[seq_len, k, width]``) plus each slot's expert's bias (gpt-oss's ``ggml_add_id``)."""
     mw, ids = m.weights.layers[L].moe, np.asarray(get("ffn_moe_topk", L), dtype=np.int64)
-    ff = mw.w2[0].n_in
+    ff = mw.expert_hidden_dim
     bias = {"ffn_moe_gate": lambda: mw.b13[:, :ff], "ffn_moe_up": lambda: mw.b13[:, ff:],
             "ffn_moe_down": lambda: mw.b2}[stage]()
     return get(stage, L) + bias[ids]

@@ -95,6 +95,9 @@ def info(
         types.add_row(name, str(n), f"{b:,} ({100 * b / all_bytes:.0f}%)", summary(name))
     if mix:  # a vocabulary-only file has no tensors
         out.print(types)
+    from llamatrace.model.moe import describe_experts
+    if (experts := describe_experts(f.tensors.values())) is not None:
+        out.print(experts, markup=False, highlight=False)
     table = Table(title=f"Tensors ({len(f.tensors)})")
     table.add_column("name")
     table.add_column("type")

@@ -673,7 +673,9 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     store = store or PackCache.off()
     total = sum(t.n_bytes for t in f.tensors.values())
     done = 0
-    arena = store.arena(sum(packing.packed_bound(t.tensor_type, t.shape) for t in f.tensors.values()))
+    in_file = moe.InFile(f.path, activations)          # experts left in the file: nothing to pack
+    arena = store.arena(sum(packing.packed_bound(t.tensor_type, t.shape) for t in f.tensors.values()
+                            if not in_file.holds(t)))
 
     def packed(*tensors) -> None:
         nonlocal done
@@ -769,7 +771,7 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     layers = []
     ffn_norm = "attention_post_norm" if c.ffn_norm_post_attention else "ffn_norm"
     for i in range(c.n_layers):
-        experts = moe.load(f, c, i, router, expert_rows) if c.n_expert else None
+        experts = moe.load(f, c, i, router, expert_rows, in_file, activations) if c.n_expert else None
         if experts is not None:
             w13 = None
             packed(*moe.layer_tensors(f, i))

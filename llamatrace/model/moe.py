@@ -20,13 +20,16 @@ With a shared expert (qwen35moe, ``qwen35moe.cpp``'s ``build_layer_ffn``), besid
     out = ffn_moe_out + sigmoid(g) · s                  shared_expert_gate_sigmoid, ffn_shexp_gated
 
 The routing arithmetic is :mod:`llamatrace.kernels.ops.moe`. The experts' weights stay
-quantized: GGUF stores each as one 3-D tensor ``[n_expert, rows, cols]`` (NumPy order), packed
-here one expert at a time (:mod:`llamatrace.kernels.types.packing`, gate|up stacked per expert
-as the dense FFN's ``w13``). Only the chosen experts run, and the tokens are grouped by expert,
-as ``ggml_mul_mat_id`` does: each chosen expert's matrices are read once per call, for all the
-rows that chose it. A decode step (up to ``GEMV_MAX_SEQ`` rows, no per-expert stage watched)
-runs all chosen experts' gate|up in one parallel region and all their downs in another
-(:mod:`llamatrace.kernels.int8.experts`, ``q8`` mode, Q4_K / Q6_K / MXFP4), with the same numbers.
+quantized: GGUF stores each kind as one 3-D tensor ``[n_expert, rows, cols]`` (NumPy order). Those
+of a type the activation mode's ``mul_mat_id`` kernels run (:func:`llamatrace.kernels.mul_mat_id.supported`)
+stay in the file, a read-only map of it of their own (:class:`~llamatrace.kernels.mul_mat_id.FileExperts`:
+never packed, copied or written to the packed-weights cache); the others are packed one expert at a
+time (:mod:`llamatrace.kernels.types.packing`, gate|up stacked per expert as the dense FFN's ``w13``).
+Only the chosen experts run, with the slots grouped by expert, as ``ggml_mul_mat_id`` does: each
+chosen expert's matrices are read once per call, for all the rows that chose it. A layer makes
+two calls, decode and prefill alike and whether a stage is watched or not: every slot's gate|up
+(:func:`~llamatrace.kernels.mul_mat_id.mul_mat_id`, one parallel region; packed experts: expert by
+expert through :func:`~llamatrace.kernels.types.registry.matmul`), then every slot's down.
 
 :class:`MoEOptions` carries what differs between families (gating, normalisation), so that
 others (gpt-oss's biases, clamped SwiGLU) are options of the same block.
@@ -34,19 +37,20 @@ others (gpt-oss's biases, clamped SwiGLU) are options of the same block.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable
 
 import gguf
 import numpy as np
 
 from llamatrace.errors import ModelFormatError
-from llamatrace.kernels.int8.experts import Experts
+from llamatrace.kernels import mul_mat_id as mmid
+from llamatrace.kernels.mul_mat_id import FileExperts
 from llamatrace.kernels.ops import fp32 as kernels
 from llamatrace.kernels.ops import moe as routing
 from llamatrace.kernels.types import packing
-from llamatrace.kernels.types.registry import GEMV_MAX_SEQ, matmul
+from llamatrace.kernels.types.registry import matmul
 from llamatrace.model.config import ModelConfig
 from llamatrace.model.deltanet import sigmoid
 from llamatrace.tracing.recorder import Emit
@@ -88,19 +92,26 @@ class MoEOptions:
         return cls(c.n_expert, c.n_expert_used, c.expert_gating, c.expert_weights_norm, c.expert_act)
 
 
+Experts = list[packing.Weight] | FileExperts
+"""One kind of a layer's experts: packed, one Weight per expert, or left in the file."""
+
+
 @dataclass
 class MoEWeights:
     """One layer's router and experts, matrices ``[out_features, in_features]``.
 
-    ``w13[e]`` stacks expert ``e``'s gate and up rows (one kernel call for both); when the file
-    stores gate and up in different types, ``w13`` is ``None`` and ``w1`` / ``w3`` hold them.
+    Each kind of expert is :data:`Experts`: a :class:`~llamatrace.kernels.mul_mat_id.FileExperts`
+    (the file's blocks, for a type ``activations``' ``mul_mat_id`` kernels run) or a list of one
+    packed Weight per expert. ``w13`` holds gate and up together: the file's fused tensor, or
+    packed, expert ``e``'s gate and up rows stacked (one kernel call for both); otherwise (``w13``
+    ``None``) ``w1`` / ``w3`` hold them apart.
     """
 
     router: packing.Weight                   # ffn_gate_inp [n_expert, dim]
-    w2: list[packing.Weight]                 # ffn_down_exps, per expert [dim, expert_hidden_dim]
-    w13: list[packing.Weight] | None = None  # per expert [2*expert_hidden_dim, dim]
-    w1: list[packing.Weight] | None = None   # ffn_gate_exps, per expert [expert_hidden_dim, dim]
-    w3: list[packing.Weight] | None = None   # ffn_up_exps, per expert [expert_hidden_dim, dim]
+    w2: Experts                              # ffn_down_exps, per expert [dim, expert_hidden_dim]
+    w13: Experts | None = None               # per expert [2*expert_hidden_dim, dim]
+    w1: Experts | None = None                # ffn_gate_exps, per expert [expert_hidden_dim, dim]
+    w3: Experts | None = None                # ffn_up_exps, per expert [expert_hidden_dim, dim]
     router_b: np.ndarray | None = None       # ffn_gate_inp.bias float32 [n_expert]          (moe_bias)
     b13: np.ndarray | None = None            # gate|up biases float32 [n_expert, 2*expert_hidden_dim]
     b2: np.ndarray | None = None             # ffn_down_exps.bias float32 [n_expert, dim]
@@ -108,51 +119,118 @@ class MoEWeights:
     shexp_w3: packing.Weight | None = None   # ffn_up_shexp [shexp_hidden_dim, dim]
     shexp_w2: packing.Weight | None = None   # ffn_down_shexp [dim, shexp_hidden_dim]
     shexp_gate: packing.Weight | None = None  # ffn_gate_inp_shexp [1, dim]
+    activations: str = "f32"                 # the mode FileExperts run in (mul_mat_id's activations)
+
+    def _kinds(self) -> list[Experts]:
+        return [k for k in (self.w2, self.w13, self.w1, self.w3) if k is not None]
 
     def matrices(self) -> list[packing.Weight]:
-        """Every packed matrix of the layer."""
+        """Every packed matrix of the layer (not the experts left in the file: :meth:`file_experts`)."""
         shexp = (self.shexp_w1, self.shexp_w3, self.shexp_w2, self.shexp_gate) if self.shexp_w2 is not None else ()
-        return [self.router, *self.w2, *(self.w13 or ()), *(self.w1 or ()), *(self.w3 or ()), *shexp]
+        packed = [w for k in self._kinds() if not isinstance(k, FileExperts) for w in k]
+        return [self.router, *packed, *shexp]
 
-    def gate_up(self, x: np.ndarray, e: int, bias: bool = True) -> np.ndarray:
-        """Expert ``e``'s gate|up product of rows ``x`` [n, dim]: float32 [n, 2*expert_hidden_dim]."""
-        if self.w13 is not None:
-            y = matmul(x, self.w13[e])
-        else:
-            y = np.concatenate([matmul(x, self.w1[e]), matmul(x, self.w3[e])], axis=1)
-        if bias and self.b13 is not None:
-            y += self.b13[e]
-        return y
+    def file_experts(self) -> list[FileExperts]:
+        """The kinds of experts run on the file's blocks (:func:`~llamatrace.kernels.mul_mat_id.mul_mat_id`)."""
+        return [k for k in self._kinds() if isinstance(k, FileExperts)]
 
-    @cached_property
-    def decode_experts(self) -> tuple[Experts, Experts] | None:
-        """The gate|up and down experts as :class:`~llamatrace.kernels.int8.experts.Experts`, whose
-        chosen ones a decode step runs in one parallel region each; None where their types or
-        mode are not served there (or gate and up are stored in different types)."""
-        if self.w13 is None:
+    @property
+    def expert_hidden_dim(self) -> int:
+        return int(self.w2.n_in if isinstance(self.w2, FileExperts) else self.w2[0].n_in)
+
+    def gate_up(self, x: np.ndarray, ids: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """Each slot's gate|up product, without biases: slot ``i`` is row ``rows[i]`` of ``x``
+        (float32 ``[n_rows, dim]``; ``rows`` None: row ``i``) through expert ``ids[i]``. float32
+        ``[n_slots, 2*expert_hidden_dim]``, gate's columns first."""
+        return _slots((self.w13,) if self.w13 is not None else (self.w1, self.w3), x, ids, rows, self.activations)
+
+    def down(self, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Each slot's down projection, without bias: row ``i`` of ``h`` (float32 ``[n_slots,
+        expert_hidden_dim]``) through expert ``ids[i]``. float32 ``[n_slots, dim]``."""
+        return _slots((self.w2,), h, ids, None, self.activations)
+
+
+def _slots(kinds: tuple[Experts, ...], x: np.ndarray, ids: np.ndarray, rows: np.ndarray | None,
+           activations: str) -> np.ndarray:
+    """``x[rows[i]]`` through expert ``ids[i]`` of each kind, the kinds' outputs side by side:
+    one :func:`~llamatrace.kernels.mul_mat_id.mul_mat_id` call when they are all in the file in one
+    type, else kind by kind (packed ones expert by expert, as ``ggml_mul_mat_id`` groups the rows)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if all(isinstance(k, FileExperts) for k in kinds) and len({k.ggml_type for k in kinds}) == 1:
+        return mmid.mul_mat_id(x, kinds, ids, rows, activations)
+    if len(kinds) > 1:
+        return np.concatenate([_slots((k,), x, ids, rows, activations) for k in kinds], axis=1)
+    w = kinds[0]
+    rows = np.arange(ids.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
+    out = np.empty((ids.shape[0], w[0].n_out), dtype=np.float32)
+    for e, sel in _groups(ids):
+        out[sel] = matmul(np.ascontiguousarray(x[rows[sel]]), w[e])
+    return out
+
+
+def file_experts(t, data: np.ndarray, n_out: int, n_in: int) -> FileExperts:
+    """The 3-D expert tensor ``t`` (a :class:`llamatrace.gguf.reader.Tensor`) as :class:`FileExperts`
+    over ``data``, uint8 holding its bytes (a read-only map of the file, never the GGUFFile's own)."""
+    return FileExperts(t.name, gguf.GGMLQuantizationType(t.tensor_type), n_out, n_in,
+                       experts_bytes(data, int(t.shape[2]), n_out, n_in, t.tensor_type))
+
+
+def experts_bytes(data: np.ndarray, n_expert: int, n_out: int, n_in: int, ggml_type) -> np.ndarray:
+    """uint8 ``data`` (an expert tensor's GGUF blocks, any shape, C-contiguous) as ``[n_expert,
+    n_out, row_bytes]``, a read-only view."""
+    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    view = np.asarray(data).view(np.uint8).reshape(n_expert, n_out, n_in // block * type_size)
+    view.flags.writeable = False
+    return view
+
+
+class InFile:
+    """The expert tensors of the GGUF at ``path`` that ``activations``' ``mul_mat_id`` kernels run,
+    left in the file: :class:`FileExperts` over one read-only map of the whole file of their own
+    (not the GGUFFile's, which :meth:`llamatrace.model.llama.Llama.close` unmaps), opened at the
+    first such tensor. Its pages are the page cache's: mapped on first touch, counted in the
+    process's resident memory once touched, never copied. Not populated at load
+    (``MADV_POPULATE_READ``, as the packed-weights cache's entries are): with the file in the page
+    cache, faulting every expert page in costs the same either way (~0.1 s per GB, the kernel
+    maps 16 pages a fault), so a load leaves it to the first prefill, and a short run maps only
+    the experts its tokens choose."""
+
+    def __init__(self, path, activations: str) -> None:
+        self.path, self.activations = path, activations
+        self._bytes: np.ndarray | None = None
+
+    def holds(self, t) -> bool:
+        """Whether the tensor ``t`` stays in the file (an expert tensor of a type the kernels run)."""
+        parts = t.name.split(".")
+        return (len(parts) == 4 and parts[0] == "blk" and parts[2] in (*EXPERT_TENSORS, FUSED_GATE_UP)
+                and parts[3] == "weight" and mmid.supported(t.tensor_type, self.activations))
+
+    def __call__(self, t, n_out: int, n_in: int) -> FileExperts | None:
+        """The 3-D expert tensor ``t`` (``[n_expert, n_out, n_in]``) as :class:`FileExperts`, or None
+        when it does not stay in the file (:meth:`holds`)."""
+        if not self.holds(t):
             return None
-        w13, w2 = Experts.of(self.w13), Experts.of(self.w2)
-        return (w13, w2) if w13 is not None and w2 is not None else None
-
-    def down(self, h: np.ndarray, e: int, bias: bool = True) -> np.ndarray:
-        """Expert ``e``'s down projection of rows ``h`` [n, expert_hidden_dim] (plus its bias): [n, dim]."""
-        y = matmul(h, self.w2[e])
-        if bias and self.b2 is not None:
-            y += self.b2[e]
-        return y
+        if self._bytes is None:
+            with open(self.path, "rb") as fh:
+                self._bytes = np.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        return file_experts(t, self._bytes[t.offset:t.offset + t.n_bytes], n_out, n_in)
 
 
-def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable) -> MoEWeights:
-    """Pack layer ``layer``'s router and experts from the open GGUF file ``f``.
+def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable,
+         in_file: Callable | None = None, activations: str = "f32") -> MoEWeights:
+    """Layer ``layer``'s router and experts from the open GGUF file ``f``.
 
     ``pack(name, tensor, n_out, n_in)`` packs a 2-D tensor, ``pack_rows(name, [(tensor, row
     slice), …], n_in)`` stacks the given row blocks of 2-D views into one Weight (the model
-    loader's helpers: the packed-weights cache and the load's progress live there).
+    loader's helpers: the packed-weights cache and the load's progress live there);
+    ``in_file(tensor, n_out, n_in)`` gives an expert tensor as :class:`FileExperts` when
+    ``activations``' ``mul_mat_id`` kernels run its type, else None (then it is packed).
 
     Raises:
         ModelFormatError: the router or an expert tensor is missing, or its shape disagrees with
             ``{arch}.expert_count``, ``embedding_length`` and the experts' hidden width.
     """
+    in_file = in_file or (lambda t, n_out, n_in: None)
     n, dim, ff = c.n_expert, c.dim, c.expert_hidden_dim
     fused = f"blk.{layer}.{FUSED_GATE_UP}.weight" in f.tensors
     gate_up = ({FUSED_GATE_UP: (n, 2 * ff, dim)} if fused
@@ -173,20 +251,45 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable) -> 
         tensors[short] = f.tensor(name)
     down = tensors["ffn_down_exps"]
     router = pack(f"blk.{layer}.{ROUTER_TENSOR}.weight", tensors[ROUTER_TENSOR], n, dim)
-    w2 = [pack_rows(f"{down.name}#{e}", [(down, e)], ff) for e in range(n)]
+    w2 = in_file(down, dim, ff) or [pack_rows(f"{down.name}#{e}", [(down, e)], ff) for e in range(n)]
     extra = _biases(f, c, layer) if c.moe_bias else {}
     if c.shexp_hidden_dim:
         extra |= _shared_expert(f, c, layer, pack)
+    extra["activations"] = activations
     if fused:
         gu = tensors[FUSED_GATE_UP]
-        return MoEWeights(router, w2, w13=[pack_rows(f"{gu.name}#{e}", [(gu, e)], dim) for e in range(n)], **extra)
+        w13 = in_file(gu, 2 * ff, dim) or [pack_rows(f"{gu.name}#{e}", [(gu, e)], dim) for e in range(n)]
+        return MoEWeights(router, w2, w13=w13, **extra)
     gate, up = tensors["ffn_gate_exps"], tensors["ffn_up_exps"]
-    if gate.tensor_type == up.tensor_type:
+    w1, w3 = in_file(gate, ff, dim), in_file(up, ff, dim)
+    if w1 is None and w3 is None and gate.tensor_type == up.tensor_type:
         w13 = [pack_rows(f"{gate.name}+{up.name}#{e}", [(gate, e), (up, e)], dim) for e in range(n)]
         return MoEWeights(router, w2, w13=w13, **extra)
-    w1 = [pack_rows(f"{gate.name}#{e}", [(gate, e)], dim) for e in range(n)]
-    w3 = [pack_rows(f"{up.name}#{e}", [(up, e)], dim) for e in range(n)]
+    w1 = w1 or [pack_rows(f"{gate.name}#{e}", [(gate, e)], dim) for e in range(n)]
+    w3 = w3 or [pack_rows(f"{up.name}#{e}", [(up, e)], dim) for e in range(n)]
     return MoEWeights(router, w2, w1=w1, w3=w3, **extra)
+
+
+def describe_experts(tensors) -> str | None:
+    """One line saying how the expert tensors among ``tensors`` (the file's
+    :class:`llamatrace.gguf.reader.Tensor` values) run, per type: on the file's own blocks
+    (``mul_mat_id``, in the activation modes that have kernels for it) or packed expert by
+    expert; None without experts (``llamatrace info``)."""
+    kinds = (*EXPERT_TENSORS, FUSED_GATE_UP)
+    found = {}
+    for t in tensors:
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[2] in kinds and parts[3] == "weight":
+            found[t.tensor_type.name] = found.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    if not found:
+        return None
+    said = []
+    for name in sorted(found, key=found.get, reverse=True):
+        on = [m for m in mmid.TYPES if mmid.supported(gguf.GGMLQuantizationType[name], m)]
+        off = [m for m in mmid.TYPES if m not in on]
+        said.append(f"{name}: " + ", ".join(([f"mul_mat_id on the file's blocks ({', '.join(on)})"] if on else [])
+                                            + ([f"packed per expert ({', '.join(off)})"] if off else [])))
+    return "experts: " + "; ".join(said)
 
 
 def layer_tensors(f, layer: int) -> list:
@@ -256,8 +359,9 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
 
     Every stage goes through ``emit(stage, layer, array)`` (which may replace it, as hooks do).
     The per-expert stages (:data:`EXPERT_STAGES`) are assembled as ``[seq_len, k, …]`` arrays
-    only when ``watched(layer, *stages)`` says a recorder or hook reads one; otherwise each
-    expert's rows go from gate|up to down in one pass, with the same numbers.
+    only when ``watched(layer, *stages)`` says a recorder or hook reads one, from the same two
+    calls (every slot's gate|up, then every slot's down: :meth:`MoEWeights.gate_up`,
+    :meth:`MoEWeights.down`), so with the same numbers.
     """
     seq_len = x.shape[0]
     k = opts.k
@@ -272,25 +376,20 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
                    layer, weights)
     if weights_norm is not None:
         weights = emit("ffn_moe_weights_norm", layer, weights_norm)
-    flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)          # slot t*k + s: slot s of token t
+    gate_up = mw.gate_up(x, flat, np.repeat(np.arange(seq_len, dtype=np.int64), k))
     if not watched(layer, *EXPERT_STAGES):
-        if seq_len <= GEMV_MAX_SEQ and mw.decode_experts is not None:
-            down = _decode_experts(x, mw, flat, k, opts.act)
-        else:
-            down = np.empty((seq_len * k, x.shape[1]), dtype=np.float32)       # row t*k + s: slot s of token t
-            for e, pairs in _groups(flat):
-                down[pairs] = mw.down(_glu(mw.gate_up(x[pairs // k], e), opts.act), e)
+        if mw.b13 is not None:
+            gate_up += mw.b13[flat]
+        down = mw.down(_glu(gate_up, opts.act), flat)
+        if mw.b2 is not None:
+            down += mw.b2[flat]
         return _shared(x, mw, emit, layer, emit("ffn_moe_out", layer, routing.combine(down.reshape(seq_len, k, -1),
                                                                                     weights)))
-    groups = _groups(flat)
-    down = np.empty((seq_len * k, x.shape[1]), dtype=np.float32)
-    ff = mw.w2[0].n_in
-    gate = np.empty((seq_len * k, ff), dtype=np.float32)
-    up = np.empty((seq_len * k, ff), dtype=np.float32)
-    for e, pairs in groups:
-        gate[pairs], up[pairs] = np.split(mw.gate_up(x[pairs // k], e, bias=False), 2, axis=1)
-    gate = emit("ffn_moe_gate", layer, gate.reshape(seq_len, k, ff)).reshape(-1, ff)
-    up = emit("ffn_moe_up", layer, up.reshape(seq_len, k, ff)).reshape(-1, ff)
+    ff = gate_up.shape[1] // 2
+    gate, up = (np.ascontiguousarray(a).reshape(seq_len, k, ff) for a in (gate_up[:, :ff], gate_up[:, ff:]))
+    gate = emit("ffn_moe_gate", layer, gate).reshape(-1, ff)
+    up = emit("ffn_moe_up", layer, up).reshape(-1, ff)
     if mw.b13 is not None:                       # each slot's expert's bias (ggml_add_id), as llama.cpp names them
         gate = emit("ffn_moe_gate_biased", layer, (gate + mw.b13[flat, :ff]).reshape(seq_len, k, ff)).reshape(-1, ff)
         up = emit("ffn_moe_up_biased", layer, (up + mw.b13[flat, ff:]).reshape(seq_len, k, ff)).reshape(-1, ff)
@@ -298,10 +397,7 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
         glu = emit("ffn_moe_swiglu_oai", layer, kernels.swiglu_oai(gate, up).reshape(seq_len, k, ff))
     else:
         glu = emit("ffn_moe_swiglu", layer, (kernels.silu(gate) * up).reshape(seq_len, k, ff))
-    glu = glu.reshape(-1, ff)
-    for e, pairs in groups:
-        down[pairs] = mw.down(glu[pairs], e, bias=False)
-    down = emit("ffn_moe_down", layer, down.reshape(seq_len, k, -1))
+    down = emit("ffn_moe_down", layer, mw.down(np.ascontiguousarray(glu.reshape(-1, ff)), flat).reshape(seq_len, k, -1))
     if mw.b2 is not None:
         down = emit("ffn_moe_down_biased", layer, down + mw.b2[flat].reshape(seq_len, k, -1))
     weighted = emit("ffn_moe_weighted", layer, down * weights[:, :, None])
@@ -317,21 +413,6 @@ def _groups(flat: np.ndarray) -> list[tuple[int, np.ndarray]]:
     order = np.argsort(flat, kind="stable")
     experts, starts = np.unique(flat[order], return_index=True)
     return [(int(e), order[a:b]) for e, a, b in zip(experts, starts, list(starts[1:]) + [len(order)])]
-
-
-def _decode_experts(x: np.ndarray, mw: MoEWeights, flat: np.ndarray, k: int, act: str) -> np.ndarray:
-    """The chosen experts' ``ffn_moe_down`` (biased) of a few rows ``x`` [seq_len, dim], slot by
-    slot (``flat`` the ids [seq_len * k], row ``t*k + s``): each kind's matrices in one parallel
-    region (:class:`~llamatrace.kernels.int8.experts.Experts`), the same numbers as expert by
-    expert. float32 [seq_len * k, dim]."""
-    w13, w2 = mw.decode_experts
-    gate_up = w13.matmul(x if x.shape[0] == 1 else np.repeat(x, k, axis=0), flat)
-    if mw.b13 is not None:
-        gate_up += mw.b13[flat]
-    down = w2.matmul(_glu(gate_up, act), flat)
-    if mw.b2 is not None:
-        down += mw.b2[flat]
-    return down
 
 
 def _shared(x: np.ndarray, mw: MoEWeights, emit: Emit, layer: int, moe_out: np.ndarray) -> np.ndarray:
@@ -361,14 +442,11 @@ def expert_rows(mw: MoEWeights, x: np.ndarray, ids: np.ndarray, part: str) -> np
     """
     seq_len, k = np.shape(ids)
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)
-    rows = x.reshape(seq_len * k, -1) if part == "down" else np.repeat(x, k, axis=0)
-    rows = np.ascontiguousarray(rows, dtype=np.float32)
-    n_out = mw.w2[0].n_out if part == "down" else mw.w2[0].n_in
-    out = np.empty((seq_len * k, n_out), dtype=np.float32)
-    for e in np.unique(flat):
-        sel = np.flatnonzero(flat == e)
-        if part == "down":
-            out[sel] = matmul(rows[sel], mw.w2[e])
-        else:
-            out[sel] = np.split(mw.gate_up(rows[sel], int(e), bias=False), 2, axis=1)[0 if part == "gate" else 1]
-    return out.reshape(seq_len, k, n_out)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if part == "down":
+        out = mw.down(x.reshape(seq_len * k, -1), flat)
+    else:
+        ff = mw.expert_hidden_dim
+        gate_up = mw.gate_up(x, flat, np.repeat(np.arange(seq_len, dtype=np.int64), k))
+        out = gate_up[:, :ff] if part == "gate" else gate_up[:, ff:]
+    return np.ascontiguousarray(out).reshape(seq_len, k, -1)

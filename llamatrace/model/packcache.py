@@ -9,15 +9,18 @@ unless ``$LLAMATRACE_CACHE_DIR``); later loads map that file instead of packing,
 process that loads the model shares its pages in the page cache.
 
 One entry per model file and activations mode, about the size of the model file (the f32 mode's
-float32 scales add 2 bytes per block: +11 % on Q4_0). Its name is
+float32 scales add 2 bytes per block: +11 % on Q4_0); a mixture of experts' entry holds none of
+the experts the ``mul_mat_id`` kernels run on the GGUF's own blocks (:mod:`llamatrace.model.moe`: the
+file's pages in the page cache are their cache), so it is a few percent of the file. Its name is
 ``<file stem>.<mode>.<key>.ltpack``; the key (:func:`entry_key`) hashes
 
 - the GGUF's identity: its device, inode, size and modification time (ns), which change when a
   file is rewritten or replaced (including a re-quantization with the same header), and a
   SHA-256 of its header (metadata and tensor table), which a copy with a preserved time keeps;
 - llamatrace's version, the source of the packing code (every module of
-  :mod:`llamatrace.kernels`, this one and :mod:`llamatrace.model.llama`: a changed layout can't
-  be read by a kernel that expects another) and the CPU features the kernels are compiled for.
+  :mod:`llamatrace.kernels`, this one, :mod:`llamatrace.model.llama` and :mod:`llamatrace.model.moe`:
+  a changed layout can't be read by a kernel that expects another, and the ``mul_mat_id`` kernels'
+  types decide which experts are packed at all) and the CPU features the kernels are compiled for.
 
 File layout: ``MAGIC``, the header's offset, its length and its xxh3-64 (uint64 each), zeros to
 4 KiB; the arrays, each at a 64-byte offset from there, in the order the loader asked for them
@@ -126,9 +129,11 @@ def cap_bytes() -> int:
 
 def _fingerprint_files() -> list[Path]:
     """The source files whose change can change the packed bytes: every module of
-    :mod:`llamatrace.kernels` (its rooms included), this one and :mod:`llamatrace.model.llama`."""
+    :mod:`llamatrace.kernels` (its rooms included: their ``mul_mat_id`` ``TYPES`` say which experts
+    stay in the file, unpacked), this one, :mod:`llamatrace.model.llama` and :mod:`llamatrace.model.moe`."""
     import llamatrace.kernels as kernels_pkg
-    return sorted(Path(kernels_pkg.__file__).parent.rglob("*.py")) + [Path(__file__), Path(__file__).with_name("llama.py")]
+    return sorted(Path(kernels_pkg.__file__).parent.rglob("*.py")) + [
+        Path(__file__), Path(__file__).with_name("llama.py"), Path(__file__).with_name("moe.py")]
 
 
 @functools.cache

@@ -52,7 +52,9 @@ import numpy as np
 
 from llamatrace.corpus.metrics import compress_log_probs, token_kld
 from llamatrace.errors import OptionError, UnsupportedModelError
+from llamatrace.kernels.mul_mat_id import FileExperts, supported
 from llamatrace.kernels.types import packing
+from llamatrace.model.moe import Experts, experts_bytes
 from llamatrace.quantize.imatrix.compute import expert_squares
 from llamatrace.quantize.rules import fallback
 
@@ -390,7 +392,7 @@ class Measurer:
     def _unfuse(self) -> None:
         m = self.model
         for i, lw in enumerate(m.weights.layers):
-            if lw.moe is not None and lw.moe.w13 is not None:        # each expert's gate and up apart
+            if lw.moe is not None and isinstance(lw.moe.w13, list):   # each expert's gate and up apart
                 lw.moe.w1, lw.moe.w3 = (self._pack_experts(f"blk.{i}.{k}.weight") for k in ("ffn_gate_exps", "ffn_up_exps"))
                 lw.moe.w13 = None
             if lw.wqkv is not None:
@@ -490,11 +492,16 @@ class Measurer:
             n += kld.size
         return total / n
 
-    def pack(self, group: Group, ggml_type: T, data: np.ndarray) -> packing.Weight | list[packing.Weight]:
-        """The group's quantized bytes packed as the model packs that matrix (an expert tensor: one
-        Weight per expert, as :func:`llamatrace.model.moe.load` packs them)."""
+    def pack(self, group: Group, ggml_type: T, data: np.ndarray) -> packing.Weight | Experts:
+        """The group's quantized bytes packed as the model packs that matrix (an expert tensor as
+        :func:`llamatrace.model.moe.load` holds one: the bytes themselves, as
+        :class:`~llamatrace.kernels.mul_mat_id.FileExperts`, for a type the model's ``mul_mat_id``
+        kernels run, else one Weight per expert)."""
         if group.n_expert:
             rows = group.n_rows // group.n_expert
+            if supported(ggml_type, self.model.activations):
+                return FileExperts(group.tensor, T(ggml_type), rows, group.n_per_row,
+                                   experts_bytes(data, group.n_expert, rows, group.n_per_row, ggml_type))
             return [packing.pack(f"{group.tensor}#{e}", ggml_type, data[e * rows:(e + 1) * rows], rows,
                                  group.n_per_row, activations=self.model.activations) for e in range(group.n_expert)]
         return packing.pack(group.tensor, ggml_type, data, group.n_rows, group.n_per_row,
