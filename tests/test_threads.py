@@ -126,7 +126,7 @@ def test_auto_threads_pass_the_model_size_on(set_calls):
     assert auto.pick(4096 * 14336) == 2 and auto.pick(576 * 1536) == 1 and auto.pick() == 1
 
 
-def test_a_mixtures_region_is_its_chosen_experts():
+def test_a_mixtures_region_is_its_chosen_experts(set_calls):
     """Qwen3-30B-A3B: an expert is 2048 x 768 (1.6 M weights, small), but a decode step runs its
     8 chosen experts' gate|up in one region; SmolLM2-135M's regions stay small."""
     from llamatrace.model.config import ModelConfig
