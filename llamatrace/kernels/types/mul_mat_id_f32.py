@@ -34,6 +34,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels.tiles import TR, VectorTile
+from llamatrace.kernels.types.f32_ir import _escape
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
@@ -41,8 +42,10 @@ _T = gguf.GGMLQuantizationType
 TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
 
-SLOTS = 4
-"""Slots of one expert multiplied by one pass over a weight row (more are taken 4 at a time)."""
+NS = (1, 2, 3, 4, 8)
+"""Slots of one expert one pass over a weight row multiplies (a group's slots: 8 at a time, then 4,
+then the rest)."""
+SLOTS = max(NS)
 
 LANES = 8
 """float32 lanes of the microkernels' vectors (ymm; AVX-512 hosts run the same code)."""
@@ -59,13 +62,38 @@ KIND = {v[0]: i for i, v in enumerate(_KINDS.values())}
 
 # --------------------------------------------------------------------------------------------
 # One block of one weight row -> groups of (float32 vector of 8 quants or weights, their first
-# input in the block) with the group's scale (None: the vectors are the weights themselves).
+# position in the block of x as the driver lays it out) with the group's scale (None: the vectors
+# are the weights themselves).
+#
+# Widening: 32 bytes (inputs 32i .. 32i + 31 of a block, one byte each) become four vectors of 8
+# int32 by one in-lane byte shuffle each (``vpshufb``): vector g holds inputs 4g .. 4g + 3 (low
+# 128 bits) and 16 + 4g .. 16 + 4g + 3 (high 128 bits). The driver lays each 32 inputs of x out in
+# that order (:data:`X_ORDER`), so the products pair up. Unsigned bytes land in the low byte of
+# their int32 (the quant itself); signed ones in the high byte (the quant times 2**24, exact in
+# float32), whose 2**-24 is folded into a scale.
+
+X_ORDER = np.array([4 * g + j if j < 4 else 12 + 4 * g + j for g in range(4) for j in range(8)], dtype=np.int64)
+"""Position p of each 32 inputs of x in the kernels' layout holds input ``X_ORDER[p]``."""
+_TOP = 2.0 ** -24
 
 
-def _vec(k: VectorTile, bytes_, lo: int, signed: bool):
-    """Bytes ``lo .. lo + 8`` of the byte vector ``bytes_`` as float32 lanes."""
-    part = k.b.shuffle_vector(bytes_, ir.Constant(bytes_.type, None), _const(range(lo, lo + LANES), _I32))
-    return k.b.sitofp(part, k.vf) if signed else k.b.uitofp(part, k.vf)
+def _widen(k: VectorTile, v32, g: int, signed: bool, shift_back: bool = False):
+    """Vector g (of 4) of the 32 bytes ``v32`` as float32: the bytes of inputs 4g .. 4g + 3 and
+    16 + 4g .. 16 + 4g + 3; unsigned: their values, signed: their values times 2**24 (their
+    values with ``shift_back``: one more shift)."""
+    b = k.b
+    vb = ir.VectorType(_I8, 32)
+    fn = b.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (), ir.FunctionType(vb, [vb, vb]))
+    mask = []
+    for _ in range(2):
+        for j in range(4):
+            dword = [0x80] * 4
+            dword[3 if signed else 0] = 4 * g + j
+            mask += dword
+    words = b.bitcast(b.call(fn, [v32, ir.Constant(vb, mask)]), ir.VectorType(_I32, LANES))
+    if shift_back:
+        words = b.ashr(words, ir.Constant(words.type, [24] * LANES))
+    return b.sitofp(words, k.vf)
 
 
 def _half(k: VectorTile, qs, at):
@@ -74,7 +102,8 @@ def _half(k: VectorTile, qs, at):
 
 
 def _const(values, ty=_I8):
-    return ir.Constant(ir.VectorType(ty, len(values)), list(values))
+    values = list(values)
+    return ir.Constant(ir.VectorType(ty, len(values)), values)
 
 
 def _pick(k: VectorTile, v, idx, ty=_I32):
@@ -84,10 +113,12 @@ def _pick(k: VectorTile, v, idx, ty=_I32):
     return b.zext(sub, ir.VectorType(ty, len(idx)))
 
 
-def _q4k_block(k: VectorTile, qs, qb):
+def _q4k_block(k: VectorTile, qs, qb, exact: bool):
     """Q4_K (d, dmin, scales[12], qs[128]): per chunk j of 32 bytes, sub-block 2j in the low
     nibbles (inputs 64j + l) and 2j + 1 in the high ones (64j + 32 + l); the 6-bit scales and mins
-    unpacked on 8 lanes as ggml's ``get_scale_min_k4``. Returns (groups, the 8 ``dmin*mn``)."""
+    unpacked on 8 lanes as ggml's ``get_scale_min_k4``. Returns (groups, the 8 ``dmin*mn``), or
+    with ``exact`` (groups of weights ``fma(d*sc, q, -(dmin*mn))``: ``(d*sc) * q`` is exact in
+    float32, so that is gguf-py's ``d * q - dm``, None)."""
     b, c64 = k.b, k.c64
     d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
     s = k.load(qs, b.add(qb, c64(4)), ir.VectorType(_I8, 16))       # bytes 4..19: scales, qs[0:4]
@@ -102,27 +133,45 @@ def _q4k_block(k: VectorTile, qs, qb):
     mn = b.or_(b.and_(b.lshr(_pick(k, s, [4, 5, 6, 7, 8, 9, 10, 11]), _const([0] * 4 + [4] * 4, _I32)),
                       _const([63] * 4 + [15] * 4, _I32)),
                high([4, 5, 6, 7, 4, 5, 6, 7]))
-    dsc = b.fmul(k.splat(d, k.vf), b.uitofp(sc, k.vf))
-    dmn = b.fmul(k.splat(dmin, k.vf), b.uitofp(mn, k.vf))
+    dsc = b.fmul(k.splat(d, k.vf), b.sitofp(sc, k.vf))
+    dmn = b.fmul(k.splat(dmin, k.vf), b.sitofp(mn, k.vf))
+    # each sub-block's scale broadcast from memory (a load) rather than out of the vector (2 shuffles)
+    with b.goto_entry_block():
+        scratch = b.alloca(ir.VectorType(k.f32, 16), name="q4k_scales")
+    at = b.bitcast(scratch, k.f32.as_pointer())
+    b.store(dsc, b.bitcast(at, dsc.type.as_pointer()), align=4)
+    b.store(b.fneg(dmn), b.bitcast(b.gep(at, [ir.Constant(_I32, 8)]), dsc.type.as_pointer()), align=4)
+    _escape(b, scratch)
     v32 = ir.VectorType(_I8, 32)
     groups = []
     for j in range(4):
         q = k.load(qs, b.add(qb, c64(16 + 32 * j)), v32)
         lo = b.and_(q, _const([15] * 32))
-        hi = b.lshr(q, _const([4] * 32))
+        hi = b.and_(b.lshr(q, _const([4] * 32)), _const([15] * 32))
         for sub, nib in ((2 * j, lo), (2 * j + 1, hi)):
-            vecs = [(_vec(k, nib, 8 * g, False), 32 * sub + 8 * g) for g in range(4)]
-            groups.append((vecs, b.extract_element(dsc, ir.Constant(_I32, sub))))
-    return groups, dmn
+            scale = b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4)
+            vecs = [(_widen(k, nib, g, False), 32 * sub + 8 * g) for g in range(4)]
+            if exact:
+                sv, mv = k.splat(scale, k.vf), k.splat(b.load(b.gep(at, [ir.Constant(_I32, 8 + sub)]), align=4), k.vf)
+                groups.append(([(k.fma(sv, q, mv), at_) for q, at_ in vecs], None))
+            else:
+                groups.append((vecs, scale))
+    return groups, (None if exact else dmn)
 
 
-def _q6k_block(k: VectorTile, qs, qb):
+def _q6k_block(k: VectorTile, qs, qb, exact: bool):
     """Q6_K (ql[128], qh[64], scales int8[16], d): input 128h + 32c + l (l < 32) is
     ``(ql[64h + 32(c%2) + l] >> 4(c//2)) & 15 | ((qh[32h + l] >> 2c) & 3) << 4``, less 32, its
-    weight ``(d * sc[(128h + 32c + l) // 16]) * (q - 32)`` (gguf-py's float32 roundings)."""
+    weight ``(d * sc[(128h + 32c + l) // 16]) * (q - 32)`` (gguf-py's float32 roundings: the
+    quant comes widened times 2**24 and the scale times 2**-24, both exact)."""
     b, c64 = k.b, k.c64
     d = _half(k, qs, b.add(qb, c64(208)))
     v32 = ir.VectorType(_I8, 32)
+    # the 16 scales d * sc (gguf-py's product), times 2**-24, as two vectors of 8
+    sc = k.load(qs, b.add(qb, c64(192)), ir.VectorType(_I8, 16))
+    dtop = k.splat(d, k.vf)
+    dsc = [b.fmul(b.fmul(dtop, b.sitofp(b.shuffle_vector(sc, ir.Constant(sc.type, None), _const(range(8 * i, 8 * i + 8), _I32)),
+                                        k.vf)), k.splat(ir.Constant(k.f32, _TOP), k.vf)) for i in (0, 1)]
 
     def cst(v):
         return _const([v] * 32)
@@ -134,24 +183,22 @@ def _q6k_block(k: VectorTile, qs, qb):
         qh = k.load(qs, b.add(qb, c64(128 + 32 * h)), v32)
         quants = (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
                   b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
-                  b.or_(b.lshr(qa, cst(4)), b.and_(qh, cst(0x30))),
-                  b.or_(b.lshr(qc, cst(4)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
+                  b.or_(b.and_(b.lshr(qa, cst(4)), cst(15)), b.and_(qh, cst(0x30))),
+                  b.or_(b.and_(b.lshr(qc, cst(4)), cst(15)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
         for c, q in enumerate(quants):
             q = b.sub(q, cst(32))                                   # -32 .. 31
-            for g16 in range(2):
-                i = 8 * h + 2 * c + g16
-                sc = b.sitofp(k.load(qs, b.add(qb, c64(192 + i)), _I8), k.f32)
-                dsc = k.splat(b.fmul(d, sc), k.vf)
-                vecs = [(b.fmul(dsc, _vec(k, q, 16 * g16 + 8 * g, True)), 128 * h + 32 * c + 16 * g16 + 8 * g)
-                        for g in range(2)]
-                groups.append((vecs, None))
+            i = 2 * c                                               # the scales of l < 16 and l >= 16
+            lanes = b.shuffle_vector(dsc[h], ir.Constant(k.vf, None), _const([i] * 4 + [i + 1] * 4, _I32))
+            vecs = [(b.fmul(lanes, _widen(k, q, g, True)), 128 * h + 32 * c + 8 * g) for g in range(4)]
+            groups.append((vecs, None))
     return groups, None
 
 
-def _mxfp4_block(k: VectorTile, qs, qb):
+def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
     """MXFP4 (e, qs[16]): input l (l < 16) the low nibble of byte l, 16 + l the high one, each a
     code of ``kvalues`` (a ``pshufb`` table); scale the E8M0 byte's ``0x00200000 << e`` (e < 2) or
-    ``(e - 1) << 23`` as float32 bits."""
+    ``(e - 1) << 23`` as float32 bits (with ``exact``, the weights ``d * kvalue``; the scale times
+    2**-24 could fall below float32's range, so the kvalues are shifted back down)."""
     b, c64 = k.b, k.c64
     v16 = ir.VectorType(_I8, 16)
     pshufb = b.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128", (), ir.FunctionType(v16, [v16, v16]))
@@ -161,16 +208,28 @@ def _mxfp4_block(k: VectorTile, qs, qb):
                     b.shl(b.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)))
     codes = k.load(qs, b.add(qb, c64(1)), v16)
     lo = b.call(pshufb, [table, b.and_(codes, _const([15] * 16))])
-    hi = b.call(pshufb, [table, b.lshr(codes, _const([4] * 16))])
-    vecs = [(_vec(k, lo, 0, True), 0), (_vec(k, lo, 8, True), 8), (_vec(k, hi, 0, True), 16), (_vec(k, hi, 8, True), 24)]
-    return [(vecs, b.bitcast(bits, k.f32))], None
+    hi = b.call(pshufb, [table, b.and_(b.lshr(codes, _const([4] * 16)), _const([15] * 16))])
+    kv = b.shuffle_vector(lo, hi, _const(range(32), _I32))
+    d = b.bitcast(bits, k.f32)
+    kvs = [(_widen(k, kv, g, True, True), 8 * g) for g in range(4)]
+    if exact:                                    # d * kvalue: exact (a power of two times a small integer)
+        dv = k.splat(d, k.vf)
+        return [([(b.fmul(dv, v), off) for v, off in kvs], None)], None
+    return [(kvs, d)], None
 
 
-def _q8_0_block(k: VectorTile, qs, qb):
-    """Q8_0 (d, qs int8[32]): input l is ``qs[l]``, scale ``d``."""
+def _q8_0_block(k: VectorTile, qs, qb, exact: bool):
+    """Q8_0 (d, qs int8[32]): input l is ``qs[l]``; the quants come times 2**24 and the scale is
+    ``d * 2**-24`` (d an fp16: a normal float32 still), so the weights (with ``exact``)
+    ``(d * 2**-24) * (q * 2**24)`` are gguf-py's ``d * q``."""
     b, c64 = k.b, k.c64
     q = k.load(qs, b.add(qb, c64(2)), ir.VectorType(_I8, 32))
-    return [([(_vec(k, q, 8 * g, True), 8 * g) for g in range(4)], _half(k, qs, qb))], None
+    d = b.fmul(_half(k, qs, qb), ir.Constant(k.f32, _TOP))
+    qv = [(_widen(k, q, g, True), 8 * g) for g in range(4)]
+    if exact:
+        dv = k.splat(d, k.vf)
+        return [([(b.fmul(dv, v), off) for v, off in qv], None)], None
+    return [(qv, d)], None
 
 
 _BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _q8_0_block}
@@ -180,81 +239,106 @@ _BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _
 # the microkernel: one weight row against ns slots
 
 
-def _hsum(k: VectorTile, v):
-    b = k.b
-    for n in (4, 2, 1):
-        lo = b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n), _I32)) if n > 1 else \
-            b.extract_element(v, ir.Constant(_I32, 0))
-        hi = b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n, 2 * n), _I32)) if n > 1 else \
-            b.extract_element(v, ir.Constant(_I32, 1))
-        v = b.fadd(lo, hi)
-    return v
+X_PASS = 4096
+"""float32 of the slots' x one pass over a tile's rows covers (16 KiB: half of L1), at least a block."""
 
 
-def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, n_blocks, x, x_at, ldx, res, res_at):
-    """``res[res_at + s] = sum over the row's inputs of w * x[x_at + s * ldx + input]`` for
-    ``s < ns``; the row's block 0 at byte ``q_at`` of ``qs``. Q4_K's x rows carry their sums per
-    32 inputs after their ``n_in`` inputs."""
+def _n_acc(ns: int) -> int:
+    """Independent FMA chains (vectors of sums) per slot: enough chains in flight for few slots."""
+    return 4 if ns == 1 else 2 if ns < 4 else 1
+
+
+_n_acc_nb = njit(**JIT_INLINE)(_n_acc)
+
+
+def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
+    """Blocks ``blk0 .. blk0 + n_blk`` of one weight row (block 0 at byte ``q_at`` of ``qs``, a row
+    of ``n_blocks``) times slots ``s < ns`` (x rows at ``x_at + s * ldx``, laid out as
+    :func:`_matmul_id` lays them out) added to the slots' vectors of sums at ``acc_at + s * ACC``
+    of ``acc`` (:func:`_n_acc` vectors each). One slot: each block's products summed per scale
+    group, then scaled (Q4_K less ``(dmin*mn) * sum(x)`` per sub-block, from the sums after x's
+    ``n_in`` inputs); several: the weights made once, then one FMA per slot."""
     b, c64 = k.b, k.c64
     _, per_block, block_bytes, sums = _KINDS[kind]
-    n_acc = 4 if ns == 1 else 2                          # independent FMA chains per slot
+    exact = ns > 1
+    n_acc = _n_acc(ns)
     n_in = b.mul(n_blocks, c64(per_block))
     rows = [b.add(x_at, b.mul(ldx, c64(s))) for s in range(ns)]
+    at = [b.add(acc_at, c64((s * n_acc + a) * LANES)) for s in range(ns) for a in range(n_acc)]
+    start = b.basic_block
 
-    def body(blk, accs):
+    def body(i, accs):
         accs = list(accs)
+        blk = b.add(blk0, i)
         qb = b.add(q_at, b.mul(blk, c64(block_bytes)))
         xb = [b.add(r, b.mul(blk, c64(per_block))) for r in rows]
-        groups, mins = _BLOCK[kind](k, qs, qb)
+        groups, mins = _BLOCK[kind](k, qs, qb, exact)
         turn = 0
         for vecs, scale in groups:
             if scale is None:                            # the weights: straight into the sums
-                for w, at in vecs:
+                for w, off in vecs:
                     for s in range(ns):
-                        i = s * n_acc + turn % n_acc
-                        accs[i] = k.fma(w, k.load(x, b.add(xb[s], c64(at)), k.vf, 4), accs[i])
+                        j = s * n_acc + turn % n_acc
+                        accs[j] = k.fma(w, k.load(x, b.add(xb[s], c64(off)), k.vf, 4), accs[j])
                     turn += 1
                 continue
-            split = 2 if ns <= 2 else 1
             sv = k.splat(scale, k.vf)
-            for s in range(ns):
-                chains = [None] * split
-                for j, (w, at) in enumerate(vecs):
-                    xv = k.load(x, b.add(xb[s], c64(at)), k.vf, 4)
-                    chains[j % split] = b.fmul(w, xv) if chains[j % split] is None else k.fma(w, xv, chains[j % split])
-                dot = chains[0] if split == 1 else b.fadd(chains[0], chains[1])
-                i = s * n_acc + turn % n_acc
-                accs[i] = k.fma(sv, dot, accs[i])
+            for s in range(ns):                          # one chain a group: the groups overlap
+                dot = None
+                for w, off in vecs:
+                    xv = k.load(x, b.add(xb[s], c64(off)), k.vf, 4)
+                    dot = b.fmul(w, xv) if dot is None else k.fma(w, xv, dot)
+                j = s * n_acc + turn % n_acc
+                accs[j] = k.fma(sv, dot, accs[j])
             turn += 1
         if mins is not None:                             # Q4_K: - (dmin*mn) * sum(x) per sub-block
             neg = b.fneg(mins)
             for s in range(ns):
-                at = b.add(b.add(rows[s], n_in), b.mul(blk, c64(sums)))
-                i = s * n_acc + turn % n_acc
-                accs[i] = k.fma(neg, k.load(x, at, k.vf, 4), accs[i])
+                j = s * n_acc + turn % n_acc
+                accs[j] = k.fma(neg, k.load(x, b.add(b.add(rows[s], n_in), b.mul(blk, c64(sums))), k.vf, 4), accs[j])
         return accs
 
-    accs = k.block_loop(n_blocks, ns * n_acc, body)
-    for s in range(ns):
-        part = accs[s * n_acc:(s + 1) * n_acc]
-        while len(part) > 1:
-            part = [b.fadd(part[i], part[i + 1]) for i in range(0, len(part), 2)]
-        b.store(_hsum(k, part[0]), b.gep(res, [b.add(res_at, c64(s))]), align=4)
+    del start
+    outs = _loop(k, n_blk, [k.load(acc, a, k.vf, 4) for a in at], body)
+    for a, v in zip(at, outs):
+        b.store(v, k.ptr(acc, a, k.vf), align=4)
+
+
+def _loop(k: VectorTile, n, init, body):
+    """``for i in range(n): vals = body(i, vals)`` (n >= 1) from ``init``; returns the last values."""
+    b = k.b
+    entry = b.basic_block
+    loop = b.append_basic_block("blocks")
+    done = b.append_basic_block("done")
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(_I64)
+    vals = [b.phi(v.type) for v in init]
+    new = body(i, vals)
+    nxt = b.add(i, k.c64(1))
+    i.add_incoming(k.c64(0), entry)
+    i.add_incoming(nxt, b.basic_block)
+    for phi, v0, v in zip(vals, init, new):
+        phi.add_incoming(v0, entry)
+        phi.add_incoming(v, b.basic_block)
+    b.cbranch(b.icmp_signed("<", nxt, n), loop, done)
+    b.position_at_end(done)
+    return new
 
 
 def _row_intrinsic(kind: str, ns: int):
-    def typer(typingctx, qs, q_at, n_blocks, x, x_at, ldx, res, res_at):
+    def typer(typingctx, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
         if not (isinstance(qs, types.Array) and qs.dtype == types.uint8 and isinstance(x, types.Array)
-                and x.dtype == types.float32 and isinstance(res, types.Array) and res.dtype == types.float32):
+                and x.dtype == types.float32 and isinstance(acc, types.Array) and acc.dtype == types.float32):
             return None
-        sig = types.void(qs, q_at, n_blocks, x, x_at, ldx, res, res_at)
+        sig = types.void(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
 
         def codegen(context, builder, signature, args):
             flat = list(args)
-            for i in (0, 3, 6):
+            for i in (0, 5, 8):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
             k = VectorTile(builder, LANES)
-            for i in (1, 2, 4, 5, 7):
+            for i in (1, 2, 3, 4, 6, 7, 9):
                 flat[i] = k.i64(flat[i])
             _row_ir(kind, ns, k, *flat)
             return context.get_dummy_value()
@@ -262,54 +346,69 @@ def _row_intrinsic(kind: str, ns: int):
         return sig, codegen
 
     typer.__name__ = f"row_{kind}_{ns}"
+    typer.__doc__ = f"{kind} microkernel for {ns} slot(s): :func:`_row_ir`."
     return intrinsic(typer)
 
 
-_q4k_1, _q4k_2, _q4k_3, _q4k_4 = (_row_intrinsic("q4k", n) for n in range(1, SLOTS + 1))
-_q6k_1, _q6k_2, _q6k_3, _q6k_4 = (_row_intrinsic("q6k", n) for n in range(1, SLOTS + 1))
-_mx_1, _mx_2, _mx_3, _mx_4 = (_row_intrinsic("mxfp4", n) for n in range(1, SLOTS + 1))
-_q8_1, _q8_2, _q8_3, _q8_4 = (_row_intrinsic("q8_0", n) for n in range(1, SLOTS + 1))
+_q4k_1, _q4k_2, _q4k_3, _q4k_4, _q4k_8 = (_row_intrinsic("q4k", n) for n in NS)
+_q6k_1, _q6k_2, _q6k_3, _q6k_4, _q6k_8 = (_row_intrinsic("q6k", n) for n in NS)
+_mx_1, _mx_2, _mx_3, _mx_4, _mx_8 = (_row_intrinsic("mxfp4", n) for n in NS)
+_q8_1, _q8_2, _q8_3, _q8_4, _q8_8 = (_row_intrinsic("q8_0", n) for n in NS)
 
 
 @njit(**JIT_INLINE)
-def _row(kind, ns, qs, q_at, n_blocks, x, x_at, ldx, res):
-    """The microkernel of ``kind`` (:data:`KIND`) for ``ns`` (1 .. :data:`SLOTS`) slots."""
+def _chunk(n):
+    """Slots for the next microkernel call when ``n`` are left: 8, 4, or all (1 .. 3)."""
+    return 8 if n >= 8 else 4 if n >= 4 else n
+
+
+@njit(**JIT_INLINE)
+def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
+    """The microkernel of ``kind`` (:data:`KIND`) for ``ns`` (one of :data:`NS`) slots."""
     if kind == 0:
-        if ns == 4:
-            _q4k_4(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+        if ns == 8:
+            _q4k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 4:
+            _q4k_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 3:
-            _q4k_3(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _q4k_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 2:
-            _q4k_2(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _q4k_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         else:
-            _q4k_1(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _q4k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
     elif kind == 1:
-        if ns == 4:
-            _q6k_4(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+        if ns == 8:
+            _q6k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 4:
+            _q6k_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 3:
-            _q6k_3(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _q6k_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 2:
-            _q6k_2(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _q6k_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         else:
-            _q6k_1(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _q6k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
     elif kind == 2:
-        if ns == 4:
-            _mx_4(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+        if ns == 8:
+            _mx_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 4:
+            _mx_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 3:
-            _mx_3(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _mx_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 2:
-            _mx_2(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _mx_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         else:
-            _mx_1(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _mx_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
     else:
-        if ns == 4:
-            _q8_4(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+        if ns == 8:
+            _q8_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 4:
+            _q8_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 3:
-            _q8_3(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _q8_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 2:
-            _q8_2(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _q8_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         else:
-            _q8_1(qs, q_at, n_blocks, x, x_at, ldx, res, 0)
+            _q8_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,18 +416,19 @@ def _row(kind, ns, qs, q_at, n_blocks, x, x_at, ldx, res):
 
 
 @njit(**JIT_PARALLEL)
-def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, out):
+def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
-    n_parts 1 for one part). x is first gathered in slot order (xe row i: x[rows[order[i]]]),
-    each row followed by ``sums`` float32 sums a block (per 32 inputs) when ``sums`` > 0."""
+    n_parts 1 for one part). x is first gathered in slot order (xe row i: x[rows[order[i]]], each
+    32 inputs in the order ``x_order``), each row followed by ``sums`` float32 sums a block (per 32 inputs) when ``sums`` > 0."""
     n_slots, n_in = order.shape[0], x.shape[1]
     n_blocks = n_in // per_block
     width = n_in + n_blocks * sums
     xe = np.empty((n_slots, width), np.float32)
     for i in range(n_slots):
         src = rows[order[i]]
-        for j in range(n_in):
-            xe[i, j] = x[src, j]
+        for j0 in range(0, n_in, 32):
+            for p in range(32):
+                xe[i, j0 + p] = x[src, j0 + x_order[p]]
         if sums:
             for g in range(n_in // 32):
                 acc = np.float32(0.0)
@@ -346,15 +446,40 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
         if j >= t0:
             qs, t, col = q1, j - t0, n_out0
         n_out, row_bytes = qs.shape[1], qs.shape[2]
-        e = experts[g]
-        res = np.empty(SLOTS, np.float32)
-        for r in range(t * TR, min((t + 1) * TR, n_out)):
-            q_at = (e * n_out + r) * row_bytes
-            for s0 in range(starts[g], starts[g + 1], SLOTS):
-                ns = min(SLOTS, starts[g + 1] - s0)
-                _row(kind, ns, qs, q_at, n_blocks, xe, s0 * width, width, res)
+        e, first, n = experts[g], starts[g], starts[g + 1] - starts[g]
+        # the sums of a row's slots, chunk after chunk of slots (each :func:`_n_acc` vectors a slot)
+        row_stride = 0
+        left = n
+        while left:
+            ns = _chunk(left)
+            row_stride += ns * _n_acc_nb(ns) * LANES
+            left -= ns
+        r0, r1 = t * TR, min((t + 1) * TR, n_out)
+        acc = np.zeros((r1 - r0) * row_stride, np.float32)
+        # blocks of inputs such that the slots' x over them stay in L1 while the tile's rows use it
+        per_pass = max(1, X_PASS // (n * per_block))
+        for b0 in range(0, n_blocks, per_pass):
+            n_blk = min(per_pass, n_blocks - b0)
+            for r in range(r0, r1):
+                q_at = (e * n_out + r) * row_bytes
+                s0, at = 0, (r - r0) * row_stride
+                while s0 < n:
+                    ns = _chunk(n - s0)
+                    _row(kind, ns, qs, q_at, b0, n_blk, n_blocks, xe, (first + s0) * width, width, acc, at)
+                    at += ns * _n_acc_nb(ns) * LANES
+                    s0 += ns
+        for r in range(r0, r1):
+            s0, at = 0, (r - r0) * row_stride
+            while s0 < n:
+                ns = _chunk(n - s0)
+                m = _n_acc_nb(ns) * LANES
                 for s in range(ns):
-                    out[order[s0 + s], col + r] = res[s]
+                    total = np.float32(0.0)
+                    for i in range(m):
+                        total += acc[at + s * m + i]
+                    out[order[first + s0 + s], col + r] = total
+                at += ns * m
+                s0 += ns
 
 
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
@@ -389,5 +514,6 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         p.flags.writeable = False                # one compiled signature: the file's maps are read-only
     out = np.empty((order.shape[0], sum(p.shape[1] for p in parts)), dtype=np.float32)
     if order.shape[0]:
-        _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums, out)
+        _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
+                   X_ORDER, out)
     return out
