@@ -42,10 +42,9 @@ _T = gguf.GGMLQuantizationType
 TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
 
-NS = (1, 2, 3, 4, 8)
-"""Slots of one expert one pass over a weight row multiplies (a group's slots: 8 at a time, then 4,
-then the rest)."""
-SLOTS = max(NS)
+SLOTS = 8
+"""Slots of one expert one pass over a weight row multiplies at most (more: 8 at a time)."""
+NS = tuple(range(1, SLOTS + 1))
 
 LANES = 8
 """float32 lanes of the microkernels' vectors (ymm; AVX-512 hosts run the same code)."""
@@ -239,7 +238,7 @@ _BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _
 # the microkernel: one weight row against ns slots
 
 
-X_PASS = 4096
+X_PASS = 6144
 """float32 of the slots' x one pass over a tile's rows covers (16 KiB: half of L1), at least a block."""
 
 
@@ -350,24 +349,32 @@ def _row_intrinsic(kind: str, ns: int):
     return intrinsic(typer)
 
 
-_q4k_1, _q4k_2, _q4k_3, _q4k_4, _q4k_8 = (_row_intrinsic("q4k", n) for n in NS)
-_q6k_1, _q6k_2, _q6k_3, _q6k_4, _q6k_8 = (_row_intrinsic("q6k", n) for n in NS)
-_mx_1, _mx_2, _mx_3, _mx_4, _mx_8 = (_row_intrinsic("mxfp4", n) for n in NS)
-_q8_1, _q8_2, _q8_3, _q8_4, _q8_8 = (_row_intrinsic("q8_0", n) for n in NS)
+_q4k_1, _q4k_2, _q4k_3, _q4k_4, _q4k_5, _q4k_6, _q4k_7, _q4k_8 = (_row_intrinsic("q4k", n) for n in NS)
+_q6k_1, _q6k_2, _q6k_3, _q6k_4, _q6k_5, _q6k_6, _q6k_7, _q6k_8 = (_row_intrinsic("q6k", n) for n in NS)
+_mx_1, _mx_2, _mx_3, _mx_4, _mx_5, _mx_6, _mx_7, _mx_8 = (_row_intrinsic("mxfp4", n) for n in NS)
+_q8_1, _q8_2, _q8_3, _q8_4, _q8_5, _q8_6, _q8_7, _q8_8 = (_row_intrinsic("q8_0", n) for n in NS)
 
 
 @njit(**JIT_INLINE)
 def _chunk(n):
-    """Slots for the next microkernel call when ``n`` are left: 8, 4, or all (1 .. 3)."""
-    return 8 if n >= 8 else 4 if n >= 4 else n
+    """Slots for the next microkernel call when ``n`` are left: the fewest passes, as even as can be
+    (9: 5 then 4, not 8 then 1: a pass for few slots costs nearly what one for 8 does)."""
+    passes = (n + SLOTS - 1) // SLOTS
+    return (n + passes - 1) // passes
 
 
 @njit(**JIT_INLINE)
 def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
-    """The microkernel of ``kind`` (:data:`KIND`) for ``ns`` (one of :data:`NS`) slots."""
+    """The microkernel of ``kind`` (:data:`KIND`) for ``ns`` (1 .. :data:`SLOTS`) slots."""
     if kind == 0:
         if ns == 8:
             _q4k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 7:
+            _q4k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 6:
+            _q4k_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 5:
+            _q4k_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 4:
             _q4k_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 3:
@@ -379,6 +386,12 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
     elif kind == 1:
         if ns == 8:
             _q6k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 7:
+            _q6k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 6:
+            _q6k_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 5:
+            _q6k_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 4:
             _q6k_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 3:
@@ -390,6 +403,12 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
     elif kind == 2:
         if ns == 8:
             _mx_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 7:
+            _mx_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 6:
+            _mx_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 5:
+            _mx_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 4:
             _mx_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 3:
@@ -401,6 +420,12 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
     else:
         if ns == 8:
             _q8_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 7:
+            _q8_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 6:
+            _q8_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 5:
+            _q8_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 4:
             _q8_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 3:
@@ -416,14 +441,13 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
 
 
 @njit(**JIT_PARALLEL)
-def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, out):
+def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, xe, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
     n_parts 1 for one part). x is first gathered in slot order (xe row i: x[rows[order[i]]], each
     32 inputs in the order ``x_order``), each row followed by ``sums`` float32 sums a block (per 32 inputs) when ``sums`` > 0."""
     n_slots, n_in = order.shape[0], x.shape[1]
     n_blocks = n_in // per_block
-    width = n_in + n_blocks * sums
-    xe = np.empty((n_slots, width), np.float32)
+    width = xe.shape[1]
     for i in range(n_slots):
         src = rows[order[i]]
         for j0 in range(0, n_in, 32):
@@ -514,6 +538,17 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         p.flags.writeable = False                # one compiled signature: the file's maps are read-only
     out = np.empty((order.shape[0], sum(p.shape[1] for p in parts)), dtype=np.float32)
     if order.shape[0]:
+        xe = _aligned((order.shape[0], n_in + n_in // 32 * (sums // 8)))
         _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
-                   X_ORDER, out)
+                   X_ORDER, xe, out)
     return out
+
+
+def _aligned(shape: tuple[int, int]) -> np.ndarray:
+    """float32 C-contiguous ``[shape[0], >= shape[1]]`` starting on a cache line, its rows a
+    multiple of 16 floats (64 bytes) long: the microkernels' 32-byte loads of x then never
+    straddle two lines."""
+    width = -(-shape[1] // 16) * 16
+    raw = np.empty(shape[0] * width + 16, dtype=np.float32)
+    skip = (-raw.ctypes.data % 64) // 4
+    return raw[skip:skip + shape[0] * width].reshape(shape[0], width)
