@@ -57,6 +57,8 @@ _KINDS = {"q4k": (_T.Q4_K, 256, 144, 8), "q6k": (_T.Q6_K, 256, 210, 0),
           "mxfp4": (_T.MXFP4, 32, 17, 0), "q8_0": (_T.Q8_0, 32, 34, 0)}
 KIND = {v[0]: i for i, v in enumerate(_KINDS.values())}
 """ggml type -> the drivers' ``kind`` argument."""
+KIND_MXFP4 = KIND[_T.MXFP4]
+_KIND_SHAPES = tuple(_KINDS.values())
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,8 +198,10 @@ def _q6k_block(k: VectorTile, qs, qb, exact: bool):
 def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
     """MXFP4 (e, qs[16]): input l (l < 16) the low nibble of byte l, 16 + l the high one, each a
     code of ``kvalues`` (a ``pshufb`` table); scale the E8M0 byte's ``0x00200000 << e`` (e < 2) or
-    ``(e - 1) << 23`` as float32 bits (with ``exact``, the weights ``d * kvalue``; the scale times
-    2**-24 could fall below float32's range, so the kvalues are shifted back down)."""
+    ``(e - 1) << 23`` as float32 bits. Without ``exact`` the kvalues come times 2**24 (the driver
+    scales the row's sums back: exact unless a sum leaves float32's range, beyond 2**104); with
+    ``exact`` the weights ``d * kvalue`` (the kvalues shifted back down: ``d * 2**-24`` could fall
+    below float32's range)."""
     b, c64 = k.b, k.c64
     v16 = ir.VectorType(_I8, 16)
     pshufb = b.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128", (), ir.FunctionType(v16, [v16, v16]))
@@ -210,7 +214,7 @@ def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
     hi = b.call(pshufb, [table, b.and_(b.lshr(codes, _const([4] * 16)), _const([15] * 16))])
     kv = b.shuffle_vector(lo, hi, _const(range(32), _I32))
     d = b.bitcast(bits, k.f32)
-    kvs = [(_widen(k, kv, g, True, True), 8 * g) for g in range(4)]
+    kvs = [(_widen(k, kv, g, True, exact), 8 * g) for g in range(4)]
     if exact:                                    # d * kvalue: exact (a power of two times a small integer)
         dv = k.splat(d, k.vf)
         return [([(b.fmul(dv, v), off) for v, off in kvs], None)], None
@@ -501,6 +505,8 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
                     total = np.float32(0.0)
                     for i in range(m):
                         total += acc[at + s * m + i]
+                    if kind == KIND_MXFP4 and ns == 1:
+                        total *= np.float32(_TOP)        # its kvalues came times 2**24
                     out[order[first + s0 + s], col + r] = total
                 at += ns * m
                 s0 += ns
@@ -523,11 +529,10 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         ValueError: a type outside :data:`TYPES`, more than 2 parts, or parts not C-contiguous
             ``[n_expert, n_out_p, n_in / block * block_bytes]``.
     """
-    ggml_type = _T(ggml_type)
-    if ggml_type not in TYPES:
-        raise ValueError(f"mul_mat_id_f32: no kernel for {ggml_type!r}")
+    if ggml_type not in KIND:
+        raise ValueError(f"mul_mat_id_f32: no kernel for {_T(ggml_type)!r}")
     kind = KIND[ggml_type]
-    _, per_block, block_bytes, sums = list(_KINDS.values())[kind]
+    _, per_block, block_bytes, sums = _KIND_SHAPES[kind]
     n_in = x.shape[1]
     parts = [np.asarray(d).view() for d in datas]
     if not 1 <= len(parts) <= 2 or any(p.ndim != 3 or p.dtype != np.uint8 or not p.flags.c_contiguous
@@ -550,5 +555,5 @@ def _aligned(shape: tuple[int, int]) -> np.ndarray:
     straddle two lines."""
     width = -(-shape[1] // 16) * 16
     raw = np.empty(shape[0] * width + 16, dtype=np.float32)
-    skip = (-raw.ctypes.data % 64) // 4
+    skip = (-raw.__array_interface__["data"][0] % 64) // 4
     return raw[skip:skip + shape[0] * width].reshape(shape[0], width)
