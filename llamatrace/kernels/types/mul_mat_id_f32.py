@@ -2,24 +2,41 @@
 
 The experts stay as the GGUF file stores them: row-major, each weight row ``n_in / 256`` (Q4_K,
 Q6_K) or ``n_in / 32`` (MXFP4, Q8_0) blocks in a row. One call is one parallel region over work
-items (group of slots, part, tile of :data:`TR` weight rows); per weight row and up to
-:data:`SLOTS` slots of the group at once, an LLVM IR microkernel (:func:`_row_ir`) turns 8
-weights at a time into one float32 vector in registers and multiplies it into each slot's row of
-``x`` (the activations are the vector's other side, loaded as they lie: no broadcast), so each
-weight is converted once for all the slots that use it. Each slot's sums stay in vectors over
-the whole row and are added across lanes at its end.
+items (group of slots, part, tile of :data:`TR` weight rows), as ggml's ``mul_mat_id`` shares a
+node's rows between its threads. Per weight row and up to :data:`SLOTS` slots of the group at
+once, an LLVM IR microkernel (:func:`_row_ir`) turns 8 weights at a time into one float32 vector
+in registers and multiplies it into each slot's row of ``x`` (the activations are the vector's
+other side: no broadcast), so each weight is converted once for all the slots of a pass. The
+sums are vectors over inputs, kept in a small buffer between passes over the inputs (each pass
+covers :data:`X_PASS` floats of the slots' x, so that they stay in L1 while the tile's rows use
+them) and added across lanes at the end.
 
-The arithmetic is float32 activations times ``gguf.quants.dequantize``'s weights, with the
-products grouped as the packed kernels (:mod:`llamatrace.kernels.types.f32_ir`) group them:
+The arithmetic is float32 activations times ``gguf.quants.dequantize``'s weights. One slot (a
+decode step's experts) takes the products grouped as the packed kernels
+(:mod:`llamatrace.kernels.types.f32_ir`) group them, fewer operations a weight:
 
 - Q4_K: ``(d*sc) * (x . q) - (dmin*mn) * sum(x)`` per sub-block of 32 (``d*sc`` and
   ``dmin*mn`` are exact in float32; ``sum(x)`` per 32 inputs is computed once a call);
-- Q6_K: the weights themselves, ``(d*sc) * (q - 32)`` rounded as gguf-py rounds them, times x;
 - MXFP4: ``d * (x . kvalue)`` per block (``d`` a power of two: ggml's ``GGML_E8M0_TO_FP32_HALF``);
-- Q8_0: ``d * (x . q)`` per block.
+- Q8_0: ``d * (x . q)`` per block;
+- Q6_K: the weights themselves, ``(d*sc) * (q - 32)`` rounded as gguf-py rounds them, times x.
 
-So results differ from float64 sums over the dequantized weights by float32 rounding only;
-:func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests hold them to.
+Several slots (a prefill's groups, ~8 slots an expert at 128 tokens, top-8 of 128) take every
+type's weights themselves, made once in registers, gguf-py's float32 values bit for bit (Q4_K's
+``fma(d*sc, q, -(dmin*mn))`` is gguf-py's ``d*q - dm`` since ``d*sc*q`` is exact), then one FMA
+per slot. Either way results differ from float64 sums over the dequantized weights by float32
+rounding only; :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests
+hold them to.
+
+Speed (``benchmarks/bench_mul_mat_id.py``, layer 0 of /tmp/bench files, against today's path:
+each expert packed, ``registry.matmul`` expert by expert; one thread, CPU time, interleaved, on
+a shared 2-core Zen 3 at load 3-5, so +-20 %): qwen3moe Q4_K|Q6_K decode (8 cold experts)
+5.4-5.5 GB/s against 7.2-7.7 (0.70-0.76x), prefill (128 rows, top-8) 1.2-1.4 against 1.7-1.8
+(0.67-0.80x); gpt-oss MXFP4 decode (4 experts) 4.6-5.0 against 6.0-6.1, prefill 0.71-0.72 against
+0.95-0.97. Hot in cache, one expert: Q4_K 1 slot 6.7-8 GB/s against 8-9 packed (the row-major
+layout spends a broadcast and an FMA per 32 weights on each sub-block's scale, which the packed
+tiles share between 8 rows); Q6_K 4.5-5.3 against 3.8-4.9. Where the time goes: the scale work of
+each row's blocks (decode), and for prefill the weights' conversion, made per pass.
 
 Numba caches the drivers by this module's source; the IR is emitted here too, so a change to it
 recompiles them.
@@ -49,7 +66,7 @@ NS = tuple(range(1, SLOTS + 1))
 LANES = 8
 """float32 lanes of the microkernels' vectors (ymm; AVX-512 hosts run the same code)."""
 
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _KVALUES_MXFP4 = tuple(gguf.quants.MXFP4.kvalues)
 
 # kind: (ggml type, weights a block, bytes a block, float32 sums of x a block appended to each row)
@@ -255,12 +272,12 @@ _n_acc_nb = njit(**JIT_INLINE)(_n_acc)
 
 
 def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
-    """Blocks ``blk0 .. blk0 + n_blk`` of one weight row (block 0 at byte ``q_at`` of ``qs``, a row
-    of ``n_blocks``) times slots ``s < ns`` (x rows at ``x_at + s * ldx``, laid out as
-    :func:`_matmul_id` lays them out) added to the slots' vectors of sums at ``acc_at + s * ACC``
-    of ``acc`` (:func:`_n_acc` vectors each). One slot: each block's products summed per scale
-    group, then scaled (Q4_K less ``(dmin*mn) * sum(x)`` per sub-block, from the sums after x's
-    ``n_in`` inputs); several: the weights made once, then one FMA per slot."""
+    """Blocks ``blk0 .. blk0 + n_blk`` (n_blk >= 1) of one weight row (block 0 at byte ``q_at`` of
+    ``qs``, a row of ``n_blocks``) times slots ``s < ns`` (x rows at ``x_at + s * ldx``, laid out
+    as :func:`_matmul_id` lays them out), added to the slots' vectors of sums at ``acc_at`` of
+    ``acc`` (:func:`_n_acc` vectors a slot, one slot after the other). One slot: each block's
+    products summed per scale group, then scaled (Q4_K less ``(dmin*mn) * sum(x)`` per sub-block,
+    from the sums after x's ``n_in`` inputs); several: the weights made once, then an FMA per slot."""
     b, c64 = k.b, k.c64
     _, per_block, block_bytes, sums = _KINDS[kind]
     exact = ns > 1
@@ -268,7 +285,6 @@ def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, 
     n_in = b.mul(n_blocks, c64(per_block))
     rows = [b.add(x_at, b.mul(ldx, c64(s))) for s in range(ns)]
     at = [b.add(acc_at, c64((s * n_acc + a) * LANES)) for s in range(ns) for a in range(n_acc)]
-    start = b.basic_block
 
     def body(i, accs):
         accs = list(accs)
@@ -301,7 +317,6 @@ def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, 
                 accs[j] = k.fma(neg, k.load(x, b.add(b.add(rows[s], n_in), b.mul(blk, c64(sums))), k.vf, 4), accs[j])
         return accs
 
-    del start
     outs = _loop(k, n_blk, [k.load(acc, a, k.vf, 4) for a in at], body)
     for a, v in zip(at, outs):
         b.store(v, k.ptr(acc, a, k.vf), align=4)
