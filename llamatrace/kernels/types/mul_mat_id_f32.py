@@ -259,6 +259,10 @@ _BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _
 # the microkernel: one weight row against ns slots
 
 
+AHEAD = 4096
+"""Bytes ahead of the block being read that each block asks into L2: the file's 4 KiB pages stop
+the hardware's prefetch at every page, which a running read does not."""
+
 X_PASS = 6144
 """float32 of the slots' x one pass over a tile's rows covers (16 KiB: half of L1), at least a block."""
 
@@ -290,6 +294,7 @@ def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, 
         accs = list(accs)
         blk = b.add(blk0, i)
         qb = b.add(q_at, b.mul(blk, c64(block_bytes)))
+        k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
         xb = [b.add(r, b.mul(blk, c64(per_block))) for r in rows]
         groups, mins = _BLOCK[kind](k, qs, qb, exact)
         turn = 0
@@ -375,14 +380,6 @@ _q8_1, _q8_2, _q8_3, _q8_4, _q8_5, _q8_6, _q8_7, _q8_8 = (_row_intrinsic("q8_0",
 
 
 @njit(**JIT_INLINE)
-def _chunk(n):
-    """Slots for the next microkernel call when ``n`` are left: the fewest passes, as even as can be
-    (9: 5 then 4, not 8 then 1: a pass for few slots costs nearly what one for 8 does)."""
-    passes = (n + SLOTS - 1) // SLOTS
-    return (n + passes - 1) // passes
-
-
-@njit(**JIT_INLINE)
 def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
     """The microkernel of ``kind`` (:data:`KIND`) for ``ns`` (1 .. :data:`SLOTS`) slots."""
     if kind == 0:
@@ -455,6 +452,45 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
             _q8_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
 
 
+def _total_intrinsic(n_vec: int):
+    def typer(typingctx, acc, at):
+        if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+            return None
+
+        def codegen(context, b, signature, args):
+            k = VectorTile(b, LANES)
+            data = context.make_array(signature.args[0])(context, b, args[0]).data
+            at_ = k.i64(args[1])
+            vs = [k.load(data, b.add(at_, k.c64(i * LANES)), k.vf, 4) for i in range(n_vec)]
+            while len(vs) > 1:
+                vs = [b.fadd(vs[i], vs[i + 1]) for i in range(0, len(vs), 2)]
+            v = vs[0]
+            for n in (4, 2):
+                v = b.fadd(b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n), _I32)),
+                           b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n, 2 * n), _I32)))
+            return b.fadd(b.extract_element(v, ir.Constant(_I32, 0)), b.extract_element(v, ir.Constant(_I32, 1)))
+
+        return types.float32(acc, at), codegen
+
+    typer.__name__ = f"total_{n_vec}"
+    typer.__doc__ = f"The sum of the {n_vec} float32 vectors at ``at`` of ``acc``: pairwise, then across lanes."
+    return intrinsic(typer)
+
+
+_total_1, _total_2, _total_4 = (_total_intrinsic(n) for n in (1, 2, 4))
+
+
+@njit(**JIT_INLINE)
+def _total(acc, at, n_vec):
+    """A slot's sums (``n_vec`` vectors at ``at`` of ``acc``) added up, as a tree (a loop over the
+    floats one by one cost a fifth of a decode row's time: each add waited on the last)."""
+    if n_vec == 4:
+        return _total_4(acc, at)
+    if n_vec == 2:
+        return _total_2(acc, at)
+    return _total_1(acc, at)
+
+
 # --------------------------------------------------------------------------------------------
 # the driver: one parallel region over (group, part, tile of TR weight rows)
 
@@ -490,13 +526,14 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             qs, t, col = q1, j - t0, n_out0
         n_out, row_bytes = qs.shape[1], qs.shape[2]
         e, first, n = experts[g], starts[g], starts[g + 1] - starts[g]
-        # the sums of a row's slots, chunk after chunk of slots (each :func:`_n_acc` vectors a slot)
+        # the group's slots in n_pass passes as even as can be (13: 7 then 6; a pass for few slots
+        # costs nearly what one for 8 does); each slot's sums are _n_acc vectors, pass after pass
+        n_pass = (n + SLOTS - 1) // SLOTS
+        base, extra = n // n_pass, n % n_pass
         row_stride = 0
-        left = n
-        while left:
-            ns = _chunk(left)
+        for i in range(n_pass):
+            ns = base + (1 if i < extra else 0)
             row_stride += ns * _n_acc_nb(ns) * LANES
-            left -= ns
         r0, r1 = t * TR, min((t + 1) * TR, n_out)
         acc = np.zeros((r1 - r0) * row_stride, np.float32)
         # blocks of inputs such that the slots' x over them stay in L1 while the tile's rows use it
@@ -505,25 +542,23 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             n_blk = min(per_pass, n_blocks - b0)
             for r in range(r0, r1):
                 q_at = (e * n_out + r) * row_bytes
-                s0, at = 0, (r - r0) * row_stride
-                while s0 < n:
-                    ns = _chunk(n - s0)
-                    _row(kind, ns, qs, q_at, b0, n_blk, n_blocks, xe, (first + s0) * width, width, acc, at)
+                s0, at = first, (r - r0) * row_stride
+                for i in range(n_pass):
+                    ns = base + (1 if i < extra else 0)
+                    _row(kind, ns, qs, q_at, b0, n_blk, n_blocks, xe, s0 * width, width, acc, at)
                     at += ns * _n_acc_nb(ns) * LANES
                     s0 += ns
         for r in range(r0, r1):
-            s0, at = 0, (r - r0) * row_stride
-            while s0 < n:
-                ns = _chunk(n - s0)
-                m = _n_acc_nb(ns) * LANES
+            s0, at = first, (r - r0) * row_stride
+            for i in range(n_pass):
+                ns = base + (1 if i < extra else 0)
+                n_vec = _n_acc_nb(ns)
                 for s in range(ns):
-                    total = np.float32(0.0)
-                    for i in range(m):
-                        total += acc[at + s * m + i]
+                    total = _total(acc, at + s * n_vec * LANES, n_vec)
                     if kind == KIND_MXFP4 and ns == 1:
                         total *= np.float32(_TOP)        # its kvalues came times 2**24
-                    out[order[first + s0 + s], col + r] = total
-                at += ns * m
+                    out[order[s0 + s], col + r] = total
+                at += ns * n_vec * LANES
                 s0 += ns
 
 
