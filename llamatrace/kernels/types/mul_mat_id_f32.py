@@ -139,18 +139,17 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool):
     float32, so that is gguf-py's ``d * q - dm``, None)."""
     b, c64 = k.b, k.c64
     d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
-    s = k.load(qs, b.add(qb, c64(4)), ir.VectorType(_I8, 16))       # bytes 4..19: scales, qs[0:4]
+    # bytes 4..15 (and qs[0:4]): per lane the 6-bit scales (lanes 0..7) and mins (8..15), on bytes
+    s = k.load(qs, b.add(qb, c64(4)), ir.VectorType(_I8, 16))
+    s4 = b.and_(b.lshr(s, _const([4] * 16)), _const([15] * 16))
+    low = b.and_(b.shuffle_vector(s, s4, _const([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 24, 25, 26, 27], _I32)),
+                 _const(([63] * 4 + [15] * 4) * 2))
+    top = b.and_(b.lshr(b.shuffle_vector(s, ir.Constant(s.type, None), _const([0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2, _I32)),
+                        _const([2] * 16)), _const(([0] * 4 + [0x30] * 4) * 2))      # (b >> 6) << 4
+    both = b.or_(low, top)
     vi = ir.VectorType(_I32, 8)
-    top = _const([0, 0, 0, 0, 48, 48, 48, 48], _I32)                # scales and mins 4..7: 2 more bits
-
-    def high(idx):
-        return b.and_(b.shl(b.lshr(_pick(k, s, idx), ir.Constant(vi, [6] * 8)), ir.Constant(vi, [4] * 8)), top)
-
-    sc = b.or_(b.and_(_pick(k, s, [0, 1, 2, 3, 8, 9, 10, 11]), _const([63] * 4 + [15] * 4, _I32)),
-               high([0, 1, 2, 3, 0, 1, 2, 3]))
-    mn = b.or_(b.and_(b.lshr(_pick(k, s, [4, 5, 6, 7, 8, 9, 10, 11]), _const([0] * 4 + [4] * 4, _I32)),
-                      _const([63] * 4 + [15] * 4, _I32)),
-               high([4, 5, 6, 7, 4, 5, 6, 7]))
+    sc, mn = (b.zext(b.shuffle_vector(both, ir.Constant(both.type, None), _const(range(o, o + 8), _I32)), vi)
+              for o in (0, 8))
     dsc = b.fmul(k.splat(d, k.vf), b.sitofp(sc, k.vf))
     dmn = b.fmul(k.splat(dmin, k.vf), b.sitofp(mn, k.vf))
     # each sub-block's scale broadcast from memory (a load) rather than out of the vector (2 shuffles)
