@@ -293,7 +293,8 @@ def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, 
         accs = list(accs)
         blk = b.add(blk0, i)
         qb = b.add(q_at, b.mul(blk, c64(block_bytes)))
-        k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
+        if AHEAD:
+            k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
         xb = [b.add(r, b.mul(blk, c64(per_block))) for r in rows]
         groups, mins = _BLOCK[kind](k, qs, qb, exact)
         turn = 0
