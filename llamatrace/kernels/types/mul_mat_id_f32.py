@@ -28,15 +28,15 @@ per slot. Either way results differ from float64 sums over the dequantized weigh
 rounding only; :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests
 hold them to.
 
-Speed (``benchmarks/bench_mul_mat_id.py``, layer 0 of /tmp/bench files, against today's path:
-each expert packed, ``registry.matmul`` expert by expert; one thread, CPU time, interleaved, on
-a shared 2-core Zen 3 at load 3-5, so +-20 %): qwen3moe Q4_K|Q6_K decode (8 cold experts)
-5.4-5.5 GB/s against 7.2-7.7 (0.70-0.76x), prefill (128 rows, top-8) 1.2-1.4 against 1.7-1.8
-(0.67-0.80x); gpt-oss MXFP4 decode (4 experts) 4.6-5.0 against 6.0-6.1, prefill 0.71-0.72 against
-0.95-0.97. Hot in cache, one expert: Q4_K 1 slot 6.7-8 GB/s against 8-9 packed (the row-major
-layout spends a broadcast and an FMA per 32 weights on each sub-block's scale, which the packed
-tiles share between 8 rows); Q6_K 4.5-5.3 against 3.8-4.9. Where the time goes: the scale work of
-each row's blocks (decode), and for prefill the weights' conversion, made per pass.
+Speed (``benchmarks/bench_mul_mat_id.py``, layer 0 of /tmp/bench's files, against today's path:
+each expert packed, ``registry.matmul`` expert by expert; one thread, CPU time, interleaved, on a
+shared 2-core Zen 3 at load 3-4, so +-15 %): qwen3moe Q4_K|Q6_K decode (8 cold experts) 6.3 GB/s
+of weights against 7.6 (0.82x), prefill (128 rows, top-8) 1.6 against 1.8 (0.88x); gpt-oss MXFP4
+decode (4 experts) 5.3 against 6.1 (0.87x), prefill (16 slots an expert: two passes) 0.79 against
+1.06 (0.74x). Per weight the 1-slot microkernel does what the packed one does (a byte shuffle or
+a widening load, a conversion, an FMA), plus what the row-major layout cannot share between rows:
+each row's block scales unpacked and each sub-block's scale broadcast and applied, which the
+packed tiles do once for 8 rows (Q4_K: ~165 instructions a 256-weight block, ~130 packed).
 
 Numba caches the drivers by this module's source; the IR is emitted here too, so a change to it
 recompiles them.
