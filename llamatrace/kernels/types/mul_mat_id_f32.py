@@ -603,7 +603,7 @@ def _aligned(shape: tuple[int, int]) -> np.ndarray:
     """float32 C-contiguous ``[shape[0], >= shape[1]]`` starting on a cache line, its rows a
     multiple of 16 floats (64 bytes) long: the microkernels' 32-byte loads of x then never
     straddle two lines."""
-    width = -(-shape[1] // 16) * 16
+    width = -(-int(shape[1]) // 16) * 16
     raw = np.empty(shape[0] * width + 16, dtype=np.float32)
     skip = (-raw.__array_interface__["data"][0] % 64) // 4
     return raw[skip:skip + shape[0] * width].reshape(shape[0], width)
