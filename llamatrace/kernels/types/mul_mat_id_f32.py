@@ -60,7 +60,8 @@ TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
 
 SLOTS = 8
-"""Slots of one expert one pass over a weight row multiplies at most (more: 8 at a time)."""
+"""Slots of one expert one pass over a weight row multiplies at most (more: in passes as even as
+can be); 8 sums and a weight fill 9 of AVX2's 16 vector registers."""
 NS = tuple(range(1, SLOTS + 1))
 
 LANES = 8
@@ -498,8 +499,9 @@ def _total(acc, at, n_vec):
 @njit(**JIT_PARALLEL)
 def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, xe, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
-    n_parts 1 for one part). x is first gathered in slot order (xe row i: x[rows[order[i]]], each
-    32 inputs in the order ``x_order``), each row followed by ``sums`` float32 sums a block (per 32 inputs) when ``sums`` > 0."""
+    n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
+    aligned rows) in slot order: row i is x[rows[order[i]]], each 32 inputs in the order
+    ``x_order``, followed by its sums per 32 inputs when ``sums`` (a block's count) > 0."""
     n_slots, n_in = order.shape[0], x.shape[1]
     n_blocks = n_in // per_block
     width = xe.shape[1]
