@@ -1,16 +1,611 @@
 """The ``f32`` mode's ``mul_mat_id`` kernels on the file's blocks (:mod:`llamatrace.kernels.mul_mat_id`).
 
-Placeholder: no type yet (the loader packs every expert type).
+The experts stay as the GGUF file stores them: row-major, each weight row ``n_in / 256`` (Q4_K,
+Q6_K) or ``n_in / 32`` (MXFP4, Q8_0) blocks in a row. One call is one parallel region over work
+items (group of slots, part, tile of :data:`TR` weight rows), as ggml's ``mul_mat_id`` shares a
+node's rows between its threads. Per weight row and up to :data:`SLOTS` slots of the group at
+once, an LLVM IR microkernel (:func:`_row_ir`) turns 8 weights at a time into one float32 vector
+in registers and multiplies it into each slot's row of ``x`` (the activations are the vector's
+other side: no broadcast), so each weight is converted once for all the slots of a pass. The
+sums are vectors over inputs, kept in a small buffer between passes over the inputs (each pass
+covers :data:`X_PASS` floats of the slots' x, so that they stay in L1 while the tile's rows use
+them) and added across lanes at the end.
+
+The arithmetic is float32 activations times ``gguf.quants.dequantize``'s weights. One slot (a
+decode step's experts) takes the products grouped as the packed kernels
+(:mod:`llamatrace.kernels.types.f32_ir`) group them, fewer operations a weight:
+
+- Q4_K: ``(d*sc) * (x . q) - (dmin*mn) * sum(x)`` per sub-block of 32 (``d*sc`` and
+  ``dmin*mn`` are exact in float32; ``sum(x)`` per 32 inputs is computed once a call);
+- MXFP4: ``d * (x . kvalue)`` per block (``d`` a power of two: ggml's ``GGML_E8M0_TO_FP32_HALF``);
+- Q8_0: ``d * (x . q)`` per block;
+- Q6_K: the weights themselves, ``(d*sc) * (q - 32)`` rounded as gguf-py rounds them, times x.
+
+Several slots (a prefill's groups, ~8 slots an expert at 128 tokens, top-8 of 128) take every
+type's weights themselves, made once in registers, gguf-py's float32 values bit for bit (Q4_K's
+``fma(d*sc, q, -(dmin*mn))`` is gguf-py's ``d*q - dm`` since ``d*sc*q`` is exact), then one FMA
+per slot. Either way results differ from float64 sums over the dequantized weights by float32
+rounding only; :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests
+hold them to.
+
+Speed (``benchmarks/bench_mul_mat_id.py``, layer 0 of /tmp/bench's files, against today's path:
+each expert packed, ``registry.matmul`` expert by expert; one thread, CPU time, interleaved, on a
+shared 2-core Zen 3 at load 3-4, so +-15 %): qwen3moe Q4_K|Q6_K decode (8 cold experts) 6.3 GB/s
+of weights against 7.6 (0.82x), prefill (128 rows, top-8) 1.6 against 1.8 (0.88x); gpt-oss MXFP4
+decode (4 experts) 5.3 against 6.1 (0.87x), prefill (16 slots an expert: two passes) 0.79 against
+1.06 (0.74x). Per weight the 1-slot microkernel does what the packed one does (a byte shuffle or
+a widening load, a conversion, an FMA), plus what the row-major layout cannot share between rows:
+each row's block scales unpacked and each sub-block's scale broadcast and applied, which the
+packed tiles do once for 8 rows (Q4_K: ~165 instructions a 256-weight block, ~130 packed).
+
+Numba caches the drivers by this module's source; the IR is emitted here too, so a change to it
+recompiles them.
 """
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-TYPES: frozenset = frozenset()
+from llamatrace.kernels.tiles import TR, VectorTile
+from llamatrace.kernels.types.f32_ir import _escape
+from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
+
+_T = gguf.GGMLQuantizationType
+
+TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
+
+SLOTS = 8
+"""Slots of one expert one pass over a weight row multiplies at most (more: in passes as even as
+can be); 8 sums and a weight fill 9 of AVX2's 16 vector registers."""
+NS = tuple(range(1, SLOTS + 1))
+
+LANES = 8
+"""float32 lanes of the microkernels' vectors (ymm; AVX-512 hosts run the same code)."""
+
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_KVALUES_MXFP4 = tuple(gguf.quants.MXFP4.kvalues)
+
+# kind: (ggml type, weights a block, bytes a block, float32 sums of x a block appended to each row)
+_KINDS = {"q4k": (_T.Q4_K, 256, 144, 8), "q6k": (_T.Q6_K, 256, 210, 0),
+          "mxfp4": (_T.MXFP4, 32, 17, 0), "q8_0": (_T.Q8_0, 32, 34, 0)}
+KIND = {v[0]: i for i, v in enumerate(_KINDS.values())}
+"""ggml type -> the drivers' ``kind`` argument."""
+KIND_MXFP4 = KIND[_T.MXFP4]
+_KIND_SHAPES = tuple(_KINDS.values())
+
+
+# --------------------------------------------------------------------------------------------
+# One block of one weight row -> groups of (float32 vector of 8 quants or weights, their first
+# position in the block of x as the driver lays it out) with the group's scale (None: the vectors
+# are the weights themselves).
+#
+# Widening: 32 bytes (inputs 32i .. 32i + 31 of a block, one byte each) become four vectors of 8
+# int32 by one in-lane byte shuffle each (``vpshufb``): vector g holds inputs 4g .. 4g + 3 (low
+# 128 bits) and 16 + 4g .. 16 + 4g + 3 (high 128 bits). The driver lays each 32 inputs of x out in
+# that order (:data:`X_ORDER`), so the products pair up. Unsigned bytes land in the low byte of
+# their int32 (the quant itself); signed ones in the high byte (the quant times 2**24, exact in
+# float32), whose 2**-24 is folded into a scale.
+
+X_ORDER = np.array([4 * g + j if j < 4 else 12 + 4 * g + j for g in range(4) for j in range(8)], dtype=np.int64)
+"""Position p of each 32 inputs of x in the kernels' layout holds input ``X_ORDER[p]``."""
+_TOP = 2.0 ** -24
+
+
+def _widen(k: VectorTile, v32, g: int, signed: bool, shift_back: bool = False):
+    """Vector g (of 4) of the 32 bytes ``v32`` as float32: the bytes of inputs 4g .. 4g + 3 and
+    16 + 4g .. 16 + 4g + 3; unsigned: their values, signed: their values times 2**24 (their
+    values with ``shift_back``: one more shift)."""
+    b = k.b
+    vb = ir.VectorType(_I8, 32)
+    fn = b.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (), ir.FunctionType(vb, [vb, vb]))
+    mask = []
+    for _ in range(2):
+        for j in range(4):
+            dword = [0x80] * 4
+            dword[3 if signed else 0] = 4 * g + j
+            mask += dword
+    words = b.bitcast(b.call(fn, [v32, ir.Constant(vb, mask)]), ir.VectorType(_I32, LANES))
+    if shift_back:
+        words = b.ashr(words, ir.Constant(words.type, [24] * LANES))
+    return b.sitofp(words, k.vf)
+
+
+def _half(k: VectorTile, qs, at):
+    """The fp16 at byte ``at`` of ``qs`` as float32 (exact)."""
+    return k.b.fpext(k.load(qs, at, ir.HalfType(), 1), k.f32)
+
+
+def _const(values, ty=_I8):
+    values = list(values)
+    return ir.Constant(ir.VectorType(ty, len(values)), values)
+
+
+def _pick(k: VectorTile, v, idx, ty=_I32):
+    """``v``'s bytes at ``idx`` zero-extended to ``ty`` lanes."""
+    b = k.b
+    sub = b.shuffle_vector(v, ir.Constant(v.type, None), _const(idx, _I32))
+    return b.zext(sub, ir.VectorType(ty, len(idx)))
+
+
+def _q4k_block(k: VectorTile, qs, qb, exact: bool):
+    """Q4_K (d, dmin, scales[12], qs[128]): per chunk j of 32 bytes, sub-block 2j in the low
+    nibbles (inputs 64j + l) and 2j + 1 in the high ones (64j + 32 + l); the 6-bit scales and mins
+    unpacked on 8 lanes as ggml's ``get_scale_min_k4``. Returns (groups, the 8 ``dmin*mn``), or
+    with ``exact`` (groups of weights ``fma(d*sc, q, -(dmin*mn))``: ``(d*sc) * q`` is exact in
+    float32, so that is gguf-py's ``d * q - dm``, None)."""
+    b, c64 = k.b, k.c64
+    d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
+    # bytes 4..15 (and qs[0:4]): per lane the 6-bit scales (lanes 0..7) and mins (8..15), on bytes
+    s = k.load(qs, b.add(qb, c64(4)), ir.VectorType(_I8, 16))
+    s4 = b.and_(b.lshr(s, _const([4] * 16)), _const([15] * 16))
+    low = b.and_(b.shuffle_vector(s, s4, _const([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 24, 25, 26, 27], _I32)),
+                 _const(([63] * 4 + [15] * 4) * 2))
+    top = b.and_(b.lshr(b.shuffle_vector(s, ir.Constant(s.type, None), _const([0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2, _I32)),
+                        _const([2] * 16)), _const(([0] * 4 + [0x30] * 4) * 2))      # (b >> 6) << 4
+    both = b.or_(low, top)
+    vi = ir.VectorType(_I32, 8)
+    sc, mn = (b.zext(b.shuffle_vector(both, ir.Constant(both.type, None), _const(range(o, o + 8), _I32)), vi)
+              for o in (0, 8))
+    dsc = b.fmul(k.splat(d, k.vf), b.sitofp(sc, k.vf))
+    dmn = b.fmul(k.splat(dmin, k.vf), b.sitofp(mn, k.vf))
+    # each sub-block's scale broadcast from memory (a load) rather than out of the vector (2 shuffles)
+    with b.goto_entry_block():
+        scratch = b.alloca(ir.VectorType(k.f32, 16), name="q4k_scales")
+    at = b.bitcast(scratch, k.f32.as_pointer())
+    b.store(dsc, b.bitcast(at, dsc.type.as_pointer()), align=4)
+    b.store(b.fneg(dmn), b.bitcast(b.gep(at, [ir.Constant(_I32, 8)]), dsc.type.as_pointer()), align=4)
+    _escape(b, scratch)
+    v32 = ir.VectorType(_I8, 32)
+    groups = []
+    for j in range(4):
+        q = k.load(qs, b.add(qb, c64(16 + 32 * j)), v32)
+        lo = b.and_(q, _const([15] * 32))
+        hi = b.and_(b.lshr(q, _const([4] * 32)), _const([15] * 32))
+        for sub, nib in ((2 * j, lo), (2 * j + 1, hi)):
+            scale = b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4)
+            vecs = [(_widen(k, nib, g, False), 32 * sub + 8 * g) for g in range(4)]
+            if exact:
+                sv, mv = k.splat(scale, k.vf), k.splat(b.load(b.gep(at, [ir.Constant(_I32, 8 + sub)]), align=4), k.vf)
+                groups.append(([(k.fma(sv, q, mv), at_) for q, at_ in vecs], None))
+            else:
+                groups.append((vecs, scale))
+    return groups, (None if exact else dmn)
+
+
+def _q6k_block(k: VectorTile, qs, qb, exact: bool):
+    """Q6_K (ql[128], qh[64], scales int8[16], d): input 128h + 32c + l (l < 32) is
+    ``(ql[64h + 32(c%2) + l] >> 4(c//2)) & 15 | ((qh[32h + l] >> 2c) & 3) << 4``, less 32, its
+    weight ``(d * sc[(128h + 32c + l) // 16]) * (q - 32)`` (gguf-py's float32 roundings: the
+    quant comes widened times 2**24 and the scale times 2**-24, both exact)."""
+    b, c64 = k.b, k.c64
+    d = _half(k, qs, b.add(qb, c64(208)))
+    v32 = ir.VectorType(_I8, 32)
+    # the 16 scales d * sc (gguf-py's product), times 2**-24, as two vectors of 8
+    sc = k.load(qs, b.add(qb, c64(192)), ir.VectorType(_I8, 16))
+    dtop = k.splat(d, k.vf)
+    dsc = [b.fmul(b.fmul(dtop, b.sitofp(b.shuffle_vector(sc, ir.Constant(sc.type, None), _const(range(8 * i, 8 * i + 8), _I32)),
+                                        k.vf)), k.splat(ir.Constant(k.f32, _TOP), k.vf)) for i in (0, 1)]
+
+    def cst(v):
+        return _const([v] * 32)
+
+    groups = []
+    for h in range(2):
+        qa = k.load(qs, b.add(qb, c64(64 * h)), v32)
+        qc = k.load(qs, b.add(qb, c64(64 * h + 32)), v32)
+        qh = k.load(qs, b.add(qb, c64(128 + 32 * h)), v32)
+        quants = (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
+                  b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
+                  b.or_(b.and_(b.lshr(qa, cst(4)), cst(15)), b.and_(qh, cst(0x30))),
+                  b.or_(b.and_(b.lshr(qc, cst(4)), cst(15)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
+        for c, q in enumerate(quants):
+            q = b.sub(q, cst(32))                                   # -32 .. 31
+            i = 2 * c                                               # the scales of l < 16 and l >= 16
+            lanes = b.shuffle_vector(dsc[h], ir.Constant(k.vf, None), _const([i] * 4 + [i + 1] * 4, _I32))
+            vecs = [(b.fmul(lanes, _widen(k, q, g, True)), 128 * h + 32 * c + 8 * g) for g in range(4)]
+            groups.append((vecs, None))
+    return groups, None
+
+
+def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
+    """MXFP4 (e, qs[16]): input l (l < 16) the low nibble of byte l, 16 + l the high one, each a
+    code of ``kvalues`` (a ``pshufb`` table); scale the E8M0 byte's ``0x00200000 << e`` (e < 2) or
+    ``(e - 1) << 23`` as float32 bits. Without ``exact`` the kvalues come times 2**24 (the driver
+    scales the row's sums back: exact unless a sum leaves float32's range, beyond 2**104); with
+    ``exact`` the weights ``d * kvalue`` (the kvalues shifted back down: ``d * 2**-24`` could fall
+    below float32's range)."""
+    b, c64 = k.b, k.c64
+    v16 = ir.VectorType(_I8, 16)
+    pshufb = b.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128", (), ir.FunctionType(v16, [v16, v16]))
+    table = _const([v & 0xFF for v in _KVALUES_MXFP4])
+    e = b.zext(k.load(qs, qb, _I8), _I32)
+    bits = b.select(b.icmp_unsigned("<", e, ir.Constant(_I32, 2)), b.shl(ir.Constant(_I32, 0x00200000), e),
+                    b.shl(b.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)))
+    codes = k.load(qs, b.add(qb, c64(1)), v16)
+    lo = b.call(pshufb, [table, b.and_(codes, _const([15] * 16))])
+    hi = b.call(pshufb, [table, b.and_(b.lshr(codes, _const([4] * 16)), _const([15] * 16))])
+    kv = b.shuffle_vector(lo, hi, _const(range(32), _I32))
+    d = b.bitcast(bits, k.f32)
+    kvs = [(_widen(k, kv, g, True, exact), 8 * g) for g in range(4)]
+    if exact:                                    # d * kvalue: exact (a power of two times a small integer)
+        dv = k.splat(d, k.vf)
+        return [([(b.fmul(dv, v), off) for v, off in kvs], None)], None
+    return [(kvs, d)], None
+
+
+def _q8_0_block(k: VectorTile, qs, qb, exact: bool):
+    """Q8_0 (d, qs int8[32]): input l is ``qs[l]``; the quants come times 2**24 and the scale is
+    ``d * 2**-24`` (d an fp16: a normal float32 still), so the weights (with ``exact``)
+    ``(d * 2**-24) * (q * 2**24)`` are gguf-py's ``d * q``."""
+    b, c64 = k.b, k.c64
+    q = k.load(qs, b.add(qb, c64(2)), ir.VectorType(_I8, 32))
+    d = b.fmul(_half(k, qs, qb), ir.Constant(k.f32, _TOP))
+    qv = [(_widen(k, q, g, True), 8 * g) for g in range(4)]
+    if exact:
+        dv = k.splat(d, k.vf)
+        return [([(b.fmul(dv, v), off) for v, off in qv], None)], None
+    return [(qv, d)], None
+
+
+_BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _q8_0_block}
+
+
+# --------------------------------------------------------------------------------------------
+# the microkernel: one weight row against ns slots
+
+
+AHEAD = 4096
+"""Bytes ahead of the block being read that each block asks into L2: the file's 4 KiB pages stop
+the hardware's prefetch at every page, which a running read does not."""
+
+X_PASS = 6144
+"""float32 of the slots' x one pass over a tile's rows covers (16 KiB: half of L1), at least a block."""
+
+
+def _n_acc(ns: int) -> int:
+    """Independent FMA chains (vectors of sums) per slot: enough chains in flight for few slots."""
+    return 4 if ns == 1 else 2 if ns < 4 else 1
+
+
+_n_acc_nb = njit(**JIT_INLINE)(_n_acc)
+
+
+def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
+    """Blocks ``blk0 .. blk0 + n_blk`` (n_blk >= 1) of one weight row (block 0 at byte ``q_at`` of
+    ``qs``, a row of ``n_blocks``) times slots ``s < ns`` (x rows at ``x_at + s * ldx``, laid out
+    as :func:`_matmul_id` lays them out), added to the slots' vectors of sums at ``acc_at`` of
+    ``acc`` (:func:`_n_acc` vectors a slot, one slot after the other). One slot: each block's
+    products summed per scale group, then scaled (Q4_K less ``(dmin*mn) * sum(x)`` per sub-block,
+    from the sums after x's ``n_in`` inputs); several: the weights made once, then an FMA per slot."""
+    b, c64 = k.b, k.c64
+    _, per_block, block_bytes, sums = _KINDS[kind]
+    exact = ns > 1
+    n_acc = _n_acc(ns)
+    n_in = b.mul(n_blocks, c64(per_block))
+    rows = [b.add(x_at, b.mul(ldx, c64(s))) for s in range(ns)]
+    at = [b.add(acc_at, c64((s * n_acc + a) * LANES)) for s in range(ns) for a in range(n_acc)]
+
+    def body(i, accs):
+        accs = list(accs)
+        blk = b.add(blk0, i)
+        qb = b.add(q_at, b.mul(blk, c64(block_bytes)))
+        if AHEAD:
+            k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
+        xb = [b.add(r, b.mul(blk, c64(per_block))) for r in rows]
+        groups, mins = _BLOCK[kind](k, qs, qb, exact)
+        turn = 0
+        for vecs, scale in groups:
+            if scale is None:                            # the weights: straight into the sums
+                for w, off in vecs:
+                    for s in range(ns):
+                        j = s * n_acc + turn % n_acc
+                        accs[j] = k.fma(w, k.load(x, b.add(xb[s], c64(off)), k.vf, 4), accs[j])
+                    turn += 1
+                continue
+            sv = k.splat(scale, k.vf)
+            for s in range(ns):                          # one chain a group: the groups overlap
+                dot = None
+                for w, off in vecs:
+                    xv = k.load(x, b.add(xb[s], c64(off)), k.vf, 4)
+                    dot = b.fmul(w, xv) if dot is None else k.fma(w, xv, dot)
+                j = s * n_acc + turn % n_acc
+                accs[j] = k.fma(sv, dot, accs[j])
+            turn += 1
+        if mins is not None:                             # Q4_K: - (dmin*mn) * sum(x) per sub-block
+            neg = b.fneg(mins)
+            for s in range(ns):
+                j = s * n_acc + turn % n_acc
+                accs[j] = k.fma(neg, k.load(x, b.add(b.add(rows[s], n_in), b.mul(blk, c64(sums))), k.vf, 4), accs[j])
+        return accs
+
+    outs = _loop(k, n_blk, [k.load(acc, a, k.vf, 4) for a in at], body)
+    for a, v in zip(at, outs):
+        b.store(v, k.ptr(acc, a, k.vf), align=4)
+
+
+def _loop(k: VectorTile, n, init, body):
+    """``for i in range(n): vals = body(i, vals)`` (n >= 1) from ``init``; returns the last values."""
+    b = k.b
+    entry = b.basic_block
+    loop = b.append_basic_block("blocks")
+    done = b.append_basic_block("done")
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(_I64)
+    vals = [b.phi(v.type) for v in init]
+    new = body(i, vals)
+    nxt = b.add(i, k.c64(1))
+    i.add_incoming(k.c64(0), entry)
+    i.add_incoming(nxt, b.basic_block)
+    for phi, v0, v in zip(vals, init, new):
+        phi.add_incoming(v0, entry)
+        phi.add_incoming(v, b.basic_block)
+    b.cbranch(b.icmp_signed("<", nxt, n), loop, done)
+    b.position_at_end(done)
+    return new
+
+
+def _row_intrinsic(kind: str, ns: int):
+    def typer(typingctx, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
+        if not (isinstance(qs, types.Array) and qs.dtype == types.uint8 and isinstance(x, types.Array)
+                and x.dtype == types.float32 and isinstance(acc, types.Array) and acc.dtype == types.float32):
+            return None
+        sig = types.void(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 5, 8):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            k = VectorTile(builder, LANES)
+            for i in (1, 2, 3, 4, 6, 7, 9):
+                flat[i] = k.i64(flat[i])
+            _row_ir(kind, ns, k, *flat)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = f"row_{kind}_{ns}"
+    typer.__doc__ = f"{kind} microkernel for {ns} slot(s): :func:`_row_ir`."
+    return intrinsic(typer)
+
+
+_q4k_1, _q4k_2, _q4k_3, _q4k_4, _q4k_5, _q4k_6, _q4k_7, _q4k_8 = (_row_intrinsic("q4k", n) for n in NS)
+_q6k_1, _q6k_2, _q6k_3, _q6k_4, _q6k_5, _q6k_6, _q6k_7, _q6k_8 = (_row_intrinsic("q6k", n) for n in NS)
+_mx_1, _mx_2, _mx_3, _mx_4, _mx_5, _mx_6, _mx_7, _mx_8 = (_row_intrinsic("mxfp4", n) for n in NS)
+_q8_1, _q8_2, _q8_3, _q8_4, _q8_5, _q8_6, _q8_7, _q8_8 = (_row_intrinsic("q8_0", n) for n in NS)
+
+
+@njit(**JIT_INLINE)
+def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
+    """The microkernel of ``kind`` (:data:`KIND`) for ``ns`` (1 .. :data:`SLOTS`) slots."""
+    if kind == 0:
+        if ns == 8:
+            _q4k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 7:
+            _q4k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 6:
+            _q4k_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 5:
+            _q4k_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 4:
+            _q4k_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 3:
+            _q4k_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 2:
+            _q4k_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        else:
+            _q4k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+    elif kind == 1:
+        if ns == 8:
+            _q6k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 7:
+            _q6k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 6:
+            _q6k_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 5:
+            _q6k_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 4:
+            _q6k_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 3:
+            _q6k_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 2:
+            _q6k_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        else:
+            _q6k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+    elif kind == 2:
+        if ns == 8:
+            _mx_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 7:
+            _mx_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 6:
+            _mx_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 5:
+            _mx_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 4:
+            _mx_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 3:
+            _mx_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 2:
+            _mx_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        else:
+            _mx_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+    else:
+        if ns == 8:
+            _q8_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 7:
+            _q8_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 6:
+            _q8_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 5:
+            _q8_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 4:
+            _q8_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 3:
+            _q8_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 2:
+            _q8_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        else:
+            _q8_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+
+
+def _total_intrinsic(n_vec: int):
+    def typer(typingctx, acc, at):
+        if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+            return None
+
+        def codegen(context, b, signature, args):
+            k = VectorTile(b, LANES)
+            data = context.make_array(signature.args[0])(context, b, args[0]).data
+            at_ = k.i64(args[1])
+            vs = [k.load(data, b.add(at_, k.c64(i * LANES)), k.vf, 4) for i in range(n_vec)]
+            while len(vs) > 1:
+                vs = [b.fadd(vs[i], vs[i + 1]) for i in range(0, len(vs), 2)]
+            v = vs[0]
+            for n in (4, 2):
+                v = b.fadd(b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n), _I32)),
+                           b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n, 2 * n), _I32)))
+            return b.fadd(b.extract_element(v, ir.Constant(_I32, 0)), b.extract_element(v, ir.Constant(_I32, 1)))
+
+        return types.float32(acc, at), codegen
+
+    typer.__name__ = f"total_{n_vec}"
+    typer.__doc__ = f"The sum of the {n_vec} float32 vectors at ``at`` of ``acc``: pairwise, then across lanes."
+    return intrinsic(typer)
+
+
+_total_1, _total_2, _total_4 = (_total_intrinsic(n) for n in (1, 2, 4))
+
+
+@njit(**JIT_INLINE)
+def _total(acc, at, n_vec):
+    """A slot's sums (``n_vec`` vectors at ``at`` of ``acc``) added up, as a tree (a loop over the
+    floats one by one cost a fifth of a decode row's time: each add waited on the last)."""
+    if n_vec == 4:
+        return _total_4(acc, at)
+    if n_vec == 2:
+        return _total_2(acc, at)
+    return _total_1(acc, at)
+
+
+# --------------------------------------------------------------------------------------------
+# the driver: one parallel region over (group, part, tile of TR weight rows)
+
+
+@njit(**JIT_PARALLEL)
+def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, xe, out):
+    """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
+    n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
+    aligned rows) in slot order: row i is x[rows[order[i]]], each 32 inputs in the order
+    ``x_order``, followed by its sums per 32 inputs when ``sums`` (a block's count) > 0."""
+    n_slots, n_in = order.shape[0], x.shape[1]
+    n_blocks = n_in // per_block
+    width = xe.shape[1]
+    for i in range(n_slots):
+        src = rows[order[i]]
+        for j0 in range(0, n_in, 32):
+            for p in range(32):
+                xe[i, j0 + p] = x[src, j0 + x_order[p]]
+        if sums:
+            for g in range(n_in // 32):
+                acc = np.float32(0.0)
+                for j in range(32):
+                    acc += x[src, 32 * g + j]
+                xe[i, n_in + g] = acc
+    n_out0 = q0.shape[1]
+    t0 = (n_out0 + TR - 1) // TR
+    t1 = (q1.shape[1] + TR - 1) // TR if n_parts == 2 else 0
+    per = t0 + t1
+    n_groups = experts.shape[0]
+    for item in prange(n_groups * per):
+        g, j = item // per, item % per
+        qs, t, col = q0, j, 0
+        if j >= t0:
+            qs, t, col = q1, j - t0, n_out0
+        n_out, row_bytes = qs.shape[1], qs.shape[2]
+        e, first, n = experts[g], starts[g], starts[g + 1] - starts[g]
+        # the group's slots in n_pass passes as even as can be (13: 7 then 6; a pass for few slots
+        # costs nearly what one for 8 does); each slot's sums are _n_acc vectors, pass after pass
+        n_pass = (n + SLOTS - 1) // SLOTS
+        base, extra = n // n_pass, n % n_pass
+        row_stride = 0
+        for i in range(n_pass):
+            ns = base + (1 if i < extra else 0)
+            row_stride += ns * _n_acc_nb(ns) * LANES
+        r0, r1 = t * TR, min((t + 1) * TR, n_out)
+        acc = np.zeros((r1 - r0) * row_stride, np.float32)
+        # blocks of inputs such that the slots' x over them stay in L1 while the tile's rows use it
+        per_pass = max(1, X_PASS // (n * per_block))
+        for b0 in range(0, n_blocks, per_pass):
+            n_blk = min(per_pass, n_blocks - b0)
+            for r in range(r0, r1):
+                q_at = (e * n_out + r) * row_bytes
+                s0, at = first, (r - r0) * row_stride
+                for i in range(n_pass):
+                    ns = base + (1 if i < extra else 0)
+                    _row(kind, ns, qs, q_at, b0, n_blk, n_blocks, xe, s0 * width, width, acc, at)
+                    at += ns * _n_acc_nb(ns) * LANES
+                    s0 += ns
+        for r in range(r0, r1):
+            s0, at = first, (r - r0) * row_stride
+            for i in range(n_pass):
+                ns = base + (1 if i < extra else 0)
+                n_vec = _n_acc_nb(ns)
+                for s in range(ns):
+                    total = _total(acc, at + s * n_vec * LANES, n_vec)
+                    if kind == KIND_MXFP4 and ns == 1:
+                        total *= np.float32(_TOP)        # its kvalues came times 2**24
+                    out[order[s0 + s], col + r] = total
+                at += ns * n_vec * LANES
+                s0 += ns
 
 
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
-    """``out[i] = x[rows[i]] @ W[ids[i]].T`` over the groups of :func:`llamatrace.kernels.mul_mat_id.groups`."""
-    raise ValueError(f"mul_mat_id_f32: no kernel for {ggml_type!r}")
+    """``out[i] = x[rows[i]] @ W[ids[i]].T`` over the groups of :func:`llamatrace.kernels.mul_mat_id.groups`.
+
+    Args:
+        x: float32 C-contiguous ``[n_rows, n_in]``.
+        rows, order, starts, experts: int64, as :func:`~llamatrace.kernels.mul_mat_id.mul_mat_id` passes them.
+        datas: 1 or 2 uint8 ``[n_expert, n_out_p, row_bytes]`` C-contiguous (the file's blocks;
+            read-only is fine), their outputs side by side.
+        ggml_type: one of :data:`TYPES`.
+
+    Returns:
+        float32 ``[n_slots, sum of n_out_p]``.
+
+    Raises:
+        ValueError: a type outside :data:`TYPES`, more than 2 parts, or parts not C-contiguous
+            ``[n_expert, n_out_p, n_in / block * block_bytes]``.
+    """
+    if ggml_type not in KIND:
+        raise ValueError(f"mul_mat_id_f32: no kernel for {_T(ggml_type)!r}")
+    kind = KIND[ggml_type]
+    _, per_block, block_bytes, sums = _KIND_SHAPES[kind]
+    n_in = x.shape[1]
+    parts = [np.asarray(d).view() for d in datas]
+    if not 1 <= len(parts) <= 2 or any(p.ndim != 3 or p.dtype != np.uint8 or not p.flags.c_contiguous
+                                       or p.shape[2] * per_block != n_in * block_bytes for p in parts):
+        raise ValueError(f"mul_mat_id_f32: parts must be 1 or 2 C-contiguous uint8 [n_expert, n_out, "
+                         f"{n_in // per_block * block_bytes}], got {[(p.dtype.name, p.shape) for p in parts]}")
+    for p in parts:
+        p.flags.writeable = False                # one compiled signature: the file's maps are read-only
+    out = np.empty((order.shape[0], sum(p.shape[1] for p in parts)), dtype=np.float32)
+    if order.shape[0]:
+        xe = _aligned((order.shape[0], n_in + n_in // 32 * (sums // 8)))
+        _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
+                   X_ORDER, xe, out)
+    return out
+
+
+def _aligned(shape: tuple[int, int]) -> np.ndarray:
+    """float32 C-contiguous ``[shape[0], >= shape[1]]`` starting on a cache line, its rows a
+    multiple of 16 floats (64 bytes) long: the microkernels' 32-byte loads of x then never
+    straddle two lines."""
+    width = -(-int(shape[1]) // 16) * 16
+    raw = np.empty(shape[0] * width + 16, dtype=np.float32)
+    skip = (-raw.__array_interface__["data"][0] % 64) // 4
+    return raw[skip:skip + shape[0] * width].reshape(shape[0], width)

@@ -1,0 +1,126 @@
+"""The ``f32`` mode's ``mul_mat_id`` kernels (llamatrace.kernels.types.mul_mat_id_f32) on the
+file's own blocks: against float64 sums over gguf-py's dequantized weights (mul_mat_id_ref), with
+awkward groupings of slots, and against today's packed float32 kernels on the same experts."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf_factory import random_blocks
+
+from llamatrace.kernels.mul_mat_id import FileExperts, mul_mat_id, mul_mat_id_ref, supported
+from llamatrace.kernels.types import mul_mat_id_f32, packing
+from llamatrace.kernels.types.registry import matmul
+
+T = gguf.GGMLQuantizationType
+TYPES = (T.Q4_K, T.Q6_K, T.MXFP4, T.Q8_0)
+N_EXPERT = 5
+N_IN = {T.Q4_K: 512, T.Q6_K: 512, T.MXFP4: 96, T.Q8_0: 96}
+
+
+def _raw(qtype: T, n_out: int, n_in: int, seed: int, std: float | None = 0.02) -> np.ndarray:
+    """uint8 [N_EXPERT, n_out, row_bytes]: K-quants as random valid blocks (gguf-py cannot
+    quantize them; ``std`` None: any fp16 scale, subnormals and +-65504 included), MXFP4 and Q8_0
+    as gguf-py's quantization of random weights, MXFP4 with the E8M0 edges (0, 1: denormal
+    scales; 200) and random codes in one row."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows = N_EXPERT * n_out
+    if qtype in (T.Q4_K, T.Q6_K):
+        raw = random_blocks(qtype, rows, n_in // block, seed, std=std)
+    else:
+        rng = np.random.default_rng(seed)
+        raw = gguf.quants.quantize((rng.standard_normal((rows, n_in)) * 0.02).astype(np.float32), qtype)
+        if qtype == T.MXFP4:
+            blocks = raw.reshape(rows, -1, nbytes)
+            blocks[3, :, 1:] = rng.integers(0, 256, (blocks.shape[1], 16), dtype=np.uint8)
+            blocks[0, 0, 0], blocks[1, 0, 0], blocks[2, 1, 0] = 0, 1, 200
+    raw = np.ascontiguousarray(raw.reshape(N_EXPERT, n_out, n_in // block * nbytes))
+    raw.flags.writeable = False                   # as the file's map
+    return raw
+
+
+def _experts(qtype: T, n_out: int, seed: int = 0, name: str = "ffn_gate_exps", std: float | None = 0.02):
+    n_in = N_IN[qtype]
+    return FileExperts(name, qtype, n_out, n_in, _raw(qtype, n_out, n_in, seed, std))
+
+
+def _x(n_rows: int, n_in: int, seed: int = 1) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n_rows, n_in)).astype(np.float32)
+    x[0, :32] = 0.0                               # an all-zero block
+    x[-1, 32:40] *= 1000.0                        # a block with a large range
+    return x
+
+
+def _assert_close(got, x, parts, ids, rows):
+    """got within float32 rounding of the float64 reference: |got - ref| <= 1e-6 * sum |x||w|."""
+    want = mul_mat_id_ref(x, parts, ids, rows)
+    w = np.abs(np.concatenate([np.stack([p.expert(e) for e in range(p.n_expert)]) for p in parts], axis=1))
+    r = np.arange(len(ids)) if rows is None else np.asarray(rows)
+    bound = np.einsum("si,soi->so", np.abs(x[r]).astype(np.float64), w[np.asarray(ids)].astype(np.float64))
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.all(np.isfinite(got))
+    np.testing.assert_array_less(np.abs(got.astype(np.float64) - want), 1e-6 * bound + 1e-30)
+
+
+# ids, rows (None: slot i takes row i) -> the awkward groupings
+CASES = {
+    "decode gate|up: k slots, one row": ([3, 0, 4, 1], [0, 0, 0, 0]),
+    "one expert": ([2], None),
+    "repeated ids": ([1, 1, 3, 1, 3], None),
+    "many slots of one expert (7)": ([4, 2, 4, 4, 0, 4, 4, 4, 2, 4], None),
+    "more slots than a pass takes (13: 7 then 6)": ([1] * 6 + [3] + [1] * 7 + [0, 3], None),
+    "rows != slots": ([0, 2, 2, 1, 0, 2], [1, 0, 2, 2, 1, 0]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_each_type_is_float64_sums_over_gguf_weights(qtype, case):
+    ids, rows = (np.array(v, dtype=np.int64) if v is not None else None for v in CASES[case])
+    parts = (_experts(qtype, 70),)                            # 70: not a multiple of the 32-row tiles
+    x = _x(int(rows.max()) + 1 if rows is not None else len(ids), N_IN[qtype])
+    _assert_close(mul_mat_id(x, parts, ids, rows), x, parts, ids, rows)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_two_parts_side_by_side(qtype):
+    parts = (_experts(qtype, 40, seed=2), _experts(qtype, 33, seed=3, name="ffn_up_exps"))
+    ids = np.array([4, 1, 4, 0, 4, 4, 4, 1, 2], dtype=np.int64)
+    x = _x(3, N_IN[qtype])
+    rows = np.array([0, 1, 2, 0, 1, 2, 0, 1, 2], dtype=np.int64)
+    got = mul_mat_id(x, parts, ids, rows)
+    assert got.shape == (9, 73)
+    _assert_close(got, x, parts, ids, rows)
+
+
+@pytest.mark.parametrize("qtype", (T.Q4_K, T.Q6_K))
+def test_k_quants_any_fp16_scales(qtype):
+    """Subnormal, zero and +-65504 super-block scales (random fp16 bits)."""
+    parts = (_experts(qtype, 37, seed=5, std=None),)
+    ids = np.array([0, 3, 3, 1, 3, 4, 3, 3, 2], dtype=np.int64)
+    x = _x(len(ids), N_IN[qtype])
+    _assert_close(mul_mat_id(x, parts, ids), x, parts, ids, None)
+
+
+def test_no_slots_and_the_declared_types():
+    parts = (_experts(T.Q4_K, 8),)
+    got = mul_mat_id(np.zeros((0, 512), np.float32), parts, np.zeros(0, np.int64))
+    assert got.shape == (0, 8) and got.dtype == np.float32
+    assert mul_mat_id_f32.TYPES == frozenset(TYPES)
+    assert all(supported(t, "f32") for t in TYPES) and not supported(T.Q5_K, "f32")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_as_close_to_the_packed_float32_kernels_as_to_the_reference(qtype):
+    """Against the registry's float32 matmul on each expert packed as today's loader packs it:
+    both are float32 sums of the same dequantized weights, so they differ by rounding only."""
+    parts = (_experts(qtype, 70, seed=7),)
+    ids = np.array([2, 0, 2, 2, 4], dtype=np.int64)
+    x = _x(len(ids), N_IN[qtype])
+    got = mul_mat_id(x, parts, ids)
+    p = parts[0]
+    packed = np.stack([matmul(x[i:i + 1], packing.pack("e", qtype, p.data[e], p.n_out, p.n_in))[0]
+                       for i, e in enumerate(ids)])
+    bound = np.abs(x).astype(np.float64)[:, None, :] * np.abs(np.stack([p.expert(e) for e in ids]))
+    np.testing.assert_array_less(np.abs(got.astype(np.float64) - packed), 2e-6 * bound.sum(-1) + 1e-30)
