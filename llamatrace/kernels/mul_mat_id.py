@@ -84,8 +84,10 @@ def groups(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ``[n_groups + 1]`` (group ``g`` is ``order[starts[g]:starts[g + 1]]``) and ``experts`` int64
     ``[n_groups]`` (ascending)."""
     order = np.argsort(ids, kind="stable").astype(np.int64)
-    experts, starts = np.unique(ids[order], return_index=True)
-    return order, np.append(starts, ids.shape[0]).astype(np.int64), experts.astype(np.int64)
+    by_expert = ids[order]
+    starts = np.empty(0, np.int64) if not ids.size else np.flatnonzero(by_expert[1:] != by_expert[:-1]) + 1
+    starts = np.concatenate(([0] if ids.size else [], starts, [ids.shape[0]])).astype(np.int64)
+    return order, starts, by_expert[starts[:-1]].astype(np.int64)
 
 
 def mul_mat_id(x: np.ndarray, parts: tuple[FileExperts, ...], ids: np.ndarray, rows: np.ndarray | None = None,
