@@ -1,21 +1,406 @@
 """The ``q8`` mode's ``mul_mat_id`` kernels on the file's blocks (:mod:`llamatrace.kernels.mul_mat_id`).
 
-Placeholder: no type yet (the loader packs every expert type).
+The experts stay as the GGUF stores them: each weight row is ``n_in / 256`` (Q4_K, Q6_K) or
+``n_in / 32`` (MXFP4, Q8_0) blocks in a row, never repacked. The arithmetic is that of llama.cpp's
+CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
+
+- Activations are quantized once per call, as llama.cpp quantizes ``src1`` for the weights' vec
+  dot type: Q8_K for Q4_K and Q6_K (:func:`llamatrace.kernels.int8.act8.quantize_k`: one float32
+  scale per 256, the sums of 16 as ggml's ``bsums``), Q8_0 for MXFP4 and Q8_0
+  (:func:`llamatrace.kernels.int8.act8.quantize`). Q4_K takes Q8_K here, as in llama.cpp, not the
+  packed path's per-32 float32 scales: on the file's layout the block's eight 6-bit scales and
+  mins go into the integer sums (``pmaddwd`` by the scale), so the float work is two FMAs per
+  block and activation row.
+- Per 256-block (K-quants) or 32-block and activation row, the integer sums are exact int32, in
+  8 lanes; the float step per block is a vector FMA ``acc += (d * xd) * isum`` (Q4_K also ``acc -=
+  (dmin * xd) * (mins * sums of 32)``, Q6_K's ``q - 32`` in integers: ``isum - 32 * sum_g sc_g *
+  bsum_g``; MXFP4 ``d`` its E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` with ``kvalues`` by ``vpshufb``),
+  and the 8 lanes are added at the end of the row. Overflow: Q4_K's pairs are at most
+  2 * 15 * 127 and times a scale <= 63 in ``pmaddwd``; Q6_K's ``q + 32`` pairs 2 * 63 * 127;
+  MXFP4's and Q8_0's products are ``|w| * sign(w) x`` (``psignb``), pairs at most 2 * 128 * 127.
+
+Kernels. :func:`matmul_id` runs one Numba parallel region over work items (group, part, tile of
+:data:`TILE` weight rows). Within a tile, each weight row is read once for all the group's slots:
+a microkernel (LLVM IR, AVX2 ``pmaddubsw`` / ``pmaddwd`` / ``psignb`` / ``pshufb`` on 256-bit
+vectors, also on AVX-512 hosts) runs 1 to :data:`MAX_ROWS` activation rows against one weight
+row over all its blocks, unpacking each block's codes and scales once, the float32 sums in
+registers; the row stays in L1 for the group's next run of activation rows.
+
+:func:`activations_ref` is the NumPy twin of the activation quantization (act8's NumPy twins),
+used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
 """
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-TYPES: frozenset = frozenset()
+from llamatrace.kernels.int8 import act8
+from llamatrace.kernels.int8.act8_ir import _avx2_intrinsics
+from llamatrace.kernels.tiles import VectorTile
+from llamatrace.machine.jit import JIT, JIT_PARALLEL
+
+_T = gguf.GGMLQuantizationType
+
+TYPES: frozenset = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
+
+QK, QK_K = 32, 256
+MAX_ROWS = 4
+"""Activation rows per microkernel call at most (a group's slots go 4 at a time, then 1..3)."""
+TILE = 16
+"""Weight rows per work item."""
+SERIAL_ROWS = 16
+"""Up to this many rows of x are quantized on one thread (decode: no second fork-join)."""
+
+Q4K, Q6K, MXFP4, Q80 = 0, 1, 2, 3
+_KIND = {_T.Q4_K: Q4K, _T.Q6_K: Q6K, _T.MXFP4: MXFP4, _T.Q8_0: Q80}
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_V32I8, _V16I8, _V8I8 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16), ir.VectorType(_I8, 8)
+_V16I16, _V8I16 = ir.VectorType(_I16, 16), ir.VectorType(_I16, 8)
+_V8I32, _V16I32 = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
+_KVALUES = [int(v) for v in gguf.quants.MXFP4.kvalues]
+
+
+class _Row(VectorTile):
+    """IR for one weight row times ``ns`` activation rows: 8 float32 lanes per activation row
+    (ymm), AVX2's byte products."""
+
+    def __init__(self, builder, ns: int) -> None:
+        super().__init__(builder, 8)
+        self.ns = ns
+        self.maddubs, self.maddwd, self.sign = _avx2_intrinsics(builder.module)
+        self.shuffle = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (),
+                                                        ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
+
+    def c(self, vtype, v):
+        return ir.Constant(vtype, [v] * vtype.count)
+
+    def shuf(self, a, idx, b=None):
+        b = ir.Constant(a.type, None) if b is None else b
+        return self.b.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)), list(idx)))
+
+    def dot16(self, u8, s8):
+        """int16 lanes: pairs of products of unsigned ``u8`` and signed ``s8`` bytes."""
+        return self.b.call(self.maddubs, [u8, s8])
+
+    def wd(self, a16, b16):
+        """int32 lanes: pairs of products of int16 lanes."""
+        return self.b.call(self.maddwd, [a16, b16])
+
+    def signed_dot(self, w, x):
+        """int32 lanes: sums of 4 products of signed bytes ``w`` and ``x`` (``|w| * sign(w) x``)."""
+        b = self.b
+        return self.wd(self.dot16(b.call(self.sign, [w, w]), b.call(self.sign, [x, w])), self.c(_V16I16, 1))
+
+    def hsum(self, v):
+        """The sum of the 8 float lanes of ``v`` (pairwise)."""
+        b = self.b
+        s4 = b.fadd(self.shuf(v, range(4)), self.shuf(v, range(4, 8)))
+        s2 = b.fadd(self.shuf(s4, range(2)), self.shuf(s4, (2, 3)))
+        return b.fadd(b.extract_element(s2, ir.Constant(_I32, 0)), b.extract_element(s2, ir.Constant(_I32, 1)))
+
+    def f16_at(self, p, offset):
+        return self.b.fpext(self.load(p, offset, ir.HalfType(), 1), self.f32)
+
+
+def _q4k_block(k: _Row, a, blk, accs):
+    """One Q4_K block (``d dmin scales[12] qs[128]``, 144 bytes) against ``ns`` Q8_K rows."""
+    b, c64 = k.b, k.c64
+    base = b.add(a.w_at, b.mul(blk, c64(144)))
+    k.prefetch(a.on, a.w, b.add(base, a.ahead), range(3))
+    d, dmin = k.f16_at(a.w, base), k.f16_at(a.w, b.add(base, c64(2)))
+    v = k.load(a.w, b.add(base, c64(4)), _V16I8)           # scales[12] and 4 bytes of qs: in the block
+    lo4 = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
+    s0, s1, s2 = k.shuf(v, (0, 1, 2, 3) * 2), k.shuf(v, (4, 5, 6, 7) * 2), k.shuf(v, (8, 9, 10, 11) * 2)
+    c8 = lambda x: k.c(_V8I8, x)                           # noqa: E731
+    sc = b.select(lo4, b.and_(s0, c8(63)), b.or_(b.and_(s2, c8(15)), b.shl(b.lshr(s0, c8(6)), c8(4))))
+    mn = b.select(lo4, b.and_(s1, c8(63)), b.or_(b.lshr(s2, c8(4)), b.shl(b.lshr(s1, c8(6)), c8(4))))
+    sc16 = b.zext(sc, _V8I16)
+    isums = [None] * k.ns
+    for j in range(4):                 # 64 weights: low nibbles sub-block 2j, high 2j + 1
+        q = k.load(a.w, b.add(base, c64(16 + 32 * j)), _V32I8)
+        lo, hi = b.and_(q, k.c(_V32I8, 15)), b.lshr(q, k.c(_V32I8, 4))
+        slo, shi = k.shuf(sc16, [2 * j] * 16), k.shuf(sc16, [2 * j + 1] * 16)
+        for i in range(k.ns):
+            xat = b.add(a.xq_at[i], b.add(b.mul(blk, c64(QK_K)), c64(64 * j)))
+            xlo, xhi = k.load(a.xq, xat, _V32I8), k.load(a.xq, b.add(xat, c64(32)), _V32I8)
+            p = b.add(k.wd(k.dot16(lo, xlo), slo), k.wd(k.dot16(hi, xhi), shi))
+            isums[i] = p if isums[i] is None else b.add(isums[i], p)
+    mn32 = b.zext(mn, _V8I32)
+    new = []
+    for i in range(k.ns):
+        dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
+        sums32 = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(8))), _V8I32, 4)
+        acc = k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(isums[i], k.vf), accs[i])
+        new.append(k.fma(k.splat(b.fneg(b.fmul(dmin, dx)), k.vf), b.sitofp(b.mul(mn32, sums32), k.vf), acc))
+    return new
+
+
+def _q6k_block(k: _Row, a, blk, accs):
+    """One Q6_K block (``ql[128] qh[64] scales[16] d``, 210 bytes) against ``ns`` Q8_K rows: the
+    quants as ``q + 32`` (0..63), the offset ``-32 * sum_g sc_g * bsum_g`` in integers."""
+    b, c64 = k.b, k.c64
+    base = b.add(a.w_at, b.mul(blk, c64(210)))
+    k.prefetch(a.on, a.w, b.add(base, a.ahead), range(4))
+    d = k.f16_at(a.w, b.add(base, c64(208)))
+    sc8 = k.load(a.w, b.add(base, c64(192)), _V16I8)
+    sc16 = b.sext(sc8, _V16I16)
+    c32 = lambda x: k.c(_V32I8, x)                         # noqa: E731
+    isums = [None] * k.ns
+    for h in range(2):
+        ql1 = k.load(a.w, b.add(base, c64(64 * h)), _V32I8)
+        ql2 = k.load(a.w, b.add(base, c64(64 * h + 32)), _V32I8)
+        qh = k.load(a.w, b.add(base, c64(128 + 32 * h)), _V32I8)
+        quants = (b.or_(b.and_(ql1, c32(15)), b.shl(b.and_(qh, c32(3)), c32(4))),
+                  b.or_(b.and_(ql2, c32(15)), b.shl(b.and_(qh, c32(12)), c32(2))),
+                  b.or_(b.lshr(ql1, c32(4)), b.and_(qh, c32(48))),
+                  b.or_(b.lshr(ql2, c32(4)), b.and_(b.lshr(qh, c32(2)), c32(48))))
+        for c, q in enumerate(quants):                    # weights 128h + 32c ..: groups g, g + 1
+            g = 8 * h + 2 * c
+            scv = k.shuf(sc16, [g] * 8 + [g + 1] * 8)
+            for i in range(k.ns):
+                x = k.load(a.xq, b.add(a.xq_at[i], b.add(b.mul(blk, c64(QK_K)), c64(128 * h + 32 * c))), _V32I8)
+                p = k.wd(k.dot16(q, x), scv)
+                isums[i] = p if isums[i] is None else b.add(isums[i], p)
+    sc32 = b.sext(sc8, _V16I32)
+    new = []
+    for i in range(k.ns):
+        bsums = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(16))), _V16I32, 4)
+        prod = b.mul(sc32, bsums)
+        corr = b.shl(b.add(k.shuf(prod, range(8)), k.shuf(prod, range(8, 16))), k.c(_V8I32, 5))
+        dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
+        new.append(k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(b.sub(isums[i], corr), k.vf), accs[i]))
+    return new
+
+
+def _q8_block(k: _Row, a, blk, accs, mxfp4: bool):
+    """One MXFP4 block (``e qs[16]``, 17 bytes: weight j the low nibble of byte j, 16 + j its high
+    nibble, mapped to ``kvalues`` by ``vpshufb``) or Q8_0 block (``d qs[32]``, 34 bytes) against
+    ``ns`` Q8_0 rows."""
+    b, c64 = k.b, k.c64
+    size = 17 if mxfp4 else 34
+    base = b.add(a.w_at, b.mul(blk, c64(size)))
+    if mxfp4:
+        k.prefetch(a.on, a.w, b.add(base, a.ahead), range(1))
+        e = b.zext(k.load(a.w, base, _I8), _I32)
+        bits = b.select(b.icmp_unsigned("<", e, ir.Constant(_I32, 2)), b.shl(ir.Constant(_I32, 0x00200000), e),
+                        b.shl(b.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)))
+        d = b.bitcast(bits, k.f32)
+        q = k.load(a.w, b.add(base, c64(1)), _V16I8)
+        c16 = lambda x: k.c(_V16I8, x)                     # noqa: E731
+        codes = k.shuf(b.and_(q, c16(15)), range(32), b.lshr(q, c16(4)))
+        w = b.call(k.shuffle, [ir.Constant(_V32I8, _KVALUES * 2), codes])
+    else:
+        k.prefetch(a.on, a.w, b.add(base, a.ahead), range(1))
+        d = k.f16_at(a.w, base)
+        w = k.load(a.w, b.add(base, c64(2)), _V32I8)
+    new = []
+    for i in range(k.ns):
+        x = k.load(a.xq, b.add(a.xq_at[i], b.mul(blk, c64(QK))), _V32I8)
+        dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
+        new.append(k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(k.signed_dot(w, x), k.vf), accs[i]))
+    return new
+
+
+class _Args:
+    """The microkernel's arguments as IR values: data pointers, offsets of each activation row."""
+
+    def __init__(self, k: _Row, context, sig, args, kind: int) -> None:
+        ptr = lambda i: context.make_array(sig.args[i])(context, k.b, args[i]).data   # noqa: E731
+        b = k.b
+        self.w, self.xq, self.xd, self.xs, self.res = ptr(0), ptr(3), ptr(4), ptr(5), ptr(10)
+        self.w_at, self.n_blocks, self.res_at, self.ahead = (k.i64(args[i]) for i in (1, 2, 11, 12))
+        self.on = b.icmp_signed("!=", self.ahead, k.c64(0))
+        rows = [k.i64(args[6 + i]) for i in range(k.ns)]
+        per = QK_K if kind in (Q4K, Q6K) else QK
+        self.xq_at = [b.mul(r, b.mul(self.n_blocks, k.c64(per))) for r in rows]
+        self.xd_at = [b.mul(r, self.n_blocks) for r in rows]
+        self.xs_at = [b.mul(r, b.mul(self.n_blocks, k.c64(8 if kind == Q4K else 16))) for r in rows]
+
+
+def _microkernel(kind: int, ns: int):
+    body = {Q4K: _q4k_block, Q6K: _q6k_block, MXFP4: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, True),
+            Q80: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, False)}[kind]
+
+    def typer(typingctx, w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, res_at, ahead):
+        if not all(isinstance(v, types.Array) for v in (w, xq, xd, xs, res)):
+            return None
+        sig = types.void(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, res_at, ahead)
+
+        def codegen(context, builder, signature, args):
+            k = _Row(builder, ns)
+            a = _Args(k, context, signature, args, kind)
+            outs = k.block_loop(a.n_blocks, ns, lambda blk, accs: body(k, a, blk, accs))
+            for i, acc in enumerate(outs):
+                builder.store(k.hsum(acc), builder.gep(a.res, [builder.add(a.res_at, k.c64(i))]), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__doc__ = (f"``res[res_at + i]`` (float32), i < {ns}: the weight row of ``n_blocks`` blocks at byte "
+                     "``w_at`` of ``w`` times activation row ``r_i`` (``xq``, ``xd``, ``xs`` flat); "
+                     "``ahead``: prefetch distance in bytes (0: none).")
+    return intrinsic(typer)
+
+
+_q4k_1, _q4k_2, _q4k_3, _q4k_4 = (_microkernel(Q4K, n) for n in range(1, 5))
+_q6k_1, _q6k_2, _q6k_3, _q6k_4 = (_microkernel(Q6K, n) for n in range(1, 5))
+_mx_1, _mx_2, _mx_3, _mx_4 = (_microkernel(MXFP4, n) for n in range(1, 5))
+_q80_1, _q80_2, _q80_3, _q80_4 = (_microkernel(Q80, n) for n in range(1, 5))
+
+
+@njit(**JIT)
+def _call(kind, ns, w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead):
+    """The microkernel of ``kind`` for ``ns`` (1..4) activation rows, into ``res[0:ns]``."""
+    if kind == Q4K:
+        if ns == 4:
+            _q4k_4(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        elif ns == 3:
+            _q4k_3(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        elif ns == 2:
+            _q4k_2(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        else:
+            _q4k_1(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+    elif kind == Q6K:
+        if ns == 4:
+            _q6k_4(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        elif ns == 3:
+            _q6k_3(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        elif ns == 2:
+            _q6k_2(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        else:
+            _q6k_1(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+    elif kind == MXFP4:
+        if ns == 4:
+            _mx_4(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        elif ns == 3:
+            _mx_3(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        elif ns == 2:
+            _mx_2(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        else:
+            _mx_1(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+    else:
+        if ns == 4:
+            _q80_4(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        elif ns == 3:
+            _q80_3(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        elif ns == 2:
+            _q80_2(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+        else:
+            _q80_1(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+
+
+@njit(**JIT)
+def _activations(x, kind):
+    """The rows of x quantized for ``kind``, flat: ``xq`` int8, ``xd`` float32 (a scale per block),
+    ``xs`` int32 (Q4_K: sums of 32; Q6_K: sums of 16; else unused)."""
+    if kind == Q4K or kind == Q6K:
+        if x.shape[0] <= SERIAL_ROWS:
+            xq, xd, xsum = act8._quantized_k(x)
+        else:
+            xq, xd, xsum = act8._quantized_k_rows(x)
+        if kind == Q4K:
+            pairs = xsum.reshape(xsum.size // 2, 2)
+            xs = pairs[:, 0] + pairs[:, 1]
+        else:
+            xs = xsum.reshape(xsum.size)
+        return xq.reshape(xq.size), xd.reshape(xd.size), xs
+    if x.shape[0] <= SERIAL_ROWS:
+        xq, xd, _, _ = act8._quantized(x, act8.Q8_0, 0)
+    else:
+        xq, xd, _, _ = act8._quantized_rows(x, act8.Q8_0, 0)
+    return xq.reshape(xq.size), xd.reshape(xd.size), np.empty(0, np.int32)
+
+
+@njit(**JIT_PARALLEL)
+def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_bytes, n_blocks, kind, out, ahead):
+    """:func:`matmul_id`'s region: ``w0`` (part 0, columns ``0..n_out0``) and ``w1`` (part 1,
+    columns ``n_out0..``; ``n_out1`` 0: none) flat uint8, expert ``e``'s row ``r`` at byte ``(e *
+    n_out + r) * row_bytes``. Work items: (group, part, tile of :data:`TILE` weight rows); per
+    weight row, the group's slots :data:`MAX_ROWS` at a time (then the 1..3 left)."""
+    xq, xd, xs = _activations(x, kind)
+    t0, t1 = (n_out0 + TILE - 1) // TILE, (n_out1 + TILE - 1) // TILE
+    per_group = t0 + t1
+    for item in prange(experts.shape[0] * per_group):
+        g, t = item // per_group, item % per_group
+        w, n_out, col, r0 = w0, n_out0, 0, t * TILE
+        if t >= t0:
+            w, n_out, col, r0 = w1, n_out1, n_out0, (t - t0) * TILE
+        e, first, end = experts[g], starts[g], starts[g + 1]
+        res = np.empty(MAX_ROWS, np.float32)
+        for r in range(r0, min(r0 + TILE, n_out)):
+            w_at = (e * n_out + r) * row_bytes
+            s = first
+            while s < end:
+                ns = min(MAX_ROWS, end - s)
+                last = end - 1
+                _call(kind, ns, w, w_at, n_blocks, xq, xd, xs, rows[order[s]], rows[order[min(s + 1, last)]],
+                      rows[order[min(s + 2, last)]], rows[order[min(s + 3, last)]], res, ahead)
+                for i in range(ns):
+                    out[order[s + i], col + r] = res[i]
+                s += ns
+
+
+AHEAD = {Q4K: 0, Q6K: 0, MXFP4: 0, Q80: 0}
+"""Each kind's software prefetch distance in bytes (0: none)."""
 
 
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
-    """``out[i] = q8(x[rows[i]]) @ W[ids[i]].T`` over the groups of :func:`llamatrace.kernels.mul_mat_id.groups`."""
-    raise ValueError(f"mul_mat_id_q8: no kernel for {ggml_type!r}")
+    """``out[i] = q8(x[rows[i]]) @ W[ids[i]].T`` over the groups of :func:`llamatrace.kernels.mul_mat_id.groups`.
+
+    Args:
+        x: float32 ``[n_rows, n_in]`` C-contiguous.
+        rows, order, starts, experts: int64 (:func:`llamatrace.kernels.mul_mat_id.groups` of the
+            slots' ids; ``rows[i]`` slot i's row of x).
+        datas: 1 or 2 uint8 ``[n_expert, n_out_p, row_bytes]`` C-contiguous (the file's blocks;
+            read-only is fine), one type, ``n_expert`` and ``row_bytes``.
+        ggml_type: one of :data:`TYPES`.
+
+    Returns:
+        float32 ``[n_slots, sum of n_out_p]``.
+
+    Raises:
+        ValueError: a type outside :data:`TYPES`, or parts that do not fit.
+    """
+    kind = _KIND.get(_T(ggml_type))
+    if kind is None:
+        raise ValueError(f"mul_mat_id_q8: no kernel for {_T(ggml_type).name}")
+    block, size = gguf.GGML_QUANT_SIZES[_T(ggml_type)]
+    n_in = x.shape[1]
+    if not 1 <= len(datas) <= 2 or n_in % block or any(
+            d.ndim != 3 or d.shape[2] != n_in // block * size or d.shape[0] != datas[0].shape[0] for d in datas):
+        raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
+                         f"of {_T(ggml_type).name}")
+    flat = [np.ascontiguousarray(d).reshape(-1) for d in datas]
+    n_outs = [d.shape[1] for d in datas]
+    out = np.empty((order.shape[0], sum(n_outs)), dtype=np.float32)
+    if order.shape[0] == 0:
+        return out
+    _matmul_id(np.ascontiguousarray(x, np.float32), rows, order, starts, experts, flat[0], flat[-1], n_outs[0],
+               n_outs[1] if len(datas) == 2 else 0, datas[0].shape[2], n_in // block, kind, out, AHEAD[kind])
+    return out
 
 
 def activations_ref(x: np.ndarray, ggml_type) -> np.ndarray:
-    """float64 ``[n_rows, n_in]``: ``x`` as these kernels quantize it for ``ggml_type``, dequantized."""
-    raise ValueError(f"mul_mat_id_q8: no kernel for {ggml_type!r}")
+    """float64 ``[n_rows, n_in]``: ``x`` as these kernels quantize it for ``ggml_type``, dequantized
+    (act8's NumPy twins: :func:`~llamatrace.kernels.int8.act8.quantize_k_np` for Q4_K and Q6_K,
+    :func:`~llamatrace.kernels.int8.act8.quantize_np` Q8_0 for MXFP4 and Q8_0). Raises
+    ``ValueError`` for a type outside :data:`TYPES`."""
+    kind = _KIND.get(_T(ggml_type))
+    if kind is None:
+        raise ValueError(f"mul_mat_id_q8: no kernel for {_T(ggml_type).name}")
+    x = np.ascontiguousarray(x, np.float32)
+    n_rows, n_in = x.shape
+    if kind in (Q4K, Q6K):
+        xq, xd, _ = act8.quantize_k_np(x)
+        per = QK_K
+    else:
+        xq, xd, _ = act8.quantize_np(x, act8.Q8_0)
+        per = QK
+    xs = xq.reshape(n_rows, n_in // per, per).astype(np.float64) * xd.astype(np.float64)[:, :, None]
+    return xs.reshape(n_rows, n_in)
