@@ -33,6 +33,7 @@ used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
 from __future__ import annotations
 
 import gguf
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -41,7 +42,7 @@ from numba.extending import intrinsic
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.int8.act8_ir import _avx2_intrinsics
 from llamatrace.kernels.tiles import VectorTile
-from llamatrace.machine.jit import JIT, JIT_PARALLEL
+from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 
@@ -254,7 +255,7 @@ _mx_1, _mx_2, _mx_3, _mx_4 = (_microkernel(MXFP4, n) for n in range(1, 5))
 _q80_1, _q80_2, _q80_3, _q80_4 = (_microkernel(Q80, n) for n in range(1, 5))
 
 
-@njit(**JIT)
+@njit(**JIT_INLINE)
 def _call(kind, ns, w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead):
     """The microkernel of ``kind`` for ``ns`` (1..4) activation rows, into ``res[0:ns]``."""
     if kind == Q4K:
@@ -376,6 +377,7 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
             d.ndim != 3 or d.shape[2] != n_in // block * size or d.shape[0] != datas[0].shape[0] for d in datas):
         raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
                          f"of {_T(ggml_type).name}")
+    numba.get_num_threads()         # launches the thread pool: a cached parallel kernel needs it loaded
     flat = [np.ascontiguousarray(d).reshape(-1) for d in datas]
     n_outs = [d.shape[1] for d in datas]
     out = np.empty((order.shape[0], sum(n_outs)), dtype=np.float32)
