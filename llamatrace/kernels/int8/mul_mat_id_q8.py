@@ -114,19 +114,22 @@ def _q4k_block(k: _Row, a, blk, accs):
     b, c64 = k.b, k.c64
     base = b.add(a.w_at, b.mul(blk, c64(144)))
     k.prefetch(a.on, a.w, b.add(base, a.ahead), range(3))
-    d, dmin = k.f16_at(a.w, base), k.f16_at(a.w, b.add(base, c64(2)))
+    dm = b.fpext(k.load(a.w, base, ir.VectorType(ir.HalfType(), 2)), ir.VectorType(k.f32, 2))   # d, dmin
     v = k.load(a.w, b.add(base, c64(4)), _V16I8)           # scales[12] and 4 bytes of qs: in the block
     lo4 = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
     s0, s1, s2 = k.shuf(v, (0, 1, 2, 3) * 2), k.shuf(v, (4, 5, 6, 7) * 2), k.shuf(v, (8, 9, 10, 11) * 2)
     c8 = lambda x: k.c(_V8I8, x)                           # noqa: E731
     sc = b.select(lo4, b.and_(s0, c8(63)), b.or_(b.and_(s2, c8(15)), b.shl(b.lshr(s0, c8(6)), c8(4))))
     mn = b.select(lo4, b.and_(s1, c8(63)), b.or_(b.lshr(s2, c8(4)), b.shl(b.lshr(s1, c8(6)), c8(4))))
-    sc16 = b.zext(sc, _V8I16)
+    # the 8 scales as bytes 0..7 of both 128-bit halves: one in-lane byte shuffle per sub-block
+    # makes its int16 broadcast (the scale's high byte from a zero byte)
+    sc32 = k.shuf(sc, list(range(8)) + [8] * 8 + list(range(8)) + [8] * 8, ir.Constant(_V8I8, [0] * 8))
     isums = [None] * k.ns
     for j in range(4):                 # 64 weights: low nibbles sub-block 2j, high 2j + 1
         q = k.load(a.w, b.add(base, c64(16 + 32 * j)), _V32I8)
         lo, hi = b.and_(q, k.c(_V32I8, 15)), b.lshr(q, k.c(_V32I8, 4))
-        slo, shi = k.shuf(sc16, [2 * j] * 16), k.shuf(sc16, [2 * j + 1] * 16)
+        slo, shi = (b.bitcast(b.call(k.shuffle, [sc32, ir.Constant(_V32I8, [i, 8] * 16)]), _V16I16)
+                    for i in (2 * j, 2 * j + 1))
         for i in range(k.ns):
             xat = b.add(a.xq_at[i], b.add(b.mul(blk, c64(QK_K)), c64(64 * j)))
             xlo, xhi = k.load(a.xq, xat, _V32I8), k.load(a.xq, b.add(xat, c64(32)), _V32I8)
@@ -136,9 +139,10 @@ def _q4k_block(k: _Row, a, blk, accs):
     new = []
     for i in range(k.ns):
         dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
+        scaled = b.fmul(dm, k.splat(dx, ir.VectorType(k.f32, 2)))          # d dx, dmin dx
         sums32 = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(8))), _V8I32, 4)
-        acc = k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(isums[i], k.vf), accs[i])
-        new.append(k.fma(k.splat(b.fneg(b.fmul(dmin, dx)), k.vf), b.sitofp(b.mul(mn32, sums32), k.vf), acc))
+        acc = k.fma(k.shuf(scaled, [0] * 8), b.sitofp(isums[i], k.vf), accs[i])
+        new.append(k.fma(b.fneg(k.shuf(scaled, [1] * 8)), b.sitofp(b.mul(mn32, sums32), k.vf), acc))
     return new
 
 
@@ -209,43 +213,67 @@ def _q8_block(k: _Row, a, blk, accs, mxfp4: bool):
 
 
 class _Args:
-    """The microkernel's arguments as IR values: data pointers, offsets of each activation row."""
+    """The microkernel's arguments as IR values: data pointers, offsets of each activation row
+    (``w_at``: the current weight row's, set by the row loop)."""
 
     def __init__(self, k: _Row, context, sig, args, kind: int) -> None:
         ptr = lambda i: context.make_array(sig.args[i])(context, k.b, args[i]).data   # noqa: E731
         b = k.b
-        self.w, self.xq, self.xd, self.xs, self.res = ptr(0), ptr(3), ptr(4), ptr(5), ptr(10)
-        self.w_at, self.n_blocks, self.res_at, self.ahead = (k.i64(args[i]) for i in (1, 2, 11, 12))
+        self.w, self.xq, self.xd, self.xs, self.res = ptr(0), ptr(5), ptr(6), ptr(7), ptr(12)
+        self.w0, self.row_bytes, self.n_rows, self.n_blocks, self.ahead = (k.i64(args[i]) for i in (1, 2, 3, 4, 13))
+        self.w_at = self.w0
         self.on = b.icmp_signed("!=", self.ahead, k.c64(0))
-        rows = [k.i64(args[6 + i]) for i in range(k.ns)]
+        rows = [k.i64(args[8 + i]) for i in range(k.ns)]
         per = QK_K if kind in (Q4K, Q6K) else QK
         self.xq_at = [b.mul(r, b.mul(self.n_blocks, k.c64(per))) for r in rows]
         self.xd_at = [b.mul(r, self.n_blocks) for r in rows]
         self.xs_at = [b.mul(r, b.mul(self.n_blocks, k.c64(8 if kind == Q4K else 16))) for r in rows]
 
 
+def _row_loop(k: _Row, n_rows, body) -> None:
+    """``for rr in range(n_rows): body(rr)`` in IR."""
+    b, c64 = k.b, k.c64
+    entry = b.basic_block
+    loop, done = b.append_basic_block("rows"), b.append_basic_block("rows_done")
+    b.cbranch(b.icmp_signed(">", n_rows, c64(0)), loop, done)
+    b.position_at_end(loop)
+    rr = b.phi(_I64)
+    body(rr)
+    nxt = b.add(rr, c64(1))
+    rr.add_incoming(c64(0), entry)
+    rr.add_incoming(nxt, b.basic_block)
+    b.cbranch(b.icmp_signed("<", nxt, n_rows), loop, done)
+    b.position_at_end(done)
+
+
 def _microkernel(kind: int, ns: int):
     body = {Q4K: _q4k_block, Q6K: _q6k_block, MXFP4: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, True),
             Q80: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, False)}[kind]
 
-    def typer(typingctx, w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, res_at, ahead):
+    def typer(typingctx, w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead):
         if not all(isinstance(v, types.Array) for v in (w, xq, xd, xs, res)):
             return None
-        sig = types.void(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, res_at, ahead)
+        sig = types.void(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
 
         def codegen(context, builder, signature, args):
             k = _Row(builder, ns)
             a = _Args(k, context, signature, args, kind)
-            outs = k.block_loop(a.n_blocks, ns, lambda blk, accs: body(k, a, blk, accs))
-            for i, acc in enumerate(outs):
-                builder.store(k.hsum(acc), builder.gep(a.res, [builder.add(a.res_at, k.c64(i))]), align=4)
+
+            def row(rr):
+                a.w_at = builder.add(a.w0, builder.mul(rr, a.row_bytes))
+                outs = k.block_loop(a.n_blocks, ns, lambda blk, accs: body(k, a, blk, accs))
+                at = builder.mul(rr, k.c64(MAX_ROWS))
+                for i, acc in enumerate(outs):
+                    builder.store(k.hsum(acc), builder.gep(a.res, [builder.add(at, k.c64(i))]), align=4)
+
+            _row_loop(k, a.n_rows, row)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    typer.__doc__ = (f"``res[res_at + i]`` (float32), i < {ns}: the weight row of ``n_blocks`` blocks at byte "
-                     "``w_at`` of ``w`` times activation row ``r_i`` (``xq``, ``xd``, ``xs`` flat); "
-                     "``ahead``: prefetch distance in bytes (0: none).")
+    typer.__doc__ = (f"``res[rr * MAX_ROWS + i]`` (float32), i < {ns}, rr < ``n_rows``: weight row rr (``n_blocks`` "
+                     "blocks at byte ``w_at + rr * row_bytes`` of ``w``) times activation row ``r_i`` (``xq``, "
+                     "``xd``, ``xs`` flat); ``ahead``: prefetch distance in bytes (0: none).")
     return intrinsic(typer)
 
 
@@ -256,44 +284,44 @@ _q80_1, _q80_2, _q80_3, _q80_4 = (_microkernel(Q80, n) for n in range(1, 5))
 
 
 @njit(**JIT_INLINE)
-def _call(kind, ns, w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead):
-    """The microkernel of ``kind`` for ``ns`` (1..4) activation rows, into ``res[0:ns]``."""
+def _call(kind, ns, w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead):
+    """The microkernel of ``kind`` for ``ns`` (1..4) activation rows and ``n_rows`` weight rows."""
     if kind == Q4K:
         if ns == 4:
-            _q4k_4(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q4k_4(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         elif ns == 3:
-            _q4k_3(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q4k_3(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         elif ns == 2:
-            _q4k_2(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q4k_2(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         else:
-            _q4k_1(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q4k_1(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
     elif kind == Q6K:
         if ns == 4:
-            _q6k_4(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q6k_4(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         elif ns == 3:
-            _q6k_3(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q6k_3(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         elif ns == 2:
-            _q6k_2(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q6k_2(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         else:
-            _q6k_1(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q6k_1(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
     elif kind == MXFP4:
         if ns == 4:
-            _mx_4(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _mx_4(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         elif ns == 3:
-            _mx_3(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _mx_3(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         elif ns == 2:
-            _mx_2(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _mx_2(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         else:
-            _mx_1(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _mx_1(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
     else:
         if ns == 4:
-            _q80_4(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q80_4(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         elif ns == 3:
-            _q80_3(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q80_3(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         elif ns == 2:
-            _q80_2(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q80_2(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
         else:
-            _q80_1(w, w_at, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, 0, ahead)
+            _q80_1(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
 
 
 @njit(**JIT)
@@ -333,21 +361,23 @@ def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_byte
         if t >= t0:
             w, n_out, col, r0 = w1, n_out1, n_out0, (t - t0) * TILE
         e, first, end = experts[g], starts[g], starts[g + 1]
-        res = np.empty(MAX_ROWS, np.float32)
-        for r in range(r0, min(r0 + TILE, n_out)):
-            w_at = (e * n_out + r) * row_bytes
-            s = first
-            while s < end:
-                ns = min(MAX_ROWS, end - s)
-                last = end - 1
-                _call(kind, ns, w, w_at, n_blocks, xq, xd, xs, rows[order[s]], rows[order[min(s + 1, last)]],
-                      rows[order[min(s + 2, last)]], rows[order[min(s + 3, last)]], res, ahead)
-                for i in range(ns):
-                    out[order[s + i], col + r] = res[i]
-                s += ns
+        n_rows = min(r0 + TILE, n_out) - r0
+        res = np.empty(TILE * MAX_ROWS, np.float32)
+        s = first
+        while s < end:
+            ns = min(MAX_ROWS, end - s)
+            last = end - 1
+            _call(kind, ns, w, (e * n_out + r0) * row_bytes, row_bytes, n_rows, n_blocks, xq, xd, xs, rows[order[s]],
+                  rows[order[min(s + 1, last)]], rows[order[min(s + 2, last)]], rows[order[min(s + 3, last)]], res,
+                  ahead)
+            for i in range(ns):
+                o = out[order[s + i]]
+                for r in range(n_rows):
+                    o[col + r0 + r] = res[r * MAX_ROWS + i]
+            s += ns
 
 
-AHEAD = {Q4K: 0, Q6K: 0, MXFP4: 0, Q80: 0}
+AHEAD = {Q4K: 8192, Q6K: 8192, MXFP4: 8192, Q80: 8192}
 """Each kind's software prefetch distance in bytes (0: none)."""
 
 
