@@ -63,7 +63,7 @@ _KIND = {_T.Q4_K: Q4K, _T.Q6_K: Q6K, _T.MXFP4: MXFP4, _T.Q8_0: Q80}
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _V32I8, _V16I8, _V8I8 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16), ir.VectorType(_I8, 8)
 _V16I16, _V8I16 = ir.VectorType(_I16, 16), ir.VectorType(_I16, 8)
-_V8I32, _V16I32 = ir.VectorType(_I32, 8), ir.VectorType(_I32, 16)
+_V4I32, _V8I32 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 8)
 _KVALUES = [int(v) for v in gguf.quants.MXFP4.kvalues]
 
 
@@ -75,6 +75,8 @@ class _Row(VectorTile):
         super().__init__(builder, 8)
         self.ns = ns
         self.maddubs, self.maddwd, self.sign = _avx2_intrinsics(builder.module)
+        self.maddwd128 = builder.module.declare_intrinsic("llvm.x86.sse2.pmadd.wd", (),
+                                                          ir.FunctionType(_V4I32, [_V8I16, _V8I16]))
         self.shuffle = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (),
                                                         ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
 
@@ -135,14 +137,15 @@ def _q4k_block(k: _Row, a, blk, accs):
             xlo, xhi = k.load(a.xq, xat, _V32I8), k.load(a.xq, b.add(xat, c64(32)), _V32I8)
             p = b.add(k.wd(k.dot16(lo, xlo), slo), k.wd(k.dot16(hi, xhi), shi))
             isums[i] = p if isums[i] is None else b.add(isums[i], p)
-    mn32 = b.zext(mn, _V8I32)
+    mn16 = b.zext(mn, _V8I16)
     new = []
     for i in range(k.ns):
         dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
         scaled = b.fmul(dm, k.splat(dx, ir.VectorType(k.f32, 2)))          # d dx, dmin dx
-        sums32 = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(8))), _V8I32, 4)
+        sums = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(8))), _V8I16, 2)     # the 8 sums of 32
+        mins = k.shuf(b.call(k.maddwd128, [mn16, sums]), range(8), ir.Constant(_V4I32, [0] * 4))
         acc = k.fma(k.shuf(scaled, [0] * 8), b.sitofp(isums[i], k.vf), accs[i])
-        new.append(k.fma(b.fneg(k.shuf(scaled, [1] * 8)), b.sitofp(b.mul(mn32, sums32), k.vf), acc))
+        new.append(k.fma(b.fneg(k.shuf(scaled, [1] * 8)), b.sitofp(mins, k.vf), acc))
     return new
 
 
@@ -155,6 +158,7 @@ def _q6k_block(k: _Row, a, blk, accs):
     d = k.f16_at(a.w, b.add(base, c64(208)))
     sc8 = k.load(a.w, b.add(base, c64(192)), _V16I8)
     sc16 = b.sext(sc8, _V16I16)
+    halves = [b.bitcast(k.shuf(sc16, list(range(8 * h, 8 * h + 8)) * 2), _V32I8) for h in range(2)]
     c32 = lambda x: k.c(_V32I8, x)                         # noqa: E731
     isums = [None] * k.ns
     for h in range(2):
@@ -166,18 +170,18 @@ def _q6k_block(k: _Row, a, blk, accs):
                   b.or_(b.lshr(ql1, c32(4)), b.and_(qh, c32(48))),
                   b.or_(b.lshr(ql2, c32(4)), b.and_(b.lshr(qh, c32(2)), c32(48))))
         for c, q in enumerate(quants):                    # weights 128h + 32c ..: groups g, g + 1
-            g = 8 * h + 2 * c
-            scv = k.shuf(sc16, [g] * 8 + [g + 1] * 8)
+            g = 8 * h + 2 * c            # scales g, g + 1 (int16) by one in-lane byte shuffle
+            scv = b.bitcast(b.call(k.shuffle, [halves[h], ir.Constant(_V32I8, [2 * (g % 8), 2 * (g % 8) + 1] * 8
+                                                                      + [2 * (g % 8) + 2, 2 * (g % 8) + 3] * 8)]),
+                            _V16I16)
             for i in range(k.ns):
                 x = k.load(a.xq, b.add(a.xq_at[i], b.add(b.mul(blk, c64(QK_K)), c64(128 * h + 32 * c))), _V32I8)
                 p = k.wd(k.dot16(q, x), scv)
                 isums[i] = p if isums[i] is None else b.add(isums[i], p)
-    sc32 = b.sext(sc8, _V16I32)
     new = []
     for i in range(k.ns):
-        bsums = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(16))), _V16I32, 4)
-        prod = b.mul(sc32, bsums)
-        corr = b.shl(b.add(k.shuf(prod, range(8)), k.shuf(prod, range(8, 16))), k.c(_V8I32, 5))
+        bsums = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(16))), _V16I16, 2)
+        corr = b.shl(k.wd(sc16, bsums), k.c(_V8I32, 5))
         dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
         new.append(k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(b.sub(isums[i], corr), k.vf), accs[i]))
     return new
@@ -335,15 +339,15 @@ def _activations(x, kind):
             xq, xd, xsum = act8._quantized_k_rows(x)
         if kind == Q4K:
             pairs = xsum.reshape(xsum.size // 2, 2)
-            xs = pairs[:, 0] + pairs[:, 1]
+            xs = (pairs[:, 0] + pairs[:, 1]).astype(np.int16)          # |sum of 32| <= 32 * 127
         else:
-            xs = xsum.reshape(xsum.size)
+            xs = xsum.reshape(xsum.size).astype(np.int16)
         return xq.reshape(xq.size), xd.reshape(xd.size), xs
     if x.shape[0] <= SERIAL_ROWS:
         xq, xd, _, _ = act8._quantized(x, act8.Q8_0, 0)
     else:
         xq, xd, _, _ = act8._quantized_rows(x, act8.Q8_0, 0)
-    return xq.reshape(xq.size), xd.reshape(xd.size), np.empty(0, np.int32)
+    return xq.reshape(xq.size), xd.reshape(xd.size), np.empty(0, np.int16)
 
 
 @njit(**JIT_PARALLEL)
