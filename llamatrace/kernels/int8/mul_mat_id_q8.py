@@ -196,13 +196,12 @@ def _q8_block(k: _Row, a, blk, accs, mxfp4: bool):
     base = b.add(a.w_at, b.mul(blk, c64(size)))
     if mxfp4:
         k.prefetch(a.on, a.w, b.add(base, a.ahead), range(1))
-        e = b.zext(k.load(a.w, base, _I8), _I32)
-        bits = b.select(b.icmp_unsigned("<", e, ir.Constant(_I32, 2)), b.shl(ir.Constant(_I32, 0x00200000), e),
-                        b.shl(b.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)))
-        d = b.bitcast(bits, k.f32)
+        e = b.zext(k.load(a.w, base, _I8), _I64)
+        d = b.load(b.gep(_e8m0_table(b.module), [c64(0), e]), align=4)
         q = k.load(a.w, b.add(base, c64(1)), _V16I8)
-        c16 = lambda x: k.c(_V16I8, x)                     # noqa: E731
-        codes = k.shuf(b.and_(q, c16(15)), range(32), b.lshr(q, c16(4)))
+        # both halves of a ymm the 16 bytes, the upper shifted by 4: low nibbles then high ones
+        both = b.lshr(b.bitcast(k.shuf(q, list(range(16)) * 2), _V8I32), ir.Constant(_V8I32, [0] * 4 + [4] * 4))
+        codes = b.and_(b.bitcast(both, _V32I8), k.c(_V32I8, 15))
         w = b.call(k.shuffle, [ir.Constant(_V32I8, _KVALUES * 2), codes])
     else:
         k.prefetch(a.on, a.w, b.add(base, a.ahead), range(1))
@@ -214,6 +213,21 @@ def _q8_block(k: _Row, a, blk, accs, mxfp4: bool):
         dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
         new.append(k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(k.signed_dot(w, x), k.vf), accs[i]))
     return new
+
+
+def _e8m0_table(module):
+    """The module's constant float32 [256]: ggml's ``GGML_E8M0_TO_FP32_HALF(e)`` for every byte
+    (bits ``0x00200000 << e`` for e < 2, else ``(e - 1) << 23``)."""
+    name = "llamatrace_e8m0_half"
+    if name in module.globals:
+        return module.globals[name]
+    e = np.arange(256, dtype=np.uint32)
+    half = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << 23).astype(np.uint32).view(np.float32)
+    table = ir.GlobalVariable(module, ir.ArrayType(ir.FloatType(), 256), name)
+    table.initializer = ir.Constant(table.type.pointee, [float(v) for v in half])
+    table.global_constant = True
+    table.linkage = "internal"
+    return table
 
 
 class _Args:
@@ -250,6 +264,22 @@ def _row_loop(k: _Row, n_rows, body) -> None:
     b.position_at_end(done)
 
 
+def _two_chains(k: _Row, a, ns: int, body) -> list:
+    """The block loop with blocks 2p and 2p + 1 summed into two sets of accumulators (then the
+    last block of an odd count): a 32-weight block's work is shorter than an FMA's latency, so
+    one chain of FMAs would bound the loop."""
+    b = k.b
+
+    def pair(p, accs):
+        blk = b.mul(p, k.c64(2))
+        return body(k, a, blk, accs[:ns]) + body(k, a, b.add(blk, k.c64(1)), accs[ns:])
+
+    outs = k.block_loop(b.sdiv(a.n_blocks, k.c64(2)), 2 * ns, pair)
+    last = b.sub(a.n_blocks, k.c64(1))
+    tail = k.block_loop(b.srem(a.n_blocks, k.c64(2)), ns, lambda blk, accs: body(k, a, b.add(blk, last), accs))
+    return [b.fadd(b.fadd(outs[i], outs[ns + i]), tail[i]) for i in range(ns)]
+
+
 def _microkernel(kind: int, ns: int):
     body = {Q4K: _q4k_block, Q6K: _q6k_block, MXFP4: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, True),
             Q80: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, False)}[kind]
@@ -265,7 +295,8 @@ def _microkernel(kind: int, ns: int):
 
             def row(rr):
                 a.w_at = builder.add(a.w0, builder.mul(rr, a.row_bytes))
-                outs = k.block_loop(a.n_blocks, ns, lambda blk, accs: body(k, a, blk, accs))
+                outs = (k.block_loop(a.n_blocks, ns, lambda blk, accs: body(k, a, blk, accs)) if kind in (Q4K, Q6K)
+                        else _two_chains(k, a, ns, body))
                 at = builder.mul(rr, k.c64(MAX_ROWS))
                 for i, acc in enumerate(outs):
                     builder.store(k.hsum(acc), builder.gep(a.res, [builder.add(at, k.c64(i))]), align=4)
