@@ -65,6 +65,8 @@ _V32I8, _V16I8, _V8I8 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16), ir.Vecto
 _V16I16, _V8I16 = ir.VectorType(_I16, 16), ir.VectorType(_I16, 8)
 _V4I32, _V8I32 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 8)
 _KVALUES = [int(v) for v in gguf.quants.MXFP4.kvalues]
+MXFP4_ZERO = 12
+"""Added to MXFP4's ``kvalues`` (-12..12) in the 8-row kernel, so that they are unsigned bytes."""
 
 
 class _Row(VectorTile):
@@ -238,6 +240,8 @@ class _Args:
         ptr = lambda i: context.make_array(sig.args[i])(context, k.b, args[i]).data   # noqa: E731
         b = k.b
         self.w, self.xq, self.xd, self.xs, self.res = ptr(0), ptr(5), ptr(6), ptr(7), ptr(12)
+        if kind in (Q4K, Q6K):                              # int16 sums (act8's, narrowed)
+            self.xs = b.bitcast(self.xs, _I16.as_pointer())
         self.w0, self.row_bytes, self.n_rows, self.n_blocks, self.ahead = (k.i64(args[i]) for i in (1, 2, 3, 4, 13))
         self.w_at = self.w0
         self.on = b.icmp_signed("!=", self.ahead, k.c64(0))
@@ -280,6 +284,74 @@ def _two_chains(k: _Row, a, ns: int, body) -> list:
     return [b.fadd(b.fadd(outs[i], outs[ns + i]), tail[i]) for i in range(ns)]
 
 
+def _mxfp4_rows8(k: _Row, a) -> None:
+    """MXFP4 eight weight rows at a time, as the packed kernel (:mod:`llamatrace.kernels.int8.experts`)
+    takes them: each block's 16 code bytes of the 8 rows are transposed in registers (4 bytes of
+    a row per 32-bit lane), mapped to ``kvalues + 12`` by ``vpshufb``, and the byte products of
+    an activation row (its 4 bytes broadcast) summed in int16 for the 8 rows at once (pairs at
+    most 2 * 24 * 127, four added: 24384), from the activations' ``-12 * sum(xq)``; the float
+    step ``acc = fma(d * dx, isum, acc)`` is one vector FMA for 8 rows. Rows past ``n_rows``
+    repeat the last one (their sums are not read). ``res[i * TILE + r]``."""
+    b, c64, ns = k.b, k.c64, k.ns
+    vi32 = _V8I32
+    table = ir.Constant(_V32I8, [v + MXFP4_ZERO for v in _KVALUES] * 2)
+    ones = k.c(_V16I16, 1)
+    last = b.sub(a.n_rows, c64(1))
+
+    def group(rg):
+        first = b.mul(rg, c64(8))
+        row_at = []
+        for r in range(8):
+            ri = b.add(first, c64(r))
+            ri = b.select(b.icmp_signed("<", ri, a.n_rows), ri, last)
+            row_at.append(b.add(a.w0, b.mul(ri, a.row_bytes)))
+
+        # the next 8 rows (contiguous, 8 * row_bytes) a slice per block: 8 row streams at once
+        # are more than the hardware prefetcher follows
+        nxt = b.add(a.w0, b.mul(b.add(first, c64(8)), a.row_bytes))
+
+        def block(blk, accs):
+            off = b.mul(blk, c64(17))
+            k.prefetch(a.on, a.w, b.add(nxt, b.mul(blk, c64(8 * 17))), range(3))
+            q = [b.bitcast(k.load(a.w, b.add(b.add(at, off), c64(1)), _V16I8), _V4I32) for at in row_at]
+            e = ir.Constant(vi32, None)
+            for r, at in enumerate(row_at):
+                e = b.insert_element(e, b.zext(k.load(a.w, b.add(at, off), _I8), _I32), ir.Constant(_I32, r))
+            y = [k.shuf(q[r], range(8), q[r + 4]) for r in range(4)]          # rows r and r + 4
+            lo_i, hi_i = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
+            t = [k.shuf(y[0], lo_i, y[1]), k.shuf(y[0], hi_i, y[1]), k.shuf(y[2], lo_i, y[3]), k.shuf(y[2], hi_i, y[3])]
+            q_lo, q_hi = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
+            groups = [k.shuf(t[0], q_lo, t[2]), k.shuf(t[0], q_hi, t[2]), k.shuf(t[1], q_lo, t[3]),
+                      k.shuf(t[1], q_hi, t[3])]                                 # bytes 4g.. of the 8 rows
+            codes = [b.bitcast(v, _V32I8) for v in groups]
+            lo = [b.call(k.shuffle, [table, b.and_(v, k.c(_V32I8, 15))]) for v in codes]
+            hi = [b.call(k.shuffle, [table, b.and_(b.lshr(v, k.c(_V32I8, 4)), k.c(_V32I8, 15))]) for v in codes]
+            bits = b.select(b.icmp_unsigned("<", e, k.c(vi32, 2)), b.shl(k.c(vi32, 0x00200000), e),
+                            b.shl(b.sub(e, k.c(vi32, 1)), k.c(vi32, 23)))
+            d = b.bitcast(bits, k.vf)
+            new = []
+            for i in range(ns):
+                xat = b.add(a.xq_at[i], b.mul(blk, c64(QK)))
+                x4 = [b.bitcast(k.splat(k.load(a.xq, b.add(xat, c64(4 * g)), _I32), vi32), _V32I8) for g in range(8)]
+                s_lo = s_hi = None
+                for g in range(4):
+                    p_lo, p_hi = k.dot16(lo[g], x4[g]), k.dot16(hi[g], x4[4 + g])
+                    s_lo = p_lo if s_lo is None else b.add(s_lo, p_lo)
+                    s_hi = p_hi if s_hi is None else b.add(s_hi, p_hi)
+                at = b.add(a.xd_at[i], blk)
+                zero = k.splat(b.load(b.gep(a.xs, [at]), align=4), vi32)
+                isum = b.add(b.add(k.wd(s_lo, ones), k.wd(s_hi, ones)), zero)
+                dx = k.splat(b.load(b.gep(a.xd, [at]), align=4), k.vf)
+                new.append(k.fma(b.fmul(d, dx), b.sitofp(isum, k.vf), accs[i]))
+            return new
+
+        outs = k.block_loop(a.n_blocks, ns, block)
+        for i, acc in enumerate(outs):
+            k.b.store(acc, k.ptr(a.res, b.add(first, c64(i * TILE)), k.vf), align=4)
+
+    _row_loop(k, b.sdiv(b.add(a.n_rows, c64(7)), c64(8)), group)
+
+
 def _microkernel(kind: int, ns: int):
     body = {Q4K: _q4k_block, Q6K: _q6k_block, MXFP4: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, True),
             Q80: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, False)}[kind]
@@ -297,16 +369,18 @@ def _microkernel(kind: int, ns: int):
                 a.w_at = builder.add(a.w0, builder.mul(rr, a.row_bytes))
                 outs = (k.block_loop(a.n_blocks, ns, lambda blk, accs: body(k, a, blk, accs)) if kind in (Q4K, Q6K)
                         else _two_chains(k, a, ns, body))
-                at = builder.mul(rr, k.c64(MAX_ROWS))
                 for i, acc in enumerate(outs):
-                    builder.store(k.hsum(acc), builder.gep(a.res, [builder.add(at, k.c64(i))]), align=4)
+                    builder.store(k.hsum(acc), builder.gep(a.res, [builder.add(rr, k.c64(i * TILE))]), align=4)
 
-            _row_loop(k, a.n_rows, row)
+            if kind == MXFP4:
+                _mxfp4_rows8(k, a)
+            else:
+                _row_loop(k, a.n_rows, row)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    typer.__doc__ = (f"``res[rr * MAX_ROWS + i]`` (float32), i < {ns}, rr < ``n_rows``: weight row rr (``n_blocks`` "
+    typer.__doc__ = (f"``res[i * TILE + rr]`` (float32), i < {ns}, rr < ``n_rows``: weight row rr (``n_blocks`` "
                      "blocks at byte ``w_at + rr * row_bytes`` of ``w``) times activation row ``r_i`` (``xq``, "
                      "``xd``, ``xs`` flat); ``ahead``: prefetch distance in bytes (0: none).")
     return intrinsic(typer)
@@ -362,7 +436,8 @@ def _call(kind, ns, w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2
 @njit(**JIT)
 def _activations(x, kind):
     """The rows of x quantized for ``kind``, flat: ``xq`` int8, ``xd`` float32 (a scale per block),
-    ``xs`` int32 (Q4_K: sums of 32; Q6_K: sums of 16; else unused)."""
+    ``xs`` int32: Q4_K's sums of 32 and Q6_K's of 16 as int16 pairs (``|sum| <= 32 * 127``),
+    MXFP4's ``-12 * sum(xq)`` per block (its codes' zero point), none for Q8_0."""
     if kind == Q4K or kind == Q6K:
         if x.shape[0] <= SERIAL_ROWS:
             xq, xd, xsum = act8._quantized_k(x)
@@ -370,15 +445,16 @@ def _activations(x, kind):
             xq, xd, xsum = act8._quantized_k_rows(x)
         if kind == Q4K:
             pairs = xsum.reshape(xsum.size // 2, 2)
-            xs = (pairs[:, 0] + pairs[:, 1]).astype(np.int16)          # |sum of 32| <= 32 * 127
+            xs = (pairs[:, 0] + pairs[:, 1]).astype(np.int16)
         else:
             xs = xsum.reshape(xsum.size).astype(np.int16)
-        return xq.reshape(xq.size), xd.reshape(xd.size), xs
+        return xq.reshape(xq.size), xd.reshape(xd.size), xs.view(np.int32)
+    zero = -MXFP4_ZERO if kind == MXFP4 else 0
     if x.shape[0] <= SERIAL_ROWS:
-        xq, xd, _, _ = act8._quantized(x, act8.Q8_0, 0)
+        xq, xd, _, off = act8._quantized(x, act8.Q8_0, zero)
     else:
-        xq, xd, _, _ = act8._quantized_rows(x, act8.Q8_0, 0)
-    return xq.reshape(xq.size), xd.reshape(xd.size), np.empty(0, np.int16)
+        xq, xd, _, off = act8._quantized_rows(x, act8.Q8_0, zero)
+    return xq.reshape(xq.size), xd.reshape(xd.size), off.reshape(off.size)
 
 
 @njit(**JIT_PARALLEL)
@@ -408,7 +484,7 @@ def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_byte
             for i in range(ns):
                 o = out[order[s + i]]
                 for r in range(n_rows):
-                    o[col + r0 + r] = res[r * MAX_ROWS + i]
+                    o[col + r0 + r] = res[i * TILE + r]
             s += ns
 
 
