@@ -83,6 +83,22 @@ def test_mul_mat_id_is_float64_sums_over_gguf_weights_and_q8_activations(ggml_ty
     assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("ggml_type", [T.MXFP4, T.Q8_0], ids=lambda t: t.name)
+def test_an_odd_count_of_32_weight_blocks_and_a_lone_row(ggml_type):
+    # 25 blocks a row: the kernels' blocks go two at a time (two FMA chains), then the last one
+    n_in, n_out = 800, 9
+    raw = gguf.quants.quantize(np.random.default_rng(3).standard_normal((2 * n_out, n_in)).astype(np.float32)
+                               * np.float32(0.02), ggml_type).reshape(2, n_out, -1)
+    parts = (FileExperts("w", ggml_type, n_out, n_in, raw),)
+    x = np.random.default_rng(4).standard_normal((5, n_in)).astype(np.float32)
+    ids = np.array([1, 1, 0, 1, 1], dtype=np.int64)
+    got = mul_mat_id(x, parts, ids, activations="q8")
+    want = mul_mat_id_ref(x, parts, ids, activations="q8")
+    xs = np.abs(mul_mat_id_q8.activations_ref(x, ggml_type))
+    bound = np.stack([np.abs(parts[0].expert(int(e)).astype(np.float64)) @ xs[i] for i, e in enumerate(ids)])
+    assert np.all(np.abs(got - want) <= 1e-6 * bound)
+
+
 @pytest.mark.parametrize("ggml_type", KINDS, ids=lambda t: t.name)
 def test_types_are_declared_and_activations_ref_is_act8s_quantizers(ggml_type):
     assert ggml_type in mul_mat_id_q8.TYPES
