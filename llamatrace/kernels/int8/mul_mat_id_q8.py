@@ -11,20 +11,39 @@ CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
   packed path's per-32 float32 scales: on the file's layout the block's eight 6-bit scales and
   mins go into the integer sums (``pmaddwd`` by the scale), so the float work is two FMAs per
   block and activation row.
-- Per 256-block (K-quants) or 32-block and activation row, the integer sums are exact int32, in
-  8 lanes; the float step per block is a vector FMA ``acc += (d * xd) * isum`` (Q4_K also ``acc -=
-  (dmin * xd) * (mins * sums of 32)``, Q6_K's ``q - 32`` in integers: ``isum - 32 * sum_g sc_g *
-  bsum_g``; MXFP4 ``d`` its E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` with ``kvalues`` by ``vpshufb``),
-  and the 8 lanes are added at the end of the row. Overflow: Q4_K's pairs are at most
-  2 * 15 * 127 and times a scale <= 63 in ``pmaddwd``; Q6_K's ``q + 32`` pairs 2 * 63 * 127;
-  MXFP4's and Q8_0's products are ``|w| * sign(w) x`` (``psignb``), pairs at most 2 * 128 * 127.
+- Q4_K, Q6_K and Q8_0 go a weight row at a time, as ``ggml_vec_dot_*`` do: per block and
+  activation row the exact int32 sums in 8 lanes, then a vector FMA ``acc += (d * xd) * isum``;
+  the row's 8 lanes are added at its end. Q4_K's sub-block scales multiply the ``pmaddubsw`` pair
+  sums in ``pmaddwd`` (broadcast by one ``vpshufb`` each), its mins ``acc -= (dmin * xd) * sum_j
+  mn_j * bsum32_j``; Q6_K sums ``q + 32`` (0..63) with its int8 scales in ``pmaddwd`` and takes
+  ``32 * sum_g sc_g * bsum_g`` off in integers; Q8_0 multiplies ``|w|`` by ``sign(w) * x``
+  (``psignb``). 32-weight blocks are summed into two chains of FMAs (a block's work is shorter
+  than an FMA's latency).
+- MXFP4 goes eight weight rows at a time, as the packed kernel
+  (:mod:`llamatrace.kernels.int8.experts`) takes them, because a per-row float step per 32
+  weights cost more than the integer work: each block's 16 code bytes of the 8 rows are
+  transposed in registers (4 bytes of a row per 32-bit lane), mapped to ``kvalues + 12`` by
+  ``vpshufb``, and summed in int16 against an activation row's broadcast bytes, from its
+  ``-12 * sum(xq)``; ``d`` is the E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` and the float step is
+  one FMA for the 8 rows. The next 8 rows are prefetched a slice per block: 8 row streams at
+  once are more than the hardware prefetcher followed (gpt-oss [2880, 2880], one thread: 8.3 ->
+  14.4 GB of weights per CPU-second).
+- Overflow: Q4_K pairs are at most 2 * 15 * 127, times a scale <= 63 in ``pmaddwd``; Q6_K's
+  2 * 63 * 127, times |scale| <= 128; Q8_0's 2 * 128 * 127; MXFP4's 2 * 24 * 127, four added in
+  int16 (24384). A block's scaled sum stays below 2**31.
 
 Kernels. :func:`matmul_id` runs one Numba parallel region over work items (group, part, tile of
-:data:`TILE` weight rows). Within a tile, each weight row is read once for all the group's slots:
-a microkernel (LLVM IR, AVX2 ``pmaddubsw`` / ``pmaddwd`` / ``psignb`` / ``pshufb`` on 256-bit
-vectors, also on AVX-512 hosts) runs 1 to :data:`MAX_ROWS` activation rows against one weight
-row over all its blocks, unpacking each block's codes and scales once, the float32 sums in
-registers; the row stays in L1 for the group's next run of activation rows.
+:data:`TILE` weight rows); a group's activation rows go :data:`MAX_ROWS` at a time (then 1..3)
+through a microkernel (LLVM IR, AVX2's ``pmaddubsw`` / ``pmaddwd`` / ``psignb`` / ``pshufb`` on
+256-bit vectors, which AVX-512 hosts run too) that loops over the tile's rows and their blocks,
+its float32 sums in registers, each block's codes and scales unpacked once for those activation
+rows; the tile (at most 24 KB) stays in L1/L2 for the group's next rows, so each chosen expert's
+bytes come from memory once a call. Prefetch: :data:`AHEAD`. Activations are quantized once per
+call, on one thread up to :data:`SERIAL_ROWS` rows (a decode step: no second fork-join).
+
+Speed (``benchmarks/bench_mul_mat_id.py``, layer 0, 2-core AVX2 EPYC shared with other jobs,
+interleaved with the packed path, GB of chosen weights per CPU-second, 1 thread): see
+docs/performance.md when the loader uses these kernels.
 
 :func:`activations_ref` is the NumPy twin of the activation quantization (act8's NumPy twins),
 used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
@@ -491,7 +510,9 @@ def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_byte
 
 
 AHEAD = {Q4K: 8192, Q6K: 8192, MXFP4: 8192, Q80: 8192}
-"""Each kind's software prefetch distance in bytes (0: none)."""
+"""Each kind's software prefetch distance in bytes along a row (0: none; MXFP4: not 0, the next 8
+rows). Q4_K and Q6_K decode, qwen3moe shapes, one thread: none 8.3-9.0, 2 KB 10.3-10.7, 8 KB
+10.2-10.7 GB/s."""
 
 
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
@@ -521,7 +542,9 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
                          f"of {_T(ggml_type).name}")
     numba.get_num_threads()         # launches the thread pool: a cached parallel kernel needs it loaded
-    flat = [np.ascontiguousarray(d).reshape(-1) for d in datas]
+    flat = [np.ascontiguousarray(d).reshape(-1).view() for d in datas]
+    for f in flat:                  # read-only, as a map of the file: one compiled signature
+        f.flags.writeable = False
     n_outs = [d.shape[1] for d in datas]
     out = np.empty((order.shape[0], sum(n_outs)), dtype=np.float32)
     if order.shape[0] == 0:
