@@ -8,6 +8,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from ggml_cpu_quants import ggml_cpu_matmul
 from gguf_factory import random_blocks
 
 from llamatrace.kernels.int8 import act8, mul_mat_id_q8
@@ -97,6 +98,19 @@ def test_an_odd_count_of_32_weight_blocks_and_a_lone_row(ggml_type):
     xs = np.abs(mul_mat_id_q8.activations_ref(x, ggml_type))
     bound = np.stack([np.abs(parts[0].expert(int(e)).astype(np.float64)) @ xs[i] for i, e in enumerate(ids)])
     assert np.all(np.abs(got - want) <= 1e-6 * bound)
+
+
+@pytest.mark.parametrize("ggml_type", KINDS, ids=lambda t: t.name)
+def test_mul_mat_id_is_llamacpps_own_x86_code(ggml_type):
+    # ggml-cpu's quantize_row_q8_K / _q8_0 and ggml_vec_dot_*_q8_* (AVX2) compiled from the sdist:
+    # the same integer sums, another float32 order (their per-block steps, their lane sums)
+    parts = _parts(ggml_type, (21,), n_expert=3)
+    x = _x(4)
+    ids = np.array([2, 0, 2, 2], dtype=np.int64)
+    got = mul_mat_id(x, parts, ids, activations="q8")
+    want = np.stack([ggml_cpu_matmul(ggml_type.name, parts[0].data[e], x[i:i + 1])[0] for i, e in enumerate(ids)])
+    bound = _bound(x, parts, ids, np.arange(4), ggml_type)
+    assert np.all(np.abs(got - want) <= 2e-6 * bound + 1e-30)
 
 
 @pytest.mark.parametrize("ggml_type", KINDS, ids=lambda t: t.name)
