@@ -333,9 +333,10 @@ def _mxfp4_rows8(k: _Row, a) -> None:
             off = b.mul(blk, c64(17))
             k.prefetch(a.on, a.w, b.add(nxt, b.mul(blk, c64(8 * 17))), range(3))
             q = [b.bitcast(k.load(a.w, b.add(b.add(at, off), c64(1)), _V16I8), _V4I32) for at in row_at]
-            e = ir.Constant(vi32, None)
+            e = ir.Constant(vi32, None)       # the E8M0 bytes: each block's first dword, its low byte
             for r, at in enumerate(row_at):
-                e = b.insert_element(e, b.zext(k.load(a.w, b.add(at, off), _I8), _I32), ir.Constant(_I32, r))
+                e = b.insert_element(e, k.load(a.w, b.add(at, off), _I32), ir.Constant(_I32, r))
+            e = b.and_(e, k.c(vi32, 255))
             y = [k.shuf(q[r], range(8), q[r + 4]) for r in range(4)]          # rows r and r + 4
             lo_i, hi_i = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
             t = [k.shuf(y[0], lo_i, y[1]), k.shuf(y[0], hi_i, y[1]), k.shuf(y[2], lo_i, y[3]), k.shuf(y[2], hi_i, y[3])]
