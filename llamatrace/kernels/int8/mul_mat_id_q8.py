@@ -487,7 +487,6 @@ def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_byte
     t0, t1 = (n_out0 + TILE - 1) // TILE, (n_out1 + TILE - 1) // TILE
     per_group = t0 + t1
     n_items = experts.shape[0] * per_group
-    results = np.empty((n_items, MAX_ROWS * TILE), np.float32)        # one allocation, not one an item
     for item in prange(n_items):
         g, t = item // per_group, item % per_group
         w, n_out, col, r0 = w0, n_out0, 0, t * TILE
@@ -495,7 +494,7 @@ def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_byte
             w, n_out, col, r0 = w1, n_out1, n_out0, (t - t0) * TILE
         e, first, end = experts[g], starts[g], starts[g + 1]
         n_rows = min(r0 + TILE, n_out) - r0
-        res = results[item]
+        res = np.empty(MAX_ROWS * TILE, np.float32)
         s = first
         while s < end:
             ns = min(MAX_ROWS, end - s)
