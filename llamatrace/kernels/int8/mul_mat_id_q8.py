@@ -515,6 +515,19 @@ rows). Q4_K and Q6_K decode, qwen3moe shapes, one thread: none 8.3-9.0, 2 KB 10.
 10.2-10.7 GB/s."""
 
 
+_POOL: list = []
+"""Not empty once :func:`matmul_id` has launched Numba's thread pool (3 µs a call otherwise)."""
+
+
+def _read_only(data: np.ndarray) -> np.ndarray:
+    """``data`` flat, read-only as a map of the file is (one compiled signature for both)."""
+    flat = np.ascontiguousarray(data).reshape(-1)
+    if flat.flags.writeable:
+        flat = flat.view()
+        flat.flags.writeable = False
+    return flat
+
+
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     """``out[i] = q8(x[rows[i]]) @ W[ids[i]].T`` over the groups of :func:`llamatrace.kernels.mul_mat_id.groups`.
 
@@ -541,10 +554,9 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
             d.ndim != 3 or d.shape[2] != n_in // block * size or d.shape[0] != datas[0].shape[0] for d in datas):
         raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
                          f"of {_T(ggml_type).name}")
-    numba.get_num_threads()         # launches the thread pool: a cached parallel kernel needs it loaded
-    flat = [np.ascontiguousarray(d).reshape(-1).view() for d in datas]
-    for f in flat:                  # read-only, as a map of the file: one compiled signature
-        f.flags.writeable = False
+    if not _POOL:                   # a cached parallel kernel needs the thread pool loaded first
+        _POOL.append(numba.get_num_threads())
+    flat = [_read_only(d) for d in datas]
     n_outs = [d.shape[1] for d in datas]
     out = np.empty((order.shape[0], sum(n_outs)), dtype=np.float32)
     if order.shape[0] == 0:
