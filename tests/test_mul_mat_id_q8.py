@@ -64,6 +64,9 @@ CASES = {
     "down, slot i row i": ((50,), 6, [2, 2, 4, 0, 2, 2], None),
     "one expert": ((17,), 9, [0] * 9, None),
     "empty ids": ((37, 21), 3, [], []),
+    # more rows of x than one thread quantizes (mul_mat_id_q8.SERIAL_ROWS): quantized in parallel
+    "prefill, 20 rows": ((37,), 20, list(np.random.default_rng(5).integers(0, N_EXPERT, 40)),
+                         list(np.random.default_rng(6).integers(0, 20, 40))),
 }
 
 
