@@ -331,9 +331,9 @@ def _mxfp4_rows8(k: _Row, a) -> None:
             ri = b.select(b.icmp_signed("<", ri, a.n_rows), ri, last)
             row_at.append(b.add(a.w0, b.mul(ri, a.row_bytes)))
 
-        # the next 8 rows (contiguous, 8 * row_bytes) a slice per block: 8 row streams at once
-        # are more than the hardware prefetcher follows
-        nxt = b.add(a.w0, b.mul(b.add(first, c64(8)), a.row_bytes))
+        # the rows ``ahead`` on (contiguous), 8 rows' worth a slice per block: 8 row streams at
+        # once are more than the hardware prefetcher follows
+        nxt = b.add(a.w0, b.mul(b.add(first, a.ahead), a.row_bytes))
 
         def block(blk, accs):
             off = b.mul(blk, c64(17))
@@ -514,11 +514,11 @@ def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_byte
                     o[col + r0 + r] = res[i * TILE + r]
             s += ns
 
-
-AHEAD = {Q4K: 8192, Q6K: 8192, MXFP4: 8192, Q80: 8192}
-"""Each kind's software prefetch distance in bytes along a row (0: none; MXFP4: not 0, the next 8
-rows). Q4_K and Q6_K decode, qwen3moe shapes, one thread: none 8.3-9.0, 2 KB 10.3-10.7, 8 KB
-10.2-10.7 GB/s."""
+AHEAD = {Q4K: 8192, Q6K: 8192, MXFP4: 8, Q80: 8192}
+"""Each kind's software prefetch distance (0: none): bytes along a row; MXFP4: weight rows ahead
+of its 8 (a slice of them per block). Q4_K and Q6_K decode, qwen3moe shapes, one thread: none
+8.3-9.0, 2 KB 10.3-10.7, 8 KB 10.2-10.7 GB/s; MXFP4 [2880, 2880], one thread, cold: none 8.3,
+8 rows 14.4-15.6, 16 rows 15.7, 32 rows 14.4 GB/s."""
 
 
 _POOL: list = []
