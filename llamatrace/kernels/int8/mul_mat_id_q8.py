@@ -46,10 +46,11 @@ bytes come from memory once a call. Prefetch: :data:`AHEAD`. Activations are qua
 call, on one thread up to :data:`SERIAL_ROWS` rows (a decode step: no second fork-join).
 
 Speed (``benchmarks/bench_mul_mat_id.py``: layer 0, interleaved with the packed path, medians
-of 9 rounds, 2-core AVX2 EPYC shared with other jobs at load 2.7, 1 thread CPU time; this /
-packed): qwen3moe-8 (gate/up Q4_K, down Q6_K) decode k = 8: 13.6 / 13.5 GB of weights per
-second (1.00x), prefill 128 tokens: 1.12x; gptoss-4 (MXFP4) decode k = 4: 11.5 / 13.8 GB/s
-(0.83x), prefill: 1.36x. Synthetic Q8_0 [32, 768, 2048]: decode 0.90x, prefill 1.00x.
+of 9 rounds, 1 thread CPU time, 2-core AVX2 EPYC shared with other jobs at load 2.7-4.3; speed
+relative to the packed path, its time over this one's, 3 runs): qwen3moe-8 (gate/up Q4_K, down
+Q6_K) decode k = 8: 0.89-1.00 (12-13.6 GB of weights per second), prefill 128 tokens
+0.98-1.12 (Q4_K alone ~0.88, Q6_K ~1.17); gptoss-4 (MXFP4) decode k = 4: 0.83-0.97 (~11.6 GB/s),
+prefill 1.30-1.41. Synthetic Q8_0 [32, 768, 2048]: decode 0.90, prefill 1.00.
 
 :func:`activations_ref` is the NumPy twin of the activation quantization (act8's NumPy twins),
 used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
