@@ -4,7 +4,8 @@ One layer's ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` of a MoE fil
 the two paths interleaved round by round:
 
 - decode: one row times ``k`` random experts' gate|up, then ``k`` rows times their down;
-  packed: :meth:`llamatrace.kernels.int8.experts.Experts.matmul` on the packed q8 weights;
+  packed: ``llamatrace.kernels.int8.experts.Experts.matmul`` on the packed q8 weights where that
+  module exists (the packed decode path before ``mul_mat_id``), else expert by expert;
 - prefill: ``--tokens`` rows, ``k`` distinct random experts each; packed: one registry
   ``matmul`` per chosen expert, as :mod:`llamatrace.model.moe` does.
 
@@ -24,7 +25,6 @@ import numba
 import numpy as np
 
 from llamatrace.gguf.reader import open_gguf
-from llamatrace.kernels.int8.experts import Experts
 from llamatrace.kernels.mul_mat_id import FileExperts, mul_mat_id
 from llamatrace.kernels.types import packing
 from llamatrace.kernels.types.registry import matmul
@@ -71,7 +71,11 @@ def main() -> None:
     t0 = time.perf_counter()
     w13, w2 = _packed((gate, up), a.activations), _packed((down,), a.activations)
     print(f"packed in {time.perf_counter() - t0:.1f} s", flush=True)
-    e13, e2 = Experts.of(w13), Experts.of(w2)
+    try:                                    # the packed decode path's one region, where it exists
+        from llamatrace.kernels.int8.experts import Experts
+        e13, e2 = Experts.of(w13), Experts.of(w2)
+    except ImportError:
+        e13 = e2 = None
     rng = np.random.default_rng(0)
     row_bytes = lambda p: p.data.shape[1] * p.data.shape[2]           # noqa: E731 (bytes of one expert)
 
@@ -82,7 +86,11 @@ def main() -> None:
         nbytes = k * (row_bytes(gate) + row_bytes(up) + row_bytes(down))
         ours = lambda: (mul_mat_id(x, (gate, up), ids, np.zeros(k, np.int64), a.activations),   # noqa: E731
                         mul_mat_id(h, (down,), ids, None, a.activations))
-        packed = lambda: (e13.matmul(x, ids), e2.matmul(h, ids))                                 # noqa: E731
+        if e13 is not None and e2 is not None:
+            packed = lambda: (e13.matmul(x, ids), e2.matmul(h, ids))                             # noqa: E731
+        else:
+            packed = lambda: ([matmul(x, w13[e]) for e in ids], [matmul(h[s:s + 1], w2[e])    # noqa: E731
+                                                                 for s, e in enumerate(ids)])
         return nbytes, ours, packed
 
     def prefill_case():

@@ -19,12 +19,11 @@ CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
   ``32 * sum_g sc_g * bsum_g`` off in integers; Q8_0 multiplies ``|w|`` by ``sign(w) * x``
   (``psignb``). 32-weight blocks are summed into two chains of FMAs (a block's work is shorter
   than an FMA's latency).
-- MXFP4 goes eight weight rows at a time, as the packed kernel
-  (:mod:`llamatrace.kernels.int8.experts`) takes them, because a per-row float step per 32
-  weights cost more than the integer work: each block's 16 code bytes of the 8 rows are
-  transposed in registers (4 bytes of a row per 32-bit lane), mapped to ``kvalues + 12`` by
-  ``vpshufb``, and summed in int16 against an activation row's broadcast bytes, from its
-  ``-12 * sum(xq)``; ``d`` is the E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` and the float step is
+- MXFP4 goes eight weight rows at a time, as the packed q8 kernels take a tile's rows (8 a
+  register), because a per-row float step per 32 weights cost more than the integer work: each
+  block's 16 code bytes of the 8 rows are transposed in registers (4 bytes of a row per 32-bit
+  lane), mapped to ``kvalues + 12`` by ``vpshufb``, and summed in int16 against an activation
+  row's broadcast bytes, from its ``-12 * sum(xq)``; ``d`` is the E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` and the float step is
   one FMA for the 8 rows. The next 8 rows are prefetched a slice per block: 8 row streams at
   once are more than the hardware prefetcher followed (gpt-oss [2880, 2880], one thread: 8.3 ->
   14.4 GB of weights per CPU-second).
@@ -311,8 +310,7 @@ def _two_chains(k: _Row, a, ns: int, body) -> list:
 
 
 def _mxfp4_rows8(k: _Row, a) -> None:
-    """MXFP4 eight weight rows at a time, as the packed kernel (:mod:`llamatrace.kernels.int8.experts`)
-    takes them: each block's 16 code bytes of the 8 rows are transposed in registers (4 bytes of
+    """MXFP4 eight weight rows at a time, as the packed q8 kernels take a tile's rows: each block's 16 code bytes of the 8 rows are transposed in registers (4 bytes of
     a row per 32-bit lane), mapped to ``kvalues + 12`` by ``vpshufb``, and the byte products of
     an activation row (its 4 bytes broadcast) summed in int16 for the 8 rows at once (pairs at
     most 2 * 24 * 127, four added: 24384), from the activations' ``-12 * sum(xq)``; the float
