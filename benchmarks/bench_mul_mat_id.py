@@ -1,20 +1,18 @@
-"""Experts' matmuls of one MoE layer: ``mul_mat_id`` on the file's blocks against the packed paths.
+"""Microbenchmark: ``mul_mat_id`` on a GGUF's own expert blocks against the packed path.
 
-Usage: python3 benchmarks/bench_mul_mat_id.py FILE [--layer 0] [--reps 20] [--activations f32]
+One layer's ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` of a MoE file, in one process,
+the two paths interleaved round by round:
 
-On layer ``--layer``'s ffn_gate_exps / ffn_up_exps / ffn_down_exps of FILE (a qwen3moe or gpt-oss
-GGUF), interleaved in one process, each repetition on freshly drawn experts:
+- decode: one row times ``k`` random experts' gate|up, then ``k`` rows times their down;
+  packed: ``llamatrace.kernels.int8.experts.Experts.matmul`` on the packed q8 weights where that
+  module exists (the packed decode path before ``mul_mat_id``), else expert by expert;
+- prefill: ``--tokens`` rows, ``k`` distinct random experts each; packed: one registry
+  ``matmul`` per chosen expert, as :mod:`llamatrace.model.moe` does.
 
-- decode: one row through k random experts' gate|up, then k rows through their downs;
-- prefill: 128 rows, each with k random experts (top-k ids), grouped by expert.
+Reports 1-thread CPU time and 2-thread wall time (medians) and GB of chosen weights per second;
+the file's pages are touched before timing (a fresh page costs more than the kernel).
 
-Engines: ``file`` (:func:`llamatrace.kernels.mul_mat_id.mul_mat_id`, the f32 or q8 mode), ``packed``
-(today's f32 path: each expert's gate|up packed as one Weight, ``registry.matmul`` expert by
-expert, as :mod:`llamatrace.model.moe` runs them), ``q8`` (decode: the q8 mode's
-:class:`~llamatrace.kernels.int8.experts.Experts`; prefill: the registry's q8 kernels expert by
-expert). Reports GB/s of the chosen experts' file bytes per CPU-second at 1 thread and per
-wall-second at 2 threads (medians), with the load average. The layer's file pages are faulted in
-first (a running model's steady state; the first touch of a page costs more than its kernel).
+    python3 benchmarks/bench_mul_mat_id.py /tmp/bench/qwen3moe-8.gguf --activations q8
 """
 
 from __future__ import annotations
@@ -27,101 +25,108 @@ import numba
 import numpy as np
 
 from llamatrace.gguf.reader import open_gguf
-from llamatrace.kernels.int8.experts import Experts
 from llamatrace.kernels.mul_mat_id import FileExperts, mul_mat_id
 from llamatrace.kernels.types import packing
 from llamatrace.kernels.types.registry import matmul
 
 
-def _file_experts(f, layer: int) -> dict[str, FileExperts]:
-    out = {}
-    for short in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
-        t = f.tensor(f"blk.{layer}.{short}.weight")
-        n_expert, n_out, n_in = t.shape[2], t.shape[1], t.shape[0]
-        out[short] = FileExperts(t.name, t.tensor_type, int(n_out), int(n_in), t.data.reshape(n_expert, n_out, -1))
-    return out
+def _file_experts(f, layer: int, kind: str) -> FileExperts:
+    t = f.tensor(f"blk.{layer}.ffn_{kind}_exps.weight")
+    data = t.data
+    np.add.reduce(data[..., ::64].reshape(-1), dtype=np.uint64)          # fault every page in once
+    return FileExperts(t.name, t.tensor_type, data.shape[1], int(t.shape[0]), data)
 
 
-def _pack(fe: dict[str, FileExperts], activations: str):
-    g, u, d = fe["ffn_gate_exps"], fe["ffn_up_exps"], fe["ffn_down_exps"]
-    w13 = [packing.pack(f"gu#{e}", g.ggml_type, np.concatenate([g.data[e], u.data[e]]), 2 * g.n_out, g.n_in,
-                        activations=activations) for e in range(g.n_expert)]
-    w2 = [packing.pack(f"d#{e}", d.ggml_type, d.data[e], d.n_out, d.n_in, activations=activations)
-          for e in range(d.n_expert)]
-    return w13, w2
+def _packed(parts: tuple[FileExperts, ...], activations: str) -> list:
+    p0 = parts[0]
+    return [packing.pack(f"e{e}", p0.ggml_type, np.concatenate([p.data[e] for p in parts]),
+                         sum(p.n_out for p in parts), p0.n_in, activations=activations)
+            for e in range(p0.n_expert)]
+
+
+def _time(fn, threads: int, cpu: bool) -> float:
+    numba.set_num_threads(threads)
+    clock = time.process_time if cpu else time.perf_counter
+    t0 = clock()
+    fn()
+    return clock() - t0
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("file")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
     ap.add_argument("--layer", type=int, default=0)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--prefill-reps", type=int, default=3)
-    ap.add_argument("--k", type=int, default=None)
-    ap.add_argument("--activations", default="f32")
-    ap.add_argument("--no-q8", action="store_true")
+    ap.add_argument("--activations", default="q8")
+    ap.add_argument("--k", type=int, default=None, help="experts per token (default: the file's)")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
-    f = open_gguf(a.file)
-    fe = _file_experts(f, a.layer)
-    g, u, d = fe["ffn_gate_exps"], fe["ffn_up_exps"], fe["ffn_down_exps"]
-    n_expert, dim, ff = g.n_expert, g.n_in, g.n_out
-    k = a.k or (8 if n_expert >= 64 else 4)
-    for e in fe.values():                # fault the layer's pages in once: a model's steady state
-        int(e.data.reshape(-1)[::4096].sum())
-    expert_bytes = g.data[0].nbytes + u.data[0].nbytes + d.data[0].nbytes
+    f = open_gguf(a.model)
+    gate, up, down = (_file_experts(f, a.layer, kind) for kind in ("gate", "up", "down"))
+    arch = f.field("general.architecture")
+    k = a.k or int(f.field(f"{arch}.expert_used_count"))
+    n_expert, n_ff, dim = gate.n_expert, gate.n_out, gate.n_in
+    print(f"{a.model} layer {a.layer}: gate/up {gate.ggml_type.name} [{n_expert}, {n_ff}, {dim}], "
+          f"down {down.ggml_type.name} [{n_expert}, {down.n_out}, {down.n_in}], k {k}", flush=True)
     t0 = time.perf_counter()
-    w13, w2 = _pack(fe, "f32")
-    q13, q2 = (None, None) if a.no_q8 else _pack(fe, "q8")
-    eq = None if a.no_q8 else (Experts.of(q13), Experts.of(q2))
-    print(f"{os.path.basename(a.file)} layer {a.layer}: {n_expert} experts, {g.ggml_type.name} gate/up [{ff}, {dim}], "
-          f"{d.ggml_type.name} down [{dim}, {ff}], k={k}; packed in {time.perf_counter() - t0:.0f} s")
+    w13, w2 = _packed((gate, up), a.activations), _packed((down,), a.activations)
+    print(f"packed in {time.perf_counter() - t0:.1f} s", flush=True)
+    try:                                    # the packed decode path's one region, where it exists
+        from llamatrace.kernels.int8.experts import Experts
+        e13, e2 = Experts.of(w13), Experts.of(w2)
+    except ImportError:
+        e13 = e2 = None
     rng = np.random.default_rng(0)
+    row_bytes = lambda p: p.data.shape[1] * p.data.shape[2]           # noqa: E731 (bytes of one expert)
 
-    def engines_decode(ids, x1, h):
-        yield "file", lambda: (mul_mat_id(x1, (g, u), ids, np.zeros(k, np.int64), a.activations),
-                               mul_mat_id(h, (d,), ids, activations=a.activations))
-        yield "packed", lambda: ([matmul(x1, w13[e]) for e in ids], [matmul(h[s:s + 1], w2[e]) for s, e in enumerate(ids)])
-        if eq is not None:
-            yield "q8", lambda: (eq[0].matmul(x1, ids), eq[1].matmul(h, ids))
+    def decode_case():
+        ids = rng.choice(n_expert, k, replace=False)
+        x = rng.standard_normal((1, dim)).astype(np.float32)
+        h = rng.standard_normal((k, n_ff)).astype(np.float32)
+        nbytes = k * (row_bytes(gate) + row_bytes(up) + row_bytes(down))
+        ours = lambda: (mul_mat_id(x, (gate, up), ids, np.zeros(k, np.int64), a.activations),   # noqa: E731
+                        mul_mat_id(h, (down,), ids, None, a.activations))
+        if e13 is not None and e2 is not None:
+            packed = lambda: (e13.matmul(x, ids), e2.matmul(h, ids))                             # noqa: E731
+        else:
+            packed = lambda: ([matmul(x, w13[e]) for e in ids], [matmul(h[s:s + 1], w2[e])    # noqa: E731
+                                                                 for s, e in enumerate(ids)])
+        return nbytes, ours, packed
 
-    def engines_prefill(flat, rows, x, h):
-        order = np.argsort(flat, kind="stable")
-        es, starts = np.unique(flat[order], return_index=True)
-        grp = [(int(e), order[s:t]) for e, s, t in zip(es, starts, list(starts[1:]) + [len(order)])]
-        yield "file", lambda: (mul_mat_id(x, (g, u), flat, rows, a.activations),
-                               mul_mat_id(h, (d,), flat, activations=a.activations))
-        yield "packed", lambda: [(matmul(x[rows[p]], w13[e]), matmul(h[p], w2[e])) for e, p in grp]
-        if eq is not None:
-            yield "q8", lambda: [(matmul(x[rows[p]], q13[e]), matmul(h[p], q2[e])) for e, p in grp]
+    def prefill_case():
+        ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(a.tokens)]).reshape(-1)
+        rows = np.repeat(np.arange(a.tokens), k)
+        x = rng.standard_normal((a.tokens, dim)).astype(np.float32)
+        h = rng.standard_normal((a.tokens * k, n_ff)).astype(np.float32)
+        used = np.unique(ids)
+        nbytes = len(used) * (row_bytes(gate) + row_bytes(up) + row_bytes(down))
 
-    for threads in (1, 2):
-        numba.set_num_threads(threads)
-        clock = time.process_time if threads == 1 else time.perf_counter
-        for phase in ("decode", "prefill"):
-            reps = a.reps if phase == "decode" else a.prefill_reps
-            rates: dict[str, list[float]] = {}
-            for rep in range(reps + 1):                   # the first: warm-up (compiles)
-                if phase == "decode":
-                    ids = rng.choice(n_expert, k, replace=False).astype(np.int64)
-                    x1 = rng.standard_normal((1, dim)).astype(np.float32)
-                    h = rng.standard_normal((k, ff)).astype(np.float32)
-                    engines, n_bytes = engines_decode(ids, x1, h), k * expert_bytes
-                else:
-                    flat = np.concatenate([rng.choice(n_expert, k, replace=False) for _ in range(128)]).astype(np.int64)
-                    rows = np.repeat(np.arange(128), k).astype(np.int64)
-                    x = rng.standard_normal((128, dim)).astype(np.float32)
-                    h = rng.standard_normal((128 * k, ff)).astype(np.float32)
-                    engines, n_bytes = engines_prefill(flat, rows, x, h), len(np.unique(flat)) * expert_bytes
-                for name, run in engines:
-                    t = clock()
-                    run()
-                    dt = clock() - t
-                    if rep:
-                        rates.setdefault(name, []).append(n_bytes / dt / 1e9)
-            base = np.median(rates["packed"])
-            cells = "  ".join(f"{n} {np.median(r):5.2f} GB/s ({np.median(r) / base:4.2f}x)" for n, r in rates.items())
-            unit = "CPU" if threads == 1 else "wall"
-            print(f"  {phase:7s} {threads} thr ({unit}): {cells}   load {os.getloadavg()[0]:.2f}", flush=True)
+        def packed():
+            for e in used:
+                sel = np.flatnonzero(ids == e)
+                matmul(x[rows[sel]], w13[e])
+                matmul(h[sel], w2[e])
+
+        ours = lambda: (mul_mat_id(x, (gate, up), ids, rows, a.activations),   # noqa: E731
+                        mul_mat_id(h, (down,), ids, None, a.activations))
+        return nbytes, ours, packed
+
+    for name, case in (("decode", decode_case), ("prefill", prefill_case)):
+        for threads, cpu in ((1, True), (2, False)):
+            times = {"file blocks": [], "packed": []}
+            nbytes = 0
+            for r in range(a.rounds + 1):
+                nbytes, ours, packed = case()
+                pair = (("file blocks", ours), ("packed", packed))
+                for label, fn in (pair if r % 2 else pair[::-1]):
+                    dt = _time(fn, threads, cpu)
+                    if r:                                       # round 0 compiles and warms
+                        times[label].append(dt)
+            med = {label: float(np.median(v)) for label, v in times.items()}
+            what = "CPU s (1 thread)" if cpu else "wall s (2 threads)"
+            print(f"{name:8s} {what:19s} " + "  ".join(
+                f"{label} {med[label] * 1e3:8.2f} ms {nbytes / med[label] / 1e9:6.1f} GB/s" for label in med)
+                + f"  ratio {med['packed'] / med['file blocks']:.2f}  load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -100,3 +100,36 @@ def ggml_cpu_mxfp4_matmul(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
         for o in range(raw.shape[0]):
             dot(n, y[s, o:].ctypes.data, 0, raw[o].ctypes.data, 0, q8.ctypes.data, 0, 1)
     return y
+
+
+_VEC_DOT = {"Q4_K": ("quantize_row_q8_K", "ggml_vec_dot_q4_K_q8_K", 256, 292),
+            "Q6_K": ("quantize_row_q8_K", "ggml_vec_dot_q6_K_q8_K", 256, 292),
+            "MXFP4": ("quantize_row_q8_0", "ggml_vec_dot_mxfp4_q8_0", 32, 34),
+            "Q8_0": ("quantize_row_q8_0", "ggml_vec_dot_q8_0_q8_0", 32, 34)}
+"""Per weight type: the activation quantizer and vec dot llama.cpp's CPU backend pairs with it
+(``type_traits_cpu``), and the quantized activations' block (weights, bytes: Q8_K is float32 d,
+int8 qs[256], int16 bsums[16])."""
+
+
+def ggml_cpu_matmul(type_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """llama.cpp's own ``x @ W.T`` on x86 for ``type_name`` (a key of :data:`_VEC_DOT`): each row of
+    ``x`` quantized by the type's ``vec_dot_type`` quantizer, then its ``ggml_vec_dot_*`` (AVX2)
+    per weight row, one row a call (``nrc`` 1). raw uint8 [n_out, row_bytes] (the file's blocks),
+    x float32 [S, n]; returns float32 [S, n_out]."""
+    ggml_cpu_mxfp4_matmul(raw[:0], x[:0])               # fills the lookup tables ggml_cpu_init would
+    lib = ggml_cpu_x86_library()
+    quant_name, dot_name, block, size = _VEC_DOT[type_name]
+    quant, dot = getattr(lib, quant_name), getattr(lib, dot_name)
+    quant.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    dot.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    n_seq, n = x.shape
+    raw = np.ascontiguousarray(raw, np.uint8)
+    x = np.ascontiguousarray(x, np.float32)
+    y = np.zeros((n_seq, raw.shape[0]), np.float32)
+    q8 = np.zeros((n // block, size), np.uint8)
+    for s in range(n_seq):
+        quant(x[s].ctypes.data, q8.ctypes.data, n)
+        for o in range(raw.shape[0]):
+            dot(n, y[s, o:].ctypes.data, 0, raw[o].ctypes.data, 0, q8.ctypes.data, 0, 1)
+    return y

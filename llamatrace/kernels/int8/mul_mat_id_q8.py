@@ -1,21 +1,591 @@
 """The ``q8`` mode's ``mul_mat_id`` kernels on the file's blocks (:mod:`llamatrace.kernels.mul_mat_id`).
 
-Placeholder: no type yet (the loader packs every expert type).
+The experts stay as the GGUF stores them: each weight row is ``n_in / 256`` (Q4_K, Q6_K) or
+``n_in / 32`` (MXFP4, Q8_0) blocks in a row, never repacked. The arithmetic is that of llama.cpp's
+CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
+
+- Activations are quantized once per call, as llama.cpp quantizes ``src1`` for the weights' vec
+  dot type: Q8_K for Q4_K and Q6_K (:func:`llamatrace.kernels.int8.act8.quantize_k`: one float32
+  scale per 256, the sums of 16 as ggml's ``bsums``), Q8_0 for MXFP4 and Q8_0
+  (:func:`llamatrace.kernels.int8.act8.quantize`). Q4_K takes Q8_K here, as in llama.cpp, not the
+  packed path's per-32 float32 scales: on the file's layout the block's eight 6-bit scales and
+  mins go into the integer sums (``pmaddwd`` by the scale), so the float work is two FMAs per
+  block and activation row.
+- Q4_K, Q6_K and Q8_0 go a weight row at a time, as ``ggml_vec_dot_*`` do: per block and
+  activation row the exact int32 sums in 8 lanes, then a vector FMA ``acc += (d * xd) * isum``;
+  the row's 8 lanes are added at its end. Q4_K's sub-block scales multiply the ``pmaddubsw`` pair
+  sums in ``pmaddwd`` (broadcast by one ``vpshufb`` each), its mins ``acc -= (dmin * xd) * sum_j
+  mn_j * bsum32_j``; Q6_K sums ``q + 32`` (0..63) with its int8 scales in ``pmaddwd`` and takes
+  ``32 * sum_g sc_g * bsum_g`` off in integers; Q8_0 multiplies ``|w|`` by ``sign(w) * x``
+  (``psignb``). 32-weight blocks are summed into two chains of FMAs (a block's work is shorter
+  than an FMA's latency).
+- MXFP4 goes eight weight rows at a time, as the packed q8 kernels take a tile's rows (8 a
+  register), because a per-row float step per 32 weights cost more than the integer work: each
+  block's 16 code bytes of the 8 rows are transposed in registers (4 bytes of a row per 32-bit
+  lane), mapped to ``kvalues + 12`` by ``vpshufb``, and summed in int16 against an activation
+  row's broadcast bytes, from its ``-12 * sum(xq)``; ``d`` is the E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` and the float step is
+  one FMA for the 8 rows. The next 8 rows are prefetched a slice per block: 8 row streams at
+  once are more than the hardware prefetcher followed (gpt-oss [2880, 2880], one thread: 8.3 ->
+  14.4 GB of weights per CPU-second).
+- Against llama.cpp's own x86 code (``quantize_row_q8_K`` / ``_q8_0`` and ``ggml_vec_dot_*``
+  compiled from the sdist, ``tests/test_mul_mat_id_q8.py``): Q6_K bit for bit, Q4_K, MXFP4 and
+  Q8_0 within 1.1e-7 of the sum of |products| (the same integer sums, another float32 order).
+  The packed path's Q4_K (per-32 float32 activation scales) differs from both by ~3e-3.
+- Overflow: Q4_K pairs are at most 2 * 15 * 127, times a scale <= 63 in ``pmaddwd``; Q6_K's
+  2 * 63 * 127, times |scale| <= 128; Q8_0's 2 * 128 * 127; MXFP4's 2 * 24 * 127, four added in
+  int16 (24384). A block's scaled sum stays below 2**31.
+
+Kernels. :func:`matmul_id` runs one Numba parallel region over work items (group, part, tile of
+:data:`TILE` weight rows); a group's activation rows go :data:`MAX_ROWS` at a time (then 1..3)
+through a microkernel (LLVM IR, AVX2's ``pmaddubsw`` / ``pmaddwd`` / ``psignb`` / ``pshufb`` on
+256-bit vectors, which AVX-512 hosts run too) that loops over the tile's rows and their blocks,
+its float32 sums in registers, each block's codes and scales unpacked once for those activation
+rows; the tile (at most 24 KB) stays in L1/L2 for the group's next rows, so each chosen expert's
+bytes come from memory once a call. Prefetch: :data:`AHEAD`. Activations are quantized once per
+call, on one thread up to :data:`SERIAL_ROWS` rows (a decode step: no second fork-join).
+
+Speed (``benchmarks/bench_mul_mat_id.py``: layer 0, interleaved with the packed path, medians
+of 9 rounds, 1 thread CPU time, 2-core AVX2 EPYC shared with other jobs at load 2.7-4.3; speed
+relative to the packed path, its time over this one's, 3 runs): qwen3moe-8 (gate/up Q4_K, down
+Q6_K) decode k = 8: 0.89-1.00 (12-13.6 GB of weights per second), prefill 128 tokens
+0.98-1.12 (Q4_K alone ~0.88, Q6_K ~1.17); gptoss-4 (MXFP4) decode k = 4: 0.83-0.97 (~11.6 GB/s),
+prefill 1.30-1.41. Synthetic Q8_0 [32, 768, 2048]: decode 0.90, prefill 1.00.
+
+:func:`activations_ref` is the NumPy twin of the activation quantization (act8's NumPy twins),
+used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
 """
 
 from __future__ import annotations
 
+import gguf
+import numba
 import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-TYPES: frozenset = frozenset()
+from llamatrace.kernels.int8 import act8
+from llamatrace.kernels.int8.act8_ir import _avx2_intrinsics
+from llamatrace.kernels.tiles import VectorTile
+from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
+
+_T = gguf.GGMLQuantizationType
+
+TYPES: frozenset = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
+
+QK, QK_K = 32, 256
+MAX_ROWS = 4
+"""Activation rows per microkernel call at most (a group's slots go 4 at a time, then 1..3)."""
+TILE = 16
+"""Weight rows per work item."""
+SERIAL_ROWS = 16
+"""Up to this many rows of x are quantized on one thread (decode: no second fork-join)."""
+
+Q4K, Q6K, MXFP4, Q80 = 0, 1, 2, 3
+_KIND = {_T.Q4_K: Q4K, _T.Q6_K: Q6K, _T.MXFP4: MXFP4, _T.Q8_0: Q80}
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_V32I8, _V16I8, _V8I8 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16), ir.VectorType(_I8, 8)
+_V16I16, _V8I16 = ir.VectorType(_I16, 16), ir.VectorType(_I16, 8)
+_V4I32, _V8I32 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 8)
+_KVALUES = [int(v) for v in gguf.quants.MXFP4.kvalues]
+MXFP4_ZERO = 12
+"""Added to MXFP4's ``kvalues`` (-12..12) in the 8-row kernel, so that they are unsigned bytes."""
+
+
+class _Row(VectorTile):
+    """IR builder of the microkernels for ``ns`` activation rows: 256-bit vectors (8 float32
+    lanes), AVX2's byte products."""
+
+    def __init__(self, builder, ns: int) -> None:
+        super().__init__(builder, 8)
+        self.ns = ns
+        self.maddubs, self.maddwd, self.sign = _avx2_intrinsics(builder.module)
+        self.maddwd128 = builder.module.declare_intrinsic("llvm.x86.sse2.pmadd.wd", (),
+                                                          ir.FunctionType(_V4I32, [_V8I16, _V8I16]))
+        self.shuffle = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (),
+                                                        ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
+
+    def c(self, vtype, v):
+        return ir.Constant(vtype, [v] * vtype.count)
+
+    def shuf(self, a, idx, b=None):
+        b = ir.Constant(a.type, None) if b is None else b
+        return self.b.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, len(idx)), list(idx)))
+
+    def dot16(self, u8, s8):
+        """int16 lanes: pairs of products of unsigned ``u8`` and signed ``s8`` bytes."""
+        return self.b.call(self.maddubs, [u8, s8])
+
+    def wd(self, a16, b16):
+        """int32 lanes: pairs of products of int16 lanes."""
+        return self.b.call(self.maddwd, [a16, b16])
+
+    def signed_dot(self, w, x):
+        """int32 lanes: sums of 4 products of signed bytes ``w`` and ``x`` (``|w| * sign(w) x``)."""
+        b = self.b
+        return self.wd(self.dot16(b.call(self.sign, [w, w]), b.call(self.sign, [x, w])), self.c(_V16I16, 1))
+
+    def hsum(self, v):
+        """The sum of the 8 float lanes of ``v`` (pairwise)."""
+        b = self.b
+        s4 = b.fadd(self.shuf(v, range(4)), self.shuf(v, range(4, 8)))
+        s2 = b.fadd(self.shuf(s4, range(2)), self.shuf(s4, (2, 3)))
+        return b.fadd(b.extract_element(s2, ir.Constant(_I32, 0)), b.extract_element(s2, ir.Constant(_I32, 1)))
+
+    def f16_at(self, p, offset):
+        return self.b.fpext(self.load(p, offset, ir.HalfType(), 1), self.f32)
+
+
+def _q4k_block(k: _Row, a, blk, accs):
+    """One Q4_K block (``d dmin scales[12] qs[128]``, 144 bytes) against ``ns`` Q8_K rows."""
+    b, c64 = k.b, k.c64
+    base = b.add(a.w_at, b.mul(blk, c64(144)))
+    k.prefetch(a.on, a.w, b.add(base, a.ahead), range(3))
+    dm = b.fpext(k.load(a.w, base, ir.VectorType(ir.HalfType(), 2)), ir.VectorType(k.f32, 2))   # d, dmin
+    v = k.load(a.w, b.add(base, c64(4)), _V16I8)           # scales[12] and 4 bytes of qs: in the block
+    lo4 = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
+    s0, s1, s2 = k.shuf(v, (0, 1, 2, 3) * 2), k.shuf(v, (4, 5, 6, 7) * 2), k.shuf(v, (8, 9, 10, 11) * 2)
+    c8 = lambda x: k.c(_V8I8, x)                           # noqa: E731
+    sc = b.select(lo4, b.and_(s0, c8(63)), b.or_(b.and_(s2, c8(15)), b.shl(b.lshr(s0, c8(6)), c8(4))))
+    mn = b.select(lo4, b.and_(s1, c8(63)), b.or_(b.lshr(s2, c8(4)), b.shl(b.lshr(s1, c8(6)), c8(4))))
+    # the 8 scales as bytes 0..7 of both 128-bit halves: one in-lane byte shuffle per sub-block
+    # makes its int16 broadcast (the scale's high byte from a zero byte)
+    sc32 = k.shuf(sc, list(range(8)) + [8] * 8 + list(range(8)) + [8] * 8, ir.Constant(_V8I8, [0] * 8))
+    isums = [None] * k.ns
+    for j in range(4):                 # 64 weights: low nibbles sub-block 2j, high 2j + 1
+        q = k.load(a.w, b.add(base, c64(16 + 32 * j)), _V32I8)
+        lo, hi = b.and_(q, k.c(_V32I8, 15)), b.lshr(q, k.c(_V32I8, 4))
+        slo, shi = (b.bitcast(b.call(k.shuffle, [sc32, ir.Constant(_V32I8, [i, 8] * 16)]), _V16I16)
+                    for i in (2 * j, 2 * j + 1))
+        for i in range(k.ns):
+            xat = b.add(a.xq_at[i], b.add(b.mul(blk, c64(QK_K)), c64(64 * j)))
+            xlo, xhi = k.load(a.xq, xat, _V32I8), k.load(a.xq, b.add(xat, c64(32)), _V32I8)
+            p = b.add(k.wd(k.dot16(lo, xlo), slo), k.wd(k.dot16(hi, xhi), shi))
+            isums[i] = p if isums[i] is None else b.add(isums[i], p)
+    mn16 = b.zext(mn, _V8I16)
+    new = []
+    for i in range(k.ns):
+        dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
+        scaled = b.fmul(dm, k.splat(dx, ir.VectorType(k.f32, 2)))          # d dx, dmin dx
+        sums = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(8))), _V8I16, 2)     # the 8 sums of 32
+        mins = k.shuf(b.call(k.maddwd128, [mn16, sums]), range(8), ir.Constant(_V4I32, [0] * 4))
+        acc = k.fma(k.shuf(scaled, [0] * 8), b.sitofp(isums[i], k.vf), accs[i])
+        new.append(k.fma(b.fneg(k.shuf(scaled, [1] * 8)), b.sitofp(mins, k.vf), acc))
+    return new
+
+
+def _q6k_block(k: _Row, a, blk, accs):
+    """One Q6_K block (``ql[128] qh[64] scales[16] d``, 210 bytes) against ``ns`` Q8_K rows: the
+    quants as ``q + 32`` (0..63), the offset ``-32 * sum_g sc_g * bsum_g`` in integers."""
+    b, c64 = k.b, k.c64
+    base = b.add(a.w_at, b.mul(blk, c64(210)))
+    k.prefetch(a.on, a.w, b.add(base, a.ahead), range(4))
+    d = k.f16_at(a.w, b.add(base, c64(208)))
+    sc8 = k.load(a.w, b.add(base, c64(192)), _V16I8)
+    sc16 = b.sext(sc8, _V16I16)
+    halves = [b.bitcast(k.shuf(sc16, list(range(8 * h, 8 * h + 8)) * 2), _V32I8) for h in range(2)]
+    c32 = lambda x: k.c(_V32I8, x)                         # noqa: E731
+    isums = [None] * k.ns
+    for h in range(2):
+        ql1 = k.load(a.w, b.add(base, c64(64 * h)), _V32I8)
+        ql2 = k.load(a.w, b.add(base, c64(64 * h + 32)), _V32I8)
+        qh = k.load(a.w, b.add(base, c64(128 + 32 * h)), _V32I8)
+        quants = (b.or_(b.and_(ql1, c32(15)), b.shl(b.and_(qh, c32(3)), c32(4))),
+                  b.or_(b.and_(ql2, c32(15)), b.shl(b.and_(qh, c32(12)), c32(2))),
+                  b.or_(b.lshr(ql1, c32(4)), b.and_(qh, c32(48))),
+                  b.or_(b.lshr(ql2, c32(4)), b.and_(b.lshr(qh, c32(2)), c32(48))))
+        for c, q in enumerate(quants):                    # weights 128h + 32c ..: groups g, g + 1
+            g = 8 * h + 2 * c            # scales g, g + 1 (int16) by one in-lane byte shuffle
+            scv = b.bitcast(b.call(k.shuffle, [halves[h], ir.Constant(_V32I8, [2 * (g % 8), 2 * (g % 8) + 1] * 8
+                                                                      + [2 * (g % 8) + 2, 2 * (g % 8) + 3] * 8)]),
+                            _V16I16)
+            for i in range(k.ns):
+                x = k.load(a.xq, b.add(a.xq_at[i], b.add(b.mul(blk, c64(QK_K)), c64(128 * h + 32 * c))), _V32I8)
+                p = k.wd(k.dot16(q, x), scv)
+                isums[i] = p if isums[i] is None else b.add(isums[i], p)
+    new = []
+    for i in range(k.ns):
+        bsums = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(16))), _V16I16, 2)
+        corr = b.shl(k.wd(sc16, bsums), k.c(_V8I32, 5))
+        dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
+        new.append(k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(b.sub(isums[i], corr), k.vf), accs[i]))
+    return new
+
+
+def _q8_block(k: _Row, a, blk, accs, mxfp4: bool):
+    """One MXFP4 block (``e qs[16]``, 17 bytes: weight j the low nibble of byte j, 16 + j its high
+    nibble, mapped to ``kvalues`` by ``vpshufb``) or Q8_0 block (``d qs[32]``, 34 bytes) against
+    ``ns`` Q8_0 rows."""
+    b, c64 = k.b, k.c64
+    size = 17 if mxfp4 else 34
+    base = b.add(a.w_at, b.mul(blk, c64(size)))
+    if mxfp4:
+        k.prefetch(a.on, a.w, b.add(base, a.ahead), range(1))
+        e = b.zext(k.load(a.w, base, _I8), _I64)
+        d = b.load(b.gep(_e8m0_table(b.module), [c64(0), e]), align=4)
+        q = k.load(a.w, b.add(base, c64(1)), _V16I8)
+        # both halves of a ymm the 16 bytes, the upper shifted by 4: low nibbles then high ones
+        both = b.lshr(b.bitcast(k.shuf(q, list(range(16)) * 2), _V8I32), ir.Constant(_V8I32, [0] * 4 + [4] * 4))
+        codes = b.and_(b.bitcast(both, _V32I8), k.c(_V32I8, 15))
+        w = b.call(k.shuffle, [ir.Constant(_V32I8, _KVALUES * 2), codes])
+    else:
+        k.prefetch(a.on, a.w, b.add(base, a.ahead), range(1))
+        d = k.f16_at(a.w, base)
+        w = k.load(a.w, b.add(base, c64(2)), _V32I8)
+    new = []
+    for i in range(k.ns):
+        x = k.load(a.xq, b.add(a.xq_at[i], b.mul(blk, c64(QK))), _V32I8)
+        dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
+        new.append(k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(k.signed_dot(w, x), k.vf), accs[i]))
+    return new
+
+
+def _e8m0_table(module):
+    """The module's constant float32 [256]: ggml's ``GGML_E8M0_TO_FP32_HALF(e)`` for every byte
+    (bits ``0x00200000 << e`` for e < 2, else ``(e - 1) << 23``)."""
+    name = "llamatrace_e8m0_half"
+    if name in module.globals:
+        return module.globals[name]
+    e = np.arange(256, dtype=np.uint32)
+    half = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << 23).astype(np.uint32).view(np.float32)
+    table = ir.GlobalVariable(module, ir.ArrayType(ir.FloatType(), 256), name)
+    table.initializer = ir.Constant(table.type.pointee, [float(v) for v in half])
+    table.global_constant = True
+    table.linkage = "internal"
+    return table
+
+
+class _Args:
+    """The microkernel's arguments as IR values: data pointers, offsets of each activation row
+    (``w_at``: the current weight row's, set by the row loop)."""
+
+    def __init__(self, k: _Row, context, sig, args, kind: int) -> None:
+        ptr = lambda i: context.make_array(sig.args[i])(context, k.b, args[i]).data   # noqa: E731
+        b = k.b
+        self.w, self.xq, self.xd, self.xs, self.res = ptr(0), ptr(5), ptr(6), ptr(7), ptr(12)
+        if kind in (Q4K, Q6K):                              # int16 sums (act8's, narrowed)
+            self.xs = b.bitcast(self.xs, _I16.as_pointer())
+        self.w0, self.row_bytes, self.n_rows, self.n_blocks, self.ahead = (k.i64(args[i]) for i in (1, 2, 3, 4, 13))
+        self.w_at = self.w0
+        self.on = b.icmp_signed("!=", self.ahead, k.c64(0))
+        rows = [k.i64(args[8 + i]) for i in range(k.ns)]
+        per = QK_K if kind in (Q4K, Q6K) else QK
+        self.xq_at = [b.mul(r, b.mul(self.n_blocks, k.c64(per))) for r in rows]
+        self.xd_at = [b.mul(r, self.n_blocks) for r in rows]
+        self.xs_at = [b.mul(r, b.mul(self.n_blocks, k.c64(8 if kind == Q4K else 16))) for r in rows]
+
+
+def _row_loop(k: _Row, n_rows, body) -> None:
+    """``for rr in range(n_rows): body(rr)`` in IR."""
+    b, c64 = k.b, k.c64
+    entry = b.basic_block
+    loop, done = b.append_basic_block("rows"), b.append_basic_block("rows_done")
+    b.cbranch(b.icmp_signed(">", n_rows, c64(0)), loop, done)
+    b.position_at_end(loop)
+    rr = b.phi(_I64)
+    body(rr)
+    nxt = b.add(rr, c64(1))
+    rr.add_incoming(c64(0), entry)
+    rr.add_incoming(nxt, b.basic_block)
+    b.cbranch(b.icmp_signed("<", nxt, n_rows), loop, done)
+    b.position_at_end(done)
+
+
+def _two_chains(k: _Row, a, ns: int, body) -> list:
+    """The block loop with blocks 2p and 2p + 1 summed into two sets of accumulators (then the
+    last block of an odd count): a 32-weight block's work is shorter than an FMA's latency, so
+    one chain of FMAs would bound the loop."""
+    b = k.b
+
+    def pair(p, accs):
+        blk = b.mul(p, k.c64(2))
+        return body(k, a, blk, accs[:ns]) + body(k, a, b.add(blk, k.c64(1)), accs[ns:])
+
+    outs = k.block_loop(b.sdiv(a.n_blocks, k.c64(2)), 2 * ns, pair)
+    last = b.sub(a.n_blocks, k.c64(1))
+    tail = k.block_loop(b.srem(a.n_blocks, k.c64(2)), ns, lambda blk, accs: body(k, a, b.add(blk, last), accs))
+    return [b.fadd(b.fadd(outs[i], outs[ns + i]), tail[i]) for i in range(ns)]
+
+
+def _mxfp4_rows8(k: _Row, a) -> None:
+    """MXFP4 eight weight rows at a time, as the packed q8 kernels take a tile's rows: each block's 16 code bytes of the 8 rows are transposed in registers (4 bytes of
+    a row per 32-bit lane), mapped to ``kvalues + 12`` by ``vpshufb``, and the byte products of
+    an activation row (its 4 bytes broadcast) summed in int16 for the 8 rows at once (pairs at
+    most 2 * 24 * 127, four added: 24384), from the activations' ``-12 * sum(xq)``; the float
+    step ``acc = fma(d * dx, isum, acc)`` is one vector FMA for 8 rows. Rows past ``n_rows``
+    repeat the last one (their sums are not read). ``res[i * TILE + r]``."""
+    b, c64, ns = k.b, k.c64, k.ns
+    vi32 = _V8I32
+    table = ir.Constant(_V32I8, [v + MXFP4_ZERO for v in _KVALUES] * 2)
+    ones = k.c(_V16I16, 1)
+    last = b.sub(a.n_rows, c64(1))
+
+    def group(rg):
+        first = b.mul(rg, c64(8))
+        row_at = []
+        for r in range(8):
+            ri = b.add(first, c64(r))
+            ri = b.select(b.icmp_signed("<", ri, a.n_rows), ri, last)
+            row_at.append(b.add(a.w0, b.mul(ri, a.row_bytes)))
+
+        # the rows ``ahead`` on (contiguous), 8 rows' worth a slice per block: 8 row streams at
+        # once are more than the hardware prefetcher follows
+        nxt = b.add(a.w0, b.mul(b.add(first, a.ahead), a.row_bytes))
+
+        def block(blk, accs):
+            off = b.mul(blk, c64(17))
+            k.prefetch(a.on, a.w, b.add(nxt, b.mul(blk, c64(8 * 17))), range(3))
+            q = [b.bitcast(k.load(a.w, b.add(b.add(at, off), c64(1)), _V16I8), _V4I32) for at in row_at]
+            e = ir.Constant(vi32, None)       # the E8M0 bytes: each block's first dword, its low byte
+            for r, at in enumerate(row_at):
+                e = b.insert_element(e, k.load(a.w, b.add(at, off), _I32), ir.Constant(_I32, r))
+            e = b.and_(e, k.c(vi32, 255))
+            y = [k.shuf(q[r], range(8), q[r + 4]) for r in range(4)]          # rows r and r + 4
+            lo_i, hi_i = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
+            t = [k.shuf(y[0], lo_i, y[1]), k.shuf(y[0], hi_i, y[1]), k.shuf(y[2], lo_i, y[3]), k.shuf(y[2], hi_i, y[3])]
+            q_lo, q_hi = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
+            groups = [k.shuf(t[0], q_lo, t[2]), k.shuf(t[0], q_hi, t[2]), k.shuf(t[1], q_lo, t[3]),
+                      k.shuf(t[1], q_hi, t[3])]                                 # bytes 4g.. of the 8 rows
+            codes = [b.bitcast(v, _V32I8) for v in groups]
+            lo = [b.call(k.shuffle, [table, b.and_(v, k.c(_V32I8, 15))]) for v in codes]
+            hi = [b.call(k.shuffle, [table, b.and_(b.lshr(v, k.c(_V32I8, 4)), k.c(_V32I8, 15))]) for v in codes]
+            bits = b.select(b.icmp_unsigned("<", e, k.c(vi32, 2)), b.shl(k.c(vi32, 0x00200000), e),
+                            b.shl(b.sub(e, k.c(vi32, 1)), k.c(vi32, 23)))
+            d = b.bitcast(bits, k.vf)
+            new = []
+            for i in range(ns):
+                xat = b.add(a.xq_at[i], b.mul(blk, c64(QK)))
+                x4 = [b.bitcast(k.splat(k.load(a.xq, b.add(xat, c64(4 * g)), _I32), vi32), _V32I8) for g in range(8)]
+                s_lo = s_hi = None
+                for g in range(4):
+                    p_lo, p_hi = k.dot16(lo[g], x4[g]), k.dot16(hi[g], x4[4 + g])
+                    s_lo = p_lo if s_lo is None else b.add(s_lo, p_lo)
+                    s_hi = p_hi if s_hi is None else b.add(s_hi, p_hi)
+                at = b.add(a.xd_at[i], blk)
+                zero = k.splat(b.load(b.gep(a.xs, [at]), align=4), vi32)
+                isum = b.add(b.add(k.wd(s_lo, ones), k.wd(s_hi, ones)), zero)
+                dx = k.splat(b.load(b.gep(a.xd, [at]), align=4), k.vf)
+                new.append(k.fma(b.fmul(d, dx), b.sitofp(isum, k.vf), accs[i]))
+            return new
+
+        outs = k.block_loop(a.n_blocks, ns, block)
+        for i, acc in enumerate(outs):
+            k.b.store(acc, k.ptr(a.res, b.add(first, c64(i * TILE)), k.vf), align=4)
+
+    _row_loop(k, b.sdiv(b.add(a.n_rows, c64(7)), c64(8)), group)
+
+
+def _microkernel(kind: int, ns: int):
+    body = {Q4K: _q4k_block, Q6K: _q6k_block, MXFP4: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, True),
+            Q80: lambda k, a, blk, accs: _q8_block(k, a, blk, accs, False)}[kind]
+
+    def typer(typingctx, w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead):
+        if not all(isinstance(v, types.Array) for v in (w, xq, xd, xs, res)):
+            return None
+        sig = types.void(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+
+        def codegen(context, builder, signature, args):
+            k = _Row(builder, ns)
+            a = _Args(k, context, signature, args, kind)
+
+            def row(rr):
+                a.w_at = builder.add(a.w0, builder.mul(rr, a.row_bytes))
+                outs = (k.block_loop(a.n_blocks, ns, lambda blk, accs: body(k, a, blk, accs)) if kind in (Q4K, Q6K)
+                        else _two_chains(k, a, ns, body))
+                for i, acc in enumerate(outs):
+                    builder.store(k.hsum(acc), builder.gep(a.res, [builder.add(rr, k.c64(i * TILE))]), align=4)
+
+            if kind == MXFP4:
+                _mxfp4_rows8(k, a)
+            else:
+                _row_loop(k, a.n_rows, row)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__doc__ = (f"``res[i * TILE + rr]`` (float32), i < {ns}, rr < ``n_rows``: weight row rr (``n_blocks`` "
+                     "blocks at byte ``w_at + rr * row_bytes`` of ``w``) times activation row ``r_i`` (``xq``, "
+                     "``xd``, ``xs`` flat); ``ahead``: prefetch distance in bytes (0: none).")
+    return intrinsic(typer)
+
+
+_q4k_1, _q4k_2, _q4k_3, _q4k_4 = (_microkernel(Q4K, n) for n in range(1, 5))
+_q6k_1, _q6k_2, _q6k_3, _q6k_4 = (_microkernel(Q6K, n) for n in range(1, 5))
+_mx_1, _mx_2, _mx_3, _mx_4 = (_microkernel(MXFP4, n) for n in range(1, 5))
+_q80_1, _q80_2, _q80_3, _q80_4 = (_microkernel(Q80, n) for n in range(1, 5))
+
+
+@njit(**JIT_INLINE)
+def _call(kind, ns, w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead):
+    """The microkernel of ``kind`` for ``ns`` (1..4) activation rows and ``n_rows`` weight rows."""
+    if kind == Q4K:
+        if ns == 4:
+            _q4k_4(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        elif ns == 3:
+            _q4k_3(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        elif ns == 2:
+            _q4k_2(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        else:
+            _q4k_1(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+    elif kind == Q6K:
+        if ns == 4:
+            _q6k_4(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        elif ns == 3:
+            _q6k_3(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        elif ns == 2:
+            _q6k_2(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        else:
+            _q6k_1(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+    elif kind == MXFP4:
+        if ns == 4:
+            _mx_4(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        elif ns == 3:
+            _mx_3(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        elif ns == 2:
+            _mx_2(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        else:
+            _mx_1(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+    else:
+        if ns == 4:
+            _q80_4(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        elif ns == 3:
+            _q80_3(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        elif ns == 2:
+            _q80_2(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+        else:
+            _q80_1(w, w_at, row_bytes, n_rows, n_blocks, xq, xd, xs, r0, r1, r2, r3, res, ahead)
+
+
+@njit(**JIT)
+def _activations(x, kind):
+    """The rows of x quantized for ``kind``, flat: ``xq`` int8, ``xd`` float32 (a scale per block),
+    ``xs`` int32: Q4_K's sums of 32 and Q6_K's of 16 as int16 pairs (``|sum| <= 32 * 127``),
+    MXFP4's ``-12 * sum(xq)`` per block (its codes' zero point), none for Q8_0."""
+    if kind == Q4K or kind == Q6K:
+        if x.shape[0] <= SERIAL_ROWS:
+            xq, xd, xsum = act8._quantized_k(x)
+        else:
+            xq, xd, xsum = act8._quantized_k_rows(x)
+        if kind == Q4K:
+            pairs = xsum.reshape(xsum.size // 2, 2)
+            xs = (pairs[:, 0] + pairs[:, 1]).astype(np.int16)
+        else:
+            xs = xsum.reshape(xsum.size).astype(np.int16)
+        return xq.reshape(xq.size), xd.reshape(xd.size), xs.view(np.int32)
+    zero = -MXFP4_ZERO if kind == MXFP4 else 0
+    if x.shape[0] <= SERIAL_ROWS:
+        xq, xd, _, off = act8._quantized(x, act8.Q8_0, zero)
+    else:
+        xq, xd, _, off = act8._quantized_rows(x, act8.Q8_0, zero)
+    return xq.reshape(xq.size), xd.reshape(xd.size), off.reshape(off.size)
+
+
+@njit(**JIT_PARALLEL)
+def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_bytes, n_blocks, kind, out, ahead):
+    """:func:`matmul_id`'s region: ``w0`` (part 0, columns ``0..n_out0``) and ``w1`` (part 1,
+    columns ``n_out0..``; ``n_out1`` 0: none) flat uint8, expert ``e``'s row ``r`` at byte ``(e *
+    n_out + r) * row_bytes``. Work items: (group, part, tile of :data:`TILE` weight rows); per
+    weight row, the group's slots :data:`MAX_ROWS` at a time (then the 1..3 left)."""
+    xq, xd, xs = _activations(x, kind)
+    t0, t1 = (n_out0 + TILE - 1) // TILE, (n_out1 + TILE - 1) // TILE
+    per_group = t0 + t1
+    n_items = experts.shape[0] * per_group
+    for item in prange(n_items):
+        g, t = item // per_group, item % per_group
+        w, n_out, col, r0 = w0, n_out0, 0, t * TILE
+        if t >= t0:
+            w, n_out, col, r0 = w1, n_out1, n_out0, (t - t0) * TILE
+        e, first, end = experts[g], starts[g], starts[g + 1]
+        n_rows = min(r0 + TILE, n_out) - r0
+        res = np.empty(MAX_ROWS * TILE, np.float32)
+        s = first
+        while s < end:
+            ns = min(MAX_ROWS, end - s)
+            last = end - 1
+            _call(kind, ns, w, (e * n_out + r0) * row_bytes, row_bytes, n_rows, n_blocks, xq, xd, xs, rows[order[s]],
+                  rows[order[min(s + 1, last)]], rows[order[min(s + 2, last)]], rows[order[min(s + 3, last)]], res,
+                  ahead)
+            for i in range(ns):
+                o = out[order[s + i]]
+                for r in range(n_rows):
+                    o[col + r0 + r] = res[i * TILE + r]
+            s += ns
+
+AHEAD = {Q4K: 8192, Q6K: 8192, MXFP4: 8, Q80: 8192}
+"""Each kind's software prefetch distance (0: none): bytes along a row; MXFP4: weight rows ahead
+of its 8 (a slice of them per block). Q4_K and Q6_K decode, qwen3moe shapes, one thread: none
+8.3-9.0, 2 KB 10.3-10.7, 8 KB 10.2-10.7 GB/s; MXFP4 [2880, 2880], one thread, cold: none 8.3,
+8 rows 14.4-15.6, 16 rows 15.7, 32 rows 14.4 GB/s."""
+
+
+_POOL: list = []
+"""Not empty once :func:`matmul_id` has launched Numba's thread pool (3 µs a call otherwise)."""
+
+
+def _read_only(data: np.ndarray) -> np.ndarray:
+    """``data`` flat, read-only as a map of the file is (one compiled signature for both)."""
+    flat = np.ascontiguousarray(data).reshape(-1)
+    if flat.flags.writeable:
+        flat = flat.view()
+        flat.flags.writeable = False
+    return flat
 
 
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
-    """``out[i] = q8(x[rows[i]]) @ W[ids[i]].T`` over the groups of :func:`llamatrace.kernels.mul_mat_id.groups`."""
-    raise ValueError(f"mul_mat_id_q8: no kernel for {ggml_type!r}")
+    """``out[i] = q8(x[rows[i]]) @ W[ids[i]].T`` over the groups of :func:`llamatrace.kernels.mul_mat_id.groups`.
+
+    Args:
+        x: float32 ``[n_rows, n_in]`` C-contiguous.
+        rows, order, starts, experts: int64 (:func:`llamatrace.kernels.mul_mat_id.groups` of the
+            slots' ids; ``rows[i]`` slot i's row of x).
+        datas: 1 or 2 uint8 ``[n_expert, n_out_p, row_bytes]`` C-contiguous (the file's blocks;
+            read-only is fine), one type, ``n_expert`` and ``row_bytes``.
+        ggml_type: one of :data:`TYPES`.
+
+    Returns:
+        float32 ``[n_slots, sum of n_out_p]``.
+
+    Raises:
+        ValueError: a type outside :data:`TYPES`, or parts that do not fit.
+    """
+    kind = _KIND.get(_T(ggml_type))
+    if kind is None:
+        raise ValueError(f"mul_mat_id_q8: no kernel for {_T(ggml_type).name}")
+    block, size = gguf.GGML_QUANT_SIZES[_T(ggml_type)]
+    n_in = x.shape[1]
+    if not 1 <= len(datas) <= 2 or n_in % block or any(
+            d.ndim != 3 or d.shape[2] != n_in // block * size or d.shape[0] != datas[0].shape[0] for d in datas):
+        raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
+                         f"of {_T(ggml_type).name}")
+    if not _POOL:                   # a cached parallel kernel needs the thread pool loaded first
+        _POOL.append(numba.get_num_threads())
+    flat = [_read_only(d) for d in datas]
+    n_outs = [d.shape[1] for d in datas]
+    out = np.empty((order.shape[0], sum(n_outs)), dtype=np.float32)
+    if order.shape[0] == 0:
+        return out
+    _matmul_id(np.ascontiguousarray(x, np.float32), rows, order, starts, experts, flat[0], flat[-1], n_outs[0],
+               n_outs[1] if len(datas) == 2 else 0, datas[0].shape[2], n_in // block, kind, out, AHEAD[kind])
+    return out
 
 
 def activations_ref(x: np.ndarray, ggml_type) -> np.ndarray:
-    """float64 ``[n_rows, n_in]``: ``x`` as these kernels quantize it for ``ggml_type``, dequantized."""
-    raise ValueError(f"mul_mat_id_q8: no kernel for {ggml_type!r}")
+    """float64 ``[n_rows, n_in]``: ``x`` as these kernels quantize it for ``ggml_type``, dequantized
+    (act8's NumPy twins: :func:`~llamatrace.kernels.int8.act8.quantize_k_np` for Q4_K and Q6_K,
+    :func:`~llamatrace.kernels.int8.act8.quantize_np` Q8_0 for MXFP4 and Q8_0). Raises
+    ``ValueError`` for a type outside :data:`TYPES`."""
+    kind = _KIND.get(_T(ggml_type))
+    if kind is None:
+        raise ValueError(f"mul_mat_id_q8: no kernel for {_T(ggml_type).name}")
+    x = np.ascontiguousarray(x, np.float32)
+    n_rows, n_in = x.shape
+    if kind in (Q4K, Q6K):
+        xq, xd, _ = act8.quantize_k_np(x)
+        per = QK_K
+    else:
+        xq, xd, _ = act8.quantize_np(x, act8.Q8_0)
+        per = QK
+    xs = xq.reshape(n_rows, n_in // per, per).astype(np.float64) * xd.astype(np.float64)[:, :, None]
+    return xs.reshape(n_rows, n_in)
