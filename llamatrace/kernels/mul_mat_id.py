@@ -22,11 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import gguf
+import numba
 import numpy as np
 
 from llamatrace.kernels.int8 import mul_mat_id_q8
 from llamatrace.kernels.types import mul_mat_id_f32
 
+_POOL: list = []
+"""Not empty once :func:`mul_mat_id` has launched Numba's thread pool (3 µs a call otherwise)."""
 TYPES = {"f32": mul_mat_id_f32.TYPES, "q8": mul_mat_id_q8.TYPES}
 """The weight types each activation mode's ``mul_mat_id`` kernels run on the file's bytes."""
 
@@ -113,6 +116,8 @@ def mul_mat_id(x: np.ndarray, parts: tuple[FileExperts, ...], ids: np.ndarray, r
     if not supported(parts[0].ggml_type, activations):
         raise ValueError(f"mul_mat_id: no {activations} kernel for {parts[0].ggml_type.name} experts")
     order, starts, experts = groups(ids)
+    if not _POOL:            # a parallel kernel loaded from Numba's cache needs the thread pool up first
+        _POOL.append(numba.get_num_threads())       # (else: "Symbol not found: allocate_sched")
     kernels = mul_mat_id_q8 if activations == "q8" else mul_mat_id_f32
     return kernels.matmul_id(x, rows, order, starts, experts, [p.data for p in parts], parts[0].ggml_type)
 

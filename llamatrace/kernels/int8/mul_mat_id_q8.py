@@ -58,7 +58,6 @@ used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
 from __future__ import annotations
 
 import gguf
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -520,10 +519,6 @@ of its 8 (a slice of them per block). Q4_K and Q6_K decode, qwen3moe shapes, one
 8 rows 14.4-15.6, 16 rows 15.7, 32 rows 14.4 GB/s."""
 
 
-_POOL: list = []
-"""Not empty once :func:`matmul_id` has launched Numba's thread pool (3 µs a call otherwise)."""
-
-
 def _read_only(data: np.ndarray) -> np.ndarray:
     """``data`` flat, read-only as a map of the file is (one compiled signature for both)."""
     flat = np.ascontiguousarray(data).reshape(-1)
@@ -559,8 +554,6 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
             d.ndim != 3 or d.shape[2] != n_in // block * size or d.shape[0] != datas[0].shape[0] for d in datas):
         raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
                          f"of {_T(ggml_type).name}")
-    if not _POOL:                   # a cached parallel kernel needs the thread pool loaded first
-        _POOL.append(numba.get_num_threads())
     flat = [_read_only(d) for d in datas]
     n_outs = [d.shape[1] for d in datas]
     out = np.empty((order.shape[0], sum(n_outs)), dtype=np.float32)
