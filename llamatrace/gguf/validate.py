@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from array import array
 from dataclasses import dataclass, field
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -95,6 +96,9 @@ class GGUFSummary:
     # relative to data_offset), in header order.
     kv_offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     tensor_infos: tuple[tuple[str, tuple[int, ...], int, int], ...] = field(default=(), repr=False)
+    # per array of strings (keyed by the offset in kv_offsets): the file offset of each string's
+    # length prefix, int64, found by the walk that checks them, so a reader need not walk again
+    string_heads: dict[int, array] = field(default_factory=dict, repr=False)
 
 
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFSummary:
@@ -150,6 +154,7 @@ class _Parser:
         self.items = 0  # objects a reader will build from the header; see MAX_HEADER_ITEMS
         self.kv_offsets: dict[str, tuple[int, int]] = {}
         self.tensor_infos: list[tuple[str, tuple[int, ...], int, int]] = []
+        self.string_heads: dict[int, array] = {}
 
     # ---- errors -----------------------------------------------------------------------------
 
@@ -264,6 +269,7 @@ class _Parser:
             header_items=self.items,
             kv_offsets=self.kv_offsets,
             tensor_infos=tuple(self.tensor_infos),
+            string_heads=self.string_heads,
         )
 
     def _check_version(self, version: int) -> None:
@@ -364,7 +370,9 @@ class _Parser:
         buf = self.buf
         have = len(buf)
         p = self.pos
+        self.string_heads[start] = heads = array("q")
         for i in range(n):
+            heads.append(p)
             if p + 8 > size:
                 self.pos = p
                 raise self.fail(

@@ -44,7 +44,7 @@ from llamatrace.text.vocab import (
 )
 
 if TYPE_CHECKING:
-    from llamatrace.gguf.reader import GGUFFile
+    from llamatrace.gguf.reader import GGUFFile, StringArray
 
 __all__ = ["StreamDecoder", "Tokenizer", "bytes_to_unicode"]  # bytes_to_unicode lives in text.vocab
 
@@ -146,7 +146,7 @@ class Tokenizer:
         self,
         tokens: Sequence[str],
         token_types: Sequence[int] | None,
-        merges: Sequence[str],
+        merges: Sequence[str] | StringArray,
         pre: str | None,
         *,
         kind: str = "bpe",
@@ -309,7 +309,7 @@ class Tokenizer:
         tok = cls(
             tokens,
             types,
-            _field(reader, "tokenizer.ggml.merges", []) if vocab is None else (),
+            (reader.strings("tokenizer.ggml.merges") or ()) if vocab is None else (),
             _field(reader, "tokenizer.ggml.pre"),
             kind="spm" if model == "llama" else "bpe",
             scores=_field(reader, "tokenizer.ggml.scores") if vocab is None else None,

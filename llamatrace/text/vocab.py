@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llamatrace.errors import ModelFormatError, shown
+from llamatrace.gguf.reader import StringArray
 
 # token types of tokenizer.ggml.token_type (llama.cpp's llama_token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -61,78 +62,107 @@ def _token_text_to_bytes(text: str) -> bytes | None:
     return text.translate(_UNICODE_TO_BYTE).encode("latin-1")
 
 
+def _joined(strings: Sequence[str] | StringArray) -> tuple[str, np.ndarray] | None:
+    """``strings`` as one text and each string's end in it (characters, int64 ``[n]``); None when
+    a :class:`StringArray` is not valid UTF-8."""
+    if isinstance(strings, StringArray):
+        return strings.chars()
+    return "".join(strings), np.cumsum(np.fromiter(map(len, strings), np.int64, len(strings)))
+
+
+def _byte_level(text: str) -> tuple[np.ndarray, bytes]:
+    """Per character of ``text``: whether it is not a GPT-2 byte-level character (bool), and the
+    byte each byte-level one stands for (the others' bytes are meaningless)."""
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+    raw = _BYTE_OF_CHAR[np.minimum(codes, len(_BYTE_OF_CHAR) - 1)]
+    return (codes >= len(_BYTE_OF_CHAR)) | (raw == 256), raw.astype(np.uint8).tobytes()
+
+
+def _per_string(flags: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """How many of ``flags`` (one per character) fall in each string ending at ``ends``."""
+    counts = np.concatenate(([0], np.cumsum(flags)))[ends]
+    return np.diff(counts, prepend=0)
+
+
+def _slices(data: bytes, ends: np.ndarray) -> list[bytes]:
+    """``data`` cut at ``ends`` (int64): the pieces, without a Python loop."""
+    ends = ends.tolist()
+    return list(map(data.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+
+
 def bpe_token_bytes(tokens: Sequence[str], types: Sequence[int]) -> tuple[list[bytes], list[bool]]:
-    """id → bytes: byte-level text for normal tokens, literal UTF-8 for control/user-defined/literal ones."""
-    id_bytes: list[bytes] = []
-    is_text: list[bool] = []  # not byte-level: Tokenizer.piece shows the text as it is
-    for text, ttype in zip(tokens, types):
-        raw = _token_text_to_bytes(text) if ttype in (TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_BYTE) else None
-        is_text.append(raw is None)
-        id_bytes.append(raw if raw is not None else text.encode("utf-8"))
-    return id_bytes, is_text
+    """id → bytes: byte-level text for normal tokens, literal UTF-8 for control/user-defined/literal ones.
+
+    All tokens are mapped at once through a table indexed by code point (one byte-level
+    character is one byte, so the lengths carry over); only the literal ones are encoded one by one."""
+    text, ends = _joined(tokens)
+    bad, raw = _byte_level(text)
+    kinds = np.asarray(types, np.int64)
+    is_text = (_per_string(bad, ends) > 0) | ~np.isin(kinds, (TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_BYTE))
+    id_bytes = _slices(raw, ends)
+    for i in np.flatnonzero(is_text).tolist():
+        id_bytes[i] = tokens[i].encode("utf-8")
+    return id_bytes, is_text.tolist()
 
 
-def _merged_bytes(merges: Sequence[str], where: str) -> list[bytes]:
+def _merged_bytes(merges: Sequence[str] | StringArray, where: str) -> list[bytes]:
     """The bytes each merge 'left right' (byte-level text) creates: left + right.
 
     All merges are mapped to bytes at once, through a table indexed by code point (one
     character is one byte, so their lengths carry over): Llama 3's 280,000 merges take 0.14 s,
     one at a time 0.5 s. Raises ModelFormatError naming the first merge that is not two
     byte-level strings around one space."""
-    text = "\n".join(merges)
-    if text.count(" ") == len(merges) and text.count("\n") == len(merges) - 1:
-        parts = text.replace(" ", "").split("\n")
-        codes = np.frombuffer("".join(parts).encode("utf-32-le"), np.uint32)
-        raw = _BYTE_OF_CHAR[np.minimum(codes, len(_BYTE_OF_CHAR) - 1)]
-        if not (codes >= len(_BYTE_OF_CHAR)).any() and not (raw == 256).any():
-            data = raw.astype(np.uint8).tobytes()
-            ends = np.cumsum([len(p) for p in parts]).tolist()
-            return [data[a:b] for a, b in zip([0, *ends[:-1]], ends)]
-    out = []
+    joined = _joined(merges)
+    if joined is not None:
+        text, ends = joined
+        bad, raw = _byte_level(text)
+        space = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32) == ord(" ")
+        if (_per_string(space, ends) == 1).all() and not (bad & ~space).any():
+            keep = ~space
+            return _slices(np.frombuffer(raw, np.uint8)[keep].tobytes(), ends - np.arange(1, len(ends) + 1))
+    if isinstance(merges, StringArray):
+        merges = merges.tolist()
     for i, merge in enumerate(merges):    # something is wrong: find it
         left, sep, right = merge.partition(" ")
         lb, rb = _token_text_to_bytes(left), _token_text_to_bytes(right)
         if not sep or lb is None or rb is None:
             raise ModelFormatError(f"tokenizer.ggml.merges[{i}] = {shown(merge)} is not 'left right'{where}")
-        out.append(lb + rb)
-    return out
+    raise AssertionError("unreachable: every merge is 'left right'")
 
 
-def bpe_ranks(types: Sequence[int], merges: Sequence[str], id_bytes: list[bytes], is_text: list[bool],
-               where: str) -> tuple[dict[bytes, int], list[int] | None]:
+def bpe_ranks(types: Sequence[int], merges: Sequence[str] | StringArray, id_bytes: list[bytes],
+              is_text: list[bool], where: str) -> tuple[dict[bytes, int], list[int] | None]:
     """tiktoken ranks of a byte-level BPE vocabulary, and rank → id (None when ids already are ranks).
 
+    ``merges``: the merges' strings, or the file's array of them (:meth:`GGUFFile.strings`);
     ``id_bytes`` and ``is_text`` come from :func:`bpe_token_bytes`; ``where`` (" in FILE" or "")
     ends error messages.
 
     Raises:
         ModelFormatError: a merge is not two byte-level strings around one space.
     """
-    merge_index: dict[bytes, int] = {}  # the merge that first creates each byte string: its priority
-    for i, raw in enumerate(_merged_bytes(merges, where)):
-        merge_index.setdefault(raw, i)
+    merged_bytes = _merged_bytes(merges, where)
+    # the merge that first creates each byte string (its priority): the last write of a key wins
+    merge_index = dict(zip(reversed(merged_bytes), range(len(merged_bytes) - 1, -1, -1)))
 
     # BPE tokens: normal single bytes (the alphabet) and normal tokens that some merge creates.
     # A normal multi-byte token no merge creates can never come out of BPE; it is left out.
+    bpe = (np.asarray(types, np.int64) == TOKEN_NORMAL) & ~np.asarray(is_text, bool)
+    sizes = np.fromiter(map(len, id_bytes), np.int64, len(id_bytes))
     singles: dict[bytes, int] = {}
-    merged: list[tuple[int, int, bytes]] = []  # (merge index, id, bytes)
-    for i, (ttype, raw) in enumerate(zip(types, id_bytes)):
-        if ttype != TOKEN_NORMAL or is_text[i]:
-            continue
-        if len(raw) == 1:
-            singles.setdefault(raw, i)
-        elif raw in merge_index:
-            merged.append((merge_index[raw], i, raw))
-    merged.sort()
-    first_id: dict[bytes, int] = {}
-    for _, i, raw in merged:  # two ids with the same bytes: the one the first merge names wins
-        first_id.setdefault(raw, i)
-    merged = [m for m in merged if first_id[m[2]] == m[1]]
+    for i in np.flatnonzero(bpe & (sizes == 1)).tolist():
+        singles.setdefault(id_bytes[i], i)
+    multi = np.flatnonzero(bpe & (sizes != 1))
+    index = np.fromiter((merge_index.get(id_bytes[i], -1) for i in multi.tolist()), np.int64, len(multi))
+    multi, index = multi[index >= 0], index[index >= 0]
+    order = np.lexsort((multi, index))              # by merge, then id
+    multi, index = multi[order], index[order]
+    first = np.diff(index, prepend=-1) != 0         # two ids with the same bytes: the lower id wins
+    merged_ids = multi[first].tolist()
 
-    merged_ids = [i for _, i, _ in merged]
-    if all(a < b for a, b in zip(merged_ids, merged_ids[1:])):  # ids grow in merge order: ids are ranks
-        return {raw: i for raw, i in singles.items()} | {raw: i for _, i, raw in merged}, None
-    order = [*sorted(singles.items(), key=lambda kv: kv[1]), *((raw, i) for _, i, raw in merged)]
+    if (np.diff(merged_ids) > 0).all():             # ids grow in merge order: ids are ranks
+        return singles | {id_bytes[i]: i for i in merged_ids}, None
+    order = [*sorted(singles.items(), key=lambda kv: kv[1]), *((id_bytes[i], i) for i in merged_ids)]
     return {raw: r for r, (raw, _) in enumerate(order)}, [i for _, i in order]
 
 
