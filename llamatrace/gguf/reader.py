@@ -301,7 +301,8 @@ class StringArray:
         if len(text) == len(self.data):     # ASCII: characters are bytes
             return text, self.ends
         raw = np.frombuffer(self.data, np.uint8)
-        return text, np.concatenate(([0], np.cumsum((raw & 0xC0) != 0x80)))[self.ends]
+        starts = np.cumsum((raw & 0xC0) != 0x80, dtype=np.int32 if len(raw) < 2**31 else np.int64)
+        return text, np.concatenate(([0], starts))[self.ends].astype(np.int64)
 
     def tolist(self) -> list[str]:
         """The strings, each decoded as UTF-8; a string that is not valid UTF-8 gets U+FFFD for

@@ -28,6 +28,7 @@ import struct
 from array import array
 from dataclasses import dataclass, field
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llamatrace.errors import ModelFormatError, ModelNotFoundError
@@ -365,37 +366,50 @@ class _Parser:
             return
         self.count_items(n, f"strings (array {shown} has {n})")
         # Walk the strings; each iteration consumes >= 8 bytes, so this is bounded by the file size.
+        # The walk of what is buffered reads lengths only; each stretch's lengths are checked after it
+        # (a string running past the end stops the stretch: it is the stretch's last).
         size = self.size
         unpack = _U64.unpack_from
-        buf = self.buf
-        have = len(buf)
         p = self.pos
         self.string_heads[start] = heads = array("q")
-        for i in range(n):
-            heads.append(p)
+        i = 0
+        while i < n:
             if p + 8 > size:
                 self.pos = p
                 raise self.fail(
                     f"string #{i} of array {shown} at byte {p} needs 8 bytes but the file ends at byte {size}"
                 )
-            if p + 8 > have:
-                self._fill(p + 8)
-                buf = self.buf
-                have = len(buf)
-            slen = unpack(buf, p)[0]
-            p += 8
-            if slen > size - p:
-                raise self.fail(
-                    f"string #{i} of array {shown} at byte {p - 8} claims {slen} bytes but only "
-                    f"{size - p} bytes are left in the file"
-                )
-            if slen > MAX_STRING_LEN:
-                raise self.fail(
-                    f"string #{i} of array {shown} at byte {p - 8} is {slen} bytes long (limit {MAX_STRING_LEN})",
-                    FIX_CORRUPT,
-                )
-            p += slen
+            self._fill(p + 8)
+            buf, have, first = self.buf, len(self.buf), i
+            for i in range(first, n):
+                if p + 8 > have:
+                    break
+                heads.append(p)
+                p += 8 + unpack(buf, p)[0]
+            else:
+                i = n
+            self._check_string_lengths(np.frombuffer(heads[first:], np.int64), first, shown)
         self.pos = p
+
+    def _check_string_lengths(self, heads: np.ndarray, first: int, shown: str) -> None:
+        """Fail on the first string, of those whose length prefixes are at ``heads`` (string
+        #``first`` of array ``shown`` and the next ones, at least one), that runs past the end of
+        the file or is longer than :data:`MAX_STRING_LEN`. All but the last end where the next
+        one's prefix begins, inside the file: only the last can run past its end."""
+        over = np.flatnonzero(np.diff(heads) - 8 > MAX_STRING_LEN)
+        k = int(over[0]) if over.size else len(heads) - 1
+        pos = int(heads[k])
+        slen = _U64.unpack_from(self.buf, pos)[0]
+        if slen > self.size - pos - 8:
+            raise self.fail(
+                f"string #{first + k} of array {shown} at byte {pos} claims {slen} bytes but only "
+                f"{self.size - pos - 8} bytes are left in the file"
+            )
+        if slen > MAX_STRING_LEN:
+            raise self.fail(
+                f"string #{first + k} of array {shown} at byte {pos} is {slen} bytes long (limit {MAX_STRING_LEN})",
+                FIX_CORRUPT,
+            )
 
     def _parse_tensor_infos(self, n_tensors: int) -> list[tuple[str, int, int]]:
         tensors: list[tuple[str, int, int]] = []

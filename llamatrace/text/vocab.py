@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from itertools import repeat
 
 import numpy as np
 
@@ -79,9 +80,8 @@ def _byte_level(text: str) -> tuple[np.ndarray, bytes]:
 
 
 def _per_string(flags: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """How many of ``flags`` (one per character) fall in each string ending at ``ends``."""
-    counts = np.concatenate(([0], np.cumsum(flags)))[ends]
-    return np.diff(counts, prepend=0)
+    """How many of ``flags`` (one per character; few are set) fall in each string ending at ``ends``."""
+    return np.bincount(np.searchsorted(ends, np.flatnonzero(flags), side="right"), minlength=len(ends))[:len(ends)]
 
 
 def _slices(data: bytes, ends: np.ndarray) -> list[bytes]:
@@ -153,7 +153,7 @@ def bpe_ranks(types: Sequence[int], merges: Sequence[str] | StringArray, id_byte
     for i in np.flatnonzero(bpe & (sizes == 1)).tolist():
         singles.setdefault(id_bytes[i], i)
     multi = np.flatnonzero(bpe & (sizes != 1))
-    index = np.fromiter((merge_index.get(id_bytes[i], -1) for i in multi.tolist()), np.int64, len(multi))
+    index = np.fromiter(map(merge_index.get, [id_bytes[i] for i in multi.tolist()], repeat(-1)), np.int64, len(multi))
     multi, index = multi[index >= 0], index[index >= 0]
     order = np.lexsort((multi, index))              # by merge, then id
     multi, index = multi[order], index[order]
