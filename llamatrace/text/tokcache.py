@@ -41,6 +41,7 @@ import os
 import warnings
 import zipfile
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -140,8 +141,12 @@ class Entry:
 
 def _joined(strings: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """``strings`` as one uint8 array and each one's end offset (int64)."""
-    return (np.frombuffer(b"".join(strings), np.uint8),
-            np.cumsum([len(x) for x in strings], dtype=np.int64))
+    return np.frombuffer(b"".join(strings), np.uint8), _ends(strings)
+
+
+def _ends(items: list) -> np.ndarray:
+    """Each item's end offset when ``items`` are joined (int64)."""
+    return np.cumsum(np.fromiter(map(len, items), np.int64, len(items)))
 
 
 def _split(data: bytes | str, ends: np.ndarray) -> list:
@@ -154,8 +159,7 @@ def _to_arrays(tokens: list[str], types: list[int] | None, tables: tuple) -> dic
     """The payload (module docstring) of ``tokens``, ``types`` and :attr:`Tokenizer.vocab_tables`."""
     id_bytes, ranks, rank_to_id, rank_to_ids = tables
     out = dict(tokens_bytes=np.frombuffer("".join(tokens).encode("utf-8", "surrogatepass"), np.uint8),
-               tokens_ends=np.cumsum([len(t) for t in tokens], dtype=np.int64), rank_values=np.array(
-                   list(ranks.values()), np.int64))
+               tokens_ends=_ends(tokens), rank_values=np.fromiter(ranks.values(), np.int64, len(ranks)))
     out["id_bytes"], out["id_ends"] = _joined(id_bytes)
     out["rank_bytes"], out["rank_ends"] = _joined(list(ranks))
     if types is not None:
@@ -163,8 +167,8 @@ def _to_arrays(tokens: list[str], types: list[int] | None, tables: tuple) -> dic
     if rank_to_id is not None:
         out["rank_to_id"] = np.array(rank_to_id, np.int64)
     if rank_to_ids is not None:
-        out["rank_to_ids_flat"] = np.array([i for ids in rank_to_ids for i in ids], np.int64)
-        out["rank_to_ids_ends"] = np.cumsum([len(ids) for ids in rank_to_ids], dtype=np.int64)
+        out["rank_to_ids_flat"] = np.fromiter(chain.from_iterable(rank_to_ids), np.int64)
+        out["rank_to_ids_ends"] = _ends(rank_to_ids)
     return out
 
 
