@@ -359,7 +359,8 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     if len(buf) != summary.file_size:
         buf.close()
         raise ModelFormatError(f"{p.name}: the file changed size while it was opened; open it again")
-    metadata = {key: _decode(buf, *where, summary.string_heads) for key, where in summary.kv_offsets.items() if key not in _BULK_KEYS}
+    metadata = {key: _decode(buf, *where, summary.string_heads)
+                for key, where in summary.kv_offsets.items() if key not in _BULK_KEYS}
     tensors = {}
     for name, dims, ttype, offset in summary.tensor_infos:
         qtype = _T(ttype)

@@ -109,9 +109,10 @@ def _merged_bytes(merges: Sequence[str] | StringArray, where: str) -> list[bytes
     """The bytes each merge 'left right' (byte-level text) creates: left + right.
 
     All merges are mapped to bytes at once, through a table indexed by code point (one
-    character is one byte, so their lengths carry over): Llama 3's 280,000 merges take 0.14 s,
-    one at a time 0.5 s. Raises ModelFormatError naming the first merge that is not two
-    byte-level strings around one space."""
+    character is one byte, so their lengths carry over): Llama 3's 280,000 merges take ~0.09
+    CPU-s from the file's buffer (:meth:`GGUFFile.strings`, no string object per merge), one at
+    a time 0.5 s. Raises ModelFormatError naming the first merge that is not two byte-level
+    strings around one space (exactly one space, every other character byte-level)."""
     joined = _joined(merges)
     if joined is not None:
         text, ends = joined
