@@ -5,6 +5,7 @@ every string equal to gguf-py's GGUFReader's bytes, every error as before."""
 from __future__ import annotations
 
 import random
+import re
 import struct
 
 import gguf
@@ -17,7 +18,7 @@ from llamatrace.errors import ModelFormatError
 from llamatrace.gguf import validate
 from llamatrace.gguf.reader import StringArray, open_gguf
 from llamatrace.text.tokenizer import Tokenizer
-from llamatrace.text.vocab import bpe_ranks, bpe_token_bytes
+from llamatrace.text.vocab import bpe_ranks, bpe_token_bytes, spm_ranks, spm_token_bytes
 
 # Many strings (crossing validate's buffer refills), ASCII and not, empty ones, one invalid UTF-8.
 _rng = random.Random(0)
@@ -117,3 +118,57 @@ def test_a_bad_merge_is_named_whether_read_as_a_list_or_a_buffer(bad):
     for given in (merges, buffered):
         with pytest.raises(ModelFormatError, match=r"tokenizer\.ggml\.merges\[3\] = .* is not 'left right'"):
             bpe_ranks(types, given, id_bytes, is_text, "")
+
+
+# ---- the vocabulary's tables, against the one-token-at-a-time definitions they replaced ----
+
+def _spm_ranks_by_token(tokens, types, scores, id_bytes):
+    """spm_ranks, one token and one character at a time (its definition, as it stood before the
+    tables were built from whole arrays)."""
+    byte_ids = {}
+    for i, (text, ttype) in enumerate(zip(tokens, types)):
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", text) if ttype == 6 else None
+        if m:
+            byte_ids.setdefault(int(m.group(1), 16), i)
+    unk = next((i for i, t in enumerate(types) if t == 2), None)
+    normal = {}
+    for i, (text, ttype) in enumerate(zip(tokens, types)):
+        if ttype == 1 and text:
+            normal.setdefault(text.encode(), i)
+    atoms = {bytes([b]): None for b in range(256)}
+    for raw in normal:
+        for ch in raw.decode():
+            for k in range(2, len(ch.encode()) + 1):
+                atoms.setdefault(ch.encode()[:k])
+    ranks, rank_to_ids = {}, []
+    for raw in atoms:
+        ranks[raw] = len(rank_to_ids)
+        fallback = [byte_ids[b] for b in raw] if all(b in byte_ids for b in raw) else [unk] if unk is not None else []
+        rank_to_ids.append([normal[raw]] if raw in normal else fallback)
+    for _, i, raw in sorted((-float(scores[i]), i, raw) for raw, i in normal.items() if raw not in ranks):
+        ranks[raw] = len(rank_to_ids)
+        rank_to_ids.append([i])
+    return ranks, rank_to_ids
+
+
+SPM_TOKENS = ["<unk>", "<s>", "<0x41>", "<0xE4>", "<0xB8>", "<0x41>", "▁", "▁the", "中文", "the", "",
+              "▁the", "é", "😀x", "ab", "a", "b", "\u2581\u2581", "ü"]
+SPM_TYPES = [2, 3, 6, 6, 6, 6, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 5]
+
+
+@pytest.mark.parametrize("scores", [
+    [0.0, 0.0, 0, 0, 0, 0, -1, -2, -3, -2, 0, -5, -1, -4, -2.5, -9, -9, -1e9, -1],
+    [0.0, 0.0, 0, 0, 0, 0, -1, float("nan"), -3, -2, 0, -5, float("nan"), -4, -2.5, -9, -9, -1e9, -1],
+], ids=["scores", "nan"])
+def test_spm_tables_equal_their_token_by_token_definition(scores):
+    id_bytes = spm_token_bytes(SPM_TOKENS, SPM_TYPES)
+    assert id_bytes[2] == id_bytes[5] == b"A" and id_bytes[7] == b" the" and id_bytes[18] == "ü".encode()
+    assert spm_ranks(SPM_TOKENS, SPM_TYPES, scores, id_bytes) == _spm_ranks_by_token(
+        SPM_TOKENS, SPM_TYPES, scores, id_bytes)
+
+
+def test_bpe_token_bytes_map_byte_level_text_and_keep_literal_tokens():
+    tokens = ["Ġthe", "<|im_end|>", "ĊĊ", "中", "", "Ġ"]
+    id_bytes, is_text = bpe_token_bytes(tokens, [1, 3, 1, 1, 1, 5])
+    assert id_bytes == [b" the", b"<|im_end|>", b"\n\n", "中".encode(), b"", b" "]
+    assert is_text == [False, True, False, True, False, False]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from itertools import repeat
+from itertools import filterfalse, repeat
 
 import numpy as np
 
@@ -170,23 +170,45 @@ def bpe_ranks(types: Sequence[int], merges: Sequence[str] | StringArray, id_byte
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
+def _utf8_slices(text: str, ends: np.ndarray) -> list[bytes]:
+    """The UTF-8 bytes of each string of ``text`` cut at ``ends`` (characters): one encoding of
+    the whole text, cut where each string's bytes end."""
+    data = text.encode("utf-8")
+    if len(data) != len(text):
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+        size = 1 + (codes >= 0x80).astype(np.int64) + (codes >= 0x800) + (codes >= 0x10000)  # UTF-8 bytes
+        ends = np.concatenate(([0], np.cumsum(size)))[ends]
+    return _slices(data, ends)
+
+
+def _byte_token_ids(tokens: Sequence[str], kinds: np.ndarray) -> dict[int, int]:
+    """byte value → id of the ``<0xNN>`` byte tokens (the first one of each byte)."""
+    byte_ids: dict[int, int] = {}
+    for i in np.flatnonzero(kinds == TOKEN_BYTE).tolist():
+        m = _BYTE_TOKEN.fullmatch(tokens[i])
+        if m:
+            byte_ids.setdefault(int(m.group(1), 16), i)
+    return byte_ids
+
+
 def spm_token_bytes(tokens: Sequence[str], types: Sequence[int]) -> list[bytes]:
     """id → bytes for SentencePiece: '▁' is a space, ``<0xNN>`` byte tokens are that byte, control,
     unknown and user-defined tokens their literal text (as llama.cpp's token_to_piece with special)."""
-    id_bytes: list[bytes] = []
-    for text, ttype in zip(tokens, types):
-        m = _BYTE_TOKEN.fullmatch(text) if ttype == TOKEN_BYTE else None
+    text, ends = _joined(tokens)
+    kinds = np.asarray(types, np.int64)
+    id_bytes = _utf8_slices(text, ends)
+    spaced = _utf8_slices(text.replace(SPM_SPACE, " "), ends)      # one character for one: the ends hold
+    for i in np.flatnonzero(np.isin(kinds, (TOKEN_NORMAL, TOKEN_UNUSED))).tolist():
+        id_bytes[i] = spaced[i]
+    for i in np.flatnonzero(kinds == TOKEN_BYTE).tolist():
+        m = _BYTE_TOKEN.fullmatch(tokens[i])
         if m:
-            id_bytes.append(bytes([int(m.group(1), 16)]))
-        elif ttype in (TOKEN_NORMAL, TOKEN_UNUSED):
-            id_bytes.append(text.replace(SPM_SPACE, " ").encode("utf-8"))
-        else:
-            id_bytes.append(text.encode("utf-8"))
+            id_bytes[i] = bytes([int(m.group(1), 16)])
     return id_bytes
 
 
 def spm_ranks(tokens: Sequence[str], types: Sequence[int], scores: Sequence[float],
-               id_bytes: list[bytes]) -> tuple[dict[bytes, int], list[list[int]]]:
+              id_bytes: list[bytes]) -> tuple[dict[bytes, int], list[list[int]]]:
     """tiktoken ranks reproducing llama.cpp's SPM merges, and rank → ids.
 
     Ranks, lowest first: the 256 single bytes; every partial and whole multi-byte character that
@@ -195,35 +217,45 @@ def spm_ranks(tokens: Sequence[str], types: Sequence[int], scores: Sequence[floa
     a token (a character outside the vocabulary, or a partial one left over) maps to its bytes'
     ``<0xNN>`` tokens, or to ``<unk>`` when the vocabulary has no byte tokens.
     """
-    byte_ids: dict[int, int] = {}
-    unk = next((i for i, t in enumerate(types) if t == TOKEN_UNKNOWN), None)
-    for i, (text, ttype) in enumerate(zip(tokens, types)):
-        m = _BYTE_TOKEN.fullmatch(text) if ttype == TOKEN_BYTE else None
-        if m:
-            byte_ids.setdefault(int(m.group(1), 16), i)
-    normal: dict[bytes, int] = {}
-    for i, (text, ttype) in enumerate(zip(tokens, types)):
-        if ttype == TOKEN_NORMAL and text:
-            normal.setdefault(text.encode("utf-8"), i)  # '▁' kept: text is escaped before encoding
+    kinds = np.asarray(types, np.int64)
+    byte_ids = _byte_token_ids(tokens, kinds)
+    unknown = np.flatnonzero(kinds == TOKEN_UNKNOWN)
+    unk = int(unknown[0]) if unknown.size else None
+    normal_ids = [i for i in np.flatnonzero(kinds == TOKEN_NORMAL).tolist() if tokens[i]]
+    text, ends = _joined([tokens[i] for i in normal_ids])
+    # '▁' kept: text is escaped before encoding; two ids with the same text: the first one's (the
+    # last write of a key wins)
+    normal = dict(zip(reversed(_utf8_slices(text, ends)), reversed(normal_ids)))
 
     def fallback(raw: bytes) -> list[int]:
         if all(b in byte_ids for b in raw):
             return [byte_ids[b] for b in raw]
         return [unk] if unk is not None else []
 
+    # the multi-byte characters, in the order the vocabulary first uses them, and their prefixes
+    codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+    wide = codes[codes >= 0x80]
+    chars, first = np.unique(wide, return_index=True)
     atoms: dict[bytes, None] = {bytes([b]): None for b in range(256)}
-    for raw in normal:
-        for ch in raw.decode("utf-8"):
-            cb = ch.encode("utf-8")
-            for k in range(2, len(cb) + 1):
-                atoms.setdefault(cb[:k])
+    for code in chars[np.argsort(first)].tolist():
+        cb = chr(code).encode("utf-8")
+        for k in range(2, len(cb) + 1):
+            atoms.setdefault(cb[:k])
     ranks: dict[bytes, int] = {}
     rank_to_ids: list[list[int]] = []
     for raw in atoms:
         ranks[raw] = len(rank_to_ids)
         rank_to_ids.append([normal[raw]] if raw in normal else fallback(raw))
-    scored = sorted((-float(scores[i]), i, raw) for raw, i in normal.items() if raw not in ranks)
-    for _, i, raw in scored:
-        ranks[raw] = len(rank_to_ids)
-        rank_to_ids.append([i])
+    raws = list(filterfalse(ranks.__contains__, normal))
+    ids = np.fromiter(map(normal.__getitem__, raws), np.int64, len(raws))
+    key = -np.asarray(scores, np.float64)[ids]
+    if np.isnan(key).any():         # NaN does not order: as Python's sort leaves it, from id order
+        by_id = np.argsort(ids).tolist()
+        ordered = sorted((-float(scores[ids[k]]), int(ids[k]), raws[k]) for k in by_id)
+        raws, ids = [raw for _, _, raw in ordered], [i for _, i, _ in ordered]
+    else:                           # by descending score, then id
+        order = np.lexsort((ids, key))
+        raws, ids = list(map(raws.__getitem__, order.tolist())), ids[order].tolist()
+    ranks.update(zip(raws, range(len(rank_to_ids), len(rank_to_ids) + len(raws))))
+    rank_to_ids.extend(map(list, zip(ids)))     # [id] each
     return ranks, rank_to_ids
