@@ -24,8 +24,10 @@ home, a container volume) could otherwise run code in every later llamatrace pro
 ``MAGIC``, one line of JSON (the key, the payload's length in bytes and its xxh3-64), then the
 payload: an NPZ of flat integer arrays, read with ``allow_pickle=False``. A list of strings is a
 byte array (``*_bytes``: the strings joined) and the end offset of each string (``*_ends``, int64):
-``tokens`` (UTF-8; ends in characters), ``id`` (each token's bytes), ``rank`` (tiktoken's ranks'
-byte strings; their ranks in ``rank_values``); ``types``, ``rank_to_id`` (int64), and
+``tokens`` (UTF-8; ends in characters), ``id`` (each token's bytes), ``rank`` (the byte strings
+of tiktoken's ranks that are no token's bytes; ``rank_ids``, int64: for every rank in order, the
+first id with its bytes or -1 for the next of ``rank``'s strings, so that a read shares the
+tokens' byte strings as a build does; the ranks in ``rank_values``); ``types``, ``rank_to_id`` (int64), and
 ``rank_to_ids`` (``*_flat`` and ``*_ends`` likewise), each absent when None. Reading one back is
 a few slices per token: faster than unpickling the same lists (docs/performance.md).
 """
@@ -42,7 +44,7 @@ import os
 import warnings
 import zipfile
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, compress, repeat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("llamatrace")
 
-MAGIC = b"llamatrace tokenizer cache 2\n"
+MAGIC = b"llamatrace tokenizer cache 3\n"
 _MAX_HEAD = 4096                            # the header line's bytes, at most
 
 
@@ -162,7 +164,9 @@ def _to_arrays(tokens: list[str], types: list[int] | None, tables: tuple) -> dic
     out = dict(tokens_bytes=np.frombuffer("".join(tokens).encode("utf-8", "surrogatepass"), np.uint8),
                tokens_ends=_ends(tokens), rank_values=np.fromiter(ranks.values(), np.int64, len(ranks)))
     out["id_bytes"], out["id_ends"] = _joined(id_bytes)
-    out["rank_bytes"], out["rank_ends"] = _joined(list(ranks))
+    first_id = dict(zip(reversed(id_bytes), range(len(id_bytes) - 1, -1, -1)))   # the last write wins
+    out["rank_ids"] = np.fromiter(map(first_id.get, ranks, repeat(-1)), np.int64, len(ranks))
+    out["rank_bytes"], out["rank_ends"] = _joined(list(compress(ranks, out["rank_ids"] < 0)))
     if types is not None:
         out["types"] = np.array(types, np.int64)
     if rank_to_id is not None:
@@ -184,8 +188,14 @@ def _from_arrays(arrays: dict[str, np.ndarray]) -> tuple[list[str], list[int] | 
             raise ValueError(f"{name}: {a.dtype} {a.shape}")
     tokens = _split(arrays["tokens_bytes"].tobytes().decode("utf-8", "surrogatepass"), arrays["tokens_ends"])
     id_bytes = _split(arrays["id_bytes"].tobytes(), arrays["id_ends"])
-    ranks = dict(zip(_split(arrays["rank_bytes"].tobytes(), arrays["rank_ends"]), arrays["rank_values"].tolist(),
-                     strict=True))
+    rank_ids = arrays["rank_ids"]
+    if rank_ids.size and rank_ids.max() >= len(id_bytes):
+        raise ValueError(f"rank_ids up to {rank_ids.max()} for {len(id_bytes)} tokens")
+    keys = list(map(id_bytes.__getitem__, np.maximum(rank_ids, 0).tolist()))
+    others = np.flatnonzero(rank_ids < 0).tolist()
+    for k, raw in zip(others, _split(arrays["rank_bytes"].tobytes(), arrays["rank_ends"]), strict=True):
+        keys[k] = raw
+    ranks = dict(zip(keys, arrays["rank_values"].tolist(), strict=True))
     types = arrays["types"].tolist() if "types" in arrays else None
     rank_to_id = arrays["rank_to_id"].tolist() if "rank_to_id" in arrays else None
     rank_to_ids = None
