@@ -7,8 +7,8 @@ arrays were mapped at once). One file per GGUF file,
 ``<cache root>/packed/<file stem>.<hash of its path>.tokenizer``, holds the token strings and
 types and :attr:`Tokenizer.vocab_tables` (each token's bytes, the ranks, rank → id); a load that
 finds it reads neither the merges nor the strings from the GGUF and runs only tiktoken's
-constructor (~0.28 CPU-s in all). About 4 MB at Llama 3's vocabulary; a file rewritten in place replaces its entry;
-entries count in the packed cache's size cap and leave by age with its own
+constructor (~0.23 CPU-s in all). About 7 MB at Llama 3's vocabulary; a file rewritten in place
+replaces its entry; entries count in the packed cache's size cap and leave by age with its own
 (:func:`llamatrace.model.packcache.evict`).
 
 Its key is the packed entry's (:func:`llamatrace.model.packcache.file_key`: llamatrace's version,

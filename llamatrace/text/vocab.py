@@ -154,7 +154,8 @@ def bpe_ranks(types: Sequence[int], merges: Sequence[str] | StringArray, id_byte
     for i in np.flatnonzero(bpe & (sizes == 1)).tolist():
         singles.setdefault(id_bytes[i], i)
     multi = np.flatnonzero(bpe & (sizes != 1))
-    index = np.fromiter(map(merge_index.get, [id_bytes[i] for i in multi.tolist()], repeat(-1)), np.int64, len(multi))
+    index = np.fromiter(map(merge_index.get, [id_bytes[i] for i in multi.tolist()], repeat(-1)), np.int64,
+                        len(multi))
     multi, index = multi[index >= 0], index[index >= 0]
     order = np.lexsort((multi, index))              # by merge, then id
     multi, index = multi[order], index[order]
