@@ -12,7 +12,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Container
@@ -143,7 +142,7 @@ class GGUFFile:
     version: int
     _map: mmap.mmap
     _kv_offsets: dict[str, tuple[int, int]]
-    _string_heads: dict[int, array]     # GGUFSummary.string_heads
+    _string_lengths: dict[int, np.ndarray]      # GGUFSummary.string_lengths
 
     def field(self, key: str, default: Any = None) -> Any:
         """The value of metadata ``key`` (bulk arrays included, as lists), or ``default``.
@@ -157,7 +156,7 @@ class GGUFFile:
             return default
         if self._map.closed:
             raise ValueError(f"{self.path.name}: the GGUF file is closed; {key!r} was not read before")
-        return _decode(self._map, *self._kv_offsets[key], self._string_heads)
+        return _decode(self._map, *self._kv_offsets[key], self._string_lengths)
 
     def strings(self, key: str) -> StringArray | None:
         """The string array ``key`` as one buffer (:class:`StringArray`; ``field`` gives the same
@@ -169,7 +168,7 @@ class GGUFFile:
         if key not in self._kv_offsets or self.value_type(key) != (ARRAY, STRING):
             return None
         pos = self._kv_offsets[key][1]
-        return _string_array(self._map, pos, self._string_heads[pos])
+        return _string_array(self._map, pos, self._string_lengths[pos])
 
     def keys(self) -> list[str]:
         """Every metadata key, bulk arrays included, in file order."""
@@ -263,9 +262,9 @@ def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
         return raw.decode("utf-8", errors="replace"), pos + 8 + n
 
 
-def _decode(buf: mmap.mmap, vtype: int, pos: int, string_heads: dict[int, array]) -> Any:
+def _decode(buf: mmap.mmap, vtype: int, pos: int, string_lengths: dict[int, np.ndarray]) -> Any:
     """The value of type ``vtype`` at ``pos`` (offsets already checked by validate_gguf;
-    ``string_heads``: :attr:`GGUFSummary.string_heads`)."""
+    ``string_lengths``: :attr:`GGUFSummary.string_lengths`)."""
     if vtype == STRING:
         return _string(buf, pos)[0]
     if vtype != ARRAY:
@@ -273,7 +272,7 @@ def _decode(buf: mmap.mmap, vtype: int, pos: int, string_heads: dict[int, array]
     etype, n = struct.unpack_from("<IQ", buf, pos)
     if etype != STRING:
         return np.frombuffer(buf, dtype=FIXED[etype].dtype, count=n, offset=pos + 12).tolist()
-    return _string_array(buf, pos, string_heads[pos]).tolist()
+    return _string_array(buf, pos, string_lengths[pos]).tolist()
 
 
 @dataclass(frozen=True)
@@ -316,25 +315,20 @@ class StringArray:
         return list(map(text.__getitem__, map(slice, [0, *ends[:-1]], ends)))      # no Python loop: ~2x
 
 
-def _string_array(buf: mmap.mmap, pos: int, heads: array) -> StringArray:
+def _string_array(buf: mmap.mmap, pos: int, lengths: np.ndarray) -> StringArray:
     """The string array whose header (element type, count) is at ``pos``, as one buffer.
 
-    ``heads``: the file offset of each string's length prefix (:attr:`GGUFSummary.string_heads`:
-    validate_gguf's walk found them, so no Python loop runs here). The bytes are moved out of the
-    length prefixes in one NumPy step."""
-    n = len(heads)
-    start = pos + 12
-    prefix = np.frombuffer(heads, np.int64) - start if n else np.zeros(0, np.int64)
-    p = start + (int(prefix[-1]) + 8 + _U64.unpack_from(buf, int(heads[-1]))[0] if n else 0)
-    raw = np.frombuffer(buf, np.uint8, p - start, start)
-    keep = np.ones(p - start, bool)
+    ``lengths``: each string's length (:attr:`GGUFSummary.string_lengths`: validate_gguf's walk
+    found them, so no Python loop runs here). The bytes are moved out of the length prefixes in
+    one NumPy step."""
+    n, start = len(lengths), pos + 12
+    ends = np.cumsum(lengths, dtype=np.int64)
+    prefix = np.arange(n, dtype=np.int64) * 8 + ends - lengths      # each length prefix, from start
+    size = 8 * n + (int(ends[-1]) if n else 0)
+    keep = np.ones(size, bool)
     for k in range(8):
         keep[prefix + k] = False
-    ends = np.empty(n, np.int64)
-    if n:       # the i-th string ends where the next prefix begins, less the i+1 prefixes before it
-        ends[:-1] = prefix[1:] - 8 * np.arange(1, n)
-        ends[-1] = p - start - 8 * n
-    return StringArray(raw[keep].tobytes(), ends)
+    return StringArray(np.frombuffer(buf, np.uint8, size, start)[keep].tobytes(), ends)
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
@@ -359,7 +353,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     if len(buf) != summary.file_size:
         buf.close()
         raise ModelFormatError(f"{p.name}: the file changed size while it was opened; open it again")
-    metadata = {key: _decode(buf, *where, summary.string_heads)
+    metadata = {key: _decode(buf, *where, summary.string_lengths)
                 for key, where in summary.kv_offsets.items() if key not in _BULK_KEYS}
     tensors = {}
     for name, dims, ttype, offset in summary.tensor_infos:
@@ -370,7 +364,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
                                n_elements // block * type_size, summary.data_offset + offset, buf)
     f = GGUFFile(path=p, metadata=metadata, tensors=tensors, file_size=summary.file_size,
                  version=summary.version, _map=buf, _kv_offsets=summary.kv_offsets,
-                 _string_heads=summary.string_heads)
+                 _string_lengths=summary.string_lengths)
     try:
         check_metadata_types(f.value_type, summary.kv_offsets, metadata, p.name)
     except ModelFormatError:

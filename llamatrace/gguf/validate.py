@@ -97,9 +97,9 @@ class GGUFSummary:
     # relative to data_offset), in header order.
     kv_offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     tensor_infos: tuple[tuple[str, tuple[int, ...], int, int], ...] = field(default=(), repr=False)
-    # per array of strings (keyed by the offset in kv_offsets): the file offset of each string's
-    # length prefix, int64, found by the walk that checks them, so a reader need not walk again
-    string_heads: dict[int, array] = field(default_factory=dict, repr=False)
+    # per array of strings (keyed by its offset in kv_offsets): each string's length, uint32 (at
+    # most MAX_STRING_LEN), found by the walk that checks them, so that a reader need not walk again
+    string_lengths: dict[int, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
 
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFSummary:
@@ -155,7 +155,7 @@ class _Parser:
         self.items = 0  # objects a reader will build from the header; see MAX_HEADER_ITEMS
         self.kv_offsets: dict[str, tuple[int, int]] = {}
         self.tensor_infos: list[tuple[str, tuple[int, ...], int, int]] = []
-        self.string_heads: dict[int, array] = {}
+        self.string_lengths: dict[int, np.ndarray] = {}
 
     # ---- errors -----------------------------------------------------------------------------
 
@@ -270,7 +270,7 @@ class _Parser:
             header_items=self.items,
             kv_offsets=self.kv_offsets,
             tensor_infos=tuple(self.tensor_infos),
-            string_heads=self.string_heads,
+            string_lengths=self.string_lengths,
         )
 
     def _check_version(self, version: int) -> None:
@@ -371,7 +371,7 @@ class _Parser:
         size = self.size
         unpack = _U64.unpack_from
         p = self.pos
-        self.string_heads[start] = heads = array("q")
+        heads = array("q")              # each string's length prefix, file offset
         i = 0
         while i < n:
             if p + 8 > size:
@@ -389,6 +389,7 @@ class _Parser:
             else:
                 i = n
             self._check_string_lengths(np.frombuffer(heads[first:], np.int64), first, shown)
+        self.string_lengths[start] = (np.diff(np.frombuffer(heads, np.int64), append=p) - 8).astype(np.uint32)
         self.pos = p
 
     def _check_string_lengths(self, heads: np.ndarray, first: int, shown: str) -> None:
