@@ -52,6 +52,22 @@ def test_a_tokenizer_from_the_cache_tokenizes_as_llama_cpp(cache_dir, monkeypatc
     assert [cached.piece(i) for i in range(cached.n_vocab)] == [built.piece(i) for i in range(built.n_vocab)]
 
 
+@pytest.mark.parametrize("name", ["llama-bpe", "llama-spm"])
+def test_a_tokenizer_read_from_the_cache_shares_the_tokens_byte_strings(cache_dir, tmp_path, name):
+    # as a build does: a rank whose bytes are a token's keeps that token's bytes object, not a copy
+    path = tmp_path / f"{name}.gguf"
+    shutil.copyfile(vocab_test_file(name), path)
+    built = build(path)
+    cached = build(path)
+    id_bytes, ranks = cached.vocab_tables[:2]
+    first: dict[bytes, bytes] = {}
+    for raw in id_bytes:
+        first.setdefault(raw, raw)
+    shared = [raw for raw in ranks if raw in first]
+    assert shared and all(raw is first[raw] for raw in shared)
+    assert list(ranks.items()) == list(built.vocab_tables[1].items())       # the same ranks, in the same order
+
+
 def _flip_a_byte(data: bytes) -> bytes:
     """One bit of the payload changed, in its middle (in the tables' bytes)."""
     i = len(data) // 2

@@ -25,8 +25,10 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from array import array
 from dataclasses import dataclass, field
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from llamatrace.errors import ModelFormatError, ModelNotFoundError
@@ -95,6 +97,9 @@ class GGUFSummary:
     # relative to data_offset), in header order.
     kv_offsets: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     tensor_infos: tuple[tuple[str, tuple[int, ...], int, int], ...] = field(default=(), repr=False)
+    # per array of strings (keyed by its offset in kv_offsets): each string's length, uint32 (at
+    # most MAX_STRING_LEN), found by the walk that checks them, so that a reader need not walk again
+    string_lengths: dict[int, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
 
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFSummary:
@@ -150,6 +155,7 @@ class _Parser:
         self.items = 0  # objects a reader will build from the header; see MAX_HEADER_ITEMS
         self.kv_offsets: dict[str, tuple[int, int]] = {}
         self.tensor_infos: list[tuple[str, tuple[int, ...], int, int]] = []
+        self.string_lengths: dict[int, np.ndarray] = {}
 
     # ---- errors -----------------------------------------------------------------------------
 
@@ -264,6 +270,7 @@ class _Parser:
             header_items=self.items,
             kv_offsets=self.kv_offsets,
             tensor_infos=tuple(self.tensor_infos),
+            string_lengths=self.string_lengths,
         )
 
     def _check_version(self, version: int) -> None:
@@ -359,35 +366,51 @@ class _Parser:
             return
         self.count_items(n, f"strings (array {shown} has {n})")
         # Walk the strings; each iteration consumes >= 8 bytes, so this is bounded by the file size.
+        # The walk of what is buffered reads lengths only; each stretch's lengths are checked after it
+        # (a string running past the end stops the stretch: it is the stretch's last).
         size = self.size
         unpack = _U64.unpack_from
-        buf = self.buf
-        have = len(buf)
         p = self.pos
-        for i in range(n):
+        heads = array("q")              # each string's length prefix, file offset
+        i = 0
+        while i < n:
             if p + 8 > size:
                 self.pos = p
                 raise self.fail(
                     f"string #{i} of array {shown} at byte {p} needs 8 bytes but the file ends at byte {size}"
                 )
-            if p + 8 > have:
-                self._fill(p + 8)
-                buf = self.buf
-                have = len(buf)
-            slen = unpack(buf, p)[0]
-            p += 8
-            if slen > size - p:
-                raise self.fail(
-                    f"string #{i} of array {shown} at byte {p - 8} claims {slen} bytes but only "
-                    f"{size - p} bytes are left in the file"
-                )
-            if slen > MAX_STRING_LEN:
-                raise self.fail(
-                    f"string #{i} of array {shown} at byte {p - 8} is {slen} bytes long (limit {MAX_STRING_LEN})",
-                    FIX_CORRUPT,
-                )
-            p += slen
+            self._fill(p + 8)
+            buf, have, first = self.buf, len(self.buf), i
+            for i in range(first, n):
+                if p + 8 > have:
+                    break
+                heads.append(p)
+                p += 8 + unpack(buf, p)[0]
+            else:
+                i = n
+            self._check_string_lengths(np.frombuffer(heads[first:], np.int64), first, shown)
+        self.string_lengths[start] = (np.diff(np.frombuffer(heads, np.int64), append=p) - 8).astype(np.uint32)
         self.pos = p
+
+    def _check_string_lengths(self, heads: np.ndarray, first: int, shown: str) -> None:
+        """Fail on the first string, of those whose length prefixes are at ``heads`` (string
+        #``first`` of array ``shown`` and the next ones, at least one), that runs past the end of
+        the file or is longer than :data:`MAX_STRING_LEN`. All but the last end where the next
+        one's prefix begins, inside the file: only the last can run past its end."""
+        over = np.flatnonzero(np.diff(heads) - 8 > MAX_STRING_LEN)
+        k = int(over[0]) if over.size else len(heads) - 1
+        pos = int(heads[k])
+        slen = _U64.unpack_from(self.buf, pos)[0]
+        if slen > self.size - pos - 8:
+            raise self.fail(
+                f"string #{first + k} of array {shown} at byte {pos} claims {slen} bytes but only "
+                f"{self.size - pos - 8} bytes are left in the file"
+            )
+        if slen > MAX_STRING_LEN:
+            raise self.fail(
+                f"string #{first + k} of array {shown} at byte {pos} is {slen} bytes long (limit {MAX_STRING_LEN})",
+                FIX_CORRUPT,
+            )
 
     def _parse_tensor_infos(self, n_tensors: int) -> list[tuple[str, int, int]]:
         tensors: list[tuple[str, int, int]] = []

@@ -2,12 +2,13 @@
 vocabulary, kept beside the packed weights (:mod:`llamatrace.model.packcache`) for the next load.
 
 Building Llama 3's tokenizer reads 128 k token strings and 280 k merges from the header and turns
-them into tiktoken's ranks in Python (~1 s of a warm 8B load). One file per GGUF file,
+them into tiktoken's ranks (~0.4 CPU-s, of which tiktoken's constructor 0.08; ~1 s before the
+arrays were mapped at once). One file per GGUF file,
 ``<cache root>/packed/<file stem>.<hash of its path>.tokenizer``, holds the token strings and
 types and :attr:`Tokenizer.vocab_tables` (each token's bytes, the ranks, rank → id); a load that
 finds it reads neither the merges nor the strings from the GGUF and runs only tiktoken's
-constructor. About 4 MB at Llama 3's vocabulary; a file rewritten in place replaces its entry;
-entries count in the packed cache's size cap and leave by age with its own
+constructor (~0.23 CPU-s in all). About 7 MB at Llama 3's vocabulary; a file rewritten in place
+replaces its entry; entries count in the packed cache's size cap and leave by age with its own
 (:func:`llamatrace.model.packcache.evict`).
 
 Its key is the packed entry's (:func:`llamatrace.model.packcache.file_key`: llamatrace's version,
@@ -23,8 +24,10 @@ home, a container volume) could otherwise run code in every later llamatrace pro
 ``MAGIC``, one line of JSON (the key, the payload's length in bytes and its xxh3-64), then the
 payload: an NPZ of flat integer arrays, read with ``allow_pickle=False``. A list of strings is a
 byte array (``*_bytes``: the strings joined) and the end offset of each string (``*_ends``, int64):
-``tokens`` (UTF-8; ends in characters), ``id`` (each token's bytes), ``rank`` (tiktoken's ranks'
-byte strings; their ranks in ``rank_values``); ``types``, ``rank_to_id`` (int64), and
+``tokens`` (UTF-8; ends in characters), ``id`` (each token's bytes), ``rank`` (the byte strings
+of tiktoken's ranks that are no token's bytes; ``rank_ids``, int64: for every rank in order, the
+first id with its bytes or -1 for the next of ``rank``'s strings, so that a read shares the
+tokens' byte strings as a build does; the ranks in ``rank_values``); ``types``, ``rank_to_id`` (int64), and
 ``rank_to_ids`` (``*_flat`` and ``*_ends`` likewise), each absent when None. Reading one back is
 a few slices per token: faster than unpickling the same lists (docs/performance.md).
 """
@@ -41,6 +44,7 @@ import os
 import warnings
 import zipfile
 from dataclasses import dataclass
+from itertools import chain, compress, repeat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,7 +56,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("llamatrace")
 
-MAGIC = b"llamatrace tokenizer cache 2\n"
+MAGIC = b"llamatrace tokenizer cache 3\n"
 _MAX_HEAD = 4096                            # the header line's bytes, at most
 
 
@@ -140,8 +144,12 @@ class Entry:
 
 def _joined(strings: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """``strings`` as one uint8 array and each one's end offset (int64)."""
-    return (np.frombuffer(b"".join(strings), np.uint8),
-            np.cumsum([len(x) for x in strings], dtype=np.int64))
+    return np.frombuffer(b"".join(strings), np.uint8), _ends(strings)
+
+
+def _ends(items: list) -> np.ndarray:
+    """Each item's end offset when ``items`` are joined (int64)."""
+    return np.cumsum(np.fromiter(map(len, items), np.int64, len(items)))
 
 
 def _split(data: bytes | str, ends: np.ndarray) -> list:
@@ -154,17 +162,18 @@ def _to_arrays(tokens: list[str], types: list[int] | None, tables: tuple) -> dic
     """The payload (module docstring) of ``tokens``, ``types`` and :attr:`Tokenizer.vocab_tables`."""
     id_bytes, ranks, rank_to_id, rank_to_ids = tables
     out = dict(tokens_bytes=np.frombuffer("".join(tokens).encode("utf-8", "surrogatepass"), np.uint8),
-               tokens_ends=np.cumsum([len(t) for t in tokens], dtype=np.int64), rank_values=np.array(
-                   list(ranks.values()), np.int64))
+               tokens_ends=_ends(tokens), rank_values=np.fromiter(ranks.values(), np.int64, len(ranks)))
     out["id_bytes"], out["id_ends"] = _joined(id_bytes)
-    out["rank_bytes"], out["rank_ends"] = _joined(list(ranks))
+    first_id = dict(zip(reversed(id_bytes), range(len(id_bytes) - 1, -1, -1)))   # the last write wins
+    out["rank_ids"] = np.fromiter(map(first_id.get, ranks, repeat(-1)), np.int64, len(ranks))
+    out["rank_bytes"], out["rank_ends"] = _joined(list(compress(ranks, out["rank_ids"] < 0)))
     if types is not None:
         out["types"] = np.array(types, np.int64)
     if rank_to_id is not None:
         out["rank_to_id"] = np.array(rank_to_id, np.int64)
     if rank_to_ids is not None:
-        out["rank_to_ids_flat"] = np.array([i for ids in rank_to_ids for i in ids], np.int64)
-        out["rank_to_ids_ends"] = np.cumsum([len(ids) for ids in rank_to_ids], dtype=np.int64)
+        out["rank_to_ids_flat"] = np.fromiter(chain.from_iterable(rank_to_ids), np.int64)
+        out["rank_to_ids_ends"] = _ends(rank_to_ids)
     return out
 
 
@@ -179,8 +188,14 @@ def _from_arrays(arrays: dict[str, np.ndarray]) -> tuple[list[str], list[int] | 
             raise ValueError(f"{name}: {a.dtype} {a.shape}")
     tokens = _split(arrays["tokens_bytes"].tobytes().decode("utf-8", "surrogatepass"), arrays["tokens_ends"])
     id_bytes = _split(arrays["id_bytes"].tobytes(), arrays["id_ends"])
-    ranks = dict(zip(_split(arrays["rank_bytes"].tobytes(), arrays["rank_ends"]), arrays["rank_values"].tolist(),
-                     strict=True))
+    rank_ids = arrays["rank_ids"]
+    if rank_ids.size and rank_ids.max() >= len(id_bytes):
+        raise ValueError(f"rank_ids up to {rank_ids.max()} for {len(id_bytes)} tokens")
+    keys = list(map(id_bytes.__getitem__, np.maximum(rank_ids, 0).tolist()))
+    others = np.flatnonzero(rank_ids < 0).tolist()
+    for k, raw in zip(others, _split(arrays["rank_bytes"].tobytes(), arrays["rank_ends"]), strict=True):
+        keys[k] = raw
+    ranks = dict(zip(keys, arrays["rank_values"].tolist(), strict=True))
     types = arrays["types"].tolist() if "types" in arrays else None
     rank_to_id = arrays["rank_to_id"].tolist() if "rank_to_id" in arrays else None
     rank_to_ids = None

@@ -24,6 +24,7 @@ import codecs
 import re
 import warnings
 from collections.abc import Iterable, Sequence
+from itertools import compress
 from numbers import Integral
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,7 @@ from llamatrace.text.vocab import (
 )
 
 if TYPE_CHECKING:
-    from llamatrace.gguf.reader import GGUFFile
+    from llamatrace.gguf.reader import GGUFFile, StringArray
 
 __all__ = ["StreamDecoder", "Tokenizer", "bytes_to_unicode"]  # bytes_to_unicode lives in text.vocab
 
@@ -146,7 +147,7 @@ class Tokenizer:
         self,
         tokens: Sequence[str],
         token_types: Sequence[int] | None,
-        merges: Sequence[str],
+        merges: Sequence[str] | StringArray,
         pre: str | None,
         *,
         kind: str = "bpe",
@@ -191,8 +192,10 @@ class Tokenizer:
                                                       for r in (self._rank_to_id, self._rank_to_ids)))
         self._ids_are_ranks = self._rank_to_id is None and self._rank_to_ids is None
         stop_texts = _stop_texts(tokens)
-        types = [TOKEN_CONTROL if t == TOKEN_USER_DEFINED and text in stop_texts else t
-                 for text, t in zip(tokens, types)]
+        stop_token_ids = list(compress(range(n), map(stop_texts.__contains__, tokens)))
+        for i in stop_token_ids:
+            if types[i] == TOKEN_USER_DEFINED:
+                types[i] = TOKEN_CONTROL
         self._make_encoding(tokens, types, ranks)
 
         # bytes with no single-byte token: Hugging Face drops them, tiktoken would panic
@@ -205,7 +208,7 @@ class Tokenizer:
 
         stops = {self._valid_id(eot_id, "tokenizer.ggml.eot_token_id"),
                  self._valid_id(eom_id, "tokenizer.ggml.eom_token_id"), self.eos_id}
-        stops.update(i for i, text in enumerate(tokens) if text in stop_texts)
+        stops.update(stop_token_ids)
         self.stop_ids = frozenset(i for i in stops if i is not None)
 
     def _check_types(self, tokens: Sequence[str], token_types: Sequence[int] | None) -> list[int]:
@@ -228,7 +231,7 @@ class Tokenizer:
 
     def _make_encoding(self, tokens: Sequence[str], types: list[int], ranks: dict[bytes, int]) -> None:
         """The tiktoken Encoding, with control and user-defined tokens as its special tokens."""
-        special_ids = [i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
+        special_ids = list(compress(range(len(types)), map({TOKEN_CONTROL, TOKEN_USER_DEFINED}.__contains__, types)))
         specials: dict[str, int] = {}
         for i in special_ids:
             text = tokens[i]
@@ -309,7 +312,7 @@ class Tokenizer:
         tok = cls(
             tokens,
             types,
-            _field(reader, "tokenizer.ggml.merges", []) if vocab is None else (),
+            (reader.strings("tokenizer.ggml.merges") or ()) if vocab is None else (),
             _field(reader, "tokenizer.ggml.pre"),
             kind="spm" if model == "llama" else "bpe",
             scores=_field(reader, "tokenizer.ggml.scores") if vocab is None else None,
