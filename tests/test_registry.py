@@ -173,10 +173,20 @@ def test_a_new_block_type_needs_only_its_declaration():
             table.update(old)
 
 
-def test_precompile_runs_every_kernel_of_a_type_and_refuses_unknown_types():
+def test_precompile_runs_every_kernel_of_a_type_and_refuses_unknown_types(monkeypatch):
+    from llamatrace.kernels import mul_mat_id
     from llamatrace.kernels.precompile import compile_kernels
-    lines = []
+    lines, calls = [], []
+    real = mul_mat_id.mul_mat_id
+    monkeypatch.setattr(mul_mat_id, "mul_mat_id", lambda x, parts, ids, rows, activations: calls.append(
+        (parts[0].ggml_type.name, len(parts), len(ids), activations)) or real(x, parts, ids, rows, activations))
     seconds = compile_kernels(["Q4_0", "Q4_K"], log=lines.append)
     assert seconds >= 0 and [ln.split(":")[0] for ln in lines] == ["Q4_0", "Q4_K"]
+    from llamatrace.kernels.int8 import act8
+    modes = [m for m in ("f32", "q8") if mul_mat_id.supported(gguf.GGMLQuantizationType.Q4_K, m)
+             and (m == "f32" or act8.available())]
+    # the experts' kernels too, decode (one slot) and prefill (several), gate|up and down; Q4_0 has none
+    assert modes and sorted(calls) == sorted((
+        "Q4_K", parts, slots, m) for m in modes for parts in (1, 2) for slots in (1, 6))
     with pytest.raises(ValueError, match="Q9_9"):
         compile_kernels(["Q9_9"])

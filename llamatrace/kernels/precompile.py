@@ -4,7 +4,9 @@ Numba compiles a kernel the first time it runs and caches the machine code (per 
 first ``generate`` on a new machine, or on a file with another quant type, spends seconds
 compiling, and a first ``quantize`` about a minute. ``python -m llamatrace.kernels.precompile
 [TYPE ...]`` runs every registered kernel of the given GGML types (default: :data:`COMMON`)
-once, decode and prefill, in both activation modes, on a small random matrix, and the quantizer
+once, decode and prefill, in both activation modes, on a small random matrix (and, for the
+types of mixtures' experts, :func:`llamatrace.kernels.mul_mat_id.mul_mat_id` on a few random
+experts, one slot and several, gate|up and down), and the quantizer
 of each of them that ``quantize`` writes (default: :data:`QUANTIZED`) from float32 and from
 float16 rows, so that later runs load them from the cache.
 """
@@ -17,6 +19,7 @@ import time
 import gguf
 import numpy as np
 
+from llamatrace.kernels import mul_mat_id
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.types import packing
 from llamatrace.kernels.types.registry import GEMV_MAX_SEQ, MODES, matmul, served
@@ -58,6 +61,12 @@ def compile_kernels(type_names=COMMON, log=print, modes=MODES) -> float:
             w = packing.pack(name, ggml_type, raw, n_out, n_in, activations=mode)
             for rows in (1, GEMV_MAX_SEQ + 1):
                 matmul(np.ones((rows, n_in), dtype=np.float32), w)
+            if mul_mat_id.supported(ggml_type, mode):
+                experts = mul_mat_id.FileExperts(name, ggml_type, n_out // 2, n_in, raw.reshape(2, n_out // 2, -1))
+                for ids in ([0], [1, 0, 1, 1, 0, 1]):
+                    for parts in ((experts,), (experts, experts)):
+                        mul_mat_id.mul_mat_id(np.ones((1, n_in), np.float32), parts, np.array(ids), np.zeros(len(ids)),
+                                              activations=mode)
         log(f"{name}: {time.perf_counter() - t1:.1f} s")
     return time.perf_counter() - t0
 
