@@ -136,8 +136,8 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool):
     """Q4_K (d, dmin, scales[12], qs[128]): per chunk j of 32 bytes, sub-block 2j in the low
     nibbles (inputs 64j + l) and 2j + 1 in the high ones (64j + 32 + l); the 6-bit scales and mins
     unpacked on 8 lanes as ggml's ``get_scale_min_k4``. Returns (groups, the 8 ``dmin*mn``), or
-    with ``exact`` (groups of weights ``fma(d*sc, q, -(dmin*mn))``: ``(d*sc) * q`` is exact in
-    float32, so that is gguf-py's ``d * q - dm``, None)."""
+    with ``exact`` (the weights ``fma(d*sc, q, -(dmin*mn))`` one vector at a time, made as they
+    are asked for: ``(d*sc) * q`` is exact in float32, so that is gguf-py's ``d * q - dm``, None)."""
     b, c64 = k.b, k.c64
     d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
     # bytes 4..15 (and qs[0:4]): per lane the 6-bit scales (lanes 0..7) and mins (8..15), on bytes
@@ -161,20 +161,24 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool):
     b.store(b.fneg(dmn), b.bitcast(b.gep(at, [ir.Constant(_I32, 8)]), dsc.type.as_pointer()), align=4)
     _escape(b, scratch)
     v32 = ir.VectorType(_I8, 32)
-    groups = []
-    for j in range(4):
-        q = k.load(qs, b.add(qb, c64(16 + 32 * j)), v32)
-        lo = b.and_(q, _const([15] * 32))
-        hi = b.and_(b.lshr(q, _const([4] * 32)), _const([15] * 32))
-        for sub, nib in ((2 * j, lo), (2 * j + 1, hi)):
-            scale = b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4)
-            vecs = [(_widen(k, nib, g, False), 32 * sub + 8 * g) for g in range(4)]
-            if exact:
-                sv, mv = k.splat(scale, k.vf), k.splat(b.load(b.gep(at, [ir.Constant(_I32, 8 + sub)]), align=4), k.vf)
-                groups.append(([(k.fma(sv, q, mv), at_) for q, at_ in vecs], None))
-            else:
-                groups.append((vecs, scale))
-    return groups, (None if exact else dmn)
+
+    def nibbles():
+        for j in range(4):
+            q = k.load(qs, b.add(qb, c64(16 + 32 * j)), v32)
+            yield 2 * j, b.and_(q, _const([15] * 32))
+            yield 2 * j + 1, b.and_(b.lshr(q, _const([4] * 32)), _const([15] * 32))
+
+    def weights():
+        for sub, nib in nibbles():
+            sv = k.splat(b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4), k.vf)
+            mv = k.splat(b.load(b.gep(at, [ir.Constant(_I32, 8 + sub)]), align=4), k.vf)
+            for g in range(4):
+                yield k.fma(sv, _widen(k, nib, g, False), mv), 32 * sub + 8 * g
+
+    if exact:
+        return weights(), None
+    return [([(_widen(k, nib, g, False), 32 * sub + 8 * g) for g in range(4)],
+             b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4)) for sub, nib in nibbles()], dmn
 
 
 def _q6k_block(k: VectorTile, qs, qb, exact: bool):
@@ -194,22 +198,25 @@ def _q6k_block(k: VectorTile, qs, qb, exact: bool):
     def cst(v):
         return _const([v] * 32)
 
-    groups = []
-    for h in range(2):
-        qa = k.load(qs, b.add(qb, c64(64 * h)), v32)
-        qc = k.load(qs, b.add(qb, c64(64 * h + 32)), v32)
-        qh = k.load(qs, b.add(qb, c64(128 + 32 * h)), v32)
-        quants = (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
-                  b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
-                  b.or_(b.and_(b.lshr(qa, cst(4)), cst(15)), b.and_(qh, cst(0x30))),
-                  b.or_(b.and_(b.lshr(qc, cst(4)), cst(15)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
-        for c, q in enumerate(quants):
-            q = b.sub(q, cst(32))                                   # -32 .. 31
-            i = 2 * c                                               # the scales of l < 16 and l >= 16
-            lanes = b.shuffle_vector(dsc[h], ir.Constant(k.vf, None), _const([i] * 4 + [i + 1] * 4, _I32))
-            vecs = [(b.fmul(lanes, _widen(k, q, g, True)), 128 * h + 32 * c + 8 * g) for g in range(4)]
-            groups.append((vecs, None))
-    return groups, None
+    def weights():
+        for h in range(2):
+            qa = k.load(qs, b.add(qb, c64(64 * h)), v32)
+            qc = k.load(qs, b.add(qb, c64(64 * h + 32)), v32)
+            qh = k.load(qs, b.add(qb, c64(128 + 32 * h)), v32)
+            quants = (lambda: b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
+                      lambda: b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
+                      lambda: b.or_(b.and_(b.lshr(qa, cst(4)), cst(15)), b.and_(qh, cst(0x30))),
+                      lambda: b.or_(b.and_(b.lshr(qc, cst(4)), cst(15)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
+            for c, quant in enumerate(quants):
+                q = b.sub(quant(), cst(32))                         # -32 .. 31
+                i = 2 * c                                           # the scales of l < 16 and l >= 16
+                lanes = b.shuffle_vector(dsc[h], ir.Constant(k.vf, None), _const([i] * 4 + [i + 1] * 4, _I32))
+                for g in range(4):
+                    yield b.fmul(lanes, _widen(k, q, g, True)), 128 * h + 32 * c + 8 * g
+
+    if exact:
+        return weights(), None
+    return [([w], None) for w in weights()], None
 
 
 def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
@@ -234,7 +241,7 @@ def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
     kvs = [(_widen(k, kv, g, True, exact), 8 * g) for g in range(4)]
     if exact:                                    # d * kvalue: exact (a power of two times a small integer)
         dv = k.splat(d, k.vf)
-        return [([(b.fmul(dv, v), off) for v, off in kvs], None)], None
+        return ((b.fmul(dv, v), off) for v, off in kvs), None
     return [(kvs, d)], None
 
 
@@ -248,7 +255,7 @@ def _q8_0_block(k: VectorTile, qs, qb, exact: bool):
     qv = [(_widen(k, q, g, True), 8 * g) for g in range(4)]
     if exact:
         dv = k.splat(d, k.vf)
-        return [([(b.fmul(dv, v), off) for v, off in qv], None)], None
+        return ((b.fmul(dv, v), off) for v, off in qv), None
     return [(qv, d)], None
 
 
@@ -299,12 +306,18 @@ def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, 
         xb = [b.add(r, b.mul(blk, c64(per_block))) for r in rows]
         groups, mins = _BLOCK[kind](k, qs, qb, exact)
         turn = 0
+        if exact:                                        # the weights, made as used: straight into the sums
+            for w, off in groups:
+                for s in range(ns):
+                    j = s * n_acc + turn % n_acc
+                    accs[j] = k.fma(w, k.load(x, b.add(xb[s], c64(off)), k.vf, 4), accs[j])
+                turn += 1
+            return accs
         for vecs, scale in groups:
-            if scale is None:                            # the weights: straight into the sums
+            if scale is None:                            # Q6_K: the weights themselves
                 for w, off in vecs:
-                    for s in range(ns):
-                        j = s * n_acc + turn % n_acc
-                        accs[j] = k.fma(w, k.load(x, b.add(xb[s], c64(off)), k.vf, 4), accs[j])
+                    j = turn % n_acc
+                    accs[j] = k.fma(w, k.load(x, b.add(xb[0], c64(off)), k.vf, 4), accs[j])
                     turn += 1
                 continue
             sv = k.splat(scale, k.vf)
