@@ -216,7 +216,7 @@ def _q6k_block(k: VectorTile, qs, qb, exact: bool):
 
     if exact:
         return weights(), None
-    return [([w], None) for w in weights()], None
+    return (([w], None) for w in weights()), None
 
 
 def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
