@@ -59,9 +59,12 @@ _T = gguf.GGMLQuantizationType
 TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
 
-SLOTS = 8
+SLOTS = 16
 """Slots of one expert one pass over a weight row multiplies at most (more: in passes as even as
-can be); 8 sums and a weight fill 9 of AVX2's 16 vector registers."""
+can be). 16 sums and a weight are more than AVX2's 16 vector registers hold, yet a second pass
+(the weights made again) costs more than the spills: qwen3moe's prefill (128 tokens, top-8 of
+128, ~8 slots an expert, up to ~20) ran 1.13x faster than with 8, 1.11x with 12 (layer 0, one
+thread, CPU time, interleaved, load 2.9)."""
 NS = tuple(range(1, SLOTS + 1))
 
 LANES = 8
@@ -387,17 +390,33 @@ def _row_intrinsic(kind: str, ns: int):
     return intrinsic(typer)
 
 
-_q4k_1, _q4k_2, _q4k_3, _q4k_4, _q4k_5, _q4k_6, _q4k_7, _q4k_8 = (_row_intrinsic("q4k", n) for n in NS)
-_q6k_1, _q6k_2, _q6k_3, _q6k_4, _q6k_5, _q6k_6, _q6k_7, _q6k_8 = (_row_intrinsic("q6k", n) for n in NS)
-_mx_1, _mx_2, _mx_3, _mx_4, _mx_5, _mx_6, _mx_7, _mx_8 = (_row_intrinsic("mxfp4", n) for n in NS)
-_q8_1, _q8_2, _q8_3, _q8_4, _q8_5, _q8_6, _q8_7, _q8_8 = (_row_intrinsic("q8_0", n) for n in NS)
+_q4k_1, _q4k_2, _q4k_3, _q4k_4, _q4k_5, _q4k_6, _q4k_7, _q4k_8, _q4k_9, _q4k_10, _q4k_11, _q4k_12, _q4k_13, _q4k_14, _q4k_15, _q4k_16 = (_row_intrinsic("q4k", n) for n in NS)
+_q6k_1, _q6k_2, _q6k_3, _q6k_4, _q6k_5, _q6k_6, _q6k_7, _q6k_8, _q6k_9, _q6k_10, _q6k_11, _q6k_12, _q6k_13, _q6k_14, _q6k_15, _q6k_16 = (_row_intrinsic("q6k", n) for n in NS)
+_mx_1, _mx_2, _mx_3, _mx_4, _mx_5, _mx_6, _mx_7, _mx_8, _mx_9, _mx_10, _mx_11, _mx_12, _mx_13, _mx_14, _mx_15, _mx_16 = (_row_intrinsic("mxfp4", n) for n in NS)
+_q8_1, _q8_2, _q8_3, _q8_4, _q8_5, _q8_6, _q8_7, _q8_8, _q8_9, _q8_10, _q8_11, _q8_12, _q8_13, _q8_14, _q8_15, _q8_16 = (_row_intrinsic("q8_0", n) for n in NS)
 
 
 @njit(**JIT_INLINE)
 def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
     """The microkernel of ``kind`` (:data:`KIND`) for ``ns`` (1 .. :data:`SLOTS`) slots."""
     if kind == 0:
-        if ns == 8:
+        if ns == 16:
+            _q4k_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 15:
+            _q4k_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 14:
+            _q4k_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 13:
+            _q4k_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 12:
+            _q4k_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 11:
+            _q4k_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 10:
+            _q4k_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 9:
+            _q4k_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 8:
             _q4k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 7:
             _q4k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
@@ -414,7 +433,23 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
         else:
             _q4k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
     elif kind == 1:
-        if ns == 8:
+        if ns == 16:
+            _q6k_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 15:
+            _q6k_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 14:
+            _q6k_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 13:
+            _q6k_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 12:
+            _q6k_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 11:
+            _q6k_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 10:
+            _q6k_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 9:
+            _q6k_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 8:
             _q6k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 7:
             _q6k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
@@ -431,7 +466,23 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
         else:
             _q6k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
     elif kind == 2:
-        if ns == 8:
+        if ns == 16:
+            _mx_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 15:
+            _mx_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 14:
+            _mx_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 13:
+            _mx_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 12:
+            _mx_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 11:
+            _mx_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 10:
+            _mx_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 9:
+            _mx_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 8:
             _mx_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 7:
             _mx_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
@@ -448,7 +499,23 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
         else:
             _mx_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
     else:
-        if ns == 8:
+        if ns == 16:
+            _q8_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 15:
+            _q8_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 14:
+            _q8_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 13:
+            _q8_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 12:
+            _q8_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 11:
+            _q8_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 10:
+            _q8_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 9:
+            _q8_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 8:
             _q8_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 7:
             _q8_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
@@ -541,8 +608,8 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             qs, t, col = q1, j - t0, n_out0
         n_out, row_bytes = qs.shape[1], qs.shape[2]
         e, first, n = experts[g], starts[g], starts[g + 1] - starts[g]
-        # the group's slots in n_pass passes as even as can be (13: 7 then 6; a pass for few slots
-        # costs nearly what one for 8 does); each slot's sums are _n_acc vectors, pass after pass
+        # the group's slots in n_pass passes as even as can be (19: 10 then 9; a pass for few slots
+        # costs nearly what one for 16 does); each slot's sums are _n_acc vectors, pass after pass
         n_pass = (n + SLOTS - 1) // SLOTS
         base, extra = n // n_pass, n % n_pass
         row_stride = 0
