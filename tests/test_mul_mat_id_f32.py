@@ -69,7 +69,9 @@ CASES = {
     "one expert": ([2], None),
     "repeated ids": ([1, 1, 3, 1, 3], None),
     "many slots of one expert (7)": ([4, 2, 4, 4, 0, 4, 4, 4, 2, 4], None),
-    "more slots than a pass takes (13: 7 then 6)": ([1] * 6 + [3] + [1] * 7 + [0, 3], None),
+    "13 slots of one expert": ([1] * 6 + [3] + [1] * 7 + [0, 3], None),
+    "a full pass (16 slots)": ([2] * 16 + [0], None),
+    "more slots than a pass takes (19: 10 then 9)": ([4] * 12 + [1] + [4] * 7 + [3], None),
     "rows != slots": ([0, 2, 2, 1, 0, 2], [1, 0, 2, 2, 1, 0]),
 }
 

@@ -24,9 +24,11 @@ decode step's experts) takes the products grouped as the packed kernels
 Several slots (a prefill's groups, ~8 slots an expert at 128 tokens, top-8 of 128) take every
 type's weights themselves, made once in registers, gguf-py's float32 values bit for bit (Q4_K's
 ``fma(d*sc, q, -(dmin*mn))`` is gguf-py's ``d*q - dm`` since ``d*sc*q`` is exact), then one FMA
-per slot. Either way results differ from float64 sums over the dequantized weights by float32
-rounding only; :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests
-hold them to.
+per slot. Each vector of weights is emitted right before its FMAs (the block functions yield
+them as asked), not a whole block's first: LLVM then keeps them in registers instead of spilling
+32 vectors a block (prefill 1.07x). One slot or several, results differ from float64 sums
+over the dequantized weights by float32 rounding only;
+:func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests hold them to.
 
 Speed (``benchmarks/bench_mul_mat_id.py``, layer 0 of /tmp/bench's files, against today's path:
 each expert packed, ``registry.matmul`` expert by expert; one thread, CPU time, interleaved, on a
@@ -59,9 +61,12 @@ _T = gguf.GGMLQuantizationType
 TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
 
-SLOTS = 8
+SLOTS = 16
 """Slots of one expert one pass over a weight row multiplies at most (more: in passes as even as
-can be); 8 sums and a weight fill 9 of AVX2's 16 vector registers."""
+can be). 16 sums and a weight are more than AVX2's 16 vector registers hold, yet a second pass
+(the weights made again) costs more than the spills: qwen3moe's prefill (128 tokens, top-8 of
+128, ~8 slots an expert, up to ~20) ran 1.13x faster than with 8, 1.11x with 12 (layer 0, one
+thread, CPU time, interleaved, load 2.9)."""
 NS = tuple(range(1, SLOTS + 1))
 
 LANES = 8
@@ -136,8 +141,8 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool):
     """Q4_K (d, dmin, scales[12], qs[128]): per chunk j of 32 bytes, sub-block 2j in the low
     nibbles (inputs 64j + l) and 2j + 1 in the high ones (64j + 32 + l); the 6-bit scales and mins
     unpacked on 8 lanes as ggml's ``get_scale_min_k4``. Returns (groups, the 8 ``dmin*mn``), or
-    with ``exact`` (groups of weights ``fma(d*sc, q, -(dmin*mn))``: ``(d*sc) * q`` is exact in
-    float32, so that is gguf-py's ``d * q - dm``, None)."""
+    with ``exact`` (the weights ``fma(d*sc, q, -(dmin*mn))`` one vector at a time, made as they
+    are asked for: ``(d*sc) * q`` is exact in float32, so that is gguf-py's ``d * q - dm``, None)."""
     b, c64 = k.b, k.c64
     d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
     # bytes 4..15 (and qs[0:4]): per lane the 6-bit scales (lanes 0..7) and mins (8..15), on bytes
@@ -161,20 +166,24 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool):
     b.store(b.fneg(dmn), b.bitcast(b.gep(at, [ir.Constant(_I32, 8)]), dsc.type.as_pointer()), align=4)
     _escape(b, scratch)
     v32 = ir.VectorType(_I8, 32)
-    groups = []
-    for j in range(4):
-        q = k.load(qs, b.add(qb, c64(16 + 32 * j)), v32)
-        lo = b.and_(q, _const([15] * 32))
-        hi = b.and_(b.lshr(q, _const([4] * 32)), _const([15] * 32))
-        for sub, nib in ((2 * j, lo), (2 * j + 1, hi)):
-            scale = b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4)
-            vecs = [(_widen(k, nib, g, False), 32 * sub + 8 * g) for g in range(4)]
-            if exact:
-                sv, mv = k.splat(scale, k.vf), k.splat(b.load(b.gep(at, [ir.Constant(_I32, 8 + sub)]), align=4), k.vf)
-                groups.append(([(k.fma(sv, q, mv), at_) for q, at_ in vecs], None))
-            else:
-                groups.append((vecs, scale))
-    return groups, (None if exact else dmn)
+
+    def nibbles():
+        for j in range(4):
+            q = k.load(qs, b.add(qb, c64(16 + 32 * j)), v32)
+            yield 2 * j, b.and_(q, _const([15] * 32))
+            yield 2 * j + 1, b.and_(b.lshr(q, _const([4] * 32)), _const([15] * 32))
+
+    def weights():
+        for sub, nib in nibbles():
+            sv = k.splat(b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4), k.vf)
+            mv = k.splat(b.load(b.gep(at, [ir.Constant(_I32, 8 + sub)]), align=4), k.vf)
+            for g in range(4):
+                yield k.fma(sv, _widen(k, nib, g, False), mv), 32 * sub + 8 * g
+
+    if exact:
+        return weights(), None
+    return [([(_widen(k, nib, g, False), 32 * sub + 8 * g) for g in range(4)],
+             b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4)) for sub, nib in nibbles()], dmn
 
 
 def _q6k_block(k: VectorTile, qs, qb, exact: bool):
@@ -194,22 +203,25 @@ def _q6k_block(k: VectorTile, qs, qb, exact: bool):
     def cst(v):
         return _const([v] * 32)
 
-    groups = []
-    for h in range(2):
-        qa = k.load(qs, b.add(qb, c64(64 * h)), v32)
-        qc = k.load(qs, b.add(qb, c64(64 * h + 32)), v32)
-        qh = k.load(qs, b.add(qb, c64(128 + 32 * h)), v32)
-        quants = (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
-                  b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
-                  b.or_(b.and_(b.lshr(qa, cst(4)), cst(15)), b.and_(qh, cst(0x30))),
-                  b.or_(b.and_(b.lshr(qc, cst(4)), cst(15)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
-        for c, q in enumerate(quants):
-            q = b.sub(q, cst(32))                                   # -32 .. 31
-            i = 2 * c                                               # the scales of l < 16 and l >= 16
-            lanes = b.shuffle_vector(dsc[h], ir.Constant(k.vf, None), _const([i] * 4 + [i + 1] * 4, _I32))
-            vecs = [(b.fmul(lanes, _widen(k, q, g, True)), 128 * h + 32 * c + 8 * g) for g in range(4)]
-            groups.append((vecs, None))
-    return groups, None
+    def weights():
+        for h in range(2):
+            qa = k.load(qs, b.add(qb, c64(64 * h)), v32)
+            qc = k.load(qs, b.add(qb, c64(64 * h + 32)), v32)
+            qh = k.load(qs, b.add(qb, c64(128 + 32 * h)), v32)
+            quants = (lambda: b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
+                      lambda: b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
+                      lambda: b.or_(b.and_(b.lshr(qa, cst(4)), cst(15)), b.and_(qh, cst(0x30))),
+                      lambda: b.or_(b.and_(b.lshr(qc, cst(4)), cst(15)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
+            for c, quant in enumerate(quants):
+                q = b.sub(quant(), cst(32))                         # -32 .. 31
+                i = 2 * c                                           # the scales of l < 16 and l >= 16
+                lanes = b.shuffle_vector(dsc[h], ir.Constant(k.vf, None), _const([i] * 4 + [i + 1] * 4, _I32))
+                for g in range(4):
+                    yield b.fmul(lanes, _widen(k, q, g, True)), 128 * h + 32 * c + 8 * g
+
+    if exact:
+        return weights(), None
+    return (([w], None) for w in weights()), None
 
 
 def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
@@ -234,7 +246,7 @@ def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
     kvs = [(_widen(k, kv, g, True, exact), 8 * g) for g in range(4)]
     if exact:                                    # d * kvalue: exact (a power of two times a small integer)
         dv = k.splat(d, k.vf)
-        return [([(b.fmul(dv, v), off) for v, off in kvs], None)], None
+        return ((b.fmul(dv, v), off) for v, off in kvs), None
     return [(kvs, d)], None
 
 
@@ -248,7 +260,7 @@ def _q8_0_block(k: VectorTile, qs, qb, exact: bool):
     qv = [(_widen(k, q, g, True), 8 * g) for g in range(4)]
     if exact:
         dv = k.splat(d, k.vf)
-        return [([(b.fmul(dv, v), off) for v, off in qv], None)], None
+        return ((b.fmul(dv, v), off) for v, off in qv), None
     return [(qv, d)], None
 
 
@@ -299,12 +311,18 @@ def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, 
         xb = [b.add(r, b.mul(blk, c64(per_block))) for r in rows]
         groups, mins = _BLOCK[kind](k, qs, qb, exact)
         turn = 0
+        if exact:                                        # the weights, made as used: straight into the sums
+            for w, off in groups:
+                for s in range(ns):
+                    j = s * n_acc + turn % n_acc
+                    accs[j] = k.fma(w, k.load(x, b.add(xb[s], c64(off)), k.vf, 4), accs[j])
+                turn += 1
+            return accs
         for vecs, scale in groups:
-            if scale is None:                            # the weights: straight into the sums
+            if scale is None:                            # Q6_K: the weights themselves
                 for w, off in vecs:
-                    for s in range(ns):
-                        j = s * n_acc + turn % n_acc
-                        accs[j] = k.fma(w, k.load(x, b.add(xb[s], c64(off)), k.vf, 4), accs[j])
+                    j = turn % n_acc
+                    accs[j] = k.fma(w, k.load(x, b.add(xb[0], c64(off)), k.vf, 4), accs[j])
                     turn += 1
                 continue
             sv = k.splat(scale, k.vf)
@@ -374,17 +392,37 @@ def _row_intrinsic(kind: str, ns: int):
     return intrinsic(typer)
 
 
-_q4k_1, _q4k_2, _q4k_3, _q4k_4, _q4k_5, _q4k_6, _q4k_7, _q4k_8 = (_row_intrinsic("q4k", n) for n in NS)
-_q6k_1, _q6k_2, _q6k_3, _q6k_4, _q6k_5, _q6k_6, _q6k_7, _q6k_8 = (_row_intrinsic("q6k", n) for n in NS)
-_mx_1, _mx_2, _mx_3, _mx_4, _mx_5, _mx_6, _mx_7, _mx_8 = (_row_intrinsic("mxfp4", n) for n in NS)
-_q8_1, _q8_2, _q8_3, _q8_4, _q8_5, _q8_6, _q8_7, _q8_8 = (_row_intrinsic("q8_0", n) for n in NS)
+(_q4k_1, _q4k_2, _q4k_3, _q4k_4, _q4k_5, _q4k_6, _q4k_7, _q4k_8, _q4k_9, _q4k_10, _q4k_11, _q4k_12,
+ _q4k_13, _q4k_14, _q4k_15, _q4k_16) = (_row_intrinsic("q4k", n) for n in NS)
+(_q6k_1, _q6k_2, _q6k_3, _q6k_4, _q6k_5, _q6k_6, _q6k_7, _q6k_8, _q6k_9, _q6k_10, _q6k_11, _q6k_12,
+ _q6k_13, _q6k_14, _q6k_15, _q6k_16) = (_row_intrinsic("q6k", n) for n in NS)
+(_mx_1, _mx_2, _mx_3, _mx_4, _mx_5, _mx_6, _mx_7, _mx_8, _mx_9, _mx_10, _mx_11, _mx_12, _mx_13,
+ _mx_14, _mx_15, _mx_16) = (_row_intrinsic("mxfp4", n) for n in NS)
+(_q8_1, _q8_2, _q8_3, _q8_4, _q8_5, _q8_6, _q8_7, _q8_8, _q8_9, _q8_10, _q8_11, _q8_12, _q8_13,
+ _q8_14, _q8_15, _q8_16) = (_row_intrinsic("q8_0", n) for n in NS)
 
 
 @njit(**JIT_INLINE)
 def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
     """The microkernel of ``kind`` (:data:`KIND`) for ``ns`` (1 .. :data:`SLOTS`) slots."""
     if kind == 0:
-        if ns == 8:
+        if ns == 16:
+            _q4k_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 15:
+            _q4k_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 14:
+            _q4k_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 13:
+            _q4k_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 12:
+            _q4k_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 11:
+            _q4k_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 10:
+            _q4k_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 9:
+            _q4k_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 8:
             _q4k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 7:
             _q4k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
@@ -401,7 +439,23 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
         else:
             _q4k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
     elif kind == 1:
-        if ns == 8:
+        if ns == 16:
+            _q6k_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 15:
+            _q6k_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 14:
+            _q6k_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 13:
+            _q6k_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 12:
+            _q6k_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 11:
+            _q6k_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 10:
+            _q6k_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 9:
+            _q6k_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 8:
             _q6k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 7:
             _q6k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
@@ -418,7 +472,23 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
         else:
             _q6k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
     elif kind == 2:
-        if ns == 8:
+        if ns == 16:
+            _mx_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 15:
+            _mx_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 14:
+            _mx_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 13:
+            _mx_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 12:
+            _mx_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 11:
+            _mx_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 10:
+            _mx_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 9:
+            _mx_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 8:
             _mx_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 7:
             _mx_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
@@ -435,7 +505,23 @@ def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
         else:
             _mx_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
     else:
-        if ns == 8:
+        if ns == 16:
+            _q8_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 15:
+            _q8_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 14:
+            _q8_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 13:
+            _q8_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 12:
+            _q8_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 11:
+            _q8_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 10:
+            _q8_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 9:
+            _q8_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
+        elif ns == 8:
             _q8_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
         elif ns == 7:
             _q8_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
@@ -528,8 +614,8 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             qs, t, col = q1, j - t0, n_out0
         n_out, row_bytes = qs.shape[1], qs.shape[2]
         e, first, n = experts[g], starts[g], starts[g + 1] - starts[g]
-        # the group's slots in n_pass passes as even as can be (13: 7 then 6; a pass for few slots
-        # costs nearly what one for 8 does); each slot's sums are _n_acc vectors, pass after pass
+        # the group's slots in n_pass passes as even as can be (19: 10 then 9; a pass for few slots
+        # costs nearly what one for 16 does); each slot's sums are _n_acc vectors, pass after pass
         n_pass = (n + SLOTS - 1) // SLOTS
         base, extra = n // n_pass, n % n_pass
         row_stride = 0
