@@ -1,4 +1,6 @@
-"""Stand-in ``mul_mat_id`` kernels for testing the model's raw-experts path before the real ones land.
+"""Stand-in ``mul_mat_id`` kernels, so that the model's experts-in-the-file path runs on the golden
+files whose expert types no real kernel takes (F32 experts, llama.cpp's float32 reference) and is
+tested apart from the real kernels (``tests/test_mul_mat_id_q8.py``, ``tests/test_mul_mat_id_f32.py``).
 
 :func:`patch` declares the types the test files use (F32, Q8_0 and MXFP4 in the ``f32`` mode;
 Q8_0 and MXFP4 in ``q8``) in both activation modes' ``TYPES`` and gives them a ``matmul_id`` built
@@ -11,7 +13,7 @@ them through ``mul_mat_id``.
 
 Used by ``tests/test_file_experts.py`` (its ``raw`` fixture) and, for any other test file,
 as a pytest plugin: ``python3 -m pytest -p raw_experts tests/test_moe.py`` runs it with every
-expert of those types raw (the ``--raw-experts`` runs of the report in that test file's docstring).
+expert of those types raw.
 """
 
 from __future__ import annotations
