@@ -73,33 +73,23 @@ def ggml_cpu_q8(x: np.ndarray, q8_1: bool) -> tuple[np.ndarray, np.ndarray, np.n
             scales[..., 1] if q8_1 else np.zeros_like(scales[..., 0]))
 
 
-def ggml_cpu_mxfp4_matmul(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """llama.cpp's own ``x @ W.T`` for MXFP4 weights on x86: each row of ``x`` rounded to Q8_0 by
-    ``quantize_row_q8_0``, then ``ggml_vec_dot_mxfp4_q8_0`` (AVX2) per weight row. raw uint8
-    [n_out, B*17] (the file's blocks), x float32 [S, B*32]; returns float32 [S, n_out]. The tables
-    that ``ggml_cpu_init`` fills are filled here: fp16 -> float32 by NumPy, E8M0 by gguf-py's
+def _ggml_cpu_tables(lib) -> None:
+    """Fill the lookup tables ``ggml_cpu_init`` would: fp16 -> float32 by NumPy, E8M0 by gguf-py's
     ``e8m0_to_fp32_half``."""
     import gguf
-    lib = ggml_cpu_x86_library()
     for name, values in (("ggml_table_f32_f16", np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
                           .view(np.float16).astype(np.float32)),
                          ("ggml_table_f32_e8m0_half", gguf.quants.MXFP4.e8m0_to_fp32_half(
                              np.arange(256, dtype=np.uint32)).astype(np.float32))):
         ctypes.memmove((ctypes.c_float * values.size).in_dll(lib, name), values.ctypes.data, values.nbytes)
-    quant, dot = lib.quantize_row_q8_0, lib.ggml_vec_dot_mxfp4_q8_0
-    quant.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    dot.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    n_seq, n = x.shape
-    raw = np.ascontiguousarray(raw, np.uint8)
-    x = np.ascontiguousarray(x, np.float32)
-    y = np.zeros((n_seq, raw.shape[0]), np.float32)
-    q8 = np.zeros((n // 32, 34), np.uint8)
-    for s in range(n_seq):
-        quant(x[s].ctypes.data, q8.ctypes.data, n)
-        for o in range(raw.shape[0]):
-            dot(n, y[s, o:].ctypes.data, 0, raw[o].ctypes.data, 0, q8.ctypes.data, 0, 1)
-    return y
+
+
+def ggml_cpu_mxfp4_matmul(raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """llama.cpp's own ``x @ W.T`` for MXFP4 weights on x86 (:func:`ggml_cpu_matmul`): each row of
+    ``x`` rounded to Q8_0 by ``quantize_row_q8_0``, then ``ggml_vec_dot_mxfp4_q8_0`` (AVX2) per
+    weight row. raw uint8 [n_out, B*17] (the file's blocks), x float32 [S, B*32]; returns float32
+    [S, n_out]."""
+    return ggml_cpu_matmul("MXFP4", raw, x)
 
 
 _VEC_DOT = {"Q4_K": ("quantize_row_q8_K", "ggml_vec_dot_q4_K_q8_K", 256, 292),
@@ -116,8 +106,8 @@ def ggml_cpu_matmul(type_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarra
     ``x`` quantized by the type's ``vec_dot_type`` quantizer, then its ``ggml_vec_dot_*`` (AVX2)
     per weight row, one row a call (``nrc`` 1). raw uint8 [n_out, row_bytes] (the file's blocks),
     x float32 [S, n]; returns float32 [S, n_out]."""
-    ggml_cpu_mxfp4_matmul(raw[:0], x[:0])               # fills the lookup tables ggml_cpu_init would
     lib = ggml_cpu_x86_library()
+    _ggml_cpu_tables(lib)
     quant_name, dot_name, block, size = _VEC_DOT[type_name]
     quant, dot = getattr(lib, quant_name), getattr(lib, dot_name)
     quant.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
