@@ -37,6 +37,10 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     assert len(report["machine"]["read_between_runs_gb_s"]) == 2 and min(report["machine"]["read_between_runs_gb_s"]) > 0
     # 2 MiB pages, counted in bytes (smaps_rollup says kB), within what the process holds
     assert ours["huge_page_bytes"] % (2 << 20) == 0 and ours["huge_page_bytes"] <= ours["peak_rss_bytes"]
+    # the tiny file is read whole (every weight a token), its pages counted once; the process before
+    # the model holds NumPy and Numba, less than its peak
+    assert ours["file_rss_bytes"] == pytest.approx(report["file_bytes"], abs=64 << 10)
+    assert 10 * 2**20 < ours["before_load_rss_bytes"] < ours["peak_rss_bytes"]
 
 
 def test_bench_table(capsys, tiny_model_path):
@@ -138,6 +142,26 @@ def test_huge_page_bytes_adds_the_anonymous_file_and_shared_2mib_mappings():
     assert bench.huge_page_bytes(SMAPS_ROLLUP) == (6144 + 2048 + 4716544) * 1024
     assert bench.huge_page_bytes("Rss: 10 kB\nHugetlb: 4 kB\n") == 0
     assert bench.process_huge_page_bytes() >= 0
+
+
+SMAPS = """\
+7f0000000000-7f0000200000 r--s 00000000 08:01 1234                       /models/a b.gguf
+Size:               2048 kB
+Rss:                1024 kB
+Pss:                1024 kB
+7f0000200000-7f0000300000 r--s 00200000 08:01 1234                       /models/a b.gguf
+Rss:                 512 kB
+7f0000300000-7f0000400000 rw-p 00000000 00:00 0
+Rss:                 900 kB
+7f0000400000-7f0000500000 r--s 00000000 08:01 99                         /models/a b.gguf.ltpack
+Rss:                 700 kB
+"""
+
+
+def test_mapped_file_bytes_adds_the_rss_of_that_files_maps_only():
+    assert bench.mapped_file_bytes(SMAPS, "/models/a b.gguf") == (1024 + 512) * 1024
+    assert bench.mapped_file_bytes(SMAPS, "/models/a b.gguf.ltpack") == 700 * 1024
+    assert bench.mapped_file_bytes(SMAPS, "/models/other.gguf") == 0
 
 
 def test_our_decode_is_timed_as_the_peers_with_each_steps_sampling(monkeypatch, tiny_model_path):

@@ -54,6 +54,8 @@ class EngineResult:
     peak_rss_bytes: int = 0
     threading: str = ""
     huge_page_bytes: int = 0        # of the process's memory, after the runs (huge_page_bytes())
+    before_load_rss_bytes: int = 0  # resident once the engine's modules are imported, before the model
+    file_rss_bytes: int = 0         # of the model file's own pages, resident after the runs
 
     @property
     def prefill(self) -> float:
@@ -121,6 +123,35 @@ def process_huge_page_bytes() -> int:
             return huge_page_bytes(fh.read())
     except OSError:
         return 0
+
+
+def mapped_file_bytes(smaps: str, path: str) -> int:
+    """Resident bytes of the maps of file ``path`` (absolute, resolved), from the text of a
+    process's ``/proc/PID/smaps``: the pages of a memory-mapped GGUF that the runs read (a
+    mixture of experts' experts that were never chosen stay on disk)."""
+    total, ours = 0, False
+    for line in smaps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) >= 5 and "-" in fields[0] and ":" in fields[3]:       # a map's header line
+            ours = len(fields) == 6 and fields[5] == path
+        elif ours and fields[:1] == ["Rss:"] and fields[2:] == ["kB"]:
+            total += int(fields[1]) * 1024
+    return total
+
+
+def _proc_self(name: str) -> str:
+    try:
+        with open(f"/proc/self/{name}", encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:                 # not Linux: the figures read 0
+        return ""
+
+
+def _rss_now() -> int:
+    for line in _proc_self("status").splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def check_engines(engines: list[str]) -> None:
@@ -206,6 +237,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
         for name, w in workers.items():
             results[name].peak_rss_bytes = w.peak_rss()
             results[name].huge_page_bytes = w.huge_pages()
+            results[name].before_load_rss_bytes, results[name].file_rss_bytes = w.memory()
     return BenchReport(model=path, file_bytes=os.path.getsize(path), cpu=cpu_model(), threads=peer_threads,
                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
                        background_load=background_load, results=[results[name] for name in engines],
@@ -291,6 +323,11 @@ class _Worker:
         self._send(("huge",))
         return self._recv()
 
+    def memory(self) -> tuple[int, int]:
+        """(resident bytes before the model, the model file's resident bytes now)."""
+        self._send(("memory",))
+        return self._recv()
+
     def close(self) -> None:
         try:
             self.conn.send(("quit",))
@@ -324,6 +361,9 @@ def _serve(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
         del os.environ["GOMP_SPINCOUNT"]    # ours (the CLI's); llama.cpp's OpenMP keeps its default
     try:
         t0 = time.perf_counter()
+        for module in (["llamatrace.model.llama"] if engine.startswith("llamatrace") else _NEEDS[engine]):
+            importlib.import_module(module)         # timed as load, as a user's command pays it
+        before_load = _rss_now()
         if engine.startswith("llamatrace"):
             eng = _Llamatrace(path, threads, n_ctx, engine.partition(" ")[2] or "f32")
         else:
@@ -343,6 +383,8 @@ def _serve(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
                 conn.send(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
             elif msg[0] == "huge":
                 conn.send(process_huge_page_bytes())
+            elif msg[0] == "memory":
+                conn.send((before_load, mapped_file_bytes(_proc_self("smaps"), path)))
             else:
                 return
         except Exception as exc:  # noqa: BLE001
