@@ -5,7 +5,9 @@ forms they replace: the same ids, groups and float32 bits.
 - the slots are grouped by expert in one Numba call (``_group``, twin ``groups``), and the
   experts' parts are checked once (``ExpertParts``), not at every ``mul_mat_id`` call;
 - gpt-oss's per-expert biases go into the gated activation (``expert_glu``) and the weighted sum
-  (``combine``) instead of separate adds.
+  (``combine``) instead of separate adds;
+- a decode step's attention scores, scaling and softmax are one call (``attention_probs``) when
+  nothing watches them.
 
 Whole models are held against llama.cpp in tests/test_moe.py and tests/test_file_experts.py
 (``test_recording_every_moe_stage_leaves_the_logits_bit_identical`` holds the fused step against
@@ -18,10 +20,13 @@ import gguf
 import numpy as np
 import pytest
 import raw_experts
+from gptoss_files import write_gptoss_file
+from moe_files import write_moe_file
 
 from llamatrace.kernels import mul_mat_id as mmid
 from llamatrace.kernels.ops import fp32
 from llamatrace.kernels.ops import moe as routing
+from llamatrace.model.llama import Llama
 
 T = gguf.GGMLQuantizationType
 
@@ -145,3 +150,26 @@ def test_combine_adds_each_slot_s_down_bias_first_bit_for_bit():
     got = routing.combine(down, weights, bias, ids)
     np.testing.assert_array_equal(got, routing.combine(down + bias[ids], weights))
     np.testing.assert_array_equal(got, routing.combine_ref(down, weights, bias, ids))
+
+
+@pytest.mark.parametrize("name", ["gptoss", "qwen3moe"])
+def test_a_decode_step_s_attention_is_one_call_with_the_bits_of_the_three(name, tmp_path, monkeypatch):
+    """Unwatched, a decode step's scores, scaling and softmax are one attention_probs call (every
+    key seen; gpt-oss: sinks, and its window on every other layer); watched, the three stages
+    are computed and recorded: the same logits bit for bit, step after step."""
+    path = (write_gptoss_file(tmp_path / "g.gguf") if name == "gptoss"
+            else write_moe_file(tmp_path / "q.gguf", "qwen3moe"))
+    model = Llama.load(path, cache=False)
+    calls = []
+    real = fp32.attention_probs
+    monkeypatch.setattr(fp32, "attention_probs", lambda xq, *a, **k: calls.append(xq.shape[0]) or real(xq, *a, **k))
+    ids = [5, 9, 2, 7, 30, 11, 4, 8, 21, 3]               # past gpt-oss's window of the test file
+    plain, traced = model.new_cache(len(ids)), model.new_cache(len(ids))
+    for pos, t in enumerate(ids):
+        want = model.forward([t], pos, plain)
+        n = len(calls)
+        with model.trace(stages=["kq", "kq_scaled", "kq_soft_max"], keep_arrays=True) as rec:
+            got = model.forward([t], pos, traced)
+        assert len(calls) == n and {e.stage for e in rec.events} == {"kq", "kq_scaled", "kq_soft_max"}
+        np.testing.assert_array_equal(got, want)
+    assert calls == [1] * model.config.n_layers * len(ids)
