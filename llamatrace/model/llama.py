@@ -511,7 +511,8 @@ class Llama:
                     emit("values_rep", layer, lambda values=values: kernels.repeat_kv(values, n_rep))
                 # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
                 layer_mask = mask_local if local else mask
-                if (layer_mask is not None or seq_len == 1) and not c.attn_softcap and not watched(layer, *_SCORE_STAGES):
+                fused = (layer_mask is not None or seq_len == 1) and not c.attn_softcap
+                if fused and not watched(layer, *_SCORE_STAGES):
                     # nothing reads the scores: q·k and the softmax only over the keys each row sees
                     # (half of a prefill's; a decode step's in one call, not three), the same
                     # probabilities bit for bit (attention_probs)

@@ -120,7 +120,7 @@ class MoEWeights:
     shexp_w2: packing.Weight | None = None   # ffn_down_shexp [dim, shexp_hidden_dim]
     shexp_gate: packing.Weight | None = None  # ffn_gate_inp_shexp [1, dim]
     activations: str = "f32"                 # the mode FileExperts run in (mul_mat_id's activations)
-    _in_file: dict = field(default_factory=dict, repr=False, compare=False)  # kinds -> mmid.ExpertParts
+    _in_file: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # kinds -> ExpertParts
 
     def _kinds(self) -> list[Experts]:
         return [k for k in (self.w2, self.w13, self.w1, self.w3) if k is not None]
