@@ -12,8 +12,8 @@ kernel registered for the weight's type (:mod:`llamatrace.kernels.types.registry
 Every stage reports its output through ``x = emit(stage, layer, x)``: the identity unless a
 :class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.tracing.hooks`) replace it.
 Two groups of stages are fused when no recorder or hook watches them (``watched``), with the same
-numbers bit for bit: a masked prefill's scores (``kq`` … ``kq_masked``: q·k and the softmax only
-over the keys each query sees, :func:`~llamatrace.kernels.ops.fp32.attention_probs`) and the FFN's
+numbers bit for bit: a masked prefill's or a decode step's scores (``kq`` … ``kq_masked``: q·k and
+the softmax only over the keys each query sees, :func:`~llamatrace.kernels.ops.fp32.attention_probs`) and the FFN's
 gate and up halves (SwiGLU straight from the stacked product, :func:`~llamatrace.kernels.ops.fp32.swiglu`).
 """
 
@@ -511,9 +511,11 @@ class Llama:
                     emit("values_rep", layer, lambda values=values: kernels.repeat_kv(values, n_rep))
                 # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
                 layer_mask = mask_local if local else mask
-                if layer_mask is not None and not c.attn_softcap and not watched(layer, *_SCORE_STAGES):
+                fused = (layer_mask is not None or seq_len == 1) and not c.attn_softcap
+                if fused and not watched(layer, *_SCORE_STAGES):
                     # nothing reads the scores: q·k and the softmax only over the keys each row sees
-                    # (half of a prefill's), the same probabilities bit for bit (attention_probs)
+                    # (half of a prefill's; a decode step's in one call, not three), the same
+                    # probabilities bit for bit (attention_probs)
                     scores = kernels.attention_probs(xq, keys, scale, start_pos, c.sliding_window if local else 0,
                                                      sinks=lw.sinks)
                 else:

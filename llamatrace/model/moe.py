@@ -38,7 +38,7 @@ others (gpt-oss's biases, clamped SwiGLU) are options of the same block.
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import gguf
@@ -120,6 +120,7 @@ class MoEWeights:
     shexp_w2: packing.Weight | None = None   # ffn_down_shexp [dim, shexp_hidden_dim]
     shexp_gate: packing.Weight | None = None  # ffn_gate_inp_shexp [1, dim]
     activations: str = "f32"                 # the mode FileExperts run in (mul_mat_id's activations)
+    _in_file: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # kinds -> ExpertParts
 
     def _kinds(self) -> list[Experts]:
         return [k for k in (self.w2, self.w13, self.w1, self.w3) if k is not None]
@@ -142,30 +143,35 @@ class MoEWeights:
         """Each slot's gate|up product, without biases: slot ``i`` is row ``rows[i]`` of ``x``
         (float32 ``[n_rows, dim]``; ``rows`` None: row ``i``) through expert ``ids[i]``. float32
         ``[n_slots, 2*expert_hidden_dim]``, gate's columns first."""
-        return _slots((self.w13,) if self.w13 is not None else (self.w1, self.w3), x, ids, rows, self.activations)
+        return self._slots((self.w13,) if self.w13 is not None else (self.w1, self.w3), x, ids, rows)
 
     def down(self, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Each slot's down projection, without bias: row ``i`` of ``h`` (float32 ``[n_slots,
         expert_hidden_dim]``) through expert ``ids[i]``. float32 ``[n_slots, dim]``."""
-        return _slots((self.w2,), h, ids, None, self.activations)
+        return self._slots((self.w2,), h, ids, None)
 
-
-def _slots(kinds: tuple[Experts, ...], x: np.ndarray, ids: np.ndarray, rows: np.ndarray | None,
-           activations: str) -> np.ndarray:
-    """``x[rows[i]]`` through expert ``ids[i]`` of each kind, the kinds' outputs side by side:
-    one :func:`~llamatrace.kernels.mul_mat_id.mul_mat_id` call when they are all in the file in one
-    type, else kind by kind (packed ones expert by expert, as ``ggml_mul_mat_id`` groups the rows)."""
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if all(isinstance(k, FileExperts) for k in kinds) and len({k.ggml_type for k in kinds}) == 1:
-        return mmid.mul_mat_id(x, kinds, ids, rows, activations)
-    if len(kinds) > 1:
-        return np.concatenate([_slots((k,), x, ids, rows, activations) for k in kinds], axis=1)
-    w = kinds[0]
-    rows = np.arange(ids.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
-    out = np.empty((ids.shape[0], w[0].n_out), dtype=np.float32)
-    for e, sel in _groups(ids):
-        out[sel] = matmul(np.ascontiguousarray(x[rows[sel]]), w[e])
-    return out
+    def _slots(self, kinds: tuple[Experts, ...], x: np.ndarray, ids: np.ndarray,
+               rows: np.ndarray | None) -> np.ndarray:
+        """``x[rows[i]]`` through expert ``ids[i]`` of each kind, the kinds' outputs side by side:
+        one :func:`~llamatrace.kernels.mul_mat_id.mul_mat_id` call when they are all in the file in
+        one type (an :class:`~llamatrace.kernels.mul_mat_id.ExpertParts` checked once, kept per
+        tuple of kinds: a field reassigned, as the recipe search does, gets its own), else kind by
+        kind (packed ones expert by expert, as ``ggml_mul_mat_id`` groups the rows)."""
+        if all(isinstance(k, FileExperts) for k in kinds):
+            run = self._in_file.get(kinds)
+            if run is None and len({k.ggml_type for k in kinds}) == 1:
+                run = self._in_file[kinds] = mmid.ExpertParts(kinds, self.activations)
+            if run is not None:
+                return run(x, ids, rows)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(kinds) > 1:
+            return np.concatenate([self._slots((k,), x, ids, rows) for k in kinds], axis=1)
+        w = kinds[0]
+        rows = np.arange(ids.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
+        out = np.empty((ids.shape[0], w[0].n_out), dtype=np.float32)
+        for e, sel in _groups(ids):
+            out[sel] = matmul(np.ascontiguousarray(x[rows[sel]]), w[e])
+        return out
 
 
 def file_experts(t, data: np.ndarray, n_out: int, n_in: int) -> FileExperts:
@@ -344,14 +350,6 @@ def _biases(f, c: ModelConfig, layer: int) -> dict[str, np.ndarray]:
                 b13=np.concatenate([got["ffn_gate_exps"], got["ffn_up_exps"]], axis=1))
 
 
-def _glu(gate_up: np.ndarray, act: str) -> np.ndarray:
-    """The gated activation of stacked gate|up rows [n, 2*ff] -> [n, ff]."""
-    if act == "swiglu_oai":
-        ff = gate_up.shape[1] // 2
-        return kernels.swiglu_oai(gate_up[:, :ff], gate_up[:, ff:])
-    return kernels.swiglu(gate_up)
-
-
 def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: int,
             watched: Callable[..., bool]) -> np.ndarray:
     """The MoE FFN of rows ``x`` (float32 ``[seq_len, dim]``, the ``ffn_norm`` output); returns
@@ -378,14 +376,10 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
         weights = emit("ffn_moe_weights_norm", layer, weights_norm)
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)          # slot t*k + s: slot s of token t
     gate_up = mw.gate_up(x, flat, np.repeat(np.arange(seq_len, dtype=np.int64), k))
-    if not watched(layer, *EXPERT_STAGES):
-        if mw.b13 is not None:
-            gate_up += mw.b13[flat]
-        down = mw.down(_glu(gate_up, opts.act), flat)
-        if mw.b2 is not None:
-            down += mw.b2[flat]
-        return _shared(x, mw, emit, layer, emit("ffn_moe_out", layer, routing.combine(down.reshape(seq_len, k, -1),
-                                                                                    weights)))
+    if not watched(layer, *EXPERT_STAGES):      # biases, activation and weighted sum fused, the same numbers
+        down = mw.down(routing.expert_glu(gate_up, opts.act, mw.b13, flat), flat)
+        out = routing.combine(down.reshape(seq_len, k, -1), weights, mw.b2, flat)
+        return _shared(x, mw, emit, layer, emit("ffn_moe_out", layer, out))
     ff = gate_up.shape[1] // 2
     gate, up = (np.ascontiguousarray(a).reshape(seq_len, k, ff) for a in (gate_up[:, :ff], gate_up[:, ff:]))
     gate = emit("ffn_moe_gate", layer, gate).reshape(-1, ff)

@@ -14,8 +14,10 @@ Per token (a row of ``logits``, float32 ``[n_expert]``):
 * ``weights_norm`` (``norm``): ``weights / max(sum(weights), 6.103515625e-5)`` (the smallest
   normal fp16, llama.cpp's clamp against a zero sum).
 
-Then the chosen experts' outputs ``[n_tokens, k, dim]`` are multiplied by their weights
-(``ffn_moe_weighted``) and summed in slot order, ``((e0 + e1) + e2) + …`` (``ffn_moe_out``).
+Each slot's stacked gate|up product goes through the gated activation (:func:`expert_glu`,
+with gpt-oss's per-expert biases added first), then the chosen experts' outputs ``[n_tokens, k,
+dim]`` are multiplied by their weights (``ffn_moe_weighted``, gpt-oss's down biases added first)
+and summed in slot order, ``((e0 + e1) + e2) + …`` (``ffn_moe_out``).
 
 Each Numba kernel has a NumPy twin (``*_ref``) with the same contract.
 """
@@ -23,10 +25,11 @@ Each Numba kernel has a NumPy twin (``*_ref``) with the same contract.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from llamatrace.kernels.ops.fp32 import exp_f32
-from llamatrace.machine.jit import JIT_EXACT
+from llamatrace.kernels.ops.fp32 import (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, exp_f32, swiglu_oai_ref,
+                                         swiglu_ref)
+from llamatrace.machine.jit import JIT_EXACT, JIT_EXACT_PARALLEL
 
 GATING_FUNCS = {1: "softmax", 3: "softmax_weight"}
 """llama.cpp's ``llama_expert_gating_func_type`` values llamatrace runs (``{arch}.expert_gating_func``)."""
@@ -50,10 +53,44 @@ def _softmax_into(x, out):
         out[j] *= inv
 
 
+@njit(inline="always", **JIT_EXACT)
+def _top_k(p, k, order):
+    """``order[:k]``: the first k of a stable descending insertion sort of ``p``'s indices (ties
+    keep the lower index first), in O(n·k), not the whole sort's O(n²). Index j enters the
+    sort's first k only past every index left behind it (the tail: it moves left while the one
+    before it is smaller), so the tail is kept as its max and whether it holds a NaN (which
+    nothing passes): the same k, NaN or not, as the whole sort."""
+    n_top = 0
+    tail_max = np.float32(-np.inf)
+    tail_nan = False
+    for j in range(p.shape[0]):
+        v = p[j]
+        if n_top == k:
+            if tail_nan or not (tail_max < v and p[order[k - 1]] < v):
+                dropped = v
+            else:
+                dropped = p[order[k - 1]]
+                i = k - 1
+                while i > 0 and p[order[i - 1]] < v:
+                    order[i] = order[i - 1]
+                    i -= 1
+                order[i] = j
+            if dropped != dropped:
+                tail_nan = True
+            elif dropped > tail_max:
+                tail_max = dropped
+            continue
+        i = n_top
+        while i > 0 and p[order[i - 1]] < v:
+            order[i] = order[i - 1]
+            i -= 1
+        order[i] = j
+        n_top += 1
+
+
 @njit(**JIT_EXACT)
 def _route(logits, k, softmax_all, norm, probs, ids, weights, weights_norm):
-    n_expert = logits.shape[1]
-    order = np.empty(n_expert, dtype=np.int32)
+    order = np.empty(k, dtype=np.int32)
     picked = np.empty(k, dtype=np.float32)
     for t in range(logits.shape[0]):
         p = probs[t]
@@ -61,14 +98,7 @@ def _route(logits, k, softmax_all, norm, probs, ids, weights, weights_norm):
             _softmax_into(logits[t], p)
         else:
             p[:] = logits[t]
-        # stable descending insertion sort of the indices: ties keep the lower index first
-        for j in range(n_expert):
-            v = p[j]
-            i = j
-            while i > 0 and p[order[i - 1]] < v:
-                order[i] = order[i - 1]
-                i -= 1
-            order[i] = j
+        _top_k(p, k, order)
         for s in range(k):
             ids[t, s] = order[s]
             picked[s] = p[order[s]]
@@ -144,39 +174,167 @@ def route_ref(logits: np.ndarray, k: int, gating: str = "softmax",
     return probs, ids, weights, (weights / total).astype(np.float32)
 
 
+_NO_BIAS = np.zeros((0, 0), dtype=np.float32)
+
+
+def _bias_args(bias: np.ndarray | None, ids: np.ndarray | None, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``[n_expert, width]`` and int64 ``[n_slots]`` C-contiguous for the kernels (an empty bias: none)."""
+    if bias is None:
+        return _NO_BIAS, np.zeros(n_slots, dtype=np.int64)
+    ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+    if ids.shape[0] != n_slots or (n_slots and not 0 <= ids.min() <= ids.max() < bias.shape[0]):
+        raise ValueError(f"expert bias: ids {list(ids.shape)} must be {n_slots} experts in 0..{bias.shape[0] - 1}")
+    return np.ascontiguousarray(bias, dtype=np.float32), ids
+
+
 @njit(**JIT_EXACT)
-def _combine(experts, weights, out):
+def _combine(experts, weights, bias, ids, out):
+    k = experts.shape[1]
     for t in range(experts.shape[0]):
-        for j in range(experts.shape[2]):
-            out[t, j] = experts[t, 0, j] * weights[t, 0]
-        for s in range(1, experts.shape[1]):
+        for s in range(k):
             w = weights[t, s]
-            for j in range(experts.shape[2]):
-                out[t, j] += experts[t, s, j] * w
+            e = experts[t, s]
+            o = out[t]
+            if bias.shape[0]:                    # (down + its expert's bias) · weight, in float32
+                b = bias[ids[t * k + s]]
+                if s == 0:
+                    for j in range(o.shape[0]):
+                        o[j] = (e[j] + b[j]) * w
+                else:
+                    for j in range(o.shape[0]):
+                        o[j] += (e[j] + b[j]) * w
+            elif s == 0:
+                for j in range(o.shape[0]):
+                    o[j] = e[j] * w
+            else:
+                for j in range(o.shape[0]):
+                    o[j] += e[j] * w
 
 
-def combine(experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def combine(experts: np.ndarray, weights: np.ndarray, bias: np.ndarray | None = None,
+            ids: np.ndarray | None = None) -> np.ndarray:
     """The weighted sum of the chosen experts' outputs: ``Σ_s weights[t, s] · experts[t, s]``,
     slots added in order (llama.cpp: ``ffn_moe_weighted`` then ``ffn_moe_out``), in float32.
 
     Args:
         experts: float32 ``[n_tokens, k, dim]`` (``ffn_moe_down``).
         weights: float32 ``[n_tokens, k]``.
+        bias, ids: optional float32 ``[n_expert, dim]`` (gpt-oss's ``ffn_down_exps.bias``) and
+            int ``[n_tokens, k]``, each slot's expert: its bias is added to ``experts[t, s]``
+            first (``ffn_moe_down_biased``), as one float32 add.
 
     Returns:
         float32 ``[n_tokens, dim]``.
+
+    Raises:
+        ValueError: ids that do not fit the slots or the bias.
     """
     experts = np.ascontiguousarray(experts, dtype=np.float32)
     weights = np.ascontiguousarray(weights, dtype=np.float32)
+    bias, ids = _bias_args(bias, ids, experts.shape[0] * experts.shape[1])
     out = np.empty((experts.shape[0], experts.shape[2]), dtype=np.float32)
-    _combine(experts, weights, out)
+    _combine(experts, weights, bias, ids, out)
     return out
 
 
-def combine_ref(experts: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def combine_ref(experts: np.ndarray, weights: np.ndarray, bias: np.ndarray | None = None,
+                ids: np.ndarray | None = None) -> np.ndarray:
     """NumPy twin of :func:`combine`."""
+    if bias is not None:
+        experts = (experts + bias[np.asarray(ids, dtype=np.int64)]).astype(np.float32)
     weighted = (experts * weights[:, :, None]).astype(np.float32)
     out = weighted[:, 0].copy()
     for s in range(1, weighted.shape[1]):
         out += weighted[:, s]
     return out
+
+
+# The experts' gated activation of each slot's stacked gate|up row, with its expert's biases
+# (gpt-oss) added first: one pass, where bias adds, two half copies and a SwiGLU were four.
+# The arithmetic is llamatrace.kernels.ops.fp32's swiglu (silu) and swiglu_oai, op for op.
+@njit(error_model="numpy", inline="always", **JIT_EXACT)
+def _glu_row(gate_up, bias, ids, oai, alpha, limit, out, i):
+    ff = out.shape[1]
+    g, u, o = gate_up[i, :ff], gate_up[i, ff:], out[i]
+    if bias.shape[0]:
+        b = bias[ids[i]]
+        bg, bu = b[:ff], b[ff:]
+        if oai:
+            for j in range(ff):
+                gj = min(g[j] + bg[j], limit)
+                uj = min(max(u[j] + bu[j], -limit), limit)
+                o[j] = (gj / (np.float32(1.0) + exp_f32(alpha * -gj))) * (uj + np.float32(1.0))
+        else:
+            for j in range(ff):
+                gj = g[j] + bg[j]
+                o[j] = (gj / (np.float32(1.0) + exp_f32(-gj))) * (u[j] + bu[j])
+    elif oai:
+        for j in range(ff):
+            gj = min(g[j], limit)
+            uj = min(max(u[j], -limit), limit)
+            o[j] = (gj / (np.float32(1.0) + exp_f32(alpha * -gj))) * (uj + np.float32(1.0))
+    else:
+        for j in range(ff):
+            v = g[j]
+            o[j] = (v / (np.float32(1.0) + exp_f32(-v))) * u[j]
+
+
+@njit(error_model="numpy", **JIT_EXACT)
+def _glu_serial(gate_up, bias, ids, oai, alpha, limit, out):
+    for i in range(out.shape[0]):
+        _glu_row(gate_up, bias, ids, oai, alpha, limit, out, i)
+
+
+@njit(error_model="numpy", **JIT_EXACT_PARALLEL)
+def _glu_parallel(gate_up, bias, ids, oai, alpha, limit, out):
+    for i in prange(out.shape[0]):
+        _glu_row(gate_up, bias, ids, oai, alpha, limit, out, i)
+
+
+GLU_ACTS = ("silu", "swiglu_oai")
+"""The experts' gated activations :func:`expert_glu` runs."""
+_PARALLEL_GLU = 1 << 14
+"""Outputs above which :func:`expert_glu` runs rows in parallel (a decode step's 8 x 1536 does not:
+waking the threads costs more than the exps)."""
+
+
+def expert_glu(gate_up: np.ndarray, act: str, bias: np.ndarray | None = None,
+               ids: np.ndarray | None = None) -> np.ndarray:
+    """Each slot's gated activation from its stacked gate|up row (``ffn_moe_swiglu`` /
+    ``ffn_moe_swiglu_oai``), the same float32 numbers as :func:`llamatrace.kernels.ops.fp32.swiglu`
+    (``act`` ``"silu"``) or :func:`~llamatrace.kernels.ops.fp32.swiglu_oai` (``"swiglu_oai"``) of
+    the halves, after ``gate_up + bias[ids]`` in float32 (``ffn_moe_gate_biased`` /
+    ``ffn_moe_up_biased``, ggml_add_id) when ``bias`` is given.
+
+    Args:
+        gate_up: float32 ``[n_slots, 2*expert_hidden_dim]``, gate's columns first.
+        act: one of :data:`GLU_ACTS`.
+        bias, ids: optional float32 ``[n_expert, 2*expert_hidden_dim]`` and int ``[n_slots]``.
+
+    Returns:
+        float32 ``[n_slots, expert_hidden_dim]``.
+
+    Raises:
+        ValueError: an unknown ``act``, an odd width, ids that do not fit.
+    """
+    gate_up = np.ascontiguousarray(gate_up, dtype=np.float32)
+    if act not in GLU_ACTS or gate_up.ndim != 2 or gate_up.shape[1] % 2 or (
+            bias is not None and np.shape(bias)[1:] != gate_up.shape[1:]):
+        raise ValueError(f"expert_glu: act {act!r} must be one of {GLU_ACTS}, gate_up {list(gate_up.shape)} "
+                         f"[n_slots, 2*hidden] and a bias of as many columns")
+    bias, ids = _bias_args(bias, ids, gate_up.shape[0])
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
+    run = _glu_parallel if gate_up.shape[0] > 1 and out.size > _PARALLEL_GLU else _glu_serial
+    run(gate_up, bias, ids, act == "swiglu_oai", np.float32(SWIGLU_OAI_ALPHA), np.float32(SWIGLU_OAI_LIMIT), out)
+    return out
+
+
+def expert_glu_ref(gate_up: np.ndarray, act: str, bias: np.ndarray | None = None,
+                   ids: np.ndarray | None = None) -> np.ndarray:
+    """NumPy twin of :func:`expert_glu`."""
+    if bias is not None:
+        gate_up = (gate_up + bias[np.asarray(ids, dtype=np.int64).reshape(-1)]).astype(np.float32)
+    if act == "swiglu_oai":
+        ff = gate_up.shape[1] // 2
+        return swiglu_oai_ref(gate_up[:, :ff], gate_up[:, ff:])
+    return swiglu_ref(gate_up)
