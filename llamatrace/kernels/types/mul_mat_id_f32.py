@@ -362,35 +362,40 @@ def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, 
                     accs[j] = k.fma(w, k.load(x, b.add(xb[s], c64(off)), k.vf, 4), accs[j])
                 turn += 1
             return accs
-        return _one_slot_block(k, groups, mins, x, xb[0], b.add(b.add(rows[0], n_in), b.mul(blk, c64(sums))), accs)
+        return _one_slot_block(k, [(groups, mins, accs)], x, xb[0], b.add(b.add(rows[0], n_in), b.mul(blk, c64(sums))))[0]
 
     outs = _loop(k, n_blk, [k.load(acc, a, k.vf, 4) for a in at], body)
     for a, v in zip(at, outs):
         b.store(v, k.ptr(acc, a, k.vf), align=4)
 
 
-def _one_slot_block(k: VectorTile, groups, mins, x, xb, sums_at, accs):
-    """One slot's sums of one block (:data:`_BLOCK`'s ``groups`` and ``mins``, its x at ``xb`` of
-    ``x``, Q4_K's sums of x per sub-block at ``sums_at``) added into the vectors ``accs``, a group
-    after the other: each group's products summed (one chain a group: the groups overlap), then
-    times its scale (a float or a vector of the lanes' scales)."""
+def _one_slot_block(k: VectorTile, rows, x, xb, sums_at):
+    """One slot's sums of one block of each of ``rows`` (``(groups, mins, accs)``: :data:`_BLOCK`'s
+    groups and mins of the row's block, its vectors of sums), x at ``xb`` of ``x`` (Q4_K's sums of x
+    per sub-block at ``sums_at``), a group after the other: each group's products summed (one chain
+    a group: the groups overlap), then times its scale (a float or a vector of the lanes' scales).
+    The rows share each load of x. Returns each row's new ``accs``."""
     b, c64 = k.b, k.c64
-    accs = list(accs)
-    turn = 0
-    for vecs, scale in groups:
-        sv = scale if isinstance(scale.type, ir.VectorType) else k.splat(scale, k.vf)
-        dot = None
-        for w, off in vecs:
-            xv = k.load(x, b.add(xb, c64(off)), k.vf, 4)
-            dot = b.fmul(w, xv) if dot is None else k.fma(w, xv, dot)
-        j = turn % len(accs)
-        accs[j] = k.fma(sv, dot, accs[j])
-        turn += 1
-    if mins is not None:                                 # Q4_K: - (dmin*mn) * sum(x) per sub-block
-        j = turn % len(accs)
-        accs[j] = k.fma(b.fneg(mins), k.load(x, sums_at, k.vf, 4), accs[j])
-    return accs
+    out = [list(accs) for _, _, accs in rows]
+    for turn, parts in enumerate(zip(*(groups for groups, _, _ in rows))):
+        dots = [None] * len(rows)
+        for n, vecs in enumerate(zip(*(vecs for vecs, _ in parts))):
+            xv = k.load(x, b.add(xb, c64(vecs[0][1])), k.vf, 4)
+            dots = [b.fmul(w, xv) if n == 0 else k.fma(w, xv, dot) for (w, _), dot in zip(vecs, dots)]
+        for accs, (_, scale), dot in zip(out, parts, dots):
+            sv = scale if isinstance(scale.type, ir.VectorType) else k.splat(scale, k.vf)
+            j = turn % len(accs)
+            accs[j] = k.fma(sv, dot, accs[j])
+    if rows[0][1] is not None:                           # Q4_K: - (dmin*mn) * sum(x) per sub-block
+        xs = k.load(x, sums_at, k.vf, 4)
+        for accs, (_, mins, _) in zip(out, rows):
+            accs[-1] = k.fma(b.fneg(mins), xs, accs[-1])
+    return out
 
+
+ROWS_1 = {"q6k": 2}
+"""Weight rows one slot's kernel runs at once (:func:`_tile_ir`; 1 for the kinds not named): Q6_K's
+two rows share their loads of x (1.07x; Q4_K 1.0x, MXFP4 0.98x)."""
 
 ACC_1 = 2
 """Vectors of sums one slot's rows keep in registers (:func:`_tile_ir`): each group's products are
@@ -420,24 +425,35 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
     sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
     zero = ir.Constant(k.vf, [0.0] * LANES)
 
-    def row(r, _):
-        q_row = b.add(q_at, b.mul(r, row_bytes))
+    def rows(r, n):                  # rows r .. r + n - 1 at once: one scale unpack, one x load, n chains
+        q_row = [b.add(q_at, b.mul(b.add(r, c64(i)), row_bytes)) for i in range(n)]
 
         def block(i, accs):
-            qb = b.add(q_row, b.mul(i, c64(block_bytes)))
-            if AHEAD:
-                k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
-            groups, mins = _BLOCK[kind](k, qs, qb, False)
-            return _one_slot_block(k, groups, mins, x, b.add(x_at, b.mul(i, c64(per_block))),
-                                   b.add(sums_at, b.mul(i, c64(sums))), accs)
+            blocks = []
+            for j, q in enumerate(q_row):
+                qb = b.add(q, b.mul(i, c64(block_bytes)))
+                if AHEAD:
+                    k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
+                groups, mins = _BLOCK[kind](k, qs, qb, False)
+                blocks.append((groups, mins, accs[j * ACC_1:(j + 1) * ACC_1]))
+            new = _one_slot_block(k, blocks, x, b.add(x_at, b.mul(i, c64(per_block))), b.add(sums_at, b.mul(i, c64(sums))))
+            return [v for accs in new for v in accs]
 
-        total = _lane_sum(k, _loop(k, n_blocks, [zero] * ACC_1, block))
-        if kind == "mxfp4":                              # its kvalues came times 2**24
-            total = b.fmul(total, ir.Constant(k.f32, _TOP))
-        b.store(total, k.ptr(out, b.add(out_at, r), k.f32), align=4)
-        return []
+        sums_ = _loop(k, n_blocks, [zero] * (ACC_1 * n), block)
+        for j in range(n):
+            total = _lane_sum(k, sums_[j * ACC_1:(j + 1) * ACC_1])
+            if kind == "mxfp4":                          # its kvalues came times 2**24
+                total = b.fmul(total, ir.Constant(k.f32, _TOP))
+            b.store(total, k.ptr(out, b.add(out_at, b.add(r, c64(j))), k.f32), align=4)
 
-    _loop(k, n_rows, [], row)
+    step = ROWS_1.get(kind, 1)
+    n_steps = b.udiv(n_rows, c64(step))
+    with b.if_then(b.icmp_signed(">", n_steps, c64(0))):
+        _loop(k, n_steps, [], lambda i, _: rows(b.mul(i, c64(step)), step) or [])
+    if step > 1:                                         # the last n_rows % step rows one by one
+        tail = b.mul(n_steps, c64(step))
+        with b.if_then(b.icmp_signed("<", tail, n_rows)):
+            _loop(k, b.sub(n_rows, tail), [], lambda i, _: rows(b.add(tail, i), 1) or [])
 
 
 def _tile_intrinsic(kind: str):
