@@ -19,7 +19,14 @@ decode step's experts) takes the products grouped as the packed kernels
   ``dmin*mn`` are exact in float32; ``sum(x)`` per 32 inputs is computed once a call);
 - MXFP4: ``d * (x . kvalue)`` per block (``d`` a power of two: ggml's ``GGML_E8M0_TO_FP32_HALF``);
 - Q8_0: ``d * (x . q)`` per block;
-- Q6_K: the weights themselves, ``(d*sc) * (q - 32)`` rounded as gguf-py rounds them, times x.
+- Q6_K: ``(d*sc) * (x . (q - 32))`` per 16 inputs (``d*sc`` is exact; the weights
+  ``(d*sc) * (q - 32)`` are not always, so this differs from gguf-py's rounded weights times x by
+  float32 rounding, as the other groupings do).
+
+One slot runs a kernel of its own (:func:`_tile_ir`): a work item's whole tile of rows in one IR
+loop, each row's sums in registers from its first block to its last, added across lanes straight
+into ``out`` (no buffer between passes, no call and no dispatch a row: those cost the multi-slot
+path's microkernel ~1/5 of Q6_K's decode, 3 blocks a row at qwen3moe's 768).
 
 Several slots (a prefill's groups, ~8 slots an expert at 128 tokens, top-8 of 128) take every
 type's weights themselves, made once in registers, gguf-py's float32 values bit for bit (Q4_K's
