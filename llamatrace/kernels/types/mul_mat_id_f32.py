@@ -404,9 +404,10 @@ ROWS_1 = {"q6k": 2}
 """Weight rows one slot's kernel runs at once (:func:`_tile_ir`; 1 for the kinds not named): Q6_K's
 two rows share their loads of x (1.07x; Q4_K 1.0x, MXFP4 0.98x)."""
 
-ACC_1 = 2
-"""Vectors of sums one slot's rows keep in registers (:func:`_tile_ir`): each group's products are
-a chain of their own, so two suffice."""
+ACC_1 = {"q4k": 1}
+"""Vectors of sums a row of one slot keeps in registers (:func:`_tile_ir`; 2 for the kinds not
+named): each group's products are a chain of their own, so few suffice; Q4_K ran 1.05x with one
+than with two (its 9 FMAs a block into it are not what bounds it)."""
 
 
 def _lane_sum(k: VectorTile, vs):
@@ -431,6 +432,7 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
     _, per_block, block_bytes, sums = _KINDS[kind]
     sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
     zero = ir.Constant(k.vf, [0.0] * LANES)
+    n_acc = ACC_1.get(kind, 2)
 
     def rows(r, n):                  # rows r .. r + n - 1 at once: one scale unpack, one x load, n chains
         q_row = [b.add(q_at, b.mul(b.add(r, c64(i)), row_bytes)) for i in range(n)]
@@ -442,13 +444,13 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
                 if AHEAD:
                     k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
                 groups, mins = _BLOCK[kind](k, qs, qb, False)
-                blocks.append((groups, mins, accs[j * ACC_1:(j + 1) * ACC_1]))
+                blocks.append((groups, mins, accs[j * n_acc:(j + 1) * n_acc]))
             new = _one_slot_block(k, blocks, x, b.add(x_at, b.mul(i, c64(per_block))), b.add(sums_at, b.mul(i, c64(sums))))
             return [v for accs in new for v in accs]
 
-        sums_ = _loop(k, n_blocks, [zero] * (ACC_1 * n), block)
+        sums_ = _loop(k, n_blocks, [zero] * (n_acc * n), block)
         for j in range(n):
-            total = _lane_sum(k, sums_[j * ACC_1:(j + 1) * ACC_1])
+            total = _lane_sum(k, sums_[j * n_acc:(j + 1) * n_acc])
             if kind == "mxfp4":                          # its kvalues came times 2**24
                 total = b.fmul(total, ir.Constant(k.f32, _TOP))
             b.store(total, k.ptr(out, b.add(out_at, b.add(r, c64(j))), k.f32), align=4)
