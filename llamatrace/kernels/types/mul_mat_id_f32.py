@@ -241,7 +241,7 @@ def _q6k_groups(k: VectorTile, qs, qb):
     4..7 of the next (:data:`X_ORDER`), so ``(d*sc) * (x . (q - 32))`` per 16 inputs is one FMA of
     that vector into each lane's dot product, not a multiply a weight. The quants are made on the
     block's bytes (their dwords first put in :data:`X_ORDER`'s order), stored to a scratch and read
-    back 8 at a time widened (a load that widens, no shuffle masks held in registers: 1.3x)."""
+    back 8 at a time by a load that widens them (as :mod:`llamatrace.kernels.types.f32_ir`'s Q6_K)."""
     b, c64 = k.b, k.c64
     d = _half(k, qs, b.add(qb, c64(208)))
     v32 = ir.VectorType(_I8, 32)
@@ -406,7 +406,7 @@ def _one_slot_block(k: VectorTile, rows, x, xb, sums_at):
 
 ROWS_1 = {"q6k": 2}
 """Weight rows one slot's kernel runs at once (:func:`_tile_ir`; 1 for the kinds not named): Q6_K's
-two rows share their loads of x (1.07x; Q4_K 1.0x, MXFP4 0.98x)."""
+two rows share their loads of x (1.07x; Q4_K and MXFP4 ran no faster so)."""
 
 ACC_1 = {"q4k": 1}
 """Vectors of sums a row of one slot keeps in registers (:func:`_tile_ir`; 2 for the kinds not
@@ -438,7 +438,7 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
     zero = ir.Constant(k.vf, [0.0] * LANES)
     n_acc = ACC_1.get(kind, 2)
 
-    def rows(r, n):                  # rows r .. r + n - 1 at once: one scale unpack, one x load, n chains
+    def rows(r, n):                  # rows r .. r + n - 1 at once: each load of x serves the n rows
         q_row = [b.add(q_at, b.mul(b.add(r, c64(i)), row_bytes)) for i in range(n)]
 
         def block(i, accs):
