@@ -19,7 +19,14 @@ decode step's experts) takes the products grouped as the packed kernels
   ``dmin*mn`` are exact in float32; ``sum(x)`` per 32 inputs is computed once a call);
 - MXFP4: ``d * (x . kvalue)`` per block (``d`` a power of two: ggml's ``GGML_E8M0_TO_FP32_HALF``);
 - Q8_0: ``d * (x . q)`` per block;
-- Q6_K: the weights themselves, ``(d*sc) * (q - 32)`` rounded as gguf-py rounds them, times x.
+- Q6_K: ``(d*sc) * (x . (q - 32))`` per 16 inputs (``d*sc`` is exact; the weights
+  ``(d*sc) * (q - 32)`` are not always, so this differs from gguf-py's rounded weights times x by
+  float32 rounding, as the other groupings do).
+
+One slot runs a kernel of its own (:func:`_tile_ir`): a work item's whole tile of rows in one IR
+loop, each row's sums in registers from its first block to its last, added across lanes straight
+into ``out`` (no buffer between passes, no call and no dispatch a row: those cost the multi-slot
+path's microkernel ~1/5 of Q6_K's decode, 3 blocks a row at qwen3moe's 768).
 
 Several slots (a prefill's groups, ~8 slots an expert at 128 tokens, top-8 of 128) take every
 type's weights themselves, made once in registers, gguf-py's float32 values bit for bit (Q4_K's
@@ -39,6 +46,10 @@ decode (4 experts) 5.3 against 6.1 (0.87x), prefill (16 slots an expert: two pas
 a widening load, a conversion, an FMA), plus what the row-major layout cannot share between rows:
 each row's block scales unpacked and each sub-block's scale broadcast and applied, which the
 packed tiles do once for 8 rows (Q4_K: ~165 instructions a 256-weight block, ~130 packed).
+One slot's own kernel against the row microkernel it replaced (one expert at a time, G weights/s,
+one thread, CPU time, interleaved, load 4-5, L2-warm / cold): Q4_K 13.0 / 12.0 -> 13.7 / 12.8
+(the packed dense kernel on the same rows: 15.8 warm), Q6_K 7.3 / 7.6 -> 10.8 / 10.0 (dense
+14.1), MXFP4 10.4 / 10.1 -> 11.1 / 10.9 (dense 11.2).
 
 Numba caches the drivers by this module's source; the IR is emitted here too, so a change to it
 recompiles them.
@@ -221,7 +232,51 @@ def _q6k_block(k: VectorTile, qs, qb, exact: bool):
 
     if exact:
         return weights(), None
-    return (([w], None) for w in weights()), None
+    return _q6k_groups(k, qs, qb), None
+
+
+def _q6k_groups(k: VectorTile, qs, qb):
+    """Q6_K for one slot: per 32 inputs (h, c) the four vectors of ``q - 32`` with the vector of
+    their lanes' scales ``d*sc``: lanes 0..3 of a vector hold inputs of one group of 16, lanes
+    4..7 of the next (:data:`X_ORDER`), so ``(d*sc) * (x . (q - 32))`` per 16 inputs is one FMA of
+    that vector into each lane's dot product, not a multiply a weight. The quants are made on the
+    block's bytes (their dwords first put in :data:`X_ORDER`'s order), stored to a scratch and read
+    back 8 at a time by a load that widens them (as :mod:`llamatrace.kernels.types.f32_ir`'s Q6_K)."""
+    b, c64 = k.b, k.c64
+    d = _half(k, qs, b.add(qb, c64(208)))
+    v32 = ir.VectorType(_I8, 32)
+    vd = ir.VectorType(_I32, 8)
+    sc = k.load(qs, b.add(qb, c64(192)), ir.VectorType(_I8, 16))
+    dtop = k.splat(d, k.vf)
+    dsc = [b.fmul(dtop, b.sitofp(b.shuffle_vector(sc, ir.Constant(sc.type, None), _const(range(8 * i, 8 * i + 8), _I32)),
+                                  k.vf)) for i in (0, 1)]
+    with b.goto_entry_block():
+        scratch = b.alloca(ir.ArrayType(_I8, 256), name="q6k_quants")
+    buf = b.bitcast(scratch, _I8.as_pointer())
+
+    def cst(v):
+        return _const([v] * 32)
+
+    def load(at):                 # 32 bytes, their dwords in the order of X_ORDER's vectors
+        v = b.bitcast(k.load(qs, b.add(qb, c64(at)), v32), vd)
+        return b.bitcast(b.shuffle_vector(v, ir.Constant(vd, None), _const([0, 4, 1, 5, 2, 6, 3, 7], _I32)), v32)
+
+    for h in range(2):
+        qa, qc, qh = load(64 * h), load(64 * h + 32), load(128 + 32 * h)
+        quants = (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
+                  b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
+                  b.or_(b.and_(b.lshr(qa, cst(4)), cst(15)), b.and_(qh, cst(0x30))),
+                  b.or_(b.and_(b.lshr(qc, cst(4)), cst(15)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
+        for c, q in enumerate(quants):
+            b.store(b.sub(q, cst(32)), k.ptr(buf, c64(128 * h + 32 * c), v32), align=1)      # -32 .. 31
+    _escape(b, buf)
+    vi = ir.VectorType(_I32, 8)
+    permps = ir.InlineAsm(ir.FunctionType(k.vf, [vi, k.vf]), "vpermps $2, $1, $0", "=x,x,x")
+    for h in range(2):
+        for c in range(4):                       # one vpermps (LLVM makes the shuffle two, from a constant mask)
+            lanes = b.call(permps, [_const([2 * c] * 4 + [2 * c + 1] * 4, _I32), dsc[h]])
+            yield [(b.sitofp(k.load(buf, c64(128 * h + 32 * c + 8 * g), ir.VectorType(_I8, 8)), k.vf),
+                    128 * h + 32 * c + 8 * g) for g in range(4)], lanes
 
 
 def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
@@ -318,32 +373,140 @@ def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, 
                     accs[j] = k.fma(w, k.load(x, b.add(xb[s], c64(off)), k.vf, 4), accs[j])
                 turn += 1
             return accs
-        for vecs, scale in groups:
-            if scale is None:                            # Q6_K: the weights themselves
-                for w, off in vecs:
-                    j = turn % n_acc
-                    accs[j] = k.fma(w, k.load(x, b.add(xb[0], c64(off)), k.vf, 4), accs[j])
-                    turn += 1
-                continue
-            sv = k.splat(scale, k.vf)
-            for s in range(ns):                          # one chain a group: the groups overlap
-                dot = None
-                for w, off in vecs:
-                    xv = k.load(x, b.add(xb[s], c64(off)), k.vf, 4)
-                    dot = b.fmul(w, xv) if dot is None else k.fma(w, xv, dot)
-                j = s * n_acc + turn % n_acc
-                accs[j] = k.fma(sv, dot, accs[j])
-            turn += 1
-        if mins is not None:                             # Q4_K: - (dmin*mn) * sum(x) per sub-block
-            neg = b.fneg(mins)
-            for s in range(ns):
-                j = s * n_acc + turn % n_acc
-                accs[j] = k.fma(neg, k.load(x, b.add(b.add(rows[s], n_in), b.mul(blk, c64(sums))), k.vf, 4), accs[j])
-        return accs
+        return _one_slot_block(k, [(groups, mins, accs)], x, xb[0], b.add(b.add(rows[0], n_in), b.mul(blk, c64(sums))))[0]
 
     outs = _loop(k, n_blk, [k.load(acc, a, k.vf, 4) for a in at], body)
     for a, v in zip(at, outs):
         b.store(v, k.ptr(acc, a, k.vf), align=4)
+
+
+def _one_slot_block(k: VectorTile, rows, x, xb, sums_at):
+    """One slot's sums of one block of each of ``rows`` (``(groups, mins, accs)``: :data:`_BLOCK`'s
+    groups and mins of the row's block, its vectors of sums), x at ``xb`` of ``x`` (Q4_K's sums of x
+    per sub-block at ``sums_at``), a group after the other: each group's products summed (one chain
+    a group: the groups overlap), then times its scale (a float or a vector of the lanes' scales).
+    The rows share each load of x. Returns each row's new ``accs``."""
+    b, c64 = k.b, k.c64
+    out = [list(accs) for _, _, accs in rows]
+    for turn, parts in enumerate(zip(*(groups for groups, _, _ in rows))):
+        dots = [None] * len(rows)
+        for n, vecs in enumerate(zip(*(vecs for vecs, _ in parts))):
+            xv = k.load(x, b.add(xb, c64(vecs[0][1])), k.vf, 4)
+            dots = [b.fmul(w, xv) if n == 0 else k.fma(w, xv, dot) for (w, _), dot in zip(vecs, dots)]
+        for accs, (_, scale), dot in zip(out, parts, dots):
+            sv = scale if isinstance(scale.type, ir.VectorType) else k.splat(scale, k.vf)
+            j = turn % len(accs)
+            accs[j] = k.fma(sv, dot, accs[j])
+    if rows[0][1] is not None:                           # Q4_K: - (dmin*mn) * sum(x) per sub-block
+        xs = k.load(x, sums_at, k.vf, 4)
+        for accs, (_, mins, _) in zip(out, rows):
+            accs[-1] = k.fma(b.fneg(mins), xs, accs[-1])
+    return out
+
+
+ROWS_1 = {"q6k": 2}
+"""Weight rows one slot's kernel runs at once (:func:`_tile_ir`; 1 for the kinds not named): Q6_K's
+two rows share their loads of x (1.07x; Q4_K and MXFP4 ran no faster so)."""
+
+ACC_1 = {"q4k": 1}
+"""Vectors of sums a row of one slot keeps in registers (:func:`_tile_ir`; 2 for the kinds not
+named): each group's products are a chain of their own, so few suffice; Q4_K ran 1.05x with one
+than with two (its 9 FMAs a block into it are not what bounds it)."""
+
+
+def _lane_sum(k: VectorTile, vs):
+    """The float32 sum of the vectors ``vs``: pairwise, then across lanes."""
+    b = k.b
+    while len(vs) > 1:
+        vs = [b.fadd(vs[i], vs[i + 1]) for i in range(0, len(vs), 2)]
+    v = vs[0]
+    for n in (4, 2):
+        v = b.fadd(b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n), _I32)),
+                   b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n, 2 * n), _I32)))
+    return b.fadd(b.extract_element(v, ir.Constant(_I32, 0)), b.extract_element(v, ir.Constant(_I32, 1)))
+
+
+def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
+    """One slot's products with ``n_rows`` (>= 1) weight rows of ``n_blocks`` blocks (row i's block
+    0 at byte ``q_at + i * row_bytes`` of ``qs``): ``out[out_at + i]`` = row i times the x at
+    ``x_at`` of ``x`` (laid out as :func:`_matmul_id` lays it out). The loops over the rows and
+    their blocks are one kernel, the sums in registers from a row's first block to its last (no
+    buffer, no call a row: the multi-slot path's per-row costs were a fifth of Q6_K's decode)."""
+    b, c64 = k.b, k.c64
+    _, per_block, block_bytes, sums = _KINDS[kind]
+    sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
+    zero = ir.Constant(k.vf, [0.0] * LANES)
+    n_acc = ACC_1.get(kind, 2)
+
+    def rows(r, n):                  # rows r .. r + n - 1 at once: each load of x serves the n rows
+        q_row = [b.add(q_at, b.mul(b.add(r, c64(i)), row_bytes)) for i in range(n)]
+
+        def block(i, accs):
+            blocks = []
+            for j, q in enumerate(q_row):
+                qb = b.add(q, b.mul(i, c64(block_bytes)))
+                if AHEAD:
+                    k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
+                groups, mins = _BLOCK[kind](k, qs, qb, False)
+                blocks.append((groups, mins, accs[j * n_acc:(j + 1) * n_acc]))
+            new = _one_slot_block(k, blocks, x, b.add(x_at, b.mul(i, c64(per_block))), b.add(sums_at, b.mul(i, c64(sums))))
+            return [v for accs in new for v in accs]
+
+        sums_ = _loop(k, n_blocks, [zero] * (n_acc * n), block)
+        for j in range(n):
+            total = _lane_sum(k, sums_[j * n_acc:(j + 1) * n_acc])
+            if kind == "mxfp4":                          # its kvalues came times 2**24
+                total = b.fmul(total, ir.Constant(k.f32, _TOP))
+            b.store(total, k.ptr(out, b.add(out_at, b.add(r, c64(j))), k.f32), align=4)
+
+    step = ROWS_1.get(kind, 1)
+    n_steps = b.udiv(n_rows, c64(step))
+    with b.if_then(b.icmp_signed(">", n_steps, c64(0))):
+        _loop(k, n_steps, [], lambda i, _: rows(b.mul(i, c64(step)), step) or [])
+    if step > 1:                                         # the last n_rows % step rows one by one
+        tail = b.mul(n_steps, c64(step))
+        with b.if_then(b.icmp_signed("<", tail, n_rows)):
+            _loop(k, b.sub(n_rows, tail), [], lambda i, _: rows(b.add(tail, i), 1) or [])
+
+
+def _tile_intrinsic(kind: str):
+    def typer(typingctx, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
+        if not (isinstance(qs, types.Array) and qs.dtype == types.uint8 and isinstance(x, types.Array)
+                and x.dtype == types.float32 and isinstance(out, types.Array) and out.dtype == types.float32):
+            return None
+        sig = types.void(qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at)
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 5, 7):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            k = VectorTile(builder, LANES)
+            for i in (1, 2, 3, 4, 6, 8):
+                flat[i] = k.i64(flat[i])
+            _tile_ir(kind, k, *flat)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = f"tile_{kind}"
+    typer.__doc__ = f"{kind} one-slot kernel over a tile's rows: :func:`_tile_ir`."
+    return intrinsic(typer)
+
+
+_tile_q4k, _tile_q6k, _tile_mx, _tile_q8 = (_tile_intrinsic(kind) for kind in _KINDS)
+
+
+@njit(**JIT_INLINE)
+def _tile(kind, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
+    """The one-slot kernel of ``kind`` (:data:`KIND`): :func:`_tile_ir`."""
+    if kind == 0:
+        _tile_q4k(qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at)
+    elif kind == 1:
+        _tile_q6k(qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at)
+    elif kind == 2:
+        _tile_mx(qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at)
+    else:
+        _tile_q8(qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at)
 
 
 def _loop(k: VectorTile, n, init, body):
@@ -614,6 +777,11 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             qs, t, col = q1, j - t0, n_out0
         n_out, row_bytes = qs.shape[1], qs.shape[2]
         e, first, n = experts[g], starts[g], starts[g + 1] - starts[g]
+        if n == 1:                                       # one slot: the tile in one kernel
+            r0 = t * TR
+            _tile(kind, qs, (e * n_out + r0) * row_bytes, row_bytes, min(TR, n_out - r0), n_blocks, xe,
+                  first * width, out, order[first] * out.shape[1] + col + r0)
+            continue
         # the group's slots in n_pass passes as even as can be (19: 10 then 9; a pass for few slots
         # costs nearly what one for 16 does); each slot's sums are _n_acc vectors, pass after pass
         n_pass = (n + SLOTS - 1) // SLOTS
