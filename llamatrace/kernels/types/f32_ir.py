@@ -113,49 +113,54 @@ def _mxfp4_ir(k: VectorTile, a):
 
 
 def _q4k_ir(k: VectorTile, a):
-    """Q4_K (``m`` its dmin, ``xs`` the sums of x per sub-block of 32 after the activations):
-    per chunk c of 32 bytes (sub-blocks 2c in the low nibbles, 2c + 1 in the high ones) and
-    register of rows a chain per sub-block, then
-    ``acc += (d*sc0) * lo + (d*sc1) * hi - ((dmin*mn0) * xs0 + (dmin*mn1) * xs1)``."""
+    """Q4_K (``m`` its dmin, ``xs`` the sums of x per sub-block of 32 after the activations): the
+    loop runs over chunks c of 32 bytes (sub-blocks 2c in the low nibbles, 2c + 1 in the high
+    ones), not blocks (a whole block unrolled, ~4,600 instructions, ran at 0.85x: two chunks a
+    pass ran at 0.92x, half a chunk no faster); per chunk and register of rows a chain per
+    sub-block, then ``acc += (d*sc0) * lo + (d*sc1) * hi - ((dmin*mn0) * xs0 + (dmin*mn1) * xs1)``.
+    The high nibbles are taken as ``byte & 0xF0`` (16 times the quant: an AND where a shift was,
+    1.03x), their chain's sum scaled back by 1/16: a power of two, so the same sum bit for bit
+    (short of products below float32's normal range)."""
     qs, q_at, x, x_at, d, m, dm_at, n_blocks, ahead = a
     b, c64, lanes = k.b, k.c64, k.lanes
     on = b.icmp_signed("!=", ahead, c64(0))
     block = _block_bytes("q4k")
     lines = block // 64
     vi32 = ir.VectorType(_I32, lanes)
-    low, four = ir.Constant(vi32, [15] * lanes), ir.Constant(vi32, [4] * lanes)
+    low, high = ir.Constant(vi32, [0x0F] * lanes), ir.Constant(vi32, [0xF0] * lanes)
+    sixteenth = k.splat(ir.Constant(k.f32, 1 / 16), k.vf)
     n_in = b.mul(n_blocks, c64(256))
 
-    def body(blk, accs):
+    def body(chunk, accs):
+        blk, c = b.lshr(chunk, c64(2)), b.and_(chunk, c64(3))
         qb = b.add(q_at, b.mul(blk, c64(block)))
-        xb = b.add(x_at, b.mul(blk, c64(256)))
-        xs_at = b.add(b.add(x_at, n_in), b.mul(blk, c64(8)))     # the sums follow the row in x
+        k.prefetch(on, qs, b.add(b.add(qb, b.mul(c, c64(lines // 4 * 64))), ahead), range(lines // 4))
+        xb = b.add(b.add(x_at, b.mul(blk, c64(256))), b.mul(c, c64(64)))
+        qc = b.add(qb, b.mul(c, c64(32 * TR)))                    # byte 16 + 32c of the rows at qc + 16 TR
+        sc_at = b.add(qb, b.mul(c, c64(2 * TR)))                  # sc[2c] (mn[2c] 8 TR further)
+        xs_at = b.add(b.add(b.add(x_at, n_in), b.mul(blk, c64(8))), b.mul(c, c64(2)))   # the sums follow the row in x
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
-        dvec = [k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4) for h in range(len(accs))]
-        mvec = [k.load(m, b.add(dm, c64(h * lanes)), k.vf, 4) for h in range(len(accs))]
-        for c in range(4):
-            k.prefetch(on, qs, b.add(qb, ahead), range(c * lines // 4, (c + 1) * lines // 4))
-            parts = [[None, None] for _ in accs]
-            for l in range(32):
-                xl = k.splat(k.load(x, b.add(xb, c64(64 * c + l)), k.f32, 4), k.vf)
-                xh = k.splat(k.load(x, b.add(xb, c64(64 * c + 32 + l)), k.f32, 4), k.vf)
-                for h, p in enumerate(parts):
-                    v = _bytes(k, qs, b.add(qb, c64((16 + 32 * c + l) * TR + h * lanes)), False, False)
-                    p[0] = _chain(k, p[0], xl, b.sitofp(b.and_(v, low), k.vf))
-                    p[1] = _chain(k, p[1], xh, b.sitofp(b.lshr(v, four), k.vf))
-            xs0, xs1 = (k.splat(k.load(x, b.add(xs_at, c64(2 * c + i)), k.f32, 4), k.vf) for i in (0, 1))
-            new = []
-            for h, (p, acc) in enumerate(zip(parts, accs)):
-                rows = b.add(qb, c64(h * lanes))
-                sc0, sc1, mn0, mn1 = (_bytes(k, qs, b.add(rows, c64(i * TR)), False)
-                                      for i in (2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c))
-                pos = k.fma(b.fmul(dvec[h], sc1), p[1], b.fmul(b.fmul(dvec[h], sc0), p[0]))
-                neg = k.fma(b.fmul(mvec[h], mn1), xs1, b.fmul(b.fmul(mvec[h], mn0), xs0))
-                new.append(b.fadd(acc, b.fsub(pos, neg)))
-            accs = new
-        return accs
+        parts = [[None, None] for _ in accs]
+        for l in range(32):
+            xl = k.splat(k.load(x, b.add(xb, c64(l)), k.f32, 4), k.vf)
+            xh = k.splat(k.load(x, b.add(xb, c64(32 + l)), k.f32, 4), k.vf)
+            for h, p in enumerate(parts):
+                v = _bytes(k, qs, b.add(qc, c64((16 + l) * TR + h * lanes)), False, False)
+                p[0] = _chain(k, p[0], xl, b.sitofp(b.and_(v, low), k.vf))
+                p[1] = _chain(k, p[1], xh, b.sitofp(b.and_(v, high), k.vf))
+        xs0, xs1 = (k.splat(k.load(x, b.add(xs_at, c64(i)), k.f32, 4), k.vf) for i in (0, 1))
+        new = []
+        for h, (p, acc) in enumerate(zip(parts, accs)):
+            dvec = k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4)
+            mvec = k.load(m, b.add(dm, c64(h * lanes)), k.vf, 4)
+            rows = b.add(sc_at, c64(h * lanes))
+            sc0, sc1, mn0, mn1 = (_bytes(k, qs, b.add(rows, c64(i * TR)), False) for i in (0, 1, 8, 9))
+            pos = k.fma(b.fmul(dvec, sc1), b.fmul(p[1], sixteenth), b.fmul(b.fmul(dvec, sc0), p[0]))
+            neg = k.fma(b.fmul(mvec, mn1), xs1, b.fmul(b.fmul(mvec, mn0), xs0))
+            new.append(b.fadd(acc, b.fsub(pos, neg)))
+        return new
 
-    return k.block_loop(n_blocks, TR // lanes, body)
+    return k.block_loop(b.mul(n_blocks, c64(4)), TR // lanes, body)
 
 
 def _escape(b, ptr):
