@@ -126,3 +126,61 @@ def test_as_close_to_the_packed_float32_kernels_as_to_the_reference(qtype):
                        for i, e in enumerate(ids)])
     bound = np.abs(x).astype(np.float64)[:, None, :] * np.abs(np.stack([p.expert(e) for e in ids]))
     np.testing.assert_array_less(np.abs(got.astype(np.float64) - packed), 2e-6 * bound.sum(-1) + 1e-30)
+
+
+# several slots: a tile's rows dequantized into a scratch, then a register-blocked product
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantized_rows_are_gguf_weights_bit_for_bit(qtype):
+    """_deq (blocks 1 .. 3 of a row, at an offset of the scratch) against its twin deq_np over
+    gguf.quants.dequantize; K-quants with any fp16 scales."""
+    p = _experts(qtype, 6, seed=11, std=None if qtype in (T.Q4_K, T.Q6_K) else 0.02)
+    kind = mul_mat_id_f32.KIND[qtype]
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    n_blk = p.n_in // block - 1
+    w = np.full(16 + n_blk * block, np.nan, np.float32)
+    row = 4 * p.n_out + 5                                     # expert 4, row 5
+    mul_mat_id_f32._deq(kind, p.data, row * p.data.shape[2], 1, n_blk, w, 16)
+    want = mul_mat_id_f32.deq_np(p.data[4, 5, nbytes:], qtype)
+    np.testing.assert_array_equal(w[16:].view(np.uint32), want.view(np.uint32))
+    assert np.isnan(w[:16]).all()                             # nothing written before w_at
+
+
+@pytest.mark.parametrize("rows", (1, 2, 4))
+@pytest.mark.parametrize("slots", range(1, mul_mat_id_f32.GEMM_SLOTS + 1))
+def test_gemm_microkernel_against_its_twin(rows, slots):
+    """_gemm on strided rows of w and x, added to a strided acc that already holds sums."""
+    rng = np.random.default_rng(rows * 10 + slots)
+    n_vec, ldw, ldx, lda = 5, 48, 56, (slots + 1) * 8
+    w = rng.standard_normal(rows * ldw + 8).astype(np.float32)
+    x = rng.standard_normal(slots * ldx + 16).astype(np.float32)
+    acc = rng.standard_normal(rows * lda + 8).astype(np.float32)
+    want = acc.copy()
+    mul_mat_id_f32._gemm(rows, slots, w, 8, ldw, x, 16, ldx, n_vec, acc, 8, lda)
+    wv = np.stack([w[8 + r * ldw:8 + r * ldw + 8 * n_vec] for r in range(rows)])
+    xv = np.stack([x[16 + s * ldx:16 + s * ldx + 8 * n_vec] for s in range(slots)])
+    sums = np.zeros((rows, slots, 8), np.float32)
+    mul_mat_id_f32.gemm_np(wv, xv, sums)
+    view = want[8:8 + rows * lda].reshape(rows, lda)[:, :slots * 8].reshape(rows, slots, 8)
+    view += sums
+    bound = np.abs(wv).astype(np.float64)[:, None, :] * np.abs(xv).astype(np.float64)[None, :, :]
+    bound = bound.reshape(rows, slots, n_vec, 8).sum(axis=2)
+    got = acc[8:8 + rows * lda].reshape(rows, lda)[:, :slots * 8].reshape(rows, slots, 8)
+    np.testing.assert_array_less(np.abs(got.astype(np.float64) - view), 1e-6 * bound + 1e-6)
+    untouched = np.ones_like(acc, bool)
+    untouched[8:8 + rows * lda].reshape(rows, lda)[:, :slots * 8] = False
+    np.testing.assert_array_equal(acc[untouched], want[untouched])
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_several_slots_over_chunks_that_do_not_divide_the_row(qtype):
+    """9 slots of one expert on long rows: the inputs in chunks (the last one shorter), 33 rows
+    (the last tile a single row, left over from the 2-row microkernel)."""
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    n_in = 3 * block if qtype in (T.Q4_K, T.Q6_K) else 45 * block
+    n_chunk = mul_mat_id_f32.X_CHUNK // (9 * block)
+    assert 0 < n_chunk < n_in // block and (n_in // block) % n_chunk
+    p = FileExperts("ffn_down_exps", qtype, 33, n_in, _raw(qtype, 33, n_in, seed=13))
+    ids = np.array([3] * 9 + [1, 1, 0], dtype=np.int64)
+    x = _x(len(ids), n_in)
+    _assert_close(mul_mat_id(x, (p,), ids), x, (p,), ids, None)

@@ -3,13 +3,8 @@
 The experts stay as the GGUF file stores them: row-major, each weight row ``n_in / 256`` (Q4_K,
 Q6_K) or ``n_in / 32`` (MXFP4, Q8_0) blocks in a row. One call is one parallel region over work
 items (group of slots, part, tile of :data:`TR` weight rows), as ggml's ``mul_mat_id`` shares a
-node's rows between its threads. Per weight row and up to :data:`SLOTS` slots of the group at
-once, an LLVM IR microkernel (:func:`_row_ir`) turns 8 weights at a time into one float32 vector
-in registers and multiplies it into each slot's row of ``x`` (the activations are the vector's
-other side: no broadcast), so each weight is converted once for all the slots of a pass. The
-sums are vectors over inputs, kept in a small buffer between passes over the inputs (each pass
-covers :data:`X_PASS` floats of the slots' x, so that they stay in L1 while the tile's rows use
-them) and added across lanes at the end.
+node's rows between its threads: a group of one slot runs :func:`_tile_ir`, a group of several
+:func:`_slots_tile` (below).
 
 The arithmetic is float32 activations times ``gguf.quants.dequantize``'s weights. One slot (a
 decode step's experts) takes the products grouped as the packed kernels
@@ -28,14 +23,22 @@ loop, each row's sums in registers from its first block to its last, added acros
 into ``out`` (no buffer between passes, no call and no dispatch a row: those cost the multi-slot
 path's microkernel ~1/5 of Q6_K's decode, 3 blocks a row at qwen3moe's 768).
 
-Several slots (a prefill's groups, ~8 slots an expert at 128 tokens, top-8 of 128) take every
-type's weights themselves, made once in registers, gguf-py's float32 values bit for bit (Q4_K's
-``fma(d*sc, q, -(dmin*mn))`` is gguf-py's ``d*q - dm`` since ``d*sc*q`` is exact), then one FMA
-per slot. Each vector of weights is emitted right before its FMAs (the block functions yield
-them as asked), not a whole block's first: LLVM then keeps them in registers instead of spilling
-32 vectors a block (prefill 1.07x). One slot or several, results differ from float64 sums
-over the dequantized weights by float32 rounding only;
-:func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests hold them to.
+Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
+of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
+on row-major blocks. A chunk of inputs at a time (the slots' x over it, :data:`X_CHUNK` floats,
+stays in L1), :func:`gemm_rows` rows of the tile are dequantized into a float32 scratch
+(:func:`_deq_ir`: gguf-py's values bit for bit; Q4_K's ``fma(d*sc, q, -(dmin*mn))`` is gguf-py's
+``d*q - dm`` since ``d*sc*q`` is exact), then a register-blocked microkernel (:func:`_gemm_ir`:
+2 rows x up to 6 slots, or 4 x 2) multiplies them into the slots' sums: 8-12 FMA chains, 8 loads
+for 12 FMAs. Before, each row's weights were made in registers and multiplied into every slot:
+a load of x for each FMA and one chain a slot (latency-bound under 8 slots). Making two rows'
+weights inside the blocked loop instead (the next rows dequantized within the product's loop,
+tried again) ran 1.6x slower than the two phases (not examined further: the sums, two rows'
+weights and the blocks' bytes and scales are more than 16 registers). Dequantizing costs ~2 cycles a
+vector of 8 weights (a shuffle, a conversion, an FMA, a store), about a third of the time at 8
+slots; the product alone runs at the FMA units' peak in L1 (~48 G multiply-adds/s a core).
+One slot or several, results differ from float64 sums over the dequantized weights by float32
+rounding only; :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests hold them to.
 
 Speed (``benchmarks/bench_mul_mat_id.py``, layer 0 of /tmp/bench's files, against today's path:
 each expert packed, ``registry.matmul`` expert by expert; one thread, CPU time, interleaved, on a
@@ -51,6 +54,13 @@ one thread, CPU time, interleaved, load 4-5, L2-warm / cold): Q4_K 13.0 / 12.0 -
 (the packed dense kernel on the same rows: 15.8 warm), Q6_K 7.3 / 7.6 -> 10.8 / 10.0 (dense
 14.1), MXFP4 10.4 / 10.1 -> 11.1 / 10.9 (dense 11.2).
 
+The prefill figures above are the weights-in-registers path's. The dequantize-then-GEMM path
+against it (layer 0's gate|up then down for 128 random tokens, every slot on its own expert
+choice; one thread, CPU time, interleaved, load 4.2-4.5): qwen3moe 214 -> 185 ms (1.15x; 8 slots
+an expert Q4_K 20 -> 26 G multiply-adds/s, 16 slots 20 -> 32), gpt-oss 504 -> 428 ms (1.18x);
+a whole 128-token prefill, 2 threads, interleaved in one process (load 3.6-4.0): qwen3moe-8
+32.1 -> 37.0 tok/s, gpt-oss-4 32.6 -> 37.6.
+
 Numba caches the drivers by this module's source; the IR is emitted here too, so a change to it
 recompiles them.
 """
@@ -63,7 +73,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.tiles import TR, VectorTile
+from llamatrace.kernels.tiles import TR, VectorTile, prefetch
 from llamatrace.kernels.types.f32_ir import _escape
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
@@ -71,14 +81,6 @@ _T = gguf.GGMLQuantizationType
 
 TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
-
-SLOTS = 16
-"""Slots of one expert one pass over a weight row multiplies at most (more: in passes as even as
-can be). 16 sums and a weight are more than AVX2's 16 vector registers hold, yet a second pass
-(the weights made again) costs more than the spills: qwen3moe's prefill (128 tokens, top-8 of
-128, ~8 slots an expert, up to ~20) ran 1.13x faster than with 8, 1.11x with 12 (layer 0, one
-thread, CPU time, interleaved, load 2.9)."""
-NS = tuple(range(1, SLOTS + 1))
 
 LANES = 8
 """float32 lanes of the microkernels' vectors (ymm; AVX-512 hosts run the same code)."""
@@ -91,7 +93,6 @@ _KINDS = {"q4k": (_T.Q4_K, 256, 144, 8), "q6k": (_T.Q6_K, 256, 210, 0),
           "mxfp4": (_T.MXFP4, 32, 17, 0), "q8_0": (_T.Q8_0, 32, 34, 0)}
 KIND = {v[0]: i for i, v in enumerate(_KINDS.values())}
 """ggml type -> the drivers' ``kind`` argument."""
-KIND_MXFP4 = KIND[_T.MXFP4]
 _KIND_SHAPES = tuple(_KINDS.values())
 
 
@@ -323,62 +324,12 @@ _BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _
 
 
 # --------------------------------------------------------------------------------------------
-# the microkernel: one weight row against ns slots
+# one slot: a work item's tile of rows in one kernel
 
 
 AHEAD = 4096
 """Bytes ahead of the block being read that each block asks into L2: the file's 4 KiB pages stop
 the hardware's prefetch at every page, which a running read does not."""
-
-X_PASS = 6144
-"""float32 of the slots' x one pass over a tile's rows covers (16 KiB: half of L1), at least a block."""
-
-
-def _n_acc(ns: int) -> int:
-    """Independent FMA chains (vectors of sums) per slot: enough chains in flight for few slots."""
-    return 4 if ns == 1 else 2 if ns < 4 else 1
-
-
-_n_acc_nb = njit(**JIT_INLINE)(_n_acc)
-
-
-def _row_ir(kind: str, ns: int, k: VectorTile, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
-    """Blocks ``blk0 .. blk0 + n_blk`` (n_blk >= 1) of one weight row (block 0 at byte ``q_at`` of
-    ``qs``, a row of ``n_blocks``) times slots ``s < ns`` (x rows at ``x_at + s * ldx``, laid out
-    as :func:`_matmul_id` lays them out), added to the slots' vectors of sums at ``acc_at`` of
-    ``acc`` (:func:`_n_acc` vectors a slot, one slot after the other). One slot: each block's
-    products summed per scale group, then scaled (Q4_K less ``(dmin*mn) * sum(x)`` per sub-block,
-    from the sums after x's ``n_in`` inputs); several: the weights made once, then an FMA per slot."""
-    b, c64 = k.b, k.c64
-    _, per_block, block_bytes, sums = _KINDS[kind]
-    exact = ns > 1
-    n_acc = _n_acc(ns)
-    n_in = b.mul(n_blocks, c64(per_block))
-    rows = [b.add(x_at, b.mul(ldx, c64(s))) for s in range(ns)]
-    at = [b.add(acc_at, c64((s * n_acc + a) * LANES)) for s in range(ns) for a in range(n_acc)]
-
-    def body(i, accs):
-        accs = list(accs)
-        blk = b.add(blk0, i)
-        qb = b.add(q_at, b.mul(blk, c64(block_bytes)))
-        if AHEAD:
-            k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
-        xb = [b.add(r, b.mul(blk, c64(per_block))) for r in rows]
-        groups, mins = _BLOCK[kind](k, qs, qb, exact)
-        turn = 0
-        if exact:                                        # the weights, made as used: straight into the sums
-            for w, off in groups:
-                for s in range(ns):
-                    j = s * n_acc + turn % n_acc
-                    accs[j] = k.fma(w, k.load(x, b.add(xb[s], c64(off)), k.vf, 4), accs[j])
-                turn += 1
-            return accs
-        return _one_slot_block(k, [(groups, mins, accs)], x, xb[0], b.add(b.add(rows[0], n_in), b.mul(blk, c64(sums))))[0]
-
-    outs = _loop(k, n_blk, [k.load(acc, a, k.vf, 4) for a in at], body)
-    for a, v in zip(at, outs):
-        b.store(v, k.ptr(acc, a, k.vf), align=4)
-
 
 def _one_slot_block(k: VectorTile, rows, x, xb, sums_at):
     """One slot's sums of one block of each of ``rows`` (``(groups, mins, accs)``: :data:`_BLOCK`'s
@@ -531,177 +482,6 @@ def _loop(k: VectorTile, n, init, body):
     return new
 
 
-def _row_intrinsic(kind: str, ns: int):
-    def typer(typingctx, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
-        if not (isinstance(qs, types.Array) and qs.dtype == types.uint8 and isinstance(x, types.Array)
-                and x.dtype == types.float32 and isinstance(acc, types.Array) and acc.dtype == types.float32):
-            return None
-        sig = types.void(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-
-        def codegen(context, builder, signature, args):
-            flat = list(args)
-            for i in (0, 5, 8):
-                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            k = VectorTile(builder, LANES)
-            for i in (1, 2, 3, 4, 6, 7, 9):
-                flat[i] = k.i64(flat[i])
-            _row_ir(kind, ns, k, *flat)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    typer.__name__ = f"row_{kind}_{ns}"
-    typer.__doc__ = f"{kind} microkernel for {ns} slot(s): :func:`_row_ir`."
-    return intrinsic(typer)
-
-
-(_q4k_1, _q4k_2, _q4k_3, _q4k_4, _q4k_5, _q4k_6, _q4k_7, _q4k_8, _q4k_9, _q4k_10, _q4k_11, _q4k_12,
- _q4k_13, _q4k_14, _q4k_15, _q4k_16) = (_row_intrinsic("q4k", n) for n in NS)
-(_q6k_1, _q6k_2, _q6k_3, _q6k_4, _q6k_5, _q6k_6, _q6k_7, _q6k_8, _q6k_9, _q6k_10, _q6k_11, _q6k_12,
- _q6k_13, _q6k_14, _q6k_15, _q6k_16) = (_row_intrinsic("q6k", n) for n in NS)
-(_mx_1, _mx_2, _mx_3, _mx_4, _mx_5, _mx_6, _mx_7, _mx_8, _mx_9, _mx_10, _mx_11, _mx_12, _mx_13,
- _mx_14, _mx_15, _mx_16) = (_row_intrinsic("mxfp4", n) for n in NS)
-(_q8_1, _q8_2, _q8_3, _q8_4, _q8_5, _q8_6, _q8_7, _q8_8, _q8_9, _q8_10, _q8_11, _q8_12, _q8_13,
- _q8_14, _q8_15, _q8_16) = (_row_intrinsic("q8_0", n) for n in NS)
-
-
-@njit(**JIT_INLINE)
-def _row(kind, ns, qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at):
-    """The microkernel of ``kind`` (:data:`KIND`) for ``ns`` (1 .. :data:`SLOTS`) slots."""
-    if kind == 0:
-        if ns == 16:
-            _q4k_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 15:
-            _q4k_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 14:
-            _q4k_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 13:
-            _q4k_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 12:
-            _q4k_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 11:
-            _q4k_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 10:
-            _q4k_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 9:
-            _q4k_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 8:
-            _q4k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 7:
-            _q4k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 6:
-            _q4k_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 5:
-            _q4k_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 4:
-            _q4k_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 3:
-            _q4k_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 2:
-            _q4k_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        else:
-            _q4k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-    elif kind == 1:
-        if ns == 16:
-            _q6k_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 15:
-            _q6k_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 14:
-            _q6k_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 13:
-            _q6k_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 12:
-            _q6k_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 11:
-            _q6k_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 10:
-            _q6k_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 9:
-            _q6k_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 8:
-            _q6k_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 7:
-            _q6k_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 6:
-            _q6k_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 5:
-            _q6k_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 4:
-            _q6k_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 3:
-            _q6k_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 2:
-            _q6k_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        else:
-            _q6k_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-    elif kind == 2:
-        if ns == 16:
-            _mx_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 15:
-            _mx_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 14:
-            _mx_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 13:
-            _mx_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 12:
-            _mx_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 11:
-            _mx_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 10:
-            _mx_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 9:
-            _mx_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 8:
-            _mx_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 7:
-            _mx_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 6:
-            _mx_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 5:
-            _mx_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 4:
-            _mx_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 3:
-            _mx_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 2:
-            _mx_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        else:
-            _mx_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-    else:
-        if ns == 16:
-            _q8_16(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 15:
-            _q8_15(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 14:
-            _q8_14(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 13:
-            _q8_13(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 12:
-            _q8_12(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 11:
-            _q8_11(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 10:
-            _q8_10(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 9:
-            _q8_9(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 8:
-            _q8_8(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 7:
-            _q8_7(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 6:
-            _q8_6(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 5:
-            _q8_5(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 4:
-            _q8_4(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 3:
-            _q8_3(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        elif ns == 2:
-            _q8_2(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-        else:
-            _q8_1(qs, q_at, blk0, n_blk, n_blocks, x, x_at, ldx, acc, acc_at)
-
-
 def _total_intrinsic(n_vec: int):
     def typer(typingctx, acc, at):
         if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
@@ -727,18 +507,236 @@ def _total_intrinsic(n_vec: int):
     return intrinsic(typer)
 
 
-_total_1, _total_2, _total_4 = (_total_intrinsic(n) for n in (1, 2, 4))
+_total_1 = _total_intrinsic(1)
+
+
+# --------------------------------------------------------------------------------------------
+# several slots: a chunk of a tile's rows dequantized into L1, then a register-blocked product
+
+
+X_CHUNK = 6144
+"""float32 of the slots' x one chunk of inputs covers (24 KiB) while the tile's rows use it."""
+W_CHUNK = 4096
+"""float32 of dequantized weights (:func:`gemm_rows` of a tile's rows, a chunk of inputs each) at once (16 KiB)."""
+PF_ROWS = 4
+"""Rows ahead of the one dequantized that the first chunk of a tile asks into the caches, whole:
+the later chunks find the tile there (a row's blocks are read a chunk at a time, too little of
+a 4 KiB page for the hardware's prefetch)."""
+GEMM_SLOTS = 6
+"""Slots of one microkernel call at most: 2 rows x 6 slots of sums, 2 weight vectors and one of
+x fill AVX2's 16 registers (the classic sgemm kernel's 6 x 2, with the sums over inputs)."""
+
+
+def gemm_rows(slots: int) -> int:
+    """Weight rows of one microkernel call for ``slots`` slots: 8 or more FMA chains in flight
+    (Zen 3: latency 4, 2 a cycle), the sums, weights and x in 16 registers."""
+    return 4 if slots <= 2 else 2
+
+
+def _deq_ir(kind: str, k: VectorTile, qs, q_at, blk0, n_blk, w, w_at) -> None:
+    """Blocks ``blk0 .. blk0 + n_blk`` (n_blk >= 1) of one weight row (block 0 at byte ``q_at`` of
+    ``qs``) as float32 at ``w_at`` of ``w``, block i's weights from ``w_at + i * per_block``, each
+    32 inputs in :data:`X_ORDER`: gguf-py's values bit for bit (the block functions' ``exact``)."""
+    b, c64 = k.b, k.c64
+    _, per_block, block_bytes, _ = _KINDS[kind]
+
+    def body(i, _):
+        blk = b.add(blk0, i)
+        qb = b.add(q_at, b.mul(blk, c64(block_bytes)))
+        at = b.add(w_at, b.mul(i, c64(per_block)))
+        groups, _ = _BLOCK[kind](k, qs, qb, True)
+        for v, off in groups:
+            b.store(v, k.ptr(w, b.add(at, c64(off)), k.vf), align=4)
+        return []
+
+    _loop(k, n_blk, [], body)
+
+
+def _deq_intrinsic(kind: str):
+    def typer(typingctx, qs, q_at, blk0, n_blk, w, w_at):
+        if not (isinstance(qs, types.Array) and qs.dtype == types.uint8 and isinstance(w, types.Array)
+                and w.dtype == types.float32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 4):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            k = VectorTile(builder, LANES)
+            for i in (1, 2, 3, 5):
+                flat[i] = k.i64(flat[i])
+            _deq_ir(kind, k, *flat)
+            return context.get_dummy_value()
+
+        return types.void(qs, q_at, blk0, n_blk, w, w_at), codegen
+
+    typer.__name__ = f"deq_{kind}"
+    typer.__doc__ = f"{kind} blocks of one row dequantized: :func:`_deq_ir`."
+    return intrinsic(typer)
+
+
+_deq_q4k, _deq_q6k, _deq_mx, _deq_q8 = (_deq_intrinsic(kind) for kind in _KINDS)
 
 
 @njit(**JIT_INLINE)
-def _total(acc, at, n_vec):
-    """A slot's sums (``n_vec`` vectors at ``at`` of ``acc``) added up, as a tree (a loop over the
-    floats one by one cost a fifth of a decode row's time: each add waited on the last)."""
-    if n_vec == 4:
-        return _total_4(acc, at)
-    if n_vec == 2:
-        return _total_2(acc, at)
-    return _total_1(acc, at)
+def _deq(kind, qs, q_at, blk0, n_blk, w, w_at):
+    if kind == 0:
+        _deq_q4k(qs, q_at, blk0, n_blk, w, w_at)
+    elif kind == 1:
+        _deq_q6k(qs, q_at, blk0, n_blk, w, w_at)
+    elif kind == 2:
+        _deq_mx(qs, q_at, blk0, n_blk, w, w_at)
+    else:
+        _deq_q8(qs, q_at, blk0, n_blk, w, w_at)
+
+
+def _gemm_ir(rows: int, slots: int, k: VectorTile, w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda) -> None:
+    """``acc[acc_at + r*lda + 8s + l] += sum_{i < n_vec} w[w_at + r*ldw + 8i + l] * x[x_at + s*ldx + 8i + l]``
+    for ``r < rows``, ``s < slots``, lanes ``l < 8``: each sum one FMA chain over i from zero."""
+    b, c64 = k.b, k.c64
+    w_rows = [b.add(w_at, b.mul(ldw, c64(r))) for r in range(rows)]
+    x_rows = [b.add(x_at, b.mul(ldx, c64(s))) for s in range(slots)]
+
+    def body(i, sums):
+        o = b.mul(i, c64(LANES))
+        wv = [k.load(w, b.add(wr, o), k.vf, 4) for wr in w_rows]
+        new = list(sums)
+        for s, xr in enumerate(x_rows):
+            xv = k.load(x, b.add(xr, o), k.vf, 4)
+            for r in range(rows):
+                new[r * slots + s] = k.fma(wv[r], xv, sums[r * slots + s])
+        return new
+
+    sums = k.block_loop(n_vec, rows * slots, body)
+    for r in range(rows):
+        for s in range(slots):
+            at = b.add(acc_at, b.add(b.mul(lda, c64(r)), c64(s * LANES)))
+            old = k.load(acc, at, k.vf, 4)
+            b.store(b.fadd(old, sums[r * slots + s]), k.ptr(acc, at, k.vf), align=4)
+
+
+def _gemm_intrinsic(rows: int, slots: int):
+    def typer(typingctx, w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda):
+        if not all(isinstance(a, types.Array) and a.dtype == types.float32 for a in (w, x, acc)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 3, 7):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            k = VectorTile(builder, LANES)
+            for i in (1, 2, 4, 5, 6, 8, 9):
+                flat[i] = k.i64(flat[i])
+            _gemm_ir(rows, slots, k, *flat)
+            return context.get_dummy_value()
+
+        return types.void(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda), codegen
+
+    typer.__name__ = f"gemm_{rows}x{slots}"
+    typer.__doc__ = f"{rows} rows x {slots} slots: :func:`_gemm_ir`."
+    return intrinsic(typer)
+
+
+(_g1x1, _g1x2, _g1x3, _g1x4, _g1x5, _g1x6, _g2x1, _g2x2, _g2x3, _g2x4, _g2x5, _g2x6,
+ _g4x1, _g4x2, _g4x3, _g4x4, _g4x5, _g4x6) = (_gemm_intrinsic(r, s) for r in (1, 2, 4)
+                                             for s in range(1, GEMM_SLOTS + 1))
+
+
+@njit(**JIT_INLINE)
+def _gemm(rows, slots, w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda):
+    """The microkernel for ``rows`` (1, 2, 4) weight rows and ``slots`` (1 .. :data:`GEMM_SLOTS`)."""
+    if rows == 4:
+        if slots == 1:
+            _g4x1(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 2:
+            _g4x2(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 3:
+            _g4x3(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 4:
+            _g4x4(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 5:
+            _g4x5(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        else:
+            _g4x6(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+    elif rows == 2:
+        if slots == 1:
+            _g2x1(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 2:
+            _g2x2(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 3:
+            _g2x3(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 4:
+            _g2x4(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 5:
+            _g2x5(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        else:
+            _g2x6(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+    else:
+        if slots == 1:
+            _g1x1(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 2:
+            _g1x2(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 3:
+            _g1x3(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 4:
+            _g1x4(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        elif slots == 5:
+            _g1x5(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+        else:
+            _g1x6(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+
+
+def deq_np(blocks: np.ndarray, ggml_type) -> np.ndarray:
+    """NumPy twin of :func:`_deq`: uint8 ``[n_blk * block_bytes]`` (one row's blocks) -> float32
+    ``[n_blk * per_block]``, ``gguf.quants.dequantize``'s weights with each 32 in :data:`X_ORDER`."""
+    w = np.asarray(gguf.quants.dequantize(blocks, ggml_type), dtype=np.float32).reshape(-1, 32)
+    return np.ascontiguousarray(w[:, X_ORDER]).reshape(-1)
+
+
+def gemm_np(w: np.ndarray, x: np.ndarray, acc: np.ndarray) -> None:
+    """NumPy twin of :func:`_gemm`: ``acc[r, s, l] += sum_i w[r, 8i + l] * x[s, 8i + l]`` (float64
+    sums, added in float32) for w float32 ``[rows, 8n]``, x ``[slots, 8n]``, acc ``[rows, slots, 8]``."""
+    prod = w.astype(np.float64)[:, None, :] * x.astype(np.float64)[None, :, :]
+    acc += prod.reshape(w.shape[0], x.shape[0], -1, LANES).sum(axis=2).astype(np.float32)
+
+
+@njit(**JIT_INLINE)
+def _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc):
+    """Rows ``r0 .. r1`` of expert ``e`` (``qs`` uint8 ``[n_expert, n_out, row_bytes]``) times the
+    ``n`` >= 2 slots ``first ..`` of ``xe`` (as :func:`_matmul_id` lays them out): their sums per
+    lane added to ``acc`` (float32, ``[r1 - r0, n, LANES]`` flat). A chunk of inputs at a time (the
+    slots' x over it in L1), the tile's rows :func:`gemm_rows` at a time are dequantized into a
+    scratch and multiplied into the slots, :data:`GEMM_SLOTS` or fewer a call, as even as can be."""
+    n_out, row_bytes = qs.shape[1], qs.shape[2]
+    width = xe.shape[1]
+    n_call = (n + GEMM_SLOTS - 1) // GEMM_SLOTS
+    base, extra = n // n_call, n % n_call
+    rows = 4 if base + (1 if extra else 0) <= 2 else 2
+    per_pass = max(1, min(X_CHUNK // (n * per_block), W_CHUNK // (rows * per_block)))
+    ldw = per_pass * per_block
+    w = np.empty(rows * ldw, np.float32)
+    for b0 in range(0, n_blocks, per_pass):
+        n_blk = min(per_pass, n_blocks - b0)
+        n_vec = n_blk * per_block // LANES
+        for r in range(r0, r1, rows):
+            m = min(rows, r1 - r)
+            for j in range(m):
+                q_at = (e * n_out + r + j) * row_bytes
+                if b0 == 0 and q_at + (PF_ROWS + 1) * row_bytes <= qs.size:
+                    for o in range(0, row_bytes, 64):  # the first pass asks for whole rows ahead
+                        prefetch(qs, q_at + PF_ROWS * row_bytes + o)
+                _deq(kind, qs, q_at, b0, n_blk, w, j * ldw)
+            s0 = 0
+            for i in range(n_call):
+                ns = base + (1 if i < extra else 0)
+                x_at = (first + s0) * width + b0 * per_block
+                at = ((r - r0) * n + s0) * LANES
+                if m == rows:
+                    _gemm(rows, ns, w, 0, ldw, xe, x_at, width, n_vec, acc, at, n * LANES)
+                else:
+                    for j in range(m):
+                        _gemm(1, ns, w, j * ldw, ldw, xe, x_at, width, n_vec, acc, at + j * n * LANES, n * LANES)
+                s0 += ns
 
 
 # --------------------------------------------------------------------------------------------
@@ -782,40 +780,12 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             _tile(kind, qs, (e * n_out + r0) * row_bytes, row_bytes, min(TR, n_out - r0), n_blocks, xe,
                   first * width, out, order[first] * out.shape[1] + col + r0)
             continue
-        # the group's slots in n_pass passes as even as can be (19: 10 then 9; a pass for few slots
-        # costs nearly what one for 16 does); each slot's sums are _n_acc vectors, pass after pass
-        n_pass = (n + SLOTS - 1) // SLOTS
-        base, extra = n // n_pass, n % n_pass
-        row_stride = 0
-        for i in range(n_pass):
-            ns = base + (1 if i < extra else 0)
-            row_stride += ns * _n_acc_nb(ns) * LANES
-        r0, r1 = t * TR, min((t + 1) * TR, n_out)
-        acc = np.zeros((r1 - r0) * row_stride, np.float32)
-        # blocks of inputs such that the slots' x over them stay in L1 while the tile's rows use it
-        per_pass = max(1, X_PASS // (n * per_block))
-        for b0 in range(0, n_blocks, per_pass):
-            n_blk = min(per_pass, n_blocks - b0)
-            for r in range(r0, r1):
-                q_at = (e * n_out + r) * row_bytes
-                s0, at = first, (r - r0) * row_stride
-                for i in range(n_pass):
-                    ns = base + (1 if i < extra else 0)
-                    _row(kind, ns, qs, q_at, b0, n_blk, n_blocks, xe, s0 * width, width, acc, at)
-                    at += ns * _n_acc_nb(ns) * LANES
-                    s0 += ns
-        for r in range(r0, r1):
-            s0, at = first, (r - r0) * row_stride
-            for i in range(n_pass):
-                ns = base + (1 if i < extra else 0)
-                n_vec = _n_acc_nb(ns)
-                for s in range(ns):
-                    total = _total(acc, at + s * n_vec * LANES, n_vec)
-                    if kind == KIND_MXFP4 and ns == 1:
-                        total *= np.float32(_TOP)        # its kvalues came times 2**24
-                    out[order[s0 + s], col + r] = total
-                at += ns * n_vec * LANES
-                s0 += ns
+        r0, r1 = t * TR, min((t + 1) * TR, n_out)        # several: dequantized into L1, then a GEMM
+        acc = np.zeros((r1 - r0) * n * LANES, np.float32)
+        _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc)
+        for r in range(r1 - r0):
+            for s in range(n):
+                out[order[first + s], col + r0 + r] = _total_1(acc, (r * n + s) * LANES)
 
 
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
