@@ -142,13 +142,6 @@ def _const(values, ty=_I8):
     return ir.Constant(ir.VectorType(ty, len(values)), values)
 
 
-def _pick(k: VectorTile, v, idx, ty=_I32):
-    """``v``'s bytes at ``idx`` zero-extended to ``ty`` lanes."""
-    b = k.b
-    sub = b.shuffle_vector(v, ir.Constant(v.type, None), _const(idx, _I32))
-    return b.zext(sub, ir.VectorType(ty, len(idx)))
-
-
 def _q4k_block(k: VectorTile, qs, qb, exact: bool):
     """Q4_K (d, dmin, scales[12], qs[128]): per chunk j of 32 bytes, sub-block 2j in the low
     nibbles (inputs 64j + l) and 2j + 1 in the high ones (64j + 32 + l); the 6-bit scales and mins
