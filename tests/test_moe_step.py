@@ -115,6 +115,28 @@ def test_expert_parts_refuse_parts_that_differ_or_have_no_kernel(raw):
         mmid.ExpertParts((_experts("gate", 6, 64, 0, T.Q4_0),), "q8")
 
 
+def test_moe_weights_keep_one_expert_parts_a_call_site_when_the_search_swaps_experts(raw):
+    """The recipe search puts candidate after candidate into a layer's experts: each call site
+    keeps the parts of its current experts only, so a replaced candidate's bytes can be freed."""
+    import gc
+    import weakref
+
+    from llamatrace.model.moe import MoEWeights
+    mw = MoEWeights(router=None, w2=_experts("down", 64, 32, 0), w1=_experts("gate", 32, 64, 1),
+                    w3=_experts("up", 32, 64, 2))
+    x = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
+    ids = np.array([4, 1, 0, 4])
+    gone = []
+    for seed in range(4):
+        gone.append(weakref.ref(mw.w2))
+        mw.w2 = _experts("down", 64, 32, 10 + seed)             # the search's candidate
+        h = mw.gate_up(x, ids, np.array([0, 0, 1, 1]))[:, :32].copy()
+        np.testing.assert_array_equal(mw.down(h, ids), mmid.mul_mat_id(h, (mw.w2,), ids))
+        assert len(mw._in_file) == 2                              # "gate_up" and "down", no more
+    gc.collect()
+    assert all(ref() is None for ref in gone)
+
+
 @pytest.mark.parametrize("act", routing.GLU_ACTS)
 @pytest.mark.parametrize("n_slots", [1, 8, 64])          # 64: the threaded variant
 def test_expert_glu_is_the_bias_add_and_swiglu_it_replaces_bit_for_bit(act, n_slots):
@@ -150,6 +172,19 @@ def test_combine_adds_each_slot_s_down_bias_first_bit_for_bit():
     got = routing.combine(down, weights, bias, ids)
     np.testing.assert_array_equal(got, routing.combine(down + bias[ids], weights))
     np.testing.assert_array_equal(got, routing.combine_ref(down, weights, bias, ids))
+
+
+def test_combine_and_expert_glu_refuse_a_bias_or_weights_of_another_shape():
+    """The kernels index them unchecked: a narrower bias was read past its end."""
+    down, weights, ids = np.zeros((2, 3, 8), np.float32), np.ones((2, 3), np.float32), np.zeros((2, 3), np.int64)
+    with pytest.raises(ValueError, match=r"must be \[n_expert, 8\]"):
+        routing.combine(down, weights, np.zeros((4, 5), np.float32), ids)
+    with pytest.raises(ValueError, match="with each slot's expert id"):
+        routing.combine(down, weights, np.zeros((4, 8), np.float32))
+    with pytest.raises(ValueError, match=r"weights \[2, 2\]"):
+        routing.combine(down, weights[:, :2])
+    with pytest.raises(ValueError, match=r"must be \[n_expert, 8\]"):
+        routing.expert_glu(np.zeros((2, 8), np.float32), "silu", np.zeros((4, 6), np.float32), np.array([0, 1]))
 
 
 @pytest.mark.parametrize("name", ["gptoss", "qwen3moe"])

@@ -118,17 +118,14 @@ def huge_page_bytes(smaps_rollup: str) -> int:
 
 def process_huge_page_bytes() -> int:
     """:func:`huge_page_bytes` of this process; 0 where ``/proc`` cannot tell (not Linux)."""
-    try:
-        with open("/proc/self/smaps_rollup", encoding="ascii", errors="replace") as fh:
-            return huge_page_bytes(fh.read())
-    except OSError:
-        return 0
+    return huge_page_bytes(_proc_self("smaps_rollup"))
 
 
 def mapped_file_bytes(smaps: str, path: str) -> int:
     """Resident bytes of the maps of file ``path`` (absolute, resolved), from the text of a
     process's ``/proc/PID/smaps``: the pages of a memory-mapped GGUF that the runs read (a
-    mixture of experts' experts that were never chosen stay on disk)."""
+    mixture of experts' experts that were never chosen stay on disk). A page two maps of the file
+    hold counts twice."""
     total, ours = 0, False
     for line in smaps.splitlines():
         fields = line.split(maxsplit=5)

@@ -120,7 +120,7 @@ class MoEWeights:
     shexp_w2: packing.Weight | None = None   # ffn_down_shexp [dim, shexp_hidden_dim]
     shexp_gate: packing.Weight | None = None  # ffn_gate_inp_shexp [1, dim]
     activations: str = "f32"                 # the mode FileExperts run in (mul_mat_id's activations)
-    _in_file: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # kinds -> ExpertParts
+    _in_file: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # site -> (kinds, ExpertParts)
 
     def _kinds(self) -> list[Experts]:
         return [k for k in (self.w2, self.w13, self.w1, self.w3) if k is not None]
@@ -143,33 +143,38 @@ class MoEWeights:
         """Each slot's gate|up product, without biases: slot ``i`` is row ``rows[i]`` of ``x``
         (float32 ``[n_rows, dim]``; ``rows`` None: row ``i``) through expert ``ids[i]``. float32
         ``[n_slots, 2*expert_hidden_dim]``, gate's columns first."""
-        return self._slots((self.w13,) if self.w13 is not None else (self.w1, self.w3), x, ids, rows)
+        return self._slots("gate_up", (self.w13,) if self.w13 is not None else (self.w1, self.w3), x, ids, rows)
 
     def down(self, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Each slot's down projection, without bias: row ``i`` of ``h`` (float32 ``[n_slots,
         expert_hidden_dim]``) through expert ``ids[i]``. float32 ``[n_slots, dim]``."""
-        return self._slots((self.w2,), h, ids, None)
+        return self._slots("down", (self.w2,), h, ids, None)
 
-    def _slots(self, kinds: tuple[Experts, ...], x: np.ndarray, ids: np.ndarray,
+    def _slots(self, site: str, kinds: tuple[Experts, ...], x: np.ndarray, ids: np.ndarray,
                rows: np.ndarray | None) -> np.ndarray:
         """``x[rows[i]]`` through expert ``ids[i]`` of each kind, the kinds' outputs side by side:
         one :func:`~llamatrace.kernels.mul_mat_id.mul_mat_id` call when they are all in the file in
-        one type (an :class:`~llamatrace.kernels.mul_mat_id.ExpertParts` checked once, kept per
-        tuple of kinds: a field reassigned, as the recipe search does, gets its own), else kind by
-        kind (packed ones expert by expert, as ``ggml_mul_mat_id`` groups the rows)."""
+        one type (an :class:`~llamatrace.kernels.mul_mat_id.ExpertParts` checked once, kept per call
+        ``site`` while its kinds stay the same objects: the recipe search reassigns them candidate
+        after candidate, and each replaces the last), else kind by kind (packed ones expert by
+        expert, as ``ggml_mul_mat_id`` groups the rows)."""
         if all(isinstance(k, FileExperts) for k in kinds):
-            run = self._in_file.get(kinds)
-            if run is None and len({k.ggml_type for k in kinds}) == 1:
-                run = self._in_file[kinds] = mmid.ExpertParts(kinds, self.activations)
-            if run is not None:
-                return run(x, ids, rows)
+            kept = self._in_file.get(site)
+            if kept is None or kept[0] != kinds:          # FileExperts compare by identity
+                one_type = len({k.ggml_type for k in kinds}) == 1
+                kept = self._in_file[site] = (kinds, mmid.ExpertParts(kinds, self.activations) if one_type else None)
+            if kept[1] is not None:
+                return kept[1](x, ids, rows)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(kinds) > 1:
-            return np.concatenate([self._slots((k,), x, ids, rows) for k in kinds], axis=1)
+            return np.concatenate([self._slots(f"{site}.{i}", (k,), x, ids, rows) for i, k in enumerate(kinds)],
+                                  axis=1)
         w = kinds[0]
         rows = np.arange(ids.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
         out = np.empty((ids.shape[0], w[0].n_out), dtype=np.float32)
-        for e, sel in _groups(ids):
+        order, starts, experts = mmid.groups(ids)
+        for g, e in enumerate(experts):
+            sel = order[starts[g]:starts[g + 1]]
             out[sel] = matmul(np.ascontiguousarray(x[rows[sel]]), w[e])
         return out
 
@@ -399,14 +404,6 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     for s in range(1, k):                        # slot by slot, as llama.cpp's chain of adds
         out += weighted[:, s]
     return _shared(x, mw, emit, layer, emit("ffn_moe_out", layer, out))
-
-
-def _groups(flat: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """The (token, slot) pairs (rows of ``flat``, the ids [seq_len * k]) grouped by expert, as
-    ``ggml_mul_mat_id`` groups them: ``[(expert, rows)]``, each expert's rows in one call."""
-    order = np.argsort(flat, kind="stable")
-    experts, starts = np.unique(flat[order], return_index=True)
-    return [(int(e), order[a:b]) for e, a, b in zip(experts, starts, list(starts[1:]) + [len(order)])]
 
 
 def _shared(x: np.ndarray, mw: MoEWeights, emit: Emit, layer: int, moe_out: np.ndarray) -> np.ndarray:

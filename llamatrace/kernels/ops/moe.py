@@ -177,10 +177,14 @@ def route_ref(logits: np.ndarray, k: int, gating: str = "softmax",
 _NO_BIAS = np.zeros((0, 0), dtype=np.float32)
 
 
-def _bias_args(bias: np.ndarray | None, ids: np.ndarray | None, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 ``[n_expert, width]`` and int64 ``[n_slots]`` C-contiguous for the kernels (an empty bias: none)."""
+def _bias_args(bias: np.ndarray | None, ids: np.ndarray | None, n_slots: int,
+               width: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 ``[n_expert, width]`` and int64 ``[n_slots]`` C-contiguous for the kernels (an empty
+    bias: none), or ValueError: the kernels index them unchecked."""
     if bias is None:
         return _NO_BIAS, np.zeros(n_slots, dtype=np.int64)
+    if ids is None or np.ndim(bias) != 2 or np.shape(bias)[1] != width:
+        raise ValueError(f"expert bias: {list(np.shape(bias))} must be [n_expert, {width}], with each slot's expert id")
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     if ids.shape[0] != n_slots or (n_slots and not 0 <= ids.min() <= ids.max() < bias.shape[0]):
         raise ValueError(f"expert bias: ids {list(ids.shape)} must be {n_slots} experts in 0..{bias.shape[0] - 1}")
@@ -227,11 +231,14 @@ def combine(experts: np.ndarray, weights: np.ndarray, bias: np.ndarray | None = 
         float32 ``[n_tokens, dim]``.
 
     Raises:
-        ValueError: ids that do not fit the slots or the bias.
+        ValueError: shapes that disagree, a bias without ids, ids that do not fit the slots or the bias.
     """
     experts = np.ascontiguousarray(experts, dtype=np.float32)
     weights = np.ascontiguousarray(weights, dtype=np.float32)
-    bias, ids = _bias_args(bias, ids, experts.shape[0] * experts.shape[1])
+    if experts.ndim != 3 or weights.shape != experts.shape[:2]:
+        raise ValueError(f"combine: experts {list(experts.shape)} must be [n_tokens, k, dim] and weights "
+                         f"{list(weights.shape)} [n_tokens, k]")
+    bias, ids = _bias_args(bias, ids, experts.shape[0] * experts.shape[1], experts.shape[2])
     out = np.empty((experts.shape[0], experts.shape[2]), dtype=np.float32)
     _combine(experts, weights, bias, ids, out)
     return out
@@ -315,14 +322,13 @@ def expert_glu(gate_up: np.ndarray, act: str, bias: np.ndarray | None = None,
         float32 ``[n_slots, expert_hidden_dim]``.
 
     Raises:
-        ValueError: an unknown ``act``, an odd width, ids that do not fit.
+        ValueError: an unknown ``act``, an odd width, a bias of another width or without ids, ids that do not fit.
     """
     gate_up = np.ascontiguousarray(gate_up, dtype=np.float32)
-    if act not in GLU_ACTS or gate_up.ndim != 2 or gate_up.shape[1] % 2 or (
-            bias is not None and np.shape(bias)[1:] != gate_up.shape[1:]):
+    if act not in GLU_ACTS or gate_up.ndim != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"expert_glu: act {act!r} must be one of {GLU_ACTS}, gate_up {list(gate_up.shape)} "
-                         f"[n_slots, 2*hidden] and a bias of as many columns")
-    bias, ids = _bias_args(bias, ids, gate_up.shape[0])
+                         f"[n_slots, 2*hidden]")
+    bias, ids = _bias_args(bias, ids, gate_up.shape[0], gate_up.shape[1])
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
     run = _glu_parallel if gate_up.shape[0] > 1 and out.size > _PARALLEL_GLU else _glu_serial
     run(gate_up, bias, ids, act == "swiglu_oai", np.float32(SWIGLU_OAI_ALPHA), np.float32(SWIGLU_OAI_LIMIT), out)
