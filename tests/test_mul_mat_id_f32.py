@@ -146,10 +146,10 @@ def test_dequantized_rows_are_gguf_weights_bit_for_bit(qtype):
     assert np.isnan(w[:16]).all()                             # nothing written before w_at
 
 
-@pytest.mark.parametrize("rows", (1, 2, 4))
-@pytest.mark.parametrize("slots", range(1, mul_mat_id_f32.GEMM_SLOTS + 1))
+@pytest.mark.parametrize(("rows", "slots"), mul_mat_id_f32.GEMM_PAIRS)
 def test_gemm_microkernel_against_its_twin(rows, slots):
-    """_gemm on strided rows of w and x, added to a strided acc that already holds sums."""
+    """_gemm on strided rows of w and x, added to a strided acc that already holds sums: each
+    (rows, slots) the multi-slot tiles call it with."""
     rng = np.random.default_rng(rows * 10 + slots)
     n_vec, ldw, ldx, lda = 5, 48, 56, (slots + 1) * 8
     w = rng.standard_normal(rows * ldw + 8).astype(np.float32)

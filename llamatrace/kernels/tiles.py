@@ -194,6 +194,13 @@ def quant_f32(typingctx, lo, lo_shift, lo_mask, hi, hi_shift, hi_mask, hi_pos):
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
 
+def escape(b, ptr) -> None:
+    """Hand ``ptr`` to an empty asm statement that may read and write memory: the stores made
+    through it before are done, and the loads after it are not folded back into the stored values."""
+    fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", side_effect=True)
+    b.call(fn, [ptr])
+
+
 def prefill_lanes() -> int:
     """Rows of a weight tile one register holds in the prefill microkernels: 16 (zmm) on CPUs
     with AVX-512 VNNI, else 8 (ymm)."""
@@ -253,6 +260,19 @@ class VectorTile:
 
     def fma(self, a, x, y):
         return self.b.call(self.fma_fn, [a, x, y])
+
+    def lane_sum(self, vs):
+        """The float32 sum of the float vectors ``vs`` (a list of 1, 2, 4 ...): pairwise, then
+        across lanes, halves at a time."""
+        b = self.b
+        while len(vs) > 1:
+            vs = [b.fadd(vs[i], vs[i + 1]) for i in range(0, len(vs), 2)]
+        v, n = vs[0], self.lanes // 2
+        while n > 1:
+            v = b.fadd(b.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(ir.VectorType(_I32, n), list(range(n)))),
+                       b.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n)))))
+            n //= 2
+        return b.fadd(b.extract_element(v, ir.Constant(_I32, 0)), b.extract_element(v, ir.Constant(_I32, 1)))
 
     def block_loop(self, n_blocks, ns, body):
         """``for blk in range(n_blocks)``: ``accs = body(blk, accs)`` for ``ns`` float vectors

@@ -126,13 +126,6 @@ class _Row(VectorTile):
         b = self.b
         return self.wd(self.dot16(b.call(self.sign, [w, w]), b.call(self.sign, [x, w])), self.c(_V16I16, 1))
 
-    def hsum(self, v):
-        """The sum of the 8 float lanes of ``v`` (pairwise)."""
-        b = self.b
-        s4 = b.fadd(self.shuf(v, range(4)), self.shuf(v, range(4, 8)))
-        s2 = b.fadd(self.shuf(s4, range(2)), self.shuf(s4, (2, 3)))
-        return b.fadd(b.extract_element(s2, ir.Constant(_I32, 0)), b.extract_element(s2, ir.Constant(_I32, 1)))
-
     def f16_at(self, p, offset):
         return self.b.fpext(self.load(p, offset, ir.HalfType(), 1), self.f32)
 
@@ -394,7 +387,7 @@ def _microkernel(kind: int, ns: int):
                 outs = (k.block_loop(a.n_blocks, ns, lambda blk, accs: body(k, a, blk, accs)) if kind in (Q4K, Q6K)
                         else _two_chains(k, a, ns, body))
                 for i, acc in enumerate(outs):
-                    builder.store(k.hsum(acc), builder.gep(a.res, [builder.add(rr, k.c64(i * TILE))]), align=4)
+                    builder.store(k.lane_sum([acc]), builder.gep(a.res, [builder.add(rr, k.c64(i * TILE))]), align=4)
 
             if kind == MXFP4:
                 _mxfp4_rows8(k, a)

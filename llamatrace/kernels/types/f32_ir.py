@@ -24,7 +24,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.tiles import VectorTile, prefill_lanes
+from llamatrace.kernels.tiles import VectorTile, escape, prefill_lanes
 
 TR = tiles.TR
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -163,11 +163,17 @@ def _q4k_ir(k: VectorTile, a):
     return k.block_loop(b.mul(n_blocks, c64(4)), TR // lanes, body)
 
 
-def _escape(b, ptr):
-    """Hand ``ptr`` to an empty asm statement that may read and write memory: the stores made
-    through it before are done, and the loads after it are not folded back into the stored values."""
-    fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", side_effect=True)
-    b.call(fn, [ptr])
+def q6k_quants(b, qa, qc, qh):
+    """Q6_K's 6-bit quants (0..63) of the four c, on byte vectors: ``qa`` the ``ql`` bytes of c = 0
+    (low nibbles) and 2 (high), ``qc`` those of c = 1 and 3, ``qh`` the bytes whose bits 2c, 2c + 1
+    are c's bits 4, 5 (ggml's ``dequantize_row_q6_K``). Returns the four vectors, c in order."""
+    def cst(v):
+        return ir.Constant(qa.type, [v] * qa.type.count)
+
+    return (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
+            b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
+            b.or_(b.lshr(qa, cst(4)), b.and_(qh, cst(0x30))),
+            b.or_(b.lshr(qc, cst(4)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
 
 
 def _q6k_ir(k: VectorTile, a):
@@ -188,10 +194,6 @@ def _q6k_ir(k: VectorTile, a):
     with b.goto_entry_block():
         scratch = b.alloca(ir.ArrayType(_I8, 4 * 16 * TR), name="q6k_quants")
     buf = b.bitcast(scratch, _I8.as_pointer())
-
-    def cst(v):
-        return ir.Constant(v32, [v] * TR)
-
     n_in = b.mul(n_blocks, c64(256))
     thirty_two = k.splat(ir.Constant(k.f32, 32.0), k.vf)
 
@@ -213,13 +215,9 @@ def _q6k_ir(k: VectorTile, a):
             qa = k.load(qs, b.add(ql_at, c64(i * TR)), v32)
             qc = k.load(qs, b.add(ql_at, c64((32 + i) * TR)), v32)
             qh = k.load(qs, b.add(qh_at, c64(i * TR)), v32)
-            quants = (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
-                      b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
-                      b.or_(b.lshr(qa, cst(4)), b.and_(qh, cst(0x30))),
-                      b.or_(b.lshr(qc, cst(4)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
-            for c, q in enumerate(quants):
+            for c, q in enumerate(q6k_quants(b, qa, qc, qh)):
                 b.store(q, b.bitcast(b.gep(buf, [c64((c * 16 + i) * TR)]), v32.as_pointer()), align=1)
-        _escape(b, buf)
+        escape(b, buf)
         for cs in (range(0, 2), range(2, 4)):
             parts = {}
             for i in range(16):
@@ -234,7 +232,7 @@ def _q6k_ir(k: VectorTile, a):
                     sc = _bytes(k, qs, b.add(sc_at, c64(2 * c * TR + h * lanes)), True)
                     xs = k.splat(k.load(x, b.add(xs_at, c64(2 * c)), k.f32, 4), k.vf)
                     accs[h] = k.fma(b.fmul(dvec, sc), k.fma(thirty_two, b.fneg(xs), parts[h, c]), accs[h])
-        _escape(b, buf)
+        escape(b, buf)
         return accs
 
     return k.block_loop(b.mul(n_blocks, c64(4)), TR // lanes, body)

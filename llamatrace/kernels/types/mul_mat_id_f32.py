@@ -18,48 +18,21 @@ decode step's experts) takes the products grouped as the packed kernels
   ``(d*sc) * (q - 32)`` are not always, so this differs from gguf-py's rounded weights times x by
   float32 rounding, as the other groupings do).
 
-One slot runs a kernel of its own (:func:`_tile_ir`): a work item's whole tile of rows in one IR
-loop, each row's sums in registers from its first block to its last, added across lanes straight
-into ``out`` (no buffer between passes, no call and no dispatch a row: those cost the multi-slot
-path's microkernel ~1/5 of Q6_K's decode, 3 blocks a row at qwen3moe's 768).
+One slot (a decode step's experts) runs a kernel of its own, :func:`_tile` (:func:`_tile_ir`): a
+work item's whole tile of rows in one IR loop, each row's sums in registers from its first block
+to its last, added across lanes straight into ``out`` (no buffer and no call a row).
 
 Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
 of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
 on row-major blocks. A chunk of inputs at a time (the slots' x over it, :data:`X_CHUNK` floats,
-stays in L1), :func:`gemm_rows` rows of the tile are dequantized into a float32 scratch
+stays in L1), :func:`gemm_rows` rows of the tile are dequantized into a float32 scratch in L1
 (:func:`_deq_ir`: gguf-py's values bit for bit; Q4_K's ``fma(d*sc, q, -(dmin*mn))`` is gguf-py's
-``d*q - dm`` since ``d*sc*q`` is exact), then a register-blocked microkernel (:func:`_gemm_ir`:
-2 rows x up to 6 slots, or 4 x 2) multiplies them into the slots' sums: 8-12 FMA chains, 8 loads
-for 12 FMAs. Before, each row's weights were made in registers and multiplied into every slot:
-a load of x for each FMA and one chain a slot (latency-bound under 8 slots). Making two rows'
-weights inside the blocked loop instead (the next rows dequantized within the product's loop,
-tried again) ran 1.6x slower than the two phases (not examined further: the sums, two rows'
-weights and the blocks' bytes and scales are more than 16 registers). Dequantizing costs ~2 cycles a
-vector of 8 weights (a shuffle, a conversion, an FMA, a store), about a third of the time at 8
-slots; the product alone runs at the FMA units' peak in L1 (~48 G multiply-adds/s a core).
+``d*q - dm`` since ``d*sc*q`` is exact), then a register-blocked microkernel (:func:`_gemm`,
+:func:`_gemm_ir`: 4 rows x 2 slots, or 2 rows x up to 6) multiplies them into the slots' sums.
 One slot or several, results differ from float64 sums over the dequantized weights by float32
 rounding only; :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests hold them to.
-
-Speed (``benchmarks/bench_mul_mat_id.py``, layer 0 of /tmp/bench's files, against today's path:
-each expert packed, ``registry.matmul`` expert by expert; one thread, CPU time, interleaved, on a
-shared 2-core Zen 3 at load 3-4, so +-15 %): qwen3moe Q4_K|Q6_K decode (8 cold experts) 6.3 GB/s
-of weights against 7.6 (0.82x), prefill (128 rows, top-8) 1.6 against 1.8 (0.88x); gpt-oss MXFP4
-decode (4 experts) 5.3 against 6.1 (0.87x), prefill (16 slots an expert: two passes) 0.79 against
-1.06 (0.74x). Per weight the 1-slot microkernel does what the packed one does (a byte shuffle or
-a widening load, a conversion, an FMA), plus what the row-major layout cannot share between rows:
-each row's block scales unpacked and each sub-block's scale broadcast and applied, which the
-packed tiles do once for 8 rows (Q4_K: ~165 instructions a 256-weight block, ~130 packed).
-One slot's own kernel against the row microkernel it replaced (one expert at a time, G weights/s,
-one thread, CPU time, interleaved, load 4-5, L2-warm / cold): Q4_K 13.0 / 12.0 -> 13.7 / 12.8
-(the packed dense kernel on the same rows: 15.8 warm), Q6_K 7.3 / 7.6 -> 10.8 / 10.0 (dense
-14.1), MXFP4 10.4 / 10.1 -> 11.1 / 10.9 (dense 11.2).
-
-The prefill figures above are the weights-in-registers path's. The dequantize-then-GEMM path
-against it (layer 0's gate|up then down for 128 random tokens, every slot on its own expert
-choice; one thread, CPU time, interleaved, load 4.2-4.5): qwen3moe 214 -> 185 ms (1.15x; 8 slots
-an expert Q4_K 20 -> 26 G multiply-adds/s, 16 slots 20 -> 32), gpt-oss 504 -> 428 ms (1.18x);
-a whole 128-token prefill, 2 threads, interleaved in one process (load 3.6-4.0): qwen3moe-8
-32.1 -> 37.0 tok/s, gpt-oss-4 32.6 -> 37.6.
+Measured speeds, and what was tried: docs/performance.md, "f32 experts on the file's blocks: one
+slot" and "f32 experts in a prefill".
 
 Numba caches the drivers by this module's source; the IR is emitted here too, so a change to it
 recompiles them.
@@ -73,8 +46,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.tiles import TR, VectorTile, prefetch
-from llamatrace.kernels.types.f32_ir import _escape
+from llamatrace.kernels.tiles import TR, VectorTile, escape, prefetch
+from llamatrace.kernels.types.f32_ir import q6k_quants
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
@@ -85,7 +58,7 @@ TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 LANES = 8
 """float32 lanes of the microkernels' vectors (ymm; AVX-512 hosts run the same code)."""
 
-_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_I8, _I32 = ir.IntType(8), ir.IntType(32)
 _KVALUES_MXFP4 = tuple(gguf.quants.MXFP4.kvalues)
 
 # kind: (ggml type, weights a block, bytes a block, float32 sums of x a block appended to each row)
@@ -169,7 +142,7 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool):
     at = b.bitcast(scratch, k.f32.as_pointer())
     b.store(dsc, b.bitcast(at, dsc.type.as_pointer()), align=4)
     b.store(b.fneg(dmn), b.bitcast(b.gep(at, [ir.Constant(_I32, 8)]), dsc.type.as_pointer()), align=4)
-    _escape(b, scratch)
+    escape(b, scratch)
     v32 = ir.VectorType(_I8, 32)
 
     def nibbles():
@@ -195,7 +168,10 @@ def _q6k_block(k: VectorTile, qs, qb, exact: bool):
     """Q6_K (ql[128], qh[64], scales int8[16], d): input 128h + 32c + l (l < 32) is
     ``(ql[64h + 32(c%2) + l] >> 4(c//2)) & 15 | ((qh[32h + l] >> 2c) & 3) << 4``, less 32, its
     weight ``(d * sc[(128h + 32c + l) // 16]) * (q - 32)`` (gguf-py's float32 roundings: the
-    quant comes widened times 2**24 and the scale times 2**-24, both exact)."""
+    quant comes widened times 2**24 and the scale times 2**-24, both exact). Without ``exact``:
+    :func:`_q6k_groups`."""
+    if not exact:
+        return _q6k_groups(k, qs, qb), None
     b, c64 = k.b, k.c64
     d = _half(k, qs, b.add(qb, c64(208)))
     v32 = ir.VectorType(_I8, 32)
@@ -213,20 +189,14 @@ def _q6k_block(k: VectorTile, qs, qb, exact: bool):
             qa = k.load(qs, b.add(qb, c64(64 * h)), v32)
             qc = k.load(qs, b.add(qb, c64(64 * h + 32)), v32)
             qh = k.load(qs, b.add(qb, c64(128 + 32 * h)), v32)
-            quants = (lambda: b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
-                      lambda: b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
-                      lambda: b.or_(b.and_(b.lshr(qa, cst(4)), cst(15)), b.and_(qh, cst(0x30))),
-                      lambda: b.or_(b.and_(b.lshr(qc, cst(4)), cst(15)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
-            for c, quant in enumerate(quants):
-                q = b.sub(quant(), cst(32))                         # -32 .. 31
+            for c, quant in enumerate(q6k_quants(b, qa, qc, qh)):
+                q = b.sub(quant, cst(32))                           # -32 .. 31
                 i = 2 * c                                           # the scales of l < 16 and l >= 16
                 lanes = b.shuffle_vector(dsc[h], ir.Constant(k.vf, None), _const([i] * 4 + [i + 1] * 4, _I32))
                 for g in range(4):
                     yield b.fmul(lanes, _widen(k, q, g, True)), 128 * h + 32 * c + 8 * g
 
-    if exact:
-        return weights(), None
-    return _q6k_groups(k, qs, qb), None
+    return weights(), None
 
 
 def _q6k_groups(k: VectorTile, qs, qb):
@@ -256,14 +226,9 @@ def _q6k_groups(k: VectorTile, qs, qb):
         return b.bitcast(b.shuffle_vector(v, ir.Constant(vd, None), _const([0, 4, 1, 5, 2, 6, 3, 7], _I32)), v32)
 
     for h in range(2):
-        qa, qc, qh = load(64 * h), load(64 * h + 32), load(128 + 32 * h)
-        quants = (b.or_(b.and_(qa, cst(15)), b.and_(b.shl(qh, cst(4)), cst(0x30))),
-                  b.or_(b.and_(qc, cst(15)), b.and_(b.shl(qh, cst(2)), cst(0x30))),
-                  b.or_(b.and_(b.lshr(qa, cst(4)), cst(15)), b.and_(qh, cst(0x30))),
-                  b.or_(b.and_(b.lshr(qc, cst(4)), cst(15)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
-        for c, q in enumerate(quants):
+        for c, q in enumerate(q6k_quants(b, load(64 * h), load(64 * h + 32), load(128 + 32 * h))):
             b.store(b.sub(q, cst(32)), k.ptr(buf, c64(128 * h + 32 * c), v32), align=1)      # -32 .. 31
-    _escape(b, buf)
+    escape(b, buf)
     vi = ir.VectorType(_I32, 8)
     permps = ir.InlineAsm(ir.FunctionType(k.vf, [vi, k.vf]), "vpermps $2, $1, $0", "=x,x,x")
     for h in range(2):
@@ -324,6 +289,7 @@ AHEAD = 4096
 """Bytes ahead of the block being read that each block asks into L2: the file's 4 KiB pages stop
 the hardware's prefetch at every page, which a running read does not."""
 
+
 def _one_slot_block(k: VectorTile, rows, x, xb, sums_at):
     """One slot's sums of one block of each of ``rows`` (``(groups, mins, accs)``: :data:`_BLOCK`'s
     groups and mins of the row's block, its vectors of sums), x at ``xb`` of ``x`` (Q4_K's sums of x
@@ -358,28 +324,15 @@ named): each group's products are a chain of their own, so few suffice; Q4_K ran
 than with two (its 9 FMAs a block into it are not what bounds it)."""
 
 
-def _lane_sum(k: VectorTile, vs):
-    """The float32 sum of the vectors ``vs``: pairwise, then across lanes."""
-    b = k.b
-    while len(vs) > 1:
-        vs = [b.fadd(vs[i], vs[i + 1]) for i in range(0, len(vs), 2)]
-    v = vs[0]
-    for n in (4, 2):
-        v = b.fadd(b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n), _I32)),
-                   b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n, 2 * n), _I32)))
-    return b.fadd(b.extract_element(v, ir.Constant(_I32, 0)), b.extract_element(v, ir.Constant(_I32, 1)))
-
-
 def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
     """One slot's products with ``n_rows`` (>= 1) weight rows of ``n_blocks`` blocks (row i's block
     0 at byte ``q_at + i * row_bytes`` of ``qs``): ``out[out_at + i]`` = row i times the x at
     ``x_at`` of ``x`` (laid out as :func:`_matmul_id` lays it out). The loops over the rows and
     their blocks are one kernel, the sums in registers from a row's first block to its last (no
-    buffer, no call a row: the multi-slot path's per-row costs were a fifth of Q6_K's decode)."""
+    buffer and no call a row)."""
     b, c64 = k.b, k.c64
     _, per_block, block_bytes, sums = _KINDS[kind]
     sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
-    zero = ir.Constant(k.vf, [0.0] * LANES)
     n_acc = ACC_1.get(kind, 2)
 
     def rows(r, n):                  # rows r .. r + n - 1 at once: each load of x serves the n rows
@@ -389,28 +342,25 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
             blocks = []
             for j, q in enumerate(q_row):
                 qb = b.add(q, b.mul(i, c64(block_bytes)))
-                if AHEAD:
-                    k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
+                k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
                 groups, mins = _BLOCK[kind](k, qs, qb, False)
                 blocks.append((groups, mins, accs[j * n_acc:(j + 1) * n_acc]))
             new = _one_slot_block(k, blocks, x, b.add(x_at, b.mul(i, c64(per_block))), b.add(sums_at, b.mul(i, c64(sums))))
             return [v for accs in new for v in accs]
 
-        sums_ = _loop(k, n_blocks, [zero] * (n_acc * n), block)
+        sums_ = k.block_loop(n_blocks, n_acc * n, block)
         for j in range(n):
-            total = _lane_sum(k, sums_[j * n_acc:(j + 1) * n_acc])
+            total = k.lane_sum(sums_[j * n_acc:(j + 1) * n_acc])
             if kind == "mxfp4":                          # its kvalues came times 2**24
                 total = b.fmul(total, ir.Constant(k.f32, _TOP))
             b.store(total, k.ptr(out, b.add(out_at, b.add(r, c64(j))), k.f32), align=4)
 
     step = ROWS_1.get(kind, 1)
     n_steps = b.udiv(n_rows, c64(step))
-    with b.if_then(b.icmp_signed(">", n_steps, c64(0))):
-        _loop(k, n_steps, [], lambda i, _: rows(b.mul(i, c64(step)), step) or [])
+    k.block_loop(n_steps, 0, lambda i, _: rows(b.mul(i, c64(step)), step) or [])
     if step > 1:                                         # the last n_rows % step rows one by one
         tail = b.mul(n_steps, c64(step))
-        with b.if_then(b.icmp_signed("<", tail, n_rows)):
-            _loop(k, b.sub(n_rows, tail), [], lambda i, _: rows(b.add(tail, i), 1) or [])
+        k.block_loop(b.sub(n_rows, tail), 0, lambda i, _: rows(b.add(tail, i), 1) or [])
 
 
 def _tile_intrinsic(kind: str):
@@ -453,54 +403,18 @@ def _tile(kind, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
         _tile_q8(qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at)
 
 
-def _loop(k: VectorTile, n, init, body):
-    """``for i in range(n): vals = body(i, vals)`` (n >= 1) from ``init``; returns the last values."""
-    b = k.b
-    entry = b.basic_block
-    loop = b.append_basic_block("blocks")
-    done = b.append_basic_block("done")
-    b.branch(loop)
-    b.position_at_end(loop)
-    i = b.phi(_I64)
-    vals = [b.phi(v.type) for v in init]
-    new = body(i, vals)
-    nxt = b.add(i, k.c64(1))
-    i.add_incoming(k.c64(0), entry)
-    i.add_incoming(nxt, b.basic_block)
-    for phi, v0, v in zip(vals, init, new):
-        phi.add_incoming(v0, entry)
-        phi.add_incoming(v, b.basic_block)
-    b.cbranch(b.icmp_signed("<", nxt, n), loop, done)
-    b.position_at_end(done)
-    return new
+@intrinsic
+def _total(typingctx, acc, at):
+    """The sum of the 8 float32 lanes at ``at`` of ``acc`` (:meth:`VectorTile.lane_sum`)."""
+    if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
+        return None
 
+    def codegen(context, b, signature, args):
+        k = VectorTile(b, LANES)
+        data = context.make_array(signature.args[0])(context, b, args[0]).data
+        return k.lane_sum([k.load(data, k.i64(args[1]), k.vf, 4)])
 
-def _total_intrinsic(n_vec: int):
-    def typer(typingctx, acc, at):
-        if not (isinstance(acc, types.Array) and acc.dtype == types.float32):
-            return None
-
-        def codegen(context, b, signature, args):
-            k = VectorTile(b, LANES)
-            data = context.make_array(signature.args[0])(context, b, args[0]).data
-            at_ = k.i64(args[1])
-            vs = [k.load(data, b.add(at_, k.c64(i * LANES)), k.vf, 4) for i in range(n_vec)]
-            while len(vs) > 1:
-                vs = [b.fadd(vs[i], vs[i + 1]) for i in range(0, len(vs), 2)]
-            v = vs[0]
-            for n in (4, 2):
-                v = b.fadd(b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n), _I32)),
-                           b.shuffle_vector(v, ir.Constant(v.type, None), _const(range(n, 2 * n), _I32)))
-            return b.fadd(b.extract_element(v, ir.Constant(_I32, 0)), b.extract_element(v, ir.Constant(_I32, 1)))
-
-        return types.float32(acc, at), codegen
-
-    typer.__name__ = f"total_{n_vec}"
-    typer.__doc__ = f"The sum of the {n_vec} float32 vectors at ``at`` of ``acc``: pairwise, then across lanes."
-    return intrinsic(typer)
-
-
-_total_1 = _total_intrinsic(1)
+    return types.float32(acc, at), codegen
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,7 +434,8 @@ GEMM_SLOTS = 6
 x fill AVX2's 16 registers (the classic sgemm kernel's 6 x 2, with the sums over inputs)."""
 
 
-def gemm_rows(slots: int) -> int:
+@njit(**JIT_INLINE)
+def gemm_rows(slots):
     """Weight rows of one microkernel call for ``slots`` slots: 8 or more FMA chains in flight
     (Zen 3: latency 4, 2 a cycle), the sums, weights and x in 16 registers."""
     return 4 if slots <= 2 else 2
@@ -542,7 +457,7 @@ def _deq_ir(kind: str, k: VectorTile, qs, q_at, blk0, n_blk, w, w_at) -> None:
             b.store(v, k.ptr(w, b.add(at, c64(off)), k.vf), align=4)
         return []
 
-    _loop(k, n_blk, [], body)
+    k.block_loop(n_blk, 0, body)
 
 
 def _deq_intrinsic(kind: str):
@@ -608,75 +523,45 @@ def _gemm_ir(rows: int, slots: int, k: VectorTile, w, w_at, ldw, x, x_at, ldx, n
             b.store(b.fadd(old, sums[r * slots + s]), k.ptr(acc, at, k.vf), align=4)
 
 
-def _gemm_intrinsic(rows: int, slots: int):
-    def typer(typingctx, w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda):
-        if not all(isinstance(a, types.Array) and a.dtype == types.float32 for a in (w, x, acc)):
-            return None
-
-        def codegen(context, builder, signature, args):
-            flat = list(args)
-            for i in (0, 3, 7):
-                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            k = VectorTile(builder, LANES)
-            for i in (1, 2, 4, 5, 6, 8, 9):
-                flat[i] = k.i64(flat[i])
-            _gemm_ir(rows, slots, k, *flat)
-            return context.get_dummy_value()
-
-        return types.void(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda), codegen
-
-    typer.__name__ = f"gemm_{rows}x{slots}"
-    typer.__doc__ = f"{rows} rows x {slots} slots: :func:`_gemm_ir`."
-    return intrinsic(typer)
+GEMM_PAIRS = tuple(sorted({(gemm_rows.py_func(s), s) for s in range(2, GEMM_SLOTS + 1)}
+                          | {(1, s) for s in range(2, GEMM_SLOTS + 1)}, reverse=True))
+"""(rows, slots) of the microkernel calls :func:`_slots_tile` makes: :func:`gemm_rows` rows for 2 or
+more slots (a call has 2 at least, 4 rows only with 2), and 1 row for the rows a tile has left."""
 
 
-(_g1x1, _g1x2, _g1x3, _g1x4, _g1x5, _g1x6, _g2x1, _g2x2, _g2x3, _g2x4, _g2x5, _g2x6,
- _g4x1, _g4x2, _g4x3, _g4x4, _g4x5, _g4x6) = (_gemm_intrinsic(r, s) for r in (1, 2, 4)
-                                             for s in range(1, GEMM_SLOTS + 1))
+@intrinsic
+def _gemm_pair(typingctx, rows, slots, w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda):
+    """:func:`_gemm_ir` for each of :data:`GEMM_PAIRS`, ``(rows, slots)`` choosing one (another
+    pair does nothing)."""
+    if not all(isinstance(a, types.Array) and a.dtype == types.float32 for a in (w, x, acc)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        flat = list(args)
+        for i in (2, 5, 9):
+            flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+        k = VectorTile(builder, LANES)
+        for i in (0, 1, 3, 4, 6, 7, 8, 10, 11):
+            flat[i] = k.i64(flat[i])
+        key = builder.add(builder.mul(flat[0], k.c64(GEMM_SLOTS + 1)), flat[1])
+        done = builder.append_basic_block("gemm_done")
+        switch = builder.switch(key, done)
+        for r, n in GEMM_PAIRS:
+            case = builder.append_basic_block(f"gemm_{r}x{n}")
+            switch.add_case(k.c64(r * (GEMM_SLOTS + 1) + n), case)
+            builder.position_at_end(case)
+            _gemm_ir(r, n, k, *flat[2:])
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return types.void(rows, slots, w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda), codegen
 
 
 @njit(**JIT_INLINE)
 def _gemm(rows, slots, w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda):
-    """The microkernel for ``rows`` (1, 2, 4) weight rows and ``slots`` (1 .. :data:`GEMM_SLOTS`)."""
-    if rows == 4:
-        if slots == 1:
-            _g4x1(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 2:
-            _g4x2(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 3:
-            _g4x3(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 4:
-            _g4x4(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 5:
-            _g4x5(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        else:
-            _g4x6(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-    elif rows == 2:
-        if slots == 1:
-            _g2x1(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 2:
-            _g2x2(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 3:
-            _g2x3(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 4:
-            _g2x4(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 5:
-            _g2x5(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        else:
-            _g2x6(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-    else:
-        if slots == 1:
-            _g1x1(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 2:
-            _g1x2(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 3:
-            _g1x3(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 4:
-            _g1x4(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        elif slots == 5:
-            _g1x5(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
-        else:
-            _g1x6(w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
+    """The microkernel for ``rows`` weight rows and ``slots`` slots, one of :data:`GEMM_PAIRS`: :func:`_gemm_ir`."""
+    _gemm_pair(rows, slots, w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda)
 
 
 def deq_np(blocks: np.ndarray, ggml_type) -> np.ndarray:
@@ -704,7 +589,7 @@ def _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc):
     width = xe.shape[1]
     n_call = (n + GEMM_SLOTS - 1) // GEMM_SLOTS
     base, extra = n // n_call, n % n_call
-    rows = 4 if base + (1 if extra else 0) <= 2 else 2
+    rows = gemm_rows(base + (1 if extra else 0))
     per_pass = max(1, min(X_CHUNK // (n * per_block), W_CHUNK // (rows * per_block)))
     ldw = per_pass * per_block
     w = np.empty(rows * ldw, np.float32)
@@ -778,7 +663,7 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
         _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc)
         for r in range(r1 - r0):
             for s in range(n):
-                out[order[first + s], col + r0 + r] = _total_1(acc, (r * n + s) * LANES)
+                out[order[first + s], col + r0 + r] = _total(acc, (r * n + s) * LANES)
 
 
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
