@@ -59,7 +59,10 @@ def test_route_matches_its_numpy_twin(gating, norm):
     logits = rng.normal(0, 3, size=(37, 11)).astype(np.float32)
     logits[5] = 0.5                               # every expert tied: the lowest indices win
     logits[6, [2, 7, 9]] = 9.0                    # a three-way tie for first
-    got, want = routing.route(logits, 4, gating, norm), routing.route_ref(logits, 4, gating, norm)
+    logits[7, [1, 4, 8]] = [np.inf, np.nan, -np.inf]  # nothing passes the NaN (softmax: every prob NaN)
+    logits[8, [0, 3, 6]] = [-0.0, 0.0, np.nan]        # -0.0 ties 0.0
+    with np.errstate(invalid="ignore"):                # the twin's softmax of row 7's chosen inf: inf - inf
+        got, want = routing.route(logits, 4, gating, norm), routing.route_ref(logits, 4, gating, norm)
     np.testing.assert_array_equal(got[1], want[1])
     for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):
         if b is None:

@@ -76,7 +76,7 @@ def _check_parts(parts: tuple[FileExperts, ...]) -> None:
 
 def _check_rows(x: np.ndarray, n_in: int, n_expert: int, ids: np.ndarray, rows: np.ndarray | None):
     """``ids`` and ``rows`` as int64 ``[n_slots]`` (rows None: ``arange``), or ValueError for shapes
-    or ids out of range."""
+    that do not fit (their ranges are checked by the caller)."""
     ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     rows = np.arange(ids.shape[0], dtype=np.int64) if rows is None else np.ascontiguousarray(rows, dtype=np.int64)
     if x.ndim != 2 or x.shape[1] != n_in or rows.shape != ids.shape:
@@ -146,6 +146,9 @@ class ExpertParts:
     say), checked once for an activation mode's kernels: calling it is :func:`mul_mat_id` without
     the checks of the parts (a layer's MoE block builds one per call site and keeps it).
 
+    Attributes:
+        n_in, n_expert, ggml_type: the parts' common input width, expert count and weight type.
+
     Raises:
         ValueError: parts that differ, a type outside ``TYPES[activations]``.
     """
@@ -154,13 +157,26 @@ class ExpertParts:
         _check_parts(parts)
         if not supported(parts[0].ggml_type, activations):
             raise ValueError(f"mul_mat_id: no {activations} kernel for {parts[0].ggml_type.name} experts")
-        self.parts, self.activations = tuple(parts), activations
         self.n_in, self.n_expert, self.ggml_type = parts[0].n_in, parts[0].n_expert, parts[0].ggml_type
         self._datas = [p.data for p in parts]
         self._kernels = mul_mat_id_q8 if activations == "q8" else mul_mat_id_f32
 
     def __call__(self, x: np.ndarray, ids: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-        """``out[i] = x[rows[i]] @ W[ids[i]].T``: :func:`mul_mat_id`'s arguments and result."""
+        """``out[i] = x[rows[i]] @ W[ids[i]].T`` for every slot ``i``, ``W`` the parts' experts side
+        by side, as :func:`mul_mat_id`.
+
+        Args:
+            x: float32 ``[n_rows, n_in]``.
+            ids: int ``[n_slots]``, each slot's expert.
+            rows: int ``[n_slots]``, each slot's row of ``x`` (None: slot ``i`` takes row ``i``).
+
+        Returns:
+            float32 ``[n_slots, sum of the parts' n_out]``.
+
+        Raises:
+            ValueError: ``x`` not ``[n_rows, n_in]``, ``rows`` and ``ids`` of different shapes, an id
+                outside ``0..n_expert-1`` or a row outside ``0..n_rows-1``.
+        """
         x = np.ascontiguousarray(x, dtype=np.float32)
         ids, rows = _check_rows(x, self.n_in, self.n_expert, ids, rows)
         ok, order, starts, experts = _group(ids, rows, self.n_expert, x.shape[0])

@@ -9,7 +9,8 @@ Per token (a row of ``logits``, float32 ``[n_expert]``):
 * ``ids``: the ``k`` largest probs, largest first (``ggml_argsort_top_k``: ``std::sort`` of the
   indices, descending). Ties go to the lower expert index, which is what libstdc++'s
   ``std::sort`` gives for rows of up to 16 experts (an insertion sort); above that its order of
-  equal values is unspecified, so test files keep the k-th and (k+1)-th apart.
+  equal values is unspecified, so test files keep the k-th and (k+1)-th apart (NaNs:
+  :func:`top_k_ref`).
 * ``weights``: ``probs[ids]``; for ``SOFTMAX_WEIGHT``, the softmax of those.
 * ``weights_norm`` (``norm``): ``weights / max(sum(weights), 6.103515625e-5)`` (the smallest
   normal fp16, llama.cpp's clamp against a zero sum).
@@ -59,7 +60,7 @@ def _top_k(p, k, order):
     keep the lower index first), in O(n·k), not the whole sort's O(n²). Index j enters the
     sort's first k only past every index left behind it (the tail: it moves left while the one
     before it is smaller), so the tail is kept as its max and whether it holds a NaN (which
-    nothing passes): the same k, NaN or not, as the whole sort."""
+    nothing passes): the same k, NaN or not, as the whole sort (:func:`top_k_ref`)."""
     n_top = 0
     tail_max = np.float32(-np.inf)
     tail_nan = False
@@ -159,13 +160,44 @@ def _softmax_ref(x: np.ndarray) -> np.ndarray:
     return e * (1.0 / e.sum(axis=-1, dtype=np.float64, keepdims=True)).astype(np.float32)
 
 
+def top_k_ref(probs: np.ndarray, k: int) -> np.ndarray:
+    """NumPy twin of the router's top-k (``_top_k`` in :func:`route`): per row, the first ``k`` of
+    a stable descending insertion sort of its indices, written out whole, in O(n_expert²).
+
+    llama.cpp's ``ggml_argsort_top_k`` is ``std::sort`` of the indices by ``a > b``; libstdc++
+    sorts rows of up to 16 by insertion, so equal values keep the lower index first (above 16
+    their order is unspecified). ``-0.0`` and ``0.0`` are equal; ±inf are ordered as numbers; a
+    NaN compares false, so here nothing moves past it (libstdc++ first compares each value with
+    the row's first one, so its NaN order can differ: route's is this one, not llama.cpp's).
+
+    Args:
+        probs: float32 ``[n_tokens, n_expert]``.
+        k: ``1 <= k <= n_expert``.
+
+    Returns:
+        int32 ``[n_tokens, k]``, best first.
+    """
+    ids = np.empty((len(probs), k), dtype=np.int32)
+    for t, p in enumerate(np.asarray(probs, dtype=np.float32).tolist()):
+        order: list[int] = []
+        for j, v in enumerate(p):
+            order.append(j)
+            i = j
+            while i > 0 and p[order[i - 1]] < v:
+                order[i] = order[i - 1]
+                i -= 1
+            order[i] = j
+        ids[t] = order[:k]
+    return ids
+
+
 def route_ref(logits: np.ndarray, k: int, gating: str = "softmax",
               norm: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """NumPy twin of :func:`route`."""
     logits = np.asarray(logits, dtype=np.float32)
     _check(logits, k, gating)
     probs = _softmax_ref(logits) if gating == "softmax" else logits.copy()
-    ids = np.argsort(-probs, axis=1, kind="stable")[:, :k].astype(np.int32)
+    ids = top_k_ref(probs, k)
     picked = np.take_along_axis(probs, ids, axis=1)
     weights = picked if gating == "softmax" else _softmax_ref(picked)
     if not norm:
@@ -194,25 +226,16 @@ def _bias_args(bias: np.ndarray | None, ids: np.ndarray | None, n_slots: int,
 @njit(**JIT_EXACT)
 def _combine(experts, weights, bias, ids, out):
     k = experts.shape[1]
+    has_bias = bias.shape[0] > 0
     for t in range(experts.shape[0]):
+        o = out[t]
         for s in range(k):
             w = weights[t, s]
             e = experts[t, s]
-            o = out[t]
-            if bias.shape[0]:                    # (down + its expert's bias) · weight, in float32
-                b = bias[ids[t * k + s]]
-                if s == 0:
-                    for j in range(o.shape[0]):
-                        o[j] = (e[j] + b[j]) * w
-                else:
-                    for j in range(o.shape[0]):
-                        o[j] += (e[j] + b[j]) * w
-            elif s == 0:
-                for j in range(o.shape[0]):
-                    o[j] = e[j] * w
-            else:
-                for j in range(o.shape[0]):
-                    o[j] += e[j] * w
+            b = bias[ids[t * k + s]] if has_bias else e          # e: never read
+            for j in range(o.shape[0]):
+                v = e[j] + b[j] if has_bias else e[j]            # (down + its expert's bias), rounded to float32
+                o[j] = v * w if s == 0 else o[j] + v * w
 
 
 def combine(experts: np.ndarray, weights: np.ndarray, bias: np.ndarray | None = None,
@@ -256,34 +279,29 @@ def combine_ref(experts: np.ndarray, weights: np.ndarray, bias: np.ndarray | Non
     return out
 
 
+@njit(error_model="numpy", inline="always", **JIT_EXACT)
+def _glu(g, u, oai, alpha, limit):
+    """One element's gated activation: llamatrace.kernels.ops.fp32's swiglu (silu) and swiglu_oai, op for op."""
+    if oai:
+        g = min(g, limit)
+        return (g / (np.float32(1.0) + exp_f32(alpha * -g))) * (min(max(u, -limit), limit) + np.float32(1.0))
+    return (g / (np.float32(1.0) + exp_f32(-g))) * u
+
+
 # The experts' gated activation of each slot's stacked gate|up row, with its expert's biases
 # (gpt-oss) added first: one pass, where bias adds, two half copies and a SwiGLU were four.
-# The arithmetic is llamatrace.kernels.ops.fp32's swiglu (silu) and swiglu_oai, op for op.
+# No bias is no add, not an add of zeros: -0.0 + 0.0 would be +0.0.
 @njit(error_model="numpy", inline="always", **JIT_EXACT)
 def _glu_row(gate_up, bias, ids, oai, alpha, limit, out, i):
     ff = out.shape[1]
     g, u, o = gate_up[i, :ff], gate_up[i, ff:], out[i]
     if bias.shape[0]:
         b = bias[ids[i]]
-        bg, bu = b[:ff], b[ff:]
-        if oai:
-            for j in range(ff):
-                gj = min(g[j] + bg[j], limit)
-                uj = min(max(u[j] + bu[j], -limit), limit)
-                o[j] = (gj / (np.float32(1.0) + exp_f32(alpha * -gj))) * (uj + np.float32(1.0))
-        else:
-            for j in range(ff):
-                gj = g[j] + bg[j]
-                o[j] = (gj / (np.float32(1.0) + exp_f32(-gj))) * (u[j] + bu[j])
-    elif oai:
         for j in range(ff):
-            gj = min(g[j], limit)
-            uj = min(max(u[j], -limit), limit)
-            o[j] = (gj / (np.float32(1.0) + exp_f32(alpha * -gj))) * (uj + np.float32(1.0))
+            o[j] = _glu(g[j] + b[j], u[j] + b[ff + j], oai, alpha, limit)
     else:
         for j in range(ff):
-            v = g[j]
-            o[j] = (v / (np.float32(1.0) + exp_f32(-v))) * u[j]
+            o[j] = _glu(g[j], u[j], oai, alpha, limit)
 
 
 @njit(error_model="numpy", **JIT_EXACT)
