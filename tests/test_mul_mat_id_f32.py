@@ -202,7 +202,8 @@ def test_mxfp4_byte_tables_are_the_kvalues_float32_bits():
 @pytest.mark.parametrize("ids", ([3, 0, 4, 1], [2, 2, 2, 4, 2]), ids=("decode", "several slots"))
 def test_mxfp4_x_over_six_decades(ids):
     """x spread over six decades (signs mixed, an all-zero block), the E8M0 edges (0, 1, 200)
-    and random codes (-0 among them): float64 sums over gguf's weights, float32 rounding apart."""
+    and random codes (code 8, the second zero, among them): float64 sums over gguf's weights,
+    float32 rounding apart."""
     rng = np.random.default_rng(17)
     ids = np.array(ids, dtype=np.int64)
     parts = (_experts(T.MXFP4, 45, seed=19),)
