@@ -184,3 +184,30 @@ def test_several_slots_over_chunks_that_do_not_divide_the_row(qtype):
     ids = np.array([3] * 9 + [1, 1, 0], dtype=np.int64)
     x = _x(len(ids), n_in)
     _assert_close(mul_mat_id(x, (p,), ids), x, (p,), ids, None)
+
+
+# MXFP4's codes to float32 through the bytes of their bfloat16s (no int -> float conversion)
+
+def test_mxfp4_byte_tables_are_the_kvalues_float32_bits():
+    """Bytes 3 and 2 of MXFP4_BYTES' entries, over zero low bytes, are gguf-py's kvalues as
+    float32 bit for bit (+0 for both zero codes), and MXFP4_ORDER is a permutation of a block."""
+    byte2, byte3 = (np.array(t, dtype=np.uint32) for t in mul_mat_id_f32.MXFP4_BYTES)
+    bits = byte3 << 24 | byte2 << 16
+    np.testing.assert_array_equal(bits.view(np.float32), np.array(gguf.quants.MXFP4.kvalues, dtype=np.float32))
+    assert not (bits & 0x80000000)[[0, 8]].any()
+    assert sorted(mul_mat_id_f32.MXFP4_ORDER) == list(range(32))
+    assert mul_mat_id_f32.x_order(T.MXFP4) is mul_mat_id_f32.MXFP4_ORDER
+
+
+@pytest.mark.parametrize("ids", ([3, 0, 4, 1], [2, 2, 2, 4, 2]), ids=("decode", "several slots"))
+def test_mxfp4_x_over_six_decades(ids):
+    """x spread over six decades (signs mixed, an all-zero block), the E8M0 edges (0, 1, 200)
+    and random codes (code 8, the second zero, among them): float64 sums over gguf's weights,
+    float32 rounding apart."""
+    rng = np.random.default_rng(17)
+    ids = np.array(ids, dtype=np.int64)
+    parts = (_experts(T.MXFP4, 45, seed=19),)
+    x = (rng.standard_normal((2, 96)) * 10.0 ** rng.uniform(-3, 3, (2, 96))).astype(np.float32)
+    x[1, 64:] = 0.0
+    rows = np.arange(len(ids)) % 2
+    _assert_close(mul_mat_id(x, parts, ids, rows), x, parts, ids, rows)

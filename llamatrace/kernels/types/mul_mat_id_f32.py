@@ -46,6 +46,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from llamatrace.kernels.int8.mul_mat_id_q8 import _e8m0_table
 from llamatrace.kernels.tiles import TR, VectorTile, escape, prefetch
 from llamatrace.kernels.types.f32_ir import q6k_quants
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
@@ -58,8 +59,11 @@ TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 LANES = 8
 """float32 lanes of the microkernels' vectors (ymm; AVX-512 hosts run the same code)."""
 
-_I8, _I32 = ir.IntType(8), ir.IntType(32)
-_KVALUES_MXFP4 = tuple(gguf.quants.MXFP4.kvalues)
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_MXFP4_BITS = np.array(gguf.quants.MXFP4.kvalues, dtype=np.float32).view(np.uint32)
+MXFP4_BYTES = tuple(tuple(int(v) for v in _MXFP4_BITS >> shift & 0xFF) for shift in (16, 24))
+"""MXFP4's ``pshufb`` tables: bytes 2 and 3 of each kvalue's float32 (code 8, ``0``, as +0); bytes 0
+and 1 are zero, the kvalues being small integers."""
 
 # kind: (ggml type, weights a block, bytes a block, float32 sums of x a block appended to each row)
 _KINDS = {"q4k": (_T.Q4_K, 256, 144, 8), "q6k": (_T.Q6_K, 256, 210, 0),
@@ -79,17 +83,27 @@ _KIND_SHAPES = tuple(_KINDS.values())
 # 128 bits) and 16 + 4g .. 16 + 4g + 3 (high 128 bits). The driver lays each 32 inputs of x out in
 # that order (:data:`X_ORDER`), so the products pair up. Unsigned bytes land in the low byte of
 # their int32 (the quant itself); signed ones in the high byte (the quant times 2**24, exact in
-# float32), whose 2**-24 is folded into a scale.
+# float32), whose 2**-24 is folded into a scale. MXFP4 makes its float32 otherwise, in an order of
+# its own (:data:`MXFP4_ORDER`, :func:`_mxfp4_block`).
 
 X_ORDER = np.array([4 * g + j if j < 4 else 12 + 4 * g + j for g in range(4) for j in range(8)], dtype=np.int64)
-"""Position p of each 32 inputs of x in the kernels' layout holds input ``X_ORDER[p]``."""
+"""Position p of each 32 inputs of x in the kernels' layout holds input ``X_ORDER[p]`` (all kinds
+but MXFP4)."""
+MXFP4_ORDER = np.array([16 * lane + 8 * h + 2 * j + odd for h in (0, 1) for odd in (0, 1) for lane in (0, 1)
+                        for j in range(4)], dtype=np.int64)
+"""The same for MXFP4 (:func:`_mxfp4_block`): vector 2h + odd holds inputs 8h + 2j + odd (low 128
+bits) and 16 + 8h + 2j + odd (high), j < 4."""
 _TOP = 2.0 ** -24
 
 
-def _widen(k: VectorTile, v32, g: int, signed: bool, shift_back: bool = False):
+def x_order(ggml_type) -> np.ndarray:
+    """int64 [32]: the order of each 32 inputs of x that the kernels of ``ggml_type`` read."""
+    return MXFP4_ORDER if ggml_type == _T.MXFP4 else X_ORDER
+
+
+def _widen(k: VectorTile, v32, g: int, signed: bool):
     """Vector g (of 4) of the 32 bytes ``v32`` as float32: the bytes of inputs 4g .. 4g + 3 and
-    16 + 4g .. 16 + 4g + 3; unsigned: their values, signed: their values times 2**24 (their
-    values with ``shift_back``: one more shift)."""
+    16 + 4g .. 16 + 4g + 3; unsigned: their values, signed: their values times 2**24."""
     b = k.b
     vb = ir.VectorType(_I8, 32)
     fn = b.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (), ir.FunctionType(vb, [vb, vb]))
@@ -100,8 +114,6 @@ def _widen(k: VectorTile, v32, g: int, signed: bool, shift_back: bool = False):
             dword[3 if signed else 0] = 4 * g + j
             mask += dword
     words = b.bitcast(b.call(fn, [v32, ir.Constant(vb, mask)]), ir.VectorType(_I32, LANES))
-    if shift_back:
-        words = b.ashr(words, ir.Constant(words.type, [24] * LANES))
     return b.sitofp(words, k.vf)
 
 
@@ -240,25 +252,36 @@ def _q6k_groups(k: VectorTile, qs, qb):
 
 def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
     """MXFP4 (e, qs[16]): input l (l < 16) the low nibble of byte l, 16 + l the high one, each a
-    code of ``kvalues`` (a ``pshufb`` table); scale the E8M0 byte's ``0x00200000 << e`` (e < 2) or
-    ``(e - 1) << 23`` as float32 bits. Without ``exact`` the kvalues come times 2**24 (the driver
-    scales the row's sums back: exact unless a sum leaves float32's range, beyond 2**104); with
-    ``exact`` the weights ``d * kvalue`` (the kvalues shifted back down: ``d * 2**-24`` could fall
-    below float32's range)."""
+    code of ``kvalues``, the block's scale ``d`` ggml's ``GGML_E8M0_TO_FP32_HALF(e)`` (one load
+    from a table of the 256). The kvalues are small integers, their float32 bits zero below the top
+    two bytes (a bfloat16 is exact), so the codes become float32 with no int -> float conversion:
+    two ``pshufb`` tables (:data:`MXFP4_BYTES`) give the top two bytes, ``punpck{l,h}bw`` pairs
+    them into words and a shift left by 16 (even words) or an AND of the high halves (odd ones)
+    makes the dwords: 10 vector instructions a block to its 32 float32 and one load for ``d``,
+    where the kvalue bytes, a ``pshufb`` of each into an int32's high byte and ``cvtdq2ps`` took 11
+    and ``d`` 9 (a block 20 instructions in all, from 31; docs/performance.md, "The float32 mode's
+    decode kernels"). Each 32 inputs come in
+    :data:`MXFP4_ORDER`. Without ``exact`` the kvalues themselves, one group a block scaled by
+    ``d``; with ``exact`` the weights ``d * kvalue`` (exact: a power of two times a small integer,
+    gguf-py's float32 product)."""
     b, c64 = k.b, k.c64
-    v16 = ir.VectorType(_I8, 16)
-    pshufb = b.module.declare_intrinsic("llvm.x86.ssse3.pshuf.b.128", (), ir.FunctionType(v16, [v16, v16]))
-    table = _const([v & 0xFF for v in _KVALUES_MXFP4])
-    e = b.zext(k.load(qs, qb, _I8), _I32)
-    bits = b.select(b.icmp_unsigned("<", e, ir.Constant(_I32, 2)), b.shl(ir.Constant(_I32, 0x00200000), e),
-                    b.shl(b.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23)))
+    v16, v32, vi = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32), ir.VectorType(_I32, LANES)
+    pshufb = b.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (), ir.FunctionType(v32, [v32, v32]))
     codes = k.load(qs, b.add(qb, c64(1)), v16)
-    lo = b.call(pshufb, [table, b.and_(codes, _const([15] * 16))])
-    hi = b.call(pshufb, [table, b.and_(b.lshr(codes, _const([4] * 16)), _const([15] * 16))])
-    kv = b.shuffle_vector(lo, hi, _const(range(32), _I32))
-    d = b.bitcast(bits, k.f32)
-    kvs = [(_widen(k, kv, g, True, exact), 8 * g) for g in range(4)]
-    if exact:                                    # d * kvalue: exact (a power of two times a small integer)
+    # the 16 bytes in both halves of a ymm, the upper shifted by 4: low nibbles, then high ones
+    both = b.lshr(b.bitcast(b.shuffle_vector(codes, ir.Constant(v16, None), _const(list(range(16)) * 2, _I32)), vi),
+                  _const([0] * 4 + [4] * 4, _I32))
+    nibbles = b.and_(b.bitcast(both, v32), _const([15] * 32))
+    byte2, byte3 = (b.call(pshufb, [_const(table * 2), nibbles]) for table in MXFP4_BYTES)
+    kvs = []
+    for h in (0, 1):                             # punpcklbw, punpckhbw: inputs 8h + j, 16 + 8h + j
+        pairs = [i for lane in (0, 16) for j in range(8) for i in (lane + 8 * h + j, 32 + lane + 8 * h + j)]
+        words = b.bitcast(b.shuffle_vector(byte2, byte3, _const(pairs, _I32)), vi)
+        for odd, v in enumerate((b.shl(words, _const([16] * LANES, _I32)),
+                                 b.and_(words, _const([-0x10000] * LANES, _I32)))):
+            kvs.append((b.bitcast(v, k.vf), 8 * (2 * h + odd)))
+    d = b.load(b.gep(_e8m0_table(b.module), [ir.Constant(_I64, 0), b.zext(k.load(qs, qb, _I8), _I64)]), align=4)
+    if exact:
         dv = k.splat(d, k.vf)
         return ((b.fmul(dv, v), off) for v, off in kvs), None
     return [(kvs, d)], None
@@ -351,8 +374,6 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
         sums_ = k.block_loop(n_blocks, n_acc * n, block)
         for j in range(n):
             total = k.lane_sum(sums_[j * n_acc:(j + 1) * n_acc])
-            if kind == "mxfp4":                          # its kvalues came times 2**24
-                total = b.fmul(total, ir.Constant(k.f32, _TOP))
             b.store(total, k.ptr(out, b.add(out_at, b.add(r, c64(j))), k.f32), align=4)
 
     step = ROWS_1.get(kind, 1)
@@ -444,7 +465,7 @@ def gemm_rows(slots):
 def _deq_ir(kind: str, k: VectorTile, qs, q_at, blk0, n_blk, w, w_at) -> None:
     """Blocks ``blk0 .. blk0 + n_blk`` (n_blk >= 1) of one weight row (block 0 at byte ``q_at`` of
     ``qs``) as float32 at ``w_at`` of ``w``, block i's weights from ``w_at + i * per_block``, each
-    32 inputs in :data:`X_ORDER`: gguf-py's values bit for bit (the block functions' ``exact``)."""
+    32 inputs in the kind's order (:func:`x_order`): gguf-py's values bit for bit (the block functions' ``exact``)."""
     b, c64 = k.b, k.c64
     _, per_block, block_bytes, _ = _KINDS[kind]
 
@@ -566,9 +587,9 @@ def _gemm(rows, slots, w, w_at, ldw, x, x_at, ldx, n_vec, acc, acc_at, lda):
 
 def deq_np(blocks: np.ndarray, ggml_type) -> np.ndarray:
     """NumPy twin of :func:`_deq`: uint8 ``[n_blk * block_bytes]`` (one row's blocks) -> float32
-    ``[n_blk * per_block]``, ``gguf.quants.dequantize``'s weights with each 32 in :data:`X_ORDER`."""
+    ``[n_blk * per_block]``, ``gguf.quants.dequantize``'s weights with each 32 in :func:`x_order`."""
     w = np.asarray(gguf.quants.dequantize(blocks, ggml_type), dtype=np.float32).reshape(-1, 32)
-    return np.ascontiguousarray(w[:, X_ORDER]).reshape(-1)
+    return np.ascontiguousarray(w[:, x_order(ggml_type)]).reshape(-1)
 
 
 def gemm_np(w: np.ndarray, x: np.ndarray, acc: np.ndarray) -> None:
@@ -699,7 +720,7 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     if order.shape[0]:
         xe = _aligned((order.shape[0], n_in + n_in // 32 * (sums // 8)))
         _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
-                   X_ORDER, xe, out)
+                   x_order(ggml_type), xe, out)
     return out
 
 
