@@ -293,7 +293,8 @@ def _decode_intrinsic(kind: str):
     typer.__doc__ = (f"{kind} decode microkernel: ``res[res_at + r]`` (float32, r < TR) = row r of one tile "
                      "(block 0 at byte ``q_at`` of ``qs``, float32 scales at ``dm_at`` of ``d`` and ``m``) "
                      "times the activation row at ``x_at`` of ``x`` (for the K-quants: scaled by 2**K, followed "
-                     "there by its unscaled per-sub-block sums and ``2**(149 - K)``), over ``n_blocks`` blocks; ``ahead``: prefetch distance in bytes (0: none).")
+                     "there by its unscaled per-sub-block sums and ``2**(149 - K)``), over ``n_blocks`` blocks; "
+                     "``ahead``: prefetch distance in bytes (0: none).")
     return intrinsic(typer)
 
 

@@ -663,7 +663,7 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
     kernel's) of Q4_K or Q6_K (:data:`SUBNORMAL`) has its x times 2**K
     (:func:`~llamatrace.kernels.tiles.subnormal_exp`), Q6_K's sums of each lane of each 32 inputs
     times ``32 * 2**(K - 149)`` (after x), and ``2**(149 - K)`` after its sums."""
-    n_slots, n_in = order.shape[0], x.shape[1]
+    n_in = x.shape[1]
     n_blocks = n_in // per_block
     width = xe.shape[1]
     n_groups = experts.shape[0]
