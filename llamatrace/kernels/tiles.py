@@ -6,6 +6,8 @@ row r), so the inner loops run over the ``TR`` rows and vectorise.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -199,6 +201,68 @@ def escape(b, ptr) -> None:
     through it before are done, and the loads after it are not folded back into the stored values."""
     fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", side_effect=True)
     b.call(fn, [ptr])
+
+
+SUBNORMAL_K = (45, 240)
+"""The range of :func:`subnormal_exp`'s exponent K: ``2**(149 - K)`` (2**-91 .. 2**104) times a
+block's scales (fp16 ``d`` times a 6- or 8-bit integer: 2**-24 .. 2**23 in magnitude) stays a
+normal float32."""
+
+
+@njit(**JIT_INLINE)
+def subnormal_exp(x, s):
+    """The exponent K by which row ``s`` of x (float32 [S, n]) is scaled for the kernels that take
+    unsigned quants as float32 subnormals (their int32 bits bitcast, ``q * 2**-149``, no
+    conversion): ``126 - e`` for the largest finite ``|x|`` below ``2**e`` (so ``|x| * 2**K`` <
+    2**126), clipped to :data:`SUBNORMAL_K`; a row of zeros, infs or NaNs gets 126. Then
+    ``(x * 2**K) * (q * 2**-149)`` is ``x * q * 2**(K - 149)`` exactly, and a sum of such
+    products times ``2**(149 - K)`` is the unscaled sum bit for bit, as long as every product and
+    partial sum stays a normal float32: x down to ~2**-100 of the row's largest, and a largest
+    ``|x|`` below 2**81 (above, ``x * 2**45`` can overflow)."""
+    m = 0.0
+    for i in range(x.shape[1]):
+        a = abs(np.float64(x[s, i]))
+        if a > m and a != np.inf:                  # NaN compares false
+            m = a
+    return min(max(126 - math.frexp(m)[1], SUBNORMAL_K[0]), SUBNORMAL_K[1])
+
+
+def subnormal_exp_np(row: np.ndarray) -> int:
+    """NumPy twin of :func:`subnormal_exp` for one row."""
+    a = np.abs(row.astype(np.float64))
+    a = a[np.isfinite(a)]
+    e = int(np.frexp(a.max())[1]) if a.size else 0
+    return min(max(126 - e, SUBNORMAL_K[0]), SUBNORMAL_K[1])
+
+
+def daz_off(b):
+    """Clear DAZ (MXCSR bit 6, denormals are zero) for the code emitted after, if the calling
+    thread has it set: the kernels that read quants as float32 subnormals would see them as
+    zeros (a library built with ``-ffast-math`` sets FTZ/DAZ process-wide when it is loaded).
+    Returns what :func:`daz_restore` needs to put the caller's MXCSR back. ``stmxcsr`` at every
+    call; ``ldmxcsr`` (slow, serialising) only when DAZ was set."""
+    i8p = ir.IntType(8).as_pointer()
+    fty = ir.FunctionType(ir.VoidType(), [i8p])
+    st = b.module.declare_intrinsic("llvm.x86.sse.stmxcsr", (), fty)
+    ld = b.module.declare_intrinsic("llvm.x86.sse.ldmxcsr", (), fty)
+    with b.goto_entry_block():
+        slot = b.alloca(_I32, name="mxcsr")
+    at = b.bitcast(slot, i8p)
+    b.call(st, [at])
+    old = b.load(slot)
+    daz = b.icmp_unsigned("!=", b.and_(old, ir.Constant(_I32, 0x40)), ir.Constant(_I32, 0))
+    with b.if_then(daz, likely=False):
+        b.store(b.and_(old, ir.Constant(_I32, ~0x40 & 0xFFFFFFFF)), slot)
+        b.call(ld, [at])
+    return daz, old, slot, ld
+
+
+def daz_restore(b, saved) -> None:
+    """Put back the MXCSR :func:`daz_off` found (only if it changed it)."""
+    daz, old, slot, ld = saved
+    with b.if_then(daz, likely=False):
+        b.store(old, slot)
+        b.call(ld, [b.bitcast(slot, ir.IntType(8).as_pointer())])
 
 
 def prefill_lanes() -> int:

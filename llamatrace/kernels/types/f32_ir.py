@@ -3,13 +3,23 @@
 Each kernel runs the loop over a tile's blocks in IR (:meth:`llamatrace.kernels.tiles.VectorTile.block_loop`),
 ``TR / lanes`` registers of rows (8 rows a ymm, 16 a zmm with AVX-512: :func:`~llamatrace.kernels.tiles.prefill_lanes`)
 whose float32 sums stay in registers from the first block to the last. The quants become float32
-in registers (bytes widened and converted, MXFP4's codes through a ``pshufb`` table of its
+in registers (Q8_0's bytes widened and converted, MXFP4's codes through a ``pshufb`` table of its
 kvalues) and meet the broadcast activations in FMA chains, several independent chains a register
 of rows; each block's sums are scaled as the NumPy twins write it (Q8_0, MXFP4: ``d * (x . q)``;
 Q4_K: ``(d*sc) * (x . q) - (dmin*mn) * sum(x)`` per sub-block; Q6_K: ``(d*sc) * (x . q - 32 sum(x))``
 per 16 weights), and every scale times integer product is exact in float32. So the result is
 float32 activations times the dequantized weights (``gguf.quants.dequantize``), summed in float32 in
 another order than a plain loop: the tests hold each kernel against its twin and the reference.
+
+Q4_K's and Q6_K's quants (unsigned, 0..255 in an int32 lane) are not converted at all: their
+int32 bits read as float32 are the subnormals ``q * 2**-149``, and the caller scales x by 2**K
+(:func:`~llamatrace.kernels.tiles.subnormal_exp`), so each product is ``x * q * 2**(K - 149)``
+exactly and each chain's sum times ``2**(149 - K)`` (read after the row's sums) is the converted
+kernel's sum bit for bit, while products and sums stay normal floats (x within ~2**100 of its row's
+largest, that largest below 2**81). A chain starts with an FMA into zero, not a multiply (a
+``vmulps`` with a subnormal input halved the speed on Zen 3; FMAs take them at full speed). The
+kernels clear DAZ while they run (:func:`~llamatrace.kernels.tiles.daz_off`): a caller's
+denormals-are-zero would read every quant as zero.
 
 Why IR: the Numba loops they replace kept their partial sums in memory arrays between passes over
 the rows (and MXFP4's unpacked its codes through a scratch); on one thread they ran at 0.15-0.45 of
@@ -24,7 +34,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.tiles import VectorTile, escape, prefill_lanes
+from llamatrace.kernels.tiles import VectorTile, daz_off, daz_restore, escape, prefill_lanes
 
 TR = tiles.TR
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -40,8 +50,12 @@ def _block_bytes(kind: str) -> int:
     return {"q8_0": 32, "mxfp4": 16, "q4k": 144, "q6k": 208}[kind] * TR
 
 
-def _chain(k, acc, x, w):
-    return k.b.fmul(x, w) if acc is None else k.fma(x, w, acc)
+def _chain(k, acc, x, w, subnormal: bool = False):
+    """``acc + x * w`` (``x * w`` for ``acc`` None): an FMA into zero if ``w`` may be a float32
+    subnormal (a ``vmulps`` with a subnormal input is slow on Zen 3, an FMA is not)."""
+    if acc is None:
+        return k.fma(x, w, k.splat(ir.Constant(k.f32, 0.0), k.vf)) if subnormal else k.b.fmul(x, w)
+    return k.fma(x, w, acc)
 
 
 def _bytes(k, qs, at, signed: bool, to_float: bool = True):
@@ -113,14 +127,17 @@ def _mxfp4_ir(k: VectorTile, a):
 
 
 def _q4k_ir(k: VectorTile, a):
-    """Q4_K (``m`` its dmin, ``xs`` the sums of x per sub-block of 32 after the activations): the
+    """Q4_K (``m`` its dmin, x scaled by 2**K, then its unscaled sums per sub-block of 32, then
+    ``u = 2**(149 - K)``: :func:`~llamatrace.kernels.tiles.subnormal_exp`): the
     loop runs over chunks c of 32 bytes (sub-blocks 2c in the low nibbles, 2c + 1 in the high
     ones), not blocks (a whole block unrolled, ~4,600 instructions, ran at 0.85x: two chunks a
     pass ran at 0.92x, half a chunk no faster); per chunk and register of rows a chain per
     sub-block, then ``acc += (d*sc0) * lo + (d*sc1) * hi - ((dmin*mn0) * xs0 + (dmin*mn1) * xs1)``.
     The high nibbles are taken as ``byte & 0xF0`` (16 times the quant: an AND where a shift was,
-    1.03x), their chain's sum scaled back by 1/16: a power of two, so the same sum bit for bit
-    (short of products below float32's normal range)."""
+    1.03x), and both nibbles are not converted: their int32 lanes are bitcast to float32, the
+    subnormals ``q * 2**-149`` (``16 q * 2**-149``); the chains' sums are scaled back by ``u``
+    (``u / 16``): powers of two, so the same sums bit for bit (short of products below float32's
+    normal range)."""
     qs, q_at, x, x_at, d, m, dm_at, n_blocks, ahead = a
     b, c64, lanes = k.b, k.c64, k.lanes
     on = b.icmp_signed("!=", ahead, c64(0))
@@ -128,8 +145,9 @@ def _q4k_ir(k: VectorTile, a):
     lines = block // 64
     vi32 = ir.VectorType(_I32, lanes)
     low, high = ir.Constant(vi32, [0x0F] * lanes), ir.Constant(vi32, [0xF0] * lanes)
-    sixteenth = k.splat(ir.Constant(k.f32, 1 / 16), k.vf)
     n_in = b.mul(n_blocks, c64(256))
+    u = k.load(x, b.add(b.add(x_at, n_in), b.mul(n_blocks, c64(8))), k.f32, 4)
+    u_lo, u_hi = k.splat(u, k.vf), k.splat(b.fmul(u, ir.Constant(k.f32, 1 / 16)), k.vf)
 
     def body(chunk, accs):
         blk, c = b.lshr(chunk, c64(2)), b.and_(chunk, c64(3))
@@ -146,8 +164,8 @@ def _q4k_ir(k: VectorTile, a):
             xh = k.splat(k.load(x, b.add(xb, c64(32 + l)), k.f32, 4), k.vf)
             for h, p in enumerate(parts):
                 v = _bytes(k, qs, b.add(qc, c64((16 + l) * TR + h * lanes)), False, False)
-                p[0] = _chain(k, p[0], xl, b.sitofp(b.and_(v, low), k.vf))
-                p[1] = _chain(k, p[1], xh, b.sitofp(b.and_(v, high), k.vf))
+                p[0] = _chain(k, p[0], xl, b.bitcast(b.and_(v, low), k.vf), True)
+                p[1] = _chain(k, p[1], xh, b.bitcast(b.and_(v, high), k.vf), True)
         xs0, xs1 = (k.splat(k.load(x, b.add(xs_at, c64(i)), k.f32, 4), k.vf) for i in (0, 1))
         new = []
         for h, (p, acc) in enumerate(zip(parts, accs)):
@@ -155,7 +173,7 @@ def _q4k_ir(k: VectorTile, a):
             mvec = k.load(m, b.add(dm, c64(h * lanes)), k.vf, 4)
             rows = b.add(sc_at, c64(h * lanes))
             sc0, sc1, mn0, mn1 = (_bytes(k, qs, b.add(rows, c64(i * TR)), False) for i in (0, 1, 8, 9))
-            pos = k.fma(b.fmul(dvec, sc1), b.fmul(p[1], sixteenth), b.fmul(b.fmul(dvec, sc0), p[0]))
+            pos = k.fma(b.fmul(dvec, sc1), b.fmul(p[1], u_hi), b.fmul(b.fmul(dvec, sc0), b.fmul(p[0], u_lo)))
             neg = k.fma(b.fmul(mvec, mn1), xs1, b.fmul(b.fmul(mvec, mn0), xs0))
             new.append(b.fadd(acc, b.fsub(pos, neg)))
         return new
@@ -177,14 +195,17 @@ def q6k_quants(b, qa, qc, qh):
 
 
 def _q6k_ir(k: VectorTile, a):
-    """Q6_K (``xs`` the sums of x per 16 weights after the activations): the loop runs over
+    """Q6_K (x scaled by 2**K, then its unscaled sums ``xs`` per 16 weights, then ``u = 2**(149 - K)``:
+    :func:`~llamatrace.kernels.tiles.subnormal_exp`): the loop runs over
     quarters of blocks (half of the block, group of 16 l), not blocks: a whole block unrolled was
     ~38 KB of code, more than the L1 instruction cache, and ran at 0.75x. Per quarter, the 6-bit
     quants (the 4 ql bits | the 2 qh bits << 4, 0..63) of the four c are built on the TR rows'
     bytes at once (byte arithmetic on 32 lanes) and stored to a scratch on the stack, then read
-    back widened to float32 in a chain per c and register of rows (two c at a time over all the
-    registers of rows: eight chains with 8 rows a register, each broadcast x serving four FMAs),
-    and ``acc = fma(d*sc, S - 32 * xs, acc)`` per 16 weights, c in order."""
+    back widened to int32 and bitcast to float32 (the subnormals ``q * 2**-149``, no conversion)
+    in a chain per c and register of rows (two c at a time over all the registers of rows: eight
+    chains with 8 rows a register, each broadcast x serving four FMAs), and
+    ``acc = fma(d*sc, u * S - 32 * xs, acc)`` per 16 weights, c in order (``u * S`` the unscaled
+    sum bit for bit, short of products below float32's normal range)."""
     qs, q_at, x, x_at, d, _, dm_at, n_blocks, ahead = a
     b, c64, lanes = k.b, k.c64, k.lanes
     on = b.icmp_signed("!=", ahead, c64(0))
@@ -196,6 +217,7 @@ def _q6k_ir(k: VectorTile, a):
     buf = b.bitcast(scratch, _I8.as_pointer())
     n_in = b.mul(n_blocks, c64(256))
     thirty_two = k.splat(ir.Constant(k.f32, 32.0), k.vf)
+    uv = k.splat(k.load(x, b.add(b.add(x_at, n_in), b.mul(n_blocks, c64(16))), k.f32, 4), k.vf)
 
     def body(quarter, accs):
         accs = list(accs)
@@ -224,14 +246,14 @@ def _q6k_ir(k: VectorTile, a):
                 for c in cs:
                     xc = k.splat(k.load(x, b.add(xl, c64(32 * c + i)), k.f32, 4), k.vf)
                     for h in range(len(accs)):
-                        w = _bytes(k, buf, c64((c * 16 + i) * TR + h * lanes), False)
-                        parts[h, c] = _chain(k, parts.get((h, c)), xc, w)
+                        w = b.bitcast(_bytes(k, buf, c64((c * 16 + i) * TR + h * lanes), False, False), k.vf)
+                        parts[h, c] = _chain(k, parts.get((h, c)), xc, w, True)
             for h in range(len(accs)):
                 dvec = k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4)
                 for c in cs:
                     sc = _bytes(k, qs, b.add(sc_at, c64(2 * c * TR + h * lanes)), True)
                     xs = k.splat(k.load(x, b.add(xs_at, c64(2 * c)), k.f32, 4), k.vf)
-                    accs[h] = k.fma(b.fmul(dvec, sc), k.fma(thirty_two, b.fneg(xs), parts[h, c]), accs[h])
+                    accs[h] = k.fma(b.fmul(dvec, sc), k.fma(thirty_two, b.fneg(xs), b.fmul(parts[h, c], uv)), accs[h])
         escape(b, buf)
         return accs
 
@@ -239,6 +261,8 @@ def _q6k_ir(k: VectorTile, a):
 
 
 _EMIT = {"q8_0": _q8_0_ir, "mxfp4": _mxfp4_ir, "q4k": _q4k_ir, "q6k": _q6k_ir}
+_SUBNORMAL = frozenset({"q4k", "q6k"})
+"""The kernels that read their quants as float32 subnormals: DAZ off while they run."""
 
 
 def _decode_intrinsic(kind: str):
@@ -256,17 +280,21 @@ def _decode_intrinsic(kind: str):
             k = VectorTile(builder, prefill_lanes())
             for i in (1, 3, 6, 7, 9, 10):
                 flat[i] = k.i64(flat[i])
+            saved = daz_off(builder) if kind in _SUBNORMAL else None
             outs = emit(k, [flat[i] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)])
             for h, out in enumerate(outs):
                 builder.store(out, k.ptr(flat[8], builder.add(flat[9], k.c64(h * k.lanes)), k.vf), align=4)
+            if saved is not None:
+                daz_restore(builder, saved)
             return context.get_dummy_value()
 
         return sig, codegen
 
     typer.__doc__ = (f"{kind} decode microkernel: ``res[res_at + r]`` (float32, r < TR) = row r of one tile "
                      "(block 0 at byte ``q_at`` of ``qs``, float32 scales at ``dm_at`` of ``d`` and ``m``) "
-                     "times the activation row at ``x_at`` of ``x`` (followed there by its per-sub-block sums "
-                     "for the K-quants), over ``n_blocks`` blocks; ``ahead``: prefetch distance in bytes (0: none).")
+                     "times the activation row at ``x_at`` of ``x`` (for the K-quants: scaled by 2**K, followed "
+                     "there by its unscaled per-sub-block sums and ``2**(149 - K)``), over ``n_blocks`` blocks; "
+                     "``ahead``: prefetch distance in bytes (0: none).")
     return intrinsic(typer)
 
 

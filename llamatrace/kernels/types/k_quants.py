@@ -251,19 +251,25 @@ def tiled(kind, x, qs, d, m, out):
 
 # --------------------------------------------------------------------------------------------
 # Q4_K and Q6_K GEMV: LLVM IR microkernels over a whole tile (f32_ir), after the activations are
-# copied with their sums per scale group appended (Q4_K: per 32, for the mins; Q6_K: per 16, for
-# the offset 32).
+# copied scaled by 2**K (the kernels read the quants as float32 subnormals, q * 2**-149) with their
+# unscaled sums per scale group appended (Q4_K: per 32, for the mins; Q6_K: per 16, for the
+# offset 32), then 2**(149 - K).
 
 
 @njit(**JIT)
 def _x_with_sums(x, group):
-    """x float32 [S, n_in] -> float32 [S, n_in + n_in // group]: each row followed by its sums
-    over every ``group`` inputs (float32, in order)."""
+    """x float32 [S, n_in] -> float32 [S, n_in + n_in // group + 1]: each row times 2**K
+    (:func:`~llamatrace.kernels.tiles.subnormal_exp`, exact), followed by the unscaled row's sums
+    over every ``group`` inputs (float32, in order), then ``2**(149 - K)``."""
     n_seq, n_in = x.shape
-    xe = np.empty((n_seq, n_in + n_in // group), np.float32)
+    n_sums = n_in // group
+    xe = np.empty((n_seq, n_in + n_sums + 1), np.float32)
     for s in range(n_seq):
+        k = tiles.subnormal_exp(x, s)
+        up = 2.0 ** k
         for i in range(n_in):
-            xe[s, i] = x[s, i]
+            xe[s, i] = np.float32(x[s, i] * up)
+        xe[s, n_in + n_sums] = np.float32(2.0 ** (149 - k))
         for g in range(n_in // group):
             acc = np.float32(0.0)
             for i in range(group):

@@ -20,7 +20,9 @@ decode step's experts) takes the products grouped as the packed kernels
 
 One slot (a decode step's experts) runs a kernel of its own, :func:`_tile` (:func:`_tile_ir`): a
 work item's whole tile of rows in one IR loop, each row's sums in registers from its first block
-to its last, added across lanes straight into ``out`` (no buffer and no call a row).
+to its last, added across lanes straight into ``out`` (no buffer and no call a row). Its Q4_K and
+Q6_K quants are read as float32 subnormals, not converted, with the slot's x scaled by 2**K
+(:data:`SUBNORMAL`; as :mod:`llamatrace.kernels.types.f32_ir`'s Q4_K and Q6_K).
 
 Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
 of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
@@ -47,7 +49,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels.int8.mul_mat_id_q8 import _e8m0_table
-from llamatrace.kernels.tiles import TR, VectorTile, escape, prefetch
+from llamatrace.kernels.tiles import TR, VectorTile, daz_off, daz_restore, escape, prefetch, subnormal_exp
 from llamatrace.kernels.types.f32_ir import q6k_quants
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
@@ -65,8 +67,9 @@ MXFP4_BYTES = tuple(tuple(int(v) for v in _MXFP4_BITS >> shift & 0xFF) for shift
 """MXFP4's ``pshufb`` tables: bytes 2 and 3 of each kvalue's float32 (code 8, ``0``, as +0); bytes 0
 and 1 are zero, the kvalues being small integers."""
 
-# kind: (ggml type, weights a block, bytes a block, float32 sums of x a block appended to each row)
-_KINDS = {"q4k": (_T.Q4_K, 256, 144, 8), "q6k": (_T.Q6_K, 256, 210, 0),
+# kind: (ggml type, weights a block, bytes a block, float32 sums of x a block appended to each row
+# of one slot: Q4_K's per sub-block, Q6_K's per lane of each 32 inputs, :func:`_matmul_id`)
+_KINDS = {"q4k": (_T.Q4_K, 256, 144, 8), "q6k": (_T.Q6_K, 256, 210, 64),
           "mxfp4": (_T.MXFP4, 32, 17, 0), "q8_0": (_T.Q8_0, 32, 34, 0)}
 KIND = {v[0]: i for i, v in enumerate(_KINDS.values())}
 """ggml type -> the drivers' ``kind`` argument."""
@@ -101,9 +104,11 @@ def x_order(ggml_type) -> np.ndarray:
     return MXFP4_ORDER if ggml_type == _T.MXFP4 else X_ORDER
 
 
-def _widen(k: VectorTile, v32, g: int, signed: bool):
+def _widen(k: VectorTile, v32, g: int, signed: bool, raw: bool = False):
     """Vector g (of 4) of the 32 bytes ``v32`` as float32: the bytes of inputs 4g .. 4g + 3 and
-    16 + 4g .. 16 + 4g + 3; unsigned: their values, signed: their values times 2**24."""
+    16 + 4g .. 16 + 4g + 3; unsigned: their values, signed: their values times 2**24. Unsigned
+    with ``raw``: their int32 lanes bitcast, not converted (the subnormals ``q * 2**-149``; x
+    comes scaled, :func:`_matmul_id`)."""
     b = k.b
     vb = ir.VectorType(_I8, 32)
     fn = b.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (), ir.FunctionType(vb, [vb, vb]))
@@ -114,7 +119,7 @@ def _widen(k: VectorTile, v32, g: int, signed: bool):
             dword[3 if signed else 0] = 4 * g + j
             mask += dword
     words = b.bitcast(b.call(fn, [v32, ir.Constant(vb, mask)]), ir.VectorType(_I32, LANES))
-    return b.sitofp(words, k.vf)
+    return b.bitcast(words, k.vf) if raw else b.sitofp(words, k.vf)
 
 
 def _half(k: VectorTile, qs, at):
@@ -127,12 +132,14 @@ def _const(values, ty=_I8):
     return ir.Constant(ir.VectorType(ty, len(values)), values)
 
 
-def _q4k_block(k: VectorTile, qs, qb, exact: bool):
+def _q4k_block(k: VectorTile, qs, qb, exact: bool, u=None):
     """Q4_K (d, dmin, scales[12], qs[128]): per chunk j of 32 bytes, sub-block 2j in the low
     nibbles (inputs 64j + l) and 2j + 1 in the high ones (64j + 32 + l); the 6-bit scales and mins
     unpacked on 8 lanes as ggml's ``get_scale_min_k4``. Returns (groups, the 8 ``dmin*mn``), or
     with ``exact`` (the weights ``fma(d*sc, q, -(dmin*mn))`` one vector at a time, made as they
-    are asked for: ``(d*sc) * q`` is exact in float32, so that is gguf-py's ``d * q - dm``, None)."""
+    are asked for: ``(d*sc) * q`` is exact in float32, so that is gguf-py's ``d * q - dm``, None).
+    Without ``exact`` the quants are subnormals (:func:`_widen`'s ``raw``) and the scales
+    ``(d*sc) * u`` (``u = 2**(149 - K)``, the float32 scalar that undoes x's 2**K: exact)."""
     b, c64 = k.b, k.c64
     d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
     # bytes 4..15 (and qs[0:4]): per lane the 6-bit scales (lanes 0..7) and mins (8..15), on bytes
@@ -148,6 +155,8 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool):
               for o in (0, 8))
     dsc = b.fmul(k.splat(d, k.vf), b.sitofp(sc, k.vf))
     dmn = b.fmul(k.splat(dmin, k.vf), b.sitofp(mn, k.vf))
+    if not exact:
+        dsc = b.fmul(dsc, k.splat(u, k.vf))
     # each sub-block's scale broadcast from memory (a load) rather than out of the vector (2 shuffles)
     with b.goto_entry_block():
         scratch = b.alloca(ir.VectorType(k.f32, 16), name="q4k_scales")
@@ -172,18 +181,18 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool):
 
     if exact:
         return weights(), None
-    return [([(_widen(k, nib, g, False), 32 * sub + 8 * g) for g in range(4)],
+    return [([(_widen(k, nib, g, False, raw=True), 32 * sub + 8 * g) for g in range(4)],
              b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4)) for sub, nib in nibbles()], dmn
 
 
-def _q6k_block(k: VectorTile, qs, qb, exact: bool):
+def _q6k_block(k: VectorTile, qs, qb, exact: bool, u=None):
     """Q6_K (ql[128], qh[64], scales int8[16], d): input 128h + 32c + l (l < 32) is
     ``(ql[64h + 32(c%2) + l] >> 4(c//2)) & 15 | ((qh[32h + l] >> 2c) & 3) << 4``, less 32, its
     weight ``(d * sc[(128h + 32c + l) // 16]) * (q - 32)`` (gguf-py's float32 roundings: the
     quant comes widened times 2**24 and the scale times 2**-24, both exact). Without ``exact``:
     :func:`_q6k_groups`."""
     if not exact:
-        return _q6k_groups(k, qs, qb), None
+        return _q6k_groups(k, qs, qb, u), None
     b, c64 = k.b, k.c64
     d = _half(k, qs, b.add(qb, c64(208)))
     v32 = ir.VectorType(_I8, 32)
@@ -211,21 +220,25 @@ def _q6k_block(k: VectorTile, qs, qb, exact: bool):
     return weights(), None
 
 
-def _q6k_groups(k: VectorTile, qs, qb):
-    """Q6_K for one slot: per 32 inputs (h, c) the four vectors of ``q - 32`` with the vector of
-    their lanes' scales ``d*sc``: lanes 0..3 of a vector hold inputs of one group of 16, lanes
-    4..7 of the next (:data:`X_ORDER`), so ``(d*sc) * (x . (q - 32))`` per 16 inputs is one FMA of
-    that vector into each lane's dot product, not a multiply a weight. The quants are made on the
-    block's bytes (their dwords first put in :data:`X_ORDER`'s order), stored to a scratch and read
-    back 8 at a time by a load that widens them (as :mod:`llamatrace.kernels.types.f32_ir`'s Q6_K)."""
+def _q6k_groups(k: VectorTile, qs, qb, u):
+    """Q6_K for one slot: per 32 inputs (h, c) the four vectors of quants ``q`` (0..63) as float32
+    subnormals (``q * 2**-149``, not converted; x comes times 2**K), the vector of their lanes'
+    scales ``(d*sc) * u`` (``u = 2**(149 - K)``) and the place of the lanes' ``32 * sum(x)`` (times
+    2**(K - 149)) among the block's sums of x: lanes 0..3 of a vector hold inputs of one group of
+    16, lanes 4..7 of the next (:data:`X_ORDER`), so ``(d*sc) * (x . q - 32 * sum(x))`` per 16
+    inputs is a subtraction and one FMA of that vector into each lane's dot product, not a multiply
+    a weight (:func:`_one_slot_block`). The quants are made on the block's bytes (their dwords first
+    put in :data:`X_ORDER`'s order), stored to a scratch and read back 8 at a time by a load that
+    widens them (as :mod:`llamatrace.kernels.types.f32_ir`'s Q6_K)."""
     b, c64 = k.b, k.c64
     d = _half(k, qs, b.add(qb, c64(208)))
     v32 = ir.VectorType(_I8, 32)
     vd = ir.VectorType(_I32, 8)
     sc = k.load(qs, b.add(qb, c64(192)), ir.VectorType(_I8, 16))
     dtop = k.splat(d, k.vf)
-    dsc = [b.fmul(dtop, b.sitofp(b.shuffle_vector(sc, ir.Constant(sc.type, None), _const(range(8 * i, 8 * i + 8), _I32)),
-                                  k.vf)) for i in (0, 1)]
+    uv = k.splat(u, k.vf)
+    dsc = [b.fmul(b.fmul(dtop, b.sitofp(b.shuffle_vector(sc, ir.Constant(sc.type, None), _const(range(8 * i, 8 * i + 8), _I32)),
+                                        k.vf)), uv) for i in (0, 1)]
     with b.goto_entry_block():
         scratch = b.alloca(ir.ArrayType(_I8, 256), name="q6k_quants")
     buf = b.bitcast(scratch, _I8.as_pointer())
@@ -239,15 +252,15 @@ def _q6k_groups(k: VectorTile, qs, qb):
 
     for h in range(2):
         for c, q in enumerate(q6k_quants(b, load(64 * h), load(64 * h + 32), load(128 + 32 * h))):
-            b.store(b.sub(q, cst(32)), k.ptr(buf, c64(128 * h + 32 * c), v32), align=1)      # -32 .. 31
+            b.store(q, k.ptr(buf, c64(128 * h + 32 * c), v32), align=1)      # 0 .. 63
     escape(b, buf)
     vi = ir.VectorType(_I32, 8)
     permps = ir.InlineAsm(ir.FunctionType(k.vf, [vi, k.vf]), "vpermps $2, $1, $0", "=x,x,x")
     for h in range(2):
         for c in range(4):                       # one vpermps (LLVM makes the shuffle two, from a constant mask)
             lanes = b.call(permps, [_const([2 * c] * 4 + [2 * c + 1] * 4, _I32), dsc[h]])
-            yield [(b.sitofp(k.load(buf, c64(128 * h + 32 * c + 8 * g), ir.VectorType(_I8, 8)), k.vf),
-                    128 * h + 32 * c + 8 * g) for g in range(4)], lanes
+            yield [(b.bitcast(b.zext(k.load(buf, c64(128 * h + 32 * c + 8 * g), ir.VectorType(_I8, 8)), vi), k.vf),
+                    128 * h + 32 * c + 8 * g) for g in range(4)], lanes, 8 * (4 * h + c)
 
 
 def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
@@ -313,20 +326,29 @@ AHEAD = 4096
 the hardware's prefetch at every page, which a running read does not."""
 
 
-def _one_slot_block(k: VectorTile, rows, x, xb, sums_at):
+def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False):
     """One slot's sums of one block of each of ``rows`` (``(groups, mins, accs)``: :data:`_BLOCK`'s
-    groups and mins of the row's block, its vectors of sums), x at ``xb`` of ``x`` (Q4_K's sums of x
-    per sub-block at ``sums_at``), a group after the other: each group's products summed (one chain
-    a group: the groups overlap), then times its scale (a float or a vector of the lanes' scales).
-    The rows share each load of x. Returns each row's new ``accs``."""
+    groups and mins of the row's block, its vectors of sums), x at ``xb`` of ``x`` (the block's
+    sums of x at ``sums_at``: Q4_K's per sub-block, Q6_K's per lane), a group after the other: each
+    group's products summed (one chain a group: the groups overlap), less the vector of sums at
+    the group's third item if it has one (Q6_K), then times its scale (a float or a vector of the
+    lanes' scales). The rows share each load of x. Returns each row's new ``accs``. With
+    ``subnormal`` (the quants are float32 subnormals) each chain starts as an FMA into zero, not a
+    multiply: a ``vmulps`` with a subnormal input ran the Q4_K kernel at half speed on Zen 3, an FMA
+    at full (docs/performance.md)."""
     b, c64 = k.b, k.c64
     out = [list(accs) for _, _, accs in rows]
+    zero = k.splat(ir.Constant(k.f32, 0.0), k.vf)
     for turn, parts in enumerate(zip(*(groups for groups, _, _ in rows))):
         dots = [None] * len(rows)
-        for n, vecs in enumerate(zip(*(vecs for vecs, _ in parts))):
+        for n, vecs in enumerate(zip(*(part[0] for part in parts))):
             xv = k.load(x, b.add(xb, c64(vecs[0][1])), k.vf, 4)
-            dots = [b.fmul(w, xv) if n == 0 else k.fma(w, xv, dot) for (w, _), dot in zip(vecs, dots)]
-        for accs, (_, scale), dot in zip(out, parts, dots):
+            dots = [k.fma(w, xv, zero) if n == 0 and subnormal else b.fmul(w, xv) if n == 0 else k.fma(w, xv, dot)
+                    for (w, _), dot in zip(vecs, dots)]
+        for accs, part, dot in zip(out, parts, dots):
+            scale = part[1]
+            if len(part) == 3:
+                dot = b.fsub(dot, k.load(x, b.add(sums_at, c64(part[2])), k.vf, 4))
             sv = scale if isinstance(scale.type, ir.VectorType) else k.splat(scale, k.vf)
             j = turn % len(accs)
             accs[j] = k.fma(sv, dot, accs[j])
@@ -336,6 +358,11 @@ def _one_slot_block(k: VectorTile, rows, x, xb, sums_at):
             accs[-1] = k.fma(b.fneg(mins), xs, accs[-1])
     return out
 
+
+SUBNORMAL = ("q4k", "q6k")
+"""The kinds whose one-slot kernel reads its (unsigned) quants as float32 subnormals, no
+conversion: :data:`KIND` 0 and 1, their x scaled by :func:`_matmul_id`; DAZ is off while they run
+(:func:`llamatrace.kernels.tiles.daz_off`)."""
 
 ROWS_1 = {"q6k": 2}
 """Weight rows one slot's kernel runs at once (:func:`_tile_ir`; 1 for the kinds not named): Q6_K's
@@ -357,6 +384,9 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
     _, per_block, block_bytes, sums = _KINDS[kind]
     sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
     n_acc = ACC_1.get(kind, 2)
+    extra = {}
+    if kind in SUBNORMAL:                # x times 2**K, the row's sums, then 2**(149 - K)
+        extra["u"] = k.load(x, b.add(sums_at, b.mul(n_blocks, c64(sums))), k.f32, 4)
 
     def rows(r, n):                  # rows r .. r + n - 1 at once: each load of x serves the n rows
         q_row = [b.add(q_at, b.mul(b.add(r, c64(i)), row_bytes)) for i in range(n)]
@@ -366,9 +396,10 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
             for j, q in enumerate(q_row):
                 qb = b.add(q, b.mul(i, c64(block_bytes)))
                 k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
-                groups, mins = _BLOCK[kind](k, qs, qb, False)
+                groups, mins = _BLOCK[kind](k, qs, qb, False, **extra)
                 blocks.append((groups, mins, accs[j * n_acc:(j + 1) * n_acc]))
-            new = _one_slot_block(k, blocks, x, b.add(x_at, b.mul(i, c64(per_block))), b.add(sums_at, b.mul(i, c64(sums))))
+            new = _one_slot_block(k, blocks, x, b.add(x_at, b.mul(i, c64(per_block))), b.add(sums_at, b.mul(i, c64(sums))),
+                                  kind in SUBNORMAL)
             return [v for accs in new for v in accs]
 
         sums_ = k.block_loop(n_blocks, n_acc * n, block)
@@ -398,7 +429,10 @@ def _tile_intrinsic(kind: str):
             k = VectorTile(builder, LANES)
             for i in (1, 2, 3, 4, 6, 8):
                 flat[i] = k.i64(flat[i])
+            saved = daz_off(builder) if kind in SUBNORMAL else None
             _tile_ir(kind, k, *flat)
+            if saved is not None:
+                daz_restore(builder, saved)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -647,26 +681,43 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
     n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
     aligned rows) in slot order: row i is x[rows[order[i]]], each 32 inputs in the order
-    ``x_order``, followed by its sums per 32 inputs when ``sums`` (a block's count) > 0."""
-    n_slots, n_in = order.shape[0], x.shape[1]
+    ``x_order``; Q4_K's followed by its sums per 32 inputs. A slot alone in its group (the one-slot
+    kernel's) of Q4_K or Q6_K (:data:`SUBNORMAL`) has its x times 2**K
+    (:func:`~llamatrace.kernels.tiles.subnormal_exp`), Q6_K's sums of each lane of each 32 inputs
+    times ``32 * 2**(K - 149)`` (after x), and ``2**(149 - K)`` after its sums."""
+    n_in = x.shape[1]
     n_blocks = n_in // per_block
     width = xe.shape[1]
-    for i in range(n_slots):
-        src = rows[order[i]]
-        for j0 in range(0, n_in, 32):
-            for p in range(32):
-                xe[i, j0 + p] = x[src, j0 + x_order[p]]
-        if sums:
-            for g in range(n_in // 32):
-                acc = np.float32(0.0)
-                for j in range(32):
-                    acc += x[src, 32 * g + j]
-                xe[i, n_in + g] = acc
+    n_groups = experts.shape[0]
+    for gr in range(n_groups):
+        alone = kind < 2 and starts[gr + 1] - starts[gr] == 1
+        for i in range(starts[gr], starts[gr + 1]):
+            src = rows[order[i]]
+            k = subnormal_exp(x, src) if alone else 0
+            up = 2.0 ** k
+            for j0 in range(0, n_in, 32):
+                for p in range(32):
+                    xe[i, j0 + p] = np.float32(x[src, j0 + x_order[p]] * up)
+            if kind == 0:
+                for g in range(n_in // 32):
+                    acc = np.float32(0.0)
+                    for j in range(32):
+                        acc += x[src, 32 * g + j]
+                    xe[i, n_in + g] = acc
+            elif alone:                                  # Q6_K: the lanes' 32 * sum(x), scaled
+                down = 2.0 ** (k - 144)
+                for g in range(n_in // 32):
+                    for lane in range(8):
+                        acc = np.float32(0.0)
+                        for v in range(4):
+                            acc += x[src, 32 * g + x_order[8 * v + lane]]
+                        xe[i, n_in + 8 * g + lane] = np.float32(acc * down)
+            if alone:
+                xe[i, n_in + n_in // 32 * (sums // 8)] = np.float32(2.0 ** (149 - k))
     n_out0 = q0.shape[1]
     t0 = (n_out0 + TR - 1) // TR
     t1 = (q1.shape[1] + TR - 1) // TR if n_parts == 2 else 0
     per = t0 + t1
-    n_groups = experts.shape[0]
     for item in prange(n_groups * per):
         g, j = item // per, item % per
         qs, t, col = q0, j, 0
@@ -718,7 +769,7 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         p.flags.writeable = False                # one compiled signature: the file's maps are read-only
     out = np.empty((order.shape[0], sum(p.shape[1] for p in parts)), dtype=np.float32)
     if order.shape[0]:
-        xe = _aligned((order.shape[0], n_in + n_in // 32 * (sums // 8)))
+        xe = _aligned((order.shape[0], n_in + n_in // 32 * (sums // 8) + 1))
         _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
                    x_order(ggml_type), xe, out)
     return out
