@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from llamatrace.machine.jit import JIT_INLINE, has_vnni, target_features
+from llamatrace.machine.jit import JIT_INLINE, has_vnni, subnormal_fma_full_speed, target_features
 
 TR = 32
 """Rows per tile."""
@@ -203,6 +203,21 @@ def escape(b, ptr) -> None:
     b.call(fn, [ptr])
 
 
+SUBNORMAL_BIAS = 149 if subnormal_fma_full_speed() else 0
+"""149 where the ``f32`` decode kernels read unsigned quants q as the float32 subnormals
+``q * 2**-149`` (their int32 bits, no conversion: :func:`quants_as_float`), x then scaled by
+``2**K`` (:func:`subnormal_exp`) and the sums by ``2**(SUBNORMAL_BIAS - K)``; 0 on CPUs whose FMA
+slows on subnormal inputs (:func:`~llamatrace.machine.jit.subnormal_fma_full_speed`): there the
+quants are converted, K is 0 and the scale 1. A constant of the compiled kernels."""
+
+
+def quants_as_float(b, ints):
+    """Unsigned quants in int32 lanes as float32 lanes: bitcast (the subnormals ``q * 2**-149``)
+    where :data:`SUBNORMAL_BIAS` is 149, else converted."""
+    vf = ir.VectorType(ir.FloatType(), ints.type.count)
+    return b.bitcast(ints, vf) if SUBNORMAL_BIAS else b.sitofp(ints, vf)
+
+
 SUBNORMAL_K = (45, 240)
 """The range of :func:`subnormal_exp`'s exponent K: ``2**(149 - K)`` (2**-91 .. 2**104) times a
 block's scales (fp16 ``d`` times a 6- or 8-bit integer: 2**-24 .. 2**23 in magnitude) stays a
@@ -240,7 +255,10 @@ def daz_off(b):
     thread has it set: the kernels that read quants as float32 subnormals would see them as
     zeros (a library built with ``-ffast-math`` sets FTZ/DAZ process-wide when it is loaded).
     Returns what :func:`daz_restore` needs to put the caller's MXCSR back. ``stmxcsr`` at every
-    call; ``ldmxcsr`` (slow, serialising) only when DAZ was set."""
+    call; ``ldmxcsr`` (slow, serialising) only when DAZ was set. Nothing (None) where the quants
+    are converted (:data:`SUBNORMAL_BIAS` 0)."""
+    if not SUBNORMAL_BIAS:
+        return None
     i8p = ir.IntType(8).as_pointer()
     fty = ir.FunctionType(ir.VoidType(), [i8p])
     st = b.module.declare_intrinsic("llvm.x86.sse.stmxcsr", (), fty)
@@ -259,6 +277,8 @@ def daz_off(b):
 
 def daz_restore(b, saved) -> None:
     """Put back the MXCSR :func:`daz_off` found (only if it changed it)."""
+    if saved is None:
+        return
     daz, old, slot, ld = saved
     with b.if_then(daz, likely=False):
         b.store(old, slot)

@@ -111,6 +111,18 @@ def target_features() -> set[str]:
     return {name for name, on in llvm_binding.get_host_cpu_features().items() if on}
 
 
+def subnormal_fma_full_speed() -> bool:
+    """Whether the CPU Numba compiles for takes float32 subnormal inputs to an FMA at full speed,
+    so the ``f32`` decode kernels may read unsigned quants as subnormals instead of converting them
+    (:data:`llamatrace.kernels.tiles.SUBNORMAL_BIAS`): AMD's Zen cores (LLVM's ``znver*``; measured
+    on Zen 3, docs/performance.md "The float32 mode's decode kernels"). Intel documents microcode
+    assists, hundreds of cycles, for operations on subnormal operands (its optimization manual;
+    VTune's "FP Assists"), so every other CPU, and ``NUMBA_CPU_NAME=generic``, keeps the
+    conversion. Keyed on the CPU name, as Numba's cache of compiled kernels is."""
+    from numba.core import config
+    return (config.CPU_NAME or llvm_binding.get_host_cpu_name()).startswith("znver")
+
+
 def has_vnni() -> bool:
     """Whether the CPU Numba compiles for has ``vpdpbusd`` on 256-bit registers (AVX-512 VNNI + VL,
     or AVX-VNNI), unless ``LLAMATRACE_VNNI=0``."""

@@ -11,7 +11,9 @@ per 16 weights), and every scale times integer product is exact in float32. So t
 float32 activations times the dequantized weights (``gguf.quants.dequantize``), summed in float32 in
 another order than a plain loop: the tests hold each kernel against its twin and the reference.
 
-Q4_K's and Q6_K's quants (unsigned, 0..255 in an int32 lane) are not converted at all: their
+On AMD's Zen cores (:data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS` 149; elsewhere the quants are
+converted, x is not scaled and the scale is 1) Q4_K's and Q6_K's quants (unsigned, 0..255 in an
+int32 lane) are not converted at all: their
 int32 bits read as float32 are the subnormals ``q * 2**-149``, and the caller scales x by 2**K
 (:func:`~llamatrace.kernels.tiles.subnormal_exp`), so each product is ``x * q * 2**(K - 149)``
 exactly and each chain's sum times ``2**(149 - K)`` (read after the row's sums) is the converted
@@ -34,7 +36,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.tiles import VectorTile, daz_off, daz_restore, escape, prefill_lanes
+from llamatrace.kernels.tiles import VectorTile, daz_off, daz_restore, escape, prefill_lanes, quants_as_float
 
 TR = tiles.TR
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -164,8 +166,8 @@ def _q4k_ir(k: VectorTile, a):
             xh = k.splat(k.load(x, b.add(xb, c64(32 + l)), k.f32, 4), k.vf)
             for h, p in enumerate(parts):
                 v = _bytes(k, qs, b.add(qc, c64((16 + l) * TR + h * lanes)), False, False)
-                p[0] = _chain(k, p[0], xl, b.bitcast(b.and_(v, low), k.vf), True)
-                p[1] = _chain(k, p[1], xh, b.bitcast(b.and_(v, high), k.vf), True)
+                p[0] = _chain(k, p[0], xl, quants_as_float(b, b.and_(v, low)), True)
+                p[1] = _chain(k, p[1], xh, quants_as_float(b, b.and_(v, high)), True)
         xs0, xs1 = (k.splat(k.load(x, b.add(xs_at, c64(i)), k.f32, 4), k.vf) for i in (0, 1))
         new = []
         for h, (p, acc) in enumerate(zip(parts, accs)):
@@ -246,7 +248,7 @@ def _q6k_ir(k: VectorTile, a):
                 for c in cs:
                     xc = k.splat(k.load(x, b.add(xl, c64(32 * c + i)), k.f32, 4), k.vf)
                     for h in range(len(accs)):
-                        w = b.bitcast(_bytes(k, buf, c64((c * 16 + i) * TR + h * lanes), False, False), k.vf)
+                        w = quants_as_float(b, _bytes(k, buf, c64((c * 16 + i) * TR + h * lanes), False, False))
                         parts[h, c] = _chain(k, parts.get((h, c)), xc, w, True)
             for h in range(len(accs)):
                 dvec = k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4)
@@ -280,7 +282,7 @@ def _decode_intrinsic(kind: str):
             k = VectorTile(builder, prefill_lanes())
             for i in (1, 3, 6, 7, 9, 10):
                 flat[i] = k.i64(flat[i])
-            saved = daz_off(builder) if kind in _SUBNORMAL else None
+            saved = daz_off(builder) if kind in _SUBNORMAL else None       # None: no subnormals here
             outs = emit(k, [flat[i] for i in (0, 1, 2, 3, 4, 5, 6, 7, 10)])
             for h, out in enumerate(outs):
                 builder.store(out, k.ptr(flat[8], builder.add(flat[9], k.c64(h * k.lanes)), k.vf), align=4)

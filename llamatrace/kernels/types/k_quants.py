@@ -265,11 +265,11 @@ def _x_with_sums(x, group):
     n_sums = n_in // group
     xe = np.empty((n_seq, n_in + n_sums + 1), np.float32)
     for s in range(n_seq):
-        k = tiles.subnormal_exp(x, s)
+        k = tiles.subnormal_exp(x, s) if tiles.SUBNORMAL_BIAS else 0
         up = 2.0 ** k
         for i in range(n_in):
             xe[s, i] = np.float32(x[s, i] * up)
-        xe[s, n_in + n_sums] = np.float32(2.0 ** (149 - k))
+        xe[s, n_in + n_sums] = np.float32(2.0 ** (tiles.SUBNORMAL_BIAS - k))
         for g in range(n_in // group):
             acc = np.float32(0.0)
             for i in range(group):

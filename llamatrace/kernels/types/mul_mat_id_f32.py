@@ -22,7 +22,8 @@ One slot (a decode step's experts) runs a kernel of its own, :func:`_tile` (:fun
 work item's whole tile of rows in one IR loop, each row's sums in registers from its first block
 to its last, added across lanes straight into ``out`` (no buffer and no call a row). Its Q4_K and
 Q6_K quants are read as float32 subnormals, not converted, with the slot's x scaled by 2**K
-(:data:`SUBNORMAL`; as :mod:`llamatrace.kernels.types.f32_ir`'s Q4_K and Q6_K).
+(:data:`SUBNORMAL`; as :mod:`llamatrace.kernels.types.f32_ir`'s Q4_K and Q6_K), on AMD's Zen cores
+(:data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS`; converted elsewhere).
 
 Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
 of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
@@ -49,7 +50,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels.int8.mul_mat_id_q8 import _e8m0_table
-from llamatrace.kernels.tiles import TR, VectorTile, daz_off, daz_restore, escape, prefetch, subnormal_exp
+from llamatrace.kernels.tiles import (SUBNORMAL_BIAS, TR, VectorTile, daz_off, daz_restore, escape, prefetch,
+                                      quants_as_float, subnormal_exp)
 from llamatrace.kernels.types.f32_ir import q6k_quants
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
@@ -119,7 +121,7 @@ def _widen(k: VectorTile, v32, g: int, signed: bool, raw: bool = False):
             dword[3 if signed else 0] = 4 * g + j
             mask += dword
     words = b.bitcast(b.call(fn, [v32, ir.Constant(vb, mask)]), ir.VectorType(_I32, LANES))
-    return b.bitcast(words, k.vf) if raw else b.sitofp(words, k.vf)
+    return quants_as_float(b, words) if raw else b.sitofp(words, k.vf)
 
 
 def _half(k: VectorTile, qs, at):
@@ -259,7 +261,7 @@ def _q6k_groups(k: VectorTile, qs, qb, u):
     for h in range(2):
         for c in range(4):                       # one vpermps (LLVM makes the shuffle two, from a constant mask)
             lanes = b.call(permps, [_const([2 * c] * 4 + [2 * c + 1] * 4, _I32), dsc[h]])
-            yield [(b.bitcast(b.zext(k.load(buf, c64(128 * h + 32 * c + 8 * g), ir.VectorType(_I8, 8)), vi), k.vf),
+            yield [(quants_as_float(b, b.zext(k.load(buf, c64(128 * h + 32 * c + 8 * g), ir.VectorType(_I8, 8)), vi)),
                     128 * h + 32 * c + 8 * g) for g in range(4)], lanes, 8 * (4 * h + c)
 
 
@@ -429,7 +431,7 @@ def _tile_intrinsic(kind: str):
             k = VectorTile(builder, LANES)
             for i in (1, 2, 3, 4, 6, 8):
                 flat[i] = k.i64(flat[i])
-            saved = daz_off(builder) if kind in SUBNORMAL else None
+            saved = daz_off(builder) if kind in SUBNORMAL else None       # None: no subnormals here
             _tile_ir(kind, k, *flat)
             if saved is not None:
                 daz_restore(builder, saved)
@@ -693,7 +695,7 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
         alone = kind < 2 and starts[gr + 1] - starts[gr] == 1
         for i in range(starts[gr], starts[gr + 1]):
             src = rows[order[i]]
-            k = subnormal_exp(x, src) if alone else 0
+            k = subnormal_exp(x, src) if alone and SUBNORMAL_BIAS else 0
             up = 2.0 ** k
             for j0 in range(0, n_in, 32):
                 for p in range(32):
@@ -705,7 +707,7 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
                         acc += x[src, 32 * g + j]
                     xe[i, n_in + g] = acc
             elif alone:                                  # Q6_K: the lanes' 32 * sum(x), scaled
-                down = 2.0 ** (k - 144)
+                down = 2.0 ** (k - SUBNORMAL_BIAS + 5)
                 for g in range(n_in // 32):
                     for lane in range(8):
                         acc = np.float32(0.0)
@@ -713,7 +715,7 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
                             acc += x[src, 32 * g + x_order[8 * v + lane]]
                         xe[i, n_in + 8 * g + lane] = np.float32(acc * down)
             if alone:
-                xe[i, n_in + n_in // 32 * (sums // 8)] = np.float32(2.0 ** (149 - k))
+                xe[i, n_in + n_in // 32 * (sums // 8)] = np.float32(2.0 ** (SUBNORMAL_BIAS - k))
     n_out0 = q0.shape[1]
     t0 = (n_out0 + TR - 1) // TR
     t1 = (q1.shape[1] + TR - 1) // TR if n_parts == 2 else 0

@@ -1,0 +1,66 @@
+"""Where the ``f32`` decode kernels read Q4_K / Q6_K quants as float32 subnormals, and where they
+convert them (:data:`llamatrace.kernels.tiles.SUBNORMAL_BIAS`): Intel documents microcode assists
+on subnormal operands, so only AMD's Zen cores (LLVM's ``znver*``) take the subnormal path. The
+other path is what every non-Zen machine runs, so it is compiled here for another CPU name (in a
+subprocess: the choice is a constant of the compiled kernels, keyed as Numba's cache is) and held
+to the float64 reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from llvmlite import binding as llvm_binding
+
+from llamatrace.kernels import tiles
+from llamatrace.machine.jit import subnormal_fma_full_speed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(cpu: str) -> dict[str, str]:
+    """The environment of a child that compiles for ``cpu`` with the host's features less the
+    ones that CPU lacks and the kernels would pick (AVX-512, AMX, VNNI)."""
+    features = sorted(f for f, on in llvm_binding.get_host_cpu_features().items()
+                      if on and not f.startswith(("avx512", "amx", "avxvnni")))
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=",".join("+" + f for f in features))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _child(cpu: str, code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env=_env(cpu), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_gate_follows_the_cpu_name():
+    assert tiles.SUBNORMAL_BIAS == (149 if subnormal_fma_full_speed() else 0)
+    code = "from llamatrace.kernels import tiles; print(tiles.SUBNORMAL_BIAS)"
+    assert _child("znver3", code) == "149"
+    assert _child("haswell", code) == "0"
+    assert _child("sapphirerapids", code) == "0"
+
+
+CONVERTED = """
+import json, gguf, numpy as np
+from llamatrace.kernels import tiles
+from test_daz_guard import _runs
+assert tiles.SUBNORMAL_BIAS == 0
+out = {}
+for qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+    for name, (call, ref) in _runs(qtype).items():
+        got = call().astype(np.float64)
+        out[f"{qtype.name} {name}"] = float(np.abs(got - ref).max() / np.abs(ref).max())
+print(json.dumps(out))
+"""
+
+
+def test_the_converted_path_a_non_zen_cpu_runs():
+    errors = json.loads(_child("haswell", CONVERTED))
+    assert set(errors) == {"Q4_K gemv", "Q4_K one slot", "Q6_K gemv", "Q6_K one slot"}
+    for name, err in errors.items():
+        assert err < 1e-5, (name, err)
