@@ -52,9 +52,10 @@ def _block_bytes(kind: str) -> int:
     return {"q8_0": 32, "mxfp4": 16, "q4k": 144, "q6k": 208}[kind] * TR
 
 
-def _chain(k, acc, x, w, subnormal: bool = False):
-    """``acc + x * w`` (``x * w`` for ``acc`` None): an FMA into zero if ``w`` may be a float32
-    subnormal (a ``vmulps`` with a subnormal input is slow on Zen 3, an FMA is not)."""
+def chain(k, acc, x, w, subnormal: bool = False):
+    """``acc + x * w`` on float32 vectors (``x * w`` for ``acc`` None), emitted by ``k``: with
+    ``subnormal`` (an operand may be a float32 subnormal) an FMA into zero where a chain starts (a
+    ``vmulps`` with a subnormal input is slow on Zen 3, an FMA is not)."""
     if acc is None:
         return k.fma(x, w, k.splat(ir.Constant(k.f32, 0.0), k.vf)) if subnormal else k.b.fmul(x, w)
     return k.fma(x, w, acc)
@@ -85,7 +86,7 @@ def _q8_0_ir(k: VectorTile, a):
         for j in range(32):
             xj = k.splat(k.load(x, b.add(xb, c64(j)), k.f32, 4), k.vf)
             for h, p in enumerate(parts):
-                p[j % 2] = _chain(k, p[j % 2], xj, _bytes(k, qs, b.add(qb, c64(j * TR + h * lanes)), True))
+                p[j % 2] = chain(k, p[j % 2], xj, _bytes(k, qs, b.add(qb, c64(j * TR + h * lanes)), True))
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         return [k.fma(k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4), b.fadd(p[0], p[1]), acc)
                 for h, (p, acc) in enumerate(zip(parts, accs))]
@@ -120,7 +121,7 @@ def _mxfp4_ir(k: VectorTile, a):
                 xj = k.splat(k.load(x, b.add(xb, c64(16 * half + j)), k.f32, 4), k.vf)
                 for h, p in enumerate(parts):
                     sub = b.shuffle_vector(kv[half], ir.Constant(v32, None), picks[h])
-                    p[half] = _chain(k, p[half], xj, b.sitofp(sub, k.vf))
+                    p[half] = chain(k, p[half], xj, b.sitofp(sub, k.vf))
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         return [k.fma(k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4), b.fadd(p[0], p[1]), acc)
                 for h, (p, acc) in enumerate(zip(parts, accs))]
@@ -166,8 +167,8 @@ def _q4k_ir(k: VectorTile, a):
             xh = k.splat(k.load(x, b.add(xb, c64(32 + l)), k.f32, 4), k.vf)
             for h, p in enumerate(parts):
                 v = _bytes(k, qs, b.add(qc, c64((16 + l) * TR + h * lanes)), False, False)
-                p[0] = _chain(k, p[0], xl, quants_as_float(b, b.and_(v, low)), True)
-                p[1] = _chain(k, p[1], xh, quants_as_float(b, b.and_(v, high)), True)
+                p[0] = chain(k, p[0], xl, quants_as_float(b, b.and_(v, low)), True)
+                p[1] = chain(k, p[1], xh, quants_as_float(b, b.and_(v, high)), True)
         xs0, xs1 = (k.splat(k.load(x, b.add(xs_at, c64(i)), k.f32, 4), k.vf) for i in (0, 1))
         new = []
         for h, (p, acc) in enumerate(zip(parts, accs)):
@@ -249,7 +250,7 @@ def _q6k_ir(k: VectorTile, a):
                     xc = k.splat(k.load(x, b.add(xl, c64(32 * c + i)), k.f32, 4), k.vf)
                     for h in range(len(accs)):
                         w = quants_as_float(b, _bytes(k, buf, c64((c * 16 + i) * TR + h * lanes), False, False))
-                        parts[h, c] = _chain(k, parts.get((h, c)), xc, w, True)
+                        parts[h, c] = chain(k, parts.get((h, c)), xc, w, True)
             for h in range(len(accs)):
                 dvec = k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4)
                 for c in cs:

@@ -52,7 +52,7 @@ from numba.extending import intrinsic
 from llamatrace.kernels.int8.mul_mat_id_q8 import _e8m0_table
 from llamatrace.kernels.tiles import (SUBNORMAL_BIAS, TR, VectorTile, daz_off, daz_restore, escape, prefetch,
                                       quants_as_float, subnormal_exp)
-from llamatrace.kernels.types.f32_ir import q6k_quants
+from llamatrace.kernels.types.f32_ir import chain, q6k_quants
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
@@ -340,13 +340,11 @@ def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False
     at full (docs/performance.md)."""
     b, c64 = k.b, k.c64
     out = [list(accs) for _, _, accs in rows]
-    zero = k.splat(ir.Constant(k.f32, 0.0), k.vf)
     for turn, parts in enumerate(zip(*(groups for groups, _, _ in rows))):
         dots = [None] * len(rows)
         for n, vecs in enumerate(zip(*(part[0] for part in parts))):
             xv = k.load(x, b.add(xb, c64(vecs[0][1])), k.vf, 4)
-            dots = [k.fma(w, xv, zero) if n == 0 and subnormal else b.fmul(w, xv) if n == 0 else k.fma(w, xv, dot)
-                    for (w, _), dot in zip(vecs, dots)]
+            dots = [chain(k, None if n == 0 else dot, w, xv, subnormal) for (w, _), dot in zip(vecs, dots)]
         for accs, part, dot in zip(out, parts, dots):
             scale = part[1]
             if len(part) == 3:
