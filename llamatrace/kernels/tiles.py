@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from llamatrace.machine.jit import JIT_INLINE, has_vnni, subnormal_fma_full_speed, target_features
+from llamatrace.machine.jit import E8M0_HALF_TABLE, JIT_INLINE, has_vnni, subnormal_fma_full_speed, target_features
 
 TR = 32
 """Rows per tile."""
@@ -201,6 +201,19 @@ def escape(b, ptr) -> None:
     through it before are done, and the loads after it are not folded back into the stored values."""
     fn = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "", "r,~{memory}", side_effect=True)
     b.call(fn, [ptr])
+
+
+def e8m0_half_table(module):
+    """The module's constant float32 [256] of ggml's ``GGML_E8M0_TO_FP32_HALF(e)`` for every byte e
+    (:data:`~llamatrace.machine.jit.E8M0_HALF_TABLE`), one per module: the MXFP4 kernels' scales."""
+    name = "llamatrace_e8m0_half"
+    if name in module.globals:
+        return module.globals[name]
+    table = ir.GlobalVariable(module, ir.ArrayType(ir.FloatType(), 256), name)
+    table.initializer = ir.Constant(table.type.pointee, [float(v) for v in E8M0_HALF_TABLE[:256]])
+    table.global_constant = True
+    table.linkage = "internal"
+    return table
 
 
 SUBNORMAL_BIAS = 149 if subnormal_fma_full_speed() else 0

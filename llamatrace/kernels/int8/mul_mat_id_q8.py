@@ -65,7 +65,7 @@ from numba.extending import intrinsic
 
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.int8.act8_ir import _avx2_intrinsics
-from llamatrace.kernels.tiles import VectorTile
+from llamatrace.kernels.tiles import VectorTile, e8m0_half_table
 from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
@@ -216,7 +216,7 @@ def _q8_block(k: _Row, a, blk, accs, mxfp4: bool):
     if mxfp4:
         k.prefetch(a.on, a.w, b.add(base, a.ahead), range(1))
         e = b.zext(k.load(a.w, base, _I8), _I64)
-        d = b.load(b.gep(_e8m0_table(b.module), [c64(0), e]), align=4)
+        d = b.load(b.gep(e8m0_half_table(b.module), [c64(0), e]), align=4)
         q = k.load(a.w, b.add(base, c64(1)), _V16I8)
         # both halves of a ymm the 16 bytes, the upper shifted by 4: low nibbles then high ones
         both = b.lshr(b.bitcast(k.shuf(q, list(range(16)) * 2), _V8I32), ir.Constant(_V8I32, [0] * 4 + [4] * 4))
@@ -232,21 +232,6 @@ def _q8_block(k: _Row, a, blk, accs, mxfp4: bool):
         dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
         new.append(k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(k.signed_dot(w, x), k.vf), accs[i]))
     return new
-
-
-def _e8m0_table(module):
-    """The module's constant float32 [256]: ggml's ``GGML_E8M0_TO_FP32_HALF(e)`` for every byte
-    (bits ``0x00200000 << e`` for e < 2, else ``(e - 1) << 23``)."""
-    name = "llamatrace_e8m0_half"
-    if name in module.globals:
-        return module.globals[name]
-    e = np.arange(256, dtype=np.uint32)
-    half = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << 23).astype(np.uint32).view(np.float32)
-    table = ir.GlobalVariable(module, ir.ArrayType(ir.FloatType(), 256), name)
-    table.initializer = ir.Constant(table.type.pointee, [float(v) for v in half])
-    table.global_constant = True
-    table.linkage = "internal"
-    return table
 
 
 class _Args:

@@ -49,9 +49,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.int8.mul_mat_id_q8 import _e8m0_table
-from llamatrace.kernels.tiles import (SUBNORMAL_BIAS, TR, VectorTile, daz_off, daz_restore, escape, prefetch,
-                                      quants_as_float, subnormal_exp)
+from llamatrace.kernels.tiles import (SUBNORMAL_BIAS, TR, VectorTile, daz_off, daz_restore, e8m0_half_table, escape,
+                                      prefetch, quants_as_float, subnormal_exp)
 from llamatrace.kernels.types.f32_ir import chain, q6k_quants
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
@@ -295,7 +294,7 @@ def _mxfp4_block(k: VectorTile, qs, qb, exact: bool):
         for odd, v in enumerate((b.shl(words, _const([16] * LANES, _I32)),
                                  b.and_(words, _const([-0x10000] * LANES, _I32)))):
             kvs.append((b.bitcast(v, k.vf), 8 * (2 * h + odd)))
-    d = b.load(b.gep(_e8m0_table(b.module), [ir.Constant(_I64, 0), b.zext(k.load(qs, qb, _I8), _I64)]), align=4)
+    d = b.load(b.gep(e8m0_half_table(b.module), [ir.Constant(_I64, 0), b.zext(k.load(qs, qb, _I8), _I64)]), align=4)
     if exact:
         dv = k.splat(d, k.vf)
         return ((b.fmul(dv, v), off) for v, off in kvs), None
