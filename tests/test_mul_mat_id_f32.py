@@ -211,3 +211,40 @@ def test_mxfp4_x_over_six_decades(ids):
     x[1, 64:] = 0.0
     rows = np.arange(len(ids)) % 2
     _assert_close(mul_mat_id(x, parts, ids, rows), x, parts, ids, rows)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_slots_sharing_a_row_of_x_as_slots_with_their_own_copy(qtype):
+    """A decode step's k slots read one row of x (its gate|up): the driver makes that row's
+    layout once and copies it to the other slots. The same bits as k rows of their own, one
+    slot of an expert (one-slot kernel) or several (dequantized product) alike."""
+    parts = (_experts(qtype, 40, seed=23),)
+    x = _x(2, N_IN[qtype])
+    for ids in ([3, 0, 4, 1], [2, 2, 0, 2, 4]):
+        ids = np.array(ids, dtype=np.int64)
+        rows = np.array([1] * (len(ids) - 1) + [0], dtype=np.int64)
+        shared = mul_mat_id(x, parts, ids, rows)
+        own = mul_mat_id(np.ascontiguousarray(x[rows]), parts, ids)
+        np.testing.assert_array_equal(shared, own)
+        _assert_close(shared, x, parts, ids, rows)
+
+
+def test_read_only_parts_are_passed_as_they_are(monkeypatch):
+    """The file's maps (read-only) reach the kernel as the same arrays, not a view made a call
+    (~8 µs of Numba's typing each); a writeable array is viewed read-only, itself unchanged."""
+    parts = (_experts(T.Q4_K, 8),)
+    seen = []
+    real = mul_mat_id_f32._matmul_id
+
+    def spy(*args):
+        seen.append(args[6:8])
+        return real(*args)
+
+    monkeypatch.setattr(mul_mat_id_f32, "_matmul_id", spy)
+    x, ids = _x(1, 512), np.array([1, 3], dtype=np.int64)
+    got = mul_mat_id(x, parts, ids, np.zeros(2, np.int64))
+    assert seen[0][0] is parts[0].data
+    writeable = parts[0].data.copy()
+    again = mul_mat_id(x, (FileExperts("ffn_gate_exps", T.Q4_K, 8, 512, writeable),), ids, np.zeros(2, np.int64))
+    assert seen[1][0] is not writeable and not seen[1][0].flags.writeable and writeable.flags.writeable
+    np.testing.assert_array_equal(got, again)

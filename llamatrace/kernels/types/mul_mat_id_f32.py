@@ -688,10 +688,15 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
     n_blocks = n_in // per_block
     width = xe.shape[1]
     n_groups = experts.shape[0]
+    last, last_alone = -1, False                     # the slot whose row of xe was made last
     for gr in range(n_groups):
         alone = kind < 2 and starts[gr + 1] - starts[gr] == 1
         for i in range(starts[gr], starts[gr + 1]):
             src = rows[order[i]]
+            if last >= 0 and rows[order[last]] == src and last_alone == alone:
+                xe[i, :] = xe[last, :]                   # a decode step's k slots share one row of x
+                continue
+            last, last_alone = i, alone
             k = subnormal_exp(x, src) if alone and SUBNORMAL_BIAS else 0
             up = 2.0 ** k
             for j0 in range(0, n_in, 32):
@@ -759,19 +764,25 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     kind = KIND[ggml_type]
     _, per_block, block_bytes, sums = _KIND_SHAPES[kind]
     n_in = x.shape[1]
-    parts = [np.asarray(d).view() for d in datas]
+    parts = [d if isinstance(d, np.ndarray) and not d.flags.writeable else _read_only(d) for d in datas]
     if not 1 <= len(parts) <= 2 or any(p.ndim != 3 or p.dtype != np.uint8 or not p.flags.c_contiguous
                                        or p.shape[2] * per_block != n_in * block_bytes for p in parts):
         raise ValueError(f"mul_mat_id_f32: parts must be 1 or 2 C-contiguous uint8 [n_expert, n_out, "
                          f"{n_in // per_block * block_bytes}], got {[(p.dtype.name, p.shape) for p in parts]}")
-    for p in parts:
-        p.flags.writeable = False                # one compiled signature: the file's maps are read-only
     out = np.empty((order.shape[0], sum(p.shape[1] for p in parts)), dtype=np.float32)
     if order.shape[0]:
         xe = _aligned((order.shape[0], n_in + n_in // 32 * (sums // 8) + 1))
         _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
                    x_order(ggml_type), xe, out)
     return out
+
+
+def _read_only(data) -> np.ndarray:
+    """A read-only view of ``data``: one compiled signature, the file's maps being read-only (the
+    maps themselves are passed as they are: a fresh view a call cost ~8 µs of Numba's typing)."""
+    view = np.asarray(data).view()
+    view.flags.writeable = False
+    return view
 
 
 def _aligned(shape: tuple[int, int]) -> np.ndarray:
