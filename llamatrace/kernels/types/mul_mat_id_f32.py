@@ -44,6 +44,7 @@ recompiles them.
 from __future__ import annotations
 
 import gguf
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -716,6 +717,13 @@ def _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc):
 # the driver: one parallel region over (group, part, tile of TR weight rows)
 
 
+ITEMS_A_CHUNK = 16
+"""Work items a thread takes at a time in a prefill's call (``numba.set_parallel_chunksize``), as
+threads finish rather than half the items each up front: an item's cost is its expert's slots,
+2 to 16 and more at 128 tokens, top-8 of 128 (layer 0 of qwen3moe-8, 2 threads:
+docs/performance.md, "f32 experts in a prefill: the sums, the gather and the threads' shares")."""
+
+
 @njit(**JIT_PARALLEL)
 def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, xe, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
@@ -816,8 +824,15 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     out = np.empty((order.shape[0], sum(p.shape[1] for p in parts)), dtype=np.float32)
     if order.shape[0]:
         xe = _aligned((order.shape[0], n_in + n_in // 32 * (sums // 8) + 1))
-        _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
-                   x_order(ggml_type), xe, out)
+        # a prefill's work items differ in cost (an expert's slots): dealt out a few at a time as
+        # threads finish, not split in equal ranges up front
+        prev = numba.set_parallel_chunksize(ITEMS_A_CHUNK) if order.shape[0] > experts.shape[0] else None
+        try:
+            _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
+                       x_order(ggml_type), xe, out)
+        finally:
+            if prev is not None:
+                numba.set_parallel_chunksize(prev)
     return out
 
 
