@@ -493,8 +493,8 @@ def _totals8(typingctx, acc, at, stride, out, out_at):
             return b.shuffle_vector(u, v, _const(idx, _I32))
 
         # lanes l and l + 4 of rows j and j + 4 side by side: [a_j lo + hi | a_{j+4} lo + hi]
-        h = [b.fadd(shuf(a[j], a[j + 4], [0, 1, 2, 3, 8, 9, 10, 11]), shuf(a[j], a[j + 4], [4, 5, 6, 7, 12, 13, 14, 15]))
-             for j in range(4)]
+        h = [b.fadd(shuf(a[j], a[j + 4], [0, 1, 2, 3, 8, 9, 10, 11]),
+                    shuf(a[j], a[j + 4], [4, 5, 6, 7, 12, 13, 14, 15])) for j in range(4)]
         # (m, m + 2) pairs of rows 2i, 2i + 1 (and + 4): [s0 s1 of row 2i, s0 s1 of 2i + 1 | the same + 4]
         p = [b.fadd(shuf(h[2 * i], h[2 * i + 1], [0, 1, 8, 9, 4, 5, 12, 13]),
                     shuf(h[2 * i], h[2 * i + 1], [2, 3, 10, 11, 6, 7, 14, 15])) for i in range(2)]
