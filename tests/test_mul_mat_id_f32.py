@@ -7,6 +7,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from numba import njit
 from gguf_factory import random_blocks
 
 from llamatrace.kernels.mul_mat_id import FileExperts, mul_mat_id, mul_mat_id_ref, supported
@@ -184,6 +185,32 @@ def test_several_slots_over_chunks_that_do_not_divide_the_row(qtype):
     ids = np.array([3] * 9 + [1, 1, 0], dtype=np.int64)
     x = _x(len(ids), n_in)
     _assert_close(mul_mat_id(x, (p,), ids), x, (p,), ids, None)
+
+
+@njit
+def _totals8(acc, at, stride, out, out_at):
+    mul_mat_id_f32._totals8(acc, at, stride, out, out_at)
+
+
+@njit
+def _total(acc, at):
+    return mul_mat_id_f32._total(acc, at)
+
+
+def test_totals8_are_each_vectors_lane_sum_bit_for_bit():
+    """_totals8 (8 strided vectors of sums -> 8 floats at an offset of out) against its twin
+    totals8_np and against _total vector by vector, bit for bit; nothing else of out written."""
+    rng = np.random.default_rng(17)
+    acc = (rng.standard_normal(8 * 24 + 8) * np.exp(rng.uniform(-20, 20, 8 * 24 + 8))).astype(np.float32)
+    acc[40:48] = [1e30, -1e30, 1.0, 3e-8, -2.0, 5e7, 1e-45, -1e-45]     # cancellation, subnormals
+    out = np.full(20, np.nan, np.float32)
+    _totals8(acc, 8, 24, out, 5)
+    vecs = np.stack([acc[8 + 24 * j:16 + 24 * j] for j in range(8)])
+    want = mul_mat_id_f32.totals8_np(vecs)
+    np.testing.assert_array_equal(out[5:13].view(np.uint32), want.view(np.uint32))
+    one = np.array([_total(acc, 8 + 24 * j) for j in range(8)], np.float32)
+    np.testing.assert_array_equal(one.view(np.uint32), want.view(np.uint32))
+    assert np.isnan(out[:5]).all() and np.isnan(out[13:]).all()
 
 
 # MXFP4's codes to float32 through the bytes of their bfloat16s (no int -> float conversion)

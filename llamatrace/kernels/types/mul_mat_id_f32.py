@@ -44,6 +44,7 @@ recompiles them.
 from __future__ import annotations
 
 import gguf
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -471,6 +472,46 @@ def _total(typingctx, acc, at):
     return types.float32(acc, at), codegen
 
 
+@intrinsic
+def _totals8(typingctx, acc, at, stride, out, out_at):
+    """``out[out_at + j]`` = the sum of the 8 float32 lanes at ``at + j * stride`` of ``acc``, j < 8,
+    each summed in :func:`_total`'s order (so bit for bit its sum): the 8 vectors transposed
+    while they are added (``vperm2f128``, ``vshufps``: 14 shuffles and 7 adds for the 8 sums, where
+    8 :func:`_total` calls take 8 times 3 adds and 3 shuffles, and 8 scalar stores). NumPy twin:
+    :func:`totals8_np`."""
+    if not all(isinstance(a, types.Array) and a.dtype == types.float32 for a in (acc, out)):
+        return None
+
+    def codegen(context, b, signature, args):
+        k = VectorTile(b, LANES)
+        data, dst = (context.make_array(signature.args[i])(context, b, args[i]).data for i in (0, 3))
+        at, stride, out_at = (k.i64(args[i]) for i in (1, 2, 4))
+        a = [k.load(data, b.add(at, b.mul(stride, k.c64(j))), k.vf, 4) for j in range(8)]
+
+        def shuf(u, v, idx):
+            return b.shuffle_vector(u, v, _const(idx, _I32))
+
+        # lanes l and l + 4 of rows j and j + 4 side by side: [a_j lo + hi | a_{j+4} lo + hi]
+        h = [b.fadd(shuf(a[j], a[j + 4], [0, 1, 2, 3, 8, 9, 10, 11]),
+                    shuf(a[j], a[j + 4], [4, 5, 6, 7, 12, 13, 14, 15])) for j in range(4)]
+        # (m, m + 2) pairs of rows 2i, 2i + 1 (and + 4): [s0 s1 of row 2i, s0 s1 of 2i + 1 | the same + 4]
+        p = [b.fadd(shuf(h[2 * i], h[2 * i + 1], [0, 1, 8, 9, 4, 5, 12, 13]),
+                    shuf(h[2 * i], h[2 * i + 1], [2, 3, 10, 11, 6, 7, 14, 15])) for i in range(2)]
+        total = b.fadd(shuf(p[0], p[1], [0, 2, 8, 10, 4, 6, 12, 14]), shuf(p[0], p[1], [1, 3, 9, 11, 5, 7, 13, 15]))
+        b.store(total, k.ptr(dst, out_at, k.vf), align=4)
+        return context.get_dummy_value()
+
+    return types.void(acc, at, stride, out, out_at), codegen
+
+
+def totals8_np(acc: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`_totals8` (and of :func:`_total` a row): float32 ``[m, 8]`` -> ``[m]``,
+    ``((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`` in float32."""
+    v = acc[:, :4] + acc[:, 4:]
+    w = v[:, :2] + v[:, 2:]
+    return w[:, 0] + w[:, 1]
+
+
 # --------------------------------------------------------------------------------------------
 # several slots: a chunk of a tile's rows dequantized into L1, then a register-blocked product
 
@@ -675,11 +716,46 @@ def _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc):
 # the driver: one parallel region over (group, part, tile of TR weight rows)
 
 
+ITEMS_A_CHUNK = 16
+"""Work items a thread takes at a time in a prefill's call (``numba.set_parallel_chunksize``), as
+threads finish rather than half the items each up front: an item's cost is its expert's slots,
+2 to 16 and more at 128 tokens, top-8 of 128 (layer 0 of qwen3moe-8, 2 threads:
+docs/performance.md, "f32 experts in a prefill: the sums, the gather and the threads' shares")."""
+
+
+@njit(**JIT_INLINE)
+def _gather(kind, x, src, alone, x_order, sums, xe, i):
+    """xe[i] from x[src] as :func:`_matmul_id` lays it out (x in ``x_order``, the sums, the scale)."""
+    n_in = x.shape[1]
+    k = subnormal_exp(x, src) if alone and SUBNORMAL_BIAS else 0
+    up = 2.0 ** k
+    for j0 in range(0, n_in, 32):
+        for p in range(32):
+            xe[i, j0 + p] = np.float32(x[src, j0 + x_order[p]] * up)
+    if kind == 0:
+        for g in range(n_in // 32):
+            acc = np.float32(0.0)
+            for j in range(32):
+                acc += x[src, 32 * g + j]
+            xe[i, n_in + g] = acc
+    elif alone:                                      # Q6_K: the lanes' 32 * sum(x), scaled
+        down = 2.0 ** (k - SUBNORMAL_BIAS + 5)
+        for g in range(n_in // 32):
+            for lane in range(8):
+                acc = np.float32(0.0)
+                for v in range(4):
+                    acc += x[src, 32 * g + x_order[8 * v + lane]]
+                xe[i, n_in + 8 * g + lane] = np.float32(acc * down)
+    if alone:
+        xe[i, n_in + n_in // 32 * (sums // 8)] = np.float32(2.0 ** (SUBNORMAL_BIAS - k))
+
+
 @njit(**JIT_PARALLEL)
 def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, xe, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
     n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
-    aligned rows) in slot order: row i is x[rows[order[i]]], each 32 inputs in the order
+    aligned rows; in parallel, each row a token's k slots share made once and copied: on one thread,
+    row by row, it took up to ~4 ms a call at 1,024 slots of 2,048 inputs) in slot order: row i is x[rows[order[i]]], each 32 inputs in the order
     ``x_order``; Q4_K's followed by its sums per 32 inputs. A slot alone in its group (the one-slot
     kernel's) of Q4_K or Q6_K (:data:`SUBNORMAL`) has its x times 2**K
     (:func:`~llamatrace.kernels.tiles.subnormal_exp`), Q6_K's sums of each lane of each 32 inputs
@@ -688,36 +764,23 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
     n_blocks = n_in // per_block
     width = xe.shape[1]
     n_groups = experts.shape[0]
-    last, last_alone = -1, False                     # the slot whose row of xe was made last
+    n_slots = order.shape[0]
+    maker = np.empty(n_slots, np.int64)              # slot i's row of xe is slot maker[i]'s (i: made)
+    alone = np.empty(n_slots, np.bool_)
+    first = np.full(2 * x.shape[0], -1, np.int64)    # by (row of x, alone): the slot that makes it
     for gr in range(n_groups):
-        alone = kind < 2 and starts[gr + 1] - starts[gr] == 1
         for i in range(starts[gr], starts[gr + 1]):
-            src = rows[order[i]]
-            if last >= 0 and rows[order[last]] == src and last_alone == alone:
-                xe[i, :] = xe[last, :]                   # a decode step's k slots share one row of x
-                continue
-            last, last_alone = i, alone
-            k = subnormal_exp(x, src) if alone and SUBNORMAL_BIAS else 0
-            up = 2.0 ** k
-            for j0 in range(0, n_in, 32):
-                for p in range(32):
-                    xe[i, j0 + p] = np.float32(x[src, j0 + x_order[p]] * up)
-            if kind == 0:
-                for g in range(n_in // 32):
-                    acc = np.float32(0.0)
-                    for j in range(32):
-                        acc += x[src, 32 * g + j]
-                    xe[i, n_in + g] = acc
-            elif alone:                                  # Q6_K: the lanes' 32 * sum(x), scaled
-                down = 2.0 ** (k - SUBNORMAL_BIAS + 5)
-                for g in range(n_in // 32):
-                    for lane in range(8):
-                        acc = np.float32(0.0)
-                        for v in range(4):
-                            acc += x[src, 32 * g + x_order[8 * v + lane]]
-                        xe[i, n_in + 8 * g + lane] = np.float32(acc * down)
-            if alone:
-                xe[i, n_in + n_in // 32 * (sums // 8)] = np.float32(2.0 ** (SUBNORMAL_BIAS - k))
+            alone[i] = kind < 2 and starts[gr + 1] - starts[gr] == 1
+            key = 2 * rows[order[i]] + alone[i]
+            if first[key] < 0:
+                first[key] = i
+            maker[i] = first[key]
+    for i in prange(n_slots):                        # a token's k slots share one row of x: made once
+        if maker[i] == i:
+            _gather(kind, x, rows[order[i]], alone[i], x_order, sums, xe, i)
+    for i in prange(n_slots):
+        if maker[i] != i:
+            xe[i, :] = xe[maker[i], :]
     n_out0 = q0.shape[1]
     t0 = (n_out0 + TR - 1) // TR
     t1 = (q1.shape[1] + TR - 1) // TR if n_parts == 2 else 0
@@ -737,9 +800,15 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
         r0, r1 = t * TR, min((t + 1) * TR, n_out)        # several: dequantized into L1, then a GEMM
         acc = np.zeros((r1 - r0) * n * LANES, np.float32)
         _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc)
-        for r in range(r1 - r0):
-            for s in range(n):
-                out[order[first + s], col + r0 + r] = _total(acc, (r * n + s) * LANES)
+        width_out = out.shape[1]
+        flat = out.reshape(-1)
+        whole = (r1 - r0) // 8 * 8
+        for s in range(n):                               # each slot's sums 8 rows at a time
+            at = order[first + s] * width_out + col + r0
+            for r in range(0, whole, 8):
+                _totals8(acc, (r * n + s) * LANES, n * LANES, flat, at + r)
+            for r in range(whole, r1 - r0):
+                flat[at + r] = _total(acc, (r * n + s) * LANES)
 
 
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
@@ -772,8 +841,15 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     out = np.empty((order.shape[0], sum(p.shape[1] for p in parts)), dtype=np.float32)
     if order.shape[0]:
         xe = _aligned((order.shape[0], n_in + n_in // 32 * (sums // 8) + 1))
-        _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
-                   x_order(ggml_type), xe, out)
+        # a prefill's work items differ in cost (an expert's slots): dealt out a few at a time as
+        # threads finish, not split in equal ranges up front
+        prev = numba.set_parallel_chunksize(ITEMS_A_CHUNK) if order.shape[0] > experts.shape[0] else None
+        try:
+            _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
+                       x_order(ggml_type), xe, out)
+        finally:
+            if prev is not None:
+                numba.set_parallel_chunksize(prev)
     return out
 
 
