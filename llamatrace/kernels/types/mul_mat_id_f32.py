@@ -754,12 +754,13 @@ def _gather(kind, x, src, alone, x_order, sums, xe, i):
 def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, xe, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
     n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
-    aligned rows; in parallel, each row a token's k slots share made once and copied: on one thread,
-    row by row, it took up to ~4 ms a call at 1,024 slots of 2,048 inputs) in slot order: row i is x[rows[order[i]]], each 32 inputs in the order
-    ``x_order``; Q4_K's followed by its sums per 32 inputs. A slot alone in its group (the one-slot
-    kernel's) of Q4_K or Q6_K (:data:`SUBNORMAL`) has its x times 2**K
-    (:func:`~llamatrace.kernels.tiles.subnormal_exp`), Q6_K's sums of each lane of each 32 inputs
-    times ``32 * 2**(K - 149)`` (after x), and ``2**(149 - K)`` after its sums."""
+    aligned rows; in parallel, each row a token's k slots share made once and copied: on one
+    thread, row by row, it took up to ~4 ms a call at 1,024 slots of 2,048 inputs) in slot
+    order: row i is x[rows[order[i]]], each 32 inputs in the order ``x_order``; Q4_K's followed by
+    its sums per 32 inputs. A slot alone in its group (the one-slot kernel's) of Q4_K or Q6_K
+    (:data:`SUBNORMAL`) has its x times 2**K (:func:`~llamatrace.kernels.tiles.subnormal_exp`),
+    Q6_K's sums of each lane of each 32 inputs times ``32 * 2**(K - 149)`` (after x), and
+    ``2**(149 - K)`` after its sums."""
     n_in = x.shape[1]
     n_blocks = n_in // per_block
     width = xe.shape[1]
