@@ -187,6 +187,21 @@ def test_several_slots_over_chunks_that_do_not_divide_the_row(qtype):
     _assert_close(mul_mat_id(x, (p,), ids), x, (p,), ids, None)
 
 
+@pytest.mark.parametrize("qtype", (T.Q4_K, T.MXFP4))
+def test_every_plan_of_slots_and_the_rows_a_tile_has_left(qtype):
+    """2 to 14 slots of one expert, each of gemm_plan's call shapes (4 x 2, 3 x 3 and 3 x 4 calls,
+    2 x 5, 2 x 6), on 37 rows: tiles of 32 and 5, whose last 2 rows are left over from 3-row calls."""
+    for n in range(2, 15):
+        n_call, base, extra, rows = mul_mat_id_f32.gemm_plan.py_func(n)
+        assert n_call * base + extra == n and extra < n_call
+        assert all((m, ns) in mul_mat_id_f32.GEMM_PAIRS for m in range(1, rows + 1) for ns in {base, base + bool(extra)})
+    parts = (_experts(qtype, 37, seed=21),)
+    for n in range(2, 15):                                   # one group of n slots a call
+        ids = np.full(n, n % N_EXPERT, dtype=np.int64)
+        x = _x(n, N_IN[qtype], seed=n)
+        _assert_close(mul_mat_id(x, parts, ids), x, parts, ids, None)
+
+
 @njit
 def _totals8(acc, at, stride, out, out_at):
     mul_mat_id_f32._totals8(acc, at, stride, out, out_at)

@@ -28,10 +28,11 @@ Q6_K quants are read as float32 subnormals, not converted, with the slot's x sca
 Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
 of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
 on row-major blocks. A chunk of inputs at a time (the slots' x over it, :data:`X_CHUNK` floats,
-stays in L1), :func:`gemm_rows` rows of the tile are dequantized into a float32 scratch in L1
+stays in L1), a few rows of the tile are dequantized into a float32 scratch in L1
 (:func:`_deq_ir`: gguf-py's values bit for bit; Q4_K's ``fma(d*sc, q, -(dmin*mn))`` is gguf-py's
 ``d*q - dm`` since ``d*sc*q`` is exact), then a register-blocked microkernel (:func:`_gemm`,
-:func:`_gemm_ir`: 4 rows x 2 slots, or 2 rows x up to 6) multiplies them into the slots' sums.
+:func:`_gemm_ir`: 4 rows x 2 slots, 3 x up to 4 or 2 x 5 and 6, :func:`gemm_plan`) multiplies
+them into the slots' sums.
 One slot or several, results differ from float64 sums over the dequantized weights by float32
 rounding only; :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests hold them to.
 Measured speeds, and what was tried: docs/performance.md, "f32 experts on the file's blocks: one
@@ -519,21 +520,28 @@ def totals8_np(acc: np.ndarray) -> np.ndarray:
 X_CHUNK = 6144
 """float32 of the slots' x one chunk of inputs covers (24 KiB) while the tile's rows use it."""
 W_CHUNK = 4096
-"""float32 of dequantized weights (:func:`gemm_rows` of a tile's rows, a chunk of inputs each) at once (16 KiB)."""
+"""float32 of dequantized weights (2 or 4 of a tile's rows, a chunk of inputs each) at once (16 KiB;
+3 rows take 2 rows' chunk, :func:`_slots_tile`)."""
 PF_ROWS = 4
 """Rows ahead of the one dequantized that the first chunk of a tile asks into the caches, whole:
 the later chunks find the tile there (a row's blocks are read a chunk at a time, too little of
 a 4 KiB page for the hardware's prefetch)."""
-GEMM_SLOTS = 6
-"""Slots of one microkernel call at most: 2 rows x 6 slots of sums, 2 weight vectors and one of
-x fill AVX2's 16 registers (the classic sgemm kernel's 6 x 2, with the sums over inputs)."""
 
 
 @njit(**JIT_INLINE)
-def gemm_rows(slots):
-    """Weight rows of one microkernel call for ``slots`` slots: 8 or more FMA chains in flight
-    (Zen 3: latency 4, 2 a cycle), the sums, weights and x in 16 registers."""
-    return 4 if slots <= 2 else 2
+def gemm_plan(n):
+    """How :func:`_slots_tile` runs ``n`` >= 2 slots: (calls, slots of the smaller calls, calls with
+    one slot more, weight rows a call), the calls as even as can be. Each call keeps 8 or more FMA
+    chains in flight (Zen 3: latency 4, 2 a cycle) and its sums, weights and x in AVX2's 16
+    registers, with as few loads an FMA as that allows: 3 rows x up to 4 slots (3 x 4: 7 loads
+    for 12 FMAs, 1.2x 2 x 4's 6 for 8 in L1), 2 x 5 and 2 x 6 for 5 and 6 slots (3 x 2 would be
+    6 chains), 4 x 2 for 2 (docs/performance.md, "f32 experts in a prefill: three rows")."""
+    if n == 2:
+        return 1, 2, 0, 4
+    if n == 5 or n == 6:
+        return 1, n, 0, 2
+    n_call = (n + 3) // 4
+    return n_call, n // n_call, n % n_call, 3
 
 
 def _deq_ir(kind: str, k: VectorTile, qs, q_at, blk0, n_blk, w, w_at) -> None:
@@ -618,10 +626,19 @@ def _gemm_ir(rows: int, slots: int, k: VectorTile, w, w_at, ldw, x, x_at, ldx, n
             b.store(b.fadd(old, sums[r * slots + s]), k.ptr(acc, at, k.vf), align=4)
 
 
-GEMM_PAIRS = tuple(sorted({(gemm_rows.py_func(s), s) for s in range(2, GEMM_SLOTS + 1)}
-                          | {(1, s) for s in range(2, GEMM_SLOTS + 1)}, reverse=True))
-"""(rows, slots) of the microkernel calls :func:`_slots_tile` makes: :func:`gemm_rows` rows for 2 or
-more slots (a call has 2 at least, 4 rows only with 2), and 1 row for the rows a tile has left."""
+def _pairs() -> tuple[tuple[int, int], ...]:
+    pairs = set()
+    for n in range(2, 64):                        # the plans repeat from here on
+        _, base, extra, rows = (int(v) for v in gemm_plan.py_func(n))
+        for ns in {base, base + (1 if extra else 0)}:
+            pairs.update((m, ns) for m in range(1, rows + 1))
+    return tuple(sorted(pairs, reverse=True))
+
+
+GEMM_PAIRS = _pairs()
+"""(rows, slots) of the microkernel calls :func:`_slots_tile` makes (:func:`gemm_plan`), with fewer
+rows for the rows a tile has left."""
+_KEY = 1 + max(s for _, s in GEMM_PAIRS)
 
 
 @intrinsic
@@ -638,12 +655,12 @@ def _gemm_pair(typingctx, rows, slots, w, w_at, ldw, x, x_at, ldx, n_vec, acc, a
         k = VectorTile(builder, LANES)
         for i in (0, 1, 3, 4, 6, 7, 8, 10, 11):
             flat[i] = k.i64(flat[i])
-        key = builder.add(builder.mul(flat[0], k.c64(GEMM_SLOTS + 1)), flat[1])
+        key = builder.add(builder.mul(flat[0], k.c64(_KEY)), flat[1])
         done = builder.append_basic_block("gemm_done")
         switch = builder.switch(key, done)
         for r, n in GEMM_PAIRS:
             case = builder.append_basic_block(f"gemm_{r}x{n}")
-            switch.add_case(k.c64(r * (GEMM_SLOTS + 1) + n), case)
+            switch.add_case(k.c64(r * _KEY + n), case)
             builder.position_at_end(case)
             _gemm_ir(r, n, k, *flat[2:])
             builder.branch(done)
@@ -678,14 +695,14 @@ def _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc):
     """Rows ``r0 .. r1`` of expert ``e`` (``qs`` uint8 ``[n_expert, n_out, row_bytes]``) times the
     ``n`` >= 2 slots ``first ..`` of ``xe`` (as :func:`_matmul_id` lays them out): their sums per
     lane added to ``acc`` (float32, ``[r1 - r0, n, LANES]`` flat). A chunk of inputs at a time (the
-    slots' x over it in L1), the tile's rows :func:`gemm_rows` at a time are dequantized into a
-    scratch and multiplied into the slots, :data:`GEMM_SLOTS` or fewer a call, as even as can be."""
+    slots' x over it in L1), the tile's rows a few at a time are dequantized into a scratch and
+    multiplied into the slots, a few slots a call (:func:`gemm_plan`)."""
     n_out, row_bytes = qs.shape[1], qs.shape[2]
     width = xe.shape[1]
-    n_call = (n + GEMM_SLOTS - 1) // GEMM_SLOTS
-    base, extra = n // n_call, n % n_call
-    rows = gemm_rows(base + (1 if extra else 0))
-    per_pass = max(1, min(X_CHUNK // (n * per_block), W_CHUNK // (rows * per_block)))
+    n_call, base, extra, rows = gemm_plan(n)
+    # 3 rows take 2 rows' chunk: the passes, so the sums' bits, are those of 2 rows a call (the
+    # plan before 3 rows)
+    per_pass = max(1, min(X_CHUNK // (n * per_block), W_CHUNK // ((2 if rows == 3 else rows) * per_block)))
     ldw = per_pass * per_block
     w = np.empty(rows * ldw, np.float32)
     for b0 in range(0, n_blocks, per_pass):
@@ -704,11 +721,7 @@ def _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc):
                 ns = base + (1 if i < extra else 0)
                 x_at = (first + s0) * width + b0 * per_block
                 at = ((r - r0) * n + s0) * LANES
-                if m == rows:
-                    _gemm(rows, ns, w, 0, ldw, xe, x_at, width, n_vec, acc, at, n * LANES)
-                else:
-                    for j in range(m):
-                        _gemm(1, ns, w, j * ldw, ldw, xe, x_at, width, n_vec, acc, at + j * n * LANES, n * LANES)
+                _gemm(m, ns, w, 0, ldw, xe, x_at, width, n_vec, acc, at, n * LANES)
                 s0 += ns
 
 
