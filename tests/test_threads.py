@@ -277,3 +277,13 @@ def test_every_forward_call_asks_the_policy_first(tiny_model, monkeypatch):
     tokens = list(generate(tiny_model, [1, 2, 3], max_tokens=3, stop_ids=frozenset()))
     c = tiny_model.config
     assert len(tokens) == 3 and asked == [c.dim * c.hidden_dim] * 3      # prefill + 2 decode steps
+
+
+def test_auto_threads_read_no_load_for_a_model_with_long_regions(set_calls):
+    """Its count does not depend on the load (threads_for), so the ~0.2 ms read is skipped;
+    a small model still reads it."""
+    sig = Signal([5])
+    auto = threads.AutoThreads(cores=2, cpus=2, elsewhere=sig, clock=lambda: sig.now, every=0.0)
+    assert [auto.pick(threads.SMALL_MATRIX) for _ in range(4)] == [2] * 4 and sig.reads == 0
+    assert auto.pick(576 * 1536) == 1 and sig.reads == 1
+    assert set_calls == [2, 2, 2, 2, 1]
