@@ -141,8 +141,8 @@ class AutoThreads:
     slower than one (a region waits for a thread set aside for a time slice), while one thread
     on free cores costs at most 2x, so a burst of load keeps one thread for ~``every * window``
     seconds. Nothing is timed, so no token is spent on a slow trial. A model with long regions
-(:data:`SMALL_MATRIX` or more) runs on every core whatever the load, so its calls read nothing
-(a read costs ~0.2 ms: a Qwen3-30B-A3B decode step read at ~every other step).
+    (:data:`SMALL_MATRIX` or more) runs on every core whatever the load, so its calls read nothing
+    (a read costs ~0.2 ms: a Qwen3-30B-A3B decode step read at ~every other step).
 
     Args:
         cores, cpus: as :func:`threads_for`; default the CPUs this process may use
