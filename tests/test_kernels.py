@@ -145,10 +145,13 @@ def test_serial_and_parallel_attention_variants_agree(seq_len, kv_len):
     np.testing.assert_array_equal(K.attention_values_serial(p, keys), K.attention_values_parallel(p, keys))
 
 
-@pytest.mark.parametrize("kv_len,threaded", [(100, False), (256, False), (257, True)])
-def test_a_decode_steps_attention_runs_serial_below_a_megaflop(monkeypatch, kv_len, threaded):
-    """One query row at Qwen3-30B-A3B's heads (32 of 128, 4 KV heads): q·k and P·V run their
-    serial variants up to 2^20 multiply-adds (kv 256), and the parallel ones give the same bits."""
+@pytest.mark.parametrize("crowded,kv_len,threaded", [(True, 100, False), (True, 256, False), (True, 257, True),
+                                                     (False, 100, True)])
+def test_a_crowded_decode_steps_attention_runs_serial_below_a_megaflop(monkeypatch, crowded, kv_len, threaded):
+    """One query row at Qwen3-30B-A3B's heads (32 of 128, 4 KV heads): on a crowded machine q·k
+    and P·V run their serial variants up to 2^20 multiply-adds (kv 256; else above 2^18), and
+    the parallel ones give the same bits."""
+    from llamatrace.machine import threads
     xq, keys, values = randn(1, 32, 128), randn(kv_len, 4, 128), randn(kv_len, 4, 128)
     serial = K.attention_probs(xq, keys, 0.09, kv_len - 1, parallel=False)
     np.testing.assert_array_equal(_bits(serial), _bits(K.attention_probs(xq, keys, 0.09, kv_len - 1, parallel=True)))
@@ -159,6 +162,7 @@ def test_a_decode_steps_attention_runs_serial_below_a_megaflop(monkeypatch, kv_l
     ran = []
     for name in ("_decode_scores_parallel", "attention_values_parallel", "attention_scores_parallel"):
         monkeypatch.setattr(K, name, lambda *a, name=name, real=getattr(K, name): ran.append(name) or real(*a))
+    monkeypatch.setattr(threads, "_crowded", crowded)
     np.testing.assert_array_equal(_bits(K.attention_probs(xq, keys, 0.09, kv_len - 1)), _bits(serial))
     K.attention_values(serial, values)
     K.attention_scores(xq, keys)

@@ -19,6 +19,7 @@ from numba.extending import intrinsic
 
 from llamatrace.kernels.tiles import VectorTile, prefill_lanes
 from llamatrace.machine.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
+from llamatrace.machine.threads import crowded
 
 # No fastmath here (jit.JIT_EXACT): its nnan/ninf flags would break the -inf of the causal mask.
 
@@ -1143,15 +1144,16 @@ def attention_values_ref(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 # Below this many multiply-adds a parallel region's thread wake-up costs more than it saves.
 _PARALLEL_WORK = 1 << 18
-_PARALLEL_DECODE_WORK = 1 << 20
-"""The same for one query row (a decode step): its q·k and P·V are short (40-150 µs a layer at
-kv 100-300, 32 heads of 128, the keys mostly out of cache after the layer's matmuls), and a
-region waits for a thread another process may hold for a time slice (ms). Qwen3-30B-A3B's shape
-(8 layers), 2 threads, load ~2.5, whole decode steps alternating in one process: kv 69-189,
-76 -> 67 ms a step (median; mean 104 -> 72) with this threshold rather than _PARALLEL_WORK."""
+_CROWDED_DECODE_WORK = 1 << 20
+"""The same for one query row (a decode step) on a crowded machine (:func:`~llamatrace.machine.threads.crowded`):
+its q·k and P·V are short (40-150 µs a layer at kv 100-300, 32 heads of 128), and a region waits
+for a thread another process holds for a time slice (ms). Qwen3-30B-A3B's shape (8 layers), 2
+threads, whole decode steps alternating in one process: load ~2.5, kv 69-189, 76 -> 67 ms a
+step (median; mean 104 -> 72) with this threshold; quiet, kv 128-232, it cost ~1 ms a step
+(the threads split memory-bound sums), hence only when crowded."""
 
 
 def _threaded(seq_len: int, work: int) -> bool:
     """Whether the attention products of ``seq_len`` query rows and ``work`` multiply-adds run
     their parallel variants (the same bits either way)."""
-    return work > (_PARALLEL_WORK if seq_len > 1 else _PARALLEL_DECODE_WORK)
+    return work > (_CROWDED_DECODE_WORK if seq_len == 1 and crowded() else _PARALLEL_WORK)

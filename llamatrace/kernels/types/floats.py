@@ -22,6 +22,7 @@ from numba import njit, prange
 from llamatrace.kernels import tile_gemm, tiles
 from llamatrace.kernels.types.registry import TYPES, Kernel, QuantType, declare
 from llamatrace.machine.jit import BF16_TABLE, F16_TABLE, JIT, JIT_INLINE, JIT_PARALLEL
+from llamatrace.machine.threads import crowded
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
@@ -113,10 +114,11 @@ def _tiled_f32_serial(x, qs, out):
 
 
 SERIAL_WORK = 1 << 18
-"""Multiply-adds up to which an F32 product runs serial: a mixture's router of one row (128 x
-2048, ~20-90 µs) is short, and a parallel region waits for a thread another process may hold for
-a time slice. Qwen3-30B-A3B's shape (8 layers), 2 threads, load ~2, decode steps with the big
-matmuls stubbed: the router 5.3 -> 0.44 ms a step."""
+"""Multiply-adds up to which an F32 product runs serial on a crowded machine
+(:func:`~llamatrace.machine.threads.crowded`): a mixture's router of one row (128 x 2048, ~20-90
+µs) is short, and a region waits for a thread another process holds for a time slice.
+Qwen3-30B-A3B's shape (8 layers), 2 threads, load ~2, decode steps with the big matmuls stubbed:
+the router 5.3 -> 0.44 ms a step; quiet, the two threads read its 1 MB faster."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,7 +126,8 @@ matmuls stubbed: the router 5.3 -> 0.44 ms a step."""
 
 
 def tiled_f32(x, w, out):
-    (_tiled_f32 if x.shape[0] * w.qs.size > SERIAL_WORK else _tiled_f32_serial)(x, w.qs, out)
+    serial = x.shape[0] * w.qs.size <= SERIAL_WORK and crowded()
+    (_tiled_f32_serial if serial else _tiled_f32)(x, w.qs, out)
 
 
 def tiled_f16(x, w, out):
