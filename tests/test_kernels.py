@@ -145,6 +145,30 @@ def test_serial_and_parallel_attention_variants_agree(seq_len, kv_len):
     np.testing.assert_array_equal(K.attention_values_serial(p, keys), K.attention_values_parallel(p, keys))
 
 
+@pytest.mark.parametrize("crowded,kv_len,threaded", [(True, 100, False), (True, 256, False), (True, 257, True),
+                                                     (False, 100, True)])
+def test_a_crowded_decode_steps_attention_runs_serial_below_a_megaflop(monkeypatch, crowded, kv_len, threaded):
+    """One query row at Qwen3-30B-A3B's heads (32 of 128, 4 KV heads): on a crowded machine q·k
+    and P·V run their serial variants up to 2^20 multiply-adds (kv 256; else above 2^18), and
+    the parallel ones give the same bits."""
+    from llamatrace.machine import threads
+    xq, keys, values = randn(1, 32, 128), randn(kv_len, 4, 128), randn(kv_len, 4, 128)
+    serial = K.attention_probs(xq, keys, 0.09, kv_len - 1, parallel=False)
+    np.testing.assert_array_equal(_bits(serial), _bits(K.attention_probs(xq, keys, 0.09, kv_len - 1, parallel=True)))
+    np.testing.assert_array_equal(_bits(K.attention_values_serial(serial, values)),
+                                  _bits(K.attention_values_parallel(serial, values)))
+    np.testing.assert_array_equal(_bits(K.attention_scores_serial(xq, keys)),
+                                  _bits(K.attention_scores_parallel(xq, keys)))
+    ran = []
+    for name in ("_decode_scores_parallel", "attention_values_parallel", "attention_scores_parallel"):
+        monkeypatch.setattr(K, name, lambda *a, name=name, real=getattr(K, name): ran.append(name) or real(*a))
+    monkeypatch.setattr(threads, "_crowded", crowded)
+    np.testing.assert_array_equal(_bits(K.attention_probs(xq, keys, 0.09, kv_len - 1)), _bits(serial))
+    K.attention_values(serial, values)
+    K.attention_scores(xq, keys)
+    assert bool(ran) == threaded and (not ran or len(ran) == 3)
+
+
 @pytest.mark.parametrize("seq_len,start_pos,n_heads,n_kv_heads,head_dim,window", [
     (70, 0, 6, 2, 16, 0), (37, 0, 8, 2, 128, 0), (45, 20, 4, 4, 128, 0), (61, 3, 9, 3, 64, 24)])
 def test_masked_keys_add_nothing_to_the_values(seq_len, start_pos, n_heads, n_kv_heads, head_dim, window):

@@ -236,3 +236,23 @@ def test_arena_arrays_are_aligned_disjoint_and_outlive_their_chunk():
     for a, b in ((packed.qs, plain.qs), (packed.d, plain.d), (packed.m, plain.m)):
         np.testing.assert_array_equal(a, b)
     assert not packed.qs[-1, ..., 40 % packing.TR:].any() and not packed.d[-1, :, 40 % packing.TR:].any()  # padding zeroed
+
+
+@pytest.mark.parametrize("crowded", [True, False])
+@pytest.mark.parametrize("n_out,n_in,seq_len", [(128, 2048, 1), (70, 99, 3), (33, 2880, 1), (128, 2048, 2)])
+def test_a_small_f32_product_runs_serial_on_a_crowded_machine(monkeypatch, crowded, n_out, n_in, seq_len):
+    """A mixture's router of one row (128 x 2048: 2^18 multiply-adds) runs tile after tile on the
+    calling thread while other processes crowd the cores, as the parallel kernel would (the same
+    bits); more work, or a quiet machine, runs in parallel."""
+    from llamatrace.kernels.types import floats
+    rng = np.random.default_rng(n_in)
+    w = packing.pack("router", T.F32, rng.standard_normal((n_out, n_in)).astype(np.float32), n_out, n_in)
+    x = rng.standard_normal((seq_len, n_in)).astype(np.float32)
+    threaded = np.empty((seq_len, w.n_tiles * packing.TR), np.float32)
+    floats._tiled_f32(x, w.qs, threaded)
+    ran = []
+    monkeypatch.setattr(floats, "_tiled_f32", lambda *a, real=floats._tiled_f32: ran.append(1) or real(*a))
+    monkeypatch.setattr(threads, "_crowded", crowded)
+    y = matmul(x, w)
+    np.testing.assert_array_equal(y.view(np.uint32), threaded[:, :n_out].view(np.uint32))
+    assert bool(ran) == (not crowded or seq_len * w.qs.size > 1 << 18)

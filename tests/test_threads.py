@@ -277,3 +277,18 @@ def test_every_forward_call_asks_the_policy_first(tiny_model, monkeypatch):
     tokens = list(generate(tiny_model, [1, 2, 3], max_tokens=3, stop_ids=frozenset()))
     c = tiny_model.config
     assert len(tokens) == 3 and asked == [c.dim * c.hidden_dim] * 3      # prefill + 2 decode steps
+
+
+def test_auto_threads_tell_the_kernels_when_the_machine_is_crowded(set_calls, monkeypatch):
+    """Whatever the count (a large model's, a fixed one), each forward call's pick notes whether
+    other processes crowd the cores, for the kernels' short regions (threads.crowded)."""
+    sig = Signal([5, 0, 0, 0, 3])
+    auto = threads.AutoThreads(cores=2, cpus=2, elsewhere=sig, clock=lambda: sig.now, every=1.0, window=1)
+    seen = []
+    for fixed in (None, None, 1, 1, 1):
+        monkeypatch.setattr(threads, "_fixed_threads", fixed)
+        auto.pick(threads.SMALL_MATRIX)
+        seen.append(threads.crowded())
+        sig.now += 1.0
+    assert seen == [True, False, False, False, True] and sig.reads == 5
+    assert set_calls == [2, 2]

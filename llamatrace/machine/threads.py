@@ -98,6 +98,18 @@ def runnable_elsewhere() -> int | None:
         return None
 
 
+_crowded = False
+
+
+def crowded() -> bool:
+    """Whether the last :meth:`AutoThreads.pick` (every forward call's, fixed thread count or not)
+    found other processes' runnable tasks outnumbering the machine's cores: then a region waits
+    for a thread the scheduler set aside (a time slice, ~3 ms), and the kernels run their short
+    regions serial (a decode step's attention products, a router's product: the same bits).
+    False until a forward call has asked."""
+    return _crowded
+
+
 SMALL_MATRIX = 4_000_000
 """Weights of a model's largest matrix (``dim * hidden_dim``) below which its parallel regions are
 short (SmolLM2-135M: 0.9 M weights, regions of ~40 µs; Llama-3.1-8B: 59 M, regions of
@@ -136,7 +148,7 @@ class AutoThreads:
     small model while other processes oversubscribe the machine), unless :func:`set_threads`
     fixed it.
 
-    The count of other runnable tasks is read at most every ``every`` seconds and the largest
+    The count of other runnable tasks is read at most every ``every`` seconds, and the largest
     of the last ``window`` reads is used: on an oversubscribed machine two threads can be 10x
     slower than one (a region waits for a thread set aside for a time slice), while one thread
     on free cores costs at most 2x, so a burst of load keeps one thread for ~``every * window``
@@ -166,15 +178,19 @@ class AutoThreads:
     def pick(self, matrix_weights: int | None = None) -> int:
         """Set (``numba.set_num_threads``) and return the thread count for the next forward
         call of a model whose largest matrix holds ``matrix_weights`` weights
-        (:func:`threads_for`); the fixed count if :func:`set_threads` was called."""
-        if _fixed_threads is not None:
-            return _fixed_threads
+        (:func:`threads_for`); the fixed count if :func:`set_threads` was called. Either way,
+        note for :func:`crowded` whether other processes' runnable tasks outnumber the cores."""
+        global _crowded
         now = self._clock()
         if self._read_at is None or now - self._read_at >= self.every:
             self._read_at = now
             self._recent.append(self._elsewhere())
         known = [n for n in self._recent if n is not None]
-        n = threads_for(self.cores, self.cpus, max(known) if known else None, matrix_weights)
+        elsewhere = max(known) if known else None
+        _crowded = elsewhere is not None and elsewhere > self.cpus
+        if _fixed_threads is not None:
+            return _fixed_threads
+        n = threads_for(self.cores, self.cpus, elsewhere, matrix_weights)
         numba.set_num_threads(n)
         return n
 

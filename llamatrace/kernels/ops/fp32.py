@@ -19,6 +19,7 @@ from numba.extending import intrinsic
 
 from llamatrace.kernels.tiles import VectorTile, prefill_lanes
 from llamatrace.machine.jit import JIT_ATTN, JIT_EXACT, JIT_EXACT_PARALLEL
+from llamatrace.machine.threads import crowded
 
 # No fastmath here (jit.JIT_EXACT): its nnan/ninf flags would break the -inf of the causal mask.
 
@@ -855,7 +856,7 @@ def attention_scores(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """
     _check_groups(xq.shape[1], keys.shape[1])
     work = xq.shape[0] * keys.shape[0] * xq.shape[1] * xq.shape[2]
-    fn = attention_scores_parallel if work > _PARALLEL_WORK else attention_scores_serial
+    fn = attention_scores_parallel if _threaded(xq.shape[0], work) else attention_scores_serial
     return fn(np.ascontiguousarray(xq), np.ascontiguousarray(keys))
 
 
@@ -962,7 +963,7 @@ def attention_probs(xq: np.ndarray, keys: np.ndarray, scale: float, start_pos: i
     xq, keys = np.ascontiguousarray(xq), np.ascontiguousarray(keys)
     first_pos, window, scale = int(start_pos), int(window), np.float32(scale)
     out = np.empty((n_heads, seq_len, kv_len), dtype=np.float32)
-    threads = parallel if parallel is not None else seq_len * kv_len * n_heads * head_dim > _PARALLEL_WORK
+    threads = parallel if parallel is not None else _threaded(seq_len, seq_len * kv_len * n_heads * head_dim)
     if seq_len > 1:
         (_prefill_scores_parallel if threads else _prefill_scores_serial)(xq, keys, out, first_pos, window)
     elif threads:
@@ -1131,7 +1132,7 @@ def attention_values(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
     """
     _check_groups(scores.shape[0], values.shape[1])
     work = scores.shape[0] * scores.shape[1] * scores.shape[2] * values.shape[2]
-    fn = attention_values_parallel if work > _PARALLEL_WORK else attention_values_serial
+    fn = attention_values_parallel if _threaded(scores.shape[1], work) else attention_values_serial
     return fn(np.ascontiguousarray(scores), np.ascontiguousarray(values))
 
 
@@ -1143,3 +1144,16 @@ def attention_values_ref(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 # Below this many multiply-adds a parallel region's thread wake-up costs more than it saves.
 _PARALLEL_WORK = 1 << 18
+_CROWDED_DECODE_WORK = 1 << 20
+"""The same for one query row (a decode step) on a crowded machine (:func:`~llamatrace.machine.threads.crowded`):
+its q·k and P·V are short (40-150 µs a layer at kv 100-300, 32 heads of 128), and a region waits
+for a thread another process holds for a time slice (ms). Qwen3-30B-A3B's shape (8 layers), 2
+threads, whole decode steps alternating in one process: load ~2.5, kv 69-189, 76 -> 67 ms a
+step (median; mean 104 -> 72) with this threshold; quiet, kv 128-232, it cost ~1 ms a step
+(the threads split memory-bound sums), hence only when crowded."""
+
+
+def _threaded(seq_len: int, work: int) -> bool:
+    """Whether the attention products of ``seq_len`` query rows and ``work`` multiply-adds run
+    their parallel variants (the same bits either way)."""
+    return work > (_CROWDED_DECODE_WORK if seq_len == 1 and crowded() else _PARALLEL_WORK)

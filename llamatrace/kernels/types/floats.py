@@ -21,7 +21,8 @@ from numba import njit, prange
 
 from llamatrace.kernels import tile_gemm, tiles
 from llamatrace.kernels.types.registry import TYPES, Kernel, QuantType, declare
-from llamatrace.machine.jit import BF16_TABLE, F16_TABLE, JIT_INLINE, JIT_PARALLEL
+from llamatrace.machine.jit import BF16_TABLE, F16_TABLE, JIT, JIT_INLINE, JIT_PARALLEL
+from llamatrace.machine.threads import crowded
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR
@@ -91,13 +92,33 @@ def _tiled_u16(x, qs, table, out):
         tiles.store_rows(acc, out, t)
 
 
+@njit(**JIT_INLINE)
+def _f32_tile(x, qs, out, t):
+    acc = np.zeros((x.shape[0], TR), np.float32)
+    tile_gemm.chunk_matmul(x, qs[t], 0, qs.shape[1], acc)
+    tiles.store_rows(acc, out, t)
+
+
 @njit(**JIT_PARALLEL)
 def _tiled_f32(x, qs, out):
     """F32 matmul: qs float32 [T, n_in, TR] is already a stack of tiles."""
     for t in prange(qs.shape[0]):
-        acc = np.zeros((x.shape[0], TR), np.float32)
-        tile_gemm.chunk_matmul(x, qs[t], 0, qs.shape[1], acc)
-        tiles.store_rows(acc, out, t)
+        _f32_tile(x, qs, out, t)
+
+
+@njit(**JIT)
+def _tiled_f32_serial(x, qs, out):
+    """:func:`_tiled_f32` on the calling thread, tile after tile (the same bits)."""
+    for t in range(qs.shape[0]):
+        _f32_tile(x, qs, out, t)
+
+
+SERIAL_WORK = 1 << 18
+"""Multiply-adds up to which an F32 product runs serial on a crowded machine
+(:func:`~llamatrace.machine.threads.crowded`): a mixture's router of one row (128 x 2048, ~20-90
+µs) is short, and a region waits for a thread another process holds for a time slice.
+Qwen3-30B-A3B's shape (8 layers), 2 threads, load ~2, decode steps with the big matmuls stubbed:
+the router 5.3 -> 0.44 ms a step; quiet, the two threads read its 1 MB faster."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,7 +126,8 @@ def _tiled_f32(x, qs, out):
 
 
 def tiled_f32(x, w, out):
-    _tiled_f32(x, w.qs, out)
+    serial = x.shape[0] * w.qs.size <= SERIAL_WORK and crowded()
+    (_tiled_f32_serial if serial else _tiled_f32)(x, w.qs, out)
 
 
 def tiled_f16(x, w, out):
