@@ -14,7 +14,8 @@ T = gguf.GGMLQuantizationType
 
 
 def _blocks(qtype, n_rows: int, n_in: int, seed: int) -> np.ndarray:
-    """uint8 [n_rows, row_bytes]: random rows quantized as llama-quantize does, a row of zeros and one of huge values."""
+    """uint8 [n_rows, row_bytes]: random rows quantized as llama-quantize does, a row of zeros and one
+    of huge values."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n_rows, n_in)).astype(np.float32) * rng.uniform(0.01, 100, (n_rows, 1)).astype(np.float32)
     x[1] = 0.0

@@ -194,7 +194,8 @@ def test_every_plan_of_slots_and_the_rows_a_tile_has_left(qtype):
     for n in range(2, 15):
         n_call, base, extra, rows = mul_mat_id_f32.gemm_plan.py_func(n)
         assert n_call * base + extra == n and extra < n_call
-        assert all((m, ns) in mul_mat_id_f32.GEMM_PAIRS for m in range(1, rows + 1) for ns in {base, base + bool(extra)})
+        assert all((m, ns) in mul_mat_id_f32.GEMM_PAIRS
+                   for m in range(1, rows + 1) for ns in {base, base + bool(extra)})
     parts = (_experts(qtype, 37, seed=21),)
     for n in range(2, 15):                                   # one group of n slots a call
         ids = np.full(n, n % N_EXPERT, dtype=np.int64)
