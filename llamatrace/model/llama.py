@@ -341,6 +341,7 @@ class Llama:
             q = np.zeros((2, 1, self.config.head_dim), dtype=np.float32)
             kernels.attention_values_parallel(kernels.attention_scores_parallel(q, q), q)
             kernels.attention_probs(q, q, 1.0, 0, parallel=True)
+            kernels.attention_decode(q.reshape(1, 2, -1), q.reshape(1, 2, -1), q.reshape(1, 2, -1), 1.0, 0, parallel=True)
             kernels.swiglu_parallel(np.zeros((2, 2), dtype=np.float32))
         finally:
             self._recorder = previous
@@ -512,12 +513,17 @@ class Llama:
                 # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
                 layer_mask = mask_local if local else mask
                 fused = (layer_mask is not None or seq_len == 1) and not c.attn_softcap
-                if fused and not watched(layer, *_SCORE_STAGES):
+                window = c.sliding_window if local else 0
+                kqv = None
+                if fused and seq_len == 1 and not watched(layer, *_SCORE_STAGES, "kq_soft_max"):
+                    # a decode step whose scores and probabilities nothing reads: q·k, softmax and
+                    # the values in one call, one parallel region (attention_decode, the same bits)
+                    scores, kqv = kernels.attention_decode(xq, keys, values, scale, start_pos, window, lw.sinks)
+                elif fused and not watched(layer, *_SCORE_STAGES):
                     # nothing reads the scores: q·k and the softmax only over the keys each row sees
                     # (half of a prefill's; a decode step's in one call, not three), the same
                     # probabilities bit for bit (attention_probs)
-                    scores = kernels.attention_probs(xq, keys, scale, start_pos, c.sliding_window if local else 0,
-                                                     sinks=lw.sinks)
+                    scores = kernels.attention_probs(xq, keys, scale, start_pos, window, sinks=lw.sinks)
                 else:
                     kq = kernels.attention_scores(xq, keys)
                     kq = emit("kq", layer, kq)
@@ -531,7 +537,8 @@ class Llama:
                     scores = kernels.softmax(scores, lw.sinks)       # attn_sinks: in the denominator
                 scores = emit("kq_soft_max", layer, scores)
                 # weighted values per head [n_heads, seq_len, head_dim], then heads merged [seq_len, q_dim]
-                kqv = kernels.attention_values(scores, values)
+                if kqv is None:
+                    kqv = kernels.attention_values(scores, values)
                 kqv = emit("kqv", layer, kqv)
                 kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
                 kqv_out = emit("kqv_out", layer, kqv_out)
