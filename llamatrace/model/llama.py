@@ -341,7 +341,8 @@ class Llama:
             q = np.zeros((2, 1, self.config.head_dim), dtype=np.float32)
             kernels.attention_values_parallel(kernels.attention_scores_parallel(q, q), q)
             kernels.attention_probs(q, q, 1.0, 0, parallel=True)
-            kernels.attention_decode(q.reshape(1, 2, -1), q.reshape(1, 2, -1), q.reshape(1, 2, -1), 1.0, 0, parallel=True)
+            row = q.reshape(1, 2, -1)                    # a decode step's one call, threaded
+            kernels.attention_decode(row, row, row, 1.0, 0, parallel=True)
             kernels.swiglu_parallel(np.zeros((2, 2), dtype=np.float32))
         finally:
             self._recorder = previous
