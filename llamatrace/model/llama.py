@@ -13,7 +13,9 @@ Every stage reports its output through ``x = emit(stage, layer, x)``: the identi
 :class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.tracing.hooks`) replace it.
 Two groups of stages are fused when no recorder or hook watches them (``watched``), with the same
 numbers bit for bit: a masked prefill's or a decode step's scores (``kq`` … ``kq_masked``: q·k and
-the softmax only over the keys each query sees, :func:`~llamatrace.kernels.ops.fp32.attention_probs`) and the FFN's
+the softmax only over the keys each query sees, :func:`~llamatrace.kernels.ops.fp32.attention_probs`;
+a decode step's up to ``kqv`` when ``kq_soft_max`` is not watched either, one call,
+:func:`~llamatrace.kernels.ops.fp32.attention_decode`) and the FFN's
 gate and up halves (SwiGLU straight from the stacked product, :func:`~llamatrace.kernels.ops.fp32.swiglu`).
 """
 
@@ -420,7 +422,7 @@ class Llama:
 
         def watched(layer: int, *stages: str) -> bool:
             """Whether a recorder or hook reads one of the stages at this layer (else they may be fused)."""
-            return any(w.watches(layer, s) for w in watchers for s in stages)
+            return bool(watchers) and any(w.watches(layer, s) for w in watchers for s in stages)
         n_heads, n_kv_heads, head_dim, n_rep = c.n_heads, c.n_kv_heads, c.head_dim, c.n_rep
         scale = np.float32(c.kq_scale)
         rope = kernels.rope_neox if c.rope_neox else kernels.rope      # halves or adjacent pairs
