@@ -1190,7 +1190,8 @@ def attention_decode(xq: np.ndarray, keys: np.ndarray, values: np.ndarray, scale
         keys, values: float32 ``[start_pos + 1, n_kv_heads, head_dim]`` (the cache's rows
             ``[0, start_pos]``); ``n_kv_heads`` divides ``n_heads``.
         scale, window, sinks: as :func:`attention_probs`.
-        parallel: run the KV heads on threads (``None``: with enough work and two KV heads or more).
+        parallel: run the KV heads on threads (``None``: with enough work); with one KV head,
+            threads split the keys (:func:`attention_probs`) and the values' rows.
 
     Returns:
         ``probs`` float32 ``[n_heads, 1, kv_len]`` (``kq_soft_max``) and ``kqv`` float32
@@ -1207,10 +1208,13 @@ def attention_decode(xq: np.ndarray, keys: np.ndarray, values: np.ndarray, scale
                          f"{list(values.shape)} are not one row at start_pos {start_pos}")
     _check_groups(n_heads, n_kv)
     xq, keys, values = np.ascontiguousarray(xq), np.ascontiguousarray(keys), np.ascontiguousarray(values)
+    if parallel is None:
+        parallel = _threaded(1, kv_len * n_heads * head_dim)
+    if parallel and n_kv == 1:           # one KV head: threads split the keys instead (the two calls)
+        probs = attention_probs(xq, keys, scale, start_pos, window, parallel=True, sinks=sinks)
+        return probs, attention_values_parallel(probs, values)
     probs = np.empty((n_heads, 1, kv_len), dtype=np.float32)
     out = np.empty((n_heads, 1, head_dim), dtype=np.float32)
-    if parallel is None:
-        parallel = n_kv > 1 and _threaded(1, kv_len * n_heads * head_dim)
     run = _decode_attention_parallel if parallel else _decode_attention_serial
     run(xq, keys, values, probs, out, np.float32(scale), int(start_pos), int(window), _sinks(sinks, n_heads))
     return probs, out
