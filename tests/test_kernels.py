@@ -236,6 +236,44 @@ def test_attention_probs_are_the_masked_softmax_bit_for_bit(parallel, seq_len, s
 
 
 @pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("start_pos,n_heads,n_kv_heads,head_dim,window,sinks", [
+    (149, 32, 4, 128, 0, False), (139, 64, 8, 64, 128, True), (139, 64, 8, 64, 0, True), (32, 9, 3, 64, 0, False),
+    (69, 8, 1, 16, 24, False), (0, 6, 2, 16, 0, False), (40, 4, 4, 32, 8, True)])
+def test_attention_decode_is_probs_then_values_bit_for_bit(parallel, start_pos, n_heads, n_kv_heads, head_dim,
+                                                           window, sinks):
+    """One query row's q·k, softmax and P·V in one call: attention_probs' probabilities and
+    attention_values' outputs, bit for bit, threaded or not (and the twins', to rounding)."""
+    xq = randn(1, n_heads, head_dim) * 3
+    keys, values = randn(start_pos + 1, n_kv_heads, head_dim) * 3, randn(start_pos + 1, n_kv_heads, head_dim)
+    sink = randn(n_heads) if sinks else None
+    scale = np.float32(1 / np.sqrt(head_dim))
+    probs, kqv = K.attention_decode(xq, keys, values, scale, start_pos, window, sink, parallel=parallel)
+    want = K.attention_probs(xq, keys, scale, start_pos, window, sinks=sink)
+    np.testing.assert_array_equal(_bits(probs), _bits(want))
+    np.testing.assert_array_equal(_bits(kqv), _bits(K.attention_values(want, values)))
+    ref = K.attention_probs_ref(xq, keys, scale, start_pos, window, sinks=sink)
+    np.testing.assert_allclose(probs, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kqv, K.attention_values_ref(ref, values), rtol=1e-4, atol=1e-5)
+
+
+def test_attention_decode_takes_one_row_at_its_position():
+    with pytest.raises(ValueError, match="one row"):
+        K.attention_decode(randn(2, 4, 8), randn(5, 2, 8), randn(5, 2, 8), 0.5, 3)
+    with pytest.raises(ValueError, match="one row"):
+        K.attention_decode(randn(1, 4, 8), randn(5, 2, 8), randn(5, 2, 8), 0.5, 3)
+
+
+@pytest.mark.parametrize("window", [1, 2, 8, 40, 4096])
+def test_a_decode_steps_window_mask_is_the_last_row_of_a_longer_one(window):
+    """window_mask's one-row shortcut (a decode step's) gives the general rule's row."""
+    for start_pos in (0, 1, 7, 8, 9, 39, 40, 41, 200):
+        one = K.window_mask(1, start_pos, window)
+        longer = K.window_mask(2, start_pos - 1, window)[1:] if start_pos else K.window_mask(1, 0, window)
+        assert one.dtype == np.float32 and one.tobytes() == longer.tobytes()
+        assert int(np.isinf(one).sum()) == max(0, start_pos - window + 1)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
 def test_attention_probs_never_read_a_key_a_row_does_not_see(parallel):
     """NaN in the keys a row must not see (later positions; before the window) leaves the row
     exactly as with clean keys; every row that sees one differs. (The masked path's scores

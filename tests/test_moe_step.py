@@ -6,8 +6,8 @@ forms they replace: the same ids, groups and float32 bits.
   experts' parts are checked once (``ExpertParts``), not at every ``mul_mat_id`` call;
 - gpt-oss's per-expert biases go into the gated activation (``expert_glu``) and the weighted sum
   (``combine``) instead of separate adds;
-- a decode step's attention scores, scaling and softmax are one call (``attention_probs``) when
-  nothing watches them.
+- a decode step's attention scores, scaling, softmax and values are one call (``attention_decode``)
+  when nothing watches them.
 
 Whole models are held against llama.cpp in tests/test_moe.py and tests/test_file_experts.py
 (``test_recording_every_moe_stage_leaves_the_logits_bit_identical`` holds the fused step against
@@ -176,15 +176,15 @@ def test_combine_and_expert_glu_refuse_a_bias_or_weights_of_another_shape():
 
 @pytest.mark.parametrize("name", ["gptoss", "qwen3moe"])
 def test_a_decode_step_s_attention_is_one_call_with_the_bits_of_the_three(name, tmp_path, monkeypatch):
-    """Unwatched, a decode step's scores, scaling and softmax are one attention_probs call (every
-    key seen; gpt-oss: sinks, and its window on every other layer); watched, the three stages
-    are computed and recorded: the same logits bit for bit, step after step."""
+    """Unwatched, a decode step's scores, scaling, softmax and values are one attention_decode call
+    (every key seen; gpt-oss: sinks, and its window on every other layer); watched, the three
+    stages are computed and recorded: the same logits bit for bit, step after step."""
     path = (write_gptoss_file(tmp_path / "g.gguf") if name == "gptoss"
             else write_moe_file(tmp_path / "q.gguf", "qwen3moe"))
     model = Llama.load(path, cache=False)
     calls = []
-    real = fp32.attention_probs
-    monkeypatch.setattr(fp32, "attention_probs", lambda xq, *a, **k: calls.append(xq.shape[0]) or real(xq, *a, **k))
+    real = fp32.attention_decode
+    monkeypatch.setattr(fp32, "attention_decode", lambda xq, *a, **k: calls.append(xq.shape[0]) or real(xq, *a, **k))
     ids = [5, 9, 2, 7, 30, 11, 4, 8, 21, 3]               # past gpt-oss's window of the test file
     plain, traced = model.new_cache(len(ids)), model.new_cache(len(ids))
     for pos, t in enumerate(ids):

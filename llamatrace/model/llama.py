@@ -13,7 +13,9 @@ Every stage reports its output through ``x = emit(stage, layer, x)``: the identi
 :class:`Recorder` listens (which only reads) or hooks (:mod:`llamatrace.tracing.hooks`) replace it.
 Two groups of stages are fused when no recorder or hook watches them (``watched``), with the same
 numbers bit for bit: a masked prefill's or a decode step's scores (``kq`` … ``kq_masked``: q·k and
-the softmax only over the keys each query sees, :func:`~llamatrace.kernels.ops.fp32.attention_probs`) and the FFN's
+the softmax only over the keys each query sees, :func:`~llamatrace.kernels.ops.fp32.attention_probs`;
+a decode step's up to ``kqv`` when ``kq_soft_max`` is not watched either, one call,
+:func:`~llamatrace.kernels.ops.fp32.attention_decode`) and the FFN's
 gate and up halves (SwiGLU straight from the stacked product, :func:`~llamatrace.kernels.ops.fp32.swiglu`).
 """
 
@@ -341,6 +343,8 @@ class Llama:
             q = np.zeros((2, 1, self.config.head_dim), dtype=np.float32)
             kernels.attention_values_parallel(kernels.attention_scores_parallel(q, q), q)
             kernels.attention_probs(q, q, 1.0, 0, parallel=True)
+            row = q.reshape(1, 2, -1)                    # a decode step's one call, threaded
+            kernels.attention_decode(row, row, row, 1.0, 0, parallel=True)
             kernels.swiglu_parallel(np.zeros((2, 2), dtype=np.float32))
         finally:
             self._recorder = previous
@@ -418,7 +422,7 @@ class Llama:
 
         def watched(layer: int, *stages: str) -> bool:
             """Whether a recorder or hook reads one of the stages at this layer (else they may be fused)."""
-            return any(w.watches(layer, s) for w in watchers for s in stages)
+            return bool(watchers) and any(w.watches(layer, s) for w in watchers for s in stages)
         n_heads, n_kv_heads, head_dim, n_rep = c.n_heads, c.n_kv_heads, c.head_dim, c.n_rep
         scale = np.float32(c.kq_scale)
         rope = kernels.rope_neox if c.rope_neox else kernels.rope      # halves or adjacent pairs
@@ -512,12 +516,17 @@ class Llama:
                 # scores = q·kᵀ / √head_dim, per head: [n_heads, seq_len, kv_len]
                 layer_mask = mask_local if local else mask
                 fused = (layer_mask is not None or seq_len == 1) and not c.attn_softcap
-                if fused and not watched(layer, *_SCORE_STAGES):
+                window = c.sliding_window if local else 0
+                kqv = None
+                if fused and seq_len == 1 and not watched(layer, *_SCORE_STAGES, "kq_soft_max"):
+                    # a decode step whose scores and probabilities nothing reads: q·k, softmax and
+                    # the values in one call, one parallel region (attention_decode, the same bits)
+                    scores, kqv = kernels.attention_decode(xq, keys, values, scale, start_pos, window, lw.sinks)
+                elif fused and not watched(layer, *_SCORE_STAGES):
                     # nothing reads the scores: q·k and the softmax only over the keys each row sees
                     # (half of a prefill's; a decode step's in one call, not three), the same
                     # probabilities bit for bit (attention_probs)
-                    scores = kernels.attention_probs(xq, keys, scale, start_pos, c.sliding_window if local else 0,
-                                                     sinks=lw.sinks)
+                    scores = kernels.attention_probs(xq, keys, scale, start_pos, window, sinks=lw.sinks)
                 else:
                     kq = kernels.attention_scores(xq, keys)
                     kq = emit("kq", layer, kq)
@@ -531,7 +540,8 @@ class Llama:
                     scores = kernels.softmax(scores, lw.sinks)       # attn_sinks: in the denominator
                 scores = emit("kq_soft_max", layer, scores)
                 # weighted values per head [n_heads, seq_len, head_dim], then heads merged [seq_len, q_dim]
-                kqv = kernels.attention_values(scores, values)
+                if kqv is None:
+                    kqv = kernels.attention_values(scores, values)
                 kqv = emit("kqv", layer, kqv)
                 kqv_out = np.ascontiguousarray(kqv.transpose(1, 0, 2)).reshape(seq_len, n_heads * head_dim)
                 kqv_out = emit("kqv_out", layer, kqv_out)

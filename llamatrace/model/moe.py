@@ -380,7 +380,7 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     if weights_norm is not None:
         weights = emit("ffn_moe_weights_norm", layer, weights_norm)
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)          # slot t*k + s: slot s of token t
-    gate_up = mw.gate_up(x, flat, np.repeat(np.arange(seq_len, dtype=np.int64), k))
+    gate_up = mw.gate_up(x, flat, np.arange(seq_len, dtype=np.int64).repeat(k))
     if not watched(layer, *EXPERT_STAGES):      # biases, activation and weighted sum fused, the same numbers
         down = mw.down(routing.expert_glu(gate_up, opts.act, mw.b13, flat), flat)
         out = routing.combine(down.reshape(seq_len, k, -1), weights, mw.b2, flat)
@@ -438,6 +438,6 @@ def expert_rows(mw: MoEWeights, x: np.ndarray, ids: np.ndarray, part: str) -> np
         out = mw.down(x.reshape(seq_len * k, -1), flat)
     else:
         ff = mw.expert_hidden_dim
-        gate_up = mw.gate_up(x, flat, np.repeat(np.arange(seq_len, dtype=np.int64), k))
+        gate_up = mw.gate_up(x, flat, np.arange(seq_len, dtype=np.int64).repeat(k))
         out = gate_up[:, :ff] if part == "gate" else gate_up[:, ff:]
     return np.ascontiguousarray(out).reshape(seq_len, k, -1)
