@@ -137,9 +137,11 @@ class _Row(VectorTile):
         return self.b.call(self.maddwd, [a16, b16])
 
     def signed_dot(self, w, x):
-        """int32 lanes: sums of 4 products of signed bytes ``w`` and ``x`` (``|w| * sign(w) x``)."""
+        """int32 lanes: sums of 4 products of signed bytes ``w`` and ``x`` (``|w| * sign(w) x``;
+        VNNI: one ``vpdpbusd``, else ``pmaddubsw`` and ``pmaddwd``, the same int32 lanes)."""
         b = self.b
-        return self.wd(self.dot16(b.call(self.sign, [w, w]), b.call(self.sign, [x, w])), self.c(_V16I16, 1))
+        u8, s8 = b.call(self.sign, [w, w]), b.call(self.sign, [x, w])
+        return self.dp(None, [(u8, s8)]) if self.vnni else self.wd(self.dot16(u8, s8), self.c(_V16I16, 1))
 
     def f16_at(self, p, offset):
         return self.b.fpext(self.load(p, offset, ir.HalfType(), 1), self.f32)
