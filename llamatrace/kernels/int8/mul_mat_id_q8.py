@@ -19,14 +19,22 @@ CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
   ``32 * sum_g sc_g * bsum_g`` off in integers; Q8_0 multiplies ``|w|`` by ``sign(w) * x``
   (``psignb``). 32-weight blocks are summed into two chains of FMAs (a block's work is shorter
   than an FMA's latency).
-- MXFP4 goes eight weight rows at a time, as the packed q8 kernels take a tile's rows (8 a
-  register), because a per-row float step per 32 weights cost more than the integer work: each
-  block's 16 code bytes of the 8 rows are transposed in registers (4 bytes of a row per 32-bit
-  lane), mapped to ``kvalues + 12`` by ``vpshufb``, and summed in int16 against an activation
-  row's broadcast bytes, from its ``-12 * sum(xq)``; ``d`` is the E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` and the float step is
-  one FMA for the 8 rows. The next 8 rows are prefetched a slice per block: 8 row streams at
-  once are more than the hardware prefetcher followed (gpt-oss [2880, 2880], one thread: 8.3 ->
-  14.4 GB of weights per CPU-second).
+- MXFP4 goes eight weight rows at a time (16 on AVX-512 VNNI), as the packed q8 kernels take a
+  tile's rows (a register of them), because a per-row float step per 32 weights cost more than
+  the integer work: each block's 16 code bytes of the rows are transposed in registers (4 bytes
+  of a row per 32-bit lane), mapped to ``kvalues + 12`` by ``vpshufb``, and summed against an
+  activation row's broadcast bytes, from its ``-12 * sum(xq)`` (AVX2: in int16); ``d`` is the
+  E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` and the float step is one FMA for the rows. The next
+  rows are prefetched a slice per block: 8 row streams at once are more than the hardware
+  prefetcher followed (gpt-oss [2880, 2880], one thread: 8.3 -> 14.4 GB of weights per
+  CPU-second).
+- VNNI (:func:`llamatrace.machine.jit.has_vnni`, as :mod:`llamatrace.kernels.int8.act8_ir`):
+  ``vpdpbusd`` adds four byte products to an int32 lane where AVX2 takes ``pmaddubsw`` and
+  ``pmaddwd`` (MXFP4 from the zero point, Q8_0 after its ``psignb``); with AVX-512 (:data:`ZMM`)
+  MXFP4 takes 16 rows a zmm and Q6_K (one activation row) 64 weights a zmm, ``pmaddubsw`` then
+  ``vpdpwssd``, its two halves' lanes added before the float step. The int32 sums are exact in
+  every path and the float32 steps the same, so the outputs are the AVX2 path's bit for bit
+  (``LLAMATRACE_VNNI=0`` with a fresh ``NUMBA_CACHE_DIR`` compiles that path; a test does).
 - Against llama.cpp's own x86 code (``quantize_row_q8_K`` / ``_q8_0`` and ``ggml_vec_dot_*``
   compiled from the sdist, ``tests/test_mul_mat_id_q8.py``): Q6_K bit for bit, Q4_K, MXFP4 and
   Q8_0 within 1.1e-7 of the sum of |products| (the same integer sums, another float32 order).
@@ -38,7 +46,7 @@ CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
 Kernels. :func:`matmul_id` runs one Numba parallel region over work items (group, part, tile of
 :data:`TILE` weight rows); a group's activation rows go :data:`MAX_ROWS` at a time (then 1..3)
 through a microkernel (LLVM IR, AVX2's ``pmaddubsw`` / ``pmaddwd`` / ``psignb`` / ``pshufb`` on
-256-bit vectors, which AVX-512 hosts run too) that loops over the tile's rows and their blocks,
+256-bit vectors, and VNNI's as above) that loops over the tile's rows and their blocks,
 its float32 sums in registers, each block's codes and scales unpacked once for those activation
 rows; the tile (at most 24 KB) stays in L1/L2 for the group's next rows, so each chosen expert's
 bytes come from memory once a call. Prefetch: :data:`AHEAD`. Activations are quantized once per
@@ -50,6 +58,10 @@ relative to the packed path, its time over this one's, 3 runs): qwen3moe-8 (gate
 Q6_K) decode k = 8: 0.89-1.00 (12-13.6 GB of weights per second), prefill 128 tokens
 0.98-1.12 (Q4_K alone ~0.88, Q6_K ~1.17); gptoss-4 (MXFP4) decode k = 4: 0.83-0.97 (~11.6 GB/s),
 prefill 1.30-1.41. Synthetic Q8_0 [32, 768, 2048]: decode 0.90, prefill 1.00.
+VNNI against that AVX2 path (Zen 4 EPYC, 2 cores, one thread, interleaved in one process, one
+activation row, load 1.5-2.6): MXFP4 [1024, 2880] 1.13-1.24x faster (~16 -> ~19.6 GB/s), 4 rows
+1.43x; Q8_0 [768, 2048] 1.09-1.14x, 4 rows 1.19x; Q6_K [2048, 768] 1.05-1.10x; Q4_K unchanged
+(LLVM already fuses its ``pmaddwd`` and add into ``vpdpwssd``). docs/performance.md has the rest.
 
 :func:`activations_ref` is the NumPy twin of the activation quantization (act8's NumPy twins),
 used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
