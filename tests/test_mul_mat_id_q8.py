@@ -5,6 +5,11 @@ where both quantize the activations the same way."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -14,6 +19,7 @@ from gguf_factory import random_blocks
 from llamatrace.kernels.int8 import act8, mul_mat_id_q8
 from llamatrace.kernels.mul_mat_id import FileExperts, mul_mat_id, mul_mat_id_ref
 from llamatrace.kernels.types import packing, registry
+from llamatrace.machine.jit import has_vnni
 
 T = gguf.GGMLQuantizationType
 KINDS = [T.Q4_K, T.Q6_K, T.MXFP4, T.Q8_0]
@@ -159,3 +165,38 @@ def test_unknown_type_and_parts_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="do not fit"):
         mul_mat_id_q8.matmul_id(x[:, :512], np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([0, 1]),
                                 np.zeros(1, np.int64), [data], T.Q4_K)
+
+
+_AVX2_RUN = """
+import sys
+import numpy as np
+from llamatrace.kernels.int8 import mul_mat_id_q8
+from llamatrace.machine.jit import has_vnni
+assert not has_vnni()
+saved = np.load(sys.argv[1])
+outs = {name: mul_mat_id_q8.matmul_id(saved["x"], saved["rows"], saved["order"], saved["starts"], saved["experts"],
+                                      (saved[name],), int(name.split("_", 1)[1])) for name in saved if name[0] == "w"}
+np.savez(sys.argv[2], **outs)
+"""
+
+
+@pytest.mark.skipif(not has_vnni(), reason="this host runs the AVX2 kernels already")
+def test_the_vnni_kernels_give_the_avx2_kernels_bits(tmp_path):
+    # VNNI's vpdpbusd sums what pmaddubsw + pmaddwd sum (exact int32 either way), and the float32
+    # steps are the same; MXFP4 goes 16 rows a zmm with AVX-512. LLAMATRACE_VNNI=0 with a fresh
+    # Numba cache compiles the AVX2 kernels in a subprocess, on this host
+    x = _x(6)
+    rows, order = np.array([0, 1, 2, 3, 4, 5, 5], np.int64), np.array([0, 3, 1, 2, 4, 6, 5], np.int64)
+    starts, experts = np.array([0, 2, 7], np.int64), np.array([1, 4], np.int64)
+    saved = {"x": x, "rows": rows, "order": order, "starts": starts, "experts": experts}
+    for t in KINDS:
+        saved[f"w_{int(t)}"] = _raw(t, N_EXPERT * 37, int(t)).reshape(N_EXPERT, 37, -1)
+    np.savez(tmp_path / "in.npz", **saved)
+    env = dict(os.environ, LLAMATRACE_VNNI="0", NUMBA_CACHE_DIR=str(tmp_path / "numba"),
+               PYTHONPATH=str(Path(mul_mat_id_q8.__file__).parents[3]))
+    subprocess.run([sys.executable, "-c", _AVX2_RUN, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], env=env,
+                   check=True)
+    avx2 = np.load(tmp_path / "out.npz")
+    for t in KINDS:
+        got = mul_mat_id_q8.matmul_id(x, rows, order, starts, experts, (saved[f"w_{int(t)}"],), t)
+        np.testing.assert_array_equal(got.view(np.uint32), avx2[f"w_{int(t)}"].view(np.uint32), err_msg=t.name)

@@ -19,14 +19,22 @@ CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
   ``32 * sum_g sc_g * bsum_g`` off in integers; Q8_0 multiplies ``|w|`` by ``sign(w) * x``
   (``psignb``). 32-weight blocks are summed into two chains of FMAs (a block's work is shorter
   than an FMA's latency).
-- MXFP4 goes eight weight rows at a time, as the packed q8 kernels take a tile's rows (8 a
-  register), because a per-row float step per 32 weights cost more than the integer work: each
-  block's 16 code bytes of the 8 rows are transposed in registers (4 bytes of a row per 32-bit
-  lane), mapped to ``kvalues + 12`` by ``vpshufb``, and summed in int16 against an activation
-  row's broadcast bytes, from its ``-12 * sum(xq)``; ``d`` is the E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` and the float step is
-  one FMA for the 8 rows. The next 8 rows are prefetched a slice per block: 8 row streams at
-  once are more than the hardware prefetcher followed (gpt-oss [2880, 2880], one thread: 8.3 ->
-  14.4 GB of weights per CPU-second).
+- MXFP4 goes eight weight rows at a time (16 on AVX-512 VNNI), as the packed q8 kernels take a
+  tile's rows (a register of them), because a per-row float step per 32 weights cost more than
+  the integer work: each block's 16 code bytes of the rows are transposed in registers (4 bytes
+  of a row per 32-bit lane), mapped to ``kvalues + 12`` by ``vpshufb``, and summed against an
+  activation row's broadcast bytes, from its ``-12 * sum(xq)`` (AVX2: in int16); ``d`` is the
+  E8M0 byte's ``GGML_E8M0_TO_FP32_HALF`` and the float step is one FMA for the rows. The next
+  rows are prefetched a slice per block: 8 row streams at once are more than the hardware
+  prefetcher followed (gpt-oss [2880, 2880], one thread: 8.3 -> 14.4 GB of weights per
+  CPU-second).
+- VNNI (:func:`llamatrace.machine.jit.has_vnni`, as :mod:`llamatrace.kernels.int8.act8_ir`):
+  ``vpdpbusd`` adds four byte products to an int32 lane where AVX2 takes ``pmaddubsw`` and
+  ``pmaddwd`` (MXFP4 from the zero point, Q8_0 after its ``psignb``); with AVX-512 (:data:`ZMM`)
+  MXFP4 takes 16 rows a zmm and Q6_K (one activation row) 64 weights a zmm, ``pmaddubsw`` then
+  ``vpdpwssd``, its two halves' lanes added before the float step. The int32 sums are exact in
+  every path and the float32 steps the same, so the outputs are the AVX2 path's bit for bit
+  (``LLAMATRACE_VNNI=0`` with a fresh ``NUMBA_CACHE_DIR`` compiles that path; a test does).
 - Against llama.cpp's own x86 code (``quantize_row_q8_K`` / ``_q8_0`` and ``ggml_vec_dot_*``
   compiled from the sdist, ``tests/test_mul_mat_id_q8.py``): Q6_K bit for bit, Q4_K, MXFP4 and
   Q8_0 within 1.1e-7 of the sum of |products| (the same integer sums, another float32 order).
@@ -38,7 +46,7 @@ CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
 Kernels. :func:`matmul_id` runs one Numba parallel region over work items (group, part, tile of
 :data:`TILE` weight rows); a group's activation rows go :data:`MAX_ROWS` at a time (then 1..3)
 through a microkernel (LLVM IR, AVX2's ``pmaddubsw`` / ``pmaddwd`` / ``psignb`` / ``pshufb`` on
-256-bit vectors, which AVX-512 hosts run too) that loops over the tile's rows and their blocks,
+256-bit vectors, and VNNI's as above) that loops over the tile's rows and their blocks,
 its float32 sums in registers, each block's codes and scales unpacked once for those activation
 rows; the tile (at most 24 KB) stays in L1/L2 for the group's next rows, so each chosen expert's
 bytes come from memory once a call. Prefetch: :data:`AHEAD`. Activations are quantized once per
@@ -50,6 +58,10 @@ relative to the packed path, its time over this one's, 3 runs): qwen3moe-8 (gate
 Q6_K) decode k = 8: 0.89-1.00 (12-13.6 GB of weights per second), prefill 128 tokens
 0.98-1.12 (Q4_K alone ~0.88, Q6_K ~1.17); gptoss-4 (MXFP4) decode k = 4: 0.83-0.97 (~11.6 GB/s),
 prefill 1.30-1.41. Synthetic Q8_0 [32, 768, 2048]: decode 0.90, prefill 1.00.
+VNNI against that AVX2 path (Zen 4 EPYC, 2 cores, one thread, interleaved in one process, one
+activation row, load 1.5-2.6): MXFP4 [1024, 2880] 1.13-1.24x faster (~16 -> ~19.6 GB/s), 4 rows
+1.43x; Q8_0 [768, 2048] 1.09-1.14x, 4 rows 1.19x; Q6_K [2048, 768] 1.05-1.10x; Q4_K unchanged
+(LLVM already fuses its ``pmaddwd`` and add into ``vpdpwssd``). docs/performance.md has the rest.
 
 :func:`activations_ref` is the NumPy twin of the activation quantization (act8's NumPy twins),
 used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
@@ -64,9 +76,9 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels.int8 import act8
-from llamatrace.kernels.int8.act8_ir import _avx2_intrinsics
-from llamatrace.kernels.tiles import VectorTile, e8m0_half_table
-from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL
+from llamatrace.kernels.int8.act8_ir import _avx2_intrinsics, _opaque
+from llamatrace.kernels.tiles import VectorTile, e8m0_half_table, prefill_lanes
+from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL, has_vnni
 
 _T = gguf.GGMLQuantizationType
 
@@ -88,9 +100,15 @@ _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntTyp
 _V32I8, _V16I8, _V8I8 = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16), ir.VectorType(_I8, 8)
 _V16I16, _V8I16 = ir.VectorType(_I16, 16), ir.VectorType(_I16, 8)
 _V4I32, _V8I32 = ir.VectorType(_I32, 4), ir.VectorType(_I32, 8)
+_V64I8, _V32I16, _V16I32 = ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I32, 16)
 _KVALUES = [int(v) for v in gguf.quants.MXFP4.kvalues]
 MXFP4_ZERO = 12
 """Added to MXFP4's ``kvalues`` (-12..12) in the 8-row kernel, so that they are unsigned bytes."""
+ZMM = prefill_lanes() == 16
+"""With AVX-512 VNNI (and BW) MXFP4 and Q6_K go on 512-bit vectors (MXFP4 16 rows a register, Q6_K
+64 weights for one activation row), else on 256-bit ones."""
+MXFP4_ROWS = 16 if ZMM else 8
+"""Weight rows of the MXFP4 kernel's register."""
 
 
 class _Row(VectorTile):
@@ -105,6 +123,19 @@ class _Row(VectorTile):
                                                           ir.FunctionType(_V4I32, [_V8I16, _V8I16]))
         self.shuffle = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (),
                                                         ir.FunctionType(_V32I8, [_V32I8, _V32I8]))
+        self.vnni = has_vnni()
+        if self.vnni:
+            self.dpbusd = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", (),
+                                                           ir.FunctionType(_V8I32, [_V8I32] * 3))
+        self.zmm = ZMM
+        if self.zmm:
+            module = builder.module
+            self.maddubs512 = module.declare_intrinsic("llvm.x86.avx512.pmaddubs.w.512", (),
+                                                       ir.FunctionType(_V32I16, [_V64I8, _V64I8]))
+            self.dpwssd512 = module.declare_intrinsic("llvm.x86.avx512.vpdpwssd.512", (),
+                                                      ir.FunctionType(_V16I32, [_V16I32] * 3))
+            self.shuffle512 = module.declare_intrinsic("llvm.x86.avx512.pshuf.b.512", (),
+                                                       ir.FunctionType(_V64I8, [_V64I8, _V64I8]))
 
     def c(self, vtype, v):
         return ir.Constant(vtype, [v] * vtype.count)
@@ -117,14 +148,37 @@ class _Row(VectorTile):
         """int16 lanes: pairs of products of unsigned ``u8`` and signed ``s8`` bytes."""
         return self.b.call(self.maddubs, [u8, s8])
 
+    def dp(self, acc, pairs):
+        """VNNI: int32 lanes ``acc`` (``None``: 0) plus, per pair of (unsigned ``u8``, signed
+        ``s8``) bytes, the sums of 4 products: a chain of ``vpdpbusd``."""
+        b = self.b
+        acc = self.c(_V8I32, 0) if acc is None else acc
+        for u8, s8 in pairs:
+            acc = b.call(self.dpbusd, [acc, b.bitcast(u8, _V8I32), b.bitcast(s8, _V8I32)])
+        return acc
+
+    def dp64(self, acc, u8, s8, scales):
+        """zmm: int32 lanes ``acc`` (``None``: 0) plus the pairs of ``pmaddubsw`` sums of unsigned
+        ``u8`` and signed ``s8`` (64 bytes each) times the int16 ``scales`` (``vpdpwssd``)."""
+        b = self.b
+        acc = self.c(_V16I32, 0) if acc is None else acc
+        return b.call(self.dpwssd512, [acc, b.bitcast(b.call(self.maddubs512, [u8, s8]), _V16I32),
+                                       b.bitcast(scales, _V16I32)])
+
+    def halves_sum(self, v16):
+        """int32 [8]: lanes l and 8 + l of ``v16`` added."""
+        return self.b.add(self.shuf(v16, range(8)), self.shuf(v16, range(8, 16)))
+
     def wd(self, a16, b16):
         """int32 lanes: pairs of products of int16 lanes."""
         return self.b.call(self.maddwd, [a16, b16])
 
     def signed_dot(self, w, x):
-        """int32 lanes: sums of 4 products of signed bytes ``w`` and ``x`` (``|w| * sign(w) x``)."""
+        """int32 lanes: sums of 4 products of signed bytes ``w`` and ``x`` (``|w| * sign(w) x``;
+        VNNI: one ``vpdpbusd``, else ``pmaddubsw`` and ``pmaddwd``, the same int32 lanes)."""
         b = self.b
-        return self.wd(self.dot16(b.call(self.sign, [w, w]), b.call(self.sign, [x, w])), self.c(_V16I16, 1))
+        u8, s8 = b.call(self.sign, [w, w]), b.call(self.sign, [x, w])
+        return self.dp(None, [(u8, s8)]) if self.vnni else self.wd(self.dot16(u8, s8), self.c(_V16I16, 1))
 
     def f16_at(self, p, offset):
         return self.b.fpext(self.load(p, offset, ir.HalfType(), 1), self.f32)
@@ -177,6 +231,20 @@ def _q6k_block(k: _Row, a, blk, accs):
     d = k.f16_at(a.w, b.add(base, c64(208)))
     sc8 = k.load(a.w, b.add(base, c64(192)), _V16I8)
     sc16 = b.sext(sc8, _V16I16)
+    isums = (_q6k_sums_zmm if k.zmm and k.ns == 1 else _q6k_sums)(k, a, blk, base, sc16)
+    new = []
+    for i in range(k.ns):
+        bsums = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(16))), _V16I16, 2)
+        corr = b.shl(k.wd(sc16, bsums), k.c(_V8I32, 5))
+        dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
+        new.append(k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(b.sub(isums[i], corr), k.vf), accs[i]))
+    return new
+
+
+def _q6k_sums(k: _Row, a, blk, base, sc16) -> list:
+    """:func:`_q6k_block`'s int32 lanes ``sum q * x * sc`` per activation row, 32 weights a ymm:
+    ``pmaddubsw`` then ``pmaddwd`` by the scales of its two groups."""
+    b, c64 = k.b, k.c64
     halves = [b.bitcast(k.shuf(sc16, list(range(8 * h, 8 * h + 8)) * 2), _V32I8) for h in range(2)]
     c32 = lambda x: k.c(_V32I8, x)                         # noqa: E731
     isums = [None] * k.ns
@@ -197,13 +265,39 @@ def _q6k_block(k: _Row, a, blk, accs):
                 x = k.load(a.xq, b.add(a.xq_at[i], b.add(b.mul(blk, c64(QK_K)), c64(128 * h + 32 * c))), _V32I8)
                 p = k.wd(k.dot16(q, x), scv)
                 isums[i] = p if isums[i] is None else b.add(isums[i], p)
-    new = []
-    for i in range(k.ns):
-        bsums = k.load(a.xs, b.add(a.xs_at[i], b.mul(blk, c64(16))), _V16I16, 2)
-        corr = b.shl(k.wd(sc16, bsums), k.c(_V8I32, 5))
-        dx = b.load(b.gep(a.xd, [b.add(a.xd_at[i], blk)]), align=4)
-        new.append(k.fma(k.splat(b.fmul(d, dx), k.vf), b.sitofp(b.sub(isums[i], corr), k.vf), accs[i]))
-    return new
+    return isums
+
+
+def _q6k_sums_zmm(k: _Row, a, blk, base, sc16) -> list:
+    """:func:`_q6k_sums` on zmm, 64 weights a vector (the ymm path's quants ``c`` and ``c + 1``,
+    four groups of 16): ``ql[64h:64h + 64]`` in one load, ``qh`` in both halves (per-half shifts),
+    ``pmaddubsw`` then ``vpdpwssd`` by the four scales, in two chains (its latency). Lanes l and
+    8 + l added give the ymm path's lane l: the same int32 sums. For one activation row (decode)
+    only: Q6_K [2048, 768], one thread, 7-10 % less time; 2 rows the same, 4 rows 3-5 % more."""
+    b, c64 = k.b, k.c64
+    v8i64 = ir.VectorType(_I64, 8)
+    # per half h its 8 int16 scales in every 128-bit lane (vpshufb stays in its lane)
+    tables = [b.bitcast(k.shuf(sc16, list(range(8 * h, 8 * h + 8)) * 4), _V64I8) for h in range(2)]
+
+    def shifted(v, op, lo, hi):
+        """``op`` (shl, lshr) of the qwords of the low half by ``lo``, the high half by ``hi``."""
+        return b.bitcast(op(b.bitcast(v, v8i64), ir.Constant(v8i64, [lo] * 4 + [hi] * 4)), _V64I8)
+
+    c = lambda x: k.c(_V64I8, x)                           # noqa: E731
+    isums = [[None, None] for _ in range(k.ns)]
+    for h in range(2):
+        ql = k.load(a.w, b.add(base, c64(64 * h)), _V64I8)
+        qh = k.shuf(k.load(a.w, b.add(base, c64(128 + 32 * h)), _V32I8), list(range(32)) * 2)
+        quants = (b.or_(b.and_(ql, c(15)), b.and_(shifted(qh, b.shl, 4, 2), c(48))),            # c = 0, 1
+                  b.or_(b.and_(shifted(ql, b.lshr, 4, 4), c(15)), b.and_(shifted(qh, b.lshr, 0, 2), c(48))))
+        for cc, q in enumerate(quants):                    # weights 128h + 64cc ..: groups g .. g + 3
+            g = 8 * h + 4 * cc
+            idx = [i for gi in range(g, g + 4) for i in [2 * (gi % 8), 2 * (gi % 8) + 1] * 8]
+            scv = b.call(k.shuffle512, [tables[h], ir.Constant(_V64I8, idx)])
+            for i in range(k.ns):
+                x = k.load(a.xq, b.add(a.xq_at[i], b.add(b.mul(blk, c64(QK_K)), c64(128 * h + 64 * cc))), _V64I8)
+                isums[i][cc] = k.dp64(isums[i][cc], q, x, scv)
+    return [k.halves_sum(b.add(*v)) for v in isums]
 
 
 def _q8_block(k: _Row, a, blk, accs, mxfp4: bool):
@@ -286,72 +380,122 @@ def _two_chains(k: _Row, a, ns: int, body) -> list:
     return [b.fadd(b.fadd(outs[i], outs[ns + i]), tail[i]) for i in range(ns)]
 
 
-def _mxfp4_rows8(k: _Row, a) -> None:
-    """MXFP4 eight weight rows at a time, as the packed q8 kernels take a tile's rows: each block's 16 code bytes of the 8 rows are transposed in registers (4 bytes of
-    a row per 32-bit lane), mapped to ``kvalues + 12`` by ``vpshufb``, and the byte products of
-    an activation row (its 4 bytes broadcast) summed in int16 for the 8 rows at once (pairs at
-    most 2 * 24 * 127, four added: 24384), from the activations' ``-12 * sum(xq)``; the float
-    step ``acc = fma(d * dx, isum, acc)`` is one vector FMA for 8 rows. Rows past ``n_rows``
-    repeat the last one (their sums are not read). ``res[i * TILE + r]``."""
+def _e8m0_bytes(k: _Row, a, row_at: list, off):
+    """int32 lanes: the byte at ``row_at[r] + off`` of each of the 16 rows, gathered in two
+    general registers (byte loads, shifts, ors on the integer pipes; the vector ones are busy with
+    the transpose and ``vpshufb``), then widened: 5-7 % less time a block than 12 ``vpinsrd``
+    and 3 inserts (one thread, one activation row, L2-resident weights)."""
+    b = k.b
+    ev = ir.Constant(ir.VectorType(_I64, 2), None)
+    for h in range(2):
+        word = None
+        for r in range(8):
+            v = b.zext(k.load(a.w, b.add(row_at[8 * h + r], off), _I8), _I64)
+            v = b.shl(v, k.c64(8 * r)) if r else v
+            word = v if word is None else b.or_(word, v)
+        ev = b.insert_element(ev, word, ir.Constant(_I32, h))
+    return b.zext(b.bitcast(ev, ir.VectorType(_I8, 16)), ir.VectorType(_I32, 16))
+
+
+def _mxfp4_rows(k: _Row, a, n: int) -> None:
+    """MXFP4 ``n`` weight rows at a time (8: a ymm, 16: a zmm), as the packed q8 kernels take a
+    tile's rows: each block's 16 code bytes of the rows are transposed in registers (4 bytes of a
+    row per 32-bit lane), mapped to ``kvalues + 12`` by ``vpshufb``, and the byte products of an
+    activation row (its 4 bytes broadcast) summed for the rows at once from the activations' ``-12
+    * sum(xq)`` (VNNI: ``vpdpbusd`` into int32; AVX2: ``pmaddubsw`` in int16, pairs at most 2 * 24
+    * 127, four added: 24384, then ``pmaddwd``); the float step ``acc = fma(d * dx, isum, acc)``
+    is one vector FMA for the rows. Rows past ``n_rows`` repeat the last one (their sums are not
+    read). ``res[i * TILE + r]``."""
     b, c64, ns = k.b, k.c64, k.ns
-    vi32 = _V8I32
-    table = ir.Constant(_V32I8, [v + MXFP4_ZERO for v in _KVALUES] * 2)
+    t = k if n == 8 else VectorTile(b, n)                   # float32 vectors of n lanes
+    vi32, vi8 = ir.VectorType(_I32, n), ir.VectorType(_I8, 4 * n)
+    shuffle = k.shuffle if n == 8 else b.module.declare_intrinsic("llvm.x86.avx512.pshuf.b.512", (),
+                                                                  ir.FunctionType(vi8, [vi8, vi8]))
+    if k.vnni and n == 16:
+        dpbusd = b.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", (), ir.FunctionType(vi32, [vi32] * 3))
+    else:
+        dpbusd = k.dpbusd if k.vnni else None
+
+    def dp(acc, pairs):
+        acc = k.c(vi32, 0) if acc is None else acc
+        for u8, s8 in pairs:
+            acc = b.call(dpbusd, [acc, b.bitcast(u8, vi32), b.bitcast(s8, vi32)])
+        return acc
+
+    table = ir.Constant(vi8, [v + MXFP4_ZERO for v in _KVALUES] * (n // 4))
     ones = k.c(_V16I16, 1)
     last = b.sub(a.n_rows, c64(1))
+    # in-lane (128-bit) dword interleaves of two vectors: unpck{l,h}dq, unpck{l,h}qdq
+    lanes = range(n // 4)
+    lo_d, hi_d = ([i for L in lanes for i in (4 * L + h, n + 4 * L + h, 4 * L + h + 1, n + 4 * L + h + 1)]
+                  for h in (0, 2))
+    lo_q, hi_q = ([i for L in lanes for i in (4 * L + h, 4 * L + h + 1, n + 4 * L + h, n + 4 * L + h + 1)]
+                  for h in (0, 2))
 
     def group(rg):
-        first = b.mul(rg, c64(8))
+        first = b.mul(rg, c64(n))
         row_at = []
-        for r in range(8):
+        for r in range(n):
             ri = b.add(first, c64(r))
             ri = b.select(b.icmp_signed("<", ri, a.n_rows), ri, last)
             row_at.append(b.add(a.w0, b.mul(ri, a.row_bytes)))
 
-        # the rows ``ahead`` on (contiguous), 8 rows' worth a slice per block: 8 row streams at
+        # the rows ``ahead`` on (contiguous), n rows' worth a slice per block: n row streams at
         # once are more than the hardware prefetcher follows
         nxt = b.add(a.w0, b.mul(b.add(first, a.ahead), a.row_bytes))
 
         def block(blk, accs):
             off = b.mul(blk, c64(17))
-            k.prefetch(a.on, a.w, b.add(nxt, b.mul(blk, c64(8 * 17))), range(3))
+            # zmm: one offset for the 16 rows' addresses (else LLVM keeps 16 pointers stepped by 17
+            # bytes each, spilled and reloaded every block)
+            off = _opaque(b, off) if n == 16 else off
+            k.prefetch(a.on, a.w, b.add(nxt, b.mul(blk, c64(n * 17))), range((n * 17 + 63) // 64))
             q = [b.bitcast(k.load(a.w, b.add(b.add(at, off), c64(1)), _V16I8), _V4I32) for at in row_at]
-            e = ir.Constant(vi32, None)       # the E8M0 bytes: each block's first dword, its low byte
-            for r, at in enumerate(row_at):
-                e = b.insert_element(e, k.load(a.w, b.add(at, off), _I32), ir.Constant(_I32, r))
-            e = b.and_(e, k.c(vi32, 255))
+            if n == 16:
+                e = _e8m0_bytes(k, a, row_at, off)
+            else:                         # the E8M0 bytes: each block's first dword, its low byte
+                e = ir.Constant(vi32, None)
+                for r, at in enumerate(row_at):
+                    e = b.insert_element(e, k.load(a.w, b.add(at, off), _I32), ir.Constant(_I32, r))
+                e = b.and_(e, k.c(vi32, 255))
             y = [k.shuf(q[r], range(8), q[r + 4]) for r in range(4)]          # rows r and r + 4
-            lo_i, hi_i = (0, 8, 1, 9, 4, 12, 5, 13), (2, 10, 3, 11, 6, 14, 7, 15)
-            t = [k.shuf(y[0], lo_i, y[1]), k.shuf(y[0], hi_i, y[1]), k.shuf(y[2], lo_i, y[3]), k.shuf(y[2], hi_i, y[3])]
-            q_lo, q_hi = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
-            groups = [k.shuf(t[0], q_lo, t[2]), k.shuf(t[0], q_hi, t[2]), k.shuf(t[1], q_lo, t[3]),
-                      k.shuf(t[1], q_hi, t[3])]                                 # bytes 4g.. of the 8 rows
-            codes = [b.bitcast(v, _V32I8) for v in groups]
-            lo = [b.call(k.shuffle, [table, b.and_(v, k.c(_V32I8, 15))]) for v in codes]
-            hi = [b.call(k.shuffle, [table, b.and_(b.lshr(v, k.c(_V32I8, 4)), k.c(_V32I8, 15))]) for v in codes]
+            if n == 16:                                                       # and r + 8, r + 12
+                y = [k.shuf(y[r], range(16), k.shuf(q[r + 8], range(8), q[r + 12])) for r in range(4)]
+            tr = [k.shuf(y[0], lo_d, y[1]), k.shuf(y[0], hi_d, y[1]), k.shuf(y[2], lo_d, y[3]),
+                  k.shuf(y[2], hi_d, y[3])]
+            groups = [k.shuf(tr[0], lo_q, tr[2]), k.shuf(tr[0], hi_q, tr[2]), k.shuf(tr[1], lo_q, tr[3]),
+                      k.shuf(tr[1], hi_q, tr[3])]                             # bytes 4g.. of the rows
+            codes = [b.bitcast(v, vi8) for v in groups]
+            lo = [b.call(shuffle, [table, b.and_(v, k.c(vi8, 15))]) for v in codes]
+            hi = [b.call(shuffle, [table, b.and_(b.lshr(v, k.c(vi8, 4)), k.c(vi8, 15))]) for v in codes]
             bits = b.select(b.icmp_unsigned("<", e, k.c(vi32, 2)), b.shl(k.c(vi32, 0x00200000), e),
                             b.shl(b.sub(e, k.c(vi32, 1)), k.c(vi32, 23)))
-            d = b.bitcast(bits, k.vf)
+            d = b.bitcast(bits, t.vf)
             new = []
             for i in range(ns):
                 xat = b.add(a.xq_at[i], b.mul(blk, c64(QK)))
-                x4 = [b.bitcast(k.splat(k.load(a.xq, b.add(xat, c64(4 * g)), _I32), vi32), _V32I8) for g in range(8)]
-                s_lo = s_hi = None
-                for g in range(4):
-                    p_lo, p_hi = k.dot16(lo[g], x4[g]), k.dot16(hi[g], x4[4 + g])
-                    s_lo = p_lo if s_lo is None else b.add(s_lo, p_lo)
-                    s_hi = p_hi if s_hi is None else b.add(s_hi, p_hi)
+                x4 = [b.bitcast(k.splat(k.load(a.xq, b.add(xat, c64(4 * g)), _I32), vi32), vi8) for g in range(8)]
                 at = b.add(a.xd_at[i], blk)
                 zero = k.splat(b.load(b.gep(a.xs, [at]), align=4), vi32)
-                isum = b.add(b.add(k.wd(s_lo, ones), k.wd(s_hi, ones)), zero)
-                dx = k.splat(b.load(b.gep(a.xd, [at]), align=4), k.vf)
-                new.append(k.fma(b.fmul(d, dx), b.sitofp(isum, k.vf), accs[i]))
+                if k.vnni:          # two chains (vpdpbusd's latency), the first from the zero point
+                    isum = b.add(dp(zero, [(lo[g], x4[g]) for g in range(4)]),
+                                 dp(None, [(hi[g], x4[4 + g]) for g in range(4)]))
+                else:
+                    s_lo = s_hi = None
+                    for g in range(4):
+                        p_lo, p_hi = k.dot16(lo[g], x4[g]), k.dot16(hi[g], x4[4 + g])
+                        s_lo = p_lo if s_lo is None else b.add(s_lo, p_lo)
+                        s_hi = p_hi if s_hi is None else b.add(s_hi, p_hi)
+                    isum = b.add(b.add(k.wd(s_lo, ones), k.wd(s_hi, ones)), zero)
+                dx = k.splat(b.load(b.gep(a.xd, [at]), align=4), t.vf)
+                new.append(t.fma(b.fmul(d, dx), b.sitofp(isum, t.vf), accs[i]))
             return new
 
-        outs = k.block_loop(a.n_blocks, ns, block)
+        outs = t.block_loop(a.n_blocks, ns, block)
         for i, acc in enumerate(outs):
-            k.b.store(acc, k.ptr(a.res, b.add(first, c64(i * TILE)), k.vf), align=4)
+            k.b.store(acc, k.ptr(a.res, b.add(first, c64(i * TILE)), t.vf), align=4)
 
-    _row_loop(k, b.sdiv(b.add(a.n_rows, c64(7)), c64(8)), group)
+    _row_loop(k, b.sdiv(b.add(a.n_rows, c64(n - 1)), c64(n)), group)
 
 
 def _microkernel(kind: int, ns: int):
@@ -375,7 +519,7 @@ def _microkernel(kind: int, ns: int):
                     builder.store(k.lane_sum([acc]), builder.gep(a.res, [builder.add(rr, k.c64(i * TILE))]), align=4)
 
             if kind == MXFP4:
-                _mxfp4_rows8(k, a)
+                _mxfp4_rows(k, a, MXFP4_ROWS)
             else:
                 _row_loop(k, a.n_rows, row)
             return context.get_dummy_value()
@@ -490,7 +634,7 @@ def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_byte
                     o[col + r0 + r] = res[i * TILE + r]
             s += ns
 
-AHEAD = {Q4K: 8192, Q6K: 8192, MXFP4: 8, Q80: 8192}
+AHEAD = {Q4K: 8192, Q6K: 8192, MXFP4: MXFP4_ROWS, Q80: 8192}
 """Each kind's software prefetch distance (0: none): bytes along a row; MXFP4: weight rows ahead
 of its 8 (a slice of them per block). Q4_K and Q6_K decode, qwen3moe shapes, one thread: none
 8.3-9.0, 2 KB 10.3-10.7, 8 KB 10.2-10.7 GB/s; MXFP4 [2880, 2880], one thread, cold: none 8.3,
