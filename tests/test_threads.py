@@ -24,15 +24,17 @@ LINUX = sys.platform.startswith("linux")
 @pytest.mark.parametrize("cores, cpus, elsewhere, expected", [
     (2, 2, None, 2),     # no signal (not Linux): every core, as Numba would
     (2, 2, 0, 2),        # the cores are free
-    (2, 2, 1, 2),        # one other task: our threads get a core and half of one
-    (2, 2, 2, 2),        # two busy loops: each of our threads gets half a core, more than one thread alone
+    (2, 2, 1, 1),        # one busy task: a second thread would wait for its slices; the free core's
+    (2, 2, 2, 1),        # no core free: one thread for a model of short regions (large ones: below)
     (2, 2, 3, 1),        # oversubscribed: one thread, which never waits for another
     (2, 2, 12, 1),
     (1, 2, 0, 1),        # never more than this process may use
-    (2, 8, 8, 2),        # pinned to 2 of 8 cores: counted against the machine's 8
+    (2, 8, 6, 2),        # pinned to 2 of 8 cores: counted against the machine's 8
+    (2, 8, 7, 1),
+    (4, 8, 6, 2),        # two cores free: two threads
     (2, 8, 9, 1),
 ])
-def test_threads_for_runs_every_core_unless_the_machine_is_oversubscribed(cores, cpus, elsewhere, expected):
+def test_threads_for_takes_the_cores_other_processes_leave_free(cores, cpus, elsewhere, expected):
     assert threads.threads_for(cores, cpus, elsewhere) == expected
     assert threads.threads_for(cores, cpus, elsewhere, 576 * 1536) == expected     # SmolLM2-135M
 
@@ -46,7 +48,9 @@ def test_threads_for_runs_every_core_unless_the_machine_is_oversubscribed(cores,
 ])
 def test_a_crowded_machine_gives_one_thread_only_to_small_models(dim, hidden_dim, expected):
     assert threads.threads_for(2, 2, 12, dim * hidden_dim) == expected
-    assert threads.threads_for(2, 2, 2, dim * hidden_dim) == 2          # not crowded: every core
+    assert threads.threads_for(2, 2, 2, dim * hidden_dim) == expected   # no core free: the same
+    assert threads.threads_for(2, 2, 1, dim * hidden_dim) == 1          # one free: every model takes it
+    assert threads.threads_for(2, 2, 0, dim * hidden_dim) == 2
 
 
 def test_running_count_reads_the_fourth_field_of_loadavg():
@@ -104,6 +108,18 @@ def test_auto_threads_follow_the_signal_and_remember_a_burst(set_calls):
     # free; oversubscribed; then free again, but the burst is remembered for 3 reads; then oversubscribed
     assert picks == [2, 1, 1, 1, 2, 1]
     assert set_calls == picks and sig.reads == 6
+
+
+def test_auto_threads_leave_a_free_core_only_for_a_task_seen_in_every_read(set_calls):
+    """One busy task elsewhere on 2 cores gives one thread, but only when the last reads all saw
+    it: a single read of 1 is as often one of our own threads caught between its two files."""
+    sig = Signal([0, 1, 0, 1, 1, 1, 0])
+    auto = threads.AutoThreads(cores=2, cpus=2, elsewhere=sig, clock=lambda: sig.now, every=1.0, window=3)
+    picks = []
+    for _ in range(7):
+        picks.append(auto.pick(threads.SMALL_MATRIX))
+        sig.now += 1.0
+    assert picks == [2, 2, 2, 2, 2, 1, 2] and set_calls == picks
 
 
 def test_auto_threads_read_the_signal_at_most_every_interval(set_calls):
@@ -281,14 +297,16 @@ def test_every_forward_call_asks_the_policy_first(tiny_model, monkeypatch):
 
 def test_auto_threads_tell_the_kernels_when_the_machine_is_crowded(set_calls, monkeypatch):
     """Whatever the count (a large model's, a fixed one), each forward call's pick notes whether
-    other processes crowd the cores, for the kernels' short regions (threads.crowded)."""
-    sig = Signal([5, 0, 0, 0, 3])
+    other processes' tasks and its threads crowd the cores, for the kernels' short regions
+    (threads.crowded): on 2 cores one busy task elsewhere is enough at 2 threads, not at 1."""
+    sig = Signal([5, 0, 1, 1, 1, 3])
     auto = threads.AutoThreads(cores=2, cpus=2, elsewhere=sig, clock=lambda: sig.now, every=1.0, window=1)
     seen = []
-    for fixed in (None, None, 1, 1, 1):
+    for fixed in (None, None, None, 2, 1, 1):
         monkeypatch.setattr(threads, "_fixed_threads", fixed)
         auto.pick(threads.SMALL_MATRIX)
         seen.append(threads.crowded())
         sig.now += 1.0
-    assert seen == [True, False, False, False, True] and sig.reads == 5
-    assert set_calls == [2, 2]
+    # one busy task: the policy's one thread fits beside it, two fixed threads do not
+    assert seen == [True, False, False, True, False, True] and sig.reads == 6
+    assert set_calls == [2, 2, 1]

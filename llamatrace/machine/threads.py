@@ -1,4 +1,4 @@
-"""Thread policy of the parallel kernels: Numba's layer, a fixed count, or all cores unless oversubscribed.
+"""Thread policy of the parallel kernels: Numba's layer, a fixed count, or the cores other processes leave free.
 
 Every :func:`llamatrace.kernels.types.registry.matmul` call is one ``prange`` region, so callers
 fuse matrices (:func:`llamatrace.kernels.types.packing.pack_concat`). Which threading layer runs them
@@ -9,9 +9,9 @@ busy, a region's slowest thread waits for a core (a scheduler time slice is ~3 m
 ~40 µs) while its partner spins away its own slice: decode fell from 52 tok/s on one thread to
 0.7 on two (issue 38). So llamatrace's own processes let a waiting OpenMP thread spin only
 briefly (:mod:`llamatrace.machine.runtime`), and by default (:class:`AutoThreads`) a forward call runs
-on every core, except a small model's while other processes' runnable tasks outnumber the cores
-(then on one thread), read from the kernel's count just before the call
-(:func:`runnable_elsewhere`). docs/performance.md "Threads" has the measurements.
+on the cores other processes' runnable tasks leave free (every core on a quiet machine; with none
+free, one for a small model, every core for the others), read from the kernel's count just before
+the call (:func:`runnable_elsewhere`). docs/performance.md "Threads" has the measurements.
 """
 
 from __future__ import annotations
@@ -78,22 +78,33 @@ def running_threads(task_stats: Iterable[str]) -> int:
     return sum(1 for text in task_stats if text[text.rindex(")") + 1:].split()[:1] == ["R"])
 
 
+def _task_stats() -> dict[str, str]:
+    """The text of ``/proc/self/task/TID/stat`` for each of this process's threads."""
+    stats = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="utf-8", errors="replace") as fh:
+                stats[tid] = fh.read()
+        except OSError:                  # the thread ended meanwhile
+            continue
+    return stats
+
+
 def runnable_elsewhere() -> int | None:
     """Tasks of other processes running or waiting for a core right now (Linux ``/proc``), or
     None where that cannot be read. This process's own runnable threads (the caller, OpenMP
-    threads still spinning after a region) are not counted. One read cost ~0.2 ms at load
-    average 10 on 2 cores."""
+    threads still spinning after a region) are not counted: a thread is ours if it runs just
+    before or just after the machine's count is read (read once, after only, a thread that
+    went to sleep in between was counted as another process's: 1 in 4-5 reads of an idle
+    machine decoding SmolLM2). One read cost ~0.2 ms at load average 10 on 2 cores."""
     try:
+        before = _task_stats()
         with open("/proc/loadavg", encoding="ascii") as fh:
             running = running_count(fh.read())
-        stats = []
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat", encoding="utf-8", errors="replace") as fh:
-                    stats.append(fh.read())
-            except OSError:              # the thread ended meanwhile
-                continue
-        return max(0, running - running_threads(stats))
+        after = _task_stats()
+        ours = sum(1 for tid in before.keys() | after.keys()
+                   if running_threads(text for text in (before.get(tid), after.get(tid)) if text))
+        return max(0, running - ours)
     except (OSError, ValueError):
         return None
 
@@ -103,10 +114,11 @@ _crowded = False
 
 def crowded() -> bool:
     """Whether the last :meth:`AutoThreads.pick` (every forward call's, fixed thread count or not)
-    found other processes' runnable tasks outnumbering the machine's cores: then a region waits
-    for a thread the scheduler set aside (a time slice, ~3 ms), and the kernels run their short
-    regions serial (a decode step's attention products, a router's product: the same bits).
-    False until a forward call has asked."""
+    found other processes' runnable tasks and its own threads outnumbering the machine's cores
+    (on 2 cores at 2 threads: one busy task elsewhere): then a region waits for a thread the
+    scheduler set aside (a time slice, ~3 ms), and the kernels run their short regions serial (a
+    decode step's attention products, a router's product: the same bits). False until a forward
+    call has asked."""
     return _crowded
 
 
@@ -117,16 +129,17 @@ milliseconds)."""
 
 
 def threads_for(cores: int, cpus: int, elsewhere: int | None, matrix_weights: int | None = None) -> int:
-    """The thread count for the next forward call: every core, except one for a model with
-    short regions while other processes' runnable tasks outnumber the machine's cores.
+    """The thread count for the next forward call: every core while our threads and the other
+    processes' runnable tasks fit on the machine's cores; else as many as the free cores take;
+    with no core free, one for a model with short regions and every core for the others.
 
-    While ``elsewhere <= cpus`` each of our threads shares a core with at most one other task
-    and gets half of it or more; the short spin of :mod:`llamatrace.machine.runtime` keeps a waiting
-    thread from burning its slice, and two threads beat one (beside two busy loops on 2 cores:
-    SmolLM2 prefill 1.4x, decode 1.0-1.1x; 8B-shaped 1.4x, 1.3x). Beyond that, a short region
-    (~40 µs) that waits for a thread the scheduler set aside (a time slice is ~3 ms) waits many
-    times its length, and one thread decodes ~4x faster; a region of milliseconds loses little,
-    and two threads still get twice the CPU share of one (8B-shaped: 1.3-1.4x one thread).
+    A region ends when its last thread does: a thread that shares a core with a busy task waits
+    for its time slice (~3 ms) in every region. Beside one busy loop on 2 cores (Zen 4 EPYC,
+    2026-11-30) one thread against two decoded SmolLM2-135M at 75-93 against 11-16 tok/s, the
+    qwen3moe-8 benchmark file at 23.5-25.9 against 16.3-17.4 and the 8B-shaped one (4 layers,
+    Q4_0) at 18.0-21.8 against 15.9-16.2. With no core free (two busy loops) two threads still get
+    twice one thread's share of the CPU: the 8B-shaped file decoded at 16.1-17.8 against 11.0-14.4
+    tok/s, but SmolLM2's regions (~40 µs) wait many times their length: 8-23 against 54-57.
 
     Args:
         cores: the cores this process may use (its affinity, at most Numba's thread pool).
@@ -136,17 +149,18 @@ def threads_for(cores: int, cpus: int, elsewhere: int | None, matrix_weights: in
         matrix_weights: weights in the model's largest matrix; None counts as small
             (below :data:`SMALL_MATRIX`).
     """
-    if elsewhere is None or elsewhere <= cpus:
+    if elsewhere is None or elsewhere + cores <= cpus:
         return cores
+    if elsewhere < cpus:
+        return min(cores, cpus - elsewhere)
     if matrix_weights is not None and matrix_weights >= SMALL_MATRIX:
         return cores
     return 1
 
 
 class AutoThreads:
-    """Sets the thread count of each forward call (:func:`threads_for`: every core, one for a
-    small model while other processes oversubscribe the machine), unless :func:`set_threads`
-    fixed it.
+    """Sets the thread count of each forward call (:func:`threads_for`: every core, or those
+    other processes' runnable tasks leave free), unless :func:`set_threads` fixed it.
 
     The count of other runnable tasks is read at most every ``every`` seconds, and the largest
     of the last ``window`` reads is used: on an oversubscribed machine two threads can be 10x
@@ -179,26 +193,34 @@ class AutoThreads:
         """Set (``numba.set_num_threads``) and return the thread count for the next forward
         call of a model whose largest matrix holds ``matrix_weights`` weights
         (:func:`threads_for`); the fixed count if :func:`set_threads` was called. Either way,
-        note for :func:`crowded` whether other processes' runnable tasks outnumber the cores."""
+        note for :func:`crowded` whether other processes' runnable tasks and this call's threads
+        outnumber the cores."""
         global _crowded
         now = self._clock()
         if self._read_at is None or now - self._read_at >= self.every:
             self._read_at = now
             self._recent.append(self._elsewhere())
         known = [n for n in self._recent if n is not None]
-        elsewhere = max(known) if known else None
-        _crowded = elsewhere is not None and elsewhere > self.cpus
-        if _fixed_threads is not None:
-            return _fixed_threads
-        n = threads_for(self.cores, self.cpus, elsewhere, matrix_weights)
-        numba.set_num_threads(n)
+        elsewhere = None
+        if known:
+            # a burst beyond the cores is remembered for the window; a busy task beside our threads
+            # must be in every read of it: one read can count one of our own threads, asleep by the
+            # time its stat file is read (on an idle machine 1 in ~5 reads of SmolLM2's decode)
+            elsewhere = max(known) if max(known) > self.cpus else min(known)
+        n = _fixed_threads if _fixed_threads is not None else threads_for(self.cores, self.cpus, elsewhere,
+                                                                           matrix_weights)
+        # our n threads and the other tasks do not all fit on the cores: a region waits for a thread
+        # the scheduler set aside
+        _crowded = elsewhere is not None and elsewhere + n > self.cpus
+        if _fixed_threads is None:
+            numba.set_num_threads(n)
         return n
 
     def describe(self) -> str:
         """What this policy does, in a few words (``bench`` shows it)."""
         if _fixed_threads is not None:
             return f"{_fixed_threads} thread{'s' if _fixed_threads > 1 else ''}"
-        return f"auto threads ({self.cores} cores; one for a small model while other processes crowd them)"
+        return f"auto threads ({self.cores} cores; the ones other processes leave free)"
 
 
 AUTO_THREADS = AutoThreads()
