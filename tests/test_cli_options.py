@@ -286,6 +286,20 @@ def test_ctrl_c_while_loading_says_interrupted(capsys, monkeypatch, tiny_model_p
     assert code == 130 and err.strip() == "interrupted"
 
 
+def test_an_error_a_ctrl_c_left_behind_is_reported_as_the_interrupt(capsys, monkeypatch, tiny_model_path):
+    # a SIGINT during the first run's compile: Numba lost the KeyboardInterrupt and raised
+    # "RuntimeError: no compiled object yet" instead, which was printed as an internal error
+    from llamatrace.cli import options
+    from llamatrace.machine import runtime
+
+    def compile_cut_short(*args, **kwargs):
+        monkeypatch.setattr(runtime, "_interrupted", True)     # what catch_interrupts' handler records
+        raise RuntimeError("no compiled object yet for <Library '_prefill_scores_parallel'>")
+    monkeypatch.setattr(options, "load_model", compile_cut_short)
+    code, out, err = run(capsys, "generate", "-m", str(tiny_model_path), "hi")
+    assert code == 130 and err.strip() == "interrupted", err
+
+
 def test_ctrl_c_signal_during_loading_exits_130_saying_interrupted(tiny_model_path, tmp_path):
     # a real SIGINT while the command is loading (held there by a stand-in load_model)
     code = textwrap.dedent(f"""

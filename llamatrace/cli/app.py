@@ -359,6 +359,11 @@ def _run_app(argv: list[str]) -> int:
                 EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
     except Exception as exc:  # noqa: BLE001 — the one place unexpected errors are reported
+        if runtime.interrupted():       # a Ctrl-C that the compiler lost and left as another error
+            if _state["debug"]:         # (Numba: "no compiled object yet" after an interrupted compile)
+                traceback.print_exception(exc, file=sys.stderr)
+            err.print("interrupted")
+            return EXIT_INTERRUPTED
         _report(exc, f"internal error: {type(exc).__name__}: {exc} — please report it with --debug output",
                 EXIT_INTERNAL)
         return EXIT_INTERNAL
