@@ -96,7 +96,8 @@ def runnable_elsewhere() -> int | None:
     threads still spinning after a region) are not counted: a thread is ours if it runs just
     before or just after the machine's count is read (read once, after only, a thread that
     went to sleep in between was counted as another process's: 1 in 4-5 reads of an idle
-    machine decoding SmolLM2). One read cost ~0.2 ms at load average 10 on 2 cores."""
+    machine decoding SmolLM2). One read cost ~0.2 ms at load average 10 on 2 cores (read once),
+    ~0.1 ms on an idle Zen 4 (twice)."""
     try:
         before = _task_stats()
         with open("/proc/loadavg", encoding="ascii") as fh:
@@ -204,8 +205,8 @@ class AutoThreads:
         elsewhere = None
         if known:
             # a burst beyond the cores is remembered for the window; a busy task beside our threads
-            # must be in every read of it: one read can count one of our own threads, asleep by the
-            # time its stat file is read (on an idle machine 1 in ~5 reads of SmolLM2's decode)
+            # must be in every read of it, not a passing one (an idle machine decoding SmolLM2: 7
+            # reads in 1,000 counted one)
             elsewhere = max(known) if max(known) > self.cpus else min(known)
         n = _fixed_threads if _fixed_threads is not None else threads_for(self.cores, self.cpus, elsewhere,
                                                                            matrix_weights)
