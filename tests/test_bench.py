@@ -25,6 +25,7 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     assert len(ours["prefill_tok_s"]) == len(ours["decode_tok_s"]) == 2
     assert all(v > 0 for v in ours["prefill_tok_s"] + ours["decode_tok_s"])
     assert ours["load_s"] > 0 and ours["peak_rss_bytes"] > 10 * 2**20   # a child process with numpy loaded
+    assert ours["compile_s"] >= 0            # the suite's earlier tests compiled the tiny model's kernels
     assert report["machine"]["threads"] == 1 and report["machine"]["read_gb_s"] > 0
     # f32 activations: no type's prefill on AMX, only the peak where the tiles are available
     assert report["machine"]["amx"] == amx.describe(()) and report["machine"]["amx_matmuls"] == []
@@ -41,6 +42,20 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     # the model holds NumPy and Numba, less than its peak
     assert ours["file_rss_bytes"] == pytest.approx(report["file_bytes"], abs=64 << 10)
     assert 10 * 2**20 < ours["before_load_rss_bytes"] < ours["peak_rss_bytes"]
+
+
+def test_compile_timer_counts_compiles_only():
+    from numba import njit
+
+    def add_one(x):
+        return x + 1
+    with bench.compile_timer() as compiling:
+        fn = njit(add_one)              # no cache: compiled here, for this type
+        assert fn(1) == 2
+    first = compiling.seconds()
+    with bench.compile_timer() as again:
+        assert fn(2) == 3               # compiled already
+    assert first > 0 and again.seconds() == 0.0
 
 
 def test_bench_table(capsys, tiny_model_path):

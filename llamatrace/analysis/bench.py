@@ -26,7 +26,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 import numpy as np
 
@@ -48,7 +48,8 @@ class EngineResult:
 
     engine: str
     version: str
-    load_s: float
+    load_s: float                   # import, load and first runs, less compile_s
+    compile_s: float = 0.0          # of the load, Numba compiling kernels (a first run's; 0 from its cache)
     prefill_tok_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
     peak_rss_bytes: int = 0
@@ -97,6 +98,21 @@ class BenchReport:
         return d
 
 
+class _CompileTimer:
+    def __init__(self, listener) -> None:
+        self._listener = listener
+
+    def seconds(self) -> float:
+        return self._listener.duration if self._listener.done else 0.0
+
+
+@contextlib.contextmanager
+def compile_timer() -> Iterator[_CompileTimer]:
+    """Time Numba's compiles inside the block (its ``numba:compile`` events: a kernel missing from
+    the cache; nested compiles counted once); ``.seconds()`` gives the total, 0.0 if none."""
+    from numba.core import event
+    with event.install_listener("numba:compile", event.TimingListener()) as listener:
+        yield _CompileTimer(listener)
 
 
 _HUGE_FIELDS = ("AnonHugePages:", "FilePmdMapped:", "ShmemPmdMapped:")
@@ -283,8 +299,8 @@ class _Worker:
         self.proc = ctx.Process(target=_child, args=(child, engine, path, threads, n_ctx), daemon=True)
         start_process(self.proc)
         child.close()
-        load_s, version, threading, vocab = self._recv()
-        self.result = EngineResult(engine, version, load_s, threading=threading)
+        load_s, compile_s, version, threading, vocab = self._recv()
+        self.result = EngineResult(engine, version, load_s, compile_s, threading=threading)
         self.result_vocab = vocab
 
     def _send(self, message) -> None:
@@ -365,7 +381,8 @@ def _serve(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
             eng = _Llamatrace(path, threads, n_ctx, engine.partition(" ")[2] or "f32")
         else:
             eng = _ENGINES[engine](path, threads, n_ctx)
-        conn.send((time.perf_counter() - t0, eng.version, eng.threading(), eng.vocab_size))
+        compile_s = getattr(eng, "compile_s", 0.0)
+        conn.send((time.perf_counter() - t0 - compile_s, compile_s, eng.version, eng.threading(), eng.vocab_size))
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 — reported to the parent as one line
@@ -395,8 +412,10 @@ class _Llamatrace:
         from llamatrace.model.llama import Llama
         if threads:
             set_threads(threads)
-        self.model = Llama.load(path, activations=activations)
-        self.model.warmup()
+        with compile_timer() as compiling:      # a first run's compiles: timed apart from the load
+            self.model = Llama.load(path, activations=activations)
+            self.model.warmup()
+        self.compile_s = compiling.seconds()
         self.n_ctx = n_ctx
         self.version = f"llamatrace {__version__} ({activations} activations)"
         self.vocab_size = self.model.config.vocab_size

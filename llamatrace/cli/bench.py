@@ -120,6 +120,9 @@ def bench(
         out.print(f"{r.engine}: prefill {roof['prefill_gmac_s']:.3g} G multiply-adds/s{of_peak}, decode "
                   f"{roof['decode_gb_s']:.3g} GB/s of weights ({roof['decode_of_read_bw']:.0%} of the read bandwidth; "
                   f"{r.huge_page_bytes / 1e9:.2f} GB of the process on 2 MiB pages)", soft_wrap=True)
+        if r.compile_s:
+            out.print(f"{r.engine}: load {r.load_s:.1f} s, after {r.compile_s:.1f} s of compiling its kernels (a first "
+                      f"run's: Numba's cache keeps them; its peak RSS includes the compiler's)", soft_wrap=True)
         if r.before_load_rss_bytes:         # /proc could tell (Linux)
             out.print(f"{r.engine}: peak RSS {r.peak_rss_bytes / 1e9:.2f} GB; {r.before_load_rss_bytes / 1e9:.2f} GB "
                       f"before the model (interpreter, libraries); the file's own pages after the runs "
