@@ -724,61 +724,73 @@ _KEY_ROWS = 12
 """Keys per register block of a decode step's q·k (:func:`_scores_keys`): 12 accumulators."""
 
 
-def _keys_ir(k, a, a_offs, b, n, c, n_cols) -> None:
-    """``c[r, j] = Σ_{i<n} a[a_offs[r] + i] · b[i, j]`` for the :data:`_KEY_ROWS` rows r, lanes j <
-    n_cols (b float32 [n, lanes], c [_KEY_ROWS, lanes]): :func:`_gemm_chained`'s sums (runs of
-    :data:`_CHAIN` terms, each a chain of FMAs from 0, the runs added in order), in registers."""
+def _keys_ir(k, a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols) -> None:
+    """``c[c_at + t + j·ldc] = Σ_{i<n} a[a_at + t·lda + i] · b[i, j]`` for the keys t < n_keys and
+    lanes j < n_cols (b float32 [n, lanes]): :func:`_gemm_chained`'s sums (runs of
+    :data:`_CHAIN` terms, each a chain of FMAs from 0, the runs added in order), in registers for
+    :data:`_KEY_ROWS` keys at a time, each key's lanes scattered to their rows of c."""
     bld, i32 = k.b, ir.IntType(32)
     mask_t = ir.VectorType(ir.IntType(1), k.lanes)
     vptr = k.vf.as_pointer()
-    suffix = f"v{k.lanes}f32.p0v{k.lanes}f32"
-    load_fn = bld.module.declare_intrinsic(f"llvm.masked.load.{suffix}", (),
+    load_fn = bld.module.declare_intrinsic(f"llvm.masked.load.v{k.lanes}f32.p0v{k.lanes}f32", (),
                                            ir.FunctionType(k.vf, [vptr, i32, mask_t, k.vf]))
-    store_fn = bld.module.declare_intrinsic(f"llvm.masked.store.{suffix}", (),
-                                            ir.FunctionType(ir.VoidType(), [k.vf, vptr, i32, mask_t]))
-    lane = ir.Constant(ir.VectorType(_I64, k.lanes), list(range(k.lanes)))
-    mask = bld.icmp_signed("<", lane, k.splat(k.i64(n_cols), lane.type))
+    ptrs_t = ir.VectorType(k.f32.as_pointer(), k.lanes)
+    scatter_fn = bld.module.declare_intrinsic(f"llvm.masked.scatter.v{k.lanes}f32.v{k.lanes}p0f32", (),
+                                              ir.FunctionType(ir.VoidType(), [k.vf, ptrs_t, i32, mask_t]))
+    i64v = ir.VectorType(_I64, k.lanes)
+    lane = ir.Constant(i64v, list(range(k.lanes)))
+    mask = bld.icmp_signed("<", lane, k.splat(k.i64(n_cols), i64v))
     zero = ir.Constant(k.vf, [0.0] * k.lanes)
-    a_at = [bld.load(bld.gep(a_offs, [k.c64(r)])) for r in range(_KEY_ROWS)]
-    n, chain = k.i64(n), k.c64(_CHAIN)
+    n, chain, n_keys, lda = k.i64(n), k.c64(_CHAIN), k.i64(n_keys), k.i64(lda)
+    c0 = bld.ptrtoint(bld.gep(c, [k.i64(c_at)]), _I64)
+    lane_at = bld.mul(lane, k.splat(bld.mul(k.i64(ldc), k.c64(4)), i64v))    # bytes from a key's row 0 entry
 
-    def run(j, totals):
-        i0 = bld.mul(j, chain)
-        rest = bld.sub(n, i0)
-        m = bld.select(bld.icmp_signed("<", rest, chain), rest, chain)
+    def keys(kb, _):
+        t0 = bld.mul(kb, k.c64(_KEY_ROWS))
+        last = bld.sub(n_keys, k.c64(1))
+        ts = [bld.add(t0, k.c64(r)) for r in range(_KEY_ROWS)]
+        rows = [bld.add(k.i64(a_at), bld.mul(bld.select(bld.icmp_signed("<", t, last), t, last), lda)) for t in ts]
 
-        def body(i, accs):
-            d = bld.add(i0, i)
-            bv = bld.call(load_fn, [k.ptr(b, bld.mul(d, k.c64(k.lanes)), k.vf), ir.Constant(i32, 4), mask, zero])
-            return [k.fma(k.splat(bld.load(bld.gep(a, [bld.add(a_at[r], d)])), k.vf), bv, accs[r])
-                    for r in range(_KEY_ROWS)]
+        def run(j, totals):
+            i0 = bld.mul(j, chain)
+            rest = bld.sub(n, i0)
 
-        sums = k.block_loop(m, _KEY_ROWS, body)
-        first = bld.icmp_signed("==", j, k.c64(0))
-        return [bld.select(first, x, bld.fadd(t, x)) for t, x in zip(totals, sums)]
+            def body(i, accs):
+                d = bld.add(i0, i)
+                bv = bld.call(load_fn, [k.ptr(b, bld.mul(d, k.c64(k.lanes)), k.vf), ir.Constant(i32, 4), mask, zero])
+                return [k.fma(k.splat(bld.load(bld.gep(a, [bld.add(rows[r], d)])), k.vf), bv, accs[r])
+                        for r in range(_KEY_ROWS)]
 
-    n_runs = bld.sdiv(bld.add(n, k.c64(_CHAIN - 1)), chain)
-    totals = k.block_loop(n_runs, _KEY_ROWS, run)
-    for r in range(_KEY_ROWS):
-        bld.call(store_fn, [totals[r], k.ptr(c, k.c64(r * k.lanes), k.vf), ir.Constant(i32, 4), mask])
+            sums = k.block_loop(bld.select(bld.icmp_signed("<", rest, chain), rest, chain), _KEY_ROWS, body)
+            first = bld.icmp_signed("==", j, k.c64(0))
+            return [bld.select(first, x, bld.fadd(tot, x)) for tot, x in zip(totals, sums)]
+
+        totals = k.block_loop(bld.sdiv(bld.add(n, k.c64(_CHAIN - 1)), chain), _KEY_ROWS, run)
+        for t, tot in zip(ts, totals):
+            at = bld.add(k.splat(bld.add(c0, bld.mul(t, k.c64(4))), i64v), lane_at)
+            keep = bld.and_(mask, k.splat(bld.icmp_signed("<", t, n_keys), mask_t))
+            bld.call(scatter_fn, [tot, bld.inttoptr(at, ptrs_t), ir.Constant(i32, 4), keep])
+        return []
+
+    k.block_loop(bld.sdiv(bld.add(n_keys, k.c64(_KEY_ROWS - 1)), k.c64(_KEY_ROWS)), 0, keys)
 
 
 def _keys_intrinsic(lanes: int):
-    def typer(typingctx, a, a_offs, b, n, c, n_cols):
-        if not all(isinstance(x, types.Array) for x in (a, a_offs, b, c)) or a_offs.dtype != types.int64 \
-                or not all(x.dtype == types.float32 for x in (a, b, c)):
+    def typer(typingctx, a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols):
+        if not all(isinstance(x, types.Array) and x.dtype == types.float32 for x in (a, b, c)):
             return None
 
         def codegen(context, builder, signature, args):
             flat = list(args)
-            for i in (0, 1, 2, 4):
+            for i in (0, 4, 6):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
             _keys_ir(VectorTile(builder, lanes), *flat)
             return context.get_dummy_value()
 
-        return types.void(a, a_offs, b, n, c, n_cols), codegen
+        return types.void(a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols), codegen
 
-    typer.__doc__ = f"""``_keys_block{lanes}(a, a_offs, b, n, c, n_cols)``: :func:`_keys_ir`, {lanes} lanes."""
+    typer.__doc__ = f"""``_keys_block{lanes}(a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols)``: :func:`_keys_ir`,
+    {lanes} lanes; a, b, c float32 C-contiguous arrays indexed flat."""
     return intrinsic(typer)
 
 
@@ -799,7 +811,7 @@ def _scores_keys(xq, keys, out, t0, t1, first_pos, window, h0, h1):
     the cache. n_rep < 3 (a register would be mostly empty): one dot product per (key, head),
     vectorised over d, whose order differs from the prefill's in the last bits."""
     seq_len, n_heads, head_dim = xq.shape
-    n_kv = keys.shape[1]
+    kv_len, n_kv = out.shape[2], keys.shape[1]
     n_rep = n_heads // n_kv
     if n_rep < 5:
         for s in range(seq_len):
@@ -817,30 +829,26 @@ def _scores_keys(xq, keys, out, t0, t1, first_pos, window, h0, h1):
     w = 8 if n_rep <= 8 else 16
     per_kv = (n_rep + w - 1) // w                  # register blocks of one KV head's query heads
     g0, n_groups = h0 // n_rep, (h1 - h0) // n_rep * per_kv
-    qt = np.zeros((n_groups, head_dim, w), dtype=np.float32)
-    sc = np.empty((_KEY_ROWS, w), dtype=np.float32)
-    k_offs = np.empty(_KEY_ROWS, dtype=np.int64)
+    qt = np.empty((n_groups, head_dim, w), dtype=np.float32)     # lanes past n_rep: never read
     for s in range(seq_len):
         pos = first_pos + s
         lo = max(t0, pos - window + 1) if window else t0
         hi = min(t1, pos + 1)
         for b in range(n_groups):
             h, n_cols = (g0 + b // per_kv) * n_rep + b % per_kv * w, min(w, n_rep - b % per_kv * w)
-            qt[b, :, :n_cols] = xq[s, h:h + n_cols].T
-        for t in range(lo, hi, _KEY_ROWS):
-            n_keys = min(_KEY_ROWS, hi - t)
+            for j in range(n_cols):
+                for d in range(head_dim):
+                    qt[b, d, j] = xq[s, h + j, d]
+        for t in range(lo, hi, _KEY_CHUNK):        # a chunk of key rows, every KV head: one stream
+            n_keys = min(_KEY_CHUNK, hi - t)
             for b in range(n_groups):
                 g, j0 = g0 + b // per_kv, b % per_kv * w
-                for r in range(_KEY_ROWS):             # past the end: the last key again
-                    k_offs[r] = (min(t + r, hi - 1) * n_kv + g) * head_dim
-                n_cols = min(w, n_rep - j0)
+                args = (keys, (t * n_kv + g) * head_dim, n_kv * head_dim, n_keys, qt[b], head_dim, out,
+                        ((g * n_rep + j0) * seq_len + s) * kv_len + t, seq_len * kv_len, min(w, n_rep - j0))
                 if w == 8:
-                    _keys_block8(keys, k_offs, qt[b], head_dim, sc, n_cols)
+                    _keys_block8(*args)
                 else:
-                    _keys_block16(keys, k_offs, qt[b], head_dim, sc, n_cols)
-                for j in range(n_cols):
-                    for r in range(n_keys):
-                        out[g * n_rep + j0 + j, s, t + r] = sc[r, j]
+                    _keys_block16(*args)
 
 
 @njit(**JIT_ATTN)
@@ -933,8 +941,9 @@ def _decode_scores_parallel(xq, keys, out, first_pos, window):
                      xq.shape[1])
 
 
-_KEY_CHUNK = 32
-"""Keys per parallel work item of the scores: they stay in L1/L2 while every query row uses them."""
+_KEY_CHUNK = 3 * _KEY_ROWS
+"""Keys per parallel work item of the scores (and per pass of :func:`_scores_keys` over the KV
+heads): they stay in L1/L2 while every query row uses them."""
 
 
 def _check_groups(n_heads: int, kv_heads: int) -> None:
