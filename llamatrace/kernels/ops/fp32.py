@@ -798,33 +798,47 @@ _keys_block8, _keys_block16 = _keys_intrinsic(8), _keys_intrinsic(16)
 
 
 @njit(**JIT_ATTN)
+def _scores_dots(xq, keys, out, t0, t1, first_pos, window, h0, h1):
+    """:func:`_scores_keys` for n_rep < 5: a dot product per (key, head), vectorised over d. Keys
+    go in memory order, each row [n_kv_heads, head_dim] read once for all heads: one stream
+    through the cache. (Head by head, the stride left decode waiting on DRAM: 35 -> 24 us at kv
+    200 in SmolLM2.)"""
+    seq_len, n_heads, head_dim = xq.shape
+    n_rep = n_heads // keys.shape[1]
+    for s in range(seq_len):
+        pos = first_pos + s
+        lo = max(t0, pos - window + 1) if window else t0
+        for t in range(lo, min(t1, pos + 1)):
+            for h in range(h0, h1):
+                k = keys[t, h // n_rep]
+                q = xq[s, h]
+                acc = np.float32(0.0)
+                for d in range(head_dim):
+                    acc += q[d] * k[d]
+                out[h, s, t] = acc
+
+
+@njit(**JIT_ATTN)
 def _scores_keys(xq, keys, out, t0, t1, first_pos, window, h0, h1):
     """out[h, s, t] for keys t0 <= t < t1, query heads h0 <= h < h1 (whole groups of a KV head's
     n_rep query heads), the keys query row s sees: row s sits at position first_pos + s and sees
     keys t <= first_pos + s, and with a window (> 0) only t > first_pos + s - window. Entries of
     keys it does not see are not written; first_pos >= t1 and window 0: every key.
 
-    n_rep >= 3: each entry is the prefill's sum (runs of 32 terms of d, each a chain of FMAs:
-    :func:`_scores_block`), register-blocked with the query heads in the lanes: a block of
-    :data:`_KEY_ROWS` keys times a register of one KV head's query heads (transposed once into
-    qt). Keys go in memory order, blocks of key rows read once for all heads: one stream through
-    the cache. n_rep < 3 (a register would be mostly empty): one dot product per (key, head),
-    vectorised over d, whose order differs from the prefill's in the last bits."""
+    n_rep >= 5: each entry is the prefill's sum (runs of 32 terms of d, each a chain of FMAs:
+    :func:`_scores_block`), so a decode step's scores are a prefill row's bit for bit. Register-
+    blocked with the query heads in the lanes (:func:`_keys_ir`): :data:`_KEY_ROWS` keys times
+    a register of 8 or 16 of one KV head's query heads (transposed once into qt), each key's
+    element broadcast; chunks of :data:`_KEY_CHUNK` key rows for every KV head in turn, in memory
+    order. Qwen3-30B-A3B's shape (32 heads of 128, 4 KV heads), kv 200, one core, hot: 39-56 ->
+    23-32 µs (15-20 G multiply-adds/s -> 26-35; a plain dot per (key, head) ends in a 128-long
+    horizontal sum). n_rep < 5 (4 lanes: no faster than the dot, ~20 G/s): :func:`_scores_dots`,
+    whose order differs from the prefill's in the last bits."""
     seq_len, n_heads, head_dim = xq.shape
     kv_len, n_kv = out.shape[2], keys.shape[1]
     n_rep = n_heads // n_kv
     if n_rep < 5:
-        for s in range(seq_len):
-            pos = first_pos + s
-            lo = max(t0, pos - window + 1) if window else t0
-            for t in range(lo, min(t1, pos + 1)):
-                for h in range(h0, h1):
-                    k = keys[t, h // n_rep]
-                    q = xq[s, h]
-                    acc = np.float32(0.0)
-                    for d in range(head_dim):
-                        acc += q[d] * k[d]
-                    out[h, s, t] = acc
+        _scores_dots(xq, keys, out, t0, t1, first_pos, window, h0, h1)
         return
     w = 8 if n_rep <= 8 else 16
     per_kv = (n_rep + w - 1) // w                  # register blocks of one KV head's query heads
@@ -933,8 +947,7 @@ def attention_scores_parallel(xq, keys):
 
 @njit(parallel=True, **JIT_ATTN)
 def _decode_scores_parallel(xq, keys, out, first_pos, window):
-    """_scores_keys, threads splitting the keys in chunks of _KEY_CHUNK (one query row: the
-    register-blocked kernel would need the keys transposed, as many bytes moved as the sums read)."""
+    """_scores_keys, threads splitting the keys in chunks of _KEY_CHUNK (the same bits)."""
     kv_len = keys.shape[0]
     for c in prange((kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK):
         _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), first_pos, window, 0,
@@ -960,11 +973,12 @@ def attention_scores(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
             (``n_rep = n_heads // n_kv_heads``; 1 when the KV heads are already repeated).
 
     Returns:
-        float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation: a prefill's entry (seq_len
-        > 1) sums d in runs of 32, each a chain of FMAs, the runs in order (the register-blocked
-        kernel, ~2x the per-entry dot at 8B shapes); a decode step's, one row, a dot product
-        vectorised over d (``_scores_keys``: blocking needs the keys transposed, as many bytes
-        moved as the dot reads). The two orders differ in the last bits.
+        float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation: each entry sums d in runs
+        of 32, each a chain of FMAs, the runs in order (register-blocked: a prefill's keys
+        transposed, ~2x the per-entry dot at 8B shapes; one row's with the query heads in the
+        lanes, ``_scores_keys``), so a decode step's row is a prefill's bit for bit; except one
+        row with n_rep < 5 (``n_heads // n_kv_heads``): a dot product vectorised over d, whose
+        order differs in the last bits.
 
     Raises:
         ValueError: ``n_kv_heads`` does not divide ``n_heads``.
@@ -1298,10 +1312,12 @@ def attention_values(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
         to multiples of 32), each a chain of FMAs, the runs in order; keys before a row's first
         nonzero score and after its last add nothing and are skipped (a causal prefill's masked
         half), and a value whose score is 0 is never read (a NaN or inf there stays out of the
-        row). Prefill and decode share the register-blocked kernel (6 rows x 64 of head_dim a
-        call), so a prefill's row has the bits of the same row alone. 8B shapes, causal 512 rows,
-        one layer: 98-106 -> 22 ms (process CPU time, shared machine); a decode step at kv 512,
-        0.19 -> 0.10 ms.
+        row). Prefill and decode share the register-blocked kernel's sums (6 rows x 64 of
+        head_dim a call; one row: 4 query heads x 64, every block over each run of 32 values in
+        turn, ``_values_decode``), so a prefill's row has the bits of the same row alone. 8B
+        shapes, causal 512 rows, one layer: 98-106 -> 22 ms (process CPU time, shared machine); a
+        decode step at kv 512, 0.19 -> 0.10 ms; Qwen3-30B-A3B's shape at kv 200, one core, hot:
+        39-41 -> 23-24 µs (~20 -> ~35-45 G multiply-adds/s).
 
     Raises:
         ValueError: ``n_kv_heads`` does not divide ``n_heads``.
@@ -1321,8 +1337,8 @@ def attention_values_ref(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
 # A decode step's attention in one call: q·k, the softmax and P·V of one query row, KV head by KV
 # head (its query heads' scores, their softmax, their values), so that one parallel region, not
 # two, serves a layer and each KV head's keys and values are read by one thread. Each part is the
-# separate kernels' own (_scores_keys, _softmax_visible_rows, _values_blocks, the same items), so
-# probabilities and outputs are theirs bit for bit. Flags: JIT_EXACT (the softmax's), the products
+# separate kernels' own (_scores_keys, _softmax_visible_rows, _values_decode), so probabilities and
+# outputs are theirs bit for bit. Flags: JIT_EXACT (the softmax's), the products
 # keep JIT_ATTN's, compiled apart.
 @njit(**JIT_EXACT)
 def _decode_kv_heads(xq, keys, values, probs, out, g0, g1, scale, first_pos, window, sinks):
