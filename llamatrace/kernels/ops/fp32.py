@@ -720,6 +720,11 @@ def _gemm_chained(a, a_offs, b, b_at, ldb, i0, i1, c, c_offs, n_cols, plain0, pl
             break
 
 
+# ---------------------------------------------------------------------------------------------
+# One query row's q·k (a decode step): the prefill's sums, register-blocked the other way round:
+# keys as the rows, a register of one KV head's query heads as the columns, so the keys need no
+# transposed copy (one row has too few query heads for the prefill's blocks to pay for it).
+# ---------------------------------------------------------------------------------------------
 _KEY_ROWS = 12
 """Keys per register block of a decode step's q·k (:func:`_scores_keys`): 12 accumulators."""
 
@@ -777,7 +782,7 @@ def _keys_ir(k, a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols) -> None:
 
 def _keys_intrinsic(lanes: int):
     def typer(typingctx, a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols):
-        if not all(isinstance(x, types.Array) and x.dtype == types.float32 for x in (a, b, c)):
+        if not all(isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" for x in (a, b, c)):
             return None
 
         def codegen(context, builder, signature, args):
