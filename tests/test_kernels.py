@@ -145,6 +145,41 @@ def test_serial_and_parallel_attention_variants_agree(seq_len, kv_len):
     np.testing.assert_array_equal(K.attention_values_serial(p, keys), K.attention_values_parallel(p, keys))
 
 
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,kv_len", [
+    (32, 4, 128, 149), (64, 8, 64, 13), (6, 1, 32, 40), (40, 2, 80, 37), (24, 1, 96, 25)])
+def test_a_decode_steps_scores_are_a_prefill_rows_bit_for_bit(n_heads, n_kv_heads, head_dim, kv_len):
+    """n_rep >= 5: one query row's q·k (keys x query heads in the lanes, n_rep 5..8 and 9..16 a
+    register) sums each entry as the prefill's blocked kernel does, so a decode step's scores are
+    the last row of a two-row prefill's, bit for bit, serial or threaded."""
+    xq, keys = randn(1, n_heads, head_dim) * 2, randn(kv_len, n_kv_heads, head_dim)
+    prefill = K.attention_scores_serial(np.concatenate([randn(1, n_heads, head_dim), xq]), keys)[:, 1:]
+    np.testing.assert_array_equal(_bits(K.attention_scores_serial(xq, keys)), _bits(prefill))
+    np.testing.assert_array_equal(_bits(K.attention_scores_parallel(xq, keys)), _bits(prefill))
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(32, 4, 128), (64, 8, 64), (9, 3, 64), (16, 1, 40)])
+def test_a_decode_steps_values_in_one_pass_are_the_blocks_bit_for_bit(n_heads, n_kv_heads, head_dim):
+    """One query row's P·V runs every block of query heads over each run of keys in one pass
+    (_values_decode) with the sums of the 6-row blocks (_values_blocks), also where the rows'
+    spans differ (probabilities 0 at the ends: then the blocks themselves run) and with NaN in a
+    value no row weighs."""
+    kv_len = 150
+    values = randn(kv_len, n_kv_heads, head_dim)
+    values[3] = np.nan
+    for cut in (False, True):
+        p = rng.random((n_heads, 1, kv_len)).astype(np.float32)
+        p[:, :, :5] = 0
+        if cut:
+            p[0, 0, 140:] = 0
+            p[n_heads - 1, 0, 5:40] = 0
+        want = np.empty((n_heads, 1, head_dim), dtype=np.float32)
+        K._values_blocks(p, values, head_dim, n_kv_heads * head_dim, n_kv_heads, want, 0,
+                         n_kv_heads * K._values_items(p, n_kv_heads)[1])
+        assert not np.isnan(want).any()
+        np.testing.assert_array_equal(_bits(K.attention_values_serial(p, values)), _bits(want))
+        np.testing.assert_array_equal(_bits(K.attention_values_parallel(p, values)), _bits(want))
+
+
 @pytest.mark.parametrize("crowded,kv_len,threaded", [(True, 100, False), (True, 256, False), (True, 257, True),
                                                      (False, 100, True)])
 def test_a_crowded_decode_steps_attention_runs_serial_below_a_megaflop(monkeypatch, crowded, kv_len, threaded):

@@ -602,29 +602,6 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 # (Ainslie et al. 2023, "GQA"), without making the copy.
 # Flags: jit.JIT_ATTN ('reassoc' for the head_dim-long sums; NaN still propagates).
 # ---------------------------------------------------------------------------------------------
-@njit(**JIT_ATTN)
-def _scores_keys(xq, keys, out, t0, t1, first_pos, window, h0, h1):
-    """out[h, s, t] for keys t0 <= t < t1, query heads h0 <= h < h1, the keys query row s sees: row s sits
-    at position first_pos + s and sees keys t <= first_pos + s, and with a window (> 0) only
-    t > first_pos + s - window. Entries of keys it does not see are not written; first_pos >= t1
-    and window 0: every key. Keys go in memory order, each row [n_kv_heads, head_dim] read once
-    for all heads: one stream through the cache. (Head by head, the stride left decode waiting
-    on DRAM: 35 -> 24 us at kv 200 in SmolLM2.)"""
-    seq_len, n_heads, head_dim = xq.shape
-    n_rep = n_heads // keys.shape[1]
-    for s in range(seq_len):
-        pos = first_pos + s
-        lo = max(t0, pos - window + 1) if window else t0
-        for t in range(lo, min(t1, pos + 1)):
-            for h in range(h0, h1):
-                k = keys[t, h // n_rep]
-                q = xq[s, h]
-                acc = np.float32(0.0)
-                for d in range(head_dim):
-                    acc += q[d] * k[d]
-                out[h, s, t] = acc
-
-
 # ---------------------------------------------------------------------------------------------
 # A prefill's products (seq_len > 1), register-blocked as the weight matmuls' prefill microkernels
 # (tiles.VectorTile): _gemm_block runs _GEMM_ROWS rows of A against _GEMM_COLS registers of columns
@@ -644,7 +621,8 @@ _BLOCK = _GEMM_COLS * _LANES
 """Columns per :func:`_gemm_block` call: keys of the scores, head_dim entries of the values."""
 
 
-def _gemm_ir(k, checked: bool, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add) -> None:
+def _gemm_ir(k, checked: bool, rows: int, cols: int, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols,
+             add) -> None:
     bld, i32 = k.b, ir.IntType(32)
     mask_t = ir.VectorType(ir.IntType(1), k.lanes)
     vptr = k.vf.as_pointer()
@@ -654,39 +632,39 @@ def _gemm_ir(k, checked: bool, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_co
     store_fn = bld.module.declare_intrinsic(f"llvm.masked.store.{suffix}", (),
                                             ir.FunctionType(ir.VoidType(), [k.vf, vptr, i32, mask_t]))
     lane = ir.Constant(ir.VectorType(_I64, k.lanes), list(range(k.lanes)))
-    cols = k.splat(k.i64(n_cols), ir.VectorType(_I64, k.lanes))
-    masks = [bld.icmp_signed("<", bld.add(lane, k.splat(k.c64(v * k.lanes), lane.type)), cols)
-             for v in range(_GEMM_COLS)]
+    valid = k.splat(k.i64(n_cols), ir.VectorType(_I64, k.lanes))
+    masks = [bld.icmp_signed("<", bld.add(lane, k.splat(k.c64(v * k.lanes), lane.type)), valid)
+             for v in range(cols)]
     zero = ir.Constant(k.vf, [0.0] * k.lanes)
-    a_at = [bld.add(bld.load(bld.gep(a_offs, [k.c64(r)])), k.i64(a_at)) for r in range(_GEMM_ROWS)]
-    c_at = [bld.load(bld.gep(c_offs, [k.c64(r)])) for r in range(_GEMM_ROWS)]
+    a_at = [bld.add(bld.load(bld.gep(a_offs, [k.c64(r)])), k.i64(a_at)) for r in range(rows)]
+    c_at = [bld.load(bld.gep(c_offs, [k.c64(r)])) for r in range(rows)]
     b_at, ldb = k.i64(b_at), k.i64(ldb)
 
     def body(i, accs):
         row = bld.add(b_at, bld.mul(i, ldb))
         bv = [bld.call(load_fn, [k.ptr(b, bld.add(row, k.c64(v * k.lanes)), k.vf), ir.Constant(i32, 4),
-                                 masks[v], zero]) for v in range(_GEMM_COLS)]
+                                 masks[v], zero]) for v in range(cols)]
         new = []
-        for r in range(_GEMM_ROWS):
+        for r in range(rows):
             ai = bld.load(bld.gep(a, [bld.add(a_at[r], i)]))
             av = k.splat(ai, k.vf)
-            sums = [k.fma(av, bv[v], accs[r * _GEMM_COLS + v]) for v in range(_GEMM_COLS)]
+            sums = [k.fma(av, bv[v], accs[r * cols + v]) for v in range(cols)]
             if checked:                       # a = 0 adds nothing, whatever b holds (NaN != 0 does)
                 weighs = bld.fcmp_unordered("!=", ai, ir.Constant(k.f32, 0.0))
-                sums = [bld.select(weighs, x, accs[r * _GEMM_COLS + v]) for v, x in enumerate(sums)]
+                sums = [bld.select(weighs, x, accs[r * cols + v]) for v, x in enumerate(sums)]
             new += sums
         return new
 
-    sums = k.block_loop(k.i64(n), _GEMM_ROWS * _GEMM_COLS, body)
+    sums = k.block_loop(k.i64(n), rows * cols, body)
     add = bld.icmp_signed("!=", k.i64(add), k.c64(0))
-    ptrs = [k.ptr(c, bld.add(c_at[r], k.c64(v * k.lanes)), k.vf) for r in range(_GEMM_ROWS) for v in range(_GEMM_COLS)]
-    olds = [bld.call(load_fn, [ptr, ir.Constant(i32, 4), masks[i % _GEMM_COLS], zero]) for i, ptr in enumerate(ptrs)]
+    ptrs = [k.ptr(c, bld.add(c_at[r], k.c64(v * k.lanes)), k.vf) for r in range(rows) for v in range(cols)]
+    olds = [bld.call(load_fn, [ptr, ir.Constant(i32, 4), masks[i % cols], zero]) for i, ptr in enumerate(ptrs)]
     for i, ptr in enumerate(ptrs):        # every load before the stores: a row given twice adds once
         total = bld.select(add, bld.fadd(olds[i], sums[i]), sums[i])
-        bld.call(store_fn, [total, ptr, ir.Constant(i32, 4), masks[i % _GEMM_COLS]])
+        bld.call(store_fn, [total, ptr, ir.Constant(i32, 4), masks[i % cols]])
 
 
-def _gemm_intrinsic(checked: bool, doc: str):
+def _gemm_intrinsic(checked: bool, doc: str, rows: int = _GEMM_ROWS, cols: int = _GEMM_COLS, lanes: int = _LANES):
     def typer(typingctx, a, a_offs, a_at, b, b_at, ldb, n, c, c_offs, n_cols, add):
         arrays = (a, a_offs, b, c, c_offs)
         if not all(isinstance(x, types.Array) for x in arrays) or a_offs.dtype != types.int64 \
@@ -698,7 +676,7 @@ def _gemm_intrinsic(checked: bool, doc: str):
             flat = list(args)
             for i in (0, 1, 3, 7, 8):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            _gemm_ir(VectorTile(builder, _LANES), checked, *flat)
+            _gemm_ir(VectorTile(builder, lanes), checked, rows, cols, *flat)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -740,6 +718,156 @@ def _gemm_chained(a, a_offs, b, b_at, ldb, i0, i1, c, c_offs, n_cols, plain0, pl
         i = end
         if i >= i1:
             break
+
+
+# ---------------------------------------------------------------------------------------------
+# One query row's q·k (a decode step): the prefill's sums, register-blocked the other way round:
+# keys as the rows, a register of one KV head's query heads as the columns, so the keys need no
+# transposed copy (one row has too few query heads for the prefill's blocks to pay for it).
+# ---------------------------------------------------------------------------------------------
+_KEY_ROWS = 12
+"""Keys per register block of a decode step's q·k (:func:`_scores_keys`): 12 accumulators."""
+
+
+def _keys_ir(k, a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols) -> None:
+    """``c[c_at + t + j·ldc] = Σ_{i<n} a[a_at + t·lda + i] · b[i, j]`` for the keys t < n_keys and
+    lanes j < n_cols (b float32 [n, lanes]): :func:`_gemm_chained`'s sums (runs of
+    :data:`_CHAIN` terms, each a chain of FMAs from 0, the runs added in order), in registers for
+    :data:`_KEY_ROWS` keys at a time, each key's lanes scattered to their rows of c."""
+    bld, i32 = k.b, ir.IntType(32)
+    mask_t = ir.VectorType(ir.IntType(1), k.lanes)
+    vptr = k.vf.as_pointer()
+    load_fn = bld.module.declare_intrinsic(f"llvm.masked.load.v{k.lanes}f32.p0v{k.lanes}f32", (),
+                                           ir.FunctionType(k.vf, [vptr, i32, mask_t, k.vf]))
+    ptrs_t = ir.VectorType(k.f32.as_pointer(), k.lanes)
+    scatter_fn = bld.module.declare_intrinsic(f"llvm.masked.scatter.v{k.lanes}f32.v{k.lanes}p0f32", (),
+                                              ir.FunctionType(ir.VoidType(), [k.vf, ptrs_t, i32, mask_t]))
+    i64v = ir.VectorType(_I64, k.lanes)
+    lane = ir.Constant(i64v, list(range(k.lanes)))
+    mask = bld.icmp_signed("<", lane, k.splat(k.i64(n_cols), i64v))
+    zero = ir.Constant(k.vf, [0.0] * k.lanes)
+    n, chain, n_keys, lda = k.i64(n), k.c64(_CHAIN), k.i64(n_keys), k.i64(lda)
+    c0 = bld.ptrtoint(bld.gep(c, [k.i64(c_at)]), _I64)
+    lane_at = bld.mul(lane, k.splat(bld.mul(k.i64(ldc), k.c64(4)), i64v))    # bytes from a key's row 0 entry
+
+    def keys(kb, _):
+        t0 = bld.mul(kb, k.c64(_KEY_ROWS))
+        last = bld.sub(n_keys, k.c64(1))
+        ts = [bld.add(t0, k.c64(r)) for r in range(_KEY_ROWS)]
+        rows = [bld.add(k.i64(a_at), bld.mul(bld.select(bld.icmp_signed("<", t, last), t, last), lda)) for t in ts]
+
+        def run(j, totals):
+            i0 = bld.mul(j, chain)
+            rest = bld.sub(n, i0)
+
+            def body(i, accs):
+                d = bld.add(i0, i)
+                bv = bld.call(load_fn, [k.ptr(b, bld.mul(d, k.c64(k.lanes)), k.vf), ir.Constant(i32, 4), mask, zero])
+                return [k.fma(k.splat(bld.load(bld.gep(a, [bld.add(rows[r], d)])), k.vf), bv, accs[r])
+                        for r in range(_KEY_ROWS)]
+
+            sums = k.block_loop(bld.select(bld.icmp_signed("<", rest, chain), rest, chain), _KEY_ROWS, body)
+            first = bld.icmp_signed("==", j, k.c64(0))
+            return [bld.select(first, x, bld.fadd(tot, x)) for tot, x in zip(totals, sums)]
+
+        totals = k.block_loop(bld.sdiv(bld.add(n, k.c64(_CHAIN - 1)), chain), _KEY_ROWS, run)
+        for t, tot in zip(ts, totals):
+            at = bld.add(k.splat(bld.add(c0, bld.mul(t, k.c64(4))), i64v), lane_at)
+            keep = bld.and_(mask, k.splat(bld.icmp_signed("<", t, n_keys), mask_t))
+            bld.call(scatter_fn, [tot, bld.inttoptr(at, ptrs_t), ir.Constant(i32, 4), keep])
+        return []
+
+    k.block_loop(bld.sdiv(bld.add(n_keys, k.c64(_KEY_ROWS - 1)), k.c64(_KEY_ROWS)), 0, keys)
+
+
+def _keys_intrinsic(lanes: int):
+    def typer(typingctx, a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols):
+        if not all(isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" for x in (a, b, c)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 4, 6):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            _keys_ir(VectorTile(builder, lanes), *flat)
+            return context.get_dummy_value()
+
+        return types.void(a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols), codegen
+
+    typer.__doc__ = f"""``_keys_block{lanes}(a, a_at, lda, n_keys, b, n, c, c_at, ldc, n_cols)``: :func:`_keys_ir`,
+    {lanes} lanes; a, b, c float32 C-contiguous arrays indexed flat."""
+    return intrinsic(typer)
+
+
+_keys_block8, _keys_block16 = _keys_intrinsic(8), _keys_intrinsic(16)
+
+
+@njit(**JIT_ATTN)
+def _scores_dots(xq, keys, out, t0, t1, first_pos, window, h0, h1):
+    """:func:`_scores_keys` for n_rep < 5: a dot product per (key, head), vectorised over d. Keys
+    go in memory order, each row [n_kv_heads, head_dim] read once for all heads: one stream
+    through the cache. (Head by head, the stride left decode waiting on DRAM: 35 -> 24 us at kv
+    200 in SmolLM2.)"""
+    seq_len, n_heads, head_dim = xq.shape
+    n_rep = n_heads // keys.shape[1]
+    for s in range(seq_len):
+        pos = first_pos + s
+        lo = max(t0, pos - window + 1) if window else t0
+        for t in range(lo, min(t1, pos + 1)):
+            for h in range(h0, h1):
+                k = keys[t, h // n_rep]
+                q = xq[s, h]
+                acc = np.float32(0.0)
+                for d in range(head_dim):
+                    acc += q[d] * k[d]
+                out[h, s, t] = acc
+
+
+@njit(**JIT_ATTN)
+def _scores_keys(xq, keys, out, t0, t1, first_pos, window, h0, h1):
+    """out[h, s, t] for keys t0 <= t < t1, query heads h0 <= h < h1 (whole groups of a KV head's
+    n_rep query heads), the keys query row s sees: row s sits at position first_pos + s and sees
+    keys t <= first_pos + s, and with a window (> 0) only t > first_pos + s - window. Entries of
+    keys it does not see are not written; first_pos >= t1 and window 0: every key.
+
+    n_rep >= 5: each entry is the prefill's sum (runs of 32 terms of d, each a chain of FMAs:
+    :func:`_scores_block`), so a decode step's scores are a prefill row's bit for bit. Register-
+    blocked with the query heads in the lanes (:func:`_keys_ir`): :data:`_KEY_ROWS` keys times
+    a register of 8 or 16 of one KV head's query heads (transposed once into qt), each key's
+    element broadcast; chunks of :data:`_KEY_CHUNK` key rows for every KV head in turn, in memory
+    order. Qwen3-30B-A3B's shape (32 heads of 128, 4 KV heads), kv 200, one core, hot: 39-56 ->
+    23-32 µs (15-20 G multiply-adds/s -> 26-35; a plain dot per (key, head) ends in a 128-long
+    horizontal sum). n_rep < 5 (4 lanes: no faster than the dot, ~20 G/s): :func:`_scores_dots`,
+    whose order differs from the prefill's in the last bits."""
+    seq_len, n_heads, head_dim = xq.shape
+    kv_len, n_kv = out.shape[2], keys.shape[1]
+    n_rep = n_heads // n_kv
+    if n_rep < 5:
+        _scores_dots(xq, keys, out, t0, t1, first_pos, window, h0, h1)
+        return
+    w = 8 if n_rep <= 8 else 16
+    per_kv = (n_rep + w - 1) // w                  # register blocks of one KV head's query heads
+    g0, n_groups = h0 // n_rep, (h1 - h0) // n_rep * per_kv
+    qt = np.empty((n_groups, head_dim, w), dtype=np.float32)     # lanes past n_rep: never read
+    for s in range(seq_len):
+        pos = first_pos + s
+        lo = max(t0, pos - window + 1) if window else t0
+        hi = min(t1, pos + 1)
+        for b in range(n_groups):
+            h, n_cols = (g0 + b // per_kv) * n_rep + b % per_kv * w, min(w, n_rep - b % per_kv * w)
+            for j in range(n_cols):
+                for d in range(head_dim):
+                    qt[b, d, j] = xq[s, h + j, d]
+        for t in range(lo, hi, _KEY_CHUNK):        # a chunk of key rows, every KV head: one stream
+            n_keys = min(_KEY_CHUNK, hi - t)
+            for b in range(n_groups):
+                g, j0 = g0 + b // per_kv, b % per_kv * w
+                args = (keys, (t * n_kv + g) * head_dim, n_kv * head_dim, n_keys, qt[b], head_dim, out,
+                        ((g * n_rep + j0) * seq_len + s) * kv_len + t, seq_len * kv_len, min(w, n_rep - j0))
+                if w == 8:
+                    _keys_block8(*args)
+                else:
+                    _keys_block16(*args)
 
 
 @njit(**JIT_ATTN)
@@ -824,16 +952,16 @@ def attention_scores_parallel(xq, keys):
 
 @njit(parallel=True, **JIT_ATTN)
 def _decode_scores_parallel(xq, keys, out, first_pos, window):
-    """_scores_keys, threads splitting the keys in chunks of _KEY_CHUNK (one query row: the
-    register-blocked kernel would need the keys transposed, as many bytes moved as the sums read)."""
+    """_scores_keys, threads splitting the keys in chunks of _KEY_CHUNK (the same bits)."""
     kv_len = keys.shape[0]
     for c in prange((kv_len + _KEY_CHUNK - 1) // _KEY_CHUNK):
         _scores_keys(xq, keys, out, c * _KEY_CHUNK, min(kv_len, (c + 1) * _KEY_CHUNK), first_pos, window, 0,
                      xq.shape[1])
 
 
-_KEY_CHUNK = 32
-"""Keys per parallel work item of the scores: they stay in L1/L2 while every query row uses them."""
+_KEY_CHUNK = 3 * _KEY_ROWS
+"""Keys per parallel work item of the scores (and per pass of :func:`_scores_keys` over the KV
+heads): they stay in L1/L2 while every query row uses them."""
 
 
 def _check_groups(n_heads: int, kv_heads: int) -> None:
@@ -850,11 +978,12 @@ def attention_scores(xq: np.ndarray, keys: np.ndarray) -> np.ndarray:
             (``n_rep = n_heads // n_kv_heads``; 1 when the KV heads are already repeated).
 
     Returns:
-        float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation: a prefill's entry (seq_len
-        > 1) sums d in runs of 32, each a chain of FMAs, the runs in order (the register-blocked
-        kernel, ~2x the per-entry dot at 8B shapes); a decode step's, one row, a dot product
-        vectorised over d (``_scores_keys``: blocking needs the keys transposed, as many bytes
-        moved as the dot reads). The two orders differ in the last bits.
+        float32 ``[n_heads, seq_len, kv_len]``, fp32 accumulation: each entry sums d in runs
+        of 32, each a chain of FMAs, the runs in order (register-blocked: a prefill's keys
+        transposed, ~2x the per-entry dot at 8B shapes; one row's with the query heads in the
+        lanes, ``_scores_keys``), so a decode step's row is a prefill's bit for bit; except one
+        row with n_rep < 5 (``n_heads // n_kv_heads``): a dot product vectorised over d, whose
+        order differs in the last bits.
 
     Raises:
         ValueError: ``n_kv_heads`` does not divide ``n_heads``.
@@ -1024,6 +1153,21 @@ def _nonzero_span(bits):
     return t, e
 
 
+@njit(inline="always", **JIT_ATTN)
+def _rows_spans(scores, g, n_rep, m, m1):
+    """(lo, hi, plain0, plain1) of the rows m .. m + _GEMM_ROWS of KV head g (past m1: the last row
+    again): the union and the intersection of their spans of nonzero probabilities."""
+    n_heads, seq_len, kv_len = scores.shape
+    lo, hi, plain0, plain1 = kv_len, 0, 0, kv_len
+    for r in range(_GEMM_ROWS):
+        s, j = divmod(min(m + r, m1 - 1), n_rep)
+        first, end = _nonzero_span(scores[g * n_rep + j, s].view(np.uint32))
+        plain0, plain1 = max(plain0, first), min(plain1, end)
+        if first < end:
+            lo, hi = min(lo, first), max(hi, end)
+    return lo, hi, plain0, plain1
+
+
 @njit(**JIT_ATTN)
 def _values_block(scores, vals, g_at, t_at, n_rep, out, g, m0, m1, a_offs, c_offs):
     """out rows m0 .. m1 of KV head g's query heads (row m = s * n_rep + j: query row s, head
@@ -1036,13 +1180,7 @@ def _values_block(scores, vals, g_at, t_at, n_rep, out, g, m0, m1, a_offs, c_off
     n_heads, seq_len, kv_len = scores.shape
     head_dim = out.shape[2]
     for m in range(m0, m1, _GEMM_ROWS):
-        lo, hi, plain0, plain1 = kv_len, 0, 0, kv_len     # the rows' spans: union, intersection
-        for r in range(_GEMM_ROWS):
-            s, j = divmod(min(m + r, m1 - 1), n_rep)     # past the end: the last row again
-            first, end = _nonzero_span(scores[g * n_rep + j, s].view(np.uint32))
-            plain0, plain1 = max(plain0, first), min(plain1, end)
-            if first < end:
-                lo, hi = min(lo, first), max(hi, end)
+        lo, hi, plain0, plain1 = _rows_spans(scores, g, n_rep, m, m1)
         for c0 in range(0, head_dim, _BLOCK):
             for r in range(_GEMM_ROWS):
                 s, j = divmod(min(m + r, m1 - 1), n_rep)
@@ -1051,6 +1189,57 @@ def _values_block(scores, vals, g_at, t_at, n_rep, out, g, m0, m1, a_offs, c_off
                 c_offs[r] = (h * seq_len + s) * head_dim + c0
             _gemm_chained(scores, a_offs, vals, g * g_at + c0, t_at, lo, max(lo, hi), out, c_offs,
                           min(_BLOCK, head_dim - c0), plain0, plain1)
+
+
+_HEAD_ROWS = 4
+"""Query heads per register block of a decode step's P·V (:func:`_values_decode`), times
+``_BLOCK`` entries of head_dim: 16 accumulators (24, as the prefill's, spilled in this loop)."""
+_heads_block = _gemm_intrinsic(False, """:func:`_gemm_block` for :data:`_HEAD_ROWS` rows.""", _HEAD_ROWS)
+_heads_block_checked = _gemm_intrinsic(True, """:func:`_gemm_block_checked` for :data:`_HEAD_ROWS` rows.""",
+                                       _HEAD_ROWS)
+
+
+@njit(**JIT_ATTN)
+def _values_decode(scores, vals, out, g0, g1):
+    """One query row's P·V (scores [n_heads, 1, kv_len], vals [kv_len, n_kv_heads, head_dim]), KV
+    heads g0 .. g1-1, the bits of :func:`_values_blocks`: where the rows of a KV head's
+    _GEMM_ROWS blocks share their spans (a decode step's rows see the same keys; they differ only
+    where a probability underflowed to 0 at a span's end), the same runs of keys, plain or
+    checked alike, in one pass over the keys: each run of :data:`_CHAIN` values read for every
+    block of :data:`_HEAD_ROWS` heads x ``_BLOCK`` of head_dim while it is in L1. Else, and for
+    n_rep < 3, :func:`_values_block`. Qwen3-30B-A3B's shape at kv 200, one core, hot: 39-41 ->
+    23-24 µs (the 6-row blocks: 8 query heads took 6 + 6, and 24 accumulators spilled)."""
+    n_heads, _, kv_len = scores.shape
+    n_kv, head_dim = vals.shape[1], vals.shape[2]
+    g_at, t_at = head_dim, n_kv * head_dim
+    n_rep = n_heads // n_kv
+    a_offs, c_offs = np.empty(_GEMM_ROWS, dtype=np.int64), np.empty(_GEMM_ROWS, dtype=np.int64)
+    for g in range(g0, g1):
+        lo, hi, plain0, plain1 = _rows_spans(scores, g, n_rep, 0, n_rep)
+        alike = n_rep >= 3
+        for m in range(_GEMM_ROWS, n_rep, _GEMM_ROWS):
+            alike = alike and _rows_spans(scores, g, n_rep, m, n_rep) == (lo, hi, plain0, plain1)
+        if not alike:
+            _values_block(scores, vals, g_at, t_at, n_rep, out, g, 0, n_rep, a_offs, c_offs)
+            continue
+        i, i1 = lo, max(lo, hi)
+        while True:                           # _gemm_chained's runs, every block of rows and columns
+            end = min(i1, (i // _CHAIN + 1) * _CHAIN)
+            for m in range(0, n_rep, _HEAD_ROWS):
+                for c0 in range(0, head_dim, _BLOCK):
+                    for r in range(_HEAD_ROWS):
+                        h = g * n_rep + min(m + r, n_rep - 1)
+                        a_offs[r] = h * kv_len
+                        c_offs[r] = h * head_dim + c0
+                    args = (scores, a_offs, i, vals, g * g_at + c0 + i * t_at, t_at, max(0, end - i), out,
+                            c_offs, min(_BLOCK, head_dim - c0), i > lo)
+                    if plain0 <= i and end <= plain1:
+                        _heads_block(*args)
+                    else:
+                        _heads_block_checked(*args)
+            i = end
+            if i >= i1:
+                break
 
 
 @njit(**JIT_ATTN)
@@ -1089,7 +1278,7 @@ def attention_values_serial(scores, values):
     out = np.empty((scores.shape[0], scores.shape[1], head_dim), dtype=np.float32)
     n_items = n_kv * _values_items(scores, n_kv)[1]
     if scores.shape[1] == 1:                 # decode: each value read once, in place
-        _values_blocks(scores, values, head_dim, n_kv * head_dim, n_kv, out, 0, n_items)
+        _values_decode(scores, values, out, 0, n_kv)
         return out
     per_head = np.empty((n_kv, kv_len, head_dim), dtype=np.float32)
     for g in range(n_kv):
@@ -1103,7 +1292,11 @@ def attention_values_parallel(scores, values):
     kv_len, n_kv, head_dim = values.shape
     out = np.empty((scores.shape[0], scores.shape[1], head_dim), dtype=np.float32)
     n_items = n_kv * _values_items(scores, n_kv)[1]
-    if scores.shape[1] == 1:
+    if scores.shape[1] == 1 and n_kv > 1:
+        for g in prange(n_kv):
+            _values_decode(scores, values, out, g, g + 1)
+        return out
+    if scores.shape[1] == 1:                 # one KV head: threads split its rows
         for i in prange(n_items):
             _values_blocks(scores, values, head_dim, n_kv * head_dim, n_kv, out, i, i + 1)
         return out
@@ -1127,10 +1320,12 @@ def attention_values(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
         to multiples of 32), each a chain of FMAs, the runs in order; keys before a row's first
         nonzero score and after its last add nothing and are skipped (a causal prefill's masked
         half), and a value whose score is 0 is never read (a NaN or inf there stays out of the
-        row). Prefill and decode share the register-blocked kernel (6 rows x 64 of head_dim a
-        call), so a prefill's row has the bits of the same row alone. 8B shapes, causal 512 rows,
-        one layer: 98-106 -> 22 ms (process CPU time, shared machine); a decode step at kv 512,
-        0.19 -> 0.10 ms.
+        row). Prefill and decode share the register-blocked kernel's sums (6 rows x 64 of
+        head_dim a call; one row: 4 query heads x 64, every block over each run of 32 values in
+        turn, ``_values_decode``), so a prefill's row has the bits of the same row alone. 8B
+        shapes, causal 512 rows, one layer: 98-106 -> 22 ms (process CPU time, shared machine); a
+        decode step at kv 512, 0.19 -> 0.10 ms; Qwen3-30B-A3B's shape at kv 200, one core, hot:
+        39-41 -> 23-24 µs (~20 -> ~35-45 G multiply-adds/s).
 
     Raises:
         ValueError: ``n_kv_heads`` does not divide ``n_heads``.
@@ -1150,20 +1345,19 @@ def attention_values_ref(scores: np.ndarray, values: np.ndarray) -> np.ndarray:
 # A decode step's attention in one call: q·k, the softmax and P·V of one query row, KV head by KV
 # head (its query heads' scores, their softmax, their values), so that one parallel region, not
 # two, serves a layer and each KV head's keys and values are read by one thread. Each part is the
-# separate kernels' own (_scores_keys, _softmax_visible_rows, _values_blocks, the same items), so
-# probabilities and outputs are theirs bit for bit. Flags: JIT_EXACT (the softmax's), the products
+# separate kernels' own (_scores_keys, _softmax_visible_rows, _values_decode), so probabilities and
+# outputs are theirs bit for bit. Flags: JIT_EXACT (the softmax's), the products
 # keep JIT_ATTN's, compiled apart.
 @njit(**JIT_EXACT)
 def _decode_kv_heads(xq, keys, values, probs, out, g0, g1, scale, first_pos, window, sinks):
     """KV heads g0 .. g1-1: their query heads' scores, softmax and values."""
-    n_kv, head_dim = keys.shape[1], keys.shape[2]
+    n_kv = keys.shape[1]
     n_rep = xq.shape[1] // n_kv
     _scores_keys(xq, keys, probs, 0, keys.shape[0], first_pos, window, g0 * n_rep, g1 * n_rep)
     lanes = np.empty(_LANES_SUM, dtype=np.float32)
     for i in range(g0 * n_rep, g1 * n_rep):
         _softmax_visible_rows(probs, i, scale, first_pos, window, lanes, sinks)
-    n_pairs = _values_items(probs, n_kv)[1]
-    _values_blocks(probs, values, head_dim, n_kv * head_dim, n_kv, out, g0 * n_pairs, g1 * n_pairs)
+    _values_decode(probs, values, out, g0, g1)
 
 
 @njit(**JIT_EXACT)
