@@ -664,6 +664,41 @@ def _read_only(data: np.ndarray) -> np.ndarray:
     return flat
 
 
+class Parts(tuple):
+    """1 or 2 parts of one type, ``n_expert`` and ``row_bytes`` (a tuple of them, as :func:`matmul_id`
+    takes them), with what its region needs of them looked up and checked once: an
+    :class:`~llamatrace.kernels.mul_mat_id.ExpertParts` keeps one, since the checks, views and enum
+    look-ups cost ~40 µs a call with the caches cold after an expert matmul (16 calls a qwen3moe-8
+    step).
+
+    Attributes:
+        ggml_type, n_in: the parts' type and input width.
+        kind: the type's kernel (:data:`Q4K`, ...).
+        w0, w1: the first and last part flat, read-only uint8 (one part: the same).
+        n_out0, n_out1: their rows (``n_out1`` 0: one part).
+        row_bytes, n_blocks: a weight row's bytes and blocks.
+
+    Raises:
+        ValueError: a type outside :data:`TYPES`, or parts that do not fit ``n_in``.
+    """
+
+    def __new__(cls, datas, ggml_type, n_in: int) -> "Parts":
+        kind = _KIND.get(_T(ggml_type))
+        if kind is None:
+            raise ValueError(f"mul_mat_id_q8: no kernel for {_T(ggml_type).name}")
+        block, size = gguf.GGML_QUANT_SIZES[_T(ggml_type)]
+        if not 1 <= len(datas) <= 2 or n_in % block or any(
+                d.ndim != 3 or d.shape[2] != n_in // block * size or d.shape[0] != datas[0].shape[0] for d in datas):
+            raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
+                             f"of {_T(ggml_type).name}")
+        self = super().__new__(cls, datas)
+        self.ggml_type, self.n_in, self.kind = _T(ggml_type), n_in, kind
+        self.w0, self.w1 = _read_only(datas[0]), _read_only(datas[-1])
+        self.n_out0, self.n_out1 = datas[0].shape[1], datas[1].shape[1] if len(datas) == 2 else 0
+        self.row_bytes, self.n_blocks = datas[0].shape[2], n_in // block
+        return self
+
+
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     """``out[i] = q8(x[rows[i]]) @ W[ids[i]].T`` over the groups of :func:`llamatrace.kernels.mul_mat_id.groups`.
 
@@ -672,7 +707,8 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         rows, order, starts, experts: int64 (:func:`llamatrace.kernels.mul_mat_id.groups` of the
             slots' ids; ``rows[i]`` slot i's row of x).
         datas: 1 or 2 uint8 ``[n_expert, n_out_p, row_bytes]`` C-contiguous (the file's blocks;
-            read-only is fine), one type, ``n_expert`` and ``row_bytes``.
+            read-only is fine), one type, ``n_expert`` and ``row_bytes``; or their :class:`Parts`
+            of ``ggml_type`` and ``n_in`` (checked already).
         ggml_type: one of :data:`TYPES`.
 
     Returns:
@@ -681,23 +717,15 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     Raises:
         ValueError: a type outside :data:`TYPES`, or parts that do not fit.
     """
-    kind = _KIND.get(_T(ggml_type))
-    if kind is None:
-        raise ValueError(f"mul_mat_id_q8: no kernel for {_T(ggml_type).name}")
-    block, size = gguf.GGML_QUANT_SIZES[_T(ggml_type)]
     n_in = x.shape[1]
-    if not 1 <= len(datas) <= 2 or n_in % block or any(
-            d.ndim != 3 or d.shape[2] != n_in // block * size or d.shape[0] != datas[0].shape[0] for d in datas):
-        raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
-                         f"of {_T(ggml_type).name}")
-    flat = [_read_only(d) for d in datas]
-    n_outs = [d.shape[1] for d in datas]
-    out = np.empty((order.shape[0], sum(n_outs)), dtype=np.float32)
+    p = datas
+    if not (isinstance(p, Parts) and p.ggml_type == ggml_type and p.n_in == n_in):
+        p = Parts(datas, ggml_type, n_in)
+    out = np.empty((order.shape[0], p.n_out0 + p.n_out1), dtype=np.float32)
     if order.shape[0] == 0:
         return out
-    _matmul_id(np.ascontiguousarray(x, np.float32), rows, order, starts, experts, flat[0], flat[-1], n_outs[0],
-               n_outs[1] if len(datas) == 2 else 0, datas[0].shape[2], n_in // block, kind, out, AHEAD[kind],
-               numba.get_num_threads())
+    _matmul_id(np.ascontiguousarray(x, np.float32), rows, order, starts, experts, p.w0, p.w1, p.n_out0, p.n_out1,
+               p.row_bytes, p.n_blocks, p.kind, out, AHEAD[p.kind], numba.get_num_threads())
     return out
 
 
