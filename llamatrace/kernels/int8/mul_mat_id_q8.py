@@ -73,10 +73,10 @@ used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
 from __future__ import annotations
 
 import gguf
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from llamatrace.kernels.int8 import act8
@@ -612,14 +612,25 @@ def _activations(x, kind):
     return xq.reshape(xq.size), xd.reshape(xd.size), off.reshape(off.size)
 
 
+@intrinsic
+def _num_threads(typingctx):
+    """The calling thread's count for parallel regions (``numba.get_num_threads()``) from Numba's
+    threading layer's own symbol: Numba's overload calls it through ctypes, which a cached kernel
+    cannot hold, and from Python the call takes two locks (~12 µs a call, cold, in a decode step)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(cgutils.intp_t, []), "get_num_threads")
+        return builder.call(fn, [])
+    return types.intp(), codegen
+
+
 @njit(**JIT_PARALLEL)
-def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_bytes, n_blocks, kind, out, ahead,
-               n_threads):
+def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_bytes, n_blocks, kind, out, ahead):
     """:func:`matmul_id`'s region: ``w0`` (part 0, columns ``0..n_out0``) and ``w1`` (part 1,
     columns ``n_out0..``; ``n_out1`` 0: none) flat uint8, expert ``e``'s row ``r`` at byte ``(e *
-    n_out + r) * row_bytes``. Work items: (group, part, tile of :data:`TILE` weight rows), in
-    ``n_threads`` contiguous shares; per weight row, the group's slots :data:`MAX_ROWS` at a time
+    n_out + r) * row_bytes``. Work items: (group, part, tile of :data:`TILE` weight rows), in one
+    contiguous share per thread; per weight row, the group's slots :data:`MAX_ROWS` at a time
     (then the 1..3 left)."""
+    n_threads = _num_threads()
     xq, xd, xs = _activations(x, kind)
     t0, t1 = (n_out0 + TILE - 1) // TILE, (n_out1 + TILE - 1) // TILE
     per_group = t0 + t1
@@ -725,7 +736,7 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     if order.shape[0] == 0:
         return out
     _matmul_id(np.ascontiguousarray(x, np.float32), rows, order, starts, experts, p.w0, p.w1, p.n_out0, p.n_out1,
-               p.row_bytes, p.n_blocks, p.kind, out, AHEAD[p.kind], numba.get_num_threads())
+               p.row_bytes, p.n_blocks, p.kind, out, AHEAD[p.kind])
     return out
 
 
