@@ -616,7 +616,9 @@ def _activations(x, kind):
 def _num_threads(typingctx):
     """The calling thread's count for parallel regions (``numba.get_num_threads()``) from Numba's
     threading layer's own symbol: Numba's overload calls it through ctypes, which a cached kernel
-    cannot hold, and from Python the call takes two locks (~12 µs a call, cold, in a decode step)."""
+    cannot hold, and from Python the call takes two locks (~12 µs a call, cold, in a decode step).
+    Like the region's own ``allocate_sched``, the symbol is there once the thread pool is up
+    (:data:`llamatrace.kernels.mul_mat_id._POOL`)."""
     def codegen(context, builder, signature, args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(cgutils.intp_t, []), "get_num_threads")
         return builder.call(fn, [])
