@@ -73,10 +73,10 @@ used by :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref`.
 from __future__ import annotations
 
 import gguf
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from llamatrace.kernels.int8 import act8
@@ -612,14 +612,27 @@ def _activations(x, kind):
     return xq.reshape(xq.size), xd.reshape(xd.size), off.reshape(off.size)
 
 
+@intrinsic
+def _num_threads(typingctx):
+    """The calling thread's count for parallel regions (``numba.get_num_threads()``) from Numba's
+    threading layer's own symbol: Numba's overload calls it through ctypes, which a cached kernel
+    cannot hold, and from Python the call takes two locks (~12 µs a call, cold, in a decode step).
+    Like the region's own ``allocate_sched``, the symbol is there once the thread pool is up
+    (:data:`llamatrace.kernels.mul_mat_id._POOL`)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(cgutils.intp_t, []), "get_num_threads")
+        return builder.call(fn, [])
+    return types.intp(), codegen
+
+
 @njit(**JIT_PARALLEL)
-def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_bytes, n_blocks, kind, out, ahead,
-               n_threads):
+def _matmul_id(x, rows, order, starts, experts, w0, w1, n_out0, n_out1, row_bytes, n_blocks, kind, out, ahead):
     """:func:`matmul_id`'s region: ``w0`` (part 0, columns ``0..n_out0``) and ``w1`` (part 1,
     columns ``n_out0..``; ``n_out1`` 0: none) flat uint8, expert ``e``'s row ``r`` at byte ``(e *
-    n_out + r) * row_bytes``. Work items: (group, part, tile of :data:`TILE` weight rows), in
-    ``n_threads`` contiguous shares; per weight row, the group's slots :data:`MAX_ROWS` at a time
+    n_out + r) * row_bytes``. Work items: (group, part, tile of :data:`TILE` weight rows), in one
+    contiguous share per thread; per weight row, the group's slots :data:`MAX_ROWS` at a time
     (then the 1..3 left)."""
+    n_threads = _num_threads()
     xq, xd, xs = _activations(x, kind)
     t0, t1 = (n_out0 + TILE - 1) // TILE, (n_out1 + TILE - 1) // TILE
     per_group = t0 + t1
@@ -664,6 +677,41 @@ def _read_only(data: np.ndarray) -> np.ndarray:
     return flat
 
 
+class Parts(tuple):
+    """1 or 2 parts of one type, ``n_expert`` and ``row_bytes`` (a tuple of them, as :func:`matmul_id`
+    takes them), with what its region needs of them looked up and checked once: an
+    :class:`~llamatrace.kernels.mul_mat_id.ExpertParts` keeps one, since the checks, views and enum
+    look-ups cost ~40 µs a call with the caches cold after an expert matmul (16 calls a qwen3moe-8
+    step).
+
+    Attributes:
+        ggml_type, n_in: the parts' type and input width.
+        kind: the type's kernel (:data:`Q4K`, ...).
+        w0, w1: the first and last part flat, read-only uint8 (one part: the same).
+        n_out0, n_out1: their rows (``n_out1`` 0: one part).
+        row_bytes, n_blocks: a weight row's bytes and blocks.
+
+    Raises:
+        ValueError: a type outside :data:`TYPES`, or parts that do not fit ``n_in``.
+    """
+
+    def __new__(cls, datas, ggml_type, n_in: int) -> "Parts":
+        kind = _KIND.get(_T(ggml_type))
+        if kind is None:
+            raise ValueError(f"mul_mat_id_q8: no kernel for {_T(ggml_type).name}")
+        block, size = gguf.GGML_QUANT_SIZES[_T(ggml_type)]
+        if not 1 <= len(datas) <= 2 or n_in % block or any(
+                d.ndim != 3 or d.shape[2] != n_in // block * size or d.shape[0] != datas[0].shape[0] for d in datas):
+            raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
+                             f"of {_T(ggml_type).name}")
+        self = super().__new__(cls, datas)
+        self.ggml_type, self.n_in, self.kind = _T(ggml_type), n_in, kind
+        self.w0, self.w1 = _read_only(datas[0]), _read_only(datas[-1])
+        self.n_out0, self.n_out1 = datas[0].shape[1], datas[1].shape[1] if len(datas) == 2 else 0
+        self.row_bytes, self.n_blocks = datas[0].shape[2], n_in // block
+        return self
+
+
 def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     """``out[i] = q8(x[rows[i]]) @ W[ids[i]].T`` over the groups of :func:`llamatrace.kernels.mul_mat_id.groups`.
 
@@ -672,7 +720,8 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         rows, order, starts, experts: int64 (:func:`llamatrace.kernels.mul_mat_id.groups` of the
             slots' ids; ``rows[i]`` slot i's row of x).
         datas: 1 or 2 uint8 ``[n_expert, n_out_p, row_bytes]`` C-contiguous (the file's blocks;
-            read-only is fine), one type, ``n_expert`` and ``row_bytes``.
+            read-only is fine), one type, ``n_expert`` and ``row_bytes``; or their :class:`Parts`
+            of ``ggml_type`` and ``n_in`` (checked already).
         ggml_type: one of :data:`TYPES`.
 
     Returns:
@@ -681,23 +730,15 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
     Raises:
         ValueError: a type outside :data:`TYPES`, or parts that do not fit.
     """
-    kind = _KIND.get(_T(ggml_type))
-    if kind is None:
-        raise ValueError(f"mul_mat_id_q8: no kernel for {_T(ggml_type).name}")
-    block, size = gguf.GGML_QUANT_SIZES[_T(ggml_type)]
     n_in = x.shape[1]
-    if not 1 <= len(datas) <= 2 or n_in % block or any(
-            d.ndim != 3 or d.shape[2] != n_in // block * size or d.shape[0] != datas[0].shape[0] for d in datas):
-        raise ValueError(f"mul_mat_id_q8: parts {[list(d.shape) for d in datas]} do not fit n_in {n_in} "
-                         f"of {_T(ggml_type).name}")
-    flat = [_read_only(d) for d in datas]
-    n_outs = [d.shape[1] for d in datas]
-    out = np.empty((order.shape[0], sum(n_outs)), dtype=np.float32)
+    p = datas
+    if not (isinstance(p, Parts) and p.ggml_type == ggml_type and p.n_in == n_in):
+        p = Parts(datas, ggml_type, n_in)
+    out = np.empty((order.shape[0], p.n_out0 + p.n_out1), dtype=np.float32)
     if order.shape[0] == 0:
         return out
-    _matmul_id(np.ascontiguousarray(x, np.float32), rows, order, starts, experts, flat[0], flat[-1], n_outs[0],
-               n_outs[1] if len(datas) == 2 else 0, datas[0].shape[2], n_in // block, kind, out, AHEAD[kind],
-               numba.get_num_threads())
+    _matmul_id(np.ascontiguousarray(x, np.float32), rows, order, starts, experts, p.w0, p.w1, p.n_out0, p.n_out1,
+               p.row_bytes, p.n_blocks, p.kind, out, AHEAD[p.kind])
     return out
 
 
