@@ -78,6 +78,38 @@ def test_runnable_elsewhere_sees_busy_loops():
         assert threads.runnable_elsewhere() >= 2
 
 
+@pytest.mark.skipif(not LINUX, reason="/proc")
+def test_task_stats_follow_the_threads_and_a_fork():
+    import os
+    import threading
+    started, stop = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (started.set(), stop.wait()))
+    t.start()
+    started.wait()
+    try:
+        assert str(t.native_id) in threads._task_stats()         # a new thread's file opened
+    finally:
+        stop.set()
+        t.join()
+    stats = threads._task_stats()
+    assert str(t.native_id) not in stats                        # an ended thread's file closed
+    assert f"/proc/self/task/{t.native_id}/stat" not in threads._PROC.paths()
+    assert set(stats) == set(os.listdir("/proc/self/task"))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                                # the child: its own tasks, not the parent's
+        os.close(read)
+        ok = set(threads._task_stats()) == set(os.listdir("/proc/self/task")) == {str(os.getpid())}
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
+    assert set(threads._task_stats()) == set(os.listdir("/proc/self/task"))   # the parent's, still
+
+
 class Signal:
     """An injected load signal and clock: ``values`` are what each read returns."""
 
