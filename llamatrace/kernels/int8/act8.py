@@ -445,7 +445,8 @@ DECODE_AHEAD_Q4K = 8 * 144 * TR
 """The Q4_K decode microkernel's prefetch distance: eight blocks (36 KB, across tiles). qwen3moe-8's 16
 attention matrices (4.7-5.3 MB), each read cold (L3 flushed), 2 threads, one compiled kernel alternated
 in one process: 9 KB 15.4-19.0 GB/s, 18 KB 16.8, 36 KB 17.7-20.5, 72 KB 18.5-20.3, 144 KB 16.9, none
-11.6 (a plain read of the same bytes 22.9-25.4; docs/performance.md "Decode")."""
+11.6 (a plain read of the same bytes 22.9-25.4). In real steps, main's module loaded beside: those
+matmuls 9-22 % faster (docs/performance.md "Cold attention matrices")."""
 DECODE_AHEAD_Q6K = 208 * TR
 """The Q6_K decode microkernel's: the next block of the tile (6.5 KB). Q6_K [4096, 14336], [1024, 4096]
 and [128256, 4096], VNNI and 8 rows a ymm, 1 and 2 threads, alternated in one process at load 5-6,
