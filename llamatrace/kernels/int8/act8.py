@@ -441,8 +441,12 @@ DECODE_AHEAD = 4096
 """How far ahead (bytes) the Q4_0 / Q4_1 decode microkernel prefetches: 8 blocks of a tile. Q4_0
 [28672, 4096], one thread, alternated on a shared machine: 2 KB 13.5 GB/s, 4 KB 14.1-14.5, 8 KB
 14.1 (a pure read of the same bytes 15-16)."""
-DECODE_AHEAD_Q4K = 2 * 144 * TR
-"""The Q4_K decode microkernel's prefetch distance: two blocks of a tile (9 KB)."""
+DECODE_AHEAD_Q4K = 8 * 144 * TR
+"""The Q4_K decode microkernel's prefetch distance: eight blocks (36 KB, across tiles). qwen3moe-8's 16
+attention matrices (4.7-5.3 MB), each read cold (L3 flushed), 2 threads, one compiled kernel alternated
+in one process: 9 KB 15.4-19.0 GB/s, 18 KB 16.8, 36 KB 17.7-20.5, 72 KB 18.5-20.3, 144 KB 16.9, none
+11.6 (a plain read of the same bytes 22.9-25.4). In real steps, main's module loaded beside: those
+matmuls 9-22 % faster (docs/performance.md "Cold attention matrices")."""
 DECODE_AHEAD_Q6K = 208 * TR
 """The Q6_K decode microkernel's: the next block of the tile (6.5 KB). Q6_K [4096, 14336], [1024, 4096]
 and [128256, 4096], VNNI and 8 rows a ymm, 1 and 2 threads, alternated in one process at load 5-6,
