@@ -49,7 +49,6 @@ class EngineResult:
     engine: str
     version: str
     load_s: float                   # import, load and first runs, less compile_s
-    compile_s: float = 0.0          # of the load, Numba compiling kernels (a first run's; 0 from its cache)
     prefill_tok_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
     peak_rss_bytes: int = 0
@@ -57,6 +56,7 @@ class EngineResult:
     huge_page_bytes: int = 0        # of the process's memory, after the runs (huge_page_bytes())
     before_load_rss_bytes: int = 0  # resident once the engine's modules are imported, before the model
     file_rss_bytes: int = 0         # of the model file's own pages, resident after the runs
+    compile_s: float = 0.0          # Numba compiling kernels during the load (a first run's; 0 from its cache)
 
     @property
     def prefill(self) -> float:
@@ -300,7 +300,7 @@ class _Worker:
         start_process(self.proc)
         child.close()
         load_s, compile_s, version, threading, vocab = self._recv()
-        self.result = EngineResult(engine, version, load_s, compile_s, threading=threading)
+        self.result = EngineResult(engine, version, load_s, threading=threading, compile_s=compile_s)
         self.result_vocab = vocab
 
     def _send(self, message) -> None:
