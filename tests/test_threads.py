@@ -81,6 +81,8 @@ def test_runnable_elsewhere_sees_busy_loops():
 @pytest.mark.skipif(not LINUX, reason="/proc")
 def test_task_stats_follow_the_threads_and_a_fork():
     import os
+    import select
+    import signal
     import threading
     started, stop = threading.Event(), threading.Event()
     t = threading.Thread(target=lambda: (started.set(), stop.wait()))
@@ -96,15 +98,26 @@ def test_task_stats_follow_the_threads_and_a_fork():
     assert f"/proc/self/task/{t.native_id}/stat" not in threads._PROC.paths()
     assert set(stats) == set(os.listdir("/proc/self/task"))
     read, write = os.pipe()
-    pid = os.fork()
+    held, release = threading.Event(), threading.Event()       # forked while another thread reads /proc:
+    reader = threading.Thread(target=lambda: (threads._PROC_LOCK.acquire(), held.set(), release.wait(),
+                                              threads._PROC_LOCK.release()))
+    reader.start()
+    held.wait()
+    pid = os.fork()                                             # the child has no such thread, yet reads too
     if pid == 0:                                                # the child: its own tasks, not the parent's
         os.close(read)
         ok = set(threads._task_stats()) == set(os.listdir("/proc/self/task")) == {str(os.getpid())}
+        ok = ok and threads.runnable_elsewhere() is not None
         os.write(write, b"1" if ok else b"0")
         os._exit(0)
     os.close(write)
-    answer = os.read(read, 1)
+    release.set()
+    reader.join()
+    ready, _, _ = select.select([read], [], [], 30)            # a child stuck on the parent's lock never answers
+    answer = os.read(read, 1) if ready else b""
     os.close(read)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     assert answer == b"1"
     assert set(threads._task_stats()) == set(os.listdir("/proc/self/task"))   # the parent's, still

@@ -17,6 +17,7 @@ the call (:func:`runnable_elsewhere`). docs/performance.md "Threads" has the mea
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from typing import Callable, Iterable
@@ -82,7 +83,7 @@ class _ProcFiles:
     """``/proc`` files kept open and re-read from offset 0 (``pread``): an open of one cost ~20 µs
     in a VM, several times its read (the load signal: 225 -> 88 µs, 520 -> 250 µs with the caches
     cold after a decode step's matmuls). Dropped and reopened in a forked child, whose
-    ``/proc/self`` is another process."""
+    ``/proc/self`` is another process. Not thread-safe: :data:`_PROC_LOCK` guards its use."""
 
     def __init__(self) -> None:
         self._pid = -1
@@ -111,6 +112,16 @@ class _ProcFiles:
 
 
 _PROC = _ProcFiles()
+_PROC_LOCK = threading.Lock()        # two threads' forward calls: one must not close the other's file
+
+
+def _new_proc_lock() -> None:
+    global _PROC_LOCK
+    _PROC_LOCK = threading.Lock()      # a forked child: the parent's may be held by a thread it lacks
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_proc_lock)
 
 
 def _task_stats() -> dict[str, str]:
@@ -138,9 +149,10 @@ def runnable_elsewhere() -> int | None:
     machine decoding SmolLM2). One read cost ~0.2 ms at load average 10 on 2 cores (read once),
     0.22 ms on an idle Zen 4 (twice; 0.52 cold), 0.09 ms (0.25) with the files kept open."""
     try:
-        before = _task_stats()
-        running = running_count(_PROC.read("/proc/loadavg"))
-        after = _task_stats()
+        with _PROC_LOCK:
+            before = _task_stats()
+            running = running_count(_PROC.read("/proc/loadavg"))
+            after = _task_stats()
         ours = sum(1 for tid in before.keys() | after.keys()
                    if running_threads(text for text in (before.get(tid), after.get(tid)) if text))
         return max(0, running - ours)
