@@ -44,6 +44,8 @@ recompiles them.
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numba
 import numpy as np
@@ -52,7 +54,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels.tiles import (SUBNORMAL_BIAS, TR, VectorTile, daz_off, daz_restore, e8m0_half_table, escape,
-                                      prefetch, quants_as_float, subnormal_exp)
+                                      prefetch, prefill_lanes, quants_as_float, subnormal_exp)
 from llamatrace.kernels.types.f32_ir import chain, q6k_quants
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
@@ -107,21 +109,38 @@ def x_order(ggml_type) -> np.ndarray:
     return MXFP4_ORDER if ggml_type == _T.MXFP4 else X_ORDER
 
 
+WIDE = prefill_lanes() == 16
+"""Whether one slot's Q6_K kernel runs on zmm (AVX-512): two groups of 32 inputs side by side in a
+vector of 16 lanes, lanes 0..7 the first group's ymm lanes and 8..15 the second's, so each lane's
+products and sums are the ymm kernel's bit for bit (:func:`_q6k_wide`)."""
+WIDE_ORDER = np.array([32 * s + X_ORDER[8 * g + lane] for g in range(4) for s in (0, 1) for lane in range(8)],
+                      dtype=np.int64)
+"""Position p of each 64 inputs of x for the zmm Q6_K kernel holds input ``WIDE_ORDER[p]``: vector g
+(16 floats) is the two groups' :data:`X_ORDER` vectors g side by side."""
+
+
+def alone_order(ggml_type) -> np.ndarray:
+    """int64 [32 or 64]: the order of each 32 or 64 inputs of x that the one-slot kernel of
+    ``ggml_type`` reads (:func:`x_order`, or :data:`WIDE_ORDER` for Q6_K on zmm)."""
+    return WIDE_ORDER if WIDE and ggml_type == _T.Q6_K else x_order(ggml_type)
+
+
 def _widen(k: VectorTile, v32, g: int, signed: bool, raw: bool = False):
     """Vector g (of 4) of the 32 bytes ``v32`` as float32: the bytes of inputs 4g .. 4g + 3 and
     16 + 4g .. 16 + 4g + 3; unsigned: their values, signed: their values times 2**24. Unsigned
     with ``raw``: their int32 lanes bitcast, not converted (the subnormals ``q * 2**-149``; x
     comes scaled, :func:`_matmul_id`)."""
     b = k.b
-    vb = ir.VectorType(_I8, 32)
-    fn = b.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (), ir.FunctionType(vb, [vb, vb]))
+    vb = v32.type
+    name = "llvm.x86.avx2.pshuf.b" if vb.count == 32 else "llvm.x86.avx512.pshuf.b.512"
+    fn = b.module.declare_intrinsic(name, (), ir.FunctionType(vb, [vb, vb]))
     mask = []
-    for _ in range(2):
+    for _ in range(vb.count // 16):
         for j in range(4):
             dword = [0x80] * 4
             dword[3 if signed else 0] = 4 * g + j
             mask += dword
-    words = b.bitcast(b.call(fn, [v32, ir.Constant(vb, mask)]), ir.VectorType(_I32, LANES))
+    words = b.bitcast(b.call(fn, [v32, ir.Constant(vb, mask)]), ir.VectorType(_I32, vb.count // 4))
     return quants_as_float(b, words) if raw else b.sitofp(words, k.vf)
 
 
@@ -317,6 +336,44 @@ def _q8_0_block(k: VectorTile, qs, qb, exact: bool):
     return [(qv, d)], None
 
 
+def _q6k_wide(k: VectorTile, qs, qb, u):
+    """Q6_K for one slot on zmm (:data:`WIDE`, ``k`` of 16 lanes): :func:`_q6k_groups`'s groups of
+    c and c + 1 side by side, made in registers. Per half h: the 64 ``ql`` bytes (those of c = 0, 2
+    in the lower 32, of c = 1, 3 in the upper) and the 32 ``qh`` bytes in both halves give the
+    quants of c = 0 | 1 and c = 2 | 3 on 64 bytes (:func:`~llamatrace.kernels.types.f32_ir.q6k_quants`
+    with the shifts of each half in a 64-bit shift: the bits it moves across bytes are masked off),
+    then :func:`_widen`: vector g is c's vector g beside c + 1's (x in :data:`WIDE_ORDER`). A
+    group's lanes' scales and sums of x are c's beside c + 1's too, and the 16 lanes of sums are
+    the ymm kernel's two vectors of sums (even c, odd c) side by side: the same bits."""
+    b, c64 = k.b, k.c64
+    v64, vq = ir.VectorType(_I8, 64), ir.VectorType(_I64, 8)
+    d = _half(k, qs, b.add(qb, c64(208)))
+    sc = k.load(qs, b.add(qb, c64(192)), ir.VectorType(_I8, 16))
+    dsc = b.fmul(b.fmul(k.splat(d, k.vf), b.sitofp(sc, k.vf)), k.splat(u, k.vf))       # the 16 (d*sc) * u
+
+    def cst(v):
+        return _const([v] * 64)
+
+    def shift(v, lower, upper, right):           # bits of 64-bit lanes, by ``lower`` / ``upper`` in each half
+        by = _const([lower] * 4 + [upper] * 4, _I64)
+        v = b.bitcast(v, vq)
+        return b.bitcast(b.lshr(v, by) if right else b.shl(v, by), v64)
+
+    groups = []
+    for h in range(2):
+        ql = k.load(qs, b.add(qb, c64(64 * h)), v64)
+        qh = k.load(qs, b.add(qb, c64(128 + 32 * h)), ir.VectorType(_I8, 32))
+        qh = b.shuffle_vector(qh, ir.Constant(qh.type, None), _const(list(range(32)) * 2, _I32))
+        pairs = (b.or_(b.and_(ql, cst(15)), b.and_(shift(qh, 4, 2, False), cst(0x30))),
+                 b.or_(b.and_(shift(ql, 4, 4, True), cst(15)), b.and_(shift(qh, 0, 2, True), cst(0x30))))
+        for p, q in enumerate(pairs):
+            first = 8 * h + 4 * p                # the scale of the pair's first 16 inputs
+            lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), _const([first + i // 4 for i in range(16)], _I32))
+            groups.append(([(_widen(k, q, g, False, raw=True), 128 * h + 64 * p + 16 * g) for g in range(4)],
+                           lanes, 8 * (4 * h + 2 * p)))
+    return groups, None
+
+
 _BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _q8_0_block}
 
 
@@ -384,7 +441,9 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
     b, c64 = k.b, k.c64
     _, per_block, block_bytes, sums = _KINDS[kind]
     sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
-    n_acc = ACC_1.get(kind, 2)
+    wide = k.lanes == 16                 # Q6_K on zmm: the ymm kernel's two vectors of sums side by side
+    n_acc = 1 if wide else ACC_1.get(kind, 2)
+    block_of = _q6k_wide if wide else functools.partial(_BLOCK[kind], exact=False)
     extra = {}
     if kind in SUBNORMAL:                # x times 2**K, the row's sums, then 2**(149 - K)
         extra["u"] = k.load(x, b.add(sums_at, b.mul(n_blocks, c64(sums))), k.f32, 4)
@@ -397,7 +456,7 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
             for j, q in enumerate(q_row):
                 qb = b.add(q, b.mul(i, c64(block_bytes)))
                 k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
-                groups, mins = _BLOCK[kind](k, qs, qb, False, **extra)
+                groups, mins = block_of(k, qs, qb, **extra)
                 blocks.append((groups, mins, accs[j * n_acc:(j + 1) * n_acc]))
             new = _one_slot_block(k, blocks, x, b.add(x_at, b.mul(i, c64(per_block))), b.add(sums_at, b.mul(i, c64(sums))),
                                   kind in SUBNORMAL)
@@ -427,7 +486,7 @@ def _tile_intrinsic(kind: str):
             flat = list(args)
             for i in (0, 5, 7):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            k = VectorTile(builder, LANES)
+            k = VectorTile(builder, 16 if WIDE and kind == "q6k" else LANES)
             for i in (1, 2, 3, 4, 6, 8):
                 flat[i] = k.i64(flat[i])
             saved = daz_off(builder) if kind in SUBNORMAL else None       # None: no subnormals here
@@ -737,14 +796,16 @@ docs/performance.md, "f32 experts in a prefill: the sums, the gather and the thr
 
 
 @njit(**JIT_INLINE)
-def _gather(kind, x, src, alone, x_order, sums, xe, i):
-    """xe[i] from x[src] as :func:`_matmul_id` lays it out (x in ``x_order``, the sums, the scale)."""
+def _gather(kind, x, src, alone, x_order, alone_order, sums, xe, i):
+    """xe[i] from x[src] as :func:`_matmul_id` lays it out (x in ``x_order``, or ``alone_order``
+    for a slot alone, the sums, the scale)."""
     n_in = x.shape[1]
     k = subnormal_exp(x, src) if alone and SUBNORMAL_BIAS else 0
     up = 2.0 ** k
-    for j0 in range(0, n_in, 32):
-        for p in range(32):
-            xe[i, j0 + p] = np.float32(x[src, j0 + x_order[p]] * up)
+    xo = alone_order if alone else x_order
+    for j0 in range(0, n_in, xo.shape[0]):
+        for p in range(xo.shape[0]):
+            xe[i, j0 + p] = np.float32(x[src, j0 + xo[p]] * up)
     if kind == 0:
         for g in range(n_in // 32):
             acc = np.float32(0.0)
@@ -764,7 +825,8 @@ def _gather(kind, x, src, alone, x_order, sums, xe, i):
 
 
 @njit(**JIT_PARALLEL)
-def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, xe, out):
+def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, alone_order, xe,
+               out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
     n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
     aligned rows; in parallel, each row a token's k slots share made once and copied: on one
@@ -791,7 +853,7 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             maker[i] = first[key]
     for i in prange(n_slots):                        # a token's k slots share one row of x: made once
         if maker[i] == i:
-            _gather(kind, x, rows[order[i]], alone[i], x_order, sums, xe, i)
+            _gather(kind, x, rows[order[i]], alone[i], x_order, alone_order, sums, xe, i)
     for i in prange(n_slots):
         if maker[i] != i:
             xe[i, :] = xe[maker[i], :]
@@ -860,7 +922,7 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         prev = numba.set_parallel_chunksize(ITEMS_A_CHUNK) if order.shape[0] > experts.shape[0] else None
         try:
             _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
-                       x_order(ggml_type), xe, out)
+                       x_order(ggml_type), alone_order(ggml_type), xe, out)
         finally:
             if prev is not None:
                 numba.set_parallel_chunksize(prev)
