@@ -7,15 +7,20 @@ to the float64 reference."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import pytest
 from llvmlite import binding as llvm_binding
+from test_daz_guard import _runs
 
 from llamatrace.kernels import tiles
+from llamatrace.kernels.types import mul_mat_id_f32
 from llamatrace.machine.jit import subnormal_fma_full_speed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,3 +69,20 @@ def test_the_converted_path_a_non_zen_cpu_runs():
     assert set(errors) == {"Q4_K gemv", "Q4_K one slot", "Q6_K gemv", "Q6_K one slot"}
     for name, err in errors.items():
         assert err < 1e-5, (name, err)
+
+
+YMM_BITS = """
+import hashlib, gguf
+from llamatrace.kernels import tiles
+from llamatrace.kernels.types import mul_mat_id_f32
+from test_daz_guard import _runs
+assert tiles.SUBNORMAL_BIAS == 149 and not mul_mat_id_f32.WIDE
+print(hashlib.sha256(_runs(gguf.GGMLQuantizationType.Q6_K)["one slot"][0]().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.skipif(not (mul_mat_id_f32.WIDE and tiles.SUBNORMAL_BIAS), reason="a Zen host with AVX-512")
+def test_one_slot_q6k_on_zmm_is_the_ymm_kernel_bit_for_bit():
+    """The zmm Q6_K one-slot kernel against the ymm one an AVX2 Zen (``znver3``) compiles."""
+    want = hashlib.sha256(_runs(gguf.GGMLQuantizationType.Q6_K)["one slot"][0]().tobytes()).hexdigest()
+    assert _child("znver3", YMM_BITS) == want

@@ -110,19 +110,30 @@ def x_order(ggml_type) -> np.ndarray:
 
 
 WIDE = prefill_lanes() == 16
-"""Whether one slot's Q6_K kernel runs on zmm (AVX-512): two groups of 32 inputs side by side in a
-vector of 16 lanes, lanes 0..7 the first group's ymm lanes and 8..15 the second's, so each lane's
-products and sums are the ymm kernel's bit for bit (:func:`_q6k_wide`)."""
+"""Whether one slot's Q4_K and Q6_K kernels run on zmm (AVX-512): :func:`_q4k_wide`, :func:`_q6k_wide`."""
 WIDE_ORDER = np.array([32 * s + X_ORDER[8 * g + lane] for g in range(4) for s in (0, 1) for lane in range(8)],
                       dtype=np.int64)
 """Position p of each 64 inputs of x for the zmm Q6_K kernel holds input ``WIDE_ORDER[p]``: vector g
 (16 floats) is the two groups' :data:`X_ORDER` vectors g side by side."""
+Q4K_BITS = tuple(tuple(8 * b + 4 * h if b < 3 else 16 + 4 * h for h in (0, 1)) for b in range(4))
+"""``Q4K_BITS[b][h]``: where the zmm Q4_K kernel finds nibble h of byte b of each int32 of quants
+(:func:`_q4k_wide`: byte 3's after a shift right by 8), so that lane reads as ``q * 2**e``."""
+Q4K_ORDER = np.array([64 * s + 32 * h + 4 * d + b for h in (0, 1) for b in range(4) for s in (0, 1) for d in range(8)],
+                     dtype=np.int64)
+"""Position p of each 128 inputs of x for the zmm Q4_K kernel holds input ``Q4K_ORDER[p]``, times
+``2**-Q4K_EXP[p]``: vector (h, b) holds nibble h of byte b of each int32 of two 32-byte chunks."""
+Q4K_EXP = np.array([Q4K_BITS[b][h] for h in (0, 1) for b in range(4) for _ in range(16)], dtype=np.int64)
 
 
-def alone_order(ggml_type) -> np.ndarray:
-    """int64 [32 or 64]: the order of each 32 or 64 inputs of x that the one-slot kernel of
-    ``ggml_type`` reads (:func:`x_order`, or :data:`WIDE_ORDER` for Q6_K on zmm)."""
-    return WIDE_ORDER if WIDE and ggml_type == _T.Q6_K else x_order(ggml_type)
+def alone_layout(ggml_type) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [n] twice, n dividing 256: position p of each n inputs of x that the one-slot kernel of
+    ``ggml_type`` reads holds input ``order[p]`` times ``2**-exp[p]`` (as well as the 2**K of
+    :func:`~llamatrace.kernels.tiles.subnormal_exp`): :func:`x_order`, or on zmm
+    :data:`WIDE_ORDER` (Q6_K) and :data:`Q4K_ORDER` with :data:`Q4K_EXP` (Q4_K)."""
+    if WIDE and ggml_type == _T.Q4_K:
+        return Q4K_ORDER, Q4K_EXP
+    order = WIDE_ORDER if WIDE and ggml_type == _T.Q6_K else x_order(ggml_type)
+    return order, np.zeros_like(order)
 
 
 def _widen(k: VectorTile, v32, g: int, signed: bool, raw: bool = False):
@@ -164,17 +175,7 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool, u=None):
     ``(d*sc) * u`` (``u = 2**(149 - K)``, the float32 scalar that undoes x's 2**K: exact)."""
     b, c64 = k.b, k.c64
     d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
-    # bytes 4..15 (and qs[0:4]): per lane the 6-bit scales (lanes 0..7) and mins (8..15), on bytes
-    s = k.load(qs, b.add(qb, c64(4)), ir.VectorType(_I8, 16))
-    s4 = b.and_(b.lshr(s, _const([4] * 16)), _const([15] * 16))
-    low = b.and_(b.shuffle_vector(s, s4, _const([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 24, 25, 26, 27], _I32)),
-                 _const(([63] * 4 + [15] * 4) * 2))
-    top = b.and_(b.lshr(b.shuffle_vector(s, ir.Constant(s.type, None), _const([0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2, _I32)),
-                        _const([2] * 16)), _const(([0] * 4 + [0x30] * 4) * 2))      # (b >> 6) << 4
-    both = b.or_(low, top)
-    vi = ir.VectorType(_I32, 8)
-    sc, mn = (b.zext(b.shuffle_vector(both, ir.Constant(both.type, None), _const(range(o, o + 8), _I32)), vi)
-              for o in (0, 8))
+    sc, mn = _q4k_scales(k, qs, qb)
     dsc = b.fmul(k.splat(d, k.vf), b.sitofp(sc, k.vf))
     dmn = b.fmul(k.splat(dmin, k.vf), b.sitofp(mn, k.vf))
     if not exact:
@@ -205,6 +206,23 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool, u=None):
         return weights(), None
     return [([(_widen(k, nib, g, False, raw=True), 32 * sub + 8 * g) for g in range(4)],
              b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4)) for sub, nib in nibbles()], dmn
+
+
+def _q4k_scales(k: VectorTile, qs, qb):
+    """Q4_K's 6-bit scales and mins of the block at ``qb`` (bytes 4..15), unpacked on 8 lanes as
+    ggml's ``get_scale_min_k4``: two int32 vectors of 8."""
+    b, c64 = k.b, k.c64
+    # bytes 4..15 (and qs[0:4]): per lane the 6-bit scales (lanes 0..7) and mins (8..15), on bytes
+    s = k.load(qs, b.add(qb, c64(4)), ir.VectorType(_I8, 16))
+    s4 = b.and_(b.lshr(s, _const([4] * 16)), _const([15] * 16))
+    low = b.and_(b.shuffle_vector(s, s4, _const([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 24, 25, 26, 27], _I32)),
+                 _const(([63] * 4 + [15] * 4) * 2))
+    top = b.and_(b.lshr(b.shuffle_vector(s, ir.Constant(s.type, None), _const([0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2, _I32)),
+                        _const([2] * 16)), _const(([0] * 4 + [0x30] * 4) * 2))      # (b >> 6) << 4
+    both = b.or_(low, top)
+    vi = ir.VectorType(_I32, 8)
+    return tuple(b.zext(b.shuffle_vector(both, ir.Constant(both.type, None), _const(range(o, o + 8), _I32)), vi)
+                 for o in (0, 8))
 
 
 def _q6k_block(k: VectorTile, qs, qb, exact: bool, u=None):
@@ -374,7 +392,39 @@ def _q6k_wide(k: VectorTile, qs, qb, u):
     return groups, None
 
 
+def _q4k_wide(k: VectorTile, qs, qb, u):
+    """Q4_K for one slot on zmm (:data:`WIDE`, ``k`` of 16 lanes), no byte shuffles: 64 bytes of
+    quants (chunks j, j + 1: sub-blocks 2j, 2j + 1 in the low and high nibbles of the lower 32
+    bytes, 2j + 2, 2j + 3 of the upper) are 16 int32 lanes, and nibble h of byte b of each is kept
+    where it is by an AND with ``0xF << e`` (:data:`Q4K_BITS`; byte 3's after a shift right by 8 so
+    that ``q << e`` stays below 2**24). Those lanes read as float32 are ``q * 2**(e - 149)``
+    (subnormal, or the exponent field 1 from 2**23 on: the same line), or are converted to ``q * 2**e``
+    where :data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS` is 0; x comes times ``2**-e``
+    (:data:`Q4K_ORDER`), so each product is the ymm kernel's. A group is the four bytes of nibble
+    h of two chunks: lanes 0..7 sub-block 2j + h, 8..15 2j + 2 + h, its scale the vector of their
+    ``(d*sc) * u``. ANDs run on all four of Zen 4's vector pipes where ``vpshufb`` runs on two; the
+    sums differ from the ymm kernel's by float32 rounding (each lane sums 4 inputs in a row)."""
+    b, c64 = k.b, k.c64
+    k8 = VectorTile(b, 8)
+    vi = ir.VectorType(_I32, 16)
+    d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
+    sc, mn = _q4k_scales(k8, qs, qb)
+    dsc = b.fmul(b.fmul(k8.splat(d, k8.vf), b.sitofp(sc, k8.vf)), k8.splat(u, k8.vf))
+    dmn = b.fmul(k8.splat(dmin, k8.vf), b.sitofp(mn, k8.vf))
+    groups = []
+    for j in (0, 2):
+        q = k.load(qs, b.add(qb, c64(16 + 32 * j)), vi)
+        top = b.lshr(q, _const([8] * 16, _I32))
+        for h in (0, 1):
+            vecs = [(quants_as_float(b, b.and_(q if n < 3 else top, _const([15 << Q4K_BITS[n][h]] * 16, _I32))),
+                     64 * j + 64 * h + 16 * n) for n in range(4)]
+            lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), _const([2 * j + h] * 8 + [2 * j + 2 + h] * 8, _I32))
+            groups.append((vecs, lanes))
+    return groups, dmn
+
+
 _BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _q8_0_block}
+_WIDE_BLOCK = {"q4k": _q4k_wide, "q6k": _q6k_wide}
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,9 +461,14 @@ def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False
             j = turn % len(accs)
             accs[j] = k.fma(sv, dot, accs[j])
     if rows[0][1] is not None:                           # Q4_K: - (dmin*mn) * sum(x) per sub-block
-        xs = k.load(x, sums_at, k.vf, 4)
+        v8 = ir.VectorType(k.f32, 8)
+
+        def lanes(v):                                    # 8 lanes, zeros above on zmm
+            return v if k.lanes == 8 else b.shuffle_vector(v, ir.Constant(v8, [0.0] * 8), _const(range(k.lanes), _I32))
+
+        xs = lanes(k.load(x, sums_at, v8, 4))
         for accs, (_, mins, _) in zip(out, rows):
-            accs[-1] = k.fma(b.fneg(mins), xs, accs[-1])
+            accs[-1] = k.fma(lanes(b.fneg(mins)), xs, accs[-1])
     return out
 
 
@@ -441,9 +496,9 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
     b, c64 = k.b, k.c64
     _, per_block, block_bytes, sums = _KINDS[kind]
     sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
-    wide = k.lanes == 16                 # Q6_K on zmm: the ymm kernel's two vectors of sums side by side
-    n_acc = 1 if wide else ACC_1.get(kind, 2)
-    block_of = _q6k_wide if wide else functools.partial(_BLOCK[kind], exact=False)
+    wide = k.lanes == 16                 # zmm: Q6_K's one vector is the ymm kernel's two side by side
+    n_acc = (2 if kind == "q4k" else 1) if wide else ACC_1.get(kind, 2)
+    block_of = _WIDE_BLOCK[kind] if wide else functools.partial(_BLOCK[kind], exact=False)
     extra = {}
     if kind in SUBNORMAL:                # x times 2**K, the row's sums, then 2**(149 - K)
         extra["u"] = k.load(x, b.add(sums_at, b.mul(n_blocks, c64(sums))), k.f32, 4)
@@ -486,7 +541,7 @@ def _tile_intrinsic(kind: str):
             flat = list(args)
             for i in (0, 5, 7):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            k = VectorTile(builder, 16 if WIDE and kind == "q6k" else LANES)
+            k = VectorTile(builder, 16 if WIDE and kind in SUBNORMAL else LANES)
             for i in (1, 2, 3, 4, 6, 8):
                 flat[i] = k.i64(flat[i])
             saved = daz_off(builder) if kind in SUBNORMAL else None       # None: no subnormals here
@@ -796,16 +851,16 @@ docs/performance.md, "f32 experts in a prefill: the sums, the gather and the thr
 
 
 @njit(**JIT_INLINE)
-def _gather(kind, x, src, alone, x_order, alone_order, sums, xe, i):
-    """xe[i] from x[src] as :func:`_matmul_id` lays it out (x in ``x_order``, or ``alone_order``
-    for a slot alone, the sums, the scale)."""
+def _gather(kind, x, src, alone, x_order, alone_order, alone_exp, sums, xe, i):
+    """xe[i] from x[src] as :func:`_matmul_id` lays it out (x in ``x_order``, or for a slot alone
+    as :func:`alone_layout` gives ``alone_order`` and ``alone_exp``; the sums, the scale)."""
     n_in = x.shape[1]
     k = subnormal_exp(x, src) if alone and SUBNORMAL_BIAS else 0
-    up = 2.0 ** k
     xo = alone_order if alone else x_order
+    up = 2.0 ** (k - alone_exp) if alone else np.full(xo.shape[0], 2.0 ** k)
     for j0 in range(0, n_in, xo.shape[0]):
         for p in range(xo.shape[0]):
-            xe[i, j0 + p] = np.float32(x[src, j0 + xo[p]] * up)
+            xe[i, j0 + p] = np.float32(x[src, j0 + xo[p]] * up[p])
     if kind == 0:
         for g in range(n_in // 32):
             acc = np.float32(0.0)
@@ -825,8 +880,8 @@ def _gather(kind, x, src, alone, x_order, alone_order, sums, xe, i):
 
 
 @njit(**JIT_PARALLEL)
-def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, alone_order, xe,
-               out):
+def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, alone_order,
+               alone_exp, xe, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
     n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
     aligned rows; in parallel, each row a token's k slots share made once and copied: on one
@@ -853,7 +908,7 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             maker[i] = first[key]
     for i in prange(n_slots):                        # a token's k slots share one row of x: made once
         if maker[i] == i:
-            _gather(kind, x, rows[order[i]], alone[i], x_order, alone_order, sums, xe, i)
+            _gather(kind, x, rows[order[i]], alone[i], x_order, alone_order, alone_exp, sums, xe, i)
     for i in prange(n_slots):
         if maker[i] != i:
             xe[i, :] = xe[maker[i], :]
@@ -922,7 +977,7 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         prev = numba.set_parallel_chunksize(ITEMS_A_CHUNK) if order.shape[0] > experts.shape[0] else None
         try:
             _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
-                       x_order(ggml_type), alone_order(ggml_type), xe, out)
+                       x_order(ggml_type), *alone_layout(ggml_type), xe, out)
         finally:
             if prev is not None:
                 numba.set_parallel_chunksize(prev)
