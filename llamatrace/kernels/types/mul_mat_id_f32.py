@@ -23,7 +23,10 @@ work item's whole tile of rows in one IR loop, each row's sums in registers from
 to its last, added across lanes straight into ``out`` (no buffer and no call a row). Its Q4_K and
 Q6_K quants are read as float32 subnormals, not converted, with the slot's x scaled by 2**K
 (:data:`SUBNORMAL`; as :mod:`llamatrace.kernels.types.f32_ir`'s Q4_K and Q6_K), on AMD's Zen cores
-(:data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS`; converted elsewhere).
+(:data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS`; converted elsewhere). With AVX-512
+(:data:`WIDE`) those two run on zmm: Q6_K with two groups of 32 inputs side by side (the ymm
+kernel's bits), Q4_K with its nibbles kept in place by ANDs, no byte shuffle (:func:`_q4k_wide`: its
+own grouping of the products, so other float32 roundings than the ymm kernel's).
 
 Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
 of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
@@ -64,7 +67,8 @@ TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
 
 LANES = 8
-"""float32 lanes of the microkernels' vectors (ymm; AVX-512 hosts run the same code)."""
+"""float32 lanes of the microkernels' vectors (ymm; with AVX-512 one slot's Q4_K and Q6_K kernels
+take 16, zmm: :data:`WIDE`)."""
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _MXFP4_BITS = np.array(gguf.quants.MXFP4.kvalues, dtype=np.float32).view(np.uint32)
@@ -140,7 +144,7 @@ def _widen(k: VectorTile, v32, g: int, signed: bool, raw: bool = False):
     """Vector g (of 4) of the 32 bytes ``v32`` as float32: the bytes of inputs 4g .. 4g + 3 and
     16 + 4g .. 16 + 4g + 3; unsigned: their values, signed: their values times 2**24. Unsigned
     with ``raw``: their int32 lanes bitcast, not converted (the subnormals ``q * 2**-149``; x
-    comes scaled, :func:`_matmul_id`)."""
+    comes scaled, :func:`_matmul_id`). 64 bytes: the same of each 32, side by side (zmm)."""
     b = k.b
     vb = v32.type
     name = "llvm.x86.avx2.pshuf.b" if vb.count == 32 else "llvm.x86.avx512.pshuf.b.512"
@@ -386,7 +390,8 @@ def _q6k_wide(k: VectorTile, qs, qb, u):
                  b.or_(b.and_(shift(ql, 4, 4, True), cst(15)), b.and_(shift(qh, 0, 2, True), cst(0x30))))
         for p, q in enumerate(pairs):
             first = 8 * h + 4 * p                # the scale of the pair's first 16 inputs
-            lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), _const([first + i // 4 for i in range(16)], _I32))
+            pick = _const([first + i // 4 for i in range(16)], _I32)
+            lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), pick)
             groups.append(([(_widen(k, q, g, False, raw=True), 128 * h + 64 * p + 16 * g) for g in range(4)],
                            lanes, 8 * (4 * h + 2 * p)))
     return groups, None
@@ -418,7 +423,8 @@ def _q4k_wide(k: VectorTile, qs, qb, u):
         for h in (0, 1):
             vecs = [(quants_as_float(b, b.and_(q if n < 3 else top, _const([15 << Q4K_BITS[n][h]] * 16, _I32))),
                      64 * j + 64 * h + 16 * n) for n in range(4)]
-            lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), _const([2 * j + h] * 8 + [2 * j + 2 + h] * 8, _I32))
+            pick = _const([2 * j + h] * 8 + [2 * j + 2 + h] * 8, _I32)         # sub-blocks 2j + h, 2j + 2 + h
+            lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), pick)
             groups.append((vecs, lanes))
     return groups, dmn
 
@@ -484,7 +490,8 @@ two rows share their loads of x (1.07x; Q4_K and MXFP4 ran no faster so)."""
 ACC_1 = {"q4k": 1}
 """Vectors of sums a row of one slot keeps in registers (:func:`_tile_ir`; 2 for the kinds not
 named): each group's products are a chain of their own, so few suffice; Q4_K ran 1.05x with one
-than with two (its 9 FMAs a block into it are not what bounds it)."""
+than with two (its 9 FMAs a block into it are not what bounds it). On zmm (:data:`WIDE`) Q4_K
+keeps two, Q6_K one (the ymm kernel's two side by side)."""
 
 
 def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
@@ -886,9 +893,10 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
     n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
     aligned rows; in parallel, each row a token's k slots share made once and copied: on one
     thread, row by row, it took up to ~4 ms a call at 1,024 slots of 2,048 inputs) in slot
-    order: row i is x[rows[order[i]]], each 32 inputs in the order ``x_order``; Q4_K's followed by
-    its sums per 32 inputs. A slot alone in its group (the one-slot kernel's) of Q4_K or Q6_K
-    (:data:`SUBNORMAL`) has its x times 2**K (:func:`~llamatrace.kernels.tiles.subnormal_exp`),
+    order: row i is x[rows[order[i]]], each 32 inputs in the order ``x_order`` (a slot alone in
+    its group: each 32, 64 or 128 in ``alone_order``, times ``2**-alone_exp``, :func:`alone_layout`);
+    Q4_K's followed by its sums per 32 inputs. A slot alone in its group (the one-slot kernel's) of
+    Q4_K or Q6_K (:data:`SUBNORMAL`) has its x times 2**K (:func:`~llamatrace.kernels.tiles.subnormal_exp`),
     Q6_K's sums of each lane of each 32 inputs times ``32 * 2**(K - 149)`` (after x), and
     ``2**(149 - K)`` after its sums."""
     n_in = x.shape[1]
