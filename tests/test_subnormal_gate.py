@@ -7,15 +7,20 @@ to the float64 reference."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
+import pytest
 from llvmlite import binding as llvm_binding
+from test_daz_guard import _runs
 
 from llamatrace.kernels import tiles
+from llamatrace.kernels.types import mul_mat_id_f32
 from llamatrace.machine.jit import subnormal_fma_full_speed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,3 +69,25 @@ def test_the_converted_path_a_non_zen_cpu_runs():
     assert set(errors) == {"Q4_K gemv", "Q4_K one slot", "Q6_K gemv", "Q6_K one slot"}
     for name, err in errors.items():
         assert err < 1e-5, (name, err)
+
+
+YMM = """
+import hashlib, json, gguf, numpy as np
+from llamatrace.kernels import tiles
+from llamatrace.kernels.types import mul_mat_id_f32
+from test_daz_guard import _runs
+assert tiles.SUBNORMAL_BIAS == 149 and not mul_mat_id_f32.WIDE
+q6k = _runs(gguf.GGMLQuantizationType.Q6_K)["one slot"][0]()
+call, ref = _runs(gguf.GGMLQuantizationType.Q4_K)["one slot"]
+err = float(np.abs(call().astype(np.float64) - ref).max() / np.abs(ref).max())
+print(json.dumps({"Q6_K": hashlib.sha256(q6k.tobytes()).hexdigest(), "Q4_K": err}))
+"""
+
+
+@pytest.mark.skipif(not (mul_mat_id_f32.WIDE and tiles.SUBNORMAL_BIAS), reason="a Zen host with AVX-512")
+def test_the_ymm_one_slot_kernels_an_avx2_zen_runs():
+    """The one-slot kernels an AVX2 Zen (``znver3``) compiles, beside this host's zmm ones: Q6_K's
+    bit for bit (the same sums), Q4_K's against the reference (its zmm kernel groups them otherwise)."""
+    got = json.loads(_child("znver3", YMM))
+    assert got["Q6_K"] == hashlib.sha256(_runs(gguf.GGMLQuantizationType.Q6_K)["one slot"][0]().tobytes()).hexdigest()
+    assert got["Q4_K"] < 1e-5

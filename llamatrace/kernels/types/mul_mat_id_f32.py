@@ -23,7 +23,10 @@ work item's whole tile of rows in one IR loop, each row's sums in registers from
 to its last, added across lanes straight into ``out`` (no buffer and no call a row). Its Q4_K and
 Q6_K quants are read as float32 subnormals, not converted, with the slot's x scaled by 2**K
 (:data:`SUBNORMAL`; as :mod:`llamatrace.kernels.types.f32_ir`'s Q4_K and Q6_K), on AMD's Zen cores
-(:data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS`; converted elsewhere).
+(:data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS`; converted elsewhere). With AVX-512
+(:data:`WIDE`) those two run on zmm: Q6_K with two groups of 32 inputs side by side (the ymm
+kernel's bits), Q4_K with its nibbles kept in place by ANDs, no byte shuffle (:func:`_q4k_wide`: its
+own grouping of the products, so other float32 roundings than the ymm kernel's).
 
 Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
 of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
@@ -44,6 +47,8 @@ recompiles them.
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numba
 import numpy as np
@@ -52,7 +57,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels.tiles import (SUBNORMAL_BIAS, TR, VectorTile, daz_off, daz_restore, e8m0_half_table, escape,
-                                      prefetch, quants_as_float, subnormal_exp)
+                                      prefetch, prefill_lanes, quants_as_float, subnormal_exp)
 from llamatrace.kernels.types.f32_ir import chain, q6k_quants
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
@@ -62,7 +67,8 @@ TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
 
 LANES = 8
-"""float32 lanes of the microkernels' vectors (ymm; AVX-512 hosts run the same code)."""
+"""float32 lanes of the microkernels' vectors (ymm; with AVX-512 one slot's Q4_K and Q6_K kernels
+take 16, zmm: :data:`WIDE`)."""
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _MXFP4_BITS = np.array(gguf.quants.MXFP4.kvalues, dtype=np.float32).view(np.uint32)
@@ -107,21 +113,49 @@ def x_order(ggml_type) -> np.ndarray:
     return MXFP4_ORDER if ggml_type == _T.MXFP4 else X_ORDER
 
 
+WIDE = prefill_lanes() == 16
+"""Whether one slot's Q4_K and Q6_K kernels run on zmm (AVX-512): :func:`_q4k_wide`, :func:`_q6k_wide`."""
+WIDE_ORDER = np.array([32 * s + X_ORDER[8 * g + lane] for g in range(4) for s in (0, 1) for lane in range(8)],
+                      dtype=np.int64)
+"""Position p of each 64 inputs of x for the zmm Q6_K kernel holds input ``WIDE_ORDER[p]``: vector g
+(16 floats) is the two groups' :data:`X_ORDER` vectors g side by side."""
+Q4K_BITS = tuple(tuple(8 * b + 4 * h if b < 3 else 16 + 4 * h for h in (0, 1)) for b in range(4))
+"""``Q4K_BITS[b][h]``: where the zmm Q4_K kernel finds nibble h of byte b of each int32 of quants
+(:func:`_q4k_wide`: byte 3's after a shift right by 8), so that lane reads as ``q * 2**e``."""
+Q4K_ORDER = np.array([64 * s + 32 * h + 4 * d + b for h in (0, 1) for b in range(4) for s in (0, 1) for d in range(8)],
+                     dtype=np.int64)
+"""Position p of each 128 inputs of x for the zmm Q4_K kernel holds input ``Q4K_ORDER[p]``, times
+``2**-Q4K_EXP[p]``: vector (h, b) holds nibble h of byte b of each int32 of two 32-byte chunks."""
+Q4K_EXP = np.array([Q4K_BITS[b][h] for h in (0, 1) for b in range(4) for _ in range(16)], dtype=np.int64)
+
+
+def alone_layout(ggml_type) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [n] twice, n dividing 256: position p of each n inputs of x that the one-slot kernel of
+    ``ggml_type`` reads holds input ``order[p]`` times ``2**-exp[p]`` (as well as the 2**K of
+    :func:`~llamatrace.kernels.tiles.subnormal_exp`): :func:`x_order`, or on zmm
+    :data:`WIDE_ORDER` (Q6_K) and :data:`Q4K_ORDER` with :data:`Q4K_EXP` (Q4_K)."""
+    if WIDE and ggml_type == _T.Q4_K:
+        return Q4K_ORDER, Q4K_EXP
+    order = WIDE_ORDER if WIDE and ggml_type == _T.Q6_K else x_order(ggml_type)
+    return order, np.zeros_like(order)
+
+
 def _widen(k: VectorTile, v32, g: int, signed: bool, raw: bool = False):
     """Vector g (of 4) of the 32 bytes ``v32`` as float32: the bytes of inputs 4g .. 4g + 3 and
     16 + 4g .. 16 + 4g + 3; unsigned: their values, signed: their values times 2**24. Unsigned
     with ``raw``: their int32 lanes bitcast, not converted (the subnormals ``q * 2**-149``; x
-    comes scaled, :func:`_matmul_id`)."""
+    comes scaled, :func:`_matmul_id`). 64 bytes: the same of each 32, side by side (zmm)."""
     b = k.b
-    vb = ir.VectorType(_I8, 32)
-    fn = b.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", (), ir.FunctionType(vb, [vb, vb]))
+    vb = v32.type
+    name = "llvm.x86.avx2.pshuf.b" if vb.count == 32 else "llvm.x86.avx512.pshuf.b.512"
+    fn = b.module.declare_intrinsic(name, (), ir.FunctionType(vb, [vb, vb]))
     mask = []
-    for _ in range(2):
+    for _ in range(vb.count // 16):
         for j in range(4):
             dword = [0x80] * 4
             dword[3 if signed else 0] = 4 * g + j
             mask += dword
-    words = b.bitcast(b.call(fn, [v32, ir.Constant(vb, mask)]), ir.VectorType(_I32, LANES))
+    words = b.bitcast(b.call(fn, [v32, ir.Constant(vb, mask)]), ir.VectorType(_I32, vb.count // 4))
     return quants_as_float(b, words) if raw else b.sitofp(words, k.vf)
 
 
@@ -145,17 +179,7 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool, u=None):
     ``(d*sc) * u`` (``u = 2**(149 - K)``, the float32 scalar that undoes x's 2**K: exact)."""
     b, c64 = k.b, k.c64
     d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
-    # bytes 4..15 (and qs[0:4]): per lane the 6-bit scales (lanes 0..7) and mins (8..15), on bytes
-    s = k.load(qs, b.add(qb, c64(4)), ir.VectorType(_I8, 16))
-    s4 = b.and_(b.lshr(s, _const([4] * 16)), _const([15] * 16))
-    low = b.and_(b.shuffle_vector(s, s4, _const([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 24, 25, 26, 27], _I32)),
-                 _const(([63] * 4 + [15] * 4) * 2))
-    top = b.and_(b.lshr(b.shuffle_vector(s, ir.Constant(s.type, None), _const([0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2, _I32)),
-                        _const([2] * 16)), _const(([0] * 4 + [0x30] * 4) * 2))      # (b >> 6) << 4
-    both = b.or_(low, top)
-    vi = ir.VectorType(_I32, 8)
-    sc, mn = (b.zext(b.shuffle_vector(both, ir.Constant(both.type, None), _const(range(o, o + 8), _I32)), vi)
-              for o in (0, 8))
+    sc, mn = _q4k_scales(k, qs, qb)
     dsc = b.fmul(k.splat(d, k.vf), b.sitofp(sc, k.vf))
     dmn = b.fmul(k.splat(dmin, k.vf), b.sitofp(mn, k.vf))
     if not exact:
@@ -186,6 +210,23 @@ def _q4k_block(k: VectorTile, qs, qb, exact: bool, u=None):
         return weights(), None
     return [([(_widen(k, nib, g, False, raw=True), 32 * sub + 8 * g) for g in range(4)],
              b.load(b.gep(at, [ir.Constant(_I32, sub)]), align=4)) for sub, nib in nibbles()], dmn
+
+
+def _q4k_scales(k: VectorTile, qs, qb):
+    """Q4_K's 6-bit scales and mins of the block at ``qb`` (bytes 4..15), unpacked on 8 lanes as
+    ggml's ``get_scale_min_k4``: two int32 vectors of 8."""
+    b, c64 = k.b, k.c64
+    # bytes 4..15 (and qs[0:4]): per lane the 6-bit scales (lanes 0..7) and mins (8..15), on bytes
+    s = k.load(qs, b.add(qb, c64(4)), ir.VectorType(_I8, 16))
+    s4 = b.and_(b.lshr(s, _const([4] * 16)), _const([15] * 16))
+    low = b.and_(b.shuffle_vector(s, s4, _const([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 24, 25, 26, 27], _I32)),
+                 _const(([63] * 4 + [15] * 4) * 2))
+    top = b.and_(b.lshr(b.shuffle_vector(s, ir.Constant(s.type, None), _const([0, 1, 2, 3] * 2 + [4, 5, 6, 7] * 2, _I32)),
+                        _const([2] * 16)), _const(([0] * 4 + [0x30] * 4) * 2))      # (b >> 6) << 4
+    both = b.or_(low, top)
+    vi = ir.VectorType(_I32, 8)
+    return tuple(b.zext(b.shuffle_vector(both, ir.Constant(both.type, None), _const(range(o, o + 8), _I32)), vi)
+                 for o in (0, 8))
 
 
 def _q6k_block(k: VectorTile, qs, qb, exact: bool, u=None):
@@ -317,7 +358,79 @@ def _q8_0_block(k: VectorTile, qs, qb, exact: bool):
     return [(qv, d)], None
 
 
+def _q6k_wide(k: VectorTile, qs, qb, u):
+    """Q6_K for one slot on zmm (:data:`WIDE`, ``k`` of 16 lanes): :func:`_q6k_groups`'s groups of
+    c and c + 1 side by side, made in registers. Per half h: the 64 ``ql`` bytes (those of c = 0, 2
+    in the lower 32, of c = 1, 3 in the upper) and the 32 ``qh`` bytes in both halves give the
+    quants of c = 0 | 1 and c = 2 | 3 on 64 bytes (:func:`~llamatrace.kernels.types.f32_ir.q6k_quants`
+    with the shifts of each half in a 64-bit shift: the bits it moves across bytes are masked off),
+    then :func:`_widen`: vector g is c's vector g beside c + 1's (x in :data:`WIDE_ORDER`). A
+    group's lanes' scales and sums of x are c's beside c + 1's too, and the 16 lanes of sums are
+    the ymm kernel's two vectors of sums (even c, odd c) side by side: the same bits."""
+    b, c64 = k.b, k.c64
+    v64, vq = ir.VectorType(_I8, 64), ir.VectorType(_I64, 8)
+    d = _half(k, qs, b.add(qb, c64(208)))
+    sc = k.load(qs, b.add(qb, c64(192)), ir.VectorType(_I8, 16))
+    dsc = b.fmul(b.fmul(k.splat(d, k.vf), b.sitofp(sc, k.vf)), k.splat(u, k.vf))       # the 16 (d*sc) * u
+
+    def cst(v):
+        return _const([v] * 64)
+
+    def shift(v, lower, upper, right):           # bits of 64-bit lanes, by ``lower`` / ``upper`` in each half
+        by = _const([lower] * 4 + [upper] * 4, _I64)
+        v = b.bitcast(v, vq)
+        return b.bitcast(b.lshr(v, by) if right else b.shl(v, by), v64)
+
+    groups = []
+    for h in range(2):
+        ql = k.load(qs, b.add(qb, c64(64 * h)), v64)
+        qh = k.load(qs, b.add(qb, c64(128 + 32 * h)), ir.VectorType(_I8, 32))
+        qh = b.shuffle_vector(qh, ir.Constant(qh.type, None), _const(list(range(32)) * 2, _I32))
+        pairs = (b.or_(b.and_(ql, cst(15)), b.and_(shift(qh, 4, 2, False), cst(0x30))),
+                 b.or_(b.and_(shift(ql, 4, 4, True), cst(15)), b.and_(shift(qh, 0, 2, True), cst(0x30))))
+        for p, q in enumerate(pairs):
+            first = 8 * h + 4 * p                # the scale of the pair's first 16 inputs
+            pick = _const([first + i // 4 for i in range(16)], _I32)
+            lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), pick)
+            groups.append(([(_widen(k, q, g, False, raw=True), 128 * h + 64 * p + 16 * g) for g in range(4)],
+                           lanes, 8 * (4 * h + 2 * p)))
+    return groups, None
+
+
+def _q4k_wide(k: VectorTile, qs, qb, u):
+    """Q4_K for one slot on zmm (:data:`WIDE`, ``k`` of 16 lanes), no byte shuffles: 64 bytes of
+    quants (chunks j, j + 1: sub-blocks 2j, 2j + 1 in the low and high nibbles of the lower 32
+    bytes, 2j + 2, 2j + 3 of the upper) are 16 int32 lanes, and nibble h of byte b of each is kept
+    where it is by an AND with ``0xF << e`` (:data:`Q4K_BITS`; byte 3's after a shift right by 8 so
+    that ``q << e`` stays below 2**24). Those lanes read as float32 are ``q * 2**(e - 149)``
+    (subnormal, or the exponent field 1 from 2**23 on: the same line), or are converted to ``q * 2**e``
+    where :data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS` is 0; x comes times ``2**-e``
+    (:data:`Q4K_ORDER`), so each product is the ymm kernel's. A group is the four bytes of nibble
+    h of two chunks: lanes 0..7 sub-block 2j + h, 8..15 2j + 2 + h, its scale the vector of their
+    ``(d*sc) * u``. ANDs run on all four of Zen 4's vector pipes where ``vpshufb`` runs on two; the
+    sums differ from the ymm kernel's by float32 rounding (each lane sums 4 inputs in a row)."""
+    b, c64 = k.b, k.c64
+    k8 = VectorTile(b, 8)
+    vi = ir.VectorType(_I32, 16)
+    d, dmin = _half(k, qs, qb), _half(k, qs, b.add(qb, c64(2)))
+    sc, mn = _q4k_scales(k8, qs, qb)
+    dsc = b.fmul(b.fmul(k8.splat(d, k8.vf), b.sitofp(sc, k8.vf)), k8.splat(u, k8.vf))
+    dmn = b.fmul(k8.splat(dmin, k8.vf), b.sitofp(mn, k8.vf))
+    groups = []
+    for j in (0, 2):
+        q = k.load(qs, b.add(qb, c64(16 + 32 * j)), vi)
+        top = b.lshr(q, _const([8] * 16, _I32))
+        for h in (0, 1):
+            vecs = [(quants_as_float(b, b.and_(q if n < 3 else top, _const([15 << Q4K_BITS[n][h]] * 16, _I32))),
+                     64 * j + 64 * h + 16 * n) for n in range(4)]
+            pick = _const([2 * j + h] * 8 + [2 * j + 2 + h] * 8, _I32)         # sub-blocks 2j + h, 2j + 2 + h
+            lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), pick)
+            groups.append((vecs, lanes))
+    return groups, dmn
+
+
 _BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _q8_0_block}
+_WIDE_BLOCK = {"q4k": _q4k_wide, "q6k": _q6k_wide}
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,9 +467,14 @@ def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False
             j = turn % len(accs)
             accs[j] = k.fma(sv, dot, accs[j])
     if rows[0][1] is not None:                           # Q4_K: - (dmin*mn) * sum(x) per sub-block
-        xs = k.load(x, sums_at, k.vf, 4)
+        v8 = ir.VectorType(k.f32, 8)
+
+        def lanes(v):                                    # 8 lanes, zeros above on zmm
+            return v if k.lanes == 8 else b.shuffle_vector(v, ir.Constant(v8, [0.0] * 8), _const(range(k.lanes), _I32))
+
+        xs = lanes(k.load(x, sums_at, v8, 4))
         for accs, (_, mins, _) in zip(out, rows):
-            accs[-1] = k.fma(b.fneg(mins), xs, accs[-1])
+            accs[-1] = k.fma(lanes(b.fneg(mins)), xs, accs[-1])
     return out
 
 
@@ -372,7 +490,8 @@ two rows share their loads of x (1.07x; Q4_K and MXFP4 ran no faster so)."""
 ACC_1 = {"q4k": 1}
 """Vectors of sums a row of one slot keeps in registers (:func:`_tile_ir`; 2 for the kinds not
 named): each group's products are a chain of their own, so few suffice; Q4_K ran 1.05x with one
-than with two (its 9 FMAs a block into it are not what bounds it)."""
+than with two (its 9 FMAs a block into it are not what bounds it). On zmm (:data:`WIDE`) Q4_K
+keeps two, Q6_K one (the ymm kernel's two side by side)."""
 
 
 def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
@@ -384,7 +503,9 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
     b, c64 = k.b, k.c64
     _, per_block, block_bytes, sums = _KINDS[kind]
     sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
-    n_acc = ACC_1.get(kind, 2)
+    wide = k.lanes == 16                 # zmm: Q6_K's one vector is the ymm kernel's two side by side
+    n_acc = (2 if kind == "q4k" else 1) if wide else ACC_1.get(kind, 2)
+    block_of = _WIDE_BLOCK[kind] if wide else functools.partial(_BLOCK[kind], exact=False)
     extra = {}
     if kind in SUBNORMAL:                # x times 2**K, the row's sums, then 2**(149 - K)
         extra["u"] = k.load(x, b.add(sums_at, b.mul(n_blocks, c64(sums))), k.f32, 4)
@@ -397,7 +518,7 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
             for j, q in enumerate(q_row):
                 qb = b.add(q, b.mul(i, c64(block_bytes)))
                 k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
-                groups, mins = _BLOCK[kind](k, qs, qb, False, **extra)
+                groups, mins = block_of(k, qs, qb, **extra)
                 blocks.append((groups, mins, accs[j * n_acc:(j + 1) * n_acc]))
             new = _one_slot_block(k, blocks, x, b.add(x_at, b.mul(i, c64(per_block))), b.add(sums_at, b.mul(i, c64(sums))),
                                   kind in SUBNORMAL)
@@ -427,7 +548,7 @@ def _tile_intrinsic(kind: str):
             flat = list(args)
             for i in (0, 5, 7):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            k = VectorTile(builder, LANES)
+            k = VectorTile(builder, 16 if WIDE and kind in SUBNORMAL else LANES)
             for i in (1, 2, 3, 4, 6, 8):
                 flat[i] = k.i64(flat[i])
             saved = daz_off(builder) if kind in SUBNORMAL else None       # None: no subnormals here
@@ -737,14 +858,16 @@ docs/performance.md, "f32 experts in a prefill: the sums, the gather and the thr
 
 
 @njit(**JIT_INLINE)
-def _gather(kind, x, src, alone, x_order, sums, xe, i):
-    """xe[i] from x[src] as :func:`_matmul_id` lays it out (x in ``x_order``, the sums, the scale)."""
+def _gather(kind, x, src, alone, x_order, alone_order, alone_exp, sums, xe, i):
+    """xe[i] from x[src] as :func:`_matmul_id` lays it out (x in ``x_order``, or for a slot alone
+    as :func:`alone_layout` gives ``alone_order`` and ``alone_exp``; the sums, the scale)."""
     n_in = x.shape[1]
     k = subnormal_exp(x, src) if alone and SUBNORMAL_BIAS else 0
-    up = 2.0 ** k
-    for j0 in range(0, n_in, 32):
-        for p in range(32):
-            xe[i, j0 + p] = np.float32(x[src, j0 + x_order[p]] * up)
+    xo = alone_order if alone else x_order
+    up = 2.0 ** (k - alone_exp) if alone else np.full(xo.shape[0], 2.0 ** k)
+    for j0 in range(0, n_in, xo.shape[0]):
+        for p in range(xo.shape[0]):
+            xe[i, j0 + p] = np.float32(x[src, j0 + xo[p]] * up[p])
     if kind == 0:
         for g in range(n_in // 32):
             acc = np.float32(0.0)
@@ -764,14 +887,16 @@ def _gather(kind, x, src, alone, x_order, sums, xe, i):
 
 
 @njit(**JIT_PARALLEL)
-def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, xe, out):
+def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block, sums, x_order, alone_order,
+               alone_exp, xe, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
     n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
     aligned rows; in parallel, each row a token's k slots share made once and copied: on one
     thread, row by row, it took up to ~4 ms a call at 1,024 slots of 2,048 inputs) in slot
-    order: row i is x[rows[order[i]]], each 32 inputs in the order ``x_order``; Q4_K's followed by
-    its sums per 32 inputs. A slot alone in its group (the one-slot kernel's) of Q4_K or Q6_K
-    (:data:`SUBNORMAL`) has its x times 2**K (:func:`~llamatrace.kernels.tiles.subnormal_exp`),
+    order: row i is x[rows[order[i]]], each 32 inputs in the order ``x_order`` (a slot alone in
+    its group: each 32, 64 or 128 in ``alone_order``, times ``2**-alone_exp``, :func:`alone_layout`);
+    Q4_K's followed by its sums per 32 inputs. A slot alone in its group (the one-slot kernel's) of
+    Q4_K or Q6_K (:data:`SUBNORMAL`) has its x times 2**K (:func:`~llamatrace.kernels.tiles.subnormal_exp`),
     Q6_K's sums of each lane of each 32 inputs times ``32 * 2**(K - 149)`` (after x), and
     ``2**(149 - K)`` after its sums."""
     n_in = x.shape[1]
@@ -791,7 +916,7 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             maker[i] = first[key]
     for i in prange(n_slots):                        # a token's k slots share one row of x: made once
         if maker[i] == i:
-            _gather(kind, x, rows[order[i]], alone[i], x_order, sums, xe, i)
+            _gather(kind, x, rows[order[i]], alone[i], x_order, alone_order, alone_exp, sums, xe, i)
     for i in prange(n_slots):
         if maker[i] != i:
             xe[i, :] = xe[maker[i], :]
@@ -860,7 +985,7 @@ def matmul_id(x, rows, order, starts, experts, datas, ggml_type) -> np.ndarray:
         prev = numba.set_parallel_chunksize(ITEMS_A_CHUNK) if order.shape[0] > experts.shape[0] else None
         try:
             _matmul_id(kind, x, rows, order, starts, experts, parts[0], parts[-1], len(parts), per_block, sums,
-                       x_order(ggml_type), xe, out)
+                       x_order(ggml_type), *alone_layout(ggml_type), xe, out)
         finally:
             if prev is not None:
                 numba.set_parallel_chunksize(prev)
