@@ -54,7 +54,7 @@ from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.tiles import quant_f32
 from llamatrace.kernels.types.f32_ir import AHEAD_Q4K, AHEAD_Q6K, decode_q4k, decode_q6k
 from llamatrace.kernels.types.packing import matmul_ref
-from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, ScaleByte, declare
+from llamatrace.kernels.types.registry import BlockFormat, F32Layout, Kernel, QuantType, ScaleByte, declare
 from llamatrace.machine.jit import JIT, JIT_EXACT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
@@ -168,8 +168,123 @@ def _deq_q45k(five, q, db, mb, wt, ds, dm, zero):
                                q, (16 + l) * TR, sub, 1 if five else 0, 4, ds, _ZERO, dm)
 
 
+# --------------------------------------------------------------------------------------------
+# Q6_K's f32 layout (f32_ir.Q6K_LAYOUT): each row's 16 six-bit quants of a scale group as three
+# dwords, so the decode kernel takes them out with shifts and ANDs on 16 rows at once. Made at
+# load from the byte-order tiles (ggml's ql, qh, then the int8 scales; the same 208 bytes).
+
+
+@njit(**JIT_INLINE)
+def _q6k_quant(q, e, r):
+    """Quant e (0..63) of row r of a byte-order Q6_K block q uint8 [208, TR]."""
+    half, c, l = e // 128, (e % 128) // 32, e % 32
+    return (((q[64 * half + 32 * (c % 2) + l, r] >> (4 * (c // 2))) & 15)
+            | (((q[128 + 32 * half + l, r] >> (2 * c)) & 3) << 4))
+
+
+@njit(**JIT_PARALLEL)
+def q6k_to_dwords(qs):
+    """In place: Q6_K tiles qs uint8 [T, B, 208, TR] in byte order -> the f32 decode kernel's
+    layout (:data:`~llamatrace.kernels.types.f32_ir.Q6K_LAYOUT`). Twin :func:`q6k_to_dwords_np`."""
+    for t in prange(qs.shape[0]):
+        dw = np.empty(48 * TR, np.uint32)
+        for b in range(qs.shape[1]):
+            q = qs[t, b]
+            for g in range(16):
+                for r in range(TR):
+                    lo = np.uint64(0)
+                    hi = np.uint64(0)
+                    for j in range(16):
+                        v = np.uint64(_q6k_quant(q, 16 * g + j, r))
+                        if j <= 10:
+                            lo |= v << np.uint64(6 * j)          # j = 10: its low 4 bits
+                        if j == 10:
+                            hi |= v >> np.uint64(4)
+                        elif j > 10:
+                            hi |= v << np.uint64(6 * j - 64)
+                    dw[3 * g * TR + r] = np.uint32(lo & np.uint64(0xFFFFFFFF))
+                    dw[(3 * g + 1) * TR + r] = np.uint32(lo >> np.uint64(32))
+                    dw[(3 * g + 2) * TR + r] = np.uint32(hi)
+            q.reshape(-1)[:192 * TR] = dw.view(np.uint8)
+
+
+def _q6k_quants_np(p: np.ndarray) -> np.ndarray:
+    """Byte-order Q6_K blocks uint8 [..., 208] -> their quants uint8 [..., 256] (0..63)."""
+    e = np.arange(256)
+    half, c, l = e // 128, (e % 128) // 32, e % 32
+    ql = (p[..., 64 * half + 32 * (c % 2) + l] >> (4 * (c // 2)).astype(np.uint8)) & 15
+    return ql | (((p[..., 128 + 32 * half + l] >> (2 * c).astype(np.uint8)) & 3) << 4)
+
+
+def q6k_to_dwords_np(qs: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`q6k_to_dwords`, returning the new tiles."""
+    n_tiles, n_blocks = qs.shape[:2]
+    q = _q6k_quants_np(np.moveaxis(qs, 3, 2)).astype(np.uint64).reshape(n_tiles, n_blocks, TR, 16, 16)
+    sh = np.arange(16, dtype=np.uint64) * np.uint64(6)
+    lo = np.bitwise_or.reduce(q[..., :11] << sh[:11], axis=-1)      # 6j >= 64 bits fall off
+    hi = np.bitwise_or.reduce(np.concatenate([q[..., 10:11] >> np.uint64(4), q[..., 11:] << (sh[11:] - np.uint64(64))],
+                                             axis=-1), axis=-1)
+    dw = np.stack([lo & np.uint64(0xFFFFFFFF), lo >> np.uint64(32), hi], axis=-1).astype(np.uint32)  # [T, B, TR, g, k]
+    out = qs.copy()
+    flat = out.reshape(n_tiles, n_blocks, 208 * TR)
+    flat[:, :, :192 * TR] = np.ascontiguousarray(dw.transpose(0, 1, 3, 4, 2)).view(np.uint8).reshape(n_tiles, n_blocks, -1)
+    return out
+
+
+def q6k_rows_np(qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Rows ``r`` of tiles ``t`` (int [n] each) of f32-layout Q6_K tiles qs uint8 [T, B, 208, TR]
+    -> uint8 [n, B, 208] in byte order (ql, qh, scales), what :func:`dequant_bytes_np` reads."""
+    n_tiles, n_blocks = qs.shape[:2]
+    dw = qs.reshape(n_tiles, n_blocks, 208 * TR)[:, :, :192 * TR].copy().view(np.uint32)
+    dw = dw.reshape(n_tiles, n_blocks, 16, 3, TR)[t, :, :, :, r].astype(np.uint64)   # [n, B, g, k]
+    stream = (dw[..., 0] | (dw[..., 1] << np.uint64(32)), dw[..., 2])
+    q = np.empty(dw.shape[:3] + (16,), np.uint8)
+    for j in range(16):
+        lo = stream[0] >> np.uint64(6 * j) if 6 * j < 64 else np.uint64(0)
+        hi = stream[1] << np.uint64(64 - 6 * j) if 6 * j > 58 and 6 * j < 64 else (
+            stream[1] >> np.uint64(6 * j - 64) if 6 * j >= 64 else np.uint64(0))
+        q[..., j] = (lo | hi) & np.uint64(63)
+    q = q.reshape(len(t), n_blocks, 256)
+    e = np.arange(256)
+    half, c, l = e // 128, (e % 128) // 32, e % 32
+    out = np.zeros((len(t), n_blocks, 208), np.uint8)
+    for cc in range(4):                       # each byte gets one nibble (crumb) per c: no index repeats
+        sel = c == cc
+        out[..., 64 * half[sel] + 32 * (cc % 2) + l[sel]] |= (q[..., sel] & 15) << np.uint8(4 * (cc // 2))
+        out[..., 128 + 32 * half[sel] + l[sel]] |= (q[..., sel] >> 4) << np.uint8(2 * cc)
+    out[..., 192:] = qs[t, :, 192:, r]
+    return out
+
+
+@njit(**JIT_INLINE)
+def _q6k_block_bytes(q, p):
+    """A Q6_K block q uint8 [208, TR] in the f32 layout -> p uint8 [208, TR] in byte order."""
+    dw = q.reshape(-1)[:192 * TR].view(np.uint32)
+    p[:] = 0
+    for g in range(16):
+        for r in range(TR):
+            lo = np.uint64(dw[3 * g * TR + r]) | (np.uint64(dw[(3 * g + 1) * TR + r]) << np.uint64(32))
+            hi = np.uint64(dw[(3 * g + 2) * TR + r])
+            for j in range(16):
+                if j < 10:
+                    v = (lo >> np.uint64(6 * j)) & np.uint64(63)
+                elif j == 10:
+                    v = ((lo >> np.uint64(60)) | (hi << np.uint64(4))) & np.uint64(63)
+                else:
+                    v = (hi >> np.uint64(6 * j - 64)) & np.uint64(63)
+                e = 16 * g + j
+                half, c, l = e // 128, (e % 128) // 32, e % 32
+                i = 64 * half + 32 * (c % 2) + l
+                p[i, r] = np.uint8(p[i, r] | ((v & np.uint64(15)) << np.uint64(4 * (c // 2))))
+                i = 128 + 32 * half + l
+                p[i, r] = np.uint8(p[i, r] | ((v >> np.uint64(4)) << np.uint64(2 * c)))
+    p[192:] = q[192:]
+
+
 @njit(inline="always", **JIT_EXACT)
-def _deq_q6k(q, db, wt, ds, zero):
+def _deq_q6k(qd, db, wt, ds, zero):
+    q = np.empty((208, TR), np.uint8)         # the block back in byte order (f32 layout: Q6K_LAYOUT)
+    _q6k_block_bytes(qd, q)
     for sub in range(16):
         tile_gemm.deq_i8(ds, 0, q.view(np.int8), (192 + sub) * TR, db, 0)      # the scales are int8
         e0 = sub * 16
@@ -646,7 +761,7 @@ Q5_K = declare(QuantType(
     **for_type(_T.Q5_K)))
 Q6_K = declare(QuantType(
     _T.Q6_K, BlockFormat(weights=QK_K, file_bytes=210, packed_bytes=208, copy=(0, 0, 208), d_off=208),
-    dequant_np=partial(dequant_bytes_np, _T.Q6_K),
+    dequant_np=partial(dequant_bytes_np, _T.Q6_K), f32_layout=F32Layout(q6k_to_dwords, q6k_rows_np),
     kernels={"f32": _f32(gemv_q6_k, tiled_q6_k),
              "q8": (Kernel(act8_gemv_q6_k, act8_q6_k_np), Kernel(act8_prefill_q6_k, act8_q6_k_np))},
     q8_bytes=(0, act8.Q6K_SCALES),              # ql, qh grouped; the 16 int8 scales stay last
