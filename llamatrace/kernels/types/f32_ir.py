@@ -4,7 +4,7 @@ Each kernel runs the loop over a tile's blocks in IR (:meth:`llamatrace.kernels.
 ``TR / lanes`` registers of rows (8 rows a ymm, 16 a zmm with AVX-512: :func:`~llamatrace.kernels.tiles.prefill_lanes`)
 whose float32 sums stay in registers from the first block to the last. The quants become float32
 in registers (Q8_0's bytes widened and converted, MXFP4's codes through a ``pshufb`` table of its
-kvalues) and meet the broadcast activations in FMA chains, several independent chains a register
+kvalues, Q6_K's 6-bit fields of dwords shifted and masked: :data:`Q6K_LAYOUT`) and meet the broadcast activations in FMA chains, several independent chains a register
 of rows; each block's sums are scaled as the NumPy twins write it (Q8_0, MXFP4: ``d * (x . q)``;
 Q4_K: ``(d*sc) * (x . q) - (dmin*mn) * sum(x)`` per sub-block; Q6_K: ``(d*sc) * (x . q - 32 sum(x))``
 per 16 weights), and every scale times integer product is exact in float32. So the result is
@@ -187,7 +187,9 @@ def _q4k_ir(k: VectorTile, a):
 def q6k_quants(b, qa, qc, qh):
     """Q6_K's 6-bit quants (0..63) of the four c, on byte vectors: ``qa`` the ``ql`` bytes of c = 0
     (low nibbles) and 2 (high), ``qc`` those of c = 1 and 3, ``qh`` the bytes whose bits 2c, 2c + 1
-    are c's bits 4, 5 (ggml's ``dequantize_row_q6_K``). Returns the four vectors, c in order."""
+    are c's bits 4, 5 (ggml's ``dequantize_row_q6_K``). Returns the four vectors, c in order. (The
+experts' kernels read the file's blocks with it; the dense decode kernel's packed quants are
+dwords: :func:`q6k_group_quants`.)"""
     def cst(v):
         return ir.Constant(qa.type, [v] * qa.type.count)
 

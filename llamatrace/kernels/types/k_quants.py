@@ -17,7 +17,9 @@ GGUF blocks (ggml's ``block_*`` structs, as gguf-py ``quants.py`` reads them) an
     Q6_K  210  ql[128] qh[64] scales int8[16] d         ql[128] qh[64] sc[16]   = 208  d     -
 
 (``sc``/``mn``: the 6-bit scales and mins of Q3_K/Q4_K/Q5_K unpacked to bytes; Q6_K's int8
-scales are kept as their bytes.) Resident bytes against the file, per block: Q2_K 88/84,
+scales are kept as their bytes. In the ``f32`` mode Q6_K's ql, qh bytes are then rewritten as the
+same 192 bytes of 6-bit fields, three dwords a row and scale group, for its decode kernel:
+:data:`~llamatrace.kernels.types.f32_ir.Q6K_LAYOUT`, :func:`q6k_to_dwords`.) Resident bytes against the file, per block: Q2_K 88/84,
 Q3_K 116/110, Q4_K 152/144, Q5_K 184/176, Q6_K 212/210 (all <= 1.06x) -- within issue 8's
 cap, where float32 scales per 16 weights would not be.
 
@@ -174,38 +176,28 @@ def _deq_q45k(five, q, db, mb, wt, ds, dm, zero):
 # load from the byte-order tiles (ggml's ql, qh, then the int8 scales; the same 208 bytes).
 
 
-@njit(**JIT_INLINE)
-def _q6k_quant(q, e, r):
-    """Quant e (0..63) of row r of a byte-order Q6_K block q uint8 [208, TR]."""
-    half, c, l = e // 128, (e % 128) // 32, e % 32
-    return (((q[64 * half + 32 * (c % 2) + l, r] >> (4 * (c // 2))) & 15)
-            | (((q[128 + 32 * half + l, r] >> (2 * c)) & 3) << 4))
-
-
 @njit(**JIT_PARALLEL)
 def q6k_to_dwords(qs):
     """In place: Q6_K tiles qs uint8 [T, B, 208, TR] in byte order -> the f32 decode kernel's
-    layout (:data:`~llamatrace.kernels.types.f32_ir.Q6K_LAYOUT`). Twin :func:`q6k_to_dwords_np`."""
+    layout (:data:`~llamatrace.kernels.types.f32_ir.Q6K_LAYOUT`), on uint32 lanes with the rows
+    innermost, so the loops vectorise. Twin :func:`q6k_to_dwords_np`."""
     for t in prange(qs.shape[0]):
-        dw = np.empty(48 * TR, np.uint32)
+        dw = np.empty((48, TR), np.uint32)
         for b in range(qs.shape[1]):
             q = qs[t, b]
-            for g in range(16):
+            dw[:] = 0
+            for e in range(256):
+                half, c, l = e // 128, (e % 128) // 32, e % 32
+                ql, qh = q[64 * half + 32 * (c % 2) + l], q[128 + 32 * half + l]
+                s4, s2 = np.uint32(4 * (c // 2)), np.uint32(2 * c)
+                k, off = divmod(6 * (e % 16), 32)
+                lo, hi = dw[3 * (e // 16) + k], dw[3 * (e // 16) + min(k + 1, 2)]
                 for r in range(TR):
-                    lo = np.uint64(0)
-                    hi = np.uint64(0)
-                    for j in range(16):
-                        v = np.uint64(_q6k_quant(q, 16 * g + j, r))
-                        if j <= 10:
-                            lo |= v << np.uint64(6 * j)          # j = 10: its low 4 bits
-                        if j == 10:
-                            hi |= v >> np.uint64(4)
-                        elif j > 10:
-                            hi |= v << np.uint64(6 * j - 64)
-                    dw[3 * g * TR + r] = np.uint32(lo & np.uint64(0xFFFFFFFF))
-                    dw[(3 * g + 1) * TR + r] = np.uint32(lo >> np.uint64(32))
-                    dw[(3 * g + 2) * TR + r] = np.uint32(hi)
-            q.reshape(-1)[:192 * TR] = dw.view(np.uint8)
+                    v = ((np.uint32(ql[r]) >> s4) & np.uint32(15)) | (((np.uint32(qh[r]) >> s2) & np.uint32(3)) << np.uint32(4))
+                    lo[r] |= v << np.uint32(off)                 # the bits past 31 fall off ...
+                    if off > 26:
+                        hi[r] |= v >> np.uint32(32 - off)        # ... into the next dword
+            q.reshape(-1)[:192 * TR] = dw.reshape(-1).view(np.uint8)
 
 
 def _q6k_quants_np(p: np.ndarray) -> np.ndarray:
