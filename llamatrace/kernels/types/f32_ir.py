@@ -44,8 +44,9 @@ _KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)   # g
 
 AHEAD_Q8_0 = AHEAD_MXFP4 = 4096
 AHEAD_Q4K = 2 * 144 * TR
-AHEAD_Q6K = 208 * TR
-"""Prefetch distances in bytes (into L2), as the ``q8`` mode's decode microkernels'."""
+AHEAD_Q6K = 2 * 208 * TR
+"""Prefetch distances in bytes (into L2), as the ``q8`` mode's decode microkernels' (Q6_K two
+blocks ahead since its dword layout: qwen3moe's output matrix 5-8 % faster than one block ahead)."""
 
 
 def _block_bytes(kind: str) -> int:
