@@ -4,7 +4,8 @@ Each kernel runs the loop over a tile's blocks in IR (:meth:`llamatrace.kernels.
 ``TR / lanes`` registers of rows (8 rows a ymm, 16 a zmm with AVX-512: :func:`~llamatrace.kernels.tiles.prefill_lanes`)
 whose float32 sums stay in registers from the first block to the last. The quants become float32
 in registers (Q8_0's bytes widened and converted, MXFP4's codes through a ``pshufb`` table of its
-kvalues, Q6_K's 6-bit fields of dwords shifted and masked: :data:`Q6K_LAYOUT`) and meet the broadcast activations in FMA chains, several independent chains a register
+kvalues, Q6_K's 6-bit fields of dwords shifted and masked: :data:`Q6K_LAYOUT`) and meet the
+broadcast activations in FMA chains, several independent chains a register
 of rows; each block's sums are scaled as the NumPy twins write it (Q8_0, MXFP4: ``d * (x . q)``;
 Q4_K: ``(d*sc) * (x . q) - (dmin*mn) * sum(x)`` per sub-block; Q6_K: ``(d*sc) * (x . q - 32 sum(x))``
 per 16 weights), and every scale times integer product is exact in float32. So the result is
@@ -266,9 +267,11 @@ def _q6k_ir(k: VectorTile, a):
         xs_at = b.add(b.add(b.add(x_at, n_in), b.mul(blk, c64(16))), g0)
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         for cs in (range(0, 2), range(2, 4)):
-            quants = {(h, c): q6k_group_quants(b, *(k.load(qs, b.add(dw_at, c64(((6 * c + i) * TR + h * lanes) * 4)), vi32)
-                                                     for i in range(3)))
-                      for c in cs for h in range(len(accs))}
+            quants = {}
+            for c in cs:
+                for h in range(len(accs)):
+                    dws = (k.load(qs, b.add(dw_at, c64(((6 * c + i) * TR + h * lanes) * 4)), vi32) for i in range(3))
+                    quants[h, c] = q6k_group_quants(b, *dws)
             parts = {}
             for i in range(16):
                 for c in cs:

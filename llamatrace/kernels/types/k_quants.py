@@ -19,8 +19,8 @@ GGUF blocks (ggml's ``block_*`` structs, as gguf-py ``quants.py`` reads them) an
 (``sc``/``mn``: the 6-bit scales and mins of Q3_K/Q4_K/Q5_K unpacked to bytes; Q6_K's int8
 scales are kept as their bytes. In the ``f32`` mode Q6_K's ql, qh bytes are then rewritten as the
 same 192 bytes of 6-bit fields, three dwords a row and scale group, for its decode kernel:
-:data:`~llamatrace.kernels.types.f32_ir.Q6K_LAYOUT`, :func:`q6k_to_dwords`.) Resident bytes against the file, per block: Q2_K 88/84,
-Q3_K 116/110, Q4_K 152/144, Q5_K 184/176, Q6_K 212/210 (all <= 1.06x) -- within issue 8's
+:data:`~llamatrace.kernels.types.f32_ir.Q6K_LAYOUT`, :func:`q6k_to_dwords`.) Resident bytes against the
+file, per block: Q2_K 88/84, Q3_K 116/110, Q4_K 152/144, Q5_K 184/176, Q6_K 212/210 (all <= 1.06x) -- within issue 8's
 cap, where float32 scales per 16 weights would not be.
 
 Weights, with ``q`` the integer quant of each element (gguf-py's arithmetic, float32)::
@@ -193,7 +193,8 @@ def q6k_to_dwords(qs):
                 k, off = divmod(6 * (e % 16), 32)
                 lo, hi = dw[3 * (e // 16) + k], dw[3 * (e // 16) + min(k + 1, 2)]
                 for r in range(TR):
-                    v = ((np.uint32(ql[r]) >> s4) & np.uint32(15)) | (((np.uint32(qh[r]) >> s2) & np.uint32(3)) << np.uint32(4))
+                    v = (((np.uint32(ql[r]) >> s4) & np.uint32(15))
+                         | (((np.uint32(qh[r]) >> s2) & np.uint32(3)) << np.uint32(4)))
                     lo[r] |= v << np.uint32(off)                 # the bits past 31 fall off ...
                     if off > 26:
                         hi[r] |= v >> np.uint32(32 - off)        # ... into the next dword
@@ -214,12 +215,13 @@ def q6k_to_dwords_np(qs: np.ndarray) -> np.ndarray:
     q = _q6k_quants_np(np.moveaxis(qs, 3, 2)).astype(np.uint64).reshape(n_tiles, n_blocks, TR, 16, 16)
     sh = np.arange(16, dtype=np.uint64) * np.uint64(6)
     lo = np.bitwise_or.reduce(q[..., :11] << sh[:11], axis=-1)      # 6j >= 64 bits fall off
-    hi = np.bitwise_or.reduce(np.concatenate([q[..., 10:11] >> np.uint64(4), q[..., 11:] << (sh[11:] - np.uint64(64))],
-                                             axis=-1), axis=-1)
+    hi = np.bitwise_or.reduce(np.concatenate([q[..., 10:11] >> np.uint64(4),
+                                              q[..., 11:] << (sh[11:] - np.uint64(64))], axis=-1), axis=-1)
     dw = np.stack([lo & np.uint64(0xFFFFFFFF), lo >> np.uint64(32), hi], axis=-1).astype(np.uint32)  # [T, B, TR, g, k]
     out = qs.copy()
     flat = out.reshape(n_tiles, n_blocks, 208 * TR)
-    flat[:, :, :192 * TR] = np.ascontiguousarray(dw.transpose(0, 1, 3, 4, 2)).view(np.uint8).reshape(n_tiles, n_blocks, -1)
+    dw = np.ascontiguousarray(dw.transpose(0, 1, 3, 4, 2))                                    # [T, B, g, k, TR]
+    flat[:, :, :192 * TR] = dw.view(np.uint8).reshape(n_tiles, n_blocks, -1)
     return out
 
 
@@ -248,43 +250,30 @@ def q6k_rows_np(qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> np.ndarray:
     return out
 
 
-@njit(**JIT_INLINE)
-def _q6k_block_bytes(q, p):
-    """A Q6_K block q uint8 [208, TR] in the f32 layout -> p uint8 [208, TR] in byte order."""
-    dw = q.reshape(-1)[:192 * TR].view(np.uint32)
-    p[:] = 0
-    for g in range(16):
-        for r in range(TR):
-            lo = np.uint64(dw[3 * g * TR + r]) | (np.uint64(dw[(3 * g + 1) * TR + r]) << np.uint64(32))
-            hi = np.uint64(dw[(3 * g + 2) * TR + r])
-            for j in range(16):
-                if j < 10:
-                    v = (lo >> np.uint64(6 * j)) & np.uint64(63)
-                elif j == 10:
-                    v = ((lo >> np.uint64(60)) | (hi << np.uint64(4))) & np.uint64(63)
-                else:
-                    v = (hi >> np.uint64(6 * j - 64)) & np.uint64(63)
-                e = 16 * g + j
-                half, c, l = e // 128, (e % 128) // 32, e % 32
-                i = 64 * half + 32 * (c % 2) + l
-                p[i, r] = np.uint8(p[i, r] | ((v & np.uint64(15)) << np.uint64(4 * (c // 2))))
-                i = 128 + 32 * half + l
-                p[i, r] = np.uint8(p[i, r] | ((v >> np.uint64(4)) << np.uint64(2 * c)))
-    p[192:] = q[192:]
-
-
 @njit(inline="always", **JIT_EXACT)
-def _deq_q6k(qd, db, wt, ds, zero):
-    q = np.empty((208, TR), np.uint8)         # the block back in byte order (f32 layout: Q6K_LAYOUT)
-    _q6k_block_bytes(qd, q)
+def _deq_q6k(q, db, wt, ds, zero):
+    """A block q uint8 [208, TR] in the f32 layout (f32_ir.Q6K_LAYOUT): per scale group its 16
+    quants taken out of the dwords into bytes (rows innermost: the loops vectorise), then ggml's
+    ``(d*sc) * (q - 32)`` as before the layout (:func:`tile_gemm.deq_bits`, the same bits)."""
+    dw = q.reshape(-1)[:192 * TR].view(np.uint32).reshape(48, TR)
+    qb = np.empty((16, TR), np.uint8)
+    m6 = np.uint32(63)
     for sub in range(16):
         tile_gemm.deq_i8(ds, 0, q.view(np.int8), (192 + sub) * TR, db, 0)      # the scales are int8
-        e0 = sub * 16
-        half, c, l0 = e0 // 128, (e0 % 128) // 32, e0 % 32
-        s4, g = 4 * (c // 2), c % 2
+        lo, mid, hi = dw[3 * sub], dw[3 * sub + 1], dw[3 * sub + 2]
+        for r in range(TR):                   # quant j at bits 6j of hi:mid:lo; j = 5, 10 straddle
+            a, b, c = lo[r], mid[r], hi[r]
+            qb[0, r], qb[1, r], qb[2, r] = a & m6, (a >> np.uint32(6)) & m6, (a >> np.uint32(12)) & m6
+            qb[3, r], qb[4, r] = (a >> np.uint32(18)) & m6, (a >> np.uint32(24)) & m6
+            qb[5, r] = ((a >> np.uint32(30)) | (b << np.uint32(2))) & m6
+            qb[6, r], qb[7, r] = (b >> np.uint32(4)) & m6, (b >> np.uint32(10)) & m6
+            qb[8, r], qb[9, r] = (b >> np.uint32(16)) & m6, (b >> np.uint32(22)) & m6
+            qb[10, r] = ((b >> np.uint32(28)) | (c << np.uint32(4))) & m6
+            qb[11, r], qb[12, r] = (c >> np.uint32(2)) & m6, (c >> np.uint32(8)) & m6
+            qb[13, r], qb[14, r], qb[15, r] = (c >> np.uint32(14)) & m6, (c >> np.uint32(20)) & m6, c >> np.uint32(26)
         for l in range(16):
-            tile_gemm.deq_bits(wt, (e0 + l) * TR, q, (64 * half + 32 * g + l0 + l) * TR, s4, 15,
-                               q, (128 + 32 * half + l0 + l) * TR, 2 * c, 3, 4, ds, np.float32(-32.0), zero)
+            tile_gemm.deq_bits(wt, (16 * sub + l) * TR, qb, l * TR, 0, 63, qb, l * TR, 0, 0, 4, ds, np.float32(-32.0),
+                               zero)
 
 
 @njit(**JIT_EXACT)        # no fastmath: contraction or nsz would change gguf-py's roundings
