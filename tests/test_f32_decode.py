@@ -79,3 +79,18 @@ def test_a_nan_activation_reaches_only_its_row(qtype):
     x[1, 7] = np.nan
     y = matmul(x, w)
     assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+
+
+def test_q6k_dword_layout_and_its_twins():
+    """The f32 mode's Q6_K tiles (f32_ir.Q6K_LAYOUT): the packer's relayout equals its NumPy twin,
+    and the rows read back in byte order (the twins' path) and the prefill's blocks are the bytes
+    the packer started from."""
+    qs = np.random.default_rng(3).integers(0, 256, (3, 2, 208, f32_ir.TR), dtype=np.uint8)
+    got = qs.copy()
+    k_quants.q6k_to_dwords(got)
+    np.testing.assert_array_equal(got, k_quants.q6k_to_dwords_np(qs))
+    t, r = np.repeat(np.arange(3), f32_ir.TR), np.tile(np.arange(f32_ir.TR), 3)
+    np.testing.assert_array_equal(k_quants.q6k_rows_np(got, t, r), qs[t, :, :, r])
+    w = packing.pack("w", T.Q6_K, _raw(T.Q6_K), N_OUT, N_IN[T.Q6_K])
+    np.testing.assert_array_equal(k_quants.dequant_tile(k_quants.KIND[T.Q6_K], w.qs, w.d, w.d, 1),
+                                  packing.dequant_tile_np(w, 1))

@@ -4,7 +4,8 @@ Each kernel runs the loop over a tile's blocks in IR (:meth:`llamatrace.kernels.
 ``TR / lanes`` registers of rows (8 rows a ymm, 16 a zmm with AVX-512: :func:`~llamatrace.kernels.tiles.prefill_lanes`)
 whose float32 sums stay in registers from the first block to the last. The quants become float32
 in registers (Q8_0's bytes widened and converted, MXFP4's codes through a ``pshufb`` table of its
-kvalues) and meet the broadcast activations in FMA chains, several independent chains a register
+kvalues, Q6_K's 6-bit fields of dwords shifted and masked: :data:`Q6K_LAYOUT`) and meet the
+broadcast activations in FMA chains, several independent chains a register
 of rows; each block's sums are scaled as the NumPy twins write it (Q8_0, MXFP4: ``d * (x . q)``;
 Q4_K: ``(d*sc) * (x . q) - (dmin*mn) * sum(x)`` per sub-block; Q6_K: ``(d*sc) * (x . q - 32 sum(x))``
 per 16 weights), and every scale times integer product is exact in float32. So the result is
@@ -36,7 +37,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.tiles import VectorTile, daz_off, daz_restore, escape, prefill_lanes, quants_as_float
+from llamatrace.kernels.tiles import VectorTile, daz_off, daz_restore, prefill_lanes, quants_as_float
 
 TR = tiles.TR
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -44,8 +45,9 @@ _KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)   # g
 
 AHEAD_Q8_0 = AHEAD_MXFP4 = 4096
 AHEAD_Q4K = 2 * 144 * TR
-AHEAD_Q6K = 208 * TR
-"""Prefetch distances in bytes (into L2), as the ``q8`` mode's decode microkernels'."""
+AHEAD_Q6K = 2 * 208 * TR
+"""Prefetch distances in bytes (into L2), as the ``q8`` mode's decode microkernels' (Q6_K two
+blocks ahead since its dword layout: qwen3moe's output matrix 5-8 % faster than one block ahead)."""
 
 
 def _block_bytes(kind: str) -> int:
@@ -187,7 +189,9 @@ def _q4k_ir(k: VectorTile, a):
 def q6k_quants(b, qa, qc, qh):
     """Q6_K's 6-bit quants (0..63) of the four c, on byte vectors: ``qa`` the ``ql`` bytes of c = 0
     (low nibbles) and 2 (high), ``qc`` those of c = 1 and 3, ``qh`` the bytes whose bits 2c, 2c + 1
-    are c's bits 4, 5 (ggml's ``dequantize_row_q6_K``). Returns the four vectors, c in order."""
+    are c's bits 4, 5 (ggml's ``dequantize_row_q6_K``). Returns the four vectors, c in order. (The
+experts' kernels read the file's blocks with it; the dense decode kernel's packed quants are
+dwords: :func:`q6k_group_quants`.)"""
     def cst(v):
         return ir.Constant(qa.type, [v] * qa.type.count)
 
@@ -197,27 +201,55 @@ def q6k_quants(b, qa, qc, qh):
             b.or_(b.lshr(qc, cst(4)), b.and_(b.lshr(qh, cst(2)), cst(0x30))))
 
 
+def q6k_group_quants(b, d0, d1, d2):
+    """The 16 quants (0..63, int32 lanes) of a Q6_K scale group from its three dwords (int32
+    vectors): the 96-bit stream ``d2:d1:d0``, quant j at bits 6j (:data:`Q6K_LAYOUT`). A quant is a
+    shift and an AND of one dword (a funnel shift of two for j = 5, 10; j = 0 no shift, j = 15 no
+    AND): 30 integer operations a group, no byte shuffles."""
+    vt = d0.type
+    fshr = b.module.declare_intrinsic(f"llvm.fshr.v{vt.count}i32", (), ir.FunctionType(vt, [vt, vt, vt]))
+    dws = (d0, d1, d2)
+
+    def cst(v):
+        return ir.Constant(vt, [v] * vt.count)
+
+    out = []
+    for j in range(16):
+        k, off = divmod(6 * j, 32)
+        if off + 6 > 32:
+            v = b.call(fshr, [dws[k + 1], dws[k], cst(off)])
+        else:
+            v = b.lshr(dws[k], cst(off)) if off else dws[k]
+        out.append(v if off == 26 else b.and_(v, cst(0x3F)))
+    return out
+
+
+Q6K_LAYOUT = "dwords"
+"""The ``f32`` mode's packed Q6_K quants (:func:`llamatrace.kernels.types.k_quants.q6k_to_dwords`):
+per row and scale group g of 16 weights, three dwords holding the 96-bit little-endian stream of
+its 16 six-bit quants (ql's 4 bits | qh's 2 bits << 4), quant j at bits 6j; dword k of group g of
+row r at byte ``((3g + k) * TR + r) * 4`` of the block's first ``192 * TR`` bytes (a 64-byte load:
+one dword of 16 rows); the int8 scales ``sc[g]`` of the TR rows after, at ``(192 + g) * TR``."""
+
+
 def _q6k_ir(k: VectorTile, a):
     """Q6_K (x scaled by 2**K, then its unscaled sums ``xs`` per 16 weights, then ``u = 2**(149 - K)``:
-    :func:`~llamatrace.kernels.tiles.subnormal_exp`): the loop runs over
-    quarters of blocks (half of the block, group of 16 l), not blocks: a whole block unrolled was
-    ~38 KB of code, more than the L1 instruction cache, and ran at 0.75x. Per quarter, the 6-bit
-    quants (the 4 ql bits | the 2 qh bits << 4, 0..63) of the four c are built on the TR rows'
-    bytes at once (byte arithmetic on 32 lanes) and stored to a scratch on the stack, then read
-    back widened to int32 and bitcast to float32 (the subnormals ``q * 2**-149``, no conversion)
-    in a chain per c and register of rows (two c at a time over all the registers of rows: eight
-    chains with 8 rows a register, each broadcast x serving four FMAs), and
-    ``acc = fma(d*sc, u * S - 32 * xs, acc)`` per 16 weights, c in order (``u * S`` the unscaled
-    sum bit for bit, short of products below float32's normal range)."""
+    :func:`~llamatrace.kernels.tiles.subnormal_exp`; the quants in :data:`Q6K_LAYOUT`): the loop
+    runs over quarters of blocks (half of the block, group of 16 l), not blocks: a whole block
+    unrolled was ~38 KB of code, more than the L1 instruction cache, and ran at 0.75x. Per quarter
+    the four scale groups 8 half + 2c + grp (c = 0..3) are read as dwords of ``lanes`` rows and
+    their quants taken out by shifts and ANDs (:func:`q6k_group_quants`; ggml's ql / qh bytes took
+    byte shifts, a stack scratch and a widening load a register: 1.3-1.4x slower on Zen 4), their
+    int32 lanes bitcast to float32 (the subnormals ``q * 2**-149``, no conversion), in a chain per
+    c and register of rows (two c at a time), and ``acc = fma(d*sc, u * S - 32 * xs, acc)`` per
+    16 weights, c in order (``u * S`` the unscaled sum bit for bit, short of products below
+    float32's normal range)."""
     qs, q_at, x, x_at, d, _, dm_at, n_blocks, ahead = a
     b, c64, lanes = k.b, k.c64, k.lanes
     on = b.icmp_signed("!=", ahead, c64(0))
     block = _block_bytes("q6k")
     lines = block // 64
-    v32 = ir.VectorType(_I8, TR)
-    with b.goto_entry_block():
-        scratch = b.alloca(ir.ArrayType(_I8, 4 * 16 * TR), name="q6k_quants")
-    buf = b.bitcast(scratch, _I8.as_pointer())
+    vi32 = ir.VectorType(_I32, lanes)
     n_in = b.mul(n_blocks, c64(256))
     thirty_two = k.splat(ir.Constant(k.f32, 32.0), k.vf)
     uv = k.splat(k.load(x, b.add(b.add(x_at, n_in), b.mul(n_blocks, c64(16))), k.f32, 4), k.vf)
@@ -228,36 +260,30 @@ def _q6k_ir(k: VectorTile, a):
         half, grp = b.and_(b.lshr(quarter, c64(1)), c64(1)), b.and_(quarter, c64(1))
         qb = b.add(q_at, b.mul(blk, c64(block)))
         k.prefetch(on, qs, b.add(b.add(q_at, b.mul(quarter, c64(block // 4))), ahead), range(lines // 4))
-        l0 = b.add(b.mul(half, c64(64)), b.mul(grp, c64(16)))          # 64 * half + 16 * grp
-        ql_at = b.add(qb, b.mul(l0, c64(TR)))
-        qh_at = b.add(qb, b.mul(b.add(c64(128), b.add(b.mul(half, c64(32)), b.mul(grp, c64(16)))), c64(TR)))
         xl = b.add(b.add(x_at, b.mul(blk, c64(256))), b.add(b.mul(half, c64(128)), b.mul(grp, c64(16))))
         g0 = b.add(b.mul(half, c64(8)), grp)                             # scale group of c = 0
+        dw_at = b.add(qb, b.mul(g0, c64(12 * TR)))                       # its dwords (group g0 + 2c: 24c TR on)
         sc_at = b.add(qb, b.mul(b.add(c64(192), g0), c64(TR)))
         xs_at = b.add(b.add(b.add(x_at, n_in), b.mul(blk, c64(16))), g0)
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
-        for i in range(16):
-            qa = k.load(qs, b.add(ql_at, c64(i * TR)), v32)
-            qc = k.load(qs, b.add(ql_at, c64((32 + i) * TR)), v32)
-            qh = k.load(qs, b.add(qh_at, c64(i * TR)), v32)
-            for c, q in enumerate(q6k_quants(b, qa, qc, qh)):
-                b.store(q, b.bitcast(b.gep(buf, [c64((c * 16 + i) * TR)]), v32.as_pointer()), align=1)
-        escape(b, buf)
         for cs in (range(0, 2), range(2, 4)):
+            quants = {}
+            for c in cs:
+                for h in range(len(accs)):
+                    dws = (k.load(qs, b.add(dw_at, c64(((6 * c + i) * TR + h * lanes) * 4)), vi32) for i in range(3))
+                    quants[h, c] = q6k_group_quants(b, *dws)
             parts = {}
             for i in range(16):
                 for c in cs:
                     xc = k.splat(k.load(x, b.add(xl, c64(32 * c + i)), k.f32, 4), k.vf)
                     for h in range(len(accs)):
-                        w = quants_as_float(b, _bytes(k, buf, c64((c * 16 + i) * TR + h * lanes), False, False))
-                        parts[h, c] = chain(k, parts.get((h, c)), xc, w, True)
+                        parts[h, c] = chain(k, parts.get((h, c)), xc, quants_as_float(b, quants[h, c][i]), True)
             for h in range(len(accs)):
                 dvec = k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4)
                 for c in cs:
                     sc = _bytes(k, qs, b.add(sc_at, c64(2 * c * TR + h * lanes)), True)
                     xs = k.splat(k.load(x, b.add(xs_at, c64(2 * c)), k.f32, 4), k.vf)
                     accs[h] = k.fma(b.fmul(dvec, sc), k.fma(thirty_two, b.fneg(xs), b.fmul(parts[h, c], uv)), accs[h])
-        escape(b, buf)
         return accs
 
     return k.block_loop(b.mul(n_blocks, c64(4)), TR // lanes, body)

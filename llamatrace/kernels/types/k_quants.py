@@ -17,8 +17,10 @@ GGUF blocks (ggml's ``block_*`` structs, as gguf-py ``quants.py`` reads them) an
     Q6_K  210  ql[128] qh[64] scales int8[16] d         ql[128] qh[64] sc[16]   = 208  d     -
 
 (``sc``/``mn``: the 6-bit scales and mins of Q3_K/Q4_K/Q5_K unpacked to bytes; Q6_K's int8
-scales are kept as their bytes.) Resident bytes against the file, per block: Q2_K 88/84,
-Q3_K 116/110, Q4_K 152/144, Q5_K 184/176, Q6_K 212/210 (all <= 1.06x) -- within issue 8's
+scales are kept as their bytes. In the ``f32`` mode Q6_K's ql, qh bytes are then rewritten as the
+same 192 bytes of 6-bit fields, three dwords a row and scale group, for its decode kernel:
+:data:`~llamatrace.kernels.types.f32_ir.Q6K_LAYOUT`, :func:`q6k_to_dwords`.) Resident bytes against the
+file, per block: Q2_K 88/84, Q3_K 116/110, Q4_K 152/144, Q5_K 184/176, Q6_K 212/210 (all <= 1.06x) -- within issue 8's
 cap, where float32 scales per 16 weights would not be.
 
 Weights, with ``q`` the integer quant of each element (gguf-py's arithmetic, float32)::
@@ -54,7 +56,7 @@ from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.tiles import quant_f32
 from llamatrace.kernels.types.f32_ir import AHEAD_Q4K, AHEAD_Q6K, decode_q4k, decode_q6k
 from llamatrace.kernels.types.packing import matmul_ref
-from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, ScaleByte, declare
+from llamatrace.kernels.types.registry import BlockFormat, F32Layout, Kernel, QuantType, ScaleByte, declare
 from llamatrace.machine.jit import JIT, JIT_EXACT, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
@@ -168,16 +170,110 @@ def _deq_q45k(five, q, db, mb, wt, ds, dm, zero):
                                q, (16 + l) * TR, sub, 1 if five else 0, 4, ds, _ZERO, dm)
 
 
+# --------------------------------------------------------------------------------------------
+# Q6_K's f32 layout (f32_ir.Q6K_LAYOUT): each row's 16 six-bit quants of a scale group as three
+# dwords, so the decode kernel takes them out with shifts and ANDs on 16 rows at once. Made at
+# load from the byte-order tiles (ggml's ql, qh, then the int8 scales; the same 208 bytes).
+
+
+@njit(**JIT_PARALLEL)
+def q6k_to_dwords(qs):
+    """In place: Q6_K tiles qs uint8 [T, B, 208, TR] in byte order -> the f32 decode kernel's
+    layout (:data:`~llamatrace.kernels.types.f32_ir.Q6K_LAYOUT`), on uint32 lanes with the rows
+    innermost, so the loops vectorise. Twin :func:`q6k_to_dwords_np`."""
+    for t in prange(qs.shape[0]):
+        dw = np.empty((48, TR), np.uint32)
+        for b in range(qs.shape[1]):
+            q = qs[t, b]
+            dw[:] = 0
+            for e in range(256):
+                half, c, l = e // 128, (e % 128) // 32, e % 32
+                ql, qh = q[64 * half + 32 * (c % 2) + l], q[128 + 32 * half + l]
+                s4, s2 = np.uint32(4 * (c // 2)), np.uint32(2 * c)
+                k, off = divmod(6 * (e % 16), 32)
+                lo, hi = dw[3 * (e // 16) + k], dw[3 * (e // 16) + min(k + 1, 2)]
+                for r in range(TR):
+                    v = (((np.uint32(ql[r]) >> s4) & np.uint32(15))
+                         | (((np.uint32(qh[r]) >> s2) & np.uint32(3)) << np.uint32(4)))
+                    lo[r] |= v << np.uint32(off)                 # the bits past 31 fall off ...
+                    if off > 26:
+                        hi[r] |= v >> np.uint32(32 - off)        # ... into the next dword
+            q.reshape(-1)[:192 * TR] = dw.reshape(-1).view(np.uint8)
+
+
+def _q6k_quants_np(p: np.ndarray) -> np.ndarray:
+    """Byte-order Q6_K blocks uint8 [..., 208] -> their quants uint8 [..., 256] (0..63)."""
+    e = np.arange(256)
+    half, c, l = e // 128, (e % 128) // 32, e % 32
+    ql = (p[..., 64 * half + 32 * (c % 2) + l] >> (4 * (c // 2)).astype(np.uint8)) & 15
+    return ql | (((p[..., 128 + 32 * half + l] >> (2 * c).astype(np.uint8)) & 3) << 4)
+
+
+def q6k_to_dwords_np(qs: np.ndarray) -> np.ndarray:
+    """NumPy twin of :func:`q6k_to_dwords`, returning the new tiles."""
+    n_tiles, n_blocks = qs.shape[:2]
+    q = _q6k_quants_np(np.moveaxis(qs, 3, 2)).astype(np.uint64).reshape(n_tiles, n_blocks, TR, 16, 16)
+    sh = np.arange(16, dtype=np.uint64) * np.uint64(6)
+    lo = np.bitwise_or.reduce(q[..., :11] << sh[:11], axis=-1)      # 6j >= 64 bits fall off
+    hi = np.bitwise_or.reduce(np.concatenate([q[..., 10:11] >> np.uint64(4),
+                                              q[..., 11:] << (sh[11:] - np.uint64(64))], axis=-1), axis=-1)
+    dw = np.stack([lo & np.uint64(0xFFFFFFFF), lo >> np.uint64(32), hi], axis=-1).astype(np.uint32)  # [T, B, TR, g, k]
+    out = qs.copy()
+    flat = out.reshape(n_tiles, n_blocks, 208 * TR)
+    dw = np.ascontiguousarray(dw.transpose(0, 1, 3, 4, 2))                                    # [T, B, g, k, TR]
+    flat[:, :, :192 * TR] = dw.view(np.uint8).reshape(n_tiles, n_blocks, -1)
+    return out
+
+
+def q6k_rows_np(qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Rows ``r`` of tiles ``t`` (int [n] each) of f32-layout Q6_K tiles qs uint8 [T, B, 208, TR]
+    -> uint8 [n, B, 208] in byte order (ql, qh, scales), what :func:`dequant_bytes_np` reads."""
+    n_tiles, n_blocks = qs.shape[:2]
+    dw = qs.reshape(n_tiles, n_blocks, 208 * TR)[:, :, :192 * TR].copy().view(np.uint32)
+    dw = dw.reshape(n_tiles, n_blocks, 16, 3, TR)[t, :, :, :, r].astype(np.uint64)   # [n, B, g, k]
+    stream = (dw[..., 0] | (dw[..., 1] << np.uint64(32)), dw[..., 2])
+    q = np.empty(dw.shape[:3] + (16,), np.uint8)
+    for j in range(16):
+        lo = stream[0] >> np.uint64(6 * j) if 6 * j < 64 else np.uint64(0)
+        hi = stream[1] << np.uint64(64 - 6 * j) if 6 * j > 58 and 6 * j < 64 else (
+            stream[1] >> np.uint64(6 * j - 64) if 6 * j >= 64 else np.uint64(0))
+        q[..., j] = (lo | hi) & np.uint64(63)
+    q = q.reshape(len(t), n_blocks, 256)
+    e = np.arange(256)
+    half, c, l = e // 128, (e % 128) // 32, e % 32
+    out = np.zeros((len(t), n_blocks, 208), np.uint8)
+    for cc in range(4):                       # each byte gets one nibble (crumb) per c: no index repeats
+        sel = c == cc
+        out[..., 64 * half[sel] + 32 * (cc % 2) + l[sel]] |= (q[..., sel] & 15) << np.uint8(4 * (cc // 2))
+        out[..., 128 + 32 * half[sel] + l[sel]] |= (q[..., sel] >> 4) << np.uint8(2 * cc)
+    out[..., 192:] = qs[t, :, 192:, r]
+    return out
+
+
 @njit(inline="always", **JIT_EXACT)
 def _deq_q6k(q, db, wt, ds, zero):
+    """A block q uint8 [208, TR] in the f32 layout (f32_ir.Q6K_LAYOUT): per scale group its 16
+    quants taken out of the dwords into bytes (rows innermost: the loops vectorise), then ggml's
+    ``(d*sc) * (q - 32)`` as before the layout (:func:`tile_gemm.deq_bits`, the same bits)."""
+    dw = q.reshape(-1)[:192 * TR].view(np.uint32).reshape(48, TR)
+    qb = np.empty((16, TR), np.uint8)
+    m6 = np.uint32(63)
     for sub in range(16):
         tile_gemm.deq_i8(ds, 0, q.view(np.int8), (192 + sub) * TR, db, 0)      # the scales are int8
-        e0 = sub * 16
-        half, c, l0 = e0 // 128, (e0 % 128) // 32, e0 % 32
-        s4, g = 4 * (c // 2), c % 2
+        lo, mid, hi = dw[3 * sub], dw[3 * sub + 1], dw[3 * sub + 2]
+        for r in range(TR):                   # quant j at bits 6j of hi:mid:lo; j = 5, 10 straddle
+            a, b, c = lo[r], mid[r], hi[r]
+            qb[0, r], qb[1, r], qb[2, r] = a & m6, (a >> np.uint32(6)) & m6, (a >> np.uint32(12)) & m6
+            qb[3, r], qb[4, r] = (a >> np.uint32(18)) & m6, (a >> np.uint32(24)) & m6
+            qb[5, r] = ((a >> np.uint32(30)) | (b << np.uint32(2))) & m6
+            qb[6, r], qb[7, r] = (b >> np.uint32(4)) & m6, (b >> np.uint32(10)) & m6
+            qb[8, r], qb[9, r] = (b >> np.uint32(16)) & m6, (b >> np.uint32(22)) & m6
+            qb[10, r] = ((b >> np.uint32(28)) | (c << np.uint32(4))) & m6
+            qb[11, r], qb[12, r] = (c >> np.uint32(2)) & m6, (c >> np.uint32(8)) & m6
+            qb[13, r], qb[14, r], qb[15, r] = (c >> np.uint32(14)) & m6, (c >> np.uint32(20)) & m6, c >> np.uint32(26)
         for l in range(16):
-            tile_gemm.deq_bits(wt, (e0 + l) * TR, q, (64 * half + 32 * g + l0 + l) * TR, s4, 15,
-                               q, (128 + 32 * half + l0 + l) * TR, 2 * c, 3, 4, ds, np.float32(-32.0), zero)
+            tile_gemm.deq_bits(wt, (16 * sub + l) * TR, qb, l * TR, 0, 63, qb, l * TR, 0, 0, 4, ds, np.float32(-32.0),
+                               zero)
 
 
 @njit(**JIT_EXACT)        # no fastmath: contraction or nsz would change gguf-py's roundings
@@ -646,7 +742,7 @@ Q5_K = declare(QuantType(
     **for_type(_T.Q5_K)))
 Q6_K = declare(QuantType(
     _T.Q6_K, BlockFormat(weights=QK_K, file_bytes=210, packed_bytes=208, copy=(0, 0, 208), d_off=208),
-    dequant_np=partial(dequant_bytes_np, _T.Q6_K),
+    dequant_np=partial(dequant_bytes_np, _T.Q6_K), f32_layout=F32Layout(q6k_to_dwords, q6k_rows_np),
     kernels={"f32": _f32(gemv_q6_k, tiled_q6_k),
              "q8": (Kernel(act8_gemv_q6_k, act8_q6_k_np), Kernel(act8_prefill_q6_k, act8_q6_k_np))},
     q8_bytes=(0, act8.Q6K_SCALES),              # ql, qh grouped; the 16 int8 scales stay last

@@ -252,6 +252,8 @@ def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], 
         row0 += n_out
         if done is not None:
             done(row0)
+    if mode == "f32" and qt.f32_layout is not None:
+        qt.f32_layout.pack(qs_t)
     return (qs_t.view(np.int8) if fmt.signed else qs_t), d_t, m_t
 
 
@@ -494,7 +496,10 @@ def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
     t, r = rows // TR, rows % TR
     if qt.block is None:
         return qt.dequant_np(w.qs[t, :, r], None, None)                    # [n, n_in]
-    q = file_order_rows(w.ggml_type, w.qs, t, r) if w.act8 else w.qs[t, :, :, r]   # [n, B, P]
+    if w.act8:
+        q = file_order_rows(w.ggml_type, w.qs, t, r)                        # [n, B, P]
+    else:
+        q = qt.f32_layout.rows_np(w.qs, t, r) if qt.f32_layout else w.qs[t, :, :, r]
     return qt.dequant_np(q, *w.scales_f32(t, r))
 
 

@@ -155,6 +155,18 @@ class Kernel:
 
 
 @dataclass(frozen=True)
+class F32Layout:
+    """A type whose ``f32`` decode kernel reads its packed bytes in an order of its own (Q6_K's
+    quants as 6-bit fields of dwords, :mod:`llamatrace.kernels.types.k_quants`): ``pack(qs)``
+    rewrites freshly packed tiles ``qs`` uint8 ``[T, B, P, TR]`` (byte order) in place;
+    ``rows_np(qs, t, r)`` gives rows ``r`` of tiles ``t`` (int [n] each) back in byte order,
+    uint8 ``[n, B, P]`` (what :attr:`QuantType.dequant_np` reads)."""
+
+    pack: Callable[[np.ndarray], None]
+    rows_np: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
 class QuantType:
     """One GGML type, everything llamatrace knows of it (module docstring).
 
@@ -169,6 +181,8 @@ class QuantType:
     groups of four (:func:`llamatrace.kernels.int8.act8.grouped_bytes`); required with ``"q8"``
     kernels. ``quantize`` and its NumPy twin ``quantize_np``: the type's quantizer (float32 rows
     -> the file's block bytes, :mod:`llamatrace.kernels.quantizers.rows`), None where none is wired.
+    ``f32_layout``: how the ``f32`` mode's packed quant bytes differ from ``[T, B, P, TR]`` byte
+    order, None where they do not (:class:`F32Layout`).
     """
 
     ggml_type: gguf.GGMLQuantizationType
@@ -178,6 +192,7 @@ class QuantType:
     q8_bytes: tuple[int, int] | None = None
     quantize: Callable[..., np.ndarray] | None = None
     quantize_np: Callable[..., np.ndarray] | None = None
+    f32_layout: F32Layout | None = None
 
     def kernel(self, mode: str, phase: str) -> Kernel | None:
         """The kernel for ``mode`` and ``phase``, None if the type has none in that mode."""
