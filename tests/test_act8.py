@@ -19,7 +19,7 @@ from test_compare import GOLDEN, load_dump
 
 from llamatrace.errors import OptionError
 from llamatrace.kernels.int8 import act8
-from llamatrace.kernels.types import packing, q5
+from llamatrace.kernels.types import packing, q5, registry
 from llamatrace.kernels.types.registry import matmul
 from llamatrace.machine.jit import f16_np
 
@@ -496,8 +496,16 @@ def test_packed_for_q8_is_the_float32_layout_regrouped(qtype):
     parts = [(qtype, _weight(qtype, n, n_in, seed=n)[0], n, n_in) for n in (41, 29)]
     f32, q8 = (packing.pack_concat("w", parts, activations=a) for a in ("f32", "q8"))
     assert q8.act8 and not f32.act8
-    np.testing.assert_array_equal(q8.qs, act8._regroup(f32.qs.copy(), qtype, True))
-    np.testing.assert_array_equal(act8.file_order(q8.qs, qtype), f32.qs)
+    in_bytes = f32.qs                        # the f32 tiles in byte order (Q6_K's decode layout read back)
+    layout = registry.TYPES[qtype].f32_layout
+    if layout is not None:
+        n_tiles, n_blocks, n_bytes, tr = f32.qs.shape
+        rows = np.arange(n_tiles * tr)
+        in_bytes = np.ascontiguousarray(layout.rows_np(f32.qs, rows // tr, rows % tr)
+                                        .reshape(n_tiles, tr, n_blocks, n_bytes).transpose(0, 2, 3, 1))
+        assert not np.array_equal(in_bytes, f32.qs)
+    np.testing.assert_array_equal(q8.qs, act8._regroup(in_bytes.copy(), qtype, True))
+    np.testing.assert_array_equal(act8.file_order(q8.qs, qtype), in_bytes)
     assert not np.array_equal(q8.qs, f32.qs)
     # scales stay the file's fp16 bits (18 bytes a Q4_0 block, not 20), the f32 path's values
     assert q8.d.dtype == np.uint16 and q8.m.dtype == (np.uint16 if q8.m.size else np.float32)
