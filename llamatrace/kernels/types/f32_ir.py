@@ -190,8 +190,8 @@ def q6k_quants(b, qa, qc, qh):
     """Q6_K's 6-bit quants (0..63) of the four c, on byte vectors: ``qa`` the ``ql`` bytes of c = 0
     (low nibbles) and 2 (high), ``qc`` those of c = 1 and 3, ``qh`` the bytes whose bits 2c, 2c + 1
     are c's bits 4, 5 (ggml's ``dequantize_row_q6_K``). Returns the four vectors, c in order. (The
-experts' kernels read the file's blocks with it; the dense decode kernel's packed quants are
-dwords: :func:`q6k_group_quants`.)"""
+    experts' kernels read the file's blocks with it; the dense decode kernel's packed quants are
+    dwords: :func:`q6k_group_quants`.)"""
     def cst(v):
         return ir.Constant(qa.type, [v] * qa.type.count)
 
