@@ -188,18 +188,33 @@ class _Row(VectorTile):
         return self.b.fpext(self.load(p, offset, ir.HalfType(), 1), self.f32)
 
 
+def _q4k_scales(k: _Row, w, at):
+    """Q4_K's 12 bytes of 6-bit scales and mins at ``w + at`` as two int8 [8] vectors, unpacked as
+    ``ggml_vec_dot_q4_K_q8_K`` does (its ``utmp``): in three 32-bit general registers, then one
+    vector. The same unpacking in vector registers (byte shuffles, selects) took 12 % more time a
+    block, one activation row from L2 (Zen 4): the vector pipes are the kernel's bound."""
+    b = k.b
+    c = lambda x: ir.Constant(_I32, x)                     # noqa: E731
+    u0, u1, u2 = (k.load(w, b.add(at, k.c64(4 * i)), _I32) for i in range(3))
+    low6, low4, top2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+    words = (b.and_(u0, low6),                                                             # scales 0..3
+             b.or_(b.and_(u2, low4), b.shl(b.and_(b.lshr(u0, c(6)), top2), c(4))),         # scales 4..7
+             b.and_(u1, low6),                                                             # mins 0..3
+             b.or_(b.and_(b.lshr(u2, c(4)), low4), b.shl(b.and_(b.lshr(u1, c(6)), top2), c(4))))  # mins 4..7
+    v = ir.Constant(_V4I32, None)
+    for i, word in enumerate(words):
+        v = b.insert_element(v, word, ir.Constant(_I32, i))
+    v = b.bitcast(v, _V16I8)
+    return k.shuf(v, range(8)), k.shuf(v, range(8, 16))
+
+
 def _q4k_block(k: _Row, a, blk, accs):
     """One Q4_K block (``d dmin scales[12] qs[128]``, 144 bytes) against ``ns`` Q8_K rows."""
     b, c64 = k.b, k.c64
     base = b.add(a.w_at, b.mul(blk, c64(144)))
     k.prefetch(a.on, a.w, b.add(base, a.ahead), range(3))
     dm = b.fpext(k.load(a.w, base, ir.VectorType(ir.HalfType(), 2)), ir.VectorType(k.f32, 2))   # d, dmin
-    v = k.load(a.w, b.add(base, c64(4)), _V16I8)           # scales[12] and 4 bytes of qs: in the block
-    lo4 = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
-    s0, s1, s2 = k.shuf(v, (0, 1, 2, 3) * 2), k.shuf(v, (4, 5, 6, 7) * 2), k.shuf(v, (8, 9, 10, 11) * 2)
-    c8 = lambda x: k.c(_V8I8, x)                           # noqa: E731
-    sc = b.select(lo4, b.and_(s0, c8(63)), b.or_(b.and_(s2, c8(15)), b.shl(b.lshr(s0, c8(6)), c8(4))))
-    mn = b.select(lo4, b.and_(s1, c8(63)), b.or_(b.lshr(s2, c8(4)), b.shl(b.lshr(s1, c8(6)), c8(4))))
+    sc, mn = _q4k_scales(k, a.w, b.add(base, c64(4)))
     # the 8 scales as bytes 0..7 of both 128-bit halves: one in-lane byte shuffle per sub-block
     # makes its int16 broadcast (the scale's high byte from a zero byte)
     sc32 = k.shuf(sc, list(range(8)) + [8] * 8 + list(range(8)) + [8] * 8, ir.Constant(_V8I8, [0] * 8))
