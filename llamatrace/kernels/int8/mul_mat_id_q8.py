@@ -192,7 +192,7 @@ def _q4k_scales(k: _Row, w, at):
     """Q4_K's 12 bytes of 6-bit scales and mins at ``w + at``, unpacked as ``ggml_vec_dot_q4_K_q8_K``
     does (its ``utmp``), in three 32-bit general registers: the 8 scales as int16 [16] broadcasts
     (rows of :func:`_scale_table` at the scales), the mins as an int8 [8] vector. Unpacking in vector
-    registers (byte shuffles, selects), then a ``vpshufb`` per broadcast, took 1.22x the time a
+    registers (byte shuffles, selects), then a ``vpshufb`` per broadcast, took 1.25x the time a
     block (one activation row from L2, Zen 4): the vector pipes are the kernel's bound, the general
     ones idle."""
     b = k.b
