@@ -15,13 +15,15 @@ CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
   activation row the exact int32 sums in 8 lanes, then a vector FMA ``acc += (d * xd) * isum``;
   the row's 8 lanes are added at its end. Q4_K's sub-block scales multiply the ``pmaddubsw`` pair
   sums in ``pmaddwd`` (unpacked in general registers, as ggml's ``utmp``, each broadcast a row of
-  a constant table), its mins ``acc -= (dmin * xd) * sum_j mn_j * bsum32_j``; Q6_K sums ``q + 32`` (0..63) with its int8 scales in ``pmaddwd`` and takes
-  ``32 * sum_g sc_g * bsum_g`` off in integers; Q8_0 multiplies ``|w|`` by ``sign(w) * x``
-  (``psignb``). 32-weight blocks are summed into two chains of FMAs (a block's work is shorter
-  than an FMA's latency). Q4_K with one activation row (decode) sums its low and high nibbles in
-  two integer chains, kept apart by an empty asm statement: LLVM otherwise folds the block into
-  one chain of 8 ``vpdpwssd`` (~32 cycles of latency a block, the kernel's bound: qwen3moe-8
-  gate|up, one thread, 1.06-1.07x with two chains; four 1.05x).
+  a constant table: :func:`_q4k_scales`), its mins ``acc -= (dmin * xd) * sum_j mn_j *
+  bsum32_j``; Q6_K sums ``q + 32`` (0..63) with its int8 scales in ``pmaddwd`` and takes ``32 *
+  sum_g sc_g * bsum_g`` off in integers; Q8_0 multiplies ``|w|`` by ``sign(w) * x`` (``psignb``).
+  32-weight blocks are summed into two chains of FMAs (a block's work is shorter than an FMA's
+  latency). Q4_K with one activation row (decode) sums its low and high nibbles in two integer
+  chains, kept apart by an empty asm statement: LLVM otherwise folds the block into one chain of
+  8 ``vpdpwssd`` (~32 cycles of latency a block: qwen3moe-8 gate|up, one thread, 1.06-1.07x with
+  two chains, four 1.05x; since the scales left the vector pipes, their bound, four take 1.06x
+  the time of two).
 - MXFP4 goes eight weight rows at a time (16 on AVX-512 VNNI), as the packed q8 kernels take a
   tile's rows (a register of them), because a per-row float step per 32 weights cost more than
   the integer work: each block's 16 code bytes of the rows are transposed in registers (4 bytes
