@@ -14,14 +14,16 @@ CPU backend on x86 (``ggml-cpu/arch/x86/quants.c``):
 - Q4_K, Q6_K and Q8_0 go a weight row at a time, as ``ggml_vec_dot_*`` do: per block and
   activation row the exact int32 sums in 8 lanes, then a vector FMA ``acc += (d * xd) * isum``;
   the row's 8 lanes are added at its end. Q4_K's sub-block scales multiply the ``pmaddubsw`` pair
-  sums in ``pmaddwd`` (broadcast by one ``vpshufb`` each), its mins ``acc -= (dmin * xd) * sum_j
-  mn_j * bsum32_j``; Q6_K sums ``q + 32`` (0..63) with its int8 scales in ``pmaddwd`` and takes
-  ``32 * sum_g sc_g * bsum_g`` off in integers; Q8_0 multiplies ``|w|`` by ``sign(w) * x``
-  (``psignb``). 32-weight blocks are summed into two chains of FMAs (a block's work is shorter
-  than an FMA's latency). Q4_K with one activation row (decode) sums its low and high nibbles in
-  two integer chains, kept apart by an empty asm statement: LLVM otherwise folds the block into
-  one chain of 8 ``vpdpwssd`` (~32 cycles of latency a block, the kernel's bound: qwen3moe-8
-  gate|up, one thread, 1.06-1.07x with two chains; four 1.05x).
+  sums in ``pmaddwd`` (unpacked in general registers, as ggml's ``utmp``, each broadcast a row of
+  a constant table: :func:`_q4k_scales`), its mins ``acc -= (dmin * xd) * sum_j mn_j *
+  bsum32_j``; Q6_K sums ``q + 32`` (0..63) with its int8 scales in ``pmaddwd`` and takes ``32 *
+  sum_g sc_g * bsum_g`` off in integers; Q8_0 multiplies ``|w|`` by ``sign(w) * x`` (``psignb``).
+  32-weight blocks are summed into two chains of FMAs (a block's work is shorter than an FMA's
+  latency). Q4_K with one activation row (decode) sums its low and high nibbles in two integer
+  chains, kept apart by an empty asm statement: LLVM otherwise folds the block into one chain of
+  8 ``vpdpwssd`` (~32 cycles of latency a block: qwen3moe-8 gate|up, one thread, 1.06-1.07x with
+  two chains, four 1.05x; since the scales left the vector pipes, their bound, four take 1.06x
+  the time of two).
 - MXFP4 goes eight weight rows at a time (16 on AVX-512 VNNI), as the packed q8 kernels take a
   tile's rows (a register of them), because a per-row float step per 32 weights cost more than
   the integer work: each block's 16 code bytes of the rows are transposed in registers (4 bytes
@@ -188,21 +190,55 @@ class _Row(VectorTile):
         return self.b.fpext(self.load(p, offset, ir.HalfType(), 1), self.f32)
 
 
+def _q4k_scales(k: _Row, w, at):
+    """Q4_K's 12 bytes of 6-bit scales and mins at ``w + at``, unpacked as ``ggml_vec_dot_q4_K_q8_K``
+    does (its ``utmp``), in three 32-bit general registers: the 8 scales as int16 [16] broadcasts
+    (rows of :func:`_scale_table` at the scales), the mins as an int8 [8] vector. Unpacking in vector
+    registers (byte shuffles, selects), then a ``vpshufb`` per broadcast, took 1.25x the time a
+    block (one activation row from L2, Zen 4): the vector pipes are the kernel's bound, the general
+    ones idle."""
+    b = k.b
+    c = lambda x: ir.Constant(_I32, x)                     # noqa: E731
+    u0, u1, u2 = (k.load(w, b.add(at, k.c64(4 * i)), _I32) for i in range(3))
+    low6, low4, top2 = c(0x3F3F3F3F), c(0x0F0F0F0F), c(0x03030303)
+    scales = (b.and_(u0, low6),                                                          # scales 0..3
+              b.or_(b.and_(u2, low4), b.shl(b.and_(b.lshr(u0, c(6)), top2), c(4))))      # scales 4..7
+    mins = (b.and_(u1, low6),                                                            # mins 0..3
+            b.or_(b.and_(b.lshr(u2, c(4)), low4), b.shl(b.and_(b.lshr(u1, c(6)), top2), c(4))))  # mins 4..7
+    table = _scale_table(b.module)
+    bcast = []
+    for i in range(8):
+        sc = b.and_(b.lshr(scales[i // 4], c(8 * (i % 4))), c(63))
+        row = b.gep(table, [k.c64(0), b.zext(sc, _I64)])
+        bcast.append(b.load(b.bitcast(row, _V16I16.as_pointer()), align=32))
+    mn = ir.Constant(ir.VectorType(_I32, 2), None)
+    for i, word in enumerate(mins):
+        mn = b.insert_element(mn, word, ir.Constant(_I32, i))
+    return bcast, b.bitcast(mn, _V8I8)
+
+
+def _scale_table(module):
+    """The module's constant int16 [64, 16]: row s is s in every lane (Q4_K's 6-bit scales as
+    ``pmaddwd`` operands, loaded, not shuffled)."""
+    name = "llamatrace_q4k_scale_rows"
+    if name in module.globals:
+        return module.globals[name]
+    row = ir.ArrayType(_I16, 16)
+    table = ir.GlobalVariable(module, ir.ArrayType(row, 64), name)
+    table.initializer = ir.Constant(table.type.pointee, [ir.Constant(row, [s] * 16) for s in range(64)])
+    table.global_constant = True
+    table.linkage = "internal"
+    table.align = 32
+    return table
+
+
 def _q4k_block(k: _Row, a, blk, accs):
     """One Q4_K block (``d dmin scales[12] qs[128]``, 144 bytes) against ``ns`` Q8_K rows."""
     b, c64 = k.b, k.c64
     base = b.add(a.w_at, b.mul(blk, c64(144)))
     k.prefetch(a.on, a.w, b.add(base, a.ahead), range(3))
     dm = b.fpext(k.load(a.w, base, ir.VectorType(ir.HalfType(), 2)), ir.VectorType(k.f32, 2))   # d, dmin
-    v = k.load(a.w, b.add(base, c64(4)), _V16I8)           # scales[12] and 4 bytes of qs: in the block
-    lo4 = ir.Constant(ir.VectorType(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
-    s0, s1, s2 = k.shuf(v, (0, 1, 2, 3) * 2), k.shuf(v, (4, 5, 6, 7) * 2), k.shuf(v, (8, 9, 10, 11) * 2)
-    c8 = lambda x: k.c(_V8I8, x)                           # noqa: E731
-    sc = b.select(lo4, b.and_(s0, c8(63)), b.or_(b.and_(s2, c8(15)), b.shl(b.lshr(s0, c8(6)), c8(4))))
-    mn = b.select(lo4, b.and_(s1, c8(63)), b.or_(b.lshr(s2, c8(4)), b.shl(b.lshr(s1, c8(6)), c8(4))))
-    # the 8 scales as bytes 0..7 of both 128-bit halves: one in-lane byte shuffle per sub-block
-    # makes its int16 broadcast (the scale's high byte from a zero byte)
-    sc32 = k.shuf(sc, list(range(8)) + [8] * 8 + list(range(8)) + [8] * 8, ir.Constant(_V8I8, [0] * 8))
+    scales, mn = _q4k_scales(k, a.w, b.add(base, c64(4)))
     # one activation row (decode): the low and the high nibbles' sums in two chains, the second
     # kept apart by an empty asm (else LLVM makes one chain of 8 ``vpdpwssd``, whose latency
     # bounds the block); more rows are chains enough. Integer sums: the same bits either way.
@@ -210,8 +246,7 @@ def _q4k_block(k: _Row, a, blk, accs):
     for j in range(4):                 # 64 weights: low nibbles sub-block 2j, high 2j + 1
         q = k.load(a.w, b.add(base, c64(16 + 32 * j)), _V32I8)
         lo, hi = b.and_(q, k.c(_V32I8, 15)), b.lshr(q, k.c(_V32I8, 4))
-        slo, shi = (b.bitcast(b.call(k.shuffle, [sc32, ir.Constant(_V32I8, [i, 8] * 16)]), _V16I16)
-                    for i in (2 * j, 2 * j + 1))
+        slo, shi = scales[2 * j], scales[2 * j + 1]
         for i, row in enumerate(chains):
             xat = b.add(a.xq_at[i], b.add(b.mul(blk, c64(QK_K)), c64(64 * j)))
             xlo, xhi = k.load(a.xq, xat, _V32I8), k.load(a.xq, b.add(xat, c64(32)), _V32I8)
