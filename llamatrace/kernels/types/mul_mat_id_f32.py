@@ -13,6 +13,7 @@ decode step's experts) takes the products grouped as the packed kernels
 - Q4_K: ``(d*sc) * (x . q) - (dmin*mn) * sum(x)`` per sub-block of 32 (``d*sc`` and
   ``dmin*mn`` are exact in float32; ``sum(x)`` per 32 inputs is computed once a call);
 - MXFP4: ``d * (x . kvalue)`` per block (``d`` a power of two: ggml's ``GGML_E8M0_TO_FP32_HALF``);
+  on zmm ``x . w`` with gguf-py's weights ``w = d * kvalue`` themselves, from a table (:func:`_mxfp4_wide`);
 - Q8_0: ``d * (x . q)`` per block;
 - Q6_K: ``(d*sc) * (x . (q - 32))`` per 16 inputs (``d*sc`` is exact; the weights
   ``(d*sc) * (q - 32)`` are not always, so this differs from gguf-py's rounded weights times x by
@@ -26,7 +27,8 @@ Q6_K quants are read as float32 subnormals, not converted, with the slot's x sca
 (:data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS`; converted elsewhere). With AVX-512
 (:data:`WIDE`) those two run on zmm: Q6_K with two groups of 32 inputs side by side (the ymm
 kernel's bits), Q4_K with its nibbles kept in place by ANDs, no byte shuffle (:func:`_q4k_wide`: its
-own grouping of the products, so other float32 roundings than the ymm kernel's).
+own grouping of the products, so other float32 roundings than the ymm kernel's); and MXFP4, its
+codes picking a block's 16 weights by ``vpermps`` (:func:`_mxfp4_wide`: other roundings too).
 
 Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
 of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
@@ -460,8 +462,9 @@ def _mxfp4_wide(k: VectorTile, qs, qb):
     bytes widened to int32 lanes (``vpmovzxbd``); the low nibbles (inputs 0..15, x in its natural
     order) and the high ones after a shift right by 4 (16..31) each pick their weights by one
     ``vpermps`` (it reads only an index's low 4 bits: no AND). One group of the two vectors of
-    weights, no scale: no multiply by ``d`` a block (its FMA took a third of the block's
-    floating-point operations)."""
+    weights, no scale: each goes into its chain of sums by one FMA, and a block takes 6 vector
+    operations where ``d * (x . kvalue)`` took 7 (docs/performance.md, "f32 decode: MXFP4's
+    one-slot kernel on zmm")."""
     b, c64 = k.b, k.c64
     vi = ir.VectorType(_I32, 16)
     permps = b.module.declare_intrinsic("llvm.x86.avx512.permvar.sf.512", (), ir.FunctionType(k.vf, [k.vf, vi]))
@@ -483,8 +486,9 @@ _WIDE_BLOCK = {"q4k": _q4k_wide, "q6k": _q6k_wide, "mxfp4": _mxfp4_wide}
 
 AHEAD = {"q4k": 4096, "q6k": 4096, "mxfp4": 8192, "q8_0": 4096}
 """Bytes ahead of the block being read that each block asks into L2: the file's 4 KiB pages stop
-the hardware's prefetch at every page, which a running read does not. MXFP4 (gpt-oss's experts,
-one thread, cold): 4 KiB 12.8, 8 KiB 15.2, 16 KiB 15.1 GB/s (docs/performance.md)."""
+the hardware's prefetch at every page, which a running read does not. MXFP4's zmm kernel
+(gpt-oss-4's experts of a decode step, one thread, cold, Zen 4): 4 KiB 10.8, 8 KiB 12.8, 16 KiB
+12.7 GB/s (measured there only; AVX2 hosts take the same distance)."""
 
 
 def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False):
@@ -951,10 +955,11 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
                alone_exp, xe, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
     n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
-    aligned rows; in parallel, each row a token's k slots share made once and copied: on one
-    thread, row by row, it took up to ~4 ms a call at 1,024 slots of 2,048 inputs) in slot
-    order: row i is x[rows[order[i]]], each 32 inputs in the order ``x_order`` (a slot alone in
-    its group: each 32, 64 or 128 in ``alone_order``, times ``2**-alone_exp``, :func:`alone_layout`);
+    aligned rows; in parallel past :data:`SERIAL_SLOTS` slots, each row a token's k slots share
+    made once and copied: on one thread, row by row, it took up to ~4 ms a call at 1,024 slots of
+    2,048 inputs) in slot order: row i is x[rows[order[i]]], each 32 inputs in the order
+    ``x_order`` (a slot alone in its group of Q4_K, Q6_K, or MXFP4 on zmm: each 32, 64 or 128 in
+    ``alone_order``, times ``2**-alone_exp``, :func:`alone_layout`);
     Q4_K's followed by its sums per 32 inputs. A slot alone in its group (the one-slot kernel's) of
     Q4_K or Q6_K (:data:`SUBNORMAL`) has its x times 2**K (:func:`~llamatrace.kernels.tiles.subnormal_exp`),
     Q6_K's sums of each lane of each 32 inputs times ``32 * 2**(K - 149)`` (after x), and
