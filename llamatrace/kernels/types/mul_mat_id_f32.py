@@ -918,7 +918,7 @@ docs/performance.md, "f32 experts in a prefill: the sums, the gather and the thr
 
 SERIAL_SLOTS = 16
 """Up to this many slots a call (a decode step's k) have their rows of x made on one thread: two
-fork-joins fewer a call (~10-20 µs of a decode call's ~45 at 2 threads, gpt-oss's shapes)."""
+fork-joins fewer a call (4 experts of 32 rows, 2 threads: 35.9 -> 32.4 µs a call)."""
 
 
 @njit(**JIT_INLINE)
