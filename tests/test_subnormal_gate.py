@@ -15,10 +15,12 @@ import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 from llvmlite import binding as llvm_binding
 from test_daz_guard import _runs
 
+from llamatrace.kernels import mul_mat_id as mmid
 from llamatrace.kernels import tiles
 from llamatrace.kernels.types import mul_mat_id_f32
 from llamatrace.machine.jit import subnormal_fma_full_speed
@@ -71,23 +73,46 @@ def test_the_converted_path_a_non_zen_cpu_runs():
         assert err < 1e-5, (name, err)
 
 
+def mxfp4_one_slot_error() -> float:
+    """MXFP4's one-slot kernel (zmm with AVX-512, else ymm), one slot an expert, against float64
+    sums over gguf-py's weights (E8M0 scales 0, 1 and 200 among them): the largest error of an
+    output over its ``sum |x| |w|``."""
+    mx = gguf.GGMLQuantizationType.MXFP4
+    rng = np.random.default_rng(9)
+    raw = gguf.quants.quantize((rng.standard_normal((4 * 37, 2880)) * 0.02).astype(np.float32), mx)
+    raw.reshape(4 * 37, -1, 17)[[0, 1, 2], [0, 0, 5], 0] = 0, 1, 200
+    experts = raw.reshape(4, 37, -1)
+    experts.flags.writeable = False
+    w = gguf.quants.dequantize(raw, mx).astype(np.float64).reshape(4, 37, 2880)
+    x = rng.standard_normal((3, 2880)).astype(np.float32)
+    ids, rows = np.array([2, 0, 3], np.int64), np.arange(3, dtype=np.int64)
+    order, starts, ex = mmid.groups(ids)
+    got = mul_mat_id_f32.matmul_id(x, rows, order, starts, ex, [experts], mx)
+    ref = np.einsum("si,soi->so", x.astype(np.float64), w[ids])
+    bound = np.einsum("si,soi->so", np.abs(x).astype(np.float64), np.abs(w[ids]))
+    return float((np.abs(got.astype(np.float64) - ref) / bound).max())
+
+
 YMM = """
 import hashlib, json, gguf, numpy as np
 from llamatrace.kernels import tiles
 from llamatrace.kernels.types import mul_mat_id_f32
 from test_daz_guard import _runs
+from test_subnormal_gate import mxfp4_one_slot_error
 assert tiles.SUBNORMAL_BIAS == 149 and not mul_mat_id_f32.WIDE
 q6k = _runs(gguf.GGMLQuantizationType.Q6_K)["one slot"][0]()
 call, ref = _runs(gguf.GGMLQuantizationType.Q4_K)["one slot"]
 err = float(np.abs(call().astype(np.float64) - ref).max() / np.abs(ref).max())
-print(json.dumps({"Q6_K": hashlib.sha256(q6k.tobytes()).hexdigest(), "Q4_K": err}))
+print(json.dumps({"Q6_K": hashlib.sha256(q6k.tobytes()).hexdigest(), "Q4_K": err, "MXFP4": mxfp4_one_slot_error()}))
 """
 
 
 @pytest.mark.skipif(not (mul_mat_id_f32.WIDE and tiles.SUBNORMAL_BIAS), reason="a Zen host with AVX-512")
 def test_the_ymm_one_slot_kernels_an_avx2_zen_runs():
     """The one-slot kernels an AVX2 Zen (``znver3``) compiles, beside this host's zmm ones: Q6_K's
-    bit for bit (the same sums), Q4_K's against the reference (its zmm kernel groups them otherwise)."""
+    bit for bit (the same sums), Q4_K's and MXFP4's against the reference (their zmm kernels group
+    them otherwise)."""
     got = json.loads(_child("znver3", YMM))
     assert got["Q6_K"] == hashlib.sha256(_runs(gguf.GGMLQuantizationType.Q6_K)["one slot"][0]().tobytes()).hexdigest()
     assert got["Q4_K"] < 1e-5
+    assert got["MXFP4"] < 1e-6 and mxfp4_one_slot_error() < 1e-6

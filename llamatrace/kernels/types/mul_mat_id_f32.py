@@ -13,6 +13,7 @@ decode step's experts) takes the products grouped as the packed kernels
 - Q4_K: ``(d*sc) * (x . q) - (dmin*mn) * sum(x)`` per sub-block of 32 (``d*sc`` and
   ``dmin*mn`` are exact in float32; ``sum(x)`` per 32 inputs is computed once a call);
 - MXFP4: ``d * (x . kvalue)`` per block (``d`` a power of two: ggml's ``GGML_E8M0_TO_FP32_HALF``);
+  on zmm ``x . w`` with gguf-py's weights ``w = d * kvalue`` themselves, from a table (:func:`_mxfp4_wide`);
 - Q8_0: ``d * (x . q)`` per block;
 - Q6_K: ``(d*sc) * (x . (q - 32))`` per 16 inputs (``d*sc`` is exact; the weights
   ``(d*sc) * (q - 32)`` are not always, so this differs from gguf-py's rounded weights times x by
@@ -26,7 +27,8 @@ Q6_K quants are read as float32 subnormals, not converted, with the slot's x sca
 (:data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS`; converted elsewhere). With AVX-512
 (:data:`WIDE`) those two run on zmm: Q6_K with two groups of 32 inputs side by side (the ymm
 kernel's bits), Q4_K with its nibbles kept in place by ANDs, no byte shuffle (:func:`_q4k_wide`: its
-own grouping of the products, so other float32 roundings than the ymm kernel's).
+own grouping of the products, so other float32 roundings than the ymm kernel's); and MXFP4, its
+codes picking a block's 16 weights by ``vpermps`` (:func:`_mxfp4_wide`: other roundings too).
 
 Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
 of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
@@ -59,7 +61,7 @@ from numba.extending import intrinsic
 from llamatrace.kernels.tiles import (SUBNORMAL_BIAS, TR, VectorTile, daz_off, daz_restore, e8m0_half_table, escape,
                                       prefetch, prefill_lanes, quants_as_float, subnormal_exp)
 from llamatrace.kernels.types.f32_ir import chain, q6k_quants
-from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
+from llamatrace.machine.jit import E8M0_HALF_TABLE, JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 
@@ -129,13 +131,19 @@ Q4K_ORDER = np.array([64 * s + 32 * h + 4 * d + b for h in (0, 1) for b in range
 Q4K_EXP = np.array([Q4K_BITS[b][h] for h in (0, 1) for b in range(4) for _ in range(16)], dtype=np.int64)
 
 
+_NATURAL, _NATURAL_EXP = np.arange(32, dtype=np.int64), np.zeros(32, np.int64)
+
+
 def alone_layout(ggml_type) -> tuple[np.ndarray, np.ndarray]:
     """int64 [n] twice, n dividing 256: position p of each n inputs of x that the one-slot kernel of
     ``ggml_type`` reads holds input ``order[p]`` times ``2**-exp[p]`` (as well as the 2**K of
     :func:`~llamatrace.kernels.tiles.subnormal_exp`): :func:`x_order`, or on zmm
-    :data:`WIDE_ORDER` (Q6_K) and :data:`Q4K_ORDER` with :data:`Q4K_EXP` (Q4_K)."""
+    :data:`WIDE_ORDER` (Q6_K), :data:`Q4K_ORDER` with :data:`Q4K_EXP` (Q4_K) and the natural order
+    (MXFP4, :func:`_mxfp4_wide`)."""
     if WIDE and ggml_type == _T.Q4_K:
         return Q4K_ORDER, Q4K_EXP
+    if WIDE and ggml_type == _T.MXFP4:
+        return _NATURAL, _NATURAL_EXP
     order = WIDE_ORDER if WIDE and ggml_type == _T.Q6_K else x_order(ggml_type)
     return order, np.zeros_like(order)
 
@@ -429,17 +437,58 @@ def _q4k_wide(k: VectorTile, qs, qb, u):
     return groups, dmn
 
 
+with np.errstate(over="ignore"):
+    MXFP4_WEIGHTS = E8M0_HALF_TABLE[:256, None] * np.array(gguf.quants.MXFP4.kvalues, np.float32)
+"""float32 [256, 16]: ``MXFP4_WEIGHTS[e, c]`` = ``2**(e - 128) * kvalues[c]``, gguf-py's weight of code c
+in a block of scale byte e (its float32 product: exact, or inf for e > 252, as gguf-py's)."""
+
+
+def _mxfp4_weights_table(module):
+    """The module's constant :data:`MXFP4_WEIGHTS`, 64-byte aligned: one zmm load a block."""
+    name = "llamatrace_mxfp4_weights"
+    if name in module.globals:
+        return module.globals[name]
+    table = ir.GlobalVariable(module, ir.ArrayType(ir.FloatType(), MXFP4_WEIGHTS.size), name)
+    table.initializer = ir.Constant(table.type.pointee, [float(v) for v in MXFP4_WEIGHTS.reshape(-1)])
+    table.global_constant = True
+    table.linkage = "internal"
+    table.align = 64
+    return table
+
+
+def _mxfp4_wide(k: VectorTile, qs, qb):
+    """MXFP4 for one slot on zmm (:data:`WIDE`, ``k`` of 16 lanes): the block's 16 weights of each
+    code, ``2**(e - 128) * kvalues`` (one aligned load from :data:`MXFP4_WEIGHTS`), and the 16 code
+    bytes widened to int32 lanes (``vpmovzxbd``); the low nibbles (inputs 0..15, x in its natural
+    order) and the high ones after a shift right by 4 (16..31) each pick their weights by one
+    ``vpermps`` (it reads only an index's low 4 bits: no AND). One group of the two vectors of
+    weights, no scale: each goes into its chain of sums by one FMA, and a block takes 6 vector
+    operations where ``d * (x . kvalue)`` took 7 (docs/performance.md, "f32 decode: MXFP4's
+    one-slot kernel on zmm")."""
+    b, c64 = k.b, k.c64
+    vi = ir.VectorType(_I32, 16)
+    permps = b.module.declare_intrinsic("llvm.x86.avx512.permvar.sf.512", (), ir.FunctionType(k.vf, [k.vf, vi]))
+    e = b.zext(k.load(qs, qb, _I8), _I64)
+    table = b.bitcast(_mxfp4_weights_table(b.module), k.f32.as_pointer())
+    weights = k.load(table, b.mul(e, c64(16)), k.vf, 64)
+    codes = b.zext(k.load(qs, b.add(qb, c64(1)), ir.VectorType(_I8, 16)), vi)
+    nibbles = (codes, b.lshr(codes, _const([4] * 16, _I32)))
+    return [([(b.call(permps, [weights, idx]), 16 * h) for h, idx in enumerate(nibbles)], None)], None
+
+
 _BLOCK = {"q4k": _q4k_block, "q6k": _q6k_block, "mxfp4": _mxfp4_block, "q8_0": _q8_0_block}
-_WIDE_BLOCK = {"q4k": _q4k_wide, "q6k": _q6k_wide}
+_WIDE_BLOCK = {"q4k": _q4k_wide, "q6k": _q6k_wide, "mxfp4": _mxfp4_wide}
 
 
 # --------------------------------------------------------------------------------------------
 # one slot: a work item's tile of rows in one kernel
 
 
-AHEAD = 4096
+AHEAD = {"q4k": 4096, "q6k": 4096, "mxfp4": 8192, "q8_0": 4096}
 """Bytes ahead of the block being read that each block asks into L2: the file's 4 KiB pages stop
-the hardware's prefetch at every page, which a running read does not."""
+the hardware's prefetch at every page, which a running read does not. MXFP4's zmm kernel
+(gpt-oss-4's experts of a decode step, one thread, cold, Zen 4): 4 KiB 10.8, 8 KiB 12.8, 16 KiB
+12.7 GB/s (measured there only; AVX2 hosts take the same distance)."""
 
 
 def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False):
@@ -455,6 +504,12 @@ def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False
     b, c64 = k.b, k.c64
     out = [list(accs) for _, _, accs in rows]
     for turn, parts in enumerate(zip(*(groups for groups, _, _ in rows))):
+        if parts[0][1] is None:                      # the weights themselves: vector n into sums n
+            for n, vecs in enumerate(zip(*(part[0] for part in parts))):
+                xv = k.load(x, b.add(xb, c64(vecs[0][1])), k.vf, 4)
+                for accs, (w, _) in zip(out, vecs):
+                    accs[n % len(accs)] = k.fma(w, xv, accs[n % len(accs)])
+            continue
         dots = [None] * len(rows)
         for n, vecs in enumerate(zip(*(part[0] for part in parts))):
             xv = k.load(x, b.add(xb, c64(vecs[0][1])), k.vf, 4)
@@ -485,13 +540,16 @@ conversion: :data:`KIND` 0 and 1, their x scaled by :func:`_matmul_id`; DAZ is o
 
 ROWS_1 = {"q6k": 2}
 """Weight rows one slot's kernel runs at once (:func:`_tile_ir`; 1 for the kinds not named): Q6_K's
-two rows share their loads of x (1.07x; Q4_K and MXFP4 ran no faster so)."""
+two rows share their loads of x (1.07x; Q4_K and MXFP4 ran no faster so). On zmm (:data:`WIDE`)
+MXFP4 takes two as well (:func:`_mxfp4_wide`: its two chains a row, one FMA a block each, wait on
+the FMA's latency with one row; 1.12x with two)."""
 
 ACC_1 = {"q4k": 1}
 """Vectors of sums a row of one slot keeps in registers (:func:`_tile_ir`; 2 for the kinds not
 named): each group's products are a chain of their own, so few suffice; Q4_K ran 1.05x with one
 than with two (its 9 FMAs a block into it are not what bounds it). On zmm (:data:`WIDE`) Q4_K
-keeps two, Q6_K one (the ymm kernel's two side by side)."""
+keeps two, Q6_K one (the ymm kernel's two side by side), MXFP4 two (the low nibbles' products and
+the high ones')."""
 
 
 def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
@@ -504,8 +562,9 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
     _, per_block, block_bytes, sums = _KINDS[kind]
     sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
     wide = k.lanes == 16                 # zmm: Q6_K's one vector is the ymm kernel's two side by side
-    n_acc = (2 if kind == "q4k" else 1) if wide else ACC_1.get(kind, 2)
+    n_acc = (1 if kind == "q6k" else 2) if wide else ACC_1.get(kind, 2)
     block_of = _WIDE_BLOCK[kind] if wide else functools.partial(_BLOCK[kind], exact=False)
+    ahead = AHEAD[kind]
     extra = {}
     if kind in SUBNORMAL:                # x times 2**K, the row's sums, then 2**(149 - K)
         extra["u"] = k.load(x, b.add(sums_at, b.mul(n_blocks, c64(sums))), k.f32, 4)
@@ -517,7 +576,7 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
             blocks = []
             for j, q in enumerate(q_row):
                 qb = b.add(q, b.mul(i, c64(block_bytes)))
-                k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(AHEAD)), range(-(-block_bytes // 64)))
+                k.prefetch(ir.Constant(ir.IntType(1), 1), qs, b.add(qb, c64(ahead)), range(-(-block_bytes // 64)))
                 groups, mins = block_of(k, qs, qb, **extra)
                 blocks.append((groups, mins, accs[j * n_acc:(j + 1) * n_acc]))
             new = _one_slot_block(k, blocks, x, b.add(x_at, b.mul(i, c64(per_block))), b.add(sums_at, b.mul(i, c64(sums))),
@@ -529,7 +588,7 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
             total = k.lane_sum(sums_[j * n_acc:(j + 1) * n_acc])
             b.store(total, k.ptr(out, b.add(out_at, b.add(r, c64(j))), k.f32), align=4)
 
-    step = ROWS_1.get(kind, 1)
+    step = 2 if wide and kind == "mxfp4" else ROWS_1.get(kind, 1)
     n_steps = b.udiv(n_rows, c64(step))
     k.block_loop(n_steps, 0, lambda i, _: rows(b.mul(i, c64(step)), step) or [])
     if step > 1:                                         # the last n_rows % step rows one by one
@@ -548,7 +607,7 @@ def _tile_intrinsic(kind: str):
             flat = list(args)
             for i in (0, 5, 7):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
-            k = VectorTile(builder, 16 if WIDE and kind in SUBNORMAL else LANES)
+            k = VectorTile(builder, 16 if WIDE and kind in _WIDE_BLOCK else LANES)
             for i in (1, 2, 3, 4, 6, 8):
                 flat[i] = k.i64(flat[i])
             saved = daz_off(builder) if kind in SUBNORMAL else None       # None: no subnormals here
@@ -857,12 +916,17 @@ threads finish rather than half the items each up front: an item's cost is its e
 docs/performance.md, "f32 experts in a prefill: the sums, the gather and the threads' shares")."""
 
 
+SERIAL_SLOTS = 16
+"""Up to this many slots a call (a decode step's k) have their rows of x made on one thread: two
+fork-joins fewer a call (4 experts of 32 rows, 2 threads: 35.9 -> 32.4 µs a call)."""
+
+
 @njit(**JIT_INLINE)
 def _gather(kind, x, src, alone, x_order, alone_order, alone_exp, sums, xe, i):
     """xe[i] from x[src] as :func:`_matmul_id` lays it out (x in ``x_order``, or for a slot alone
     as :func:`alone_layout` gives ``alone_order`` and ``alone_exp``; the sums, the scale)."""
     n_in = x.shape[1]
-    k = subnormal_exp(x, src) if alone and SUBNORMAL_BIAS else 0
+    k = subnormal_exp(x, src) if alone and kind < 2 and SUBNORMAL_BIAS else 0
     xo = alone_order if alone else x_order
     up = 2.0 ** (k - alone_exp) if alone else np.full(xo.shape[0], 2.0 ** k)
     for j0 in range(0, n_in, xo.shape[0]):
@@ -874,7 +938,7 @@ def _gather(kind, x, src, alone, x_order, alone_order, alone_exp, sums, xe, i):
             for j in range(32):
                 acc += x[src, 32 * g + j]
             xe[i, n_in + g] = acc
-    elif alone:                                      # Q6_K: the lanes' 32 * sum(x), scaled
+    elif kind == 1 and alone:                        # Q6_K: the lanes' 32 * sum(x), scaled
         down = 2.0 ** (k - SUBNORMAL_BIAS + 5)
         for g in range(n_in // 32):
             for lane in range(8):
@@ -891,10 +955,11 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
                alone_exp, xe, out):
     """out[order[i], :] for every slot; q0, q1 uint8 [n_expert, n_out_p, row_bytes] (q1 = q0 and
     n_parts 1 for one part). x is first gathered into xe (float32 [n_slots, >= width], 64-byte
-    aligned rows; in parallel, each row a token's k slots share made once and copied: on one
-    thread, row by row, it took up to ~4 ms a call at 1,024 slots of 2,048 inputs) in slot
-    order: row i is x[rows[order[i]]], each 32 inputs in the order ``x_order`` (a slot alone in
-    its group: each 32, 64 or 128 in ``alone_order``, times ``2**-alone_exp``, :func:`alone_layout`);
+    aligned rows; in parallel past :data:`SERIAL_SLOTS` slots, each row a token's k slots share
+    made once and copied: on one thread, row by row, it took up to ~4 ms a call at 1,024 slots of
+    2,048 inputs) in slot order: row i is x[rows[order[i]]], each 32 inputs in the order
+    ``x_order`` (a slot alone in its group of Q4_K, Q6_K, or MXFP4 on zmm: each 32, 64 or 128 in
+    ``alone_order``, times ``2**-alone_exp``, :func:`alone_layout`);
     Q4_K's followed by its sums per 32 inputs. A slot alone in its group (the one-slot kernel's) of
     Q4_K or Q6_K (:data:`SUBNORMAL`) has its x times 2**K (:func:`~llamatrace.kernels.tiles.subnormal_exp`),
     Q6_K's sums of each lane of each 32 inputs times ``32 * 2**(K - 149)`` (after x), and
@@ -909,17 +974,24 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
     first = np.full(2 * x.shape[0], -1, np.int64)    # by (row of x, alone): the slot that makes it
     for gr in range(n_groups):
         for i in range(starts[gr], starts[gr + 1]):
-            alone[i] = kind < 2 and starts[gr + 1] - starts[gr] == 1
+            alone[i] = (kind < 2 or kind == 2 and WIDE) and starts[gr + 1] - starts[gr] == 1
             key = 2 * rows[order[i]] + alone[i]
             if first[key] < 0:
                 first[key] = i
             maker[i] = first[key]
-    for i in prange(n_slots):                        # a token's k slots share one row of x: made once
-        if maker[i] == i:
-            _gather(kind, x, rows[order[i]], alone[i], x_order, alone_order, alone_exp, sums, xe, i)
-    for i in prange(n_slots):
-        if maker[i] != i:
-            xe[i, :] = xe[maker[i], :]
+    if n_slots <= SERIAL_SLOTS:                      # a decode step: no fork-joins before the items'
+        for i in range(n_slots):                     # (a slot's maker comes first)
+            if maker[i] == i:
+                _gather(kind, x, rows[order[i]], alone[i], x_order, alone_order, alone_exp, sums, xe, i)
+            else:
+                xe[i, :] = xe[maker[i], :]
+    else:
+        for i in prange(n_slots):                    # a token's k slots share one row of x: made once
+            if maker[i] == i:
+                _gather(kind, x, rows[order[i]], alone[i], x_order, alone_order, alone_exp, sums, xe, i)
+        for i in prange(n_slots):
+            if maker[i] != i:
+                xe[i, :] = xe[maker[i], :]
     n_out0 = q0.shape[1]
     t0 = (n_out0 + TR - 1) // TR
     t1 = (q1.shape[1] + TR - 1) // TR if n_parts == 2 else 0
