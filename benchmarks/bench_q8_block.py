@@ -5,13 +5,15 @@ clock, not this), the microkernel called tile by tile from Numba (no region, no 
 tiles) on an expert tensor of the file:
 
 - from L2: the first 512 rows of expert 0 (590 KB for Q4_K ``n_in`` 2048), again and again: ns a
-  block (at ~3.65 GHz, Zen 4, ns x 3.65 is cycles);
+  block (times the clock in GHz: cycles; ~3.65 on the Zen 4 EPYC of docs/performance.md);
 - from memory: every row of a layer's tensor once (113 MB for qwen3moe's gate), a layer in turn: GB/s.
 
-``--against FILE`` (a copy of another version's ``llamatrace/kernels/int8/mul_mat_id_q8.py``, say
-main's) times its kernel too, interleaved round by round, and checks both give the same bits.
+``--against FILE`` (a copy of another version's ``llamatrace/kernels/int8/mul_mat_id_q8.py``)
+times its kernel too, each with its own prefetch distance, interleaved round by round, and checks
+both give the same bits. The file from ``benchmarks/make_moe.py``:
 
-    python benchmarks/bench_q8_block.py -m /tmp/qwen3moe-8.gguf --tensor ffn_gate_exps [--against /tmp/main_mmid.py]
+    git show 1a13dc4:llamatrace/kernels/int8/mul_mat_id_q8.py > /tmp/old_mmid.py
+    python benchmarks/bench_q8_block.py -m /tmp/qwen3moe-8.gguf --tensor ffn_gate_exps [--against /tmp/old_mmid.py]
 """
 
 from __future__ import annotations
@@ -75,14 +77,14 @@ def main() -> None:
     x = np.random.default_rng(0).standard_normal((1, p.n_in)).astype(np.float32)
     xq, xd, xs = mul_mat_id_q8._activations(x, p.kind)
     res = np.empty(mul_mat_id_q8.MAX_ROWS * mul_mat_id_q8.TILE, np.float32)
-    ahead = mul_mat_id_q8.AHEAD[p.kind]
     hot_rows = min(512, n_expert * n_out)
     hot = np.ascontiguousarray(datas[0].reshape(-1)[:hot_rows * row_bytes])
     hot.flags.writeable = False
     fns = {name: _tiles(m, p.kind) for name, m in mods.items()}
+    ahead = {name: m.AHEAD[p.kind] for name, m in mods.items()}
     outs = {name: np.zeros(n_expert * n_out, np.float32) for name in mods}
     for name, fn in fns.items():
-        fn(datas[0].reshape(-1), n_expert * n_out, row_bytes, p.n_blocks, xq, xd, xs, res, ahead, 1, outs[name])
+        fn(datas[0].reshape(-1), n_expert * n_out, row_bytes, p.n_blocks, xq, xd, xs, res, ahead[name], 1, outs[name])
     if a.against:
         print("the same bits:", outs["this"].tobytes() == outs["against"].tobytes())
     numba.set_num_threads(1)
@@ -91,12 +93,12 @@ def main() -> None:
     for r in range(a.rounds):
         for name in (list(fns) if r % 2 else list(fns)[::-1]):
             t0 = time.thread_time()
-            fns[name](hot, hot_rows, row_bytes, p.n_blocks, xq, xd, xs, res, ahead, reps, outs[name])
+            fns[name](hot, hot_rows, row_bytes, p.n_blocks, xq, xd, xs, res, ahead[name], reps, outs[name])
             ns = (time.thread_time() - t0) / (reps * hot_rows * p.n_blocks) * 1e9
             got.setdefault(f"L2, ns a block, {name}", []).append(ns)
             w = datas[(2 * r + (name == "this")) % len(datas)].reshape(-1)
             t0 = time.thread_time()
-            fns[name](w, n_expert * n_out, row_bytes, p.n_blocks, xq, xd, xs, res, ahead, 1, outs[name])
+            fns[name](w, n_expert * n_out, row_bytes, p.n_blocks, xq, xd, xs, res, ahead[name], 1, outs[name])
             got.setdefault(f"memory, GB/s, {name}", []).append(w.size / (time.thread_time() - t0) / 1e9)
     for key in sorted(got):
         v = got[key]

@@ -7,6 +7,7 @@ row r), so the inner loops run over the ``TR`` rows and vectorise.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 from llvmlite import ir
@@ -203,17 +204,26 @@ def escape(b, ptr) -> None:
     b.call(fn, [ptr])
 
 
+def constant_table(module, name: str, initializer: Callable[[], ir.Constant], align: int = 0):
+    """The module's internal constant global ``name``, made once per module from ``initializer()``
+    (an array constant), ``align``-byte aligned if given: the kernels' tables of weights and scales."""
+    if name in module.globals:
+        return module.globals[name]
+    value = initializer()
+    table = ir.GlobalVariable(module, value.type, name)
+    table.initializer = value
+    table.global_constant = True
+    table.linkage = "internal"
+    if align:
+        table.align = align
+    return table
+
+
 def e8m0_half_table(module):
     """The module's constant float32 [256] of ggml's ``GGML_E8M0_TO_FP32_HALF(e)`` for every byte e
     (:data:`~llamatrace.machine.jit.E8M0_HALF_TABLE`), one per module: the MXFP4 kernels' scales."""
-    name = "llamatrace_e8m0_half"
-    if name in module.globals:
-        return module.globals[name]
-    table = ir.GlobalVariable(module, ir.ArrayType(ir.FloatType(), 256), name)
-    table.initializer = ir.Constant(table.type.pointee, [float(v) for v in E8M0_HALF_TABLE[:256]])
-    table.global_constant = True
-    table.linkage = "internal"
-    return table
+    return constant_table(module, "llamatrace_e8m0_half", lambda: ir.Constant(
+        ir.ArrayType(ir.FloatType(), 256), [float(v) for v in E8M0_HALF_TABLE[:256]]))
 
 
 SUBNORMAL_BIAS = 149 if subnormal_fma_full_speed() else 0

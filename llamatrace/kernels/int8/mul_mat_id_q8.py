@@ -83,7 +83,7 @@ from numba.extending import intrinsic
 
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.int8.act8_ir import _avx2_intrinsics, _opaque
-from llamatrace.kernels.tiles import VectorTile, e8m0_half_table, prefill_lanes
+from llamatrace.kernels.tiles import VectorTile, constant_table, e8m0_half_table, prefill_lanes
 from llamatrace.machine.jit import JIT, JIT_INLINE, JIT_PARALLEL, has_vnni
 
 _T = gguf.GGMLQuantizationType
@@ -220,16 +220,9 @@ def _q4k_scales(k: _Row, w, at):
 def _scale_table(module):
     """The module's constant int16 [64, 16]: row s is s in every lane (Q4_K's 6-bit scales as
     ``pmaddwd`` operands, loaded, not shuffled)."""
-    name = "llamatrace_q4k_scale_rows"
-    if name in module.globals:
-        return module.globals[name]
     row = ir.ArrayType(_I16, 16)
-    table = ir.GlobalVariable(module, ir.ArrayType(row, 64), name)
-    table.initializer = ir.Constant(table.type.pointee, [ir.Constant(row, [s] * 16) for s in range(64)])
-    table.global_constant = True
-    table.linkage = "internal"
-    table.align = 32
-    return table
+    return constant_table(module, "llamatrace_q4k_scale_rows", lambda: ir.Constant(
+        ir.ArrayType(row, 64), [ir.Constant(row, [s] * 16) for s in range(64)]), align=32)
 
 
 def _q4k_block(k: _Row, a, blk, accs):

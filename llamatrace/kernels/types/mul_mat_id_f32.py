@@ -58,8 +58,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from llamatrace.kernels.tiles import (SUBNORMAL_BIAS, TR, VectorTile, daz_off, daz_restore, e8m0_half_table, escape,
-                                      prefetch, prefill_lanes, quants_as_float, subnormal_exp)
+from llamatrace.kernels.tiles import (SUBNORMAL_BIAS, TR, VectorTile, constant_table, daz_off, daz_restore,
+                                      e8m0_half_table, escape, prefetch, prefill_lanes, quants_as_float,
+                                      subnormal_exp)
 from llamatrace.kernels.types.f32_ir import chain, q6k_quants
 from llamatrace.machine.jit import E8M0_HALF_TABLE, JIT_INLINE, JIT_PARALLEL
 
@@ -69,8 +70,8 @@ TYPES = frozenset({_T.Q4_K, _T.Q6_K, _T.MXFP4, _T.Q8_0})
 """The weight types these kernels run."""
 
 LANES = 8
-"""float32 lanes of the microkernels' vectors (ymm; with AVX-512 one slot's Q4_K and Q6_K kernels
-take 16, zmm: :data:`WIDE`)."""
+"""float32 lanes of the microkernels' vectors (ymm; with AVX-512 one slot's Q4_K, Q6_K and MXFP4
+kernels take 16, zmm: :data:`WIDE`)."""
 
 _I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 _MXFP4_BITS = np.array(gguf.quants.MXFP4.kvalues, dtype=np.float32).view(np.uint32)
@@ -116,7 +117,8 @@ def x_order(ggml_type) -> np.ndarray:
 
 
 WIDE = prefill_lanes() == 16
-"""Whether one slot's Q4_K and Q6_K kernels run on zmm (AVX-512): :func:`_q4k_wide`, :func:`_q6k_wide`."""
+"""Whether one slot's Q4_K, Q6_K and MXFP4 kernels run on zmm (AVX-512): :func:`_q4k_wide`,
+:func:`_q6k_wide`, :func:`_mxfp4_wide`."""
 WIDE_ORDER = np.array([32 * s + X_ORDER[8 * g + lane] for g in range(4) for s in (0, 1) for lane in range(8)],
                       dtype=np.int64)
 """Position p of each 64 inputs of x for the zmm Q6_K kernel holds input ``WIDE_ORDER[p]``: vector g
@@ -440,20 +442,14 @@ def _q4k_wide(k: VectorTile, qs, qb, u):
 with np.errstate(over="ignore"):
     MXFP4_WEIGHTS = E8M0_HALF_TABLE[:256, None] * np.array(gguf.quants.MXFP4.kvalues, np.float32)
 """float32 [256, 16]: ``MXFP4_WEIGHTS[e, c]`` = ``2**(e - 128) * kvalues[c]``, gguf-py's weight of code c
-in a block of scale byte e (its float32 product: exact, or inf for e > 252, as gguf-py's)."""
+in a block of scale byte e (its float32 product: exact, as gguf-py's, or as gguf-py's inf for the larger
+codes of e 253..255, where ``d * (x . kvalue)`` would stay finite; no published file has such scales)."""
 
 
 def _mxfp4_weights_table(module):
     """The module's constant :data:`MXFP4_WEIGHTS`, 64-byte aligned: one zmm load a block."""
-    name = "llamatrace_mxfp4_weights"
-    if name in module.globals:
-        return module.globals[name]
-    table = ir.GlobalVariable(module, ir.ArrayType(ir.FloatType(), MXFP4_WEIGHTS.size), name)
-    table.initializer = ir.Constant(table.type.pointee, [float(v) for v in MXFP4_WEIGHTS.reshape(-1)])
-    table.global_constant = True
-    table.linkage = "internal"
-    table.align = 64
-    return table
+    return constant_table(module, "llamatrace_mxfp4_weights", lambda: ir.Constant(
+        ir.ArrayType(ir.FloatType(), MXFP4_WEIGHTS.size), [float(v) for v in MXFP4_WEIGHTS.reshape(-1)]), align=64)
 
 
 def _mxfp4_wide(k: VectorTile, qs, qb):
@@ -484,11 +480,11 @@ _WIDE_BLOCK = {"q4k": _q4k_wide, "q6k": _q6k_wide, "mxfp4": _mxfp4_wide}
 # one slot: a work item's tile of rows in one kernel
 
 
-AHEAD = {"q4k": 4096, "q6k": 4096, "mxfp4": 8192, "q8_0": 4096}
+AHEAD = {"q4k": 4096, "q6k": 4096, "mxfp4": 8192 if WIDE else 4096, "q8_0": 4096}
 """Bytes ahead of the block being read that each block asks into L2: the file's 4 KiB pages stop
 the hardware's prefetch at every page, which a running read does not. MXFP4's zmm kernel
 (gpt-oss-4's experts of a decode step, one thread, cold, Zen 4): 4 KiB 10.8, 8 KiB 12.8, 16 KiB
-12.7 GB/s (measured there only; AVX2 hosts take the same distance)."""
+12.7 GB/s; the ymm one keeps 4 KiB (not measured since)."""
 
 
 def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False):
@@ -497,7 +493,8 @@ def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False
     sums of x at ``sums_at``: Q4_K's per sub-block, Q6_K's per lane), a group after the other: each
     group's products summed (one chain a group: the groups overlap), less the vector of sums at
     the group's third item if it has one (Q6_K), then times its scale (a float or a vector of the
-    lanes' scales). The rows share each load of x. Returns each row's new ``accs``. With
+    lanes' scales); a group whose scale is None holds the weights themselves (:func:`_mxfp4_wide`):
+    its vector n goes by one FMA into sums n. The rows share each load of x. Returns each row's new ``accs``. With
     ``subnormal`` (the quants are float32 subnormals) each chain starts as an FMA into zero, not a
     multiply: a ``vmulps`` with a subnormal input ran the Q4_K kernel at half speed on Zen 3, an FMA
     at full (docs/performance.md)."""
@@ -539,17 +536,19 @@ conversion: :data:`KIND` 0 and 1, their x scaled by :func:`_matmul_id`; DAZ is o
 (:func:`llamatrace.kernels.tiles.daz_off`)."""
 
 ROWS_1 = {"q6k": 2}
-"""Weight rows one slot's kernel runs at once (:func:`_tile_ir`; 1 for the kinds not named): Q6_K's
-two rows share their loads of x (1.07x; Q4_K and MXFP4 ran no faster so). On zmm (:data:`WIDE`)
-MXFP4 takes two as well (:func:`_mxfp4_wide`: its two chains a row, one FMA a block each, wait on
-the FMA's latency with one row; 1.12x with two)."""
+"""Weight rows one slot's ymm kernel runs at once (:func:`_tile_ir`; 1 for the kinds not named): Q6_K's
+two rows share their loads of x (1.07x; Q4_K and MXFP4 ran no faster so)."""
+ROWS_1_WIDE = {"q6k": 2, "mxfp4": 2}
+"""The same on zmm (:data:`WIDE`): MXFP4 takes two as well (:func:`_mxfp4_wide`: its two chains a
+row, one FMA a block each, wait on the FMA's latency with one row; 1.12x with two)."""
 
 ACC_1 = {"q4k": 1}
 """Vectors of sums a row of one slot keeps in registers (:func:`_tile_ir`; 2 for the kinds not
 named): each group's products are a chain of their own, so few suffice; Q4_K ran 1.05x with one
-than with two (its 9 FMAs a block into it are not what bounds it). On zmm (:data:`WIDE`) Q4_K
-keeps two, Q6_K one (the ymm kernel's two side by side), MXFP4 two (the low nibbles' products and
-the high ones')."""
+than with two (its 9 FMAs a block into it are not what bounds it)."""
+ACC_1_WIDE = {"q6k": 1}
+"""The same on zmm (:data:`WIDE`): Q6_K one (the ymm kernel's two side by side), Q4_K two, MXFP4
+two (the low nibbles' products and the high ones')."""
 
 
 def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
@@ -562,7 +561,7 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
     _, per_block, block_bytes, sums = _KINDS[kind]
     sums_at = b.add(x_at, b.mul(n_blocks, c64(per_block)))
     wide = k.lanes == 16                 # zmm: Q6_K's one vector is the ymm kernel's two side by side
-    n_acc = (1 if kind == "q6k" else 2) if wide else ACC_1.get(kind, 2)
+    n_acc = (ACC_1_WIDE if wide else ACC_1).get(kind, 2)
     block_of = _WIDE_BLOCK[kind] if wide else functools.partial(_BLOCK[kind], exact=False)
     ahead = AHEAD[kind]
     extra = {}
@@ -588,7 +587,7 @@ def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x,
             total = k.lane_sum(sums_[j * n_acc:(j + 1) * n_acc])
             b.store(total, k.ptr(out, b.add(out_at, b.add(r, c64(j))), k.f32), align=4)
 
-    step = 2 if wide and kind == "mxfp4" else ROWS_1.get(kind, 1)
+    step = (ROWS_1_WIDE if wide else ROWS_1).get(kind, 1)
     n_steps = b.udiv(n_rows, c64(step))
     k.block_loop(n_steps, 0, lambda i, _: rows(b.mul(i, c64(step)), step) or [])
     if step > 1:                                         # the last n_rows % step rows one by one
@@ -946,7 +945,7 @@ def _gather(kind, x, src, alone, x_order, alone_order, alone_exp, sums, xe, i):
                 for v in range(4):
                     acc += x[src, 32 * g + x_order[8 * v + lane]]
                 xe[i, n_in + 8 * g + lane] = np.float32(acc * down)
-    if alone:
+    if alone and kind < 2:                           # the subnormal kinds' scale back (none for MXFP4)
         xe[i, n_in + n_in // 32 * (sums // 8)] = np.float32(2.0 ** (SUBNORMAL_BIAS - k))
 
 
