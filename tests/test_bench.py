@@ -10,6 +10,7 @@ from cli_helpers import assert_one_line_error, run
 
 from llamatrace.analysis import bench
 from llamatrace.kernels.int8 import amx
+from llamatrace.machine import probe
 from llamatrace.peers import exit_reason
 
 
@@ -34,6 +35,10 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     roof = ours["roofline"]
     assert roof["decode_gb_s"] == pytest.approx(report["cost"]["weight_bytes"] * ours["decode_median"] / 1e9)
     assert roof["decode_of_read_bw"] == pytest.approx(roof["decode_gb_s"] / report["machine"]["read_gb_s"])
+    # the f32 mode's limit: float32 multiply-adds, measured where the CPU has FMA3
+    assert report["machine"]["f32_isa"] == probe.fma_isa() and (report["machine"]["f32_gmac_s"] > 0) == bool(probe.fma_isa())
+    if probe.fma_isa():
+        assert roof["prefill_of_f32_peak"] == pytest.approx(roof["prefill_gmac_s"] / report["machine"]["f32_gmac_s"])
     assert report["machine"]["read_small_pages_gb_s"] > 0
     assert len(report["machine"]["read_between_runs_gb_s"]) == 2 and min(report["machine"]["read_between_runs_gb_s"]) > 0
     # 2 MiB pages, counted in bytes (smaps_rollup says kB), within what the process holds
@@ -67,6 +72,10 @@ def test_bench_table(capsys, tiny_model_path):
     # the AMX peak beside the others where the tiles are available, and which prefill runs, and why
     assert ("of the AMX peak" in out) == ("AMX int8" in out) == amx.available().on
     assert f"AMX prefill: {amx.describe(())}" in " ".join(out.split())
+    # the f32 engine's prefill against the float32 peak, not the int8 one
+    flat = " ".join(out.split())
+    assert (f"G/s ({probe.fma_isa()})" in flat) == ("of the float32 peak" in flat) == bool(probe.fma_isa())
+    assert "llamatrace f32: prefill" in flat and "of the int8 peak" not in flat
 
 
 def test_bench_runs_each_activations_mode_as_an_engine(capsys, tiny_model_path):

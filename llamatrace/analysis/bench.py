@@ -215,7 +215,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
         raise OptionError(f"--background-load must be 0 or more busy loops, got {background_load}")
     modes = list(dict.fromkeys(check_activations(a) for a in (activations or ("f32",))))
     check_engines([a for a in against if a != "llamatrace"])
-    engines = [_ours(mode) for mode in modes] + [a for a in dict.fromkeys(against) if a != "llamatrace"]
+    engines = [engine_name(mode) for mode in modes] + [a for a in dict.fromkeys(against) if a != "llamatrace"]
     peer_threads = threads or usable_cpus()      # ours: None = AutoThreads, as by default
     n_ctx = prompt_tokens + decode_tokens + 8
     path = str(Path(model_path).resolve())
@@ -232,7 +232,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
             workers[name] = _Worker(name, path, threads if ours else peer_threads, n_ctx)
         results = {name: w.result for name, w in workers.items()}
         # after the engines' processes exist: a child inherits its parent's peak RSS at fork
-        progress("measuring the machine's read bandwidth and int8 multiply-add peak")
+        progress("measuring the machine's read bandwidth and multiply-add peaks")
         # AMX against VNNI only where a q8 engine runs: the f32 kernels never use the tiles
         machine = measure_machine(peer_threads, amx_types=matrix_types if "q8" in modes else ())
         words = read_buffer()                            # read again after each round of runs
@@ -284,7 +284,7 @@ def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -
     return cost, tuple(sorted(by_type, key=by_type.get, reverse=True)), config
 
 
-def _ours(activations: str) -> str:
+def engine_name(activations: str) -> str:
     """The engine name of llamatrace in an activations mode."""
     return f"llamatrace {activations}"
 

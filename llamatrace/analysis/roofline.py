@@ -13,6 +13,10 @@ Two limits, measured on the machine the benchmark runs on (:mod:`llamatrace.mach
 - **int8 multiply-add peak** (G/s): prefill's 8-bit kernels (ours in ``q8``, llama.cpp's) are made
   of ``vpdpbusd`` / ``vpmaddubsw``, so the weights' multiply-adds per token times prefill tokens per
   second is the fraction of that peak it reaches;
+- **float32 multiply-add peak** (G/s): ``vfmadd231ps`` chains, the arithmetic of the ``f32`` mode,
+  whose kernels make each weight a float32 and multiply-add it with the float32 activations: its
+  prefill is held to this peak, not the int8 one (a ceiling of ``peak / prefill_macs`` tokens a
+  second before any weight is made);
 - **AMX int8 peak** (G/s), where the CPU has AMX and the OS grants it (:func:`llamatrace.kernels.int8.amx.available`):
   ``tdpbssd`` chains on the tiles, the limit of the AMX prefill kernels; elsewhere the reason it is
   not measured (``not available: no amx_int8``). There, too, the AMX and the VNNI prefill of
@@ -33,6 +37,8 @@ import numpy as np
 
 _READ_BYTES = 1 << 30          # far past any cache
 _DOT_STEPS = 4_000_000         # ~0.1-0.4 s a thread
+_FMA_STEPS = 2_000_000         # ~0.1-0.3 s a thread
+_FMA_A, _FMA_B = 1.0, 2.0 ** -20   # sums exact in float32 (fma_peak_np)
 _AMX_STEPS = 2_000_000         # 4 tdpbssd a step: ~0.1 s a thread at 1.3 T multiply-adds/s (the issue's figure)
 
 
@@ -47,7 +53,9 @@ class Machine:
     ``read_small_pages_gb_s``: the read from memory on the pages of weights packed without the cache
     (:func:`read_bandwidth`; 0 where not measured); ``read_between_runs_gb_s``: one read on 2 MiB
     pages after each round of a benchmark's runs (a machine shared with other work reads slower in
-    some rounds than in others: the decode fractions divide by ``read_gb_s`` all the same)."""
+    some rounds than in others: the decode fractions divide by ``read_gb_s`` all the same);
+    ``f32_gmac_s``: the float32 multiply-add peak (1e9 a second, ``threads`` threads; 0 where not
+    measured), ``f32_isa`` its instruction."""
 
     threads: int
     read_gb_s: float
@@ -58,6 +66,8 @@ class Machine:
     amx_matmuls: list[dict] = field(default_factory=list)
     read_small_pages_gb_s: float = 0.0
     read_between_runs_gb_s: list[float] = field(default_factory=list)
+    f32_gmac_s: float = 0.0
+    f32_isa: str = ""
 
 
 @dataclass
@@ -107,7 +117,8 @@ def read_bandwidth(threads: int, repeats: int = 3, words: np.ndarray | None = No
 
 def measure_machine(threads: int, repeats: int = 3, amx_types: tuple[str, ...] = ()) -> Machine:
     """Best of ``repeats`` runs of each probe on ``threads`` threads (a 1 GiB read on 2 MiB pages,
-    then on small pages: :func:`read_bandwidth`; 8 chains of int8 multiply-adds a thread; 4 chains
+    then on small pages: :func:`read_bandwidth`; 8 chains of int8 multiply-adds a thread, and of
+    float32 ones (:func:`llamatrace.machine.probe.fma_peak`); 4 chains
     of ``tdpbssd`` a thread, and the AMX and VNNI prefill of each of ``amx_types`` (GGML type
     names; those AMX serves) on the same matmul, where AMX is available). ``int8_gmac_s`` is 0 on
     CPUs without AVX2."""
@@ -126,6 +137,15 @@ def measure_machine(threads: int, repeats: int = 3, amx_types: tuple[str, ...] =
             probe.dot_peak(_DOT_STEPS, threads, 0x04030201, 0x01FE0302)
             best_dot = min(best_dot, time.perf_counter() - t0)
         gmac = _DOT_STEPS * probe.CHAINS * probe.macs_per_step(isa) * threads / best_dot / 1e9
+    f32_isa, f32_gmac = probe.fma_isa(), 0.0
+    if f32_isa:
+        a, b, best_fma = np.float32(_FMA_A), np.float32(_FMA_B), float("inf")
+        probe.fma_peak(8, threads, a, b)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            probe.fma_peak(_FMA_STEPS, threads, a, b)
+            best_fma = min(best_fma, time.perf_counter() - t0)
+        f32_gmac = _FMA_STEPS * probe.CHAINS * probe.fma_lanes(f32_isa) * threads / best_fma / 1e9
     amx_gmac, amx_matmuls = 0.0, []
     if amx.available().on:
         peak, best_amx = amx.hw_dot_peak(), float("inf")
@@ -137,7 +157,8 @@ def measure_machine(threads: int, repeats: int = 3, amx_types: tuple[str, ...] =
         amx_gmac = _AMX_STEPS * amx.PEAK_MACS_PER_STEP * threads / best_amx / 1e9
         amx_matmuls = [amx.measure(amx.KINDS[name]).row() for name in amx_types if name in amx.KINDS]
     return Machine(threads=threads, read_gb_s=read_gb_s, int8_gmac_s=gmac, isa=isa, amx_gmac_s=amx_gmac,
-                   amx=amx.describe(amx_types), amx_matmuls=amx_matmuls, read_small_pages_gb_s=read_small_gb_s)
+                   amx=amx.describe(amx_types), amx_matmuls=amx_matmuls, read_small_pages_gb_s=read_small_gb_s,
+                   f32_gmac_s=f32_gmac, f32_isa=f32_isa)
 
 
 def token_cost(gguf_file) -> TokenCost:
@@ -160,10 +181,11 @@ def token_cost(gguf_file) -> TokenCost:
 
 def fractions(cost: TokenCost, machine: Machine, prefill_tok_s: float, decode_tok_s: float) -> dict[str, float]:
     """``prefill_gmac_s`` (from :attr:`TokenCost.prefill_macs`) and ``decode_gb_s`` an engine reached, and their fractions (0-1) of
-    the machine's int8 peak (``prefill_of_amx_peak``: its AMX peak) and read bandwidth (``nan``
-    where a limit was not measured)."""
+    the machine's int8 peak (``prefill_of_amx_peak``: its AMX peak; ``prefill_of_f32_peak``: its
+    float32 peak) and read bandwidth (``nan`` where a limit was not measured)."""
     gmac = cost.prefill_macs * prefill_tok_s / 1e9
     gbs = cost.weight_bytes * decode_tok_s / 1e9
     return {"prefill_gmac_s": gmac, "prefill_of_int8_peak": gmac / machine.int8_gmac_s if machine.int8_gmac_s else float("nan"),
             "prefill_of_amx_peak": gmac / machine.amx_gmac_s if machine.amx_gmac_s else float("nan"),
+            "prefill_of_f32_peak": gmac / machine.f32_gmac_s if machine.f32_gmac_s else float("nan"),
             "decode_gb_s": gbs, "decode_of_read_bw": gbs / machine.read_gb_s if machine.read_gb_s else float("nan")}

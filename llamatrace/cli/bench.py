@@ -34,8 +34,9 @@ def bench(
     """Time load, prefill and decode, and measure peak memory (each engine in its own process,
     runs interleaved so a noisy machine slows every engine alike).
 
-    It also measures the machine's two limits (read bandwidth; the int8 multiply-add peak of the
-    instruction 8-bit kernels use) and shows how far each engine's prefill and decode get. The
+    It also measures the machine's limits (read bandwidth; the int8 multiply-add peak of the
+    instruction 8-bit kernels use; the float32 one, the f32 mode's) and shows how far each engine's
+    prefill and decode get. The
     read is of memory on 2 MiB pages, then on small pages (those of weights packed with
     --no-cache), and again after each round of runs; beside each engine, how much of its memory
     is on 2 MiB pages. Decode is timed as each engine's greedy loop runs: forward pass and argmax.
@@ -54,7 +55,7 @@ def bench(
     """
     from rich.table import Table
 
-    from llamatrace.analysis.bench import run_bench
+    from llamatrace.analysis.bench import engine_name, run_bench
     from llamatrace.kernels.int8.amx import CALIBRATION_ROUNDS
 
     for mode in activations or ():
@@ -77,6 +78,7 @@ def bench(
     m, cost = report.machine, report.cost
     peak = f"int8 multiply-adds {m.int8_gmac_s:.0f} G/s ({m.isa})" if m.int8_gmac_s else "no int8 peak (no AVX2)"
     peak += f", AMX int8 {m.amx_gmac_s:.0f} G/s (tdpbssd)" if m.amx_gmac_s else ""
+    peak += f", float32 {m.f32_gmac_s:.0f} G/s ({m.f32_isa})" if m.f32_gmac_s else ""
     between = m.read_between_runs_gb_s
     out.print(f"limits on {plural(m.threads, 'thread')}: reads {m.read_gb_s:.1f} GB/s "
               f"({m.read_small_pages_gb_s:.1f} on small pages; {min(between):.1f}–{max(between):.1f} between the "
@@ -114,8 +116,11 @@ def bench(
     out.print(table)
     for r in report.results:
         roof = report.roofline(r)
-        peaks = [f"{roof['prefill_of_int8_peak']:.0%} of the int8 peak"] if m.int8_gmac_s else []
-        peaks += [f"{roof['prefill_of_amx_peak']:.0%} of the AMX peak"] if m.amx_gmac_s else []
+        if r.engine == engine_name("f32"):   # float32 multiply-adds: the int8 peaks are not its limit
+            peaks = [f"{roof['prefill_of_f32_peak']:.0%} of the float32 peak"] if m.f32_gmac_s else []
+        else:
+            peaks = [f"{roof['prefill_of_int8_peak']:.0%} of the int8 peak"] if m.int8_gmac_s else []
+            peaks += [f"{roof['prefill_of_amx_peak']:.0%} of the AMX peak"] if m.amx_gmac_s else []
         of_peak = f" ({', '.join(peaks)})" if peaks else ""
         out.print(f"{r.engine}: prefill {roof['prefill_gmac_s']:.3g} G multiply-adds/s{of_peak}, decode "
                   f"{roof['decode_gb_s']:.3g} GB/s of weights ({roof['decode_of_read_bw']:.0%} of the read bandwidth; "

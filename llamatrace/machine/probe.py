@@ -1,4 +1,4 @@
-"""The machine's two limits for ``bench``'s roofline: memory read bandwidth and int8 multiply-add peak.
+"""The machine's limits for ``bench``'s roofline: memory read bandwidth, int8 and float32 multiply-add peaks.
 
 - :func:`read_words`: every thread sums its share of a large uint64 array, a STREAM-like read
   (decode streams the weights once a token, so read bandwidth is its limit). NumPy twin:
@@ -8,6 +8,9 @@
   multiply-adds an instruction), 256-bit ``vpdpbusd`` on AVX-VNNI, else AVX2's ``vpmaddubsw`` +
   ``vpmaddwd`` + ``vpaddd`` (32). Inline asm, so LLVM can neither fold nor reorder the chains.
   NumPy twin: :func:`dot_peak_np` (the same int32 checksum).
+- :func:`fma_peak`: the same for float32 multiply-adds, the ``f32`` mode's arithmetic (its kernels
+  make each weight a float and multiply-add it): ``vfmadd231ps`` on zmm where AVX-512 is, else on
+  ymm (16 or 8 multiply-adds an instruction). NumPy twin: :func:`fma_peak_np`.
 
 The AMX int8 peak (``tdpbssd`` chains on the tiles) is :func:`llamatrace.kernels.int8.amx.make_dot_peak`,
 written once against the tile operations like the AMX kernels, and measured only where
@@ -142,6 +145,91 @@ def _dot_chains(typingctx, n_steps, a_word, b_word):
         return s
 
     return types.int32(n_steps, a_word, b_word), codegen
+
+
+def fma_isa() -> str:
+    """The float32 multiply-add :func:`fma_peak` runs on this CPU: ``"vfmadd231ps zmm"``,
+    ``"vfmadd231ps ymm"`` (``""``: no FMA3, no probe)."""
+    f = target_features()
+    if "avx512f" in f:
+        return "vfmadd231ps zmm"
+    return "vfmadd231ps ymm" if {"fma", "avx2"} <= f else ""
+
+
+def fma_lanes(isa: str) -> int:
+    """float32 multiply-adds in one step of one :func:`fma_peak` chain: 16 for zmm, 8 for ymm."""
+    return 16 if "zmm" in isa else 8
+
+
+@intrinsic
+def _fma_chains(typingctx, n_steps, a, b):
+    """float32: the sum over lanes and chains of :data:`CHAINS` accumulators, each given ``n_steps``
+    ``acc += a * b`` (``a``, ``b`` float32 broadcast to every lane), one ``vfmadd231ps`` a step."""
+    if not (isinstance(n_steps, types.Integer) and a == types.float32 and b == types.float32):
+        return None
+    isa = fma_isa()
+    lanes = fma_lanes(isa)
+    f32 = ir.FloatType()
+    vec = ir.VectorType(f32, lanes)
+    reg = "v" if "zmm" in isa else "x"
+
+    def codegen(context, builder, signature, args):
+        n = builder.sext(args[0], _I64) if args[0].type.width < 64 else args[0]
+
+        def splat(x):
+            v = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(_I32, 0))
+            return builder.shuffle_vector(v, ir.Constant(vec, None), ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
+
+        va, vb = splat(args[1]), splat(args[2])
+        fma = ir.InlineAsm(ir.FunctionType(vec, [vec, vec, vec]), "vfmadd231ps $3, $2, $0", f"={reg},0,{reg},{reg}")
+        entry = builder.basic_block
+        loop = builder.append_basic_block("fma_loop")
+        done = builder.append_basic_block("fma_done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(_I64)
+        accs = [builder.phi(vec) for _ in range(CHAINS)]
+        zero = ir.Constant(vec, [0.0] * lanes)
+        new = [builder.call(fma, [acc, va, vb]) for acc in accs]
+        i_next = builder.add(i, ir.Constant(_I64, 1))
+        i.add_incoming(ir.Constant(_I64, 0), entry)
+        i.add_incoming(i_next, loop)
+        for acc, nxt in zip(accs, new):
+            acc.add_incoming(zero, entry)
+            acc.add_incoming(nxt, loop)
+        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+        builder.position_at_end(done)
+        outs = [builder.phi(vec) for _ in range(CHAINS)]
+        for out, nxt in zip(outs, new):
+            out.add_incoming(zero, entry)
+            out.add_incoming(nxt, loop)
+        total = outs[0]
+        for out in outs[1:]:
+            total = builder.fadd(total, out)
+        s = builder.extract_element(total, ir.Constant(_I32, 0))
+        for lane in range(1, lanes):
+            s = builder.fadd(s, builder.extract_element(total, ir.Constant(_I32, lane)))
+        return s
+
+    return types.float32(n_steps, a, b), codegen
+
+
+@njit(**JIT_EXACT_PARALLEL)
+def fma_peak(n_steps, n_threads, a, b):
+    """float32 [n_threads]: each thread's :func:`_fma_chains` checksum after ``n_steps`` steps of
+    :data:`CHAINS` chains (``n_steps * CHAINS * fma_lanes`` multiply-adds a thread); ``a``, ``b``
+    float32."""
+    out = np.zeros(n_threads, np.float32)
+    for t in prange(n_threads):
+        out[t] = _fma_chains(n_steps, a, b)
+    return out
+
+
+def fma_peak_np(n_steps: int, n_threads: int, a: float, b: float, isa: str) -> np.ndarray:
+    """NumPy twin of :func:`fma_peak` where every partial sum is a float32 exactly (``a * b`` a power
+    of two, ``n_steps * a * b`` below 2**24 of it): ``n_steps * a * b`` per lane and chain, summed."""
+    per_lane = np.float64(n_steps) * np.float64(np.float32(a)) * np.float64(np.float32(b))
+    return np.full(n_threads, per_lane * CHAINS * fma_lanes(isa), np.float32)
 
 
 @njit(**JIT_EXACT_PARALLEL)
