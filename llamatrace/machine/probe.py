@@ -169,8 +169,7 @@ def _fma_chains(typingctx, n_steps, a, b):
         return None
     isa = fma_isa()
     lanes = fma_lanes(isa)
-    f32 = ir.FloatType()
-    vec = ir.VectorType(f32, lanes)
+    vec, mask = ir.VectorType(ir.FloatType(), lanes), ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
     reg = "v" if "zmm" in isa else "x"
 
     def codegen(context, builder, signature, args):
@@ -178,7 +177,7 @@ def _fma_chains(typingctx, n_steps, a, b):
 
         def splat(x):
             v = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(_I32, 0))
-            return builder.shuffle_vector(v, ir.Constant(vec, None), ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes))
+            return builder.shuffle_vector(v, ir.Constant(vec, None), mask)
 
         va, vb = splat(args[1]), splat(args[2])
         fma = ir.InlineAsm(ir.FunctionType(vec, [vec, vec, vec]), "vfmadd231ps $3, $2, $0", f"={reg},0,{reg},{reg}")
