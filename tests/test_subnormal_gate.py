@@ -3,7 +3,8 @@ convert them (:data:`llamatrace.kernels.tiles.SUBNORMAL_BIAS`): Intel documents 
 on subnormal operands, so only AMD's Zen cores (LLVM's ``znver*``) take the subnormal path. The
 other path is what every non-Zen machine runs, so it is compiled here for another CPU name (in a
 subprocess: the choice is a constant of the compiled kernels, keyed as Numba's cache is) and held
-to the float64 reference."""
+to the float64 reference: for ``haswell`` (ymm), and on an AVX-512 host for ``icelake-server`` too
+(the zmm kernels an Intel AVX-512 CPU runs)."""
 
 from __future__ import annotations
 
@@ -28,18 +29,19 @@ from llamatrace.machine.jit import subnormal_fma_full_speed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _env(cpu: str) -> dict[str, str]:
+def _env(cpu: str, avx512: bool = False) -> dict[str, str]:
     """The environment of a child that compiles for ``cpu`` with the host's features less the
-    ones that CPU lacks and the kernels would pick (AVX-512, AMX, VNNI)."""
-    features = sorted(f for f, on in llvm_binding.get_host_cpu_features().items()
-                      if on and not f.startswith(("avx512", "amx", "avxvnni")))
+    ones that CPU lacks and the kernels would pick (AVX-512 unless ``avx512``, AMX, VNNI)."""
+    dropped = ("amx", "avxvnni") if avx512 else ("avx512", "amx", "avxvnni")
+    features = sorted(f for f, on in llvm_binding.get_host_cpu_features().items() if on and not f.startswith(dropped))
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES=",".join("+" + f for f in features))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     return env
 
 
-def _child(cpu: str, code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", code], env=_env(cpu), capture_output=True, text=True, timeout=900)
+def _child(cpu: str, code: str, avx512: bool = False) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env=_env(cpu, avx512), capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 
@@ -70,6 +72,20 @@ print(json.dumps(out))
 def test_the_converted_path_a_non_zen_cpu_runs():
     """Also MXFP4's ymm one-slot kernel, which every AVX2 host runs (no subnormals: the same on Intel)."""
     errors = json.loads(_child("haswell", CONVERTED))
+    assert set(errors) == {"Q4_K gemv", "Q4_K one slot", "Q6_K gemv", "Q6_K one slot", "MXFP4 one slot"}
+    for name, err in errors.items():
+        assert err < (1e-6 if name.startswith("MXFP4") else 1e-5), (name, err)
+
+
+@pytest.mark.skipif(not mul_mat_id_f32.WIDE, reason="compiling zmm kernels for an Intel CPU needs AVX-512 here")
+def test_the_zmm_kernels_an_intel_avx512_cpu_runs():
+    """The zmm kernels as an Intel AVX-512 CPU (``icelake-server``) compiles them: the converted
+    path (no subnormals) on 16 lanes, which a Zen 4 host never runs by itself; held to the same
+    float64 references as the other paths."""
+    code = CONVERTED.replace("assert tiles.SUBNORMAL_BIAS == 0",
+                             "from llamatrace.kernels.types import mul_mat_id_f32\n"
+                             "assert tiles.SUBNORMAL_BIAS == 0 and mul_mat_id_f32.WIDE")
+    errors = json.loads(_child("icelake-server", code, avx512=True))
     assert set(errors) == {"Q4_K gemv", "Q4_K one slot", "Q6_K gemv", "Q6_K one slot", "MXFP4 one slot"}
     for name, err in errors.items():
         assert err < (1e-6 if name.startswith("MXFP4") else 1e-5), (name, err)
