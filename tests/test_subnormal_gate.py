@@ -93,12 +93,14 @@ def test_the_zmm_kernels_an_intel_avx512_cpu_runs():
 
 def mxfp4_one_slot_error() -> float:
     """MXFP4's one-slot kernel (zmm with AVX-512, else ymm), one slot an expert, against float64
-    sums over gguf-py's weights (E8M0 scales 0, 1 and 200 among them): the largest error of an
+    sums over gguf-py's weights (rows whose every block has E8M0 scale 0 or 1, weights down to
+    float32 subnormals, and a block of scale 200 among them): the largest error of an
     output over its ``sum |x| |w|``."""
     mx = gguf.GGMLQuantizationType.MXFP4
     rng = np.random.default_rng(9)
     raw = gguf.quants.quantize((rng.standard_normal((4 * 37, 2880)) * 0.02).astype(np.float32), mx)
-    raw.reshape(4 * 37, -1, 17)[[0, 1, 2], [0, 0, 5], 0] = 0, 1, 200
+    blocks = raw.reshape(4 * 37, -1, 17)
+    blocks[0, :, 0], blocks[1, :, 0], blocks[2, 5, 0] = 0, 1, 200     # expert 0's rows 0-2 (slot 1)
     experts = raw.reshape(4, 37, -1)
     experts.flags.writeable = False
     w = gguf.quants.dequantize(raw, mx).astype(np.float64).reshape(4, 37, 2880)
