@@ -191,7 +191,7 @@ def slots(ids: np.ndarray, n_expert: int) -> Slots:
     ids = np.asarray(ids)
     if ids.ndim != 2 or ids.dtype.kind not in "iu":
         raise ValueError(f"mul_mat_id: ids {ids.dtype} {list(ids.shape)} must be int [n_tokens, k]")
-    ok, flat, rows, own, order, starts, experts = _slots(np.ascontiguousarray(ids, dtype=np.int64), n_expert)
+    ok, flat, rows, own, order, starts, experts = _slots(np.ascontiguousarray(ids), n_expert)   # route's int32: no cast
     if not ok:
         raise ValueError(f"mul_mat_id: ids must be in 0..{n_expert - 1}")
     return Slots(flat, rows, own, order, starts, experts, ids.shape[0], n_expert)

@@ -295,45 +295,6 @@ def rope_neox_ref(x: np.ndarray, freqs_cis: np.ndarray) -> np.ndarray:
     return out.astype(np.float32)
 
 
-@njit(**JIT_EXACT)
-def _qk_norm_rope(xq, xk, q_norm, k_norm, eps, cos, sin, neox):
-    q = rmsnorm(xq.reshape(-1, q_norm.shape[0]), q_norm, eps).reshape(xq.shape)
-    k = rmsnorm(xk.reshape(-1, k_norm.shape[0]), k_norm, eps).reshape(xk.shape)
-    if neox:
-        return rope_neox(q, cos, sin), rope_neox(k, cos, sin)
-    return rope(q, cos, sin), rope(k, cos, sin)
-
-
-def qk_norm_rope(xq: np.ndarray, xk: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, eps: float,
-                 cos: np.ndarray, sin: np.ndarray, neox: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``rope(rmsnorm(xq))`` and the same of ``xk`` (:func:`rope_neox` if ``neox``) in one call, the
-    bits of the four calls: a decode step's four small calls cost ~25 µs a layer with the caches
-    cold after a matmul, one ~10.
-
-    Args:
-        xq, xk: float32 ``[seq_len, n_heads, head_dim]`` and ``[seq_len, n_kv_heads, head_dim]``.
-        q_norm, k_norm: float32 ``[head_dim]`` (each head's RMSNorm) or ``[n_heads * head_dim]``
-            and ``[n_kv_heads * head_dim]`` (one over all heads: OLMoE).
-        eps: the RMSNorm's epsilon.
-        cos, sin: float32 ``[seq_len, rope_dim/2]``, as :func:`rope`.
-        neox: rotate halves (:func:`rope_neox`), else adjacent pairs (:func:`rope`).
-
-    Returns:
-        The rotated queries and keys, float32, shaped as ``xq`` and ``xk`` (new arrays).
-    """
-    return _qk_norm_rope(np.ascontiguousarray(xq), np.ascontiguousarray(xk), q_norm, k_norm, float(eps),
-                         cos, sin, bool(neox))
-
-
-def qk_norm_rope_ref(xq: np.ndarray, xk: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, eps: float,
-                     freqs_cis: np.ndarray, neox: bool) -> tuple[np.ndarray, np.ndarray]:
-    """NumPy twin of :func:`qk_norm_rope` (``freqs_cis`` complex ``[seq_len, rope_dim/2]``)."""
-    rot = rope_neox_ref if neox else rope_ref
-    q = rmsnorm_ref(xq.reshape(-1, q_norm.shape[0]), q_norm, eps).reshape(xq.shape)
-    k = rmsnorm_ref(xk.reshape(-1, k_norm.shape[0]), k_norm, eps).reshape(xk.shape)
-    return rot(q, freqs_cis), rot(k, freqs_cis)
-
-
 # ---------------------------------------------------------------------------------------------
 # Causal mask and softmax
 # ---------------------------------------------------------------------------------------------
