@@ -200,8 +200,8 @@ class RopeAngles:
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def __call__(self, start_pos: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``freqs_cis`` complex64 ``[seq_len, rope_dim/2]`` (positions ``start_pos …``) and its real
-        and imaginary parts, float32 C-contiguous; read-only when they are rows of a kept block."""
+        """``freqs_cis`` complex64 ``[seq_len, rope_dim/2]`` (positions ``start_pos …``; read-only when
+        rows of a kept block) and its real and imaginary parts, float32 C-contiguous (not to be written)."""
         b, at = divmod(start_pos, self.BLOCK)
         if at + seq_len > self.BLOCK:
             freqs = precompute_freqs_cis(self.inv_freq, start_pos, seq_len, self.mscale)
@@ -212,8 +212,9 @@ class RopeAngles:
                 del self._blocks[next(iter(self._blocks))]       # the oldest
             freqs = precompute_freqs_cis(self.inv_freq, b * self.BLOCK, self.BLOCK, self.mscale)
             table = self._blocks[b] = (freqs, np.ascontiguousarray(freqs.real), np.ascontiguousarray(freqs.imag))
-            for a in table:
-                a.flags.writeable = False
+            # freqs_cis is emitted: read-only; cos and sin stay writable (a read-only argument sends a
+            # Numba call through its slow type lookup, ~1 µs an array with the caches cold)
+            freqs.flags.writeable = False
         return tuple(a[at:at + seq_len] for a in table)
 
 
