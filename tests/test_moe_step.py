@@ -2,9 +2,8 @@
 forms they replace: the same ids, groups and float32 bits.
 
 - the router's top-k keeps k indices, not the whole insertion sort (``route``);
-- the slots are grouped by expert in one Numba call (``_group``, twin ``groups``), once a layer
-  for both calls (``slots``, twin ``slots_ref``; ``ExpertParts.grouped``), and the experts'
-  parts are checked once (``ExpertParts``), not at every ``mul_mat_id`` call;
+- the slots are grouped by expert in one Numba call (``_group``, twin ``groups``), and the
+  experts' parts are checked once (``ExpertParts``), not at every ``mul_mat_id`` call;
 - gpt-oss's per-expert biases go into the gated activation (``expert_glu``) and the weighted sum
   (``combine``) instead of separate adds;
 - a decode step's attention scores, scaling, softmax and values are one call (``attention_decode``)
@@ -63,19 +62,6 @@ def test_group_refuses_an_id_or_a_row_out_of_range():
     assert not mmid._group(np.array([3, 4]), np.array([0, 1]), 128, 1)[0]
 
 
-@pytest.mark.parametrize("n_tokens, k", [(1, 8), (3, 4), (37, 2), (0, 4)])
-def test_slots_are_their_twin_in_one_call(n_tokens, k):
-    ids = np.random.default_rng(k).integers(0, 128, (n_tokens, k)).astype(np.int32)
-    got, want = mmid.slots(ids, 128), mmid.slots_ref(ids, 128)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
-        assert np.asarray(a).dtype == np.asarray(b).dtype
-    with pytest.raises(ValueError, match="ids must be in 0..127"):
-        mmid.slots(np.array([[3, 128]]), 128)
-    with pytest.raises(ValueError, match=r"int \[n_tokens, k\]"):
-        mmid.slots(np.array([3, 4]), 128)
-
-
 @pytest.fixture
 def raw():
     """The stand-in mul_mat_id kernels (tests/raw_experts.py): the checks, not the kernels, are tested."""
@@ -107,22 +93,6 @@ def test_expert_parts_run_as_mul_mat_id_and_check_each_call(raw, acts):
         run(x, ids, np.array([0, 0, 1, 1, 2, 3]))
     with pytest.raises(ValueError, match=r"must be \[n_rows, 64\]"):
         run(x[:, :32], ids, rows)
-
-
-@pytest.mark.parametrize("acts", ["f32", "q8"])
-def test_expert_parts_grouped_once_are_the_calls(raw, acts):
-    parts = (_experts("gate", 6, 64, 0), _experts("up", 6, 64, 1))
-    run = mmid.ExpertParts(parts, acts)
-    x = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
-    ids = np.array([[4, 0], [4, 2], [1, 0]], np.int32)
-    slots = mmid.slots(ids, 5)
-    np.testing.assert_array_equal(run.grouped(x, slots, True), run(x, ids.reshape(-1), np.array([0, 0, 1, 1, 2, 2])))
-    h = np.random.default_rng(3).standard_normal((6, 64)).astype(np.float32)
-    np.testing.assert_array_equal(run.grouped(h, slots, False), run(h, ids.reshape(-1)))
-    with pytest.raises(ValueError, match=r"must be \[3, 64\]"):
-        run.grouped(h, slots, True)
-    with pytest.raises(ValueError, match="of 6 experts, not 5"):
-        run.grouped(x, mmid.slots(ids, 6), True)
 
 
 def test_expert_parts_refuse_parts_that_differ_or_have_no_kernel(raw):

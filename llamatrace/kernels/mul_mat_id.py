@@ -21,7 +21,6 @@ quantize them (their dequantized values).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import gguf
 import numba
@@ -142,72 +141,6 @@ def _group(ids, rows, n_expert, n_rows):
     return True, order, starts[:n_groups + 1], experts[:n_groups]
 
 
-class Slots(NamedTuple):
-    """A mixture-of-experts layer's slots, grouped by expert once for both of its calls (gate|up,
-    then down: :meth:`ExpertParts.grouped`), from the router's choice ``ids`` int ``[n_tokens, k]``
-    (:func:`slots`): slot ``t*k + s`` is token ``t``'s ``s``-th expert.
-
-    Attributes:
-        ids: int64 ``[n_slots]``, each slot's expert (in ``0..n_expert-1``).
-        rows: int64 ``[n_slots]``, each slot's token ``t``.
-        own: int64 ``[n_slots]``, ``0..n_slots-1`` (each slot's own row, as the down call reads them).
-        order, starts, experts: the slots grouped by expert, as :func:`groups` gives them.
-        n_tokens, n_expert: the tokens, and the expert count the ids were checked against.
-    """
-
-    ids: np.ndarray
-    rows: np.ndarray
-    own: np.ndarray
-    order: np.ndarray
-    starts: np.ndarray
-    experts: np.ndarray
-    n_tokens: int
-    n_expert: int
-
-
-@njit(**JIT_EXACT)
-def _slots(ids, n_expert):
-    """:func:`slots` in one call (a decode step's NumPy conversions, two checks and two groupings
-    cost ~35 µs a layer with the caches cold after a matmul)."""
-    n_tokens, k = ids.shape
-    flat = np.empty(n_tokens * k, dtype=np.int64)
-    rows = np.empty(n_tokens * k, dtype=np.int64)
-    own = np.arange(n_tokens * k)
-    for t in range(n_tokens):
-        for s in range(k):
-            flat[t * k + s] = ids[t, s]
-            rows[t * k + s] = t
-    ok, order, starts, experts = _group(flat, rows, n_expert, n_tokens)
-    return ok, flat, rows, own, order, starts, experts
-
-
-def slots(ids: np.ndarray, n_expert: int) -> Slots:
-    """The :class:`Slots` of the router's choice ``ids`` (int ``[n_tokens, k]``, ``ffn_moe_topk``)
-    among ``n_expert`` experts.
-
-    Raises:
-        ValueError: ``ids`` not 2-D, or an id outside ``0..n_expert-1``.
-    """
-    ids = np.asarray(ids)
-    if ids.ndim != 2 or ids.dtype.kind not in "iu":
-        raise ValueError(f"mul_mat_id: ids {ids.dtype} {list(ids.shape)} must be int [n_tokens, k]")
-    ok, flat, rows, own, order, starts, experts = _slots(np.ascontiguousarray(ids), n_expert)   # route's int32: no cast
-    if not ok:
-        raise ValueError(f"mul_mat_id: ids must be in 0..{n_expert - 1}")
-    return Slots(flat, rows, own, order, starts, experts, ids.shape[0], n_expert)
-
-
-def slots_ref(ids: np.ndarray, n_expert: int) -> Slots:
-    """NumPy twin of :func:`slots` (:func:`groups`)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    if ids.ndim != 2 or ids.size and not (0 <= ids.min() and ids.max() < n_expert):
-        raise ValueError(f"mul_mat_id: ids must be in 0..{n_expert - 1}")
-    n_tokens, k = ids.shape
-    flat = ids.reshape(-1).copy()
-    return Slots(flat, np.arange(n_tokens, dtype=np.int64).repeat(k), np.arange(n_tokens * k, dtype=np.int64),
-                 *groups(flat), n_tokens, n_expert)
-
-
 class ExpertParts:
     """1 or more :class:`FileExperts` of one type, ``n_in`` and ``n_expert`` (gate's and up's,
     say), checked once for an activation mode's kernels: calling it is :func:`mul_mat_id` without
@@ -251,30 +184,6 @@ class ExpertParts:
         ok, order, starts, experts = _group(ids, rows, self.n_expert, x.shape[0])
         if not ok:
             raise _out_of_range(x, self.n_expert)
-        return self._run(x, rows, order, starts, experts)
-
-    def grouped(self, x: np.ndarray, slots: Slots, by_token: bool) -> np.ndarray:
-        """As a call with ``slots.ids``, grouped already (a layer groups its slots once for both calls).
-
-        Args:
-            x: float32 ``[n_tokens, n_in]`` (``by_token``: slot ``i`` reads row ``slots.rows[i]``, the
-                gate|up call) or ``[n_slots, n_in]`` (slot ``i`` reads row ``i``, the down call).
-            slots: :func:`slots` of the layer's choice, among this part's ``n_expert`` experts.
-
-        Returns:
-            float32 ``[n_slots, sum of the parts' n_out]``.
-
-        Raises:
-            ValueError: ``x`` of another shape, ``slots`` checked against another expert count.
-        """
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        n_rows = slots.n_tokens if by_token else slots.ids.shape[0]
-        if x.ndim != 2 or x.shape != (n_rows, self.n_in) or slots.n_expert != self.n_expert:
-            raise ValueError(f"mul_mat_id: x {list(x.shape)} must be [{n_rows}, {self.n_in}] and the slots' ids of "
-                             f"{slots.n_expert} experts, not {self.n_expert}")
-        return self._run(x, slots.rows if by_token else slots.own, slots.order, slots.starts, slots.experts)
-
-    def _run(self, x, rows, order, starts, experts) -> np.ndarray:
         if not _POOL:            # a parallel kernel loaded from Numba's cache needs the thread pool up first
             _POOL.append(numba.get_num_threads())       # (else: "Symbol not found: allocate_sched")
         return self._kernels.matmul_id(x, rows, order, starts, experts, self._datas, self.ggml_type)

@@ -139,43 +139,36 @@ class MoEWeights:
     def expert_hidden_dim(self) -> int:
         return int(self.w2.n_in if isinstance(self.w2, FileExperts) else self.w2[0].n_in)
 
-    def gate_up(self, x: np.ndarray, ids: np.ndarray | mmid.Slots, rows: np.ndarray | None = None) -> np.ndarray:
+    def gate_up(self, x: np.ndarray, ids: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
         """Each slot's gate|up product, without biases: slot ``i`` is row ``rows[i]`` of ``x``
-        (float32 ``[n_rows, dim]``; ``rows`` None: row ``i``) through expert ``ids[i]``; or, ``ids``
-        a :class:`~llamatrace.kernels.mul_mat_id.Slots`, its token's row through its expert
-        (``rows`` unused). float32 ``[n_slots, 2*expert_hidden_dim]``, gate's columns first."""
-        return self._slots("gate_up", (self.w13,) if self.w13 is not None else (self.w1, self.w3), x, ids, rows, True)
+        (float32 ``[n_rows, dim]``; ``rows`` None: row ``i``) through expert ``ids[i]``. float32
+        ``[n_slots, 2*expert_hidden_dim]``, gate's columns first."""
+        return self._slots("gate_up", (self.w13,) if self.w13 is not None else (self.w1, self.w3), x, ids, rows)
 
-    def down(self, h: np.ndarray, ids: np.ndarray | mmid.Slots) -> np.ndarray:
+    def down(self, h: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Each slot's down projection, without bias: row ``i`` of ``h`` (float32 ``[n_slots,
-        expert_hidden_dim]``) through expert ``ids[i]`` (or a :class:`~llamatrace.kernels.mul_mat_id.Slots`'
-        expert ``i``). float32 ``[n_slots, dim]``."""
-        return self._slots("down", (self.w2,), h, ids, None, False)
+        expert_hidden_dim]``) through expert ``ids[i]``. float32 ``[n_slots, dim]``."""
+        return self._slots("down", (self.w2,), h, ids, None)
 
-    def _slots(self, site: str, kinds: tuple[Experts, ...], x: np.ndarray, ids: np.ndarray | mmid.Slots,
-               rows: np.ndarray | None, by_token: bool) -> np.ndarray:
+    def _slots(self, site: str, kinds: tuple[Experts, ...], x: np.ndarray, ids: np.ndarray,
+               rows: np.ndarray | None) -> np.ndarray:
         """``x[rows[i]]`` through expert ``ids[i]`` of each kind, the kinds' outputs side by side:
         one :func:`~llamatrace.kernels.mul_mat_id.mul_mat_id` call when they are all in the file in
         one type (an :class:`~llamatrace.kernels.mul_mat_id.ExpertParts` checked once, kept per call
         ``site`` while its kinds stay the same objects: the recipe search reassigns them candidate
         after candidate, and each replaces the last), else kind by kind (packed ones expert by
-        expert, as ``ggml_mul_mat_id`` groups the rows). ``ids`` a :class:`~llamatrace.kernels.mul_mat_id.Slots`:
-        its grouping, and its tokens' rows where ``by_token``."""
+        expert, as ``ggml_mul_mat_id`` groups the rows)."""
         if all(isinstance(k, FileExperts) for k in kinds):
             kept = self._in_file.get(site)
             if kept is None or kept[0] != kinds:          # FileExperts compare by identity
                 one_type = len({k.ggml_type for k in kinds}) == 1
                 kept = self._in_file[site] = (kinds, mmid.ExpertParts(kinds, self.activations) if one_type else None)
             if kept[1] is not None:
-                if isinstance(ids, mmid.Slots):
-                    return kept[1].grouped(x, ids, by_token)
                 return kept[1](x, ids, rows)
-        if isinstance(ids, mmid.Slots):
-            ids, rows = ids.ids, (ids.rows if by_token else None)
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(kinds) > 1:
-            return np.concatenate([self._slots(f"{site}.{i}", (k,), x, ids, rows, by_token)
-                                   for i, k in enumerate(kinds)], axis=1)
+            return np.concatenate([self._slots(f"{site}.{i}", (k,), x, ids, rows) for i, k in enumerate(kinds)],
+                                  axis=1)
         w = kinds[0]
         rows = np.arange(ids.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
         out = np.empty((ids.shape[0], w[0].n_out), dtype=np.float32)
@@ -386,11 +379,10 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
                    layer, weights)
     if weights_norm is not None:
         weights = emit("ffn_moe_weights_norm", layer, weights_norm)
-    slots = mmid.slots(ids, opts.n_expert)      # slot t*k + s: slot s of token t, grouped by expert for both calls
-    flat = slots.ids
-    gate_up = mw.gate_up(x, slots)
+    flat = np.asarray(ids, dtype=np.int64).reshape(-1)          # slot t*k + s: slot s of token t
+    gate_up = mw.gate_up(x, flat, np.arange(seq_len, dtype=np.int64).repeat(k))
     if not watched(layer, *EXPERT_STAGES):      # biases, activation and weighted sum fused, the same numbers
-        down = mw.down(routing.expert_glu(gate_up, opts.act, mw.b13, flat), slots)
+        down = mw.down(routing.expert_glu(gate_up, opts.act, mw.b13, flat), flat)
         out = routing.combine(down.reshape(seq_len, k, -1), weights, mw.b2, flat)
         return _shared(x, mw, emit, layer, emit("ffn_moe_out", layer, out))
     ff = gate_up.shape[1] // 2
@@ -404,8 +396,7 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
         glu = emit("ffn_moe_swiglu_oai", layer, kernels.swiglu_oai(gate, up).reshape(seq_len, k, ff))
     else:
         glu = emit("ffn_moe_swiglu", layer, (kernels.silu(gate) * up).reshape(seq_len, k, ff))
-    down = mw.down(np.ascontiguousarray(glu.reshape(-1, ff)), slots)
-    down = emit("ffn_moe_down", layer, down.reshape(seq_len, k, -1))
+    down = emit("ffn_moe_down", layer, mw.down(np.ascontiguousarray(glu.reshape(-1, ff)), flat).reshape(seq_len, k, -1))
     if mw.b2 is not None:
         down = emit("ffn_moe_down_biased", layer, down + mw.b2[flat].reshape(seq_len, k, -1))
     weighted = emit("ffn_moe_weighted", layer, down * weights[:, :, None])

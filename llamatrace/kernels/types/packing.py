@@ -537,7 +537,7 @@ def get_rows(w: Weight | FileRows, ids: np.ndarray) -> np.ndarray:
     Raises ``IndexError`` if an id is outside ``[0, n_out)``.
     """
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    listed = ids.tolist()                 # a decode step's one id: Python's min and max, not two NumPy reductions
+    listed = ids.tolist()         # a decode step's one id: Python's min and max, not two NumPy reductions
     if listed and (min(listed) < 0 or max(listed) >= w.n_out):
         raise IndexError(f"{w.name}: row ids must be in [0, {w.n_out}), got {min(listed)}..{max(listed)}")
     if isinstance(w, FileRows):
