@@ -188,9 +188,10 @@ def precompute_freqs_cis(inv_freq: np.ndarray, start_pos: int, seq_len: int, msc
 class RopeAngles:
     """:func:`precompute_freqs_cis` of ``inv_freq`` and ``mscale`` with its cos and sin, for runs of
     positions: those within one block of :attr:`BLOCK` positions are rows of the block's table,
-    computed once (the last :attr:`KEEP` blocks kept). Each entry is computed on its own either
-    way, so the rows are the bits of a call of their own; a decode step's one position costs a
-    slice, not NumPy's complex exp (~50 µs a step with the caches cold after the matmuls)."""
+    computed once (up to :attr:`KEEP` blocks kept, then dropped together). Each entry is computed
+    on its own either way, so the rows are the bits of a call of their own; a decode step's one
+    position costs a slice, not NumPy's complex exp (~50 µs a step with the caches cold after the
+    matmuls)."""
 
     BLOCK = 256
     KEEP = 4
@@ -209,7 +210,7 @@ class RopeAngles:
         table = self._blocks.get(b)
         if table is None:
             if len(self._blocks) >= self.KEEP:
-                del self._blocks[next(iter(self._blocks))]       # the oldest
+                self._blocks.clear()             # one call, safe beside another thread's forward
             freqs = precompute_freqs_cis(self.inv_freq, b * self.BLOCK, self.BLOCK, self.mscale)
             table = self._blocks[b] = (freqs, np.ascontiguousarray(freqs.real), np.ascontiguousarray(freqs.imag))
             # freqs_cis is emitted: read-only; cos and sin stay writable (a read-only argument sends a
