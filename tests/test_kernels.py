@@ -37,6 +37,18 @@ def test_rope_matches_complex_twin(start_pos):
                                np.linalg.norm(x.reshape(4, 3, 16, 2), axis=-1), rtol=1e-5)
 
 
+def test_rope_angles_are_precompute_freqs_cis_bit_for_bit():
+    inv = K.rope_frequencies(64, 1e6)
+    angles = K.RopeAngles(inv, 1.25)
+    for start, n in [(0, 1), (5, 1), (255, 1), (256, 1), (300, 40), (250, 10), (2000, 1), (0, 128), (3, 1)]:
+        freqs, cos, sin = angles(start, n)
+        want = K.precompute_freqs_cis(inv, start, n, 1.25)
+        assert freqs.tobytes() == want.tobytes()
+        assert cos.tobytes() == want.real.tobytes() and sin.tobytes() == want.imag.tobytes()
+        assert cos.flags.c_contiguous and sin.flags.c_contiguous
+    assert len(angles._blocks) <= K.RopeAngles.KEEP
+
+
 def test_rope_partial_rotation_leaves_tail_untouched():
     fc = K.precompute_freqs_cis(K.rope_frequencies(16, 10000.0), 3, 2)
     x = randn(2, 2, 32)

@@ -143,6 +143,10 @@ class Llama:
         s = config.rope_scaling
         if config.local_layers and (config.rope_theta_local, s.freq_scale_local) != (config.rope_theta, s.freq_scale):
             self.inv_freq_local, self.rope_mscale_local = _rotary(config, local=True)
+        self._angles = kernels.RopeAngles(self.inv_freq, self.rope_mscale)        # kept by blocks of positions
+        self._angles_local = self._angles
+        if self.inv_freq_local is not self.inv_freq:
+            self._angles_local = kernels.RopeAngles(self.inv_freq_local, self.rope_mscale_local)
         self.load_s = load_s
         self.pack_cache = pack_cache or PackCache.off()     # .read: weights mapped from the cache
         self.activations = activations          # "f32" (reference) or "q8" (llamatrace.kernels.int8.act8)
@@ -401,7 +405,8 @@ class Llama:
         if seq_len == 0 or end_pos > cache.max_seq or start_pos != cache.pos:
             raise OptionError(f"cannot run {seq_len} tokens at start_pos {start_pos}: the KV cache holds "
                               f"{cache.pos} of {cache.max_seq} positions")
-        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+        ids = tokens.tolist()                    # Python ints: a decode step's one id, without two NumPy reductions
+        if min(ids) < 0 or max(ids) >= c.vocab_size:
             raise OptionError(f"token id out of range [0, {c.vocab_size})")
         if not 0 <= start_layer <= c.n_layers or (residual is None and start_layer) or (
                 residual is not None and np.shape(residual) != (seq_len, c.dim)):
@@ -430,16 +435,12 @@ class Llama:
         gelu = kernels.gelu_f16_table if self.activations == "q8" else kernels.gelu
         moe_opts = moe.MoEOptions.from_config(c) if c.n_expert else None
 
-        # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64
-        freqs_cis = kernels.precompute_freqs_cis(self.inv_freq, start_pos, seq_len, self.rope_mscale)
-        cos = np.ascontiguousarray(freqs_cis.real)
-        sin = np.ascontiguousarray(freqs_cis.imag)
+        # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64, its cos and sin
+        freqs_cis, cos, sin = self._angles(start_pos, seq_len)
         emit("freqs_cis", None, freqs_cis)
         cos_local, sin_local = cos, sin                  # sliding-window layers' own base and scale, if any
-        if self.inv_freq_local is not self.inv_freq:
-            freqs_local = kernels.precompute_freqs_cis(self.inv_freq_local, start_pos, seq_len, self.rope_mscale_local)
-            cos_local = np.ascontiguousarray(freqs_local.real)
-            sin_local = np.ascontiguousarray(freqs_local.imag)
+        if self._angles_local is not self._angles:
+            _, cos_local, sin_local = self._angles_local(start_pos, seq_len)
         # causal mask [seq_len, kv_len]; one query row sees every cached key and needs none
         mask = kernels.causal_mask(seq_len, start_pos) if seq_len > 1 else None
         if mask is not None:
