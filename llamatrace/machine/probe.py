@@ -93,6 +93,46 @@ def _chain_ir(builder, isa: str, vec, acc, a, b, ones):
     return builder.extract_value(builder.call(fn, [acc, a, b, ones]), 0)
 
 
+def _splat(builder, vec, x):
+    """``x`` in every lane of ``vec``."""
+    v = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vec, None), ir.Constant(ir.VectorType(_I32, vec.count), [0] * vec.count))
+
+
+def _chains_sum(builder, n, vec, step, add):
+    """The loop of :data:`CHAINS` accumulators of type ``vec`` (zeros), each ``acc = step(acc)``
+    ``n`` times (int64; none when ``n <= 0``), then their sum over chains and lanes by ``add``
+    (``builder.add`` or ``builder.fadd``)."""
+    zero = ir.Constant(vec, None)
+    entry = builder.basic_block
+    loop = builder.append_basic_block("chains_loop")
+    done = builder.append_basic_block("chains_done")
+    builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    i = builder.phi(_I64)
+    accs = [builder.phi(vec) for _ in range(CHAINS)]
+    new = [step(acc) for acc in accs]
+    i_next = builder.add(i, ir.Constant(_I64, 1))
+    i.add_incoming(ir.Constant(_I64, 0), entry)
+    i.add_incoming(i_next, loop)
+    for acc, nxt in zip(accs, new):
+        acc.add_incoming(zero, entry)
+        acc.add_incoming(nxt, loop)
+    builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+    builder.position_at_end(done)
+    outs = [builder.phi(vec) for _ in range(CHAINS)]
+    for out, nxt in zip(outs, new):
+        out.add_incoming(zero, entry)
+        out.add_incoming(nxt, loop)
+    total = outs[0]
+    for out in outs[1:]:
+        total = add(total, out)
+    s = builder.extract_element(total, ir.Constant(_I32, 0))
+    for lane in range(1, vec.count):
+        s = add(s, builder.extract_element(total, ir.Constant(_I32, lane)))
+    return s
+
+
 @intrinsic
 def _dot_chains(typingctx, n_steps, a_word, b_word):
     """int32: the sum over lanes and chains of :data:`CHAINS` accumulators, each given
@@ -107,42 +147,9 @@ def _dot_chains(typingctx, n_steps, a_word, b_word):
 
     def codegen(context, builder, signature, args):
         n = builder.sext(args[0], _I64) if args[0].type.width < 64 else args[0]
-
-        def splat(x):
-            v = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(_I32, 0))
-            return builder.shuffle_vector(v, ir.Constant(vec, None), ir.Constant(vec, [0] * lanes))
-
-        a, b = (splat(builder.trunc(x, _I32) if x.type.width > 32 else x) for x in args[1:])
+        a, b = (_splat(builder, vec, builder.trunc(x, _I32) if x.type.width > 32 else x) for x in args[1:])
         ones = ir.Constant(vec, [0x00010001] * lanes)       # int16 ones for vpmaddwd
-        entry = builder.basic_block
-        loop = builder.append_basic_block("dot_loop")
-        done = builder.append_basic_block("dot_done")
-        positive = builder.icmp_signed(">", n, ir.Constant(_I64, 0))
-        builder.cbranch(positive, loop, done)
-        builder.position_at_end(loop)
-        i = builder.phi(_I64)
-        accs = [builder.phi(vec) for _ in range(CHAINS)]
-        zero = ir.Constant(vec, [0] * lanes)
-        new = [_chain_ir(builder, isa, vec, acc, a, b, ones) for acc in accs]
-        i_next = builder.add(i, ir.Constant(_I64, 1))
-        i.add_incoming(ir.Constant(_I64, 0), entry)
-        i.add_incoming(i_next, loop)
-        for acc, nxt in zip(accs, new):
-            acc.add_incoming(zero, entry)
-            acc.add_incoming(nxt, loop)
-        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
-        builder.position_at_end(done)
-        outs = [builder.phi(vec) for _ in range(CHAINS)]
-        for out, nxt in zip(outs, new):
-            out.add_incoming(zero, entry)
-            out.add_incoming(nxt, loop)
-        total = outs[0]
-        for out in outs[1:]:
-            total = builder.add(total, out)
-        s = builder.extract_element(total, ir.Constant(_I32, 0))
-        for lane in range(1, lanes):
-            s = builder.add(s, builder.extract_element(total, ir.Constant(_I32, lane)))
-        return s
+        return _chains_sum(builder, n, vec, lambda acc: _chain_ir(builder, isa, vec, acc, a, b, ones), builder.add)
 
     return types.int32(n_steps, a_word, b_word), codegen
 
@@ -169,46 +176,14 @@ def _fma_chains(typingctx, n_steps, a, b):
         return None
     isa = fma_isa()
     lanes = fma_lanes(isa)
-    vec, mask = ir.VectorType(ir.FloatType(), lanes), ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
+    vec = ir.VectorType(ir.FloatType(), lanes)
     reg = "v" if "zmm" in isa else "x"
 
     def codegen(context, builder, signature, args):
         n = builder.sext(args[0], _I64) if args[0].type.width < 64 else args[0]
-
-        def splat(x):
-            v = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(_I32, 0))
-            return builder.shuffle_vector(v, ir.Constant(vec, None), mask)
-
-        va, vb = splat(args[1]), splat(args[2])
+        va, vb = _splat(builder, vec, args[1]), _splat(builder, vec, args[2])
         fma = ir.InlineAsm(ir.FunctionType(vec, [vec, vec, vec]), "vfmadd231ps $3, $2, $0", f"={reg},0,{reg},{reg}")
-        entry = builder.basic_block
-        loop = builder.append_basic_block("fma_loop")
-        done = builder.append_basic_block("fma_done")
-        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(_I64, 0)), loop, done)
-        builder.position_at_end(loop)
-        i = builder.phi(_I64)
-        accs = [builder.phi(vec) for _ in range(CHAINS)]
-        zero = ir.Constant(vec, [0.0] * lanes)
-        new = [builder.call(fma, [acc, va, vb]) for acc in accs]
-        i_next = builder.add(i, ir.Constant(_I64, 1))
-        i.add_incoming(ir.Constant(_I64, 0), entry)
-        i.add_incoming(i_next, loop)
-        for acc, nxt in zip(accs, new):
-            acc.add_incoming(zero, entry)
-            acc.add_incoming(nxt, loop)
-        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
-        builder.position_at_end(done)
-        outs = [builder.phi(vec) for _ in range(CHAINS)]
-        for out, nxt in zip(outs, new):
-            out.add_incoming(zero, entry)
-            out.add_incoming(nxt, loop)
-        total = outs[0]
-        for out in outs[1:]:
-            total = builder.fadd(total, out)
-        s = builder.extract_element(total, ir.Constant(_I32, 0))
-        for lane in range(1, lanes):
-            s = builder.fadd(s, builder.extract_element(total, ir.Constant(_I32, lane)))
-        return s
+        return _chains_sum(builder, n, vec, lambda acc: builder.call(fma, [acc, va, vb]), builder.fadd)
 
     return types.float32(n_steps, a, b), codegen
 
