@@ -96,7 +96,8 @@ def _chain_ir(builder, isa: str, vec, acc, a, b, ones):
 def _splat(builder, vec, x):
     """``x`` in every lane of ``vec``."""
     v = builder.insert_element(ir.Constant(vec, None), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vec, None), ir.Constant(ir.VectorType(_I32, vec.count), [0] * vec.count))
+    lane0 = ir.Constant(ir.VectorType(_I32, vec.count), [0] * vec.count)
+    return builder.shuffle_vector(v, ir.Constant(vec, None), lane0)
 
 
 def _chains_sum(builder, n, vec, step, add):
