@@ -447,13 +447,15 @@ attention matrices (4.7-5.3 MB), each read cold (L3 flushed), 2 threads, one com
 in one process: 9 KB 15.4-19.0 GB/s, 18 KB 16.8, 36 KB 17.7-20.5, 72 KB 18.5-20.3, 144 KB 16.9, none
 11.6 (a plain read of the same bytes 22.9-25.4). In real steps, main's module loaded beside: those
 matmuls 9-22 % faster (docs/performance.md "Cold attention matrices")."""
-DECODE_AHEAD_Q6K = 208 * TR
-"""The Q6_K decode microkernel's: the next block of the tile (6.5 KB). Q6_K [4096, 14336], [1024, 4096]
-and [128256, 4096], VNNI and 8 rows a ymm, 1 and 2 threads, alternated in one process at load 5-6,
-kernel / plain read in GB per CPU-second: one block ahead 0.91-1.11, two 0.89-1.03, half a block
-0.88-1.05, none 0.79-0.93 (leaving out [1024, 4096] on 2 threads in one of the two runs, where the
-read ran at 1.5x every kernel); one block ahead beat or tied two in 18 of 20 same-round pairs, the
-other two that case."""
+DECODE_AHEAD_Q6K = 2 * 208 * TR
+"""The Q6_K decode microkernel's: two blocks on (13 KB). qwen3moe-8's [128256, 2048] output matrix, 16 rows
+a zmm, 2 threads, in real steps (kernels swapped per step, one process): 0.17-0.25 ms of ~8-9 faster than one
+block, 0.36-0.41 with the shorter block of branch q6kout (docs/performance.md "fewer instructions"). Before
+(8 rows a ymm, other shapes): Q6_K [4096, 14336], [1024, 4096] and [128256, 4096], 1 and 2 threads,
+alternated in one process at load 5-6, kernel / plain read in GB per CPU-second: one block ahead
+0.91-1.11, two 0.89-1.03, half a block 0.88-1.05, none 0.79-0.93 (leaving out [1024, 4096] on 2 threads in
+one of the two runs, where the read ran at 1.5x every kernel); one block ahead beat or tied two in 18 of 20
+same-round pairs, the other two that case."""
 
 
 @njit(**JIT_INLINE)
