@@ -7,6 +7,8 @@ kernels against their NumPy twins, integer overflow bounds, and llama.cpp's own 
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -16,12 +18,13 @@ from ggml_cpu_quants import ggml_cpu_q8
 from gguf_factory import random_blocks
 from cli_helpers import assert_one_line_error, run
 from test_compare import GOLDEN, load_dump
+from test_subnormal_gate import ROOT, _env
 
 from llamatrace.errors import OptionError
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.types import packing, q5, registry
 from llamatrace.kernels.types.registry import matmul
-from llamatrace.machine.jit import f16_np
+from llamatrace.machine.jit import f16_np, has_vnni
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]
@@ -629,3 +632,21 @@ def test_q8_matmuls_are_llamacpps_given_its_float32_inputs(smollm2_path):
         for name, y in got.items():
             want = ref[name][rows]
             assert np.abs(y - want).max() <= 1e-6 * np.abs(want).max(), name
+
+
+AVX2_KERNEL_TESTS = ("matmul_equals_gguf or kernels_equal_numpy_twins or q6k_decode_microkernel or extreme_quants "
+                     "or prefill_microkernels or q5_matmul")
+
+
+@pytest.mark.skipif(not has_vnni(), reason="this host runs the AVX2 kernels itself (no VNNI)")
+def test_the_avx2_kernels_a_cpu_without_vnni_runs():
+    """The kernels an AVX2 CPU without VNNI compiles (``vpmaddubsw`` + ``vpmaddwd``, 8 rows a ymm),
+    which a VNNI host never runs by itself: this file's kernel tests again, in a child compiled
+    for ``haswell`` (the host's features less AVX-512, AMX and VNNI)."""
+    code = ("import sys, pytest; from llamatrace.machine.jit import has_vnni; assert not has_vnni(); "
+            f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', '-k', {AVX2_KERNEL_TESTS!r}, {__file__!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], env=_env("haswell"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
