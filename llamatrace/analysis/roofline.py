@@ -1,6 +1,6 @@
 """Where a token's time stands against the machine's limits (``bench``'s roofline columns).
 
-Two limits, measured on the machine the benchmark runs on (:mod:`llamatrace.machine.probe`):
+The limits, measured on the machine the benchmark runs on (:mod:`llamatrace.machine.probe`):
 
 - **read bandwidth** (GB/s): decode reads every weight once a token, so the weights' bytes times
   decode tokens per second is the bandwidth it draws. Read from memory on 2 MiB pages (NumPy
