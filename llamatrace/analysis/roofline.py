@@ -125,36 +125,29 @@ def measure_machine(threads: int, repeats: int = 3, amx_types: tuple[str, ...] =
     from llamatrace.kernels.int8 import amx
     from llamatrace.machine import probe
 
-    best_dot = float("inf")
+    def best_seconds(peak, steps: int, *args) -> float:     # warm (compile or cache), then the best of repeats
+        peak(8, threads, *args)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            peak(steps, threads, *args)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
     read_gb_s = read_bandwidth(threads, repeats)
     read_small_gb_s = read_bandwidth(threads, repeats, read_buffer(small_pages=True))
-    isa = probe.dot_isa()
-    gmac = 0.0
+    isa, f32_isa = probe.dot_isa(), probe.fma_isa()
+    gmac = f32_gmac = amx_gmac = 0.0
     if isa:
-        probe.dot_peak(8, threads, 0x04030201, 0x01FE0302)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            probe.dot_peak(_DOT_STEPS, threads, 0x04030201, 0x01FE0302)
-            best_dot = min(best_dot, time.perf_counter() - t0)
-        gmac = _DOT_STEPS * probe.CHAINS * probe.macs_per_step(isa) * threads / best_dot / 1e9
-    f32_isa, f32_gmac = probe.fma_isa(), 0.0
+        seconds = best_seconds(probe.dot_peak, _DOT_STEPS, 0x04030201, 0x01FE0302)
+        gmac = _DOT_STEPS * probe.CHAINS * probe.macs_per_step(isa) * threads / seconds / 1e9
     if f32_isa:
-        a, b, best_fma = np.float32(_FMA_A), np.float32(_FMA_B), float("inf")
-        probe.fma_peak(8, threads, a, b)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            probe.fma_peak(_FMA_STEPS, threads, a, b)
-            best_fma = min(best_fma, time.perf_counter() - t0)
-        f32_gmac = _FMA_STEPS * probe.CHAINS * probe.fma_lanes(f32_isa) * threads / best_fma / 1e9
-    amx_gmac, amx_matmuls = 0.0, []
+        seconds = best_seconds(probe.fma_peak, _FMA_STEPS, np.float32(_FMA_A), np.float32(_FMA_B))
+        f32_gmac = _FMA_STEPS * probe.CHAINS * probe.fma_lanes(f32_isa) * threads / seconds / 1e9
+    amx_matmuls = []
     if amx.available().on:
-        peak, best_amx = amx.hw_dot_peak(), float("inf")
-        peak(8, threads, 0x04030201, 0x01FE0302)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            peak(_AMX_STEPS, threads, 0x04030201, 0x01FE0302)
-            best_amx = min(best_amx, time.perf_counter() - t0)
-        amx_gmac = _AMX_STEPS * amx.PEAK_MACS_PER_STEP * threads / best_amx / 1e9
+        seconds = best_seconds(amx.hw_dot_peak(), _AMX_STEPS, 0x04030201, 0x01FE0302)
+        amx_gmac = _AMX_STEPS * amx.PEAK_MACS_PER_STEP * threads / seconds / 1e9
         amx_matmuls = [amx.measure(amx.KINDS[name]).row() for name in amx_types if name in amx.KINDS]
     return Machine(threads=threads, read_gb_s=read_gb_s, int8_gmac_s=gmac, isa=isa, amx_gmac_s=amx_gmac,
                    amx=amx.describe(amx_types), amx_matmuls=amx_matmuls, read_small_pages_gb_s=read_small_gb_s,
