@@ -91,10 +91,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from llamatrace.kernels import tiles
-from llamatrace.kernels.int8.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4_0, decode_q4k, decode_q6k,
-                                             isum_q8, isum_u8_16, PREFILL_ROWS, prefill_q4, prefill_q4_0,
-                                             prefill_q4_0_1row, prefill_q4_0_4rows, prefill_q4_1row, prefill_q4_4rows, prefill_q4k,
-                                             prefill_q8, prefill_q8_1row, prefill_q8_4rows,
+from llamatrace.kernels.int8.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4_0, decode_q4k,
+                                             decode_q6k, decode_q8, isum_q8, isum_u8_16, PREFILL_ROWS, prefill_q4,
+                                             prefill_q4_0, prefill_q4_0_1row, prefill_q4_0_4rows, prefill_q4_1row,
+                                             prefill_q4_4rows, prefill_q4k, prefill_q8, prefill_q8_1row, prefill_q8_4rows,
                                              prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
                                              prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
 from llamatrace.kernels.tiles import prefill_lanes
@@ -441,6 +441,8 @@ DECODE_AHEAD = 4096
 """How far ahead (bytes) the Q4_0 / Q4_1 decode microkernel prefetches: 8 blocks of a tile. Q4_0
 [28672, 4096], one thread, alternated on a shared machine: 2 KB 13.5 GB/s, 4 KB 14.1-14.5, 8 KB
 14.1 (a pure read of the same bytes 15-16)."""
+DECODE_AHEAD_Q8 = 4096
+"""The Q8_0 decode microkernel's prefetch distance (bytes)."""
 DECODE_AHEAD_Q4K = 8 * 144 * TR
 """The Q4_K decode microkernel's prefetch distance: eight blocks (36 KB, across tiles). qwen3moe-8's 16
 attention matrices (4.7-5.3 MB), each read cold (L3 flushed), 2 threads, one compiled kernel alternated
@@ -474,42 +476,34 @@ def _matmul_q4(x, qs, d, m, m_scale, signed, out):
     qs [T, B, P, TR] in this module's layout: uint8 nibbles (P = 16), or int8 (P = 32) when
     ``signed`` (Q8_0, with m_scale 0); d, m fp16 bits uint16 [T, B, TR]; out float32 [S, n_out].
 
-    One parallel region over tiles. Q4_0 / Q4_1: per row of x, :func:`~llamatrace.kernels.int8.act8_ir.decode_q4_0`
-    / ``decode_q4`` runs over a whole tile with its sums in registers (zmm: 16 rows a register),
-    prefetching :data:`DECODE_AHEAD` bytes ahead into L2 (Q4_0 decode, one thread, shared
-    machine: 80-83 % -> 89-94 % of a pure read of the same bytes); Q4_0 (``m_scale`` -8, ``m`` its
-    ``d``) takes its zero point in integers (the quantizer's offsets, :func:`_quantize_row`), as :func:`_prefill` does, so
-    the same bits; Q8_0: each block loaded once for every row of x. Decode runs it; prefill runs
-    :func:`_prefill`. A weight with a minimum (``m_scale`` 1, Q4_1) takes Q8_1 activations, as in
-    llama.cpp."""
+    One parallel region over tiles. Per row of x, :func:`~llamatrace.kernels.int8.act8_ir.decode_q4_0`
+    / ``decode_q4`` / ``decode_q8`` runs over a whole tile with its sums in registers (zmm: 16 rows a
+    register), prefetching :data:`DECODE_AHEAD` (:data:`DECODE_AHEAD_Q8`) bytes ahead into L2 (Q4_0
+    decode, one thread, shared machine: 80-83 % -> 89-94 % of a pure read of the same bytes); Q4_0
+    (``m_scale`` -8, ``m`` its ``d``) and Q8_0 with VNNI take their zero points in integers (the
+    quantizer's offsets, :func:`_quantize_row`), as :func:`_prefill` does, so the same bits as a
+    prefill row (Q8_0 on every host). Decode runs it; prefill runs :func:`_prefill`. A weight with a
+    minimum (``m_scale`` 1, Q4_1) takes Q8_1 activations, as in llama.cpp."""
     q4_0 = m_scale < 0 and not signed
-    xq, xd, xs, xoff = _quantized(x, Q8_1 if m_scale > 0 else Q8_0, int(m_scale) if q4_0 else 0)
+    # the blocks' integer zero points, as _prefill's: Q4_0's -8 sum(xq), Q8_0's -128 sum(xq) with VNNI
+    zero = int(m_scale) if q4_0 else -128 if signed and VNNI else 0
+    xq, xd, xs, xoff = _quantized(x, Q8_1 if m_scale > 0 else Q8_0, zero)
     n_seq = xq.shape[0]
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     block = qs.shape[2] * TR
-    for t in prange(n_tiles):
-        if signed:
-            isum = np.empty(TR, np.int32)
-            acc = np.zeros((n_seq, TR), np.float32)
-            for b in range(n_blocks):
-                db = d[t, b]
-                mb = m[t, b]
-                for s in range(n_seq):
-                    if s == 0:
-                        tiles.prefetch_next_block(qs, t, b)
-                    isum_q8(qs, (t * n_blocks + b) * block, xq, (s * n_blocks + b) * QK, isum)
-                    _add_scaled(acc[s], db, mb, xd[s, b], m_scale * xs[s, b], isum)
-            tiles.store_rows(acc, out, t)
-        else:               # a row of x at a time over the whole tile, its sums in registers
-            res = np.empty(TR, np.float32)
-            for s in range(n_seq):
-                if q4_0:
-                    decode_q4_0(qs, t * n_blocks * block, xq, xd, xoff, s, d, m, t * n_blocks * TR, n_blocks, m_scale,
-                                res, DECODE_AHEAD if s == 0 else 0)
-                else:
-                    decode_q4(qs, t * n_blocks * block, xq, xd, xs, s, d, m, t * n_blocks * TR, n_blocks, m_scale,
-                              res, DECODE_AHEAD if s == 0 else 0)
-                tiles.store_tile(res, out, s, t)
+    for t in prange(n_tiles):       # a row of x at a time over the whole tile, its sums in registers
+        res = np.empty(TR, np.float32)
+        for s in range(n_seq):
+            if signed:
+                decode_q8(qs, t * n_blocks * block, xq, xd, xoff, s, d, m, t * n_blocks * TR, n_blocks, m_scale,
+                          res, DECODE_AHEAD_Q8 if s == 0 else 0)
+            elif q4_0:
+                decode_q4_0(qs, t * n_blocks * block, xq, xd, xoff, s, d, m, t * n_blocks * TR, n_blocks, m_scale,
+                            res, DECODE_AHEAD if s == 0 else 0)
+            else:
+                decode_q4(qs, t * n_blocks * block, xq, xd, xs, s, d, m, t * n_blocks * TR, n_blocks, m_scale,
+                          res, DECODE_AHEAD if s == 0 else 0)
+            tiles.store_tile(res, out, s, t)
 
 
 Q5_BYTES = 20

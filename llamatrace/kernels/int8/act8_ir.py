@@ -21,8 +21,9 @@ The prefill microkernels (:func:`prefill_q4`, :func:`prefill_q8`, :func:`prefill
 against one register of weight rows (16 rows in a zmm with AVX-512 VNNI, else 8 in a ymm), the
 float32 sums kept in registers (phi nodes) from the first block to the last (Q4_K's and Q6_K's
 blocks on zmm are inline asm: LLVM's own instruction choice and schedule took 12-27 % more
-time). The Q4_0, Q4_1, Q4_K and Q6_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`, :func:`decode_q4k`,
-:func:`decode_q6k`) are the one-row case over a whole tile in one pass, with a prefetch.
+time). The Q4_0, Q4_1, Q8_0, Q4_K and Q6_K decode microkernels (:func:`decode_q4_0`, :func:`decode_q4`,
+:func:`decode_q8`, :func:`decode_q4k`, :func:`decode_q6k`) are the one-row case over a whole tile in one pass, with a
+prefetch.
 """
 
 from __future__ import annotations
@@ -396,6 +397,27 @@ class _Asm:
         return [self.b.extract_value(res, i) for i in range(len(self.outs))]
 
 
+def _q8_weights(k: _Tile, qs, qb, rows):
+    """One register of Q8_0 weight rows from byte ``rows`` of the block at ``qb`` (bytes 4g..4g+3 of
+    each row, g < 8): with VNNI as ``q + 128`` (unsigned for ``vpdpbusd``; the ``128 sum(xq)`` it adds
+    is the chain's start, the quantizer's offset), else as they are."""
+    b, c64 = k.b, k.c64
+    v = [k.load(qs, b.add(qb, b.add(rows, c64(g * TR * 4))), k.vi8) for g in range(8)]
+    return [b.xor(u, ir.Constant(k.vi8, [0x80] * (4 * k.lanes))) for u in v] if k.vnni else v
+
+
+def _q8_isum(k: _Tile, v, xg, init):
+    """int32 lanes: ``init`` (the block's offset with VNNI, else ``None``) plus the dot products of
+    :func:`_q8_weights`' ``v`` with the activation groups ``xg`` (:meth:`_Tile.bytes4`), in two chains
+    of four (``vpdpbusd``'s latency). AVX2: ``|q| * (sign(q) x)``, as :func:`_block_ir` (``q + 128``
+    would saturate ``pmaddubsw``'s int16), each pair to int32 at once."""
+    b = k.b
+    pairs = list(zip(v, xg))
+    if not k.vnni:
+        pairs = [(b.call(k.sign, [q, q]), b.call(k.sign, [x, q])) for q, x in pairs]
+    return b.add(k.isum(pairs[:4], wide=True, init=init), k.isum(pairs[4:], wide=True))
+
+
 def _prefill_q4_ir(k: _Tile, args, ns: int, kind: str = "q4"):
     """:func:`prefill_q4`'s body (``kind`` "q4_0": :func:`prefill_q4_0`'s, "q8": :func:`prefill_q8`'s):
     ``args`` as its signature, arrays as data pointers.
@@ -413,13 +435,11 @@ def _prefill_q4_ir(k: _Tile, args, ns: int, kind: str = "q4"):
     q_at, dm_at = b.add(q_at, b.mul(r_at, c64(4))), b.add(dm_at, r_at)     # the rows' first bytes, scales
     n_in = b.mul(n_blocks, c64(32))
     mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
-    flip = ir.Constant(k.vi8, [0x80] * (4 * k.lanes))
 
     def body(blk, accs):
         qb = b.add(q_at, b.mul(blk, c64((32 if signed else 16) * TR)))
-        if signed:      # Q8_0, VNNI: q + 128 is unsigned; the 128 * sum(x) it adds is the offset
-            v = [k.load(qs, b.add(qb, c64(g * TR * 4)), k.vi8) for g in range(8)]
-            halves = [[(b.xor(v[g], flip) if k.vnni else v[g], 4 * g) for g in h] for h in (range(4), range(4, 8))]
+        if signed:
+            v = _q8_weights(k, qs, qb, c64(0))
         else:           # bytes 4g..4g+3 of each row: weights 4g.. (low nibbles) and 16 + 4g.. (high)
             v = [k.load(qs, b.add(qb, c64(g * TR * 4)), k.vi8) for g in range(4)]
             halves = [[(b.and_(v[g], mask), 4 * g) for g in range(4)],
@@ -432,12 +452,12 @@ def _prefill_q4_ir(k: _Tile, args, ns: int, kind: str = "q4"):
             row = b.add(s0, c64(i))
             xrow = b.add(b.mul(row, n_in), b.mul(blk, c64(32)))
             at = b.add(b.mul(row, n_blocks), blk)
-            pairs = [[(u8, k.bytes4(xq, b.add(xrow, c64(x_at)))) for u8, x_at in h] for h in halves]
-            if signed and not k.vnni:   # AVX2: |q| * (sign(q) x), as _block_ir (q + 128 would saturate int16)
-                pairs = [[(b.call(k.sign, [q, q]), b.call(k.sign, [x, q])) for q, x in h] for h in pairs]
-            # two chains of 4, not one of 8: vpdpbusd's latency
-            isum = b.add(k.isum(pairs[0], wide=signed, init=k.offset(xs, at) if offset else None),
-                         k.isum(pairs[1], wide=signed))
+            init = k.offset(xs, at) if offset else None
+            if signed:
+                isum = _q8_isum(k, v, [k.bytes4(xq, b.add(xrow, c64(4 * g))) for g in range(8)], init)
+            else:       # two chains of 4, not one of 8: vpdpbusd's latency
+                pairs = [[(u8, k.bytes4(xq, b.add(xrow, c64(x_at)))) for u8, x_at in h] for h in halves]
+                isum = b.add(k.isum(pairs[0], init=init), k.isum(pairs[1]))
             dfx = b.fmul(dvec, k.splat(b.load(b.gep(xd, [at]), align=4), k.vf))
             if signed or offset:
                 new.append(k.fma(dfx, b.sitofp(isum, k.vf), acc))
@@ -742,6 +762,33 @@ def _decode_q4_ir(k: _Tile, args, offset: bool = False):
     return k.block_loop(n_blocks, TR // k.lanes, body)
 
 
+def _decode_q8_ir(k: _Tile, args):
+    """:func:`decode_q8`'s body: as :func:`_decode_q4_ir` for a Q8_0 tile, per block and register of
+    rows :func:`_prefill_q4_ir`'s Q8_0 operations (``fma(d dx, isum, acc)``), so a row's prefill bits."""
+    (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, _, _, ahead) = args
+    b, c64 = k.b, k.c64
+    q_at, s0, dm_at, n_blocks, ahead = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, ahead))
+    n_in = b.mul(n_blocks, c64(32))
+    on = b.icmp_signed("!=", ahead, c64(0))
+
+    def body(blk, accs):
+        qb = b.add(q_at, b.mul(blk, c64(32 * TR)))
+        k.prefetch(on, qs, b.add(qb, ahead), range(32 * TR // 64))
+        xrow = b.add(b.mul(s0, n_in), b.mul(blk, c64(32)))
+        xg = [k.bytes4(xq, b.add(xrow, c64(4 * g))) for g in range(8)]
+        at = b.add(b.mul(s0, n_blocks), blk)
+        dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
+        init = k.offset(xs, at) if k.vnni else None
+        dm = b.add(dm_at, b.mul(blk, c64(TR)))
+        new = []
+        for h, acc in enumerate(accs):
+            isum = _q8_isum(k, _q8_weights(k, qs, qb, c64(h * k.lanes * 4)), xg, init)
+            new.append(k.fma(b.fmul(k.halves(d, b.add(dm, c64(h * k.lanes))), dx), b.sitofp(isum, k.vf), acc))
+        return new
+
+    return k.block_loop(n_blocks, TR // k.lanes, body)
+
+
 def _decode_q4k_ir(k: _Tile, args):
     """:func:`decode_q4k`'s body: as :func:`_decode_q4_ir` for a Q4_K tile (the layout of
     :func:`_prefill_q4k_ir`), per sub-block pair ``j = 2c, 2c + 1`` the float32 operations of
@@ -983,6 +1030,9 @@ decode_q4 = _decode_intrinsic(_decode_q4_ir, _DECODE_DOC.format(
 decode_q4_0 = _decode_intrinsic(lambda k, flat: _decode_q4_ir(k, flat, offset=True), _DECODE_DOC.format(
     what="Q4_0: ``fma(d * xd, isum + xs, acc)`` per block, ``xs`` the blocks' int32 offsets ``-8 sum(xq)``, "
     "as :func:`prefill_q4_0`."))
+decode_q8 = _decode_intrinsic(_decode_q8_ir, _DECODE_DOC.format(
+    what="Q8_0: ``fma(d * xd, isum, acc)`` per block, as :func:`prefill_q8` (with VNNI ``xs`` the blocks' int32 "
+    "offsets ``-128 sum(xq)``; ``m``, ``m_scale`` unused)."))
 decode_q4k = _decode_intrinsic(_decode_q4k_ir, _DECODE_DOC.format(
     what="Q4_K (``m`` its dmin, ``m_scale`` unused): as ``act8._matmul_q4k`` per sub-block pair."))
 decode_q6k = _decode_intrinsic(_decode_q6k_ir, _DECODE_DOC.format(
