@@ -553,6 +553,12 @@ def _prefill(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out):
                                                  + np.float32(qs8[sc + (j + 1) * TR + r]) * dx1 * np.float32(cc[s, TR + r])) \
                                     - mv[r] * (np.float32(qs8[sc + (8 + j) * TR + r]) * xs0
                                                + np.float32(qs8[sc + (9 + j) * TR + r]) * xs1)
+                    elif kind == KIND_Q8_0:               # fma(d * dx, isum, acc), as the VNNI kernels
+                        for s in range(n_rows):
+                            dx = xd[s, k]
+                            a = acc[s]
+                            for r in range(TR):
+                                a[r] += (dv[r] * dx) * np.float32(cc[s, r])
                     elif kind == KIND_Q4_0:               # the zero point in integers: xs the offsets
                         for s in range(n_rows):
                             dx = xd[s, k]
