@@ -147,9 +147,22 @@ def _regroup(qs: np.ndarray, ggml_type, to_groups: bool, tiles_per_step: int = 6
     return qs
 
 
+Q8_0_UNSIGNED = has_vnni()
+"""Whether the load packs a Q8_0 weight's quants as ``q + 128`` (uint8) rather than ``q`` (int8):
+where ``vpdpbusd`` multiplies unsigned weight bytes, so that its decode and prefill kernels load
+them as they are (the kernels take either, by dtype: :func:`~llamatrace.kernels.int8.act8_ir.decode_q8`)."""
+
+
+def q8_0_quants(q: np.ndarray) -> np.ndarray:
+    """Q8_0's int8 quants from packed bytes of either layout: int8 as they are, uint8 ``q + 128``."""
+    return q.view(np.int8) if q.dtype == np.int8 else (q ^ np.uint8(0x80)).view(np.int8)
+
+
 def file_order(qs: np.ndarray, ggml_type) -> np.ndarray:
-    """A copy of ``qs`` (this module's layout) in the float32 path's layout."""
-    return _regroup(qs.copy(), ggml_type, False)
+    """A copy of ``qs`` (this module's layout) in the float32 path's layout (Q8_0: int8 quants,
+    :func:`q8_0_quants`)."""
+    out = _regroup(qs.copy(), ggml_type, False)
+    return q8_0_quants(out) if _T(ggml_type) == _T.Q8_0 else out
 
 
 # --------------------------------------------------------------------------------------------

@@ -400,10 +400,14 @@ class _Asm:
 def _q8_weights(k: _Tile, qs, qb, rows):
     """One register of Q8_0 weight rows from byte ``rows`` of the block at ``qb`` (bytes 4g..4g+3 of
     each row, g < 8): with VNNI as ``q + 128`` (unsigned for ``vpdpbusd``; the ``128 sum(xq)`` it adds
-    is the chain's start, the quantizer's offset), else as they are."""
+    is the chain's start, the quantizer's offset), else as ``q``. The packed bytes hold either
+    (``k.q_unsigned``: ``q + 128``, as the load packs them on a VNNI host); one ``xor`` a vector
+    turns one into the other (decode: 12 % of the step of a streamed Q8_0 matrix, Zen 4)."""
     b, c64 = k.b, k.c64
     v = [k.load(qs, b.add(qb, b.add(rows, c64(g * TR * 4))), k.vi8) for g in range(8)]
-    return [b.xor(u, ir.Constant(k.vi8, [0x80] * (4 * k.lanes))) for u in v] if k.vnni else v
+    if k.vnni == k.q_unsigned:
+        return v
+    return [b.xor(u, ir.Constant(k.vi8, [0x80] * (4 * k.lanes))) for u in v]
 
 
 def _q8_isum(k: _Tile, v, xg, init):
@@ -953,7 +957,9 @@ def _microkernel(body, doc: str):
         sig = types.void(qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, res, last)
 
         def codegen(context, builder, signature, args):
-            body(_Tile(builder, prefill_lanes()), _flat_args(context, builder, signature, args))
+            k = _Tile(builder, prefill_lanes())
+            k.q_unsigned = signature.args[0].dtype == types.uint8      # Q8_0: q + 128 (act8.Q8_0_UNSIGNED)
+            body(k, _flat_args(context, builder, signature, args))
             return context.get_dummy_value()
 
         return sig, codegen

@@ -42,7 +42,7 @@ tile's width): a block's int32 sums must be scaled by that block's ``d * xd`` be
 added, and folding two blocks into one tile would mix two scales into one sum. Loops, per weight
 tile of 32 rows: per block, unpack it, load its two B tiles once, then for every 16 activation
 rows load A, ``tdpbssd`` (Q8_0) or ``tdpbsud`` (Q4_0, Q4_K: signed activations by unsigned
-nibbles) into C0, C1, and store them into an int32 array with a row per activation row; then the
+nibbles; Q8_0 packed as ``q + 128``, with Q4_0's integer zero point) into C0, C1, and store them into an int32 array with a row per activation row; then the
 vector work over all rows, in Numba code that compiles to AVX-512: per row, 32 int32 -> float32
 and ``y += (d * xd) * isum`` (Q8_0), ``y += (d * xd) * (isum - 8 sum(xq))`` (Q4_0's zero
 point in integers, as :func:`llamatrace.kernels.int8.act8._matmul_q4` takes it; Q4_K: two sub-blocks a step with their 6-bit
@@ -537,7 +537,8 @@ def _prefill(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out):
                     k = b * subs + p                              # the sub-block of 32 inputs
                     load(state, TMM_B0, src, base + p * BLOCK_TILE, 4 * TR)
                     load(state, TMM_B1, src, base + p * BLOCK_TILE + 64, 4 * TR)
-                    _tile_products(state, xflat, n_rows, n_in, k * QK, False, kind == KIND_Q8_0, cc, (p % 2) * TR)
+                    _tile_products(state, xflat, n_rows, n_in, k * QK, False, kind == KIND_Q8_0 and m_scale == 0, cc,
+                                   (p % 2) * TR)
                     # the vector work: per row, int32 -> float32, times the scales, summed
                     if kind == KIND_Q4_K:
                         if p % 2 == 0:
@@ -556,9 +557,10 @@ def _prefill(xq, xd, xs, qs8, d, m, m_scale, kind, n_chunks, out):
                     elif kind == KIND_Q8_0:               # fma(d * dx, isum, acc), as the VNNI kernels
                         for s in range(n_rows):
                             dx = xd[s, k]
+                            off = np.int32(xs[s, k]) if m_scale < 0 else np.int32(0)   # q + 128's -128 sum(xq)
                             a = acc[s]
                             for r in range(TR):
-                                a[r] += (dv[r] * dx) * np.float32(cc[s, r])
+                                a[r] += (dv[r] * dx) * np.float32(cc[s, r] + off)
                     elif kind == KIND_Q4_0:               # the zero point in integers: xs the offsets
                         for s in range(n_rows):
                             dx = xd[s, k]
@@ -584,10 +586,12 @@ def make_prefill(ops: TileOps, cache: bool = True):
 
     ``xq`` int8 [S16, n_in] (S16 the activation rows rounded up to 16, the extra rows zero), ``xd``,
     ``xs`` float32 [S16, n_in/32] (:func:`llamatrace.kernels.int8.act8.quantize`: Q8_0 blocks, Q4_K's
-    with float32 scales; Q4_0: the blocks' integer zero-point offsets ``-8 sum(xq)``,
+    with float32 scales; Q4_0, and Q8_0 packed as ``q + 128``: the blocks' integer zero-point offsets
+    ``-8 sum(xq)``, ``-128 sum(xq)``,
     :func:`llamatrace.kernels.int8.act8._quantized_rows`' offsets, as float32); ``qs8`` the weight's packed bytes as flat uint8 (``Weight.qs`` of a
     ``q8`` weight, [T, B, P, TR]); ``d``, ``m`` fp16 bits uint16 [T, B, TR] (Q4_K: ``d``, ``dmin``);
-    ``m_scale`` float32 (Q4_0 -8, else unused); ``kind`` :data:`KIND_Q4_0` / :data:`KIND_Q8_0` /
+    ``m_scale`` float32 (Q4_0 -8; Q8_0 -128 for ``q + 128`` bytes, ``tdpbsud``, 0 for int8 ones, ``tdpbssd``;
+    else unused); ``kind`` :data:`KIND_Q4_0` / :data:`KIND_Q8_0` /
     :data:`KIND_Q4_K` / :data:`KIND_Q6_K` (Q8_K activations: ``xd`` [S16, n_in/256], ``xs`` their
     int32 sums of 16 as float32 [S16, n_in/16]); ``n_chunks`` runs of weight tiles (one per
     thread, each with its tile state and buffers); ``out`` float32 [S, n_out], its rows the real
@@ -743,7 +747,7 @@ _BLOCK_BYTES = {KIND_Q4_0: (QK, 16), KIND_Q8_0: (QK, 32), KIND_Q4_K: (QK_K, 144)
 def random_weight(rng, kind: int, n_out: int, n_in: int):
     """Random packed arrays ``(qs, d, m)`` of a ``q8`` weight of ``kind``, typed as
     :func:`llamatrace.kernels.types.packing.pack` types them (``qs`` uint8 [T, B, P, TR], int8 for
-    Q8_0; ``d``, ``m`` fp16 bits uint16 [T, B, TR], small positive scales), so that a kernel
+    Q8_0 where the load packs it so; ``d``, ``m`` fp16 bits uint16 [T, B, TR], small positive scales), so that a kernel
     compiled for them serves a model's weights too. ``n_out`` a multiple of TR, ``n_in`` of the
     block."""
     per_block, n_bytes = _BLOCK_BYTES[kind]
@@ -752,7 +756,8 @@ def random_weight(rng, kind: int, n_out: int, n_in: int):
     if kind == KIND_Q4_K:
         qs[:, :, :Q4K_HEAD] &= 63                           # 6-bit scales and mins
     d, m = (np.float16(rng.uniform(1e-3, 2e-2, (*shape, TR))).view(np.uint16) for _ in range(2))
-    return (qs.view(np.int8) if kind == KIND_Q8_0 else qs), d, (m if kind == KIND_Q4_K else d)
+    q8 = qs if act8.Q8_0_UNSIGNED else qs.view(np.int8)            # Q8_0 as the load packs it here
+    return (q8 if kind == KIND_Q8_0 else qs), d, (m if kind == KIND_Q4_K else d)
 
 
 def self_check(kernel) -> str:
@@ -785,21 +790,24 @@ _M_SCALE = {KIND_Q4_0: np.float32(-8.0), KIND_Q8_0: np.float32(0.0), KIND_Q4_K: 
 
 def arguments(kind, x, qs, d, m, out, n_chunks=None) -> tuple:
     """The arguments :func:`run` passes a :func:`make_prefill` kernel (``x`` quantized, its rows
-    padded to a multiple of 16): their Numba types are the signature the kernel is compiled for."""
+    padded to a multiple of 16): their Numba types are the signature the kernel is compiled for.
+    A Q8_0 weight packed as ``q + 128`` (uint8, :data:`~llamatrace.kernels.int8.act8.Q8_0_UNSIGNED`) runs
+    with ``m_scale`` -128: ``tdpbsud`` and Q4_0's integer zero point."""
+    m_scale = np.float32(-128.0) if kind == KIND_Q8_0 and qs.dtype == np.uint8 else _M_SCALE[kind]
     if kind == KIND_Q6_K:                                   # Q8_K; its int32 sums of 16 as float32, exact
         xq, xd, xsum = act8._quantized_k_rows(x)
         xs = xsum.astype(np.float32)
     else:
-        q4_0 = kind == KIND_Q4_0                            # the blocks' -8 sum(xq), exact as float32
-        xq, xd, xs, off = act8._quantized_rows(x, act8.PER32_F32 if kind == KIND_Q4_K else act8.Q8_0,
-                                               int(_M_SCALE[kind]) if q4_0 else 0)
-        xs = off.astype(np.float32) if q4_0 else xs
+        # the blocks' integer zero points, exact as float32: Q4_0's -8 sum(xq), Q8_0's -128 sum(xq) for q + 128
+        zero = int(m_scale) if kind in (KIND_Q4_0, KIND_Q8_0) else 0
+        xq, xd, xs, off = act8._quantized_rows(x, act8.PER32_F32 if kind == KIND_Q4_K else act8.Q8_0, zero)
+        xs = off.astype(np.float32) if zero else xs
     pad = -x.shape[0] % ROWS
     if pad:
         xq = np.concatenate([xq, np.zeros((pad, xq.shape[1]), np.int8)])
         xd = np.concatenate([xd, np.zeros((pad, xd.shape[1]), np.float32)])
         xs = np.concatenate([xs, np.zeros((pad, xs.shape[1]), np.float32)])
-    return (xq, xd, xs, qs.reshape(qs.size).view(np.uint8), d, m, _M_SCALE[kind], kind,
+    return (xq, xd, xs, qs.reshape(qs.size).view(np.uint8), d, m, m_scale, kind,
             n_chunks or numba.get_num_threads(), out)
 
 

@@ -17,6 +17,9 @@ zero)::
     d  [T, B, TR]                            m [T, B, TR] (types with a minimum only)
                                              float32 values, or fp16 bits uint16 in the q8 mode
 
+Q8_0 in the q8 mode on a host with VNNI: ``qs`` uint8 ``q + 128``
+(:data:`~llamatrace.kernels.int8.act8.Q8_0_UNSIGNED`, the bytes ``vpdpbusd`` multiplies).
+
 Each type's :class:`~llamatrace.kernels.types.registry.QuantType` (declared in its family module)
 holds its :class:`~llamatrace.kernels.types.registry.BlockFormat` (sizes, where ``d``, ``m`` and the
 quant bytes sit in a file block, ``P``, how its sub-block scales unpack) and its NumPy
@@ -254,6 +257,9 @@ def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], 
             done(row0)
     if mode == "f32" and qt.f32_layout is not None:
         qt.f32_layout.pack(qs_t)
+    if mode == "q8" and ggml_type == _T.Q8_0 and act8.Q8_0_UNSIGNED:
+        np.bitwise_xor(qs_t, np.uint8(0x80), out=qs_t)          # q + 128, what vpdpbusd multiplies
+        return qs_t, d_t, m_t
     return (qs_t.view(np.int8) if fmt.signed else qs_t), d_t, m_t
 
 
@@ -485,7 +491,7 @@ def file_order_rows(ggml_type, qs: np.ndarray, t: np.ndarray, r: np.ndarray) -> 
     grouped = qs.reshape(n_tiles, n_blocks, n_bytes * tr)[:, :, head * tr:end * tr]
     grouped = grouped.reshape(n_tiles, n_blocks, (end - head) // 4, tr, 4)   # [j // 4, r, j % 4]
     rows[:, :, head:end] = grouped[t, :, :, r].reshape(len(t), n_blocks, end - head)
-    return rows
+    return act8.q8_0_quants(rows) if _T(ggml_type) == _T.Q8_0 else rows
 
 
 def _dequant_rows_np(w: Weight, rows: np.ndarray) -> np.ndarray:
