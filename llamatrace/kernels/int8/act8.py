@@ -94,9 +94,9 @@ from llamatrace.kernels import tiles
 from llamatrace.kernels.int8.act8_ir import (Q6K_SCALES, Q6K_UNPACKED, QK_K_BYTES, decode_q4, decode_q4_0, decode_q4k,
                                              decode_q6k, decode_q8, isum_q8, isum_u8_16, PREFILL_ROWS, prefill_q4,
                                              prefill_q4_0, prefill_q4_0_1row, prefill_q4_0_4rows, prefill_q4_1row,
-                                             prefill_q4_4rows, prefill_q4k, prefill_q8, prefill_q8_1row, prefill_q8_4rows,
-                                             prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k, prefill_q6k_1row,
-                                             prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
+                                             prefill_q4_4rows, prefill_q4k, prefill_q8, prefill_q8_1row,
+                                             prefill_q8_4rows, prefill_q4k_1row, prefill_q4k_4rows, prefill_q6k,
+                                             prefill_q6k_1row, prefill_q6k_4rows, unpack_q6k, unpack_q6k_pairs)
 from llamatrace.kernels.tiles import prefill_lanes
 from llamatrace.kernels.types.registry import TYPES
 from llamatrace.machine.jit import (JIT_EXACT, JIT_EXACT_PARALLEL, JIT_INLINE, JIT_PARALLEL, f16, f16_np, f16_round,
@@ -486,8 +486,9 @@ def _add_scaled(a, db, mb, dx, ms, isum):
 def _matmul_q4(x, qs, d, m, m_scale, signed, out):
     """out[s] = x[s] @ W.T for Q4_0 / Q4_1 / Q8_0 (weight d*q + m_scale*m), x quantized first
     (:func:`quantize`, in the same call: no second dispatch per matmul). x float32 [S, B*32];
-    qs [T, B, P, TR] in this module's layout: uint8 nibbles (P = 16), or int8 (P = 32) when
-    ``signed`` (Q8_0, with m_scale 0); d, m fp16 bits uint16 [T, B, TR]; out float32 [S, n_out].
+    qs [T, B, P, TR] in this module's layout: uint8 nibbles (P = 16), or when ``signed`` (Q8_0, with
+    m_scale 0) int8 ``q`` or uint8 ``q + 128`` (P = 32, :data:`Q8_0_UNSIGNED`); d, m fp16 bits
+    uint16 [T, B, TR]; out float32 [S, n_out].
 
     One parallel region over tiles. Per row of x, :func:`~llamatrace.kernels.int8.act8_ir.decode_q4_0`
     / ``decode_q4`` / ``decode_q8`` runs over a whole tile with its sums in registers (zmm: 16 rows a

@@ -402,7 +402,7 @@ def _q8_weights(k: _Tile, qs, qb, rows):
     each row, g < 8): with VNNI as ``q + 128`` (unsigned for ``vpdpbusd``; the ``128 sum(xq)`` it adds
     is the chain's start, the quantizer's offset), else as ``q``. The packed bytes hold either
     (``k.q_unsigned``: ``q + 128``, as the load packs them on a VNNI host); one ``xor`` a vector
-    turns one into the other (decode: 12 % of the step of a streamed Q8_0 matrix, Zen 4)."""
+    turns one into the other (5-7 % of a streamed Q8_0 matrix's decode, Zen 4)."""
     b, c64 = k.b, k.c64
     v = [k.load(qs, b.add(qb, b.add(rows, c64(g * TR * 4))), k.vi8) for g in range(8)]
     if k.vnni == k.q_unsigned:
@@ -726,68 +726,47 @@ def _q6k_corr_zmm(k: _Tile, acc, total, dvec, pairs: list, sums_at, dx_at, i: in
     return a.emit()[0]
 
 
-def _decode_q4_ir(k: _Tile, args, offset: bool = False):
-    """:func:`decode_q4`'s body (``offset``: :func:`decode_q4_0`'s, ``xs`` the blocks' int32
-    offsets): one activation row against every row of a tile, the ``TR / lanes`` float32 sums in
-    registers over every block, the same float32 operations in the same order as
-    :func:`_prefill_q4_ir`. Each block asks for the cache lines of the block ``ahead`` bytes on
-    into L2 (0: no prefetch)."""
+def _decode_q4_ir(k: _Tile, args, kind: str = "q4"):
+    """:func:`decode_q4`'s body (``kind`` "q4_0": :func:`decode_q4_0`'s, ``xs`` the blocks' int32
+    offsets; "q8": :func:`decode_q8`'s, with VNNI the same offsets): one activation row against every
+    row of a tile, the ``TR / lanes`` float32 sums in registers over every block, per block and
+    register of rows the float32 operations of :func:`_prefill_q4_ir` in its order, so a prefill
+    row's bits. Each block asks for the cache lines of the block ``ahead`` bytes on into L2 (0: no
+    prefetch)."""
     (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, m_scale, _, ahead) = args
     b, c64 = k.b, k.c64
+    signed = kind == "q8"
+    offset = kind == "q4_0" or (signed and k.vnni)
     q_at, s0, dm_at, n_blocks, ahead = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, ahead))
     n_in = b.mul(n_blocks, c64(32))
+    block = (32 if signed else 16) * TR
     mask, four = ir.Constant(k.vi8, [15] * (4 * k.lanes)), ir.Constant(k.vi8, [4] * (4 * k.lanes))
     on = b.icmp_signed("!=", ahead, c64(0))
 
     def body(blk, accs):
-        qb = b.add(q_at, b.mul(blk, c64(16 * TR)))
-        k.prefetch(on, qs, b.add(qb, ahead), range(16 * TR // 64))
+        qb = b.add(q_at, b.mul(blk, c64(block)))
+        k.prefetch(on, qs, b.add(qb, ahead), range(block // 64))
         xrow = b.add(b.mul(s0, n_in), b.mul(blk, c64(32)))
-        xlo = [k.bytes4(xq, b.add(xrow, c64(4 * g))) for g in range(4)]
-        xhi = [k.bytes4(xq, b.add(xrow, c64(16 + 4 * g))) for g in range(4)]
+        xg = [k.bytes4(xq, b.add(xrow, c64(4 * g))) for g in range(8)]       # Q4: low nibbles' x, then high
         at = b.add(b.mul(s0, n_blocks), blk)
         dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
         init = k.offset(xs, at) if offset else None
-        ms = None if offset else k.splat(b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4)), k.vf)
+        ms = None if offset or signed else k.splat(b.fmul(m_scale, b.load(b.gep(xs, [at]), align=4)), k.vf)
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
         new = []
-        for h, acc in enumerate(accs):            # rows h*lanes ..: bytes 4g.. of each row, g < 4
-            v = [k.load(qs, b.add(qb, c64((g * TR + h * k.lanes) * 4)), k.vi8) for g in range(4)]
-            isum = b.add(k.isum([(b.and_(v[g], mask), xlo[g]) for g in range(4)], init=init),
-                         k.isum([(b.lshr(v[g], four), xhi[g]) for g in range(4)]))
+        for h, acc in enumerate(accs):            # rows h*lanes ..: bytes 4g.. of each row
+            if signed:
+                isum = _q8_isum(k, _q8_weights(k, qs, qb, c64(h * k.lanes * 4)), xg, init)
+            else:
+                v = [k.load(qs, b.add(qb, c64((g * TR + h * k.lanes) * 4)), k.vi8) for g in range(4)]
+                isum = b.add(k.isum([(b.and_(v[g], mask), xg[g]) for g in range(4)], init=init),
+                             k.isum([(b.lshr(v[g], four), xg[4 + g]) for g in range(4)]))
             dvec = k.halves(d, b.add(dm, c64(h * k.lanes)))
-            if offset:
+            if offset or signed:
                 new.append(k.fma(b.fmul(dvec, dx), b.sitofp(isum, k.vf), acc))
                 continue
             mvec = k.halves(m, b.add(dm, c64(h * k.lanes)))
             new.append(b.fadd(acc, k.fma(b.fmul(dvec, dx), b.sitofp(isum, k.vf), b.fmul(mvec, ms))))
-        return new
-
-    return k.block_loop(n_blocks, TR // k.lanes, body)
-
-
-def _decode_q8_ir(k: _Tile, args):
-    """:func:`decode_q8`'s body: as :func:`_decode_q4_ir` for a Q8_0 tile, per block and register of
-    rows :func:`_prefill_q4_ir`'s Q8_0 operations (``fma(d dx, isum, acc)``), so a row's prefill bits."""
-    (qs, q_at, xq, xd, xs, s0, d, m, dm_at, n_blocks, _, _, ahead) = args
-    b, c64 = k.b, k.c64
-    q_at, s0, dm_at, n_blocks, ahead = (k.i64(v) for v in (q_at, s0, dm_at, n_blocks, ahead))
-    n_in = b.mul(n_blocks, c64(32))
-    on = b.icmp_signed("!=", ahead, c64(0))
-
-    def body(blk, accs):
-        qb = b.add(q_at, b.mul(blk, c64(32 * TR)))
-        k.prefetch(on, qs, b.add(qb, ahead), range(32 * TR // 64))
-        xrow = b.add(b.mul(s0, n_in), b.mul(blk, c64(32)))
-        xg = [k.bytes4(xq, b.add(xrow, c64(4 * g))) for g in range(8)]
-        at = b.add(b.mul(s0, n_blocks), blk)
-        dx = k.splat(b.load(b.gep(xd, [at]), align=4), k.vf)
-        init = k.offset(xs, at) if k.vnni else None
-        dm = b.add(dm_at, b.mul(blk, c64(TR)))
-        new = []
-        for h, acc in enumerate(accs):
-            isum = _q8_isum(k, _q8_weights(k, qs, qb, c64(h * k.lanes * 4)), xg, init)
-            new.append(k.fma(b.fmul(k.halves(d, b.add(dm, c64(h * k.lanes))), dx), b.sitofp(isum, k.vf), acc))
         return new
 
     return k.block_loop(n_blocks, TR // k.lanes, body)
@@ -1033,10 +1012,10 @@ sums stay there from the first block to the last; ``ahead``: prefetch distance i
 {what}"""
 decode_q4 = _decode_intrinsic(_decode_q4_ir, _DECODE_DOC.format(
     what="Q4_1: ``(d * xd) * isum + m * (m_scale * xs)`` per block."))
-decode_q4_0 = _decode_intrinsic(lambda k, flat: _decode_q4_ir(k, flat, offset=True), _DECODE_DOC.format(
+decode_q4_0 = _decode_intrinsic(lambda k, flat: _decode_q4_ir(k, flat, kind="q4_0"), _DECODE_DOC.format(
     what="Q4_0: ``fma(d * xd, isum + xs, acc)`` per block, ``xs`` the blocks' int32 offsets ``-8 sum(xq)``, "
     "as :func:`prefill_q4_0`."))
-decode_q8 = _decode_intrinsic(_decode_q8_ir, _DECODE_DOC.format(
+decode_q8 = _decode_intrinsic(lambda k, flat: _decode_q4_ir(k, flat, kind="q8"), _DECODE_DOC.format(
     what="Q8_0: ``fma(d * xd, isum, acc)`` per block, as :func:`prefill_q8` (with VNNI ``xs`` the blocks' int32 "
     "offsets ``-128 sum(xq)``; ``m``, ``m_scale`` unused)."))
 decode_q4k = _decode_intrinsic(_decode_q4k_ir, _DECODE_DOC.format(

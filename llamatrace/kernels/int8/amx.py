@@ -42,9 +42,10 @@ tile's width): a block's int32 sums must be scaled by that block's ``d * xd`` be
 added, and folding two blocks into one tile would mix two scales into one sum. Loops, per weight
 tile of 32 rows: per block, unpack it, load its two B tiles once, then for every 16 activation
 rows load A, ``tdpbssd`` (Q8_0) or ``tdpbsud`` (Q4_0, Q4_K: signed activations by unsigned
-nibbles; Q8_0 packed as ``q + 128``, with Q4_0's integer zero point) into C0, C1, and store them into an int32 array with a row per activation row; then the
-vector work over all rows, in Numba code that compiles to AVX-512: per row, 32 int32 -> float32
-and ``y += (d * xd) * isum`` (Q8_0), ``y += (d * xd) * (isum - 8 sum(xq))`` (Q4_0's zero
+nibbles; Q8_0 packed as ``q + 128``) into C0, C1, and store them into an int32 array with a row per
+activation row; then the vector work over all rows, in Numba code that compiles to AVX-512: per
+row, 32 int32 -> float32 and ``y += (d * xd) * isum`` (Q8_0; ``q + 128``: ``isum - 128 sum(xq)``),
+``y += (d * xd) * (isum - 8 sum(xq))`` (Q4_0's zero
 point in integers, as :func:`llamatrace.kernels.int8.act8._matmul_q4` takes it; Q4_K: two sub-blocks a step with their 6-bit
 scales and mins, as :func:`llamatrace.kernels.int8.act8._matmul_q4k`). The B tiles are read once per
 block whatever the number of activation rows; A is 512 bytes per 2 tile products. Q6_K has an
@@ -746,10 +747,10 @@ _BLOCK_BYTES = {KIND_Q4_0: (QK, 16), KIND_Q8_0: (QK, 32), KIND_Q4_K: (QK_K, 144)
 
 def random_weight(rng, kind: int, n_out: int, n_in: int):
     """Random packed arrays ``(qs, d, m)`` of a ``q8`` weight of ``kind``, typed as
-    :func:`llamatrace.kernels.types.packing.pack` types them (``qs`` uint8 [T, B, P, TR], int8 for
-    Q8_0 where the load packs it so; ``d``, ``m`` fp16 bits uint16 [T, B, TR], small positive scales), so that a kernel
-    compiled for them serves a model's weights too. ``n_out`` a multiple of TR, ``n_in`` of the
-    block."""
+    :func:`llamatrace.kernels.types.packing.pack` types them on this host (``qs`` uint8 [T, B, P, TR],
+    int8 for Q8_0 without VNNI; ``d``, ``m`` fp16 bits uint16 [T, B, TR], small positive scales), so
+    that a kernel compiled for them serves a model's weights too. ``n_out`` a multiple of TR,
+    ``n_in`` of the block."""
     per_block, n_bytes = _BLOCK_BYTES[kind]
     shape = (n_out // TR, n_in // per_block)
     qs = rng.integers(0, 256, (*shape, n_bytes, TR), dtype=np.uint8)
