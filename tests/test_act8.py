@@ -439,6 +439,31 @@ def test_prefill_microkernels_equal_the_per_row_kernels_and_twins(qtype, n_seq):
 
 
 
+
+@pytest.mark.parametrize("n_seq", [1, 13])
+def test_q8_0_prefill_microkernels_take_both_layouts(n_seq):
+    # q (int8) and q + 128 (uint8: what the load packs where VNNI is, act8.Q8_0_UNSIGNED): the decode
+    # and prefill kernels give the same bits for both, on VNNI and (the haswell child) AVX2 alike
+    _, w = _weight(T.Q8_0, 70, _n_in(T.Q8_0, 5))
+    signed = act8.q8_0_quants(w.qs)
+    unsigned = signed.view(np.uint8) ^ np.uint8(0x80)
+    assert w.qs.dtype == (np.uint8 if act8.Q8_0_UNSIGNED else np.int8)
+    x = _rows(np.random.default_rng(n_seq), n_seq, w.n_in)
+    outs = []
+    for qs in (signed, unsigned):
+        for run in (lambda o: act8._matmul_q4(x, qs, w.d, w.d, np.float32(0.0), True, o),
+                    lambda o: act8._prefill(x, qs, w.d, w.d, np.float32(0.0), act8.PREFILL_Q8, o)):
+            outs.append(np.full((n_seq, 70), np.nan, np.float32))
+            run(outs[-1])
+    for got in outs[1:]:
+        np.testing.assert_array_equal(got, outs[0])
+    # against gguf-py's weights and float64 x: within the activations' rounding, half a step of each
+    # block's scale (max |x| / 127) on every weight of the block
+    wf = gguf.quants.dequantize(_weight(T.Q8_0, 70, w.n_in)[0], T.Q8_0).astype(np.float64)
+    step = np.abs(x).reshape(n_seq, -1, 32).max(axis=2) / 127 / 2                 # [S, B]
+    bound = step @ np.abs(wf).reshape(70, -1, 32).sum(axis=2).T + 1e-5 * (np.abs(x) @ np.abs(wf).T)
+    assert np.all(np.abs(outs[0] - x.astype(np.float64) @ wf.T) <= bound)
+
 def _fma32(a, b, c):
     """float32 ``fma(a, b, c)``, rounded once: the product is exact in float64 and the sum is
     rounded to odd there (TwoSum's error term picks the odd neighbour), which makes its rounding
