@@ -444,7 +444,7 @@ def test_prefill_microkernels_equal_the_per_row_kernels_and_twins(qtype, n_seq):
 def test_q8_0_prefill_microkernels_take_both_layouts(n_seq):
     # q (int8) and q + 128 (uint8: what the load packs where VNNI is, act8.Q8_0_UNSIGNED): the decode
     # and prefill kernels give the same bits for both, on VNNI and (the haswell child) AVX2 alike
-    _, w = _weight(T.Q8_0, 70, _n_in(T.Q8_0, 5))
+    raw, w = _weight(T.Q8_0, 70, _n_in(T.Q8_0, 5))
     signed = act8.q8_0_quants(w.qs)
     unsigned = signed.view(np.uint8) ^ np.uint8(0x80)
     assert w.qs.dtype == (np.uint8 if act8.Q8_0_UNSIGNED else np.int8)
@@ -459,7 +459,7 @@ def test_q8_0_prefill_microkernels_take_both_layouts(n_seq):
         np.testing.assert_array_equal(got, outs[0])
     # against gguf-py's weights and float64 x: within the activations' rounding, half a step of each
     # block's scale (max |x| / 127) on every weight of the block
-    wf = gguf.quants.dequantize(_weight(T.Q8_0, 70, w.n_in)[0], T.Q8_0).astype(np.float64)
+    wf = gguf.quants.dequantize(raw, T.Q8_0).astype(np.float64)
     step = np.abs(x).reshape(n_seq, -1, 32).max(axis=2) / 127 / 2                 # [S, B]
     bound = step @ np.abs(wf).reshape(70, -1, 32).sum(axis=2).T + 1e-5 * (np.abs(x) @ np.abs(wf).T)
     assert np.all(np.abs(outs[0] - x.astype(np.float64) @ wf.T) <= bound)

@@ -147,7 +147,8 @@ def _regroup(qs: np.ndarray, ggml_type, to_groups: bool, tiles_per_step: int = 6
     return qs
 
 
-Q8_0_UNSIGNED = has_vnni()
+VNNI = has_vnni()
+Q8_0_UNSIGNED = VNNI
 """Whether the load packs a Q8_0 weight's quants as ``q + 128`` (uint8) rather than ``q`` (int8):
 where ``vpdpbusd`` multiplies unsigned weight bytes, so that its decode and prefill kernels load
 them as they are (the kernels take either, by dtype: :func:`~llamatrace.kernels.int8.act8_ir.decode_q8`)."""
@@ -579,7 +580,6 @@ def _matmul_q5(x, qs, d, m, m_scale, centered, out):
 
 LANES = prefill_lanes()                                  # weight rows per microkernel call
 NS_Q4, NS_Q8, NS_Q4K, NS_Q6K = (PREFILL_ROWS[k] for k in ("q4", "q8", "q4k", "q6k"))   # activation rows a call
-VNNI = has_vnni()
 
 
 PREFILL_Q4, PREFILL_Q8, PREFILL_Q4K = 0, 1, 2       # _prefill's kinds
