@@ -42,7 +42,7 @@ def _x(n_seq: int, seed: int = 1) -> np.ndarray:
 def test_dequantized_weights_are_gguf_pys_bit_for_bit(mode):
     raw = _raw()
     w = packing.pack("w", T.MXFP4, raw, N_OUT, N_IN, activations=mode)
-    assert w.mode == mode and w.d.dtype == registry.SCALE_DTYPES[mode]
+    assert w.mode == mode and w.d.dtype == registry.FORMATS[T.MXFP4].scale_dtype(mode)
     want = gguf.quants.dequantize(raw, T.MXFP4)
     np.testing.assert_array_equal(packing.dequantize(w), want)
     np.testing.assert_array_equal(packing.get_rows(w, np.array([2, 0, 69])), want[[2, 0, 69]])

@@ -132,7 +132,7 @@ def test_gemv_kernel_equals_numpy_twin(tensors, qtype):
     out = np.empty((3, w.n_tiles * packing.TR), dtype=np.float32)  # padded rows included
     if qtype == T.Q8_0:
         q8._gemv_q8(x, w.qs, w.d, out)
-        twin = q8.gemv_q8_np(x, w.qs, w.d)
+        twin = q8.gemv_q8_np(x, w.qs, w.block_scales())
     else:
         m, m_scale = (w.m, np.float32(1.0)) if qtype == T.Q4_1 else (w.d, np.float32(-8.0))
         q4._gemv_q4(x, w.qs, w.d, m, m_scale, out)

@@ -91,15 +91,22 @@ def test_declared_kernel_matches_the_twin_declared_beside_it(key):
     assert np.all(np.abs(out - twin) <= 1e-6 * scale + 1e-30)
 
 
-def test_weight_scales_follow_the_mode_declared_encoding():
-    f32, q8 = (_weight(T.Q4_1, mode)[1] for mode in ("f32", "q8"))
-    assert (f32.d.dtype, q8.d.dtype) == (registry.SCALE_DTYPES["f32"], registry.SCALE_DTYPES["q8"])
+@pytest.mark.parametrize("qtype, f32_dtype", [(T.Q4_1, np.float32), (T.Q8_0, np.uint16)])
+def test_weight_scales_follow_the_mode_declared_encoding(qtype, f32_dtype):
+    """float32 values in f32 (fp16 bits for Q8_0, whose f32 kernels widen them), fp16 bits in q8;
+    the same float32 scales either way."""
+    f32, q8 = (_weight(qtype, mode)[1] for mode in ("f32", "q8"))
+    fmt = registry.FORMATS[qtype]
+    assert (f32.d.dtype, q8.d.dtype) == (np.dtype(f32_dtype), np.dtype(np.uint16))
+    assert (fmt.scale_dtype("f32"), fmt.scale_dtype("q8")) == (f32.d.dtype, q8.d.dtype)
     rows = np.array([0, 33, 69])
     for got, want in zip(q8.scales_f32(rows // packing.TR, rows % packing.TR),
                          f32.scales_f32(rows // packing.TR, rows % packing.TR)):
         np.testing.assert_array_equal(got, want)
+    assert f32.block_scales().dtype == np.float32
+    np.testing.assert_array_equal(f32.block_scales(), q8.block_scales())
     with pytest.raises(ValueError, match="must be uint16 in mode q8"):
-        dataclasses.replace(q8, d=f32.d)
+        dataclasses.replace(q8, d=f32.block_scales())
 
 
 def test_unregistered_combination_is_a_clear_error():

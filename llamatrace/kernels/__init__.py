@@ -24,9 +24,9 @@ Numba's flags, the CPU features and the thread policy are the machine's
 the kernel for a weight's (GGML type, activation mode, phase).
 
 Activations are float32 by default; ``q8`` quantizes them to 8 bits per block, as llama.cpp
-does (:mod:`llamatrace.kernels.int8.act8`). A packed weight's scales ``d``, ``m`` are float32 values
-in the ``f32`` mode and the file's fp16 bits in the ``q8`` mode
-(:data:`~llamatrace.kernels.types.registry.SCALE_DTYPES`, ``Weight.mode``, ``Weight.scales_f32``).
+does (:mod:`llamatrace.kernels.int8.act8`). A packed weight's scales ``d``, ``m`` are the file's fp16
+bits in the ``q8`` mode (and Q8_0's in ``f32``), else float32 values
+(``BlockFormat.scale_bits``, ``Weight.mode``, ``Weight.scales_f32``).
 
 Adding a quant type (say IQ4_NL or Q8_1) touches one family module in ``types/`` (new, or the
 family's) and, for a new module, this file's import line below. In the module, write the type's

@@ -165,16 +165,21 @@ def _splat(builder, scalar, vtype):
 @intrinsic
 def deq_i8(typingctx, wt, w_at, q, q_at, a, a_at):
     """``wt[w_at + r] = a[a_at + r] * float32(q[q_at + r])`` for r < TR: int8 quants times their
-    float32 scales (Q8_0's ``d * q``; MXFP4's kvalues). Arrays flat-indexed, C-contiguous."""
+    scales (Q8_0's ``d * q``, ``a`` its fp16 bits as uint16, widened exactly; MXFP4's kvalues,
+    ``a`` float32). Arrays flat-indexed, C-contiguous."""
     if not (isinstance(q, types.Array) and q.dtype == types.int8 and wt.dtype == types.float32
-            and a.dtype == types.float32):
+            and a.dtype in (types.float32, types.uint16)):
         return None
     sig = types.void(wt, w_at, q, q_at, a, a_at)
+    bits = a.dtype == types.uint16
 
     def codegen(context, b, signature, args):
         wt_p, q_p, a_p = (_data(context, b, signature, args, i) for i in (0, 2, 4))
         qv = b.sitofp(b.load(_lanes_ptr(b, q_p, args[3], _VTR_I8), align=1), _VTR_F32)
-        av = b.load(_lanes_ptr(b, a_p, args[5], _VTR_F32), align=4)
+        if bits:
+            av = b.fpext(b.load(_lanes_ptr(b, a_p, args[5], ir.VectorType(ir.HalfType(), TR)), align=2), _VTR_F32)
+        else:
+            av = b.load(_lanes_ptr(b, a_p, args[5], _VTR_F32), align=4)
         b.store(b.fmul(av, qv), _lanes_ptr(b, wt_p, args[1], _VTR_F32), align=4)
         return context.get_dummy_value()
 

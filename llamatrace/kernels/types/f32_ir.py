@@ -74,7 +74,8 @@ def _bytes(k, qs, at, signed: bool, to_float: bool = True):
 
 def _q8_0_ir(k: VectorTile, a):
     """Q8_0: per block and register of rows two chains (even, odd j) of ``x[j] * q[j]``, then
-    ``acc = fma(d, even + odd, acc)``."""
+    ``acc = fma(d, even + odd, acc)``, ``d`` widened from its fp16 bits (uint16 ``d``, F16C:
+    exact) or read as float32."""
     qs, q_at, x, x_at, d, _, dm_at, n_blocks, ahead = a
     b, c64, lanes = k.b, k.c64, k.lanes
     on = b.icmp_signed("!=", ahead, c64(0))
@@ -90,7 +91,8 @@ def _q8_0_ir(k: VectorTile, a):
             for h, p in enumerate(parts):
                 p[j % 2] = chain(k, p[j % 2], xj, _bytes(k, qs, b.add(qb, c64(j * TR + h * lanes)), True))
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
-        return [k.fma(k.load(d, b.add(dm, c64(h * lanes)), k.vf, 4), b.fadd(p[0], p[1]), acc)
+        scale = k.halves if isinstance(d.type.pointee, ir.IntType) else (lambda p, at: k.load(p, at, k.vf, 4))
+        return [k.fma(scale(d, b.add(dm, c64(h * lanes))), b.fadd(p[0], p[1]), acc)
                 for h, (p, acc) in enumerate(zip(parts, accs))]
 
     return k.block_loop(n_blocks, TR // lanes, body)

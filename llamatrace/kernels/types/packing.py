@@ -6,9 +6,10 @@ order) repacked once at load time into *row tiles*: ``TR`` consecutive output ro
 interleaved so that the innermost loop of every kernel runs over ``TR`` rows and compiles to
 512-bit vector instructions (``vfmadd…ps %zmm``). There is no float32 copy of the model: the
 quantized bytes stay as they are in the file, only the fp16 scales become float32 (Numba has
-no float16), or stay fp16 bits for the ``q8`` activation mode's kernels
-(:data:`llamatrace.kernels.types.registry.SCALE_DTYPES`; :mod:`llamatrace.kernels.int8.act8` also reorders
-the quant bytes it reads in groups of four).
+no float16), or stay fp16 bits for the kernels that widen them as they read: the ``q8``
+activation mode's, and Q8_0's in ``f32``
+(:meth:`llamatrace.kernels.types.registry.BlockFormat.scale_bits`; :mod:`llamatrace.kernels.int8.act8`
+also reorders the quant bytes it reads in groups of four).
 
 Block types (T = ceil(n_out / TR) tiles, B = n_in / weights-per-block blocks; padded rows are
 zero)::
@@ -45,7 +46,7 @@ from llamatrace.errors import OptionError, UnsupportedModelError
 from llamatrace.kernels import tiles
 from llamatrace.kernels.int8 import act8
 from llamatrace.kernels.types import file_rows, floats
-from llamatrace.kernels.types.registry import FORMATS, MODES, SCALE_DTYPES, TYPES, QuantType, served_types
+from llamatrace.kernels.types.registry import FORMATS, MODES, TYPES, QuantType, served_types
 from llamatrace.machine.jit import JIT_INLINE, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
@@ -70,10 +71,10 @@ class Weight:
     """One ``[n_out, n_in]`` matrix in row-tile layout (see the module docstring).
 
     ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m``
-    the block scales and minimums ``[T, B, TR]`` (empty where the type has none), encoded as
-    :data:`~llamatrace.kernels.types.registry.SCALE_DTYPES` says for the weight's :attr:`mode`: float32
-    values in ``f32``, the file's fp16 bits (uint16) in ``q8``; :meth:`scales_f32` gives float32
-    values in either. ``act8``: packed for the 8-bit-activation kernels (:attr:`mode` ``q8``:
+    the block scales and minimums ``[T, B, TR]`` (empty where the type has none), encoded as the
+    type's :meth:`~llamatrace.kernels.types.registry.BlockFormat.scale_bits` says for the weight's
+    :attr:`mode`: the file's fp16 bits (uint16) in ``q8`` (and Q8_0's in ``f32``), else float32
+    values; :meth:`scales_f32` gives float32 values in either. ``act8``: packed for the 8-bit-activation kernels (:attr:`mode` ``q8``:
     the type's ``q8`` kernels, its quant bytes in :mod:`llamatrace.kernels.int8.act8`'s groups of
     four); a type without ``q8`` kernels is packed for ``f32`` whatever was asked. ``row_splits``
     gives the row counts of the matrices fused by :func:`pack_concat` (``(n_out,)`` otherwise),
@@ -92,7 +93,8 @@ class Weight:
     act8: bool = False
 
     def __post_init__(self) -> None:
-        want = SCALE_DTYPES[self.mode]
+        fmt = FORMATS.get(self.ggml_type)
+        want = fmt.scale_dtype(self.mode) if fmt is not None else np.dtype(np.float32)
         if any(a.size and a.dtype != want for a in (self.d, self.m)):
             raise ValueError(f"Weight {self.name!r}: d, m must be {want} in mode {self.mode}, got {self.d.dtype}, "
                              f"{self.m.dtype}")
@@ -106,10 +108,15 @@ class Weight:
         """(d, m) float32 ``[n, B]`` of rows ``r`` of tiles ``t`` (int arrays [n]), in either
         mode; ``m`` None for a type without a minimum."""
         d, m = self.d[t, :, r], (self.m[t, :, r] if self.m.size else None)
-        if self.act8:
-            fmt = FORMATS[self.ggml_type]
+        fmt = FORMATS.get(self.ggml_type)
+        if fmt is not None and fmt.scale_bits(self.mode):
             d, m = fmt.scale_values(d), (fmt.scale_values(m) if m is not None else None)
         return d, m
+
+    def block_scales(self) -> np.ndarray:
+        """``d`` as float32 values ``[T, B, TR]`` (:meth:`scales_f32`'s, for every row), for the NumPy twins."""
+        fmt = FORMATS.get(self.ggml_type)
+        return fmt.scale_values(self.d) if fmt is not None and fmt.scale_bits(self.mode) else self.d
 
     @property
     def nbytes(self) -> int:
@@ -230,7 +237,7 @@ def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], 
     written in place by :func:`repack_tiles`: no concatenated or transposed temporary, so a load
     holds the file's pages and the packed copy, nothing more; quant bytes ``group`` in 8-bit
     activations' order (:func:`_group`), whose mode then also sets the dtype of ``d`` and ``m``
-    (:data:`~llamatrace.kernels.types.registry.SCALE_DTYPES`). ``done(rows)`` after each part, with
+    (:meth:`~llamatrace.kernels.types.registry.BlockFormat.scale_dtype`). ``done(rows)`` after each part, with
     the rows packed so far. Raises ``ValueError`` on a size mismatch."""
     ggml_type, fmt = qt.ggml_type, qt.block
     if n_in % fmt.weights:
@@ -239,7 +246,7 @@ def _pack_blocks(name: str, qt: QuantType, parts: list[tuple[np.ndarray, int]], 
     n_rows = sum(int(n) for _, n in parts)
     n_tiles = -(-n_rows // TR)
     mode = "q8" if group != (0, 0) else "f32"
-    scale_type, table = SCALE_DTYPES[mode], fmt.scale_lookup(mode)    # file scale bits -> what d, m hold
+    scale_type, table = fmt.scale_dtype(mode), fmt.scale_lookup(mode)    # file scale bits -> what d, m hold
     qs_t = arena.empty((n_tiles, n_blocks, fmt.packed_bytes, TR), np.uint8)
     d_t = arena.empty((n_tiles, n_blocks, TR), scale_type)
     m_t = arena.empty((n_tiles, n_blocks, TR), scale_type) if fmt.has_min else _EMPTY_SCALES

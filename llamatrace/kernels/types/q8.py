@@ -7,10 +7,12 @@ GGUF block (per 32 weights of one row, as in gguf-py ``quants.py``)::
 Packed (:mod:`llamatrace.kernels.types.packing`; T = ceil(n_out / TR) tiles, B = n_in / 32 blocks,
 padded rows zero)::
 
-    qs int8 [T, B, 32, TR]    d float32 [T, B, TR]
+    qs int8 [T, B, 32, TR]    d uint16 [T, B, TR]: the file's fp16 bits
 
-Resident bytes against the file: 36/34 = 1.06x (1.0x in the ``q8`` mode, whose Numba kernels
-are :mod:`llamatrace.kernels.int8.act8`'s). Float32 activations times the dequantized weights, float32
+Resident bytes against the file: 34/34, in both modes (the ``q8`` mode's Numba kernels are
+:mod:`llamatrace.kernels.int8.act8`'s). The ``f32`` kernels widen ``d`` as they read it (F16C,
+exact), as the ``q8`` ones do: float32 scales made the file's 34 bytes a block 36, ~6 % more to
+stream in a decode step (gpt-oss's output matrix: 392 MB, not 416). Float32 activations times the dequantized weights, float32
 accumulation, as :mod:`llamatrace.kernels.types.q4` (whose notes on the loops apply here too). The
 type is declared at the end (:data:`Q8_0`).
 """
@@ -42,7 +44,8 @@ def dequant_np(p: np.ndarray, db: np.ndarray, mb: None) -> np.ndarray:
 
 
 def gemv_q8_np(x: np.ndarray, qs, d) -> np.ndarray:
-    """NumPy twin of :func:`_gemv_q8`: per block d*(x.q). Returns float32 [S, T*TR]."""
+    """NumPy twin of :func:`_gemv_q8`: per block d*(x.q), d float32 [T, B, TR] values. Returns
+    float32 [S, T*TR]."""
     n_seq, n_blocks = x.shape[0], qs.shape[1]
     xb = x.reshape(n_seq, n_blocks, 32).astype(np.float64)
     y = (d * np.einsum("sbj,tbjr->stbr", xb, qs.astype(np.float64))).sum(axis=2)
@@ -52,8 +55,8 @@ def gemv_q8_np(x: np.ndarray, qs, d) -> np.ndarray:
 
 @njit(**JIT_PARALLEL)
 def _gemv_q8(x, qs, d, out):
-    """Q8_0 GEMV for a few rows. x float32 [S, B*32]; qs int8 [T, B, 32, TR]; d float32
-    [T, B, TR]; out float32 [S, n_out]. Per tile and row of x, :func:`~llamatrace.kernels.types.f32_ir.decode_q8_0`
+    """Q8_0 GEMV for a few rows. x float32 [S, B*32]; qs int8 [T, B, 32, TR]; d uint16 [T, B,
+    TR] fp16 bits (or float32 values); out float32 [S, n_out]. Per tile and row of x, :func:`~llamatrace.kernels.types.f32_ir.decode_q8_0`
     over the whole tile, its sums in registers (the tile's full rows written straight to out)."""
     n_seq, n_in = x.shape
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
@@ -117,7 +120,7 @@ def gemv_q8_0(x, w, out):
 
 
 def gemv_q8_0_np(x, w):
-    return gemv_q8_np(x, w.qs, w.d)[:, :w.n_out]
+    return gemv_q8_np(x, w.qs, w.block_scales())[:, :w.n_out]
 
 
 def tiled_q8_0(x, w, out):
@@ -140,7 +143,8 @@ def act8_q8_0_np(x, w):
 
 
 Q8_0 = declare(QuantType(
-    _T.Q8_0, BlockFormat(weights=QK, file_bytes=34, packed_bytes=32, copy=(2, 0, 32), d_off=0, signed=True),
+    _T.Q8_0, BlockFormat(weights=QK, file_bytes=34, packed_bytes=32, copy=(2, 0, 32), d_off=0, signed=True,
+                         f32_bits=True),
     dequant_np=dequant_np,
     kernels={"f32": (Kernel(gemv_q8_0, gemv_q8_0_np), Kernel(tiled_q8_0, matmul_ref)),
              "q8": (Kernel(act8_gemv_q8_0, act8_q8_0_np), Kernel(act8_prefill_q8_0, act8_q8_0_np))},

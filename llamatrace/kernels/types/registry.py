@@ -46,13 +46,6 @@ row); ``prefill``: the tiled kernels for more rows (each tile dequantized once, 
 GEMV_MAX_SEQ = 4
 """Up to this many rows of ``x`` take the ``decode`` kernels, more the ``prefill`` ones."""
 
-SCALE_DTYPES = {"f32": np.dtype(np.float32), "q8": np.dtype(np.uint16)}
-"""What a packed block weight's ``d`` and ``m`` hold in each activation mode: float32 values
-(the float32 kernels multiply them as they are), or the file's fp16 bits as uint16 (the ``q8``
-kernels widen them as they read, with F16C: a Q4_0 block streams 18 bytes, as in the file,
-instead of 20). :meth:`llamatrace.kernels.types.packing.Weight.scales_f32` gives float32 in either."""
-
-
 _SCALE_TABLES = {"f16": (F16_TABLE, F16_BITS), "e8m0": (E8M0_HALF_TABLE, E8M0_BITS)}
 """BlockFormat.scale -> (the float32 values, the kept bits) of each uint16 read from a block."""
 
@@ -85,7 +78,8 @@ class BlockFormat:
     at ``m_off`` (-1: none, ``has_min`` False). ``signed``: the packed quants are int8.
     ``scale``: how ``d`` is encoded in the file, ``"f16"`` (two bytes) or ``"e8m0"`` (MXFP4's
     one exponent byte, whose value the type's kernels take as ggml's ``GGML_E8M0_TO_FP32_HALF``,
-    ``2**(e - 128)``); :meth:`scale_lookup` says what ``d`` holds in each mode.
+    ``2**(e - 128)``); :meth:`scale_lookup` says what ``d`` holds in each mode. ``f32_bits``: the
+    ``f32`` mode's kernels too take the file's scale bits (:meth:`scale_bits`).
     """
 
     weights: int
@@ -97,6 +91,7 @@ class BlockFormat:
     scales: tuple[ScaleByte, ...] = ()
     signed: bool = False
     scale: str = "f16"
+    f32_bits: bool = False
 
     def __post_init__(self) -> None:
         if self.scale not in _SCALE_TABLES:
@@ -106,15 +101,28 @@ class BlockFormat:
     def has_min(self) -> bool:
         return self.m_off >= 0
 
+    def scale_bits(self, mode: str) -> bool:
+        """Whether a packed weight's ``d`` and ``m`` hold the file's scale bits (uint16: fp16 bits,
+        or the E8M0 byte) in activation ``mode``, else float32 values. The ``q8`` kernels widen the
+        bits as they read (F16C: a Q4_0 block streams 18 bytes, as in the file, instead of 20), and
+        so do the ``f32`` ones of a type with :attr:`f32_bits`; the other ``f32`` kernels multiply
+        float32 values as they are. :meth:`llamatrace.kernels.types.packing.Weight.scales_f32`
+        gives float32 in either."""
+        return mode == "q8" or self.f32_bits
+
+    def scale_dtype(self, mode: str) -> np.dtype:
+        """The dtype of a packed weight's ``d`` and ``m`` in activation ``mode`` (:meth:`scale_bits`)."""
+        return np.dtype(np.uint16 if self.scale_bits(mode) else np.float32)
+
     def scale_lookup(self, mode: str) -> np.ndarray:
         """[65536]: the little-endian uint16 read at ``d_off`` (or ``m_off``) of a file block ->
-        what the packed ``d`` / ``m`` hold in activation ``mode`` (:data:`SCALE_DTYPES`): the
-        float32 value in ``f32``, the file's scale bits in ``q8`` (fp16 bits, or the E8M0 byte)."""
-        return _SCALE_TABLES[self.scale][mode == "q8"]
+        what the packed ``d`` / ``m`` hold in activation ``mode`` (:meth:`scale_bits`): the
+        float32 value, or the file's scale bits (fp16 bits, or the E8M0 byte)."""
+        return _SCALE_TABLES[self.scale][self.scale_bits(mode)]
 
     def scale_values(self, bits: np.ndarray) -> np.ndarray:
-        """float32 values of scales as a ``q8``-mode weight holds them (or as read from the
-        file: the uint16 at ``d_off``)."""
+        """float32 values of scales held as bits (:meth:`scale_bits`; or as read from the file:
+        the uint16 at ``d_off``)."""
         return _SCALE_TABLES[self.scale][0][np.asarray(bits, np.uint16)]
 
     def scale_table(self) -> np.ndarray:
