@@ -80,6 +80,7 @@ def _q8_0_ir(k: VectorTile, a):
     b, c64, lanes = k.b, k.c64, k.lanes
     on = b.icmp_signed("!=", ahead, c64(0))
     block = _block_bytes("q8_0")
+    scale = k.halves if isinstance(d.type.pointee, ir.IntType) else (lambda p, at: k.load(p, at, k.vf, 4))
 
     def body(blk, accs):
         qb = b.add(q_at, b.mul(blk, c64(block)))
@@ -91,7 +92,6 @@ def _q8_0_ir(k: VectorTile, a):
             for h, p in enumerate(parts):
                 p[j % 2] = chain(k, p[j % 2], xj, _bytes(k, qs, b.add(qb, c64(j * TR + h * lanes)), True))
         dm = b.add(dm_at, b.mul(blk, c64(TR)))
-        scale = k.halves if isinstance(d.type.pointee, ir.IntType) else (lambda p, at: k.load(p, at, k.vf, 4))
         return [k.fma(scale(d, b.add(dm, c64(h * lanes))), b.fadd(p[0], p[1]), acc)
                 for h, (p, acc) in enumerate(zip(parts, accs))]
 

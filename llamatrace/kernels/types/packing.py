@@ -70,16 +70,17 @@ _EMPTY_SCALES = np.zeros((0, 0, TR), dtype=np.float32)
 class Weight:
     """One ``[n_out, n_in]`` matrix in row-tile layout (see the module docstring).
 
-    ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m``
-    the block scales and minimums ``[T, B, TR]`` (empty where the type has none), encoded as the
-    type's :meth:`~llamatrace.kernels.types.registry.BlockFormat.scale_bits` says for the weight's
+    ``qs`` holds the packed weights (uint8 / int8 / uint16 / float32 by type), ``d`` and ``m`` the
+    block scales and minimums ``[T, B, TR]`` (empty where the type has none), encoded as the type's
+    :meth:`~llamatrace.kernels.types.registry.BlockFormat.scale_bits` says for the weight's
     :attr:`mode`: the file's fp16 bits (uint16) in ``q8`` (and Q8_0's in ``f32``), else float32
-    values; :meth:`scales_f32` gives float32 values in either. ``act8``: packed for the 8-bit-activation kernels (:attr:`mode` ``q8``:
-    the type's ``q8`` kernels, its quant bytes in :mod:`llamatrace.kernels.int8.act8`'s groups of
-    four); a type without ``q8`` kernels is packed for ``f32`` whatever was asked. ``row_splits``
-    gives the row counts of the matrices fused by :func:`pack_concat` (``(n_out,)`` otherwise),
-    so a caller can ``np.split(y, np.cumsum(w.row_splits)[:-1], axis=1)``. Raises
-    ``ValueError`` if non-empty ``d`` / ``m`` do not have the mode's dtype.
+    values; :meth:`scales_f32` gives float32 values in either. ``act8``: packed for the
+    8-bit-activation kernels (:attr:`mode` ``q8``: the type's ``q8`` kernels, its quant bytes in
+    :mod:`llamatrace.kernels.int8.act8`'s groups of four); a type without ``q8`` kernels is packed
+    for ``f32`` whatever was asked. ``row_splits`` gives the row counts of the matrices fused by
+    :func:`pack_concat` (``(n_out,)`` otherwise), so a caller can ``np.split(y,
+    np.cumsum(w.row_splits)[:-1], axis=1)``. Raises ``ValueError`` if non-empty ``d`` / ``m`` do not
+    have the mode's dtype.
     """
 
     name: str
@@ -108,15 +109,20 @@ class Weight:
         """(d, m) float32 ``[n, B]`` of rows ``r`` of tiles ``t`` (int arrays [n]), in either
         mode; ``m`` None for a type without a minimum."""
         d, m = self.d[t, :, r], (self.m[t, :, r] if self.m.size else None)
-        fmt = FORMATS.get(self.ggml_type)
-        if fmt is not None and fmt.scale_bits(self.mode):
+        fmt = self._bits_format()
+        if fmt is not None:
             d, m = fmt.scale_values(d), (fmt.scale_values(m) if m is not None else None)
         return d, m
 
     def block_scales(self) -> np.ndarray:
         """``d`` as float32 values ``[T, B, TR]`` (:meth:`scales_f32`'s, for every row), for the NumPy twins."""
+        fmt = self._bits_format()
+        return fmt.scale_values(self.d) if fmt is not None else self.d
+
+    def _bits_format(self):
+        """The type's block format when ``d`` and ``m`` hold the file's scale bits, else None."""
         fmt = FORMATS.get(self.ggml_type)
-        return fmt.scale_values(self.d) if fmt is not None and fmt.scale_bits(self.mode) else self.d
+        return fmt if fmt is not None and fmt.scale_bits(self.mode) else None
 
     @property
     def nbytes(self) -> int:

@@ -12,9 +12,9 @@ padded rows zero)::
 Resident bytes against the file: 34/34, in both modes (the ``q8`` mode's Numba kernels are
 :mod:`llamatrace.kernels.int8.act8`'s). The ``f32`` kernels widen ``d`` as they read it (F16C,
 exact), as the ``q8`` ones do: float32 scales made the file's 34 bytes a block 36, ~6 % more to
-stream in a decode step (gpt-oss's output matrix: 392 MB, not 416). Float32 activations times the dequantized weights, float32
-accumulation, as :mod:`llamatrace.kernels.types.q4` (whose notes on the loops apply here too). The
-type is declared at the end (:data:`Q8_0`).
+stream in a decode step (gpt-oss's output matrix: 392 MB, not 416). Float32 activations times
+the dequantized weights, float32 accumulation, as :mod:`llamatrace.kernels.types.q4` (whose
+notes on the loops apply here too). The type is declared at the end (:data:`Q8_0`).
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def gemv_q8_np(x: np.ndarray, qs, d) -> np.ndarray:
 @njit(**JIT_PARALLEL)
 def _gemv_q8(x, qs, d, out):
     """Q8_0 GEMV for a few rows. x float32 [S, B*32]; qs int8 [T, B, 32, TR]; d uint16 [T, B,
-    TR] fp16 bits (or float32 values); out float32 [S, n_out]. Per tile and row of x, :func:`~llamatrace.kernels.types.f32_ir.decode_q8_0`
-    over the whole tile, its sums in registers (the tile's full rows written straight to out)."""
+    TR] fp16 bits (or float32 values); out float32 [S, n_out]. Per tile and row of x,
+    :func:`~llamatrace.kernels.types.f32_ir.decode_q8_0` over the whole tile, its sums in registers
+    (the tile's full rows written straight to out)."""
     n_seq, n_in = x.shape
     n_tiles, n_blocks = qs.shape[0], qs.shape[1]
     n_out = out.shape[1]
