@@ -538,17 +538,19 @@ conversion: :data:`KIND` 0 and 1, their x scaled by :func:`_matmul_id`; DAZ is o
 ROWS_1 = {"q6k": 2}
 """Weight rows one slot's ymm kernel runs at once (:func:`_tile_ir`; 1 for the kinds not named): Q6_K's
 two rows share their loads of x (1.07x; Q4_K and MXFP4 ran no faster so)."""
-ROWS_1_WIDE = {"q6k": 2, "mxfp4": 2}
+ROWS_1_WIDE = {"q6k": 2, "mxfp4": 2, "q4k": 2}
 """The same on zmm (:data:`WIDE`): MXFP4 takes two as well (:func:`_mxfp4_wide`: its two chains a
-row, one FMA a block each, wait on the FMA's latency with one row; 1.12x with two)."""
+row, one FMA a block each, wait on the FMA's latency with one row; 1.12x with two), and Q4_K (with
+one vector of sums a row: a step's f32 experts 1.02-1.06x on qwen3moe-8, three rows 0.92-0.95x)."""
 
 ACC_1 = {"q4k": 1}
 """Vectors of sums a row of one slot keeps in registers (:func:`_tile_ir`; 2 for the kinds not
 named): each group's products are a chain of their own, so few suffice; Q4_K ran 1.05x with one
 than with two (its 9 FMAs a block into it are not what bounds it)."""
-ACC_1_WIDE = {"q6k": 1}
-"""The same on zmm (:data:`WIDE`): Q6_K one (the ymm kernel's two side by side), Q4_K two, MXFP4
-two (the low nibbles' products and the high ones')."""
+ACC_1_WIDE = {"q6k": 1, "q4k": 1}
+"""The same on zmm (:data:`WIDE`): Q6_K one (the ymm kernel's two side by side), Q4_K one (its two
+rows' chains overlap; one row with one: 0.98-1.03x), MXFP4 two (the low nibbles' products and the
+high ones')."""
 
 
 def _tile_ir(kind: str, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blocks, x, x_at, out, out_at):
