@@ -212,3 +212,33 @@ def test_our_decode_is_timed_as_the_peers_with_each_steps_sampling(monkeypatch, 
     monkeypatch.setattr(engine.model, "forward", slow_forward)
     monkeypatch.setattr(sampling.Sampler, "__call__", slow_pick)
     assert engine.run([5, 6, 7], 4) == (11.0, 44.0)
+
+
+def test_ratios_to_llamacpp_pair_the_runs_of_a_round(capsys, monkeypatch, tiny_model_path):
+    """Round by round, each engine's rate over llama.cpp's of the same round: the JSON's lists and the
+    table's line (llama.cpp stood in for by a second llamatrace engine, renamed)."""
+    real = bench.run_bench
+
+    def with_a_peer(*args, **kwargs):
+        report = real(*args, **kwargs)
+        ours, peer = report.results
+        peer.engine = "llama.cpp"
+        # the ratio of the medians (prefill 2 / 1) is not the median of the rounds' ratios (1.0)
+        ours.prefill_tok_s, peer.prefill_tok_s = [1.0, 2.0, 3.0], [1.0, 4.0, 1.0]
+        ours.decode_tok_s, peer.decode_tok_s = [2.0, 2.0, 2.0], [1.0, 2.0, 8.0]
+        return report
+
+    monkeypatch.setattr(bench, "run_bench", with_a_peer)
+    args = ("bench", "-m", str(tiny_model_path), "--prompt-tokens", "4", "--decode-tokens", "2", "--repeats", "1",
+            "--threads", "1", "--activations", "f32", "--activations", "q8")
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 0, err
+    ours, peer = json.loads(out)["results"]
+    assert ours["per_round_vs_llama_cpp"] == {"prefill": [1.0, 0.5, 3.0], "decode": [2.0, 1.0, 0.25]}
+    assert "per_round_vs_llama_cpp" not in peer
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert "2.00 / 1.00" in flat and "1.00 / 1.00" in flat   # the table: ratios of the medians (llama.cpp's own 1)
+    assert ("llamatrace f32 ÷ llama.cpp round by round (each run against llama.cpp's of the same round): "
+            "prefill 1.00 (0.50–3.00), decode 1.00 (0.25–2.00)") in flat

@@ -90,11 +90,22 @@ class BenchReport:
         (:func:`llamatrace.analysis.roofline.fractions`)."""
         return fractions(self.cost, self.machine, r.prefill, r.decode)
 
+    def round_ratios(self, r: EngineResult, base: EngineResult) -> dict[str, list[float]]:
+        """Engine ``r``'s prefill and decode tok/s over ``base``'s, round by round: each round runs
+        every engine once, one after the other, so a ratio pairs two runs a few seconds apart (the
+        minute's memory bandwidth alike), where the ratio of the medians may pair runs of
+        different minutes. ``{"prefill": [...], "decode": [...]}``, one ratio a round."""
+        return {"prefill": [a / b for a, b in zip(r.prefill_tok_s, base.prefill_tok_s)],
+                "decode": [a / b for a, b in zip(r.decode_tok_s, base.decode_tok_s)]}
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        base = next((r for r in self.results if r.engine == "llama.cpp"), None)
         for r, row in zip(self.results, d["results"]):
             row["prefill_median"], row["decode_median"] = r.prefill, r.decode
             row["roofline"] = self.roofline(r)
+            if base is not None and r is not base:
+                row["per_round_vs_llama_cpp"] = self.round_ratios(r, base)
         return d
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Annotated, Optional
 
 import typer
@@ -135,3 +136,9 @@ def bench(
                       soft_wrap=True)
     if base is not None:
         out.print("÷ llama.cpp: prefill / decode tok/s as a ratio of llama.cpp's in the same run")
+        for r in report.results:
+            if r is not base:
+                ratios = report.round_ratios(r, base)
+                out.print(f"{r.engine} ÷ llama.cpp round by round (each run against llama.cpp's of the same round): "
+                          + ", ".join(f"{k} {statistics.median(v):.2f} ({min(v):.2f}–{max(v):.2f})"
+                                      for k, v in ratios.items()), soft_wrap=True)
