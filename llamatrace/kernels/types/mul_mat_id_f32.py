@@ -407,14 +407,15 @@ def _q6k_wide(k: VectorTile, qs, qb, u):
     return groups, None
 
 
-def _q4k_wide(k: VectorTile, qs, qb, u):
+def _q4k_wide(k: VectorTile, qs, qb, u, convert: bool = False):
     """Q4_K for one slot on zmm (:data:`WIDE`, ``k`` of 16 lanes), no byte shuffles: 64 bytes of
     quants (chunks j, j + 1: sub-blocks 2j, 2j + 1 in the low and high nibbles of the lower 32
     bytes, 2j + 2, 2j + 3 of the upper) are 16 int32 lanes, and nibble h of byte b of each is kept
     where it is by an AND with ``0xF << e`` (:data:`Q4K_BITS`; byte 3's after a shift right by 8 so
     that ``q << e`` stays below 2**24). Those lanes read as float32 are ``q * 2**(e - 149)``
     (subnormal, or the exponent field 1 from 2**23 on: the same line), or are converted to ``q * 2**e``
-    where :data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS` is 0; x comes times ``2**-e``
+    where :data:`~llamatrace.kernels.tiles.SUBNORMAL_BIAS` is 0 or with ``convert`` (the several
+    slots' kernel, :func:`_slots_wide_ir`); x comes times ``2**-e``
     (:data:`Q4K_ORDER`), so each product is the ymm kernel's. A group is the four bytes of nibble
     h of two chunks: lanes 0..7 sub-block 2j + h, 8..15 2j + 2 + h, its scale the vector of their
     ``(d*sc) * u``. ANDs run on all four of Zen 4's vector pipes where ``vpshufb`` runs on two; the
@@ -431,8 +432,9 @@ def _q4k_wide(k: VectorTile, qs, qb, u):
         q = k.load(qs, b.add(qb, c64(16 + 32 * j)), vi)
         top = b.lshr(q, _const([8] * 16, _I32))
         for h in (0, 1):
-            vecs = [(quants_as_float(b, b.and_(q if n < 3 else top, _const([15 << Q4K_BITS[n][h]] * 16, _I32))),
-                     64 * j + 64 * h + 16 * n) for n in range(4)]
+            nibbles = [b.and_(q if n < 3 else top, _const([15 << Q4K_BITS[n][h]] * 16, _I32)) for n in range(4)]
+            vecs = [(b.sitofp(v, k.vf) if convert else quants_as_float(b, v), 64 * j + 64 * h + 16 * n)
+                    for n, v in enumerate(nibbles)]
             pick = _const([2 * j + h] * 8 + [2 * j + 2 + h] * 8, _I32)         # sub-blocks 2j + h, 2j + 2 + h
             lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), pick)
             groups.append((vecs, lanes))
@@ -907,6 +909,150 @@ def _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc):
 
 
 # --------------------------------------------------------------------------------------------
+# several slots of Q4_K on zmm: the weights made once in registers, each multiplied into every slot
+
+
+SLOTS_WIDE = 8
+"""Most slots :func:`_slots_wide_ir` takes at a time (a variant for each count 1..8)."""
+ROWS_WIDE = 2
+"""Weight rows it takes at a time: their weights share each load of x."""
+
+
+def _slots_wide_ir(n_slots: int, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out,
+                   out_at, add) -> None:
+    """``n_slots`` slots times ``n_rows`` Q4_K rows on zmm, ``n_blk`` blocks of each (row i's first at
+    byte ``q_at + i * row_bytes`` of ``qs``): ``out[out_at + s * TR + i]`` = (``add``: plus) the
+    sum of slot s's products with row i. Slot s's x starts at ``x_at + s * x_stride`` of ``x`` in
+    :data:`Q4K_ORDER` times ``2**-Q4K_EXP``, unscaled (no 2**K), its sums per 32 inputs at
+    ``sums_at + s * x_stride``. A block's 16 vectors of quants are converted and times their
+    lanes' ``d*sc`` (exact: :func:`_q4k_wide`), each vector once for every slot: one FMA a slot
+    into the slot's vector of sums, ``ROWS_WIDE`` rows sharing each load of x; then
+    ``- (dmin*mn) * sum(x)`` per sub-block. Where the one-slot kernel takes 21 FMAs a block and
+    the dequantizing path of :func:`_slots_tile` writes and reads its weights through L1, this
+    takes ``16 (n_slots + 1)`` FMAs and multiplies."""
+    b, c64 = k.b, k.c64
+    v8 = ir.VectorType(k.f32, 8)
+    on, one = ir.Constant(ir.IntType(1), 1), ir.Constant(k.f32, 1.0)
+    adding = b.icmp_signed("!=", add, c64(0))
+
+    def lanes16(v):                              # 8 lanes, zeros above
+        return b.shuffle_vector(v, ir.Constant(v8, [0.0] * 8), _const(range(16), _I32))
+
+    def rows(i, n):
+        q_rows = [b.add(q_at, b.mul(b.add(i, c64(r)), row_bytes)) for r in range(n)]
+
+        def block(j, accs):
+            accs = list(accs)
+            made = []
+            for q_row in q_rows:
+                qb = b.add(q_row, b.mul(j, c64(144)))
+                k.prefetch(on, qs, b.add(qb, b.mul(row_bytes, c64(PF_ROWS))), range(3))
+                made.append(_q4k_wide(k, qs, qb, one, convert=True))
+            xb = b.add(x_at, b.mul(j, c64(256)))
+            for g in range(4):
+                for v in range(4):
+                    ws = [b.fmul(groups[g][0][v][0], groups[g][1]) for groups, _ in made]
+                    off = made[0][0][g][0][v][1]
+                    for s_ in range(n_slots):
+                        xv = k.load(x, b.add(b.add(xb, b.mul(x_stride, c64(s_))), c64(off)), k.vf, 4)
+                        for r, w in enumerate(ws):
+                            accs[r * n_slots + s_] = k.fma(w, xv, accs[r * n_slots + s_])
+            sb = b.add(sums_at, b.mul(j, c64(8)))
+            for s_ in range(n_slots):
+                xs = lanes16(k.load(x, b.add(sb, b.mul(x_stride, c64(s_))), v8, 4))
+                for r, (_, dmn) in enumerate(made):
+                    accs[r * n_slots + s_] = k.fma(lanes16(b.fneg(dmn)), xs, accs[r * n_slots + s_])
+            return accs
+
+        sums_ = k.block_loop(n_blk, n_slots * n, block)
+        for r in range(n):
+            for s_ in range(n_slots):
+                total = k.lane_sum([sums_[r * n_slots + s_]])
+                p = k.ptr(out, b.add(b.add(out_at, c64(s_ * TR)), b.add(i, c64(r))), k.f32)
+                b.store(b.select(adding, b.fadd(b.load(p, align=4), total), total), p, align=4)
+
+    n_steps = b.udiv(n_rows, c64(ROWS_WIDE))
+    k.block_loop(n_steps, 0, lambda i, _: rows(b.mul(i, c64(ROWS_WIDE)), ROWS_WIDE) or [])
+    tail = b.mul(n_steps, c64(ROWS_WIDE))
+    k.block_loop(b.sub(n_rows, tail), 0, lambda i, _: rows(b.add(tail, i), 1) or [])
+
+
+def _slots_wide_intrinsic(n_slots: int):
+    def typer(typingctx, qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add):
+        if not (isinstance(qs, types.Array) and qs.dtype == types.uint8 and isinstance(x, types.Array)
+                and x.dtype == types.float32 and isinstance(out, types.Array) and out.dtype == types.float32):
+            return None
+        sig = types.void(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+
+        def codegen(context, builder, signature, args):
+            flat = list(args)
+            for i in (0, 5, 9):
+                flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            k = VectorTile(builder, 16)
+            for i in (1, 2, 3, 4, 6, 7, 8, 10, 11):
+                flat[i] = k.i64(flat[i])
+            _slots_wide_ir(n_slots, k, *flat)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    typer.__name__ = f"slots_wide_{n_slots}"
+    typer.__doc__ = f"{n_slots} slots of Q4_K on zmm: :func:`_slots_wide_ir`."
+    return intrinsic(typer)
+
+
+(_sw1, _sw2, _sw3, _sw4, _sw5, _sw6, _sw7, _sw8) = (_slots_wide_intrinsic(n) for n in range(1, SLOTS_WIDE + 1))
+
+
+@njit(**JIT_INLINE)
+def _slots_wide_call(n, qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add):
+    if n == 1:
+        _sw1(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+    elif n == 2:
+        _sw2(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+    elif n == 3:
+        _sw3(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+    elif n == 4:
+        _sw4(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+    elif n == 5:
+        _sw5(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+    elif n == 6:
+        _sw6(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+    elif n == 7:
+        _sw7(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+    else:
+        _sw8(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+
+
+@njit(**JIT_INLINE)
+def slots_wide_plan(n):
+    """How many slots the next pass of :func:`_slots_wide` takes of ``n`` left: all up to
+    :data:`SLOTS_WIDE`, half of 9..15 (two passes of near-equal width), else 8."""
+    if n <= SLOTS_WIDE:
+        return n
+    return (n + 1) // 2 if n < 2 * SLOTS_WIDE else SLOTS_WIDE
+
+
+@njit(**JIT_INLINE)
+def _slots_wide(qs, q_at, row_bytes, n_rows, n_blocks, xe, first, n, acc):
+    """Q4_K on zmm: rows ``q_at ..`` (``n_rows`` <= TR, ``row_bytes`` apart) times the ``n`` slots
+    ``first ..`` of ``xe`` (:func:`_matmul_id`'s layout 2): ``acc[s * TR + i]`` (float32, ``[n, TR]``
+    flat) = slot s times row i, a few slots (:func:`slots_wide_plan`) and a chunk of inputs
+    (their x over it in L1, :data:`X_CHUNK`) a pass of :func:`_slots_wide_ir`."""
+    width = xe.shape[1]
+    n_in = n_blocks * 256
+    s0 = 0
+    while s0 < n:
+        m = slots_wide_plan(n - s0)
+        per_pass = max(1, X_CHUNK // (m * 256))
+        for b0 in range(0, n_blocks, per_pass):
+            x_at = (first + s0) * width
+            _slots_wide_call(m, qs, q_at + b0 * 144, row_bytes, n_rows, min(per_pass, n_blocks - b0), xe,
+                             x_at + b0 * 256, width, x_at + n_in + b0 * 8, acc, s0 * TR, 1 if b0 else 0)
+        s0 += m
+
+
+# --------------------------------------------------------------------------------------------
 # the driver: one parallel region over (group, part, tile of TR weight rows)
 
 
@@ -923,11 +1069,14 @@ fork-joins fewer a call (4 experts of 32 rows, 2 threads: 35.9 -> 32.4 µs a cal
 
 
 @njit(**JIT_INLINE)
-def _gather(kind, x, src, alone, x_order, alone_order, alone_exp, sums, xe, i):
-    """xe[i] from x[src] as :func:`_matmul_id` lays it out (x in ``x_order``, or for a slot alone
-    as :func:`alone_layout` gives ``alone_order`` and ``alone_exp``; the sums, the scale)."""
+def _gather(kind, x, src, layout, x_order, alone_order, alone_exp, sums, xe, i):
+    """xe[i] from x[src] as :func:`_matmul_id` lays it out (``layout`` 0: x in ``x_order``; 1, a
+    slot alone: as :func:`alone_layout` gives ``alone_order`` and ``alone_exp``, with the 2**K of
+    the subnormal kinds; 2, Q4_K's slots on zmm (:func:`_slots_wide`): that order without 2**K;
+    the sums, the scale)."""
     n_in = x.shape[1]
-    k = subnormal_exp(x, src) if alone and kind < 2 and SUBNORMAL_BIAS else 0
+    alone = layout > 0
+    k = subnormal_exp(x, src) if layout == 1 and kind < 2 and SUBNORMAL_BIAS else 0
     xo = alone_order if alone else x_order
     up = 2.0 ** (k - alone_exp) if alone else np.full(xo.shape[0], 2.0 ** k)
     for j0 in range(0, n_in, xo.shape[0]):
@@ -947,7 +1096,7 @@ def _gather(kind, x, src, alone, x_order, alone_order, alone_exp, sums, xe, i):
                 for v in range(4):
                     acc += x[src, 32 * g + x_order[8 * v + lane]]
                 xe[i, n_in + 8 * g + lane] = np.float32(acc * down)
-    if alone and kind < 2:                           # the subnormal kinds' scale back (none for MXFP4)
+    if layout == 1 and kind < 2:                     # the subnormal kinds' scale back (none for MXFP4)
         xe[i, n_in + n_in // 32 * (sums // 8)] = np.float32(2.0 ** (SUBNORMAL_BIAS - k))
 
 
@@ -971,25 +1120,30 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
     n_groups = experts.shape[0]
     n_slots = order.shape[0]
     maker = np.empty(n_slots, np.int64)              # slot i's row of xe is slot maker[i]'s (i: made)
-    alone = np.empty(n_slots, np.bool_)
-    first = np.full(2 * x.shape[0], -1, np.int64)    # by (row of x, alone): the slot that makes it
+    layout = np.empty(n_slots, np.int64)             # :func:`_gather`'s
+    first = np.full(3 * x.shape[0], -1, np.int64)    # by (row of x, layout): the slot that makes it
     for gr in range(n_groups):
+        n = starts[gr + 1] - starts[gr]
         for i in range(starts[gr], starts[gr + 1]):
-            alone[i] = (kind < 2 or kind == 2 and WIDE) and starts[gr + 1] - starts[gr] == 1
-            key = 2 * rows[order[i]] + alone[i]
+            layout[i] = 0
+            if n == 1 and (kind < 2 or kind == 2 and WIDE):
+                layout[i] = 1
+            elif n > 1 and kind == 0 and WIDE:
+                layout[i] = 2
+            key = 3 * rows[order[i]] + layout[i]
             if first[key] < 0:
                 first[key] = i
             maker[i] = first[key]
     if n_slots <= SERIAL_SLOTS:                      # a decode step: no fork-joins before the items'
         for i in range(n_slots):                     # (a slot's maker comes first)
             if maker[i] == i:
-                _gather(kind, x, rows[order[i]], alone[i], x_order, alone_order, alone_exp, sums, xe, i)
+                _gather(kind, x, rows[order[i]], layout[i], x_order, alone_order, alone_exp, sums, xe, i)
             else:
                 xe[i, :] = xe[maker[i], :]
     else:
         for i in prange(n_slots):                    # a token's k slots share one row of x: made once
             if maker[i] == i:
-                _gather(kind, x, rows[order[i]], alone[i], x_order, alone_order, alone_exp, sums, xe, i)
+                _gather(kind, x, rows[order[i]], layout[i], x_order, alone_order, alone_exp, sums, xe, i)
         for i in prange(n_slots):
             if maker[i] != i:
                 xe[i, :] = xe[maker[i], :]
@@ -1009,7 +1163,15 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             _tile(kind, qs, (e * n_out + r0) * row_bytes, row_bytes, min(TR, n_out - r0), n_blocks, xe,
                   first * width, out, order[first] * out.shape[1] + col + r0)
             continue
-        r0, r1 = t * TR, min((t + 1) * TR, n_out)        # several: dequantized into L1, then a GEMM
+        r0, r1 = t * TR, min((t + 1) * TR, n_out)
+        if kind == 0 and WIDE:                           # several of Q4_K on zmm: their own kernel
+            sums_s = np.empty(n * TR, np.float32)
+            _slots_wide(qs, (e * n_out + r0) * row_bytes, row_bytes, r1 - r0, n_blocks, xe, first, n, sums_s)
+            for s in range(n):
+                at = order[first + s] * out.shape[1] + col + r0
+                out.reshape(-1)[at:at + r1 - r0] = sums_s[s * TR:s * TR + r1 - r0]
+            continue
+        # several: dequantized into L1, then a GEMM
         acc = np.zeros((r1 - r0) * n * LANES, np.float32)
         _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc)
         width_out = out.shape[1]
