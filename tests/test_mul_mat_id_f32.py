@@ -214,13 +214,14 @@ def test_slots_wide_plan_takes_every_slot_in_passes_of_at_most_eight():
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8, 9, 15, 16, 21])
-def test_q4k_slots_over_passes_of_slots_and_of_inputs(n):
-    """n slots of one Q4_K expert: on zmm their own kernel (:func:`mul_mat_id_f32._slots_wide`:
+@pytest.mark.parametrize("qtype", (T.Q4_K, T.Q6_K))
+def test_k_quant_slots_over_passes_of_slots_and_of_inputs(qtype, n):
+    """n slots of one Q4_K or Q6_K expert: on zmm their own kernel (:func:`mul_mat_id_f32._slots_wide`:
     every slot count up to 8, 9..15 in two passes, then 8 at a time), elsewhere the dequantizing
     path; 7 blocks of inputs (8 slots take 3 a pass: 3, 3, 1) and 35 rows (2 at a time, 1 left)."""
     n_in = 7 * 256
     assert 7 % (mul_mat_id_f32.X_CHUNK // (8 * 256)) == 1
-    p = FileExperts("ffn_up_exps", T.Q4_K, 35, n_in, _raw(T.Q4_K, 35, n_in, seed=31))
+    p = FileExperts("ffn_up_exps", qtype, 35, n_in, _raw(qtype, 35, n_in, seed=31))
     ids = np.array([2] * n + [0], dtype=np.int64)
     x = _x(len(ids), n_in, seed=n)
     _assert_close(mul_mat_id(x, (p,), ids), x, (p,), ids, None)

@@ -368,7 +368,7 @@ def _q8_0_block(k: VectorTile, qs, qb, exact: bool):
     return [(qv, d)], None
 
 
-def _q6k_wide(k: VectorTile, qs, qb, u):
+def _q6k_wide(k: VectorTile, qs, qb, u, convert: bool = False):
     """Q6_K for one slot on zmm (:data:`WIDE`, ``k`` of 16 lanes): :func:`_q6k_groups`'s groups of
     c and c + 1 side by side, made in registers. Per half h: the 64 ``ql`` bytes (those of c = 0, 2
     in the lower 32, of c = 1, 3 in the upper) and the 32 ``qh`` bytes in both halves give the
@@ -376,7 +376,9 @@ def _q6k_wide(k: VectorTile, qs, qb, u):
     with the shifts of each half in a 64-bit shift: the bits it moves across bytes are masked off),
     then :func:`_widen`: vector g is c's vector g beside c + 1's (x in :data:`WIDE_ORDER`). A
     group's lanes' scales and sums of x are c's beside c + 1's too, and the 16 lanes of sums are
-    the ymm kernel's two vectors of sums (even c, odd c) side by side: the same bits."""
+    the ymm kernel's two vectors of sums (even c, odd c) side by side: the same bits. With
+    ``convert`` (the several slots' kernel, :func:`_slots_wide_ir`) the quants are converted, not
+    read as subnormals."""
     b, c64 = k.b, k.c64
     v64, vq = ir.VectorType(_I8, 64), ir.VectorType(_I64, 8)
     d = _half(k, qs, b.add(qb, c64(208)))
@@ -402,7 +404,7 @@ def _q6k_wide(k: VectorTile, qs, qb, u):
             first = 8 * h + 4 * p                # the scale of the pair's first 16 inputs
             pick = _const([first + i // 4 for i in range(16)], _I32)
             lanes = b.shuffle_vector(dsc, ir.Constant(dsc.type, None), pick)
-            groups.append(([(_widen(k, q, g, False, raw=True), 128 * h + 64 * p + 16 * g) for g in range(4)],
+            groups.append(([(_widen(k, q, g, False, raw=not convert), 128 * h + 64 * p + 16 * g) for g in range(4)],
                            lanes, 8 * (4 * h + 2 * p)))
     return groups, None
 
@@ -909,34 +911,46 @@ def _slots_tile(kind, per_block, qs, e, r0, r1, n_blocks, xe, first, n, acc):
 
 
 # --------------------------------------------------------------------------------------------
-# several slots of Q4_K on zmm: the weights made once in registers, each multiplied into every slot
+# several slots of Q4_K or Q6_K on zmm: the weights made once in registers, each multiplied into every slot
 
 
 SLOTS_WIDE = 8
 """Most slots :func:`_slots_wide_ir` takes at a time (a variant for each count 1..8)."""
 ROWS_WIDE = 2
 """Weight rows it takes at a time: their weights share each load of x."""
+SLOTS_KINDS = ("q4k", "q6k")
+"""The kinds whose several slots run :func:`_slots_wide` on zmm (the others: :func:`_slots_tile`)."""
 
 
-def _slots_wide_ir(n_slots: int, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out,
-                   out_at, add) -> None:
-    """``n_slots`` slots times ``n_rows`` Q4_K rows on zmm, ``n_blk`` blocks of each (row i's first at
-    byte ``q_at + i * row_bytes`` of ``qs``): ``out[out_at + s * TR + i]`` = (``add``: plus) the
-    sum of slot s's products with row i. Slot s's x starts at ``x_at + s * x_stride`` of ``x`` in
-    :data:`Q4K_ORDER` times ``2**-Q4K_EXP``, unscaled (no 2**K), its sums per 32 inputs at
-    ``sums_at + s * x_stride``. A block's 16 vectors of quants are converted and times their
-    lanes' ``d*sc`` (exact: :func:`_q4k_wide`), each vector once for every slot: one FMA a slot
-    into the slot's vector of sums, ``ROWS_WIDE`` rows sharing each load of x; then
-    ``- (dmin*mn) * sum(x)`` per sub-block. Where the one-slot kernel takes 21 FMAs a block and
-    the dequantizing path of :func:`_slots_tile` writes and reads its weights through L1, this
-    takes ``16 (n_slots + 1)`` FMAs and multiplies."""
+def _slots_wide_ir(kind: str, n_slots: int, k: VectorTile, qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride,
+                   sums_at, out, out_at, add) -> None:
+    """``n_slots`` slots times ``n_rows`` Q4_K or Q6_K rows on zmm, ``n_blk`` blocks of each (row i's
+    first at byte ``q_at + i * row_bytes`` of ``qs``): ``out[out_at + s * TR + i]`` = (``add``:
+    plus) the sum of slot s's products with row i. Slot s's x starts at ``x_at + s * x_stride`` of
+    ``x`` in :func:`alone_layout`'s order (Q4_K's times ``2**-Q4K_EXP``), unscaled (no 2**K);
+    Q4_K's sums per 32 inputs at ``sums_at + s * x_stride``. A block's 16 vectors of quants are
+    converted and made the weights (Q4_K: times their lanes' ``d*sc``, exact, :func:`_q4k_wide`;
+    Q6_K: ``fma(q, d*sc, -32 d*sc)``, :func:`_q6k_wide`), each vector once for every slot: one
+    FMA a slot into the slot's vector of sums, ``ROWS_WIDE`` rows sharing each load of x; Q4_K
+    then ``- (dmin*mn) * sum(x)`` per sub-block. Where the one-slot kernel takes 21 FMAs a Q4_K
+    block and :func:`_slots_tile` writes and reads its weights through L1, this takes
+    ``16 (n_slots + 1)`` FMAs and multiplies."""
     b, c64 = k.b, k.c64
     v8 = ir.VectorType(k.f32, 8)
     on, one = ir.Constant(ir.IntType(1), 1), ir.Constant(k.f32, 1.0)
     adding = b.icmp_signed("!=", add, c64(0))
+    block_bytes = _KINDS[kind][2]
+    minus32 = k.splat(ir.Constant(k.f32, -32.0), k.vf)
 
     def lanes16(v):                              # 8 lanes, zeros above
         return b.shuffle_vector(v, ir.Constant(v8, [0.0] * 8), _const(range(16), _I32))
+
+    def weights(group):                          # a group's vectors of weights, with their positions
+        vecs, lanes = group[0], group[1]
+        if kind == "q4k":
+            return [(b.fmul(v, lanes), off) for v, off in vecs]
+        low = b.fmul(lanes, minus32)
+        return [(k.fma(v, lanes, low), off) for v, off in vecs]
 
     def rows(i, n):
         q_rows = [b.add(q_at, b.mul(b.add(i, c64(r)), row_bytes)) for r in range(n)]
@@ -945,23 +959,24 @@ def _slots_wide_ir(n_slots: int, k: VectorTile, qs, q_at, row_bytes, n_rows, n_b
             accs = list(accs)
             made = []
             for q_row in q_rows:
-                qb = b.add(q_row, b.mul(j, c64(144)))
-                k.prefetch(on, qs, b.add(qb, b.mul(row_bytes, c64(PF_ROWS))), range(3))
-                made.append(_q4k_wide(k, qs, qb, one, convert=True))
+                qb = b.add(q_row, b.mul(j, c64(block_bytes)))
+                k.prefetch(on, qs, b.add(qb, b.mul(row_bytes, c64(PF_ROWS))), range(-(-block_bytes // 64)))
+                made.append((_q4k_wide if kind == "q4k" else _q6k_wide)(k, qs, qb, one, convert=True))
             xb = b.add(x_at, b.mul(j, c64(256)))
             for g in range(4):
+                ws = [weights(groups[g]) for groups, _ in made]
                 for v in range(4):
-                    ws = [b.fmul(groups[g][0][v][0], groups[g][1]) for groups, _ in made]
-                    off = made[0][0][g][0][v][1]
+                    off = ws[0][v][1]
                     for s_ in range(n_slots):
                         xv = k.load(x, b.add(b.add(xb, b.mul(x_stride, c64(s_))), c64(off)), k.vf, 4)
                         for r, w in enumerate(ws):
-                            accs[r * n_slots + s_] = k.fma(w, xv, accs[r * n_slots + s_])
-            sb = b.add(sums_at, b.mul(j, c64(8)))
-            for s_ in range(n_slots):
-                xs = lanes16(k.load(x, b.add(sb, b.mul(x_stride, c64(s_))), v8, 4))
-                for r, (_, dmn) in enumerate(made):
-                    accs[r * n_slots + s_] = k.fma(lanes16(b.fneg(dmn)), xs, accs[r * n_slots + s_])
+                            accs[r * n_slots + s_] = k.fma(w[v][0], xv, accs[r * n_slots + s_])
+            if kind == "q4k":
+                sb = b.add(sums_at, b.mul(j, c64(8)))
+                for s_ in range(n_slots):
+                    xs = lanes16(k.load(x, b.add(sb, b.mul(x_stride, c64(s_))), v8, 4))
+                    for r, (_, dmn) in enumerate(made):
+                        accs[r * n_slots + s_] = k.fma(lanes16(b.fneg(dmn)), xs, accs[r * n_slots + s_])
             return accs
 
         sums_ = k.block_loop(n_blk, n_slots * n, block)
@@ -977,51 +992,40 @@ def _slots_wide_ir(n_slots: int, k: VectorTile, qs, q_at, row_bytes, n_rows, n_b
     k.block_loop(b.sub(n_rows, tail), 0, lambda i, _: rows(b.add(tail, i), 1) or [])
 
 
-def _slots_wide_intrinsic(n_slots: int):
-    def typer(typingctx, qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add):
+def _slots_wide_intrinsic(kind: str):
+    def typer(typingctx, n, qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add):
         if not (isinstance(qs, types.Array) and qs.dtype == types.uint8 and isinstance(x, types.Array)
                 and x.dtype == types.float32 and isinstance(out, types.Array) and out.dtype == types.float32):
             return None
-        sig = types.void(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+        sig = types.void(n, qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
 
         def codegen(context, builder, signature, args):
             flat = list(args)
-            for i in (0, 5, 9):
+            for i in (1, 6, 10):
                 flat[i] = context.make_array(signature.args[i])(context, builder, args[i]).data
             k = VectorTile(builder, 16)
-            for i in (1, 2, 3, 4, 6, 7, 8, 10, 11):
+            for i in (0, 2, 3, 4, 5, 7, 8, 9, 11, 12):
                 flat[i] = k.i64(flat[i])
-            _slots_wide_ir(n_slots, k, *flat)
+            done = builder.append_basic_block("slots_done")
+            switch = builder.switch(flat[0], done)                # one variant a slot count, 1..SLOTS_WIDE
+            for n_slots in range(1, SLOTS_WIDE + 1):
+                variant = builder.append_basic_block(f"slots_{n_slots}")
+                switch.add_case(ir.Constant(_I64, n_slots), variant)
+                builder.position_at_end(variant)
+                _slots_wide_ir(kind, n_slots, k, *flat[1:])
+                builder.branch(done)
+            builder.position_at_end(done)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    typer.__name__ = f"slots_wide_{n_slots}"
-    typer.__doc__ = f"{n_slots} slots of Q4_K on zmm: :func:`_slots_wide_ir`."
+    typer.__name__ = f"slots_wide_{kind}"
+    typer.__doc__ = (f"``n`` (1..{SLOTS_WIDE}) slots of {kind} on zmm: :func:`_slots_wide_ir` (another ``n``: "
+                     "nothing).")
     return intrinsic(typer)
 
 
-(_sw1, _sw2, _sw3, _sw4, _sw5, _sw6, _sw7, _sw8) = (_slots_wide_intrinsic(n) for n in range(1, SLOTS_WIDE + 1))
-
-
-@njit(**JIT_INLINE)
-def _slots_wide_call(n, qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add):
-    if n == 1:
-        _sw1(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
-    elif n == 2:
-        _sw2(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
-    elif n == 3:
-        _sw3(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
-    elif n == 4:
-        _sw4(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
-    elif n == 5:
-        _sw5(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
-    elif n == 6:
-        _sw6(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
-    elif n == 7:
-        _sw7(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
-    else:
-        _sw8(qs, q_at, row_bytes, n_rows, n_blk, x, x_at, x_stride, sums_at, out, out_at, add)
+_slots_wide_q4k, _slots_wide_q6k = (_slots_wide_intrinsic(kind) for kind in SLOTS_KINDS)
 
 
 @njit(**JIT_INLINE)
@@ -1034,11 +1038,11 @@ def slots_wide_plan(n):
 
 
 @njit(**JIT_INLINE)
-def _slots_wide(qs, q_at, row_bytes, n_rows, n_blocks, xe, first, n, acc):
-    """Q4_K on zmm: rows ``q_at ..`` (``n_rows`` <= TR, ``row_bytes`` apart) times the ``n`` slots
-    ``first ..`` of ``xe`` (:func:`_matmul_id`'s layout 2): ``acc[s * TR + i]`` (float32, ``[n, TR]``
-    flat) = slot s times row i, a few slots (:func:`slots_wide_plan`) and a chunk of inputs
-    (their x over it in L1, :data:`X_CHUNK`) a pass of :func:`_slots_wide_ir`."""
+def _slots_wide(kind, block_bytes, qs, q_at, row_bytes, n_rows, n_blocks, xe, first, n, acc):
+    """Q4_K (``kind`` 0) or Q6_K (1) on zmm: rows ``q_at ..`` (``n_rows`` <= TR, ``row_bytes`` apart)
+    times the ``n`` slots ``first ..`` of ``xe`` (:func:`_matmul_id`'s layout 2): ``acc[s * TR + i]``
+    (float32, ``[n, TR]`` flat) = slot s times row i, a few slots (:func:`slots_wide_plan`) and a
+    chunk of inputs (their x over it in L1, :data:`X_CHUNK`) a pass of :func:`_slots_wide_ir`."""
     width = xe.shape[1]
     n_in = n_blocks * 256
     s0 = 0
@@ -1047,8 +1051,12 @@ def _slots_wide(qs, q_at, row_bytes, n_rows, n_blocks, xe, first, n, acc):
         per_pass = max(1, X_CHUNK // (m * 256))
         for b0 in range(0, n_blocks, per_pass):
             x_at = (first + s0) * width
-            _slots_wide_call(m, qs, q_at + b0 * 144, row_bytes, n_rows, min(per_pass, n_blocks - b0), xe,
-                             x_at + b0 * 256, width, x_at + n_in + b0 * 8, acc, s0 * TR, 1 if b0 else 0)
+            args = (qs, q_at + b0 * block_bytes, row_bytes, n_rows, min(per_pass, n_blocks - b0), xe,
+                    x_at + b0 * 256, width, x_at + n_in + b0 * 8, acc, s0 * TR, 1 if b0 else 0)
+            if kind == 0:
+                _slots_wide_q4k(m, *args)
+            else:
+                _slots_wide_q6k(m, *args)
         s0 += m
 
 
@@ -1088,7 +1096,7 @@ def _gather(kind, x, src, layout, x_order, alone_order, alone_exp, sums, xe, i):
             for j in range(32):
                 acc += x[src, 32 * g + j]
             xe[i, n_in + g] = acc
-    elif kind == 1 and alone:                        # Q6_K: the lanes' 32 * sum(x), scaled
+    elif kind == 1 and layout == 1:                  # Q6_K alone: the lanes' 32 * sum(x), scaled
         down = 2.0 ** (k - SUBNORMAL_BIAS + 5)
         for g in range(n_in // 32):
             for lane in range(8):
@@ -1128,7 +1136,7 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
             layout[i] = 0
             if n == 1 and (kind < 2 or kind == 2 and WIDE):
                 layout[i] = 1
-            elif n > 1 and kind == 0 and WIDE:
+            elif n > 1 and kind < 2 and WIDE:
                 layout[i] = 2
             key = 3 * rows[order[i]] + layout[i]
             if first[key] < 0:
@@ -1164,9 +1172,10 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
                   first * width, out, order[first] * out.shape[1] + col + r0)
             continue
         r0, r1 = t * TR, min((t + 1) * TR, n_out)
-        if kind == 0 and WIDE:                           # several of Q4_K on zmm: their own kernel
+        if kind < 2 and WIDE:                            # several of Q4_K or Q6_K on zmm: their own kernel
             sums_s = np.empty(n * TR, np.float32)
-            _slots_wide(qs, (e * n_out + r0) * row_bytes, row_bytes, r1 - r0, n_blocks, xe, first, n, sums_s)
+            _slots_wide(kind, row_bytes // n_blocks, qs, (e * n_out + r0) * row_bytes, row_bytes, r1 - r0, n_blocks,
+                        xe, first, n, sums_s)
             for s in range(n):
                 at = order[first + s] * out.shape[1] + col + r0
                 out.reshape(-1)[at:at + r1 - r0] = sums_s[s * TR:s * TR + r1 - r0]
