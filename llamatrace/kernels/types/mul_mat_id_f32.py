@@ -926,7 +926,8 @@ def _slots_wide_ir(kind: str, n_slots: int, k: VectorTile, qs, q_at, row_bytes, 
                    sums_at, out, out_at, add) -> None:
     """``n_slots`` slots times ``n_rows`` Q4_K or Q6_K rows on zmm, ``n_blk`` blocks of each (row i's
     first at byte ``q_at + i * row_bytes`` of ``qs``): ``out[out_at + s * TR + i]`` = (``add``:
-    plus) the sum of slot s's products with row i. Slot s's x starts at ``x_at + s * x_stride`` of
+    plus) the sum of slot s's products with row i (an odd ``n_rows`` < TR also writes row
+    ``n_rows``: its last row again, in the slot's unused part of ``out``). Slot s's x starts at ``x_at + s * x_stride`` of
     ``x`` in :func:`alone_layout`'s order (Q4_K's times ``2**-Q4K_EXP``), unscaled (no 2**K);
     Q4_K's sums per 32 inputs at ``sums_at + s * x_stride``. A block's 16 vectors of quants are
     converted and made the weights (Q4_K: times their lanes' ``d*sc``, exact, :func:`_q4k_wide`;
@@ -952,8 +953,11 @@ def _slots_wide_ir(kind: str, n_slots: int, k: VectorTile, qs, q_at, row_bytes, 
         low = b.fmul(lanes, minus32)
         return [(k.fma(v, lanes, low), off) for v, off in vecs]
 
-    def rows(i, n):
-        q_rows = [b.add(q_at, b.mul(b.add(i, c64(r)), row_bytes)) for r in range(n)]
+    def rows(i):                             # rows i, i + 1 (an odd count's last: its last row twice)
+        last = b.sub(n_rows, c64(1))
+        q_rows = [b.add(q_at, b.mul(b.select(b.icmp_signed("<", b.add(i, c64(r)), n_rows), b.add(i, c64(r)), last),
+                                    row_bytes)) for r in range(ROWS_WIDE)]
+        n = ROWS_WIDE
 
         def block(j, accs):
             accs = list(accs)
@@ -986,10 +990,8 @@ def _slots_wide_ir(kind: str, n_slots: int, k: VectorTile, qs, q_at, row_bytes, 
                 p = k.ptr(out, b.add(b.add(out_at, c64(s_ * TR)), b.add(i, c64(r))), k.f32)
                 b.store(b.select(adding, b.fadd(b.load(p, align=4), total), total), p, align=4)
 
-    n_steps = b.udiv(n_rows, c64(ROWS_WIDE))
-    k.block_loop(n_steps, 0, lambda i, _: rows(b.mul(i, c64(ROWS_WIDE)), ROWS_WIDE) or [])
-    tail = b.mul(n_steps, c64(ROWS_WIDE))
-    k.block_loop(b.sub(n_rows, tail), 0, lambda i, _: rows(b.add(tail, i), 1) or [])
+    n_steps = b.udiv(b.add(n_rows, c64(ROWS_WIDE - 1)), c64(ROWS_WIDE))
+    k.block_loop(n_steps, 0, lambda i, _: rows(b.mul(i, c64(ROWS_WIDE))) or [])
 
 
 def _slots_wide_intrinsic(kind: str):
