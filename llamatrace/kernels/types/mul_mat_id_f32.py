@@ -31,7 +31,10 @@ own grouping of the products, so other float32 roundings than the ymm kernel's);
 codes picking a block's 16 weights by ``vpermps`` (:func:`_mxfp4_wide`: other roundings too).
 
 Several slots (a prefill's groups: ~8 slots an expert at 128 tokens, top-8 of 128; ~16 at top-4
-of 32) go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
+of 32) of Q4_K or Q6_K on zmm go to :func:`_slots_wide` (:func:`_slots_wide_ir`): the one-slot
+kernel's blocks, their quants converted and made the weights in registers, each vector of weights
+multiplied into up to 8 slots (an FMA each), two rows sharing each load of x. The other kinds, and
+every kind on ymm, go to :func:`_slots_tile`, the dense prefill's shape (:mod:`llamatrace.kernels.tile_gemm`)
 on row-major blocks. A chunk of inputs at a time (the slots' x over it, :data:`X_CHUNK` floats,
 stays in L1), a few rows of the tile are dequantized into a float32 scratch in L1
 (:func:`_deq_ir`: gguf-py's values bit for bit; Q4_K's ``fma(d*sc, q, -(dmin*mn))`` is gguf-py's
@@ -41,7 +44,7 @@ them into the slots' sums.
 One slot or several, results differ from float64 sums over the dequantized weights by float32
 rounding only; :func:`llamatrace.kernels.mul_mat_id.mul_mat_id_ref` is the NumPy twin the tests hold them to.
 Measured speeds, and what was tried: docs/performance.md, "f32 experts on the file's blocks: one
-slot" and "f32 experts in a prefill".
+slot", "f32 experts in a prefill" and "f32 experts in a prefill: several slots a vector of weights".
 
 Numba caches the drivers by this module's source; the IR is emitted here too, so a change to it
 recompiles them.
@@ -927,8 +930,8 @@ def _slots_wide_ir(kind: str, n_slots: int, k: VectorTile, qs, q_at, row_bytes, 
     """``n_slots`` slots times ``n_rows`` Q4_K or Q6_K rows on zmm, ``n_blk`` blocks of each (row i's
     first at byte ``q_at + i * row_bytes`` of ``qs``): ``out[out_at + s * TR + i]`` = (``add``:
     plus) the sum of slot s's products with row i (an odd ``n_rows`` < TR also writes row
-    ``n_rows``: its last row again, in the slot's unused part of ``out``). Slot s's x starts at ``x_at + s * x_stride`` of
-    ``x`` in :func:`alone_layout`'s order (Q4_K's times ``2**-Q4K_EXP``), unscaled (no 2**K);
+    ``n_rows``: its last row again, in the slot's unused part of ``out``). Slot s's x starts at
+    ``x_at + s * x_stride`` of ``x`` in :func:`alone_layout`'s order (Q4_K's times ``2**-Q4K_EXP``), unscaled (no 2**K);
     Q4_K's sums per 32 inputs at ``sums_at + s * x_stride``. A block's 16 vectors of quants are
     converted and made the weights (Q4_K: times their lanes' ``d*sc``, exact, :func:`_q4k_wide`;
     Q6_K: ``fma(q, d*sc, -32 d*sc)``, :func:`_q6k_wide`), each vector once for every slot: one
