@@ -931,10 +931,11 @@ def _slots_wide_ir(kind: str, n_slots: int, k: VectorTile, qs, q_at, row_bytes, 
     first at byte ``q_at + i * row_bytes`` of ``qs``): ``out[out_at + s * TR + i]`` = (``add``:
     plus) the sum of slot s's products with row i (an odd ``n_rows`` < TR also writes row
     ``n_rows``: its last row again, in the slot's unused part of ``out``). Slot s's x starts at
-    ``x_at + s * x_stride`` of ``x`` in :func:`alone_layout`'s order (Q4_K's times ``2**-Q4K_EXP``), unscaled (no 2**K);
-    Q4_K's sums per 32 inputs at ``sums_at + s * x_stride``. A block's 16 vectors of quants are
-    converted and made the weights (Q4_K: times their lanes' ``d*sc``, exact, :func:`_q4k_wide`;
-    Q6_K: ``fma(q, d*sc, -32 d*sc)``, :func:`_q6k_wide`), each vector once for every slot: one
+    ``x_at + s * x_stride`` of ``x`` in :func:`alone_layout`'s order (Q4_K's times
+    ``2**-Q4K_EXP``), unscaled (no 2**K); Q4_K's sums per 32 inputs at ``sums_at + s * x_stride``.
+    A block's 16 vectors of quants are converted and made the weights (Q4_K: times their lanes'
+    ``d*sc``, exact, :func:`_q4k_wide`; Q6_K: ``fma(q, d*sc, -32 d*sc)``, :func:`_q6k_wide`), each
+    vector once for every slot: one
     FMA a slot into the slot's vector of sums, ``ROWS_WIDE`` rows sharing each load of x; Q4_K
     then ``- (dmin*mn) * sum(x)`` per sub-block. Where the one-slot kernel takes 21 FMAs a Q4_K
     block and :func:`_slots_tile` writes and reads its weights through L1, this takes
@@ -1085,7 +1086,8 @@ fork-joins fewer a call (4 experts of 32 rows, 2 threads: 35.9 -> 32.4 µs a cal
 def _gather(kind, x, src, layout, x_order, alone_order, alone_exp, sums, xe, i):
     """xe[i] from x[src] as :func:`_matmul_id` lays it out (``layout`` 0: x in ``x_order``; 1, a
     slot alone: as :func:`alone_layout` gives ``alone_order`` and ``alone_exp``, with the 2**K of
-    the subnormal kinds; 2, Q4_K's slots on zmm (:func:`_slots_wide`): that order without 2**K;
+    the subnormal kinds; 2, several slots of Q4_K or Q6_K on zmm (:func:`_slots_wide`): that order
+    without 2**K;
     the sums, the scale)."""
     n_in = x.shape[1]
     alone = layout > 0
@@ -1121,8 +1123,8 @@ def _matmul_id(kind, x, rows, order, starts, experts, q0, q1, n_parts, per_block
     aligned rows; in parallel past :data:`SERIAL_SLOTS` slots, each row a token's k slots share
     made once and copied: on one thread, row by row, it took up to ~4 ms a call at 1,024 slots of
     2,048 inputs) in slot order: row i is x[rows[order[i]]], each 32 inputs in the order
-    ``x_order`` (a slot alone in its group of Q4_K, Q6_K, or MXFP4 on zmm: each 32, 64 or 128 in
-    ``alone_order``, times ``2**-alone_exp``, :func:`alone_layout`);
+    ``x_order`` (a slot alone in its group of Q4_K, Q6_K, or MXFP4 on zmm, and several slots of Q4_K
+    or Q6_K on zmm: each 32, 64 or 128 in ``alone_order``, times ``2**-alone_exp``, :func:`alone_layout`);
     Q4_K's followed by its sums per 32 inputs. A slot alone in its group (the one-slot kernel's) of
     Q4_K or Q6_K (:data:`SUBNORMAL`) has its x times 2**K (:func:`~llamatrace.kernels.tiles.subnormal_exp`),
     Q6_K's sums of each lane of each 32 inputs times ``32 * 2**(K - 149)`` (after x), and
