@@ -494,6 +494,13 @@ the hardware's prefetch at every page, which a running read does not. MXFP4's zm
 12.7 GB/s; the ymm one keeps 4 KiB (not measured since)."""
 
 
+def _eight_lanes(k: VectorTile, v):
+    """The 8 float32 lanes ``v`` as a vector of ``k``'s lanes, zeros above (on zmm)."""
+    if k.lanes == 8:
+        return v
+    return k.b.shuffle_vector(v, ir.Constant(v.type, [0.0] * 8), _const(range(k.lanes), _I32))
+
+
 def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False):
     """One slot's sums of one block of each of ``rows`` (``(groups, mins, accs)``: :data:`_BLOCK`'s
     groups and mins of the row's block, its vectors of sums), x at ``xb`` of ``x`` (the block's
@@ -526,14 +533,9 @@ def _one_slot_block(k: VectorTile, rows, x, xb, sums_at, subnormal: bool = False
             j = turn % len(accs)
             accs[j] = k.fma(sv, dot, accs[j])
     if rows[0][1] is not None:                           # Q4_K: - (dmin*mn) * sum(x) per sub-block
-        v8 = ir.VectorType(k.f32, 8)
-
-        def lanes(v):                                    # 8 lanes, zeros above on zmm
-            return v if k.lanes == 8 else b.shuffle_vector(v, ir.Constant(v8, [0.0] * 8), _const(range(k.lanes), _I32))
-
-        xs = lanes(k.load(x, sums_at, v8, 4))
+        xs = _eight_lanes(k, k.load(x, sums_at, ir.VectorType(k.f32, 8), 4))
         for accs, (_, mins, _) in zip(out, rows):
-            accs[-1] = k.fma(lanes(b.fneg(mins)), xs, accs[-1])
+            accs[-1] = k.fma(_eight_lanes(k, b.fneg(mins)), xs, accs[-1])
     return out
 
 
@@ -947,9 +949,6 @@ def _slots_wide_ir(kind: str, n_slots: int, k: VectorTile, qs, q_at, row_bytes, 
     block_bytes = _KINDS[kind][2]
     minus32 = k.splat(ir.Constant(k.f32, -32.0), k.vf)
 
-    def lanes16(v):                              # 8 lanes, zeros above
-        return b.shuffle_vector(v, ir.Constant(v8, [0.0] * 8), _const(range(16), _I32))
-
     def weights(group):                          # a group's vectors of weights, with their positions
         vecs, lanes = group[0], group[1]
         if kind == "q4k":
@@ -981,10 +980,11 @@ def _slots_wide_ir(kind: str, n_slots: int, k: VectorTile, qs, q_at, row_bytes, 
                             accs[r * n_slots + s_] = k.fma(w[v][0], xv, accs[r * n_slots + s_])
             if kind == "q4k":
                 sb = b.add(sums_at, b.mul(j, c64(8)))
+                mins = [_eight_lanes(k, b.fneg(dmn)) for _, dmn in made]
                 for s_ in range(n_slots):
-                    xs = lanes16(k.load(x, b.add(sb, b.mul(x_stride, c64(s_))), v8, 4))
-                    for r, (_, dmn) in enumerate(made):
-                        accs[r * n_slots + s_] = k.fma(lanes16(b.fneg(dmn)), xs, accs[r * n_slots + s_])
+                    xs = _eight_lanes(k, k.load(x, b.add(sb, b.mul(x_stride, c64(s_))), v8, 4))
+                    for r, neg in enumerate(mins):
+                        accs[r * n_slots + s_] = k.fma(neg, xs, accs[r * n_slots + s_])
             return accs
 
         sums_ = k.block_loop(n_blk, n_slots * n, block)
