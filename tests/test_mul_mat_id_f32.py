@@ -4,15 +4,11 @@ awkward groupings of slots, and against today's packed float32 kernels on the sa
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import gguf
 import numpy as np
 import pytest
 from numba import njit
 from gguf_factory import random_blocks
-from test_subnormal_gate import ROOT, _env
 
 from llamatrace.kernels.mul_mat_id import FileExperts, mul_mat_id, mul_mat_id_ref, supported
 from llamatrace.kernels.types import mul_mat_id_f32, packing
@@ -319,18 +315,3 @@ def test_read_only_parts_are_passed_as_they_are(monkeypatch):
     again = mul_mat_id(x, (FileExperts("ffn_gate_exps", T.Q4_K, 8, 512, writeable),), ids, np.zeros(2, np.int64))
     assert seen[1][0] is not writeable and not seen[1][0].flags.writeable and writeable.flags.writeable
     np.testing.assert_array_equal(got, again)
-
-
-@pytest.mark.skipif(not mul_mat_id_f32.WIDE, reason="this host runs the ymm kernels itself (no AVX-512)")
-def test_the_ymm_kernels_an_avx2_zen_cpu_runs():
-    """The kernels an AVX2 CPU compiles (8 lanes a ymm: the one-slot kernels and the several slots'),
-    which an AVX-512 host never runs by itself: this file's tests again, in a child compiled for
-    ``znver3`` (the host's features less AVX-512, AMX and VNNI; a Zen core, so the one-slot kernels
-    read their quants as subnormals; the converted path is test_subnormal_gate's)."""
-    code = ("import sys, pytest; from llamatrace.kernels.types import mul_mat_id_f32; assert not mul_mat_id_f32.WIDE; "
-            f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', '-k', 'not ymm_kernels', {__file__!r}]))")
-    done = subprocess.run([sys.executable, "-c", code], env=_env("znver3"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=1800)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
