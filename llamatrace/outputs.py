@@ -11,6 +11,11 @@ Two kinds of output:
 * streams (``--jsonl``, ``--log-file``) are written line by line and flushed
   (:func:`open_stream`), so every line already written is complete.
 
+No output is a file the command reads: the CLI notes its inputs (:func:`reading`: the model,
+the texts, a base), and a path that is one of them, by name or by link, is refused before anything
+is written over it (a trace's ``--jsonl`` on the model it maps once truncated it, and the process
+died of SIGBUS).
+
 Every ``OSError`` (disk full, permissions, a vanished directory) becomes one
 :class:`~llamatrace.errors.OutputError` line naming the option and the path.
 """
@@ -53,6 +58,33 @@ def check_writable_dir(directory: Path, shown: str) -> None:
     os.unlink(probe)
 
 
+_INPUTS: list[tuple[Path, str]] = []
+"""The files the running command reads (:func:`reading`), which none of its outputs may be."""
+
+
+def reading(path: Path | None, what: str) -> Path | None:
+    """Note that the running command reads the file ``path`` (``what``: how an error names it, e.g.
+    ``"the model this run reads (-m)"``), so that no output of the command is written over it
+    (:func:`check_output_path`, :func:`open_stream`). A path that is no file (a known model's name,
+    ``-`` for stdin, None) is passed over. Returns ``path``: a typer option's ``callback``."""
+    if path is not None and Path(path).is_file():
+        _INPUTS.append((Path(path), what))
+    return path
+
+
+def forget_inputs() -> None:
+    """Start a command: no file noted by :func:`reading` yet (in-process runs one after another)."""
+    _INPUTS.clear()
+
+
+def _refuse_input(path: Path, shown: str) -> None:
+    # by the file itself, not its name: a symlink or a hard link to the model is the model
+    for read, what in _INPUTS:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(path, read):
+                raise OutputError(f"{shown} is {what}: writing it would replace it; give another output file")
+
+
 def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> None:
     """Fail early, before any model is loaded, if ``path`` cannot be written. Leaves nothing
     behind (a probe file is created and deleted in its directory, :func:`check_writable_dir`).
@@ -63,10 +95,11 @@ def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> No
 
     Raises:
         OutputError: ``path`` is a directory or not a regular file, its parent is missing or not a
-            directory, or either is not writable.
+            directory, either is not writable, or it is a file the command reads (:func:`reading`).
     """
     path = Path(path)
     shown = _where(option, path)
+    _refuse_input(path, shown)
     if path.is_dir():
         raise OutputError(f"{shown} is a directory: give a file name")
     parent = path.parent if str(path.parent) else Path(".")
@@ -203,6 +236,7 @@ class OutputStream:
 
     def __init__(self, path: Path, option: str) -> None:
         self.path, self.option = Path(path), option
+        _refuse_input(self.path, _where(option, self.path))      # opening it truncates it
         try:
             self._file = open(self.path, "w", encoding="utf-8", newline="\n")
         except OSError as exc:
@@ -228,5 +262,9 @@ class OutputStream:
 
 
 def open_stream(path: Path, option: str) -> OutputStream:
-    """Open ``path`` for line-by-line output (``--jsonl``, ``--log-file``)."""
+    """Open ``path`` for line-by-line output (``--jsonl``, ``--log-file``).
+
+    Raises:
+        OutputError: ``path`` cannot be opened, or it is a file the command reads (:func:`reading`).
+    """
     return OutputStream(path, option)

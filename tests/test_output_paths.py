@@ -76,3 +76,49 @@ def test_check_output_path_leaves_nothing_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(OutputError, match="is a directory"):
         check_output_path(tmp_path, "-o")
+
+
+@pytest.fixture
+def inputs(tmp_path, tiny_model_path):
+    """A copy of the tiny model and a short text, each with a link beside it: outputs pointed at
+    them must leave both as they were."""
+    import shutil
+    model, text = tmp_path / "model.gguf", tmp_path / "text.txt"
+    shutil.copyfile(tiny_model_path, model)
+    text.write_text("The capital of France is Paris. " * 40)
+    (tmp_path / "link.svg").symlink_to(model)
+    (tmp_path / "link.png").symlink_to(model)
+    os.link(model, tmp_path / "hard.npz")
+    return model, text
+
+
+@pytest.mark.parametrize("args, option, what", [
+    (["trace", "-m", "{model}", "--raw", "--jsonl", "{model}", "hi"], "--jsonl", "the model this run reads (-m)"),
+    (["trace", "-m", "{model}", "--raw", "--log-file", "{model}", "hi"], "--log-file", "the model"),
+    (["trace", "-m", "{model}", "--raw", "--npz", "{dir}/hard.npz", "hi"], "--npz", "the model"),
+    (["diagram", "-m", "{model}", "--raw", "-o", "{dir}/link.svg", "hi"], "-o", "the model"),
+    (["lens", "-m", "{model}", "--raw", "-o", "{dir}/link.png", "hi"], "-o", "the model"),
+    (["trace", "-m", "{model}", "-f", "{text}", "--jsonl", "{text}"], "--jsonl", "the prompt file this run reads (-f)"),
+    (["perplexity", "-m", "{model}", "-f", "{text}", "--base", "{model}", "--save-base", "{model}"], "--save-base",
+     "the model"),
+    (["perplexity", "-m", "{model}", "-f", "{text}", "--base", "{model}", "--save-base", "{text}"], "--save-base",
+     "the text this run scores (-f)"),
+])
+def test_an_output_that_is_an_input_is_refused_before_anything_is_written(capsys, inputs, loads, args, option, what):
+    """``trace --jsonl MODEL`` truncated the model it maps (the process died of SIGBUS, exit 135, the
+    file left 903 bytes long); ``--npz``, ``imatrix -o`` and ``perplexity --save-base`` replaced it
+    and exited 0. By its name, a symlink or a hard link, an output that is an input is one error line."""
+    model, text = inputs
+    before = {p: p.read_bytes() for p in (model, text)}
+    argv = [a.format(model=model, text=text, dir=model.parent) for a in args]
+    assert_one_line_error(*run(capsys, *argv), option, what, "give another output file")
+    assert {p: p.read_bytes() for p in (model, text)} == before and loads == []
+
+
+def test_outputs_beside_the_inputs_are_written(capsys, inputs, tmp_path):
+    """The check compares files, not folders or names: an output next to the model is fine."""
+    model, _ = inputs
+    code, _, err = run(capsys, "trace", "-m", model, "--raw", "--layer", "0", "--stage", "attn_norm",
+                       "--npz", tmp_path / "t.npz", "hi")
+    assert code == 0, err
+    assert (tmp_path / "t.npz").stat().st_size > 0

@@ -247,6 +247,8 @@ def _root(
     # declared for --help only: _take_global_flags takes --debug and --quiet out of argv before
     # typer parses it, and --version acts in its callback
     del debug, quiet, version
+    from llamatrace.outputs import forget_inputs
+    forget_inputs()                  # the inputs the command's options note (outputs.reading)
 
 
 def _take_global_flags(argv: list[str]) -> list[str]:

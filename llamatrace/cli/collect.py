@@ -12,14 +12,15 @@ import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, plural, status_bar, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
-                                     check_activations, default_activations, load_model, model_file)
+                                     check_activations, default_activations, load_model, model_file, reads)
 from llamatrace.errors import OptionError
 
 
 @app.command()
 def collect(
     text_file: Annotated[Path, typer.Option("--file", "-f", help="The corpus (UTF-8): one document per line, "
-                                            "or JSON lines with --jsonl.", show_default=False)],
+                                            "or JSON lines with --jsonl.", show_default=False,
+                                            callback=reads("the corpus this run reads (-f)"))],
     hook: Annotated[List[str], typer.Option("--hook", help="An activation to store, one vector per token: a "
                     "TransformerLens name (blocks.8.hook_resid_post) or a stage id (l_out@8). Repeat for more.",
                     show_default=False)],

@@ -17,13 +17,23 @@ from llamatrace.errors import LlamatraceError, OptionError, PromptError
 from llamatrace.tracing.stages import select_stages
 from llamatrace.cli.app import err, quiet, status, status_bar, status_spinner
 
+def reads(what: str):
+    """A typer ``callback`` noting a path option's file as one the command reads (no output may
+    be written over it: :func:`llamatrace.outputs.reading`)."""
+    from llamatrace.outputs import reading
+    return lambda path: reading(path, what)
+
+
+MODEL_READ = "the model this run reads"
 ModelOpt = Annotated[Optional[Path], typer.Option(
     "--model", "-m", help="GGUF model file, or a known model's name (smollm2-135m, gemma3-270m: fetched "
-    "once into the user cache). Default: $LLAMATRACE_MODEL, else smollm2-135m.", show_default=False)]
+    "once into the user cache). Default: $LLAMATRACE_MODEL, else smollm2-135m.", show_default=False,
+    callback=reads(f"{MODEL_READ} (-m)"))]
 RawOpt = Annotated[bool, typer.Option("--raw", metavar="", help="Send the prompt as-is, without the model's chat template.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option(
-    "--prompt-file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False)]
+    "--prompt-file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False,
+    callback=reads("the prompt file this run reads (-f)"))]
 AUTO_THREADS_HELP = ("every core; for small models (SmolLM2-135M, -360M), one while other processes' "
                      "runnable tasks outnumber the cores (read before each forward call)")
 """The kernels' default thread count (:class:`llamatrace.machine.threads.AutoThreads`), in words."""
@@ -187,7 +197,8 @@ def model_file(model: Path | None) -> Path:
         ModelNotFoundError: as :func:`llamatrace.gguf.fetch.resolve_model`.
     """
     from llamatrace.gguf.fetch import resolve_model
-    return resolve_model(model, log=status, quiet=quiet())
+    from llamatrace.outputs import reading
+    return reading(resolve_model(model, log=status, quiet=quiet()), MODEL_READ)
 
 
 SLOW_WARMUP_S = 1.0

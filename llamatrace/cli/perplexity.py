@@ -12,14 +12,14 @@ import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
-                                     check_activations, default_activations, load_model, model_file)
+                                     check_activations, default_activations, load_model, model_file, reads)
 from llamatrace.errors import OptionError
 
 
 @app.command()
 def perplexity(
     text_file: Annotated[Path, typer.Option("--file", "-f", help="The text (UTF-8) to score.",
-                                            show_default=False)],
+                                            show_default=False, callback=reads("the text this run scores (-f)"))],
     model: ModelOpt = None,
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per chunk; the second half "
                                           "of each chunk is scored.")] = 512,
@@ -28,7 +28,8 @@ def perplexity(
     activations: RunActivationsOpt = None,
     base: Annotated[Optional[Path], typer.Option("--base", help="KL divergence against a base model: a GGUF "
                     "with the same vocabulary, or a base file (--save-base, or llama.cpp's "
-                    "--kl-divergence-base).", show_default=False)] = None,
+                    "--kl-divergence-base).", show_default=False,
+                    callback=reads("the base this run compares against (--base)"))] = None,
     save_base: Annotated[Optional[Path], typer.Option("--save-base", help="Keep the base GGUF's log-probabilities "
                          "in FILE (llama.cpp's --kl-divergence-base format), for later --base FILE runs.",
                          show_default=False)] = None,

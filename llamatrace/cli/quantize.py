@@ -5,7 +5,6 @@ With ``-f TEXT`` and a budget, the recipe search (:mod:`llamatrace.quantize.sear
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,7 +14,8 @@ import typer
 
 from llamatrace.cli.app import (app, err, exit_interrupted, out, plural, quiet, status, status_bar, status_spinner,
                                 stdout)
-from llamatrace.cli.options import NoCacheOpt, RayOpt, WorkerThreadsOpt, WorkersOpt
+from llamatrace.cli.options import NoCacheOpt, RayOpt, WorkerThreadsOpt, WorkersOpt, reads
+from llamatrace.cli.progress import CountBar
 from llamatrace.errors import LlamatraceError, OptionError
 
 
@@ -33,6 +33,10 @@ def _given_first(ctx: typer.Context, a: str, b: str) -> bool:
     return a in given and b in given and given.index(a) < given.index(b)
 
 
+BASE_READ = "the base model itself"
+"""How an output that is BASE is refused (:func:`llamatrace.outputs.reading`)."""
+
+
 @app.command()
 def quantize(
     ctx: typer.Context,
@@ -40,7 +44,7 @@ def quantize(
                                          "(another quantized file needs --allow-requantize), or a known model's "
                                          "name (smollm2-135m, gemma3-270m: quantized files, so with "
                                          "--allow-requantize; `--type F16` of one makes an F16 base).",
-                                         show_default=False)],
+                                         show_default=False, callback=reads(BASE_READ))],
     output: Annotated[Path, typer.Argument(metavar="OUT", help="The GGUF file to write (replaced if it exists; "
                                            "written under a temporary name and renamed when complete).",
                                            show_default=False)],
@@ -72,7 +76,8 @@ def quantize(
                                    "output.weight in the base's type (larger, may be better when requantizing).")] = False,
     imatrix: Annotated[Optional[Path], typer.Option("--imatrix", metavar="FILE", help="An importance matrix "
                        "(llama-imatrix's GGUF, or `llamatrace imatrix`'s): each quantized tensor's error is "
-                       "weighted by its columns' mean squared input.", show_default=False)] = None,
+                       "weighted by its columns' mean squared input.", show_default=False,
+                       callback=reads("the importance matrix this run reads (--imatrix)"))] = None,
     allow_requantize: Annotated[bool, typer.Option("--allow-requantize", metavar="", help="Quantize a base "
                                 "that is already quantized (other than Q8_0): its error adds to the new one "
                                 "(also for the recipe search).")] = False,
@@ -80,7 +85,7 @@ def quantize(
                     "default type, without llama.cpp's mix (as llama-quantize --pure); --tensor-type still applies.")] = False,
     text_file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Calibration text: search a recipe "
                          "(a type per matrix) by measuring on it the KL divergence each requantized matrix adds.",
-                         show_default=False)] = None,
+                         show_default=False, callback=reads("the calibration text this run reads (-f)"))] = None,
     target_bpw: Annotated[Optional[float], typer.Option("--target-bpw", help="With -f: bits per weight the file "
                           "may not exceed, as llama-quantize counts them (8 × bytes of tensor data ÷ weights, "
                           "every tensor).", show_default=False)] = None,
@@ -97,7 +102,8 @@ def quantize(
                                                   "chunks.", show_default=False)] = None,
     verify_file: Annotated[Optional[Path], typer.Option("--verify-file", help="With -f: held-out text on which "
                            "OUT (and the --type mix) are measured against BASE after writing: KLD, same top "
-                           "token, PPL.", show_default=False)] = None,
+                           "token, PPL.", show_default=False,
+                           callback=reads("the held-out text this run reads (--verify-file)"))] = None,
     measurements: Annotated[Optional[Path], typer.Option("--measurements", help="With -f: where the measured "
                             "matrices are kept and resumed from (default: OUT.measurements.json).",
                             show_default=False)] = None,
@@ -175,7 +181,6 @@ def quantize(
     output_type, embd_type = (None if name is None else ggml_type(name, f"{option} {name!r}") for option, name in
                               (("--output-tensor-type", output_tensor_type), ("--token-embedding-type", token_embedding_type)))
     base = _base_file(base)
-    _check_not_base(base, {"OUT": output})
     check_output_path(output, "OUT")
     _remove_leftovers(output)
     if threads is not None:
@@ -242,23 +247,10 @@ def _base_file(base: Path) -> Path:
         ModelNotFoundError: a known model that cannot be fetched.
     """
     from llamatrace.gguf.fetch import KNOWN_MODELS, resolve_model
+    from llamatrace.outputs import reading
     if not base.exists() and str(base) in KNOWN_MODELS:
-        return resolve_model(str(base), log=status, quiet=quiet())
+        return reading(resolve_model(str(base), log=status, quiet=quiet()), BASE_READ)
     return base
-
-
-def _check_not_base(base: Path, outputs: dict[str, Optional[Path]]) -> None:
-    """Refuse an output that is BASE itself, by its path, a symlink or a hard link: writing it would
-    replace the model being read (the recipe search reads it to the end).
-
-    Raises:
-        OptionError: naming the option.
-    """
-    if not base.exists():
-        return                                  # open_gguf says so
-    for option, path in outputs.items():
-        if path is not None and path.exists() and os.path.samefile(path, base):
-            raise OptionError(f"{option} {str(path)!r} is the base model itself: give another output file")
 
 
 def _remove_leftovers(*outputs: Optional[Path]) -> None:
@@ -396,7 +388,6 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
         check_format(plot, "-o")
     base = _base_file(base)
     where = measurements if measurements is not None else output.with_name(output.name + ".measurements.json")
-    _check_not_base(base, {"OUT": output, "-o": plot, "--measurements": where})
     check_output_path(output, "OUT")
     if plot is not None:
         check_output_path(plot, "-o")
@@ -428,7 +419,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
         compile_quantizers({(t, "float32") for g in groups for t in g.candidates},
                            lambda: compile_kernels([t.name for t in types], log=lambda line: None,
                                                    modes=(model.activations,)))
-    bar = _MeasureBar(base.name)
+    bar = CountBar(f"Measuring {base.name}", "matrices", "measured")
     t0 = time.perf_counter()
     try:
         with bar:
@@ -442,10 +433,10 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
                   f"(the same command resumes); nothing written at {escape(str(output))}", soft_wrap=True)
         exit_interrupted()
     seconds = time.perf_counter() - t0
-    if bar.measured:
-        status(f"measured {plural(bar.measured, 'matrix', 'matrices')} in {seconds:.1f} s "
-               f"({seconds / bar.measured:.2f} s each; {plural(workers, 'worker')}{' on Ray' if ray else ''})"
-               + (f", {bar.done - bar.measured} resumed from {where}" if bar.done > bar.measured else ""))
+    if bar.ran:
+        status(f"measured {plural(bar.ran, 'matrix', 'matrices')} in {seconds:.1f} s "
+               f"({seconds / bar.ran:.2f} s each; {plural(workers, 'worker')}{' on Ray' if ray else ''})"
+               + (f", {bar.done - bar.ran} resumed from {where}" if bar.done > bar.ran else ""))
     else:
         status(f"every matrix's measurements resumed from {where}")
     stock_recipe = S.stock_like(groups, stock, recipe.budget, store, recipe.base_kld) if stock_type else None
@@ -467,7 +458,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
               + (f" and the picture {plot}" if plot is not None else ""), markup=False, soft_wrap=True)
     if json_out:
         doc = report.document(recipe, stock_recipe, measured)
-        doc["measurements"] = {"file": str(where), "measured": bar.measured, "resumed": bar.done - bar.measured,
+        doc["measurements"] = {"file": str(where), "measured": bar.ran, "resumed": bar.done - bar.ran,
                                "seconds": round(seconds, 3), "workers": workers, "threads": worker_threads, "ray": ray}
         stdout.write(json.dumps(doc) + "\n")
         return
@@ -479,54 +470,6 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
     out.print("llama-quantize " + ("--allow-requantize " if allow_requantize else "")
               + " ".join(f"--tensor-type '{a}'" for a in recipe.tensor_type_args())
               + f" {base} {output} {ftype.name}", markup=False, soft_wrap=True)
-
-
-def _clock(seconds: float) -> str:
-    """``m:ss``, or ``h:mm:ss`` from an hour."""
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
-
-
-class _MeasureBar:
-    """A progress bar of the matrices measured, with the time left (what rich estimates from the
-    recent pace); the resumed ones count as done from the start (the search's first report).
-    In a log or a pipe, where no bar is drawn, a status line instead at each tenth of the
-    matrices and at least every :attr:`LOG_EVERY_S` seconds: the count done and the time left
-    at the pace so far."""
-
-    LOG_EVERY_S = 30.0
-
-    def __init__(self, name: str) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-        self.progress = status_bar(TextColumn(f"Measuring {name}"), BarColumn(), MofNCompleteColumn(),
-                                   TextColumn("matrices"), TimeElapsedColumn(), TimeRemainingColumn())
-        self.lines = not quiet() and not err.is_terminal
-        self.task = None
-        self.done = self.total = self.measured = 0
-        self.t0 = self.last_line = 0.0
-
-    def update(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if self.task is None:
-            self.task = self.progress.add_task("measure", total=total, completed=done)
-            self.t0 = self.last_line = now
-        else:
-            self.measured += 1
-            self.progress.update(self.task, completed=done)
-            tenth = done * 10 // total > self.done * 10 // total
-            if self.lines and done < total and (tenth or now - self.last_line >= self.LOG_EVERY_S):
-                left = (now - self.t0) / self.measured * (total - done)
-                status(f"measured {done} of {total} matrices ({100 * done // total} %) in {_clock(now - self.t0)}, "
-                       f"about {_clock(left)} left")
-                self.last_line = now
-        self.done, self.total = done, total
-
-    def __enter__(self) -> "_MeasureBar":
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.progress.stop()
 
 
 def _verify(model, output: Path, stock, ftype, weights, info, text: str, held_out: str, ctx_size: int,
