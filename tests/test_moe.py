@@ -189,6 +189,39 @@ def test_a_hook_on_the_chosen_experts_changes_the_output(models):
     assert np.abs(hooked - plain).max() > 1e-2
 
 
+ROUTER_STAGES = ["ffn_moe_probs", "ffn_moe_topk", "ffn_moe_weights", "ffn_moe_weights_norm", "ffn_moe_out"]
+
+
+@pytest.mark.parametrize("stage", ["ffn_moe_probs", "ffn_moe_topk", "ffn_moe_weights"])
+def test_an_ablated_router_stage_is_what_the_later_ones_follow(models, stage):
+    """``--ablate ffn_moe_probs`` (or ``ffn_moe_weights``) showed zeros and changed nothing after
+    them: the choice and the weights were made before the stages were emitted. Each later stage now
+    follows the replacement as build_moe_ffn makes it, written out here: the top k of probs (ties
+    to the lower index), the weights probs at the ids (get_rows, whatever chose them), divided by
+    their sum (clamped at fp16's smallest normal)."""
+    from llamatrace.tracing.hooks import zero_ablation
+    model = models["qwen3moe"]
+    k, tokens = model.config.n_expert_used, np.arange(3, 9)
+    with model.hooks({stage: zero_ablation(stage)}, layers=[1]):
+        with model.trace(layers=[1], stages=ROUTER_STAGES, keep_arrays=True) as rec:
+            hooked = model.forward(tokens, 0, model.new_cache(8))
+    a = {name: rec.arrays()[f"step0.layer1.{name}"] for name in ROUTER_STAGES}
+    assert not a[stage].any()
+    ids = np.argsort(-a["ffn_moe_probs"], axis=1, kind="stable")[:, :k]
+    if stage != "ffn_moe_topk":
+        np.testing.assert_array_equal(a["ffn_moe_topk"], ids)
+    weights = np.take_along_axis(a["ffn_moe_probs"], a["ffn_moe_topk"].astype(np.int64), axis=1)
+    if stage != "ffn_moe_weights":
+        np.testing.assert_array_equal(a["ffn_moe_weights"], weights)
+    total = np.maximum(a["ffn_moe_weights"].sum(axis=1, keepdims=True), np.float32(6.103515625e-5))
+    np.testing.assert_allclose(a["ffn_moe_weights_norm"], a["ffn_moe_weights"] / total, rtol=1e-6)
+    if stage == "ffn_moe_topk":                  # every slot expert 0, so one weight k times
+        assert (a["ffn_moe_weights"] == a["ffn_moe_probs"][:, :1]).all()
+    else:                                        # no weight left: nothing out of the experts
+        assert not a["ffn_moe_out"].any()
+    assert np.abs(hooked - model.forward(tokens, 0, model.new_cache(8))).max() > 1e-2
+
+
 # ---- stages and views -------------------------------------------------------------------------
 def test_moe_stages_apply_only_to_moe_models_and_replace_the_dense_ffn():
     dense = {s.id for s in STAGES if stage_applies(s, 4, 2, frozenset())}

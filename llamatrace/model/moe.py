@@ -373,10 +373,18 @@ def moe_ffn(x: np.ndarray, mw: MoEWeights, opts: MoEOptions, emit: Emit, layer: 
     if mw.router_b is not None:
         logits = emit("ffn_moe_logits_biased", layer, logits + mw.router_b)
     probs, ids, weights, weights_norm = routing.route(logits, k, opts.gating, opts.norm)
-    emit("ffn_moe_probs", layer, probs)
-    ids = emit("ffn_moe_topk", layer, ids)
-    weights = emit("ffn_moe_weights_softmax" if opts.gating == "softmax_weight" else "ffn_moe_weights",
-                   layer, weights)
+    # a stage a hook replaces (--ablate, a lens hook) is what every later one is made of
+    hooked = emit("ffn_moe_probs", layer, probs)
+    if hooked is not probs:
+        probs = hooked
+        ids, weights, weights_norm = routing.choose_ref(probs, k, opts.gating, opts.norm)
+    hooked = emit("ffn_moe_topk", layer, ids)
+    if hooked is not ids:                        # other experts: their weights from probs, as get_rows takes them
+        ids, weights, weights_norm = routing.choose_ref(probs, k, opts.gating, opts.norm, ids=hooked)
+    hooked = emit("ffn_moe_weights_softmax" if opts.gating == "softmax_weight" else "ffn_moe_weights", layer, weights)
+    if hooked is not weights:
+        weights = hooked
+        weights_norm = routing.normalise_ref(weights) if opts.norm else None
     if weights_norm is not None:
         weights = emit("ffn_moe_weights_norm", layer, weights_norm)
     flat = np.asarray(ids, dtype=np.int64).reshape(-1)          # slot t*k + s: slot s of token t

@@ -200,13 +200,48 @@ def route_ref(logits: np.ndarray, k: int, gating: str = "softmax",
     logits = np.asarray(logits, dtype=np.float32)
     _check(logits, k, gating)
     probs = _softmax_ref(logits) if gating == "softmax" else logits.copy()
-    ids = top_k_ref(probs, k)
-    picked = np.take_along_axis(probs, ids, axis=1)
+    return (probs, *choose_ref(probs, k, gating, norm))
+
+
+def choose_ref(probs: np.ndarray, k: int, gating: str = "softmax", norm: bool = False,
+               ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """What follows the router's probabilities (:func:`route` after ``probs``, in NumPy): the ``k``
+    chosen experts (``ids`` when given: llama.cpp takes the weights by ``get_rows(probs, ids)``
+    whatever chose them), their weights and, with ``norm``, the normalised weights. The forward
+    pass runs it where a hook replaced ``ffn_moe_probs`` or ``ffn_moe_topk``.
+
+    Args:
+        probs: float32 ``[n_tokens, n_expert]``.
+        ids: int ``[n_tokens, k]`` in ``0 .. n_expert - 1``, or None (the top ``k`` of ``probs``).
+
+    Returns:
+        ``ids`` int32 ``[n_tokens, k]``, ``weights`` float32 ``[n_tokens, k]``, ``weights_norm``
+        (None unless ``norm``).
+
+    Raises:
+        ValueError: ``probs`` not 2-D, ``k`` out of range, ``ids`` of another shape or out of range.
+    """
+    probs = np.asarray(probs, dtype=np.float32)
+    _check(probs, k, gating)
+    if ids is None:
+        ids = top_k_ref(probs, k)
+    else:
+        ids = np.asarray(ids)
+        if ids.shape != (probs.shape[0], k) or (ids.size and not 0 <= ids.min() <= ids.max() < probs.shape[1]):
+            raise ValueError(f"choose: ids {list(ids.shape)} must be [{probs.shape[0]}, {k}] experts in "
+                             f"0..{probs.shape[1] - 1}")
+        ids = ids.astype(np.int32)
+    picked = np.take_along_axis(probs, ids.astype(np.int64), axis=1)
     weights = picked if gating == "softmax" else _softmax_ref(picked)
-    if not norm:
-        return probs, ids, weights, None
+    return ids, weights, (normalise_ref(weights) if norm else None)
+
+
+def normalise_ref(weights: np.ndarray) -> np.ndarray:
+    """The chosen weights divided by their sum, clamped below at :data:`WEIGHTS_SUM_MIN` (float32
+    ``[n_tokens, k]``; :func:`route`'s ``weights_norm``, in NumPy)."""
+    weights = np.asarray(weights, dtype=np.float32)
     total = np.maximum(weights.sum(axis=1, dtype=np.float64, keepdims=True).astype(np.float32), WEIGHTS_SUM_MIN)
-    return probs, ids, weights, (weights / total).astype(np.float32)
+    return (weights / total).astype(np.float32)
 
 
 _NO_BIAS = np.zeros((0, 0), dtype=np.float32)
