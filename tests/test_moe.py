@@ -222,6 +222,26 @@ def test_an_ablated_router_stage_is_what_the_later_ones_follow(models, stage):
     assert np.abs(hooked - model.forward(tokens, 0, model.new_cache(8))).max() > 1e-2
 
 
+@pytest.mark.parametrize("args, option, needles", [
+    (["generate", "--raw", "hi", "-n", "1", "--ablate", "ffn_out@-1"], "--ablate", ["ffn_moe_out"]),
+    (["trace", "--raw", "hi", "--stage", "attn_out,ffn_gate"], "--stage", ["mixture of experts", "ffn_moe_gate"]),
+    (["trace", "--raw", "hi", "--stage", "ffn_sw*"], "--stage", ["none of the stages", "ffn_swiglu"]),
+    (["collect", "-f", str(GOLDEN / "corpus.txt"), "--hook", "ffn_out@0", "--ctx-size", "32", "-o", "{tmp}/acts"],
+     "--hook", ["ffn_moe_out"]),
+])
+def test_a_stage_the_model_does_not_compute_is_refused(paths, tmp_path, capsys, args, option, needles):
+    """``--ablate ffn_out@-1`` (the help's example) said "ablating" and changed nothing on a mixture of
+    experts, ``--stage ffn_gate`` printed nothing: a stage the model never emits is one error line
+    naming the one it has instead (``collect --hook ffn_out@0`` stored ffn_moe_out under that name)."""
+    argv = [a.format(tmp=tmp_path) for a in args]
+    assert_one_line_error(*run(capsys, argv[0], "-m", paths["qwen3moe"], *argv[1:]), option, *needles)
+
+
+def test_a_moe_stage_on_a_dense_model_is_refused(tiny_model_path, capsys):
+    assert_one_line_error(*run(capsys, "generate", "-m", tiny_model_path, "--raw", "hi", "-n", "1",
+                               "--ablate", "ffn_moe_topk@0"), "--ablate", "only by models with a mixture of experts")
+
+
 # ---- stages and views -------------------------------------------------------------------------
 def test_moe_stages_apply_only_to_moe_models_and_replace_the_dense_ffn():
     dense = {s.id for s in STAGES if stage_applies(s, 4, 2, frozenset())}

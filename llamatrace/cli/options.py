@@ -373,6 +373,25 @@ def parse_stages(patterns: list[str] | None) -> list[str] | None:
     return flat
 
 
+def check_model_stages(patterns: list[str] | None, config, option: str = "--stage") -> None:
+    """Refuse a ``--stage`` id or pattern (:func:`parse_stages`) of which this model computes no
+    stage: the trace would show nothing for it, and say nothing.
+
+    Raises:
+        OptionError: naming the pattern, with why (:func:`llamatrace.tracing.stages.absent_reason`).
+    """
+    import fnmatch
+
+    from llamatrace.tracing.stages import STAGE_IDS, absent_reason, model_stage_ids
+    have = model_stage_ids(config)
+    for pattern in patterns or ():
+        hits = [sid for sid in STAGE_IDS if fnmatch.fnmatchcase(sid, pattern)]
+        if not any(sid in have for sid in hits):
+            why = absent_reason(hits[0], config) if hits == [pattern] else \
+                f"this model computes none of the stages it matches ({', '.join(hits)})"
+            raise OptionError(f"{option} {pattern!r}: {why}")
+
+
 def wide_out(min_width: int):
     """The stdout console for a wide table: the terminal's own width on a terminal; in a pipe
     or file at least ``min_width`` columns, so the table is not squeezed to 80."""
@@ -411,7 +430,7 @@ def parse_ablations(values: list[str] | None, config=None) -> list[Ablation]:
     Raises:
         OptionError: bad syntax, an unknown or non-replaceable stage, a layer on a model-level
             stage or none on a layer stage, a head on a stage without heads, a layer or head
-            out of range.
+            out of range, a stage the model does not compute (with the one it has instead).
     """
     from llamatrace.tracing.hooks import check_replaceable, head_axis
 
@@ -436,6 +455,9 @@ def parse_ablations(values: list[str] | None, config=None) -> list[Ablation]:
         if layer_text not in (None, "all"):
             layers = [int(layer_text)]
         if config is not None:
+            from llamatrace.tracing.stages import absent_reason, model_stage_ids
+            if stage_id not in model_stage_ids(config):      # hooked, it would zero nothing
+                raise OptionError(f"--ablate {text!r}: {absent_reason(stage_id, config)}")
             n = config.n_layers
             if layers is not None:
                 layer = layers[0] + n if layers[0] < 0 else layers[0]

@@ -25,6 +25,7 @@ from llamatrace.cli.app import app, err, exit_interrupted, out, plural
 from llamatrace.cli.options import (
     AblateOpt,
     ActivationsOpt,
+    check_model_stages,
     check_run_options,
     CtxSizeOpt,
     default_prompt,
@@ -131,6 +132,7 @@ def trace(
     r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
                     ablate=ablate, default=default_prompt())
     layers = parse_layers(layer, r.model.config.n_layers)
+    check_model_stages(stage_patterns, r.model.config)
     with r.ablated():
         _run(r.model, r.text, r.ids, r.load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
              dump_shapes=dump_shapes, stats=stats, values=values, jsonl=jsonl, npz=npz, log_file=log_file,

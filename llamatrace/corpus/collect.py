@@ -72,10 +72,11 @@ def resolve_hooks(names: list[str], config) -> list[Hook]:
 
     Raises:
         OptionError: an unknown or refused name (close matches listed), a layer the model does
-            not have, a name given twice, or one that is not a vector per token (attention).
+            not have, a stage it does not compute, a name given twice, or one that is not a vector
+            per token (attention).
     """
     from llamatrace.model import tl
-    from llamatrace.tracing.stages import STAGE_BY_ID, eval_shape
+    from llamatrace.tracing.stages import STAGE_BY_ID, absent_reason, eval_shape, model_stage_ids
     if not names:
         raise OptionError("give at least one --hook (e.g. --hook blocks.0.hook_resid_post)")
     hooks, seen = [], set()
@@ -86,8 +87,11 @@ def resolve_hooks(names: list[str], config) -> list[Hook]:
                 ssm_n_v_heads=c.ssm_n_v_heads, ssm_head_dim=c.ssm_head_dim, ssm_conv_dim=c.ssm_conv_dim,
                 ssm_v_dim=c.ssm_v_dim, n_expert=c.n_expert, n_expert_used=c.n_expert_used,
                 expert_hidden_dim=c.expert_hidden_dim)
+    have = model_stage_ids(c)
     for name in names:
         served = tl.resolve(name, c.n_layers, c.post_norms, bool(c.n_expert), c.recurrent_layers)
+        if served.kind == "stage" and served.stage not in have:      # a stage id this model never emits
+            raise OptionError(f"--hook {name}: {absent_reason(served.stage, c)}")
         if not served.per_token:
             raise OptionError(f"--hook {name}: attention scores and patterns (and a recurrent state) are not one "
                               f"vector per token; collect residual, MLP or head activations (or use "

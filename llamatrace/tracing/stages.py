@@ -42,6 +42,7 @@ Columns, per :class:`Stage`:
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from dataclasses import dataclass, replace
@@ -621,6 +622,48 @@ def stage_applies(stage: Stage, seq_len: int, n_rep: int, features: frozenset[st
     if stage.when != "always":
         return stage.when in features
     return True
+
+
+FEATURE_WORDS = {
+    "moe": "a mixture of experts", "moe_norm": "normalised expert weights", "moe_bias": "router and expert biases",
+    "moe_softmax_weight": "a softmax over the chosen experts (gpt-oss)", "moe_oai": "the clamped SwiGLU (gpt-oss)",
+    "moe_shexp": "a shared expert", "deltanet": "gated DeltaNet layers", "attn_gate": "gated attention output",
+    "qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "post_norms": "post-norms (Gemma)", "gelu": "GELU (Gemma)",
+    "embed_scale": "a scaled embedding (Gemma)", "swa": "sliding-window layers", "attn_softcap": "soft-capped scores",
+    "final_softcap": "soft-capped logits", "gqa": "grouped-query attention (n_rep > 1)",
+}
+"""How an error names each ``when`` term of the catalogue (:func:`absent_reason`)."""
+
+
+def model_stage_ids(config) -> frozenset[str]:
+    """The ids of the stages a forward pass of ``config``'s model (a ModelConfig) emits somewhere: in
+    a layer of each kind it has (sliding-window, gated DeltaNet), in a prefill or a decode step."""
+    kinds = {(config.is_local(i), config.is_recurrent(i)) for i in range(config.n_layers)} or {(False, False)}
+    return frozenset(s.id for s in STAGES for seq_len in (1, 2) for local, recurrent in kinds
+                     if stage_applies(s, seq_len, config.n_rep, config.features, local, recurrent))
+
+
+def absent_reason(stage_id: str, config) -> str:
+    """Why the stage ``stage_id`` is not one of ``config``'s model (:func:`model_stage_ids`), in words,
+    with the stages it has in its place: e.g. ``"ffn_out is not computed by a model with a mixture
+    of experts: its FFN's output is ffn_moe_out"``."""
+    features = config.features | ({"gqa"} if config.n_rep > 1 else set())
+    terms = STAGE_BY_ID[stage_id].when.split("&")
+    missing = [t for t in terms if not t.startswith("!") and t in FEATURE_WORDS and t not in features]
+    present = [t[1:] for t in terms if t.startswith("!") and t[1:] in features]
+    if present:
+        why = f"{stage_id} is not computed by a model with {FEATURE_WORDS[present[0]]}"
+    elif missing:
+        why = f"{stage_id} is computed only by models with {FEATURE_WORDS[missing[0]]}, and this one has none"
+    else:
+        why = f"{stage_id} is not computed by this model"
+    have = model_stage_ids(config)
+    twin = stage_id.replace("ffn_", "ffn_moe_", 1) if "moe" in features else stage_id.replace("ffn_moe_", "ffn_", 1)
+    close = [twin] if twin in have and twin != stage_id else \
+        difflib.get_close_matches(twin, sorted(have), n=2, cutoff=0.75)
+    if stage_id == "ffn_out" and "ffn_moe_out" in have:
+        return f"{why}: its FFN's output is ffn_moe_out"
+    return f"{why}; it has {' or '.join(close)}" if close else f"{why} (llamatrace stages -m MODEL lists those it has)"
 
 
 _TERM = re.compile(r"^([a-z_]+|[0-9]+)(\*([a-z_]+|[0-9]+))*$")
