@@ -29,6 +29,16 @@ report names the profile used), because a stage is judged by the error it may *a
   machine and to float32 rounding across CPUs; 1e-4 (f32) and 1e-3 (q8, where a rounding
   difference can move an 8-bit quantization step) catch a stage that is 5 % off.
 * ``q8-vs-f32`` — the two activation modes of llamatrace: llama.cpp's thresholds.
+
+Mixtures of experts (:class:`Routing`): the stages with a slot per chosen expert
+(:data:`SLOT_STAGES`, ``[seq_len, n_expert_used, …]``) hold each token's experts in rank order,
+and two runs may rank two near-tied experts the other way round. Where both sides' ids are known
+(``ffn_moe_topk``, or for llama.cpp, whose ids are int32 and not read, the top k of its
+``ffn_moe_probs``), each token's slots are sorted by expert id on both sides before they are
+measured, so an expert is compared with the same expert; a token that chose another *set* of
+experts has nothing to compare there: it is left out of those stages and counted. ``ffn_moe_topk``
+itself is scored as ids, not numbers: another set at any token is a routing divergence
+(``routing differs``), another order alone is not.
 """
 
 from __future__ import annotations
@@ -71,6 +81,13 @@ META_KEY = "__llamatrace__"
 """The key of a recording's description in a ``trace --npz`` file: a JSON string
 ``{"engine": "llamatrace", "version": ..., "activations": "f32"|"q8", "model": ...}``."""
 
+ROUTE = "ffn_moe_topk"
+"""The chosen experts, int ``[seq_len, n_expert_used]``, best first: scored as ids (:class:`Routing`)."""
+
+SLOT_STAGES = frozenset(s.id for s in STAGES if s.id != ROUTE and s.shape.startswith("[seq_len, n_expert_used"))
+"""Stages with a slot per chosen expert (``ffn_moe_weights``… ``[seq_len, n_expert_used]``, ``ffn_moe_gate``…
+``[seq_len, n_expert_used, width]``): paired by expert id where both sides' ids are known."""
+
 _KEY = re.compile(r"^step(\d+)\.(?:layer(\d+)\.)?([^.]+)$")
 _FIRST_LAYER_STAGE = min(i for i, s in enumerate(STAGES) if s.level == "layer")
 _ORDER = {sid: i for i, sid in enumerate(STAGE_IDS)}
@@ -110,8 +127,13 @@ class Row:
     ``status``: ``ok``, ``diverged`` (error above threshold), ``added error`` (the stage's own
     error, recomputed from one recording's inputs, above :data:`LOCAL_THRESHOLDS`: see
     :mod:`llamatrace.analysis.local_error`), ``shape mismatch`` (a divergence too), ``only ours``
-    or ``only reference`` (no error figures). ``local_err`` / ``ref_local_err``: that local error
-    in our recording and in the reference's (``None`` where not recomputed).
+    or ``only reference`` (no error figures); with experts (:class:`Routing`), ``routing differs``
+    (``ffn_moe_topk``: a token chose other experts; a divergence, no error figures) and
+    ``rerouted`` (a per-expert stage where no token chose the same experts in both: nothing
+    compared, not a divergence by itself). ``local_err`` / ``ref_local_err``: that local error
+    in our recording and in the reference's (``None`` where not recomputed). ``routing``: for
+    ``ffn_moe_topk`` and the :data:`SLOT_STAGES` paired by expert id, :meth:`Routing.summary`
+    (``None``, and absent from the JSON, elsewhere).
     """
 
     step: int
@@ -126,13 +148,16 @@ class Row:
     status: str
     local_err: float | None = None
     ref_local_err: float | None = None
+    routing: dict | None = None
 
     @property
     def diverged(self) -> bool:
-        return self.status in ("diverged", "added error", "shape mismatch")
+        return self.status in ("diverged", "added error", "shape mismatch", "routing differs")
 
     def to_json(self) -> dict:
         d = asdict(self)
+        if d["routing"] is None:
+            del d["routing"]
         for k in ("rel_rms_err", "max_abs_err", "cosine", "local_err", "ref_local_err"):
             if d[k] is not None and not math.isfinite(d[k]):
                 d[k] = None
@@ -186,11 +211,106 @@ def profile_for(ours: dict | None, ref: dict | None) -> str:
     return "q8-vs-f32"
 
 
+@dataclass(frozen=True)
+class Routing:
+    """The experts two recordings chose at one (step, layer), and how their slots pair.
+
+    ``ours``, ``ref``: int64 ``[seq_len, n_expert_used]``, each token's expert ids in slot order
+    (best first). ``derived``: the sides (``"ours"``, ``"reference"``) whose ids were not recorded
+    but taken from their ``ffn_moe_probs`` (:func:`route_ids`).
+    """
+
+    ours: np.ndarray
+    ref: np.ndarray
+    derived: tuple[str, ...] = ()
+
+    @property
+    def same_experts(self) -> np.ndarray:
+        """bool ``[seq_len]``: the token chose the same set of experts in both."""
+        return np.all(np.sort(self.ours, axis=1) == np.sort(self.ref, axis=1), axis=1)
+
+    def by_expert(self, ours: np.ndarray, ref: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Both sides of a per-expert stage, ``[seq_len, n_expert_used, …]`` each, with every token's
+        slots sorted by expert id and only the tokens that chose the same experts in both:
+        ``[n_same, n_expert_used, …]`` each, slot ``j`` of one the same expert as slot ``j`` of the other."""
+        keep = self.same_experts
+
+        def sort(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+            order = np.argsort(ids, axis=1, kind="stable")                    # [seq_len, k]
+            return np.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)[keep]
+
+        return sort(np.asarray(ours), self.ours), sort(np.asarray(ref), self.ref)
+
+    def summary(self) -> dict:
+        """``tokens``: the layer's tokens; ``experts_differ``: how many chose another set of experts
+        (left out of the per-expert stages), ``experts_differ_at`` which (row indices); ``order_differs``:
+        how many chose the same set in another order (paired by id, so no difference); ``derived``
+        where a side's ids were not recorded."""
+        same = self.same_experts
+        out = {"tokens": len(same), "experts_differ": int((~same).sum()),
+               "experts_differ_at": np.flatnonzero(~same).tolist(),
+               "order_differs": int((same & ~np.all(self.ours == self.ref, axis=1)).sum())}
+        if self.derived:
+            out["derived"] = list(self.derived)
+        return out
+
+
+def route_ids(arrays: Mapping[str, np.ndarray], step: int, layer: int) -> tuple[np.ndarray | None, bool]:
+    """The experts a recording chose at (``step``, ``layer``): int64 ``[seq_len, n_expert_used]``
+    best first, and whether they were derived rather than recorded; ``(None, False)`` when neither.
+
+    Recorded: its ``ffn_moe_topk`` (whole numbers, any dtype). Derived: llama.cpp's graph keeps
+    its ids as int32, which the capture does not read (f32 only), so they are taken as its graph
+    takes them, the top k of ``ffn_moe_probs`` with ties to the lower index (``ggml_argsort_top_k``),
+    and trusted only where gathering the probabilities at them gives back the recording's own
+    ``ffn_moe_weights`` ``[seq_len, k]`` bit for bit (the graph's ``GET_ROWS``; it also gives k).
+    """
+    ids = arrays.get(stage_key(step, layer, ROUTE))
+    if ids is not None:
+        ids = np.asarray(ids)
+        whole = ids.dtype.kind in "iu" or (ids.dtype.kind == "f" and np.all(np.isfinite(ids))
+                                          and np.array_equal(ids, np.round(ids)))
+        return (ids.astype(np.int64), False) if ids.ndim == 2 and whole else (None, False)
+    probs = arrays.get(stage_key(step, layer, "ffn_moe_probs"))
+    weights = arrays.get(stage_key(step, layer, "ffn_moe_weights"))
+    if probs is None or weights is None:
+        return None, False
+    probs, weights = np.asarray(probs), np.asarray(weights)
+    if (probs.ndim != 2 or weights.ndim != 2 or len(probs) != len(weights)
+            or not 1 <= weights.shape[1] <= probs.shape[1]):
+        return None, False
+    ids = np.argsort(-probs, axis=1, kind="stable")[:, :weights.shape[1]].astype(np.int64)   # [seq_len, k]
+    return (ids, True) if np.array_equal(np.take_along_axis(probs, ids, axis=1), weights) else (None, False)
+
+
+def pair_routes(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray], step: int,
+                layer: int) -> Routing | None:
+    """How both recordings routed (``step``, ``layer``) (:func:`route_ids`), or ``None``: a dense
+    layer, a side whose ids are unknown, or ids of two shapes."""
+    a, derived_a = route_ids(ours, step, layer)
+    b, derived_b = route_ids(ref, step, layer)
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    return Routing(a, b, tuple(side for side, d in (("ours", derived_a), ("reference", derived_b)) if d))
+
+
+def _route_row(step: int, layer: int, route: Routing) -> Row:
+    """``ffn_moe_topk`` scored as ids: ``routing differs`` where any token chose another set."""
+    summary = route.summary()
+    status = "routing differs" if summary["experts_differ"] else "ok"
+    return Row(step, layer, ROUTE, list(route.ours.shape), list(route.ref.shape), None, None, None, None, status,
+               routing=summary)
+
+
 def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray], *,
                    threshold: float | None = None, layers: Iterable[int] | None = None,
                    stages: Iterable[str] | None = None, profile: str = "llama.cpp",
                    model=None) -> Comparison:
     """Pair ``ours`` and ``ref`` by key and measure every pair (a :data:`META_KEY` entry is not a stage).
+
+    With experts, the :data:`SLOT_STAGES` of a (step, layer) whose ids both sides give
+    (:func:`pair_routes`) are measured slot by slot *by expert id*, over the tokens that chose the
+    same experts in both, and ``ffn_moe_topk`` is scored as ids (module docstring).
 
     Args:
         ours, ref: arrays keyed by :func:`~llamatrace.tracing.recorder.stage_key`.
@@ -215,6 +335,7 @@ def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]
     keep_layers = None if layers is None else frozenset(layers)
     patterns = None if stages is None else list(stages)
     rows = []
+    routes: dict[tuple[int, int], Routing | None] = {}
     for key in sorted((set(ours) | set(ref)) - {META_KEY}, key=forward_order):
         step, layer, stage = parse_key(key)
         if keep_layers is not None and layer is not None and layer not in keep_layers:
@@ -223,6 +344,14 @@ def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]
             continue
         a, b = ours.get(key), ref.get(key)
         limit = limits[stage_kind(stage)]
+        route = None
+        if layer is not None and (stage == ROUTE or stage in SLOT_STAGES):
+            if (step, layer) not in routes:
+                routes[(step, layer)] = pair_routes(ours, ref, step, layer)
+            route = routes[(step, layer)]
+        if stage == ROUTE and route is not None:
+            rows.append(_route_row(step, layer, route))
+            continue
         shape = None if a is None else list(np.shape(a))
         ref_shape = None if b is None else list(np.shape(b))
         if a is None or b is None:
@@ -231,12 +360,21 @@ def compare_arrays(ours: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]
         elif shape != ref_shape:
             rows.append(Row(step, layer, stage, shape, ref_shape, None, None, None, limit, "shape mismatch"))
         else:
-            rel, max_abs, cos = metrics(a, b)
+            summary = None
+            if route is not None and tuple(shape[:2]) == route.ours.shape:     # slots paired by expert id
+                a, b = route.by_expert(a, b)
+                summary = route.summary()
+            # no token routed alike: nothing to measure (metrics of empty arrays would say 0)
+            rel, max_abs, cos = metrics(a, b) if summary is None or len(a) else (None, None, None)
             own, theirs = local_ours.get(key), local_ref.get(key)
             added = ((own is not None and not own <= LOCAL_THRESHOLDS["ours"])
                      or (theirs is not None and not theirs <= ref_local_limit))
-            status = "diverged" if not rel <= limit else "added error" if added else "ok"
-            rows.append(Row(step, layer, stage, shape, ref_shape, rel, max_abs, cos, limit, status, own, theirs))
+            if rel is None:
+                status = "added error" if added else "rerouted"
+            else:
+                status = "diverged" if not rel <= limit else "added error" if added else "ok"
+            rows.append(Row(step, layer, stage, shape, ref_shape, rel, max_abs, cos, limit, status, own, theirs,
+                            summary))
     first = next((r for r in rows if r.diverged), None)
     extra = {"profile": "custom" if threshold is not None else profile, "local_errors": model is not None}
     return Comparison(rows, first, limits, extra)

@@ -85,6 +85,11 @@ def compare(
     With two .npz files (keys step{S}.layer{L}.{stage}, as `trace --npz` writes), compares
     the recordings instead: missing keys and mismatched shapes are rows of their own.
 
+    Mixture-of-experts stages with a slot per chosen expert (ffn_moe_gate … ffn_moe_weighted) are
+    paired by expert id (ffn_moe_topk; llama.cpp's: the top k of its ffn_moe_probs), not by rank, and a
+    token that chose other experts is left out of them and counted. ffn_moe_topk is scored as ids:
+    other experts at any token is a divergence ("routing differs"), another order is not.
+
     Examples:
 
       llamatrace compare --raw "The capital of France is" --against llama.cpp
@@ -192,8 +197,8 @@ def _print_table(result, sort: str) -> None:
         return stage_key(r.step, r.layer, r.stage)
 
     paired = [r for r in result.rows if r.status not in ("only ours", "only reference")]
-    if sort == "worst":
-        paired.sort(key=lambda r: -(math.inf if r.rel_rms_err is None else r.rel_rms_err))
+    if sort == "worst":       # no error figure: a divergence first, anything else (routing alike) last
+        paired.sort(key=lambda r: -((math.inf if r.diverged else -1.0) if r.rel_rms_err is None else r.rel_rms_err))
     title = f"{result.extra.get('ours', 'llamatrace')} vs {result.extra.get('reference', 'reference')}"
     table = Table(title=title, title_justify="left")
     for col in ("step", "layer", "stage", "shape", "ref shape", "rel rms err", "max abs err", "cosine", "status"):
@@ -205,8 +210,9 @@ def _print_table(result, sort: str) -> None:
         table.add_row(str(r.step), "–" if r.layer is None else str(r.layer), r.stage,
                       "×".join(map(str, r.shape or [])), "×".join(map(str, r.ref_shape or [])),
                       _fmt(r.rel_rms_err, ".2e"), _fmt(r.max_abs_err, ".2e"), _fmt(r.cosine, ".6f"),
-                      r.status + (" ← first" if r is first else ""), style=style)
-    wide_out(112).print(table)
+                      _status(r) + (" ← first" if r is first else ""), style=style)
+    # an expert's status says how its tokens were routed: room for it
+    wide_out(136 if any(r.routing for r in paired) else 112).print(table)
     for status, side in (("only ours", "only in ours"), ("only reference", "only in the reference")):
         rows = [r for r in result.rows if r.status == status]
         whole = {st for st in {r.stage for r in rows}      # a kind of stage the other side never has
@@ -214,6 +220,7 @@ def _print_table(result, sort: str) -> None:
         names = sorted(whole, key=_stage_rank) + [key_of(r) for r in rows if r.stage not in whole]
         if names:
             out.print(f"{side} (not compared): {', '.join(names)}")
+    _print_routing(result.rows)
     for a in result.extra.get("argmax", []):
         if a["reference"] is not None and a["ours"] != a["reference"]:
             out.print(f"step {a['step']}: {result.extra['reference']}'s argmax would be token {a['reference']}, "
@@ -230,12 +237,59 @@ def _print_table(result, sort: str) -> None:
         where = "model level" if first.layer is None else f"layer {first.layer}"
         if first.status == "shape mismatch":
             what = "shapes differ"
+        elif first.status == "routing differs":
+            what = (f"other experts chosen at {first.routing['experts_differ']} of {first.routing['tokens']} tokens: "
+                    f"{_tokens(first.routing['experts_differ_at'])}")
         elif first.status == "added error":
             added = max(x for x in (first.local_err, first.ref_local_err) if x is not None)
             what = f"adds rel err {added:.3g} of its own, recomputed from the recorded inputs"
         else:
             what = f"rel rms err {first.rel_rms_err:.3g} > {first.threshold:g}, thresholds of {profile}"
+            if first.routing and first.routing["experts_differ"]:
+                n = first.routing["tokens"]
+                what += f"; over the {n - first.routing['experts_differ']} of {n} tokens routed alike"
         out.print(f"[bold red]first divergence:[/] step {first.step}, {where}, {first.stage} ({what})")
+
+
+def _status(r) -> str:
+    """The status cell: the status, and for experts how the tokens were routed (``a/b`` of the layer's tokens)."""
+    if r.routing is None:
+        return r.status
+    n, other, order = r.routing["tokens"], r.routing["experts_differ"], r.routing["order_differs"]
+    if r.status in ("routing differs", "rerouted"):
+        return f"{r.status} at {other}/{n}"
+    if r.stage == "ffn_moe_topk":
+        return r.status + (f", {order}/{n} reordered" if order else "")
+    return r.status + (f", {other}/{n} rerouted" if other else "")
+
+
+def _tokens(at: list[int], most: int = 8) -> str:
+    """``4, 9, 12`` (``…`` after ``most``)."""
+    return ", ".join(map(str, at[:most])) + (", …" if len(at) > most else "")
+
+
+def _print_routing(rows) -> None:
+    """One line on how the experts' slots were paired, when some were (the rows' ``routing``)."""
+    layers = {}                            # (step, layer) → its routing summary, the same on each of its rows
+    for r in rows:
+        if r.routing is not None:
+            layers.setdefault((r.step, r.layer), r.routing)
+    if not layers:
+        return
+    n_tokens = sum(x["tokens"] for x in layers.values())
+    n_order = sum(x["order_differs"] for x in layers.values())
+    other = [(key, x) for key, x in layers.items() if x["experts_differ"]]
+    text = (f"experts paired by id (ffn_moe_topk): {n_tokens} (token, layer) pairs, {n_order} with the same "
+            f"experts in another order, {sum(x['experts_differ'] for _, x in other)} with other experts")
+    if other:
+        (step, layer), x = other[0]
+        text += (f" (first: step {step}, layer {layer}, tokens {_tokens(x['experts_differ_at'])}),"
+                 " left out of the per-expert stages")
+    derived = sorted({side for x in layers.values() for side in x.get("derived", [])})
+    if derived:
+        whose = " and ".join("our" if side == "ours" else "the reference's" for side in derived)
+        text += f"; {whose} ids: the top k of ffn_moe_probs"
+    out.print(text)
 
 
 def _stage_rank(stage: str) -> tuple:
