@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -101,6 +102,46 @@ def test_expert_load_counts_every_token_k_times_a_layer_and_is_the_same_with_two
     code, out2, err = run(capsys, *args, "--workers", "2")
     assert code == 0, err
     assert json.loads(out2)["layers"] == data["layers"]
+
+
+def test_expert_load_routes_one_chunk_and_a_text_shorter_than_ctx_size_as_one_chunk(moe_paths, capsys, tmp_path):
+    # perplexity's rule (two chunks: 2 × --ctx-size tokens) refused a text expert-load can route whole
+    from llamatrace.corpus.chunks import read_header
+    tokenizer, _ = read_header(moe_paths["qwen3moe"])
+    text = CORPUS.read_text(encoding="utf-8")
+    one_chunk, short = tmp_path / "one.txt", tmp_path / "short.txt"
+    one_chunk.write_text(text[:60], encoding="utf-8")
+    short.write_text("Only a few words here.", encoding="utf-8")
+    n_one, n_short = len(tokenizer.encode(text[:60])), len(tokenizer.encode("Only a few words here."))
+    assert 32 <= n_one < 64 and n_short < 32                # one chunk of 32 and a tail; less than one chunk
+    k = SPECS["qwen3moe"]["k"]
+    for path, n_chunks, ctx, n_tokens in ((one_chunk, 1, 32, 32), (short, 1, n_short, n_short)):
+        code, out, err = run(capsys, "expert-load", "-f", path, "-m", moe_paths["qwen3moe"], "--ctx-size", "32",
+                             "--json")
+        assert code == 0, err
+        data = json.loads(out)
+        assert (data["n_chunks"], data["ctx_size"], data["n_tokens"]) == (n_chunks, ctx, n_tokens), data
+        assert all(sum(layer["counts"]) == n_tokens * k for layer in data["layers"])
+        note = f"note: the text is {n_short} tokens, fewer than --ctx-size 32: it is routed as one chunk of {n_short}"
+        assert (note in err) == (path == short), err
+    code, out, err = run(capsys, "perplexity", "-f", one_chunk, "-m", moe_paths["qwen3moe"], "--ctx-size", "32")
+    assert_one_line_error(code, out, err, f"tokenizes to {n_one} tokens", "at least 64 (two chunks)")
+
+
+def test_expert_load_in_a_log_says_how_many_chunks_are_routed_unless_quiet(moe_paths, capsys, monkeypatch):
+    # no bar in a log or a pipe: a status line at each tenth of the chunks instead (none at the end,
+    # where the summary follows); stderr forced to a non-terminal, status lines on (the suite is quiet)
+    from rich.console import Console
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: False))
+    monkeypatch.delenv("LLAMATRACE_QUIET", raising=False)
+    args = ["expert-load", "-f", CORPUS, "-m", moe_paths["qwen3moe"], "--ctx-size", "16", "--chunks", "3", "--json"]
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    lines = re.findall(r"^routed (\d) of 3 chunks \((\d+) %\) in \d+:\d\d, about \d+:\d\d left$", err, re.M)
+    assert lines == [("1", "33"), ("2", "66")], err
+    assert err.splitlines()[-1].startswith("3 chunks of 16 tokens in "), err
+    code, out, err = run(capsys, "-q", *args)
+    assert code == 0 and "routed" not in err and len(err.splitlines()) == 1, err
 
 
 def test_expert_load_statistics_follow_their_definitions():

@@ -10,6 +10,7 @@ every llama.cpp reference here); ``imatrix_llamacpp_defaults.npz`` llama.cpp's d
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -112,12 +113,53 @@ def test_bad_input_is_one_error_line_and_writes_nothing(capsys, tiny_model_path,
     out = tmp_path / "imatrix.gguf"
     model = ["--model", tiny_model_path, "-o", out, "-c", "32"]
     assert_one_line_error(*run(capsys, "imatrix", "-f", tmp_path / "missing.txt", *model), "cannot read")
-    (tmp_path / "short.txt").write_text("Only a few words here.\n")
-    assert_one_line_error(*run(capsys, "imatrix", "-f", tmp_path / "short.txt", *model), "imatrix", "at least 64")
+    (tmp_path / "blank.txt").write_text(" \n\n")
+    assert_one_line_error(*run(capsys, "imatrix", "-f", tmp_path / "blank.txt", *model), "is empty")
     assert_one_line_error(*run(capsys, "imatrix", "-f", CORPUS, "--model", tiny_model_path,
                                "-o", tmp_path / "no" / "dir" / "x.gguf"), "does not exist")
     assert_one_line_error(*run(capsys, "imatrix", "-f", CORPUS, *model, "--workers", "0"), "--workers")
-    assert list(tmp_path.iterdir()) == [tmp_path / "short.txt"]
+    assert list(tmp_path.iterdir()) == [tmp_path / "blank.txt"]
+
+
+def test_one_chunk_is_enough_and_a_text_shorter_than_ctx_size_is_one_chunk(capsys, tiny_model_path, tmp_path):
+    # llama-imatrix's two-chunk rule serves the perplexity it prints; nothing is scored here
+    from llamatrace.corpus.chunks import read_header
+    tokenizer, _ = read_header(tiny_model_path)
+    text = CORPUS.read_text(encoding="utf-8")
+    one_chunk, short = tmp_path / "one.txt", tmp_path / "short.txt"
+    one_chunk.write_text(text[:60], encoding="utf-8")
+    short.write_text("Only a few words here.\n", encoding="utf-8")       # its last newline is dropped
+    n_one, n_short = len(tokenizer.encode(text[:60])), len(tokenizer.encode("Only a few words here."))
+    assert 32 <= n_one < 64 and n_short < 32
+    for path, size in ((one_chunk, 32), (short, n_short)):
+        out = tmp_path / f"{path.stem}.gguf"
+        code, printed, err = run(capsys, "imatrix", "-f", path, "--model", tiny_model_path, "-o", out, "-c", "32",
+                                 "--json")
+        assert code == 0, err
+        summary = json.loads(printed)
+        assert (summary["n_chunks"], summary["ctx_size"], summary["n_tokens"]) == (1, size, size), summary
+        meta = read_imatrix_meta(out)
+        assert (meta.chunk_count, meta.chunk_size) == (1, size)
+        assert all(c.tolist() == [size] for _, c in read_imatrix(out).values())
+        note = f"note: the text is {n_short} tokens, fewer than --ctx-size 32: it is summed as one chunk of {n_short}"
+        assert (note in err) == (path == short), err
+
+
+def test_in_a_log_a_line_tells_the_chunks_evaluated_unless_quiet(capsys, tiny_model_path, tmp_path, monkeypatch):
+    # no bar in a log or a pipe: a status line at each tenth of the chunks instead (none at the end,
+    # where the summary follows); stderr forced to a non-terminal, status lines on (the suite is quiet)
+    from rich.console import Console
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: False))
+    monkeypatch.delenv("LLAMATRACE_QUIET", raising=False)
+    args = ["imatrix", "-f", CORPUS, "-c", "32", "--chunks", "5", "--model", tiny_model_path, "-o",
+            tmp_path / "imatrix.gguf"]
+    code, _, err = run(capsys, *args)
+    assert code == 0, err
+    lines = re.findall(r"^evaluated (\d) of 5 chunks \((\d+) %\) in \d+:\d\d, about \d+:\d\d left$", err, re.M)
+    assert lines == [("1", "20"), ("2", "40"), ("3", "60"), ("4", "80")], err
+    assert err.splitlines()[-1].startswith("5 chunks of 32 tokens in "), err
+    code, _, err = run(capsys, "--quiet", *args)
+    assert code == 0 and "evaluated" not in err and len(err.splitlines()) == 1, err
 
 
 def test_process_output_and_the_sums_of_a_trace(capsys, tmp_path):

@@ -103,6 +103,8 @@ def inputs(tmp_path, tiny_model_path):
      "the model"),
     (["perplexity", "-m", "{model}", "-f", "{text}", "--base", "{model}", "--save-base", "{text}"], "--save-base",
      "the text this run scores (-f)"),
+    (["imatrix", "-m", "{model}", "-f", "{text}", "-o", "{model}"], "-o", "the model this run reads (-m)"),
+    (["imatrix", "-m", "{model}", "-f", "{text}", "-o", "{text}"], "-o", "the calibration text this run reads (-f)"),
 ])
 def test_an_output_that_is_an_input_is_refused_before_anything_is_written(capsys, inputs, loads, args, option, what):
     """``trace --jsonl MODEL`` truncated the model it maps (the process died of SIGBUS, exit 135, the

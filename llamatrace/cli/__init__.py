@@ -1,7 +1,8 @@
 """The ``llamatrace`` command line: thin commands that parse options, call the library, print.
 
 ``app.py`` holds the typer app and maps errors to exit codes; ``options.py`` the options and
-helpers every command shares; each command is a module of its own that registers on the app.
+helpers every command shares; ``progress.py`` the progress of a long job in units (a bar, or lines
+in a log); each command is a module of its own that registers on the app.
 Importing this package registers them all, in the order ``--help`` lists them.
 """
 

@@ -13,10 +13,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_bar, stdout
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, stdout
 from llamatrace.cli.options import (LAYER_HELP, ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, RunOptions,
                                      WorkerThreadsOpt, WorkersOpt, check_activations, check_run_options,
-                                     default_activations, load_model, model_file, parse_layers, run_options)
+                                     default_activations, load_model, model_file, parse_layers, reads, run_options)
+from llamatrace.cli.progress import CountBar
 from llamatrace.errors import OptionError
 
 
@@ -90,10 +91,11 @@ def experts(
 
 @app.command("expert-load")
 def expert_load(
-    text_file: Annotated[Path, typer.Option("--file", "-f", help="The text (UTF-8) to route.", show_default=False)],
+    text_file: Annotated[Path, typer.Option("--file", "-f", help="The text (UTF-8) to route.", show_default=False,
+                                            callback=reads("the text this run routes (-f)"))],
     model: ModelOpt = None,
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per chunk, each run from an empty "
-                                          "cache.")] = 512,
+                                          "cache (a shorter text: one chunk of its length).")] = 512,
     chunks: Annotated[Optional[int], typer.Option("--chunks", help="Route at most N chunks (default: all).",
                                                   show_default=False)] = None,
     top: Annotated[int, typer.Option("--top", help="Expert pairs and tokens per expert listed.")] = 5,
@@ -113,7 +115,8 @@ def expert_load(
     fire together most (with their lift over chance) and the tokens each expert takes most.
 
     The text is tokenized once and cut into chunks of --ctx-size tokens, each run from an empty
-    cache, on the corpus runner (--workers, --ray) as perplexity and imatrix are.
+    cache, on the corpus runner (--workers, --ray) as perplexity and imatrix are; one chunk is
+    enough (nothing is scored), and a text shorter than --ctx-size is one chunk of its length.
 
     Examples:
 
@@ -141,7 +144,11 @@ def expert_load(
     path = model_file(model)
     tokenizer, config = read_header(path)
     check_moe(config)
-    plan = make_chunks(tokenizer, text, ctx_size, chunks, config.max_seq_len, command="expert-load")
+    plan = make_chunks(tokenizer, text, ctx_size, chunks, config.max_seq_len, command="expert-load",
+                       two_chunks=False)
+    if plan.n_ctx < ctx_size:
+        err.print(f"[yellow]note:[/] the text is {plan.n_ctx} tokens, fewer than --ctx-size {ctx_size}: "
+                  f"it is routed as one chunk of {plan.n_ctx} tokens")
     activations = activations or default_activations(path)
     in_process = workers == 1 and ray is None
     spec = ModelSpec(str(path), activations,
@@ -149,17 +156,15 @@ def expert_load(
     m = load_model(path, threads, activations) if in_process else None
     load = ExpertLoad(config.n_layers, config.n_expert)
     t0 = time.perf_counter()
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-    bar = status_bar(TextColumn("expert-load {task.description}"), BarColumn(), MofNCompleteColumn(),
-                     TextColumn("chunks"), TimeRemainingColumn())
-    task = bar.add_task(path.name, total=plan.n_chunk)
+    bar = CountBar(f"expert-load {path.name}", "chunks", "routed")
 
     def on_result(i: int, chunk_load: ExpertLoad) -> None:
         load.add(chunk_load)
-        bar.update(task, completed=i + 1)
+        bar.update(i + 1, plan.n_chunk)
 
     try:
         with bar:
+            bar.update(0, plan.n_chunk)
             run_chunks(spec, plan.n_chunk, plan.chunk, corpus_chunk, on_result, workers, m, ray)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]: nothing written")
@@ -176,7 +181,7 @@ def expert_load(
     else:
         _print_load(load, tokenizer.piece, top)
     stdout.flush()
-    err.print(f"[dim]{plan.n_chunk} chunks of {plan.n_ctx} tokens in {seconds:.1f} s "
+    err.print(f"[dim]{plural(plan.n_chunk, 'chunk')} of {plan.n_ctx} tokens in {seconds:.1f} s "
               f"({workers} worker{'s' if workers > 1 else ''}{' on Ray' if ray else ''}, {activations})[/]")
 
 

@@ -10,20 +10,21 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar, stdout
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
-                                     check_activations, default_activations, load_model, model_file)
+                                     check_activations, default_activations, load_model, model_file, reads)
+from llamatrace.cli.progress import CountBar
 
 
 @app.command()
 def imatrix(
     text_file: Annotated[Path, typer.Option("--file", "-f", help="The calibration text (UTF-8).",
-                                            show_default=False)],
+                                            show_default=False, callback=reads("the calibration text this run reads (-f)"))],
     output: Annotated[Path, typer.Option("--output", "-o", help="The importance matrix to write (llama.cpp's "
                                          "GGUF imatrix format, as llama-imatrix writes it).")] = Path("imatrix.gguf"),
     model: ModelOpt = None,
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per chunk; every token of every chunk "
-                                          "is summed.")] = 512,
+                                          "is summed (a shorter text: one chunk of its length).")] = 512,
     chunks: Annotated[Optional[int], typer.Option("--chunks", help="Evaluate at most N chunks (default: all).",
                                                   show_default=False)] = None,
     process_output: Annotated[bool, typer.Option("--process-output", metavar="", help="Collect output.weight "
@@ -43,9 +44,10 @@ def imatrix(
     of its input columns (and the number of tokens), written as llama.cpp's GGUF imatrix: give it
     to `llama-quantize --imatrix` or `llamatrace quantize --imatrix`. The text is tokenized once
     and cut into chunks of --ctx-size tokens (BOS first), each run from an empty cache, as
-    llama-imatrix does; q8 activations (the default from 1 B parameters) compute them with
-    llama.cpp's arithmetic (its numbers within 1e-3), f32 (the default below) with HF's. A summary
-    goes to stdout, a progress bar to stderr.
+    llama-imatrix does (which wants two chunks; one is enough here); q8 activations (the default
+    from 1 B parameters) compute them with llama.cpp's arithmetic (its numbers within 1e-3), f32
+    (the default below) with HF's. A summary goes to stdout, a progress bar to stderr (in a log or
+    a pipe, a line at each tenth of the chunks and at least every 30 s).
 
     Examples:
 
@@ -75,11 +77,16 @@ def imatrix(
                      threads if in_process or ray is not None else threads_per_worker(workers, threads))
     run = ImatrixRun(spec, text, str(text_file), ctx_size, chunks, process_output, workers, ray)
     prepared = prepare(run)                     # bad text or options: refused before the model loads
+    plan = prepared[0]
+    if plan.n_ctx < ctx_size:
+        err.print(f"[yellow]note:[/] the text is {plan.n_ctx} tokens, fewer than --ctx-size {ctx_size}: "
+                  f"it is summed as one chunk of {plan.n_ctx} tokens")
     m = load_model(path, threads, activations) if in_process else None
     t0 = time.perf_counter()
     try:
-        with _Bar(prepared[0].n_chunk, path.name) as bar:
-            result = compute(run, m, bar.update, prepared)
+        with CountBar(f"imatrix {path.name}", "chunks", "evaluated") as bar:
+            bar.update(0, plan.n_chunk)
+            result = compute(run, m, lambda i: bar.update(i + 1, plan.n_chunk), prepared)
         write_imatrix(output, result.entries, result.meta, "-o")
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]: nothing written")
@@ -94,28 +101,8 @@ def imatrix(
                                  "ray": ray, "seconds": round(seconds, 3),
                                  "tokens_per_s": round(n_tokens / seconds, 1)}) + "\n")
     else:
-        out.print(f"{output}: {len(result.entries)} weights, {c.n_chunk} chunks of {c.n_ctx} tokens "
+        out.print(f"{output}: {len(result.entries)} weights, {plural(c.n_chunk, 'chunk')} of {c.n_ctx} tokens "
                   f"({n_tokens} tokens)", markup=False)
     stdout.flush()
-    err.print(f"[dim]{c.n_chunk} chunks of {c.n_ctx} tokens in {seconds:.1f} s: {n_tokens / seconds:.0f} tokens/s "
-              f"({workers} worker{'s' if workers > 1 else ''}{' on Ray' if ray else ''}, {activations})[/]")
-
-
-class _Bar:
-    """A rich progress bar on stderr: chunks done, the time left."""
-
-    def __init__(self, total: int, name: str) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-        self.progress = status_bar(TextColumn("imatrix {task.description}"), BarColumn(), MofNCompleteColumn(),
-                                   TextColumn("chunks"), TimeRemainingColumn())
-        self.task = self.progress.add_task(name, total=total)
-
-    def update(self, i: int) -> None:
-        self.progress.update(self.task, completed=i + 1)
-
-    def __enter__(self) -> "_Bar":
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.progress.stop()
+    err.print(f"[dim]{plural(c.n_chunk, 'chunk')} of {c.n_ctx} tokens in {seconds:.1f} s: {n_tokens / seconds:.0f} "
+              f"tokens/s ({plural(workers, 'worker')}{' on Ray' if ray else ''}, {activations})[/]")

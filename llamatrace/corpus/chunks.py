@@ -4,6 +4,12 @@ llama.cpp ``tools/perplexity/perplexity.cpp`` (``perplexity()``): the whole text
 once, with BOS first where the vocabulary adds one; ``n_chunk = n_tokens // n_ctx`` (at most
 ``--chunks``); chunk ``i`` is ``tokens[i*n_ctx : (i+1)*n_ctx]`` with its first slot replaced by
 BOS where the vocabulary adds one; at least ``2 * n_ctx`` tokens are needed.
+
+That minimum is llama-perplexity's (and llama-imatrix's, which prints a perplexity as it goes), so
+``perplexity`` and the KLD measurements of ``quantize`` keep it. A command that counts every token
+of every chunk and scores none (``imatrix``, ``expert-load``) has no use for a second chunk: it
+takes ``two_chunks=False``, and one chunk is enough; a text shorter than ``n_ctx`` is then one
+chunk of its own length.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ def read_corpus(path: Path) -> str:
         raise PromptError(f"-f {str(path)!r} is not UTF-8 text (invalid byte at offset {exc.start}): "
                           f"give a UTF-8 text file") from None
     if not text.strip():
-        raise PromptError(f"-f {str(path)!r} is empty: give a text of at least two chunks")
+        raise PromptError(f"-f {str(path)!r} is empty: give a text file with some text in it")
     return text
 
 
@@ -93,14 +99,19 @@ class Chunks:
 
 
 def make_chunks(tokenizer, text: str, n_ctx: int, max_chunks: int | None, max_seq_len: int,
-                command: str = "perplexity") -> Chunks:
+                command: str = "perplexity", two_chunks: bool = True) -> Chunks:
     """Tokenize ``text`` and cut it into chunks of ``n_ctx`` tokens (``command``: what the
     error for a short text names).
+
+    Args:
+        two_chunks: llama-perplexity's rule, at least ``2 * n_ctx`` tokens (the module docstring);
+            ``False``: one chunk is enough, and a text shorter than ``n_ctx`` tokens is one chunk
+            of its own length (the returned ``n_ctx`` is then that length).
 
     Raises:
         OptionError: ``n_ctx`` below 4 or over the model's context ``max_seq_len``, or
             ``max_chunks`` below 1.
-        PromptError: fewer than ``2 * n_ctx`` tokens.
+        PromptError: fewer than ``2 * n_ctx`` tokens, with ``two_chunks``; no token at all.
     """
     if not 4 <= n_ctx <= max_seq_len:
         raise OptionError(f"--ctx-size {n_ctx} is out of range: it must be between 4 and the model's "
@@ -108,9 +119,13 @@ def make_chunks(tokenizer, text: str, n_ctx: int, max_chunks: int | None, max_se
     if max_chunks is not None and max_chunks < 1:
         raise OptionError(f"--chunks must be a positive integer, got {max_chunks}")
     ids = np.asarray(tokenizer.encode(text), dtype=np.int32)
-    if len(ids) < 2 * n_ctx:
+    if two_chunks and len(ids) < 2 * n_ctx:
         raise PromptError(f"the text tokenizes to {len(ids)} tokens: {command} with --ctx-size {n_ctx} "
                           f"needs at least {2 * n_ctx} (two chunks); give a longer text or a smaller --ctx-size")
+    if len(ids) == 0:
+        raise PromptError(f"the text tokenizes to no token: {command} needs at least one; give a longer text")
+    if len(ids) < n_ctx:                        # without two_chunks only: the whole text, one shorter chunk
+        n_ctx = len(ids)
     n_chunk = len(ids) // n_ctx
     if max_chunks is not None:
         n_chunk = min(n_chunk, max_chunks)

@@ -2,11 +2,15 @@
 
 llama.cpp ``tools/imatrix/imatrix.cpp``: the text is tokenized once (BOS first where the
 vocabulary adds one) and cut into ``n_ctx``-token chunks as ``llama-perplexity`` cuts it
-(:mod:`llamatrace.corpus.chunks`: each chunk's first slot is BOS, at least two chunks); every
-chunk runs from an empty cache with every position evaluated. For each matrix multiplication by a
-weight of a block (``blk.*``; ``output.weight`` only with ``process_output``, never the token
-embedding, not even when the output is tied to it) the squares of its input columns are summed
-over every token: ``in_sum2[j] = Σ_t x[t, j]²``, with ``counts`` = the tokens summed.
+(:mod:`llamatrace.corpus.chunks`: each chunk's first slot is BOS); every chunk runs from an empty
+cache with every position evaluated. llama-imatrix refuses a text shorter than two chunks, a rule
+of the perplexity it prints as it goes; nothing here is scored, so one chunk is enough, and a
+text shorter than ``n_ctx`` is one chunk of its own length (the file's ``chunk_size``).
+
+For each matrix multiplication by a weight of a block (``blk.*``; ``output.weight`` only with
+``process_output``, never the token embedding, not even when the output is tied to it) the
+squares of its input columns are summed over every token: ``in_sum2[j] = Σ_t x[t, j]²``, with
+``counts`` = the tokens summed.
 
 A weight's input is the output of one stage of the forward pass, shared by the weights that read
 it (:data:`INPUTS`): ``attn_norm`` feeds ``attn_q/k/v`` (or the fused ``attn_qkv``), ``kqv_out``
@@ -223,7 +227,7 @@ def prepare(run: ImatrixRun) -> tuple[Chunks, list[Input]]:
         ModelNotFoundError, ModelFormatError, UnsupportedModelError: the model cannot be used.
         OptionError: a bad ``--ctx-size`` or ``--chunks``, ``--workers`` below 1, or a model
             with no block weights to sum.
-        PromptError: fewer than ``2 * ctx_size`` tokens.
+        PromptError: a text that tokenizes to nothing.
     """
     from llamatrace.corpus.chunks import make_chunks, read_header
     from llamatrace.errors import OptionError
@@ -236,7 +240,8 @@ def prepare(run: ImatrixRun) -> tuple[Chunks, list[Input]]:
     inputs = input_stages(names, config, run.process_output)
     if not inputs:
         raise OptionError(f"{run.model.path}: no block weight (blk.N.attn_q.weight …) to collect an imatrix for")
-    chunks = make_chunks(tokenizer, run.text, run.ctx_size, run.max_chunks, config.max_seq_len, "imatrix")
+    chunks = make_chunks(tokenizer, run.text, run.ctx_size, run.max_chunks, config.max_seq_len, "imatrix",
+                         two_chunks=False)
     return chunks, inputs
 
 
