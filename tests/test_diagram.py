@@ -162,6 +162,37 @@ def test_model_level_highlight_in_block_view_is_refused(tmp_path, capsys):
     assert code == 2 and "model view" in error_line(capsys)
 
 
+@pytest.fixture(scope="module")
+def moe_paths(tmp_path_factory):
+    from moe_files import write_moe_file
+    d = tmp_path_factory.mktemp("moe")
+    return {name: write_moe_file(d / f"{name}.gguf", name) for name in ("qwen3moe", "olmoe")}
+
+
+@pytest.mark.parametrize("model,args,says", [
+    # qwen3moe has GQA (n_rep 2): the old message blamed n_rep = 1 for any stage that did not run
+    ("qwen3moe", ("--highlight", "ffn_gate"),
+     ("ffn_gate is not computed by a model with a mixture of experts; it has ffn_moe_gate",)),
+    ("qwen3moe", ("--highlight", "ffn_swiglu"), ("ffn_swiglu is not computed by a model with a mixture of experts",)),
+    ("olmoe", ("--highlight", "keys_rep"), ("n_rep = 1", "as many KV heads as query heads (4, no GQA)")),
+    ("dense", ("--highlight", "ffn_moe_topk"),
+     ("ffn_moe_topk is computed only by models with a mixture of experts, and this one has none",)),
+    ("dense", ("--highlight", "Qcur_normed"), ("Qcur_normed is computed only by models with q/k norms",)),
+    ("dense", ("--highlight", "kq_masked", "--step", "1"), ("single query row", "needs no causal mask", "--step 0")),
+])
+def test_a_highlight_that_did_not_run_says_why_from_the_catalogue(tiny_model_path, moe_paths, tmp_path, capsys,
+                                                                  model, args, says):
+    path = tiny_model_path if model == "dense" else moe_paths[model]
+    out = tmp_path / "x.dot"
+    assert run(path, "--view", "block", *args, "-o", str(out)) == 2
+    line = error_line(capsys)
+    assert line.startswith(f"error: --highlight {args[1]} (") and ": not drawn at layer 0, step " in line, line
+    for words in says:
+        assert words in line, line
+    assert "n_rep" not in line or model == "olmoe", line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("target", ["dir", "missing_parent"])
 def test_bad_output_paths_fail_before_compute(tmp_path, capsys, target):
     path = tmp_path / "out.svg" if target == "dir" else tmp_path / "nope" / "flow.svg"

@@ -12,10 +12,10 @@ import graphviz
 from llamatrace.errors import OptionError
 from llamatrace.gguf.reader import weight_tensor_name
 from llamatrace.tracing.recorder import TraceEvent
-from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, Stage
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGE_IDS, STAGES, Stage
 from llamatrace.views.diagram.flow import RunInfo, shape_text, wire
 from llamatrace.views.diagram.highlight import (BLOCK_IN, BLOCK_INPUT_STAGES, KV_CACHE, LEGEND, SAMPLED, TOKENS,
-                                                Highlight)
+                                                Highlight, layer_list, not_run_reason)
 from llamatrace.views.render import fmt_us
 
 VIEWS = ("model", "block")
@@ -225,8 +225,8 @@ class _Builder:
     def _block_label(self) -> str:
         c, layer = self.run.config, self.run.layer
         if c.recurrent_layers:                    # two kinds of block: say which layers are which
-            kinds = (f"gated DeltaNet (linear attention) on layers {_layer_list(c.recurrent_layers)}; "
-                     f"softmax attention on layers {_layer_list(c.attn_layers)}")
+            kinds = (f"gated DeltaNet (linear attention) on layers {layer_list(c.recurrent_layers)}; "
+                     f"softmax attention on layers {layer_list(c.attn_layers)}")
             drawn = "a DeltaNet" if c.is_recurrent(layer) else "an attention"
             return (f"<<B>Transformer block × {c.n_layers}</B>  (layer {layer} drawn: {drawn} layer)<BR/>"
                     f"<FONT POINT-SIZE=\"10\">{_e(kinds)}</FONT>>")
@@ -448,11 +448,7 @@ def _check_highlight_drawn(highlight: Highlight, builder: _Builder, view: str, r
         return
     drawn = {s.id for s in builder.drawn}
     if not highlight.stage_ids & drawn:
-        why = "a single query row needs no causal mask" if run.step > 0 else "the model has n_rep = 1 (no GQA)"
-        raise OptionError(f"--highlight {highlight.label}: not run at step {run.step} ({why})")
-
-
-def _layer_list(layers) -> str:
-    """``0, 1, 3`` (or ``0 … 22`` when long)."""
-    layers = list(layers)
-    return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:6]))} … {layers[-1]}"
+        reasons = [not_run_reason(STAGE_BY_ID[i], run.config, run.layer, len(run.input_ids))
+                   for i in sorted(highlight.stage_ids, key=STAGE_IDS.index)]
+        why = "; ".join(dict.fromkeys(r for r in reasons if r)) or "nothing of it was traced"
+        raise OptionError(f"--highlight {highlight.label}: not drawn at layer {run.layer}, step {run.step}: {why}")

@@ -1,12 +1,14 @@
 """The book's STAGE diagrams (*llama-nuts-and-bolts* ch. 20): which stages a ``--highlight``
-draws as "you are here", and the pseudo nodes a diagram has besides stages."""
+draws as "you are here", why a stage is not drawn (:func:`not_run_reason`), and the pseudo nodes a
+diagram has besides stages."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llamatrace.errors import OptionError
-from llamatrace.tracing.stages import STAGE_BY_ID, STAGES
+from llamatrace.tracing.stages import (SOFTMAX_ATTENTION_IDS, STAGE_BY_ID, STAGES, Stage, absent_reason,
+                                      stage_applies)
 
 
 # The book's STAGE diagrams (ch. 20), by number. Catalogue stages carry their number in
@@ -95,3 +97,34 @@ def _block_input_stages() -> frozenset[str]:
 
 
 BLOCK_INPUT_STAGES = _block_input_stages()      # freqs_cis, kq_mask
+
+
+def not_run_reason(stage: Stage, config, layer: int, seq_len: int) -> str | None:
+    """Why ``stage`` does not run at ``layer`` of a model with ``config`` (a
+    :class:`~llamatrace.model.config.ModelConfig`) for ``seq_len`` query rows: the first term of its
+    ``when`` that rules it out (:func:`~llamatrace.tracing.stages.stage_applies`), in words, with
+    what runs instead or what to change; ``None`` when it runs."""
+    features, local, recurrent = config.features, config.is_local(layer), config.is_recurrent(layer)
+    if stage.level == "layer" and recurrent and stage.id in SOFTMAX_ATTENTION_IDS:
+        return (f"layer {layer} is a gated DeltaNet layer, without softmax attention; give --layer one of "
+                f"the attention layers ({layer_list(config.attn_layers)})")
+    if stage.level == "layer" and not recurrent and stage.when == "deltanet" and "deltanet" in features:
+        return (f"layer {layer} is a softmax-attention layer; give --layer one of the gated DeltaNet layers "
+                f"({layer_list(config.recurrent_layers)})")
+    for term in stage.when.split("&"):
+        if stage_applies(replace(stage, when=term), seq_len, config.n_rep, features, local, recurrent):
+            continue
+        if term == "masked":
+            return ("a single query row (this step feeds one token) needs no causal mask; draw the prefill of a "
+                    "prompt of several tokens (--step 0)")
+        if term == "gqa":
+            return (f"the model has n_rep = 1: as many KV heads as query heads ({config.n_kv_heads}, no GQA), "
+                    f"so none is repeated")
+        return absent_reason(stage.id, config)        # a feature the model has not, or one that replaces it
+    return None
+
+
+def layer_list(layers) -> str:
+    """``0, 1, 3`` (or ``0, 1, 2, 3, 4, 5 … 22`` when long)."""
+    layers = list(layers)
+    return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:6]))} … {layers[-1]}"
