@@ -30,6 +30,7 @@ from llamatrace.model import moe
 from llamatrace.model.llama import Llama
 from llamatrace.text.chat import render_chat
 from llamatrace.tracing.stages import STAGES, stage_applies
+from llamatrace.views.render import LineFormatter
 from llamatrace.text.tokenizer import Tokenizer
 from llamatrace.gguf.reader import open_gguf
 
@@ -148,6 +149,12 @@ def test_recorded_stages_are_the_catalogues_and_leave_the_logits_bit_identical(n
         assert {"ffn_moe_logits_biased", "ffn_moe_weights_softmax", "ffn_moe_swiglu_oai"} <= got
     sinks = [e for e in first if e.stage == "kq_soft_max"]
     assert all((e.array.sum(-1) < 1 - 1e-3).any() for e in sinks)         # the sinks took their share
+    # ffn_moe_probs is the logits themselves (llama.cpp's name for them): no softmax, and not called one
+    probs = [e for e in first if e.stage == "ffn_moe_probs"]
+    logits = [e for e in first if e.stage == "ffn_moe_logits_biased"]
+    assert all(p.op == "Identity" and np.array_equal(p.array, q.array) for p, q in zip(probs, logits))
+    lines = LineFormatter.for_model(model, 16).lines(probs[0])
+    assert "no softmax" in lines[0] and "Softmax" not in lines[0], lines
 
 
 def test_generate_and_trace_run_on_the_mxfp4_file_in_both_modes(paths, tmp_path, capsys):

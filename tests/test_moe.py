@@ -237,6 +237,16 @@ def test_a_stage_the_model_does_not_compute_is_refused(paths, tmp_path, capsys, 
     assert_one_line_error(*run(capsys, argv[0], "-m", paths["qwen3moe"], *argv[1:]), option, *needles)
 
 
+def test_a_softmax_routers_probs_are_called_a_softmax(models):
+    """The catalogue's variant (gpt-oss: the logits, test_gptoss) leaves softmax routers' op as it was."""
+    model = models["qwen3moe"]
+    with model.trace(layers=[0], stages=["ffn_moe_probs"], keep_arrays=True) as rec:
+        model.forward(np.arange(3, 7), 0, model.new_cache(8))
+    (event,) = rec.events
+    assert event.op == "Softmax"
+    np.testing.assert_allclose(event.array.sum(axis=1), 1.0, rtol=1e-5)
+
+
 def test_a_moe_stage_on_a_dense_model_is_refused(tiny_model_path, capsys):
     assert_one_line_error(*run(capsys, "generate", "-m", tiny_model_path, "--raw", "hi", "-n", "1",
                                "--ablate", "ffn_moe_topk@0"), "--ablate", "only by models with a mixture of experts")

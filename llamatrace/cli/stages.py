@@ -50,9 +50,10 @@ def stages(
     from llamatrace.errors import ModelNotFoundError
     from llamatrace.gguf.fetch import resolve_model
     from llamatrace.gguf.reader import open_gguf
-    from llamatrace.tracing.stages import STAGES
+    from llamatrace.tracing.stages import STAGES, stage_for
 
     dims: dict[str, int] = {}
+    features: frozenset[str] = frozenset()
     path = None
     try:
         path = resolve_model(model, fetch=False)
@@ -64,14 +65,18 @@ def stages(
             c = ModelConfig.from_gguf(f)
         dims = dict(dim=c.dim, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                     hidden_dim=c.hidden_dim, vocab_size=c.vocab_size, rope_half=c.rope_dim // 2,
-                    q_dim=c.q_dim, kv_dim=c.kv_dim, n_rep=c.n_rep)
+                    q_dim=c.q_dim, kv_dim=c.kv_dim, n_rep=c.n_rep, ssm_n_k_heads=c.ssm_n_k_heads,
+                    ssm_n_v_heads=c.ssm_n_v_heads, ssm_head_dim=c.ssm_head_dim, ssm_conv_dim=c.ssm_conv_dim,
+                    ssm_v_dim=c.ssm_v_dim, n_expert=c.n_expert, n_expert_used=c.n_expert_used,
+                    expert_hidden_dim=c.expert_hidden_dim)
+        features = c.features                    # each stage as this model computes it (gpt-oss's probs)
     rows = [{
         "id": s.id, "level": s.level, "op": s.op, "chapter": s.chapter, "section": s.section,
         "book_stage": s.book_stage, "llama_cpp": s.llama_cpp, "llama_cpp_note": s.llama_cpp_note,
         "tl_hook": s.tl_hook, "tl_differs": s.tl_differs, "replaceable": s.replaceable, "when": s.when,
         "shape": s.shape, **({"model_shape": _concrete(s.shape, dims)} if dims else {}),
         "description": s.description,
-    } for s in STAGES]
+    } for s in (stage_for(s.id, features) for s in STAGES)]
     if json_out:
         stdout.write(json.dumps(rows, ensure_ascii=False, indent=1) + "\n")
         return

@@ -418,7 +418,7 @@ class Llama:
         emit: Emit = null_emit
         if recorder is not None:
             emit = recorder.begin(start_pos, seq_len, self.shape_vars(start_pos, seq_len, cache.max_seq),
-                                  self.weight_shapes, phase)
+                                  self.weight_shapes, phase, c.features)
             # the chapter's output {seq_len, vocab}: every row, when that stage is being recorded
             all_logits = all_logits or recorder.wants(None, "result_output") or recorder.wants(None, "result_softcap")
         for hooks in reversed(self._hooks):      # wrapped inside out: the outermost block runs first

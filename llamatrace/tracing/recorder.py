@@ -39,7 +39,7 @@ import numpy as np
 
 from llamatrace.errors import NumericalError
 from llamatrace.gguf.reader import weight_tensor_name
-from llamatrace.tracing.stages import STAGE_BY_ID, eval_shape, select_stages
+from llamatrace.tracing.stages import STAGE_BY_ID, eval_shape, select_stages, stage_for
 
 Emit = Callable[[str, "int | None", "np.ndarray | Callable[[], np.ndarray]"], Any]
 
@@ -214,6 +214,7 @@ class Recorder:
         self.stage_times: dict[tuple[str, str], list[float]] = {}
         self.step = -1
         self._dims: dict[str, int] = {}
+        self._features: frozenset[str] = frozenset()
         self._weight_shapes: Mapping[str, tuple[int, ...]] = {}
         self._input_cache: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
 
@@ -229,12 +230,15 @@ class Recorder:
         return self.check_finite or self.time_all or self.wants(layer, stage)
 
     def begin(self, start_pos: int, seq_len: int, dims: Mapping[str, int],
-              weight_shapes: Mapping[str, tuple[int, ...]], phase: str | None = None) -> Emit:
+              weight_shapes: Mapping[str, tuple[int, ...]], phase: str | None = None,
+              features: frozenset[str] = frozenset()) -> Emit:
         """Start one forward call (one ``step``) and return its ``emit`` function.
 
         ``dims`` holds the shape variables of :data:`llamatrace.tracing.stages.SHAPE_VARS`;
         ``weight_shapes`` maps GGUF tensor names to ``[out_features, in_features]`` / ``[n]``;
-        ``phase`` is the call's, ``"prefill"`` or ``"decode"`` (``None``: :func:`call_phase`).
+        ``phase`` is the call's, ``"prefill"`` or ``"decode"`` (``None``: :func:`call_phase`);
+        ``features`` the model's (:attr:`ModelConfig.features`: an event's op is the stage's as that
+        model computes it, :func:`~llamatrace.tracing.stages.stage_for`).
 
         Raises:
             ValueError: another ``phase``.
@@ -245,6 +249,7 @@ class Recorder:
         step = self.step
         self._dims = dict(dims)
         self._weight_shapes = weight_shapes
+        self._features = frozenset(features)
         self._input_cache = {}
         clock = time.perf_counter
         last = clock()
@@ -290,7 +295,7 @@ class Recorder:
 
     def _record(self, step: int, start_pos: int, seq_len: int, layer: int | None, stage_id: str,
                 array: np.ndarray, elapsed_us: float, phase: str) -> None:
-        stage = STAGE_BY_ID[stage_id]
+        stage = stage_for(stage_id, self._features)
         event = TraceEvent(
             step=step, start_pos=start_pos, seq_len=seq_len, layer=layer, stage=stage_id, op=stage.op,
             inputs=self.input_shapes(stage_id, layer), shape=list(array.shape), dtype=_dtype_name(array.dtype),

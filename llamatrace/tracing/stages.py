@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
@@ -82,6 +83,7 @@ class Stage:
     sources: tuple[tuple[str, str], ...] = ()   # (input, producing stage id) the chapter's name can't tell
     residual: bool = False     # a residual add: the stream in, the stream out (drawn on the spine)
     routing: bool = False      # the router's choice (ids, weights): small, its values printed per token
+    variants: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()   # (feature, fields it changes)
 
 
 _RESID = "[seq_len, dim]"
@@ -467,7 +469,15 @@ STAGES: tuple[Stage, ...] = (
           "[seq_len, n_expert]", "Router probabilities: softmax over the experts (gpt-oss: the logits, unchanged).",
           inputs=(("routerLogits", "[seq_len, n_expert]"),), when="moe",
           tl_differs="TL's Mixtral hook_expert_weights: the same softmax over every expert, flattened to [batch·pos, n_expert]",
-          lines=("Calling ml.Softmax for routerLogits shape({routerLogits}) over the experts -> tensor routerProbs shape({out})",)),
+          lines=("Calling ml.Softmax for routerLogits shape({routerLogits}) over the experts -> tensor routerProbs shape({out})",),
+          variants=(("moe_softmax_weight", (
+              ("op", "Identity"),
+              ("description", "The router logits, unchanged: gpt-oss's softmax comes after the choice, over the "
+                              "chosen experts only (SOFTMAX_WEIGHT); llama.cpp names them ffn_moe_probs all the same."),
+              ("tl_differs", "not TL's Mixtral softmax over every expert: the router logits (gpt-oss), flattened to "
+                             "[batch·pos, n_expert]"),
+              ("lines", ("Taking routerLogits shape({routerLogits}) as they are, no softmax over the experts "
+                         "(gpt-oss) -> tensor routerProbs shape({out})",)))),)),
     Stage("ffn_moe_topk", "layer", "Top-k", "expertIds", "15.6", 17, "ffn_moe_topk", "mlp.hook_expert_indices", "ffn",
           "[seq_len, n_expert_used]", "The chosen experts per token, most probable first (int32; ties: the lower index).",
           inputs=(("routerProbs", "[seq_len, n_expert]"),), routing=True, when="moe",
@@ -633,6 +643,18 @@ FEATURE_WORDS = {
     "final_softcap": "soft-capped logits", "gqa": "grouped-query attention (n_rep > 1)", "attn_sinks": "attention sinks",
 }
 """How an error names each ``when`` term of the catalogue (:func:`absent_reason`)."""
+
+
+@functools.lru_cache(maxsize=None)
+def stage_for(stage_id: str, features: frozenset[str] = frozenset()) -> Stage:
+    """The catalogue's stage ``stage_id`` as a model with ``features`` (:attr:`ModelConfig.features`)
+    computes it: its :attr:`Stage.variants` for those features applied (gpt-oss's ``ffn_moe_probs``
+    is the logits, no softmax), else the stage itself."""
+    stage = STAGE_BY_ID[stage_id]
+    for feature, fields in stage.variants:
+        if feature in features:
+            stage = replace(stage, **dict(fields))
+    return stage
 
 
 def model_stage_ids(config) -> frozenset[str]:

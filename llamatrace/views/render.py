@@ -33,7 +33,7 @@ from rich.text import Text
 
 from llamatrace.outputs import OutputStream, write_atomic
 from llamatrace.model.sampling import softmax64
-from llamatrace.tracing.stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies
+from llamatrace.tracing.stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies, stage_for
 from llamatrace.tracing.recorder import TraceEvent, finite_or_none
 
 SCHEMA = "llamatrace.trace/1"
@@ -82,7 +82,7 @@ class LineFormatter:
         """The event's log lines, preceded by those of stages ruled out just before it."""
         dims = self.shape_vars(event.start_pos, event.seq_len)
         out = [self._fill(t, event, dims) for t in self._skipped_before(event, dims)]
-        out += [self._fill(t, event, dims) for t in STAGE_BY_ID[event.stage].lines]
+        out += [self._fill(t, event, dims) for t in stage_for(event.stage, self.features).lines]
         return out
 
     def _skipped_before(self, event: TraceEvent, dims: Mapping[str, int]) -> list[str]:

@@ -108,7 +108,7 @@ class _Builder:
     # -- labels --------------------------------------------------------------------------------
     def _op_node(self, g: graphviz.Digraph, stage: Stage, **extra: str) -> None:
         ev = self.events[stage.id]
-        lines = [f'<B>{_e(stage.op)}</B>  <FONT POINT-SIZE="9" COLOR="#555555">{_e(stage.id)}</FONT>',
+        lines = [f'<B>{_e(ev.op)}</B>  <FONT POINT-SIZE="9" COLOR="#555555">{_e(stage.id)}</FONT>',
                  f"<I>{_e(stage.chapter)}</I>",
                  f"{_e(shape_text(ev.shape))} {_e(ev.dtype)}"]
         if stage.op == "SetSlice":
