@@ -7,8 +7,6 @@ kernels against their NumPy twins, integer overflow bounds, and llama.cpp's own 
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import sys
 
 import gguf
 import numpy as np
@@ -18,7 +16,7 @@ from ggml_cpu_quants import ggml_cpu_q8
 from gguf_factory import random_blocks
 from cli_helpers import assert_one_line_error, run
 from test_compare import GOLDEN, load_dump
-from test_subnormal_gate import ROOT, _env
+from test_subnormal_gate import pytest_in_child
 
 from llamatrace.errors import OptionError
 from llamatrace.kernels.int8 import act8
@@ -673,10 +671,5 @@ def test_the_avx2_kernels_a_cpu_without_vnni_runs():
     """The kernels an AVX2 CPU without VNNI compiles (``vpmaddubsw`` + ``vpmaddwd``, 8 rows a ymm),
     which a VNNI host never runs by itself: this file's kernel tests again, in a child compiled
     for ``haswell`` (the host's features less AVX-512, AMX and VNNI)."""
-    code = ("import sys, pytest; from llamatrace.machine.jit import has_vnni; assert not has_vnni(); "
-            f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', '-k', {AVX2_KERNEL_TESTS!r}, {__file__!r}]))")
-    done = subprocess.run([sys.executable, "-c", code], env=_env("haswell"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=1800)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+    pytest_in_child("haswell", "from llamatrace.machine.jit import has_vnni; assert not has_vnni()",
+                    ["-k", AVX2_KERNEL_TESTS, __file__])

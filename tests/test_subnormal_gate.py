@@ -39,6 +39,19 @@ def _env(cpu: str, avx512: bool = False) -> dict[str, str]:
     return env
 
 
+def pytest_in_child(cpu: str, precondition: str, args: list[str]) -> None:
+    """Run pytest on ``args`` in a child compiled for ``cpu`` (:func:`_env`), after the Python
+    statement ``precondition`` (an assert that the child runs the kernels meant); every test must
+    pass, none be skipped."""
+    code = (f"import sys, pytest; {precondition}; "
+            f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', *{list(args)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], env=_env(cpu), cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+
+
 def _child(cpu: str, code: str, avx512: bool = False) -> str:
     done = subprocess.run([sys.executable, "-c", code], env=_env(cpu, avx512), capture_output=True, text=True,
                           timeout=900)

@@ -7,11 +7,8 @@ Q4_K / Q6_K quants as subnormals: the converted path is test_subnormal_gate's)."
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from test_subnormal_gate import ROOT, _env
+from test_subnormal_gate import ROOT, pytest_in_child
 
 from llamatrace.kernels.tiles import prefill_lanes
 
@@ -20,11 +17,5 @@ FILES = ("test_mul_mat_id_f32.py", "test_tile_gemm.py", "test_f32_decode.py", "t
 
 @pytest.mark.skipif(prefill_lanes() == 8, reason="this host runs the ymm kernels itself (no AVX-512)")
 def test_the_f32_kernels_an_avx2_cpu_compiles():
-    files = [str(ROOT / "tests" / f) for f in FILES]
-    code = ("import sys, pytest; from llamatrace.kernels.tiles import prefill_lanes; assert prefill_lanes() == 8; "
-            f"sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', *{files!r}]))")
-    done = subprocess.run([sys.executable, "-c", code], env=_env("znver3"), cwd=ROOT, capture_output=True, text=True,
-                          timeout=1800)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    summary = done.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+    pytest_in_child("znver3", "from llamatrace.kernels.tiles import prefill_lanes; assert prefill_lanes() == 8",
+                    [str(ROOT / "tests" / f) for f in FILES])
