@@ -50,8 +50,9 @@ def generate(
 ) -> None:
     """Generate text from a prompt, streamed to the terminal.
 
-    The model's chat template is applied unless --raw. A summary line (tokens, prefill and
-    decode speed, the activations mode) goes to stderr, so stdout carries only the text.
+    The model's chat template (if its file has one) is applied unless --raw. A summary line
+    (tokens, prefill and decode speed, the activations mode) goes to stderr, so stdout carries
+    only the text.
     Models of 1 B parameters or more run q8 activations by default (llama.cpp's arithmetic, on
     CPUs with AVX2), smaller ones f32 (HF's, the arithmetic of trace and compare).
 

@@ -358,8 +358,9 @@ def timings_view(stage_times: Mapping[tuple[str, str], Sequence[float]], decode_
     """
     rollup = timing_rollup(stage_times)
     phases = [p for p in ("prefill", "decode") if p in rollup]
+    gate = "ffn_moe_gate" if any(stage_id == "ffn_moe_gate" for _, stage_id in stage_times) else "ffn_gate"
     groups = Table(title="Time by stage group", title_justify="left",
-                   caption="fused kernels count under their first stage: q/k/v under Qcur, gate/up under ffn_gate",
+                   caption=f"fused kernels count under their first stage: q/k/v under Qcur, gate/up under {gate}",
                    caption_justify="left")
     groups.add_column("group")
     for p in phases:
