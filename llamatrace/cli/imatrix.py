@@ -19,7 +19,8 @@ from llamatrace.cli.progress import CountBar
 @app.command()
 def imatrix(
     text_file: Annotated[Path, typer.Option("--file", "-f", help="The calibration text (UTF-8).",
-                                            show_default=False, callback=reads("the calibration text this run reads (-f)"))],
+                                            show_default=False,
+                                            callback=reads("the calibration text this run reads (-f)"))],
     output: Annotated[Path, typer.Option("--output", "-o", help="The importance matrix to write (llama.cpp's "
                                          "GGUF imatrix format, as llama-imatrix writes it).")] = Path("imatrix.gguf"),
     model: ModelOpt = None,

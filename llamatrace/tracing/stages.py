@@ -640,7 +640,8 @@ FEATURE_WORDS = {
     "moe_shexp": "a shared expert", "deltanet": "gated DeltaNet layers", "attn_gate": "gated attention output",
     "qkv_bias": "q/k/v biases", "qk_norm": "q/k norms", "post_norms": "post-norms (Gemma)", "gelu": "GELU (Gemma)",
     "embed_scale": "a scaled embedding (Gemma)", "swa": "sliding-window layers", "attn_softcap": "soft-capped scores",
-    "final_softcap": "soft-capped logits", "gqa": "grouped-query attention (n_rep > 1)", "attn_sinks": "attention sinks",
+    "final_softcap": "soft-capped logits", "gqa": "grouped-query attention (n_rep > 1)",
+    "attn_sinks": "attention sinks",
 }
 """How an error names each ``when`` term of the catalogue (:func:`absent_reason`)."""
 
