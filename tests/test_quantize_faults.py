@@ -93,6 +93,20 @@ def test_a_picture_of_an_unknown_format_is_refused_before_measuring(f16_base, tm
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_quantized_base_is_refused_before_the_quantizers_compile(q4_1_base, tmp_path, capsys, monkeypatch):
+    """Plain quantize said "Compiling the quantizers (first run only, about 1 min…)" and then refused
+    the base: the check now comes first."""
+    from llamatrace.cli import quantize as cli_quantize
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("the quantizers were compiled before the base was checked")
+
+    monkeypatch.setattr(cli_quantize, "compile_quantizers", compiled)
+    assert_one_line_error(*run(capsys, "quantize", q4_1_base, tmp_path / "out.gguf", "--type", "Q4_0"),
+                          "already quantized", "--allow-requantize")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_quantized_base_is_refused_before_measuring_and_taken_with_allow_requantize(q4_1_base, tmp_path, capsys,
                                                                                       monkeypatch):
     """The search refused a quantized base only after every matrix was measured, and refused it

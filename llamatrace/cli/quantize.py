@@ -157,6 +157,7 @@ def quantize(
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.outputs import check_output_path
     from llamatrace.quantize.rules import Override, file_type, ggml_type, read_tensor_type_file, tensor_types, unmatched
+    from llamatrace.quantize.writer import check_requantize
 
     stock_only = {"--tensor-type": tensor_type, "--tensor-type-file": tensor_type_file, "--pure": pure,
                   "--output-tensor-type": output_tensor_type, "--token-embedding-type": token_embedding_type,
@@ -199,6 +200,7 @@ def quantize(
         for o in unmatched(overrides, f.tensors):
             _warn(f"--tensor-type {o.pattern}={o.ggml_type.name.lower()}: the pattern matches no tensor "
                           f"of {base.name}")
+        check_requantize(f, types, allow_requantize)     # before a minute of compiling
         try:
             compile_quantizers(quantizers_for(f, types))
             summary = _write(f, output, types, ftype, weights, info, allow_requantize)
