@@ -59,9 +59,11 @@ def test_experts_cli_prints_routes_and_writes_the_heatmap_and_json(moe_paths, ca
                          "-o", png, "--layer", "1")
     assert code == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert out.splitlines()[0] == "layer 1:"
+    assert out.splitlines()[0].startswith(f"layer 1: each token's {SPECS['olmoe']['k']} experts as expert:weight")
     rows = out.splitlines()[1:]
     assert rows and all(len(r.split()) >= 2 + SPECS["olmoe"]["k"] for r in rows)
+    starts = {r.index(":") - 3 for r in rows}          # the first expert:weight in one column, whatever the piece
+    assert len(starts) == 1, rows
     code, out, err = run(capsys, "experts", "--raw", "The capital of France is", "-m", moe_paths["olmoe"], "--json")
     assert code == 0, err
     data = json.loads(out)

@@ -82,11 +82,14 @@ def experts(
                         "weights": [[round(float(w), 6) for w in row] for row in route.weights]}
                        for route in chosen]}, ensure_ascii=False) + "\n")
         return
+    shown = [repr(p) if len(repr(p)) <= 24 else repr(p)[:22] + "…'" for p in pieces]
+    width = max(map(len, shown), default=0)
     for route in chosen:
-        out.print(f"layer {route.layer}:", markup=False)
-        for pos, (piece, ids, weights) in enumerate(zip(pieces, route.ids, route.weights)):
+        out.print(f"layer {route.layer}: each token's {c.n_expert_used} experts as expert:weight, best first "
+                  f"(the weights its FFN output sums them with)", markup=False)
+        for pos, (piece, ids, weights) in enumerate(zip(shown, route.ids, route.weights)):
             picks = "  ".join(f"{int(e):>3}:{w:.3f}" for e, w in zip(ids, weights))
-            out.print(f"  {pos:>4} {piece!r:<14} {picks}", markup=False)
+            out.print(f"  {pos:>4} {piece:<{width}}  {picks}", markup=False)
 
 
 @app.command("expert-load")
