@@ -247,6 +247,22 @@ def test_a_softmax_routers_probs_are_called_a_softmax(models):
     np.testing.assert_allclose(event.array.sum(axis=1), 1.0, rtol=1e-5)
 
 
+def test_the_chosen_experts_stats_are_those_of_ids(models):
+    """``--stats`` summed and averaged the expert ids (sum 402, mean 16.75): ids get their range, how
+    many distinct and the most chosen, counted here by hand."""
+    from llamatrace.views.render import fmt_stats
+    model = models["qwen3moe"]
+    with model.trace(layers=[0], stages=["ffn_moe_topk"], stats=True, keep_arrays=True) as rec:
+        model.forward(np.arange(3, 9), 0, model.new_cache(8))
+    (event,) = rec.events
+    ids = event.array.ravel().tolist()
+    most = max(sorted(set(ids)), key=ids.count)
+    assert event.stats["sum"] is None and event.stats["mean"] is None
+    assert (event.stats["min"], event.stats["max"], event.stats["distinct"]) == (min(ids), max(ids), len(set(ids)))
+    assert (event.stats["most"], event.stats["most_count"]) == (most, ids.count(most))
+    assert fmt_stats(event.stats) == f"ids {min(ids)}…{max(ids)}  distinct {len(set(ids))}  most {most} ×{ids.count(most)}"
+
+
 def test_a_moe_stage_on_a_dense_model_is_refused(tiny_model_path, capsys):
     assert_one_line_error(*run(capsys, "generate", "-m", tiny_model_path, "--raw", "hi", "-n", "1",
                                "--ablate", "ffn_moe_topk@0"), "--ablate", "only by models with a mixture of experts")

@@ -116,8 +116,17 @@ def finite_or_none(value: float) -> float | None:
 def tensor_stats(array: np.ndarray) -> dict[str, Any]:
     """sum, mean, rms, min, max, abs_max over finite values (float64), and nan/inf counts.
 
-    Complex arrays (``freqs_cis``) are summarised by their magnitude.
+    Complex arrays (``freqs_cis``) are summarised by their magnitude. Integer arrays are ids (the
+    chosen experts), whose sum and mean mean nothing: min and max, how many ``distinct`` ids, and
+    the ``most`` frequent one with its ``most_count`` (sum, mean, rms and abs_max None).
     """
+    if array.dtype.kind in "iu":
+        ids, counts = np.unique(array, return_counts=True)
+        top = int(np.argmax(counts)) if ids.size else 0
+        return {**dict.fromkeys(("sum", "mean", "rms", "abs_max")),
+                "min": int(ids[0]) if ids.size else None, "max": int(ids[-1]) if ids.size else None,
+                "distinct": int(ids.size), "most": int(ids[top]) if ids.size else None,
+                "most_count": int(counts[top]) if ids.size else 0, "nan": 0, "inf": 0}
     a = np.abs(array) if np.iscomplexobj(array) else array
     a = np.asarray(a, dtype=np.float64).ravel()
     finite = np.isfinite(a)

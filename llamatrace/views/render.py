@@ -123,7 +123,12 @@ class LineFormatter:
 
 
 def fmt_stats(stats: Mapping[str, Any]) -> str:
-    """``sum … mean … rms … min … max … abs_max … nan 0 inf 0`` (``—`` = no finite value)."""
+    """``sum … mean … rms … min … max … abs_max … nan 0 inf 0`` (``—`` = no finite value); ids
+    (:func:`~llamatrace.tracing.recorder.tensor_stats` of an integer array): ``ids 2…124  distinct 37
+    most 85 ×4``."""
+    if "distinct" in stats:
+        return (f"ids {stats['min']}…{stats['max']}  distinct {stats['distinct']}  "
+                f"most {stats['most']} ×{stats['most_count']}")
     parts = [f"{k} {'—' if stats.get(k) is None else format(stats[k], '.6g')}" for k in STAT_KEYS]
     parts += [f"{k} {stats.get(k, 0)}" for k in ("nan", "inf")]
     for k in ("head_norm", "head_top_singular"):           # a recurrent state's, per head
