@@ -260,7 +260,8 @@ def test_the_chosen_experts_stats_are_those_of_ids(models):
     assert event.stats["sum"] is None and event.stats["mean"] is None
     assert (event.stats["min"], event.stats["max"], event.stats["distinct"]) == (min(ids), max(ids), len(set(ids)))
     assert (event.stats["most"], event.stats["most_count"]) == (most, ids.count(most))
-    assert fmt_stats(event.stats) == f"ids {min(ids)}…{max(ids)}  distinct {len(set(ids))}  most {most} ×{ids.count(most)}"
+    line = f"ids {min(ids)}…{max(ids)}  distinct {len(set(ids))}  most {most} ×{ids.count(most)}"
+    assert fmt_stats(event.stats) == line
 
 
 def test_a_moe_stage_on_a_dense_model_is_refused(tiny_model_path, capsys):
