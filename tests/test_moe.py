@@ -264,6 +264,17 @@ def test_the_chosen_experts_stats_are_those_of_ids(models):
     assert fmt_stats(event.stats) == line
 
 
+def test_info_names_the_gating_and_a_dense_width_no_layer_uses(paths, capsys):
+    """qwen3moe's feed_forward_length (96 here) is no layer's width (its experts' is 64); Mixtral's is
+    its experts'. The gating is shown where it is the default softmax too (gpt-oss's always was)."""
+    for name, unused in (("qwen3moe", True), ("mixtral", False)):
+        code, out, err = run(capsys, "info", "-m", paths[name])
+        assert code == 0, err
+        hidden = next(line for line in out.splitlines() if line.split()[:1] == ["hidden_dim"])
+        assert ("no layer uses it" in hidden) == unused, hidden
+        assert any(line.split()[:2] == ["expert_gating", "softmax"] for line in out.splitlines())
+
+
 def test_a_moe_stage_on_a_dense_model_is_refused(tiny_model_path, capsys):
     assert_one_line_error(*run(capsys, "generate", "-m", tiny_model_path, "--raw", "hi", "-n", "1",
                                "--ablate", "ffn_moe_topk@0"), "--ablate", "only by models with a mixture of experts")

@@ -73,8 +73,13 @@ def info(
             err.print(f"[yellow]note:[/] llamatrace cannot run this model: {exc}")
         else:
             derived = Table(title="As llamatrace reads it (Meta's ModelArgs names)", show_header=False, box=None)
-            for key, value in c.to_dict().items():
-                derived.add_row(key, str(value))
+            shown = c.to_dict()
+            if c.n_expert:                         # the gating even where it is the default (softmax)
+                shown.setdefault("expert_gating", c.expert_gating)
+            for key, value in shown.items():
+                unused = (key == "hidden_dim" and c.n_expert > 0     # feed_forward_length, where no dense FFN runs
+                          and value not in (c.expert_hidden_dim, c.shexp_hidden_dim))
+                derived.add_row(key, f"{value} (no layer uses it: every FFN is the experts')" if unused else str(value))
             derived.add_row("n_rep", f"{c.n_rep} query heads per KV head" + (" (GQA)" if c.n_rep > 1 else ""))
             derived.add_row("output", "tied to token_embd.weight" if "output.weight" not in f.tensors
                             else "output.weight")
