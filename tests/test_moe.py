@@ -395,8 +395,14 @@ def test_generate_and_trace_run_on_each_moe_file(name, paths, tmp_path, capsys):
     jl = tmp_path / "t.jsonl"
     code, out, err = run(capsys, "trace", "-m", paths[name], "--raw", "--tokens", "2", "--jsonl", jl, "the cat sat")
     assert code == 0, err
-    stages = {json.loads(line).get("stage") for line in jl.read_text().splitlines() if line.strip()}
-    assert {"ffn_moe_topk", "ffn_moe_out", "l_out", "result_output"} <= stages
+    events = [json.loads(line) for line in jl.read_text().splitlines() if line.strip()]
+    assert {"ffn_moe_topk", "ffn_moe_out", "l_out", "result_output"} <= {e.get("stage") for e in events}
+    k, n = SPECS[name]["k"], SPECS[name]["n_expert"]
+    for e in events:                              # the router's choice is in the events, not only in the log
+        if e.get("stage") in ("ffn_moe_topk", "ffn_moe_weights"):
+            assert len(e["rows"]) == e["shape"][0] and all(len(row) == k for row in e["rows"]), e
+        if e.get("stage") == "ffn_moe_topk":
+            assert all(0 <= i < n for row in e["rows"] for i in row) and all(len(set(r)) == k for r in e["rows"])
 
 
 def test_perplexity_runs_on_a_moe_file(paths, tmp_path, capsys):

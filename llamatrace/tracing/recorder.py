@@ -105,6 +105,8 @@ class TraceEvent:
             out["stats"] = self.stats
         if self.values is not None:
             out["values"] = self.values
+        if self.rows is not None:                 # the router's choice: each token's experts or weights
+            out["rows"] = self.rows
         return out
 
 
