@@ -204,3 +204,17 @@ def test_page_clicking_a_token_shows_its_route_as_experts_prints_it(moe_paths, c
             assert shown == layer["experts"][pos]
     finally:
         driver.quit()
+
+
+def test_experts_json_writes_a_nan_weight_as_null(moe_paths, capsys, tmp_path):
+    # a layer's experts of NaN make the next layer's router NaN; json.dumps wrote NaN, which is not JSON
+    import gguf
+    path = tmp_path / "nan.gguf"
+    shutil.copyfile(moe_paths["qwen3moe"], path)
+    down = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_down_exps.weight")
+    assert down.tensor_type == gguf.GGMLQuantizationType.F32
+    np.memmap(path, dtype=np.float32, mode="r+", offset=down.data_offset, shape=(int(down.n_elements),))[:] = np.nan
+    code, out, err = run(capsys, "experts", "--raw", "The capital", "-m", path, "--json", "--layer", "1")
+    assert code == 0, err
+    data = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert all(w is None for row in data["layers"][0]["weights"] for w in row)

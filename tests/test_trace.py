@@ -7,8 +7,10 @@ model (SmolLM2-135M-Instruct Q4_1) and the HF golden reference in ``tests/golden
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from gguf_factory import write_tiny_llama
@@ -347,13 +349,26 @@ def test_check_finite_names_stage_layer_and_step(gqa, gqa_path, tmp_path, capsys
     assert code == 2
     assert "ffn_silu" in err and "layer 0" in err and "step 0" in err and "Traceback" not in err
     assert not (tmp_path / "t.npz").exists()
+    assert len(err.strip().splitlines()) == 1
+    assert f"every line written to {jl} so far is complete" in err and "t.npz was not written" in err
     # every line written before the error is complete: the header, then step 0's events in the
-    # catalogue's order up to the stage before the failing one
+    # catalogue's order up to the failing stage, which is there as evidence (its NaN counted)
     header, *events = [json.loads(line) for line in jl.read_text().splitlines()]
     assert header["type"] == "header"
     n = len(header["prompt_ids"])
     before = [(s, layer, st) for s, layer, st, _ in catalogue_shapes(gqa, 0, 0, n, n + 1)]
-    assert [(e["step"], e["layer"], e["stage"]) for e in events] == before[:before.index((0, 0, "ffn_silu"))]
+    assert [(e["step"], e["layer"], e["stage"]) for e in events] == before[:before.index((0, 0, "ffn_silu")) + 1]
+
+
+def test_generate_refuses_logits_holding_nan(gqa_path, tmp_path, capsys):
+    # NaN logits sort first: greedy sampling used to pick token 0 (an end of text here) and exit 0
+    path = tmp_path / "nan.gguf"
+    shutil.copyfile(gqa_path, path)
+    norm = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output_norm.weight")
+    np.memmap(path, dtype=np.float32, mode="r+", offset=norm.data_offset, shape=(int(norm.n_elements),))[:] = np.nan
+    code, out, err = run_cli(["generate", "--model", str(path), "--raw", "-n", "3", "the cat"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "logits after position" in err and "NaN" in err and "--check-finite" in err
 
 
 def test_check_finite_accepts_the_masks_minus_inf(gqa):

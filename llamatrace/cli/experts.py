@@ -75,12 +75,13 @@ def experts(
         err.print(f"wrote {output} ({plural(len(chosen), 'layer')}, {plural(len(pieces), 'token')} × "
                   f"{plural(c.n_expert, 'expert')})")
     if json_out:
+        from llamatrace.tracing.recorder import finite_or_none     # JSON has no NaN: a NaN weight is null
         stdout.write(json.dumps({
             "model": str(m.path), "ids": r.ids, "pieces": pieces, "n_expert": c.n_expert,
             "n_expert_used": c.n_expert_used, "ablate": [a.text for a in r.ablations],
             "layers": [{"layer": route.layer, "experts": route.ids.tolist(),
-                        "weights": [[round(float(w), 6) for w in row] for row in route.weights]}
-                       for route in chosen]}, ensure_ascii=False) + "\n")
+                        "weights": [[finite_or_none(round(float(w), 6)) for w in row] for row in route.weights]}
+                       for route in chosen]}, ensure_ascii=False, allow_nan=False) + "\n")
         return
     shown = [repr(p) if len(repr(p)) <= 24 else repr(p)[:22] + "…'" for p in pieces]
     width = max(map(len, shown), default=0)

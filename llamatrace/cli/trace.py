@@ -19,7 +19,7 @@ from rich.text import Text
 
 from llamatrace import __version__
 from llamatrace.analysis.compare import META_KEY
-from llamatrace.errors import OptionError
+from llamatrace.errors import NumericalError, OptionError
 from llamatrace.tracing.stages import STAGE_IDS, select_stages
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural
 from llamatrace.cli.options import (
@@ -143,6 +143,13 @@ LONG_TRACE_STEPS = 64
 """More decode steps than this: the trace is long, and a warning line says how long before it starts."""
 
 
+def _kept(jsonl: Path | None, log_file: Path | None, npz: Path | None) -> str:
+    """What a trace stopped early leaves of its outputs, as the end of its one line."""
+    kept = [f"every line written to {path} so far is complete" for path in (jsonl, log_file) if path]
+    kept += [f"{npz} was not written"] if npz is not None else []
+    return "; ".join(kept)
+
+
 def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers, stages, fmt: Format,
          dump_shapes: bool, stats: bool, values: int, jsonl: Path | None, npz: Path | None,
          log_file: Path | None, timings: bool, check_finite: bool, top: int, ctx_size: int | None) -> None:
@@ -211,10 +218,12 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
             for token in generate(m, ids, max_tokens=max_tokens, ctx_size=ctx, recorder=recorder, stats=run_stats):
                 generated.append(token)
         except KeyboardInterrupt:
-            kept = [f"every line written to {path} so far is complete" for path in (jsonl, log_file) if path]
-            kept += [f"{npz} was not written"] if npz is not None else []
-            err.print("interrupted" + (f": {'; '.join(kept)}" if kept else ""), markup=False)
+            kept = _kept(jsonl, log_file, npz)
+            err.print("interrupted" + (f": {kept}" if kept else ""), markup=False)
             exit_interrupted()
+        except NumericalError as exc:      # the trace up to the bad stage, that stage included, is the evidence
+            kept = _kept(jsonl, log_file, npz)
+            raise NumericalError(str(exc) + (f"; {kept}" if kept else "")) from None
 
         top_tokens = top_k_probs(run_stats.last_logits, m.tokenizer, top)
         timing = {"load_s": round(load_s, 3), "prefill_s": round(run_stats.prefill_s, 4),

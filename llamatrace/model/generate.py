@@ -8,7 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
-from llamatrace.errors import OptionError, PromptError
+from llamatrace.errors import NumericalError, OptionError, PromptError
 from llamatrace.model.sampling import Sampler, SamplingParams
 from llamatrace.tracing.recorder import Recorder
 
@@ -70,6 +70,7 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
         OptionError: ``max_tokens`` <= 0, a bad ``ctx_size`` or sampling value, or both
             ``sampling`` and sampling keywords.
         PromptError: empty prompt or one longer than the context.
+        NumericalError: logits holding NaN or Inf (raised before sampling from them).
     """
     if max_tokens <= 0:
         raise OptionError(f"--max-tokens must be a positive integer, got {max_tokens}")
@@ -91,6 +92,11 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
     stats.prefill_s = time.perf_counter() - t0
     stats.last_logits = logits
     while True:
+        if not np.isfinite(logits).all():     # NaN sorts first: a silent end of text, or any token
+            raise NumericalError(
+                f"the logits after position {cache.pos - 1} hold NaN or Inf, so no token can be chosen: the "
+                f"model's weights (or an --ablate) make them; `llamatrace trace --check-finite` names the first "
+                f"stage that does")
         token = sampler(logits)
         if token in stop_ids:
             stats.stop_reason = "eos"

@@ -277,16 +277,17 @@ class Recorder:
             wanted = self.wants(layer, stage_id)
             if callable(array) and (wanted or self.check_finite):
                 array = array()           # a tensor the math never needs (keys_rep): made for the trace only
-            if self.check_finite and not _finite(stage_id, array):
-                where = "model level" if layer is None else f"layer {layer}"
-                raise NumericalError(
-                    f"non-finite values (NaN/Inf) in stage {stage_id!r} at {where}, step {step} "
-                    f"(start_pos {start_pos}): inspect it with --stage {stage_id} --stats")
-            if wanted:
+            bad = self.check_finite and not _finite(stage_id, array)
+            if wanted:                    # a stage that fails the check is recorded first: the evidence
                 self._record(step, start_pos, seq_len, layer, stage_id, array, (now - last) * 1e6, phase)
                 last = clock()            # recording's own cost is not billed to the next stage
             else:
                 last = now
+            if bad:
+                where = "model level" if layer is None else f"layer {layer}"
+                raise NumericalError(
+                    f"non-finite values (NaN/Inf) in stage {stage_id!r} at {where}, step {step} "
+                    f"(start_pos {start_pos}): inspect it with --stage {stage_id} --stats")
             return array
 
         return emit
