@@ -174,6 +174,9 @@ def test_npz_mode_reports_missing_keys_and_shapes_as_rows(capsys, tmp_path):
     assert code == 0 and "no divergence" in out and "ours.npz vs" in out
     code, out, err = run(capsys, "compare", *_npz_pair(tmp_path, ours, ref), "--stage", "Qcur", "--threshold", "1e-3")
     assert code == 3 and "first divergence: step 0, layer 0, Qcur" in out
+    # a pattern that matches no stage of either file was an empty table and "no divergence", exit 0
+    assert_one_line_error(*run(capsys, "compare", *_npz_pair(tmp_path, ours, ref), "--stage", "Qcur,ffn_shexp*"),
+                          "--stage 'ffn_shexp*' matches no stage of", "ours.npz", "ref.npz", "Qcur, ffn_up")
 
 
 def test_npz_mode_errors(capsys, tmp_path):

@@ -120,7 +120,7 @@ def compare(
         if model is not None:
             mode = (meta_ours or {}).get("activations", activations)
             m = load_model(model, threads, mode if mode in ("f32", "q8") else activations)
-        result = compare_arrays(ours, ref, threshold=threshold, layers=_npz_layers(layer, ours, ref),
+        result = compare_arrays(ours, ref, threshold=threshold, layers=_npz_selection(layer, patterns, args, ours, ref),
                                 stages=patterns, profile=profile_for(meta_ours, meta_ref), model=m)
         result.extra = {**result.extra, "reference": args[1], "ours": args[0]}
     else:
@@ -168,19 +168,28 @@ def _load_npz(path: Path) -> dict:
         raise OptionError(f"{path}: not a readable .npz file ({exc})") from None
 
 
-def _npz_layers(spec: str, *recordings: dict) -> list[int] | None:
+def _npz_selection(spec: str, patterns: list[str] | None, paths: list[str], *recordings: dict) -> list[int] | None:
+    """The layers ``--layer`` keeps of two recordings (None: they have none), or OptionError for a key
+    that is no stage key or a ``--stage`` pattern that matches no stage of either recording."""
+    import fnmatch
+
     from llamatrace.analysis.compare import META_KEY, parse_key
-    layers = set()
+    layers, stages = set(), set()
     for rec in recordings:
         for key in rec:
             if key == META_KEY:
                 continue
             try:
-                layer = parse_key(key)[1]
+                _, layer, stage = parse_key(key)
             except ValueError as exc:
                 raise OptionError(f"{exc}; every key must look like step0.layer0.Qcur") from None
+            stages.add(stage)
             if layer is not None:
                 layers.add(layer)
+    for p in patterns or ():
+        if not any(fnmatch.fnmatchcase(s, p) for s in stages):
+            raise OptionError(f"--stage {p!r} matches no stage of {paths[0]} or {paths[1]}; they hold "
+                              f"{', '.join(sorted(stages)) or 'none'}")
     return parse_layers(spec, max(layers) + 1) if layers else None
 
 
