@@ -347,6 +347,10 @@ def test_run_with_cache_serves_tl_mixtral_names(models):
     assert cache["blocks.1.mlp.hook_expert_indices"].dtype == np.int32
     np.testing.assert_array_equal(cache["blocks.1.mlp.hook_expert_weights"][0, :n], ours["ffn_moe_probs"])
     np.testing.assert_array_equal(cache["blocks.1.hook_mlp_out"][0, :n], ours["ffn_moe_out"])
+    from llamatrace.model import tl
+    # the stage a manifest (collect) records for it: the one the model computes, not the dense ffn_out
+    assert tl.resolve("blocks.1.hook_mlp_out", 2, moe=True).stage == "ffn_moe_out"
+    assert tl.resolve("blocks.1.hook_mlp_out", 2).stage == "ffn_out"
     from llamatrace.errors import OptionError
     with pytest.raises(OptionError, match="ffn_moe_gate@0"):
         model.run_with_cache("a", names_filter="blocks.0.mlp.hook_pre")

@@ -180,8 +180,9 @@ def _block_hooks(post_norms: bool, moe: bool = False, recurrent: bool = False) -
     for name, value in LAYER_HOOKS.items():
         if moe and name in _DENSE_MLP_HOOKS:
             continue
-        if moe and name == "hook_mlp_out":
+        if moe and name == "hook_mlp_out":     # what the residual adds: the experts' weighted sum
             out.update(MOE_HOOKS)
+            value = ("ffn_moe_out", "same")
         if not post_norms:
             out[name] = value
             continue
@@ -338,8 +339,6 @@ def _stage_for(s: Served, config) -> Served:
         stage = "ffn_geglu"
     if config.post_norms and s.kind == "same":
         stage = {"attn_out": "attn_post_norm", "ffn_out": "ffn_post_norm"}.get(stage, stage)
-    if config.n_expert and stage == "ffn_out":
-        stage = "ffn_moe_out"
     if config.embed_scale != 1.0 and stage == "inp_embd" and s.kind == "same":
         stage = "inp_scaled"
     return s if stage == s.stage else Served(s.name, stage, s.layer, s.kind)
