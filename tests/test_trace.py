@@ -258,6 +258,20 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def test_jsonl_dash_is_stdout_holding_the_json_lines_only(gqa_path, tmp_path, capsys, monkeypatch):
+    # '-' was a file named '-' (as -f - reads stdin, a user pipes --jsonl - into jq)
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(["trace", "--model", str(gqa_path), "--raw", "--layer", "0", "--stage", "attn_norm",
+                              "--jsonl", "-", "the cat"], capsys)
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [x["type"] for x in lines] == ["header", "event", "footer"] and lines[1]["stage"] == "attn_norm"
+    assert "Prompt tokens" in err and "Next-token probabilities" in err and not (tmp_path / "-").exists()
+    code, out, err = run_cli(["trace", "--model", str(gqa_path), "--raw", "--jsonl", "-", "--format", "table",
+                              "the cat"], capsys)
+    assert code == 2 and "--jsonl - writes the events to stdout: drop --format table" in err
+
+
 def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
     jl, nz, log = tmp_path / "t.jsonl", tmp_path / "t.npz", tmp_path / "debug.log"
     code, _, err = run_cli(["trace", "--model", str(gqa_path), "--raw", "--tokens", "2", "--stats", "--values", "3",

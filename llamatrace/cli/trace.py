@@ -21,7 +21,7 @@ from llamatrace import __version__
 from llamatrace.analysis.compare import META_KEY
 from llamatrace.errors import NumericalError, OptionError
 from llamatrace.tracing.stages import STAGE_IDS, select_stages
-from llamatrace.cli.app import app, err, exit_interrupted, out, plural
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, stdout
 from llamatrace.cli.options import (
     AblateOpt,
     ActivationsOpt,
@@ -69,7 +69,8 @@ def trace(
                                                         "abs_max, nan, inf; float64).")] = False,
     values: Annotated[int, typer.Option("--values", help="Show the first and last K values of each tensor.",
                                         metavar="K")] = 0,
-    jsonl: Annotated[Optional[Path], typer.Option("--jsonl", help="Stream events as JSON lines to FILE.",
+    jsonl: Annotated[Optional[Path], typer.Option("--jsonl", help="Stream events as JSON lines to FILE ('-': "
+                                                  "stdout, with no log lines; tokens and top-N go to stderr).",
                                                   metavar="FILE", show_default=False)] = None,
     npz: Annotated[Optional[Path], typer.Option("--npz", help="Save every traced tensor to FILE (.npz, keys "
                                                 "step{S}.layer{L}.{stage}).", metavar="FILE", show_default=False)] = None,
@@ -121,7 +122,11 @@ def trace(
         raise OptionError(f"--dump-shapes prints shapes only: drop {dropped}, or drop --dump-shapes to see them")
     parse_layers(layer)
     stage_patterns = parse_stages(stage)
-    outputs = {opt: p for opt, p in (("--jsonl", jsonl), ("--npz", npz), ("--log-file", log_file)) if p is not None}
+    if _to_stdout(jsonl) and (dump_shapes or fmt is Format.table):
+        shown = "--dump-shapes" if dump_shapes else "--format table"
+        raise OptionError(f"--jsonl - writes the events to stdout: drop {shown}, or give --jsonl a file")
+    outputs = {opt: p for opt, p in (("--jsonl", jsonl), ("--npz", npz), ("--log-file", log_file))
+               if p is not None and not _to_stdout(p)}
     for opt, p in outputs.items():
         check_output_path(p, opt, whole_file=opt == "--npz")
     resolved = {}
@@ -143,9 +148,23 @@ LONG_TRACE_STEPS = 64
 """More decode steps than this: the trace is long, and a warning line says how long before it starts."""
 
 
+def _to_stdout(path: Path | None) -> bool:
+    return path is not None and str(path) == "-"
+
+
+class _StdoutLines:
+    """``--jsonl -``: :class:`~llamatrace.outputs.OutputStream`'s lines on stdout (a closed pipe is
+    :class:`~llamatrace.cli.app.StdoutClosed`)."""
+
+    def write_line(self, line: str) -> None:
+        stdout.write(line + "\n")
+        stdout.flush()
+
+
 def _kept(jsonl: Path | None, log_file: Path | None, npz: Path | None) -> str:
     """What a trace stopped early leaves of its outputs, as the end of its one line."""
-    kept = [f"every line written to {path} so far is complete" for path in (jsonl, log_file) if path]
+    kept = [f"every line written to {'stdout' if _to_stdout(path) else path} so far is complete"
+            for path in (jsonl, log_file) if path]
     kept += [f"{npz} was not written"] if npz is not None else []
     return "; ".join(kept)
 
@@ -185,9 +204,9 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
                   soft_wrap=True)
     check_prompt_fits(m, len(ids), ctx)
     # stdout carries the data; with --dump-shapes it carries only the lines, the rest goes to stderr
-    side = err if dump_shapes else out
+    side = err if dump_shapes or _to_stdout(jsonl) else out
     side.print(tokens_table(m.tokenizer, ids))
-    if fmt is Format.log or dump_shapes:
+    if (fmt is Format.log and not _to_stdout(jsonl)) or dump_shapes:
         side.print(Text("Layers are numbered from 0 (--layer, CacheK[N], ↳ LN); the book's "
                         f"'layer: N / {m.config.n_layers}' wording counts from 1.", style="dim"))
 
@@ -202,11 +221,12 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
             table_view = TableView(out)
             sinks.append(table_view)
             stack.callback(table_view.flush)
-        else:
+        elif not _to_stdout(jsonl):
             sinks.append(LogView(out, formatter))
         writer = None
         if jsonl is not None:
-            writer = JsonlWriter(stack.enter_context(open_stream(jsonl, "--jsonl")))
+            lines = _StdoutLines() if _to_stdout(jsonl) else stack.enter_context(open_stream(jsonl, "--jsonl"))
+            writer = JsonlWriter(lines)
             writer.header(model=str(m.path), prompt=text_in, prompt_ids=ids,
                           pieces=[m.tokenizer.piece(i) for i in ids], config=m.config.to_dict(), activations=m.activations)
             sinks.append(writer)
