@@ -84,6 +84,16 @@ def test_the_search_refuses_a_picture_or_measurements_file_that_is_its_base(f16_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base.gguf", "picture.png"]
 
 
+def test_the_search_refuses_a_measurements_path_holding_another_file(f16_base, tmp_path, capsys, monkeypatch):
+    """``--measurements`` on a file that is no measurements (another model, say) replaced it, exit 0."""
+    victim = _copy(f16_base, tmp_path / "other.gguf")
+    digest = sha256_file(victim)
+    _no_measuring(monkeypatch)
+    assert_one_line_error(*run(capsys, "quantize", f16_base, tmp_path / "out.gguf", "--target-bpw", 6, *SEARCH,
+                               "--measurements", victim), "--measurements", "holds no measurements", "another path")
+    assert sha256_file(victim) == digest and not (tmp_path / "out.gguf").exists()
+
+
 def test_a_picture_of_an_unknown_format_is_refused_before_measuring(f16_base, tmp_path, capsys, monkeypatch):
     """``-o recipe.xyz`` failed after measuring, and OUT was written though the exit code was 2."""
     out = tmp_path / "out.gguf"

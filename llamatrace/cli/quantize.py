@@ -394,6 +394,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
     if plot is not None:
         check_output_path(plot, "-o")
     check_output_path(where, "--measurements")
+    S.Measurements.read(where)             # a file there that is no measurements: refused before the work
     _remove_leftovers(output, plot)
     text = read_corpus(text_file)
     held_out = read_corpus(verify_file) if verify_file is not None else None

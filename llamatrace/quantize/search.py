@@ -51,7 +51,7 @@ import gguf
 import numpy as np
 
 from llamatrace.corpus.metrics import compress_log_probs, token_kld
-from llamatrace.errors import OptionError, UnsupportedModelError
+from llamatrace.errors import OptionError, OutputError, UnsupportedModelError
 from llamatrace.kernels.mul_mat_id import FileExperts, supported
 from llamatrace.kernels.types import packing
 from llamatrace.model.moe import Experts, experts_bytes
@@ -550,16 +550,37 @@ class Measurements:
     path: Path | None = None
     base_kld: float | None = None
 
+    @staticmethod
+    def read(path: Path) -> dict | None:
+        """What ``path`` holds: None when there is no file, else its measurements (``key``,
+        ``delta``, ``base_kld``).
+
+        Raises:
+            OutputError: a file there that holds no measurements (a model, another JSON): the search
+                would replace it.
+        """
+        if not path.is_file():
+            return None
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            saved = None
+        if not (isinstance(saved, dict) and all(isinstance(saved.get(k), dict) for k in ("key", "delta"))):
+            raise OutputError(f"--measurements {str(path)!r}: the file there holds no measurements of a recipe search, "
+                              f"and the search would replace it; give --measurements another path, or move the file")
+        return saved
+
     @classmethod
     def open(cls, path: Path | None, key: dict) -> "Measurements":
-        """Resume from ``path`` when it holds measurements with the same ``key``, else start empty."""
-        if path is not None and path.is_file():
-            try:
-                saved = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                saved = {}
-            if saved.get("key") == key:
-                return cls(key, {g: dict(v) for g, v in saved.get("delta", {}).items()}, path, saved.get("base_kld"))
+        """Resume from ``path`` when it holds measurements with the same ``key``, else start empty
+        (measurements of another base, text or options are replaced as the new ones are saved).
+
+        Raises:
+            OutputError: a file at ``path`` that holds no measurements (:meth:`read`).
+        """
+        saved = cls.read(path) if path is not None else None
+        if saved is not None and saved["key"] == key:
+            return cls(key, {g: dict(v) for g, v in saved["delta"].items()}, path, saved.get("base_kld"))
         return cls(key, {}, path)
 
     def save(self) -> None:
