@@ -104,6 +104,15 @@ def test_expert_load_counts_every_token_k_times_a_layer_and_is_the_same_with_two
     code, out2, err = run(capsys, *args, "--workers", "2")
     assert code == 0, err
     assert json.loads(out2)["layers"] == data["layers"]
+    # the text's busiest list names used experts only (with --top >= n_expert it listed the unused ones with :0)
+    code, text, err = run(capsys, *args[:-1], "--chunks", "1", "--top", str(n))
+    assert code == 0, err
+    lines = [line for line in text.splitlines() if line.startswith("layer")]
+    assert len(lines) == SPECS["qwen3moe"]["n_layers"]
+    for line in lines:
+        busiest = re.search(r"busiest (.*?) · unused (\d+)", line)
+        counts = [int(x.split(":")[1]) for x in busiest.group(1).split(", ")]
+        assert all(counts) and len(counts) == n - int(busiest.group(2)), line
 
 
 def test_expert_load_routes_one_chunk_and_a_text_shorter_than_ctx_size_as_one_chunk(moe_paths, capsys, tmp_path):

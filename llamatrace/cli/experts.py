@@ -200,7 +200,7 @@ def _print_load(load, piece, top: int) -> None:
         if not counts.any():
             continue
         order = sorted(range(load.n_expert), key=lambda e: (-counts[e], e))
-        busiest = ", ".join(f"{e}:{counts[e]}" for e in order[:top])
+        busiest = ", ".join(f"{e}:{counts[e]}" for e in order[:top] if counts[e])     # unused ones are counted apart
         idle = sum(1 for e in range(load.n_expert) if counts[e] == 0)
         pairs = ", ".join(f"{a}+{b} ×{lift:.1f}" for a, b, _, lift in load.top_pairs(layer, top))
         tokens = ", ".join(f"{piece(t)!r}:{n}" for t, n in load.top_tokens(layer, order[0], top))
