@@ -100,8 +100,9 @@ def test_stages_cli_prints_the_table_and_draws_the_plot(capsys, tiny_pair, tmp_p
     args = ["perplexity", "-f", str(CORPUS), "-c", "32", "--chunks", "3", "--model", str(quant),
             "--base", str(base), "--stages"]
     assert main([*args, "-o", str(picture)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "Where the error enters" in out and "Mean    KLD" in out
+    assert f"wrote {picture}" in err                   # as experts, expert-load and diagram say it
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main([*args, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)

@@ -122,6 +122,7 @@ def perplexity(
     if result.attribution is not None and output is not None:
         from llamatrace.corpus.plot import plot_stage_errors
         plot_stage_errors(result.attribution, output, f"{path.name} against {Path(str(base)).name}")
+        err.print(f"wrote {output}")
     stdout.flush()                  # a full disk behind stdout: its error line, not this summary
     c = result.chunks
     err.print(f"[dim]{c.n_chunk} chunks of {c.n_ctx} tokens in {result.seconds:.1f} s: {result.tokens_per_s:.0f} "
