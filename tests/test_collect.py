@@ -225,9 +225,21 @@ def test_an_unreachable_ray_cluster(corpus, tmp_path, capsys):
 
 def test_a_corpus_shorter_than_one_sequence(tmp_path, capsys):
     (tmp_path / "short.txt").write_text("a few words\n")
-    assert_one_line_error(*run(capsys, "collect", "-f", tmp_path / "short.txt", *HOOKS, "-o", tmp_path / "a"),
+    assert_one_line_error(*run(capsys, "collect", "-f", tmp_path / "short.txt", *HOOKS, "-o", tmp_path / "a" / "b"),
                           "fewer tokens than one sequence")
-    assert not any((tmp_path / "a" / "data").iterdir()) and not (tmp_path / "a" / C.MANIFEST).exists()
+    assert not (tmp_path / "a").exists()          # the folders it made are gone: an empty a/b/data was left
+    (tmp_path / "c").mkdir()
+    assert_one_line_error(*run(capsys, "collect", "-f", tmp_path / "short.txt", *HOOKS, "-o", tmp_path / "c"),
+                          "fewer tokens than one sequence")
+    assert list((tmp_path / "c").iterdir()) == []  # a folder the user made stays, empty
+
+
+def test_a_corpus_that_cannot_be_read(tmp_path, capsys):
+    # a missing text (or a directory) was "internal error: FileNotFoundError", exit 1
+    for missing in (tmp_path / "nope.txt", tmp_path):
+        assert_one_line_error(*run(capsys, "collect", "-f", missing, *HOOKS, "-o", tmp_path / "a"),
+                              "-f", "cannot read it")
+        assert not (tmp_path / "a").exists()
 
 
 def test_jsonl_input(tmp_path, capsys, smollm2):

@@ -23,6 +23,7 @@ them, or on interruptions.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -274,21 +275,35 @@ def prepare(c: Collection) -> np.ndarray:
     """
     from llamatrace.corpus.chunks import read_header
     from llamatrace.gguf.fetch import sha256_file
-    check_out_dir(c.out)
     tokenizer, config = read_header(Path(c.model.path))
     c.d_model, c.n_layers = config.dim, config.n_layers
-    c.corpus_sha256 = sha256_file(c.corpus)
+    try:
+        c.corpus_sha256 = sha256_file(c.corpus)
+    except OSError as exc:
+        raise OptionError(f"-f {str(c.corpus)!r}: cannot read it ({exc.strerror or exc})") from None
+    made = []                      # the folders this run creates, deepest first: removed if the text fails
+    for p in (c.out / DATA, c.out, *c.out.parents):
+        if p.exists():
+            break
+        made.append(p)
+    check_out_dir(c.out)
     fd, tmp = tempfile.mkstemp(prefix=".tokens.", suffix=".tmp", dir=c.out / DATA)
     n = 0
-    with os.fdopen(fd, "wb") as f:
-        for seq in sequences(c.corpus, tokenizer, c.packing):
-            f.write(seq.tobytes())
-            n += 1
-    if n == 0:
-        Path(tmp).unlink()
-        from llamatrace.errors import PromptError
-        raise PromptError(f"-f {str(c.corpus)!r} has fewer tokens than one sequence of --ctx-size "
-                          f"{c.packing.ctx_size}: give a longer text or a smaller --ctx-size")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for seq in sequences(c.corpus, tokenizer, c.packing):
+                f.write(seq.tobytes())
+                n += 1
+        if n == 0:
+            from llamatrace.errors import PromptError
+            raise PromptError(f"-f {str(c.corpus)!r} has fewer tokens than one sequence of --ctx-size "
+                              f"{c.packing.ctx_size}: give a longer text or a smaller --ctx-size")
+    except BaseException:          # a text that is not UTF-8, too short, Ctrl-C: nothing left behind
+        Path(tmp).unlink(missing_ok=True)
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
     c.n_sequences = n
     tokens = np.memmap(tmp, dtype=np.int32, mode="r", shape=(n, c.packing.ctx_size))
     os.unlink(tmp)                 # the map keeps the data; nothing is left behind on a crash
