@@ -214,6 +214,19 @@ def test_pattern_matching_nothing_is_a_warning(base, tmp_path, capsys):
     assert out.exists()
 
 
+def test_mxfp4_moe_on_a_dense_model_says_it_is_q8_0(base, tmp_path, capsys):
+    """MXFP4_MOE on a model without experts: llama-quantize's Q8_0 tensors under MXFP4_MOE's name, said."""
+    mx, q8 = tmp_path / "mx.gguf", tmp_path / "q8.gguf"
+    code, _, err = run(capsys, "quantize", base, mx, "--type", "MXFP4_MOE")
+    assert code == 0, err
+    assert "warning: base-f16.gguf has no expert tensors: MXFP4_MOE makes its matrices Q8_0" in err
+    assert run(capsys, "quantize", base, q8, "--type", "Q8_0")[0] == 0
+    import gguf
+    a, b = gguf.GGUFReader(mx), gguf.GGUFReader(q8)
+    assert [(t.name, t.tensor_type) for t in a.tensors] == [(t.name, t.tensor_type) for t in b.tensors]
+    assert all(np.array_equal(x.data, y.data) for x, y in zip(a.tensors, b.tensors))
+
+
 def test_imatrix_file_through_the_cli_equals_llama_cpp(base, imatrix, tmp_path, capsys):
     """The synthetic imatrix written as llama.cpp's GGUF imatrix (sums = 4 × value, counts 4: the
     division is exact) and read by ``--imatrix``: every tensor's data is llama.cpp's, and the

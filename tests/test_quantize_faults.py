@@ -94,6 +94,18 @@ def test_the_search_refuses_a_measurements_path_holding_another_file(f16_base, t
     assert sha256_file(victim) == digest and not (tmp_path / "out.gguf").exists()
 
 
+def test_the_search_refuses_to_replace_measurements_made_with_other_settings(f16_base, tmp_path, capsys,
+                                                                            monkeypatch):
+    """Another --ctx-size (or text, base, --measure …) started anew and replaced minutes of measurements."""
+    saved = tmp_path / "out.gguf.measurements.json"
+    doc = {"key": {"version": 2, "base": f16_base.name, "n_ctx": 64}, "base_kld": 0.5, "delta": {"blk.0.attn_q": {}}}
+    saved.write_text(json.dumps(doc))
+    _no_measuring(monkeypatch)
+    assert_one_line_error(*run(capsys, "quantize", f16_base, tmp_path / "out.gguf", "--target-bpw", 6, *SEARCH),
+                          str(saved), "another", "--ctx-size", "delete the file")
+    assert json.loads(saved.read_text()) == doc and not (tmp_path / "out.gguf").exists()
+
+
 def test_a_picture_of_an_unknown_format_is_refused_before_measuring(f16_base, tmp_path, capsys, monkeypatch):
     """``-o recipe.xyz`` failed after measuring, and OUT was written though the exit code was 2."""
     out = tmp_path / "out.gguf"

@@ -16,7 +16,7 @@ import pytest
 from gguf_factory import T, write_tiny_llama
 from kquant_files import ggml_quants_library
 
-from llamatrace.errors import OptionError
+from llamatrace.errors import OptionError, OutputError
 from llamatrace.model.llama import Llama
 from llamatrace.quantize import search as S
 
@@ -236,7 +236,8 @@ def test_tiny_search_end_to_end(tiny_base, tmp_path):
         measured = measurer._kld()
     assert recipe.predicted_kld == pytest.approx(measured, rel=0.5)
     assert S.Measurements.open(tmp_path / "m.json", {"t": 1}).delta == store.delta      # resumable
-    assert S.Measurements.open(tmp_path / "m.json", {"t": 2}).delta == {}              # other options: afresh
+    with pytest.raises(OutputError, match="made with another t: give --measurements another path"):
+        S.Measurements.open(tmp_path / "m.json", {"t": 2})              # other options: kept, not replaced
 
 
 def test_search_resumes_and_its_tensor_type_args_name_every_choice(tiny_base, tmp_path):
@@ -291,6 +292,10 @@ def test_cli_writes_the_recipe_and_reports_it(tiny_base, tmp_path, capsys):
     (["-f", CORPUS, "--target-bpw", "2", "--ctx-size", "32", "--candidates", "Q4_0"], "below the smallest file"),
     (["-f", CORPUS, "--target-bpw", "6", "--workers", "0"], "--workers"),
     (["--type", "Q8_0", "--workers", "2"], "-f TEXT"),
+    (["--type", "Q8_0", "-o", "recipe.png"], "-o belongs to the recipe search"),     # was ignored, exit 0
+    (["--type", "Q8_0", "--measurements", "m.json", "--ctx-size", "64"], "--measurements, --ctx-size belong"),
+    (["-f", CORPUS, "--target-bpw", "40", "--ctx-size", "32", "--candidates", "Q4_0,Q8_0"],
+     "holds the largest file the candidates allow"),                               # measured for minutes
 ])
 def test_cli_bad_input_is_one_error_line(tiny_base, tmp_path, capsys, args, needle):
     from cli_helpers import assert_one_line_error, run

@@ -169,9 +169,15 @@ def quantize(
         _search(base, output, type_name, imatrix, text_file, target_bpw, target_size, candidates, measure, ctx_size,
                 chunks, verify_file, measurements, plot, threads, json_out, workers, ray, allow_requantize)
         return
-    if target_bpw is not None or target_size is not None or verify_file is not None or workers != 1 or ray:
-        raise OptionError("--target-bpw, --target-size, --verify-file, --workers and --ray belong to the recipe "
-                          "search: add -f TEXT")
+    search_only = {"target_bpw": "--target-bpw", "target_size": "--target-size", "verify_file": "--verify-file",
+                   "workers": "--workers", "ray": "--ray", "measurements": "--measurements", "plot": "-o",
+                   "candidates": "--candidates", "measure": "--measure", "ctx_size": "--ctx-size", "chunks": "--chunks"}
+    given = [opt for name, opt in search_only.items()     # typer's own click: its enum, compared by name
+             if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+    if given:                  # each was silently ignored without -f (-o's picture never drawn)
+        one = len(given) == 1
+        raise OptionError(f"{', '.join(given)} belong{'s' if one else ''} to the recipe search: add -f TEXT, or "
+                          f"leave {'it' if one else 'them'} out")
     if type_name is None:
         raise OptionError("give --type TYPE (a llama.cpp file type such as Q4_K_M), or -f TEXT and a budget "
                           "for a recipe search")
@@ -197,6 +203,9 @@ def quantize(
                              f.metadata, ftype, overrides, pure=pure, has_imatrix=weights is not None,
                              output_type=output_type, token_embd_type=embd_type,
                              leave_output=leave_output_tensor, on_fallback=lambda *a: fallbacks.append(a))
+        if ftype.name == "MXFP4_MOE" and not any("_exps." in n for n in f.tensors):
+            _warn(f"{base.name} has no expert tensors: MXFP4_MOE makes its matrices Q8_0 (as llama-quantize does); "
+                  f"--type Q8_0 gives the same tensors under their own name")
         for o in unmatched(overrides, f.tensors):
             _warn(f"--tensor-type {o.pattern}={o.ggml_type.name.lower()}: the pattern matches no tensor "
                           f"of {base.name}")

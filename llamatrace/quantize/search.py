@@ -202,8 +202,9 @@ def make_budget(file, groups: Sequence[Group], target_bpw: float | None = None,
     (bytes of tensor data); the smaller if both.
 
     Raises:
-        OptionError: neither given, a non-positive one, or a budget below what the cheapest
-            candidates of every group need (the message says that minimum).
+        OptionError: neither given, a non-positive one, a budget below what the cheapest
+            candidates of every group need or one that holds their largest (the message says
+            that minimum or maximum).
     """
     if target_bpw is None and target_size is None:
         raise OptionError("give --target-bpw or --target-size for a recipe search")
@@ -225,6 +226,11 @@ def make_budget(file, groups: Sequence[Group], target_bpw: float | None = None,
         raise OptionError(f"the budget ({budget.limit} bytes, {budget.bpw(budget.limit):.3f} bpw) is below the "
                           f"smallest file the candidates allow ({least} bytes, {budget.bpw(least):.3f} bpw): "
                           f"raise --target-bpw / --target-size or add cheaper --candidates")
+    most = fixed + sum(max(g.bytes(t) for t in g.candidates) for g in groups)
+    if most <= budget.limit:   # nothing to choose: measuring would take minutes to pick the largest everywhere
+        raise OptionError(f"the budget ({budget.limit} bytes, {budget.bpw(budget.limit):.3f} bpw) holds the largest "
+                          f"file the candidates allow ({most} bytes, {budget.bpw(most):.3f} bpw): every matrix would "
+                          f"get its largest candidate; lower --target-bpw / --target-size or add larger --candidates")
     return budget
 
 
@@ -539,6 +545,12 @@ class Measurer:
 # the search
 
 
+_KEY_NAMES = {"version": "llamatrace version", "base": "base model", "base_bytes": "base model",
+              "n_ctx": "--ctx-size", "n_chunk": "--chunks", "mode": "--measure", "activations": "--activations",
+              "text": "text (-f)", "imatrix": "--imatrix"}
+"""What each field of a :class:`Measurements` key is, in the words of the command line."""
+
+
 @dataclass
 class Measurements:
     """ΔKLD per group and type (``{group: {type name: ΔKLD}}``) and the base's own KLD against its
@@ -572,16 +584,22 @@ class Measurements:
 
     @classmethod
     def open(cls, path: Path | None, key: dict) -> "Measurements":
-        """Resume from ``path`` when it holds measurements with the same ``key``, else start empty
-        (measurements of another base, text or options are replaced as the new ones are saved).
+        """Resume from ``path`` when it holds measurements with the same ``key``, else start empty.
 
         Raises:
-            OutputError: a file at ``path`` that holds no measurements (:meth:`read`).
+            OutputError: a file at ``path`` that holds no measurements (:meth:`read`), or measurements
+                of another base, text or options, which the search would replace (minutes of work).
         """
         saved = cls.read(path) if path is not None else None
-        if saved is not None and saved["key"] == key:
-            return cls(key, {g: dict(v) for g, v in saved["delta"].items()}, path, saved.get("base_kld"))
-        return cls(key, {}, path)
+        if saved is None:
+            return cls(key, {}, path)
+        if saved["key"] != key:
+            differ = [_KEY_NAMES.get(k, k) for k in sorted(set(key) | set(saved["key"]))
+                      if key.get(k) != saved["key"].get(k)]
+            raise OutputError(f"--measurements {str(path)!r} holds measurements made with another "
+                              f"{', '.join(dict.fromkeys(differ))}: give --measurements another path to keep them, "
+                              f"or delete the file to measure anew")
+        return cls(key, {g: dict(v) for g, v in saved["delta"].items()}, path, saved.get("base_kld"))
 
     def save(self) -> None:
         if self.path is None:
