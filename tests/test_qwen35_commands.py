@@ -49,7 +49,7 @@ def test_trace_dump_shapes_and_npz_hold_the_state(path, tmp_path, capsys):
     assert code == 0, err
     text = out + err
     assert "attn_qkv weights shape([128 64])" in text                   # 2 key heads × 2 (q, k) + 4 value heads, × 16
-    assert "Writing the DeltaNet state S shape([4 16 16]) of layer 1" in text
+    assert "Writing the DeltaNet state S shape([4 16 16]) of layer 0" in text     # 0-based, as ↳ L0
     npz = tmp_path / "t.npz"
     code, out, err = run(capsys, "trace", "-m", path, "--raw", "--tokens", "2", "--npz", npz, "the cat sat")
     assert code == 0, err
@@ -94,3 +94,26 @@ def test_lens_reads_every_layer_of_qwen35(path, capsys):
     with Llama.load(path, cache=False) as model:           # the last layer's row is the model's own output
         logits = model.forward(np.array(doc["prompt_ids"]), 0, model.new_cache(len(doc["prompt_ids"])))
     assert top["top_id"] == doc["final_id"] == int(np.argmax(logits)) and top["final_rank"] == 0
+
+
+def test_a_stage_of_the_other_layer_kind_is_refused_with_the_layers_that_compute_it(path, capsys):
+    """--ablate linear_attn_out@2 (an attention layer) said 'ablating' and changed nothing; trace
+    --layer 2 --stage new_state printed no event and exited 0."""
+    from cli_helpers import assert_one_line_error
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "-n", "1", "--ablate", "linear_attn_out@2",
+                               "hi"), "linear_attn_out is not computed at layer 2, a softmax-attention layer",
+                          "give one of layers 0, 1, 3")
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "-n", "1", "--ablate", "attn_out@-4", "hi"),
+                          "attn_out is not computed at layer 0, a gated DeltaNet layer", "give layer 2")
+    assert_one_line_error(*run(capsys, "trace", "-m", path, "--raw", "--layer", "2", "--stage", "new_state", "hi"),
+                          "--stage 'new_state'", "give one of layers 0, 1, 3")
+    assert_one_line_error(*run(capsys, "trace", "-m", path, "--raw", "--layer", "0,1", "--stage", "Kcur*", "hi"),
+                          "--stage 'Kcur*'", "computed only in layers 2, none of --layer's")
+    code, out, err = run(capsys, "trace", "-m", path, "--raw", "--layer", "1,2", "--stage", "new_state", "--jsonl",
+                         "-", "hi")                                  # one layer of the two computes it
+    assert code == 0, err
+    assert [json.loads(x)["layer"] for x in out.splitlines()[1:-1]] == [1]
+    code, out, err = run(capsys, "stages", "-m", path, "--json")
+    assert code == 0, err
+    shapes = {r["id"]: r["model_shape"] for r in json.loads(out)}
+    assert shapes["Qcur_full"] == "[seq_len, 128]"                   # 2*q_dim: query and gate, both evaluated

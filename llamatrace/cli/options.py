@@ -373,16 +373,20 @@ def parse_stages(patterns: list[str] | None) -> list[str] | None:
     return flat
 
 
-def check_model_stages(patterns: list[str] | None, config, option: str = "--stage") -> None:
+def check_model_stages(patterns: list[str] | None, config, option: str = "--stage",
+                       layers: list[int] | None = None) -> None:
     """Refuse a ``--stage`` id or pattern (:func:`parse_stages`) of which this model computes no
-    stage: the trace would show nothing for it, and say nothing.
+    stage, or (``layers``: the ``--layer`` chosen) none in those layers: the trace would show
+    nothing for it, and say nothing.
 
     Raises:
-        OptionError: naming the pattern, with why (:func:`llamatrace.tracing.stages.absent_reason`).
+        OptionError: naming the pattern, with why (:func:`llamatrace.tracing.stages.absent_reason`,
+            or the layers of the kind that computes it).
     """
     import fnmatch
 
-    from llamatrace.tracing.stages import STAGE_IDS, absent_reason, model_stage_ids
+    from llamatrace.tracing.stages import (STAGE_BY_ID, STAGE_IDS, absent_reason, layer_list, model_stage_ids,
+                                           stage_layers)
     have = model_stage_ids(config)
     for pattern in patterns or ():
         hits = [sid for sid in STAGE_IDS if fnmatch.fnmatchcase(sid, pattern)]
@@ -390,6 +394,24 @@ def check_model_stages(patterns: list[str] | None, config, option: str = "--stag
             why = absent_reason(hits[0], config) if hits == [pattern] else \
                 f"this model computes none of the stages it matches ({', '.join(hits)})"
             raise OptionError(f"{option} {pattern!r}: {why}")
+        hits = [sid for sid in hits if sid in have]
+        if layers is not None and all(STAGE_BY_ID[sid].level == "layer" for sid in hits) and \
+                not any(set(stage_layers(sid, config)) & set(layers) for sid in hits):
+            if len(layers) == 1:
+                _check_stage_at(hits[0], config, layers[0], f"{option} {pattern!r}")
+            at = sorted({i for sid in hits for i in stage_layers(sid, config)})
+            raise OptionError(f"{option} {pattern!r}: computed only in layers {layer_list(at)}, none of "
+                              f"--layer's; give --layer one of them")
+
+
+def _check_stage_at(stage_id: str, config, layer: int, where: str) -> None:
+    """OptionError when the layer stage ``stage_id`` is not computed at ``layer`` (a hybrid's layer of
+    the other kind), naming the layers that compute it."""
+    from llamatrace.tracing.stages import layer_kind, layer_list, stage_layers
+    at = stage_layers(stage_id, config)
+    if layer not in at:
+        raise OptionError(f"{where}: {stage_id} is not computed at layer {layer}, {layer_kind(config, layer)}; "
+                          f"give {'one of layers' if len(at) > 1 else 'layer'} {layer_list(at)}")
 
 
 def wide_out(min_width: int):
@@ -465,6 +487,7 @@ def parse_ablations(values: list[str] | None, config=None) -> list[Ablation]:
                     raise OptionError(f"--ablate {text!r}: layer {layers[0]} is out of range; this model has "
                                       f"{n} layers, valid are 0-{n - 1} (or -1 for the last, or all)")
                 layers = [layer]
+                _check_stage_at(stage_id, config, layer, f"--ablate {text!r}")
             if head is not None:
                 count = getattr(config, axis[1])
                 if head >= count:

@@ -17,13 +17,13 @@ def _concrete(formula: str, dims: dict[str, int]) -> str:
     """A shape formula with the model's sizes filled in; seq_len, kv_len and max_seq stay symbolic."""
     def term(match: re.Match) -> str:
         names = match.group(0).split("*")
-        if all(n in dims for n in names):
+        if all(n.isdigit() or n in dims for n in names):     # 2*q_dim: a number times a size
             value = 1
             for n in names:
-                value *= dims[n]
+                value *= int(n) if n.isdigit() else dims[n]
             return str(value)
         return match.group(0)
-    return re.sub(r"[a-z_]+(\*[a-z_]+)*", term, formula)
+    return re.sub(r"[a-z_0-9]+(\*[a-z_0-9]+)*", term, formula)
 
 
 @app.command()

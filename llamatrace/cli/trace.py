@@ -137,7 +137,7 @@ def trace(
     r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
                     ablate=ablate, default=default_prompt())
     layers = parse_layers(layer, r.model.config.n_layers)
-    check_model_stages(stage_patterns, r.model.config)
+    check_model_stages(stage_patterns, r.model.config, layers=layers)
     with r.ablated():
         _run(r.model, r.text, r.ids, r.load_s, tokens=tokens, layers=layers, stages=stage_patterns, fmt=fmt,
              dump_shapes=dump_shapes, stats=stats, values=values, jsonl=jsonl, npz=npz, log_file=log_file,

@@ -373,20 +373,21 @@ STAGES: tuple[Stage, ...] = (
           "[ssm_n_v_heads, ssm_head_dim, ssm_head_dim]", "The delta-rule state before this chunk (zeros at the "
           "start), stored transposed as llama.cpp's: [h, j, i] = S[i][j], key index i, value index j.",
           when="deltanet",
-          lines=("Reading the DeltaNet state S shape({out}) of layer {layer1}",)),
+          lines=("Reading the DeltaNet state S shape({out}) of layer {layer}",)),
     Stage("attn_output", "layer", "DeltaRule", "o", "DeltaNet", 12, "attn_output", None, "attention",
           "[seq_len, ssm_n_v_heads, ssm_head_dim]", "Gated delta rule per token: S ← exp(g)·S; "
           "S ← S + k·(β(v − Sᵀk))ᵀ; o = Sᵀq/√d (chunked for a prefill, recurrent to decode).",
           inputs=(("q", "[seq_len, ssm_n_v_heads, ssm_head_dim]"), ("k", "[seq_len, ssm_n_v_heads, ssm_head_dim]"),
                   ("v", "[seq_len, ssm_n_v_heads, ssm_head_dim]"), ("S", "[ssm_n_v_heads, ssm_head_dim, ssm_head_dim]")),
           when="deltanet",
-          lines=("Calling DeltaRule for q shape({q}), k shape({k}), v shape({v}), S shape({S}) -> tensor o shape({out})",),
+          lines=("Calling DeltaRule for q shape({q}), k shape({k}) (their key heads repeated to the value heads), "
+                 "v shape({v}), S shape({S}) -> tensor o shape({out})",),
           sources=(("q", "q_conv_predelta"), ("k", "k_conv_predelta"), ("v", "v_conv_predelta"), ("S", "state_predelta"))),
     Stage("new_state", "layer", "State", "S", "DeltaNet", 12, "new_state", None, "attention",
           "[ssm_n_v_heads, ssm_head_dim, ssm_head_dim]", "The delta-rule state after this chunk (kept for the next call).",
           inputs=(("S", "[ssm_n_v_heads, ssm_head_dim, ssm_head_dim]"),), when="deltanet",
           sources=(("S", "attn_output"),),
-          lines=("Writing the DeltaNet state S shape({out}) of layer {layer1}",),
+          lines=("Writing the DeltaNet state S shape({out}) of layer {layer}",),
           llama_cpp_note="a view of the fused GDN op's output (not captured)"),
     Stage("final_output", "layer", "GatedRMSNorm", "o", "DeltaNet", 13, "final_output", None, "attention",
           "[seq_len, ssm_v_dim]", "RMSNorm of each head (ssm_norm) × SiLU(z), heads merged.",
@@ -664,6 +665,29 @@ def model_stage_ids(config) -> frozenset[str]:
     kinds = {(config.is_local(i), config.is_recurrent(i)) for i in range(config.n_layers)} or {(False, False)}
     return frozenset(s.id for s in STAGES for seq_len in (1, 2) for local, recurrent in kinds
                      if stage_applies(s, seq_len, config.n_rep, config.features, local, recurrent))
+
+
+def stage_layers(stage_id: str, config) -> tuple[int, ...]:
+    """The layers where the layer stage ``stage_id`` is emitted (in a prefill or a decode step) by
+    ``config``'s model: all of them, or those of one kind (a hybrid's gated DeltaNet or attention
+    layers)."""
+    s = STAGE_BY_ID[stage_id]
+    return tuple(i for i in range(config.n_layers) if any(
+        stage_applies(s, seq_len, config.n_rep, config.features, config.is_local(i), config.is_recurrent(i))
+        for seq_len in (1, 2)))
+
+
+def layer_list(layers) -> str:
+    """``0, 1, 3`` (or ``0, 1, 2, 3, 4, 5 … 22`` when long)."""
+    layers = list(layers)
+    return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:6]))} … {layers[-1]}"
+
+
+def layer_kind(config, layer: int) -> str:
+    """``layer``'s kind in words, for a message: gated DeltaNet, sliding-window or softmax attention."""
+    if config.is_recurrent(layer):
+        return "a gated DeltaNet layer"
+    return "a sliding-window attention layer" if config.is_local(layer) else "a softmax-attention layer"
 
 
 def absent_reason(stage_id: str, config) -> str:

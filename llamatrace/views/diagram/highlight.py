@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from llamatrace.errors import OptionError
 from llamatrace.tracing.stages import (SOFTMAX_ATTENTION_IDS, STAGE_BY_ID, STAGES, Stage, absent_reason,
-                                      stage_applies)
+                                      layer_list, stage_applies)
 
 
 # The book's STAGE diagrams (ch. 20), by number. Catalogue stages carry their number in
@@ -124,7 +124,3 @@ def not_run_reason(stage: Stage, config, layer: int, seq_len: int) -> str | None
     return None
 
 
-def layer_list(layers) -> str:
-    """``0, 1, 3`` (or ``0, 1, 2, 3, 4, 5 … 22`` when long)."""
-    layers = list(layers)
-    return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:6]))} … {layers[-1]}"
