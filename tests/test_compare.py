@@ -179,6 +179,31 @@ def test_npz_mode_reports_missing_keys_and_shapes_as_rows(capsys, tmp_path):
                           "--stage 'ffn_shexp*' matches no stage of", "ours.npz", "ref.npz", "Qcur, ffn_up")
 
 
+def test_npz_mode_refuses_a_model_that_is_not_the_recordings(capsys, tmp_path):
+    """--model of another width: 'internal error: ValueError: matmul … x has shape (1, 576)', exit 1."""
+    from gguf_factory import write_tiny_llama
+    model = write_tiny_llama(tmp_path / "tiny.gguf")            # dim 64, 2 layers
+    x = np.ones((3, 576), np.float32)
+    pair = _npz_pair(tmp_path, {"step0.inp_embd": x, "step0.layer0.attn_norm": x},
+                     {"step0.inp_embd": x, "step0.layer0.attn_norm": x})
+    assert_one_line_error(*run(capsys, "compare", *pair, "--model", model), "--model tiny.gguf is not the model of",
+                          "ours.npz", "step0.inp_embd is [3, 576]", "dim is 64")
+    y = np.ones((3, 64), np.float32)
+    pair = _npz_pair(tmp_path, {"step0.layer5.l_out": y}, {"step0.layer5.l_out": y})
+    assert_one_line_error(*run(capsys, "compare", *pair, "--model", model), "it has layer 5")
+
+
+
+def test_npz_mode_refuses_the_options_of_a_prompt_run(capsys, tmp_path):
+    """--tokens 3, --against hf or --raw beside two recordings were ignored, exit 0."""
+    x = np.ones((3, 8), np.float32)
+    pair = _npz_pair(tmp_path, {"step0.inp_embd": x}, {"step0.inp_embd": x})
+    assert_one_line_error(*run(capsys, "compare", *pair, "--tokens", "3", "--against", "hf"),
+                          "--against, --tokens: for a run from a prompt", "leave them out")
+    assert_one_line_error(*run(capsys, "compare", *pair, "--raw"), "--raw: for a run from a prompt", "leave it out")
+    assert run(capsys, "compare", *pair, "--layer", "0")[0] == 0          # its own options still work
+
+
 def test_npz_mode_errors(capsys, tmp_path):
     assert_one_line_error(*run(capsys, "compare", str(tmp_path / "a.npz"), str(tmp_path / "b.npz")), "a.npz",
                           "no such file")
@@ -188,6 +213,8 @@ def test_npz_mode_errors(capsys, tmp_path):
     assert_one_line_error(*run(capsys, "compare", str(tmp_path / "ok.npz"), str(tmp_path / "ok.npz")),
                           "'x' is not a stage key")
     assert_one_line_error(*run(capsys, "compare", "a", "b", "c"), "one prompt or two .npz files")
+    assert_one_line_error(*run(capsys, "compare", str(tmp_path / "ok.npz"), "model.gguf"),
+                          "compare model.gguf: not a .npz recording")
     assert_one_line_error(*run(capsys, "compare", "hi", "--threshold", "-1"), "--threshold")
     assert_one_line_error(*run(capsys, "compare", "hi", "--sort", "best"), "--sort")
     assert_one_line_error(*run(capsys, "compare", "hi", "--against", "vllm"), "vllm", "llama.cpp, hf")

@@ -19,6 +19,7 @@ from llamatrace.cli.app import EXIT_DIVERGED, app, out, status_spinner
 from llamatrace.cli.options import (
     ActivationsOpt,
     default_prompt,
+    given_on_command_line,
     LAYER_HELP,
     load_model,
     ModelOpt,
@@ -38,6 +39,7 @@ AGAINST = ("llama.cpp", "hf")
 
 @app.command()
 def compare(
+    ctx: typer.Context,
     args: Annotated[Optional[list[str]], typer.Argument(
         help="The prompt text (default: the short sample), or two .npz recordings: OURS.npz REF.npz.",
         show_default=False, metavar="[PROMPT | OURS.npz REF.npz]")] = None,
@@ -113,6 +115,12 @@ def compare(
     patterns = _stage_patterns(stage)
     if len(args) == 2 and all(a.lower().endswith(".npz") for a in args):
         from llamatrace.analysis.compare import profile_for, recording_meta
+        prompt_only = {"against": "--against", "raw": "--raw", "system": "--system", "prompt_file": "-f",
+                       "tokens": "--tokens"}
+        given = given_on_command_line(ctx, prompt_only)
+        if given:
+            raise OptionError(f"{', '.join(given)}: for a run from a prompt; two recordings are compared as they "
+                              f"were recorded: leave {'it' if len(given) == 1 else 'them'} out")
         ours, ref = (_load_npz(Path(a)) for a in args)
         meta_ours, meta_ref = recording_meta(ours), recording_meta(ref)
         # with --model, judge each stage by the error it adds too (recomputed from each side's inputs)
@@ -120,10 +128,16 @@ def compare(
         if model is not None:
             mode = (meta_ours or {}).get("activations", activations)
             m = load_model(model, threads, mode if mode in ("f32", "q8") else activations)
+            for path, rec in zip(args, (ours, ref)):
+                _check_fits(m, path, rec)
         result = compare_arrays(ours, ref, threshold=threshold, layers=_npz_selection(layer, patterns, args, ours, ref),
                                 stages=patterns, profile=profile_for(meta_ours, meta_ref), model=m)
         result.extra = {**result.extra, "reference": args[1], "ours": args[0]}
     else:
+        if len(args) == 2 and any(a.lower().endswith(".npz") for a in args):
+            other = next(a for a in args if not a.lower().endswith(".npz"))
+            raise OptionError(f"compare {other}: not a .npz recording; give two (OURS.npz REF.npz, as `trace --npz` "
+                              f"writes them)")
         if len(args) > 1:
             raise OptionError(f"compare takes one prompt or two .npz files, got {len(args)} arguments "
                               "(quote a prompt with spaces)")
@@ -153,6 +167,22 @@ def _stage_patterns(values: list[str] | None) -> list[str] | None:
     if not values:
         return None
     return [p.strip() for v in values for p in v.split(",") if p.strip()]
+
+
+def _check_fits(m, path: str, recording: dict) -> None:
+    """OptionError when ``--model`` is not the recording's model: a residual-stream stage of another
+    width, or a layer it does not have (its stages would be recomputed from arrays of other shapes)."""
+    from llamatrace.analysis.compare import META_KEY, parse_key
+    c = m.config
+    for key, array in recording.items():
+        if key == META_KEY:
+            continue
+        _, layer, stage = parse_key(key)
+        wide = stage in ("inp_embd", "attn_norm", "ffn_inp", "ffn_norm", "l_out") and array.shape[-1] != c.dim
+        if wide or (layer is not None and layer >= c.n_layers):
+            what = f"its {key} is {list(array.shape)}" if wide else f"it has layer {layer}"
+            raise OptionError(f"--model {m.path.name} is not the model of {path}: {what}, the model's dim is "
+                              f"{c.dim} in {c.n_layers} layers; give the model the recording was made with")
 
 
 def _load_npz(path: Path) -> dict:

@@ -373,6 +373,14 @@ def parse_stages(patterns: list[str] | None) -> list[str] | None:
     return flat
 
 
+def given_on_command_line(ctx, options: dict[str, str]) -> list[str]:
+    """The options of ``options`` (parameter name → option as written) given on the command line,
+    not left at their defaults: say, to refuse those a mode of the command ignores."""
+    # typer runs its own copy of click: its ParameterSource enum, compared by name
+    return [opt for name, opt in options.items()
+            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+
+
 def check_model_stages(patterns: list[str] | None, config, option: str = "--stage",
                        layers: list[int] | None = None) -> None:
     """Refuse a ``--stage`` id or pattern (:func:`parse_stages`) of which this model computes no

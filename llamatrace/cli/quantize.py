@@ -14,7 +14,7 @@ import typer
 
 from llamatrace.cli.app import (app, err, exit_interrupted, out, plural, quiet, status, status_bar, status_spinner,
                                 stdout)
-from llamatrace.cli.options import NoCacheOpt, RayOpt, WorkerThreadsOpt, WorkersOpt, reads
+from llamatrace.cli.options import NoCacheOpt, RayOpt, WorkerThreadsOpt, WorkersOpt, given_on_command_line, reads
 from llamatrace.cli.progress import CountBar
 from llamatrace.errors import LlamatraceError, OptionError
 
@@ -172,8 +172,7 @@ def quantize(
     search_only = {"target_bpw": "--target-bpw", "target_size": "--target-size", "verify_file": "--verify-file",
                    "workers": "--workers", "ray": "--ray", "measurements": "--measurements", "plot": "-o",
                    "candidates": "--candidates", "measure": "--measure", "ctx_size": "--ctx-size", "chunks": "--chunks"}
-    given = [opt for name, opt in search_only.items()     # typer's own click: its enum, compared by name
-             if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+    given = given_on_command_line(ctx, search_only)
     if given:                  # each was silently ignored without -f (-o's picture never drawn)
         one = len(given) == 1
         raise OptionError(f"{', '.join(given)} belong{'s' if one else ''} to the recipe search: add -f TEXT, or "
