@@ -93,7 +93,14 @@ def test_context_limit_stops_cleanly(capsys, tiny_model_path):
     result = json.loads(out)
     assert result["stop_reason"] == "context"
     assert len(result["prompt_ids"]) + len(result["ids"]) == 6 + 1   # the last token needs no cache slot
-    assert "context limit" in err
+    assert "context limit" in err and "raise --ctx-size (at most the model's" in err
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.model.config import ModelConfig
+    with open_gguf(tiny_model_path) as f:
+        n_ctx = ModelConfig.from_gguf(f).max_seq_len
+    # at the model's own limit, raising --ctx-size is no advice
+    code, out, err = run(capsys, "generate", "--raw", "-n", str(n_ctx + 10), "-m", str(tiny_model_path), "the cat")
+    assert code == 0 and "the model's own limit" in err and "raise --ctx-size" not in err
 
 
 def test_prompt_file_from_stdin_and_dash_prompts(capsys, monkeypatch, tiny_model_path):

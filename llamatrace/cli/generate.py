@@ -125,7 +125,9 @@ def generate(
               f"{stats.prefill_tokens_per_s:.1f} tok/s · decode {stats.decode_tokens_per_s:.1f} tok/s · "
               f"load {load_s:.1f} s · {m.activations} activations · stopped: {reason}[/]")
     if stats.stop_reason == "context" and not interrupted:
-        err.print(f"[yellow]note:[/] stopped at the context limit ({stats.ctx_size} tokens); "
-                  f"raise --ctx-size to go further")
+        full = stats.ctx_size >= m.config.max_seq_len
+        err.print(f"[yellow]note:[/] stopped at the context limit ({stats.ctx_size} tokens"
+                  + ("; the model's own limit: a shorter prompt leaves more room)" if full else
+                     f"); raise --ctx-size (at most the model's {m.config.max_seq_len}) to go further"))
     if interrupted:
         exit_interrupted()
