@@ -68,7 +68,7 @@ def attention(
     r = run.prepare()
     m, ids, ablations = r.model, r.ids, r.ablations
     c = m.config
-    layers = parse_layers(layer, c.n_layers)
+    layers = parse_layers(layer, c.n_layers, one=True)
     if layers is None or len(layers) != 1:
         raise OptionError(f"--layer {layer!r}: attention shows one layer; give N (0-{c.n_layers - 1}) or -1")
     if c.is_recurrent(layers[0]):              # Qwen3.5: no softmax pattern on a DeltaNet layer

@@ -99,7 +99,7 @@ def diagram(
     dg.check_graphviz(fmt)
     r = run.prepare()
     m, text, ids, chat = r.model, r.text, r.ids, r.chat
-    layers = parse_layers(layer, m.config.n_layers)
+    layers = parse_layers(layer, m.config.n_layers, one=fmt != "html")
     layers = list(range(m.config.n_layers)) if layers is None else layers
     if fmt == "html":
         from llamatrace.views.page import build_page

@@ -323,11 +323,12 @@ def numba_cache_is_cold() -> bool:
 _LAYER_ITEM = re.compile(r"^(-?\d+)$|^(\d+)-(\d+)$")
 
 
-def parse_layers(spec: str, n_layers: int | None = None) -> list[int] | None:
+def parse_layers(spec: str, n_layers: int | None = None, one: bool = False) -> list[int] | None:
     """``--layer`` → sorted layer indices, ``None`` for all.
 
     Accepts ``all``, ``N``, ``N-M`` (inclusive), ``-1`` (the last; ``-2`` the one before) and comma
-    lists of these. With ``n_layers`` ``None`` only the syntax is checked.
+    lists of these. With ``n_layers`` ``None`` only the syntax is checked. ``one``: the command
+    shows one layer, so its messages offer no ``all`` (the caller refuses several).
 
     Raises:
         OptionError: bad syntax, or a layer outside ``0..n_layers-1`` (the message gives the range).
@@ -352,7 +353,7 @@ def parse_layers(spec: str, n_layers: int | None = None) -> list[int] | None:
             lo = hi = n_layers + lo
         if lo < 0 or hi >= n_layers:
             raise OptionError(f"--layer {spec!r} is out of range: this model has {n_layers} layers, "
-                              f"valid are 0-{n_layers - 1} (or -1 for the last, or all)")
+                              f"valid are 0-{n_layers - 1} (or -1 for the last{'' if one else ', or all'})")
         chosen.update(range(lo, hi + 1))
     return sorted(chosen) if n_layers is not None else []
 

@@ -53,7 +53,10 @@ def state(
     r = run.prepare()
     m, ids = r.model, r.ids
     c = m.config
-    layers = parse_layers(layer, c.n_layers)
+    if not c.recurrent_layers:
+        raise OptionError(f"{m.path.name} has no gated DeltaNet layers, so no recurrent state: state shows a "
+                          f"hybrid's (qwen35); trace --stage 'kq*' or attention show this model's attention")
+    layers = parse_layers(layer, c.n_layers, one=True)
     if layers is None or len(layers) != 1:
         raise OptionError(f"--layer {layer!r}: state shows one layer; give N (0-{c.n_layers - 1}) or -1")
 
