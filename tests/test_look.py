@@ -124,6 +124,7 @@ def test_generate_with_an_ablation_differs_and_without_it_does_not(capsys, tiny_
     (["generate", "--ablate", "attn_out@"], "expected STAGE@LAYER"),
     (["lens", "--positions", "0"], "--positions must be >= 1"),
     (["state", "--json"], "has no gated DeltaNet layers, so no recurrent state"),   # was a garbled sentence
+    (["trace", "--stage", " , "], "names no stage"),                                # traced nothing, exit 0
     (["attention", "--layer", "9", "--json"], "(or -1 for the last)"),
 ])
 def test_bad_options_give_one_error_line(capsys, tmp_path, tiny_model_path, args, needle):

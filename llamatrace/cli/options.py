@@ -362,11 +362,15 @@ def parse_stages(patterns: list[str] | None) -> list[str] | None:
     """``--stage`` values (repeatable, comma lists, globs) → patterns, checked against the catalogue.
 
     Raises:
-        OptionError: a pattern matching no stage (the message lists the valid ids).
+        OptionError: a pattern matching no stage (the message lists the valid ids), or none given
+            (``--stage ''``).
     """
     if not patterns:
         return None
     flat = [p.strip() for value in patterns for p in value.split(",") if p.strip()]
+    if not flat:               # --stage '' selected no stage: a trace of nothing, exit 0
+        raise OptionError(f"--stage {','.join(patterns)!r} names no stage: give stage ids or globs (kq*), or "
+                          f"leave --stage out for all")
     try:
         select_stages(flat)
     except ValueError as exc:
