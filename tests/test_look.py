@@ -115,6 +115,7 @@ def test_generate_with_an_ablation_differs_and_without_it_does_not(capsys, tiny_
     (["lens", "--ablate", "keys@0"], "stage 'keys' is not an array of its own"),
     (["lens", "--ablate", "Qcur_heads@0"], "cannot be replaced"),
     (["lens", "--ablate", "nope@0"], "unknown stage 'nope'"),
+    (["trace", "--stage", "attn_nrom"], "unknown stage 'attn_nrom'; did you mean attn_norm"),  # not 86 ids
     (["lens", "--ablate", "attn_out@9"], "layer 9 is out of range"),
     (["lens", "--ablate", "attn_out@0:1"], "no heads axis"),
     (["lens", "--ablate", "kqv@0:4"], "head 4 is out of range"),

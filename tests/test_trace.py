@@ -436,7 +436,7 @@ def test_ctrl_c_says_only_what_applies_to_the_outputs_asked_for(gqa_path, tmp_pa
     (["--layer", "5"], ["--layer", "0-1"]),
     (["--layer", "-3"], ["out of range", "0-1"]),
     (["--layer", "1-x"], ["--layer", "N-M"]),
-    (["--stage", "kq*,nope"], ["nope", "attn_norm", "kq_soft_max"]),
+    (["--stage", "kq*,nope"], ["nope", "llamatrace stages -m MODEL"]),
     (["--tokens", "-1"], ["--tokens"]),
     (["--dump-shapes", "--format", "table"], ["--dump-shapes"]),
 ])

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from llamatrace.errors import HookError, OptionError
-from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, Stage
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGES, Stage, unknown_hint
 from llamatrace.tracing.recorder import Emit
 
 REPLACEABLE_IDS: tuple[str, ...] = tuple(s.id for s in STAGES if s.replaceable)
@@ -57,7 +57,7 @@ def check_replaceable(stage_id: str, what: str = "hook") -> Stage:
     """
     stage = STAGE_BY_ID.get(stage_id)
     if stage is None:
-        raise OptionError(f"{what}: unknown stage {stage_id!r}; replaceable stages: {', '.join(REPLACEABLE_IDS)}")
+        raise OptionError(f"{what}: unknown stage {stage_id!r}{unknown_hint(stage_id, REPLACEABLE_IDS)}")
     if not stage.replaceable:
         raise OptionError(f"{what}: stage {stage_id!r} is not an array of its own ({stage.description.rstrip('.')}) "
                           f"and cannot be replaced; replaceable stages: {', '.join(REPLACEABLE_IDS)}")

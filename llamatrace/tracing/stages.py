@@ -47,7 +47,7 @@ import fnmatch
 import functools
 import re
 from dataclasses import dataclass, replace
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 # Shape variables a formula may use. kv_len = start_pos + seq_len (keys held in the cache).
 SHAPE_VARS = ("seq_len", "kv_len", "dim", "n_heads", "n_kv_heads", "head_dim", "hidden_dim",
@@ -737,11 +737,19 @@ def eval_shape(formula: str, dims: Mapping[str, int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def unknown_hint(name: str, ids: Sequence[str]) -> str:
+    """The end of an "unknown stage" message: the close ids, then where the list is (one line, not
+    the catalogue's 80-odd ids)."""
+    close = difflib.get_close_matches(name, ids, n=3, cutoff=0.6)
+    return (f"; did you mean {' or '.join(close)}?" if close else "") + \
+        " (`llamatrace stages -m MODEL` lists those of a model)"
+
+
 def select_stages(patterns: Iterable[str] | None) -> frozenset[str]:
     """Stage ids matching any of ``patterns`` (ids or shell globs such as ``kq*``).
 
     Raises:
-        ValueError: a pattern matches no stage (the message lists the valid ids).
+        ValueError: a pattern matches no stage (the message names the closest ids).
     """
     if patterns is None:
         return frozenset(STAGE_IDS)
@@ -749,6 +757,6 @@ def select_stages(patterns: Iterable[str] | None) -> frozenset[str]:
     for pattern in patterns:
         hits = [sid for sid in STAGE_IDS if fnmatch.fnmatchcase(sid, pattern)]
         if not hits:
-            raise ValueError(f"unknown stage {pattern!r}; valid stages: {', '.join(STAGE_IDS)}")
+            raise ValueError(f"unknown stage {pattern!r}{unknown_hint(pattern, STAGE_IDS)}")
         chosen.update(hits)
     return frozenset(chosen)
