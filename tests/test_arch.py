@@ -194,6 +194,19 @@ def test_a_missing_architecture_tensor_is_named(arch, tensor, tmp_path, capsys):
     assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"), tensor)
 
 
+def test_phi3s_fused_weights_are_drawn_and_traced_as_the_file_holds_them(arch_paths, tmp_path, capsys):
+    """q, k, v read from attn_qkv and gate from ffn_up: drawn as 'blk.0.attn_q.weight ? []' and traced as
+    'attn_wq weights shape([?])', tensors the file does not have."""
+    dot = tmp_path / "phi3.dot"
+    code, out, err = run(capsys, "diagram", "-m", arch_paths["phi3"], "--raw", "hi", "--view", "block", "-o", dot)
+    assert code == 0, err
+    text = dot.read_text()
+    assert "blk.0.attn_qkv.weight" in text and "blk.0.attn_q.weight" not in text and "?" not in text
+    code, out, err = run(capsys, "trace", "-m", arch_paths["phi3"], "--raw", "--layer", "0", "--dump-shapes", "hi")
+    assert code == 0, err
+    assert "shape([?])" not in out and "attn_wk weights shape([" in out
+
+
 # ---- the CLI on every architecture ------------------------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("activations", ["f32", "q8"])

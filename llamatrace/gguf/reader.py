@@ -64,14 +64,23 @@ def weight_tensor_name(suffix: str, layer: int | None, names: Container[str]) ->
     """The GGUF tensor behind a stage weight (``"attn_q.weight"`` of ``layer`` → ``blk.0.attn_q.weight``).
 
     Returns ``(name, tied)``: without an ``output.weight`` in ``names`` the output projection is
-    the token embedding (``token_embd.weight``, tied = True), as llama.cpp reads such files.
+    the token embedding (``token_embd.weight``, tied = True), as llama.cpp reads such files; a
+    weight stored fused into another (:data:`_FUSED`) is that tensor.
     """
     name = suffix if layer is None else f"blk.{layer}.{suffix}"
     if suffix == "output.weight" and name not in names:
         return "token_embd.weight", True
     if suffix == "ffn_norm.weight" and name not in names:      # Qwen3.5: the FFN pre-norm is attn_post_norm
         return f"blk.{layer}.post_attention_norm.weight", False
+    fused = _FUSED.get(suffix)
+    if fused is not None and name not in names and f"blk.{layer}.{fused}" in names:
+        return f"blk.{layer}.{fused}", False
     return name, False
+
+
+_FUSED = {"attn_q.weight": "attn_qkv.weight", "attn_k.weight": "attn_qkv.weight", "attn_v.weight": "attn_qkv.weight",
+          "ffn_gate.weight": "ffn_up.weight"}
+"""A weight that a file may store fused into another (Phi-3: q|k|v in ``attn_qkv``, gate|up in ``ffn_up``)."""
 
 
 # Large arrays decoded only when asked for (:meth:`GGUFFile.field`), never shown as metadata.
