@@ -117,3 +117,18 @@ def test_a_stage_of_the_other_layer_kind_is_refused_with_the_layers_that_compute
     assert code == 0, err
     shapes = {r["id"]: r["model_shape"] for r in json.loads(out)}
     assert shapes["Qcur_full"] == "[seq_len, 128]"                   # 2*q_dim: query and gate, both evaluated
+
+
+def test_a_deltanet_head_can_be_ablated(path, tmp_path, capsys):
+    """beta_sigmoid@0:1 said 'beta_sigmoid [seq_len, ssm_n_v_heads] has no heads axis'. With β = 0 value
+    head 1 writes nothing, so its state stays the zeros a prefill starts from; the other heads' do not."""
+    npz = tmp_path / "t.npz"
+    code, out, err = run(capsys, "trace", "-m", path, "--raw", "--layer", "0", "--stage", "new_state", "--npz", npz,
+                         "--ablate", "beta_sigmoid@0:1", "the cat sat")
+    assert code == 0, err
+    with np.load(npz) as z:
+        state = z["step0.layer0.new_state"]
+    assert not state[1].any() and all(state[h].any() for h in (0, 2, 3))
+    from cli_helpers import assert_one_line_error
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "-n", "1", "--ablate", "beta_sigmoid@0:4",
+                               "hi"), "head 4 is out of range; beta_sigmoid has 4 value heads (0-3)")

@@ -467,7 +467,7 @@ def parse_ablations(values: list[str] | None, config=None) -> list[Ablation]:
             stage or none on a layer stage, a head on a stage without heads, a layer or head
             out of range, a stage the model does not compute (with the one it has instead).
     """
-    from llamatrace.tracing.hooks import check_replaceable, head_axis
+    from llamatrace.tracing.hooks import HEAD_WORDS, check_replaceable, head_axis
 
     out = []
     for text in values or ():
@@ -505,7 +505,7 @@ def parse_ablations(values: list[str] | None, config=None) -> list[Ablation]:
                 count = getattr(config, axis[1])
                 if head >= count:
                     raise OptionError(f"--ablate {text!r}: head {head} is out of range; {stage_id} has {count} "
-                                      f"{'query' if axis[1] == 'n_heads' else 'KV'} heads (0-{count - 1})")
+                                      f"{HEAD_WORDS[axis[1]]} heads (0-{count - 1})")
         out.append(Ablation(text=text, stage=stage_id, layers=layers, head=head))
     return out
 

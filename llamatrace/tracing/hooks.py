@@ -120,18 +120,25 @@ def _apply(fn: HookFn, array: np.ndarray, event: HookEvent) -> np.ndarray:
     return np.ascontiguousarray(out)
 
 
+HEAD_WORDS = {"n_heads": "query", "n_kv_heads": "KV", "ssm_n_v_heads": "value", "ssm_n_k_heads": "key"}
+"""The heads axes a head can be ablated on (their shape variable) and what their heads are: softmax
+attention's query and KV heads, a gated DeltaNet's value and key heads."""
+
+
 def head_axis(stage: Stage) -> tuple[int, str] | None:
-    """``(axis, "n_heads" | "n_kv_heads")`` of the stage's heads axis, or ``None`` if it has none."""
+    """``(axis, shape variable)`` of the stage's heads axis (one of :data:`HEAD_WORDS`), or ``None``
+    if it has none."""
     terms = [t.strip() for t in stage.shape.strip()[1:-1].split(",")]
     for axis, term in enumerate(terms):
-        if term in ("n_heads", "n_kv_heads"):
+        if term in HEAD_WORDS:
             return axis, term
     return None
 
 
 def zero_ablation(stage_id: str, head: int | None = None) -> HookFn:
     """A hook that zeroes the stage's output, or only one head of it (``head`` indexes the stage's
-    heads axis: a query head for ``[.., n_heads, ..]`` stages, a KV head for ``[.., n_kv_heads, ..]``).
+    heads axis: a query head for ``[.., n_heads, ..]`` stages, a KV head for ``[.., n_kv_heads, ..]``,
+    a DeltaNet's value or key head for ``ssm_n_v_heads`` / ``ssm_n_k_heads``).
 
     Raises:
         OptionError: the stage is not replaceable, or ``head`` is given for a stage without a heads
