@@ -40,7 +40,7 @@ def test_bench_reports_the_memory_per_token_and_the_fixed_state(path, capsys):
                          "--repeats", "1", "--threads", "1")
     assert code == 0, err
     text = " ".join(out.split())
-    assert "memory per token 256 bytes (KV of the 1 attention layers" in text
+    assert "memory per token 256 bytes (KV of the 1 attention layer," in text
     assert "recurrent state 16,896 bytes, fixed (conv + DeltaNet state of 3 layers" in text
 
 

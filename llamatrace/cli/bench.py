@@ -87,9 +87,10 @@ def bench(
               f"{cost.weight_bytes / 1e9:.3g} GB of weights, {cost.macs / 1e9:.3g} G multiply-adds "
               f"({cost.prefill_macs / 1e9:.3g} G in a prefill: logits for its last token only)", soft_wrap=True)
     if report.n_recurrent_layers:            # memory: the KV cache grows with the context, the states do not
-        out.print(f"memory per token {report.kv_bytes_per_token:,} bytes (KV of the {report.n_attn_layers} "
-                  f"attention layers, float32); recurrent state {report.state_bytes:,} bytes, fixed (conv + "
-                  f"DeltaNet state of {report.n_recurrent_layers} layers, float32)", soft_wrap=True)
+        out.print(f"memory per token {report.kv_bytes_per_token:,} bytes (KV of the "
+                  f"{plural(report.n_attn_layers, 'attention layer')}, float32); recurrent state "
+                  f"{report.state_bytes:,} bytes, fixed (conv + DeltaNet state of "
+                  f"{plural(report.n_recurrent_layers, 'layer')}, float32)", soft_wrap=True)
     out.print(f"AMX prefill: {m.amx}", soft_wrap=True)
     for t in m.amx_matmuls:          # where AMX is available: both kernels on the same matmul, here and now
         out.print(f"  {t['type']} [{t['rows']}, {t['n_in']}] x [{t['n_out']}, {t['n_in']}]^T: AMX "

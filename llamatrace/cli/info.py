@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from llamatrace.errors import LlamatraceError
-from llamatrace.cli.app import app, err, out
+from llamatrace.cli.app import app, err, out, plural
 from llamatrace.cli.options import ModelOpt, model_file
 
 
@@ -80,14 +80,14 @@ def info(
                 unused = (key == "hidden_dim" and c.n_expert > 0     # feed_forward_length, where no dense FFN runs
                           and value not in (c.expert_hidden_dim, c.shexp_hidden_dim))
                 derived.add_row(key, f"{value} (no layer uses it: every FFN is the experts')" if unused else str(value))
-            derived.add_row("n_rep", f"{c.n_rep} query heads per KV head" + (" (GQA)" if c.n_rep > 1 else ""))
+            derived.add_row("n_rep", f"{plural(c.n_rep, 'query head')} per KV head" + (" (GQA)" if c.n_rep > 1 else ""))
             derived.add_row("output", "tied to token_embd.weight" if "output.weight" not in f.tensors
                             else "output.weight")
             if c.recurrent_layers:                 # memory: KV grows with the context, the states do not
                 derived.add_row("memory per token", f"{c.kv_bytes_per_token:,} bytes (KV of the "
-                                f"{len(c.attn_layers)} attention layers, float32)")
+                                f"{plural(len(c.attn_layers), 'attention layer')}, float32)")
                 derived.add_row("recurrent state", f"{c.state_bytes:,} bytes, fixed (conv + DeltaNet state of "
-                                f"{len(c.recurrent_layers)} layers, float32)")
+                                f"{plural(len(c.recurrent_layers), 'layer')}, float32)")
             out.print(derived)
     from llamatrace.kernels.types.registry import summary
     types = Table(title="Tensor types")

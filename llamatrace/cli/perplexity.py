@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, out, status_bar, stdout
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_bar, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
                                      check_activations, default_activations, load_model, model_file, reads)
 from llamatrace.errors import OptionError
@@ -125,7 +125,7 @@ def perplexity(
         err.print(f"wrote {output}")
     stdout.flush()                  # a full disk behind stdout: its error line, not this summary
     c = result.chunks
-    err.print(f"[dim]{c.n_chunk} chunks of {c.n_ctx} tokens in {result.seconds:.1f} s: {result.tokens_per_s:.0f} "
+    err.print(f"[dim]{plural(c.n_chunk, 'chunk')} of {c.n_ctx} tokens in {result.seconds:.1f} s: {result.tokens_per_s:.0f} "
               f"tokens/s ({workers} worker{'s' if workers > 1 else ''}{' on Ray' if ray else ''}, {activations})[/]")
 
 
