@@ -174,6 +174,14 @@ def test_npz_mode_reports_missing_keys_and_shapes_as_rows(capsys, tmp_path):
     assert code == 0 and "no divergence" in out and "ours.npz vs" in out
     code, out, err = run(capsys, "compare", *_npz_pair(tmp_path, ours, ref), "--stage", "Qcur", "--threshold", "1e-3")
     assert code == 3 and "first divergence: step 0, layer 0, Qcur" in out
+    # arrays of one recording only: counted beside "no divergence", which covered the paired ones only
+    y = x[:, :2]
+    many = {f"step0.layer{i}.l_out": y for i in range(20)}
+    code, out, err = run(capsys, "compare", *_npz_pair(tmp_path, {"step0.inp_embd": x, **many}, {"step0.inp_embd": x}))
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "no divergence: every paired stage (1) is within" in text and "; 20 of 21 arrays are in one recording" in text
+    assert "only in ours (not compared): l_out" in text
     # a pattern that matches no stage of either file was an empty table and "no divergence", exit 0
     assert_one_line_error(*run(capsys, "compare", *_npz_pair(tmp_path, ours, ref), "--stage", "Qcur,ffn_shexp*"),
                           "--stage 'ffn_shexp*' matches no stage of", "ours.npz", "ref.npz", "Qcur, ffn_up")

@@ -257,8 +257,9 @@ def _print_table(result, sort: str) -> None:
         whole = {st for st in {r.stage for r in rows}      # a kind of stage the other side never has
                  if all(r.status == status for r in result.rows if r.stage == st)}
         names = sorted(whole, key=_stage_rank) + [key_of(r) for r in rows if r.stage not in whole]
-        if names:
-            out.print(f"{side} (not compared): {', '.join(names)}")
+        if names:                  # a recording of other layers or steps: hundreds of keys, one line each kind
+            shown = ", ".join(names[:12]) + (f" … ({len(names)} in all)" if len(names) > 12 else "")
+            out.print(f"{side} (not compared): {shown}")
     _print_routing(result.rows)
     for a in result.extra.get("argmax", []):
         if a["reference"] is not None and a["ours"] != a["reference"]:
@@ -270,8 +271,11 @@ def _print_table(result, sort: str) -> None:
     limits = ", ".join(f"{k} {v:g}" for k, v in result.thresholds.items())
     profile = result.extra.get("profile", "custom")
     local = "; each stage's added error checked too" if result.extra.get("local_errors") else ""
+    unpaired = sum(r.status in ("only ours", "only reference") for r in result.rows)
     if first is None:
-        out.print(f"no divergence: every paired stage is within its threshold ({profile}: {limits}{local})")
+        out.print(f"no divergence: every paired stage ({len(paired)}) is within its threshold ({profile}: {limits}"
+                  f"{local})" + (f"; {unpaired} of {len(result.rows)} arrays are in one recording only, not compared"
+                                 if unpaired else ""))
     else:
         where = "model level" if first.layer is None else f"layer {first.layer}"
         if first.status == "shape mismatch":
