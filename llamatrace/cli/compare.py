@@ -218,8 +218,9 @@ def _npz_selection(spec: str, patterns: list[str] | None, paths: list[str], *rec
                 layers.add(layer)
     for p in patterns or ():
         if not any(fnmatch.fnmatchcase(s, p) for s in stages):
+            held = sorted(stages)
             raise OptionError(f"--stage {p!r} matches no stage of {paths[0]} or {paths[1]}; they hold "
-                              f"{', '.join(sorted(stages)) or 'none'}")
+                              f"{', '.join(held[:12]) or 'none'}{' …' if len(held) > 12 else ''}")
     return parse_layers(spec, max(layers) + 1) if layers else None
 
 

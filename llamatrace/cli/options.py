@@ -362,7 +362,7 @@ def parse_stages(patterns: list[str] | None) -> list[str] | None:
     """``--stage`` values (repeatable, comma lists, globs) → patterns, checked against the catalogue.
 
     Raises:
-        OptionError: a pattern matching no stage (the message lists the valid ids), or none given
+        OptionError: a pattern matching no stage (the message names the closest ids), or none given
             (``--stage ''``).
     """
     if not patterns:
