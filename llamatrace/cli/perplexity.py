@@ -126,7 +126,8 @@ def perplexity(
     stdout.flush()                  # a full disk behind stdout: its error line, not this summary
     c = result.chunks
     err.print(f"[dim]{plural(c.n_chunk, 'chunk')} of {c.n_ctx} tokens in {result.seconds:.1f} s: "
-              f"{result.tokens_per_s:.0f} tokens/s ({workers} worker{'s' if workers > 1 else ''}{' on Ray' if ray else ''}, {activations})[/]")
+              f"{result.tokens_per_s:.0f} tokens/s ({workers} worker{'s' if workers > 1 else ''}"
+              f"{' on Ray' if ray else ''}, {activations})[/]")
 
 
 def _print_kld(r) -> None:
