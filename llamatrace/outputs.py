@@ -94,11 +94,14 @@ def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> No
             target must be a regular file — never a device such as ``/dev/null``.
 
     Raises:
-        OutputError: ``path`` is a directory or not a regular file, its parent is missing or not a
-            directory, either is not writable, or it is a file the command reads (:func:`reading`).
+        OutputError: ``path`` is ``-`` (stdout is not a file here), a directory or not a regular
+            file, its parent is missing or not a directory, either is not writable, or it is a file
+            the command reads (:func:`reading`).
     """
     path = Path(path)
     shown = _where(option, path)
+    if str(path) == "-":         # '-' is stdin for -f; as an output it would be a file named '-'
+        raise OutputError(f"{shown}: this output is a file, not stdout; give a file name")
     _refuse_input(path, shown)
     if path.is_dir():
         raise OutputError(f"{shown} is a directory: give a file name")

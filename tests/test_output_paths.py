@@ -70,6 +70,19 @@ def test_an_unwritable_output_fails_before_the_model_loads(capsys, tiny_model_pa
     assert loads == [] and not target.exists()
 
 
+@pytest.mark.parametrize("command, option", [("trace", "--npz"), ("trace", "--log-file"), ("imatrix", "-o"),
+                                             ("diagram", "-o")])
+def test_a_dash_output_is_refused_not_written_as_a_file_named_dash(capsys, tiny_model_path, tmp_path, loads,
+                                                                    monkeypatch, command, option):
+    """'-' is stdin for -f and stdout for trace --jsonl; elsewhere it was a file named '-' in the cwd."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.txt").write_text("some text\n")
+    args = ["-f", tmp_path / "t.txt"] if command == "imatrix" else ["--raw", "hi"]
+    code, out, err = run(capsys, command, "-m", tiny_model_path, *args, option, "-")
+    assert code == 2 and not (tmp_path / "-").exists() and loads == []
+    assert any(why in err for why in ("a file, not stdout", "not to standard output", "extension")), err
+
+
 def test_check_output_path_leaves_nothing_behind(tmp_path):
     check_output_path(tmp_path / "new.svg", "-o")
     check_output_path(tmp_path / "new.jsonl", "--jsonl", whole_file=False)

@@ -126,7 +126,7 @@ def trace(
         shown = "--dump-shapes" if dump_shapes else "--format table"
         raise OptionError(f"--jsonl - writes the events to stdout: drop {shown}, or give --jsonl a file")
     outputs = {opt: p for opt, p in (("--jsonl", jsonl), ("--npz", npz), ("--log-file", log_file))
-               if p is not None and not _to_stdout(p)}
+               if p is not None and not (opt == "--jsonl" and _to_stdout(p))}
     for opt, p in outputs.items():
         check_output_path(p, opt, whole_file=opt == "--npz")
     resolved = {}
