@@ -85,7 +85,8 @@ def compare(
     adds, recomputed from each recording's own inputs; the report names the thresholds used.
 
     With two .npz files (keys step{S}.layer{L}.{stage}, as `trace --npz` writes), compares
-    the recordings instead: missing keys and mismatched shapes are rows of their own.
+    the recordings instead: mismatched shapes are rows of their own; the keys of one recording
+    only are listed after the table (rows in --json) and counted beside the verdict.
 
     Mixture-of-experts stages with a slot per chosen expert (ffn_moe_gate … ffn_moe_weighted) are
     paired by expert id (ffn_moe_topk; llama.cpp's: the top k of its ffn_moe_probs), not by rank, and a
