@@ -92,7 +92,8 @@ def generate(model, prompt_ids: list[int], *, max_tokens: int = 256, sampling: S
     stats.prefill_s = time.perf_counter() - t0
     stats.last_logits = logits
     while True:
-        if not np.isfinite(logits).all():     # NaN sorts first: a silent end of text, or any token
+        # NaN sorts first (a silent end of text, or any token); max is NaN or +inf if any is: one pass
+        if not np.isfinite(logits.max()):
             raise NumericalError(
                 f"the logits after position {cache.pos - 1} hold NaN or Inf, so no token can be chosen: the "
                 f"model's weights (or an --ablate) make them; `llamatrace trace --check-finite` names the first "
