@@ -195,8 +195,9 @@ def test_a_missing_architecture_tensor_is_named(arch, tensor, tmp_path, capsys):
 
 
 def test_phi3s_fused_weights_are_drawn_and_traced_as_the_file_holds_them(arch_paths, tmp_path, capsys):
-    """q, k, v read from attn_qkv and gate from ffn_up: drawn as 'blk.0.attn_q.weight ? []' and traced as
-    'attn_wq weights shape([?])', tensors the file does not have."""
+    """q, k, v read from attn_qkv and gate from ffn_up: once drawn as 'blk.0.attn_q.weight ? []' and traced as
+    'attn_wq weights shape([?])', tensors the file does not have; then traced with attn_qkv's whole shape
+    ([192 64]) for each of q, k and v. Each line now gives the rows its projection uses."""
     dot = tmp_path / "phi3.dot"
     code, out, err = run(capsys, "diagram", "-m", arch_paths["phi3"], "--raw", "hi", "--view", "block", "-o", dot)
     assert code == 0, err
@@ -205,6 +206,8 @@ def test_phi3s_fused_weights_are_drawn_and_traced_as_the_file_holds_them(arch_pa
     code, out, err = run(capsys, "trace", "-m", arch_paths["phi3"], "--raw", "--layer", "0", "--dump-shapes", "hi")
     assert code == 0, err
     assert "shape([?])" not in out and "attn_wk weights shape([" in out
+    assert "attn_wq weights shape([64 64]) -> tensor xq" in out and "attn_wv weights shape([64 64])" in out
+    assert "ffn_gate weights shape([96 64])" in out and "ffn_up weights shape([96 64])" in out
 
 
 # ---- the CLI on every architecture ------------------------------------------------------------

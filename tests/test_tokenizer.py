@@ -13,7 +13,7 @@ import pytest
 from llamatrace.text.chat import render_chat
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
-from llamatrace.text.tokenizer import StreamDecoder, Tokenizer
+from llamatrace.text.tokenizer import StreamDecoder, Tokenizer, quoted
 from llamatrace.text.vocab import bytes_to_unicode
 
 B2U = bytes_to_unicode()
@@ -199,6 +199,14 @@ def test_piece_shows_readable_text(tiny: Tokenizer) -> None:
     assert tiny.piece(2) == "<|im_end|>"
     assert tiny.decode([the]) == " the"
     assert tiny.piece(tiny.encode("\xf0")[0]) == "\\xc3"  # a lone UTF-8 lead byte, escaped
+
+
+def test_quoted_shows_a_partial_characters_byte_as_one_escape(tiny: Tokenizer) -> None:
+    byte = tiny.piece(tiny.encode("\xf0")[0])
+    assert quoted(byte) == "'\\xc3'" and quoted(" " + byte) == "' \\xc3'"    # as Python shows b"\xc3"
+    assert quoted("a\\" + byte) == "'a\\\\\\xc3'"        # a literal backslash stays doubled, as repr
+    assert quoted("\x93") == "'\\x93'" and quoted("\n") == "'\\n'"    # control characters: repr's escapes
+    assert quoted("it's") == repr("it's") and quoted('"') == repr('"')
 
 
 def test_decode_rejects_ids_outside_the_vocabulary(tiny: Tokenizer) -> None:

@@ -47,6 +47,7 @@ def experts(
       llamatrace experts --raw "def fib(n):" -m olmoe.gguf --layer -1 --json > routes.json
     """
     from llamatrace.analysis.experts import check_moe, routes
+    from llamatrace.text.tokenizer import quoted
     from llamatrace.outputs import check_output_path
     from llamatrace.views.plots import check_format
 
@@ -83,7 +84,7 @@ def experts(
                         "weights": [[finite_or_none(round(float(w), 6)) for w in row] for row in route.weights]}
                        for route in chosen]}, ensure_ascii=False, allow_nan=False) + "\n")
         return
-    shown = [repr(p) if len(repr(p)) <= 24 else repr(p)[:22] + "…'" for p in pieces]
+    shown = [quoted(p) if len(quoted(p)) <= 24 else quoted(p)[:22] + "…'" for p in pieces]
     width = max(map(len, shown), default=0)
     for route in chosen:
         out.print(f"layer {route.layer}: each token's {c.n_expert_used} experts as expert:weight, best first "
@@ -192,6 +193,8 @@ def expert_load(
 def _print_load(load, piece, top: int) -> None:
     """Per layer: entropy, the busiest and idlest experts, the pairs that fire together, and the
     busiest expert's top tokens."""
+    from llamatrace.text.tokenizer import quoted
+
     entropy = load.entropy()
     out.print(f"{load.n_tokens} tokens, {load.n_expert} experts (even load = {math.log2(load.n_expert):.2f} bits)",
               markup=False)
@@ -203,6 +206,6 @@ def _print_load(load, piece, top: int) -> None:
         busiest = ", ".join(f"{e}:{counts[e]}" for e in order[:top] if counts[e])     # unused ones are counted apart
         idle = sum(1 for e in range(load.n_expert) if counts[e] == 0)
         pairs = ", ".join(f"{a}+{b} ×{lift:.1f}" for a, b, _, lift in load.top_pairs(layer, top))
-        tokens = ", ".join(f"{piece(t)!r}:{n}" for t, n in load.top_tokens(layer, order[0], top))
+        tokens = ", ".join(f"{quoted(piece(t))}:{n}" for t, n in load.top_tokens(layer, order[0], top))
         out.print(f"layer {layer:>3}: entropy {entropy[layer]:.2f} bits · busiest {busiest} · unused {idle} · "
                   f"together {pairs or '-'} · expert {order[0]} takes {tokens}", markup=False)

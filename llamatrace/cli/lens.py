@@ -82,7 +82,9 @@ def lens(
 def _show(piece: str, width: int = 8) -> str:
     """A piece for the table: a leading space as ␣, control characters escaped, no quotes, cut
     with … past ``width`` characters."""
-    text = repr(piece)[1:-1]
+    from llamatrace.text.tokenizer import quoted
+
+    text = quoted(piece)[1:-1]
     text = "␣" + text[1:] if text.startswith(" ") else text
     return text if len(text) <= width else text[:width - 1] + "…"
 

@@ -192,6 +192,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
         top_k_table,
         write_npz_atomic,
     )
+    from llamatrace.text.tokenizer import quoted
     from llamatrace.tracing.recorder import Recorder
 
     max_tokens = tokens + 1            # the last token is chosen from the last traced step's logits
@@ -263,7 +264,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
                   f"{'end of text' if run_stats.stop_reason == 'eos' else run_stats.stop_reason}")
     if tokens:
         traced = generated[:run_stats.decode_steps]
-        side.print(Text(f"decode steps fed: {' '.join(repr(m.tokenizer.piece(i)) for i in traced)}"))
+        side.print(Text(f"decode steps fed: {' '.join(quoted(m.tokenizer.piece(i)) for i in traced)}"))
     side.print(top_k_table(top_tokens, f"Next-token probabilities after step {steps - 1} (top {len(top_tokens)})"))
     if timings:
         side.print(timings_view(recorder.stage_times, run_stats.decode_steps))

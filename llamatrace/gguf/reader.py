@@ -81,6 +81,8 @@ def weight_tensor_name(suffix: str, layer: int | None, names: Container[str]) ->
 _FUSED = {"attn_q.weight": "attn_qkv.weight", "attn_k.weight": "attn_qkv.weight", "attn_v.weight": "attn_qkv.weight",
           "ffn_gate.weight": "ffn_up.weight"}
 """A weight that a file may store fused into another (Phi-3: q|k|v in ``attn_qkv``, gate|up in ``ffn_up``)."""
+FUSED_TENSORS = tuple(sorted(set(_FUSED.values())))
+"""Suffixes of the tensors that may hold several weights (``str.endswith`` takes the tuple)."""
 
 
 # Large arrays decoded only when asked for (:meth:`GGUFFile.field`), never shown as metadata.

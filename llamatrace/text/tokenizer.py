@@ -496,6 +496,16 @@ class Tokenizer:
         )
 
 
+_DOUBLED_BYTE = re.compile(r"(?<!\\)((?:\\\\)*)\\\\x([0-9a-f]{2})")
+
+
+def quoted(piece: str) -> str:
+    """A piece as a quoted Python literal for tables and log lines: ``repr``, except that a byte
+    of a partial UTF-8 character (:meth:`Tokenizer.piece`'s ``\\xc3``) stays one escape, as Python
+    shows bytes (``' \\xc3'``, not ``' \\\\xc3'``)."""
+    return _DOUBLED_BYTE.sub(r"\1\\x\2", repr(piece))
+
+
 def _stop_texts(tokens: Sequence[str]) -> set[str]:
     """The texts of :data:`STOP_TOKEN_NAMES` this vocabulary has, less llama.cpp's two exceptions:
     "<|end|>" is ordinary beside gpt-oss's or solar-open's call markers, "</s>" beside gemma4's

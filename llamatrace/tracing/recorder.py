@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 import numpy as np
 
 from llamatrace.errors import NumericalError
-from llamatrace.gguf.reader import weight_tensor_name
+from llamatrace.gguf.reader import FUSED_TENSORS, weight_tensor_name
 from llamatrace.tracing.stages import STAGE_BY_ID, eval_shape, select_stages, stage_for
 
 Emit = Callable[[str, "int | None", "np.ndarray | Callable[[], np.ndarray]"], Any]
@@ -292,17 +292,22 @@ class Recorder:
 
         return emit
 
-    def input_shapes(self, stage_id: str, layer: int | None) -> dict[str, list[int]]:
-        """The event's ``inputs``: chapter input names → shapes, weights as ``"<name> weights"``."""
+    def input_shapes(self, stage_id: str, layer: int | None, out_rows: int | None = None) -> dict[str, list[int]]:
+        """The event's ``inputs``: chapter input names → shapes, weights as ``"<name> weights"``.
+
+        A weight read from a fused tensor (Phi-3's ``attn_qkv``, ``ffn_up``) is given as the rows
+        the stage uses, ``[out_rows, in_features]``: ``out_rows`` is the stage output's last dim."""
         stage = STAGE_BY_ID[stage_id]
         shapes = self._input_cache.get(stage_id)
         if shapes is None:        # formulas depend only on the step's dims: evaluate once per step
             shapes = self._input_cache[stage_id] = [(n, eval_shape(f, self._dims)) for n, f in stage.inputs]
         out = {name: list(shape) for name, shape in shapes}
         for name, suffix in stage.weights:
-            shape = self._weight_shapes.get(weight_tensor_name(suffix, layer, self._weight_shapes)[0])
+            tensor = weight_tensor_name(suffix, layer, self._weight_shapes)[0]
+            shape = self._weight_shapes.get(tensor)
             if shape is not None:
-                out[f"{name} weights"] = list(shape)
+                fused = out_rows is not None and len(shape) == 2 and tensor.endswith(FUSED_TENSORS)
+                out[f"{name} weights"] = [out_rows, shape[1]] if fused else list(shape)
         return out
 
     def _record(self, step: int, start_pos: int, seq_len: int, layer: int | None, stage_id: str,
@@ -310,7 +315,7 @@ class Recorder:
         stage = stage_for(stage_id, self._features)
         event = TraceEvent(
             step=step, start_pos=start_pos, seq_len=seq_len, layer=layer, stage=stage_id, op=stage.op,
-            inputs=self.input_shapes(stage_id, layer), shape=list(array.shape), dtype=_dtype_name(array.dtype),
+            inputs=self.input_shapes(stage_id, layer, array.shape[-1] if array.ndim else None), shape=list(array.shape), dtype=_dtype_name(array.dtype),
             elapsed_us=elapsed_us,
             stats=(tensor_stats(array) | _state_stats(stage, array)) if self.stats else None,
             values=head_tail(array, self.values) if self.values else None,

@@ -33,6 +33,7 @@ from rich.text import Text
 
 from llamatrace.outputs import OutputStream, write_atomic
 from llamatrace.model.sampling import softmax64
+from llamatrace.text.tokenizer import quoted
 from llamatrace.tracing.stages import GROUPS, STAGE_BY_ID, STAGES, eval_shape, stage_applies, stage_for
 from llamatrace.tracing.recorder import TraceEvent, finite_or_none
 
@@ -323,7 +324,7 @@ def tokens_table(tokenizer, ids: Sequence[int], title: str = "Prompt tokens") ->
     table.add_column("id", justify="right")
     table.add_column("piece")
     for pos, i in enumerate(ids):
-        table.add_row(str(pos), str(i), Text(repr(tokenizer.piece(i)), style="yellow"))
+        table.add_row(str(pos), str(i), Text(quoted(tokenizer.piece(i)), style="yellow"))
     return table
 
 
@@ -341,7 +342,7 @@ def top_k_table(top: Sequence[tuple[int, str, float]], title: str) -> Table:
     for name, justify in (("#", "right"), ("id", "right"), ("piece", "left"), ("prob", "right"), ("", "left")):
         table.add_column(name, justify=justify)
     for rank, (i, piece, prob) in enumerate(top, 1):
-        table.add_row(str(rank), str(i), Text(repr(piece), style="yellow"), f"{prob:.4f}",
+        table.add_row(str(rank), str(i), Text(quoted(piece), style="yellow"), f"{prob:.4f}",
                       Text("█" * round(prob * 30), style="green"))
     return table
 
