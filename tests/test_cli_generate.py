@@ -43,6 +43,20 @@ def test_generate_json_is_one_object_with_the_documented_fields(capsys, smollm2_
     assert set(result["timings"]) == {"load_s", "prefill_tokens_per_s", "decode_tokens_per_s"}
 
 
+@pytest.mark.model
+def test_the_streamed_text_is_the_generated_text_byte_for_byte(capsys, smollm2_path):
+    """Tabs, carriage returns and control bytes reach stdout as generated (a console used to turn
+    tabs into spaces and drop \\r): stdout is the --json text plus a newline."""
+    prompt = "name\tage\tcity\nAlice\t30\tParis\nBob\t"
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "12", "-m", str(smollm2_path), prompt)
+    assert code == 0, err
+    text = json.loads(out)["text"]
+    assert "\t" in text                        # the case this test is about: the model continues the table
+    code, out, err = run(capsys, "generate", "--raw", "-n", "12", "-m", str(smollm2_path), prompt)
+    assert code == 0, err
+    assert out == text + "\n"
+
+
 @pytest.mark.skipif(not act8.available(), reason="q8 needs AVX2")
 def test_generate_defaults_to_q8_from_a_billion_parameters(capsys, tiny_model_path, monkeypatch):
     from llamatrace.cli import options

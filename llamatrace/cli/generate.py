@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.errors import OptionError
-from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_spinner, stdout
+from llamatrace.cli.app import app, err, exit_interrupted, plural, status_spinner, stdout
 from llamatrace.cli.options import (
     AblateOpt,
     check_run_options,
@@ -100,8 +100,9 @@ def generate(
                 for token in itertools.chain([first], tokens):
                     piece = stream.push(token)
                     pieces.append(piece)
-                    if not json_out and piece:
-                        out.print(piece, end="", markup=False)
+                    if not json_out and piece:     # the bytes as generated: no console rewrites tabs or \r
+                        stdout.write(piece)
+                        stdout.flush()
         except KeyboardInterrupt:
             interrupted = True
     tail = stream.flush()
@@ -117,8 +118,8 @@ def generate(
         stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
         stdout.flush()
     else:
-        out.print(tail, end="", markup=False)
-        out.print()
+        stdout.write(tail + "\n")
+        stdout.flush()
     reason = "interrupted" if interrupted else {"eos": "end of text", "max_tokens": f"--max-tokens {max_tokens}",
                                                 "context": f"context full ({stats.ctx_size} tokens)"}.get(stats.stop_reason or "", "")
     err.print(f"[dim]{plural(len(ids), 'prompt token')}, {len(stats.generated)} generated · prefill "
