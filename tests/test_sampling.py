@@ -139,6 +139,8 @@ def test_temperature_towards_zero_is_greedy():
         best = int(np.argmax(logits))
         assert Sampler(SamplingParams(temperature=0.0))(logits) == best
         assert set(draw(SamplingParams(temperature=1e-4, seed=1), logits, n=20)) == {best}
+        # logits / T overflowed to inf (then inf - inf = NaN probabilities) before the max came off
+        assert set(draw(SamplingParams(temperature=1e-320, seed=1), logits, n=5)) == {best}
 
 
 def test_greedy_lists_the_sampling_options_it_ignores():
@@ -148,7 +150,7 @@ def test_greedy_lists_the_sampling_options_it_ignores():
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-1),
-                                 dict(top_p=0.0), dict(top_p=1.5)])
+                                 dict(top_p=0.0), dict(top_p=1.5), dict(seed=-1), dict(seed=1.5)])
 def test_out_of_range_values_are_refused(bad):
     with pytest.raises(OptionError):
         SamplingParams(**bad)

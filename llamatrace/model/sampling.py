@@ -27,7 +27,7 @@ class SamplingParams:
     """``temperature`` 0 means greedy (argmax). ``top_k`` 0 and ``top_p`` 1.0 disable those filters.
 
     Raises:
-        OptionError: a value out of range (negative temperature or top_k, top_p outside (0, 1]).
+        OptionError: a value out of range (negative temperature, top_k or seed; top_p outside (0, 1])).
     """
 
     temperature: float = 0.0
@@ -42,6 +42,8 @@ class SamplingParams:
             raise OptionError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise OptionError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.seed is not None and not (isinstance(self.seed, (int, np.integer)) and self.seed >= 0):
+            raise OptionError(f"--seed must be an integer >= 0, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -76,7 +78,10 @@ class Sampler:
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))
-        probs = softmax64(logits / np.float64(p.temperature))                    # 1. temperature
+        z = logits.astype(np.float64)
+        z -= z.max()                     # before dividing: a tiny T then gives -inf and 0, not inf - inf
+        with np.errstate(over="ignore"):
+            probs = softmax64(z / p.temperature)                                 # 1. temperature
         n = probs.size
         if 0 < p.top_k < n:                                                      # 2. top-k, renormalised
             order = _likeliest(probs, p.top_k)
