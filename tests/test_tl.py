@@ -168,6 +168,8 @@ def test_patching_the_normalized_stream_uses_tl_s_definition(smollm2):
     ("blocks.3.attn.hook_result", "not served"),
     ("keys@0", "view or lazy copy"),
     ("l_out", "per layer"),
+    ("blocks.0.attn.hook_patern", "did you mean blocks.0.attn.hook_pattern"),    # not "a softmax attention layer"
+    ("blocks.0.linear_attn.hook_q", "no gated DeltaNet layers"),
 ])
 def test_bad_names_get_one_clear_message(smollm2, name, message):
     with pytest.raises(OptionError, match=message):

@@ -244,7 +244,11 @@ def resolve(name: str, n_layers: int, post_norms: bool = False, moe: bool = Fals
                               f"expert's is a stage (ffn_moe_gate@{layer}, ffn_moe_up@{layer}, ffn_moe_swiglu@{layer})")
         recurrent = frozenset(recurrent)
         hooks = _block_hooks(post_norms, moe, layer in recurrent)
-        if rest.startswith(("attn.", "linear_attn.")) and rest not in hooks and 0 <= layer < n_layers:
+        other = _block_hooks(post_norms, moe, layer not in recurrent)    # the other kind of layer's
+        if rest not in hooks and rest in other and 0 <= layer < n_layers:
+            if not recurrent:
+                raise OptionError(f"hook {name!r} is not served: this model has no gated DeltaNet layers "
+                                  f"(linear_attn.* hooks are Qwen3.5's)")
             kind = "a gated DeltaNet layer (linear_attn.* hooks)" if layer in recurrent else \
                 "a softmax attention layer (attn.* hooks)"
             raise OptionError(f"hook {name!r} is not served: layer {layer} is {kind}")
