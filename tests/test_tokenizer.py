@@ -212,6 +212,10 @@ def test_quoted_shows_a_partial_characters_byte_as_one_escape(tiny: Tokenizer) -
 def test_decode_rejects_ids_outside_the_vocabulary(tiny: Tokenizer) -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tiny.decode([5, tiny.n_vocab])
+    with pytest.raises(ValueError, match="token id -1 is outside"):      # not the last entry, as a list takes -1
+        tiny.decode([5, -1])
+    with pytest.raises(TypeError, match="takes a str"):
+        tiny.encode(None)
 
 
 def test_stream_decoder_never_emits_half_a_character(tiny: Tokenizer) -> None:

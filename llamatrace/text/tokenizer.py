@@ -333,7 +333,12 @@ class Tokenizer:
     # ---- encoding ----
 
     def encode(self, text: str, bos: bool | None = None) -> list[int]:
-        """User text → ids. Control-token text ("<|im_end|>") stays plain text; ``bos`` defaults to ``add_bos``."""
+        """User text → ids. Control-token text ("<|im_end|>") stays plain text; ``bos`` defaults to ``add_bos``.
+
+        Raises:
+            TypeError: ``text`` is not a str."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}")
         ids = [self.bos_id] if (self.add_bos if bos is None else bos) and self.bos_id is not None else []
         after_special = True  # SentencePiece prefixes a space to text at the start or after a control token
         for segment in self._segments(text, self._user_special_re):
@@ -467,6 +472,8 @@ class Tokenizer:
         """Ids → the raw bytes they stand for (control tokens as their literal text)."""
         ids = list(ids)
         try:
+            if ids and min(ids) < 0:          # a list would take -1 as its last entry
+                raise IndexError
             return b"".join([self._id_bytes[i] for i in ids])
         except (IndexError, TypeError):
             bad = next(i for i in ids if not (isinstance(i, Integral) and 0 <= i < self.n_vocab))
