@@ -367,3 +367,24 @@ def test_system_without_a_chat_template_says_so_before_the_load(capsys, tmp_path
     # an --ablate out of the model's range is also refused from the header
     assert_one_line_error(*run(capsys, "generate", "-m", templated, "--ablate", "ffn_out@7", "hi"), "--ablate")
     assert loads == []
+
+
+def test_chat_template_trouble_points_the_right_way(capsys, tmp_path):
+    """A template that renders nothing is not 'an empty prompt'; a prompt the template makes too long
+    says how many tokens it added; a template that fails with --system says to drop --system (--raw
+    refuses it)."""
+    empty = write_tiny_llama(tmp_path / "empty.gguf", chat_template="{{ '' }}")
+    assert_one_line_error(*run(capsys, "generate", "-m", empty, "hi there", "-n", "1"),
+                          "chat template rendered an empty prompt; use --raw")
+    long = write_tiny_llama(tmp_path / "long.gguf", chat_template="{{ 'x y z ' * 40 }}{{ messages[0]['content'] }}")
+    code, out, err = run(capsys, "trace", "-m", long, "hi", "--layer", "0")
+    assert_one_line_error(code, out, err, "but the model's context length is 64")
+    import re
+    added, total = map(int, re.search(r"\((\d+) of the (\d+) tokens are the chat template's; --raw sends", err).groups())
+    assert added >= 80 and 1 <= total - added <= 2                     # 'hi' alone is a token or two
+    nosys = write_tiny_llama(tmp_path / "nosys.gguf", chat_template=(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ messages[0]['content'] }}"))
+    code, out, err = run(capsys, "generate", "-m", nosys, "--system", "be brief", "hi", "-n", "1")
+    assert_one_line_error(code, out, err, "System role not supported")
+    assert "drop --system" in err and "use --raw to send the prompt without it" not in err

@@ -83,7 +83,7 @@ def generate(
         err.print(f"[yellow]note:[/] {', '.join(sampling.unused_options())} ignored: --temperature 0 "
                   f"(the default) is greedy; give --temperature > 0 to sample")
     r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
-                    ablate=ablate)
+                    ablate=ablate, ctx_size=ctx_size)
     m, text_in, ids, load_s = r.model, r.text, r.ids, r.load_s
 
     stats = GenerationStats()

@@ -299,6 +299,8 @@ def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[in
 
     Raises:
         OptionError: as :func:`check_system`.
+        PromptError: the template fails (with ``--system``: the advice is to drop it, since
+            ``--raw`` refuses it) or renders nothing.
     """
     tok = model.tokenizer
     check_system(system, raw, bool(tok.chat_template), Path(model.path).name)
@@ -306,7 +308,16 @@ def prompt_ids_for(model, prompt: str, raw: bool, system: str | None) -> list[in
         return tok.encode(prompt)
     messages = ([{"role": "system", "content": system}] if system is not None else [])
     messages.append({"role": "user", "content": prompt})
-    return tok.encode_chat(messages, add_generation_prompt=True)
+    try:
+        ids = tok.encode_chat(messages, add_generation_prompt=True)
+    except PromptError as exc:
+        if system is None:
+            raise
+        raise PromptError(f"{str(exc).split('; use --raw')[0]}; drop --system (the template may have no system "
+                          f"role), or use --raw with the system text in the prompt") from None
+    if not ids and prompt.strip():
+        raise PromptError("the model's chat template rendered an empty prompt; use --raw to send the prompt as is")
+    return ids
 
 
 def numba_cache_is_cold() -> bool:
@@ -564,7 +575,7 @@ def check_run_options(ctx_size: int | None = None, ablate: list[str] | None = No
 
 def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None, *, threads: int | None,
                 activations: str | None, raw: bool, system: str | None, ablate: list[str] | None = None,
-                default: str | None = None) -> Run:
+                default: str | None = None, ctx_size: int | None = None) -> Run:
     """Options to a ready run: read the prompt (``default`` when none is given), check the options
     against the model's header (``--system``, ``--ablate``: before the load, which takes seconds
     to minutes), load the model (with its status line) and tokenize the prompt.
@@ -572,8 +583,11 @@ def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None
     Raises:
         OptionError, PromptError: as :func:`read_prompt`, :func:`check_system`,
             :func:`parse_ablations`; the model's errors (:func:`model_file`,
-            :meth:`~llamatrace.model.llama.Llama.load`).
+            :meth:`~llamatrace.model.llama.Llama.load`); a prompt that does not fit ``ctx_size``
+            (default: the model's context), saying how many tokens the chat template added.
     """
+    from llamatrace.model.generate import check_prompt_fits
+
     import time
 
     from llamatrace.gguf.reader import open_gguf
@@ -587,7 +601,16 @@ def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None
     t0 = time.perf_counter()
     m = load_model(path, threads, activations)
     load_s = time.perf_counter() - t0
-    return Run(m, text, prompt_ids_for(m, text, raw, system), ablations, load_s, raw)
+    ids = prompt_ids_for(m, text, raw, system)
+    try:
+        check_prompt_fits(m, len(ids), ctx_size or m.config.max_seq_len)
+    except PromptError as exc:
+        added = len(ids) - len(m.tokenizer.encode(text)) if not raw and m.tokenizer.chat_template else 0
+        if added <= 0:
+            raise
+        raise PromptError(f"{exc} ({added} of the {len(ids)} tokens are the chat template's; "
+                          f"--raw sends the text alone)") from None
+    return Run(m, text, ids, ablations, load_s, raw)
 
 
 PromptArg = Annotated[Optional[str], typer.Argument(

@@ -135,7 +135,7 @@ def trace(
         if other != opt:
             raise OptionError(f"{other} and {opt} name the same file {str(p)!r}")
     r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
-                    ablate=ablate, default=default_prompt())
+                    ablate=ablate, default=default_prompt(), ctx_size=ctx_size)
     layers = parse_layers(layer, r.model.config.n_layers)
     check_model_stages(stage_patterns, r.model.config, layers=layers)
     with r.ablated():
