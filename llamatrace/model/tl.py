@@ -557,7 +557,12 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
                         if np.array_equal(act, before):
                             continue
                         new = act
-                    new = np.asarray(new, dtype=act.dtype)
+                    try:
+                        new = np.asarray(new, dtype=act.dtype)
+                    except (TypeError, ValueError) as exc:
+                        raise HookError(f"the hook on {s.name!r} returned {type(new).__name__}, not an array of "
+                                        f"numbers ({' '.join(str(exc).split())}); return an array like its input, "
+                                        f"or None to keep it") from None
                     if new.shape != act.shape:
                         raise HookError(f"the hook on {s.name!r} returned shape {list(new.shape)}; it must "
                                         f"return {list(act.shape)} like its input, or None to keep it")
@@ -570,6 +575,8 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
                 return array
             return fn
 
+        if len(ids) > model.config.max_seq_len:       # new_cache would name --ctx-size, an option the caller never gave
+            raise OptionError(f"{len(ids)} tokens do not fit the model's context length {model.config.max_seq_len}")
         cache = model.new_cache(len(ids))
         try:
             with model.hooks({st: at(st) for st in stages}):
