@@ -50,6 +50,13 @@ class PeerError(LlamatraceError):
     """Another engine (llama.cpp, HF transformers) is not installed or failed."""
 
 
+class WorkerDiedError(PeerError):
+    """A corpus run's worker process or Ray actor died again and again (a crash, or the memory ran
+    out): no fault of the input, so exit code 1."""
+
+    exit_code = 1
+
+
 SHOWN_CHARS = 80
 """How much of a string read from a file an error message echoes (:func:`shown`)."""
 

@@ -18,7 +18,7 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     code, out, err = run(capsys, "bench", "--model", str(tiny_model_path), "--prompt-tokens", "5",
                          "--decode-tokens", "3", "--repeats", "2", "--threads", "1", "--json")
     assert code == 0, err
-    report = json.loads(out)
+    report = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} is no JSON (jq and browsers refuse it)"))
     assert (report["prompt_tokens"], report["decode_tokens"], report["repeats"], report["threads"]) == (5, 3, 2, 1)
     assert report["file_bytes"] == tiny_model_path.stat().st_size
     (ours,) = report["results"]
@@ -31,6 +31,7 @@ def test_bench_json_reports_every_figure(capsys, tiny_model_path):
     # f32 activations: no type's prefill on AMX, only the peak where the tiles are available
     assert report["machine"]["amx"] == amx.describe(()) and report["machine"]["amx_matmuls"] == []
     assert (report["machine"]["amx_gmac_s"] > 0) == amx.available().on
+    assert (ours["roofline"]["prefill_of_amx_peak"] is None) == (not amx.available().on)   # not measured: null
     assert report["cost"]["macs"] > 0 and report["cost"]["weight_bytes"] < report["file_bytes"]
     roof = ours["roofline"]
     assert roof["decode_gb_s"] == pytest.approx(report["cost"]["weight_bytes"] * ours["decode_median"] / 1e9)
@@ -95,6 +96,7 @@ def test_bench_runs_each_activations_mode_as_an_engine(capsys, tiny_model_path):
 def test_bench_refuses_unknown_engines_and_bad_counts(capsys, tiny_model_path):
     assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--against", "vllm"), "vllm", "llama.cpp")
     assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--repeats", "0"), "--repeats")
+    assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--threads", "0"), "--threads 0")
 
 
 def test_bench_says_how_to_install_a_missing_peer(capsys, tiny_model_path, monkeypatch):
@@ -135,6 +137,11 @@ def test_a_prompt_longer_than_the_context_names_the_bench_options_not_ctx_size(c
     code, out, err = run(capsys, "bench", "-m", tiny_model_path, "--prompt-tokens", "100000")
     assert_one_line_error(code, out, err, "--prompt-tokens 100000", "context length")
     assert "--ctx-size" not in err and "Error:" not in err
+    # the tiny model holds 64 positions: with 64 decode steps, it is the decode tokens that must give way
+    code, out, err = run(capsys, "bench", "-m", tiny_model_path, "--prompt-tokens", "1", "--decode-tokens", "64")
+    assert_one_line_error(code, out, err, "use at most 55 decode tokens")
+    code, out, err = run(capsys, "bench", "-m", tiny_model_path, "--prompt-tokens", "60", "--decode-tokens", "60")
+    assert_one_line_error(code, out, err, "use at most 55 prompt tokens and 1 decode token")
 
 
 def test_a_bench_child_that_died_before_a_send_is_named_not_a_broken_pipe(tiny_model_path):

@@ -71,3 +71,33 @@ def test_a_collection_resumed_in_the_other_mode_is_refused(capsys, tiny_model_pa
     args = corpus_commands(tiny_model_path, tmp_path)["collect"] + [tmp_path / "acts"]
     assert run(capsys, *args)[0] == 0
     assert_one_line_error(*run(capsys, *args, "--activations", "f32"), '(model.activations: "q8" there, "f32" now)')
+
+
+@pytest.mark.parametrize("command", ["perplexity", "imatrix", "collect", "expert-load"])
+def test_bad_threads_are_refused_before_any_worker_or_output(command, capsys, tiny_model_path, tmp_path, monkeypatch):
+    """--threads 0 or more than the machine's threads: one error line naming --threads, no worker's
+    traceback (a worker used to refuse it, racing its parent's Ctrl-C), and no collection folder
+    begun, which blocked a corrected run ('holds a collection with other settings')."""
+    from llamatrace.machine.runtime import numba_threads
+    monkeypatch.chdir(tmp_path)
+    own = {"perplexity": ["--chunks", "2"], "imatrix": ["--chunks", "2", "-o", "i.gguf"],
+           "expert-load": ["--chunks", "2"], "collect": ["--hook", "l_out@0", "-o", "acts"]}[command]
+    for threads in ("0", str(numba_threads() + 1)):
+        code, out, err = run(capsys, command, "-f", CORPUS, "-m", tiny_model_path, "-c", "32",
+                             "--workers", "2", "--threads", threads, *own)
+        assert_one_line_error(code, out, err, f"--threads {threads}: give an integer from 1")
+        assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_that_dies_on_every_try_is_exit_1_and_ends_the_values_line(capsys, tiny_model_path, monkeypatch):
+    """A crash or an out-of-memory kill is no bad input: exit 1, not 2. The running values
+    ('[1]13.39,') printed before it end with a line break, so the error line starts a line of its own."""
+    monkeypatch.setenv("LLAMATRACE_FAULT", "compute:1:kill")          # every try of chunk 2 (no _ONCE file)
+    monkeypatch.delenv("LLAMATRACE_FAULT_ONCE", raising=False)
+    code, out, err = run(capsys, "perplexity", "-f", CORPUS, "-m", tiny_model_path, "-c", "32", "--chunks", "2",
+                         "--workers", "2")
+    assert code == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "died 3 times on chunk 2" in lines[0] and "Traceback" not in err
+    assert out.startswith("[1]") and out.endswith(",\n")       # chunk 1's value, done while chunk 2's tries died

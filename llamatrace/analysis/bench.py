@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import multiprocessing
 import os
 import resource
@@ -99,6 +100,8 @@ class BenchReport:
                 "decode": [a / b for a, b in zip(r.decode_tok_s, base.decode_tok_s)]}
 
     def to_dict(self) -> dict:
+        """The report as JSON-ready values: a limit the machine did not measure (``nan`` in
+        :func:`~llamatrace.analysis.roofline.fractions`) and any other non-finite number are None."""
         d = asdict(self)
         base = next((r for r in self.results if r.engine == "llama.cpp"), None)
         for r, row in zip(self.results, d["results"]):
@@ -106,7 +109,18 @@ class BenchReport:
             row["roofline"] = self.roofline(r)
             if base is not None and r is not base:
                 row["per_round_vs_llama_cpp"] = self.round_ratios(r, base)
-        return d
+        return _finite(d)
+
+
+def _finite(value):
+    """``value`` with every NaN or infinite float replaced by None, through dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class _CompileTimer:
@@ -289,9 +303,14 @@ def _check_fits(path: str, prompt_tokens: int, decode_tokens: int, n_ctx: int) -
             if len(t.shape) == 2:
                 by_type[tensor_type_name(t)] = by_type.get(tensor_type_name(t), 0) + int(t.n_bytes)
     if n_ctx > limit:
+        if limit - decode_tokens - 8 >= 1:
+            fix = f"use at most {limit - decode_tokens - 8} prompt tokens"
+        elif limit - prompt_tokens - 8 >= 1:
+            fix = f"use at most {limit - prompt_tokens - 8} decode tokens"
+        else:
+            fix = f"use at most {max(1, limit - 9)} prompt tokens and 1 decode token"
         raise OptionError(f"--prompt-tokens {prompt_tokens} and --decode-tokens {decode_tokens} need "
-                          f"{n_ctx} positions (8 spare), more than the model's context length {limit}; "
-                          f"use at most {max(1, limit - decode_tokens - 8)} prompt tokens")
+                          f"{n_ctx} positions (8 spare), more than the model's context length {limit}; {fix}")
     return cost, tuple(sorted(by_type, key=by_type.get, reverse=True)), config
 
 

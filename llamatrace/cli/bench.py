@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from llamatrace.cli.app import app, out, plural, status_spinner
-from llamatrace.cli.options import ModelOpt, NoCacheOpt, ThreadsOpt, check_activations, default_activations, model_file
+from llamatrace.cli.options import (ModelOpt, NoCacheOpt, ThreadsOpt, check_activations, check_threads,
+                                    default_activations, model_file)
 
 
 @app.command()
@@ -61,13 +62,14 @@ def bench(
 
     for mode in activations or ():
         check_activations(mode)
+    check_threads(threads)
     path = model_file(model)
     with status_spinner("") as status:
         report = run_bench(path, against=against or [], prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                            repeats=repeats, threads=threads, activations=activations or [default_activations(path)],
                            background_load=background_load, progress=lambda msg: status.update(msg))
     if as_json:
-        out.print_json(json.dumps(report.to_dict()))
+        out.print_json(json.dumps(report.to_dict(), allow_nan=False))
         return
     ours = report.results[0]
     out.print(f"{path.name} ({report.file_bytes / 1e9:.2f} GB) · {report.cpu} · llamatrace: {ours.threading}; "

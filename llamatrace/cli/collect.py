@@ -12,7 +12,7 @@ import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, plural, status_bar, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
-                                     check_activations, default_activations, load_model, model_file, reads)
+                                     check_activations, check_threads, default_activations, load_model, model_file, reads)
 from llamatrace.errors import OptionError
 
 
@@ -74,6 +74,7 @@ def collect(
 
     if activations is not None:
         check_activations(activations)
+    check_threads(threads, ray is not None)
     if dtype not in DTYPES:
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if ctx_size < 2:

@@ -15,7 +15,7 @@ import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural, stdout
 from llamatrace.cli.options import (LAYER_HELP, ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, RunOptions,
-                                     WorkerThreadsOpt, WorkersOpt, check_activations, check_run_options,
+                                     WorkerThreadsOpt, WorkersOpt, check_activations, check_threads, check_run_options,
                                      default_activations, load_model, model_file, parse_layers, reads, run_options)
 from llamatrace.cli.progress import CountBar
 from llamatrace.errors import OptionError
@@ -139,6 +139,7 @@ def expert_load(
 
     if activations is not None:
         check_activations(activations)
+    check_threads(threads, ray is not None)
     if top < 1:
         raise OptionError(f"--top must be a positive integer, got {top}")
     if output is not None:

@@ -12,7 +12,7 @@ import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
-                                     check_activations, default_activations, load_model, model_file, reads)
+                                     check_activations, check_threads, default_activations, load_model, model_file, reads)
 from llamatrace.cli.progress import CountBar
 
 
@@ -68,6 +68,7 @@ def imatrix(
 
     if activations is not None:
         check_activations(activations)
+    check_threads(threads, ray is not None)
     text = calibration_text(read_corpus(text_file))
     check_output_path(output, "-o")
     path = model_file(model)

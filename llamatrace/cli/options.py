@@ -101,6 +101,18 @@ def check_ctx_size(ctx_size: int | None) -> None:
         raise OptionError(f"--ctx-size must be a positive integer, got {ctx_size}")
 
 
+def check_threads(threads: int | None, ray: bool = False) -> None:
+    """Raises :class:`OptionError` for a ``--threads`` below 1 or, off Ray, above the threads this
+    machine's kernels may run: before any worker starts or any output is begun (on Ray, an actor's
+    threads are the CPUs it reserves on a node, checked against the cluster later)."""
+    if threads is None:
+        return
+    from llamatrace.machine.runtime import numba_threads
+    limit = None if ray else numba_threads()
+    if threads < 1 or (limit is not None and threads > limit):
+        raise OptionError(f"--threads {threads}: give an integer from 1" + (f" to {limit} (this machine)" if limit else ""))
+
+
 SAMPLE_PROMPT = Path(__file__).resolve().parents[2] / "samples" / "prompt.txt"
 # used when the package is installed without the repository's samples/ folder
 FALLBACK_PROMPT = "The capital of France is"

@@ -12,7 +12,7 @@ import typer
 
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_bar, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
-                                     check_activations, default_activations, load_model, model_file, reads)
+                                     check_activations, check_threads, default_activations, load_model, model_file, reads)
 from llamatrace.errors import OptionError
 
 
@@ -75,6 +75,7 @@ def perplexity(
 
     if activations is not None:
         check_activations(activations)
+    check_threads(threads, ray is not None)
     text = read_corpus(text_file)
     path = model_file(model)
     activations = activations or default_activations(path)
@@ -94,6 +95,8 @@ def perplexity(
         check_output_path(output, "-o")
     m = load_model(path, threads, activations) if in_process else None
 
+    values_shown = []             # the running values' line is open: an error or interrupt ends it first
+
     @contextmanager
     def progress(name: str, total: int, main: bool):
         with _Bar(total, name) as bar:
@@ -101,14 +104,21 @@ def perplexity(
                 if main and not json_out:       # llama.cpp's running values, as they come
                     out.print(f"[{i + 1}]{ppl:.4f},", end="", markup=False)
                     stdout.flush()
+                    values_shown.append(i)
                 bar.update(i, ppl)
             yield on_chunk
 
     try:
         result = execute(run, m, progress)
     except KeyboardInterrupt:
+        if values_shown:
+            out.print()
         err.print("[yellow]interrupted[/]: nothing written")
         exit_interrupted()
+    except Exception:
+        if values_shown:
+            out.print()
+        raise
     if json_out:
         stdout.write(json.dumps(result.as_json(run)) + "\n")
     else:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from llamatrace.corpus import faults
 from llamatrace.corpus.worker import MAX_TRIES, ModelSpec, RemoteTraceback, Work, failure
-from llamatrace.errors import OptionError, PeerError
+from llamatrace.errors import OptionError, PeerError, WorkerDiedError
 
 
 class ChunkActor:
@@ -178,7 +178,7 @@ def run_ray(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work:
             new_actor()
         while next_out < n_chunks:
             if not running and not starting:
-                raise PeerError("every Ray actor died; giving up")
+                raise WorkerDiedError("every Ray actor died; giving up")
             ref = ray.wait([*starting, *running], num_returns=1)[0][0]
             if ref in starting:
                 actor = starting.pop(ref)
@@ -187,7 +187,7 @@ def run_ray(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work:
                 except ray.exceptions.RayActorError as exc:
                     lost += 1
                     if lost >= MAX_TRIES:
-                        raise PeerError(f"{MAX_TRIES} Ray actors died while loading the model; giving up "
+                        raise WorkerDiedError(f"{MAX_TRIES} Ray actors died while loading the model; giving up "
                                         f"({_why(exc)})") from exc
                     died(actor)
                     continue
@@ -201,7 +201,7 @@ def run_ray(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], work:
             except ray.exceptions.RayActorError as exc:
                 tries[i] += 1
                 if tries[i] >= MAX_TRIES:
-                    raise PeerError(f"a Ray actor died {MAX_TRIES} times on chunk {i + 1}; giving up "
+                    raise WorkerDiedError(f"a Ray actor died {MAX_TRIES} times on chunk {i + 1}; giving up "
                                     f"({_why(exc)})") from exc
                 pending.appendleft(i)
                 died(actor)

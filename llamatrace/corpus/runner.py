@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from llamatrace.corpus import faults
 from llamatrace.corpus.worker import MAX_TRIES, ModelSpec, RemoteTraceback, Work, failure
-from llamatrace.errors import OptionError, PeerError
+from llamatrace.errors import OptionError, PeerError, WorkerDiedError
 from llamatrace.machine.runtime import catch_interrupts, check_interrupt, start_process
 
 
@@ -86,7 +86,10 @@ def _worker_main(spec: ModelSpec, work: Work, conn) -> None:
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass                                      # the parent is gone or stopping us
     except Exception as exc:      # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(failure(exc, "a worker"))
+        try:
+            conn.send(failure(exc, "a worker"))
+        except (KeyboardInterrupt, OSError):      # the parent, stopping on another's error, was faster
+            pass
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)      # it only exits now
 
@@ -134,13 +137,13 @@ class _Pool:
             if w.chunk is not None:
                 tries[w.chunk] += 1
                 if tries[w.chunk] >= MAX_TRIES:
-                    raise PeerError(f"a worker died {MAX_TRIES} times on chunk {w.chunk + 1}; "
+                    raise WorkerDiedError(f"a worker died {MAX_TRIES} times on chunk {w.chunk + 1}; "
                                     f"giving up (out of memory? try fewer --workers)")
                 pending.appendleft(w.chunk)
             elif not w.ready:
                 lost += 1
                 if lost >= MAX_TRIES:
-                    raise PeerError(f"{MAX_TRIES} workers died while loading the model; giving up "
+                    raise WorkerDiedError(f"{MAX_TRIES} workers died while loading the model; giving up "
                                     f"(out of memory? try fewer --workers)")
             if pending:
                 pool.append(_Worker(self.ctx, self.spec, self.work))
@@ -186,7 +189,7 @@ class _Pool:
                     on_result(next_out, done.pop(next_out))
                     next_out += 1
                 if not pool and next_out < n_chunks:
-                    raise PeerError("every worker died; giving up")
+                    raise WorkerDiedError("every worker died; giving up")
         except BaseException:
             for w in pool:                        # the run is abandoned: so are their chunks
                 if w.process.exitcode is None:
