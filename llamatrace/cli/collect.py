@@ -101,6 +101,9 @@ def collect(
                    dtype, shard_mb, output, workers, ray)
     t0 = time.perf_counter()
     tokens = prepare(c)
+    if c.remade:
+        from rich.markup import escape
+        err.print(f"[yellow]warning:[/] {escape(c.remade)}", highlight=False)
     total = c.n_sequences * ctx_size
     done_before = sum(s["rows"] for s in c.shards)
     m = load_model(path, threads, activations) if here and len(c.shards) < c.n_shards else None

@@ -154,6 +154,7 @@ class Collection:
     corpus_sha256: str = ""
     n_sequences: int = 0
     shards: list[dict] = field(default_factory=list)
+    remade: str | None = None      # why :func:`resume` dropped a listed shard and the ones after it
 
     @property
     def bytes_per_token(self) -> int:
@@ -360,10 +361,12 @@ def _is_shard_name(name: str) -> bool:
 
 def resume(c: Collection) -> list[dict]:
     """The complete shards a previous run of the same settings left in ``c.out`` (checked:
-    size and Parquet footer); shards it did not list are deleted, to be made again.
+    size and Parquet footer); shards it did not list are deleted, to be made again. A listed shard
+    that is missing or damaged is made again with every shard after it (the kept ones are the
+    first shards, in order); ``c.remade`` then says which and why.
 
     Raises:
-        OutputError: the manifest there is for other settings, or a listed shard is damaged.
+        OutputError: the manifest there is for other settings.
     """
     import pyarrow.parquet as pq
     path = _manifest_path(c.out)
@@ -381,16 +384,21 @@ def resume(c: Collection) -> list[dict]:
                               f"{_brief(then)} there, {_brief(now)} now); give a new -o directory or delete "
                               f"that one")
     kept = []
-    for entry in old.get("shards", []):
+    listed_before = old.get("shards", [])
+    for entry in listed_before:
         shard = c.out / DATA / entry["file"]
         try:
             rows = pq.read_metadata(shard).num_rows
+            problem = None if rows == entry["rows"] else f"has {rows} rows, the manifest says {entry['rows']}"
+        except FileNotFoundError:
+            problem = "is missing"
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
-            raise OutputError(f"{shard} is damaged ({type(exc).__name__}: {str(exc)[:80]}); delete it and "
-                              f"rerun to make it again") from None
-        if rows != entry["rows"]:
-            raise OutputError(f"{shard} has {rows} rows, the manifest says {entry['rows']}; delete it "
-                              f"and rerun to make it again")
+            problem = f"is damaged ({type(exc).__name__}: {' '.join(str(exc).split())[:80]})"
+        if problem is not None:
+            after = len(listed_before) - len(kept) - 1
+            c.remade = f"{entry['file']} {problem}; " + \
+                (f"it and the {after} listed after it are made again" if after else "it is made again")
+            break
         kept.append(entry)
     listed = {e["file"] for e in kept}
     for p in (c.out / DATA).iterdir():
