@@ -242,6 +242,10 @@ def test_a_corpus_shorter_than_one_sequence(tmp_path, capsys):
     assert_one_line_error(*run(capsys, "collect", "-f", tmp_path / "short.txt", *HOOKS, "-o", tmp_path / "c"),
                           "fewer tokens than one sequence")
     assert list((tmp_path / "c").iterdir()) == []  # a folder the user made stays, empty
+    (tmp_path / "zeros.bin").write_bytes(bytes(5000))     # as the other corpus commands: no text, no collection
+    assert_one_line_error(*run(capsys, "collect", "-f", tmp_path / "zeros.bin", *HOOKS, "-o", tmp_path / "z"),
+                          "is a binary file (line 1 contains NUL bytes)")
+    assert not (tmp_path / "z").exists()
 
 
 def test_a_corpus_that_cannot_be_read(tmp_path, capsys):

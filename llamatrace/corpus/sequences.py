@@ -55,11 +55,15 @@ def documents(path: Path, packing: Packing) -> Iterator[str]:
 
     Raises:
         OptionError: the file cannot be read.
-        PromptError: not UTF-8, a line that is not a JSON object with that string field.
+        PromptError: not UTF-8 or binary (a NUL byte, as ``perplexity``'s corpus refuses), a line
+            that is not a JSON object with that string field.
     """
     try:
         with open(path, "rb") as f:
             for n, raw in enumerate(f, 1):
+                if b"\x00" in raw:
+                    raise PromptError(f"-f {str(path)!r} is a binary file (line {n} contains NUL bytes): "
+                                      f"give a text file")
                 try:
                     line = raw.decode("utf-8").rstrip("\r\n")
                 except UnicodeDecodeError as exc:
