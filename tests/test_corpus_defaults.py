@@ -101,3 +101,21 @@ def test_a_worker_that_dies_on_every_try_is_exit_1_and_ends_the_values_line(caps
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "died 3 times on chunk 2" in lines[0] and "Traceback" not in err
     assert out.startswith("[1]") and out.endswith(",\n")       # chunk 1's value, done while chunk 2's tries died
+
+
+def test_a_corpus_from_standard_input(capsys, tiny_model_path, monkeypatch, tmp_path):
+    """-f - reads standard input in perplexity (and imatrix, expert-load: the same read_corpus), as
+    generate -f - does; collect, which hashes and rereads its file on resume, says it needs one."""
+    import io
+    import sys
+    args = ["perplexity", "-m", tiny_model_path, "-c", "32", "--chunks", "2", "--json"]
+    code, out, err = run(capsys, *args, "-f", CORPUS)
+    assert code == 0, err
+    from_file = json.loads(out)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(CORPUS.read_bytes())))
+    code, out, err = run(capsys, *args, "-f", "-")
+    assert code == 0, err
+    assert json.loads(out)["ppl"] == from_file["ppl"]
+    code, out, err = run(capsys, "collect", "-f", "-", "-m", tiny_model_path, "--hook", "l_out@0", "-o", tmp_path / "a")
+    assert_one_line_error(code, out, err, "-f -: collect reads its corpus from a file, not standard input")
+    assert not (tmp_path / "a").exists()

@@ -75,6 +75,9 @@ def collect(
     if activations is not None:
         check_activations(activations)
     check_threads(threads, ray is not None)
+    if str(text_file) == "-":
+        raise OptionError("-f -: collect reads its corpus from a file, not standard input (a resumed run "
+                          "checks it and reads it again); save the text to a file")
     if dtype not in DTYPES:
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if ctx_size < 2:

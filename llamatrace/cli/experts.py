@@ -96,7 +96,7 @@ def experts(
 
 @app.command("expert-load")
 def expert_load(
-    text_file: Annotated[Path, typer.Option("--file", "-f", help="The text (UTF-8) to route.", show_default=False,
+    text_file: Annotated[Path, typer.Option("--file", "-f", help="The text (UTF-8) to route; - = standard input.", show_default=False,
                                             callback=reads("the text this run routes (-f)"))],
     model: ModelOpt = None,
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per chunk, each run from an empty "

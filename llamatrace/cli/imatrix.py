@@ -18,7 +18,7 @@ from llamatrace.cli.progress import CountBar
 
 @app.command()
 def imatrix(
-    text_file: Annotated[Path, typer.Option("--file", "-f", help="The calibration text (UTF-8).",
+    text_file: Annotated[Path, typer.Option("--file", "-f", help="The calibration text (UTF-8); - = standard input.",
                                             show_default=False,
                                             callback=reads("the calibration text this run reads (-f)"))],
     output: Annotated[Path, typer.Option("--output", "-o", help="The importance matrix to write (llama.cpp's "

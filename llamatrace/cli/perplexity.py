@@ -18,7 +18,7 @@ from llamatrace.errors import OptionError
 
 @app.command()
 def perplexity(
-    text_file: Annotated[Path, typer.Option("--file", "-f", help="The text (UTF-8) to score.",
+    text_file: Annotated[Path, typer.Option("--file", "-f", help="The text (UTF-8) to score; - = standard input.",
                                             show_default=False, callback=reads("the text this run scores (-f)"))],
     model: ModelOpt = None,
     ctx_size: Annotated[int, typer.Option("--ctx-size", "-c", help="Tokens per chunk; the second half "

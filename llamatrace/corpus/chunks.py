@@ -14,6 +14,7 @@ chunk of its own length.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,14 +38,14 @@ def read_header(model_path: Path):
 
 
 def read_corpus(path: Path) -> str:
-    """The UTF-8 text of ``path``.
+    """The UTF-8 text of ``path``; ``-`` is standard input (read whole, as ``generate -f -``).
 
     Raises:
         OptionError: the file is missing or unreadable.
         PromptError: it is empty (or only whitespace), or binary (a NUL byte, or not UTF-8).
     """
     try:
-        data = Path(path).read_bytes()
+        data = sys.stdin.buffer.read() if str(path) == "-" else Path(path).read_bytes()
     except OSError as exc:
         raise OptionError(f"-f {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
     if b"\x00" in data:
