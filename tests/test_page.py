@@ -297,3 +297,50 @@ def test_user_text_cannot_inject_html_or_script(tmp_path, tiny_model_path):
     data = json.loads(parsed.scripts[0])                                 # the run's data, whole
     assert data["prompt"] == evil
     assert parsed.title.startswith(f"llamatrace — {data['model']}: {evil}") and "&lt;/script&gt;" in text.split("<body>")[0]   # escaped, shown as text
+
+
+@needs_dot
+def test_a_hybrids_page_shows_each_layers_own_drawing(browser, tmp_path):
+    """Qwen3.5: layer 2 is an attention layer, the others gated DeltaNet ones. Choosing layer 2 used to
+    show the DeltaNet drawing of layer 0 relabelled, and its attention stages said 'not run'."""
+    from selenium.webdriver.common.by import By
+    from qwen35_files import write_qwen35_file
+    out = tmp_path / "run.html"
+    path = write_qwen35_file(tmp_path / "qwen35.gguf")
+    assert main(["diagram", "-m", str(path), "--raw", "the cat", "--tokens", "1", "-o", str(out)]) == 0
+    browser.get(out.as_uri())
+    nodes = lambda: {g.find_element(By.TAG_NAME, "title").get_attribute("textContent")   # noqa: E731
+                     for g in browser.find_elements(By.CSS_SELECTOR, "#diagram g.node")}
+    select(browser, "view", "block")
+    for step in ("0", "1"):
+        select(browser, "step", step)
+        select(browser, "layer", "2")
+        assert {"Qcur", "kq_soft_max", "attn_gated"} <= nodes() and "new_state" not in nodes()
+        click_node(browser, "kq_soft_max")
+        assert browser.find_element(By.ID, "p-id").text.startswith("kq_soft_max")     # its event, not "not run"
+        select(browser, "layer", "3")                   # another DeltaNet layer than the one drawn (0)
+        assert "new_state" in nodes() and "kq_soft_max" not in nodes()
+        assert "blk.3." in browser.find_element(By.ID, "diagram").text
+        click_node(browser, "new_state")
+        assert browser.find_element(By.ID, "p-id").text.startswith("new_state")
+    assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "ERROR")] == []
+
+
+@needs_dot
+def test_attention_of_a_long_prompt_offers_the_heads_the_page_keeps(browser, smollm2_path, tmp_path):
+    """100 tokens: a head's map is 10,000 values, the page keeps 65,536 of the 90,000: heads 0-5 are
+    shown and the rest named; the heatmap used to vanish without a word."""
+    from selenium.webdriver.common.by import By
+    out = tmp_path / "long.html"
+    prompt = " ".join(["word"] * 100)
+    assert main(["diagram", "--model", str(smollm2_path), "--raw", prompt, "--tokens", "0", "-o", str(out)]) == 0
+    browser.get(out.as_uri())
+    n = len(page_data(out)["tokens"])
+    heads = 65536 // (n * n)
+    assert 1 <= heads < 9
+    click_node(browser, "kq_soft_max")
+    options = browser.find_elements(By.CSS_SELECTOR, "#head option")
+    assert [o.get_attribute("value") for o in options] == [str(h) for h in range(heads)]
+    assert f"heads 0–{heads - 1} of 9: the page keeps the first 65536 values" in browser.find_element(By.ID, "panel").text
+    rows = browser.find_elements(By.CSS_SELECTOR, "#attn tr")
+    assert len(rows) == n

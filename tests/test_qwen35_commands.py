@@ -75,12 +75,21 @@ def test_compare_two_recordings_of_qwen35(path, tmp_path, capsys):
     assert {"new_state", "linear_attn_out", "attn_gated"} <= stages
 
 
-def test_page_of_a_qwen35_diagram(path, tmp_path, capsys):
+def test_page_of_a_qwen35_diagram_draws_each_kind_of_layer(path, tmp_path, capsys):
+    """One drawing per kind of layer, each with its own stages: the page used to draw layer 0 (DeltaNet)
+    and show it, relabelled, for the attention layer 2 too."""
+    import re
     html = tmp_path / "run.html"
     code, out, err = run(capsys, "diagram", "-m", path, "--raw", "the cat", "-o", html)
     assert code == 0, err
     page = html.read_text()
-    assert "new_state" in page and "attn_gated" in page
+    data = json.loads(re.search(r'<script id="run-data" type="application/json">(.*?)</script>', page, re.S).group(1))
+    assert data["layer_kinds"] == ["deltanet", "deltanet", "attn", "deltanet"] and data["drawn_layers"] == {
+        "deltanet": 0, "attn": 2}
+    svgs = dict(re.findall(r'<div class="svg" data-key="([^"]+)" hidden>(.*?)</div>', page, re.S))
+    nodes = {key: set(re.findall(r"<title>([^<]+)</title>", svg)) for key, svg in svgs.items()}
+    assert {"new_state", "linear_attn_out"} <= nodes["block:0:deltanet"] and "kq_soft_max" not in nodes["block:0:deltanet"]
+    assert {"Qcur", "kq_soft_max", "attn_gated"} <= nodes["block:0:attn"] and "new_state" not in nodes["block:0:attn"]
 
 
 def test_lens_reads_every_layer_of_qwen35(path, capsys):

@@ -133,6 +133,12 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
     c = model.config
     ctx = cache_for_steps(model, len(prompt_ids), tokens, ctx_size, "--tokens")
     first = sorted(value_layers)[0]
+    # one drawing per kind of layer (a hybrid's DeltaNet and attention layers, sliding-window and
+    # global ones): the first value layer of each kind, else its first layer
+    kinds = [layer_kind_key(c, i) for i in range(c.n_layers)]
+    drawn: dict[str, int] = {}
+    for i in [*sorted(value_layers), *range(c.n_layers)]:
+        drawn.setdefault(kinds[i], i)
     collect = _Collector(frozenset(value_layers), model.tokenizer)
     # every layer; the collector drops each array once summarised, the events stay for the views
     rec = Recorder(layers=None, stats=True, keep_arrays=True, sinks=[collect])
@@ -141,17 +147,19 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
     svgs: dict[str, str] = {}
     runs = []
     for s in range(tokens + 1):
-        run = dg.run_info(model, prompt, prompt_ids, out, chat=chat, layer=first, step=s, ctx=ctx)
-        runs.append(run)
         events = [e for e in rec.events if e.step == s]
-        for v in dg.VIEWS:
-            hl = highlight if highlight is not None and (v == "model" or not highlight.model_only) else None
-            try:
-                graph = dg.build_diagram(events, run, view=v, highlight=hl)
-            except OptionError:            # the highlighted stage does not run at this step
-                graph = dg.build_diagram(events, run, view=v)
-            svg = dg.render(graph, "svg").decode("utf-8")
-            svgs[f"{v}:{s}"] = svg[svg.index("<svg"):]
+        for kind, layer in drawn.items():
+            run = dg.run_info(model, prompt, prompt_ids, out, chat=chat, layer=layer, step=s, ctx=ctx)
+            if layer == first:
+                runs.append(run)
+            for v in dg.VIEWS:
+                hl = highlight if highlight is not None and (v == "model" or not highlight.model_only) else None
+                try:
+                    graph = dg.build_diagram(events, run, view=v, highlight=hl)
+                except OptionError:            # the highlighted stage does not run at this step (or layer)
+                    graph = dg.build_diagram(events, run, view=v)
+                svg = dg.render(graph, "svg").decode("utf-8")
+                svgs[f"{v}:{s}:{kind}"] = svg[svg.index("<svg"):]
     tok = model.tokenizer
     data = {
         "version": __version__, "model": runs[0].model_name,
@@ -161,7 +169,8 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
                    "head_dim": c.head_dim, "hidden_dim": c.hidden_dim, "vocab_size": c.vocab_size},
         "tokens": [{"id": int(i), "piece": tok.decode([int(i)])} for i in prompt_ids],
         "generated": [{"id": int(i), "piece": tok.decode([int(i)])} for i in out],
-        "value_layers": sorted(value_layers), "drawn_layer": first, "steps": tokens + 1, "start_view": view,
+        "value_layers": sorted(value_layers), "drawn_layer": first, "layer_kinds": kinds, "drawn_layers": drawn,
+        "steps": tokens + 1, "start_view": view,
         "start_step": min(step, tokens),
         "highlight": sorted(highlight.stage_ids) if highlight else [],
         "highlight_label": highlight.label if highlight else "",
@@ -170,6 +179,14 @@ def build_page(model, prompt: str, prompt_ids: Sequence[int], *, chat: bool, val
         "max_values": MAX_VALUES,
     }
     return _html(data, svgs).encode("utf-8")
+
+
+def layer_kind_key(config, layer: int) -> str:
+    """A short key of what a drawing of ``layer`` depends on beyond its number: gated DeltaNet or
+    attention, and a sliding window or not (``"attn"``, ``"attn-swa"``, ``"deltanet"``)."""
+    if config.is_recurrent(layer):
+        return "deltanet"
+    return "attn-swa" if config.is_local(layer) else "attn"
 
 
 def _asset(name: str) -> str:

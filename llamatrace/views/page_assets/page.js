@@ -83,7 +83,7 @@
     return {kv_cache: "cache_k", tokens: "inp_embd", sampled: "result_output"}[t] || null;
   }
   function showView() {
-    const key = `${state.view}:${state.step}`;
+    const key = `${state.view}:${state.step}:${D.layer_kinds[state.layer]}`;
     const box = $("diagram");
     const src = document.querySelector(`#views .svg[data-key="${key}"]`);
     box.innerHTML = src.innerHTML;
@@ -100,10 +100,11 @@
     drawTokens();
     markSelected();
   }
-  // The views are drawn for one layer (every layer has the same shapes): name the chosen one instead.
+  // The views are drawn for one layer of each kind (D.drawn_layers: DeltaNet or attention, with a
+  // sliding window or not); the layers of a kind have the same stages and shapes: name the chosen one.
   function relabel(box) {
     const L = state.layer, W = D.weights[L] || {};
-    if (L === D.drawn_layer) return;
+    if (L === D.drawn_layers[D.layer_kinds[L]]) return;
     const src = L === 0 ? "inputTensor (embedding)" : `output of layer ${L - 1}`;
     for (const t of box.querySelectorAll("text")) {
       t.textContent = t.textContent.replace(/\bblk\.\d+\./g, `blk.${L}.`).replace(/\b(Cache[KV])\[\d+\]/g, `$1[${L}]`)
@@ -146,11 +147,13 @@
       `<td class="num">${shape(w.shape)}</td></tr>`).join("") + "</table>";
   }
   function attention(ev) {
-    const [nh, rows, cols] = ev.shape, need = nh * rows * cols;
-    if (!ev.values || ev.n < need) return "";
-    const v = values(ev), h = Math.min(state.head, nh - 1);
+    const [nh, rows, cols] = ev.shape, kept = ev.values ? Math.min(nh, Math.floor(ev.n / (rows * cols))) : 0;
+    if (!ev.values) return "";
+    if (!kept) return `<h3>attention</h3><p class="hint" id="attn-none">one head's map has ${rows * cols} values, ` +
+      `more than the ${ev.n} the page keeps: see it with <code>llamatrace attention --layer ${state.layer}</code></p>`;
+    const v = values(ev), h = Math.min(state.head, kept - 1);
     let opts = "";
-    for (let i = 0; i < nh; i++) opts += `<option value="${i}"${i === h ? " selected" : ""}>${i}</option>`;
+    for (let i = 0; i < kept; i++) opts += `<option value="${i}"${i === h ? " selected" : ""}>${i}</option>`;
     let body = "";
     for (let r = 0; r < rows; r++) {
       const q = ev.start_pos + r;
@@ -163,8 +166,10 @@
       }
       body += `<tr><th>${esc(tokenAt(q))}</th>${cells}<td class="sum">Σ ${sum.toFixed(3)}</td></tr>`;
     }
+    const cut = kept < nh ? ` (heads 0–${kept - 1} of ${nh}: the page keeps the first ${ev.n} values; ` +
+      `all heads: <code>llamatrace attention --layer ${state.layer}</code>)` : "";
     return `<h3>attention of head <select id="head">${opts}</select></h3>` +
-      `<p class="hint">rows: query tokens; columns: key positions 0…${cols - 1}; colour: √probability</p>` +
+      `<p class="hint">rows: query tokens; columns: key positions 0…${cols - 1}; colour: √probability${cut}</p>` +
       `<table class="attn" id="attn">${body}</table>`;
   }
   function topk() {
