@@ -111,7 +111,8 @@ def test_generate_with_an_ablation_differs_and_without_it_does_not(capsys, tiny_
     (["attention", "--layer", "0", "--head", "4"], "--head 4 is out of range"),
     (["attention", "--layer", "0-1"], "one layer"),
     (["attention", "-o", "x.txt"], ".png, .svg, .pdf"),
-    (["attention", "--json", "--step", "500"], "choose a smaller --step"),
+    (["attention", "--json", "--step", "500"], "--step 500 needs 50"),            # at once: it decoded to the limit
+    (["attention", "--layer", "0,1"], "one layer"),                               # before the load
     (["lens", "--ablate", "keys@0"], "stage 'keys' is not an array of its own"),
     (["lens", "--ablate", "Qcur_heads@0"], "cannot be replaced"),
     (["lens", "--ablate", "nope@0"], "unknown stage 'nope'"),

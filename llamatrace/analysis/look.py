@@ -60,6 +60,10 @@ def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> Attent
         raise OptionError(f"--layer {layer} is out of range: this model has {c.n_layers} layers (0-{c.n_layers - 1})")
     if step < 0:
         raise OptionError(f"--step must be >= 0, got {step}")
+    if len(prompt_ids) + step > model.config.max_seq_len:    # at once, not after minutes of decoding
+        raise OptionError(f"--step {step} needs {len(prompt_ids) + step} cache positions ({len(prompt_ids)} prompt "
+                          f"tokens + {step} decode steps), more than the model's context length "
+                          f"{model.config.max_seq_len}; choose a smaller --step")
     rec = Recorder(layers=[layer], stages=["kq_soft_max"], keep_arrays=True)
     tokens = list(generate(model, prompt_ids, max_tokens=step + 1, recorder=rec))
     events = [e for e in rec.events if e.step == step]
