@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from llamatrace.errors import OutputError
+from llamatrace.errors import OptionError, OutputError
 
 
 def _where(option: str, path: Path) -> str:
@@ -117,6 +117,30 @@ def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> No
             raise OutputError(f"{shown}: the file is not writable")
     if whole_file or not path.exists():        # a stream into an existing file (/dev/null) makes none
         check_writable_dir(parent, shown)
+
+
+def output_suffix(path: Path, option: str, formats, kind: str, example: str) -> str:
+    """The format an output file's extension names (lowercase, no dot), one of ``formats``: the
+    same words for every command that writes a picture or diagram (``kind``: "an image", "a diagram").
+
+    Raises:
+        OptionError: ``-`` (standard output), a directory (``example`` is a file name to give in it),
+            no extension or another one (the message lists ``formats``).
+    """
+    listed = ", ".join("." + f for f in formats)
+    if str(path) == "-":
+        raise OptionError(f"{option} -: {kind} is written to a file, not to standard output; give a file name "
+                          f"ending in one of {listed} (e.g. {option} {example})")
+    if path.is_dir():
+        raise OptionError(f"{option} {str(path)!r} is a directory: give a file name in it, "
+                          f"e.g. {option} {str(path / example)!r}")
+    ext = path.suffix.lower().lstrip(".")
+    if not ext:
+        raise OptionError(f"{option} {str(path)!r} has no extension: end the name in one of {listed} "
+                          f"(it picks the format)")
+    if ext not in formats:
+        raise OptionError(f"{option} {str(path)!r}: '.{ext}' is not {kind} format here; use one of {listed}")
+    return ext
 
 
 def is_temp_name(name: str) -> bool:

@@ -344,3 +344,12 @@ def test_attention_of_a_long_prompt_offers_the_heads_the_page_keeps(browser, smo
     assert f"heads 0–{heads - 1} of 9: the page keeps the first 65536 values" in browser.find_element(By.ID, "panel").text
     rows = browser.find_elements(By.CSS_SELECTOR, "#attn tr")
     assert len(rows) == n
+
+
+@pytest.mark.parametrize("flag, needle", [("--timings", "does not show times"), ("--stats", "always has them")])
+def test_image_only_flags_are_refused_for_the_page(flag, needle, tmp_path, capsys):
+    """--stats did nothing to the page (it always has the statistics) and exited 0 without a word."""
+    code = main(["diagram", "--model", str(tmp_path / "missing.gguf"), flag, "-o", str(tmp_path / "run.html")])
+    assert code == 2
+    line = error_line(capsys)
+    assert flag in line and needle in line and not (tmp_path / "run.html").exists()

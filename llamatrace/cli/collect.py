@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import Annotated, List
 
 import typer
 

@@ -90,6 +90,9 @@ def diagram(
         raise OptionError(f"--tokens is for the .html page; an .{fmt} diagram draws one step: use --step")
     if fmt == "html" and timings:
         raise OptionError("--timings colours an .svg/.png/.pdf/.dot diagram; the .html page does not show times")
+    if fmt == "html" and stats:
+        raise OptionError("--stats adds numbers to an .svg/.png/.pdf/.dot diagram; the .html page always has "
+                          "them (click a stage): drop --stats")
     if tokens is not None and tokens < 0:
         raise OptionError(f"--tokens must be 0 or more, got {tokens}")
     tokens = max(1 if tokens is None else tokens, step)         # --step picks the step the page opens on

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from llamatrace.corpus import faults
 from llamatrace.corpus.worker import MAX_TRIES, ModelSpec, RemoteTraceback, Work, failure
-from llamatrace.errors import OptionError, PeerError, WorkerDiedError
+from llamatrace.errors import OptionError, WorkerDiedError
 from llamatrace.machine.runtime import catch_interrupts, check_interrupt, start_process
 
 
@@ -50,7 +50,8 @@ def run_chunks(spec: ModelSpec, n_chunks: int, payload: Callable[[int], Any], wo
         LlamatraceError: raised by ``work`` or by a worker's model load (re-raised here, chained to
             a :class:`RemoteTraceback` with the worker's traceback); any other exception of a
             worker as a PeerError naming it.
-        PeerError: a chunk's worker died :data:`MAX_TRIES` times; the Ray cluster is unreachable.
+        WorkerDiedError: a chunk's worker died :data:`MAX_TRIES` times (exit code 1).
+        PeerError: the Ray cluster is unreachable.
         OptionError: ``workers`` below 1; ``ray`` without Ray installed.
     """
     if workers < 1:

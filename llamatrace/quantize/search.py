@@ -50,7 +50,7 @@ from typing import Callable, Iterable, Sequence
 import gguf
 import numpy as np
 
-from llamatrace.corpus.metrics import compress_log_probs, token_kld
+from llamatrace.corpus.metrics import KLDStats, compress_log_probs, token_kld
 from llamatrace.errors import OptionError, OutputError, UnsupportedModelError
 from llamatrace.kernels.mul_mat_id import FileExperts, supported
 from llamatrace.kernels.types import packing
@@ -809,7 +809,7 @@ def stock_like(groups: Iterable[Group], types: dict[str, T], budget: Budget, sto
     return Recipe(choices, budget, base_kld, "stock")
 
 
-def measured_kld(base_model, model, chunks) -> "KLDStats":
+def measured_kld(base_model, model, chunks) -> KLDStats:
     """``llama-perplexity --kl-divergence`` statistics of ``model`` against ``base_model`` (both loaded)
     on ``chunks`` (:class:`llamatrace.corpus.chunks.Chunks`): the base's rows are made in memory,
     then :func:`llamatrace.corpus.perplexity.kl_divergence`'s per-token arithmetic."""

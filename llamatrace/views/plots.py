@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from llamatrace.errors import OptionError
 from llamatrace.analysis.experts import ExpertLoad, Route
 from llamatrace.analysis.look import AttentionMaps, Lens
-from llamatrace.outputs import write_atomic
+from llamatrace.outputs import output_suffix, write_atomic
 
 FORMATS = ("png", "svg", "pdf")
 MASKED_COLOUR = "#c8c8c8"     # grey: no probability at all, distinct from the colormap's dark low end
@@ -32,13 +31,10 @@ def check_format(path: Path, option: str = "-o") -> str:
     """The image format named by ``path``'s extension.
 
     Raises:
-        OptionError: no extension or one matplotlib is not asked to write here.
+        OptionError: as :func:`~llamatrace.outputs.output_suffix` (``-``, a directory, no
+            extension or one matplotlib is not asked to write here).
     """
-    ext = path.suffix.lower().lstrip(".")
-    if ext not in FORMATS:
-        raise OptionError(f"{option} {str(path)!r}: the extension must be one of "
-                          f"{', '.join('.' + f for f in FORMATS)} (it picks the image format)")
-    return ext
+    return output_suffix(Path(path), option, FORMATS, "an image", "plot.png")
 
 
 def _pyplot():

@@ -29,7 +29,7 @@ from llamatrace.kernels.quantizers.rows import for_type
 from llamatrace.kernels.types.f32_ir import AHEAD_Q8_0, decode_q8_0
 from llamatrace.kernels.types.packing import matmul_ref
 from llamatrace.kernels.types.registry import BlockFormat, Kernel, QuantType, declare
-from llamatrace.machine.jit import JIT, JIT_EXACT, JIT_INLINE, JIT_PARALLEL
+from llamatrace.machine.jit import JIT, JIT_EXACT, JIT_PARALLEL
 
 _T = gguf.GGMLQuantizationType
 TR = tiles.TR

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import graphviz
 
-from llamatrace.errors import OptionError, OutputError
+from llamatrace.errors import OutputError
 
 FORMATS = ("svg", "png", "pdf", "dot", "html")
 
@@ -18,19 +18,8 @@ def output_format(path: Path) -> str:
     Raises:
         OptionError: no or an unknown extension (the message lists the formats).
     """
-    formats = ", ".join("." + f for f in FORMATS)
-    if str(path) == "-":
-        raise OptionError(f"-o -: a diagram is written to a file, not to standard output; "
-                          f"give a file name ending in one of {formats} (e.g. -o flow.svg)")
-    if path.is_dir():
-        raise OptionError(f"-o {str(path)!r} is a directory: give a file name in it, "
-                          f"e.g. -o {str(path / 'flow.svg')!r}")
-    ext = path.suffix.lower().lstrip(".")
-    if ext not in FORMATS:
-        shown = f"'.{ext}'" if ext else "no extension"
-        raise OptionError(f"-o {str(path)!r}: {shown} is not a diagram format; "
-                          f"use one of {formats}")
-    return ext
+    from llamatrace.outputs import output_suffix
+    return output_suffix(Path(path), "-o", FORMATS, "a diagram", "flow.svg")
 
 
 class GraphvizMissingError(OutputError):
