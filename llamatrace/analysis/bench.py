@@ -394,7 +394,7 @@ def _child(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> Non
 
 def _serve(conn, engine: str, path: str, threads: int | None, n_ctx: int) -> None:
     from llamatrace.machine import runtime
-    if engine != "llamatrace":      # peers' own progress bars and logs would garble ours
+    if not engine.startswith("llamatrace"):      # peers' own progress bars and logs would garble ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.environ["TRANSFORMERS_VERBOSITY"] = "error"
