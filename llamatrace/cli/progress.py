@@ -24,7 +24,9 @@ class CountBar:
     so far); none at the end, where the command's summary follows. Use it as a ``with`` block.
 
     The first :meth:`update` starts the clock; what is done by then (resumed from an earlier run)
-    counts as done, not in the pace.
+    counts as done, not in the pace. The time left is the pace from the first unit done to the
+    last (the start-up before the first, a model load or workers starting, is no part of it), so
+    a line gives none until two units are done.
 
     Attributes:
         done, total: the last :meth:`update`'s.
@@ -44,6 +46,7 @@ class CountBar:
         self.task = None
         self.done = self.total = self.ran = 0
         self.t0 = self.last_line = 0.0
+        self.first: tuple[float, int] | None = None      # (when, ran) at the first unit done
 
     def update(self, done: int, total: int) -> None:
         """``done`` of ``total`` units are done (a ``progress(done, total)`` callback)."""
@@ -53,12 +56,16 @@ class CountBar:
             self.t0 = self.last_line = now
         else:
             self.ran += done - self.done
+            if self.first is None and self.ran > 0:
+                self.first = (now, self.ran)
             self.progress.update(self.task, completed=done)
             tenth = total > 0 and done * 10 // total > self.done * 10 // total
             if self.lines and self.ran > 0 and done < total and (tenth or now - self.last_line >= self.LOG_EVERY_S):
-                left = (now - self.t0) / self.ran * (total - done)
+                since, ran_then = self.first
+                left = f", about {clock((now - since) / (self.ran - ran_then) * (total - done))} left" \
+                    if self.ran > ran_then else ""
                 status(f"{self.verb} {done} of {total} {self.unit} ({100 * done // total} %) "
-                       f"in {clock(now - self.t0)}, about {clock(left)} left")
+                       f"in {clock(now - self.t0)}{left}")
                 self.last_line = now
         self.done, self.total = done, total
 
