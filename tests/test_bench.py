@@ -78,6 +78,7 @@ def test_bench_table(capsys, tiny_model_path):
     flat = " ".join(out.split())
     assert (f"G/s ({probe.fma_isa()})" in flat) == ("of the float32 peak" in flat) == bool(probe.fma_isa())
     assert "llamatrace f32: prefill" in flat and "of the int8 peak" not in flat
+    assert "peers:" not in flat                      # no peer ran: no peers' threads in the header
 
 
 def test_bench_runs_each_activations_mode_as_an_engine(capsys, tiny_model_path):

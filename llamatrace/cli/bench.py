@@ -72,8 +72,10 @@ def bench(
         out.print_json(json.dumps(report.to_dict(), allow_nan=False))
         return
     ours = report.results[0]
-    out.print(f"{path.name} ({report.file_bytes / 1e9:.2f} GB) · {report.cpu} · llamatrace: {ours.threading}; "
-              f"peers: {plural(report.threads, 'thread')} · prefill {plural(report.prompt_tokens, 'token')}, "
+    peers = f"; peers: {plural(report.threads, 'thread')}" if any(not r.engine.startswith("llamatrace")
+                                                                    for r in report.results) else ""
+    out.print(f"{path.name} ({report.file_bytes / 1e9:.2f} GB) · {report.cpu} · llamatrace: {ours.threading}{peers}"
+              f" · prefill {plural(report.prompt_tokens, 'token')}, "
               f"decode {plural(report.decode_tokens, 'step')} · "
               f"median of {report.repeats} (min–max)"
               + (f" · {plural(report.background_load, 'busy loop')} beside it" if report.background_load else ""),
