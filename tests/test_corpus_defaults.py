@@ -119,3 +119,9 @@ def test_a_corpus_from_standard_input(capsys, tiny_model_path, monkeypatch, tmp_
     code, out, err = run(capsys, "collect", "-f", "-", "-m", tiny_model_path, "--hook", "l_out@0", "-o", tmp_path / "a")
     assert_one_line_error(code, out, err, "-f -: collect reads its corpus from a file, not standard input")
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("command", ["perplexity", "imatrix", "collect", "expert-load"])
+def test_an_empty_ray_address_is_refused(command, capsys):
+    """--ray '' started a local cluster, and the summary named no Ray."""
+    assert_one_line_error(*run(capsys, command, "-f", CORPUS, "--ray", ""), "--ray needs an address")

@@ -73,11 +73,19 @@ reaches the command), so every load the command makes, in this process or a work
 WorkersOpt = Annotated[int, typer.Option(
     "--workers", "-w", help="Local worker processes, each loading the model once; the results do not "
     "depend on it.")]
+def _ray_address(value: str | None) -> str | None:
+    """``--ray``: an empty address is refused (Ray took it for a new local cluster, unnamed)."""
+    if value is not None and not value.strip():
+        raise OptionError("--ray needs an address: host:port, ray://…, 'auto' or 'local'")
+    return value
+
+
 RayOpt = Annotated[Optional[str], typer.Option(
     "--ray", metavar="ADDRESS", help="Run the chunks as --workers Ray actors on the cluster at ADDRESS "
     "(host:port, ray://…), 'auto' to join RAY_ADDRESS or the one `ray start` runs here, or 'local' to start "
     "one for the run. Each actor reserves --threads CPUs (default 1) and uses as many; a file the run writes "
-    "must be on a path every node writes to. Needs the extra llamatrace[ray].", show_default=False)]
+    "must be on a path every node writes to. Needs the extra llamatrace[ray].", show_default=False,
+    callback=_ray_address)]
 # the types with q8 kernels (kernels.types.registry.served_types("q8"); named here so --help needs no Numba)
 _Q8_WEIGHTS = "Activations of the matmuls on Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K and MXFP4 weights"
 ActivationsOpt = Annotated[str, typer.Option(
