@@ -250,3 +250,17 @@ def test_ratios_to_llamacpp_pair_the_runs_of_a_round(capsys, monkeypatch, tiny_m
     assert "2.00 / 1.00" in flat and "1.00 / 1.00" in flat   # the table: ratios of the medians (llama.cpp's own 1)
     assert ("llamatrace f32 ÷ llama.cpp round by round (each run against llama.cpp's of the same round): "
             "prefill 1.00 (0.50–3.00), decode 1.00 (0.25–2.00)") in flat
+
+
+def test_q8_on_a_file_without_int8_products_is_held_against_the_float32_peak(capsys, tmp_path):
+    """q8 rounds activations only before the matmuls of Q4_0 … MXFP4 weights: on an F32 file its
+    products are float32 ones, and the int8 peak said '1 %' of a limit that was never its own."""
+    from gguf_factory import T, write_tiny_llama
+    path = write_tiny_llama(tmp_path / "f32.gguf", qtype=T.F32)
+    code, out, err = run(capsys, "bench", "-m", path, "--activations", "q8", "--prompt-tokens", "4",
+                         "--decode-tokens", "2", "--repeats", "1")
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert "of the int8 peak" not in flat
+    if probe.fma_isa():
+        assert "of the float32 peak: no F32 matrix has an int8 product" in flat

@@ -85,6 +85,7 @@ class BenchReport:
     state_bytes: int = 0           # fixed whatever the context: the recurrent layers' conv and DeltaNet states
     n_attn_layers: int = 0
     n_recurrent_layers: int = 0
+    matrix_types: tuple[str, ...] = ()    # the GGML types of the file's matrices, most bytes first
 
     def roofline(self, r: EngineResult) -> dict[str, float]:
         """Engine ``r``'s median prefill and decode against the machine's limits
@@ -281,7 +282,7 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
                        background_load=background_load, results=[results[name] for name in engines],
                        machine=machine, cost=cost, kv_bytes_per_token=config.kv_bytes_per_token,
                        state_bytes=config.state_bytes, n_attn_layers=len(config.attn_layers),
-                       n_recurrent_layers=len(config.recurrent_layers))
+                       n_recurrent_layers=len(config.recurrent_layers), matrix_types=matrix_types)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,10 +120,16 @@ def bench(
             row.append(f"{r.prefill / base.prefill:.2f} / {r.decode / base.decode:.2f}")
         table.add_row(*row)
     out.print(table)
+    from llamatrace.kernels.types.registry import served_types
+    q8_types = {t.name for t in served_types("q8")}
+    int8_products = any(t in q8_types for t in report.matrix_types)     # else q8 runs float32 products too
     for r in report.results:
         roof = report.roofline(r)
-        if r.engine == engine_name("f32"):   # float32 multiply-adds: the int8 peaks are not its limit
+        if r.engine == engine_name("f32") or (r.engine == engine_name("q8") and not int8_products):
+            # float32 multiply-adds: the int8 peaks are not their limit
             peaks = [f"{roof['prefill_of_f32_peak']:.0%} of the float32 peak"] if m.f32_gmac_s else []
+            if r.engine == engine_name("q8") and m.f32_gmac_s:
+                peaks[0] += f": no {'/'.join(report.matrix_types)} matrix has an int8 product"
         else:
             peaks = [f"{roof['prefill_of_int8_peak']:.0%} of the int8 peak"] if m.int8_gmac_s else []
             peaks += [f"{roof['prefill_of_amx_peak']:.0%} of the AMX peak"] if m.amx_gmac_s else []
