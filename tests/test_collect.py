@@ -281,3 +281,30 @@ def test_other_settings_are_named_with_both_values(tmp_path, capsys, tiny_model_
                           '(hooks: ["blocks.0.hook_resid_post"] there, ["blocks.0.hook_resid_post", "l_out@1"] now)')
     assert_one_line_error(*run(capsys, *common, "--hook", "blocks.0.hook_resid_post", "--dtype", "float16"),
                           '(dtype: "float32" there, "float16" now)')
+
+
+def test_ctrl_c_after_the_last_shard_is_no_interruption(tmp_path, capsys, tiny_model_path, monkeypatch):
+    """A Ctrl-C that reaches the run after the manifest lists every shard (seen as Ray shut down)
+    said 'interrupted: 21 of 21 shards complete; run the same command again' and exit 130. Before
+    the last manifest write, it is an interruption still."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(WORDS) + "\n")
+    real = C.execute
+
+    def then_ctrl_c(c, *args, **kwargs):
+        real(c, *args, **kwargs)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(C, "execute", then_ctrl_c)
+    args = ["collect", "-f", corpus, "-m", tiny_model_path, "--hook", "l_out@0", "--ctx-size", "16"]
+    code, out, err = run(capsys, *args, "-o", tmp_path / "a")
+    assert code == 0 and "interrupted" not in err, err
+
+    def last_write_lost(c, *args, **kwargs):
+        real(c, *args, **kwargs)
+        done, c.shards = c.shards, c.shards[:-1]  # as if interrupted between the last append and its write
+        C.write_manifest(c)
+        c.shards = done
+        raise KeyboardInterrupt
+    monkeypatch.setattr(C, "execute", last_write_lost)
+    code, out, err = run(capsys, *args, "-o", tmp_path / "b")
+    assert code == 130 and "interrupted" in err, err

@@ -67,7 +67,7 @@ def collect(
       RAY_ADDRESS=head-node:6379 llamatrace collect -f docs.jsonl --jsonl --hook l_out@3 -o acts/ --ray auto
     """
     from llamatrace.corpus.chunks import read_header
-    from llamatrace.corpus.collect import DTYPES, Collection, execute, prepare, resolve_hooks
+    from llamatrace.corpus.collect import DTYPES, Collection, execute, manifest_lists_all, prepare, resolve_hooks
     from llamatrace.corpus.worker import ModelSpec, threads_per_worker
     from llamatrace.corpus.sequences import Packing
     from llamatrace.gguf.fetch import sha256_file
@@ -114,10 +114,11 @@ def collect(
         try:
             execute(c, tokens, m, bar.advance)
         except KeyboardInterrupt:
-            bar.stop()
-            err.print(f"[yellow]interrupted[/]: {len(c.shards)} of {plural(c.n_shards, 'shard')} complete in "
-                      f"{output}; run the same command again to continue")
-            exit_interrupted()
+            if len(c.shards) < c.n_shards or not manifest_lists_all(c):   # else Ctrl-C came as Ray shut down: done
+                bar.stop()
+                err.print(f"[yellow]interrupted[/]: {len(c.shards)} of {plural(c.n_shards, 'shard')} complete in "
+                          f"{output}; run the same command again to continue")
+                exit_interrupted()
     seconds = time.perf_counter() - t0
     made = total - done_before
     size = sum((output / "data" / s["file"]).stat().st_size for s in c.shards)

@@ -454,6 +454,15 @@ def write_manifest(c: Collection) -> None:
                           f"space and rerun: complete shards are kept") from None
 
 
+def manifest_lists_all(c: Collection) -> bool:
+    """Whether the manifest on disk lists every shard: the collection is complete (a Ctrl-C that
+    came after the last write, as Ray shut down, interrupted nothing)."""
+    try:
+        return len(json.loads(_manifest_path(c.out).read_text(encoding="utf-8")).get("shards", [])) == c.n_shards
+    except (OSError, ValueError):
+        return False
+
+
 def execute(c: Collection, tokens: np.ndarray, model=None, on_tokens: Callable[[int], None] | None = None,
             work: Callable = write_shard) -> None:
     """Make the shards :func:`prepare` did not find complete; the manifest is rewritten after each.
