@@ -293,6 +293,8 @@ def test_cli_writes_the_recipe_and_reports_it(tiny_base, tmp_path, capsys):
     (["-f", CORPUS, "--target-bpw", "6", "--workers", "0"], "--workers"),
     (["--type", "Q8_0", "--workers", "2"], "-f TEXT"),
     (["--type", "Q8_0", "-o", "recipe.png"], "-o belongs to the recipe search"),     # was ignored, exit 0
+    (["--type", "Q8_0", "--activations", "q8"], "--activations belongs to the recipe search"),
+    (["-f", CORPUS, "--target-bpw", "6", "--activations", "f16"], "--activations"),
     (["--type", "Q8_0", "--measurements", "m.json", "--ctx-size", "64"], "--measurements, --ctx-size belong"),
     (["-f", CORPUS, "--target-bpw", "40", "--ctx-size", "32", "--candidates", "Q4_0,Q8_0"],
      "holds the largest file the candidates allow"),                               # measured for minutes
@@ -302,6 +304,27 @@ def test_cli_bad_input_is_one_error_line(tiny_base, tmp_path, capsys, args, need
     out = tmp_path / "out.gguf"
     assert_one_line_error(*run(capsys, "quantize", tiny_base, out, *args), needle)
     assert not out.exists()
+
+
+def test_cli_search_measures_in_the_activations_mode_given(tiny_base, tmp_path, capsys):
+    """--activations q8: the KL divergences in llama.cpp's arithmetic, as perplexity's option (the
+    search had none and always ran f32, though its measurements' key named --activations)."""
+    import json
+
+    from cli_helpers import run
+    from llamatrace.kernels.int8 import act8
+    if not act8.available():
+        pytest.skip("q8 needs AVX2")
+    measured = {}
+    for mode in ("f32", "q8"):
+        out = tmp_path / f"{mode}.gguf"
+        code, stdout, err = run(capsys, "quantize", tiny_base, out, "--target-bpw", "6", "-f", CORPUS, "--ctx-size",
+                                32, "--chunks", 2, "--candidates", "Q4_0,Q8_0", "--activations", mode, "--json")
+        assert code == 0, err
+        kept = json.loads((tmp_path / f"{mode}.gguf.measurements.json").read_text())
+        assert kept["key"]["activations"] == mode
+        measured[mode] = kept["delta"]
+    assert measured["f32"].keys() == measured["q8"].keys() and measured["f32"] != measured["q8"]   # other numbers
 
 
 def test_cli_type_without_target_is_the_stock_mix_size(tiny_base, tmp_path, capsys):

@@ -115,6 +115,13 @@ def test_stop_at_layer_returns_the_residual_there(smollm2):
     assert np.array_equal(resid, cache["blocks.2.hook_resid_post"])
     with pytest.raises(OptionError, match="after stop_at_layer"):
         smollm2.run_with_cache(ids, names_filter=["blocks.5.hook_resid_post"], stop_at_layer=3)
+    # no filter, or a predicate: the hooks that ran, as TL (it used to refuse the later ones)
+    _, every = smollm2.run_with_cache(ids, stop_at_layer=3)
+    assert "blocks.2.hook_resid_post" in every and "blocks.4.hook_resid_post" not in every
+    assert "ln_final.hook_normalized" not in every and "hook_embed" in every
+    _, picked = smollm2.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_resid_post"), stop_at_layer=3)
+    assert sorted(picked) == [f"blocks.{i}.hook_resid_post" for i in range(3)]
+    np.testing.assert_array_equal(picked["blocks.2.hook_resid_post"], resid)
 
 
 def test_hooks_that_return_nothing_or_their_input_change_nothing(smollm2):

@@ -110,6 +110,10 @@ def quantize(
     plot: Annotated[Optional[Path], typer.Option("--output", "-o", help="With -f: a picture of the recipe, bits "
                     "and sensitivity per layer and matrix (.png, .svg or .pdf; checked before measuring).",
                     show_default=False)] = None,
+    activations: Annotated[Optional[str], typer.Option(
+        "--activations", metavar="f32|q8", help="With -f: the arithmetic the KL divergences are measured in, "
+        "f32 (float32, HF's) or q8 (8-bit activations, llama.cpp's). Default: as perplexity's, q8 for models "
+        "of 1 B parameters or more on CPUs with AVX2, else f32.", show_default=False)] = None,
     workers: WorkersOpt = 1,
     ray: RayOpt = None,
     threads: WorkerThreadsOpt = None,
@@ -167,11 +171,12 @@ def quantize(
                           f"recipe search (-f) chooses every type itself; leave them out or drop -f")
     if text_file is not None:
         _search(base, output, type_name, imatrix, text_file, target_bpw, target_size, candidates, measure, ctx_size,
-                chunks, verify_file, measurements, plot, threads, json_out, workers, ray, allow_requantize)
+                chunks, verify_file, measurements, plot, threads, json_out, workers, ray, allow_requantize, activations)
         return
     search_only = {"target_bpw": "--target-bpw", "target_size": "--target-size", "verify_file": "--verify-file",
                    "workers": "--workers", "ray": "--ray", "measurements": "--measurements", "plot": "-o",
-                   "candidates": "--candidates", "measure": "--measure", "ctx_size": "--ctx-size", "chunks": "--chunks"}
+                   "candidates": "--candidates", "measure": "--measure", "ctx_size": "--ctx-size", "chunks": "--chunks",
+                   "activations": "--activations"}
     given = given_on_command_line(ctx, search_only)
     if given:                  # each was silently ignored without -f (-o's picture never drawn)
         one = len(given) == 1
@@ -369,10 +374,10 @@ def _read_imatrix(path: Path, f):
 
 def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, target_bpw, target_size,
             candidates: str, measure: str, ctx_size: int, chunks, verify_file, measurements, plot, threads,
-            json_out: bool, workers: int, ray: str | None, allow_requantize: bool) -> None:
+            json_out: bool, workers: int, ray: str | None, allow_requantize: bool, activations: str | None) -> None:
     """The recipe search: refuse what would fail later, measure, allocate, write OUT with llama.cpp's
     writer, verify, report."""
-    from llamatrace.cli.options import load_model
+    from llamatrace.cli.options import check_activations, check_threads, default_activations, load_model
     from llamatrace.corpus.chunks import read_corpus
     from llamatrace.corpus.worker import threads_per_worker
     from llamatrace.gguf.reader import open_gguf
@@ -393,6 +398,9 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
         raise OptionError(f"--measure must be probe or all, got {measure!r}")
     if workers < 1:
         raise OptionError(f"--workers must be a positive integer, got {workers}")
+    if activations is not None:
+        check_activations(activations)
+    check_threads(threads, ray is not None)
     if plot is not None:
         from llamatrace.views.plots import check_format
         check_format(plot, "-o")
@@ -417,7 +425,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
             src = f.tensors[g.tensor].tensor_type
             planned[g.tensor] = next((t for t in g.candidates if t != src), src)
         check_requantize(f, planned, allow_requantize)
-    model = load_model(base, threads, "f32")
+    model = load_model(base, threads, activations or default_activations(base))
     f = model.file
     if target_bpw is None and target_size is None:
         target_size = sum(S.tensor_bytes(stock[n], *f.matrix_shape(n)[-2:]) if len(f.matrix_shape(n)) > 1
@@ -502,7 +510,8 @@ def _verify(model, output: Path, stock, ftype, weights, info, text: str, held_ou
             _write(model.file, files[-1][1], stock, ftype, weights, info, allow_requantize)
         result = {}
         for label, path in files:
-            with Llama.load(path, cache=False) as quantized:    # files read once: no packed copy
+            # files read once: no packed copy; measured in the base's arithmetic
+            with Llama.load(path, cache=False, activations=model.activations) as quantized:
                 for name, cut in cuts.items():
                     if label != "recipe" and name == "calibration":
                         continue

@@ -278,7 +278,9 @@ class Llama:
                 ``fn(name) -> bool``. Names are TL's (``blocks.8.hook_resid_post``) or stage ids
                 (``l_out@8``); see :mod:`llamatrace.model.tl` for where ours differ and what is refused.
             stop_at_layer: run blocks ``0 … stop_at_layer-1`` only and return the residual
-                stream ``[batch, pos, d_model]`` there instead of logits.
+                stream ``[batch, pos, d_model]`` there instead of logits; the cache holds the
+                hooks of ``names_filter`` (``None`` or a predicate) that ran, a name given by
+                itself past the stop is an error.
             return_type: ``"logits"`` or ``None`` (no logits: faster).
 
         Returns:
@@ -293,6 +295,9 @@ class Llama:
             raise OptionError(f"return_type must be 'logits' or None, got {return_type!r}")
         served = tl.select(names_filter, self.config.n_layers, self.config.post_norms, bool(self.config.n_expert),
                            self.config.recurrent_layers)
+        if stop_at_layer is not None and (names_filter is None or callable(names_filter)):
+            # as TL: every hook that ran; a name given by itself past the stop is an error (tl.run)
+            served = [s for s in served if tl.ran_before(s, stop_at_layer, self.config.n_layers)]
         return tl.run(self, tokens, served, stop_at_layer=stop_at_layer, padding_side=padding_side,
                       return_logits=return_type == "logits")
 

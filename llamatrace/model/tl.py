@@ -284,6 +284,14 @@ def _check_layer(name: str, layer: int, n_layers: int) -> None:
         raise OptionError(f"hook {name!r}: this model has {n_layers} layers (0-{n_layers - 1})")
 
 
+def ran_before(served: Served, stop_at_layer: int, n_layers: int) -> bool:
+    """Whether ``served`` is computed by blocks ``0 … stop_at_layer-1`` (the embedding is; the final
+    norm is not)."""
+    layer = served.layer if served.layer is not None else \
+        (-1 if served.stage in ("inp_embd", "inp_scaled") else n_layers)
+    return layer < stop_at_layer
+
+
 def select(names_filter, n_layers: int, post_norms: bool = False, moe: bool = False,
            recurrent: Iterable[int] = ()) -> list[Served]:
     """The served names a ``names_filter`` picks: ``None`` (all TL names), a name, a list of
@@ -508,9 +516,7 @@ def run(model, tokens, served: Sequence[Served], *, fwd_hooks: Sequence[tuple[Se
     fwd_hooks = [(_stage_for(s, model.config), fn) for s, fn in fwd_hooks]
     wanted = list(served) + [s for s, _ in fwd_hooks]
     if stop_at_layer is not None:
-        before_block_0 = ("inp_embd", "inp_scaled")
-        late = [s.name for s in wanted if (s.layer if s.layer is not None else
-                                           (-1 if s.stage in before_block_0 else n_layers)) >= stop_at_layer]
+        late = [s.name for s in wanted if not ran_before(s, stop_at_layer, n_layers)]
         if late:
             raise OptionError(f"{', '.join(late[:3])} come after stop_at_layer={stop_at_layer}")
     by_stage: dict[tuple[str, int | None], list] = {}
