@@ -141,3 +141,18 @@ def test_a_deltanet_head_can_be_ablated(path, tmp_path, capsys):
     from cli_helpers import assert_one_line_error
     assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "-n", "1", "--ablate", "beta_sigmoid@0:4",
                                "hi"), "head 4 is out of range; beta_sigmoid has 4 value heads (0-3)")
+
+
+def test_a_qwen35moe_recording_against_itself_adds_no_error(tmp_path, capsys):
+    """compare R R --model: each stage recomputed from the recording's own inputs adds exactly 0. l_out
+    left the shared expert out, so every layer 'added' 0.34 and the run ended in a false divergence."""
+    moe = write_qwen35_file(tmp_path / "qwen35moe.gguf", moe=True)
+    rec = tmp_path / "r.npz"
+    code, out, err = run(capsys, "trace", "-m", moe, "--raw", "ab cd", "--npz", rec)
+    assert code == 0, err
+    code, out, err = run(capsys, "compare", rec, rec, "--model", moe, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = doc["rows"] if isinstance(doc, dict) and "rows" in doc else doc
+    l_out = [r for r in rows if r["stage"] == "l_out"]
+    assert len(l_out) == N_LAYERS and all(r["local_err"] == 0.0 for r in l_out)

@@ -232,6 +232,17 @@ def _weights_stage(c) -> str:
     return "ffn_moe_weights_softmax" if c.expert_gating == "softmax_weight" else "ffn_moe_weights"
 
 
+def _ffn_output(m, get, L: int) -> np.ndarray:
+    """What the FFN adds to the residual: its output after the post-norm (Gemma), the experts' sum
+    plus, for Qwen3.5-MoE, the gated shared expert (summed first, as ``model.moe`` does), or the dense FFN's."""
+    c = m.config
+    if c.post_norms:
+        return get("ffn_post_norm", L)
+    if c.n_expert:
+        return get("ffn_moe_out", L) + get("ffn_shexp_gated", L) if c.shexp_hidden_dim else get("ffn_moe_out", L)
+    return get("ffn_out", L)
+
+
 LOCAL_STAGES: dict[str, Callable] = {
     "attn_norm": lambda m, get, L, pos: fp32.rmsnorm(np.ascontiguousarray(_layer_input(m, get, L)),
                                                      m.weights.layers[L].attention_norm, m.config.norm_eps),
@@ -283,8 +294,7 @@ LOCAL_STAGES: dict[str, Callable] = {
     "ffn_out": lambda m, get, L, pos: matmul(np.ascontiguousarray(
         get("ffn_geglu" if m.config.ffn_act == "gelu" else "ffn_swiglu", L), dtype=np.float32), m.weights.layers[L].w2),
     "ffn_post_norm": _norm("ffn_out", "ffn_post_norm"),
-    "l_out": lambda m, get, L, pos: get("ffn_inp", L) + get("ffn_post_norm" if m.config.post_norms
-                                                            else "ffn_moe_out" if m.config.n_expert else "ffn_out", L),
+    "l_out": lambda m, get, L, pos: get("ffn_inp", L) + _ffn_output(m, get, L),
     # the mixture of experts: each chosen expert's rows through the recomputing model's expert
     "ffn_moe_logits": lambda m, get, L, pos: matmul(np.ascontiguousarray(get("ffn_norm", L), dtype=np.float32),
                                                     m.weights.layers[L].moe.router),
