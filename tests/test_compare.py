@@ -334,3 +334,25 @@ def test_live_against_hf_on_the_gemma3_file(capsys, gemma3_path):
     assert report["first_divergence"] is None and "reads the file otherwise" not in report["settings"]
     paired = {r["stage"] for r in report["rows"] if r["status"] == "ok"}
     assert {"inp_scaled", "Qcur_normed", "Kcur_normed", "attn_post_norm", "ffn_post_norm", "ffn_geglu"} <= paired
+
+
+def test_a_model_of_another_architecture_is_one_error_line(tmp_path, capsys):
+    """compare R R --model M where M has the recording's width and depth but is another architecture
+    (qwen2's recording, a qwen3 or phi3 file) was an internal error (TypeError, 'cannot reshape'): now
+    one line, as is a key that is no stage's or a 0-d array."""
+    from arch_files import write_arch_file
+    paths = {a: write_arch_file(tmp_path / f"{a}.gguf", a) for a in ("qwen2", "qwen3", "phi3")}
+    recs = {}
+    for a, path in paths.items():
+        recs[a] = tmp_path / f"{a}.npz"
+        code, out, err = run(capsys, "trace", "-m", path, "--raw", "ab cd", "--npz", recs[a])
+        assert code == 0, err
+    assert_one_line_error(*run(capsys, "compare", recs["qwen2"], recs["qwen2"], "-m", paths["qwen3"]),
+                          "is not the model of", "Qcur_b, a stage this model does not compute")
+    assert_one_line_error(*run(capsys, "compare", recs["phi3"], recs["phi3"], "-m", paths["qwen2"]),
+                          "give the model the recording")
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **{"step0.inp_embd": np.float32(1.0)})
+    assert_one_line_error(*run(capsys, "compare", bad, bad, "-m", paths["qwen2"]), "a single number")
+    np.savez(bad, foo=np.zeros(3, np.float32))
+    assert_one_line_error(*run(capsys, "compare", bad, bad, "-m", paths["qwen2"]), "step0.layer0.Qcur")

@@ -124,6 +124,7 @@ def compare(
                               f"were recorded: leave {'it' if len(given) == 1 else 'them'} out")
         ours, ref = (_load_npz(Path(a)) for a in args)
         meta_ours, meta_ref = recording_meta(ours), recording_meta(ref)
+        layers = _npz_selection(layer, patterns, args, ours, ref)      # bad keys refused before the load
         # with --model, judge each stage by the error it adds too (recomputed from each side's inputs)
         m = None
         if model is not None:
@@ -131,7 +132,7 @@ def compare(
             m = load_model(model, threads, mode if mode in ("f32", "q8") else activations)
             for path, rec in zip(args, (ours, ref)):
                 _check_fits(m, path, rec)
-        result = compare_arrays(ours, ref, threshold=threshold, layers=_npz_selection(layer, patterns, args, ours, ref),
+        result = compare_arrays(ours, ref, threshold=threshold, layers=layers,
                                 stages=patterns, profile=profile_for(meta_ours, meta_ref), model=m)
         result.extra = {**result.extra, "reference": args[1], "ours": args[0]}
     else:
@@ -172,18 +173,28 @@ def _stage_patterns(values: list[str] | None) -> list[str] | None:
 
 def _check_fits(m, path: str, recording: dict) -> None:
     """OptionError when ``--model`` is not the recording's model: a residual-stream stage of another
-    width, or a layer it does not have (its stages would be recomputed from arrays of other shapes)."""
+    width, a layer it does not have, or a stage it does not compute there (another architecture of
+    the same size: its stages would be recomputed from arrays of other shapes)."""
     from llamatrace.analysis.compare import META_KEY, parse_key
+    from llamatrace.tracing.stages import model_stage_ids, stage_layers
     c = m.config
+    computed = model_stage_ids(c)
+    advice = "give the model the recording was made with"
     for key, array in recording.items():
         if key == META_KEY:
             continue
         _, layer, stage = parse_key(key)
+        if array.ndim == 0:
+            raise OptionError(f"{path}: its {key} is a single number, not a stage's array; {advice}")
         wide = stage in ("inp_embd", "attn_norm", "ffn_inp", "ffn_norm", "l_out") and array.shape[-1] != c.dim
         if wide or (layer is not None and layer >= c.n_layers):
             what = f"its {key} is {list(array.shape)}" if wide else f"it has layer {layer}"
             raise OptionError(f"--model {m.path.name} is not the model of {path}: {what}, the model's dim is "
-                              f"{c.dim} in {c.n_layers} layers; give the model the recording was made with")
+                              f"{c.dim} in {c.n_layers} layers; {advice}")
+        if stage not in computed or (layer is not None and layer not in stage_layers(stage, c)):
+            where = "" if stage not in computed else f" at layer {layer}"
+            raise OptionError(f"--model {m.path.name} is not the model of {path}: it holds {stage}{where}, a stage "
+                              f"this model does not compute{where and ' there'}; {advice}")
 
 
 def _load_npz(path: Path) -> dict:
