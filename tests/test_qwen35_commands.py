@@ -124,8 +124,19 @@ def test_a_stage_of_the_other_layer_kind_is_refused_with_the_layers_that_compute
     assert [json.loads(x)["layer"] for x in out.splitlines()[1:-1]] == [1]
     code, out, err = run(capsys, "stages", "-m", path, "--json")
     assert code == 0, err
-    shapes = {r["id"]: r["model_shape"] for r in json.loads(out)}
-    assert shapes["Qcur_full"] == "[seq_len, 128]"                   # 2*q_dim: query and gate, both evaluated
+    rows = {r["id"]: r for r in json.loads(out)}
+    assert rows["Qcur_full"]["model_shape"] == "[seq_len, 128]"      # 2*q_dim: query and gate, both evaluated
+    # the model's own stages, each with the layers that compute it (it listed all 86, MoE and softcaps too)
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.model.config import ModelConfig
+    from llamatrace.tracing.stages import model_stage_ids
+    with open_gguf(path) as f:
+        assert set(rows) == model_stage_ids(ModelConfig.from_gguf(f))
+    assert "ffn_moe_logits" not in rows and "kq_softcap" not in rows
+    assert rows["Qcur"]["layers"] == [2] and rows["Qcur"]["when"] == "layers 2"
+    assert rows["new_state"]["layers"] == [0, 1, 3] and rows["l_out"]["layers"] == [0, 1, 2, 3]
+    traced = run(capsys, "trace", "-m", path, "--raw", "--tokens", "1", "--jsonl", "-", "hi")[1]
+    assert {json.loads(x)["stage"] for x in traced.splitlines()[1:-1]} <= set(rows)
 
 
 def test_a_deltanet_head_can_be_ablated(path, tmp_path, capsys):

@@ -35,8 +35,10 @@ def stages(
     """List every traced stage: id, the book's name and STAGE, llama.cpp's and TransformerLens's
     names (and how they differ), whether a hook can replace it, and its shape.
 
-    With --model, or when the default model is already downloaded (never fetched for this),
-    the shapes show the model's sizes; seq_len, kv_len and max_seq depend on the run.
+    With --model, only the stages that model computes are listed (on a hybrid, with the layers
+    that compute each), with its sizes in the shapes. Without it, every stage of every supported
+    architecture, and the default model's sizes when it is already downloaded (never fetched for
+    this); seq_len, kv_len and max_seq depend on the run.
 
     Examples:
 
@@ -50,11 +52,11 @@ def stages(
     from llamatrace.errors import ModelNotFoundError
     from llamatrace.gguf.fetch import resolve_model
     from llamatrace.gguf.reader import open_gguf
-    from llamatrace.tracing.stages import STAGES, stage_for
+    from llamatrace.tracing.stages import STAGES, layer_list, model_stage_ids, stage_for, stage_layers
 
     dims: dict[str, int] = {}
     features: frozenset[str] = frozenset()
-    path = None
+    path = c = None
     try:
         path = resolve_model(model, fetch=False)
     except ModelNotFoundError:
@@ -77,13 +79,24 @@ def stages(
         "shape": s.shape, **({"model_shape": _concrete(s.shape, dims)} if dims else {}),
         "description": s.description,
     } for s in (stage_for(s.id, features) for s in STAGES)]
+    if model is not None:        # the model's own stages (the default model's sizes alone filter nothing)
+        computed = model_stage_ids(c)
+        rows = [r for r in rows if r["id"] in computed]
+        for r in rows:
+            if r["level"] == "layer":
+                layers = stage_layers(r["id"], c)
+                r["layers"] = list(layers)
+                if len(layers) < c.n_layers:
+                    where = f"layers {layer_list(layers)}"
+                    r["when"] = where if r["when"] == "always" else f"{r['when']}; {where}"
     if json_out:
         stdout.write(json.dumps(rows, ensure_ascii=False, indent=1) + "\n")
         return
 
     from rich.table import Table
 
-    title = "Stage catalogue" + (f" · shapes of {path.name}" if dims else "")
+    title = ("Stage catalogue" + (f" · the {len(rows)} stages of {path.name}" if model is not None else
+                                  f" · shapes of {path.name}" if dims else ""))
     table = Table(title=title, title_justify="left", show_lines=True)
     for name, kw in (("id", {"no_wrap": True}), ("book", {"no_wrap": True}), ("llama.cpp", {}),
                      ("TransformerLens", {}), ("hook", {"no_wrap": True}), ("shape", {})):
