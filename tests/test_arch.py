@@ -421,3 +421,23 @@ def test_compare_against_llamacpp_finds_no_divergence_and_pairs_the_new_stages(a
               "gemma2": {"inp_scaled", "kq_scaled", "kq_softcap", "attn_post_norm", "ffn_geglu", "result_softcap"},
               "gemma3": {"inp_scaled", "Qcur_normed", "attn_post_norm", "ffn_post_norm", "ffn_geglu"}}[arch]
     assert wanted <= paired, wanted - paired
+
+
+def test_a_sliding_window_layers_decode_lines_name_its_mask(arch_paths, capsys):
+    """Gemma 2's local layers mask every step, decode too: the block and attention lines said
+    'mask: shape([])' while the next lines made and added a [1 N] window mask."""
+    import re
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.model.config import ModelConfig
+    with open_gguf(arch_paths["gemma2"]) as f:
+        c = ModelConfig.from_gguf(f)
+    code, out, err = run(capsys, "trace", "-m", arch_paths["gemma2"], "--raw", "--tokens", "1", "--dump-shapes",
+                         "--stage", "attn_norm", "ab cd ef gh")
+    assert code == 0, err
+    decode = [m.groups() for m in re.finditer(r"layer: (\d+) / \d+, startPos: ([1-9]\d*) .*?\n.*?mask: shape\((\[[^)]*\])\)",
+                                              out)]
+    assert len(decode) == c.n_layers
+    for layer1, start, mask in decode:
+        local = int(layer1) - 1 in c.local_layers
+        assert (mask == f"[1 {int(start) + 1}]") if local else (mask == "[]"), (layer1, mask)
+    assert any(int(layer1) - 1 in c.local_layers for layer1, _, _ in decode)

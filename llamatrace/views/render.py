@@ -114,8 +114,9 @@ class LineFormatter:
             if name.startswith("w_"):
                 shape = event.inputs.get(f"{name[2:]} weights")
                 return "[?]" if shape is None else fmt_shape(shape)
-            if name == "mask":               # the mask a block receives: none for one query row
-                return fmt_shape((event.seq_len, end_pos) if event.seq_len > 1 else ())
+            if name == "mask":   # the mask a block receives: none for one query row, but a window's always
+                masked = event.seq_len > 1 or event.layer in self.local_layers
+                return fmt_shape((event.seq_len, end_pos) if masked else ())
             if name in scalars:
                 return str(scalars[name])
             raise KeyError(f"stage {event.stage!r}: unknown field {{{name}}} in log-line template {template!r}")
