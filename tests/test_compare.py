@@ -356,3 +356,22 @@ def test_a_model_of_another_architecture_is_one_error_line(tmp_path, capsys):
     assert_one_line_error(*run(capsys, "compare", bad, bad, "-m", paths["qwen2"]), "a single number")
     np.savez(bad, foo=np.zeros(3, np.float32))
     assert_one_line_error(*run(capsys, "compare", bad, bad, "-m", paths["qwen2"]), "step0.layer0.Qcur")
+
+
+def test_sort_worst_orders_the_json_rows_too(tmp_path, capsys, tiny_model_path):
+    """--sort worst changed the table only; --json kept the forward order (the help's own example
+    is `--sort worst --json`)."""
+    from llamatrace.kernels.int8 import act8
+    if not act8.available():
+        pytest.skip("q8 needs AVX2")
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    for path, mode in ((a, "f32"), (b, "q8")):
+        code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--npz", path, "--activations", mode,
+                             "the cat")
+        assert code == 0, err
+    rows = {}
+    for order in ("forward", "worst"):
+        code, out, err = run(capsys, "compare", a, b, "--sort", order, "--json", "--threshold", "1")
+        assert code == 0, err
+        rows[order] = [r["rel_rms_err"] for r in json.loads(out)["rows"] if r["rel_rms_err"] is not None]
+    assert rows["worst"] == sorted(rows["forward"], reverse=True) != rows["forward"]

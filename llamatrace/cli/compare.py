@@ -158,6 +158,8 @@ def compare(
             result = compare_with(m, ids, tokens, against=against, threshold=threshold,
                                   layers=parse_layers(layer, m.config.n_layers), stages=patterns, threads=threads)
     if as_json:
+        if sort == "worst":                 # --json's rows in the order the table would give them
+            result.rows = sorted(result.rows, key=_worst_first)
         out.print_json(json.dumps(result.to_json()))
     else:
         _print_table(result, sort)
@@ -240,6 +242,12 @@ def _fmt(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _worst_first(r) -> float:
+    """``--sort worst``'s key: the largest error first; no error figure: a divergence first, anything
+    else (routing alike, a stage only one side has) last."""
+    return -((math.inf if r.diverged else -1.0) if r.rel_rms_err is None else r.rel_rms_err)
+
+
 def _print_table(result, sort: str) -> None:
     from rich.table import Table
 
@@ -249,8 +257,8 @@ def _print_table(result, sort: str) -> None:
         return stage_key(r.step, r.layer, r.stage)
 
     paired = [r for r in result.rows if r.status not in ("only ours", "only reference")]
-    if sort == "worst":       # no error figure: a divergence first, anything else (routing alike) last
-        paired.sort(key=lambda r: -((math.inf if r.diverged else -1.0) if r.rel_rms_err is None else r.rel_rms_err))
+    if sort == "worst":
+        paired.sort(key=_worst_first)
     title = f"{result.extra.get('ours', 'llamatrace')} vs {result.extra.get('reference', 'reference')}"
     table = Table(title=title, title_justify="left")
     for col in ("step", "layer", "stage", "shape", "ref shape", "rel rms err", "max abs err", "cosine", "status"):
