@@ -499,6 +499,15 @@ def test_a_long_trace_says_how_long_before_it_starts(capsys, tiny_model_path):
     assert "warning: tracing 65 decode steps prints about 65 stage events (1 a step)" in err
     code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--tokens", "3", "hello")
     assert code == 0 and "warning" not in err
+    # every stage: the count is what a decode step of this model emits (it multiplied the whole
+    # catalogue, other architectures' stages too, by the layers: ~2.5 times too many)
+    import re
+    code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--tokens", "65", "--jsonl", "-", "hello")
+    assert code == 0, err
+    said = int(re.search(r"stage events \((\d+) a step\)", err).group(1))
+    events = [json.loads(line) for line in out.splitlines()[1:-1]]
+    steps = {e["step"] for e in events}
+    assert said == sum(1 for e in events if e["step"] == 2) and len(steps) > 60
 
 
 def test_a_chunked_prefill_is_billed_to_prefill_and_only_generation_steps_to_decode(gqa):

@@ -20,7 +20,8 @@ from rich.text import Text
 from llamatrace import __version__
 from llamatrace.analysis.compare import META_KEY
 from llamatrace.errors import NumericalError, OptionError
-from llamatrace.tracing.stages import STAGE_IDS, select_stages
+from llamatrace.tracing.stages import (STAGE_BY_ID, STAGE_IDS, model_stage_ids, select_stages, stage_applies,
+                                       stage_layers)
 from llamatrace.cli.app import app, err, exit_interrupted, out, plural, stdout
 from llamatrace.cli.options import (
     AblateOpt,
@@ -198,8 +199,12 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
     max_tokens = tokens + 1            # the last token is chosen from the last traced step's logits
     ctx = ctx_size or default_ctx_size(m, len(ids), max_tokens)
     if tokens > LONG_TRACE_STEPS:
-        n_layers = m.config.n_layers if layers is None else len(layers)
-        per_step = n_layers * len(select_stages(stages))
+        # what a decode step emits: each chosen stage of this model, at the chosen layers that compute it
+        c = m.config
+        chosen = set(range(c.n_layers) if layers is None else layers)
+        per_step = sum((stage_applies(STAGE_BY_ID[s], 1, c.n_rep, c.features) if STAGE_BY_ID[s].level == "model"
+                        else len(chosen & set(stage_layers(s, c, seq_len=1))))
+                       for s in select_stages(stages) & model_stage_ids(c))
         err.print(f"[yellow]warning:[/] tracing {tokens} decode steps prints about {tokens * per_step:,} "
                   f"stage events ({per_step} a step); narrow it with --layer / --stage, or fewer --tokens",
                   soft_wrap=True)

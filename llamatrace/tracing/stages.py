@@ -667,14 +667,14 @@ def model_stage_ids(config) -> frozenset[str]:
                      if stage_applies(s, seq_len, config.n_rep, config.features, local, recurrent))
 
 
-def stage_layers(stage_id: str, config) -> tuple[int, ...]:
-    """The layers where the layer stage ``stage_id`` is emitted (in a prefill or a decode step) by
-    ``config``'s model: all of them, or those of one kind (a hybrid's gated DeltaNet or attention
-    layers)."""
+def stage_layers(stage_id: str, config, seq_len: int | None = None) -> tuple[int, ...]:
+    """The layers where the layer stage ``stage_id`` is emitted (in a prefill or a decode step, or in
+    a step of ``seq_len`` tokens) by ``config``'s model: all of them, or those of one kind (a hybrid's
+    gated DeltaNet or attention layers)."""
     s = STAGE_BY_ID[stage_id]
     return tuple(i for i in range(config.n_layers) if any(
-        stage_applies(s, seq_len, config.n_rep, config.features, config.is_local(i), config.is_recurrent(i))
-        for seq_len in (1, 2)))
+        stage_applies(s, n, config.n_rep, config.features, config.is_local(i), config.is_recurrent(i))
+        for n in ((1, 2) if seq_len is None else (seq_len,))))
 
 
 def layer_list(layers) -> str:
