@@ -528,3 +528,13 @@ def test_a_chunked_prefill_is_billed_to_prefill_and_only_generation_steps_to_dec
     with gqa.trace(stages=["result_norm"]) as traced:
         assert len(list(gqa.generate(ids, max_tokens=3))) == 3
     assert [e.phase for e in traced.events] == ["prefill", "decode", "decode"]
+
+
+def test_a_ctx_size_over_the_models_context_is_refused_before_any_output(capsys, tiny_model_path, tmp_path):
+    """It was checked when the cache was made: the prompt table had printed and --jsonl's file held its header."""
+    from cli_helpers import assert_one_line_error, run
+    jl = tmp_path / "t.jsonl"
+    for command in (["trace", "--jsonl", jl], ["generate"]):
+        code, out, err = run(capsys, *command, "-m", tiny_model_path, "--raw", "--ctx-size", "100000", "hello")
+        assert_one_line_error(code, out, err, "--ctx-size 100000 is over the model's context length 64")
+    assert not jl.exists()

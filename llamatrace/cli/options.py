@@ -617,7 +617,11 @@ def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None
     path = model_file(model)
     with open_gguf(path) as f:                       # the header only: milliseconds
         check_system(system, raw, bool(f.field("tokenizer.chat_template")), path.name)
-        ablations = parse_ablations(ablate, ModelConfig.from_gguf(f))
+        config = ModelConfig.from_gguf(f)
+        ablations = parse_ablations(ablate, config)
+    if ctx_size is not None and ctx_size > config.max_seq_len:     # before the load, and before any output
+        raise OptionError(f"--ctx-size {ctx_size} is over the model's context length {config.max_seq_len}; "
+                          f"give at most {config.max_seq_len}")
     t0 = time.perf_counter()
     m = load_model(path, threads, activations)
     load_s = time.perf_counter() - t0
