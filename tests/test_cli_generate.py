@@ -171,6 +171,7 @@ def test_info_lists_tensors(capsys, tiny_model_path):
     code, out, err = run(capsys, "info", "-m", str(tiny_model_path))
     assert code == 0
     assert "blk.0.attn_q.weight" in out and "Q8_0" in out and "llama.embedding_length" in out
+    assert "shape [out, in]" in out                  # rich took "[out, in]" for a markup tag and dropped it
     import numba
     assert f"threading layer {numba.threading_layer()!r}" in " ".join(out.split())
     from llamatrace.kernels.int8 import amx

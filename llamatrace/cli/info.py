@@ -106,7 +106,7 @@ def info(
     table = Table(title=f"Tensors ({len(f.tensors)})")
     table.add_column("name")
     table.add_column("type")
-    table.add_column("shape [out, in]", justify="right")
+    table.add_column("shape \\[out, in]", justify="right")      # escaped: not a rich markup tag
     table.add_column("bytes", justify="right")
     total = 0
     for name, t in f.tensors.items():
