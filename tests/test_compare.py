@@ -375,3 +375,22 @@ def test_sort_worst_orders_the_json_rows_too(tmp_path, capsys, tiny_model_path):
         assert code == 0, err
         rows[order] = [r["rel_rms_err"] for r in json.loads(out)["rows"] if r["rel_rms_err"] is not None]
     assert rows["worst"] == sorted(rows["forward"], reverse=True) != rows["forward"]
+
+
+def test_a_layer_or_stage_selection_that_compares_nothing_is_refused(tmp_path, capsys):
+    """It passed with an empty table ('no divergence (0)'): a --layer the recordings do not hold, a
+    --stage recorded at none of the chosen layers (Qwen3.5's Qcur at layer 0, a DeltaNet layer); the
+    range error counted the recorded layers as the model's ('this model has 1 layers')."""
+    from qwen35_files import write_qwen35_file
+    path = write_qwen35_file(tmp_path / "qwen35.gguf")
+    rec = tmp_path / "r.npz"
+    code, out, err = run(capsys, "trace", "-m", path, "--raw", "--layer", "0,2", "--npz", rec, "ab cd")
+    assert code == 0, err
+    assert_one_line_error(*run(capsys, "compare", rec, rec, "--layer", "1"),
+                          "--layer '1' selects none of them: the recordings hold layers 0, 2")
+    assert_one_line_error(*run(capsys, "compare", rec, rec, "--layer", "7"), "the recordings hold layers 0, 2")
+    assert_one_line_error(*run(capsys, "compare", rec, rec, "--layer", "0", "--stage", "Qcur"),
+                          "--stage Qcur is recorded at none of --layer 0's layers")
+    code, out, err = run(capsys, "compare", rec, rec, "--layer", "0-2", "--stage", "Qcur", "--json")
+    assert code == 0, err
+    assert {(r["layer"], r["stage"]) for r in json.loads(out)["rows"]} == {(2, "Qcur")}

@@ -218,7 +218,8 @@ def _npz_selection(spec: str, patterns: list[str] | None, paths: list[str], *rec
     import fnmatch
 
     from llamatrace.analysis.compare import META_KEY, parse_key
-    layers, stages = set(), set()
+    from llamatrace.tracing.stages import layer_list
+    layers, stages, keys = set(), set(), set()
     for rec in recordings:
         for key in rec:
             if key == META_KEY:
@@ -228,6 +229,7 @@ def _npz_selection(spec: str, patterns: list[str] | None, paths: list[str], *rec
             except ValueError as exc:
                 raise OptionError(f"{exc}; every key must look like step0.layer0.Qcur") from None
             stages.add(stage)
+            keys.add((layer, stage))
             if layer is not None:
                 layers.add(layer)
     for p in patterns or ():
@@ -235,7 +237,21 @@ def _npz_selection(spec: str, patterns: list[str] | None, paths: list[str], *rec
             held = sorted(stages)
             raise OptionError(f"--stage {p!r} matches no stage of {paths[0]} or {paths[1]}; they hold "
                               f"{', '.join(held[:12]) or 'none'}{' …' if len(held) > 12 else ''}")
-    return parse_layers(spec, max(layers) + 1) if layers else None
+    if not layers:
+        return None
+    recorded = f"the recordings hold layer{'s' if len(layers) > 1 else ''} {layer_list(sorted(layers))}"
+    try:
+        chosen = parse_layers(spec, max(layers) + 1)
+    except OptionError:
+        raise OptionError(f"--layer {spec!r}: {recorded}") from None
+    if chosen is not None and not set(chosen) & layers:
+        raise OptionError(f"--layer {spec!r} selects none of them: {recorded}")
+    if patterns and chosen is not None and not any(
+            (layer is None or layer in chosen) and any(fnmatch.fnmatchcase(stage, p) for p in patterns)
+            for layer, stage in keys):
+        raise OptionError(f"--stage {','.join(patterns)} is recorded at none of --layer {spec}'s layers "
+                          f"({layer_list(chosen)})")
+    return chosen
 
 
 def _fmt(x: float | None, spec: str) -> str:
