@@ -227,6 +227,28 @@ def test_a_damaged_shard_or_other_settings_on_resume(reference, corpus, tmp_path
     _same_bytes(reference, out)
 
 
+def test_a_shard_that_cannot_be_read_now_is_an_error_and_nothing_is_deleted(reference, corpus, tmp_path, capsys,
+                                                                         monkeypatch):
+    """A permission or I/O error is no damage: the shard and those after it stay (a remake would
+    have deleted them all), one error line says what to fix."""
+    import errno
+    import shutil
+
+    import pyarrow.parquet as pq
+    out = tmp_path / "acts"
+    shutil.copytree(reference, out)
+    real = pq.read_metadata
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith("shard-00001.parquet"):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(pq, "read_metadata", denied)
+    assert_one_line_error(*run(capsys, "collect", "-f", corpus, *SETTINGS, "-o", out),
+                          "shard-00001.parquet: cannot read it (Permission denied)")
+    _same_bytes(reference, out)
+
+
 def test_an_unreachable_ray_cluster(corpus, tmp_path, capsys):
     pytest.importorskip("ray")
     assert_one_line_error(*run(capsys, "collect", "-f", corpus, *HOOKS, "-o", tmp_path / "a", "--ray",

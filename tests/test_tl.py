@@ -202,7 +202,8 @@ def test_a_hook_returning_the_wrong_shape_is_an_error(smollm2):
 def test_the_python_api_speaks_of_its_own_arguments(smollm2):
     """A known model's name loads as -m takes it; too many tokens name the context, not --ctx-size."""
     from llamatrace import Llama
-    assert Llama.load("smollm2-135m", fetch=False).path == smollm2.path
+    with Llama.load("smollm2-135m", fetch=False) as by_name:
+        assert by_name.path == smollm2.path
     with pytest.raises(OptionError, match="9000 tokens do not fit the model's context length 8192") as info:
         smollm2.run_with_cache([5] * 9000)
     assert "--ctx-size" not in str(info.value)

@@ -207,6 +207,7 @@ def test_quoted_shows_a_partial_characters_byte_as_one_escape(tiny: Tokenizer) -
     assert quoted("a\\" + byte) == "'a\\\\\\xc3'"        # a literal backslash stays doubled, as repr
     assert quoted("\x93") == "'\\x93'" and quoted("\n") == "'\\n'"    # control characters: repr's escapes
     assert quoted("it's") == repr("it's") and quoted('"') == repr('"')
+    assert quoted("\\x41") == repr("\\x41")           # a code token's own text '\x41' (< 0x80: no byte of ours)
 
 
 def test_decode_rejects_ids_outside_the_vocabulary(tiny: Tokenizer) -> None:

@@ -508,6 +508,9 @@ def test_a_long_trace_says_how_long_before_it_starts(capsys, tiny_model_path):
     events = [json.loads(line) for line in out.splitlines()[1:-1]]
     steps = {e["step"] for e in events}
     assert said == sum(1 for e in events if e["step"] == 2) and len(steps) > 60
+    code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--tokens", "65", "--stage", "kq_mask",
+                         "hello there")
+    assert code == 0 and "warning" not in err            # a prefill-only stage: no '0 stage events (0 a step)'
 
 
 def test_a_chunked_prefill_is_billed_to_prefill_and_only_generation_steps_to_decode(gqa):

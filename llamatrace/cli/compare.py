@@ -132,8 +132,16 @@ def compare(
             m = load_model(model, threads, mode if mode in ("f32", "q8") else activations)
             for path, rec in zip(args, (ours, ref)):
                 _check_fits(m, path, rec)
-        result = compare_arrays(ours, ref, threshold=threshold, layers=layers,
-                                stages=patterns, profile=profile_for(meta_ours, meta_ref), model=m)
+        try:
+            result = compare_arrays(ours, ref, threshold=threshold, layers=layers,
+                                    stages=patterns, profile=profile_for(meta_ours, meta_ref), model=m)
+        except (ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+            if m is None:
+                raise
+            # arrays of another model of the same size and stages (_check_fits passed): --debug shows where
+            raise OptionError(f"--model {m.path.name}: the recordings' stages cannot be recomputed with it "
+                              f"({type(exc).__name__}: {' '.join(str(exc).split())[:80]}); give the model the "
+                              f"recordings were made with") from exc
         result.extra = {**result.extra, "reference": args[1], "ours": args[0]}
     else:
         if len(args) == 2 and any(a.lower().endswith(".npz") for a in args):

@@ -162,7 +162,7 @@ def expert_load(
     m = load_model(path, threads, activations) if in_process else None
     load = ExpertLoad(config.n_layers, config.n_expert)
     t0 = time.perf_counter()
-    bar = CountBar(f"expert-load {path.name}", "chunks", "routed")
+    bar = CountBar(f"expert-load {path.name}", "chunks", "routed", parallel=workers)
 
     def on_result(i: int, chunk_load: ExpertLoad) -> None:
         load.add(chunk_load)

@@ -86,7 +86,7 @@ def imatrix(
     m = load_model(path, threads, activations) if in_process else None
     t0 = time.perf_counter()
     try:
-        with CountBar(f"imatrix {path.name}", "chunks", "evaluated") as bar:
+        with CountBar(f"imatrix {path.name}", "chunks", "evaluated", parallel=workers) as bar:
             bar.update(0, plan.n_chunk)
             result = compute(run, m, lambda i: bar.update(i + 1, plan.n_chunk), prepared)
         write_imatrix(output, result.entries, result.meta, "-o")

@@ -24,9 +24,10 @@ class CountBar:
     so far); none at the end, where the command's summary follows. Use it as a ``with`` block.
 
     The first :meth:`update` starts the clock; what is done by then (resumed from an earlier run)
-    counts as done, not in the pace. The time left is the pace from the first unit done to the
-    last (the start-up before the first, a model load or workers starting, is no part of it), so
-    a line gives none until two units are done.
+    counts as done, not in the pace. The time left is the pace from the first units done (the
+    first of each of ``parallel`` workers, which arrive together) to the last: the start-up before
+    them, a model load or workers starting, is no part of it, so a line gives none until more have
+    come.
 
     Attributes:
         done, total: the last :meth:`update`'s.
@@ -35,9 +36,10 @@ class CountBar:
 
     LOG_EVERY_S = 30.0
 
-    def __init__(self, title: str, unit: str, verb: str) -> None:
+    def __init__(self, title: str, unit: str, verb: str, parallel: int = 1) -> None:
         """``title`` heads the bar (``Measuring base.gguf``), ``unit`` follows the count
-        (``matrices``), ``verb`` starts a log line (``measured``)."""
+        (``matrices``), ``verb`` starts a log line (``measured``); ``parallel``: the workers the
+        units are made by."""
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         self.progress = status_bar(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                                    TextColumn(unit, markup=False), TimeElapsedColumn(), TimeRemainingColumn())
@@ -46,7 +48,8 @@ class CountBar:
         self.task = None
         self.done = self.total = self.ran = 0
         self.t0 = self.last_line = 0.0
-        self.first: tuple[float, int] | None = None      # (when, ran) at the first unit done
+        self.parallel = max(1, parallel)
+        self.first: tuple[float, int] | None = None      # (when, ran) once each worker's first unit is done
 
     def update(self, done: int, total: int) -> None:
         """``done`` of ``total`` units are done (a ``progress(done, total)`` callback)."""
@@ -56,12 +59,12 @@ class CountBar:
             self.t0 = self.last_line = now
         else:
             self.ran += done - self.done
-            if self.first is None and self.ran > 0:
+            if self.first is None and self.ran >= min(self.parallel, total - done + self.ran):
                 self.first = (now, self.ran)
             self.progress.update(self.task, completed=done)
             tenth = total > 0 and done * 10 // total > self.done * 10 // total
             if self.lines and self.ran > 0 and done < total and (tenth or now - self.last_line >= self.LOG_EVERY_S):
-                since, ran_then = self.first
+                since, ran_then = self.first or (now, self.ran)
                 left = f", about {clock((now - since) / (self.ran - ran_then) * (total - done))} left" \
                     if self.ran > ran_then else ""
                 status(f"{self.verb} {done} of {total} {self.unit} ({100 * done // total} %) "

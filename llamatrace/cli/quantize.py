@@ -438,7 +438,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
         compile_quantizers({(t, "float32") for g in groups for t in g.candidates},
                            lambda: compile_kernels([t.name for t in types], log=lambda line: None,
                                                    modes=(model.activations,)))
-    bar = CountBar(f"Measuring {base.name}", "matrices", "measured")
+    bar = CountBar(f"Measuring {base.name}", "matrices", "measured", parallel=workers)
     t0 = time.perf_counter()
     try:
         with bar:

@@ -205,9 +205,10 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
         per_step = sum((stage_applies(STAGE_BY_ID[s], 1, c.n_rep, c.features) if STAGE_BY_ID[s].level == "model"
                         else len(chosen & set(stage_layers(s, c, seq_len=1))))
                        for s in select_stages(stages) & model_stage_ids(c))
-        err.print(f"[yellow]warning:[/] tracing {tokens} decode steps prints about {tokens * per_step:,} "
-                  f"stage events ({per_step} a step); narrow it with --layer / --stage, or fewer --tokens",
-                  soft_wrap=True)
+        if per_step:                     # a prefill-only stage (kq_mask) prints nothing a decode step
+            err.print(f"[yellow]warning:[/] tracing {tokens} decode steps prints about {tokens * per_step:,} "
+                      f"stage events ({per_step} a step); narrow it with --layer / --stage, or fewer --tokens",
+                      soft_wrap=True)
     check_prompt_fits(m, len(ids), ctx)
     # stdout carries the data; with --dump-shapes it carries only the lines, the rest goes to stderr
     side = err if dump_shapes or _to_stdout(jsonl) else out

@@ -368,6 +368,7 @@ def resume(c: Collection) -> list[dict]:
     Raises:
         OutputError: the manifest there is for other settings.
     """
+    import pyarrow as pa
     import pyarrow.parquet as pq
     path = _manifest_path(c.out)
     if not path.is_file():
@@ -392,8 +393,11 @@ def resume(c: Collection) -> list[dict]:
             problem = None if rows == entry["rows"] else f"has {rows} rows, the manifest says {entry['rows']}"
         except FileNotFoundError:
             problem = "is missing"
-        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
-            problem = f"is damaged ({type(exc).__name__}: {' '.join(str(exc).split())[:80]})"
+        except (pa.ArrowInvalid, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno is not None:   # unreadable now (permissions, I/O):
+                raise OutputError(f"{shard}: cannot read it ({exc.strerror or exc}); fix that and rerun: "
+                                  f"the complete shards are kept") from None   # nothing deleted
+            problem = f"is damaged ({' '.join(str(exc).split())[:80]})"    # pyarrow: not Parquet, bad footer
         if problem is not None:
             after = len(listed_before) - len(kept) - 1
             c.remade = f"{entry['file']} {problem}; " + \
@@ -403,7 +407,10 @@ def resume(c: Collection) -> list[dict]:
     listed = {e["file"] for e in kept}
     for p in (c.out / DATA).iterdir():
         if _is_shard_name(p.name) and p.name not in listed:
-            p.unlink()                  # written after the manifest's last update: made again
+            try:
+                p.unlink()              # written after the manifest's last update, or dropped above: made again
+            except OSError as exc:
+                raise OutputError(f"{p}: cannot delete it to make it again ({exc.strerror or exc})") from None
     return kept
 
 

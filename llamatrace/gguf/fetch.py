@@ -146,7 +146,9 @@ def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
         if given:
             path = Path(given).expanduser()
             if not path.exists() and str(given) in KNOWN_MODELS:
-                return _cached_or_pulled(KNOWN_MODELS[str(given)], fetch=fetch, log=log, quiet=quiet)
+                known = KNOWN_MODELS[str(given)]
+                installed = installed_default_model() if known.name == DEFAULT_MODEL.name else None
+                return installed or _cached_or_pulled(known, fetch=fetch, log=log, quiet=quiet)
             if not path.exists():
                 raise ModelNotFoundError(f"{origin}: model file {str(path)!r} does not exist; "
                                          f"give the path of a .gguf file, a known model's name "
@@ -162,7 +164,8 @@ def _cached_or_pulled(model: KnownModel, *, fetch: bool, log: Callable[[str], No
     if found is not None:
         return found
     if not fetch:
-        raise ModelNotFoundError(f"the model {model.filename} is not in {str(cache_dir())!r} yet "
+        there = "is cut short (another size) in" if (cache_dir() / model.filename).is_file() else "is not in"
+        raise ModelNotFoundError(f"the model {model.filename} {there} {str(cache_dir())!r} "
                                  f"and fetching is off; run `llamatrace pull {model.name}` (or Llama.load() "
                                  f"with fetch=True), or give the path of a .gguf file")
     return pull(model, log=log, quiet=quiet)

@@ -503,7 +503,7 @@ class Tokenizer:
         )
 
 
-_DOUBLED_BYTE = re.compile(r"(?<!\\)((?:\\\\)*)\\\\x([0-9a-f]{2})")
+_DOUBLED_BYTE = re.compile(r"(?<!\\)((?:\\\\)*)\\\\x([89a-f][0-9a-f])")     # a partial character's bytes are >= 0x80
 
 
 def quoted(piece: str) -> str:
