@@ -21,6 +21,7 @@ OWN_HELP = {
     ("--ctx-size", "collect"): "the sequence length, as SAELens's context_size",
     ("--ctx-size", "expert-load"): "the chunk length, as imatrix's",
     ("--activations", "expert-load"): "q8 by default from 1 B parameters, as perplexity's",
+    ("--activations", "quantize"): "the recipe search's only (with -f): the arithmetic of its KL divergences",
     ("--ctx-size", "diagram"): "the same capacity, with the default the diagram draws (prompt + 256)",
     ("--activations", "bench"): "repeatable: each mode runs as an engine of its own",
     ("--activations", "generate"): "q8 by default from 1 B parameters; the tracing commands keep f32",

@@ -115,7 +115,7 @@ def test_stages_options_are_checked_before_any_compute(capsys, tiny_pair, tmp_pa
     base, quant = tiny_pair
     for extra, needle in ((["--stages"], "--stages needs --base"),
                           (["--base", str(base), "-o", str(tmp_path / "x.png")], "add --stages"),
-                          (["--base", str(base), "--stages", "-o", str(tmp_path / "x.txt")], "extension")):
+                          (["--base", str(base), "--stages", "-o", str(tmp_path / "x.txt")], "'.txt' is not an image format")):
         code = main(["perplexity", "-f", str(CORPUS), "-c", "32", "--model", str(quant), *extra])
         captured = capsys.readouterr()
         assert code == 2 and captured.out == ""
