@@ -73,6 +73,8 @@ reaches the command), so every load the command makes, in this process or a work
 WorkersOpt = Annotated[int, typer.Option(
     "--workers", "-w", help="Local worker processes, each loading the model once; the results do not "
     "depend on it.")]
+
+
 def _ray_address(value: str | None) -> str | None:
     """``--ray``: an empty address is refused (Ray took it for a new local cluster, unnamed)."""
     if value is not None and not value.strip():
@@ -606,12 +608,11 @@ def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None
             :meth:`~llamatrace.model.llama.Llama.load`); a prompt that does not fit ``ctx_size``
             (default: the model's context), saying how many tokens the chat template added.
     """
-    from llamatrace.model.generate import check_prompt_fits
-
     import time
 
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.model.config import ModelConfig
+    from llamatrace.model.generate import check_prompt_fits
 
     text = read_prompt(prompt, prompt_file, default=default)
     path = model_file(model)
