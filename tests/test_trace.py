@@ -450,6 +450,15 @@ def test_bad_options_fail_with_one_line(gqa_path, tmp_path, capsys, args, words)
     assert not jl.exists()
 
 
+@pytest.mark.parametrize("name", ["trace.txt", "trace", "trace.NPZ.gz"])
+def test_npz_recording_must_end_in_npz_as_compare_reads_it(tmp_path, capsys, name):
+    # a model path that does not exist: the name is refused first, and nothing is written
+    code, out, err = run_cli(["trace", "--model", str(tmp_path / "absent.gguf"), "--npz", str(tmp_path / name)], capsys)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "--npz" in err and ".npz" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("option", ["--jsonl", "--npz", "--log-file"])
 @pytest.mark.parametrize("where", ["directory", "missing_dir", "under_a_file"])
 def test_unwritable_output_fails_before_loading(tmp_path, capsys, option, where):

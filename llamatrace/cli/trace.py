@@ -106,7 +106,7 @@ def trace(
 
       llamatrace trace --raw "The capital of France is" --ablate attn_out@3 --layer 3 --stage "attn_out,ffn_inp" --stats
     """
-    from llamatrace.outputs import check_output_path
+    from llamatrace.outputs import check_output_path, output_suffix
 
     # ---- everything that can be checked without the model, so bad input fails fast ----
     if tokens < 0:
@@ -130,6 +130,8 @@ def trace(
                if p is not None and not (opt == "--jsonl" and _to_stdout(p))}
     for opt, p in outputs.items():
         check_output_path(p, opt, whole_file=opt == "--npz")
+    if npz is not None:
+        output_suffix(npz, "--npz", ("npz",), "a recording", "trace.npz")  # what `compare` reads
     resolved = {}
     for opt, p in outputs.items():
         other = resolved.setdefault(p.resolve(), opt)
