@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from llamatrace.errors import OptionError, OutputError
+from llamatrace.machine.runtime import check_interrupt
 
 
 def _where(option: str, path: Path) -> str:
@@ -201,6 +202,8 @@ def replace_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
     Raises:
         OSError: from any step (disk full, permissions); the temporary file is removed first,
             as it is on any other exception (Ctrl-C).
+        KeyboardInterrupt: a Ctrl-C came while writing (:func:`~llamatrace.machine.runtime.check_interrupt`),
+            even one lost in a finalizer: ``path`` is left as it was.
     """
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
@@ -214,6 +217,7 @@ def replace_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)            # mkstemp makes 0600
+        check_interrupt()     # a Ctrl-C lost in a finalizer while writing: the old file stays
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

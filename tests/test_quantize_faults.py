@@ -294,6 +294,44 @@ def test_ctrl_c_during_quantize_exits_130_and_leaves_nothing(f16_base, tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_ctrl_c_lost_in_a_finalizer_while_writing_keeps_the_old_file(f16_base, tmp_path, capsys, monkeypatch):
+    """A SIGINT whose KeyboardInterrupt was lost in a finalizer (a compile's) is only recorded by
+    the handler: the writer's next tensor, or the rename, must raise it. It once renamed the new
+    file over OUT, printed the summary, then said ``interrupted`` and exited 130."""
+    from llamatrace.machine import runtime
+    from llamatrace.quantize import writer
+    monkeypatch.setattr(runtime, "_interrupted", False)
+    real = writer.convert_tensor
+
+    def lost_interrupt(*args, **kwargs):
+        runtime._interrupted = True                  # what the handler records before its raise is lost
+        return real(*args, **kwargs)
+    monkeypatch.setattr(writer, "convert_tensor", lost_interrupt)
+    out = _copy(f16_base, tmp_path / "keep.gguf")
+    code, stdout, err = run(capsys, "quantize", f16_base, out, "--type", "Q8_0", "--allow-requantize")
+    assert code == 130 and "interrupted" in err and "Traceback" not in err, err
+    assert out.read_bytes() == f16_base.read_bytes()           # the old file, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.gguf"]
+
+
+def test_replace_durably_raises_a_lost_interrupt_before_the_rename(tmp_path, monkeypatch):
+    from llamatrace.machine import runtime
+    from llamatrace.outputs import replace_durably
+    monkeypatch.setattr(runtime, "_interrupted", False)
+    out = tmp_path / "out.txt"
+    out.write_text("old")
+
+    def write(f):
+        f.write(b"new")
+        runtime._interrupted = True
+    with pytest.raises(KeyboardInterrupt):
+        replace_durably(out, write)
+    assert out.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+    monkeypatch.setattr(runtime, "_interrupted", False)
+    replace_durably(out, lambda f: f.write(b"new"))
+    assert out.read_text() == "new"
+
+
 def test_a_killed_quantize_leaves_a_temporary_file_the_next_run_removes(f16_base, tmp_path, capsys):
     """SIGKILL mid-write leaves ``.OUT.PID.XXXXXXXX.tmp`` (no ``finally`` runs); the next run in that
     folder removes it with one note, and leaves alone one whose process still runs."""

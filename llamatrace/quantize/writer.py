@@ -30,6 +30,7 @@ import numpy as np
 
 from llamatrace.errors import OptionError, OutputError
 from llamatrace.gguf.reader import GGUFFile, Tensor
+from llamatrace.machine.runtime import check_interrupt
 from llamatrace.quantize.rules import FileType, category, llama_order, n_dims, requires_imatrix
 
 T = gguf.GGMLQuantizationType
@@ -274,6 +275,7 @@ def quantize_gguf(base: GGUFFile, out: Path, types: Mapping[str, T], ftype: File
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for i, name in enumerate(order):
+            check_interrupt()                # a Ctrl-C lost in a finalizer (a compile's) stops here
             t, dst = base.tensors[name], summary.types[name]
             if progress is not None:
                 progress(i, len(order), name, t.tensor_type, dst)
