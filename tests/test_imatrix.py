@@ -121,6 +121,18 @@ def test_bad_input_is_one_error_line_and_writes_nothing(capsys, tiny_model_path,
     assert list(tmp_path.iterdir()) == [tmp_path / "blank.txt"]
 
 
+def test_an_output_that_is_the_model_from_the_environment_is_refused_before_the_run(capsys, tiny_model_path, tmp_path,
+                                                                                  monkeypatch):
+    from llamatrace.quantize.imatrix import compute
+    model = tmp_path / "model.gguf"
+    model.write_bytes(Path(tiny_model_path).read_bytes())
+    monkeypatch.setenv("LLAMATRACE_MODEL", str(model))
+    monkeypatch.setattr(compute, "prepare", lambda *a, **k: pytest.fail("ran before refusing -o"))
+    assert_one_line_error(*run(capsys, "imatrix", "-f", CORPUS, "-o", model, "-c", "32"), "-o",
+                          "the model this run reads")
+    assert model.read_bytes() == Path(tiny_model_path).read_bytes()
+
+
 def test_one_chunk_is_enough_and_a_text_shorter_than_ctx_size_is_one_chunk(capsys, tiny_model_path, tmp_path):
     # llama-imatrix's two-chunk rule serves the perplexity it prints; nothing is scored here
     from llamatrace.corpus.chunks import read_header

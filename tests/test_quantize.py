@@ -24,6 +24,7 @@ import pytest
 from cli_helpers import assert_one_line_error, run
 from quantize_files import golden, make_awkward_base, make_f16_base, synthetic_imatrix
 
+from llamatrace.errors import OptionError
 from llamatrace.gguf.fetch import sha256_file
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.quantize.rules import Override, file_type, tensor_types
@@ -317,3 +318,9 @@ def test_file_type_names_and_numbers_are_llama_cpps():
         number = entry["changed"].get("general.file_type", 1)          # unchanged: the F16 base's own 1
         ftype = file_type(entry["type"])
         assert (ftype.ftype, file_type(str(number))) == (number, ftype), entry["type"]
+
+
+@pytest.mark.parametrize("key", ["²", "Q9_K", "99", ""])
+def test_a_file_type_we_do_not_write_is_an_option_error(key):
+    with pytest.raises(OptionError, match="is not a file type"):          # '²' was int()'s ValueError
+        file_type(key)

@@ -53,6 +53,39 @@ def _no_measuring(monkeypatch) -> None:
     monkeypatch.setattr(S, "measure_groups", lambda *a, **k: pytest.fail("measured before refusing"))
 
 
+def test_quantize_refuses_to_write_over_its_tensor_type_file(f16_base, tmp_path, capsys):
+    """``quantize BASE types.txt --tensor-type-file types.txt`` replaced the file it read with a GGUF."""
+    types = tmp_path / "types.txt"
+    types.write_text("attn_v=q8_0\n")
+    assert_one_line_error(*run(capsys, "quantize", f16_base, types, "--type", "Q4_0", "--tensor-type-file", types),
+                          "OUT", "--tensor-type-file this run reads")
+    assert types.read_text() == "attn_v=q8_0\n" and [p.name for p in tmp_path.iterdir()] == ["types.txt"]
+
+
+@pytest.mark.parametrize("tied, args, words", [
+    (False, ["--type", "F16", "--tensor-type", "attn_v=q8_0"], ["--tensor-type", "--type F16", "quantized file types"]),
+    (True, ["--type", "BF16", "--output-tensor-type", "q8_0"], ["--output-tensor-type", "no output.weight",
+                                                                "--token-embedding-type"]),
+    (True, ["--type", "Q8_0", "--pure", "--output-tensor-type", "q4_0"], ["--output-tensor-type", "--pure"]),
+    (True, ["--type", "Q8_0", "--leave-output-tensor"], ["--leave-output-tensor", "no output.weight"]),
+])
+def test_an_option_that_changes_nothing_gets_a_warning(tmp_path, capsys, tied, args, words):
+    """As llama-quantize 0.3.36, these options change no tensor here; they were dropped in silence."""
+    base = write_tiny_llama(tmp_path / "base.gguf", qtype=T.F16, tied=tied)
+    code, _, err = run(capsys, "quantize", base, tmp_path / "out.gguf", *args)
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert code == 0 and len(warnings) == 1, err
+    for word in words:
+        assert word in warnings[0], warnings
+
+
+def test_options_that_apply_get_no_warning(tmp_path, capsys):
+    base = write_tiny_llama(tmp_path / "base.gguf", qtype=T.F16, tied=True)
+    code, _, err = run(capsys, "quantize", base, tmp_path / "out.gguf", "--type", "Q8_0", "--output-tensor-type", "q4_0",
+                       "--tensor-type", "attn_v=q4_0")
+    assert code == 0 and "warning" not in err, err
+
+
 # ---- the search overwriting its base; outputs checked before measuring -----------------------------------
 
 @pytest.mark.parametrize("how", ["path", "symlink", "hardlink"])

@@ -61,7 +61,7 @@ def busy_loops(n: int) -> Iterator[list[subprocess.Popen]]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m llamatrace.analysis.busy N``: ``N`` busy loops until Ctrl-C or SIGTERM."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not args[0].isdigit():
+    if len(args) != 1 or not args[0].isdecimal():
         sys.stderr.write("usage: python -m llamatrace.analysis.busy N   (N busy-loop processes until Ctrl-C)\n")
         return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)

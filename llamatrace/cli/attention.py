@@ -58,7 +58,7 @@ def attention(
         raise OptionError(f"--step must be >= 0 (0 = the prefill), got {step}")
     if head is not None and head < 0:
         raise OptionError(f"--head must be >= 0, got {head}")
-    if parse_layers(layer) is None or not layer.strip().lstrip("-").isdigit():
+    if parse_layers(layer) is None or not layer.strip().lstrip("-").isdecimal():
         raise OptionError(f"--layer {layer!r}: attention shows one layer; give N (0-based) or -1 for the last")
     check_run_options(ablate=run.ablate)
     if output is None and not json_out:

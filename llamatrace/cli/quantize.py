@@ -67,7 +67,7 @@ def quantize(
                                 callback=_in_order)] = None,
     output_tensor_type: Annotated[Optional[str], typer.Option("--output-tensor-type", metavar="TYPE",
                                   help="The ggml type of output.weight (and of a token embedding tied to it, "
-                                  "unless --token-embedding-type or --pure), before any --tensor-type.",
+                                  "with a quantized --type, unless --token-embedding-type or --pure), before any --tensor-type.",
                                   show_default=False)] = None,
     token_embedding_type: Annotated[Optional[str], typer.Option("--token-embedding-type", metavar="TYPE",
                                     help="The ggml type of token_embd.weight, before any --tensor-type.",
@@ -159,7 +159,7 @@ def quantize(
       llamatrace quantize 8B-F16.gguf recipe.gguf --type Q4_K_M -f calibration.txt --ray head-node:6379 --workers 16
     """
     from llamatrace.gguf.reader import open_gguf
-    from llamatrace.outputs import check_output_path
+    from llamatrace.outputs import check_output_path, reading
     from llamatrace.quantize.rules import Override, file_type, ggml_type, read_tensor_type_file, tensor_types, unmatched
     from llamatrace.quantize.writer import check_requantize
 
@@ -187,7 +187,8 @@ def quantize(
                           "for a recipe search")
     ftype = file_type(type_name)
     overrides = [Override.parse(text) for text in tensor_type or []]
-    from_files = [o for path in tensor_type_file or [] for o in read_tensor_type_file(path)]
+    from_files = [o for path in tensor_type_file or []
+                  for o in read_tensor_type_file(reading(path, "a --tensor-type-file this run reads"))]
     overrides = from_files + overrides if _given_first(ctx, "tensor_type_file", "tensor_type") else overrides + from_files
     output_type, embd_type = (None if name is None else ggml_type(name, f"{option} {name!r}") for option, name in
                               (("--output-tensor-type", output_tensor_type), ("--token-embedding-type", token_embedding_type)))
@@ -213,6 +214,8 @@ def quantize(
         for o in unmatched(overrides, f.tensors):
             _warn(f"--tensor-type {o.pattern}={o.ggml_type.name.lower()}: the pattern matches no tensor "
                           f"of {base.name}")
+        _warn_unapplied(ftype, "output.weight" not in f.tensors, overrides, output_tensor_type, pure,
+                        leave_output_tensor, base.name)
         check_requantize(f, types, allow_requantize)     # before a minute of compiling
         try:
             compile_quantizers(quantizers_for(f, types))
@@ -242,6 +245,24 @@ def quantize(
         err.print(f"[dim]{plural(len(fallbacks), 'tensor')} of {len(summary.types)} fell back to another type: "
                   f"their rows are not a multiple of the type's block (as llama-quantize)[/]")
     err.print(f"[dim]quantized in {summary.seconds:.1f} s[/]")
+
+
+def _warn_unapplied(ftype, tied: bool, overrides: list, output_tensor_type: str | None, pure: bool,
+                    leave_output_tensor: bool, base_name: str) -> None:
+    """A warning for each option that changes nothing here, as in llama-quantize 0.3.36
+    (``llama_tensor_get_type``): patterns and the tied output's type go to quantized file types only."""
+    from gguf import GGMLQuantizationType as T
+    quantized = ftype.default not in (T.F32, T.F16, T.BF16)
+    if overrides and not quantized:
+        _warn(f"--tensor-type patterns are not applied with --type {ftype.name}: llama-quantize gives them to "
+              f"quantized file types only; give a quantized --type, or leave them out")
+    if output_tensor_type is not None and tied and (pure or not quantized):
+        _warn(f"--output-tensor-type: {base_name} has no output.weight (its token embedding is the output) and "
+              f"{'--pure' if pure else f'--type {ftype.name}'} keeps the embedding's type; choose it with "
+              f"--token-embedding-type")
+    if leave_output_tensor and tied:
+        _warn(f"--leave-output-tensor: {base_name} has no output.weight (its token embedding is the output): "
+              f"nothing is left as it was; keep the embedding's type with --token-embedding-type")
 
 
 def _warn(message: str) -> None:

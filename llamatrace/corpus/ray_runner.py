@@ -59,7 +59,7 @@ def _check_reachable(address: str, given: str) -> None:
     """Fail fast on a ``host:port`` that does not answer (``ray.init`` would retry for minutes);
     ``given`` is how the user named it."""
     host, _, port = address.rpartition(":")
-    if address.startswith("ray://") or not host or not port.isdigit():
+    if address.startswith("ray://") or not host or not port.isdecimal():
         return
     try:
         socket.create_connection((host, int(port)), timeout=3).close()

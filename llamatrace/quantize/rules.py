@@ -97,7 +97,7 @@ def file_type(name: str) -> FileType:
         OptionError: an unknown or unsupported name.
     """
     key = ALIASES.get(name.upper(), name.upper())
-    if key.isdigit():
+    if key.isdecimal():
         key = next((ft.name for ft in FILE_TYPES.values() if ft.ftype == int(key)), key)
     if key not in FILE_TYPES:
         raise OptionError(f"--type {name!r} is not a file type llamatrace writes; choose one of "

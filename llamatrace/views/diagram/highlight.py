@@ -61,7 +61,7 @@ def resolve_highlight(value: str) -> Highlight:
         OptionError: neither (the message lists what is valid).
     """
     text = value.strip()
-    if text.isdigit():
+    if text.isdecimal():
         number = int(text)
         if number not in BOOK_STAGES:
             raise OptionError(f"--highlight {value}: the book's STAGE numbers run 1-19; "
