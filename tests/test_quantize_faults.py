@@ -252,6 +252,25 @@ def _imatrix(base: Path, path: Path, poison: float | None = None) -> Path:
     return path
 
 
+def test_an_imatrix_of_another_width_or_a_missing_one_is_refused_before_the_quantizers_compile(f16_base, tmp_path,
+                                                                                                  capsys, monkeypatch):
+    """Both were refused inside the writer, after a minute of compiling on a cold cache; the first
+    message did not name the file."""
+    from llamatrace.cli import quantize as Q
+    from llamatrace.quantize.imatrix.files import ImatrixMeta, write_imatrix
+    monkeypatch.setattr(Q, "compile_quantizers", lambda *a, **k: pytest.fail("compiled before refusing"))
+    wide = tmp_path / "wide.imatrix.gguf"
+    names = [t.name for t in gguf.GGUFReader(str(f16_base)).tensors if len(t.shape) == 2]
+    write_imatrix(wide, {n: (np.full(1000, 4.0, np.float32), np.array([4])) for n in names if n != "token_embd.weight"},
+                  ImatrixMeta(["calibration.txt"], 4, 32))
+    out = tmp_path / "out.gguf"
+    assert_one_line_error(*run(capsys, "quantize", f16_base, out, "--type", "Q4_0", "--imatrix", wide),
+                          f"--imatrix {str(wide)!r}", "1000 values", "another model")
+    wide_base = write_tiny_llama(tmp_path / "wide.gguf", qtype=T.F16, dim=256, hidden_dim=256, tied=False)
+    assert_one_line_error(*run(capsys, "quantize", wide_base, out, "--type", "Q2_K_S"), "Q2_K_S", "none was given")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_an_imatrix_holding_non_finite_values_is_refused(f16_base, tmp_path, capsys, poison):
     """As llama-quantize ("imatrix contains non-finite value"): it wrote a file of NaN tensors."""

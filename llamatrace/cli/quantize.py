@@ -161,7 +161,7 @@ def quantize(
     from llamatrace.gguf.reader import open_gguf
     from llamatrace.outputs import check_output_path, reading
     from llamatrace.quantize.rules import Override, file_type, ggml_type, read_tensor_type_file, tensor_types, unmatched
-    from llamatrace.quantize.writer import check_requantize
+    from llamatrace.quantize.writer import check_requantize, usable_imatrix
 
     stock_only = {"--tensor-type": tensor_type, "--tensor-type-file": tensor_type_file, "--pure": pure,
                   "--output-tensor-type": output_tensor_type, "--token-embedding-type": token_embedding_type,
@@ -217,6 +217,7 @@ def quantize(
         _warn_unapplied(ftype, "output.weight" not in f.tensors, overrides, output_tensor_type, pure,
                         leave_output_tensor, base.name)
         check_requantize(f, types, allow_requantize)     # before a minute of compiling
+        usable_imatrix(f, types, ftype, weights, f"--imatrix {str(imatrix)!r}")
         try:
             compile_quantizers(quantizers_for(f, types))
             summary = _write(f, output, types, ftype, weights, info, allow_requantize)
@@ -385,7 +386,7 @@ def _read_imatrix(path: Path, f):
     with open(path, "rb") as fh:
         legacy = fh.read(4) != b"GGUF"
     weights = column_importances(entries, legacy=legacy)
-    check_finite(weights, f"--imatrix {str(path)!r}")
+    check_finite(weights, f"--imatrix {str(path)!r}")     # the search's too, before it measures
     meta = read_imatrix_meta(path)
     if not set(weights) & set(f.tensors):
         raise OptionError(f"--imatrix {str(path)!r}: none of its {plural(len(weights), 'entry', 'entries')} names a "

@@ -240,15 +240,7 @@ def quantize_gguf(base: GGUFFile, out: Path, types: Mapping[str, T], ftype: File
     if sorted(order) != sorted(base.tensors):
         raise OptionError("the tensor types do not name every tensor of the base model")
     check_requantize(base, types, allow_requantize)
-    check_finite(imatrix or {})
-    imatrix = _usable_imatrix(base, types, imatrix or {})
-    needs = [n for n in order if types[n] != base.tensors[n].tensor_type and n not in imatrix
-             and requires_imatrix(n, types[n], ftype)]
-    if needs:
-        raise OptionError(f"{ftype.name} needs an importance matrix for its {types[needs[0]].name} tensors "
-                          f"(as llama-quantize: without one they are garbage) and "
-                          f"{'none was given' if not imatrix else 'it has no entry for ' + needs[0]}: "
-                          f"add --imatrix FILE (llama-imatrix's or `llamatrace imatrix`'s)")
+    imatrix = usable_imatrix(base, types, ftype, imatrix)
 
     summary = QuantizeSummary(types={name: T(types[name]) for name in order})
     writer = gguf.GGUFWriter(None, arch=str(base.metadata.get("general.architecture", "")))
@@ -300,16 +292,24 @@ def quantize_gguf(base: GGUFFile, out: Path, types: Mapping[str, T], ftype: File
     return summary
 
 
-def _usable_imatrix(base: GGUFFile, types: Mapping[str, T], imatrix: Mapping[str, np.ndarray]
-                    ) -> dict[str, np.ndarray]:
+def usable_imatrix(base: GGUFFile, types: Mapping[str, T], ftype: FileType,
+                   imatrix: Mapping[str, np.ndarray] | None, source: str = "the importance matrix"
+                   ) -> dict[str, np.ndarray]:
     """The entries llama-quantize uses: those of tensors it converts whose size is the rows' length
     × experts. A token embedding of another size is quantized without one, as llama.cpp does.
+    Cheap: a command calls it before compiling the quantizers, :func:`quantize_gguf` again.
+
+    Args:
+        source: how messages name the matrix (``"--imatrix 'im.gguf'"``).
 
     Raises:
-        OptionError: another tensor's entry has another size (an importance matrix of another model).
+        OptionError: an entry holding NaN or ±inf (:func:`check_finite`); another tensor's entry of
+            another size (an importance matrix of another model); a tensor that needs an entry and
+            has none (the Q2_K tensors of a Q2_K_S file, as llama.cpp).
     """
+    check_finite(imatrix or {}, source)
     usable = {}
-    for name, entry in imatrix.items():
+    for name, entry in (imatrix or {}).items():
         t = base.tensors.get(name)
         if t is None or types[name] == t.tensor_type:
             continue
@@ -317,8 +317,15 @@ def _usable_imatrix(base: GGUFFile, types: Mapping[str, T], imatrix: Mapping[str
         if entry.size == expected:
             usable[name] = entry
         elif name not in ("token_embd.weight", "per_layer_token_embd.weight"):
-            raise OptionError(f"the importance matrix has {entry.size} values for {name!r}, whose rows have "
+            raise OptionError(f"{source} has {entry.size} values for {name!r}, whose rows have "
                               f"{expected}: it was computed for another model")
+    needs = [n for n in llama_order(types) if types[n] != base.tensors[n].tensor_type and n not in usable
+             and requires_imatrix(n, types[n], ftype)]
+    if needs:
+        raise OptionError(f"{ftype.name} needs an importance matrix for its {types[needs[0]].name} tensors "
+                          f"(as llama-quantize: without one they are garbage) and "
+                          f"{'none was given' if not imatrix else source + ' has no entry for ' + needs[0]}: "
+                          f"add --imatrix FILE (llama-imatrix's or `llamatrace imatrix`'s)")
     return usable
 
 
