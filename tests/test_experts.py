@@ -14,7 +14,7 @@ import pytest
 from cli_helpers import assert_one_line_error, run
 from moe_files import SPECS, write_moe_file
 
-from llamatrace.analysis.experts import ExpertLoad, entropy_bits, routes
+from llamatrace.analysis.experts import ExpertLoad, Route, entropy_bits, routes
 from llamatrace.model.llama import Llama
 from llamatrace.tracing.recorder import Recorder
 
@@ -51,6 +51,14 @@ def test_routes_are_the_forward_pass_choice_top_k_of_its_own_router_probabilitie
         dense = route.dense()
         assert dense.shape == (len(ids), n) and np.count_nonzero(dense, axis=1).tolist() == [k] * len(ids)
     m.close()
+
+
+def test_a_route_choosing_an_expert_twice_shows_the_sum_of_its_weights():
+    """``--ablate ffn_moe_topk@L`` routes every slot to expert 0: the picture showed 1/3, the last
+    slot's weight, where the layer applied 1."""
+    route = Route(0, np.array([[0, 0, 0], [2, 1, 0]], np.int32),
+                  np.array([[1 / 3, 1 / 3, 1 / 3], [0.5, 0.3, 0.2]], np.float32), 4)
+    np.testing.assert_allclose(route.dense(), [[1, 0, 0, 0], [0.2, 0.3, 0.5, 0]], rtol=1e-6)
 
 
 def test_experts_cli_prints_routes_and_writes_the_heatmap_and_json(moe_paths, capsys, tmp_path):

@@ -51,6 +51,18 @@ def test_lens_json_has_the_documented_fields(capsys, tiny_model_path):
     assert doc["rows"][-1]["top_id"] == doc["final_id"]
 
 
+def test_lens_table_in_a_pipe_keeps_every_column_however_wide(capsys, tiny_model_path):
+    """Piped, the table was cut at 132 columns: at 9+ positions the rank column was an '…'."""
+    code, out, err = run(capsys, "lens", "--model", str(tiny_model_path), "--raw", "--positions", "14",
+                         "a b c d e f g h i j k l m n o p")
+    assert code == 0, err
+    lines = [line.rstrip() for line in out.splitlines() if line.strip()]
+    header = next(line for line in lines if line.lstrip().startswith("layer"))
+    assert header.endswith("rank") and len(header) > 132
+    rows = [line for line in lines if line.lstrip().startswith(("embd", "0", "1"))]
+    assert len(rows) == 3 and all(row.split()[-1].isdecimal() for row in rows), rows
+
+
 # ---- attention ----------------------------------------------------------------------------------
 def test_attention_rows_sum_to_one_over_unmasked_keys(tiny_model):
     maps = attention(tiny_model, TOKENS, layer=1)
@@ -82,6 +94,27 @@ def test_attention_json_marks_masked_cells_null_and_the_picture_is_written(capsy
         assert sum(p for p in row if p is not None) == pytest.approx(1, rel=1e-5)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*tmp"))
+
+
+@pytest.mark.parametrize("n_heads, n_rep, n", [(9, 3, 1000), (9, 3, 20), (64, 8, 400), (4, 1, 3000)])
+def test_a_long_prompts_attention_figure_stays_within_the_size_cap(n_heads, n_rep, n):
+    """A 400-token prompt made a 16,830 x 16,650 px picture (3.3 GB, minutes); 1,000 tokens would
+    have needed ~20 GB: the cells shrink so that the figure stays within MAX_FIGURE_IN."""
+    from llamatrace.analysis.look import AttentionMaps
+    from llamatrace.views.plots import DPI, MAX_FIGURE_IN, _pyplot, attention_figure
+
+    masked = np.triu(np.ones((n, n), dtype=bool), k=1)
+    probs = np.where(masked, 0, 1.0 / np.arange(1, n + 1)[:, None]).astype(np.float32)
+    maps = AttentionMaps(0, 0, np.broadcast_to(probs, (n_heads, n, n)), masked, list(range(n)), list(range(n)),
+                         n_heads // n_rep, n_rep)
+    fig = attention_figure(maps, ["x"] * n, list(range(n_heads)), "t")
+    try:
+        width, height = fig.get_size_inches()
+        assert width <= MAX_FIGURE_IN and height <= MAX_FIGURE_IN, (width, height)
+        if n <= 24:                                 # a short prompt keeps its readable cells
+            assert width * DPI > 1000
+    finally:
+        _pyplot().close(fig)
 
 
 def test_token_labels_escape_what_the_font_cannot_draw():
@@ -132,6 +165,50 @@ def test_generate_with_an_ablation_differs_and_without_it_does_not(capsys, tiny_
 def test_bad_options_give_one_error_line(capsys, tmp_path, tiny_model_path, args, needle):
     code, out, err = run(capsys, *args, "--model", str(tiny_model_path), "--raw", "hello")
     assert_one_line_error(code, out, err, needle)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["attention", "--layer", "9", "--json"], "(or -1 for the last)"),
+    (["attention", "--head", "99", "--json"], "--head 99 is out of range"),
+    (["state", "--json"], "has no gated DeltaNet layers"),
+])
+def test_checks_against_the_models_header_come_before_the_load(capsys, tiny_model_path, monkeypatch, args, needle):
+    from llamatrace.cli import options
+    monkeypatch.setattr(options, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    assert_one_line_error(*run(capsys, *args, "--model", str(tiny_model_path), "--raw", "hello"), needle)
+
+
+@pytest.fixture
+def nan_logits_path(tmp_path, tiny_model_path):
+    """The tiny model with a NaN output norm: every layer is finite, the logits are NaN."""
+    import shutil
+
+    import gguf
+    path = tmp_path / "nan.gguf"
+    shutil.copyfile(tiny_model_path, path)
+    norm = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output_norm.weight")
+    np.memmap(path, dtype=np.float32, mode="r+", offset=norm.data_offset, shape=(int(norm.n_elements),))[:] = np.nan
+    return path
+
+
+def test_attention_of_the_prefill_needs_no_token_so_nan_logits_do_not_stop_it(capsys, nan_logits_path):
+    """``--step 0`` sampled a token it never used, and refused a model whose logits are NaN."""
+    code, out, err = run(capsys, "attention", "--model", str(nan_logits_path), "--raw", "--layer", "0", "--json",
+                         "hello there")
+    assert code == 0, err
+    assert json.loads(out)["heads"][0]["probs"][0][0] == pytest.approx(1)
+    code, out, err = run(capsys, "attention", "--model", str(nan_logits_path), "--raw", "--layer", "0", "--json",
+                         "--step", "1", "hello there")
+    assert code == 2 and "hold NaN or Inf" in err
+
+
+def test_lens_refuses_final_logits_holding_nan(capsys, nan_logits_path):
+    """It printed NaN into its JSON (invalid JSON) and ranked argmax(NaN) as the final prediction."""
+    path = nan_logits_path
+    for extra in ([], ["--json"]):
+        code, out, err = run(capsys, "lens", "--model", str(path), "--raw", "hello there", *extra)
+        assert code == 2 and out == "" and "Traceback" not in err, err
+        assert "hold NaN or Inf" in err and "--check-finite" in err
 
 
 # ---- the catalogue as a command ---------------------------------------------------------------------

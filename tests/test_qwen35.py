@@ -386,7 +386,9 @@ def test_state_view_writes_are_the_state_change_beyond_the_decay(model, path, tm
     got = json.loads(out)
     assert png.stat().st_size > 0 and len(got["heads"]) == N_V_HEADS and got["heads"][3]["key_head"] == 1
     assert_one_line_error(*run(capsys, "state", "-m", path, "--raw", "the cat", "--layer", 2, "--json"),
-                          "--layer 2 has no recurrent state", "0, 1, 3")
+                          "--layer '2' is a softmax attention layer, with no recurrent state", "are 0, 1, 3")
+    assert_one_line_error(*run(capsys, "state", "-m", path, "--raw", "the cat", "--layer", "0-1", "--json"),
+                          "state shows one layer; give one of its gated DeltaNet layers (0, 1, 3)")
     assert_one_line_error(*run(capsys, "state", "-m", path, "--raw", "the cat", "--layer", 9, "--json"),
                           "valid are 0-3 (or -1 for the last)")          # no 'or all': state shows one layer
 

@@ -52,9 +52,11 @@ class Route:
     n_expert: int
 
     def dense(self) -> np.ndarray:
-        """float32 ``[n_tokens, n_expert]``: each token's weight on each expert, 0 where not chosen."""
+        """float32 ``[n_tokens, n_expert]``: each token's weight on each expert, 0 where not chosen
+        (summed where an expert is chosen twice, as an ``--ablate ffn_moe_topk`` route can be)."""
         grid = np.zeros((len(self.ids), self.n_expert), np.float32)
-        np.put_along_axis(grid, self.ids.astype(np.int64), self.weights, axis=1)
+        rows = np.broadcast_to(np.arange(len(self.ids))[:, None], self.ids.shape)
+        np.add.at(grid, (rows, self.ids.astype(np.int64)), self.weights)
         return grid
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llamatrace.errors import OptionError
+from llamatrace.errors import NumericalError, OptionError
 from llamatrace.model.sampling import softmax64
 from llamatrace.tracing.recorder import Recorder
 
@@ -65,7 +65,11 @@ def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> Attent
                           f"tokens + {step} decode steps), more than the model's context length "
                           f"{model.config.max_seq_len}; choose a smaller --step")
     rec = Recorder(layers=[layer], stages=["kq_soft_max"], keep_arrays=True)
-    tokens = list(generate(model, prompt_ids, max_tokens=step + 1, recorder=rec))
+    if step == 0:             # the prefill alone: no token is chosen (a NaN in later layers cannot stop it)
+        model.forward(np.asarray(prompt_ids), 0, model.new_cache(len(prompt_ids)), recorder=rec)
+        tokens = []
+    else:
+        tokens = list(generate(model, prompt_ids, max_tokens=step + 1, recorder=rec))
     events = [e for e in rec.events if e.step == step]
     if not events:
         raise OptionError(f"--step {step}: the run stopped at step {rec.step} (end of text or the context "
@@ -118,6 +122,7 @@ def logit_lens(model, prompt_ids: list[int], positions: int = 6) -> Lens:
 
     Raises:
         OptionError: ``positions`` < 1, or the prompt does not fit the model's context.
+        NumericalError: the final logits hold NaN or Inf.
     """
     if positions < 1:
         raise OptionError(f"--positions must be >= 1, got {positions}")
@@ -127,6 +132,10 @@ def logit_lens(model, prompt_ids: list[int], positions: int = 6) -> Lens:
         raise OptionError(f"the prompt has {n} tokens; the model's context holds 1-{c.max_seq_len}")
     rec = Recorder(stages=["inp_embd", "l_out"], keep_arrays=True)
     logits = model.forward(np.asarray(prompt_ids), 0, model.new_cache(n), recorder=rec)[-1]
+    if not np.isfinite(logits.max()):          # argmax would name a token the model never predicted
+        raise NumericalError(f"the logits after position {n - 1} hold NaN or Inf, so the lens has no final "
+                             f"prediction to rank: the model's weights (or an --ablate) make them; "
+                             f"`llamatrace trace --check-finite` names the first stage that does")
     arrays = rec.arrays()
     k = min(positions, n)
     residuals = [arrays["step0.inp_embd"]] + [arrays[f"step0.layer{i}.l_out"] for i in range(c.n_layers)]

@@ -66,17 +66,21 @@ def attention(
     if output is not None:
         check_format(output)
         check_output_path(output, "-o")
-    r = run.prepare()
+    def check(c) -> None:                      # against the model's header, before the load
+        layers = parse_layers(layer, c.n_layers, one=True)
+        if layers is None or len(layers) != 1:
+            raise OptionError(f"--layer {layer!r}: attention shows one layer; give N (0-{c.n_layers - 1}) or -1")
+        if c.is_recurrent(layers[0]):              # Qwen3.5: no softmax pattern on a DeltaNet layer
+            raise OptionError(f"--layer {layers[0]} is a gated DeltaNet layer: it keeps a state, not an attention "
+                              f"pattern; its attention layers are {', '.join(map(str, c.attn_layers))}")
+        if head is not None and head >= c.n_heads:
+            raise OptionError(f"--head {head} is out of range: this model has {c.n_heads} query heads "
+                              f"(0-{c.n_heads - 1})")
+
+    r = run.prepare(check)
     m, ids, ablations = r.model, r.ids, r.ablations
     c = m.config
     layers = parse_layers(layer, c.n_layers, one=True)
-    if layers is None or len(layers) != 1:
-        raise OptionError(f"--layer {layer!r}: attention shows one layer; give N (0-{c.n_layers - 1}) or -1")
-    if c.is_recurrent(layers[0]):              # Qwen3.5: no softmax pattern on a DeltaNet layer
-        raise OptionError(f"--layer {layers[0]} is a gated DeltaNet layer: it keeps a state, not an attention "
-                          f"pattern; its attention layers are {', '.join(map(str, c.attn_layers))}")
-    if head is not None and head >= c.n_heads:
-        raise OptionError(f"--head {head} is out of range: this model has {c.n_heads} query heads (0-{c.n_heads - 1})")
 
     from llamatrace.analysis.look import attention as run_attention
 

@@ -27,11 +27,11 @@ from llamatrace.cli.options import (
     parse_layers,
     parse_stages,
     prepare_run,
+    print_wide,
     PromptFileOpt,
     RawOpt,
     SystemOpt,
     ThreadsOpt,
-    wide_out,
 )
 
 AGAINST = ("llama.cpp", "hf")
@@ -296,7 +296,7 @@ def _print_table(result, sort: str) -> None:
                       _fmt(r.rel_rms_err, ".2e"), _fmt(r.max_abs_err, ".2e"), _fmt(r.cosine, ".6f"),
                       _status(r) + (" ← first" if r is first else ""), style=style)
     # an expert's status says how its tokens were routed: room for it
-    wide_out(136 if any(r.routing for r in paired) else 112).print(table)
+    print_wide(table)
     for status, side in (("only ours", "only in ours"), ("only reference", "only in the reference")):
         rows = [r for r in result.rows if r.status == status]
         whole = {st for st in {r.stage for r in rows}      # a kind of stage the other side never has

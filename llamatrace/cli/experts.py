@@ -103,7 +103,8 @@ def expert_load(
                                           "cache (a shorter text: one chunk of its length).")] = 512,
     chunks: Annotated[Optional[int], typer.Option("--chunks", help="Route at most N chunks (default: all).",
                                                   show_default=False)] = None,
-    top: Annotated[int, typer.Option("--top", help="Expert pairs and tokens per expert listed.")] = 5,
+    top: Annotated[int, typer.Option("--top", help="How many busiest experts, expert pairs and tokens of an "
+                                     "expert are listed, per layer (the text; --json holds them all).")] = 5,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Image of the load: layers × experts and each layer's entropy (.png, .svg or .pdf).",
         show_default=False)] = None,
@@ -153,8 +154,8 @@ def expert_load(
     plan = make_chunks(tokenizer, text, ctx_size, chunks, config.max_seq_len, command="expert-load",
                        two_chunks=False)
     if plan.n_ctx < ctx_size:
-        err.print(f"[yellow]note:[/] the text is {plan.n_ctx} tokens, fewer than --ctx-size {ctx_size}: "
-                  f"it is routed as one chunk of {plan.n_ctx} tokens")
+        err.print(f"[yellow]note:[/] the text is {plural(plan.n_ctx, 'token')}, fewer than --ctx-size {ctx_size}: "
+                  f"it is routed as one chunk of {plural(plan.n_ctx, 'token')}")
     activations = activations or default_activations(path)
     in_process = workers == 1 and ray is None
     spec = ModelSpec(str(path), activations,
@@ -187,13 +188,13 @@ def expert_load(
     else:
         _print_load(load, tokenizer.piece, top)
     stdout.flush()
-    err.print(f"[dim]{plural(plan.n_chunk, 'chunk')} of {plan.n_ctx} tokens in {seconds:.1f} s "
+    err.print(f"[dim]{plural(plan.n_chunk, 'chunk')} of {plural(plan.n_ctx, 'token')} in {seconds:.1f} s "
               f"({workers} worker{'s' if workers > 1 else ''}{' on Ray' if ray else ''}, {activations})[/]")
 
 
 def _print_load(load, piece, top: int) -> None:
-    """Per layer: entropy, the busiest and idlest experts, the pairs that fire together, and the
-    busiest expert's top tokens."""
+    """Per layer: entropy, the ``top`` busiest experts and how many no token chose, the pairs that
+    fire together, and the busiest expert's top tokens."""
     from llamatrace.text.tokenizer import quoted
 
     entropy = load.entropy()

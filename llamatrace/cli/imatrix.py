@@ -81,8 +81,8 @@ def imatrix(
     prepared = prepare(run)                     # bad text or options: refused before the model loads
     plan = prepared[0]
     if plan.n_ctx < ctx_size:
-        err.print(f"[yellow]note:[/] the text is {plan.n_ctx} tokens, fewer than --ctx-size {ctx_size}: "
-                  f"it is summed as one chunk of {plan.n_ctx} tokens")
+        err.print(f"[yellow]note:[/] the text is {plural(plan.n_ctx, 'token')}, fewer than --ctx-size {ctx_size}: "
+                  f"it is summed as one chunk of {plural(plan.n_ctx, 'token')}")
     m = load_model(path, threads, activations) if in_process else None
     t0 = time.perf_counter()
     try:
@@ -103,8 +103,8 @@ def imatrix(
                                  "ray": ray, "seconds": round(seconds, 3),
                                  "tokens_per_s": round(n_tokens / seconds, 1)}) + "\n")
     else:
-        out.print(f"{output}: {len(result.entries)} weights, {plural(c.n_chunk, 'chunk')} of {c.n_ctx} tokens "
-                  f"({n_tokens} tokens)", markup=False)
+        out.print(f"{output}: {len(result.entries)} weights, {plural(c.n_chunk, 'chunk')} of "
+                  f"{plural(c.n_ctx, 'token')} ({n_tokens} tokens)", markup=False)
     stdout.flush()
-    err.print(f"[dim]{plural(c.n_chunk, 'chunk')} of {c.n_ctx} tokens in {seconds:.1f} s: {n_tokens / seconds:.0f} "
-              f"tokens/s ({plural(workers, 'worker')}{' on Ray' if ray else ''}, {activations})[/]")
+    err.print(f"[dim]{plural(c.n_chunk, 'chunk')} of {plural(c.n_ctx, 'token')} in {seconds:.1f} s: "
+              f"{n_tokens / seconds:.0f} tokens/s ({plural(workers, 'worker')}{' on Ray' if ray else ''}, {activations})[/]")

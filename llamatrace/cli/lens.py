@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from llamatrace.errors import OptionError
 from llamatrace.cli.app import app, err, stdout
-from llamatrace.cli.options import RunOptions, check_run_options, run_options, wide_out
+from llamatrace.cli.options import RunOptions, check_run_options, print_wide, run_options
 
 
 @app.command()
@@ -76,7 +76,7 @@ def lens(
                "ablate": [a.text for a in ablations], "rows": [r.to_json() for r in result.rows]}
         stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
         return
-    wide_out(132).print(_table(result, pieces, final))
+    print_wide(_table(result, pieces, final))
 
 
 def _show(piece: str, width: int = 8) -> str:

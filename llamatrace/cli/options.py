@@ -460,13 +460,17 @@ def _check_stage_at(stage_id: str, config, layer: int, where: str) -> None:
                           f"give {'one of layers' if len(at) > 1 else 'layer'} {layer_list(at)}")
 
 
-def wide_out(min_width: int):
-    """The stdout console for a wide table: the terminal's own width on a terminal; in a pipe
-    or file at least ``min_width`` columns, so the table is not squeezed to 80."""
+def print_wide(table) -> None:
+    """Print a wide table to stdout: at the terminal's own width on a terminal; in a pipe or file
+    at the table's natural width (at least 80), so that no column is cut or squeezed."""
+    from rich.measure import Measurement
+
     from llamatrace.cli.app import StdoutConsole, out
     if out.is_terminal:
-        return out
-    return StdoutConsole(highlight=False, width=max(out.width, min_width))
+        out.print(table)
+        return
+    natural = Measurement.get(out, out.options.update_width(100_000), table).maximum
+    StdoutConsole(highlight=False, width=max(out.width, natural)).print(table)
 
 
 # ---- --ablate (zero-ablation through llamatrace.tracing.hooks) ----------------------------------------
@@ -597,14 +601,16 @@ def check_run_options(ctx_size: int | None = None, ablate: list[str] | None = No
 
 def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None, *, threads: int | None,
                 activations: str | None, raw: bool, system: str | None, ablate: list[str] | None = None,
-                default: str | None = None, ctx_size: int | None = None) -> Run:
+                default: str | None = None, ctx_size: int | None = None,
+                check: Callable[[object], None] | None = None) -> Run:
     """Options to a ready run: read the prompt (``default`` when none is given), check the options
-    against the model's header (``--system``, ``--ablate``: before the load, which takes seconds
-    to minutes), load the model (with its status line) and tokenize the prompt.
+    against the model's header (``--system``, ``--ablate``, and ``check(config)``, a command's own
+    check of its options against the :class:`~llamatrace.model.config.ModelConfig`: before the
+    load, which takes seconds to minutes), load the model (with its status line) and tokenize the prompt.
 
     Raises:
         OptionError, PromptError: as :func:`read_prompt`, :func:`check_system`,
-            :func:`parse_ablations`; the model's errors (:func:`model_file`,
+            :func:`parse_ablations`, ``check``; the model's errors (:func:`model_file`,
             :meth:`~llamatrace.model.llama.Llama.load`); a prompt that does not fit ``ctx_size``
             (default: the model's context), saying how many tokens the chat template added.
     """
@@ -620,6 +626,8 @@ def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None
         check_system(system, raw, bool(f.field("tokenizer.chat_template")), path.name)
         config = ModelConfig.from_gguf(f)
         ablations = parse_ablations(ablate, config)
+        if check is not None:
+            check(config)
     if ctx_size is not None and ctx_size > config.max_seq_len:     # before the load, and before any output
         raise OptionError(f"--ctx-size {ctx_size} is over the model's context length {config.max_seq_len}; "
                           f"give at most {config.max_seq_len}")
@@ -656,11 +664,12 @@ class RunOptions:
     system: str | None
     ablate: list[str] | None = None
 
-    def prepare(self) -> Run:
-        """:func:`prepare_run` with these options and the default prompt."""
+    def prepare(self, check: Callable[[object], None] | None = None) -> Run:
+        """:func:`prepare_run` with these options and the default prompt; ``check(config)``: the
+        command's own check of its options against the model's header, before the load."""
         return prepare_run(self.prompt, self.prompt_file, self.model, threads=self.threads,
                            activations=self.activations, raw=self.raw, system=self.system,
-                           ablate=self.ablate, default=default_prompt())
+                           ablate=self.ablate, default=default_prompt(), check=check)
 
 
 def run_options(*, ablate: bool) -> Callable[[Callable], Callable]:

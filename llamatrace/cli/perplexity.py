@@ -135,7 +135,7 @@ def perplexity(
         err.print(f"wrote {output}")
     stdout.flush()                  # a full disk behind stdout: its error line, not this summary
     c = result.chunks
-    err.print(f"[dim]{plural(c.n_chunk, 'chunk')} of {c.n_ctx} tokens in {result.seconds:.1f} s: "
+    err.print(f"[dim]{plural(c.n_chunk, 'chunk')} of {plural(c.n_ctx, 'token')} in {result.seconds:.1f} s: "
               f"{result.tokens_per_s:.0f} tokens/s ({workers} worker{'s' if workers > 1 else ''}"
               f"{' on Ray' if ray else ''}, {activations})[/]")
 

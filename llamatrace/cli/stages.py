@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from llamatrace.cli.app import app, stdout
-from llamatrace.cli.options import ModelOpt, wide_out
+from llamatrace.cli.options import ModelOpt, print_wide
 
 
 def _concrete(formula: str, dims: dict[str, int]) -> str:
@@ -113,4 +113,4 @@ def stages(
             shape += f"\n[dim]({r['when']} only)[/]"
         table.add_row(r["id"], f"{r['chapter']}\nSTAGE {r['book_stage']}", lc, tl,
                       "yes" if r["replaceable"] else "[dim]no[/]", shape)
-    wide_out(160).print(table)
+    print_wide(table)

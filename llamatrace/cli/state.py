@@ -50,17 +50,26 @@ def state(
     if output is not None:
         check_format(output)
         check_output_path(output, "-o")
-    r = run.prepare()
+    def check(c) -> None:                      # against the model's header, before the load
+        if not c.recurrent_layers:
+            raise OptionError("the model has no gated DeltaNet layers, so no recurrent state: state shows a "
+                              "hybrid's (qwen35); trace --stage 'kq*' or attention show this model's attention")
+        deltanet = ", ".join(map(str, c.recurrent_layers))
+        layers = parse_layers(layer, c.n_layers, one=True)
+        if layers is None or len(layers) != 1:
+            raise OptionError(f"--layer {layer!r}: state shows one layer; give one of its gated DeltaNet layers "
+                              f"({deltanet})")
+        if not c.is_recurrent(layers[0]):
+            shown = repr(layer) if layer.strip() == str(layers[0]) else f"{layer!r} (layer {layers[0]})"
+            raise OptionError(f"--layer {shown} is a softmax attention layer, with no recurrent state; its gated "
+                              f"DeltaNet layers are {deltanet}")
+
+    r = run.prepare(check)
     m, ids = r.model, r.ids
-    c = m.config
-    if not c.recurrent_layers:
-        raise OptionError(f"{m.path.name} has no gated DeltaNet layers, so no recurrent state: state shows a "
-                          f"hybrid's (qwen35); trace --stage 'kq*' or attention show this model's attention")
-    layers = parse_layers(layer, c.n_layers, one=True)
-    if layers is None or len(layers) != 1:
-        raise OptionError(f"--layer {layer!r}: state shows one layer; give N (0-{c.n_layers - 1}) or -1")
+    layers = parse_layers(layer, m.config.n_layers, one=True)
 
     from llamatrace.analysis.look import state_writes
+    from llamatrace.tracing.recorder import finite_or_none
 
     sw = state_writes(m, ids, layers[0])
     pieces = [m.tokenizer.piece(i) for i in sw.ids]
@@ -72,8 +81,9 @@ def state(
     if json_out:
         result = {
             "model": str(m.path), "layer": layers[0], "ids": sw.ids, "pieces": pieces,
-            "heads": [{"head": h, "key_head": h % sw.n_k_heads, "write": sw.write[h].tolist(),
-                       "decay": sw.decay[h].tolist(), "state_norm": sw.state_norm[h].tolist()}
+            "heads": [{"head": h, "key_head": h % sw.n_k_heads, **{
+                           name: [finite_or_none(float(v)) for v in rows[h]]       # JSON has no NaN: null
+                           for name, rows in (("write", sw.write), ("decay", sw.decay), ("state_norm", sw.state_norm))}}
                       for h in range(sw.write.shape[0])],
         }
         stdout.write(json.dumps(result, ensure_ascii=False) + "\n")

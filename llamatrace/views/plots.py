@@ -25,6 +25,8 @@ from llamatrace.outputs import output_suffix, write_atomic
 FORMATS = ("png", "svg", "pdf")
 MASKED_COLOUR = "#c8c8c8"     # grey: no probability at all, distinct from the colormap's dark low end
 MAX_LABELS = 40               # most tick labels drawn along one axis
+DPI = 150
+MAX_FIGURE_IN = 36.0          # widest and tallest figure (5,400 px at DPI): a long prompt's cells shrink
 
 
 def check_format(path: Path, option: str = "-o") -> str:
@@ -93,7 +95,7 @@ def _save(fig, path: Path, option: str) -> None:
     fmt = check_format(path, option)
     plt = _pyplot()
     try:
-        write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=150, bbox_inches="tight"), option)
+        write_atomic(path, lambda f: fig.savefig(f, format=fmt, dpi=DPI, bbox_inches="tight"), option)
     finally:
         plt.close(fig)
 
@@ -110,10 +112,12 @@ def attention_figure(maps: AttentionMaps, pieces: list[str], heads: list[int], t
     else:
         n_cols = math.ceil(math.sqrt(len(heads)))
         n_rows = math.ceil(len(heads) / n_cols)
-    cell = min(0.32, max(0.09, 7.0 / max(kv_len, 1)))
+    label_pad = 1.0 if n_q > 1 else 0.4
+    cell = min(0.32, max(0.09, 7.0 / max(kv_len, 1)),
+               ((MAX_FIGURE_IN - 1.2) / n_cols - label_pad) / max(kv_len, 1),   # its pixels grew as kv_len²
+               ((MAX_FIGURE_IN - 1.2) / n_rows - 0.6) / max(n_q, 1))
     panel_w = max(2.6, kv_len * cell)
     panel_h = max(0.9, n_q * cell) if n_q > 1 else 0.35
-    label_pad = 1.0 if n_q > 1 else 0.4
     fig, axes = plt.subplots(n_rows, n_cols, squeeze=False, layout="constrained",
                              figsize=(n_cols * (panel_w + label_pad) + 1.2, n_rows * (panel_h + 0.6) + 1.2))
     cmap = plt.get_cmap("viridis").with_extremes(bad=MASKED_COLOUR)
@@ -126,7 +130,9 @@ def attention_figure(maps: AttentionMaps, pieces: list[str], heads: list[int], t
         ax.set_visible(False)
     for i, (ax, head) in enumerate(zip(axes.ravel(), heads)):
         data = np.ma.masked_array(maps.probs[head], mask=maps.masked)
-        image = ax.imshow(data, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
+        # cells narrower than a pixel: averaged, not one key in several picked
+        image = ax.imshow(data, cmap=cmap, norm=norm, aspect="auto",
+                          interpolation="nearest" if cell * DPI >= 1 else "antialiased")
         ax.set_title(f"head {head} (KV head {head // maps.n_rep})", fontsize=8)
         row, col = divmod(i, n_cols)
         xt = _ticks(kv_len)
