@@ -7,6 +7,7 @@ expected (issue 47).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -63,8 +64,17 @@ def test_any_integer_kind_and_both_float_kinds_are_taken(capsys, tmp_path):
     ok = rewrite_metadata(base, tmp_path / "ok.gguf", {"llama.attention.head_count": (4, V.UINT8),
                                                        "llama.block_count": (2, V.INT64),
                                                        "llama.rope.freq_base": (10000.0, V.FLOAT64)})
-    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", ok, "hi")
+    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", ok, "hi", "--json")
     assert code == 0, err
+    from llamatrace.gguf.reader import open_gguf
+    from llamatrace.model.config import ModelConfig
+    with open_gguf(ok) as f:
+        c = ModelConfig.from_gguf(f)
+    assert (c.n_heads, c.n_layers, c.rope_theta) == (4, 2, 10000.0)
+    with open_gguf(base) as f:                     # the same values in the writer's kinds: the same text
+        assert ModelConfig.from_gguf(f) == c
+    same = run(capsys, "generate", "--raw", "-n", "1", "-m", base, "hi", "--json")[1]
+    assert json.loads(same)["ids"] == json.loads(out)["ids"]
 
 
 def test_per_layer_head_counts_are_taken_when_every_layer_agrees(capsys, tmp_path):

@@ -120,8 +120,11 @@ def test_kl_divergence_matches_llama_cpp_statistics(capsys, smollm2_path, kquant
     assert rel(got["mean_kld"], gold["mean_kld"]) <= 0.10
     assert abs(got["same_top_p"] - gold["same_top_p"]) <= 0.01
     assert rel(got["ppl"], gold["ppl"]) <= 5e-3 and rel(got["ppl_base"], gold["ppl_base"]) <= 5e-3
-    for key in ("median_kld", "p99_kld", "max_kld", "rms_dp", "ln_ppl_ratio"):
-        assert key in got
+    # llama-perplexity's own statistics, to what the two engines' roundings leave (measured on AVX2:
+    # ln_ppl_ratio 2.8 %, rms_dp 1.6 %, median 0.03 %, p99 3.4 %, p99.9 1.8 %, max 12 %: one token's)
+    for key, tol in (("ln_ppl_ratio", 0.10), ("rms_dp", 0.10), ("median_kld", 0.05), ("p99_kld", 0.10),
+                     ("p999_kld", 0.10), ("max_kld", 0.25), ("mean_kld_error", 0.10)):
+        assert rel(got[key], gold[key]) <= tol, (key, got[key], gold[key])
     assert 0 < got["median_kld"] < got["p99_kld"] <= got["max_kld"]
     assert saved.read_bytes()[:8] == b"_logits_"
 

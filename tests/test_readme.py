@@ -262,11 +262,57 @@ SH = [b for b in BLOCKS if b.lang == "sh"]
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 
 
+def documented_output(code: str) -> tuple[list[str], list[list[str]]]:
+    """What a Python block says it prints: ``(lines, fragments)``.
+
+    - ``lines``: a run of comment lines right after a code line (no blank between) and before a blank
+      line or the block's end: whole lines of its output (``# (1, 5, 49152) …`` after a ``print``);
+    - ``fragments``: per ``print(…)  # …`` line whose comment has no letter outside quotes (``# 0.77,
+      0.21``), its words, which the output must hold in that order. A comment with words is prose.
+    """
+    rows = code.splitlines()
+    lines, fragments = [], []
+    i = 0
+    while i < len(rows):
+        row = rows[i].strip()
+        if row.startswith("#") and i and rows[i - 1].strip() and not rows[i - 1].strip().startswith("#"):
+            j = i
+            while j < len(rows) and rows[j].strip().startswith("#"):
+                j += 1
+            if j == len(rows) or not rows[j].strip():
+                lines += [r.strip()[1:].strip() for r in rows[i:j]]
+            i = j
+            continue
+        if row.startswith("print(") and "  # " in row:
+            comment = row.rsplit("  # ", 1)[1].strip()
+            if not re.search(r"[A-Za-z]", re.sub(r"'[^']*'|\"[^\"]*\"", "", comment)):
+                fragments.append(comment.split())
+        i += 1
+    return lines, fragments
+
+
+def test_documented_output_reads_what_the_blocks_say_they_print():
+    lines, fragments = documented_output(
+        'x = 1\n# prose before code\ny = 2\nprint(x)   # 0.77, 0.21\nprint(y)  # the answer\n'
+        'print(x, y)\n# 1 2\n# 3\n\n# heading\nz = 3\n')
+    assert (lines, fragments) == (["1 2", "3"], [["0.77,", "0.21"]])
+    assert all(documented_output(b.text) != ([], []) for b in PYTHON if "print(" in b.text and "# (" in b.text)
+
+
 @pytest.mark.parametrize("block", PYTHON, ids=[b.name for b in PYTHON])
 def test_python_block_runs_as_written(block, readme_env, tmp_path):
+    """It runs, and prints what its comments say it prints (:func:`documented_output`)."""
     result = subprocess.run([sys.executable, "-c", block.text], env=readme_env, cwd=tmp_path, capture_output=True,
                             text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, f"{block.name} failed:\n{result.stdout}\n{result.stderr}"
+    printed = [" ".join(line.split()) for line in result.stdout.splitlines()]
+    lines, fragments = documented_output(block.text)
+    for line in lines:
+        assert " ".join(line.split()) in printed, f"{block.name}: no output line {line!r} in:\n{result.stdout}"
+    words = " ".join(printed)
+    for fragment in fragments:
+        pattern = r"(?<!\S)" + r"\s.*?".join(map(re.escape, fragment))
+        assert re.search(pattern, words), f"{block.name}: {' '.join(fragment)!r} not printed, in order:\n{result.stdout}"
 
 
 @pytest.mark.parametrize("block", CONSOLE, ids=[b.name for b in CONSOLE])

@@ -238,6 +238,30 @@ def test_gemma_post_norm_names_against_hf_modules(gemma3_path):
             assert _rel(cache[f"blocks.{L}.{ln}.hook_normalized"][0], x / scale) < 1e-4, (L, ln)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_post_norm_hooks_are_the_norms_of_the_attention_and_mlp_outputs(arch, tmp_path):
+    """Without torch (the HF test above skips in CI): each post-norm hook against TL's RMSNorm
+    formula on the stage it normalises, recorded in the same forward pass — ``ln1_post`` on the
+    attention output, ``ln2_post`` on the MLP's, never the other's (``hook_scale`` = sqrt(mean(x²)
+    + eps), ``hook_normalized`` = x / hook_scale); ``hook_attn_out`` / ``hook_mlp_out`` after them."""
+    from arch_files import write_arch_file
+
+    from llamatrace.model.llama import Llama
+    model = Llama.load(write_arch_file(tmp_path / f"{arch}.gguf", arch))
+    ids = [3, 17, 42, 5, 9, 11]
+    with model.trace(stages=["attn_out", "attn_post_norm", "ffn_out", "ffn_post_norm"], keep_arrays=True) as rec:
+        _, cache = model.run_with_cache(ids)
+    arrays = rec.arrays()
+    for L in range(model.config.n_layers):
+        for ln, stage, post, tl_out in (("ln1_post", "attn_out", "attn_post_norm", "hook_attn_out"),
+                                        ("ln2_post", "ffn_out", "ffn_post_norm", "hook_mlp_out")):
+            x = arrays[f"step0.layer{L}.{stage}"].astype(np.float64)
+            scale = np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + model.config.norm_eps)
+            assert _rel(cache[f"blocks.{L}.{ln}.hook_scale"][0], scale) < 1e-5, (L, ln)
+            assert _rel(cache[f"blocks.{L}.{ln}.hook_normalized"][0], x / scale) < 1e-5, (L, ln)
+            assert np.array_equal(cache[f"blocks.{L}.{tl_out}"][0], arrays[f"step0.layer{L}.{post}"]), (L, tl_out)
+
+
 def test_post_norm_names_are_refused_without_post_norms(smollm2):
     with pytest.raises(OptionError, match="ln1_post / ln2_post are Gemma 2 and 3's"):
         smollm2.run_with_cache("Hi", names_filter="blocks.0.ln1_post.hook_scale")

@@ -154,7 +154,19 @@ def test_no_cache_reads_and_writes_nothing(cache_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMATRACE_NO_CACHE", "1")
     build(path)
     build(path, cache=False)
-    assert not cache_dir.exists() or not list(cache_dir.iterdir())
+    assert not cache_dir.exists() or not list(cache_dir.iterdir())        # writes nothing
+    monkeypatch.delenv("LLAMATRACE_NO_CACHE")
+    build(path)                                                            # an entry to read …
+    (entry,) = cache_dir.glob("*.tokenizer")
+    monkeypatch.setattr(tokcache.Entry, "read", lambda self: pytest.fail("read the cache"))
+    calls = []
+    real = tokenizer_module.bpe_ranks
+    monkeypatch.setattr(tokenizer_module, "bpe_ranks", lambda *a: calls.append(1) or real(*a))
+    for cache, env in ((False, None), (None, "1")):                        # … that neither reads
+        if env:
+            monkeypatch.setenv("LLAMATRACE_NO_CACHE", env)
+        build(path, cache=cache)
+    assert calls == [1, 1] and list(cache_dir.glob("*.tokenizer")) == [entry]
 
 
 def test_entries_count_in_the_cap_and_leave_with_it(cache_dir, tmp_path):

@@ -448,7 +448,7 @@ class _Llamatrace:
             self.model.warmup()
         self.compile_s = compiling.seconds()
         self.n_ctx = n_ctx
-        self.version = f"llamatrace {__version__} ({activations} activations)"
+        self.version = f"llamatrace {__version__} ({self.model.activations} activations)"   # what was loaded
         self.vocab_size = self.model.config.vocab_size
 
     def threading(self) -> str:
