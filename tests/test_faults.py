@@ -104,10 +104,11 @@ def run_here(capsys, args: list[str]) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def run_cli(args: list[str], env: dict, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
-    """`llamatrace ARGS` as a process of its own (its own session: nothing it starts outlives it)."""
+def run_cli(args: list[str], env: dict, stdout=subprocess.PIPE, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`llamatrace ARGS` as a process of its own (its own session: nothing it starts outlives it), in ``cwd``."""
     proc = subprocess.Popen([sys.executable, "-m", "llamatrace", *args], stdout=stdout, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO), **env}, start_new_session=True)
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO), **env}, start_new_session=True,
+                            cwd=cwd)
     out, err = proc.communicate(timeout=600)
     try:
         os.killpg(proc.pid, signal.SIGKILL)           # what a SIGKILLed driver could not stop
@@ -157,11 +158,11 @@ def test_a_killed_driver_is_resumed_by_the_same_command(name, fault, runner, req
     out = tmp_path / "acts"
     args = [*command(name, small_corpus, out, smollm2_path), *extra]
     once = tmp_path / "fired"
-    killed = run_cli(args, {**env, "LLAMATRACE_FAULT": fault, "LLAMATRACE_FAULT_ONCE": str(once)})
+    killed = run_cli(args, {**env, "LLAMATRACE_FAULT": fault, "LLAMATRACE_FAULT_ONCE": str(once)}, cwd=tmp_path)
     assert once.exists() and killed.returncode == -signal.SIGKILL, killed.stderr
     assert killed.stdout == ""
     if name == "perplexity" and fault != "sent:1:kill":
-        # it keeps no state: nothing on stdout (above) or on disk, and its rerun is a fresh run, checked once
+        # it keeps no state: nothing on stdout (above) or where it ran, and its rerun is a fresh run, checked once
         assert sorted(p.name for p in tmp_path.iterdir()) == ["fired"]
         return
     assert_rerun_completes(name, args, out, env, reference)

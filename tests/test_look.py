@@ -96,7 +96,8 @@ def test_attention_json_marks_masked_cells_null_and_the_picture_is_written(capsy
     assert not list(tmp_path.glob(".*tmp"))
 
 
-@pytest.mark.parametrize("n_heads, n_rep, n", [(9, 3, 1000), (9, 3, 20), (64, 8, 400), (4, 1, 3000)])
+@pytest.mark.parametrize("n_heads, n_rep, n", [(9, 3, 1000), (9, 3, 20), (64, 8, 400), (4, 1, 3000), (32, 16, 6),
+                                                (128, 8, 12)])
 def test_a_long_prompts_attention_figure_stays_within_the_size_cap(n_heads, n_rep, n):
     """A 400-token prompt made a 16,830 x 16,650 px picture (3.3 GB, minutes); 1,000 tokens would
     have needed ~20 GB: the cells shrink so that the figure stays within MAX_FIGURE_IN."""
@@ -113,6 +114,23 @@ def test_a_long_prompts_attention_figure_stays_within_the_size_cap(n_heads, n_re
         assert width <= MAX_FIGURE_IN and height <= MAX_FIGURE_IN, (width, height)
         if n <= 24:                                 # a short prompt keeps its readable cells
             assert width * DPI > 1000
+    finally:
+        _pyplot().close(fig)
+
+
+@pytest.mark.parametrize("n_layers, n_tokens, n_expert", [(48, 1000, 128), (1, 5, 8), (8, 300, 32)])
+def test_a_long_texts_routes_figure_stays_within_the_size_cap(n_layers, n_tokens, n_expert):
+    """48 layers of 1,000 tokens made a figure ~490 inches tall (~73,000 px)."""
+    from llamatrace.analysis.experts import Route
+    from llamatrace.views.plots import MAX_FIGURE_IN, _pyplot, routes_figure
+
+    rng = np.random.default_rng(0)
+    routes = [Route(L, rng.integers(0, n_expert, (n_tokens, 2)).astype(np.int32),
+                    np.full((n_tokens, 2), 0.5, np.float32), n_expert) for L in range(n_layers)]
+    fig = routes_figure(routes, ["x"] * n_tokens, "t")
+    try:
+        width, height = fig.get_size_inches()
+        assert width <= MAX_FIGURE_IN and height <= MAX_FIGURE_IN, (width, height)
     finally:
         _pyplot().close(fig)
 
@@ -178,17 +196,21 @@ def test_checks_against_the_models_header_come_before_the_load(capsys, tiny_mode
     assert_one_line_error(*run(capsys, *args, "--model", str(tiny_model_path), "--raw", "hello"), needle)
 
 
-@pytest.fixture
-def nan_logits_path(tmp_path, tiny_model_path):
-    """The tiny model with a NaN output norm: every layer is finite, the logits are NaN."""
+def _with_nan(src, path, tensor: str):
+    """A copy of ``src`` whose F32 ``tensor`` is all NaN."""
     import shutil
 
     import gguf
-    path = tmp_path / "nan.gguf"
-    shutil.copyfile(tiny_model_path, path)
-    norm = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output_norm.weight")
+    shutil.copyfile(src, path)
+    norm = next(t for t in gguf.GGUFReader(path).tensors if t.name == tensor)
     np.memmap(path, dtype=np.float32, mode="r+", offset=norm.data_offset, shape=(int(norm.n_elements),))[:] = np.nan
     return path
+
+
+@pytest.fixture
+def nan_logits_path(tmp_path, tiny_model_path):
+    """The tiny model with a NaN output norm: every layer is finite, the logits are NaN."""
+    return _with_nan(tiny_model_path, tmp_path / "nan.gguf", "output_norm.weight")
 
 
 def test_attention_of_the_prefill_needs_no_token_so_nan_logits_do_not_stop_it(capsys, nan_logits_path):

@@ -266,6 +266,9 @@ def test_an_imatrix_of_another_width_or_a_missing_one_is_refused_before_the_quan
     out = tmp_path / "out.gguf"
     assert_one_line_error(*run(capsys, "quantize", f16_base, out, "--type", "Q4_0", "--imatrix", wide),
                           f"--imatrix {str(wide)!r}", "1000 values", "another model")
+    _no_measuring(monkeypatch)            # the search: before it measures (a reshape's ValueError mid-way)
+    assert_one_line_error(*run(capsys, "quantize", f16_base, out, "--target-bpw", 6, *SEARCH, "--imatrix", wide),
+                          f"--imatrix {str(wide)!r}", "1000 values", "another model")
     wide_base = write_tiny_llama(tmp_path / "wide.gguf", qtype=T.F16, dim=256, hidden_dim=256, tied=False)
     assert_one_line_error(*run(capsys, "quantize", wide_base, out, "--type", "Q2_K_S"), "Q2_K_S", "none was given")
     assert not out.exists()

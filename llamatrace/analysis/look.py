@@ -52,8 +52,9 @@ def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> Attent
     Raises:
         OptionError: ``layer`` out of range, ``step`` < 0, or the run stopped (end of text, the
             context limit) before ``step``. PromptError: the prompt does not fit the context.
+        NumericalError: the logits a decode step samples from hold NaN or Inf.
     """
-    from llamatrace.model.generate import generate
+    from llamatrace.model.generate import check_prompt_fits, generate
 
     c = model.config
     if not 0 <= layer < c.n_layers:
@@ -66,6 +67,7 @@ def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> Attent
                           f"{model.config.max_seq_len}; choose a smaller --step")
     rec = Recorder(layers=[layer], stages=["kq_soft_max"], keep_arrays=True)
     if step == 0:             # the prefill alone: no token is chosen (a NaN in later layers cannot stop it)
+        check_prompt_fits(model, len(prompt_ids), c.max_seq_len)
         model.forward(np.asarray(prompt_ids), 0, model.new_cache(len(prompt_ids)), recorder=rec)
         tokens = []
     else:

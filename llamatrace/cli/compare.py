@@ -295,7 +295,6 @@ def _print_table(result, sort: str) -> None:
                       "×".join(map(str, r.shape or [])), "×".join(map(str, r.ref_shape or [])),
                       _fmt(r.rel_rms_err, ".2e"), _fmt(r.max_abs_err, ".2e"), _fmt(r.cosine, ".6f"),
                       _status(r) + (" ← first" if r is first else ""), style=style)
-    # an expert's status says how its tokens were routed: room for it
     print_wide(table)
     for status, side in (("only ours", "only in ours"), ("only reference", "only in the reference")):
         rows = [r for r in result.rows if r.status == status]

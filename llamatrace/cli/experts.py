@@ -104,7 +104,8 @@ def expert_load(
     chunks: Annotated[Optional[int], typer.Option("--chunks", help="Route at most N chunks (default: all).",
                                                   show_default=False)] = None,
     top: Annotated[int, typer.Option("--top", help="How many busiest experts, expert pairs and tokens of an "
-                                     "expert are listed, per layer (the text; --json holds them all).")] = 5,
+                                     "expert are listed per layer (--json: the pairs and each expert's tokens; it "
+                                     "holds every expert's count).")] = 5,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Image of the load: layers × experts and each layer's entropy (.png, .svg or .pdf).",
         show_default=False)] = None,

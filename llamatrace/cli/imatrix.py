@@ -70,8 +70,9 @@ def imatrix(
         check_activations(activations)
     check_threads(threads, ray is not None)
     text = calibration_text(read_corpus(text_file))
+    check_output_path(output, "-o")        # before a first run fetches the default model …
     path = model_file(model)
-    check_output_path(output, "-o")        # after the model is known: -o must not be it
+    check_output_path(output, "-o")        # … and once it is known: -o must not be it ($LLAMATRACE_MODEL)
     activations = activations or default_activations(path)
     in_process = workers == 1 and ray is None
     # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's

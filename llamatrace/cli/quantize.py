@@ -255,8 +255,8 @@ def _warn_unapplied(ftype, tied: bool, overrides: list, output_tensor_type: str 
     from gguf import GGMLQuantizationType as T
     quantized = ftype.default not in (T.F32, T.F16, T.BF16)
     if overrides and not quantized:
-        _warn(f"--tensor-type patterns are not applied with --type {ftype.name}: llama-quantize gives them to "
-              f"quantized file types only; give a quantized --type, or leave them out")
+        _warn(f"--tensor-type / --tensor-type-file patterns are not applied with --type {ftype.name}: "
+              f"llama-quantize gives them to quantized file types only; give a quantized --type, or leave them out")
     if output_tensor_type is not None and tied and (pure or not quantized):
         _warn(f"--output-tensor-type: {base_name} has no output.weight (its token embedding is the output) and "
               f"{'--pure' if pure else f'--type {ftype.name}'} keeps the embedding's type; choose it with "
@@ -409,7 +409,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
     from llamatrace.quantize import report
     from llamatrace.quantize import search as S
     from llamatrace.quantize.rules import file_type, tensor_types
-    from llamatrace.quantize.writer import check_requantize
+    from llamatrace.quantize.writer import check_requantize, usable_imatrix
 
     stock_type = file_type(type_name) if type_name is not None else None
     if target_bpw is None and target_size is None and stock_type is None:
@@ -447,6 +447,8 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
             src = f.tensors[g.tensor].tensor_type
             planned[g.tensor] = next((t for t in g.candidates if t != src), src)
         check_requantize(f, planned, allow_requantize)
+        if weights is not None:       # another model's matrix failed in the measuring (a reshape's ValueError)
+            usable_imatrix(f, planned, ftype, weights, f"--imatrix {str(imatrix)!r}")
     model = load_model(base, threads, activations or default_activations(base))
     f = model.file
     if target_bpw is None and target_size is None:

@@ -116,8 +116,9 @@ def attention_figure(maps: AttentionMaps, pieces: list[str], heads: list[int], t
     cell = min(0.32, max(0.09, 7.0 / max(kv_len, 1)),
                ((MAX_FIGURE_IN - 1.2) / n_cols - label_pad) / max(kv_len, 1),   # its pixels grew as kv_len²
                ((MAX_FIGURE_IN - 1.2) / n_rows - 0.6) / max(n_q, 1))
-    panel_w = max(2.6, kv_len * cell)
-    panel_h = max(0.9, n_q * cell) if n_q > 1 else 0.35
+    # a readable floor, unless the grid's many panels would pass the cap with it
+    panel_w = min(max(2.6, kv_len * cell), (MAX_FIGURE_IN - 1.2) / n_cols - label_pad)
+    panel_h = min(max(0.9, n_q * cell) if n_q > 1 else 0.35, (MAX_FIGURE_IN - 1.2) / n_rows - 0.6)
     fig, axes = plt.subplots(n_rows, n_cols, squeeze=False, layout="constrained",
                              figsize=(n_cols * (panel_w + label_pad) + 1.2, n_rows * (panel_h + 0.6) + 1.2))
     cmap = plt.get_cmap("viridis").with_extremes(bad=MASKED_COLOUR)
@@ -210,7 +211,8 @@ def routes_figure(routes: list[Route], pieces: list[str], title: str):
     n_cols = min(len(routes), 4)
     n_rows = math.ceil(len(routes) / n_cols)
     cell = min(0.25, max(0.04, 6.0 / max(n_expert, n_tokens, 1)))
-    panel_w, panel_h = max(2.4, n_expert * cell), max(1.0, n_tokens * cell)
+    panel_w = min(max(2.4, n_expert * cell), (MAX_FIGURE_IN - 1.2) / n_cols - 1.0)     # within the cap: 48
+    panel_h = min(max(1.0, n_tokens * cell), (MAX_FIGURE_IN - 1.0) / n_rows - 0.7)    # layers of 1,000 tokens
     fig, axes = plt.subplots(n_rows, n_cols, squeeze=False, layout="constrained",
                              figsize=(n_cols * (panel_w + 1.0) + 1.2, n_rows * (panel_h + 0.7) + 1.0))
     cmap = plt.get_cmap("viridis").with_extremes(bad="white")
@@ -220,8 +222,9 @@ def routes_figure(routes: list[Route], pieces: list[str], title: str):
         ax.set_visible(False)
     for i, (ax, route) in enumerate(zip(axes.ravel(), routes)):
         grid = route.dense()
+        fine = panel_h * DPI >= n_tokens and panel_w * DPI >= n_expert        # a pixel or more a cell
         image = ax.imshow(np.ma.masked_equal(grid, 0.0), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto",
-                          interpolation="nearest")
+                          interpolation="nearest" if fine else "antialiased")
         ax.set_title(f"layer {route.layer}", fontsize=8)
         xt = _ticks(n_expert, limit=32)
         ax.set_xticks(xt)
