@@ -108,4 +108,5 @@ def imatrix(
                   f"{plural(c.n_ctx, 'token')} ({n_tokens} tokens)", markup=False)
     stdout.flush()
     err.print(f"[dim]{plural(c.n_chunk, 'chunk')} of {plural(c.n_ctx, 'token')} in {seconds:.1f} s: "
-              f"{n_tokens / seconds:.0f} tokens/s ({plural(workers, 'worker')}{' on Ray' if ray else ''}, {activations})[/]")
+              f"{n_tokens / seconds:.0f} tokens/s ({plural(workers, 'worker')}{' on Ray' if ray else ''}, "
+              f"{activations})[/]")

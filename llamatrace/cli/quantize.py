@@ -67,7 +67,8 @@ def quantize(
                                 callback=_in_order)] = None,
     output_tensor_type: Annotated[Optional[str], typer.Option("--output-tensor-type", metavar="TYPE",
                                   help="The ggml type of output.weight (and of a token embedding tied to it, "
-                                  "with a quantized --type, unless --token-embedding-type or --pure), before any --tensor-type.",
+                                  "with a quantized --type, unless --token-embedding-type or --pure), before any "
+                                  "--tensor-type.",
                                   show_default=False)] = None,
     token_embedding_type: Annotated[Optional[str], typer.Option("--token-embedding-type", metavar="TYPE",
                                     help="The ggml type of token_embd.weight, before any --tensor-type.",
@@ -377,16 +378,15 @@ def _read_imatrix(path: Path, f):
     per column, :func:`~llamatrace.quantize.writer.column_importances`) and what the output records of it.
 
     Raises:
-        OptionError: the file cannot be read, holds NaN or ±inf (as llama-quantize), or it names none
-            of the model's tensors (another model's).
+        OptionError: the file cannot be read, or it names none of the model's tensors (another
+            model's); NaN and other widths are :func:`~llamatrace.quantize.writer.usable_imatrix`'s.
     """
     from llamatrace.quantize.imatrix.files import read_imatrix, read_imatrix_meta
-    from llamatrace.quantize.writer import ImatrixInfo, check_finite, column_importances
+    from llamatrace.quantize.writer import ImatrixInfo, column_importances
     entries = read_imatrix(path)           # a missing or foreign file: its one error line
     with open(path, "rb") as fh:
         legacy = fh.read(4) != b"GGUF"
     weights = column_importances(entries, legacy=legacy)
-    check_finite(weights, f"--imatrix {str(path)!r}")     # the search's too, before it measures
     meta = read_imatrix_meta(path)
     if not set(weights) & set(f.tensors):
         raise OptionError(f"--imatrix {str(path)!r}: none of its {plural(len(weights), 'entry', 'entries')} names a "
@@ -447,7 +447,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
             src = f.tensors[g.tensor].tensor_type
             planned[g.tensor] = next((t for t in g.candidates if t != src), src)
         check_requantize(f, planned, allow_requantize)
-        if weights is not None:       # another model's matrix failed in the measuring (a reshape's ValueError)
+        if weights is not None:       # NaN, or another model's width: refused before the measuring
             usable_imatrix(f, planned, ftype, weights, f"--imatrix {str(imatrix)!r}")
     model = load_model(base, threads, activations or default_activations(base))
     f = model.file

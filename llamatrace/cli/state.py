@@ -71,6 +71,9 @@ def state(
     from llamatrace.analysis.look import state_writes
     from llamatrace.tracing.recorder import finite_or_none
 
+    def finite(row) -> list:                       # JSON has no NaN: null
+        return [finite_or_none(float(v)) for v in row]
+
     sw = state_writes(m, ids, layers[0])
     pieces = [m.tokenizer.piece(i) for i in sw.ids]
     if output is not None:
@@ -81,9 +84,8 @@ def state(
     if json_out:
         result = {
             "model": str(m.path), "layer": layers[0], "ids": sw.ids, "pieces": pieces,
-            "heads": [{"head": h, "key_head": h % sw.n_k_heads, **{
-                           name: [finite_or_none(float(v)) for v in rows[h]]       # JSON has no NaN: null
-                           for name, rows in (("write", sw.write), ("decay", sw.decay), ("state_norm", sw.state_norm))}}
+            "heads": [{"head": h, "key_head": h % sw.n_k_heads, "write": finite(sw.write[h]),
+                       "decay": finite(sw.decay[h]), "state_norm": finite(sw.state_norm[h])}
                       for h in range(sw.write.shape[0])],
         }
         stdout.write(json.dumps(result, ensure_ascii=False) + "\n")
