@@ -189,6 +189,10 @@ def test_bad_options_give_one_error_line(capsys, tmp_path, tiny_model_path, args
     (["attention", "--layer", "9", "--json"], "(or -1 for the last)"),
     (["attention", "--head", "99", "--json"], "--head 99 is out of range"),
     (["state", "--json"], "has no gated DeltaNet layers"),
+    (["diagram", "--layer", "9", "-o", "x.dot"], "(or -1 for the last)"),
+    (["diagram", "--layer", "0,9", "-o", "x.html"], "this model has"),
+    (["diagram", "--ctx-size", "99999", "-o", "x.dot"], "--ctx-size 99999 is over the model's context length"),
+    (["experts", "--json"], "this is a dense model"),
 ])
 def test_checks_against_the_models_header_come_before_the_load(capsys, tiny_model_path, monkeypatch, args, needle):
     from llamatrace.cli import options

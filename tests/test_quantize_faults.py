@@ -68,6 +68,8 @@ def test_quantize_refuses_to_write_over_its_tensor_type_file(f16_base, tmp_path,
                                                                 "--token-embedding-type"]),
     (True, ["--type", "Q8_0", "--pure", "--output-tensor-type", "q4_0"], ["--output-tensor-type", "--pure"]),
     (True, ["--type", "Q8_0", "--leave-output-tensor"], ["--leave-output-tensor", "no output.weight"]),
+    (True, ["--type", "Q8_0", "--output-tensor-type", "q4_0", "--token-embedding-type", "q5_0"],
+     ["--output-tensor-type", "--token-embedding-type q5_0 sets", "drop one"]),
 ])
 def test_an_option_that_changes_nothing_gets_a_warning(tmp_path, capsys, tied, args, words):
     """As llama-quantize 0.3.36, these options change no tensor here; they were dropped in silence."""

@@ -82,7 +82,7 @@ def diagram(
     mark = dg.resolve_highlight(highlight) if highlight is not None else None
     if mark is not None and mark.model_only and view != "model":
         raise OptionError(f"--highlight {highlight}: {mark.label} is drawn in the model view; drop --view block")
-    parse_layers(layer)                       # syntax now; the range once the model is loaded
+    parse_layers(layer)                       # syntax now; the range against the model's header
     if fmt != "html" and ("," in layer or layer.strip().lower() == "all" or "-" in layer.strip()[1:]):
         raise OptionError(f"--layer {layer!r}: an .{fmt} diagram draws one layer; give N or -1 "
                           f"(several layers are for -o run.html)")
@@ -100,7 +100,7 @@ def diagram(
         raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
     check_run_options(ctx_size)
     dg.check_graphviz(fmt)
-    r = run.prepare()
+    r = run.prepare(lambda c: parse_layers(layer, c.n_layers, one=fmt != "html"), ctx_size)
     m, text, ids, chat = r.model, r.text, r.ids, r.chat
     layers = parse_layers(layer, m.config.n_layers, one=fmt != "html")
     layers = list(range(m.config.n_layers)) if layers is None else layers

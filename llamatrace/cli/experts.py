@@ -58,11 +58,11 @@ def experts(
     if output is not None:
         check_format(output)
         check_output_path(output, "-o")
-    from llamatrace.gguf.reader import open_gguf
-    from llamatrace.model.config import ModelConfig
-    with open_gguf(model_file(run.model)) as f:          # a dense model is refused before the load
-        check_moe(ModelConfig.from_gguf(f))
-    r = run.prepare()
+    def check(c) -> None:                      # against the model's header, before the load
+        check_moe(c)
+        parse_layers(layer, c.n_layers)
+
+    r = run.prepare(check)
     m = r.model
     c = m.config
     layers = parse_layers(layer, c.n_layers)

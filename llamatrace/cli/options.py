@@ -664,12 +664,13 @@ class RunOptions:
     system: str | None
     ablate: list[str] | None = None
 
-    def prepare(self, check: Callable[[object], None] | None = None) -> Run:
+    def prepare(self, check: Callable[[object], None] | None = None, ctx_size: int | None = None) -> Run:
         """:func:`prepare_run` with these options and the default prompt; ``check(config)``: the
-        command's own check of its options against the model's header, before the load."""
+        command's own check of its options against the model's header, before the load;
+        ``ctx_size``: the command's ``--ctx-size``, checked against the header too."""
         return prepare_run(self.prompt, self.prompt_file, self.model, threads=self.threads,
                            activations=self.activations, raw=self.raw, system=self.system,
-                           ablate=self.ablate, default=default_prompt(), check=check)
+                           ablate=self.ablate, default=default_prompt(), ctx_size=ctx_size, check=check)
 
 
 def run_options(*, ablate: bool) -> Callable[[Callable], Callable]:

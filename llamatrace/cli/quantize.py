@@ -216,7 +216,7 @@ def quantize(
             _warn(f"--tensor-type {o.pattern}={o.ggml_type.name.lower()}: the pattern matches no tensor "
                           f"of {base.name}")
         _warn_unapplied(ftype, "output.weight" not in f.tensors, overrides, output_tensor_type, pure,
-                        leave_output_tensor, base.name)
+                        leave_output_tensor, base.name, token_embedding_type)
         check_requantize(f, types, allow_requantize)     # before a minute of compiling
         usable_imatrix(f, types, ftype, weights, f"--imatrix {str(imatrix)!r}")
         try:
@@ -250,7 +250,7 @@ def quantize(
 
 
 def _warn_unapplied(ftype, tied: bool, overrides: list, output_tensor_type: str | None, pure: bool,
-                    leave_output_tensor: bool, base_name: str) -> None:
+                    leave_output_tensor: bool, base_name: str, token_embedding_type: str | None) -> None:
     """A warning for each option that changes nothing here, as in llama-quantize 0.3.36
     (``llama_tensor_get_type``): patterns and the tied output's type go to quantized file types only."""
     from gguf import GGMLQuantizationType as T
@@ -262,6 +262,10 @@ def _warn_unapplied(ftype, tied: bool, overrides: list, output_tensor_type: str 
         _warn(f"--output-tensor-type: {base_name} has no output.weight (its token embedding is the output) and "
               f"{'--pure' if pure else f'--type {ftype.name}'} keeps the embedding's type; choose it with "
               f"--token-embedding-type")
+    elif output_tensor_type is not None and tied and token_embedding_type is not None:
+        _warn(f"--output-tensor-type: {base_name} has no output.weight (its token embedding is the output), and "
+              f"--token-embedding-type {token_embedding_type} sets that embedding's type (as in llama-quantize); "
+              f"drop one of the two")
     if leave_output_tensor and tied:
         _warn(f"--leave-output-tensor: {base_name} has no output.weight (its token embedding is the output): "
               f"nothing is left as it was; keep the embedding's type with --token-embedding-type")
