@@ -352,6 +352,36 @@ def test_attention_probs_of_a_nan_row_are_nan_as_in_the_masked_path():
     np.testing.assert_array_equal(got, masked)         # NaN where NaN, the same bits elsewhere
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_nan_query_makes_its_rows_nan_not_zero(parallel, sinks):
+    """A NaN query (every score of its rows NaN) gave probabilities of 0, so the head's output was
+    0 and the NaN vanished from the residual stream; ggml's soft_max keeps it NaN, and so do we."""
+    seq_len, n_heads, n_kv = 5, 4, 2
+    xq, keys, values = randn(seq_len, n_heads, 16), randn(seq_len, n_kv, 16), randn(seq_len, n_kv, 16)
+    xq[2, 1] = np.nan
+    sink = randn(n_heads) if sinks else None
+    got = K.attention_probs(xq, keys, 0.25, 0, parallel=parallel, sinks=sink)
+    ref = K.attention_probs_ref(xq, keys, 0.25, 0, sinks=sink)
+    assert np.isnan(got[1, 2]).all() and np.isnan(ref[1, 2]).all()
+    assert np.isnan(got).sum() == seq_len                  # that row alone
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    assert np.isnan(K.attention_values(got, values)[1, 2]).all()
+    with np.errstate(invalid="ignore"):
+        masked = K.softmax(K.attention_scores(xq, keys) * np.float32(0.25) + K.causal_mask(seq_len, 0), sink)
+    np.testing.assert_array_equal(_bits(masked), _bits(got))
+    probs, kqv = K.attention_decode(xq[-1:] * np.nan, keys, values, 0.25, seq_len - 1, sinks=sink, parallel=parallel)
+    assert np.isnan(probs).all() and np.isnan(kqv).all()
+
+
+def test_softmax_nan_rows_are_nan_in_kernel_and_twin():
+    x = np.full((1, 3, 4), -np.inf, dtype=np.float32)
+    x[0, 1] = np.nan                                      # all NaN
+    x[0, 2] = [0, np.nan, -np.inf, 1]                     # one NaN
+    for y in (K.softmax(x), K.softmax_ref(x)):
+        assert (y[0, 0] == 0).all() and np.isnan(y[0, 1:]).all()
+
+
 def test_attention_probs_need_a_key_per_position():
     with pytest.raises(ValueError, match="keys for"):
         K.attention_probs(randn(4, 2, 8), randn(5, 2, 8), 0.5, 0)

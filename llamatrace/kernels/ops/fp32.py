@@ -364,6 +364,16 @@ def _lane_max(row, lo, hi, lanes):
 
 
 @njit(inline="always", **JIT_EXACT)
+def _no_max_fill(row, lo, hi):
+    """What a row whose :func:`_lane_max` is -inf becomes: 0 when its entries are all -inf (fully
+    masked), NaN when any is NaN (a NaN query or key: as ggml's soft_max, it is not hidden)."""
+    for k in range(lo, hi):
+        if row[k] != row[k]:
+            return np.float32(np.nan)
+    return np.float32(0.0)
+
+
+@njit(inline="always", **JIT_EXACT)
 def _lane_sum(row, lo, hi, lanes):
     """Σ row[lo:hi]: each lane's entries (k % 16, k counted from the row's start) in order, then
     the lanes in a fixed tree. A sum over a range wider by +0 entries has the same bits (no
@@ -397,7 +407,7 @@ def _softmax_rows(x, out, i, lanes, sinks):
         row, o = x[i, j], out[i, j]
         m = max(_lane_max(row, 0, n, lanes), sink)
         if m == -np.inf:
-            o[:] = 0.0
+            o[:] = _no_max_fill(row, 0, n)
             continue
         for k in range(n):
             o[k] = exp_f32(row[k] - m)
@@ -447,8 +457,8 @@ def softmax(x: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
     """Softmax over the last axis of float32 ``[n_heads, seq_len, kv_len]``.
 
     Computed in fp32 with the row max subtracted, the row's sum in 16 lanes (:func:`_lane_sum`);
-    a row that is entirely ``-inf`` (fully masked) gives zeros instead of NaN. Heads run in
-    parallel when there is enough work.
+    a row that is entirely ``-inf`` (fully masked) gives zeros instead of NaN; a NaN in a row
+    makes the row NaN, as in ggml. Heads run in parallel when there is enough work.
 
     ``sinks``: optional float32 ``[n_heads]``, one learned logit per head that joins each row's
     denominator but gets no column (gpt-oss's attention sinks; ggml-cpu's ``soft_max`` with
@@ -460,15 +470,16 @@ def softmax(x: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
 
 
 def softmax_ref(x: np.ndarray, sinks: np.ndarray | None = None) -> np.ndarray:
-    """NumPy twin of :func:`softmax` (fully masked rows give zeros; ``sinks`` as there)."""
+    """NumPy twin of :func:`softmax` (fully masked rows give zeros, a NaN makes its row NaN;
+    ``sinks`` as there)."""
     sink = (np.full(x.shape[0], -np.inf, np.float32) if sinks is None
             else np.asarray(sinks, np.float32).reshape(-1))[:, None, None]
-    m = np.maximum(np.max(x, axis=-1, keepdims=True), sink)
-    finite = np.isfinite(m)
-    e = np.exp(x - np.where(finite, m, 0.0)).astype(np.float32)
-    e = np.where(finite, e, 0.0)
-    s = np.sum(e, axis=-1, keepdims=True) + np.where(finite, np.exp(sink - np.where(finite, m, 0.0)), 0.0)
-    return np.where(s > 0, e / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)
+    masked = np.all(x == -np.inf, axis=-1, keepdims=True) & (sink == -np.inf)
+    with np.errstate(invalid="ignore"):
+        m = np.maximum(np.max(x, axis=-1, keepdims=True), sink)
+        e = np.exp(x - np.where(masked, 0.0, m)).astype(np.float32)
+        s = np.sum(e, axis=-1, keepdims=True) + np.exp(sink - np.where(masked, 0.0, m))
+        return np.where(masked, 0.0, e / np.where(masked, 1.0, s)).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1064,8 +1075,8 @@ def _softmax_visible_rows(x, i, scale, first_pos, window, lanes, sinks):
         for k in range(seen.shape[0]):
             seen[k] *= scale
         m = max(_lane_max(row, lo, hi, lanes), sink)
-        if m == -np.inf:                      # every key it sees is -inf: zeros (softmax's rule)
-            row[:] = 0.0
+        if m == -np.inf:                      # every key it sees is -inf: zeros (softmax's rule), or NaN
+            row[:] = _no_max_fill(row, lo, hi)
             continue
         for k in range(seen.shape[0]):
             seen[k] = exp_f32(seen[k] - m)
