@@ -261,15 +261,27 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None], option: str) -> 
 class OutputStream:
     """A text file written line by line; each ``write_line`` is flushed at once.
 
+    A regular file (or a new one) is written beside its name (:func:`replace_durably`'s
+    temporary name) and takes the name at :meth:`commit`: a run that fails or is interrupted
+    before it leaves an existing file as it was and no partial one. A device or pipe
+    (``/dev/stderr``, a FIFO) is written in place, as a stream.
+
     Raises:
         OutputError: on any write error (e.g. disk full), naming the option and the path.
     """
 
     def __init__(self, path: Path, option: str) -> None:
         self.path, self.option = Path(path), option
-        _refuse_input(self.path, _where(option, self.path))      # opening it truncates it
+        _refuse_input(self.path, _where(option, self.path))
+        self._tmp: str | None = None
         try:
-            self._file = open(self.path, "w", encoding="utf-8", newline="\n")
+            if self.path.exists() and not stat.S_ISREG(self.path.stat().st_mode):
+                self._file = open(self.path, "w", encoding="utf-8", newline="\n")
+            else:
+                parent = self.path.parent if str(self.path.parent) else Path(".")
+                fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.{os.getpid()}.", suffix=".tmp",
+                                                 dir=parent)
+                self._file = os.fdopen(fd, "w", encoding="utf-8", newline="\n")
         except OSError as exc:
             raise OutputError(f"{_where(option, self.path)}: cannot write it ({exc.strerror or exc})") from None
 
@@ -279,11 +291,43 @@ class OutputStream:
             self._file.flush()
         except OSError as exc:
             raise OutputError(f"{_where(self.option, self.path)}: write failed ({exc.strerror or exc}); "
-                              f"the lines written so far are complete") from None
+                              f"{self.kept()}") from None
+
+    def kept(self) -> str:
+        """What is at the path if the run ends now, uncommitted: the end of a one-line message."""
+        if self._tmp is None:
+            return f"every line written to {self.path} so far is complete"
+        return f"{self.path} was not written" + (" (the old file is kept)" if self.path.exists() else "")
+
+    def commit(self) -> None:
+        """Give the lines written so far the file's name (``fsync`` first; a stream: nothing to do).
+
+        Raises:
+            OutputError: the file cannot be renamed into place.
+        """
+        if self._tmp is None:
+            return
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(self._tmp, 0o666 & ~umask)            # mkstemp makes 0600
+            os.replace(self._tmp, self.path)
+        except OSError as exc:
+            raise OutputError(f"{_where(self.option, self.path)}: cannot write it ({exc.strerror or exc})") from None
+        self._tmp = None
+        _fsync_dir(self.path.parent if str(self.path.parent) else Path("."))
 
     def close(self) -> None:
+        """Close the file; an uncommitted temporary file is removed."""
         with contextlib.suppress(OSError):
             self._file.close()
+        if self._tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp)
+            self._tmp = None
 
     def __enter__(self) -> "OutputStream":
         return self
@@ -293,7 +337,8 @@ class OutputStream:
 
 
 def open_stream(path: Path, option: str) -> OutputStream:
-    """Open ``path`` for line-by-line output (``--jsonl``, ``--log-file``).
+    """Open ``path`` for line-by-line output (``--jsonl``, ``--log-file``); :meth:`OutputStream.commit`
+    gives it its name.
 
     Raises:
         OutputError: ``path`` cannot be opened, or it is a file the command reads (:func:`reading`).

@@ -126,6 +126,9 @@ def test_prompt_file_from_stdin_and_dash_prompts(capsys, monkeypatch, tiny_model
     assert "not valid UTF-8" in err
     code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "2", "-m", str(tiny_model_path), "--", "-5 cats")
     assert code == 0 and json.loads(out)["prompt"] == "-5 cats"
+    # invalid UTF-8 in argv (os.fsdecode's lone surrogates) became '?' in silence; now as with -f
+    code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "2", "-m", str(tiny_model_path), "caf\udce9 x")
+    assert code == 0 and json.loads(out)["prompt"] == "caf\ufffd x" and "not valid UTF-8" in err
 
 
 def test_chat_template_is_applied_unless_raw(capsys, tiny_model_path):
@@ -277,6 +280,17 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(smollm2_path, comman
     assert "Traceback" not in err and "Broken pipe" not in err and "error" not in err
 
 
+def test_a_stdout_that_is_not_utf8_gets_escapes_not_an_internal_error(tiny_model_path):
+    # PYTHONIOENCODING=ascii (or an old C locale): "é" cannot be written as it is
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-m", "llamatrace", "generate", "-m", str(tiny_model_path), "--raw",
+                           "--json", "-n", "2", "café"], capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": repo, "PYTHONIOENCODING": "ascii"})
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and "error" not in err, err
+    assert '"prompt": "caf\\xe9"' in proc.stdout.decode("ascii")
+
+
 @pytest.mark.parametrize("args", [["perplexity", "--help"], ["--help"]])
 def test_help_into_a_closed_pipe_ends_quietly(args):
     # `llamatrace perplexity --help | head -2`: typer prints the help to stdout itself; a reader
@@ -383,6 +397,9 @@ def test_chat_template_trouble_points_the_right_way(capsys, tmp_path):
     import re
     added, total = map(int, re.search(r"\((\d+) of the (\d+) tokens are the chat template's; --raw sends", err).groups())
     assert added >= 80 and 1 <= total - added <= 2                     # 'hi' alone is a token or two
+    code, out, err = run(capsys, "trace", "-m", long, "hi " * 80, "--layer", "0")   # too long with --raw too
+    assert_one_line_error(code, out, err, "but the model's context length is 64")
+    assert "--raw" not in err and "chat template's" not in err
     nosys = write_tiny_llama(tmp_path / "nosys.gguf", chat_template=(
         "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
         "{{ messages[0]['content'] }}"))

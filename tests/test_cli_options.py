@@ -346,6 +346,18 @@ def test_info_all_shows_each_key_once_and_the_whole_chat_template(capsys, tiny_m
     keys = [ln.split()[0] for ln in out.splitlines() if ln.startswith(" general.")]
     assert keys and len(keys) == len(set(keys))
     assert template in out
+    # every key gguf-py's reader lists, the vocabulary's arrays too (they were left out)
+    import gguf
+    shown = {ln.split()[0] for ln in out.splitlines() if ln.startswith(" ") and ln.split()}
+    for field in gguf.GGUFReader(tiny_model_path).fields:
+        if not field.startswith("GGUF."):
+            assert field in shown, field
+
+
+def test_info_names_the_file_type(capsys, smollm2_path):
+    code, out, err = run(capsys, "info", "-m", str(smollm2_path))
+    assert code == 0, err
+    assert next(ln for ln in out.splitlines() if ln.startswith(" general.file_type")).split()[1:3] == ["3", "(Q4_1)"]
 
 
 def test_negative_layers_are_documented_as_they_work(capsys, tiny_model_path, tmp_path):
@@ -357,3 +369,13 @@ def test_negative_layers_are_documented_as_they_work(capsys, tiny_model_path, tm
                          "--jsonl", lines, "hi")
     events = [json.loads(ln) for ln in lines.read_text(encoding="utf-8").splitlines()]
     assert code == 0 and {e["layer"] for e in events if e["type"] == "event"} == {0}   # of 2 layers
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["generate", "-n", "abc", "hi"], ["--max-tokens", "valid integer", "(got 'abc')"]),
+    (["trace", "--tokens", "1.5", "hi"], ["--tokens", "(got '1.5')"]),
+])
+def test_a_value_of_the_wrong_type_is_named(capsys, args, needles):
+    """typer's pydantic check said "Input should be a valid integer" without the value it refused."""
+    from cli_helpers import assert_one_line_error
+    assert_one_line_error(*run(capsys, *args), *needles)

@@ -362,9 +362,12 @@ def test_check_finite_names_stage_layer_and_step(gqa, gqa_path, tmp_path, capsys
                               "--npz", str(tmp_path / "t.npz"), "the cat"], capsys)
     assert code == 2
     assert "ffn_silu" in err and "layer 0" in err and "step 0" in err and "Traceback" not in err
-    assert not (tmp_path / "t.npz").exists()
     assert len(err.strip().splitlines()) == 1
-    assert f"every line written to {jl} so far is complete" in err and "t.npz was not written" in err
+    assert f"the trace so far is in {jl}, {tmp_path / 't.npz'}" in err
+    # the recording holds what was traced, up to the failing stage (the evidence, for compare)
+    with np.load(tmp_path / "t.npz") as rec:
+        assert "step0.layer0.ffn_silu" in rec.files and np.isnan(rec["step0.layer0.ffn_silu"]).all()
+        assert not any(".ffn_out" in k for k in rec.files)
     # every line written before the error is complete: the header, then step 0's events in the
     # catalogue's order up to the failing stage, which is there as evidence (its NaN counted)
     header, *events = [json.loads(line) for line in jl.read_text().splitlines()]
@@ -390,7 +393,9 @@ def test_check_finite_accepts_the_masks_minus_inf(gqa):
     assert rec.events[0].stats["inf"] == 3                  # the 3x3 mask's upper triangle
 
 
-def test_ctrl_c_exits_130_with_complete_jsonl_lines(gqa_path, tmp_path, capsys, monkeypatch):
+def test_ctrl_c_exits_130_and_keeps_the_old_files(gqa_path, tmp_path, capsys, monkeypatch):
+    """An interrupted trace wrote its partial lines over an existing --jsonl / --log-file; now the
+    new lines go to a temporary file that takes the name only when the trace is done."""
     from llamatrace.views import render
     calls = {"n": 0}
     original = render.LogView.__call__
@@ -402,20 +407,63 @@ def test_ctrl_c_exits_130_with_complete_jsonl_lines(gqa_path, tmp_path, capsys, 
         original(self, event)
 
     monkeypatch.setattr(render.LogView, "__call__", interrupt_on_tenth)
-    jl, nz = tmp_path / "t.jsonl", tmp_path / "t.npz"
-    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--jsonl", str(jl), "--npz", str(nz)], capsys)
+    jl, log, nz = tmp_path / "t.jsonl", tmp_path / "d.log", tmp_path / "t.npz"
+    jl.write_text("old\n")
+    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--jsonl", str(jl), "--log-file", str(log),
+                            "--npz", str(nz)], capsys)
     assert code == 130
-    lines = jl.read_text(encoding="utf-8").splitlines()
-    assert [json.loads(line)["type"] for line in lines] == ["header"] + ["event"] * 9
+    assert jl.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+    assert f"{jl} was not written (the old file is kept); {log} was not written; {nz} was not written" in err
+
+
+def test_the_trace_files_take_their_names_when_the_trace_is_done(gqa_path, tmp_path, capsys, monkeypatch):
+    from llamatrace.views import render
+    seen = []
+    original = render.LogView.__call__
+
+    def look(self, event):                     # while the trace runs: only temporary files
+        seen.append(sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")))
+        original(self, event)
+
+    monkeypatch.setattr(render.LogView, "__call__", look)
+    jl = tmp_path / "t.jsonl"
+    jl.write_text("old\n")
+    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--jsonl", str(jl), "--layer", "0"], capsys)
+    assert code == 0, err
+    assert seen and all(names == ["t.jsonl"] for names in seen)
+    lines = [json.loads(line) for line in jl.read_text(encoding="utf-8").splitlines()]
+    assert lines[0]["type"] == "header" and lines[-1]["type"] == "footer"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+
+
+def test_a_stream_to_a_device_is_written_in_place(gqa_path, tmp_path, capsys):
+    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--jsonl", "/dev/null", "--layer", "0"], capsys)
+    assert code == 0, err
+
+
+def test_a_trace_whose_logits_are_nan_keeps_what_it_traced(gqa_path, tmp_path, capsys):
+    """Without --check-finite, NaN logits stopped the trace with nothing saved: the recording and
+    the lines are the evidence."""
+    path = tmp_path / "nan.gguf"
+    shutil.copyfile(gqa_path, path)
+    norm = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output_norm.weight")
+    np.memmap(path, dtype=np.float32, mode="r+", offset=norm.data_offset, shape=(int(norm.n_elements),))[:] = np.nan
+    jl, nz = tmp_path / "t.jsonl", tmp_path / "t.npz"
+    code, _, err = run_cli(["trace", "--model", str(path), "--raw", "--jsonl", str(jl), "--npz", str(nz), "the cat"],
+                           capsys)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "logits after position" in err and f"the trace so far is in {jl}, {nz}" in err
+    with np.load(nz) as rec:
+        assert np.isnan(rec["step0.result_norm"]).all() and np.isfinite(rec["step0.layer0.l_out"]).all()
+    assert json.loads(jl.read_text().splitlines()[0])["type"] == "header"
 
 
 @pytest.mark.parametrize("options, says", [
     ([], "interrupted"),
     (["--npz", "t.npz"], "interrupted: t.npz was not written"),
-    (["--log-file", "d.log"], "interrupted: every line written to d.log so far is complete"),
-    (["--jsonl", "t.jsonl", "--npz", "t.npz"],
-     "interrupted: every line written to t.jsonl so far is complete; t.npz was not written"),
+    (["--log-file", "d.log"], "interrupted: d.log was not written"),
+    (["--jsonl", "t.jsonl", "--npz", "t.npz"], "interrupted: t.jsonl was not written; t.npz was not written"),
+    (["--jsonl", "-"], "interrupted: every line written to stdout so far is complete"),
 ])
 def test_ctrl_c_says_only_what_applies_to_the_outputs_asked_for(gqa_path, tmp_path, capsys, monkeypatch,
                                                                  options, says):
@@ -425,6 +473,7 @@ def test_ctrl_c_says_only_what_applies_to_the_outputs_asked_for(gqa_path, tmp_pa
         raise KeyboardInterrupt
 
     monkeypatch.setattr(render.LogView, "__call__", interrupt)
+    monkeypatch.setattr(render.JsonlWriter, "__call__", interrupt)
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(["trace", "--model", str(gqa_path), *options], capsys)
     assert code == 130
@@ -504,8 +553,7 @@ def test_a_long_trace_says_how_long_before_it_starts(capsys, tiny_model_path):
     from cli_helpers import run
     code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--tokens", "65", "--layer", "0",
                          "--stage", "attn_norm", "hello")
-    assert code == 0
-    assert "warning: tracing 65 decode steps prints about 65 stage events (1 a step)" in err
+    assert code == 0 and "warning" not in err              # 65 events: short, however many steps
     code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--tokens", "3", "hello")
     assert code == 0 and "warning" not in err
     # every stage: the count is what a decode step of this model emits (it multiplied the whole
@@ -517,6 +565,7 @@ def test_a_long_trace_says_how_long_before_it_starts(capsys, tiny_model_path):
     events = [json.loads(line) for line in out.splitlines()[1:-1]]
     steps = {e["step"] for e in events}
     assert said == sum(1 for e in events if e["step"] == 2) and len(steps) > 60
+    assert f"warning: tracing 65 decode steps prints about {65 * said:,} stage events ({said} a step)" in err
     code, out, err = run(capsys, "trace", "-m", tiny_model_path, "--raw", "--tokens", "65", "--stage", "kq_mask",
                          "hello there")
     assert code == 0 and "warning" not in err            # a prefill-only stage: no '0 stage events (0 a step)'

@@ -268,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
 
     A command that ends after a Ctrl-C whose KeyboardInterrupt was lost (in a finalizer, see
     :func:`llamatrace.machine.runtime.catch_interrupts`) ends with ``interrupted`` and 130 all the same."""
+    # a terminal or pipe in another encoding than UTF-8 (PYTHONIOENCODING=ascii, LANG=C on old
+    # Pythons): text it cannot hold is escaped (\xe9), as Python does on stderr, not an internal error
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        sys.stdout.reconfigure(errors="backslashreplace")
     code = _run(argv)
     if runtime.interrupted() and code != EXIT_INTERRUPTED:
         err.print("interrupted")
@@ -310,6 +314,16 @@ def _run(argv: list[str] | None) -> int:
         return _run_app(argv)
 
 
+def _rejected_input(exc: BaseException) -> object | None:
+    """The value a typer option's pydantic check refused ('abc' for an int), if it says; its
+    message alone ("Input should be a valid integer") does not name it."""
+    cause = exc.__cause__ or exc.__context__
+    try:
+        return cause.errors()[0]["input"]           # pydantic's ValidationError
+    except (AttributeError, TypeError, LookupError):
+        return None
+
+
 def _run_app(argv: list[str]) -> int:
     try:
         # with standalone_mode=False, click returns a typer.Exit's code instead of raising it;
@@ -335,6 +349,9 @@ def _run_app(argv: list[str]) -> int:
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         # typer >= 0.2x validates choices with pydantic, whose messages start "Value error, "
         message = message.replace("Value error, ", "")
+        got = _rejected_input(exc)
+        if message and got is not None and repr(got) not in message:
+            message += f" (got {got!r})"
         if message:
             ctx = getattr(exc, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated
 
 import typer
@@ -28,6 +29,8 @@ def info(
     from rich.table import Table
     from rich.text import Text
 
+    import gguf
+
     from llamatrace.gguf.reader import open_gguf, tensor_type_name
 
     path = model_file(model)
@@ -38,11 +41,14 @@ def info(
     for key in ("general.name", "general.architecture", "general.file_type"):
         if key in meta:
             rows[key] = str(meta[key])
+    if "general.file_type" in rows:             # llama.cpp's enum: 3 (Q4_1)
+        with contextlib.suppress(ValueError, TypeError):
+            rows["general.file_type"] += f" ({gguf.LlamaFileType(meta['general.file_type']).name.removeprefix('MOSTLY_')})"
     arch = meta.get("general.architecture", "")
     template = meta.get("tokenizer.chat_template")
-    for key, value in meta.items():
+    for key in f.keys():                        # with --all the vocabulary's arrays too, cut short
         if key.startswith(f"{arch}.") or (all_metadata and not key.startswith("GGUF.")):
-            rows.setdefault(key, _short(value))
+            rows.setdefault(key, _short(meta[key] if key in meta else f.field(key)))
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
                 "tokenizer.ggml.eos_token_id"):
         if key in meta:

@@ -137,6 +137,11 @@ def default_prompt() -> str:
         return FALLBACK_PROMPT
 
 
+def _only_escapes(text: str) -> bool:
+    """Whether every lone surrogate of ``text`` is one ``surrogateescape`` made of a byte (U+DC80-U+DCFF)."""
+    return all(not 0xD800 <= ord(ch) <= 0xDFFF or 0xDC80 <= ord(ch) <= 0xDCFF for ch in text)
+
+
 def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:
     """The prompt text from the argument, ``--prompt-file`` (``-`` = stdin) or ``default``.
 
@@ -166,8 +171,13 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
         if default is None:
             raise PromptError("no prompt given: pass PROMPT, or --prompt-file FILE ('-' for stdin)")
         prompt = default
-    # lone surrogates (e.g. from a bad terminal) cannot be encoded: replace them
-    prompt = prompt.encode("utf-8", errors="replace").decode("utf-8")
+    # invalid UTF-8 in argv arrives as lone surrogates (PEP 383): back to its bytes, then U+FFFD as for -f
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        data = prompt.encode("utf-8", errors="surrogateescape" if _only_escapes(prompt) else "replace")
+        err.print("[yellow]warning:[/] the prompt is not valid UTF-8; invalid bytes were replaced by U+FFFD")
+        prompt = data.decode("utf-8", errors="replace")
     if not prompt.strip():
         raise PromptError("the prompt is empty: give some text (or --prompt-file FILE)")
     return prompt
@@ -639,7 +649,7 @@ def prepare_run(prompt: str | None, prompt_file: Path | None, model: Path | None
         check_prompt_fits(m, len(ids), ctx_size or m.config.max_seq_len)
     except PromptError as exc:
         added = len(ids) - len(m.tokenizer.encode(text)) if not raw and m.tokenizer.chat_template else 0
-        if added <= 0:
+        if added <= 0 or len(ids) - added > (ctx_size or m.config.max_seq_len):    # --raw would not fit either
             raise
         raise PromptError(f"{exc} ({added} of the {len(ids)} tokens are the chat template's; "
                           f"--raw sends the text alone)") from None

@@ -137,8 +137,12 @@ def trace(
         other = resolved.setdefault(p.resolve(), opt)
         if other != opt:
             raise OptionError(f"{other} and {opt} name the same file {str(p)!r}")
+    def check(_config) -> None:          # again once the model's file is known ($LLAMATRACE_MODEL, the default)
+        for opt, p in outputs.items():
+            check_output_path(p, opt, whole_file=opt == "--npz")
+
     r = prepare_run(prompt, prompt_file, model, threads=threads, activations=activations, raw=raw, system=system,
-                    ablate=ablate, default=default_prompt(), ctx_size=ctx_size)
+                    ablate=ablate, default=default_prompt(), ctx_size=ctx_size, check=check)
     layers = parse_layers(layer, r.model.config.n_layers)
     check_model_stages(stage_patterns, r.model.config, layers=layers)
     with r.ablated():
@@ -147,8 +151,9 @@ def trace(
              timings=timings, check_finite=check_finite, top=top, ctx_size=ctx_size)
 
 
-LONG_TRACE_STEPS = 64
-"""More decode steps than this: the trace is long, and a warning line says how long before it starts."""
+LONG_TRACE_STEPS, LONG_TRACE_EVENTS = 64, 2000
+"""More decode steps than the first, printing more stage events than the second: the trace is
+long, and a warning line says how long before it starts."""
 
 
 def _to_stdout(path: Path | None) -> bool:
@@ -164,12 +169,9 @@ class _StdoutLines:
         stdout.flush()
 
 
-def _kept(jsonl: Path | None, log_file: Path | None, npz: Path | None) -> str:
-    """What a trace stopped early leaves of its outputs, as the end of its one line."""
-    kept = [f"every line written to {'stdout' if _to_stdout(path) else path} so far is complete"
-            for path in (jsonl, log_file) if path]
-    kept += [f"{npz} was not written"] if npz is not None else []
-    return "; ".join(kept)
+def _npz_meta(m) -> dict:
+    return {META_KEY: np.array(json.dumps({"engine": "llamatrace", "version": __version__,
+                                            "activations": m.activations, "model": str(m.path)}))}
 
 
 def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers, stages, fmt: Format,
@@ -207,7 +209,7 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
         per_step = sum((stage_applies(STAGE_BY_ID[s], 1, c.n_rep, c.features) if STAGE_BY_ID[s].level == "model"
                         else len(chosen & set(stage_layers(s, c, seq_len=1))))
                        for s in select_stages(stages) & model_stage_ids(c))
-        if per_step:                     # a prefill-only stage (kq_mask) prints nothing a decode step
+        if tokens * per_step > LONG_TRACE_EVENTS:     # 70 steps of one stage is no long trace
             err.print(f"[yellow]warning:[/] tracing {tokens} decode steps prints about {tokens * per_step:,} "
                       f"stage events ({per_step} a step); narrow it with --layer / --stage, or fewer --tokens",
                       soft_wrap=True)
@@ -233,26 +235,36 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
         elif not _to_stdout(jsonl):
             sinks.append(LogView(out, formatter))
         writer = None
+        files = []                       # --jsonl / --log-file: their names once the trace is done
         if jsonl is not None:
             lines = _StdoutLines() if _to_stdout(jsonl) else stack.enter_context(open_stream(jsonl, "--jsonl"))
+            if not _to_stdout(jsonl):
+                files.append(lines)
             writer = JsonlWriter(lines)
             writer.header(model=str(m.path), prompt=text_in, prompt_ids=ids,
                           pieces=[m.tokenizer.piece(i) for i in ids], config=m.config.to_dict(), activations=m.activations)
             sinks.append(writer)
         if log_file is not None:
-            sinks.append(DebugLog(stack.enter_context(open_stream(log_file, "--log-file")), formatter))
+            files.append(stack.enter_context(open_stream(log_file, "--log-file")))
+            sinks.append(DebugLog(files[-1], formatter))
         recorder = Recorder(layers=layers, stages=stages, stats=stats, values=values, keep_arrays=npz is not None,
                             keep_events=npz is not None, check_finite=check_finite, sinks=sinks, time_all=True)
         try:
             for token in generate(m, ids, max_tokens=max_tokens, ctx_size=ctx, recorder=recorder, stats=run_stats):
                 generated.append(token)
-        except KeyboardInterrupt:
-            kept = _kept(jsonl, log_file, npz)
+        except KeyboardInterrupt:                # nothing written: an old file stays as it was
+            kept = "; ".join((["every line written to stdout so far is complete"] if _to_stdout(jsonl) else [])
+                             + [f.kept() for f in files] + ([f"{npz} was not written"] if npz is not None else []))
             err.print("interrupted" + (f": {kept}" if kept else ""), markup=False)
             exit_interrupted()
         except NumericalError as exc:      # the trace up to the bad stage, that stage included, is the evidence
-            kept = _kept(jsonl, log_file, npz)
-            raise NumericalError(str(exc) + (f"; {kept}" if kept else "")) from None
+            for f in files:
+                f.commit()
+            if npz is not None:
+                write_npz_atomic(npz, {**recorder.arrays(), **_npz_meta(m)})
+            saved = [str(p) for p in (jsonl, log_file, npz) if p is not None and not _to_stdout(p)]
+            saved += ["stdout"] if _to_stdout(jsonl) else []
+            raise NumericalError(str(exc) + (f"; the trace so far is in {', '.join(saved)}" if saved else "")) from None
 
         top_tokens = top_k_probs(run_stats.last_logits, m.tokenizer, top)
         timing = {"load_s": round(load_s, 3), "prefill_s": round(run_stats.prefill_s, 4),
@@ -262,14 +274,18 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
                   "stages_us": timing_rollup(recorder.stage_times)}
         if writer is not None:
             writer.footer(ids=generated, top_k=top_tokens, timings=timing)   # key kept: schema llamatrace.trace/1
+        for f in files:
+            f.commit()
     if npz is not None:
-        write_npz_atomic(npz, {**recorder.arrays(), META_KEY: np.array(json.dumps(
-            {"engine": "llamatrace", "version": __version__, "activations": m.activations, "model": str(m.path)}))})
+        write_npz_atomic(npz, {**recorder.arrays(), **_npz_meta(m)})
 
     steps = 1 + run_stats.decode_steps
     if run_stats.decode_steps < tokens:
-        err.print(f"[yellow]note:[/] stopped after {plural(run_stats.decode_steps, 'decode step')}: "
-                  f"{'end of text' if run_stats.stop_reason == 'eos' else run_stats.stop_reason}")
+        full = run_stats.ctx_size >= m.config.max_seq_len
+        why = ("end of text" if run_stats.stop_reason == "eos" else
+               f"the context is full ({run_stats.ctx_size} tokens; "
+               + ("the model's own limit)" if full else f"raise --ctx-size, at most the model's {m.config.max_seq_len})"))
+        err.print(f"[yellow]note:[/] stopped after {plural(run_stats.decode_steps, 'decode step')}: {why}")
     if tokens:
         traced = generated[:run_stats.decode_steps]
         side.print(Text(f"decode steps fed: {' '.join(quoted(m.tokenizer.piece(i)) for i in traced)}"))
