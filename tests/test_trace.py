@@ -294,6 +294,8 @@ def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
         assert set(e["stats"]) == {"sum", "mean", "rms", "min", "max", "abs_max", "nan", "inf"}
     masked = next(e for e in events if e["stage"] == "kq_masked")
     assert masked["stats"]["inf"] > 0                       # -inf of the mask: counted, written as null
+    for e in events:
+        assert (len(e["values"]["head"]), len(e["values"]["tail"])) == (3, 3), e["stage"]
     with np.load(nz) as arrays:
         keys = [("step%d.%s" % (e["step"], e["stage"]) if e["layer"] is None else
                  "step%d.layer%d.%s" % (e["step"], e["layer"], e["stage"])) for e in events]
@@ -314,6 +316,17 @@ def test_jsonl_and_npz_round_trip(gqa_path, tmp_path, capsys):
     debug = log.read_text(encoding="utf-8").splitlines()
     assert debug and all(line.startswith("[DEBUG] ") for line in debug)
     assert any(line.endswith("Skipping addition scores + mask") for line in debug)
+
+
+def test_values_of_a_small_tensor_are_shown_once():
+    """--values 3 on 4 values gave head [a, b, c] … tail [b, c, d]: repeats, and a '…' for nothing left out."""
+    from llamatrace.tracing.recorder import head_tail
+    from llamatrace.views.render import fmt_values
+    small = head_tail(np.float32([1, 2, -np.inf, 4]), 3)
+    assert small == {"head": [1.0, 2.0, None, 4.0], "tail": []} and fmt_values(small) == "values [1, 2, —, 4]"
+    big = head_tail(np.arange(7, dtype=np.float32), 3)
+    assert big == {"head": [0.0, 1.0, 2.0], "tail": [4.0, 5.0, 6.0]}
+    assert fmt_values(big) == "head [0, 1, 2] … tail [4, 5, 6]"
 
 
 def test_npz_write_is_atomic(tmp_path, monkeypatch):

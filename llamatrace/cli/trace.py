@@ -68,7 +68,7 @@ def trace(
         "to stdout; the tokens and top-N go to stderr.")] = False,
     stats: Annotated[bool, typer.Option("--stats", metavar="", help="Statistics per stage (sum, mean, rms, min, max, "
                                                         "abs_max, nan, inf; float64).")] = False,
-    values: Annotated[int, typer.Option("--values", help="Show the first and last K values of each tensor.",
+    values: Annotated[int, typer.Option("--values", help="Show the first and last K values of each tensor (all of them up to 2K).",
                                         metavar="K")] = 0,
     jsonl: Annotated[Optional[Path], typer.Option("--jsonl", help="Stream events as JSON lines to FILE ('-': "
                                                   "stdout, with no log lines; tokens and top-N go to stderr).",

@@ -156,12 +156,15 @@ def _state_stats(stage, array: np.ndarray) -> dict[str, Any]:
 
 
 def head_tail(array: np.ndarray, k: int) -> dict[str, list]:
-    """The first and last ``k`` values of the flattened array (non-finite → None)."""
+    """The first and last ``k`` values of the flattened array (non-finite → None); an array of at
+    most ``2k`` values has them all in ``head`` and an empty ``tail`` (no value twice)."""
     flat = np.asarray(array).ravel()
     if np.iscomplexobj(flat):
         conv = lambda z: [finite_or_none(float(z.real)), finite_or_none(float(z.imag))]  # noqa: E731
     else:
         conv = lambda z: finite_or_none(float(z))  # noqa: E731
+    if flat.size <= 2 * k:
+        return {"head": [conv(z) for z in flat], "tail": []}
     return {"head": [conv(z) for z in flat[:k]], "tail": [conv(z) for z in flat[-k:]] if k else []}
 
 

@@ -142,6 +142,8 @@ def fmt_stats(stats: Mapping[str, Any]) -> str:
 def fmt_values(values: Mapping[str, list]) -> str:
     def one(v):
         return "—" if v is None else (f"{v[0]:.4g}{v[1]:+.4g}j" if isinstance(v, list) else f"{v:.4g}")
+    if not values["tail"]:                      # a small tensor: every value (head_tail)
+        return f"values [{', '.join(map(one, values['head']))}]"
     return f"head [{', '.join(map(one, values['head']))}] … tail [{', '.join(map(one, values['tail']))}]"
 
 
