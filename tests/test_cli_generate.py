@@ -406,3 +406,11 @@ def test_chat_template_trouble_points_the_right_way(capsys, tmp_path):
     code, out, err = run(capsys, "generate", "-m", nosys, "--system", "be brief", "hi", "-n", "1")
     assert_one_line_error(code, out, err, "System role not supported")
     assert "drop --system" in err and "use --raw to send the prompt without it" not in err
+
+
+def test_one_token_says_there_was_no_decode_step(capsys, tiny_model_path):
+    """-n 1 is the prefill's token alone: the summary said 'decode 0.0 tok/s'."""
+    code, out, err = run(capsys, "generate", "--raw", "-n", "1", "-m", str(tiny_model_path), "the cat")
+    assert code == 0 and "no decode step" in err and "decode 0.0" not in err
+    code, out, err = run(capsys, "generate", "--raw", "-n", "2", "-m", str(tiny_model_path), "the cat")
+    assert code == 0 and "no decode step" not in err and " tok/s · load" in err

@@ -123,8 +123,9 @@ def generate(
     reason = "interrupted" if interrupted else {"eos": "end of text", "max_tokens": f"--max-tokens {max_tokens}",
                                                 "context": f"context full ({stats.ctx_size} tokens)"}.get(stats.stop_reason or "", "")
     err.print(f"[dim]{plural(len(ids), 'prompt token')}, {len(stats.generated)} generated · prefill "
-              f"{stats.prefill_tokens_per_s:.1f} tok/s · decode {stats.decode_tokens_per_s:.1f} tok/s · "
-              f"load {load_s:.1f} s · {m.activations} activations · stopped: {reason}[/]")
+              f"{stats.prefill_tokens_per_s:.1f} tok/s · "
+              + (f"decode {stats.decode_tokens_per_s:.1f} tok/s · " if stats.decode_steps else "no decode step · ")
+              + f"load {load_s:.1f} s · {m.activations} activations · stopped: {reason}[/]")
     if stats.stop_reason == "context" and not interrupted:
         full = stats.ctx_size >= m.config.max_seq_len
         err.print(f"[yellow]note:[/] stopped at the context limit ({stats.ctx_size} tokens"
