@@ -43,7 +43,8 @@ def info(
             rows[key] = str(meta[key])
     if "general.file_type" in rows:             # llama.cpp's enum: 3 (Q4_1)
         with contextlib.suppress(ValueError, TypeError):
-            rows["general.file_type"] += f" ({gguf.LlamaFileType(meta['general.file_type']).name.removeprefix('MOSTLY_')})"
+            name = gguf.LlamaFileType(meta["general.file_type"]).name
+            rows["general.file_type"] += f" ({name.removeprefix('MOSTLY_')})"
     arch = meta.get("general.architecture", "")
     template = meta.get("tokenizer.chat_template")
     for key in f.keys():                        # with --all the vocabulary's arrays too, cut short

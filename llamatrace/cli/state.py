@@ -52,8 +52,8 @@ def state(
         check_output_path(output, "-o")
     def check(c) -> None:                      # against the model's header, before the load
         if not c.recurrent_layers:
-            raise OptionError(f"this model ({c.arch}) has no gated DeltaNet layers, so no recurrent state: state shows a "
-                              "hybrid's (qwen35); trace --stage 'kq*' or attention show this model's attention")
+            raise OptionError(f"this model ({c.arch}) has no gated DeltaNet layers, so no recurrent state: state "
+                              "shows a hybrid's (qwen35); trace --stage 'kq*' or attention show this model's attention")
         deltanet = ", ".join(map(str, c.recurrent_layers))
         layers = parse_layers(layer, c.n_layers, one=True)
         if layers is None or len(layers) != 1:

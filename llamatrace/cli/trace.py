@@ -68,8 +68,8 @@ def trace(
         "to stdout; the tokens and top-N go to stderr.")] = False,
     stats: Annotated[bool, typer.Option("--stats", metavar="", help="Statistics per stage (sum, mean, rms, min, max, "
                                                         "abs_max, nan, inf; float64).")] = False,
-    values: Annotated[int, typer.Option("--values", help="Show the first and last K values of each tensor (all of them up to 2K).",
-                                        metavar="K")] = 0,
+    values: Annotated[int, typer.Option("--values", help="Show the first and last K values of each tensor "
+                                        "(all of them up to 2K).", metavar="K")] = 0,
     jsonl: Annotated[Optional[Path], typer.Option("--jsonl", help="Stream events as JSON lines to FILE ('-': "
                                                   "stdout, with no log lines; tokens and top-N go to stderr).",
                                                   metavar="FILE", show_default=False)] = None,
@@ -170,6 +170,7 @@ class _StdoutLines:
 
 
 def _npz_meta(m) -> dict:
+    """The recording's own key: what made it, for ``compare``."""
     return {META_KEY: np.array(json.dumps({"engine": "llamatrace", "version": __version__,
                                             "activations": m.activations, "model": str(m.path)}))}
 
@@ -282,9 +283,8 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
     steps = 1 + run_stats.decode_steps
     if run_stats.decode_steps < tokens:
         full = run_stats.ctx_size >= m.config.max_seq_len
-        why = ("end of text" if run_stats.stop_reason == "eos" else
-               f"the context is full ({run_stats.ctx_size} tokens; "
-               + ("the model's own limit)" if full else f"raise --ctx-size, at most the model's {m.config.max_seq_len})"))
+        raise_it = "the model's own limit" if full else f"raise --ctx-size, at most the model's {m.config.max_seq_len}"
+        why = "end of text" if run_stats.stop_reason == "eos" else f"the context is full ({run_stats.ctx_size} tokens; {raise_it})"
         err.print(f"[yellow]note:[/] stopped after {plural(run_stats.decode_steps, 'decode step')}: {why}")
     if tokens:
         traced = generated[:run_stats.decode_steps]
