@@ -612,3 +612,12 @@ def test_a_ctx_size_over_the_models_context_is_refused_before_any_output(capsys,
         code, out, err = run(capsys, *command, "-m", tiny_model_path, "--raw", "--ctx-size", "100000", "hello")
         assert_one_line_error(code, out, err, "--ctx-size 100000 is over the model's context length 64")
     assert not jl.exists()
+
+
+def test_a_trace_stopped_by_a_full_context_says_so(gqa_path, capsys):
+    """The note said 'stopped after 2 decode steps: context', the reason's code."""
+    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--raw", "--tokens", "5", "--ctx-size", "4",
+                            "--layer", "0", "--stage", "l_out", "the"], capsys)
+    assert code == 0, err
+    note = next(line for line in err.splitlines() if line.startswith("note: stopped after"))
+    assert "the context is full (4 tokens; raise --ctx-size, at most the model's" in note, note
