@@ -8,8 +8,9 @@ Two kinds of output:
   renamed over it only when complete, then the directory entry is flushed too
   (:func:`replace_durably`, :func:`write_atomic`): an error, Ctrl-C or a power loss leaves no
   partial file and the old file untouched;
-* streams (``--jsonl``, ``--log-file``) are written line by line and flushed
-  (:func:`open_stream`), so every line already written is complete.
+* streams (``--jsonl``, ``--log-file``) are written line by line and flushed to such a
+  temporary file, renamed when the command commits them (:func:`open_stream`): an interrupted
+  run leaves the old file; a device or pipe (``/dev/stderr``, a FIFO) is written in place.
 
 No output is a file the command reads: the CLI notes its inputs (:func:`reading`: the model,
 the texts, a base), and a path that is one of them, by name or by link, is refused before anything
