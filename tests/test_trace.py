@@ -621,3 +621,18 @@ def test_a_trace_stopped_by_a_full_context_says_so(gqa_path, capsys):
     assert code == 0, err
     note = next(line for line in err.splitlines() if line.startswith("note: stopped after"))
     assert "the context is full (4 tokens; raise --ctx-size, at most the model's" in note, note
+
+
+def test_a_killed_traces_temporary_lines_are_removed_by_the_next(gqa_path, tmp_path, capsys):
+    """--jsonl now goes to .NAME.PID.XXXXXXXX.tmp until the trace ends: one a SIGKILL left (its
+    process gone) is removed by the next trace writing there, with a note."""
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".t.jsonl.{int(dead.stdout)}.abcd1234.tmp"
+    stale.write_text('{"type": "header"}\n')
+    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--jsonl", str(tmp_path / "t.jsonl"), "--layer", "0",
+                            "--stage", "l_out"], capsys)
+    assert code == 0, err
+    assert "removed 1 temporary file of a killed run" in err and stale.name in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]

@@ -15,7 +15,7 @@ import typer
 
 from llamatrace.errors import LlamatraceError, OptionError, PromptError
 from llamatrace.tracing.stages import select_stages
-from llamatrace.cli.app import err, quiet, status, status_bar, status_spinner
+from llamatrace.cli.app import err, plural, quiet, status, status_bar, status_spinner
 
 def reads(what: str):
     """A typer ``callback`` noting a path option's file as one the command reads (no output may
@@ -427,6 +427,22 @@ def given_on_command_line(ctx, options: dict[str, str]) -> list[str]:
     # typer runs its own copy of click: its ParameterSource enum, compared by name
     return [opt for name, opt in options.items()
             if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
+
+
+def remove_leftovers(*outputs: Path | None) -> None:
+    """Delete the temporary files a killed run (SIGKILL, power loss) left beside the outputs, and
+    say so in one line (:func:`llamatrace.outputs.remove_stale_temp_files`)."""
+    from rich.markup import escape
+
+    from llamatrace.outputs import remove_stale_temp_files
+    folders = {p.parent if str(p.parent) else Path(".") for p in outputs if p is not None}
+    for folder in sorted(folders):
+        removed = remove_stale_temp_files(folder)
+        if removed:
+            names = ", ".join(name for name, _ in removed[:3]) + (" …" if len(removed) > 3 else "")
+            message = (f"removed {plural(len(removed), 'temporary file')} of a killed run from {folder} "
+                       f"({sum(size for _, size in removed) / 2**20:.1f} MiB): {names}")
+            err.print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
 
 
 def check_model_stages(patterns: list[str] | None, config, option: str = "--stage",

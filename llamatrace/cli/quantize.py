@@ -14,7 +14,8 @@ import typer
 
 from llamatrace.cli.app import (app, err, exit_interrupted, out, plural, quiet, status, status_bar, status_spinner,
                                 stdout)
-from llamatrace.cli.options import NoCacheOpt, RayOpt, WorkerThreadsOpt, WorkersOpt, given_on_command_line, reads
+from llamatrace.cli.options import (NoCacheOpt, RayOpt, WorkerThreadsOpt, WorkersOpt, given_on_command_line, reads,
+                                     remove_leftovers)
 from llamatrace.cli.progress import CountBar
 from llamatrace.errors import LlamatraceError, OptionError
 
@@ -195,7 +196,7 @@ def quantize(
                               (("--output-tensor-type", output_tensor_type), ("--token-embedding-type", token_embedding_type)))
     base = _base_file(base)
     check_output_path(output, "OUT")
-    _remove_leftovers(output)
+    remove_leftovers(output)
     if threads is not None:
         from llamatrace.machine import threads as kernel_threads
         try:
@@ -293,19 +294,6 @@ def _base_file(base: Path) -> Path:
     if not base.exists() and str(base) in KNOWN_MODELS:
         return reading(resolve_model(str(base), log=status, quiet=quiet()), BASE_READ)
     return base
-
-
-def _remove_leftovers(*outputs: Optional[Path]) -> None:
-    """Delete the temporary files a killed run (SIGKILL, power loss) left beside the outputs, and
-    say so in one line (:func:`llamatrace.outputs.remove_stale_temp_files`)."""
-    from llamatrace.outputs import remove_stale_temp_files
-    folders = {p.parent if str(p.parent) else Path(".") for p in outputs if p is not None}
-    for folder in sorted(folders):
-        removed = remove_stale_temp_files(folder)
-        if removed:
-            names = ", ".join(name for name, _ in removed[:3]) + (" …" if len(removed) > 3 else "")
-            _note(f"removed {plural(len(removed), 'temporary file')} of a killed run from {folder} "
-                  f"({sum(size for _, size in removed) / 2**20:.1f} MiB): {names}")
 
 
 def quantizers_for(f, types) -> set[tuple[object, str]]:
@@ -437,7 +425,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
         check_output_path(plot, "-o")
     check_output_path(where, "--measurements")
     S.Measurements.read(where)             # a file there that is no measurements: refused before the work
-    _remove_leftovers(output, plot)
+    remove_leftovers(output, plot)
     text = read_corpus(text_file)
     held_out = read_corpus(verify_file) if verify_file is not None else None
     ftype = stock_type or file_type("Q4_K_M")

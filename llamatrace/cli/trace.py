@@ -38,6 +38,7 @@ from llamatrace.cli.options import (
     prepare_run,
     PromptFileOpt,
     RawOpt,
+    remove_leftovers,
     SystemOpt,
     ThreadsOpt,
 )
@@ -137,6 +138,7 @@ def trace(
         other = resolved.setdefault(p.resolve(), opt)
         if other != opt:
             raise OptionError(f"{other} and {opt} name the same file {str(p)!r}")
+    remove_leftovers(*outputs.values())
     def check(_config) -> None:          # again once the model's file is known ($LLAMATRACE_MODEL, the default)
         for opt, p in outputs.items():
             check_output_path(p, opt, whole_file=opt == "--npz")
