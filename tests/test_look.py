@@ -162,7 +162,8 @@ def test_generate_with_an_ablation_differs_and_without_it_does_not(capsys, tiny_
     (["attention", "--layer", "0", "--head", "4"], "--head 4 is out of range"),
     (["attention", "--layer", "0-1"], "one layer"),
     (["attention", "-o", "x.txt"], ".png, .svg, .pdf"),
-    (["attention", "--json", "--step", "500"], "--step 500 needs 50"),            # at once: it decoded to the limit
+    (["attention", "--json", "--step", "500"], "--step 500 needs at least 501"),  # at once: it decoded to the limit
+    (["attention", "--json", "--step", "62"], "--step 62 needs 66 cache positions (4 prompt tokens"),  # once tokenized
     (["attention", "--layer", "0,1"], "one layer"),                               # before the load
     (["lens", "--ablate", "keys@0"], "stage 'keys' is not an array of its own"),
     (["lens", "--ablate", "Qcur_heads@0"], "cannot be replaced"),
@@ -193,6 +194,11 @@ def test_bad_options_give_one_error_line(capsys, tmp_path, tiny_model_path, args
     (["diagram", "--layer", "0,9", "-o", "x.html"], "this model has"),
     (["diagram", "--ctx-size", "99999", "-o", "x.dot"], "--ctx-size 99999 is over the model's context length"),
     (["experts", "--json"], "this is a dense model"),
+    (["diagram", "--step", "99999", "-o", "x.dot"], "--step 99999 needs at least 100000 cache positions"),
+    (["diagram", "--tokens", "99999", "-o", "x.html"], "--tokens 99999 needs at least"),
+    (["diagram", "--step", "9", "--ctx-size", "8", "-o", "x.dot"], "--ctx-size is 8; raise it"),
+    (["diagram", "--highlight", "Qcur_normed", "-o", "x.html"], "computed only by models with q/k norms"),
+    (["attention", "--step", "99999", "--json"], "--step 99999 needs at least"),
 ])
 def test_checks_against_the_models_header_come_before_the_load(capsys, tiny_model_path, monkeypatch, args, needle):
     from llamatrace.cli import options

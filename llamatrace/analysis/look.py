@@ -63,8 +63,8 @@ def attention(model, prompt_ids: list[int], layer: int, step: int = 0) -> Attent
         raise OptionError(f"--step must be >= 0, got {step}")
     if len(prompt_ids) + step > model.config.max_seq_len:    # at once, not after minutes of decoding
         raise OptionError(f"--step {step} needs {len(prompt_ids) + step} cache positions ({len(prompt_ids)} prompt "
-                          f"tokens + {step} decode steps), more than the model's context length "
-                          f"{model.config.max_seq_len}; choose a smaller --step")
+                          f"tokens + {step} decode steps) but the model's context length is "
+                          f"{model.config.max_seq_len}: give a smaller --step")
     rec = Recorder(layers=[layer], stages=["kq_soft_max"], keep_arrays=True)
     if step == 0:             # the prefill alone: no token is chosen (a NaN in later layers cannot stop it)
         check_prompt_fits(model, len(prompt_ids), c.max_seq_len)

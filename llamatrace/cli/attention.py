@@ -13,7 +13,7 @@ import typer
 
 from llamatrace.errors import OptionError
 from llamatrace.cli.app import app, err, plural, stdout
-from llamatrace.cli.options import RunOptions, check_run_options, parse_layers, run_options
+from llamatrace.cli.options import RunOptions, check_run_options, check_steps_fit, parse_layers, run_options
 
 
 @app.command()
@@ -73,6 +73,7 @@ def attention(
         if c.is_recurrent(layers[0]):              # Qwen3.5: no softmax pattern on a DeltaNet layer
             raise OptionError(f"--layer {layers[0]} is a gated DeltaNet layer: it keeps a state, not an attention "
                               f"pattern; its attention layers are {', '.join(map(str, c.attn_layers))}")
+        check_steps_fit("--step", step, c)
         if head is not None and head >= c.n_heads:
             raise OptionError(f"--head {head} is out of range: this model has {c.n_heads} query heads "
                               f"(0-{c.n_heads - 1})")

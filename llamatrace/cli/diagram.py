@@ -14,7 +14,9 @@ import typer
 from llamatrace.errors import OptionError
 from llamatrace.outputs import check_output_path, write_atomic
 from llamatrace.cli.app import app, err, status_spinner
-from llamatrace.cli.options import RunOptions, check_run_options, parse_layers, run_options
+from llamatrace.cli.options import RunOptions, check_run_options, check_steps_fit, parse_layers, run_options
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGE_IDS, model_stage_ids
+from llamatrace.views.diagram.highlight import not_run_reason
 
 
 @app.command()
@@ -100,7 +102,18 @@ def diagram(
         raise OptionError(f"--step must be 0 (prefill) or a decode step number, got {step}")
     check_run_options(ctx_size)
     dg.check_graphviz(fmt)
-    r = run.prepare(lambda c: parse_layers(layer, c.n_layers, one=fmt != "html"), ctx_size)
+    def check(c) -> None:                      # against the model's header, before the load
+        parse_layers(layer, c.n_layers, one=fmt != "html")
+        if fmt == "html":
+            check_steps_fit("--tokens" if tokens > step else "--step", tokens, c, ctx_size)
+        else:
+            check_steps_fit("--step", step, c, ctx_size)
+        if mark is not None and mark.stage_ids and not mark.stage_ids & model_stage_ids(c):
+            stage = STAGE_BY_ID[min(mark.stage_ids, key=STAGE_IDS.index)]
+            why = not_run_reason(stage, c, (parse_layers(layer, c.n_layers) or [0])[0], 2)
+            raise OptionError(f"--highlight {mark.label}: never drawn for this model: {why}")
+
+    r = run.prepare(check, ctx_size)
     m, text, ids, chat = r.model, r.text, r.ids, r.chat
     layers = parse_layers(layer, m.config.n_layers, one=fmt != "html")
     layers = list(range(m.config.n_layers)) if layers is None else layers

@@ -429,6 +429,23 @@ def given_on_command_line(ctx, options: dict[str, str]) -> list[str]:
             if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"]
 
 
+def check_steps_fit(option: str, steps: int, config, ctx_size: int | None = None) -> None:
+    """Refuse, from the model's header (before the load), ``steps`` decode steps that no prompt
+    leaves room for: even one prompt token and ``steps`` steps exceed ``ctx_size`` (default: the
+    model's context). The exact count, with the prompt's tokens, comes once it is tokenized.
+
+    Raises:
+        OptionError: naming ``option`` (``--step``, ``--tokens``) and the limit.
+    """
+    limit = ctx_size or config.max_seq_len
+    if 1 + steps > limit:
+        raise OptionError(f"{option} {steps} needs at least {steps + 1} cache positions (a prompt token + {steps} "
+                          f"decode steps) but " + (f"the model's context length is {config.max_seq_len}: give a "
+                                                   f"smaller {option}" if limit >= config.max_seq_len else
+                                                   f"--ctx-size is {limit}; raise it (at most the model's "
+                                                   f"{config.max_seq_len})"))
+
+
 def remove_leftovers(*outputs: Path | None) -> None:
     """Delete the temporary files a killed run (SIGKILL, power loss) left beside the outputs, and
     say so in one line (:func:`llamatrace.outputs.remove_stale_temp_files`)."""

@@ -120,10 +120,11 @@ def cache_for_steps(model, n_prompt: int, steps: int, ctx_size: int | None, opti
     check_prompt_fits(model, n_prompt, ctx)
     if n_prompt + steps > ctx:
         raise OptionError(f"{option} {steps} needs {n_prompt + steps} cache positions ({n_prompt} prompt tokens "
-                          f"+ {steps} decode steps) but the KV cache holds {ctx}; "
+                          f"+ {steps} decode steps) but "
                           + (f"the model's context length is {model.config.max_seq_len}: give a smaller {option}"
                              if ctx >= model.config.max_seq_len else
-                             f"raise --ctx-size (at most the model's {model.config.max_seq_len})"))
+                             f"the KV cache holds {ctx}; raise --ctx-size (at most the model's "
+                             f"{model.config.max_seq_len})"))
     return ctx
 
 
