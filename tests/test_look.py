@@ -135,6 +135,40 @@ def test_a_long_texts_routes_figure_stays_within_the_size_cap(n_layers, n_tokens
         _pyplot().close(fig)
 
 
+@pytest.mark.parametrize("n_layers, k", [(30, 450), (80, 2000), (2, 3)])
+def test_a_long_prompts_lens_figure_stays_within_the_size_cap(n_layers, k):
+    """lens -k 450 drew a 71,059 x 1,253 px picture (1.05 inch a position)."""
+    from llamatrace.analysis.look import Lens, LensRow
+    from llamatrace.views.plots import DPI, MAX_FIGURE_IN, _pyplot, lens_figure
+
+    rows = [LensRow("embd" if i == 0 else i - 1, p, 7, "x", 0.5, 0, 0.5) for i in range(n_layers + 1) for p in range(k)]
+    lens = Lens(list(range(k)), list(range(k)), 7, np.zeros(9, np.float32), np.zeros((1, 1, 9), np.float32), rows)
+    fig = lens_figure(lens, ["x"] * k, "t")
+    try:
+        width, height = fig.get_size_inches()
+        assert width <= MAX_FIGURE_IN and height <= MAX_FIGURE_IN, (width, height)
+        ax = fig.axes[0]
+        assert len(ax.get_xticks()) <= max(3, width / 0.16) and len(ax.texts) == (0 if k > 30 else (n_layers + 1) * k)
+        if k <= 6:
+            assert width * DPI > 500
+    finally:
+        _pyplot().close(fig)
+
+
+@pytest.mark.parametrize("n_heads, n", [(64, 2000), (16, 5)])
+def test_a_long_prompts_state_figure_stays_within_the_size_cap(n_heads, n):
+    from llamatrace.analysis.look import StateWrites
+    from llamatrace.views.plots import MAX_FIGURE_IN, _pyplot, state_figure
+
+    ones = np.ones((n_heads, n))
+    fig = state_figure(StateWrites(0, ones, ones * 0.5, ones, list(range(n)), 4), ["x"] * n, "t")
+    try:
+        width, height = fig.get_size_inches()
+        assert width <= MAX_FIGURE_IN and height <= MAX_FIGURE_IN, (width, height)
+    finally:
+        _pyplot().close(fig)
+
+
 def test_token_labels_escape_what_the_font_cannot_draw():
     from llamatrace.views.plots import token_label
 

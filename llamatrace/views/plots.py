@@ -171,19 +171,25 @@ def lens_figure(lens: Lens, pieces: list[str], title: str):
     k = len(lens.positions)
     n_rows = len(lens.rows) // k
     probs = np.array([r.top_prob for r in lens.rows]).reshape(n_rows, k)
-    fig, ax = plt.subplots(figsize=(1.3 + 1.05 * k, 0.8 + 0.24 * n_rows), layout="constrained")
-    image = ax.imshow(probs, cmap="magma", vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
-    for idx, r in enumerate(lens.rows):
-        i, j = divmod(idx, k)
-        text = token_label(r.top_piece, width=9)
-        colour = "black" if r.top_prob > 0.55 else "white"
-        weight = "bold" if r.top_id == lens.final_id else "normal"
-        ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color=colour, fontweight=weight)
-    ax.set_xticks(range(k))
-    ax.set_xticklabels([f"{p}: {token_label(pieces[p])}" for p in lens.positions], fontsize=7, rotation=30,
-                       ha="right")
-    ax.set_yticks(range(n_rows))
-    ax.set_yticklabels(["embd"] + [str(i) for i in range(n_rows - 1)], fontsize=6.5)
+    # a cell holds its top piece while it is wide enough; many positions: within the cap, colour only
+    cell_w, cell_h = min(1.05, (MAX_FIGURE_IN - 1.3) / k), min(0.24, (MAX_FIGURE_IN - 0.8) / n_rows)
+    fig, ax = plt.subplots(figsize=(1.3 + cell_w * k, 0.8 + cell_h * n_rows), layout="constrained")
+    image = ax.imshow(probs, cmap="magma", vmin=0.0, vmax=1.0, aspect="auto",
+                      interpolation="nearest" if min(cell_w, cell_h) * DPI >= 1 else "antialiased")
+    if cell_w >= 0.6 and cell_h >= 0.2:
+        for idx, r in enumerate(lens.rows):
+            i, j = divmod(idx, k)
+            text = token_label(r.top_piece, width=9)
+            colour = "black" if r.top_prob > 0.55 else "white"
+            weight = "bold" if r.top_id == lens.final_id else "normal"
+            ax.text(j, i, text, ha="center", va="center", fontsize=6.5, color=colour, fontweight=weight)
+    xt = _ticks(k, limit=max(1, int(cell_w * k / 0.16)))          # a label needs ~0.16 in across
+    ax.set_xticks(xt)
+    ax.set_xticklabels([f"{lens.positions[j]}: {token_label(pieces[lens.positions[j]])}" for j in xt], fontsize=7,
+                       rotation=30, ha="right")
+    yt = _ticks(n_rows, limit=max(1, int(cell_h * n_rows / 0.12)))
+    ax.set_yticks(yt)
+    ax.set_yticklabels(["embd" if i == 0 else str(i - 1) for i in yt], fontsize=6.5)
     ax.set_ylabel("after layer")
     ax.set_xlabel("position: input token")
     ax.tick_params(length=2, pad=1)
@@ -295,20 +301,24 @@ def state_figure(sw, pieces: list[str], title: str):
     panels = ((sw.write, "viridis", None, "written ‖β·k·(v − Sᵀk)‖"),
               (sw.decay, "magma", (0.0, 1.0), "kept exp(gate): 1 = nothing forgotten"),
               (sw.state_norm, "cividis", None, "state norm ‖S‖ after the token"))
-    fig, axes = plt.subplots(3, 1, figsize=(1.6 + 0.42 * n, 1.2 + 3 * (0.5 + 0.22 * n_heads)),
+    # within the size cap however long the prompt: cells shrink, labels thin out
+    cell_w, cell_h = min(0.42, (MAX_FIGURE_IN - 1.6) / n), min(0.22, ((MAX_FIGURE_IN - 1.2) / 3 - 0.5) / n_heads)
+    fig, axes = plt.subplots(3, 1, figsize=(1.6 + cell_w * n, 1.2 + 3 * (0.5 + cell_h * n_heads)),
                              layout="constrained", sharex=True)
+    yt = _ticks(n_heads, limit=max(1, int(cell_h * n_heads / 0.12)))
     for ax, (data, cmap, limits, label) in zip(axes, panels):
         vmin, vmax = limits or (0.0, float(data.max()) or 1.0)
-        image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
-        ax.set_yticks(range(n_heads))
-        ax.set_yticklabels([f"v{h} (k{h % sw.n_k_heads})" for h in range(n_heads)], fontsize=6.5)
+        image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto",
+                          interpolation="nearest" if min(cell_w, cell_h) * DPI >= 1 else "antialiased")
+        ax.set_yticks(yt)
+        ax.set_yticklabels([f"v{h} (k{h % sw.n_k_heads})" for h in yt], fontsize=6.5)
         ax.set_ylabel("value head", fontsize=7)
         bar = fig.colorbar(image, ax=ax, shrink=0.8, pad=0.01)
         bar.set_label(label, fontsize=7)
         bar.ax.tick_params(labelsize=6.5)
-    axes[-1].set_xticks(range(n))
-    axes[-1].set_xticklabels([f"{p}: {token_label(pieces[p])}" for p in range(n)], fontsize=6.5, rotation=45,
-                             ha="right")
+    xt = _ticks(n, limit=max(1, int(cell_w * n / 0.16)))
+    axes[-1].set_xticks(xt)
+    axes[-1].set_xticklabels([f"{p}: {token_label(pieces[p])}" for p in xt], fontsize=6.5, rotation=45, ha="right")
     axes[-1].set_xlabel("position: input token")
     axes[0].set_title(title, fontsize=9)
     return fig
