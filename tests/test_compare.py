@@ -218,7 +218,13 @@ def test_npz_mode_errors(capsys, tmp_path):
                           "no such file")
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
     np.savez(tmp_path / "ok.npz", x=np.zeros(2))
-    assert_one_line_error(*run(capsys, "compare", str(tmp_path / "bad.npz"), str(tmp_path / "ok.npz")), "bad.npz")
+    assert_one_line_error(*run(capsys, "compare", str(tmp_path / "bad.npz"), str(tmp_path / "ok.npz")), "bad.npz",
+                          "not an .npz (zip) archive", "trace --npz")     # not numpy's "load it unsafely" advice
+    np.save(tmp_path / "one.npy", np.zeros(2))
+    (tmp_path / "one.npy").rename(tmp_path / "one.npz")
+    code, out, err = run(capsys, "compare", str(tmp_path / "one.npz"), str(tmp_path / "ok.npz"))
+    assert_one_line_error(code, out, err, "one.npz", "not an .npz (zip) archive")
+    assert "pickle" not in err
     assert_one_line_error(*run(capsys, "compare", str(tmp_path / "ok.npz"), str(tmp_path / "ok.npz")),
                           "'x' is not a stage key")
     assert_one_line_error(*run(capsys, "compare", "a", "b", "c"), "one prompt or two .npz files")
@@ -394,3 +400,12 @@ def test_a_layer_or_stage_selection_that_compares_nothing_is_refused(tmp_path, c
     code, out, err = run(capsys, "compare", rec, rec, "--layer", "0-2", "--stage", "Qcur", "--json")
     assert code == 0, err
     assert {(r["layer"], r["stage"]) for r in json.loads(out)["rows"]} == {(2, "Qcur")}
+
+def test_layer_lists_read_as_ranges():
+    """'the recordings hold layers 0, 1, 2, 3, 4, 5 … 29' hid which layers were there."""
+    from llamatrace.tracing.stages import layer_list
+    assert layer_list(range(30)) == "0-29"
+    assert layer_list([0, 1, 3]) == "0, 1, 3"
+    assert layer_list([0, 2, 3, 4, 5, 9]) == "0, 2-5, 9"
+    assert layer_list([3, 7, 11, 15]) == "3, 7, 11, 15"                    # a hybrid's attention layers
+    assert layer_list(range(0, 48, 2)) == "0, 2, 4, 6, 8, 10 … 46"

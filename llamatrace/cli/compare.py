@@ -211,11 +211,14 @@ def _load_npz(path: Path) -> dict:
     import zipfile
 
     import numpy as np
+    make = f"make one with `llamatrace trace --npz {path.name}`"
     try:
+        if path.is_file() and not zipfile.is_zipfile(path):    # np.load would read it as a pickle or an .npy
+            raise OptionError(f"{path}: not an .npz (zip) archive of arrays; {make}")
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
     except FileNotFoundError:
-        raise OptionError(f"{path}: no such file (make one with `llamatrace trace --npz {path.name}`)") from None
+        raise OptionError(f"{path}: no such file ({make})") from None
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise OptionError(f"{path}: not a readable .npz file ({exc})") from None
 

@@ -678,9 +678,17 @@ def stage_layers(stage_id: str, config, seq_len: int | None = None) -> tuple[int
 
 
 def layer_list(layers) -> str:
-    """``0, 1, 3`` (or ``0, 1, 2, 3, 4, 5 … 22`` when long)."""
-    layers = list(layers)
-    return ", ".join(map(str, layers)) if len(layers) <= 8 else f"{', '.join(map(str, layers[:6]))} … {layers[-1]}"
+    """``0, 1, 3``; runs of three or more as ranges: ``0-29``, ``0, 2-5, 9``; a long list of
+    scattered layers cut: ``0, 2, 4, 6, 8, 10 … 46``."""
+    layers = sorted(set(layers))
+    parts, i = [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        parts += [f"{layers[i]}-{layers[j]}"] if j - i >= 2 else [str(n) for n in layers[i:j + 1]]
+        i = j + 1
+    return ", ".join(parts) if len(parts) <= 8 else f"{', '.join(parts[:6])} … {parts[-1]}"
 
 
 def layer_kind(config, layer: int) -> str:
