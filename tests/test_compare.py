@@ -401,6 +401,7 @@ def test_a_layer_or_stage_selection_that_compares_nothing_is_refused(tmp_path, c
     assert code == 0, err
     assert {(r["layer"], r["stage"]) for r in json.loads(out)["rows"]} == {(2, "Qcur")}
 
+
 def test_layer_lists_read_as_ranges():
     """'the recordings hold layers 0, 1, 2, 3, 4, 5 … 29' hid which layers were there."""
     from llamatrace.tracing.stages import layer_list
