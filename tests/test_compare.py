@@ -188,9 +188,13 @@ def test_npz_mode_reports_missing_keys_and_shapes_as_rows(capsys, tmp_path):
                           "--stage 'ffn_shexp*' matches no stage of", "ours.npz", "ref.npz", "Qcur, ffn_up")
 
 
-def test_npz_mode_refuses_a_model_that_is_not_the_recordings(capsys, tmp_path):
-    """--model of another width: 'internal error: ValueError: matmul … x has shape (1, 576)', exit 1."""
+def test_npz_mode_refuses_a_model_that_is_not_the_recordings(capsys, tmp_path, monkeypatch):
+    """--model of another width: 'internal error: ValueError: matmul … x has shape (1, 576)', exit 1;
+    now refused from its header, before the load."""
     from gguf_factory import write_tiny_llama
+
+    from llamatrace.cli import compare
+    monkeypatch.setattr(compare, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
     model = write_tiny_llama(tmp_path / "tiny.gguf")            # dim 64, 2 layers
     x = np.ones((3, 576), np.float32)
     pair = _npz_pair(tmp_path, {"step0.inp_embd": x, "step0.layer0.attn_norm": x},
@@ -211,6 +215,18 @@ def test_npz_mode_refuses_the_options_of_a_prompt_run(capsys, tmp_path):
                           "--against, --tokens: for a run from a prompt", "leave them out")
     assert_one_line_error(*run(capsys, "compare", *pair, "--raw"), "--raw: for a run from a prompt", "leave it out")
     assert run(capsys, "compare", *pair, "--layer", "0")[0] == 0          # its own options still work
+
+
+def test_recordings_of_prompts_of_different_lengths_are_refused_not_a_divergence(capsys, tmp_path):
+    """Two recordings of a 5- and a 6-token prompt: 'first divergence: step 0, freqs_cis (shapes
+    differ)', exit 3, as if the models differed."""
+    a, b = np.ones((5, 8), np.float32), np.ones((6, 8), np.float32)
+    pair = _npz_pair(tmp_path, {"step0.inp_embd": a, "step0.layer0.l_out": a},
+                     {"step0.inp_embd": b, "step0.layer0.l_out": b})
+    assert_one_line_error(*run(capsys, "compare", *pair), "record prompts of different lengths (5 and 6 tokens",
+                          "same prompt")
+    same = _npz_pair(tmp_path, {"step0.inp_embd": a}, {"step0.inp_embd": a * 2})
+    assert run(capsys, "compare", *same)[0] == 3                 # the same length: a divergence, as before
 
 
 def test_npz_mode_errors(capsys, tmp_path):

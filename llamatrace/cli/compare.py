@@ -22,6 +22,7 @@ from llamatrace.cli.options import (
     given_on_command_line,
     LAYER_HELP,
     load_model,
+    model_file,
     ModelOpt,
     NoCacheOpt,
     parse_layers,
@@ -126,12 +127,18 @@ def compare(
         meta_ours, meta_ref = recording_meta(ours), recording_meta(ref)
         layers = _npz_selection(layer, patterns, args, ours, ref)      # bad keys refused before the load
         # with --model, judge each stage by the error it adds too (recomputed from each side's inputs)
+        _check_same_prompt_length(args, ours, ref)
         m = None
         if model is not None:
-            mode = (meta_ours or {}).get("activations", activations)
-            m = load_model(model, threads, mode if mode in ("f32", "q8") else activations)
+            from llamatrace.gguf.reader import open_gguf
+            from llamatrace.model.config import ModelConfig
+            path_m = model_file(model)
+            with open_gguf(path_m) as f:                 # the header: refused before the load
+                config = ModelConfig.from_gguf(f)
             for path, rec in zip(args, (ours, ref)):
-                _check_fits(m, path, rec)
+                _check_fits(config, path_m.name, path, rec)
+            mode = (meta_ours or {}).get("activations", activations)
+            m = load_model(path_m, threads, mode if mode in ("f32", "q8") else activations)
         try:
             result = compare_arrays(ours, ref, threshold=threshold, layers=layers,
                                     stages=patterns, profile=profile_for(meta_ours, meta_ref), model=m)
@@ -181,13 +188,29 @@ def _stage_patterns(values: list[str] | None) -> list[str] | None:
     return [p.strip() for v in values for p in v.split(",") if p.strip()]
 
 
-def _check_fits(m, path: str, recording: dict) -> None:
-    """OptionError when ``--model`` is not the recording's model: a residual-stream stage of another
-    width, a layer it does not have, or a stage it does not compute there (another architecture of
-    the same size: its stages would be recomputed from arrays of other shapes)."""
+_TOKEN_ROWS = ("inp_embd", "attn_norm", "ffn_inp", "ffn_norm", "l_out")
+"""Stages whose array is ``[n_tokens, dim]``: the residual stream and its norms."""
+
+
+def _check_same_prompt_length(paths: list[str], ours: dict, ref: dict) -> None:
+    """OptionError when the two recordings' prefills ran prompts of different lengths: every
+    stage would differ in shape, which is no divergence of the models."""
+    from llamatrace.analysis.compare import META_KEY, parse_key
+    for key in sorted(ours.keys() & ref.keys() - {META_KEY}):
+        step, _, stage = parse_key(key)
+        a, b = ours[key], ref[key]
+        if step == 0 and stage in _TOKEN_ROWS and a.ndim == b.ndim == 2 and a.shape[0] != b.shape[0]:
+            raise OptionError(f"{paths[0]} and {paths[1]} record prompts of different lengths ({a.shape[0]} and "
+                              f"{b.shape[0]} tokens, {key}); compare two traces of the same prompt")
+
+
+def _check_fits(c, model_name: str, path: str, recording: dict) -> None:
+    """OptionError when ``--model`` (``c``: its ModelConfig) is not the recording's model: a
+    residual-stream stage of another width, a layer it does not have, or a stage it does not
+    compute there (another architecture of the same size: its stages would be recomputed from
+    arrays of other shapes)."""
     from llamatrace.analysis.compare import META_KEY, parse_key
     from llamatrace.tracing.stages import model_stage_ids, stage_layers
-    c = m.config
     computed = model_stage_ids(c)
     advice = "give the model the recording was made with"
     for key, array in recording.items():
@@ -196,14 +219,14 @@ def _check_fits(m, path: str, recording: dict) -> None:
         _, layer, stage = parse_key(key)
         if array.ndim == 0:
             raise OptionError(f"{path}: its {key} is a single number, not a stage's array; {advice}")
-        wide = stage in ("inp_embd", "attn_norm", "ffn_inp", "ffn_norm", "l_out") and array.shape[-1] != c.dim
+        wide = stage in _TOKEN_ROWS and array.shape[-1] != c.dim
         if wide or (layer is not None and layer >= c.n_layers):
             what = f"its {key} is {list(array.shape)}" if wide else f"it has layer {layer}"
-            raise OptionError(f"--model {m.path.name} is not the model of {path}: {what}, the model's dim is "
+            raise OptionError(f"--model {model_name} is not the model of {path}: {what}, the model's dim is "
                               f"{c.dim} in {c.n_layers} layers; {advice}")
         if stage not in computed or (layer is not None and layer not in stage_layers(stage, c)):
             where = "" if stage not in computed else f" at layer {layer}"
-            raise OptionError(f"--model {m.path.name} is not the model of {path}: it holds {stage}{where}, a stage "
+            raise OptionError(f"--model {model_name} is not the model of {path}: it holds {stage}{where}, a stage "
                               f"this model does not compute{where and ' there'}; {advice}")
 
 
