@@ -15,7 +15,7 @@ from llamatrace.errors import OptionError
 from llamatrace.outputs import check_output_path, write_atomic
 from llamatrace.cli.app import app, err, status_spinner
 from llamatrace.cli.options import RunOptions, check_run_options, check_steps_fit, parse_layers, run_options
-from llamatrace.tracing.stages import STAGE_BY_ID, STAGE_IDS, model_stage_ids
+from llamatrace.tracing.stages import STAGE_BY_ID, STAGE_IDS, layer_list, model_stage_ids
 from llamatrace.views.diagram.highlight import not_run_reason
 
 
@@ -126,7 +126,7 @@ def diagram(
                               ctx_size=ctx_size, view=view, step=step)
         write_atomic(output, lambda f: f.write(page), "-o")
         err.print(f"[dim]wrote {output} ({len(page) / 1e6:.1f} MB, steps 0-{tokens}, values of "
-                  f"layer{'s' * (len(layers) > 1)} {layer})[/]", soft_wrap=True)
+                  f"layer{'s' * (len(layers) > 1)} {layer_list(layers)})[/]", soft_wrap=True)
         return
     layer_n = layers[0]
     with status_spinner(f"Tracing {'prefill' if step == 0 else f'decode step {step}'} "

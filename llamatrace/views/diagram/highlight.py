@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from llamatrace.errors import OptionError
 from llamatrace.tracing.stages import (SOFTMAX_ATTENTION_IDS, STAGE_BY_ID, STAGES, Stage, absent_reason,
-                                      layer_list, stage_applies)
+                                      layer_list, stage_applies, unknown_hint)
 
 
 # The book's STAGE diagrams (ch. 20), by number. Catalogue stages carry their number in
@@ -64,8 +64,8 @@ def resolve_highlight(value: str) -> Highlight:
     if text.isdecimal():
         number = int(text)
         if number not in BOOK_STAGES:
-            raise OptionError(f"--highlight {value}: the book's STAGE numbers run 1-19; "
-                              f"or give a stage id ({', '.join(STAGE_BY_ID)})")
+            raise OptionError(f"--highlight {value}: the book's STAGE numbers run 1-19; or give a stage id "
+                              f"(`llamatrace stages -m MODEL` lists those of a model)")
         label = f"STAGE {number}: {BOOK_STAGES[number]}"
         ids = frozenset(s.id for s in STAGES if s.book_stage == number)
         if number in (1, 2):
@@ -85,8 +85,8 @@ def resolve_highlight(value: str) -> Highlight:
         stage = STAGE_BY_ID[text]
         return Highlight(f"{stage.id} ({stage.op}, STAGE {stage.book_stage})", stage_ids=frozenset({text}),
                          model_only=stage.level == "model" and text not in BLOCK_INPUT_STAGES)
-    raise OptionError(f"--highlight {value!r}: give a book STAGE number 1-19 or a stage id "
-                      f"({', '.join(STAGE_BY_ID)})")
+    raise OptionError(f"--highlight {value!r}: give a book STAGE number 1-19 or a stage id"
+                      + unknown_hint(text, list(STAGE_BY_ID)))
 
 
 def _block_input_stages() -> frozenset[str]:
