@@ -215,16 +215,22 @@ def replace_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())      # the data on disk before the name points at it
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)            # mkstemp makes 0600
-        check_interrupt()     # a Ctrl-C lost in a finalizer while writing: the old file stays
-        os.replace(tmp, path)
+        _give_name(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     _fsync_dir(parent)
+
+
+def _give_name(tmp: str, path: Path) -> None:
+    """Rename the finished temporary file ``tmp`` over ``path``, with the usual mode (``0o666`` less
+    the umask; mkstemp makes 0600), unless a Ctrl-C came while writing: then KeyboardInterrupt."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    check_interrupt()     # a Ctrl-C lost in a finalizer while writing: the old file stays
+    os.replace(tmp, path)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -312,10 +318,7 @@ class OutputStream:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(self._tmp, 0o666 & ~umask)            # mkstemp makes 0600
-            os.replace(self._tmp, self.path)
+            _give_name(self._tmp, self.path)
         except OSError as exc:
             raise OutputError(f"{_where(self.option, self.path)}: cannot write it ({exc.strerror or exc})") from None
         self._tmp = None
