@@ -191,6 +191,14 @@ def test_bad_hooks(corpus, tmp_path, capsys, hook, needles):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize("size", ["0", "-1", "nan", "inf"])
+def test_a_shard_size_that_is_no_size(corpus, tmp_path, capsys, size):
+    """--shard-mb inf or nan was an internal error (float NaN to integer) that left -o behind."""
+    assert_one_line_error(*run(capsys, "collect", "-f", corpus, *HOOKS, "--shard-mb", size, "-o", tmp_path / "a"),
+                          "--shard-mb must be a positive number of MB")
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_foreign_or_unwritable_output_directory(corpus, tmp_path, capsys):
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
@@ -210,6 +218,12 @@ def test_a_damaged_shard_or_other_settings_on_resume(reference, corpus, tmp_path
     shutil.copytree(reference, out)
     assert_one_line_error(*run(capsys, "collect", "-f", corpus, *HOOKS, "--dtype", "float32", "--shard-mb", "4",
                                "-o", out), "other settings", "dtype")
+    # another version's collection: said as such, not "other settings … delete that one"
+    manifest = json.loads((out / ".manifest.json").read_text())
+    (out / ".manifest.json").write_text(json.dumps({**manifest, "llamatrace_version": "0.0.9"}))
+    assert_one_line_error(*run(capsys, "collect", "-f", corpus, *HOOKS, "-o", out),
+                          "made by llamatrace 0.0.9", "finish it with that version, or give a new -o directory")
+    (out / ".manifest.json").write_text(json.dumps(manifest))
     # a damaged or missing shard is made again with the ones after it (the kept shards are a prefix):
     # the run used to refuse, and deleting the shard as told got the same refusal again
     n = len(list((out / "data").glob("shard-*.parquet")))

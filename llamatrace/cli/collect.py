@@ -4,6 +4,7 @@ the work is in :mod:`llamatrace.corpus.collect`."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Annotated, List
@@ -82,8 +83,8 @@ def collect(
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if ctx_size < 2:
         raise OptionError(f"--ctx-size must be at least 2, got {ctx_size}")
-    if shard_mb <= 0:
-        raise OptionError(f"--shard-mb must be positive, got {shard_mb}")
+    if not 0 < shard_mb < math.inf:                    # nan and inf too: no shard size
+        raise OptionError(f"--shard-mb must be a positive number of MB, got {shard_mb}")
     if workers < 1:
         raise OptionError(f"--workers must be a positive integer, got {workers}")
     try:

@@ -378,6 +378,10 @@ def resume(c: Collection) -> list[dict]:
     except (OSError, ValueError) as exc:
         raise OutputError(f"{path}: not a readable manifest ({exc}); give a new -o directory") from None
     new = c.settings()
+    if old.get("llamatrace_version") != __version__:    # a kernel's fix may move the last bits: no mixing
+        raise OutputError(f"-o {str(c.out)!r} holds a collection made by llamatrace "
+                          f"{old.get('llamatrace_version')}, this is {__version__}: their shards may differ in the "
+                          f"last bits; finish it with that version, or give a new -o directory")
     for key, value in new.items():
         if old.get(key) != value:
             where, then, now = _difference(key, old.get(key), value)
