@@ -137,6 +137,28 @@ corpus.score_chunk = hold_in_chunk_2
 """
 
 
+HOLD_IN_A_KLD_CHUNK = """
+import llamatrace.corpus.perplexity as corpus
+score_chunk = corpus.score_chunk
+def hold_in_kld(model, job):
+    if job.mode == "kld":
+        hold()
+    return score_chunk(model, job)
+corpus.score_chunk = hold_in_kld
+"""
+
+
+def test_ctrl_c_after_the_base_pass_says_the_saved_base_is_complete(tiny_model_path, tmp_path):
+    """It said 'nothing written' while --save-base's file was whole (and had replaced an old one)."""
+    saved = tmp_path / "b.base"
+    proc = _start(HOLD_IN_A_KLD_CHUNK, ["perplexity", "-f", CORPUS, "-m", tiny_model_path, "-c", "32",
+                                        "--base", tiny_model_path, "--save-base", saved])
+    code, out, err = _interrupt_when_held(proc)
+    _assert_interrupted(code, err, f"interrupted: the base file {saved} is complete (reuse it: --base {saved}); "
+                                   f"nothing else written")
+    assert saved.is_file()
+
+
 def test_a_ctrl_c_lost_in_a_finalizer_still_stops_perplexity(tiny_model_path):
     proc = _start(LOST_IN_A_FINALIZER, ["perplexity", "-f", CORPUS, "-m", tiny_model_path, "-c", "32"])
     out, err = proc.communicate(timeout=300)

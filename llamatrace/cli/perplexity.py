@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
@@ -108,12 +109,16 @@ def perplexity(
                 bar.update(i, ppl)
             yield on_chunk
 
+    started = time.time()
     try:
         result = execute(run, m, progress)
     except KeyboardInterrupt:
         if values_shown:
             out.print()
-        err.print("[yellow]interrupted[/]: nothing written")
+        saved = save_base is not None and save_base.is_file() and save_base.stat().st_mtime >= started - 1
+        err.print("[yellow]interrupted[/]: " + (f"the base file {save_base} is complete (reuse it: --base "
+                                                f"{save_base}); nothing else written" if saved else "nothing written"),
+                  soft_wrap=True)
         exit_interrupted()
     except Exception:
         if values_shown:
