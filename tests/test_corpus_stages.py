@@ -111,9 +111,14 @@ def test_stages_cli_prints_the_table_and_draws_the_plot(capsys, tiny_pair, tmp_p
     assert a["count"] == 3 * 15 and got["mean_kld"] > 0
 
 
-def test_stages_options_are_checked_before_any_compute(capsys, tiny_pair, tmp_path):
+def test_stages_options_are_checked_before_any_compute(capsys, tiny_pair, tmp_path, monkeypatch):
     base, quant = tiny_pair
+    from llamatrace.cli import perplexity
+    monkeypatch.setattr(perplexity, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    text = tmp_path.parent / "not-a-model.txt"            # outside tmp_path: that must stay empty
+    text.write_text("Hello there")
     for extra, needle in ((["--stages"], "--stages needs --base"),
+                          (["--base", str(text)], f"--base '{text}' is neither a GGUF model nor a base file"),
                           (["--base", str(base), "-o", str(tmp_path / "x.png")], "add --stages"),
                           (["--base", str(base), "--stages", "-o", str(tmp_path / "x.txt")], "'.txt' is not an image format")):
         code = main(["perplexity", "-f", str(CORPUS), "-c", "32", "--model", str(quant), *extra])

@@ -65,6 +65,11 @@ class CorpusRun:
             raise OptionError("--save-base needs --base BASE.gguf (the model whose log-probabilities are kept)")
         if self.stages and (self.base is None or self.base_is_file or self.save_base is not None):
             raise OptionError("--stages needs --base BASE.gguf (both models run on every chunk) and no --save-base")
+        if self.base is not None and not self.base_is_file and Path(self.base).is_file():
+            with open(self.base, "rb") as f:              # before the model loads: its error named no option
+                if f.read(4) != b"GGUF":
+                    raise OptionError(f"--base {str(self.base)!r} is neither a GGUF model nor a base file "
+                                      f"(--save-base makes one)")
 
 
 @dataclass
