@@ -11,9 +11,10 @@ from typing import Annotated, List
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, plural, status_bar, stdout
+from llamatrace.cli.app import app, err, exit_interrupted, plural, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
                                      check_activations, check_threads, default_activations, load_model, model_file, reads)
+from llamatrace.cli.progress import CountBar
 from llamatrace.errors import OptionError
 
 
@@ -111,15 +112,23 @@ def collect(
     total = c.n_sequences * ctx_size
     done_before = sum(s["rows"] for s in c.shards)
     m = load_model(path, threads, activations) if here and len(c.shards) < c.n_shards else None
-    with _Bar(total, done_before) as bar:
-        try:
-            execute(c, tokens, m, bar.advance)
-        except KeyboardInterrupt:
-            if len(c.shards) < c.n_shards or not manifest_lists_all(c):   # else Ctrl-C came as Ray shut down: done
-                bar.stop()
-                err.print(f"[yellow]interrupted[/]: {len(c.shards)} of {plural(c.n_shards, 'shard')} complete in "
-                          f"{output}; run the same command again to continue")
-                exit_interrupted()
+    collected = [done_before]
+    try:
+        # a bar on a terminal; in a log, a status line now and then (CountBar)
+        with CountBar(f"collect {path.name}", "tokens", "collected", parallel=workers, detail=True) as bar:
+            bar.update(done_before, total)
+            t_made = time.perf_counter()
+
+            def advance(n: int) -> None:
+                collected[0] += n
+                rate = (collected[0] - done_before) / max(time.perf_counter() - t_made, 1e-9)
+                bar.update(collected[0], total, f"{rate:.0f} tok/s")
+            execute(c, tokens, m, advance)
+    except KeyboardInterrupt:
+        if len(c.shards) < c.n_shards or not manifest_lists_all(c):   # else Ctrl-C came as Ray shut down: done
+            err.print(f"[yellow]interrupted[/]: {len(c.shards)} of {plural(c.n_shards, 'shard')} complete in "
+                      f"{output}; run the same command again to continue")
+            exit_interrupted()
     seconds = time.perf_counter() - t0
     made = total - done_before
     size = sum((output / "data" / s["file"]).stat().st_size for s in c.shards)
@@ -132,29 +141,3 @@ def collect(
     rate = f": {made / seconds:.0f} tokens/s" if made else " (already complete)"
     err.print(f"[dim]{plural(total, 'token')} × {plural(len(hooks), 'hook')} in {plural(c.n_shards, 'shard')} "
               f"({size / 1e6:.1f} MB) in {output}, {seconds:.1f} s{rate} ({activations})[/]")
-
-
-class _Bar:
-    """A rich progress bar on stderr: tokens done, tokens/s, the time left."""
-
-    def __init__(self, total: int, done: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
-        self.progress = status_bar(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                                   TaskProgressColumn(), TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
-        self.task = self.progress.add_task("collect", total=total, completed=done, rate="")
-        self.t0, self.made = time.perf_counter(), 0
-
-    def advance(self, n: int) -> None:
-        self.made += n
-        rate = self.made / max(time.perf_counter() - self.t0, 1e-9)
-        self.progress.update(self.task, advance=n, rate=f"{rate:.0f} tok/s")
-
-    def stop(self) -> None:
-        self.progress.stop()
-
-    def __enter__(self) -> "_Bar":
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.progress.stop()

@@ -11,9 +11,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from llamatrace.cli.app import app, err, exit_interrupted, out, plural, status_bar, stdout
+from llamatrace.cli.app import app, err, exit_interrupted, out, plural, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
                                      check_activations, check_threads, default_activations, load_model, model_file, reads)
+from llamatrace.cli.progress import CountBar
 from llamatrace.errors import OptionError
 
 
@@ -100,13 +101,15 @@ def perplexity(
 
     @contextmanager
     def progress(name: str, total: int, main: bool):
-        with _Bar(total, name) as bar:
+        # a bar on a terminal; in a log, a status line now and then (CountBar)
+        with CountBar(name, "chunks", f"{name}: evaluated", parallel=workers, detail=True) as bar:
+            bar.update(0, total, "PPL …")
             def on_chunk(i: int, ppl: float) -> None:
                 if main and not json_out:       # llama.cpp's running values, as they come
                     out.print(f"[{i + 1}]{ppl:.4f},", end="", markup=False)
                     stdout.flush()
                     values_shown.append(i)
-                bar.update(i, ppl)
+                bar.update(i + 1, total, f"PPL {ppl:.4f}")
             yield on_chunk
 
     started = time.time()
@@ -216,23 +219,3 @@ def _print_experts(x) -> None:
               markup=False)
     for layer, (count, rerouted) in enumerate(zip(x.count.sum(1), x.rerouted.sum(1))):
         out.print(f"{layer:>5}  {1 - rerouted / max(count, 1):10.2%}", markup=False)
-
-
-class _Bar:
-    """A rich progress bar on stderr: chunks done, the running PPL, the time left."""
-
-    def __init__(self, total: int, name: str) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-        self.progress = status_bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                   TextColumn("PPL {task.fields[ppl]}"), TimeRemainingColumn())
-        self.task = self.progress.add_task(name, total=total, ppl="…")
-
-    def update(self, i: int, ppl: float) -> None:
-        self.progress.update(self.task, completed=i + 1, ppl=f"{ppl:.4f}")
-
-    def __enter__(self) -> "_Bar":
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.progress.stop()

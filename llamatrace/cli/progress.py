@@ -1,5 +1,5 @@
 """Progress of a long job counted in units (the matrices ``quantize -f`` measures, the chunks
-``imatrix`` and ``expert-load`` run): a bar on a terminal, and in a log or a pipe, where no bar
+``imatrix``, ``expert-load`` and ``perplexity`` run, the tokens ``collect`` makes): a bar on a terminal, and in a log or a pipe, where no bar
 is drawn, a status line now and then (:class:`CountBar`). Both are status lines
 (:mod:`llamatrace.cli.app`): ``--quiet`` turns them off."""
 
@@ -36,14 +36,16 @@ class CountBar:
 
     LOG_EVERY_S = 30.0
 
-    def __init__(self, title: str, unit: str, verb: str, parallel: int = 1) -> None:
+    def __init__(self, title: str, unit: str, verb: str, parallel: int = 1, detail: bool = False) -> None:
         """``title`` heads the bar (``Measuring base.gguf``), ``unit`` follows the count
         (``matrices``), ``verb`` starts a log line (``measured``); ``parallel``: the workers the
-        units are made by."""
+        units are made by; ``detail``: a column for :meth:`update`'s ``detail`` (``PPL 12.3``),
+        which the log lines end with too."""
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        extra = [TextColumn("{task.fields[detail]}", markup=False)] if detail else []
         self.progress = status_bar(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
-                                   TextColumn(unit, markup=False), TimeElapsedColumn(), TimeRemainingColumn())
-        self.title, self.unit, self.verb = title, unit, verb
+                                   TextColumn(unit, markup=False), *extra, TimeElapsedColumn(), TimeRemainingColumn())
+        self.title, self.unit, self.verb, self.detail = title, unit, verb, detail
         self.lines = not quiet() and not err.is_terminal
         self.task = None
         self.done = self.total = self.ran = 0
@@ -51,24 +53,26 @@ class CountBar:
         self.parallel = max(1, parallel)
         self.first: tuple[float, int] | None = None      # (when, ran) once each worker's first unit is done
 
-    def update(self, done: int, total: int) -> None:
-        """``done`` of ``total`` units are done (a ``progress(done, total)`` callback)."""
+    def update(self, done: int, total: int, detail: str = "") -> None:
+        """``done`` of ``total`` units are done (a ``progress(done, total)`` callback); ``detail``:
+        what the bar's detail column shows now."""
         now = time.perf_counter()
+        fields = {"detail": detail} if self.detail else {}
         if self.task is None:
-            self.task = self.progress.add_task(self.title, total=total, completed=done)
+            self.task = self.progress.add_task(self.title, total=total, completed=done, **fields)
             self.t0 = self.last_line = now
         else:
             self.ran += done - self.done
             if self.first is None and self.ran >= min(self.parallel, total - done + self.ran):
                 self.first = (now, self.ran)
-            self.progress.update(self.task, completed=done)
+            self.progress.update(self.task, completed=done, **fields)
             tenth = total > 0 and done * 10 // total > self.done * 10 // total
             if self.lines and self.ran > 0 and done < total and (tenth or now - self.last_line >= self.LOG_EVERY_S):
                 since, ran_then = self.first or (now, self.ran)
                 left = f", about {clock((now - since) / (self.ran - ran_then) * (total - done))} left" \
                     if self.ran > ran_then else ""
                 status(f"{self.verb} {done} of {total} {self.unit} ({100 * done // total} %) "
-                       f"in {clock(now - self.t0)}{left}")
+                       f"in {clock(now - self.t0)}{left}" + (f" · {detail}" if detail else ""))
                 self.last_line = now
         self.done, self.total = done, total
 
