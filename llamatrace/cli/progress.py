@@ -1,7 +1,7 @@
 """Progress of a long job counted in units (the matrices ``quantize -f`` measures, the chunks
-``imatrix``, ``expert-load`` and ``perplexity`` run, the tokens ``collect`` makes): a bar on a terminal, and in a log or a pipe, where no bar
-is drawn, a status line now and then (:class:`CountBar`). Both are status lines
-(:mod:`llamatrace.cli.app`): ``--quiet`` turns them off."""
+``imatrix``, ``expert-load`` and ``perplexity`` run, the tokens ``collect`` makes): a bar on a
+terminal, and in a log or a pipe, where no bar is drawn, a status line now and then
+(:class:`CountBar`). Both are status lines (:mod:`llamatrace.cli.app`): ``--quiet`` turns them off."""
 
 from __future__ import annotations
 
