@@ -187,7 +187,8 @@ def test_a_highlight_that_did_not_run_says_why_from_the_catalogue(tiny_model_pat
     out = tmp_path / "x.dot"
     assert run(path, "--view", "block", *args, "-o", str(out)) == 2
     line = error_line(capsys)
-    where = ": not drawn at layer 0, step " if "--step" in args else ": never drawn for this model: "   # the header says
+    # a stage the model never computes is refused from its header; one absent at this step, after the trace
+    where = ": not drawn at layer 0, step " if "--step" in args else ": never drawn for this model: "
     assert line.startswith(f"error: --highlight {args[1]} (") and where in line, line
     for words in says:
         assert words in line, line

@@ -286,7 +286,8 @@ def _run(m, text_in: str, ids: list[int], load_s: float, *, tokens: int, layers,
     if run_stats.decode_steps < tokens:
         full = run_stats.ctx_size >= m.config.max_seq_len
         raise_it = "the model's own limit" if full else f"raise --ctx-size, at most the model's {m.config.max_seq_len}"
-        why = "end of text" if run_stats.stop_reason == "eos" else f"the context is full ({run_stats.ctx_size} tokens; {raise_it})"
+        why = ("end of text" if run_stats.stop_reason == "eos" else
+               f"the context is full ({run_stats.ctx_size} tokens; {raise_it})")
         err.print(f"[yellow]note:[/] stopped after {plural(run_stats.decode_steps, 'decode step')}: {why}")
     if tokens:
         traced = generated[:run_stats.decode_steps]
