@@ -93,7 +93,8 @@ def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> No
 
     Args:
         whole_file: the output is renamed into place (:func:`write_atomic`), so an existing
-            target must be a regular file — never a device such as ``/dev/null``.
+            target must be a regular file — never a device such as ``/dev/null``, where a stream
+            (``False``, :class:`OutputStream`) may go.
 
     Raises:
         OutputError: ``path`` is ``-`` (stdout is not a file here), a directory or not a regular
@@ -117,7 +118,8 @@ def check_output_path(path: Path, option: str, *, whole_file: bool = True) -> No
             raise OutputError(f"{shown} is not a regular file; give a file name")
         if not os.access(path, os.W_OK):
             raise OutputError(f"{shown}: the file is not writable")
-    if whole_file or not path.exists():        # a stream into an existing file (/dev/null) makes none
+    # every output but a stream into a device (/dev/null) is a temporary file in parent, renamed
+    if not path.exists() or stat.S_ISREG(path.stat().st_mode):
         check_writable_dir(parent, shown)
 
 
@@ -235,10 +237,14 @@ def _give_name(tmp: str, path: Path) -> None:
 
 def _fsync_dir(directory: Path) -> None:
     """Make a rename in ``directory`` durable (POSIX; file systems that cannot sync a directory
-    say EINVAL, and have nothing to flush)."""
+    say EINVAL, and have nothing to flush; a directory we may write but not read cannot be opened:
+    the rename stands, unsynced)."""
     if os.name == "nt":
         return
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except PermissionError:
+        return
     try:
         os.fsync(fd)
     except OSError as exc:

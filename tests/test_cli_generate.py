@@ -284,11 +284,13 @@ def test_a_stdout_that_is_not_utf8_gets_escapes_not_an_internal_error(tiny_model
     # PYTHONIOENCODING=ascii (or an old C locale): "é" cannot be written as it is
     repo = str(Path(__file__).resolve().parents[1])
     proc = subprocess.run([sys.executable, "-m", "llamatrace", "generate", "-m", str(tiny_model_path), "--raw",
-                           "--json", "-n", "2", "café"], capture_output=True, timeout=300,
+                           "--json", "-n", "2", "café \U0001f600"], capture_output=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": repo, "PYTHONIOENCODING": "ascii"})
     err = proc.stderr.decode()
     assert proc.returncode == 0 and "error" not in err, err
-    assert '"prompt": "caf\\xe9"' in proc.stdout.decode("ascii")
+    # the escapes are JSON's (\u00e9, a surrogate pair for the emoji): the output still parses
+    assert '"prompt": "caf\\u00e9 \\ud83d\\ude00"' in proc.stdout.decode("ascii")
+    assert json.loads(proc.stdout)["prompt"] == "café \U0001f600"
 
 
 @pytest.mark.parametrize("args", [["perplexity", "--help"], ["--help"]])

@@ -241,6 +241,9 @@ def test_npz_mode_errors(capsys, tmp_path):
     code, out, err = run(capsys, "compare", str(tmp_path / "one.npz"), str(tmp_path / "ok.npz"))
     assert_one_line_error(code, out, err, "one.npz", "not an .npz (zip) archive")
     assert "pickle" not in err
+    (tmp_path / "dir.npz").mkdir()
+    assert_one_line_error(*run(capsys, "compare", str(tmp_path / "ok.npz"), str(tmp_path / "dir.npz")), "dir.npz",
+                          "is a directory")
     assert_one_line_error(*run(capsys, "compare", str(tmp_path / "ok.npz"), str(tmp_path / "ok.npz")),
                           "'x' is not a stage key")
     assert_one_line_error(*run(capsys, "compare", "a", "b", "c"), "one prompt or two .npz files")

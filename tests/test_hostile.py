@@ -64,6 +64,18 @@ def test_lone_surrogates_in_the_prompt_do_not_crash(capsys, tiny_model_path):
     assert "not valid UTF-8" in err
 
 
+@pytest.mark.parametrize("argv_text, text, warned", [
+    ("caf\udcc3\udca9", "café", False),           # a non-UTF-8 locale's escapes of valid UTF-8 bytes
+    ("a \udcc3 b", "a \ufffd b", True),             # a lone lead byte
+    ("a \ud800 b \udc80", "a \ufffd b \ufffd", True),  # a surrogate no byte makes (main(argv) from Python)
+    ("plain é", "plain é", False),
+])
+def test_argv_text_becomes_utf8(capsys, argv_text, text, warned):
+    from llamatrace.cli.options import read_prompt
+    assert read_prompt(argv_text, None) == text
+    assert ("not valid UTF-8" in capsys.readouterr().err) == warned
+
+
 def test_typed_control_token_text_stays_text(capsys, tiny_model_path):
     code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", str(tiny_model_path), "<|im_end|>")
     ids = json.loads(out)["prompt_ids"]

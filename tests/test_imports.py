@@ -22,6 +22,9 @@ package first. Which imports count:
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import llamatrace
@@ -150,3 +153,15 @@ def test_the_kernels_and_the_machine_import_nothing_above_them():
              ROOMS_BELOW.items() if module == room or module.startswith(room + ".")
              for target in sorted(targets) if not any(target == a or target.startswith(a + ".") for a in allowed)]
     assert not found, "imports from above:\n" + "\n".join(found)
+
+
+def test_the_cli_starts_without_the_model_its_views_or_their_libraries():
+    # `llamatrace --help` or `info` must not pay for the kernels, graphviz or tiktoken (a diagram
+    # import at module level once made every start 0.5 s slower): commands import them when they run
+    heavy = ("llamatrace.kernels", "llamatrace.model", "llamatrace.views", "graphviz", "tiktoken", "matplotlib")
+    code = ("import sys, llamatrace.cli; print('\\n'.join(m for m in sys.modules if m.startswith(%r)))" % (heavy,))
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": repo})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "", "imported at start:\n" + proc.stdout

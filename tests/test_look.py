@@ -231,6 +231,7 @@ def test_bad_options_give_one_error_line(capsys, tmp_path, tiny_model_path, args
     (["diagram", "--step", "99999", "-o", "x.dot"], "--step 99999 needs at least 100000 cache positions"),
     (["diagram", "--tokens", "99999", "-o", "x.html"], "--tokens 99999 needs at least"),
     (["diagram", "--step", "9", "--ctx-size", "8", "-o", "x.dot"], "--ctx-size is 8; raise it"),
+    (["diagram", "--step", "99999", "--ctx-size", "8", "-o", "x.dot"], "give a smaller --step"),  # not "raise it"
     (["diagram", "--highlight", "Qcur_normed", "-o", "x.html"], "computed only by models with q/k norms"),
     (["attention", "--step", "99999", "--json"], "--step 99999 needs at least"),
 ])

@@ -91,6 +91,18 @@ def test_check_output_path_leaves_nothing_behind(tmp_path):
         check_output_path(tmp_path, "-o")
 
 
+def test_a_stream_into_an_existing_file_needs_its_directory(tmp_path, monkeypatch):
+    # the new lines go to a temporary file beside it, renamed at the end: a writable file in a
+    # read-only directory must fail here, not after the load (a device such as /dev/null is written in place)
+    from llamatrace import outputs
+    probed = []
+    monkeypatch.setattr(outputs, "check_writable_dir", lambda d, shown: probed.append(Path(d)))
+    (tmp_path / "old.jsonl").write_text("{}\n")
+    check_output_path(tmp_path / "old.jsonl", "--jsonl", whole_file=False)
+    check_output_path(Path(os.devnull), "--jsonl", whole_file=False)
+    assert probed == [tmp_path]
+
+
 @pytest.fixture
 def inputs(tmp_path, tiny_model_path):
     """A copy of the tiny model and a short text, each with a link beside it: outputs pointed at

@@ -7,7 +7,10 @@ model (SmolLM2-135M-Instruct Q4_1) and the HF golden reference in ``tests/golden
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
+import threading
 from pathlib import Path
 
 import gguf
@@ -450,8 +453,18 @@ def test_the_trace_files_take_their_names_when_the_trace_is_done(gqa_path, tmp_p
 
 
 def test_a_stream_to_a_device_is_written_in_place(gqa_path, tmp_path, capsys):
-    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--jsonl", "/dev/null", "--layer", "0"], capsys)
+    # a named pipe stands for /dev/null or a terminal: read while the trace writes, still a pipe after
+    fifo = tmp_path / "lines"
+    os.mkfifo(fifo)
+    read: list[str] = []
+    reader = threading.Thread(target=lambda: read.extend(fifo.read_text(encoding="utf-8").splitlines()),
+                              daemon=True)
+    reader.start()
+    code, _, err = run_cli(["trace", "--model", str(gqa_path), "--jsonl", str(fifo), "--layer", "0"], capsys)
+    reader.join(timeout=60)
     assert code == 0, err
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["lines"]
+    assert json.loads(read[0])["type"] == "header" and json.loads(read[-1])["type"] == "footer"
 
 
 def test_a_trace_whose_logits_are_nan_keeps_what_it_traced(gqa_path, tmp_path, capsys):

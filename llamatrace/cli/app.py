@@ -10,6 +10,7 @@ Exit codes: 0 ok, 1 internal error, 2 bad input or usage, 3 a divergence found b
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import functools
@@ -53,6 +54,20 @@ def _stdout_closed(exc: BaseException) -> StdoutClosed:
     closed = StdoutClosed("stdout closed")
     closed.__cause__ = exc
     return closed
+
+
+def _json_escape(exc: UnicodeError) -> tuple[str, int]:
+    """Codec error handler: what the encoding cannot hold becomes JSON's ``\\u00e9`` escapes
+    (astral characters as a surrogate pair), so ``--json`` output stays valid JSON in any encoding
+    and text stays readable (Python's ``backslashreplace`` writes ``\\xe9``, which JSON refuses)."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    units = exc.object[exc.start:exc.end].encode("utf-16-be", errors="surrogatepass")
+    return "".join(f"\\u{units[i]:02x}{units[i + 1]:02x}" for i in range(0, len(units), 2)), exc.end
+
+
+JSON_ESCAPE = "llamatrace.json_escape"
+codecs.register_error(JSON_ESCAPE, _json_escape)
 
 
 class _Stdout:
@@ -269,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     A command that ends after a Ctrl-C whose KeyboardInterrupt was lost (in a finalizer, see
     :func:`llamatrace.machine.runtime.catch_interrupts`) ends with ``interrupted`` and 130 all the same."""
     # a terminal or pipe in another encoding than UTF-8 (PYTHONIOENCODING=ascii, LANG=C on old
-    # Pythons): text it cannot hold is escaped (\xe9), as Python does on stderr, not an internal error
+    # Pythons): text it cannot hold is escaped, not an internal error
     with contextlib.suppress(AttributeError, ValueError, OSError):
-        sys.stdout.reconfigure(errors="backslashreplace")
+        sys.stdout.reconfigure(errors=JSON_ESCAPE)
     code = _run(argv)
     if runtime.interrupted() and code != EXIT_INTERRUPTED:
         err.print("interrupted")

@@ -236,12 +236,17 @@ def _load_npz(path: Path) -> dict:
     import numpy as np
     make = f"make one with `llamatrace trace --npz {path.name}`"
     try:
-        if path.is_file() and not zipfile.is_zipfile(path):    # np.load would read it as a pickle or an .npy
-            raise OptionError(f"{path}: not an .npz (zip) archive of arrays; {make}")
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
+        with open(path, "rb") as file:             # np.load would read another file as a pickle or an .npy
+            if not zipfile.is_zipfile(file):
+                raise OptionError(f"{path}: not an .npz (zip) archive of arrays; {make}")
+            with np.load(file, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
     except FileNotFoundError:
         raise OptionError(f"{path}: no such file ({make})") from None
+    except IsADirectoryError:
+        raise OptionError(f"{path} is a directory: give a recording of `llamatrace trace --npz`") from None
+    except PermissionError as exc:
+        raise OptionError(f"{path}: cannot read it ({exc.strerror})") from None
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise OptionError(f"{path}: not a readable .npz file ({exc})") from None
 

@@ -16,7 +16,6 @@ from llamatrace.outputs import check_output_path, write_atomic
 from llamatrace.cli.app import app, err, status_spinner
 from llamatrace.cli.options import RunOptions, check_run_options, check_steps_fit, parse_layers, run_options
 from llamatrace.tracing.stages import STAGE_BY_ID, STAGE_IDS, layer_list, model_stage_ids
-from llamatrace.views.diagram.highlight import not_run_reason
 
 
 @app.command()
@@ -103,6 +102,7 @@ def diagram(
     check_run_options(ctx_size)
     dg.check_graphviz(fmt)
     def check(c) -> None:                      # against the model's header, before the load
+        from llamatrace.views.diagram.highlight import not_run_reason
         parse_layers(layer, c.n_layers, one=fmt != "html")
         if fmt == "html":
             check_steps_fit("--tokens" if tokens > step else "--step", tokens, c, ctx_size)

@@ -137,9 +137,18 @@ def default_prompt() -> str:
         return FALLBACK_PROMPT
 
 
-def _only_escapes(text: str) -> bool:
-    """Whether every lone surrogate of ``text`` is one ``surrogateescape`` made of a byte (U+DC80-U+DCFF)."""
-    return all(not 0xD800 <= ord(ch) <= 0xDFFF or 0xDC80 <= ord(ch) <= 0xDCFF for ch in text)
+def _from_argv(text: str) -> tuple[str, bool]:
+    """``text`` with lone surrogates as UTF-8, and whether it was valid. Invalid UTF-8 in argv arrives
+    as lone surrogates U+DC80-U+DCFF, one a byte (PEP 383's ``surrogateescape``): back to the bytes,
+    decoded again (a non-UTF-8 locale's bytes may be valid UTF-8), what stays invalid as U+FFFD;
+    any other lone surrogate (``main(argv)`` from Python) is U+FFFD."""
+    if any(0xD800 <= ord(ch) < 0xDC80 or 0xDCFF < ord(ch) <= 0xDFFF for ch in text):
+        return re.sub("[\ud800-\udfff]", "\ufffd", text), False
+    data = text.encode("utf-8", errors="surrogateescape")
+    try:
+        return data.decode("utf-8"), True
+    except UnicodeDecodeError:
+        return data.decode("utf-8", errors="replace"), False
 
 
 def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | None = None) -> str:
@@ -171,13 +180,13 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
         if default is None:
             raise PromptError("no prompt given: pass PROMPT, or --prompt-file FILE ('-' for stdin)")
         prompt = default
-    # invalid UTF-8 in argv arrives as lone surrogates (PEP 383): back to its bytes, then U+FFFD as for -f
+    # invalid UTF-8 in argv: U+FFFD as for -f
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:
-        data = prompt.encode("utf-8", errors="surrogateescape" if _only_escapes(prompt) else "replace")
-        err.print("[yellow]warning:[/] the prompt is not valid UTF-8; invalid bytes were replaced by U+FFFD")
-        prompt = data.decode("utf-8", errors="replace")
+        prompt, valid = _from_argv(prompt)
+        if not valid:
+            err.print("[yellow]warning:[/] the prompt is not valid UTF-8; invalid bytes were replaced by U+FFFD")
     if not prompt.strip():
         raise PromptError("the prompt is empty: give some text (or --prompt-file FILE)")
     return prompt
@@ -441,7 +450,7 @@ def check_steps_fit(option: str, steps: int, config, ctx_size: int | None = None
     if 1 + steps > limit:
         raise OptionError(f"{option} {steps} needs at least {steps + 1} cache positions (a prompt token + {steps} "
                           f"decode steps) but " + (f"the model's context length is {config.max_seq_len}: give a "
-                                                   f"smaller {option}" if limit >= config.max_seq_len else
+                                                   f"smaller {option}" if 1 + steps > config.max_seq_len else
                                                    f"--ctx-size is {limit}; raise it (at most the model's "
                                                    f"{config.max_seq_len})"))
 

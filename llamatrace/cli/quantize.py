@@ -277,11 +277,6 @@ def _warn(message: str) -> None:
     err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
-def _note(message: str) -> None:
-    from rich.markup import escape
-    err.print(f"[yellow]note:[/] {escape(message)}", soft_wrap=True)
-
-
 def _base_file(base: Path) -> Path:
     """BASE as given, or the file of a known model's name (``smollm2-135m``) as every command takes
     it (:func:`llamatrace.gguf.fetch.resolve_model`: from the cache, fetched once).

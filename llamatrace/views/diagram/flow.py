@@ -122,7 +122,7 @@ def cache_for_steps(model, n_prompt: int, steps: int, ctx_size: int | None, opti
         raise OptionError(f"{option} {steps} needs {n_prompt + steps} cache positions ({n_prompt} prompt tokens "
                           f"+ {steps} decode steps) but "
                           + (f"the model's context length is {model.config.max_seq_len}: give a smaller {option}"
-                             if ctx >= model.config.max_seq_len else
+                             if n_prompt + steps > model.config.max_seq_len else
                              f"the KV cache holds {ctx}; raise --ctx-size (at most the model's "
                              f"{model.config.max_seq_len})"))
     return ctx
