@@ -131,6 +131,16 @@ def test_prompt_file_from_stdin_and_dash_prompts(capsys, monkeypatch, tiny_model
     assert code == 0 and json.loads(out)["prompt"] == "caf\ufffd x" and "not valid UTF-8" in err
 
 
+def test_the_corpus_commands_long_names_are_taken_too(capsys, tmp_path, tiny_model_path):
+    # -f is --file in perplexity, imatrix and collect; the steps are --tokens in trace and diagram
+    (tmp_path / "p.txt").write_text("the cat sat\n")
+    code, out, err = run(capsys, "generate", "--json", "--raw", "--tokens", "2", "-m", str(tiny_model_path),
+                         "--file", str(tmp_path / "p.txt"))
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["prompt"] == "the cat sat" and 1 <= len(doc["ids"]) <= 2
+
+
 def test_chat_template_is_applied_unless_raw(capsys, tiny_model_path):
     chat = json.loads(run(capsys, "generate", "--json", "-n", "1", "-m", str(tiny_model_path), "hi")[1])
     raw = json.loads(run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", str(tiny_model_path), "hi")[1])

@@ -23,6 +23,7 @@ OWN_HELP = {
     ("--activations", "expert-load"): "q8 by default from 1 B parameters, as perplexity's",
     ("--activations", "quantize"): "the recipe search's only (with -f): the arithmetic of its KL divergences",
     ("--ctx-size", "diagram"): "the same capacity, with the default the diagram draws (prompt + 256)",
+    ("--model", "stages"): "a filter: without it every stage is listed, and no model is fetched",
     ("--activations", "bench"): "repeatable: each mode runs as an engine of its own",
     ("--activations", "generate"): "q8 by default from 1 B parameters; the tracing commands keep f32",
     ("--activations", "perplexity"): "q8 by default from 1 B parameters, as generate's",
@@ -43,7 +44,7 @@ def _rows(text: str) -> dict[str, str]:
     """``--option`` -> its metavar and whole help text (wrapped lines joined, spaces collapsed)."""
     rows, current = {}, None
     for line in text.splitlines():
-        m = re.match(r"^│\s+(--[\w-]+)(?:\s+-\w)?\s+(.*?)\s*│$", line)
+        m = re.match(r"^│\s+(--[\w-]+)(?:,--[\w-]+)*(?:\s+-\w)?\s+(.*?)\s*│$", line)   # aliases: --a,--b
         if m:
             current = m.group(1)
             rows[current] = m.group(2)

@@ -2,8 +2,10 @@
 by "\\n__ggml_vocab_test__\\n") and .out (the expected ids, one line per string, without BOS), taken
 from the llama-cpp-python sdist that tests/llamacpp_sdist.py downloads once into the user cache.
 
-llama-spm is SentencePiece (Llama 1/2, Mistral…); llama-bpe is Llama 3's byte-level BPE;
-deepseek-llm and deepseek-coder are byte-level BPE with sequences of pre-tokenizer regexes.
+llama-spm is SentencePiece (Llama 1/2, Mistral…), as phi-3; llama-bpe is Llama 3's byte-level BPE;
+qwen2 (Qwen2/2.5/3, their MoE) and qwen35 (Qwen3.5) are Llama 3's regex with single digits;
+deepseek-llm and deepseek-coder are byte-level BPE with sequences of pre-tokenizer regexes; gpt-2,
+mpt, starcoder and refact are the other names our pre-tokenizer aliases cover.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from llamacpp_sdist import vocab_test_file
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.text.tokenizer import StreamDecoder, Tokenizer
 
-VOCABS = ("llama-spm", "llama-bpe", "deepseek-llm", "deepseek-coder")
+VOCABS = ("llama-spm", "llama-bpe", "deepseek-llm", "deepseek-coder", "qwen2", "qwen35", "gpt-2", "mpt", "starcoder",
+          "refact", "phi-3")
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 # the Llama 2 chat template (meta-llama/Llama-2-7b-chat-hf tokenizer_config.json) and Mistral's (v0.1)
@@ -56,8 +59,9 @@ def vocab():
 def cases(name: str) -> list[tuple[str, list[int]]]:
     texts = vocab_test_file(name, ".inp").read_text(encoding="utf-8").split(SEPARATOR)
     lines = vocab_test_file(name, ".out").read_text(encoding="utf-8").split("\n")
-    assert len(texts) == 46 + 1 and len(lines) == 46 + 1 and texts[-1] == lines[-1] == ""  # trailing ""
-    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts[:46], lines[:46])]
+    n = 50 if name == "qwen35" else 46                 # qwen35's .inp adds four strings of its own
+    assert len(texts) == n + 1 and len(lines) == n + 1 and texts[-1] == lines[-1] == ""  # trailing ""
+    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts[:n], lines[:n])]
 
 
 @pytest.mark.parametrize("name", VOCABS)
@@ -81,7 +85,8 @@ def test_vocabulary_kinds(vocab) -> None:
         ("spm", 32000, 1, 2, True, True)
     assert spm.stop_ids == {2}
     assert "SentencePiece" in spm.describe()
-    assert [vocab(n).pre for n in VOCABS[1:]] == ["llama3", "deepseek-llm", "deepseek-coder"]
+    assert [vocab(n).pre for n in VOCABS[1:]] == ["llama3", "deepseek-llm", "deepseek-coder", "qwen2", "qwen35",
+                                                  "gpt2", "gpt2", "smollm", "smollm", "sentencepiece"]
     assert "deepseek-coder" in vocab("deepseek-coder").describe()
     coder = vocab("deepseek-coder")  # DeepSeek Coder Instruct ends its turns with <|EOT|>, not EOS
     assert {coder.piece(i) for i in coder.stop_ids} == {"<｜end▁of▁sentence｜>", "<|EOT|>"}

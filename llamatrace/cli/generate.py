@@ -30,7 +30,7 @@ def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt text (or use --prompt-file).",
                                                     show_default=False)] = None,
     model: ModelOpt = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")] = 256,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "--tokens", "-n", help="Most tokens to generate.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy; higher = more random.")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k most likely tokens (0 = off); "
                                        "applied after --temperature, before --top-p.")] = 0,

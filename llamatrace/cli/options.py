@@ -32,10 +32,11 @@ ModelOpt = Annotated[Optional[Path], typer.Option(
 RawOpt = Annotated[bool, typer.Option("--raw", metavar="", help="Send the prompt as-is, without the model's chat template.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")]
 PromptFileOpt = Annotated[Optional[Path], typer.Option(
-    "--prompt-file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False,
+    "--prompt-file", "--file", "-f", help="Read the prompt from FILE ('-' = stdin).", show_default=False,
     callback=reads("the prompt file this run reads (-f)"))]
-AUTO_THREADS_HELP = ("every core; for small models (SmolLM2-135M, -360M), one while other processes' "
-                     "runnable tasks outnumber the cores (read before each forward call)")
+AUTO_THREADS_HELP = ("the cores other processes' runnable tasks leave free, read before each forward call "
+                     "(every core on a quiet machine); with none free, one for small models (SmolLM2-135M, "
+                     "-360M) and every core for larger ones")
 """The kernels' default thread count (:class:`llamatrace.machine.threads.AutoThreads`), in words."""
 ThreadsOpt = Annotated[Optional[int], typer.Option(
     "--threads", "-t", help=f"CPU threads for the kernels. Default: {AUTO_THREADS_HELP}.", show_default=False)]
@@ -194,7 +195,7 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
 
 Q8_DEFAULT_PARAMS = 1_000_000_000
 """From this many parameters ``generate``, ``bench`` and the corpus commands (``perplexity``,
-``collect``, ``imatrix``) default to ``q8``."""
+``collect``, ``imatrix``, ``expert-load``) default to ``q8``."""
 
 
 def default_activations(path: Path) -> str:

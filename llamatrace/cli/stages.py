@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
 
 from llamatrace.cli.app import app, stdout
-from llamatrace.cli.options import ModelOpt, print_wide
+from llamatrace.cli.options import print_wide
 
 
 def _concrete(formula: str, dims: dict[str, int]) -> str:
@@ -28,7 +29,10 @@ def _concrete(formula: str, dims: dict[str, int]) -> str:
 
 @app.command()
 def stages(
-    model: ModelOpt = None,
+    model: Annotated[Optional[Path], typer.Option(
+        "--model", "-m", help="GGUF model file, or a known model's name (smollm2-135m, gemma3-270m): list only "
+        "the stages it computes, with its sizes. Default: every stage ($LLAMATRACE_MODEL's or the default "
+        "model's sizes when on disk; never fetched).", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects instead of the table.")]
         = False,
 ) -> None:

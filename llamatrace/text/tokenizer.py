@@ -62,6 +62,17 @@ LLAMA3_PATTERN = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
+# Qwen2 / Qwen2.5 / Qwen3 (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2, Qwen's tokenizer.json): Llama 3's with
+# single digits; Qwen3.5 (LLAMA_VOCAB_PRE_TYPE_QWEN35) also counts combining marks (\p{M}) as letters.
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN35_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
 # SmolLM / StarCoder: HF splits in two passes, Digits(individual_digits=True) and then the GPT-2
 # ByteLevel regex on each non-digit piece (llama.cpp does the same with two regexes: "\p{N}" then GPT-2).
 # One tiktoken regex reproduces both passes: a digit is a piece of its own, no alternative may run
@@ -81,8 +92,8 @@ O200K_PATTERN = "|".join((
     r"""\s+""",
 ))
 
-PRE_PATTERNS: dict[str, str] = {"gpt2": GPT2_PATTERN, "llama3": LLAMA3_PATTERN, "smollm": SMOLLM_PATTERN,
-                                "o200k": O200K_PATTERN}
+PRE_PATTERNS: dict[str, str] = {"gpt2": GPT2_PATTERN, "llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN,
+                                "qwen35": QWEN35_PATTERN, "smollm": SMOLLM_PATTERN, "o200k": O200K_PATTERN}
 
 # DeepSeek LLM / Coder: several regexes applied in sequence (llama.cpp llama-vocab.cpp; HF's Sequence of
 # Split(isolated)): each splits every piece of the previous one into matches and the text between them.
@@ -106,6 +117,7 @@ PRE_ALIASES: dict[str, str] = {
     "gpt2": "gpt2", "gpt-2": "gpt2", "phi-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2",
     "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "falcon3": "llama3",
     "dbrx": "llama3", "smaug-bpe": "llama3",
+    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2", "qwen35": "qwen35",
     "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "codeshell": "smollm",
     "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
     "gpt-4o": "o200k",
