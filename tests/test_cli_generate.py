@@ -193,6 +193,21 @@ def test_info_lists_tensors(capsys, tiny_model_path):
     assert ("VNNI" in line) == has_vnni() and line.endswith(f"; AMX prefill: {amx.describe(('Q8_0', 'F32'))}")
 
 
+def test_info_json_is_the_header_as_gguf_reads_it(capsys, smollm2_path):
+    import gguf
+    code, out, err = run(capsys, "info", "--json", "-m", str(smollm2_path))
+    assert code == 0, err
+    doc = json.loads(out)
+    reader = gguf.GGUFReader(smollm2_path)                 # the reference: gguf-py's own reader
+    assert [(t["name"], t["type"], t["bytes"]) for t in doc["tensors"]] == \
+        [(t.name, t.tensor_type.name, int(t.n_bytes)) for t in reader.tensors]
+    assert all(t["shape"] == list(reversed([int(n) for n in r.shape])) for t, r in zip(doc["tensors"], reader.tensors))
+    for key in ("general.architecture", "llama.embedding_length", "llama.rope.freq_base", "tokenizer.ggml.pre"):
+        assert doc["metadata"][key] == pytest.approx(reader.fields[key].contents()), key
+    assert "tokenizer.ggml.tokens" in doc["bulk_arrays"] and "tokenizer.ggml.tokens" not in doc["metadata"]
+    assert doc["config"]["dim"] == 576 and doc["config"]["n_layers"] == 30 and "smollm" in doc["tokenizer"]
+
+
 def test_info_shows_tokenizer_kind_and_tensor_type_mix(capsys, tiny_model_path):
     import gguf
     code, out, err = run(capsys, "info", "-m", str(tiny_model_path))

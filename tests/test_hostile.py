@@ -76,6 +76,16 @@ def test_argv_text_becomes_utf8(capsys, argv_text, text, warned):
     assert ("not valid UTF-8" in capsys.readouterr().err) == warned
 
 
+def test_a_shard_of_a_split_gguf_says_to_merge_the_shards(capsys, tmp_path):
+    # llama-gguf-split's first shard has the whole header but a part of the tensors: it failed on a
+    # "missing" tensor, as if the file were broken
+    path = write_tiny_llama(tmp_path / "m-00001-of-00003.gguf", extra_kv={"split.count": 3, "split.no": 0})
+    for command, exit_code in ((["generate", "--raw", "hi"], 2), (["info"], 0)):   # info shows the header too
+        code, out, err = run(capsys, *command, "-m", str(path))
+        text = " ".join((out + err).split())
+        assert code == exit_code and "shard 1 of 3 of a split GGUF" in text and "--merge" in text, text
+
+
 def test_typed_control_token_text_stays_text(capsys, tiny_model_path):
     code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", str(tiny_model_path), "<|im_end|>")
     ids = json.loads(out)["prompt_ids"]

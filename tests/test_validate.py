@@ -123,22 +123,27 @@ def test_real_model_header_items(smollm2_path):
     assert s.header_items == s.n_kv + s.n_tensors + strings
 
 
-def test_header_items_are_bounded_but_admit_llama3(tmp_path):
-    """Bytes alone do not bound a reader's work: a million empty strings is an 8 MB header."""
+def test_header_items_are_bounded_but_admit_llama3_and_gpt_oss(tmp_path):
+    """Bytes alone do not bound a reader's work: three million empty strings is a 24 MB header."""
     from llamatrace.gguf.validate import MAX_HEADER_ITEMS
 
     def strings_kv(name: str, n: int) -> bytes:
         return kv(name, V.ARRAY, struct.pack("<IQ", V.STRING, n) + struct.pack("<Q", 0) * n)
 
-    msg = check(tmp_path, build(BASE_KVS + [strings_kv("tokenizer.ggml.tokens", 1_000_000)], BASE_TENSORS),
+    msg = check(tmp_path, build(BASE_KVS + [strings_kv("tokenizer.ggml.tokens", 3_000_000)], BASE_TENSORS),
                 f"over {MAX_HEADER_ITEMS} keys, tensors and strings", "tokenizer.ggml.tokens")
-    assert "1000000" in msg
+    assert "3000000" in msg
     # Llama 3's vocabulary: 128,256 tokens and 280,147 merges
     p = tmp_path / "llama3-sized.gguf"
     p.write_bytes(build(BASE_KVS + [strings_kv("tokenizer.ggml.tokens", 128_256),
                                     strings_kv("tokenizer.ggml.merges", 280_147)], BASE_TENSORS))
     s = validate_gguf(p)
     assert s.header_items == (4 + 2) + 128_256 + 280_147  # keys + tensors + strings
+    # gpt-oss's o200k vocabulary as published: 201,088 tokens and 446,189 merges (refused until 2026-12-03)
+    p = tmp_path / "gpt-oss-sized.gguf"
+    p.write_bytes(build(BASE_KVS + [strings_kv("tokenizer.ggml.tokens", 201_088),
+                                    strings_kv("tokenizer.ggml.merges", 446_189)], BASE_TENSORS))
+    assert validate_gguf(p).header_items == (4 + 2) + 201_088 + 446_189
 
 
 def test_missing_directory_unreadable(tmp_path):
@@ -343,6 +348,7 @@ def test_bad_dims(tmp_path):
 def test_unknown_tensor_type(tmp_path):
     check(tmp_path, build(BASE_KVS, [ti("x", [32], 4)]), "unknown ggml type 4")
     check(tmp_path, build(BASE_KVS, [ti("x", [32], 1000)]), "unknown ggml type 1000")
+    check(tmp_path, build(BASE_KVS, [ti("x", [32], 32)]), "Q4_0_4_8 (32), an ARM repacking", "Q4_0 version")
 
 
 def test_row_not_multiple_of_block(tmp_path):

@@ -16,6 +16,10 @@ from llamatrace.cli.options import ModelOpt, model_file
 def info(
     model: ModelOpt = None,
     all_metadata: Annotated[bool, typer.Option("--all", metavar="", help="Also list every metadata key.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the tables: the "
+                                           "file, its metadata (the vocabulary's arrays by name only), the "
+                                           "config as llamatrace reads it (or why it cannot run it) and "
+                                           "every tensor.")] = False,
 ) -> None:
     """Show a model's config, metadata and tensors (name, type, shape, bytes).
 
@@ -24,6 +28,8 @@ def info(
       llamatrace info
 
       llamatrace info --model Llama-3.2-1B-Instruct-Q8_0.gguf --all
+
+      llamatrace info --json | jq '.tensors[] | select(.type == "Q6_K") | .name'
     """
     from rich.rule import Rule
     from rich.table import Table
@@ -36,6 +42,9 @@ def info(
     path = model_file(model)
     f = open_gguf(path)
     meta = f.metadata
+    if json_out:
+        _print_json(f, path)
+        return
     out.print(f"[bold]{path}[/]  ({f.file_size / 1e6:.1f} MB, GGUF v{f.version})")
     rows: dict[str, str] = {}                    # key → shown value; each key once, in file order
     for key in ("general.name", "general.architecture", "general.file_type"):
@@ -129,6 +138,42 @@ def info(
               f"{threading_layer()!r} (what a parallel region costs on each: docs/performance.md, Threads)",
               soft_wrap=True)
     out.print(f"q8 int8 products: {_int8_path(tuple(sorted(mix, key=lambda k: -mix[k][1])))}", soft_wrap=True)
+
+
+def _print_json(f, path) -> None:
+    """``info --json``: the header as one JSON object on stdout (keys: ``path``, ``file_size``,
+    ``gguf_version``, ``metadata``, ``bulk_arrays``, ``tokenizer``, ``config`` or ``not_supported``,
+    ``tensors`` with ``name``, ``type``, ``shape`` [out, in] and ``bytes``)."""
+    import json
+
+    import numpy as np
+
+    from llamatrace.cli.app import stdout
+    from llamatrace.gguf.reader import tensor_type_name
+    from llamatrace.model.config import ModelConfig
+
+    def plain(value):                   # numpy scalars and arrays, bytes: as JSON has them
+        if isinstance(value, (np.generic, np.ndarray)):
+            return value.tolist()
+        if isinstance(value, bytes):
+            return value.decode("utf-8", errors="replace")
+        return str(value)
+
+    meta = f.metadata
+    doc = {"path": str(path), "file_size": f.file_size, "gguf_version": f.version,
+           "metadata": {k: meta[k] for k in f.keys() if k in meta},
+           "bulk_arrays": [k for k in f.keys() if k not in meta and not k.startswith("GGUF.")],
+           "tokenizer": _tokenizer_kind(f, path.name)}
+    f.close()
+    if "token_embd.weight" in f.tensors:
+        try:
+            c = ModelConfig.from_metadata(meta, vocab_size=f.matrix_shape("token_embd.weight")[0], source=path.name)
+            doc["config"] = c.to_dict()
+        except LlamatraceError as exc:
+            doc["not_supported"] = str(exc)
+    doc["tensors"] = [{"name": name, "type": tensor_type_name(t), "shape": list(f.matrix_shape(name)),
+                       "bytes": int(t.n_bytes)} for name, t in f.tensors.items()]
+    stdout.write(json.dumps(doc, ensure_ascii=False, default=plain) + "\n")
 
 
 def _int8_path(type_names: tuple[str, ...]) -> str:

@@ -396,4 +396,5 @@ def check_tensor_types(f: GGUFFile, supported: frozenset) -> None:
             names = ", ".join(sorted(gguf.GGMLQuantizationType(x).name for x in supported))
             raise UnsupportedModelError(
                 f"{f.path.name}: tensor {shown(name)} has type {tensor_type_name(t)}, which llamatrace does not "
-                f"support yet (supported: {names}); convert the model to one of these types (llama.cpp's llama-quantize)")
+                f"support yet (supported: {names}); download a Q4_K_M, Q8_0 or F16 version of the model "
+                f"instead, or quantize its F16/BF16 file to one of these types (llamatrace quantize)")

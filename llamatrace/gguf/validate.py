@@ -16,8 +16,8 @@ file, and arrays of fixed-size elements are skipped by arithmetic, not read.
 Bytes alone do not bound what comes *after* validation: ``GGUFReader`` builds Python objects per
 key, per tensor and per string of a string array (~16 us each), so an 8 MB header of a million
 empty strings passes a byte check in 0.16 s and then costs the reader 16.5 s.  The header is
-therefore also limited in *items* (:data:`MAX_HEADER_ITEMS`), with room for Llama 3's
-128,256-token vocabulary and its ~280k merges (~410k strings).
+therefore also limited in *items* (:data:`MAX_HEADER_ITEMS`), with room for gpt-oss's
+201,088-token vocabulary and its ~446k merges (~647k strings).
 """
 
 from __future__ import annotations
@@ -53,9 +53,13 @@ MAX_KV = 1 << 14
 MAX_KEY_LEN = 1 << 16
 MAX_STRING_LEN = 1 << 28
 MAX_ARRAY_LEN = 1 << 26
-MAX_HEADER_ITEMS = 1 << 19
+MAX_HEADER_ITEMS = 1 << 21
 """Keys + tensors + strings inside string arrays: the objects a reader builds from the header.
-524,288 admits Llama 3 (128,256 tokens + 280,147 merges) and bounds GGUFReader to seconds."""
+2,097,152 admits gpt-oss's o200k vocabulary (201,088 tokens + 446,189 merges), Qwen3.5's (248,320 +
+247,587) and Llama 3's (128,256 + 280,147) with room, and bounds GGUFReader to about half a minute."""
+
+# ggml types 31-33, Q4_0 repacked for ARM in the file (2024): ggml removed them and repacks at load
+_REMOVED_ARM_TYPES = {31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8"}
 
 # Smallest possible encodings, used to bound the counts before looping over them.
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, (empty key), value type, 1-byte value
@@ -451,6 +455,10 @@ class _Parser:
 
             ttype = self.u32(f"type of tensor {shown}")
             info = _TENSOR_TYPES.get(ttype)
+            if info is None and ttype in _REMOVED_ARM_TYPES:
+                raise self.fail(
+                    f"tensor {shown} has type {_REMOVED_ARM_TYPES[ttype]} ({ttype}), an ARM repacking ggml "
+                    f"has dropped (llama.cpp refuses it too)", "download the file's Q4_0 version instead")
             if info is None:
                 raise self.fail(
                     f"tensor {shown} has unknown ggml type {ttype}",

@@ -486,12 +486,19 @@ class ModelConfig:
             source: file name used in error messages.
 
         Raises:
-            UnsupportedModelError: the architecture is not one of :data:`ARCHITECTURES`; a rope
+            UnsupportedModelError: a shard of a split GGUF (``split.count`` > 1); the architecture
+                is not one of :data:`ARCHITECTURES`; a rope
                 scaling type llama.cpp knows but llamatrace does not run (``longrope``).
             ModelFormatError: a required key is missing or a value is inconsistent; a rope base,
                 scaling factor or attention factor that is not a positive finite number; an
                 unknown rope scaling type.
         """
+        if isinstance(count := meta.get("split.count"), int) and count > 1:   # llama-gguf-split's shards
+            shard = meta.get("split.no")
+            raise UnsupportedModelError(
+                f"{source}: {f'shard {shard + 1} of {count}' if isinstance(shard, int) else f'one of {count} shards'}"
+                f" of a split GGUF; llamatrace reads one file: merge the shards first "
+                f"(llama.cpp's `llama-gguf-split --merge FIRST-SHARD.gguf merged.gguf`)")
         arch = meta.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise UnsupportedModelError(
