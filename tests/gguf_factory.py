@@ -175,10 +175,12 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
     return Path(path)
 
 
-def rewrite_metadata(src: str | Path, dst: str | Path, changes: dict[str, tuple]) -> Path:
+def rewrite_metadata(src: str | Path, dst: str | Path, changes: dict[str, tuple],
+                     extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """Copy the GGUF ``src`` to ``dst`` with metadata changed: ``key → (value, GGUFValueType)``
     or ``(values, GGUFValueType.ARRAY, element type)`` (a new key is added at the end);
-    ``general.architecture`` takes ``(name,)``. Tensors are copied byte for byte."""
+    ``general.architecture`` takes ``(name,)``. Tensors are copied byte for byte, then
+    ``extra_tensors`` (name → array, stored as F32) are appended."""
     r = gguf.GGUFReader(str(src))
     arch = changes.get("general.architecture", (r.fields["general.architecture"].contents(),))[0]
     w = gguf.GGUFWriter(str(dst), arch)
@@ -195,6 +197,8 @@ def rewrite_metadata(src: str | Path, dst: str | Path, changes: dict[str, tuple]
         w.add_key_value(key, *change)
     for t in r.tensors:
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    for name, data in (extra_tensors or {}).items():
+        w.add_tensor(name, np.asarray(data, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -90,6 +90,24 @@ def test_missing_tensor_is_named(tmp_path):
         Llama.load(path)
 
 
+def test_tensors_the_forward_pass_never_reads_are_refused(tmp_path):
+    """Attention biases in a ``llama`` file (some finetunes carry them; llama.cpp adds them) would be
+    left out of the arithmetic in silence: refused, naming the first and the kinds of the rest."""
+    biases = {f"blk.{i}.attn_{x}.bias": np.ones(64 if x == "q" else 32) for i in range(2) for x in "qkv"}
+    path = write_tiny_llama(tmp_path / "b.gguf", extra_tensors=biases)
+    with pytest.raises(UnsupportedModelError) as err:
+        Llama.load(path, cache=False)
+    assert str(err.value).startswith("b.gguf: tensor 'blk.0.attn_q.bias' is not part of the llama forward pass")
+    assert "(3 such tensors: blk.N.attn_k.bias, blk.N.attn_q.bias, blk.N.attn_v.bias)" in str(err.value)
+    # a stray tensor outside the blocks is found once every tensor has been read
+    path = write_tiny_llama(tmp_path / "o.gguf", extra_tensors={"output.bias": np.ones(8)})
+    with pytest.raises(UnsupportedModelError, match=r"'output.bias' is not part .*\(1 such tensor: output.bias\)"):
+        Llama.load(path, cache=False)
+    # every tensor of a supported file is read (the check can fail only on leftovers)
+    model = Llama.load(write_tiny_llama(tmp_path / "ok.gguf", rope_freqs=np.ones(8)), cache=False)
+    assert model.file.read == set(model.file.tensors)
+
+
 def test_resident_weights_stay_close_to_file_size(tiny_model_path, tiny_model):
     tensor_bytes = sum(int(t.n_bytes) for t in tiny_model.file.tensors.values())
     assert tiny_model.weights.nbytes <= 1.3 * tensor_bytes

@@ -422,6 +422,16 @@ def test_a_longrope_file_is_refused_before_anything_is_cached(longrope, packed, 
     assert not cache.exists() or [p for p in cache.rglob("*") if p.is_file()] == []
 
 
+def test_a_file_with_tensors_never_read_is_refused_and_nothing_is_cached(packed, tmp_path, capsys):
+    # the check runs after block 0 is packed: the half-made entry is dropped with the error (the
+    # vocabulary's cache, made before, is a valid entry of its own)
+    path = write_tiny_llama(tmp_path / "bias.gguf", extra_tensors={"blk.1.attn_output.bias": np.ones(64)})
+    assert_one_line_error(*run(capsys, "generate", "--raw", "-n", "1", "-m", path, "hi"),
+                          "'blk.1.attn_output.bias' is not part of the llama forward pass")
+    leftovers = [p for p in packed.rglob("*") if p.is_file() and p.suffix != ".tokenizer"] if packed.exists() else []
+    assert entries(packed) == [] and leftovers == []
+
+
 def test_the_fingerprint_covers_every_kernel_room():
     """A change to any kernel module, in whichever room of ``kernels/`` it stands, keys new entries:
     the fingerprint reads them all (a flat ``glob`` missed ``types/packing.py`` once the rooms came)."""

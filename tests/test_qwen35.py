@@ -16,9 +16,10 @@ import pytest
 
 from arch_files import relative, run_positions
 from cli_helpers import assert_one_line_error, run
-from qwen35_files import (CONV_KERNEL, N_K_HEADS, N_LAYERS, N_V_HEADS, SSM_HEAD_DIM, T, write_qwen35_file)
+from gguf_factory import rewrite_metadata
+from qwen35_files import (CONV_KERNEL, DIM, N_K_HEADS, N_LAYERS, N_V_HEADS, SSM_HEAD_DIM, T, write_qwen35_file)
 
-from llamatrace.errors import ModelFormatError
+from llamatrace.errors import ModelFormatError, UnsupportedModelError
 from llamatrace.kernels.ops import deltanet as dn
 from llamatrace.model.config import imrope_text_rotated
 from llamatrace.model.llama import Llama
@@ -249,6 +250,23 @@ def test_mtp_blocks_are_counted_in_block_count_but_not_run(model, golden, tmp_pa
     assert mtp.config.recurrent_layers == model.config.recurrent_layers
     ids = golden["ids"][:12]
     np.testing.assert_array_equal(run_positions(mtp, ids, 12), run_positions(model, ids, 12))
+
+
+def test_the_mtp_blocks_tensors_are_left_unread_and_accepted(model, golden, tmp_path):
+    """A published file carries the MTP block's tensors (``blk.{n_layers}.nextn.*``, its own norms
+    and projections): not read, and not refused as leftovers; a stray tensor in a trunk block is."""
+    path = write_qwen35_file(tmp_path / "mtp.gguf", meta={"block_count": N_LAYERS + 1, "nextn_predict_layers": 1})
+    mtp_tensors = {f"blk.{N_LAYERS}.{name}": np.ones(DIM) for name in
+                   ("nextn.enorm.weight", "nextn.hnorm.weight", "attn_norm.weight", "nextn.shared_head_norm.weight")}
+    with_mtp = rewrite_metadata(path, tmp_path / "with-mtp.gguf", {}, extra_tensors=mtp_tensors)
+    mtp = Llama.load(with_mtp, cache=False)
+    assert not set(mtp_tensors) & mtp.file.read
+    ids = golden["ids"][:12]
+    np.testing.assert_array_equal(run_positions(mtp, ids, 12), run_positions(model, ids, 12))
+    stray = rewrite_metadata(path, tmp_path / "stray.gguf", {},
+                             extra_tensors={f"blk.{N_LAYERS - 1}.attn_norm.bias": np.ones(DIM)})
+    with pytest.raises(UnsupportedModelError, match=f"'blk.{N_LAYERS - 1}.attn_norm.bias' is not part of the qwen35"):
+        Llama.load(stray, cache=False)
 
 
 def test_compare_pairs_the_new_stages_with_llamacpp_and_finds_no_divergence(model, golden):

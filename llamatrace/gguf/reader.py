@@ -144,6 +144,7 @@ class GGUFFile:
         tensors: GGUF tensor name → :class:`Tensor`, in file order.
         file_size: bytes.
         version: the GGUF format version (2 or 3).
+        read: the names :meth:`tensor` has been asked for (a loader's leftovers are the rest).
     """
 
     path: Path
@@ -154,6 +155,7 @@ class GGUFFile:
     _map: mmap.mmap
     _kv_offsets: dict[str, tuple[int, int]]
     _string_lengths: dict[int, np.ndarray]      # GGUFSummary.string_lengths
+    read: set[str] = field(default_factory=set)
 
     def field(self, key: str, default: Any = None) -> Any:
         """The value of metadata ``key`` (bulk arrays included, as lists), or ``default``.
@@ -253,15 +255,24 @@ class GGUFFile:
         Raises:
             ModelFormatError: the tensor is missing.
         """
+        t = self._find(name)
+        self.read.add(name)
+        return t
+
+    def matrix_shape(self, name: str) -> tuple[int, ...]:
+        """Shape in NumPy / Meta order (``[out_features, in_features]`` for a matrix); not a read.
+
+        Raises:
+            ModelFormatError: the tensor is missing.
+        """
+        return tuple(int(d) for d in reversed(self._find(name).shape.tolist()))
+
+    def _find(self, name: str) -> Tensor:
         try:
             return self.tensors[name]
         except KeyError:
             raise ModelFormatError(f"{self.path.name}: required tensor {shown(name)} is missing; "
                                    f"the GGUF file is incomplete or not a llama model") from None
-
-    def matrix_shape(self, name: str) -> tuple[int, ...]:
-        """Shape in NumPy / Meta order (``[out_features, in_features]`` for a matrix)."""
-        return tuple(int(d) for d in reversed(self.tensor(name).shape.tolist()))
 
 
 def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import gguf
 import numpy as np
 
-from llamatrace.errors import ModelFormatError, OptionError
+from llamatrace.errors import ModelFormatError, OptionError, UnsupportedModelError
 from llamatrace.gguf.reader import GGUFFile, check_tensor_types, gguf_name, open_gguf
 from llamatrace.kernels.ops import fp32 as kernels
 from llamatrace.kernels.types import packing
@@ -207,7 +208,7 @@ class Llama:
             config = ModelConfig.from_gguf(f)        # every check of the config, rope scaling's too, before packing
             freq_factors = None
             if "rope_freqs.weight" in f.tensors:               # Llama 3.1 long-context RoPE scaling
-                freq_factors = np.asarray(f.tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
+                freq_factors = np.asarray(f.tensor("rope_freqs.weight").data, dtype=np.float64).ravel()
             tokenizer = Tokenizer.from_reader(f, path=str(path), cache=cache)
             check_tensor_types(f, packing.SUPPORTED_TYPES)
             data_start = min((t.offset for t in f.tensors.values()), default=f.file_size)
@@ -790,6 +791,8 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     layers = []
     ffn_norm = "attention_post_norm" if c.ffn_norm_post_attention else "ffn_norm"
     for i in range(c.n_layers):
+        if i == 1:
+            _check_all_read(f, c, "blk.0.")              # a layer's leftovers are every layer's: say so early
         experts = moe.load(f, c, i, router, expert_rows, in_file, activations) if c.n_expert else None
         if experts is not None:
             w13 = None
@@ -837,7 +840,29 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
     tied = gguf_name("output") not in f.tensors          # no output.weight: tied to the embedding
     tok = matrix("tok_embeddings") if tied else _lookup_table(f, raw("tok_embeddings", None)[1], c, packed)
     output = tok if tied else matrix("output")
-    return Weights(tok_embeddings=tok, layers=layers, norm=vector("norm"), output=output, tied_output=tied)
+    norm = vector("norm")
+    _check_all_read(f, c)
+    return Weights(tok_embeddings=tok, layers=layers, norm=norm, output=output, tied_output=tied)
+
+
+def _check_all_read(f: GGUFFile, c: ModelConfig, prefix: str = "") -> None:
+    """Refuse a file holding tensors (named from ``prefix``) that the forward pass never read
+    (``f.read``): a bias or norm left out of the arithmetic would give wrong numbers in silence.
+    Multi-token-prediction blocks (``n_mtp_layers``, after the trunk) are not run, as in llama.cpp.
+
+    Raises:
+        UnsupportedModelError: naming the first such tensor and the kinds of the others.
+    """
+    mtp = tuple(f"blk.{i}." for i in range(c.n_layers, c.n_layers + c.n_mtp_layers))
+    unread = [n for n in f.tensors if n.startswith(prefix) and n not in f.read and not n.startswith(mtp)]
+    if not unread:
+        return
+    kinds = sorted({re.sub(r"^blk\.\d+\.", "blk.N.", n) for n in unread})
+    shown = ", ".join(kinds[:4]) + (f" and {len(kinds) - 4} more kinds" if len(kinds) > 4 else "")
+    raise UnsupportedModelError(
+        f"{f.path.name}: tensor {unread[0]!r} is not part of the {c.arch} forward pass llamatrace runs "
+        f"({len(unread)} such tensor{'s' * (len(unread) > 1)}: {shown}); running without "
+        f"{'them' if len(unread) > 1 else 'it'} would give wrong numbers — see docs/models.md for the files supported")
 
 
 def _lookup_table(f: GGUFFile, t, c: ModelConfig, packed: Callable) -> packing.FileRows:
