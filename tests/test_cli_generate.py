@@ -208,6 +208,21 @@ def test_info_json_is_the_header_as_gguf_reads_it(capsys, smollm2_path):
     assert doc["config"]["dim"] == 576 and doc["config"]["n_layers"] == 30 and "smollm" in doc["tokenizer"]
 
 
+def test_info_json_stays_json_with_nan_and_inf_in_the_header(capsys, tmp_path):
+    import gguf
+    from gguf_factory import rewrite_metadata
+    F32, ARRAY = gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.ARRAY
+    path = rewrite_metadata(write_tiny_llama(tmp_path / "a.gguf"), tmp_path / "nan.gguf",
+                            {"general.x_nan": (float("nan"), F32), "general.x_list": ([1.5, float("inf")], ARRAY, F32)})
+    code, out, err = run(capsys, "info", "--json", "-m", str(path))
+    assert code == 0, err
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+    doc = json.loads(out, parse_constant=refuse)
+    assert doc["metadata"]["general.x_nan"] is None and doc["metadata"]["general.x_list"] == [1.5, None]
+
+
 def test_info_shows_tokenizer_kind_and_tensor_type_mix(capsys, tiny_model_path):
     import gguf
     code, out, err = run(capsys, "info", "-m", str(tiny_model_path))
