@@ -92,8 +92,24 @@ O200K_PATTERN = "|".join((
     r"""\s+""",
 ))
 
+# Mistral's Tekken (Mistral Nemo, Small 3, Ministral, Devstral: `tokenizer.ggml.pre = tekken`), the
+# "pattern" of Mistral's tekken.json (mistral_common's Tekkenizer splits with it through tiktoken) and
+# of those models' tokenizer.json: o200k's case classes without the contractions, single digits, and
+# `/` kept after a newline. llama.cpp's LLAMA_VOCAB_PRE_TYPE_TEKKEN quotes it and runs a rewrite
+# whose letter classes are ASCII-cased and leave out combining marks; this is the original.
+TEKKEN_PATTERN = "|".join((
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*""",
+    r"""\p{N}""",
+    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+    r"""\s*[\r\n]+""",
+    r"""\s+(?!\S)""",
+    r"""\s+""",
+))
+
 PRE_PATTERNS: dict[str, str] = {"gpt2": GPT2_PATTERN, "llama3": LLAMA3_PATTERN, "qwen2": QWEN2_PATTERN,
-                                "qwen35": QWEN35_PATTERN, "smollm": SMOLLM_PATTERN, "o200k": O200K_PATTERN}
+                                "qwen35": QWEN35_PATTERN, "smollm": SMOLLM_PATTERN, "o200k": O200K_PATTERN,
+                                "tekken": TEKKEN_PATTERN}
 
 # DeepSeek LLM / Coder: several regexes applied in sequence (llama.cpp llama-vocab.cpp; HF's Sequence of
 # Split(isolated)): each splits every piece of the previous one into matches and the text between them.
@@ -120,7 +136,7 @@ PRE_ALIASES: dict[str, str] = {
     "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2", "qwen35": "qwen35",
     "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "codeshell": "smollm",
     "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
-    "gpt-4o": "o200k",
+    "gpt-4o": "o200k", "tekken": "tekken",
 }  # fmt: skip
 
 # Texts of tokens that end generation: llama.cpp's list (llama-vocab.cpp, llama_vocab::impl::load)
@@ -215,7 +231,7 @@ class Tokenizer:
         self._warned_missing = False
 
         if add_bos is None:  # llama.cpp's default when the file does not say
-            add_bos = kind == "spm" or self.pre == "llama3"
+            add_bos = kind == "spm" or self.pre in ("llama3", "tekken")
         self.add_bos = bool(add_bos) and self.bos_id is not None
 
         stops = {self._valid_id(eot_id, "tokenizer.ggml.eot_token_id"),
