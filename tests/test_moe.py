@@ -433,6 +433,22 @@ def test_bad_moe_files_are_one_error_line_naming_the_key_or_tensor(make, needle,
     assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"), needle)
 
 
+@pytest.mark.parametrize("extra", [
+    {f"blk.{i}.ffn_gate_inp_shexp.weight": np.ones(8) for i in range(3)},   # qwen2moe's shared expert gate
+    {"blk.2.ffn_down_exps.bias": np.ones(8)},                                 # gpt-oss's experts' biases
+])
+def test_moe_tensors_of_another_family_are_refused_not_skipped(extra, tmp_path, capsys):
+    """A qwen3moe file holding a shared expert or experts' biases (another family's, or a wrong
+    architecture key) would run without them: refused, naming the first."""
+    from gguf_factory import rewrite_metadata
+    path = rewrite_metadata(write_moe_file(tmp_path / "a.gguf", "qwen3moe"), tmp_path / "extra.gguf", {},
+                            extra_tensors=extra)
+    first = next(iter(extra))
+    with pytest.raises(UnsupportedModelError, match=rf"'{re.escape(first)}' is not part of the qwen3moe forward"):
+        Llama.load(path, cache=False)
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"), first)
+
+
 # ---- error attribution ------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["qwen3moe", "olmoe"])
 def test_local_errors_recompute_every_moe_stage_of_a_recording(name, models):

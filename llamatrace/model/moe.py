@@ -304,9 +304,10 @@ def describe_experts(tensors) -> str | None:
 
 
 def layer_tensors(f, layer: int) -> list:
-    """The MoE tensors of ``layer`` the file holds (router, experts, fused gate|up, shared expert)."""
+    """The MoE tensors of ``layer`` the file holds (router, experts, fused gate|up, shared expert), for
+    the load's accounting: not a read (:attr:`GGUFFile.read`), which only :func:`load`'s are."""
     names = (f"blk.{layer}.{n}.weight" for n in (ROUTER_TENSOR, *EXPERT_TENSORS, FUSED_GATE_UP, *SHEXP_TENSORS))
-    return [f.tensor(name) for name in names if name in f.tensors]
+    return [f.tensors[name] for name in names if name in f.tensors]
 
 
 def _shared_expert(f, c: ModelConfig, layer: int, pack: Callable) -> dict[str, packing.Weight]:
