@@ -108,9 +108,10 @@ def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def write_tekken_vocab(path: str | Path) -> Path:
-    """A vocabulary-only GGUF (``llama``, ``tokenizer.ggml.pre = tekken``) of the Tekken file, as a
-    converted Mistral Nemo file holds it; returns ``path``."""
+def write_tekken_vocab(path: str | Path, pre: str = "tekken") -> Path:
+    """A vocabulary-only GGUF (``llama``, ``tokenizer.ggml.pre = pre``) of the Tekken file, as a
+    converted Mistral Nemo file holds it (``pixtral``: as one converted from the Hugging Face copy of
+    Pixtral or Mistral Small 3.1); returns ``path``."""
     config, ranks = _load()
     n_special = config["default_num_special_tokens"]
     unicode = bytes_to_unicode()
@@ -123,7 +124,7 @@ def write_tekken_vocab(path: str | Path) -> Path:
     types = [gguf.TokenType.CONTROL] * n_special + [gguf.TokenType.NORMAL] * len(ranks)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("tekken")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges([f"{text(a)} {text(b)}" for a, b in _merges(ranks)])

@@ -105,3 +105,18 @@ def test_mistral_nemos_chat_template_gives_its_control_tokens(tekken) -> None:
     finally:
         tok.chat_template = None
     assert ids == [1, 3, *(offset + i for i in encoding.encode_ordinary("What is 2+2?")), 4]
+
+
+def test_pixtral_files_split_as_llama_3_as_llama_cpp_splits_them(tekken, tmp_path) -> None:
+    """``pixtral`` (a file converted from the Hugging Face copy of Pixtral or Mistral Small 3.1):
+    llama.cpp runs Llama 3's regex (its tokenizer.json's) with Mistral's vocabulary, and BOS; so does
+    llamatrace. It differs from Tekken's own split after punctuation and a newline."""
+    _, encoding, offset = tekken
+    path = write_tekken_vocab(tmp_path / "pixtral.gguf", pre="pixtral")
+    tok = Tokenizer.from_reader(open_gguf(path), str(path), cache=False)
+    llama3 = tiktoken.Encoding("tekken-as-llama3", pat_str=PRE_PATTERNS["llama3"],
+                               mergeable_ranks=encoding._mergeable_ranks, special_tokens={})
+    for text in texts():
+        assert tok.encode(text, bos=False) == [offset + i for i in llama3.encode_ordinary(text)], text
+    assert tok.add_bos and tok.encode("x;\n/")[0] == 1
+    assert tok.encode("x;\n/", bos=False) != [offset + i for i in encoding.encode_ordinary("x;\n/")]

@@ -96,7 +96,9 @@ O200K_PATTERN = "|".join((
 # "pattern" of Mistral's tekken.json (mistral_common's Tekkenizer splits with it through tiktoken) and
 # of those models' tokenizer.json: o200k's case classes without the contractions, single digits, and
 # `/` kept after a newline. llama.cpp's LLAMA_VOCAB_PRE_TYPE_TEKKEN quotes it and runs a rewrite
-# whose letter classes are ASCII-cased and leave out combining marks; this is the original.
+# whose letter classes are ASCII-cased and leave out combining marks; this is the original. (Files
+# converted from the Hugging Face copies of Pixtral and Mistral Small 3.1 say `pixtral`: llama.cpp
+# splits those with Llama 3's regex, as their tokenizer.json does, and so does llamatrace.)
 TEKKEN_PATTERN = "|".join((
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*""",
@@ -132,7 +134,7 @@ WHOLE_TEXT_PATTERN = r"[\s\S]+"  # one piece: SentencePiece, and each piece of a
 PRE_ALIASES: dict[str, str] = {
     "gpt2": "gpt2", "gpt-2": "gpt2", "phi-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2",
     "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "falcon3": "llama3",
-    "dbrx": "llama3", "smaug-bpe": "llama3",
+    "dbrx": "llama3", "smaug-bpe": "llama3", "pixtral": "llama3",
     "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2", "qwen35": "qwen35",
     "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "codeshell": "smollm",
     "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
