@@ -194,7 +194,9 @@ class Llama:
             ModelNotFoundError, ModelFormatError: the file is missing or malformed, or (``path``
                 ``None``) the default model is not downloaded and ``fetch`` is False or fails.
             UnsupportedModelError: architecture, vocabulary, rope scaling (LongRoPE) or a tensor type
-                llamatrace can't run; refused before any weight is packed or cached.
+                llamatrace can't run; refused before any weight is packed or cached. Also a tensor
+                the forward pass would never read (after block 0's weights are packed, or the
+                last; nothing is cached).
             OptionError: an unknown ``activations``, ``"q8"`` on a CPU without AVX2, a malformed
                 ``$LLAMATRACE_PACKED_CACHE_GB``.
         """
