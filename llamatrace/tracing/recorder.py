@@ -115,6 +115,20 @@ def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def finite_json(value: Any) -> Any:
+    """``value`` for JSON: through dicts, lists and tuples, every NaN or infinite float (Python or
+    NumPy) becomes ``None`` and NumPy scalars and arrays become Python ones."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        value = value.tolist()
+    if isinstance(value, float):
+        return finite_or_none(value)
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
 def tensor_stats(array: np.ndarray) -> dict[str, Any]:
     """sum, mean, rms, min, max, abs_max over finite values (float64), and nan/inf counts.
 
