@@ -146,16 +146,12 @@ def _print_json(f, path) -> None:
     ``tensors`` with ``name``, ``type``, ``shape`` [out, in] and ``bytes``)."""
     import json
 
-    import numpy as np
-
     from llamatrace.cli.app import stdout
     from llamatrace.gguf.reader import tensor_type_name
     from llamatrace.model.config import ModelConfig
     from llamatrace.tracing.recorder import finite_json
 
-    def plain(value):                   # numpy scalars and arrays, bytes: as JSON has them
-        if isinstance(value, (np.generic, np.ndarray)):
-            return value.tolist()
+    def plain(value):                   # bytes and the rest, as text (finite_json took NumPy's values)
         if isinstance(value, bytes):
             return value.decode("utf-8", errors="replace")
         return str(value)
@@ -175,7 +171,6 @@ def _print_json(f, path) -> None:
     doc["tensors"] = [{"name": name, "type": tensor_type_name(t), "shape": list(f.matrix_shape(name)),
                        "bytes": int(t.n_bytes)} for name, t in f.tensors.items()]
     stdout.write(json.dumps(finite_json(doc), ensure_ascii=False, default=plain, allow_nan=False) + "\n")
-
 
 
 def _int8_path(type_names: tuple[str, ...]) -> str:
