@@ -91,14 +91,15 @@ def test_missing_tensor_is_named(tmp_path):
 
 
 def test_tensors_the_forward_pass_never_reads_are_refused(tmp_path):
-    """Attention biases in a ``llama`` file (some finetunes carry them; llama.cpp adds them) would be
-    left out of the arithmetic in silence: refused, naming the first and the kinds of the rest."""
-    biases = {f"blk.{i}.attn_{x}.bias": np.ones(64 if x == "q" else 32) for i in range(2) for x in "qkv"}
+    """FFN biases in a ``llama`` file (llama.cpp adds them; its attention biases we add too:
+    tests/test_layouts.py) would be left out of the arithmetic in silence: refused, naming the
+    first and the kinds of the rest."""
+    biases = {f"blk.{i}.ffn_{x}.bias": np.ones(64 if x == "down" else 96) for i in range(2) for x in ("gate", "up", "down")}
     path = write_tiny_llama(tmp_path / "b.gguf", extra_tensors=biases)
     with pytest.raises(UnsupportedModelError) as err:
         Llama.load(path, cache=False)
-    assert str(err.value).startswith("b.gguf: tensor 'blk.0.attn_q.bias' is not part of the llama forward pass")
-    assert "(3 such tensors: blk.N.attn_k.bias, blk.N.attn_q.bias, blk.N.attn_v.bias)" in str(err.value)
+    assert str(err.value).startswith("b.gguf: tensor 'blk.0.ffn_gate.bias' is not part of the llama forward pass")
+    assert "(3 such tensors: blk.N.ffn_down.bias, blk.N.ffn_gate.bias, blk.N.ffn_up.bias)" in str(err.value)
     # a stray tensor outside the blocks is found once every tensor has been read
     path = write_tiny_llama(tmp_path / "o.gguf", extra_tensors={"output.bias": np.ones(8)})
     with pytest.raises(UnsupportedModelError, match=r"'output.bias' is not part .*\(1 such tensor: output.bias\)"):

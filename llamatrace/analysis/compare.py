@@ -409,7 +409,8 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
     (:class:`llamatrace.peers.llamacpp.Captured`). Layout fixes: rows flattened to
     ``[seq_len, features]``; ``kq``/``kq_soft_max`` trimmed from the padded KV cells to
     ``kv_len = start_pos + seq_len``; the mask trimmed to ``[seq_len, kv_len]`` (prefill only,
-    as ours); ``*_heads`` are the matmul split by the RoPE output's head_dim. A second tensor of
+    as ours); ``*_heads`` are the matmul split by the RoPE output's head_dim; a fused ``wqkv``
+    (``wqkv_b`` with its bias) is split into ``Qcur``, ``Kcur``, ``Vcur`` (``_b``). A second tensor of
     the same name and op (``norm``-like duplicates) keeps the first.
 
     ``config`` (the file's :class:`~llamatrace.model.config.ModelConfig`; ``None``: Llama) says
@@ -466,6 +467,15 @@ def llamacpp_stage_arrays(captured: Iterable, step: int, start_pos: int, seq_len
         if not m:
             continue
         base, layer = m.group(1), int(m.group(2))
+        if base in ("wqkv", "wqkv_b") and config is not None and not config.attn_output_gate:
+            # q|k|v fused (build_qkv's wqkv path): split as the loader splits attn_qkv; the bias
+            # add's heads replace the matmul's, as below
+            q, kv = config.q_dim, config.kv_dim
+            for name, part in zip(("Qcur", "Kcur", "Vcur"), np.split(a.reshape(-1, a.shape[-1]), [q, q + kv], axis=1)):
+                out[stage_key(step, layer, name + base[4:])] = part
+                if layer in head_dim:
+                    out[stage_key(step, layer, f"{name}_heads")] = part.reshape(seq_len, -1, head_dim[layer])
+            continue
         if base in ("Qcur", "Kcur", "Vcur") and c.op == "ADD":          # the bias add (Qwen2)
             out[stage_key(step, layer, f"{base}_b")] = a.reshape(-1, a.shape[-1])
             if layer in head_dim:
@@ -573,10 +583,22 @@ def run_hf(path, config, ids: list[int], fed: list[int], *,
     Returns (its module outputs as our keys and layouts, the settings).
 
     Raises:
-        PeerError: torch/transformers are missing or the model cannot be loaded.
+        PeerError: the file's attention tensors are not laid out as the family's usual files
+            (fused q|k|v, biases added or left out: transformers would not read them), or
+            torch/transformers are missing, or the model cannot be loaded.
     """
     from llamatrace.analysis.bench import check_engines
     from llamatrace.errors import PeerError
+    from llamatrace.model.config import ARCHITECTURES
+    spec = ARCHITECTURES[config.arch]
+    odd = [f"{'with' if ours else 'without'} {name}"
+           for name, ours, usual in (("q|k|v fused as attn_qkv", config.fused_qkv, spec.fused_qkv),
+                                     ("q/k/v biases", config.qkv_bias, spec.qkv_bias),
+                                     ("attn_output biases", config.attn_out_bias, spec.attn_out_bias))
+           if ours != usual]
+    if odd:       # transformers' GGUF loader maps a family's usual tensors only: it would run without them
+        raise PeerError(f"hf: this {config.arch} file is {', '.join(odd)}, unlike the family's usual files; "
+                        f"transformers' GGUF loader does not read that layout — use --against llama.cpp")
     check_engines(["hf"])
     from llamatrace.peers.hf import HFModel, hf_stage_arrays
     try:

@@ -84,7 +84,7 @@ def info(
     if "token_embd.weight" in f.tensors:
         from llamatrace.model.config import ModelConfig
         try:
-            c = ModelConfig.from_metadata(meta, vocab_size=f.matrix_shape("token_embd.weight")[0], source=path.name)
+            c = ModelConfig.from_gguf(f)
         except LlamatraceError as exc:
             err.print(f"[yellow]note:[/] llamatrace cannot run this model: {exc}")
         else:
@@ -164,7 +164,7 @@ def _print_json(f, path) -> None:
     f.close()
     if "token_embd.weight" in f.tensors:
         try:
-            c = ModelConfig.from_metadata(meta, vocab_size=f.matrix_shape("token_embd.weight")[0], source=path.name)
+            c = ModelConfig.from_gguf(f)
             doc["config"] = c.to_dict()
         except LlamatraceError as exc:
             doc["not_supported"] = str(exc)

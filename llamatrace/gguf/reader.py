@@ -43,6 +43,7 @@ GGUF_TO_META = {
     "attn_k.bias": "bk",
     "attn_v.bias": "bv",
     "attn_qkv.weight": "wqkv",
+    "attn_qkv.bias": "bqkv",
     "attn_q_norm.weight": "q_norm",
     "attn_k_norm.weight": "k_norm",
     "post_attention_norm.weight": "attention_post_norm",
@@ -79,8 +80,10 @@ def weight_tensor_name(suffix: str, layer: int | None, names: Container[str]) ->
 
 
 _FUSED = {"attn_q.weight": "attn_qkv.weight", "attn_k.weight": "attn_qkv.weight", "attn_v.weight": "attn_qkv.weight",
+          "attn_q.bias": "attn_qkv.bias", "attn_k.bias": "attn_qkv.bias", "attn_v.bias": "attn_qkv.bias",
           "ffn_gate.weight": "ffn_up.weight"}
-"""A weight that a file may store fused into another (Phi-3: q|k|v in ``attn_qkv``, gate|up in ``ffn_up``)."""
+"""A weight that a file may store fused into another (q|k|v in ``attn_qkv``: Phi-3's, or any family's
+converted with ``--fuse-qkv``; Phi-3's gate|up in ``ffn_up``)."""
 FUSED_TENSORS = tuple(sorted(set(_FUSED.values())))
 """Suffixes of the tensors that may hold several weights (``str.endswith`` takes the tuple)."""
 

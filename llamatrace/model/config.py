@@ -10,7 +10,7 @@ the config and never the architecture's name. The values and defaults are llama.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -26,6 +26,9 @@ class Architecture:
         rope_neox: rotate the two halves of each head (GPT-NeoX / HF ``rotate_half``) instead of
             adjacent pairs (GGUF ``llama`` files, whose converter permuted Q/K for that).
         qkv_bias: ``attn_q.bias`` / ``attn_k.bias`` / ``attn_v.bias`` added after the projections.
+            A file decides for itself (:meth:`ModelConfig.from_gguf`): llama.cpp's
+            ``create_tensor_qkv`` makes them optional in every family, as it lets any file store
+            q|k|v fused as one ``attn_qkv`` (``convert_hf_to_gguf.py --fuse-qkv``).
         qk_norm: per-head RMSNorm of q and k (``attn_q_norm`` / ``attn_k_norm``, ``[head_dim]``)
             before the rotary embedding.
         post_norms: RMSNorm of the attention and FFN outputs (``post_attention_norm``,
@@ -46,7 +49,8 @@ class Architecture:
             final logits (``{arch}.attn_logit_softcapping`` / ``final_logit_softcapping`` override
             it). Attention: 0 = never. Final: ``None`` = never, 0 = only if the file sets one.
         fused_qkv, fused_gate_up: q|k|v stored as one ``attn_qkv`` and gate|up as one ``ffn_up`` of
-            ``2·hidden_dim`` rows (gate first).
+            ``2·hidden_dim`` rows (gate first), as the family's files and HF's modules hold them.
+            ``fused_qkv``: a file decides for itself, as ``qkv_bias``.
         wide_query_scale_layers: the block count at which llama.cpp scales queries by
             ``1/√(dim/n_heads)`` instead of ``1/√head_dim`` (Gemma's 27B models); 0 = never.
         llamacpp_scales_q: llama.cpp's graph scales q before q·kᵀ (its ``kq`` is our
@@ -63,6 +67,8 @@ class Architecture:
             ``{arch}.expert_gating_func`` says (gpt-oss: ``"softmax_weight"``); ``None`` = the key's.
         attn_sinks: one learned logit per head (``attn_sinks``) in the attention softmax's denominator.
         attn_out_bias: ``attn_output.bias`` added after the output projection.
+        optional_out_bias: ``attn_output.bias`` is added when the file has it in every layer
+            (llama.cpp's ``llama`` graph: ``wo_b``, not required).
         moe_bias: biases on the router (``ffn_gate_inp.bias``) and the experts
             (``ffn_{gate,up,down}_exps.bias``), added after each product.
         expert_act: the experts' gated activation, ``"silu"`` (SwiGLU) or ``"swiglu_oai"`` (gpt-oss's
@@ -102,6 +108,7 @@ class Architecture:
     expert_gating: str | None = None
     attn_sinks: bool = False
     attn_out_bias: bool = False
+    optional_out_bias: bool = False
     moe_bias: bool = False
     expert_act: str = "silu"
     deltanet: bool = False
@@ -113,7 +120,7 @@ class Architecture:
 # One row per family; llama.cpp's src/models/<arch>.cpp is the reference for each.
 ARCHITECTURES: dict[str, Architecture] = {
     # Mixtral, when the file has experts; llama.cpp's graphs fix the gating of llama, qwen3moe, olmoe
-    "llama": Architecture(expert_weights_norm=True, expert_gating="softmax"),
+    "llama": Architecture(expert_weights_norm=True, expert_gating="softmax", optional_out_bias=True),
     "qwen2": Architecture(rope_neox=True, qkv_bias=True),
     "qwen3": Architecture(rope_neox=True, qk_norm=True),
     # llama.cpp ignores phi3's attention.sliding_window ("Phi SWA is currently disabled"), so do we
@@ -458,10 +465,12 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, f) -> "ModelConfig":
         """The config of an open GGUF file (:class:`~llamatrace.gguf.reader.GGUFFile`): its metadata,
-        and the vocabulary size from the rows of ``token_embd.weight``.
+        the vocabulary size from the rows of ``token_embd.weight``, and how its attention layers
+        store q/k/v and their biases (:func:`_attention_tensors`).
 
         Raises:
-            ModelFormatError: no ``token_embd.weight``; as :meth:`from_metadata`.
+            ModelFormatError: no ``token_embd.weight``; q/k/v biases in some attention layers
+                only; as :meth:`from_metadata`.
             UnsupportedModelError: LongRoPE factors (``rope_factors_long/short.weight``); as
                 :meth:`from_metadata`.
         """
@@ -470,6 +479,7 @@ class ModelConfig:
         from llamatrace.gguf.reader import gguf_name
         vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
         config = cls.from_metadata(f.metadata, vocab_size=vocab_size, source=Path(f.path).name)
+        config = replace(config, **_attention_tensors(f.tensors, config, Path(f.path).name))
         for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
             if name in f.tensors:                      # Phi-3 128k's LongRoPE, whatever the type key says
                 raise UnsupportedModelError(f"{Path(f.path).name}: tensor {name!r} (LongRoPE scaling) is not "
@@ -605,6 +615,35 @@ class ModelConfig:
             **moe,
             **deltanet,
         )
+
+
+def _attention_tensors(names, c: ModelConfig, source: str) -> dict[str, bool]:
+    """``fused_qkv``, ``qkv_bias`` and ``attn_out_bias`` of the file whose tensor names are ``names``,
+    as llama.cpp 0.3.36's ``create_tensor_qkv`` reads them in every family: q|k|v as one
+    ``attn_qkv`` (``convert_hf_to_gguf.py --fuse-qkv``) or three (the loader decides per layer;
+    ``fused_qkv`` says every attention layer is fused); biases, optional, as one ``attn_qkv.bias``
+    or three, beside fused or separate weights, in every attention layer or none.
+    ``attn_output.bias`` is required where the family has it, optional where
+    :attr:`Architecture.optional_out_bias` says (``llama``).
+
+    Raises:
+        ModelFormatError: some attention layers have q/k/v biases and another lacks one.
+    """
+    spec = ARCHITECTURES[c.arch]
+    layers = c.attn_layers
+
+    def every(suffix: str) -> bool:
+        return bool(layers) and all(f"blk.{i}.{suffix}" in names for i in layers)
+    some = any(f"blk.{i}.attn_{x}.bias" in names for i in layers for x in ("q", "k", "v", "qkv"))
+    lacking = [f"blk.{i}.attn_{x}.bias" for i in layers if f"blk.{i}.attn_qkv.bias" not in names
+               for x in "qkv" if f"blk.{i}.attn_{x}.bias" not in names]
+    if some and lacking:
+        raise ModelFormatError(f"{source}: tensor {lacking[0]!r} is missing, while other attention layers have "
+                               f"q/k/v biases; the file is incomplete — re-convert or re-download it")
+    # with an output gate (Qwen3.5) llama.cpp adds q's bias to query|gate before the split, our
+    # Qcur_b after it: such a file (none is known) keeps its biases unread and is refused
+    return dict(fused_qkv=every("attn_qkv.weight"), qkv_bias=some and not spec.attn_output_gate,
+                attn_out_bias=spec.attn_out_bias or (spec.optional_out_bias and every("attn_output.bias")))
 
 
 def _experts(meta: Mapping[str, Any], arch: str, spec: Architecture, as_int, hidden_dim: int,

@@ -59,8 +59,9 @@ class LayerWeights:
     parallel kernel call serves all three (or two) projections, and in ``q8`` mode the input is
     quantized once; ``wqkv`` is wq|wk alone when only wv's type differs (Q4_K_M's Q6_K attn_v,
     then ``wv`` is set); otherwise they are ``None``.
-    Files that store them fused (phi3's ``attn_qkv``, ``ffn_up`` of 2·hidden_dim rows) always
-    load that way. The vectors after ``w2`` exist only for the architectures that declare them.
+    Files that store them fused (``attn_qkv``: phi3's, or any family's converted with
+    ``--fuse-qkv``; phi3's ``ffn_up`` of 2·hidden_dim rows) always load that way. The vectors
+    after ``w2`` exist only for the architectures (or files: q/k/v biases) that declare them.
     A mixture-of-experts layer has ``moe`` (:class:`llamatrace.model.moe.MoEWeights`) and no
     dense FFN matrices (``w1``, ``w3``, ``w13``, ``w2`` all ``None``).
     """
@@ -712,17 +713,20 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
               "attention_norm": (c.dim,), "ffn_norm": (c.dim,),
               "wq": (q_dim, c.dim), "wk": (kv_dim, c.dim), "wv": (kv_dim, c.dim), "wo": (c.dim, q_dim),
               "w1": (c.hidden_dim, c.dim), "w3": (up_rows, c.dim), "w2": (c.dim, c.hidden_dim),
-              "wqkv": (q_dim + 2 * kv_dim, c.dim), "bq": (q_dim,), "bk": (kv_dim,), "bv": (kv_dim,),
+              "bk": (kv_dim,), "bv": (kv_dim,),
               "q_norm": (q_dim if c.qk_norm_flat else hd,), "k_norm": (kv_dim if c.qk_norm_flat else hd,), "attention_post_norm": (c.dim,), "ffn_post_norm": (c.dim,),
               "sinks": (c.n_heads,), "bo": (c.dim,)}
     if c.attn_output_gate:                                               # query | gate per head
         shapes["wq"] = (2 * q_dim, c.dim)
+    q_rows = shapes["wq"][0]
+    shapes |= {"wqkv": (q_rows + 2 * kv_dim, c.dim), "bq": (q_dim,), "bqkv": (q_dim + 2 * kv_dim,)}
     shapes |= deltanet.tensor_shapes(c) if c.recurrent_layers else {}
 
     def raw(meta: str, layer: int | None):
         name = f"blk.{layer}.{deltanet.GGUF_NAMES[meta]}" if meta in deltanet.GGUF_NAMES else gguf_name(meta, layer)
         if name not in f.tensors:
-            raise ModelFormatError(f"{f.path.name}: tensor {name!r} is missing; a {c.arch} model needs it — "
+            fused = f" (or q|k|v fused as {gguf_name('wqkv', layer)!r})" if meta in ("wq", "wk", "wv") else ""
+            raise ModelFormatError(f"{f.path.name}: tensor {name!r}{fused} is missing; a {c.arch} model needs it — "
                                    f"the file is incomplete or not really {c.arch}")
         t = f.tensor(name)
         got, want = f.matrix_shape(name), shapes[meta]
@@ -808,8 +812,8 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
                 w3=matrix("w3", i) if dense else None, w13=w13, w2=None if experts else matrix("w2", i),
                 moe=experts, deltanet=deltanet.load(i, matrix, vector)))
             continue
-        if c.fused_qkv:
-            wqkv = split("wqkv", i, (q_dim, kv_dim, kv_dim))
+        if gguf_name("wqkv", i) in f.tensors:           # per layer, as llama.cpp's create_tensor_qkv
+            wqkv = split("wqkv", i, (q_rows, kv_dim, kv_dim))
         else:
             wqkv = stacked(("wq", "wk", "wv"), i) or stacked(("wq", "wk"), i)
         if experts is None:
@@ -828,7 +832,9 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             w2=None if experts else matrix("w2", i),
             moe=experts,
         )
-        if c.qkv_bias:
+        if c.qkv_bias and gguf_name("bqkv", i) in f.tensors:
+            lw.bq, lw.bk, lw.bv = np.split(vector("bqkv", i), [q_dim, q_dim + kv_dim])
+        elif c.qkv_bias:
             lw.bq, lw.bk, lw.bv = vector("bq", i), vector("bk", i), vector("bv", i)
         if c.qk_norm:
             lw.q_norm, lw.k_norm = vector("q_norm", i), vector("k_norm", i)

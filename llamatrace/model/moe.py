@@ -44,7 +44,7 @@ from typing import Callable
 import gguf
 import numpy as np
 
-from llamatrace.errors import ModelFormatError
+from llamatrace.errors import ModelFormatError, UnsupportedModelError
 from llamatrace.kernels import mul_mat_id as mmid
 from llamatrace.kernels.mul_mat_id import FileExperts
 from llamatrace.kernels.ops import fp32 as kernels
@@ -240,6 +240,7 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable,
     Raises:
         ModelFormatError: the router or an expert tensor is missing, or its shape disagrees with
             ``{arch}.expert_count``, ``embedding_length`` and the experts' hidden width.
+        UnsupportedModelError: the experts are stored one 2-D tensor each (``blk.N.ffn_gate.E.weight``).
     """
     in_file = in_file or (lambda t, n_out, n_in: None)
     n, dim, ff = c.n_expert, c.dim, c.expert_hidden_dim
@@ -252,6 +253,12 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable,
         name = f"blk.{layer}.{short}.weight"
         if name not in f.tensors:
             what = "router" if short == ROUTER_TENSOR else "expert tensor"
+            one = f"blk.{layer}.{short.removesuffix('_exps')}.0.weight"
+            if short != ROUTER_TENSOR and one in f.tensors:   # 2023's Mixtral files: llama.cpp dropped them too
+                raise UnsupportedModelError(
+                    f"{f.path.name}: the experts are stored one tensor each ({one!r} …), the layout of early "
+                    f"(2023 – early 2024) Mixtral GGUF files, which llama.cpp no longer loads either; re-convert the model "
+                    f"with a current convert_hf_to_gguf.py, or download a newer GGUF of it")
             raise ModelFormatError(f"{f.path.name}: tensor {name!r} (the {what}) is missing; a {c.arch} mixture of "
                                    f"experts needs it — the file is incomplete or not really {c.arch}")
         got = f.matrix_shape(name)

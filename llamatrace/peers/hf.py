@@ -23,7 +23,7 @@ def layer_hooks(config) -> dict[str, tuple[str, str]]:
     ``pre_feedforward_layernorm``."""
     c = config
     hooks = {"attn_norm": ("input_layernorm", "out")}
-    if c.fused_qkv:
+    if c.fused_qkv:                    # the file's layout is the family's: compare.run_hf checks
         hooks["qkv"] = ("self_attn.qkv_proj", "out")
     else:
         b = "_b" if c.qkv_bias else ""

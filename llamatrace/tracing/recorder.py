@@ -312,8 +312,9 @@ class Recorder:
     def input_shapes(self, stage_id: str, layer: int | None, out_rows: int | None = None) -> dict[str, list[int]]:
         """The event's ``inputs``: chapter input names → shapes, weights as ``"<name> weights"``.
 
-        A weight read from a fused tensor (Phi-3's ``attn_qkv``, ``ffn_up``) is given as the rows
-        the stage uses, ``[out_rows, in_features]``: ``out_rows`` is the stage output's last dim."""
+        A weight read from a fused tensor (``attn_qkv``, its bias, Phi-3's ``ffn_up``) is given as
+        the rows the stage uses, ``[out_rows, in_features]`` (a bias ``[out_rows]``): ``out_rows`` is
+        the stage output's last dim."""
         stage = STAGE_BY_ID[stage_id]
         shapes = self._input_cache.get(stage_id)
         if shapes is None:        # formulas depend only on the step's dims: evaluate once per step
@@ -323,8 +324,8 @@ class Recorder:
             tensor = weight_tensor_name(suffix, layer, self._weight_shapes)[0]
             shape = self._weight_shapes.get(tensor)
             if shape is not None:
-                fused = out_rows is not None and len(shape) == 2 and tensor.endswith(FUSED_TENSORS)
-                out[f"{name} weights"] = [out_rows, shape[1]] if fused else list(shape)
+                fused = out_rows is not None and tensor.endswith(FUSED_TENSORS)
+                out[f"{name} weights"] = [out_rows, *shape[1:]] if fused else list(shape)
         return out
 
     def _record(self, step: int, start_pos: int, seq_len: int, layer: int | None, stage_id: str,
