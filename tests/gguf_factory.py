@@ -176,10 +176,11 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
 
 
 def rewrite_metadata(src: str | Path, dst: str | Path, changes: dict[str, tuple],
-                     extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+                     extra_tensors: dict[str, np.ndarray] | None = None, tensors=None) -> Path:
     """Copy the GGUF ``src`` to ``dst`` with metadata changed: ``key → (value, GGUFValueType)``
     or ``(values, GGUFValueType.ARRAY, element type)`` (a new key is added at the end);
-    ``general.architecture`` takes ``(name,)``. Tensors are copied byte for byte, then
+    ``general.architecture`` takes ``(name,)``. Tensors are copied byte for byte (or, with
+    ``tensors``, what ``tensors(reader)`` yields: ``(name, data, GGMLQuantizationType)``), then
     ``extra_tensors`` (name → array, stored as F32) are appended."""
     r = gguf.GGUFReader(str(src))
     arch = changes.get("general.architecture", (r.fields["general.architecture"].contents(),))[0]
@@ -195,8 +196,8 @@ def rewrite_metadata(src: str | Path, dst: str | Path, changes: dict[str, tuple]
                             sub_type=field.types[-1] if len(field.types) > 1 else None)
     for key, change in todo.items():
         w.add_key_value(key, *change)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    for name, data, kind in (tensors or _same_tensors)(r):
+        w.add_tensor(name, data, raw_dtype=kind)
     for name, data in (extra_tensors or {}).items():
         w.add_tensor(name, np.asarray(data, dtype=np.float32))
     w.write_header_to_file()
@@ -204,3 +205,8 @@ def rewrite_metadata(src: str | Path, dst: str | Path, changes: dict[str, tuple]
     w.write_tensors_to_file()
     w.close()
     return Path(dst)
+
+
+def _same_tensors(r: gguf.GGUFReader):
+    for t in r.tensors:
+        yield t.name, np.asarray(t.data), t.tensor_type

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from arch_files import write_arch_file  # noqa: E402
-from gguf_factory import write_tiny_llama  # noqa: E402
+from gguf_factory import rewrite_metadata, write_tiny_llama  # noqa: E402
 from gptoss_files import write_gptoss_file  # noqa: E402
 from moe_files import write_moe_file  # noqa: E402
 
@@ -34,63 +34,41 @@ QKV = ("attn_q", "attn_k", "attn_v")
 
 
 def relayout(src: str | Path, dst: str | Path, *, fuse: bool = False, split: tuple[int, int, int] | None = None,
-             fuse_bias: bool = True, layers: tuple[int, ...] | None = None,
+             fuse_bias: bool = True, layers: tuple[int, ...] | None = None, drop: tuple[str, ...] = (),
              biases: dict[str, np.ndarray] | None = None) -> Path:
     """Copy the GGUF ``src`` to ``dst`` with its attention tensors in another layout.
 
     ``fuse``: each layer's ``attn_q|k|v.weight`` → ``attn_qkv.weight`` (and their biases →
     ``attn_qkv.bias`` if ``fuse_bias``); ``layers`` limits it to those layers. ``split``: the rows
-    (q, k, v) of each ``attn_qkv.weight``, written as three tensors. ``biases``: tensors (name → float32
-    array) added at the end, such as ``blk.0.attn_q.bias``.
+    (q, k, v) of each ``attn_qkv.weight``, written as three tensors. ``drop``: leave out the tensors
+    whose names end so. ``biases``: tensors (name → float32 array) added at the end, such as
+    ``blk.0.attn_q.bias``.
     """
-    r = gguf.GGUFReader(str(src))
-    arch = r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
-    for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        w.add_key_value(key, field.contents(), field.types[0],
-                        sub_type=field.types[-1] if len(field.types) > 1 else None)
-    tensors = {t.name: t for t in r.tensors}
-
-    def picked(name: str) -> bool:
-        return layers is None or int(name.split(".")[1]) in layers
-
-    def rows(t) -> np.ndarray:
-        """The tensor's data as rows in NumPy order (bytes for quantized types)."""
-        return np.asarray(t.data)
-
-    groups = {}                                       # the attn_q tensor → its q, k, v names
-    for name in tensors:
-        parts = name.split(".")
-        if fuse and len(parts) == 4 and parts[2] == "attn_q" and picked(name) and (parts[3] == "weight" or fuse_bias):
-            names = [f"blk.{parts[1]}.{n}.{parts[3]}" for n in QKV]
-            if all(n in tensors for n in names):
-                assert len({tensors[n].tensor_type for n in names}) == 1, f"q, k, v of another type each: {names}"
-                groups[name] = names
-    fused = {n for names in groups.values() for n in names}
-    for t in r.tensors:
-        parts = t.name.split(".")
-        if t.name in groups:
-            w.add_tensor(f"blk.{parts[1]}.attn_qkv.{parts[3]}",
-                         np.concatenate([rows(tensors[n]) for n in groups[t.name]], axis=0), raw_dtype=t.tensor_type)
-            continue
-        if t.name in fused:
-            continue
-        if split and len(parts) == 4 and parts[2] == "attn_qkv" and parts[3] == "weight" and picked(t.name):
-            data, at = rows(t), 0
-            for n, k in zip(QKV, split):
-                w.add_tensor(f"blk.{parts[1]}.{n}.weight", data[at:at + k], raw_dtype=t.tensor_type)
-                at += k
-            continue
-        w.add_tensor(t.name, rows(t), raw_dtype=t.tensor_type)
-    for name, data in (biases or {}).items():
-        w.add_tensor(name, np.asarray(data, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return Path(dst)
+    def tensors(r: gguf.GGUFReader):
+        by_name = {t.name: t for t in r.tensors}
+        groups = {}                                   # an attn_q tensor → its q, k, v names
+        for name in by_name:
+            parts = name.split(".")
+            if (fuse and len(parts) == 4 and parts[2] == "attn_q" and (layers is None or int(parts[1]) in layers)
+                    and (parts[3] == "weight" or fuse_bias)):
+                names = [f"blk.{parts[1]}.{n}.{parts[3]}" for n in QKV]
+                if all(n in by_name for n in names):
+                    assert len({by_name[n].tensor_type for n in names}) == 1, f"q, k, v of another type each: {names}"
+                    groups[name] = names
+        fused = {n for names in groups.values() for n in names}
+        for t in r.tensors:
+            parts = t.name.split(".")
+            if t.name in groups:
+                yield (f"blk.{parts[1]}.attn_qkv.{parts[3]}",
+                       np.concatenate([np.asarray(by_name[n].data) for n in groups[t.name]]), t.tensor_type)
+            elif split and len(parts) == 4 and parts[2:] == ["attn_qkv", "weight"]:
+                at = 0
+                for n, k in zip(QKV, split):
+                    yield f"blk.{parts[1]}.{n}.weight", np.asarray(t.data)[at:at + k], t.tensor_type
+                    at += k
+            elif t.name not in fused and not t.name.endswith(drop):
+                yield t.name, np.asarray(t.data), t.tensor_type
+    return rewrite_metadata(src, dst, {}, extra_tensors=biases, tensors=tensors)
 
 
 LAYOUTS = ("llama_biases", "qwen2_fused", "qwen2_no_biases", "phi3_split", "qwen3moe_fused", "gptoss_fused")
@@ -116,7 +94,7 @@ def write_layout_file(path: str | Path, name: str) -> Path:
             write_arch_file(plain, "qwen2")
             if name == "qwen2_fused":
                 return relayout(plain, path, fuse=True)
-            return _drop(plain, path, (".attn_q.bias", ".attn_k.bias", ".attn_v.bias"))
+            return relayout(plain, path, drop=(".attn_q.bias", ".attn_k.bias", ".attn_v.bias"))
         if name == "phi3_split":
             write_arch_file(plain, "phi3")
             r = gguf.GGUFReader(str(plain))
@@ -130,24 +108,6 @@ def write_layout_file(path: str | Path, name: str) -> Path:
         else:
             raise ValueError(f"no layout file {name!r}; one of {LAYOUTS}")
         return relayout(plain, path, fuse=True)
-
-
-def _drop(src: Path, dst: Path, suffixes: tuple[str, ...]) -> Path:
-    """Copy ``src`` to ``dst`` without the tensors whose names end with one of ``suffixes``."""
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
-    for key, field in r.fields.items():
-        if not (key.startswith("GGUF.") or key == "general.architecture"):
-            w.add_key_value(key, field.contents(), field.types[0],
-                            sub_type=field.types[-1] if len(field.types) > 1 else None)
-    for t in r.tensors:
-        if not t.name.endswith(suffixes):
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 if __name__ == "__main__":

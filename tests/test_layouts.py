@@ -21,7 +21,7 @@ import pytest
 
 from arch_files import relative, run_positions, write_arch_file
 from cli_helpers import assert_one_line_error, run
-from gguf_factory import write_tiny_llama
+from gguf_factory import rewrite_metadata, write_tiny_llama
 from gptoss_files import write_gptoss_file
 from layout_files import LAYOUTS, relayout, write_layout_file
 from moe_files import write_moe_file
@@ -161,25 +161,16 @@ def test_generate_runs_on_a_fused_moe_file(layout_paths, capsys):
 
 def test_mixtral_files_with_one_tensor_per_expert_are_refused_in_one_line(tmp_path, capsys):
     """Early Mixtral GGUFs stored blk.N.ffn_gate.E.weight, one 2-D tensor per expert."""
-    merged = write_moe_file(tmp_path / "m.gguf", "mixtral")
-    r = gguf.GGUFReader(str(merged))
-    w = gguf.GGUFWriter(str(tmp_path / "split.gguf"), "llama")
-    for key, field in r.fields.items():
-        if not (key.startswith("GGUF.") or key == "general.architecture"):
-            w.add_key_value(key, field.contents(), field.types[0],
-                            sub_type=field.types[-1] if len(field.types) > 1 else None)
-    for t in r.tensors:
-        if t.name.endswith("_exps.weight"):
-            for e in range(t.data.shape[0]):
-                w.add_tensor(t.name.replace("_exps.weight", f".{e}.weight"), np.ascontiguousarray(t.data[e]),
-                             raw_dtype=t.tensor_type)
-        else:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    assert_one_line_error(*run(capsys, "generate", "-m", tmp_path / "split.gguf", "--raw", "hi", "-n", "1"),
+    def one_per_expert(r):
+        for t in r.tensors:
+            if t.name.endswith("_exps.weight"):
+                for e in range(t.data.shape[0]):
+                    yield t.name.replace("_exps.weight", f".{e}.weight"), np.ascontiguousarray(t.data[e]), t.tensor_type
+            else:
+                yield t.name, np.asarray(t.data), t.tensor_type
+    split = rewrite_metadata(write_moe_file(tmp_path / "m.gguf", "mixtral"), tmp_path / "split.gguf", {},
+                             tensors=one_per_expert)
+    assert_one_line_error(*run(capsys, "generate", "-m", split, "--raw", "hi", "-n", "1"),
                           "blk.0.ffn_gate.0.weight", "re-convert")
 
 
