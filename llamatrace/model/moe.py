@@ -256,9 +256,9 @@ def load(f, c: ModelConfig, layer: int, pack: Callable, pack_rows: Callable,
             one = f"blk.{layer}.{short.removesuffix('_exps')}.0.weight"
             if short != ROUTER_TENSOR and one in f.tensors:   # 2023's Mixtral files: llama.cpp dropped them too
                 raise UnsupportedModelError(
-                    f"{f.path.name}: the experts are stored one tensor each ({one!r} …), the layout of early "
-                    f"(2023 – early 2024) Mixtral GGUF files, which llama.cpp no longer loads either; re-convert the model "
-                    f"with a current convert_hf_to_gguf.py, or download a newer GGUF of it")
+                    f"{f.path.name}: the experts are stored one tensor each ({one!r} …), the layout of "
+                    f"early (2023 – early 2024) Mixtral GGUF files, which llama.cpp no longer loads either; "
+                    f"re-convert the model with a current convert_hf_to_gguf.py, or download a newer GGUF of it")
             raise ModelFormatError(f"{f.path.name}: tensor {name!r} (the {what}) is missing; a {c.arch} mixture of "
                                    f"experts needs it — the file is incomplete or not really {c.arch}")
         got = f.matrix_shape(name)
