@@ -417,7 +417,7 @@ def test_compare_against_llamacpp_finds_no_divergence_and_pairs_the_new_stages(a
     assert report["first_divergence"] is None
     paired = {r["stage"] for r in report["rows"] if r["status"] == "ok"}
     wanted = {"qwen2": {"Qcur_b", "Kcur_b", "Vcur_b", "Qcur_heads"}, "qwen3": {"Qcur_normed", "Kcur_normed"},
-              "phi3": {"Qcur_rope", "kq_scaled", "ffn_swiglu"},
+              "phi3": {"Qcur_rope", "kq_scaled", "ffn_swiglu", "Qcur", "Kcur_heads", "Vcur_heads"},   # its wqkv split
               "gemma2": {"inp_scaled", "kq_scaled", "kq_softcap", "attn_post_norm", "ffn_geglu", "result_softcap"},
               "gemma3": {"inp_scaled", "Qcur_normed", "attn_post_norm", "ffn_post_norm", "ffn_geglu"}}[arch]
     assert wanted <= paired, wanted - paired
