@@ -205,3 +205,12 @@ def test_llamacpps_fused_wqkv_tensors_are_split_as_the_loader_splits_attn_qkv(la
     np.testing.assert_array_equal(got[stage_key(0, 0, "Vcur_b")], rows[:, c.q_dim + c.kv_dim:] + 1)
     assert got[stage_key(0, 0, "Qcur_heads")].shape == (seq_len, c.n_heads, c.head_dim)
     np.testing.assert_array_equal(got[stage_key(0, 0, "Qcur_heads")].reshape(seq_len, -1), rows[:, :c.q_dim] + 1)
+
+
+def test_info_shows_the_layout_the_file_has(layout_paths, capsys):
+    code, out, err = run(capsys, "info", "-m", layout_paths["qwen2_fused"], "--json")
+    assert code == 0, err
+    config = json.loads(out)["config"]
+    assert config["fused_qkv"] is True and config["qkv_bias"] is True
+    code, out, err = run(capsys, "info", "-m", layout_paths["qwen2_no_biases"], "--json")
+    assert "qkv_bias" not in json.loads(out)["config"]           # plain Llama's default, not shown
