@@ -58,6 +58,21 @@ def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int, n_ctx: int = 64) 
         engine.close()
 
 
+def record(path: Path, name: str, cpp: dict, about: str = "") -> np.ndarray:
+    """Put llama.cpp's ``{name}_ids``, ``{name}_prefill`` and ``{name}_decode`` for the file at
+    ``path`` into ``cpp`` (ids: :func:`token_ids` of its vocabulary); return the ids."""
+    engine = LlamaCpp(str(path), n_ctx=64, threads=1)
+    vocab = engine.vocab_size
+    engine.close()
+    ids = token_ids(vocab)
+    cpp[f"{name}_ids"] = ids
+    cpp[f"{name}_prefill"] = llamacpp_logits(path, ids, N)
+    cpp[f"{name}_decode"] = llamacpp_logits(path, ids, PREFILL)
+    gap = np.abs(cpp[f"{name}_prefill"] - cpp[f"{name}_decode"]).max()
+    print(f"{name}: llama.cpp prefill vs decode max |diff| {gap:.2e} ({about}{N} tokens)")
+    return ids
+
+
 def hf_logits(path: Path, ids: np.ndarray) -> np.ndarray | None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -81,15 +96,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in ARCHS:
             path = write_arch_file(Path(tmp) / f"tiny-{arch}.gguf", arch)
-            engine = LlamaCpp(str(path), n_ctx=64, threads=1)
-            vocab = engine.vocab_size
-            engine.close()
-            ids = token_ids(vocab)
-            cpp[f"{arch}_ids"] = ids
-            cpp[f"{arch}_prefill"] = llamacpp_logits(path, ids, N)
-            cpp[f"{arch}_decode"] = llamacpp_logits(path, ids, PREFILL)
-            gap = np.abs(cpp[f"{arch}_prefill"] - cpp[f"{arch}_decode"]).max()
-            print(f"{arch}: llama.cpp prefill vs decode max |diff| {gap:.2e} (window {WINDOW}, {N} tokens)")
+            ids = record(path, arch, cpp, f"window {WINDOW}, ")
             if arch in HF_ARCHS and not args.no_hf:
                 got = hf_logits(path, ids)
                 if got is not None:

@@ -30,8 +30,7 @@ sys.path.insert(0, str(ROOT))                        # this checkout's llamatrac
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "golden"))
 from layout_files import LAYOUTS, write_layout_file  # noqa: E402
-from make_arch_golden import N, PREFILL, llamacpp_logits, token_ids  # noqa: E402
-from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
+from make_arch_golden import record  # noqa: E402
 
 
 def main() -> None:
@@ -41,16 +40,7 @@ def main() -> None:
     cpp = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in LAYOUTS:
-            path = write_layout_file(Path(tmp) / f"{name}.gguf", name)
-            engine = LlamaCpp(str(path), n_ctx=64, threads=1)
-            vocab = engine.vocab_size
-            engine.close()
-            ids = token_ids(vocab)
-            cpp[f"{name}_ids"] = ids
-            cpp[f"{name}_prefill"] = llamacpp_logits(path, ids, N)
-            cpp[f"{name}_decode"] = llamacpp_logits(path, ids, PREFILL)
-            gap = np.abs(cpp[f"{name}_prefill"] - cpp[f"{name}_decode"]).max()
-            print(f"{name}: llama.cpp prefill vs decode max |diff| {gap:.2e} ({N} tokens)")
+            record(write_layout_file(Path(tmp) / f"{name}.gguf", name), name, cpp)
     np.savez_compressed(args.out / "layout_llamacpp.npz", **cpp)
     import llama_cpp
     print(f"wrote {args.out / 'layout_llamacpp.npz'} (llama-cpp-python {llama_cpp.__version__})")
