@@ -208,5 +208,6 @@ def rewrite_metadata(src: str | Path, dst: str | Path, changes: dict[str, tuple]
 
 
 def _same_tensors(r: gguf.GGUFReader):
+    """Every tensor of ``r`` as it is: ``(name, data, type)``."""
     for t in r.tensors:
         yield t.name, np.asarray(t.data), t.tensor_type

@@ -832,10 +832,10 @@ def _load_weights(f: GGUFFile, c: ModelConfig, progress: Callable[[int, int], No
             w2=None if experts else matrix("w2", i),
             moe=experts,
         )
-        if c.qkv_bias and gguf_name("bqkv", i) in f.tensors:
-            lw.bq, lw.bk, lw.bv = np.split(vector("bqkv", i), [q_dim, q_dim + kv_dim])
-        elif c.qkv_bias:
-            lw.bq, lw.bk, lw.bv = vector("bq", i), vector("bk", i), vector("bv", i)
+        if c.qkv_bias:                                   # one attn_qkv.bias or three, per layer
+            lw.bq, lw.bk, lw.bv = (np.split(vector("bqkv", i), [q_dim, q_dim + kv_dim])
+                                   if gguf_name("bqkv", i) in f.tensors
+                                   else (vector("bq", i), vector("bk", i), vector("bv", i)))
         if c.qk_norm:
             lw.q_norm, lw.k_norm = vector("q_norm", i), vector("k_norm", i)
         if c.post_norms:

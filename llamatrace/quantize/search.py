@@ -157,7 +157,8 @@ def make_groups(file, n_layers: int, requested: Sequence[T]) -> list[Group]:
     fused = [n for n in file.tensors if n.endswith(".attn_qkv.weight")
              and n.replace(".attn_qkv.", ".ssm_out.") not in file.tensors]
     if fused:
-        raise UnsupportedModelError("the recipe search does not handle fused attn_qkv tensors (phi3, or a file converted with --fuse-qkv) yet")
+        raise UnsupportedModelError("the recipe search does not handle fused attn_qkv tensors "
+                                    "(phi3, or a file converted with --fuse-qkv) yet")
     groups = []
 
     def add(name: str, layer: int) -> None:

@@ -58,13 +58,14 @@ def llamacpp_logits(path: Path, ids: np.ndarray, prefill: int, n_ctx: int = 64) 
         engine.close()
 
 
-def record(path: Path, name: str, cpp: dict, about: str = "") -> np.ndarray:
+def record(path: Path, name: str, cpp: dict, about: str = "", ids_of=None) -> np.ndarray:
     """Put llama.cpp's ``{name}_ids``, ``{name}_prefill`` and ``{name}_decode`` for the file at
-    ``path`` into ``cpp`` (ids: :func:`token_ids` of its vocabulary); return the ids."""
+    ``path`` into ``cpp`` (ids: ``ids_of`` — default :func:`token_ids` — of its vocabulary size);
+    return the ids."""
     engine = LlamaCpp(str(path), n_ctx=64, threads=1)
     vocab = engine.vocab_size
     engine.close()
-    ids = token_ids(vocab)
+    ids = (ids_of or token_ids)(vocab)
     cpp[f"{name}_ids"] = ids
     cpp[f"{name}_prefill"] = llamacpp_logits(path, ids, N)
     cpp[f"{name}_decode"] = llamacpp_logits(path, ids, PREFILL)

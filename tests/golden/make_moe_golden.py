@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))                        # this checkout's llamatrac
 sys.path.insert(0, str(ROOT / "tests"))
 from moe_files import ARCHS, T, write_moe_file  # noqa: E402
 from llamatrace.peers.llamacpp import LlamaCpp  # noqa: E402
-from make_arch_golden import llamacpp_logits  # noqa: E402  (tests/golden/, beside this script)
+from make_arch_golden import llamacpp_logits, record  # noqa: E402  (tests/golden/, beside this script)
 
 N = 16                                  # tokens
 PREFILL = 4                             # the decode run: 4 tokens in one batch, then 1 a step
@@ -60,16 +60,7 @@ def main() -> None:
         for name in ARCHS:
             for suffix, qtype in VARIANTS.items():
                 key = name + suffix
-                path = write_moe_file(Path(tmp) / f"tiny-{key}.gguf", name, qtype=qtype)
-                engine = LlamaCpp(str(path), n_ctx=64, threads=1)
-                vocab = engine.vocab_size
-                engine.close()
-                ids = token_ids(vocab)
-                out[f"{key}_ids"] = ids
-                out[f"{key}_prefill"] = llamacpp_logits(path, ids, N)
-                out[f"{key}_decode"] = llamacpp_logits(path, ids, PREFILL)
-                gap = np.abs(out[f"{key}_prefill"] - out[f"{key}_decode"]).max()
-                print(f"{key}: llama.cpp prefill vs decode max |diff| {gap:.2e}")
+                record(write_moe_file(Path(tmp) / f"tiny-{key}.gguf", name, qtype=qtype), key, out, ids_of=token_ids)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_moe_file(Path(tmp) / "tiny-mixtral-tie.gguf", "mixtral", kv={"expert_used_count": 1}, tie=TIE)
         ids = out["mixtral_ids"]
