@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gguf_factory import CHATML, _store, vocabulary  # noqa: E402
+from gguf_factory import CHATML, _store, vocabulary, write_tiny_llama  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 ARCHS = ("qwen2", "qwen3", "phi3", "gemma2", "gemma3")
@@ -57,14 +57,54 @@ ROPE_VARIANTS = {
                                "scaling.attn_factor": 1.25}),
 }
 
+# LongRoPE files (Phi-3.5-mini, Phi-3's 128k variants; partial rotary as Phi-4-mini; llama.cpp's
+# llama graph reads the factors too): (architecture, ``{arch}.rope.*`` keys). Their factors are
+# :func:`longrope_factors`'s. llama.cpp pads its context to a multiple of 256, so the original
+# context is 256: a 256-position context rotates with the short factors, a 512-position one with
+# the long ones; the file's own context is 1024. The attention factor is what Phi-3's converter
+# writes for 128k from 4k: sqrt(1 + ln 32 / ln 4096). The llama file is gguf_factory's (F32); its
+# graph reads the factors only with the type key ``longrope``.
+LONGROPE_CONTEXT = 1024
+LONGROPE_VARIANTS = {
+    "phi3_longrope": ("phi3", {"scaling.original_context_length": 256, "scaling.attn_factor": 1.1902381}),
+    "phi3_longrope_partial": ("phi3", {"scaling.original_context_length": 256, "scaling.attn_factor": 1.1902381,
+                                       "dimension_count": 12}),
+    "llama_longrope": ("llama", {"scaling.type": "longrope", "scaling.original_context_length": 256}),
+}
+
+
+def longrope_factors(rope_dim: int) -> dict[str, np.ndarray]:
+    """LongRoPE's tensors for ``rope_dim`` rotated dims: float32 ``[rope_dim/2]`` each, shaped like
+    Phi-3.5-mini's (short ~1–1.4, long rising from 1 to ~50 over the slow pairs)."""
+    i = np.linspace(0.0, 1.0, rope_dim // 2)
+    return {"rope_factors_short.weight": (1.0 + 0.4 * i ** 2).astype(np.float32),
+            "rope_factors_long.weight": (1.0 + 49.0 * i ** 3).astype(np.float32)}
+
+
+def write_longrope(directory: str | Path, name: str, factors: dict[str, np.ndarray] | None = None, **keys) -> Path:
+    """The LongRoPE file ``name`` of :data:`LONGROPE_VARIANTS` in ``directory``, with
+    :func:`longrope_factors` (or ``factors``: ``{}`` leaves them out) and ``keys`` as more
+    ``{arch}.rope.*`` keys."""
+    arch, rope = LONGROPE_VARIANTS[name]
+    rope = rope | keys
+    extra = longrope_factors(int(rope.get("dimension_count", 16))) if factors is None else factors
+    path = Path(directory) / f"{name}{'' if factors is None else '-' + str(len(factors))}.gguf"
+    if arch == "llama":
+        return write_tiny_llama(path, qtype=T.F32, context_length=LONGROPE_CONTEXT, extra_tensors=extra,
+                                extra_kv={f"llama.rope.{k}": v for k, v in rope.items()})
+    return write_arch_file(path, arch, rope=rope, extra=extra, context=LONGROPE_CONTEXT)
+
 
 def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32,
-                    skip_tensors: tuple[str, ...] = (), rope: dict[str, object] | None = None) -> Path:
+                    skip_tensors: tuple[str, ...] = (), rope: dict[str, object] | None = None,
+                    extra: dict[str, np.ndarray] | None = None, context: int | None = None) -> Path:
     """Write a random ``arch`` GGUF (one of :data:`ARCHS`) at ``path`` and return the path.
     Matrices are stored as ``qtype`` (F32 for the fidelity tests, Q8_0 for the q8 mode's); norms
     and biases always F32. ``skip_tensors`` leaves those tensors out (a broken file). ``rope``:
     ``{arch}.rope.*`` keys to write or replace (``{"scaling.type": "linear", "scaling.factor": 8.0}``;
-    str, int as uint32, float as float32); the weights stay those of the plain file."""
+    str, int as uint32, float as float32); the weights stay those of the plain file. ``extra``:
+    more tensors, F32, after the others (LongRoPE's factors); ``context``: ``context_length``
+    (default :data:`CONTEXT`)."""
     spec = SPECS[arch]
     rng = np.random.default_rng([seed, ARCHS.index(arch)])
     n_layers, n_heads, n_kv_heads, hd = spec["n_layers"], spec["n_heads"], spec["n_kv_heads"], spec["head_dim"]
@@ -74,15 +114,14 @@ def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32
     # not "…phi3…": llama.cpp then looks up Phi-3's </s> and <unk> tokens, absent from this vocabulary
     w.add_name("tiny-random-arch-test")
     w.add_block_count(n_layers)
-    w.add_context_length(CONTEXT)
+    w.add_context_length(context or CONTEXT)
     w.add_embedding_length(DIM)
     w.add_feed_forward_length(HIDDEN)
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv_heads)
     w.add_key_length(hd)
     w.add_value_length(hd)
-    w.add_rope_dimension_count(hd)
-    rope = {"freq_base": spec.get("rope_theta", 10000.0)} | dict(rope or {})
+    rope = {"dimension_count": hd, "freq_base": spec.get("rope_theta", 10000.0)} | dict(rope or {})
     for key, value in rope.items():
         add = w.add_string if isinstance(value, str) else w.add_uint32 if isinstance(value, int) else w.add_float32
         add(f"{arch}.rope.{key}", value)
@@ -142,6 +181,7 @@ def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32
     tensors["output_norm.weight"] = norm(DIM)
     if not spec.get("tied", True):
         tensors["output.weight"] = mat(len(tokens), DIM)
+    tensors |= dict(extra or {})
     for name, data in tensors.items():
         if name in skip_tensors:
             continue
@@ -159,10 +199,10 @@ def relative(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return np.linalg.norm(ours - ref, axis=1) / np.linalg.norm(ref, axis=1)
 
 
-def run_positions(model, ids: np.ndarray, prefill: int) -> np.ndarray:
+def run_positions(model, ids: np.ndarray, prefill: int, ctx: int | None = None) -> np.ndarray:
     """float32 [len(ids), vocab]: ``model`` (a :class:`llamatrace.model.llama.Llama`) on ``prefill``
-    tokens in one call, then one token a call."""
-    cache = model.new_cache(len(ids))
+    tokens in one call, then one token a call, in a KV cache of ``ctx`` positions (default ``len(ids)``)."""
+    cache = model.new_cache(ctx or len(ids))
     rows = [model.forward(ids[:prefill], 0, cache, all_logits=True)]
     rows += [model.forward(ids[i:i + 1], i, cache) for i in range(prefill, len(ids))]
     return np.concatenate(rows)

@@ -409,15 +409,16 @@ def test_a_disk_without_room_skips_the_cache_with_one_warning_line(packed, kquan
 
 
 # ---- what is refused is never packed ----------------------------------------------------------------
-@pytest.mark.parametrize("longrope", [
-    dict(extra_kv={"llama.rope.scaling.type": "longrope"}),                         # the type key
-    dict(extra_tensors={"rope_factors_long.weight": np.ones(8), "rope_factors_short.weight": np.ones(8)}),
+@pytest.mark.parametrize("bad_rope, named", [
+    (dict(extra_kv={"llama.rope.scaling.type": "dynamic"}), "llama.rope.scaling.type"),     # the type key
+    (dict(extra_tensors={"rope_factors_long.weight": np.ones(3), "rope_factors_short.weight": np.ones(3)}),
+     "'rope_factors_short.weight' holds 3 values"),                                      # LongRoPE's factors
 ])
-def test_a_longrope_file_is_refused_before_anything_is_cached(longrope, packed, tmp_path, capsys):
-    # Phi-3 128k's LongRoPE: refused from its metadata and tensor list, before the weights (gigabytes
-    # for a real file) are packed and written to the cache, or the vocabulary is
-    path = write_tiny_llama(tmp_path / "longrope.gguf", **longrope)
-    assert_one_line_error(*run(capsys, "generate", "--raw", "-n", "1", "-m", path, "hi"), "LongRoPE")
+def test_bad_rope_scaling_is_refused_before_anything_is_cached(bad_rope, named, packed, tmp_path, capsys):
+    # refused from the metadata and the factor tensors, before the weights (gigabytes for a real
+    # file) are packed and written to the cache, or the vocabulary is
+    path = write_tiny_llama(tmp_path / "bad-rope.gguf", **bad_rope)
+    assert_one_line_error(*run(capsys, "generate", "--raw", "-n", "1", "-m", path, "hi"), named)
     cache = packed.parent
     assert not cache.exists() or [p for p in cache.rglob("*") if p.is_file()] == []
 

@@ -1,9 +1,9 @@
-"""Rope scaling as llama.cpp applies it: linear and YaRN, on the layers the architecture scales, and
-the rope metadata llamatrace refuses (one error line naming the key and the value).
+"""Rope scaling as llama.cpp applies it: linear, YaRN and LongRoPE, on the layers the architecture
+scales, and the rope metadata llamatrace refuses (one error line naming the key and the value).
 
-The scaled random-weight files are ``tests/arch_files.py``'s :data:`ROPE_VARIANTS`; llama.cpp's
-float32 logits on them are ``tests/golden/rope_llamacpp.npz``, made by
-``tests/golden/make_rope_golden.py``. The RoPE tables are checked against ggml's ``rope_yarn``
+The scaled random-weight files are ``tests/arch_files.py``'s :data:`ROPE_VARIANTS` and
+:data:`LONGROPE_VARIANTS`; llama.cpp's float32 logits on them are ``tests/golden/rope_llamacpp.npz``
+and ``longrope_llamacpp.npz``, made by ``tests/golden/make_rope_golden.py``. The RoPE tables are checked against ggml's ``rope_yarn``
 written out below element by element, in float32 as ggml-cpu computes its cache.
 """
 
@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arch_files import CONTEXT, ROPE_VARIANTS, relative, run_positions, write_arch_file
+from arch_files import (CONTEXT, LONGROPE_CONTEXT, LONGROPE_VARIANTS, ROPE_VARIANTS, longrope_factors, relative,
+                        run_positions, write_arch_file, write_longrope)
 from cli_helpers import assert_one_line_error, run
 
-from llamatrace.errors import ModelFormatError, UnsupportedModelError
+from llamatrace.errors import ModelFormatError, PeerError, UnsupportedModelError
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.kernels.ops import fp32 as K
 from llamatrace.model.config import ModelConfig, RopeScaling
@@ -144,6 +145,8 @@ YARN_ATTN = float(np.float32(1.0) * np.float32(0.8))            # get_mscale(4) 
     ("qwen2", {"scaling.type": "linear", "scaling.factor": 0.0}, RopeScaling()),
     ("qwen2", {"scaling.type": "linear"}, RopeScaling()),
     ("qwen2", {"scaling.attn_factor": 1.5}, RopeScaling("linear", attn_factor=1.5)),   # read for any type
+    # the type key alone: not YaRN, so linear (LongRoPE is the factor tensors, below)
+    ("qwen2", {"scaling.type": "longrope", "scaling.factor": 2.0}, RopeScaling("linear", 0.5)),
 ])
 def test_config_reads_the_scaling_as_llamacpp_resolves_it(arch, rope, expect, tmp_path):
     assert config_of(tmp_path, arch, rope).rope_scaling == expect
@@ -163,7 +166,6 @@ def test_an_unscaled_config_reads_as_before_and_info_shows_the_scaling(tmp_path,
     ("qwen2", "freq_base", 0.0, "0.0", ModelFormatError),
     ("qwen2", "freq_base", "1e6", "'1e6'", ModelFormatError),
     ("gemma3", "freq_base_swa", math.nan, "nan", ModelFormatError),
-    ("qwen2", "scaling.type", "longrope", "'longrope'", UnsupportedModelError),
     ("qwen2", "scaling.type", "dynamic", "'dynamic'", ModelFormatError),
     ("qwen2", "scaling.factor", -8.0, "-8.0", ModelFormatError),
     ("qwen2", "scaling.factor", math.inf, "inf", ModelFormatError),
@@ -232,3 +234,108 @@ def test_gemma3_scales_its_global_layers_only(paths):
     assert model.config.local_layers == (0, 1, 2, 3, 4, 6)
     np.testing.assert_array_equal(model.inv_freq_local, plain.inv_freq_local)     # base 10000, unscaled
     np.testing.assert_allclose(model.inv_freq, plain.inv_freq / 8, rtol=1e-15)
+
+
+# ---- LongRoPE: Phi-3's factor tensors, short or long by the context size ---------------------------
+LONGROPE_CTX = {"short": 40, "long": 512}
+"""Our KV cache for each table: 40 positions (≤ the original 256: short factors) and 512 (long);
+make_rope_golden.py gave llama.cpp 64 (padded to 256) and 512."""
+
+
+@pytest.fixture(scope="module")
+def longrope_golden():
+    with np.load(GOLDEN / "longrope_llamacpp.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="module")
+def longrope_paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("longrope")
+    return {name: write_longrope(d, name) for name in LONGROPE_VARIANTS}
+
+
+def test_longrope_config_comes_from_the_factor_tensors(tmp_path):
+    # Phi-3's converter writes the two tensors and the attention factor, no scaling type
+    c = ModelConfig.from_gguf(open_gguf(write_longrope(tmp_path, "phi3_longrope")))
+    assert c.rope_scaling == RopeScaling("longrope", attn_factor=float(np.float32(1.1902381)), longrope_ctx=256)
+    assert c.to_dict()["rope_scaling"] == {"type": "longrope", "attn_factor": pytest.approx(1.1902381),
+                                           "longrope_ctx": 256}
+    # without original_context_length, llama.cpp's n_ctx_orig_yarn is the training context
+    path = write_arch_file(tmp_path / "no-orig.gguf", "phi3", context=LONGROPE_CONTEXT, extra=longrope_factors(16))
+    assert ModelConfig.from_gguf(open_gguf(path)).rope_scaling == RopeScaling("longrope", longrope_ctx=LONGROPE_CONTEXT)
+
+
+@pytest.mark.parametrize("name", LONGROPE_VARIANTS)
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+@pytest.mark.parametrize("table", LONGROPE_CTX)
+def test_longrope_files_give_llamacpps_logits_at_both_context_sizes(name, activations, table, longrope_paths,
+                                                                  longrope_golden):
+    model = Llama.load(longrope_paths[name], activations=activations)
+    ids = longrope_golden[f"{name}_ids"]
+    for prefill, ref in ((len(ids), longrope_golden[f"{name}_{table}_prefill"]),
+                         (PREFILL, longrope_golden[f"{name}_{table}_decode"])):
+        ours = run_positions(model, ids, prefill, ctx=LONGROPE_CTX[table])[len(ids) - len(ref):]
+        assert relative(ours, ref).max() <= F32_RTOL, (prefill, relative(ours, ref))
+        assert (ours.argmax(1) == ref.argmax(1)).all()
+
+
+@pytest.mark.parametrize("name", LONGROPE_VARIANTS)
+def test_longrope_factors_change_the_logits(name, longrope_paths, longrope_golden, tmp_path):
+    # the two tables differ, and so does the file without its factors: a run that ignored the
+    # context size or the tensors could not pass the test above
+    ids = longrope_golden[f"{name}_ids"]
+    short, long = longrope_golden[f"{name}_short_prefill"], longrope_golden[f"{name}_long_prefill"]
+    assert relative(long, short).max() > 0.1
+    plain = run_positions(Llama.load(write_longrope(tmp_path, name, factors={})), ids, len(ids))
+    assert relative(short, plain).max() > 5e-3            # 50x the bar
+    model = Llama.load(longrope_paths[name])
+    assert not np.array_equal(model.inv_freq, model.inv_freq_long)
+    np.testing.assert_allclose(model.inv_freq_long * longrope_factors(model.config.rope_dim)["rope_factors_long.weight"],
+                               Llama.load(write_longrope(tmp_path, name, factors={})).inv_freq, rtol=1e-7)
+
+
+@pytest.mark.parametrize("factors, named", [
+    ({"rope_factors_long.weight": np.ones(5), "rope_factors_short.weight": np.ones(5)},
+     "'rope_factors_short.weight' holds 5 values where rope_dim/2 = 8"),
+    ({"rope_factors_long.weight": np.r_[np.ones(7), 0.0], "rope_factors_short.weight": np.ones(8)},
+     "'rope_factors_long.weight' holds a value that is not a positive finite number"),
+])
+def test_bad_longrope_factors_are_one_error_line(factors, named, tmp_path, capsys):
+    path = write_longrope(tmp_path, "phi3_longrope", factors=factors)
+    with pytest.raises(ModelFormatError):
+        Llama.load(path)
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"), named)
+
+
+def test_longrope_factors_llamacpp_does_not_read_are_refused(tmp_path, capsys):
+    # llama.cpp's qwen2 graph never reads them: running without them would be silent
+    path = write_arch_file(tmp_path / "q.gguf", "qwen2", extra=longrope_factors(16))
+    with pytest.raises(UnsupportedModelError):
+        Llama.load(path)
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"),
+                          "'rope_factors_long.weight'", "llama and phi3", "qwen2")
+    # llama.cpp's llama graph reads them only with the type key longrope (else it refuses the file)
+    path = write_longrope(tmp_path, "llama_longrope", **{"scaling.type": "linear"})
+    assert ModelConfig.from_gguf(open_gguf(path)).rope_scaling == RopeScaling()
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"),
+                          "'rope_factors_", "not part of the llama forward pass")
+    path = write_longrope(tmp_path, "phi3_longrope", **{"scaling.original_context_length": 0})
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"),
+                          "phi3.rope.scaling.original_context_length", "0")
+
+
+def test_longrope_runs_from_the_cli_and_info_shows_it(longrope_paths, capsys):
+    path = longrope_paths["phi3_longrope"]
+    code, out, err = run(capsys, "info", "-m", path)
+    assert code == 0, err
+    assert "'longrope'" in out and "longrope_ctx" in out
+    for ctx in ("64", "512"):
+        code, out, err = run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "2", "--ctx-size", ctx)
+        assert code == 0, err
+
+
+def test_compare_against_hf_refuses_longrope(longrope_paths):
+    from llamatrace.analysis.compare import run_hf
+    path = longrope_paths["phi3_longrope"]
+    with pytest.raises(PeerError, match="LongRoPE"):
+        run_hf(path, ModelConfig.from_gguf(open_gguf(path)), [1, 2], [])

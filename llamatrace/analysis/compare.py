@@ -584,7 +584,8 @@ def run_hf(path, config, ids: list[int], fed: list[int], *,
 
     Raises:
         PeerError: the file's attention tensors are not laid out as the family's usual files
-            (fused q|k|v, biases added or left out: transformers would not read them), or
+            (fused q|k|v, biases added or left out) or it has LongRoPE factors (transformers
+            would not read them), or
             torch/transformers are missing, or the model cannot be loaded.
     """
     from llamatrace.analysis.bench import check_engines
@@ -596,6 +597,8 @@ def run_hf(path, config, ids: list[int], fed: list[int], *,
                                      ("q/k/v biases", config.qkv_bias, spec.qkv_bias),
                                      ("attn_output biases", config.attn_out_bias, spec.attn_out_bias))
            if ours != usual]
+    if config.rope_scaling.longrope_ctx:
+        odd.append("with LongRoPE factors (rope_factors_long/short)")
     if odd:       # transformers' GGUF loader maps a family's usual tensors only: it would run without them
         raise PeerError(f"hf: this {config.arch} file is {', '.join(odd)}, unlike the family's usual files; "
                         f"transformers' GGUF loader does not read that layout — use --against llama.cpp")

@@ -328,6 +328,8 @@ def not_recomputed(stage: str, c) -> str | None:
     scale) are not written yet."""
     if stage in ("Qcur_rope", "Kcur_rope") and (c.rope_neox or c.qkv_bias or c.qk_norm or c.sliding_window):
         return f"the {c.arch} rotary (NeoX pairs, biased or normed q/k, a window's base) has no formula here yet"
+    if stage in ("Qcur_rope", "Kcur_rope") and c.rope_scaling.longrope_ctx:
+        return "LongRoPE's factors depend on the context size, which a recording does not hold"
     if stage == "kq_soft_max" and (c.attn_softcap or c.sliding_window or c.attn_scale):
         return f"the {c.arch} scores (soft-cap, window or scale) have no formula here yet"
     if stage not in LOCAL_STAGES:

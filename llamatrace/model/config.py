@@ -158,8 +158,15 @@ LLAMACPP_GATING_FUNCS = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weig
 """``{arch}.expert_gating_func`` values llamatrace runs (llama.cpp's ``llama_expert_gating_func_type``:
 1 softmax over every expert, 3 softmax over the chosen experts' logits); without the key, softmax."""
 
-ROPE_SCALING_TYPES = ("none", "linear", "yarn")
-"""The ``{arch}.rope.scaling.type`` values llamatrace runs (llama.cpp's, less ``longrope``)."""
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
+"""The ``{arch}.rope.scaling.type`` values llamatrace runs (llama.cpp's). ``longrope`` scales as
+``linear`` does (llama.cpp's ``ext_factor`` is 0 for it); what makes a file LongRoPE is its
+``rope_factors_long/short`` tensors (:attr:`RopeScaling.longrope_ctx`)."""
+
+LONGROPE_ARCHS = ("llama", "phi3")
+"""The architectures whose llama.cpp 0.3.36 graph reads ``rope_factors_long/short.weight``
+(``get_rope_factors``): ``phi3`` always, ``llama`` when ``llama.rope.scaling.type`` is ``longrope``
+(else it reads ``rope_freqs`` and refuses a file with the factors). Elsewhere they are refused."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +176,8 @@ class RopeScaling:
     ``llama_context`` constructor resolve them (with no runtime overrides). The default is no scaling.
 
     Attributes:
-        type: ``{arch}.rope.scaling.type``: ``"linear"``, ``"yarn"``, or ``"none"`` (also for a
+        type: ``{arch}.rope.scaling.type``: ``"linear"``, ``"yarn"``, ``"longrope"`` (a file with
+            LongRoPE factors, whatever its key says: Phi-3's converter writes none), or ``"none"`` (also for a
             ``linear`` file whose factor is 1 or absent: nothing is scaled).
         freq_scale: positions are multiplied by it on the global layers:
             ``1 / {arch}.rope.scaling.factor`` (or the older ``rope.scale_linear``; 0 or absent: 1).
@@ -185,6 +193,12 @@ class RopeScaling:
         n_ctx_orig: the context before scaling, for YaRN's ramp:
             ``{arch}.rope.scaling.original_context_length``, else ``context_length``; 0 when
             ``ext_factor`` is 0 (unused).
+        longrope_ctx: LongRoPE (Phi-3's 128k variants, Phi-3.5, Phi-4-mini): each rotated pair's
+            angle is divided by a factor of ``rope_factors_long.weight`` when the context size (the
+            KV cache's positions) is above this many, else of ``rope_factors_short.weight``
+            (llama.cpp ``get_rope_factors``: ``n_ctx_seq > n_ctx_orig_yarn``, the file's
+            ``rope.scaling.original_context_length``, else ``context_length``); 0: no such factors.
+            They apply beside the other scalings, as in llama.cpp (``type`` stays ``"yarn"``).
     """
 
     type: str = "none"
@@ -195,6 +209,7 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     n_ctx_orig: int = 0
+    longrope_ctx: int = 0
 
     def __post_init__(self) -> None:
         if self.type not in ROPE_SCALING_TYPES:
@@ -206,6 +221,8 @@ class RopeScaling:
                                    f"and betas")
         if self.ext_factor != 0.0 and self.n_ctx_orig <= 0:
             raise ModelFormatError(f"model config: YaRN needs n_ctx_orig > 0, got {self.n_ctx_orig}")
+        if self.longrope_ctx < 0 or (self.type == "longrope" and self.longrope_ctx == 0):
+            raise ModelFormatError(f"model config: type 'longrope' goes with longrope_ctx > 0, got {self}")
 
     def to_dict(self) -> dict[str, Any]:
         """``type`` and the fields that differ from no scaling."""
@@ -471,8 +488,8 @@ class ModelConfig:
         Raises:
             ModelFormatError: no ``token_embd.weight``; q/k/v biases in some attention layers
                 only; as :meth:`from_metadata`.
-            UnsupportedModelError: LongRoPE factors (``rope_factors_long/short.weight``); as
-                :meth:`from_metadata`.
+            UnsupportedModelError: LongRoPE factors (``rope_factors_long/short.weight``) in an
+                architecture whose llama.cpp graph does not read them; as :meth:`from_metadata`.
         """
         from pathlib import Path
 
@@ -480,10 +497,10 @@ class ModelConfig:
         vocab_size = f.matrix_shape(gguf_name("tok_embeddings"))[0]   # raises if the tensor is missing
         config = cls.from_metadata(f.metadata, vocab_size=vocab_size, source=Path(f.path).name)
         config = replace(config, **_attention_tensors(f.tensors, config, Path(f.path).name))
-        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-            if name in f.tensors:                      # Phi-3 128k's LongRoPE, whatever the type key says
-                raise UnsupportedModelError(f"{Path(f.path).name}: tensor {name!r} (LongRoPE scaling) is not "
-                                            f"supported yet; use a short-context variant of the model")
+        factors = [name for name in LONGROPE_TENSORS if name in f.tensors]
+        if factors and "rope_freqs.weight" not in f.tensors:     # llama.cpp's rope_freqs wins over them
+            scaling = _longrope(f.metadata, config, factors[0], Path(f.path).name)
+            config = replace(config, rope_scaling=scaling) if scaling else config
         return config
 
     @classmethod
@@ -497,8 +514,7 @@ class ModelConfig:
 
         Raises:
             UnsupportedModelError: a shard of a split GGUF (``split.count`` > 1); the architecture
-                is not one of :data:`ARCHITECTURES`; a rope
-                scaling type llama.cpp knows but llamatrace does not run (``longrope``).
+                is not one of :data:`ARCHITECTURES`.
             ModelFormatError: a required key is missing or a value is inconsistent; a rope base,
                 scaling factor or attention factor that is not a positive finite number; an
                 unknown rope scaling type.
@@ -761,15 +777,13 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number
     ``number(key, default, zero)`` reads a checked number. float32 where llama.cpp computes in it.
 
     Raises:
-        UnsupportedModelError: type ``longrope``.
-        ModelFormatError: another type llama.cpp does not know; a bad factor.
+        ModelFormatError: a type llama.cpp does not know; a bad factor.
     """
     f32 = np.float32
     key = f"{arch}.rope.scaling.type"
     kind = meta.get(key, "linear")
-    if kind == "longrope":
-        raise UnsupportedModelError(f"{source}: {key} = 'longrope' (LongRoPE, Phi-3's 128k variants) is not "
-                                    f"supported yet; use a short-context variant of the model")
+    if kind == "longrope":      # llama.cpp: not YaRN, so linear; the factors come with the tensors (_longrope)
+        kind = "linear"
     if kind not in ROPE_SCALING_TYPES:
         raise ModelFormatError(f"{source}: metadata {key} = {shown(kind)} is not a rope scaling llamatrace knows "
                                f"({', '.join(ROPE_SCALING_TYPES)}); re-convert the file with llama.cpp")
@@ -796,6 +810,35 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str, spec: Architecture, number
                                f"the file is damaged — re-convert or re-download it")
     return RopeScaling(kind, freq_scale, freq_scale_local, ext_factor=1.0, attn_factor=float(attn_factor),
                        n_ctx_orig=n_ctx_orig or n_ctx_train)
+
+
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+"""LongRoPE's per-pair factors, float32 ``[rope_dim/2]`` each (Phi-3's converter writes both)."""
+
+
+def _longrope(meta: Mapping[str, Any], c: ModelConfig, tensor: str, source: str) -> RopeScaling | None:
+    """``c.rope_scaling`` with LongRoPE's factors: ``longrope_ctx`` is llama.cpp's
+    ``n_ctx_orig_yarn`` (``{arch}.rope.scaling.original_context_length``, else ``context_length``).
+    None for a ``llama`` file whose scaling type is not ``longrope``: its graph does not read the
+    factors then, and the loader refuses them as tensors it never reads (llama.cpp refuses the file).
+
+    Raises:
+        UnsupportedModelError: the architecture's llama.cpp graph does not read the factors.
+        ModelFormatError: the original context length is not a positive integer.
+    """
+    if c.arch not in LONGROPE_ARCHS:
+        raise UnsupportedModelError(f"{source}: tensor {tensor!r} (LongRoPE factors) is read in llama.cpp's "
+                                    f"{' and '.join(LONGROPE_ARCHS)} graphs only, not in {c.arch}'s; "
+                                    f"re-convert the file without it")
+    if c.arch == "llama" and meta.get("llama.rope.scaling.type") != "longrope":
+        return None
+    key = f"{c.arch}.rope.scaling.original_context_length"
+    n_ctx_orig = meta.get(key, c.max_seq_len)
+    if not isinstance(n_ctx_orig, int) or isinstance(n_ctx_orig, bool) or n_ctx_orig <= 0:
+        raise ModelFormatError(f"{source}: metadata {key} = {shown(n_ctx_orig)} should be a positive integer; "
+                               f"the file is damaged — re-convert or re-download it")
+    s = c.rope_scaling
+    return replace(s, type=s.type if s.type == "yarn" else "longrope", longrope_ctx=n_ctx_orig)
 
 
 # Fields that plain Llama leaves at their defaults (left out of ``to_dict`` when so).

@@ -132,7 +132,7 @@ class Llama:
 
     def __init__(self, gguf_file: GGUFFile, config: ModelConfig, weights: Weights, tokenizer: Tokenizer,
                  freq_factors: np.ndarray | None, load_s: float, activations: str = "f32",
-                 pack_cache: PackCache | None = None) -> None:
+                 pack_cache: PackCache | None = None, freq_factors_long: np.ndarray | None = None) -> None:
         self.file = gguf_file
         self.path = gguf_file.path
         self.config = config
@@ -149,6 +149,11 @@ class Llama:
         self._angles_local = self._angles
         if self.inv_freq_local is not self.inv_freq:
             self._angles_local = kernels.RopeAngles(self.inv_freq_local, self.rope_mscale_local)
+        # LongRoPE: the long factors' table, for a context above rope_scaling.longrope_ctx positions
+        self.inv_freq_long, self._angles_long = self.inv_freq, self._angles
+        if s.longrope_ctx:
+            self.inv_freq_long, _ = _rotary(config, local=False, freq_factors=freq_factors_long)
+            self._angles_long = kernels.RopeAngles(self.inv_freq_long, self.rope_mscale)
         self.load_s = load_s
         self.pack_cache = pack_cache or PackCache.off()     # .read: weights mapped from the cache
         self.activations = activations          # "f32" (reference) or "q8" (llamatrace.kernels.int8.act8)
@@ -194,7 +199,7 @@ class Llama:
         Raises:
             ModelNotFoundError, ModelFormatError: the file is missing or malformed, or (``path``
                 ``None``) the default model is not downloaded and ``fetch`` is False or fails.
-            UnsupportedModelError: architecture, vocabulary, rope scaling (LongRoPE) or a tensor type
+            UnsupportedModelError: architecture, vocabulary, rope scaling or a tensor type
                 llamatrace can't run; refused before any weight is packed or cached. Also a tensor
                 the forward pass would never read (after block 0's weights are packed, or the
                 last; nothing is cached).
@@ -209,9 +214,12 @@ class Llama:
         f, store = open_gguf(path), None
         try:
             config = ModelConfig.from_gguf(f)        # every check of the config, rope scaling's too, before packing
-            freq_factors = None
-            if "rope_freqs.weight" in f.tensors:               # Llama 3.1 long-context RoPE scaling
-                freq_factors = np.asarray(f.tensor("rope_freqs.weight").data, dtype=np.float64).ravel()
+            # per-pair divisors of the angles: Llama 3.1's rope_freqs, else LongRoPE's short and long
+            freq_factors = _rope_factors(f, config, "rope_freqs.weight")
+            freq_factors_long = None
+            if freq_factors is None and config.rope_scaling.longrope_ctx:
+                freq_factors = _rope_factors(f, config, "rope_factors_short.weight")
+                freq_factors_long = _rope_factors(f, config, "rope_factors_long.weight")
             tokenizer = Tokenizer.from_reader(f, path=str(path), cache=cache)
             check_tensor_types(f, packing.SUPPORTED_TYPES)
             data_start = min((t.offset for t in f.tensors.values()), default=f.file_size)
@@ -225,7 +233,8 @@ class Llama:
             with contextlib.suppress(BufferError):      # a view held by the traceback: unmapped with it
                 f.close()
             raise
-        return cls(f, config, weights, tokenizer, freq_factors, time.perf_counter() - t0, activations, store)
+        return cls(f, config, weights, tokenizer, freq_factors, time.perf_counter() - t0, activations, store,
+                   freq_factors_long)
 
     def new_cache(self, max_seq: int) -> KVCache:
         """A KV cache for ``max_seq`` positions (float32, ``2 * n_attn_layers * max_seq * kv_dim * 4``
@@ -446,7 +455,8 @@ class Llama:
         moe_opts = moe.MoEOptions.from_config(c) if c.n_expert else None
 
         # RoPE angles for this chunk's positions: freqs_cis [seq_len, rope_dim/2] complex64, its cos and sin
-        freqs_cis, cos, sin = self._angles(start_pos, seq_len)
+        angles = self._angles_long if cache.max_seq > c.rope_scaling.longrope_ctx > 0 else self._angles
+        freqs_cis, cos, sin = angles(start_pos, seq_len)
         emit("freqs_cis", None, freqs_cis)
         cos_local, sin_local = cos, sin                  # sliding-window layers' own base and scale, if any
         if self._angles_local is not self._angles:
@@ -676,6 +686,27 @@ def _rotary(c: ModelConfig, local: bool, freq_factors: np.ndarray | None = None)
     if c.rope_sections:                   # interleaved M-RoPE: a text token's extra section is not rotated
         inv_freq = np.where(imrope_text_rotated(c.rope_dim, c.rope_sections), inv_freq, 0.0)
     return inv_freq, kernels.rope_mscale(freq_scale, s.ext_factor, s.attn_factor)
+
+
+def _rope_factors(f: GGUFFile, c: ModelConfig, name: str) -> np.ndarray | None:
+    """The file's per-pair RoPE divisors ``name`` (``rope_freqs.weight``, ``rope_factors_long/short.weight``):
+    float64 ``[rope_dim/2]``, or None when the file has no such tensor (llama.cpp then rotates
+    without factors).
+
+    Raises:
+        ModelFormatError: not ``rope_dim/2`` values, or one that is not a positive finite number.
+    """
+    if name not in f.tensors:
+        return None
+    factors = np.asarray(f.tensor(name).data, dtype=np.float64).ravel()
+    if factors.shape != (c.rope_dim // 2,):
+        problem = f"holds {factors.size} values where rope_dim/2 = {c.rope_dim // 2}"
+    elif not (np.isfinite(factors) & (factors > 0)).all():
+        problem = "holds a value that is not a positive finite number"
+    else:
+        return factors
+    raise ModelFormatError(f"{f.path.name}: tensor {name!r} {problem}; the file is damaged — re-convert or "
+                           f"re-download it")
 
 
 def _split_rows(y: np.ndarray, w: packing.Weight) -> list[np.ndarray]:
