@@ -379,3 +379,22 @@ def test_a_value_of_the_wrong_type_is_named(capsys, args, needles):
     """typer's pydantic check said "Input should be a valid integer" without the value it refused."""
     from cli_helpers import assert_one_line_error
     assert_one_line_error(*run(capsys, *args), *needles)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["generate", "-m", "", "hi"], "-m"),
+    (["generate", "--model=", "hi"], "--model"),
+    (["trace", "--npz", "", "hi"], "--npz"),
+    (["perplexity", "-f", ""], "-f"),
+])
+def test_an_empty_path_is_named_not_read_as_the_current_directory(capsys, args, option):
+    """``-m "$MODEL"`` with the variable unset: typer reads "" as ".", and the error used to say
+    "'.' is a directory"."""
+    from cli_helpers import assert_one_line_error
+    assert_one_line_error(*run(capsys, *args), f"{option} was given an empty path")
+
+
+def test_an_empty_string_that_is_not_a_path_is_left_alone(capsys, tiny_model_path):
+    # a prompt of "" after "--", an empty --system: not paths
+    code, out, err = run(capsys, "generate", "-m", tiny_model_path, "--system", "", "-n", "1", "--", "hi")
+    assert code == 0 and "empty path" not in err, err

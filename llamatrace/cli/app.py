@@ -19,6 +19,7 @@ import re
 import sys
 import warnings
 import traceback
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -339,7 +340,31 @@ def _rejected_input(exc: BaseException) -> object | None:
         return None
 
 
+def _empty_path_option(argv: list[str]) -> str | None:
+    """The path option given an empty value (``-m ""``, ``--output=``: a shell variable left empty),
+    which typer would read as ``.``, the current directory; None if there is none."""
+    if not any(tok == "" or tok.endswith("=") for tok in argv):
+        return None
+    import click
+    command = getattr(typer.main.get_command(app), "commands", {}).get(argv[0] if argv else "")
+    if command is None:
+        return None
+    paths = {opt for p in command.params for opt in getattr(p, "opts", []) + getattr(p, "secondary_opts", [])
+             if isinstance(getattr(p, "type", None), click.Path)                     # older typer
+             or getattr(getattr(p, "type_descriptor", None), "annotation", None) is Path}
+    args = argv[:argv.index("--")] if "--" in argv else argv
+    for prev, tok in zip(args, args[1:]):
+        opt, eq, value = tok.partition("=")
+        if (tok == "" and prev in paths) or (eq and value == "" and opt in paths):
+            return prev if tok == "" else opt
+    return None
+
+
 def _run_app(argv: list[str]) -> int:
+    if (option := _empty_path_option(argv)) is not None:
+        err.print(f"[red]error:[/] {option} was given an empty path (a shell variable left empty?); give a "
+                  f"file's path", soft_wrap=True)
+        return EXIT_BAD_INPUT
     try:
         # with standalone_mode=False, click returns a typer.Exit's code instead of raising it;
         # stdout through _Stdout: click echoes --help to sys.stdout itself, after format_help
