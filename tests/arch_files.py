@@ -194,6 +194,12 @@ def write_arch_file(path: str | Path, arch: str, seed: int = 0, qtype: T = T.F32
     return Path(path)
 
 
+def golden_arrays(name: str) -> dict[str, np.ndarray]:
+    """Every array of ``tests/golden/{name}`` (a golden script's ``.npz``), read once into memory."""
+    with np.load(Path(__file__).parent / "golden" / name) as z:
+        return {k: z[k] for k in z.files}
+
+
 def relative(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
     """Per position: ‖ours − ref‖ / ‖ref‖ over the vocabulary."""
     return np.linalg.norm(ours - ref, axis=1) / np.linalg.norm(ref, axis=1)

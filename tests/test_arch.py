@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arch_files import ARCHS, T, WINDOW, relative, run_positions, write_arch_file
+from arch_files import ARCHS, T, WINDOW, golden_arrays, relative, run_positions, write_arch_file
 from cli_helpers import assert_one_line_error, run
 from gguf_factory import write_tiny_llama
 
@@ -43,8 +43,7 @@ def f32_rtol(arch: str) -> float:
 
 @pytest.fixture(scope="module")
 def llamacpp():
-    with np.load(GOLDEN / "arch_llamacpp.npz") as z:
-        return {k: z[k] for k in z.files}
+    return golden_arrays("arch_llamacpp.npz")
 
 
 @pytest.fixture(scope="module")

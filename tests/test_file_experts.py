@@ -15,13 +15,11 @@ The other test files run with every expert raw too: ``python3 -m pytest -p raw_e
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
 import raw_experts
-from arch_files import relative, run_positions
+from arch_files import golden_arrays, relative, run_positions
 from cli_helpers import run
 from gptoss_files import write_gptoss_file
 from moe_files import write_moe_file
@@ -36,7 +34,6 @@ from llamatrace.model.llama import Llama
 from llamatrace.quantize import search as S
 
 T = gguf.GGMLQuantizationType
-GOLDEN = Path(__file__).parent / "golden"
 RTOL = 1e-4
 PREFILL = 4                   # make_moe_golden.py's and make_gptoss_golden.py's decode runs
 
@@ -47,11 +44,6 @@ def raw():
     mp = raw_experts.patch()
     yield
     mp.undo()
-
-
-def _golden(name: str) -> dict[str, np.ndarray]:
-    with np.load(GOLDEN / name) as z:
-        return {k: z[k] for k in z.files}
 
 
 def _expert_tensors(model) -> dict[str, int]:
@@ -77,7 +69,7 @@ def _assert_raw(model) -> None:
                                                ("olmoe", T.Q8_0, "q8")])
 def test_supported_experts_stay_in_the_file_and_match_llamacpp(raw, name, qtype, acts, tmp_path):
     path = write_moe_file(tmp_path / f"{name}.gguf", name, qtype=qtype)
-    golden, key = _golden("moe_llamacpp.npz"), name if qtype == T.F32 else f"{name}_q8_0"
+    golden, key = golden_arrays("moe_llamacpp.npz"), name if qtype == T.F32 else f"{name}_q8_0"
     with Llama.load(path, activations=acts, cache=False) as model:
         _assert_raw(model)
         ids = golden[f"{key}_ids"]
@@ -89,7 +81,7 @@ def test_supported_experts_stay_in_the_file_and_match_llamacpp(raw, name, qtype,
 
 @pytest.mark.parametrize("experts, acts, key", [(T.F32, "f32", "f32"), (T.MXFP4, "q8", "mxfp4")])
 def test_gpt_oss_experts_stay_in_the_file_and_match_llamacpp(raw, experts, acts, key, tmp_path):
-    golden = _golden("gptoss_llamacpp.npz")
+    golden = golden_arrays("gptoss_llamacpp.npz")
     model = Llama.load(write_gptoss_file(tmp_path / "gptoss.gguf", experts=experts), activations=acts, cache=False)
     _assert_raw(model)
     for run_kind, prefill in (("prefill", len(golden["ids"])), ("decode", PREFILL)):
@@ -99,7 +91,7 @@ def test_gpt_oss_experts_stay_in_the_file_and_match_llamacpp(raw, experts, acts,
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_qwen35moe_experts_fused_or_not_stay_in_the_file_and_match_llamacpp(raw, fused, tmp_path):
-    golden = _golden("qwen35moe_llamacpp.npz")
+    golden = golden_arrays("qwen35moe_llamacpp.npz")
     model = Llama.load(write_qwen35_file(tmp_path / "q35.gguf", moe=True, fused_gate_up=fused), cache=False)
     _assert_raw(model)
     assert all(isinstance(lw.moe.w13 if fused else lw.moe.w1, FileExperts) for lw in model.weights.layers)

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from arch_files import relative, run_positions
+from arch_files import golden_arrays, relative, run_positions
 from cli_helpers import assert_one_line_error, run
 from gptoss_files import (CHAT_MESSAGES, K, N_LAYERS, TOKENIZER_TEXTS, WINDOW, T, gptoss_chat_template,
                           write_gptoss_file)
@@ -34,7 +33,6 @@ from llamatrace.views.render import LineFormatter
 from llamatrace.text.tokenizer import Tokenizer
 from llamatrace.gguf.reader import open_gguf
 
-GOLDEN = Path(__file__).parent / "golden"
 PREFILL = 4                  # make_gptoss_golden.py's decode run: 4 tokens in one batch, then one a step
 RTOL = 1e-4                  # relative L2 distance per position, the issue's bar
 FILES = {"f32": (T.F32, "f32"), "mxfp4": (T.MXFP4, "q8")}       # file -> (experts' type, activation mode)
@@ -42,8 +40,7 @@ FILES = {"f32": (T.F32, "f32"), "mxfp4": (T.MXFP4, "q8")}       # file -> (exper
 
 @pytest.fixture(scope="module")
 def llamacpp():
-    with np.load(GOLDEN / "gptoss_llamacpp.npz") as z:
-        return {k: z[k] for k in z.files}
+    return golden_arrays("gptoss_llamacpp.npz")
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
-from arch_files import relative, run_positions, write_arch_file
+from arch_files import golden_arrays, relative, run_positions, write_arch_file
 from cli_helpers import assert_one_line_error, run
 from gguf_factory import rewrite_metadata, write_tiny_llama
 from gptoss_files import write_gptoss_file
@@ -34,15 +33,13 @@ from llamatrace.model.llama import Llama
 from llamatrace.tracing.recorder import Recorder
 
 T = gguf.GGMLQuantizationType
-GOLDEN = Path(__file__).parent / "golden"
 PREFILL = 4                      # make_layout_golden.py's decode run: 4 tokens in one batch, then one a step
 F32_RTOL = 1e-4                  # relative L2 distance per position, as test_arch's
 
 
 @pytest.fixture(scope="module")
 def llamacpp():
-    with np.load(GOLDEN / "layout_llamacpp.npz") as z:
-        return {k: z[k] for k in z.files}
+    return golden_arrays("layout_llamacpp.npz")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from arch_files import relative, run_positions
+from arch_files import golden_arrays, relative, run_positions
 from cli_helpers import assert_one_line_error, run
 from moe_files import ARCHS, SPECS, T, write_moe_file
 
@@ -37,8 +37,7 @@ MOE_STAGES = [s.id for s in STAGES if s.id.startswith("ffn_moe_") and s.id not i
 
 @pytest.fixture(scope="module")
 def llamacpp():
-    with np.load(GOLDEN / "moe_llamacpp.npz") as z:
-        return {k: z[k] for k in z.files}
+    return golden_arrays("moe_llamacpp.npz")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from arch_files import relative, run_positions
+from arch_files import golden_arrays, relative, run_positions
 from cli_helpers import assert_one_line_error, run
 from gguf_factory import rewrite_metadata
 from qwen35_files import (CONV_KERNEL, DIM, N_K_HEADS, N_LAYERS, N_V_HEADS, SSM_HEAD_DIM, T, write_qwen35_file)
@@ -34,8 +34,7 @@ TWO_PATHS_RTOL = 1e-5        # chunked prefill vs recurrent decode
 
 @pytest.fixture(scope="module")
 def golden():
-    with np.load(GOLDEN / "qwen35_llamacpp.npz") as z:
-        return {k: z[k] for k in z.files}
+    return golden_arrays("qwen35_llamacpp.npz")
 
 
 @pytest.fixture(scope="module")

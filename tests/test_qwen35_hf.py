@@ -9,25 +9,20 @@ transformers are needed only to remake that file, never here.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-from arch_files import relative, run_positions
+from arch_files import golden_arrays, relative, run_positions
 from qwen35_files import write_qwen35_file
 
 from llamatrace.model.llama import Llama
 
-GOLDEN = Path(__file__).parent / "golden"
 HF_SECTIONS = [2, 1, 1, 0]   # make_qwen35_hf_golden.py's: HF rotates every pair of a text token
 F32_RTOL = 1e-4              # relative L2 distance per position, as against llama.cpp
 
 
 @pytest.fixture(scope="module")
 def golden():
-    with np.load(GOLDEN / "qwen35_hf.npz") as z:
-        return {k: z[k] for k in z.files}
+    return golden_arrays("qwen35_hf.npz")
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ by ``tests/golden/make_qwen35moe_golden.py``.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from arch_files import relative, run_positions
+from arch_files import golden_arrays, relative, run_positions
 from cli_helpers import assert_one_line_error, run
 from qwen35_files import EXPERT_FF, N_EXPERT, N_EXPERT_USED, SHEXP_FF, write_qwen35_file
 
@@ -23,7 +22,6 @@ from llamatrace.model.llama import Llama
 from llamatrace.tracing.recorder import Recorder
 from llamatrace.tracing.stages import STAGES, eval_shape, stage_applies
 
-GOLDEN = Path(__file__).parent / "golden"
 PREFILL = 13                 # make_qwen35moe_golden.py's decode run: 13 tokens in one batch, then one a step
 F32_RTOL = 1e-4              # relative L2 distance per position
 SHEXP_STAGES = ("ffn_shexp", "shared_expert_gate", "shared_expert_gate_sigmoid", "ffn_shexp_gated")
@@ -31,8 +29,7 @@ SHEXP_STAGES = ("ffn_shexp", "shared_expert_gate", "shared_expert_gate_sigmoid",
 
 @pytest.fixture(scope="module")
 def golden():
-    with np.load(GOLDEN / "qwen35moe_llamacpp.npz") as z:
-        return {k: z[k] for k in z.files}
+    return golden_arrays("qwen35moe_llamacpp.npz")
 
 
 @pytest.fixture(scope="module")

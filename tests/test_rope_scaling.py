@@ -10,13 +10,12 @@ written out below element by element, in float32 as ggml-cpu computes its cache.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from arch_files import (CONTEXT, LONGROPE_CONTEXT, LONGROPE_VARIANTS, ROPE_VARIANTS, longrope_factors, relative,
-                        run_positions, write_arch_file, write_longrope)
+from arch_files import (CONTEXT, LONGROPE_CONTEXT, LONGROPE_VARIANTS, ROPE_VARIANTS, golden_arrays, longrope_factors,
+                        relative, run_positions, write_arch_file, write_longrope)
 from cli_helpers import assert_one_line_error, run
 
 from llamatrace.errors import ModelFormatError, PeerError, UnsupportedModelError
@@ -25,7 +24,6 @@ from llamatrace.kernels.ops import fp32 as K
 from llamatrace.model.config import ModelConfig, RopeScaling
 from llamatrace.model.llama import Llama
 
-GOLDEN = Path(__file__).parent / "golden"
 PREFILL = 32                 # make_rope_golden.py's decode run: 32 tokens in one batch, then one a step
 F32_RTOL = 1e-4              # relative L2 distance per position, the issue's bar
 GELU_TABLE_RTOL = 3e-4       # Gemma in the f32 mode: llama.cpp's fp16 GELU table (see test_arch.py)
@@ -189,8 +187,7 @@ def test_a_yarn_original_context_that_is_not_an_integer_is_named(tmp_path, capsy
 # ---- the scaled files against llama.cpp ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llamacpp():
-    with np.load(GOLDEN / "rope_llamacpp.npz") as z:
-        return {k: z[k] for k in z.files}
+    return golden_arrays("rope_llamacpp.npz")
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +241,7 @@ make_rope_golden.py gave llama.cpp 64 (padded to 256) and 512."""
 
 @pytest.fixture(scope="module")
 def longrope_golden():
-    with np.load(GOLDEN / "longrope_llamacpp.npz") as z:
-        return {k: z[k] for k in z.files}
+    return golden_arrays("longrope_llamacpp.npz")
 
 
 @pytest.fixture(scope="module")
