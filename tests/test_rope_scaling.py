@@ -328,6 +328,10 @@ def test_longrope_runs_from_the_cli_and_info_shows_it(longrope_paths, capsys):
     for ctx in ("64", "512"):
         code, out, err = run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "2", "--ctx-size", ctx)
         assert code == 0, err
+        # the trace's RoPE line says which factors a context of this size takes
+        code, out, err = run(capsys, "trace", "-m", path, "--raw", "hi", "--layer", "0", "--ctx-size", ctx)
+        assert code == 0, err
+        assert f"with LongRoPE's factors for a context of {ctx} (the long ones above 256" in out
 
 
 def test_compare_against_hf_refuses_longrope(longrope_paths):

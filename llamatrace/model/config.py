@@ -391,7 +391,7 @@ class ModelConfig:
         weights normalised), ``attn_sinks``, ``moe_bias`` (router and expert biases),
         ``moe_softmax_weight`` (softmax over the chosen logits), ``moe_oai`` (clamped SwiGLU),
         ``moe_shexp`` (a gated shared expert),
-        ``deltanet``, ``attn_gate``. Empty for a Llama model."""
+        ``deltanet``, ``attn_gate``, ``longrope`` (LongRoPE's factors). Empty for a Llama model."""
         flags = {"moe": self.n_expert > 0, "moe_norm": self.n_expert > 0 and self.expert_weights_norm,
                  "attn_sinks": self.attn_sinks, "moe_bias": self.n_expert > 0 and self.moe_bias,
                  "moe_softmax_weight": self.n_expert > 0 and self.expert_gating == "softmax_weight",
@@ -401,7 +401,8 @@ class ModelConfig:
                  "gelu": self.ffn_act == "gelu", "embed_scale": self.embed_scale != 1.0,
                  "swa": bool(self.sliding_window and self.local_layers),
                  "attn_softcap": self.attn_softcap > 0, "final_softcap": self.final_softcap > 0,
-                 "deltanet": bool(self.recurrent_layers), "attn_gate": self.attn_output_gate}
+                 "deltanet": bool(self.recurrent_layers), "attn_gate": self.attn_output_gate,
+                 "longrope": self.rope_scaling.longrope_ctx > 0}
         return frozenset(name for name, on in flags.items() if on)
 
     def is_recurrent(self, layer: int) -> bool:

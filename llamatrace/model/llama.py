@@ -382,7 +382,7 @@ class Llama:
                     kv_dim=c.kv_dim, n_rep=c.n_rep, max_seq=max_seq, n_expert=c.n_expert,
                     n_expert_used=c.n_expert_used, expert_hidden_dim=c.expert_hidden_dim,
                     ssm_n_k_heads=c.ssm_n_k_heads, ssm_n_v_heads=c.ssm_n_v_heads, ssm_head_dim=c.ssm_head_dim,
-                    ssm_conv_dim=c.ssm_conv_dim, ssm_v_dim=c.ssm_v_dim)
+                    ssm_conv_dim=c.ssm_conv_dim, ssm_v_dim=c.ssm_v_dim, longrope_ctx=c.rope_scaling.longrope_ctx)
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens, start_pos: int, cache: KVCache, recorder: Recorder | None = None,

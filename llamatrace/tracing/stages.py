@@ -96,7 +96,16 @@ STAGES: tuple[Stage, ...] = (
           "model, the global layers' scaled angles and magnitude (linear, YaRN).",
           lines=("Calling precomputeFreqsCis for positions [{start_pos}:{end_pos}] -> tensor freqsCis shape({out})",),
           llama_cpp_note="no tensor: ggml_rope_ext computes the angles from inp_pos inside the RoPE op",
-          replaceable=False),
+          replaceable=False,
+          variants=(("longrope", (
+              ("description", "Rotary frequencies e^(i·pos·θ_j/f_j) for this chunk's positions (complex64), each "
+                              "pair's angle divided by its LongRoPE factor f_j: the long factors when the context "
+                              "(the KV cache's positions) is above the original context, else the short ones, "
+                              "as llama.cpp chooses them; cos and sin times the attention factor."),
+              ("lines", ("Calling precomputeFreqsCis for positions [{start_pos}:{end_pos}] with LongRoPE's factors "
+                         "for a context of {max_seq} (the long ones above {longrope_ctx}, else the short ones) -> "
+                         "tensor freqsCis shape({out})",)),
+          )),)),
     Stage("kq_mask", "model", "Causal mask", "mask", "14.3", 5, "attn_inp_kq_mask", None, "input",
           "[seq_len, kv_len]",
           "Additive causal mask: -inf where a query would see a later position (prefill only).",

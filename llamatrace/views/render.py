@@ -101,7 +101,8 @@ class LineFormatter:
         end_pos = event.start_pos + event.seq_len
         scalars = {"layer": event.layer, "layer1": None if event.layer is None else event.layer + 1,
                    "n_layers": self.n_layers, "start_pos": event.start_pos, "end_pos": end_pos,
-                   "seq_len": event.seq_len, "n_rep": dims["n_rep"]}
+                   "seq_len": event.seq_len, "n_rep": dims["n_rep"], "max_seq": dims.get("max_seq"),
+                   "longrope_ctx": dims.get("longrope_ctx")}
 
         def field(m: re.Match) -> str:
             name = m.group(1)
