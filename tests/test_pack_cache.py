@@ -411,8 +411,9 @@ def test_a_disk_without_room_skips_the_cache_with_one_warning_line(packed, kquan
 # ---- what is refused is never packed ----------------------------------------------------------------
 @pytest.mark.parametrize("bad_rope, named", [
     (dict(extra_kv={"llama.rope.scaling.type": "dynamic"}), "llama.rope.scaling.type"),     # the type key
-    (dict(extra_tensors={"rope_factors_long.weight": np.ones(3), "rope_factors_short.weight": np.ones(3)}),
-     "'rope_factors_short.weight' holds 3 values"),                                      # LongRoPE's factors
+    (dict(extra_kv={"llama.rope.scaling.type": "longrope"},                               # LongRoPE's factors
+          extra_tensors={"rope_factors_long.weight": np.ones(3), "rope_factors_short.weight": np.ones(3)}),
+     "'rope_factors_short.weight' holds 3 values"),
 ])
 def test_bad_rope_scaling_is_refused_before_anything_is_cached(bad_rope, named, packed, tmp_path, capsys):
     # refused from the metadata and the factor tensors, before the weights (gigabytes for a real
