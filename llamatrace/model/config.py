@@ -69,6 +69,10 @@ class Architecture:
         attn_out_bias: ``attn_output.bias`` added after the output projection.
         optional_out_bias: ``attn_output.bias`` is added when the file has it in every layer
             (llama.cpp's ``llama`` graph: ``wo_b``, not required).
+        longrope_factors: when the graph reads LongRoPE's ``rope_factors_long/short.weight``
+            (llama.cpp ``get_rope_factors``): ``"always"`` (``phi3``), ``"with_type"`` (``llama``:
+            only with ``rope.scaling.type = longrope``, else it refuses a file holding them), or
+            ``""``: never (such tensors are refused).
         moe_bias: biases on the router (``ffn_gate_inp.bias``) and the experts
             (``ffn_{gate,up,down}_exps.bias``), added after each product.
         expert_act: the experts' gated activation, ``"silu"`` (SwiGLU) or ``"swiglu_oai"`` (gpt-oss's
@@ -109,6 +113,7 @@ class Architecture:
     attn_sinks: bool = False
     attn_out_bias: bool = False
     optional_out_bias: bool = False
+    longrope_factors: str = ""
     moe_bias: bool = False
     expert_act: str = "silu"
     deltanet: bool = False
@@ -120,11 +125,13 @@ class Architecture:
 # One row per family; llama.cpp's src/models/<arch>.cpp is the reference for each.
 ARCHITECTURES: dict[str, Architecture] = {
     # Mixtral, when the file has experts; llama.cpp's graphs fix the gating of llama, qwen3moe, olmoe
-    "llama": Architecture(expert_weights_norm=True, expert_gating="softmax", optional_out_bias=True),
+    "llama": Architecture(expert_weights_norm=True, expert_gating="softmax", optional_out_bias=True,
+                          longrope_factors="with_type"),
     "qwen2": Architecture(rope_neox=True, qkv_bias=True),
     "qwen3": Architecture(rope_neox=True, qk_norm=True),
     # llama.cpp ignores phi3's attention.sliding_window ("Phi SWA is currently disabled"), so do we
-    "phi3": Architecture(rope_neox=True, fused_qkv=True, fused_gate_up=True, llamacpp_scales_q=True),
+    "phi3": Architecture(rope_neox=True, fused_qkv=True, fused_gate_up=True, llamacpp_scales_q=True,
+                         longrope_factors="always"),
     "gemma2": Architecture(rope_neox=True, post_norms=True, gelu=True, embed_scale=True, swa_pattern=2,
                            swa_default=4096, attn_softcap=50.0, final_softcap=30.0, wide_query_scale_layers=46,
                            llamacpp_scales_q=True),
@@ -162,11 +169,6 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 """The ``{arch}.rope.scaling.type`` values llamatrace runs (llama.cpp's). ``longrope`` scales as
 ``linear`` does (llama.cpp's ``ext_factor`` is 0 for it); what makes a file LongRoPE is its
 ``rope_factors_long/short`` tensors (:attr:`RopeScaling.longrope_ctx`)."""
-
-LONGROPE_ARCHS = ("llama", "phi3")
-"""The architectures whose llama.cpp 0.3.36 graph reads ``rope_factors_long/short.weight``
-(``get_rope_factors``): ``phi3`` always, ``llama`` when ``llama.rope.scaling.type`` is ``longrope``
-(else it reads ``rope_freqs`` and refuses a file with the factors). Elsewhere they are refused."""
 
 
 @dataclass(frozen=True)
@@ -820,18 +822,21 @@ LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 def _longrope(meta: Mapping[str, Any], c: ModelConfig, tensor: str, source: str) -> RopeScaling | None:
     """``c.rope_scaling`` with LongRoPE's factors: ``longrope_ctx`` is llama.cpp's
     ``n_ctx_orig_yarn`` (``{arch}.rope.scaling.original_context_length``, else ``context_length``).
-    None for a ``llama`` file whose scaling type is not ``longrope``: its graph does not read the
+    None for a file whose family reads them only with the type key (:attr:`Architecture.longrope_factors`
+    ``"with_type"``: ``llama``) and whose scaling type is not ``longrope``: its graph does not read the
     factors then, and the loader refuses them as tensors it never reads (llama.cpp refuses the file).
 
     Raises:
         UnsupportedModelError: the architecture's llama.cpp graph does not read the factors.
         ModelFormatError: the original context length is not a positive integer.
     """
-    if c.arch not in LONGROPE_ARCHS:
+    reads = ARCHITECTURES[c.arch].longrope_factors
+    if not reads:
+        readers = [arch for arch, spec in ARCHITECTURES.items() if spec.longrope_factors]
         raise UnsupportedModelError(f"{source}: tensor {tensor!r} (LongRoPE factors) is read in llama.cpp's "
-                                    f"{' and '.join(LONGROPE_ARCHS)} graphs only, not in {c.arch}'s; "
+                                    f"{' and '.join(readers)} graphs only, not in {c.arch}'s; "
                                     f"re-convert the file without it")
-    if c.arch == "llama" and meta.get("llama.rope.scaling.type") != "longrope":
+    if reads == "with_type" and meta.get(f"{c.arch}.rope.scaling.type") != "longrope":
         return None
     key = f"{c.arch}.rope.scaling.original_context_length"
     n_ctx_orig = meta.get(key, c.max_seq_len)
