@@ -139,7 +139,10 @@ def write_tiny_llama(path: str | Path, *, qtype: T = T.Q8_0, embd_type: T | None
     if chat_template is not None:
         w.add_chat_template(chat_template)
     for key, value in (extra_kv or {}).items():
-        w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        else:
+            w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
 
     def mat(n_out: int, n_in: int, scale: float) -> np.ndarray:
         return rng.normal(0, scale, size=(n_out, n_in))

@@ -18,6 +18,8 @@ from gguf_factory import write_tiny_llama
 from cli_helpers import assert_one_line_error, run
 
 from llamatrace.cli import main
+from llamatrace.errors import UnsupportedModelError
+from llamatrace.model.llama import Llama
 
 
 def test_debug_flag_shows_the_traceback(capsys, tmp_path):
@@ -84,6 +86,17 @@ def test_a_shard_of_a_split_gguf_says_to_merge_the_shards(capsys, tmp_path):
         code, out, err = run(capsys, *command, "-m", str(path))
         text = " ".join((out + err).split())
         assert code == exit_code and "shard 1 of 3 of a split GGUF" in text and "--merge" in text, text
+
+
+def test_a_bidirectional_file_is_refused_naming_the_key(capsys, tmp_path):
+    # llama.cpp reads {arch}.attention.causal for every architecture (the converter writes false for
+    # embedding models such as pplx-embed's Qwen3): a full mask, every token seeing the batch
+    path = write_tiny_llama(tmp_path / "embed.gguf", extra_kv={"llama.attention.causal": False})
+    with pytest.raises(UnsupportedModelError, match="attention.causal = false"):
+        Llama.load(path)
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"), "llama.attention.causal")
+    causal = write_tiny_llama(tmp_path / "causal.gguf", extra_kv={"llama.attention.causal": True})
+    assert Llama.load(causal).config.n_layers == 2
 
 
 def test_typed_control_token_text_stays_text(capsys, tiny_model_path):

@@ -14,18 +14,7 @@ from llamatrace.text.chat import render_chat
 from llamatrace.gguf.reader import open_gguf
 from llamatrace.errors import ModelFormatError, PromptError, UnsupportedModelError
 from llamatrace.text.tokenizer import StreamDecoder, Tokenizer, quoted
-from llamatrace.text.vocab import bytes_to_unicode
-
-B2U = bytes_to_unicode()
-CONTROLS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-# merges in GPT-2 byte-level text ('Ġ' is a space); "b c" outranks "a b" on purpose
-MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "Ġa n", "Ġan d", "Ġ Ġ", "b c", "a b", "1 2", "12 3", "4 5"]
-MERGES += ["Ċ Ċ"]
+from vocab_files import B2U, MERGES, write_vocab
 
 ROUND_TRIP = [
     "",
@@ -43,52 +32,6 @@ ROUND_TRIP = [
     "<|im_end|> typed by hand <|im_start|>",
     "ﬁ ligature, Ωmega, naïve café",
 ]
-
-
-def write_vocab(
-    path: Path,
-    *,
-    merges: list[str] = MERGES,
-    skip_bytes: tuple[int, ...] = (),
-    reverse_merged_ids: bool = False,
-    model: str = "gpt2",
-    pre: str | None = "smollm",
-    bos: int | None = 1,
-    eos: int | None = 2,
-    eot: int | None = None,
-    add_bos: bool | None = None,
-    template: str | None = CHATML,
-    user_defined: tuple[str, ...] = (),
-) -> Path:
-    """A GGUF file with only tokenizer metadata: 3 control tokens, the single bytes, one token per merge."""
-    singles = [B2U[b] for b in range(256) if b not in skip_bytes]
-    merged = [m.replace(" ", "") for m in merges]
-    if reverse_merged_ids:
-        merged.reverse()
-    tokens = [*CONTROLS, *singles, *merged, *user_defined]
-    types = [3] * len(CONTROLS) + [1] * (len(singles) + len(merged)) + [4] * len(user_defined)
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_tokenizer_model(model)
-    if pre is not None:
-        w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    if bos is not None:
-        w.add_bos_token_id(bos)
-    if eos is not None:
-        w.add_eos_token_id(eos)
-    if eot is not None:
-        w.add_eot_token_id(eot)
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    if template is not None:
-        w.add_chat_template(template)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def load(path: Path) -> Tokenizer:
@@ -187,6 +130,35 @@ def test_bos_follows_add_bos_unless_overridden(tmp_path: Path) -> None:
     assert tok.encode("hi", bos=False)[0] != 1
     off = load(write_vocab(tmp_path / "nb.gguf", add_bos=False))
     assert not off.add_bos and off.encode("hi", bos=True)[0] == 1
+
+
+def test_eos_follows_add_eos_as_llama_cpp_add_special(tmp_path: Path) -> None:
+    # llama-vocab.cpp's tokenize: with add_special, BOS first if add_bos and EOS last if add_eos
+    # (Qwen3-Embedding's files say add_eos_token = true); a piece of text (bos=False) gets neither
+    tok = load(write_vocab(tmp_path / "e.gguf", add_bos=True, add_eos=True))
+    plain = tok.encode("hi", bos=False)
+    assert tok.add_eos and tok.encode("hi") == [1, *plain, 2]
+    assert 2 not in plain and tok.encode("hi", bos=True, eos=False) == [1, *plain]
+    assert tok.encode("hi", bos=False, eos=True) == [*plain, 2]
+    assert tok.encode_chat([{"role": "user", "content": "hi"}])[-1] != 2   # the template's text, as HF
+    for absent in (None, False):
+        off = load(write_vocab(tmp_path / f"ne{absent}.gguf", add_bos=True, add_eos=absent))
+        assert not off.add_eos and off.encode("hi") == [1, *plain]
+
+
+SPECIAL_GOLDEN = Path(__file__).parent / "golden" / "special_tokens_llamacpp.json"
+
+
+@pytest.mark.parametrize("variant", sorted(json.loads(SPECIAL_GOLDEN.read_text())["variants"]))
+def test_special_tokens_match_llama_cpp(tmp_path: Path, variant: str) -> None:
+    # llama.cpp's own ids (tests/golden/make_special_tokens_golden.py) on the same tiny vocabularies:
+    # add_bos / add_eos as the file says and, without add_bos_token, BOS by the pre-tokenizer's name
+    # (the llama3 group and tekken; not dbrx or smaug-bpe, whose regex is llama3's)
+    golden = json.loads(SPECIAL_GOLDEN.read_text())
+    want = golden["variants"][variant]
+    tok = load(write_vocab(tmp_path / f"{variant}.gguf", **want["vocab"]))
+    assert [tok.encode(t) for t in golden["texts"]] == want["special"]
+    assert [tok.encode(t, bos=False) for t in golden["texts"]] == want["plain"]
 
 
 def test_stop_ids_cover_eos_eot_and_end_tokens(tmp_path: Path) -> None:

@@ -80,6 +80,7 @@ KEY_TYPES: dict[str, Expected] = {
     "{arch}.rope.scale_linear": FLOAT,
     "{arch}.rope.scaling.attn_factor": FLOAT,
     "{arch}.rope.scaling.original_context_length": INTEGER,
+    "{arch}.attention.causal": BOOL,
     "{arch}.attn_logit_softcapping": FLOAT,
     "{arch}.final_logit_softcapping": FLOAT,
     # gated DeltaNet layers (llamatrace.model.config._deltanet_fields; llama.cpp's qwen35 load_arch_hparams)
@@ -105,6 +106,7 @@ KEY_TYPES: dict[str, Expected] = {
     "tokenizer.ggml.eot_token_id": INTEGER,
     "tokenizer.ggml.eom_token_id": INTEGER,
     "tokenizer.ggml.add_bos_token": BOOL,
+    "tokenizer.ggml.add_eos_token": BOOL,
     "tokenizer.ggml.add_space_prefix": BOOL,
     "tokenizer.chat_template": STRING,
     # an importance matrix (llamatrace.quantize.imatrix.files)

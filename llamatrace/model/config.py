@@ -517,7 +517,7 @@ class ModelConfig:
 
         Raises:
             UnsupportedModelError: a shard of a split GGUF (``split.count`` > 1); the architecture
-                is not one of :data:`ARCHITECTURES`.
+                is not one of :data:`ARCHITECTURES`; ``{arch}.attention.causal`` is false.
             ModelFormatError: a required key is missing or a value is inconsistent; a rope base,
                 scaling factor or attention factor that is not a positive finite number; an
                 unknown rope scaling type.
@@ -534,6 +534,10 @@ class ModelConfig:
                 f"{source}: architecture {shown(arch)} is not supported (llamatrace runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)})")
         spec = ARCHITECTURES[arch]
+        if meta.get(f"{arch}.attention.causal", True) is False:   # llama.cpp: cparams.causal_attn, a full mask
+            raise UnsupportedModelError(
+                f"{source}: metadata {arch}.attention.causal = false: a bidirectional (embedding) model, every "
+                f"token seeing the whole batch; llamatrace runs causal language models")
 
         def need(key: str) -> Any:
             full = f"{arch}.{key}"

@@ -141,6 +141,10 @@ PRE_ALIASES: dict[str, str] = {
     "gpt-4o": "o200k", "tekken": "tekken",
 }  # fmt: skip
 
+# tokenizer.ggml.pre values for which llama.cpp adds BOS when the file has no add_bos_token (llama-vocab.cpp:
+# the llama3 group and tekken; not dbrx or smaug-bpe, whose regex is llama3's)
+ADD_BOS_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})
+
 # Texts of tokens that end generation: llama.cpp's list (llama-vocab.cpp, llama_vocab::impl::load)
 # plus DeepSeek Coder's "<|EOT|>". As in llama.cpp, a token with such a text stops generation whatever
 # its type, and a user-defined one becomes a control token, which user text cannot produce (Gemma's
@@ -168,6 +172,7 @@ class Tokenizer:
     bos_id: int | None
     eos_id: int | None
     add_bos: bool
+    add_eos: bool  # llama.cpp's add_special appends EOS (Qwen3-Embedding's files say so)
     add_space_prefix: bool  # SentencePiece: a space before the text (and after a control token)
     stop_ids: frozenset[int]
     chat_template: str | None
@@ -188,6 +193,7 @@ class Tokenizer:
         eot_id: int | None = None,
         eom_id: int | None = None,
         add_bos: bool | None = None,
+        add_eos: bool | None = None,
         chat_template: str | None = None,
         path: str = "",
         vocab: tuple | None = None,
@@ -232,9 +238,10 @@ class Tokenizer:
         self.missing_bytes = bytes(b for b in range(256) if bytes([b]) not in ranks)
         self._warned_missing = False
 
-        if add_bos is None:  # llama.cpp's default when the file does not say
-            add_bos = kind == "spm" or self.pre in ("llama3", "tekken")
+        if add_bos is None:  # llama.cpp's default when the file does not say: by the pre-tokenizer's name
+            add_bos = kind == "spm" or pre in ADD_BOS_PRE
         self.add_bos = bool(add_bos) and self.bos_id is not None
+        self.add_eos = bool(add_eos) and self.eos_id is not None   # llama.cpp: false when absent
 
         stops = {self._valid_id(eot_id, "tokenizer.ggml.eot_token_id"),
                  self._valid_id(eom_id, "tokenizer.ggml.eom_token_id"), self.eos_id}
@@ -352,6 +359,7 @@ class Tokenizer:
             eot_id=_field(reader, "tokenizer.ggml.eot_token_id"),
             eom_id=_field(reader, "tokenizer.ggml.eom_token_id"),
             add_bos=_field(reader, "tokenizer.ggml.add_bos_token"),
+            add_eos=_field(reader, "tokenizer.ggml.add_eos_token"),
             chat_template=_field(reader, "tokenizer.chat_template"),
             path=path,
             vocab=vocab,
@@ -362,14 +370,18 @@ class Tokenizer:
 
     # ---- encoding ----
 
-    def encode(self, text: str, bos: bool | None = None) -> list[int]:
-        """User text → ids. Control-token text ("<|im_end|>") stays plain text; ``bos`` defaults to ``add_bos``.
+    def encode(self, text: str, bos: bool | None = None, eos: bool | None = None) -> list[int]:
+        """User text → ids. Control-token text ("<|im_end|>") stays plain text. ``bos`` defaults to
+        ``add_bos``, ``eos`` to ``add_eos`` unless ``bos`` is False (a piece of a longer text): the
+        defaults add what llama.cpp's ``add_special`` adds.
 
         Raises:
             TypeError: ``text`` is not a str."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
         ids = [self.bos_id] if (self.add_bos if bos is None else bos) and self.bos_id is not None else []
+        if eos is None:
+            eos = self.add_eos and bos is not False
         after_special = True  # SentencePiece prefixes a space to text at the start or after a control token
         for segment in self._segments(text, self._user_special_re):
             if isinstance(segment, list):
@@ -377,6 +389,8 @@ class Tokenizer:
             else:
                 ids.extend(self._encode_ordinary(segment, after_special))
             after_special = isinstance(segment, list)
+        if eos and self.eos_id is not None:
+            ids.append(self.eos_id)
         return ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -529,7 +543,7 @@ class Tokenizer:
         return (
             f"Tokenizer(n_vocab={self.n_vocab}, kind={self.kind!r}, pre={self.pre!r}, "
             f"bos_id={self.bos_id}, eos_id={self.eos_id}, "
-            f"add_bos={self.add_bos}, stop_ids={sorted(self.stop_ids)})"
+            f"add_bos={self.add_bos}, add_eos={self.add_eos}, stop_ids={sorted(self.stop_ids)})"
         )
 
 
