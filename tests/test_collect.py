@@ -292,6 +292,16 @@ def test_a_corpus_that_cannot_be_read(tmp_path, capsys):
         assert not (tmp_path / "a").exists()
 
 
+def test_options_that_would_be_ignored_or_misread_are_refused(tmp_path, capsys):
+    # -o - made a directory named "-"; --text-field without --jsonl was ignored (exit 0)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(WORDS) + "\n")
+    assert_one_line_error(*run(capsys, "collect", "-f", corpus, *HOOKS, "-o", "-"), "-o -", "directory")
+    assert_one_line_error(*run(capsys, "collect", "-f", corpus, *HOOKS, "--text-field", "body", "-o", tmp_path / "a"),
+                          "--text-field 'body'", "--jsonl")
+    assert not (tmp_path / "a").exists()
+
+
 def test_jsonl_input(tmp_path, capsys, smollm2):
     lines = [json.dumps({"text": " ".join(WORDS[i:i + 60]), "id": i}) for i in range(0, 120, 3)]
     (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")

@@ -205,6 +205,11 @@ def test_bad_settings_are_one_error_line(capsys, tmp_path, tiny_model_path, smol
                                    "--save-base", saved], "does not exist")
     assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "-c", "32", "--ray", "127.0.0.1:1"],
                           "cannot reach")
+    for missing in (tmp_path / "nofile.gguf", tmp_path):      # --base's own name, no "omit --model" advice
+        code, out, err = run(capsys, "perplexity", "-f", CORPUS, "--model", tiny_model_path, "-c", "32",
+                             "--base", missing)
+        assert_one_line_error(code, out, err, "--base:")
+        assert "--model" not in err
     (tmp_path / "junk.base").write_bytes(b"_logits_" + b"\x01" * 30)
     assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "-c", "32", "--base",
                                    tmp_path / "junk.base"], "truncated")

@@ -288,6 +288,7 @@ def test_cli_writes_the_recipe_and_reports_it(tiny_base, tmp_path, capsys):
     (["--target-bpw", "6"], "-f TEXT"),
     (["-f", CORPUS], "--target-bpw"),
     (["--verify-file", CORPUS, "--type", "Q8_0"], "-f TEXT"),
+    (["-f", CORPUS, "--target-bpw", "6", "--verify-file", "no-such.txt"], "--verify-file 'no-such.txt'"),
     (["-f", CORPUS, "--target-bpw", "6", "--candidates", "Q4_Z"], "Q4_Z"),
     (["-f", CORPUS, "--target-bpw", "2", "--ctx-size", "32", "--candidates", "Q4_0"], "below the smallest file"),
     (["-f", CORPUS, "--target-bpw", "6", "--workers", "0"], "--workers"),

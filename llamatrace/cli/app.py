@@ -382,7 +382,11 @@ def _run_app(argv: list[str]) -> int:
         if code == EXIT_INTERRUPTED and not _state["interrupt_reported"]:
             err.print("interrupted")
         return code
-    except typer.Abort:
+    except typer.Abort as exc:
+        if isinstance(exc.__cause__, EOFError):  # click turns an EOFError into Abort: no Ctrl-C came
+            cause = exc.__cause__
+            _report(cause, f"internal error: EOFError: {cause} — please report it with --debug output", EXIT_INTERNAL)
+            return EXIT_INTERNAL
         err.print("interrupted")
         return EXIT_INTERRUPTED
     except _UsageError as exc:                   # bad option, missing argument, no command...

@@ -7,7 +7,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Annotated, List
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -36,7 +36,8 @@ def collect(
                                        help="Type of the stored activations.")] = "float32",
     jsonl: Annotated[bool, typer.Option("--jsonl", metavar="", help="The corpus is JSON lines; the text "
                                         "is in --text-field.")] = False,
-    text_field: Annotated[str, typer.Option("--text-field", help="The text's field with --jsonl.")] = "text",
+    text_field: Annotated[Optional[str], typer.Option("--text-field", help="The text's field with --jsonl "
+                                                     "[default: text]", show_default=False)] = None,
     shard_mb: Annotated[float, typer.Option("--shard-mb", help="Approximate size of one shard, in MB.")] = 256.0,
     activations: RunActivationsOpt = None,
     workers: WorkersOpt = 1,
@@ -80,6 +81,11 @@ def collect(
     if str(text_file) == "-":
         raise OptionError("-f -: collect reads its corpus from a file, not standard input (a resumed run "
                           "checks it and reads it again); save the text to a file")
+    if str(output) == "-":
+        raise OptionError("-o -: collect writes a directory of Parquet shards, not standard output; give a "
+                          "directory's path")
+    if text_field is not None and not jsonl:
+        raise OptionError(f"--text-field {text_field!r} names a field of JSON lines: add --jsonl")
     if dtype not in DTYPES:
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if ctx_size < 2:
@@ -102,7 +108,7 @@ def collect(
     # on Ray, an actor's threads are what it reserves (--threads, else 1): the driver's cores say nothing of a node's
     spec = ModelSpec(str(path), activations,
                      threads if here or ray is not None else threads_per_worker(workers, threads))
-    c = Collection(spec, sha256_file(path), text_file, hooks, Packing.for_tokenizer(tokenizer, ctx_size, jsonl, text_field),
+    c = Collection(spec, sha256_file(path), text_file, hooks, Packing.for_tokenizer(tokenizer, ctx_size, jsonl, text_field or "text"),
                    dtype, shard_mb, output, workers, ray)
     t0 = time.perf_counter()
     tokens = prepare(c)

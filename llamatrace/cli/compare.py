@@ -239,16 +239,21 @@ def _load_npz(path: Path) -> dict:
         with open(path, "rb") as file:             # np.load would read another file as a pickle or an .npy
             if not zipfile.is_zipfile(file):
                 raise OptionError(f"{path}: not an .npz (zip) archive of arrays; {make}")
+            file.seek(0)                           # is_zipfile leaves it at the end: np.load would read nothing
             with np.load(file, allow_pickle=False) as data:
-                return {k: data[k] for k in data.files}
+                arrays = {k: data[k] for k in data.files}
     except FileNotFoundError:
         raise OptionError(f"{path}: no such file ({make})") from None
     except IsADirectoryError:
         raise OptionError(f"{path} is a directory: give a recording of `llamatrace trace --npz`") from None
     except PermissionError as exc:
         raise OptionError(f"{path}: cannot read it ({exc.strerror})") from None
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise OptionError(f"{path}: not a readable .npz file ({exc})") from None
+    from llamatrace.analysis.compare import META_KEY
+    if not set(arrays) - {META_KEY}:                # nothing to compare: "no divergence" would mean nothing
+        raise OptionError(f"{path}: holds no stage's array; {make}")
+    return arrays
 
 
 def _npz_selection(spec: str, patterns: list[str] | None, paths: list[str], *recordings: dict) -> list[int] | None:

@@ -166,6 +166,8 @@ def read_prompt(prompt: str | None, prompt_file: Path | None, default: str | Non
     if prompt is not None and prompt_file is not None:
         raise OptionError("give either a PROMPT argument or --prompt-file, not both")
     if prompt_file is not None:
+        if str(prompt_file) == "-" and sys.stdin is None:
+            raise OptionError("--prompt-file -: standard input is closed; pipe the text in or give a file's path")
         try:
             data = sys.stdin.buffer.read() if str(prompt_file) == "-" else prompt_file.read_bytes()
         except OSError as exc:

@@ -422,7 +422,7 @@ def _search(base: Path, output: Path, type_name, imatrix, text_file: Path, targe
     S.Measurements.read(where)             # a file there that is no measurements: refused before the work
     remove_leftovers(output, plot)
     text = read_corpus(text_file)
-    held_out = read_corpus(verify_file) if verify_file is not None else None
+    held_out = read_corpus(verify_file, "--verify-file") if verify_file is not None else None
     ftype = stock_type or file_type("Q4_K_M")
     with open_gguf(base) as f:         # what the writer would refuse after the measuring, refused now
         weights, info = _read_imatrix(imatrix, f) if imatrix is not None else (None, None)

@@ -37,26 +37,29 @@ def read_header(model_path: Path):
         return Tokenizer.from_reader(f, path=str(model_path)), ModelConfig.from_gguf(f)
 
 
-def read_corpus(path: Path) -> str:
+def read_corpus(path: Path, option: str = "-f") -> str:
     """The UTF-8 text of ``path``; ``-`` is standard input (read whole, as ``generate -f -``).
+    ``option`` names where the path came from in errors.
 
     Raises:
         OptionError: the file is missing or unreadable.
         PromptError: it is empty (or only whitespace), or binary (a NUL byte, or not UTF-8).
     """
+    if str(path) == "-" and sys.stdin is None:
+        raise OptionError(f"{option} -: standard input is closed; pipe the text in or give a file's path")
     try:
         data = sys.stdin.buffer.read() if str(path) == "-" else Path(path).read_bytes()
     except OSError as exc:
-        raise OptionError(f"-f {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
+        raise OptionError(f"{option} {str(path)!r}: cannot read it ({exc.strerror or exc})") from None
     if b"\x00" in data:
-        raise PromptError(f"-f {str(path)!r} is a binary file (it contains NUL bytes): give a text file")
+        raise PromptError(f"{option} {str(path)!r} is a binary file (it contains NUL bytes): give a text file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise PromptError(f"-f {str(path)!r} is not UTF-8 text (invalid byte at offset {exc.start}): "
+        raise PromptError(f"{option} {str(path)!r} is not UTF-8 text (invalid byte at offset {exc.start}): "
                           f"give a UTF-8 text file") from None
     if not text.strip():
-        raise PromptError(f"-f {str(path)!r} is empty: give a text file with some text in it")
+        raise PromptError(f"{option} {str(path)!r} is empty: give a text file with some text in it")
     return text
 
 

@@ -126,7 +126,7 @@ def execute(run: CorpusRun, model=None, progress: Progress = _no_progress) -> Ru
         if run.base_is_file:
             base_file = basefile.BaseFile(run.base)
         elif run.base is not None:
-            base_spec = ModelSpec(str(resolve_model(run.base)), run.model.activations, run.model.threads)
+            base_spec = ModelSpec(str(resolve_model(run.base, option="--base")), run.model.activations, run.model.threads)
             if run.stages:
                 check_same_shape(base_spec.path, run.model.path)      # before tokenizing the base's text
                 other, other_vocab = corpus.read_chunks(Path(base_spec.path), run.text, run.ctx_size, run.max_chunks)

@@ -129,20 +129,25 @@ def cached_model(model: KnownModel | None = None) -> Path | None:
 
 
 def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
-                  log: Callable[[str], None] = lambda msg: None, quiet: bool = False) -> Path:
+                  log: Callable[[str], None] = lambda msg: None, quiet: bool = False,
+                  option: str = "--model") -> Path:
     """Return the model path to use.
 
     Order: ``model`` argument → ``$LLAMATRACE_MODEL`` → installed/cached default model → fetch it
     (only if ``fetch``; ``log`` and ``quiet`` as :func:`pull`). Either of the first two may be a path or, when no such file exists, the
     name of a known model (:data:`KNOWN_MODELS`, e.g. ``gemma3-270m``), which is taken from the
-    cache or fetched like the default. No network access happens when a path is given.
+    cache or fetched like the default. No network access happens when a path is given. ``option``
+    names the option ``model`` came from in errors (``--base``: then neither the environment nor
+    the default stands in for it).
 
     Raises:
         ModelNotFoundError: a given path does not exist (and is no known name), or a model
             cannot be fetched.
     """
-    for given, origin, default_hint in ((model, "--model", "omit --model"),
-                                        (os.environ.get(ENV_MODEL) or None, ENV_MODEL, f"unset {ENV_MODEL}")):
+    hint = " or omit --model to use the default model" if option == "--model" else ""
+    for given, origin, default_hint in ((model, option, hint),
+                                        (os.environ.get(ENV_MODEL) or None, ENV_MODEL,
+                                         f" or unset {ENV_MODEL} to use the default model")):
         if given:
             path = Path(given).expanduser()
             if not path.exists() and str(given) in KNOWN_MODELS:
@@ -151,8 +156,8 @@ def resolve_model(model: str | os.PathLike[str] | None, *, fetch: bool = True,
                 return installed or _cached_or_pulled(known, fetch=fetch, log=log, quiet=quiet)
             if not path.exists():
                 raise ModelNotFoundError(f"{origin}: model file {str(path)!r} does not exist; "
-                                         f"give the path of a .gguf file, a known model's name "
-                                         f"({', '.join(KNOWN_MODELS)}), or {default_hint} to use the default model")
+                                         f"give the path of a .gguf file{',' if default_hint else ' or'} a known "
+                                         f"model's name ({', '.join(KNOWN_MODELS)}){default_hint}")
             if path.is_dir():
                 raise ModelNotFoundError(f"{origin}: {str(path)!r} is a directory; give the path of a .gguf file")
             return path
