@@ -241,6 +241,10 @@ def test_npz_mode_errors(capsys, tmp_path):
     code, out, err = run(capsys, "compare", str(tmp_path / "one.npz"), str(tmp_path / "ok.npz"))
     assert_one_line_error(code, out, err, "one.npz", "not an .npz (zip) archive")
     assert "pickle" not in err
+    np.savez(tmp_path / "empty.npz")          # np.load's EOFError was click's Abort: "interrupted", exit 130
+    for pair in (("empty.npz", "ok.npz"), ("empty.npz", "empty.npz")):   # two empties: "no divergence" in 0 stages
+        assert_one_line_error(*run(capsys, "compare", *(str(tmp_path / p) for p in pair)), "empty.npz",
+                              "no stage's array")
     (tmp_path / "dir.npz").mkdir()
     assert_one_line_error(*run(capsys, "compare", str(tmp_path / "ok.npz"), str(tmp_path / "dir.npz")), "dir.npz",
                           "is a directory")

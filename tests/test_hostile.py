@@ -99,6 +99,22 @@ def test_a_bidirectional_file_is_refused_naming_the_key(capsys, tmp_path):
     assert Llama.load(causal).config.n_layers == 2
 
 
+@pytest.mark.parametrize("command", [["generate", "-n", "1", "-f", "-"], ["perplexity", "-c", "32", "-f", "-"]])
+def test_a_closed_stdin_is_one_line(capsys, monkeypatch, tiny_model_path, command):
+    # `llamatrace generate -f - <&-`: Python's sys.stdin is None ("internal error: AttributeError", exit 1)
+    monkeypatch.setattr(sys, "stdin", None)
+    assert_one_line_error(*run(capsys, *command, "-m", str(tiny_model_path)), "standard input is closed")
+
+
+@pytest.mark.parametrize("key, value, field", [("llama.block_count", 0, "n_layers"),
+                                               ("llama.attention.head_count_kv", 3, "n_kv_heads")])
+def test_a_config_the_checks_refuse_names_the_file_and_key(capsys, tmp_path, key, value, field):
+    # was "model config: n_layers must be a positive integer, got 0": no file, no key, no advice
+    path = write_tiny_llama(tmp_path / "damaged.gguf", extra_kv={key: value})
+    assert_one_line_error(*run(capsys, "generate", "-m", path, "--raw", "hi", "-n", "1"),
+                          "damaged.gguf:", field, "(metadata ", key, "re-download")
+
+
 def test_typed_control_token_text_stays_text(capsys, tiny_model_path):
     code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", str(tiny_model_path), "<|im_end|>")
     ids = json.loads(out)["prompt_ids"]

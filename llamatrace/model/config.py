@@ -10,6 +10,7 @@ the config and never the architecture's name. The values and defaults are llama.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
@@ -599,45 +600,59 @@ class ModelConfig:
         moe = _experts(meta, arch, spec, as_int, hidden_dim, source)
         wide = spec.wide_query_scale_layers and n_layers == spec.wide_query_scale_layers
         deltanet = _deltanet_fields(meta, arch, n_blocks, n_layers, as_int, source) if spec.deltanet else {}
-        return cls(
-            dim=dim,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            n_kv_heads=n_kv_heads,
-            head_dim=head_dim,
-            hidden_dim=hidden_dim,
-            vocab_size=int(vocab_size),
-            norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            rope_theta=rope_theta,
-            rope_dim=as_int("rope.dimension_count", meta.get(f"{arch}.rope.dimension_count", head_dim)),
-            max_seq_len=max_seq_len,
-            arch=arch,
-            rope_neox=spec.rope_neox,
-            qkv_bias=spec.qkv_bias,
-            qk_norm=spec.qk_norm,
-            post_norms=spec.post_norms,
-            fused_qkv=spec.fused_qkv,
-            fused_gate_up=spec.fused_gate_up,
-            ffn_act="gelu" if spec.gelu else "silu",
-            # float32 √dim, as llama.cpp's ggml_scale(inpL, sqrtf(n_embd))
-            embed_scale=float(np.float32(math.sqrt(dim))) if spec.embed_scale else 1.0,
-            attn_scale=(1.0 / math.sqrt(dim / n_heads)) if wide else 0.0,
-            sliding_window=window,
-            local_layers=local,
-            rope_theta_local=rope_local if local else 0.0,
-            rope_scaling=scaling,
-            attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", spec.attn_softcap)) if spec.attn_softcap else 0.0,
-            final_softcap=(0.0 if spec.final_softcap is None
-                           else float(meta.get(f"{arch}.final_logit_softcapping", spec.final_softcap))),
-            qk_norm_flat=spec.qk_norm_flat,
-            attn_sinks=spec.attn_sinks,
-            attn_out_bias=spec.attn_out_bias,
-            ffn_norm_post_attention=spec.ffn_norm_post_attention,
-            attn_output_gate=spec.attn_output_gate,
-            n_mtp_layers=n_mtp,
-            **moe,
-            **deltanet,
-        )
+        try:
+            return cls(
+                dim=dim,
+                n_layers=n_layers,
+                n_heads=n_heads,
+                n_kv_heads=n_kv_heads,
+                head_dim=head_dim,
+                hidden_dim=hidden_dim,
+                vocab_size=int(vocab_size),
+                norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+                rope_theta=rope_theta,
+                rope_dim=as_int("rope.dimension_count", meta.get(f"{arch}.rope.dimension_count", head_dim)),
+                max_seq_len=max_seq_len,
+                arch=arch,
+                rope_neox=spec.rope_neox,
+                qkv_bias=spec.qkv_bias,
+                qk_norm=spec.qk_norm,
+                post_norms=spec.post_norms,
+                fused_qkv=spec.fused_qkv,
+                fused_gate_up=spec.fused_gate_up,
+                ffn_act="gelu" if spec.gelu else "silu",
+                # float32 √dim, as llama.cpp's ggml_scale(inpL, sqrtf(n_embd))
+                embed_scale=float(np.float32(math.sqrt(dim))) if spec.embed_scale else 1.0,
+                attn_scale=(1.0 / math.sqrt(dim / n_heads)) if wide else 0.0,
+                sliding_window=window,
+                local_layers=local,
+                rope_theta_local=rope_local if local else 0.0,
+                rope_scaling=scaling,
+                attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping", spec.attn_softcap)) if spec.attn_softcap else 0.0,
+                final_softcap=(0.0 if spec.final_softcap is None
+                               else float(meta.get(f"{arch}.final_logit_softcapping", spec.final_softcap))),
+                qk_norm_flat=spec.qk_norm_flat,
+                attn_sinks=spec.attn_sinks,
+                attn_out_bias=spec.attn_out_bias,
+                ffn_norm_post_attention=spec.ffn_norm_post_attention,
+                attn_output_gate=spec.attn_output_gate,
+                n_mtp_layers=n_mtp,
+                **moe,
+                **deltanet,
+            )
+        except ModelFormatError as exc:              # the checks name fields: say which keys and file they came from
+            text = str(exc).removeprefix("model config: ")
+            keys = ", ".join(f"{arch}.{key}" for field, key in FIELD_KEYS.items() if re.search(rf"\b{field}\b", text))
+            raise ModelFormatError(f"{source}: {text}{f' (metadata {keys})' if keys else ''}; the file is damaged "
+                                   f"— re-convert or re-download it") from None
+
+
+FIELD_KEYS = {"dim": "embedding_length", "n_layers": "block_count", "n_heads": "attention.head_count",
+              "n_kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+              "hidden_dim": "feed_forward_length", "max_seq_len": "context_length",
+              "rope_dim": "rope.dimension_count", "norm_eps": "attention.layer_norm_rms_epsilon",
+              "n_expert": "expert_count", "n_expert_used": "expert_used_count"}
+"""A :class:`ModelConfig` field → the ``{arch}.`` metadata key it is read from (for errors)."""
 
 
 def _attention_tensors(names, c: ModelConfig, source: str) -> dict[str, bool]:
