@@ -108,6 +108,22 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def nan_model_path(tiny_model_path, tmp_path_factory) -> Path:
+    """:func:`tiny_model_path` with ``blk.0.attn_norm.weight`` all NaN (a damaged file: every output NaN)."""
+    import shutil
+
+    import gguf
+    import numpy as np
+    path = tmp_path_factory.mktemp("nan") / "tiny-nan.gguf"
+    shutil.copyfile(tiny_model_path, path)
+    (norm,) = [t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_norm.weight"]
+    with open(path, "r+b") as f:
+        f.seek(int(norm.data_offset))
+        f.write(np.full(int(norm.n_elements), np.nan, dtype=np.float32).tobytes())
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_path):
     from llamatrace.model.llama import Llama
     return Llama.load(tiny_model_path)

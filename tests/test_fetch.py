@@ -111,6 +111,7 @@ def test_unknown_name_or_missing_path_lists_the_known_names(capsys, monkeypatch,
     code, _, err = run(capsys, "pull", "gemma9-1t")
     line = one_error_line(err)
     assert code == 2 and "unknown model name 'gemma9-1t'" in line and "gemma3-270m" in line
+    assert "give its path to --model" in line and "path of a .gguf" not in line    # pull takes no path
 
 
 def test_pull_command_says_what_it_fetches_unless_quiet(monkeypatch, tmp_path, capsys):

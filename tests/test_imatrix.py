@@ -121,6 +121,14 @@ def test_bad_input_is_one_error_line_and_writes_nothing(capsys, tiny_model_path,
     assert list(tmp_path.iterdir()) == [tmp_path / "blank.txt"]
 
 
+def test_a_model_computing_nan_writes_no_imatrix(capsys, nan_model_path, tmp_path):
+    # was exit 0 with an all-NaN file, which quantize --imatrix then called damaged
+    out = tmp_path / "imatrix.gguf"
+    assert_one_line_error(*run(capsys, "imatrix", "-f", CORPUS, "--model", nan_model_path, "-o", out, "-c", "32"),
+                          "NaN or inf", "tiny-nan.gguf", "--check-finite", "nothing was written")
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
 def test_an_output_that_is_the_model_from_the_environment_is_refused_before_the_run(capsys, tiny_model_path, tmp_path,
                                                                                   monkeypatch):
     from llamatrace.quantize.imatrix import compute

@@ -195,6 +195,13 @@ def test_bad_text_files_are_one_error_line(capsys, tmp_path, tiny_model_path):
     assert_one_error_line(capsys, ["-f", tmp_path / "short.txt", *model], "at least 64")
 
 
+def test_a_model_computing_nan_exits_with_one_line(capsys, nan_model_path):
+    # was "PPL = nan" and exit 0
+    code, out, err = run(capsys, "perplexity", "-f", CORPUS, "--model", nan_model_path, "-c", "32", "--chunks", "2")
+    assert "PPL = nan" in out
+    assert_one_line_error(code, "", err, "PPL is nan", "tiny-nan.gguf", "--check-finite")
+
+
 def test_bad_settings_are_one_error_line(capsys, tmp_path, tiny_model_path, smollm2_path):
     assert_one_error_line(capsys, ["-f", CORPUS, "--model", tiny_model_path, "-c", "128"], "context length 64")
     assert_one_error_line(capsys, ["-f", CORPUS, "--model", smollm2_path, "--base", tiny_model_path, "-c", "32"],

@@ -258,8 +258,9 @@ def test_bench_background_load(capsys, tiny_model_path, monkeypatch):
     report = json.loads(out)
     assert report["background_load"] == 1
     assert report["results"][0]["threading"].endswith(threads.AUTO_THREADS.describe())
-    assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--background-load", "-1"),
-                          "--background-load")
+    for n in ("-1", "999"):                      # 999 started 999 busy loops on 2 cores
+        assert_one_line_error(*run(capsys, "bench", "-m", str(tiny_model_path), "--background-load", n),
+                              "--background-load", n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -219,15 +219,16 @@ def run_bench(model_path: str | os.PathLike[str], *, against: list[str] = (), pr
     (``Machine.read_between_runs_gb_s``).
 
     Raises:
-        OptionError: a count below 1 (``background_load`` below 0), an unknown engine or activations mode.
+        OptionError: a count below 1 (``background_load`` below 0 or above the usable cores), an unknown engine or activations mode.
         PeerError: a peer is not installed, or its process failed (its last words are quoted).
     """
     from llamatrace.kernels.types.packing import check_activations
 
     if prompt_tokens < 1 or decode_tokens < 1 or repeats < 1:
         raise OptionError("--prompt-tokens, --decode-tokens and --repeats must be at least 1")
-    if background_load < 0:
-        raise OptionError(f"--background-load must be 0 or more busy loops, got {background_load}")
+    if not 0 <= background_load <= usable_cpus():     # more loops than cores would only starve the run
+        raise OptionError(f"--background-load must be 0 to {usable_cpus()} busy loops (the cores this process "
+                          f"may use), got {background_load}")
     modes = list(dict.fromkeys(check_activations(a) for a in (activations or ("f32",))))
     check_engines([a for a in against if a != "llamatrace"])
     engines = [engine_name(mode) for mode in modes] + [a for a in dict.fromkeys(against) if a != "llamatrace"]

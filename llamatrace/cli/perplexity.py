@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,7 @@ from llamatrace.cli.app import app, err, exit_interrupted, out, plural, stdout
 from llamatrace.cli.options import (ModelOpt, NoCacheOpt, RayOpt, RunActivationsOpt, WorkerThreadsOpt, WorkersOpt,
                                      check_activations, check_threads, default_activations, load_model, model_file, reads)
 from llamatrace.cli.progress import CountBar
-from llamatrace.errors import OptionError
+from llamatrace.errors import NumericalError, OptionError
 
 
 @app.command()
@@ -143,8 +144,12 @@ def perplexity(
         err.print(f"wrote {output}")
     stdout.flush()                  # a full disk behind stdout: its error line, not this summary
     c = result.chunks
+    if base is None and not math.isfinite(result.scores.ppl):
+        raise NumericalError(f"PPL is {result.scores.ppl}: {path.name} computes non-finite values (a damaged "
+                             f"weight?); find the first stage with `llamatrace trace --check-finite`")
+    ran = workers if ray else min(workers, c.n_chunk)             # the pool starts no more than one a chunk
     err.print(f"[dim]{plural(c.n_chunk, 'chunk')} of {plural(c.n_ctx, 'token')} in {result.seconds:.1f} s: "
-              f"{result.tokens_per_s:.0f} tokens/s ({workers} worker{'s' if workers > 1 else ''}"
+              f"{result.tokens_per_s:.0f} tokens/s ({ran} worker{'s' if ran > 1 else ''}"
               f"{' on Ray' if ray else ''}, {activations})[/]")
 
 

@@ -81,8 +81,8 @@ def known_model(name: str) -> KnownModel:
     try:
         return KNOWN_MODELS[name]
     except KeyError:
-        raise ModelNotFoundError(f"unknown model name {name!r}; known models: {', '.join(KNOWN_MODELS)} "
-                                 f"(or give the path of a .gguf file)") from None
+        raise ModelNotFoundError(f"unknown model name {name!r}; pull fetches one of {', '.join(KNOWN_MODELS)} "
+                                 f"(a .gguf file you have needs no pull: give its path to --model)") from None
 
 
 def cache_root() -> Path:

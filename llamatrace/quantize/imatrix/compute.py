@@ -50,6 +50,7 @@ import numpy as np
 from llamatrace.corpus.chunks import Chunks
 from llamatrace.corpus.runner import run_chunks
 from llamatrace.corpus.worker import ModelSpec
+from llamatrace.errors import NumericalError
 from llamatrace.quantize.imatrix.files import Entries, ImatrixMeta
 
 # stage whose output is the input of these weights (GGUF names within a block); ffn_down's is the
@@ -256,6 +257,7 @@ def compute(run: ImatrixRun, model=None, on_chunk: Callable[[int], None] | None 
 
     Raises:
         LlamatraceError: as :func:`prepare`; a worker's or the model's error.
+        NumericalError: a sum of squares is not finite (the model computes NaN or inf).
     """
     chunks, inputs = prepared if prepared is not None else prepare(run)
     keys = tuple(i.key for i in inputs)
@@ -272,6 +274,11 @@ def compute(run: ImatrixRun, model=None, on_chunk: Callable[[int], None] | None 
 
     run_chunks(run.model, chunks.n_chunk, lambda i: SquaresJob(chunks.chunk(i), keys, all_rows), sum_squares,
                add, run.workers, model, run.ray)
+    for inp, total in zip(inputs, totals):          # an all-NaN imatrix would be written, and refused by quantize
+        if not np.isfinite(total).all():
+            raise NumericalError(f"the inputs of {inp.weights[0]} summed to NaN or inf over the text: "
+                                 f"{Path(run.model.path).name} computes non-finite values (a damaged weight?); "
+                                 f"find the first stage with `llamatrace trace --check-finite`; nothing was written")
     entries = {name: (total.astype(np.float32) if inp.n_expert else total[0].astype(np.float32), count)
                for inp, total, count in zip(inputs, totals, counts) for name in inp.weights}
     return ImatrixResult(entries, ImatrixMeta([run.dataset], chunks.n_chunk, chunks.n_ctx), chunks)
