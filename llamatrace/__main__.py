@@ -5,6 +5,7 @@ NumPy, Numba) take seconds on a busy machine, and an interrupt there must end as
 later moment does, with ``interrupted`` and exit code 130, no traceback.
 """
 
+import os
 import signal
 import sys
 
@@ -16,8 +17,26 @@ def _fail(line: str) -> int:
     return EXIT_BAD_INPUT
 
 
+def _open_standard_streams() -> None:
+    # `llamatrace … 2>&-` (or >&-): /dev/null in the closed stream's place, before the first file
+    # opened takes its number and gets the stream's text, and writes fail with EBADF
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
+
+
 def main() -> int:
     """Run ``llamatrace`` with ``sys.argv``; returns the exit code (see :mod:`llamatrace.cli.app`)."""
+    _open_standard_streams()
     package = sys.modules.get(__package__ or "llamatrace")
     if getattr(package, "__file__", None) is None:
         # `llamatrace` resolved to a folder without __init__.py (a namespace package), such as a

@@ -115,6 +115,18 @@ def test_a_config_the_checks_refuse_names_the_file_and_key(capsys, tmp_path, key
                           "damaged.gguf:", field, "(metadata ", key, "re-download")
 
 
+@pytest.mark.parametrize("closed, args, code", [(2, ["generate", "--raw", "-n", "1", "hi"], 0),
+                                               (2, ["generate", "--raw", "-n", "1", "-m", "no-such.gguf", "hi"], 2),
+                                               (1, ["stages"], 0)])
+def test_a_closed_standard_stream_keeps_the_exit_code(tiny_model_path, closed, args, code):
+    # `llamatrace … 2>&-`: stderr's text went to EBADF (exit 1, "internal error"), or to the first file
+    # opened, which took fd 2; `stages >&-` was a RecursionError with a traceback
+    model = ["-m", str(tiny_model_path)] if "-m" not in args and args[0] != "stages" else []
+    proc = subprocess.run([sys.executable, "-m", "llamatrace", *args, *model], stdout=subprocess.PIPE,
+                          stdin=subprocess.DEVNULL, preexec_fn=lambda: os.close(closed), timeout=600)
+    assert proc.returncode == code
+
+
 def test_typed_control_token_text_stays_text(capsys, tiny_model_path):
     code, out, err = run(capsys, "generate", "--json", "--raw", "-n", "1", "-m", str(tiny_model_path), "<|im_end|>")
     ids = json.loads(out)["prompt_ids"]

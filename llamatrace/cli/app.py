@@ -288,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     # Pythons): text it cannot hold is escaped, not an internal error
     with contextlib.suppress(AttributeError, ValueError, OSError):
         sys.stdout.reconfigure(errors=JSON_ESCAPE)
+    for name in ("stdout", "stderr"):           # a stream Python found closed (`… >&-`, main(argv) from
+        if getattr(sys, name) is None:          # Python): its output goes nowhere, as after `| head`
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))
     code = _run(argv)
     if runtime.interrupted() and code != EXIT_INTERRUPTED:
         err.print("interrupted")
