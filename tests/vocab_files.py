@@ -52,18 +52,10 @@ def write_vocab(
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    if bos is not None:
-        w.add_bos_token_id(bos)
-    if eos is not None:
-        w.add_eos_token_id(eos)
-    if eot is not None:
-        w.add_eot_token_id(eot)
-    if add_bos is not None:
-        w.add_add_bos_token(add_bos)
-    if add_eos is not None:
-        w.add_add_eos_token(add_eos)
-    if template is not None:
-        w.add_chat_template(template)
+    for value, add in ((bos, w.add_bos_token_id), (eos, w.add_eos_token_id), (eot, w.add_eot_token_id),
+                       (add_bos, w.add_add_bos_token), (add_eos, w.add_add_eos_token), (template, w.add_chat_template)):
+        if value is not None:                        # an absent key: the reader's default
+            add(value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
